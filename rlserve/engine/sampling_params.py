@@ -1,0 +1,108 @@
+"""Per-request sampling parameters (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlserve.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions.
+
+    Attributes:
+        n: completions per prompt (>= 1).
+        temperature: 0 means greedy; must be >= 0.
+        top_p: nucleus probability mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` x the top probability; [0, 1].
+        repetition_penalty: > 0; 1 disables (CTRL paper's rule: divide positive logits,
+            multiply negative ones, for tokens seen in prompt or output).
+        presence_penalty / frequency_penalty: in [-2, 2], OpenAI's definitions, applied over
+            output tokens only.
+        seed: per-request seed; the same seed gives the same tokens whatever else is batched.
+        max_tokens: new tokens at most (>= 1); None means up to ``max_model_len``.
+        min_tokens: EOS and stop tokens are suppressed until this many were generated.
+        stop: stop strings (not included in the text unless ``include_stop_str_in_output``).
+        stop_token_ids: extra token ids that end the completion (included in token ids).
+        ignore_eos: keep going past EOS.
+        logprobs: number of top alternatives to return per sampled token (0 = only the
+            sampled token's logprob); None disables.
+        prompt_logprobs: same, for prompt tokens.
+        skip_special_tokens: drop special tokens from the text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Check every field's range.
+
+        Raises:
+            InvalidRequestError: naming the field and the allowed range.
+        """
+
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be >= 1, got {self.n}")
+        if self.temperature is None or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop strings must be non-empty strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")

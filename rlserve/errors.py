@@ -1,0 +1,26 @@
+"""Exceptions shared across rlserve. Each maps onto one HTTP status in the server."""
+
+
+class RLServeError(Exception):
+    """Base class of rlserve's own errors."""
+
+
+class InvalidRequestError(RLServeError, ValueError):
+    """Bad user input (prompt, sampling parameters, request body). HTTP 400."""
+
+
+class UnsupportedArchitectureError(RLServeError, ValueError):
+    """The checkpoint's ``architectures`` / ``model_type`` is not implemented."""
+
+
+class WeightUpdateError(RLServeError):
+    """A weight update failed or was refused (bad metadata, transfer failure)."""
+
+
+class WeightUpdateStateError(WeightUpdateError):
+    """A weight-update call arrived out of order (update without start, ...). HTTP 409."""
+
+
+class ModelUnavailableError(RLServeError):
+    """The model's weights are inconsistent after a failed in-place update; generation is
+    refused until a full update lands. HTTP 503."""
