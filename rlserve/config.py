@@ -1,0 +1,124 @@
+"""Engine configuration (validated dataclasses). Field names follow vLLM's engine args."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlserve.errors import InvalidRequestError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config=None) -> torch.dtype:
+    """Map a dtype name to a torch dtype.
+
+    ``"auto"`` takes the checkpoint's ``torch_dtype`` on GPU (float32 checkpoints are served
+    in bfloat16 there, as vLLM does) and float32 on CPU.
+
+    Raises:
+        InvalidRequestError: for an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        if ckpt in (torch.bfloat16, torch.float16):
+            return ckpt
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    Attributes:
+        model: path of a Hugging Face model directory (config.json + safetensors).
+        tokenizer: tokenizer path (defaults to ``model``).
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        device: "auto", "cpu", "cuda" or "cuda:N".
+        load_format: "auto" (safetensors, else .bin/.pt), "safetensors", "pt" or "dummy"
+            (random weights of the right shapes).
+        max_model_len: context length in tokens (prompt + output); default: the model's
+            ``max_position_embeddings`` capped at 8192.
+        max_num_seqs: sequences in one batch at most.
+        max_num_batched_tokens: tokens in one forward step at most (default
+            ``max(2048, max_model_len)``).
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
+        kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        enforce_eager: no CUDA graphs.
+        seed: global seed (dummy weights, unseeded sampling).
+        tensor_parallel_size / data_parallel_size: parallelism.
+        device_ids: GPUs to use (one per TP rank per replica), e.g. [0, 1].
+        quantization: None or "fp8" (online W8A8).
+        max_logprobs: largest ``logprobs`` a request may ask for.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    device_ids: list[int] | None = None
+    quantization: str | None = None
+    max_logprobs: int = 20
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the bad field."""
+        if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
+            raise InvalidRequestError(f"load_format must be auto, safetensors, pt or dummy, got {self.load_format!r}")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be >= 1")
+        if self.block_size < 1:
+            raise InvalidRequestError("block_size must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise InvalidRequestError("parallel sizes must be >= 1")
+        if self.quantization not in (None, "fp8"):
+            raise InvalidRequestError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be >= 1")
