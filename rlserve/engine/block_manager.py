@@ -1,0 +1,184 @@
+"""Paged KV-cache block allocation with prefix caching.
+
+Prefix caching follows the chained-hash scheme of vLLM's automatic prefix caching: the
+hash of a *full* block is ``hash((hash_of_previous_block, tuple(block_token_ids)))``, so
+equal hashes mean equal whole prefixes. A freed block keeps its hash and content until it
+is reused (least-recently-freed first), so a later request with the same prefix can pick
+it up again without recomputation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rlserve.engine.sequence import Sequence
+
+
+class Block:
+    """One KV-cache block: ``block_size`` token slots in every layer's cache."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the previous block's hash (None for the first block)."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and tracks prefix-cache entries.
+
+    Args:
+        num_blocks: blocks in the KV cache.
+        block_size: tokens per block.
+        enable_prefix_caching: reuse blocks whose chained hash matches.
+
+    Counters (for metrics and tests): ``prefix_hit_tokens`` (prompt tokens served from the
+    cache), ``prefix_queries`` (prompt tokens looked up).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
+        self.prefix_queries = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    # ---- allocation -------------------------------------------------------------------
+    def _take_free_block(self) -> Block:
+        block = self.blocks[self.free_block_ids.popleft()]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]  # evict the cached content
+        block.hash = None
+        block.token_ids = None
+        block.ref_count = 1
+        return block
+
+    def _register(self, block: Block, h: int, token_ids: tuple[int, ...]) -> None:
+        block.hash = h
+        block.token_ids = token_ids
+        if self.enable_prefix_caching:
+            self.hash_to_block[h] = block.block_id
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether all of ``seq``'s tokens fit, counting no prefix hits (conservative)."""
+        return seq.num_blocks_needed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, allow_prefix_hit: bool = True) -> None:
+        """Give ``seq`` blocks for all its current tokens, reusing cached full blocks.
+
+        Sets ``seq.block_table`` and ``seq.num_cached_tokens``. At most the full blocks among
+        the first ``len(seq) - 1`` tokens can hit, so every prefill computes >= 1 token.
+
+        Raises:
+            RuntimeError: if the blocks do not fit (call :meth:`can_allocate` first).
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError("not enough free KV blocks")
+        tokens = seq.all_token_ids
+        bs = self.block_size
+        hittable = (len(tokens) - 1) // bs if (allow_prefix_hit and self.enable_prefix_caching) else 0
+        prev: int | None = None
+        cached = 0
+        miss = False
+        for i in range(seq.num_blocks_needed):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            full = len(chunk) == bs
+            h = chain_hash(prev, chunk) if full else None
+            block = None
+            if not miss and i < hittable and h is not None:
+                bid = self.hash_to_block.get(h)
+                if bid is not None and self.blocks[bid].token_ids == chunk:
+                    block = self.blocks[bid]
+                    if block.ref_count == 0:
+                        self.free_block_ids.remove(bid)
+                    block.ref_count += 1
+                    cached += bs
+                else:
+                    miss = True
+            if block is None:
+                block = self._take_free_block()
+                if full:
+                    self._register(block, h, chunk)
+            seq.block_table.append(block.block_id)
+            prev = h
+        if self.enable_prefix_caching and allow_prefix_hit:
+            self.prefix_queries += len(tokens)
+            self.prefix_hit_tokens += cached
+        seq.num_cached_tokens = cached
+
+    def free(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks; cached content stays reusable until evicted."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_block_ids.appendleft(bid)  # nothing worth keeping: reuse first
+                else:
+                    self.free_block_ids.append(bid)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next decode step (which writes token ``len(seq)-1``) has a slot."""
+        return seq.num_blocks_needed <= len(seq.block_table) or self.num_free_blocks >= 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for ``seq``'s newest token before a decode step; registers the
+        previous block's hash once it became full (so generated text is cacheable too)."""
+        if seq.num_blocks_needed > len(seq.block_table):
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash every full block of ``seq`` not yet hashed (after tokens were computed)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        prev = None
+        for i in range(n_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                chunk = tuple(seq.block_tokens(i))
+                h = chain_hash(prev, chunk)
+                if h not in self.hash_to_block:
+                    self._register(block, h, chunk)
+                else:
+                    block.hash, block.token_ids = h, chunk
+            prev = block.hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after a weight update: old KV is stale).
+
+        Blocks in use keep their data but are no longer findable; free blocks lose their
+        content."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash = None
+            block.token_ids = None

@@ -1,0 +1,56 @@
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from rlserve.config import EngineConfig
+from rlserve.engine.llm_engine import LLMEngine
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation.
+
+    Args:
+        model: path of a Hugging Face model directory.
+        **kwargs: any :class:`rlserve.config.EngineConfig` field (dtype, device,
+            load_format, max_model_len, tensor_parallel_size, quantization, ...).
+
+    Example:
+        >>> llm = LLM("/path/to/model", dtype="float32", device="cpu")
+        >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+        >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt, batched by the engine.
+
+        Args:
+            prompts: one prompt or a list; each is text or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt.
+
+        Returns:
+            one :class:`RequestOutput` per prompt, in order.
+
+        Raises:
+            InvalidRequestError: on bad prompts or parameters (nothing is queued then).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling_params = sampling_params or SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self.engine.generate_blocking(list(prompts), params, progress=use_tqdm)

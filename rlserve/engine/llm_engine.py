@@ -1,0 +1,409 @@
+"""The synchronous engine: add_request / step / abort (see docs/INTERFACES.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Iterable
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from rlserve.config import EngineConfig
+from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.model_runner import StepInput
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.scheduler import ScheduledBatch, Scheduler
+from rlserve.engine.sequence import Request, Sequence
+from rlserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEFAULT_MODEL_LEN = 8192
+_arrival = itertools.count()
+
+
+def _eos_token_ids(model_path: str, tokenizer, hf_config) -> set[int]:
+    """EOS ids as Hugging Face ``generate`` uses them: generation_config.eos_token_id
+    (int or list), else config.eos_token_id, plus the tokenizer's eos."""
+    ids: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+        e = gen.eos_token_id
+    except (OSError, ValueError):
+        e = None
+    if e is None:
+        e = getattr(hf_config, "eos_token_id", None)
+    if isinstance(e, int):
+        ids.add(e)
+    elif e:
+        ids.update(int(x) for x in e)
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _sub_seed(seed: int | None, index: int) -> int | None:
+    """Seed of sample ``index`` of a request: sample 0 keeps the request's seed."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class LLMEngine:
+    """Continuous-batching generation engine (one data-parallel replica).
+
+    Args:
+        config: engine configuration.
+        executor: optional object with ``workers``-like behaviour for tensor parallelism
+            (``execute(step) -> logits``, ``collective_rpc(target, *args)``,
+            ``determine_num_blocks()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
+            ``dtype``, ``device``); default: one in-process :class:`Worker`.
+
+    Raises:
+        UnsupportedArchitectureError, InvalidRequestError: bad model or config.
+    """
+
+    def __init__(self, config: EngineConfig, executor=None, dp_index: int = 0):
+        self.config = config
+        if executor is None:
+            if config.tensor_parallel_size > 1:
+                from rlserve.engine.tp_executor import TPExecutor
+
+                executor = TPExecutor(config, dp_index=dp_index)
+            else:
+                from rlserve.engine.worker import Worker
+
+                executor = Worker(config, dp_index=dp_index)
+        self.executor = executor
+        self.hf_config = executor.hf_config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN)
+        if config.max_model_len is None:
+            config.max_model_len = min(max_pos, _MAX_DEFAULT_MODEL_LEN)
+        elif config.max_model_len > max_pos:
+            raise InvalidRequestError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        self.max_model_len = config.max_model_len
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = max(2048, self.max_model_len)
+        num_blocks = executor.determine_num_blocks()
+        executor.init_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer, self.hf_config)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats_counters = {
+            "prefill_tokens_computed": 0,
+            "decode_tokens": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+        }
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
+        )
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.executor.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.executor.dtype
+
+    @property
+    def stats(self) -> dict:
+        """Counters and gauges: running, waiting, KV usage, prefix-cache hits, ..."""
+        return {
+            **self.stats_counters,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.block_manager.usage(),
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "prefix_cache_hit_tokens": self.block_manager.prefix_hit_tokens,
+            "prefix_cache_query_tokens": self.block_manager.prefix_queries,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    # ---- requests ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of integer token ids")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique id (str).
+            prompt: text or token ids.
+            params: sampling parameters (default ``SamplingParams()``).
+
+        Raises:
+            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt plus
+                ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
+        """
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
+                "tokens and at least one must be left for the output"
+            )
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                f"and max_tokens asks for {params.max_tokens} more"
+            )
+        for k in (params.logprobs, params.prompt_logprobs):
+            if k is not None and k > self.config.max_logprobs:
+                raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
+        seqs = []
+        for i in range(params.n):
+            p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=_sub_seed(params.seed, i))
+            seq = Sequence(request_id, i, ids, p, self.config.block_size)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            seqs.append(seq)
+        req = Request(request_id, text, ids, params, seqs, next(_arrival))
+        self.requests[request_id] = req
+        for s in seqs:
+            self.scheduler.add(s)
+        self.stats_counters["prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests (unknown ids are ignored). Returns their final outputs with
+        finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outs = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for s in req.seqs:
+                if not s.is_finished:
+                    s.finish_reason = "abort"
+                    self.scheduler.finish(s)
+            outs.append(self._make_output(req))
+        return outs
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort_request(list(self.requests))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their KV would be stale after a weight update)."""
+        self.block_manager.reset_prefix_cache()
+
+    # ---- weights ----------------------------------------------------------------------
+    def load_weights(self, weights) -> set[str]:
+        """Load Hugging Face-named full tensors into the model (TP=1 path) and reset the
+        prefix cache. Returns the consumed names."""
+        names = self.model.load_weights(weights)
+        self.reset_prefix_cache()
+        return names
+
+    def checkpoint_spec(self) -> dict[str, tuple[int, ...]]:
+        return self.model.checkpoint_spec()
+
+    def required_checkpoint_names(self) -> set[str]:
+        return self.model.required_checkpoint_names()
+
+    def collective_rpc(self, target: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Run ``function(worker, *args, **kwargs)`` on every TP worker (see INTERFACES)."""
+        if hasattr(self.executor, "collective_rpc"):
+            return self.executor.collective_rpc(target, *args, timeout_s=timeout_s, **kwargs)
+        return [self.executor.call(target, *args, **kwargs)]
+
+    # ---- stepping ---------------------------------------------------------------------
+    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple[Sequence, int, int]]]:
+        """Flatten a batch. Returns the step and, per sequence wanting prompt logprobs,
+        ``(seq, first_row, n_rows)`` into the logits."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        qlens, slens, tables, logit_rows = [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
+        for seq in batch.seqs:
+            n = len(seq)
+            start = seq.num_cached_tokens if batch.is_prefill else n - 1
+            toks = seq.all_token_ids[start:] if batch.is_prefill else [seq.last_token_id]
+            base = len(input_ids)
+            input_ids.extend(toks)
+            positions.extend(range(start, n))
+            qlens.append(n - start)
+            slens.append(n)
+            tables.append(seq.block_table)
+            req = self.requests[seq.request_id]
+            if batch.is_prefill and seq.params.prompt_logprobs is not None and not req.prompt_logprobs_done and seq.index == 0:
+                # rows predicting prompt tokens 1..P-1 come from positions 0..P-2
+                p = seq.num_prompt_tokens
+                prompt_rows.append((seq, len(logit_rows), p - 1))
+                logit_rows.extend(range(base, base + p - 1))
+            logit_rows.append(base + len(toks) - 1)
+        step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill)
+        return step, prompt_rows
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and forward pass.
+
+        Returns:
+            outputs (cumulative) for every request that advanced or finished this step.
+        """
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        step, prompt_rows = self._build_step(batch)
+        logits = self.executor.execute(step)
+        self.stats_counters["steps"] += 1
+        if batch.is_prefill:
+            self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
+        else:
+            self.stats_counters["decode_tokens"] += len(step.input_ids)
+        touched: dict[str, Request] = {}
+        for seq, first, count in prompt_rows:
+            req = self.requests[seq.request_id]
+            req.prompt_logprobs = compute_prompt_logprobs(
+                logits[first : first + count], seq.prompt_token_ids, seq.params.prompt_logprobs
+            )
+            req.prompt_logprobs_done = True
+        if prompt_rows:
+            last_rows = []
+            pr = {first: count for _, first, count in prompt_rows}
+            r = 0
+            for _ in batch.seqs:
+                r += pr.get(r, 0)
+                last_rows.append(r)
+                r += 1
+            logits = logits[torch.tensor(last_rows, device=logits.device)]
+        meta = SamplingMetadata(
+            params=[s.params for s in batch.seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in batch.seqs],
+            output_token_ids=[s.output_token_ids for s in batch.seqs],
+        )
+        out = self.sampler(logits, meta)
+        token_ids = out.token_ids.tolist()
+        lps = out.logprobs.tolist()
+        topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids.numel() else None
+        topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs.numel() else None
+        for i, seq in enumerate(batch.seqs):
+            seq.num_computed_tokens = len(seq)
+            self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None, topk_lps[i] if topk_lps else None)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for rid, req in touched.items():
+            outputs.append(self._make_output(req))
+            if req.finished:
+                del self.requests[rid]
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps) -> None:
+        p = seq.params
+        seq.output_token_ids.append(tok)
+        seq.cumulative_logprob += lp
+        self.stats_counters["generation_tokens"] += 1
+        if seq.logprobs is not None:
+            d = {tok: lp}
+            if top_ids is not None and p.logprobs:
+                for t, l in zip(top_ids[: p.logprobs], top_lps[: p.logprobs]):
+                    d.setdefault(t, l)
+            seq.logprobs.append(d)
+        match = seq.detokenizer.add_tokens([tok])
+        n_out = seq.num_output_tokens
+        if tok in p.stop_token_ids and n_out >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            seq.finish_reason = "stop"
+        elif match is not None and n_out >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", match
+        elif n_out >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detokenizer.output_text,
+                    token_ids=list(s.output_token_ids),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
+            outputs=outs,
+            finished=req.finished,
+        )
+
+    def generate_blocking(self, prompts: list, params: list[SamplingParams], progress: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (the offline path). Returns outputs in input order."""
+        from tqdm.auto import tqdm
+
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = f"offline-{next(_arrival)}-{i}"
+                self.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            self.abort_request(ids)  # all or nothing
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
+        t0 = time.perf_counter()
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished and o.request_id in ids:
+                    final[o.request_id] = o
+                    bar.update(1)
+        bar.close()
+        logger.debug("generated %d requests in %.2fs", len(ids), time.perf_counter() - t0)
+        return [final[r] for r in ids]

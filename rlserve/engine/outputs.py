@@ -1,0 +1,59 @@
+"""What the engine returns per request (vLLM's shapes: ``RequestOutput`` holding one
+``CompletionOutput`` per sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes:
+        index: sample index in ``[0, n)``.
+        text: detokenized output (stop string removed unless asked to keep it).
+        token_ids: generated token ids (an EOS or stop token id that ended it is included).
+        cumulative_logprob: sum of the sampled tokens' logprobs (raw model distribution, nats).
+        logprobs: per generated token, ``{token_id: logprob}`` holding the sampled token and
+            the top-``k`` alternatives; None unless ``SamplingParams.logprobs`` was set.
+        finish_reason: "stop", "length", "abort" or None while running.
+        stop_reason: the stop string or stop token id that matched, else None.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """State of one request after an engine step (cumulative, not a delta).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: the prompt text (None when given as token ids).
+        prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: vLLM format (first entry None, then ``{token_id: logprob}``) when asked.
+        outputs: one ``CompletionOutput`` per sample.
+        finished: all samples are finished.
+        weight_version: weight version that produced the last token (set by the async front).
+        weight_versions: every weight version seen while the request ran, in order.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    weight_version: str | None = None
+    weight_versions: list[str] = field(default_factory=list)

@@ -1,0 +1,132 @@
+"""Continuous batching: which sequences run in the next forward step.
+
+Policy (the one nano-vllm and vLLM v0 use): a step is either a *prefill* step (waiting
+sequences, FIFO, as many as fit in ``max_num_seqs``, ``max_num_batched_tokens`` and the
+free KV blocks) or, when nothing new can start, a *decode* step over every running
+sequence. When a decode step lacks a KV block, the most recently started sequence is
+preempted by recompute: its blocks are freed and it goes back to the head of the queue,
+to be prefilled again over its prompt plus the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work.
+
+    Attributes:
+        seqs: sequences in batch order.
+        is_prefill: prefill step (each sequence computes ``len(seq) - num_cached_tokens``
+            tokens) or decode step (one token each).
+    """
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        if not self.is_prefill:
+            return len(self.seqs)
+        return sum(len(s) - s.num_cached_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """Args:
+    block_manager: the KV block allocator.
+    max_num_seqs: sequences per step at most.
+    max_num_batched_tokens: tokens per prefill step at most (a single prompt longer than
+        this still runs alone).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's batch; None when there is nothing to run.
+
+        Raises:
+            RuntimeError: if a single sequence cannot fit in the whole KV cache.
+        """
+        prefill: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = len(seq)
+            if prefill and tokens + need > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                if not self.running and not prefill and seq.num_blocks_needed > self.block_manager.num_blocks:
+                    raise RuntimeError(
+                        f"sequence of {len(seq)} tokens needs {seq.num_blocks_needed} KV blocks; the cache has "
+                        f"{self.block_manager.num_blocks}"
+                    )
+                break
+            self.waiting.popleft()
+            allow_hit = not (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0)
+            self.block_manager.allocate(seq, allow_prefix_hit=allow_hit)
+            seq.status = SequenceStatus.RUNNING
+            tokens += len(seq) - seq.num_cached_tokens
+            prefill.append(seq)
+        if prefill:
+            self.running.extend(prefill)
+            return ScheduledBatch(prefill, is_prefill=True)
+
+        decode: list[Sequence] = []
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            while not self.block_manager.can_append(seq):
+                if queue:
+                    self._preempt(queue.pop())
+                else:
+                    self._preempt(seq)
+                    seq = None
+                    break
+            if seq is None:
+                break
+            self.block_manager.append_slot(seq)
+            decode.append(seq)
+        self.running = decode
+        if not decode:
+            return None
+        return ScheduledBatch(decode, is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark ``seq`` finished and release its blocks (running or waiting)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.register_full_blocks(seq)
+            self.block_manager.free(seq)
+            if seq in self.running:
+                self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED

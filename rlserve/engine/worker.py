@@ -1,0 +1,117 @@
+"""One tensor-parallel rank: model, KV cache and model runner (see docs/INTERFACES.md)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+from transformers import AutoConfig
+
+from rlserve.config import EngineConfig, resolve_device, resolve_dtype
+from rlserve.engine.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 512 * 1024**2
+# Memory kept free on GPU for activations beyond the measured profile peak.
+_GPU_HEADROOM_BYTES = 512 * 1024**2
+
+
+def resolve_rpc_target(target: str):
+    """``"package.module:function"`` → the function.
+
+    Raises:
+        ValueError: malformed target; ImportError / AttributeError: not found.
+    """
+    if ":" not in target:
+        raise ValueError(f"rpc target must look like 'package.module:function', got {target!r}")
+    mod, fn = target.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)
+
+
+class Worker:
+    """Owns one TP rank's model, KV cache and runner.
+
+    Args:
+        config: engine configuration.
+        tp_rank / tp_size: this rank and the TP size (the TP group is set up by the caller
+            through ``rlserve.distributed.parallel_state`` before construction).
+        dp_index: data-parallel replica index.
+        device: torch device for this rank (default: from ``config.device``).
+    """
+
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, dp_index: int = 0, device=None):
+        from rlserve.loader import load_model
+
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.dp_index = dp_index
+        self.transfer_rank = 1 + dp_index * tp_size + tp_rank
+        self.device = torch.device(device) if device is not None else resolve_device(config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        self.extension_state: dict = {}
+        torch.manual_seed(config.seed)
+        self.model = load_model(config, self.hf_config, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+
+    # ---- KV cache sizing -------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks this rank can hold.
+
+        ``config.num_kv_blocks`` wins; on CPU ``config.kv_cache_bytes`` (default 512 MiB);
+        on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
+        the weights and minus 512 MiB of activation headroom.
+        """
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_HEADROOM_BYTES
+            budget -= self._activation_estimate()
+        else:
+            budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
+        n = budget // per_block
+        if n < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); "
+                "raise gpu_memory_utilization or lower max_model_len"
+            )
+        return int(n)
+
+    def _activation_estimate(self) -> int:
+        """Bytes of activations for a prefill of ``max_num_batched_tokens`` tokens: logits
+        rows are few, so the largest terms are the MLP intermediate (x2 for gate/up) and the
+        padded attention scores of the torch backend (heads x tokens^2 for one long prompt,
+        float32)."""
+        cfg = self.hf_config
+        t = self.config.max_num_batched_tokens or 2048
+        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 4 * cfg.hidden_size)
+        heads = cfg.num_attention_heads // self.tp_size
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        mlp = 3 * t * inter // self.tp_size * item
+        scores = heads * min(t, self.config.max_model_len or t) ** 2 * 4
+        return int(mlp + scores)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    # ---- execution --------------------------------------------------------------------
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one step; returns logits ``[len(step.logits_indices), vocab]`` float32."""
+        return self.runner.execute(step)
+
+    def call(self, target: str, *args, **kwargs):
+        """Run ``function(self, *args, **kwargs)`` for the ``"module:function"`` target."""
+        return resolve_rpc_target(target)(self, *args, **kwargs)
