@@ -1,0 +1,403 @@
+"""Token sampling: logits processing, seeded/unseeded draws, logprobs, prompt logprobs.
+
+The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` of v0 and
+``vllm/v1/sample/sampler.py``), applied row-wise to a ``[B, V]`` float32 logits tensor:
+
+1. **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
+   and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``).
+2. **repetition penalty** — CTRL rule (Keskar et al. 2019, as in HF
+   ``RepetitionPenaltyLogitsProcessor`` and vLLM ``apply_penalties``): for every token that
+   appears in prompt *or* output, ``l = l / p if l > 0 else l * p``.
+3. **frequency / presence penalties** — OpenAI's definition over *output* tokens only:
+   ``l -= frequency_penalty * count(token) + presence_penalty * (count(token) > 0)``.
+4. **temperature** — ``l /= T`` (greedy rows, ``T < 1e-5``, take the argmax of the
+   logits after step 3 instead).
+5. **top-k** — keep the k largest (``k = 0`` or ``k >= V`` disables); exactly k survive.
+6. **top-p** — nucleus over the top-k-truncated distribution: a token survives if the
+   probability mass of the tokens strictly more likely than it is ``< top_p``; the most
+   likely token always survives (vLLM ``apply_top_k_top_p``).
+7. **min-p** — drop tokens with ``prob < min_p * max_prob`` (computed after 4-6, as vLLM v0).
+8. **draw** — exponential race (equivalent to Gumbel-max / multinomial):
+   ``token = argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. per vocabulary entry. Rows with a
+   ``seed`` draw ``q`` from their own ``torch.Generator`` seeded with
+   :func:`derive_seed` ``(seed, len(output_token_ids))``, so the token depends only on the
+   row's own logits, seed and position — not on the batch, the row's place in it, or on
+   whether the sequence was preempted and recomputed. Unseeded rows share the sampler's
+   generator.
+
+Logprobs are always those of the *raw* model distribution (``log_softmax`` of the
+unprocessed logits, float32), which is vLLM's default (``logprobs_mode="raw_logprobs"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, step: int) -> int:
+    """Deterministic 63-bit seed for the draw at output index ``step`` of a seeded request.
+
+    SplitMix64 finaliser (Steele et al. 2014) over a combination of ``seed`` and ``step``;
+    any Python int seed (negative too) is accepted.
+    """
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row inputs of one sampling call; one entry per sequence, in batch order.
+
+    Attributes:
+        params: the sequence's :class:`SamplingParams`.
+        prompt_token_ids: the prompt's token ids (used by the repetition penalty).
+        output_token_ids: tokens generated so far, *before* this step (penalties,
+            ``min_tokens``, and the seeded-draw index ``len(output_token_ids)``).
+    """
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling call; tensors live on the logits' device.
+
+    Attributes:
+        token_ids: ``LongTensor [B]`` sampled token per row.
+        logprobs: ``FloatTensor [B]`` float32 logprob of the sampled token under the raw
+            model distribution (``log_softmax`` of the unprocessed logits).
+        topk_token_ids: ``LongTensor [B, K]``, ``K = max(params.logprobs or 0)`` over the
+            batch (0 columns when no row asked). Rows that asked for fewer should use only
+            their first ``params.logprobs`` columns.
+        topk_logprobs: ``FloatTensor [B, K]`` raw logprobs of those tokens, descending.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    topk_token_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+
+# --------------------------------------------------------------------------- processors
+
+
+def _row_token_index(rows: list[list[int]], row_ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``rows[i]`` for ``i in row_ids`` into (row index, token id) LongTensors."""
+    r: list[int] = []
+    t: list[int] = []
+    for i in row_ids:
+        toks = rows[i]
+        r.extend([i] * len(toks))
+        t.extend(toks)
+    return (
+        torch.tensor(r, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(t, dtype=torch.long).to(device, non_blocking=True),
+    )
+
+
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, eos_token_ids: set[int]) -> torch.Tensor:
+    """In place: ``-inf`` for EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` in rows
+    whose output is still shorter than ``min_tokens``. ``logits``: ``[B, V]`` float32."""
+    V = logits.shape[1]
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, p in enumerate(meta.params):
+        if p.min_tokens and len(meta.output_token_ids[i]) < p.min_tokens:
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids |= eos_token_ids
+            for t in stop_ids:
+                if 0 <= t < V:
+                    rows.append(i)
+                    toks.append(t)
+    if rows:
+        r = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        t = torch.tensor(toks, dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[r, t] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: repetition (CTRL), then frequency and presence (OpenAI) penalties.
+
+    ``logits``: ``[B, V]`` float32. Repetition: tokens seen in prompt or output get
+    ``l / p`` where ``l > 0`` and ``l * p`` otherwise. Frequency/presence over output tokens:
+    ``l -= f * count + pr * (count > 0)``. Rows with default values are untouched.
+    """
+    B, V = logits.shape
+    device = logits.device
+    rep_rows = [i for i, p in enumerate(meta.params) if p.repetition_penalty != 1.0]
+    fp_rows = [
+        i for i, p in enumerate(meta.params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rep_rows and not fp_rows:
+        return logits
+    out_rows = sorted(set(rep_rows) | set(fp_rows))
+    counts = None
+    if out_rows:
+        r, t = _row_token_index(meta.output_token_ids, out_rows, device)
+        keep = t < V
+        r, t = r[keep], t[keep]
+        counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+        counts.index_put_((r, t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
+    if rep_rows:
+        seen = counts > 0
+        r, t = _row_token_index(meta.prompt_token_ids, rep_rows, device)
+        keep = t < V
+        seen[r[keep], t[keep]] = True
+        pen = torch.tensor([[p.repetition_penalty] for p in meta.params], dtype=torch.float32)
+        pen = pen.to(device, non_blocking=True)
+        pen_full = torch.where(seen, pen, torch.ones((), dtype=torch.float32, device=device))
+        logits.copy_(torch.where(logits > 0, logits / pen_full, logits * pen_full))
+    if fp_rows:
+        freq = torch.tensor([[p.frequency_penalty] for p in meta.params], dtype=torch.float32)
+        pres = torch.tensor([[p.presence_penalty] for p in meta.params], dtype=torch.float32)
+        freq = freq.to(device, non_blocking=True)
+        pres = pres.to(device, non_blocking=True)
+        logits.sub_(freq * counts + pres * (counts > 0).float())
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k, then outside its nucleus (top-p).
+
+    Args:
+        logits: ``[B, V]`` float32 (temperature already applied).
+        k: ``LongTensor [B]`` in ``[1, V]`` (``V`` = disabled) or None.
+        p: ``FloatTensor [B]`` in ``(0, 1]`` (1 = disabled) or None.
+    Returns:
+        a new ``[B, V]`` tensor with ``-inf`` at removed entries. Follows vLLM's
+        ``apply_top_k_top_p`` (ascending sort; top-p over the top-k-truncated softmax; the
+        most likely token is always kept); top-k keeps exactly k entries (ties broken by
+        the sort order).
+    """
+    if k is None and p is None:
+        return logits
+    V = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        pos = torch.arange(V, device=logits.device).unsqueeze(0)
+        logits_sort.masked_fill_(pos < (V - k).unsqueeze(1), float("-inf"))
+    if p is not None:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = probs_sum <= (1 - p).unsqueeze(1)
+        mask[:, -1] = False
+        logits_sort.masked_fill_(mask, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place: ``-inf`` where ``softmax(logits) < min_p * max(softmax(logits))``.
+
+    ``logits``: ``[B, V]`` float32; ``min_p``: ``FloatTensor [B]`` (0 = disabled).
+    """
+    probs = logits.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < min_p.unsqueeze(1) * top, float("-inf"))
+    return logits
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Turns ``[B, V]`` logits into one token per row (see the module docstring).
+
+    Args:
+        eos_token_ids: ids that end a sequence (masked by ``min_tokens``).
+        vocab_size: number of real token ids; logits columns beyond it (padded
+            embeddings) are dropped before anything else.
+        generator_seed: seed of the generator shared by unseeded rows.
+    """
+
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, generator_seed: int = 0):
+        self.eos_token_ids = set(int(t) for t in (eos_token_ids or ()))
+        self.vocab_size = int(vocab_size)
+        self.generator_seed = int(generator_seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        g = self._generators.get(key)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.generator_seed)
+            self._generators[key] = g
+        return g
+
+    def _trim(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits
+
+    def process_logits(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Apply steps 1-7 of the module docstring.
+
+        Args:
+            logits: ``[B, V]`` raw logits (not modified).
+        Returns:
+            ``(processed, greedy_tokens)``: processed float32 ``[B, V]`` logits (after
+            temperature / top-k / top-p / min-p; greedy rows are left at temperature 1), and
+            ``LongTensor [B]`` argmax after the penalties (valid for greedy rows) or None
+            when no row is greedy.
+        """
+        params = meta.params
+        B = len(params)
+        if logits.shape[0] != B:
+            raise ValueError(f"logits have {logits.shape[0]} rows but metadata has {B}")
+        x = self._trim(logits).clone()
+        V = x.shape[1]
+        device = x.device
+        apply_min_tokens(x, meta, self.eos_token_ids)
+        apply_penalties(x, meta)
+        greedy = [p.greedy for p in params]
+        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+        if all(greedy):
+            return x, greedy_tokens
+        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
+        if any(t != 1.0 for t in temps):
+            x.div_(torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1))
+        ks = [p.top_k if (not g and 0 < p.top_k < V) else V for g, p in zip(greedy, params)]
+        ps = [p.top_p if not g else 1.0 for g, p in zip(greedy, params)]
+        k_t = torch.tensor(ks, dtype=torch.long).to(device, non_blocking=True) if any(k < V for k in ks) else None
+        p_t = torch.tensor(ps, dtype=torch.float32).to(device, non_blocking=True) if any(q < 1.0 for q in ps) else None
+        x = apply_top_k_top_p(x, k_t, p_t)
+        mps = [p.min_p if not g else 0.0 for g, p in zip(greedy, params)]
+        if any(m > 0 for m in mps):
+            apply_min_p(x, torch.tensor(mps, dtype=torch.float32).to(device, non_blocking=True))
+        return x, greedy_tokens
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[B, V]`` float32 on any device (not modified).
+            meta: per-row params and token histories.
+        Returns:
+            :class:`SamplerOutput` on the logits' device (no host sync here).
+        """
+        params = meta.params
+        raw = self._trim(logits)
+        B, V = raw.shape
+        device = raw.device
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+
+        processed, greedy_tokens = self.process_logits(raw, meta)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = greedy_tokens
+        else:
+            probs = processed.softmax(dim=-1)
+            unseeded = [i for i, p in enumerate(params) if p.seed is None]
+            if len(unseeded) == B:
+                q = torch.empty_like(probs).exponential_(generator=self._generator(device))
+            else:
+                q = torch.ones_like(probs)  # greedy rows keep 1 (their draw is replaced below)
+                if unseeded:
+                    idx = torch.tensor(unseeded, dtype=torch.long).to(device, non_blocking=True)
+                    qu = torch.empty(len(unseeded), V, dtype=probs.dtype, device=device)
+                    qu.exponential_(generator=self._generator(device))
+                    q[idx] = qu
+                for i, p in enumerate(params):
+                    if p.seed is not None and not greedy[i]:
+                        g = torch.Generator(device=device)
+                        g.manual_seed(derive_seed(p.seed, len(meta.output_token_ids[i])))
+                        q[i].exponential_(generator=g)
+            # Exp(1) can round to 0; keep 0/0 out of the argmax.
+            q.clamp_min_(torch.finfo(q.dtype).tiny)
+            token_ids = probs.div_(q).argmax(dim=-1)
+            if greedy_tokens is not None:
+                gmask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+                token_ids = torch.where(gmask, greedy_tokens, token_ids)
+
+        sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        K = max((p.logprobs or 0) for p in params) if params else 0
+        K = min(K, V)
+        if K > 0:
+            topk_logprobs, topk_ids = raw_logprobs.topk(K, dim=-1, sorted=True)
+        else:
+            topk_logprobs = raw_logprobs.new_empty(B, 0)
+            topk_ids = torch.empty(B, 0, dtype=torch.long, device=device)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=sampled_logprobs,
+            topk_token_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+        )
+
+
+# --------------------------------------------------------------------------- prompt logprobs
+
+
+def logprob_dicts(
+    logits: torch.Tensor, target_ids: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """Per-position ``{target token: logprob, top-k tokens: logprobs}`` (raw, float32).
+
+    Args:
+        logits: ``[N, V]`` logits; row ``i`` predicts ``target_ids[i]``.
+        target_ids: ``N`` token ids.
+        num_top: number of top alternatives (0 = only the target).
+    Returns:
+        ``N`` dicts; the target comes first, then the top-k in descending order (a target
+        that is also in the top-k appears once). One host transfer in total.
+    """
+    N = len(target_ids)
+    if N == 0:
+        return []
+    if logits.shape[0] != N:
+        raise ValueError(f"logits have {logits.shape[0]} rows, expected {N}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(target_ids, dtype=torch.long, device=lp.device)
+    tgt_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
+    k = min(int(num_top or 0), lp.shape[1])
+    if k > 0:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[dict[int, float]] = []
+    for i, t in enumerate(target_ids):
+        d = {int(t): tgt_lp[i]}
+        if k > 0:
+            for tid, v in zip(top_ids[i], top_lp[i]):
+                d.setdefault(tid, v)
+        out.append(d)
+    return out
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int
+) -> list[dict[int, float] | None]:
+    """vLLM-format prompt logprobs.
+
+    Args:
+        logits: ``[P-1, V]`` float32 logits at prompt positions ``0..P-2`` (row ``i``
+            predicts prompt token ``i+1``).
+        prompt_token_ids: the ``P`` prompt ids.
+        num_top: top alternatives per position (``SamplingParams.prompt_logprobs``).
+    Returns:
+        ``P`` entries: ``None`` for the first token, then per token a dict holding the
+        actual token's logprob and the ``num_top`` most likely tokens' logprobs (raw
+        ``log_softmax``). For chunked prefill, call :func:`logprob_dicts` per chunk.
+    """
+    if not prompt_token_ids:
+        return []
+    return [None, *logprob_dicts(logits, list(prompt_token_ids[1:]), num_top)]
