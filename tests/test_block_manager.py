@@ -1,0 +1,86 @@
+"""Block manager and scheduler: allocation, prefix hits, eviction, preemption."""
+
+import pytest
+
+from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(tokens, bs=4):
+    return Sequence("r", 0, tokens, SamplingParams(max_tokens=100), bs)
+
+
+def test_prefix_hit_reuses_full_blocks_but_not_last_token():
+    bm = BlockManager(10, 4)
+    a = seq(list(range(10)))  # blocks: [0-3] [4-7] [8,9]
+    bm.allocate(a)
+    assert len(a.block_table) == 3 and a.num_cached_tokens == 0
+    a_table = list(a.block_table)
+    bm.free(a)
+    b = seq(list(range(10)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a_table[:2]
+    c = seq(list(range(8)))  # exactly two full blocks: only the first may hit (last token is recomputed)
+    bm.allocate(c)
+    assert c.num_cached_tokens == 4
+    assert bm.blocks[c.block_table[0]].ref_count == 2
+
+
+def test_different_prefix_misses_and_eviction_order():
+    bm = BlockManager(4, 4)
+    a = seq([1, 2, 3, 4, 5])
+    bm.allocate(a)
+    bm.free(a)
+    b = seq([9, 9, 9, 9, 5])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    bm.free(b)
+    # a's first block was freed first, so it is evicted before b's
+    c = seq([7, 7, 7, 7, 7, 7, 7, 7, 7])  # 3 blocks: takes 2 uncached free blocks + evicts a's
+    bm.allocate(c)
+    bm.free(c)
+    d = seq([9, 9, 9, 9, 1])
+    bm.allocate(d)
+    assert d.num_cached_tokens == 4
+
+
+def test_reset_prefix_cache_forgets():
+    bm = BlockManager(8, 4)
+    a = seq(list(range(9)))
+    bm.allocate(a)
+    bm.free(a)
+    bm.reset_prefix_cache()
+    b = seq(list(range(9)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_scheduler_preempts_latest_when_blocks_run_out():
+    bm = BlockManager(4, 2, enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    s1, s2 = seq([1, 2, 3], bs=2), seq([4, 5, 6], bs=2)
+    sch.add(s1)
+    sch.add(s2)
+    batch = sch.schedule()
+    assert batch.is_prefill and batch.seqs == [s1, s2] and bm.num_free_blocks == 0
+    for s in (s1, s2):
+        s.num_computed_tokens = len(s)
+        s.output_token_ids.append(7)  # 4 tokens: still fits in 2 blocks
+    batch = sch.schedule()
+    assert not batch.is_prefill and batch.seqs == [s1, s2]
+    for s in (s1, s2):
+        s.output_token_ids.append(8)  # 5 tokens: each needs a third block, none free
+    batch = sch.schedule()
+    assert batch.seqs == [s1]
+    assert s2.status == SequenceStatus.WAITING and s2.block_table == [] and sch.num_preemptions == 1
+    assert list(sch.waiting) == [s2]
+
+
+def test_sequence_too_long_for_cache_raises():
+    bm = BlockManager(2, 2)
+    sch = Scheduler(bm, 4, 64)
+    sch.add(seq([1, 2, 3, 4, 5, 6], bs=2))
+    with pytest.raises(RuntimeError, match="KV blocks"):
+        sch.schedule()
