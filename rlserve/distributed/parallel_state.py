@@ -8,13 +8,13 @@ A single-process engine has TP size 1 and no group; the TP worker processes call
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 _TP = {"rank": 0, "size": 1, "group": None}
 
 
-def init_tensor_parallel(rank: int, size: int, group: "dist.ProcessGroup | None") -> None:
-    """Record this process's TP rank and size and the group used for TP collectives.
+def init_tensor_parallel(rank: int, size: int, group=None) -> None:
+    """Record this process's TP rank and size and the group used for TP collectives
+    (a :class:`rlserve.distributed.group.StandaloneGroup`).
 
     Raises:
         ValueError: if ``rank`` is not in ``[0, size)`` or ``size > 1`` without a group.
@@ -41,7 +41,7 @@ def get_tp_group():
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP group in place (identity at TP size 1). Returns ``x``."""
     if _TP["size"] > 1:
-        dist.all_reduce(x, group=_TP["group"])
+        _TP["group"].all_reduce(x)
     return x
 
 
@@ -55,6 +55,4 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """
     if _TP["size"] == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_TP["size"])]
-    dist.all_gather(parts, x.contiguous(), group=_TP["group"])
-    return torch.cat(parts, dim=-1)
+    return torch.cat(_TP["group"].all_gather(x), dim=-1)

@@ -1,0 +1,117 @@
+"""Standalone process groups: a gloo or NCCL group built on its own ``TCPStore`` +
+``PrefixStore``, without ``torch.distributed.init_process_group``.
+
+Several groups can live in one process this way (each tensor-parallel replica's TP group,
+and the weight-transfer group that joins a trainer), and none touches torch's global
+default group. Collectives are called on the ``ProcessGroup`` object directly.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class StandaloneGroup:
+    """A process group of ``world_size`` ranks rendezvousing at ``master_address:master_port``.
+
+    Rank 0 hosts the ``TCPStore``. Every blocking call is bounded by ``timeout_s``.
+
+    Args:
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors on ``device``).
+        master_address / master_port: where rank 0's store listens.
+        rank / world_size: this process's rank and the group size.
+        timeout_s: rendezvous and collective timeout in seconds.
+        prefix: key prefix in the store (separates groups sharing a store).
+        device: the CUDA device for "nccl".
+
+    Raises:
+        ValueError: unknown backend or rank out of range.
+        RuntimeError / DistNetworkError: rendezvous failed or timed out.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 300.0,
+        prefix: str = "rlserve",
+        device: torch.device | None = None,
+    ):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+        )
+        store = dist.PrefixStore(prefix, self.store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        self._destroyed = False
+
+    # ---- collectives (blocking unless async_op) --------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        work = self.pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the group. Returns ``tensor``."""
+        self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([tensor], opts).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each rank's ``tensor`` (same shape everywhere), in rank order."""
+        outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.pg.allgather([outs], [tensor.contiguous()]).wait()
+        return outs
+
+    def barrier(self) -> None:
+        t = torch.zeros(1, device=self.device if self.backend == "nccl" else "cpu")
+        self.all_reduce(t)
+
+    def destroy(self) -> None:
+        """Drop the group; never blocks (an NCCL communicator is aborted)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            if self.backend == "nccl" and hasattr(self.pg, "abort"):
+                self.pg.abort()
+        except Exception:  # noqa: BLE001 - teardown must not raise
+            pass
+        self.pg = None
+        self.store = None
