@@ -1,0 +1,225 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Decoding uses the prefix/read-offset technique of vLLM's v0 ``detokenize_incrementally``
+(itself from Hugging Face text-generation-inference): a small window of ids
+``ids[prefix_offset:]`` is decoded together with its already-emitted head
+``ids[prefix_offset:read_offset]``; the difference is the new text. While the window's text
+ends in U+FFFD (a multi-byte character split across tokens) nothing is emitted and the
+window grows, so partial characters never reach the output. The window starts with the
+last few prompt tokens, so a first output token keeps its leading space (vLLM's
+behaviour; for byte-level BPE tokenizers the final text equals
+``tokenizer.decode(output_ids, skip_special_tokens=...)`` exactly, and for Metaspace /
+SentencePiece tokenizers it differs only by that leading space). Windows are decoded with
+``clean_up_tokenization_spaces=False`` (as vLLM).
+
+Stop strings: after each token the newly decoded text is searched for every stop string
+(a match may span token boundaries). On a match the text is cut at the start of the
+earliest match (or at its end with ``include_stop_str_in_output``), the match is
+reported and later tokens are ignored; the caller finishes the sequence with
+``finish_reason="stop"`` and ``stop_reason=match.stop_str``.
+
+Streaming: :meth:`IncrementalDetokenizer.take_delta` returns the text that became visible
+since its last call. While the sequence runs, the longest tail of the text that could
+still grow into a stop string is held back (not when the stop string is included in the
+output), so a stop string is never streamed and then retracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# Prompt tokens decoded as left context of the first output tokens (vLLM uses 5).
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    """A stop string found in the output text.
+
+    Attributes:
+        stop_str: the stop string that matched (use as ``stop_reason``).
+        token_index: index, within the ``token_ids`` passed to that
+            :meth:`IncrementalDetokenizer.add_tokens` call, of the token that completed the
+            match; tokens after it in that call were ignored.
+        text_index: character offset of the match's start in the untruncated output text.
+    """
+
+    stop_str: str
+    token_index: int
+    text_index: int
+
+
+class IncrementalDetokenizer:
+    """Decodes one sequence's output tokens as they arrive.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (anything with ``decode(ids,
+            skip_special_tokens=..., clean_up_tokenization_spaces=...)``).
+        prompt_token_ids: the prompt's ids; its last few give left context.
+        skip_special_tokens: drop special tokens from the text.
+        stop: stop strings (non-empty).
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Usage by the engine, per step: ``match = detok.add_tokens([tok])``; if ``match`` finish
+    with ``finish_reason="stop", stop_reason=match.stop_str``. When a sequence ends for any
+    other reason call :meth:`finish` (flushes a trailing partial character). As in vLLM, a
+    terminating EOS / ``stop_token_ids`` token should be passed to ``add_tokens`` only when
+    ``include_stop_str_in_output`` (with ``skip_special_tokens`` an EOS is invisible anyway).
+    For intermediate (cumulative) outputs use :attr:`visible_text`; for deltas
+    :meth:`take_delta`; at the end :attr:`output_text` (== :attr:`visible_text`).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or ()) if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+        ctx = list(prompt_token_ids or ())[-_PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = ctx
+        self._prefix_offset = 0
+        self._read_offset = len(ctx)
+        self._prefix_text = self._decode(ctx)
+        if self._prefix_text.endswith(_REPLACEMENT_CHAR):
+            # Prompt ends inside a character: don't use it as context.
+            self._ids = []
+            self._read_offset = 0
+            self._prefix_text = ""
+        self._num_context = len(self._ids)
+
+        self.token_ids: list[int] = []
+        self._text = ""
+        self._sent = 0
+        self.stop_match: StopMatch | None = None
+        self._matched = ""
+        self.finished = False
+
+    # ------------------------------------------------------------------ decoding
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            list(ids),
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _step(self, force: bool = False) -> str:
+        """Decode the window; return newly completed text (advancing offsets) or ''."""
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        prefix_text = self._prefix_text
+        if len(new_text) > len(prefix_text) and (force or not new_text.endswith(_REPLACEMENT_CHAR)):
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            return delta
+        return ""
+
+    def _append_text(self, delta: str) -> int | None:
+        """Append ``delta``; on a stop-string match truncate and return its start index."""
+        if not delta:
+            return None
+        old_len = len(self._text)
+        self._text += delta
+        if not self.stop:
+            return None
+        start = max(0, old_len - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self._text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self._text = self._text[: i + len(s)] if self.include_stop_str_in_output else self._text[:i]
+        self._sent = min(self._sent, len(self._text))
+        self._matched = s
+        return i
+
+    # ------------------------------------------------------------------ public API
+
+    def add_tokens(self, token_ids: Sequence[int]) -> StopMatch | None:
+        """Feed newly generated ids (usually one).
+
+        Returns:
+            a :class:`StopMatch` when a stop string completed inside these tokens (the
+            text is already truncated; tokens after ``match.token_index`` were ignored),
+            else None. Calls after a match or after :meth:`finish` are ignored.
+        """
+        if self.stop_match is not None or self.finished:
+            return None
+        for j, t in enumerate(token_ids):
+            t = int(t)
+            self.token_ids.append(t)
+            self._ids.append(t)
+            idx = self._append_text(self._step())
+            if idx is not None:
+                self.stop_match = StopMatch(self._matched, j, idx)
+                return self.stop_match
+        return None
+
+    def finish(self) -> StopMatch | None:
+        """Mark the sequence finished: flush a held partial character (as U+FFFD, as
+        ``tokenizer.decode`` would) and release held-back text. Returns a stop match only if
+        the flushed text completed one."""
+        if self.finished:
+            return None
+        match = None
+        if self.stop_match is None and self._read_offset < len(self._ids):
+            idx = self._append_text(self._step(force=True))
+            if idx is not None:
+                self.stop_match = match = StopMatch(self._matched, len(self.token_ids) - 1, idx)
+        self.finished = True
+        return match
+
+    @property
+    def output_text(self) -> str:
+        """All text decoded so far (complete characters only until :meth:`finish`); cut at
+        the stop string on a match. May end with a tail held back from streaming."""
+        return self._text
+
+    def _holdback(self) -> int:
+        if (
+            self.finished
+            or self.stop_match is not None
+            or not self.stop
+            or self.include_stop_str_in_output
+        ):
+            return 0
+        text = self._text
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    @property
+    def visible_text(self) -> str:
+        """Text that is safe to show now: :attr:`output_text` minus a tail that may still
+        become a stop string (nothing is held back once finished or stopped)."""
+        end = max(self._sent, len(self._text) - self._holdback())
+        return self._text[:end]
+
+    def take_delta(self) -> str:
+        """Text newly visible since the previous call (streaming). Concatenating every
+        delta, including one taken after a match or :meth:`finish`, gives the final
+        :attr:`output_text`."""
+        end = len(self.visible_text)
+        delta = self._text[self._sent : end]
+        self._sent = end
+        return delta
