@@ -239,7 +239,7 @@ class LLMEngine:
     def load_weights(self, weights) -> set[str]:
         """Load Hugging Face-named full tensors into the model (TP=1 path) and reset the
         prefix cache. Returns the consumed names."""
-        names = self.model.load_weights(weights)
+        names = self.executor.load_weights(weights)
         self.reset_prefix_cache()
         return names
 

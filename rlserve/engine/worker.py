@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from rlserve.config import EngineConfig, resolve_device, resolve_dtype
+from rlserve.distributed.parallel_state import tp_context
 from rlserve.engine.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,15 @@ class Worker:
         device: torch device for this rank (default: from ``config.device``).
     """
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, dp_index: int = 0, device=None):
+    def __init__(
+        self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, dp_index: int = 0, device=None, tp_group=None
+    ):
         from rlserve.loader import load_model
 
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.tp_group = tp_group
         self.dp_index = dp_index
         self.transfer_rank = 1 + dp_index * tp_size + tp_rank
         self.device = torch.device(device) if device is not None else resolve_device(config.device)
@@ -58,8 +62,13 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.extension_state: dict = {}
         torch.manual_seed(config.seed)
-        self.model = load_model(config, self.hf_config, self.device, self.dtype)
+        with self.tp():
+            self.model = load_model(config, self.hf_config, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+
+    def tp(self):
+        """Context manager: this worker's TP state for the current thread."""
+        return tp_context(self.tp_rank, self.tp_size, self.tp_group)
 
     # ---- KV cache sizing -------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -110,8 +119,16 @@ class Worker:
     # ---- execution --------------------------------------------------------------------
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step; returns logits ``[len(step.logits_indices), vocab]`` float32."""
-        return self.runner.execute(step)
+        with self.tp():
+            return self.runner.execute(step)
 
     def call(self, target: str, *args, **kwargs):
-        """Run ``function(self, *args, **kwargs)`` for the ``"module:function"`` target."""
-        return resolve_rpc_target(target)(self, *args, **kwargs)
+        """Run ``function(self, *args, **kwargs)`` for the ``"module:function"`` target,
+        inside this worker's TP context."""
+        with self.tp():
+            return resolve_rpc_target(target)(self, *args, **kwargs)
+
+    def load_weights(self, weights) -> set[str]:
+        """``model.load_weights`` inside this worker's TP context (each rank keeps its shard)."""
+        with self.tp():
+            return self.model.load_weights(weights)
