@@ -221,6 +221,7 @@ class LLMEngine:
             for s in req.seqs:
                 if not s.is_finished:
                     s.finish_reason = "abort"
+                    s.detokenizer.finish()
                     self.scheduler.finish(s)
             outs.append(self._make_output(req))
         return outs
@@ -353,11 +354,12 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             seq.finish_reason = "stop"
-        elif match is not None and n_out >= p.min_tokens:
-            seq.finish_reason, seq.stop_reason = "stop", match
+        elif match is not None:
+            seq.finish_reason, seq.stop_reason = "stop", match.stop_str
         elif n_out >= p.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            seq.detokenizer.finish()
             self.scheduler.finish(seq)
 
     def _make_output(self, req: Request) -> RequestOutput:
@@ -366,7 +368,7 @@ class LLMEngine:
             outs.append(
                 CompletionOutput(
                     index=s.index,
-                    text=s.detokenizer.output_text,
+                    text=s.detokenizer.visible_text,
                     token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob,
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,
