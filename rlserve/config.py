@@ -79,6 +79,9 @@ class EngineConfig:
         device_ids: GPUs to use (one per TP rank per replica), e.g. [0, 1].
         quantization: None or "fp8" (online W8A8).
         max_logprobs: largest ``logprobs`` a request may ask for.
+        skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs carry token ids
+            only (empty text), stop strings are refused. For benchmarks and token-in/token-out
+            RL loops.
     """
 
     model: str
@@ -101,6 +104,7 @@ class EngineConfig:
     device_ids: list[int] | None = None
     quantization: str | None = None
     max_logprobs: int = 20
+    skip_tokenizer_init: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -43,9 +43,24 @@ def _eos_token_ids(model_path: str, tokenizer, hf_config) -> set[int]:
         ids.add(e)
     elif e:
         ids.update(int(x) for x in e)
-    if not ids and tokenizer.eos_token_id is not None:
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+class _NullDetokenizer:
+    """Stands in for :class:`IncrementalDetokenizer` when there is no tokenizer."""
+
+    output_text = visible_text = ""
+
+    def add_tokens(self, token_ids):
+        return None
+
+    def finish(self):
+        return None
+
+    def take_delta(self) -> str:
+        return ""
 
 
 def _sub_seed(seed: int | None, index: int) -> int | None:
@@ -82,7 +97,7 @@ class LLMEngine:
                 executor = Worker(config, dp_index=dp_index)
         self.executor = executor
         self.hf_config = executor.hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.vocab_size = int(self.hf_config.vocab_size)
         max_pos = getattr(self.hf_config, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN)
         if config.max_model_len is None:
@@ -143,6 +158,8 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init): pass token ids")
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty")
             ids = self.tokenizer.encode(prompt)
@@ -191,16 +208,22 @@ class LLMEngine:
         for k in (params.logprobs, params.prompt_logprobs):
             if k is not None and k > self.config.max_logprobs:
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         seqs = []
         for i in range(params.n):
             p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=_sub_seed(params.seed, i))
             seq = Sequence(request_id, i, ids, p, self.config.block_size)
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
+            seq.detokenizer = (
+                _NullDetokenizer()
+                if self.tokenizer is None
+                else IncrementalDetokenizer(
+                    self.tokenizer,
+                    ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
             )
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
