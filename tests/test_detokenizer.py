@@ -196,3 +196,18 @@ def test_tiny_model_tokenizer_with_chat_prompt():
     assert match is None
     assert d.output_text == "".join(deltas) == tok.decode(out, skip_special_tokens=True)
     assert d.output_text.endswith("日本")
+
+
+def test_min_tokens_defers_stop_strings(tok):
+    from rlserve.engine.sampling_params import SamplingParams
+
+    ids = tok.encode("the end. the end. done")
+    n_first_end = next(k for k in range(len(ids) + 1) if "end" in tok.decode(ids[:k]))
+    p = SamplingParams(stop=["end"], min_tokens=n_first_end + 1, max_tokens=50)
+    d, deltas, match = stream(tok, ids, **{"stop": p.stop, "min_tokens": p.min_tokens})
+    assert match is not None and d.output_text == "the end. the " == "".join(deltas)
+    d2 = IncrementalDetokenizer.from_params(tok, [], p)
+    assert d2.min_tokens == p.min_tokens and d2.stop == ["end"]
+    # Without min_tokens the first occurrence stops.
+    d, _, match = stream(tok, ids, stop=["end"])
+    assert d.output_text == "the "

@@ -291,3 +291,17 @@ def test_prompt_logprobs_match_log_softmax():
 def test_batch_size_mismatch_raises():
     with pytest.raises(ValueError):
         Sampler(set(), V)(rand_logits(2), meta([SamplingParams()]))
+
+
+def test_top_k_mixed_rows():
+    row = rand_logits(1, seed=14)[0]
+    n = 200
+    logits = row.unsqueeze(0).repeat(n, 1)
+    params = [SamplingParams(temperature=3.0, top_k=3 if i % 2 else 0) for i in range(n)]
+    processed, _ = Sampler(set(), V).process_logits(logits, meta(params))
+    assert torch.isfinite(processed[0]).all()  # k = 0: unrestricted
+    assert torch.isfinite(processed[1]).sum() == 3
+    toks = Sampler(set(), V)(logits, meta(params)).token_ids.tolist()
+    allowed = set(row.topk(3).indices.tolist())
+    assert set(toks[1::2]) <= allowed
+    assert len(set(toks[0::2]) - allowed) > 0

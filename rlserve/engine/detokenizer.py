@@ -61,8 +61,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings (non-empty).
         include_stop_str_in_output: keep the matched stop string in the text.
+        min_tokens: stop strings are not searched while fewer than this many output tokens
+            were added (``SamplingParams.min_tokens``; text completed before that point is
+            never matched later, as in vLLM).
 
-    Usage by the engine, per step: ``match = detok.add_tokens([tok])``; if ``match`` finish
+    Build from request params with :meth:`from_params`. Usage by the engine, per step: ``match = detok.add_tokens([tok])``; if ``match`` finish
     with ``finish_reason="stop", stop_reason=match.stop_str``. When a sequence ends for any
     other reason call :meth:`finish` (flushes a trailing partial character). As in vLLM, a
     terminating EOS / ``stop_token_ids`` token should be passed to ``add_tokens`` only when
@@ -78,8 +81,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
+        self.min_tokens = int(min_tokens or 0)
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or ()) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -103,6 +108,18 @@ class IncrementalDetokenizer:
         self.stop_match: StopMatch | None = None
         self._matched = ""
         self.finished = False
+
+    @classmethod
+    def from_params(cls, tokenizer, prompt_token_ids: Sequence[int], params) -> "IncrementalDetokenizer":
+        """Build from a :class:`~rlserve.engine.sampling_params.SamplingParams`."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
 
     # ------------------------------------------------------------------ decoding
 
@@ -133,7 +150,7 @@ class IncrementalDetokenizer:
             return None
         old_len = len(self._text)
         self._text += delta
-        if not self.stop:
+        if not self.stop or len(self.token_ids) < self.min_tokens:
             return None
         start = max(0, old_len - self._max_stop_len + 1)
         best: tuple[int, str] | None = None

@@ -12,7 +12,9 @@ The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` 
    ``l -= frequency_penalty * count(token) + presence_penalty * (count(token) > 0)``.
 4. **temperature** — ``l /= T`` (greedy rows, ``T < 1e-5``, take the argmax of the
    logits after step 3 instead).
-5. **top-k** — keep the k largest (``k = 0`` or ``k >= V`` disables); exactly k survive.
+5. **top-k** — keep the k largest (``k = 0`` or ``k >= V`` disables); exactly k survive
+   when combined with top-p (sort path), ties with the k-th value survive when alone
+   (``torch.topk`` path).
 6. **top-p** — nucleus over the top-k-truncated distribution: a token survives if the
    probability mass of the tokens strictly more likely than it is ``< top_p``; the most
    likely token always survives (vLLM ``apply_top_k_top_p``).
@@ -201,6 +203,21 @@ def apply_top_k_top_p(
     return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
 
 
+def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """In place top-k without a full sort: ``torch.topk(max_k)`` gives each row's k-th
+    largest value; entries below it get ``-inf`` (entries tied with it are kept).
+
+    ``logits``: ``[B, V]`` float32; ``k``: ``LongTensor [B]`` in ``[1, V]`` (``V`` =
+    unrestricted row); ``max_k``: the largest ``k < V``, known on the host (no device sync).
+    """
+    V = logits.shape[1]
+    top = logits.topk(max_k, dim=-1, sorted=True).values
+    thresh = top.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    thresh = torch.where((k >= V).unsqueeze(1), torch.full_like(thresh, float("-inf")), thresh)
+    logits.masked_fill_(logits < thresh, float("-inf"))
+    return logits
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """In place: ``-inf`` where ``softmax(logits) < min_p * max(softmax(logits))``.
 
@@ -280,7 +297,10 @@ class Sampler:
         ps = [p.top_p if not g else 1.0 for g, p in zip(greedy, params)]
         k_t = torch.tensor(ks, dtype=torch.long).to(device, non_blocking=True) if any(k < V for k in ks) else None
         p_t = torch.tensor(ps, dtype=torch.float32).to(device, non_blocking=True) if any(q < 1.0 for q in ps) else None
-        x = apply_top_k_top_p(x, k_t, p_t)
+        if k_t is not None and p_t is None:
+            x = apply_top_k_only(x, k_t, max(k for k in ks if k < V))
+        else:
+            x = apply_top_k_top_p(x, k_t, p_t)
         mps = [p.min_p if not g else 0.0 for g, p in zip(greedy, params)]
         if any(m > 0 for m in mps):
             apply_min_p(x, torch.tensor(mps, dtype=torch.float32).to(device, non_blocking=True))
