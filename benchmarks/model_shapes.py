@@ -1,0 +1,69 @@
+"""Model shapes for benchmarks: Hugging Face configs of real models, built offline and
+saved (config.json only) so rlserve can serve them with ``load_format="dummy"`` and HF can
+build them with random weights. Numbers are the published configs of each model."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import LlamaConfig, Qwen3Config
+
+SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct
+    "smollm2-135m": lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    ),
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645, architectures=["Qwen3ForCausalLM"],
+    ),
+    # Qwen/Qwen3-1.7B
+    "qwen3-1.7b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645, architectures=["Qwen3ForCausalLM"],
+    ),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, architectures=["Qwen3ForCausalLM"],
+    ),
+}
+
+
+def shape_config(name: str):
+    """The ``transformers`` config of a named shape.
+
+    Raises:
+        KeyError: unknown shape (the message lists the known ones).
+    """
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    return SHAPES[name]()
+
+
+def save_shape(name: str, root: str) -> str:
+    """Write ``root/name/config.json`` (no weights, no tokenizer) and return the directory."""
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    shape_config(name).save_pretrained(path)
+    return path
+
+
+def num_params(name: str) -> int:
+    """Parameter count of a shape (from a meta-device build; nothing is allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(shape_config(name))
+    return sum(p.numel() for p in m.parameters())
