@@ -217,13 +217,7 @@ class LLMEngine:
             seq.detokenizer = (
                 _NullDetokenizer()
                 if self.tokenizer is None
-                else IncrementalDetokenizer(
-                    self.tokenizer,
-                    ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                )
+                else IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
             )
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
@@ -371,15 +365,17 @@ class LLMEngine:
                 for t, l in zip(top_ids[: p.logprobs], top_lps[: p.logprobs]):
                     d.setdefault(t, l)
             seq.logprobs.append(d)
-        match = seq.detokenizer.add_tokens([tok])
         n_out = seq.num_output_tokens
         if tok in p.stop_token_ids and n_out >= p.min_tokens:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             seq.finish_reason = "stop"
-        elif match is not None:
-            seq.finish_reason, seq.stop_reason = "stop", match.stop_str
-        elif n_out >= p.max_tokens or len(seq) >= self.max_model_len:
+        # a terminating EOS / stop token is text only when asked for (vLLM's rule)
+        if seq.finish_reason is None or p.include_stop_str_in_output:
+            match = seq.detokenizer.add_tokens([tok])
+            if match is not None and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", match.stop_str
+        if seq.finish_reason is None and (n_out >= p.max_tokens or len(seq) >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.detokenizer.finish()
