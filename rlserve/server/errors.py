@@ -1,0 +1,161 @@
+"""OpenAI-style error responses: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error the server returns goes through here, so clients written for the OpenAI API
+(the official ``openai`` package included) parse them: it raises ``BadRequestError`` (400),
+``AuthenticationError`` (401), ``PermissionDeniedError`` (403), ``NotFoundError`` (404),
+``ConflictError`` (409), ``InternalServerError`` (500, 503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rlserve.errors import (
+    InvalidRequestError,
+    RLServeError,
+    ModelUnavailableError,
+    WeightUpdateError,
+    WeightUpdateStateError,
+)
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """Raise from a route to answer with an OpenAI-style error.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable explanation (what was wrong and how to fix it).
+        param: the offending request field, if any.
+        code: machine-readable code (e.g. "model_not_found", "invalid_api_key").
+        type: error type (default from the status).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "error")
+
+
+def error_body(status: int, message: str, param=None, code=None, type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, param=None, code=None, type: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
+
+
+def exception_to_error(exc: BaseException) -> APIError:
+    """Map an exception raised while serving a request onto an :class:`APIError`."""
+    from rlserve.engine.async_engine import EngineDeadError, EngineStepError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, ModelUnavailableError):
+        return APIError(503, f"the model is unavailable: {exc}", code="model_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, WeightUpdateStateError):
+        return APIError(409, str(exc))
+    if isinstance(exc, WeightUpdateError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, (ValueError, TypeError)):  # e.g. a tokenizer/template refusing input
+        return APIError(400, f"{type(exc).__name__}: {exc}")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _loc_to_param(loc) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) if parts else None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            ctx = e.get("ctx") or {}
+            return f"request body is not valid JSON: {ctx.get('error', 'parse error')}", None
+    msgs = []
+    first_param = None
+    for e in errors[:5]:
+        param = _loc_to_param(e.get("loc", ()))
+        first_param = first_param or param
+        if e.get("type") == "missing":
+            msgs.append(f"missing required field {param!r}")
+        else:
+            got = e.get("input")
+            got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
+            msgs.append(f"{param or 'body'}: {e.get('msg')} (got {got_s})")
+    return "; ".join(msgs), first_param
+
+
+def _jsonable(x) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error OpenAI-shaped: validation (422 → 400), HTTP errors, our errors."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route {request.method} {request.url.path}"
+        return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.type)
+
+    @app.exception_handler(RLServeError)
+    async def _ours(request: Request, exc: RLServeError):
+        err = exception_to_error(exc)
+        return error_response(err.status, err.message, err.param, err.code, err.type)
+
+    @app.exception_handler(Exception)
+    async def _other(request: Request, exc: Exception):
+        err = exception_to_error(exc)
+        if err.status >= 500:
+            logger.error("error serving %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(err.status, err.message, err.param, err.code, err.type)

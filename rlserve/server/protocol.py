@@ -1,0 +1,112 @@
+"""Request bodies of the HTTP API (pydantic). Unknown fields are ignored, as OpenAI's own
+clients send fields a server may not know; mistyped known fields are a 400."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Sampling fields shared by completions and chat (OpenAI names + vLLM extensions)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
+    ids, or a list of token-id lists."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+
+
+class TRLGenerateRequest(_Body):
+    """TRL ``vllm-serve``'s ``POST /generate/`` body (plus ``prompt_ids`` / token-id prompts)."""
+
+    prompts: Optional[Union[list[str], list[list[int]]]] = None
+    prompt_ids: Optional[list[list[int]]] = None
+    images: Optional[list[Any]] = None
+    n: int = 1
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    logprobs: Optional[int] = 0
+    truncate_prompt_tokens: Optional[int] = None
+    guided_decoding_regex: Optional[str] = None
+    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class AbortRequestsBody(_Body):
+    """``POST /abort_requests`` body: ids to abort; none given = abort everything."""
+
+    request_ids: Optional[list[str]] = None
+
+
+PauseMode = Literal["abort", "wait", "keep"]

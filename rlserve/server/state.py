@@ -1,0 +1,220 @@
+"""What every route needs: the async engine, settings, metrics, and the request checks
+shared by the OpenAI and TRL routes (prompt tokenization and length checks, sampling
+parameters, logprob formatting)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import time
+from typing import Any, AsyncIterator
+
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.errors import InvalidRequestError
+from rlserve.server.errors import APIError
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    """HTTP-side settings.
+
+    Attributes:
+        model: the model path (or name) the engine was started with.
+        served_model_names: names accepted in the ``model`` field (first one is reported).
+        host / port: bind address.
+        api_key: Bearer key required on the generation routes (/v1, /generate/), or None.
+        admin_key: Bearer key required on control routes (pause, resume, weights, ...), or
+            None; without it control routes are only served on a loopback bind.
+        weight_transfer_config: the parsed ``--weight-transfer-config`` (None: weight-sync
+            routes are not mounted).
+        weight_staging: "none", "device" or "host".
+    """
+
+    model: str
+    served_model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_key: str | None = None
+    weight_transfer_config: dict | None = None
+    weight_staging: str = "none"
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1 (what only this machine can reach)."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def finite(x: float | None, floor: float = -9999.0) -> float | None:
+    """JSON-safe float: -inf → ``floor``, NaN → None."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return None
+    if math.isinf(x):
+        return floor if x < 0 else 9999.0
+    return x
+
+
+class ServerState:
+    """Shared state of one server (attached to ``app.state.rlserve``)."""
+
+    def __init__(self, aengine, settings: ServerSettings, metrics):
+        self.aengine = aengine
+        self.settings = settings
+        self.metrics = metrics
+        engine = aengine.engine
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = int(engine.vocab_size)
+        self.max_model_len = int(engine.max_model_len)
+        self.max_logprobs = int(getattr(aengine.config, "max_logprobs", 20))
+        self.started = time.time()
+        self.weight_manager = None
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    # ---- checks -----------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        """Returns the model name to report. Raises APIError 404 for an unknown name."""
+        if name is None or name in self.settings.served_model_names or name == self.settings.model:
+            return name or self.model_name
+        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.settings.served_model_names)}",
+                       param="model", code="model_not_found")
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Prompt → token ids, checking emptiness and the vocabulary.
+
+        Raises:
+            APIError 400: empty prompt, ids outside ``[0, vocab_size)``, non-int ids.
+        """
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise APIError(400, "prompt must not be empty", param=param)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if not ids:
+                raise APIError(400, "prompt tokenizes to no tokens", param=param)
+            return list(ids)
+        ids = list(prompt)
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param=param)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=param,
+                           code="invalid_token_id")
+        return ids
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+        """Returns the effective ``max_tokens`` (None → the rest of the context).
+
+        Raises:
+            APIError 400: the prompt leaves no room, or prompt + max_tokens > max_model_len.
+        """
+        if n_prompt >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                                f"has {n_prompt} tokens (at least one must be left for the output).",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return self.max_model_len - n_prompt
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param=param)
+        if n_prompt + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
+                                f"for the completion). Reduce the prompt or max_tokens.",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and not 0 <= k <= self.max_logprobs:
+            raise APIError(400, f"{param} must be in [0, {self.max_logprobs}], got {k}", param=param)
+
+    def sampling_params(self, **kw) -> SamplingParams:
+        """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400."""
+        defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                        presence_penalty=0.0, frequency_penalty=0.0)
+        args = {k: (defaults[k] if v is None and k in defaults else v) for k, v in kw.items()}
+        try:
+            return SamplingParams(**args)
+        except InvalidRequestError as e:
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=param if param.isidentifier() else None) from None
+        except TypeError as e:
+            raise APIError(400, f"bad sampling parameters: {e}") from None
+
+    # ---- token text -------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (cached)."""
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = s
+        return s
+
+    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0) -> dict:
+        """OpenAI completions ``logprobs`` object for ``token_ids``; ``logprobs[i]`` is
+        ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = text_offset0
+        for tid, d in zip(token_ids, logprobs or []):
+            s = self.token_text(tid)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            if d is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(finite(d.get(tid)))
+            top = {}
+            for t, lp in sorted(d.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token_text(t), finite(lp))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids, logprobs, top_k: int) -> dict:
+        """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        content = []
+        for tid, d in zip(token_ids, logprobs or []):
+            s = self.token_text(tid)
+            d = d or {}
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
+            content.append({
+                "token": s,
+                "logprob": finite(d.get(tid, float("-inf"))),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": self.token_text(t), "logprob": finite(lp), "bytes": list(self.token_text(t).encode("utf-8"))}
+                    for t, lp in top
+                ],
+            })
+        return {"content": content}
+
+    # ---- generation with metrics --------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       endpoint: str) -> AsyncIterator[Any]:
+        """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons)."""
+        t0 = time.monotonic()
+        ttft = None
+        last = None
+        try:
+            async for out in self.aengine.generate(prompt_ids, params, request_id):
+                if ttft is None and any(c.token_ids for c in out.outputs):
+                    ttft = time.monotonic() - t0
+                last = out
+                yield out
+        finally:
+            if last is not None and last.finished:
+                self.metrics.record_request(
+                    endpoint, [c.finish_reason for c in last.outputs], len(prompt_ids),
+                    sum(len(c.token_ids) for c in last.outputs), time.monotonic() - t0, ttft)
