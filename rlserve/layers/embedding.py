@@ -1,0 +1,133 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary of ``V`` rows is padded to a multiple of 64 and then to a multiple of the TP
+size, and split into equal contiguous ranges: rank ``r`` holds rows
+``[r*per, (r+1)*per)`` of the padded table (``per = padded / tp``); rows ``>= V`` are zero
+padding. A lookup masks ids outside the local range and sums the ranks' partial results
+with :func:`tp_all_reduce`; :meth:`VocabParallelEmbedding.compute_logits` gathers the
+per-rank logits along the vocabulary so every rank gets ``[N, V]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import Parameter
+
+from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
+
+DEFAULT_VOCAB_PADDING = 64
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary sharded over TP ranks.
+
+    Args:
+        num_embeddings: vocabulary size ``V`` (of the checkpoint).
+        embedding_dim: embedding width ``D``.
+        params_dtype: parameter dtype (default: ``torch.get_default_dtype()``).
+        padding_size: pad the vocabulary to a multiple of this before splitting.
+
+    Attributes:
+        weight: ``[per, D]`` this rank's rows (``weight.full_shape == (V, D)``).
+        vocab_start, vocab_end: the real (unpadded) vocabulary range ``[start, end)`` held here.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING, prefix: str = ""):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        padded = _round_up(_round_up(num_embeddings, padding_size), self.tp_size)
+        self.num_embeddings_padded = padded
+        self.num_embeddings_per_partition = padded // self.tp_size
+        self.vocab_start = min(self.tp_rank * self.num_embeddings_per_partition, num_embeddings)
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
+                                requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader, "output_dim": 0,
+                                       "full_shape": (num_embeddings, embedding_dim)})
+
+    def checkpoint_shapes(self, param_name: str) -> dict:
+        """``{None: full shape}`` of the HF tensor feeding ``param_name``."""
+        param = getattr(self, param_name)
+        return {None: tuple(getattr(param, "full_shape", param.shape))}
+
+    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Copy rows ``[vocab_start, vocab_end)`` of the full ``[V, D]`` tensor in place and zero
+        the padding rows. A 1-D parameter (an LM-head bias ``[per]``) is sliced the same way.
+
+        Raises:
+            ValueError: shape mismatch, non-float tensor or a shard id (nothing copied).
+        """
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: vocabulary embedding takes no shard id, got {shard_id!r}")
+        check_float(loaded_weight, self.prefix or "embedding")
+        full = tuple(getattr(param, "full_shape", (self.num_embeddings, *param.shape[1:])))
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(f"{self.prefix or 'embedding'}: expected full shape {full}, "
+                             f"got {tuple(loaded_weight.shape)}")
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded_weight[self.vocab_start:self.vocab_end])
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [...] int64`` (in ``[0, V)``) -> ``[..., D]`` in the parameter dtype."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mask, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
+        return tp_all_reduce(out)
+
+    def compute_logits(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Use this table as the output projection (tied or untied LM head).
+
+        Args:
+            hidden: ``[N, D]``.
+            bias: optional ``[per]`` local bias.
+        Returns:
+            ``[N, V]`` float32 logits over the full vocabulary, on every TP rank.
+        """
+        logits = F.linear(hidden, self.weight, bias)
+        logits = tp_all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings].float()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Untied output projection ``hidden [N, D] -> logits [N, V]`` (float32), vocab-sharded.
+
+    Args: as :class:`VocabParallelEmbedding`, plus ``bias`` (an ``[V]`` HF bias, sharded).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, padding_size: int = DEFAULT_VOCAB_PADDING,
+                 prefix: str = ""):
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix)
+        if bias:
+            self.bias = Parameter(torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                                  requires_grad=False)
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader, "output_dim": 0,
+                                         "full_shape": (num_embeddings,)})
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is an output projection; call compute_logits(hidden)")
+
+    def compute_logits(self, hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [N, D]`` -> ``[N, V]`` float32 (full vocabulary on every rank)."""
+        return super().compute_logits(hidden, self.bias if bias is None else bias)
+
+
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "default_weight_loader"]

@@ -1,0 +1,134 @@
+"""Rotary position embeddings (neox / ``rotate_half`` style, as in HF Llama, Qwen, Mistral).
+
+Supported ``rope_type``: ``default``, ``linear`` and ``llama3``; the frequencies are
+computed exactly as ``transformers.modeling_rope_utils`` does, in float32, and kept in a
+``[max_position, rotary_dim]`` cos/sin cache (float32, a non-persistent buffer, so it is
+never part of a checkpoint; HF's ``rotary_emb.inv_freq`` tensors are skipped by the models).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlserve.errors import UnsupportedArchitectureError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config) -> dict[str, Any]:
+    """Read the RoPE settings of a HF config as one dict with at least ``rope_type`` and
+    ``rope_theta``.
+
+    Transformers 5 stores them in ``config.rope_parameters`` (possibly per layer type, e.g.
+    ``{"full_attention": {...}}``); older configs use ``rope_theta`` + ``rope_scaling``.
+    """
+    rp = getattr(config, "rope_parameters", None)
+    params: dict[str, Any] = {}
+    if isinstance(rp, dict) and rp:
+        if "rope_theta" not in rp and "rope_type" not in rp and "full_attention" in rp:
+            rp = rp["full_attention"]
+        params.update(rp)
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and not params:
+        params.update(scaling)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None):
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    return params
+
+
+def compute_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """``[rotary_dim // 2]`` float32 inverse frequencies for ``params`` (see :func:`rope_parameters`).
+
+    Raises:
+        UnsupportedArchitectureError: for a rope type other than default, linear, llama3.
+    """
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise UnsupportedArchitectureError(
+        f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flat query/key tensors.
+
+    Args:
+        head_dim: per-head size.
+        rotary_dim: leading dims of each head that rotate (``head_dim`` unless partial).
+        max_position: positions ``[0, max_position)`` are cached.
+        params: rope settings (:func:`rope_parameters`).
+
+    ``forward(positions [T] int64, q [T, Hq*head_dim], k [T, Hk*head_dim]) -> (q, k)`` rotated,
+    same shapes and dtypes (cos/sin are cast to ``q.dtype`` before use, as in HF). Build the
+    module directly on its device (the loader does); casting the whole model with
+    ``.to(bfloat16)`` would round the float32 cache too.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]):
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and <= head_dim={head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.rope_type = params["rope_type"]
+        inv_freq = compute_inv_freq(rotary_dim, params)
+        t = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        x = x.view(T, -1, self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            return ((x * cos) + (_rotate_half(x) * sin)).reshape(T, -1)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        rot = (rot * cos) + (_rotate_half(rot) * sin)
+        return torch.cat((rot, rest), dim=-1).reshape(T, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, rot]
+        sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(head_dim: int, max_position: int, config) -> RotaryEmbedding:
+    """Build the :class:`RotaryEmbedding` described by a HF ``config``.
+
+    Raises:
+        UnsupportedArchitectureError: unsupported rope type.
+    """
+    params = rope_parameters(config)
+    rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, params)

@@ -1,0 +1,115 @@
+"""Build a model on its device and dtype and fill it: real checkpoint weights or dummy ones."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from rlserve.loader.checkpoint import iterate_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Temporarily ``torch.set_default_dtype(dtype)``."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(hf_config, device: torch.device | str, dtype: torch.dtype, quant_config=None) -> nn.Module:
+    """Instantiate the registry's class for ``hf_config`` directly on ``device`` in ``dtype``
+    (parameters uninitialized except norms / embeddings), in eval mode, no grads.
+
+    Raises:
+        UnsupportedArchitectureError: unknown architecture.
+    """
+    from rlserve.models.registry import get_model_class
+
+    cls = get_model_class(hf_config)
+    with torch.device(device), default_dtype(dtype):
+        model = cls(hf_config, quant_config=quant_config)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Random weights of the right shapes, like vLLM's ``--load-format dummy``: every
+    parameter ~ U(low, high) from a generator seeded with ``seed`` (in ``named_parameters``
+    order, so the result is reproducible), except norm weights = 1 and norm biases = 0."""
+    from rlserve.layers.norm import RMSNorm
+
+    norm_params = set()
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, nn.LayerNorm)):
+            if getattr(module, "weight", None) is not None:
+                module.weight.data.fill_(1.0)
+                norm_params.add(id(module.weight))
+            if getattr(module, "bias", None) is not None:
+                module.bias.data.zero_()
+                norm_params.add(id(module.bias))
+    generators: dict[torch.device, torch.Generator] = {}
+    for _, param in model.named_parameters():
+        if id(param) in norm_params or not torch.is_floating_point(param):
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        if param.element_size() < 2:  # fp8 and friends: draw in float16, then cast
+            tmp = torch.empty(param.shape, dtype=torch.float16, device=param.device).uniform_(low, high, generator=gen)
+            param.data.copy_(tmp)
+        else:
+            param.data.uniform_(low, high, generator=gen)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Run every layer's ``quant_method.process_weights_after_loading`` (after the initial load;
+    a weight sync must call it again after each update)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype, quant_config=None) -> nn.Module:
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and load its weights.
+
+    Args:
+        config: :class:`rlserve.config.EngineConfig` (``model`` = checkpoint directory,
+            ``load_format``, ``seed``).
+        hf_config: the Hugging Face config.
+        device / dtype: where and in which dtype the parameters live.
+        quant_config: optional quantization config passed to the model.
+
+    Returns:
+        The model in eval mode. With ``load_format="dummy"`` its weights are random
+        (:func:`initialize_dummy_weights`, seeded by ``config.seed``); otherwise they come from
+        the checkpoint through ``model.load_weights``.
+
+    Raises:
+        UnsupportedArchitectureError: unknown architecture.
+        FileNotFoundError: no checkpoint files.
+        KeyError / ValueError: a checkpoint tensor the model does not know / of the wrong shape.
+        ValueError: the checkpoint lacks required tensors (all missing names are listed).
+    """
+    model = build_model(hf_config, device, dtype, quant_config)
+    if config.load_format == "dummy":
+        initialize_dummy_weights(model, seed=config.seed)
+    else:
+        loaded = model.load_weights(iterate_checkpoint(config.model, config.load_format))
+        missing = sorted(model.required_checkpoint_names() - set(loaded))
+        if missing:
+            raise ValueError(f"checkpoint {config.model!r} is missing {len(missing)} required tensor(s): "
+                             + ", ".join(missing))
+        logger.info("loaded %d tensors from %s", len(loaded), config.model)
+    process_weights_after_loading(model)
+    return model
