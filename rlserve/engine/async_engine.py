@@ -445,6 +445,10 @@ class AsyncEngine:
         with self._lock:
             return sum(r.load for r in self._replicas) + len(self._held)
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests in flight or held, in arrival order."""
+        return list(self._requests)
+
     @property
     def num_held(self) -> int:
         return len(self._held)

@@ -66,9 +66,12 @@ def error_body(status: int, message: str, param=None, code=None, type: str | Non
                       "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param=None, code=None, type: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
+def _error_response(status: int, message: str, param=None, code=None, type: str | None = None,
+                    headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
+
+
+error_response = _error_response
 
 
 def exception_to_error(exc: BaseException) -> APIError:
@@ -129,8 +132,17 @@ def _jsonable(x) -> bool:
         return False
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Make every error OpenAI-shaped: validation (422 → 400), HTTP errors, our errors."""
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """Make every error OpenAI-shaped: validation (422 → 400), HTTP errors, our errors.
+    ``on_error(status)`` is called for each error answered (metrics)."""
+
+    def error_response(status, *args, **kwargs):
+        if on_error is not None:
+            try:
+                on_error(status)
+            except Exception:  # noqa: BLE001 - metrics must not break error replies
+                pass
+        return _error_response(status, *args, **kwargs)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

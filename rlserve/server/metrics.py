@@ -1,7 +1,8 @@
 """Prometheus metrics (``GET /metrics``), on a registry of their own (several servers can
 live in one process, e.g. in tests).
 
-Names (prefix ``rlserve_``): ``requests_total{endpoint,finish_reason}``,
+Names (prefix ``rlserve_``): ``requests_total{endpoint}`` (finished requests, one per
+prompt), ``sequences_finished_total{finish_reason}`` (one per sample),
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_errors_total{status}``,
 ``e2e_request_latency_seconds`` and ``time_to_first_token_seconds`` (histograms, seconds),
 ``num_requests_running``, ``num_requests_waiting`` (engine queues), ``num_requests_held``
@@ -12,8 +13,11 @@ Names (prefix ``rlserve_``): ``requests_total{endpoint,finish_reason}``,
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported)
+
+prometheus_client.disable_created_metrics()  # no *_created series: they double the output
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -27,8 +31,10 @@ class ServerMetrics:
         r = self.registry
         lbl = ["model_name"]
         self.model_name = model_name
-        self.requests = Counter("rlserve_requests", "Finished generation requests.",
-                                lbl + ["endpoint", "finish_reason"], registry=r)
+        self.requests = Counter("rlserve_requests", "Finished generation requests (one per prompt).",
+                                lbl + ["endpoint"], registry=r)
+        self.sequences = Counter("rlserve_sequences_finished", "Finished samples (n per request), by finish reason.",
+                                 lbl + ["finish_reason"], registry=r)
         self.errors = Counter("rlserve_request_errors", "Requests answered with an error.", lbl + ["status"],
                               registry=r)
         self.prompt_tokens = Counter("rlserve_prompt_tokens", "Prompt tokens of finished requests.", lbl,
@@ -55,8 +61,9 @@ class ServerMetrics:
     def record_request(self, endpoint: str, finish_reasons: list, prompt_tokens: int, generation_tokens: int,
                        e2e_s: float | None, ttft_s: float | None) -> None:
         m = self.model_name
-        for fr in finish_reasons or ["none"]:
-            self.requests.labels(m, endpoint, fr or "none").inc()
+        self.requests.labels(m, endpoint).inc()
+        for fr in finish_reasons:
+            self.sequences.labels(m, fr or "none").inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(generation_tokens)
         if e2e_s is not None:

@@ -424,7 +424,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
         return sse(c)
 
     first = {"role": "assistant", "content": ""}
-    yield chunk([{"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None} for i in range(n)])
+    version = state.aengine.weight_version
+    yield chunk([{"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None,
+                  "weight_version": version} for i in range(n)])
     agen = merge_generators([gen])
     try:
         async for _, out in agen:

@@ -1,0 +1,71 @@
+"""``rlserve`` command line: one module per subcommand under ``rlserve/cli/``.
+
+A subcommand module (e.g. ``rlserve/cli/serve.py``) defines::
+
+    def register(subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser("NAME", help="...")
+        ...                      # its flags
+        p.set_defaults(func=run)  # run(args) -> int exit status
+
+and is found automatically (modules whose name starts with ``_`` are skipped). A module
+that fails to import is reported on ``--help`` instead of breaking the other commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+# Subcommands listed first in --help, in this order; others follow alphabetically.
+_ORDER = ("serve", "demo", "download", "bench")
+
+
+def _subcommand_modules() -> list[str]:
+    names = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    return sorted(names, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every importable subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="rlserve",
+        description="rlserve: LLM inference server for RL post-training (OpenAI API, TRL protocol, weight sync).",
+    )
+    from rlserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    broken = []
+    for name in _subcommand_modules():
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except Exception as e:  # noqa: BLE001 - one broken subcommand must not hide the others
+            broken.append(f"{name} ({type(e).__name__}: {e})")
+            continue
+        register = getattr(mod, "register", None)
+        if callable(register):
+            register(sub)
+    if broken:
+        parser.epilog = "unavailable subcommands: " + "; ".join(broken)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlserve`` script and ``python -m rlserve``. Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        rc = func(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

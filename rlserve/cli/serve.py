@@ -1,0 +1,189 @@
+"""``rlserve serve MODEL``: the OpenAI-compatible HTTP server (flags named as vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+logger = logging.getLogger("rlserve.serve")
+
+
+def _device_ids(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {value!r}") from None
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"backend\": \"nccl\"}}', got {value!r}")
+    return obj
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags (vLLM's names), shared with other subcommands that start an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, "
+                                                   "the checkpoint's 16-bit dtype on GPU)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
+                   help="dummy = random weights of the right shapes")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size in bytes on CPU")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes")
+    g.add_argument("--seed", type=int, default=0, help="global seed (dummy weights, unseeded sampling)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind one server (requests balanced by load)")
+    g.add_argument("--device-ids", type=_device_ids, default=None,
+                   help="GPUs to use, comma-separated (TP x DP of them), e.g. 0,1")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8"], help="online fp8 (W8A8)")
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs a request may ask")
+
+
+def engine_config_from_args(args, model_path: str):
+    """EngineConfig from parsed flags. Raises InvalidRequestError for a bad combination."""
+    from rlserve.config import EngineConfig
+
+    return EngineConfig(
+        model=model_path, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size, device_ids=args.device_ids, quantization=args.quantization,
+        max_logprobs=args.max_logprobs,
+    )
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over HTTP (OpenAI API, TRL protocol, weight sync)",
+        description="Serve MODEL (a local Hugging Face directory, or 'default' for SmolLM2-135M-Instruct) over "
+                    "HTTP: /v1/completions, /v1/chat/completions, TRL's /generate/, pause/resume and weight-sync "
+                    "control routes, /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default=None, help="model directory or 'default'")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all interfaces)")
+    s.add_argument("--port", type=int, default=8000, help="port (0 = pick a free one; the ready line says which)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) accepted in the 'model' field (default: the MODEL argument)")
+    s.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
+                   help="Bearer key for /v1 and /generate/ (env RLSERVE_API_KEY)")
+    s.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
+                   help="Bearer key for control routes (pause/resume/abort/weights; env RLSERVE_ADMIN_KEY). "
+                        "Without it, control routes only work on a loopback --host")
+    s.add_argument("--weight-transfer-config", type=_json_object, default=None,
+                   help='enable weight sync, e.g. \'{"backend": "nccl"}\' (nccl | gloo | ipc)')
+    s.add_argument("--weight-staging", default="none", choices=["none", "device", "host"],
+                   help="none: update in place while paused; device/host: receive into a staging copy while "
+                        "generating, then commit with one copy")
+    s.add_argument("--weight-version", default="0", help="initial weight version reported on every completion")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _resolve_model(name: str) -> str:
+    try:
+        from rlserve.download import resolve_model
+    except ImportError:
+        return name
+    return resolve_model(name)
+
+
+def run(args) -> int:
+    """Load the engine, then serve until SIGINT/SIGTERM. Returns the exit status."""
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from rlserve.errors import RLServeError
+
+    model_arg = args.model_flag or args.model or "default"
+    try:
+        model_path = _resolve_model(model_arg)
+        config = engine_config_from_args(args, model_path)
+    except (RLServeError, ValueError, OSError) as e:
+        print(f"rlserve serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.weight_transfer_config is not None and "backend" not in args.weight_transfer_config:
+        print("rlserve serve: error: --weight-transfer-config needs a \"backend\" (nccl | gloo | ipc)", file=sys.stderr)
+        return 2
+
+    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.server.app import build_app
+    from rlserve.server.state import ServerSettings, is_loopback
+
+    logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
+                config.data_parallel_size, config.dtype, config.device)
+    try:
+        aengine = AsyncEngine(config, weight_version=args.weight_version)
+    except (RLServeError, ValueError, OSError) as e:
+        print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
+        return 1
+    settings = ServerSettings(
+        model=model_arg, served_model_names=args.served_model_name or [model_arg], host=args.host, port=args.port,
+        api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
+        weight_staging=args.weight_staging,
+    )
+    if settings.admin_key is None and not is_loopback(args.host):
+        logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403",
+                       args.host)
+    try:
+        app = build_app(aengine, settings)
+        return asyncio.run(_serve(app, args))
+    finally:
+        aengine.shutdown()
+
+
+async def _serve(app, args) -> int:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+
+    async def announce():
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        port = args.port
+        try:
+            port = server.servers[0].sockets[0].getsockname()[1]
+        except (IndexError, AttributeError):
+            pass
+        host = args.host if ":" not in args.host else f"[{args.host}]"
+        url = f"http://{host}:{port}"
+        st = app.state.rlserve
+        print(f"rlserve: serving {st.settings.model!r} as {st.model_name!r} on {url} "
+              f"(OpenAI API at {url}/v1, weight version {st.aengine.weight_version})", flush=True)
+        logger.info("ready: %s", url)
+
+    task = asyncio.create_task(announce())
+    await server.serve()
+    task.cancel()
+    return 0 if server.started else 1

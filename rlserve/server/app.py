@@ -1,0 +1,90 @@
+"""The FastAPI application: OpenAI routes, TRL routes, control routes, metrics, and (with
+``--weight-transfer-config``) the weight-sync routes of ``rlserve.server.weight_routes``.
+
+Route protection:
+
+=========================================  ==================
+``/v1/*``, ``/generate/``                   ``--api-key``
+``/pause``, ``/resume``,                    ``--admin-key`` (or loopback bind)
+``/reset_prefix_cache[/]``,
+``/abort_requests``, weight-sync routes
+``/health[/]``, ``/get_world_size[/]``,     open
+``/server_info``, ``/is_paused``,
+``/metrics``, ``/version``
+=========================================  ==================
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Depends, FastAPI
+
+import rlserve
+from rlserve.server.auth import require_admin, require_api_key
+from rlserve.server.control_routes import make_admin_router, make_public_router, make_trl_router
+from rlserve.server.errors import install_error_handlers
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.openai_routes import make_openai_router
+from rlserve.server.state import ServerSettings, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI:
+    """Build the HTTP app around a started :class:`~rlserve.engine.async_engine.AsyncEngine`.
+
+    Args:
+        aengine: the async engine (owned by the caller, who shuts it down).
+        settings: HTTP settings (keys, names, bind address, weight-transfer config).
+        weight_manager: the weight-sync manager to expose; default: built from
+            ``settings.weight_transfer_config`` when it is set (see :func:`mount_weight_routes`).
+
+    Returns:
+        the FastAPI app; ``app.state.rlserve`` is the :class:`ServerState`.
+    """
+    metrics = ServerMetrics(settings.served_model_names[0])
+    state = ServerState(aengine, settings, metrics)
+    app = FastAPI(title="rlserve", version=rlserve.__version__)
+    app.state.rlserve = state
+    install_error_handlers(app, on_error=metrics.record_error)
+    api_deps = [Depends(require_api_key(settings))]
+    admin_deps = [Depends(require_admin(settings))]
+    app.include_router(make_public_router(state))
+    app.include_router(make_openai_router(state, api_deps))
+    app.include_router(make_trl_router(state, api_deps))
+    app.include_router(make_admin_router(state, admin_deps))
+    if settings.weight_transfer_config is not None or weight_manager is not None:
+        mount_weight_routes(app, state, admin_deps, weight_manager)
+    return app
+
+
+def mount_weight_routes(app: FastAPI, state: ServerState, admin_deps: list, weight_manager=None) -> None:
+    """Mount the weight-sync router (owned by the transfer layer) behind the admin check.
+
+    ---- WEIGHT-SYNC HOOK ----------------------------------------------------------------
+    The transfer layer provides ``rlserve.server.weight_routes.make_weight_router(manager,
+    dependencies=[...])`` and a manager built from the async engine and the
+    ``--weight-transfer-config`` / ``--weight-staging`` settings. Until that module exists the
+    server starts without the weight routes and logs a warning.
+    ----------------------------------------------------------------------------------------
+
+    Raises:
+        RuntimeError: the transfer layer is present but refuses the configuration.
+    """
+    try:
+        from rlserve.server import weight_routes
+    except ImportError as e:
+        logger.warning("weight-sync routes are not available (%s); serving without them", e)
+        return
+    if weight_manager is None:
+        make_manager = getattr(weight_routes, "make_weight_manager", None)
+        if make_manager is None:
+            logger.warning("rlserve.server.weight_routes has no make_weight_manager(); weight routes not mounted")
+            return
+        weight_manager = make_manager(state.aengine, state.settings.weight_transfer_config,
+                                      staging=state.settings.weight_staging)
+    state.weight_manager = weight_manager
+    app.include_router(weight_routes.make_weight_router(weight_manager, dependencies=admin_deps))
+    logger.info("weight-sync routes mounted (config %s, staging %s)", state.settings.weight_transfer_config,
+                state.settings.weight_staging)

@@ -1,0 +1,212 @@
+"""Health, info, metrics (open) and generation control (admin): pause/resume, prefix-cache
+reset, abort. Also TRL ``vllm-serve``'s aliases (``/health/``, ``/get_world_size/``,
+``/reset_prefix_cache/``) and its ``/generate/``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Optional
+
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+import rlserve
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.server.errors import APIError
+from rlserve.server.metrics import CONTENT_TYPE_LATEST
+from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
+from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
+from rlserve.server.state import ServerState, finite
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _world_size(state: ServerState) -> int:
+    cfg = state.aengine.config
+    return int(cfg.tensor_parallel_size) * int(cfg.data_parallel_size)
+
+
+def _dtype_name(state: ServerState) -> str:
+    dt = getattr(state.aengine.engine, "dtype", None)
+    return str(dt).replace("torch.", "") if dt is not None else str(state.aengine.config.dtype)
+
+
+def server_info(state: ServerState) -> dict:
+    """What ``GET /server_info`` answers."""
+    cfg = state.aengine.config
+    eng = state.aengine.engine
+    return {
+        "model": state.settings.model,
+        "served_model_name": state.model_name,
+        "served_model_names": list(state.settings.served_model_names),
+        "version": rlserve.__version__,
+        "rlserve_version": rlserve.__version__,
+        "weight_version": state.aengine.weight_version,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "data_parallel_size": cfg.data_parallel_size,
+        "world_size": _world_size(state),
+        "dtype": _dtype_name(state),
+        "quantization": cfg.quantization,
+        "device": str(getattr(eng, "device", cfg.device)),
+        "max_model_len": state.max_model_len,
+        "vocab_size": state.vocab_size,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "weight_transfer_config": state.settings.weight_transfer_config,
+        "weight_staging": state.settings.weight_staging,
+        "is_paused": state.aengine.is_paused(),
+        "unavailable_reason": state.aengine.unavailable_reason,
+    }
+
+
+def make_public_router(state: ServerState) -> APIRouter:
+    """Routes open to anyone who can reach the server (read-only)."""
+    router = APIRouter()
+
+    async def health():
+        aeng = state.aengine
+        if not aeng.is_alive():
+            return JSONResponse({"status": "dead", "reason": "engine threads are not running"}, status_code=503)
+        if aeng.unavailable_reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason}, status_code=503)
+        return {"status": "ok"}
+
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/health/", health, methods=["GET"], include_in_schema=False)
+
+    async def get_world_size():
+        return {"world_size": _world_size(state)}
+
+    router.add_api_route("/get_world_size", get_world_size, methods=["GET"])
+    router.add_api_route("/get_world_size/", get_world_size, methods=["GET"], include_in_schema=False)
+
+    @router.get("/server_info")
+    async def get_server_info():
+        return server_info(state)
+
+    @router.get("/version")
+    async def version():
+        return {"version": rlserve.__version__}
+
+    @router.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": state.aengine.is_paused(), "mode": state.aengine.pause_mode}
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(state.aengine), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
+    """Generation control, behind ``dependencies`` (the admin check)."""
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/pause")
+    async def pause(mode: str = Query("abort", description="abort | wait | keep"),
+                    clear_cache: bool = Query(False), timeout: Optional[float] = Query(None, gt=0)):
+        """Pause generation (see AsyncEngine.pause). Returns when the pause has taken
+        effect. 400 for an unknown mode; 504 when ``timeout`` seconds pass first (the
+        server stays paused)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
+        try:
+            await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; generation stays paused",
+                           code="timeout") from None
+        return {"status": "paused", "mode": mode, "clear_cache": clear_cache}
+
+    @router.post("/resume")
+    async def resume():
+        await state.aengine.resume()
+        return {"status": "resumed"}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await state.aengine.reset_prefix_cache()
+        return {"status": "ok"}
+
+    @router.post("/reset_prefix_cache/", include_in_schema=False)
+    async def reset_prefix_cache_trl():
+        await state.aengine.reset_prefix_cache()
+        return {"message": "Request received, resetting prefix cache status: True"}
+
+    @router.post("/abort_requests")
+    async def abort_requests(body: Optional[AbortRequestsBody] = Body(None)):
+        """Abort requests by id (a response id such as ``cmpl-...`` aborts all of its
+        prompts), or every request when no ids are given. Returns how many were aborted."""
+        aeng = state.aengine
+        if body is None or body.request_ids is None:
+            n = await aeng.abort_all()
+            return {"status": "ok", "aborted": n}
+        wanted = set(body.request_ids)
+        ids = [r for r in aeng.request_ids() if r in wanted or r.rsplit("-", 1)[0] in wanted]
+        await aeng.abort(ids)
+        return {"status": "ok", "aborted": len(ids)}
+
+    return router
+
+
+def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
+    """TRL ``vllm-serve``'s ``POST /generate/`` (behind the API-key check)."""
+    router = APIRouter(dependencies=dependencies)
+
+    @router.post("/generate/")
+    async def generate(body: TRLGenerateRequest, raw: Request):
+        """TRL protocol: ``prompts`` (strings or token-id lists) or ``prompt_ids`` plus
+        sampling fields → ``{"prompt_ids", "completion_ids", "logprobs", "weight_version"}``;
+        ``completion_ids`` holds ``n`` entries per prompt, prompt-major; ``logprobs`` holds
+        the sampled tokens' logprobs (None when ``logprobs`` is null)."""
+        if body.images:
+            raise APIError(400, "images are not supported", param="images")
+        if body.guided_decoding_regex:
+            raise APIError(400, "guided decoding is not supported", param="guided_decoding_regex")
+        prompts = body.prompt_ids if body.prompt_ids is not None else body.prompts
+        if not prompts:
+            raise APIError(400, "prompts (or prompt_ids) must be a non-empty list", param="prompts")
+        extra = dict(body.generation_kwargs or {})
+        unknown = sorted(set(extra) - _SAMPLING_FIELDS)
+        if unknown:
+            raise APIError(400, f"unknown generation_kwargs {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}",
+                           param="generation_kwargs")
+        state.check_logprobs(body.logprobs, "logprobs")
+        fields = dict(n=body.n, repetition_penalty=body.repetition_penalty, temperature=body.temperature,
+                      top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, max_tokens=body.max_tokens,
+                      logprobs=body.logprobs)
+        fields.update(extra)
+        items = []
+        for i, p in enumerate(prompts):
+            ids = state.tokenize(p, param=f"prompts.{i}")
+            if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
+                ids = ids[-body.truncate_prompt_tokens:]
+            max_tokens = state.check_length(len(ids), fields.get("max_tokens"))
+            items.append((ids, state.sampling_params(**dict(fields, max_tokens=max_tokens))))
+        rid = f"trl-{uuid.uuid4().hex[:24]}"
+        gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate") for i, (ids, params) in enumerate(items)]
+        try:
+            finals = await unless_disconnected(raw, collect_final(gens))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        completion_ids, logprobs = [], []
+        for out in finals:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_ids.append(list(c.token_ids))
+                if body.logprobs is not None:
+                    logprobs.append([finite(d.get(t)) if d else None for t, d in zip(c.token_ids, c.logprobs or [])])
+        versions = []
+        for out in finals:
+            for v in getattr(out, "weight_versions", None) or []:
+                if v not in versions:
+                    versions.append(v)
+        return {
+            "prompt_ids": [list(ids) for ids, _ in items],
+            "completion_ids": completion_ids,
+            "logprobs": logprobs if body.logprobs is not None else None,
+            "weight_version": versions[-1] if versions else state.aengine.weight_version,
+            "weight_versions": versions,
+        }
+
+    return router
