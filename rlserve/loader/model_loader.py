@@ -61,12 +61,18 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
     for _, param in model.named_parameters():
         if id(param) in norm_params or not torch.is_floating_point(param):
             continue
+        if getattr(param, "not_in_checkpoint", False):  # derived (fp8 scales): set by its weight's loader
+            continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         if param.element_size() < 2:  # fp8 and friends: draw in float16, then cast
             tmp = torch.empty(param.shape, dtype=torch.float16, device=param.device).uniform_(low, high, generator=gen)
-            param.data.copy_(tmp)
+            dummy_loader = getattr(param, "dummy_weight_loader", None)  # fp8: quantize, set scales
+            if dummy_loader is not None:
+                dummy_loader(tmp)
+            else:
+                param.data.copy_(tmp)
         else:
             param.data.uniform_(low, high, generator=gen)
 
@@ -88,7 +94,8 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
             ``load_format``, ``seed``).
         hf_config: the Hugging Face config.
         device / dtype: where and in which dtype the parameters live.
-        quant_config: optional quantization config passed to the model.
+        quant_config: optional quantization config passed to the model (default: from
+            ``config.quantization``, e.g. :class:`rlserve.layers.fp8.Fp8Config` for "fp8").
 
     Returns:
         The model in eval mode. With ``load_format="dummy"`` its weights are random
@@ -101,6 +108,10 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
         KeyError / ValueError: a checkpoint tensor the model does not know / of the wrong shape.
         ValueError: the checkpoint lacks required tensors (all missing names are listed).
     """
+    if quant_config is None and getattr(config, "quantization", None):
+        from rlserve.layers.fp8 import get_quant_config
+
+        quant_config = get_quant_config(config.quantization)
     model = build_model(hf_config, device, dtype, quant_config)
     if config.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.seed)
