@@ -155,9 +155,11 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_model, llms):
         ([5, -1], SamplingParams()),
         ("hi", SamplingParams(max_tokens=eng.max_model_len)),
     ]
-    for prompt, sp in bad:
+    for i, (prompt, sp) in enumerate(bad):
         with pytest.raises(InvalidRequestError):
-            llm.generate(prompt, sp)
+            eng.add_request(f"bad-{i}", prompt, sp)
+    with pytest.raises(InvalidRequestError):  # one bad prompt in a batch: nothing is queued
+        llm.generate(["fine", [5, vocab]], SamplingParams(max_tokens=2))
     for kwargs in ({"max_tokens": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -0.5}, {"n": 0}):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**kwargs)

@@ -108,7 +108,7 @@ class Scheduler:
         self.running = decode
         if not decode:
             return None
-        return ScheduledBatch(decode, is_prefill=False)
+        return ScheduledBatch(list(decode), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
