@@ -97,8 +97,19 @@ def exception_to_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
 def _loc_to_param(loc) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    """pydantic error location → dotted field name, cut at the first union-member tag
+    (``('body', 'prompt', 'list[int]', 3)`` → ``prompt``)."""
+    parts = []
+    for p in loc:
+        if p in ("body", "query", "path", "header") and not parts:
+            continue
+        if isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p):
+            break
+        parts.append(str(p))
     return ".".join(parts) if parts else None
 
 
@@ -110,18 +121,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             ctx = e.get("ctx") or {}
             return f"request body is not valid JSON: {ctx.get('error', 'parse error')}", None
+    by_param: dict = {}
+    for e in errors:
+        by_param.setdefault(_loc_to_param(e.get("loc", ())), []).append(e)
     msgs = []
-    first_param = None
-    for e in errors[:5]:
-        param = _loc_to_param(e.get("loc", ()))
-        first_param = first_param or param
+    for param, errs in list(by_param.items())[:5]:
+        e = errs[0]
+        got = e.get("input")
+        got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
         if e.get("type") == "missing":
             msgs.append(f"missing required field {param!r}")
+        elif len(errs) > 1:  # a union: no member matched
+            msgs.append(f"{param or 'body'}: invalid type or value (got {got_s})")
         else:
-            got = e.get("input")
-            got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
             msgs.append(f"{param or 'body'}: {e.get('msg')} (got {got_s})")
-    return "; ".join(msgs), first_param
+    return "; ".join(msgs), next(iter(by_param))
 
 
 def _jsonable(x) -> bool:
