@@ -264,11 +264,10 @@ def test_dummy_load_shapes_and_finite_outputs(arch, tiny_dirs):
 
 # ---- tensor parallelism over gloo (2 CPU processes) -------------------------------------
 
-def _tp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, port: int, paths: list[str], results: dict) -> None:
     from rlserve.distributed.group import StandaloneGroup
     from rlserve.distributed.parallel_state import tp_context
 
-    torch.set_num_threads(1)
     group = StandaloneGroup("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
     try:
         with tp_context(rank, world, group):
@@ -280,27 +279,38 @@ def _tp_worker(rank: int, world: int, port: int, paths: list[str], out_dir: str)
                 seqs[0].append(7)
                 seqs[1].append(9)
                 dec = _run_step(model, seqs, [1, 1], [[0, 1], [2]])
-                torch.save({"prefill": logits, "decode": dec}, os.path.join(out_dir, f"{i}_{rank}.pt"))
+                results[(i, rank)] = (logits, dec)
+    except BaseException as e:  # surfaced by the test
+        results[("error", rank)] = e
+        raise
     finally:
         group.destroy()
 
 
-@pytest.mark.slow
-def test_tensor_parallel_2_matches_tp1(tmp_path):
-    """TP=2 over gloo gives the TP=1 logits: q/k/v bias + untied head (qwen2), replicated KV
-    heads (1 KV head over 2 ranks), tied vocab-parallel head with project_in/out (opt_proj)."""
-    import torch.multiprocessing as mp
+def test_tensor_parallel_2_matches_tp1(tmp_path, tiny_dirs):
+    """TP=2 over gloo (one thread per rank; the TP state is per thread) gives the TP=1
+    logits: q/k/v bias + untied head (qwen2), replicated KV heads (1 KV head over 2 ranks),
+    tied vocab-parallel head with project_in/out (opt_proj)."""
+    import threading
 
     from rlserve.distributed.group import get_open_port
 
     paths = [
-        make_tiny_model("qwen2", tmp_path / "q2", num_hidden_layers=1),
+        tiny_dirs("qwen2"),
         make_tiny_model("llama_tied", tmp_path / "kv1", num_hidden_layers=1, num_key_value_heads=1),
-        make_tiny_model("opt_proj", tmp_path / "op", num_hidden_layers=1),
+        tiny_dirs("opt_proj"),
     ]
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.start_processes(_tp_worker, args=(2, get_open_port(), paths, str(out)), nprocs=2, start_method="spawn")
+    results: dict = {}
+    port = get_open_port()
+    threads = [threading.Thread(target=_tp_worker, args=(r, 2, port, paths, results), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "TP worker threads hung"
+    errors = [v for k, v in results.items() if k[0] == "error"]
+    if errors:
+        raise errors[0]
     for i, path in enumerate(paths):
         model, cfg = _load(path)
         _bind_cache(model)
@@ -310,6 +320,6 @@ def test_tensor_parallel_2_matches_tp1(tmp_path):
         seqs[1].append(9)
         ref_dec = _run_step(model, seqs, [1, 1], [[0, 1], [2]])
         for rank in range(2):
-            got = torch.load(out / f"{i}_{rank}.pt")
-            torch.testing.assert_close(got["prefill"], ref, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got["decode"], ref_dec, atol=1e-5, rtol=1e-5)
+            got, got_dec = results[(i, rank)]
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_dec, ref_dec, atol=1e-5, rtol=1e-5)
