@@ -303,3 +303,13 @@ def test_vocab_parallel_embedding_slicing_and_padding():
     ids = torch.tensor([0, 99, 5])
     assert torch.equal(single(ids), full[ids])
     assert single.compute_logits(torch.ones(2, D)).shape == (2, V)
+
+
+def test_opt_checkpoint_without_model_prefix(tmp_path_factory, tmp_path):
+    src = make_tiny_model("opt", tmp_path_factory.mktemp("opt"), num_hidden_layers=1)
+    ref = _tensors(f"{src}/model.safetensors")
+    d = tmp_path / "bare"
+    _copy_meta(src, d)
+    save_file({k.removeprefix("model."): v for k, v in ref.items()}, str(d / "model.safetensors"))
+    a, b = _params(_load(d)), _params(_load(src))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

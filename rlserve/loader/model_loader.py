@@ -117,7 +117,8 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
         initialize_dummy_weights(model, seed=config.seed)
     else:
         loaded = model.load_weights(iterate_checkpoint(config.model, config.load_format))
-        missing = sorted(model.required_checkpoint_names() - set(loaded))
+        normalize = getattr(model, "normalize_checkpoint_name", lambda n: n)
+        missing = sorted(model.required_checkpoint_names() - {normalize(n) for n in loaded})
         if missing:
             raise ValueError(f"checkpoint {config.model!r} is missing {len(missing)} required tensor(s): "
                              + ", ".join(missing))

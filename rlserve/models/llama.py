@@ -181,6 +181,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     @staticmethod
+    def normalize_checkpoint_name(name: str) -> str:
+        """The canonical checkpoint name (identity for this family)."""
+        return name
+
+    @staticmethod
     def _skip(name: str) -> bool:
         return "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name
 

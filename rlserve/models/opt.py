@@ -176,17 +176,19 @@ class OPTForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     @staticmethod
-    def _rename(name: str) -> str:
+    def normalize_checkpoint_name(name: str) -> str:
+        """``decoder.*`` (a bare ``OPTModel`` checkpoint, e.g. facebook/opt-125m) -> ``model.decoder.*``."""
         return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF ``(name, full tensor)`` pairs in place; returns the (original) names consumed.
+        """Load HF ``(name, full tensor)`` pairs in place; returns the names consumed as given
+        (``decoder.*`` or ``model.decoder.*``; see :meth:`normalize_checkpoint_name`).
 
         Raises:
             KeyError: unknown name. ValueError: wrong shape (that tensor is not copied).
         """
         ignore = {"lm_head.weight"} if self.tie_word_embeddings else set()
-        return load_mapped_weights(self, weights, self.stacked_params_mapping, rename=self._rename, ignore=ignore)
+        return load_mapped_weights(self, weights, self.stacked_params_mapping, rename=self.normalize_checkpoint_name, ignore=ignore)
 
     def checkpoint_spec(self) -> dict[str, tuple[int, ...]]:
         """``{hf_name: full shape}`` of every tensor :meth:`load_weights` accepts."""
