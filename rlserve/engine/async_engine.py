@@ -114,6 +114,7 @@ class _Replica:
         self.alive = True
         self.ready.set_result(self.engine)
         step_failures = 0
+        was_busy = True
         try:
             while True:
                 self._wakeup.clear()
@@ -121,10 +122,12 @@ class _Replica:
                 if self._stopping:
                     break
                 busy = self.engine.has_unfinished_requests()
+                if self.frozen or not busy:
+                    self._snapshot_stats(force=was_busy)  # fresh numbers as soon as it goes idle
+                    was_busy = False
                 if not busy:
                     self._resolve_drain_waiters()
                 if self.frozen or not busy:
-                    self._snapshot_stats()
                     self._wakeup.wait(_IDLE_POLL_S)
                     continue
                 try:
@@ -138,6 +141,7 @@ class _Replica:
                     continue
                 self._dispatch(outs)
                 self._snapshot_stats()
+                was_busy = True
         except BaseException as e:  # noqa: BLE001 - a bug in this loop itself
             logger.exception("engine replica %d loop crashed", self.index)
             self._fail_all(e)
@@ -601,9 +605,11 @@ class AsyncEngine:
             if mode == "keep":
                 futs = [r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas]
             elif mode == "abort":
-                futs = [r.post(r.abort_all) for r in self._replicas]
-            else:  # wait
-                futs = [r.post(r.wait_drained) for r in self._replicas]
+                futs = [r.post(lambda r=r: (r.abort_all(), setattr(r, "frozen", False))[0])
+                        for r in self._replicas]
+            else:  # wait: a replica frozen by an earlier keep-pause must step to drain
+                futs = [r.post(lambda r=r: (setattr(r, "frozen", False), r.wait_drained())[1])
+                        for r in self._replicas]
             coro = self._pause_effect(futs, mode, clear_cache)
             if timeout_s is None:
                 await coro

@@ -1,0 +1,160 @@
+"""Pause/resume over HTTP on a real server (2 data-parallel replicas of a tiny random
+Llama) under 16 concurrent streamed requests, in each mode: none lost or hung; abort gives
+finish_reason "abort"; wait drains; keep freezes and its greedy outputs equal an unpaused
+run; requests that arrive while paused are held, then served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from rlserve.server.testing import ServerProcess
+
+N = 16
+T = 90.0  # bound on every scenario (seconds)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    with ServerProcess(model, "--max-model-len", "256", "--data-parallel-size", "2", "--device", "cpu",
+                       "--disable-access-log") as srv:
+        yield srv
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + i, 40 + i, 7, 90 + 2 * i]
+
+
+async def _stream(client: httpx.AsyncClient, i: int, max_tokens: int, progress: dict) -> tuple[list[int], str]:
+    body = {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    ids: list[int] = []
+    finish = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            for c in obj["choices"]:
+                ids += c["token_ids"]
+                finish = c["finish_reason"] or finish
+            progress[i] = len(ids)
+    return ids, finish
+
+
+async def _until(cond, timeout_s: float = 30.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def _complete(client, prompt, max_tokens=4):
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                    "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+async def _held_then_resumed(client):
+    """A request sent while paused waits (not rejected) and completes after /resume."""
+    held = asyncio.create_task(_complete(client, [5, 6, 7]))
+    await asyncio.sleep(0.5)
+    assert not held.done(), "a request sent while paused must be held"
+    assert (await client.get("/is_paused")).json()["is_paused"] is True
+    assert (await client.post("/resume")).status_code == 200
+    choice = await asyncio.wait_for(held, 30)
+    assert choice["finish_reason"] == "length"
+
+
+def _run(coro_fn, url):
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await coro_fn(client)
+
+    return asyncio.run(asyncio.wait_for(main(), T))
+
+
+def test_pause_abort(server):
+    async def scenario(client):
+        progress: dict = {}
+        tasks = [asyncio.create_task(_stream(client, i, 240, progress)) for i in range(N)]
+        await _until(lambda: len(progress) == N, what="all requests to stream a token")
+        r = await client.post("/pause", params={"mode": "abort"})
+        assert r.status_code == 200, r.text
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert [f for _, f in results] == ["abort"] * N
+        assert all(0 < len(ids) < 240 for ids, _ in results)
+        await _held_then_resumed(client)
+
+    _run(scenario, server.url)
+
+
+def test_pause_wait(server):
+    async def scenario(client):
+        progress: dict = {}
+        tasks = [asyncio.create_task(_stream(client, i, 40, progress)) for i in range(N)]
+        await _until(lambda: len(progress) == N, what="all requests to stream a token")
+        r = await client.post("/pause", params={"mode": "wait", "clear_cache": "true"})
+        assert r.status_code == 200, r.text
+        metrics = (await client.get("/metrics")).text  # pause returned: the engines are drained
+        assert [ln.split()[-1] for ln in metrics.splitlines() if ln.startswith("rlserve_num_requests_running")] \
+            == ["0.0"]
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert all(f == "length" and len(ids) == 40 for ids, f in results)
+        await _held_then_resumed(client)
+
+    _run(scenario, server.url)
+
+
+def test_pause_keep_equals_unpaused(server):
+    async def scenario(client):
+        ref = await asyncio.gather(*(_stream(client, i, 48, {}) for i in range(N)))
+        assert all(f == "length" for _, f in ref)
+        progress: dict = {}
+        tasks = [asyncio.create_task(_stream(client, i, 48, progress)) for i in range(N)]
+        await _until(lambda: len(progress) == N, what="all requests to stream a token")
+        r = await client.post("/pause", params={"mode": "keep", "clear_cache": "true"})
+        assert r.status_code == 200, r.text
+        assert (await client.get("/is_paused")).json() == {"is_paused": True, "mode": "keep"}
+        await asyncio.sleep(0.3)  # let chunks already sent arrive
+        frozen = dict(progress)
+        await asyncio.sleep(0.7)
+        assert progress == frozen, "no tokens may be generated while paused in keep mode"
+        assert all(progress[i] == 48 for i, t in enumerate(tasks) if t.done())
+        assert sum(not t.done() for t in tasks) >= N // 2, "pause(keep) should catch requests mid-flight"
+        await _held_then_resumed(client)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert [ids for ids, _ in results] == [ids for ids, _ in ref]
+        assert all(f == "length" for _, f in results)
+
+    _run(scenario, server.url)
+
+
+def test_abort_requests_route_and_metrics(server):
+    async def scenario(client):
+        progress: dict = {}
+        tasks = [asyncio.create_task(_stream(client, i, 240, progress)) for i in range(4)]
+        await _until(lambda: len(progress) == 4, what="all requests to stream a token")
+        r = await client.post("/abort_requests")
+        assert r.status_code == 200 and r.json()["aborted"] == 4
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert [f for _, f in results] == ["abort"] * 4
+        assert (await client.get("/is_paused")).json()["is_paused"] is False
+        metrics = (await client.get("/metrics")).text
+        assert 'rlserve_sequences_finished_total{finish_reason="abort",model_name=' in metrics
+        assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
+
+    _run(scenario, server.url)
