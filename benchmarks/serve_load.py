@@ -1,0 +1,215 @@
+"""HTTP load test: N concurrent clients for a fixed time against an rlserve server.
+
+Each client sends ``/v1/completions`` requests back to back (random token-id prompts of
+``--prompt-len`` tokens, exactly ``--max-tokens`` output tokens via ``ignore_eos``) until
+the time is up; requests still running at the deadline are awaited and counted. Reports
+requests/s, output tokens/s, and latency percentiles (end-to-end; with ``--stream`` also
+time to first token and inter-token latency).
+
+Usage:
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000            # a running server
+    python benchmarks/serve_load.py --model /path/to/model -- --dtype bfloat16   # start one (loopback)
+    python benchmarks/serve_load.py --tiny                                 # tiny random model (smoke test)
+    python benchmarks/serve_load.py --tiny --concurrency 1 4 16 --duration 10 --json out.json
+
+Everything after ``--`` is passed to ``rlserve serve`` when this script starts the server.
+Units: seconds for times (printed in ms), tokens/s for throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    """Nearest-rank-interpolated percentile (p in [0, 100]); None for no data."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def _one_request(client: httpx.AsyncClient, body: dict, stream: bool) -> dict:
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return {"ok": False, "status": r.status_code, "error": r.text[:200]}
+        d = r.json()
+        return {"ok": True, "latency": time.perf_counter() - t0, "tokens": d["usage"]["completion_tokens"]}
+    ttft = None
+    times = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True, return_token_ids=True,
+                                                                   stream_options={"include_usage": True})) as r:
+        if r.status_code != 200:
+            return {"ok": False, "status": r.status_code, "error": (await r.aread())[:200].decode(errors="replace")}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return {"ok": False, "status": 200, "error": str(obj["error"])[:200]}
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            new = sum(len(c.get("token_ids") or []) for c in obj.get("choices", []))
+            if new:
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                times.append(now)
+    lat = time.perf_counter() - t0
+    itl = [(b - a) for a, b in zip(times, times[1:])]
+    return {"ok": True, "latency": lat, "tokens": tokens, "ttft": ttft, "itl": itl}
+
+
+async def run_load(url: str, concurrency: int, duration_s: float, prompt_len: int, max_tokens: int,
+                   vocab: int, stream: bool, api_key: str | None, seed: int = 0, model: str | None = None) -> dict:
+    """Run ``concurrency`` clients for ``duration_s`` seconds. Returns the summary dict."""
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    results: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        # warm-up: one request (first-call overheads are not load)
+        warm = {"prompt": [rng.randrange(3, vocab) for _ in range(prompt_len)], "max_tokens": 2,
+                "temperature": 0, "ignore_eos": True}
+        if model:
+            warm["model"] = model
+        await _one_request(client, warm, False)
+        t_start = time.perf_counter()
+        deadline = t_start + duration_s
+
+        async def worker(i: int):
+            wrng = random.Random(seed * 1000 + i)
+            while time.perf_counter() < deadline:
+                body = {"prompt": [wrng.randrange(3, vocab) for _ in range(prompt_len)], "max_tokens": max_tokens,
+                        "temperature": 1.0, "ignore_eos": True}
+                if model:
+                    body["model"] = model
+                results.append(await _one_request(client, body, stream))
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - t_start
+    ok = [r for r in results if r["ok"]]
+    lat = [r["latency"] for r in ok]
+    out = {
+        "concurrency": concurrency, "duration_s": round(elapsed, 3), "prompt_len": prompt_len,
+        "max_tokens": max_tokens, "stream": stream, "requests": len(ok), "errors": len(results) - len(ok),
+        "requests_per_s": len(ok) / elapsed, "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
+        "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99), "latency_mean_s":
+            (sum(lat) / len(lat)) if lat else None,
+    }
+    if stream:
+        ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
+        itl = [x for r in ok for x in r.get("itl", [])]
+        out.update(ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+                   itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99))
+    if out["errors"]:
+        out["first_error"] = next(r for r in results if not r["ok"])
+    return out
+
+
+def _ms(x):
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def print_table(rows: list[dict]) -> None:
+    stream = any(r["stream"] for r in rows)
+    head = ["clients", "reqs", "errors", "req/s", "out tok/s", "p50 ms", "p99 ms"]
+    if stream:
+        head += ["TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---:" for _ in head) + "|")
+    for r in rows:
+        cells = [r["concurrency"], r["requests"], r["errors"], f"{r['requests_per_s']:.2f}",
+                 f"{r['output_tokens_per_s']:.1f}", _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"])]
+        if stream:
+            cells += [_ms(r.get("ttft_p50_s")), _ms(r.get("ttft_p99_s")), _ms(r.get("itl_p50_s")),
+                      _ms(r.get("itl_p99_s"))]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, serve_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    src.add_argument("--model", help="start `rlserve serve MODEL` on loopback for the run")
+    src.add_argument("--tiny", action="store_true", help="start a server on a tiny random Llama (smoke test)")
+    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 8, 32], help="client counts to run")
+    p.add_argument("--duration", "-t", type=float, default=20.0, help="seconds per client count")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--stream", action="store_true", help="stream (adds TTFT and inter-token latency)")
+    p.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"))
+    p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this "
+                                                          "(default: from /server_info)")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    srv = None
+    url = args.url
+    if url is None:
+        from rlserve.server.testing import ServerProcess
+
+        model = args.model
+        if args.tiny:
+            from tests.tiny_models import make_tiny_model
+
+            model = make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve_bench_tiny_llama"))
+        srv = ServerProcess(model, "--disable-access-log", *serve_args).start()
+        url = srv.url
+    try:
+        info = httpx.get(url + "/server_info", timeout=30).json()
+        vocab = args.vocab or info.get("vocab_size", 1000)
+        need = args.prompt_len + args.max_tokens
+        if info.get("max_model_len") and need > info["max_model_len"]:
+            print(f"prompt-len + max-tokens = {need} exceeds the server's max_model_len {info['max_model_len']}",
+                  file=sys.stderr)
+            return 2
+        rows = []
+        for c in args.concurrency:
+            r = asyncio.run(run_load(url, c, args.duration, args.prompt_len, args.max_tokens, vocab, args.stream,
+                                     args.api_key, model=info.get("served_model_name")))
+            rows.append(r)
+            print(f"clients={c}: {r['requests']} requests ({r['errors']} errors), {r['requests_per_s']:.2f} req/s, "
+                  f"{r['output_tokens_per_s']:.1f} out tok/s, p50 {_ms(r['latency_p50_s'])} ms, "
+                  f"p99 {_ms(r['latency_p99_s'])} ms", flush=True)
+            if r["errors"]:
+                print(f"  first error: {r['first_error']}", file=sys.stderr)
+        print()
+        print(f"server: {info.get('model')} ({info.get('dtype')}, {info.get('device')}, TP={info.get('tensor_parallel_size')}"
+              f", DP={info.get('data_parallel_size')}); prompt {args.prompt_len} tok, output {args.max_tokens} tok, "
+              f"{args.duration:.0f}s per row; host {platform.node()} ({os.cpu_count()} CPUs)")
+        print_table(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"server": info, "rows": rows}, f, indent=2)
+        return 0 if all(r["errors"] == 0 for r in rows) else 1
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
