@@ -2,16 +2,36 @@
 
 Everything a step needs crosses process boundaries as a :class:`StepInput` of plain
 Python lists, so tensor-parallel workers run the same step from a pickled copy.
+
+On CUDA the runner also picks the attention backend and replays decode steps from CUDA
+graphs (:mod:`rlserve.engine.cuda_graph`):
+
+- backend: ``RLSERVE_ATTENTION_BACKEND`` (env) or ``config.extra["attention_backend"]``
+  when set, else ``"triton"`` when Triton is importable, else ``"torch"``. On CPU nothing
+  changes (the torch backend, unless the variable names another).
+- CUDA graphs: on when the device is CUDA, ``config.enforce_eager`` is False, the backend
+  is graph-safe (``"triton"``), ``RLSERVE_CUDA_GRAPHS`` is not ``0``, and TP size is 1
+  (TP > 1 needs ``RLSERVE_CUDA_GRAPH_TP=1``: capturing the NCCL all-reduce of the TP
+  group is untested). Graphs are captured lazily at the first decode step.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rlserve.layers.attention import Attention, AttentionMetadata
+from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
+
+logger = logging.getLogger(__name__)
+
+# Backends whose KV write and decode attention can be captured in a CUDA graph.
+GRAPH_SAFE_BACKENDS = {"triton"}
+# Default context bound when neither the config nor the model says (the engine's own cap).
+_MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
@@ -52,16 +72,99 @@ class ModelRunner:
         model: a model following the contract in docs/INTERFACES.md.
         device / dtype: where the model and KV cache live.
         block_size: tokens per KV block.
+        config: the engine config (``enforce_eager``, ``max_num_seqs``, ``max_model_len``,
+            ``tensor_parallel_size``, ``extra["attention_backend"]``); without one, no CUDA
+            graphs are used.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int):
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int, config=None):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.config = config
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs = None  # DecodeCUDAGraphs once captured
+        self._graphs_failed = False
+        self._select_backend()
+        self.use_cuda_graphs = self._want_cuda_graphs()
+
+    # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
+    def _select_backend(self) -> None:
+        """Pick the attention backend (see the module docstring). CPU runners leave the
+        process-wide choice alone unless asked explicitly."""
+        extra = getattr(self.config, "extra", None) or {}
+        name = os.environ.get("RLSERVE_ATTENTION_BACKEND") or extra.get("attention_backend")
+        if name is None and self.device.type != "cuda":
+            return
+        if name in (None, "triton"):
+            from rlserve.layers import triton_attention
+
+            if triton_attention.register() and triton_attention.is_available(self.device):
+                name = name or "triton"
+            elif name == "triton":
+                raise RuntimeError("attention backend 'triton' asked for, but Triton cannot run here")
+            else:
+                name = "torch"
+        set_attention_backend(name)
+        logger.info("attention backend: %s", name)
+
+    def _want_cuda_graphs(self) -> bool:
+        cfg = self.config
+        if cfg is None or self.device.type != "cuda" or cfg.enforce_eager:
+            return False
+        if os.environ.get("RLSERVE_CUDA_GRAPHS", "1") == "0":
+            return False
+        if get_attention_backend() not in GRAPH_SAFE_BACKENDS:
+            logger.info("CUDA graphs off: attention backend %r is not graph-safe", get_attention_backend())
+            return False
+        if getattr(cfg, "tensor_parallel_size", 1) > 1 and os.environ.get("RLSERVE_CUDA_GRAPH_TP") != "1":
+            logger.info("CUDA graphs off under tensor parallelism (set RLSERVE_CUDA_GRAPH_TP=1 to try them)")
+            return False
+        return True
+
+    def _max_model_len(self) -> int:
+        cfg = self.config
+        if cfg is not None and cfg.max_model_len:
+            return int(cfg.max_model_len)
+        hf = getattr(self.model, "config", None)
+        return int(min(getattr(hf, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN), _MAX_DEFAULT_MODEL_LEN))
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs now (otherwise done at the first decode step). Call
+        inside the worker's TP context, after the KV cache is allocated."""
+        from rlserve.engine.cuda_graph import DecodeCUDAGraphs
+
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        graphs = DecodeCUDAGraphs(
+            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len()
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    def _decode_with_graph(self, step: StepInput) -> torch.Tensor | None:
+        """Hidden states of a decode step replayed from a CUDA graph, or None when this step
+        cannot use one (graphs off, batch too large, context past the captured bound)."""
+        if not self.use_cuda_graphs or step.is_prefill or self._graphs_failed:
+            return None
+        B = len(step.input_ids)
+        if len(step.query_lens) != B or any(q != 1 for q in step.query_lens):
+            return None
+        if self.cuda_graphs is None:
+            try:
+                self.capture_cuda_graphs()
+            except Exception:  # never let a capture failure take the engine down
+                logger.exception("CUDA graph capture failed; decoding eagerly from now on")
+                self._graphs_failed = True
+                self.cuda_graphs = None
+                torch.cuda.synchronize(self.device)
+                return None
+        if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
+            return None
+        return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
@@ -74,6 +177,7 @@ class ModelRunner:
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
+        self.cuda_graphs = None  # graphs captured the old cache tensors
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
         return AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
@@ -85,6 +189,14 @@ class ModelRunner:
         Returns:
             ``[len(step.logits_indices), vocab]`` float32 logits (full vocabulary).
         """
+        hidden = self._decode_with_graph(step)
+        if hidden is not None:
+            B = hidden.shape[0]
+            idx = step.logits_indices
+            if len(idx) == B and idx[0] == 0 and idx[-1] == B - 1:
+                return self.model.compute_logits(hidden)
+            rows = torch.tensor(idx, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden.index_select(0, rows))
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         meta = self.build_metadata(step)

@@ -64,7 +64,7 @@ class Worker:
         torch.manual_seed(config.seed)
         with self.tp():
             self.model = load_model(config, self.hf_config, self.device, self.dtype)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config=config)
 
     def tp(self):
         """Context manager: this worker's TP state for the current thread."""

@@ -198,6 +198,10 @@ def torch_paged_attention(
 
 # name -> fn(q, k_cache, v_cache, meta, scale) -> out. GPU backends register here.
 ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_paged_attention}
+# name -> fn(k, v, k_cache, v_cache, slot_mapping) -> None: a backend's own KV-cache writer
+# (e.g. a fused, sync-free kernel usable inside CUDA graphs); backends without an entry use
+# write_kv_cache.
+KV_CACHE_WRITERS: dict[str, Callable[..., None]] = {}
 _active_backend = ["torch"]
 
 
@@ -253,6 +257,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = ATTENTION_BACKENDS[_active_backend[0]](q, self.k_cache, self.v_cache, meta, self.scale)
+        backend = _active_backend[0]
+        KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = ATTENTION_BACKENDS[backend](q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(T, self.num_heads * self.head_dim)
