@@ -1,0 +1,39 @@
+"""Errors of the weight-sync layer.
+
+All derive from :class:`rlserve.errors.WeightUpdateError`, so code that catches that class
+catches everything here. The HTTP layer (``rlserve/server/weight_routes.py``) maps them:
+
+==============================  =====  ==========================================
+class                           HTTP   meaning
+==============================  =====  ==========================================
+``WeightUpdateStateError``      409    call out of order (update without start, ...)
+``WeightUpdateError``           400    refused: bad ``init_info`` / ``update_info``
+``WeightTransferFailedError``   500    the data plane failed mid-update (peer died,
+                                       checksum mismatch, broken group)
+``TransferTimeoutError``        504    a rendezvous / collective / RPC ran past its
+                                       timeout
+``ModelUnavailableError``       503    (rlserve.errors) generation refused after a
+                                       failed in-place update
+==============================  =====  ==========================================
+"""
+
+from __future__ import annotations
+
+from rlserve.errors import WeightUpdateError, WeightUpdateStateError  # noqa: F401  (re-export)
+
+
+class WeightTransferFailedError(WeightUpdateError):
+    """The transfer itself failed (peer closed the connection, checksum mismatch, a worker
+    raised while loading). The transfer group has been torn down; re-initialise it."""
+
+
+class ChecksumMismatchError(WeightTransferFailedError):
+    """A received bucket's checksum differs from the one the trainer announced."""
+
+
+class TransferTimeoutError(WeightTransferFailedError, TimeoutError):
+    """A rendezvous, collective or RPC did not finish within ``timeout_s``."""
+
+
+class TransferAbortedError(WeightTransferFailedError):
+    """The local side aborted the transfer (shutdown, the peer's HTTP call failed)."""

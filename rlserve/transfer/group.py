@@ -1,0 +1,239 @@
+"""The transfer process group: trainer + server workers, separate from any TP group.
+
+Built on its own ``TCPStore`` (hosted by rank 0, ``is_master``) and a ``PrefixStore``, with
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed directly, never through
+``torch.distributed.init_process_group``, so it coexists with the server's tensor-parallel
+group and with a trainer's own default group (FSDP).
+
+Every wait has a deadline: :meth:`TransferGroup.wait` polls the work handle and raises
+:class:`TransferTimeoutError` after ``timeout_s`` seconds, or :class:`TransferAbortedError`
+when the ``abort`` event is set. :meth:`TransferGroup.destroy` never blocks the caller: it
+aborts the backend and drops the last references on a daemon thread (a gloo backend's
+destructor waits for pending operations, which end at the backend's own timeout).
+
+NCCL: the backend's own timeout is ``timeout_s + 60`` so that our deadline always fires first
+and we abort the communicator ourselves; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is set to 2
+(clean up only) while the backend is built so a timed-out watchdog never kills the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
+
+logger = logging.getLogger(__name__)
+
+#: Key prefix of every key this layer writes in the TCPStore.
+STORE_PREFIX = "rlserve/weight_transfer"
+
+
+class TransferGroup:
+    """One rank's handle on the transfer group.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        master_address / master_port: the TCPStore. Rank 0 hosts it.
+        rank / world_size: this rank and the group size.
+        timeout_s: seconds for the store connection, the group's operations and every
+            :meth:`wait`.
+        device: ``torch.device`` whose tensors this rank sends (NCCL: the CUDA device; it becomes
+            this thread's current device).
+        session: a name both sides agree on (``init_info.session``); keys live under
+            ``rlserve/weight_transfer/<session>`` so a stale store never matches a new group.
+
+    Raises (from :meth:`create`):
+        TransferTimeoutError: the other ranks did not arrive within ``timeout_s``.
+        WeightTransferFailedError: the store or backend could not be built.
+    """
+
+    def __init__(self, backend: str, master_address: str, master_port: int, rank: int,
+                 world_size: int, timeout_s: float, device: torch.device | None = None, session: str = ""):
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.session = session
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device()))
+        self.store = None
+        self.pg = None
+        self.abort_event = threading.Event()
+        self._destroyed = False
+        self._teardown_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def create(cls, backend: str, master_address: str, master_port: int, rank: int,
+               world_size: int, timeout_s: float, device: torch.device | None = None,
+               warmup: bool = True, session: str = "") -> "TransferGroup":
+        """Connect to (rank 0: host) the store, build the backend and run one all-reduce so that
+        this returns only once every rank has joined."""
+        g = cls(backend, master_address, master_port, rank, world_size, timeout_s, device, session)
+        try:
+            g._build()
+            if warmup:
+                g._warmup()
+        except BaseException as e:
+            g.destroy()
+            if isinstance(e, WeightTransferFailedError):
+                raise
+            msg = str(e)
+            if "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError):
+                raise TransferTimeoutError(
+                    f"transfer group rendezvous at {master_address}:{master_port} (rank {rank}/{world_size}, "
+                    f"{backend}) did not complete within {timeout_s:.0f} s: {msg}") from e
+            raise WeightTransferFailedError(
+                f"could not build the {backend} transfer group at {master_address}:{master_port} "
+                f"(rank {rank}/{world_size}): {msg}") from e
+        return g
+
+    def _build(self) -> None:
+        td = timedelta(seconds=self.timeout_s)
+        self.store = self._make_store(td)
+        prefix = dist.PrefixStore(f"{STORE_PREFIX}/{self.session}" if self.session else STORE_PREFIX, self.store)
+        if self.backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, td)
+        elif self.backend == "nccl":
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise WeightTransferFailedError("this torch build has no NCCL")
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=self.timeout_s + 60)
+            key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+            old = os.environ.get(key)
+            os.environ[key] = "2"
+            try:
+                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, opts)
+            finally:
+                if old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old
+        else:
+            raise WeightTransferFailedError(f"unknown group backend {self.backend!r}")
+
+    def _make_store(self, td: timedelta):
+        # The master retries a busy port for a few seconds: a group torn down just before (same
+        # port, e.g. a re-init) releases its listening socket on a background thread.
+        deadline = time.monotonic() + min(self.timeout_s, 10.0)
+        while True:
+            try:
+                return dist.TCPStore(self.master_address, self.master_port, None, self.rank == 0, td,
+                                     wait_for_workers=False)
+            except Exception as e:  # noqa: BLE001
+                busy = "EADDRINUSE" in str(e) or "in use" in str(e).lower()
+                if self.rank != 0 or not busy or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _warmup(self) -> None:
+        x = torch.ones(1, dtype=torch.float32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        self.wait(self.pg.allreduce([x], opts), what="rendezvous all-reduce")
+        if int(x.item()) != self.world_size:
+            raise WeightTransferFailedError(f"rendezvous all-reduce gave {x.item()} != world size {self.world_size}")
+
+    # ------------------------------------------------------------------ data
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """Post a broadcast of ``tensor`` from rank ``src``; returns the work handle (async)."""
+        if self.pg is None:
+            raise TransferAbortedError("the transfer group has been torn down")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        return self.pg.broadcast([tensor], opts)
+
+    def barrier(self) -> None:
+        """All ranks meet (an all-reduce of one element, waited with the deadline)."""
+        x = torch.zeros(1, dtype=torch.float32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        self.wait(self.pg.allreduce([x], opts), what="barrier")
+
+    def wait(self, work, what: str = "broadcast", timeout_s: float | None = None,
+             check: Callable[[], None] | None = None) -> None:
+        """Wait for ``work`` with a deadline.
+
+        Polls ``work.is_completed()`` (sleeping 0.2 → 2 ms), then ``work.wait()`` to raise the
+        backend's error if it failed. NCCL: completion means the GPU finished the operation.
+
+        Args:
+            timeout_s: seconds; default ``self.timeout_s``.
+            check: called on every poll; may raise to give up early (e.g. the peer's HTTP call
+                failed).
+        Raises:
+            TransferTimeoutError, TransferAbortedError, WeightTransferFailedError.
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        sleep = 0.0002
+        while not work.is_completed():
+            if self.abort_event.is_set():
+                raise TransferAbortedError(f"{what} aborted")
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"{what} did not complete within {self.timeout_s if timeout_s is None else timeout_s:.0f} s "
+                    f"(rank {self.rank}/{self.world_size}, {self.backend}); is the peer alive?")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.002)
+        try:
+            work.wait()
+        except Exception as e:  # gloo: peer closed / timed out; nccl: comm error
+            raise WeightTransferFailedError(f"{what} failed (rank {self.rank}/{self.world_size}, "
+                                            f"{self.backend}): {e}") from e
+
+    # ------------------------------------------------------------------ teardown
+    def abort(self) -> None:
+        """Make every current and future :meth:`wait` fail fast. Does not free anything."""
+        self.abort_event.set()
+
+    def destroy(self, wait_s: float = 0.0) -> None:
+        """Tear the group down: abort the backend, drop references on a daemon thread (a gloo
+        destructor waits for pending operations). Safe to call twice and after failures.
+
+        Args:
+            wait_s: wait up to this many seconds for the teardown to finish (the trainer waits
+                a little so that its TCPStore port is free for a re-init); 0 never blocks.
+        """
+        if self._destroyed:
+            if wait_s and self._teardown_thread is not None:
+                self._teardown_thread.join(wait_s)
+            return
+        self._destroyed = True
+        self.abort_event.set()
+        holder = [self.pg, self.store]
+        self.pg = self.store = None
+        backend = self.backend
+
+        def _run():
+            try:
+                if backend == "nccl" and holder[0] is not None:
+                    holder[0].abort()  # unblocks pending NCCL kernels
+            except Exception as e:  # pragma: no cover - depends on the backend
+                logger.debug("transfer group abort: %s", e)
+            finally:
+                holder.clear()  # a gloo destructor waits for pending ops: here, not in the caller
+
+        self._teardown_thread = threading.Thread(target=_run, daemon=True, name="transfer-teardown")
+        self._teardown_thread.start()
+        if wait_s:
+            self._teardown_thread.join(wait_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.pg is not None and not self.abort_event.is_set()

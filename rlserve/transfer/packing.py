@@ -1,0 +1,197 @@
+"""Bucket plan, packing and the per-bucket checksum.
+
+Bucket plan (identical on trainer and server, computed from names / dtypes / shapes alone):
+tensors are laid in update order into a bucket; each tensor starts at an offset aligned up to
+:data:`ALIGN` bytes (so every slice can be viewed as its dtype and copies stay vectorised); the
+bucket's size is the end of its last tensor aligned up to ``ALIGN``. A bucket **closes once its
+bytes exceed** ``packed_buffer_size_bytes`` (vLLM's rule): the tensor that crosses the limit stays
+in the bucket, so a bucket may be larger than the nominal size (by at most its last tensor plus
+padding) and a tensor larger than the size gets a bucket of its own (plus whatever preceded it).
+Receive buffers are therefore sized ``max(bucket.nbytes)``, not the nominal size.
+
+Buckets are raw bytes (``torch.uint8``): each tensor is copied in as its contiguous byte view,
+so one bucket mixes dtypes freely. Padding bytes are zero.
+
+Checksum ``"s32sum"``: the sum, as a wrapping int64, of the bytes read as little-endian int32
+words (zero-padded to a multiple of 4 bytes). Why this one:
+
+- cheap: one memory-bound read pass on the device the bytes live on (``Tensor.sum(dtype=int64)``
+  over an int32 view, no copy, one scalar transferred to the host);
+- exact and order-independent: integer addition is associative even when it wraps, so a CUDA
+  trainer, a CPU server and a different GPU kernel all get the same number, whatever their
+  reduction order (a float sum would not);
+- additive: a bucket's checksum is the sum of its tensors' checksums (offsets are multiples of 4
+  and padding is zero), so the trainer computes them per tensor, before packing, and announces
+  them in ``update_info`` ahead of the data.
+
+It detects any change of a single word, truncation, zeroed or wrong buckets, and dtype/shape
+mix-ups; it does not detect two words swapping places (not a failure mode of a broadcast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+#: Alignment of each tensor inside a bucket, in bytes.
+ALIGN = 256
+
+_MASK64 = (1 << 64) - 1
+
+
+def _align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _wrap64(v: int) -> int:
+    """Python int → signed int64 with two's-complement wrap-around."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in a bucket. ``offset`` and ``nbytes`` are in bytes."""
+
+    index: int  # position in the update's names list
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A group of tensors sent as one byte buffer of ``nbytes`` bytes (a multiple of ALIGN)."""
+
+    index: int
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of a contiguous tensor of this dtype and shape."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_buckets(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    bucket_size_bytes: int,
+) -> list[Bucket]:
+    """Lay tensors in order into buckets; a bucket closes once its bytes exceed the size.
+
+    Args:
+        names / dtypes / shapes: the update's tensors, in send order.
+        bucket_size_bytes: ``packed_buffer_size_bytes``.
+    Returns:
+        Buckets in send order; every tensor is in exactly one. Deterministic: trainer and server
+        compute the same plan from the same metadata.
+    """
+    if bucket_size_bytes < 1:
+        raise ValueError("bucket_size_bytes must be >= 1")
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    cur = 0
+    for i, (name, dt, shape) in enumerate(zip(names, dtypes, shapes)):
+        nb = tensor_nbytes(dt, shape)
+        off = cur  # cur is already aligned
+        slots.append(Slot(i, name, dt, tuple(int(s) for s in shape), off, nb))
+        cur = _align_up(off + nb)
+        if cur > bucket_size_bytes:
+            buckets.append(Bucket(len(buckets), tuple(slots), cur))
+            slots, cur = [], 0
+    if slots:
+        buckets.append(Bucket(len(buckets), tuple(slots), cur))
+    return buckets
+
+
+def max_bucket_bytes(plan: Sequence[Bucket]) -> int:
+    """The receive / send buffer size this plan needs, in bytes."""
+    return max((b.nbytes for b in plan), default=0)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of ``t``'s contiguous bytes (a copy only if ``t`` is not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(u8: torch.Tensor) -> int:
+    """The ``s32sum`` checksum of a 1-D uint8 tensor (see module docstring). Computed on the
+    tensor's device; returns a Python int in the int64 range (one host sync)."""
+    return _wrap64(int(checksum_tensor(u8).item()))
+
+
+def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
+    """Like :func:`checksum` but returns the 0-dim int64 tensor on ``u8``'s device (no sync)."""
+    n = u8.numel()
+    n4 = n - n % 4
+    if n4 and (u8.storage_offset() % 4):
+        u8 = u8.clone()  # int32 view needs a 4-byte-aligned start
+    total = torch.zeros((), dtype=torch.int64, device=u8.device)
+    if n4:
+        total = u8[:n4].view(torch.int32).sum(dtype=torch.int64)
+    if n != n4:
+        tail = torch.zeros(4, dtype=torch.uint8, device=u8.device)
+        tail[: n - n4] = u8[n4:]
+        total = total + tail.view(torch.int32).to(torch.int64)[0]
+    return total
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """``s32sum`` of a tensor's contiguous bytes (equal to its share of a bucket checksum)."""
+    return checksum(as_bytes(t))
+
+
+def combine(checksums: Iterable[int]) -> int:
+    """Sum checksums with int64 wrap-around (a bucket's checksum from its tensors')."""
+    return _wrap64(sum(checksums))
+
+
+def bucket_checksums_from_tensors(plan: Sequence[Bucket], per_tensor: Sequence[int]) -> list[int]:
+    """Per-bucket checksums from per-tensor checksums (indexed like the update's names)."""
+    return [combine(per_tensor[s.index] for s in b.slots) for b in plan]
+
+
+def pack(buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` (one per slot, in slot order) into ``buf[:bucket.nbytes]``; zero padding.
+
+    Args:
+        buf: 1-D uint8 buffer of at least ``bucket.nbytes`` bytes (any device; copies cross devices).
+        tensors: tensors of the slots' dtypes and shapes.
+    Returns:
+        ``buf[:bucket.nbytes]``.
+    Raises:
+        ValueError: a tensor's dtype / shape differs from its slot.
+    """
+    out = buf[: bucket.nbytes]
+    end_prev = 0
+    for slot, t in zip(bucket.slots, tensors, strict=True):
+        if t.dtype != slot.dtype or tuple(t.shape) != slot.shape:
+            raise ValueError(f"{slot.name}: got {t.dtype} {tuple(t.shape)}, plan says {slot.dtype} {slot.shape}")
+        if slot.offset > end_prev:
+            out[end_prev: slot.offset].zero_()
+        if slot.nbytes:
+            out[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
+        end_prev = slot.offset + slot.nbytes
+    if bucket.nbytes > end_prev:
+        out[end_prev:].zero_()
+    return out
+
+
+def unpack(buf: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, view)`` for each slot: views into ``buf`` (no copy) of the slot's dtype
+    and shape. The caller must copy them out before ``buf`` is reused."""
+    for slot in bucket.slots:
+        raw = buf[slot.offset: slot.offset + slot.nbytes]
+        yield slot.name, raw.view(slot.dtype).view(slot.shape)

@@ -1,0 +1,337 @@
+"""Wire protocol of the weight-sync control plane: JSON-only data classes.
+
+Everything that crosses the HTTP control plane is plain JSON (str, int, float, bool, list,
+dict). Nothing is ever pickled. Tensors travel on the data plane (gloo / NCCL broadcast, or
+CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer.ipc`).
+
+``init_info`` (body of ``POST /init_weight_transfer_engine``)::
+
+    {"backend": "gloo" | "nccl" | "ipc",
+     "master_address": "10.0.0.1",       # host of the TCPStore (rank 0 hosts it)
+     "master_port": 29555,
+     "rank_offset": 1,                   # 1: trainer is rank 0 (vLLM); 0: trainer is the last rank (TRL)
+     "world_size": 2,                    # server workers + 1 trainer rank
+     "packed": true,                     # default for updates (update_info may override)
+     "packed_buffer_size_bytes": 1073741824,
+     "packed_num_buffers": 2,
+     "timeout_s": 300.0,                 # store, group, every collective and RPC
+     "session": "5f0c..."}               # optional: names this group incarnation
+
+``update_info`` (body of ``POST /update_weights``)::
+
+    {"names": ["model.embed_tokens.weight", ...],        # Hugging Face checkpoint names
+     "dtype_names": ["bfloat16", ...],                   # "bfloat16" or "torch.bfloat16"
+     "shapes": [[49152, 576], ...],
+     "packed": true, "packed_buffer_size_bytes": ..., "packed_num_buffers": ...,   # optional
+     "checksums": [123456789, ...],      # one per bucket (packed) or per tensor (unpacked); optional
+     "checksum_algo": "s32sum",
+     "partial": false,                   # true: a subset of the parameters is fine
+     "ipc_handles": [{...}, ...]}        # ipc backend only: one handle per bucket
+
+Validation raises :class:`rlserve.errors.WeightUpdateError` (HTTP 400) naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from rlserve.errors import WeightUpdateError
+
+BACKENDS = ("gloo", "nccl", "ipc")
+
+#: Default bucket size in bytes (1 GiB), vLLM's default.
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+#: Buffers in flight round-robin (bucket i+1 travels while bucket i is loaded).
+DEFAULT_PACKED_NUM_BUFFERS = 2
+#: Seconds any rendezvous / collective / RPC may take by default.
+DEFAULT_TIMEOUT_S = 300.0
+
+#: Floating dtypes a weight update may carry (the server converts to its own dtype).
+FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+#: All dtypes the wire knows (checksums and byte views work for every one of them).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    **FLOAT_DTYPES,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16",
+            "fp16": "float16", "fp32": "float32", "long": "int64", "int": "int32"}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``"bf16"`` → ``torch.bfloat16``.
+
+    Raises:
+        WeightUpdateError: unknown name.
+    """
+    if not isinstance(name, str):
+        raise WeightUpdateError(f"dtype name must be a string, got {type(name).__name__}")
+    key = name.strip().removeprefix("torch.")
+    key = _ALIASES.get(key, key)
+    if key not in WIRE_DTYPES:
+        raise WeightUpdateError(f"unknown dtype {name!r}; known: {', '.join(WIRE_DTYPES)}")
+    return WIRE_DTYPES[key]
+
+
+def dtype_to_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the canonical wire name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise WeightUpdateError(f"{name} must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise WeightUpdateError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise WeightUpdateError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise WeightUpdateError(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _from_dict(cls, d: Any, what: str, ignored: tuple[str, ...] = ()):
+    if not isinstance(d, dict):
+        raise WeightUpdateError(f"{what} must be a JSON object, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known - set(ignored))
+    if unknown:
+        raise WeightUpdateError(f"{what}: unknown field(s) {unknown}; known: {sorted(known)}")
+    obj = cls(**{k: v for k, v in d.items() if k in known})
+    obj.validate()
+    return obj
+
+
+@dataclass
+class InitInfo:
+    """Parameters of the transfer group (``init_info``), shared by trainer and server.
+
+    Attributes:
+        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` (GPUs, one rank per GPU) or ``"ipc"``
+            (trainer and server on one GPU; no process group at all).
+        master_address / master_port: the TCPStore; the group's rank 0 hosts it (the trainer
+            when ``rank_offset == 1``, server worker 0 when ``rank_offset == 0``, TRL's layout).
+        rank_offset: rank of server worker 0. 1 (vLLM): trainer rank 0, worker ranks
+            ``1 + dp_index*TP + tp_rank``. 0 (TRL): workers ``dp_index*TP + tp_rank``, trainer
+            ``world_size - 1``.
+        world_size: server workers + 1 (a single trainer rank sends; FSDP trainers send from
+            their rank 0 only).
+        packed / packed_buffer_size_bytes / packed_num_buffers: defaults for updates.
+        timeout_s: seconds for the store, the group, each collective wait and each RPC.
+        session: optional name of this group incarnation (the SDK sends a random one); the store
+            keys live under it, so a re-init never meets a previous group's keys.
+    """
+
+    backend: str = "gloo"
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 2
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    session: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "InitInfo":
+        """Parse and validate JSON. Raises WeightUpdateError."""
+        return _from_dict(cls, d, "init_info")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def src_rank(self) -> int:
+        """The trainer's (sending) rank: 0 when ``rank_offset == 1``, else ``world_size - 1``."""
+        return 0 if self.rank_offset == 1 else self.world_size - 1
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise WeightUpdateError(f"init_info.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise WeightUpdateError("init_info.master_address must be a non-empty string")
+        _check_int("init_info.master_port", self.master_port, 0, 65535)
+        if self.backend != "ipc" and self.master_port == 0:
+            raise WeightUpdateError("init_info.master_port must be set (1..65535) for gloo/nccl")
+        _check_int("init_info.rank_offset", self.rank_offset, 0, 1)
+        _check_int("init_info.world_size", self.world_size, 2)
+        _check_bool("init_info.packed", self.packed)
+        _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
+        _check_int("init_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise WeightUpdateError(f"init_info.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        self.timeout_s = float(self.timeout_s)
+        if not isinstance(self.session, str) or len(self.session) > 128:
+            raise WeightUpdateError("init_info.session must be a string of at most 128 characters")
+
+    def worker_rank(self, dp_index: int, tp_rank: int, tp_size: int) -> int:
+        """Rank of a server worker in the transfer group: ``rank_offset + dp_index*TP + tp_rank``."""
+        return self.rank_offset + dp_index * tp_size + tp_rank
+
+
+@dataclass
+class UpdateInfo:
+    """One weight update (``update_info``): what travels, in order.
+
+    Attributes:
+        names: Hugging Face checkpoint names, in the order the trainer sends them.
+        dtype_names: dtype of each tensor on the wire (float types only for weights).
+        shapes: full (unsharded) shape of each tensor.
+        packed / packed_buffer_size_bytes / packed_num_buffers: ``None`` takes the
+            ``init_info`` value. Both sides derive the bucket plan from these alone.
+        checksums: int64 checksums (:func:`rlserve.transfer.packing.checksum`), one per
+            bucket when packed, one per tensor when not; ``None``: not verified.
+        checksum_algo: only ``"s32sum"``.
+        partial: ``True`` allows a subset of the model's parameters.
+        ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.ipc.export_handle`)
+            per bucket of this call.
+    """
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+    checksums: list[int] | None = None
+    checksum_algo: str = "s32sum"
+    partial: bool = False
+    ipc_handles: list[dict] | None = None
+
+    # vLLM sends these; accepted and checked / ignored.
+    _IGNORED = ("is_checkpoint_format", "trainer_args")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "UpdateInfo":
+        """Parse and validate JSON. Raises WeightUpdateError."""
+        if isinstance(d, dict) and d.get("is_checkpoint_format", True) is not True:
+            raise WeightUpdateError("update_info.is_checkpoint_format=false is not supported: "
+                                    "send Hugging Face checkpoint names")
+        return _from_dict(cls, d, "update_info", ignored=cls._IGNORED)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {k: v for k, v in d.items() if v is not None}
+
+    def validate(self) -> None:
+        for attr in ("names", "dtype_names", "shapes"):
+            if not isinstance(getattr(self, attr), list):
+                raise WeightUpdateError(f"update_info.{attr} must be a list")
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise WeightUpdateError(
+                f"update_info: names ({n}), dtype_names ({len(self.dtype_names)}) and shapes "
+                f"({len(self.shapes)}) must have the same length")
+        seen = set()
+        for i, name in enumerate(self.names):
+            if not isinstance(name, str) or not name:
+                raise WeightUpdateError(f"update_info.names[{i}] must be a non-empty string")
+            if name in seen:
+                raise WeightUpdateError(f"update_info.names: {name!r} appears twice")
+            seen.add(name)
+        for i, s in enumerate(self.shapes):
+            if not isinstance(s, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in s):
+                raise WeightUpdateError(f"update_info.shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {s!r}")
+        self.shapes = [list(s) for s in self.shapes]
+        for dn in self.dtype_names:
+            dtype_from_name(dn)
+        if self.packed is not None:
+            _check_bool("update_info.packed", self.packed)
+        if self.packed_buffer_size_bytes is not None:
+            _check_int("update_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
+        if self.packed_num_buffers is not None:
+            _check_int("update_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
+        _check_bool("update_info.partial", self.partial)
+        if self.checksum_algo != "s32sum":
+            raise WeightUpdateError(f"update_info.checksum_algo must be 's32sum', got {self.checksum_algo!r}")
+        if self.checksums is not None:
+            if not isinstance(self.checksums, list):
+                raise WeightUpdateError("update_info.checksums must be a list of ints or null")
+            for c in self.checksums:
+                _check_int("update_info.checksums[]", c, -(1 << 63), (1 << 63) - 1)
+        if self.ipc_handles is not None:
+            if not isinstance(self.ipc_handles, list) or not all(isinstance(h, dict) for h in self.ipc_handles):
+                raise WeightUpdateError("update_info.ipc_handles must be a list of objects")
+
+    def dtypes(self) -> list[torch.dtype]:
+        return [dtype_from_name(d) for d in self.dtype_names]
+
+    def resolved(self, init: InitInfo) -> "UpdateInfo":
+        """A copy with ``packed*`` fields filled from ``init`` where ``None``."""
+        d = asdict(self)
+        if d["packed"] is None:
+            d["packed"] = init.packed
+        if d["packed_buffer_size_bytes"] is None:
+            d["packed_buffer_size_bytes"] = init.packed_buffer_size_bytes
+        if d["packed_num_buffers"] is None:
+            d["packed_num_buffers"] = init.packed_num_buffers
+        return UpdateInfo(**d)
+
+
+def validate_against_spec(
+    info: UpdateInfo,
+    spec: dict[str, tuple[int, ...]],
+    required: set[str],
+    *,
+    allowed_names: set[str] | None = None,
+    already_received: set[str] | frozenset = frozenset(),
+    check_coverage: bool = True,
+) -> None:
+    """Check an update's metadata against the model before any parameter changes.
+
+    Args:
+        info: the (validated) update.
+        spec: ``model.checkpoint_spec()``: HF name → full shape.
+        required: ``model.required_checkpoint_names()``.
+        allowed_names: names declared for this update session (``start_weight_update`` with an
+            ``update_info``); when given, every name must be among them.
+        already_received: names already received in this session (may not repeat).
+        check_coverage: require every ``required`` name unless ``info.partial``.
+
+    Raises:
+        WeightUpdateError: naming the first few offending tensors (unknown name, wrong shape,
+            non-float dtype, repeated, missing).
+    """
+    problems: list[str] = []
+    for name, dn, shape in zip(info.names, info.dtype_names, info.shapes):
+        if name not in spec:
+            problems.append(f"unknown parameter {name!r}")
+            continue
+        if tuple(shape) != tuple(spec[name]):
+            problems.append(f"{name}: shape {list(shape)} != expected {list(spec[name])}")
+        dt = dtype_from_name(dn)
+        if not dt.is_floating_point or dtype_to_name(dt) not in FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {dn!r} is not a float type ({', '.join(FLOAT_DTYPES)})")
+        if allowed_names is not None and name not in allowed_names:
+            problems.append(f"{name}: not declared in start_weight_update's update_info")
+        if name in already_received:
+            problems.append(f"{name}: already received in this update")
+        if len(problems) >= 8:
+            break
+    if not problems and check_coverage and not info.partial and allowed_names is None:
+        missing = sorted(required - set(info.names))
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            problems.append(f"missing {len(missing)} required parameter(s): {missing[:5]}{more}; "
+                            "send all of them or set update_info.partial=true")
+    if problems:
+        raise WeightUpdateError("update_info rejected, no weights were changed: " + "; ".join(problems))

@@ -1,0 +1,275 @@
+"""Server-side data plane: receive one update's tensors and hand them to a sink.
+
+:class:`WeightReceiver` is model-agnostic. ``receive(info, sink)`` pulls every tensor of an
+:class:`~rlserve.transfer.protocol.UpdateInfo` off the transport and calls
+``sink(list_of_(name, tensor))`` once per bucket (packed) or per tensor (unpacked). The tensors
+are views into a receive buffer that is reused afterwards: the sink must copy them (the model's
+``load_weights`` copies in place; staging clones).
+
+Transports:
+
+- gloo / nccl: a :class:`~rlserve.transfer.group.TransferGroup`; packed buckets travel as raw
+  bytes with ``packed_num_buffers`` broadcasts posted ahead (round-robin), so bucket ``i+1`` is on
+  the wire while bucket ``i`` is checked and loaded. CUDA: all work runs on a side stream; the
+  backend orders its broadcasts after the stream's earlier copies out of the same buffer.
+- ipc: no group; ``update_info.ipc_handles`` (one per bucket) are mapped
+  (:func:`rlserve.transfer.ipc.import_handle`) and read in place on the GPU.
+
+Each bucket's ``s32sum`` checksum (:mod:`rlserve.transfer.packing`) is verified **before** the
+sink sees the bucket; a mismatch raises :class:`ChecksumMismatchError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from rlserve.errors import WeightUpdateError
+from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
+from rlserve.transfer.group import TransferGroup
+from rlserve.transfer.packing import as_bytes, checksum, max_bucket_bytes, plan_buckets, unpack
+from rlserve.transfer.protocol import InitInfo, UpdateInfo
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+def expected_checksum_count(info: UpdateInfo) -> int:
+    """How many checksums a resolved ``info`` must carry: buckets when packed, else tensors."""
+    if info.packed:
+        return len(plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes))
+    return len(info.names)
+
+
+def check_transport_fields(info: UpdateInfo, backend: str) -> None:
+    """Checks that need the plan (checksum count, ipc handle count). Raises WeightUpdateError."""
+    if info.checksums is not None and len(info.checksums) != expected_checksum_count(info):
+        raise WeightUpdateError(
+            f"update_info.checksums has {len(info.checksums)} entries, expected {expected_checksum_count(info)} "
+            f"({'one per bucket' if info.packed else 'one per tensor'})")
+    if backend == "ipc":
+        if not info.packed:
+            raise WeightUpdateError("the ipc backend needs packed=true")
+        n = expected_checksum_count(info)
+        if info.ipc_handles is None or len(info.ipc_handles) != n:
+            raise WeightUpdateError(f"the ipc backend needs update_info.ipc_handles with one handle per bucket ({n})")
+    elif info.ipc_handles is not None:
+        raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
+
+
+class WeightReceiver:
+    """One server worker's end of the transfer.
+
+    Args:
+        init: the validated ``init_info``.
+        rank: this worker's rank in the transfer group.
+        device: where received tensors land (the worker's device).
+
+    Attributes:
+        group: the :class:`TransferGroup` (``None`` for ipc).
+        stats: counters of the last receive (``bytes``, ``seconds``, ``buckets``).
+    """
+
+    def __init__(self, init: InitInfo, rank: int, device: torch.device):
+        self.init = init
+        self.rank = rank
+        self.device = torch.device(device)
+        self.group: TransferGroup | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._stream = None
+        self.stats: dict = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Join the group (blocks until every rank arrived, at most ``timeout_s``). ipc: no-op.
+
+        Raises:
+            TransferTimeoutError, WeightTransferFailedError.
+        """
+        if self.init.backend == "ipc":
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dev = torch.device("cpu") if self.init.backend == "gloo" else self.device
+        self.group = TransferGroup.create(self.init.backend, self.init.master_address, self.init.master_port,
+                                          self.rank, self.init.world_size, self.init.timeout_s, dev,
+                                          session=self.init.session)
+
+    def abort(self) -> None:
+        """Make a receive in progress (on another thread) fail fast."""
+        if self.group is not None:
+            self.group.abort()
+
+    def close(self) -> None:
+        """Tear down the group (never blocks) and free buffers."""
+        self._closed = True
+        if self.group is not None:
+            self.group.destroy()
+        self.group = None
+        self._bufs = []
+
+    # ------------------------------------------------------------------ receive
+    def _wire_device(self) -> torch.device:
+        return torch.device("cpu") if self.init.backend == "gloo" else self.device
+
+    def _buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        dev = self._wire_device()
+        if len(self._bufs) != n or any(b.numel() < nbytes or b.device != dev for b in self._bufs):
+            self._bufs = []  # free first
+            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(n)]
+        return self._bufs
+
+    def _stream_ctx(self):
+        if self.device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            return torch.cuda.stream(self._stream)
+        return contextlib.nullcontext()
+
+    def receive(self, info: UpdateInfo, sink: Sink, on_bucket: Callable[[int], None] | None = None) -> dict:
+        """Receive every tensor of ``info`` (resolved: ``packed*`` set) and feed ``sink``.
+
+        Args:
+            info: the update's metadata (validated against the model beforehand).
+            sink: called with ``[(hf_name, tensor), ...]`` per bucket / tensor, after its checksum
+                matched; tensors are only valid during the call.
+            on_bucket: called with the bucket index after ``sink`` returned (progress).
+        Returns:
+            ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int}``.
+        Raises:
+            ChecksumMismatchError, TransferTimeoutError, WeightTransferFailedError,
+            TransferAbortedError; anything ``sink`` raises (e.g. ``ValueError`` from load_weights).
+        """
+        if self._closed:
+            raise TransferAbortedError("the receiver is closed")
+        t0 = time.perf_counter()
+        with self._stream_ctx():
+            if self.init.backend == "ipc":
+                out = self._receive_ipc(info, sink, on_bucket)
+            elif info.packed:
+                out = self._receive_packed(info, sink, on_bucket)
+            else:
+                out = self._receive_unpacked(info, sink, on_bucket)
+            if self._stream is not None:
+                self._stream.synchronize()  # loads done before anyone reads the params
+        out["seconds"] = time.perf_counter() - t0
+        self.stats = out
+        return out
+
+    def _verify(self, u8: torch.Tensor, expected: list[int] | None, i: int, what: str) -> None:
+        if expected is None:
+            return
+        got = checksum(u8)
+        if got != expected[i]:
+            raise ChecksumMismatchError(f"{what}: checksum {got} != announced {expected[i]} "
+                                        f"({u8.numel()} bytes); nothing from it was loaded")
+
+    def _group(self) -> TransferGroup:
+        if self.group is None or not self.group.alive:
+            raise TransferAbortedError("the transfer group is not connected (torn down or never initialised)")
+        return self.group
+
+    def _receive_packed(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+        g = self._group()
+        src = self.init.src_rank
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        nbuf = max(1, min(info.packed_num_buffers, len(plan)))
+        bufs = self._buffers(nbuf, max_bucket_bytes(plan)) if plan else []
+        works: dict[int, object] = {}
+
+        def post(i: int) -> None:
+            b = plan[i]
+            if b.nbytes:
+                works[i] = g.broadcast(bufs[i % nbuf][: b.nbytes], src)
+
+        for i in range(min(nbuf, len(plan))):
+            post(i)
+        total = 0
+        for i, b in enumerate(plan):
+            what = f"bucket {i + 1}/{len(plan)}"
+            if i in works:
+                g.wait(works.pop(i), what=what)
+            buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self._wire_device())
+            self._verify(buf, info.checksums, i, what)
+            pairs = list(unpack(buf, b))
+            if buf.device != self.device:
+                pairs = [(n, t.to(self.device)) for n, t in pairs]
+            sink(pairs)
+            total += b.nbytes
+            if on_bucket is not None:
+                on_bucket(i)
+            if i + nbuf < len(plan):
+                post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
+        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
+
+    def _receive_unpacked(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+        g = self._group()
+        src = self.init.src_rank
+        dev = self._wire_device()
+        dtypes = info.dtypes()
+        n = len(info.names)
+        ahead = max(1, info.packed_num_buffers)
+        pending: dict[int, tuple[torch.Tensor, object]] = {}
+
+        def post(i: int) -> None:
+            t = torch.empty(info.shapes[i], dtype=dtypes[i], device=dev)
+            w = g.broadcast(as_bytes(t), src) if t.numel() else None
+            pending[i] = (t, w)
+
+        for i in range(min(ahead, n)):
+            post(i)
+        total = 0
+        for i in range(n):
+            t, w = pending.pop(i)
+            what = f"tensor {info.names[i]!r} ({i + 1}/{n})"
+            if w is not None:
+                g.wait(w, what=what)
+            self._verify(as_bytes(t), info.checksums, i, what)
+            sink([(info.names[i], t if t.device == self.device else t.to(self.device))])
+            total += t.numel() * t.element_size()
+            if on_bucket is not None:
+                on_bucket(i)
+            if i + ahead < n:
+                post(i + ahead)
+        return {"bytes": total, "buckets": n, "tensors": n}
+
+    def _receive_ipc(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+        from rlserve.transfer.ipc import import_handle
+
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        if info.ipc_handles is None or len(info.ipc_handles) != len(plan):
+            raise WeightUpdateError(f"ipc: expected {len(plan)} handles, got "
+                                    f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
+        total = 0
+        for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
+            what = f"ipc bucket {i + 1}/{len(plan)}"
+            try:
+                mapped = import_handle(handle)
+            except WeightUpdateError:
+                raise
+            except Exception as e:
+                raise WeightTransferFailedError(f"{what}: could not map the CUDA IPC handle: {e}") from e
+            if mapped.numel() < b.nbytes:
+                raise WeightUpdateError(f"{what}: mapped buffer has {mapped.numel()} bytes, the plan needs {b.nbytes}")
+            buf = mapped[: b.nbytes]
+            self._verify(buf, info.checksums, i, what)
+            pairs = list(unpack(buf, b))
+            if buf.device != self.device:
+                pairs = [(n, t.to(self.device)) for n, t in pairs]
+            sink(pairs)
+            # the trainer may overwrite its buffer as soon as we answer: finish reading first
+            if self._stream is not None:
+                self._stream.synchronize()
+            if buf.device != self.device:
+                torch.cuda.current_stream(buf.device).synchronize()
+            del buf, mapped, pairs
+            total += b.nbytes
+            if on_bucket is not None:
+                on_bucket(i)
+        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}

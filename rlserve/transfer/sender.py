@@ -1,0 +1,122 @@
+"""Trainer-side data plane: broadcast an update's tensors from the trainer rank.
+
+The mirror of :mod:`rlserve.transfer.receiver`: the same bucket plan, the same byte layout, the
+same order. Tensors come from an iterator (a :class:`~rlserve.transfer.trainer.ModuleSource`),
+are copied into the bucket buffer as they arrive (a gathered FSDP tensor is freed right after),
+and each full bucket is broadcast asynchronously; with ``packed_num_buffers`` buffers, packing
+bucket ``i+1`` overlaps the broadcast of bucket ``i`` (gloo: the backend's threads; NCCL: the
+backend's stream, ordered after the packing copies on the current stream).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from rlserve.transfer.group import TransferGroup
+from rlserve.transfer.packing import as_bytes, max_bucket_bytes, plan_buckets
+from rlserve.transfer.protocol import UpdateInfo
+
+
+def _check_item(name: str, t: torch.Tensor, exp_name: str, exp_dtype: torch.dtype, exp_shape) -> None:
+    if name != exp_name:
+        raise ValueError(f"source yielded {name!r} where the announced order has {exp_name!r}")
+    if t.dtype != exp_dtype or tuple(t.shape) != tuple(exp_shape):
+        raise ValueError(f"{name}: source yielded {t.dtype} {tuple(t.shape)}, announced {exp_dtype} {tuple(exp_shape)}")
+
+
+def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[str, torch.Tensor]],
+                device: torch.device, check: Callable[[], None] | None = None) -> dict:
+    """Broadcast ``tensors`` (in ``info`` order) as packed buckets from ``group.rank``.
+
+    Args:
+        group: the transfer group (this rank is the source).
+        info: resolved update_info (``packed_buffer_size_bytes``, ``packed_num_buffers`` set).
+        tensors: ``(name, tensor)`` in the announced order, announced dtypes and shapes.
+        device: where the bucket buffers live (CPU for gloo, the trainer's GPU for NCCL).
+        check: polled while waiting; raise from it to give up (the server's HTTP call failed).
+    Returns:
+        ``{"bytes", "buckets", "seconds"}``.
+    Raises:
+        ValueError: the source does not match the announced metadata.
+        TransferTimeoutError / WeightTransferFailedError / whatever ``check`` raises.
+    """
+    t0 = time.perf_counter()
+    dtypes = info.dtypes()
+    plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
+    nbuf = max(1, min(info.packed_num_buffers, len(plan)))
+    size = max_bucket_bytes(plan)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)] if plan else []
+    works: dict[int, object] = {}
+    it = iter(tensors)
+    total = 0
+    src = group.rank
+    for bi, b in enumerate(plan):
+        k = bi % nbuf
+        if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf
+            group.wait(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}", check=check)
+        buf = bufs[k][: b.nbytes] if b.nbytes else None
+        end_prev = 0
+        for slot in b.slots:
+            try:
+                name, t = next(it)
+            except StopIteration:
+                raise ValueError(f"source ended before {slot.name!r}") from None
+            _check_item(name, t, slot.name, slot.dtype, slot.shape)
+            if slot.offset > end_prev:
+                buf[end_prev: slot.offset].zero_()
+            if slot.nbytes:
+                buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
+            end_prev = slot.offset + slot.nbytes
+            del t
+        if buf is not None:
+            if b.nbytes > end_prev:
+                buf[end_prev:].zero_()
+            works[bi] = group.broadcast(buf, src)
+            total += b.nbytes
+        if check is not None:
+            check()
+    if next(it, None) is not None:
+        raise ValueError("source yielded more tensors than announced")
+    for bi in sorted(works):
+        group.wait(works.pop(bi), what=f"bucket {bi + 1}/{len(plan)}", check=check)
+    return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0}
+
+
+def send_unpacked(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[str, torch.Tensor]],
+                  device: torch.device, check: Callable[[], None] | None = None) -> dict:
+    """One broadcast per tensor (its bytes), ``packed_num_buffers`` in flight. Same contract as
+    :func:`send_packed`."""
+    t0 = time.perf_counter()
+    dtypes = info.dtypes()
+    ahead = max(1, info.packed_num_buffers)
+    inflight: dict[int, tuple[torch.Tensor, object]] = {}
+    it = iter(tensors)
+    total = 0
+    src = group.rank
+    n = len(info.names)
+    for i in range(n):
+        if i - ahead in inflight:
+            _t, w = inflight.pop(i - ahead)
+            group.wait(w, what=f"tensor {info.names[i - ahead]!r}", check=check)
+        try:
+            name, t = next(it)
+        except StopIteration:
+            raise ValueError(f"source ended before {info.names[i]!r}") from None
+        _check_item(name, t, info.names[i], dtypes[i], info.shapes[i])
+        u8 = as_bytes(t)
+        if u8.device != device:
+            u8 = u8.to(device)
+        if u8.numel():
+            inflight[i] = (u8, group.broadcast(u8, src))  # keep u8 alive until sent
+            total += u8.numel()
+        if check is not None:
+            check()
+    if next(it, None) is not None:
+        raise ValueError("source yielded more tensors than announced")
+    for i in sorted(inflight):
+        _t, w = inflight.pop(i)
+        group.wait(w, what=f"tensor {info.names[i]!r}", check=check)
+    return {"bytes": total, "buckets": n, "seconds": time.perf_counter() - t0}

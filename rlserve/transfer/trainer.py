@@ -1,0 +1,686 @@
+"""Trainer SDK: push a training model's weights into a running rlserve server.
+
+Mirrors vLLM's trainer-side API, so a script written like vLLM's ``rlhf_http_nccl.py`` ports by
+changing imports::
+
+    from rlserve.transfer import (HTTPWeightSyncClient, ModuleSource, NCCLTrainerInitInfo,
+                                  WeightTransferTrainerFactory)
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=NCCLTrainerInitInfo(master_address=ip, master_port=port,
+                                      world_size=server_world_size + 1),
+        client=HTTPWeightSyncClient("http://localhost:8000", admin_key=None),
+        source=ModuleSource(train_model),
+    )
+    engine.send_weights()            # start_weight_update -> update_weights (+ broadcast) -> finish
+    engine.shutdown()
+
+``send_weights``:
+
+1. collects the metadata (names, dtypes, shapes: no gather) and, unless ``checksums=False``, one
+   ``s32sum`` checksum per bucket (a pass over the tensors: FSDP gathers every parameter once for
+   it, then again to send);
+2. ``POST /start_weight_update`` with the whole ``update_info``: the server validates it against
+   its model and answers 400 before any byte moves;
+3. ``POST /update_weights`` on a background thread while this thread broadcasts (the server only
+   joins the broadcast while its handler runs); if the HTTP call fails, the broadcast gives up at
+   once; ipc instead sends one ``update_weights`` per bucket carrying that bucket's CUDA IPC
+   handle;
+4. ``POST /finish_weight_update`` (``weight_version`` auto-increments on the server unless given).
+
+After a failed transfer the group is torn down on both sides; the next ``send_weights`` first
+re-runs the init handshake (``engine.reinit()`` does it explicitly).
+
+FSDP2 trainers: every rank builds the engine with its own ``rank`` (0 talks to the server and
+sends, the others only iterate the source so that ``full_tensor()`` gathers line up) and every
+rank calls ``send_weights``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rlserve.errors import WeightUpdateError, WeightUpdateStateError
+from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
+from rlserve.transfer.group import TransferGroup
+from rlserve.transfer.packing import (
+    bucket_checksums_from_tensors,
+    checksum,
+    max_bucket_bytes,
+    plan_buckets,
+    tensor_checksum,
+    unpack,  # noqa: F401  (re-exported for tests)
+)
+from rlserve.transfer.protocol import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+    InitInfo,
+    UpdateInfo,
+    dtype_to_name,
+)
+from rlserve.transfer.sender import send_packed, send_unpacked
+
+logger = logging.getLogger(__name__)
+
+
+# ============================================================================ HTTP client
+class WeightSyncHTTPError(WeightUpdateError):
+    """The server answered an error. Attributes: ``status_code``, ``error_type``, ``message``,
+    ``route``."""
+
+    def __init__(self, route: str, status_code: int, message: str, error_type: str | None = None):
+        super().__init__(f"{route} -> HTTP {status_code} ({error_type or 'error'}): {message}")
+        self.route, self.status_code, self.message, self.error_type = route, status_code, message, error_type
+
+
+class WeightSyncConflictError(WeightSyncHTTPError, WeightUpdateStateError):
+    """HTTP 409: the call arrived out of order."""
+
+
+class HTTPWeightSyncClient:
+    """Client of the server's weight-sync control routes (``requests``, JSON only).
+
+    Args:
+        base_url: e.g. ``"http://localhost:8000"``.
+        admin_key: sent as ``Authorization: Bearer <key>`` (the server's ``--admin-key``).
+        timeout_s: read timeout of each call in seconds (``update_weights`` gets the larger of
+            this and the value the engine passes); connecting is limited to 10 s.
+
+    Every method raises :class:`WeightSyncHTTPError` (409: :class:`WeightSyncConflictError`)
+    with the server's JSON error message on 4xx/5xx, and :class:`WeightTransferFailedError`
+    when the server cannot be reached.
+    """
+
+    connect_timeout_s = 10.0
+
+    def __init__(self, base_url: str, admin_key: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.admin_key = admin_key
+        self.timeout_s = float(timeout_s)
+        self._session = requests.Session()
+        self._lock = threading.Lock()
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        import requests
+
+        url = f"{self.base_url}{route}"
+        timeout = (self.connect_timeout_s, max(self.timeout_s, timeout_s or 0.0))
+        try:
+            # a fresh connection per call: calls run concurrently from several threads
+            r = requests.request(method, url, json=body, headers=self._headers(), timeout=timeout)
+        except requests.Timeout as e:
+            raise TransferTimeoutError(f"{route}: no answer from {self.base_url} within {timeout[1]:.0f} s") from e
+        except requests.RequestException as e:
+            raise WeightTransferFailedError(f"{route}: cannot reach {self.base_url}: {e}") from e
+        if r.status_code >= 400:
+            msg, etype = r.text[:2000], None
+            try:
+                j = r.json()
+                err = j.get("error", j) if isinstance(j, dict) else {}
+                if isinstance(err, dict):
+                    msg = err.get("message") or err.get("detail") or msg
+                    etype = err.get("type")
+                elif isinstance(err, str):
+                    msg = err
+            except ValueError:
+                pass
+            cls = WeightSyncConflictError if r.status_code == 409 else WeightSyncHTTPError
+            raise cls(route, r.status_code, str(msg), etype)
+        try:
+            return r.json() if r.content else {}
+        except ValueError:
+            return {"text": r.text}
+
+    # vLLM-style control plane
+    def get_world_size(self) -> int:
+        """Server workers (TP * DP); the transfer group is this + 1."""
+        return int(self._call("GET", "/get_world_size")["world_size"])
+
+    def init_weight_transfer_engine(self, init_info: dict, timeout_s: float | None = None) -> dict:
+        return self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s)
+
+    def start_weight_update(self, update_info: dict | None = None) -> dict:
+        return self._call("POST", "/start_weight_update", {"update_info": update_info} if update_info else {})
+
+    def update_weights(self, update_info: dict, timeout_s: float | None = None) -> dict:
+        return self._call("POST", "/update_weights", {"update_info": update_info}, timeout_s)
+
+    def finish_weight_update(self, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
+        body = {} if weight_version is None else {"weight_version": str(weight_version)}
+        return self._call("POST", "/finish_weight_update", body, timeout_s)
+
+    def shutdown_weight_transfer_engine(self) -> dict:
+        return self._call("POST", "/shutdown_weight_transfer_engine", {})
+
+    def weight_info(self) -> dict:
+        return self._call("GET", "/weight_info")
+
+    def weight_checker(self, compare: dict[str, str] | None = None) -> dict:
+        return self._call("POST", "/weight_checker", {"compare": compare} if compare else {})
+
+    def pause(self, mode: str = "keep", clear_cache: bool = False) -> dict:
+        return self._call("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}", {})
+
+    def resume(self) -> dict:
+        return self._call("POST", "/resume", {})
+
+    # TRL-style
+    def init_communicator(self, host: str, port: int, world_size: int) -> dict:
+        return self._call("POST", "/init_communicator/", {"host": host, "port": port, "world_size": world_size})
+
+    def update_named_param(self, name: str, dtype: str, shape: list[int]) -> dict:
+        return self._call("POST", "/update_named_param/", {"name": name, "dtype": dtype, "shape": list(shape)})
+
+    def reset_prefix_cache(self) -> dict:
+        return self._call("POST", "/reset_prefix_cache/", {})
+
+    def close_communicator(self) -> dict:
+        return self._call("POST", "/close_communicator/", {})
+
+
+#: vLLM's name, for scripts ported from vLLM.
+HTTPVLLMWeightSyncClient = HTTPWeightSyncClient
+
+
+# ============================================================================ sources
+_WRAPPER_PARTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def hf_name(name: str) -> str:
+    """Strip wrapper components (``module.`` from DDP, ``_orig_mod.`` from torch.compile,
+    ``_fsdp_wrapped_module.`` / ``_checkpoint_wrapped_module.``) from a parameter name."""
+    parts = name.split(".")
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(p for p in parts if p not in _WRAPPER_PARTS[1:])
+
+
+class ModuleSource:
+    """Yields ``(hf_name, full tensor)`` of a Hugging Face-style ``nn.Module``.
+
+    Args:
+        module: a plain module, DDP / torch.compile wrapped, or FSDP2 (DTensor parameters).
+        dtype: cast floating tensors to this dtype before sending (e.g. ``torch.bfloat16`` to
+            halve the bytes of a float32 trainer); ``None`` sends them as they are.
+        include: optional predicate on the HF name (partial updates).
+
+    Names are Hugging Face checkpoint names: wrapper prefixes are stripped, and a tied
+    ``lm_head.weight`` is skipped (``named_parameters()`` already dedups the shared tensor; with
+    ``tie_word_embeddings`` an explicitly listed head is dropped too). Buffers are not sent.
+
+    DTensor parameters: :meth:`named_tensors` calls ``full_tensor()`` per parameter (a
+    collective), so every rank of the trainer must iterate in the same order; metadata
+    (:meth:`metadata`) needs no communication.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None = None,
+                 include: Callable[[str], bool] | None = None):
+        self.module = module
+        self.dtype = dtype
+        self.include = include
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        seen: set[str] = set()
+        tied = bool(getattr(getattr(self.module, "config", None), "tie_word_embeddings", False))
+        for raw, p in self.module.named_parameters():
+            name = hf_name(raw)
+            if name in seen:
+                continue
+            if tied and name == "lm_head.weight":
+                continue
+            if self.include is not None and not self.include(name):
+                continue
+            seen.add(name)
+            out.append((name, p))
+        return out
+
+    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``[(hf_name, dtype on the wire, full shape)]`` in send order; no communication."""
+        return [(n, self._out_dtype(p), tuple(p.shape)) for n, p in self._params()]
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full contiguous tensor)`` in :meth:`metadata` order."""
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover
+            DTensor = ()  # type: ignore[assignment]
+        for name, p in self._params():
+            t = p.detach()
+            if DTensor and isinstance(t, DTensor):
+                t = t.full_tensor()
+            if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            yield name, t.contiguous()
+
+
+class TensorListSource:
+    """A source over explicit ``(name, tensor)`` pairs (tests, benchmarks, custom exporters)."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]):
+        self.items = [(n, t.detach()) for n, t in named]
+
+    def metadata(self):
+        return [(n, t.dtype, tuple(t.shape)) for n, t in self.items]
+
+    def named_tensors(self):
+        for n, t in self.items:
+            yield n, t.contiguous()
+
+
+# ============================================================================ init infos
+@dataclass
+class TrainerInitInfo:
+    """Common fields of the trainer-side init infos.
+
+    Attributes:
+        master_address / master_port: the TCPStore the trainer hosts (rank 0). ``master_port=0``
+            picks a free port.
+        world_size: server workers + 1 (``client.get_world_size() + 1``).
+        rank: this trainer process's rank in its own job; only rank 0 talks to the server and
+            sends (FSDP: the others only take part in ``full_tensor()`` gathers).
+        packed / packed_buffer_size_bytes / packed_num_buffers: bucket layout (bytes).
+        timeout_s: seconds for the rendezvous, every collective wait and every HTTP call.
+        checksums: compute and announce per-bucket checksums (costs one extra pass over the
+            tensors).
+    """
+
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 2
+    rank: int = 0
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    checksums: bool = True
+
+    backend: ClassVar[str] = ""
+
+    def to_server_init_info(self) -> dict:
+        """The ``init_info`` JSON the server receives."""
+        d = InitInfo(backend=self.backend, master_address=self.master_address, master_port=self.master_port,
+                     rank_offset=1, world_size=self.world_size, packed=self.packed,
+                     packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+                     packed_num_buffers=self.packed_num_buffers, timeout_s=float(self.timeout_s))
+        d.validate()
+        return d.to_dict()
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """gloo data plane (CPU tensors; GPU tensors are staged through host memory)."""
+
+    backend: ClassVar[str] = "gloo"
+
+
+@dataclass
+class NCCLTrainerInitInfo(TrainerInitInfo):
+    """NCCL data plane. ``device``: the trainer's GPU (default: the current device). NCCL
+    refuses two ranks on one GPU: use ``IPCTrainerInitInfo`` when sharing the server's GPU."""
+
+    device: str | None = None
+    backend: ClassVar[str] = "nccl"
+
+
+@dataclass
+class IPCTrainerInitInfo(TrainerInitInfo):
+    """CUDA IPC data plane: trainer and server on one GPU; no process group (``master_*`` and
+    ``world_size`` are unused). ``device``: the GPU of the trainer's buffers."""
+
+    device: str | None = None
+    backend: ClassVar[str] = "ipc"
+
+    def to_server_init_info(self) -> dict:
+        d = InitInfo(backend="ipc", master_address=self.master_address, master_port=0, rank_offset=1,
+                     world_size=max(2, self.world_size), packed=True,
+                     packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+                     packed_num_buffers=self.packed_num_buffers, timeout_s=float(self.timeout_s))
+        d.validate()
+        return d.to_dict()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ============================================================================ engines
+class TrainerWeightTransferEngine:
+    """What :meth:`WeightTransferTrainerFactory.trainer_init` returns.
+
+    Attributes:
+        init_info: the trainer init info.
+        client: the HTTP client (``None`` on ranks != 0).
+        source: the weight source.
+        last_stats: ``{"bytes", "buckets", "seconds", "gbps", ...}`` of the last ``send_weights``.
+    """
+
+    def __init__(self, init_info: TrainerInitInfo, client: HTTPWeightSyncClient | None, source):
+        self.init_info = init_info
+        self.client = client
+        self.source = source
+        self.last_stats: dict = {}
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-weight-sync-http")
+        self._closed = False
+
+    # subclasses
+    def _connect(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, info: UpdateInfo, declared: dict) -> dict:
+        raise NotImplementedError
+
+    def _teardown(self) -> None:
+        pass
+
+    @property
+    def is_sender(self) -> bool:
+        return self.init_info.rank == 0
+
+    # public
+    def reinit(self) -> None:
+        """Tear down and redo the init handshake (server + own group)."""
+        self._teardown()
+        if self.is_sender:
+            self._connect()
+
+    def _metadata_info(self, partial: bool) -> UpdateInfo:
+        meta = self.source.metadata()
+        info = UpdateInfo(
+            names=[m[0] for m in meta], dtype_names=[dtype_to_name(m[1]) for m in meta],
+            shapes=[list(m[2]) for m in meta], packed=self.init_info.packed,
+            packed_buffer_size_bytes=self.init_info.packed_buffer_size_bytes,
+            packed_num_buffers=self.init_info.packed_num_buffers, partial=partial)
+        info.validate()
+        return info
+
+    def _checksum_pass(self, info: UpdateInfo) -> list[int] | None:
+        if not self.init_info.checksums or self.init_info.backend == "ipc":
+            return None  # ipc: checksummed per packed bucket, right before its call
+        per_tensor = [tensor_checksum(t) for _n, t in self.source.named_tensors()]
+        if not self.is_sender:
+            return None
+        if not info.packed:
+            return per_tensor
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        return bucket_checksums_from_tensors(plan, per_tensor)
+
+    def send_weights(self, weight_version: str | None = None, partial: bool = False) -> dict:
+        """Push the source's current weights: start → update (+ data) → finish.
+
+        Args:
+            weight_version: version label to commit; ``None``: the server increments its own.
+            partial: the source holds only some parameters (e.g. ``ModuleSource(include=...)``).
+        Returns:
+            The server's ``finish_weight_update`` answer (``{"weight_version": ...}``) on rank 0,
+            ``{}`` on other ranks. Timing in :attr:`last_stats`.
+        Raises:
+            WeightSyncHTTPError (server refused; 400 = bad metadata, nothing changed),
+            WeightTransferFailedError / TransferTimeoutError (the transfer broke; the group was
+            torn down and the next call re-initialises).
+        """
+        if self._closed:
+            raise WeightUpdateStateError("this trainer engine was shut down")
+        t0 = time.perf_counter()
+        info = self._metadata_info(partial)
+        if not self.is_sender:
+            # follow rank 0's collectives (FSDP full_tensor gathers) in the same order
+            self._checksum_pass(info)
+            for _ in self.source.named_tensors():
+                pass
+            return {}
+        if getattr(self, "_broken", False):
+            self.reinit()
+        info.checksums = self._checksum_pass(info)
+        declared = info.to_dict()
+        self.client.start_weight_update(declared)
+        try:
+            stats = self._send(info, declared)
+        except BaseException:
+            self._broken = True
+            self._teardown()
+            raise
+        fin = self.client.finish_weight_update(weight_version)
+        secs = time.perf_counter() - t0
+        stats.update(total_seconds=secs, weight_version=fin.get("weight_version"))
+        if stats.get("bytes") and stats.get("seconds"):
+            stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9
+        self.last_stats = stats
+        return fin
+
+    def shutdown(self) -> None:
+        """Leave the transfer group (server and trainer sides). Never raises for a dead server."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_sender and self.client is not None:
+            try:
+                self.client.shutdown_weight_transfer_engine()
+            except Exception as e:
+                logger.warning("shutdown_weight_transfer_engine: %s", e)
+        self._teardown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _raise_if_failed(fut: cf.Future) -> Callable[[], None]:
+    def check() -> None:
+        if fut.done():
+            exc = fut.exception()
+            if exc is not None:
+                raise exc
+            raise WeightTransferFailedError("the server finished update_weights before the trainer sent every "
+                                            "bucket (it refused or lost part of the update)")
+    return check
+
+
+class GroupTrainerEngine(TrainerWeightTransferEngine):
+    """gloo / NCCL: the trainer is rank 0 of a process group with every server worker."""
+
+    def __init__(self, init_info, client, source):
+        super().__init__(init_info, client, source)
+        self.group: TransferGroup | None = None
+        self._broken = False
+        if init_info.backend == "nccl":
+            dev = getattr(init_info, "device", None)
+            self.device = torch.device(dev) if dev else torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        if self.is_sender:
+            self._connect()
+
+    def _connect(self) -> None:
+        ii = self.init_info
+        if not ii.master_port:
+            ii.master_port = _free_port()
+        server_init = ii.to_server_init_info()
+        server_init["session"] = uuid.uuid4().hex
+        http = self._pool.submit(self.client.init_weight_transfer_engine, server_init, ii.timeout_s + 30)
+        grp_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-rendezvous")
+        grp = grp_pool.submit(TransferGroup.create, ii.backend, ii.master_address, ii.master_port, 0,
+                              ii.world_size, ii.timeout_s, self.device, session=server_init["session"])
+        grp_pool.shutdown(wait=False)
+        try:
+            done, _ = cf.wait([http, grp], timeout=ii.timeout_s + 60, return_when=cf.FIRST_EXCEPTION)
+            if http.done() and http.exception() is not None:
+                raise http.exception()
+            if grp.done() and grp.exception() is not None:
+                # the server's answer usually says more
+                try:
+                    http.result(timeout=min(10.0, ii.timeout_s))
+                except Exception as e:
+                    raise e from grp.exception()
+                raise grp.exception()
+            self.group = grp.result(timeout=ii.timeout_s + 60)
+            http.result(timeout=ii.timeout_s + 60)
+        except BaseException:
+            def _cleanup(f=grp):
+                try:
+                    f.result().destroy()
+                except BaseException:
+                    pass
+            threading.Thread(target=_cleanup, daemon=True).start()
+            self.group = None
+            raise
+        self._broken = False
+
+    def _teardown(self) -> None:
+        if self.group is not None:
+            self.group.destroy(wait_s=5.0)  # free the store's port for a re-init
+        self.group = None
+
+    def _send(self, info: UpdateInfo, declared: dict) -> dict:
+        if self.group is None:
+            raise TransferAbortedError("not connected: call reinit()")
+        ii = self.init_info
+        n_buckets = len(plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)) \
+            if info.packed else len(info.names)
+        http = self._pool.submit(self.client.update_weights, declared, ii.timeout_s * (n_buckets + 2))
+        check = _raise_if_failed(http)
+        fn = send_packed if info.packed else send_unpacked
+        try:
+            stats = fn(self.group, info, self.source.named_tensors(), self.device, check=check)
+        except BaseException as e:
+            # prefer the server's explanation when it has one
+            if http.done() and http.exception() is not None and http.exception() is not e:
+                raise http.exception() from e
+            raise
+        ans = http.result(timeout=ii.timeout_s * (n_buckets + 2))
+        stats["server"] = ans
+        return stats
+
+
+class IPCTrainerEngine(TrainerWeightTransferEngine):
+    """CUDA IPC: trainer and server share a GPU. Buckets are packed into ``packed_num_buffers``
+    CUDA buffers; each bucket goes in its own ``update_weights`` call carrying the buffer's IPC
+    handle (JSON). Packing bucket ``i+1`` overlaps the server's copy of bucket ``i``."""
+
+    def __init__(self, init_info, client, source):
+        super().__init__(init_info, client, source)
+        dev = getattr(init_info, "device", None)
+        self.device = torch.device(dev) if dev else torch.device("cuda", torch.cuda.current_device())
+        if self.is_sender:
+            self._connect()
+
+    def _connect(self) -> None:
+        self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
+
+    def _metadata_info(self, partial: bool) -> UpdateInfo:
+        info = super()._metadata_info(partial)
+        info.packed = True  # ipc moves packed buckets only
+        return info
+
+    def _send(self, info: UpdateInfo, declared: dict) -> dict:
+        t0 = time.perf_counter()
+        ii = self.init_info
+        dtypes = info.dtypes()
+        plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
+        nbuf = max(1, min(info.packed_num_buffers, len(plan)))
+        size = max_bucket_bytes(plan)
+        # fresh buffers per sync: the IPC bookkeeping torch attaches to a shared block is freed with it
+        bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(nbuf)] if plan else []
+        futs: dict[int, cf.Future] = {}
+        it = iter(self.source.named_tensors())
+        total = 0
+        from rlserve.transfer.ipc import export_handle
+        from rlserve.transfer.sender import _check_item
+        from rlserve.transfer.packing import as_bytes
+
+        try:
+            for bi, b in enumerate(plan):
+                if bi - nbuf in futs:
+                    futs.pop(bi - nbuf).result(timeout=ii.timeout_s)  # server done reading buffer
+                for f in futs.values():
+                    if f.done() and f.exception() is not None:
+                        raise f.exception()
+                buf = bufs[bi % nbuf]
+                end_prev = 0
+                for slot in b.slots:
+                    name, t = next(it)
+                    _check_item(name, t, slot.name, slot.dtype, slot.shape)
+                    if slot.offset > end_prev:
+                        buf[end_prev: slot.offset].zero_()
+                    if slot.nbytes:
+                        buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
+                    end_prev = slot.offset + slot.nbytes
+                if b.nbytes > end_prev:
+                    buf[end_prev: b.nbytes].zero_()
+                ck = checksum(buf[: b.nbytes]) if ii.checksums else None
+                handle = export_handle(buf)
+                sub = UpdateInfo(
+                    names=[s.name for s in b.slots], dtype_names=[dtype_to_name(s.dtype) for s in b.slots],
+                    shapes=[list(s.shape) for s in b.slots], packed=True,
+                    packed_buffer_size_bytes=info.packed_buffer_size_bytes, packed_num_buffers=nbuf,
+                    checksums=None if ck is None else [ck], partial=True, ipc_handles=[handle])
+                futs[bi] = self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s)
+                total += b.nbytes
+            for bi in sorted(futs):
+                futs.pop(bi).result(timeout=ii.timeout_s)
+        finally:
+            for f in futs.values():  # never free a buffer the server may still read
+                try:
+                    f.result(timeout=ii.timeout_s)
+                except BaseException:
+                    pass
+        return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0}
+
+
+class FollowerTrainerEngine(TrainerWeightTransferEngine):
+    """Ranks != 0 of a sharded trainer: iterate the source (collectives) and send nothing."""
+
+
+class WeightTransferTrainerFactory:
+    """Entry point, named as in vLLM."""
+
+    @staticmethod
+    def trainer_init(init_info: TrainerInitInfo, client: HTTPWeightSyncClient | None = None,
+                     source=None) -> TrainerWeightTransferEngine:
+        """Initialise the server's transfer engine and this trainer's end, together.
+
+        gloo / NCCL: ``POST /init_weight_transfer_engine`` runs on a background thread while this
+        thread hosts the TCPStore and joins the group: both ends rendezvous together; returns
+        once both succeeded (at most ``timeout_s``). ipc: the HTTP call only.
+
+        Args:
+            init_info: :class:`GlooTrainerInitInfo`, :class:`NCCLTrainerInitInfo` or
+                :class:`IPCTrainerInitInfo`.
+            client: the server's :class:`HTTPWeightSyncClient` (required on rank 0).
+            source: :class:`ModuleSource` (or anything with ``metadata()`` and
+                ``named_tensors()``).
+        Raises:
+            WeightSyncHTTPError: the server refused the init_info.
+            TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
+        """
+        if source is None:
+            raise ValueError("trainer_init needs a source (e.g. ModuleSource(model))")
+        if init_info.rank != 0:
+            return FollowerTrainerEngine(init_info, None, source)
+        if client is None:
+            raise ValueError("trainer_init needs a client on rank 0")
+        if init_info.backend in ("gloo", "nccl"):
+            return GroupTrainerEngine(init_info, client, source)
+        if init_info.backend == "ipc":
+            return IPCTrainerEngine(init_info, client, source)
+        raise ValueError(f"unknown backend {init_info.backend!r}")

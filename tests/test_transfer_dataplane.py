@@ -1,0 +1,284 @@
+"""Weight-transfer data plane on CPU (gloo), no engine: bucket plan, checksum, packed /
+unpacked broadcast, failure detection, teardown and re-init."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from rlserve.errors import WeightUpdateError
+from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
+from rlserve.transfer.group import TransferGroup
+from rlserve.transfer.packing import (
+    ALIGN,
+    as_bytes,
+    bucket_checksums_from_tensors,
+    checksum,
+    pack,
+    plan_buckets,
+    tensor_checksum,
+    unpack,
+)
+from rlserve.transfer.protocol import InitInfo, UpdateInfo, dtype_to_name
+from rlserve.transfer.receiver import WeightReceiver, check_transport_fields
+from rlserve.transfer.sender import send_packed, send_unpacked
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("a.weight", torch.randn(33, 17, generator=g)),
+        ("b.weight", torch.randn(7, 5, generator=g).to(torch.bfloat16)),  # 70 bytes: not a multiple of 4
+        ("c.bias", torch.randn(3, generator=g).to(torch.float16)),  # 6 bytes
+        ("empty", torch.empty(0, 4)),
+        ("scalar", torch.tensor(3.5)),
+        ("d.weight", torch.randn(64, 48, generator=g)),
+        ("e.weight", torch.randn(129, generator=g).double()),
+    ]
+
+
+def info_for(tensors, packed=True, size=4096, nbuf=2, checksums=True) -> UpdateInfo:
+    info = UpdateInfo(names=[n for n, _ in tensors], dtype_names=[dtype_to_name(t.dtype) for _, t in tensors],
+                      shapes=[list(t.shape) for _, t in tensors], packed=packed,
+                      packed_buffer_size_bytes=size, packed_num_buffers=nbuf)
+    info.validate()
+    if checksums:
+        per = [tensor_checksum(t) for _, t in tensors]
+        if packed:
+            info.checksums = bucket_checksums_from_tensors(
+                plan_buckets(info.names, info.dtypes(), info.shapes, size), per)
+        else:
+            info.checksums = per
+    return info
+
+
+# --------------------------------------------------------------------------- pure functions
+def test_plan_exceed_rule_and_determinism():
+    names = ["t0", "t1", "t2", "t3"]
+    dtypes = [torch.uint8] * 4
+    shapes = [[400], [400], [400], [3000]]
+    plan = plan_buckets(names, dtypes, shapes, 1000)
+    # t0 -> 512 (<= 1000, stays open); t1 at 512 ends 912 -> 1024 > 1000: closes WITH t1 in it
+    assert [[s.name for s in b.slots] for b in plan] == [["t0", "t1"], ["t2", "t3"]]
+    assert [s.offset for s in plan[0].slots] == [0, 512]
+    assert plan[0].nbytes == 1024
+    # t2 at 0 -> 512; t3 at 512, 3000 bytes -> 3584: bigger than the nominal size, one bucket
+    assert plan[1].nbytes == 3584
+    # exactly at the size does not close: <= size stays open
+    plan2 = plan_buckets(["x", "y"], [torch.uint8] * 2, [[ALIGN], [1]], ALIGN)
+    assert [[s.name for s in b.slots] for b in plan2] == [["x", "y"]]
+    # same metadata -> same plan (both sides compute it independently)
+    assert plan_buckets(names, dtypes, shapes, 1000) == plan
+    assert all(s.offset % ALIGN == 0 for b in plan for s in b.slots)
+
+
+def test_checksum_additive_and_sensitive():
+    ts = make_tensors()
+    info = info_for(ts, size=1 << 20)
+    plan = plan_buckets(info.names, info.dtypes(), info.shapes, 1 << 20)
+    assert len(plan) == 1
+    buf = torch.full((plan[0].nbytes,), 0xAB, dtype=torch.uint8)  # garbage padding gets zeroed
+    packed = pack(buf, plan[0], [t for _, t in ts])
+    assert checksum(packed) == info.checksums[0]
+    for (n, v), (n2, t) in zip(unpack(packed, plan[0]), ts):
+        assert n == n2 and v.dtype == t.dtype and torch.equal(v, t)
+    packed[5] ^= 1
+    assert checksum(packed) != info.checksums[0]
+    # int64 wrap-around is exact and order independent
+    big = torch.full((1 << 12,), -1, dtype=torch.int32).view(torch.uint8)
+    assert checksum(big) == -(1 << 12)
+
+
+def test_update_info_validation():
+    with pytest.raises(WeightUpdateError, match="same length"):
+        UpdateInfo.from_dict({"names": ["a"], "dtype_names": [], "shapes": [[1]]})
+    with pytest.raises(WeightUpdateError, match="unknown dtype"):
+        UpdateInfo.from_dict({"names": ["a"], "dtype_names": ["complex64"], "shapes": [[1]]})
+    with pytest.raises(WeightUpdateError, match="unknown field"):
+        UpdateInfo.from_dict({"names": [], "dtype_names": [], "shapes": [], "pickled": True})
+    with pytest.raises(WeightUpdateError, match="twice"):
+        UpdateInfo.from_dict({"names": ["a", "a"], "dtype_names": ["float32"] * 2, "shapes": [[1], [1]]})
+    u = UpdateInfo.from_dict({"names": ["a"], "dtype_names": ["torch.bfloat16"], "shapes": [[2, 3]],
+                              "is_checkpoint_format": True})
+    assert u.dtypes() == [torch.bfloat16]
+    r = u.resolved(InitInfo(master_port=1))
+    assert r.packed is True and r.packed_num_buffers == 2 and r.packed_buffer_size_bytes == 1 << 30
+    r.checksums = [1, 2]
+    with pytest.raises(WeightUpdateError, match="checksums has 2"):
+        check_transport_fields(r, "gloo")
+    with pytest.raises(WeightUpdateError, match="master_port"):
+        InitInfo.from_dict({"backend": "gloo"})
+    with pytest.raises(WeightUpdateError, match="backend"):
+        InitInfo.from_dict({"backend": "mpi", "master_port": 5})
+
+
+# --------------------------------------------------------------------------- two ranks (threads)
+def run_pair(port, sender_fn, receiver_fn, timeout_s=20.0):
+    """Trainer (rank 0, hosts the store) and one receiver (rank 1), each on a thread."""
+    results, errors = {}, {}
+
+    def trainer():
+        try:
+            g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, timeout_s)
+            try:
+                results["trainer"] = sender_fn(g)
+            finally:
+                g.destroy(wait_s=5)
+        except BaseException as e:  # noqa: BLE001
+            errors["trainer"] = e
+
+    def receiver():
+        try:
+            init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=timeout_s)
+            r = WeightReceiver(init, 1, torch.device("cpu"))
+            r.connect()
+            try:
+                results["receiver"] = receiver_fn(r)
+            finally:
+                r.close()
+        except BaseException as e:  # noqa: BLE001
+            errors["receiver"] = e
+
+    ts = [threading.Thread(target=trainer), threading.Thread(target=receiver)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout_s * 3)
+    assert not any(t.is_alive() for t in ts), "a side hung"
+    return results, errors
+
+
+@pytest.mark.parametrize("packed,size,nbuf", [(True, 4096, 2), (True, 1 << 20, 1), (True, 300, 3), (False, 0, 2)])
+def test_broadcast_bit_identical(packed, size, nbuf):
+    ts = make_tensors(1)
+    info = info_for(ts, packed=packed, size=size or 1 << 20, nbuf=nbuf)
+    got: dict[str, torch.Tensor] = {}
+    calls = []
+
+    def sink(pairs):
+        calls.append([n for n, _ in pairs])
+        for n, t in pairs:
+            got[n] = t.clone()
+
+    send = send_packed if packed else send_unpacked
+    res, err = run_pair(free_port(), lambda g: send(g, info, iter(ts), torch.device("cpu")),
+                        lambda r: r.receive(info, sink))
+    assert not err, err
+    assert list(got) == [n for n, _ in ts]
+    for n, t in ts:
+        assert got[n].dtype == t.dtype and got[n].shape == t.shape
+        assert torch.equal(as_bytes(got[n]), as_bytes(t)), n  # bit-identical
+    if packed:
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        assert calls == [[s.name for s in b.slots] for b in plan]
+        assert res["trainer"]["bytes"] == res["receiver"]["bytes"] == sum(b.nbytes for b in plan)
+    else:
+        assert calls == [[n] for n, _ in ts]
+
+
+def test_checksum_mismatch_detected_before_sink():
+    ts = make_tensors(2)
+    info = info_for(ts, size=600)  # several buckets
+    n_buckets = len(info.checksums)
+    assert n_buckets >= 3
+    bad = UpdateInfo(**{**info.__dict__, "checksums": list(info.checksums)})
+    bad.checksums[1] += 1  # the receiver expects another sum for bucket 1
+    seen = []
+    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
+                        lambda r: r.receive(bad, lambda pairs: seen.extend(n for n, _ in pairs)), timeout_s=5)
+    assert isinstance(err.get("receiver"), ChecksumMismatchError), err
+    assert "bucket 2/" in str(err["receiver"])
+    plan = plan_buckets(info.names, info.dtypes(), info.shapes, 600)
+    assert seen == [s.name for s in plan[0].slots]  # bucket 0 went through, bucket 1 never reached the sink
+
+
+def test_source_must_match_announced_metadata():
+    ts = make_tensors(3)
+    info = info_for(ts)
+    wrong = [(n, t) for n, t in ts]
+    wrong[0] = ("a.weight", torch.randn(2, 2))
+    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(wrong), torch.device("cpu")),
+                        lambda r: r.receive(info, lambda p: None), timeout_s=3)
+    assert isinstance(err.get("trainer"), ValueError)
+    assert isinstance(err.get("receiver"), WeightTransferFailedError)  # peer left / timed out: no hang
+
+
+def test_reinit_after_teardown_same_port():
+    port = free_port()
+    ts = make_tensors(4)
+    info = info_for(ts)
+    for _ in range(2):
+        got = {}
+        res, err = run_pair(port, lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
+                            lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})))
+        assert not err, err
+        assert torch.equal(got["d.weight"], ts[5][1])
+
+
+def test_rendezvous_timeout_when_trainer_never_comes():
+    init = InitInfo(backend="gloo", master_port=free_port(), world_size=2, timeout_s=1.5)
+    r = WeightReceiver(init, 1, torch.device("cpu"))
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferFailedError):
+        r.connect()
+    assert time.monotonic() - t0 < 10
+
+
+# --------------------------------------------------------------------------- SIGKILL mid-update
+TRAINER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {root!r})
+    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.packing import plan_buckets, max_bucket_bytes, pack
+    from tests.test_transfer_dataplane import make_tensors, info_for
+    ts = make_tensors(5)
+    info = info_for(ts, size=600)
+    plan = plan_buckets(info.names, info.dtypes(), info.shapes, 600)
+    g = TransferGroup.create("gloo", "127.0.0.1", {port}, 0, 2, 30.0)
+    buf = torch.empty(max_bucket_bytes(plan), dtype=torch.uint8)
+    by_name = dict(ts)
+    b = plan[0]
+    g.wait(g.broadcast(pack(buf, b, [by_name[s.name] for s in b.slots]), 0))
+    print("SENT-FIRST", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_trainer_sigkill_mid_update_receiver_does_not_hang():
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER_SCRIPT.format(root=root, port=port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+    try:
+        ts = make_tensors(5)
+        info = info_for(ts, size=600)
+        init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=30.0)
+        r = WeightReceiver(init, 1, torch.device("cpu"))
+        r.connect()
+        loaded = []
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferFailedError):
+            r.receive(info, lambda pairs: loaded.extend(n for n, _ in pairs))
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15, f"receiver took {elapsed:.1f}s to notice a dead trainer"
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, 600)
+        assert loaded == [s.name for s in plan[0].slots]
+        r.close()
+    finally:
+        proc.kill()
+        out, errs = proc.communicate(timeout=10)
+    assert "SENT-FIRST" in out, errs[-2000:]
