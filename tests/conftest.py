@@ -11,7 +11,7 @@ def tiny_model(tmp_path_factory):
     cache: dict = {}
 
     def get(arch: str, **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             cache[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
         return cache[key]
