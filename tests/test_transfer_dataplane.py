@@ -199,7 +199,7 @@ def test_checksum_mismatch_detected_before_sink():
     bad.checksums[1] += 1  # the receiver expects another sum for bucket 1
     seen = []
     res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
-                        lambda r: r.receive(bad, lambda pairs: seen.extend(n for n, _ in pairs)), timeout_s=5)
+                        lambda r: r.receive(bad, lambda pairs: seen.extend(n for n, _ in pairs)), timeout_s=2)
     assert isinstance(err.get("receiver"), ChecksumMismatchError), err
     assert "bucket 2/" in str(err["receiver"])
     plan = plan_buckets(info.names, info.dtypes(), info.shapes, 600)

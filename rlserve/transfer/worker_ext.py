@@ -1,0 +1,274 @@
+"""Worker-side weight-sync functions, run through ``engine.collective_rpc``.
+
+Each is a plain ``fn(worker, *args)`` (see docs/INTERFACES.md, "Workers"): the manager calls
+``engine.collective_rpc("rlserve.transfer.worker_ext:<fn>", *args)`` from the engine thread,
+between steps, on every TP worker of a replica at once. Arguments and results are JSON-like.
+
+Blocking work (rendezvous, receiving) runs on one background thread per worker so that the
+engine keeps stepping (staged mode) and the manager can poll: ``start_*`` functions return at
+once, :func:`poll` reports progress. Loading into the model happens
+
+- in place (``staging="none"``): on the receive thread, bucket by bucket, through
+  ``worker.load_weights`` (the engine is paused by the manager);
+- staged (``"device"`` / ``"host"``): the receive thread only copies received tensors into a
+  staging dict (HF name → tensor on the worker's device / in pinned host memory, in the model's
+  dtype when every float parameter has that dtype, else as received); :func:`commit`, called on
+  the engine thread while it is paused, loads the staging dict with one ``load_weights`` call.
+
+After a load, ``rlserve.loader.process_weights_after_loading`` runs (fp8 scales and friends).
+State lives in ``worker.extension_state["rlserve.transfer"]``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import traceback
+
+import torch
+
+from rlserve.transfer.errors import TransferAbortedError
+from rlserve.transfer.protocol import InitInfo, UpdateInfo
+from rlserve.transfer.receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "rlserve.transfer"
+
+
+class _Op:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.future: cf.Future | None = None
+        self.applied = 0  # buckets loaded into the model in place (in-place mode)
+        self.staged = 0
+        self.started = time.monotonic()
+
+
+class WorkerTransferState:
+    """Per-worker transfer state (receiver, background thread, staging, running ops)."""
+
+    def __init__(self):
+        self.receiver: WeightReceiver | None = None
+        self.init: InitInfo | None = None
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
+        self.ops: dict[str, _Op] = {}
+        self.staging: dict[str, torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.abort()
+            self.receiver.close()
+        self.receiver = None
+        self.init = None
+        self.staging = {}
+        old = self.pool
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
+        old.shutdown(wait=False, cancel_futures=True)
+
+
+def _state(worker) -> WorkerTransferState:
+    st = worker.extension_state.get(STATE_KEY)
+    if st is None:
+        st = worker.extension_state[STATE_KEY] = WorkerTransferState()
+    return st
+
+
+def _rank(worker, init: InitInfo) -> int:
+    return init.worker_rank(int(getattr(worker, "dp_index", 0)), int(getattr(worker, "tp_rank", 0)),
+                            int(getattr(worker, "tp_size", 1)))
+
+
+def _load(worker, pairs) -> set:
+    if hasattr(worker, "load_weights"):
+        return worker.load_weights(pairs)
+    return worker.model.load_weights(pairs)
+
+
+def _post_load(worker) -> None:
+    try:
+        from rlserve.loader import process_weights_after_loading
+    except ImportError:  # pragma: no cover
+        return
+    ctx = worker.tp() if hasattr(worker, "tp") else None
+    if ctx is None:
+        process_weights_after_loading(worker.model)
+    else:
+        with ctx:
+            process_weights_after_loading(worker.model)
+
+
+def _stage_dtype(worker) -> torch.dtype | None:
+    """The model's dtype when every float parameter has it (casting then is what
+    ``load_weights`` would do anyway), else ``None`` (keep the received dtype: exact)."""
+    dt = getattr(worker, "dtype", None)
+    if dt is None:
+        return None
+    for p in worker.model.parameters():
+        if p.is_floating_point() and p.dtype != dt:
+            return None
+    return dt
+
+
+def _submit(st: WorkerTransferState, op_id: str, kind: str, fn) -> str:
+    op = _Op(kind)
+    st.ops[op_id] = op
+    op.future = st.pool.submit(fn, op)
+    return op_id
+
+
+# ---------------------------------------------------------------- rpc functions
+def init_transfer(worker, op_id: str, init_info: dict) -> str:
+    """Replace any current receiver and start joining the group (background). Poll ``op_id``."""
+    st = _state(worker)
+    st.close()
+    init = InitInfo.from_dict(init_info)
+    rank = _rank(worker, init)
+    receiver = WeightReceiver(init, rank, worker.device)
+    st.receiver, st.init = receiver, init
+
+    def run(op):
+        receiver.connect()
+        return {"rank": rank}
+
+    return _submit(st, op_id, "init", run)
+
+
+def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
+    """Start receiving one update (background). ``update_info`` is resolved (``packed*`` set)
+    and validated by the manager. ``staging``: "none" (load in place), "device" or "host"."""
+    st = _state(worker)
+    if st.receiver is None:
+        raise TransferAbortedError("no transfer engine on this worker: call init_weight_transfer_engine first")
+    info = UpdateInfo.from_dict(update_info)
+    receiver = st.receiver
+
+    def run(op: _Op):
+        if worker.device.type == "cuda":
+            torch.cuda.set_device(worker.device)
+        if staging == "none":
+            def sink(pairs):
+                _load(worker, pairs)
+                op.applied += 1
+        else:
+            dtype = _stage_dtype(worker)
+            pin = staging == "host" and torch.cuda.is_available()
+            dev = worker.device if staging == "device" else torch.device("cpu")
+
+            def sink(pairs):
+                for name, t in pairs:
+                    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+                    dst = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
+                    dst.copy_(t, non_blocking=pin)
+                    st.staging[name] = dst
+                op.staged += 1
+        stats = receiver.receive(info, sink)
+        if staging == "none" and info.names:
+            _post_load(worker)
+        return stats
+
+    return _submit(st, op_id, "receive", run)
+
+
+def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
+    """``{"done": bool, "ok": bool, "result": ..., "error": str, "error_type": str, "applied": int,
+    "staged": int, "seconds": float}`` of op ``op_id``; a finished op is forgotten after this."""
+    st = _state(worker)
+    op = st.ops.get(op_id)
+    if op is None:
+        return {"done": True, "ok": False, "error": f"unknown transfer op {op_id} on this worker "
+                "(it was torn down)", "error_type": "TransferAbortedError", "applied": 0, "staged": 0}
+    fut = op.future
+    try:
+        fut.result(timeout=wait_s) if wait_s else None
+    except BaseException:  # noqa: BLE001 - reported below
+        pass
+    out = {"done": fut.done(), "applied": op.applied, "staged": op.staged,
+           "seconds": time.monotonic() - op.started}
+    if fut.done():
+        st.ops.pop(op_id, None)
+        exc = fut.exception() if not fut.cancelled() else TransferAbortedError("cancelled")
+        if exc is None:
+            out.update(ok=True, result=fut.result())
+        else:
+            out.update(ok=False, error=str(exc), error_type=type(exc).__name__)
+            if not isinstance(exc, (TransferAbortedError,)):
+                logger.debug("transfer op %s failed: %s", op_id,
+                             "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    return out
+
+
+def abort(worker) -> None:
+    """Make a receive in progress fail fast (the manager then shuts the engine down)."""
+    st = _state(worker)
+    if st.receiver is not None:
+        st.receiver.abort()
+
+
+def commit(worker) -> dict:
+    """Load the staging dict into the model in place (engine thread, engine paused); clear it.
+    Returns ``{"names": n}``. Raises what ``load_weights`` raises (staging is kept then)."""
+    st = _state(worker)
+    staged = st.staging
+    if not staged:
+        return {"names": 0}
+    t0 = time.perf_counter()
+    _load(worker, list(staged.items()))
+    _post_load(worker)
+    n = len(staged)
+    st.staging = {}
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
+    return {"names": n, "seconds": time.perf_counter() - t0}
+
+
+def discard(worker) -> None:
+    """Drop staged tensors (a failed or abandoned staged update)."""
+    _state(worker).staging = {}
+
+
+def shutdown_transfer(worker) -> None:
+    """Leave the group (never blocks), drop staging, forget ops."""
+    st = _state(worker)
+    st.close()
+    st.ops.clear()
+
+
+def status(worker) -> dict:
+    st = _state(worker)
+    return {
+        "initialized": st.receiver is not None,
+        "connected": st.receiver is not None and (st.receiver.group is not None or
+                                                  (st.init is not None and st.init.backend == "ipc")),
+        "rank": None if st.init is None else _rank(worker, st.init),
+        "staged_tensors": len(st.staging),
+        "ops": list(st.ops),
+        "dtype": str(getattr(worker, "dtype", "")).removeprefix("torch."),
+        "device": str(worker.device),
+    }
+
+
+def model_checksums(worker, dtype_name: str | None = None) -> dict | None:
+    """sha256 per Hugging Face tensor of this replica's model (TP shards gathered over the TP
+    group: every TP worker must run this together). Returns the dict on TP rank 0, ``None`` on
+    the others. See :mod:`rlserve.transfer.checksums`."""
+    from rlserve.transfer.checksums import export_hf_tensors, hf_state_checksums
+
+    if worker.device.type == "cuda":
+        torch.cuda.set_device(worker.device)
+    dtype = None
+    if dtype_name:
+        from rlserve.transfer.protocol import dtype_from_name
+
+        dtype = dtype_from_name(dtype_name)
+    named, skipped = export_hf_tensors(worker.model)
+    if int(getattr(worker, "tp_rank", 0)) != 0:
+        for _ in named:  # take part in the TP gathers, hash nothing
+            pass
+        return None
+    sums = hf_state_checksums(named, dtype)
+    return {"checksums": sums, "skipped": skipped,
+            "dtype": str(getattr(worker, "dtype", "")).removeprefix("torch.")}
