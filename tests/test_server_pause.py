@@ -158,3 +158,33 @@ def test_abort_requests_route_and_metrics(server):
         assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
 
     _run(scenario, server.url)
+
+
+def test_client_disconnect_aborts(server):
+    """A client that goes away (non-streaming or streaming) has its request aborted."""
+
+    def aborted(text: str) -> float:
+        return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith('rlserve_sequences_finished_total{finish_reason="abort"'))
+
+    async def scenario(client):
+        before = aborted((await client.get("/metrics")).text)
+        body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True}
+        # non-streaming: held by a pause (so it cannot finish first), then the client leaves
+        assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+        with pytest.raises(httpx.TimeoutException):
+            await client.post("/v1/completions", json=body, timeout=0.5)
+        await asyncio.sleep(1.5)  # the server polls for disconnects every second
+        assert (await client.post("/resume")).status_code == 200
+        async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first chunk: the connection is closed
+        for _ in range(100):
+            if aborted((await client.get("/metrics")).text) - before >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert aborted((await client.get("/metrics")).text) - before == 2
+        assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
+
+    _run(scenario, server.url)

@@ -160,6 +160,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         sampling fields → ``{"prompt_ids", "completion_ids", "logprobs", "weight_version"}``;
         ``completion_ids`` holds ``n`` entries per prompt, prompt-major; ``logprobs`` holds
         the sampled tokens' logprobs (None when ``logprobs`` is null)."""
+        state.check_available()
         if body.images:
             raise APIError(400, "images are not supported", param="images")
         if body.guided_decoding_regex:

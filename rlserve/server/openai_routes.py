@@ -181,6 +181,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         """OpenAI completions. Errors: 400 (bad fields, context overflow, bad token ids),
         404 (unknown model), 503 (model unavailable), 500 (engine failure)."""
         model = state.check_model(body.model)
+        state.check_available()
         _reject_unsupported(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -258,6 +259,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         """OpenAI chat completions through the tokenizer's chat template. Errors as for
         completions, plus 400 for empty messages or a model without a chat template."""
         model = state.check_model(body.model)
+        state.check_available()
         _reject_unsupported(body)
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")

@@ -84,6 +84,16 @@ class ServerState:
         return self.settings.served_model_names[0]
 
     # ---- checks -----------------------------------------------------------------------
+    def check_available(self) -> None:
+        """Raises APIError 503 while the model is unavailable (a failed in-place weight
+        update) or the engine is down; checked before a stream starts, so streams never
+        begin with a 200 and then fail for this."""
+        reason = self.aengine.unavailable_reason
+        if reason is not None:
+            raise APIError(503, f"the model is unavailable: {reason}", code="model_unavailable")
+        if not self.aengine.is_alive():
+            raise APIError(503, "the engine is not running", code="engine_dead")
+
     def check_model(self, name: str | None) -> str:
         """Returns the model name to report. Raises APIError 404 for an unknown name."""
         if name is None or name in self.settings.served_model_names or name == self.settings.model:
@@ -214,7 +224,8 @@ class ServerState:
                 last = out
                 yield out
         finally:
-            if last is not None and last.finished:
-                self.metrics.record_request(
-                    endpoint, [c.finish_reason for c in last.outputs], len(prompt_ids),
-                    sum(len(c.token_ids) for c in last.outputs), time.monotonic() - t0, ttft)
+            # a request whose client went away (or that failed) counts as aborted
+            reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
+            self.metrics.record_request(
+                endpoint, reasons, len(prompt_ids), sum(len(c.token_ids) for c in last.outputs) if last else 0,
+                time.monotonic() - t0, ttft)
