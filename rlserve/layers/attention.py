@@ -183,13 +183,10 @@ def torch_paged_attention(
     k_pos = torch.arange(max_s, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
     qh = q_pad.transpose(1, 2)  # [B, H, max_q, D]
-    kh = k_ctx.transpose(1, 2).to(q.dtype)
+    kh = k_ctx.transpose(1, 2).to(q.dtype)  # [B, Hkv, max_s, D]
     vh = v_ctx.transpose(1, 2).to(q.dtype)
-    if Hkv != H:
-        rep = H // Hkv
-        kh = kh.repeat_interleave(rep, dim=1)
-        vh = vh.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale)
+    # grouped-query attention without materialising repeated K/V (query head h reads KV head h // (H/Hkv))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale, enable_gqa=Hkv != H)
     out = out.transpose(1, 2)  # [B, max_q, H, D]
     if max_q == 1:
         return out.reshape(T, H, D)
