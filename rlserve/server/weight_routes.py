@@ -1,0 +1,180 @@
+"""HTTP routes of the weight-sync control plane (owned by the transfer layer).
+
+``make_weight_router(manager, dependencies=[...])`` returns a FastAPI ``APIRouter``; the server
+mounts it behind its admin-key dependency. ``make_weight_manager(aengine, config, staging)``
+builds the :class:`~rlserve.transfer.manager.WeightTransferManager` the router drives.
+
+Routes (JSON bodies; every error is OpenAI-shaped ``{"error": {"message", "type", "param",
+"code"}}``):
+
+================================  ===================================  =========================
+route                             body                                 answer
+================================  ===================================  =========================
+POST /init_weight_transfer_engine ``{"init_info": {...}}``             ``{"status", "worker_ranks"}``
+POST /start_weight_update         ``{"update_info": {...}}`` (opt.)    ``{"status": "started"}``
+POST /update_weights              ``{"update_info": {...}}``           ``{"tensors", "bytes", ...}``
+POST /finish_weight_update        ``{"weight_version": "..."}`` (opt.) ``{"weight_version", ...}``
+POST /shutdown_weight_transfer_engine                                  ``{"status": "ok"}``
+GET  /weight_info                                                      version, state, last update
+POST /weight_checker              ``{"compare": {name: sha256}}`` opt. ``{"checksums", "compare"}``
+POST /init_communicator/          ``{"host", "port", "world_size"}``   TRL: answers at once
+POST /update_named_param/         ``{"name", "dtype", "shape"}``       TRL: answers at once
+POST /close_communicator/                                              TRL
+================================  ===================================  =========================
+
+Status codes: 400 refused (bad metadata: nothing changed), 409 out of order, 500 the transfer
+failed (group torn down; re-initialise), 503 the model is unavailable, 504 a timeout.
+Blocking work never runs on the event loop: the manager drives worker threads and awaits them,
+every step bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from fastapi import APIRouter, Body
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
+from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 409: "conflict_error", 500: "internal_server_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and error code of an exception raised by the manager."""
+    if isinstance(exc, WeightUpdateStateError):
+        return 409, "weight_update_out_of_order"
+    if isinstance(exc, TransferTimeoutError):
+        return 504, "weight_transfer_timeout"
+    if isinstance(exc, WeightTransferFailedError):
+        return 500, "weight_transfer_failed"
+    if isinstance(exc, WeightUpdateError):
+        return 400, "weight_update_refused"
+    if isinstance(exc, ModelUnavailableError):
+        return 503, "model_unavailable"
+    if isinstance(exc, TimeoutError):
+        return 504, "timeout"
+    return 500, "internal_error"
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, code = error_status(exc)
+    if status >= 500 and not isinstance(exc, (WeightUpdateError, TimeoutError)):
+        logger.error("weight route failed", exc_info=exc)
+    msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError)) \
+        else f"{type(exc).__name__}: {exc}"
+    return JSONResponse({"error": {"message": msg, "type": _TYPES.get(status, "error"), "param": None, "code": code}},
+                        status_code=status)
+
+
+async def _call(coro) -> Any:
+    try:
+        return await coro
+    except Exception as e:  # noqa: BLE001 - every error becomes a JSON answer
+        return error_response(e)
+
+
+class InitBody(BaseModel):
+    init_info: dict
+
+
+class StartBody(BaseModel):
+    update_info: Optional[dict] = None
+
+
+class UpdateBody(BaseModel):
+    update_info: dict
+
+
+class FinishBody(BaseModel):
+    weight_version: Optional[str | int] = None
+
+
+class CheckerBody(BaseModel):
+    compare: Optional[dict[str, str]] = None
+
+
+class TRLInitBody(BaseModel):
+    host: str = "0.0.0.0"
+    port: int
+    world_size: Optional[int] = None
+    client_device_uuid: Optional[str] = None
+
+
+class TRLUpdateBody(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+def make_weight_manager(aengine, transfer_config: dict | None, staging: str = "none"):
+    """The manager for ``--weight-transfer-config`` / ``--weight-staging``.
+
+    Raises:
+        ValueError: a bad config or staging mode (the server refuses to start).
+    """
+    from rlserve.transfer.manager import WeightTransferManager
+
+    return WeightTransferManager(aengine, transfer_config, staging=staging)
+
+
+def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
+    """The weight-sync routes, each behind ``dependencies`` (the server's admin check)."""
+    router = APIRouter(dependencies=list(dependencies or []), tags=["weight sync"])
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: InitBody):
+        """Workers join the transfer group; the trainer (rank 0, hosting the TCPStore) joins
+        concurrently. Returns once everyone arrived (at most ``timeout_s``)."""
+        return await _call(manager.init_engine(body.init_info))
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(body: Optional[StartBody] = Body(None)):
+        """Open an update session (optionally declaring the whole update for early validation)."""
+        return await _call(manager.start_update(body.update_info if body else None))
+
+    @router.post("/update_weights")
+    async def update_weights(body: UpdateBody):
+        """Receive (and load or stage) the tensors described by ``update_info``."""
+        return await _call(manager.update_weights(body.update_info))
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(body: Optional[FinishBody] = Body(None)):
+        """Commit: staged copy (if staging), prefix-cache reset, weight version."""
+        v = None if body is None or body.weight_version is None else str(body.weight_version)
+        return await _call(manager.finish_update(v))
+
+    @router.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        return await _call(manager.shutdown_engine())
+
+    @router.get("/weight_info")
+    async def weight_info():
+        return manager.weight_info()
+
+    @router.post("/weight_checker")
+    async def weight_checker(body: Optional[CheckerBody] = Body(None)):
+        """sha256 per Hugging Face tensor of the served model; ``compare`` checks a baseline."""
+        return await _call(manager.checksums(body.compare if body else None))
+
+    # ---- TRL vllm-serve protocol ---------------------------------------------------------
+    @router.post("/init_communicator/")
+    async def init_communicator(body: TRLInitBody):
+        return await _call(manager.trl_init_communicator(body.host, body.port, body.world_size,
+                                                         body.client_device_uuid))
+
+    @router.post("/update_named_param/")
+    async def update_named_param(body: TRLUpdateBody):
+        return await _call(manager.trl_update_named_param(body.name, body.dtype, body.shape))
+
+    @router.post("/close_communicator/")
+    async def close_communicator():
+        return await _call(manager.trl_close_communicator())
+
+    return router

@@ -1,0 +1,703 @@
+"""Server-side weight-sync state machine: :class:`WeightTransferManager`.
+
+The HTTP routes (``rlserve/server/weight_routes.py``) call it; it reaches every engine replica
+through ``AsyncEngine.run_in_engines`` and every TP worker through ``engine.collective_rpc`` of
+the functions in :mod:`rlserve.transfer.worker_ext`.
+
+States::
+
+    uninitialized --init--> ready --start--> updating --update*--> updating --finish--> ready
+          ^                   |                  |  (failure: group torn down)
+          +----shutdown-------+------------------+--> uninitialized
+
+Out-of-order calls raise :class:`WeightUpdateStateError` (HTTP 409): update / finish without
+start, start twice, update without init, a second long call while one runs.
+
+Guarantees (beyond vLLM):
+
+- the whole update's metadata (names known, shapes, float dtypes, full coverage unless
+  ``partial``) is validated against the model's ``checkpoint_spec()`` /
+  ``required_checkpoint_names()`` before any byte moves (400, nothing changed);
+- a failure mid-update (trainer died, timeout, checksum mismatch, a worker raising) tears the
+  group down on every worker; staged mode keeps the old weights; in-place mode marks the model
+  unavailable (``AsyncEngine.set_unavailable``: generation answers 503) if any bucket was already
+  loaded, until an update covering every required parameter commits; a fresh
+  ``init_weight_transfer_engine`` then works;
+- an open update session that sees no call for ``timeout_s`` seconds is abandoned the same way
+  (a trainer that died between calls never leaves the server paused);
+- every commit resets the prefix cache and sets the weight version (auto-incremented when the
+  trainer gives none).
+
+Staging (``weight_staging``): ``"none"`` loads in place while generation is paused (the trainer
+pauses, as with vLLM; if it did not, the manager pauses with mode ``keep`` from
+``start_weight_update`` to ``finish_weight_update``). ``"device"`` / ``"host"`` receive into a
+staging copy while generation continues; ``finish`` pauses briefly (``keep``), loads the staged
+tensors with one local copy, resets the prefix cache and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlserve.errors import WeightUpdateError, WeightUpdateStateError
+from rlserve.transfer import errors as terr
+from rlserve.transfer.checksums import compare_checksums
+from rlserve.transfer.protocol import (
+    BACKENDS,
+    DEFAULT_TIMEOUT_S,
+    InitInfo,
+    UpdateInfo,
+    dtype_from_name,
+    validate_against_spec,
+)
+from rlserve.transfer.receiver import check_transport_fields, expected_checksum_count
+
+logger = logging.getLogger(__name__)
+
+_WORKER = "rlserve.transfer.worker_ext"
+STAGING_MODES = ("none", "device", "host")
+_CONFIG_KEYS = {"backend", "timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+
+_ERRORS = {
+    "ChecksumMismatchError": terr.ChecksumMismatchError,
+    "TransferTimeoutError": terr.TransferTimeoutError,
+    "TransferAbortedError": terr.TransferAbortedError,
+    "WeightTransferFailedError": terr.WeightTransferFailedError,
+}
+
+
+def next_version(current: str) -> str:
+    """``"7"`` → ``"8"``; ``"step-41"`` → ``"step-42"``; ``"abc"`` → ``"abc.1"``."""
+    m = re.match(r"^(.*?)(\d+)$", str(current))
+    if m:
+        return f"{m.group(1)}{int(m.group(2)) + 1}"
+    return f"{current}.1"
+
+
+@dataclass
+class _Session:
+    declared: UpdateInfo | None
+    auto_paused: bool
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    received: set = field(default_factory=set)
+    applied: bool = False  # something was loaded in place in this session
+    bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+
+class WeightTransferManager:
+    """The server's weight-sync control plane.
+
+    Args:
+        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``run_in_engines``,
+            ``pause``/``resume``/``is_paused``, ``set_weight_version``, ``set_unavailable``,
+            ``reset_prefix_cache``, ``config``).
+        transfer_config: ``--weight-transfer-config`` JSON: ``{"backend": "gloo"|"nccl"|"ipc"}``
+            plus optional defaults for ``init_info`` (``timeout_s``, ``packed``,
+            ``packed_buffer_size_bytes``, ``packed_num_buffers``). A trainer asking for another
+            backend is refused (400).
+        staging: ``"none"`` (in place), ``"device"`` or ``"host"``.
+        rpc_timeout_s: seconds for one short worker RPC (poll, abort, status).
+        poll_interval_s: seconds between progress polls of a running transfer.
+
+    Raises:
+        ValueError: bad ``transfer_config`` or ``staging``.
+    """
+
+    def __init__(self, aengine, transfer_config: dict | None = None, staging: str = "none",
+                 rpc_timeout_s: float = 60.0, poll_interval_s: float = 0.005):
+        cfg = dict(transfer_config or {})
+        unknown = set(cfg) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"weight transfer config: unknown key(s) {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}")
+        if cfg.get("backend") is not None and cfg["backend"] not in BACKENDS:
+            raise ValueError(f"weight transfer backend must be one of {BACKENDS}, got {cfg['backend']!r}")
+        if staging not in STAGING_MODES:
+            raise ValueError(f"weight staging must be one of {STAGING_MODES}, got {staging!r}")
+        self.aengine = aengine
+        self.config = cfg
+        self.backend: str | None = cfg.get("backend")
+        self.staging = staging
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self._init: InitInfo | None = None
+        self._session: _Session | None = None
+        self._busy: str | None = None
+        self._busy_task: asyncio.Task | None = None
+        self._spec: tuple[dict, set] | None = None
+        self._unavailable_by_us = False
+        self._watchdog: asyncio.Task | None = None
+        self.last_update: dict | None = None
+        self.history: collections.deque = collections.deque(maxlen=32)
+        self.num_updates = 0
+        self.num_failures = 0
+        # TRL protocol
+        self._trl_queue: asyncio.Queue | None = None
+        self._trl_worker: asyncio.Task | None = None
+        self._trl_init_task: asyncio.Task | None = None
+        self._trl_error: BaseException | None = None
+        self._trl_batch: set = set()
+        self._trl_applied = False
+
+    # ================================================================== helpers
+    @property
+    def num_workers(self) -> int:
+        """Server workers in the transfer group: TP x DP."""
+        c = self.aengine.config
+        return int(getattr(c, "tensor_parallel_size", 1) or 1) * int(getattr(c, "data_parallel_size", 1) or 1)
+
+    def _timeout(self) -> float:
+        return self._init.timeout_s if self._init is not None else float(self.config.get("timeout_s", DEFAULT_TIMEOUT_S))
+
+    async def _rpc(self, fn: str, *args, timeout_s: float | None = None) -> list:
+        """``fn(worker, *args)`` on every worker of every replica; results flattened (replica-major,
+        TP rank order). Raises TransferTimeoutError after ``timeout_s``."""
+        target = f"{_WORKER}:{fn}"
+        t = timeout_s or self.rpc_timeout_s
+        try:
+            res = await self.aengine.run_in_engines(lambda e: e.collective_rpc(target, *args, timeout_s=t),
+                                                    timeout_s=t + 5)
+        except asyncio.TimeoutError as e:
+            raise terr.TransferTimeoutError(f"worker call {fn} did not return within {t:.0f} s") from e
+        return [r for rep in res for r in rep]
+
+    async def _model_spec(self) -> tuple[dict, set]:
+        if self._spec is None:
+            res = await self.aengine.run_in_engines(
+                lambda e: (dict(e.checkpoint_spec()), set(e.required_checkpoint_names())), timeout_s=self.rpc_timeout_s)
+            spec, req = res[0]
+            self._spec = ({k: tuple(v) for k, v in spec.items()}, set(req))
+        return self._spec
+
+    def _check_not_busy(self, what: str) -> None:
+        if self._busy is not None:
+            raise WeightUpdateStateError(f"{what}: a {self._busy} call is still running; wait for it to return")
+
+    def _record(self, **kw) -> None:
+        entry = {"time": time.time(), **kw}
+        self.last_update = entry
+        self.history.append(entry)
+
+    async def _run_op(self, start_fn: str, args: list, deadline_s: float, what: str,
+                      session: _Session | None = None) -> list[dict]:
+        """Start a background op on every worker and poll until all finished.
+
+        Raises the first worker error as its rlserve class (TransferTimeoutError, ...)."""
+        op_id = uuid.uuid4().hex
+        await self._rpc(start_fn, op_id, *args)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        while True:
+            results = await self._rpc("poll", op_id)
+            if session is not None and any(r.get("applied") for r in results):
+                session.applied = True
+            failed = [r for r in results if r.get("done") and not r.get("ok")]
+            if failed:
+                # prefer a root cause over the "aborted" / "peer closed" errors it caused elsewhere
+                failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
+                r = failed[0]
+                cls = _ERRORS.get(r.get("error_type"), terr.WeightTransferFailedError)
+                raise cls(f"{what} failed on a server worker: {r.get('error_type')}: {r.get('error')}")
+            if all(r.get("done") for r in results):
+                return [r.get("result") for r in results]
+            if loop.time() > deadline:
+                raise terr.TransferTimeoutError(f"{what} did not finish within {deadline_s:.0f} s")
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _teardown_group(self) -> None:
+        """Abort and leave the group on every worker; never raises."""
+        self._init = None
+        for fn in ("abort", "shutdown_transfer"):
+            try:
+                await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
+
+    def _mark_unavailable(self, reason: str) -> None:
+        self._unavailable_by_us = True
+        self.aengine.set_unavailable(reason)
+        logger.error("model marked unavailable: %s", reason)
+
+    async def _end_session(self, session: _Session) -> None:
+        if self._session is session:
+            self._session = None
+        if session.auto_paused:
+            try:
+                await self.aengine.resume()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("resume after weight update failed: %s", e)
+
+    async def _fail(self, session: _Session | None, err: BaseException, teardown: bool = True) -> None:
+        """Failure path of an update: tear down, keep old weights (staged) or mark the model
+        unavailable (in place, if anything was loaded), resume if we paused."""
+        self.num_failures += 1
+        msg = f"{type(err).__name__}: {err}"
+        logger.error("weight update failed: %s", msg)
+        if teardown:
+            await self._teardown_group()
+        elif self.staging != "none":
+            try:
+                await self._rpc("discard")
+            except Exception:  # noqa: BLE001
+                pass
+        if session is not None:
+            if self.staging == "none" and session.applied:
+                self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
+                                       "generation resumes once a full weight update lands")
+            await self._end_session(session)
+        self._record(ok=False, error=msg, staging=self.staging)
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            s = self._session
+            if s is None:
+                return
+            limit = self._timeout()
+            idle = time.monotonic() - s.last_activity
+            if self._busy is None and idle > limit:
+                logger.error("weight update session idle for %.0f s: abandoning it", idle)
+                await self._fail(s, terr.TransferTimeoutError(
+                    f"no weight-update call for {limit:.0f} s after start_weight_update (trainer gone?)"))
+                return
+            await asyncio.sleep(min(5.0, max(0.05, limit / 4)))
+
+    # ================================================================== vLLM-style API
+    async def init_engine(self, init_info: dict) -> dict:
+        """``POST /init_weight_transfer_engine``: every worker joins the transfer group (the
+        trainer joins concurrently). Replaces a previous group; an update in progress is
+        abandoned. Returns once all workers joined, at most ``timeout_s`` (+30) seconds.
+
+        Raises:
+            WeightUpdateError (400): bad init_info, wrong backend / world size.
+            WeightUpdateStateError (409): another init is running.
+            TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
+        """
+        merged = {k: v for k, v in self.config.items() if k != "backend"}
+        if not isinstance(init_info, dict):
+            raise WeightUpdateError("init_info must be a JSON object")
+        merged.update(init_info)
+        info = InitInfo.from_dict(merged)
+        if self.backend is not None and info.backend != self.backend:
+            raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
+                                    f"(--weight-transfer-config), the trainer asked for {info.backend!r}")
+        n = self.num_workers
+        if info.world_size != n + 1:
+            raise WeightUpdateError(f"init_info.world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), "
+                                    f"got {info.world_size}")
+        if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
+            raise WeightUpdateError("the ipc backend needs a CUDA server")
+        if self._busy == "init":
+            raise WeightUpdateStateError("init_weight_transfer_engine: another init is running")
+        await self._preempt("a new init_weight_transfer_engine")
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError("superseded by a new init_weight_transfer_engine"))
+        self._busy = "init"
+        t0 = time.perf_counter()
+        try:
+            results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
+                                         "init_weight_transfer_engine")
+            self._init = info
+        except BaseException:
+            await self._teardown_group()
+            raise
+        finally:
+            self._busy = None
+        ranks = [r.get("rank") for r in results if isinstance(r, dict)]
+        logger.info("weight transfer engine ready: %s, world size %d, worker ranks %s (%.2f s)",
+                    info.backend, info.world_size, ranks, time.perf_counter() - t0)
+        return {"status": "ok", "backend": info.backend, "world_size": info.world_size, "worker_ranks": ranks,
+                "staging": self.staging}
+
+    async def _preempt(self, why: str) -> None:
+        """Abort a running update (workers fail fast) and wait for its failure path."""
+        if self._busy not in ("update", "trl"):
+            return
+        logger.warning("aborting the weight update in progress: %s", why)
+        try:
+            await self._rpc("abort", timeout_s=10.0)
+        except Exception:  # noqa: BLE001
+            pass
+        deadline = time.monotonic() + self._timeout() + 30
+        while self._busy is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def start_update(self, update_info: dict | None = None) -> dict:
+        """``POST /start_weight_update``: open an update session.
+
+        Args:
+            update_info: optional declaration of the whole update (rlserve extension; the SDK
+                sends it): validated now, so bad metadata is refused before any data moves;
+                later ``update_weights`` calls must stay within it, and ``finish`` checks that all
+                of it arrived.
+        Raises:
+            WeightUpdateStateError (409): no transfer engine, or a session is already open.
+            WeightUpdateError (400): the declared metadata is invalid.
+        """
+        if self._init is None:
+            raise WeightUpdateStateError("start_weight_update: no transfer engine; call "
+                                         "/init_weight_transfer_engine first")
+        if self._session is not None:
+            raise WeightUpdateStateError("start_weight_update called twice: an update is already in progress; "
+                                         "call /finish_weight_update (or /shutdown_weight_transfer_engine) first")
+        self._check_not_busy("start_weight_update")
+        declared = None
+        if update_info:
+            declared = UpdateInfo.from_dict(update_info).resolved(self._init)
+            spec, req = await self._model_spec()
+            validate_against_spec(declared, spec, req)
+            declared.checksums = None
+            declared.ipc_handles = None
+        auto = False
+        if self.staging == "none" and not self.aengine.is_paused():
+            await self.aengine.pause(mode="keep")
+            auto = True
+        self._session = _Session(declared=declared, auto_paused=auto)
+        self._arm_watchdog()
+        return {"status": "started", "staging": self.staging, "paused_by_server": auto,
+                "declared_tensors": None if declared is None else len(declared.names)}
+
+    async def update_weights(self, update_info: dict) -> dict:
+        """``POST /update_weights``: validate, then receive and load (or stage) this update's
+        tensors; returns when every worker has them.
+
+        Raises:
+            WeightUpdateStateError (409): no session / engine, or another call running.
+            WeightUpdateError (400): metadata refused (nothing changed, the group stays usable).
+            WeightTransferFailedError / ChecksumMismatchError / TransferTimeoutError: the transfer
+                broke; the group was torn down (re-init needed).
+        """
+        if self._init is None:
+            raise WeightUpdateStateError("update_weights: no transfer engine; call /init_weight_transfer_engine first")
+        s = self._session
+        if s is None:
+            raise WeightUpdateStateError("update_weights without start_weight_update: call /start_weight_update first")
+        self._check_not_busy("update_weights")
+        s.last_activity = time.monotonic()
+        try:
+            info = UpdateInfo.from_dict(update_info).resolved(self._init)
+            spec, req = await self._model_spec()
+            validate_against_spec(info, spec, req,
+                                  allowed_names=None if s.declared is None else set(s.declared.names),
+                                  already_received=s.received, check_coverage=s.declared is None)
+            check_transport_fields(info, self._init.backend)
+        except WeightUpdateError as e:
+            # The trainer may already be broadcasting (it calls update_weights concurrently with
+            # its collective): leave the group so both ends re-initialise cleanly. No parameter
+            # changed in this call.
+            if self._init.backend != "ipc":
+                await self._fail(s, e)
+                raise WeightUpdateError(f"{e} (the transfer group was torn down: re-initialise with "
+                                        "/init_weight_transfer_engine)") from None
+            raise
+        n_steps = expected_checksum_count(info)
+        self._busy = "update"
+        t0 = time.perf_counter()
+        try:
+            results = await self._run_op("start_receive", [info.to_dict(), self.staging],
+                                         self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
+        except BaseException as e:
+            await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
+            raise
+        finally:
+            self._busy = None
+            s.last_activity = time.monotonic()
+        secs = time.perf_counter() - t0
+        nbytes = int(results[0].get("bytes", 0)) if results and isinstance(results[0], dict) else 0
+        s.received |= set(info.names)
+        s.bytes += nbytes
+        s.seconds += secs
+        s.calls += 1
+        if self.staging == "none" and info.names:
+            s.applied = True
+        return {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
+                "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none"}
+
+    async def finish_update(self, weight_version: str | None = None) -> dict:
+        """``POST /finish_weight_update``: commit. Staged: brief pause, one local copy; always:
+        prefix-cache reset and the new weight version (``weight_version`` or the current one
+        incremented).
+
+        Raises:
+            WeightUpdateStateError (409): no session, or a call still running.
+            WeightUpdateError (400): the declared update did not fully arrive (staged: nothing
+                committed; in place: the model is marked unavailable if anything was loaded).
+        """
+        s = self._session
+        if s is None:
+            raise WeightUpdateStateError("finish_weight_update without start_weight_update")
+        self._check_not_busy("finish_weight_update")
+        if weight_version is not None and not isinstance(weight_version, str):
+            weight_version = str(weight_version)
+        if s.declared is not None:
+            missing = [n for n in s.declared.names if n not in s.received]
+            if missing:
+                err = WeightUpdateError(f"finish_weight_update: {len(missing)} declared tensor(s) never arrived "
+                                        f"(e.g. {missing[:3]}); nothing was committed")
+                await self._fail(s, err, teardown=False)
+                raise err
+        _spec, req = await self._model_spec()
+        self._busy = "finish"
+        paused_here = False
+        try:
+            if self.staging != "none" and s.received:
+                if not self.aengine.is_paused():
+                    await self.aengine.pause(mode="keep")
+                    paused_here = True
+                try:
+                    await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
+                except BaseException as e:
+                    # some workers may have loaded, others not
+                    self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
+                                           "generation resumes once a full weight update lands")
+                    raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
+            await self.aengine.reset_prefix_cache()
+            version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
+            self.aengine.set_weight_version(version)
+            full = req.issubset(s.received)
+            if full and self._unavailable_by_us:
+                self.aengine.set_unavailable(None)
+                self._unavailable_by_us = False
+                logger.info("full weight update landed: generation available again")
+        except BaseException as e:
+            self._busy = None
+            await self._fail(s, e, teardown=False)
+            if paused_here:
+                await self.aengine.resume()
+            raise
+        self._busy = None
+        if paused_here:
+            await self.aengine.resume()
+        await self._end_session(s)
+        self.num_updates += 1
+        total = time.monotonic() - s.started
+        self._record(ok=True, weight_version=version, tensors=len(s.received), bytes=s.bytes,
+                     transfer_seconds=round(s.seconds, 6), total_seconds=round(total, 6), full=full,
+                     staging=self.staging)
+        return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
+                "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6)}
+
+    async def shutdown_engine(self) -> dict:
+        """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
+        abandoned: its failure path runs). Serving continues."""
+        await self._preempt("shutdown_weight_transfer_engine")
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError("the transfer engine was shut down during an update"))
+        await self._teardown_group()
+        return {"status": "ok"}
+
+    def weight_info(self) -> dict:
+        """``GET /weight_info``: version, transfer state, the last update."""
+        s = self._session
+        if self._busy:
+            state = self._busy
+        elif s is not None:
+            state = "updating"
+        elif self._init is not None:
+            state = "ready"
+        else:
+            state = "uninitialized"
+        eng = getattr(self.aengine, "engine", None)
+        dtype = str(getattr(eng, "dtype", "")).removeprefix("torch.") if eng is not None else None
+        return {
+            "weight_version": self.aengine.weight_version,
+            "state": state,
+            "backend": self._init.backend if self._init else self.backend,
+            "initialized": self._init is not None,
+            "staging": self.staging,
+            "dtype": dtype,
+            "num_workers": self.num_workers,
+            "world_size": self.num_workers + 1,
+            "init_info": None if self._init is None else {k: v for k, v in self._init.to_dict().items()},
+            "session": None if s is None else {"received_tensors": len(s.received), "calls": s.calls,
+                                               "declared_tensors": None if s.declared is None else len(s.declared.names),
+                                               "paused_by_server": s.auto_paused},
+            "unavailable": getattr(self.aengine, "unavailable_reason", None),
+            "num_updates": self.num_updates,
+            "num_failures": self.num_failures,
+            "last_update": self.last_update,
+        }
+
+    async def checksums(self, compare: dict[str, str] | None = None) -> dict:
+        """``POST /weight_checker``: sha256 per HF tensor of the served weights (replica 0; every
+        replica is hashed and checked equal), optionally compared with ``compare``.
+
+        Raises:
+            WeightUpdateError (400): ``compare`` is not ``{name: hex}``.
+        """
+        if compare is not None and (not isinstance(compare, dict) or
+                                    not all(isinstance(k, str) and isinstance(v, str) for k, v in compare.items())):
+            raise WeightUpdateError("compare must be an object {hf_name: sha256 hex}")
+        results = [r for r in await self._rpc("model_checksums", None, timeout_s=max(self.rpc_timeout_s, 300.0))
+                   if r is not None]
+        first = results[0]
+        out = {
+            "weight_version": self.aengine.weight_version,
+            "algorithm": "sha256",
+            "dtype": first.get("dtype"),
+            "num_tensors": len(first["checksums"]),
+            "checksums": first["checksums"],
+            "skipped": first.get("skipped", []),
+            "replicas": len(results),
+            "replicas_consistent": all(r["checksums"] == first["checksums"] for r in results),
+        }
+        if compare is not None:
+            out["compare"] = compare_checksums(first["checksums"], compare)
+        return out
+
+    # ================================================================== TRL-style API
+    async def trl_init_communicator(self, host: str, port: int, world_size: int | None = None,
+                                    client_device_uuid: str | None = None) -> dict:
+        """TRL ``/init_communicator/``: returns at once; the workers join the group in the
+        background (TRL's client creates its end after this answers). Layout (TRL's): server
+        workers are ranks ``0..N-1`` (worker 0 hosts the TCPStore on ``port``), the trainer is
+        rank ``N`` (``world_size - 1``); the trainer connects to the server's host.
+
+        Raises:
+            WeightUpdateError (400): the ipc backend, a bad port, or (NCCL) the trainer on one of
+                the server's GPUs.
+        """
+        backend = self.backend
+        if backend == "ipc":
+            raise WeightUpdateError("the TRL protocol needs the nccl or gloo backend (this server uses ipc)")
+        if backend is None:
+            backend = "gloo" if str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu") else "nccl"
+        n = self.num_workers
+        if world_size is not None and world_size != n + 1:
+            logger.warning("TRL init_communicator: world_size %s ignored; the group has %d ranks", world_size, n + 1)
+        if client_device_uuid and backend == "nccl":
+            uuids = await self._worker_device_uuids()
+            if client_device_uuid in uuids:
+                raise WeightUpdateError("the trainer shares a GPU with a server worker: NCCL cannot put two ranks on "
+                                        "one GPU; use the ipc backend (init_weight_transfer_engine) instead")
+        info = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0,
+                "world_size": n + 1, "packed": False}
+        InitInfo.from_dict({**{k: v for k, v in self.config.items() if k != "backend"}, **info})  # 400 now
+        self._trl_error = None
+        self._trl_init_task = asyncio.get_running_loop().create_task(self._trl_run_init(info))
+        return {"message": "Request received, initializing communicator"}
+
+    async def _worker_device_uuids(self) -> set:
+        def uuids(engine):
+            import torch
+
+            dev = getattr(engine, "device", None)
+            if dev is None or torch.device(dev).type != "cuda":
+                return []
+            return [str(torch.cuda.get_device_properties(torch.device(dev)).uuid)]
+        res = await self.aengine.run_in_engines(uuids, timeout_s=self.rpc_timeout_s)
+        return {u for r in res for u in r}
+
+    async def _trl_run_init(self, info: dict) -> None:
+        try:
+            await self.init_engine(info)
+        except BaseException as e:  # noqa: BLE001 - reported on the next TRL call
+            logger.error("TRL init_communicator failed: %s", e)
+            self._trl_error = e
+
+    def _raise_trl_error(self) -> None:
+        if self._trl_error is not None:
+            e, self._trl_error = self._trl_error, None
+            raise e
+
+    async def trl_update_named_param(self, name: str, dtype: str, shape: list[int]) -> dict:
+        """TRL ``/update_named_param/``: validate (400 on a bad name / shape / dtype), queue the
+        receive, return at once; the trainer then broadcasts. Tensors are received in call order
+        and each is loaded on the engine thread between steps. A failure is reported by the next
+        TRL call (and tears the group down)."""
+        self._raise_trl_error()
+        if self._init is None and (self._trl_init_task is None or self._trl_init_task.done()):
+            raise WeightUpdateStateError("update_named_param: no communicator; call /init_communicator/ first")
+        info = UpdateInfo(names=[name], dtype_names=[str(dtype)], shapes=[list(shape)], packed=False, partial=True)
+        info.validate()
+        spec, req = await self._model_spec()
+        validate_against_spec(info, spec, req, check_coverage=False)
+        if self._trl_queue is None:
+            self._trl_queue = asyncio.Queue()
+        if self._trl_worker is None or self._trl_worker.done():
+            self._trl_worker = asyncio.get_running_loop().create_task(self._trl_loop())
+        self._trl_queue.put_nowait(info)
+        return {"message": "Request received, updating named parameter"}
+
+    async def _trl_loop(self) -> None:
+        q = self._trl_queue
+        while True:
+            info = await q.get()
+            try:
+                if self._trl_error is not None:
+                    continue  # drop the rest of a failed batch
+                if self._trl_init_task is not None and not self._trl_init_task.done():
+                    await self._trl_init_task
+                if self._init is None:
+                    raise WeightUpdateStateError("no communicator (init failed or was closed)")
+                while self._busy is not None:
+                    await asyncio.sleep(0.005)
+                self._busy = "trl"
+                try:
+                    await self._run_op("start_receive", [info.resolved(self._init).to_dict(), "device"],
+                                       self._init.timeout_s + 30, f"update_named_param({info.names[0]})")
+                    self._trl_applied = True
+                    await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
+                    self._trl_batch.add(info.names[0])
+                finally:
+                    self._busy = None
+            except BaseException as e:  # noqa: BLE001
+                self._trl_error = e
+                self.num_failures += 1
+                await self._teardown_group()
+                if self._trl_applied:
+                    self._mark_unavailable(f"a TRL weight update failed after some parameters changed "
+                                           f"({type(e).__name__}: {e}); generation resumes once a full update lands")
+                self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
+            finally:
+                q.task_done()
+
+    async def trl_flush(self, timeout_s: float | None = None) -> dict | None:
+        """Wait for queued TRL updates, then (if any landed) reset the prefix cache and bump the
+        weight version. The server's ``/reset_prefix_cache/`` route calls this first so that
+        TRL's ``update_named_param``... ``reset_prefix_cache`` sequence commits in order.
+        Returns the commit summary or ``None`` when nothing was pending. Raises a recorded
+        failure of the batch."""
+        if self._trl_queue is not None:
+            await asyncio.wait_for(self._trl_queue.join(), timeout_s or self._timeout() + 60)
+        self._raise_trl_error()
+        if not self._trl_batch:
+            return None
+        _spec, req = await self._model_spec()
+        await self.aengine.reset_prefix_cache()
+        version = next_version(self.aengine.weight_version)
+        self.aengine.set_weight_version(version)
+        full = req.issubset(self._trl_batch)
+        if full and self._unavailable_by_us:
+            self.aengine.set_unavailable(None)
+            self._unavailable_by_us = False
+        n = len(self._trl_batch)
+        self._trl_batch = set()
+        self._trl_applied = False
+        self.num_updates += 1
+        self._record(ok=True, weight_version=version, tensors=n, full=full, protocol="trl")
+        return {"weight_version": version, "tensors": n, "full": full}
+
+    async def trl_close_communicator(self) -> dict:
+        """TRL ``/close_communicator/``: flush pending updates, then leave the group."""
+        err = None
+        try:
+            await self.trl_flush()
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        await self._teardown_group()
+        if err is not None:
+            raise err
+        return {"message": "Request received, closing communicator"}

@@ -1,0 +1,92 @@
+"""Trainer side of TRL's ``vllm-serve`` weight protocol, against rlserve.
+
+TRL's protocol, per tensor: ``POST /update_named_param/ {"name", "dtype", "shape"}`` (answered
+at once), then a broadcast from the trainer, which is the LAST rank of the group; the server's
+workers are ranks ``0..N-1`` and worker 0 hosts the TCPStore on ``group_port``. After all
+tensors: ``POST /reset_prefix_cache/``; at the end ``POST /close_communicator/``.
+
+The HTTP side is TRL's. The data plane is rlserve's (a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
+on a ``TCPStore``), not vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``, whose store
+messages are pickled; so TRL's own ``VLLMClient`` cannot join, and this class stands in for it
+(same method names)::
+
+    client = TRLWeightSyncClient("http://127.0.0.1:8000", group_port=51216)
+    client.init_communicator()
+    client.update_model_params(model)      # update_named_param per tensor
+    client.reset_prefix_cache()            # the server commits: prefix cache, weight version
+    client.close_communicator()
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlparse
+
+import torch
+
+from rlserve.transfer.group import TransferGroup
+from rlserve.transfer.packing import as_bytes
+from rlserve.transfer.protocol import DEFAULT_TIMEOUT_S
+from rlserve.transfer.trainer import HTTPWeightSyncClient, ModuleSource
+
+
+class TRLWeightSyncClient:
+    """Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
+        group_port: the TCPStore port (server worker 0 listens on it).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"``.
+        device: the trainer's GPU for NCCL.
+        admin_key / timeout_s: as :class:`HTTPWeightSyncClient`.
+    """
+
+    def __init__(self, base_url: str, group_port: int = 51216, backend: str = "gloo",
+                 device: str | torch.device | None = None, admin_key: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.http = HTTPWeightSyncClient(base_url, admin_key=admin_key, timeout_s=timeout_s)
+        self.host = urlparse(base_url).hostname or "127.0.0.1"
+        self.group_port = group_port
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device()))
+        self.group: TransferGroup | None = None
+        self.rank: int | None = None
+
+    def init_communicator(self) -> None:
+        """Ask the server to open the group (it answers at once), then join it as the last rank."""
+        world = self.http.get_world_size() + 1
+        self.http.init_communicator("0.0.0.0", self.group_port, world)
+        self.rank = world - 1
+        self.group = TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world,
+                                          self.timeout_s, self.device)
+
+    def update_named_param(self, name: str, weights: torch.Tensor) -> None:
+        """Announce one tensor, then broadcast its bytes from this (the last) rank."""
+        if self.group is None:
+            raise RuntimeError("call init_communicator() first")
+        t = weights.detach().contiguous()
+        self.http.update_named_param(name, str(t.dtype), list(t.shape))
+        u8 = as_bytes(t)
+        if u8.device != self.device:
+            u8 = u8.to(self.device)
+        if u8.numel():
+            self.group.wait(self.group.broadcast(u8, self.rank), what=f"broadcast of {name}")
+
+    def update_model_params(self, model: torch.nn.Module) -> float:
+        """``update_named_param`` for every parameter (HF names, tied head skipped); seconds."""
+        t0 = time.perf_counter()
+        for name, t in ModuleSource(model).named_tensors():
+            self.update_named_param(name, t)
+        return time.perf_counter() - t0
+
+    def reset_prefix_cache(self) -> dict:
+        """The server commits the updates received so far (in order), resets its prefix cache."""
+        return self.http.reset_prefix_cache()
+
+    def close_communicator(self) -> None:
+        try:
+            self.http.close_communicator()
+        finally:
+            if self.group is not None:
+                self.group.destroy(wait_s=5.0)
+            self.group = None

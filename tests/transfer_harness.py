@@ -1,0 +1,89 @@
+"""Test helpers for the weight-sync layer: an in-process server (AsyncEngine + FastAPI app on
+uvicorn in a thread) and greedy-generation helpers. Not a test module."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """``AsyncEngine`` + the real app (``build_app``) served by uvicorn on a thread.
+
+    Args:
+        model: tiny model directory.
+        transfer_config: ``--weight-transfer-config``.
+        staging: ``--weight-staging``.
+        engine_kwargs: extra ``EngineConfig`` fields.
+    """
+
+    def __init__(self, model: str, transfer_config: dict | None = None, staging: str = "none",
+                 admin_key: str | None = None, **engine_kwargs):
+        from rlserve.config import EngineConfig
+        from rlserve.engine.async_engine import AsyncEngine
+        from rlserve.server.app import build_app
+        from rlserve.server.state import ServerSettings
+
+        kw = dict(device="cpu", dtype="float32", load_format="dummy", max_model_len=128, max_num_seqs=16,
+                  kv_cache_bytes=16 << 20, seed=0)
+        kw.update(engine_kwargs)
+        self.config = EngineConfig(model=model, **kw)
+        self.aengine = AsyncEngine(self.config)
+        self.port = free_port()
+        settings = ServerSettings(model=model, served_model_names=[model], host="127.0.0.1", port=self.port,
+                                  admin_key=admin_key, weight_transfer_config=transfer_config or {"backend": "gloo"},
+                                  weight_staging=staging)
+        self.app = build_app(self.aengine, settings)
+        self.manager = self.app.state.rlserve.weight_manager
+        self.url = f"http://127.0.0.1:{self.port}"
+        import uvicorn
+
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("in-process server did not start")
+
+    def close(self):
+        self._server.should_exit = True
+        self._thread.join(10)
+        self.aengine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def complete(url: str, prompt: str, max_tokens: int = 8, **kw) -> dict:
+    """Greedy ``/v1/completions``; returns the JSON (choices[0].text, weight_version, ...)."""
+    r = httpx.post(url + "/v1/completions", json={"model": kw.pop("model", None) or "m", "prompt": prompt,
+                                                 "max_tokens": max_tokens, "temperature": 0, **kw}, timeout=60)
+    return r
+
+
+def hf_greedy_ids(hf_model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf_model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
+                                pad_token_id=tokenizer.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
