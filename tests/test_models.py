@@ -290,7 +290,8 @@ def _tp_worker(rank: int, world: int, port: int, paths: list[str], results: dict
 def test_tensor_parallel_2_matches_tp1(tmp_path, tiny_dirs):
     """TP=2 over gloo (one thread per rank; the TP state is per thread) gives the TP=1
     logits: q/k/v bias + untied head (qwen2), replicated KV heads (1 KV head over 2 ranks),
-    tied vocab-parallel head with project_in/out (opt_proj)."""
+    tied vocab-parallel head with project_in/out (opt_proj), uneven GQA groups (SmolLM2's 9
+    heads / 3 KV heads: 6+3 query and 2+1 KV heads, o_proj rows split 6:3)."""
     import threading
 
     from rlserve.distributed.group import get_open_port
@@ -299,6 +300,8 @@ def test_tensor_parallel_2_matches_tp1(tmp_path, tiny_dirs):
         tiny_dirs("qwen2"),
         make_tiny_model("llama_tied", tmp_path / "kv1", num_hidden_layers=1, num_key_value_heads=1),
         tiny_dirs("opt_proj"),
+        make_tiny_model("smollm", tmp_path / "h9kv3", num_hidden_layers=1, num_attention_heads=9,
+                        num_key_value_heads=3, hidden_size=144),
     ]
     results: dict = {}
     port = get_open_port()

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from rlserve.config import EngineConfig, resolve_device, resolve_dtype
 from rlserve.distributed.parallel_state import tp_context
 from rlserve.engine.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from rlserve.layers.linear import attention_head_partition
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class Worker:
         cfg = self.hf_config
         t = self.config.max_num_batched_tokens or 2048
         inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 4 * cfg.hidden_size)
-        heads = cfg.num_attention_heads // self.tp_size
+        q = cfg.num_attention_heads
+        heads = attention_head_partition(q, getattr(cfg, "num_key_value_heads", None) or q, self.tp_size,
+                                         self.tp_rank)[1]  # this rank's query heads (may be uneven)
         item = torch.tensor([], dtype=self.dtype).element_size()
         mlp = 3 * t * inter // self.tp_size * item
         scores = heads * min(t, self.config.max_model_len or t) ** 2 * 4

@@ -8,10 +8,13 @@ Layout conventions (all weights are ``[out_features, in_features]`` like ``nn.Li
 - :class:`MergedColumnParallelLinear`: several column-parallel matrices fused along the
   output dim (``gate_up_proj`` = ``[gate; up]``); ``shard_id`` is the index 0, 1, ...
 - :class:`QKVParallelLinear`: fused ``[q; k; v]`` by heads; ``shard_id`` "q" / "k" / "v".
-  When there are fewer KV heads than TP ranks the KV heads are replicated so that every
-  rank holds exactly one.
-- :class:`RowParallelLinear`: input features split (``input_dim = 1``), partial outputs
-  summed with :func:`tp_all_reduce`; the bias is added once, after the reduction.
+  Heads are split by :func:`attention_head_partition`: whole GQA groups (a KV head and its
+  query heads) per rank, as evenly as possible (3 KV heads over 2 ranks: 2 + 1); when there
+  are fewer KV heads than TP ranks the KV heads are replicated so that every rank holds
+  exactly one.
+- :class:`RowParallelLinear`: input features split (``input_dim = 1``), evenly or by an
+  explicit per-rank ``input_partition_sizes`` (o_proj follows the query heads), partial
+  outputs summed with :func:`tp_all_reduce`; the bias is added once, after the reduction.
 
 Every parameter carries ``param.weight_loader(param, loaded_weight, shard_id=None)`` which
 takes the FULL Hugging Face tensor (or, when TP > 1, an already-sliced per-rank tensor of
@@ -47,6 +50,55 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
+
+
+def attention_head_partition(total_q_heads: int, total_kv_heads: int, tp_size: int,
+                             tp_rank: int) -> tuple[int, int, int, int]:
+    """The attention heads TP rank ``tp_rank`` owns: ``(q_start, q_count, kv_start, kv_count)``.
+
+    The one partition rule for attention (fused qkv columns, o_proj rows, per-rank head
+    counts). Query head ``h`` belongs to KV head ``h // (total_q_heads // total_kv_heads)``.
+
+    - ``total_kv_heads >= tp_size``: each rank gets a contiguous range of whole GQA groups,
+      sizes differing by at most one, the larger ranges first (3 KV heads / 9 query heads
+      over 2 ranks: KV ``[0, 2)`` + q ``[0, 6)`` on rank 0, KV ``[2, 3)`` + q ``[6, 9)`` on
+      rank 1). When ``tp_size`` divides ``total_kv_heads`` this is the usual even split.
+    - ``total_kv_heads < tp_size``: KV heads are replicated, each rank holds one
+      (``tp_rank // (tp_size / total_kv_heads)``) and an equal contiguous share of the query
+      heads (``total_q_heads / tp_size``, which then lie inside that KV head's group).
+
+    Raises:
+        ValueError: ``total_q_heads`` not a multiple of ``total_kv_heads``; with fewer KV heads
+            than ranks, ``tp_size`` not a multiple of ``total_kv_heads`` or ``total_q_heads``
+            not divisible by ``tp_size``; a rank out of range.
+    """
+    if total_q_heads < 1 or total_kv_heads < 1 or tp_size < 1:
+        raise ValueError(f"bad head partition request: {total_q_heads} query heads, {total_kv_heads} KV heads, "
+                         f"tensor_parallel_size={tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"TP rank {tp_rank} out of range for tensor_parallel_size={tp_size}")
+    if total_q_heads % total_kv_heads:
+        raise ValueError(f"num_attention_heads={total_q_heads} is not divisible by "
+                         f"num_key_value_heads={total_kv_heads}")
+    group = total_q_heads // total_kv_heads
+    if total_kv_heads >= tp_size:
+        base, extra = divmod(total_kv_heads, tp_size)
+        kv_count = base + (1 if tp_rank < extra else 0)
+        kv_start = tp_rank * base + min(tp_rank, extra)
+        return kv_start * group, kv_count * group, kv_start, kv_count
+    if tp_size % total_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp_size} is not divisible by num_key_value_heads={total_kv_heads} "
+                         f"(with fewer KV heads than ranks each KV head is replicated on tp/num_kv_heads ranks)")
+    if total_q_heads % tp_size:
+        raise ValueError(f"num_attention_heads={total_q_heads} is not divisible by tensor_parallel_size={tp_size} "
+                         f"(needed when num_key_value_heads={total_kv_heads} < tensor_parallel_size)")
+    q_count = total_q_heads // tp_size
+    return tp_rank * q_count, q_count, tp_rank // (tp_size // total_kv_heads), 1
+
+
+def attention_head_partition_sizes(total_q_heads: int, total_kv_heads: int, tp_size: int) -> list[tuple[int, int]]:
+    """``[(q_count, kv_count)]`` of every rank under :func:`attention_head_partition`."""
+    return [attention_head_partition(total_q_heads, total_kv_heads, tp_size, r)[1::2] for r in range(tp_size)]
 
 
 class QuantizationConfig(Protocol):
@@ -325,10 +377,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Fused query/key/value projection, split by heads across TP ranks.
 
-    Per rank the weight is ``[(num_heads + 2*num_kv_heads) * head_size, hidden_size]`` with
-    ``num_heads = total_num_heads / tp`` and ``num_kv_heads = total_num_kv_heads / tp`` or,
-    when ``total_num_kv_heads < tp``, 1 (KV head ``rank // (tp / total_num_kv_heads)``,
-    replicated on ``tp / total_num_kv_heads`` ranks). ``shard_id`` is "q", "k" or "v".
+    Per rank the weight is ``[(num_heads + 2*num_kv_heads) * head_size, hidden_size]``; which
+    heads a rank holds is :func:`attention_head_partition` (``q_head_start``/``num_heads``,
+    ``kv_head_start``/``num_kv_heads``): whole GQA groups, as evenly as possible, or, when
+    ``total_num_kv_heads < tp``, one KV head replicated on ``tp / total_num_kv_heads`` ranks
+    (``num_kv_head_replicas``). ``shard_id`` is "q", "k" or "v".
 
     Args:
         hidden_size: input features.
@@ -337,7 +390,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         bias: q/k/v biases (Qwen2).
 
     Raises:
-        ValueError: if heads do not divide over the TP size (or TP over the KV heads).
+        ValueError: see :func:`attention_head_partition`.
     """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
@@ -347,13 +400,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
-        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
-        if tp >= self.total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp, self.total_num_kv_heads, "tensor_parallel_size / num_kv_heads")
-        else:
-            self.num_kv_heads = divide(self.total_num_kv_heads, tp, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        (self.q_head_start, self.num_heads, self.kv_head_start,
+         self.num_kv_heads) = attention_head_partition(total_num_heads, self.total_num_kv_heads, tp, get_tp_rank())
+        self.num_kv_head_replicas = tp // self.total_num_kv_heads if tp > self.total_num_kv_heads else 1
         sizes = [total_num_heads * head_size, self.total_num_kv_heads * head_size, self.total_num_kv_heads * head_size]
         super().__init__(hidden_size, sizes, bias, False, params_dtype, quant_config, prefix)
 
@@ -372,32 +421,46 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         return self._IDS[shard_id]
 
     def _src_offset(self, idx: int) -> int:
-        if idx == 0:
-            return self.tp_rank * self.output_partition_sizes[0]
-        return (self.tp_rank // self.num_kv_head_replicas) * self.output_partition_sizes[idx]
+        return (self.q_head_start if idx == 0 else self.kv_head_start) * self.head_size
 
 
 class RowParallelLinear(LinearBase):
     """Linear layer with its input features split across TP ranks.
 
     Args:
-        input_size: full input features (divisible by the TP size).
+        input_size: full input features (divisible by the TP size unless
+            ``input_partition_sizes`` is given).
         output_size: output features.
         bias: add a (replicated) bias once, after the all-reduce.
         input_is_parallel: the input is already this rank's slice ``[..., input_size/tp]``;
             otherwise the full input is given and sliced here.
         reduce_results: all-reduce the partial outputs (``tp_all_reduce``).
+        input_partition_sizes: optional explicit split of the input features, one size per TP
+            rank in rank order (summing to ``input_size``); rank ``r`` holds the contiguous
+            input features ``[sum(sizes[:r]), sum(sizes[:r+1]))``. Used by o_proj, whose rows
+            follow the query heads of :func:`attention_head_partition`.
 
     Raises:
-        ValueError: if ``input_size`` is not divisible by the TP size.
+        ValueError: if ``input_size`` is not divisible by the TP size, or the explicit
+            partition does not have one positive size per rank summing to ``input_size``.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
-                 reduce_results: bool = True, params_dtype=None, quant_config=None, prefix: str = ""):
+                 reduce_results: bool = True, params_dtype=None, quant_config=None, prefix: str = "",
+                 input_partition_sizes: list[int] | None = None):
         super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
-        self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+        if input_partition_sizes is None:
+            self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+            self.input_start = self.tp_rank * self.input_size_per_partition
+        else:
+            sizes = [int(n) for n in input_partition_sizes]
+            if len(sizes) != self.tp_size or sum(sizes) != input_size or min(sizes) < 1:
+                raise ValueError(f"{prefix or 'RowParallelLinear'}: input_partition_sizes={sizes} must give one "
+                                 f"positive size per TP rank ({self.tp_size}) summing to input_size={input_size}")
+            self.input_size_per_partition = sizes[self.tp_rank]
+            self.input_start = sum(sizes[: self.tp_rank])
         self.quant_method.create_weights(self, self.input_size_per_partition, [output_size], input_size, output_size,
                                          self.params_dtype, weight_loader=self.weight_loader)
         if bias:
@@ -424,13 +487,12 @@ class RowParallelLinear(LinearBase):
             return
         _check_shape(loaded_weight, self._full_shape(param, None), self.prefix or "weight")
         size = param.shape[dim]
-        param.data.copy_(loaded_weight.narrow(dim, self.tp_rank * size, size))
+        param.data.copy_(loaded_weight.narrow(dim, self.input_start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., input_size/tp]`` (or full if not ``input_is_parallel``) -> ``[..., output_size]``."""
+        """``x [..., input_size_per_partition]`` (or full if not ``input_is_parallel``) -> ``[..., output_size]``."""
         if not self.input_is_parallel and self.tp_size > 1:
-            n = self.input_size_per_partition
-            x = x.narrow(-1, self.tp_rank * n, n)
+            x = x.narrow(-1, self.input_start, self.input_size_per_partition)
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
         if not self.reduce_results:  # partial sums: only rank 0 adds the bias

@@ -22,7 +22,8 @@ from rlserve.errors import UnsupportedArchitectureError
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rlserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rlserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                   attention_head_partition_sizes)
 from rlserve.layers.norm import RMSNorm
 from rlserve.layers.rotary import get_rope
 from rlserve.loader.weight_utils import load_mapped_weights, mapped_checkpoint_spec
@@ -67,8 +68,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # o_proj's input rows follow this rank's query heads (uneven when the KV heads do not
+        # divide over the TP size, e.g. 3 KV heads over 2 ranks).
+        q_split = [q * self.head_dim for q, _ in attention_head_partition_sizes(
+            self.total_num_heads, self.total_num_kv_heads, self.qkv_proj.tp_size)]
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden, bias=o_bias,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj",
+                                        input_partition_sizes=q_split)
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -144,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
 
     Raises:
         UnsupportedArchitectureError: unsupported activation or rope type.
-        ValueError: heads that do not divide over the TP size.
+        ValueError: heads that cannot be split over the TP size (see
+            :func:`rlserve.layers.linear.attention_head_partition`).
     """
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -17,7 +17,8 @@ from torch import nn
 from rlserve.layers.activation import get_act_fn
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rlserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from rlserve.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                   attention_head_partition_sizes)
 from rlserve.layers.norm import LayerNorm
 from rlserve.loader.weight_utils import default_weight_loader, load_mapped_weights, mapped_checkpoint_spec, \
     set_weight_attrs
@@ -48,8 +49,10 @@ class OPTAttention(nn.Module):
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        q_split = [q * self.head_dim for q, _ in attention_head_partition_sizes(
+            total_heads, total_heads, self.qkv_proj.tp_size)]  # rows follow this rank's heads
         self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, quant_config=quant_config,
-                                          prefix=f"{prefix}.out_proj")
+                                          prefix=f"{prefix}.out_proj", input_partition_sizes=q_split)
         self.num_heads = self.qkv_proj.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
@@ -146,7 +149,8 @@ class OPTForCausalLM(nn.Module):
         quant_config: optional quantization config for the linear layers.
 
     Raises:
-        UnsupportedArchitectureError: unsupported activation. ValueError: heads not divisible by TP.
+        UnsupportedArchitectureError: unsupported activation. ValueError: heads that cannot be
+            split over the TP size (see :func:`rlserve.layers.linear.attention_head_partition`).
     """
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
