@@ -16,7 +16,7 @@ tokens; a decode has one; a prefix-cache hit makes a prefill start past 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -51,6 +51,8 @@ class AttentionMetadata:
     block_size: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # per-step scratch that backends share across layers (e.g. masks, gather indices)
+    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -133,6 +135,13 @@ def write_kv_cache(
         vc.index_copy_(0, idx, v[valid].to(vc.dtype))
 
 
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached tokens: ``[seq_len, num_kv_heads, head_dim]``."""
+    bs = cache.shape[1]
+    n_blocks = (seq_len + bs - 1) // bs
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
+
+
 def torch_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -142,10 +151,13 @@ def torch_paged_attention(
 ) -> torch.Tensor:
     """Reference paged attention in plain PyTorch (causal, grouped-query).
 
-    Gathers each sequence's context from the cache through its block table, pads the
-    batch to ``max_query_len`` x ``max_seq_len`` and runs
-    ``F.scaled_dot_product_attention`` with a mask that is causal relative to the end of
-    each context. Works on any device; O(B * max_query_len * max_seq_len) memory.
+    Decode steps (one query token per sequence) gather every context through the block
+    tables into one padded ``[B, max_seq_len]`` batch and run a single
+    ``F.scaled_dot_product_attention`` with a length mask (the mask and gather indices are
+    built once per step and shared by all layers). Steps with prefills run one SDPA call per
+    sequence over its own context (causal relative to the end of the context), so memory
+    stays O(query_len x seq_len) per sequence instead of padding the batch to the longest
+    prompt. Works on any device.
 
     Args:
         q: ``[T, num_heads, head_dim]``.
@@ -158,39 +170,38 @@ def torch_paged_attention(
         ``[T, num_heads, head_dim]`` in ``q.dtype``.
     """
     T, H, D = q.shape
-    B = meta.num_seqs
     Hkv = k_cache.shape[2]
-    bs = meta.block_size
-    max_q, max_s = meta.max_query_len, meta.max_seq_len
-    device = q.device
-    n_blocks = (max_s + bs - 1) // bs
-    bt = meta.block_tables[:, :n_blocks].long()  # [B, nb]
-    # gather context: [B, nb*bs, Hkv, D]
-    k_ctx = k_cache[bt].reshape(B, n_blocks * bs, Hkv, D)[:, :max_s]
-    v_ctx = v_cache[bt].reshape(B, n_blocks * bs, Hkv, D)[:, :max_s]
+    gqa = Hkv != H
+    if meta.max_query_len == 1:
+        B = meta.num_seqs
+        cache = meta.backend_cache.get("torch_decode")
+        if cache is None:
+            n_blocks = (meta.max_seq_len + meta.block_size - 1) // meta.block_size
+            bt = meta.block_tables[:, :n_blocks].long()
+            k_pos = torch.arange(meta.max_seq_len, device=q.device)
+            mask = (k_pos[None, :] < meta.seq_lens.to(device=q.device, dtype=torch.long)[:, None])[:, None, None, :]
+            cache = meta.backend_cache["torch_decode"] = (bt, mask)
+        bt, mask = cache
+        k_ctx = k_cache[bt].flatten(1, 2)[:, : meta.max_seq_len].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+        v_ctx = v_cache[bt].flatten(1, 2)[:, : meta.max_seq_len].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.view(B, 1, H, D).transpose(1, 2), k_ctx, v_ctx, attn_mask=mask,
+                                             scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(T, H, D)
+    outs = []
     qsl = meta.query_start_loc_cpu
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(B)]
-    if max_q == 1:
-        q_pad = q.view(B, 1, H, D)
-    else:
-        q_pad = q.new_zeros(B, max_q, H, D)
-        for i in range(B):
-            q_pad[i, : q_lens[i]] = q[qsl[i] : qsl[i + 1]]
-    seq_lens = meta.seq_lens.to(device=device, dtype=torch.long)
-    q_lens_t = torch.tensor(q_lens, device=device, dtype=torch.long)
-    # absolute position of each padded query row: seq_len - q_len + row
-    q_pos = (seq_lens - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
-    k_pos = torch.arange(max_s, device=device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
-    qh = q_pad.transpose(1, 2)  # [B, H, max_q, D]
-    kh = k_ctx.transpose(1, 2).to(q.dtype)  # [B, Hkv, max_s, D]
-    vh = v_ctx.transpose(1, 2).to(q.dtype)
-    # grouped-query attention without materialising repeated K/V (query head h reads KV head h // (H/Hkv))
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale, enable_gqa=Hkv != H)
-    out = out.transpose(1, 2)  # [B, max_q, H, D]
-    if max_q == 1:
-        return out.reshape(T, H, D)
-    return torch.cat([out[i, : q_lens[i]] for i in range(B)], dim=0)
+    for i, s_len in enumerate(meta.seq_lens_cpu):
+        qi = q[qsl[i] : qsl[i + 1]].transpose(0, 1)  # [H, q_len, D]
+        q_len = qi.shape[1]
+        ki = _gather_context(k_cache, meta.block_tables[i], s_len).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+        vi = _gather_context(v_cache, meta.block_tables[i], s_len).transpose(0, 1).to(q.dtype)
+        if q_len == s_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # queries are the last q_len positions of the context
+            q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+            mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
 
 
 # name -> fn(q, k_cache, v_cache, meta, scale) -> out. GPU backends register here.
