@@ -130,6 +130,7 @@ class DecodeCUDAGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.num_replays = 0
 
     # ---- the captured computation ------------------------------------------------------
     def _forward(self, bs: int) -> torch.Tensor:
@@ -218,11 +219,13 @@ class DecodeCUDAGraphs:
         n = 2 * self.max_bs + bs * self.max_blocks
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if self.emulate:
+            self.num_replays += 1
             with torch.inference_mode():
                 return self._forward(bs)[:B]
         self._copy_done.record()
         self._copy_pending = True
         self.graphs[bs].replay()
+        self.num_replays += 1
         return self.outputs[bs][:B]
 
     def memory_bytes(self) -> int:

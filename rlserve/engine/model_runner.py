@@ -12,7 +12,10 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
 - CUDA graphs: on when the device is CUDA, ``config.enforce_eager`` is False, the backend
   is graph-safe (``"triton"``), ``RLSERVE_CUDA_GRAPHS`` is not ``0``, and TP size is 1
   (TP > 1 needs ``RLSERVE_CUDA_GRAPH_TP=1``: capturing the NCCL all-reduce of the TP
-  group is untested). Graphs are captured lazily at the first decode step.
+  group is untested). Graphs are captured lazily at the first decode step, for the batch
+  sizes of :func:`rlserve.engine.cuda_graph.capture_sizes` or those listed in
+  ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
+  a batch larger than the largest captured size runs eagerly.
 """
 
 from __future__ import annotations
@@ -139,8 +142,14 @@ class ModelRunner:
 
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        extra = getattr(self.config, "extra", None) or {}
+        sizes = extra.get("cuda_graph_sizes") or os.environ.get("RLSERVE_CUDA_GRAPH_SIZES")
+        if isinstance(sizes, str):
+            sizes = [int(x) for x in sizes.split(",") if x.strip()]
+        if sizes:
+            sizes = sorted({min(int(x), self.config.max_num_seqs) for x in sizes if int(x) > 0})
         graphs = DecodeCUDAGraphs(
-            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len()
+            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None
         )
         graphs.capture()
         self.cuda_graphs = graphs

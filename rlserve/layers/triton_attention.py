@@ -145,7 +145,7 @@ if HAS_TRITON:
         stride_cs, stride_ch,  # cache: slot stride, kv-head stride (head_dim stride is 1)
         stride_bt,
         stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        NUM_HEADS, GROUP, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -211,7 +211,7 @@ if HAS_TRITON:
     def _decode_reduce_kernel(
         PART_O, PART_LSE, OUT,
         stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        NUM_HEADS, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         NUM_SPLITS, S_PAD: tl.constexpr,
     ):
         """Program ``(b, head)``: merge the splits, ``o = sum_s 2^(lse_s - M) o_s / sum_s
@@ -243,7 +243,7 @@ if HAS_TRITON:
         stride_cs, stride_ch,
         stride_bt,
         stride_ot, stride_oh,
-        GROUP: tl.constexpr,
+        GROUP,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,

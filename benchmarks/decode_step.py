@@ -1,0 +1,358 @@
+"""Decode step time against the HBM floor, CUDA graphs against eager, attention kernels.
+
+For each model shape (``benchmarks/model_shapes.py``, random weights via
+``load_format="dummy"``) and batch size ``B``, every sequence holding ``--context``
+tokens, this measures:
+
+- ``forward``: one decode forward through the model runner (input preparation, CUDA-graph
+  replay or eager launch, logits of every row), synchronised after every step; median
+  over ``--iters`` steps. Both with CUDA graphs and eager (the same runner with graphs
+  switched off), so the two are directly comparable.
+- ``engine`` (``--engine-steps``): a full ``LLMEngine.step()`` in steady decode
+  (scheduling, inputs, forward, sampling at temperature 0.6, output bookkeeping).
+- the HBM floor: ``(weight bytes + KV bytes read) / copy bandwidth``, where weight bytes
+  are every parameter read once per step (a tied embedding counts once, as the LM head;
+  an untied input embedding is not counted -- only ``B`` rows of it are read), KV bytes
+  are ``B x context x layers x 2 x kv_heads x head_dim x itemsize``, and the bandwidth is
+  that of a device-to-device ``copy_`` of a 2 GiB buffer measured in the same run,
+  counting bytes read plus bytes written.
+
+``--kernels`` adds attention micro-benchmarks on a Qwen3-0.6B layer (16 query heads,
+8 KV heads, head_dim 128, bf16): the Triton decode kernel against the torch backend
+(with the achieved K/V read bandwidth, and a sweep of tile configurations), and the
+Triton varlen prefill against the torch backend and against PyTorch's flash SDPA on
+padded contiguous tensors (the best case for a prefill without cache hits).
+
+Usage:
+    python benchmarks/decode_step.py --shape qwen3-0.6b --batch 1,64,256 --context 1024
+    python benchmarks/decode_step.py --shape smollm2-135m,qwen3-0.6b,qwen3-8b --kernels --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model_shapes import save_shape, shape_config  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(device, nbytes: int = 2 * 1024**3, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write bytes over the time)."""
+    if device.type != "cuda":  # CPU smoke runs: memcpy bandwidth of a smaller buffer
+        nbytes = min(nbytes, 256 * 1024**2)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        return 2 * nbytes * iters / (time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    secs = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / secs
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median GPU time of ``fn()`` in seconds (CUDA events around each call)."""
+    if not torch.cuda.is_available():
+        return wall_time(fn, warmup, iters)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def wall_time(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time of ``fn(); synchronize()`` in seconds."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters read in one decode step (see the module docstring)."""
+    seen, total = set(), 0
+    tied = getattr(model, "tie_word_embeddings", False)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    skip = set() if tied or embed is None else {id(p) for p in embed.parameters()}
+    for p in model.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
+    from rlserve import LLM, SamplingParams
+    from rlserve.engine.model_runner import StepInput
+
+    cfg = shape_config(shape)
+    path = save_shape(shape, root)
+    batches = args.batch
+    max_b = max(batches)
+    ctx = args.context
+    bs = 16
+    extra_steps = args.iters + 8 + (args.engine_steps + 16 if args.engine_steps else 0)
+    per_seq = -(-(ctx + extra_steps) // bs)
+    t0 = time.perf_counter()
+    llm = LLM(
+        path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
+        max_model_len=ctx + extra_steps + 16, max_num_seqs=max_b, block_size=bs,
+        num_kv_blocks=max_b * per_seq + 8, max_num_batched_tokens=max(8192, ctx + extra_steps + 16),
+        enable_prefix_caching=False, enforce_eager=args.enforce_eager, extra={"cuda_graph_sizes": batches},
+    )
+    build_s = time.perf_counter() - t0
+    eng = llm.engine
+    runner = eng.executor.runner
+    model = eng.model
+    layers = len(runner.attn_layers)
+    hkv, hd = runner.attn_layers[0].num_kv_heads, runner.attn_layers[0].head_dim
+    item = torch.tensor([], dtype=eng.dtype).element_size()
+    wbytes = weight_bytes(model)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for B in batches:
+        ids = torch.randint(0, cfg.vocab_size, (B,), generator=g).tolist()
+        step = StepInput(
+            input_ids=ids, positions=[ctx - 1] * B, query_lens=[1] * B, seq_lens=[ctx] * B,
+            block_tables=[list(range(i * per_seq, i * per_seq + -(-ctx // bs))) for i in range(B)],
+            logits_indices=list(range(B)), is_prefill=False,
+        )
+        kv_bytes = B * ctx * layers * 2 * hkv * hd * item
+        floor = (wbytes + kv_bytes) / bw
+        row = {"shape": shape, "batch": B, "context": ctx, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
+               "floor_ms": floor * 1e3}
+        graphs_on = runner.use_cuda_graphs  # what the engine chose (False on CPU / enforce_eager)
+        for mode in ("graph", "eager"):
+            if mode == "graph" and not graphs_on:
+                continue
+            runner.use_cuda_graphs = mode == "graph"
+            t = wall_time(lambda: runner.execute(step), iters=args.iters)
+            row[f"{mode}_ms"] = t * 1e3
+        runner.use_cuda_graphs = graphs_on
+        best = row.get("graph_ms", row["eager_ms"])
+        row["graph_speedup"] = row["eager_ms"] / row["graph_ms"] if "graph_ms" in row else None
+        row["x_floor"] = best / row["floor_ms"]
+        if args.engine_steps:
+            row["engine_step_ms"] = engine_step_ms(eng, B, ctx, cfg.vocab_size, args, SamplingParams) * 1e3
+        rows.append(row)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if runner.cuda_graphs is not None:
+        print(f"  [{shape}] build {build_s:.1f}s, graph capture {runner.cuda_graphs.capture_seconds:.2f}s "
+              f"for sizes {runner.cuda_graphs.sizes}", flush=True)
+    del llm, eng, runner, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
+    """Median wall time of ``engine.step()`` with B sequences in steady decode."""
+    g = torch.Generator().manual_seed(B)
+    n = args.engine_steps + 8
+    for i in range(B):
+        prompt = torch.randint(0, vocab, (ctx - 1,), generator=g).tolist()
+        eng.add_request(f"b{B}-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    # prefill everything, then a few warm decode steps
+    while eng.scheduler.waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    times = []
+    for _ in range(args.engine_steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    eng.abort_all()
+    return statistics.median(times)
+
+
+def bench_kernels(args) -> dict:
+    """Attention kernels on one Qwen3-0.6B layer (bf16)."""
+    import torch.nn.functional as F
+
+    from rlserve.layers import triton_attention as ta
+    from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
+
+    dev = torch.device("cuda")
+    H, Hkv, D, P = 16, 8, 128, 16
+    dt = torch.bfloat16
+    out = {"decode": [], "decode_sweep": [], "prefill": []}
+
+    def cache_for(seq_lens):
+        per = [-(-s // P) for s in seq_lens]
+        nb = sum(per) + 1
+        perm = torch.randperm(nb).tolist()
+        tables, i = [], 0
+        for n in per:
+            tables.append(perm[i : i + n])
+            i += n
+        kc = torch.randn(nb, P, Hkv, D, device=dev, dtype=dt)
+        vc = torch.randn(nb, P, Hkv, D, device=dev, dtype=dt)
+        return kc, vc, tables
+
+    ctx = args.context
+    for B in args.batch:
+        kc, vc, tables = cache_for([ctx] * B)
+        meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, P, dev)
+        q = torch.randn(B, H, D, device=dev, dtype=dt)
+        kv = B * ctx * Hkv * D * 2 * 2
+        t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+        row = {"batch": B, "context": ctx, "triton_us": t_tr * 1e6, "triton_kv_TBps": kv / t_tr / 1e12,
+               "splits": ta.plan_num_splits(B, Hkv, ctx, dev)}
+        if B * ctx <= 64 * 1024:  # the padded torch path materialises B x H x ctx scores
+            t_to = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5)
+            row["torch_us"] = t_to * 1e6
+        out["decode"].append(row)
+        print("decode", json.dumps(row), flush=True)
+        if args.sweep and B in (1, max(args.batch)):
+            base = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS)
+            for bn in (32, 64, 128):
+                for nw in (4, 8):
+                    ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = bn, nw
+                    try:
+                        t = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+                        r = {"batch": B, "block_n": bn, "num_warps": nw, "us": t * 1e6, "kv_TBps": kv / t / 1e12}
+                    except Exception as e:  # a config may not compile
+                        r = {"batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]}
+                    out["decode_sweep"].append(r)
+                    print("sweep", json.dumps(r), flush=True)
+            ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = base
+        del kc, vc
+
+    cases = [("8x1024 prompts", [1024] * 8, [1024] * 8), ("32x256 prompts", [256] * 32, [256] * 32),
+             ("4x512 new on 1024 cached", [512] * 4, [1536] * 4)]
+    for name, ql, sl in cases:
+        kc, vc, tables = cache_for(sl)
+        meta = AttentionMetadata.build(ql, sl, tables, P, dev)
+        T = sum(ql)
+        q = torch.randn(T, H, D, device=dev, dtype=dt)
+        flops = sum(4 * H * D * (q_ * (s - q_) + q_ * (q_ + 1) / 2) for q_, s in zip(ql, sl))
+        t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+        row = {"case": name, "tokens": T, "triton_us": t_tr * 1e6, "triton_TFLOPs": flops / t_tr / 1e12}
+        row["torch_us"] = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5) * 1e6
+        if ql == sl:  # no cache hit: flash SDPA on padded contiguous [B, H, L, D]
+            L = max(ql)
+            qq = torch.randn(len(ql), H, L, D, device=dev, dtype=dt)
+            kk = torch.randn(len(ql), Hkv, L, D, device=dev, dtype=dt)
+            vv = torch.randn(len(ql), Hkv, L, D, device=dev, dtype=dt)
+            try:
+                t = cuda_time(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
+                row["sdpa_padded_us"] = t * 1e6
+            except Exception as e:
+                row["sdpa_padded_error"] = repr(e)[:200]
+        out["prefill"].append(row)
+        print("prefill", json.dumps(row), flush=True)
+        if args.sweep and name.startswith("8x1024"):
+            base = (ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N)
+            for bm, bn in ((64, 64), (128, 64), (128, 32), (64, 32)):
+                ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = bm, bn
+                try:
+                    t = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+                    r = {"case": name, "block_m": bm, "block_n": bn, "us": t * 1e6}
+                except Exception as e:
+                    r = {"case": name, "block_m": bm, "block_n": bn, "error": repr(e)[:200]}
+                out.setdefault("prefill_sweep", []).append(r)
+                print("sweep", json.dumps(r), flush=True)
+            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = base
+        del kc, vc
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b", help="comma-separated shapes from model_shapes.py")
+    ap.add_argument("--batch", default="1,64,256", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=1024, help="tokens in each sequence's context")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="attention kernel micro-benchmarks")
+    ap.add_argument("--sweep", action="store_true", help="with --kernels: tile-configuration sweeps")
+    ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
+    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only smoke-tests this script")
+    args = ap.parse_args(argv)
+    args.batch = [int(x) for x in args.batch.split(",")]
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("decode_step.py needs a CUDA GPU (or --device cpu for a smoke test)")
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    info = {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+    }
+    bw = measure_copy_bandwidth(dev)
+    info["copy_bandwidth_TBps"] = bw / 1e12
+    print(json.dumps(info), flush=True)
+    result = {"info": info, "models": [], "kernels": None}
+    if args.kernels and dev.type == "cuda":
+        result["kernels"] = bench_kernels(args)
+    if not args.no_models:
+        with tempfile.TemporaryDirectory() as root:
+            for shape in args.shape.split(","):
+                result["models"].extend(bench_shape(shape, args, bw, root))
+        print(f"\n{'shape':14s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
+              f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s}")
+        for r in result["models"]:
+            print(f"{r['shape']:14s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
+                  f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
+                  f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
+                  f"{r.get('engine_step_ms', float('nan')):9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
