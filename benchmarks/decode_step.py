@@ -173,6 +173,8 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
         best = row.get("graph_ms", row["eager_ms"])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"] if "graph_ms" in row else None
         row["x_floor"] = best / row["floor_ms"]
+        if args.profile and B == max_b:
+            profile_step(runner, step, graphs_on, shape, B)
         if args.engine_steps:
             row["engine_step_ms"] = engine_step_ms(eng, B, ctx, cfg.vocab_size, args, SamplingParams) * 1e3
         rows.append(row)
@@ -184,6 +186,23 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(runner, step, graphs_on: bool, shape: str, B: int) -> None:
+    """Print the top CUDA kernels of 5 decode steps, eager and (if on) graphed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in ("eager", "graph") if graphs_on else ("eager",):
+        runner.use_cuda_graphs = mode == "graph"
+        runner.execute(step)
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.execute(step)
+            _sync()
+        print(f"--- profile {shape} B={B} {mode} (5 steps) ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    runner.use_cuda_graphs = graphs_on
 
 
 def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
@@ -311,6 +330,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="attention kernel micro-benchmarks")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: tile-configuration sweeps")
+    ap.add_argument("--profile", action="store_true", help="profile the largest batch of each shape")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only smoke-tests this script")

@@ -166,7 +166,8 @@ class DecodeCUDAGraphs:
             self._forward(bs)  # warm-up: compiles kernels, initialises cuBLAS workspaces
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # thread_local: other engine threads (data-parallel replicas) may keep running
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._forward(bs)
             if self.pool is None:
                 self.pool = g.pool()

@@ -75,7 +75,8 @@ def test_fp32_graphs_equal_eager_and_hf(arch, tiny_model, restore_backend, monke
     graphed = LLM(path, dtype="float32", **KW)
     runner = graphed.engine.executor.runner
     assert get_attention_backend() == "triton" and runner.use_cuda_graphs
-    g_out = tokens(graphed.generate(PROMPTS, greedy()))
+    g_res = graphed.generate(PROMPTS, greedy())
+    g_out, ids = tokens(g_res), [o.prompt_token_ids for o in g_res]
     assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays >= NEW - 1
     del graphed
     eager = LLM(path, dtype="float32", enforce_eager=True, **KW)
@@ -87,7 +88,6 @@ def test_fp32_graphs_equal_eager_and_hf(arch, tiny_model, restore_backend, monke
     t_out = tokens(LLM(path, dtype="float32", enforce_eager=True, **KW).generate(PROMPTS, greedy()))
     assert g_out == e_out, "CUDA graphs changed greedy outputs"
     assert e_out == t_out, "Triton backend differs from the torch backend"
-    ids = [o.prompt_token_ids for o in LLM(path, dtype="float32", enforce_eager=True, **KW).generate(PROMPTS, greedy(1))]
     assert g_out == hf_greedy(path, ids, NEW)
 
 
