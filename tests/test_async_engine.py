@@ -277,10 +277,8 @@ def test_data_parallel_balances_by_load(fake):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 def test_real_engine_matches_offline(tiny_llama):

@@ -16,10 +16,8 @@ T = 60.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+def model_dir(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

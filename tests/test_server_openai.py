@@ -19,10 +19,8 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+def model_dir(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

@@ -459,7 +459,8 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """Sum of the replicas' latest ``engine.stats`` snapshots (numbers added;
-        ``kv_cache_usage`` averaged), plus ``num_held`` and ``num_replicas``."""
+        ``kv_cache_usage`` averaged), plus ``num_held``, ``num_unfinished`` (live: submitted
+        and not finished, plus held) and ``num_replicas``."""
         total: dict = {}
         for r in self._replicas:
             for k, v in r.stats.items():
@@ -468,6 +469,7 @@ class AsyncEngine:
         if "kv_cache_usage" in total:
             total["kv_cache_usage"] /= len(self._replicas)
         total["num_held"] = len(self._held)
+        total["num_unfinished"] = self.num_unfinished  # live, not a snapshot
         total["num_replicas"] = len(self._replicas)
         return total
 

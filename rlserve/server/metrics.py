@@ -6,7 +6,8 @@ prompt), ``sequences_finished_total{finish_reason}`` (one per sample),
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_errors_total{status}``,
 ``e2e_request_latency_seconds`` and ``time_to_first_token_seconds`` (histograms, seconds),
 ``num_requests_running``, ``num_requests_waiting`` (engine queues), ``num_requests_held``
-(held by a pause), ``kv_cache_usage_perc`` (0..1), ``is_paused``, ``weight_version_info``
+(held by a pause), ``num_requests_unfinished`` (accepted, not finished: engines + held;
+live), ``kv_cache_usage_perc`` (0..1), ``is_paused``, ``weight_version_info``
 (info: ``version``) and ``weight_version`` (the version as a number when it is one, else
 -1), ``prefix_cache_hit_tokens_total``/``prefix_cache_query_tokens_total``.
 """
@@ -48,6 +49,8 @@ class ServerMetrics:
         self.waiting = Gauge("rlserve_num_requests_waiting", "Sequences waiting in the engines.", lbl, registry=r)
         self.held = Gauge("rlserve_num_requests_held", "Requests held while generation is paused.", lbl,
                           registry=r)
+        self.unfinished = Gauge("rlserve_num_requests_unfinished",
+                                "Requests accepted and not finished (in the engines or held), live.", lbl, registry=r)
         self.kv_usage = Gauge("rlserve_kv_cache_usage_perc", "KV-cache blocks in use (0..1).", lbl, registry=r)
         self.paused = Gauge("rlserve_is_paused", "1 while generation is paused.", lbl, registry=r)
         self.prefix_hits = Gauge("rlserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
@@ -81,6 +84,7 @@ class ServerMetrics:
         self.running.labels(m).set(stats.get("num_running", 0))
         self.waiting.labels(m).set(stats.get("num_waiting", 0))
         self.held.labels(m).set(stats.get("num_held", 0))
+        self.unfinished.labels(m).set(stats.get("num_unfinished", 0))
         self.kv_usage.labels(m).set(stats.get("kv_cache_usage", 0.0))
         self.paused.labels(m).set(1 if aengine.is_paused() else 0)
         self.prefix_hits.labels(m).set(stats.get("prefix_cache_hit_tokens", 0))
