@@ -235,5 +235,10 @@ class TransferGroup:
             self._teardown_thread.join(wait_s)
 
     @property
+    def torn_down(self) -> bool:
+        """True once :meth:`destroy` finished releasing the backend and the store."""
+        return self._destroyed and (self._teardown_thread is None or not self._teardown_thread.is_alive())
+
+    @property
     def alive(self) -> bool:
         return self.pg is not None and not self.abort_event.is_set()

@@ -147,6 +147,7 @@ class WeightTransferManager:
         self._trl_error: BaseException | None = None
         self._trl_batch: set = set()
         self._trl_applied = False
+        self._trl_pending = 0  # update_named_param calls queued or running
 
     # ================================================================== helpers
     @property
@@ -525,6 +526,9 @@ class WeightTransferManager:
                                                "declared_tensors": None if s.declared is None else len(s.declared.names),
                                                "paused_by_server": s.auto_paused},
             "unavailable": getattr(self.aengine, "unavailable_reason", None),
+            "trl": {"pending": self._trl_pending,
+                    "uncommitted_tensors": len(self._trl_batch),
+                    "error": None if self._trl_error is None else str(self._trl_error)},
             "num_updates": self.num_updates,
             "num_failures": self.num_failures,
             "last_update": self.last_update,
@@ -628,6 +632,7 @@ class WeightTransferManager:
             self._trl_queue = asyncio.Queue()
         if self._trl_worker is None or self._trl_worker.done():
             self._trl_worker = asyncio.get_running_loop().create_task(self._trl_loop())
+        self._trl_pending += 1
         self._trl_queue.put_nowait(info)
         return {"message": "Request received, updating named parameter"}
 
@@ -651,6 +656,9 @@ class WeightTransferManager:
                     self._trl_applied = True
                     await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
                     self._trl_batch.add(info.names[0])
+                    # no KV computed with the previous value of this tensor survives, whether or not
+                    # the trainer calls /reset_prefix_cache/ afterwards
+                    await self.aengine.reset_prefix_cache()
                 finally:
                     self._busy = None
             except BaseException as e:  # noqa: BLE001
@@ -662,6 +670,7 @@ class WeightTransferManager:
                                            f"({type(e).__name__}: {e}); generation resumes once a full update lands")
                 self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
             finally:
+                self._trl_pending -= 1
                 q.task_done()
 
     async def trl_flush(self, timeout_s: float | None = None) -> dict | None:

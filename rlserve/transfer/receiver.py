@@ -17,6 +17,12 @@ Transports:
 
 Each bucket's ``s32sum`` checksum (:mod:`rlserve.transfer.packing`) is verified **before** the
 sink sees the bucket; a mismatch raises :class:`ChecksumMismatchError`.
+
+Draining: when a bucket fails locally (checksum mismatch, the sink raising) the receiver keeps
+receiving the remaining buckets without loading them and raises at the end. Both ends then hold
+no pending collective, so the group can be torn down at once on both sides (a gloo operation
+cannot be cancelled: one left pending keeps its group, thread and port alive until it times
+out). Transport errors (peer gone, timeout) raise immediately.
 """
 
 from __future__ import annotations
@@ -191,21 +197,29 @@ class WeightReceiver:
         for i in range(min(nbuf, len(plan))):
             post(i)
         total = 0
+        failure: BaseException | None = None
         for i, b in enumerate(plan):
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
-                g.wait(works.pop(i), what=what)
+                g.wait(works.pop(i), what=what)  # a transport error: the group is broken, raise now
             buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self._wire_device())
-            self._verify(buf, info.checksums, i, what)
-            pairs = list(unpack(buf, b))
-            if buf.device != self.device:
-                pairs = [(n, t.to(self.device)) for n, t in pairs]
-            sink(pairs)
+            if failure is None:
+                try:
+                    self._verify(buf, info.checksums, i, what)
+                    pairs = list(unpack(buf, b))
+                    if buf.device != self.device:
+                        pairs = [(n, t.to(self.device)) for n, t in pairs]
+                    sink(pairs)
+                    if on_bucket is not None:
+                        on_bucket(i)
+                except Exception as e:  # noqa: BLE001 - drained below, raised at the end
+                    failure = e
+                    logger.error("%s: %s; draining the remaining buckets without loading them", what, e)
             total += b.nbytes
-            if on_bucket is not None:
-                on_bucket(i)
             if i + nbuf < len(plan):
                 post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
+        if failure is not None:
+            raise failure
         return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
 
     def _receive_unpacked(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
@@ -225,18 +239,26 @@ class WeightReceiver:
         for i in range(min(ahead, n)):
             post(i)
         total = 0
+        failure: BaseException | None = None
         for i in range(n):
             t, w = pending.pop(i)
             what = f"tensor {info.names[i]!r} ({i + 1}/{n})"
             if w is not None:
                 g.wait(w, what=what)
-            self._verify(as_bytes(t), info.checksums, i, what)
-            sink([(info.names[i], t if t.device == self.device else t.to(self.device))])
+            if failure is None:
+                try:
+                    self._verify(as_bytes(t), info.checksums, i, what)
+                    sink([(info.names[i], t if t.device == self.device else t.to(self.device))])
+                    if on_bucket is not None:
+                        on_bucket(i)
+                except Exception as e:  # noqa: BLE001
+                    failure = e
+                    logger.error("%s: %s; draining the remaining tensors without loading them", what, e)
             total += t.numel() * t.element_size()
-            if on_bucket is not None:
-                on_bucket(i)
             if i + ahead < n:
                 post(i + ahead)
+        if failure is not None:
+            raise failure
         return {"bytes": total, "buckets": n, "tensors": n}
 
     def _receive_ipc(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:

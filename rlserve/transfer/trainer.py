@@ -486,13 +486,11 @@ class TrainerWeightTransferEngine:
 
 
 def _raise_if_failed(fut: cf.Future) -> Callable[[], None]:
+    """A ``check`` for :meth:`TransferGroup.wait`: raise the HTTP call's error as soon as it
+    failed (a server that refused the update never joins the broadcast)."""
     def check() -> None:
-        if fut.done():
-            exc = fut.exception()
-            if exc is not None:
-                raise exc
-            raise WeightTransferFailedError("the server finished update_weights before the trainer sent every "
-                                            "bucket (it refused or lost part of the update)")
+        if fut.done() and fut.exception() is not None:
+            raise fut.exception()
     return check
 
 
@@ -503,6 +501,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         super().__init__(init_info, client, source)
         self.group: TransferGroup | None = None
         self._broken = False
+        self._port_busy = False
         if init_info.backend == "nccl":
             dev = getattr(init_info, "device", None)
             self.device = torch.device(dev) if dev else torch.device("cuda", torch.cuda.current_device())
@@ -513,8 +512,12 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
 
     def _connect(self) -> None:
         ii = self.init_info
-        if not ii.master_port:
+        if not ii.master_port or self._port_busy:
+            if self._port_busy:
+                logger.warning("the previous transfer group still holds port %s (an operation is pending until "
+                               "its timeout); re-initialising on a fresh port", ii.master_port)
             ii.master_port = _free_port()
+            self._port_busy = False
         server_init = ii.to_server_init_info()
         server_init["session"] = uuid.uuid4().hex
         http = self._pool.submit(self.client.init_weight_transfer_engine, server_init, ii.timeout_s + 30)
@@ -549,6 +552,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
     def _teardown(self) -> None:
         if self.group is not None:
             self.group.destroy(wait_s=5.0)  # free the store's port for a re-init
+            self._port_busy = not self.group.torn_down
         self.group = None
 
     def _send(self, info: UpdateInfo, declared: dict) -> dict:

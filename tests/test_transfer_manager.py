@@ -1,0 +1,311 @@
+"""Weight sync through the real control plane, in one process: AsyncEngine + LLMEngine (tiny
+model, CPU, dummy weights) + the real FastAPI app on a uvicorn thread; the trainer SDK talks
+HTTP to it and broadcasts over gloo from the test thread. The server-process end-to-end tests
+are in test_transfer_e2e.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlserve.transfer import (
+    GlooTrainerInitInfo,
+    HTTPWeightSyncClient,
+    ModuleSource,
+    TensorListSource,
+    WeightSyncConflictError,
+    WeightSyncHTTPError,
+    WeightTransferTrainerFactory,
+    hf_state_checksums,
+)
+from rlserve.transfer.trl import TRLWeightSyncClient
+from tests.transfer_harness import InProcessServer, free_port
+
+PROMPT_IDS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
+N_TOK = 6
+
+
+def hf_greedy(model, prompt_ids, n=N_TOK):
+    """Greedy continuation without EOS handling (the server runs with ignore_eos)."""
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def server_greedy(url, prompt_ids=PROMPT_IDS, n=N_TOK):
+    r = httpx.post(url + "/generate/", json={"prompt_ids": prompt_ids, "max_tokens": n, "temperature": 0,
+                                             "generation_kwargs": {"ignore_eos": True}}, timeout=60)
+    return r
+
+
+def checksums(url):
+    r = httpx.post(url + "/weight_checker", json={}, timeout=60)
+    r.raise_for_status()
+    return r.json()["checksums"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    path = tiny_model("llama")
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def trainer(url, model_or_source, **kw):
+    src = model_or_source if hasattr(model_or_source, "named_tensors") else ModuleSource(model_or_source)
+    kw.setdefault("timeout_s", 20)
+    kw.setdefault("packed_buffer_size_bytes", 64 << 10)  # several buckets for the tiny model
+    return WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, **kw),
+        client=HTTPWeightSyncClient(url, timeout_s=30), source=src)
+
+
+@pytest.mark.parametrize("staging,packed", [("none", True), ("none", False), ("device", True), ("host", True)])
+def test_sync_matches_hf_and_checksums(llama, staging, packed):
+    path, hf = llama
+    with InProcessServer(path, staging=staging) as srv:
+        before = server_greedy(srv.url).json()
+        assert before["weight_version"] == "0"
+        eng = trainer(srv.url, hf, packed=packed)
+        fin = eng.send_weights()
+        assert fin["weight_version"] == "1" and fin["full"] is True
+        after = server_greedy(srv.url).json()
+        assert after["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        assert after["completion_ids"] != before["completion_ids"]  # dummy weights were different
+        assert after["weight_version"] == "1"
+        mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        rep = eng.client.weight_checker(compare=mine)
+        assert rep["compare"]["match"] and rep["compare"]["compared"] == len(mine), rep["compare"]
+        # an explicit version, and the stats
+        fin = eng.send_weights(weight_version="step-7")
+        assert fin["weight_version"] == "step-7"
+        assert server_greedy(srv.url).json()["weight_version"] == "step-7"
+        assert eng.send_weights()["weight_version"] == "step-8"
+        info = httpx.get(srv.url + "/weight_info").json()
+        assert info["state"] == "ready" and info["num_updates"] == 3 and info["last_update"]["ok"]
+        assert not srv.aengine.is_paused()
+        eng.shutdown()
+        assert httpx.get(srv.url + "/weight_info").json()["state"] == "uninitialized"
+
+
+def _named(hf):
+    return [(n, t.clone()) for n, t in ModuleSource(hf).named_tensors()]
+
+
+@pytest.mark.parametrize("case", ["unknown", "shape", "dtype", "missing"])
+def test_bad_metadata_refused_before_any_change(llama, case):
+    path, hf = llama
+    named = _named(hf)
+    if case == "unknown":
+        named.append(("model.layers.0.mlp.extra.weight", torch.zeros(3)))
+    elif case == "shape":
+        named[1] = (named[1][0], torch.zeros(named[1][1].shape[0] + 1, *named[1][1].shape[1:]))
+    elif case == "dtype":
+        named[2] = (named[2][0], torch.zeros(named[2][1].shape, dtype=torch.int32))
+    else:
+        named = named[:-3]
+    with InProcessServer(path) as srv:
+        base = checksums(srv.url)
+        eng = trainer(srv.url, TensorListSource(named))
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert ei.value.status_code == 400, ei.value
+        assert {"unknown": "unknown parameter", "shape": "shape", "dtype": "not a float type",
+                "missing": "missing 3 required"}[case] in str(ei.value)
+        assert checksums(srv.url) == base
+        assert httpx.get(srv.url + "/weight_info").json()["weight_version"] == "0"
+        assert server_greedy(srv.url).status_code == 200  # not paused, not unavailable
+        # the refusal came before any data moved: the same group still works for a good update
+        eng.source = ModuleSource(hf)
+        assert eng.send_weights()["weight_version"] == "1"
+        assert checksums(srv.url) != base
+        # a raw vLLM-style bad update_weights (no declaration) is refused too, nothing changes
+        c = eng.client
+        c.start_weight_update()
+        after = checksums(srv.url)
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            c.update_weights({"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]})
+        assert ei.value.status_code == 400 and "torn down" in str(ei.value)
+        assert checksums(srv.url) == after
+        assert server_greedy(srv.url).status_code == 200
+
+
+def test_out_of_order_calls_409(llama):
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        c = HTTPWeightSyncClient(srv.url, timeout_s=10)
+        with pytest.raises(WeightSyncConflictError, match="init_weight_transfer_engine"):
+            c.start_weight_update()
+        with pytest.raises(WeightSyncConflictError):
+            c.update_weights({"names": [], "dtype_names": [], "shapes": []})
+        with pytest.raises(WeightSyncConflictError, match="without start"):
+            c.finish_weight_update()
+        eng = trainer(srv.url, hf)
+        with pytest.raises(WeightSyncConflictError, match="without start_weight_update"):
+            c.update_weights({"names": [], "dtype_names": [], "shapes": [], "partial": True})
+        with pytest.raises(WeightSyncConflictError, match="without start"):
+            c.finish_weight_update()
+        c.start_weight_update()
+        with pytest.raises(WeightSyncConflictError, match="twice"):
+            c.start_weight_update()
+        assert srv.aengine.is_paused()  # in-place mode: the server paused for the update
+        c.finish_weight_update()  # an empty update: just a version bump
+        assert not srv.aengine.is_paused()
+        # bad JSON shapes -> 400, not 500
+        r = httpx.post(srv.url + "/init_weight_transfer_engine", json={"init_info": {"backend": "nccl"}})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(srv.url + "/init_weight_transfer_engine", json={"init_info": {"backend": "gloo",
+                                                                                     "master_port": 1, "world_size": 5}})
+        assert r.status_code == 400 and "world_size must be 2" in r.json()["error"]["message"]
+        assert eng.send_weights()["weight_version"] == "2"
+
+
+class FlakySource:
+    """Yields the model's tensors; from the ``corrupt_pass``-th pass on, one tensor differs
+    (so the checksums announced from the first pass do not match the data)."""
+
+    def __init__(self, hf, corrupt_pass=2):
+        self.inner = ModuleSource(hf)
+        self.passes = 0
+        self.corrupt_pass = corrupt_pass
+
+    def metadata(self):
+        return self.inner.metadata()
+
+    def named_tensors(self):
+        self.passes += 1
+        for i, (n, t) in enumerate(self.inner.named_tensors()):
+            if self.passes >= self.corrupt_pass and i == 5:
+                t = t.clone()
+                t.view(-1)[0] += 1.0
+            yield n, t
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_checksum_mismatch_fails_safely_then_recovers(llama, staging):
+    path, hf = llama
+    with InProcessServer(path, staging=staging) as srv:
+        good = trainer(srv.url, hf)
+        good.send_weights()
+        base = checksums(srv.url)
+        good.shutdown()
+        eng = trainer(srv.url, FlakySource(hf))
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert time.monotonic() - t0 < 15
+        assert ei.value.status_code == 500 and "checksum" in str(ei.value)
+        info = httpx.get(srv.url + "/weight_info").json()
+        assert info["state"] == "uninitialized" and info["num_failures"] == 1
+        assert not srv.aengine.is_paused()
+        r = server_greedy(srv.url)
+        if staging == "none":
+            # bucket 0 (before the corrupt tensor) was loaded in place: never serve mixed weights
+            assert r.status_code == 503 and "full weight update" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 200 and checksums(srv.url) == base  # old weights kept
+        # a fresh init (automatic on the next send) and a full sync bring everything back
+        eng.source = ModuleSource(hf)
+        eng.send_weights()
+        assert server_greedy(srv.url).status_code == 200
+        assert checksums(srv.url) == base
+
+
+TRAINER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from transformers import AutoModelForCausalLM
+    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
+                                  WeightTransferTrainerFactory)
+    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
+    class KillSource(ModuleSource):
+        passes = 0
+        def named_tensors(self):
+            self.passes += 1
+            for i, item in enumerate(super().named_tensors()):
+                if self.passes == 2 and i == 8:   # bucket 0 is out; we are packing a later bucket
+                    time.sleep(1.0)
+                    print("KILLING", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s=30,
+                                      packed_buffer_size_bytes=16 << 10),
+        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
+    eng.send_weights()
+""")
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_trainer_sigkill_mid_update(llama, staging):
+    path, hf = llama
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with InProcessServer(path, staging=staging) as srv:
+        base = checksums(srv.url)
+        script = TRAINER_SCRIPT.format(root=root, path=path, port=free_port(), url=srv.url)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+        assert "KILLING" in proc.stdout, proc.stderr[-3000:]
+        deadline = time.monotonic() + 20  # the server notices quickly (gloo: connection closed)
+        while time.monotonic() < deadline and httpx.get(srv.url + "/weight_info").json()["state"] != "uninitialized":
+            time.sleep(0.1)
+        info = httpx.get(srv.url + "/weight_info").json()
+        assert info["state"] == "uninitialized" and info["last_update"]["ok"] is False, info
+        assert not srv.aengine.is_paused()
+        r = server_greedy(srv.url)
+        if staging == "none":
+            assert r.status_code == 503
+        else:
+            assert r.status_code == 200 and checksums(srv.url) == base
+        eng = trainer(srv.url, hf)  # re-init works
+        eng.send_weights()
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+
+
+def test_idle_session_is_abandoned(llama):
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf, timeout_s=1.0)
+        eng.client.start_weight_update()
+        assert srv.aengine.is_paused()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and httpx.get(srv.url + "/weight_info").json()["state"] != "uninitialized":
+            time.sleep(0.1)
+        assert not srv.aengine.is_paused()  # the watchdog resumed generation
+        assert server_greedy(srv.url).status_code == 200  # nothing was loaded: still available
+
+
+def test_trl_protocol(llama):
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        base = checksums(srv.url)
+        c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
+        c.init_communicator()
+        c.update_model_params(hf)
+        c.reset_prefix_cache()
+        # the server's /reset_prefix_cache/ should call manager.trl_flush() (orders the commit and
+        # bumps the version); until it does, wait for the queued tensors to be loaded
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and httpx.get(srv.url + "/weight_info").json()["trl"]["pending"]:
+            time.sleep(0.05)
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        assert checksums(srv.url) == mine != base
+        with pytest.raises(WeightSyncHTTPError) as ei:  # bad name: refused before the broadcast
+            c.http.update_named_param("nope.weight", "torch.float32", [2])
+        assert ei.value.status_code == 400
+        c.close_communicator()  # flushes: the batch is committed with a new version
+        info = httpx.get(srv.url + "/weight_info").json()
+        assert info["state"] == "uninitialized" and info["weight_version"] == "1", info
+        assert info["last_update"]["ok"] and info["last_update"]["full"]
