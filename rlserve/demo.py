@@ -543,10 +543,10 @@ def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, af
     """A before/after table (texts clipped to the terminal width), then the full texts after the sync."""
     width = width or shutil.get_terminal_size((120, 24)).columns
     width = max(80, min(width, 200))
-    pw = min(max(len(p) for p in prompts), 38)
-    mark_w = 8 if matches is not None else 0
+    pw = max(len("prompt"), min(max(len(repr(p)) - 2 for p in prompts), 38))
+    mark_w = len(" | = trainer") if matches is not None else 0
     cols = 2 if before is not None else 1
-    tw = max(12, (width - pw - mark_w - 3 * cols - 1) // cols)
+    tw = max(12, (width - pw - mark_w - 3 * cols) // cols)
     head = [f"{'prompt':<{pw}}"]
     if before is not None:
         head.append(f"{'before sync (dummy weights)':<{tw}}")

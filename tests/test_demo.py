@@ -1,0 +1,203 @@
+"""``rlserve demo`` end to end on a tiny random model (gloo on CPU), its check, and its cleanup.
+
+The tiny Llama (tied embeddings) is built with ``initializer_range=0.5`` so that its greedy text is
+varied: the server's dummy weights then visibly produce something else before the sync.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlserve import demo
+from rlserve.demo import (
+    EXIT_MISMATCH,
+    EXIT_OK,
+    Completion,
+    DemoOptions,
+    DemoServer,
+    ServerStartError,
+    choose_layout,
+    compare_completions,
+    describe_mismatches,
+    format_table,
+    pid_alive,
+    run_demo,
+)
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama_tied", initializer_range=0.5)
+
+
+def _opts(model_dir, tmp_path, **kw) -> DemoOptions:
+    return DemoOptions(model=model_dir, backend="gloo", max_tokens=MAX_TOKENS, startup_timeout_s=180,
+                       server_log=str(tmp_path / "server.log"), server_args=["--max-model-len", "128"], **kw)
+
+
+def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
+    res = run_demo(_opts(model_dir, tmp_path))
+    out = capsys.readouterr().out
+    assert res.exit_code == EXIT_OK, f"{res.error}\n{out}\n{(tmp_path / 'server.log').read_text()[-3000:]}"
+    assert res.layout.backend == "gloo"
+    # after the sync, the server's greedy ids are the trainer's own HF greedy ids
+    assert [c.token_ids for c in res.after] == res.reference
+    assert res.mismatches == []
+    # ... and they come from the synced weights, not the dummy ones
+    assert any(b.token_ids != a.token_ids for b, a in zip(res.before, res.after))
+    assert {c.weight_version for c in res.before} == {"0"}
+    assert {c.weight_version for c in res.after} == {"1"}
+    assert res.sync.bytes > 0 and res.sync.buckets >= 1 and res.sync.send_s > 0
+    assert "sync time" in out and "before sync (dummy weights)" in out and "OK: all 4" in out
+    assert res.server_pid is not None and _wait_gone(res.server_pid), "server still running after the demo"
+
+
+def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch, capsys):
+    real = demo.trainer_greedy
+
+    def off_by_one(model, prompt_ids, max_new_tokens):
+        ref = real(model, prompt_ids, max_new_tokens)
+        ref[2] = ref[2][:1] + [(ref[2][1] + 1) % 300] + ref[2][2:]
+        return ref
+
+    monkeypatch.setattr(demo, "trainer_greedy", off_by_one)
+    res = run_demo(_opts(model_dir, tmp_path))
+    out = capsys.readouterr().out
+    assert res.exit_code == EXIT_MISMATCH, f"{res.error}\n{out}"
+    assert [m.index for m in res.mismatches] == [2]
+    assert res.mismatches[0].first_difference == 1
+    assert "1 of 4 server completions differ" in out and "first difference at generated token 1" in out
+    assert _wait_gone(res.server_pid)
+
+
+def test_demo_ctrl_c_stops_the_server(model_dir, tmp_path):
+    """SIGINT while the server boots: exit 130, and the server (its own session) is gone."""
+    cmd = [sys.executable, "-m", "rlserve", "demo", "--model", model_dir, "--backend", "gloo",
+           "--server-log", str(tmp_path / "server.log"), "--startup-timeout", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            m = re.search(r"\[server\] pid (\d+)", line)
+            if m:
+                server_pid = int(m.group(1))
+                break
+            assert time.monotonic() < deadline
+        assert server_pid is not None, "the demo never started its server"
+        assert pid_alive(server_pid)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+        rest = p.stdout.read()
+        assert rc == 130, rest
+        assert "shutting down" in rest
+        assert _wait_gone(server_pid), "server survived the demo's Ctrl-C"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if server_pid is not None and pid_alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------- pieces, no model
+def test_compare_completions_and_message():
+    comps = [Completion("a", "x", [5, 6, 2], [1]), Completion("b", "y", [7, 8, 9], [1])]
+    assert compare_completions(comps, [[5, 6, 2], [7, 8, 9]]) == []
+    mm = compare_completions(comps, [[5, 6, 2], [7, 8]])  # the trainer stopped earlier
+    assert [m.index for m in mm] == [1] and mm[0].first_difference == 2
+    mm = compare_completions(comps, [[5, 0, 2], [7, 8, 9]])
+    assert [m.index for m in mm] == [0] and mm[0].first_difference == 1
+    msg = describe_mismatches(mm, decode=lambda ids: "-".join(map(str, ids)))
+    assert "'a': first difference at generated token 1" in msg and "server : '5-6-2'" in msg
+    with pytest.raises(ValueError):
+        compare_completions(comps, [[1]])
+
+
+def test_format_table_marks_mismatches():
+    c = [Completion("p", "a\nb", [1], [1]), Completion("q", "z" * 500, [1], [1])]
+    t = format_table(["p", "q"], c, c, [True, False], width=100)
+    lines = t.splitlines()
+    assert "before sync" in lines[0] and lines[2].endswith("yes") and lines[3].endswith("NO")
+    assert all(len(line) <= 100 for line in lines[:4])
+    assert "a\\nb" in lines[2]
+
+
+@pytest.mark.parametrize("backend,tp,gpus,want", [
+    ("auto", 1, 0, ("gloo", "cpu", None, "cpu", "float32")),
+    ("auto", 1, 1, ("ipc", "cuda", [0], "cuda:0", "bfloat16")),
+    ("auto", 1, 2, ("nccl", "cuda", [0], "cuda:1", "bfloat16")),
+    ("auto", 2, 2, ("ipc", "cuda", [0, 1], "cuda:0", "bfloat16")),
+    ("auto", 2, 3, ("nccl", "cuda", [0, 1], "cuda:2", "bfloat16")),
+    ("auto", 1, 8, ("nccl", "cuda", [0], "cuda:7", "bfloat16")),
+    ("gloo", 1, 4, ("gloo", "cpu", None, "cpu", "float32")),
+    ("ipc", 1, 4, ("ipc", "cuda", [0], "cuda:0", "bfloat16")),
+])
+def test_choose_layout(backend, tp, gpus, want):
+    lay = choose_layout(backend, tp, num_gpus=gpus)
+    assert (lay.backend, lay.server_device, lay.server_device_ids, lay.trainer_device, lay.dtype) == want
+
+
+@pytest.mark.parametrize("backend,tp,gpus", [("nccl", 1, 1), ("nccl", 2, 2), ("ipc", 1, 0), ("auto", 3, 2),
+                                             ("nvlink", 1, 0), ("auto", 0, 0)])
+def test_choose_layout_refuses(backend, tp, gpus):
+    with pytest.raises(demo.DemoError):
+        choose_layout(backend, tp, num_gpus=gpus)
+
+
+def test_server_that_exits_fails_fast(tmp_path):
+    srv = DemoServer([sys.executable, "-c", "import sys; print('boom', flush=True); sys.exit(7)"],
+                     "http://127.0.0.1:9", log_path=str(tmp_path / "log"), startup_timeout_s=60)
+    t0 = time.monotonic()
+    with srv, pytest.raises(ServerStartError, match=r"(?s)status 7.*boom"):
+        srv.wait_healthy()
+    assert time.monotonic() - t0 < 30
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    child_pid_file = tmp_path / "child"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(child_pid_file)!r}, 'w').write(str(c.pid)); "
+            "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)")  # ignores SIGTERM
+    srv = DemoServer([sys.executable, "-c", code], "http://127.0.0.1:9", log_path=str(tmp_path / "log"))
+    srv.start()
+    deadline = time.monotonic() + 30
+    while not (child_pid_file.exists() and child_pid_file.read_text()):
+        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log_tail()
+        time.sleep(0.05)
+    child = int(child_pid_file.read_text())
+    t0 = time.monotonic()
+    srv.stop(grace_s=1.0)
+    assert time.monotonic() - t0 < 15
+    assert _wait_gone(srv.pid) and _wait_gone(child)
+    assert srv.stop() is not None  # idempotent
+
+
+def test_sigterm_becomes_system_exit():
+    with pytest.raises(SystemExit) as e:
+        with demo.exit_on_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None) or callable(signal.getsignal(signal.SIGTERM))
