@@ -326,21 +326,26 @@ def _abort_output(req: _Request):
 
 
 def _replica_config(config, dp_index: int):
-    """A per-replica copy of ``config`` (the engine writes resolved values into its config);
-    with several replicas, replica ``i`` gets GPUs ``device_ids[i*TP:(i+1)*TP]``."""
+    """A per-replica copy of ``config`` (the engine writes resolved values into its config).
+
+    Replica ``i`` uses GPUs ``device_ids[i*TP:(i+1)*TP]`` (default ids ``0..TP*DP-1``): with
+    TP > 1 the TP executor picks them from the full list by ``dp_index``; with TP = 1 the
+    single in-process worker follows ``config.device``, so it is set to ``cuda:<id>`` here.
+
+    Raises:
+        ValueError: fewer device ids than TP x DP.
+    """
     cfg = copy.deepcopy(config)
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
-    if dp > 1:
+    if tp == 1 and (dp > 1 or config.device_ids):
         from rlserve.config import resolve_device
 
         dev = resolve_device(config.device)
-        if dev.type == "cuda":
+        if dev.type == "cuda" and dev.index is None:
             ids = list(config.device_ids) if config.device_ids else list(range(dp * tp))
             if len(ids) < dp * tp:
                 raise ValueError(f"device_ids {ids} has fewer than TP x DP = {dp * tp} entries")
-            cfg.device_ids = ids[dp_index * tp:(dp_index + 1) * tp]
-            if tp == 1:
-                cfg.device = f"cuda:{cfg.device_ids[0]}"
+            cfg.device = f"cuda:{ids[dp_index]}"
     return cfg
 
 
