@@ -286,9 +286,38 @@ class Fp8LinearMethod:
         """``x [..., in_per_rank]`` (model dtype) -> ``[..., out_per_rank]`` in ``x.dtype``."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        fn = fp8_linear_scaled_mm if self.use_scaled_mm(x2) else fp8_linear_emulated
-        out = fn(x2, layer.weight, layer.weight_scale, bias, x.dtype)
+        if self.use_scaled_mm(x2):
+            out = _scaled_mm_with_fallback(x2, layer.weight, layer.weight_scale, bias, x.dtype)
+        else:
+            out = fp8_linear_emulated(x2, layer.weight, layer.weight_scale, bias, x.dtype)
         return out.reshape(*lead, out.shape[-1])
+
+
+# (device index, out dtype) -> "direct" | "via_bf16" | "emulated": decided on the first call
+# (eager warm-up, before any CUDA-graph capture). Row-wise _scaled_mm always supports bf16
+# output; fp16 / fp32 output depends on the torch / cuBLAS build.
+_OUT_MODE: dict[tuple, str] = {}
+
+
+def _scaled_mm_with_fallback(x, weight, weight_scale, bias, out_dtype):
+    key = (x.device.index, out_dtype)
+    mode = _OUT_MODE.get(key)
+    if mode == "direct":
+        return fp8_linear_scaled_mm(x, weight, weight_scale, bias, out_dtype)
+    if mode == "via_bf16":
+        return fp8_linear_scaled_mm(x, weight, weight_scale, None, torch.bfloat16).to(out_dtype) + (
+            bias.to(out_dtype) if bias is not None else 0)
+    if mode == "emulated":
+        return fp8_linear_emulated(x, weight, weight_scale, bias, out_dtype)
+    for mode in ("direct", "via_bf16", "emulated"):
+        if mode == "via_bf16" and out_dtype == torch.bfloat16:
+            continue
+        _OUT_MODE[key] = mode
+        try:
+            return _scaled_mm_with_fallback(x, weight, weight_scale, bias, out_dtype)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            logger.warning("fp8: torch._scaled_mm with %s output (%s) failed: %s", out_dtype, mode, e)
+    raise AssertionError("unreachable")
 
 
 class Fp8Config:
