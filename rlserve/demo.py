@@ -460,23 +460,35 @@ def make_init_info(layout: Layout, world_size: int, **kw):
     raise DemoError(f"unknown backend {layout.backend!r}")
 
 
+def default_trainer_init(client, model, layout: Layout):
+    """``WeightTransferTrainerFactory.trainer_init`` with :func:`make_init_info`'s init info."""
+    from rlserve.transfer import ModuleSource, WeightTransferTrainerFactory
+
+    return WeightTransferTrainerFactory.trainer_init(
+        init_info=make_init_info(layout, client.get_world_size() + 1),
+        client=client,
+        source=ModuleSource(model),
+    )
+
+
+#: ``trainer_init(client, model, layout) -> trainer engine``: how a script opens its end.
+TrainerInit = Callable[[Any, Any, Layout], Any]
+
+
 def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = None,
-                 pause_mode: str = "abort") -> SyncReport:
-    """Push ``model``'s weights through the trainer SDK: ``trainer_init`` (the handshake), pause
-    generation, ``send_weights``, resume; then leave the transfer group."""
+                 pause_mode: str = "abort", trainer_init: TrainerInit | None = None) -> SyncReport:
+    """Push ``model``'s weights through the trainer SDK: ``trainer_init`` (the handshake; default
+    :func:`default_trainer_init`), pause generation, ``send_weights``, resume; then leave the
+    transfer group."""
     import torch
 
-    from rlserve.transfer import HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+    from rlserve.transfer import HTTPWeightSyncClient
 
     client = HTTPWeightSyncClient(base_url, admin_key=admin_key)
     if layout.trainer_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(layout.trainer_device))
     t0 = time.perf_counter()
-    engine = WeightTransferTrainerFactory.trainer_init(
-        init_info=make_init_info(layout, client.get_world_size() + 1),
-        client=client,
-        source=ModuleSource(model),
-    )
+    engine = (trainer_init or default_trainer_init)(client, model, layout)
     t1 = time.perf_counter()
     try:
         client.pause(mode=pause_mode)
@@ -570,6 +582,16 @@ def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, af
     return "\n".join(rows)
 
 
+def example_parser(doc: str | None):
+    """The command line every ``examples/rlhf_*.py`` script shares: ``--model``, ``--max-tokens``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n\n")[0])
+    ap.add_argument("--model", default="default", help="a local Hugging Face directory, or 'default'")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per completion")
+    return ap
+
+
 # ============================================================================ the whole demo
 @dataclass
 class DemoOptions:
@@ -589,6 +611,7 @@ class DemoOptions:
     allow_mismatch: bool = False
     cache_dir: str | None = None
     num_gpus: int | None = None  # None: ask torch
+    trainer_init: TrainerInit | None = None  # None: default_trainer_init
 
 
 @dataclass
@@ -653,7 +676,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             res.timings["generate_before"] = time.perf_counter() - t
 
             log("[sync] trainer_init -> pause -> send_weights -> resume")
-            res.sync = sync_weights(server.url, model, layout)
+            res.sync = sync_weights(server.url, model, layout, trainer_init=opts.trainer_init)
             for line in res.sync.lines():
                 log(line)
 
