@@ -17,9 +17,11 @@ tokens, this measures:
   that of a device-to-device ``copy_`` of a 2 GiB buffer measured in the same run,
   counting bytes read plus bytes written.
 
-``--kernels`` adds attention micro-benchmarks on a Qwen3-0.6B layer (16 query heads,
-8 KV heads, head_dim 128, bf16): the Triton decode kernel against the torch backend
-(with the achieved K/V read bandwidth, and a sweep of tile configurations), and the
+``--kernels`` adds attention micro-benchmarks (bf16): the Triton decode kernel on a
+Qwen3-0.6B layer (16 query heads, 8 KV heads, head_dim 128) and a SmolLM2-135M layer
+(9 / 3 / 64) against the torch backend, timed both as plain launches (Python launch cost
+included) and replayed from a CUDA graph (GPU time only; the K/V read bandwidth is taken
+from this one), with ``--sweep`` over tile configurations; and the
 Triton varlen prefill against the torch backend and against PyTorch's flash SDPA on
 padded contiguous tensors (the best case for a prefill without cache hits).
 
@@ -92,6 +94,19 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def graph_time(fn, iters: int = 20) -> float:
+    """Median GPU time of ``fn()`` replayed from a CUDA graph (no Python launch cost), s."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_time(g.replay, iters=iters)
 
 
 def wall_time(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -227,18 +242,19 @@ def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
 
 
 def bench_kernels(args) -> dict:
-    """Attention kernels on one Qwen3-0.6B layer (bf16)."""
+    """Attention kernels (bf16): decode on a Qwen3-0.6B layer (16 query heads, 8 KV heads,
+    head_dim 128) and a SmolLM2-135M layer (9 / 3 / 64); prefill on the Qwen3 layer."""
     import torch.nn.functional as F
 
     from rlserve.layers import triton_attention as ta
     from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
 
     dev = torch.device("cuda")
-    H, Hkv, D, P = 16, 8, 128, 16
+    P = 16
     dt = torch.bfloat16
     out = {"decode": [], "decode_sweep": [], "prefill": []}
 
-    def cache_for(seq_lens):
+    def cache_for(seq_lens, Hkv, D):
         per = [-(-s // P) for s in seq_lens]
         nb = sum(per) + 1
         perm = torch.randperm(nb).tolist()
@@ -251,38 +267,42 @@ def bench_kernels(args) -> dict:
         return kc, vc, tables
 
     ctx = args.context
-    for B in args.batch:
-        kc, vc, tables = cache_for([ctx] * B)
-        meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, P, dev)
-        q = torch.randn(B, H, D, device=dev, dtype=dt)
-        kv = B * ctx * Hkv * D * 2 * 2
-        t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
-        row = {"batch": B, "context": ctx, "triton_us": t_tr * 1e6, "triton_kv_TBps": kv / t_tr / 1e12,
-               "splits": ta.plan_num_splits(B, Hkv, ctx, dev)}
-        if B * ctx <= 64 * 1024:  # the padded torch path materialises B x H x ctx scores
-            t_to = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5)
-            row["torch_us"] = t_to * 1e6
-        out["decode"].append(row)
-        print("decode", json.dumps(row), flush=True)
-        if args.sweep and B in (1, max(args.batch)):
-            base = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS)
-            for bn in (32, 64, 128):
-                for nw in (4, 8):
-                    ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = bn, nw
-                    try:
-                        t = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
-                        r = {"batch": B, "block_n": bn, "num_warps": nw, "us": t * 1e6, "kv_TBps": kv / t / 1e12}
-                    except Exception as e:  # a config may not compile
-                        r = {"batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]}
-                    out["decode_sweep"].append(r)
-                    print("sweep", json.dumps(r), flush=True)
-            ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = base
-        del kc, vc
+    for layer, (H, Hkv, D) in (("qwen3-0.6b", (16, 8, 128)), ("smollm2-135m", (9, 3, 64))):
+        for B in args.batch:
+            kc, vc, tables = cache_for([ctx] * B, Hkv, D)
+            meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, P, dev)
+            q = torch.randn(B, H, D, device=dev, dtype=dt)
+            kv = B * ctx * Hkv * D * 2 * 2
+            t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+            t_gr = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+            row = {"layer": layer, "batch": B, "context": ctx, "triton_us": t_tr * 1e6,
+                   "triton_graph_us": t_gr * 1e6, "triton_kv_TBps": kv / t_gr / 1e12,
+                   "splits": ta.plan_num_splits(B, Hkv, ctx, dev)}
+            if B * ctx <= 64 * 1024:  # the padded torch path materialises B x H x ctx scores
+                row["torch_us"] = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5) * 1e6
+            out["decode"].append(row)
+            print("decode", json.dumps(row), flush=True)
+            if args.sweep and B == max(args.batch):
+                base = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS)
+                for bn in (32, 64, 128):
+                    for nw in (4, 8):
+                        ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = bn, nw
+                        try:
+                            t = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+                            r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "us": t * 1e6,
+                                 "kv_TBps": kv / t / 1e12}
+                        except Exception as e:  # a config may not compile
+                            r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]}
+                        out["decode_sweep"].append(r)
+                        print("sweep", json.dumps(r), flush=True)
+                ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = base
+            del kc, vc
 
+    H, Hkv, D = 16, 8, 128
     cases = [("8x1024 prompts", [1024] * 8, [1024] * 8), ("32x256 prompts", [256] * 32, [256] * 32),
              ("4x512 new on 1024 cached", [512] * 4, [1536] * 4)]
     for name, ql, sl in cases:
-        kc, vc, tables = cache_for(sl)
+        kc, vc, tables = cache_for(sl, Hkv, D)
         meta = AttentionMetadata.build(ql, sl, tables, P, dev)
         T = sum(ql)
         q = torch.randn(T, H, D, device=dev, dtype=dt)
