@@ -10,6 +10,7 @@ Usage:
     python benchmarks/serve_load.py --url http://127.0.0.1:8000            # a running server
     python benchmarks/serve_load.py --model /path/to/model -- --dtype bfloat16   # start one (loopback)
     python benchmarks/serve_load.py --tiny                                 # tiny random model (smoke test)
+    python benchmarks/serve_load.py --shape smollm2-135m -- --max-model-len 2048   # real shape, random weights
     python benchmarks/serve_load.py --tiny --concurrency 1 4 16 --duration 10 --json out.json
 
 Everything after ``--`` is passed to ``rlserve serve`` when this script starts the server.
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
     src.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     src.add_argument("--model", help="start `rlserve serve MODEL` on loopback for the run")
     src.add_argument("--tiny", action="store_true", help="start a server on a tiny random Llama (smoke test)")
+    src.add_argument("--shape", help="start a server on a real model's shape with random weights "
+                                     "(--load-format dummy; names in benchmarks/model_shapes.py, e.g. smollm2-135m)")
     p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 8, 32], help="client counts to run")
     p.add_argument("--duration", "-t", type=float, default=20.0, help="seconds per client count")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens")
@@ -177,6 +180,13 @@ def main(argv=None) -> int:
             from tests.tiny_models import make_tiny_model
 
             model = make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve_bench_tiny_llama"))
+        if args.shape:
+            from benchmarks.model_shapes import save_shape
+            from tests.tiny_models import build_tokenizer
+
+            model = save_shape(args.shape, os.path.join(tempfile.gettempdir(), "rlserve_bench_shapes"))
+            build_tokenizer().save_pretrained(model)  # prompts are token ids; text is not looked at
+            serve_args = ["--load-format", "dummy", *serve_args]
         srv = ServerProcess(model, "--disable-access-log", *serve_args).start()
         url = srv.url
     try:
