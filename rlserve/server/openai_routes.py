@@ -47,6 +47,14 @@ class ClientDisconnected(Exception):
 async def merge_generators(gens: list) -> AsyncIterator[tuple[int, Any]]:
     """Interleave async generators; yields ``(index, item)``. An exception from any of
     them is re-raised; closing the merged generator cancels (and so aborts) all of them."""
+    if len(gens) == 1:  # the common case: no task, no extra queue hop per token
+        g = gens[0]
+        try:
+            async for item in g:
+                yield 0, item
+        finally:
+            await g.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
