@@ -74,10 +74,20 @@ def _tp():
 
 
 def _gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    """Every TP rank's ``local`` in rank order; sizes along ``dim`` may differ between ranks
+    (uneven head partitions): sizes are exchanged first and shards padded to the largest."""
     size, group = _tp()
     if size == 1:
         return [local]
-    return list(group.all_gather(local.contiguous()))
+    n = torch.tensor([local.shape[dim]], dtype=torch.int64, device=local.device)
+    sizes = [int(x.item()) for x in group.all_gather(n)]
+    m = max(sizes)
+    if local.shape[dim] < m:
+        pad_shape = list(local.shape)
+        pad_shape[dim] = m - local.shape[dim]
+        local = torch.cat([local, local.new_zeros(pad_shape)], dim=dim)
+    parts = group.all_gather(local.contiguous())
+    return [p.narrow(dim, 0, k) for p, k in zip(parts, sizes)]
 
 
 def _plain(param) -> torch.Tensor:
@@ -139,12 +149,18 @@ def export_plan(model) -> tuple[list[tuple[str, Callable[[], torch.Tensor]]], li
                     items.append((name, partial(_merged_piece, module, param, idx)))
             elif hasattr(module, "vocab_start") and hasattr(module, "num_embeddings"):
                 items.append((full, partial(_vocab, module, param)))
-            elif out_dim is not None:
-                items.append((full, partial(_split_dim, param, out_dim)))
-            elif getattr(param, "input_dim", None) is not None:
-                items.append((full, partial(_split_dim, param, param.input_dim)))
             else:
-                items.append((full, partial(_plain, param)))
+                # the sharded dim is where this rank's shape differs from the checkpoint's (the
+                # same dim on every rank); none: replicated
+                want = tuple(spec[full]) if spec is not None and full in spec else \
+                    tuple(getattr(param, "full_shape", param.shape))
+                dims = [i for i, (a, b) in enumerate(zip(param.shape, want)) if a != b]
+                if len(param.shape) != len(want) or len(dims) > 1:
+                    skipped.append(full)
+                elif dims:
+                    items.append((full, partial(_split_dim, param, dims[0])))
+                else:
+                    items.append((full, partial(_plain, param)))
     if spec is not None:
         known = set(spec)
         skipped += [n for n, _ in items if n not in known]
