@@ -84,3 +84,22 @@ def test_sequence_too_long_for_cache_raises():
     sch.add(seq([1, 2, 3, 4, 5, 6], bs=2))
     with pytest.raises(RuntimeError, match="KV blocks"):
         sch.schedule()
+
+
+def test_sequence_allocated_before_reset_never_publishes_its_blocks():
+    bm = BlockManager(8, 4)
+    a = seq(list(range(9)))
+    bm.allocate(a)
+    a.num_computed_tokens = len(a)
+    bm.reset_prefix_cache()  # e.g. a weight update while ``a`` is in flight
+    bm.register_full_blocks(a)
+    bm.free(a)
+    b = seq(list(range(9)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    b.num_computed_tokens = len(b)
+    bm.register_full_blocks(b)
+    bm.free(b)
+    c = seq(list(range(9)))
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8

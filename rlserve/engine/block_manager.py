@@ -53,6 +53,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_queries = 0
+        # bumped by reset_prefix_cache: KV computed under an older epoch (e.g. old weights)
+        # must never be published to the prefix cache again
+        self.epoch = 0
 
     @property
     def num_blocks(self) -> int:
@@ -130,6 +133,7 @@ class BlockManager:
             self.prefix_queries += len(tokens)
             self.prefix_hit_tokens += cached
         seq.num_cached_tokens = cached
+        seq.cache_epoch = self.epoch
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; cached content stays reusable until evicted."""
@@ -156,8 +160,11 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Hash every full block of ``seq`` not yet hashed (after tokens were computed)."""
-        if not self.enable_prefix_caching:
+        """Hash every full block of ``seq`` not yet hashed (after tokens were computed).
+
+        Nothing is published for a sequence allocated before the last
+        :meth:`reset_prefix_cache`: its KV may come from weights that are gone."""
+        if not self.enable_prefix_caching or getattr(seq, "cache_epoch", None) != self.epoch:
             return
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
@@ -177,7 +184,8 @@ class BlockManager:
         """Forget every cached prefix (e.g. after a weight update: old KV is stale).
 
         Blocks in use keep their data but are no longer findable; free blocks lose their
-        content."""
+        content. Sequences allocated before the reset never publish their blocks."""
+        self.epoch += 1
         self.hash_to_block.clear()
         for block in self.blocks:
             block.hash = None

@@ -42,6 +42,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        self.cache_epoch = -1  # BlockManager.epoch at the last allocation
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
