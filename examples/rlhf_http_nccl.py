@@ -29,6 +29,7 @@ reference and the table come from :mod:`rlserve.demo`, which ``rlserve demo`` us
 """
 
 import os
+import shlex
 import sys
 
 from rlserve.demo import NCCL_SAFE_ENV
@@ -44,11 +45,13 @@ from rlserve.demo import (  # noqa: E402
     Layout,
     compare_completions,
     complete,
+    describe_mismatches,
     example_parser,
     exit_on_signals,
     format_table,
     free_port,
     load_trainer_model,
+    measure_gaps,
     serve_command,
     trainer_greedy,
 )
@@ -83,7 +86,7 @@ def main() -> int:
     layout = Layout(backend="nccl", server_device="cuda", server_device_ids=SERVER_DEVICE_IDS,
                     trainer_device=TRAINER_DEVICE, dtype="bfloat16", tensor_parallel_size=INFERENCE_TP_SIZE)
     cmd = serve_command(model_path, layout, args.port, quantization="fp8", extra_args=["--enforce-eager"])
-    print(f"[server] Launching: {' '.join(cmd)}")
+    print(f"[server] Launching: {shlex.join(cmd)}")
     server = DemoServer(cmd, base_url, env=NCCL_SAFE_ENV, log_path="-", startup_timeout_s=900)
 
     with exit_on_signals(), server:  # the server (its whole process group) stops on every exit path
@@ -141,9 +144,9 @@ def main() -> int:
         print(f"[check] {len(PROMPTS) - len(bad)} of {len(PROMPTS)} completions equal the bf16 trainer's greedy "
               "generate token for token.")
         if bad:
-            firsts = ", ".join(f"prompt {m.index} at token {m.first_difference}" for m in mismatches)
-            print(f"[check] fp8 serving drifts from the bf16 trainer: {firsts}. Expected with --quantization "
-                  "fp8; run `rlserve demo` (no fp8) for an exact match.")
+            measure_gaps(train_model, after, mismatches)  # the trainer's logit gap where each first differs
+            print(f"[check] fp8 serving drifts from the bf16 trainer (expected with --quantization fp8; "
+                  f"`rlserve demo` runs without it):\n{describe_mismatches(mismatches)}")
         if all(b.token_ids == a.token_ids for b, a in zip(before, after)):
             print("[check] the completions did not change: the sync had no effect")
             return 1

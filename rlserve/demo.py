@@ -512,10 +512,19 @@ def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = N
 # ============================================================================ checking + printing
 @dataclass
 class Mismatch:
+    """A server completion that differs from the trainer's greedy ids. ``gap`` (set by
+    :func:`measure_gaps`): at the first difference, the trainer's logit of its own token minus its
+    logit of the server's token, in nats; a small gap is a near tie that 16-bit rounding can flip."""
+
     index: int
     prompt: str
     server_ids: list[int]
     reference_ids: list[int]
+    gap: float | None = None
+
+    def near_tie(self, tolerance: float) -> bool:
+        """``|gap| <= tolerance`` with ``tolerance > 0`` (0 = exact: never a tie)."""
+        return tolerance > 0 and self.gap is not None and abs(self.gap) <= tolerance
 
     @property
     def first_difference(self) -> int:
@@ -533,12 +542,35 @@ def compare_completions(completions: Sequence[Completion], reference: Sequence[S
             for i, (c, r) in enumerate(zip(completions, reference)) if list(c.token_ids) != list(r)]
 
 
+def measure_gaps(model, completions: Sequence[Completion], mismatches: Sequence[Mismatch]) -> None:
+    """Set each mismatch's ``gap``: one trainer forward over the prompt + the common prefix."""
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for m in mismatches:
+            k = m.first_difference
+            if k >= len(m.server_ids) or k >= len(m.reference_ids):
+                m.gap = float("inf")  # one side ended early (cannot be a near tie)
+                continue
+            ids = list(completions[m.index].prompt_token_ids) + list(m.server_ids[:k])
+            logits = model(torch.tensor([ids], dtype=torch.long, device=device)).logits[0, -1].float()
+            m.gap = float(logits[m.reference_ids[k]] - logits[m.server_ids[k]])
+
+
+def default_tie_tolerance(dtype: str) -> float:
+    """0 (exact) in float32; 0.5 nats in 16-bit dtypes, where server and Hugging Face kernels
+    round differently and a near tie between two tokens can go either way."""
+    return 0.0 if dtype == "float32" else 0.5
+
+
 def describe_mismatches(mismatches: Sequence[Mismatch], decode: Callable[[list[int]], str] | None = None) -> str:
     lines = []
     for m in mismatches:
         k = m.first_difference
+        gap = f"; trainer logit gap there {m.gap:.3f}" if m.gap is not None else ""
         lines.append(f"  [{m.index}] {m.prompt!r}: first difference at generated token {k} "
-                     f"(server {m.server_ids[k:k + 1]}, trainer {m.reference_ids[k:k + 1]})")
+                     f"(server {m.server_ids[k:k + 1]}, trainer {m.reference_ids[k:k + 1]}{gap})")
         if decode is not None:
             lines.append(f"      server : {decode(m.server_ids)!r}")
             lines.append(f"      trainer: {decode(m.reference_ids)!r}")
@@ -551,7 +583,7 @@ def _clip(s: str, width: int) -> str:
 
 
 def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, after: Sequence[Completion],
-                 matches: Sequence[bool] | None = None, width: int | None = None) -> str:
+                 matches: Sequence[bool | str] | None = None, width: int | None = None) -> str:
     """A before/after table (texts clipped to the terminal width), then the full texts after the sync."""
     width = width or shutil.get_terminal_size((120, 24)).columns
     width = max(80, min(width, 200))
@@ -573,7 +605,8 @@ def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, af
             cells.append(f"{_clip(before[i].text, tw):<{tw}}")
         cells.append(f"{_clip(after[i].text, tw):<{tw}}")
         if matches is not None:
-            cells.append("yes" if matches[i] else "NO")
+            m = matches[i]
+            cells.append(m if isinstance(m, str) else ("yes" if m else "NO"))
         rows.append(sep.join(cells))
     rows.append("")
     rows.append("after the sync, in full:")
@@ -609,6 +642,7 @@ class DemoOptions:
     server_log: str | None = None
     startup_timeout_s: float = 600.0
     allow_mismatch: bool = False
+    tie_tolerance: float | None = None  # None: default_tie_tolerance(dtype)
     cache_dir: str | None = None
     num_gpus: int | None = None  # None: ask torch
     trainer_init: TrainerInit | None = None  # None: default_trainer_init
@@ -688,10 +722,16 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             res.reference = trainer_greedy(model, [c.prompt_token_ids for c in res.after], opts.max_tokens)
             res.timings["trainer_generate"] = time.perf_counter() - t
             res.mismatches = compare_completions(res.after, res.reference)
+            measure_gaps(model, res.after, res.mismatches)
+            tol = default_tie_tolerance(layout.dtype) if opts.tie_tolerance is None else opts.tie_tolerance
+            ties = [m for m in res.mismatches if m.near_tie(tol)]
+            real = [m for m in res.mismatches if not m.near_tie(tol)]
 
-            bad = {m.index for m in res.mismatches}
+            marks: list[bool | str] = [True] * len(opts.prompts)
+            for m in res.mismatches:
+                marks[m.index] = "near tie" if m.near_tie(tol) else False
             log("")
-            log(format_table(opts.prompts, res.before, res.after, [i not in bad for i in range(len(opts.prompts))]))
+            log(format_table(opts.prompts, res.before, res.after, marks))
             log("")
             res.timings["total"] = time.perf_counter() - t_all
             log("[demo] times: " + ", ".join(f"{k} {v:.1f}s" for k, v in res.timings.items()))
@@ -699,11 +739,20 @@ def run_demo(opts: DemoOptions) -> DemoResult:
                 decode = _decoder(model_path)
                 log(f"[demo] {len(res.mismatches)} of {len(opts.prompts)} server completions differ from the "
                     f"trainer's greedy generate:\n{describe_mismatches(res.mismatches, decode)}")
-                res.exit_code = EXIT_OK if opts.allow_mismatch else EXIT_MISMATCH
+                if ties:
+                    log(f"[demo] {len(ties)} of them first differ at a near tie (trainer logit gap <= {tol} nats, "
+                        f"within {layout.dtype} rounding); --tie-tolerance 0 makes them count")
+                if real:
+                    log(f"[demo] MISMATCH: {len(real)} completion(s) differ beyond rounding"
+                        + (" (--allow-mismatch: exit 0)" if opts.allow_mismatch else ""))
+                res.exit_code = EXIT_OK if (opts.allow_mismatch or not real) else EXIT_MISMATCH
             else:
                 log(f"[demo] OK: all {len(opts.prompts)} server completions equal the trainer's greedy "
                     "generate, token for token")
                 res.exit_code = EXIT_OK
+            if res.mismatches and not real:
+                log(f"[demo] OK within {layout.dtype} rounding: {len(opts.prompts) - len(ties)} of "
+                    f"{len(opts.prompts)} equal token for token, {len(ties)} first differ at a near tie")
     except DemoError as e:
         res.error = str(e)
         log(f"[demo] error: {e}")

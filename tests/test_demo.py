@@ -71,7 +71,8 @@ def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
     assert res.server_pid is not None and _wait_gone(res.server_pid), "server still running after the demo"
 
 
-def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("tolerance", [None, 1e9], ids=["exact", "everything_a_tie"])
+def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch, capsys, tolerance):
     real = demo.trainer_greedy
 
     def off_by_one(model, prompt_ids, max_new_tokens):
@@ -80,11 +81,15 @@ def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch
         return ref
 
     monkeypatch.setattr(demo, "trainer_greedy", off_by_one)
-    res = run_demo(_opts(model_dir, tmp_path))
+    res = run_demo(_opts(model_dir, tmp_path, tie_tolerance=tolerance))
     out = capsys.readouterr().out
-    assert res.exit_code == EXIT_MISMATCH, f"{res.error}\n{out}"
+    if tolerance:  # a difference at a "near tie" is rounding, not a failed sync
+        assert res.exit_code == EXIT_OK and "first differ at a near tie" in out and "near tie" in out, out
+    else:
+        assert res.exit_code == EXIT_MISMATCH and "MISMATCH: 1 completion(s)" in out, f"{res.error}\n{out}"
     assert [m.index for m in res.mismatches] == [2]
     assert res.mismatches[0].first_difference == 1
+    assert res.mismatches[0].gap is not None and res.mismatches[0].gap < 0  # the trainer prefers the server's token
     assert "1 of 4 server completions differ" in out and "first difference at generated token 1" in out
     assert _wait_gone(res.server_pid)
 
@@ -132,6 +137,14 @@ def test_compare_completions_and_message():
     assert "'a': first difference at generated token 1" in msg and "server : '5-6-2'" in msg
     with pytest.raises(ValueError):
         compare_completions(comps, [[1]])
+
+
+def test_near_tie_tolerance():
+    m = demo.Mismatch(0, "p", [1, 2], [1, 3], gap=0.2)
+    assert m.near_tie(0.5) and not m.near_tie(0.1) and not m.near_tie(0.0)
+    assert not demo.Mismatch(0, "p", [1], [2]).near_tie(0.5)  # gap not measured
+    assert not demo.Mismatch(0, "p", [1], [2], gap=float("inf")).near_tie(0.5)
+    assert demo.default_tie_tolerance("float32") == 0.0 and demo.default_tie_tolerance("bfloat16") > 0
 
 
 def test_format_table_marks_mismatches():

@@ -44,6 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="report completions that differ from the trainer's, but exit 0")
+    p.add_argument("--tie-tolerance", type=float, default=None,
+                   help="a completion may first differ from the trainer's where the trainer's two candidate "
+                        "tokens are within this many nats (default: 0 = exact in float32, 0.5 in 16-bit dtypes)")
     p.add_argument("--cache-dir", default=None, help="cache root of the default model (see `rlserve download`)")
     p.set_defaults(func=run)
 
@@ -59,6 +62,7 @@ def run(args) -> int:
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, dtype=args.dtype,
         server_args=shlex.split(args.server_args), server_log=args.server_log,
         startup_timeout_s=args.startup_timeout, allow_mismatch=args.allow_mismatch, cache_dir=args.cache_dir,
+        tie_tolerance=args.tie_tolerance,
     )
     if args.prompts:
         opts.prompts = list(args.prompts)
