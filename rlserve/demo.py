@@ -495,9 +495,12 @@ def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = N
         t2 = time.perf_counter()
         try:
             fin = engine.send_weights()
-            t3 = time.perf_counter()
-        finally:
-            client.resume()  # never leave the server paused
+        except BaseException:
+            with contextlib.suppress(Exception):  # never leave the server paused; keep the first error
+                client.resume()
+            raise
+        t3 = time.perf_counter()
+        client.resume()
         t4 = time.perf_counter()
     except BaseException:
         with contextlib.suppress(Exception):

@@ -94,6 +94,18 @@ def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch
     assert _wait_gone(res.server_pid)
 
 
+def test_demo_failed_sync_exits_1_and_stops_the_server(model_dir, tmp_path, capsys):
+    def broken_trainer_init(client, model, layout):
+        raise RuntimeError("trainer could not join the group")
+
+    res = run_demo(_opts(model_dir, tmp_path, trainer_init=broken_trainer_init))
+    out = capsys.readouterr().out
+    assert res.exit_code == demo.EXIT_ERROR and "trainer could not join the group" in (res.error or ""), out
+    assert res.before is not None and res.after is None
+    assert "server log" in out and "shutting down" in out
+    assert _wait_gone(res.server_pid)
+
+
 def test_demo_ctrl_c_stops_the_server(model_dir, tmp_path):
     """SIGINT while the server boots: exit 130, and the server (its own session) is gone."""
     cmd = [sys.executable, "-m", "rlserve", "demo", "--model", model_dir, "--backend", "gloo",
