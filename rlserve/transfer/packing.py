@@ -148,6 +148,21 @@ def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """``s32sum`` of each tensor, with one host sync per device at the end (not per tensor)."""
+    sums = [checksum_tensor(as_bytes(t)) for t in tensors]
+    out: list[int] = []
+    by_dev: dict = {}
+    for i, c in enumerate(sums):
+        by_dev.setdefault(c.device, []).append(i)
+    vals: dict[int, int] = {}
+    for dev, idx in by_dev.items():
+        for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist()):
+            vals[i] = _wrap64(int(v))
+    out = [vals[i] for i in range(len(sums))]
+    return out
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
     """``s32sum`` of a tensor's contiguous bytes (equal to its share of a bucket checksum)."""
     return checksum(as_bytes(t))

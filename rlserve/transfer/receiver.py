@@ -59,11 +59,10 @@ def check_transport_fields(info: UpdateInfo, backend: str) -> None:
             f"update_info.checksums has {len(info.checksums)} entries, expected {expected_checksum_count(info)} "
             f"({'one per bucket' if info.packed else 'one per tensor'})")
     if backend == "ipc":
-        if not info.packed:
-            raise WeightUpdateError("the ipc backend needs packed=true")
         n = expected_checksum_count(info)
         if info.ipc_handles is None or len(info.ipc_handles) != n:
-            raise WeightUpdateError(f"the ipc backend needs update_info.ipc_handles with one handle per bucket ({n})")
+            raise WeightUpdateError(f"the ipc backend needs update_info.ipc_handles with one handle per "
+                                    f"{'bucket' if info.packed else 'tensor'} ({n})")
     elif info.ipc_handles is not None:
         raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
 
@@ -261,35 +260,63 @@ class WeightReceiver:
             raise failure
         return {"bytes": total, "buckets": n, "tensors": n}
 
-    def _receive_ipc(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+    def _map(self, handle: dict, what: str) -> torch.Tensor:
         from rlserve.transfer.ipc import import_handle
 
-        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
-        if info.ipc_handles is None or len(info.ipc_handles) != len(plan):
-            raise WeightUpdateError(f"ipc: expected {len(plan)} handles, got "
+        try:
+            return import_handle(handle)
+        except WeightUpdateError:
+            raise
+        except Exception as e:
+            raise WeightTransferFailedError(f"{what}: could not map the CUDA IPC handle: {e}") from e
+
+    def _ipc_done_reading(self, dev: torch.device) -> None:
+        # the trainer may reuse / free its memory as soon as we answer: finish reading first
+        if self._stream is not None:
+            self._stream.synchronize()
+        if dev != self.device:
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _receive_ipc(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+        """Packed: one handle per bucket (a uint8 buffer laid out by the plan). Unpacked: one
+        handle per tensor (the trainer's own tensors, read in place: no copy on its side)."""
+        n = expected_checksum_count(info)
+        if info.ipc_handles is None or len(info.ipc_handles) != n:
+            raise WeightUpdateError(f"ipc: expected {n} handles, got "
                                     f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
         total = 0
+        if not info.packed:
+            dtypes = info.dtypes()
+            for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
+                what = f"ipc tensor {name!r} ({i + 1}/{n})"
+                t = self._map(handle, what)
+                if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
+                    raise WeightUpdateError(f"{what}: handle maps {t.dtype} {list(t.shape)}, update_info says "
+                                            f"{dtypes[i]} {info.shapes[i]}")
+                self._verify(as_bytes(t), info.checksums, i, what)
+                sink([(name, t if t.device == self.device else t.to(self.device))])
+                total += t.numel() * t.element_size()
+                if on_bucket is not None:
+                    on_bucket(i)
+                dev = t.device
+                del t
+            if n:
+                self._ipc_done_reading(dev)
+            return {"bytes": total, "buckets": n, "tensors": n}
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
             what = f"ipc bucket {i + 1}/{len(plan)}"
-            try:
-                mapped = import_handle(handle)
-            except WeightUpdateError:
-                raise
-            except Exception as e:
-                raise WeightTransferFailedError(f"{what}: could not map the CUDA IPC handle: {e}") from e
-            if mapped.numel() < b.nbytes:
-                raise WeightUpdateError(f"{what}: mapped buffer has {mapped.numel()} bytes, the plan needs {b.nbytes}")
+            mapped = self._map(handle, what)
+            if mapped.dtype != torch.uint8 or mapped.dim() != 1 or mapped.numel() < b.nbytes:
+                raise WeightUpdateError(f"{what}: the handle maps {mapped.dtype} {list(mapped.shape)}, the plan "
+                                        f"needs a 1-D uint8 buffer of {b.nbytes} bytes")
             buf = mapped[: b.nbytes]
             self._verify(buf, info.checksums, i, what)
             pairs = list(unpack(buf, b))
             if buf.device != self.device:
-                pairs = [(n, t.to(self.device)) for n, t in pairs]
+                pairs = [(n_, t.to(self.device)) for n_, t in pairs]
             sink(pairs)
-            # the trainer may overwrite its buffer as soon as we answer: finish reading first
-            if self._stream is not None:
-                self._stream.synchronize()
-            if buf.device != self.device:
-                torch.cuda.current_stream(buf.device).synchronize()
+            self._ipc_done_reading(buf.device)
             del buf, mapped, pairs
             total += b.nbytes
             if on_bucket is not None:

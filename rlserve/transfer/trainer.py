@@ -58,7 +58,8 @@ from rlserve.transfer.packing import (
     checksum,
     max_bucket_bytes,
     plan_buckets,
-    tensor_checksum,
+    tensor_checksum,  # noqa: F401
+    tensor_checksums,
     unpack,  # noqa: F401  (re-exported for tests)
 )
 from rlserve.transfer.protocol import (
@@ -359,6 +360,17 @@ class IPCTrainerInitInfo(TrainerInitInfo):
         return d.to_dict()
 
 
+def _checksums_streamed(named: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
+    """Per-tensor ``s32sum`` of a stream of tensors: each tensor's sum is queued on its device
+    and the tensor dropped (an FSDP-gathered tensor is freed at once); one host sync at the end."""
+    from rlserve.transfer.packing import _wrap64, as_bytes, checksum_tensor
+
+    sums = [checksum_tensor(as_bytes(t)) for _n, t in named]
+    if not sums:
+        return []
+    return [_wrap64(int(v)) for v in torch.stack([s.to("cpu") for s in sums]).tolist()]
+
+
 def _free_port() -> int:
     import socket
 
@@ -420,7 +432,7 @@ class TrainerWeightTransferEngine:
     def _checksum_pass(self, info: UpdateInfo) -> list[int] | None:
         if not self.init_info.checksums or self.init_info.backend == "ipc":
             return None  # ipc: checksummed per packed bucket, right before its call
-        per_tensor = [tensor_checksum(t) for _n, t in self.source.named_tensors()]
+        per_tensor = _checksums_streamed(self.source.named_tensors())
         if not self.is_sender:
             return None
         if not info.packed:
@@ -577,9 +589,22 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
 
 
 class IPCTrainerEngine(TrainerWeightTransferEngine):
-    """CUDA IPC: trainer and server share a GPU. Buckets are packed into ``packed_num_buffers``
-    CUDA buffers; each bucket goes in its own ``update_weights`` call carrying the buffer's IPC
-    handle (JSON). Packing bucket ``i+1`` overlaps the server's copy of bucket ``i``."""
+    """CUDA IPC: trainer and server share a GPU; no process group.
+
+    The update is cut by the bucket plan; each bucket goes in its own ``update_weights`` call
+    (calls are sequential: the server answers once it has read the memory).
+
+    - packed (default): the bucket is packed into one of ``packed_num_buffers`` CUDA buffers and
+      the call carries that buffer's IPC handle; packing bucket ``i+1`` overlaps the server's
+      copy of bucket ``i``. Trainer memory: the buffers. GPU traffic: the trainer's pack copy plus
+      the server's load copy.
+    - unpacked: the call carries one handle per tensor and the server reads the trainer's tensors
+      in place: one copy in all (the server's). Tensors the source creates (dtype casts, FSDP
+      gathers) stay alive until their call returned (``packed_num_buffers`` calls in flight).
+
+    Checksums (``checksums=True``) are computed on the GPU right before each call (per bucket
+    or per tensor); they catch a trainer that modifies its weights while the server reads them.
+    """
 
     def __init__(self, init_info, client, source):
         super().__init__(init_info, client, source)
@@ -591,61 +616,79 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
     def _connect(self) -> None:
         self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
 
-    def _metadata_info(self, partial: bool) -> UpdateInfo:
-        info = super()._metadata_info(partial)
-        info.packed = True  # ipc moves packed buckets only
-        return info
-
     def _send(self, info: UpdateInfo, declared: dict) -> dict:
+        from rlserve.transfer.ipc import export_handle
+        from rlserve.transfer.packing import as_bytes
+        from rlserve.transfer.sender import _check_item
+
         t0 = time.perf_counter()
         ii = self.init_info
         dtypes = info.dtypes()
         plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
-        size = max_bucket_bytes(plan)
-        # fresh buffers per sync: the IPC bookkeeping torch attaches to a shared block is freed with it
-        bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(nbuf)] if plan else []
-        futs: dict[int, cf.Future] = {}
+        bufs = []
+        if info.packed and plan:
+            # fresh buffers per sync: torch's IPC bookkeeping on a shared block is freed with it
+            size = max_bucket_bytes(plan)
+            bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(nbuf)]
+        futs: dict[int, tuple[cf.Future, list]] = {}
         it = iter(self.source.named_tensors())
         total = 0
-        from rlserve.transfer.ipc import export_handle
-        from rlserve.transfer.sender import _check_item
-        from rlserve.transfer.packing import as_bytes
+
+        def wait(bi: int) -> None:
+            fut, _keep = futs.pop(bi)
+            fut.result(timeout=ii.timeout_s + 30)
 
         try:
             for bi, b in enumerate(plan):
                 if bi - nbuf in futs:
-                    futs.pop(bi - nbuf).result(timeout=ii.timeout_s)  # server done reading buffer
-                for f in futs.values():
+                    wait(bi - nbuf)  # the server has read buffer / tensors of bucket bi - nbuf
+                for f, _ in futs.values():
                     if f.done() and f.exception() is not None:
                         raise f.exception()
-                buf = bufs[bi % nbuf]
-                end_prev = 0
-                for slot in b.slots:
-                    name, t = next(it)
-                    _check_item(name, t, slot.name, slot.dtype, slot.shape)
-                    if slot.offset > end_prev:
-                        buf[end_prev: slot.offset].zero_()
-                    if slot.nbytes:
-                        buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
-                    end_prev = slot.offset + slot.nbytes
-                if b.nbytes > end_prev:
-                    buf[end_prev: b.nbytes].zero_()
-                ck = checksum(buf[: b.nbytes]) if ii.checksums else None
-                handle = export_handle(buf)
+                keep: list = []
+                if info.packed:
+                    buf = bufs[bi % nbuf]
+                    end_prev = 0
+                    for slot in b.slots:
+                        name, t = next(it)
+                        _check_item(name, t, slot.name, slot.dtype, slot.shape)
+                        if slot.offset > end_prev:
+                            buf[end_prev: slot.offset].zero_()
+                        if slot.nbytes:
+                            buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
+                        end_prev = slot.offset + slot.nbytes
+                    if b.nbytes > end_prev:
+                        buf[end_prev: b.nbytes].zero_()
+                    checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None
+                    handles = [export_handle(buf)]
+                    keep.append(buf)
+                else:
+                    handles = []
+                    for slot in b.slots:
+                        name, t = next(it)
+                        _check_item(name, t, slot.name, slot.dtype, slot.shape)
+                        t = t.contiguous()
+                        if t.device != self.device:
+                            t = t.to(self.device)
+                        keep.append(t)
+                    checksums = tensor_checksums(keep) if ii.checksums else None  # one sync per bucket
+                    handles = [export_handle(t) for t in keep]
                 sub = UpdateInfo(
                     names=[s.name for s in b.slots], dtype_names=[dtype_to_name(s.dtype) for s in b.slots],
-                    shapes=[list(s.shape) for s in b.slots], packed=True,
+                    shapes=[list(s.shape) for s in b.slots], packed=info.packed,
                     packed_buffer_size_bytes=info.packed_buffer_size_bytes, packed_num_buffers=nbuf,
-                    checksums=None if ck is None else [ck], partial=True, ipc_handles=[handle])
-                futs[bi] = self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s)
-                total += b.nbytes
+                    checksums=checksums, partial=True, ipc_handles=handles)
+                futs[bi] = (self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s), keep)
+                total += b.nbytes if info.packed else sum(s.nbytes for s in b.slots)
+            if next(it, None) is not None:
+                raise ValueError("source yielded more tensors than announced")
             for bi in sorted(futs):
-                futs.pop(bi).result(timeout=ii.timeout_s)
+                wait(bi)
         finally:
-            for f in futs.values():  # never free a buffer the server may still read
+            for f, _keep in futs.values():  # never free memory the server may still read
                 try:
-                    f.result(timeout=ii.timeout_s)
+                    f.result(timeout=ii.timeout_s + 30)
                 except BaseException:
                     pass
         return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0}
