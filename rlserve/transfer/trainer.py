@@ -368,7 +368,11 @@ def _checksums_streamed(named: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
     sums = [checksum_tensor(as_bytes(t)) for _n, t in named]
     if not sums:
         return []
-    return [_wrap64(int(v)) for v in torch.stack([s.to("cpu") for s in sums]).tolist()]
+    if len({s.device for s in sums}) == 1:
+        vals = torch.stack(sums).tolist()
+    else:
+        vals = [int(s.item()) for s in sums]
+    return [_wrap64(int(v)) for v in vals]
 
 
 def _free_port() -> int:
