@@ -1,0 +1,302 @@
+"""Weight sync on GPUs: the CUDA IPC data plane (trainer and server on one GPU) and NCCL
+(trainer on its own GPU; needs two or more). A real ``rlserve serve`` process plus the trainer
+SDK in this process.
+
+- IPC handles round-trip through JSON into another process (no pickle);
+- an ipc sync (packed buckets and per-tensor handles, in place and staged) gives checksums equal
+  to the trainer's, several times in a row (buffers and IPC bookkeeping reused / freed);
+- float32 serving: greedy output equals the trainer's HF model after the sync;
+- a trainer killed mid-update (ipc): the session times out, the server stays up, marks the model
+  unavailable (in place) and a re-init + full sync work;
+- NCCL (>= 2 GPUs): a sync gives equal checksums; a trainer killed mid-update is noticed within
+  ``timeout_s`` (our deadline + communicator abort: the server process survives), re-init works;
+  TP=2 server + trainer on a third GPU when there are >= 3.
+
+Timings are printed and, when ``$RLSERVE_GPU_REPORT`` is set, written to
+``$RLSERVE_GPU_REPORT/transfer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from rlserve.server.testing import ServerProcess  # noqa: E402
+from rlserve.transfer import (  # noqa: E402
+    HTTPWeightSyncClient,
+    IPCTrainerInitInfo,
+    ModuleSource,
+    NCCLTrainerInitInfo,
+    WeightTransferTrainerFactory,
+    hf_state_checksums,
+)
+from rlserve.transfer.ipc import export_handle  # noqa: E402
+from rlserve.transfer.packing import checksum  # noqa: E402
+from tests.transfer_harness import free_port  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPORT: dict = {}
+PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
+N_TOK = 6
+needs_2 = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one rank per GPU)")
+needs_3 = pytest.mark.skipif(torch.cuda.device_count() < 3, reason="TP=2 server + trainer needs three GPUs")
+
+
+def _report(key, value):
+    REPORT[key] = value
+    print(f"[transfer-gpu] {key}: {value}")
+    out = os.environ.get("RLSERVE_GPU_REPORT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "transfer.json"), "w") as f:
+            json.dump(REPORT, f, indent=2, default=str)
+
+
+def load_hf(path, device, dtype=torch.float32, scale=0.3):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return hf.to(device=device, dtype=dtype)
+
+
+def hf_greedy(model, prompt_ids, n=N_TOK):
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=dev)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=dev)], dim=1)
+    return out
+
+
+def generate(url, prompts=PROMPTS):
+    return httpx.post(url + "/generate/", json={"prompt_ids": prompts, "max_tokens": N_TOK, "temperature": 0,
+                                                "generation_kwargs": {"ignore_eos": True}}, timeout=120)
+
+
+def serve(path, backend, *extra, dtype="bfloat16", staging="none", device="cuda:0"):
+    return ServerProcess(path, "--device", device, "--dtype", dtype, "--load-format", "dummy",
+                         "--max-model-len", "128", "--num-kv-blocks", "256", "--max-num-seqs", "8",
+                         "--weight-transfer-config", json.dumps({"backend": backend}),
+                         "--weight-staging", staging, *extra, startup_timeout_s=300)
+
+
+# --------------------------------------------------------------------------- IPC
+CHILD = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from rlserve.transfer.ipc import import_handle
+    from rlserve.transfer.packing import checksum
+    h = json.loads(sys.stdin.read())
+    t = import_handle(h)
+    print(json.dumps({{"checksum": checksum(t), "numel": t.numel(), "dtype": str(t.dtype)}}))
+""")
+
+
+def test_ipc_handle_json_roundtrip_other_process():
+    buf = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    h = export_handle(buf)
+    wire = json.dumps(h)  # JSON only
+    assert "handle" in json.loads(wire)
+    r = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT)], input=wire, capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"checksum": checksum(buf), "numel": buf.numel(), "dtype": "torch.uint8"}
+
+
+@pytest.mark.parametrize("packed,staging", [(True, "none"), (False, "none"), (True, "device"), (False, "host")])
+def test_ipc_sync_equal_checksums(tiny_model, packed, staging):
+    path = tiny_model("llama")
+    hf = load_hf(path, "cuda:0", torch.bfloat16)
+    with serve(path, "ipc", staging=staging) as srv:
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=packed, packed_buffer_size_bytes=64 << 10, timeout_s=60),
+            client=client, source=ModuleSource(hf))
+        mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16)
+        times = []
+        for v in range(1, 4):
+            t0 = time.perf_counter()
+            fin = eng.send_weights()
+            times.append(time.perf_counter() - t0)
+            assert fin["weight_version"] == str(v) and fin["full"]
+            rep = client.weight_checker(compare=mine)
+            assert rep["compare"]["match"] and rep["dtype"] == "bfloat16", rep["compare"]
+            assert generate(srv.url).status_code == 200
+            with torch.no_grad():  # next round sends different weights
+                for p in hf.parameters():
+                    p.mul_(0.99)
+            mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16)
+        _report(f"ipc_sync_seconds[packed={packed},staging={staging}]", [round(t, 4) for t in times])
+        eng.shutdown()
+
+
+def test_ipc_sync_float32_greedy_equals_hf(tiny_model):
+    path = tiny_model("qwen3")
+    hf = load_hf(path, "cuda:0", torch.float32)
+    with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(timeout_s=60), client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
+        eng.send_weights()
+        got = generate(srv.url).json()["completion_ids"]
+        ref = [hf_greedy(hf, p) for p in PROMPTS]
+        _report("ipc_fp32_greedy", {"server": got, "hf": ref})
+        assert got == ref
+        eng.shutdown()
+
+
+IPC_KILL = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from tests.gpu.test_transfer_gpu import load_hf
+    from rlserve.transfer import HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
+    hf = load_hf({path!r}, "cuda:0", torch.bfloat16)
+    class KillSource(ModuleSource):
+        def named_tensors(self):
+            for i, item in enumerate(super().named_tensors()):
+                if i == 8:
+                    time.sleep(1.0)
+                    print("KILLING", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=IPCTrainerInitInfo(timeout_s=5, packed_buffer_size_bytes=16 << 10),
+        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
+    eng.send_weights()
+""")
+
+
+def test_ipc_trainer_killed_mid_update(tiny_model):
+    path = tiny_model("llama")
+    with serve(path, "ipc") as srv:
+        r = subprocess.run([sys.executable, "-c", IPC_KILL.format(root=ROOT, path=path, url=srv.url)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert "KILLING" in r.stdout, r.stderr[-3000:]
+        deadline = time.monotonic() + 60  # the idle session watchdog fires after timeout_s (5 s)
+        info = None
+        while time.monotonic() < deadline:
+            info = httpx.get(srv.url + "/weight_info").json()
+            if info["state"] == "uninitialized":
+                break
+            time.sleep(0.2)
+        assert info["state"] == "uninitialized", info
+        assert generate(srv.url).status_code == 503  # buckets before the kill were loaded in place
+        hf = load_hf(path, "cuda:0", torch.bfloat16)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(timeout_s=60), client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
+        eng.send_weights()
+        assert generate(srv.url).status_code == 200
+        rep = eng.client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        assert rep["compare"]["match"]
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------- NCCL
+@needs_2
+@pytest.mark.parametrize("packed", [True, False])
+def test_nccl_sync_equal_checksums(tiny_model, packed):
+    path = tiny_model("llama")
+    hf = load_hf(path, "cuda:1", torch.bfloat16)
+    with serve(path, "nccl", device="cuda:0") as srv:
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device="cuda:1", packed=packed,
+                                          packed_buffer_size_bytes=64 << 10, timeout_s=60),
+            client=client, source=ModuleSource(hf))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            eng.send_weights()
+            times.append(time.perf_counter() - t0)
+        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        assert rep["compare"]["match"], rep["compare"]
+        _report(f"nccl_sync_seconds[packed={packed}]", [round(t, 4) for t in times])
+        eng.shutdown()
+
+
+NCCL_KILL = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from tests.gpu.test_transfer_gpu import load_hf
+    from rlserve.transfer import HTTPWeightSyncClient, NCCLTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
+    hf = load_hf({path!r}, "cuda:1", torch.bfloat16)
+    class KillSource(ModuleSource):
+        passes = 0
+        def named_tensors(self):
+            self.passes += 1
+            for i, item in enumerate(super().named_tensors()):
+                if self.passes == 2 and i == 8:
+                    torch.cuda.synchronize()
+                    time.sleep(1.0)
+                    print("KILLING", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=NCCLTrainerInitInfo(master_port={port}, world_size=2, device="cuda:1", timeout_s=10,
+                                      packed_buffer_size_bytes=16 << 10),
+        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
+    eng.send_weights()
+""")
+
+
+@needs_2
+def test_nccl_trainer_killed_mid_update(tiny_model):
+    path = tiny_model("llama")
+    with serve(path, "nccl", device="cuda:0") as srv:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-c", NCCL_KILL.format(root=ROOT, path=path, port=free_port(),
+                                                                   url=srv.url)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert "KILLING" in r.stdout, r.stderr[-3000:]
+        deadline = time.monotonic() + 90
+        info = None
+        while time.monotonic() < deadline:
+            info = httpx.get(srv.url + "/weight_info", timeout=10).json()
+            if info["state"] == "uninitialized":
+                break
+            time.sleep(0.2)
+        _report("nccl_kill_noticed_after_s", round(time.monotonic() - t0, 2))
+        assert info["state"] == "uninitialized", info
+        assert srv.proc.poll() is None, "the server died with the trainer"
+        assert generate(srv.url).status_code == 503
+        hf = load_hf(path, "cuda:1", torch.bfloat16)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device="cuda:1", timeout_s=60),
+            client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
+        eng.send_weights()
+        assert generate(srv.url).status_code == 200
+        eng.shutdown()
+
+
+@needs_3
+def test_nccl_tp2_server_trainer_on_third_gpu(tiny_model):
+    path = tiny_model("qwen3")
+    hf = load_hf(path, "cuda:2", torch.bfloat16)
+    with serve(path, "nccl", "--tensor-parallel-size", "2", "--device-ids", "0,1", device="cuda") as srv:
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        ws = client.get_world_size() + 1
+        assert ws == 3
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=ws, device="cuda:2", timeout_s=60),
+            client=client, source=ModuleSource(hf))
+        eng.send_weights()
+        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        assert rep["compare"]["match"], rep["compare"]
+        eng.shutdown()
