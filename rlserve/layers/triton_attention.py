@@ -57,10 +57,11 @@ _LOG2E = 1.4426950408889634
 
 # Tile sizes. Decode is bandwidth-bound: 64-token K/V tiles give each program enough bytes
 # in flight; prefill tiles are the FlashAttention-2 defaults for head_dim <= 128 on sm80+.
-# Defaults measured on an H200 (Triton 3.6, bf16, Qwen3-0.6B layer, 1024-token contexts):
-# decode BLOCK_N=64 / 4 warps beat 32 or 128 and 8 warps at batch 1 and 256 (299 us vs
-# 325-379 us at batch 256); prefill BLOCK_M=128 / BLOCK_N=64 beat 64x64 (272 vs 414 us for
-# 8 x 1024-token prompts). float32 (tests) uses smaller prefill tiles.
+# Defaults measured on an H200 (Triton 3.6, bf16, 1024-token contexts; numbers in
+# benchmarks/results/decode_step-h200-2026-11-29.md): decode BLOCK_N=64 / 4 warps was the
+# fastest of {32, 64, 128} x {4, 8 warps} for a Qwen3-0.6B layer (256 us at batch 256, 4.2
+# TB/s of K/V) and a SmolLM2 layer (57 us); prefill BLOCK_M=128 / BLOCK_N=64 was the fastest
+# of four tilings for 8 x 1024-token prompts (223 us). float32 (tests) uses smaller tiles.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 128
