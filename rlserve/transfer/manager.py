@@ -231,6 +231,11 @@ class WeightTransferManager:
     async def _end_session(self, session: _Session) -> None:
         if self._session is session:
             self._session = None
+        if self._init is not None and self._init.backend == "ipc":
+            try:
+                await self._rpc("end_session")
+            except Exception as e:  # noqa: BLE001
+                logger.warning("end_session on workers failed: %s", e)
         if session.auto_paused:
             try:
                 await self.aengine.resume()
@@ -295,7 +300,9 @@ class WeightTransferManager:
             raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
                                     f"(--weight-transfer-config), the trainer asked for {info.backend!r}")
         n = self.num_workers
-        if info.world_size != n + 1:
+        if info.backend == "ipc":
+            info.world_size = n + 1  # no group: the field is meaningless
+        elif info.world_size != n + 1:
             raise WeightUpdateError(f"init_info.world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), "
                                     f"got {info.world_size}")
         if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):

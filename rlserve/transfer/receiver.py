@@ -89,6 +89,10 @@ class WeightReceiver:
         self._stream = None
         self.stats: dict = {}
         self._closed = False
+        # ipc, per-tensor handles: mapped trainer tensors kept across calls (a trainer exports each
+        # parameter once); entries unused during a session are dropped at its end
+        self._ipc_cache: dict[str, torch.Tensor] = {}
+        self._ipc_used: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -118,6 +122,8 @@ class WeightReceiver:
             self.group.destroy()
         self.group = None
         self._bufs = []
+        self._ipc_cache.clear()
+        self._ipc_used.clear()
 
     # ------------------------------------------------------------------ receive
     def _wire_device(self) -> torch.device:
@@ -260,6 +266,24 @@ class WeightReceiver:
             raise failure
         return {"bytes": total, "buckets": n, "tensors": n}
 
+    def end_session(self) -> None:
+        """Drop cached IPC mappings not used since the previous call (the trainer's memory they
+        pin is released)."""
+        for k in [k for k in self._ipc_cache if k not in self._ipc_used]:
+            del self._ipc_cache[k]
+        self._ipc_used.clear()
+
+    def _map_cached(self, handle: dict, what: str) -> torch.Tensor:
+        import json
+
+        key = json.dumps({k: handle.get(k) for k in ("handle", "device_uuid", "storage_offset_bytes",
+                                                     "tensor_offset", "size", "stride", "dtype")}, sort_keys=True)
+        t = self._ipc_cache.get(key)
+        if t is None:
+            t = self._ipc_cache[key] = self._map(handle, what)
+        self._ipc_used.add(key)
+        return t
+
     def _map(self, handle: dict, what: str) -> torch.Tensor:
         from rlserve.transfer.ipc import import_handle
 
@@ -289,7 +313,7 @@ class WeightReceiver:
             dtypes = info.dtypes()
             for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
                 what = f"ipc tensor {name!r} ({i + 1}/{n})"
-                t = self._map(handle, what)
+                t = self._map_cached(handle, what)
                 if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
                     raise WeightUpdateError(f"{what}: handle maps {t.dtype} {list(t.shape)}, update_info says "
                                             f"{dtypes[i]} {info.shapes[i]}")

@@ -619,6 +619,34 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
 
     def _connect(self) -> None:
         self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
+        self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
+
+    def _teardown(self) -> None:
+        self._exported = {}
+
+    def _persistent_storages(self) -> set[int]:
+        """Storage pointers of the source module's parameters: tensors living across syncs, whose
+        IPC handle is exported once (re-exporting a storage each sync would grow torch's
+        per-storage IPC bookkeeping without bound)."""
+        mod = getattr(self.source, "module", None)
+        if mod is None:
+            return set()
+        return {p.untyped_storage().data_ptr() for p in mod.parameters() if p.is_cuda}
+
+    def _handle(self, t: torch.Tensor, persistent: set[int]) -> dict:
+        from rlserve.transfer.ipc import export_handle
+
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in persistent:
+            h = export_handle(t)
+        else:
+            key = (ptr, t.untyped_storage().nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            hit = self._exported.get(key)
+            if hit is None:
+                hit = self._exported[key] = (t, export_handle(t))
+            h = dict(hit[1])
+        h["event_sync_required"] = False  # the trainer synchronized before the call
+        return h
 
     def _send(self, info: UpdateInfo, declared: dict) -> dict:
         from rlserve.transfer.ipc import export_handle
@@ -638,6 +666,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         futs: dict[int, tuple[cf.Future, list]] = {}
         it = iter(self.source.named_tensors())
         total = 0
+        persistent = self._persistent_storages() if not info.packed else set()
 
         def wait(bi: int) -> None:
             fut, _keep = futs.pop(bi)
@@ -668,7 +697,6 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     handles = [export_handle(buf)]
                     keep.append(buf)
                 else:
-                    handles = []
                     for slot in b.slots:
                         name, t = next(it)
                         _check_item(name, t, slot.name, slot.dtype, slot.shape)
@@ -676,8 +704,10 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                         if t.device != self.device:
                             t = t.to(self.device)
                         keep.append(t)
-                    checksums = tensor_checksums(keep) if ii.checksums else None  # one sync per bucket
-                    handles = [export_handle(t) for t in keep]
+                    checksums = tensor_checksums(keep) if ii.checksums else None
+                    # every write to these tensors is finished before the server reads them
+                    torch.cuda.current_stream(self.device).synchronize()
+                    handles = [self._handle(t, persistent) for t in keep]
                 sub = UpdateInfo(
                     names=[s.name for s in b.slots], dtype_names=[dtype_to_name(s.dtype) for s in b.slots],
                     shapes=[list(s.shape) for s in b.slots], packed=info.packed,

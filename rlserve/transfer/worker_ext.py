@@ -225,6 +225,13 @@ def commit(worker) -> dict:
     return {"names": n, "seconds": time.perf_counter() - t0}
 
 
+def end_session(worker) -> None:
+    """End of an update session: the receiver drops IPC mappings the session did not use."""
+    st = _state(worker)
+    if st.receiver is not None:
+        st.receiver.end_session()
+
+
 def discard(worker) -> None:
     """Drop staged tensors (a failed or abandoned staged update)."""
     _state(worker).staging = {}
