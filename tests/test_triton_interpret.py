@@ -37,9 +37,9 @@ def _patch_interpreter_for_numpy2() -> None:
     (needed for loops with runtime bounds)."""
     import triton.runtime.interpreter as ti
 
-    orig = ti._patch_lang_tensor
-    if getattr(orig, "_rlserve_patched", False):
-        return
+    orig = getattr(ti, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_rlserve_patched", False):
+        return  # another Triton version: nothing to patch (or already patched)
 
     def patched(tensor, scope):
         orig(tensor, scope)
