@@ -130,6 +130,22 @@ def test_generate_on_engine_thread(fake):
     assert eng.thread_ids and threading.get_ident() not in eng.thread_ids
 
 
+def test_non_streaming_and_slow_consumers(fake):
+    aeng, _ = fake()
+
+    async def main():
+        finals = [o async for o in aeng.generate([1], SamplingParams(max_tokens=30), stream=False)]
+        assert len(finals) == 1 and finals[0].finished and finals[0].outputs[0].token_ids == list(range(1, 31))
+        assert finals[0].first_token_time >= finals[0].arrival_time
+        seen = []
+        async for o in aeng.generate([1], SamplingParams(max_tokens=30)):
+            seen.append(len(o.outputs[0].token_ids))
+            await asyncio.sleep(0.02)  # slower than the engine: intermediate outputs coalesce
+        assert seen[-1] == 30 and seen == sorted(seen) and len(seen) < 30
+
+    run(main())
+
+
 def test_invalid_request_fails_only_itself(fake):
     aeng, _ = fake()
 

@@ -4,8 +4,10 @@ Each :class:`~rlserve.engine.llm_engine.LLMEngine` replica is owned by one threa
 (``rlserve-engine-<i>``) that runs its step loop; *every* call into that engine (add,
 abort, step, ``run_in_engines`` functions) runs on that thread, so the engine needs no
 locking and the HTTP event loop never blocks on a forward pass. Outputs reach asyncio
-through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request (one hop per
-step and event loop, not per request).
+through ``loop.call_soon_threadsafe`` (one hop per step and event loop, not per request)
+into a one-slot mailbox per request: outputs are cumulative, so a consumer that falls
+behind simply gets the newest one (its deltas just get bigger) instead of a backlog, and a
+non-streaming consumer (``generate(..., stream=False)``) is woken only once, at the end.
 
 Pause semantics follow vLLM's ``pause_generation``:
 
@@ -60,8 +62,11 @@ class _Request:
     prompt: Any
     params: Any
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival_time: float
+    event: asyncio.Event  # set when ``slot`` holds something new
+    arrival_time: float  # time.monotonic() seconds
+    stream: bool = True  # deliver every step's output (else only the final one)
+    slot: Any = None  # newest undelivered output, or the exception that ended the request
+    first_token_time: float | None = None  # time.monotonic() seconds, set on the engine thread
     replica: "_Replica | None" = None
     versions: list = dataclasses.field(default_factory=list)
     last_output: Any = None
@@ -233,6 +238,8 @@ class _Replica:
         return fut
 
     def _stamp(self, req: _Request, out, bump: bool = True) -> None:
+        if req.first_token_time is None and any(c.token_ids for c in out.outputs):
+            req.first_token_time = time.monotonic()
         version = self.front.weight_version
         if bump and (not req.versions or req.versions[-1] != version):
             req.versions.append(version)
@@ -241,6 +248,8 @@ class _Replica:
         try:
             out.weight_version = req.versions[-1]
             out.weight_versions = list(req.versions)
+            out.arrival_time = req.arrival_time
+            out.first_token_time = req.first_token_time
         except AttributeError:  # an output type with __slots__; stamping is best effort
             pass
 
@@ -260,7 +269,9 @@ class _Replica:
             if out.finished:
                 del self.requests[out.request_id]
                 self._finish(req, None)
-            items.append((req, out))
+                items.append((req, out))
+            elif req.stream:
+                items.append((req, out))
         if items:
             self.front._deliver(items)
 
@@ -479,15 +490,18 @@ class AsyncEngine:
         return total
 
     # ---- generation -------------------------------------------------------------------
-    async def generate(self, prompt, params, request_id: str | None = None) -> AsyncIterator:
-        """Submit one request and yield its cumulative ``RequestOutput`` after every step
-        that advanced it; the last one has ``finished == True``. Each output carries
-        ``weight_version`` and ``weight_versions``.
+    async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True) -> AsyncIterator:
+        """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the
+        last one has ``finished == True``. A consumer slower than the engine skips
+        intermediate outputs (they are cumulative: nothing is lost). Each output carries
+        ``weight_version``, ``weight_versions``, ``arrival_time`` and ``first_token_time``
+        (``time.monotonic()`` seconds; None before the first token).
 
         Args:
             prompt: text or a list of token ids.
             params: :class:`~rlserve.engine.sampling_params.SamplingParams`.
             request_id: unique id (default: generated).
+            stream: False yields only the final output (cheapest for non-streaming callers).
 
         Raises:
             ModelUnavailableError: :meth:`set_unavailable` is in effect.
@@ -507,7 +521,8 @@ class AsyncEngine:
 
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = _Request(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        req = _Request(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Event(), time.monotonic(),
+                       stream=stream)
         self._requests[request_id] = req
         if self._paused:
             self._held.append(req)
@@ -516,7 +531,11 @@ class AsyncEngine:
         done = False
         try:
             while True:
-                item = await req.queue.get()
+                await req.event.wait()
+                req.event.clear()
+                item, req.slot = req.slot, None
+                if item is None:
+                    continue
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -536,20 +555,20 @@ class AsyncEngine:
             if replica is not None:
                 replica.load += 1
         if replica is None:
-            req.queue.put_nowait(EngineDeadError("no engine replica is running"))
+            _put(req, EngineDeadError("no engine replica is running"))
             return
         req.replica = replica
         fut = replica.post(lambda: replica.add(req))
         if fut.done() and fut.exception() is not None:  # the replica died meanwhile
             with self._lock:
                 replica.load -= 1
-            req.queue.put_nowait(fut.exception())
+            _put(req, fut.exception())
 
     def _deliver(self, items) -> None:
         """Engine thread → event loops: one ``call_soon_threadsafe`` per loop."""
         by_loop: dict = {}
         for req, item in items:
-            by_loop.setdefault(req.loop, []).append((req.queue, item))
+            by_loop.setdefault(req.loop, []).append((req, item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -574,7 +593,7 @@ class AsyncEngine:
                 continue
             if req in self._held:
                 self._held.remove(req)
-                req.queue.put_nowait(_stamped_abort(req, self.weight_version))
+                _put(req, _stamped_abort(req, self.weight_version))
             elif req.replica is not None:
                 futs.append(req.replica.post(lambda r=req: r.replica.abort([r.request_id])))
         await _wait_all(futs)
@@ -584,7 +603,7 @@ class AsyncEngine:
         n = 0
         for req in list(self._held):
             self._held.remove(req)
-            req.queue.put_nowait(_stamped_abort(req, self.weight_version))
+            _put(req, _stamped_abort(req, self.weight_version))
             n += 1
         results = await _wait_all([r.post(r.abort_all) for r in self._replicas])
         return n + sum(x for x in results if isinstance(x, int))
@@ -676,9 +695,18 @@ class AsyncEngine:
                 r.thread.join(timeout_s)
 
 
+def _put(req: _Request, item) -> None:
+    """Event-loop side: the newest item replaces an undelivered one, except that the final
+    item (an exception or a finished output) is never replaced (nothing follows it)."""
+    if req.slot is not None and (isinstance(req.slot, BaseException) or req.slot.finished):
+        return
+    req.slot = item
+    req.event.set()
+
+
 def _put_all(batch) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
+    for req, item in batch:
+        _put(req, item)
 
 
 def _stamped_abort(req: _Request, version: str):

@@ -186,7 +186,8 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
             max_tokens = state.check_length(len(ids), fields.get("max_tokens"))
             items.append((ids, state.sampling_params(**dict(fields, max_tokens=max_tokens))))
         rid = f"trl-{uuid.uuid4().hex[:24]}"
-        gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate") for i, (ids, params) in enumerate(items)]
+        gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate", stream=False)
+                for i, (ids, params) in enumerate(items)]
         try:
             finals = await unless_disconnected(raw, collect_final(gens))
         except ClientDisconnected:

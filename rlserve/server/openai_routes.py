@@ -216,18 +216,18 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             text = items[i][0]
             return text if text is not None else state.tokenizer.decode(items[i][1])
 
-        def gens():
-            return [state.generate(ids, params, f"{rid}-{i}", "completions")
+        def gens(stream: bool):
+            return [state.generate(ids, params, f"{rid}-{i}", "completions", stream=stream)
                     for i, (_, ids, params) in enumerate(items)]
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream_completions(state, body, items, rid, created, model, n, include_usage, prompt_text, gens()),
+                _stream_completions(state, body, items, rid, created, model, n, include_usage, prompt_text, gens(True)),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         try:
-            finals = await unless_disconnected(raw, collect_final(gens()))
+            finals = await unless_disconnected(raw, collect_final(gens(False)))
         except ClientDisconnected:
             return Response(status_code=499)
         choices = []
@@ -310,7 +310,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         params = _common_params(state, body, max_tokens, k)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        gen = state.generate(ids, params, rid, "chat")
+        gen = state.generate(ids, params, rid, "chat", stream=body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(

@@ -212,18 +212,19 @@ class ServerState:
 
     # ---- generation with metrics --------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       endpoint: str) -> AsyncIterator[Any]:
-        """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons)."""
+                       endpoint: str, stream: bool = True) -> AsyncIterator[Any]:
+        """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons).
+        ``stream=False`` yields only the final output."""
         t0 = time.monotonic()
-        ttft = None
         last = None
         try:
-            async for out in self.aengine.generate(prompt_ids, params, request_id):
-                if ttft is None and any(c.token_ids for c in out.outputs):
-                    ttft = time.monotonic() - t0
+            async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream):
                 last = out
                 yield out
         finally:
+            first = getattr(last, "first_token_time", None)
+            arrival = getattr(last, "arrival_time", None)
+            ttft = (first - arrival) if first is not None and arrival is not None else None
             # a request whose client went away (or that failed) counts as aborted
             reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
             self.metrics.record_request(
