@@ -99,7 +99,7 @@ def test_checksum_additive_and_sensitive():
     packed[5] ^= 1
     assert checksum(packed) != info.checksums[0]
     # int64 wrap-around is exact and order independent
-    big = torch.full((1 << 12,), -1, dtype=torch.int32).view(torch.uint8)
+    big = torch.full((1 << 12,), -1, dtype=torch.int64).view(torch.uint8)
     assert checksum(big) == -(1 << 12)
 
 

@@ -7,7 +7,7 @@ Trainer SDK (names mirror vLLM's ``vllm.distributed.weight_transfer``)::
 
 Modules:
     protocol     JSON data classes ``InitInfo`` / ``UpdateInfo`` and their validation
-    packing      bucket plan, byte packing, the ``s32sum`` checksum
+    packing      bucket plan, byte packing, the ``s64sum`` checksum
     group        the transfer process group (own TCPStore, gloo / NCCL, deadlines, teardown)
     sender       trainer-side broadcast (packed / unpacked)
     receiver     server-side receive into a sink (packed / unpacked / ipc)

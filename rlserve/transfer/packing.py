@@ -12,15 +12,16 @@ Receive buffers are therefore sized ``max(bucket.nbytes)``, not the nominal size
 Buckets are raw bytes (``torch.uint8``): each tensor is copied in as its contiguous byte view,
 so one bucket mixes dtypes freely. Padding bytes are zero.
 
-Checksum ``"s32sum"``: the sum, as a wrapping int64, of the bytes read as little-endian int32
-words (zero-padded to a multiple of 4 bytes). Why this one:
+Checksum ``"s64sum"``: the sum, as a wrapping (two's-complement) int64, of the bytes read as
+little-endian int64 words (zero-padded to a multiple of 8 bytes). Why this one:
 
-- cheap: one memory-bound read pass on the device the bytes live on (``Tensor.sum(dtype=int64)``
-  over an int32 view, no copy, one scalar transferred to the host);
-- exact and order-independent: integer addition is associative even when it wraps, so a CUDA
-  trainer, a CPU server and a different GPU kernel all get the same number, whatever their
+- cheap: one memory-bound read pass on the device the bytes live on (``Tensor.sum()`` over an
+  int64 view: no copy, no widening, ~13 GB/s on one CPU core, HBM speed on a GPU; an int32 view
+  summed into int64 runs at a thirtieth of that on CPU), one scalar transferred to the host;
+- exact and order-independent: integer addition modulo 2^64 is associative and commutative, so a
+  CUDA trainer, a CPU server and a different GPU kernel all get the same number whatever their
   reduction order (a float sum would not);
-- additive: a bucket's checksum is the sum of its tensors' checksums (offsets are multiples of 4
+- additive: a bucket's checksum is the sum of its tensors' checksums (offsets are multiples of 8
   and padding is zero), so the trainer computes them per tensor, before packing, and announces
   them in ``update_info`` ahead of the data.
 
@@ -127,7 +128,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(u8: torch.Tensor) -> int:
-    """The ``s32sum`` checksum of a 1-D uint8 tensor (see module docstring). Computed on the
+    """The ``s64sum`` checksum of a 1-D uint8 tensor (see module docstring). Computed on the
     tensor's device; returns a Python int in the int64 range (one host sync)."""
     return _wrap64(int(checksum_tensor(u8).item()))
 
@@ -135,21 +136,22 @@ def checksum(u8: torch.Tensor) -> int:
 def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
     """Like :func:`checksum` but returns the 0-dim int64 tensor on ``u8``'s device (no sync)."""
     n = u8.numel()
-    n4 = n - n % 4
-    if n4 and (u8.storage_offset() % 4):
-        u8 = u8.clone()  # int32 view needs a 4-byte-aligned start
-    total = torch.zeros((), dtype=torch.int64, device=u8.device)
-    if n4:
-        total = u8[:n4].view(torch.int32).sum(dtype=torch.int64)
-    if n != n4:
-        tail = torch.zeros(4, dtype=torch.uint8, device=u8.device)
-        tail[: n - n4] = u8[n4:]
-        total = total + tail.view(torch.int32).to(torch.int64)[0]
+    n8 = n - n % 8
+    if n8 and (u8.storage_offset() % 8):
+        u8 = u8.clone()  # an int64 view needs an 8-byte-aligned start
+    if n8:
+        total = u8[:n8].view(torch.int64).sum()
+    else:
+        total = torch.zeros((), dtype=torch.int64, device=u8.device)
+    if n != n8:
+        tail = torch.zeros(8, dtype=torch.uint8, device=u8.device)
+        tail[: n - n8] = u8[n8:]
+        total = total + tail.view(torch.int64)[0]
     return total
 
 
 def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """``s32sum`` of each tensor, with one host sync per device at the end (not per tensor)."""
+    """``s64sum`` of each tensor, with one host sync per device at the end (not per tensor)."""
     sums = [checksum_tensor(as_bytes(t)) for t in tensors]
     out: list[int] = []
     by_dev: dict = {}
@@ -164,7 +166,7 @@ def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """``s32sum`` of a tensor's contiguous bytes (equal to its share of a bucket checksum)."""
+    """``s64sum`` of a tensor's contiguous bytes (equal to its share of a bucket checksum)."""
     return checksum(as_bytes(t))
 
 

@@ -24,7 +24,7 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
      "shapes": [[49152, 576], ...],
      "packed": true, "packed_buffer_size_bytes": ..., "packed_num_buffers": ...,   # optional
      "checksums": [123456789, ...],      # one per bucket (packed) or per tensor (unpacked); optional
-     "checksum_algo": "s32sum",
+     "checksum_algo": "s64sum",
      "partial": false,                   # true: a subset of the parameters is fine
      "ipc_handles": [{...}, ...]}        # ipc backend only: one handle per bucket
 
@@ -200,7 +200,7 @@ class UpdateInfo:
             ``init_info`` value. Both sides derive the bucket plan from these alone.
         checksums: int64 checksums (:func:`rlserve.transfer.packing.checksum`), one per
             bucket when packed, one per tensor when not; ``None``: not verified.
-        checksum_algo: only ``"s32sum"``.
+        checksum_algo: only ``"s64sum"``.
         partial: ``True`` allows a subset of the model's parameters.
         ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.ipc.export_handle`)
             per bucket of this call.
@@ -213,7 +213,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int | None = None
     packed_num_buffers: int | None = None
     checksums: list[int] | None = None
-    checksum_algo: str = "s32sum"
+    checksum_algo: str = "s64sum"
     partial: bool = False
     ipc_handles: list[dict] | None = None
 
@@ -261,8 +261,8 @@ class UpdateInfo:
         if self.packed_num_buffers is not None:
             _check_int("update_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
         _check_bool("update_info.partial", self.partial)
-        if self.checksum_algo != "s32sum":
-            raise WeightUpdateError(f"update_info.checksum_algo must be 's32sum', got {self.checksum_algo!r}")
+        if self.checksum_algo != "s64sum":
+            raise WeightUpdateError(f"update_info.checksum_algo must be 's64sum', got {self.checksum_algo!r}")
         if self.checksums is not None:
             if not isinstance(self.checksums, list):
                 raise WeightUpdateError("update_info.checksums must be a list of ints or null")

@@ -15,7 +15,7 @@ Transports:
 - ipc: no group; ``update_info.ipc_handles`` (one per bucket) are mapped
   (:func:`rlserve.transfer.ipc.import_handle`) and read in place on the GPU.
 
-Each bucket's ``s32sum`` checksum (:mod:`rlserve.transfer.packing`) is verified **before** the
+Each bucket's ``s64sum`` checksum (:mod:`rlserve.transfer.packing`) is verified **before** the
 sink sees the bucket; a mismatch raises :class:`ChecksumMismatchError`.
 
 Draining: when a bucket fails locally (checksum mismatch, the sink raising) the receiver keeps

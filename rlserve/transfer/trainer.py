@@ -18,7 +18,7 @@ changing imports::
 ``send_weights``:
 
 1. collects the metadata (names, dtypes, shapes: no gather) and, unless ``checksums=False``, one
-   ``s32sum`` checksum per bucket (a pass over the tensors: FSDP gathers every parameter once for
+   ``s64sum`` checksum per bucket (a pass over the tensors: FSDP gathers every parameter once for
    it, then again to send);
 2. ``POST /start_weight_update`` with the whole ``update_info``: the server validates it against
    its model and answers 400 before any byte moves;
@@ -361,7 +361,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
 
 
 def _checksums_streamed(named: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
-    """Per-tensor ``s32sum`` of a stream of tensors: each tensor's sum is queued on its device
+    """Per-tensor ``s64sum`` of a stream of tensors: each tensor's sum is queued on its device
     and the tensor dropped (an FSDP-gathered tensor is freed at once); one host sync at the end."""
     from rlserve.transfer.packing import _wrap64, as_bytes, checksum_tensor
 
