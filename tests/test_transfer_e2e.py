@@ -98,6 +98,7 @@ def wait_state(url, state, timeout_s=30):
 
 
 # ----------------------------------------------------------------------------- every architecture
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sync_every_arch_matches_hf(tiny_model, arch):
     path = tiny_model(arch)
@@ -196,6 +197,7 @@ PREFIX = [(7 * i + 3) % 300 + 3 for i in range(20)]  # > one 16-token block: pre
 PROBES = [PREFIX + [11, 12], PREFIX + [13], PREFIX + [200, 201, 202]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staging", ["none", "device"])
 def test_20_syncs_under_load(tiny_model, tmp_path, staging):
     n_syncs = 20 if staging == "none" else 8
