@@ -170,6 +170,31 @@ def test_out_of_order_calls_409(llama):
                                                                                      "master_port": 1, "world_size": 5}})
         assert r.status_code == 400 and "world_size must be 2" in r.json()["error"]["message"]
         assert eng.send_weights()["weight_version"] == "2"
+        # a second call while update_weights runs -> 409; shutdown aborts the running one
+        import threading
+
+        c.start_weight_update()
+        meta = ModuleSource(hf).metadata()
+        body = {"names": [m[0] for m in meta], "dtype_names": ["float32"] * len(meta),
+                "shapes": [list(m[2]) for m in meta]}
+        first = {}
+        th = threading.Thread(target=lambda: first.setdefault("r", httpx.post(
+            srv.url + "/update_weights", json={"update_info": body}, timeout=60)))
+        th.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/weight_info").json()["state"] != "update" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(WeightSyncConflictError, match="still running"):
+            c.update_weights(body)
+        with pytest.raises(WeightSyncConflictError, match="still running"):
+            c.finish_weight_update()
+        t0 = time.monotonic()
+        c.shutdown_weight_transfer_engine()
+        th.join(30)
+        assert time.monotonic() - t0 < 10
+        assert first["r"].status_code == 500, first["r"].text  # aborted, nothing was loaded
+        assert httpx.get(srv.url + "/weight_info").json()["state"] == "uninitialized"
+        assert server_greedy(srv.url).status_code == 200 and not srv.aengine.is_paused()
 
 
 class FlakySource:
@@ -309,3 +334,20 @@ def test_trl_protocol(llama):
         info = httpx.get(srv.url + "/weight_info").json()
         assert info["state"] == "uninitialized" and info["weight_version"] == "1", info
         assert info["last_update"]["ok"] and info["last_update"]["full"]
+
+
+def test_admin_key_protects_weight_routes(llama):
+    path, hf = llama
+    with InProcessServer(path, admin_key="s3cret") as srv:
+        for method, route in [("get", "/weight_info"), ("post", "/start_weight_update"),
+                              ("post", "/init_weight_transfer_engine"), ("post", "/init_communicator/"),
+                              ("post", "/weight_checker")]:
+            r = getattr(httpx, method)(srv.url + route, **({"json": {}} if method == "post" else {}))
+            assert r.status_code == 401, (route, r.status_code)
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            HTTPWeightSyncClient(srv.url).weight_info()
+        assert ei.value.status_code == 401
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=20),
+            client=HTTPWeightSyncClient(srv.url, admin_key="s3cret"), source=ModuleSource(hf))
+        assert eng.send_weights()["weight_version"] == "1"

@@ -132,7 +132,6 @@ class WeightTransferManager:
         self._init: InitInfo | None = None
         self._session: _Session | None = None
         self._busy: str | None = None
-        self._busy_task: asyncio.Task | None = None
         self._spec: tuple[dict, set] | None = None
         self._unavailable_by_us = False
         self._watchdog: asyncio.Task | None = None
@@ -317,6 +316,7 @@ class WeightTransferManager:
         try:
             results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
                                          "init_weight_transfer_engine")
+            await self._model_spec()
             self._init = info
         except BaseException:
             await self._teardown_group()
@@ -331,13 +331,14 @@ class WeightTransferManager:
 
     async def _preempt(self, why: str) -> None:
         """Abort a running update (workers fail fast) and wait for its failure path."""
-        if self._busy not in ("update", "trl"):
+        if self._busy is None:
             return
-        logger.warning("aborting the weight update in progress: %s", why)
-        try:
-            await self._rpc("abort", timeout_s=10.0)
-        except Exception:  # noqa: BLE001
-            pass
+        if self._busy in ("update", "trl"):
+            logger.warning("aborting the weight update in progress: %s", why)
+            try:
+                await self._rpc("abort", timeout_s=10.0)
+            except Exception:  # noqa: BLE001
+                pass
         deadline = time.monotonic() + self._timeout() + 30
         while self._busy is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -361,6 +362,13 @@ class WeightTransferManager:
             raise WeightUpdateStateError("start_weight_update called twice: an update is already in progress; "
                                          "call /finish_weight_update (or /shutdown_weight_transfer_engine) first")
         self._check_not_busy("start_weight_update")
+        self._busy = "start"
+        try:
+            return await self._start_update(update_info)
+        finally:
+            self._busy = None
+
+    async def _start_update(self, update_info: dict | None) -> dict:
         declared = None
         if update_info:
             declared = UpdateInfo.from_dict(update_info).resolved(self._init)
@@ -393,6 +401,14 @@ class WeightTransferManager:
         if s is None:
             raise WeightUpdateStateError("update_weights without start_weight_update: call /start_weight_update first")
         self._check_not_busy("update_weights")
+        self._busy = "update"  # claimed before the first await: a concurrent call gets 409
+        try:
+            return await self._update_weights(s, update_info)
+        finally:
+            self._busy = None
+            s.last_activity = time.monotonic()
+
+    async def _update_weights(self, s: _Session, update_info: dict) -> dict:
         s.last_activity = time.monotonic()
         try:
             info = UpdateInfo.from_dict(update_info).resolved(self._init)
@@ -411,7 +427,6 @@ class WeightTransferManager:
                                         "/init_weight_transfer_engine)") from None
             raise
         n_steps = expected_checksum_count(info)
-        self._busy = "update"
         t0 = time.perf_counter()
         try:
             results = await self._run_op("start_receive", [info.to_dict(), self.staging],
@@ -419,9 +434,6 @@ class WeightTransferManager:
         except BaseException as e:
             await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
             raise
-        finally:
-            self._busy = None
-            s.last_activity = time.monotonic()
         secs = time.perf_counter() - t0
         nbytes = int(results[0].get("bytes", 0)) if results and isinstance(results[0], dict) else 0
         s.received |= set(info.names)
@@ -447,6 +459,13 @@ class WeightTransferManager:
         if s is None:
             raise WeightUpdateStateError("finish_weight_update without start_weight_update")
         self._check_not_busy("finish_weight_update")
+        self._busy = "finish"
+        try:
+            return await self._finish_update(s, weight_version)
+        finally:
+            self._busy = None
+
+    async def _finish_update(self, s: _Session, weight_version: str | None) -> dict:
         if weight_version is not None and not isinstance(weight_version, str):
             weight_version = str(weight_version)
         if s.declared is not None:
@@ -457,7 +476,6 @@ class WeightTransferManager:
                 await self._fail(s, err, teardown=False)
                 raise err
         _spec, req = await self._model_spec()
-        self._busy = "finish"
         paused_here = False
         try:
             if self.staging != "none" and s.received:
@@ -480,12 +498,10 @@ class WeightTransferManager:
                 self._unavailable_by_us = False
                 logger.info("full weight update landed: generation available again")
         except BaseException as e:
-            self._busy = None
             await self._fail(s, e, teardown=False)
             if paused_here:
                 await self.aengine.resume()
             raise
-        self._busy = None
         if paused_here:
             await self.aengine.resume()
         await self._end_session(s)
