@@ -351,3 +351,18 @@ def test_admin_key_protects_weight_routes(llama):
             init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=20),
             client=HTTPWeightSyncClient(srv.url, admin_key="s3cret"), source=ModuleSource(hf))
         assert eng.send_weights()["weight_version"] == "1"
+
+
+def test_data_parallel_two_replicas(llama):
+    """DP=2: both replicas' workers are ranks 1 and 2 of the group; both get the weights."""
+    path, hf = llama
+    with InProcessServer(path, data_parallel_size=2) as srv:
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=20,
+                                          packed_buffer_size_bytes=64 << 10),
+            client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
+        eng.send_weights()
+        rep = eng.client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32))
+        assert rep["replicas"] == 2 and rep["replicas_consistent"] and rep["compare"]["match"]
+        for _ in range(3):  # requests land on both replicas
+            assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
