@@ -117,9 +117,6 @@ def _resolve_model(name: str) -> str:
 
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM. Returns the exit status."""
-    # The engine thread and the HTTP event loop share the GIL; CPython's default 5 ms switch
-    # interval lets a busy event loop (many streams) delay every engine step by up to 5 ms.
-    sys.setswitchinterval(float(os.environ.get("RLSERVE_GIL_SWITCH_INTERVAL_S", "0.0005")))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from rlserve.errors import RLServeError
