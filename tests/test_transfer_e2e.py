@@ -313,3 +313,51 @@ def test_sync_tp2_uneven_heads(tiny_model):
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         assert server_checksums(srv.url) == mine
         eng.shutdown()
+
+
+# ----------------------------------------------------------------------------- FSDP2 trainer
+FSDP_TRAINER = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {root!r})
+
+    def main(rank, world):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{dist_port}")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from torch.distributed.fsdp import fully_shard
+        from tests.test_transfer_e2e import load_hf
+        from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
+                                      WeightTransferTrainerFactory)
+        m = load_hf({path!r})
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+        assert type(next(m.parameters())).__name__ == "DTensor"
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, rank=rank, timeout_s=60,
+                                          packed_buffer_size_bytes=64 << 10),
+            client=HTTPWeightSyncClient({url!r}) if rank == 0 else None, source=ModuleSource(m))
+        fin = eng.send_weights()   # every rank: full_tensor() gathers; rank 0 sends
+        print(rank, "DONE", fin.get("weight_version"), flush=True)
+        eng.shutdown()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import torch.multiprocessing as mp
+        mp.spawn(main, args=(2,), nprocs=2)
+""")
+
+
+def test_fsdp2_trainer_two_ranks(tiny_model, tmp_path):
+    """A 2-rank FSDP2 trainer (DTensor parameters): every rank iterates (full_tensor), rank 0
+    talks to the server and sends; the server ends up with the unsharded model's weights."""
+    path = tiny_model("llama_tied")
+    hf = load_hf(path)
+    script = tmp_path / "fsdp_trainer.py"
+    with serve(path) as srv:
+        script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path,
+                                              url=srv.url))
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert "0 DONE 1" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+        mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        assert server_checksums(srv.url) == mine
+        assert generate(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPTS]
