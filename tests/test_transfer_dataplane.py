@@ -282,3 +282,21 @@ def test_trainer_sigkill_mid_update_receiver_does_not_hang():
         proc.kill()
         out, errs = proc.communicate(timeout=10)
     assert "SENT-FIRST" in out, errs[-2000:]
+
+
+def test_ipc_handle_validation_without_cuda():
+    """Malformed IPC handles are refused before any CUDA call (the payload can name no code)."""
+    from rlserve.transfer.ipc import import_handle
+
+    with pytest.raises(WeightUpdateError, match="missing"):
+        import_handle({})
+    base = {"tensor_cls": "Tensor", "size": [4], "stride": [1], "tensor_offset": 0, "storage_cls": "TypedStorage",
+            "dtype": "uint8", "device": 0, "device_uuid": "GPU-nope", "handle": "AAAA", "storage_size_bytes": 4,
+            "storage_offset_bytes": 0, "requires_grad": False, "ref_counter_handle": "AAAA",
+            "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}
+    with pytest.raises(WeightUpdateError, match="unknown tensor or storage class"):
+        import_handle({**base, "tensor_cls": "os.system"})
+    with pytest.raises(WeightUpdateError, match="non-negative"):
+        import_handle({**base, "tensor_offset": -1})
+    with pytest.raises(WeightUpdateError, match="not visible"):
+        import_handle(base)
