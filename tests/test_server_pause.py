@@ -204,3 +204,26 @@ def test_client_disconnect_aborts(server):
         assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
 
     _run(scenario, server.url)
+
+
+def test_abort_requests_by_response_id(server):
+    async def scenario(client):
+        body = {"prompt": [9, 8, 7], "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
+        other = asyncio.create_task(_stream(client, 3, 30, {}))
+        finish = None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if finish is None and obj["choices"] and obj["choices"][0]["finish_reason"] is None:
+                    finish = "pending"
+                    resp = await client.post("/abort_requests", json={"request_ids": [obj["id"]]})
+                    assert resp.status_code == 200 and resp.json()["aborted"] == 1, resp.text
+                for c in obj["choices"]:
+                    finish = c["finish_reason"] or finish
+        assert finish == "abort"
+        ids, f = await asyncio.wait_for(other, 30)  # the other request is untouched
+        assert f == "length" and len(ids) == 30
+
+    _run(scenario, server.url)
