@@ -112,6 +112,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as root:
         path = save_shape(args.shape, root)
         results.append(run_rlserve(path, prompts, out_lens, args))
+        print("rlserve:", results[-1], flush=True)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         if not args.no_hf:
