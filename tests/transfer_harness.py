@@ -3,7 +3,6 @@ uvicorn in a thread) and greedy-generation helpers. Not a test module."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time

@@ -8,6 +8,7 @@ default group. Collectives are called on the ``ProcessGroup`` object directly.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -20,6 +21,40 @@ def get_open_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def new_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta,
+                nccl_async_error_handling: str | None = None):
+    """Construct a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` directly on ``store`` (no
+    ``init_process_group``). The caller has set the CUDA device for NCCL.
+
+    Args:
+        nccl_async_error_handling: a value for ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` while the
+            NCCL backend is built (e.g. "2" = clean up only, so a timed-out watchdog never
+            kills the process); the previous value is restored.
+
+    Raises:
+        ValueError: unknown backend; RuntimeError: this torch build has no NCCL.
+    """
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend != "nccl":
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RuntimeError("this torch build has no NCCL")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    old = os.environ.get(key)
+    if nccl_async_error_handling is not None:
+        os.environ[key] = nccl_async_error_handling
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 class StandaloneGroup:
@@ -63,13 +98,7 @@ class StandaloneGroup:
         self.store = dist.TCPStore(
             master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
         )
-        store = dist.PrefixStore(prefix, self.store)
-        if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        self.pg = new_backend(backend, dist.PrefixStore(prefix, self.store), rank, world_size, timeout)
         self._destroyed = False
 
     # ---- collectives (blocking unless async_op) --------------------------------------

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 from torch import nn
 

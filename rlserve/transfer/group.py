@@ -19,7 +19,6 @@ and we abort the communicator ourselves; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rlserve.distributed.group import new_backend
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
@@ -102,26 +102,17 @@ class TransferGroup:
         td = timedelta(seconds=self.timeout_s)
         self.store = self._make_store(td)
         prefix = dist.PrefixStore(f"{STORE_PREFIX}/{self.session}" if self.session else STORE_PREFIX, self.store)
-        if self.backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, td)
-        elif self.backend == "nccl":
-            if not hasattr(dist, "ProcessGroupNCCL"):
-                raise WeightTransferFailedError("this torch build has no NCCL")
-            torch.cuda.set_device(self.device)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timedelta(seconds=self.timeout_s + 60)
-            key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-            old = os.environ.get(key)
-            os.environ[key] = "2"
-            try:
-                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, opts)
-            finally:
-                if old is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = old
-        else:
+        if self.backend not in ("gloo", "nccl"):
             raise WeightTransferFailedError(f"unknown group backend {self.backend!r}")
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        try:
+            # NCCL's own timeout is ours + 60 s so that our deadline fires first
+            nccl_extra = 60 if self.backend == "nccl" else 0
+            self.pg = new_backend(self.backend, prefix, self.rank, self.world_size,
+                                  timedelta(seconds=self.timeout_s + nccl_extra), nccl_async_error_handling="2")
+        except RuntimeError as e:
+            raise WeightTransferFailedError(str(e)) from e
 
     def _make_store(self, td: timedelta):
         # The master retries a busy port for a few seconds: a group torn down just before (same

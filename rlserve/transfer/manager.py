@@ -44,7 +44,6 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlserve.errors import WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
@@ -54,7 +53,6 @@ from rlserve.transfer.protocol import (
     DEFAULT_TIMEOUT_S,
     InitInfo,
     UpdateInfo,
-    dtype_from_name,
     validate_against_spec,
 )
 from rlserve.transfer.receiver import check_transport_fields, expected_checksum_count

@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import re
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
