@@ -110,8 +110,11 @@ def test_demo_ctrl_c_stops_the_server(model_dir, tmp_path):
     """SIGINT while the server boots: exit 130, and the server (its own session) is gone."""
     cmd = [sys.executable, "-m", "rlserve", "demo", "--model", model_dir, "--backend", "gloo",
            "--server-log", str(tmp_path / "server.log"), "--startup-timeout", "120"]
+    # a shell running this suite in the background starts it with SIGINT ignored, and an ignored
+    # signal stays ignored across exec: give the demo the disposition a terminal user's has
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     server_pid = None
     try:
         deadline = time.monotonic() + 120

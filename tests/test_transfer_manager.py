@@ -366,3 +366,22 @@ def test_data_parallel_two_replicas(llama):
         assert rep["replicas"] == 2 and rep["replicas_consistent"] and rep["compare"]["match"]
         for _ in range(3):  # requests land on both replicas
             assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+
+
+def test_finished_op_answers_until_forgotten():
+    """With data parallelism the manager polls every replica until all are done: a replica that
+    finished first must keep answering its result (not "unknown op") until ``forget``."""
+    from types import SimpleNamespace
+
+    from rlserve.transfer import worker_ext
+
+    worker = SimpleNamespace(extension_state={})
+    st = worker_ext._state(worker)
+    worker_ext._submit(st, "op1", "test", lambda op: {"x": 1})
+    first = worker_ext.poll(worker, "op1", wait_s=5)
+    again = worker_ext.poll(worker, "op1")
+    assert first["done"] and first["ok"] and first["result"] == {"x": 1}
+    assert again["ok"] and again["result"] == {"x": 1}
+    worker_ext.forget(worker, "op1")
+    gone = worker_ext.poll(worker, "op1")
+    assert gone["done"] and not gone["ok"] and gone["error_type"] == "TransferAbortedError"

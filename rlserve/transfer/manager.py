@@ -192,6 +192,15 @@ class WeightTransferManager:
         Raises the first worker error as its rlserve class (TransferTimeoutError, ...)."""
         op_id = uuid.uuid4().hex
         await self._rpc(start_fn, op_id, *args)
+        try:
+            return await self._poll_op(op_id, deadline_s, what, session)
+        finally:
+            try:
+                await self._rpc("forget", op_id, timeout_s=min(self.rpc_timeout_s, 30.0))
+            except Exception as e:  # noqa: BLE001 - the op table is also cleared on teardown
+                logger.debug("forgetting transfer op %s failed: %s", op_id, e)
+
+    async def _poll_op(self, op_id: str, deadline_s: float, what: str, session: _Session | None) -> list:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
         while True:

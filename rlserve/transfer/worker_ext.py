@@ -173,9 +173,16 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
     return _submit(st, op_id, "receive", run)
 
 
+def forget(worker, op_id: str) -> None:
+    """Drop op ``op_id`` (finished or not) from this worker's table; unknown ids are ignored."""
+    _state(worker).ops.pop(op_id, None)
+
+
 def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
     """``{"done": bool, "ok": bool, "result": ..., "error": str, "error_type": str, "applied": int,
-    "staged": int, "seconds": float}`` of op ``op_id``; a finished op is forgotten after this."""
+    "staged": int, "seconds": float}`` of op ``op_id``. A finished op keeps answering the same
+    result (with data parallelism the manager polls every replica until all are done) until
+    :func:`forget` drops it."""
     st = _state(worker)
     op = st.ops.get(op_id)
     if op is None:
@@ -189,7 +196,6 @@ def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
     out = {"done": fut.done(), "applied": op.applied, "staged": op.staged,
            "seconds": time.monotonic() - op.started}
     if fut.done():
-        st.ops.pop(op_id, None)
         exc = fut.exception() if not fut.cancelled() else TransferAbortedError("cancelled")
         if exc is None:
             out.update(ok=True, result=fut.result())
