@@ -209,6 +209,42 @@ class LinearBase(nn.Module):
         self.register_parameter("bias", bias)
 
 
+def _full_shape_along(param: Parameter, dim_attr: str, full_size: int) -> tuple[int, ...]:
+    """``param``'s full checkpoint shape: its own shape with the sharded dimension (named by the
+    parameter attribute ``dim_attr``, e.g. ``output_dim``) at ``full_size``."""
+    shape = list(param.shape)
+    dim = getattr(param, dim_attr, None)
+    if dim is not None:
+        shape[dim] = full_size
+    return tuple(shape)
+
+
+def _load_along_dim(layer: "LinearBase", param: Parameter, loaded_weight: torch.Tensor, shard_id, dim_attr: str,
+                    full_size: int, start_of) -> None:
+    """Copy this rank's slice of a full (unfused) tensor into ``param`` in place.
+
+    The slice runs along the dimension named by ``param.<dim_attr>`` from ``start_of(size)``;
+    a parameter without that attribute (e.g. a row-parallel bias) is loaded whole; a tensor
+    already of the shard's shape (TP > 1) is taken as this rank's part.
+
+    Raises:
+        ValueError: a shard id (these layers are unfused), a non-float tensor or a wrong shape.
+    """
+    if shard_id is not None:
+        raise ValueError(f"{type(layer).__name__} takes no shard id, got {shard_id!r}")
+    dim = getattr(param, dim_attr, None)
+    if dim is None:
+        return default_weight_loader(param, loaded_weight)
+    what = layer.prefix or "weight"
+    check_float(loaded_weight, what)
+    if layer.tp_size > 1 and tuple(loaded_weight.shape) == tuple(param.shape):
+        param.data.copy_(loaded_weight)  # already this rank's shard
+        return
+    _check_shape(loaded_weight, _full_shape_along(param, dim_attr, full_size), what)
+    size = param.shape[dim]
+    param.data.copy_(loaded_weight.narrow(dim, start_of(size), size))
+
+
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
     check_float(loaded, what)
     if tuple(loaded.shape) != tuple(expected):
@@ -271,25 +307,11 @@ class ColumnParallelLinear(LinearBase):
         return [divide(s, self.tp_size, "output_size") for s in self.output_sizes]
 
     def _full_shape(self, param, shard_id):
-        shape = list(param.shape)
-        dim = getattr(param, "output_dim", None)
-        if dim is not None:
-            shape[dim] = self.output_size
-        return tuple(shape)
+        return _full_shape_along(param, "output_dim", self.output_size)
 
     def load_shard(self, param, loaded_weight, shard_id=None):
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
-        dim = getattr(param, "output_dim", None)
-        if dim is None:
-            return default_weight_loader(param, loaded_weight)
-        check_float(loaded_weight, self.prefix or "weight")
-        if self.tp_size > 1 and tuple(loaded_weight.shape) == tuple(param.shape):
-            param.data.copy_(loaded_weight)  # already this rank's shard
-            return
-        _check_shape(loaded_weight, self._full_shape(param, None), self.prefix or "weight")
-        size = param.shape[dim]
-        param.data.copy_(loaded_weight.narrow(dim, self.tp_rank * size, size))
+        _load_along_dim(self, param, loaded_weight, shard_id, "output_dim", self.output_size,
+                        lambda size: self.tp_rank * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., input_size]`` -> ``[..., output_size/tp]`` (or full when ``gather_output``)."""
@@ -469,25 +491,11 @@ class RowParallelLinear(LinearBase):
             self.register_parameter("bias", None)
 
     def _full_shape(self, param, shard_id):
-        shape = list(param.shape)
-        dim = getattr(param, "input_dim", None)
-        if dim is not None:
-            shape[dim] = self.input_size
-        return tuple(shape)
+        return _full_shape_along(param, "input_dim", self.input_size)
 
     def load_shard(self, param, loaded_weight, shard_id=None):
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
-        dim = getattr(param, "input_dim", None)
-        if dim is None:
-            return default_weight_loader(param, loaded_weight)
-        check_float(loaded_weight, self.prefix or "weight")
-        if self.tp_size > 1 and tuple(loaded_weight.shape) == tuple(param.shape):
-            param.data.copy_(loaded_weight)  # already this rank's shard
-            return
-        _check_shape(loaded_weight, self._full_shape(param, None), self.prefix or "weight")
-        size = param.shape[dim]
-        param.data.copy_(loaded_weight.narrow(dim, self.input_start, size))
+        _load_along_dim(self, param, loaded_weight, shard_id, "input_dim", self.input_size,
+                        lambda size: self.input_start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., input_size_per_partition]`` (or full if not ``input_is_parallel``) -> ``[..., output_size]``."""

@@ -11,12 +11,12 @@ backend's stream, ordered after the packing copies on the current stream).
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import as_bytes, max_bucket_bytes, plan_buckets
+from rlserve.transfer.packing import as_bytes, max_bucket_bytes, pack, plan_buckets
 from rlserve.transfer.protocol import UpdateInfo
 
 
@@ -25,6 +25,23 @@ def _check_item(name: str, t: torch.Tensor, exp_name: str, exp_dtype: torch.dtyp
         raise ValueError(f"source yielded {name!r} where the announced order has {exp_name!r}")
     if t.dtype != exp_dtype or tuple(t.shape) != tuple(exp_shape):
         raise ValueError(f"{name}: source yielded {t.dtype} {tuple(t.shape)}, announced {exp_dtype} {tuple(exp_shape)}")
+
+
+def take_bucket_tensors(it: Iterator[tuple[str, torch.Tensor]], bucket) -> list[torch.Tensor]:
+    """The next ``len(bucket.slots)`` tensors of ``it``, each checked against its slot.
+
+    Raises:
+        ValueError: the source ended early or a name / dtype / shape differs from the plan.
+    """
+    out = []
+    for slot in bucket.slots:
+        try:
+            name, t = next(it)
+        except StopIteration:
+            raise ValueError(f"source ended before {slot.name!r}") from None
+        _check_item(name, t, slot.name, slot.dtype, slot.shape)
+        out.append(t)
+    return out
 
 
 def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -57,25 +74,11 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
         k = bi % nbuf
         if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf
             group.wait(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}", check=check)
-        buf = bufs[k][: b.nbytes] if b.nbytes else None
-        end_prev = 0
-        for slot in b.slots:
-            try:
-                name, t = next(it)
-            except StopIteration:
-                raise ValueError(f"source ended before {slot.name!r}") from None
-            _check_item(name, t, slot.name, slot.dtype, slot.shape)
-            if slot.offset > end_prev:
-                buf[end_prev: slot.offset].zero_()
-            if slot.nbytes:
-                buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
-            end_prev = slot.offset + slot.nbytes
-            del t
-        if buf is not None:
-            if b.nbytes > end_prev:
-                buf[end_prev:].zero_()
-            works[bi] = group.broadcast(buf, src)
+        items = take_bucket_tensors(it, b)
+        if b.nbytes:
+            works[bi] = group.broadcast(pack(bufs[k], b, items), src)
             total += b.nbytes
+        del items
         if check is not None:
             check()
     if next(it, None) is not None:

@@ -649,8 +649,8 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
 
     def _send(self, info: UpdateInfo, declared: dict) -> dict:
         from rlserve.transfer.ipc import export_handle
-        from rlserve.transfer.packing import as_bytes
-        from rlserve.transfer.sender import _check_item
+        from rlserve.transfer.packing import pack
+        from rlserve.transfer.sender import take_bucket_tensors
 
         t0 = time.perf_counter()
         ii = self.init_info
@@ -681,24 +681,12 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 keep: list = []
                 if info.packed:
                     buf = bufs[bi % nbuf]
-                    end_prev = 0
-                    for slot in b.slots:
-                        name, t = next(it)
-                        _check_item(name, t, slot.name, slot.dtype, slot.shape)
-                        if slot.offset > end_prev:
-                            buf[end_prev: slot.offset].zero_()
-                        if slot.nbytes:
-                            buf[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
-                        end_prev = slot.offset + slot.nbytes
-                    if b.nbytes > end_prev:
-                        buf[end_prev: b.nbytes].zero_()
+                    pack(buf, b, take_bucket_tensors(it, b))
                     checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None
                     handles = [export_handle(buf)]
                     keep.append(buf)
                 else:
-                    for slot in b.slots:
-                        name, t = next(it)
-                        _check_item(name, t, slot.name, slot.dtype, slot.shape)
+                    for t in take_bucket_tensors(it, b):
                         t = t.contiguous()
                         if t.device != self.device:
                             t = t.to(self.device)
