@@ -255,3 +255,31 @@ def test_stream_reports_errors_as_json(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 999,
                                                           "stream": True}, timeout=TIMEOUT)
     assert r.status_code == 400 and json.loads(r.text)["error"]["code"] == "context_length_exceeded"
+
+
+def test_trainer_against_server_without_weight_transfer_fails_fast(server):
+    """A trainer pointed at a server started without --weight-transfer-config gets a 404 naming
+    the missing flag, and its process exits at once (the abandoned rendezvous must not hold the
+    interpreter for timeout_s)."""
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import torch
+from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, TensorListSource, WeightTransferTrainerFactory
+from rlserve.transfer.trainer import WeightSyncHTTPError
+from rlserve.distributed.group import get_open_port
+try:
+    WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port=get_open_port(), world_size=2, timeout_s=300),
+        client=HTTPWeightSyncClient({server.url!r}), source=TensorListSource([("w", torch.zeros(2))]))
+except WeightSyncHTTPError as e:
+    print("REFUSED", e)
+"""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert "REFUSED" in out.stdout and "404" in out.stdout, out.stdout + out.stderr
+    assert "--weight-transfer-config" in out.stdout
+    assert elapsed < 60, f"the trainer process took {elapsed:.0f} s to exit"

@@ -66,6 +66,14 @@ def error_body(status: int, message: str, param=None, code=None, type: str | Non
                       "code": code if code is not None else status}}
 
 
+#: the weight-transfer control routes, served only with --weight-transfer-config
+WEIGHT_TRANSFER_PATHS = frozenset({
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+    "/shutdown_weight_transfer_engine", "/weight_info", "/weight_checker", "/init_communicator",
+    "/update_named_param", "/close_communicator",
+})
+
+
 def _error_response(status: int, message: str, param=None, code=None, type: str | None = None,
                     headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
@@ -168,6 +176,9 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
+            if request.url.path.rstrip("/") in WEIGHT_TRANSFER_PATHS:
+                detail += (" (weight transfer is off: start the server with --weight-transfer-config "
+                           "'{\"backend\": \"gloo\"}' (or nccl / ipc))")
         return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)

@@ -536,10 +536,12 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         server_init = ii.to_server_init_info()
         server_init["session"] = uuid.uuid4().hex
         http = self._pool.submit(self.client.init_weight_transfer_engine, server_init, ii.timeout_s + 30)
-        grp_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-rendezvous")
-        grp = grp_pool.submit(TransferGroup.create, ii.backend, ii.master_address, ii.master_port, 0,
-                              ii.world_size, ii.timeout_s, self.device, session=server_init["session"])
-        grp_pool.shutdown(wait=False)
+        # a daemon thread, not a pool: when the server refuses (e.g. 404, no transfer config) the
+        # rendezvous waits for ranks that never come, and a pool thread would hold the
+        # interpreter's exit for up to timeout_s
+        grp = _run_in_daemon_thread("rlserve-transfer-rendezvous", TransferGroup.create, ii.backend,
+                                    ii.master_address, ii.master_port, 0, ii.world_size, ii.timeout_s,
+                                    self.device, session=server_init["session"])
         try:
             done, _ = cf.wait([http, grp], timeout=ii.timeout_s + 60, return_when=cf.FIRST_EXCEPTION)
             if http.done() and http.exception() is not None:
@@ -589,6 +591,20 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         ans = http.result(timeout=ii.timeout_s * (n_buckets + 2))
         stats["server"] = ans
         return stats
+
+
+def _run_in_daemon_thread(name: str, fn, *args, **kwargs) -> cf.Future:
+    """``fn(*args, **kwargs)`` on a daemon thread; its result or exception in the returned future."""
+    fut: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 class IPCTrainerEngine(TrainerWeightTransferEngine):
