@@ -192,6 +192,7 @@ class DemoServer:
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.startup_timeout_s = float(startup_timeout_s)
+        self.owns_log = log_path is None  # a temp log we remove once the demo succeeded
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="rlserve-demo-server-", suffix=".log")
             os.close(fd)
@@ -768,6 +769,9 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if server is not None:
             log("[server] shutting down")
             server.stop()
+            if server.owns_log and res.exit_code == EXIT_OK and res.error is None:
+                with contextlib.suppress(OSError):
+                    os.remove(server.log_path)
     return res
 
 
