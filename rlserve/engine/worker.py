@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 from rlserve.config import EngineConfig, resolve_device, resolve_dtype
 from rlserve.distributed.parallel_state import tp_context
+from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from rlserve.layers.linear import attention_head_partition
 
@@ -103,8 +104,8 @@ class Worker:
     def _activation_estimate(self) -> int:
         """Bytes of activations for a prefill of ``max_num_batched_tokens`` tokens: logits
         rows are few, so the largest terms are the MLP intermediate (x2 for gate/up) and the
-        padded attention scores of the torch backend (heads x tokens^2 for one long prompt,
-        float32)."""
+        attention scores of the torch backend (heads x tokens^2 for one long prompt, float32;
+        the Triton backend streams over tiles and materialises none)."""
         cfg = self.hf_config
         t = self.config.max_num_batched_tokens or 2048
         inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 4 * cfg.hidden_size)
@@ -113,7 +114,7 @@ class Worker:
                                          self.tp_rank)[1]  # this rank's query heads (may be uneven)
         item = torch.tensor([], dtype=self.dtype).element_size()
         mlp = 3 * t * inter // self.tp_size * item
-        scores = heads * min(t, self.config.max_model_len or t) ** 2 * 4
+        scores = heads * min(t, self.config.max_model_len or t) ** 2 * 4 if get_attention_backend() == "torch" else 0
         return int(mlp + scores)
 
     def init_kv_cache(self, num_blocks: int) -> None:
