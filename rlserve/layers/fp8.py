@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite float8_e4m3fn value: 1.75 * 2**8 (see the module docstring).
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+_INV_FP8_MAX = 1.0 / FP8_MAX
 #: Lower bound on a row's max magnitude before dividing by 448: an all-zero row gets the
 #: scale 1e-12 / 448 (its fp8 values are 0) instead of a division by zero.
 AMAX_EPS = 1e-12
@@ -83,7 +84,10 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_EPS)
-    scale = amax / FP8_MAX
+    # multiply by the float32 reciprocal rather than divide by 448: PyTorch's CUDA kernel turns a
+    # division by a Python scalar into exactly this multiplication while the CPU kernel divides,
+    # and the two differ in the last bit for some rows; this way both devices agree bit for bit
+    scale = amax * _INV_FP8_MAX
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.contiguous(), scale
 
