@@ -28,7 +28,7 @@ from rlserve.transfer import (
 )
 from rlserve.transfer.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
-from tests.transfer_harness import free_port
+from tests.transfer_harness import free_port, kill_trainer_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
@@ -134,32 +134,6 @@ def test_sync_every_arch_matches_hf(tiny_model, arch):
 
 
 # ----------------------------------------------------------------------------- trainer SIGKILL
-KILL_TRAINER = textwrap.dedent("""
-    import os, signal, sys, time, torch
-    sys.path.insert(0, {root!r})
-    from transformers import AutoModelForCausalLM
-    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
-                                  WeightTransferTrainerFactory)
-    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(0.5)      # different from the weights the server holds
-    class KillSource(ModuleSource):
-        passes = 0
-        def named_tensors(self):
-            self.passes += 1
-            for i, item in enumerate(super().named_tensors()):
-                if self.passes == 2 and i == 8:   # bucket 0 went out, now packing a later one
-                    time.sleep(1.0)
-                    print("KILLING", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                yield item
-    eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s=60,
-                                      packed_buffer_size_bytes=16 << 10),
-        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
-    eng.send_weights()
-""")
 
 
 @pytest.mark.parametrize("staging", ["none", "device"])
@@ -171,7 +145,7 @@ def test_trainer_sigkill_after_first_bucket(tiny_model, staging):
         eng.send_weights()
         synced = server_checksums(srv.url)
         eng.shutdown()
-        script = KILL_TRAINER.format(root=ROOT, path=path, port=free_port(), url=srv.url)
+        script = kill_trainer_script(ROOT, path, srv.url, free_port(), timeout_s=60, scale=0.5)  # != server weights
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=ROOT)
         assert "KILLING" in proc.stdout, proc.stderr[-3000:]

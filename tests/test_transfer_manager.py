@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import httpx
@@ -27,7 +26,7 @@ from rlserve.transfer import (
     hf_state_checksums,
 )
 from rlserve.transfer.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer, free_port, kill_trainer_script
 
 PROMPT_IDS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
@@ -248,29 +247,6 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging):
         assert checksums(srv.url) == base
 
 
-TRAINER_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time, torch
-    sys.path.insert(0, {root!r})
-    from transformers import AutoModelForCausalLM
-    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
-                                  WeightTransferTrainerFactory)
-    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
-    class KillSource(ModuleSource):
-        passes = 0
-        def named_tensors(self):
-            self.passes += 1
-            for i, item in enumerate(super().named_tensors()):
-                if self.passes == 2 and i == 8:   # bucket 0 is out; we are packing a later bucket
-                    time.sleep(1.0)
-                    print("KILLING", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                yield item
-    eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s=30,
-                                      packed_buffer_size_bytes=16 << 10),
-        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
-    eng.send_weights()
-""")
 
 
 @pytest.mark.parametrize("staging", ["none", "device"])
@@ -279,7 +255,7 @@ def test_trainer_sigkill_mid_update(llama, staging):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with InProcessServer(path, staging=staging) as srv:
         base = checksums(srv.url)
-        script = TRAINER_SCRIPT.format(root=root, path=path, port=free_port(), url=srv.url)
+        script = kill_trainer_script(root, path, srv.url, free_port(), timeout_s=30)
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
         assert "KILLING" in proc.stdout, proc.stderr[-3000:]
         deadline = time.monotonic() + 20  # the server notices quickly (gloo: connection closed)

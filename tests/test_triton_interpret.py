@@ -60,24 +60,12 @@ from rlserve.layers.attention import (  # noqa: E402
     torch_paged_attention,
     write_kv_cache,
 )
+from tests.attention_cases import make_paged_case  # noqa: E402
 
 
 def make_case(query_lens, seq_lens, H, Hkv, D, block_size, dtype, seed=0):
     """Random q, a shuffled paged cache holding every context, and the metadata."""
-    g = torch.Generator().manual_seed(seed)
-    need = sum(-(-s // block_size) for s in seq_lens)
-    nb = need + 3
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(perm[i : i + n])
-        i += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    kc = torch.randn(nb, block_size, Hkv, D, generator=g).to(dtype)
-    vc = torch.randn(nb, block_size, Hkv, D, generator=g).to(dtype)
-    q = torch.randn(sum(query_lens), H, D, generator=g).to(dtype)
-    return q, kc, vc, meta
+    return make_paged_case(query_lens, seq_lens, H, Hkv, D, block_size, dtype, seed=seed)
 
 
 def reference(q, kc, vc, meta, scale):

@@ -4,6 +4,7 @@ uvicorn in a thread) and greedy-generation helpers. Not a test module."""
 from __future__ import annotations
 
 import socket
+import textwrap
 import threading
 import time
 
@@ -86,3 +87,37 @@ def hf_greedy_ids(hf_model, tokenizer, prompt: str, max_tokens: int) -> list[int
         out = hf_model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
                                 pad_token_id=tokenizer.pad_token_id)
     return out[0, ids.shape[1]:].tolist()
+
+
+_KILL_TRAINER = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from transformers import AutoModelForCausalLM
+    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
+                                  WeightTransferTrainerFactory)
+    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_({scale!r})
+    class KillSource(ModuleSource):
+        passes = 0
+        def named_tensors(self):
+            self.passes += 1   # pass 1: the checksum pass; pass 2: the transfer
+            for i, item in enumerate(super().named_tensors()):
+                if self.passes == 2 and i == 8:   # bucket 0 is out; we are packing a later bucket
+                    time.sleep(1.0)
+                    print("KILLING", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s={timeout_s},
+                                      packed_buffer_size_bytes=16 << 10),
+        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
+    eng.send_weights()
+""")
+
+
+def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: float, scale: float = 1.0) -> str:
+    """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``), starts a
+    packed gloo sync to ``url`` in 16 KiB buckets and SIGKILLs itself after the first bucket."""
+    return _KILL_TRAINER.format(root=root, path=path, url=url, port=port, timeout_s=timeout_s, scale=scale)

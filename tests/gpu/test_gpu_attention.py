@@ -20,26 +20,14 @@ if not ta.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention, write_kv_cache  # noqa: E402
+from tests.attention_cases import make_paged_case  # noqa: E402
 
 DEV = torch.device("cuda")
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 def make_case(query_lens, seq_lens, H, Hkv, D, block_size, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    need = sum(-(-s // block_size) for s in seq_lens)
-    nb = need + 7
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(perm[i : i + n])
-        i += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEV)
-    kc = torch.randn(nb, block_size, Hkv, D, generator=g).to(DEV, dtype)
-    vc = torch.randn(nb, block_size, Hkv, D, generator=g).to(DEV, dtype)
-    q = torch.randn(sum(query_lens), H, D, generator=g).to(DEV, dtype)
-    return q, kc, vc, meta
+    return make_paged_case(query_lens, seq_lens, H, Hkv, D, block_size, dtype, DEV, spare_blocks=7, seed=seed)
 
 
 def ref(q, kc, vc, meta, scale):
