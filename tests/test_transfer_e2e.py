@@ -28,7 +28,7 @@ from rlserve.transfer import (
 )
 from rlserve.transfer.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
-from tests.transfer_harness import free_port, kill_trainer_script
+from tests.transfer_harness import greedy_continuation, free_port, kill_trainer_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
@@ -56,14 +56,7 @@ def load_hf(path, scale=0.3, seed=0):
 
 
 def hf_greedy(model, prompt_ids, n=N_TOK):
-    ids = torch.tensor([prompt_ids])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
+    return greedy_continuation(model, prompt_ids, n)
 
 
 def generate(url, prompts=PROMPTS, n=N_TOK, timeout=60):

@@ -26,22 +26,14 @@ from rlserve.transfer import (
     hf_state_checksums,
 )
 from rlserve.transfer.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port, kill_trainer_script
+from tests.transfer_harness import greedy_continuation, InProcessServer, free_port, kill_trainer_script
 
 PROMPT_IDS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
 
 
 def hf_greedy(model, prompt_ids, n=N_TOK):
-    """Greedy continuation without EOS handling (the server runs with ignore_eos)."""
-    ids = torch.tensor([prompt_ids])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
+    return greedy_continuation(model, prompt_ids, n)
 
 
 def server_greedy(url, prompt_ids=PROMPT_IDS, n=N_TOK):

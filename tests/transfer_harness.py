@@ -121,3 +121,16 @@ def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: fl
     """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``), starts a
     packed gloo sync to ``url`` in 16 KiB buckets and SIGKILLs itself after the first bucket."""
     return _KILL_TRAINER.format(root=root, path=path, url=url, port=port, timeout_s=timeout_s, scale=scale)
+
+
+def greedy_continuation(model, prompt_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from an HF model by full forwards (no EOS handling: the servers in
+    these tests run with ``ignore_eos``)."""
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
