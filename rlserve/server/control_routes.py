@@ -131,6 +131,11 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
 
     @router.post("/reset_prefix_cache/", include_in_schema=False)
     async def reset_prefix_cache_trl():
+        # TRL's sync is update_named_param... then reset_prefix_cache: land the queued tensors
+        # (and commit them as a new weight version) before the cache is reset
+        manager = getattr(state, "weight_manager", None)
+        if manager is not None:
+            await manager.trl_flush()
         await state.aengine.reset_prefix_cache()
         return {"message": "Request received, resetting prefix cache status: True"}
 
