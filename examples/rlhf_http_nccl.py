@@ -6,10 +6,11 @@ rlserve's port of vLLM's ``examples/rl/rlhf_http_nccl.py``:
   * HTTP endpoints for the weight-transfer control plane
   * NCCL for the weight data plane
 
-3-GPU layout (single node):
+Default layout (single node, 3 GPUs; ``--tp``, ``--server-gpus``, ``--trainer-gpu`` change it):
   Inference -- GPUs 0-1, ``rlserve serve`` with TP=2 and fp8 quantization
   Training  -- GPU 2, a bf16 Hugging Face model in this process
                (the server quantizes to fp8 as it loads)
+The trainer needs a GPU of its own: NCCL refuses two ranks on one GPU.
 
 The script starts the server itself, then:
 
@@ -19,8 +20,12 @@ The script starts the server itself, then:
      ``generate``. fp8 rounds every weight, so some completions may drift from the bf16
      trainer's after a few tokens: the script reports the agreement, it does not hide it.
 
-Run (needs 3 GPUs; the default model is fetched on first use):
-    $ python examples/rlhf_http_nccl.py [--model DIR]
+Run (the default model is fetched on first use):
+    $ python examples/rlhf_http_nccl.py [--model DIR]        # 3 GPUs: TP=2 on 0-1, trainer on 2
+    $ python examples/rlhf_http_nccl.py --tp 1               # 2 GPUs: TP=1 on 0, trainer on 1
+    $ python examples/rlhf_http_nccl.py --tp 2 --server-gpus 2,3 --trainer-gpu 0
+``--server-gpus`` defaults to the first ``--tp`` GPUs and ``--trainer-gpu`` to the GPU after
+the server's last one; the script checks that the machine has them before starting anything.
 
 The differences from vLLM's script: the imports (``rlserve.transfer``), the server command
 (``python -m rlserve serve``; no dev-mode variable: the control routes are on by default on a
@@ -28,6 +33,7 @@ loopback bind), and the check at the end. Server start/stop, generation, the tra
 reference and the table come from :mod:`rlserve.demo`, which ``rlserve demo`` uses too.
 """
 
+import argparse
 import os
 import shlex
 import sys
@@ -66,34 +72,82 @@ from rlserve.transfer import (  # noqa: E402
 SERVER_PORT = 8000
 BASE_URL = f"http://127.0.0.1:{SERVER_PORT}"
 
-INFERENCE_TP_SIZE = 2
-# Physical GPUs for the server; the trainer takes the next one.
-SERVER_DEVICE_IDS = [0, 1]
-TRAINER_DEVICE = "cuda:2"
+INFERENCE_TP_SIZE = 2  # default --tp; the server takes the first TP GPUs, the trainer the next one
+
+
+def gpu_ids(value: str) -> list[int]:
+    try:
+        ids = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU indices, got {value!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative GPU indices, got {value!r}")
+    return ids
+
+
+def gpu_layout(tp: int, server_gpus: list[int] | None, trainer_gpu: int | None,
+               num_gpus: int) -> tuple[list[int], int]:
+    """The server's GPUs and the trainer's GPU; raises ValueError with the reason when the
+    options disagree or this machine lacks one of the GPUs."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    server = list(server_gpus) if server_gpus is not None else list(range(tp))
+    if len(server) != tp:
+        raise ValueError(f"--server-gpus {','.join(map(str, server))} names {len(server)} GPU(s) but --tp is {tp}: "
+                         "give one GPU per tensor-parallel rank")
+    if len(set(server)) != len(server):
+        raise ValueError(f"--server-gpus {','.join(map(str, server))} repeats a GPU")
+    trainer = max(server) + 1 if trainer_gpu is None else trainer_gpu
+    if trainer < 0:
+        raise ValueError(f"--trainer-gpu must be >= 0, got {trainer}")
+    if trainer in server:
+        raise ValueError(f"the trainer's GPU {trainer} is one of the server's ({','.join(map(str, server))}): "
+                         "NCCL refuses two ranks on one GPU; use examples/rlhf_colocate_ipc.py to share a GPU")
+    missing = sorted(i for i in set(server) | {trainer} if i >= num_gpus)
+    if missing:
+        if num_gpus >= 2:
+            hint = (f"pick GPUs among 0-{num_gpus - 1} with --server-gpus / --trainer-gpu, or a smaller --tp "
+                    f"(e.g. --tp {num_gpus - 1}: server on the first {num_gpus - 1}, trainer on GPU {num_gpus - 1})")
+        elif num_gpus == 1:
+            hint = "with one GPU, use examples/rlhf_colocate_ipc.py (CUDA IPC)"
+        else:
+            hint = "without GPUs, use examples/rlhf_cpu_gloo.py (gloo)"
+        raise ValueError(f"this layout (server TP={tp} on GPU(s) {','.join(map(str, server))}, trainer on GPU "
+                         f"{trainer}) needs GPU(s) {','.join(map(str, missing))}, but this machine has {num_gpus} "
+                         f"GPU(s); {hint}")
+    return server, trainer
 
 
 def main() -> int:
     ap = example_parser(__doc__)
     ap.add_argument("--port", type=int, default=SERVER_PORT)
+    ap.add_argument("--tp", type=int, default=INFERENCE_TP_SIZE, help="the server's tensor-parallel size (default 2)")
+    ap.add_argument("--server-gpus", type=gpu_ids, default=None,
+                    help="comma-separated GPUs of the server, one per TP rank (default: the first TP GPUs)")
+    ap.add_argument("--trainer-gpu", type=int, default=None,
+                    help="the trainer's GPU, not one of the server's (default: the GPU after the server's last)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 3:
-        print(f"this example needs 3 GPUs (server on 0-1, trainer on 2); found {torch.cuda.device_count()}. "
-              "Try examples/rlhf_colocate_ipc.py (1 GPU) or examples/rlhf_cpu_gloo.py (CPU).")
+    try:
+        server_gpus, trainer_gpu = gpu_layout(args.tp, args.server_gpus, args.trainer_gpu, torch.cuda.device_count())
+    except ValueError as e:
+        print(f"error: {e}")
         return 1
+    trainer_device = f"cuda:{trainer_gpu}"
     model_path = resolve_model(args.model)
     base_url = f"http://127.0.0.1:{args.port}"
 
-    layout = Layout(backend="nccl", server_device="cuda", server_device_ids=SERVER_DEVICE_IDS,
-                    trainer_device=TRAINER_DEVICE, dtype="bfloat16", tensor_parallel_size=INFERENCE_TP_SIZE)
+    layout = Layout(backend="nccl", server_device="cuda", server_device_ids=server_gpus,
+                    trainer_device=trainer_device, dtype="bfloat16", tensor_parallel_size=args.tp)
+    print(f"[layout] {layout.describe()} (server fp8)")
     cmd = serve_command(model_path, layout, args.port, quantization="fp8", extra_args=["--enforce-eager"])
     print(f"[server] Launching: {shlex.join(cmd)}")
     server = DemoServer(cmd, base_url, env=NCCL_SAFE_ENV, log_path="-", startup_timeout_s=900)
 
     with exit_on_signals(), server:  # the server (its whole process group) stops on every exit path
-        # The trainer sits on the GPU after the server's, and is NCCL rank 0.
-        torch.cuda.set_device(TRAINER_DEVICE)
-        print(f"[trainer] Loading training model: {model_path} on {TRAINER_DEVICE}")
-        train_model = load_trainer_model(model_path, TRAINER_DEVICE, "bfloat16")
+        # The trainer sits on a GPU of its own (by default the one after the server's), and is NCCL rank 0.
+        torch.cuda.set_device(trainer_device)
+        print(f"[trainer] Loading training model: {model_path} on {trainer_device}")
+        train_model = load_trainer_model(model_path, trainer_device, "bfloat16")
         server.wait_healthy()
         print("[server] Ready.")
 
@@ -116,7 +170,7 @@ def main() -> int:
                 world_size=world_size,
                 rank=0,  # single-GPU trainer is the sole (sender) rank
                 packed=True,
-                device=TRAINER_DEVICE,
+                device=trainer_device,
             ),
             client=client,
             source=ModuleSource(train_model),
