@@ -201,6 +201,8 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
             refs[str(v)] = [hf_greedy(hf, p) for p in PROBES]
             fin = eng.send_weights(weight_version=str(v))
             assert fin["weight_version"] == str(v)
+            if staging == "none" and v > 1:  # packed buffers at fixed addresses: recorded loads replayed
+                assert eng.last_stats["server"]["replayed_loads"] > 0, eng.last_stats["server"]
             # right after the commit: the same greedy as HF with these weights (no stale prefix KV)
             got = generate(srv.url, PROBES).json()
             assert got["weight_versions"] == [str(v)]

@@ -449,8 +449,10 @@ class WeightTransferManager:
         s.calls += 1
         if self.staging == "none" and info.names:
             s.applied = True
+        replayed = int(results[0].get("replayed_loads", 0)) if results and isinstance(results[0], dict) else 0
         return {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
-                "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none"}
+                "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
+                "replayed_loads": replayed}
 
     async def finish_update(self, weight_version: str | None = None) -> dict:
         """``POST /finish_weight_update``: commit. Staged: brief pause, one local copy; always:

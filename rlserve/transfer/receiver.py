@@ -37,7 +37,7 @@ import torch
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import as_bytes, checksum, max_bucket_bytes, plan_buckets, unpack
+from rlserve.transfer.packing import as_bytes, checksum, max_bucket_bytes, plan_buckets, tensor_checksums, unpack
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ class WeightReceiver:
         self._closed = False
         # ipc, per-tensor handles: mapped trainer tensors kept across calls (a trainer exports each
         # parameter once); entries unused during a session are dropped at its end
-        self._ipc_cache: dict[str, torch.Tensor] = {}
-        self._ipc_used: set[str] = set()
+        self._ipc_cache: dict[tuple, torch.Tensor] = {}
+        self._ipc_used: set[tuple] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -126,11 +126,12 @@ class WeightReceiver:
         self._ipc_used.clear()
 
     # ------------------------------------------------------------------ receive
-    def _wire_device(self) -> torch.device:
+    def wire_device(self) -> torch.device:
+        """Where received bytes land: host memory for gloo, else the worker's device."""
         return torch.device("cpu") if self.init.backend == "gloo" else self.device
 
     def _buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
-        dev = self._wire_device()
+        dev = self.wire_device()
         if len(self._bufs) != n or any(b.numel() < nbytes or b.device != dev for b in self._bufs):
             self._bufs = []  # free first
             self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(n)]
@@ -207,7 +208,7 @@ class WeightReceiver:
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
                 g.wait(works.pop(i), what=what)  # a transport error: the group is broken, raise now
-            buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self._wire_device())
+            buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
             if failure is None:
                 try:
                     self._verify(buf, info.checksums, i, what)
@@ -230,7 +231,7 @@ class WeightReceiver:
     def _receive_unpacked(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
         g = self._group()
         src = self.init.src_rank
-        dev = self._wire_device()
+        dev = self.wire_device()
         dtypes = info.dtypes()
         n = len(info.names)
         ahead = max(1, info.packed_num_buffers)
@@ -274,10 +275,8 @@ class WeightReceiver:
         self._ipc_used.clear()
 
     def _map_cached(self, handle: dict, what: str) -> torch.Tensor:
-        import json
-
-        key = json.dumps({k: handle.get(k) for k in ("handle", "device_uuid", "storage_offset_bytes",
-                                                     "tensor_offset", "size", "stride", "dtype")}, sort_keys=True)
+        key = tuple(str(handle.get(k)) for k in ("handle", "device_uuid", "storage_offset_bytes",
+                                                 "tensor_offset", "size", "stride", "dtype"))
         t = self._ipc_cache.get(key)
         if t is None:
             t = self._ipc_cache[key] = self._map(handle, what)
@@ -310,23 +309,34 @@ class WeightReceiver:
                                     f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
         total = 0
         if not info.packed:
+            # map (cached across calls) and check every tensor, verify every checksum (one host
+            # sync), then hand the whole call to the sink at once: nothing loads on a mismatch
             dtypes = info.dtypes()
+            pairs = []
             for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
                 what = f"ipc tensor {name!r} ({i + 1}/{n})"
                 t = self._map_cached(handle, what)
                 if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
                     raise WeightUpdateError(f"{what}: handle maps {t.dtype} {list(t.shape)}, update_info says "
                                             f"{dtypes[i]} {info.shapes[i]}")
-                self._verify(as_bytes(t), info.checksums, i, what)
-                sink([(name, t if t.device == self.device else t.to(self.device))])
+                pairs.append((name, t))
                 total += t.numel() * t.element_size()
-                if on_bucket is not None:
+            if info.checksums is not None and pairs:
+                got = tensor_checksums(t for _, t in pairs)
+                for i, (g, e) in enumerate(zip(got, info.checksums)):
+                    if g != e:
+                        raise ChecksumMismatchError(
+                            f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {g} != announced {e}; "
+                            "nothing from this call was loaded")
+            devs = {t.device for _, t in pairs}
+            if pairs:
+                sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
+                for d in devs:
+                    self._ipc_done_reading(d)
+            if on_bucket is not None:
+                for i in range(n):
                     on_bucket(i)
-                dev = t.device
-                del t
-            if n:
-                self._ipc_done_reading(dev)
-            return {"bytes": total, "buckets": n, "tensors": n}
+            return {"bytes": total, "buckets": 1 if n else 0, "tensors": n}
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
             what = f"ipc bucket {i + 1}/{len(plan)}"

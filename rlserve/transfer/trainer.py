@@ -610,16 +610,19 @@ def _run_in_daemon_thread(name: str, fn, *args, **kwargs) -> cf.Future:
 class IPCTrainerEngine(TrainerWeightTransferEngine):
     """CUDA IPC: trainer and server share a GPU; no process group.
 
-    The update is cut by the bucket plan; each bucket goes in its own ``update_weights`` call
-    (calls are sequential: the server answers once it has read the memory).
+    The update is cut by the bucket plan (calls are sequential: the server answers once it has
+    read the memory):
 
-    - packed (default): the bucket is packed into one of ``packed_num_buffers`` CUDA buffers and
-      the call carries that buffer's IPC handle; packing bucket ``i+1`` overlaps the server's
-      copy of bucket ``i``. Trainer memory: the buffers. GPU traffic: the trainer's pack copy plus
-      the server's load copy.
-    - unpacked: the call carries one handle per tensor and the server reads the trainer's tensors
-      in place: one copy in all (the server's). Tensors the source creates (dtype casts, FSDP
-      gathers) stay alive until their call returned (``packed_num_buffers`` calls in flight).
+    - packed (default): one ``update_weights`` call per bucket; the bucket is packed into one of
+      ``packed_num_buffers`` CUDA buffers and the call carries that buffer's IPC handle; packing
+      bucket ``i+1`` overlaps the server's copy of bucket ``i``. Trainer memory: the buffers. GPU
+      traffic: the trainer's pack copy plus the server's load copy.
+    - unpacked: one handle per tensor; the server reads the trainer's tensors in place: one copy
+      in all (the server's). The module's own parameters (exported once per session) travel in
+      a single call for the whole update, which the server loads by replaying a recorded copy
+      plan (:mod:`rlserve.transfer.copy_plan`); tensors the source creates (dtype casts, FSDP
+      gathers) go bucket by bucket and stay alive until their call returned
+      (``packed_num_buffers`` calls in flight).
 
     Checksums (``checksums=True``) are computed on the GPU right before each call (per bucket
     or per tensor); they catch a trainer that modifies its weights while the server reads them.
@@ -682,6 +685,15 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         it = iter(self.source.named_tensors())
         total = 0
         persistent = self._persistent_storages() if not info.packed else set()
+        batch: list[tuple] = []  # (slot, tensor) of persistent tensors: one call at the end
+
+        def submit(key: int, slots, handles, checksums, keep) -> None:
+            sub = UpdateInfo(
+                names=[s.name for s in slots], dtype_names=[dtype_to_name(s.dtype) for s in slots],
+                shapes=[list(s.shape) for s in slots], packed=info.packed,
+                packed_buffer_size_bytes=info.packed_buffer_size_bytes, packed_num_buffers=nbuf,
+                checksums=checksums, partial=True, ipc_handles=handles)
+            futs[key] = (self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s), keep)
 
         def wait(bi: int) -> None:
             fut, _keep = futs.pop(bi)
@@ -699,27 +711,31 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     buf = bufs[bi % nbuf]
                     pack(buf, b, take_bucket_tensors(it, b))
                     checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None
-                    handles = [export_handle(buf)]
-                    keep.append(buf)
-                else:
-                    for t in take_bucket_tensors(it, b):
-                        t = t.contiguous()
-                        if t.device != self.device:
-                            t = t.to(self.device)
-                        keep.append(t)
-                    checksums = tensor_checksums(keep) if ii.checksums else None
-                    # every write to these tensors is finished before the server reads them
-                    torch.cuda.current_stream(self.device).synchronize()
-                    handles = [self._handle(t, persistent) for t in keep]
-                sub = UpdateInfo(
-                    names=[s.name for s in b.slots], dtype_names=[dtype_to_name(s.dtype) for s in b.slots],
-                    shapes=[list(s.shape) for s in b.slots], packed=info.packed,
-                    packed_buffer_size_bytes=info.packed_buffer_size_bytes, packed_num_buffers=nbuf,
-                    checksums=checksums, partial=True, ipc_handles=handles)
-                futs[bi] = (self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s), keep)
-                total += b.nbytes if info.packed else sum(s.nbytes for s in b.slots)
+                    submit(bi, b.slots, [export_handle(buf)], checksums, [buf])
+                    total += b.nbytes
+                    continue
+                for t in take_bucket_tensors(it, b):
+                    t = t.contiguous()
+                    if t.device != self.device:
+                        t = t.to(self.device)
+                    keep.append(t)
+                total += sum(s.nbytes for s in b.slots)
+                if all(t.untyped_storage().data_ptr() in persistent for t in keep):
+                    batch.extend(zip(b.slots, keep))  # the module's own parameters: sent together below
+                    continue
+                # tensors made for this sync (casts, FSDP gathers): their own call, so that at most
+                # packed_num_buffers buckets of them are alive at once
+                checksums = tensor_checksums(keep) if ii.checksums else None
+                torch.cuda.current_stream(self.device).synchronize()  # written before the server reads
+                submit(bi, b.slots, [self._handle(t, persistent) for t in keep], checksums, keep)
             if next(it, None) is not None:
                 raise ValueError("source yielded more tensors than announced")
+            if batch:
+                tensors = [t for _, t in batch]
+                checksums = tensor_checksums(tensors) if ii.checksums else None
+                torch.cuda.current_stream(self.device).synchronize()
+                submit(len(plan), [s for s, _ in batch], [self._handle(t, persistent) for t in tensors],
+                       checksums, tensors)
             for bi in sorted(futs):
                 wait(bi)
         finally:

@@ -14,6 +14,14 @@ once, :func:`poll` reports progress. Loading into the model happens
   staging dict (HF name → tensor on the worker's device / in pinned host memory, in the model's
   dtype when every float parameter has that dtype, else as received); :func:`commit`, called on
   the engine thread while it is paused, loads the staging dict with one ``load_weights`` call.
+  The staging tensors are kept for the next update (same names, shapes, dtypes: reused), so a
+  device-staged server holds a second copy of the weights from its first staged update on.
+
+Loads whose sources sit at the same addresses every time -- mapped CUDA IPC tensors, the packed
+receive buffers on the worker's device, the reused staging tensors -- are recorded once
+(:mod:`rlserve.transfer.copy_plan`) and replayed as batched ``_foreach_copy_`` calls afterwards,
+skipping the per-tensor Python of ``load_weights``. Plans not used by an update are dropped at
+its end; a changed parameter set (addresses) invalidates them.
 
 After a load, ``rlserve.loader.process_weights_after_loading`` runs (fp8 scales and friends).
 State lives in ``worker.extension_state["rlserve.transfer"]``.
@@ -29,6 +37,7 @@ import traceback
 
 import torch
 
+from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.receiver import WeightReceiver
@@ -44,6 +53,7 @@ class _Op:
         self.future: cf.Future | None = None
         self.applied = 0  # buckets loaded into the model in place (in-place mode)
         self.staged = 0
+        self.replayed = 0  # in-place loads served by a recorded copy plan
         self.started = time.monotonic()
 
 
@@ -56,7 +66,15 @@ class WorkerTransferState:
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
         self.ops: dict[str, _Op] = {}
         self.staging: dict[str, torch.Tensor] = {}
+        self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
+        self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
+        self.plans_used: set[tuple] = set()
         self.lock = threading.Lock()
+
+    def drop_unused_plans(self) -> None:
+        """Keep only the plans the last update used (bounds what they keep alive)."""
+        self.plans = {k: v for k, v in self.plans.items() if k in self.plans_used}
+        self.plans_used = set()
 
     def close(self) -> None:
         if self.receiver is not None:
@@ -65,6 +83,9 @@ class WorkerTransferState:
         self.receiver = None
         self.init = None
         self.staging = {}
+        self.staging_bufs = {}
+        self.plans = {}
+        self.plans_used = set()
         old = self.pool
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
         old.shutdown(wait=False, cancel_futures=True)
@@ -86,6 +107,30 @@ def _load(worker, pairs) -> set:
     if hasattr(worker, "load_weights"):
         return worker.load_weights(pairs)
     return worker.model.load_weights(pairs)
+
+
+def _params_signature(worker) -> tuple:
+    return tuple(p.data_ptr() for p in worker.model.parameters())
+
+
+def _load_replayable(worker, st: WorkerTransferState, pairs) -> bool:
+    """``_load(worker, pairs)`` for sources that sit at the same addresses on every update: the
+    first load is recorded, later ones replay its copies (see :mod:`rlserve.transfer.copy_plan`).
+    Returns whether this load was a replay."""
+    key = (plan_key(pairs), _params_signature(worker))
+    st.plans_used.add(key)
+    if key in st.plans:
+        plan = st.plans[key]
+        if plan is not None:
+            plan.replay()
+            return True
+        _load(worker, pairs)
+        return False
+    plan, why = record_load(lambda p: _load(worker, p), pairs)
+    if plan is None:
+        logger.info("weight load not replayable (%s): load_weights runs on every update", why)
+    st.plans[key] = plan
+    return False
 
 
 def _post_load(worker) -> None:
@@ -149,9 +194,14 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
     def run(op: _Op):
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
+        # sources at fixed addresses: mapped ipc tensors, packed buffers on the worker's device
+        stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
         if staging == "none":
             def sink(pairs):
-                _load(worker, pairs)
+                if stable:
+                    op.replayed += _load_replayable(worker, st, pairs)
+                else:
+                    _load(worker, pairs)
                 op.applied += 1
         else:
             dtype = _stage_dtype(worker)
@@ -161,13 +211,20 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
             def sink(pairs):
                 for name, t in pairs:
                     dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-                    dst = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
+                    dst = st.staging_bufs.get(name)
+                    if dst is None or dst.shape != t.shape or dst.dtype != dt or dst.device != dev:
+                        dst = st.staging_bufs[name] = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
                     dst.copy_(t, non_blocking=pin)
                     st.staging[name] = dst
                 op.staged += 1
-        stats = receiver.receive(info, sink)
+        try:
+            stats = receiver.receive(info, sink)
+        finally:
+            if staging == "none":
+                st.drop_unused_plans()
         if staging == "none" and info.names:
             _post_load(worker)
+        stats["replayed_loads"] = op.replayed
         return stats
 
     return _submit(st, op_id, "receive", run)
@@ -222,13 +279,19 @@ def commit(worker) -> dict:
     if not staged:
         return {"names": 0}
     t0 = time.perf_counter()
-    _load(worker, list(staged.items()))
+    pairs = list(staged.items())
+    replayed = False
+    if all(st.staging_bufs.get(n) is t for n, t in pairs):
+        replayed = _load_replayable(worker, st, pairs)  # the reused staging tensors: a recorded plan
+        st.drop_unused_plans()
+    else:
+        _load(worker, pairs)
     _post_load(worker)
     n = len(staged)
     st.staging = {}
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
-    return {"names": n, "seconds": time.perf_counter() - t0}
+    return {"names": n, "seconds": time.perf_counter() - t0, "replayed": replayed}
 
 
 def end_session(worker) -> None:
@@ -239,8 +302,10 @@ def end_session(worker) -> None:
 
 
 def discard(worker) -> None:
-    """Drop staged tensors (a failed or abandoned staged update)."""
-    _state(worker).staging = {}
+    """Drop staged tensors (a failed or abandoned staged update), buffers included."""
+    st = _state(worker)
+    st.staging = {}
+    st.staging_bufs = {}
 
 
 def shutdown_transfer(worker) -> None:

@@ -1,7 +1,8 @@
 """fp8 W8A8 on a CUDA GPU: the ``torch._scaled_mm`` path against the emulated (CPU) path.
 
 - quantization is bit-identical on GPU and CPU (same float32 division, same fp8 rounding);
-- ``fp8_linear_scaled_mm`` == ``fp8_linear_emulated`` on the same operands (bf16 / fp16 / fp32
+- ``fp8_linear_scaled_mm`` == ``fp8_linear_emulated`` on the same operands, up to Hopper's fp8
+  accumulation precision (bounded relative to the sum of |products|) (bf16 / fp16 / fp32
   outputs, shapes that need K / N padding, an empty batch, biases), and == the CPU result;
 - a linear layer picks ``_scaled_mm`` by itself on sm89+ and runs inside a CUDA graph, which
   sees in-place re-quantized weights on replay;
@@ -84,10 +85,20 @@ def test_scaled_mm_equals_emulated(T, K, N, out_dtype):
     assert fast.shape == (T, N) and fast.dtype == out_dtype
     if T == 0:
         return
-    # Same function; differences are float32 accumulation order and the final rounding.
-    tol = dict(rtol=1e-2, atol=1e-2) if out_dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fast.float().cpu(), emu_cpu.float(), **tol)
-    torch.testing.assert_close(emu_gpu.float().cpu(), emu_cpu.float(), **tol)
+    # Same function up to the accumulation: Hopper's fp8 tensor cores accumulate with fewer
+    # mantissa bits than float32 (about 14, DeepSeek-V3 report sec. 3.3.2), so the error is bounded
+    # relative to the sum of |products| -- the size of what is accumulated -- not to the output,
+    # which can cancel to near zero. Measured on an H200 (2026-11-29): up to ~1e-4 of that sum
+    # (see REPORT); asserted at 2^-9, still 64x finer than an fp8 e4m3 step (2^-3).
+    xq, xs = quantize_per_row(x)
+    mag = (xq.float().abs() @ wq.float().abs().t()) * xs * ws.view(1, -1)  # [T, N] float32
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}[out_dtype]
+    for got in (fast, emu_gpu):
+        err = (got.float().cpu() - emu_cpu.float()).abs()
+        allowed = 2.0 ** -9 * mag + ulp * (emu_cpu.float().abs() + b.float().abs()) + 1e-6
+        normalized = ((err - ulp * (emu_cpu.float().abs() + b.float().abs())).clamp_min(0) / mag.clamp_min(1e-30))
+        REPORT.setdefault("scaled_mm_err_over_sum_abs_products", {})[f"{T}x{K}x{N} {out_dtype}"] = normalized.max().item()
+        assert (err <= allowed).all(), (err - allowed).max().item()
     exact = x.float() @ w.t() + b.float()
     rel = ((fast.float().cpu() - exact).norm() / exact.norm()).item()
     REPORT.setdefault("scaled_mm_vs_exact_rel", {})[f"{T}x{K}x{N} {out_dtype}"] = rel
@@ -179,6 +190,7 @@ def test_model_fp8_gpu_vs_cpu_and_unquantized(arch, tiny_model):
 
     row = {
         "gpu_fp8_fp32act_vs_cpu_fp8_rel": rel(gpu32_logits, cpu8),
+        "gpu_fp8_fp32act_vs_fp32_rel": rel(gpu32_logits, ref),
         "gpu_fp8_bf16act_vs_fp32_rel": rel(gpu_logits, ref),
         "gpu_fp8_bf16act_vs_fp32_max_abs": (gpu_logits - ref).abs().max().item(),
         "gpu_fp8_bf16act_vs_fp32_top1": (gpu_logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
@@ -188,8 +200,15 @@ def test_model_fp8_gpu_vs_cpu_and_unquantized(arch, tiny_model):
     REPORT.setdefault("models", {})[arch] = row
     print(arch, row)
     _write_report()
-    # fp32 activations on GPU (_scaled_mm, fp32 out) == the CPU emulated model up to summation order
-    assert row["gpu_fp8_fp32act_vs_cpu_fp8_rel"] < 1e-3
+    # The GPU (_scaled_mm) and CPU (emulated) models compute the same function up to accumulation
+    # precision (see test_scaled_mm_equals_emulated); through a model those last-bit differences
+    # flip some activations to the neighbouring fp8 value (a 2^-3 step), so the two logits differ
+    # by a fraction of the fp8 error itself. Measured on an H200 (2026-11-29): GPU-vs-CPU 0.7-1.6%
+    # against an fp8 error of 4.1-4.9%. Asserted: the GPU's fp8 error equals the CPU's within 25%,
+    # and GPU-vs-CPU stays under half the fp8 error.
+    fp8_err = row["cpu_fp8_vs_fp32_rel"]
+    assert abs(row["gpu_fp8_fp32act_vs_fp32_rel"] - fp8_err) <= 0.25 * fp8_err
+    assert row["gpu_fp8_fp32act_vs_cpu_fp8_rel"] < 0.5 * fp8_err
     assert row["gpu_fp8_bf16act_vs_fp32_rel"] < 0.08
 
 
