@@ -643,13 +643,16 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._exported = {}
 
     def _persistent_storages(self) -> set[int]:
-        """Storage pointers of the source module's parameters: tensors living across syncs, whose
-        IPC handle is exported once (re-exporting a storage each sync would grow torch's
-        per-storage IPC bookkeeping without bound)."""
+        """Storage pointers of tensors living across syncs (a :class:`ModuleSource`'s module
+        parameters, a :class:`TensorListSource`'s tensors), whose IPC handle is exported once
+        (re-exporting a storage each sync would grow torch's per-storage IPC bookkeeping without
+        bound) and which travel in one call."""
         mod = getattr(self.source, "module", None)
-        if mod is None:
-            return set()
-        return {p.untyped_storage().data_ptr() for p in mod.parameters() if p.is_cuda}
+        if mod is not None:
+            tensors = list(mod.parameters())
+        else:
+            tensors = [t for _, t in getattr(self.source, "items", [])]
+        return {t.untyped_storage().data_ptr() for t in tensors if t.is_cuda}
 
     def _handle(self, t: torch.Tensor, persistent: set[int]) -> dict:
         from rlserve.transfer.ipc import export_handle
