@@ -98,7 +98,7 @@ def measure(args) -> dict:
             while len(stamps) < args.warmup_tokens and time.monotonic() < deadline:
                 time.sleep(0.005)
             t0 = time.perf_counter()
-            eng.send_weights()
+            fin = eng.send_weights()
             t1 = time.perf_counter()
             n_before = len(stamps)
             while len(stamps) < n_before + args.warmup_tokens and th.is_alive():
@@ -116,7 +116,8 @@ def measure(args) -> dict:
     return {"shape": args.shape, "device": args.device, "staging": args.staging, "sync_s": t1 - t0,
             "max_gap_during_sync_ms": max(during) * 1e3, "median_gap_ms": base * 1e3,
             "stall_ms": (max(during) - base) * 1e3, "tokens_during_sync": len(during) - 1,
-            "versions_seen": versions}
+            "versions_seen": versions,
+            "server_commit_phases_ms": {k: round(v * 1e3, 2) for k, v in fin.get("commit_phases_s", {}).items()}}
 
 
 def main(argv=None) -> None:
@@ -132,7 +133,7 @@ def main(argv=None) -> None:
     print(f"{r['shape']} on {r['device']}, staging={r['staging']}: sync {r['sync_s'] * 1e3:.1f} ms, "
           f"stall {r['stall_ms']:.1f} ms (max gap {r['max_gap_during_sync_ms']:.1f} ms during the sync, "
           f"median gap {r['median_gap_ms']:.1f} ms), {r['tokens_during_sync']} tokens streamed during the sync, "
-          f"versions {r['versions_seen']}")
+          f"versions {r['versions_seen']}; server commit phases (ms): {r['server_commit_phases_ms']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -188,6 +188,48 @@ class TransferGroup:
             raise WeightTransferFailedError(f"{what} failed (rank {self.rank}/{self.world_size}, "
                                             f"{self.backend}): {e}") from e
 
+    def order(self, work, what: str = "broadcast") -> None:
+        """Order later work after ``work`` without blocking the host where the backend allows.
+
+        NCCL: the current CUDA stream waits for the collective (``work.wait()`` enqueues that
+        wait and returns); kernels queued afterwards -- e.g. refilling the buffer it read -- run
+        once it finished. The host is not blocked, so a caller must end with :meth:`wait` (or
+        :meth:`wait_stream`) to apply the deadline. gloo: :meth:`wait` (the host waits).
+
+        Raises:
+            WeightTransferFailedError (NCCL reported an error), what :meth:`wait` raises (gloo).
+        """
+        if self.backend != "nccl":
+            self.wait(work, what=what)
+            return
+        if self.abort_event.is_set():
+            raise TransferAbortedError(f"{what} aborted")
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - a communicator error
+            raise WeightTransferFailedError(f"{what} failed (rank {self.rank}/{self.world_size}, nccl): {e}") from e
+
+    def wait_stream(self, stream, what: str = "transfer", timeout_s: float | None = None) -> None:
+        """Block until everything queued on CUDA ``stream`` so far finished, with the deadline
+        and abort checks of :meth:`wait` (a hung collective raises instead of hanging).
+
+        Raises:
+            TransferTimeoutError, TransferAbortedError.
+        """
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        sleep = 0.00005
+        while not ev.query():
+            if self.abort_event.is_set():
+                raise TransferAbortedError(f"{what} aborted")
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"{what} did not complete within {limit:.0f} s "
+                                           f"(rank {self.rank}/{self.world_size}, {self.backend}); is the peer alive?")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.001)
+
     # ------------------------------------------------------------------ teardown
     def abort(self) -> None:
         """Make every current and future :meth:`wait` fail fast. Does not free anything."""

@@ -455,7 +455,8 @@ class WeightTransferManager:
                 "replayed_loads": replayed}
 
     async def finish_update(self, weight_version: str | None = None) -> dict:
-        """``POST /finish_weight_update``: commit. Staged: brief pause, one local copy; always:
+        """``POST /finish_weight_update``: commit. Staged: one local copy, run by the engine thread
+        between two steps (one replica) or under a brief keep-pause of every replica (DP); always:
         prefix-cache reset and the new weight version (``weight_version`` or the current one
         incremented).
 
@@ -486,21 +487,50 @@ class WeightTransferManager:
                 raise err
         _spec, req = await self._model_spec()
         paused_here = False
+        pause_t0 = None
+        phases: dict[str, float] = {}
+        version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
+        staged = self.staging != "none" and bool(s.received)
         try:
-            if self.staging != "none" and s.received:
-                if not self.aengine.is_paused():
-                    await self.aengine.pause(mode="keep")
-                    paused_here = True
+            if staged and len(self.aengine.engines) == 1 and not self.aengine.is_paused():
+                # One replica: a single engine-thread command runs between two steps by itself,
+                # so commit + prefix-cache reset + version need no pause/resume round trips;
+                # the next step already runs (and is stamped) with the new weights.
+                target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
+
+                def commit_in_engine(engine) -> None:
+                    engine.collective_rpc(target, timeout_s=t)
+                    engine.reset_prefix_cache()
+                    self.aengine.set_weight_version(version)
+
+                t_c = time.perf_counter()
                 try:
-                    await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
+                    await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5)
                 except BaseException as e:
-                    # some workers may have loaded, others not
                     self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
                                            "generation resumes once a full weight update lands")
                     raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
-            await self.aengine.reset_prefix_cache()
-            version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
-            self.aengine.set_weight_version(version)
+                phases["commit_in_engine_thread_s"] = time.perf_counter() - t_c
+            else:
+                if staged:  # several replicas: all switch together while every one is frozen
+                    if not self.aengine.is_paused():
+                        pause_t0 = time.perf_counter()
+                        await self.aengine.pause(mode="keep")
+                        paused_here = True
+                        phases["pause_s"] = time.perf_counter() - pause_t0
+                    try:
+                        t_c = time.perf_counter()
+                        await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
+                        phases["commit_s"] = time.perf_counter() - t_c
+                    except BaseException as e:
+                        # some workers may have loaded, others not
+                        self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
+                                               "generation resumes once a full weight update lands")
+                        raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
+                t_r = time.perf_counter()
+                await self.aengine.reset_prefix_cache()
+                phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
+                self.aengine.set_weight_version(version)
             full = req.issubset(s.received)
             if full and self._unavailable_by_us:
                 self.aengine.set_unavailable(None)
@@ -513,6 +543,7 @@ class WeightTransferManager:
             raise
         if paused_here:
             await self.aengine.resume()
+            phases["paused_s"] = time.perf_counter() - pause_t0
         await self._end_session(s)
         self.num_updates += 1
         total = time.monotonic() - s.started
@@ -520,7 +551,8 @@ class WeightTransferManager:
                      transfer_seconds=round(s.seconds, 6), total_seconds=round(total, 6), full=full,
                      staging=self.staging)
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
-                "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6)}
+                "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
+                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}}
 
     async def shutdown_engine(self) -> dict:
         """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is

@@ -229,8 +229,9 @@ class UpdateInfo:
         return _from_dict(cls, d, "update_info", ignored=cls._IGNORED)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        return {k: v for k, v in d.items() if v is not None}
+        """JSON-able dict without ``None`` fields. Shallow: lists and handle dicts are shared with
+        this object, not copied (``dataclasses.asdict`` deep-copies: ~10 ms for 399 ipc handles)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def validate(self) -> None:
         for attr in ("names", "dtype_names", "shapes"):
@@ -276,8 +277,8 @@ class UpdateInfo:
         return [dtype_from_name(d) for d in self.dtype_names]
 
     def resolved(self, init: InitInfo) -> "UpdateInfo":
-        """A copy with ``packed*`` fields filled from ``init`` where ``None``."""
-        d = asdict(self)
+        """A shallow copy with ``packed*`` fields filled from ``init`` where ``None``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         if d["packed"] is None:
             d["packed"] = init.packed
         if d["packed_buffer_size_bytes"] is None:

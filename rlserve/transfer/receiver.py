@@ -15,8 +15,12 @@ Transports:
 - ipc: no group; ``update_info.ipc_handles`` (one per bucket) are mapped
   (:func:`rlserve.transfer.ipc.import_handle`) and read in place on the GPU.
 
-Each bucket's ``s64sum`` checksum (:mod:`rlserve.transfer.packing`) is verified **before** the
-sink sees the bucket; a mismatch raises :class:`ChecksumMismatchError`.
+Each bucket's ``s64sum`` checksum (:mod:`rlserve.transfer.packing`) is verified before the update
+can be committed; a mismatch raises :class:`ChecksumMismatchError`. Bytes in host memory (gloo)
+are checked before the sink sees the bucket; bytes on a GPU (NCCL) are summed on the stream and
+compared once at the end of the receive (one host sync per update, not per bucket): a corrupt
+in-place update then fails like any broken one (the server answers 503 until a full update
+lands), a staged one is never committed.
 
 Draining: when a bucket fails locally (checksum mismatch, the sink raising) the receiver keeps
 receiving the remaining buckets without loading them and raises at the end. Both ends then hold
@@ -37,7 +41,16 @@ import torch
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import as_bytes, checksum, max_bucket_bytes, plan_buckets, tensor_checksums, unpack
+from rlserve.transfer.packing import (
+    _wrap64,
+    as_bytes,
+    checksum,
+    checksum_tensor,
+    max_bucket_bytes,
+    plan_buckets,
+    tensor_checksums,
+    unpack,
+)
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
@@ -174,13 +187,33 @@ class WeightReceiver:
         self.stats = out
         return out
 
-    def _verify(self, u8: torch.Tensor, expected: list[int] | None, i: int, what: str) -> None:
+    def _verify(self, u8: torch.Tensor, expected: list[int] | None, i: int, what: str,
+                deferred: list | None = None) -> None:
+        """Check ``u8``'s checksum against ``expected[i]``: at once on the host (nothing from a
+        bad bucket is loaded), or -- CUDA bytes with a ``deferred`` list -- queued on the stream
+        and compared by :meth:`_check_deferred` at the end of the receive (no host sync per
+        bucket; a mismatch then fails the update before it can be committed)."""
         if expected is None:
+            return
+        if deferred is not None and u8.is_cuda:
+            deferred.append((checksum_tensor(u8), expected[i], what, u8.numel()))
             return
         got = checksum(u8)
         if got != expected[i]:
             raise ChecksumMismatchError(f"{what}: checksum {got} != announced {expected[i]} "
                                         f"({u8.numel()} bytes); nothing from it was loaded")
+
+    @staticmethod
+    def _check_deferred(deferred: list) -> None:
+        """Compare the queued checksums (one host sync). Raises ChecksumMismatchError."""
+        if not deferred:
+            return
+        vals = torch.stack([d[0] for d in deferred]).tolist()
+        for v, (_t, exp, what, n) in zip(vals, deferred):
+            got = _wrap64(int(v))
+            if got != exp:
+                raise ChecksumMismatchError(f"{what}: checksum {got} != announced {exp} ({n} bytes); the update "
+                                            "is refused (not committed)")
 
     def _group(self) -> TransferGroup:
         if self.group is None or not self.group.alive:
@@ -204,14 +237,17 @@ class WeightReceiver:
             post(i)
         total = 0
         failure: BaseException | None = None
+        deferred: list = []
         for i, b in enumerate(plan):
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
-                g.wait(works.pop(i), what=what)  # a transport error: the group is broken, raise now
+                # NCCL: stream-ordered, the host runs ahead (deadline applied at the end);
+                # gloo: the host waits. A transport error: the group is broken, raise now.
+                g.order(works.pop(i), what=what)
             buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
             if failure is None:
                 try:
-                    self._verify(buf, info.checksums, i, what)
+                    self._verify(buf, info.checksums, i, what, deferred)
                     pairs = list(unpack(buf, b))
                     if buf.device != self.device:
                         pairs = [(n, t.to(self.device)) for n, t in pairs]
@@ -224,9 +260,16 @@ class WeightReceiver:
             total += b.nbytes
             if i + nbuf < len(plan):
                 post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
+        self._finish_stream(g, "receiving the update")
         if failure is not None:
             raise failure
+        self._check_deferred(deferred)
         return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
+
+    def _finish_stream(self, g: TransferGroup, what: str) -> None:
+        """CUDA: wait (with the group's deadline) for everything queued on the receive stream."""
+        if self._stream is not None and self.device.type == "cuda":
+            g.wait_stream(self._stream, what=what)
 
     def _receive_unpacked(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
         g = self._group()
@@ -246,14 +289,15 @@ class WeightReceiver:
             post(i)
         total = 0
         failure: BaseException | None = None
+        deferred: list = []
         for i in range(n):
             t, w = pending.pop(i)
             what = f"tensor {info.names[i]!r} ({i + 1}/{n})"
             if w is not None:
-                g.wait(w, what=what)
+                g.order(w, what=what)
             if failure is None:
                 try:
-                    self._verify(as_bytes(t), info.checksums, i, what)
+                    self._verify(as_bytes(t), info.checksums, i, what, deferred)
                     sink([(info.names[i], t if t.device == self.device else t.to(self.device))])
                     if on_bucket is not None:
                         on_bucket(i)
@@ -263,8 +307,10 @@ class WeightReceiver:
             total += t.numel() * t.element_size()
             if i + ahead < n:
                 post(i + ahead)
+        self._finish_stream(g, "receiving the update")
         if failure is not None:
             raise failure
+        self._check_deferred(deferred)
         return {"bytes": total, "buckets": n, "tensors": n}
 
     def end_session(self) -> None:

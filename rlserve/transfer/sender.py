@@ -48,6 +48,11 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
                 device: torch.device, check: Callable[[], None] | None = None) -> dict:
     """Broadcast ``tensors`` (in ``info`` order) as packed buckets from ``group.rank``.
 
+    At most ``packed_num_buffers`` buckets are in flight. Refilling a buffer waits for its
+    previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
+    packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
+    group's deadline.
+
     Args:
         group: the transfer group (this rank is the source).
         info: resolved update_info (``packed_buffer_size_bytes``, ``packed_num_buffers`` set).
@@ -72,8 +77,8 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     src = group.rank
     for bi, b in enumerate(plan):
         k = bi % nbuf
-        if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf
-            group.wait(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}", check=check)
+        if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf: refill after it
+            group.order(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}")
         items = take_bucket_tensors(it, b)
         if b.nbytes:
             works[bi] = group.broadcast(pack(bufs[k], b, items), src)
@@ -103,7 +108,7 @@ def send_unpacked(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tupl
     for i in range(n):
         if i - ahead in inflight:
             _t, w = inflight.pop(i - ahead)
-            group.wait(w, what=f"tensor {info.names[i - ahead]!r}", check=check)
+            group.order(w, what=f"tensor {info.names[i - ahead]!r}")
         try:
             name, t = next(it)
         except StopIteration:

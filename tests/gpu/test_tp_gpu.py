@@ -33,7 +33,8 @@ def _run(path, params, **kw):
     try:
         return llm.generate(PROMPTS, params)
     finally:
-        llm.engine.executor.shutdown()
+        if hasattr(llm.engine.executor, "shutdown"):  # TP>1: stop the spawned ranks
+            llm.engine.executor.shutdown()
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("smollm", SMOLLM_9_HEADS), ("opt", {})],
