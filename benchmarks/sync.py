@@ -6,6 +6,7 @@ names and shapes:
 
 CPU, gloo (unless ``--cpu off``):
   - ``packed``     SDK ``send_weights()``: buckets of ``--bucket-mb``, 2 in flight, checksums on
+                   (and once with checksums off, to show what they cost)
   - ``unpacked``   SDK, one broadcast per tensor
   - ``trl-http``   TRL legacy style: ``POST /update_named_param/`` + one broadcast per tensor
   - ``raw``        ceiling: a bare gloo broadcast of the same bytes in the same buckets between
@@ -279,13 +280,14 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
     print(f"[cpu] {shape}: {len(named)} tensors, {total / 1e9:.3f} GB float32; buckets of {args.bucket_mb} MiB")
     model_dir = save_shape(shape, work)
     with serve(model_dir, tok, "gloo", "cpu", "float32") as srv:
-        for mode in ("packed", "unpacked"):
+        for mode, checksums in (("packed", True), ("packed", False), ("unpacked", True)):
             r = sdk_sync(srv.url, named, GlooTrainerInitInfo(master_port=free_port(), world_size=2,
-                                                             packed=mode == "packed",
+                                                             packed=mode == "packed", checksums=checksums,
                                                              packed_buffer_size_bytes=bucket, timeout_s=600),
                          args.repeats)
-            add(rows, "cpu", shape, "gloo", mode, total, r)
-            print(f"[cpu] {mode}: {r['sync_s']:.3f} s/sync")
+            label = mode + ("" if checksums else " (no checksums)")
+            add(rows, "cpu", shape, "gloo", label, total, r)
+            print(f"[cpu] {label}: {r['sync_s']:.3f} s/sync")
         r = trl_sync(srv.url, named, args.repeats, "gloo", "cpu")
         add(rows, "cpu", shape, "gloo", "trl-http", total, r)
         print(f"[cpu] trl-http: {r['sync_s']:.3f} s/sync")
