@@ -117,7 +117,8 @@ def measure(args) -> dict:
             "max_gap_during_sync_ms": max(during) * 1e3, "median_gap_ms": base * 1e3,
             "stall_ms": (max(during) - base) * 1e3, "tokens_during_sync": len(during) - 1,
             "versions_seen": versions,
-            "server_commit_phases_ms": {k: round(v * 1e3, 2) for k, v in fin.get("commit_phases_s", {}).items()}}
+            "server_commit_phases_ms": {k: round(v * 1e3, 2) for k, v in fin.get("commit_phases_s", {}).items()},
+            "commit_replayed": fin.get("commit_replayed")}
 
 
 def main(argv=None) -> None:
@@ -133,7 +134,8 @@ def main(argv=None) -> None:
     print(f"{r['shape']} on {r['device']}, staging={r['staging']}: sync {r['sync_s'] * 1e3:.1f} ms, "
           f"stall {r['stall_ms']:.1f} ms (max gap {r['max_gap_during_sync_ms']:.1f} ms during the sync, "
           f"median gap {r['median_gap_ms']:.1f} ms), {r['tokens_during_sync']} tokens streamed during the sync, "
-          f"versions {r['versions_seen']}; server commit phases (ms): {r['server_commit_phases_ms']}")
+          f"versions {r['versions_seen']}; server commit phases (ms): {r['server_commit_phases_ms']}, "
+          f"replayed copy plan: {r['commit_replayed']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -51,7 +51,14 @@ def test_reset_prefix_cache_forgets():
     a = seq(list(range(9)))
     bm.allocate(a)
     bm.free(a)
+    running = seq(list(range(100, 113)))  # still holding hashed blocks at the reset
+    bm.allocate(running)
+    assert bm.hashed_block_ids == {i for i, blk in enumerate(bm.blocks) if blk.hash is not None}
     bm.reset_prefix_cache()
+    # every block forgot its content (the reset visits only the hashed ones)
+    assert all(blk.hash is None and blk.token_ids is None for blk in bm.blocks)
+    assert not bm.hashed_block_ids and not bm.hash_to_block
+    bm.free(running)
     b = seq(list(range(9)))
     bm.allocate(b)
     assert b.num_cached_tokens == 0

@@ -492,6 +492,7 @@ class WeightTransferManager:
         paused_here = False
         pause_t0 = None
         phases: dict[str, float] = {}
+        commit_replayed = None
         version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
         staged = self.staging != "none" and bool(s.received)
         try:
@@ -501,14 +502,18 @@ class WeightTransferManager:
                 # the next step already runs (and is stamped) with the new weights.
                 target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
 
-                def commit_in_engine(engine) -> None:
-                    engine.collective_rpc(target, timeout_s=t)
+                def commit_in_engine(engine) -> list:
+                    out = engine.collective_rpc(target, timeout_s=t)
                     engine.reset_prefix_cache()
                     self.aengine.set_weight_version(version)
+                    return out
 
                 t_c = time.perf_counter()
                 try:
-                    await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5)
+                    res = await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5)
+                    workers = [r for rep in res for r in rep if isinstance(r, dict)]
+                    phases["worker_commit_s"] = max((r.get("seconds", 0.0) for r in workers), default=0.0)
+                    commit_replayed = all(r.get("replayed") for r in workers)
                 except BaseException as e:
                     self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
                                            "generation resumes once a full weight update lands")
@@ -555,7 +560,7 @@ class WeightTransferManager:
                      staging=self.staging)
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
-                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}}
+                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed}
 
     async def shutdown_engine(self) -> dict:
         """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
