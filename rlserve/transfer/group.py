@@ -159,7 +159,7 @@ class TransferGroup:
              check: Callable[[], None] | None = None) -> None:
         """Wait for ``work`` with a deadline.
 
-        Polls ``work.is_completed()`` (sleeping 0.2 → 2 ms), then ``work.wait()`` to raise the
+        Polls ``work.is_completed()`` (sleeping 0.02 → 0.5 ms: a late wake-up delays the next bucket), then ``work.wait()`` to raise the
         backend's error if it failed. NCCL: completion means the GPU finished the operation.
 
         Args:
@@ -170,7 +170,7 @@ class TransferGroup:
             TransferTimeoutError, TransferAbortedError, WeightTransferFailedError.
         """
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        sleep = 0.0002
+        sleep = 0.00002
         while not work.is_completed():
             if self.abort_event.is_set():
                 raise TransferAbortedError(f"{what} aborted")
@@ -181,7 +181,7 @@ class TransferGroup:
                     f"{what} did not complete within {self.timeout_s if timeout_s is None else timeout_s:.0f} s "
                     f"(rank {self.rank}/{self.world_size}, {self.backend}); is the peer alive?")
             time.sleep(sleep)
-            sleep = min(sleep * 2, 0.002)
+            sleep = min(sleep * 2, 0.0005)
         try:
             work.wait()
         except Exception as e:  # gloo: peer closed / timed out; nccl: comm error
