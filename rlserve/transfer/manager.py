@@ -513,6 +513,8 @@ class WeightTransferManager:
                     res = await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5)
                     workers = [r for rep in res for r in rep if isinstance(r, dict)]
                     phases["worker_commit_s"] = max((r.get("seconds", 0.0) for r in workers), default=0.0)
+                    for k in ("load", "post_load", "device_sync"):
+                        phases[f"worker_{k}_s"] = max((r.get("phases_s", {}).get(k, 0.0) for r in workers), default=0.0)
                     commit_replayed = all(r.get("replayed") for r in workers)
                 except BaseException as e:
                     self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "

@@ -273,7 +273,9 @@ def abort(worker) -> None:
 
 def commit(worker) -> dict:
     """Load the staging dict into the model in place (engine thread, engine paused); clear it.
-    Returns ``{"names": n}``. Raises what ``load_weights`` raises (staging is kept then)."""
+    Returns ``{"names", "seconds", "replayed", "phases_s": {"load", "post_load", "device_sync"}}``
+    (``{"names": 0}`` when nothing is staged). Raises what ``load_weights`` raises (staging is
+    kept then)."""
     st = _state(worker)
     staged = st.staging
     if not staged:
@@ -286,12 +288,16 @@ def commit(worker) -> dict:
         st.drop_unused_plans()
     else:
         _load(worker, pairs)
+    t_load = time.perf_counter()
     _post_load(worker)
+    t_post = time.perf_counter()
     n = len(staged)
     st.staging = {}
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
-    return {"names": n, "seconds": time.perf_counter() - t0, "replayed": replayed}
+    t_end = time.perf_counter()
+    return {"names": n, "seconds": t_end - t0, "replayed": replayed,
+            "phases_s": {"load": t_load - t0, "post_load": t_post - t_load, "device_sync": t_end - t_post}}
 
 
 def end_session(worker) -> None:
