@@ -301,11 +301,16 @@ class LLMEngine:
         step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill)
         return step, prompt_rows
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step and forward pass.
 
+        Args:
+            finished_only: build outputs only for requests that finished this step (the offline
+                path: a cumulative output copies every token list, O(length) per request per
+                step).
         Returns:
-            outputs (cumulative) for every request that advanced or finished this step.
+            outputs (cumulative) for every request that advanced or finished this step (only the
+            finished ones with ``finished_only``).
         """
         batch = self.scheduler.schedule()
         if batch is None:
@@ -349,9 +354,11 @@ class LLMEngine:
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for rid, req in touched.items():
-            outputs.append(self._make_output(req))
             if req.finished:
+                outputs.append(self._make_output(req))
                 del self.requests[rid]
+            elif not finished_only:
+                outputs.append(self._make_output(req))
         return outputs
 
     def _append_token(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps) -> None:
@@ -420,9 +427,10 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
         t0 = time.perf_counter()
+        wanted = set(ids)
         while len(final) < len(ids):
-            for o in self.step():
-                if o.finished and o.request_id in ids:
+            for o in self.step(finished_only=True):
+                if o.finished and o.request_id in wanted:
                     final[o.request_id] = o
                     bar.update(1)
         bar.close()
