@@ -86,6 +86,7 @@ class _Replica:
         self._stopping = False
         self.frozen = False  # keep-mode pause: no stepping
         self.requests: dict[str, _Request] = {}  # engine-thread only
+        self._streaming = _StreamingIds(self.requests)
         self.load = 0  # unfinished requests assigned here (guarded by front._lock)
         self._drain_waiters: list[concurrent.futures.Future] = []
         self.stats: dict = {}
@@ -136,7 +137,11 @@ class _Replica:
                     self._wakeup.wait(_IDLE_POLL_S)
                     continue
                 try:
-                    outs = self.engine.step()
+                    if getattr(self.engine, "supports_output_filter", False):
+                        outs = self.engine.step(outputs_for=self._streaming)
+                        advanced = self.engine.last_step_request_ids
+                    else:
+                        outs, advanced = self.engine.step(), None
                     step_failures = 0
                 except Exception as e:  # noqa: BLE001 - must not kill the loop
                     step_failures += 1
@@ -144,7 +149,7 @@ class _Replica:
                     if step_failures > 1:
                         time.sleep(min(0.05 * step_failures, 1.0))  # do not spin on a broken engine
                     continue
-                self._dispatch(outs)
+                self._dispatch(outs, advanced)
                 self._snapshot_stats()
                 was_busy = True
         except BaseException as e:  # noqa: BLE001 - a bug in this loop itself
@@ -258,7 +263,21 @@ class _Replica:
         with self.front._lock:
             self.load -= 1
 
-    def _dispatch(self, outs) -> None:
+    def _dispatch(self, outs, advanced=None) -> None:
+        """Deliver this step's outputs. ``advanced``: ids of every request that got tokens (the
+        engine builds outputs only for streamed and finished requests): their first-token time
+        and weight versions are kept here, without an output."""
+        if advanced:
+            version = self.front.weight_version
+            now = None
+            for rid in advanced:
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                if req.first_token_time is None:
+                    req.first_token_time = now = now or time.monotonic()
+                if not req.versions or req.versions[-1] != version:
+                    req.versions.append(version)
         items = []
         for out in outs:
             req = self.requests.get(out.request_id)
@@ -297,6 +316,18 @@ class _Replica:
         for r in reqs:
             self._finish(r, err)
         self.front._deliver([(r, err) for r in reqs])
+
+
+class _StreamingIds:
+    """``rid in self``: the engine should build a per-step output for request ``rid`` -- a
+    streamed request, or one this replica does not know (its output is then dropped anyway)."""
+
+    def __init__(self, requests: dict):
+        self.requests = requests
+
+    def __contains__(self, rid) -> bool:
+        req = self.requests.get(rid)
+        return req is None or req.stream
 
 
 def _try_abort_all(engine) -> None:

@@ -301,16 +301,20 @@ class LLMEngine:
         step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill)
         return step, prompt_rows
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    #: ``step`` takes ``outputs_for`` and sets ``last_step_request_ids`` (the async engine asks).
+    supports_output_filter = True
+
+    def step(self, outputs_for=None) -> list[RequestOutput]:
         """Run one scheduling step and forward pass.
 
         Args:
-            finished_only: build outputs only for requests that finished this step (the offline
-                path: a cumulative output copies every token list, O(length) per request per
-                step).
+            outputs_for: ``None``: an output for every request that advanced. Else a container of
+                request ids: outputs only for those and for requests that finished this step (a
+                cumulative output copies every token list: O(length) per request per step, which
+                offline and non-streamed callers need not pay).
         Returns:
-            outputs (cumulative) for every request that advanced or finished this step (only the
-            finished ones with ``finished_only``).
+            cumulative outputs, as selected. ``self.last_step_request_ids`` lists every request
+            that advanced (got tokens) in this step, in batch order.
         """
         batch = self.scheduler.schedule()
         if batch is None:
@@ -353,11 +357,12 @@ class LLMEngine:
             self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None, topk_lps[i] if topk_lps else None)
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
+        self.last_step_request_ids = list(touched)
         for rid, req in touched.items():
             if req.finished:
                 outputs.append(self._make_output(req))
                 del self.requests[rid]
-            elif not finished_only:
+            elif outputs_for is None or rid in outputs_for:
                 outputs.append(self._make_output(req))
         return outputs
 
@@ -429,7 +434,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         wanted = set(ids)
         while len(final) < len(ids):
-            for o in self.step(finished_only=True):
+            for o in self.step(outputs_for=()):
                 if o.finished and o.request_id in wanted:
                     final[o.request_id] = o
                     bar.update(1)
