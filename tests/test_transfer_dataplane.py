@@ -300,3 +300,20 @@ def test_ipc_handle_validation_without_cuda():
         import_handle({**base, "tensor_offset": -1})
     with pytest.raises(WeightUpdateError, match="not visible"):
         import_handle(base)
+
+
+def test_deferred_checksums_compared_once_at_the_end():
+    """GPU receivers queue each bucket's sum on the stream and compare all of them at the end
+    (one host sync); the comparison itself is device-agnostic."""
+    from rlserve.transfer.packing import checksum, checksum_tensor
+
+    good = torch.arange(64, dtype=torch.uint8)
+    bad = good.clone()
+    bad[3] ^= 1
+    expected = [checksum(good), checksum(good)]
+    ok = [(checksum_tensor(good), expected[0], "bucket 1/2", 64), (checksum_tensor(good), expected[1], "bucket 2/2", 64)]
+    WeightReceiver._check_deferred(ok)  # no error
+    WeightReceiver._check_deferred([])
+    wrong = [ok[0], (checksum_tensor(bad), expected[1], "bucket 2/2", 64)]
+    with pytest.raises(ChecksumMismatchError, match="bucket 2/2.*not committed"):
+        WeightReceiver._check_deferred(wrong)
