@@ -150,19 +150,24 @@ def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """``s64sum`` of each tensor, with one host sync per device at the end (not per tensor)."""
-    sums = [checksum_tensor(as_bytes(t)) for t in tensors]
-    out: list[int] = []
+def checksum_values(sums: Sequence[torch.Tensor]) -> list[int]:
+    """Python ints of 0-dim int64 :func:`checksum_tensor` results, with one host sync per
+    device (not per tensor)."""
     by_dev: dict = {}
     for i, c in enumerate(sums):
         by_dev.setdefault(c.device, []).append(i)
     vals: dict[int, int] = {}
-    for dev, idx in by_dev.items():
+    for idx in by_dev.values():
         for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist()):
             vals[i] = _wrap64(int(v))
-    out = [vals[i] for i in range(len(sums))]
-    return out
+    return [vals[i] for i in range(len(sums))]
+
+
+def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """``s64sum`` of each tensor, with one host sync per device at the end (not per tensor).
+    Only the sums are kept while iterating: a tensor the iterable creates (an FSDP gather, a
+    cast) is freed as soon as its sum is queued."""
+    return checksum_values([checksum_tensor(as_bytes(t)) for t in tensors])
 
 
 def tensor_checksum(t: torch.Tensor) -> int:

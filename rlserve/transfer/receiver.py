@@ -42,10 +42,10 @@ from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
-    _wrap64,
     as_bytes,
     checksum,
     checksum_tensor,
+    checksum_values,
     max_bucket_bytes,
     plan_buckets,
     tensor_checksums,
@@ -208,9 +208,7 @@ class WeightReceiver:
         """Compare the queued checksums (one host sync). Raises ChecksumMismatchError."""
         if not deferred:
             return
-        vals = torch.stack([d[0] for d in deferred]).tolist()
-        for v, (_t, exp, what, n) in zip(vals, deferred):
-            got = _wrap64(int(v))
+        for got, (_t, exp, what, n) in zip(checksum_values([d[0] for d in deferred]), deferred):
             if got != exp:
                 raise ChecksumMismatchError(f"{what}: checksum {got} != announced {exp} ({n} bytes); the update "
                                             "is refused (not committed)")

@@ -359,21 +359,6 @@ class IPCTrainerInitInfo(TrainerInitInfo):
         return d.to_dict()
 
 
-def _checksums_streamed(named: Iterable[tuple[str, torch.Tensor]]) -> list[int]:
-    """Per-tensor ``s64sum`` of a stream of tensors: each tensor's sum is queued on its device
-    and the tensor dropped (an FSDP-gathered tensor is freed at once); one host sync at the end."""
-    from rlserve.transfer.packing import _wrap64, as_bytes, checksum_tensor
-
-    sums = [checksum_tensor(as_bytes(t)) for _n, t in named]
-    if not sums:
-        return []
-    if len({s.device for s in sums}) == 1:
-        vals = torch.stack(sums).tolist()
-    else:
-        vals = [int(s.item()) for s in sums]
-    return [_wrap64(int(v)) for v in vals]
-
-
 def _free_port() -> int:
     import socket
 
@@ -435,7 +420,7 @@ class TrainerWeightTransferEngine:
     def _checksum_pass(self, info: UpdateInfo) -> list[int] | None:
         if not self.init_info.checksums or self.init_info.backend == "ipc":
             return None  # ipc: checksummed per packed bucket, right before its call
-        per_tensor = _checksums_streamed(self.source.named_tensors())
+        per_tensor = tensor_checksums(t for _n, t in self.source.named_tensors())
         if not self.is_sender:
             return None
         if not info.packed:
