@@ -41,12 +41,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 class CopyPlan:
-    """Recorded ``(dst, src)`` copies of one load.
-
-    Attributes:
-        dsts / srcs: tensors to copy, pairwise (``dst.copy_(src)``: any dtypes, any strides).
-        nbytes: bytes written (sum of ``dst.nbytes``).
-    """
+    """Recorded ``(dst, src)`` copies (``dst.copy_(src)``: any dtypes, any strides) and constant
+    fills of one load. ``len(plan)``: the number of copies."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], fills: Sequence[tuple] = ()):
         self._fills = list(fills)
@@ -59,9 +55,6 @@ class CopyPlan:
                 slow.append((d, s))
         self._fast = (fast_d, fast_s)
         self._slow = slow
-        self.dsts = [d for d, _ in pairs]
-        self.srcs = [s for _, s in pairs]
-        self.nbytes = sum(d.numel() * d.element_size() for d in self.dsts)
 
     def replay(self) -> None:
         """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA)."""
@@ -74,7 +67,7 @@ class CopyPlan:
             dst.copy_(src)
 
     def __len__(self) -> int:
-        return len(self.dsts)
+        return len(self._fast[0]) + len(self._slow)
 
 
 class _Recorder(TorchDispatchMode):

@@ -113,11 +113,12 @@ def _params_signature(worker) -> tuple:
     return tuple(p.data_ptr() for p in worker.model.parameters())
 
 
-def _load_replayable(worker, st: WorkerTransferState, pairs) -> bool:
+def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple) -> bool:
     """``_load(worker, pairs)`` for sources that sit at the same addresses on every update: the
     first load is recorded, later ones replay its copies (see :mod:`rlserve.transfer.copy_plan`).
-    Returns whether this load was a replay."""
-    key = (plan_key(pairs), _params_signature(worker))
+    ``params_sig``: :func:`_params_signature` (taken once per update, not per bucket). Returns
+    whether this load was a replay."""
+    key = (plan_key(pairs), params_sig)
     st.plans_used.add(key)
     if key in st.plans:
         plan = st.plans[key]
@@ -196,10 +197,11 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
             torch.cuda.set_device(worker.device)
         # sources at fixed addresses: mapped ipc tensors, packed buffers on the worker's device
         stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
+        params_sig = _params_signature(worker) if stable and staging == "none" else ()
         if staging == "none":
             def sink(pairs):
                 if stable:
-                    op.replayed += _load_replayable(worker, st, pairs)
+                    op.replayed += _load_replayable(worker, st, pairs, params_sig)
                 else:
                     _load(worker, pairs)
                 op.applied += 1
@@ -284,7 +286,7 @@ def commit(worker) -> dict:
     pairs = list(staged.items())
     replayed = False
     if all(st.staging_bufs.get(n) is t for n, t in pairs):
-        replayed = _load_replayable(worker, st, pairs)  # the reused staging tensors: a recorded plan
+        replayed = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
         st.drop_unused_plans()
     else:
         _load(worker, pairs)
