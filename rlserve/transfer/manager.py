@@ -495,48 +495,25 @@ class WeightTransferManager:
         commit_replayed = None
         version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
         staged = self.staging != "none" and bool(s.received)
+        # One replica: a single engine-thread command runs between two steps by itself, so commit +
+        # prefix-cache reset + version need no pause/resume round trips; the next step already runs
+        # (and is stamped) with the new weights. Several replicas switch together, all frozen.
+        in_engine = staged and len(self.aengine.engines) == 1 and not self.aengine.is_paused()
         try:
-            if staged and len(self.aengine.engines) == 1 and not self.aengine.is_paused():
-                # One replica: a single engine-thread command runs between two steps by itself,
-                # so commit + prefix-cache reset + version need no pause/resume round trips;
-                # the next step already runs (and is stamped) with the new weights.
-                target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
-
-                def commit_in_engine(engine) -> list:
-                    out = engine.collective_rpc(target, timeout_s=t)
-                    engine.reset_prefix_cache()
-                    self.aengine.set_weight_version(version)
-                    return out
-
+            if staged:
+                if not in_engine and not self.aengine.is_paused():
+                    pause_t0 = time.perf_counter()
+                    await self.aengine.pause(mode="keep")
+                    paused_here = True
+                    phases["pause_s"] = time.perf_counter() - pause_t0
                 t_c = time.perf_counter()
-                try:
-                    res = await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5)
-                    workers = [r for rep in res for r in rep if isinstance(r, dict)]
-                    phases["worker_commit_s"] = max((r.get("seconds", 0.0) for r in workers), default=0.0)
-                    for k in ("load", "post_load", "device_sync"):
-                        phases[f"worker_{k}_s"] = max((r.get("phases_s", {}).get(k, 0.0) for r in workers), default=0.0)
-                    commit_replayed = all(r.get("replayed") for r in workers)
-                except BaseException as e:
-                    self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
-                                           "generation resumes once a full weight update lands")
-                    raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
-                phases["commit_in_engine_thread_s"] = time.perf_counter() - t_c
-            else:
-                if staged:  # several replicas: all switch together while every one is frozen
-                    if not self.aengine.is_paused():
-                        pause_t0 = time.perf_counter()
-                        await self.aengine.pause(mode="keep")
-                        paused_here = True
-                        phases["pause_s"] = time.perf_counter() - pause_t0
-                    try:
-                        t_c = time.perf_counter()
-                        await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
-                        phases["commit_s"] = time.perf_counter() - t_c
-                    except BaseException as e:
-                        # some workers may have loaded, others not
-                        self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
-                                               "generation resumes once a full weight update lands")
-                        raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
+                workers = await self._commit_staged(version if in_engine else None)
+                phases["commit_in_engine_thread_s" if in_engine else "commit_s"] = time.perf_counter() - t_c
+                phases["worker_commit_s"] = max((r.get("seconds", 0.0) for r in workers), default=0.0)
+                for k in ("load", "post_load", "device_sync"):
+                    phases[f"worker_{k}_s"] = max((r.get("phases_s", {}).get(k, 0.0) for r in workers), default=0.0)
+                commit_replayed = all(r.get("replayed") for r in workers)
+            if not in_engine:
                 t_r = time.perf_counter()
                 await self.aengine.reset_prefix_cache()
                 phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
@@ -563,6 +540,34 @@ class WeightTransferManager:
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
                 "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed}
+
+    async def _commit_staged(self, version: str | None) -> list[dict]:
+        """Every worker loads its staging dict into the model (worker_ext ``commit``). With
+        ``version`` (one replica), as one engine-thread command that also resets the prefix cache
+        and sets the weight version. Returns the workers' answers.
+
+        Raises:
+            WeightTransferFailedError: a commit failed; the model is marked unavailable (some
+                workers may have loaded, others not).
+        """
+        target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
+
+        def commit_in_engine(engine) -> list:
+            out = engine.collective_rpc(target, timeout_s=t)
+            engine.reset_prefix_cache()
+            self.aengine.set_weight_version(version)
+            return out
+
+        try:
+            if version is None:
+                res = await self._rpc("commit", timeout_s=t)
+            else:
+                res = [r for rep in await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5) for r in rep]
+        except BaseException as e:
+            self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
+                                   "generation resumes once a full weight update lands")
+            raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
+        return [r for r in res if isinstance(r, dict)]
 
     async def shutdown_engine(self) -> dict:
         """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
