@@ -19,6 +19,7 @@ from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedE
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
     ALIGN,
+    BucketBuffers,
     as_bytes,
     bucket_checksums_from_tensors,
     checksum,
@@ -215,6 +216,39 @@ def test_source_must_match_announced_metadata():
                         lambda r: r.receive(info, lambda p: None), timeout_s=3)
     assert isinstance(err.get("trainer"), ValueError)
     assert isinstance(err.get("receiver"), WeightTransferFailedError)  # peer left / timed out: no hang
+
+
+def test_send_buffers_reused_across_updates():
+    """The trainer's packed send buffers are kept between updates (fresh host pages fault on
+    first write) and a second update through them still arrives bit-identical."""
+    ts = make_tensors(6)
+    info = info_for(ts, size=600)
+    bufs = BucketBuffers()
+    ptrs = []
+
+    def send(g):
+        out = []
+        for _ in range(2):
+            out.append(send_packed(g, info, iter(ts), torch.device("cpu"), buffers=bufs))
+            ptrs.append([b.data_ptr() for b in bufs.get(2, 1, torch.device("cpu"))])
+        return out
+
+    got = []
+
+    def recv(r):
+        for _ in range(2):
+            d = {}
+            r.receive(info, lambda p: d.update({n: t.clone() for n, t in p}))
+            got.append(d)
+
+    res, err = run_pair(free_port(), send, recv)
+    assert not err, err
+    assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 2
+    for d in got:
+        for n, t in ts:
+            assert torch.equal(as_bytes(d[n]), as_bytes(t)), n
+    bufs.release()
+    assert bufs.get(2, 1, torch.device("cpu"))[0].numel() == 1  # released: a fresh, smaller buffer
 
 
 def test_reinit_after_teardown_same_port():

@@ -119,6 +119,32 @@ def max_bucket_bytes(plan: Sequence[Bucket]) -> int:
     return max((b.nbytes for b in plan), default=0)
 
 
+class BucketBuffers:
+    """``n`` reusable 1-D ``uint8`` bucket buffers of at least ``nbytes`` bytes on one device.
+
+    Kept across updates on purpose: a fresh host buffer of a GiB is fresh pages, and the first
+    write to each page faults (the kernel zeroes it). Measured on the 2-core CI machine
+    (SmolLM2-135M fp32, 0.54 GB, 64 MiB buckets, gloo): allocating the trainer's two send buffers
+    per sync made a sync 0.49 s, reusing them 0.30 s. Memory: ``n x nbytes`` stays allocated
+    until :meth:`release`.
+    """
+
+    def __init__(self):
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, n: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        """``n`` buffers of >= ``nbytes`` bytes on ``device`` (the kept ones when they fit)."""
+        device = torch.device(device)
+        if len(self._bufs) != n or any(b.numel() < nbytes or b.device != device for b in self._bufs):
+            self._bufs = []  # free the old ones before allocating
+            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
+        return self._bufs
+
+    def release(self) -> None:
+        """Free the buffers."""
+        self._bufs = []
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D ``uint8`` view of ``t``'s contiguous bytes (a copy only if ``t`` is not contiguous)."""
     t = t.detach()

@@ -42,6 +42,7 @@ from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
+    BucketBuffers,
     as_bytes,
     checksum,
     checksum_tensor,
@@ -98,7 +99,7 @@ class WeightReceiver:
         self.rank = rank
         self.device = torch.device(device)
         self.group: TransferGroup | None = None
-        self._bufs: list[torch.Tensor] = []
+        self._bufs = BucketBuffers()
         self._stream = None
         self.stats: dict = {}
         self._closed = False
@@ -134,7 +135,7 @@ class WeightReceiver:
         if self.group is not None:
             self.group.destroy()
         self.group = None
-        self._bufs = []
+        self._bufs.release()
         self._ipc_cache.clear()
         self._ipc_used.clear()
 
@@ -142,13 +143,6 @@ class WeightReceiver:
     def wire_device(self) -> torch.device:
         """Where received bytes land: host memory for gloo, else the worker's device."""
         return torch.device("cpu") if self.init.backend == "gloo" else self.device
-
-    def _buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
-        dev = self.wire_device()
-        if len(self._bufs) != n or any(b.numel() < nbytes or b.device != dev for b in self._bufs):
-            self._bufs = []  # free first
-            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(n)]
-        return self._bufs
 
     def _stream_ctx(self):
         if self.device.type == "cuda":
@@ -223,7 +217,7 @@ class WeightReceiver:
         src = self.init.src_rank
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
-        bufs = self._buffers(nbuf, max_bucket_bytes(plan)) if plan else []
+        bufs = self._bufs.get(nbuf, max_bucket_bytes(plan), self.wire_device()) if plan else []
         works: dict[int, object] = {}
 
         def post(i: int) -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import as_bytes, max_bucket_bytes, pack, plan_buckets
+from rlserve.transfer.packing import BucketBuffers, as_bytes, max_bucket_bytes, pack, plan_buckets
 from rlserve.transfer.protocol import UpdateInfo
 
 
@@ -45,7 +45,8 @@ def take_bucket_tensors(it: Iterator[tuple[str, torch.Tensor]], bucket) -> list[
 
 
 def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[str, torch.Tensor]],
-                device: torch.device, check: Callable[[], None] | None = None) -> dict:
+                device: torch.device, check: Callable[[], None] | None = None,
+                buffers: BucketBuffers | None = None) -> dict:
     """Broadcast ``tensors`` (in ``info`` order) as packed buckets from ``group.rank``.
 
     At most ``packed_num_buffers`` buckets are in flight. Refilling a buffer waits for its
@@ -59,6 +60,8 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
         tensors: ``(name, tensor)`` in the announced order, announced dtypes and shapes.
         device: where the bucket buffers live (CPU for gloo, the trainer's GPU for NCCL).
         check: polled while waiting; raise from it to give up (the server's HTTP call failed).
+        buffers: where the bucket buffers come from; pass the same object every update so they
+            are reused (``None``: fresh buffers for this call).
     Returns:
         ``{"bytes", "buckets", "seconds"}``.
     Raises:
@@ -70,7 +73,7 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
     nbuf = max(1, min(info.packed_num_buffers, len(plan)))
     size = max_bucket_bytes(plan)
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)] if plan else []
+    bufs = (buffers or BucketBuffers()).get(nbuf, size, device) if plan else []
     works: dict[int, object] = {}
     it = iter(tensors)
     total = 0

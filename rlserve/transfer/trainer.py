@@ -53,6 +53,7 @@ from rlserve.errors import WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
+    BucketBuffers,
     bucket_checksums_from_tensors,
     checksum,
     max_bucket_bytes,
@@ -500,6 +501,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
     def __init__(self, init_info, client, source):
         super().__init__(init_info, client, source)
         self.group: TransferGroup | None = None
+        self._buffers = BucketBuffers()  # packed send buffers, kept across syncs
         self._broken = False
         self._port_busy = False
         if init_info.backend == "nccl":
@@ -552,6 +554,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         self._broken = False
 
     def _teardown(self) -> None:
+        self._buffers.release()
         if self.group is not None:
             self.group.destroy(wait_s=5.0)  # free the store's port for a re-init
             self._port_busy = not self.group.torn_down
@@ -567,7 +570,8 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         check = _raise_if_failed(http)
         fn = send_packed if info.packed else send_unpacked
         try:
-            stats = fn(self.group, info, self.source.named_tensors(), self.device, check=check)
+            kw = {"buffers": self._buffers} if info.packed else {}
+            stats = fn(self.group, info, self.source.named_tensors(), self.device, check=check, **kw)
         except BaseException as e:
             # prefer the server's explanation when it has one
             if http.done() and http.exception() is not None and http.exception() is not e:
