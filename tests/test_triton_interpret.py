@@ -200,3 +200,44 @@ def test_engine_triton_backend_with_emulated_graphs_matches_torch(tiny_model, re
         for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for t in db:
                 assert abs(da[t] - db[t]) < 1e-4
+
+
+# --------------------------------------------------------------------------- multi-tensor checksum
+def _multi_tensor_cases():
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(-2**62, 2**62, (1000,), dtype=torch.int64, generator=g),  # wraps when summed
+        torch.randn(33, 17, generator=g),  # 2244 bytes: a 4-byte tail
+        torch.randn(13, generator=g).to(torch.float16),  # 26 bytes: 3 words + 2 tail bytes
+        torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: no whole word
+        torch.randn(64, 48, generator=g).double(),
+    ]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_multi_tensor_sum_equals_per_tensor_s64sum(copy):
+    """One launch over a chunk table (chunks of 7 words: several per tensor) gives each
+    tensor's s64sum exactly, tails included, and copies every byte when destinations are given."""
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.packing import as_bytes, tensor_checksum
+
+    srcs = _multi_tensor_cases()
+    dsts = [torch.full_like(s, 0) for s in srcs] if copy else None
+    op = MultiTensorSum.build(srcs, dsts, chunk_words=7, _allow_cpu=True)
+    assert op is not None and op.n == len(srcs)
+    sums = op.run().tolist()
+    assert sums == [tensor_checksum(s) for s in srcs]
+    assert op.run().tolist() == sums  # the table is reusable
+    if copy:
+        for s, d in zip(srcs, dsts):
+            assert torch.equal(as_bytes(s), as_bytes(d))
+
+
+def test_multi_tensor_sum_refuses_unaligned_or_mismatched():
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+
+    base = torch.zeros(100, dtype=torch.uint8)
+    assert MultiTensorSum.build([base[1:41]], _allow_cpu=True) is None  # not 8-byte aligned
+    assert MultiTensorSum.build([base[:40]], [torch.zeros(48, dtype=torch.uint8)], _allow_cpu=True) is None
+    assert MultiTensorSum.build([torch.zeros(4, 4).t()], _allow_cpu=True) is None  # not contiguous
+    assert MultiTensorSum.build([torch.zeros(8)]) is None  # CPU tensors without the test flag

@@ -55,6 +55,7 @@ class CopyPlan:
                 slow.append((d, s))
         self._fast = (fast_d, fast_s)
         self._slow = slow
+        self._fused: dict[tuple, object] = {}  # sources' addresses -> MultiTensorSum (None: cannot)
 
     def replay(self) -> None:
         """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA)."""
@@ -65,6 +66,41 @@ class CopyPlan:
             torch._foreach_copy_(d, s)
         for dst, src in self._slow:
             dst.copy_(src)
+
+    def _fused_op(self, sources: Sequence[torch.Tensor]):
+        """A :class:`~rlserve.transfer.multi_tensor.MultiTensorSum` doing every fast copy and
+        summing each of ``sources``, or ``None``: only when each source is copied whole by
+        exactly one same-dtype contiguous copy and no other fast copy exists (TP=1, dtypes
+        match; a TP shard reads slices of its sources)."""
+        key = tuple((t.data_ptr(), t.numel(), t.dtype) for t in sources)
+        if key in self._fused:
+            return self._fused[key]
+        from rlserve.transfer.multi_tensor import MultiTensorSum
+
+        op = None
+        fast_d, fast_s = self._fast
+        by_src = {(s.data_ptr(), s.numel(), s.dtype): (d, s) for d, s in zip(fast_d, fast_s)}
+        if len(by_src) == len(fast_d) == len(sources) and all(k in by_src for k in key):
+            pairs = [by_src[k] for k in key]
+            op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs])
+        self._fused[key] = op
+        return op
+
+    def replay_with_checksums(self, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Replay with the copies and the ``s64sum`` checksums of ``sources`` done in one pass
+        (one Triton launch: each byte read once), when :meth:`_fused_op` allows; returns the
+        checksums (int64 ``[len(sources)]`` on the device, queued on the current stream), or
+        ``None`` after a plain :meth:`replay` (the caller checksums the sources itself)."""
+        op = self._fused_op(sources)
+        if op is None:
+            self.replay()
+            return None
+        for func, args, kwargs in self._fills:
+            func(*args, **kwargs)
+        sums = op.run()
+        for dst, src in self._slow:
+            dst.copy_(src)
+        return sums
 
     def __len__(self) -> int:
         return len(self._fast[0]) + len(self._slow)

@@ -60,6 +60,9 @@ from rlserve.transfer.receiver import check_transport_fields, expected_checksum_
 logger = logging.getLogger(__name__)
 
 _WORKER = "rlserve.transfer.worker_ext"
+#: Longest a poll of a paused engine's worker waits for its op (seconds): bounds how long a
+#: control command (resume, abort) queued behind the poll on the engine thread waits.
+_POLL_BLOCK_S = 0.05
 STAGING_MODES = ("none", "device", "host")
 _CONFIG_KEYS = {"backend", "timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
 
@@ -90,6 +93,7 @@ class _Session:
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
+    ipc_refs: set = field(default_factory=set)  # ipc_handles_ref names used in this session
 
 
 class WeightTransferManager:
@@ -133,6 +137,7 @@ class WeightTransferManager:
         self._busy: str | None = None
         self._spec: tuple[dict, set] | None = None
         self._unavailable_by_us = False
+        self._ipc_refs: set[str] = set()  # ipc_handles_ref names every worker holds
         self._watchdog: asyncio.Task | None = None
         self.last_update: dict | None = None
         self.history: collections.deque = collections.deque(maxlen=32)
@@ -206,7 +211,12 @@ class WeightTransferManager:
         deadline = loop.time() + deadline_s
         sleep = 0.0002  # short ops (an ipc update of a few ms) are seen finished within ~0.2 ms
         while True:
-            results = await self._rpc("poll", op_id)
+            # Paused engines (an in-place update, or a trainer that paused) step nothing: the poll
+            # may then block the engine thread until the op finishes (at most _POLL_BLOCK_S), so
+            # the end of the op is seen at once instead of after a back-off sleep (up to
+            # poll_interval_s). Running engines are polled between steps without blocking.
+            block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0
+            results = await self._rpc("poll", op_id, block)
             if session is not None and any(r.get("applied") for r in results):
                 session.applied = True
             failed = [r for r in results if r.get("done") and not r.get("ok")]
@@ -220,12 +230,15 @@ class WeightTransferManager:
                 return [r.get("result") for r in results]
             if loop.time() > deadline:
                 raise terr.TransferTimeoutError(f"{what} did not finish within {deadline_s:.0f} s")
+            if block:
+                continue
             await asyncio.sleep(sleep)
             sleep = min(sleep * 2, self.poll_interval_s)
 
     async def _teardown_group(self) -> None:
         """Abort and leave the group on every worker; never raises."""
         self._init = None
+        self._ipc_refs = set()
         for fn in ("abort", "shutdown_transfer"):
             try:
                 await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
@@ -241,6 +254,7 @@ class WeightTransferManager:
         if self._session is session:
             self._session = None
         if self._init is not None and self._init.backend == "ipc":
+            self._ipc_refs &= session.ipc_refs  # the workers drop the lists a session did not use
             try:
                 await self._rpc("end_session")
             except Exception as e:  # noqa: BLE001
@@ -328,6 +342,7 @@ class WeightTransferManager:
                                          "init_weight_transfer_engine")
             await self._model_spec()
             self._init = info
+            self._ipc_refs = set()  # the workers' receivers are new
         except BaseException:
             await self._teardown_group()
             raise
@@ -420,13 +435,14 @@ class WeightTransferManager:
 
     async def _update_weights(self, s: _Session, update_info: dict) -> dict:
         s.last_activity = time.monotonic()
+        t_in = time.perf_counter()
         try:
             info = UpdateInfo.from_dict(update_info).resolved(self._init)
             spec, req = await self._model_spec()
             validate_against_spec(info, spec, req,
                                   allowed_names=None if s.declared is None else set(s.declared.names),
                                   already_received=s.received, check_coverage=s.declared is None)
-            check_transport_fields(info, self._init.backend)
+            check_transport_fields(info, self._init.backend, self._ipc_refs)
         except WeightUpdateError as e:
             # The trainer may already be broadcasting (it calls update_weights concurrently with
             # its collective): leave the group so both ends re-initialise cleanly. No parameter
@@ -447,15 +463,25 @@ class WeightTransferManager:
         secs = time.perf_counter() - t0
         nbytes = int(results[0].get("bytes", 0)) if results and isinstance(results[0], dict) else 0
         s.received |= set(info.names)
+        if info.ipc_handles_ref is not None:
+            s.ipc_refs.add(info.ipc_handles_ref)
+            self._ipc_refs.add(info.ipc_handles_ref)
         s.bytes += nbytes
         s.seconds += secs
         s.calls += 1
         if self.staging == "none" and info.names:
             s.applied = True
-        replayed = int(results[0].get("replayed_loads", 0)) if results and isinstance(results[0], dict) else 0
-        return {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
-                "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
-                "replayed_loads": replayed}
+        first = results[0] if results and isinstance(results[0], dict) else {}
+        replayed = int(first.get("replayed_loads", 0))
+        out = {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
+               "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
+               "replayed_loads": replayed, "validate_seconds": round(t0 - t_in, 6),
+               "worker_seconds": round(float(first.get("seconds", 0.0)), 6)}
+        if "checksums_fused" in first:
+            out["checksums_fused"] = bool(first["checksums_fused"])
+        if first.get("phases_s"):
+            out["worker_phases_s"] = {k: round(v, 6) for k, v in first["phases_s"].items()}
+        return out
 
     async def finish_update(self, weight_version: str | None = None) -> dict:
         """``POST /finish_weight_update``: commit. Staged: one local copy, run by the engine thread

@@ -78,7 +78,7 @@ def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
         n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def plan_buckets(
@@ -191,8 +191,18 @@ def checksum_values(sums: Sequence[torch.Tensor]) -> list[int]:
 
 def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
     """``s64sum`` of each tensor, with one host sync per device at the end (not per tensor).
-    Only the sums are kept while iterating: a tensor the iterable creates (an FSDP gather, a
-    cast) is freed as soon as its sum is queued."""
+
+    A list or tuple of contiguous CUDA tensors on one device is summed in one Triton launch
+    (:class:`rlserve.transfer.multi_tensor.MultiTensorSum`; ~400 tensors of an 8B model: one
+    pass at HBM speed instead of ~400 reductions). Any other iterable is consumed one tensor at
+    a time and only the sums are kept: a tensor it creates (an FSDP gather, a cast) is freed as
+    soon as its sum is queued."""
+    if isinstance(tensors, (list, tuple)) and len(tensors) > 1 and all(t.is_cuda for t in tensors):
+        from rlserve.transfer.multi_tensor import MultiTensorSum
+
+        op = MultiTensorSum.build([t.detach() for t in tensors])
+        if op is not None:
+            return op.run().tolist()
     return checksum_values([checksum_tensor(as_bytes(t)) for t in tensors])
 
 

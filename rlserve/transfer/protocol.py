@@ -26,7 +26,8 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
      "checksums": [123456789, ...],      # one per bucket (packed) or per tensor (unpacked); optional
      "checksum_algo": "s64sum",
      "partial": false,                   # true: a subset of the parameters is fine
-     "ipc_handles": [{...}, ...]}        # ipc backend only: one handle per bucket
+     "ipc_handles": [{...}, ...],        # ipc backend only: one handle per bucket (or tensor)
+     "ipc_handles_ref": "a1b2..."}       # ipc, unpacked: name of this handle list (reuse it later)
 
 Validation raises :class:`rlserve.errors.WeightUpdateError` (HTTP 400) naming the field.
 """
@@ -34,6 +35,7 @@ Validation raises :class:`rlserve.errors.WeightUpdateError` (HTTP 400) naming th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -42,6 +44,7 @@ import torch
 from rlserve.errors import WeightUpdateError
 
 BACKENDS = ("gloo", "nccl", "ipc")
+_REF_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 #: Default bucket size in bytes (1 GiB), vLLM's default.
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
@@ -203,7 +206,13 @@ class UpdateInfo:
         checksum_algo: only ``"s64sum"``.
         partial: ``True`` allows a subset of the model's parameters.
         ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.ipc.export_handle`)
-            per bucket of this call.
+            per bucket (packed) or tensor (unpacked) of this call.
+        ipc_handles_ref: ``ipc`` backend, unpacked (rlserve extension): a name the trainer gives
+            this call's handle list. Sent *with* ``ipc_handles``, the server keeps the mapped
+            tensors under it; sent *without*, the server reuses them (a trainer whose parameters
+            did not move sends no handles: for an 8B model 399 handles are ~290 KB of JSON and
+            ~8 ms per sync). An unknown ref is refused with 400 and the SDK resends the handles.
+            At most 1..128 characters of ``[A-Za-z0-9_.-]``.
     """
 
     names: list[str] = field(default_factory=list)
@@ -216,6 +225,7 @@ class UpdateInfo:
     checksum_algo: str = "s64sum"
     partial: bool = False
     ipc_handles: list[dict] | None = None
+    ipc_handles_ref: str | None = None
 
     # vLLM sends these; accepted and checked / ignored.
     _IGNORED = ("is_checkpoint_format", "trainer_args")
@@ -272,6 +282,10 @@ class UpdateInfo:
         if self.ipc_handles is not None:
             if not isinstance(self.ipc_handles, list) or not all(isinstance(h, dict) for h in self.ipc_handles):
                 raise WeightUpdateError("update_info.ipc_handles must be a list of objects")
+        if self.ipc_handles_ref is not None:
+            r = self.ipc_handles_ref
+            if not isinstance(r, str) or not 1 <= len(r) <= 128 or not _REF_RE.fullmatch(r):
+                raise WeightUpdateError("update_info.ipc_handles_ref must be 1-128 characters of [A-Za-z0-9_.-]")
 
     def dtypes(self) -> list[torch.dtype]:
         return [dtype_from_name(d) for d in self.dtype_names]

@@ -56,7 +56,10 @@ from rlserve.transfer.protocol import InitInfo, UpdateInfo
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+#: ``sink(pairs)``: load / stage ``[(hf_name, tensor)]``. It may return the ``s64sum`` checksums of
+#: the tensors it read (int64 ``[len(pairs)]``, e.g. from a fused copy + checksum); only the ipc
+#: per-tensor path uses them, every other path ignores the return value.
+Sink = Callable[[list[tuple[str, torch.Tensor]]], "torch.Tensor | None"]
 
 
 def expected_checksum_count(info: UpdateInfo) -> int:
@@ -66,18 +69,26 @@ def expected_checksum_count(info: UpdateInfo) -> int:
     return len(info.names)
 
 
-def check_transport_fields(info: UpdateInfo, backend: str) -> None:
-    """Checks that need the plan (checksum count, ipc handle count). Raises WeightUpdateError."""
+def check_transport_fields(info: UpdateInfo, backend: str, known_ipc_refs=frozenset()) -> None:
+    """Checks that need the plan (checksum count, ipc handle count) or the server's state
+    (``known_ipc_refs``: the ``ipc_handles_ref`` names the workers hold). Raises WeightUpdateError."""
     if info.checksums is not None and len(info.checksums) != expected_checksum_count(info):
         raise WeightUpdateError(
             f"update_info.checksums has {len(info.checksums)} entries, expected {expected_checksum_count(info)} "
             f"({'one per bucket' if info.packed else 'one per tensor'})")
+    ref = info.ipc_handles_ref
     if backend == "ipc":
         n = expected_checksum_count(info)
-        if info.ipc_handles is None or len(info.ipc_handles) != n:
+        if ref is not None and info.packed:
+            raise WeightUpdateError("update_info.ipc_handles_ref is for per-tensor handles (packed=false) only")
+        if info.ipc_handles is None and ref is not None:
+            if ref not in known_ipc_refs:
+                raise WeightUpdateError(f"update_info.ipc_handles_ref {ref!r} is unknown to this server (a new "
+                                        "transfer engine, or not used by the last update): send ipc_handles with it")
+        elif info.ipc_handles is None or len(info.ipc_handles) != n:
             raise WeightUpdateError(f"the ipc backend needs update_info.ipc_handles with one handle per "
                                     f"{'bucket' if info.packed else 'tensor'} ({n})")
-    elif info.ipc_handles is not None:
+    elif info.ipc_handles is not None or ref is not None:
         raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
 
 
@@ -107,6 +118,10 @@ class WeightReceiver:
         # parameter once); entries unused during a session are dropped at its end
         self._ipc_cache: dict[tuple, torch.Tensor] = {}
         self._ipc_used: set[tuple] = set()
+        # ipc_handles_ref -> (cache keys, mapped tensors) of a whole handle list; dropped at the end
+        # of a session that did not use it
+        self._ipc_sets: dict[str, tuple[list[tuple], list[torch.Tensor]]] = {}
+        self._ipc_sets_used: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -138,6 +153,8 @@ class WeightReceiver:
         self._bufs.release()
         self._ipc_cache.clear()
         self._ipc_used.clear()
+        self._ipc_sets.clear()
+        self._ipc_sets_used.clear()
 
     # ------------------------------------------------------------------ receive
     def wire_device(self) -> torch.device:
@@ -308,18 +325,53 @@ class WeightReceiver:
     def end_session(self) -> None:
         """Drop cached IPC mappings not used since the previous call (the trainer's memory they
         pin is released)."""
+        for r in [r for r in self._ipc_sets if r not in self._ipc_sets_used]:
+            del self._ipc_sets[r]
+        self._ipc_sets_used.clear()
+        for keys, _ts in self._ipc_sets.values():
+            self._ipc_used.update(keys)
         for k in [k for k in self._ipc_cache if k not in self._ipc_used]:
             del self._ipc_cache[k]
         self._ipc_used.clear()
 
-    def _map_cached(self, handle: dict, what: str) -> torch.Tensor:
+    @property
+    def ipc_refs(self) -> set[str]:
+        """The ``ipc_handles_ref`` names this receiver can resolve."""
+        return set(self._ipc_sets)
+
+    def _map_cached(self, handle: dict, what: str) -> tuple[tuple, torch.Tensor]:
         key = tuple(str(handle.get(k)) for k in ("handle", "device_uuid", "storage_offset_bytes",
                                                  "tensor_offset", "size", "stride", "dtype"))
         t = self._ipc_cache.get(key)
         if t is None:
             t = self._ipc_cache[key] = self._map(handle, what)
         self._ipc_used.add(key)
-        return t
+        return key, t
+
+    def _mapped_list(self, info: UpdateInfo) -> list[torch.Tensor]:
+        """The mapped tensors of a per-tensor ipc call: from ``ipc_handles`` (kept under
+        ``ipc_handles_ref`` when one is given) or, without handles, the list kept under the ref.
+        Raises WeightUpdateError (unknown ref, wrong count) / WeightTransferFailedError (mapping)."""
+        ref = info.ipc_handles_ref
+        if info.ipc_handles is None:
+            if ref not in self._ipc_sets:
+                raise WeightUpdateError(f"ipc_handles_ref {ref!r} is unknown to this worker: send ipc_handles with it")
+            keys, tensors = self._ipc_sets[ref]
+            if len(tensors) != len(info.names):
+                raise WeightUpdateError(f"ipc_handles_ref {ref!r} names {len(tensors)} tensors, this call "
+                                        f"{len(info.names)}")
+            self._ipc_used.update(keys)
+        else:
+            keys, tensors = [], []
+            for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
+                k, t = self._map_cached(handle, f"ipc tensor {name!r} ({i + 1}/{len(info.names)})")
+                keys.append(k)
+                tensors.append(t)
+            if ref is not None:
+                self._ipc_sets[ref] = (keys, tensors)
+        if ref is not None:
+            self._ipc_sets_used.add(ref)
+        return tensors
 
     def _map(self, handle: dict, what: str) -> torch.Tensor:
         from rlserve.transfer.ipc import import_handle
@@ -342,39 +394,56 @@ class WeightReceiver:
         """Packed: one handle per bucket (a uint8 buffer laid out by the plan). Unpacked: one
         handle per tensor (the trainer's own tensors, read in place: no copy on its side)."""
         n = expected_checksum_count(info)
-        if info.ipc_handles is None or len(info.ipc_handles) != n:
+        if (info.ipc_handles is None and (info.packed or info.ipc_handles_ref is None)) or \
+                (info.ipc_handles is not None and len(info.ipc_handles) != n):
             raise WeightUpdateError(f"ipc: expected {n} handles, got "
                                     f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
         total = 0
         if not info.packed:
-            # map (cached across calls) and check every tensor, verify every checksum (one host
-            # sync), then hand the whole call to the sink at once: nothing loads on a mismatch
+            # map (cached across calls; a whole list under its ipc_handles_ref) and check every
+            # tensor, then hand the whole call to the sink at once and verify every checksum
             dtypes = info.dtypes()
             pairs = []
-            for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
+            t0 = time.perf_counter()
+            for i, (name, t) in enumerate(zip(info.names, self._mapped_list(info))):
                 what = f"ipc tensor {name!r} ({i + 1}/{n})"
-                t = self._map_cached(handle, what)
                 if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
                     raise WeightUpdateError(f"{what}: handle maps {t.dtype} {list(t.shape)}, update_info says "
                                             f"{dtypes[i]} {info.shapes[i]}")
                 pairs.append((name, t))
                 total += t.numel() * t.element_size()
-            if info.checksums is not None and pairs:
-                got = tensor_checksums(t for _, t in pairs)
-                for i, (g, e) in enumerate(zip(got, info.checksums)):
-                    if g != e:
-                        raise ChecksumMismatchError(
-                            f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {g} != announced {e}; "
-                            "nothing from this call was loaded")
+            t_map = time.perf_counter()
             devs = {t.device for _, t in pairs}
+            t_load = t_ck = t_map
+            fused = False
             if pairs:
-                sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
+                # The sink copies first; the checksums are compared after (the sources are the
+                # trainer's own tensors: reading them twice would double the cost). A sink that
+                # copied with MultiTensorSum returns the sums of what it read (one pass over the
+                # bytes); otherwise they are taken here, from the same sources, after the copy.
+                # A mismatch fails the update like a broken one: in place the server answers
+                # 503 until a full update lands, staged it is never committed.
+                ret = sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
+                t_load = time.perf_counter()
+                if info.checksums is not None:
+                    sums = ret if isinstance(ret, torch.Tensor) else None
+                    fused = sums is not None
+                    got = sums.tolist() if fused else tensor_checksums([t for _, t in pairs])
+                    for i, (g, e) in enumerate(zip(got, info.checksums)):
+                        if g != e:
+                            raise ChecksumMismatchError(
+                                f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {g} != announced {e} "
+                                "(the trainer's memory changed while the server read it?); the update is refused")
+                t_ck = time.perf_counter()
                 for d in devs:
                     self._ipc_done_reading(d)
             if on_bucket is not None:
                 for i in range(n):
                     on_bucket(i)
-            return {"bytes": total, "buckets": 1 if n else 0, "tensors": n}
+            t_end = time.perf_counter()
+            return {"bytes": total, "buckets": 1 if n else 0, "tensors": n, "checksums_fused": fused,
+                    "phases_s": {"map": t_map - t0, "load_queued": t_load - t_map, "checksum": t_ck - t_load,
+                                 "device_sync": t_end - t_ck}}
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
             what = f"ipc bucket {i + 1}/{len(plan)}"

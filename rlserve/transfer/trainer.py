@@ -39,6 +39,7 @@ rank calls ``send_weights``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import threading
 import time
@@ -111,20 +112,34 @@ class HTTPWeightSyncClient:
         self.base_url = base_url.rstrip("/")
         self.admin_key = admin_key
         self.timeout_s = float(timeout_s)
-        self._session = requests.Session()
-        self._lock = threading.Lock()
+        self._local = threading.local()  # one keep-alive requests.Session per calling thread
 
     def _headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+        h = {"Content-Type": "application/json"}
+        if self.admin_key:
+            h["Authorization"] = f"Bearer {self.admin_key}"
+        return h
+
+    def _http(self):
+        """This thread's ``requests.Session`` (calls run concurrently from several threads; a
+        session per thread keeps its connection alive: no TCP connect per call)."""
+        import requests
+
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+        return s
 
     def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
         import requests
 
         url = f"{self.base_url}{route}"
         timeout = (self.connect_timeout_s, max(self.timeout_s, timeout_s or 0.0))
+        # the standard library's C encoder: requests' own json= path may pick simplejson, which
+        # took ~4 ms for an update_info of 399 ipc handles
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            # a fresh connection per call: calls run concurrently from several threads
-            r = requests.request(method, url, json=body, headers=self._headers(), timeout=timeout)
+            r = self._http().request(method, url, data=data, headers=self._headers(), timeout=timeout)
         except requests.Timeout as e:
             raise TransferTimeoutError(f"{route}: no answer from {self.base_url} within {timeout[1]:.0f} s") from e
         except requests.RequestException as e:
@@ -376,7 +391,10 @@ class TrainerWeightTransferEngine:
         init_info: the trainer init info.
         client: the HTTP client (``None`` on ranks != 0).
         source: the weight source.
-        last_stats: ``{"bytes", "buckets", "seconds", "gbps", ...}`` of the last ``send_weights``.
+        last_stats: ``{"bytes", "buckets", "seconds", "gbps", "phases_s", ...}`` of the last
+            ``send_weights``; ``phases_s`` (seconds): ``metadata``, ``checksum_pass`` (gloo / NCCL:
+            the per-tensor checksums before the data), ``start_call``, ``send`` (data + the
+            ``update_weights`` call(s)), ``finish_call``.
     """
 
     def __init__(self, init_info: TrainerInitInfo, client: HTTPWeightSyncClient | None, source):
@@ -455,18 +473,24 @@ class TrainerWeightTransferEngine:
             return {}
         if getattr(self, "_broken", False):
             self.reinit()
+        t_meta = time.perf_counter()
         info.checksums = self._checksum_pass(info)
         declared = info.to_dict()
+        t_ck = time.perf_counter()
         self.client.start_weight_update(declared)
+        t_start = time.perf_counter()
         try:
             stats = self._send(info, declared)
         except BaseException:
             self._broken = True
             self._teardown()
             raise
+        t_send = time.perf_counter()
         fin = self.client.finish_weight_update(weight_version)
         secs = time.perf_counter() - t0
         stats.update(total_seconds=secs, weight_version=fin.get("weight_version"))
+        stats["phases_s"] = {"metadata": t_meta - t0, "checksum_pass": t_ck - t_meta, "start_call": t_start - t_ck,
+                             "send": t_send - t_start, "finish_call": t0 + secs - t_send}
         if stats.get("bytes") and stats.get("seconds"):
             stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9
         self.last_stats = stats
@@ -627,9 +651,46 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
     def _connect(self) -> None:
         self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
+        self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
+        self._sum_op: tuple[tuple, object] | None = None  # (batch key, MultiTensorSum)
 
     def _teardown(self) -> None:
         self._exported = {}
+        self._batch_ref = None
+        self._sum_op = None
+
+    @staticmethod
+    def _batch_key(slots, tensors) -> tuple:
+        return tuple((s.name, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for s, t in zip(slots, tensors))
+
+    def _batch_checksums(self, key: tuple, tensors: list[torch.Tensor]) -> list[int]:
+        """``s64sum`` of the persistent tensors: one Triton launch, its chunk table kept while the
+        tensors stay where they are (else one reduction per tensor)."""
+        from rlserve.transfer.multi_tensor import MultiTensorSum
+
+        if self._sum_op is None or self._sum_op[0] != key:
+            self._sum_op = (key, MultiTensorSum.build(tensors))
+        op = self._sum_op[1]
+        return op.run().tolist() if op is not None else tensor_checksums(tensors)
+
+    def _batch_call(self, make_info: Callable[[list | None, str], UpdateInfo], key: tuple,
+                    handles: Callable[[], list[dict]]) -> dict:
+        """The ``update_weights`` call of the persistent tensors: only a ref to the handle list
+        when the server holds it from the previous sync, else the handles under a new ref (also
+        when the server answers that it does not know the ref)."""
+        t = self.init_info.timeout_s
+        if self._batch_ref is not None and self._batch_ref[0] == key:
+            try:
+                return self.client.update_weights(make_info(None, self._batch_ref[1]).to_dict(), t)
+            except WeightSyncHTTPError as e:
+                if e.status_code != 400 or "ipc_handles_ref" not in e.message:
+                    raise
+                logger.info("server does not hold the ipc handle list any more: sending the handles")
+        self._batch_ref = None
+        ref = uuid.uuid4().hex
+        ans = self.client.update_weights(make_info(handles(), ref).to_dict(), t)
+        self._batch_ref = (key, ref)
+        return ans
 
     def _persistent_storages(self) -> set[int]:
         """Storage pointers of tensors living across syncs (a :class:`ModuleSource`'s module
@@ -678,6 +739,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         total = 0
         persistent = self._persistent_storages() if not info.packed else set()
         batch: list[tuple] = []  # (slot, tensor) of persistent tensors: one call at the end
+        phases: dict[str, float] = {}
 
         def submit(key: int, slots, handles, checksums, keep) -> None:
             sub = UpdateInfo(
@@ -687,9 +749,11 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 checksums=checksums, partial=True, ipc_handles=handles)
             futs[key] = (self._pool.submit(self.client.update_weights, sub.to_dict(), ii.timeout_s), keep)
 
+        answers: dict[int, dict] = {}
+
         def wait(bi: int) -> None:
             fut, _keep = futs.pop(bi)
-            fut.result(timeout=ii.timeout_s + 30)
+            answers[bi] = fut.result(timeout=ii.timeout_s + 30)
 
         try:
             for bi, b in enumerate(plan):
@@ -724,19 +788,36 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 raise ValueError("source yielded more tensors than announced")
             if batch:
                 tensors = [t for _, t in batch]
-                checksums = tensor_checksums(tensors) if ii.checksums else None
+                slots = [s for s, _ in batch]
+                key = self._batch_key(slots, tensors)
+                t_b = time.perf_counter()
+                checksums = self._batch_checksums(key, tensors) if ii.checksums else None
                 torch.cuda.current_stream(self.device).synchronize()
-                submit(len(plan), [s for s, _ in batch], [self._handle(t, persistent) for t in tensors],
-                       checksums, tensors)
+                t_ck = time.perf_counter()
+
+                def make_info(handles, ref, slots=slots, checksums=checksums):
+                    return UpdateInfo(
+                        names=[s.name for s in slots], dtype_names=[dtype_to_name(s.dtype) for s in slots],
+                        shapes=[list(s.shape) for s in slots], packed=False,
+                        packed_buffer_size_bytes=info.packed_buffer_size_bytes, packed_num_buffers=nbuf,
+                        checksums=checksums, partial=True, ipc_handles=handles, ipc_handles_ref=ref)
+
+                fut = self._pool.submit(self._batch_call, make_info, key,
+                                        lambda tensors=tensors: [self._handle(t, persistent) for t in tensors])
+                futs[len(plan)] = (fut, tensors)
+                phases.update(checksums=t_ck - t_b)
+            t_w = time.perf_counter()
             for bi in sorted(futs):
                 wait(bi)
+            phases["wait_calls"] = time.perf_counter() - t_w
         finally:
             for f, _keep in futs.values():  # never free memory the server may still read
                 try:
                     f.result(timeout=ii.timeout_s + 30)
                 except BaseException:
                     pass
-        return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0}
+        return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0, "ipc_phases_s": phases,
+                "server": answers[max(answers)] if answers else {}}
 
 
 class FollowerTrainerEngine(TrainerWeightTransferEngine):

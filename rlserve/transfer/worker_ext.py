@@ -67,6 +67,7 @@ class WorkerTransferState:
         self.ops: dict[str, _Op] = {}
         self.staging: dict[str, torch.Tensor] = {}
         self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
+        self.stage_ops: dict[tuple, object] = {}  # fused copy + checksum into staging_bufs (last key)
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
         self.lock = threading.Lock()
@@ -84,6 +85,7 @@ class WorkerTransferState:
         self.init = None
         self.staging = {}
         self.staging_bufs = {}
+        self.stage_ops = {}
         self.plans = {}
         self.plans_used = set()
         old = self.pool
@@ -113,25 +115,56 @@ def _params_signature(worker) -> tuple:
     return tuple(p.data_ptr() for p in worker.model.parameters())
 
 
-def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple) -> bool:
+def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
+                     want_sums: bool = False) -> tuple[bool, torch.Tensor | None]:
     """``_load(worker, pairs)`` for sources that sit at the same addresses on every update: the
     first load is recorded, later ones replay its copies (see :mod:`rlserve.transfer.copy_plan`).
-    ``params_sig``: :func:`_params_signature` (taken once per update, not per bucket). Returns
-    whether this load was a replay."""
+    ``params_sig``: :func:`_params_signature` (taken once per update, not per bucket).
+    ``want_sums``: a replay copies and checksums the sources in one pass where it can. Returns
+    ``(replayed, sums or None)``."""
     key = (plan_key(pairs), params_sig)
     st.plans_used.add(key)
     if key in st.plans:
         plan = st.plans[key]
         if plan is not None:
+            if want_sums:
+                return True, plan.replay_with_checksums([t for _, t in pairs])
             plan.replay()
-            return True
+            return True, None
         _load(worker, pairs)
-        return False
+        return False, None
     plan, why = record_load(lambda p: _load(worker, p), pairs)
     if plan is None:
         logger.info("weight load not replayable (%s): load_weights runs on every update", why)
     st.plans[key] = plan
-    return False
+    return False, None
+
+
+def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
+           want_sums: bool) -> torch.Tensor | None:
+    """Copy ``pairs`` into the (reused) staging tensors. With ``want_sums`` and CUDA sources of
+    the staging dtypes, one fused copy + checksum launch (its sums are returned), else one
+    ``copy_`` per tensor (``None``)."""
+    dsts = []
+    for name, t in pairs:
+        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        dst = st.staging_bufs.get(name)
+        if dst is None or dst.shape != t.shape or dst.dtype != dt or dst.device != dev:
+            dst = st.staging_bufs[name] = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
+        st.staging[name] = dst
+        dsts.append(dst)
+    if want_sums and all(d.dtype == t.dtype and d.is_cuda for d, (_, t) in zip(dsts, pairs)):
+        from rlserve.transfer.multi_tensor import MultiTensorSum
+
+        key = tuple((t.data_ptr(), d.data_ptr(), t.numel(), t.dtype) for d, (_, t) in zip(dsts, pairs))
+        if key not in st.stage_ops:
+            st.stage_ops = {key: MultiTensorSum.build([t for _, t in pairs], dsts)}  # the last one only
+        op = st.stage_ops[key]
+        if op is not None:
+            return op.run()
+    for d, (_, t) in zip(dsts, pairs):
+        d.copy_(t, non_blocking=pin)
+    return None
 
 
 def _post_load(worker) -> None:
@@ -198,27 +231,28 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
         # sources at fixed addresses: mapped ipc tensors, packed buffers on the worker's device
         stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
         params_sig = _params_signature(worker) if stable and staging == "none" else ()
+        # ipc per-tensor: the receiver compares checksums after the copy; a fused copy + checksum
+        # reads each byte once
+        want_sums = receiver.init.backend == "ipc" and not info.packed and info.checksums is not None
         if staging == "none":
             def sink(pairs):
+                sums = None
                 if stable:
-                    op.replayed += _load_replayable(worker, st, pairs, params_sig)
+                    replayed, sums = _load_replayable(worker, st, pairs, params_sig, want_sums)
+                    op.replayed += replayed
                 else:
                     _load(worker, pairs)
                 op.applied += 1
+                return sums
         else:
             dtype = _stage_dtype(worker)
             pin = staging == "host" and torch.cuda.is_available()
             dev = worker.device if staging == "device" else torch.device("cpu")
 
             def sink(pairs):
-                for name, t in pairs:
-                    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-                    dst = st.staging_bufs.get(name)
-                    if dst is None or dst.shape != t.shape or dst.dtype != dt or dst.device != dev:
-                        dst = st.staging_bufs[name] = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
-                    dst.copy_(t, non_blocking=pin)
-                    st.staging[name] = dst
+                sums = _stage(st, pairs, dtype, dev, pin, want_sums and staging == "device")
                 op.staged += 1
+                return sums
         try:
             stats = receiver.receive(info, sink)
         finally:
@@ -286,7 +320,7 @@ def commit(worker) -> dict:
     pairs = list(staged.items())
     replayed = False
     if all(st.staging_bufs.get(n) is t for n, t in pairs):
-        replayed = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
+        replayed, _ = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
         st.drop_unused_plans()
     else:
         _load(worker, pairs)
@@ -314,6 +348,7 @@ def discard(worker) -> None:
     st = _state(worker)
     st.staging = {}
     st.staging_bufs = {}
+    st.stage_ops = {}
 
 
 def shutdown_transfer(worker) -> None:

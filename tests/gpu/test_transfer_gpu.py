@@ -300,3 +300,100 @@ def test_nccl_tp2_server_trainer_on_third_gpu(tiny_model):
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
         assert rep["compare"]["match"], rep["compare"]
         eng.shutdown()
+
+
+# --------------------------------------------------------------------------- one-launch checksums, handle refs
+def test_multi_tensor_sum_gpu_equals_per_tensor():
+    """The Triton chunk-table kernel gives every tensor's s64sum exactly (odd byte tails, chunks
+    spanning tensors) and copies every byte; misaligned tensors are refused."""
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.packing import as_bytes, checksum_tensor
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    srcs = [torch.randn(n, device="cuda", generator=g).to(dt) for n, dt in
+            [(3 << 20, torch.bfloat16), (4097, torch.float32), (13, torch.float16), (3, torch.bfloat16),
+             (1 << 21, torch.float32), (1, torch.float32)]]
+    srcs.append(torch.randint(-2**62, 2**62, (1 << 20,), device="cuda", dtype=torch.int64, generator=g))
+    dsts = [torch.zeros_like(s) for s in srcs]
+    want = [int(checksum_tensor(as_bytes(s))) for s in srcs]
+    for chunk in (1 << 20, 1000):
+        op = MultiTensorSum.build(srcs, dsts, chunk_words=chunk)
+        assert op is not None
+        assert op.run().tolist() == want
+        assert all(torch.equal(as_bytes(s), as_bytes(d)) for s, d in zip(srcs, dsts))
+        assert MultiTensorSum.build(srcs, chunk_words=chunk).run().tolist() == want
+    buf = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    assert MultiTensorSum.build([buf[4:36]]) is None
+
+
+class _RecordingClient(HTTPWeightSyncClient):
+    """Records, per update_weights call, whether it carried handles and the server's answer."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = []
+
+    def update_weights(self, update_info, timeout_s=None):
+        ans = super().update_weights(update_info, timeout_s)
+        self.calls.append({"handles": update_info.get("ipc_handles") is not None,
+                           "ref": update_info.get("ipc_handles_ref"), "answer": ans})
+        return ans
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging):
+    """Per-tensor ipc: the first sync sends the handles under a ref, later ones only the ref and
+    the server copies + checksums in one fused pass; a ref the server does not hold is refused
+    and the SDK resends the handles; checksums equal the trainer's every time."""
+    path = tiny_model("llama")
+    hf = load_hf(path, "cuda:0", torch.bfloat16)
+    with serve(path, "ipc", staging=staging) as srv:
+        client = _RecordingClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=False, timeout_s=60), client=client, source=ModuleSource(hf))
+        for v in range(3):
+            eng.send_weights()
+            rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+            assert rep["compare"]["match"], rep["compare"]
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.mul_(0.99)
+        assert [c["handles"] for c in client.calls] == [True, False, False]
+        assert len({c["ref"] for c in client.calls}) == 1
+        _report(f"ipc_ref_answers[{staging}]", [c["answer"] for c in client.calls])
+        assert client.calls[-1]["answer"]["checksums_fused"] is True
+        key, _ref = eng._batch_ref
+        eng._batch_ref = (key, "not-a-ref-the-server-holds")
+        eng.send_weights()
+        assert [c["handles"] for c in client.calls[3:]] == [True]  # refused (400), then resent with handles
+        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        assert rep["compare"]["match"]
+        eng.shutdown()
+
+
+def test_ipc_fused_checksum_mismatch_refuses_update(tiny_model):
+    """A checksum that disagrees with what the fused copy read fails the update: in place the
+    server answers 503 until a full update lands; the next correct sync restores service."""
+    from rlserve.transfer.trainer import WeightSyncHTTPError
+
+    path = tiny_model("llama")
+    hf = load_hf(path, "cuda:0", torch.bfloat16)
+    with serve(path, "ipc") as srv:
+        client = _RecordingClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=False, timeout_s=60), client=client, source=ModuleSource(hf))
+        eng.send_weights()
+        eng.send_weights()
+        assert client.calls[-1]["answer"]["checksums_fused"] is True
+        good = eng._batch_checksums
+        eng._batch_checksums = lambda key, ts: [c + (i == 3) for i, c in enumerate(good(key, ts))]
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert "checksum" in str(ei.value)
+        assert generate(srv.url).status_code == 503
+        eng._batch_checksums = good
+        eng.send_weights()
+        assert generate(srv.url).status_code == 200
+        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        assert rep["compare"]["match"]
+        eng.shutdown()

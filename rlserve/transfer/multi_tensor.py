@@ -1,0 +1,152 @@
+"""One-launch ``s64sum`` checksums (and copies) of many CUDA tensors.
+
+A weight update of an 8B model is ~400 tensors. Checksumming them one ``Tensor.sum()`` at a
+time costs ~400 reductions, each with its launch and a partial wave of blocks: 12.7 ms on an
+H200 for Qwen3-8B's 16.4 GB, where one flat sum of the same bytes takes 3.9 ms. And the server
+read every byte twice: once to checksum the trainer's tensors, once to copy them into its
+parameters (``_foreach_copy_``: 11.7 ms; one flat ``copy_``: 7.7 ms).
+
+:class:`MultiTensorSum` cuts every tensor into chunks of at most :data:`CHUNK_WORDS` int64 words
+and runs one Triton kernel over the chunk table (``chunk -> source address, destination address,
+words``): each program sums its chunk's words as wrapping int64 (and, when destinations are
+given, stores them there: a copy), and writes one partial sum; partial sums are added per tensor
+with ``index_add_`` (integer addition mod 2^64 is associative, so the result is exactly
+:func:`rlserve.transfer.packing.checksum_tensor` of each source's bytes, whatever the chunking).
+The copy and the checksum are then one pass over the sources.
+
+Requirements (else :meth:`MultiTensorSum.build` returns ``None`` and callers keep the
+per-tensor path): Triton importable, every tensor contiguous on one CUDA device, every address
+8-byte aligned, each destination the same number of bytes as its source. Bytes past the last
+whole int64 word of a tensor (sizes not a multiple of 8) are added on the host side with
+``checksum_tensor`` of that tail.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+#: Words (8 bytes) per chunk: 8 MiB, so a 16 GB update is ~2,000 programs (many waves on 132 SMs).
+CHUNK_WORDS = 1 << 20
+#: Words each program moves per loop iteration.
+BLOCK_WORDS = 2048
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The Triton kernel, compiled on first use (``None`` when Triton is missing)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_sum(src_ptrs, dst_ptrs, words, partial, COPY: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        src = tl.load(src_ptrs + c).to(tl.pointer_type(tl.int64))
+        n = tl.load(words + c)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        if COPY:
+            dst = tl.load(dst_ptrs + c).to(tl.pointer_type(tl.int64))
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(src + offs, mask=m, other=0)
+            if COPY:
+                tl.store(dst + offs, x, mask=m)
+            acc += x
+        tl.store(partial + c, tl.sum(acc, axis=0))
+
+    return copy_sum
+
+
+def available() -> bool:
+    """Whether the kernel can run here (Triton importable and CUDA present)."""
+    return torch.cuda.is_available() and _kernel() is not None
+
+
+class MultiTensorSum:
+    """A prepared one-launch checksum (optionally copy) over fixed tensors.
+
+    Build once with :meth:`build` for tensors that stay where they are (mapped ipc tensors,
+    parameters), then :meth:`run` every update. Holds references to every tensor given.
+
+    Attributes:
+        n: number of sources.
+    """
+
+    def __init__(self, srcs, dsts, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                 tails: list[tuple[int, torch.Tensor, torch.Tensor | None]]):
+        self._srcs, self._dsts = list(srcs), None if dsts is None else list(dsts)
+        self._src_ptrs, self._dst_ptrs, self._words, self._owner = table
+        self._tails = tails
+        self.n = len(self._srcs)
+        self.device = self._srcs[0].device if self._srcs else None
+
+    @classmethod
+    def build(cls, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None = None,
+              chunk_words: int = CHUNK_WORDS, _allow_cpu: bool = False) -> "MultiTensorSum | None":
+        """Prepare the chunk table for ``srcs`` (and ``dsts``: copy ``srcs[i]`` into ``dsts[i]``).
+
+        Args:
+            srcs: contiguous CUDA tensors, any dtypes, one device.
+            dsts: ``None`` (checksums only) or contiguous tensors of the same byte sizes on the
+                same device (dtypes may differ: bytes are copied as they are).
+            chunk_words: int64 words per program.
+            _allow_cpu: accept CPU tensors (tests only: Triton's interpreter, ``TRITON_INTERPRET=1``).
+        Returns:
+            The prepared op, or ``None`` when the requirements of the module docstring are not met.
+        """
+        if not srcs or _kernel() is None or not (_allow_cpu or available()):
+            return None
+        dev = srcs[0].device
+        pairs = list(zip(srcs, dsts)) if dsts is not None else [(s, None) for s in srcs]
+        if dsts is not None and len(dsts) != len(srcs):
+            return None
+        src_ptrs: list[int] = []
+        dst_ptrs: list[int] = []
+        words: list[int] = []
+        owner: list[int] = []
+        tails = []
+        for i, (s, d) in enumerate(pairs):
+            nb = s.numel() * s.element_size()
+            if s.device != dev or not (s.is_cuda or _allow_cpu) or not s.is_contiguous() or s.data_ptr() % 8:
+                return None
+            if d is not None and (d.device != dev or not d.is_contiguous() or d.data_ptr() % 8
+                                  or d.numel() * d.element_size() != nb):
+                return None
+            full = nb // 8
+            if nb % 8:
+                su8 = s.reshape(-1).view(torch.uint8)[full * 8:]
+                du8 = None if d is None else d.reshape(-1).view(torch.uint8)[full * 8:]
+                tails.append((i, su8, du8))
+            for w0 in range(0, full, chunk_words):
+                src_ptrs.append(s.data_ptr() + 8 * w0)
+                dst_ptrs.append(0 if d is None else d.data_ptr() + 8 * w0)
+                words.append(min(chunk_words, full - w0))
+                owner.append(i)
+        mk = functools.partial(torch.tensor, dtype=torch.int64, device=dev)
+        table = (mk(src_ptrs), mk(dst_ptrs), mk(words), mk(owner))
+        return cls(srcs, dsts, table, tails)
+
+    def run(self) -> torch.Tensor:
+        """Queue the kernel on the current stream (asynchronous); returns the per-source ``s64sum``
+        checksums as an int64 tensor of shape ``[n]`` on the device (read it with
+        :func:`rlserve.transfer.packing.checksum_values` or ``.tolist()``)."""
+        from rlserve.transfer.packing import checksum_tensor
+
+        out = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        nchunks = self._words.numel()
+        if nchunks:
+            partial = torch.empty(nchunks, dtype=torch.int64, device=self.device)
+            _kernel()[(nchunks,)](self._src_ptrs, self._dst_ptrs, self._words, partial,
+                                  COPY=self._dsts is not None, BLOCK=BLOCK_WORDS, num_warps=8)
+            out.index_add_(0, self._owner, partial)
+        for i, su8, du8 in self._tails:
+            if du8 is not None:
+                du8.copy_(su8)
+            out[i] += checksum_tensor(su8)
+        return out
