@@ -348,3 +348,37 @@ def test_finished_op_answers_until_forgotten():
     worker_ext.forget(worker, "op1")
     gone = worker_ext.poll(worker, "op1")
     assert gone["done"] and not gone["ok"] and gone["error_type"] == "TransferAbortedError"
+
+
+def test_sync_weights_one_call(llama):
+    """``POST /sync_weights``: start + update + finish in one call (the broadcast runs while it
+    is open, as with update_weights); same result and version as the three calls; a refused
+    body is a 400 that leaves no session open."""
+    import concurrent.futures as cf
+
+    from rlserve.transfer.sender import send_packed
+
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        info = eng._metadata_info(False)
+        info.checksums = eng._checksum_pass(info)
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(eng.client.sync_weights, info.to_dict(), "one-call-7")
+            send_packed(eng.group, info, ModuleSource(hf).named_tensors(), torch.device("cpu"))
+            fin = fut.result(timeout=60)
+        assert fin["weight_version"] == "one-call-7" and fin["full"] is True
+        assert fin["update"]["tensors"] == len(info.names) and fin["update"]["bytes"] > 0
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        assert httpx.get(srv.url + "/weight_info").json()["state"] == "ready"
+        assert not srv.aengine.is_paused()
+        for body, msg in (({"update_info": "x"}, "update_info"), ([], "JSON object")):
+            r = httpx.post(srv.url + "/sync_weights", json=body, timeout=30)
+            assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
+        bad = {**info.to_dict(), "names": ["no.such.weight"] + info.names[1:]}
+        r = httpx.post(srv.url + "/sync_weights", json={"update_info": bad}, timeout=30)
+        assert r.status_code == 400 and "unknown parameter" in r.json()["error"]["message"]
+        st = httpx.get(srv.url + "/weight_info").json()
+        assert st["session"] is None and not srv.aengine.is_paused()
+        assert server_greedy(srv.url).json()["weight_version"] == "one-call-7"
+        eng.shutdown()

@@ -30,10 +30,11 @@ every step bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Optional
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -96,6 +97,34 @@ class FinishBody(BaseModel):
     weight_version: Optional[str | int] = None
 
 
+class SyncBody(BaseModel):
+    update_info: dict
+    weight_version: Optional[str | int] = None
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """OpenAPI request body of a route that parses its JSON itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def _json_object(request: Request, required: tuple[str, ...]) -> dict:
+    """The request's JSON object, parsed with the standard library (no pydantic pass over a body
+    of hundreds of KB: the ipc handles of an 8B model are ~290 KB). Raises WeightUpdateError
+    (400): not JSON, not an object, a required key missing or not an object."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise WeightUpdateError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise WeightUpdateError("the request body must be a JSON object")
+    for k in required:
+        if not isinstance(body.get(k), dict):
+            raise WeightUpdateError(f"the request body needs {k!r}: a JSON object")
+    if "weight_version" in body and not isinstance(body["weight_version"], (str, int, type(None))):
+        raise WeightUpdateError("weight_version must be a string, an integer or null")
+    return body
+
+
 class CheckerBody(BaseModel):
     compare: Optional[dict[str, str]] = None
 
@@ -139,10 +168,24 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
         """Open an update session (optionally declaring the whole update for early validation)."""
         return await _call(manager.start_update(body.update_info if body else None))
 
-    @router.post("/update_weights")
-    async def update_weights(body: UpdateBody):
+    @router.post("/update_weights", openapi_extra=_body_schema(UpdateBody))
+    async def update_weights(request: Request):
         """Receive (and load or stage) the tensors described by ``update_info``."""
-        return await _call(manager.update_weights(body.update_info))
+        try:
+            body = await _json_object(request, ("update_info",))
+        except WeightUpdateError as e:
+            return error_response(e)
+        return await _call(manager.update_weights(body["update_info"]))
+
+    @router.post("/sync_weights", openapi_extra=_body_schema(SyncBody))
+    async def sync_weights(request: Request):
+        """start + update + finish in one call (rlserve extension; the SDK's ipc per-tensor path)."""
+        try:
+            body = await _json_object(request, ("update_info",))
+        except WeightUpdateError as e:
+            return error_response(e)
+        v = body.get("weight_version")
+        return await _call(manager.sync_weights(body["update_info"], None if v is None else str(v)))
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: Optional[FinishBody] = Body(None)):

@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _COPY = torch.ops.aten.copy_.default
+_UNSET = object()
 _CONSTANT_FILLS = (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
 
 
@@ -56,14 +57,25 @@ class CopyPlan:
         self._fast = (fast_d, fast_s)
         self._slow = slow
         self._fused: dict[tuple, object] = {}  # sources' addresses -> MultiTensorSum (None: cannot)
+        self._copy_op = _UNSET  # MultiTensorSum over the fast pairs (None: use _foreach_copy_)
 
     def replay(self) -> None:
-        """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA)."""
+        """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA).
+        The same-dtype contiguous copies go in one launch: the Triton chunk-table copy where it
+        can run (Qwen3-8B's 399 tensors on an H200: ~8 ms, the speed of one flat ``copy_``), else
+        ``_foreach_copy_`` (~12 ms there)."""
         for func, args, kwargs in self._fills:
             func(*args, **kwargs)
         d, s = self._fast
         if d:
-            torch._foreach_copy_(d, s)
+            if self._copy_op is _UNSET:
+                from rlserve.transfer.multi_tensor import MultiTensorSum
+
+                self._copy_op = MultiTensorSum.build(s, d) if d[0].is_cuda else None
+            if self._copy_op is not None:
+                self._copy_op.run()
+            else:
+                torch._foreach_copy_(d, s)
         for dst, src in self._slow:
             dst.copy_(src)
 

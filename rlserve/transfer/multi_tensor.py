@@ -68,6 +68,20 @@ def available() -> bool:
     return torch.cuda.is_available() and _kernel() is not None
 
 
+def warmup(device: torch.device) -> None:
+    """Compile both kernel variants (checksum only, copy + checksum) on ``device`` now: the
+    first compile takes ~1 s, which must not land inside a staged commit's pause. No-op
+    without CUDA or Triton."""
+    device = torch.device(device)
+    if device.type != "cuda" or not available():
+        return
+    with torch.cuda.device(device):
+        src = torch.zeros(64, dtype=torch.int64, device=device)
+        MultiTensorSum.build([src]).run()
+        MultiTensorSum.build([src], [torch.empty_like(src)]).run()
+        torch.cuda.synchronize(device)
+
+
 class MultiTensorSum:
     """A prepared one-launch checksum (optionally copy) over fixed tensors.
 

@@ -130,6 +130,10 @@ class WeightReceiver:
         Raises:
             TransferTimeoutError, WeightTransferFailedError.
         """
+        if self.device.type == "cuda":
+            from rlserve.transfer.multi_tensor import warmup
+
+            warmup(self.device)  # the one-launch checksum / copy kernels, compiled before any update
         if self.init.backend == "ipc":
             return
         if self.device.type == "cuda":

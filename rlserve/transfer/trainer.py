@@ -177,6 +177,14 @@ class HTTPWeightSyncClient:
     def update_weights(self, update_info: dict, timeout_s: float | None = None) -> dict:
         return self._call("POST", "/update_weights", {"update_info": update_info}, timeout_s)
 
+    def sync_weights(self, update_info: dict, weight_version: str | None = None,
+                     timeout_s: float | None = None) -> dict:
+        """rlserve's one-call update (start + update + finish): ``POST /sync_weights``."""
+        body = {"update_info": update_info}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._call("POST", "/sync_weights", body, timeout_s)
+
     def finish_weight_update(self, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
         body = {} if weight_version is None else {"weight_version": str(weight_version)}
         return self._call("POST", "/finish_weight_update", body, timeout_s)
@@ -415,6 +423,11 @@ class TrainerWeightTransferEngine:
     def _teardown(self) -> None:
         pass
 
+    def _send_one_call(self, info: UpdateInfo, weight_version: str | None) -> tuple[dict, dict] | None:
+        """Subclasses that can push the whole update in one ``/sync_weights`` call do it here and
+        return ``(stats, finish answer)``; ``None``: use start / update / finish."""
+        return None
+
     @property
     def is_sender(self) -> bool:
         return self.init_info.rank == 0
@@ -474,6 +487,21 @@ class TrainerWeightTransferEngine:
         if getattr(self, "_broken", False):
             self.reinit()
         t_meta = time.perf_counter()
+        try:
+            one = self._send_one_call(info, weight_version)
+        except BaseException:
+            self._broken = True
+            self._teardown()
+            raise
+        if one is not None:
+            stats, fin = one
+            secs = time.perf_counter() - t0
+            stats.update(total_seconds=secs, weight_version=fin.get("weight_version"))
+            stats.setdefault("phases_s", {})["metadata"] = t_meta - t0
+            if stats.get("bytes") and stats.get("seconds"):
+                stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9
+            self.last_stats = stats
+            return fin
         info.checksums = self._checksum_pass(info)
         declared = info.to_dict()
         t_ck = time.perf_counter()
@@ -649,6 +677,9 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
             self._connect()
 
     def _connect(self) -> None:
+        from rlserve.transfer.multi_tensor import warmup
+
+        warmup(self.device)  # compile the one-launch checksum kernel now, not in the first sync
         self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
         self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
@@ -660,8 +691,9 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._sum_op = None
 
     @staticmethod
-    def _batch_key(slots, tensors) -> tuple:
-        return tuple((s.name, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for s, t in zip(slots, tensors))
+    def _batch_key(names, tensors) -> tuple:
+        """What the server's copy of a handle list depends on: names and the tensors' memory."""
+        return tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for n, t in zip(names, tensors))
 
     def _batch_checksums(self, key: tuple, tensors: list[torch.Tensor]) -> list[int]:
         """``s64sum`` of the persistent tensors: one Triton launch, its chunk table kept while the
@@ -674,23 +706,76 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         return op.run().tolist() if op is not None else tensor_checksums(tensors)
 
     def _batch_call(self, make_info: Callable[[list | None, str], UpdateInfo], key: tuple,
-                    handles: Callable[[], list[dict]]) -> dict:
-        """The ``update_weights`` call of the persistent tensors: only a ref to the handle list
-        when the server holds it from the previous sync, else the handles under a new ref (also
-        when the server answers that it does not know the ref)."""
-        t = self.init_info.timeout_s
+                    handles: Callable[[], list[dict]], call: Callable[[dict], dict] | None = None) -> dict:
+        """The call carrying the persistent tensors (``call(update_info)``, default
+        ``update_weights``): only a ref to the handle list when the server holds it from the
+        previous sync, else the handles under a new ref (also when the server answers that it
+        does not know the ref)."""
+        if call is None:
+            def call(d, t=self.init_info.timeout_s):
+                return self.client.update_weights(d, t)
         if self._batch_ref is not None and self._batch_ref[0] == key:
             try:
-                return self.client.update_weights(make_info(None, self._batch_ref[1]).to_dict(), t)
+                return call(make_info(None, self._batch_ref[1]).to_dict())
             except WeightSyncHTTPError as e:
                 if e.status_code != 400 or "ipc_handles_ref" not in e.message:
                     raise
                 logger.info("server does not hold the ipc handle list any more: sending the handles")
         self._batch_ref = None
         ref = uuid.uuid4().hex
-        ans = self.client.update_weights(make_info(handles(), ref).to_dict(), t)
+        ans = call(make_info(handles(), ref).to_dict())
         self._batch_ref = (key, ref)
         return ans
+
+    def _send_one_call(self, info: UpdateInfo, weight_version: str | None) -> tuple[dict, dict] | None:
+        """Per-tensor handles, every tensor one of the source's own (persistent) tensors: the
+        whole update is one ``POST /sync_weights`` (a server without the route answers 404 once;
+        the engine then keeps to start / update / finish)."""
+        if info.packed or not self.init_info.rank == 0 or getattr(self, "_one_call", True) is False:
+            return None
+        t0 = time.perf_counter()
+        persistent = self._persistent_storages()
+        named = list(self.source.named_tensors())
+        if not named or len(named) != len(info.names):
+            return None
+        tensors = []
+        for (name, t), exp in zip(named, info.names):
+            if name != exp or not t.is_cuda or t.device != self.device or \
+                    t.untyped_storage().data_ptr() not in persistent or not t.is_contiguous():
+                return None
+            tensors.append(t)
+        ii = self.init_info
+        dtypes = info.dtypes()
+        for t, dt, shp in zip(tensors, dtypes, info.shapes):
+            if t.dtype != dt or list(t.shape) != list(shp):
+                return None
+        key = self._batch_key(info.names, tensors)
+        checksums = self._batch_checksums(key, tensors) if ii.checksums else None
+        torch.cuda.current_stream(self.device).synchronize()  # written before the server reads
+        t_ck = time.perf_counter()
+
+        def make_info(handles, ref):
+            return UpdateInfo(names=info.names, dtype_names=info.dtype_names, shapes=info.shapes, packed=False,
+                              packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+                              packed_num_buffers=info.packed_num_buffers, checksums=checksums,
+                              partial=info.partial, ipc_handles=handles, ipc_handles_ref=ref)
+
+        def call(d):
+            return self.client.sync_weights(d, weight_version, ii.timeout_s)
+
+        try:
+            fin = self._batch_call(make_info, key, lambda: [self._handle(t, persistent) for t in tensors], call)
+        except WeightSyncHTTPError as e:
+            if e.status_code == 404:
+                self._one_call = False
+                logger.info("server has no /sync_weights: using start / update / finish")
+                return None
+            raise
+        t_end = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        stats = {"bytes": nbytes, "buckets": 1, "seconds": t_end - t0, "server": fin.get("update", {}),
+                 "one_call": True, "phases_s": {"checksums": t_ck - t0, "sync_call": t_end - t_ck}}
+        return stats, fin
 
     def _persistent_storages(self) -> set[int]:
         """Storage pointers of tensors living across syncs (a :class:`ModuleSource`'s module
@@ -789,7 +874,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
             if batch:
                 tensors = [t for _, t in batch]
                 slots = [s for s, _ in batch]
-                key = self._batch_key(slots, tensors)
+                key = self._batch_key([s.name for s in slots], tensors)
                 t_b = time.perf_counter()
                 checksums = self._batch_checksums(key, tensors) if ii.checksums else None
                 torch.cuda.current_stream(self.device).synchronize()

@@ -333,10 +333,22 @@ class _RecordingClient(HTTPWeightSyncClient):
         super().__init__(*a, **k)
         self.calls = []
 
-    def update_weights(self, update_info, timeout_s=None):
-        ans = super().update_weights(update_info, timeout_s)
+    def _record(self, update_info, ans):
         self.calls.append({"handles": update_info.get("ipc_handles") is not None,
                            "ref": update_info.get("ipc_handles_ref"), "answer": ans})
+
+    def update_weights(self, update_info, timeout_s=None):
+        ans = super().update_weights(update_info, timeout_s)
+        self._record(update_info, ans)
+        return ans
+
+    def sync_weights(self, update_info, weight_version=None, timeout_s=None):
+        try:
+            ans = super().sync_weights(update_info, weight_version, timeout_s)
+        except Exception:
+            self._record(update_info, None)
+            raise
+        self._record(update_info, ans["update"])
         return ans
 
 
@@ -365,7 +377,7 @@ def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging):
         key, _ref = eng._batch_ref
         eng._batch_ref = (key, "not-a-ref-the-server-holds")
         eng.send_weights()
-        assert [c["handles"] for c in client.calls[3:]] == [True]  # refused (400), then resent with handles
+        assert [c["handles"] for c in client.calls[3:]] == [False, True]  # refused (400), resent with handles
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
         assert rep["compare"]["match"]
         eng.shutdown()
