@@ -107,8 +107,6 @@ class HTTPWeightSyncClient:
     connect_timeout_s = 10.0
 
     def __init__(self, base_url: str, admin_key: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-        import requests
-
         self.base_url = base_url.rstrip("/")
         self.admin_key = admin_key
         self.timeout_s = float(timeout_s)
