@@ -168,24 +168,25 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
         """Open an update session (optionally declaring the whole update for early validation)."""
         return await _call(manager.start_update(body.update_info if body else None))
 
-    @router.post("/update_weights", openapi_extra=_body_schema(UpdateBody))
-    async def update_weights(request: Request):
-        """Receive (and load or stage) the tensors described by ``update_info``."""
+    async def _with_body(request: Request, run) -> Any:
         try:
             body = await _json_object(request, ("update_info",))
         except WeightUpdateError as e:
             return error_response(e)
-        return await _call(manager.update_weights(body["update_info"]))
+        return await _call(run(body))
+
+    @router.post("/update_weights", openapi_extra=_body_schema(UpdateBody))
+    async def update_weights(request: Request):
+        """Receive (and load or stage) the tensors described by ``update_info``."""
+        return await _with_body(request, lambda b: manager.update_weights(b["update_info"]))
 
     @router.post("/sync_weights", openapi_extra=_body_schema(SyncBody))
     async def sync_weights(request: Request):
         """start + update + finish in one call (rlserve extension; the SDK's ipc per-tensor path)."""
-        try:
-            body = await _json_object(request, ("update_info",))
-        except WeightUpdateError as e:
-            return error_response(e)
-        v = body.get("weight_version")
-        return await _call(manager.sync_weights(body["update_info"], None if v is None else str(v)))
+        def run(b):
+            v = b.get("weight_version")
+            return manager.sync_weights(b["update_info"], None if v is None else str(v))
+        return await _with_body(request, run)
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: Optional[FinishBody] = Body(None)):

@@ -485,38 +485,36 @@ class TrainerWeightTransferEngine:
         if getattr(self, "_broken", False):
             self.reinit()
         t_meta = time.perf_counter()
-        try:
-            one = self._send_one_call(info, weight_version)
-        except BaseException:
-            self._broken = True
-            self._teardown()
-            raise
+        one = self._guarded(self._send_one_call, info, weight_version)
         if one is not None:
             stats, fin = one
-            secs = time.perf_counter() - t0
-            stats.update(total_seconds=secs, weight_version=fin.get("weight_version"))
-            stats.setdefault("phases_s", {})["metadata"] = t_meta - t0
-            if stats.get("bytes") and stats.get("seconds"):
-                stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9
-            self.last_stats = stats
-            return fin
+            return self._done(stats, fin, t0, {"metadata": t_meta - t0})
         info.checksums = self._checksum_pass(info)
         declared = info.to_dict()
         t_ck = time.perf_counter()
         self.client.start_weight_update(declared)
         t_start = time.perf_counter()
+        stats = self._guarded(self._send, info, declared)
+        t_send = time.perf_counter()
+        fin = self.client.finish_weight_update(weight_version)
+        return self._done(stats, fin, t0, {"metadata": t_meta - t0, "checksum_pass": t_ck - t_meta,
+                                           "start_call": t_start - t_ck, "send": t_send - t_start,
+                                           "finish_call": time.perf_counter() - t_send})
+
+    def _guarded(self, fn, *args):
+        """``fn(*args)``; if it raises, the transfer is broken: tear down (the next
+        ``send_weights`` re-initialises) and re-raise."""
         try:
-            stats = self._send(info, declared)
+            return fn(*args)
         except BaseException:
             self._broken = True
             self._teardown()
             raise
-        t_send = time.perf_counter()
-        fin = self.client.finish_weight_update(weight_version)
-        secs = time.perf_counter() - t0
-        stats.update(total_seconds=secs, weight_version=fin.get("weight_version"))
-        stats["phases_s"] = {"metadata": t_meta - t0, "checksum_pass": t_ck - t_meta, "start_call": t_start - t_ck,
-                             "send": t_send - t_start, "finish_call": t0 + secs - t_send}
+
+    def _done(self, stats: dict, fin: dict, t0: float, phases: dict) -> dict:
+        """Complete :attr:`last_stats` (totals, version, GB/s, ``phases_s``); returns ``fin``."""
+        stats.update(total_seconds=time.perf_counter() - t0, weight_version=fin.get("weight_version"))
+        stats["phases_s"] = {**stats.get("phases_s", {}), **phases}
         if stats.get("bytes") and stats.get("seconds"):
             stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9
         self.last_stats = stats
