@@ -351,3 +351,34 @@ def test_deferred_checksums_compared_once_at_the_end():
     wrong = [ok[0], (checksum_tensor(bad), expected[1], "bucket 2/2", 64)]
     with pytest.raises(ChecksumMismatchError, match="bucket 2/2.*not committed"):
         WeightReceiver._check_deferred(wrong)
+
+
+def test_ipc_ref_fields_validated():
+    """ipc_handles_ref and the one-call fields: a well-formed ref, the checksum tensor / event
+    only with handles and a ref, device_checksums only with a ref and no host list; a call with
+    a ref and no names is "by ref"; a ref the server does not hold, a ref on a packed update or
+    on another backend are refused (400)."""
+    base = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]], "packed": False}
+    with pytest.raises(WeightUpdateError, match="ipc_handles_ref must be"):
+        UpdateInfo.from_dict({**base, "ipc_handles_ref": "no spaces allowed"})
+    with pytest.raises(WeightUpdateError, match="come with ipc_handles"):
+        UpdateInfo.from_dict({**base, "ipc_handles_ref": "r1", "ipc_event_handle": "AAAA"})
+    with pytest.raises(WeightUpdateError, match="device_checksums needs"):
+        UpdateInfo.from_dict({**base, "device_checksums": True})
+    with pytest.raises(WeightUpdateError, match="device_checksums needs"):
+        UpdateInfo.from_dict({**base, "ipc_handles_ref": "r1", "device_checksums": True, "checksums": [1]})
+    by_ref = UpdateInfo.from_dict({"names": [], "dtype_names": [], "shapes": [], "packed": False,
+                                   "ipc_handles_ref": "r1", "device_checksums": True})
+    assert by_ref.by_ref and not UpdateInfo.from_dict({**base, "ipc_handles_ref": "r1"}).by_ref
+    named = UpdateInfo.from_dict({**base, "ipc_handles_ref": "r1"})
+    check_transport_fields(named, "ipc", {"r1": {}})
+    with pytest.raises(WeightUpdateError, match="unknown to this server"):
+        check_transport_fields(named, "ipc", {})
+    with pytest.raises(WeightUpdateError, match="per-tensor handles"):
+        packed = UpdateInfo.from_dict({**base, "packed": True, "ipc_handles_ref": "r1"})
+        check_transport_fields(packed.resolved(InitInfo(backend="ipc", master_port=1)), "ipc", {"r1": {}})
+    with pytest.raises(WeightUpdateError, match="backend is 'gloo'"):
+        check_transport_fields(named, "gloo")
+    r = WeightReceiver(InitInfo(backend="ipc", master_port=1, world_size=2), 1, torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="unknown to this worker"):
+        r.with_ref_metadata(by_ref)

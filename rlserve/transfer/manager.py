@@ -137,7 +137,8 @@ class WeightTransferManager:
         self._busy: str | None = None
         self._spec: tuple[dict, set] | None = None
         self._unavailable_by_us = False
-        self._ipc_refs: set[str] = set()  # ipc_handles_ref names every worker holds
+        # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
+        self._ipc_refs: dict[str, dict] = {}
         self._watchdog: asyncio.Task | None = None
         self.last_update: dict | None = None
         self.history: collections.deque = collections.deque(maxlen=32)
@@ -197,37 +198,59 @@ class WeightTransferManager:
 
         Raises the first worker error as its rlserve class (TransferTimeoutError, ...)."""
         op_id = uuid.uuid4().hex
-        await self._rpc(start_fn, op_id, *args)
+        # Paused engines (an in-place update, or a trainer that paused) step nothing: the engine
+        # thread may then wait for the op (at most _POLL_BLOCK_S per call), so its end is seen at
+        # once instead of after a back-off sleep; the first wait rides on the call that starts
+        # the op. Running engines are polled between steps without blocking.
+        block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0
         try:
+            if block:
+                done = self._poll_results(await self._rpc("start_wait", start_fn, op_id, block, *args), what, session)
+                if done is not None:
+                    return done
+            else:
+                await self._rpc(start_fn, op_id, *args)
             return await self._poll_op(op_id, deadline_s, what, session)
         finally:
-            try:
-                await self._rpc("forget", op_id, timeout_s=min(self.rpc_timeout_s, 30.0))
-            except Exception as e:  # noqa: BLE001 - the op table is also cleared on teardown
-                logger.debug("forgetting transfer op %s failed: %s", op_id, e)
+            # off the caller's path: later calls to the same engine threads queue behind it
+            asyncio.get_running_loop().create_task(self._forget(op_id))
+
+    async def _forget(self, op_id: str) -> None:
+        await self._rpc_logged("forget", op_id)  # the op table is also cleared on teardown
+
+    async def _rpc_logged(self, fn: str, *args) -> None:
+        """:meth:`_rpc` whose failure is only logged (bookkeeping calls run as background tasks)."""
+        try:
+            await self._rpc(fn, *args, timeout_s=min(self.rpc_timeout_s, 30.0))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("weight transfer worker call %s failed: %s", fn, e)
+
+    @staticmethod
+    def _poll_results(results: list, what: str, session: _Session | None) -> list | None:
+        """The op's results once every worker finished, ``None`` while some still run.
+        Raises the first worker error as its rlserve class (a root cause before the aborts it
+        caused elsewhere)."""
+        if session is not None and any(r.get("applied") for r in results):
+            session.applied = True
+        failed = [r for r in results if r.get("done") and not r.get("ok")]
+        if failed:
+            failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
+            r = failed[0]
+            cls = _ERRORS.get(r.get("error_type"), terr.WeightTransferFailedError)
+            raise cls(f"{what} failed on a server worker: {r.get('error_type')}: {r.get('error')}")
+        if all(r.get("done") for r in results):
+            return [r.get("result") for r in results]
+        return None
 
     async def _poll_op(self, op_id: str, deadline_s: float, what: str, session: _Session | None) -> list:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
         sleep = 0.0002  # short ops (an ipc update of a few ms) are seen finished within ~0.2 ms
         while True:
-            # Paused engines (an in-place update, or a trainer that paused) step nothing: the poll
-            # may then block the engine thread until the op finishes (at most _POLL_BLOCK_S), so
-            # the end of the op is seen at once instead of after a back-off sleep (up to
-            # poll_interval_s). Running engines are polled between steps without blocking.
-            block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0
-            results = await self._rpc("poll", op_id, block)
-            if session is not None and any(r.get("applied") for r in results):
-                session.applied = True
-            failed = [r for r in results if r.get("done") and not r.get("ok")]
-            if failed:
-                # prefer a root cause over the "aborted" / "peer closed" errors it caused elsewhere
-                failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
-                r = failed[0]
-                cls = _ERRORS.get(r.get("error_type"), terr.WeightTransferFailedError)
-                raise cls(f"{what} failed on a server worker: {r.get('error_type')}: {r.get('error')}")
-            if all(r.get("done") for r in results):
-                return [r.get("result") for r in results]
+            block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0  # see _run_op
+            done = self._poll_results(await self._rpc("poll", op_id, block), what, session)
+            if done is not None:
+                return done
             if loop.time() > deadline:
                 raise terr.TransferTimeoutError(f"{what} did not finish within {deadline_s:.0f} s")
             if block:
@@ -238,7 +261,7 @@ class WeightTransferManager:
     async def _teardown_group(self) -> None:
         """Abort and leave the group on every worker; never raises."""
         self._init = None
-        self._ipc_refs = set()
+        self._ipc_refs = {}
         for fn in ("abort", "shutdown_transfer"):
             try:
                 await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
@@ -254,11 +277,10 @@ class WeightTransferManager:
         if self._session is session:
             self._session = None
         if self._init is not None and self._init.backend == "ipc":
-            self._ipc_refs &= session.ipc_refs  # the workers drop the lists a session did not use
-            try:
-                await self._rpc("end_session")
-            except Exception as e:  # noqa: BLE001
-                logger.warning("end_session on workers failed: %s", e)
+            # the workers drop the lists a session did not use
+            self._ipc_refs = {r: m for r, m in self._ipc_refs.items() if r in session.ipc_refs}
+            # off the caller's path: the next session's calls queue behind it on the engine threads
+            asyncio.get_running_loop().create_task(self._rpc_logged("end_session"))
         if session.auto_paused:
             try:
                 await self.aengine.resume()
@@ -342,7 +364,7 @@ class WeightTransferManager:
                                          "init_weight_transfer_engine")
             await self._model_spec()
             self._init = info
-            self._ipc_refs = set()  # the workers' receivers are new
+            self._ipc_refs = {}  # the workers' receivers are new
         except BaseException:
             await self._teardown_group()
             raise
@@ -438,10 +460,19 @@ class WeightTransferManager:
         t_in = time.perf_counter()
         try:
             info = UpdateInfo.from_dict(update_info).resolved(self._init)
+            meta = None
+            if info.by_ref:  # the tensors of a known ipc handle list: its record has the metadata
+                meta = self._ipc_refs.get(info.ipc_handles_ref)
+                if meta is None:
+                    raise WeightUpdateError(f"update_info.ipc_handles_ref {info.ipc_handles_ref!r} is unknown to this "
+                                            "server: send names, dtype_names, shapes and ipc_handles with it")
+                info.names, info.dtype_names, info.shapes = meta["names"], meta["dtype_names"], meta["shapes"]
             spec, req = await self._model_spec()
-            validate_against_spec(info, spec, req,
-                                  allowed_names=None if s.declared is None else set(s.declared.names),
-                                  already_received=s.received, check_coverage=s.declared is None)
+            if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]):
+                # (the same tensors with the same coverage rule were validated when the ref was given)
+                validate_against_spec(info, spec, req,
+                                      allowed_names=None if s.declared is None else set(s.declared.names),
+                                      already_received=s.received, check_coverage=s.declared is None)
             check_transport_fields(info, self._init.backend, self._ipc_refs)
         except WeightUpdateError as e:
             # The trainer may already be broadcasting (it calls update_weights concurrently with
@@ -455,7 +486,10 @@ class WeightTransferManager:
         n_steps = expected_checksum_count(info)
         t0 = time.perf_counter()
         try:
-            results = await self._run_op("start_receive", [info.to_dict(), self.staging],
+            wire = info.to_dict()
+            if meta is not None:  # the workers fill the metadata from their own record of the ref
+                wire.update(names=[], dtype_names=[], shapes=[])
+            results = await self._run_op("start_receive", [wire, self.staging],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except BaseException as e:
             await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
@@ -465,7 +499,8 @@ class WeightTransferManager:
         s.received |= set(info.names)
         if info.ipc_handles_ref is not None:
             s.ipc_refs.add(info.ipc_handles_ref)
-            self._ipc_refs.add(info.ipc_handles_ref)
+            self._ipc_refs[info.ipc_handles_ref] = meta or {
+                "names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "partial": info.partial}
         s.bytes += nbytes
         s.seconds += secs
         s.calls += 1

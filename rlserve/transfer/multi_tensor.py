@@ -146,13 +146,17 @@ class MultiTensorSum:
         table = (mk(src_ptrs), mk(dst_ptrs), mk(words), mk(owner))
         return cls(srcs, dsts, table, tails)
 
-    def run(self) -> torch.Tensor:
+    def run(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the kernel on the current stream (asynchronous); returns the per-source ``s64sum``
-        checksums as an int64 tensor of shape ``[n]`` on the device (read it with
-        :func:`rlserve.transfer.packing.checksum_values` or ``.tolist()``)."""
+        checksums as an int64 tensor of shape ``[n]`` on the device (read it with ``.tolist()``).
+        ``out``: an int64 ``[n]`` tensor on the device to write them into (e.g. one shared with
+        the server over CUDA IPC)."""
         from rlserve.transfer.packing import checksum_tensor
 
-        out = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        if out is None:
+            out = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        else:
+            out.zero_()
         nchunks = self._words.numel()
         if nchunks:
             partial = torch.empty(nchunks, dtype=torch.int64, device=self.device)

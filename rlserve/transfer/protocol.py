@@ -212,7 +212,16 @@ class UpdateInfo:
             tensors under it; sent *without*, the server reuses them (a trainer whose parameters
             did not move sends no handles: for an 8B model 399 handles are ~290 KB of JSON and
             ~8 ms per sync). An unknown ref is refused with 400 and the SDK resends the handles.
-            At most 1..128 characters of ``[A-Za-z0-9_.-]``.
+            At most 1..128 characters of ``[A-Za-z0-9_.-]``. A call with the ref, no handles and
+            **no names** means "the same tensors as when the ref was given": names, dtypes and
+            shapes come from the server's record of it (already validated then).
+        ipc_checksums_handle: with ``ipc_handles`` + ref: the handle of an int64 ``[n]`` tensor in
+            which the trainer writes the ``s64sum`` of each tensor before every call under the ref.
+        ipc_event_handle: with ``ipc_handles`` + ref: base64 of an interprocess CUDA event the
+            trainer records after its writes (and checksums) before every call; the server's
+            stream waits on it, so the trainer never waits for its own GPU work before calling.
+        device_checksums: compare against the ref's checksum tensor (read on the GPU after the
+            event) instead of ``checksums``.
     """
 
     names: list[str] = field(default_factory=list)
@@ -226,6 +235,9 @@ class UpdateInfo:
     partial: bool = False
     ipc_handles: list[dict] | None = None
     ipc_handles_ref: str | None = None
+    ipc_checksums_handle: dict | None = None
+    ipc_event_handle: str | None = None
+    device_checksums: bool = False
 
     # vLLM sends these; accepted and checked / ignored.
     _IGNORED = ("is_checkpoint_format", "trainer_args")
@@ -286,6 +298,22 @@ class UpdateInfo:
             r = self.ipc_handles_ref
             if not isinstance(r, str) or not 1 <= len(r) <= 128 or not _REF_RE.fullmatch(r):
                 raise WeightUpdateError("update_info.ipc_handles_ref must be 1-128 characters of [A-Za-z0-9_.-]")
+        _check_bool("update_info.device_checksums", self.device_checksums)
+        if (self.ipc_checksums_handle is not None or self.ipc_event_handle is not None) and \
+                (self.ipc_handles is None or self.ipc_handles_ref is None):
+            raise WeightUpdateError("update_info.ipc_checksums_handle / ipc_event_handle come with ipc_handles "
+                                    "and an ipc_handles_ref")
+        if self.ipc_checksums_handle is not None and not isinstance(self.ipc_checksums_handle, dict):
+            raise WeightUpdateError("update_info.ipc_checksums_handle must be an object")
+        if self.ipc_event_handle is not None and not isinstance(self.ipc_event_handle, str):
+            raise WeightUpdateError("update_info.ipc_event_handle must be a base64 string")
+        if self.device_checksums and (self.ipc_handles_ref is None or self.checksums is not None):
+            raise WeightUpdateError("update_info.device_checksums needs an ipc_handles_ref and no checksums list")
+
+    @property
+    def by_ref(self) -> bool:
+        """A call naming its tensors only through ``ipc_handles_ref`` (no names, no handles)."""
+        return self.ipc_handles_ref is not None and self.ipc_handles is None and not self.names
 
     def dtypes(self) -> list[torch.dtype]:
         return [dtype_from_name(d) for d in self.dtype_names]

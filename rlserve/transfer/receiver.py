@@ -31,9 +31,11 @@ out). Transport errors (peer gone, timeout) raise immediately.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -92,6 +94,19 @@ def check_transport_fields(info: UpdateInfo, backend: str, known_ipc_refs=frozen
         raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
 
 
+@dataclass
+class _IpcSet:
+    """A per-tensor ipc handle list kept under its ``ipc_handles_ref``."""
+
+    keys: list  # _ipc_cache keys of the mapped tensors
+    tensors: list  # the mapped trainer tensors, in update order
+    names: list
+    dtype_names: list
+    shapes: list
+    sums: torch.Tensor | None = None  # the trainer's int64 [n] checksum tensor (mapped)
+    event: object = None  # the trainer's interprocess torch.cuda.Event
+
+
 class WeightReceiver:
     """One server worker's end of the transfer.
 
@@ -118,9 +133,9 @@ class WeightReceiver:
         # parameter once); entries unused during a session are dropped at its end
         self._ipc_cache: dict[tuple, torch.Tensor] = {}
         self._ipc_used: set[tuple] = set()
-        # ipc_handles_ref -> (cache keys, mapped tensors) of a whole handle list; dropped at the end
-        # of a session that did not use it
-        self._ipc_sets: dict[str, tuple[list[tuple], list[torch.Tensor]]] = {}
+        # ipc_handles_ref -> a whole handle list, mapped; dropped at the end of a session that did
+        # not use it
+        self._ipc_sets: dict[str, _IpcSet] = {}
         self._ipc_sets_used: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -332,8 +347,8 @@ class WeightReceiver:
         for r in [r for r in self._ipc_sets if r not in self._ipc_sets_used]:
             del self._ipc_sets[r]
         self._ipc_sets_used.clear()
-        for keys, _ts in self._ipc_sets.values():
-            self._ipc_used.update(keys)
+        for st in self._ipc_sets.values():
+            self._ipc_used.update(st.keys)
         for k in [k for k in self._ipc_cache if k not in self._ipc_used]:
             del self._ipc_cache[k]
         self._ipc_used.clear()
@@ -352,30 +367,57 @@ class WeightReceiver:
         self._ipc_used.add(key)
         return key, t
 
-    def _mapped_list(self, info: UpdateInfo) -> list[torch.Tensor]:
-        """The mapped tensors of a per-tensor ipc call: from ``ipc_handles`` (kept under
-        ``ipc_handles_ref`` when one is given) or, without handles, the list kept under the ref.
-        Raises WeightUpdateError (unknown ref, wrong count) / WeightTransferFailedError (mapping)."""
+    def with_ref_metadata(self, info: UpdateInfo) -> UpdateInfo:
+        """``info`` itself, or -- a call :attr:`~UpdateInfo.by_ref` -- a copy with the names,
+        dtypes and shapes recorded under its ref. Raises WeightUpdateError (unknown ref)."""
+        if not info.by_ref:
+            return info
+        st = self._ipc_sets.get(info.ipc_handles_ref)
+        if st is None:
+            raise WeightUpdateError(f"ipc_handles_ref {info.ipc_handles_ref!r} is unknown to this worker: "
+                                    "send ipc_handles with it")
+        out = UpdateInfo(**{**info.__dict__, "names": st.names, "dtype_names": st.dtype_names, "shapes": st.shapes})
+        return out
+
+    def _ipc_set(self, info: UpdateInfo) -> _IpcSet:
+        """The mapped tensors (and the trainer's checksum tensor / event) of a per-tensor ipc
+        call: from ``ipc_handles`` (kept under ``ipc_handles_ref`` when one is given) or, without
+        handles, the set kept under the ref. Raises WeightUpdateError (unknown ref, wrong count,
+        a bad event handle) / WeightTransferFailedError (mapping)."""
         ref = info.ipc_handles_ref
         if info.ipc_handles is None:
-            if ref not in self._ipc_sets:
+            st = self._ipc_sets.get(ref)
+            if st is None:
                 raise WeightUpdateError(f"ipc_handles_ref {ref!r} is unknown to this worker: send ipc_handles with it")
-            keys, tensors = self._ipc_sets[ref]
-            if len(tensors) != len(info.names):
-                raise WeightUpdateError(f"ipc_handles_ref {ref!r} names {len(tensors)} tensors, this call "
-                                        f"{len(info.names)}")
-            self._ipc_used.update(keys)
+            if st.names != info.names or st.dtype_names != info.dtype_names or st.shapes != info.shapes:
+                raise WeightUpdateError(f"ipc_handles_ref {ref!r} was given for other tensors than this call's")
+            self._ipc_used.update(st.keys)
         else:
-            keys, tensors = [], []
+            st = _IpcSet([], [], list(info.names), list(info.dtype_names), [list(x) for x in info.shapes])
             for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
                 k, t = self._map_cached(handle, f"ipc tensor {name!r} ({i + 1}/{len(info.names)})")
-                keys.append(k)
-                tensors.append(t)
+                st.keys.append(k)
+                st.tensors.append(t)
+            if info.ipc_checksums_handle is not None:
+                k, sums = self._map_cached(info.ipc_checksums_handle, "the trainer's checksum tensor")
+                if sums.dtype != torch.int64 or list(sums.shape) != [len(info.names)]:
+                    raise WeightUpdateError(f"ipc_checksums_handle maps {sums.dtype} {list(sums.shape)}, expected "
+                                            f"int64 [{len(info.names)}]")
+                st.keys.append(k)
+                st.sums = sums
+            if info.ipc_event_handle is not None:
+                raw = base64.b64decode(info.ipc_event_handle.encode("ascii"), validate=True) \
+                    if info.ipc_event_handle else b""
+                try:
+                    dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                    st.event = torch.cuda.Event.from_ipc_handle(dev, raw)
+                except Exception as e:  # noqa: BLE001 - a bad handle from the trainer
+                    raise WeightUpdateError(f"ipc_event_handle could not be opened: {e}") from e
             if ref is not None:
-                self._ipc_sets[ref] = (keys, tensors)
+                self._ipc_sets[ref] = st
         if ref is not None:
             self._ipc_sets_used.add(ref)
-        return tensors
+        return st
 
     def _map(self, handle: dict, what: str) -> torch.Tensor:
         from rlserve.transfer.ipc import import_handle
@@ -404,18 +446,25 @@ class WeightReceiver:
                                     f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
         total = 0
         if not info.packed:
-            # map (cached across calls; a whole list under its ipc_handles_ref) and check every
-            # tensor, then hand the whole call to the sink at once and verify every checksum
-            dtypes = info.dtypes()
-            pairs = []
+            # map (cached across calls; a whole set under its ipc_handles_ref) and check every
+            # tensor (once per set), then hand the whole call to the sink at once and verify
+            # every checksum
             t0 = time.perf_counter()
-            for i, (name, t) in enumerate(zip(info.names, self._mapped_list(info))):
-                what = f"ipc tensor {name!r} ({i + 1}/{n})"
-                if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
-                    raise WeightUpdateError(f"{what}: handle maps {t.dtype} {list(t.shape)}, update_info says "
-                                            f"{dtypes[i]} {info.shapes[i]}")
-                pairs.append((name, t))
-                total += t.numel() * t.element_size()
+            known = info.ipc_handles is None
+            st = self._ipc_set(info)
+            if not known:
+                dtypes = info.dtypes()
+                for i, (name, t) in enumerate(zip(info.names, st.tensors)):
+                    if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
+                        self._ipc_sets.pop(info.ipc_handles_ref, None)
+                        raise WeightUpdateError(f"ipc tensor {name!r} ({i + 1}/{n}): handle maps {t.dtype} "
+                                                f"{list(t.shape)}, update_info says {dtypes[i]} {info.shapes[i]}")
+            pairs = list(zip(info.names, st.tensors))
+            total = sum(t.numel() * t.element_size() for t in st.tensors)
+            if st.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(st.event)  # the trainer's writes + sums
+            if info.device_checksums and st.sums is None:
+                raise WeightUpdateError("device_checksums: the trainer registered no checksum tensor for this ref")
             t_map = time.perf_counter()
             devs = {t.device for _, t in pairs}
             t_load = t_ck = t_map
@@ -429,15 +478,28 @@ class WeightReceiver:
                 # 503 until a full update lands, staged it is never committed.
                 ret = sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
-                if info.checksums is not None:
+                if info.checksums is not None or info.device_checksums:
                     sums = ret if isinstance(ret, torch.Tensor) else None
                     fused = sums is not None
-                    got = sums.tolist() if fused else tensor_checksums([t for _, t in pairs])
-                    for i, (g, e) in enumerate(zip(got, info.checksums)):
-                        if g != e:
-                            raise ChecksumMismatchError(
-                                f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {g} != announced {e} "
-                                "(the trainer's memory changed while the server read it?); the update is refused")
+                    if info.device_checksums:  # against the trainer's tensor, on the GPU: one sync
+                        if sums is None:
+                            sums = torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64,
+                                                device=st.sums.device)
+                        bad = sums.to(st.sums.device) != st.sums
+                        if bool(bad.any()):
+                            i = int(bad.nonzero()[0, 0])
+                            got, exp = int(sums[i]), int(st.sums[i])
+                        else:
+                            i = None
+                    else:
+                        got_all = sums.tolist() if fused else tensor_checksums([t for _, t in pairs])
+                        i = next((k for k, (g, e) in enumerate(zip(got_all, info.checksums)) if g != e), None)
+                        if i is not None:
+                            got, exp = got_all[i], info.checksums[i]
+                    if i is not None:
+                        raise ChecksumMismatchError(
+                            f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
+                            "(the trainer's memory changed while the server read it?); the update is refused")
                 t_ck = time.perf_counter()
                 for d in devs:
                     self._ipc_done_reading(d)

@@ -38,6 +38,7 @@ rank calls ``send_weights``.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import json
 import logging
@@ -421,7 +422,7 @@ class TrainerWeightTransferEngine:
     def _teardown(self) -> None:
         pass
 
-    def _send_one_call(self, info: UpdateInfo, weight_version: str | None) -> tuple[dict, dict] | None:
+    def _send_one_call(self, partial: bool, weight_version: str | None) -> tuple[dict, dict] | None:
         """Subclasses that can push the whole update in one ``/sync_weights`` call do it here and
         return ``(stats, finish answer)``; ``None``: use start / update / finish."""
         return None
@@ -475,20 +476,21 @@ class TrainerWeightTransferEngine:
         if self._closed:
             raise WeightUpdateStateError("this trainer engine was shut down")
         t0 = time.perf_counter()
-        info = self._metadata_info(partial)
         if not self.is_sender:
             # follow rank 0's collectives (FSDP full_tensor gathers) in the same order
+            info = self._metadata_info(partial)
             self._checksum_pass(info)
             for _ in self.source.named_tensors():
                 pass
             return {}
         if getattr(self, "_broken", False):
             self.reinit()
-        t_meta = time.perf_counter()
-        one = self._guarded(self._send_one_call, info, weight_version)
+        one = self._guarded(self._send_one_call, partial, weight_version)
         if one is not None:
             stats, fin = one
-            return self._done(stats, fin, t0, {"metadata": t_meta - t0})
+            return self._done(stats, fin, t0, {})
+        info = self._metadata_info(partial)
+        t_meta = time.perf_counter()
         info.checksums = self._checksum_pass(info)
         declared = info.to_dict()
         t_ck = time.perf_counter()
@@ -680,11 +682,13 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
         self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
         self._sum_op: tuple[tuple, object] | None = None  # (batch key, MultiTensorSum)
+        self._fast: dict | None = None  # the one-call path's registration (see _send_one_call)
 
     def _teardown(self) -> None:
         self._exported = {}
         self._batch_ref = None
         self._sum_op = None
+        self._fast = None
 
     @staticmethod
     def _batch_key(names, tensors) -> tuple:
@@ -723,44 +727,78 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._batch_ref = (key, ref)
         return ans
 
-    def _send_one_call(self, info: UpdateInfo, weight_version: str | None) -> tuple[dict, dict] | None:
+    def _send_one_call(self, partial: bool, weight_version: str | None) -> tuple[dict, dict] | None:
         """Per-tensor handles, every tensor one of the source's own (persistent) tensors: the
-        whole update is one ``POST /sync_weights`` (a server without the route answers 404 once;
-        the engine then keeps to start / update / finish)."""
-        if info.packed or not self.init_info.rank == 0 or getattr(self, "_one_call", True) is False:
+        whole update is one ``POST /sync_weights``, and the trainer never waits for its GPU.
+
+        The first call registers the tensors under a ref: names / dtypes / shapes, the handles,
+        the handle of an int64 ``[n]`` tensor that receives this trainer's checksums and an
+        interprocess CUDA event. Every call then queues the one-launch checksum into that tensor,
+        records the event and sends the ref alone (~100 bytes); the server's stream waits on the
+        event, copies and checksums in one pass and compares on the GPU. A server that lost the
+        ref answers 400 and gets the registration again; one without the route answers 404 once
+        (the engine then keeps to start / update / finish)."""
+        from rlserve.transfer.ipc import export_handle
+
+        ii = self.init_info
+        if ii.packed or getattr(self, "_one_call", True) is False:
             return None
         t0 = time.perf_counter()
         persistent = self._persistent_storages()
         named = list(self.source.named_tensors())
-        if not named or len(named) != len(info.names):
+        if not named:
             return None
-        tensors = []
-        for (name, t), exp in zip(named, info.names):
-            if name != exp or not t.is_cuda or t.device != self.device or \
-                    t.untyped_storage().data_ptr() not in persistent or not t.is_contiguous():
+        for _n, t in named:
+            if not t.is_cuda or t.device != self.device or t.untyped_storage().data_ptr() not in persistent \
+                    or not t.is_contiguous():
                 return None
-            tensors.append(t)
-        ii = self.init_info
-        dtypes = info.dtypes()
-        for t, dt, shp in zip(tensors, dtypes, info.shapes):
-            if t.dtype != dt or list(t.shape) != list(shp):
-                return None
-        key = self._batch_key(info.names, tensors)
-        checksums = self._batch_checksums(key, tensors) if ii.checksums else None
-        torch.cuda.current_stream(self.device).synchronize()  # written before the server reads
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        key = (self._batch_key(names, tensors), bool(partial), bool(ii.checksums))
+        fast = self._fast
+        if fast is None or fast["key"] != key:
+            from rlserve.transfer.multi_tensor import MultiTensorSum
+
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(interprocess=True)
+            sums = torch.zeros(len(tensors), dtype=torch.int64, device=self.device) if ii.checksums else None
+            op = MultiTensorSum.build(tensors) if ii.checksums else None
+            fast = self._fast = {"key": key, "ref": None, "event": event, "sums": sums, "op": op}
+        stream = torch.cuda.current_stream(self.device)
+        if fast["sums"] is not None:
+            if fast["op"] is not None:
+                fast["op"].run(out=fast["sums"])
+            else:
+                fast["sums"].copy_(torch.tensor(tensor_checksums(tensors), dtype=torch.int64))
+        fast["event"].record(stream)  # after the writes and the checksums: the server waits on it
         t_ck = time.perf_counter()
 
-        def make_info(handles, ref):
-            return UpdateInfo(names=info.names, dtype_names=info.dtype_names, shapes=info.shapes, packed=False,
-                              packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-                              packed_num_buffers=info.packed_num_buffers, checksums=checksums,
-                              partial=info.partial, ipc_handles=handles, ipc_handles_ref=ref)
+        def call(update_info: UpdateInfo) -> dict:
+            return self.client.sync_weights(update_info.to_dict(), weight_version, ii.timeout_s)
 
-        def call(d):
-            return self.client.sync_weights(d, weight_version, ii.timeout_s)
-
+        fin = None
         try:
-            fin = self._batch_call(make_info, key, lambda: [self._handle(t, persistent) for t in tensors], call)
+            if fast["ref"] is not None:
+                try:
+                    fin = call(UpdateInfo(packed=False, partial=partial, ipc_handles_ref=fast["ref"],
+                                          device_checksums=fast["sums"] is not None))
+                except WeightSyncHTTPError as e:
+                    if e.status_code != 400 or "ipc_handles_ref" not in e.message:
+                        raise
+                    logger.info("server does not hold the ipc handle list any more: registering it again")
+                    fast["ref"] = None
+            if fin is None:
+                info = self._metadata_info(partial)
+                if info.names != names:
+                    return None
+                ref = uuid.uuid4().hex
+                reg = UpdateInfo(
+                    names=info.names, dtype_names=info.dtype_names, shapes=info.shapes, packed=False,
+                    partial=partial, ipc_handles=[self._handle(t, persistent) for t in tensors], ipc_handles_ref=ref,
+                    ipc_checksums_handle=None if fast["sums"] is None else export_handle(fast["sums"]),
+                    ipc_event_handle=base64.b64encode(fast["event"].ipc_handle()).decode("ascii"),
+                    device_checksums=fast["sums"] is not None)
+                fin = call(reg)
+                fast["ref"] = ref
         except WeightSyncHTTPError as e:
             if e.status_code == 404:
                 self._one_call = False
@@ -770,7 +808,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         t_end = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         stats = {"bytes": nbytes, "buckets": 1, "seconds": t_end - t0, "server": fin.get("update", {}),
-                 "one_call": True, "phases_s": {"checksums": t_ck - t0, "sync_call": t_end - t_ck}}
+                 "one_call": True, "phases_s": {"prepare": t_ck - t0, "sync_call": t_end - t_ck}}
         return stats, fin
 
     def _persistent_storages(self) -> set[int]:
@@ -797,7 +835,9 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
             if hit is None:
                 hit = self._exported[key] = (t, export_handle(t))
             h = dict(hit[1])
-        h["event_sync_required"] = False  # the trainer synchronized before the call
+        # the trainer synchronized before the call, or (one-call path) the server's stream waits
+        # on the trainer's interprocess event
+        h["event_sync_required"] = False
         return h
 
     def _send(self, info: UpdateInfo, declared: dict) -> dict:

@@ -222,8 +222,8 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
     st = _state(worker)
     if st.receiver is None:
         raise TransferAbortedError("no transfer engine on this worker: call init_weight_transfer_engine first")
-    info = UpdateInfo.from_dict(update_info)
     receiver = st.receiver
+    info = receiver.with_ref_metadata(UpdateInfo.from_dict(update_info))
 
     def run(op: _Op):
         if worker.device.type == "cuda":
@@ -233,7 +233,8 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
         params_sig = _params_signature(worker) if stable and staging == "none" else ()
         # ipc per-tensor: the receiver compares checksums after the copy; a fused copy + checksum
         # reads each byte once
-        want_sums = receiver.init.backend == "ipc" and not info.packed and info.checksums is not None
+        want_sums = receiver.init.backend == "ipc" and not info.packed and \
+            (info.checksums is not None or info.device_checksums)
         if staging == "none":
             def sink(pairs):
                 sums = None
@@ -264,6 +265,16 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
         return stats
 
     return _submit(st, op_id, "receive", run)
+
+
+def start_wait(worker, start_fn: str, op_id: str, wait_s: float, *args) -> dict:
+    """``start_fn(worker, op_id, *args)`` (``"init_transfer"`` / ``"start_receive"``), then
+    :func:`poll` with ``wait_s``: one engine-thread call starts a short op and sees it end
+    (the manager uses it while the engine is paused)."""
+    if start_fn not in ("init_transfer", "start_receive"):
+        raise ValueError(f"start_wait: unknown op {start_fn!r}")
+    globals()[start_fn](worker, op_id, *args)
+    return poll(worker, op_id, wait_s)
 
 
 def forget(worker, op_id: str) -> None:

@@ -352,17 +352,20 @@ class _RecordingClient(HTTPWeightSyncClient):
         return ans
 
 
-@pytest.mark.parametrize("staging", ["none", "device"])
-def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging):
-    """Per-tensor ipc: the first sync sends the handles under a ref, later ones only the ref and
-    the server copies + checksums in one fused pass; a ref the server does not hold is refused
-    and the SDK resends the handles; checksums equal the trainer's every time."""
+@pytest.mark.parametrize("staging,checksums", [("none", True), ("device", True), ("none", False)])
+def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging, checksums):
+    """Per-tensor ipc, one /sync_weights call per sync: the first registers names, handles, the
+    trainer's checksum tensor and event under a ref, later ones send only the ref (no names, no
+    handles, no host checksums) and the server copies + checksums in one fused pass, compared on
+    the GPU; a ref the server does not hold is refused and the SDK registers again; the
+    server's weights equal the trainer's every time."""
     path = tiny_model("llama")
     hf = load_hf(path, "cuda:0", torch.bfloat16)
     with serve(path, "ipc", staging=staging) as srv:
         client = _RecordingClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=IPCTrainerInitInfo(packed=False, timeout_s=60), client=client, source=ModuleSource(hf))
+            init_info=IPCTrainerInitInfo(packed=False, timeout_s=60, checksums=checksums), client=client,
+            source=ModuleSource(hf))
         for v in range(3):
             eng.send_weights()
             rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
@@ -372,10 +375,10 @@ def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging):
                     p.mul_(0.99)
         assert [c["handles"] for c in client.calls] == [True, False, False]
         assert len({c["ref"] for c in client.calls}) == 1
-        _report(f"ipc_ref_answers[{staging}]", [c["answer"] for c in client.calls])
-        assert client.calls[-1]["answer"]["checksums_fused"] is True
-        key, _ref = eng._batch_ref
-        eng._batch_ref = (key, "not-a-ref-the-server-holds")
+        assert eng.last_stats["one_call"] is True
+        _report(f"ipc_ref_answers[{staging},{checksums}]", [c["answer"] for c in client.calls])
+        assert client.calls[-1]["answer"]["checksums_fused"] is checksums
+        eng._fast["ref"] = "not-a-ref-the-server-holds"
         eng.send_weights()
         assert [c["handles"] for c in client.calls[3:]] == [False, True]  # refused (400), resent with handles
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
@@ -397,14 +400,20 @@ def test_ipc_fused_checksum_mismatch_refuses_update(tiny_model):
         eng.send_weights()
         eng.send_weights()
         assert client.calls[-1]["answer"]["checksums_fused"] is True
-        good = eng._batch_checksums
-        eng._batch_checksums = lambda key, ts: [c + (i == 3) for i, c in enumerate(good(key, ts))]
+        op = eng._fast["op"]
+        good = op.run
+
+        def bad(out=None):  # the trainer announces a wrong sum for tensor 3
+            r = good(out=out)
+            r[3] += 1
+            return r
+
+        op.run = bad
         with pytest.raises(WeightSyncHTTPError) as ei:
             eng.send_weights()
-        assert "checksum" in str(ei.value)
+        assert "checksum" in str(ei.value) and "(4/" in str(ei.value)
         assert generate(srv.url).status_code == 503
-        eng._batch_checksums = good
-        eng.send_weights()
+        eng.send_weights()  # re-initialises (fresh registration, a fresh op)
         assert generate(srv.url).status_code == 200
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
         assert rep["compare"]["match"]
