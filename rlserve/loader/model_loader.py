@@ -79,11 +79,19 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Run every layer's ``quant_method.process_weights_after_loading`` (after the initial load;
-    a weight sync must call it again after each update)."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    a weight sync must call it again after each update). The layers whose method overrides the
+    base class's no-op are found once per model and kept (a weight sync of an unquantized 8B
+    model otherwise walked ~600 modules for nothing)."""
+    from rlserve.layers.linear import LinearMethodBase
+
+    layers = getattr(model, "_rlserve_post_load_layers", None)
+    if layers is None:
+        base = LinearMethodBase.process_weights_after_loading
+        layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None
+                  and getattr(type(m.quant_method), "process_weights_after_loading", base) is not base]
+        model._rlserve_post_load_layers = layers
+    for module in layers:
+        module.quant_method.process_weights_after_loading(module)
 
 
 def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype, quant_config=None) -> nn.Module:

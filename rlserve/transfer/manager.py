@@ -511,7 +511,8 @@ class WeightTransferManager:
         out = {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
                "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
                "replayed_loads": replayed, "validate_seconds": round(t0 - t_in, 6),
-               "worker_seconds": round(float(first.get("seconds", 0.0)), 6)}
+               "worker_seconds": round(float(first.get("seconds", 0.0)), 6),
+               "worker_op_seconds": round(float(first.get("op_seconds", 0.0)), 6)}
         if "checksums_fused" in first:
             out["checksums_fused"] = bool(first["checksums_fused"])
         if first.get("phases_s"):

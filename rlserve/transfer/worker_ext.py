@@ -192,10 +192,20 @@ def _stage_dtype(worker) -> torch.dtype | None:
     return dt
 
 
-def _submit(st: WorkerTransferState, op_id: str, kind: str, fn) -> str:
+def _submit(st: WorkerTransferState, op_id: str, kind: str, fn, inline: bool = False) -> str:
+    """Run ``fn(op)`` on the worker's transfer thread, or -- ``inline`` -- right here on the
+    calling (engine) thread, its result or error stored in the op's future all the same."""
     op = _Op(kind)
     st.ops[op_id] = op
-    op.future = st.pool.submit(fn, op)
+    if not inline:
+        op.future = st.pool.submit(fn, op)
+        return op_id
+    op.future = cf.Future()
+    op.future.set_running_or_notify_cancel()
+    try:
+        op.future.set_result(fn(op))
+    except BaseException as e:  # noqa: BLE001 - reported by poll like a pool op's
+        op.future.set_exception(e)
     return op_id
 
 
@@ -216,9 +226,10 @@ def init_transfer(worker, op_id: str, init_info: dict) -> str:
     return _submit(st, op_id, "init", run)
 
 
-def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
+def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: bool = False) -> str:
     """Start receiving one update (background). ``update_info`` is resolved (``packed*`` set)
-    and validated by the manager. ``staging``: "none" (load in place), "device" or "host"."""
+    and validated by the manager. ``staging``: "none" (load in place), "device" or "host".
+    ``inline``: receive on the calling (engine) thread instead (see :func:`start_wait`)."""
     st = _state(worker)
     if st.receiver is None:
         raise TransferAbortedError("no transfer engine on this worker: call init_weight_transfer_engine first")
@@ -226,6 +237,7 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
     info = receiver.with_ref_metadata(UpdateInfo.from_dict(update_info))
 
     def run(op: _Op):
+        t_op = time.perf_counter()
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
         # sources at fixed addresses: mapped ipc tensors, packed buffers on the worker's device
@@ -254,17 +266,22 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str) -> str:
                 sums = _stage(st, pairs, dtype, dev, pin, want_sums and staging == "device")
                 op.staged += 1
                 return sums
+        t_rx = time.perf_counter()
         try:
             stats = receiver.receive(info, sink)
         finally:
             if staging == "none":
                 st.drop_unused_plans()
+        t_post = time.perf_counter()
         if staging == "none" and info.names:
             _post_load(worker)
         stats["replayed_loads"] = op.replayed
+        t_end = time.perf_counter()
+        stats["op_seconds"] = t_end - t_op
+        stats.setdefault("phases_s", {}).update(op_prepare=t_rx - t_op, op_post_load=t_end - t_post)
         return stats
 
-    return _submit(st, op_id, "receive", run)
+    return _submit(st, op_id, "receive", run, inline=inline)
 
 
 def start_wait(worker, start_fn: str, op_id: str, wait_s: float, *args) -> dict:
@@ -273,7 +290,13 @@ def start_wait(worker, start_fn: str, op_id: str, wait_s: float, *args) -> dict:
     (the manager uses it while the engine is paused)."""
     if start_fn not in ("init_transfer", "start_receive"):
         raise ValueError(f"start_wait: unknown op {start_fn!r}")
-    globals()[start_fn](worker, op_id, *args)
+    st = _state(worker)
+    if start_fn == "start_receive" and st.receiver is not None and st.receiver.init.backend == "ipc":
+        # an ipc receive waits for no peer (only this GPU's copy): run it on this thread, no
+        # hand-off to the transfer thread and back
+        start_receive(worker, op_id, *args, inline=True)
+    else:
+        globals()[start_fn](worker, op_id, *args)
     return poll(worker, op_id, wait_s)
 
 
