@@ -706,14 +706,14 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         return op.run().tolist() if op is not None else tensor_checksums(tensors)
 
     def _batch_call(self, make_info: Callable[[list | None, str], UpdateInfo], key: tuple,
-                    handles: Callable[[], list[dict]], call: Callable[[dict], dict] | None = None) -> dict:
-        """The call carrying the persistent tensors (``call(update_info)``, default
-        ``update_weights``): only a ref to the handle list when the server holds it from the
-        previous sync, else the handles under a new ref (also when the server answers that it
-        does not know the ref)."""
-        if call is None:
-            def call(d, t=self.init_info.timeout_s):
-                return self.client.update_weights(d, t)
+                    handles: Callable[[], list[dict]]) -> dict:
+        """The ``update_weights`` call carrying the persistent tensors (start / update / finish
+        path): only a ref to the handle list when the server holds it from the previous sync,
+        else the handles under a new ref (also when the server answers that it does not know
+        the ref)."""
+        def call(d, t=self.init_info.timeout_s):
+            return self.client.update_weights(d, t)
+
         if self._batch_ref is not None and self._batch_ref[0] == key:
             try:
                 return call(make_info(None, self._batch_ref[1]).to_dict())
