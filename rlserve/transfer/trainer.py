@@ -448,10 +448,28 @@ class TrainerWeightTransferEngine:
         info.validate()
         return info
 
+    def _source_is_persistent(self) -> bool:
+        """Whether the source yields tensors that exist anyway (a plain module's parameters with
+        no dtype cast, a TensorListSource's tensors): listing them all at once costs no memory.
+        FSDP (DTensor) parameters and casts create a tensor per item: those are streamed."""
+        if isinstance(self.source, TensorListSource):
+            return True
+        mod = getattr(self.source, "module", None)
+        if mod is None or getattr(self.source, "dtype", None) is not None:
+            return False
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover
+            return True
+        return not any(isinstance(p, DTensor) for p in mod.parameters())
+
     def _checksum_pass(self, info: UpdateInfo) -> list[int] | None:
         if not self.init_info.checksums or self.init_info.backend == "ipc":
             return None  # ipc: checksummed per packed bucket, right before its call
-        per_tensor = tensor_checksums(t for _n, t in self.source.named_tensors())
+        tensors = (t for _n, t in self.source.named_tensors())
+        if self._source_is_persistent():
+            tensors = list(tensors)  # the module's own tensors: one Triton launch on a GPU
+        per_tensor = tensor_checksums(tensors)
         if not self.is_sender:
             return None
         if not info.packed:
