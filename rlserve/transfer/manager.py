@@ -140,6 +140,7 @@ class WeightTransferManager:
         # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
         self._ipc_refs: dict[str, dict] = {}
         self._watchdog: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # background bookkeeping calls (forget, end_session)
         self.last_update: dict | None = None
         self.history: collections.deque = collections.deque(maxlen=32)
         self.num_updates = 0
@@ -213,7 +214,14 @@ class WeightTransferManager:
             return await self._poll_op(op_id, deadline_s, what, session)
         finally:
             # off the caller's path: later calls to the same engine threads queue behind it
-            asyncio.get_running_loop().create_task(self._forget(op_id))
+            self._background(self._forget(op_id))
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` as a task off the caller's path, referenced until it ends (asyncio keeps
+        only weak references to tasks)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forget(self, op_id: str) -> None:
         await self._rpc_logged("forget", op_id)  # the op table is also cleared on teardown
@@ -280,7 +288,7 @@ class WeightTransferManager:
             # the workers drop the lists a session did not use
             self._ipc_refs = {r: m for r, m in self._ipc_refs.items() if r in session.ipc_refs}
             # off the caller's path: the next session's calls queue behind it on the engine threads
-            asyncio.get_running_loop().create_task(self._rpc_logged("end_session"))
+            self._background(self._rpc_logged("end_session"))
         if session.auto_paused:
             try:
                 await self.aengine.resume()
