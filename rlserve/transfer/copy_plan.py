@@ -59,15 +59,24 @@ class CopyPlan:
         self._fused: dict[tuple, object] = {}  # sources' addresses -> MultiTensorSum (None: cannot)
         self._copy_op = _UNSET  # MultiTensorSum over the fast pairs (None: use _foreach_copy_)
 
-    def replay(self) -> None:
+    def replay(self, sum_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA).
+
         The same-dtype contiguous copies go in one launch: the Triton chunk-table copy where it
         can run (Qwen3-8B's 399 tensors on an H200: ~8 ms, the speed of one flat ``copy_``), else
-        ``_foreach_copy_`` (~12 ms there)."""
+        ``_foreach_copy_`` (~12 ms there). With ``sum_sources`` (the load's source tensors, in
+        order) and when :meth:`_fused_op` allows, that launch also takes their ``s64sum``
+        checksums (each byte read once) and they are returned (int64 ``[len(sum_sources)]`` on the
+        device, queued on the current stream); otherwise ``None`` (the caller checksums the
+        sources itself)."""
+        fused = self._fused_op(sum_sources) if sum_sources is not None else None
         for func, args, kwargs in self._fills:
             func(*args, **kwargs)
+        sums = None
         d, s = self._fast
-        if d:
+        if fused is not None:
+            sums = fused.run()
+        elif d:
             if self._copy_op is _UNSET:
                 from rlserve.transfer.multi_tensor import MultiTensorSum
 
@@ -78,6 +87,7 @@ class CopyPlan:
                 torch._foreach_copy_(d, s)
         for dst, src in self._slow:
             dst.copy_(src)
+        return sums
 
     def _fused_op(self, sources: Sequence[torch.Tensor]):
         """A :class:`~rlserve.transfer.multi_tensor.MultiTensorSum` doing every fast copy and
@@ -97,22 +107,6 @@ class CopyPlan:
             op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs])
         self._fused[key] = op
         return op
-
-    def replay_with_checksums(self, sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """Replay with the copies and the ``s64sum`` checksums of ``sources`` done in one pass
-        (one Triton launch: each byte read once), when :meth:`_fused_op` allows; returns the
-        checksums (int64 ``[len(sources)]`` on the device, queued on the current stream), or
-        ``None`` after a plain :meth:`replay` (the caller checksums the sources itself)."""
-        op = self._fused_op(sources)
-        if op is None:
-            self.replay()
-            return None
-        for func, args, kwargs in self._fills:
-            func(*args, **kwargs)
-        sums = op.run()
-        for dst, src in self._slow:
-            dst.copy_(src)
-        return sums
 
     def __len__(self) -> int:
         return len(self._fast[0]) + len(self._slow)

@@ -135,10 +135,7 @@ def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
     if key in st.plans:
         plan = st.plans[key]
         if plan is not None:
-            if want_sums:
-                return True, plan.replay_with_checksums([t for _, t in pairs])
-            plan.replay()
-            return True, None
+            return True, plan.replay([t for _, t in pairs] if want_sums else None)
         _load(worker, pairs)
         return False, None
     plan, why = record_load(lambda p: _load(worker, p), pairs)
