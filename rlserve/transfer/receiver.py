@@ -479,24 +479,16 @@ class WeightReceiver:
                 ret = sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
                 if info.checksums is not None or info.device_checksums:
-                    sums = ret if isinstance(ret, torch.Tensor) else None
-                    fused = sums is not None
-                    if info.device_checksums:  # against the trainer's tensor, on the GPU: one sync
-                        if sums is None:
-                            sums = torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64,
-                                                device=st.sums.device)
-                        bad = sums.to(st.sums.device) != st.sums
-                        if bool(bad.any()):
-                            i = int(bad.nonzero()[0, 0])
-                            got, exp = int(sums[i]), int(st.sums[i])
-                        else:
-                            i = None
-                    else:
-                        got_all = sums.tolist() if fused else tensor_checksums([t for _, t in pairs])
-                        i = next((k for k, (g, e) in enumerate(zip(got_all, info.checksums)) if g != e), None)
-                        if i is not None:
-                            got, exp = got_all[i], info.checksums[i]
-                    if i is not None:
+                    fused = isinstance(ret, torch.Tensor)
+                    # expected: the trainer's checksum tensor (read on the GPU after its event) or
+                    # the announced list; compared as int64 tensors where the expected sums live, one sync
+                    got = ret if fused else torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64)
+                    exp = st.sums if info.device_checksums else torch.tensor(info.checksums, dtype=torch.int64)
+                    got = got.to(exp.device)
+                    bad = (got != exp).nonzero()
+                    if bad.numel():
+                        i = int(bad[0, 0])
+                        got, exp = int(got[i]), int(exp[i])
                         raise ChecksumMismatchError(
                             f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
                             "(the trainer's memory changed while the server read it?); the update is refused")
