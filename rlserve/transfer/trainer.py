@@ -699,29 +699,17 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
         self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
-        self._sum_op: tuple[tuple, object] | None = None  # (batch key, MultiTensorSum)
         self._fast: dict | None = None  # the one-call path's registration (see _send_one_call)
 
     def _teardown(self) -> None:
         self._exported = {}
         self._batch_ref = None
-        self._sum_op = None
         self._fast = None
 
     @staticmethod
     def _batch_key(names, tensors) -> tuple:
         """What the server's copy of a handle list depends on: names and the tensors' memory."""
         return tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for n, t in zip(names, tensors))
-
-    def _batch_checksums(self, key: tuple, tensors: list[torch.Tensor]) -> list[int]:
-        """``s64sum`` of the persistent tensors: one Triton launch, its chunk table kept while the
-        tensors stay where they are (else one reduction per tensor)."""
-        from rlserve.transfer.multi_tensor import MultiTensorSum
-
-        if self._sum_op is None or self._sum_op[0] != key:
-            self._sum_op = (key, MultiTensorSum.build(tensors))
-        op = self._sum_op[1]
-        return op.run().tolist() if op is not None else tensor_checksums(tensors)
 
     def _batch_call(self, make_info: Callable[[list | None, str], UpdateInfo], key: tuple,
                     handles: Callable[[], list[dict]]) -> dict:
@@ -930,7 +918,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 slots = [s for s, _ in batch]
                 key = self._batch_key([s.name for s in slots], tensors)
                 t_b = time.perf_counter()
-                checksums = self._batch_checksums(key, tensors) if ii.checksums else None
+                checksums = tensor_checksums(tensors) if ii.checksums else None  # one launch on a GPU
                 torch.cuda.current_stream(self.device).synchronize()
                 t_ck = time.perf_counter()
 
