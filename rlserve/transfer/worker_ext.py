@@ -114,8 +114,8 @@ def _load(worker, pairs) -> set:
 def _params_signature(worker) -> tuple:
     """The parameters' addresses (a recorded copy plan writes there). The list of parameters is
     taken once per model -- parameters are updated in place, never replaced (docs/INTERFACES.md)
-    -- and only ``data_ptr()`` is read per update: walking the module tree every update cost
-    ~1.8 ms for an 8B model on the H200 host."""
+    -- and only ``data_ptr()`` is read per update, without walking the module tree (CPU,
+    SmolLM2-135M's 272 parameters: 0.39 -> 0.31 ms per call)."""
     model = worker.model
     params = getattr(model, "_rlserve_param_list", None)
     if params is None:
