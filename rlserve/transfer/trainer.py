@@ -747,7 +747,9 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         from rlserve.transfer.ipc import export_handle
 
         ii = self.init_info
-        if ii.packed or getattr(self, "_one_call", True) is False:
+        if ii.packed or getattr(self, "_one_call", True) is False or not self._source_is_persistent():
+            # (a casting or FSDP source would create -- gather -- every tensor here and again in
+            # the three-call path that follows)
             return None
         t0 = time.perf_counter()
         persistent = self._persistent_storages()
