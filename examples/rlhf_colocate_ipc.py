@@ -3,9 +3,9 @@
 The same story as ``examples/rlhf_http_nccl.py`` on a single GPU (NCCL refuses two ranks on one
 GPU): the server runs on GPU 0 with dummy weights and leaves room on the GPU
 (``--gpu-memory-utilization``), the trainer loads the real weights there in bf16, pauses
-generation, and sends them as packed buckets: each bucket is a CUDA buffer whose IPC handle
-travels as JSON in an ``/update_weights`` call, and the server copies straight out of the
-trainer's memory. After resuming, the server's greedy completions are compared token for token
+generation, and sends them tensor by tensor (``packed=False``, the ipc default): the IPC handles
+of the trainer's own parameters travel once as JSON, later syncs are one ``/sync_weights`` call
+of ~100 bytes, and the server copies straight out of the trainer's memory. After resuming, the server's greedy completions are compared token for token
 with the trainer's own ``generate`` (exit status 3 if one differs).
 
 Run (one GPU):
@@ -26,7 +26,7 @@ def trainer_init(client, train_model, layout):
     return WeightTransferTrainerFactory.trainer_init(
         init_info=IPCTrainerInitInfo(
             device=layout.trainer_device,  # the GPU the server also uses
-            packed_num_buffers=2,  # pack bucket i+1 while the server copies bucket i
+            packed=False,  # the default for ipc: the server reads the parameters themselves
         ),
         client=client,
         source=ModuleSource(train_model),

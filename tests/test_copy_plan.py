@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from rlserve.config import EngineConfig
 from rlserve.loader import load_model
 from rlserve.transfer.checksums import export_hf_tensors
-from rlserve.transfer.copy_plan import plan_key, record_load
+from rlserve.transfer.copy_plan import FixedPairs, plan_key, record_load, source_tensors
 
 
 def _model(path, dtype=torch.float32):
@@ -44,6 +44,28 @@ def test_replay_equals_load_weights_after_sources_change(arch, tiny_model):
     fresh.load_weights(pairs)
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_fixed_pairs_remember_key_and_sources(tiny_model):
+    """The receiver's mapped ipc tensors travel as one FixedPairs across updates: its plan key
+    and source list are computed once and equal what plain pairs give."""
+    model = _model(tiny_model("llama"))
+    pairs = _hf_like(model, 1)
+    fixed = FixedPairs(pairs)
+    assert plan_key(fixed) == plan_key(pairs)
+    assert plan_key(fixed) is plan_key(fixed)  # remembered, not recomputed
+    src = source_tensors(fixed)
+    assert src is source_tensors(fixed) and len(src) == len(pairs)
+    assert all(a is b for a, (_, b) in zip(src, pairs))
+    plan, why = record_load(model.load_weights, fixed)
+    assert plan is not None, why
+    for _, t in pairs:
+        t.mul_(2.0)
+    assert plan.replay(src) is None  # no fused copy + checksum on CPU: the caller checksums
+    got = dict(export_hf_tensors(model)[0])
+    for n, t in pairs:
+        if n in got:
+            assert torch.equal(got[n], t), n
 
 
 def test_dtype_converting_copies_are_replayable(tiny_model):

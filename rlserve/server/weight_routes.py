@@ -35,7 +35,8 @@ import logging
 from typing import Any, Optional
 
 from fastapi import APIRouter, Body, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
@@ -173,7 +174,11 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
             body = await _json_object(request, ("update_info",))
         except WeightUpdateError as e:
             return error_response(e)
-        return await _call(run(body))
+        out = await _call(run(body))
+        if isinstance(out, Response):
+            return out
+        # encoded here: FastAPI's jsonable_encoder walk of the answer is skipped on the hot routes
+        return Response(json.dumps(out, default=jsonable_encoder).encode(), media_type="application/json")
 
     @router.post("/update_weights", openapi_extra=_body_schema(UpdateBody))
     async def update_weights(request: Request):

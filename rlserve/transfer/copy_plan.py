@@ -12,17 +12,18 @@ The load is *replayable* only when every write it made was such a copy, or a con
 (``zero_`` / ``fill_``, e.g. vocabulary padding rows) of memory no copy writes: a copy from a
 temporary (a dtype cast or ``contiguous()`` done in Python, fp8 quantization) or any other
 in-place write would be lost on replay, so such a load gives no plan and the caller keeps
-calling ``load_weights``. :meth:`CopyPlan.replay` then issues the recorded copies with
-``torch._foreach_copy_`` (one multi-tensor kernel per group of same-dtype contiguous pairs).
+calling ``load_weights``. :meth:`CopyPlan.replay` then issues the recorded same-dtype contiguous
+copies as one launch (:mod:`rlserve.transfer.multi_tensor` on CUDA, else ``torch._foreach_copy_``).
 
 The plan holds the destination views (into the model's parameters, updated in place, never
 reallocated) and the source views (into the mapped trainer memory): it is valid while both
 live, i.e. for one receiver session with unchanged handles; the caller keys it on the sources'
-addresses, shapes, strides and dtypes.
+addresses, shapes, strides and dtypes (:func:`plan_key`; computed once per :class:`FixedPairs`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -94,7 +95,7 @@ class CopyPlan:
         summing each of ``sources``, or ``None``: only when each source is copied whole by
         exactly one same-dtype contiguous copy and no other fast copy exists (TP=1, dtypes
         match; a TP shard reads slices of its sources)."""
-        key = tuple((t.data_ptr(), t.numel(), t.dtype) for t in sources)
+        key = sources.sum_key if isinstance(sources, FixedSources) else _sum_key(sources)
         if key in self._fused:
             return self._fused[key]
         from rlserve.transfer.multi_tensor import MultiTensorSum
@@ -170,5 +171,46 @@ def record_load(load: Callable[[list[tuple[str, torch.Tensor]]], object],
 
 
 def plan_key(pairs: Sequence[tuple[str, torch.Tensor]]) -> tuple:
-    """What a recorded plan depends on: names and the sources' memory, dtypes, shapes, strides."""
+    """What a recorded plan depends on: names and the sources' memory, dtypes, shapes, strides
+    (remembered by a :class:`FixedPairs`)."""
+    if isinstance(pairs, FixedPairs):
+        return pairs.key
+    return _plan_key(pairs)
+
+
+def source_tensors(pairs: Sequence[tuple[str, torch.Tensor]]) -> Sequence[torch.Tensor]:
+    """The tensors of ``pairs``, in order (for :meth:`CopyPlan.replay`'s ``sum_sources``)."""
+    return pairs.sources if isinstance(pairs, FixedPairs) else [t for _, t in pairs]
+
+
+def _plan_key(pairs) -> tuple:
     return tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device)) for n, t in pairs)
+
+
+def _sum_key(sources) -> tuple:
+    return tuple((t.data_ptr(), t.numel(), t.dtype) for t in sources)
+
+
+class FixedSources(tuple):
+    """A tuple of tensors that keep their memory and layout while it lives; its
+    :meth:`CopyPlan._fused_op` key is computed once."""
+
+    @functools.cached_property
+    def sum_key(self) -> tuple:
+        return _sum_key(self)
+
+
+class FixedPairs(tuple):
+    """``(name, tensor)`` pairs whose tensors keep their memory and layout while the object lives
+    (the receiver's mapped ipc tensors of one handle set, reused across updates): :func:`plan_key`
+    and :func:`source_tensors` are computed once per object, not per update (Qwen3-8B's 399
+    tensors: ~1 ms of Python per update on an H200's host). Build a new one when a tensor
+    changes."""
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        return _plan_key(self)
+
+    @functools.cached_property
+    def sources(self) -> FixedSources:
+        return FixedSources(t for _, t in self)

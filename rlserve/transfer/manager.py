@@ -94,6 +94,11 @@ class _Session:
     seconds: float = 0.0
     calls: int = 0
     ipc_refs: set = field(default_factory=set)  # ipc_handles_ref names used in this session
+    # one-call ipc update in place on one replica (see WeightTransferManager._commits_in_engine):
+    # the receive, the prefix-cache reset and the new version are one engine-thread command
+    commit_in_engine: bool = False
+    commit_version: str | None = None  # the version asked for (None: the current one + 1)
+    committed_version: str | None = None  # set by that command once it committed
 
 
 class WeightTransferManager:
@@ -164,14 +169,21 @@ class WeightTransferManager:
     def _timeout(self) -> float:
         return self._init.timeout_s if self._init is not None else float(self.config.get("timeout_s", DEFAULT_TIMEOUT_S))
 
-    async def _rpc(self, fn: str, *args, timeout_s: float | None = None) -> list:
+    async def _rpc(self, fn: str, *args, timeout_s: float | None = None, then=None) -> list:
         """``fn(worker, *args)`` on every worker of every replica; results flattened (replica-major,
-        TP rank order). Raises TransferTimeoutError after ``timeout_s``."""
+        TP rank order). ``then(engine, results)``: runs next on the same engine thread, in the
+        same command (nothing steps in between). Raises TransferTimeoutError after ``timeout_s``."""
         target = f"{_WORKER}:{fn}"
         t = timeout_s or self.rpc_timeout_s
+
+        def run(e):
+            res = e.collective_rpc(target, *args, timeout_s=t)
+            if then is not None:
+                then(e, res)
+            return res
+
         try:
-            res = await self.aengine.run_in_engines(lambda e: e.collective_rpc(target, *args, timeout_s=t),
-                                                    timeout_s=t + 5)
+            res = await self.aengine.run_in_engines(run, timeout_s=t + 5)
         except asyncio.TimeoutError as e:
             raise terr.TransferTimeoutError(f"worker call {fn} did not return within {t:.0f} s") from e
         return [r for rep in res for r in rep]
@@ -202,11 +214,15 @@ class WeightTransferManager:
         # Paused engines (an in-place update, or a trainer that paused) step nothing: the engine
         # thread may then wait for the op (at most _POLL_BLOCK_S per call), so its end is seen at
         # once instead of after a back-off sleep; the first wait rides on the call that starts
-        # the op. Running engines are polled between steps without blocking.
-        block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0
+        # the op. Running engines are polled between steps without blocking. A session that
+        # commits in the engine holds the engine thread for the whole command anyway.
+        commit = session is not None and session.commit_in_engine
+        block = _POLL_BLOCK_S if (commit or self.aengine.is_paused()) else 0.0
         try:
             if block:
-                done = self._poll_results(await self._rpc("start_wait", start_fn, op_id, block, *args), what, session)
+                then = self._committer(session) if commit else None
+                done = self._poll_results(await self._rpc("start_wait", start_fn, op_id, block, *args, then=then),
+                                          what, session)
                 if done is not None:
                     return done
             else:
@@ -215,6 +231,28 @@ class WeightTransferManager:
         finally:
             # off the caller's path: later calls to the same engine threads queue behind it
             self._background(self._forget(op_id))
+
+    def _committer(self, s: _Session):
+        """``then`` of the engine command that receives a one-call in-place update (see
+        :meth:`_commits_in_engine`): once every worker loaded it, reset the prefix cache and set
+        the new weight version before the engine steps again. A failed or unfinished receive
+        commits nothing here (the manager's usual failure path, or finish, takes over)."""
+        def commit(engine, results: list) -> None:
+            if all(r.get("done") and r.get("ok") for r in results):
+                engine.reset_prefix_cache()
+                version = s.commit_version or next_version(self.aengine.weight_version)
+                self.aengine.set_weight_version(version)
+                s.committed_version = version
+        return commit
+
+    def _commits_in_engine(self) -> bool:
+        """Whether a ``/sync_weights`` call runs as one engine-thread command, without pause and
+        resume: ipc (the receive runs on the engine thread and waits for no peer), in place, one
+        replica. A command runs between two steps by itself, so the running requests see the
+        update exactly as under a keep-pause, and the next step already runs (and is stamped)
+        with the new weights; it saves the pause, prefix-cache reset and resume round trips."""
+        return (self._init is not None and self._init.backend == "ipc" and self.staging == "none"
+                and len(self.aengine.engines) == 1)
 
     def _background(self, coro) -> None:
         """Run ``coro`` as a task off the caller's path, referenced until it ends (asyncio keeps
@@ -398,7 +436,7 @@ class WeightTransferManager:
         while self._busy is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def start_update(self, update_info: dict | None = None) -> dict:
+    async def start_update(self, update_info: dict | None = None, pause: bool = True) -> dict:
         """``POST /start_weight_update``: open an update session.
 
         Args:
@@ -406,6 +444,8 @@ class WeightTransferManager:
                 sends it): validated now, so bad metadata is refused before any data moves;
                 later ``update_weights`` calls must stay within it, and ``finish`` checks that all
                 of it arrived.
+            pause: in place, keep-pause generation until finish (``False``: the one-call path
+                that commits in the engine command, :meth:`sync_weights`).
         Raises:
             WeightUpdateStateError (409): no transfer engine, or a session is already open.
             WeightUpdateError (400): the declared metadata is invalid.
@@ -419,11 +459,11 @@ class WeightTransferManager:
         self._check_not_busy("start_weight_update")
         self._busy = "start"
         try:
-            return await self._start_update(update_info)
+            return await self._start_update(update_info, pause)
         finally:
             self._busy = None
 
-    async def _start_update(self, update_info: dict | None) -> dict:
+    async def _start_update(self, update_info: dict | None, pause: bool = True) -> dict:
         declared = None
         if update_info:
             declared = UpdateInfo.from_dict(update_info).resolved(self._init)
@@ -432,7 +472,7 @@ class WeightTransferManager:
             declared.checksums = None
             declared.ipc_handles = None
         auto = False
-        if self.staging == "none" and not self.aengine.is_paused():
+        if self.staging == "none" and pause and not self.aengine.is_paused():
             await self.aengine.pause(mode="keep")
             auto = True
         self._session = _Session(declared=declared, auto_paused=auto)
@@ -583,7 +623,9 @@ class WeightTransferManager:
                 for k in ("load", "post_load", "device_sync"):
                     phases[f"worker_{k}_s"] = max((r.get("phases_s", {}).get(k, 0.0) for r in workers), default=0.0)
                 commit_replayed = all(r.get("replayed") for r in workers)
-            if not in_engine:
+            if s.committed_version is not None:  # the receive's engine command committed
+                version = s.committed_version
+            elif not in_engine:
                 t_r = time.perf_counter()
                 await self.aengine.reset_prefix_cache()
                 phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
@@ -609,7 +651,8 @@ class WeightTransferManager:
                      staging=self.staging)
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
-                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed}
+                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,
+                "committed_in_engine_command": s.committed_version is not None}
 
     async def _commit_staged(self, version: str | None) -> list[dict]:
         """Every worker loads its staging dict into the model (worker_ext ``commit``). With
@@ -645,23 +688,34 @@ class WeightTransferManager:
         for a trainer whose whole update is one ``update_weights`` call (ipc with per-tensor
         handles). Same validation (everything checked before any byte moves: 400), same failure
         handling and answers as the three calls; saves two HTTP round trips and the declaration.
-        A refused call leaves no session open (the trainer may retry at once).
+        A refused call leaves no session open (the trainer may retry at once). ipc in place on
+        one replica: no pause / resume; the receive, prefix-cache reset and new version are one
+        engine-thread command (:meth:`_commits_in_engine`).
 
         Returns:
-            ``finish_weight_update``'s answer plus ``"update"``: ``update_weights``' answer.
+            ``finish_weight_update``'s answer plus ``"update"``: ``update_weights``' answer, and
+            ``"sync_phases_s"``: seconds in the start, update and finish steps.
         Raises:
             What the three calls raise.
         """
-        await self.start_update(None)
+        t0 = time.perf_counter()
+        in_engine = self._commits_in_engine()
+        await self.start_update(None, pause=not in_engine)
         s = self._session
+        if s is not None and in_engine:
+            s.commit_in_engine, s.commit_version = True, weight_version
+        t1 = time.perf_counter()
         try:
             upd = await self.update_weights(update_info)
         except BaseException as e:
             if s is not None and self._session is s:  # refused before anything moved (ipc 400)
                 await self._fail(s, e, teardown=False)
             raise
+        t2 = time.perf_counter()
         fin = await self.finish_update(weight_version)
         fin["update"] = upd
+        fin["sync_phases_s"] = {"start": round(t1 - t0, 6), "update": round(t2 - t1, 6),
+                                "finish": round(time.perf_counter() - t2, 6)}
         return fin
 
     async def shutdown_engine(self) -> dict:

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from rlserve.errors import WeightUpdateError
+from rlserve.transfer.copy_plan import FixedPairs
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
@@ -105,6 +106,8 @@ class _IpcSet:
     shapes: list
     sums: torch.Tensor | None = None  # the trainer's int64 [n] checksum tensor (mapped)
     event: object = None  # the trainer's interprocess torch.cuda.Event
+    pairs: FixedPairs | None = None  # (name, tensor) of the load, once known to be on the worker's device
+    nbytes: int = 0
 
 
 class WeightReceiver:
@@ -459,14 +462,18 @@ class WeightReceiver:
                         self._ipc_sets.pop(info.ipc_handles_ref, None)
                         raise WeightUpdateError(f"ipc tensor {name!r} ({i + 1}/{n}): handle maps {t.dtype} "
                                                 f"{list(t.shape)}, update_info says {dtypes[i]} {info.shapes[i]}")
-            pairs = list(zip(info.names, st.tensors))
-            total = sum(t.numel() * t.element_size() for t in st.tensors)
+            if st.pairs is None:
+                st.nbytes = sum(t.numel() * t.element_size() for t in st.tensors)
+                if all(t.device == self.device for t in st.tensors):  # (else moved per update, below)
+                    st.pairs = FixedPairs(zip(info.names, st.tensors))
+            pairs = st.pairs if st.pairs is not None else list(zip(info.names, st.tensors))
+            total = st.nbytes
             if st.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(st.event)  # the trainer's writes + sums
             if info.device_checksums and st.sums is None:
                 raise WeightUpdateError("device_checksums: the trainer registered no checksum tensor for this ref")
             t_map = time.perf_counter()
-            devs = {t.device for _, t in pairs}
+            devs = {self.device} if st.pairs is not None else {t.device for _, t in pairs}
             t_load = t_ck = t_map
             fused = False
             if pairs:
@@ -476,7 +483,8 @@ class WeightReceiver:
                 # bytes); otherwise they are taken here, from the same sources, after the copy.
                 # A mismatch fails the update like a broken one: in place the server answers
                 # 503 until a full update lands, staged it is never committed.
-                ret = sink([(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
+                ret = sink(pairs if st.pairs is not None else
+                           [(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
                 if info.checksums is not None or info.device_checksums:
                     fused = isinstance(ret, torch.Tensor)

@@ -37,7 +37,7 @@ import traceback
 
 import torch
 
-from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load
+from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.receiver import WeightReceiver
@@ -135,7 +135,7 @@ def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
     if key in st.plans:
         plan = st.plans[key]
         if plan is not None:
-            return True, plan.replay([t for _, t in pairs] if want_sums else None)
+            return True, plan.replay(source_tensors(pairs) if want_sums else None)
         _load(worker, pairs)
         return False, None
     plan, why = record_load(lambda p: _load(worker, p), pairs)
@@ -245,9 +245,11 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: b
         t_op = time.perf_counter()
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
+        t_dev = time.perf_counter()
         # sources at fixed addresses: mapped ipc tensors, packed buffers on the worker's device
         stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
         params_sig = _params_signature(worker) if stable and staging == "none" else ()
+        t_sig = time.perf_counter()
         # ipc per-tensor: the receiver compares checksums after the copy; a fused copy + checksum
         # reads each byte once
         want_sums = receiver.init.backend == "ipc" and not info.packed and \
@@ -283,7 +285,8 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: b
         stats["replayed_loads"] = op.replayed
         t_end = time.perf_counter()
         stats["op_seconds"] = t_end - t_op
-        stats.setdefault("phases_s", {}).update(op_prepare=t_rx - t_op, op_post_load=t_end - t_post)
+        stats.setdefault("phases_s", {}).update(op_prepare=t_rx - t_op, op_set_device=t_dev - t_op,
+                                               op_params_signature=t_sig - t_dev, op_post_load=t_end - t_post)
         return stats
 
     return _submit(st, op_id, "receive", run, inline=inline)

@@ -152,13 +152,19 @@ def test_ipc_sync_float32_greedy_equals_hf(tiny_model):
     path = tiny_model("qwen3")
     hf = load_hf(path, "cuda:0", torch.float32)
     with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:
+        prompts = PROMPTS + [list(range(3, 40))]  # two full KV blocks: prefix-cached
+        before = generate(srv.url, prompts).json()["completion_ids"]  # dummy weights; fills the prefix cache
         eng = WeightTransferTrainerFactory.trainer_init(
             init_info=IPCTrainerInitInfo(timeout_s=60), client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
-        eng.send_weights()
-        got = generate(srv.url).json()["completion_ids"]
-        ref = [hf_greedy(hf, p) for p in PROMPTS]
+        fin = eng.send_weights()
+        # in place on one replica: one /sync_weights call, committed inside one engine command
+        # (no pause / resume), which also reset the prefix cache (else the cached dummy-weight
+        # KV of the prompts would be reused)
+        assert eng.last_stats.get("one_call") and fin["committed_in_engine_command"], fin
+        got = generate(srv.url, prompts).json()["completion_ids"]
+        ref = [hf_greedy(hf, p) for p in prompts]
         _report("ipc_fp32_greedy", {"server": got, "hf": ref})
-        assert got == ref
+        assert got == ref and before != ref
         eng.shutdown()
 
 
@@ -177,7 +183,7 @@ IPC_KILL = textwrap.dedent("""
                     os.kill(os.getpid(), signal.SIGKILL)
                 yield item
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=IPCTrainerInitInfo(timeout_s=5, packed_buffer_size_bytes=16 << 10),
+        init_info=IPCTrainerInitInfo(packed=True, timeout_s=5, packed_buffer_size_bytes=16 << 10),
         client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
     eng.send_weights()
 """)
@@ -418,3 +424,61 @@ def test_ipc_fused_checksum_mismatch_refuses_update(tiny_model):
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
         assert rep["compare"]["match"]
         eng.shutdown()
+
+
+def test_ipc_one_call_syncs_under_load(tiny_model):
+    """In place on one replica, each /sync_weights runs as one engine command (receive, prefix-cache
+    reset, new version) without pause / resume: under concurrent generation no request fails, the
+    weight versions on every answer are in order, and right after each sync the greedy tokens of
+    prefix-cached prompts equal Hugging Face's with those weights (no stale KV)."""
+    import threading
+
+    path = tiny_model("llama")
+    hf = load_hf(path, "cuda:0", torch.float32)
+    probes = [list(range(3, 25)) + [11], list(range(3, 25)) + [13, 14]]  # share a full 16-token block
+    results, errors = [], []
+    stop = threading.Event()
+
+    def load(url):
+        with httpx.Client(timeout=120) as c:
+            i = 0
+            while not stop.is_set():
+                try:
+                    r = c.post(url + "/generate/", json={"prompt_ids": [probes[i % 2]], "max_tokens": N_TOK,
+                                                         "temperature": 0, "generation_kwargs": {"ignore_eos": True}})
+                    results.append((r.status_code, r.json()))
+                except Exception as e:  # noqa: BLE001 - asserted below
+                    errors.append(repr(e))
+                i += 1
+
+    with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(timeout_s=60), client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
+        th = threading.Thread(target=load, args=(srv.url,), daemon=True)
+        th.start()
+        base = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        answers = []
+        for v in range(1, 6):
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    p.copy_(base[n] + 0.05 * torch.randn(p.shape, generator=g, device=p.device))
+            ref = [hf_greedy(hf, p) for p in probes]
+            fin = eng.send_weights(weight_version=str(v))
+            answers.append(fin.get("sync_phases_s"))
+            assert fin["weight_version"] == str(v) and fin["committed_in_engine_command"], fin
+            got = generate(srv.url, probes).json()
+            assert got["weight_versions"] == [str(v)], got
+            assert got["completion_ids"] == ref, (v, got["completion_ids"], ref)
+        stop.set()
+        th.join(60)
+        eng.shutdown()
+    _report("ipc_one_call_under_load", {"requests": len(results), "sync_phases_s": answers})
+    assert not errors, errors[:3]
+    assert len(results) > 5
+    order = [str(v) for v in range(6)]
+    for status, body in results:
+        assert status == 200, body  # no request lost
+        idx = [order.index(x) for x in body["weight_versions"]]
+        assert idx == sorted(idx), body["weight_versions"]
+        assert body["weight_version"] == body["weight_versions"][-1]
