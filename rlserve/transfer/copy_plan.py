@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlserve.transfer.host_ops import host_copy_many
+
 _COPY = torch.ops.aten.copy_.default
 _UNSET = object()
 _CONSTANT_FILLS = (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
@@ -50,7 +52,8 @@ class CopyPlan:
         self._fills = list(fills)
         fast_d, fast_s, slow = [], [], []
         for d, s in pairs:
-            if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous() and d.device == s.device:
+            if d.dtype == s.dtype and d.numel() == s.numel() and d.is_contiguous() and s.is_contiguous() \
+                    and d.device == s.device:
                 fast_d.append(d)
                 fast_s.append(s)
             else:
@@ -64,7 +67,8 @@ class CopyPlan:
         """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA).
 
         The same-dtype contiguous copies go in one launch: the Triton chunk-table copy where it
-        can run (Qwen3-8B's 399 tensors on an H200: ~8 ms, the speed of one flat ``copy_``), else
+        can run (Qwen3-8B's 399 tensors on an H200: ~8 ms, the speed of one flat ``copy_``), on
+        the CPU numpy byte copies on a few threads of ours (:mod:`rlserve.transfer.host_ops`), else
         ``_foreach_copy_`` (~12 ms there). With ``sum_sources`` (the load's source tensors, in
         order) and when :meth:`_fused_op` allows, that launch also takes their ``s64sum``
         checksums (each byte read once) and they are returned (int64 ``[len(sum_sources)]`` on the
@@ -84,6 +88,8 @@ class CopyPlan:
                 self._copy_op = MultiTensorSum.build(s, d) if d[0].is_cuda else None
             if self._copy_op is not None:
                 self._copy_op.run()
+            elif d[0].device.type == "cpu" and s[0].device.type == "cpu":
+                host_copy_many(list(zip(d, s)))  # numpy on our threads: see rlserve.transfer.host_ops
             else:
                 torch._foreach_copy_(d, s)
         for dst, src in self._slow:

@@ -27,6 +27,9 @@ little-endian int64 words (zero-padded to a multiple of 8 bytes). Why this one:
 
 It detects any change of a single word, truncation, zeroed or wrong buckets, and dtype/shape
 mix-ups; it does not detect two words swapping places (not a failure mode of a broadcast).
+
+On the CPU the packing copies and the checksums are numpy calls on a few threads of ours
+(:mod:`rlserve.transfer.host_ops`: torch's OpenMP pool competes with gloo's threads for the cores).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import torch
+
+from rlserve.transfer.host_ops import host_copy_many, host_s64sum, host_s64sums
 
 #: Alignment of each tensor inside a bucket, in bytes.
 ALIGN = 256
@@ -156,11 +161,15 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def checksum(u8: torch.Tensor) -> int:
     """The ``s64sum`` checksum of a 1-D uint8 tensor (see module docstring). Computed on the
     tensor's device; returns a Python int in the int64 range (one host sync)."""
+    if u8.device.type == "cpu":
+        return host_s64sum(u8)
     return _wrap64(int(checksum_tensor(u8).item()))
 
 
 def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
     """Like :func:`checksum` but returns the 0-dim int64 tensor on ``u8``'s device (no sync)."""
+    if u8.device.type == "cpu":
+        return torch.tensor(host_s64sum(u8), dtype=torch.int64)
     n = u8.numel()
     n8 = n - n % 8
     if n8 and (u8.storage_offset() % 8):
@@ -203,6 +212,8 @@ def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
         op = MultiTensorSum.build([t.detach() for t in tensors])
         if op is not None:
             return op.run().tolist()
+    if isinstance(tensors, (list, tuple)) and all(t.device.type == "cpu" for t in tensors):
+        return host_s64sums([as_bytes(t) for t in tensors])  # multi-threaded numpy, no torch pool
     return checksum_values([checksum_tensor(as_bytes(t)) for t in tensors])
 
 
@@ -234,16 +245,23 @@ def pack(buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> 
     """
     out = buf[: bucket.nbytes]
     end_prev = 0
+    host = []  # CPU -> CPU copies: one multi-threaded numpy call (rlserve.transfer.host_ops)
     for slot, t in zip(bucket.slots, tensors, strict=True):
         if t.dtype != slot.dtype or tuple(t.shape) != slot.shape:
             raise ValueError(f"{slot.name}: got {t.dtype} {tuple(t.shape)}, plan says {slot.dtype} {slot.shape}")
         if slot.offset > end_prev:
             out[end_prev: slot.offset].zero_()
         if slot.nbytes:
-            out[slot.offset: slot.offset + slot.nbytes].copy_(as_bytes(t))
+            dst, src = out[slot.offset: slot.offset + slot.nbytes], as_bytes(t)
+            if dst.device.type == "cpu" and src.device.type == "cpu":
+                host.append((dst, src))
+            else:
+                dst.copy_(src)
         end_prev = slot.offset + slot.nbytes
     if bucket.nbytes > end_prev:
         out[end_prev:].zero_()
+    if host:
+        host_copy_many(host)
     return out
 
 

@@ -39,6 +39,7 @@ import torch
 
 from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.errors import TransferAbortedError
+from rlserve.transfer.host_ops import host_copy_many, host_copyable
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.receiver import WeightReceiver
 
@@ -167,8 +168,14 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
         op = st.stage_ops[key]
         if op is not None:
             return op.run()
+    host = []
     for d, (_, t) in zip(dsts, pairs):
-        d.copy_(t, non_blocking=pin)
+        if host_copyable(d, t):
+            host.append((d, t))  # numpy on our threads (rlserve.transfer.host_ops)
+        else:
+            d.copy_(t, non_blocking=pin)
+    if host:
+        host_copy_many(host)
     return None
 
 
