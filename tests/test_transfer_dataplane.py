@@ -337,20 +337,24 @@ def test_ipc_handle_validation_without_cuda():
 
 
 def test_deferred_checksums_compared_once_at_the_end():
-    """GPU receivers queue each bucket's sum on the stream and compare all of them at the end
-    (one host sync); the comparison itself is device-agnostic."""
+    """GPU receivers queue each bucket's sum on the stream, and with checksums_after_data every
+    receiver keeps each bucket's sum; all are compared at the end (one host sync for the queued
+    ones); the comparison itself is device-agnostic and names the bucket."""
     from rlserve.transfer.packing import checksum, checksum_tensor
 
     good = torch.arange(64, dtype=torch.uint8)
     bad = good.clone()
     bad[3] ^= 1
     expected = [checksum(good), checksum(good)]
-    ok = [(checksum_tensor(good), expected[0], "bucket 1/2", 64), (checksum_tensor(good), expected[1], "bucket 2/2", 64)]
-    WeightReceiver._check_deferred(ok)  # no error
-    WeightReceiver._check_deferred([])
-    wrong = [ok[0], (checksum_tensor(bad), expected[1], "bucket 2/2", 64)]
-    with pytest.raises(ChecksumMismatchError, match="bucket 2/2.*not committed"):
-        WeightReceiver._check_deferred(wrong)
+    ok = [(checksum_tensor(good), 0, "bucket 1/2", 64), (checksum(good), 1, "bucket 2/2", 64)]  # queued / host
+    WeightReceiver._check_deferred(ok, expected)  # no error
+    WeightReceiver._check_deferred([], expected)
+    WeightReceiver._check_deferred(ok, None)  # nothing announced: nothing to compare
+    wrong = [ok[0], (checksum_tensor(bad), 1, "bucket 2/2", 64)]
+    with pytest.raises(ChecksumMismatchError, match="bucket 2/2.*!= announced.*not committed"):
+        WeightReceiver._check_deferred(wrong, expected)
+    with pytest.raises(ChecksumMismatchError, match="bucket 1/2.*sent after the data"):
+        WeightReceiver._check_deferred([(checksum(bad), 0, "bucket 1/2", 64)], expected, after_data=True)
 
 
 def test_ipc_ref_fields_validated():
@@ -382,3 +386,25 @@ def test_ipc_ref_fields_validated():
     r = WeightReceiver(InitInfo(backend="ipc", master_port=1, world_size=2), 1, torch.device("cpu"))
     with pytest.raises(WeightUpdateError, match="unknown to this worker"):
         r.with_ref_metadata(by_ref)
+
+
+def test_checksums_after_data_fields_validated():
+    """checksums_after_data: a packed gloo / NCCL update without a checksums list; with a list,
+    unpacked, or on ipc it is refused (400)."""
+    base = {"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]], "packed": True, "checksums_after_data": True}
+    init = InitInfo(backend="gloo", master_port=1)
+    ok = UpdateInfo.from_dict(base).resolved(init)
+    check_transport_fields(ok, "gloo")
+    check_transport_fields(ok, "nccl")
+    with pytest.raises(WeightUpdateError, match="checksums_after_data is for packed updates"):
+        UpdateInfo.from_dict({**base, "checksums": [1]})
+    with pytest.raises(WeightUpdateError, match="checksums_after_data is for packed updates"):
+        UpdateInfo.from_dict({**base, "packed": False})
+    with pytest.raises(WeightUpdateError, match="must be true or false"):
+        UpdateInfo.from_dict({**base, "checksums_after_data": "yes"})
+    with pytest.raises(WeightUpdateError, match="needs a packed gloo / NCCL update"):
+        check_transport_fields(UpdateInfo.from_dict({**base, "ipc_handles": [{}]}).resolved(init), "ipc")
+    unpacked_by_default = UpdateInfo.from_dict({**base, "packed": None}).resolved(InitInfo(backend="gloo", master_port=1,
+                                                                                          packed=False))
+    with pytest.raises(WeightUpdateError, match="needs a packed gloo / NCCL update"):
+        check_transport_fields(unpacked_by_default, "gloo")

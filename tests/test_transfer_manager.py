@@ -209,15 +209,33 @@ class FlakySource:
             yield n, t
 
 
-@pytest.mark.parametrize("staging", ["none", "device"])
-def test_checksum_mismatch_fails_safely_then_recovers(llama, staging):
+@pytest.mark.parametrize("staging,mode", [("none", "after_data"), ("device", "after_data"),
+                                          ("none", "announced"), ("device", "announced")])
+def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monkeypatch):
+    """A checksum that disagrees with the data fails the update, whether it was announced before
+    the data (unpacked: per tensor, from a first pass over a source whose data then changes) or
+    sent after it (packed, the SDK's default: the trainer's second bucket sum is made wrong): the
+    group is torn down; in place the server answers 503 (what came before was loaded), staged it
+    keeps the old weights; the next full sync restores everything."""
+    import rlserve.transfer.sender as sender
+
     path, hf = llama
     with InProcessServer(path, staging=staging) as srv:
         good = trainer(srv.url, hf)
         good.send_weights()
         base = checksums(srv.url)
         good.shutdown()
-        eng = trainer(srv.url, FlakySource(hf))
+        if mode == "announced":
+            eng = trainer(srv.url, FlakySource(hf), packed=False)
+        else:
+            real, calls = sender.checksum, []
+
+            def wrong_second_sum(u8):
+                calls.append(u8.numel())
+                return real(u8) + (1 if len(calls) == 2 else 0)
+
+            monkeypatch.setattr(sender, "checksum", wrong_second_sum)
+            eng = trainer(srv.url, hf)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncHTTPError) as ei:
             eng.send_weights()
@@ -232,7 +250,10 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging):
             assert r.status_code == 503 and "full weight update" in r.json()["error"]["message"]
         else:
             assert r.status_code == 200 and checksums(srv.url) == base  # old weights kept
+        if mode == "after_data":
+            assert len(calls) > 2 and "after the data" in str(ei.value)
         # a fresh init (automatic on the next send) and a full sync bring everything back
+        monkeypatch.undo()
         eng.source = ModuleSource(hf)
         eng.send_weights()
         assert server_greedy(srv.url).status_code == 200

@@ -102,9 +102,9 @@ _KILL_TRAINER = textwrap.dedent("""
     class KillSource(ModuleSource):
         passes = 0
         def named_tensors(self):
-            self.passes += 1   # pass 1: the checksum pass; pass 2: the transfer
+            self.passes += 1   # one pass: packed gloo takes its checksums from the packed buckets
             for i, item in enumerate(super().named_tensors()):
-                if self.passes == 2 and i == 8:   # bucket 0 is out; we are packing a later bucket
+                if self.passes == 1 and i == 8:   # bucket 0 is out; we are packing a later bucket
                     time.sleep(1.0)
                     print("KILLING", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -25,6 +25,7 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
      "packed": true, "packed_buffer_size_bytes": ..., "packed_num_buffers": ...,   # optional
      "checksums": [123456789, ...],      # one per bucket (packed) or per tensor (unpacked); optional
      "checksum_algo": "s64sum",
+     "checksums_after_data": false,      # gloo / NCCL packed: the checksums follow the last bucket
      "partial": false,                   # true: a subset of the parameters is fine
      "ipc_handles": [{...}, ...],        # ipc backend only: one handle per bucket (or tensor)
      "ipc_handles_ref": "a1b2..."}       # ipc, unpacked: name of this handle list (reuse it later)
@@ -204,6 +205,13 @@ class UpdateInfo:
         checksums: int64 checksums (:func:`rlserve.transfer.packing.checksum`), one per
             bucket when packed, one per tensor when not; ``None``: not verified.
         checksum_algo: only ``"s64sum"``.
+        checksums_after_data: gloo / NCCL, packed (rlserve extension): ``checksums`` stays
+            ``None``; after its last bucket the trainer broadcasts one int64 tensor ``[n_buckets]``
+            (on the wire device) holding every bucket's checksum, which it took from the packed
+            buffer as it went (no separate pass over its tensors before the update). The server
+            checks every bucket against it at the end: staged, a mismatch is never committed; in
+            place, the buckets were already loaded, so the update fails like a broken one (HTTP 503
+            until a full update lands) instead of loading nothing.
         partial: ``True`` allows a subset of the model's parameters.
         ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.ipc.export_handle`)
             per bucket (packed) or tensor (unpacked) of this call.
@@ -232,6 +240,7 @@ class UpdateInfo:
     packed_num_buffers: int | None = None
     checksums: list[int] | None = None
     checksum_algo: str = "s64sum"
+    checksums_after_data: bool = False
     partial: bool = False
     ipc_handles: list[dict] | None = None
     ipc_handles_ref: str | None = None
@@ -299,6 +308,10 @@ class UpdateInfo:
             if not isinstance(r, str) or not 1 <= len(r) <= 128 or not _REF_RE.fullmatch(r):
                 raise WeightUpdateError("update_info.ipc_handles_ref must be 1-128 characters of [A-Za-z0-9_.-]")
         _check_bool("update_info.device_checksums", self.device_checksums)
+        _check_bool("update_info.checksums_after_data", self.checksums_after_data)
+        if self.checksums_after_data and (self.checksums is not None or self.packed is False):
+            raise WeightUpdateError("update_info.checksums_after_data is for packed updates and comes without a "
+                                    "checksums list")
         if (self.ipc_checksums_handle is not None or self.ipc_event_handle is not None) and \
                 (self.ipc_handles is None or self.ipc_handles_ref is None):
             raise WeightUpdateError("update_info.ipc_checksums_handle / ipc_event_handle come with ipc_handles "

@@ -93,6 +93,8 @@ def check_transport_fields(info: UpdateInfo, backend: str, known_ipc_refs=frozen
                                     f"{'bucket' if info.packed else 'tensor'} ({n})")
     elif info.ipc_handles is not None or ref is not None:
         raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
+    if info.checksums_after_data and (backend == "ipc" or not info.packed):
+        raise WeightUpdateError("update_info.checksums_after_data needs a packed gloo / NCCL update")
 
 
 @dataclass
@@ -196,7 +198,9 @@ class WeightReceiver:
         Args:
             info: the update's metadata (validated against the model beforehand).
             sink: called with ``[(hf_name, tensor), ...]`` per bucket / tensor, after its checksum
-                matched; tensors are only valid during the call.
+                matched (host bytes with announced ``checksums``), else before the comparison at
+                the end of the receive (device bytes, ``checksums_after_data``: a mismatch then
+                fails the whole receive); tensors are only valid during the call.
             on_bucket: called with the bucket index after ``sink`` returned (progress).
         Returns:
             ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int}``.
@@ -229,7 +233,7 @@ class WeightReceiver:
         if expected is None:
             return
         if deferred is not None and u8.is_cuda:
-            deferred.append((checksum_tensor(u8), expected[i], what, u8.numel()))
+            deferred.append((checksum_tensor(u8), i, what, u8.numel()))
             return
         got = checksum(u8)
         if got != expected[i]:
@@ -237,14 +241,27 @@ class WeightReceiver:
                                         f"({u8.numel()} bytes); nothing from it was loaded")
 
     @staticmethod
-    def _check_deferred(deferred: list) -> None:
-        """Compare the queued checksums (one host sync). Raises ChecksumMismatchError."""
-        if not deferred:
+    def _check_deferred(deferred: list, expected: list[int] | None, after_data: bool = False) -> None:
+        """Compare the checksums taken during the receive -- ``(sum, index, what, bytes)``, the sum a
+        queued 0-dim device tensor or an int -- with ``expected`` (one host sync for the device
+        ones). Raises ChecksumMismatchError."""
+        if not deferred or expected is None:
             return
-        for got, (_t, exp, what, n) in zip(checksum_values([d[0] for d in deferred]), deferred):
-            if got != exp:
-                raise ChecksumMismatchError(f"{what}: checksum {got} != announced {exp} ({n} bytes); the update "
-                                            "is refused (not committed)")
+        queued = iter(checksum_values([d[0] for d in deferred if isinstance(d[0], torch.Tensor)]))
+        for got, i, what, n in deferred:
+            got = next(queued) if isinstance(got, torch.Tensor) else got
+            if got != expected[i]:
+                when = "sent after the data" if after_data else "announced"
+                raise ChecksumMismatchError(f"{what}: checksum {got} != {when} {expected[i]} ({n} bytes); the "
+                                            "update is refused (not committed)")
+
+    def _receive_checksums(self, g: TransferGroup, src: int, n: int) -> list[int]:
+        """The trainer's ``checksums_after_data``: one broadcast of an int64 ``[n]`` tensor after
+        the last bucket, waited for with the group's deadline."""
+        t = torch.empty(n, dtype=torch.int64, device=self.wire_device())
+        if n:
+            g.wait(g.broadcast(t, src), what="the bucket checksums sent after the data")
+        return [int(v) for v in t.tolist()]
 
     def _group(self) -> TransferGroup:
         if self.group is None or not self.group.alive:
@@ -269,6 +286,7 @@ class WeightReceiver:
         total = 0
         failure: BaseException | None = None
         deferred: list = []
+        after = info.checksums_after_data
         for i, b in enumerate(plan):
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
@@ -278,7 +296,10 @@ class WeightReceiver:
             buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
             if failure is None:
                 try:
-                    self._verify(buf, info.checksums, i, what, deferred)
+                    if after:  # taken before the sink reads the buffer; compared at the end
+                        deferred.append((checksum_tensor(buf) if buf.is_cuda else checksum(buf), i, what, buf.numel()))
+                    else:
+                        self._verify(buf, info.checksums, i, what, deferred)
                     pairs = list(unpack(buf, b))
                     if buf.device != self.device:
                         pairs = [(n, t.to(self.device)) for n, t in pairs]
@@ -291,10 +312,11 @@ class WeightReceiver:
             total += b.nbytes
             if i + nbuf < len(plan):
                 post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
+        expected = self._receive_checksums(g, src, len(plan)) if after else info.checksums
         self._finish_stream(g, "receiving the update")
         if failure is not None:
             raise failure
-        self._check_deferred(deferred)
+        self._check_deferred(deferred, expected, after)
         return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
 
     def _finish_stream(self, g: TransferGroup, what: str) -> None:
@@ -341,7 +363,7 @@ class WeightReceiver:
         self._finish_stream(g, "receiving the update")
         if failure is not None:
             raise failure
-        self._check_deferred(deferred)
+        self._check_deferred(deferred, info.checksums)
         return {"bytes": total, "buckets": n, "tensors": n}
 
     def end_session(self) -> None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import BucketBuffers, as_bytes, max_bucket_bytes, pack, plan_buckets
+from rlserve.transfer.packing import BucketBuffers, as_bytes, checksum, checksum_tensor, max_bucket_bytes, pack, plan_buckets
 from rlserve.transfer.protocol import UpdateInfo
 
 
@@ -52,7 +52,9 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     At most ``packed_num_buffers`` buckets are in flight. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
-    group's deadline.
+    group's deadline. With ``info.checksums_after_data`` each packed buffer's checksum is taken
+    before its broadcast (CUDA: queued on the stream) and all of them follow the last bucket as
+    one int64 ``[n_buckets]`` broadcast.
 
     Args:
         group: the transfer group (this rank is the source).
@@ -78,21 +80,36 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     it = iter(tensors)
     total = 0
     src = group.rank
+    after = info.checksums_after_data
+    sums: list = []  # checksums_after_data: one per bucket (int, or a 0-dim tensor queued on the GPU)
     for bi, b in enumerate(plan):
         k = bi % nbuf
         if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf: refill after it
             group.order(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}")
         items = take_bucket_tensors(it, b)
         if b.nbytes:
-            works[bi] = group.broadcast(pack(bufs[k], b, items), src)
+            packed = pack(bufs[k], b, items)
+            if after:
+                sums.append(checksum_tensor(packed) if packed.is_cuda else checksum(packed))
+            works[bi] = group.broadcast(packed, src)
             total += b.nbytes
+        elif after:
+            sums.append(0)
         del items
         if check is not None:
             check()
     if next(it, None) is not None:
         raise ValueError("source yielded more tensors than announced")
+    if after and plan:
+        if device.type == "cuda":
+            sums_t = torch.stack([s if isinstance(s, torch.Tensor) else torch.tensor(s, dtype=torch.int64, device=device)
+                                  for s in sums])
+        else:
+            sums_t = torch.tensor(sums, dtype=torch.int64)
+        works[len(plan)] = group.broadcast(sums_t, src)  # after every bucket, in the same order on all ranks
     for bi in sorted(works):
-        group.wait(works.pop(bi), what=f"bucket {bi + 1}/{len(plan)}", check=check)
+        what = "the bucket checksums" if bi == len(plan) else f"bucket {bi + 1}/{len(plan)}"
+        group.wait(works.pop(bi), what=what, check=check)
     return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0}
 
 
