@@ -71,3 +71,22 @@ def test_host_threads_default_leaves_small_machines_single_threaded(monkeypatch)
     assert host_ops.host_threads() == 4
     monkeypatch.setattr(host_ops.os, "sched_getaffinity", lambda _pid: set(range(64)))
     assert host_ops.host_threads() == 4
+
+
+def test_fused_copy_checksum_equals_packed_bucket_checksum(threads):
+    """pack_checksummed's sum (each piece summed after its copy, odd sizes zero-padded) equals
+    the checksum of the packed bucket."""
+    from rlserve.transfer.packing import checksum, max_bucket_bytes, pack, pack_checksummed, plan_buckets
+
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(300, 101, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),
+               torch.randint(-5, 5, (33_333,), dtype=torch.int32, generator=g).to(torch.int8),
+               torch.randn(64, 64, generator=g)]
+    plan = plan_buckets([f"t{i}" for i in range(len(tensors))], [t.dtype for t in tensors],
+                        [list(t.shape) for t in tensors], 1 << 30)
+    assert len(plan) == 1
+    buf = torch.full((max_bucket_bytes(plan),), 7, dtype=torch.uint8)  # stale bytes: padding gets zeroed
+    packed, got = pack_checksummed(buf, plan[0], tensors)
+    assert isinstance(got, int) and got == checksum(packed)
+    again = pack(torch.empty_like(buf), plan[0], tensors)
+    assert torch.equal(again, packed)

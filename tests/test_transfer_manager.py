@@ -228,13 +228,14 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
         if mode == "announced":
             eng = trainer(srv.url, FlakySource(hf), packed=False)
         else:
-            real, calls = sender.checksum, []
+            real, calls = sender.pack_checksummed, []
 
-            def wrong_second_sum(u8):
-                calls.append(u8.numel())
-                return real(u8) + (1 if len(calls) == 2 else 0)
+            def wrong_second_sum(buf, bucket, tensors):
+                packed, got = real(buf, bucket, tensors)
+                calls.append(bucket.nbytes)
+                return packed, got + (1 if len(calls) == 2 else 0)
 
-            monkeypatch.setattr(sender, "checksum", wrong_second_sum)
+            monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
             eng = trainer(srv.url, hf)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncHTTPError) as ei:

@@ -100,12 +100,19 @@ def host_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous())
 
 
-def host_copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def host_copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], s64sum: bool = False) -> int | None:
     """``dst.copy_(src)`` for every ``(dst, src)`` of ``pairs``, as numpy byte copies split over
     :func:`host_threads` threads.
 
     Args:
         pairs: CPU tensors for which :func:`host_copyable` holds (any shapes).
+        s64sum: also return the sum of the ``s64sum`` checksums of the copied bytes (wrapping
+            int64). Each piece is summed right after its copy, while it is still in the cache:
+            538 MB cost 0.048 s this way against 0.056 s for a copy and then a separate sum
+            (2-core machine, one thread). With zero padding between 8-byte-aligned
+            destinations, this equals the ``s64sum`` of the buffer they fill.
+    Returns:
+        The checksum with ``s64sum``, else ``None``.
     Raises:
         ValueError: :func:`host_copyable` does not hold for a pair (nothing was copied).
     """
@@ -116,8 +123,33 @@ def host_copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
                              f"{tuple(dst.shape)} {dst.device} <- {src.dtype} {tuple(src.shape)} {src.device}")
         if src.numel():
             views.append((_u8(dst), _u8(src)))
-    tasks = [(lambda d=d, s=s, a=a, b=b: np.copyto(d[a:b], s[a:b]), b - a) for d, s in views for a, b in _ranges(s.size)]
-    _run(tasks, sum(s.size for _, s in views))
+    tasks = [(lambda d=d, s=s, a=a, b=b: _copy_piece(d[a:b], s[a:b], s64sum), b - a)
+             for d, s in views for a, b in _ranges(s.size)]
+    out = _run(tasks, sum(s.size for _, s in views))
+    return _wrap(sum(out)) if s64sum else None
+
+
+def _copy_piece(d: np.ndarray, s: np.ndarray, s64sum: bool) -> int:
+    """Copy ``s`` into ``d``; with ``s64sum`` return the piece's checksum (a piece starts at a
+    multiple of 8 bytes of its tensor; only a tensor's last piece has a zero-padded tail)."""
+    np.copyto(d, s)
+    return _s64sum_piece(d) if s64sum else 0
+
+
+def _s64sum_piece(a: np.ndarray) -> int:
+    """Unwrapped int64-word sum of ``a``, its last ``len % 8`` bytes as one zero-padded word."""
+    n8 = a.size - a.size % 8
+    total = _sum_words(a[:n8]) if n8 else 0
+    if a.size != n8:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: a.size - n8] = a[n8:]
+        total += int(tail.view("<i8")[0])
+    return total
+
+
+def _wrap(v: int) -> int:
+    """Python int -> the int64 range, wrapping (two's complement)."""
+    return ((v + (1 << 63)) % (1 << 64)) - (1 << 63)
 
 
 def _sum_words(a: np.ndarray) -> int:
@@ -135,20 +167,13 @@ def host_s64sums(tensors: Sequence[torch.Tensor]) -> list[int]:
     arrays = [_u8(t if t.is_contiguous() else t.contiguous()) for t in tensors]
     tasks, owner = [], []
     for i, a in enumerate(arrays):
-        n8 = a.size - a.size % 8
-        for lo, hi in _ranges(n8):
-            tasks.append((lambda a=a, lo=lo, hi=hi: _sum_words(a[lo:hi]), hi - lo))
+        for lo, hi in _ranges(a.size):
+            tasks.append((lambda a=a, lo=lo, hi=hi: _s64sum_piece(a[lo:hi]), hi - lo))
             owner.append(i)
     totals = [0] * len(arrays)
     for i, v in zip(owner, _run(tasks, sum(a.size for a in arrays))):
         totals[i] += v
-    for i, a in enumerate(arrays):
-        n8 = a.size - a.size % 8
-        if a.size != n8:
-            tail = np.zeros(8, dtype=np.uint8)
-            tail[: a.size - n8] = a[n8:]
-            totals[i] += int(tail.view("<i8")[0])
-    return [((v + (1 << 63)) % (1 << 64)) - (1 << 63) for v in totals]
+    return [_wrap(v) for v in totals]
 
 
 def host_s64sum(u8: torch.Tensor) -> int:

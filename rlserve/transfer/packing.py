@@ -243,9 +243,21 @@ def pack(buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> 
     Raises:
         ValueError: a tensor's dtype / shape differs from its slot.
     """
+    return _pack(buf, bucket, tensors, False)[0]
+
+
+def pack_checksummed(buf: torch.Tensor, bucket: Bucket,
+                     tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """:func:`pack`, and the packed bucket's :func:`checksum`: an int for a CPU buffer filled
+    from CPU tensors (each piece summed right after its copy, :func:`host_copy_many`), else the
+    0-dim int64 :func:`checksum_tensor` queued on ``buf``'s device. Raises what :func:`pack` raises."""
+    return _pack(buf, bucket, tensors, True)
+
+
+def _pack(buf, bucket, tensors, want_sum: bool):
     out = buf[: bucket.nbytes]
     end_prev = 0
-    host = []  # CPU -> CPU copies: one multi-threaded numpy call (rlserve.transfer.host_ops)
+    host, other = [], []  # CPU -> CPU: one multi-threaded numpy call (rlserve.transfer.host_ops)
     for slot, t in zip(bucket.slots, tensors, strict=True):
         if t.dtype != slot.dtype or tuple(t.shape) != slot.shape:
             raise ValueError(f"{slot.name}: got {t.dtype} {tuple(t.shape)}, plan says {slot.dtype} {slot.shape}")
@@ -253,16 +265,18 @@ def pack(buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> 
             out[end_prev: slot.offset].zero_()
         if slot.nbytes:
             dst, src = out[slot.offset: slot.offset + slot.nbytes], as_bytes(t)
-            if dst.device.type == "cpu" and src.device.type == "cpu":
-                host.append((dst, src))
-            else:
-                dst.copy_(src)
+            (host if dst.device.type == "cpu" and src.device.type == "cpu" else other).append((dst, src))
         end_prev = slot.offset + slot.nbytes
     if bucket.nbytes > end_prev:
         out[end_prev:].zero_()
-    if host:
-        host_copy_many(host)
-    return out
+    for dst, src in other:
+        dst.copy_(src)
+    fused = host_copy_many(host, s64sum=want_sum and not other) if host else None
+    if not want_sum:
+        return out, None
+    if not other:  # every byte came through the host copies (the rest is zero padding)
+        return out, 0 if fused is None else fused
+    return out, checksum_tensor(out) if out.is_cuda else checksum(out)
 
 
 def unpack(buf: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import BucketBuffers, as_bytes, checksum, checksum_tensor, max_bucket_bytes, pack, plan_buckets
+from rlserve.transfer.packing import BucketBuffers, as_bytes, max_bucket_bytes, pack, pack_checksummed, plan_buckets
 from rlserve.transfer.protocol import UpdateInfo
 
 
@@ -52,9 +52,9 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     At most ``packed_num_buffers`` buckets are in flight. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
-    group's deadline. With ``info.checksums_after_data`` each packed buffer's checksum is taken
-    before its broadcast (CUDA: queued on the stream) and all of them follow the last bucket as
-    one int64 ``[n_buckets]`` broadcast.
+    group's deadline. With ``info.checksums_after_data`` each bucket's checksum is taken as it is
+    packed (:func:`~rlserve.transfer.packing.pack_checksummed`; CUDA: queued on the stream) and
+    all of them follow the last bucket as one int64 ``[n_buckets]`` broadcast.
 
     Args:
         group: the transfer group (this rank is the source).
@@ -88,9 +88,11 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
             group.order(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}")
         items = take_bucket_tensors(it, b)
         if b.nbytes:
-            packed = pack(bufs[k], b, items)
             if after:
-                sums.append(checksum_tensor(packed) if packed.is_cuda else checksum(packed))
+                packed, bucket_sum = pack_checksummed(bufs[k], b, items)
+                sums.append(bucket_sum)
+            else:
+                packed = pack(bufs[k], b, items)
             works[bi] = group.broadcast(packed, src)
             total += b.nbytes
         elif after:
