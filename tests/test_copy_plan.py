@@ -9,6 +9,7 @@ from rlserve.config import EngineConfig
 from rlserve.loader import load_model
 from rlserve.transfer.checksums import export_hf_tensors
 from rlserve.transfer.copy_plan import FixedPairs, plan_key, record_load, source_tensors
+from rlserve.transfer.packing import tensor_checksum
 
 
 def _model(path, dtype=torch.float32):
@@ -61,7 +62,8 @@ def test_fixed_pairs_remember_key_and_sources(tiny_model):
     assert plan is not None, why
     for _, t in pairs:
         t.mul_(2.0)
-    assert plan.replay(src) is None  # no fused copy + checksum on CPU: the caller checksums
+    sums = plan.replay(src)  # every source copied whole once: copied and summed in one pass
+    assert sums.tolist() == [tensor_checksum(t) for t in src]
     got = dict(export_hf_tensors(model)[0])
     for n, t in pairs:
         if n in got:

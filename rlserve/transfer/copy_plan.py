@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlserve.transfer.host_ops import host_copy_many
+from rlserve.transfer.host_ops import host_copy_many, host_copyable
 
 _COPY = torch.ops.aten.copy_.default
 _UNSET = object()
@@ -70,16 +70,18 @@ class CopyPlan:
         can run (Qwen3-8B's 399 tensors on an H200: ~8 ms, the speed of one flat ``copy_``), on
         the CPU numpy byte copies on a few threads of ours (:mod:`rlserve.transfer.host_ops`), else
         ``_foreach_copy_`` (~12 ms there). With ``sum_sources`` (the load's source tensors, in
-        order) and when :meth:`_fused_op` allows, that launch also takes their ``s64sum``
-        checksums (each byte read once) and they are returned (int64 ``[len(sum_sources)]`` on the
-        device, queued on the current stream); otherwise ``None`` (the caller checksums the
-        sources itself)."""
+        order) and when :meth:`_fused_op` allows, that launch (on the CPU: those numpy copies)
+        also takes their ``s64sum`` checksums (each byte read once) and they are returned (int64
+        ``[len(sum_sources)]`` on the sources' device; on CUDA queued on the current stream);
+        otherwise ``None`` (the caller checksums the sources itself)."""
         fused = self._fused_op(sum_sources) if sum_sources is not None else None
         for func, args, kwargs in self._fills:
             func(*args, **kwargs)
         sums = None
         d, s = self._fast
-        if fused is not None:
+        if isinstance(fused, list):  # CPU: numpy copies, each piece summed right after its copy
+            sums = torch.tensor(host_copy_many(fused, s64sums=True), dtype=torch.int64)
+        elif fused is not None:
             sums = fused.run()
         elif d:
             if self._copy_op is _UNSET:
@@ -97,10 +99,12 @@ class CopyPlan:
         return sums
 
     def _fused_op(self, sources: Sequence[torch.Tensor]):
-        """A :class:`~rlserve.transfer.multi_tensor.MultiTensorSum` doing every fast copy and
-        summing each of ``sources``, or ``None``: only when each source is copied whole by
-        exactly one same-dtype contiguous copy and no other fast copy exists (TP=1, dtypes
-        match; a TP shard reads slices of its sources)."""
+        """How to do every fast copy and sum each of ``sources`` in the same pass: on CUDA a
+        :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`, on the CPU the ``(dst, src)``
+        pairs ordered like ``sources`` (for :func:`host_copy_many`); ``None``: not possible.
+        Only when each source is copied whole by exactly one same-dtype contiguous copy and no
+        other fast copy exists (TP=1, dtypes match; a TP shard reads slices of its sources; a
+        tied ``lm_head`` that is not loaded leaves a source unread)."""
         key = sources.sum_key if isinstance(sources, FixedSources) else _sum_key(sources)
         if key in self._fused:
             return self._fused[key]
@@ -111,7 +115,10 @@ class CopyPlan:
         by_src = {(s.data_ptr(), s.numel(), s.dtype): (d, s) for d, s in zip(fast_d, fast_s)}
         if len(by_src) == len(fast_d) == len(sources) and all(k in by_src for k in key):
             pairs = [by_src[k] for k in key]
-            op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs])
+            if all(host_copyable(d, s) for d, s in pairs):
+                op = pairs
+            else:
+                op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs])
         self._fused[key] = op
         return op
 

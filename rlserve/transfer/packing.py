@@ -271,11 +271,11 @@ def _pack(buf, bucket, tensors, want_sum: bool):
         out[end_prev:].zero_()
     for dst, src in other:
         dst.copy_(src)
-    fused = host_copy_many(host, s64sum=want_sum and not other) if host else None
+    fused = host_copy_many(host, s64sums=want_sum and not other) if host else None
     if not want_sum:
         return out, None
     if not other:  # every byte came through the host copies (the rest is zero padding)
-        return out, 0 if fused is None else fused
+        return out, combine(fused or ())
     return out, checksum_tensor(out) if out.is_cuda else checksum(out)
 
 

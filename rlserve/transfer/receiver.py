@@ -50,6 +50,7 @@ from rlserve.transfer.packing import (
     checksum,
     checksum_tensor,
     checksum_values,
+    combine,
     max_bucket_bytes,
     plan_buckets,
     tensor_checksums,
@@ -255,6 +256,18 @@ class WeightReceiver:
                 raise ChecksumMismatchError(f"{what}: checksum {got} != {when} {expected[i]} ({n} bytes); the "
                                             "update is refused (not committed)")
 
+    @staticmethod
+    def _bucket_sum(buf: torch.Tensor, pairs: list, ret) -> int | torch.Tensor:
+        """A received bucket's ``s64sum`` (an int, or a 0-dim int64 tensor queued on the GPU). From
+        the sums the sink took while copying when it returned one per slot (their wrapping
+        total is the bucket's: slots start 8-byte aligned and the trainer zeroes the padding),
+        else from one more pass over ``buf`` (it is still intact: the buffer is reposted only
+        after this)."""
+        if isinstance(ret, torch.Tensor) and ret.dtype == torch.int64 and ret.numel() == len(pairs) and \
+                ret.device == buf.device:
+            return ret.sum() if ret.is_cuda else combine(ret.tolist())  # (int64 addition wraps on the GPU)
+        return checksum_tensor(buf) if buf.is_cuda else checksum(buf)
+
     def _receive_checksums(self, g: TransferGroup, src: int, n: int) -> list[int]:
         """The trainer's ``checksums_after_data``: one broadcast of an int64 ``[n]`` tensor after
         the last bucket, waited for with the group's deadline."""
@@ -296,14 +309,14 @@ class WeightReceiver:
             buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
             if failure is None:
                 try:
-                    if after:  # taken before the sink reads the buffer; compared at the end
-                        deferred.append((checksum_tensor(buf) if buf.is_cuda else checksum(buf), i, what, buf.numel()))
-                    else:
+                    if not after:
                         self._verify(buf, info.checksums, i, what, deferred)
                     pairs = list(unpack(buf, b))
                     if buf.device != self.device:
                         pairs = [(n, t.to(self.device)) for n, t in pairs]
-                    sink(pairs)
+                    ret = sink(pairs)
+                    if after:  # compared at the end, with the sums the trainer sends after the data
+                        deferred.append((self._bucket_sum(buf, pairs, ret), i, what, buf.numel()))
                     if on_bucket is not None:
                         on_bucket(i)
                 except Exception as e:  # noqa: BLE001 - drained below, raised at the end

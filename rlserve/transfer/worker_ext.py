@@ -257,10 +257,11 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: b
         stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
         params_sig = _params_signature(worker) if stable and staging == "none" else ()
         t_sig = time.perf_counter()
-        # ipc per-tensor: the receiver compares checksums after the copy; a fused copy + checksum
-        # reads each byte once
-        want_sums = receiver.init.backend == "ipc" and not info.packed and \
-            (info.checksums is not None or info.device_checksums)
+        # ipc per-tensor (the receiver compares checksums after the copy) and packed buckets
+        # whose checksums come after the data: a fused copy + checksum reads each byte once
+        want_sums = (receiver.init.backend == "ipc" and not info.packed and
+                     (info.checksums is not None or info.device_checksums)) or \
+            (bool(info.packed) and info.checksums_after_data)
         if staging == "none":
             def sink(pairs):
                 sums = None
