@@ -124,18 +124,23 @@ def host_copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], s64sums: 
             raise ValueError(f"host copy: needs contiguous CPU tensors of one dtype and size, got {dst.dtype} "
                              f"{tuple(dst.shape)} {dst.device} <- {src.dtype} {tuple(src.shape)} {src.device}")
         views.append((_u8(dst), _u8(src)))
+    sums = _per_array([s.size for _, s in views],
+                      lambda i, a, b: _copy_piece(views[i][0][a:b], views[i][1][a:b], s64sums))
+    return sums if s64sums else None
+
+
+def _per_array(sizes: list[int], piece) -> list[int]:
+    """Run ``piece(i, a, b)`` over the :func:`_ranges` of each array ``i`` of ``sizes`` bytes (on
+    the pool, :func:`_run`) and return, per array, the wrapped sum of its pieces' results."""
     tasks, owner = [], []
-    for i, (d, s) in enumerate(views):
-        for a, b in _ranges(s.size):
-            tasks.append((lambda d=d, s=s, a=a, b=b: _copy_piece(d[a:b], s[a:b], s64sums), b - a))
+    for i, n in enumerate(sizes):
+        for a, b in _ranges(n):
+            tasks.append((lambda i=i, a=a, b=b: piece(i, a, b), b - a))
             owner.append(i)
-    out = _run(tasks, sum(s.size for _, s in views))
-    if not s64sums:
-        return None
-    totals = [0] * len(views)
-    for i, v in zip(owner, out):
+    totals = [0] * len(sizes)
+    for i, v in zip(owner, _run(tasks, sum(sizes))):
         totals[i] += v
-    return [_wrap(v) for v in totals]
+    return [wrap64(v) for v in totals]
 
 
 def _copy_piece(d: np.ndarray, s: np.ndarray, s64sum: bool) -> int:
@@ -156,7 +161,7 @@ def _s64sum_piece(a: np.ndarray) -> int:
     return total
 
 
-def _wrap(v: int) -> int:
+def wrap64(v: int) -> int:
     """Python int -> the int64 range, wrapping (two's complement)."""
     return ((v + (1 << 63)) % (1 << 64)) - (1 << 63)
 
@@ -174,15 +179,7 @@ def host_s64sums(tensors: Sequence[torch.Tensor]) -> list[int]:
     words and summed with wrap-around. The last ``n % 8`` bytes form one zero-padded word.
     Returns ints in the int64 range, the same values as the torch path gives."""
     arrays = [_u8(t if t.is_contiguous() else t.contiguous()) for t in tensors]
-    tasks, owner = [], []
-    for i, a in enumerate(arrays):
-        for lo, hi in _ranges(a.size):
-            tasks.append((lambda a=a, lo=lo, hi=hi: _s64sum_piece(a[lo:hi]), hi - lo))
-            owner.append(i)
-    totals = [0] * len(arrays)
-    for i, v in zip(owner, _run(tasks, sum(a.size for a in arrays))):
-        totals[i] += v
-    return [_wrap(v) for v in totals]
+    return _per_array([a.size for a in arrays], lambda i, a, b: _s64sum_piece(arrays[i][a:b]))
 
 
 def host_s64sum(u8: torch.Tensor) -> int:

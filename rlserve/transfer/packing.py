@@ -39,22 +39,14 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from rlserve.transfer.host_ops import host_copy_many, host_s64sum, host_s64sums
+from rlserve.transfer.host_ops import host_copy_many, host_s64sum, host_s64sums, wrap64
 
 #: Alignment of each tensor inside a bucket, in bytes.
 ALIGN = 256
 
-_MASK64 = (1 << 64) - 1
-
 
 def _align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-def _wrap64(v: int) -> int:
-    """Python int → signed int64 with two's-complement wrap-around."""
-    v &= _MASK64
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 @dataclass(frozen=True)
@@ -163,7 +155,7 @@ def checksum(u8: torch.Tensor) -> int:
     tensor's device; returns a Python int in the int64 range (one host sync)."""
     if u8.device.type == "cpu":
         return host_s64sum(u8)
-    return _wrap64(int(checksum_tensor(u8).item()))
+    return wrap64(int(checksum_tensor(u8).item()))
 
 
 def checksum_tensor(u8: torch.Tensor) -> torch.Tensor:
@@ -194,7 +186,7 @@ def checksum_values(sums: Sequence[torch.Tensor]) -> list[int]:
     vals: dict[int, int] = {}
     for idx in by_dev.values():
         for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist()):
-            vals[i] = _wrap64(int(v))
+            vals[i] = wrap64(int(v))
     return [vals[i] for i in range(len(sums))]
 
 
@@ -224,7 +216,7 @@ def tensor_checksum(t: torch.Tensor) -> int:
 
 def combine(checksums: Iterable[int]) -> int:
     """Sum checksums with int64 wrap-around (a bucket's checksum from its tensors')."""
-    return _wrap64(sum(checksums))
+    return wrap64(sum(checksums))
 
 
 def bucket_checksums_from_tensors(plan: Sequence[Bucket], per_tensor: Sequence[int]) -> list[int]:
