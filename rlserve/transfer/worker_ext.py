@@ -68,7 +68,7 @@ class WorkerTransferState:
         self.ops: dict[str, _Op] = {}
         self.staging: dict[str, torch.Tensor] = {}
         self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
-        self.stage_ops: dict[tuple, object] = {}  # fused copy + checksum into staging_bufs (last key)
+        self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
         self.lock = threading.Lock()
@@ -86,7 +86,7 @@ class WorkerTransferState:
         self.init = None
         self.staging = {}
         self.staging_bufs = {}
-        self.stage_ops = {}
+        self.stage_op = None
         self.plans = {}
         self.plans_used = set()
         old = self.pool
@@ -163,9 +163,9 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
         from rlserve.transfer.multi_tensor import MultiTensorSum
 
         key = tuple((t.data_ptr(), d.data_ptr(), t.numel(), t.dtype) for d, (_, t) in zip(dsts, pairs))
-        if key not in st.stage_ops:
-            st.stage_ops = {key: MultiTensorSum.build([t for _, t in pairs], dsts)}  # the last one only
-        op = st.stage_ops[key]
+        if st.stage_op is None or st.stage_op[0] != key:
+            st.stage_op = (key, MultiTensorSum.build([t for _, t in pairs], dsts))
+        op = st.stage_op[1]
         if op is not None:
             return op.run()
     host = []
@@ -398,7 +398,7 @@ def discard(worker) -> None:
     st = _state(worker)
     st.staging = {}
     st.staging_bufs = {}
-    st.stage_ops = {}
+    st.stage_op = None
 
 
 def shutdown_transfer(worker) -> None:
