@@ -240,7 +240,9 @@ class WeightTransferManager:
         def commit(engine, results: list) -> None:
             if all(r.get("done") and r.get("ok") for r in results):
                 engine.reset_prefix_cache()
-                version = s.commit_version or next_version(self.aengine.weight_version)
+                version = s.commit_version
+                if version is None:
+                    version = next_version(self.aengine.weight_version)
                 self.aengine.set_weight_version(version)
                 s.committed_version = version
         return commit
