@@ -372,7 +372,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
 
     ``packed`` defaults to ``False`` here (``True`` for gloo / NCCL): the server then copies
     straight out of the trainer's own tensors, whose handles travel once, and a sync of a plain
-    module is one ``/sync_weights`` call (Qwen3-8B on one H200: ~18 ms against ~0.40 s packed,
+    module is one ``/sync_weights`` call (Qwen3-8B on one H200: ~15 ms against 0.4-0.8 s packed,
     BENCHMARKS.md). ``packed=True`` copies every tensor into a bucket first and maps a fresh
     handle per bucket."""
 
