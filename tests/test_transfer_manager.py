@@ -263,6 +263,99 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
 
 
 
+@pytest.fixture(scope="module")
+def llama384(tiny_model):
+    """A tiny llama whose vocabulary (384) needs no padding rows: its loads are byte copies, so
+    packed updates can be received straight into the parameters (rlserve.transfer.direct)."""
+    path = tiny_model("llama", vocab_size=384)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))  # less degenerate greedy outputs
+    return path, hf
+
+
+def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
+    """In place on a CPU model: the first packed update goes through the receive buffers and lays
+    the parameters out like the buckets; the next ones land straight in them. Outputs and
+    checksums equal the trainer's after each; a wrong checksum sent after the data fails the
+    update (503 until a full one lands), and the next full update is direct again."""
+    import rlserve.transfer.sender as sender
+
+    path, hf = llama384
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        g = torch.Generator().manual_seed(0)
+        base = {n: p.detach().clone() for n, p in hf.named_parameters()}
+        for v in range(1, 4):
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    p.copy_(base[n] + 0.05 * torch.randn(p.shape, generator=g))
+            assert eng.send_weights()["weight_version"] == str(v)
+            stats = eng.last_stats["server"]
+            assert stats["direct_receive"] is (v > 1), stats
+            if v > 1:
+                assert stats["replayed_loads"] == 0  # no load copy at all
+            expected = [hf_greedy(hf, p) for p in PROMPT_IDS]
+            assert len({t for e in expected for t in e}) > 3
+            assert server_greedy(srv.url).json()["completion_ids"] == expected
+            mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+            assert checksums(srv.url) == mine
+        good = checksums(srv.url)
+        real, calls = sender.pack_checksummed, []
+
+        def wrong_second_sum(buf, bucket, tensors):
+            packed, got = real(buf, bucket, tensors)
+            calls.append(bucket.nbytes)
+            return packed, got + (1 if len(calls) == 2 else 0)
+
+        monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert ei.value.status_code == 500 and "after the data" in str(ei.value)
+        r = server_greedy(srv.url)
+        assert r.status_code == 503 and "full weight update" in r.json()["error"]["message"]
+        monkeypatch.undo()
+        eng.send_weights()  # re-initialises the group; the layout of the parameters is kept
+        assert eng.last_stats["server"]["direct_receive"] is True
+        assert checksums(srv.url) == good
+        assert server_greedy(srv.url).json()["completion_ids"] == expected
+        eng.shutdown()
+
+
+def test_direct_receive_off_and_not_for_announced_checksums(llama384):
+    path, hf = llama384
+    with InProcessServer(path, transfer_config={"backend": "gloo", "direct_receive": False}) as srv:
+        eng = trainer(srv.url, hf)
+        for _ in range(2):
+            eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is False
+        assert eng.last_stats["server"]["replayed_loads"] > 0
+        eng.shutdown()
+    with InProcessServer(path) as srv:
+        # checksums announced before the data must be compared before anything is loaded
+        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is True
+        eng._checksums_after_data = lambda info: False  # vLLM style: bucket checksums announced
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is False
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        eng.init_info.checksums = False  # no checksums at all: direct again
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is True
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng.shutdown()
+        assert c.weight_info()["state"] == "uninitialized"
+    from rlserve.transfer.manager import WeightTransferManager
+
+    with pytest.raises(ValueError, match="direct_receive"):
+        WeightTransferManager(None, {"backend": "gloo", "direct_receive": "yes"})
+
+
 @pytest.mark.parametrize("staging", ["none", "device"])
 def test_trainer_sigkill_mid_update(llama, staging):
     path, hf = llama

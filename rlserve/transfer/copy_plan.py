@@ -122,6 +122,13 @@ class CopyPlan:
         self._fused[key] = op
         return op
 
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every recorded ``(dst, src)`` copy, or ``None`` when the plan also fills constants (the
+        load is then more than copies out of its sources)."""
+        if self._fills:
+            return None
+        return list(zip(*self._fast)) + list(self._slow)
+
     def __len__(self) -> int:
         return len(self._fast[0]) + len(self._slow)
 

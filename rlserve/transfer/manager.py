@@ -64,7 +64,9 @@ _WORKER = "rlserve.transfer.worker_ext"
 #: control command (resume, abort) queued behind the poll on the engine thread waits.
 _POLL_BLOCK_S = 0.05
 STAGING_MODES = ("none", "device", "host")
-_CONFIG_KEYS = {"backend", "timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+#: keys of --weight-transfer-config that are init_info defaults; the others are the server's own
+_INIT_DEFAULT_KEYS = {"timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+_CONFIG_KEYS = {"backend", "direct_receive", *_INIT_DEFAULT_KEYS}
 
 _ERRORS = {
     "ChecksumMismatchError": terr.ChecksumMismatchError,
@@ -111,7 +113,10 @@ class WeightTransferManager:
         transfer_config: ``--weight-transfer-config`` JSON: ``{"backend": "gloo"|"nccl"|"ipc"}``
             plus optional defaults for ``init_info`` (``timeout_s``, ``packed``,
             ``packed_buffer_size_bytes``, ``packed_num_buffers``). A trainer asking for another
-            backend is refused (400).
+            backend is refused (400). ``"direct_receive": false`` keeps packed gloo updates of
+            a CPU model going through the receive buffers (default true: from the second
+            identical update on they land straight in the parameters, see
+            :mod:`rlserve.transfer.direct`).
         staging: ``"none"`` (in place), ``"device"`` or ``"host"``.
         rpc_timeout_s: seconds for one short worker RPC (poll, abort, status).
         poll_interval_s: the longest pause between progress polls of a running transfer (seconds;
@@ -135,6 +140,9 @@ class WeightTransferManager:
         self.config = cfg
         self.backend: str | None = cfg.get("backend")
         self.staging = staging
+        if not isinstance(cfg.get("direct_receive", True), bool):
+            raise ValueError(f"weight transfer config: direct_receive must be true or false, got {cfg['direct_receive']!r}")
+        self.direct_receive: bool = cfg.get("direct_receive", True)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self._init: InitInfo | None = None
@@ -165,6 +173,10 @@ class WeightTransferManager:
         """Server workers in the transfer group: TP x DP."""
         c = self.aengine.config
         return int(getattr(c, "tensor_parallel_size", 1) or 1) * int(getattr(c, "data_parallel_size", 1) or 1)
+
+    def _init_defaults(self) -> dict:
+        """The init_info defaults of the transfer config (``timeout_s``, ``packed*``)."""
+        return {k: v for k, v in self.config.items() if k in _INIT_DEFAULT_KEYS}
 
     def _timeout(self) -> float:
         return self._init.timeout_s if self._init is not None else float(self.config.get("timeout_s", DEFAULT_TIMEOUT_S))
@@ -384,7 +396,7 @@ class WeightTransferManager:
             WeightUpdateStateError (409): another init is running.
             TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
         """
-        merged = {k: v for k, v in self.config.items() if k != "backend"}
+        merged = self._init_defaults()
         if not isinstance(init_info, dict):
             raise WeightUpdateError("init_info must be a JSON object")
         merged.update(init_info)
@@ -539,7 +551,7 @@ class WeightTransferManager:
             wire = info.to_dict()
             if meta is not None:  # the workers fill the metadata from their own record of the ref
                 wire.update(names=[], dtype_names=[], shapes=[])
-            results = await self._run_op("start_receive", [wire, self.staging],
+            results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except BaseException as e:
             await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
@@ -565,6 +577,8 @@ class WeightTransferManager:
                "worker_op_seconds": round(float(first.get("op_seconds", 0.0)), 6)}
         if "checksums_fused" in first:
             out["checksums_fused"] = bool(first["checksums_fused"])
+        # every worker received straight into its parameters (rlserve.transfer.direct)
+        out["direct_receive"] = bool(results) and all(isinstance(r, dict) and r.get("direct") for r in results)
         if first.get("phases_s"):
             out["worker_phases_s"] = {k: round(v, 6) for k, v in first["phases_s"].items()}
         return out
@@ -818,7 +832,7 @@ class WeightTransferManager:
                                         "one GPU; use the ipc backend (init_weight_transfer_engine) instead")
         info = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0,
                 "world_size": n + 1, "packed": False}
-        InitInfo.from_dict({**{k: v for k, v in self.config.items() if k != "backend"}, **info})  # 400 now
+        InitInfo.from_dict({**self._init_defaults(), **info})  # 400 now
         self._trl_error = None
         self._trl_init_task = asyncio.get_running_loop().create_task(self._trl_run_init(info))
         return {"message": "Request received, initializing communicator"}

@@ -271,6 +271,30 @@ def _pack(buf, bucket, tensors, want_sum: bool):
     return out, checksum_tensor(out) if out.is_cuda else checksum(out)
 
 
+def in_place_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The bucket's bytes without packing: a ``uint8 [bucket.nbytes]`` view over ``tensors``
+    when they already lie in memory exactly as :func:`pack` would lay them out (contiguous, on
+    ``device``, in one storage, one right after the other with no padding before, between or
+    after them: e.g. a tensor of a multiple of ``ALIGN`` bytes alone in its bucket, like a large
+    embedding table, or parameters a trainer keeps in one flat buffer); else ``None``. The view
+    reads the tensors' own memory: they must not change until it has been sent."""
+    if not tensors or len(tensors) != len(bucket.slots):
+        return None
+    first = tensors[0]
+    st = first.untyped_storage()
+    base = first.data_ptr()
+    end = 0
+    for slot, t in zip(bucket.slots, tensors):
+        if slot.offset != end or not slot.nbytes or t.device != device or not t.is_contiguous() \
+                or t.data_ptr() != base + slot.offset or t.untyped_storage().data_ptr() != st.data_ptr():
+            return None
+        end = slot.offset + slot.nbytes
+    start = base - st.data_ptr()
+    if end != bucket.nbytes or start + end > st.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(st, start, (end,))
+
+
 def unpack(buf: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, view)`` for each slot: views into ``buf`` (no copy) of the slot's dtype
     and shape. The caller must copy them out before ``buf`` is reused."""

@@ -169,6 +169,11 @@ class WeightReceiver:
         if self.group is not None:
             self.group.abort()
 
+    def release_buffers(self) -> None:
+        """Free the packed receive buffers (e.g. once updates are received directly; the next
+        buffered receive allocates them again)."""
+        self._bufs.release()
+
     def close(self) -> None:
         """Tear down the group (never blocks) and free buffers."""
         self._closed = True
@@ -193,7 +198,8 @@ class WeightReceiver:
             return torch.cuda.stream(self._stream)
         return contextlib.nullcontext()
 
-    def receive(self, info: UpdateInfo, sink: Sink, on_bucket: Callable[[int], None] | None = None) -> dict:
+    def receive(self, info: UpdateInfo, sink: Sink, on_bucket: Callable[[int], None] | None = None,
+                direct: Callable[[int], torch.Tensor] | None = None) -> dict:
         """Receive every tensor of ``info`` (resolved: ``packed*`` set) and feed ``sink``.
 
         Args:
@@ -203,8 +209,12 @@ class WeightReceiver:
                 the end of the receive (device bytes, ``checksums_after_data``: a mismatch then
                 fails the whole receive); tensors are only valid during the call.
             on_bucket: called with the bucket index after ``sink`` returned (progress).
+            direct: packed gloo only (:mod:`rlserve.transfer.direct`): ``direct(i)`` is the
+                ``uint8 [nbytes]`` memory bucket ``i`` is received into (the model's
+                parameters); ``sink`` is then not called, and announced ``checksums`` are refused
+                (they must be compared before anything is loaded).
         Returns:
-            ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int}``.
+            ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int, "direct": bool}``.
         Raises:
             ChecksumMismatchError, TransferTimeoutError, WeightTransferFailedError,
             TransferAbortedError; anything ``sink`` raises (e.g. ``ValueError`` from load_weights).
@@ -213,7 +223,9 @@ class WeightReceiver:
             raise TransferAbortedError("the receiver is closed")
         t0 = time.perf_counter()
         with self._stream_ctx():
-            if self.init.backend == "ipc":
+            if direct is not None:
+                out = self._receive_direct(info, direct, on_bucket)
+            elif self.init.backend == "ipc":
                 out = self._receive_ipc(info, sink, on_bucket)
             elif info.packed:
                 out = self._receive_packed(info, sink, on_bucket)
@@ -331,6 +343,34 @@ class WeightReceiver:
             raise failure
         self._check_deferred(deferred, expected, after)
         return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
+
+    def _receive_direct(self, info: UpdateInfo, target: Callable[[int], torch.Tensor], on_bucket) -> dict:
+        """Packed gloo into ``target(i)`` per bucket: every broadcast is posted at once (each
+        bucket has its own memory, nothing waits for a buffer to be copied out), and each bucket
+        is summed once it is in (``checksums_after_data``), while the next ones arrive."""
+        if self.init.backend != "gloo" or not info.packed or (info.checksums is not None and not info.checksums_after_data):
+            raise WeightUpdateError("direct receive needs a packed gloo update without announced checksums")
+        g = self._group()
+        src = self.init.src_rank
+        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        views = [target(i) for i in range(len(plan))]
+        for b, v in zip(plan, views):
+            if v.dtype != torch.uint8 or v.device.type != "cpu" or v.numel() != b.nbytes or not v.is_contiguous():
+                raise WeightUpdateError(f"direct receive: bucket {b.index} needs {b.nbytes} contiguous host bytes")
+        works = {i: g.broadcast(v, src) for i, v in enumerate(views) if v.numel()}
+        after = info.checksums_after_data
+        deferred: list = []
+        for i, v in enumerate(views):
+            what = f"bucket {i + 1}/{len(plan)}"
+            if i in works:
+                g.order(works.pop(i), what=what)
+            if after:
+                deferred.append((checksum(v), i, what, v.numel()))
+            if on_bucket is not None:
+                on_bucket(i)
+        expected = self._receive_checksums(g, src, len(plan)) if after else None
+        self._check_deferred(deferred, expected, after)
+        return {"bytes": sum(b.nbytes for b in plan), "buckets": len(plan), "tensors": len(info.names), "direct": True}
 
     def _finish_stream(self, g: TransferGroup, what: str) -> None:
         """CUDA: wait (with the group's deadline) for everything queued on the receive stream."""

@@ -16,7 +16,17 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import BucketBuffers, as_bytes, max_bucket_bytes, pack, pack_checksummed, plan_buckets
+from rlserve.transfer.packing import (
+    BucketBuffers,
+    as_bytes,
+    checksum,
+    checksum_tensor,
+    in_place_bucket,
+    max_bucket_bytes,
+    pack,
+    pack_checksummed,
+    plan_buckets,
+)
 from rlserve.transfer.protocol import UpdateInfo
 
 
@@ -49,7 +59,10 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
                 buffers: BucketBuffers | None = None) -> dict:
     """Broadcast ``tensors`` (in ``info`` order) as packed buckets from ``group.rank``.
 
-    At most ``packed_num_buffers`` buckets are in flight. Refilling a buffer waits for its
+    A bucket whose tensors already lie in memory as the bucket would
+    (:func:`~rlserve.transfer.packing.in_place_bucket`: e.g. a large embedding table alone in its
+    bucket) is broadcast from that memory, not packed. At most ``packed_num_buffers`` buckets
+    are in flight. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
     group's deadline. With ``info.checksums_after_data`` each bucket's checksum is taken as it is
@@ -82,13 +95,20 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     src = group.rank
     after = info.checksums_after_data
     sums: list = []  # checksums_after_data: one per bucket (int, or a 0-dim tensor queued on the GPU)
+    keep: dict[int, list] = {}  # unpacked buckets' tensors, alive until their broadcast completed
     for bi, b in enumerate(plan):
         k = bi % nbuf
         if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf: refill after it
             group.order(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}")
+            keep.pop(bi - nbuf, None)
         items = take_bucket_tensors(it, b)
         if b.nbytes:
-            if after:
+            packed = in_place_bucket(b, items, bufs[k].device)
+            if packed is not None:
+                keep[bi] = items
+                if after:
+                    sums.append(checksum_tensor(packed) if packed.is_cuda else checksum(packed))
+            elif after:
                 packed, bucket_sum = pack_checksummed(bufs[k], b, items)
                 sums.append(bucket_sum)
             else:

@@ -38,6 +38,7 @@ import traceback
 import torch
 
 from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load, source_tensors
+from rlserve.transfer.direct import DirectLayout, build_direct_layout, update_key
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.host_ops import host_copy_many, host_copyable
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
@@ -71,6 +72,8 @@ class WorkerTransferState:
         self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
+        self.direct: DirectLayout | None = None  # CPU, packed gloo: parameters laid out like the buckets
+        self.direct_tried: tuple | None = None  # (update key, params signature) of the last attempt
         self.lock = threading.Lock()
 
     def drop_unused_plans(self) -> None:
@@ -89,6 +92,8 @@ class WorkerTransferState:
         self.stage_op = None
         self.plans = {}
         self.plans_used = set()
+        # self.direct / direct_tried stay: they describe where the parameters are, which a new
+        # transfer engine does not change
         old = self.pool
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
         old.shutdown(wait=False, cancel_futures=True)
@@ -125,25 +130,62 @@ def _params_signature(worker) -> tuple:
 
 
 def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
-                     want_sums: bool = False) -> tuple[bool, torch.Tensor | None]:
+                     want_sums: bool = False) -> tuple[bool, torch.Tensor | None, CopyPlan | None]:
     """``_load(worker, pairs)`` for sources that sit at the same addresses on every update: the
     first load is recorded, later ones replay its copies (see :mod:`rlserve.transfer.copy_plan`).
     ``params_sig``: :func:`_params_signature` (taken once per update, not per bucket).
     ``want_sums``: a replay copies and checksums the sources in one pass where it can. Returns
-    ``(replayed, sums or None)``."""
+    ``(replayed, sums or None, the plan or None)``."""
     key = (plan_key(pairs), params_sig)
     st.plans_used.add(key)
     if key in st.plans:
         plan = st.plans[key]
         if plan is not None:
-            return True, plan.replay(source_tensors(pairs) if want_sums else None)
+            return True, plan.replay(source_tensors(pairs) if want_sums else None), plan
         _load(worker, pairs)
-        return False, None
+        return False, None, None
     plan, why = record_load(lambda p: _load(worker, p), pairs)
     if plan is None:
         logger.info("weight load not replayable (%s): load_weights runs on every update", why)
     st.plans[key] = plan
-    return False, None
+    return False, None, plan
+
+
+def _direct_key(worker, info: UpdateInfo, staging: str, allowed: bool) -> tuple | None:
+    """The :func:`~rlserve.transfer.direct.update_key` of ``info`` when it may be received
+    directly into the parameters (:mod:`rlserve.transfer.direct`): in place, packed gloo into a
+    CPU model, checksums after the data or none; else ``None``."""
+    if not allowed or staging != "none" or not info.packed or worker.device.type != "cpu" or \
+            (info.checksums is not None and not info.checksums_after_data):
+        return None
+    return update_key(info.names, info.dtype_names, info.shapes, info.packed_buffer_size_bytes)
+
+
+def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple, loads: list) -> None:
+    """After an in-place update that recorded a copy plan for every bucket: move the parameters
+    into the bucket layout (:func:`~rlserve.transfer.direct.build_direct_layout`) so that the
+    next identical update is received into them. The old plans wrote to the old storages: they
+    are dropped (the memory goes with them)."""
+    from rlserve.transfer.packing import plan_buckets
+
+    tried = (key, _params_signature(worker))
+    if st.direct_tried == tried:
+        return  # refused for this update and these parameters already
+    st.direct_tried = tried
+    buckets = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+    params = getattr(worker.model, "_rlserve_param_list", None) or list(worker.model.parameters())
+    layout, why = build_direct_layout(params, buckets, loads, key)
+    if layout is None:
+        logger.info("packed updates keep the receive buffers and the load copy: %s", why)
+        st.direct = None
+        return
+    st.plans, st.plans_used = {}, set()
+    if st.receiver is not None:
+        st.receiver.release_buffers()
+    layout.params_sig = _params_signature(worker)
+    st.direct = layout
+    logger.info("parameters laid out like the update's %d buckets (%d bytes): the next packed updates are "
+                "received straight into them", len(buckets), layout.flat.numel())
 
 
 def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
@@ -238,10 +280,12 @@ def init_transfer(worker, op_id: str, init_info: dict) -> str:
     return _submit(st, op_id, "init", run)
 
 
-def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: bool = False) -> str:
+def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: bool = True,
+                  inline: bool = False) -> str:
     """Start receiving one update (background). ``update_info`` is resolved (``packed*`` set)
     and validated by the manager. ``staging``: "none" (load in place), "device" or "host".
-    ``inline``: receive on the calling (engine) thread instead (see :func:`start_wait`)."""
+    ``inline``: receive on the calling (engine) thread instead (see :func:`start_wait`).
+    ``direct``: allow receiving straight into the parameters (:mod:`rlserve.transfer.direct`)."""
     st = _state(worker)
     if st.receiver is None:
         raise TransferAbortedError("no transfer engine on this worker: call init_weight_transfer_engine first")
@@ -262,12 +306,19 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: b
         want_sums = (receiver.init.backend == "ipc" and not info.packed and
                      (info.checksums is not None or info.device_checksums)) or \
             (bool(info.packed) and info.checksums_after_data)
+        dkey = _direct_key(worker, info, staging, direct and stable)
+        layout = st.direct if dkey is not None else None
+        if layout is not None and (layout.key != dkey or layout.params_sig != params_sig):
+            layout = None
+        loads: list = []  # (pairs, the plan's copies) per bucket: the makings of a direct layout
         if staging == "none":
             def sink(pairs):
                 sums = None
                 if stable:
-                    replayed, sums = _load_replayable(worker, st, pairs, params_sig, want_sums)
+                    replayed, sums, plan = _load_replayable(worker, st, pairs, params_sig, want_sums)
                     op.replayed += replayed
+                    if dkey is not None:
+                        loads.append((pairs, plan.copies() if plan is not None else None))
                 else:
                     _load(worker, pairs)
                 op.applied += 1
@@ -282,19 +333,29 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, inline: b
                 op.staged += 1
                 return sums
         t_rx = time.perf_counter()
+        if layout is not None:
+            def applied(_i):
+                op.applied += 1
         try:
-            stats = receiver.receive(info, sink)
+            if layout is not None:
+                stats = receiver.receive(info, sink, on_bucket=applied, direct=layout.target)
+            else:
+                stats = receiver.receive(info, sink)
         finally:
-            if staging == "none":
+            if staging == "none" and layout is None:
                 st.drop_unused_plans()
         t_post = time.perf_counter()
+        if dkey is not None and layout is None and loads:
+            _build_direct(worker, st, info, dkey, loads)
+        t_built = time.perf_counter()
         if staging == "none" and info.names:
             _post_load(worker)
         stats["replayed_loads"] = op.replayed
         t_end = time.perf_counter()
         stats["op_seconds"] = t_end - t_op
         stats.setdefault("phases_s", {}).update(op_prepare=t_rx - t_op, op_set_device=t_dev - t_op,
-                                               op_params_signature=t_sig - t_dev, op_post_load=t_end - t_post)
+                                               op_params_signature=t_sig - t_dev, op_direct_layout=t_built - t_post,
+                                               op_post_load=t_end - t_built)
         return stats
 
     return _submit(st, op_id, "receive", run, inline=inline)
@@ -370,7 +431,7 @@ def commit(worker) -> dict:
     pairs = list(staged.items())
     replayed = False
     if all(st.staging_bufs.get(n) is t for n, t in pairs):
-        replayed, _ = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
+        replayed, _, _ = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
         st.drop_unused_plans()
     else:
         _load(worker, pairs)
