@@ -7,6 +7,8 @@ names and shapes:
 CPU, gloo (unless ``--cpu off``):
   - ``packed``     SDK ``send_weights()``: buckets of ``--bucket-mb``, 2 in flight, checksums on
                    (and once with checksums off, to show what they cost)
+                   (from the second sync on, received straight into the server's parameters:
+                   ``rlserve.transfer.direct``; once more with ``direct_receive`` off)
   - ``unpacked``   SDK, one broadcast per tensor
   - ``trl-http``   TRL legacy style: ``POST /update_named_param/`` + one broadcast per tensor
   - ``raw``        ceiling: a bare gloo broadcast of the same bytes in the same buckets between
@@ -111,11 +113,12 @@ def tokenizer_dir(root: str) -> str:
     return path
 
 
-def serve(model_dir: str, tok: str, backend: str, device: str, dtype: str) -> ServerProcess:
+def serve(model_dir: str, tok: str, backend: str, device: str, dtype: str, **transfer_config) -> ServerProcess:
     return ServerProcess(model_dir, "--tokenizer", tok, "--load-format", "dummy", "--device", device,
                          "--dtype", dtype, "--max-model-len", "256", "--num-kv-blocks", "64",
                          "--max-num-seqs", "4", "--enforce-eager",
-                         "--weight-transfer-config", json.dumps({"backend": backend}), startup_timeout_s=900)
+                         "--weight-transfer-config", json.dumps({"backend": backend, **transfer_config}),
+                         startup_timeout_s=900)
 
 
 def timed_syncs(engine, repeats: int) -> dict:
@@ -291,6 +294,13 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
         r = trl_sync(srv.url, named, args.repeats, "gloo", "cpu")
         add(rows, "cpu", shape, "gloo", "trl-http", total, r)
         print(f"[cpu] trl-http: {r['sync_s']:.3f} s/sync")
+    # the same packed sync when the server keeps its receive buffers and load copy (what every
+    # packed update did before rlserve.transfer.direct)
+    with serve(model_dir, tok, "gloo", "cpu", "float32", direct_receive=False) as srv:
+        r = sdk_sync(srv.url, named, GlooTrainerInitInfo(master_port=free_port(), world_size=2,
+                                                         packed_buffer_size_bytes=bucket, timeout_s=600), args.repeats)
+        add(rows, "cpu", shape, "gloo", "packed (direct_receive off)", total, r)
+        print(f"[cpu] packed (direct_receive off): {r['sync_s']:.3f} s/sync")
     raw = raw_broadcast(bucket_sizes(named, bucket), 2, args.repeats)
     add(rows, "cpu", shape, "gloo", "raw", total, {"sync_s": raw, "transfer_s": raw, "all_sync_s": [raw]})
     print(f"[cpu] raw broadcast: {raw:.3f} s")
