@@ -61,8 +61,9 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
 
     A bucket whose tensors already lie in memory as the bucket would
     (:func:`~rlserve.transfer.packing.in_place_bucket`: e.g. a large embedding table alone in its
-    bucket) is broadcast from that memory, not packed. At most ``packed_num_buffers`` buckets
-    are in flight. Refilling a buffer waits for its
+    bucket) is broadcast from that memory, not packed, and uses no buffer: the buffers go
+    round-robin over the packed buckets, and at most ``2 x packed_num_buffers`` broadcasts are in
+    flight. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
     group's deadline. With ``info.checksums_after_data`` each bucket's checksum is taken as it is
@@ -96,23 +97,34 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     after = info.checksums_after_data
     sums: list = []  # checksums_after_data: one per bucket (int, or a 0-dim tensor queued on the GPU)
     keep: dict[int, list] = {}  # unpacked buckets' tensors, alive until their broadcast completed
+    users: list[int | None] = [None] * nbuf  # the bucket last packed into each buffer
+    n_packed = 0
+
+    def retire(i: int) -> None:
+        group.order(works.pop(i), what=f"bucket {i + 1}/{len(plan)}")
+        keep.pop(i, None)
+
     for bi, b in enumerate(plan):
-        k = bi % nbuf
-        if bi - nbuf in works:  # buffer k still on the wire with bucket bi - nbuf: refill after it
-            group.order(works.pop(bi - nbuf), what=f"bucket {bi - nbuf + 1}/{len(plan)}")
-            keep.pop(bi - nbuf, None)
         items = take_bucket_tensors(it, b)
         if b.nbytes:
-            packed = in_place_bucket(b, items, bufs[k].device)
+            packed = in_place_bucket(b, items, bufs[0].device)
             if packed is not None:
                 keep[bi] = items
                 if after:
                     sums.append(checksum_tensor(packed) if packed.is_cuda else checksum(packed))
-            elif after:
-                packed, bucket_sum = pack_checksummed(bufs[k], b, items)
-                sums.append(bucket_sum)
             else:
-                packed = pack(bufs[k], b, items)
+                k = n_packed % nbuf  # buffers go round-robin over the packed buckets only
+                n_packed += 1
+                if users[k] in works:  # buffer k still on the wire: refill after its broadcast
+                    retire(users[k])
+                users[k] = bi
+                if after:
+                    packed, bucket_sum = pack_checksummed(bufs[k], b, items)
+                    sums.append(bucket_sum)
+                else:
+                    packed = pack(bufs[k], b, items)
+            while len(works) >= 2 * nbuf:  # bounds what in-place buckets keep alive
+                retire(min(works))
             works[bi] = group.broadcast(packed, src)
             total += b.nbytes
         elif after:
