@@ -83,6 +83,17 @@ def test_layout_moves_parameters_and_receives_into_them():
     assert torch.equal(model.n, by_name["n"])
 
 
+def _assert_refused(model, reason: str, **stream_kw) -> None:
+    """The first load of ``_stream(**stream_kw)`` into ``model`` gives no layout, with ``reason``
+    in its explanation, and no parameter moved."""
+    named, plan = _stream(**stream_kw)
+    loads = _first_load(model, named, plan)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    layout, why = build_direct_layout(list(model.parameters()), plan, loads, ())
+    assert layout is None and reason in why, (stream_kw, why)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
 def test_layout_refused_with_a_reason_and_nothing_moved():
     cases = {
         "converts": (Fused(dtype=torch.float64), dict()),  # the load casts float32 -> float64
@@ -90,12 +101,7 @@ def test_layout_refused_with_a_reason_and_nothing_moved():
         "more than byte copies": (Fused(with_pad=True), dict(pad=True)),  # zero-filled padding row
     }
     for reason, (model, kw) in cases.items():
-        named, plan = _stream(**kw)
-        loads = _first_load(model, named, plan)
-        ptrs = [p.data_ptr() for p in model.parameters()]
-        layout, why = build_direct_layout(list(model.parameters()), plan, loads, ())
-        assert layout is None and reason in why, (reason, why)
-        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        _assert_refused(model, reason, **kw)
 
 
 def test_layout_refuses_parameters_not_covered_exactly_once():
@@ -120,12 +126,7 @@ def test_layout_refuses_parameters_not_covered_exactly_once():
              (Fused(), ("k", "n"), "outside"),  # q never sent: qk would start before the stream
              (Twice(), ("q", "k", "n"), "exactly once")]
     for model, order, reason in cases:
-        named, plan = _stream(order=order)
-        loads = _first_load(model, named, plan)
-        ptrs = [p.data_ptr() for p in model.parameters()]
-        layout, why = build_direct_layout(list(model.parameters()), plan, loads, ())
-        assert layout is None and reason in why, (order, why)
-        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        _assert_refused(model, reason, order=order)
 
 
 def test_in_place_bucket_only_for_memory_laid_out_like_the_bucket():

@@ -188,6 +188,22 @@ def test_out_of_order_calls_409(llama):
         assert server_greedy(srv.url).status_code == 200 and not srv.aengine.is_paused()
 
 
+def wrong_second_bucket_sum(monkeypatch) -> list[int]:
+    """Make the trainer's checksum of its second packed bucket (sent after the data) wrong by 1;
+    returns the list of packed bucket sizes, filled as the trainer packs."""
+    import rlserve.transfer.sender as sender
+
+    real, calls = sender.pack_checksummed, []
+
+    def wrong_second_sum(buf, bucket, tensors):
+        packed, got = real(buf, bucket, tensors)
+        calls.append(bucket.nbytes)
+        return packed, got + (1 if len(calls) == 2 else 0)
+
+    monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+    return calls
+
+
 class FlakySource:
     """Yields the model's tensors; from the ``corrupt_pass``-th pass on, one tensor differs
     (so the checksums announced from the first pass do not match the data)."""
@@ -217,7 +233,6 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
     sent after it (packed, the SDK's default: the trainer's second bucket sum is made wrong): the
     group is torn down; in place the server answers 503 (what came before was loaded), staged it
     keeps the old weights; the next full sync restores everything."""
-    import rlserve.transfer.sender as sender
 
     path, hf = llama
     with InProcessServer(path, staging=staging) as srv:
@@ -228,14 +243,7 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
         if mode == "announced":
             eng = trainer(srv.url, FlakySource(hf), packed=False)
         else:
-            real, calls = sender.pack_checksummed, []
-
-            def wrong_second_sum(buf, bucket, tensors):
-                packed, got = real(buf, bucket, tensors)
-                calls.append(bucket.nbytes)
-                return packed, got + (1 if len(calls) == 2 else 0)
-
-            monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+            calls = wrong_second_bucket_sum(monkeypatch)
             eng = trainer(srv.url, hf)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncHTTPError) as ei:
@@ -281,7 +289,6 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
     the parameters out like the buckets; the next ones land straight in them. Outputs and
     checksums equal the trainer's after each; a wrong checksum sent after the data fails the
     update (503 until a full one lands), and the next full update is direct again."""
-    import rlserve.transfer.sender as sender
 
     path, hf = llama384
     with InProcessServer(path) as srv:
@@ -303,14 +310,7 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
             mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
             assert checksums(srv.url) == mine
         good = checksums(srv.url)
-        real, calls = sender.pack_checksummed, []
-
-        def wrong_second_sum(buf, bucket, tensors):
-            packed, got = real(buf, bucket, tensors)
-            calls.append(bucket.nbytes)
-            return packed, got + (1 if len(calls) == 2 else 0)
-
-        monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+        wrong_second_bucket_sum(monkeypatch)
         with pytest.raises(WeightSyncHTTPError) as ei:
             eng.send_weights()
         assert ei.value.status_code == 500 and "after the data" in str(ei.value)
