@@ -81,6 +81,13 @@ def test_layout_moves_parameters_and_receives_into_them():
         layout.target(i).copy_(pack(torch.empty(b.nbytes, dtype=torch.uint8), b, [by_name[s.name] for s in b.slots]))
     assert torch.equal(model.qk, torch.cat([by_name["q"], by_name["k"]]))
     assert torch.equal(model.n, by_name["n"])
+    # a failed receive moves the parameters out: bytes landing in the layout later change nothing
+    now = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert layout.move_out(list(model.parameters())) == 2
+    for n, p in model.named_parameters():
+        assert not lo <= p.data_ptr() < hi and torch.equal(p, now[n]) and id(p) == ids[n]
+    layout.flat.fill_(7)
+    assert all(torch.equal(p, now[n]) for n, p in model.named_parameters())
 
 
 def _assert_refused(model, reason: str, **stream_kw) -> None:

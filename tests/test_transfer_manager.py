@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -321,6 +322,79 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
         assert eng.last_stats["server"]["direct_receive"] is True
         assert checksums(srv.url) == good
         assert server_greedy(srv.url).json()["completion_ids"] == expected
+        eng.shutdown()
+
+
+class StallingSource:
+    """The model's tensors; before yielding the ``stall_at``-th one it sets ``reached`` and waits
+    for ``go`` (the trainer then has some buckets on the wire and the rest still to send)."""
+
+    def __init__(self, hf, stall_at: int):
+        self.inner = ModuleSource(hf)
+        self.stall_at = stall_at
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def metadata(self):
+        return self.inner.metadata()
+
+    def named_tensors(self):
+        for i, (n, t) in enumerate(self.inner.named_tensors()):
+            if i == self.stall_at:
+                self.reached.set()
+                self.go.wait(30)
+            yield n, t
+
+
+def test_direct_receive_abandoned_update_cannot_write_later(llama384):
+    """The server gives up on a direct receive while the trainer is alive (shutdown mid-update):
+    the broadcasts it had posted into the parameters stay pending in gloo. The trainer then
+    sends the next bucket anyway; it must land in the abandoned buffer, not in the model."""
+    from rlserve.transfer.packing import plan_buckets
+
+    path, hf = llama384
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is True
+        good = checksums(srv.url)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))  # every byte of this update differs
+        meta = ModuleSource(hf).metadata()
+        plan = plan_buckets([m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta], 64 << 10)
+        assert len(plan) >= 4
+        src = StallingSource(hf, stall_at=plan[3].slots[0].index)  # buckets 0-2 sent, then a stall
+        eng.source = src
+        err: list = []
+
+        def send():
+            try:
+                eng.send_weights()
+            except Exception as e:  # noqa: BLE001 - expected: the server gave up
+                err.append(repr(e))
+
+        t = threading.Thread(target=send)
+        t.start()
+        assert src.reached.wait(30)
+        time.sleep(0.5)  # buckets 0-2 land
+        eng.client.shutdown_weight_transfer_engine()  # the server gives up mid-update
+        assert server_greedy(srv.url).status_code == 503
+        after_abort = checksums(srv.url)
+        assert after_abort != good  # buckets 0-2 were loaded in place
+        src.go.set()  # the trainer packs and posts bucket 3 into the old group, then sees the failure
+        t.join(60)
+        assert err and not t.is_alive()
+        time.sleep(0.5)
+        assert checksums(srv.url) == after_abort  # nothing landed in the model afterwards
+        eng.source = ModuleSource(hf)
+        eng.send_weights()  # a full update: the buffered path, which lays the parameters out again
+        assert eng.last_stats["server"]["direct_receive"] is False
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is True
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
         eng.shutdown()
 
 

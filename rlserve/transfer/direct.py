@@ -48,6 +48,7 @@ class DirectLayout:
             into it.
         bases: byte offset of each bucket in ``flat``.
         sizes: each bucket's ``nbytes``.
+        storages: ``(offset, nbytes)`` in ``flat`` of each moved parameter storage.
     """
 
     key: tuple
@@ -55,10 +56,30 @@ class DirectLayout:
     flat: torch.Tensor
     bases: list[int]
     sizes: list[int]
+    storages: list[tuple[int, int]]
 
     def target(self, i: int) -> torch.Tensor:
         """The ``uint8 [sizes[i]]`` view bucket ``i`` is received into."""
         return self.flat[self.bases[i]: self.bases[i] + self.sizes[i]]
+
+    def move_out(self, params: Sequence[torch.nn.Parameter]) -> int:
+        """Move every parameter that lives in ``flat`` back into memory of its own: one fresh
+        storage per moved storage (parameters that shared a storage before still share one),
+        values unchanged. ``flat`` is not touched afterwards by the model (whoever still holds
+        it, e.g. a pending receive, may keep writing there). Returns the number of storages."""
+        lo = self.flat.data_ptr()
+        moved = 0
+        for off, n in self.storages:
+            inside = [p for p in params if lo + off <= p.data_ptr() < lo + off + n]
+            if not inside:
+                continue
+            fresh = torch.empty(n, dtype=torch.uint8)
+            host_copy_many([(fresh, self.flat[off: off + n])])
+            for p in inside:
+                typed = fresh.view(p.dtype)
+                p.data = typed.as_strided(p.shape, p.stride(), (p.data_ptr() - lo - off) // p.element_size())
+            moved += 1
+        return moved
 
 
 def update_key(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
@@ -158,4 +179,5 @@ def build_direct_layout(params: Sequence[torch.nn.Parameter], buckets: Sequence[
         for p in by_storage[ptr]:
             typed = flat.view(p.dtype)
             p.data = typed.as_strided(p.shape, p.stride(), off // p.element_size() + p.storage_offset())
-    return DirectLayout(key=key, params_sig=(), flat=flat, bases=bases, sizes=sizes), None
+    return DirectLayout(key=key, params_sig=(), flat=flat, bases=bases, sizes=sizes,
+                        storages=sorted((off, st.nbytes()) for off, st in moves.values())), None

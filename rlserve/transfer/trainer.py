@@ -600,8 +600,9 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         ii = self.init_info
         if not ii.master_port or self._port_busy:
             if self._port_busy:
-                logger.warning("the previous transfer group still holds port %s (an operation is pending until "
-                               "its timeout); re-initialising on a fresh port", ii.master_port)
+                logger.warning("the previous transfer group may still hold port %s (a broken transfer: an "
+                               "operation can stay pending until its timeout); re-initialising on a fresh port",
+                               ii.master_port)
             ii.master_port = _free_port()
             self._port_busy = False
         server_init = ii.to_server_init_info()
@@ -641,7 +642,10 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         self._buffers.release()
         if self.group is not None:
             self.group.destroy(wait_s=5.0)  # free the store's port for a re-init
-            self._port_busy = not self.group.torn_down
+            # after a broken transfer the old store can outlive the teardown (a pending gloo
+            # operation, or an exception's traceback, still holds the process group): never
+            # rebind its port
+            self._port_busy = self._broken or not self.group.torn_down
         self.group = None
 
     def _send(self, info: UpdateInfo, declared: dict) -> dict:

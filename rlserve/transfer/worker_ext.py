@@ -43,7 +43,7 @@ import torch
 
 from rlserve.transfer.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.direct import DirectLayout, build_direct_layout, update_key
-from rlserve.transfer.errors import TransferAbortedError
+from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError
 from rlserve.transfer.host_ops import host_copy_many, host_copyable
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.receiver import WeightReceiver
@@ -191,6 +191,22 @@ def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple,
     st.direct = layout
     logger.info("parameters laid out like the update's %d buckets (%d bytes): the next packed updates are "
                 "received straight into them", len(buckets), layout.flat.numel())
+
+
+def _abandon_direct(worker, st: WorkerTransferState, layout: DirectLayout) -> None:
+    """A direct receive failed. Its broadcasts were posted into the parameters' memory, and gloo
+    cannot cancel a posted operation: one still pending could land later (a trainer that was
+    alive and sending when the server gave up), even after the next update. So the parameters
+    move out of the layout's buffer into fresh memory (a copy of what they hold now; the model
+    is unavailable until a full update anyway) and the layout is forgotten. Late bytes then land
+    in the abandoned buffer, which the pending operations keep alive until they end; the next
+    successful update lays the parameters out again."""
+    params = getattr(worker.model, "_rlserve_param_list", None) or list(worker.model.parameters())
+    layout.move_out(params)
+    st.direct = None
+    st.direct_tried = None
+    logger.warning("direct receive failed: the parameters were moved out of the receive layout (late bytes "
+                   "from the abandoned transfer cannot reach them)")
 
 
 def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
@@ -343,7 +359,13 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
                 op.applied += 1
         try:
             if layout is not None:
-                stats = receiver.receive(info, sink, on_bucket=applied, direct=layout.target)
+                try:
+                    stats = receiver.receive(info, sink, on_bucket=applied, direct=layout.target)
+                except ChecksumMismatchError:
+                    raise  # compared after every broadcast completed: nothing is left pending
+                except BaseException:
+                    _abandon_direct(worker, st, layout)
+                    raise
             else:
                 stats = receiver.receive(info, sink)
         finally:
