@@ -251,6 +251,26 @@ def test_send_buffers_reused_across_updates():
     assert bufs.get(2, 1, torch.device("cpu"))[0].numel() == 1  # released: a fresh, smaller buffer
 
 
+@pytest.mark.parametrize("after", [False, True])
+def test_tensors_laid_out_like_the_buckets_are_sent_unpacked(after):
+    """Views into one flat tensor, each a multiple of 256 bytes and back to back, are what the
+    buckets would hold: every bucket goes out of that memory (no send buffer is allocated) and
+    arrives bit-identical, its checksum (announced or sent after the data) matching."""
+    flat = torch.randn(64 * 10)
+    ts = [(f"w{i}", flat[64 * i: 64 * (i + 1)].view(8, 8)) for i in range(10)]  # 256 bytes each
+    info = info_for(ts, size=600)  # 3 tensors (768 bytes) per bucket
+    if after:
+        info.checksums, info.checksums_after_data = None, True
+    bufs = BucketBuffers()
+    got = {}
+    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu"), buffers=bufs),
+                        lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})))
+    assert not err, err
+    assert bufs._bufs == []
+    for n, t in ts:
+        assert torch.equal(got[n], t), n
+
+
 def test_reinit_after_teardown_same_port():
     port = free_port()
     ts = make_tensors(4)

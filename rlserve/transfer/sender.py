@@ -89,7 +89,11 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
     nbuf = max(1, min(info.packed_num_buffers, len(plan)))
     size = max_bucket_bytes(plan)
-    bufs = (buffers or BucketBuffers()).get(nbuf, size, device) if plan else []
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    pool = buffers or BucketBuffers()
+    bufs: list[torch.Tensor] = []  # allocated at the first bucket that needs packing
     works: dict[int, object] = {}
     it = iter(tensors)
     total = 0
@@ -107,12 +111,14 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     for bi, b in enumerate(plan):
         items = take_bucket_tensors(it, b)
         if b.nbytes:
-            packed = in_place_bucket(b, items, bufs[0].device)
+            packed = in_place_bucket(b, items, dev)
             if packed is not None:
                 keep[bi] = items
                 if after:
                     sums.append(checksum_tensor(packed) if packed.is_cuda else checksum(packed))
             else:
+                if not bufs:
+                    bufs = pool.get(nbuf, size, dev)
                 k = n_packed % nbuf  # buffers go round-robin over the packed buckets only
                 n_packed += 1
                 if users[k] in works:  # buffer k still on the wire: refill after its broadcast
