@@ -482,3 +482,56 @@ def test_ipc_one_call_syncs_under_load(tiny_model):
         idx = [order.index(x) for x in body["weight_versions"]]
         assert idx == sorted(idx), body["weight_versions"]
         assert body["weight_version"] == body["weight_versions"][-1]
+
+
+class _RecordingGroup:
+    """A stand-in for a one-receiver NCCL group: ``broadcast`` snapshots the bytes it is given
+    (after the stream's earlier work, as NCCL would read them) and completes at once."""
+
+    rank = 0
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, t, src):
+        torch.cuda.current_stream().synchronize()
+        self.sent.append(t.detach().cpu().clone())
+        return object()
+
+    def order(self, work, what=""):
+        pass
+
+    def wait(self, work, what="", check=None):
+        pass
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_send_packed_cuda_in_place_and_packed_buckets(after):
+    """The CUDA side of ``send_packed`` without a second GPU: a bucket whose tensors lie back to
+    back in one CUDA tensor goes out of that memory, the others are packed on the GPU; every
+    bucket's bytes equal what packing gives, and with checksums after the data the last
+    broadcast holds each bucket's s64sum."""
+    from rlserve.transfer.packing import BucketBuffers, checksum, pack, plan_buckets
+    from rlserve.transfer.protocol import UpdateInfo, dtype_to_name
+    from rlserve.transfer.sender import send_packed
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.randn(3 * 64, device="cuda", generator=g)
+    named = [(f"flat{i}", flat[64 * i: 64 * (i + 1)]) for i in range(3)]  # 256 bytes each, adjacent
+    named += [(f"own{i}", torch.randn(10 + i, device="cuda", generator=g, dtype=torch.bfloat16)) for i in range(3)]
+    info = UpdateInfo(names=[n for n, _ in named], dtype_names=[dtype_to_name(t.dtype) for _, t in named],
+                      shapes=[list(t.shape) for _, t in named], packed=True, packed_buffer_size_bytes=700,
+                      packed_num_buffers=2, checksums_after_data=after)
+    plan = plan_buckets(info.names, info.dtypes(), info.shapes, 700)
+    assert [len(b.slots) for b in plan] == [3, 3]
+    grp, bufs = _RecordingGroup(), BucketBuffers()
+    send_packed(grp, info, iter(named), torch.device("cuda"), buffers=bufs)
+    by_name = dict(named)
+    expected = [pack(torch.empty(b.nbytes, dtype=torch.uint8), b, [by_name[s.name].cpu() for s in b.slots])
+                for b in plan]
+    assert len(grp.sent) == len(plan) + (1 if after else 0)
+    for got, exp in zip(grp.sent, expected):
+        assert torch.equal(got, exp)
+    assert len(bufs._bufs) == 2 and bufs._bufs[0].is_cuda  # bucket 1 was packed; bucket 0 was not
+    if after:
+        assert grp.sent[-1].tolist() == [checksum(e) for e in expected]
