@@ -121,17 +121,22 @@ def _load(worker, pairs) -> set:
     return worker.model.load_weights(pairs)
 
 
-def _params_signature(worker) -> tuple:
-    """The parameters' addresses (a recorded copy plan writes there). The list of parameters is
-    taken once per model -- the ``Parameter`` objects are never replaced (docs/INTERFACES.md;
-    only their ``.data`` moves, once, for a direct receive)
-    -- and only ``data_ptr()`` is read per update, without walking the module tree (CPU,
-    SmolLM2-135M's 272 parameters: 0.39 -> 0.31 ms per call)."""
+def _param_list(worker) -> list:
+    """The model's parameters, listed once per model and kept on it: the ``Parameter`` objects
+    are never replaced (docs/INTERFACES.md; only their ``.data`` moves, once, for a direct
+    receive)."""
     model = worker.model
     params = getattr(model, "_rlserve_param_list", None)
     if params is None:
         params = model._rlserve_param_list = list(model.parameters())
-    return tuple(p.data_ptr() for p in params)
+    return params
+
+
+def _params_signature(worker) -> tuple:
+    """The parameters' addresses (a recorded copy plan writes there): only ``data_ptr()`` is read
+    per update, without walking the module tree (:func:`_param_list`; CPU, SmolLM2-135M's 272
+    parameters: 0.39 -> 0.31 ms per call)."""
+    return tuple(p.data_ptr() for p in _param_list(worker))
 
 
 def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
@@ -178,8 +183,7 @@ def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple,
         return  # refused for this update and these parameters already
     st.direct_tried = tried
     buckets = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
-    params = getattr(worker.model, "_rlserve_param_list", None) or list(worker.model.parameters())
-    layout, why = build_direct_layout(params, buckets, loads, key)
+    layout, why = build_direct_layout(_param_list(worker), buckets, loads, key)
     if layout is None:
         logger.info("packed updates keep the receive buffers and the load copy: %s", why)
         st.direct = None
@@ -201,12 +205,28 @@ def _abandon_direct(worker, st: WorkerTransferState, layout: DirectLayout) -> No
     is unavailable until a full update anyway) and the layout is forgotten. Late bytes then land
     in the abandoned buffer, which the pending operations keep alive until they end; the next
     successful update lays the parameters out again."""
-    params = getattr(worker.model, "_rlserve_param_list", None) or list(worker.model.parameters())
-    layout.move_out(params)
+    layout.move_out(_param_list(worker))
     st.direct = None
     st.direct_tried = None
     logger.warning("direct receive failed: the parameters were moved out of the receive layout (late bytes "
                    "from the abandoned transfer cannot reach them)")
+
+
+def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, info: UpdateInfo,
+                    layout: DirectLayout, op: _Op) -> dict:
+    """``receiver.receive`` straight into ``layout`` (every bucket counts as applied in place). A
+    failure other than a checksum mismatch (compared once every broadcast has completed, so
+    nothing is left pending) abandons the layout (:func:`_abandon_direct`) and re-raises."""
+    def applied(_i):
+        op.applied += 1
+
+    try:
+        return receiver.receive(info, lambda _pairs: None, on_bucket=applied, direct=layout.target)
+    except ChecksumMismatchError:
+        raise
+    except BaseException:
+        _abandon_direct(worker, st, layout)
+        raise
 
 
 def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
@@ -355,22 +375,13 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
                 return sums
         t_rx = time.perf_counter()
         if layout is not None:
-            def applied(_i):
-                op.applied += 1
-        try:
-            if layout is not None:
-                try:
-                    stats = receiver.receive(info, sink, on_bucket=applied, direct=layout.target)
-                except ChecksumMismatchError:
-                    raise  # compared after every broadcast completed: nothing is left pending
-                except BaseException:
-                    _abandon_direct(worker, st, layout)
-                    raise
-            else:
+            stats = _receive_direct(worker, st, receiver, info, layout, op)
+        else:
+            try:
                 stats = receiver.receive(info, sink)
-        finally:
-            if staging == "none" and layout is None:
-                st.drop_unused_plans()
+            finally:
+                if staging == "none":
+                    st.drop_unused_plans()
         t_post = time.perf_counter()
         if dkey is not None and layout is None and loads:
             _build_direct(worker, st, info, dkey, loads)
