@@ -36,6 +36,9 @@ class ServerProcess:
         *args: extra CLI flags.
         startup_timeout_s: seconds to wait for the ready line and ``/health`` (default 180).
         env: extra environment variables.
+        launcher: the interpreter arguments that run the CLI, before ``serve`` (default
+            ``("-m", "rlserve")``); e.g. ``("-c", code)`` where ``code`` patches something and
+            then calls :func:`rlserve.cli.main` (``sys.argv[1:]`` holds ``serve MODEL ...``).
 
     Attributes:
         url: ``http://127.0.0.1:PORT`` once started (a wildcard bind is reached on 127.0.0.1).
@@ -43,8 +46,10 @@ class ServerProcess:
         log_path: the server's stdout+stderr.
     """
 
-    def __init__(self, model: str, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None):
+    def __init__(self, model: str, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None,
+                 launcher: tuple[str, ...] = ("-m", "rlserve")):
         self.model = model
+        self.launcher = tuple(launcher)
         self.args = [str(a) for a in args]
         self.startup_timeout_s = startup_timeout_s
         self.env = dict(os.environ, **(env or {}))
@@ -62,7 +67,7 @@ class ServerProcess:
             return ""
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "rlserve", "serve", self.model, "--port", "0", *self.args]
+        cmd = [sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)

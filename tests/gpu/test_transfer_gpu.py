@@ -42,6 +42,8 @@ from rlserve.transfer import (  # noqa: E402
 )
 from rlserve.transfer.ipc import export_handle  # noqa: E402
 from rlserve.transfer.packing import checksum  # noqa: E402
+from rlserve.transfer.trainer import WeightSyncHTTPError  # noqa: E402
+from tests.gpu import nccl_over_gloo  # noqa: E402
 from tests.transfer_harness import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,11 +92,11 @@ def generate(url, prompts=PROMPTS):
                                                 "generation_kwargs": {"ignore_eos": True}}, timeout=120)
 
 
-def serve(path, backend, *extra, dtype="bfloat16", staging="none", device="cuda:0"):
+def serve(path, backend, *extra, dtype="bfloat16", staging="none", device="cuda:0", launcher=("-m", "rlserve")):
     return ServerProcess(path, "--device", device, "--dtype", dtype, "--load-format", "dummy",
                          "--max-model-len", "128", "--num-kv-blocks", "256", "--max-num-seqs", "8",
                          "--weight-transfer-config", json.dumps({"backend": backend}),
-                         "--weight-staging", staging, *extra, startup_timeout_s=300)
+                         "--weight-staging", staging, *extra, startup_timeout_s=300, launcher=launcher)
 
 
 # --------------------------------------------------------------------------- IPC
@@ -215,62 +217,142 @@ def test_ipc_trainer_killed_mid_update(tiny_model):
 
 
 # --------------------------------------------------------------------------- NCCL
-@needs_2
-@pytest.mark.parametrize("packed", [True, False])
-def test_nccl_sync_equal_checksums(tiny_model, packed):
-    path = tiny_model("llama")
-    hf = load_hf(path, "cuda:1", torch.bfloat16)
-    with serve(path, "nccl", device="cuda:0") as srv:
+class Transport:
+    """Where the NCCL-backend tests run: ``nccl`` (real NCCL, trainer on GPU 1, needs two GPUs) or
+    ``gloo-cuda`` (one GPU for both ranks, the "nccl" group built as gloo over CUDA tensors:
+    :mod:`tests.gpu.nccl_over_gloo`; everything but NCCL itself)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.emulated = name == "gloo-cuda"
+        self.trainer_device = "cuda:0" if self.emulated else "cuda:1"
+        self.launcher = nccl_over_gloo.SERVER_LAUNCHER if self.emulated else ("-m", "rlserve")
+        # the trainer subprocess of the kill test
+        self.child_setup = "from tests.gpu.nccl_over_gloo import install; install()" if self.emulated else ""
+
+
+@pytest.fixture(params=[pytest.param("nccl", marks=needs_2), "gloo-cuda"])
+def transport(request, monkeypatch):
+    t = Transport(request.param)
+    if t.emulated:
+        import rlserve.transfer.group as group
+
+        monkeypatch.setattr(group, "new_backend", nccl_over_gloo.gloo_for_nccl(group.new_backend))
+    return t
+
+
+@pytest.mark.parametrize("packed,staging", [(True, "none"), (False, "none"), (True, "device")])
+def test_nccl_sync_equal_checksums(tiny_model, transport, packed, staging):
+    """Three syncs into a float32 server (packed: checksums after the data; unpacked: announced
+    per tensor), in place or staged; the server's per-parameter checksums then equal the
+    trainer's, and its greedy tokens the trainer model's (they differed on the dummy weights)."""
+    path = tiny_model("qwen3")
+    hf = load_hf(path, transport.trainer_device, torch.float32)
+    with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0", staging=staging,
+               launcher=transport.launcher) as srv:
+        before = generate(srv.url).json()["completion_ids"]
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device="cuda:1", packed=packed,
-                                          packed_buffer_size_bytes=64 << 10, timeout_s=60),
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+                                          packed=packed, packed_buffer_size_bytes=64 << 10, timeout_s=60),
             client=client, source=ModuleSource(hf))
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
             eng.send_weights()
             times.append(time.perf_counter() - t0)
-        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))
+        if packed:
+            assert eng.last_stats["buckets"] > 2
+        rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32))
         assert rep["compare"]["match"], rep["compare"]
-        _report(f"nccl_sync_seconds[packed={packed}]", [round(t, 4) for t in times])
+        got = generate(srv.url).json()["completion_ids"]
+        ref = [hf_greedy(hf, p) for p in PROMPTS]
+        assert got == ref and before != ref
+        _report(f"nccl_sync_seconds[{transport.name},packed={packed},staging={staging}]",
+                [round(t, 4) for t in times])
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_nccl_after_data_checksum_mismatch_refused(tiny_model, transport, staging, monkeypatch):
+    """A packed update whose second bucket sum (queued on the trainer's GPU, sent after the
+    data) is off by one fails on the server's one comparison per update: 500 naming the
+    checksum; in place the server then answers 503, staged it keeps the weights it had; the
+    next full sync restores the trainer's weights."""
+    import rlserve.transfer.sender as sender
+
+    path = tiny_model("llama")
+    hf = load_hf(path, transport.trainer_device, torch.bfloat16)
+    want = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16)
+    with serve(path, "nccl", device="cuda:0", staging=staging, launcher=transport.launcher) as srv:
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+                                          packed_buffer_size_bytes=64 << 10, timeout_s=60),
+            client=client, source=ModuleSource(hf))
+        eng.send_weights()
+        real, calls = sender.pack_checksummed, []
+
+        def wrong_second_sum(buf, bucket, tensors):
+            packed, got = real(buf, bucket, tensors)
+            calls.append(bucket.nbytes)
+            return packed, got + (1 if len(calls) == 2 else 0)
+
+        monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert ei.value.status_code == 500 and "checksum" in str(ei.value), str(ei.value)
+        assert len(calls) > 2
+        r = generate(srv.url)
+        if staging == "none":
+            assert r.status_code == 503, r.text
+        else:
+            assert r.status_code == 200, r.text
+            assert client.weight_checker(compare=want)["compare"]["match"]
+        monkeypatch.setattr(sender, "pack_checksummed", real)
+        eng.send_weights()  # re-initialises the group (the failed update tore it down)
+        assert client.weight_checker(compare=want)["compare"]["match"]
+        assert generate(srv.url).status_code == 200
         eng.shutdown()
 
 
 NCCL_KILL = textwrap.dedent("""
     import os, signal, sys, time, torch
     sys.path.insert(0, {root!r})
+    {setup}
     from tests.gpu.test_transfer_gpu import load_hf
     from rlserve.transfer import HTTPWeightSyncClient, NCCLTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
-    hf = load_hf({path!r}, "cuda:1", torch.bfloat16)
+    hf = load_hf({path!r}, {device!r}, torch.bfloat16)
     class KillSource(ModuleSource):
+        # packed with checksums after the data (the SDK's default): the send is the one pass
+        # over the source, so tensor 8 comes after the first buckets went out
         passes = 0
         def named_tensors(self):
             self.passes += 1
             for i, item in enumerate(super().named_tensors()):
-                if self.passes == 2 and i == 8:
+                if self.passes == 1 and i == 8:
                     torch.cuda.synchronize()
                     time.sleep(1.0)
                     print("KILLING", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 yield item
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=NCCLTrainerInitInfo(master_port={port}, world_size=2, device="cuda:1", timeout_s=10,
+        init_info=NCCLTrainerInitInfo(master_port={port}, world_size=2, device={device!r}, timeout_s=10,
                                       packed_buffer_size_bytes=16 << 10),
         client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
     eng.send_weights()
+    print("NOT KILLED", eng.last_stats, flush=True)
 """)
 
 
-@needs_2
-def test_nccl_trainer_killed_mid_update(tiny_model):
+def test_nccl_trainer_killed_mid_update(tiny_model, transport):
     path = tiny_model("llama")
-    with serve(path, "nccl", device="cuda:0") as srv:
+    with serve(path, "nccl", device="cuda:0", launcher=transport.launcher) as srv:
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-c", NCCL_KILL.format(root=ROOT, path=path, port=free_port(),
-                                                                   url=srv.url)],
-                           capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert "KILLING" in r.stdout, r.stderr[-3000:]
+        code = NCCL_KILL.format(root=ROOT, path=path, port=free_port(), url=srv.url, device=transport.trainer_device,
+                                setup=transport.child_setup)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert "KILLING" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
         deadline = time.monotonic() + 90
         info = None
         while time.monotonic() < deadline:
@@ -278,13 +360,14 @@ def test_nccl_trainer_killed_mid_update(tiny_model):
             if info["state"] == "uninitialized":
                 break
             time.sleep(0.2)
-        _report("nccl_kill_noticed_after_s", round(time.monotonic() - t0, 2))
+        _report(f"nccl_kill_noticed_after_s[{transport.name}]", round(time.monotonic() - t0, 2))
         assert info["state"] == "uninitialized", info
         assert srv.proc.poll() is None, "the server died with the trainer"
         assert generate(srv.url).status_code == 503
-        hf = load_hf(path, "cuda:1", torch.bfloat16)
+        hf = load_hf(path, transport.trainer_device, torch.bfloat16)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device="cuda:1", timeout_s=60),
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+                                          timeout_s=60),
             client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
         eng.send_weights()
         assert generate(srv.url).status_code == 200
