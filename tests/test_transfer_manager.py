@@ -325,6 +325,44 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
         eng.shutdown()
 
 
+def test_partial_updates_between_full_ones(llama384):
+    """Partial updates (``ModuleSource(include=...)``, ``send_weights(partial=True)``) change only
+    the parameters they carry; after each one the server's checksums and greedy tokens equal the
+    trainer's. They take the buffered path and leave the parameters laid out for the full
+    update, so every full update after the first two is received directly."""
+    path, hf = llama384
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        eng.send_weights()
+        assert eng.last_stats["server"]["direct_receive"] is True
+        g = torch.Generator().manual_seed(3)
+        for step in range(2):
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    if ".layers.0." in n:
+                        p.add_(0.2 * torch.randn(p.shape, generator=g))
+            before = checksums(srv.url)
+            eng.source = ModuleSource(hf, include=lambda n: ".layers.0." in n)
+            eng.send_weights(partial=True)
+            stats = eng.last_stats["server"]
+            assert stats["direct_receive"] is False and 0 < stats["tensors"] < len(before), stats
+            after = checksums(srv.url)
+            changed = {n for n in after if after[n] != before[n]}
+            assert changed and all(".layers.0." in n for n in changed), changed
+            assert after == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+            assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+            eng.source = ModuleSource(hf)
+            eng.send_weights()
+            assert eng.last_stats["server"]["direct_receive"] is True, (step, eng.last_stats["server"])
+            assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+            assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        eng.shutdown()
+
+
 class StallingSource:
     """The model's tensors; before yielding the ``stall_at``-th one it sets ``reached`` and waits
     for ``go`` (the trainer then has some buckets on the wire and the rest still to send)."""

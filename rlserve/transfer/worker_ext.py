@@ -175,14 +175,24 @@ def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple,
     """After an in-place update that recorded a copy plan for every bucket: move the parameters
     into the bucket layout (:func:`~rlserve.transfer.direct.build_direct_layout`) so that the
     next identical update is received into them. The old plans wrote to the old storages: they
-    are dropped (the memory goes with them)."""
+    are dropped (the memory goes with them).
+
+    A layout that still holds the parameters is not given up for an update of fewer bytes (a
+    partial update between full ones): that update keeps the buffered path, and the full
+    updates stay direct instead of moving the parameters at every switch."""
     from rlserve.transfer.packing import plan_buckets
 
-    tried = (key, _params_signature(worker))
+    sig = _params_signature(worker)
+    tried = (key, sig)
     if st.direct_tried == tried:
         return  # refused for this update and these parameters already
     st.direct_tried = tried
     buckets = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+    cur = st.direct
+    if cur is not None and cur.params_sig == sig and sum(b.nbytes for b in buckets) < cur.flat.numel():
+        logger.info("an update of %d buckets keeps the receive buffers: the parameters stay laid out for "
+                    "the larger update they were laid out for", len(buckets))
+        return
     layout, why = build_direct_layout(_param_list(worker), buckets, loads, key)
     if layout is None:
         logger.info("packed updates keep the receive buffers and the load copy: %s", why)
