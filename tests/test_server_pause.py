@@ -15,6 +15,7 @@ from rlserve.server.testing import ServerProcess
 
 N = 16
 T = 90.0  # bound on every scenario (seconds)
+FINISHED = "rlserve_sequences_finished_total"
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,13 @@ async def _metric(client, name: str) -> float:
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
-async def _until_accepted(client, n: int):
-    """Wait until the server has accepted ``n`` requests (live count, engines + held)."""
+async def _until_accepted(client, n: int, finished_before: float | None = None):
+    """Wait until the server has accepted ``n`` requests: the live count (engines + held), plus,
+    with ``finished_before`` (``rlserve_sequences_finished_total`` before they were sent), those
+    that already finished -- short requests can end before the last one is accepted."""
     for _ in range(3000):
-        if await _metric(client, "rlserve_num_requests_unfinished") >= n:
+        done = 0.0 if finished_before is None else await _metric(client, FINISHED) - finished_before
+        if await _metric(client, "rlserve_num_requests_unfinished") + done >= n:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"the server never had {n} requests in flight")
@@ -120,8 +124,9 @@ def test_pause_abort(server):
 def test_pause_wait(server):
     async def scenario(client):
         progress: dict = {}
+        before = await _metric(client, FINISHED)
         tasks = [asyncio.create_task(_stream(client, i, 40, progress)) for i in range(N)]
-        await _until_accepted(client, N)
+        await _until_accepted(client, N, finished_before=before)
         r = await client.post("/pause", params={"mode": "wait", "clear_cache": "true"})
         assert r.status_code == 200, r.text
         metrics = (await client.get("/metrics")).text  # pause returned: the engines are drained
