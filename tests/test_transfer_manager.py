@@ -436,6 +436,65 @@ def test_direct_receive_abandoned_update_cannot_write_later(llama384):
         eng.shutdown()
 
 
+def test_failed_in_place_update_ends_requests_in_flight(llama):
+    """An in-place update that fails after loading some buckets: the request that was running
+    (frozen by the update's pause) and the one held by that pause both end with 503, not with
+    text from part-old, part-new weights. While the update is open, /resume and
+    /pause?mode=wait (which would step the model) are refused with 409; an abort-free keep pause
+    is taken. A full sync then serves again."""
+    from rlserve.transfer.packing import plan_buckets
+
+    path, hf = llama
+    with InProcessServer(path, max_model_len=256) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        meta = ModuleSource(hf).metadata()
+        plan = plan_buckets([m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta], 64 << 10)
+        src = StallingSource(hf, stall_at=plan[2].slots[0].index)  # buckets 0-1 land in place
+        results: dict = {}
+
+        def complete(key):
+            results[key] = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "prompt": [5, 6, 7], "max_tokens": 250, "temperature": 0, "ignore_eos": True})
+
+        running = threading.Thread(target=complete, args=("running",))
+        running.start()
+        deadline = time.monotonic() + 30
+        while srv.aengine.num_unfinished < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.source = src
+        sender = threading.Thread(target=lambda: pytest.raises(Exception, eng.send_weights))
+        sender.start()
+        assert src.reached.wait(30)
+        assert srv.aengine.is_paused() and srv.aengine.num_unfinished == 1, "the long request ended too early"
+        held = threading.Thread(target=complete, args=("held",))
+        held.start()
+        while srv.aengine.num_held < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for route in ("/resume", "/pause?mode=wait"):
+            r = httpx.post(srv.url + route, timeout=30)
+            assert r.status_code == 409 and "in progress in place" in r.json()["error"]["message"], r.text
+        assert srv.aengine.is_paused()
+        eng.client.shutdown_weight_transfer_engine()  # the update fails with buckets 0-1 loaded
+        src.go.set()
+        for t in (running, held, sender):
+            t.join(60)
+        for key in ("running", "held"):
+            r = results[key]
+            assert r.status_code == 503 and "full weight update" in r.json()["error"]["message"], (key, r.text)
+        assert server_greedy(srv.url).status_code == 503
+        assert not srv.aengine.is_paused()
+        eng.source = ModuleSource(hf)
+        eng.send_weights()
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        eng.shutdown()
+    # the abandoned groups' teardown waits for their pending operations (up to timeout_s): let it
+    # end here, not in the interpreter's exit
+    for th in threading.enumerate():
+        if th.name == "transfer-teardown":
+            th.join(40)
+
+
 def test_direct_receive_off_and_not_for_announced_checksums(llama384):
     path, hf = llama384
     with InProcessServer(path, transfer_config={"backend": "gloo", "direct_receive": False}) as srv:

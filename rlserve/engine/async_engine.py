@@ -475,6 +475,20 @@ class AsyncEngine:
         """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503)."""
         self._unavailable = reason
 
+    async def fail_all(self, exc: BaseException) -> int:
+        """End every in-flight and held request with ``exc`` (its :meth:`generate` raises it) and
+        abort them in the engines. For weights that became unusable under running requests (a
+        weight update that failed after loading part of the model in place): their KV cache and
+        every further token would mix two weight sets, so none of them may finish normally.
+        Event-loop side. Returns how many requests were ended."""
+        reqs = list(self._requests.values())
+        for req in reqs:
+            if req in self._held:
+                self._held.remove(req)
+            _put(req, exc)  # final: a later abort output from the engine cannot replace it
+        await _wait_all([r.post(r.abort_all) for r in self._replicas])
+        return len(reqs)
+
     @property
     def unavailable_reason(self) -> str | None:
         return self._unavailable

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 import rlserve
 from rlserve.engine.sampling_params import SamplingParams
+from rlserve.errors import WeightUpdateStateError
 from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
@@ -100,6 +101,18 @@ def make_public_router(state: ServerState) -> APIRouter:
     return router
 
 
+def _check_weight_update(state: ServerState, action: str) -> None:
+    """409 when an open in-place weight update refuses ``action`` (see
+    ``WeightTransferManager.operator_generation_control``)."""
+    manager = getattr(state, "weight_manager", None)
+    if manager is None:
+        return
+    try:
+        manager.operator_generation_control(action)
+    except WeightUpdateStateError as e:
+        raise APIError(409, str(e), code="weight_update_in_progress") from None
+
+
 def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     """Generation control, behind ``dependencies`` (the admin check)."""
     router = APIRouter(dependencies=dependencies)
@@ -112,6 +125,7 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
         server stays paused)."""
         if mode not in ("abort", "wait", "keep"):
             raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
+        _check_weight_update(state, f"pause:{mode}")
         try:
             await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout)
         except asyncio.TimeoutError:
@@ -121,6 +135,8 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
 
     @router.post("/resume")
     async def resume():
+        """Resume generation. 409 while an in-place weight update is open (it resumes at its end)."""
+        _check_weight_update(state, "resume")
         await state.aengine.resume()
         return {"status": "resumed"}
 

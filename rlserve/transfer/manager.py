@@ -45,7 +45,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from rlserve.errors import WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
 from rlserve.transfer.checksums import compare_checksums
 from rlserve.transfer.protocol import (
@@ -328,10 +328,21 @@ class WeightTransferManager:
             except Exception as e:  # noqa: BLE001
                 logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
 
-    def _mark_unavailable(self, reason: str) -> None:
+    async def _mark_unavailable(self, reason: str) -> None:
+        """Generation answers 503 with ``reason`` until a full update lands, and the requests in
+        flight or held end now with the same error (:meth:`AsyncEngine.fail_all`): frozen by the
+        update's pause or not, their KV cache holds the old weights' keys and values and the
+        model is now part old, part new."""
         self._unavailable_by_us = True
         self.aengine.set_unavailable(reason)
         logger.error("model marked unavailable: %s", reason)
+        try:
+            n = await self.aengine.fail_all(ModelUnavailableError(reason))
+        except Exception as e:  # noqa: BLE001 - the 503 for new requests is in place already
+            logger.warning("ending the requests in flight failed: %s", e)
+        else:
+            if n:
+                logger.error("%d request(s) in flight ended with the same error", n)
 
     async def _end_session(self, session: _Session) -> None:
         if self._session is session:
@@ -362,7 +373,7 @@ class WeightTransferManager:
                 pass
         if session is not None:
             if self.staging == "none" and session.applied:
-                self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
+                await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
                                        "generation resumes once a full weight update lands")
             await self._end_session(session)
         self._record(ok=False, error=msg, staging=self.staging)
@@ -476,6 +487,29 @@ class WeightTransferManager:
             return await self._start_update(update_info, pause)
         finally:
             self._busy = None
+
+    def operator_generation_control(self, action: str) -> None:
+        """Check an operator's ``POST /resume`` (``action="resume"``) or ``POST /pause?mode=M``
+        (``"pause:M"``) against an open in-place update, whose tensors land in the running model.
+
+        Generation must not run until that update finished: ``/resume`` and ``/pause?mode=wait``
+        (which drains the frozen requests by stepping them) are refused. ``abort`` and ``keep``
+        pauses are taken, and an explicit pause then outlives the update (its end no longer
+        resumes; the operator resumes). Staged updates never pause, so nothing is refused there.
+
+        Raises:
+            WeightUpdateStateError: (HTTP 409) the action is refused.
+        """
+        s = self._session
+        if s is None or self.staging != "none" or s.commit_in_engine:
+            return
+        if action in ("resume", "pause:wait"):
+            what = "/resume" if action == "resume" else "/pause?mode=wait (it drains requests by running them)"
+            raise WeightUpdateStateError(
+                f"{what} refused: a weight update is in progress in place, and generation would run on partly "
+                "loaded weights; it resumes when the update finishes or fails "
+                "(/finish_weight_update, /shutdown_weight_transfer_engine)")
+        s.auto_paused = False
 
     async def _start_update(self, update_info: dict | None, pause: bool = True) -> dict:
         declared = None
@@ -693,7 +727,7 @@ class WeightTransferManager:
             else:
                 res = [r for rep in await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5) for r in rep]
         except BaseException as e:
-            self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
+            await self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
                                    "generation resumes once a full weight update lands")
             raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
         return [r for r in res if isinstance(r, dict)]
@@ -910,7 +944,7 @@ class WeightTransferManager:
                 self.num_failures += 1
                 await self._teardown_group()
                 if self._trl_applied:
-                    self._mark_unavailable(f"a TRL weight update failed after some parameters changed "
+                    await self._mark_unavailable(f"a TRL weight update failed after some parameters changed "
                                            f"({type(e).__name__}: {e}); generation resumes once a full update lands")
                 self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
             finally:
