@@ -21,6 +21,12 @@ class WeightUpdateStateError(WeightUpdateError):
     """A weight-update call arrived out of order (update without start, ...). HTTP 409."""
 
 
+class NoTransferEngineError(WeightUpdateStateError):
+    """An update call reached a server with no transfer engine (never initialised, shut down,
+    abandoned by the idle watchdog, or the server restarted). HTTP 409, error code
+    ``no_transfer_engine``: the trainer SDK re-initialises on it."""
+
+
 class ModelUnavailableError(RLServeError):
     """The model's weights are inconsistent after a failed in-place update; generation is
     refused until a full update lands. HTTP 503."""

@@ -668,3 +668,82 @@ def test_sync_weights_one_call(llama):
         assert st["session"] is None and not srv.aengine.is_paused()
         assert server_greedy(srv.url).json()["weight_version"] == "one-call-7"
         eng.shutdown()
+
+
+# --------------------------------------------------------------------------- found by an adversarial pass
+def test_sdk_reinitialises_after_the_server_dropped_its_engine(llama):
+    """The server's transfer engine goes away between two syncs (an operator's shutdown; the
+    idle watchdog and a restart look the same): the next ``send_weights()`` gets 409
+    ``no_transfer_engine`` at its start, joins again on its own and syncs."""
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+        c.shutdown_weight_transfer_engine()
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            c.start_weight_update()
+        assert ei.value.status_code == 409 and ei.value.code == "no_transfer_engine"
+        assert eng.send_weights()["weight_version"] == "2"
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng.shutdown()
+
+
+def test_control_route_inputs_refused_with_400(llama):
+    """Inputs that used to give 500 or wedge a session: a weight version of 5000 digits (its
+    increment overflowed int()), one with control characters, a body nested 100000 deep, and a
+    timeout that overflows the store. Each is a 400 and a bad version leaves the session open."""
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+        c.start_weight_update()
+        for bad in ("9" * 5000, "v\x001", ""):
+            with pytest.raises(WeightSyncHTTPError) as ei:
+                c.finish_weight_update(bad)
+            assert ei.value.status_code == 400 and "weight_version" in ei.value.message, ei.value
+        assert c.finish_weight_update("9" * 200)["weight_version"] == "9" * 200  # still open
+        c.start_weight_update()
+        assert c.finish_weight_update()["weight_version"] == "1" + "0" * 200
+        for route in ("/update_weights", "/sync_weights"):
+            r = httpx.post(srv.url + route, content="[" * 100000 + "]" * 100000, timeout=30)
+            assert r.status_code == 400 and "nested" in r.json()["error"]["message"], (route, r.text)
+        r = httpx.post(srv.url + "/init_weight_transfer_engine", timeout=30, json={"init_info": {
+            "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 1e308}})
+        assert r.status_code == 400 and "timeout_s" in r.json()["error"]["message"], r.text
+        assert server_greedy(srv.url).status_code == 200
+        eng.shutdown()
+
+
+def test_close_communicator_during_an_update_releases_the_pause(llama):
+    """TRL's ``/close_communicator/`` while a start / update / finish session holds the server's
+    keep-pause: the session fails (nothing was loaded: no 503), the pause is released and a
+    new init + sync work."""
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+        c.start_weight_update()
+        assert srv.aengine.is_paused()
+        assert httpx.post(srv.url + "/close_communicator/", timeout=30).status_code == 200
+        info = c.weight_info()
+        assert info["state"] == "uninitialized" and not srv.aengine.is_paused(), info
+        assert server_greedy(srv.url).status_code == 200
+        assert eng.send_weights()["weight_version"] == "2"
+        eng.shutdown()
+
+
+def test_trl_reset_reports_a_failed_transfer_as_504(llama):
+    """TRL's ``/reset_prefix_cache/`` lands the queued tensors first; one that never arrives (the
+    trainer announced it and never broadcast) is a timeout: 504, not a 400 'invalid request'."""
+    path, _hf = llama
+    with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": 2}) as srv:
+        trl = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
+        trl.init_communicator()
+        trl.http.update_named_param("model.norm.weight", "torch.float32", [64])  # no broadcast follows
+        r = httpx.post(srv.url + "/reset_prefix_cache/", timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "weight_transfer_timeout", r.text
+        trl.close_communicator()
+        assert server_greedy(srv.url).status_code == 200  # nothing was loaded

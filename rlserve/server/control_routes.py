@@ -19,6 +19,7 @@ from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
+from rlserve.server.weight_routes import error_response
 from rlserve.server.state import ServerState, finite
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -151,7 +152,10 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
         # (and commit them as a new weight version) before the cache is reset
         manager = getattr(state, "weight_manager", None)
         if manager is not None:
-            await manager.trl_flush()
+            try:
+                await manager.trl_flush()
+            except Exception as e:  # noqa: BLE001 - the weight routes' statuses (504 timeout, 500 failed...)
+                return error_response(e)
         await state.aengine.reset_prefix_cache()
         return {"message": "Request received, resetting prefix cache status: True"}
 

@@ -39,7 +39,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import ModelUnavailableError, NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ _TYPES = {400: "invalid_request_error", 409: "conflict_error", 500: "internal_se
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and error code of an exception raised by the manager."""
+    if isinstance(exc, NoTransferEngineError):
+        return 409, "no_transfer_engine"
     if isinstance(exc, WeightUpdateStateError):
         return 409, "weight_update_out_of_order"
     if isinstance(exc, TransferTimeoutError):
@@ -116,6 +118,8 @@ async def _json_object(request: Request, required: tuple[str, ...]) -> dict:
         body = json.loads(await request.body())
     except ValueError as e:
         raise WeightUpdateError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise WeightUpdateError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise WeightUpdateError("the request body must be a JSON object")
     for k in required:

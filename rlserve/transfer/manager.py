@@ -45,7 +45,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import ModelUnavailableError, NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
 from rlserve.transfer.checksums import compare_checksums
 from rlserve.transfer.protocol import (
@@ -74,6 +74,29 @@ _ERRORS = {
     "TransferAbortedError": terr.TransferAbortedError,
     "WeightTransferFailedError": terr.WeightTransferFailedError,
 }
+
+
+#: Longest weight version accepted (characters): it is stamped on every response.
+MAX_VERSION_CHARS = 256
+
+
+def check_weight_version(version) -> str | None:
+    """A requested weight version as the string the server will stamp, or ``None`` (the server
+    increments its own).
+
+    Raises:
+        WeightUpdateError: (HTTP 400) not a string or an integer (``true`` is refused, not
+            read as 1), empty, longer than :data:`MAX_VERSION_CHARS`, or with control characters.
+    """
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, (str, int)):
+        raise WeightUpdateError(f"weight_version must be a string, an integer or null, got {version!r}")
+    v = str(version)
+    if not v or len(v) > MAX_VERSION_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in v):
+        raise WeightUpdateError(f"weight_version must be 1 to {MAX_VERSION_CHARS} printable characters "
+                                f"(got {len(v)} characters{', with control characters' if v else ''})")
+    return v
 
 
 def next_version(current: str) -> str:
@@ -476,8 +499,8 @@ class WeightTransferManager:
             WeightUpdateError (400): the declared metadata is invalid.
         """
         if self._init is None:
-            raise WeightUpdateStateError("start_weight_update: no transfer engine; call "
-                                         "/init_weight_transfer_engine first")
+            raise NoTransferEngineError("start_weight_update: no transfer engine; call "
+                                        "/init_weight_transfer_engine first")
         if self._session is not None:
             raise WeightUpdateStateError("start_weight_update called twice: an update is already in progress; "
                                          "call /finish_weight_update (or /shutdown_weight_transfer_engine) first")
@@ -539,7 +562,7 @@ class WeightTransferManager:
                 broke; the group was torn down (re-init needed).
         """
         if self._init is None:
-            raise WeightUpdateStateError("update_weights: no transfer engine; call /init_weight_transfer_engine first")
+            raise NoTransferEngineError("update_weights: no transfer engine; call /init_weight_transfer_engine first")
         s = self._session
         if s is None:
             raise WeightUpdateStateError("update_weights without start_weight_update: call /start_weight_update first")
@@ -628,6 +651,7 @@ class WeightTransferManager:
             WeightUpdateError (400): the declared update did not fully arrive (staged: nothing
                 committed; in place: the model is marked unavailable if anything was loaded).
         """
+        weight_version = check_weight_version(weight_version)  # a bad one leaves the session open
         s = self._session
         if s is None:
             raise WeightUpdateStateError("finish_weight_update without start_weight_update")
@@ -639,8 +663,6 @@ class WeightTransferManager:
             self._busy = None
 
     async def _finish_update(self, s: _Session, weight_version: str | None) -> dict:
-        if weight_version is not None and not isinstance(weight_version, str):
-            weight_version = str(weight_version)
         if s.declared is not None:
             missing = [n for n in s.declared.names if n not in s.received]
             if missing:
@@ -749,6 +771,7 @@ class WeightTransferManager:
             What the three calls raise.
         """
         t0 = time.perf_counter()
+        weight_version = check_weight_version(weight_version)  # before anything starts
         in_engine = self._commits_in_engine()
         await self.start_update(None, pause=not in_engine)
         s = self._session
@@ -978,12 +1001,20 @@ class WeightTransferManager:
         return {"weight_version": version, "tensors": n, "full": full}
 
     async def trl_close_communicator(self) -> dict:
-        """TRL ``/close_communicator/``: flush pending updates, then leave the group."""
+        """TRL ``/close_communicator/``: flush pending updates, then leave the group. A
+        start / update / finish session still open on that group fails as under
+        ``/shutdown_weight_transfer_engine`` (its pause is released; in place with something
+        loaded, 503 until a full update)."""
         err = None
         try:
             await self.trl_flush()
         except BaseException as e:  # noqa: BLE001
             err = e
+        if self._session is not None:
+            await self._preempt("close_communicator")
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError(
+                "the transfer group was closed (/close_communicator/) during an update"))
         await self._teardown_group()
         if err is not None:
             raise err

@@ -80,11 +80,13 @@ logger = logging.getLogger(__name__)
 # ============================================================================ HTTP client
 class WeightSyncHTTPError(WeightUpdateError):
     """The server answered an error. Attributes: ``status_code``, ``error_type``, ``message``,
-    ``route``."""
+    ``route``, ``code`` (the error's machine-readable code, e.g. ``"no_transfer_engine"``)."""
 
-    def __init__(self, route: str, status_code: int, message: str, error_type: str | None = None):
+    def __init__(self, route: str, status_code: int, message: str, error_type: str | None = None,
+                 code: str | None = None):
         super().__init__(f"{route} -> HTTP {status_code} ({error_type or 'error'}): {message}")
         self.route, self.status_code, self.message, self.error_type = route, status_code, message, error_type
+        self.code = code
 
 
 class WeightSyncConflictError(WeightSyncHTTPError, WeightUpdateStateError):
@@ -144,19 +146,20 @@ class HTTPWeightSyncClient:
         except requests.RequestException as e:
             raise WeightTransferFailedError(f"{route}: cannot reach {self.base_url}: {e}") from e
         if r.status_code >= 400:
-            msg, etype = r.text[:2000], None
+            msg, etype, code = r.text[:2000], None, None
             try:
                 j = r.json()
                 err = j.get("error", j) if isinstance(j, dict) else {}
                 if isinstance(err, dict):
                     msg = err.get("message") or err.get("detail") or msg
                     etype = err.get("type")
+                    code = err.get("code") if isinstance(err.get("code"), str) else None
                 elif isinstance(err, str):
                     msg = err
             except ValueError:
                 pass
             cls = WeightSyncConflictError if r.status_code == 409 else WeightSyncHTTPError
-            raise cls(route, r.status_code, str(msg), etype)
+            raise cls(route, r.status_code, str(msg), etype, code)
         try:
             return r.json() if r.content else {}
         except ValueError:
@@ -528,7 +531,16 @@ class TrainerWeightTransferEngine:
         info.checksums = self._checksum_pass(info)
         declared = info.to_dict()
         t_ck = time.perf_counter()
-        self.client.start_weight_update(declared)
+        try:
+            self.client.start_weight_update(declared)
+        except WeightSyncConflictError as e:
+            if e.code != "no_transfer_engine":
+                raise
+            # the server dropped its transfer engine (shut down, idle watchdog, restart): nothing
+            # of this update has moved yet, so join again and start once more
+            logger.warning("%s: re-initialising the transfer engine", e)
+            self.reinit()
+            self.client.start_weight_update(declared)
         t_start = time.perf_counter()
         stats = self._guarded(self._send, info, declared)
         t_send = time.perf_counter()
