@@ -27,6 +27,11 @@ class NoTransferEngineError(WeightUpdateStateError):
     ``no_transfer_engine``: the trainer SDK re-initialises on it."""
 
 
+class StaleSessionError(WeightUpdateStateError):
+    """An update call names a transfer group incarnation (``init_info.session``) that a later
+    init replaced. HTTP 409, error code ``stale_session``."""
+
+
 class ModelUnavailableError(RLServeError):
     """The model's weights are inconsistent after a failed in-place update; generation is
     refused until a full update lands. HTTP 503."""

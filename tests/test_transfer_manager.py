@@ -747,3 +747,24 @@ def test_trl_reset_reports_a_failed_transfer_as_504(llama):
         assert r.status_code == 504 and r.json()["error"]["code"] == "weight_transfer_timeout", r.text
         trl.close_communicator()
         assert server_greedy(srv.url).status_code == 200  # nothing was loaded
+
+
+def test_a_replaced_trainer_is_refused_without_harming_the_current_one(llama):
+    """Trainer B initialised, then trainer A (its init replaces B's group). B's next sync is
+    refused at its start with 409 ``stale_session``: it neither pauses the server nor opens a
+    session on A's group (which used to freeze generation for timeout_s and then tear A's group
+    down). A syncs as before."""
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng_b = trainer(srv.url, hf)
+        eng_b.send_weights()
+        eng_a = trainer(srv.url, hf)
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng_b.send_weights()
+        assert ei.value.status_code == 409 and ei.value.code == "stale_session", ei.value
+        info = httpx.get(srv.url + "/weight_info").json()
+        assert info["state"] == "ready" and not srv.aengine.is_paused(), info
+        assert eng_a.send_weights()["weight_version"] == "2"
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng_a.shutdown()
+        eng_b.shutdown()

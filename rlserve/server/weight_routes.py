@@ -30,6 +30,7 @@ every step bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Optional
@@ -39,7 +40,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from rlserve.errors import ModelUnavailableError, NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import (
+    ModelUnavailableError,
+    NoTransferEngineError,
+    StaleSessionError,
+    WeightUpdateError,
+    WeightUpdateStateError,
+)
 from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
@@ -52,6 +59,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and error code of an exception raised by the manager."""
     if isinstance(exc, NoTransferEngineError):
         return 409, "no_transfer_engine"
+    if isinstance(exc, StaleSessionError):
+        return 409, "stale_session"
     if isinstance(exc, WeightUpdateStateError):
         return 409, "weight_update_out_of_order"
     if isinstance(exc, TransferTimeoutError):
@@ -90,19 +99,23 @@ class InitBody(BaseModel):
 
 class StartBody(BaseModel):
     update_info: Optional[dict] = None
+    session: Optional[str] = None  # rlserve: the caller's init_info.session (stale ones get 409)
 
 
 class UpdateBody(BaseModel):
     update_info: dict
+    session: Optional[str] = None
 
 
 class FinishBody(BaseModel):
     weight_version: Optional[str | int] = None
+    session: Optional[str] = None
 
 
 class SyncBody(BaseModel):
     update_info: dict
     weight_version: Optional[str | int] = None
+    session: Optional[str] = None
 
 
 def _body_schema(model: type[BaseModel]) -> dict:
@@ -114,8 +127,11 @@ async def _json_object(request: Request, required: tuple[str, ...]) -> dict:
     """The request's JSON object, parsed with the standard library (no pydantic pass over a body
     of hundreds of KB: the ipc handles of an 8B model are ~290 KB). Raises WeightUpdateError
     (400): not JSON, not an object, a required key missing or not an object."""
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        # a large body (an 8B model's ipc handles are ~290 KB; a bad client can send far more) is
+        # parsed off the event loop, so generation and /health keep being served meanwhile
+        body = json.loads(raw) if len(raw) < (1 << 20) else await asyncio.to_thread(json.loads, raw)
     except ValueError as e:
         raise WeightUpdateError(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -162,6 +178,11 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
     """The weight-sync routes, each behind ``dependencies`` (the server's admin check)."""
     router = APIRouter(dependencies=list(dependencies or []), tags=["weight sync"])
 
+    async def _checked(session, call):
+        """``await call()`` once ``session`` (the body's, if any) is the current group's."""
+        manager.check_session(session)
+        return await call()
+
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitBody):
         """Workers join the transfer group; the trainer (rank 0, hosting the TCPStore) joins
@@ -171,7 +192,8 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
     @router.post("/start_weight_update")
     async def start_weight_update(body: Optional[StartBody] = Body(None)):
         """Open an update session (optionally declaring the whole update for early validation)."""
-        return await _call(manager.start_update(body.update_info if body else None))
+        return await _call(_checked(body.session if body else None, lambda: manager.start_update(
+            body.update_info if body else None)))
 
     async def _with_body(request: Request, run) -> Any:
         try:
@@ -187,21 +209,22 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
     @router.post("/update_weights", openapi_extra=_body_schema(UpdateBody))
     async def update_weights(request: Request):
         """Receive (and load or stage) the tensors described by ``update_info``."""
-        return await _with_body(request, lambda b: manager.update_weights(b["update_info"]))
+        return await _with_body(request, lambda b: _checked(b.get("session"),
+                                                            lambda: manager.update_weights(b["update_info"])))
 
     @router.post("/sync_weights", openapi_extra=_body_schema(SyncBody))
     async def sync_weights(request: Request):
         """start + update + finish in one call (rlserve extension; the SDK's ipc per-tensor path)."""
         def run(b):
             v = b.get("weight_version")
-            return manager.sync_weights(b["update_info"], None if v is None else str(v))
+            return _checked(b.get("session"), lambda: manager.sync_weights(b["update_info"], v))
         return await _with_body(request, run)
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: Optional[FinishBody] = Body(None)):
         """Commit: staged copy (if staging), prefix-cache reset, weight version."""
-        v = None if body is None or body.weight_version is None else str(body.weight_version)
-        return await _call(manager.finish_update(v))
+        v = None if body is None else body.weight_version
+        return await _call(_checked(body.session if body else None, lambda: manager.finish_update(v)))
 
     @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine():

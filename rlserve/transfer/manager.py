@@ -45,7 +45,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from rlserve.errors import ModelUnavailableError, NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import (
+    ModelUnavailableError,
+    NoTransferEngineError,
+    StaleSessionError,
+    WeightUpdateError,
+    WeightUpdateStateError,
+)
 from rlserve.transfer import errors as terr
 from rlserve.transfer.checksums import compare_checksums
 from rlserve.transfer.protocol import (
@@ -510,6 +516,25 @@ class WeightTransferManager:
             return await self._start_update(update_info, pause)
         finally:
             self._busy = None
+
+    def check_session(self, session: str | None) -> None:
+        """Refuse an update call (start / update / finish / sync) that names the transfer group
+        incarnation it belongs to (``session``: its ``init_info.session``) when another init has
+        replaced that group since: its data would go to a group the server no longer listens
+        on, and the current trainer's session would be the one to fail. ``None`` (vLLM-style
+        clients): not checked.
+
+        Raises:
+            WeightUpdateStateError: (HTTP 409, code ``stale_session``).
+        """
+        if session is None:
+            return
+        if not isinstance(session, str):
+            raise WeightUpdateError("session must be a string")
+        current = None if self._init is None else self._init.session
+        if current is not None and session != current:
+            raise StaleSessionError(f"session {session[:40]!r} is not the transfer engine's current one: another "
+                                    "/init_weight_transfer_engine replaced it; initialise again")
 
     def operator_generation_control(self, action: str) -> None:
         """Check an operator's ``POST /resume`` (``action="resume"``) or ``POST /pause?mode=M``

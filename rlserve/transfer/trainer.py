@@ -173,11 +173,22 @@ class HTTPWeightSyncClient:
     def init_weight_transfer_engine(self, init_info: dict, timeout_s: float | None = None) -> dict:
         return self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s)
 
+    #: The transfer group incarnation (``init_info.session``) this client's update calls belong
+    #: to; the trainer engine sets it at each init. The server refuses (409 ``stale_session``)
+    #: calls of a session another init has replaced. ``None``: not sent.
+    session: str | None = None
+
+    def _session_body(self, body: dict) -> dict:
+        if self.session:
+            body["session"] = self.session
+        return body
+
     def start_weight_update(self, update_info: dict | None = None) -> dict:
-        return self._call("POST", "/start_weight_update", {"update_info": update_info} if update_info else {})
+        return self._call("POST", "/start_weight_update",
+                          self._session_body({"update_info": update_info} if update_info else {}))
 
     def update_weights(self, update_info: dict, timeout_s: float | None = None) -> dict:
-        return self._call("POST", "/update_weights", {"update_info": update_info}, timeout_s)
+        return self._call("POST", "/update_weights", self._session_body({"update_info": update_info}), timeout_s)
 
     def sync_weights(self, update_info: dict, weight_version: str | None = None,
                      timeout_s: float | None = None) -> dict:
@@ -185,11 +196,11 @@ class HTTPWeightSyncClient:
         body = {"update_info": update_info}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return self._call("POST", "/sync_weights", body, timeout_s)
+        return self._call("POST", "/sync_weights", self._session_body(body), timeout_s)
 
     def finish_weight_update(self, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
         body = {} if weight_version is None else {"weight_version": str(weight_version)}
-        return self._call("POST", "/finish_weight_update", body, timeout_s)
+        return self._call("POST", "/finish_weight_update", self._session_body(body), timeout_s)
 
     def shutdown_weight_transfer_engine(self) -> dict:
         return self._call("POST", "/shutdown_weight_transfer_engine", {})
@@ -619,6 +630,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
             self._port_busy = False
         server_init = ii.to_server_init_info()
         server_init["session"] = uuid.uuid4().hex
+        self.client.session = None  # the init itself, and a failed one, carry no session
         http = self._pool.submit(self.client.init_weight_transfer_engine, server_init, ii.timeout_s + 30)
         # a daemon thread, not a pool: when the server refuses (e.g. 404, no transfer config) the
         # rendezvous waits for ranks that never come, and a pool thread would hold the
@@ -639,6 +651,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
                 raise grp.exception()
             self.group = grp.result(timeout=ii.timeout_s + 60)
             http.result(timeout=ii.timeout_s + 60)
+            self.client.session = server_init["session"]
         except BaseException:
             def _cleanup(f=grp):
                 try:
