@@ -298,6 +298,7 @@ TRAINER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from rlserve.transfer.group import TransferGroup
     from rlserve.transfer.packing import plan_buckets, max_bucket_bytes, pack
+    from rlserve.transfer.sender import send_header
     from tests.test_transfer_dataplane import make_tensors, info_for
     ts = make_tensors(5)
     info = info_for(ts, size=600)
@@ -306,7 +307,9 @@ TRAINER_SCRIPT = textwrap.dedent("""
     buf = torch.empty(max_bucket_bytes(plan), dtype=torch.uint8)
     by_name = dict(ts)
     b = plan[0]
+    header, header_work = send_header(g, info, torch.device("cpu"), plan)
     g.wait(g.broadcast(pack(buf, b, [by_name[s.name] for s in b.slots]), 0))
+    g.wait(header_work)
     print("SENT-FIRST", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)

@@ -30,10 +30,17 @@ mix-ups; it does not detect two words swapping places (not a failure mode of a b
 
 On the CPU the packing copies and the checksums are numpy calls on a few threads of ours
 (:mod:`rlserve.transfer.host_ops`: torch's OpenMP pool competes with gloo's threads for the cores).
+
+Layout header (:func:`layout_header`): the first message of every gloo / NCCL update sent from
+rank 0 (:func:`uses_layout_header`), an int64 ``[8]`` (64 bytes) describing the messages that
+follow, so that a receiver whose metadata differs from the trainer's notices before it posts any
+receive of a bucket or tensor (see :mod:`rlserve.transfer.receiver`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -301,3 +308,103 @@ def unpack(buf: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tenso
     for slot in bucket.slots:
         raw = buf[slot.offset: slot.offset + slot.nbytes]
         yield slot.name, raw.view(slot.dtype).view(slot.shape)
+
+
+# --------------------------------------------------------------------------- layout header
+#: ``HEADER_MAGIC | HEADER_VERSION`` is word 0 of a layout header: "RLSVLH" in the top 48 bits,
+#: the version in the low 16.
+HEADER_MAGIC = int.from_bytes(b"RLSVLH", "big") << 16
+#: Layout version; a receiver refuses a header of another version.
+HEADER_VERSION = 1
+#: int64 words of a layout header (64 bytes).
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
+#: Flag bits of word 1.
+FLAG_PACKED = 1
+FLAG_CHECKSUMS_AFTER = 2
+
+
+def uses_layout_header(src_rank: int) -> bool:
+    """Whether an update sent from ``src_rank`` starts with a layout header: when the trainer is
+    rank 0 (``init_info.rank_offset == 1``: the rlserve SDK's and vLLM's layout). TRL's protocol
+    puts the trainer on the last rank and broadcasts one tensor per ``update_named_param`` call
+    without a header (:class:`rlserve.transfer.trl.TRLWeightSyncClient`, and TRL's own client),
+    so those receives go without one. Both ends decide from the sending rank alone."""
+    return src_rank == 0
+
+
+def _digest64(data: bytes) -> int:
+    """blake2b-64 of ``data`` as a signed int64."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def layout_message_sizes(info, plan: Sequence[Bucket] | None = None) -> list[int]:
+    """Bytes of each broadcast that follows the header of ``info``'s update, in order.
+
+    Packed: every non-empty bucket of the plan, then -- with ``checksums_after_data`` and at least
+    one bucket -- the int64 ``[n_buckets]`` checksum message (``8 * n_buckets`` bytes). Unpacked:
+    every non-empty tensor. Empty buckets / tensors are not broadcast, so they have no entry.
+
+    Args:
+        info: a resolved :class:`~rlserve.transfer.protocol.UpdateInfo` (``packed`` and
+            ``packed_buffer_size_bytes`` set).
+        plan: ``info``'s bucket plan when the caller has it (packed only; computed otherwise).
+    """
+    if info.packed:
+        if plan is None:
+            plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        sizes = [b.nbytes for b in plan if b.nbytes]
+        if info.checksums_after_data and plan:
+            sizes.append(8 * len(plan))
+        return sizes
+    return [n for n in (tensor_nbytes(dt, s) for dt, s in zip(info.dtypes(), info.shapes)) if n]
+
+
+def layout_header(info, plan: Sequence[Bucket] | None = None) -> list[int]:
+    """The layout header of ``info``'s update: ``HEADER_WORDS`` int64 values (Python ints).
+
+    ======  ==============================================================================
+    word    value
+    ======  ==============================================================================
+    0       ``HEADER_MAGIC | HEADER_VERSION``
+    1       flags: ``FLAG_PACKED``, ``FLAG_CHECKSUMS_AFTER`` (a checksum message follows the data)
+    2       units: buckets (packed) or tensors (unpacked), empty ones included
+    3       messages: broadcasts after the header (non-empty units + the checksum message)
+    4       data bytes: the sum of the buckets' / tensors' bytes (checksum message excluded)
+    5       ``packed_buffer_size_bytes`` (0 when unpacked)
+    6       blake2b-64 of the message sizes in order (:func:`layout_message_sizes`, int64 LE)
+    7       blake2b-64 of the tensors' names, dtypes and shapes in order (JSON)
+    ======  ==============================================================================
+
+    Computed from the metadata alone (trainer and server get the same words from the same
+    ``update_info``). Cost: one pass over the names (the plan is the caller's when given).
+
+    Args:
+        info: a resolved :class:`~rlserve.transfer.protocol.UpdateInfo`.
+        plan: ``info``'s bucket plan when the caller has it (packed only).
+    """
+    dtypes = info.dtypes()
+    if info.packed and plan is None:
+        plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
+    sizes = layout_message_sizes(info, plan)
+    after = bool(info.packed and info.checksums_after_data and plan)
+    units = len(plan) if info.packed else len(info.names)
+    data = sum(sizes) - (8 * units if after else 0)
+    flags = (FLAG_PACKED if info.packed else 0) | (FLAG_CHECKSUMS_AFTER if after else 0)
+    sizes_digest = _digest64(b"".join(int(n).to_bytes(8, "little") for n in sizes))
+    meta = json.dumps([list(info.names), [str(d) for d in dtypes], [[int(x) for x in s] for s in info.shapes]],
+                      separators=(",", ":"))
+    return [HEADER_MAGIC | HEADER_VERSION, flags, units, len(sizes), data,
+            int(info.packed_buffer_size_bytes or 0) if info.packed else 0, sizes_digest,
+            _digest64(meta.encode("utf-8", "surrogatepass"))]
+
+
+def describe_layout(words: Sequence[int]) -> str:
+    """A layout header in words, e.g. ``"packed, 21 buckets (bucket size 1 B) / 468224 bytes,
+    checksums after the data"``."""
+    flags, units, _msgs, data, size = (int(w) for w in words[1:6])
+    if flags & FLAG_PACKED:
+        s = f"packed, {units} bucket{'s' if units != 1 else ''} (bucket size {size} B) / {data} bytes"
+    else:
+        s = f"unpacked, {units} tensor{'s' if units != 1 else ''} / {data} bytes"
+    return s + (", checksums after the data" if flags & FLAG_CHECKSUMS_AFTER else "")

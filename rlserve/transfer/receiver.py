@@ -22,6 +22,23 @@ compared once at the end of the receive (one host sync per update, not per bucke
 in-place update then fails like any broken one (the server answers 503 until a full update
 lands), a staged one is never committed.
 
+Layout header: every gloo / NCCL update whose trainer is rank 0 (``rank_offset`` 1: the SDK's
+layout; TRL's trainer is the last rank and sends none) starts with one int64 ``[8]`` broadcast
+from the trainer (:func:`rlserve.transfer.packing.layout_header`: magic + version, packed /
+checksum flags, bucket or tensor count, message count, data bytes, bucket size, a blake2b-64
+digest of the message sizes and one of the names / dtypes / shapes). The receiver takes it before it posts any bucket or
+tensor receive, waits for it with the group's deadline and compares it with the header of its
+own ``update_info``; on any difference :class:`LayoutMismatchError` is raised and nothing else
+is posted. This matters because gloo's TCP transport aborts the whole process when a message is
+longer than the posted receive buffer (``op.preamble.length <= op.nbytes``) and silently accepts
+a shorter one. gloo with at most 3 ranks receives the header into a buffer as large as the
+largest message this receiver expects (a 64-byte header costs 64 bytes on the wire whatever the
+buffer), so a trainer that sends no header (an older SDK, code broadcasting on the group itself)
+gets a clean "no layout header" error instead of killing the server when its first message fits
+there; with 4+ ranks gloo's broadcast tree forwards whole receive buffers, so the buffer is
+exactly 64 bytes. NCCL needs equal counts on every rank: exactly int64 ``[8]``. ipc has no group
+and no header.
+
 Draining: when a bucket fails locally (checksum mismatch, the sink raising) the receiver keeps
 receiving the remaining buckets without loading them and raises at the end. Both ends then hold
 no pending collective, so the group can be torn down at once on both sides (a gloo operation
@@ -36,7 +53,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,16 +62,24 @@ from rlserve.transfer.copy_plan import FixedPairs
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.group import TransferGroup
 from rlserve.transfer.packing import (
+    HEADER_BYTES,
+    HEADER_MAGIC,
+    HEADER_VERSION,
+    HEADER_WORDS,
     BucketBuffers,
     as_bytes,
     checksum,
     checksum_tensor,
     checksum_values,
     combine,
+    describe_layout,
+    layout_header,
+    layout_message_sizes,
     max_bucket_bytes,
     plan_buckets,
     tensor_checksums,
     unpack,
+    uses_layout_header,
 )
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
 
@@ -64,6 +89,47 @@ logger = logging.getLogger(__name__)
 #: the tensors it read (int64 ``[len(pairs)]``, e.g. from a fused copy + checksum); only the ipc
 #: per-tensor path uses them, every other path ignores the return value.
 Sink = Callable[[list[tuple[str, torch.Tensor]]], "torch.Tensor | None"]
+
+
+class LayoutMismatchError(WeightUpdateError):
+    """The trainer's layout header (the first message of a gloo / NCCL update) differs from the
+    one this server computed from ``update_info``, or is not a layout header at all: the data the
+    trainer broadcasts does not match the metadata. Raised before any bucket / tensor receive
+    was posted: nothing was received or loaded. The trainer's broadcasts stay pending, so the
+    transfer group has to be torn down and re-initialised (the manager's failure path does it).
+    A ``WeightUpdateError``: the client's fault (HTTP 400 where a route sees this class; through
+    the manager a worker's error is re-raised by class name from ``manager._ERRORS``, which has no
+    entry for it, so it currently arrives as a ``WeightTransferFailedError``, HTTP 500, with this
+    message)."""
+
+
+_HEADER_FIELDS = ("flags (packed / checksums after the data)", "bucket or tensor count", "message count",
+                  "data bytes", "bucket size", "message sizes digest", "names / dtypes / shapes digest")
+
+
+def check_layout_header(got: Sequence[int], expected: Sequence[int]) -> None:
+    """Compare a received layout header with the expected one (both ``HEADER_WORDS`` ints).
+
+    Raises:
+        LayoutMismatchError: not a layout header (wrong magic), another layout version, or any
+            field differs; the message names both layouts and the fields that differ.
+    """
+    got = [int(w) for w in got]
+    expected = [int(w) for w in expected]
+    if (got[0] & ~0xFFFF) != HEADER_MAGIC:
+        raise LayoutMismatchError(
+            f"the trainer's data does not match update_info: its first message of this update is not an "
+            f"rlserve layout header (word 0 is {got[0] & 0xFFFFFFFFFFFFFFFF:#018x}): a trainer that sends none (an "
+            f"older rlserve SDK, or code broadcasting on the transfer group itself) where update_info gives "
+            f"{describe_layout(expected)}; nothing was received or loaded")
+    if got[0] != expected[0]:
+        raise LayoutMismatchError(f"the trainer's layout header has version {got[0] & 0xFFFF}, this server speaks "
+                                  f"version {HEADER_VERSION}; nothing was received or loaded")
+    diff = [name for name, g, e in zip(_HEADER_FIELDS, got[1:], expected[1:]) if g != e]
+    if diff:
+        raise LayoutMismatchError(
+            f"the trainer's data does not match update_info: it announces {describe_layout(got)} where update_info "
+            f"gives {describe_layout(expected)} (differs: {', '.join(diff)}); nothing was received or loaded")
 
 
 def expected_checksum_count(info: UpdateInfo) -> int:
@@ -216,6 +282,9 @@ class WeightReceiver:
         Returns:
             ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int, "direct": bool}``.
         Raises:
+            LayoutMismatchError: gloo / NCCL: the trainer's layout header (its first message)
+                differs from ``info``'s, or there is none; raised before any bucket / tensor
+                receive was posted (``sink`` not called, nothing loaded).
             ChecksumMismatchError, TransferTimeoutError, WeightTransferFailedError,
             TransferAbortedError; anything ``sink`` raises (e.g. ``ValueError`` from load_weights).
         """
@@ -293,12 +362,54 @@ class WeightReceiver:
             raise TransferAbortedError("the transfer group is not connected (torn down or never initialised)")
         return self.group
 
+    def _receive_header(self, g: TransferGroup, src: int, info: UpdateInfo, plan=None,
+                        buf: torch.Tensor | None = None) -> None:
+        """Receive the trainer's layout header (the first broadcast of the update), wait for it
+        with the group's deadline and compare it with ``info``'s (:func:`check_layout_header`).
+        Called before any bucket / tensor receive is posted. A no-op when the trainer is not
+        rank 0 (:func:`~rlserve.transfer.packing.uses_layout_header`: TRL's layout, no header).
+
+        Args:
+            plan: ``info``'s bucket plan (packed; computed when ``None``).
+            buf: gloo with at most 3 ranks receives the header into a 1-D uint8 host buffer of
+                ``max(64, largest expected message)`` bytes (a shorter message is accepted, a
+                longer one would abort the process: a header-less trainer whose first message
+                fits gets a clean error); ``buf`` when it is that large (e.g. the first bucket
+                buffer), else a scratch one (only its first 64 bytes are written by a good
+                trainer). 4+ ranks or NCCL: an int64 ``[8]`` of its own.
+        Raises:
+            LayoutMismatchError; TransferTimeoutError / WeightTransferFailedError /
+            TransferAbortedError (no header in time, the group broke).
+        """
+        if not uses_layout_header(src):
+            return  # TRL's layout (trainer on the last rank): per-tensor broadcasts, no header
+        if info.packed and plan is None:
+            plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        expected = layout_header(info, plan)
+        what = "the layout header of the update"
+        if self.init.backend == "gloo" and g.world_size <= 3:
+            # gloo's binomial broadcast tree only forwards (whole receive buffers) from 4 ranks up
+            n = max(HEADER_BYTES, max(layout_message_sizes(info, plan), default=0))
+            if buf is None or buf.numel() < n or buf.device.type != "cpu":
+                buf = torch.empty(n, dtype=torch.uint8)
+            head = buf[:HEADER_BYTES]
+            head.zero_()  # a message shorter than 64 bytes must not leave an old header behind
+            g.wait(g.broadcast(buf[:n], src), what=what)
+            got = head.view(torch.int64).tolist()
+        else:
+            t = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.wire_device())
+            g.wait(g.broadcast(t, src), what=what)  # NCCL: then ordered on this stream; tolist syncs it
+            got = t.tolist()
+        check_layout_header(got, expected)
+
     def _receive_packed(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
         g = self._group()
         src = self.init.src_rank
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
         bufs = self._bufs.get(nbuf, max_bucket_bytes(plan), self.wire_device()) if plan else []
+        # before any bucket receive is posted (a longer message than the buffer aborts gloo)
+        self._receive_header(g, src, info, plan, bufs[0] if bufs else None)
         works: dict[int, object] = {}
 
         def post(i: int) -> None:
@@ -357,6 +468,8 @@ class WeightReceiver:
         for b, v in zip(plan, views):
             if v.dtype != torch.uint8 or v.device.type != "cpu" or v.numel() != b.nbytes or not v.is_contiguous():
                 raise WeightUpdateError(f"direct receive: bucket {b.index} needs {b.nbytes} contiguous host bytes")
+        # into scratch memory, never the parameters; nothing is posted into them before it matched
+        self._receive_header(g, src, info, plan)
         works = {i: g.broadcast(v, src) for i, v in enumerate(views) if v.numel()}
         after = info.checksums_after_data
         deferred: list = []
@@ -385,6 +498,7 @@ class WeightReceiver:
         n = len(info.names)
         ahead = max(1, info.packed_num_buffers)
         pending: dict[int, tuple[torch.Tensor, object]] = {}
+        self._receive_header(g, src, info)
 
         def post(i: int) -> None:
             t = torch.empty(info.shapes[i], dtype=dtypes[i], device=dev)

@@ -6,6 +6,15 @@ are copied into the bucket buffer as they arrive (a gathered FSDP tensor is free
 and each full bucket is broadcast asynchronously; with ``packed_num_buffers`` buffers, packing
 bucket ``i+1`` overlaps the broadcast of bucket ``i`` (gloo: the backend's threads; NCCL: the
 backend's stream, ordered after the packing copies on the current stream).
+
+Every update from rank 0 (the SDK's layout; TRL's trainer is the last rank and sends none)
+starts with a layout header: one int64 ``[8]`` broadcast
+(:func:`~rlserve.transfer.packing.layout_header`, 64 bytes, on ``device``: CPU for gloo, the
+trainer's GPU for NCCL) before the first bucket / tensor, describing the messages that follow;
+the receiver compares it with its own ``update_info`` before it posts any receive, so a
+mismatch fails the update cleanly instead of overflowing a gloo receive buffer (which aborts
+the server process). It is not waited for before the buckets go out (they follow it on the wire
+in collective order); it is waited for, with the group's deadline, at the end with them.
 """
 
 from __future__ import annotations
@@ -22,12 +31,48 @@ from rlserve.transfer.packing import (
     checksum,
     checksum_tensor,
     in_place_bucket,
+    layout_header,
     max_bucket_bytes,
     pack,
     pack_checksummed,
     plan_buckets,
+    uses_layout_header,
 )
 from rlserve.transfer.protocol import UpdateInfo
+
+
+class _Done:
+    """The work handle of a broadcast that was not needed (no header from a rank other than 0)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+def send_header(group: TransferGroup, info: UpdateInfo, device: torch.device, plan=None):
+    """Broadcast ``info``'s layout header from ``group.rank`` (async); only from rank 0
+    (:func:`~rlserve.transfer.packing.uses_layout_header`: TRL's trainer, the last rank, sends
+    none and its receiver expects none), else a no-op.
+
+    Args:
+        info: the resolved update_info the data that follows is laid out by.
+        device: where the header tensor lives (CPU for gloo, the trainer's GPU for NCCL: then
+            the copy is queued on the current stream, which the broadcast is ordered after).
+        plan: ``info``'s bucket plan when packed (computed when ``None``).
+    Returns:
+        ``(header, work)``: the int64 ``[HEADER_WORDS]`` tensor (keep it referenced until the
+        work completed) and the broadcast's work handle (``(None, completed handle)`` when no
+        header is sent).
+    """
+    if not uses_layout_header(group.rank):
+        return None, _Done()
+    header = torch.tensor(layout_header(info, plan), dtype=torch.int64)
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        header = header.to(dev)
+    return header, group.broadcast(header, group.rank)
 
 
 def _check_item(name: str, t: torch.Tensor, exp_name: str, exp_dtype: torch.dtype, exp_shape) -> None:
@@ -63,7 +108,7 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     (:func:`~rlserve.transfer.packing.in_place_bucket`: e.g. a large embedding table alone in its
     bucket) is broadcast from that memory, not packed, and uses no buffer: the buffers go
     round-robin over the packed buckets, and at most ``2 x packed_num_buffers`` broadcasts are in
-    flight. Refilling a buffer waits for its
+    flight. The layout header (:func:`send_header`) goes out first. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
     group's deadline. With ``info.checksums_after_data`` each bucket's checksum is taken as it is
@@ -103,6 +148,7 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     keep: dict[int, list] = {}  # unpacked buckets' tensors, alive until their broadcast completed
     users: list[int | None] = [None] * nbuf  # the bucket last packed into each buffer
     n_packed = 0
+    header, header_work = send_header(group, info, dev, plan)  # first: before any bucket
 
     def retire(i: int) -> None:
         group.order(works.pop(i), what=f"bucket {i + 1}/{len(plan)}")
@@ -147,6 +193,8 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
         else:
             sums_t = torch.tensor(sums, dtype=torch.int64)
         works[len(plan)] = group.broadcast(sums_t, src)  # after every bucket, in the same order on all ranks
+    group.wait(header_work, what="the layout header", check=check)
+    del header
     for bi in sorted(works):
         what = "the bucket checksums" if bi == len(plan) else f"bucket {bi + 1}/{len(plan)}"
         group.wait(works.pop(bi), what=what, check=check)
@@ -155,8 +203,8 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
 
 def send_unpacked(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[str, torch.Tensor]],
                   device: torch.device, check: Callable[[], None] | None = None) -> dict:
-    """One broadcast per tensor (its bytes), ``packed_num_buffers`` in flight. Same contract as
-    :func:`send_packed`."""
+    """One broadcast per tensor (its bytes), ``packed_num_buffers`` in flight, after the layout
+    header (:func:`send_header`). Same contract as :func:`send_packed`."""
     t0 = time.perf_counter()
     dtypes = info.dtypes()
     ahead = max(1, info.packed_num_buffers)
@@ -165,6 +213,7 @@ def send_unpacked(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tupl
     total = 0
     src = group.rank
     n = len(info.names)
+    header, header_work = send_header(group, info, device)  # first: before any tensor
     for i in range(n):
         if i - ahead in inflight:
             _t, w = inflight.pop(i - ahead)
@@ -184,6 +233,8 @@ def send_unpacked(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tupl
             check()
     if next(it, None) is not None:
         raise ValueError("source yielded more tensors than announced")
+    group.wait(header_work, what="the layout header", check=check)
+    del header
     for i in sorted(inflight):
         _t, w = inflight.pop(i)
         group.wait(w, what=f"tensor {info.names[i]!r}", check=check)

@@ -612,9 +612,13 @@ def test_send_packed_cuda_in_place_and_packed_buckets(after):
     by_name = dict(named)
     expected = [pack(torch.empty(b.nbytes, dtype=torch.uint8), b, [by_name[s.name].cpu() for s in b.slots])
                 for b in plan]
-    assert len(grp.sent) == len(plan) + (1 if after else 0)
-    for got, exp in zip(grp.sent, expected):
+    from rlserve.transfer.packing import layout_header
+
+    assert grp.sent[0].tolist() == layout_header(info, plan)  # the layout header goes first
+    sent = grp.sent[1:]
+    assert len(sent) == len(plan) + (1 if after else 0)
+    for got, exp in zip(sent, expected):
         assert torch.equal(got, exp)
     assert len(bufs._bufs) == 2 and bufs._bufs[0].is_cuda  # bucket 1 was packed; bucket 0 was not
     if after:
-        assert grp.sent[-1].tolist() == [checksum(e) for e in expected]
+        assert sent[-1].tolist() == [checksum(e) for e in expected]
