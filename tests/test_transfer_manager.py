@@ -768,3 +768,78 @@ def test_a_replaced_trainer_is_refused_without_harming_the_current_one(llama):
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng_a.shutdown()
         eng_b.shutdown()
+
+
+def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
+    """An init whose trainer never joins used to hold the control plane until its timeout:
+    ``/shutdown_weight_transfer_engine`` blocked for all of it and every other init got 409. Now
+    both cancel it at once; the cancelled call answers 409 and names what cancelled it."""
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        out: dict = {}
+
+        def bogus_init():
+            out["r"] = httpx.post(srv.url + "/init_weight_transfer_engine", timeout=120, json={"init_info": {
+                "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 10}})
+
+        def pending() -> threading.Thread:
+            th = threading.Thread(target=bogus_init)
+            th.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(srv.url + "/weight_info").json()["state"] != "init":
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            return th
+
+        th = pending()
+        t0 = time.monotonic()
+        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 5
+        th.join(30)
+        r = out["r"]
+        assert r.status_code == 409 and "cancelled by shutdown" in r.json()["error"]["message"], r.text
+
+        th = pending()
+        t0 = time.monotonic()
+        eng = trainer(srv.url, hf)  # its init cancels the pending one
+        eng.send_weights()
+        assert time.monotonic() - t0 < 8
+        th.join(30)
+        assert out["r"].status_code == 409 and "cancelled by a new init" in out["r"].json()["error"]["message"]
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng.shutdown()
+    for t in threading.enumerate():  # the abandoned rendezvous end at their own timeout (10 s)
+        if t.name == "rlserve-transfer-rendezvous":
+            t.join(30)
+
+
+def test_data_that_disagrees_with_update_info_is_refused_with_400(llama):
+    """The trainer broadcasts buckets of another size than the update_info it sent (a bug in a
+    custom trainer; with gloo a longer message than the receive buffer used to abort the whole
+    server process): the layout header that starts the data is compared first, the update is
+    refused with 400 naming both layouts, nothing was loaded (no 503, checksums unchanged), and
+    the next correct sync re-initialises and works."""
+    import copy
+
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        base = checksums(srv.url)
+        honest = eng._send
+
+        def lying(info, declared):
+            other = copy.copy(info)
+            other.packed_buffer_size_bytes = info.packed_buffer_size_bytes * 4
+            return honest(other, declared)
+
+        eng._send = lying
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            eng.send_weights()
+        assert ei.value.status_code == 400 and "does not match update_info" in ei.value.message, ei.value
+        assert srv.aengine.unavailable_reason is None and not srv.aengine.is_paused()
+        assert checksums(srv.url) == base and server_greedy(srv.url).status_code == 200
+        eng._send = honest
+        assert eng.send_weights()["weight_version"] == "2"
+        assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng.shutdown()

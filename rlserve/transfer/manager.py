@@ -61,7 +61,7 @@ from rlserve.transfer.protocol import (
     UpdateInfo,
     validate_against_spec,
 )
-from rlserve.transfer.receiver import check_transport_fields, expected_checksum_count
+from rlserve.transfer.receiver import LayoutMismatchError, check_transport_fields, expected_checksum_count
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ _INIT_DEFAULT_KEYS = {"timeout_s", "packed", "packed_buffer_size_bytes", "packed
 _CONFIG_KEYS = {"backend", "direct_receive", *_INIT_DEFAULT_KEYS}
 
 _ERRORS = {
+    "LayoutMismatchError": LayoutMismatchError,  # 400: the trainer's data disagrees with its update_info
     "ChecksumMismatchError": terr.ChecksumMismatchError,
     "TransferTimeoutError": terr.TransferTimeoutError,
     "TransferAbortedError": terr.TransferAbortedError,
@@ -176,6 +177,7 @@ class WeightTransferManager:
         self.poll_interval_s = float(poll_interval_s)
         self._init: InitInfo | None = None
         self._session: _Session | None = None
+        self._init_cancelled: str | None = None  # why a pending init was cancelled (see _preempt)
         self._busy: str | None = None
         self._spec: tuple[dict, set] | None = None
         self._unavailable_by_us = False
@@ -452,9 +454,11 @@ class WeightTransferManager:
                                     f"got {info.world_size}")
         if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
             raise WeightUpdateError("the ipc backend needs a CUDA server")
-        if self._busy == "init":
-            raise WeightUpdateStateError("init_weight_transfer_engine: another init is running")
+        # a pending init (a trainer that never joined, or is still joining) is cancelled: the
+        # newer init wins, as a new init also wins over an update in progress
         await self._preempt("a new init_weight_transfer_engine")
+        if self._busy is not None:
+            raise WeightUpdateStateError(f"init_weight_transfer_engine: a {self._busy} call is still running")
         if self._session is not None:
             await self._fail(self._session, WeightUpdateStateError("superseded by a new init_weight_transfer_engine"))
         self._busy = "init"
@@ -465,8 +469,11 @@ class WeightTransferManager:
             await self._model_spec()
             self._init = info
             self._ipc_refs = {}  # the workers' receivers are new
-        except BaseException:
+        except BaseException as e:
             await self._teardown_group()
+            why, self._init_cancelled = self._init_cancelled, None
+            if why is not None:
+                raise WeightUpdateStateError(f"init_weight_transfer_engine cancelled by {why}") from e
             raise
         finally:
             self._busy = None
@@ -480,6 +487,13 @@ class WeightTransferManager:
         """Abort a running update (workers fail fast) and wait for its failure path."""
         if self._busy is None:
             return
+        if self._busy == "init":
+            logger.warning("cancelling the pending rendezvous: %s", why)
+            self._init_cancelled = why
+            try:
+                await self._rpc("abort_init", timeout_s=10.0)
+            except Exception:  # noqa: BLE001
+                pass
         if self._busy in ("update", "trl"):
             logger.warning("aborting the weight update in progress: %s", why)
             try:

@@ -34,6 +34,7 @@ State lives in ``worker.extension_state["rlserve.transfer"]``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from rlserve.transfer.direct import DirectLayout, build_direct_layout, update_ke
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError
 from rlserve.transfer.host_ops import host_copy_many, host_copyable
 from rlserve.transfer.protocol import InitInfo, UpdateInfo
-from rlserve.transfer.receiver import WeightReceiver
+from rlserve.transfer.receiver import LayoutMismatchError, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -226,14 +227,15 @@ def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, i
                     layout: DirectLayout, op: _Op) -> dict:
     """``receiver.receive`` straight into ``layout`` (every bucket counts as applied in place). A
     failure other than a checksum mismatch (compared once every broadcast has completed, so
-    nothing is left pending) abandons the layout (:func:`_abandon_direct`) and re-raises."""
+    nothing is left pending) or a layout header mismatch (refused before any receive was posted)
+    abandons the layout (:func:`_abandon_direct`) and re-raises."""
     def applied(_i):
         op.applied += 1
 
     try:
         return receiver.receive(info, lambda _pairs: None, on_bucket=applied, direct=layout.target)
-    except ChecksumMismatchError:
-        raise
+    except (ChecksumMismatchError, LayoutMismatchError):
+        raise  # every broadcast completed / none was posted into the parameters
     except BaseException:
         _abandon_direct(worker, st, layout)
         raise
@@ -316,19 +318,46 @@ def _submit(st: WorkerTransferState, op_id: str, kind: str, fn, inline: bool = F
 
 # ---------------------------------------------------------------- rpc functions
 def init_transfer(worker, op_id: str, init_info: dict) -> str:
-    """Replace any current receiver and start joining the group (background). Poll ``op_id``."""
+    """Replace any current receiver and start joining the group on a daemon thread of its own
+    (a rendezvous blocked in the store or the backend's constructor cannot be interrupted, so it
+    must not hold the transfer thread). Poll ``op_id``; :func:`abort_init` cancels it."""
     st = _state(worker)
     st.close()
     init = InitInfo.from_dict(init_info)
     rank = _rank(worker, init)
     receiver = WeightReceiver(init, rank, worker.device)
     st.receiver, st.init = receiver, init
+    op = _Op("init")
+    st.ops[op_id] = op
+    fut = op.future = cf.Future()
+    fut.set_running_or_notify_cancel()
 
-    def run(op):
-        receiver.connect()
-        return {"rank": rank}
+    def run() -> None:
+        try:
+            receiver.connect()
+        except BaseException as e:  # noqa: BLE001 - reported by poll
+            with contextlib.suppress(cf.InvalidStateError):
+                fut.set_exception(e)
+            return
+        try:
+            fut.set_result({"rank": rank})
+        except cf.InvalidStateError:  # cancelled meanwhile (abort_init): the group goes
+            receiver.close()
 
-    return _submit(st, op_id, "init", run)
+    threading.Thread(target=run, name="rlserve-transfer-rendezvous", daemon=True).start()
+    return op_id
+
+
+def abort_init(worker) -> None:
+    """Cancel a pending :func:`init_transfer`: its op fails at once (``TransferAbortedError``)
+    and its receiver is closed; a rendezvous that completes later tears its group down."""
+    st = _state(worker)
+    for op in list(st.ops.values()):
+        if op.kind == "init" and op.future is not None:
+            with contextlib.suppress(cf.InvalidStateError):
+                op.future.set_exception(TransferAbortedError("the pending rendezvous was cancelled"))
+    if st.receiver is not None and st.receiver.group is None:
+        st.close()
 
 
 def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: bool = True,
