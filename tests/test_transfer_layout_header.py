@@ -24,7 +24,6 @@ from rlserve.transfer.packing import (
     HEADER_MAGIC,
     HEADER_VERSION,
     HEADER_WORDS,
-    BucketBuffers,
     as_bytes,
     layout_header,
     layout_message_sizes,
@@ -164,27 +163,6 @@ def test_direct_receive_with_header():
     for b, v in zip(plan, views):
         exp = pack(torch.empty(b.nbytes, dtype=torch.uint8), b, [by_name[s.name] for s in b.slots])
         assert torch.equal(v, exp), b.index
-
-
-def test_send_buffers_and_header_across_updates():
-    """Two updates in one group: each has its own header, buffers are reused."""
-    ts = make_tensors(13)
-    info = info_for(ts, size=600)
-    bufs = BucketBuffers()
-    got = []
-
-    def send(g):
-        return [send_packed(g, info, iter(ts), torch.device("cpu"), buffers=bufs) for _ in range(2)]
-
-    def recv(r):
-        for _ in range(2):
-            d = {}
-            r.receive(info, lambda p: d.update({n: t.clone() for n, t in p}))
-            got.append(d)
-
-    res, err = run_pair(free_port(), send, recv)
-    assert not err, err
-    assert len(got) == 2 and all(torch.equal(d[n], t) for d in got for n, t in ts)
 
 
 # --------------------------------------------------------------------------- mismatches (child process)

@@ -5,6 +5,7 @@ are in test_transfer_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,7 +28,13 @@ from rlserve.transfer import (
     hf_state_checksums,
 )
 from rlserve.transfer.trl import TRLWeightSyncClient
-from tests.transfer_harness import greedy_continuation, InProcessServer, free_port, kill_trainer_script
+from tests.transfer_harness import (
+    InProcessServer,
+    free_port,
+    greedy_continuation,
+    kill_trainer_script,
+    wrong_second_bucket_sum,
+)
 
 PROMPT_IDS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
@@ -53,6 +60,15 @@ def checksums(url):
 def llama(tiny_model):
     path = tiny_model("llama")
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def direct_trainer(url, hf):
+    """A trainer engine that has synced twice: the second sync was received directly."""
+    eng = trainer(url, hf)
+    eng.send_weights()
+    eng.send_weights()
+    assert eng.last_stats["server"]["direct_receive"] is True
+    return eng
 
 
 def trainer(url, model_or_source, **kw):
@@ -189,22 +205,6 @@ def test_out_of_order_calls_409(llama):
         assert server_greedy(srv.url).status_code == 200 and not srv.aengine.is_paused()
 
 
-def wrong_second_bucket_sum(monkeypatch) -> list[int]:
-    """Make the trainer's checksum of its second packed bucket (sent after the data) wrong by 1;
-    returns the list of packed bucket sizes, filled as the trainer packs."""
-    import rlserve.transfer.sender as sender
-
-    real, calls = sender.pack_checksummed, []
-
-    def wrong_second_sum(buf, bucket, tensors):
-        packed, got = real(buf, bucket, tensors)
-        calls.append(bucket.nbytes)
-        return packed, got + (1 if len(calls) == 2 else 0)
-
-    monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
-    return calls
-
-
 class FlakySource:
     """Yields the model's tensors; from the ``corrupt_pass``-th pass on, one tensor differs
     (so the checksums announced from the first pass do not match the data)."""
@@ -332,10 +332,7 @@ def test_partial_updates_between_full_ones(llama384):
     update, so every full update after the first two is received directly."""
     path, hf = llama384
     with InProcessServer(path) as srv:
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        eng.send_weights()
-        assert eng.last_stats["server"]["direct_receive"] is True
+        eng = direct_trainer(srv.url, hf)
         g = torch.Generator().manual_seed(3)
         for step in range(2):
             with torch.no_grad():
@@ -391,10 +388,7 @@ def test_direct_receive_abandoned_update_cannot_write_later(llama384):
 
     path, hf = llama384
     with InProcessServer(path) as srv:
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        eng.send_weights()
-        assert eng.last_stats["server"]["direct_receive"] is True
+        eng = direct_trainer(srv.url, hf)
         good = checksums(srv.url)
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
@@ -507,10 +501,7 @@ def test_direct_receive_off_and_not_for_announced_checksums(llama384):
     with InProcessServer(path) as srv:
         # checksums announced before the data must be compared before anything is loaded
         c = HTTPWeightSyncClient(srv.url, timeout_s=30)
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        eng.send_weights()
-        assert eng.last_stats["server"]["direct_receive"] is True
+        eng = direct_trainer(srv.url, hf)
         eng._checksums_after_data = lambda info: False  # vLLM style: bucket checksums announced
         eng.send_weights()
         assert eng.last_stats["server"]["direct_receive"] is False
@@ -671,15 +662,21 @@ def test_sync_weights_one_call(llama):
 
 
 # --------------------------------------------------------------------------- found by an adversarial pass
+@contextlib.contextmanager
+def synced_server(path, hf):
+    """An :class:`InProcessServer` after one full sync: ``(server, trainer engine, client)``."""
+    with InProcessServer(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        yield srv, eng, HTTPWeightSyncClient(srv.url, timeout_s=30)
+
+
 def test_sdk_reinitialises_after_the_server_dropped_its_engine(llama):
     """The server's transfer engine goes away between two syncs (an operator's shutdown; the
     idle watchdog and a restart look the same): the next ``send_weights()`` gets 409
     ``no_transfer_engine`` at its start, joins again on its own and syncs."""
     path, hf = llama
-    with InProcessServer(path) as srv:
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+    with synced_server(path, hf) as (srv, eng, c):
         c.shutdown_weight_transfer_engine()
         with pytest.raises(WeightSyncHTTPError) as ei:
             c.start_weight_update()
@@ -694,10 +691,7 @@ def test_control_route_inputs_refused_with_400(llama):
     increment overflowed int()), one with control characters, a body nested 100000 deep, and a
     timeout that overflows the store. Each is a 400 and a bad version leaves the session open."""
     path, hf = llama
-    with InProcessServer(path) as srv:
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+    with synced_server(path, hf) as (srv, eng, c):
         c.start_weight_update()
         for bad in ("9" * 5000, "v\x001", ""):
             with pytest.raises(WeightSyncHTTPError) as ei:
@@ -721,10 +715,7 @@ def test_close_communicator_during_an_update_releases_the_pause(llama):
     keep-pause: the session fails (nothing was loaded: no 503), the pause is released and a
     new init + sync work."""
     path, hf = llama
-    with InProcessServer(path) as srv:
-        eng = trainer(srv.url, hf)
-        eng.send_weights()
-        c = HTTPWeightSyncClient(srv.url, timeout_s=30)
+    with synced_server(path, hf) as (srv, eng, c):
         c.start_weight_update()
         assert srv.aengine.is_paused()
         assert httpx.post(srv.url + "/close_communicator/", timeout=30).status_code == 200

@@ -134,3 +134,19 @@ def greedy_continuation(model, prompt_ids: list[int], n: int) -> list[int]:
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     return out
+
+
+def wrong_second_bucket_sum(monkeypatch) -> list[int]:
+    """Make the trainer's checksum of its second packed bucket (sent after the data) wrong by 1;
+    returns the list of packed bucket sizes, filled as the trainer packs."""
+    import rlserve.transfer.sender as sender
+
+    real, calls = sender.pack_checksummed, []
+
+    def wrong_second_sum(buf, bucket, tensors):
+        packed, got = real(buf, bucket, tensors)
+        calls.append(bucket.nbytes)
+        return packed, got + (1 if len(calls) == 2 else 0)
+
+    monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+    return calls

@@ -44,7 +44,7 @@ from rlserve.transfer.ipc import export_handle  # noqa: E402
 from rlserve.transfer.packing import checksum  # noqa: E402
 from rlserve.transfer.trainer import WeightSyncHTTPError  # noqa: E402
 from tests.gpu import nccl_over_gloo  # noqa: E402
-from tests.transfer_harness import free_port  # noqa: E402
+from tests.transfer_harness import free_port, wrong_second_bucket_sum  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT: dict = {}
@@ -291,14 +291,8 @@ def test_nccl_after_data_checksum_mismatch_refused(tiny_model, transport, stagin
                                           packed_buffer_size_bytes=64 << 10, timeout_s=60),
             client=client, source=ModuleSource(hf))
         eng.send_weights()
-        real, calls = sender.pack_checksummed, []
-
-        def wrong_second_sum(buf, bucket, tensors):
-            packed, got = real(buf, bucket, tensors)
-            calls.append(bucket.nbytes)
-            return packed, got + (1 if len(calls) == 2 else 0)
-
-        monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
+        real = sender.pack_checksummed
+        calls = wrong_second_bucket_sum(monkeypatch)
         with pytest.raises(WeightSyncHTTPError) as ei:
             eng.send_weights()
         assert ei.value.status_code == 500 and "checksum" in str(ei.value), str(ei.value)
