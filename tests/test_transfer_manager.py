@@ -697,6 +697,9 @@ def test_control_route_inputs_refused_with_400(llama):
             with pytest.raises(WeightSyncHTTPError) as ei:
                 c.finish_weight_update(bad)
             assert ei.value.status_code == 400 and "weight_version" in ei.value.message, ei.value
+            assert ("control characters" in ei.value.message) == ("\x00" in bad), ei.value.message
+        r = httpx.post(srv.url + "/finish_weight_update", json={"weight_version": True}, timeout=30)
+        assert r.status_code == 400 and "weight_version" in r.text, r.text  # not read as "1"
         assert c.finish_weight_update("9" * 200)["weight_version"] == "9" * 200  # still open
         c.start_weight_update()
         assert c.finish_weight_update()["weight_version"] == "1" + "0" * 200

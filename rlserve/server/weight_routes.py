@@ -38,7 +38,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, Body, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, StrictInt, StrictStr
 
 from rlserve.errors import (
     ModelUnavailableError,
@@ -108,7 +108,8 @@ class UpdateBody(BaseModel):
 
 
 class FinishBody(BaseModel):
-    weight_version: Optional[str | int] = None
+    # strict: pydantic would read ``true`` as 1 (a version that goes backwards); it is refused
+    weight_version: Optional[StrictStr | StrictInt] = None
     session: Optional[str] = None
 
 

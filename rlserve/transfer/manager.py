@@ -100,9 +100,10 @@ def check_weight_version(version) -> str | None:
     if isinstance(version, bool) or not isinstance(version, (str, int)):
         raise WeightUpdateError(f"weight_version must be a string, an integer or null, got {version!r}")
     v = str(version)
-    if not v or len(v) > MAX_VERSION_CHARS or any(ord(c) < 32 or ord(c) == 127 for c in v):
+    control = any(ord(c) < 32 or ord(c) == 127 for c in v)
+    if not v or len(v) > MAX_VERSION_CHARS or control:
         raise WeightUpdateError(f"weight_version must be 1 to {MAX_VERSION_CHARS} printable characters "
-                                f"(got {len(v)} characters{', with control characters' if v else ''})")
+                                f"(got {len(v)} characters{', with control characters' if control else ''})")
     return v
 
 
