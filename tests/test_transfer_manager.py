@@ -709,6 +709,9 @@ def test_control_route_inputs_refused_with_400(llama):
         r = httpx.post(srv.url + "/init_weight_transfer_engine", timeout=30, json={"init_info": {
             "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 1e308}})
         assert r.status_code == 400 and "timeout_s" in r.json()["error"]["message"], r.text
+        for route in ("/init_weight_transfer_engine", "/init_communicator/", "/update_named_param/"):
+            r = httpx.post(srv.url + route, timeout=30)  # no body at all
+            assert r.status_code == 400 and r.json()["error"]["message"] == "the request needs a JSON body", r.text
         assert server_greedy(srv.url).status_code == 200
         eng.shutdown()
 

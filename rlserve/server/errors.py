@@ -138,7 +138,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         got = e.get("input")
         got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
         if e.get("type") == "missing":
-            msgs.append(f"missing required field {param!r}")
+            msgs.append("the request needs a JSON body" if param is None else f"missing required field {param!r}")
         elif len(errs) > 1:  # a union: no member matched
             msgs.append(f"{param or 'body'}: invalid type or value (got {got_s})")
         else:
