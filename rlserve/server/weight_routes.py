@@ -115,7 +115,7 @@ class FinishBody(BaseModel):
 
 class SyncBody(BaseModel):
     update_info: dict
-    weight_version: Optional[str | int] = None
+    weight_version: Optional[StrictStr | StrictInt] = None
     session: Optional[str] = None
 
 

@@ -406,7 +406,7 @@ class WeightTransferManager:
         if session is not None:
             if self.staging == "none" and session.applied:
                 await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
-                                       "generation resumes once a full weight update lands")
+                                             "generation resumes once a full weight update lands")
             await self._end_session(session)
         self._record(ok=False, error=msg, staging=self.staging)
 
@@ -790,7 +790,7 @@ class WeightTransferManager:
                 res = [r for rep in await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5) for r in rep]
         except BaseException as e:
             await self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
-                                   "generation resumes once a full weight update lands")
+                                         "generation resumes once a full weight update lands")
             raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
         return [r for r in res if isinstance(r, dict)]
 
@@ -835,10 +835,16 @@ class WeightTransferManager:
         """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
         abandoned: its failure path runs). Serving continues."""
         await self._preempt("shutdown_weight_transfer_engine")
-        if self._session is not None:
-            await self._fail(self._session, WeightUpdateStateError("the transfer engine was shut down during an update"))
-        await self._teardown_group()
+        await self._leave_group("the transfer engine was shut down during an update")
         return {"status": "ok"}
+
+    async def _leave_group(self, session_error: str) -> None:
+        """Leave the transfer group; an open session fails with ``session_error`` first (its
+        pause is released; in place with something loaded, 503 until a full update). The caller
+        has preempted a running call (:meth:`_preempt`)."""
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError(session_error))
+        await self._teardown_group()
 
     def weight_info(self) -> dict:
         """``GET /weight_info``: version, transfer state, the last update."""
@@ -1008,7 +1014,7 @@ class WeightTransferManager:
                 await self._teardown_group()
                 if self._trl_applied:
                     await self._mark_unavailable(f"a TRL weight update failed after some parameters changed "
-                                           f"({type(e).__name__}: {e}); generation resumes once a full update lands")
+                                                 f"({type(e).__name__}: {e}); generation resumes once a full update lands")
                 self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
             finally:
                 self._trl_pending -= 1
@@ -1052,10 +1058,7 @@ class WeightTransferManager:
             err = e
         if self._session is not None:
             await self._preempt("close_communicator")
-        if self._session is not None:
-            await self._fail(self._session, WeightUpdateStateError(
-                "the transfer group was closed (/close_communicator/) during an update"))
-        await self._teardown_group()
+        await self._leave_group("the transfer group was closed (/close_communicator/) during an update")
         if err is not None:
             raise err
         return {"message": "Request received, closing communicator"}

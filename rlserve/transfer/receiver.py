@@ -97,10 +97,8 @@ class LayoutMismatchError(WeightUpdateError):
     trainer broadcasts does not match the metadata. Raised before any bucket / tensor receive
     was posted: nothing was received or loaded. The trainer's broadcasts stay pending, so the
     transfer group has to be torn down and re-initialised (the manager's failure path does it).
-    A ``WeightUpdateError``: the client's fault (HTTP 400 where a route sees this class; through
-    the manager a worker's error is re-raised by class name from ``manager._ERRORS``, which has no
-    entry for it, so it currently arrives as a ``WeightTransferFailedError``, HTTP 500, with this
-    message)."""
+    A ``WeightUpdateError``: the client's fault, HTTP 400 (the manager re-raises a worker's error
+    by class name from ``manager._ERRORS``, which lists this class)."""
 
 
 _HEADER_FIELDS = ("flags (packed / checksums after the data)", "bucket or tensor count", "message count",

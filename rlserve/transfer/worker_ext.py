@@ -299,16 +299,22 @@ def _stage_dtype(worker) -> torch.dtype | None:
     return dt
 
 
+def _own_future_op(st: WorkerTransferState, op_id: str, kind: str) -> _Op:
+    """A registered op whose future (running) the caller completes itself."""
+    op = st.ops[op_id] = _Op(kind)
+    op.future = cf.Future()
+    op.future.set_running_or_notify_cancel()
+    return op
+
+
 def _submit(st: WorkerTransferState, op_id: str, kind: str, fn, inline: bool = False) -> str:
     """Run ``fn(op)`` on the worker's transfer thread, or -- ``inline`` -- right here on the
     calling (engine) thread, its result or error stored in the op's future all the same."""
-    op = _Op(kind)
-    st.ops[op_id] = op
     if not inline:
+        op = st.ops[op_id] = _Op(kind)
         op.future = st.pool.submit(fn, op)
         return op_id
-    op.future = cf.Future()
-    op.future.set_running_or_notify_cancel()
+    op = _own_future_op(st, op_id, kind)
     try:
         op.future.set_result(fn(op))
     except BaseException as e:  # noqa: BLE001 - reported by poll like a pool op's
@@ -327,10 +333,7 @@ def init_transfer(worker, op_id: str, init_info: dict) -> str:
     rank = _rank(worker, init)
     receiver = WeightReceiver(init, rank, worker.device)
     st.receiver, st.init = receiver, init
-    op = _Op("init")
-    st.ops[op_id] = op
-    fut = op.future = cf.Future()
-    fut.set_running_or_notify_cancel()
+    fut = _own_future_op(st, op_id, "init").future
 
     def run() -> None:
         try:
