@@ -267,6 +267,9 @@ class LLMEngine:
     def required_checkpoint_names(self) -> set[str]:
         return self.model.required_checkpoint_names()
 
+    def tied_checkpoint_names(self) -> dict[str, str]:
+        return self.model.tied_checkpoint_names()
+
     def collective_rpc(self, target: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Run ``function(worker, *args, **kwargs)`` on every TP worker (see INTERFACES)."""
         if hasattr(self.executor, "collective_rpc"):

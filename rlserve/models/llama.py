@@ -216,6 +216,14 @@ class LlamaForCausalLM(nn.Module):
             spec["lm_head.weight"] = spec["model.embed_tokens.weight"]
         return spec
 
+    def tied_checkpoint_names(self) -> dict[str, str]:
+        """``{name: the name it is tied to}`` for every tensor this model serves as another one
+        (``tie_word_embeddings``: ``lm_head.weight`` is ``model.embed_tokens.weight``); empty when nothing
+        is tied. A weight update that carries a tied name is refused (it would be ignored, and the
+        server would serve the other tensor in its place), see
+        :func:`rlserve.transfer.protocol.validate_against_spec`."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+
     def required_checkpoint_names(self) -> set[str]:
         """Names a full checkpoint / full weight update must contain (``lm_head.weight`` is
         optional when embeddings are tied)."""

@@ -181,6 +181,7 @@ class WeightTransferManager:
         self._init_cancelled: str | None = None  # why a pending init was cancelled (see _preempt)
         self._busy: str | None = None
         self._spec: tuple[dict, set] | None = None
+        self._tied: dict[str, str] = {}  # tied_checkpoint_names(), set by _model_spec
         self._unavailable_by_us = False
         # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
         self._ipc_refs: dict[str, dict] = {}
@@ -233,10 +234,13 @@ class WeightTransferManager:
         return [r for rep in res for r in rep]
 
     async def _model_spec(self) -> tuple[dict, set]:
+        """``(checkpoint_spec, required names)`` of the served model; also sets ``self._tied``
+        (``tied_checkpoint_names()``, for ``validate_against_spec(tied=...)``)."""
         if self._spec is None:
             res = await self.aengine.run_in_engines(
-                lambda e: (dict(e.checkpoint_spec()), set(e.required_checkpoint_names())), timeout_s=self.rpc_timeout_s)
-            spec, req = res[0]
+                lambda e: (dict(e.checkpoint_spec()), set(e.required_checkpoint_names()),
+                           dict(e.tied_checkpoint_names())), timeout_s=self.rpc_timeout_s)
+            spec, req, self._tied = res[0]
             self._spec = ({k: tuple(v) for k, v in spec.items()}, set(req))
         return self._spec
 
@@ -579,7 +583,7 @@ class WeightTransferManager:
         if update_info:
             declared = UpdateInfo.from_dict(update_info).resolved(self._init)
             spec, req = await self._model_spec()
-            validate_against_spec(declared, spec, req)
+            validate_against_spec(declared, spec, req, tied=self._tied)
             declared.checksums = None
             declared.ipc_handles = None
         auto = False
@@ -631,7 +635,8 @@ class WeightTransferManager:
                 # (the same tensors with the same coverage rule were validated when the ref was given)
                 validate_against_spec(info, spec, req,
                                       allowed_names=None if s.declared is None else set(s.declared.names),
-                                      already_received=s.received, check_coverage=s.declared is None)
+                                      already_received=s.received, check_coverage=s.declared is None,
+                                      tied=self._tied)
             check_transport_fields(info, self._init.backend, self._ipc_refs)
         except WeightUpdateError as e:
             # The trainer may already be broadcasting (it calls update_weights concurrently with
@@ -974,7 +979,7 @@ class WeightTransferManager:
         info = UpdateInfo(names=[name], dtype_names=[str(dtype)], shapes=[list(shape)], packed=False, partial=True)
         info.validate()
         spec, req = await self._model_spec()
-        validate_against_spec(info, spec, req, check_coverage=False)
+        validate_against_spec(info, spec, req, check_coverage=False, tied=self._tied)
         if self._trl_queue is None:
             self._trl_queue = asyncio.Queue()
         if self._trl_worker is None or self._trl_worker.done():

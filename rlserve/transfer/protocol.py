@@ -355,6 +355,7 @@ def validate_against_spec(
     allowed_names: set[str] | None = None,
     already_received: set[str] | frozenset = frozenset(),
     check_coverage: bool = True,
+    tied: dict[str, str] | None = None,
 ) -> None:
     """Check an update's metadata against the model before any parameter changes.
 
@@ -366,15 +367,26 @@ def validate_against_spec(
             ``update_info``); when given, every name must be among them.
         already_received: names already received in this session (may not repeat).
         check_coverage: require every ``required`` name unless ``info.partial``.
+        tied: ``model.tied_checkpoint_names()``: a name the served model does not hold apart
+            (``lm_head.weight`` of a model with ``tie_word_embeddings``) → the name it is. An
+            update carrying such a name is refused: the model would ignore it and serve the other
+            tensor in its place, so a trainer that untied them would silently get other outputs.
 
     Raises:
         WeightUpdateError: naming the first few offending tensors (unknown name, wrong shape,
-            non-float dtype, repeated, missing).
+            non-float dtype, repeated, missing, tied).
     """
     problems: list[str] = []
     for name, dn, shape in zip(info.names, info.dtype_names, info.shapes):
         if name not in spec:
             problems.append(f"unknown parameter {name!r}")
+            continue
+        if tied and name in tied:
+            problems.append(
+                f"{name}: the served model ties {name} to {tied[name]} (tie_word_embeddings) and serves "
+                f"{tied[name]} as both, so a separate {name} cannot be served; a trainer that ties them sends "
+                f"the shared tensor once, as {tied[name]} (drop {name}); one that untied them needs a server "
+                "whose model config has tie_word_embeddings=false")
             continue
         if tuple(shape) != tuple(spec[name]):
             problems.append(f"{name}: shape {list(shape)} != expected {list(spec[name])}")
