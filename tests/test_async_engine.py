@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from rlserve.engine.async_engine import AsyncEngine, EngineStepError
+from rlserve.engine.async_engine import AsyncEngine, EngineStepError, HeldTooLongError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError, ModelUnavailableError
@@ -247,6 +247,49 @@ def test_pause_keep_freezes_and_continues(fake):
     for i, o in enumerate(outs):
         assert o.outputs[0].token_ids == list(range(i * 1000, i * 1000 + 200))
         assert o.outputs[0].finish_reason == "length"
+
+
+def test_failed_pause_is_undone(fake):
+    """A pause that does not take effect (here: its timeout passes first) leaves nothing paused
+    that nobody owns: generation resumes when it was running, or the earlier pause stays."""
+    aeng, (eng,) = fake()
+
+    async def main():
+        long = asyncio.create_task(_run(aeng, [1], max_tokens=10_000_000, rid="long"))
+        while not eng.reqs:  # state, not time: the request is in the engine
+            await asyncio.sleep(0.001)
+        with pytest.raises(asyncio.TimeoutError):  # "wait" cannot drain a request this long
+            await aeng.pause("wait", timeout_s=1e-300)
+        assert not aeng.is_paused() and aeng.pause_mode is None
+        assert (await _run(aeng, [5], max_tokens=3)).outputs[0].token_ids == [5, 6, 7]  # not held
+        # under an earlier keep-pause, a failed wait-pause leaves that keep-pause in force
+        await aeng.pause("keep")
+        with pytest.raises(asyncio.TimeoutError):
+            await aeng.pause("wait", timeout_s=1e-300)
+        assert aeng.is_paused() and aeng.pause_mode == "keep"
+        steps = await aeng.run_in_engines(lambda e: e.steps)  # the freeze was posted again first
+        assert await aeng.run_in_engines(lambda e: e.steps) == steps  # frozen: no step in between
+        await aeng.resume()
+        await aeng.abort("long")
+        assert (await long).outputs[0].finish_reason == "abort"
+
+    run(main())
+
+
+def test_held_requests_end_within_the_bound(fake):
+    aeng, _ = fake(hold_timeout_s=0.2)
+
+    async def main():
+        await aeng.pause("abort")
+        t0 = time.monotonic()
+        with pytest.raises(HeldTooLongError, match="paused"):
+            await _run(aeng, [5], max_tokens=3)
+        assert time.monotonic() - t0 >= 0.2 and aeng.num_held == 0 and aeng.num_unfinished == 0
+        await aeng.resume()
+        return await _run(aeng, [5], max_tokens=3)
+
+    assert run(main()).outputs[0].token_ids == [5, 6, 7]
+    assert issubclass(HeldTooLongError, ModelUnavailableError)  # HTTP 503
 
 
 def test_abort_single_and_cancel(fake):

@@ -164,6 +164,23 @@ def test_pause_keep_equals_unpaused(server):
     _run(scenario, server.url)
 
 
+def test_failed_pause_is_undone(server):
+    """``/pause?mode=wait&timeout=1e-300`` cannot drain in time: 504, and the server is not left
+    paused with nobody to resume it (requests sent afterwards are served, not held)."""
+    async def scenario(client):
+        progress: dict = {}
+        task = asyncio.create_task(_stream(client, 0, 240, progress))
+        await _until(lambda: progress.get(0), what="a first token")
+        r = await client.post("/pause", params={"mode": "wait", "timeout": "1e-300"})
+        assert r.status_code == 504 and "undone" in r.json()["error"]["message"], r.text
+        assert (await client.get("/is_paused")).json() == {"is_paused": False, "mode": None}
+        assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
+        ids, finish = await asyncio.wait_for(task, 60)
+        assert finish == "length" and len(ids) == 240
+
+    _run(scenario, server.url)
+
+
 def test_abort_requests_route_and_metrics(server):
     async def scenario(client):
         progress: dict = {}

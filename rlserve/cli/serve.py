@@ -101,6 +101,9 @@ def register(subparsers) -> None:
                    help="none: update in place while paused; device/host: receive into a staging copy while "
                         "generating, then commit with one copy")
     s.add_argument("--weight-version", default="0", help="initial weight version reported on every completion")
+    s.add_argument("--pause-hold-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a request that arrives while generation is paused waits at most this long for /resume, "
+                        "then gets a 503 (0: wait without bound)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
     add_engine_args(p)
@@ -139,7 +142,8 @@ def run(args) -> int:
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
                 config.data_parallel_size, config.dtype, config.device)
     try:
-        aengine = AsyncEngine(config, weight_version=args.weight_version)
+        aengine = AsyncEngine(config, weight_version=args.weight_version,
+                              hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None)
     except (RLServeError, ValueError, OSError) as e:
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1

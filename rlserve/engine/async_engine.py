@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 _IDLE_POLL_S = 1.0  # an idle engine thread wakes at least this often (seconds)
 _STATS_EVERY_S = 0.2  # engine stats are snapshotted at most this often (seconds)
+DEFAULT_HOLD_TIMEOUT_S = 600.0  # a request held behind a pause waits at most this long (seconds)
 
 
 class EngineStepError(RLServeError):
@@ -52,6 +53,11 @@ class EngineStepError(RLServeError):
 
 class EngineDeadError(RLServeError):
     """The engine threads are stopped (shutdown or a fatal error). HTTP 503."""
+
+
+class HeldTooLongError(ModelUnavailableError):
+    """A request was held behind a pause for longer than the engine's ``hold_timeout_s``; it
+    never started. HTTP 503 (the model is unavailable while generation stays paused)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -400,6 +406,10 @@ class AsyncEngine:
         engine_factory: ``factory(config, dp_index) -> engine`` (default
             ``LLMEngine(config, dp_index=dp_index)``); tests pass fakes here.
         start_timeout_s: seconds to wait for every replica to load.
+        hold_timeout_s: a request that arrives while generation is paused waits at most this
+            many seconds for :meth:`resume` (measured from its arrival), then ends with
+            :class:`HeldTooLongError` (HTTP 503); None: no bound. Default 600 s, longer than
+            any weight update's pause should be (``rlserve serve --pause-hold-timeout``).
 
     Raises:
         whatever building an engine raises (the first replica's error), after stopping the
@@ -407,7 +417,7 @@ class AsyncEngine:
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
-                 start_timeout_s: float = 3600.0):
+                 start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S):
         if engine_factory is None:
             from rlserve.engine.llm_engine import LLMEngine
 
@@ -415,6 +425,7 @@ class AsyncEngine:
                 return LLMEngine(cfg, dp_index=dp_index)
 
         self.config = config
+        self.hold_timeout_s = hold_timeout_s
         self._lock = threading.Lock()
         self._weight_version = str(weight_version)
         self._unavailable: str | None = None
@@ -576,7 +587,10 @@ class AsyncEngine:
         done = False
         try:
             while True:
-                await req.event.wait()
+                if req.replica is None and self.hold_timeout_s is not None:  # held (or failed to submit)
+                    await self._wait_held(req)
+                else:
+                    await req.event.wait()
                 req.event.clear()
                 item, req.slot = req.slot, None
                 if item is None:
@@ -593,6 +607,19 @@ class AsyncEngine:
             self._requests.pop(request_id, None)
             if not done:
                 self._abort_req(req)
+
+    async def _wait_held(self, req: _Request) -> None:
+        """Wait for ``req``'s next item while it is held; raises :class:`HeldTooLongError` (and
+        drops it) once it has been held ``hold_timeout_s`` seconds since its arrival."""
+        left = req.arrival_time + self.hold_timeout_s - time.monotonic()
+        try:
+            await asyncio.wait_for(req.event.wait(), max(left, 0.0))
+        except asyncio.TimeoutError:
+            if req in self._held and not req.event.is_set():
+                self._held.remove(req)
+                raise HeldTooLongError(
+                    f"generation has been paused (mode={self._pause_mode}) for the {self.hold_timeout_s:g} s this "
+                    "request may wait for /resume (rlserve serve --pause-hold-timeout); it was not started") from None
 
     def _submit(self, req: _Request) -> None:
         with self._lock:
@@ -662,8 +689,10 @@ class AsyncEngine:
                 them finish; returns when all replicas are idle) or "keep" (freeze them in
                 place between two steps).
             clear_cache: reset the prefix cache of every replica once paused.
-            timeout_s: give up waiting after this many seconds (TimeoutError; the server
-                stays paused).
+            timeout_s: give up waiting after this many seconds (TimeoutError). A pause that
+                fails (timeout, cancellation, an engine error) is undone: generation resumes
+                (held requests start) when it was running before, or stays under the earlier
+                pause otherwise; requests that an ``abort`` pause already ended stay ended.
 
         Raises:
             ValueError: unknown mode. TimeoutError: see ``timeout_s``.
@@ -671,22 +700,45 @@ class AsyncEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         async with self._get_pause_lock():
+            before = self._pause_mode if self._paused else None
             self._paused = True
             self._pause_mode = mode
-            if mode == "keep":
-                futs = [r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas]
-            elif mode == "abort":
-                futs = [r.post(lambda r=r: (r.abort_all(), setattr(r, "frozen", False))[0])
-                        for r in self._replicas]
-            else:  # wait: a replica frozen by an earlier keep-pause must step to drain
-                futs = [r.post(lambda r=r: (setattr(r, "frozen", False), r.wait_drained())[1])
-                        for r in self._replicas]
-            coro = self._pause_effect(futs, mode, clear_cache)
-            if timeout_s is None:
-                await coro
-            else:
-                await asyncio.wait_for(coro, timeout_s)
+            try:
+                await self._pause_locked(mode, clear_cache, timeout_s)
+            except BaseException:
+                # a pause that did not take effect (timeout, cancelled, an engine error) must not
+                # leave generation paused with nobody to resume it: back to the state before it
+                await self._restore_pause(before)
+                raise
         logger.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+
+    async def _restore_pause(self, before: str | None) -> None:
+        """Undo a failed :meth:`pause` (pause lock held): resume when generation was running
+        before it (held requests are submitted), else return to the earlier pause's mode (a
+        keep-pause freezes the replicas again)."""
+        if before is None:
+            await self._resume_locked()
+            logger.warning("pause did not take effect; generation resumed (it was not paused before)")
+            return
+        self._pause_mode = before
+        if before == "keep":
+            await _wait_all([r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas])
+        logger.warning("pause did not take effect; generation stays paused by the earlier pause (mode=%s)", before)
+
+    async def _pause_locked(self, mode: str, clear_cache: bool, timeout_s: float | None) -> None:
+        if mode == "keep":
+            futs = [r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas]
+        elif mode == "abort":
+            futs = [r.post(lambda r=r: (r.abort_all(), setattr(r, "frozen", False))[0])
+                    for r in self._replicas]
+        else:  # wait: a replica frozen by an earlier keep-pause must step to drain
+            futs = [r.post(lambda r=r: (setattr(r, "frozen", False), r.wait_drained())[1])
+                    for r in self._replicas]
+        coro = self._pause_effect(futs, mode, clear_cache)
+        if timeout_s is None:
+            await coro
+        else:
+            await asyncio.wait_for(coro, timeout_s)
 
     async def _pause_effect(self, futs, mode, clear_cache) -> None:
         results = await _wait_all(futs, raise_first=True)
@@ -698,13 +750,17 @@ class AsyncEngine:
     async def resume(self) -> None:
         """Continue generation: unfreeze replicas and submit the held requests."""
         async with self._get_pause_lock():
-            await _wait_all([r.post(lambda r=r: setattr(r, "frozen", False)) for r in self._replicas])
-            self._paused = False
-            self._pause_mode = None
-            held, self._held = self._held, []
-            for req in held:
-                self._submit(req)
-        logger.info("generation resumed (%d held request(s) submitted)", len(held))
+            n = await self._resume_locked()
+        logger.info("generation resumed (%d held request(s) submitted)", n)
+
+    async def _resume_locked(self) -> int:
+        await _wait_all([r.post(lambda r=r: setattr(r, "frozen", False)) for r in self._replicas])
+        self._paused = False
+        self._pause_mode = None
+        held, self._held = self._held, []
+        for req in held:
+            self._submit(req)
+        return len(held)
 
     def _get_pause_lock(self) -> asyncio.Lock:
         if self._pause_lock is None:

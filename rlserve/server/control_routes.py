@@ -122,15 +122,18 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     async def pause(mode: str = Query("abort", description="abort | wait | keep"),
                     clear_cache: bool = Query(False), timeout: Optional[float] = Query(None, gt=0)):
         """Pause generation (see AsyncEngine.pause). Returns when the pause has taken
-        effect. 400 for an unknown mode; 504 when ``timeout`` seconds pass first (the
-        server stays paused)."""
+        effect. 400 for an unknown mode; 504 when ``timeout`` seconds pass first: the pause
+        is undone (generation resumes, or stays under an earlier pause), ``/is_paused`` says
+        which."""
         if mode not in ("abort", "wait", "keep"):
             raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
         _check_weight_update(state, f"pause:{mode}")
         try:
             await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout)
         except asyncio.TimeoutError:
-            raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; generation stays paused",
+            now = (f"generation stays paused by the earlier pause (mode={state.aengine.pause_mode})"
+                   if state.aengine.is_paused() else "it was undone: generation continues")
+            raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; {now}",
                            code="timeout") from None
         return {"status": "paused", "mode": mode, "clear_cache": clear_cache}
 
