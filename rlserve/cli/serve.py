@@ -104,6 +104,10 @@ def register(subparsers) -> None:
     s.add_argument("--pause-hold-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request that arrives while generation is paused waits at most this long for /resume, "
                         "then gets a 503 (0: wait without bound)")
+    s.add_argument("--max-request-body-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="largest request body; a larger one gets 413 before it is parsed")
+    s.add_argument("--max-request-sequences", type=int, default=16384, metavar="N",
+                   help="largest number of sequences (prompts x n) one request may ask for")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
     add_engine_args(p)
@@ -150,7 +154,8 @@ def run(args) -> int:
     settings = ServerSettings(
         model=model_arg, served_model_names=args.served_model_name or [model_arg], host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
-        weight_staging=args.weight_staging,
+        weight_staging=args.weight_staging, max_request_body_bytes=args.max_request_body_bytes,
+        max_request_sequences=args.max_request_sequences,
     )
     if settings.admin_key is None and not is_loopback(args.host):
         logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403",

@@ -24,6 +24,7 @@ import rlserve
 from rlserve.server.auth import require_admin, require_api_key
 from rlserve.server.control_routes import make_admin_router, make_public_router, make_trl_router
 from rlserve.server.errors import install_error_handlers
+from rlserve.server.limits import BodySizeLimit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
 from rlserve.server.state import ServerSettings, ServerState
@@ -48,6 +49,7 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     app.state.rlserve = state
     install_error_handlers(app, on_error=metrics.record_error)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes, on_error=metrics.record_error)
     api_deps = [Depends(require_api_key(settings))]
     admin_deps = [Depends(require_admin(settings))]
     app.include_router(make_public_router(state))

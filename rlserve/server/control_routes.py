@@ -206,6 +206,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
                       top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, max_tokens=body.max_tokens,
                       logprobs=body.logprobs)
         fields.update(extra)
+        state.limits.check_sequences(len(prompts), fields.get("n"), param="prompts")
         items = []
         for i, p in enumerate(prompts):
             ids = state.tokenize(p, param=f"prompts.{i}")

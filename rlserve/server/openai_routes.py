@@ -197,6 +197,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         state.check_logprobs(body.logprobs, "logprobs")
         state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         prompts = _normalize_prompts(body.prompt)
+        state.limits.check_sequences(len(prompts), body.n)
         items = []  # (prompt text, prompt ids, params)
         for p in prompts:
             ids = state.tokenize(p)

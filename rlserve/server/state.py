@@ -13,6 +13,8 @@ from typing import Any, AsyncIterator
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
 from rlserve.server.errors import APIError
+from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, RequestLimits, \
+    max_prompt_chars
 
 
 @dataclasses.dataclass
@@ -29,6 +31,8 @@ class ServerSettings:
         weight_transfer_config: the parsed ``--weight-transfer-config`` (None: weight-sync
             routes are not mounted).
         weight_staging: "none", "device" or "host".
+        max_request_body_bytes: largest request body (413 above; ``rlserve.server.limits``).
+        max_request_sequences: largest prompts x ``n`` of one request (400 above).
     """
 
     model: str
@@ -39,6 +43,8 @@ class ServerSettings:
     admin_key: str | None = None
     weight_transfer_config: dict | None = None
     weight_staging: str = "none"
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
 
 
 def is_loopback(host: str) -> bool:
@@ -75,6 +81,11 @@ class ServerState:
         self.vocab_size = int(engine.vocab_size)
         self.max_model_len = int(engine.max_model_len)
         self.max_logprobs = int(getattr(aengine.config, "max_logprobs", 20))
+        self.limits = RequestLimits(
+            max_body_bytes=settings.max_request_body_bytes,
+            max_prompt_chars=max_prompt_chars(self.tokenizer, self.max_model_len),
+            max_n=int(getattr(aengine.config, "max_num_seqs", 256)), max_request_sequences=settings.max_request_sequences,
+            max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
         self.started = time.time()
         self.weight_manager = None
         self._token_text: dict[int, str] = {}
@@ -110,6 +121,7 @@ class ServerState:
         if isinstance(prompt, str):
             if prompt == "":
                 raise APIError(400, "prompt must not be empty", param=param)
+            self.limits.check_prompt_chars(prompt, param, self.max_model_len)  # before tokenizing
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:
                 raise APIError(400, "prompt tokenizes to no tokens", param=param)
@@ -149,10 +161,12 @@ class ServerState:
             raise APIError(400, f"{param} must be in [0, {self.max_logprobs}], got {k}", param=param)
 
     def sampling_params(self, **kw) -> SamplingParams:
-        """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400."""
+        """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400;
+        the size bounds of ``rlserve.server.limits`` (n, logprobs, stop lists) → 400."""
         defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                         presence_penalty=0.0, frequency_penalty=0.0)
         args = {k: (defaults[k] if v is None and k in defaults else v) for k, v in kw.items()}
+        self.limits.check_sampling(args)
         try:
             return SamplingParams(**args)
         except InvalidRequestError as e:

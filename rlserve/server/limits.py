@@ -1,0 +1,201 @@
+"""Bounds on the size of one request, checked before any work is done for it, so that no
+single request can hold the server for minutes or exhaust its memory:
+
+* the body: at most ``max_body_bytes`` (413 before the body is parsed; a ``Content-Length``
+  over the limit is refused before a byte is read, a chunked body once it passes it);
+* a text prompt: at most ``max_prompt_chars`` characters (400 ``context_length_exceeded``
+  before tokenizing: a longer text cannot fit in ``max_model_len`` tokens, see
+  :func:`max_prompt_chars`);
+* sampling: ``n`` / ``best_of`` at most the scheduler's batch (``--max-num-seqs``), prompts x
+  ``n`` at most ``max_request_sequences``, ``logprobs`` / ``prompt_logprobs`` at most
+  ``--max-logprobs``, at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS`
+  characters and :data:`MAX_STOP_TOKEN_IDS` stop token ids (each in the vocabulary).
+
+``max_tokens`` is bounded by the context (``prompt + max_tokens <= max_model_len``, checked
+by :meth:`rlserve.server.state.ServerState.check_length`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rlserve.server.errors import APIError, error_body
+
+#: Default largest request body (bytes): 64 MiB holds a batch of ~8M token ids as JSON.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+#: Default largest number of sequences (prompts x n) one request may ask for.
+DEFAULT_MAX_REQUEST_SEQUENCES = 16384
+#: Stop strings per request at most (each is matched against every new piece of text).
+MAX_STOP = 64
+#: Characters per stop string at most.
+MAX_STOP_CHARS = 4096
+#: Stop token ids per request at most.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The longest text prompt that can fit in ``max_model_len`` tokens: ``max_model_len`` x the
+    longest token string of the vocabulary (added tokens included). A token never stands for
+    more characters than its vocabulary string has (byte-level BPE: one character per byte;
+    SentencePiece byte fallback ``<0x0A>``: six for one), so a longer text has more than
+    ``max_model_len`` tokens. No tokenizer (``skip_tokenizer_init``): 0 (no text prompts)."""
+    if tokenizer is None:
+        return 0
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: a generous bound
+        longest = 64
+    return max_model_len * max(longest, 1)
+
+
+@dataclasses.dataclass
+class RequestLimits:
+    """The bounds of one server (see the module docstring).
+
+    Attributes:
+        max_body_bytes: largest request body, bytes (413 above).
+        max_prompt_chars: longest text prompt, characters (:func:`max_prompt_chars`).
+        max_n: largest ``n`` / ``best_of`` (the scheduler's ``max_num_seqs``).
+        max_request_sequences: largest prompts x ``n`` of one request.
+        max_logprobs: largest ``logprobs`` / ``prompt_logprobs`` / ``top_logprobs``.
+        vocab_size: stop token ids must be in ``[0, vocab_size)``.
+    """
+
+    max_body_bytes: int
+    max_prompt_chars: int
+    max_n: int
+    max_request_sequences: int
+    max_logprobs: int
+    vocab_size: int
+
+    def check_prompt_chars(self, text: str, param: str, max_model_len: int) -> None:
+        """Raises APIError 400 ``context_length_exceeded`` for a text too long to fit."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                                f"{len(text)} characters, more than {self.max_prompt_chars} (the most that "
+                                f"{max_model_len} tokens can hold). Shorten the prompt.",
+                           param=param, code="context_length_exceeded")
+
+    def check_sequences(self, num_prompts: int, n, param: str = "prompt") -> None:
+        """Raises APIError 400 when ``n`` is over ``max_n`` (param ``n``) or ``num_prompts x n``
+        exceeds ``max_request_sequences`` (param ``param``)."""
+        self.check_sampling({"n": n})
+        if isinstance(n, int) and not isinstance(n, bool) and num_prompts * max(n, 1) > self.max_request_sequences:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; one request may ask "
+                                f"for at most {self.max_request_sequences} (rlserve serve --max-request-sequences); "
+                                "split the batch", param=param)
+
+    def check_sampling(self, kw: dict) -> None:
+        """Bounds of the SamplingParams fields in ``kw`` (values may be of any type: type errors
+        are left to SamplingParams). Raises APIError 400 naming the field."""
+
+        def num(name):
+            v = kw.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        for name in ("n", "best_of"):
+            v = num(name)
+            if v is not None and v > self.max_n:
+                raise APIError(400, f"{name} must be at most {self.max_n} (the scheduler's batch, --max-num-seqs), "
+                                    f"got {v}", param=name)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = num(name)
+            if v is not None and v > self.max_logprobs:
+                raise APIError(400, f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {v}",
+                               param=name)
+        stop = kw.get("stop")
+        if isinstance(stop, (list, tuple)):
+            if len(stop) > MAX_STOP:
+                raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stop)}", param="stop")
+            for s in stop:
+                if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                    raise APIError(400, f"stop: a stop string has at most {MAX_STOP_CHARS} characters, got {len(s)}",
+                                   param="stop")
+        elif isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+            raise APIError(400, f"stop: a stop string has at most {MAX_STOP_CHARS} characters, got {len(stop)}",
+                           param="stop")
+        ids = kw.get("stop_token_ids")
+        if isinstance(ids, (list, tuple)):
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                               param="stop_token_ids")
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                               param="stop_token_ids", code="invalid_token_id")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body larger than ``max_bytes`` is answered 413 (OpenAI-style
+    JSON error) before the application parses it. A ``Content-Length`` over the limit is
+    refused without reading the body; a chunked body is counted as it arrives.
+
+    Args:
+        app: the ASGI app.
+        max_bytes: the limit in bytes.
+        on_error: ``on_error(status)`` for each refusal (metrics), optional.
+    """
+
+    def __init__(self, app, max_bytes: int, on_error=None):
+        self.app = app
+        self.max_bytes = int(max_bytes)
+        self.on_error = on_error
+
+    async def _refuse(self, send, size: str) -> None:
+        if self.on_error is not None:
+            self.on_error(413)
+        body = json.dumps(error_body(413, f"the request body ({size}) is larger than the limit of {self.max_bytes} "
+                                          "bytes (rlserve serve --max-request-body-bytes)",
+                                     code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers") or []:
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes:
+                    return await self._refuse(send, f"{declared} bytes")
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:  # the app's HTTPException handler answers it (413)
+                    raise BodyTooLargeError(self.max_bytes)
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLargeError:
+            if started:
+                raise
+            await self._refuse(send, f"over {self.max_bytes} bytes")
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """Raised while the body is read once it passes the limit: a 413 (FastAPI passes an
+    HTTPException raised while it reads the body through unchanged)."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"the request body is larger than the limit of {max_bytes} bytes "
+                              "(rlserve serve --max-request-body-bytes)")
