@@ -57,6 +57,8 @@ _TYPES = {400: "invalid_request_error", 409: "conflict_error", 500: "internal_se
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and error code of an exception raised by the manager."""
+    if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):
+        return 400, exc.code  # e.g. UnsafePickleError: "unsafe_pickle"
     if isinstance(exc, NoTransferEngineError):
         return 409, "no_transfer_engine"
     if isinstance(exc, StaleSessionError):
@@ -156,6 +158,7 @@ class TRLInitBody(BaseModel):
     port: int
     world_size: Optional[int] = None
     client_device_uuid: Optional[str] = None
+    wire: Optional[str] = None  # rlserve: "rlserve" from TRLWeightSyncClient; TRL's own client sends none
 
 
 class TRLUpdateBody(BaseModel):
@@ -244,7 +247,7 @@ def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:
     @router.post("/init_communicator/")
     async def init_communicator(body: TRLInitBody):
         return await _call(manager.trl_init_communicator(body.host, body.port, body.world_size,
-                                                         body.client_device_uuid))
+                                                         body.client_device_uuid, body.wire))
 
     @router.post("/update_named_param/")
     async def update_named_param(body: TRLUpdateBody):

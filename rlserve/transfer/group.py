@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rlserve.distributed.group import new_backend
+from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
@@ -76,17 +77,19 @@ class TransferGroup:
     @classmethod
     def create(cls, backend: str, master_address: str, master_port: int, rank: int,
                world_size: int, timeout_s: float, device: torch.device | None = None,
-               warmup: bool = True, session: str = "") -> "TransferGroup":
+               warmup: bool = True, session: str = "", **kwargs) -> "TransferGroup":
         """Connect to (rank 0: host) the store, build the backend and run one all-reduce so that
-        this returns only once every rank has joined."""
-        g = cls(backend, master_address, master_port, rank, world_size, timeout_s, device, session)
+        this returns only once every rank has joined. ``kwargs`` go to a subclass's constructor
+        (:class:`~rlserve.transfer.vllm_group.VLLMWireGroup`). A ``WeightUpdateError`` raised
+        while building (e.g. a refused pickle: HTTP 400) passes through unchanged."""
+        g = cls(backend, master_address, master_port, rank, world_size, timeout_s, device, session, **kwargs)
         try:
             g._build()
             if warmup:
                 g._warmup()
         except BaseException as e:
             g.destroy()
-            if isinstance(e, WeightTransferFailedError):
+            if isinstance(e, WeightUpdateError):
                 raise
             msg = str(e)
             if "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError):

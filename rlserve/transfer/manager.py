@@ -62,6 +62,8 @@ from rlserve.transfer.protocol import (
     validate_against_spec,
 )
 from rlserve.transfer.receiver import LayoutMismatchError, check_transport_fields, expected_checksum_count
+from rlserve.transfer.safe_pickle import UnsafePickleError
+from rlserve.transfer.vllm_ipc import translate_update_info
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ _CONFIG_KEYS = {"backend", "direct_receive", *_INIT_DEFAULT_KEYS}
 
 _ERRORS = {
     "LayoutMismatchError": LayoutMismatchError,  # 400: the trainer's data disagrees with its update_info
+    "UnsafePickleError": UnsafePickleError,  # 400: the trainer's unique-id pickle was refused (vLLM's wire)
     "ChecksumMismatchError": terr.ChecksumMismatchError,
     "TransferTimeoutError": terr.TransferTimeoutError,
     "TransferAbortedError": terr.TransferAbortedError,
@@ -447,6 +450,12 @@ class WeightTransferManager:
         if not isinstance(init_info, dict):
             raise WeightUpdateError("init_info must be a JSON object")
         merged.update(init_info)
+        if "backend" not in init_info:
+            # vLLM's trainers never name a backend (the server's config does); rlserve's SDK always
+            # does. On NCCL such a trainer speaks vLLM's wire (rlserve.transfer.vllm_group).
+            merged["backend"] = self.backend or "gloo"
+            if merged["backend"] == "nccl":
+                merged.setdefault("wire", "vllm")
         info = InitInfo.from_dict(merged)
         if self.backend is not None and info.backend != self.backend:
             raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
@@ -605,6 +614,9 @@ class WeightTransferManager:
             WeightTransferFailedError / ChecksumMismatchError / TransferTimeoutError: the transfer
                 broke; the group was torn down (re-init needed).
         """
+        # vLLM's ipc_handles_pickled: read (restricted) before anything else, so a refused pickle
+        # is a 400 in any state and nothing it names runs
+        update_info = translate_update_info(update_info)
         if self._init is None:
             raise NoTransferEngineError("update_weights: no transfer engine; call /init_weight_transfer_engine first")
         s = self._session
@@ -817,6 +829,7 @@ class WeightTransferManager:
         """
         t0 = time.perf_counter()
         weight_version = check_weight_version(weight_version)  # before anything starts
+        update_info = translate_update_info(update_info)
         in_engine = self._commits_in_engine()
         await self.start_update(None, pause=not in_engine)
         s = self._session
@@ -915,11 +928,16 @@ class WeightTransferManager:
 
     # ================================================================== TRL-style API
     async def trl_init_communicator(self, host: str, port: int, world_size: int | None = None,
-                                    client_device_uuid: str | None = None) -> dict:
+                                    client_device_uuid: str | None = None, wire: str | None = None) -> dict:
         """TRL ``/init_communicator/``: returns at once; the workers join the group in the
         background (TRL's client creates its end after this answers). Layout (TRL's): server
         workers are ranks ``0..N-1`` (worker 0 hosts the TCPStore on ``port``), the trainer is
         rank ``N`` (``world_size - 1``); the trainer connects to the server's host.
+
+        On NCCL the group speaks vLLM's wire (``StatelessProcessGroup`` + a unique id worker 0
+        mints, a store barrier after each tensor: what TRL <= 1.10's own ``VLLMClient`` does;
+        :mod:`rlserve.transfer.vllm_group`) unless ``wire`` is ``"rlserve"`` (rlserve's
+        :class:`~rlserve.transfer.trl.TRLWeightSyncClient` sends it).
 
         Raises:
             WeightUpdateError (400): the ipc backend, a bad port, or (NCCL) the trainer on one of
@@ -931,6 +949,10 @@ class WeightTransferManager:
         if backend is None:
             backend = "gloo" if str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu") else "nccl"
         n = self.num_workers
+        wire = wire or ("vllm" if backend == "nccl" else "rlserve")
+        if wire == "vllm" and world_size is not None and world_size != n + 1:
+            raise WeightUpdateError(f"world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), got "
+                                    f"{world_size}")
         if world_size is not None and world_size != n + 1:
             logger.warning("TRL init_communicator: world_size %s ignored; the group has %d ranks", world_size, n + 1)
         if client_device_uuid and backend == "nccl":
@@ -939,7 +961,7 @@ class WeightTransferManager:
                 raise WeightUpdateError("the trainer shares a GPU with a server worker: NCCL cannot put two ranks on "
                                         "one GPU; use the ipc backend (init_weight_transfer_engine) instead")
         info = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0,
-                "world_size": n + 1, "packed": False}
+                "world_size": n + 1, "packed": False, "wire": wire}
         InitInfo.from_dict({**self._init_defaults(), **info})  # 400 now
         self._trl_error = None
         self._trl_init_task = asyncio.get_running_loop().create_task(self._trl_run_init(info))

@@ -144,6 +144,13 @@ class InitInfo:
         timeout_s: seconds for the store, the group, each collective wait and each RPC.
         session: optional name of this group incarnation (the SDK sends a random one); the store
             keys live under it, so a re-init never meets a previous group's keys.
+        wire: ``"rlserve"`` (the SDK's: layout header, aligned buckets, checksums) or ``"vllm"``
+            (NCCL only: vLLM's ``StatelessProcessGroup`` rendezvous and raw buckets, what an
+            unmodified vLLM / TRL trainer speaks; :mod:`rlserve.transfer.vllm_group`). The server
+            picks ``"vllm"`` for an NCCL ``init_info`` that names no ``backend`` (vLLM's trainer
+            never does; the SDK always does) and for TRL's legacy ``/init_communicator/``.
+        nccl_unique_id_b64: vLLM's torch-free rendezvous (``wire == "vllm"``): the base64 of the
+            128-byte NCCL unique id, instead of ``master_address`` / ``master_port``.
     """
 
     backend: str = "gloo"
@@ -156,6 +163,8 @@ class InitInfo:
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     session: str = ""
+    wire: str = "rlserve"
+    nccl_unique_id_b64: str | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "InitInfo":
@@ -176,7 +185,17 @@ class InitInfo:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise WeightUpdateError("init_info.master_address must be a non-empty string")
         _check_int("init_info.master_port", self.master_port, 0, 65535)
-        if self.backend != "ipc" and self.master_port == 0:
+        if self.wire not in ("rlserve", "vllm"):
+            raise WeightUpdateError(f"init_info.wire must be 'rlserve' or 'vllm', got {self.wire!r}")
+        if self.wire == "vllm" and self.backend != "nccl":
+            raise WeightUpdateError(f"init_info.wire 'vllm' is vLLM's NCCL wire; the backend is {self.backend!r}")
+        if self.nccl_unique_id_b64 is not None:
+            from rlserve.transfer.vllm_group import decode_unique_id_b64
+
+            if self.wire != "vllm":
+                raise WeightUpdateError("init_info.nccl_unique_id_b64 belongs to vLLM's NCCL wire (wire 'vllm')")
+            decode_unique_id_b64(self.nccl_unique_id_b64)
+        elif self.backend != "ipc" and self.master_port == 0:
             raise WeightUpdateError("init_info.master_port must be set (1..65535) for gloo/nccl")
         _check_int("init_info.rank_offset", self.rank_offset, 0, 1)
         _check_int("init_info.world_size", self.world_size, 2)

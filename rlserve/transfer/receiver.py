@@ -224,6 +224,14 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dev = torch.device("cpu") if self.init.backend == "gloo" else self.device
+        if self.init.wire == "vllm":  # an unmodified vLLM / TRL trainer (rlserve.transfer.vllm_group)
+            from rlserve.transfer.vllm_group import VLLMWireGroup
+
+            self.group = VLLMWireGroup.create("nccl", self.init.master_address, self.init.master_port, self.rank,
+                                              self.init.world_size, self.init.timeout_s, dev,
+                                              unique_id_b64=self.init.nccl_unique_id_b64,
+                                              barrier_after_update=self.init.rank_offset == 0)
+            return
         self.group = TransferGroup.create(self.init.backend, self.init.master_address, self.init.master_port,
                                           self.rank, self.init.world_size, self.init.timeout_s, dev,
                                           session=self.init.session)
@@ -379,10 +387,10 @@ class WeightReceiver:
             LayoutMismatchError; TransferTimeoutError / WeightTransferFailedError /
             TransferAbortedError (no header in time, the group broke).
         """
-        if not uses_layout_header(src):
-            return  # TRL's layout (trainer on the last rank): per-tensor broadcasts, no header
+        if not uses_layout_header(src) or self.init.wire == "vllm":
+            return  # TRL's layout (trainer on the last rank) and vLLM's wire: no header
         if info.packed and plan is None:
-            plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+            plan = self._plan(info)
         expected = layout_header(info, plan)
         what = "the layout header of the update"
         if self.init.backend == "gloo" and g.world_size <= 3:
@@ -400,10 +408,24 @@ class WeightReceiver:
             got = t.tolist()
         check_layout_header(got, expected)
 
+    def _plan(self, info: UpdateInfo) -> list:
+        """The update's bucket plan: rlserve's aligned one, or vLLM's raw one on its wire."""
+        if self.init.wire == "vllm":
+            from rlserve.transfer.vllm_group import plan_vllm_buckets
+
+            return plan_vllm_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        return plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+
+    def _after_update(self, g) -> None:
+        """The group's end-of-update step, if it has one (TRL's legacy store barrier)."""
+        hook = getattr(g, "after_update", None)
+        if hook is not None:
+            hook()
+
     def _receive_packed(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
         g = self._group()
         src = self.init.src_rank
-        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        plan = self._plan(info)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
         bufs = self._bufs.get(nbuf, max_bucket_bytes(plan), self.wire_device()) if plan else []
         # before any bucket receive is posted (a longer message than the buffer aborts gloo)
@@ -448,6 +470,7 @@ class WeightReceiver:
                 post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
         expected = self._receive_checksums(g, src, len(plan)) if after else info.checksums
         self._finish_stream(g, "receiving the update")
+        self._after_update(g)
         if failure is not None:
             raise failure
         self._check_deferred(deferred, expected, after)
@@ -500,7 +523,8 @@ class WeightReceiver:
 
         def post(i: int) -> None:
             t = torch.empty(info.shapes[i], dtype=dtypes[i], device=dev)
-            w = g.broadcast(as_bytes(t), src) if t.numel() else None
+            # vLLM's wire sends each tensor in its own dtype; rlserve's as bytes
+            w = g.broadcast(t if self.init.wire == "vllm" else as_bytes(t), src) if t.numel() else None
             pending[i] = (t, w)
 
         for i in range(min(ahead, n)):
@@ -526,6 +550,7 @@ class WeightReceiver:
             if i + ahead < n:
                 post(i + ahead)
         self._finish_stream(g, "receiving the update")
+        self._after_update(g)
         if failure is not None:
             raise failure
         self._check_deferred(deferred, info.checksums)

@@ -218,8 +218,11 @@ class HTTPWeightSyncClient:
         return self._call("POST", "/resume", {})
 
     # TRL-style
-    def init_communicator(self, host: str, port: int, world_size: int) -> dict:
-        return self._call("POST", "/init_communicator/", {"host": host, "port": port, "world_size": world_size})
+    def init_communicator(self, host: str, port: int, world_size: int, wire: str | None = None) -> dict:
+        body = {"host": host, "port": port, "world_size": world_size}
+        if wire is not None:
+            body["wire"] = wire  # "rlserve": rlserve's data plane, not vLLM's (see TRLWeightSyncClient)
+        return self._call("POST", "/init_communicator/", body)
 
     def update_named_param(self, name: str, dtype: str, shape: list[int]) -> dict:
         return self._call("POST", "/update_named_param/", {"name": name, "dtype": dtype, "shape": list(shape)})

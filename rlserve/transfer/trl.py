@@ -7,8 +7,9 @@ tensors: ``POST /reset_prefix_cache/``; at the end ``POST /close_communicator/``
 
 The HTTP side is TRL's. The data plane is rlserve's (a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
 on a ``TCPStore``), not vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``, whose store
-messages are pickled; so TRL's own ``VLLMClient`` cannot join, and this class stands in for it
-(same method names)::
+messages are pickled. It tells the server so (``"wire": "rlserve"``); without it an NCCL server
+speaks vLLM's wire, which TRL <= 1.10's own ``VLLMClient`` joins (:mod:`rlserve.transfer.vllm_group`).
+This class is the same protocol on rlserve's data plane (same method names; gloo too)::
 
     client = TRLWeightSyncClient("http://127.0.0.1:8000", group_port=51216)
     client.init_communicator()
@@ -55,7 +56,7 @@ class TRLWeightSyncClient:
     def init_communicator(self) -> None:
         """Ask the server to open the group (it answers at once), then join it as the last rank."""
         world = self.http.get_world_size() + 1
-        self.http.init_communicator("0.0.0.0", self.group_port, world)
+        self.http.init_communicator("0.0.0.0", self.group_port, world, wire="rlserve")
         self.rank = world - 1
         self.group = TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world,
                                           self.timeout_s, self.device)

