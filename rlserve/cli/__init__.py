@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rlserve import __version__
 
     parser.add_argument("--version", action="version", version=f"rlserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run `rlserve COMMAND --help` for its flags")
     broken = []
     for name in _subcommand_modules():
         try:

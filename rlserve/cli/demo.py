@@ -9,6 +9,8 @@ import argparse
 import shlex
 import sys
 
+from rlserve.cli._help import HelpFormatter
+
 
 def register(subparsers) -> None:
     from rlserve.demo import BACKENDS, DEFAULT_MAX_TOKENS, PROMPTS
@@ -20,7 +22,7 @@ def register(subparsers) -> None:
                     "model, pause, push them through the trainer SDK, resume, generate again, and check that "
                     "every completion equals the trainer model's own greedy generate (exit status 3 if not). "
                     "Backend by machine: gloo on CPU, CUDA IPC on one GPU, NCCL on two or more.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="default",
                    help="a local Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, fetched and "

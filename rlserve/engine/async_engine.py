@@ -431,6 +431,8 @@ class AsyncEngine:
         self._unavailable: str | None = None
         self._paused = False
         self._pause_mode: str | None = None
+        self._paused_since: float | None = None  # time.monotonic() of the pause in force
+        self._paused_total_s = 0.0  # seconds paused before it
         self._held: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -506,6 +508,13 @@ class AsyncEngine:
 
     def is_paused(self) -> bool:
         return self._paused
+
+    @property
+    def paused_seconds(self) -> float:
+        """Seconds generation has been paused since start (weight syncs and operators; the
+        pause in force included): what pausing has cost generation."""
+        since = self._paused_since
+        return self._paused_total_s + (time.monotonic() - since if since is not None else 0.0)
 
     @property
     def pause_mode(self) -> str | None:
@@ -701,6 +710,8 @@ class AsyncEngine:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         async with self._get_pause_lock():
             before = self._pause_mode if self._paused else None
+            if not self._paused:
+                self._paused_since = time.monotonic()
             self._paused = True
             self._pause_mode = mode
             try:
@@ -755,6 +766,9 @@ class AsyncEngine:
 
     async def _resume_locked(self) -> int:
         await _wait_all([r.post(lambda r=r: setattr(r, "frozen", False)) for r in self._replicas])
+        if self._paused_since is not None:
+            self._paused_total_s += time.monotonic() - self._paused_since
+            self._paused_since = None
         self._paused = False
         self._pause_mode = None
         held, self._held = self._held, []

@@ -87,6 +87,9 @@ def mount_weight_routes(app: FastAPI, state: ServerState, admin_deps: list, weig
         weight_manager = make_manager(state.aengine, state.settings.weight_transfer_config,
                                       staging=state.settings.weight_staging)
     state.weight_manager = weight_manager
+    listeners = getattr(weight_manager, "update_listeners", None)
+    if listeners is not None:
+        listeners.append(state.metrics.record_weight_sync)
     app.include_router(weight_routes.make_weight_router(weight_manager, dependencies=admin_deps))
     logger.info("weight-sync routes mounted (config %s, staging %s)", state.settings.weight_transfer_config,
                 state.settings.weight_staging)

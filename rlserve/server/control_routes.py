@@ -119,7 +119,8 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     router = APIRouter(dependencies=dependencies)
 
     @router.post("/pause")
-    async def pause(mode: str = Query("abort", description="abort | wait | keep"),
+    async def pause(mode: str = Query("abort", description="abort (the default, as vLLM's and the SDK's "
+                                                           "client.pause()) | wait | keep"),
                     clear_cache: bool = Query(False), timeout: Optional[float] = Query(None, gt=0)):
         """Pause generation (see AsyncEngine.pause). Returns when the pause has taken
         effect. 400 for an unknown mode; 504 when ``timeout`` seconds pass first: the pause

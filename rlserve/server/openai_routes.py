@@ -448,11 +448,13 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
                 delta_text = c.text[sent_text[i]:]
                 k0 = sent_toks[i]
                 delta_ids = list(c.token_ids[k0:])
-                if not delta_text and not delta_ids and c.finish_reason is None:
+                if not delta_text and c.finish_reason is None:
+                    # no text yet (a character split over tokens, a held stop-string prefix): its
+                    # token ids and logprobs go out with the chunk that has text
                     continue
                 sent_text[i] = len(c.text)
                 sent_toks[i] = len(c.token_ids)
-                delta = {"content": delta_text} if (delta_text or c.finish_reason is None) else {}
+                delta = {"content": delta_text} if delta_text else {}
                 choice = {"index": i, "delta": delta,
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
                                                           body.top_logprobs or 0) if body.logprobs else None,

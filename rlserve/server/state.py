@@ -241,6 +241,8 @@ class ServerState:
             ttft = (first - arrival) if first is not None and arrival is not None else None
             # a request whose client went away (or that failed) counts as aborted
             reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
+            end = time.monotonic()
             self.metrics.record_request(
                 endpoint, reasons, len(prompt_ids), sum(len(c.token_ids) for c in last.outputs) if last else 0,
-                time.monotonic() - t0, ttft)
+                end - t0, ttft, decode_s=(end - first) if first is not None else None,
+                sample_tokens=[len(c.token_ids) for c in last.outputs] if last is not None else None)

@@ -192,6 +192,8 @@ class WeightTransferManager:
         self._tasks: set[asyncio.Task] = set()  # background bookkeeping calls (forget, end_session)
         self.last_update: dict | None = None
         self.history: collections.deque = collections.deque(maxlen=32)
+        #: callables ``fn(entry)`` told of every update recorded (``last_update``'s dict): metrics
+        self.update_listeners: list = []
         self.num_updates = 0
         self.num_failures = 0
         # TRL protocol
@@ -255,6 +257,11 @@ class WeightTransferManager:
         entry = {"time": time.time(), **kw}
         self.last_update = entry
         self.history.append(entry)
+        for listener in self.update_listeners:
+            try:
+                listener(entry)
+            except Exception:  # noqa: BLE001 - a metrics listener must not fail an update
+                logger.exception("weight update listener failed")
 
     async def _run_op(self, start_fn: str, args: list, deadline_s: float, what: str,
                       session: _Session | None = None) -> list[dict]:
@@ -415,7 +422,7 @@ class WeightTransferManager:
                 await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
                                              "generation resumes once a full weight update lands")
             await self._end_session(session)
-        self._record(ok=False, error=msg, staging=self.staging)
+        self._record(ok=False, error=msg, staging=self.staging, backend=self._init.backend if self._init else self.backend)
 
     def _arm_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
@@ -777,7 +784,7 @@ class WeightTransferManager:
         total = time.monotonic() - s.started
         self._record(ok=True, weight_version=version, tensors=len(s.received), bytes=s.bytes,
                      transfer_seconds=round(s.seconds, 6), total_seconds=round(total, 6), full=full,
-                     staging=self.staging)
+                     staging=self.staging, backend=self._init.backend if self._init else self.backend)
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
                 "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,

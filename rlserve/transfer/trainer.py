@@ -211,7 +211,10 @@ class HTTPWeightSyncClient:
     def weight_checker(self, compare: dict[str, str] | None = None) -> dict:
         return self._call("POST", "/weight_checker", {"compare": compare} if compare else {})
 
-    def pause(self, mode: str = "keep", clear_cache: bool = False) -> dict:
+    def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict:
+        """``POST /pause``; the same default as the route (and vLLM's): ``abort`` ends the requests in
+        flight; ``keep`` freezes them and continues them after :meth:`resume`; ``wait`` lets them
+        finish first."""
         return self._call("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}", {})
 
     def resume(self) -> dict:

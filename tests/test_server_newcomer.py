@@ -1,0 +1,159 @@
+"""What a newcomer meets (issue 21): streamed chat never sends an empty ``delta.content``
+mid-stream; ``/metrics`` carries vLLM's metric names and the weight-sync metrics; ``--help``
+states each default once and every flag has help; ``client.pause()`` and ``POST /pause`` share
+one default."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import httpx
+import pytest
+
+from rlserve.cli import build_parser
+from rlserve.cli._help import HelpFormatter
+from rlserve.transfer import HTTPWeightSyncClient, WeightSyncHTTPError
+from tests.test_transfer_manager import trainer, wrong_second_bucket_sum
+from tests.transfer_harness import InProcessServer
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    path = tiny_model("llama")
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_stream_chat_sends_no_empty_content_mid_stream(llama):
+    path, _ = llama
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 100, "temperature": 1.0,
+            "seed": 7, "ignore_eos": True, "return_token_ids": True, "logprobs": True}
+    with InProcessServer(path) as srv:
+        full = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+        chunks = _sse(srv.url + "/v1/chat/completions", dict(body, stream=True))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # OpenAI's first chunk
+    content, ids, logprobs, multi = "", [], [], 0
+    for ch in chunks[1:]:
+        (c,) = ch["choices"]
+        if c["finish_reason"] is None:
+            assert c["delta"].get("content"), f"empty content mid-stream: {ch}"
+        content += c["delta"].get("content", "")
+        ids += c["token_ids"]
+        logprobs += c["logprobs"]["content"]
+        multi += len(c["token_ids"]) > 1
+    # nothing lost: the held tokens (and their logprobs) went out with the next text
+    assert content == full["message"]["content"] and ids == full["token_ids"] and len(logprobs) == len(ids)
+    assert multi > 0, "this sample should contain tokens that are part of one character (the case under test)"
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total, found = 0.0, False
+    for ln in text.splitlines():
+        if ln.startswith("#") or not ln.startswith(name):
+            continue
+        head, value = ln.rsplit(" ", 1)
+        metric = head.split("{", 1)[0]
+        if metric != name or not all(f'{k}="{v}"' in head for k, v in labels.items()):
+            continue
+        total += float(value)
+        found = True
+    assert found, f"{name} {labels} not in /metrics"
+    return total
+
+
+VLLM_NAMES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+    "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum", "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+]
+
+
+def test_metrics_vllm_names_and_weight_sync(llama, monkeypatch):
+    path, hf = llama
+    with InProcessServer(path) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 9, "n": 2,
+                                                          "ignore_eos": True, "temperature": 0}, timeout=TIMEOUT)
+        assert r.status_code == 200
+        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+        for name in VLLM_NAMES:
+            _metric(text, name, model_name=path)
+        assert _metric(text, "vllm:generation_tokens_total") == 18
+        assert _metric(text, "vllm:prompt_tokens_total") == 3
+        assert _metric(text, "vllm:request_success_total", finished_reason="length") == 2
+        # one inter-token gap per token after the first, per sample
+        assert _metric(text, "vllm:inter_token_latency_seconds_count") == 16
+        assert _metric(text, "vllm:e2e_request_latency_seconds_count") == 1
+        assert _metric(text, "vllm:num_requests_running") == 0
+        # a good sync, then one that fails (a wrong bucket checksum)
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+        sync = dict(backend="gloo", mode="none")
+        assert _metric(text, "rlserve_weight_sync_duration_seconds_count", **sync) == 1
+        assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
+        n_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        assert _metric(text, "rlserve_weight_sync_bytes_total", **sync) == n_bytes
+        assert _metric(text, "rlserve_weight_version_number") == 1
+        paused = _metric(text, "rlserve_generation_paused_seconds_total")
+        assert paused > 0  # an in-place update pauses generation for its length
+        wrong_second_bucket_sum(monkeypatch)
+        with pytest.raises(WeightSyncHTTPError):
+            eng.send_weights()
+        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+        assert _metric(text, "rlserve_weight_sync_failures_total", **sync) == 1
+        assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
+        assert _metric(text, "rlserve_generation_paused_seconds_total") > paused
+
+
+def _subparsers():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [parser] + list(sub.choices.values())
+
+
+def test_help_states_defaults_once_and_every_flag_has_help():
+    for p in _subparsers():
+        text = p.format_help()
+        assert "(default: None)" not in text, p.prog
+        for action in p._actions:
+            assert action.help, f"{p.prog} {action.option_strings or action.dest} has no help"
+            if p.formatter_class is HelpFormatter:
+                shown = HelpFormatter(p.prog)._get_help_string(action)
+                assert shown.count("default:") <= 1, (p.prog, action.option_strings, shown)
+    serve = dict((p.prog.split()[-1], p) for p in _subparsers())["serve"]
+    assert serve.formatter_class is HelpFormatter
+    help_of = {s: a.help for a in serve._actions for s in a.option_strings}
+    assert help_of["--log-level"] and help_of["-tp"]
+
+
+def test_pause_has_one_default(llama):
+    path, _ = llama
+    sdk_default = inspect.signature(HTTPWeightSyncClient.pause).parameters["mode"].default
+    with InProcessServer(path) as srv:
+        schema = httpx.get(srv.url + "/openapi.json", timeout=TIMEOUT).json()
+        params = schema["paths"]["/pause"]["post"]["parameters"]
+        route_default = next(p for p in params if p["name"] == "mode")["schema"]["default"]
+        assert sdk_default == route_default == "abort"
+        HTTPWeightSyncClient(srv.url).pause()
+        assert httpx.get(srv.url + "/is_paused", timeout=TIMEOUT).json() == {"is_paused": True, "mode": "abort"}
+        HTTPWeightSyncClient(srv.url).resume()
+        assert httpx.post(srv.url + "/pause", timeout=TIMEOUT).json()["mode"] == "abort"
