@@ -30,6 +30,9 @@ from tests.gpu.test_transfer_gpu import PROMPTS, ROOT, _report, generate, hf_gre
 from tests.transfer_harness import free_port  # noqa: E402
 
 VLLM_PATH = os.environ.get("RLSERVE_VLLM_PYTHONPATH")
+if VLLM_PATH and os.path.isdir(os.path.join(VLLM_PATH, "_raystub")):
+    # device-vllm's stand-in for `ray`: vLLM 0.24's ipc_engine imports ray at module level
+    VLLM_PATH = f"{VLLM_PATH}:{os.path.join(VLLM_PATH, '_raystub')}"
 
 
 def _vllm_version() -> str | None:
