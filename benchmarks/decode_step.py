@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -266,38 +267,53 @@ def bench_kernels(args) -> dict:
         vc = torch.randn(nb, P, Hkv, D, device=dev, dtype=dt)
         return kc, vc, tables
 
-    ctx = args.context
-    for layer, (H, Hkv, D) in (("qwen3-0.6b", (16, 8, 128)), ("smollm2-135m", (9, 3, 64))):
-        for B in args.batch:
-            kc, vc, tables = cache_for([ctx] * B, Hkv, D)
-            meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, P, dev)
-            q = torch.randn(B, H, D, device=dev, dtype=dt)
-            kv = B * ctx * Hkv * D * 2 * 2
-            t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
-            t_gr = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
-            row = {"layer": layer, "batch": B, "context": ctx, "triton_us": t_tr * 1e6,
-                   "triton_graph_us": t_gr * 1e6, "triton_kv_TBps": kv / t_gr / 1e12,
-                   "splits": ta.plan_num_splits(B, Hkv, ctx, dev)}
-            if B * ctx <= 64 * 1024:  # the padded torch path materialises B x H x ctx scores
-                row["torch_us"] = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5) * 1e6
-            out["decode"].append(row)
-            print("decode", json.dumps(row), flush=True)
-            if args.sweep and B == max(args.batch):
-                base = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS)
-                for bn in (32, 64, 128):
-                    for nw in (4, 8):
-                        ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = bn, nw
-                        try:
-                            t = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
-                            r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "us": t * 1e6,
-                                 "kv_TBps": kv / t / 1e12}
-                        except Exception as e:  # a config may not compile
-                            r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]}
-                        out["decode_sweep"].append(r)
-                        print("sweep", json.dumps(r), flush=True)
-                ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = base
-            del kc, vc
+    layers = (("qwen3-0.6b", (16, 8, 128)), ("smollm2-135m", (9, 3, 64)))
+    for ctx, (layer, (H, Hkv, D)), B in itertools.product(args.kernel_contexts, layers, args.batch):
+        kc, vc, tables = cache_for([ctx] * B, Hkv, D)
+        meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, P, dev)
+        q = torch.randn(B, H, D, device=dev, dtype=dt)
+        kv = B * ctx * Hkv * D * 2 * 2
+        t_tr = cuda_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+        t_gr = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+        row = {"layer": layer, "batch": B, "context": ctx, "triton_us": t_tr * 1e6,
+               "triton_graph_us": t_gr * 1e6, "triton_kv_TBps": kv / t_gr / 1e12,
+               "splits": ta.plan_num_splits(B, Hkv, ctx, dev)}
+        if B * ctx <= 64 * 1024:  # the padded torch path materialises B x H x ctx scores
+            row["torch_us"] = cuda_time(lambda: torch_paged_attention(q, kc, vc, meta, D**-0.5), iters=5) * 1e6
+        # best case for a library kernel: contiguous [B, Hkv, ctx, D] K/V (no paging) through
+        # PyTorch's SDPA (flash / cuDNN / efficient backends, whichever it picks), one query each
+        kk = torch.randn(B, Hkv, ctx, D, device=dev, dtype=dt)
+        vv = torch.randn(B, Hkv, ctx, D, device=dev, dtype=dt)
+        qq = q.view(B, H, 1, D)
+        try:
+            t = graph_time(lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True))
+            row["sdpa_contiguous_graph_us"] = t * 1e6
+        except Exception as e:  # a backend may refuse the shape
+            row["sdpa_error"] = repr(e)[:160]
+        del kk, vv
+        if args.sweep and layer == "qwen3-0.6b":  # split-K plan: forced split counts
+            for S in (1, 2, 4, 8, 16, 32):
+                t = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5, num_splits=S))
+                row[f"splits{S}_us"] = round(t * 1e6, 1)
+        out["decode"].append(row)
+        print("decode", json.dumps(row), flush=True)
+        if args.sweep and B == max(args.batch) and ctx == args.kernel_contexts[0]:
+            base = (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS)
+            for bn in (32, 64, 128):
+                for nw in (4, 8):
+                    ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = bn, nw
+                    try:
+                        t = graph_time(lambda: ta.triton_paged_attention(q, kc, vc, meta, D**-0.5))
+                        r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "us": t * 1e6,
+                             "kv_TBps": kv / t / 1e12}
+                    except Exception as e:  # a config may not compile
+                        r = {"layer": layer, "batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]}
+                    out["decode_sweep"].append(r)
+                    print("sweep", json.dumps(r), flush=True)
+            ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS = base
+        del kc, vc
 
+    ctx = args.context
     H, Hkv, D = 16, 8, 128
     cases = [("8x1024 prompts", [1024] * 8, [1024] * 8), ("32x256 prompts", [256] * 32, [256] * 32),
              ("4x512 new on 1024 cached", [512] * 4, [1536] * 4)]
@@ -349,6 +365,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="attention kernel micro-benchmarks")
+    ap.add_argument("--kernel-contexts", default=None,
+                    help="comma-separated contexts for the decode kernel micro-benchmarks (default: --context)")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: tile-configuration sweeps")
     ap.add_argument("--profile", action="store_true", help="profile the largest batch of each shape")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
@@ -356,6 +374,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only smoke-tests this script")
     args = ap.parse_args(argv)
     args.batch = [int(x) for x in args.batch.split(",")]
+    args.kernel_contexts = [int(x) for x in (args.kernel_contexts or str(args.context)).split(",")]
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU (or --device cpu for a smoke test)")
@@ -369,6 +388,7 @@ def main(argv=None) -> dict:
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "fused_kernels": os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0",
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
     bw = measure_copy_bandwidth(dev)

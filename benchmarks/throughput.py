@@ -1,16 +1,23 @@
-"""Offline generation throughput: rlserve against Hugging Face ``generate``, one run.
+"""Offline generation throughput: rlserve against vLLM and Hugging Face ``generate``, one run.
 
 Workload (nano-vllm's): ``--num-seqs`` sequences with random prompt lengths and random
-output lengths in ``[--min-len, --max-len]``, random token ids, ``ignore_eos``, fixed seed,
-random weights of a named model shape (``benchmarks/model_shapes.py``).
+output lengths in ``[--min-len, --max-len]``, random token ids, ``ignore_eos``, temperature
+0.6, fixed seed, random weights of a named model shape (``benchmarks/model_shapes.py``).
+Each engine also reports its startup time (construction: weights, KV cache, kernel
+compilation, CUDA graphs) and, with ``--batch1-tokens N``, batch-1 decode latency: one
+``--batch1-prompt-len``-token prompt, N greedy tokens, wall time / N (ms per token).
 
-HF cannot give each row of a batch its own output length, so it runs batches of
-``--hf-batch`` prompts (left-padded) to the batch's longest output length; only the
-requested tokens count as output (the rest is padding work HF does anyway).
+``--engine`` picks the engines (comma-separated, in order): ``rlserve``; ``vllm`` (vLLM's
+``LLM.generate``, in a child process whose ``PYTHONPATH`` is ``--vllm-pythonpath``, default
+``/tmp/vsite`` -- where ``../shared/tools/device-vllm`` installs vLLM 0.24 on the GPU
+machine -- so vLLM's pinned packages never mix with ours; skipped with a message when it
+cannot be imported there); ``hf``. HF cannot give each row of a batch its own output
+length, so it runs batches of ``--hf-batch`` prompts (left-padded) to the batch's longest
+output length; only the requested tokens count as output.
 
 Usage:
     python benchmarks/throughput.py --shape smollm2-135m --device cpu --num-seqs 16 --min-len 16 --max-len 64
-    python benchmarks/throughput.py --shape qwen3-0.6b --device cuda --dtype bfloat16   # 256 x 100..1024
+    python benchmarks/throughput.py --shape qwen3-0.6b --engine rlserve,vllm --batch1-tokens 1024   # on the GPU
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,21 +54,87 @@ def _sync(device: str) -> None:
 def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     from rlserve import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
         max_model_len=2 * args.max_len + 8, enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
     )
+    _sync(args.device)
+    startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
-    _sync(args.device)
+    gen = lambda ps, sps: [len(o.outputs[0].token_ids) for o in llm.generate(ps, sps)]  # noqa: E731
+    return _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
+
+
+def _timed(engine: str, startup: float, gen, prompts, out_lens, params, SamplingParams, args, sync=None) -> dict:
+    """Warm up, then time the workload and (``--batch1-tokens``) batch-1 decode through
+    ``gen(prompts, params) -> output lengths``; ``sync()`` waits for the device (default:
+    ``torch.cuda.synchronize`` on CUDA)."""
+    wait = sync or (lambda: _sync(args.device))
+    gen(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.6)] * 2)  # warm-up
+    wait()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    _sync(args.device)
+    n_out = sum(gen(prompts, params))
+    wait()
     dt = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(out_lens), (n_out, sum(out_lens))
-    return {"engine": "rlserve", "seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt}
+    res = {"engine": engine, "seconds": dt, "output_tokens": n_out, "tokens_per_s": n_out / dt,
+           "startup_s": startup}
+    if args.batch1_tokens:
+        n = args.batch1_tokens
+        prompt = [prompts[0][i % len(prompts[0])] for i in range(args.batch1_prompt_len)]
+        sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+        gen([prompt], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)])
+        wait()
+        t0 = time.perf_counter()
+        got = sum(gen([prompt], [sp]))
+        wait()
+        assert got == n, (got, n)
+        res["batch1_ms_per_token"] = (time.perf_counter() - t0) / n * 1e3
+    return res
+
+
+def run_vllm_child(path: str, prompts, out_lens, args) -> dict:
+    """vLLM ``LLM.generate`` on the same workload (run inside the child process)."""
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True, seed=args.seed,
+        max_model_len=2 * args.max_len + 8, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+    )
+    startup = time.perf_counter() - t0
+    import vllm
+
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+
+    def gen(ps, sps):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    # vLLM's generate returns finished outputs: nothing is left running on the device
+    return _timed(f"vllm-{vllm.__version__}", startup, gen, prompts, out_lens, params, SamplingParams, args,
+                  sync=lambda: None)
+
+
+def run_vllm(args, argv: list[str]) -> dict | None:
+    """Run this script with ``--engine vllm`` in a child process whose ``PYTHONPATH`` is
+    ``--vllm-pythonpath``; its JSON result, or None (with the reason printed) when vLLM
+    cannot run there."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = args.vllm_pythonpath
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "vllm.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--engine", "vllm", "--no-hf",
+               "--json", out, "--vllm-child"]
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"vllm: child exited with {proc.returncode} (PYTHONPATH={args.vllm_pythonpath}); skipped", flush=True)
+            return None
+        with open(out) as f:
+            return json.load(f)["results"][0]
 
 
 def run_hf(path: str, prompts, out_lens, args) -> dict:
@@ -88,6 +162,21 @@ def run_hf(path: str, prompts, out_lens, args) -> dict:
     return {"engine": "hf-generate", "seconds": dt, "output_tokens": total, "tokens_per_s": total / dt}
 
 
+def _strip(argv: list[str], flags: dict[str, bool]) -> list[str]:
+    """``argv`` without the given flags (value-taking ones with their value)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = flags[name] and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="smollm2-135m")
@@ -97,35 +186,65 @@ def main(argv=None) -> None:
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--engine", default="rlserve,hf", help="comma-separated: rlserve, vllm, hf")
     ap.add_argument("--hf-batch", type=int, default=None, help="HF batch size (default: all prompts at once)")
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="drop hf from --engine")
+    ap.add_argument("--batch1-tokens", type=int, default=0, help="also time batch-1 greedy decode of this many tokens")
+    ap.add_argument("--batch1-prompt-len", type=int, default=128)
+    ap.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"))
+    ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write results here")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.hf_batch = args.hf_batch or args.num_seqs
+    engines = [e for e in args.engine.split(",") if e and not (args.no_hf and e == "hf")]
     vocab = shape_config(args.shape).vocab_size
     prompts, out_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    if args.vllm_child:  # the vLLM run of a parent process: no CUDA call before vLLM's LLM()
+        with tempfile.TemporaryDirectory() as root:
+            res = run_vllm_child(save_shape(args.shape, root), prompts, out_lens, args)
+        with open(args.json, "w") as f:
+            json.dump({"results": [res]}, f)
+        return
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or 'cpu'} x{os.cpu_count()}"
+    child_argv = _strip(argv, {"--engine": True, "--json": True, "--no-hf": False})
     results = []
     with tempfile.TemporaryDirectory() as root:
         path = save_shape(args.shape, root)
-        results.append(run_rlserve(path, prompts, out_lens, args))
-        print("rlserve:", results[-1], flush=True)
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        if not args.no_hf:
-            results.append(run_hf(path, prompts, out_lens, args))
+        for engine in engines:
+            if engine == "rlserve":
+                res = run_rlserve(path, prompts, out_lens, args)
+            elif engine == "vllm":
+                res = run_vllm(args, child_argv)
+            elif engine == "hf":
+                res = run_hf(path, prompts, out_lens, args)
+            else:
+                raise SystemExit(f"unknown engine {engine!r} (rlserve, vllm, hf)")
+            if res is not None:
+                results.append(res)
+                print(f"{engine}:", res, flush=True)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    fused = os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0"
     print(f"shape={args.shape} device={args.device} ({machine}) dtype={args.dtype} seqs={args.num_seqs} "
-          f"lens={args.min_len}..{args.max_len}")
+          f"lens={args.min_len}..{args.max_len} fused_kernels={fused}")
     for r in results:
-        print(f"  {r['engine']:12s} {r['output_tokens']:8d} tok  {r['seconds']:8.2f} s  {r['tokens_per_s']:10.1f} tok/s")
-    if len(results) == 2:
-        print(f"  speedup rlserve / hf: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+        b1 = f"  batch-1 {r['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in r else ""
+        st = f"  startup {r['startup_s']:.1f} s" if "startup_s" in r else ""
+        print(f"  {r['engine']:12s} {r['output_tokens']:8d} tok  {r['seconds']:8.2f} s  {r['tokens_per_s']:10.1f} tok/s"
+              f"{st}{b1}")
+    base = results[0] if results and results[0]["engine"] == "rlserve" else None
+    for r in results[1:] if base else []:
+        line = f"  rlserve / {r['engine']}: {base['tokens_per_s'] / r['tokens_per_s']:.2f}x throughput"
+        if "batch1_ms_per_token" in r and "batch1_ms_per_token" in base:
+            line += f", batch-1 ms/token {base['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x of theirs"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "machine": machine, "fused_kernels": fused, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,44 +12,13 @@ covered with float16 here and bfloat16 on the GPU.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("CUDA present: the compiled kernels are tested in tests/gpu", allow_module_level=True)
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-    # triton.language's own @jit helpers were built for the compiler already
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-# must precede the first `import triton` of the process
-os.environ["TRITON_INTERPRET"] = "1"
-import triton  # noqa: E402,F401
+import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
 
-
-def _patch_interpreter_for_numpy2() -> None:
-    """Triton 3.x's interpreter turns a scalar tensor into an index with
-    ``int(ndarray of shape (1,))``, which NumPy >= 2.3 refuses; take the element instead
-    (needed for loops with runtime bounds)."""
-    import triton.runtime.interpreter as ti
-
-    orig = getattr(ti, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_rlserve_patched", False):
-        return  # another Triton version: nothing to patch (or already patched)
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._rlserve_patched = True
-    ti._patch_lang_tensor = patched
-
-
-_patch_interpreter_for_numpy2()
 if "rlserve.layers.triton_attention" in sys.modules:  # built without the interpreter: rebuild
     importlib.reload(sys.modules["rlserve.layers.triton_attention"])
 from rlserve.layers import triton_attention as ta  # noqa: E402

@@ -12,8 +12,9 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
 - CUDA graphs: on when the device is CUDA, ``config.enforce_eager`` is False, the backend
   is graph-safe (``"triton"``), ``RLSERVE_CUDA_GRAPHS`` is not ``0``, and TP size is 1
   (TP > 1 needs ``RLSERVE_CUDA_GRAPH_TP=1``: capturing the NCCL all-reduce of the TP
-  group is untested). Graphs are captured lazily at the first decode step, for the batch
-  sizes of :func:`rlserve.engine.cuda_graph.capture_sizes` or those listed in
+  group is untested). Graphs are captured at startup (:meth:`ModelRunner.warm_up`, called by
+  the worker once the KV cache exists; again lazily at the next decode step after the cache
+  is re-allocated), for the batch sizes of :func:`rlserve.engine.cuda_graph.capture_sizes` or those listed in
   ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
   a batch larger than the largest captured size runs eagerly.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +155,39 @@ class ModelRunner:
         )
         graphs.capture()
         self.cuda_graphs = graphs
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Before the first request: on CUDA, run one 16-token prefill that writes nothing
+        (every slot -1) so the prefill kernels are compiled, then capture the decode CUDA
+        graphs (when they are on), which compiles the decode kernels. Returns the seconds
+        spent. A capture failure is logged and leaves graphs off, as at a lazy capture.
+
+        Raises:
+            RuntimeError: no KV cache allocated yet.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before warming up")
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        n = min(16, self.block_size * self.num_blocks)
+        meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size, self.device)
+        meta.slot_mapping.fill_(-1)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, dtype=torch.long, device=self.device)
+        self.model.compute_logits(self.model(ids, pos, meta)[-1:])
+        if self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed:
+            try:
+                self.capture_cuda_graphs()
+            except Exception:  # never let a capture failure take the engine down
+                logger.exception("CUDA graph capture failed; decoding eagerly from now on")
+                self._graphs_failed = True
+                self.cuda_graphs = None
+        torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
+        return dt
 
     def _decode_with_graph(self, step: StepInput) -> torch.Tensor | None:
         """Hidden states of a decode step replayed from a CUDA graph, or None when this step

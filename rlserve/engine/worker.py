@@ -118,7 +118,11 @@ class Worker:
         return int(mlp + scores)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then warm up (compile kernels, capture the decode CUDA
+        graphs: :meth:`ModelRunner.warm_up`) so the first request does not pay for it."""
         self.runner.allocate_kv_cache(num_blocks)
+        with self.tp():
+            self.warm_up_seconds = self.runner.warm_up()
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, step: StepInput) -> torch.Tensor:

@@ -7,12 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.errors import UnsupportedArchitectureError
+from rlserve.layers import fused_ops
 
 
 class SiluAndMul(nn.Module):
-    """``x [..., 2d] -> silu(x[..., :d]) * x[..., d:]`` (gate first, then up)."""
+    """``x [..., 2d] -> silu(x[..., :d]) * x[..., d:]`` (gate first, then up); one Triton
+    kernel on CUDA (:func:`rlserve.layers.fused_ops.silu_and_mul`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.fused_enabled(x):
+            return fused_ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -278,3 +278,19 @@ class Attention(nn.Module):
         KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = ATTENTION_BACKENDS[backend](q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+    def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention when this step's K/V are already in the cache (a fused kernel wrote
+        them, e.g. :func:`rlserve.layers.fused_ops.qkv_norm_rope_write`).
+
+        Args: q ``[T, num_heads*head_dim]``. Returns ``[T, num_heads*head_dim]``.
+
+        Raises:
+            RuntimeError: if no KV cache was bound.
+        """
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("Attention has no KV cache bound; the model runner must bind one")
+        T = q.shape[0]
+        out = ATTENTION_BACKENDS[_active_backend[0]](q.view(T, self.num_heads, self.head_dim), self.k_cache,
+                                                     self.v_cache, meta, self.scale)
+        return out.reshape(T, self.num_heads * self.head_dim)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
+from rlserve.layers import fused_ops
 from rlserve.loader.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -20,6 +21,9 @@ class RMSNorm(nn.Module):
     ``forward(x)`` -> normalized ``x`` (same shape and dtype).
     ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``: the residual stream
     is updated and returned alongside (the sum is done in the input dtype, like HF).
+
+    On CUDA either form is one Triton kernel (:func:`rlserve.layers.fused_ops.rms_norm`, the
+    same rounding); on CPU it is the PyTorch code below.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
@@ -38,6 +42,8 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if fused_ops.fused_enabled(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

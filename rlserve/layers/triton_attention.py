@@ -69,7 +69,7 @@ PREFILL_BLOCK_N = 64
 # Split-K planning: aim for this many programs per SM, never split below this many
 # tokens per split, and never use more splits than this.
 _PROGRAMS_PER_SM = 2
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rlserve.errors import UnsupportedArchitectureError
+from rlserve.layers import fused_ops
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -85,6 +86,16 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if fused_ops.fused_enabled(qkv) and self.attn.k_cache is not None:
+            # q/k norm, rotary and the KV-cache write in one kernel; attention reads K/V from the cache
+            rope = self.rotary_emb
+            q = fused_ops.qkv_norm_rope_write(
+                qkv, positions, rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
+                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 0.0,
+            )
+            return self.o_proj(self.attn.forward_cached(q, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim)).reshape(T, self.q_size)

@@ -1,0 +1,103 @@
+"""The Triton kernels behind :mod:`rlserve.layers.fused_ops` (imported on first use, so that
+importing the model code never imports Triton; see that module for what each kernel
+computes and how it rounds)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, OUT, RES_OUT,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    """Program ``t``: one row of ``N`` values (``BLOCK >= N``)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + t * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)  # rounded like x + r
+        tl.store(RES_OUT + t * stride_ro + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    h = h * (tl.rsqrt(var + eps))
+    h = h.to(X.dtype.element_ty).to(tl.float32)  # .to(input dtype) before the weight
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_o + offs, (w * h).to(OUT.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _silu_mul_kernel(X, OUT, stride_x, stride_o, D, BLOCK: tl.constexpr):
+    """Program ``(t, j)``: columns ``[j*BLOCK, (j+1)*BLOCK)`` of row ``t``."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    g = tl.load(X + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + t * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + t * stride_o + offs, (s * u).to(OUT.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _norm_rope_head(
+    SRC, W, cos, sin, offs, partner, sign, d_mask, rot_mask, eps,
+    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    """One head: optional RMSNorm (float32, rounded, times the weight, rounded), then
+    ``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` dims with every
+    product and the sum rounded to the source dtype; float32 result."""
+    dt = SRC.dtype.element_ty
+    x = tl.load(SRC + offs, mask=d_mask, other=0.0).to(tl.float32)
+    xp = tl.load(SRC + partner, mask=rot_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        var = tl.sum(x * x, axis=0) / HEAD_DIM
+        inv = tl.rsqrt(var + eps)
+        w = tl.load(W + offs, mask=d_mask, other=0.0).to(tl.float32)
+        wp = tl.load(W + partner, mask=rot_mask, other=0.0).to(tl.float32)
+        x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    a = (x * cos).to(dt).to(tl.float32)
+    b = (xp * sin).to(dt).to(tl.float32)
+    y = (a + sign * b).to(dt).to(tl.float32)
+    return tl.where(rot_mask, y, x)
+
+@triton.jit
+def _qkv_norm_rope_write_kernel(
+    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT,
+    stride_t, stride_qo, stride_cs,
+    NUM_HEADS, NUM_KV_HEADS, eps,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    """Program ``(t, j)``: query head ``j < NUM_HEADS`` -> ``Q_OUT``; otherwise KV head
+    ``j - NUM_HEADS``: its k (normed, rotated) and v go to ``cache[slot]`` (skipped for
+    ``slot < 0``)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    rot_mask = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    pos = tl.load(POS + t).to(tl.int64)
+    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
+    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
+    row = QKV + t * stride_t
+    if j < NUM_HEADS:
+        y = _norm_rope_head(row + j * HEAD_DIM, QW, cos, sin, d, partner, sign, d_mask, rot_mask, eps,
+                            HEAD_DIM, QK_NORM)
+        tl.store(Q_OUT + t * stride_qo + j * HEAD_DIM + d, y.to(Q_OUT.dtype.element_ty), mask=d_mask)
+    else:
+        kvh = j - NUM_HEADS
+        slot = tl.load(SLOT + t).to(tl.int64)
+        if slot >= 0:
+            k_src = row + (NUM_HEADS + kvh) * HEAD_DIM
+            y = _norm_rope_head(k_src, KW, cos, sin, d, partner, sign, d_mask, rot_mask, eps,
+                                HEAD_DIM, QK_NORM)
+            dst = slot * stride_cs + kvh * HEAD_DIM + d
+            tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=d_mask)
+            v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=d_mask, other=0.0)
+            tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=d_mask)
+

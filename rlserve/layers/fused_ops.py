@@ -1,0 +1,181 @@
+"""Fused elementwise kernels (Triton) for the GPU path, each with its PyTorch reference.
+
+A Llama-style decoder layer run op by op launches ~35-40 small kernels: the residual add
+and RMSNorm (5-6 each), the per-head q/k RMSNorm of Qwen3, rotary embedding (~8 per
+tensor), SiLU-and-mul (3) and the KV-cache write. At small batch a decode step is bound by
+that launch count, not by bytes (``benchmarks/decode_step.py``). The kernels here do each
+group in one pass:
+
+- :func:`rms_norm` -- RMSNorm, optionally fused with the residual add that precedes it
+  (``norm(x + residual), x + residual``).
+- :func:`silu_and_mul` -- ``silu(x[..., :d]) * x[..., d:]``.
+- :func:`qkv_norm_rope_write` -- from the fused QKV projection's output: per-head q/k
+  RMSNorm (Qwen3), rotary embedding of q and k, and the write of k and v into the paged
+  KV cache, in one kernel; returns the rotated queries.
+
+Every kernel reproduces the rounding of the op-by-op PyTorch code it replaces (the
+Hugging Face order): the residual sum is rounded to the model dtype; the RMSNorm runs in
+float32, is rounded to the model dtype, then multiplied by the weight and rounded again;
+rotary multiplies by cos/sin already rounded to the model dtype, rounding each product
+and the sum; SiLU is rounded before the multiply. So in float32 the results equal the
+reference up to the order of the float32 mean, and in bf16 / fp16 they differ only where
+that order (or ``rsqrt``'s last bit) moves a value across a rounding boundary.
+
+Where the kernels run: on CUDA tensors when Triton is installed, unless switched off with
+``RLSERVE_FUSED_KERNELS=0`` (read at import) or :func:`set_fused_kernels`. CPU tensors keep
+the callers' PyTorch code (``RMSNorm``, ``SiluAndMul``, the Llama attention), which is the
+CPU path; tests run the kernels on CPU through Triton's interpreter by asking for it
+explicitly (``set_fused_kernels(True, on_cpu=True)`` with ``TRITON_INTERPRET=1``). Triton is
+imported at the first fused call, never by importing this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_ENABLED = [os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0"]
+_ON_CPU = [False]
+_K: list = []  # the kernel module, once imported
+
+
+def set_fused_kernels(on: bool, on_cpu: bool = False) -> tuple[bool, bool]:
+    """Switch the fused kernels on or off for this process (A/B benchmarks, tests);
+    ``on_cpu`` also runs them on CPU tensors (needs ``TRITON_INTERPRET=1`` before Triton's
+    first import). Returns the previous ``(on, on_cpu)``. CUDA graphs captured before the
+    switch keep what they captured."""
+    prev = (_ENABLED[0], _ON_CPU[0])
+    _ENABLED[0], _ON_CPU[0] = bool(on), bool(on_cpu)
+    return prev
+
+
+def fused_enabled(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run on this tensor: Triton is installed, the kernels are
+    switched on, and the tensor is on a CUDA device (or CPU runs were asked for)."""
+    return _ENABLED[0] and HAS_TRITON and (t.is_cuda or _ON_CPU[0])
+
+
+def _kernels():
+    if not _K:
+        from rlserve.layers import fused_kernels
+
+        _K.append(fused_kernels)
+    return _K[0]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with a unit last stride (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Fused (residual add +) RMSNorm in one kernel; see the module docstring for rounding.
+
+    Args:
+        x: ``[..., N]`` float32 / bf16 / fp16 on a device where :func:`fused_enabled` holds.
+        weight: ``[N]``.
+        eps: variance epsilon.
+        residual: optional, the same shape and dtype as ``x``.
+
+    Returns:
+        ``norm(x)`` (same shape and dtype), or ``(norm(x + residual), x + residual)`` with a
+        residual.
+    """
+    shape = x.shape
+    N = shape[-1]
+    x2 = _rows(x)
+    T = x2.shape[0]
+    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    r2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty_like(out) if residual is not None else out
+    if T:
+        block = _next_pow2(N)
+        _kernels()._rms_norm_kernel[(T,)](
+            x2, r2, weight, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            N, float(eps),
+            BLOCK=block, HAS_RES=residual is not None, num_warps=min(8, max(1, block // 256)),
+        )
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), res_out.view(shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` in one kernel (``x [..., 2d]`` -> ``[..., d]``, same
+    dtype), SiLU rounded to the dtype before the multiply, as the op-by-op code does."""
+    shape = x.shape
+    d = shape[-1] // 2
+    x2 = _rows(x)
+    T = x2.shape[0]
+    out = torch.empty((T, d), dtype=x.dtype, device=x.device)
+    if T:
+        block = min(1024, _next_pow2(d))
+        _kernels()._silu_mul_kernel[(T, -(-d // block))](
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        )
+    return out.view(*shape[:-1], d)
+
+
+def qkv_norm_rope_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-head q/k RMSNorm (when weights are given), rotary embedding (``rotate_half``
+    style) and the paged KV-cache write, in one kernel.
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` -- q, k, v concatenated (the
+            fused QKV projection's output), last dim contiguous.
+        positions: ``[T]`` int64 token positions.
+        cos_cache, sin_cache: ``[max_position, rotary_dim]`` float32 (``RotaryEmbedding``'s
+            buffers); ``rotary_dim <= head_dim``, even; dims past it are not rotated.
+        num_heads / num_kv_heads / head_dim: this rank's layout.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
+        slot_mapping: ``[T]`` int64 flat slots; rows with ``slot < 0`` write nothing.
+        q_weight, k_weight: ``[head_dim]`` RMSNorm weights (Qwen3), or None for no norm.
+        eps: the norm's epsilon.
+
+    Returns:
+        ``[T, num_heads * head_dim]`` normed and rotated queries, in ``qkv.dtype``. The
+        normed, rotated keys and the values are in the cache.
+    """
+    T = qkv.shape[0]
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    rot = cos_cache.shape[-1]
+    q = torch.empty((T, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
+        raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+    norm = q_weight is not None
+    _kernels()._qkv_norm_rope_write_kernel[(T, num_heads + num_kv_heads)](
+        qkv, positions, cos_cache, sin_cache,
+        q_weight if norm else qkv, k_weight if norm else qkv,
+        q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), q.stride(0), k_cache.stride(1),
+        num_heads, num_kv_heads, float(eps),
+        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm,
+        num_warps=1,
+    )
+    return q

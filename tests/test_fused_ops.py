@@ -1,0 +1,141 @@
+"""The fused Triton kernels of ``rlserve.layers.fused_ops`` on CPU, through Triton's
+interpreter, against the PyTorch code they replace (``RMSNorm``, ``SiluAndMul``, q/k norm +
+``RotaryEmbedding`` + ``write_kv_cache``), and a whole Qwen3 model with and without them.
+
+float32 must agree to float32 rounding (only the order of the norm's mean differs); float16
+(the interpreter has no bfloat16) must agree within one unit in the last place, since each
+kernel rounds where the op-by-op code rounds. ``tests/gpu/test_fused_ops_gpu.py`` repeats
+this in bfloat16 on the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
+from rlserve.layers import fused_ops  # noqa: E402
+from rlserve.layers.activation import SiluAndMul  # noqa: E402
+from rlserve.layers.attention import write_kv_cache  # noqa: E402
+from rlserve.layers.norm import RMSNorm  # noqa: E402
+from rlserve.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.fixture
+def fused_on_cpu():
+    prev = fused_ops.set_fused_kernels(True, on_cpu=True)
+    yield
+    fused_ops.set_fused_kernels(*prev)
+
+
+def _ulp(dtype):
+    return {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10}[dtype]
+
+
+def assert_close_ulp(got, ref, dtype, ulps=1.0):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    err = (got.float() - ref.float()).abs()
+    tol = ulps * _ulp(dtype) * ref.float().abs() + (1e-6 if dtype == torch.float32 else 1e-4)
+    assert (err <= tol).all(), (err - tol).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N", [64, 96])
+def test_rms_norm_with_and_without_residual(dtype, N, fused_on_cpu):
+    g = torch.Generator().manual_seed(N)
+    norm = RMSNorm(N, eps=1e-5, params_dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(N, generator=g))
+    x = torch.randn(5, N, generator=g).to(dtype)
+    r = torch.randn(5, N, generator=g).to(dtype)
+    fused_ops.set_fused_kernels(False)
+    ref, ref_res = norm(x, r)
+    ref_plain = norm(x)
+    fused_ops.set_fused_kernels(True, on_cpu=True)
+    out, res = norm(x, r)
+    assert torch.equal(res, ref_res)  # the residual sum is rounded exactly like x + r
+    assert_close_ulp(out, ref, dtype)
+    assert_close_ulp(norm(x), ref_plain, dtype)
+    assert fused_ops.rms_norm(x[:0], norm.weight, 1e-5).shape == (0, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype, fused_on_cpu):
+    g = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(2, 3, 2 * 80, generator=g)).to(dtype)  # 3-D input, d not a power of two
+    fused_ops.set_fused_kernels(False)
+    ref = SiluAndMul()(x)
+    fused_ops.set_fused_kernels(True, on_cpu=True)
+    out = SiluAndMul()(x)
+    assert_close_ulp(out, ref, dtype)
+
+
+def _rope(head_dim, rotary_dim):
+    return RotaryEmbedding(head_dim, rotary_dim, 64, {"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm,head_dim,rotary_dim", [(True, 32, 32), (False, 32, 32), (False, 48, 24)])
+def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, fused_on_cpu):
+    H, Hkv, T, P, nb = 4, 2, 6, 4, 8
+    g = torch.Generator().manual_seed(head_dim + rotary_dim + qk_norm)
+    qkv = torch.randn(T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 1, 2, 7, 30, 63])
+    slots = torch.tensor([5, 6, -1, 9, 20, 31])  # -1: a padding row writes nothing
+    qw = (1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype)
+    rope = _rope(head_dim, rotary_dim)
+    eps = 1e-6
+
+    # op by op, as LlamaAttention does without the fused kernel
+    fused_ops.set_fused_kernels(False)
+    q, k, v = qkv.split([H * head_dim, Hkv * head_dim, Hkv * head_dim], dim=-1)
+    if qk_norm:
+        qn, kn = RMSNorm(head_dim, eps, dtype), RMSNorm(head_dim, eps, dtype)
+        qn.weight.data.copy_(qw)
+        kn.weight.data.copy_(kw)
+        q = qn(q.reshape(T, H, head_dim)).reshape(T, -1)
+        k = kn(k.reshape(T, Hkv, head_dim)).reshape(T, -1)
+    q_ref, k_ref = rope(pos, q, k)
+    kc_ref = torch.full((nb, P, Hkv, head_dim), 7.0, dtype=dtype)
+    vc_ref = kc_ref.clone()
+    valid = slots >= 0
+    write_kv_cache(k_ref.view(T, Hkv, head_dim), v.reshape(T, Hkv, head_dim), kc_ref, vc_ref, slots)
+
+    fused_ops.set_fused_kernels(True, on_cpu=True)
+    kc = torch.full_like(kc_ref, 7.0)
+    vc = torch.full_like(vc_ref, 7.0)
+    q_out = fused_ops.qkv_norm_rope_write(qkv, pos, rope.cos_cache, rope.sin_cache, H, Hkv, head_dim, kc, vc, slots,
+                                          qw if qk_norm else None, kw if qk_norm else None, eps)
+    assert_close_ulp(q_out, q_ref, dtype)
+    assert_close_ulp(kc, kc_ref, dtype)
+    assert torch.equal(vc, vc_ref)  # values are copied, never rounded
+    untouched = torch.ones(nb * P, dtype=torch.bool)
+    untouched[slots[valid]] = False
+    assert (kc.view(nb * P, -1)[untouched] == 7.0).all()
+
+
+def test_qwen3_model_fused_equals_unfused(tiny_model, fused_on_cpu, monkeypatch):
+    """A whole tiny Qwen3 (q/k norm) and Llama in float32: greedy tokens and logprobs with
+    the fused kernels equal the PyTorch path."""
+    from rlserve import LLM, SamplingParams
+
+    calls = {"qkv": 0, "norm": 0, "silu": 0}
+    for name, key in (("qkv_norm_rope_write", "qkv"), ("rms_norm", "norm"), ("silu_and_mul", "silu")):
+        fn = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, _fn=fn, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
+                            or _fn(*a, **kw))
+
+    params = SamplingParams(temperature=0, max_tokens=3, min_tokens=3, logprobs=2)
+    prompts = ["The capital of France is", "Hello world"]
+    for arch in ("qwen3", "llama"):
+        path = tiny_model(arch)
+        fused_ops.set_fused_kernels(False)
+        ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+        fused_ops.set_fused_kernels(True, on_cpu=True)
+        got = LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
+        for a, b in zip(got, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                for t in db:
+                    assert abs(da[t] - db[t]) < 1e-4
+    assert min(calls.values()) > 0, calls  # the fused path ran
