@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 
 from rlserve.transfer.safe_pickle import UnsafePickleError, restricted_loads
@@ -213,6 +214,16 @@ def test_malicious_ipc_handles_pickled_is_refused_with_400(nccl_cpu_server, tmp_
 
 
 # ------------------------------------------------------------------ vLLM's own StatelessProcessGroup
+def WIRE_TENSORS():
+    """Tensors of mixed dtypes and sizes (deterministic), in send order."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [((10, 12), torch.bfloat16), ((7,), torch.float32), ((40, 9), torch.float16), ((3, 5), torch.float32),
+              ((300,), torch.bfloat16), ((1,), torch.float32), ((2, 2), torch.bfloat16), ((64, 4), torch.float32)]
+    return [(f"t{i}", torch.randn(s, generator=g).to(dt)) for i, (s, dt) in enumerate(shapes)]
+
+
 _VLLM_SIDE = textwrap.dedent('''
     import json, sys
     from vllm.distributed.utils import StatelessProcessGroup
@@ -224,7 +235,14 @@ _VLLM_SIDE = textwrap.dedent('''
         for i in range(128):
             uid.internal[i] = (i * 37 + 11) % 256 - 128
         pg.broadcast_obj(uid, src=0)
-        print(json.dumps({"sent": bytes(uid).hex()}), flush=True)
+        # vLLM's own packer (what packed_nccl_broadcast_producer broadcasts, bucket by bucket)
+        import hashlib, torch
+        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+        named = iter(WIRE_TENSORS())
+        packs = []
+        while (chunk := pack_tensors(named, lambda item: item[1], 500)) is not None:
+            packs.append([chunk.names, chunk.packed_tensor.numel(), hashlib.sha256(chunk.packed_tensor.numpy().tobytes()).hexdigest()])
+        print(json.dumps({"sent": bytes(uid).hex(), "packs": packs}), flush=True)
         sys.stdin.read()  # the store lives until the test closes stdin
     else:  # TRL <= 1.10's client: the last rank reads the server's unique id, then barriers
         uid = pg.broadcast_obj(None, src=0)
@@ -236,8 +254,10 @@ _VLLM_SIDE = textwrap.dedent('''
 
 
 def _vllm_proc(tmp_path, *args) -> subprocess.Popen:
+    import inspect
+
     script = tmp_path / "vllm_side.py"
-    script.write_text(_VLLM_SIDE)
+    script.write_text(inspect.getsource(WIRE_TENSORS) + _VLLM_SIDE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)
@@ -277,7 +297,22 @@ def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path
     try:
         st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=300)
         got = loads_unique_id(st.broadcast_bytes(None, 0, "unique id"))
-        assert got.hex() == _read_json(proc)["sent"] == sent
+        side = _read_json(proc)
+        assert got.hex() == side["sent"] == sent
+        # the bucket layout rlserve receives is vLLM's: same tensors per bucket, same bytes
+        import hashlib
+
+        from rlserve.transfer.vllm_group import plan_vllm_buckets
+
+        named = WIRE_TENSORS()
+        plan = plan_vllm_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 500)
+        mine = []
+        for b in plan:
+            raw = b"".join(named[sl.index][1].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for sl in b.slots)
+            assert len(raw) == b.nbytes and [sl.offset for sl in b.slots] == [sum(x.nbytes for x in b.slots[:i])
+                                                                              for i in range(len(b.slots))]
+            mine.append([[sl.name for sl in b.slots], b.nbytes, hashlib.sha256(raw).hexdigest()])
+        assert mine == side["packs"] and len(mine) >= 3
     finally:
         proc.stdin.close()
         proc.wait(60)
@@ -318,3 +353,48 @@ def test_barrier_refuses_a_malicious_barrier_id(tmp_path):
         st.barrier()
     assert time.monotonic() - t0 < 30
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_receiver_takes_vllms_layout(packed):
+    """The receiver's vLLM-wire paths (no layout header; raw buckets laid out by
+    ``plan_vllm_buckets``, which the test above checks against vLLM's own packer; unpacked: one
+    broadcast per tensor in its dtype), carried here over gloo because vLLM's NCCL communicator
+    needs CUDA. The sender does what vLLM's producer does: ``torch.cat`` of the tensors' bytes."""
+    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.protocol import InitInfo, UpdateInfo, dtype_to_name
+    from rlserve.transfer.receiver import WeightReceiver
+    from rlserve.transfer.vllm_group import plan_vllm_buckets
+
+    port = free_port()
+    init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=60)
+    init.wire = "vllm"  # (validated as NCCL-only; the layout is what this test is about)
+    named = WIRE_TENSORS()
+    info = UpdateInfo(names=[n for n, _ in named], dtype_names=[dtype_to_name(t.dtype) for _, t in named],
+                      shapes=[list(t.shape) for _, t in named], packed=packed, packed_buffer_size_bytes=500,
+                      packed_num_buffers=2)
+    out: dict = {}
+
+    def trainer():
+        g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, 60)
+        if packed:
+            plan = plan_vllm_buckets(info.names, info.dtypes(), info.shapes, 500)
+            msgs = [torch.cat([named[sl.index][1].reshape(-1).view(torch.uint8) for sl in b.slots]) for b in plan]
+        else:
+            msgs = [t for _, t in named]
+        for m in msgs:
+            g.wait(g.broadcast(m, 0))
+        out["sent"] = len(msgs)
+        g.destroy(wait_s=5)
+
+    th = threading.Thread(target=trainer, daemon=True)
+    th.start()
+    rx = WeightReceiver(init, 1, torch.device("cpu"))
+    rx.group = TransferGroup.create("gloo", "127.0.0.1", port, 1, 2, 60)
+    got: dict = {}
+    stats = rx.receive(info, lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+    th.join(60)
+    rx.close()
+    assert out["sent"] == (3 if packed else len(named)) and stats["buckets"] == out["sent"]
+    for n, t in named:
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
