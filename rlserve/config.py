@@ -78,7 +78,12 @@ class EngineConfig:
         tensor_parallel_size / data_parallel_size: parallelism.
         device_ids: GPUs to use (one per TP rank per replica), e.g. [0, 1].
         quantization: None or "fp8" (online W8A8).
-        max_logprobs: largest ``logprobs`` a request may ask for.
+        max_logprobs: largest ``logprobs`` a request may ask for; -1: no limit (vLLM's
+            meaning; a request may then also ask -1 = the whole vocabulary).
+        logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
+            "processed_logprobs" (after penalties, temperature, top-k/top-p/min-p: the
+            distribution the token was drawn from) or "processed_logits" (vLLM's
+            ``--logprobs-mode``; see :mod:`rlserve.engine.sampler`).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs carry token ids
             only (empty text), stop strings are refused. For benchmarks and token-in/token-out
             RL loops.
@@ -104,6 +109,7 @@ class EngineConfig:
     device_ids: list[int] | None = None
     quantization: str | None = None
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     skip_tokenizer_init: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -124,5 +130,10 @@ class EngineConfig:
             raise InvalidRequestError("parallel sizes must be >= 1")
         if self.quantization not in (None, "fp8"):
             raise InvalidRequestError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.max_logprobs < -1:
+            raise InvalidRequestError(f"max_logprobs must be >= -1 (-1: no limit), got {self.max_logprobs}")
+        if self.logprobs_mode not in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+            raise InvalidRequestError("logprobs_mode must be raw_logprobs, raw_logits, processed_logprobs or "
+                                      f"processed_logits, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be >= 1")

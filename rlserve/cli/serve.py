@@ -10,6 +10,7 @@ import os
 import sys
 
 from rlserve.cli._help import HelpFormatter
+from rlserve.cli.vllm_compat import add_vllm_compat_args, check_vllm_compat_args
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -61,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-ids", type=_device_ids, default=None,
                    help="GPUs to use, comma-separated (TP x DP of them), e.g. 0,1 (default: 0, 1, ...)")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"], help="online fp8 (W8A8; default: none)")
-    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs a request may ask")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs/top_logprobs a request may ask; -1: no limit")
 
 
 def engine_config_from_args(args, model_path: str):
@@ -76,7 +78,7 @@ def engine_config_from_args(args, model_path: str):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, device_ids=args.device_ids, quantization=args.quantization,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
     )
 
 
@@ -117,6 +119,7 @@ def register(subparsers) -> None:
                    help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
     add_engine_args(p)
+    add_vllm_compat_args(p)
     p.set_defaults(func=run)
 
 
@@ -135,6 +138,10 @@ def run(args) -> int:
     from rlserve.errors import RLServeError
 
     model_arg = args.model_flag or args.model or "default"
+    problem = check_vllm_compat_args(args)
+    if problem is not None:
+        print(f"rlserve serve: error: {problem}", file=sys.stderr)
+        return 2
     try:
         model_path = _resolve_model(model_arg)
         config = engine_config_from_args(args, model_path)
@@ -176,7 +183,7 @@ def run(args) -> int:
 async def _serve(app, args) -> int:
     import uvicorn
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
                             timeout_keep_alive=30)
     server = uvicorn.Server(config)

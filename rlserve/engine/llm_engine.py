@@ -114,7 +114,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer, self.hf_config)
-        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
+                               logprobs_mode=config.logprobs_mode)
+        self._grammar_compiler = None  # built on the first structured-output request
         self.requests: dict[str, Request] = {}
         self.stats_counters = {
             "prefill_tokens_computed": 0,
@@ -206,7 +208,7 @@ class LLMEngine:
                 f"and max_tokens asks for {params.max_tokens} more"
             )
         for k in (params.logprobs, params.prompt_logprobs):
-            if k is not None and k > self.config.max_logprobs:
+            if k is not None and 0 <= self.config.max_logprobs < k:  # max_logprobs -1: no limit
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
@@ -214,6 +216,8 @@ class LLMEngine:
         for i in range(params.n):
             p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=_sub_seed(params.seed, i))
             seq = Sequence(request_id, i, ids, p, self.config.block_size)
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammar_compiler().new_state(params.structured_outputs)
             seq.detokenizer = (
                 _NullDetokenizer()
                 if self.tokenizer is None
@@ -225,6 +229,21 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.add(s)
         self.stats_counters["prompt_tokens"] += len(ids)
+
+    def grammar_compiler(self):
+        """The structured-output compiler of this engine's tokenizer (built on first use).
+
+        Raises:
+            InvalidRequestError: no tokenizer (skip_tokenizer_init), or xgrammar missing.
+        """
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need a tokenizer (the engine runs with "
+                                          "skip_tokenizer_init)")
+            from rlserve.engine.structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown ids are ignored). Returns their final outputs with
@@ -332,8 +351,9 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq, first, count in prompt_rows:
             req = self.requests[seq.request_id]
-            req.prompt_logprobs = compute_prompt_logprobs(
-                logits[first : first + count], seq.prompt_token_ids, seq.params.prompt_logprobs
+            req.prompt_logprobs, req.extra["prompt_logprob_ranks"] = compute_prompt_logprobs(
+                logits[first : first + count], seq.prompt_token_ids, seq.params.prompt_logprobs,
+                mode=self.config.logprobs_mode, with_ranks=True,
             )
             req.prompt_logprobs_done = True
         if prompt_rows:
@@ -349,6 +369,7 @@ class LLMEngine:
             params=[s.params for s in batch.seqs],
             prompt_token_ids=[s.prompt_token_ids for s in batch.seqs],
             output_token_ids=[s.output_token_ids for s in batch.seqs],
+            grammars=[s.grammar for s in batch.seqs] if any(s.grammar is not None for s in batch.seqs) else None,
         )
         out = self.sampler(logits, meta)
         token_ids = out.token_ids.tolist()
@@ -381,7 +402,12 @@ class LLMEngine:
                     d.setdefault(t, l)
             seq.logprobs.append(d)
         n_out = seq.num_output_tokens
-        if tok in p.stop_token_ids and n_out >= p.min_tokens:
+        if seq.grammar is not None and (not seq.grammar.accept(tok) or seq.grammar.is_terminated):
+            # the constraint is complete (its EOS was drawn), or nothing it allows was left to draw
+            seq.finish_reason = "stop"
+        if seq.finish_reason is not None:
+            pass
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             seq.finish_reason = "stop"
@@ -415,6 +441,7 @@ class LLMEngine:
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             prompt_logprobs=req.prompt_logprobs,
+            prompt_logprob_ranks=req.extra.get("prompt_logprob_ranks"),
             outputs=outs,
             finished=req.finished,
         )

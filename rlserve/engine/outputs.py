@@ -43,6 +43,8 @@ class RequestOutput:
         prompt: the prompt text (None when given as token ids).
         prompt_token_ids: the prompt's token ids.
         prompt_logprobs: vLLM format (first entry None, then ``{token_id: logprob}``) when asked.
+        prompt_logprob_ranks: with ``prompt_logprobs``: per prompt token its 1-based rank among
+            all tokens at its position (first entry None); the top-k entries rank ``1..k``.
         outputs: one ``CompletionOutput`` per sample.
         finished: all samples are finished.
         weight_version: weight version that produced the last token (set by the async front).
@@ -57,3 +59,4 @@ class RequestOutput:
     finished: bool
     weight_version: str | None = None
     weight_versions: list[str] = field(default_factory=list)
+    prompt_logprob_ranks: list[int | None] | None = None

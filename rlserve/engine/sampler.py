@@ -27,8 +27,23 @@ The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` 
    whether the sequence was preempted and recomputed. Unseeded rows share the sampler's
    generator.
 
-Logprobs are always those of the *raw* model distribution (``log_softmax`` of the
-unprocessed logits, float32), which is vLLM's default (``logprobs_mode="raw_logprobs"``).
+0. **structured outputs** (before everything, as vLLM applies its grammar bitmask to the
+   logits it hands the sampler) -- rows with a constraint get ``-inf`` at every token it
+   does not allow next (:func:`rlserve.engine.structured.apply_grammar_masks`).
+
+What ``logprobs`` (the sampled token's and the top-k) hold is the server's ``logprobs_mode``
+(vLLM's ``--logprobs-mode``, same names and meaning as ``vllm/v1/sample/sampler.py``):
+
+* ``raw_logprobs`` (default): ``log_softmax`` of the logits the model produced (after step 0).
+* ``raw_logits``: those logits themselves.
+* ``processed_logprobs``: ``log_softmax`` of the logits after steps 1-7 -- penalties,
+  temperature, top-k, top-p, min-p (removed tokens are ``-inf``): the distribution the token
+  was actually drawn from, which is what an importance ratio (GRPO's) needs. Greedy rows:
+  after the penalties only (temperature 1), as vLLM.
+* ``processed_logits``: the logits after steps 1-7.
+
+All float32. Prompt logprobs skip the sampling steps (vLLM's rule): ``log_softmax`` of the
+model's logits, or the logits themselves in the two ``*_logits`` modes.
 """
 
 from __future__ import annotations
@@ -40,6 +55,9 @@ import torch
 from rlserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+
+#: vLLM's ``--logprobs-mode`` values (``vllm.config.model.LogprobsMode``)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 def derive_seed(seed: int, step: int) -> int:
@@ -66,11 +84,14 @@ class SamplingMetadata:
         prompt_token_ids: the prompt's token ids (used by the repetition penalty).
         output_token_ids: tokens generated so far, *before* this step (penalties,
             ``min_tokens``, and the seeded-draw index ``len(output_token_ids)``).
+        grammars: per row, the structured-output state
+            (:class:`~rlserve.engine.structured.GrammarState`) or None; None: no row has one.
     """
 
     params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
+    grammars: list | None = None
 
 
 @dataclass
@@ -79,12 +100,12 @@ class SamplerOutput:
 
     Attributes:
         token_ids: ``LongTensor [B]`` sampled token per row.
-        logprobs: ``FloatTensor [B]`` float32 logprob of the sampled token under the raw
-            model distribution (``log_softmax`` of the unprocessed logits).
+        logprobs: ``FloatTensor [B]`` float32 score of the sampled token in the sampler's
+            ``logprobs_mode`` (default: logprob under the raw model distribution).
         topk_token_ids: ``LongTensor [B, K]``, ``K = max(params.logprobs or 0)`` over the
             batch (0 columns when no row asked). Rows that asked for fewer should use only
             their first ``params.logprobs`` columns.
-        topk_logprobs: ``FloatTensor [B, K]`` raw logprobs of those tokens, descending.
+        topk_logprobs: ``FloatTensor [B, K]`` scores of those tokens (same mode), descending.
     """
 
     token_ids: torch.Tensor
@@ -240,12 +261,20 @@ class Sampler:
         vocab_size: number of real token ids; logits columns beyond it (padded
             embeddings) are dropped before anything else.
         generator_seed: seed of the generator shared by unseeded rows.
+        logprobs_mode: what logprobs hold, one of :data:`LOGPROBS_MODES` (module docstring).
+
+    Raises:
+        ValueError: an unknown ``logprobs_mode``.
     """
 
-    def __init__(self, eos_token_ids: set[int], vocab_size: int, generator_seed: int = 0):
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, generator_seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.eos_token_ids = set(int(t) for t in (eos_token_ids or ()))
         self.vocab_size = int(vocab_size)
         self.generator_seed = int(generator_seed)
+        self.logprobs_mode = logprobs_mode
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -319,9 +348,18 @@ class Sampler:
         raw = self._trim(logits)
         B, V = raw.shape
         device = raw.device
-        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        if meta.grammars is not None and any(g is not None for g in meta.grammars):
+            from rlserve.engine.structured import apply_grammar_masks
+
+            raw = apply_grammar_masks(raw.clone(), meta.grammars)
+        mode = self.logprobs_mode
+        scores = raw if mode == "raw_logits" else torch.log_softmax(raw, dim=-1) if mode == "raw_logprobs" else None
 
         processed, greedy_tokens = self.process_logits(raw, meta)
+        if mode == "processed_logits":
+            scores = processed
+        elif mode == "processed_logprobs":
+            scores = torch.log_softmax(processed, dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):
             token_ids = greedy_tokens
@@ -349,13 +387,13 @@ class Sampler:
                 gmask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
                 token_ids = torch.where(gmask, greedy_tokens, token_ids)
 
-        sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        sampled_logprobs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         K = max((p.logprobs or 0) for p in params) if params else 0
         K = min(K, V)
         if K > 0:
-            topk_logprobs, topk_ids = raw_logprobs.topk(K, dim=-1, sorted=True)
+            topk_logprobs, topk_ids = scores.topk(K, dim=-1, sorted=True)
         else:
-            topk_logprobs = raw_logprobs.new_empty(B, 0)
+            topk_logprobs = scores.new_empty(B, 0)
             topk_ids = torch.empty(B, 0, dtype=torch.long, device=device)
         return SamplerOutput(
             token_ids=token_ids,
@@ -368,27 +406,39 @@ class Sampler:
 # --------------------------------------------------------------------------- prompt logprobs
 
 
-def logprob_dicts(
-    logits: torch.Tensor, target_ids: list[int], num_top: int
-) -> list[dict[int, float]]:
-    """Per-position ``{target token: logprob, top-k tokens: logprobs}`` (raw, float32).
+def _scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """Prompt scores: the logits themselves in the ``*_logits`` modes, else ``log_softmax``
+    (prompt tokens skip the sampling steps, so raw and processed are the same: vLLM's rule)."""
+    return logits.float() if mode.endswith("_logits") else torch.log_softmax(logits.float(), dim=-1)
+
+
+def ranked_logprob_dicts(
+    logits: torch.Tensor, target_ids: list[int], num_top: int, mode: str = "raw_logprobs"
+) -> tuple[list[dict[int, float]], list[int]]:
+    """Per-position ``{target token: score, top-k tokens: scores}`` and the target's rank.
 
     Args:
         logits: ``[N, V]`` logits; row ``i`` predicts ``target_ids[i]``.
         target_ids: ``N`` token ids.
         num_top: number of top alternatives (0 = only the target).
+        mode: a ``logprobs_mode`` (:data:`LOGPROBS_MODES`): scores are logprobs or logits.
     Returns:
-        ``N`` dicts; the target comes first, then the top-k in descending order (a target
-        that is also in the top-k appears once). One host transfer in total.
+        ``(dicts, ranks)``: ``N`` dicts, the target first, then the top-k in descending order
+        (a target that is also in the top-k appears once); ``ranks[i]`` is the target's
+        1-based rank in its row, ``#{tokens scoring >= it}`` (vLLM's
+        ``batched_count_greater_than``). The top-k entries' ranks are their positions
+        ``1..k``. One host transfer in total.
     """
     N = len(target_ids)
     if N == 0:
-        return []
+        return [], []
     if logits.shape[0] != N:
         raise ValueError(f"logits have {logits.shape[0]} rows, expected {N}")
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = _scores(logits, mode)
     tgt = torch.tensor(target_ids, dtype=torch.long, device=lp.device)
-    tgt_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
+    tgt_col = lp.gather(1, tgt.unsqueeze(1))
+    ranks = (lp >= tgt_col).sum(dim=-1).tolist()
+    tgt_lp = tgt_col.squeeze(1).tolist()
     k = min(int(num_top or 0), lp.shape[1])
     if k > 0:
         top_lp, top_ids = lp.topk(k, dim=-1)
@@ -400,12 +450,20 @@ def logprob_dicts(
             for tid, v in zip(top_ids[i], top_lp[i]):
                 d.setdefault(tid, v)
         out.append(d)
-    return out
+    return out, [int(r) for r in ranks]
+
+
+def logprob_dicts(
+    logits: torch.Tensor, target_ids: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """:func:`ranked_logprob_dicts` without the ranks (raw logprobs)."""
+    return ranked_logprob_dicts(logits, target_ids, num_top)[0]
 
 
 def compute_prompt_logprobs(
-    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int
-) -> list[dict[int, float] | None]:
+    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int, mode: str = "raw_logprobs",
+    with_ranks: bool = False,
+):
     """vLLM-format prompt logprobs.
 
     Args:
@@ -413,11 +471,16 @@ def compute_prompt_logprobs(
             predicts prompt token ``i+1``).
         prompt_token_ids: the ``P`` prompt ids.
         num_top: top alternatives per position (``SamplingParams.prompt_logprobs``).
+        mode: the server's ``logprobs_mode`` (logits in the ``*_logits`` modes, else logprobs).
+        with_ranks: also return the prompt tokens' ranks.
     Returns:
         ``P`` entries: ``None`` for the first token, then per token a dict holding the
-        actual token's logprob and the ``num_top`` most likely tokens' logprobs (raw
-        ``log_softmax``). For chunked prefill, call :func:`logprob_dicts` per chunk.
+        actual token's score and the ``num_top`` best tokens' scores; with ``with_ranks``,
+        ``(entries, ranks)`` where ``ranks`` is ``[None, rank of token 1, ...]``.
     """
     if not prompt_token_ids:
-        return []
-    return [None, *logprob_dicts(logits, list(prompt_token_ids[1:]), num_top)]
+        return ([], []) if with_ranks else []
+    dicts, ranks = ranked_logprob_dicts(logits, list(prompt_token_ids[1:]), num_top, mode)
+    if with_ranks:
+        return [None, *dicts], [None, *ranks]
+    return [None, *dicts]

@@ -9,6 +9,49 @@ from rlserve.errors import InvalidRequestError
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema, serialised as a string (the output is a JSON value it accepts).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF (GBNF) grammar whose root rule the output matches.
+        json_object: any JSON object.
+
+    Enforced by :mod:`rlserve.engine.structured` as a mask on the logits; the output ends
+    (finish reason ``stop``) with the EOS token once the constraint is complete.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                + (", ".join(given) if given else "none"))
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
@@ -34,6 +77,8 @@ class SamplingParams:
         prompt_logprobs: same, for prompt tokens.
         skip_special_tokens: drop special tokens from the text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        structured_outputs: constrain the output to a regex / JSON schema / choice / grammar
+            (:class:`StructuredOutputsParams`); None: unconstrained.
     """
 
     n: int = 1
@@ -54,6 +99,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -48,6 +48,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.detokenizer = None  # set by the engine
+        self.grammar = None  # structured-output state (rlserve.engine.structured.GrammarState), set by the engine
         self.num_preemptions = 0
 
     def __len__(self) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Optional
+from typing import Literal, Optional
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,47 +19,11 @@ from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
+from rlserve.server.server_info import _world_size, server_info
 from rlserve.server.weight_routes import error_response
 from rlserve.server.state import ServerState, finite
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-def _world_size(state: ServerState) -> int:
-    cfg = state.aengine.config
-    return int(cfg.tensor_parallel_size) * int(cfg.data_parallel_size)
-
-
-def _dtype_name(state: ServerState) -> str:
-    dt = getattr(state.aengine.engine, "dtype", None)
-    return str(dt).replace("torch.", "") if dt is not None else str(state.aengine.config.dtype)
-
-
-def server_info(state: ServerState) -> dict:
-    """What ``GET /server_info`` answers."""
-    cfg = state.aengine.config
-    eng = state.aengine.engine
-    return {
-        "model": state.settings.model,
-        "served_model_name": state.model_name,
-        "served_model_names": list(state.settings.served_model_names),
-        "version": rlserve.__version__,
-        "rlserve_version": rlserve.__version__,
-        "weight_version": state.aengine.weight_version,
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "data_parallel_size": cfg.data_parallel_size,
-        "world_size": _world_size(state),
-        "dtype": _dtype_name(state),
-        "quantization": cfg.quantization,
-        "device": str(getattr(eng, "device", cfg.device)),
-        "max_model_len": state.max_model_len,
-        "vocab_size": state.vocab_size,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
-        "weight_transfer_config": state.settings.weight_transfer_config,
-        "weight_staging": state.settings.weight_staging,
-        "is_paused": state.aengine.is_paused(),
-        "unavailable_reason": state.aengine.unavailable_reason,
-    }
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"}
 
 
 def make_public_router(state: ServerState) -> APIRouter:
@@ -84,8 +48,9 @@ def make_public_router(state: ServerState) -> APIRouter:
     router.add_api_route("/get_world_size/", get_world_size, methods=["GET"], include_in_schema=False)
 
     @router.get("/server_info")
-    async def get_server_info():
-        return server_info(state)
+    async def get_server_info(config_format: Optional[Literal["text", "json"]] = Query(None)):
+        """rlserve's fields plus ``vllm_config`` (see :mod:`rlserve.server.server_info`)."""
+        return server_info(state, config_format)
 
     @router.get("/version")
     async def version():
@@ -148,7 +113,7 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         await state.aengine.reset_prefix_cache()
-        return {"status": "ok"}
+        return {"status": "ok", "success": True}
 
     @router.post("/reset_prefix_cache/", include_in_schema=False)
     async def reset_prefix_cache_trl():
@@ -192,8 +157,6 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         state.check_available()
         if body.images:
             raise APIError(400, "images are not supported", param="images")
-        if body.guided_decoding_regex:
-            raise APIError(400, "guided decoding is not supported", param="guided_decoding_regex")
         prompts = body.prompt_ids if body.prompt_ids is not None else body.prompts
         if not prompts:
             raise APIError(400, "prompts (or prompt_ids) must be a non-empty list", param="prompts")
@@ -202,10 +165,10 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         if unknown:
             raise APIError(400, f"unknown generation_kwargs {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}",
                            param="generation_kwargs")
-        state.check_logprobs(body.logprobs, "logprobs")
+        lp_k = state.check_logprobs(body.logprobs, "logprobs")
         fields = dict(n=body.n, repetition_penalty=body.repetition_penalty, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, max_tokens=body.max_tokens,
-                      logprobs=body.logprobs)
+                      logprobs=lp_k, structured_outputs=await state.structured_outputs(body))
         fields.update(extra)
         state.limits.check_sequences(len(prompts), fields.get("n"), param="prompts")
         items = []

@@ -4,6 +4,10 @@ Every error the server returns goes through here, so clients written for the Ope
 (the official ``openai`` package included) parse them: it raises ``BadRequestError`` (400),
 ``AuthenticationError`` (401), ``PermissionDeniedError`` (403), ``NotFoundError`` (404),
 ``ConflictError`` (409), ``InternalServerError`` (500, 503).
+
+``code`` is always a string (OpenAI's schema: a string or null): the route's own code where it
+has one (``model_not_found``, ``context_length_exceeded``, ``unknown_field`` ...), else the
+status's default from :data:`DEFAULT_CODES`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,30 @@ _TYPES = {
     422: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
+
+#: the ``code`` of an error whose raiser gave none (by HTTP status)
+DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limited",
+    499: "client_closed_request",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def default_code(status: int) -> str:
+    """The string ``code`` for an error of ``status`` that carries no code of its own."""
+    return DEFAULT_CODES.get(status, "error" if status >= 500 else "invalid_request")
 
 
 class APIError(Exception):
@@ -47,23 +74,29 @@ class APIError(Exception):
         status: HTTP status code.
         message: human-readable explanation (what was wrong and how to fix it).
         param: the offending request field, if any.
-        code: machine-readable code (e.g. "model_not_found", "invalid_api_key").
+        code: machine-readable code (e.g. "model_not_found", "invalid_api_key"); default
+            from the status (:func:`default_code`).
         type: error type (default from the status).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = str(code) if code is not None else default_code(status)
         self.type = type or _TYPES.get(status, "error")
+
+    def body(self) -> dict:
+        """``{"error": {message, type, param, code}}`` (also what an SSE stream sends in-band)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_body(status: int, message: str, param=None, code=None, type: str | None = None) -> dict:
+    """The OpenAI-shaped body of an error; ``code`` defaults to :func:`default_code` of the status."""
     return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
-                      "code": code if code is not None else status}}
+                      "code": str(code) if code is not None else default_code(status)}}
 
 
 #: the weight-transfer control routes, served only with --weight-transfer-config
@@ -121,14 +154,24 @@ def _loc_to_param(loc) -> str | None:
     return ".".join(parts) if parts else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """``(message, param, code)`` of a request that failed pydantic validation. An unknown
+    field (pydantic ``extra_forbidden``) is ``unknown_field`` and named first; a missing one
+    ``missing_field``; anything else ``invalid_value``."""
     errors = exc.errors()
     if not errors:
-        return "invalid request", None
+        return "invalid request", None, "invalid_value"
     for e in errors:
         if e.get("type") == "json_invalid":
             ctx = e.get("ctx") or {}
-            return f"request body is not valid JSON: {ctx.get('error', 'parse error')}", None
+            return f"request body is not valid JSON: {ctx.get('error', 'parse error')}", None, "invalid_json"
+    unknown = [".".join(filter(None, [_loc_to_param(e["loc"][:-1]), str(e["loc"][-1])]))
+               for e in errors if e.get("type") == "extra_forbidden" and e.get("loc")]
+    if unknown:
+        names = ", ".join(repr(u) for u in unknown[:5])
+        return (f"unknown field{'s' if len(unknown) > 1 else ''} {names}: rlserve does not implement "
+                f"{'them' if len(unknown) > 1 else 'it'} (see the README's list of supported request fields)",
+                unknown[0], "unknown_field")
     by_param: dict = {}
     for e in errors:
         by_param.setdefault(_loc_to_param(e.get("loc", ())), []).append(e)
@@ -143,7 +186,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             msgs.append(f"{param or 'body'}: invalid type or value (got {got_s})")
         else:
             msgs.append(f"{param or 'body'}: {e.get('msg')} (got {got_s})")
-    return "; ".join(msgs), next(iter(by_param))
+    first = next(iter(by_param.values()))[0]
+    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
+    return "; ".join(msgs), next(iter(by_param)), code
 
 
 def _jsonable(x) -> bool:
@@ -168,8 +213,8 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(400, message, param=param)
+        message, param, code = _validation_message(exc)
+        return error_response(400, message, param=param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

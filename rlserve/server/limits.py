@@ -103,7 +103,7 @@ class RequestLimits:
                                     f"got {v}", param=name)
         for name in ("logprobs", "prompt_logprobs"):
             v = num(name)
-            if v is not None and v > self.max_logprobs:
+            if v is not None and 0 <= self.max_logprobs < v:  # --max-logprobs -1: no limit
                 raise APIError(400, f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {v}",
                                param=name)
         stop = kw.get("stop")

@@ -4,12 +4,20 @@
 Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
 
 * request: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-  ``stop_token_ids``, ``return_token_ids``, ``skip_special_tokens``,
-  ``include_stop_str_in_output``, ``prompt_logprobs`` (completions), ``chat_template_kwargs``.
+  ``stop_token_ids``, ``return_token_ids``, ``return_tokens_as_token_ids``,
+  ``skip_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+  ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` / ``json_object``;
+  OpenAI's ``response_format`` too), ``add_special_tokens``; completions: ``prompt_logprobs``;
+  chat: ``chat_template``, ``chat_template_kwargs``, ``tools`` with ``tool_choice: "none"``
+  (rendered into the prompt by the template; no tool-call parsing).
 * response: ``weight_version`` (on the response and on every choice: the weights that
   produced the last token), ``weight_versions`` (every version seen while generating: more
   than one when a request spanned an update), ``stop_reason``; with ``return_token_ids``:
-  ``token_ids`` per choice and ``prompt_token_ids``.
+  ``token_ids`` per choice and ``prompt_token_ids``; ``prompt_logprobs`` in vLLM's form
+  (``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``).
+
+Any other field is a 400 naming it (``code`` ``unknown_field``); ``model`` may be omitted (one
+model is served).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlserve.server.errors import APIError, exception_to_error
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.state import ServerState, finite
+from rlserve.server.state import ServerState
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for a gone client
 
@@ -140,8 +148,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_logprobs=None):
+def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_logprobs=None, structured=None):
     return state.sampling_params(
+        structured_outputs=structured,
         n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, max_tokens=max_tokens,
@@ -156,6 +165,18 @@ def _reject_unsupported(body) -> None:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.n is not None and body.n < 1:
         raise APIError(400, f"n must be >= 1, got {body.n}", param="n")
+
+
+def _check_tools(body) -> None:
+    """``tools`` are rendered into the prompt by the chat template; rlserve parses no tool calls
+    out of the output, so only ``tool_choice: "none"`` (what TRL sends) is accepted with them."""
+    if body.tool_choice is not None and body.tool_choice != "none":
+        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported: rlserve parses no tool calls; "
+                            "send tool_choice \"none\" to have the tools rendered into the prompt",
+                       param="tool_choice")
+    if body.tools and body.tool_choice is None:
+        raise APIError(400, "tools need tool_choice \"none\": rlserve renders the tools into the prompt but parses "
+                            "no tool calls out of the output", param="tool_choice")
 
 
 def _normalize_prompts(prompt) -> list:
@@ -194,19 +215,22 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of is not supported (it must be absent or equal n)", param="best_of")
-        state.check_logprobs(body.logprobs, "logprobs")
-        state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        lp_k = state.check_logprobs(body.logprobs, "logprobs")
+        plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
+        structured = await state.structured_outputs(body)
         prompts = _normalize_prompts(body.prompt)
         state.limits.check_sequences(len(prompts), body.n)
         items = []  # (prompt text, prompt ids, params)
         for p in prompts:
-            ids = state.tokenize(p)
+            ids = state.tokenize(p, add_special_tokens=body.add_special_tokens)
+            if body.truncate_prompt_tokens is not None:
+                ids = state.truncate(ids, body.truncate_prompt_tokens)
             max_tokens = state.check_length(len(ids), body.max_tokens)
-            prompt_lps = body.prompt_logprobs
-            if body.echo and body.logprobs is not None:
-                prompt_lps = max(prompt_lps or 0, body.logprobs)
-            params = _common_params(state, body, max_tokens, body.logprobs, prompt_lps)
-            text = p if isinstance(p, str) else None
+            prompt_lps = plp_k
+            if body.echo and lp_k is not None:
+                prompt_lps = max(prompt_lps or 0, lp_k)
+            params = _common_params(state, body, max_tokens, lp_k, prompt_lps, structured)
+            text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
             items.append((text, ids, params))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -215,6 +239,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         def prompt_text(i):
             text = items[i][0]
             return text if text is not None else state.tokenizer.decode(items[i][1])
+
+        as_ids = body.return_tokens_as_token_ids
 
         def gens(stream: bool):
             return [state.generate(ids, params, f"{rid}-{i}", "completions", stream=stream)
@@ -243,16 +269,18 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                     text = ptext + text
                     if body.logprobs is not None:
                         plps = out.prompt_logprobs or [None] * len(ids)
-                        lp = state.completion_logprobs(list(ids) + list(c.token_ids), list(plps) + list(c.logprobs or []))
+                        lp = state.completion_logprobs(list(ids) + list(c.token_ids), list(plps) + list(c.logprobs or []),
+                                                       as_ids=as_ids)
                 elif body.logprobs is not None:
-                    lp = state.completion_logprobs(c.token_ids, c.logprobs)
+                    lp = state.completion_logprobs(c.token_ids, c.logprobs, as_ids=as_ids)
                 choice = {"index": i * n + c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "weight_version": getattr(out, "weight_version", None)}
                 if body.return_token_ids:
                     choice["prompt_token_ids"] = list(ids)
                     choice["token_ids"] = list(c.token_ids)
                 if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                    choice["prompt_logprobs"] = state.prompt_logprobs_json(
+                        ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None), as_ids)
                 choices.append(choice)
         version, versions = _versions(finals)
         return JSONResponse({
@@ -271,11 +299,11 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         _reject_unsupported(body)
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        if body.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        _check_tools(body)
         if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        state.check_logprobs(body.top_logprobs, "top_logprobs")
+        top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
+        structured = await state.structured_outputs(body)
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content
@@ -295,26 +323,32 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         kwargs = dict(body.chat_template_kwargs or {})
         if body.continue_final_message:
             kwargs["continue_final_message"] = True
+        if body.tools:
+            kwargs["tools"] = body.tools
+        if body.chat_template is not None:
+            kwargs["chat_template"] = body.chat_template
         try:
             prompt = state.tokenizer.apply_chat_template(
                 messages, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt and not body.continue_final_message, **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
             raise APIError(400, f"could not apply the chat template: {type(e).__name__}: {e}",
-                           param="messages") from None
-        ids = state.tokenize(prompt, param="messages", add_special_tokens=False)
+                           param="chat_template" if body.chat_template is not None else "messages") from None
+        ids = state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
+        if body.truncate_prompt_tokens is not None:
+            ids = state.truncate(ids, body.truncate_prompt_tokens)
         max_tokens = state.check_length(
             len(ids), body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        params = _common_params(state, body, max_tokens, k)
+        k = top_k if body.logprobs else None
+        params = _common_params(state, body, max_tokens, k, structured=structured)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         gen = state.generate(ids, params, rid, "chat", stream=body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream_chat(state, body, ids, rid, created, model, include_usage, gen),
+                _stream_chat(state, body, ids, rid, created, model, include_usage, gen, top_k),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             (out,) = await unless_disconnected(raw, collect_final([gen]))
@@ -325,8 +359,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             choice = {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": state.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0) if body.logprobs
-                else None,
+                "logprobs": state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
+                if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                 "weight_version": getattr(out, "weight_version", None),
             }
@@ -344,12 +378,6 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         return JSONResponse(resp)
 
     return router
-
-
-def _prompt_logprobs_json(plps):
-    if plps is None:
-        return None
-    return [None if d is None else {str(t): finite(lp) for t, lp in d.items()} for d in plps]
 
 
 async def _stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
@@ -385,7 +413,8 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
                     if first and body.echo:
                         plps = out.prompt_logprobs or [None] * len(ids)
                         lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
-                    lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0))
+                    lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0),
+                                                   as_ids=body.return_tokens_as_token_ids)
                     if lp["tokens"]:
                         text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_text[idx] = len(c.text)
@@ -398,6 +427,10 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
                     choice["token_ids"] = delta_ids
                     if first:
                         choice["prompt_token_ids"] = list(ids)
+                if first and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = state.prompt_logprobs_json(
+                        ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
+                        body.return_tokens_as_token_ids)
                 if c.finish_reason is not None:
                     done.add(idx)
                 choices.append(choice)
@@ -411,14 +444,14 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
                                                           sum(completion_tokens.values()))))
     except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
         err = exception_to_error(e)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield sse(err.body())
     finally:
         await agen.aclose()
     yield SSE_DONE
 
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model, include_usage,
-                       gen) -> AsyncIterator[str]:
+                       gen, top_k: int = 0) -> AsyncIterator[str]:
     """SSE chunks of a chat stream: a role delta per choice first, then content deltas."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     n = body.n
@@ -457,7 +490,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
                 delta = {"content": delta_text} if delta_text else {}
                 choice = {"index": i, "delta": delta,
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
-                                                          body.top_logprobs or 0) if body.logprobs else None,
+                                                          top_k, body.return_tokens_as_token_ids)
+                          if body.logprobs else None,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                           "weight_version": getattr(out, "weight_version", None)}
                 if body.return_token_ids:
@@ -473,7 +507,7 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
             yield sse(dict(base, choices=[], usage=_usage(len(ids), completion_tokens)))
     except Exception as e:  # noqa: BLE001
         err = exception_to_error(e)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield sse(err.body())
     finally:
         await agen.aclose()
     yield SSE_DONE

@@ -1,5 +1,10 @@
-"""Request bodies of the HTTP API (pydantic). Unknown fields are ignored, as OpenAI's own
-clients send fields a server may not know; mistyped known fields are a 400."""
+"""Request bodies of the HTTP API (pydantic).
+
+Every body is strict: a field rlserve does not implement is a 400 naming it (``code``
+``unknown_field``), never silently ignored; a mistyped known field is a 400 too. The fields
+accepted are OpenAI's plus the vLLM extensions rlserve implements (vLLM's names). ``model`` may
+be left out: one model is served, and a request without ``model`` goes to it.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,38 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Body):
+    """vLLM (0.24+) ``structured_outputs``: exactly one of ``json`` (a JSON schema, as an object
+    or a string), ``regex``, ``choice`` (the output is one of the strings), ``grammar`` (EBNF /
+    GBNF) or ``json_object: true`` (any JSON object). Applied as a logits mask in the sampler."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
+class JSONSchemaFormat(_Body):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema`` (structured)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
 
 
 class _SamplingFields(_Body):
@@ -42,6 +73,10 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    return_tokens_as_token_ids: bool = False
+    structured_outputs: Optional[StructuredOutputs] = None
+    response_format: Optional[ResponseFormat] = None
+    truncate_prompt_tokens: Optional[int] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -55,9 +90,12 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None
+    add_special_tokens: bool = True
 
 
-class ContentPart(_Body):
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # non-text parts are refused by the route, naming their type
+
     type: str
     text: Optional[str] = None
 
@@ -80,8 +118,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    add_special_tokens: bool = False
 
 
 class TRLGenerateRequest(_Body):

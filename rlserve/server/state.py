@@ -4,6 +4,7 @@ parameters, logprob formatting)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import math
@@ -156,9 +157,68 @@ class ServerState:
                            param=param, code="context_length_exceeded")
         return max_tokens
 
-    def check_logprobs(self, k: int | None, param: str) -> None:
-        if k is not None and not 0 <= k <= self.max_logprobs:
-            raise APIError(400, f"{param} must be in [0, {self.max_logprobs}], got {k}", param=param)
+    def check_logprobs(self, k: int | None, param: str) -> int | None:
+        """Returns the number of alternatives to compute (``-1``, allowed with ``--max-logprobs
+        -1``, = the whole vocabulary). Raises APIError 400 outside ``[0, max_logprobs]``."""
+        if k is None:
+            return None
+        if self.max_logprobs == -1:
+            if k < -1:
+                raise APIError(400, f"{param} must be >= 0, or -1 for the whole vocabulary; got {k}", param=param)
+            return self.vocab_size if k == -1 else min(k, self.vocab_size)
+        if not 0 <= k <= self.max_logprobs:
+            raise APIError(400, f"{param} must be in [0, {self.max_logprobs}] (the server's --max-logprobs), got {k}",
+                           param=param)
+        return k
+
+    def truncate(self, ids: list[int], k: int | None, param: str = "truncate_prompt_tokens") -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` prompt tokens (``-1``: the last
+        ``max_model_len``). Raises APIError 400 for ``k`` < -1 or 0."""
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        if k < 1:
+            raise APIError(400, f"{param} must be >= 1, or -1 for max_model_len; got {k}", param=param)
+        return ids[-k:]
+
+    async def structured_outputs(self, body, param: str = "structured_outputs"):
+        """The request's output constraint as :class:`StructuredOutputsParams` (from vLLM's
+        ``structured_outputs``, OpenAI's ``response_format``, or TRL's ``guided_decoding_regex``),
+        compiled once here (off the event loop) so that a bad regex / schema / grammar is a 400
+        naming the field before anything is queued. None: unconstrained."""
+        from rlserve.engine.structured import structured_from_request
+
+        spec_obj = None
+        so = getattr(body, "structured_outputs", None)
+        if so is not None:
+            spec_obj = so.model_dump(by_alias=True, exclude_none=True)
+        rf = getattr(body, "response_format", None)
+        if rf is not None and rf.type != "text":
+            if spec_obj is not None:
+                raise APIError(400, "give structured_outputs or response_format, not both", param="response_format")
+            param = "response_format"
+            if rf.type == "json_object":
+                spec_obj = {"json_object": True}
+            else:
+                schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+                if schema is None:
+                    raise APIError(400, "response_format json_schema needs json_schema.schema",
+                                   param="response_format.json_schema")
+                spec_obj = {"json": schema}
+        regex = getattr(body, "guided_decoding_regex", None)
+        if regex is not None:
+            param = "guided_decoding_regex"
+            spec_obj = {"regex": regex}
+        if spec_obj is None:
+            return None
+        try:
+            spec = structured_from_request(spec_obj)
+            compiler = self.aengine.engine.grammar_compiler()
+            await asyncio.to_thread(compiler.compile, spec)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=param) from None
+        return spec
 
     def sampling_params(self, **kw) -> SamplingParams:
         """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400;
@@ -185,14 +245,21 @@ class ServerState:
                 self._token_text[token_id] = s
         return s
 
-    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0) -> dict:
+    def token_label(self, token_id: int, as_ids: bool = False) -> str:
+        """How a token is named in logprobs: its text, or ``"token_id:<id>"`` with vLLM's
+        ``return_tokens_as_token_ids`` (unambiguous where several ids decode alike)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
+    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0, as_ids: bool = False) -> dict:
         """OpenAI completions ``logprobs`` object for ``token_ids``; ``logprobs[i]`` is
-        ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token)."""
+        ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token). ``as_ids``:
+        tokens and ``top_logprobs`` keys are ``"token_id:<id>"`` (``text_offset`` still counts
+        characters of the text)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = text_offset0
         for tid, d in zip(token_ids, logprobs or []):
             s = self.token_text(tid)
-            tokens.append(s)
+            tokens.append(self.token_label(tid, as_ids))
             offsets.append(pos)
             pos += len(s)
             if d is None:
@@ -202,27 +269,50 @@ class ServerState:
             token_lps.append(finite(d.get(tid)))
             top = {}
             for t, lp in sorted(d.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_text(t), finite(lp))
+                top.setdefault(self.token_label(t, as_ids), finite(lp))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(self, token_ids, logprobs, top_k: int) -> dict:
-        """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def chat_logprobs(self, token_ids, logprobs, top_k: int, as_ids: bool = False) -> dict:
+        """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+        ``as_ids``: every ``token`` is ``"token_id:<id>"`` (``bytes`` stay the token's text)."""
         content = []
         for tid, d in zip(token_ids, logprobs or []):
-            s = self.token_text(tid)
             d = d or {}
             top = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
             content.append({
-                "token": s,
+                "token": self.token_label(tid, as_ids),
                 "logprob": finite(d.get(tid, float("-inf"))),
-                "bytes": list(s.encode("utf-8")),
+                "bytes": list(self.token_text(tid).encode("utf-8")),
                 "top_logprobs": [
-                    {"token": self.token_text(t), "logprob": finite(lp), "bytes": list(self.token_text(t).encode("utf-8"))}
+                    {"token": self.token_label(t, as_ids), "logprob": finite(lp),
+                     "bytes": list(self.token_text(t).encode("utf-8"))}
                     for t, lp in top
                 ],
             })
         return {"content": content}
+
+    def prompt_logprobs_json(self, prompt_ids, plps, ranks, as_ids: bool = False):
+        """vLLM's ``prompt_logprobs``: per prompt position ``None`` (the first) or
+        ``{"<id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the
+        top-k. Ranks are 1-based over the whole vocabulary: the prompt token's from the engine,
+        the others' their place in the top-k."""
+        if plps is None:
+            return None
+        out = []
+        for pos, d in enumerate(plps):
+            if d is None:
+                out.append(None)
+                continue
+            target = prompt_ids[pos] if pos < len(prompt_ids) else None
+            entry = {}
+            for place, (t, lp) in enumerate(sorted(d.items(), key=lambda kv: -kv[1]), start=1):
+                rank = place
+                if t == target and ranks is not None and pos < len(ranks) and ranks[pos] is not None:
+                    rank = int(ranks[pos])
+                entry[str(t)] = {"logprob": finite(lp), "rank": rank, "decoded_token": self.token_label(t, as_ids)}
+            out.append(entry)
+        return out
 
     # ---- generation with metrics --------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,

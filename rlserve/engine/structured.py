@@ -1,0 +1,178 @@
+"""Structured outputs (regex / JSON schema / choice / EBNF grammar) as a logits mask, through
+xgrammar (https://github.com/mlc-ai/xgrammar, the library vLLM uses by default).
+
+One :class:`GrammarCompiler` per tokenizer compiles a :class:`StructuredOutputsParams` into an
+xgrammar ``CompiledGrammar`` (cached by the constraint, so the ``n`` samples of a request and
+repeated constraints compile once). Each constrained sequence gets its own
+:class:`GrammarState` (an xgrammar ``GrammarMatcher``): before every draw the sampler asks it
+for the allowed tokens (:func:`apply_grammar_masks` sets the others to ``-inf``), and the
+engine feeds it the drawn token (:meth:`GrammarState.accept`). Once the constraint is complete
+the only allowed tokens are the EOS ids, so the sequence ends with finish reason ``stop``.
+
+xgrammar is an optional dependency (``pip install rlserve[structured]``); without it a
+constrained request is refused with :class:`~rlserve.errors.InvalidRequestError` naming the
+package. The mask is applied with plain torch ops on the logits' device (no Triton/CUDA kernel
+needed): xgrammar's bitmask is ``int32 [B, ceil(V / 32)]``, bit ``j`` of word ``w`` = token
+``32 w + j`` allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+
+from rlserve.engine.sampling_params import StructuredOutputsParams
+from rlserve.errors import InvalidRequestError
+
+_CACHE_SIZE = 256  # compiled grammars kept per compiler (a JSON schema's is a few hundred kB at most)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequestError(
+            "structured_outputs needs the xgrammar package on the server: pip install 'rlserve[structured]'"
+        ) from None
+    return xgrammar
+
+
+def _regex_escape(s: str) -> str:
+    out = []
+    for ch in s:
+        out.append("\\" + ch if ch in r".^$*+?{}[]\|()/" else ch)
+    return "".join(out)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer (thread-safe; compiled grammars cached).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (fast or slow).
+        vocab_size: the number of logits columns the sampler sees (the model's real vocabulary;
+            tokens beyond the tokenizer's are never allowed).
+        eos_token_ids: the ids that end a sequence (allowed once the constraint is complete).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._cache: OrderedDict = OrderedDict()
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.eos_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The xgrammar ``CompiledGrammar`` of ``spec``.
+
+        Raises:
+            InvalidRequestError: xgrammar is not installed, or the regex / schema / grammar is
+                invalid (the message names the field and xgrammar's reason).
+        """
+        key = (spec.kind, spec.json, spec.regex, spec.choice, spec.grammar)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            compiler = self._get_compiler()
+            kind = spec.kind
+            try:
+                if kind == "json":
+                    compiled = compiler.compile_json_schema(spec.json)
+                elif kind == "json_object":
+                    compiled = compiler.compile_builtin_json_grammar()
+                elif kind == "regex":
+                    compiled = compiler.compile_regex(spec.regex)
+                elif kind == "choice":
+                    compiled = compiler.compile_regex("(" + "|".join(_regex_escape(c) for c in spec.choice) + ")")
+                else:
+                    compiled = compiler.compile_grammar(spec.grammar)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {e}") from None
+            self._cache[key] = compiled
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def new_state(self, spec: StructuredOutputsParams) -> "GrammarState":
+        """A fresh matcher for one sequence (compiles ``spec`` on a cache miss)."""
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+class GrammarState:
+    """The constraint's state for one sequence (an xgrammar ``GrammarMatcher``).
+
+    Attributes:
+        vocab_size: logits columns the mask covers.
+    """
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (``int32 [B, ceil(V/32)]``, CPU)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False when the constraint does not allow it (then the
+        state is unchanged)."""
+        return bool(self.matcher.accept_token(int(token_id)))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The constraint is complete and its end (an EOS id) was accepted."""
+        return bool(self.matcher.is_terminated())
+
+
+def apply_grammar_masks(logits: torch.Tensor, states: list) -> torch.Tensor:
+    """In place: ``-inf`` at every token the row's constraint does not allow next.
+
+    Args:
+        logits: ``[B, V]`` float32 (any device).
+        states: ``B`` entries, a :class:`GrammarState` or None (unconstrained row).
+    Returns:
+        ``logits``. One host-to-device copy of the packed mask (``B x ceil(V/32)`` int32).
+    """
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return logits
+    B, V = logits.shape
+    words = (V + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        states[i].fill_mask(bitmask, j)
+    bm = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), words * 32)[:, :V]
+    idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)
+    return logits
+
+
+def structured_from_request(obj: dict | None) -> StructuredOutputsParams | None:
+    """The vLLM request field ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar"
+    | "json_object": ...}``) as :class:`StructuredOutputsParams`; a JSON schema given as an object
+    is serialised. Raises InvalidRequestError for none or several constraints."""
+    if obj is None:
+        return None
+    schema = obj.get("json")
+    if schema is not None and not isinstance(schema, str):
+        schema = json.dumps(schema, sort_keys=True)
+    choice = obj.get("choice")
+    return StructuredOutputsParams(json=schema, regex=obj.get("regex"),
+                                   choice=tuple(choice) if choice is not None else None,
+                                   grammar=obj.get("grammar"), json_object=bool(obj.get("json_object")))

@@ -1,0 +1,117 @@
+"""``GET /server_info``: rlserve's own flat fields plus ``vllm_config``, the subset of vLLM's
+resolved ``VllmConfig`` tree (``vllm/entrypoints/serve/dev/server_info``) that clients read:
+TRL's ``VLLMClient.get_server_info()`` returns ``vllm_config`` and reads
+``weight_transfer_config`` (None = no weight sync) and ``model_config.logprobs_mode`` (GRPO's
+importance-sampling check); TRL's async trainers read ``lora_config`` and
+``parallel_config.data_parallel_size``. Field names and value sets are vLLM's; values are
+rlserve's (e.g. ``cache_config.cache_dtype`` is always "auto": the KV cache has the model's
+dtype).
+"""
+
+from __future__ import annotations
+
+import rlserve
+from rlserve.server.state import ServerState
+
+
+def _world_size(state: ServerState) -> int:
+    cfg = state.aengine.config
+    return int(cfg.tensor_parallel_size) * int(cfg.data_parallel_size)
+
+
+def _dtype_name(state: ServerState) -> str:
+    dt = getattr(state.aengine.engine, "dtype", None)
+    return str(dt).replace("torch.", "") if dt is not None else str(state.aengine.config.dtype)
+
+
+def vllm_config(state: ServerState) -> dict:
+    """The ``vllm_config`` object (JSON-ready)."""
+    cfg = state.aengine.config
+    eng = state.aengine.engine
+    return {
+        "model_config": {
+            "model": state.settings.model,
+            "tokenizer": cfg.tokenizer or cfg.model,
+            "served_model_name": state.model_name,
+            "dtype": _dtype_name(state),
+            "max_model_len": state.max_model_len,
+            "max_logprobs": state.max_logprobs,
+            "logprobs_mode": getattr(cfg, "logprobs_mode", "raw_logprobs"),
+            "seed": cfg.seed,
+            "quantization": cfg.quantization,
+            "enforce_eager": cfg.enforce_eager,
+            "skip_tokenizer_init": cfg.skip_tokenizer_init,
+            "trust_remote_code": False,
+            "revision": None,
+            "runner_type": "generate",
+            "model_impl": "auto",
+            "vocab_size": state.vocab_size,
+        },
+        "cache_config": {
+            "block_size": cfg.block_size,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "cache_dtype": "auto",
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+        },
+        "parallel_config": {
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "data_parallel_size": cfg.data_parallel_size,
+            "pipeline_parallel_size": 1,
+            "world_size": _world_size(state),
+            "distributed_executor_backend": "mp" if _world_size(state) > 1 else "uni",
+        },
+        "scheduler_config": {
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_model_len": state.max_model_len,
+        },
+        "device_config": {"device": str(getattr(eng, "device", cfg.device))},
+        "load_config": {"load_format": cfg.load_format},
+        "lora_config": None,
+        "speculative_config": None,
+        "structured_outputs_config": {"backend": "xgrammar"},
+        "weight_transfer_config": state.settings.weight_transfer_config,
+    }
+
+
+def _text(tree: dict, prefix: str = "") -> str:
+    """vLLM's ``config_format=text`` rendering: ``key=value`` pairs, nested with dots."""
+    parts = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            parts.append(_text(v, f"{prefix}{k}."))
+        else:
+            parts.append(f"{prefix}{k}={v!r}")
+    return ", ".join(parts)
+
+
+def server_info(state: ServerState, config_format: str | None = None) -> dict:
+    """What ``GET /server_info`` answers. ``config_format``: absent or "json" give
+    ``vllm_config`` as an object; "text" as vLLM's one-line string."""
+    cfg = state.aengine.config
+    eng = state.aengine.engine
+    vc = vllm_config(state)
+    return {
+        "model": state.settings.model,
+        "served_model_name": state.model_name,
+        "served_model_names": list(state.settings.served_model_names),
+        "version": rlserve.__version__,
+        "rlserve_version": rlserve.__version__,
+        "weight_version": state.aengine.weight_version,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "data_parallel_size": cfg.data_parallel_size,
+        "world_size": _world_size(state),
+        "dtype": _dtype_name(state),
+        "quantization": cfg.quantization,
+        "device": str(getattr(eng, "device", cfg.device)),
+        "max_model_len": state.max_model_len,
+        "vocab_size": state.vocab_size,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "logprobs_mode": vc["model_config"]["logprobs_mode"],
+        "max_logprobs": state.max_logprobs,
+        "weight_transfer_config": state.settings.weight_transfer_config,
+        "weight_staging": state.settings.weight_staging,
+        "is_paused": state.aengine.is_paused(),
+        "unavailable_reason": state.aengine.unavailable_reason,
+        "vllm_config": _text(vc) if config_format == "text" else vc,
+    }
