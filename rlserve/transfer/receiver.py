@@ -574,8 +574,11 @@ class WeightReceiver:
         return set(self._ipc_sets)
 
     def _map_cached(self, handle: dict, what: str) -> tuple[tuple, torch.Tensor]:
+        # "export" (vLLM's handles, rlserve.transfer.vllm_ipc): its trainer exports every tensor
+        # again at each sync, and each export's IPC ref counter must be released by one rebuild
+        # (torch's rebuild_cuda_tensor does it on its own cache hit), so each export is mapped
         key = tuple(str(handle.get(k)) for k in ("handle", "device_uuid", "storage_offset_bytes",
-                                                 "tensor_offset", "size", "stride", "dtype"))
+                                                 "tensor_offset", "size", "stride", "dtype", "export"))
         t = self._ipc_cache.get(key)
         if t is None:
             t = self._ipc_cache[key] = self._map(handle, what)

@@ -25,6 +25,14 @@ Anything else in the pickle is a 400 with code ``unsafe_pickle``, before any CUD
 Not supported (400 naming it): handles for several GPUs in one dict (a multi-GPU colocated
 trainer; rlserve maps one GPU's handle per tensor), and packed offsets that are not a multiple
 of the tensor's element size.
+
+IPC reference counts: vLLM's trainer exports every tensor again at each sync (a new ref-counter
+slot each time); each handle carries ``"export"`` so the receiver maps every export once and
+torch's ``rebuild_cuda_tensor`` releases its counter (on its storage-cache hit). A packed
+buffer's views are several rebuilds of one export: torch releases that export's counter once
+per view after the first, as with any consumer that rebuilds one export twice (vLLM warns about
+it in ``PackedBufferImporter``); vLLM's producer keeps the buffer for the whole transfer and the
+server has read it before it answers.
 """
 
 from __future__ import annotations
@@ -136,6 +144,9 @@ def _one_gpu(entry: Any, where: str) -> dict:
         raise refuse(_WHAT, f"{where}: the GPU UUID must be a string")
     h = _check_args(args, where)
     h["device_uuid"] = uuid
+    # names this export (a fresh ref-counter slot per reduce_tensor call): the receiver maps each
+    # export once, so torch releases every export's counter (rlserve.transfer.receiver._map_cached)
+    h["export"] = f"{h['ref_counter_handle']}:{h['ref_counter_offset']}"
     return h
 
 
