@@ -128,6 +128,11 @@ def test_vllm_ipc_handles_translate_and_refuse(tmp_path):
     a, b = out["ipc_handles"]
     assert (a["tensor_offset"], a["dtype"], a["stride"]) == (0, "bfloat16", [4, 1])
     assert (b["tensor_offset"], b["dtype"], b["size"]) == (4, "float32", [3])  # byte 16 / 4
+    # a multi-GPU colocated trainer: one entry per GPU, each worker picks its own
+    two = base64.b64encode(pickle.dumps([{"GPU-1": _ipc_args(), "GPU-2": _ipc_args()}])).decode()
+    (h,) = translate_update_info({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]],
+                                  "ipc_handles_pickled": two})["ipc_handles"]
+    assert sorted(h["per_gpu"]) == ["GPU-1", "GPU-2"] and h["per_gpu"]["GPU-2"]["device_uuid"] == "GPU-2"
     marker = tmp_path / "pwned"
     bad_args = list(_ipc_args())
     bad_args[7] = _Evil(marker)

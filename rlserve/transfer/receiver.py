@@ -573,7 +573,22 @@ class WeightReceiver:
         """The ``ipc_handles_ref`` names this receiver can resolve."""
         return set(self._ipc_sets)
 
+    def _own_gpu_handle(self, handle: dict) -> dict:
+        """A handle with ``"per_gpu"`` (vLLM's multi-GPU colocated trainer,
+        :mod:`rlserve.transfer.vllm_ipc`): the entry of this worker's GPU. Raises WeightUpdateError."""
+        per_gpu = handle.get("per_gpu")
+        if not isinstance(per_gpu, dict):
+            return handle
+        from rlserve.transfer.ipc import device_uuid
+
+        own = device_uuid(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        if own not in per_gpu:
+            raise WeightUpdateError(f"ipc handle: none for this worker's GPU {own} (the trainer sent handles for "
+                                    f"{sorted(per_gpu)})")
+        return per_gpu[own]
+
     def _map_cached(self, handle: dict, what: str) -> tuple[tuple, torch.Tensor]:
+        handle = self._own_gpu_handle(handle)
         # "export" (vLLM's handles, rlserve.transfer.vllm_ipc): its trainer exports every tensor
         # again at each sync, and each export's IPC ref counter must be released by one rebuild
         # (torch's rebuild_cuda_tensor does it on its own cache hit), so each export is mapped

@@ -22,9 +22,10 @@ tensor (a view at the tensor's offset), so the server's per-tensor ipc path (map
 fused copy + checksum, replayed loads) serves vLLM's trainer as it serves rlserve's SDK.
 Anything else in the pickle is a 400 with code ``unsafe_pickle``, before any CUDA call.
 
-Not supported (400 naming it): handles for several GPUs in one dict (a multi-GPU colocated
-trainer; rlserve maps one GPU's handle per tensor), and packed offsets that are not a multiple
-of the tensor's element size.
+A multi-GPU colocated trainer sends one ``{uuid: args}`` entry per GPU: the handle then carries
+``"per_gpu"`` and each server worker maps its own GPU's (a worker whose GPU has none gets a 400).
+Not supported (400 naming it): packed offsets that are not a multiple of the tensor's element
+size.
 
 IPC reference counts: vLLM's trainer exports every tensor again at each sync (a new ref-counter
 slot each time); each handle carries ``"export"`` so the receiver maps every export once and
@@ -132,22 +133,29 @@ def _check_args(args: Any, where: str) -> dict:
             "event_sync_required": ev_sync}
 
 
-def _one_gpu(entry: Any, where: str) -> dict:
-    """``{gpu_uuid: args}`` -> rlserve's handle for that GPU."""
-    if not isinstance(entry, dict) or not entry:
+def _per_gpu(entry: Any, where: str) -> dict[str, dict]:
+    """``{gpu_uuid: args}`` -> ``{gpu_uuid: rlserve handle}`` (a multi-GPU colocated trainer
+    gives one entry per GPU; each server worker maps its own GPU's)."""
+    if not isinstance(entry, dict) or not 0 < len(entry) <= 64:
         raise refuse(_WHAT, f"{where}: expected {{gpu_uuid: rebuild arguments}}")
-    if len(entry) > 1:
-        raise WeightUpdateError(f"{_WHAT}: {where} has handles for {len(entry)} GPUs; rlserve maps one GPU's handle "
-                                "per tensor (a multi-GPU colocated trainer is not supported)")
-    (uuid, args), = entry.items()
-    if not isinstance(uuid, str) or not 0 < len(uuid) <= 128:
-        raise refuse(_WHAT, f"{where}: the GPU UUID must be a string")
-    h = _check_args(args, where)
-    h["device_uuid"] = uuid
-    # names this export (a fresh ref-counter slot per reduce_tensor call): the receiver maps each
-    # export once, so torch releases every export's counter (rlserve.transfer.receiver._map_cached)
-    h["export"] = f"{h['ref_counter_handle']}:{h['ref_counter_offset']}"
-    return h
+    out = {}
+    for uuid, args in entry.items():
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= 128:
+            raise refuse(_WHAT, f"{where}: the GPU UUID must be a string")
+        h = _check_args(args, where)
+        h["device_uuid"] = uuid
+        # names this export (a fresh ref-counter slot per reduce_tensor call): the receiver maps
+        # each export once, so torch releases every export's counter (receiver._map_cached)
+        h["export"] = f"{h['ref_counter_handle']}:{h['ref_counter_offset']}"
+        out[uuid] = h
+    return out
+
+
+def _merged(by_gpu: dict[str, dict]) -> dict:
+    """One rlserve handle: the only GPU's, or the first one's with ``"per_gpu"`` holding every
+    GPU's (the receiver picks the one of its worker's GPU: ``receiver._own_gpu_handle``)."""
+    first = next(iter(by_gpu.values()))
+    return first if len(by_gpu) == 1 else {**first, "per_gpu": by_gpu}
 
 
 def _contiguous_stride(shape: list[int]) -> list[int]:
@@ -228,15 +236,16 @@ def translate_update_info(update_info: Any) -> Any:
     if sizes is not None:  # packed: one buffer for the whole call
         if not isinstance(handles, dict):
             raise refuse(_WHAT, "a packed update (tensor_sizes) carries one {gpu_uuid: args} handle")
-        d["ipc_handles"] = _packed_views(_one_gpu(handles, "the packed buffer"), names, dtype_names,
-                                         [list(s) for s in shapes], sizes)
+        views = {u: _packed_views(h, names, dtype_names, [list(s) for s in shapes], sizes)
+                 for u, h in _per_gpu(handles, "the packed buffer").items()}
+        d["ipc_handles"] = [_merged({u: v[i] for u, v in views.items()}) for i in range(len(names))]
         # vLLM's packed IPC sends one call per buffer-full: each call is a part of the update
         # (names, shapes and dtypes still checked per call; finish reports whether it was full)
         d.setdefault("partial", True)
     else:
         if not isinstance(handles, list) or len(handles) != len(names):
             raise refuse(_WHAT, f"expected a list of {len(names)} {{gpu_uuid: args}} handles, one per name")
-        d["ipc_handles"] = [_one_gpu(h, f"handle {i} ({names[i]!r})") for i, h in enumerate(handles)]
+        d["ipc_handles"] = [_merged(_per_gpu(h, f"handle {i} ({names[i]!r})")) for i, h in enumerate(handles)]
     d["packed"] = False  # (vLLM's own "packed" names its buffer; rlserve now holds per-tensor handles)
     return d
 
