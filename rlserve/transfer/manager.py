@@ -20,9 +20,12 @@ Guarantees (beyond vLLM):
   ``required_checkpoint_names()`` before any byte moves (400, nothing changed);
 - a failure mid-update (trainer died, timeout, checksum mismatch, a worker raising) tears the
   group down on every worker; staged mode keeps the old weights; in-place mode marks the model
-  unavailable (``AsyncEngine.set_unavailable``: generation answers 503) if any bucket was already
-  loaded, until an update covering every required parameter commits; a fresh
-  ``init_weight_transfer_engine`` then works;
+  unavailable (``AsyncEngine.set_unavailable``: generation answers 503) if any worker may have
+  written into the parameters (its op reported ``touched``: a load began, or a direct receive
+  posted into them, even if no bucket completed; or its end was never seen), until an update
+  covering every required parameter commits; a fresh ``init_weight_transfer_engine`` then works;
+- TRL's per-tensor protocol runs as one such session per batch (first ``update_named_param``
+  to ``reset_prefix_cache``), so it gets the same guarantees;
 - an open update session that sees no call for ``timeout_s`` seconds is abandoned the same way
   (a trainer that died between calls never leaves the server paused);
 - every commit resets the prefix cache and sets the weight version (auto-incremented when the
@@ -125,7 +128,11 @@ class _Session:
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     received: set = field(default_factory=set)
-    applied: bool = False  # something was loaded in place in this session
+    applied: bool = False  # in place: the live parameters may have changed in this session
+    # in place: a receive was started whose end (and so whether it wrote into the parameters) has
+    # not been seen on every worker; a failure then counts as a changed model (see _poll_results)
+    in_doubt: bool = False
+    trl: bool = False  # a TRL batch: update_named_param ... reset_prefix_cache (see trl_update_named_param)
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
@@ -201,8 +208,6 @@ class WeightTransferManager:
         self._trl_worker: asyncio.Task | None = None
         self._trl_init_task: asyncio.Task | None = None
         self._trl_error: BaseException | None = None
-        self._trl_batch: set = set()
-        self._trl_applied = False
         self._trl_pending = 0  # update_named_param calls queued or running
 
     # ================================================================== helpers
@@ -336,8 +341,14 @@ class WeightTransferManager:
         """The op's results once every worker finished, ``None`` while some still run.
         Raises the first worker error as its rlserve class (a root cause before the aborts it
         caused elsewhere)."""
-        if session is not None and any(r.get("applied") for r in results):
-            session.applied = True
+        if session is not None:
+            # a worker that began writing into the live parameters changed the model, whether or
+            # not a bucket completed (a direct receive killed mid-bucket); one not seen to end may
+            # still write: only an op seen ended on every worker without a write is proven clean
+            if any(r.get("applied") or r.get("touched") for r in results):
+                session.applied = True
+            if all(r.get("done") for r in results):
+                session.in_doubt = False
         failed = [r for r in results if r.get("done") and not r.get("ok")]
         if failed:
             failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
@@ -418,11 +429,12 @@ class WeightTransferManager:
             except Exception:  # noqa: BLE001
                 pass
         if session is not None:
-            if self.staging == "none" and session.applied:
+            if self.staging == "none" and (session.applied or session.in_doubt):
                 await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
                                              "generation resumes once a full weight update lands")
             await self._end_session(session)
-        self._record(ok=False, error=msg, staging=self.staging, backend=self._init.backend if self._init else self.backend)
+        self._record(ok=False, error=msg, staging=self.staging, backend=self._init.backend if self._init else self.backend,
+                     **({"protocol": "trl"} if session is not None and session.trl else {}))
 
     def _arm_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
@@ -437,8 +449,12 @@ class WeightTransferManager:
             idle = time.monotonic() - s.last_activity
             if self._busy is None and idle > limit:
                 logger.error("weight update session idle for %.0f s: abandoning it", idle)
-                await self._fail(s, terr.TransferTimeoutError(
-                    f"no weight-update call for {limit:.0f} s after start_weight_update (trainer gone?)"))
+                what = "/update_named_param/ or /reset_prefix_cache/" if s.trl else "weight-update"
+                err = terr.TransferTimeoutError(f"no {what} call for {limit:.0f} s after the update started "
+                                                "(trainer gone?)")
+                if s.trl:
+                    self._trl_error = err  # the next TRL call reports it
+                await self._fail(s, err)
                 return
             await asyncio.sleep(min(5.0, max(0.05, limit / 4)))
 
@@ -515,7 +531,7 @@ class WeightTransferManager:
                 await self._rpc("abort_init", timeout_s=10.0)
             except Exception:  # noqa: BLE001
                 pass
-        if self._busy in ("update", "trl"):
+        if self._busy == "update":
             logger.warning("aborting the weight update in progress: %s", why)
             try:
                 await self._rpc("abort", timeout_s=10.0)
@@ -654,8 +670,8 @@ class WeightTransferManager:
                 # (the same tensors with the same coverage rule were validated when the ref was given)
                 validate_against_spec(info, spec, req,
                                       allowed_names=None if s.declared is None else set(s.declared.names),
-                                      already_received=s.received, check_coverage=s.declared is None,
-                                      tied=self._tied)
+                                      already_received=frozenset() if s.trl else s.received,
+                                      check_coverage=s.declared is None, tied=self._tied)
             check_transport_fields(info, self._init.backend, self._ipc_refs)
         except WeightUpdateError as e:
             # The trainer may already be broadcasting (it calls update_weights concurrently with
@@ -672,6 +688,10 @@ class WeightTransferManager:
             wire = info.to_dict()
             if meta is not None:  # the workers fill the metadata from their own record of the ref
                 wire.update(names=[], dtype_names=[], shapes=[])
+            # in place: assume the parameters change from here on until every worker's op was
+            # seen to end without writing (an error before that, e.g. a poll that timed out,
+            # counts as a changed model)
+            s.in_doubt = self.staging == "none"
             results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except BaseException as e:
@@ -784,7 +804,8 @@ class WeightTransferManager:
         total = time.monotonic() - s.started
         self._record(ok=True, weight_version=version, tensors=len(s.received), bytes=s.bytes,
                      transfer_seconds=round(s.seconds, 6), total_seconds=round(total, 6), full=full,
-                     staging=self.staging, backend=self._init.backend if self._init else self.backend)
+                     staging=self.staging, backend=self._init.backend if self._init else self.backend,
+                     **({"protocol": "trl"} if s.trl else {}))
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
                 "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,
@@ -899,7 +920,7 @@ class WeightTransferManager:
                                                "paused_by_server": s.auto_paused},
             "unavailable": getattr(self.aengine, "unavailable_reason", None),
             "trl": {"pending": self._trl_pending,
-                    "uncommitted_tensors": len(self._trl_batch),
+                    "uncommitted_tensors": len(s.received) if s is not None and s.trl else 0,
                     "error": None if self._trl_error is None else str(self._trl_error)},
             "num_updates": self.num_updates,
             "num_failures": self.num_failures,
@@ -999,9 +1020,17 @@ class WeightTransferManager:
 
     async def trl_update_named_param(self, name: str, dtype: str, shape: list[int]) -> dict:
         """TRL ``/update_named_param/``: validate (400 on a bad name / shape / dtype), queue the
-        receive, return at once; the trainer then broadcasts. Tensors are received in call order
-        and each is loaded on the engine thread between steps. A failure is reported by the next
-        TRL call (and tears the group down)."""
+        receive, return at once; the trainer then broadcasts. A failure is reported by the next
+        TRL call (and tears the group down).
+
+        The tensors up to the next ``/reset_prefix_cache/`` (:meth:`trl_flush`) form one update
+        session, opened by the first of them: each tensor is one ``update_weights`` of it and
+        the flush is its ``finish``. So a TRL batch gets the SDK's guarantees: in place, every
+        tensor is loaded into the live model with generation keep-paused from the first tensor
+        to the flush (never served part old, part new); staged, the tensors are staged and the
+        flush commits them together. A trainer that dies in between (no call for
+        ``timeout_s``) is noticed by the session watchdog: staged, nothing changed; in place,
+        503 until a full update lands once anything was loaded."""
         self._raise_trl_error()
         if self._init is None and (self._trl_init_task is None or self._trl_init_task.done()):
             raise WeightUpdateStateError("update_named_param: no communicator; call /init_communicator/ first")
@@ -1013,6 +1042,8 @@ class WeightTransferManager:
             self._trl_queue = asyncio.Queue()
         if self._trl_worker is None or self._trl_worker.done():
             self._trl_worker = asyncio.get_running_loop().create_task(self._trl_loop())
+        if self._session is not None and self._session.trl:
+            self._session.last_activity = time.monotonic()
         self._trl_pending += 1
         self._trl_queue.put_nowait(info)
         return {"message": "Request received, updating named parameter"}
@@ -1021,6 +1052,7 @@ class WeightTransferManager:
         q = self._trl_queue
         while True:
             info = await q.get()
+            failures = self.num_failures
             try:
                 if self._trl_error is not None:
                     continue  # drop the rest of a failed batch
@@ -1030,55 +1062,42 @@ class WeightTransferManager:
                     raise WeightUpdateStateError("no communicator (init failed or was closed)")
                 while self._busy is not None:
                     await asyncio.sleep(0.005)
-                self._busy = "trl"
-                try:
-                    await self._run_op("start_receive", [info.resolved(self._init).to_dict(), "device"],
-                                       self._init.timeout_s + 30, f"update_named_param({info.names[0]})")
-                    self._trl_applied = True
-                    await self._rpc("commit", timeout_s=max(self.rpc_timeout_s, self._timeout()))
-                    self._trl_batch.add(info.names[0])
-                    # no KV computed with the previous value of this tensor survives, whether or not
-                    # the trainer calls /reset_prefix_cache/ afterwards
-                    await self.aengine.reset_prefix_cache()
-                finally:
-                    self._busy = None
+                s = self._session
+                if s is None:
+                    await self.start_update(None)  # the batch's session (see trl_update_named_param)
+                    s = self._session
+                    s.trl = True
+                elif not s.trl:
+                    raise WeightUpdateStateError("update_named_param during a start_weight_update session")
+                await self.update_weights(info.to_dict())  # a failure runs the session's failure path
             except BaseException as e:  # noqa: BLE001
                 self._trl_error = e
-                self.num_failures += 1
-                await self._teardown_group()
-                if self._trl_applied:
-                    await self._mark_unavailable(f"a TRL weight update failed after some parameters changed "
-                                                 f"({type(e).__name__}: {e}); generation resumes once a full update lands")
-                self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
+                s = self._session
+                if s is not None and s.trl:
+                    await self._fail(s, e)
+                elif self.num_failures == failures:  # not recorded by a failure path yet
+                    self.num_failures += 1
+                    await self._teardown_group()
+                    self._record(ok=False, error=f"{type(e).__name__}: {e}", protocol="trl")
             finally:
                 self._trl_pending -= 1
                 q.task_done()
 
     async def trl_flush(self, timeout_s: float | None = None) -> dict | None:
-        """Wait for queued TRL updates, then (if any landed) reset the prefix cache and bump the
-        weight version. The server's ``/reset_prefix_cache/`` route calls this first so that
-        TRL's ``update_named_param``... ``reset_prefix_cache`` sequence commits in order.
-        Returns the commit summary or ``None`` when nothing was pending. Raises a recorded
-        failure of the batch."""
+        """Wait for queued TRL updates, then commit the batch (its session's finish: staged
+        tensors loaded, prefix cache reset, weight version bumped, generation resumed). The
+        server's ``/reset_prefix_cache/`` route calls this first so that TRL's
+        ``update_named_param``... ``reset_prefix_cache`` sequence commits in order. Returns the
+        commit summary or ``None`` when nothing was pending. Raises a recorded failure of the
+        batch."""
         if self._trl_queue is not None:
             await asyncio.wait_for(self._trl_queue.join(), timeout_s or self._timeout() + 60)
         self._raise_trl_error()
-        if not self._trl_batch:
+        s = self._session
+        if s is None or not s.trl:
             return None
-        _spec, req = await self._model_spec()
-        await self.aengine.reset_prefix_cache()
-        version = next_version(self.aengine.weight_version)
-        self.aengine.set_weight_version(version)
-        full = req.issubset(self._trl_batch)
-        if full and self._unavailable_by_us:
-            self.aengine.set_unavailable(None)
-            self._unavailable_by_us = False
-        n = len(self._trl_batch)
-        self._trl_batch = set()
-        self._trl_applied = False
-        self.num_updates += 1
-        self._record(ok=True, weight_version=version, tensors=n, full=full, protocol="trl")
-        return {"weight_version": version, "tensors": n, "full": full}
+        fin = await self.finish_update(None)
+        return {"weight_version": fin["weight_version"], "tensors": fin["tensors"], "full": fin["full"]}
 
     async def trl_close_communicator(self) -> dict:
         """TRL ``/close_communicator/``: flush pending updates, then leave the group. A

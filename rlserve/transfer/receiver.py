@@ -271,7 +271,8 @@ class WeightReceiver:
         return contextlib.nullcontext()
 
     def receive(self, info: UpdateInfo, sink: Sink, on_bucket: Callable[[int], None] | None = None,
-                direct: Callable[[int], torch.Tensor] | None = None) -> dict:
+                direct: Callable[[int], torch.Tensor] | None = None,
+                before_write: Callable[[], None] | None = None) -> dict:
         """Receive every tensor of ``info`` (resolved: ``packed*`` set) and feed ``sink``.
 
         Args:
@@ -285,6 +286,9 @@ class WeightReceiver:
                 ``uint8 [nbytes]`` memory bucket ``i`` is received into (the model's
                 parameters); ``sink`` is then not called, and announced ``checksums`` are refused
                 (they must be compared before anything is loaded).
+            before_write: with ``direct``: called once, right before the first receive is posted
+                into ``direct``'s memory (after the layout header matched); from then on a
+                failure may leave any part of that memory overwritten.
         Returns:
             ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int, "direct": bool}``.
         Raises:
@@ -299,7 +303,7 @@ class WeightReceiver:
         t0 = time.perf_counter()
         with self._stream_ctx():
             if direct is not None:
-                out = self._receive_direct(info, direct, on_bucket)
+                out = self._receive_direct(info, direct, on_bucket, before_write)
             elif self.init.backend == "ipc":
                 out = self._receive_ipc(info, sink, on_bucket)
             elif info.packed:
@@ -476,7 +480,8 @@ class WeightReceiver:
         self._check_deferred(deferred, expected, after)
         return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
 
-    def _receive_direct(self, info: UpdateInfo, target: Callable[[int], torch.Tensor], on_bucket) -> dict:
+    def _receive_direct(self, info: UpdateInfo, target: Callable[[int], torch.Tensor], on_bucket,
+                        before_write: Callable[[], None] | None = None) -> dict:
         """Packed gloo into ``target(i)`` per bucket: every broadcast is posted at once (each
         bucket has its own memory, nothing waits for a buffer to be copied out), and each bucket
         is summed once it is in (``checksums_after_data``), while the next ones arrive."""
@@ -491,6 +496,8 @@ class WeightReceiver:
                 raise WeightUpdateError(f"direct receive: bucket {b.index} needs {b.nbytes} contiguous host bytes")
         # into scratch memory, never the parameters; nothing is posted into them before it matched
         self._receive_header(g, src, info, plan)
+        if before_write is not None:
+            before_write()
         works = {i: g.broadcast(v, src) for i, v in enumerate(views) if v.numel()}
         after = info.checksums_after_data
         deferred: list = []

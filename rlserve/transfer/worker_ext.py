@@ -59,6 +59,10 @@ class _Op:
         self.kind = kind
         self.future: cf.Future | None = None
         self.applied = 0  # buckets loaded into the model in place (in-place mode)
+        # set right BEFORE the op's first write into the live parameters (a load, or a direct
+        # receive posting broadcasts into them): from then on the model may be part old, part
+        # new until the update completes, even when no bucket finished (poll reports it)
+        self.touched = False
         self.staged = 0
         self.replayed = 0  # in-place loads served by a recorded copy plan
         self.started = time.monotonic()
@@ -232,8 +236,12 @@ def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, i
     def applied(_i):
         op.applied += 1
 
+    def before_write() -> None:
+        op.touched = True  # a bucket partly received is a changed model
+
     try:
-        return receiver.receive(info, lambda _pairs: None, on_bucket=applied, direct=layout.target)
+        return receiver.receive(info, lambda _pairs: None, on_bucket=applied, direct=layout.target,
+                                before_write=before_write)
     except (ChecksumMismatchError, LayoutMismatchError):
         raise  # every broadcast completed / none was posted into the parameters
     except BaseException:
@@ -397,6 +405,7 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
         if staging == "none":
             def sink(pairs):
                 sums = None
+                op.touched = True  # before the load's first byte: a load that raises may have written some
                 if stable:
                     replayed, sums, plan = _load_replayable(worker, st, pairs, params_sig, want_sums)
                     op.replayed += replayed
@@ -464,9 +473,11 @@ def forget(worker, op_id: str) -> None:
 
 def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
     """``{"done": bool, "ok": bool, "result": ..., "error": str, "error_type": str, "applied": int,
-    "staged": int, "seconds": float}`` of op ``op_id``. A finished op keeps answering the same
-    result (with data parallelism the manager polls every replica until all are done) until
-    :func:`forget` drops it."""
+    "touched": bool, "staged": int, "seconds": float}`` of op ``op_id``. ``touched``: the op has
+    begun writing into the live parameters (in place), whether or not any bucket completed; a
+    done op that failed with ``touched`` false left the model as it was. A finished op keeps
+    answering the same result (with data parallelism the manager polls every replica until all
+    are done) until :func:`forget` drops it."""
     st = _state(worker)
     op = st.ops.get(op_id)
     if op is None:
@@ -477,7 +488,7 @@ def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
         fut.result(timeout=wait_s) if wait_s else None
     except BaseException:  # noqa: BLE001 - reported below
         pass
-    out = {"done": fut.done(), "applied": op.applied, "staged": op.staged,
+    out = {"done": fut.done(), "applied": op.applied, "touched": op.touched, "staged": op.staged,
            "seconds": time.monotonic() - op.started}
     if fut.done():
         exc = fut.exception() if not fut.cancelled() else TransferAbortedError("cancelled")
