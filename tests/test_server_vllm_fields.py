@@ -162,6 +162,11 @@ def test_structured_outputs(server, hf):
             assert set(obj) == {"a"} and isinstance(obj["a"], int)
     for text, _ in texts({"structured_outputs": {"grammar": 'root ::= "ab" | "cd"'}}):
         assert text in ("ab", "cd")
+    for text, reason in texts({"response_format": {"type": "json_object"}, "max_tokens": 60}, n=2):
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.lstrip().startswith("{")
     out = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
                                                 "response_format": {"type": "json_schema",
                                                                     "json_schema": {"name": "x", "schema": schema}}})

@@ -91,8 +91,8 @@ class GrammarCompiler:
             try:
                 if kind == "json":
                     compiled = compiler.compile_json_schema(spec.json)
-                elif kind == "json_object":
-                    compiled = compiler.compile_builtin_json_grammar()
+                elif kind == "json_object":  # OpenAI's json_object: an object (xgrammar's builtin is any value)
+                    compiled = compiler.compile_json_schema('{"type": "object"}')
                 elif kind == "regex":
                     compiled = compiler.compile_regex(spec.regex)
                 elif kind == "choice":

@@ -10,6 +10,8 @@ dtype).
 
 from __future__ import annotations
 
+import importlib.util
+
 import rlserve
 from rlserve.server.state import ServerState
 
@@ -69,7 +71,7 @@ def vllm_config(state: ServerState) -> dict:
         "load_config": {"load_format": cfg.load_format},
         "lora_config": None,
         "speculative_config": None,
-        "structured_outputs_config": {"backend": "xgrammar"},
+        "structured_outputs_config": {"backend": "xgrammar" if importlib.util.find_spec("xgrammar") else None},
         "weight_transfer_config": state.settings.weight_transfer_config,
     }
 

@@ -90,6 +90,7 @@ class ServerState:
         self.started = time.time()
         self.weight_manager = None
         self._token_text: dict[int, str] = {}
+        self._grammar_compiler = None
 
     @property
     def model_name(self) -> str:
@@ -214,11 +215,26 @@ class ServerState:
             return None
         try:
             spec = structured_from_request(spec_obj)
-            compiler = self.aengine.engine.grammar_compiler()
-            await asyncio.to_thread(compiler.compile, spec)
+            await asyncio.to_thread(self.grammar_compiler().compile, spec)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
         return spec
+
+    def grammar_compiler(self):
+        """The structured-output compiler: the engine's own when it runs in this process (one
+        cache: the engine's compile of the same constraint is then a hit), else one over this
+        process's tokenizer. Raises InvalidRequestError without a tokenizer or xgrammar."""
+        engine_compiler = getattr(getattr(self.aengine, "engine", None), "grammar_compiler", None)
+        if engine_compiler is not None:
+            return engine_compiler()
+        if self._grammar_compiler is None:
+            from rlserve.engine.structured import GrammarCompiler
+
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need a tokenizer")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                     getattr(self.aengine, "eos_token_ids", ()) or ())
+        return self._grammar_compiler
 
     def sampling_params(self, **kw) -> SamplingParams:
         """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400;
