@@ -91,6 +91,9 @@ class _Replica:
         self._wakeup = threading.Event()
         self._stopping = False
         self.frozen = False  # keep-mode pause: no stepping
+        # weights left unusable by a command of this thread (AsyncEngine.quarantine): no stepping
+        # until fail_all ended the requests
+        self.quarantined = False
         self.requests: dict[str, _Request] = {}  # engine-thread only
         self._streaming = _StreamingIds(self.requests)
         self.load = 0  # unfinished requests assigned here (guarded by front._lock)
@@ -134,12 +137,13 @@ class _Replica:
                 if self._stopping:
                     break
                 busy = self.engine.has_unfinished_requests()
-                if self.frozen or not busy:
+                halted = self.frozen or self.quarantined
+                if halted or not busy:
                     self._snapshot_stats(force=was_busy)  # fresh numbers as soon as it goes idle
                     was_busy = False
                 if not busy:
                     self._resolve_drain_waiters()
-                if self.frozen or not busy:
+                if halted or not busy:
                     self._wakeup.wait(_IDLE_POLL_S)
                     continue
                 try:
@@ -485,8 +489,24 @@ class AsyncEngine:
         self._weight_version = str(version)
 
     def set_unavailable(self, reason: str | None) -> None:
-        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503)."""
+        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503). ``None``
+        also lifts any :meth:`quarantine`."""
         self._unavailable = reason
+        if reason is None:
+            for r in self._replicas:
+                r.quarantined = False
+
+    def quarantine(self, engine, reason: str) -> None:
+        """On a replica's thread, inside a :meth:`run_in_engines` command whose work left that
+        replica's weights unusable (a weight update that failed after writing into them): from
+        now on :meth:`generate` answers 503 with ``reason``, and the replica steps nothing until
+        :meth:`fail_all` has ended its requests, so no token is computed on the broken weights
+        in between (an event-loop call that marks the model unavailable comes only after the
+        command returned, and the replica would step first). Unknown ``engine``: only the 503."""
+        self._unavailable = reason
+        for r in self._replicas:
+            if r.engine is engine:
+                r.quarantined = True
 
     async def fail_all(self, exc: BaseException) -> int:
         """End every in-flight and held request with ``exc`` (its :meth:`generate` raises it) and
@@ -499,7 +519,9 @@ class AsyncEngine:
             if req in self._held:
                 self._held.remove(req)
             _put(req, exc)  # final: a later abort output from the engine cannot replace it
-        await _wait_all([r.post(r.abort_all) for r in self._replicas])
+        # aborted, then a quarantined replica (see quarantine) may step again: it has no requests
+        await _wait_all([r.post(lambda r=r: (r.abort_all(), setattr(r, "quarantined", False))[0])
+                         for r in self._replicas])
         return len(reqs)
 
     @property

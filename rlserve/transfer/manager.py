@@ -299,7 +299,9 @@ class WeightTransferManager:
         """``then`` of the engine command that receives a one-call in-place update (see
         :meth:`_commits_in_engine`): once every worker loaded it, reset the prefix cache and set
         the new weight version before the engine steps again. A failed or unfinished receive
-        commits nothing here (the manager's usual failure path, or finish, takes over)."""
+        commits nothing here (the manager's usual failure path, or finish, takes over); one that
+        may have written into the parameters quarantines the replica first (no step runs on them
+        before that failure path ends the requests: ``AsyncEngine.quarantine``)."""
         def commit(engine, results: list) -> None:
             if all(r.get("done") and r.get("ok") for r in results):
                 engine.reset_prefix_cache()
@@ -308,6 +310,11 @@ class WeightTransferManager:
                     version = next_version(self.aengine.weight_version)
                 self.aengine.set_weight_version(version)
                 s.committed_version = version
+            elif any(r.get("touched") or r.get("applied") or not r.get("done") for r in results):
+                failed = next((r for r in results if r.get("done") and not r.get("ok")), {})
+                self.aengine.quarantine(engine, "a weight update failed after it had changed some parameters "
+                                                f"({failed.get('error_type')}: {failed.get('error')}); generation "
+                                                "resumes once a full weight update lands")
         return commit
 
     def _commits_in_engine(self) -> bool:
@@ -823,7 +830,13 @@ class WeightTransferManager:
         target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
 
         def commit_in_engine(engine) -> list:
-            out = engine.collective_rpc(target, timeout_s=t)
+            try:
+                out = engine.collective_rpc(target, timeout_s=t)
+            except BaseException as e:
+                # some workers may have loaded: no step before the failure path below ends the requests
+                self.aengine.quarantine(engine, f"committing staged weights failed ({type(e).__name__}: {e}); "
+                                                "generation resumes once a full weight update lands")
+                raise
             engine.reset_prefix_cache()
             self.aengine.set_weight_version(version)
             return out
