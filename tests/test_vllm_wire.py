@@ -234,6 +234,7 @@ _VLLM_SIDE = textwrap.dedent('''
     from vllm.distributed.utils import StatelessProcessGroup
     from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
     mode, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    print(json.dumps({"ready": True}), flush=True)  # vLLM imported (slow on a busy machine)
     pg = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=rank, world_size=world, store_timeout=120)
     if mode == "trainer":  # vLLM's trainer: rank 0, what PyNcclCommunicator's rank 0 stores
         uid = ncclUniqueId()
@@ -259,13 +260,17 @@ _VLLM_SIDE = textwrap.dedent('''
 
 
 def _vllm_proc(tmp_path, *args) -> subprocess.Popen:
+    """vLLM's side, once it has imported vLLM and is about to build its StatelessProcessGroup
+    (its rendezvous then runs within the group's timeout however long the import took)."""
     import inspect
 
     script = tmp_path / "vllm_side.py"
     script.write_text(inspect.getsource(WIRE_TENSORS) + _VLLM_SIDE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)
+    assert _read_json(proc, 600) == {"ready": True}
+    return proc
 
 
 def _read_json(proc: subprocess.Popen, timeout_s: float = 300) -> dict:
