@@ -17,7 +17,7 @@ Everything except the trainer's side of the handshake (below) is ``rlserve demo 
 
 import sys
 
-from rlserve.demo import DemoOptions, example_parser, run_demo
+from rlserve.demo import demo_options, example_parser, run_demo
 from rlserve.transfer import IPCTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
 
 
@@ -38,8 +38,8 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                     help="the server's share of the GPU; the trainer uses the rest")
     args = ap.parse_args()
-    opts = DemoOptions(model=args.model, backend="ipc", max_tokens=args.max_tokens, trainer_init=trainer_init,
-                       server_args=["--gpu-memory-utilization", str(args.gpu_memory_utilization)])
+    opts = demo_options(args, backend="ipc", trainer_init=trainer_init)
+    opts.server_args = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)] + opts.server_args
     return run_demo(opts).exit_code
 
 if __name__ == "__main__":

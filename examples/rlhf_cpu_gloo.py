@@ -7,7 +7,8 @@ rank 1, rendezvous on the trainer's TCP store), resumes, and the server's greedy
 equal the trainer's own ``generate`` token for token (exit status 3 if one does not).
 
 Run:
-    $ python examples/rlhf_cpu_gloo.py [--model DIR] [--max-tokens 32]
+    $ python examples/rlhf_cpu_gloo.py [--model DIR] [--port 0] [--max-tokens 32] (--help: all of rlserve demo's
+      flags but --backend)
 
 Everything except the trainer's side of the handshake (below) is ``rlserve demo --backend gloo``
 (:func:`rlserve.demo.run_demo`).
@@ -15,7 +16,7 @@ Everything except the trainer's side of the handshake (below) is ``rlserve demo 
 
 import sys
 
-from rlserve.demo import DemoOptions, example_parser, free_port, run_demo
+from rlserve.demo import demo_options, example_parser, free_port, run_demo
 from rlserve.transfer import GlooTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
 
 
@@ -36,9 +37,8 @@ def trainer_init(client, train_model, layout):
 
 
 def main() -> int:
-    args = example_parser(__doc__).parse_args()
-    opts = DemoOptions(model=args.model, backend="gloo", max_tokens=args.max_tokens, trainer_init=trainer_init)
-    return run_demo(opts).exit_code
+    args = example_parser(__doc__).parse_args()  # rlserve demo's flags but --backend
+    return run_demo(demo_options(args, backend="gloo", trainer_init=trainer_init)).exit_code
 
 if __name__ == "__main__":
     sys.exit(main())

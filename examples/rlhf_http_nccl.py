@@ -119,14 +119,14 @@ def gpu_layout(tp: int, server_gpus: list[int] | None, trainer_gpu: int | None,
 
 
 def main() -> int:
-    ap = example_parser(__doc__)
-    ap.add_argument("--port", type=int, default=SERVER_PORT)
+    ap = example_parser(__doc__, demo_flags=False)  # --model, --port, --max-tokens as rlserve demo
     ap.add_argument("--tp", type=int, default=INFERENCE_TP_SIZE, help="the server's tensor-parallel size (default 2)")
     ap.add_argument("--server-gpus", type=gpu_ids, default=None,
                     help="comma-separated GPUs of the server, one per TP rank (default: the first TP GPUs)")
     ap.add_argument("--trainer-gpu", type=int, default=None,
                     help="the trainer's GPU, not one of the server's (default: the GPU after the server's last)")
     args = ap.parse_args()
+    args.port = args.port or SERVER_PORT
     try:
         server_gpus, trainer_gpu = gpu_layout(args.tp, args.server_gpus, args.trainer_gpu, torch.cuda.device_count())
     except ValueError as e:

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from rlserve.progress import progress as progress_line
+
 PROMPTS = [
     "Hello, my name is",
     "The president of the United States is",
@@ -181,7 +183,8 @@ class DemoServer:
         url: the base URL it will answer on (``http://127.0.0.1:PORT``).
         env: extra environment variables.
         log_path: file for the server's stdout+stderr; ``"-"`` = this terminal; ``None`` = a
-            temporary file (its path is printed and its tail is part of every error).
+            new file ``rlserve-demo-server-*.log`` in the temporary directory (kept: its path is
+            printed, and its tail is part of every error).
         startup_timeout_s: bound on the wait for ``/health``.
     """
 
@@ -192,7 +195,6 @@ class DemoServer:
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.startup_timeout_s = float(startup_timeout_s)
-        self.owns_log = log_path is None  # a temp log we remove once the demo succeeded
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="rlserve-demo-server-", suffix=".log")
             os.close(fd)
@@ -332,8 +334,10 @@ class Completion:
 
 
 def complete(base_url: str, prompts: Sequence[str], max_tokens: int = DEFAULT_MAX_TOKENS,
-             model: str | None = None, api_key: str | None = None, timeout_s: float = 600.0) -> list[Completion]:
-    """Greedy completions (``temperature=0``) of every prompt, in one ``/v1/completions`` request."""
+             model: str | None = None, api_key: str | None = None, timeout_s: float = 600.0,
+             progress: str | None = None) -> list[Completion]:
+    """Greedy completions (``temperature=0``) of every prompt, in one ``/v1/completions`` request;
+    with ``progress`` (the line's label) streamed, with a tqdm line of the tokens done."""
     import requests
 
     body: dict[str, Any] = {"prompt": list(prompts), "max_tokens": int(max_tokens), "temperature": 0.0,
@@ -341,15 +345,46 @@ def complete(base_url: str, prompts: Sequence[str], max_tokens: int = DEFAULT_MA
     if model:
         body["model"] = model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = requests.post(f"{base_url.rstrip('/')}/v1/completions", json=body, headers=headers,
-                      timeout=(10, timeout_s))
-    if r.status_code != 200:
-        raise DemoError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:1000]}")
-    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    if progress is None:
+        r = requests.post(url, json=body, headers=headers, timeout=(10, timeout_s))
+        if r.status_code != 200:
+            raise DemoError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:1000]}")
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    else:
+        choices = _complete_streamed(url, dict(body, stream=True), headers, timeout_s, len(prompts) * int(max_tokens),
+                                     progress)
     if len(choices) != len(prompts):
         raise DemoError(f"/v1/completions returned {len(choices)} choices for {len(prompts)} prompts")
     return [Completion(p, c["text"], list(c["token_ids"]), list(c["prompt_token_ids"]), c.get("finish_reason"),
                        c.get("weight_version")) for p, c in zip(prompts, choices)]
+
+
+def _complete_streamed(url: str, body: dict, headers: dict, timeout_s: float, total: int, label: str) -> list[dict]:
+    """A streamed ``/v1/completions``: the choices assembled from their chunks, in index order."""
+    import requests
+
+    merged: dict[int, dict] = {}
+    with progress_line(label, total=total, unit="tok") as bar, \
+            requests.post(url, json=body, headers=headers, timeout=(10, timeout_s), stream=True) as r:
+        if r.status_code != 200:
+            raise DemoError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:1000]}")
+        for line in r.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise DemoError(f"/v1/completions stream failed: {obj['error']}")
+            for c in obj["choices"]:
+                m = merged.setdefault(c["index"], {"index": c["index"], "text": "", "token_ids": [],
+                                                   "prompt_token_ids": [], "finish_reason": None})
+                m["text"] += c["text"]
+                m["token_ids"] += c.get("token_ids") or []
+                m["prompt_token_ids"] = c.get("prompt_token_ids") or m["prompt_token_ids"]
+                m["finish_reason"] = c["finish_reason"] or m["finish_reason"]
+                m["weight_version"] = c.get("weight_version")
+                bar.update(len(c.get("token_ids") or []))
+    return [merged[i] for i in sorted(merged)]
 
 
 # ============================================================================ trainer
@@ -384,10 +419,11 @@ def eos_token_ids(model) -> set[int]:
     return ids
 
 
-def trainer_greedy(model, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+def trainer_greedy(model, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                   progress: str | None = None) -> list[list[int]]:
     """The trainer model's own greedy ``generate`` (``do_sample=False``), one prompt at a time,
     from the given token ids; each result ends after its first EOS token (kept, as the server
-    keeps it) or after ``max_new_tokens``."""
+    keeps it) or after ``max_new_tokens``. ``progress``: the label of a tqdm line of tokens."""
     import torch
     from transformers import GenerationConfig
 
@@ -395,12 +431,28 @@ def trainer_greedy(model, prompt_token_ids: Sequence[Sequence[int]], max_new_tok
     pad = eos[0] if eos else 0
     gc = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=int(max_new_tokens),
                           eos_token_id=eos or None, pad_token_id=pad)
+    from transformers.generation.streamers import BaseStreamer
+
+    class _Count(BaseStreamer):  # generate() puts the prompt first, then one token per step
+        def __init__(self, bar):
+            self.bar, self.prompt_seen = bar, False
+
+        def put(self, value):
+            if self.prompt_seen:
+                self.bar.update(1)
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
     device = next(model.parameters()).device
     out: list[list[int]] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), progress_line(progress, total=len(prompt_token_ids) * int(max_new_tokens),
+                                               unit="tok", enabled=progress is not None) as bar:
         for ids in prompt_token_ids:
             x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+            y = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc,
+                               streamer=_Count(bar) if progress is not None else None)
             gen = y[0, x.shape[1]:].tolist()
             for i, t in enumerate(gen):
                 if t in eos:
@@ -412,7 +464,9 @@ def trainer_greedy(model, prompt_token_ids: Sequence[Sequence[int]], max_new_tok
 
 @dataclass
 class SyncReport:
-    """Timings of one weight sync (seconds) and what moved."""
+    """Timings of one weight sync (seconds) and what moved. ``kind``: "cold" (the first sync of a
+    transfer group: includes ``trainer_init`` and the server laying out its receive buffers) or
+    "warm" (a later sync on the same group: what every training step pays)."""
 
     backend: str
     init_s: float
@@ -424,6 +478,7 @@ class SyncReport:
     transfer_s: float | None
     weight_version: str | None
     stats: dict = field(default_factory=dict)
+    kind: str = "cold"
 
     @property
     def sync_s(self) -> float:
@@ -438,12 +493,15 @@ class SyncReport:
         xfer = ""
         if self.transfer_s:
             xfer = f" (data plane {self.transfer_s:.2f}s, {self.bytes / self.transfer_s / 1e9:.2f} GB/s)"
+        what = ("cold: the group's first sync, with trainer_init" if self.kind == "cold"
+                else "warm: a later sync on the same group, as every training step")
+        init = f"init {self.init_s:.2f}s | " if self.kind == "cold" else ""
         return [
-            f"[sync] {self.backend}: {self.bytes / 1e6:.1f} MB in {self.buckets} bucket(s), "
-            f"weight version -> {self.weight_version}",
-            f"[sync] init {self.init_s:.2f}s | pause {self.pause_s:.2f}s | send_weights {self.send_s:.2f}s"
-            f"{xfer} | resume {self.resume_s:.2f}s",
-            f"[sync] sync time {self.sync_s:.2f}s (generation paused), {self.gbps:.2f} GB/s end to end",
+            f"[sync] {self.kind} sync ({what}): {self.backend}, {self.bytes / 1e6:.1f} MB in {self.buckets} "
+            f"bucket(s), weight version -> {self.weight_version}",
+            f"[sync]   {init}pause {self.pause_s:.2f}s | send_weights {self.send_s:.2f}s{xfer} | "
+            f"resume {self.resume_s:.2f}s",
+            f"[sync]   {self.kind} sync time {self.sync_s:.2f}s (generation paused), {self.gbps:.2f} GB/s end to end",
         ]
 
 
@@ -477,10 +535,12 @@ TrainerInit = Callable[[Any, Any, Layout], Any]
 
 
 def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = None,
-                 pause_mode: str = "abort", trainer_init: TrainerInit | None = None) -> SyncReport:
+                 pause_mode: str = "abort", trainer_init: TrainerInit | None = None, warm_syncs: int = 1,
+                 progress: bool = False) -> list[SyncReport]:
     """Push ``model``'s weights through the trainer SDK: ``trainer_init`` (the handshake; default
-    :func:`default_trainer_init`), pause generation, ``send_weights``, resume; then leave the
-    transfer group."""
+    :func:`default_trainer_init`), then ``1 + warm_syncs`` times pause generation, ``send_weights``,
+    resume; then leave the transfer group. Returns the reports, the cold one first.
+    ``progress``: a tqdm line with the elapsed time while each sync runs."""
     import torch
 
     from rlserve.transfer import HTTPWeightSyncClient
@@ -488,29 +548,45 @@ def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = N
     client = HTTPWeightSyncClient(base_url, admin_key=admin_key)
     if layout.trainer_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(layout.trainer_device))
+    reports: list[SyncReport] = []
+    cold_bar = contextlib.ExitStack()  # one line for trainer_init + the first send_weights
+    cold_bar.enter_context(progress_line("[sync] cold: trainer_init + send_weights", enabled=progress))
     t0 = time.perf_counter()
-    engine = (trainer_init or default_trainer_init)(client, model, layout)
-    t1 = time.perf_counter()
     try:
-        client.pause(mode=pause_mode)
-        t2 = time.perf_counter()
-        try:
-            fin = engine.send_weights()
-        except BaseException:
-            with contextlib.suppress(Exception):  # never leave the server paused; keep the first error
-                client.resume()
-            raise
-        t3 = time.perf_counter()
-        client.resume()
-        t4 = time.perf_counter()
+        engine = (trainer_init or default_trainer_init)(client, model, layout)
     except BaseException:
+        cold_bar.close()
+        raise
+    init_s = time.perf_counter() - t0
+    try:
+        for i in range(1 + max(0, int(warm_syncs))):
+            kind = "cold" if i == 0 else "warm"
+            with (progress_line("[sync] warm: send_weights", enabled=progress) if i > 0
+                  else contextlib.nullcontext()):
+                t1 = time.perf_counter()
+                client.pause(mode=pause_mode)
+                t2 = time.perf_counter()
+                try:
+                    fin = engine.send_weights()
+                except BaseException:
+                    with contextlib.suppress(Exception):  # never leave the server paused; keep the first error
+                        client.resume()
+                    raise
+                t3 = time.perf_counter()
+                client.resume()
+                t4 = time.perf_counter()
+            cold_bar.close()  # idempotent
+            st = dict(engine.last_stats)
+            reports.append(SyncReport(layout.backend, init_s if i == 0 else 0.0, t2 - t1, t3 - t2, t4 - t3,
+                                      int(st.get("bytes") or 0), int(st.get("buckets") or 0), st.get("seconds"),
+                                      fin.get("weight_version"), st, kind=kind))
+    except BaseException:
+        cold_bar.close()
         with contextlib.suppress(Exception):
             engine._teardown()  # the server is about to go too: do not wait on its shutdown route
         raise
     engine.shutdown()
-    st = dict(engine.last_stats)
-    return SyncReport(layout.backend, t1 - t0, t2 - t1, t3 - t2, t4 - t3, int(st.get("bytes") or 0),
-                      int(st.get("buckets") or 0), st.get("seconds"), fin.get("weight_version"), st)
+    return reports
 
 
 # ============================================================================ checking + printing
@@ -619,13 +695,83 @@ def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, af
     return "\n".join(rows)
 
 
-def example_parser(doc: str | None):
-    """The command line every ``examples/rlhf_*.py`` script shares: ``--model``, ``--max-tokens``."""
+def add_demo_arguments(ap, backend: bool = True, only: Sequence[str] | None = None) -> None:
+    """The flags of ``rlserve demo`` (shared with the ``examples/`` scripts, which fix the backend:
+    ``backend=False``). ``only``: the destinations to add (default: all); see :func:`demo_options`."""
+    def add(dest: str, *flags, **kw):
+        if only is None or dest in only:
+            ap.add_argument(*flags, dest=dest, **kw)
+
+    add("model", "--model", default="default",
+        help="a local Hugging Face model directory, or 'default' (SmolLM2-135M-Instruct, fetched and cached on "
+             "first use)")
+    if backend:
+        add("backend", "--backend", default="auto", choices=BACKENDS,
+            help="weight-sync data plane (auto: gloo without GPUs, nccl with a spare GPU for the trainer, else ipc)")
+    add("port", "--port", type=int, default=0, help="server port (0 = a free one)")
+    add("max_tokens", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per completion")
+    add("tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="the server's TP (GPUs 0..TP-1)")
+    add("quantization", "--quantization", "-q", default=None, choices=["fp8"],
+        help="server-side online quantization (completions may then differ from the trainer's; default: none)")
+    add("dtype", "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="server and trainer dtype (default: float32 on CPU, bfloat16 on GPU)")
+    add("prompts", "--prompt", action="append", default=None,
+        help=f"a prompt (repeatable; default: the {len(PROMPTS)} prompts of vLLM's RLHF example)")
+    add("server_args", "--server-args", default="",
+        help="extra `rlserve serve` flags, one string, e.g. \"--enforce-eager --max-num-seqs 8\"")
+    add("server_log", "--server-log", default=None,
+        help="file for the server's output, kept ('-' = this terminal; default: a new "
+             "rlserve-demo-server-*.log in the temporary directory)")
+    add("startup_timeout", "--startup-timeout", type=float, default=600.0,
+        help="seconds to wait for the server's /health")
+    add("allow_mismatch", "--allow-mismatch", action="store_true",
+        help="report completions that differ from the trainer's, but exit 0")
+    add("tie_tolerance", "--tie-tolerance", type=float, default=None,
+        help="a completion may first differ from the trainer's where the trainer's two candidate tokens are "
+             "within this many nats (default: 0 = exact in float32, 0.5 in 16-bit dtypes)")
+    add("cache_dir", "--cache-dir", default=None, help="cache root of the default model (see `rlserve download`)")
+    add("no_progress", "--no-progress", action="store_true", help="no progress lines (stderr)")
+
+
+def demo_options(args, **overrides) -> "DemoOptions":
+    """:class:`DemoOptions` from flags added by :func:`add_demo_arguments` (missing ones keep their
+    defaults), then ``overrides``.
+
+    Raises:
+        DemoError: a bad value (``--max-tokens`` < 1).
+    """
+    import shlex as _shlex
+
+    a = vars(args)
+    kw: dict[str, Any] = {}
+    for dest in ("model", "backend", "port", "max_tokens", "tensor_parallel_size", "quantization", "dtype",
+                 "server_log", "allow_mismatch", "tie_tolerance", "cache_dir"):
+        if dest in a:
+            kw[dest] = a[dest]
+    if "server_args" in a:
+        kw["server_args"] = _shlex.split(a["server_args"])
+    if "startup_timeout" in a:
+        kw["startup_timeout_s"] = a["startup_timeout"]
+    if a.get("prompts"):
+        kw["prompts"] = list(a["prompts"])
+    if "no_progress" in a:
+        kw["progress"] = not a["no_progress"]
+    kw.update(overrides)
+    if kw.get("max_tokens", DEFAULT_MAX_TOKENS) < 1:
+        raise DemoError("--max-tokens must be >= 1")
+    return DemoOptions(**kw)
+
+
+def example_parser(doc: str | None, demo_flags: bool = True):
+    """The command line of the ``examples/rlhf_*.py`` scripts: ``rlserve demo``'s flags that apply
+    to a script with a fixed backend (all but ``--backend``; with ``demo_flags=False`` only
+    ``--model``, ``--port`` and ``--max-tokens``)."""
+    from rlserve.cli._help import HelpFormatter
     import argparse
 
-    ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n\n")[0])
-    ap.add_argument("--model", default="default", help="a local Hugging Face directory, or 'default'")
-    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per completion")
+    ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n\n")[0], formatter_class=HelpFormatter)
+    add_demo_arguments(ap, backend=False, only=None if demo_flags else ("model", "port", "max_tokens"))
     return ap
 
 
@@ -650,6 +796,8 @@ class DemoOptions:
     cache_dir: str | None = None
     num_gpus: int | None = None  # None: ask torch
     trainer_init: TrainerInit | None = None  # None: default_trainer_init
+    warm_syncs: int = 1  # syncs after the first (cold) one, on the same group
+    progress: bool = True  # tqdm lines (stderr) for every phase longer than a moment
 
 
 @dataclass
@@ -660,7 +808,8 @@ class DemoResult:
     after: list[Completion] | None = None
     reference: list[list[int]] | None = None
     mismatches: list[Mismatch] = field(default_factory=list)
-    sync: SyncReport | None = None
+    sync: SyncReport | None = None  # the cold (first) sync
+    warm_sync: SyncReport | None = None  # the warm one after it (same group)
     server_pid: int | None = None
     timings: dict = field(default_factory=dict)
     error: str | None = None
@@ -702,28 +851,40 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             t_tr = time.perf_counter()
             if layout.trainer_device.startswith("cuda"):
                 os.environ.update(NCCL_SAFE_ENV)
-            model = load_trainer_model(model_path, layout.trainer_device, layout.dtype)
+            with progress_line("[trainer] loading the model", enabled=opts.progress):
+                model = load_trainer_model(model_path, layout.trainer_device, layout.dtype)
             res.timings["trainer_load"] = time.perf_counter() - t_tr
 
-            server.wait_healthy()
+            with progress_line("[server] starting (loading the model, warming up)", enabled=opts.progress):
+                server.wait_healthy()
             res.timings["server_start"] = time.perf_counter() - t
             log(f"[server] ready at {server.url} after {res.timings['server_start']:.1f}s")
 
+            log(f"[generate] {len(opts.prompts)} prompts x {opts.max_tokens} tokens, greedy, dummy weights")
             t = time.perf_counter()
-            res.before = complete(server.url, opts.prompts, opts.max_tokens, model=model_path)
+            res.before = complete(server.url, opts.prompts, opts.max_tokens, model=model_path,
+                                  progress="[generate] before sync" if opts.progress else None)
             res.timings["generate_before"] = time.perf_counter() - t
 
-            log("[sync] trainer_init -> pause -> send_weights -> resume")
-            res.sync = sync_weights(server.url, model, layout, trainer_init=opts.trainer_init)
-            for line in res.sync.lines():
-                log(line)
+            log("[sync] trainer_init -> pause -> send_weights -> resume, then a warm sync on the same group"
+                if opts.warm_syncs else "[sync] trainer_init -> pause -> send_weights -> resume")
+            syncs = sync_weights(server.url, model, layout, trainer_init=opts.trainer_init,
+                                 warm_syncs=opts.warm_syncs, progress=opts.progress)
+            res.sync, res.warm_sync = syncs[0], (syncs[-1] if len(syncs) > 1 else None)
+            for rep in [res.sync] + ([res.warm_sync] if res.warm_sync else []):
+                for line in rep.lines():
+                    log(line)
 
+            log(f"[generate] {len(opts.prompts)} prompts x {opts.max_tokens} tokens, greedy, trainer weights")
             t = time.perf_counter()
-            res.after = complete(server.url, opts.prompts, opts.max_tokens, model=model_path)
+            res.after = complete(server.url, opts.prompts, opts.max_tokens, model=model_path,
+                                 progress="[generate] after sync" if opts.progress else None)
             res.timings["generate_after"] = time.perf_counter() - t
 
+            log(f"[trainer] greedy generate of the same {len(opts.prompts)} prompts (the reference)")
             t = time.perf_counter()
-            res.reference = trainer_greedy(model, [c.prompt_token_ids for c in res.after], opts.max_tokens)
+            res.reference = trainer_greedy(model, [c.prompt_token_ids for c in res.after], opts.max_tokens,
+                                           progress="[trainer] generate" if opts.progress else None)
             res.timings["trainer_generate"] = time.perf_counter() - t
             res.mismatches = compare_completions(res.after, res.reference)
             measure_gaps(model, res.after, res.mismatches)
@@ -769,9 +930,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
         if server is not None:
             log("[server] shutting down")
             server.stop()
-            if server.owns_log and res.exit_code == EXIT_OK and res.error is None:
-                with contextlib.suppress(OSError):
-                    os.remove(server.log_path)
+            if server.log_path != "-":
+                log(f"[server] its log is kept at {server.log_path}")
     return res
 
 

@@ -223,7 +223,7 @@ def _build(work: Path, progress: bool) -> dict:
     timings.update(convert_gguf(gguf_path, out, progress=progress))
     if gguf_path.parent == work / "gguf":
         gguf_path.unlink()
-    with _step(progress, 6, "validating the checkpoint", timings, "validate"):
+    with _step(progress, 6, "validating the checkpoint", timings, "validate", tick=True):
         found = validate_model_dir(out)
     info = {
         "model": DEFAULT_MODEL_NAME,
@@ -358,7 +358,7 @@ def convert_gguf(
     gdir, gname = str(gguf_path.parent), gguf_path.name
     quiet = contextlib.nullcontext if progress else _captured_stderr
 
-    with _step(progress, 3, "loading the tokenizer from the GGUF", timings, "tokenizer"):
+    with _step(progress, 3, "loading the tokenizer from the GGUF", timings, "tokenizer", tick=True):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -624,12 +624,16 @@ _STEPS = 6
 
 
 @contextlib.contextmanager
-def _step(progress: bool, i: int, what: str, timings: dict, key: str) -> Iterator[None]:
-    """Announce build step ``i`` and add its duration to ``timings[key]``."""
+def _step(progress: bool, i: int, what: str, timings: dict, key: str, tick: bool = False) -> Iterator[None]:
+    """Announce build step ``i`` and add its duration to ``timings[key]``. ``tick``: a progress
+    line with the elapsed time while it runs (for steps without a bar of their own)."""
+    from rlserve.progress import progress as progress_line
+
     if progress:
         _say(f"rlserve: [{i}/{_STEPS}] {what} ...")
     t0 = time.perf_counter()
-    yield
+    with progress_line(f"rlserve: [{i}/{_STEPS}] {what}", enabled=progress and tick):
+        yield
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
     if progress:
         _say(f"rlserve: [{i}/{_STEPS}] {what}: {timings[key]:.1f}s")

@@ -56,18 +56,27 @@ def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
 # ---------------------------------------------------------------------------- end to end
 def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
     res = run_demo(_opts(model_dir, tmp_path))
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
     assert res.exit_code == EXIT_OK, f"{res.error}\n{out}\n{(tmp_path / 'server.log').read_text()[-3000:]}"
     assert res.layout.backend == "gloo"
+    # every phase that can take a while has a progress line (stderr)
+    for phase in ("[trainer] loading the model", "[server] starting", "[generate] before sync",
+                  "[sync] cold: trainer_init + send_weights", "[sync] warm: send_weights", "[generate] after sync",
+                  "[trainer] generate"):
+        assert phase in cap.err, (phase, cap.err[-2000:])
     # after the sync, the server's greedy ids are the trainer's own HF greedy ids
     assert [c.token_ids for c in res.after] == res.reference
     assert res.mismatches == []
     # ... and they come from the synced weights, not the dummy ones
     assert any(b.token_ids != a.token_ids for b, a in zip(res.before, res.after))
     assert {c.weight_version for c in res.before} == {"0"}
-    assert {c.weight_version for c in res.after} == {"1"}
-    assert res.sync.bytes > 0 and res.sync.buckets >= 1 and res.sync.send_s > 0
-    assert "sync time" in out and "before sync (dummy weights)" in out and "OK: all 4" in out
+    assert {c.weight_version for c in res.after} == {"2"}  # a cold sync, then a warm one
+    assert res.sync.bytes > 0 and res.sync.buckets >= 1 and res.sync.send_s > 0 and res.sync.kind == "cold"
+    assert res.warm_sync.kind == "warm" and res.warm_sync.bytes == res.sync.bytes and res.warm_sync.init_s == 0
+    assert "cold sync time" in out and "warm sync time" in out and "before sync (dummy weights)" in out
+    assert "OK: all 4" in out
+    assert f"its log is kept at {tmp_path / 'server.log'}" in out and (tmp_path / "server.log").stat().st_size > 0
     assert res.server_pid is not None and _wait_gone(res.server_pid), "server still running after the demo"
 
 
@@ -75,7 +84,7 @@ def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
 def test_demo_exits_nonzero_when_outputs_differ(model_dir, tmp_path, monkeypatch, capsys, tolerance):
     real = demo.trainer_greedy
 
-    def off_by_one(model, prompt_ids, max_new_tokens):
+    def off_by_one(model, prompt_ids, max_new_tokens, progress=None):
         ref = real(model, prompt_ids, max_new_tokens)
         ref[2] = ref[2][:1] + [(ref[2][1] + 1) % 300] + ref[2][2:]
         return ref

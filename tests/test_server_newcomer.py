@@ -157,3 +157,24 @@ def test_pause_has_one_default(llama):
         assert httpx.get(srv.url + "/is_paused", timeout=TIMEOUT).json() == {"is_paused": True, "mode": "abort"}
         HTTPWeightSyncClient(srv.url).resume()
         assert httpx.post(srv.url + "/pause", timeout=TIMEOUT).json()["mode"] == "abort"
+
+
+def test_examples_take_the_demo_flags():
+    import subprocess
+    import sys
+
+    from rlserve.demo import example_parser
+
+    demo = dict((p.prog.split()[-1], p) for p in _subparsers())["demo"]
+    flags = {s for a in demo._actions for s in a.option_strings} - {"--backend"}
+    assert {s for a in example_parser(None)._actions for s in a.option_strings} == flags
+    assert {s for a in example_parser(None, demo_flags=False)._actions for s in a.option_strings} == \
+        {"-h", "--help", "--model", "--port", "--max-tokens"}
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for script in ("rlhf_cpu_gloo.py", "rlhf_colocate_ipc.py", "rlhf_http_nccl.py"):
+        out = subprocess.run([sys.executable, os.path.join(root, "examples", script), "--help"], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 0 and "--port" in out.stdout and "--model" in out.stdout, (script, out.stderr)
