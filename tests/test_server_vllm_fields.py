@@ -108,6 +108,12 @@ def test_chat_tokens_as_ids(server):
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in c["token_ids"]]
     assert all(re.fullmatch(r"token_id:\d+", top["token"]) for e in content for top in e["top_logprobs"])
     assert all(len(e["top_logprobs"]) == 2 for e in content)
+    r = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=True), timeout=T)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == resp["prompt_token_ids"]
+    assert [t for ch in chunks[1:] for cc in ch["choices"] for t in cc.get("token_ids", [])] == c["token_ids"]
+    assert [e["token"] for ch in chunks[1:] for cc in ch["choices"] for e in (cc["logprobs"] or {}).get("content", [])] \
+        == [e["token"] for e in content]
 
 
 def test_prompt_logprobs_vllm_form(server, hf):

@@ -468,8 +468,15 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
 
     first = {"role": "assistant", "content": ""}
     version = state.aengine.weight_version
-    yield chunk([{"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None,
-                  "weight_version": version} for i in range(n)])
+    role_chunk = [{"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None,
+                   "weight_version": version} for i in range(n)]
+    if body.return_token_ids:  # vLLM sends the prompt's ids once, on the first chunk
+        c0 = dict(base, choices=role_chunk, prompt_token_ids=list(ids))
+        if include_usage:
+            c0["usage"] = None
+        yield sse(c0)
+    else:
+        yield chunk(role_chunk)
     agen = merge_generators([gen])
     try:
         async for _, out in agen:
