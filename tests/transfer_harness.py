@@ -95,32 +95,74 @@ _KILL_TRAINER = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
                                   WeightTransferTrainerFactory)
+    from rlserve.transfer.group import TransferGroup
+    KILL_AT = {kill_at!r}
     hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_({scale!r})
-    class KillSource(ModuleSource):
-        passes = 0
-        def named_tensors(self):
-            self.passes += 1   # one pass: packed gloo takes its checksums from the packed buckets
-            for i, item in enumerate(super().named_tensors()):
-                if self.passes == 1 and i == 8:   # bucket 0 is out; we are packing a later bucket
-                    time.sleep(1.0)
-                    print("KILLING", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                yield item
+
+    def die():
+        print(f"KILLING {{KILL_AT}} {{time.time():.6f}}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # broadcasts of the update: 0 the layout header, 1 bucket 0, 2 bucket 1, ...
+    works = []
+    real_broadcast = TransferGroup.broadcast
+    def broadcast(self, tensor, src):
+        if (KILL_AT, len(works)) in (("first_bucket", 1), ("between_buckets", 2)):
+            for w in works:
+                w.wait()   # the server has what came before: it now waits for the next bucket
+            time.sleep(0.3)
+            die()
+        w = real_broadcast(self, tensor, src)
+        works.append(w)
+        return w
+    TransferGroup.broadcast = broadcast
+
+    client = HTTPWeightSyncClient({url!r})
+    for route in ("start_weight_update", "update_weights"):
+        real = getattr(client, route)
+        def call(*a, _real=real, _route=route, **k):
+            out = _real(*a, **k)
+            if (KILL_AT, _route) in (("after_start", "start_weight_update"), ("after_update", "update_weights")):
+                time.sleep(0.3)
+                die()
+            return out
+        setattr(client, route, call)
     eng = WeightTransferTrainerFactory.trainer_init(
         init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s={timeout_s},
                                       packed_buffer_size_bytes=16 << 10),
-        client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
+        client=client, source=ModuleSource(hf))
     eng.send_weights()
+    print("NOT KILLED", flush=True)
 """)
 
+#: Where :func:`kill_trainer_script` SIGKILLs the trainer (the server's view): ``after_start``
+#: (start_weight_update answered, update_weights never sent), ``first_bucket`` (the layout
+#: header arrived, the server waits inside the first bucket's receive), ``between_buckets``
+#: (bucket 0 arrived and was loaded / staged, the server waits for bucket 1), ``after_update``
+#: (update_weights answered, finish_weight_update never sent).
+KILL_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 
-def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: float, scale: float = 1.0) -> str:
+
+def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: float, scale: float = 1.0,
+                        kill_at: str = "between_buckets") -> str:
     """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``), starts a
-    packed gloo sync to ``url`` in 16 KiB buckets and SIGKILLs itself after the first bucket."""
-    return _KILL_TRAINER.format(root=root, path=path, url=url, port=port, timeout_s=timeout_s, scale=scale)
+    packed gloo sync to ``url`` in 16 KiB buckets and SIGKILLs itself at ``kill_at`` (one of
+    :data:`KILL_POINTS`), printing ``KILLING <point> <time.time()>`` just before."""
+    if kill_at not in KILL_POINTS:
+        raise ValueError(f"kill_at must be one of {KILL_POINTS}")
+    return _KILL_TRAINER.format(root=root, path=path, url=url, port=port, timeout_s=timeout_s, scale=scale,
+                                kill_at=kill_at)
+
+
+def killed_at(stdout: str) -> float:
+    """The ``time.time()`` a :func:`kill_trainer_script` trainer printed just before its SIGKILL."""
+    for line in stdout.splitlines():
+        if line.startswith("KILLING "):
+            return float(line.split()[2])
+    raise AssertionError(f"the trainer was not killed: {stdout[-2000:]}")
 
 
 def greedy_continuation(model, prompt_ids: list[int], n: int) -> list[int]:

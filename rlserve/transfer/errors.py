@@ -37,3 +37,8 @@ class TransferTimeoutError(WeightTransferFailedError, TimeoutError):
 
 class TransferAbortedError(WeightTransferFailedError):
     """The local side aborted the transfer (shutdown, the peer's HTTP call failed)."""
+
+
+class TrainerGoneError(TransferAbortedError):
+    """The trainer's process died (its TCPStore connection closed or stopped answering, see
+    :mod:`rlserve.transfer.liveness`): the open update failed the way a broken transfer fails."""

@@ -70,6 +70,7 @@ class TransferGroup:
         self.store = None
         self.pg = None
         self.abort_event = threading.Event()
+        self.abort_reason: str | None = None  # why abort() was called (named by the waits' errors)
         self._destroyed = False
         self._teardown_thread: threading.Thread | None = None
 
@@ -176,7 +177,7 @@ class TransferGroup:
         sleep = 0.00002
         while not work.is_completed():
             if self.abort_event.is_set():
-                raise TransferAbortedError(f"{what} aborted")
+                raise self._aborted(what)
             if check is not None:
                 check()
             if time.monotonic() > deadline:
@@ -206,7 +207,7 @@ class TransferGroup:
             self.wait(work, what=what)
             return
         if self.abort_event.is_set():
-            raise TransferAbortedError(f"{what} aborted")
+            raise self._aborted(what)
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - a communicator error
@@ -226,7 +227,7 @@ class TransferGroup:
         sleep = 0.00005
         while not ev.query():
             if self.abort_event.is_set():
-                raise TransferAbortedError(f"{what} aborted")
+                raise self._aborted(what)
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(f"{what} did not complete within {limit:.0f} s "
                                            f"(rank {self.rank}/{self.world_size}, {self.backend}); is the peer alive?")
@@ -234,9 +235,16 @@ class TransferGroup:
             sleep = min(sleep * 2, 0.001)
 
     # ------------------------------------------------------------------ teardown
-    def abort(self) -> None:
-        """Make every current and future :meth:`wait` fail fast. Does not free anything."""
+    def abort(self, reason: str | None = None) -> None:
+        """Make every current and future :meth:`wait` fail fast (within one poll, < 1 ms): a
+        receive blocked on a peer that will never send (gloo does not always report a dead peer,
+        NCCL never does) ends here. Does not free anything. ``reason`` is named by the errors."""
+        if reason and self.abort_reason is None:
+            self.abort_reason = reason
         self.abort_event.set()
+
+    def _aborted(self, what: str) -> TransferAbortedError:
+        return TransferAbortedError(f"{what} aborted" + (f": {self.abort_reason}" if self.abort_reason else ""))
 
     def destroy(self, wait_s: float = 0.0) -> None:
         """Tear the group down: abort the backend, drop references on a daemon thread (a gloo

@@ -26,8 +26,12 @@ Guarantees (beyond vLLM):
   covering every required parameter commits; a fresh ``init_weight_transfer_engine`` then works;
 - TRL's per-tensor protocol runs as one such session per batch (first ``update_named_param``
   to ``reset_prefix_cache``), so it gets the same guarantees;
+- a trainer whose process dies is noticed within about a second
+  (:mod:`rlserve.transfer.liveness`: its TCPStore connection closes) during init ... finish,
+  inside a bucket receive as between calls: the update in progress fails as above (a receive
+  blocked on the dead peer is aborted), and the group is torn down;
 - an open update session that sees no call for ``timeout_s`` seconds is abandoned the same way
-  (a trainer that died between calls never leaves the server paused);
+  (a live trainer that stopped calling never leaves the server paused);
 - every commit resets the prefix cache and sets the weight version (auto-incremented when the
   trainer gives none).
 
@@ -57,6 +61,7 @@ from rlserve.errors import (
 )
 from rlserve.transfer import errors as terr
 from rlserve.transfer.checksums import compare_checksums
+from rlserve.transfer.liveness import PeerLiveness, StoreLiveness
 from rlserve.transfer.protocol import (
     BACKENDS,
     DEFAULT_TIMEOUT_S,
@@ -77,7 +82,7 @@ _POLL_BLOCK_S = 0.05
 STAGING_MODES = ("none", "device", "host")
 #: keys of --weight-transfer-config that are init_info defaults; the others are the server's own
 _INIT_DEFAULT_KEYS = {"timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
-_CONFIG_KEYS = {"backend", "direct_receive", *_INIT_DEFAULT_KEYS}
+_CONFIG_KEYS = {"backend", "direct_receive", "trainer_liveness", *_INIT_DEFAULT_KEYS}
 
 _ERRORS = {
     "LayoutMismatchError": LayoutMismatchError,  # 400: the trainer's data disagrees with its update_info
@@ -157,7 +162,9 @@ class WeightTransferManager:
             backend is refused (400). ``"direct_receive": false`` keeps packed gloo updates of
             a CPU model going through the receive buffers (default true: from the second
             identical update on they land straight in the parameters, see
-            :mod:`rlserve.transfer.direct`).
+            :mod:`rlserve.transfer.direct`). ``"trainer_liveness": false`` stops watching the
+            trainer's TCPStore (:mod:`rlserve.transfer.liveness`; default true): a dead trainer
+            is then noticed by ``timeout_s`` only.
         staging: ``"none"`` (in place), ``"device"`` or ``"host"``.
         rpc_timeout_s: seconds for one short worker RPC (poll, abort, status).
         poll_interval_s: the longest pause between progress polls of a running transfer (seconds;
@@ -184,6 +191,10 @@ class WeightTransferManager:
         if not isinstance(cfg.get("direct_receive", True), bool):
             raise ValueError(f"weight transfer config: direct_receive must be true or false, got {cfg['direct_receive']!r}")
         self.direct_receive: bool = cfg.get("direct_receive", True)
+        if not isinstance(cfg.get("trainer_liveness", True), bool):
+            raise ValueError(f"weight transfer config: trainer_liveness must be true or false, "
+                             f"got {cfg['trainer_liveness']!r}")
+        self.trainer_liveness: bool = cfg.get("trainer_liveness", True)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self._init: InitInfo | None = None
@@ -196,6 +207,9 @@ class WeightTransferManager:
         # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
         self._ipc_refs: dict[str, dict] = {}
         self._watchdog: asyncio.Task | None = None
+        # the trainer's liveness (rlserve.transfer.liveness), watched from init to teardown
+        self._liveness: PeerLiveness | None = None
+        self._liveness_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # background bookkeeping calls (forget, end_session)
         self.last_update: dict | None = None
         self.history: collections.deque = collections.deque(maxlen=32)
@@ -384,6 +398,7 @@ class WeightTransferManager:
 
     async def _teardown_group(self) -> None:
         """Abort and leave the group on every worker; never raises."""
+        self._stop_liveness()
         self._init = None
         self._ipc_refs = {}
         for fn in ("abort", "shutdown_transfer"):
@@ -391,6 +406,66 @@ class WeightTransferManager:
                 await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
             except Exception as e:  # noqa: BLE001
                 logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
+
+    # ------------------------------------------------------------------ trainer liveness
+    #: Seconds between two looks at the liveness watch (on the event loop; a look is a few
+    #: attribute reads).
+    LIVENESS_POLL_S = 0.05
+
+    def _stop_liveness(self) -> None:
+        if self._liveness is not None:
+            self._liveness.stop()
+        self._liveness = None
+
+    def _new_liveness(self, info: InitInfo) -> StoreLiveness | None:
+        """A watch on the trainer's TCPStore, or ``None`` where the trainer hosts none: TRL's
+        layout (``rank_offset`` 0: server worker 0 hosts it) and ipc without ``master_port``
+        (the SDK's ipc engine hosts one and sends its port; other ipc clients do not)."""
+        if not self.trainer_liveness or info.rank_offset != 1 or not info.master_port:
+            return None
+        return StoreLiveness(info.master_address, info.master_port)
+
+    def _watch_liveness(self, watch: StoreLiveness | None) -> None:
+        """Make ``watch`` (started) the current one and poll it until it is replaced / stopped."""
+        self._stop_liveness()
+        if watch is None:
+            return
+        self._liveness = watch
+        self._liveness_task = asyncio.get_running_loop().create_task(self._poll_liveness(watch))
+
+    async def _poll_liveness(self, watch: PeerLiveness) -> None:
+        while self._liveness is watch:
+            reason = watch.gone()
+            if reason is not None:
+                try:
+                    await self._trainer_gone(watch, reason)
+                except Exception:  # noqa: BLE001 - a background task: log, never raise into the loop
+                    logger.exception("handling the trainer's death failed")
+                return
+            await asyncio.sleep(self.LIVENESS_POLL_S)
+
+    async def _trainer_gone(self, watch: PeerLiveness, reason: str) -> None:
+        """The trainer died: fail the open update exactly as a broken transfer fails (a running
+        receive is aborted: its error names ``reason``; in place with something loaded, 503
+        until a full update; staged, the old weights stay; the pause is released) and leave the
+        group. With no update open, the group is only torn down (the next init starts afresh)."""
+        why = f"the trainer is gone: {reason}"
+        if self._busy == "init":
+            return  # a newer init is replacing the group (and stopped this watch)
+        if self._busy in ("update", "trl"):
+            logger.error("%s; aborting the weight update in progress", why)
+        await self._preempt(why)  # a running call ends through its own failure path
+        if self._liveness is not watch or self._busy is not None:
+            return  # that failure path (or a newer init / shutdown) tore the group down
+        self._busy = "teardown"  # a new init (the trainer restarted) waits for this to end
+        try:
+            if self._session is not None:
+                await self._fail(self._session, terr.TrainerGoneError(why))
+            else:
+                logger.warning("%s; leaving the transfer group (no update was open)", why)
+                await self._teardown_group()
+        finally:
+            self._busy = None
 
     async def _mark_unavailable(self, reason: str) -> None:
         """Generation answers 503 with ``reason`` until a full update lands, and the requests in
@@ -507,13 +582,27 @@ class WeightTransferManager:
             await self._fail(self._session, WeightUpdateStateError("superseded by a new init_weight_transfer_engine"))
         self._busy = "init"
         t0 = time.perf_counter()
+        self._stop_liveness()  # the previous trainer's watch: its group is being replaced
+        watch = self._new_liveness(info)
         try:
+            if watch is not None and info.backend == "ipc":
+                # the SDK's ipc engine hosts a store for its liveness only, up before this call
+                watch.start()
+                if not await asyncio.to_thread(watch.wait_connected, min(10.0, info.timeout_s)):
+                    raise WeightUpdateError(
+                        f"init_info.master_port: no TCPStore answers at {info.master_address}:{info.master_port} "
+                        "(ipc: the trainer's liveness store; send master_port 0 for none)")
             results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
                                          "init_weight_transfer_engine")
             await self._model_spec()
             self._init = info
             self._ipc_refs = {}  # the workers' receivers are new
+            if watch is not None and info.backend != "ipc":
+                watch.start()  # the rendezvous went through the trainer's store: it is up
+            self._watch_liveness(watch)
         except BaseException as e:
+            if watch is not None:
+                watch.stop()
             await self._teardown_group()
             why, self._init_cancelled = self._init_cancelled, None
             if why is not None:
@@ -541,7 +630,7 @@ class WeightTransferManager:
         if self._busy == "update":
             logger.warning("aborting the weight update in progress: %s", why)
             try:
-                await self._rpc("abort", timeout_s=10.0)
+                await self._rpc("abort", why, timeout_s=10.0)
             except Exception:  # noqa: BLE001
                 pass
         deadline = time.monotonic() + self._timeout() + 30
@@ -757,8 +846,7 @@ class WeightTransferManager:
         if s.declared is not None:
             missing = [n for n in s.declared.names if n not in s.received]
             if missing:
-                err = WeightUpdateError(f"finish_weight_update: {len(missing)} declared tensor(s) never arrived "
-                                        f"(e.g. {missing[:3]}); nothing was committed")
+                err = WeightUpdateError(self._incomplete_message(s, missing))
                 await self._fail(s, err, teardown=False)
                 raise err
         _spec, req = await self._model_spec()
@@ -817,6 +905,17 @@ class WeightTransferManager:
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
                 "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,
                 "committed_in_engine_command": s.committed_version is not None}
+
+    def _incomplete_message(self, s: _Session, missing: list[str]) -> str:
+        """What ``finish_weight_update`` of a declared update that did not fully arrive did."""
+        head = (f"finish_weight_update: {len(missing)} of the {len(s.declared.names)} declared tensors never "
+                f"arrived (e.g. {missing[:3]})")
+        if self.staging != "none":
+            return f"{head}; nothing was committed: the staged tensors were dropped and the old weights keep serving"
+        if s.applied:
+            return (f"{head}; the {len(s.received)} that arrived were loaded in place, so the model is part old, "
+                    "part new: generation answers 503 until a full weight update lands")
+        return f"{head}; nothing was loaded: the old weights keep serving"
 
     async def _commit_staged(self, version: str | None) -> list[dict]:
         """Every worker loads its staging dict into the model (worker_ext ``commit``). With

@@ -53,6 +53,11 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 #: Seconds any rendezvous / collective / RPC may take by default.
 DEFAULT_TIMEOUT_S = 300.0
+#: Smallest ``timeout_s`` accepted (seconds). It bounds the rendezvous (TCPStore connect plus the
+#: backend's own connect: ~0.1-1 s for gloo on a loaded CPU host, seconds for NCCL) and the wait
+#: for every bucket; below a second a healthy update ends in a timeout (``1e-9`` gave a 504). A
+#: dead trainer is noticed without it (:mod:`rlserve.transfer.liveness`).
+MIN_TIMEOUT_S = 1.0
 #: Largest ``timeout_s`` accepted (seconds; one year): larger values overflow the store's and the
 #: backends' timeouts.
 MAX_TIMEOUT_S = 365 * 86400.0
@@ -203,9 +208,11 @@ class InitInfo:
         _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
         _check_int("init_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise WeightUpdateError(f"init_info.timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:.0f} "
-                                    f"(a year), got {self.timeout_s!r}")
+                or not math.isfinite(self.timeout_s) or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise WeightUpdateError(
+                f"init_info.timeout_s must be a number of seconds from {MIN_TIMEOUT_S:g} (it bounds the rendezvous and "
+                f"every bucket's wait: less times out a healthy update) to {MAX_TIMEOUT_S:.0f} (a year), "
+                f"got {self.timeout_s!r}")
         self.timeout_s = float(self.timeout_s)
         if not isinstance(self.session, str) or len(self.session) > 128:
             raise WeightUpdateError("init_info.session must be a string of at most 128 characters")

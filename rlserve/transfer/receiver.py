@@ -236,10 +236,11 @@ class WeightReceiver:
                                           self.rank, self.init.world_size, self.init.timeout_s, dev,
                                           session=self.init.session)
 
-    def abort(self) -> None:
-        """Make a receive in progress (on another thread) fail fast."""
+    def abort(self, reason: str | None = None) -> None:
+        """Make a receive in progress (on another thread) fail fast; ``reason`` is named by its
+        error (e.g. the trainer is gone)."""
         if self.group is not None:
-            self.group.abort()
+            self.group.abort(reason)
 
     def release_buffers(self) -> None:
         """Free the packed receive buffers (e.g. once updates are received directly; the next

@@ -599,6 +599,11 @@ class TrainerWeightTransferEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+#: Seconds a trainer whose broadcast failed waits for the server's answer to ``update_weights``
+#: (its error says why, e.g. a refused update; gloo's only says the connection closed).
+_SERVER_ANSWER_WAIT_S = 30.0
+
+
 def _raise_if_failed(fut: cf.Future) -> Callable[[], None]:
     """A ``check`` for :meth:`TransferGroup.wait`: raise the HTTP call's error as soon as it
     failed (a server that refused the update never joins the broadcast)."""
@@ -691,14 +696,32 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         try:
             kw = {"buffers": self._buffers} if info.packed else {}
             stats = fn(self.group, info, self.source.named_tensors(), self.device, check=check, **kw)
-        except BaseException as e:
-            # prefer the server's explanation when it has one
-            if http.done() and http.exception() is not None and http.exception() is not e:
-                raise http.exception() from e
+        except Exception as e:
+            # Prefer the server's explanation: a server that refuses the update (e.g. a layout
+            # mismatch, 400) tears the group down before it answers, so the broadcast often
+            # fails first ("Connection closed by peer"); its answer follows within moments. (An
+            # error of this side -- a source yielding other tensors, a timeout -- is raised at once.)
+            closed = isinstance(e, WeightTransferFailedError) and \
+                not isinstance(e, (TransferTimeoutError, TransferAbortedError))
+            try:
+                http.result(timeout=min(ii.timeout_s, _SERVER_ANSWER_WAIT_S) if closed else 0)
+            except Exception as he:  # noqa: BLE001 - the server's error wins
+                if he is not e and not isinstance(he, cf.TimeoutError):
+                    raise he from e
             raise
         ans = http.result(timeout=ii.timeout_s * (n_buckets + 2))
         stats["server"] = ans
         return stats
+
+
+def _liveness_store(host: str, timeout_s: float):
+    """A ``TCPStore`` this process hosts on a free port (``.port``) for the server's liveness
+    watch of an ipc trainer (no process group there): its connection closes when this process
+    dies, which the server notices within about a second (:mod:`rlserve.transfer.liveness`)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _run_in_daemon_thread(name: str, fn, *args, **kwargs) -> cf.Future:
@@ -747,7 +770,12 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         from rlserve.transfer.multi_tensor import warmup
 
         warmup(self.device)  # compile the one-launch checksum kernel now, not in the first sync
-        self.client.init_weight_transfer_engine(self.init_info.to_server_init_info(), self.init_info.timeout_s)
+        server_init = self.init_info.to_server_init_info()
+        if getattr(self, "_liveness_store", None) is None:
+            self._liveness_store = _liveness_store(self.init_info.master_address, self.init_info.timeout_s)
+        # the server watches this process through the store's connection (rlserve.transfer.liveness)
+        server_init["master_port"] = self._liveness_store.port
+        self.client.init_weight_transfer_engine(server_init, self.init_info.timeout_s)
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
         self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
         self._fast: dict | None = None  # the one-call path's registration (see _send_one_call)
@@ -756,6 +784,10 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._exported = {}
         self._batch_ref = None
         self._fast = None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._liveness_store = None  # (after the server left: it then sees the store close)
 
     @staticmethod
     def _batch_key(names, tensors) -> tuple:

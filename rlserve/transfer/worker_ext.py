@@ -502,11 +502,12 @@ def poll(worker, op_id: str, wait_s: float = 0.0) -> dict:
     return out
 
 
-def abort(worker) -> None:
-    """Make a receive in progress fail fast (the manager then shuts the engine down)."""
+def abort(worker, reason: str | None = None) -> None:
+    """Make a receive in progress fail fast (the manager then shuts the engine down); its error
+    names ``reason`` when given (e.g. the trainer is gone)."""
     st = _state(worker)
     if st.receiver is not None:
-        st.receiver.abort()
+        st.receiver.abort(reason)
 
 
 def commit(worker) -> dict:
