@@ -42,61 +42,80 @@ def test_store_liveness_notices_a_killed_process():
     proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
-        watch = StoreLiveness("127.0.0.1", port, interval_s=0.05)
+        watch = StoreLiveness("127.0.0.1", port)
         watch.start()
         assert watch.wait_connected(30)
-        deadline = time.monotonic() + 30
-        while watch.probes < 3:  # alive: probes are answered
-            assert time.monotonic() < deadline and watch.gone() is None
-            time.sleep(0.01)
-        assert watch.gone() is None
+        time.sleep(0.5)
+        assert watch.gone() is None  # alive: the silent connection stays open
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         t0 = time.monotonic()
         reason = _wait_gone(watch, 30)
         print(f"store liveness: SIGKILL noticed after {time.monotonic() - t0:.3f} s")
-        assert "closed its connection" in reason and str(port) in reason
+        assert "closed its connection: the trainer process died" in reason and str(port) in reason
         watch.stop()
+        watch.join(30)
     finally:
         proc.kill()
         proc.wait(30)
 
 
-def test_store_liveness_silent_peer_counts_as_gone():
-    """A host that vanished without closing the connection: the connection attempt (or a probe)
-    stays unanswered; past ``unresponsive_s`` the peer counts as gone (a TCPStore client request
-    alone would block without any bound)."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()  # accepts (the kernel does), never answers
-        watch = StoreLiveness("127.0.0.1", silent.getsockname()[1], unresponsive_s=0.5)
+def test_store_liveness_keeps_alive_a_silent_connection_and_sets_keepalive(monkeypatch):
+    """The watch never writes: it waits for end of file. A host that vanishes without closing
+    the connection is caught by TCP keepalive, set to give up after ~unresponsive_s."""
+    import rlserve.transfer.liveness as liveness
+
+    seen = {}
+    real = liveness._keepalive
+
+    def spy(sock, unresponsive_s):
+        real(sock, unresponsive_s)
+        seen["keepalive"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            seen["idle"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            seen["interval"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+            seen["count"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+
+    monkeypatch.setattr(liveness, "_keepalive", spy)
+    with socket.socket() as quiet:
+        quiet.bind(("127.0.0.1", 0))
+        quiet.listen()
+        watch = StoreLiveness("127.0.0.1", quiet.getsockname()[1], unresponsive_s=12)
         watch.start()
-        reason = _wait_gone(watch, 30)
-        assert "did not answer" in reason
+        assert watch.wait_connected(30)
+        peer, _ = quiet.accept()
+        with peer:
+            peer.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                peer.recv(1)  # nothing is ever sent
+            assert watch.gone() is None
+            assert seen["keepalive"] == 1
+            if "idle" in seen:
+                assert (seen["idle"], seen["interval"], seen["count"]) == (4, 2, 5)
+        _wait_gone(watch, 30)  # the peer closed
         watch.stop()
-    watch._thread.join(60)  # the closed socket ends its connection attempt (no thread left at exit)
+        watch.join(30)
 
 
 def test_store_liveness_nothing_listening():
     watch = StoreLiveness("127.0.0.1", free_port(), connect_timeout_s=1.0)
     watch.start()
     assert not watch.wait_connected(30)
-    assert "cannot be reached" in _wait_gone(watch, 30) or "did not answer" in watch.gone()
-    watch.stop()
-    watch._thread.join(60)
+    assert "cannot be reached" in _wait_gone(watch, 30)
+    watch.join(30)
 
 
 def test_stopped_watch_reports_nothing():
     proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
-        watch = StoreLiveness("127.0.0.1", port, interval_s=0.05)
+        watch = StoreLiveness("127.0.0.1", port)
         watch.start()
         assert watch.wait_connected(30)
         watch.stop()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        time.sleep(0.3)
+        watch.join(30)
         assert watch.gone() is None  # the manager stopped it (the group was torn down first)
     finally:
         proc.kill()

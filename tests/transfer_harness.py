@@ -93,11 +93,12 @@ _KILL_TRAINER = textwrap.dedent("""
     import os, signal, sys, time, torch
     sys.path.insert(0, {root!r})
     from transformers import AutoModelForCausalLM
-    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
-                                  WeightTransferTrainerFactory)
+    {setup}
+    from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource,
+                                  NCCLTrainerInitInfo, WeightTransferTrainerFactory)
     from rlserve.transfer.group import TransferGroup
     KILL_AT = {kill_at!r}
-    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype={dtype}).to({device!r})
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_({scale!r})
@@ -113,6 +114,8 @@ _KILL_TRAINER = textwrap.dedent("""
         if (KILL_AT, len(works)) in (("first_bucket", 1), ("between_buckets", 2)):
             for w in works:
                 w.wait()   # the server has what came before: it now waits for the next bucket
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # (NCCL: wait() only orders the stream)
             time.sleep(0.3)
             die()
         w = real_broadcast(self, tensor, src)
@@ -125,15 +128,13 @@ _KILL_TRAINER = textwrap.dedent("""
         real = getattr(client, route)
         def call(*a, _real=real, _route=route, **k):
             out = _real(*a, **k)
+            # (ipc packed: one update_weights call per bucket, so "after_update" is after the first)
             if (KILL_AT, _route) in (("after_start", "start_weight_update"), ("after_update", "update_weights")):
                 time.sleep(0.3)
                 die()
             return out
         setattr(client, route, call)
-    eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s={timeout_s},
-                                      packed_buffer_size_bytes=16 << 10),
-        client=client, source=ModuleSource(hf))
+    eng = WeightTransferTrainerFactory.trainer_init(init_info={init_info}, client=client, source=ModuleSource(hf))
     eng.send_weights()
     print("NOT KILLED", flush=True)
 """)
@@ -146,15 +147,29 @@ _KILL_TRAINER = textwrap.dedent("""
 KILL_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 
 
+_INIT_INFOS = {
+    "gloo": "GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s={timeout_s}, "
+            "packed_buffer_size_bytes=16 << 10)",
+    "nccl": "NCCLTrainerInitInfo(master_port={port}, world_size=2, device={device!r}, timeout_s={timeout_s}, "
+            "packed_buffer_size_bytes=16 << 10)",
+    "ipc": "IPCTrainerInitInfo(packed=True, device={device!r}, timeout_s={timeout_s}, "
+           "packed_buffer_size_bytes=16 << 10)",
+}
+
+
 def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: float, scale: float = 1.0,
-                        kill_at: str = "between_buckets") -> str:
-    """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``), starts a
-    packed gloo sync to ``url`` in 16 KiB buckets and SIGKILLs itself at ``kill_at`` (one of
-    :data:`KILL_POINTS`), printing ``KILLING <point> <time.time()>`` just before."""
+                        kill_at: str = "between_buckets", backend: str = "gloo", device: str = "cpu",
+                        dtype: str = "float32", setup: str = "") -> str:
+    """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``; ``dtype``
+    on ``device``), starts a packed sync to ``url`` in 16 KiB buckets over ``backend`` ("gloo",
+    "nccl" or "ipc": one ``update_weights`` call per bucket) and SIGKILLs itself at ``kill_at``
+    (one of :data:`KILL_POINTS`), printing ``KILLING <point> <time.time()>`` just before.
+    ``setup``: a line run first (e.g. ``tests.gpu.nccl_over_gloo.install()``)."""
     if kill_at not in KILL_POINTS:
         raise ValueError(f"kill_at must be one of {KILL_POINTS}")
-    return _KILL_TRAINER.format(root=root, path=path, url=url, port=port, timeout_s=timeout_s, scale=scale,
-                                kill_at=kill_at)
+    init_info = _INIT_INFOS[backend].format(port=port, device=device, timeout_s=timeout_s)
+    return _KILL_TRAINER.format(root=root, path=path, url=url, scale=scale, kill_at=kill_at, setup=setup,
+                                device=device, dtype=f"torch.{dtype}", init_info=init_info)
 
 
 def killed_at(stdout: str) -> float:
