@@ -27,6 +27,7 @@ from rlserve.server.errors import install_error_handlers
 from rlserve.server.limits import BodySizeLimit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
+from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, WEIGHT_SYNC_ERRORS, error_answers
 from rlserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,9 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     api_deps = [Depends(require_api_key(settings))]
     admin_deps = [Depends(require_admin(settings))]
     app.include_router(make_public_router(state))
-    app.include_router(make_openai_router(state, api_deps))
-    app.include_router(make_trl_router(state, api_deps))
-    app.include_router(make_admin_router(state, admin_deps))
+    app.include_router(make_openai_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
+    app.include_router(make_trl_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
+    app.include_router(make_admin_router(state, admin_deps), responses=error_answers(ADMIN_ERRORS))
     if settings.weight_transfer_config is not None or weight_manager is not None:
         mount_weight_routes(app, state, admin_deps, weight_manager)
     return app
@@ -90,6 +91,7 @@ def mount_weight_routes(app: FastAPI, state: ServerState, admin_deps: list, weig
     listeners = getattr(weight_manager, "update_listeners", None)
     if listeners is not None:
         listeners.append(state.metrics.record_weight_sync)
-    app.include_router(weight_routes.make_weight_router(weight_manager, dependencies=admin_deps))
+    app.include_router(weight_routes.make_weight_router(weight_manager, dependencies=admin_deps),
+                       responses=error_answers(WEIGHT_SYNC_ERRORS))
     logger.info("weight-sync routes mounted (config %s, staging %s)", state.settings.weight_transfer_config,
                 state.settings.weight_staging)

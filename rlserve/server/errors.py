@@ -30,6 +30,9 @@ from rlserve.errors import (
 
 logger = logging.getLogger(__name__)
 
+#: ``code`` of a 500 from an unexpected exception (logged by :func:`exception_to_error`).
+INTERNAL_ERROR = "internal_error"
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -133,9 +136,12 @@ def exception_to_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
-    if isinstance(exc, (ValueError, TypeError)):  # e.g. a tokenizer/template refusing input
-        return APIError(400, f"{type(exc).__name__}: {exc}")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    # Anything else is a bug of the server, not of the request (inputs are validated explicitly:
+    # pydantic models, ServerState.tokenize, ...): logged with its traceback, answered 500
+    # without the exception's text (no internals in answers).
+    logger.error("unexpected %s while serving a request", type(exc).__name__, exc_info=exc)
+    return APIError(500, "internal server error: the server failed on this request (its log has the details)",
+                    code=INTERNAL_ERROR)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
@@ -238,6 +244,6 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception):
         err = exception_to_error(exc)
-        if err.status >= 500:
+        if err.status >= 500 and err.code != INTERNAL_ERROR:  # (an unexpected one was logged)
             logger.error("error serving %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(err.status, err.message, err.param, err.code, err.type)

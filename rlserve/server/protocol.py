@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+
+#: A token id: a JSON integer. ``true`` and ``1.0`` are refused (pydantic's lax ``int`` reads them
+#: as 1: a prompt of booleans would have been generated from).
+TokenId = StrictInt
 
 
 class _Body(BaseModel):
@@ -62,7 +67,7 @@ class _SamplingFields(_Body):
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # vLLM extensions
@@ -83,7 +88,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
     ids, or a list of token-id lists."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
@@ -128,8 +133,8 @@ class ChatCompletionRequest(_SamplingFields):
 class TRLGenerateRequest(_Body):
     """TRL ``vllm-serve``'s ``POST /generate/`` body (plus ``prompt_ids`` / token-id prompts)."""
 
-    prompts: Optional[Union[list[str], list[list[int]]]] = None
-    prompt_ids: Optional[list[list[int]]] = None
+    prompts: Optional[Union[list[str], list[list[TokenId]]]] = None
+    prompt_ids: Optional[list[list[TokenId]]] = None
     images: Optional[list[Any]] = None
     n: int = 1
     repetition_penalty: float = 1.0

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import math
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -16,6 +17,23 @@ from rlserve.errors import InvalidRequestError
 from rlserve.server.errors import APIError
 from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, RequestLimits, \
     max_prompt_chars
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode: a lone UTF-16 surrogate (JSON ``"\\ud800"``
+    without its pair) cannot be encoded as UTF-8, so no tokenizer can read it.
+
+    Raises:
+        APIError 400 (``code`` ``invalid_text``) naming the position.
+    """
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise APIError(400, f"{param}: a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at character {m.start()} is "
+                            "not valid Unicode text; send the character itself (or both halves of its "
+                            "surrogate pair)", param=param, code="invalid_text")
 
 
 @dataclasses.dataclass
@@ -123,6 +141,7 @@ class ServerState:
         if isinstance(prompt, str):
             if prompt == "":
                 raise APIError(400, "prompt must not be empty", param=param)
+            check_text(prompt, param)
             self.limits.check_prompt_chars(prompt, param, self.max_model_len)  # before tokenizing
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:

@@ -1,0 +1,97 @@
+"""Inputs the server used to accept or answer with internals (issue 25's list): a lone UTF-16
+surrogate in a prompt is a clear 400, token ids must be JSON integers (no booleans, no floats),
+an unexpected exception is a logged 500 that does not show its text, and the OpenAPI schema
+lists the error answers of the routes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from tests.transfer_harness import InProcessServer
+
+SURROGATE = "a\ud800b"  # JSON "a\\ud800b": one half of a surrogate pair, alone
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    with InProcessServer(tiny_model("llama")) as s:
+        yield s
+
+
+def _post(srv, route, body):
+    # json.dumps escapes the surrogate ("\\ud800"), as a client in another language would send it
+    return httpx.post(srv.url + route, content=json.dumps(body), headers={"Content-Type": "application/json"},
+                      timeout=60)
+
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": SURROGATE, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", SURROGATE], "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}], "max_tokens": 2}, "messages"),
+    ("/generate/", {"prompts": [SURROGATE], "max_tokens": 2}, "prompts"),
+])
+def test_lone_surrogate_is_a_clear_400(srv, caplog, route, body, param):
+    with caplog.at_level(logging.ERROR):
+        err = _error(_post(srv, route, body), 400)
+    assert err["code"] == "invalid_text" and err["param"].startswith(param), err
+    assert "lone UTF-16 surrogate (U+D800) at character 1" in err["message"], err
+    assert "TypeError" not in err["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # no traceback logged
+    assert _post(srv, route, {**body, **({"prompt": "a\U0001F600b"} if "prompt" in body else {})}).status_code in (
+        200, 400)  # (the server lives on)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": [True], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": [1.0], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": [[5, False]], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "stop_token_ids": [True]}),
+    ("/generate/", {"prompt_ids": [[False]], "max_tokens": 2}),
+    ("/generate/", {"prompt_ids": [[5, 2.0]], "max_tokens": 2}),
+    ("/generate/", {"prompts": [[True, 5]], "max_tokens": 2}),
+])
+def test_token_ids_must_be_integers(srv, route, body):
+    err = _error(_post(srv, route, body), 400)
+    assert err["param"].split(".")[0] in ("prompt", "prompt_ids", "prompts", "stop_token_ids"), err
+    ok = {k: ([5, 6] if k == "prompt" else [[5, 6]] if k in ("prompt_ids", "prompts") else v)
+          for k, v in body.items() if k != "stop_token_ids"}
+    assert _post(srv, route, ok).status_code == 200  # the same request with integers works
+
+
+def test_unexpected_exception_is_a_logged_500_without_internals(srv, caplog, monkeypatch):
+    state = srv.app.state.rlserve
+
+    def broken(*a, **k):
+        raise TypeError("secret internal detail")
+
+    monkeypatch.setattr(state, "tokenize", broken)
+    with caplog.at_level(logging.ERROR, logger="rlserve.server.errors"):
+        err = _error(_post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 2}), 500)
+    assert err["code"] == "internal_error" and "secret" not in err["message"], err
+    assert "secret internal detail" in caplog.text  # the log has it, with its traceback
+    monkeypatch.undo()
+    assert _post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+def test_openapi_lists_error_answers(srv):
+    spec = httpx.get(srv.url + "/openapi.json", timeout=30).json()
+    paths = spec["paths"]
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"):
+        codes = set(paths[route]["post"]["responses"])
+        assert {"400", "401", "409", "503", "504"} <= codes, (route, codes)
+        err = paths[route]["post"]["responses"]["409"]["content"]["application/json"]["schema"]
+        assert err == {"$ref": "#/components/schemas/ErrorResponse"}, err
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        codes = set(paths[route]["post"]["responses"])
+        assert {"400", "401", "503"} <= codes, (route, codes)
+    props = spec["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert props  # {"message", "type", "param", "code"}
