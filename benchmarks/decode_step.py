@@ -9,7 +9,11 @@ tokens, this measures:
   over ``--iters`` steps. Both with CUDA graphs and eager (the same runner with graphs
   switched off), so the two are directly comparable.
 - ``engine`` (``--engine-steps``): a full ``LLMEngine.step()`` in steady decode
-  (scheduling, inputs, forward, sampling at temperature 0.6, output bookkeeping).
+  (scheduling, inputs, forward, sampling at temperature 0.6, output bookkeeping). By
+  default as offline ``generate`` and non-streamed requests run it (``outputs_for=()``:
+  outputs are built for finished requests only); ``--engine-outputs all`` builds a
+  cumulative output for every request every step, as for streamed requests (the
+  measurement before 2026-12-01).
 - the HBM floor: ``(weight bytes + KV bytes read) / copy bandwidth``, where weight bytes
   are every parameter read once per step (a tied embedding counts once, as the LM head;
   an untied input embedding is not counted -- only ``B`` rows of it are read), KV bytes
@@ -234,9 +238,10 @@ def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
     for _ in range(3):
         eng.step()
     times = []
+    outputs_for = None if args.engine_outputs == "all" else ()
     for _ in range(args.engine_steps):
         t0 = time.perf_counter()
-        eng.step()
+        eng.step(outputs_for=outputs_for)
         times.append(time.perf_counter() - t0)
     eng.abort_all()
     return statistics.median(times)
@@ -363,6 +368,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
+    ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",
+                    help="engine steps build outputs for finished requests only (offline / non-streamed) or all")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="attention kernel micro-benchmarks")
     ap.add_argument("--kernel-contexts", default=None,
@@ -389,6 +396,8 @@ def main(argv=None) -> dict:
         "torch": torch.__version__, "triton": triton_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "fused_kernels": os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0",
+        "fused_sampler": os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0",
+        "engine_outputs": args.engine_outputs,
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
     bw = measure_copy_bandwidth(dev)

@@ -51,13 +51,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _max_model_len(args) -> int:
+    """Room for the workload's longest sequence and for the batch-1 run."""
+    return max(2 * args.max_len + 8, args.batch1_prompt_len + args.batch1_tokens + 8)
+
+
 def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     from rlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
-        max_model_len=2 * args.max_len + 8, enforce_eager=args.enforce_eager,
+        max_model_len=_max_model_len(args), enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
     )
     _sync(args.device)
@@ -102,7 +107,7 @@ def run_vllm_child(path: str, prompts, out_lens, args) -> dict:
 
     llm = LLM(
         model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True, seed=args.seed,
-        max_model_len=2 * args.max_len + 8, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        max_model_len=_max_model_len(args), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
     )
     startup = time.perf_counter() - t0
     import vllm

@@ -139,3 +139,68 @@ def test_qwen3_model_fused_equals_unfused(tiny_model, fused_on_cpu, monkeypatch)
                 for t in db:
                     assert abs(da[t] - db[t]) < 1e-4
     assert min(calls.values()) > 0, calls  # the fused path ran
+
+
+# --------------------------------------------------------------------------- one-pass sampling
+def _meta(params, outs=None):
+    from rlserve.engine.sampler import SamplingMetadata
+
+    outs = outs or [[] for _ in params]
+    return SamplingMetadata(params=params, prompt_token_ids=[[1] for _ in params], output_token_ids=outs)
+
+
+@pytest.fixture
+def small_sampling_blocks(monkeypatch):
+    """16-wide vocabulary blocks: the interpreter stays fast and rows span many chunks."""
+    from rlserve.engine import fused_sampling
+
+    monkeypatch.setattr(fused_sampling, "_BLOCK", 16)
+
+
+def test_fused_sampling_greedy_and_logprobs(fused_on_cpu, small_sampling_blocks):
+    from rlserve.engine.sampler import Sampler
+    from rlserve.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    V = 300  # 19 blocks of 16: the chunk merge and the masked tail are exercised
+    logits = torch.randn(5, V + 64, generator=g)  # 64 padded columns, never sampled
+    logits[:, V:] = 100.0
+    logits[2, 7] = logits[2, 290] = 50.0  # a tie: the lowest index wins, as torch.argmax
+    params = [SamplingParams(temperature=0)] * 5
+    out = Sampler(set(), V)(logits, _meta(params))
+    ref = logits[:, :V]
+    assert out.token_ids.tolist() == ref.argmax(-1).tolist()
+    want = torch.log_softmax(ref, -1).gather(1, out.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(out.logprobs, want, atol=1e-5)
+    assert out.topk_token_ids.shape == (5, 0)
+
+
+def test_fused_sampling_follows_softmax_and_seeds(fused_on_cpu, small_sampling_blocks):
+    from rlserve.engine import fused_sampling
+    from rlserve.engine.sampler import Sampler
+    from rlserve.engine.sampling_params import SamplingParams
+
+    V = 6
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+    B = 800
+    params = [SamplingParams(temperature=0.7)] * B
+    out = Sampler(set(), V, generator_seed=3)(base.repeat(B, 1), _meta(params))
+    freq = torch.bincount(out.token_ids, minlength=V).float() / B
+    p = torch.softmax(base / 0.7, -1)
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / B).sqrt().max() + 1e-3  # ~4 sigma
+    assert torch.allclose(out.logprobs, torch.log_softmax(base, -1)[out.token_ids], atol=1e-5)
+    # unseeded: reproducible per generator seed; seeded rows: the same token wherever they sit
+    first = Sampler(set(), V, generator_seed=3)(base.repeat(40, 1), _meta(params[:40]))
+    assert torch.equal(first.token_ids, out.token_ids[:40])  # the first call's key again
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    a = Sampler(set(), V)(base.repeat(3, 1), _meta([SamplingParams(temperature=1.0), seeded, seeded],
+                                                   [[], [5, 5], [5, 5]]))
+    b = Sampler(set(), V, generator_seed=9)(base.repeat(1, 1), _meta([seeded], [[1, 2]]))
+    assert a.token_ids[1] == a.token_ids[2] == b.token_ids[0]
+    draws = {Sampler(set(), V)(base[None], _meta([seeded], [[0] * n])).token_ids.item() for n in range(12)}
+    assert len(draws) > 1  # the draw moves with the position
+    # anything beyond temperature keeps the general path
+    for extra in (dict(top_k=2), dict(top_p=0.5), dict(min_p=0.1), dict(repetition_penalty=1.2), dict(logprobs=2)):
+        assert not fused_sampling.eligible(base[None], [SamplingParams(temperature=0.7, **extra)], [[]], V)
+    assert not fused_sampling.eligible(base[None], [SamplingParams(min_tokens=3)], [[1]], V)
+    assert fused_sampling.eligible(base[None], [SamplingParams(min_tokens=3)], [[1, 2, 3]], V)

@@ -44,14 +44,21 @@ What ``logprobs`` (the sampled token's and the top-k) hold is the server's ``log
 
 All float32. Prompt logprobs skip the sampling steps (vLLM's rule): ``log_softmax`` of the
 model's logits, or the logits themselves in the two ``*_logits`` modes.
+
+On CUDA, batches whose rows need only temperature (or greedy), with no structured output,
+no top logprobs and ``raw_logprobs`` mode go through :mod:`rlserve.engine.fused_sampling`
+instead: the same distribution in one pass over the logits (Gumbel-max with Philox noise
+rather than the exponential race's torch generator).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
+from rlserve.engine import fused_sampling
 from rlserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -276,6 +283,7 @@ class Sampler:
         self.generator_seed = int(generator_seed)
         self.logprobs_mode = logprobs_mode
         self._generators: dict[str, torch.Generator] = {}
+        self._fused_rng = random.Random(self.generator_seed)  # keys of the one-pass path's unseeded rows
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -345,6 +353,12 @@ class Sampler:
             :class:`SamplerOutput` on the logits' device (no host sync here).
         """
         params = meta.params
+        if (self.logprobs_mode == "raw_logprobs" and not (meta.grammars and any(g is not None for g in meta.grammars))
+                and fused_sampling.eligible(logits, params, meta.output_token_ids, self.vocab_size)):
+            # temperature / greedy only: one pass over the logits on the GPU
+            tok, lp = fused_sampling.sample(logits, params, meta.output_token_ids, self.vocab_size, self._fused_rng)
+            return SamplerOutput(tok, lp, torch.empty(len(params), 0, dtype=torch.long, device=tok.device),
+                                 lp.new_empty(len(params), 0))
         raw = self._trim(logits)
         B, V = raw.shape
         device = raw.device

@@ -101,3 +101,69 @@ def _qkv_norm_rope_write_kernel(
             v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=d_mask, other=0.0)
             tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=d_mask)
 
+
+@triton.jit
+def _sample_partial_kernel(
+    LOGITS, stride_l, V, CHUNK, TEMP, SEED, ROW_OFF, PART_F, PART_I, S,
+    BLOCK: tl.constexpr,
+):
+    """Program ``(b, c)``: vocabulary chunk ``[c*CHUNK, (c+1)*CHUNK)`` of row ``b``. Keeps the
+    running max and sum of ``exp`` of the raw logits (for their log-sum-exp) and the running
+    argmax of ``logits / T + Gumbel`` (``T == 0``: of the logits themselves). The Gumbel noise
+    ``-log(-log(u))`` takes ``u`` from Philox (``tl.rand``) keyed by the row's seed at counter
+    ``ROW_OFF[b] + vocabulary index``, so it does not depend on the chunking. Writes
+    ``PART_F[b, c] = (max, sum, best score)`` and ``PART_I[b, c] = best index``."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    row = LOGITS + b.to(tl.int64) * stride_l
+    t = tl.load(TEMP + b)
+    seed = tl.load(SEED + b)
+    off0 = tl.load(ROW_OFF + b)
+    greedy = t == 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    m = -float("inf")
+    s = 0.0
+    best = -float("inf")
+    best_i = 0
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        x = tl.load(row + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
+        m = m_new
+        u = tl.rand(seed, (off0 + offs).to(tl.uint32))
+        score = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
+        score = tl.where(mask, score, -float("inf"))
+        blk = tl.max(score, 0)
+        take = blk > best
+        best_i = tl.where(take, start + tl.argmax(score, 0), best_i)
+        best = tl.where(take, blk, best)
+    base = (b * S + c) * 3
+    tl.store(PART_F + base, m)
+    tl.store(PART_F + base + 1, s)
+    tl.store(PART_F + base + 2, best)
+    tl.store(PART_I + b * S + c, best_i)
+
+
+@triton.jit
+def _sample_reduce_kernel(LOGITS, stride_l, PART_F, PART_I, S, OUT_TOK, OUT_LP, S_PAD: tl.constexpr):
+    """Program ``b``: merge row ``b``'s chunks -- log-sum-exp of the raw logits, the best
+    score's index (the lowest chunk on ties, so the lowest vocabulary index) -- and write the
+    token and its raw log-probability ``logit - lse``."""
+    b = tl.program_id(0)
+    j = tl.arange(0, S_PAD)
+    mask = j < S
+    base = (b * S + j) * 3
+    m = tl.load(PART_F + base, mask=mask, other=-float("inf"))
+    s = tl.load(PART_F + base + 1, mask=mask, other=0.0)
+    best = tl.load(PART_F + base + 2, mask=mask, other=-float("inf"))
+    idx = tl.load(PART_I + b * S + j, mask=mask, other=0)
+    M = tl.max(m, 0)
+    lse = M + tl.log(tl.sum(tl.where(mask, s * tl.exp(m - M), 0.0), 0))
+    tok = tl.sum(tl.where(j == tl.argmax(best, 0), idx, 0), 0)
+    x_tok = tl.load(LOGITS + b.to(tl.int64) * stride_l + tok).to(tl.float32)
+    tl.store(OUT_TOK + b, tok.to(tl.int64))
+    tl.store(OUT_LP + b, x_tok - lse)
