@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.layers.cpu_linear import cpu_linear
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING = 64
@@ -99,7 +100,7 @@ class VocabParallelEmbedding(nn.Module):
         Returns:
             ``[N, V]`` float32 logits over the full vocabulary, on every TP rank.
         """
-        logits = F.linear(hidden, self.weight, bias)
+        logits = cpu_linear(hidden, self.weight, bias) if hidden.device.type == "cpu" else F.linear(hidden, self.weight, bias)
         logits = tp_all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings].float()
 
