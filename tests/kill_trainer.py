@@ -9,7 +9,8 @@ server, starts one update of deterministic random weights and dies at ``phase``:
                               TRL: the first tensor, after its ``/update_named_param/`` answered)
 ``first_bucket``              the first bucket / tensor is cut in half on the wire (see below)
 ``between_buckets``           SIGKILL after the first bucket / tensor was handed to the kernel,
-                              before the second one is broadcast
+                              before the second one is broadcast (TRL: before the second
+                              ``/update_named_param/``, the first tensor's broadcast completed)
 ``last_bucket``               the last bucket / tensor is cut in half on the wire
 ``checksums``                 the bucket checksums sent after the data (packed gloo) are cut in half
 ``finish``                    SIGKILL once every byte was received (``update_weights`` answered),
@@ -24,6 +25,10 @@ first half of the message (minus gloo's preamble) and nothing more, however fast
 machine is: a bucket partly received, as when a trainer is SIGKILLed while a large bucket is on
 the wire.
 
+Real NCCL cannot be cut: there the process is SIGKILLed right after the message was queued on
+the GPU (it may be on the wire). ipc has no group: the phases are its HTTP data calls
+(:func:`_ipc_hooks`).
+
 The parent learns the phase was reached from a pipe message sent right before the process dies.
 """
 
@@ -34,6 +39,7 @@ import mmap
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import torch
 
@@ -73,12 +79,28 @@ def half_readable(src: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
     return t, m
 
 
-def random_weights(meta: list[tuple[str, str, list[int]]], seed: int) -> list[tuple[str, torch.Tensor]]:
+def random_weights(meta: list[tuple[str, str, list[int]]], seed: int,
+                   device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """Deterministic tensors for ``meta`` (``(name, dtype name, shape)``): 0.05 x N(0, 1)."""
     from rlserve.transfer.protocol import dtype_from_name
 
     g = torch.Generator().manual_seed(seed)
-    return [(n, (0.05 * torch.randn(list(s), generator=g)).to(dtype_from_name(d))) for n, d, s in meta]
+    return [(n, (0.05 * torch.randn(list(s), generator=g)).to(dtype_from_name(d)).to(device)) for n, d, s in meta]
+
+
+def trainer_init_info(backend: str, packed: bool, bucket_bytes: int, timeout_s: float, device: str = "cpu",
+                      port: int | None = None):
+    """The SDK's ``*TrainerInitInfo`` for ``backend`` ("gloo", "nccl" on ``device``, "ipc")."""
+    from rlserve.transfer import GlooTrainerInitInfo, IPCTrainerInitInfo, NCCLTrainerInitInfo
+    from tests.transfer_harness import free_port
+
+    if backend == "ipc":
+        return IPCTrainerInitInfo(timeout_s=timeout_s, packed=packed, packed_buffer_size_bytes=bucket_bytes)
+    kw = dict(master_port=port or free_port(), world_size=2, timeout_s=timeout_s, packed=packed,
+              packed_buffer_size_bytes=bucket_bytes)
+    if backend == "nccl":
+        return NCCLTrainerInitInfo(device=device, **kw)
+    return GlooTrainerInitInfo(**kw)
 
 
 def _die(conn, what: str) -> None:
@@ -87,69 +109,166 @@ def _die(conn, what: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _child(conn, url: str, port: int, timeout_s: float, protocol: str, phase: str, meta: list, seed: int,
-           packed: bool, bucket_bytes: int) -> None:
-    """The trainer process body (see the module docstring). Reports ``"error: ..."`` through
-    ``conn`` when the phase was never reached (the update ended first)."""
+def _group_hooks(conn, spec: dict, at: int | None) -> None:
+    """gloo / NCCL: act at the trainer's broadcast number ``at`` (see the module docstring).
+    ``spec["cut"]``: cut the message in half (gloo's TCP transport, also under the one-GPU NCCL
+    emulation); without it (real NCCL) the process is SIGKILLed right after issuing it."""
     from rlserve.transfer.group import TransferGroup
-    from rlserve.transfer.trainer import HTTPWeightSyncClient
 
-    torch.set_num_threads(1)
-    named = random_weights(meta, seed)
-    sdk = protocol == "sdk"
-    sizes = [t.numel() * t.element_size() for _n, t in named]
-    if packed and sdk:
-        from rlserve.transfer.packing import plan_buckets
-
-        plan = plan_buckets([n for n, _t in named], [t.dtype for _n, t in named], [t.shape for _n, t in named],
-                            bucket_bytes)
-        n_data = sum(1 for b in plan if b.nbytes)
-    else:
-        n_data = sum(1 for s in sizes if s)
-    first = 1 if sdk else 0  # the SDK's broadcast 0 is the layout header
-    at = {"before_header": 0, "first_bucket": first, "between_buckets": first + 1,
-          "last_bucket": first + n_data - 1, "checksums": first + n_data}.get(phase)
+    phase = spec["phase"]
     calls: list = []
     keep: list = []
-    real_broadcast = TransferGroup.broadcast
+    real = TransferGroup.broadcast
 
     def broadcast(self, tensor, src):
         i = len(calls)
         if src == self.rank and i == at:
-            if phase in ("before_header",) or (phase == "between_buckets"):
+            if phase in ("before_header", "between_buckets"):
                 for w in calls:
-                    self.wait(w, what="an earlier broadcast")  # handed to the kernel: it arrives
+                    self.wait(w, what="an earlier broadcast")  # handed to the transport: it arrives
+                _die(conn, phase)
+            if not spec["cut"]:
+                real(self, tensor, src)  # queued on the GPU: NCCL may be sending it when we die
                 _die(conn, phase)
             cut, m = half_readable(tensor)
             keep.append(m)
             conn.send(phase)
-            w = real_broadcast(self, cut, src)  # gloo's I/O thread aborts the process at the cut
+            w = real(self, cut, src)  # gloo's I/O thread aborts the process at the cut
             try:
                 w.wait()
             finally:
                 os.kill(os.getpid(), signal.SIGKILL)
-        w = real_broadcast(self, tensor, src)
+        w = real(self, tensor, src)
         if src == self.rank:
             calls.append(w)
         return w
 
     TransferGroup.broadcast = broadcast
+
+
+def _ipc_hooks(conn, spec: dict, at: int | None) -> None:
+    """ipc: act at the trainer's data call number ``at`` (``update_weights`` per packed bucket,
+    or the one ``sync_weights``): before it (``before_header``, ``between_buckets``), while it
+    runs (``first_bucket`` / ``last_bucket``: sent, then SIGKILL without waiting for the
+    answer: the server may be mapping, copying or done), or -- ``checksums`` -- with the last
+    call's checksum off by one (packed: the announced bucket sum; per tensor: the trainer's
+    device sums), the trainer dying after the refusal."""
+    import threading
+
+    from rlserve.transfer.trainer import HTTPWeightSyncClient
+
+    phase = spec["phase"]
+    calls: list = []
+
+    def wrap(real):
+        def call(self, info, *a, **k):
+            i = len(calls)
+            calls.append(i)
+            if i == at:
+                if phase in ("before_header", "between_buckets"):
+                    _die(conn, phase)
+                if phase in ("first_bucket", "last_bucket"):
+                    done = threading.Event()
+
+                    def send():
+                        try:
+                            real(self, info, *a, **k)
+                        except BaseException:  # noqa: BLE001 - we are about to die anyway
+                            pass
+                        finally:
+                            done.set()
+
+                    threading.Thread(target=send, daemon=True).start()
+                    probe = HTTPWeightSyncClient(spec["url"], timeout_s=10)
+                    deadline = time.monotonic() + 30
+                    while not done.is_set() and time.monotonic() < deadline:  # the server took the call
+                        if probe.weight_info().get("state") in ("update", "finish"):
+                            break
+                    _die(conn, phase)
+                if phase == "checksums" and info.get("checksums"):
+                    info = {**info, "checksums": [*info["checksums"][:-1], info["checksums"][-1] + 1]}
+                if phase == "checksums":
+                    try:
+                        return real(self, info, *a, **k)
+                    finally:
+                        _die(conn, phase)
+            return real(self, info, *a, **k)
+        return call
+
+    for name in ("update_weights", "sync_weights"):
+        setattr(HTTPWeightSyncClient, name, wrap(getattr(HTTPWeightSyncClient, name)))
+    if phase == "checksums":  # per-tensor handles: the sums the server reads from the trainer's GPU
+        from rlserve.transfer.multi_tensor import MultiTensorSum
+
+        real_run = MultiTensorSum.run
+
+        def run(self, *a, **k):
+            out = real_run(self, *a, **k)
+            res = k.get("out", out)
+            if res is not None:
+                res[-1:] += 1
+            return out
+        MultiTensorSum.run = run
+
+
+def _child(conn, spec: dict) -> None:
+    """The trainer process body (see the module docstring and :func:`spawn_killed_trainer`).
+    Reports ``"error: ..."`` through ``conn`` when the phase was never reached."""
+    from rlserve.transfer.trainer import HTTPWeightSyncClient
+
+    torch.set_num_threads(1)
+    if spec.get("setup"):
+        exec(spec["setup"], {})  # e.g. tests.gpu.nccl_over_gloo.install()
+    phase, backend, sdk = spec["phase"], spec["backend"], spec["protocol"] == "sdk"
+    named = random_weights(spec["meta"], spec["seed"], spec["device"])
+    sizes = [t.numel() * t.element_size() for _n, t in named]
+    if spec["packed"] and sdk:
+        from rlserve.transfer.packing import plan_buckets
+
+        plan = plan_buckets([n for n, _t in named], [t.dtype for _n, t in named], [t.shape for _n, t in named],
+                            spec["bucket_bytes"])
+        n_data = sum(1 for b in plan if b.nbytes)
+    elif backend == "ipc":
+        n_data = 1  # per-tensor handles: the one sync_weights call
+    else:
+        n_data = sum(1 for s in sizes if s)
+    if backend == "ipc":
+        at = {"before_header": 0, "first_bucket": 0, "between_buckets": 1, "last_bucket": n_data - 1,
+              "checksums": n_data - 1}.get(phase)
+        _ipc_hooks(conn, spec, at)
+    elif not sdk and phase == "between_buckets":
+        # TRL: between two tensors is before the second /update_named_param/ (the first tensor's
+        # broadcast completed: the client waits for each one)
+        real_named, named_calls = HTTPWeightSyncClient.update_named_param, []
+
+        def update_named_param(self, *a, **k):
+            named_calls.append(1)
+            if len(named_calls) == 2:
+                _die(conn, phase)
+            return real_named(self, *a, **k)
+        HTTPWeightSyncClient.update_named_param = update_named_param
+    else:
+        first = 1 if sdk else 0  # the SDK's broadcast 0 is the layout header
+        at = {"before_header": 0, "first_bucket": first, "between_buckets": first + 1,
+              "last_bucket": first + n_data - 1, "checksums": first + n_data}.get(phase)
+        _group_hooks(conn, spec, at)
     if phase == "finish":
         attr = "finish_weight_update" if sdk else "reset_prefix_cache"
         setattr(HTTPWeightSyncClient, attr, lambda self, *a, **k: _die(conn, phase))
     try:
         if sdk:
-            from rlserve.transfer import GlooTrainerInitInfo, TensorListSource, WeightTransferTrainerFactory
+            from rlserve.transfer import TensorListSource, WeightTransferTrainerFactory
 
             eng = WeightTransferTrainerFactory.trainer_init(
-                init_info=GlooTrainerInitInfo(master_port=port, world_size=2, timeout_s=timeout_s, packed=packed,
-                                              packed_buffer_size_bytes=bucket_bytes),
-                client=HTTPWeightSyncClient(url, timeout_s=60), source=TensorListSource(named))
+                init_info=trainer_init_info(backend, spec["packed"], spec["bucket_bytes"], spec["timeout_s"],
+                                            spec["device"], spec["port"]),
+                client=HTTPWeightSyncClient(spec["url"], timeout_s=60), source=TensorListSource(named))
             eng.send_weights()
         else:
             from rlserve.transfer.trl import TRLWeightSyncClient
 
-            c = TRLWeightSyncClient(url, group_port=port, timeout_s=timeout_s)
+            c = TRLWeightSyncClient(spec["url"], group_port=spec["port"], backend=backend,
+                                    device=None if backend == "gloo" else spec["device"], timeout_s=spec["timeout_s"])
             c.init_communicator()
             for n, t in named:
                 c.update_named_param(n, t)
@@ -161,7 +280,8 @@ def _child(conn, url: str, port: int, timeout_s: float, protocol: str, phase: st
 
 
 def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, phase: str, meta: list,
-                         seed: int, packed: bool = True, bucket_bytes: int = 64 << 10, wait_s: float = 120.0) -> str:
+                         seed: int, packed: bool = True, bucket_bytes: int = 64 << 10, wait_s: float = 120.0,
+                         backend: str = "gloo", device: str = "cpu", setup: str = "") -> str:
     """Run a trainer process that dies at ``phase`` (module docstring) and wait for it to end.
 
     Args:
@@ -172,6 +292,10 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
         meta: ``(name, dtype name, shape)`` of every tensor, in order (the server's checkpoint).
         seed: the weights' seed (:func:`random_weights`).
         packed / bucket_bytes: the SDK's ``init_info`` (TRL sends per tensor).
+        backend / device: "gloo" (CPU), "nccl" or "ipc" with the trainer's tensors on ``device``.
+        setup: Python run first in the trainer process (e.g. the one-GPU NCCL emulation's
+            ``install()``, :mod:`tests.gpu.nccl_over_gloo`); a message is cut in half (not
+            just SIGKILLed after it was issued) on gloo and whenever ``setup`` is given.
     Returns:
         ``phase`` once the process died there.
     Raises:
@@ -180,8 +304,10 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
     """
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(child, url, port, timeout_s, protocol, phase, meta, seed, packed,
-                                         bucket_bytes), daemon=True)
+    spec = dict(url=url, port=port, timeout_s=timeout_s, protocol=protocol, phase=phase, meta=meta, seed=seed,
+                packed=packed, bucket_bytes=bucket_bytes, backend=backend, device=device, setup=setup,
+                cut=backend == "gloo" or bool(setup))
+    p = ctx.Process(target=_child, args=(child, spec), daemon=True)
     p.start()
     child.close()
     msg = None
