@@ -408,3 +408,35 @@ def test_receiver_takes_vllms_layout(packed):
     assert out["sent"] == (3 if packed else len(named)) and stats["buckets"] == out["sent"]
     for n, t in named:
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+
+
+def test_trl_legacy_init_communicator_hosts_vllms_store(nccl_cpu_server):
+    """TRL <= 1.10's ``POST /init_communicator/`` on an NCCL server: worker 0 hosts vLLM's
+    rendezvous store on the given port (the trainer, the last rank, registers with it as vLLM's
+    client does) and then mints the NCCL unique id. A CPU-only torch ships no libnccl, so the
+    server stops there and the TRL session reports it (``/weight_info``'s trl error); with one it
+    stores the id (a 128-byte vLLM ``ncclUniqueId`` pickle) and stops at the communicator."""
+    from rlserve.transfer.nccl_lib import NcclError, nccl
+
+    try:
+        nccl()
+        has_nccl = True
+    except NcclError:
+        has_nccl = False
+    srv = nccl_cpu_server
+    port = free_port()
+    r = httpx.post(srv.url + "/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2,
+                                                         "client_device_uuid": "GPU-trainer"}, timeout=30)
+    assert r.status_code == 200, r.text
+    st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=60)  # the trainer: rank world_size - 1
+    if has_nccl:
+        assert len(loads_unique_id(st.broadcast_bytes(None, 0, "the unique id"))) == 128
+    deadline = time.monotonic() + 60
+    err = None
+    while err is None and time.monotonic() < deadline:
+        err = httpx.get(srv.url + "/weight_info", timeout=30).json()["trl"]["error"]
+        time.sleep(0.05)
+    assert err is not None
+    assert ("needs a CUDA device" if has_nccl else "no NCCL library could be loaded") in err, err
+    r = httpx.post(srv.url + "/close_communicator/", timeout=30)
+    assert httpx.get(srv.url + "/health").status_code == 200
