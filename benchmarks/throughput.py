@@ -235,7 +235,8 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
     fused = os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0"
     print(f"shape={args.shape} device={args.device} ({machine}) dtype={args.dtype} seqs={args.num_seqs} "
-          f"lens={args.min_len}..{args.max_len} fused_kernels={fused}")
+          f"lens={args.min_len}..{args.max_len} fused_kernels={fused} "
+          f"async_scheduling={os.environ.get('RLSERVE_ASYNC_SCHEDULING') == '1'}")
     for r in results:
         b1 = f"  batch-1 {r['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in r else ""
         st = f"  startup {r['startup_s']:.1f} s" if "startup_s" in r else ""

@@ -187,11 +187,14 @@ class DecodeCUDAGraphs:
                 return s
         raise ValueError(f"batch of {num_seqs} exceeds the largest captured size {self.max_bs}")
 
-    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]],
+            ids_from: tuple | None = None) -> torch.Tensor:
         """Replay the graph for a decode batch.
 
         Args:
             input_ids: ``B`` token ids (the last token of each sequence).
+            ids_from: optional ``(tokens, rows)``: the ids are ``tokens[rows]`` on the device
+                instead (``StepInput.input_ids_from``; ``input_ids`` holds placeholders).
             seq_lens: ``B`` context lengths including that token (``<= max_model_len``).
             block_tables: ``B`` block-id lists, each covering its ``seq_lens`` entry.
 
@@ -218,6 +221,10 @@ class DecodeCUDAGraphs:
             bt_np[i, :k] = row
         n = 2 * self.max_bs + bs * self.max_blocks
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        if ids_from is not None:  # stream-ordered after the staging copy, before the replay
+            from rlserve.engine.model_runner import gather_rows
+
+            self.input_ids[:B].copy_(gather_rows(*ids_from))
         if self.emulate:
             self.num_replays += 1
             with torch.inference_mode():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Iterable
 
@@ -16,7 +17,7 @@ from rlserve.engine.block_manager import BlockManager
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.model_runner import StepInput
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
-from rlserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from rlserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.engine.scheduler import ScheduledBatch, Scheduler
 from rlserve.engine.sequence import Request, Sequence
@@ -116,6 +117,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
+        self._overlap = None  # overlapped decode (rlserve.engine.overlap), opt-in
+        if (os.environ.get("RLSERVE_ASYNC_SCHEDULING") == "1" or (config.extra or {}).get("async_scheduling")) \
+                and getattr(executor, "supports_device_input_ids", False):
+            from rlserve.engine.overlap import OverlapScheduler
+
+            self._overlap = OverlapScheduler(self)
         self._grammar_compiler = None  # built on the first structured-output request
         self.requests: dict[str, Request] = {}
         self.stats_counters = {
@@ -248,6 +255,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown ids are ignored). Returns their final outputs with
         finish_reason "abort"."""
+        self._drain()
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outs = []
         for rid in ids:
@@ -270,12 +278,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV would be stale after a weight update)."""
+        self._drain()
         self.block_manager.reset_prefix_cache()
 
     # ---- weights ----------------------------------------------------------------------
     def load_weights(self, weights) -> set[str]:
         """Load Hugging Face-named full tensors into the model (TP=1 path) and reset the
         prefix cache. Returns the consumed names."""
+        self._drain()
         names = self.executor.load_weights(weights)
         self.reset_prefix_cache()
         return names
@@ -291,11 +301,18 @@ class LLMEngine:
 
     def collective_rpc(self, target: str, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Run ``function(worker, *args, **kwargs)`` on every TP worker (see INTERFACES)."""
+        self._drain()
         if hasattr(self.executor, "collective_rpc"):
             return self.executor.collective_rpc(target, *args, timeout_s=timeout_s, **kwargs)
         return [self.executor.call(target, *args, **kwargs)]
 
     # ---- stepping ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Finish an overlapped step still in flight (before anything changes the engine
+        from outside a step); its outputs come with the next :meth:`step`."""
+        if self._overlap is not None:
+            self._overlap.drain()
+
     def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple[Sequence, int, int]]]:
         """Flatten a batch. Returns the step and, per sequence wanting prompt logprobs,
         ``(seq, first_row, n_rows)`` into the logits."""
@@ -338,17 +355,24 @@ class LLMEngine:
             cumulative outputs, as selected. ``self.last_step_request_ids`` lists every request
             that advanced (got tokens) in this step, in batch order.
         """
+        if self._overlap is not None:
+            return self._overlap.step(outputs_for)
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        return self._finish_step(batch.seqs, self._launch(batch), outputs_for)
+
+    def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> SamplerOutput:
+        """Run ``batch``'s forward pass and sampler; the tokens stay on the device. Prompt
+        logprobs are computed here. ``ids_from``: ``StepInput.input_ids_from``."""
         step, prompt_rows = self._build_step(batch)
+        step.input_ids_from = ids_from
         logits = self.executor.execute(step)
         self.stats_counters["steps"] += 1
         if batch.is_prefill:
             self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
         else:
             self.stats_counters["decode_tokens"] += len(step.input_ids)
-        touched: dict[str, Request] = {}
         for seq, first, count in prompt_rows:
             req = self.requests[seq.request_id]
             req.prompt_logprobs, req.extra["prompt_logprob_ranks"] = compute_prompt_logprobs(
@@ -371,12 +395,23 @@ class LLMEngine:
             output_token_ids=[s.output_token_ids for s in batch.seqs],
             grammars=[s.grammar for s in batch.seqs] if any(s.grammar is not None for s in batch.seqs) else None,
         )
-        out = self.sampler(logits, meta)
+        return self.sampler(logits, meta)
+
+    def _finish_step(self, seqs: list[Sequence], out: SamplerOutput, outputs_for, token_index=None) -> list[RequestOutput]:
+        """Read a launched step's tokens (the host sync), append them, finish sequences and
+        build outputs (see :meth:`step`). ``token_index``: per sequence, where this step's
+        token goes in its output list (overlapped decode: placeholders from there on are
+        replaced; sequences finished meanwhile are skipped)."""
         token_ids = out.token_ids.tolist()
         lps = out.logprobs.tolist()
         topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids.numel() else None
         topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs.numel() else None
-        for i, seq in enumerate(batch.seqs):
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(seqs):
+            if token_index is not None:
+                if seq.is_finished:
+                    continue
+                del seq.output_token_ids[token_index[i]:]
             seq.num_computed_tokens = len(seq)
             self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None, topk_lps[i] if topk_lps else None)
             touched[seq.request_id] = self.requests[seq.request_id]

@@ -49,6 +49,10 @@ class StepInput:
         logits_indices: rows of the flat batch whose logits are wanted (the last token of
             each sequence, plus every prompt row of sequences asking prompt logprobs).
         is_prefill: a prefill step (decode steps may use CUDA graphs).
+        input_ids_from: optional ``(tokens, rows)``: take the input ids from ``tokens[rows]``,
+            a device tensor of an earlier step's sampled tokens (the engine's overlapped
+            decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
+            Only for in-process workers (a device tensor is not picklable across processes).
     """
 
     input_ids: list[int]
@@ -58,6 +62,16 @@ class StepInput:
     block_tables: list[list[int]]
     logits_indices: list[int]
     is_prefill: bool
+    input_ids_from: tuple | None = None
+
+
+def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``tokens[rows]`` (int64) without a host sync; a slice when ``rows`` is ``0..n-1``."""
+    n = len(rows)
+    if rows == list(range(n)):
+        return tokens[:n].long()
+    idx = torch.tensor(rows, dtype=torch.long).to(tokens.device, non_blocking=True)
+    return tokens.index_select(0, idx).long()
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -208,7 +222,7 @@ class ModelRunner:
                 return None
         if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
             return None
-        return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables)
+        return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
@@ -241,7 +255,10 @@ class ModelRunner:
                 return self.model.compute_logits(hidden)
             rows = torch.tensor(idx, dtype=torch.long, device=self.device)
             return self.model.compute_logits(hidden.index_select(0, rows))
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        if step.input_ids_from is not None:
+            input_ids = gather_rows(*step.input_ids_from).to(self.device)
+        else:
+            input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         meta = self.build_metadata(step)
         hidden = self.model(input_ids, positions, meta)

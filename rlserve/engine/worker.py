@@ -72,6 +72,9 @@ class Worker:
             self.model = load_model(config, self.hf_config, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config=config)
 
+    #: ``execute`` accepts ``StepInput.input_ids_from`` (device tensors: in-process only).
+    supports_device_input_ids = True
+
     def tp(self):
         """Context manager: this worker's TP state for the current thread."""
         return tp_context(self.tp_rank, self.tp_size, self.tp_group)
