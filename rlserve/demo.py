@@ -404,6 +404,14 @@ def load_trainer_model(model_path: str, device: str = "cpu", dtype: str = "float
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    if str(device).startswith("cpu"):
+        # the trainer's generate shares the machine with the server as an engine would: the
+        # same thread rule (one core left to the others; torch's default of one thread per
+        # core measured 508 s for the 4 x 32-token reference generate on the loaded 2-core
+        # CI machine, where the server itself took 35-45 s per 4 x 32 tokens)
+        from rlserve.engine.cpu_threads import configure_engine_threads
+
+        configure_engine_threads()
     model = AutoModelForCausalLM.from_pretrained(model_path, **{key: torch_dtype(dtype)})
     return model.to(device).eval()
 
