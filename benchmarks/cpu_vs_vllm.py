@@ -100,10 +100,11 @@ class Server:
                 self.proc.wait()
 
 
-def make_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
-    """``n`` (prompt token ids, max_tokens) pairs: prompts 64-256 random ids, outputs 64-256."""
+def make_workload(n: int, seed: int, out_len=(64, 256)) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs: prompts of 64-256 random ids, ``max_tokens``
+    uniform in ``out_len`` (64-256 by default)."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 256))], rng.randint(64, 256)) for _ in range(n)]
+    return [([rng.randrange(3, VOCAB) for _ in range(rng.randint(64, 256))], rng.randint(*out_len)) for _ in range(n)]
 
 
 async def _throughput(srv: Server, work) -> dict:
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["rlserve", "vllm"], default=None, help="run one server only")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"),
+                   help="max_tokens range of the throughput requests (a shorter run on a busy machine)")
     p.add_argument("--itl-requests", type=int, default=3)
     p.add_argument("--itl-prompt-len", type=int, default=128)
     p.add_argument("--itl-max-tokens", type=int, default=64)
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
         for s in servers.values():
             print(f"{s.name}: ready in {s.startup_s:.1f} s (log {s.log}), load {_load()}", flush=True)
             asyncio.run(_throughput(s, make_workload(2, args.seed + 999)))  # warm-up
-        work = make_workload(args.num_requests, args.seed)
+        work = make_workload(args.num_requests, args.seed, tuple(args.output_len))
         runs = []
         order = list(servers)
         for rnd in range(args.rounds):

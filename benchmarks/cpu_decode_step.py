@@ -1,0 +1,139 @@
+"""CPU decode step of the default model, piece by piece: attention per layer and the whole step.
+
+Measures CPU time (``time.thread_time`` / ``time.process_time``) as well as wall time: on a
+machine shared with other work, wall time mostly measures the other work, while CPU time of a
+one-thread run stays close to what the code costs (cache and memory-bandwidth contention
+still inflate it). Prints the machine's load average with every figure.
+
+- attention: one layer's decode attention for ``--batch`` sequences of 128-512 tokens
+  (SmolLM2-135M shapes: 9 heads, 3 KV heads, head_dim 64, blocks of 16, shuffled block
+  tables), one thread: the native kernel (``rlserve/layers/cpu_attention.py``), the PyTorch
+  fallback (index_select of blocks + SDPA), and the gather + SDPA code it replaced.
+- step: the whole model's decode step (``Worker.execute``) on the real SmolLM2-135M-Instruct
+  weights at ``--batch`` sequences, for each ``--threads`` value.
+
+Usage:
+    python benchmarks/cpu_decode_step.py                       # batch 64, threads 1 and 2
+    python benchmarks/cpu_decode_step.py --batch 1 --threads 1 --skip-attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlserve.layers import cpu_attention  # noqa: E402
+from rlserve.layers.attention import AttentionMetadata, torch_paged_attention  # noqa: E402
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _case(batch: int, bs: int = 16, num_blocks: int = 4096, seed: int = 0):
+    rng = random.Random(seed)
+    lens = [rng.randint(128, 512) for _ in range(batch)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    return lens, tables
+
+
+def gather_sdpa_before(q, k_cache, v_cache, meta, scale):
+    """The decode path before the kernel (advanced indexing of [B, n_blocks], slice, SDPA)."""
+    B, H, D = q.shape
+    n_blocks = -(-meta.max_seq_len // meta.block_size)
+    bt = meta.block_tables[:, :n_blocks].long()
+    mask = (torch.arange(meta.max_seq_len)[None, :] < meta.seq_lens.long()[:, None])[:, None, None, :]
+    k = k_cache[bt].flatten(1, 2)[:, : meta.max_seq_len].transpose(1, 2)
+    v = v_cache[bt].flatten(1, 2)[:, : meta.max_seq_len].transpose(1, 2)
+    return F.scaled_dot_product_attention(q.view(B, 1, H, D).transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(1, 2).reshape(B, H, D)
+
+
+def bench_attention(batch: int, reps: int) -> None:
+    torch.set_num_threads(1)
+    lens, tables = _case(batch)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(4096, 16, 3, 64, generator=g), torch.randn(4096, 16, 3, 64, generator=g)
+    q = torch.randn(batch, 9, 64, generator=g)
+    ref = gather_sdpa_before(q, kc, vc, AttentionMetadata.build([1] * batch, lens, tables, 16), 0.125)
+
+    def kernel(q, kc, vc, meta, scale):
+        return cpu_attention.paged_decode(q, kc, vc, meta.block_tables, meta.seq_lens, scale)
+
+    def fallback(q, kc, vc, meta, scale):
+        os.environ["RLSERVE_CPU_ATTENTION"] = "torch"
+        try:
+            return torch_paged_attention(q, kc, vc, meta, scale)
+        finally:
+            del os.environ["RLSERVE_CPU_ATTENTION"]
+
+    print(f"attention, one layer, batch {batch}, contexts 128-512 (mean {sum(lens) / batch:.0f}), 1 thread:")
+    for name, fn in (("gather + SDPA (before)", gather_sdpa_before), ("index_select + SDPA (fallback)", fallback),
+                     ("native kernel", kernel)):
+        meta = AttentionMetadata.build([1] * batch, lens, tables, 16)
+        err = (fn(q, kc, vc, meta, 0.125) - ref).abs().max().item()
+        cpu, wall = [], []
+        for _ in range(reps):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fn(q, kc, vc, meta, 0.125)
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        print(f"  {name:32s} CPU {1e3 * statistics.median(cpu):7.2f} ms  wall {1e3 * statistics.median(wall):7.2f} ms"
+              f"  max|diff| {err:.1e}  load {_load()}")
+
+
+def bench_step(batch: int, threads: int, reps: int) -> None:
+    from rlserve.config import EngineConfig
+    from rlserve.download import ensure_default_model
+    from rlserve.engine.model_runner import StepInput
+    from rlserve.engine.worker import Worker
+
+    cfg = EngineConfig(model=str(ensure_default_model(progress=False)), dtype="float32", device="cpu",
+                       max_model_len=1024, num_kv_blocks=4096, extra={"cpu_threads": threads})
+    w = Worker(cfg)
+    w.init_kv_cache(4096)
+    lens, tables = _case(batch)
+    rng = random.Random(1)
+    step = StepInput([rng.randrange(49152) for _ in range(batch)], [n - 1 for n in lens], [1] * batch, lens, tables,
+                     list(range(batch)), False)
+    for _ in range(2):
+        w.execute(step)
+    cpu, wall = [], []
+    for _ in range(reps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        w.execute(step)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    print(f"decode step, SmolLM2-135M fp32, batch {batch}, {threads} thread(s): CPU {1e3 * statistics.median(cpu):.0f} ms"
+          f"  wall {1e3 * statistics.median(wall):.0f} ms (min {1e3 * min(wall):.0f})  load {_load()}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--skip-step", action="store_true")
+    args = p.parse_args(argv)
+    if not args.skip_attention:
+        bench_attention(args.batch, args.reps)
+    if not args.skip_step:
+        for t in args.threads:
+            bench_step(args.batch, t, max(3, args.reps // 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
