@@ -42,8 +42,6 @@ import base64
 import binascii
 from typing import Any
 
-import torch
-
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.protocol import WIRE_DTYPES, dtype_from_name, dtype_to_name
 from rlserve.transfer.safe_pickle import refuse, restricted_loads
