@@ -788,12 +788,12 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
 
         def bogus_init():
             out["r"] = httpx.post(srv.url + "/init_weight_transfer_engine", timeout=120, json={"init_info": {
-                "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 10}})
+                "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 30}})
 
         def pending() -> threading.Thread:
             th = threading.Thread(target=bogus_init)
             th.start()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while httpx.get(srv.url + "/weight_info").json()["state"] != "init":
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
@@ -801,8 +801,8 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
 
         th = pending()
         t0 = time.monotonic()
-        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=30).status_code == 200
-        assert time.monotonic() - t0 < 5
+        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=60).status_code == 200
+        assert time.monotonic() - t0 < 25  # not the pending init's 30 s (a busy machine may take seconds)
         th.join(30)
         r = out["r"]
         assert r.status_code == 409 and "cancelled by shutdown" in r.json()["error"]["message"], r.text
@@ -811,14 +811,14 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
         t0 = time.monotonic()
         eng = trainer(srv.url, hf)  # its init cancels the pending one
         eng.send_weights()
-        assert time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 < 25
         th.join(30)
         assert out["r"].status_code == 409 and "cancelled by a new init" in out["r"].json()["error"]["message"]
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng.shutdown()
-    for t in threading.enumerate():  # the abandoned rendezvous end at their own timeout (10 s)
+    for t in threading.enumerate():  # the abandoned rendezvous end at their own timeout (30 s)
         if t.name == "rlserve-transfer-rendezvous":
-            t.join(30)
+            t.join(60)
 
 
 def test_data_that_disagrees_with_update_info_is_refused_with_400(llama):

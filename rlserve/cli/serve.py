@@ -175,9 +175,32 @@ def run(args) -> int:
                        args.host)
     try:
         app = build_app(aengine, settings)
-        return asyncio.run(_serve(app, args))
+        rc = asyncio.run(_serve(app, args))
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
+        rc = 130
     finally:
         aengine.shutdown()
+    _exit_now(rc)
+    return rc  # not reached
+
+
+def _exit_now(rc: int) -> None:
+    """End the process once serving is over: the atexit handlers (multiprocessing's stops the TP
+    followers), flushed logs and streams, then ``os._exit``. This skips the interpreter's own
+    teardown of torch / transformers' thousands of modules and objects, which took 9-14 s after
+    Ctrl-C on a busy 2-core machine (BENCHMARKS.md, start-up and stop)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+                pass
+        os._exit(rc)
 
 
 async def _serve(app, args) -> int:

@@ -759,8 +759,9 @@ class AsyncEngine:
         logger.warning("pause did not take effect; generation stays paused by the earlier pause (mode=%s)", before)
 
     async def _pause_locked(self, mode: str, clear_cache: bool, timeout_s: float | None) -> None:
-        if mode == "keep":
-            futs = [r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas]
+        if mode == "keep":  # frozen, with stats() as of the freeze
+            futs = [r.post(lambda r=r: (setattr(r, "frozen", True), r._snapshot_stats(force=True)))
+                    for r in self._replicas]
         elif mode == "abort":
             futs = [r.post(lambda r=r: (r.abort_all(), setattr(r, "frozen", False))[0])
                     for r in self._replicas]

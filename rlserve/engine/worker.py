@@ -86,7 +86,8 @@ class Worker:
     def determine_num_blocks(self) -> int:
         """Number of KV blocks this rank can hold.
 
-        ``config.num_kv_blocks`` wins; on CPU ``config.kv_cache_bytes`` (default 512 MiB);
+        ``config.num_kv_blocks`` wins; on CPU ``config.kv_cache_bytes`` (default 512 MiB, at most
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens);
         on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
         the weights and minus 512 MiB of activation headroom.
         """
@@ -101,6 +102,12 @@ class Worker:
         else:
             budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
         n = budget // per_block
+        if self.device.type == "cpu" and self.config.kv_cache_bytes is None and self.config.max_model_len:
+            # the default budget, never more than every sequence of a full batch at full length
+            # can use: a small model's 512 MiB would be tens of thousands of blocks that take
+            # seconds to zero and to index at start-up and to free at exit
+            bs = self.config.block_size
+            n = min(n, self.config.max_num_seqs * -(-int(self.config.max_model_len) // bs))
         if n < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); "

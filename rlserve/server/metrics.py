@@ -15,7 +15,7 @@ vLLM's names too (prefix ``vllm:``, label ``model_name``), so vLLM dashboards wo
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (gauges),
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``,
 ``num_preemptions_total``, ``prefix_cache_queries_total``, ``prefix_cache_hits_total``
-(counters, tokens), ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
+(counters, tokens; and ``rlserve_engine_steps_total``, forward steps), ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
 ``inter_token_latency_seconds``, ``request_time_per_output_token_seconds``,
 ``request_prompt_tokens``, ``request_generation_tokens`` (histograms). Inter-token latency is
 measured per request as (last token - first token) / (tokens - 1) and observed once per gap.
@@ -158,6 +158,7 @@ class ServerMetrics:
                                                                        "queried tokens."),
             "prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                                                                   "tokens."),
+            "steps": ("rlserve_engine_steps", "Forward steps run by the engines (frozen while paused in keep mode)."),
         })
         r.register(self.v_engine_counters)
         # weight sync
