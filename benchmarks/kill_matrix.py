@@ -59,13 +59,13 @@ def generate(url: str, timeout: float) -> tuple[int | str, float]:
     return status, time.monotonic() - t0
 
 
-def full_sync(url: str, path: str) -> None:
+def full_sync(url: str, path: str, bucket_bytes: int) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     eng = WeightTransferTrainerFactory.trainer_init(
         init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60,
-                                      packed_buffer_size_bytes=16 << 10),
+                                      packed_buffer_size_bytes=bucket_bytes),
         client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(hf))
     eng.send_weights()
     eng.shutdown()
@@ -83,8 +83,9 @@ def wait_failure(url: str, t_kill: float, limit_s: float) -> dict:
     raise RuntimeError(f"no failure recorded within {limit_s:.0f} s of the kill: {info}")
 
 
-def run_cell(srv: ServerProcess, path: str, point: str, timeout_s: float) -> dict:
-    script = kill_trainer_script(ROOT, path, srv.url, free_port(), timeout_s=timeout_s, scale=0.5, kill_at=point)
+def run_cell(srv: ServerProcess, path: str, point: str, timeout_s: float, bucket_bytes: int) -> dict:
+    script = kill_trainer_script(ROOT, path, srv.url, free_port(), timeout_s=timeout_s, scale=0.5, kill_at=point,
+                                 bucket_bytes=bucket_bytes)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     t_kill = killed_at(proc.stdout)
     status, gen_s = generate(srv.url, timeout=timeout_s + 60)  # a client arriving after the kill
@@ -103,20 +104,26 @@ def main() -> None:
     ap.add_argument("--no-liveness", action="store_true", help='"trainer_liveness": false (the baseline)')
     ap.add_argument("--staging", nargs="+", default=["none", "device"])
     ap.add_argument("--points", nargs="+", default=list(KILL_POINTS), choices=KILL_POINTS)
+    ap.add_argument("--bucket-bytes", type=int, default=16 << 10, help="packed_buffer_size_bytes (16 KiB)")
+    ap.add_argument("--hidden-size", type=int, default=64,
+                    help="the tiny llama's hidden size (64: 0.2 MB of weights; 512 with --layers 4: 63 MB)")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    path = make_tiny_model("llama", tempfile.mkdtemp(prefix="kill-matrix-"))
+    path = make_tiny_model("llama", tempfile.mkdtemp(prefix="kill-matrix-"), hidden_size=args.hidden_size,
+                           intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers)
     cfg = {"backend": "gloo", "trainer_liveness": not args.no_liveness}
     rows = []
     for staging in args.staging:
         with ServerProcess(path, *SERVER_ARGS, "--weight-transfer-config", json.dumps(cfg),
                            "--weight-staging", staging) as srv:
             for point in args.points:
-                full_sync(srv.url, path)  # known, available weights before every kill
-                row = {"staging": staging, **run_cell(srv, path, point, args.timeout_s)}
+                full_sync(srv.url, path, args.bucket_bytes)  # known, available weights before every kill
+                row = {"staging": staging, **run_cell(srv, path, point, args.timeout_s, args.bucket_bytes)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\ngloo, CPU, timeout_s={args.timeout_s:.0f}, trainer_liveness={not args.no_liveness}, "
+          f"buckets {args.bucket_bytes} B, hidden {args.hidden_size} x {args.layers} layers, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     print("| staging | kill point | kill -> failure (s) | request sent at the kill | after | paused after |")
     print("|---|---|---|---|---|---|")
@@ -125,8 +132,7 @@ def main() -> None:
               f"{r['request_at_kill_s']:.2f} s | {r['after']} | {r['paused']} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"timeout_s": args.timeout_s, "trainer_liveness": not args.no_liveness, "rows": rows}, f,
-                      indent=1)
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

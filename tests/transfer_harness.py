@@ -149,25 +149,26 @@ KILL_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 
 _INIT_INFOS = {
     "gloo": "GlooTrainerInitInfo(master_port={port}, world_size=2, timeout_s={timeout_s}, "
-            "packed_buffer_size_bytes=16 << 10)",
+            "packed_buffer_size_bytes={bucket_bytes})",
     "nccl": "NCCLTrainerInitInfo(master_port={port}, world_size=2, device={device!r}, timeout_s={timeout_s}, "
-            "packed_buffer_size_bytes=16 << 10)",
+            "packed_buffer_size_bytes={bucket_bytes})",
     "ipc": "IPCTrainerInitInfo(packed=True, device={device!r}, timeout_s={timeout_s}, "
-           "packed_buffer_size_bytes=16 << 10)",
+           "packed_buffer_size_bytes={bucket_bytes})",
 }
 
 
 def kill_trainer_script(root: str, path: str, url: str, port: int, timeout_s: float, scale: float = 1.0,
                         kill_at: str = "between_buckets", backend: str = "gloo", device: str = "cpu",
-                        dtype: str = "float32", setup: str = "") -> str:
+                        dtype: str = "float32", setup: str = "", bucket_bytes: int = 16 << 10) -> str:
     """Python source of a trainer that loads ``path`` (weights multiplied by ``scale``; ``dtype``
-    on ``device``), starts a packed sync to ``url`` in 16 KiB buckets over ``backend`` ("gloo",
+    on ``device``), starts a packed sync to ``url`` in ``bucket_bytes`` buckets over ``backend`` ("gloo",
     "nccl" or "ipc": one ``update_weights`` call per bucket) and SIGKILLs itself at ``kill_at``
     (one of :data:`KILL_POINTS`), printing ``KILLING <point> <time.time()>`` just before.
     ``setup``: a line run first (e.g. ``tests.gpu.nccl_over_gloo.install()``)."""
     if kill_at not in KILL_POINTS:
         raise ValueError(f"kill_at must be one of {KILL_POINTS}")
-    init_info = _INIT_INFOS[backend].format(port=port, device=device, timeout_s=timeout_s)
+    init_info = _INIT_INFOS[backend].format(port=port, device=device, timeout_s=timeout_s,
+                                            bucket_bytes=int(bucket_bytes))
     return _KILL_TRAINER.format(root=root, path=path, url=url, scale=scale, kill_at=kill_at, setup=setup,
                                 device=device, dtype=f"torch.{dtype}", init_info=init_info)
 

@@ -8,13 +8,13 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
 
     {"backend": "gloo" | "nccl" | "ipc",
      "master_address": "10.0.0.1",       # host of the TCPStore (rank 0 hosts it)
-     "master_port": 29555,
+     "master_port": 29555,               # ipc: optional, a store the trainer hosts for liveness only
      "rank_offset": 1,                   # 1: trainer is rank 0 (vLLM); 0: trainer is the last rank (TRL)
      "world_size": 2,                    # server workers + 1 trainer rank
      "packed": true,                     # default for updates (update_info may override)
      "packed_buffer_size_bytes": 1073741824,
      "packed_num_buffers": 2,
-     "timeout_s": 300.0,                 # store, group, every collective and RPC
+     "timeout_s": 300.0,                 # store, group, every collective and RPC (1 s .. a year)
      "session": "5f0c..."}               # optional: names this group incarnation
 
 ``update_info`` (body of ``POST /update_weights``)::
