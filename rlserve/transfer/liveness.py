@@ -21,6 +21,9 @@ requests detect the close too, but each failure prints a C++ stack trace to the 
 and a request to a silent peer blocks without any bound.)
 
 A live but stuck trainer (its process alive, no data coming) is still bounded by ``timeout_s``.
+A trainer that forked children after the rendezvous (e.g. ``DataLoader`` workers) shares its
+sockets with them: the connection ends when the last of them exits (``DataLoader`` workers
+notice their parent's death within ~5 s) -- the same holds for gloo's own connections.
 
 Interface (:class:`PeerLiveness`): ``start()``, ``gone()`` (``None`` while alive, else why),
 ``stop()``. The manager (:mod:`rlserve.transfer.manager`) polls ``gone()`` from init to
