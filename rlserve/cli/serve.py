@@ -118,6 +118,10 @@ def register(subparsers) -> None:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    s.add_argument("--engine-mode", choices=["process", "thread"],
+                   default=os.environ.get("RLSERVE_ENGINE_MODE", "process"),
+                   help="process: each engine replica in its own engine-core process (off the HTTP server's GIL); "
+                        "thread: on a thread of the server process (debugging; env RLSERVE_ENGINE_MODE)")
     add_engine_args(p)
     add_vllm_compat_args(p)
     p.set_defaults(func=run)
@@ -132,7 +136,8 @@ def _resolve_model(name: str) -> str:
 
 
 def run(args) -> int:
-    """Load the engine, then serve until SIGINT/SIGTERM. Returns the exit status."""
+    """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
+    with the exit status. Returns the status only when the engine could not start."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from rlserve.errors import RLServeError
@@ -159,9 +164,9 @@ def run(args) -> int:
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
                 config.data_parallel_size, config.dtype, config.device)
     try:
-        aengine = AsyncEngine(config, weight_version=args.weight_version,
+        aengine = AsyncEngine(config, weight_version=args.weight_version, engine_mode=args.engine_mode,
                               hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None)
-    except (RLServeError, ValueError, OSError) as e:
+    except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(
@@ -173,13 +178,14 @@ def run(args) -> int:
     if settings.admin_key is None and not is_loopback(args.host):
         logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403",
                        args.host)
+    rc = 1
     try:
         app = build_app(aengine, settings)
         rc = asyncio.run(_serve(app, args))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
         rc = 130
     finally:
-        aengine.shutdown()
+        aengine.shutdown(timeout_s=5.0)
     _exit_now(rc)
     return rc  # not reached
 
@@ -207,9 +213,22 @@ async def _serve(app, args) -> int:
     import uvicorn
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-                            access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
+                            access_log=not args.disable_access_log, timeout_graceful_shutdown=1,
                             timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+    aengine = app.state.rlserve.aengine
+
+    class Server(uvicorn.Server):
+        """On SIGINT/SIGTERM, also end every request at once (503) and stop the engines, so
+        open connections close and the process exits within about a second."""
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                loop.call_soon_threadsafe(aengine.begin_shutdown, "the server is shutting down")
+
+    server = Server(config)
 
     async def announce():
         while not server.started:

@@ -1,13 +1,21 @@
-"""Asyncio front of the engine: data-parallel replicas stepping on background threads.
+"""Asyncio front of the engine: data-parallel replicas, each in its own engine-core process
+(default) or on a thread of this process.
 
-Each :class:`~rlserve.engine.llm_engine.LLMEngine` replica is owned by one thread
-(``rlserve-engine-<i>``) that runs its step loop; *every* call into that engine (add,
-abort, step, ``run_in_engines`` functions) runs on that thread, so the engine needs no
-locking and the HTTP event loop never blocks on a forward pass. Outputs reach asyncio
-through ``loop.call_soon_threadsafe`` (one hop per step and event loop, not per request)
-into a one-slot mailbox per request: outputs are cumulative, so a consumer that falls
-behind simply gets the newest one (its deltas just get bigger) instead of a backlog, and a
-non-streaming consumer (``generate(..., stream=False)``) is woken only once, at the end.
+Where the replicas run (``engine_mode``):
+
+* ``"process"`` (default): one engine-core process per replica (:mod:`rlserve.engine.core_client`,
+  :mod:`rlserve.engine.core_proc`); the step loop, scheduler, KV cache and model runner run off
+  this process's GIL, so HTTP, JSON and tokenization here never slow a step down, and DP
+  replicas step in parallel. The API process talks to them over ZMQ with msgspec messages
+  (:mod:`rlserve.engine.core_protocol`).
+* ``"thread"``: each replica on a thread here (``RLSERVE_ENGINE_MODE=thread`` or
+  ``rlserve serve --engine-mode thread``: debugging; every ``engine_factory`` fake in tests).
+
+Either way, every call into an engine runs between two of its steps, and outputs reach asyncio
+one hop per step and event loop (not per request) into a one-slot mailbox per request: outputs
+are cumulative, so a consumer that falls behind simply gets the newest one (its deltas just get
+bigger) instead of a backlog, and a non-streaming consumer (``generate(..., stream=False)``) is
+woken only once, at the end.
 
 Pause semantics follow vLLM's ``pause_generation``:
 
@@ -19,40 +27,32 @@ Pause semantics follow vLLM's ``pause_generation``:
 
 In every mode requests that arrive while paused are *held* (queued in the front, never
 rejected) and start on resume. ``clear_cache=True`` resets every replica's prefix cache
-once the pause has taken effect. ``run_in_engines`` works while paused (that is how weight
-updates run with the engines frozen).
+once the pause has taken effect. :meth:`AsyncEngine.call_engines` works while paused (that is
+how weight updates run with the engines frozen).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import copy
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from rlserve.errors import ModelUnavailableError, RLServeError
+from rlserve.engine.core import EngineDeadError, EngineStepError, abort_output
+from rlserve.errors import ModelUnavailableError
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "HeldTooLongError", "PAUSE_MODES", "ENGINE_MODES"]
+
 PAUSE_MODES = ("abort", "wait", "keep")
-_IDLE_POLL_S = 1.0  # an idle engine thread wakes at least this often (seconds)
-_STATS_EVERY_S = 0.2  # engine stats are snapshotted at most this often (seconds)
+ENGINE_MODES = ("process", "thread")
 DEFAULT_HOLD_TIMEOUT_S = 600.0  # a request held behind a pause waits at most this long (seconds)
-
-
-class EngineStepError(RLServeError):
-    """An engine step (or adding a request) raised unexpectedly. The requests that were in
-    that replica fail with this error (HTTP 500); the replica keeps serving."""
-
-
-class EngineDeadError(RLServeError):
-    """The engine threads are stopped (shutdown or a fatal error). HTTP 503."""
 
 
 class HeldTooLongError(ModelUnavailableError):
@@ -62,7 +62,7 @@ class HeldTooLongError(ModelUnavailableError):
 
 @dataclasses.dataclass(eq=False)
 class _Request:
-    """Front-side state of one request (shared by the event loop and one engine thread)."""
+    """Front-side state of one request (event-loop side, plus the replica's delivering thread)."""
 
     request_id: str
     prompt: Any
@@ -72,309 +72,8 @@ class _Request:
     arrival_time: float  # time.monotonic() seconds
     stream: bool = True  # deliver every step's output (else only the final one)
     slot: Any = None  # newest undelivered output, or the exception that ended the request
-    first_token_time: float | None = None  # time.monotonic() seconds, set on the engine thread
-    replica: "_Replica | None" = None
-    versions: list = dataclasses.field(default_factory=list)
-    last_output: Any = None
-    finished: bool = False  # set on the engine thread when the final item is produced
-
-
-class _Replica:
-    """One engine replica and the thread that owns it."""
-
-    def __init__(self, front: "AsyncEngine", index: int, factory: Callable[[], Any]):
-        self.front = front
-        self.index = index
-        self.engine = None
-        self._factory = factory
-        self._cmds: collections.deque = collections.deque()
-        self._wakeup = threading.Event()
-        self._stopping = False
-        self.frozen = False  # keep-mode pause: no stepping
-        # weights left unusable by a command of this thread (AsyncEngine.quarantine): no stepping
-        # until fail_all ended the requests
-        self.quarantined = False
-        self.requests: dict[str, _Request] = {}  # engine-thread only
-        self._streaming = _StreamingIds(self.requests)
-        self.load = 0  # unfinished requests assigned here (guarded by front._lock)
-        self._drain_waiters: list[concurrent.futures.Future] = []
-        self.stats: dict = {}
-        self._stats_time = 0.0
-        self.ready = concurrent.futures.Future()
-        self.alive = False
-        self.thread = threading.Thread(target=self._main, name=f"rlserve-engine-{index}", daemon=True)
-
-    # ---- posting work onto the thread ------------------------------------------------
-    def post(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run ``fn()`` on the engine thread between steps; returns a concurrent Future."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            fut.set_exception(EngineDeadError(f"engine replica {self.index} is not running"))
-            return fut
-        self._cmds.append((fn, fut))
-        self._wakeup.set()
-        return fut
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
-
-    # ---- thread body ------------------------------------------------------------------
-    def _main(self) -> None:
-        try:
-            self.engine = self._factory()
-        except BaseException as e:  # noqa: BLE001 - reported to the constructor
-            self.ready.set_exception(e)
-            return
-        self.alive = True
-        self.ready.set_result(self.engine)
-        step_failures = 0
-        was_busy = True
-        try:
-            while True:
-                self._wakeup.clear()
-                self._run_commands()
-                if self._stopping:
-                    break
-                busy = self.engine.has_unfinished_requests()
-                halted = self.frozen or self.quarantined
-                if halted or not busy:
-                    self._snapshot_stats(force=was_busy)  # fresh numbers as soon as it goes idle
-                    was_busy = False
-                if not busy:
-                    self._resolve_drain_waiters()
-                if halted or not busy:
-                    self._wakeup.wait(_IDLE_POLL_S)
-                    continue
-                try:
-                    if getattr(self.engine, "supports_output_filter", False):
-                        outs = self.engine.step(outputs_for=self._streaming)
-                        advanced = self.engine.last_step_request_ids
-                    else:
-                        outs, advanced = self.engine.step(), None
-                    step_failures = 0
-                except Exception as e:  # noqa: BLE001 - must not kill the loop
-                    step_failures += 1
-                    self._fail_all(e)
-                    if step_failures > 1:
-                        time.sleep(min(0.05 * step_failures, 1.0))  # do not spin on a broken engine
-                    continue
-                self._dispatch(outs, advanced)
-                self._snapshot_stats()
-                was_busy = True
-        except BaseException as e:  # noqa: BLE001 - a bug in this loop itself
-            logger.exception("engine replica %d loop crashed", self.index)
-            self._fail_all(e)
-        finally:
-            self.alive = False
-            for fn, fut in self._drain_cmds():
-                fut.set_exception(EngineDeadError(f"engine replica {self.index} stopped"))
-            for fut in self._drain_waiters:
-                if not fut.done():
-                    fut.set_exception(EngineDeadError(f"engine replica {self.index} stopped"))
-            self._fail_all(EngineDeadError(f"engine replica {self.index} stopped"), abort_in_engine=False)
-            shutdown = getattr(self.engine, "shutdown", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except Exception:  # noqa: BLE001
-                    logger.exception("engine replica %d shutdown failed", self.index)
-
-    def _drain_cmds(self):
-        while self._cmds:
-            yield self._cmds.popleft()
-
-    def _run_commands(self) -> None:
-        for fn, fut in self._drain_cmds():
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - delivered to the caller
-                fut.set_exception(e)
-
-    def _snapshot_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._stats_time < _STATS_EVERY_S:
-            return
-        self._stats_time = now
-        try:
-            self.stats = dict(self.engine.stats)
-        except Exception:  # noqa: BLE001 - stats are best effort
-            logger.debug("stats snapshot failed", exc_info=True)
-
-    def _resolve_drain_waiters(self) -> None:
-        if self._drain_waiters:
-            waiters, self._drain_waiters = self._drain_waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
-
-    # ---- request bookkeeping (engine thread) ------------------------------------------
-    def add(self, req: _Request) -> None:
-        """Engine-thread side of submitting ``req``; an engine error fails only it."""
-        try:
-            self.engine.add_request(req.request_id, req.prompt, req.params)
-        except Exception as e:  # noqa: BLE001 - InvalidRequestError and bugs alike
-            self._finish(req, e)
-            self.front._deliver([(req, e)])
-            return
-        self.requests[req.request_id] = req
-
-    def abort(self, request_ids) -> None:
-        """Abort on the engine thread; each request gets a final "abort" output."""
-        present = [r for r in request_ids if r in self.requests]
-        if not present:
-            return
-        try:
-            outs = self.engine.abort_request(present) or []
-        except Exception:  # noqa: BLE001
-            logger.exception("abort_request failed on replica %d", self.index)
-            outs = []
-        by_id = {o.request_id: o for o in outs}
-        items = []
-        for rid in present:
-            req = self.requests.pop(rid)
-            out = by_id.get(rid) or _abort_output(req)
-            self._stamp(req, out, bump=False)
-            out.finished = True
-            self._finish(req, None)
-            items.append((req, out))
-        self.front._deliver(items)
-
-    def abort_all(self) -> int:
-        n = len(self.requests)
-        self.abort(list(self.requests))
-        return n
-
-    def wait_drained(self) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._drain_waiters.append(fut)
-        return fut
-
-    def _stamp(self, req: _Request, out, bump: bool = True) -> None:
-        if req.first_token_time is None and any(c.token_ids for c in out.outputs):
-            req.first_token_time = time.monotonic()
-        version = self.front.weight_version
-        if bump and (not req.versions or req.versions[-1] != version):
-            req.versions.append(version)
-        if not req.versions:
-            req.versions.append(version)
-        try:
-            out.weight_version = req.versions[-1]
-            out.weight_versions = list(req.versions)
-            out.arrival_time = req.arrival_time
-            out.first_token_time = req.first_token_time
-        except AttributeError:  # an output type with __slots__; stamping is best effort
-            pass
-
-    def _finish(self, req: _Request, error) -> None:
-        req.finished = True
-        with self.front._lock:
-            self.load -= 1
-
-    def _dispatch(self, outs, advanced=None) -> None:
-        """Deliver this step's outputs. ``advanced``: ids of every request that got tokens (the
-        engine builds outputs only for streamed and finished requests): their first-token time
-        and weight versions are kept here, without an output."""
-        if advanced:
-            version = self.front.weight_version
-            now = None
-            for rid in advanced:
-                req = self.requests.get(rid)
-                if req is None:
-                    continue
-                if req.first_token_time is None:
-                    req.first_token_time = now = now or time.monotonic()
-                if not req.versions or req.versions[-1] != version:
-                    req.versions.append(version)
-        items = []
-        for out in outs:
-            req = self.requests.get(out.request_id)
-            if req is None:
-                continue  # aborted meanwhile, or not ours
-            self._stamp(req, out)
-            req.last_output = out
-            if out.finished:
-                del self.requests[out.request_id]
-                self._finish(req, None)
-                items.append((req, out))
-            elif req.stream:
-                items.append((req, out))
-        if items:
-            self.front._deliver(items)
-
-    def _fail_all(self, exc: BaseException, abort_in_engine: bool = True) -> None:
-        if not self.requests:
-            if abort_in_engine and self.engine is not None:
-                _try_abort_all(self.engine)
-            return
-        err = exc if isinstance(exc, EngineDeadError) else EngineStepError(
-            f"engine replica {self.index} failed while generating: {type(exc).__name__}: {exc}"
-        )
-        if not isinstance(exc, EngineDeadError):
-            logger.error("engine replica %d step failed; failing %d request(s)", self.index, len(self.requests),
-                         exc_info=exc)
-        reqs = list(self.requests.values())
-        self.requests.clear()
-        if abort_in_engine:
-            try:
-                self.engine.abort_request([r.request_id for r in reqs])
-            except Exception:  # noqa: BLE001
-                logger.exception("abort after a failed step also failed on replica %d", self.index)
-                _try_abort_all(self.engine)
-        for r in reqs:
-            self._finish(r, err)
-        self.front._deliver([(r, err) for r in reqs])
-
-
-class _StreamingIds:
-    """``rid in self``: the engine should build a per-step output for request ``rid`` -- a
-    streamed request, or one this replica does not know (its output is then dropped anyway)."""
-
-    def __init__(self, requests: dict):
-        self.requests = requests
-
-    def __contains__(self, rid) -> bool:
-        req = self.requests.get(rid)
-        return req is None or req.stream
-
-
-def _try_abort_all(engine) -> None:
-    fn = getattr(engine, "abort_all", None)
-    try:
-        if callable(fn):
-            fn()
-    except Exception:  # noqa: BLE001
-        logger.exception("abort_all failed")
-
-
-def _abort_output(req: _Request):
-    """Final "abort" output for a request the engine gave no output for."""
-    from rlserve.engine.outputs import CompletionOutput, RequestOutput
-
-    last = req.last_output
-    if last is not None:
-        out = copy.copy(last)
-        outs = []
-        for c in last.outputs:
-            c2 = copy.copy(c)
-            if c2.finish_reason is None:
-                c2.finish_reason = "abort"
-            outs.append(c2)
-        out.outputs = outs
-        return out
-    n = getattr(req.params, "n", 1) or 1
-    prompt_text = req.prompt if isinstance(req.prompt, str) else None
-    prompt_ids = list(req.prompt) if isinstance(req.prompt, (list, tuple)) else []
-    return RequestOutput(
-        request_id=req.request_id,
-        prompt=prompt_text,
-        prompt_token_ids=prompt_ids,
-        prompt_logprobs=None,
-        outputs=[CompletionOutput(index=i, finish_reason="abort") for i in range(n)],
-        finished=True,
-    )
+    replica: Any = None
+    finished: bool = False  # set by the delivering thread when the final item is routed
 
 
 def _replica_config(config, dp_index: int):
@@ -408,31 +107,38 @@ class AsyncEngine:
         config: :class:`~rlserve.config.EngineConfig` (each replica gets a copy).
         weight_version: initial weight version stamped on outputs (default "0").
         engine_factory: ``factory(config, dp_index) -> engine`` (default
-            ``LLMEngine(config, dp_index=dp_index)``); tests pass fakes here.
+            ``LLMEngine(config, dp_index=dp_index)``); tests pass fakes here. A factory runs
+            the replicas on threads (it cannot cross a process boundary).
         start_timeout_s: seconds to wait for every replica to load.
         hold_timeout_s: a request that arrives while generation is paused waits at most this
             many seconds for :meth:`resume` (measured from its arrival), then ends with
             :class:`HeldTooLongError` (HTTP 503); None: no bound. Default 600 s, longer than
             any weight update's pause should be (``rlserve serve --pause-hold-timeout``).
+        engine_mode: ``"process"`` (one engine-core process per replica) or ``"thread"``;
+            default: ``$RLSERVE_ENGINE_MODE``, else ``"process"`` (``"thread"`` with a factory).
 
     Raises:
         whatever building an engine raises (the first replica's error), after stopping the
-        replicas that did start; TimeoutError when a replica takes over ``start_timeout_s``.
+        replicas that did start; TimeoutError when a replica takes over ``start_timeout_s``;
+        ValueError: an unknown ``engine_mode``, or ``"process"`` with an ``engine_factory``.
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
-                 start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S):
-        if engine_factory is None:
-            from rlserve.engine.llm_engine import LLMEngine
-
-            def engine_factory(cfg, dp_index):
-                return LLMEngine(cfg, dp_index=dp_index)
-
+                 start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
+                 engine_mode: str | None = None):
+        if engine_mode is None:
+            engine_mode = "thread" if engine_factory is not None else os.environ.get("RLSERVE_ENGINE_MODE", "process")
+        if engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {engine_mode!r}")
+        if engine_mode == "process" and engine_factory is not None:
+            raise ValueError("an engine_factory runs in this process: use engine_mode='thread'")
         self.config = config
+        self.engine_mode = engine_mode
         self.hold_timeout_s = hold_timeout_s
         self._lock = threading.Lock()
         self._weight_version = str(weight_version)
         self._unavailable: str | None = None
+        self._closed: str | None = None
         self._paused = False
         self._pause_mode: str | None = None
         self._paused_since: float | None = None  # time.monotonic() of the pause in force
@@ -442,20 +148,35 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
         dp = max(1, int(getattr(config, "data_parallel_size", 1) or 1))
-        self._replicas = []
-        for i in range(dp):
-            cfg = _replica_config(config, i) if hasattr(config, "data_parallel_size") else config
-            self._replicas.append(_Replica(self, i, lambda cfg=cfg, i=i: engine_factory(cfg, i)))
-        for r in self._replicas:
-            r.thread.start()
+        cfgs = [_replica_config(config, i) if hasattr(config, "data_parallel_size") else config for i in range(dp)]
+        if engine_mode == "thread":
+            from rlserve.engine.thread_replica import ThreadReplica
+
+            if engine_factory is None:
+                from rlserve.engine.llm_engine import LLMEngine
+
+                def engine_factory(cfg, dp_index):
+                    return LLMEngine(cfg, dp_index=dp_index)
+
+            self._replicas = [ThreadReplica(self, i, lambda cfg=cfg, i=i: engine_factory(cfg, i), self._weight_version)
+                              for i, cfg in enumerate(cfgs)]
+        else:
+            from rlserve.engine.core_client import CoreProcReplica
+
+            tokenizer = _TokenizerOnce(config)
+            self._replicas = [CoreProcReplica(self, i, cfg, self._weight_version, tokenizer)
+                              for i, cfg in enumerate(cfgs)]
         error = None
-        for r in self._replicas:
-            try:
-                r.ready.result(timeout=start_timeout_s)
-            except concurrent.futures.TimeoutError:
-                error = error or TimeoutError(f"engine replica {r.index} did not start in {start_timeout_s}s")
-            except BaseException as e:  # noqa: BLE001
-                error = error or e
+        try:
+            for r in self._replicas:
+                r.start()  # every replica loads at once
+            for r in self._replicas:
+                try:
+                    r.wait_ready(start_timeout_s)
+                except BaseException as e:  # noqa: BLE001
+                    error = error or e
+        except BaseException as e:  # noqa: BLE001 - e.g. a process that could not be started
+            error = error or e
         if error is not None:
             self.shutdown()
             raise error
@@ -463,12 +184,14 @@ class AsyncEngine:
     # ---- properties -------------------------------------------------------------------
     @property
     def engines(self) -> list:
-        """The replicas' engines (touch them only through :meth:`run_in_engines`)."""
+        """The replicas' engines (thread mode; touch them only through :meth:`run_in_engines`)
+        or :class:`~rlserve.engine.replica.EngineView` s of them (process mode)."""
         return [r.engine for r in self._replicas]
 
     @property
     def engine(self):
-        """Replica 0's engine (for read-only facts: tokenizer, vocab size, max_model_len)."""
+        """Replica 0's engine or its view (for read-only facts: tokenizer, vocab size,
+        max_model_len, device, dtype)."""
         return self._replicas[0].engine
 
     @property
@@ -476,8 +199,17 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """The engine's end-of-sequence token ids."""
+        return sorted(getattr(self.engine, "eos_token_ids", ()) or ())
+
+    @property
     def num_replicas(self) -> int:
         return len(self._replicas)
+
+    def core_pids(self) -> list[int]:
+        """Process ids of the engine-core processes (empty in thread mode)."""
+        return [r.pid for r in self._replicas if getattr(r, "pid", None) is not None]
 
     @property
     def weight_version(self) -> str:
@@ -485,28 +217,31 @@ class AsyncEngine:
         return self._weight_version
 
     def set_weight_version(self, version: str) -> None:
-        """Stamp ``version`` on every output produced from now on."""
+        """Stamp ``version`` on every output of the steps that follow."""
         self._weight_version = str(version)
+        for r in self._replicas:
+            r.set_weight_version(self._weight_version)
 
     def set_unavailable(self, reason: str | None) -> None:
         """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503). ``None``
-        also lifts any :meth:`quarantine`."""
+        also lifts any quarantine (:meth:`quarantine`)."""
         self._unavailable = reason
         if reason is None:
             for r in self._replicas:
-                r.quarantined = False
+                r.set_quarantined(False)
 
     def quarantine(self, engine, reason: str) -> None:
-        """On a replica's thread, inside a :meth:`run_in_engines` command whose work left that
-        replica's weights unusable (a weight update that failed after writing into them): from
-        now on :meth:`generate` answers 503 with ``reason``, and the replica steps nothing until
-        :meth:`fail_all` has ended its requests, so no token is computed on the broken weights
-        in between (an event-loop call that marks the model unavailable comes only after the
-        command returned, and the replica would step first). Unknown ``engine``: only the 503."""
+        """Thread mode, on a replica's thread inside a :meth:`run_in_engines` command whose work
+        left that replica's weights unusable: from now on :meth:`generate` answers 503 with
+        ``reason`` and the replica steps nothing until :meth:`fail_all` ended its requests.
+        (Engine-side code that runs in both modes calls ``core.quarantine(reason)`` instead, as
+        ``rlserve.transfer.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
+        only the 503."""
         self._unavailable = reason
         for r in self._replicas:
-            if r.engine is engine:
-                r.quarantined = True
+            core = getattr(r, "core", None)
+            if core is not None and core.engine is engine:
+                core.quarantine(reason)
 
     async def fail_all(self, exc: BaseException) -> int:
         """End every in-flight and held request with ``exc`` (its :meth:`generate` raises it) and
@@ -519,9 +254,8 @@ class AsyncEngine:
             if req in self._held:
                 self._held.remove(req)
             _put(req, exc)  # final: a later abort output from the engine cannot replace it
-        # aborted, then a quarantined replica (see quarantine) may step again: it has no requests
-        await _wait_all([r.post(lambda r=r: (r.abort_all(), setattr(r, "quarantined", False))[0])
-                         for r in self._replicas])
+        # aborted, then a quarantined replica may step again: it has no requests
+        await _wait_all([r.abort_all(lift_quarantine=True) for r in self._replicas])
         return len(reqs)
 
     @property
@@ -543,8 +277,17 @@ class AsyncEngine:
         return self._pause_mode if self._paused else None
 
     def is_alive(self) -> bool:
-        """True while every replica's thread is running."""
-        return all(r.alive for r in self._replicas)
+        """True while every replica runs (its thread, or its engine-core process)."""
+        return self._closed is None and all(r.alive for r in self._replicas)
+
+    def dead_reason(self) -> str | None:
+        """Why :meth:`is_alive` is False (None while alive)."""
+        if self._closed is not None:
+            return self._closed
+        for r in self._replicas:
+            if not r.alive:
+                return getattr(r, "death", None) or f"engine replica {r.index} is not running"
+        return None
 
     @property
     def num_unfinished(self) -> int:
@@ -566,7 +309,7 @@ class AsyncEngine:
         and not finished, plus held) and ``num_replicas``."""
         total: dict = {}
         for r in self._replicas:
-            for k, v in r.stats.items():
+            for k, v in dict(r.stats).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     total[k] = total.get(k, 0) + v
         if "kv_cache_usage" in total:
@@ -575,6 +318,22 @@ class AsyncEngine:
         total["num_unfinished"] = self.num_unfinished  # live, not a snapshot
         total["num_replicas"] = len(self._replicas)
         return total
+
+    def _replica_died(self, replica) -> None:
+        """A replica's engine-core process died (its delivering thread calls this after ending
+        its requests): the held requests end too (nothing sound is left to run them on); this
+        is done on their event loops."""
+        exc = EngineDeadError(getattr(replica, "death", None) or "an engine replica died")
+        for loop in {req.loop for req in list(self._held)}:
+            try:
+                loop.call_soon_threadsafe(self._fail_held, loop, exc)
+            except RuntimeError:  # the loop is closed
+                pass
+
+    def _fail_held(self, loop, exc: BaseException) -> None:
+        for req in [r for r in self._held if r.loop is loop]:
+            self._held.remove(req)
+            _put(req, exc)
 
     # ---- generation -------------------------------------------------------------------
     async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True) -> AsyncIterator:
@@ -601,7 +360,7 @@ class AsyncEngine:
         if self._unavailable is not None:
             raise ModelUnavailableError(self._unavailable)
         if not self.is_alive():
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.dead_reason() or "the engine is not running")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         from rlserve.errors import InvalidRequestError
@@ -658,17 +417,18 @@ class AsyncEngine:
             if replica is not None:
                 replica.load += 1
         if replica is None:
-            _put(req, EngineDeadError("no engine replica is running"))
+            _put(req, EngineDeadError(self.dead_reason() or "no engine replica is running"))
             return
         req.replica = replica
-        fut = replica.post(lambda: replica.add(req))
-        if fut.done() and fut.exception() is not None:  # the replica died meanwhile
+        try:
+            replica.submit(req)
+        except BaseException as e:  # noqa: BLE001 - the replica died meanwhile
             with self._lock:
                 replica.load -= 1
-            _put(req, fut.exception())
+            _put(req, e)
 
     def _deliver(self, items) -> None:
-        """Engine thread → event loops: one ``call_soon_threadsafe`` per loop."""
+        """Delivering thread → event loops: one ``call_soon_threadsafe`` per loop."""
         by_loop: dict = {}
         for req, item in items:
             by_loop.setdefault(req.loop, []).append((req, item))
@@ -683,7 +443,7 @@ class AsyncEngine:
             self._held.remove(req)
             return
         if req.replica is not None and not req.finished:
-            req.replica.post(lambda: req.replica.abort([req.request_id]))
+            req.replica.abort_nowait([req.request_id])
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (unknown ids are ignored); each ends with a final output
@@ -698,7 +458,7 @@ class AsyncEngine:
                 self._held.remove(req)
                 _put(req, _stamped_abort(req, self.weight_version))
             elif req.replica is not None:
-                futs.append(req.replica.post(lambda r=req: r.replica.abort([r.request_id])))
+                futs.append(req.replica.abort([req.request_id]))
         await _wait_all(futs)
 
     async def abort_all(self) -> int:
@@ -708,7 +468,7 @@ class AsyncEngine:
             self._held.remove(req)
             _put(req, _stamped_abort(req, self.weight_version))
             n += 1
-        results = await _wait_all([r.post(r.abort_all) for r in self._replicas])
+        results = await _wait_all([r.abort_all() for r in self._replicas])
         return n + sum(x for x in results if isinstance(x, int))
 
     # ---- pause / resume ---------------------------------------------------------------
@@ -755,29 +515,24 @@ class AsyncEngine:
             return
         self._pause_mode = before
         if before == "keep":
-            await _wait_all([r.post(lambda r=r: setattr(r, "frozen", True)) for r in self._replicas])
+            await _wait_all([r.set_frozen(True) for r in self._replicas])
         logger.warning("pause did not take effect; generation stays paused by the earlier pause (mode=%s)", before)
 
     async def _pause_locked(self, mode: str, clear_cache: bool, timeout_s: float | None) -> None:
         if mode == "keep":  # frozen, with stats() as of the freeze
-            futs = [r.post(lambda r=r: (setattr(r, "frozen", True), r._snapshot_stats(force=True)))
-                    for r in self._replicas]
+            futs = [r.set_frozen(True) for r in self._replicas]
         elif mode == "abort":
-            futs = [r.post(lambda r=r: (r.abort_all(), setattr(r, "frozen", False))[0])
-                    for r in self._replicas]
-        else:  # wait: a replica frozen by an earlier keep-pause must step to drain
-            futs = [r.post(lambda r=r: (setattr(r, "frozen", False), r.wait_drained())[1])
-                    for r in self._replicas]
-        coro = self._pause_effect(futs, mode, clear_cache)
+            futs = [f for r in self._replicas for f in (r.abort_all(), r.set_frozen(False))]
+        else:  # wait: a replica frozen by an earlier keep-pause steps to drain
+            futs = [r.wait_drained() for r in self._replicas]
+        coro = self._pause_effect(futs, clear_cache)
         if timeout_s is None:
             await coro
         else:
             await asyncio.wait_for(coro, timeout_s)
 
-    async def _pause_effect(self, futs, mode, clear_cache) -> None:
-        results = await _wait_all(futs, raise_first=True)
-        if mode == "wait":
-            await _wait_all(results, raise_first=True)  # the drain futures themselves
+    async def _pause_effect(self, futs, clear_cache) -> None:
+        await _wait_all(futs, raise_first=True)
         if clear_cache:
             await self.reset_prefix_cache()
 
@@ -788,7 +543,7 @@ class AsyncEngine:
         logger.info("generation resumed (%d held request(s) submitted)", n)
 
     async def _resume_locked(self) -> int:
-        await _wait_all([r.post(lambda r=r: setattr(r, "frozen", False)) for r in self._replicas])
+        await _wait_all([r.set_frozen(False) for r in self._replicas])
         if self._paused_since is not None:
             self._paused_total_s += time.monotonic() - self._paused_since
             self._paused_since = None
@@ -805,32 +560,88 @@ class AsyncEngine:
         return self._pause_lock
 
     # ---- engine access ----------------------------------------------------------------
+    async def call_engines(self, target: str, *args, timeout_s: float | None = None) -> list:
+        """Run ``target(core, *args)`` on every replica between two steps (also while paused),
+        where ``target`` is ``"package.module:function"`` and ``core`` the replica's
+        :class:`~rlserve.engine.core.EngineCore` (``core.engine`` is its engine,
+        ``core.weight_version`` the version it stamps). Works in both engine modes; in process
+        mode the function runs in the engine-core process and its arguments and result cross
+        the boundary as MessagePack (sets and tuples arrive as lists).
+
+        Returns:
+            the results in replica order.
+
+        Raises:
+            the first exception raised by ``target`` (after all replicas finished; in process
+            mode rebuilt by class name); TimeoutError after ``timeout_s`` seconds (the calls
+            still complete later); EngineDeadError: a replica is not running.
+        """
+        futs = [r.call(target, *args) for r in self._replicas]
+        coro = _wait_all(futs, raise_first=True)
+        return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
+
     async def run_in_engines(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> list:
         """Run ``fn(engine)`` on every replica's thread between steps (also while paused).
+        Thread mode only (a function cannot cross a process boundary): code that must run in
+        both modes uses :meth:`call_engines`.
 
         Returns:
             the results in replica order.
 
         Raises:
             the first exception raised by ``fn`` (after all replicas finished);
-            TimeoutError after ``timeout_s`` seconds (the calls still complete later).
+            TimeoutError after ``timeout_s`` seconds (the calls still complete later);
+            TypeError in process mode.
         """
-        futs = [r.post(lambda r=r: fn(r.engine)) for r in self._replicas]
+        futs = [r.run(fn) for r in self._replicas]
         coro = _wait_all(futs, raise_first=True)
         return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
 
     async def reset_prefix_cache(self) -> None:
         """Forget every replica's cached prefixes."""
-        await self.run_in_engines(lambda e: e.reset_prefix_cache())
+        await _wait_all([r.reset_prefix_cache() for r in self._replicas], raise_first=True)
+
+    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Event-loop side, first step of stopping (a SIGINT/SIGTERM handler): new requests are
+        refused and every request in flight or held ends now with EngineDeadError (HTTP 503), so
+        their connections close at once; the engines stop too."""
+        self._closed = reason
+        self._held = []
+        for req in list(self._requests.values()):
+            _put(req, EngineDeadError(reason))
+        for r in self._replicas:
+            r.stop()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine threads (in-flight requests fail with EngineDeadError) and
-        shut the engines down. Safe to call twice."""
+        """Stop the replicas (in-flight requests fail with EngineDeadError) and free the
+        engines: threads are joined, engine-core processes told to exit and killed (with their
+        TP workers) if they have not within a second. Safe to call twice, from any thread."""
+        if self._closed is None:
+            self._closed = "the engine is shut down"
         for r in self._replicas:
             r.stop()
         for r in self._replicas:
-            if r.thread.is_alive() and r.thread is not threading.current_thread():
-                r.thread.join(timeout_s)
+            r.join(timeout_s)
+        held, self._held = self._held, []
+        self._deliver([(req, EngineDeadError(self._closed)) for req in held])
+
+
+class _TokenizerOnce:
+    """Loads the tokenizer in this (the API) process once, for every replica's view."""
+
+    def __init__(self, config):
+        self.config = config
+        self._tok = None
+        self._loaded = False
+
+    def __call__(self):
+        if not self._loaded:
+            if not getattr(self.config, "skip_tokenizer_init", False):
+                from transformers import AutoTokenizer
+
+                self._tok = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+            self._loaded = True
+        return self._tok
 
 
 def _put(req: _Request, item) -> None:
@@ -848,9 +659,10 @@ def _put_all(batch) -> None:
 
 
 def _stamped_abort(req: _Request, version: str):
-    out = _abort_output(req)
+    out = abort_output(req.request_id, req.prompt, getattr(req.params, "n", 1) or 1)
     out.weight_version = version
     out.weight_versions = [version]
+    out.arrival_time = req.arrival_time
     return out
 
 

@@ -49,6 +49,8 @@ class RequestOutput:
         finished: all samples are finished.
         weight_version: weight version that produced the last token (set by the async front).
         weight_versions: every weight version seen while the request ran, in order.
+        arrival_time: when the request arrived (``time.monotonic()`` seconds; set by the async front).
+        first_token_time: when its first token was sampled (same clock), None before.
     """
 
     request_id: str
@@ -60,3 +62,5 @@ class RequestOutput:
     weight_version: str | None = None
     weight_versions: list[str] = field(default_factory=list)
     prompt_logprob_ranks: list[int | None] | None = None
+    arrival_time: float | None = None
+    first_token_time: float | None = None

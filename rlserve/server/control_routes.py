@@ -33,7 +33,8 @@ def make_public_router(state: ServerState) -> APIRouter:
     async def health():
         aeng = state.aengine
         if not aeng.is_alive():
-            return JSONResponse({"status": "dead", "reason": "engine threads are not running"}, status_code=503)
+            reason = aeng.dead_reason() if hasattr(aeng, "dead_reason") else None
+            return JSONResponse({"status": "dead", "reason": reason or "the engine is not running"}, status_code=503)
         if aeng.unavailable_reason is not None:
             return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason}, status_code=503)
         return {"status": "ok"}

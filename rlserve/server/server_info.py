@@ -115,5 +115,7 @@ def server_info(state: ServerState, config_format: str | None = None) -> dict:
         "weight_staging": state.settings.weight_staging,
         "is_paused": state.aengine.is_paused(),
         "unavailable_reason": state.aengine.unavailable_reason,
+        "engine_mode": getattr(state.aengine, "engine_mode", "thread"),
+        "engine_core_pids": state.aengine.core_pids() if hasattr(state.aengine, "core_pids") else [],
         "vllm_config": _text(vc) if config_format == "text" else vc,
     }

@@ -123,7 +123,9 @@ class ServerState:
         if reason is not None:
             raise APIError(503, f"the model is unavailable: {reason}", code="model_unavailable")
         if not self.aengine.is_alive():
-            raise APIError(503, "the engine is not running", code="engine_dead")
+            reason = self.aengine.dead_reason() if hasattr(self.aengine, "dead_reason") else None
+            raise APIError(503, f"the engine is not running: {reason}" if reason else "the engine is not running",
+                           code="engine_dead")
 
     def check_model(self, name: str | None) -> str:
         """Returns the model name to report. Raises APIError 404 for an unknown name."""

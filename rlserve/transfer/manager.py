@@ -1,8 +1,9 @@
 """Server-side weight-sync state machine: :class:`WeightTransferManager`.
 
 The HTTP routes (``rlserve/server/weight_routes.py``) call it; it reaches every engine replica
-through ``AsyncEngine.run_in_engines`` and every TP worker through ``engine.collective_rpc`` of
-the functions in :mod:`rlserve.transfer.worker_ext`.
+(in its engine-core process, or on a thread) through ``AsyncEngine.call_engines`` of the
+functions in :mod:`rlserve.transfer.engine_calls`, and every TP worker through
+``engine.collective_rpc`` of the functions in :mod:`rlserve.transfer.worker_ext`.
 
 States::
 
@@ -60,6 +61,7 @@ from rlserve.errors import (
     WeightUpdateStateError,
 )
 from rlserve.transfer import errors as terr
+from rlserve.transfer.engine_calls import TARGET as _ENGINE
 from rlserve.transfer.checksums import compare_checksums
 from rlserve.transfer.liveness import PeerLiveness, StoreLiveness
 from rlserve.transfer.protocol import (
@@ -153,7 +155,7 @@ class WeightTransferManager:
     """The server's weight-sync control plane.
 
     Args:
-        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``run_in_engines``,
+        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``call_engines``,
             ``pause``/``resume``/``is_paused``, ``set_weight_version``, ``set_unavailable``,
             ``reset_prefix_cache``, ``config``).
         transfer_config: ``--weight-transfer-config`` JSON: ``{"backend": "gloo"|"nccl"|"ipc"}``
@@ -238,32 +240,36 @@ class WeightTransferManager:
     def _timeout(self) -> float:
         return self._init.timeout_s if self._init is not None else float(self.config.get("timeout_s", DEFAULT_TIMEOUT_S))
 
-    async def _rpc(self, fn: str, *args, timeout_s: float | None = None, then=None) -> list:
+    async def _rpc(self, fn: str, *args, timeout_s: float | None = None) -> list:
         """``fn(worker, *args)`` on every worker of every replica; results flattened (replica-major,
-        TP rank order). ``then(engine, results)``: runs next on the same engine thread, in the
-        same command (nothing steps in between). Raises TransferTimeoutError after ``timeout_s``."""
-        target = f"{_WORKER}:{fn}"
+        TP rank order). Raises TransferTimeoutError after ``timeout_s``."""
+        return (await self._rpc_commit(fn, *args, timeout_s=timeout_s))[0]
+
+    async def _rpc_commit(self, fn: str, *args, timeout_s: float | None = None,
+                          commit: dict | None = None) -> tuple[list, str | None]:
+        """:meth:`_rpc`; with ``commit`` (see ``engine_calls.worker_rpc``) the same engine command
+        then commits (prefix-cache reset, new weight version) or, after a failure that may have
+        written into the parameters, quarantines the replica (``AsyncEngine.quarantine``): nothing
+        steps in between. Returns ``(results, the version committed or None)``."""
         t = timeout_s or self.rpc_timeout_s
-
-        def run(e):
-            res = e.collective_rpc(target, *args, timeout_s=t)
-            if then is not None:
-                then(e, res)
-            return res
-
         try:
-            res = await self.aengine.run_in_engines(run, timeout_s=t + 5)
+            res = await self.aengine.call_engines(f"{_ENGINE}worker_rpc", f"{_WORKER}:{fn}", list(args), t, commit,
+                                                  timeout_s=t + 5)
         except asyncio.TimeoutError as e:
             raise terr.TransferTimeoutError(f"worker call {fn} did not return within {t:.0f} s") from e
-        return [r for rep in res for r in rep]
+        for r in res:
+            if r.get("quarantined"):
+                self.aengine.set_unavailable(r["quarantined"])  # the 503 here; the replica halted there
+        committed = [r["committed_version"] for r in res if r.get("committed_version") is not None]
+        if committed:
+            self.aengine.set_weight_version(committed[-1])  # the front's copy (the engines have it)
+        return [x for r in res for x in r["results"]], (committed[-1] if committed else None)
 
     async def _model_spec(self) -> tuple[dict, set]:
         """``(checkpoint_spec, required names)`` of the served model; also sets ``self._tied``
         (``tied_checkpoint_names()``, for ``validate_against_spec(tied=...)``)."""
         if self._spec is None:
-            res = await self.aengine.run_in_engines(
-                lambda e: (dict(e.checkpoint_spec()), set(e.required_checkpoint_names()),
-                           dict(e.tied_checkpoint_names())), timeout_s=self.rpc_timeout_s)
+            res = await self.aengine.call_engines(f"{_ENGINE}model_spec", timeout_s=self.rpc_timeout_s)
             spec, req, self._tied = res[0]
             self._spec = ({k: tuple(v) for k, v in spec.items()}, set(req))
         return self._spec
@@ -297,9 +303,14 @@ class WeightTransferManager:
         block = _POLL_BLOCK_S if (commit or self.aengine.is_paused()) else 0.0
         try:
             if block:
-                then = self._committer(session) if commit else None
-                done = self._poll_results(await self._rpc("start_wait", start_fn, op_id, block, *args, then=then),
-                                          what, session)
+                results, committed = await self._rpc_commit(
+                    "start_wait", start_fn, op_id, block, *args,
+                    commit={"version": session.commit_version, "when": "all_ok",
+                            "failure": "a weight update failed after it had changed some parameters"}
+                    if commit else None)
+                if committed is not None:
+                    session.committed_version = committed
+                done = self._poll_results(results, what, session)
                 if done is not None:
                     return done
             else:
@@ -308,28 +319,6 @@ class WeightTransferManager:
         finally:
             # off the caller's path: later calls to the same engine threads queue behind it
             self._background(self._forget(op_id))
-
-    def _committer(self, s: _Session):
-        """``then`` of the engine command that receives a one-call in-place update (see
-        :meth:`_commits_in_engine`): once every worker loaded it, reset the prefix cache and set
-        the new weight version before the engine steps again. A failed or unfinished receive
-        commits nothing here (the manager's usual failure path, or finish, takes over); one that
-        may have written into the parameters quarantines the replica first (no step runs on them
-        before that failure path ends the requests: ``AsyncEngine.quarantine``)."""
-        def commit(engine, results: list) -> None:
-            if all(r.get("done") and r.get("ok") for r in results):
-                engine.reset_prefix_cache()
-                version = s.commit_version
-                if version is None:
-                    version = next_version(self.aengine.weight_version)
-                self.aengine.set_weight_version(version)
-                s.committed_version = version
-            elif any(r.get("touched") or r.get("applied") or not r.get("done") for r in results):
-                failed = next((r for r in results if r.get("done") and not r.get("ok")), {})
-                self.aengine.quarantine(engine, "a weight update failed after it had changed some parameters "
-                                                f"({failed.get('error_type')}: {failed.get('error')}); generation "
-                                                "resumes once a full weight update lands")
-        return commit
 
     def _commits_in_engine(self) -> bool:
         """Whether a ``/sync_weights`` call runs as one engine-thread command, without pause and
@@ -926,25 +915,12 @@ class WeightTransferManager:
             WeightTransferFailedError: a commit failed; the model is marked unavailable (some
                 workers may have loaded, others not).
         """
-        target, t = f"{_WORKER}:commit", max(self.rpc_timeout_s, self._timeout())
-
-        def commit_in_engine(engine) -> list:
-            try:
-                out = engine.collective_rpc(target, timeout_s=t)
-            except BaseException as e:
-                # some workers may have loaded: no step before the failure path below ends the requests
-                self.aengine.quarantine(engine, f"committing staged weights failed ({type(e).__name__}: {e}); "
-                                                "generation resumes once a full weight update lands")
-                raise
-            engine.reset_prefix_cache()
-            self.aengine.set_weight_version(version)
-            return out
-
+        t = max(self.rpc_timeout_s, self._timeout())
         try:
-            if version is None:
-                res = await self._rpc("commit", timeout_s=t)
-            else:
-                res = [r for rep in await self.aengine.run_in_engines(commit_in_engine, timeout_s=t + 5) for r in rep]
+            # some workers may have loaded when a commit fails: the command quarantines the replica
+            # so that no step runs before the failure path below ends the requests
+            res, _ = await self._rpc_commit("commit", timeout_s=t, commit=None if version is None else {
+                "version": version, "when": "always", "failure": "committing staged weights failed"})
         except BaseException as e:
             await self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
                                          "generation resumes once a full weight update lands")
@@ -1108,14 +1084,7 @@ class WeightTransferManager:
         return {"message": "Request received, initializing communicator"}
 
     async def _worker_device_uuids(self) -> set:
-        def uuids(engine):
-            import torch
-
-            dev = getattr(engine, "device", None)
-            if dev is None or torch.device(dev).type != "cuda":
-                return []
-            return [str(torch.cuda.get_device_properties(torch.device(dev)).uuid)]
-        res = await self.aengine.run_in_engines(uuids, timeout_s=self.rpc_timeout_s)
+        res = await self.aengine.call_engines(f"{_ENGINE}device_uuids", timeout_s=self.rpc_timeout_s)
         return {u for r in res for u in r}
 
     async def _trl_run_init(self, info: dict) -> None:

@@ -1,0 +1,183 @@
+"""Wire format between the API server process and an engine-core process.
+
+Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.core_client`):
+
+* input, API → core (``PUSH`` → ``PULL``): :class:`AddRequest`, :class:`Abort`,
+  :class:`SetWeightVersion`, :class:`UtilityCall`, :class:`Shutdown`;
+* output, core → API (``PUSH`` → ``PULL``): :class:`CoreReady` / :class:`CoreFailed` once at
+  start, then :class:`CoreOutputs` (one per engine step: every output of that step in one
+  message) and :class:`UtilityResult`.
+
+Every message is a msgspec ``Struct`` (tagged union, MessagePack): typed, schema-checked on
+decode, never pickle. Sampling parameters and outputs travel as the engine's own dataclasses
+(:class:`~rlserve.engine.sampling_params.SamplingParams`,
+:class:`~rlserve.engine.outputs.RequestOutput`), so a field added there travels without a
+change here. Messages on one socket arrive in the order they were sent: a utility call's
+result comes after the outputs of every step run before it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Union
+
+import msgspec
+
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.sampling_params import SamplingParams
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """An exception by class name and message (:func:`error_info` / :func:`rebuild_error`)."""
+
+    type: str
+    message: str
+
+
+# ---- API → core ------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    """Queue a request. ``prompt``: token ids (the API tokenizes) or text.
+    ``arrival_time``: ``time.monotonic()`` seconds in the API process. ``stream``: send an
+    output every step (else only the final one)."""
+
+    request_id: str
+    prompt: Union[list[int], str]
+    params: SamplingParams
+    stream: bool
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Abort requests (a client went away); no reply (their final outputs are sent)."""
+
+    request_ids: list[str]
+
+
+class SetWeightVersion(msgspec.Struct, tag="version"):
+    """Stamp ``version`` on outputs of the steps that follow; no reply."""
+
+    version: str
+
+
+class UtilityCall(msgspec.Struct, tag="call"):
+    """Call ``method`` with ``args`` between two steps; answered by a :class:`UtilityResult`
+    with the same ``call_id``. Methods: see :data:`rlserve.engine.core_proc.UTILITY_METHODS`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop: fail the requests in flight, shut the engine down, exit."""
+
+
+InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, Shutdown]
+
+
+# ---- core → API ------------------------------------------------------------------------
+class EngineInfo(msgspec.Struct):
+    """What the API process needs to know about a started engine replica.
+
+    Attributes:
+        pid: the engine-core process id.
+        vocab_size / max_model_len / max_num_batched_tokens: resolved by the engine.
+        device: e.g. ``"cpu"``, ``"cuda:0"``. dtype: e.g. ``"bfloat16"``.
+        num_kv_blocks: KV-cache size in blocks. eos_token_ids: the engine's EOS ids.
+    """
+
+    pid: int
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int | None
+    device: str
+    dtype: str
+    num_kv_blocks: int | None = None
+    eos_token_ids: list[int] = []
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    info: EngineInfo
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    """The engine could not be built (the process exits after sending this)."""
+
+    error: ErrorInfo
+
+
+class RequestError(msgspec.Struct):
+    request_id: str
+    error: ErrorInfo
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    """Everything one engine step (or one command) produced.
+
+    Attributes:
+        outputs: stamped cumulative outputs (streamed requests that advanced, finished ones,
+            aborted ones); a ``finished`` one is the request's last message.
+        errors: requests that ended with an error (refused on add, or a failed step).
+        stats: the engine's stats snapshot when it was refreshed (at most every 0.2 s).
+    """
+
+    outputs: list[RequestOutput] = []
+    errors: list[RequestError] = []
+    stats: dict[str, Any] | None = None
+
+
+class UtilityResult(msgspec.Struct, tag="result"):
+    call_id: int
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult]
+
+
+def input_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(InputMessage)
+
+
+def output_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(OutputMessage)
+
+
+def to_wire(value: Any) -> Any:
+    """A utility call's result as something MessagePack holds: sets and tuples become lists,
+    dict keys stay as they are; anything else unknown becomes its ``str``."""
+    return msgspec.to_builtins(value, enc_hook=str, str_keys=False)
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    return ErrorInfo(type(exc).__name__, str(exc))
+
+
+def rebuild_error(info: ErrorInfo) -> BaseException:
+    """The exception :func:`error_info` described, as rlserve's own class of that name where
+    there is one (so HTTP statuses stay the same across the process boundary), else a
+    built-in exception class of that name, else ``RuntimeError("Type: message")``."""
+    import rlserve.engine.core as core
+    import rlserve.errors as errors
+    import rlserve.transfer.errors as terrors
+
+    for mod in (errors, core, terrors):
+        cls = getattr(mod, info.type, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            break
+    else:
+        cls = getattr(builtins, info.type, None)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            return RuntimeError(f"{info.type}: {info.message}")
+    try:
+        return cls(info.message)
+    except Exception:  # noqa: BLE001 - a class whose constructor wants more
+        return RuntimeError(f"{info.type}: {info.message}")

@@ -1,0 +1,170 @@
+"""The engine core in its own process (the server's default): a core that dies is noticed at
+once (requests in flight end with 503, /health fails, nothing hangs); the server stops within
+2 s of SIGINT/SIGTERM and takes its engine-core processes with it; a core never outlives its
+server; the async front gives the offline engine's greedy tokens through the boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from rlserve.server.testing import ServerProcess
+
+T = 60.0  # bound on every wait in this module (seconds)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie has already freed its memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _server(tiny_model, *extra):
+    return ServerProcess(tiny_model("llama"), "--device", "cpu", "--max-model-len", "256", "--disable-access-log",
+                         *extra)
+
+
+def test_engine_process_killed_mid_generation(tiny_model):
+    with _server(tiny_model) as srv:
+        info = httpx.get(srv.url + "/server_info", timeout=10).json()
+        assert info["engine_mode"] == "process"
+        (core_pid,) = info["engine_core_pids"]
+        assert core_pid != srv.proc.pid and _alive(core_pid)
+
+        async def scenario():
+            body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+            async with httpx.AsyncClient(base_url=srv.url, timeout=T) as client:
+                nonstream = asyncio.create_task(client.post("/v1/completions", json=body))
+                events = []
+                status = None
+                async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+                    status = r.status_code
+                    killed = False
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        events.append(json.loads(line[6:]))
+                        if not killed:  # a token arrived: the engine is mid-generation
+                            os.kill(core_pid, signal.SIGKILL)
+                            killed = True
+                r2 = await nonstream
+                health = await client.get("/health")
+                after = await client.post("/v1/completions", json=dict(body, max_tokens=2))
+                return status, events, r2, health, after
+
+        status, events, r2, health, after = asyncio.run(asyncio.wait_for(scenario(), T))
+        assert status == 200
+        err = events[-1].get("error")
+        assert err is not None and err["code"] == "engine_dead", events[-1]
+        assert "SIGKILL" in err["message"], err
+        assert any(e.get("choices") for e in events[:-1])  # tokens came before the error
+        assert r2.status_code == 503 and r2.json()["error"]["code"] == "engine_dead", r2.text
+        assert health.status_code == 503 and "SIGKILL" in health.json()["reason"], health.text
+        assert after.status_code == 503, after.text
+        assert srv.proc.poll() is None  # the API process keeps answering
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
+    srv = _server(tiny_model, "--data-parallel-size", "2").start()
+    try:
+        pids = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+
+        async def in_flight_then_signal():
+            body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(base_url=srv.url, timeout=T) as client:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: "):
+                            break  # generating now
+                    # the whole process group, as a Ctrl-C in a terminal does
+                    t0 = time.monotonic()
+                    os.killpg(srv.proc.pid, sig)
+                    try:
+                        async for _line in lines:
+                            pass
+                    except httpx.HTTPError:
+                        pass
+            return t0
+
+        t0 = asyncio.run(asyncio.wait_for(in_flight_then_signal(), T))
+        try:
+            srv.proc.wait(timeout=max(0.0, 2.0 - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within 2 s of {sig.name}:\n{srv.log_tail()}")
+        assert all(not _alive(p) for p in pids), "engine-core processes outlived the server"
+    finally:
+        srv.stop()
+
+
+def test_core_dies_with_a_killed_server(tiny_model):
+    with _server(tiny_model) as srv:
+        (core_pid,) = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
+        srv.proc.kill()
+        srv.proc.wait(T)
+        assert _wait_gone(core_pid, T), "the engine-core process outlived its killed server"
+
+
+def _same_logprobs(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert set(g) == set(w) and all(g[k] == pytest.approx(w[k], abs=1e-5) for k in w)
+
+
+def test_async_engine_in_process_mode_matches_offline(tiny_model):
+    """Greedy tokens, logprobs and stamps through the process boundary equal the offline
+    engine's; the thread mode gives the same."""
+    from rlserve import LLM, SamplingParams
+    from rlserve.config import EngineConfig
+    from rlserve.engine.async_engine import AsyncEngine
+
+    model = tiny_model("llama")
+    kw = dict(device="cpu", dtype="float32", max_model_len=128)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    ref = LLM(model, **kw).generate(prompts, sp)
+
+    for mode in ("process", "thread"):
+        aeng = AsyncEngine(EngineConfig(model=model, **kw), weight_version="v3", engine_mode=mode)
+        try:
+            async def run():
+                async def one(p, stream):
+                    last = None
+                    async for o in aeng.generate(p, sp, stream=stream):
+                        last = o
+                    return last
+                return await asyncio.gather(*[one(p, i % 2 == 0) for i, p in enumerate(prompts)])
+
+            outs = asyncio.run(asyncio.wait_for(run(), T))
+            if mode == "process":
+                assert aeng.core_pids() and aeng.engine.pid == aeng.core_pids()[0]
+        finally:
+            aeng.shutdown()
+        for o, r in zip(outs, ref):
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids, mode
+            assert o.outputs[0].text == r.outputs[0].text
+            _same_logprobs(o.outputs[0].logprobs, r.outputs[0].logprobs)
+            _same_logprobs(o.prompt_logprobs[1:], r.prompt_logprobs[1:])
+            assert o.weight_version == "v3" and o.weight_versions == ["v3"]
+            assert o.first_token_time >= o.arrival_time
