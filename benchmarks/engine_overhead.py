@@ -12,6 +12,11 @@ Usage::
     python benchmarks/engine_overhead.py                       # 256 seqs x 200 tokens, CPU
     python benchmarks/engine_overhead.py --num-seqs 64 --max-tokens 100
     python benchmarks/engine_overhead.py --async              # through AsyncEngine, stream=False
+    python benchmarks/engine_overhead.py --async --engine-mode thread process   # A/B, interleaved
+
+``--engine-mode`` (with ``--async``): where the AsyncEngine runs its replica -- ``process`` (the
+engine-core process, the server's default) or ``thread`` (on a thread of this process, as before
+the engine core had its own process); several modes are run interleaved, repeat by repeat.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async", dest="use_async", action="store_true", help="through AsyncEngine (stream=False)")
+    ap.add_argument("--engine-mode", nargs="+", default=["process"], choices=["process", "thread"],
+                    help="with --async: AsyncEngine engine_mode(s), run interleaved")
     args = ap.parse_args(argv)
     path = make_tiny_model("llama", tempfile.mkdtemp())
     blocks = args.num_seqs * (-(-(args.prompt_len + args.max_tokens) // 16) + 1)
@@ -46,25 +53,33 @@ def main(argv=None) -> None:
     prompts = [[rng.randrange(100) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
               for i in range(args.num_seqs)]
-    run = _async_runner(path, kw) if args.use_async else LLM(path, **kw).generate
-    run(prompts[:2], params[:2])  # warm-up
-    best = float("inf")
+    if args.use_async:
+        runs = {f"AsyncEngine ({m})": _async_runner(path, kw, m) for m in args.engine_mode}
+    else:
+        runs = {"LLM.generate": LLM(path, **kw).generate}
+    for run in runs.values():
+        run(prompts[:2], params[:2])  # warm-up
+    best = {name: float("inf") for name in runs}
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        outs = run(prompts, params)
-        best = min(best, time.perf_counter() - t0)
-    assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-    print(f"{'AsyncEngine' if args.use_async else 'LLM.generate'}: {args.num_seqs} seqs x {args.max_tokens} "
-          f"tokens: {best:.3f} s, {best / args.max_tokens * 1e3:.2f} ms per decode step (prefill included)")
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            outs = run(prompts, params)
+            best[name] = min(best[name], time.perf_counter() - t0)
+            assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    for name, b in best.items():
+        print(f"{name}: {args.num_seqs} seqs x {args.max_tokens} tokens: {b:.3f} s, "
+              f"{b / args.max_tokens * 1e3:.2f} ms per decode step (prefill included)")
+    for run in runs.values():
+        getattr(run, "close", lambda: None)()
 
 
-def _async_runner(path: str, kw: dict):
-    """``run(prompts, params) -> outputs`` through an :class:`AsyncEngine`, every request
-    non-streamed and submitted at once."""
+def _async_runner(path: str, kw: dict, mode: str = "process"):
+    """``run(prompts, params) -> outputs`` through an :class:`AsyncEngine` (``engine_mode``
+    ``mode``), every request non-streamed and submitted at once; ``run.close()`` stops it."""
     from rlserve.config import EngineConfig
     from rlserve.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(EngineConfig(model=path, **kw))
+    engine = AsyncEngine(EngineConfig(model=path, **kw), engine_mode=mode)
 
     async def one(prompt, sp):
         out = None
@@ -75,7 +90,11 @@ def _async_runner(path: str, kw: dict):
     async def all_of(prompts, params):
         return await asyncio.gather(*[one(p, sp) for p, sp in zip(prompts, params)])
 
-    return lambda prompts, params: asyncio.run(all_of(prompts, params))
+    def run(prompts, params):
+        return asyncio.run(all_of(prompts, params))
+
+    run.close = engine.shutdown
+    return run
 
 
 if __name__ == "__main__":

@@ -15,6 +15,19 @@ Usage:
 
 Everything after ``--`` is passed to ``rlserve serve`` when this script starts the server.
 Units: seconds for times (printed in ms), tokens/s for throughput.
+
+``--workload throughput`` runs ``benchmarks/throughput.py``'s offline workload through HTTP
+instead (``--num-seqs`` requests with random prompt and output lengths in ``[--min-len,
+--max-len]``, random token ids, temperature 0.6, ``ignore_eos``; all sent at once as
+``/v1/completions`` with token-id prompts) and reports output tokens/s. ``--offline`` also runs
+``throughput.py --engine rlserve`` on the same workload first (its own process, so the GPU is
+free again), and each row gives HTTP / offline. ``--configs NAME=FLAGS ...`` starts one server
+per entry, one after the other, with ``FLAGS`` added to the ``--`` ones: DP=2 against DP=1 on
+one GPU, or the engine-core process against ``--engine-mode thread``, in one command::
+
+    python benchmarks/serve_load.py --shape smollm2-135m --workload throughput --offline \
+        --configs "dp1=" "dp2=--data-parallel-size 2 --device-ids 0,0" "dp1-thread=--engine-mode thread" \
+        -- --dtype bfloat16 --num-kv-blocks 34000
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,6 +190,103 @@ def run_load(url: str, concurrency: int, duration_s: float, prompt_len: int, max
     return out
 
 
+def run_burst(url: str, prompts: list[list[int]], out_lens: list[int], api_key: str | None = None,
+              model: str | None = None) -> dict:
+    """Send every prompt at once (one ``/v1/completions`` each: token ids, ``max_tokens`` its
+    output length, temperature 0.6, ``ignore_eos``) and time until the last answer.
+
+    Returns:
+        ``{"seconds", "output_tokens", "tokens_per_s", "requests"}``.
+    Raises:
+        RuntimeError: a request failed or returned another token count.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def body(p, n):
+        b = {"prompt": p, "max_tokens": n, "temperature": 0.6, "ignore_eos": True}
+        return dict(b, model=model) if model else b
+
+    async def main():
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=7200, limits=limits, headers=headers) as client:
+            await asyncio.gather(*[client.post("/v1/completions", json=body(p, 4)) for p in prompts[:2]])  # warm-up
+            t0 = time.perf_counter()
+            rs = await asyncio.gather(*[client.post("/v1/completions", json=body(p, n))
+                                        for p, n in zip(prompts, out_lens)])
+            return rs, time.perf_counter() - t0
+
+    rs, dt = asyncio.run(main())
+    total = 0
+    for r, n in zip(rs, out_lens):
+        if r.status_code != 200:
+            raise RuntimeError(f"a request failed: {r.status_code} {r.text[:300]}")
+        got = r.json()["usage"]["completion_tokens"]
+        if got != n:
+            raise RuntimeError(f"asked for {n} tokens, got {got}")
+        total += got
+    return {"seconds": dt, "output_tokens": total, "tokens_per_s": total / dt, "requests": len(rs)}
+
+
+def _offline(args) -> dict:
+    """``throughput.py --engine rlserve`` on the same workload, in its own process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "offline.json")
+        cmd = [sys.executable, os.path.join(here, "throughput.py"), "--shape", args.shape, "--engine", "rlserve",
+               "--no-hf", "--num-seqs", str(args.num_seqs), "--min-len", str(args.min_len), "--max-len",
+               str(args.max_len), "--max-num-seqs", str(args.num_seqs), "--seed", str(args.seed), "--json", out]
+        if args.offline_args:
+            cmd += args.offline_args.split()
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            return json.load(f)["results"][0]
+
+
+def throughput_main(args, serve_args: list[str]) -> int:
+    """``--workload throughput``: see the module docstring."""
+    from benchmarks.model_shapes import save_shape, shape_config
+    from benchmarks.throughput import make_workload
+    from rlserve.server.testing import ServerProcess
+    from tests.tiny_models import build_tokenizer
+
+    if not args.shape:
+        print("--workload throughput needs --shape (the offline run builds the same random-weight model)",
+              file=sys.stderr)
+        return 2
+    model = save_shape(args.shape, os.path.join(tempfile.gettempdir(), "rlserve_bench_shapes"))
+    build_tokenizer().save_pretrained(model)  # prompts are token ids; text is not looked at
+    vocab = int(shape_config(args.shape).vocab_size)
+    prompts, out_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    rows = []
+    offline = _offline(args) if args.offline else None
+    if offline is not None:
+        print(f"offline LLM.generate: {offline['tokens_per_s']:.0f} out tok/s ({offline['seconds']:.2f} s)", flush=True)
+    base = ["--load-format", "dummy", "--max-model-len", str(2 * args.max_len + 8), "--max-num-seqs",
+            str(args.num_seqs), "--seed", str(args.seed), "--disable-access-log"]
+    for cfg in args.configs or ["default="]:
+        name, _, flags = cfg.partition("=")
+        srv = ServerProcess(model, *base, *serve_args, *flags.split(), startup_timeout_s=1800).start()
+        try:
+            info = httpx.get(srv.url + "/server_info", timeout=30).json()
+            r = run_burst(srv.url, prompts, out_lens, args.api_key)
+        finally:
+            srv.stop()
+        r.update(config=name, flags=flags, data_parallel_size=info.get("data_parallel_size"),
+                 engine_mode=info.get("engine_mode", "thread"), device=info.get("device"), dtype=info.get("dtype"))
+        if offline is not None:
+            r["vs_offline"] = r["tokens_per_s"] / offline["tokens_per_s"]
+        rows.append(r)
+        ratio = f", {r['vs_offline']:.1%} of offline" if offline is not None else ""
+        print(f"{name} [{flags}]: {r['tokens_per_s']:.0f} out tok/s ({r['seconds']:.2f} s, DP={r['data_parallel_size']}, "
+              f"engine {r['engine_mode']}){ratio}", flush=True)
+    print(f"\nworkload: {args.num_seqs} requests, prompt and output lengths in [{args.min_len}, {args.max_len}], "
+          f"shape {args.shape}, seed {args.seed}; host {platform.node()} ({os.cpu_count()} CPUs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"offline": offline, "rows": rows}, f, indent=2)
+    return 0
+
+
 def _ms(x):
     return "-" if x is None else f"{x * 1000:.1f}"
 
@@ -222,7 +333,20 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this "
                                                           "(default: from /server_info)")
     p.add_argument("--json", help="also write the results here")
+    t = p.add_argument_group("--workload throughput (benchmarks/throughput.py's workload through HTTP)")
+    p.add_argument("--workload", choices=["load", "throughput"], default="load",
+                   help="load: clients for a fixed time; throughput: a fixed batch of requests all at once")
+    t.add_argument("--num-seqs", type=int, default=256)
+    t.add_argument("--min-len", type=int, default=100)
+    t.add_argument("--max-len", type=int, default=1024)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--offline", action="store_true", help="also run the offline LLM.generate figure first")
+    t.add_argument("--offline-args", default="", help="extra flags for throughput.py (e.g. '--dtype bfloat16')")
+    t.add_argument("--configs", nargs="+", default=None, metavar="NAME=FLAGS",
+                   help="one server per entry, FLAGS added to the ones after --")
     args = p.parse_args(argv)
+    if args.workload == "throughput":
+        return throughput_main(args, serve_args)
 
     srv = None
     url = args.url

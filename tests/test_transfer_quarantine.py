@@ -27,7 +27,10 @@ def test_failed_staged_commit_in_the_engine_command_steps_nothing_after(tiny_mod
 
     path = tiny_model("llama", max_position_embeddings=2048)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with InProcessServer(path, staging="device", max_model_len=2048, kv_cache_bytes=64 << 20) as srv:
+    # the engine is patched in this process: thread mode (the engine-core process runs the same
+    # quarantine through rlserve.transfer.engine_calls.worker_rpc)
+    with InProcessServer(path, staging="device", max_model_len=2048, kv_cache_bytes=64 << 20,
+                         engine_mode="thread") as srv:
         eng = WeightTransferTrainerFactory.trainer_init(
             init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=20,
                                           packed_buffer_size_bytes=64 << 10),

@@ -25,11 +25,12 @@ class InProcessServer:
         model: tiny model directory.
         transfer_config: ``--weight-transfer-config``.
         staging: ``--weight-staging``.
+        engine_mode: ``AsyncEngine``'s (default: its own, the engine-core process).
         engine_kwargs: extra ``EngineConfig`` fields.
     """
 
     def __init__(self, model: str, transfer_config: dict | None = None, staging: str = "none",
-                 admin_key: str | None = None, **engine_kwargs):
+                 admin_key: str | None = None, engine_mode: str | None = None, **engine_kwargs):
         from rlserve.config import EngineConfig
         from rlserve.engine.async_engine import AsyncEngine
         from rlserve.server.app import build_app
@@ -39,7 +40,7 @@ class InProcessServer:
                   kv_cache_bytes=16 << 20, seed=0)
         kw.update(engine_kwargs)
         self.config = EngineConfig(model=model, **kw)
-        self.aengine = AsyncEngine(self.config)
+        self.aengine = AsyncEngine(self.config, engine_mode=engine_mode)
         self.port = free_port()
         settings = ServerSettings(model=model, served_model_names=[model], host="127.0.0.1", port=self.port,
                                   admin_key=admin_key, weight_transfer_config=transfer_config or {"backend": "gloo"},
