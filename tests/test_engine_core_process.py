@@ -40,7 +40,7 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 def _server(tiny_model, *extra):
     return ServerProcess(tiny_model("llama"), "--device", "cpu", "--max-model-len", "256", "--disable-access-log",
-                         *extra)
+                         *extra, startup_timeout_s=600)
 
 
 def test_engine_process_killed_mid_generation(tiny_model):

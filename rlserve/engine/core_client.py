@@ -238,10 +238,10 @@ class CoreProcReplica(Replica):
 
     def _handle(self, msg) -> None:
         if isinstance(msg, proto.CoreOutputs):
+            if msg.stats is not None:  # before the outputs reach their requests
+                self.stats = msg.stats
             errors = [(e.request_id, proto.rebuild_error(e.error)) for e in msg.errors]
             self.route(msg.outputs, errors)
-            if msg.stats is not None:
-                self.stats = msg.stats
         elif isinstance(msg, proto.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():

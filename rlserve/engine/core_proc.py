@@ -188,7 +188,8 @@ class CoreServer:
                             self._reply(c)
                     continue
                 try:
-                    self._outs.extend(core.step())
+                    outs = core.step()
+                    self._outs.extend(outs)
                     step_failures = 0
                 except Exception as e:  # noqa: BLE001 - must not kill the loop
                     step_failures += 1
@@ -196,7 +197,10 @@ class CoreServer:
                     self._errors.extend(self.proto.RequestError(r, self.proto.error_info(err)) for r in ids)
                     if step_failures > 1:
                         time.sleep(min(0.05 * step_failures, 1.0))  # do not spin on a broken engine
-                self.flush(dict(core.stats) if core.snapshot_stats() else None)
+                    outs = ()
+                # a request that finished leaves with numbers that no longer count it
+                fresh = core.snapshot_stats(force=any(o.finished for o in outs))
+                self.flush(dict(core.stats) if fresh else None)
                 was_busy = True
         finally:
             ids, err = core.fail_all(EngineDeadError(f"engine replica {core.index} stopped"), abort_in_engine=False)

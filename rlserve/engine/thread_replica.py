@@ -178,9 +178,10 @@ class ThreadReplica(Replica):
                     if step_failures > 1:
                         time.sleep(min(0.05 * step_failures, 1.0))  # do not spin on a broken engine
                     continue
-                self.route(outs)
-                if core.snapshot_stats():
+                # a request that finished leaves with numbers that no longer count it
+                if core.snapshot_stats(force=any(o.finished for o in outs)):
                     self.stats = dict(core.stats)
+                self.route(outs)
                 was_busy = True
         except BaseException as e:  # noqa: BLE001 - a bug in this loop itself
             logger.exception("engine replica %d loop crashed", self.index)
