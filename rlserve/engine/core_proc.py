@@ -212,19 +212,6 @@ class CoreServer:
             core.shutdown()
 
 
-def _share_cpus(config) -> None:
-    """On CPU, split the cores between the replicas' processes (each would otherwise run as
-    many compute threads as there are cores, and spinning thread pools of several processes
-    slow each other down badly)."""
-    import torch
-
-    from rlserve.config import resolve_device
-
-    if resolve_device(config.device).type == "cpu":
-        share = config.data_parallel_size * config.tensor_parallel_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="rlserve engine-core process (started by the API server)")
     ap.add_argument("--input", required=True, help="ZMQ address of the API's input socket")
@@ -273,7 +260,6 @@ def main(argv=None) -> int:
         if init:
             resolve_target(init)()
         config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-        _share_cpus(config)
         engine = LLMEngine(config, dp_index=args.dp_index)
         core = EngineCore(engine, args.dp_index, args.weight_version)
         dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
