@@ -6,10 +6,13 @@ their statuses (from the server's access log), the 5xx answers (goal 0) and the 
 request unanswered within ``--request-timeout``, or a server that stops answering /health, or
 requests still unfinished after the hunt).
 
-    pip install schemathesis            # 4.x
+    pip install -e ".[fuzz]"            # schemathesis 4.x
     python benchmarks/fuzz_http.py --max-examples 25 --out /tmp/fuzz
 
-Exit status 0 when there were no 5xx and no hangs.
+Exit status 0 when there were no hangs and no 5xx except by design (a 504 for a timeout the request
+set itself, a 503 for a request held longer than --pause-hold-timeout behind a pause the hunt
+left in force). On the 2-core machine shared with other work (load 20+) a full run with
+``--max-examples 30`` took over 50 minutes; 2026-12-01's results are in the issue 23 note.
 """
 
 from __future__ import annotations
