@@ -130,6 +130,9 @@ def run_vllm(args, argv: list[str]) -> dict | None:
     env = dict(os.environ)
     env["PYTHONPATH"] = args.vllm_pythonpath
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # this script has initialised CUDA before the child runs vLLM's engine core: a forked core
+    # fails with "Cannot re-initialize CUDA in forked subprocess" (seen on the H200, 2026-12-01)
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "vllm.json")
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--engine", "vllm", "--no-hf",
