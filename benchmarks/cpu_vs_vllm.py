@@ -205,14 +205,16 @@ def main(argv=None) -> int:
         for s in servers.values():
             print(f"{s.name}: ready in {s.startup_s:.1f} s (log {s.log}), load {_load()}", flush=True)
             asyncio.run(_throughput(s, make_workload(2, args.seed + 999)))  # warm-up
-        work = make_workload(args.num_requests, args.seed, tuple(args.output_len))
+        # new prompts every round (a repeated prompt would hit the prefix caches); the same
+        # prompts for both servers within a round
+        work = [make_workload(args.num_requests, args.seed + 7919 * r, tuple(args.output_len)) for r in range(args.rounds)]
         runs = []
         order = list(servers)
         for rnd in range(args.rounds):
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 s = servers[name]
                 before = _load()
-                res = asyncio.run(_throughput(s, work))
+                res = asyncio.run(_throughput(s, work[rnd]))
                 if not args.skip_itl:
                     res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
                                                 args.seed + rnd)))
