@@ -192,16 +192,23 @@ class ModelRunner:
         pos = torch.arange(n, dtype=torch.long, device=self.device)
         self.model.compute_logits(self.model(ids, pos, meta)[-1:])
         if self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed:
-            try:
-                self.capture_cuda_graphs()
-            except Exception:  # never let a capture failure take the engine down
-                logger.exception("CUDA graph capture failed; decoding eagerly from now on")
-                self._graphs_failed = True
-                self.cuda_graphs = None
+            self._try_capture()
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
         return dt
+
+    def _try_capture(self) -> bool:
+        """Capture the decode CUDA graphs; on any failure log it, decode eagerly from now on
+        (``_graphs_failed``) and return False: a capture failure never takes the engine down."""
+        try:
+            self.capture_cuda_graphs()
+            return True
+        except Exception:
+            logger.exception("CUDA graph capture failed; decoding eagerly from now on")
+            self._graphs_failed = True
+            self.cuda_graphs = None
+            return False
 
     def _decode_with_graph(self, step: StepInput) -> torch.Tensor | None:
         """Hidden states of a decode step replayed from a CUDA graph, or None when this step
@@ -211,15 +218,9 @@ class ModelRunner:
         B = len(step.input_ids)
         if len(step.query_lens) != B or any(q != 1 for q in step.query_lens):
             return None
-        if self.cuda_graphs is None:
-            try:
-                self.capture_cuda_graphs()
-            except Exception:  # never let a capture failure take the engine down
-                logger.exception("CUDA graph capture failed; decoding eagerly from now on")
-                self._graphs_failed = True
-                self.cuda_graphs = None
-                torch.cuda.synchronize(self.device)
-                return None
+        if self.cuda_graphs is None and not self._try_capture():
+            torch.cuda.synchronize(self.device)
+            return None
         if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
             return None
         return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
