@@ -87,6 +87,9 @@ class EngineConfig:
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs carry token ids
             only (empty text), stop strings are refused. For benchmarks and token-in/token-out
             RL loops.
+        enable_sleep_mode: weights and KV cache in releasable memory, so ``sleep(level)`` /
+            ``wake_up(tags)`` can give the GPU memory back (vLLM's ``--enable-sleep-mode``;
+            :mod:`rlserve.engine.sleep_mode`).
     """
 
     model: str
@@ -111,6 +114,7 @@ class EngineConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     skip_tokenizer_init: bool = False
+    enable_sleep_mode: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -35,3 +35,24 @@ class StaleSessionError(WeightUpdateStateError):
 class ModelUnavailableError(RLServeError):
     """The model's weights are inconsistent after a failed in-place update; generation is
     refused until a full update lands. HTTP 503."""
+
+
+class ModelSleepingError(ModelUnavailableError):
+    """Generation was asked of a sleeping engine (sleep mode: ``/sleep`` freed its memory until
+    ``/wake_up``). HTTP 503, error code ``model_sleeping``."""
+
+
+class SleepStateError(RLServeError):
+    """A sleep-mode call out of order: wake_up while awake, sleep while asleep or during a
+    weight update, a weight sync into weights offloaded by a level-1 sleep. Nothing changed.
+    HTTP 409; ``code`` names the conflict (``not_sleeping``, ``already_sleeping``,
+    ``weight_update_in_progress``, ``weights_offloaded``, ``requests_in_flight``)."""
+
+    def __init__(self, message: str, code: str = "sleep_state_conflict"):
+        super().__init__(message)
+        self.code = code
+
+
+class SleepMemoryError(RLServeError):
+    """wake_up could not get its GPU memory back (another process holds it); the engine stays
+    asleep and a later wake_up may succeed. HTTP 503, error code ``wake_up_out_of_memory``."""

@@ -64,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"], help="online fp8 (W8A8; default: none)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="largest logprobs/top_logprobs a request may ask; -1: no limit")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="POST /sleep?level=1|2 frees the GPU memory of the weights and KV cache, POST /wake_up "
+                        "takes it back (colocated training; vLLM's flag)")
 
 
 def engine_config_from_args(args, model_path: str):
@@ -79,6 +82,7 @@ def engine_config_from_args(args, model_path: str):
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, device_ids=args.device_ids, quantization=args.quantization,
         max_logprobs=args.max_logprobs, logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
+        enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
     )
 
 

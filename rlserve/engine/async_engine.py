@@ -137,6 +137,7 @@ class AsyncEngine:
         self.hold_timeout_s = hold_timeout_s
         self._lock = threading.Lock()
         self._weight_version = str(weight_version)
+        self.weight_version_sets = 0  # set_weight_version calls (committed weight syncs)
         self._unavailable: str | None = None
         self._closed: str | None = None
         self._paused = False
@@ -180,6 +181,11 @@ class AsyncEngine:
         if error is not None:
             self.shutdown()
             raise error
+        self.sleep_mode = None  # rlserve.engine.async_sleep.AsyncSleep with enable_sleep_mode
+        if getattr(config, "enable_sleep_mode", False):
+            from rlserve.engine.async_sleep import AsyncSleep
+
+            self.sleep_mode = AsyncSleep(self)
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -219,6 +225,7 @@ class AsyncEngine:
     def set_weight_version(self, version: str) -> None:
         """Stamp ``version`` on every output of the steps that follow."""
         self._weight_version = str(version)
+        self.weight_version_sets += 1
         for r in self._replicas:
             r.set_weight_version(self._weight_version)
 
@@ -350,7 +357,8 @@ class AsyncEngine:
             stream: False yields only the final output (cheapest for non-streaming callers).
 
         Raises:
-            ModelUnavailableError: :meth:`set_unavailable` is in effect.
+            ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a
+                subclass) while asleep (sleep mode: :meth:`sleep`).
             InvalidRequestError: the engine refused the request (bad prompt/params, duplicate id).
             EngineStepError: the engine failed while running it.
             EngineDeadError: the engine is shut down.
@@ -359,6 +367,8 @@ class AsyncEngine:
         """
         if self._unavailable is not None:
             raise ModelUnavailableError(self._unavailable)
+        if self.sleep_mode is not None:
+            self.sleep_mode.check_generate()
         if not self.is_alive():
             raise EngineDeadError(self.dead_reason() or "the engine is not running")
         if request_id is None:
@@ -558,6 +568,25 @@ class AsyncEngine:
         if self._pause_lock is None:
             self._pause_lock = asyncio.Lock()
         return self._pause_lock
+
+    # ---- sleep mode (rlserve.engine.async_sleep; enable_sleep_mode) -----------------------
+    def _sleep_mode(self):
+        if self.sleep_mode is None:
+            from rlserve.errors import SleepStateError
+
+            raise SleepStateError("sleep mode is off: start with --enable-sleep-mode", code="sleep_mode_disabled")
+        return self.sleep_mode
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """vLLM's ``sleep``: free the weights' and KV cache's GPU memory (see AsyncSleep.sleep)."""
+        return await self._sleep_mode().sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict:
+        """vLLM's ``wake_up``: take the memory of ``tags`` back (see AsyncSleep.wake_up)."""
+        return await self._sleep_mode().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
 
     # ---- engine access ----------------------------------------------------------------
     async def call_engines(self, target: str, *args, timeout_s: float | None = None) -> list:

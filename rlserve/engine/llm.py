@@ -54,3 +54,27 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         return self.engine.generate_blocking(list(prompts), params, progress=use_tqdm)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: free the GPU memory of the weights and the KV cache (needs
+        ``enable_sleep_mode=True``). Level 1 keeps the weights in host memory; level 2 drops
+        them (refill with ``load_weights`` after ``wake_up(tags=["weights"])``, or a full
+        ``wake_up`` reloads the checkpoint). The prefix cache is reset.
+
+        Raises:
+            SleepStateError: already asleep; sleep mode off. InvalidRequestError: bad level.
+        """
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``LLM.wake_up``: take the memory of ``tags`` (``"weights"``, ``"kv_cache"``;
+        default both) back; generation works again once both are awake.
+
+        Raises:
+            SleepStateError: none of ``tags`` sleeps. SleepMemoryError: the GPU memory is taken.
+        """
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any memory region sleeps (``generate`` raises ModelSleepingError)."""
+        return self.engine.is_sleeping()

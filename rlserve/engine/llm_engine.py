@@ -125,6 +125,11 @@ class LLMEngine:
             self._overlap = OverlapScheduler(self)
         self._grammar_compiler = None  # built on the first structured-output request
         self.requests: dict[str, Request] = {}
+        self.sleep_mode = None  # rlserve.engine.sleep_mode.EngineSleep with enable_sleep_mode
+        if config.enable_sleep_mode:
+            from rlserve.engine.sleep_mode import EngineSleep
+
+            self.sleep_mode = EngineSleep(self)
         self.stats_counters = {
             "prefill_tokens_computed": 0,
             "decode_tokens": 0,
@@ -196,7 +201,10 @@ class LLMEngine:
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary, prompt plus
                 ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
+            ModelSleepingError: the engine is asleep (sleep mode).
         """
+        if self.sleep_mode is not None:
+            self.sleep_mode.check_generate()
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
@@ -286,9 +294,35 @@ class LLMEngine:
         """Load Hugging Face-named full tensors into the model (TP=1 path) and reset the
         prefix cache. Returns the consumed names."""
         self._drain()
+        if self.sleep_mode is not None:
+            self.sleep_mode.check_weights_writable()
         names = self.executor.load_weights(weights)
         self.reset_prefix_cache()
+        if self.sleep_mode is not None:
+            self.sleep_mode.note_weights_loaded()
         return names
+
+    # ---- sleep mode (rlserve.engine.sleep_mode; needs enable_sleep_mode) ---------------
+    def _sleep(self):
+        if self.sleep_mode is None:
+            from rlserve.errors import SleepStateError
+
+            raise SleepStateError("sleep mode is off: build the engine with enable_sleep_mode=True",
+                                  code="sleep_mode_disabled")
+        return self.sleep_mode
+
+    def sleep(self, level: int = 1) -> dict:
+        """Give the GPU memory of the weights and KV cache back (level 1: weights to host
+        memory; level 2: weights discarded). See :meth:`EngineSleep.sleep`."""
+        return self._sleep().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Take the memory of ``tags`` (``"weights"``, ``"kv_cache"``; default both) back. See
+        :meth:`EngineSleep.wake_up`."""
+        return self._sleep().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
 
     def checkpoint_spec(self) -> dict[str, tuple[int, ...]]:
         return self.model.checkpoint_spec()

@@ -225,15 +225,19 @@ class ModelRunner:
             return None
         return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, alloc=None) -> None:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
-        for every attention layer (zeros)."""
+        for every attention layer (zeros). ``alloc(shape, dtype) -> zeroed tensor`` replaces
+        ``torch.zeros`` (sleep mode's arena)."""
         self.num_blocks = num_blocks
         self.kv_caches = []
+        if alloc is None:
+            def alloc(shape, dtype):
+                return torch.zeros(shape, dtype=dtype, device=self.device)
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = alloc(shape, self.dtype)
+            v = alloc(shape, self.dtype)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
         self.cuda_graphs = None  # graphs captured the old cache tensors

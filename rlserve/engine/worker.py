@@ -70,6 +70,11 @@ class Worker:
         torch.manual_seed(config.seed)
         with self.tp():
             self.model = load_model(config, self.hf_config, self.device, self.dtype)
+        self.sleep = None  # sleep mode's memory regions (rlserve.engine.sleep_memory)
+        if config.enable_sleep_mode:
+            from rlserve.engine.sleep_memory import WorkerSleep
+
+            self.sleep = WorkerSleep(self)  # on CUDA: the parameters move into a VMM arena now
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config=config)
 
     #: ``execute`` accepts ``StepInput.input_ids_from`` (device tensors: in-process only).
@@ -133,8 +138,10 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then warm up (compile kernels, capture the decode CUDA
-        graphs: :meth:`ModelRunner.warm_up`) so the first request does not pay for it."""
-        self.runner.allocate_kv_cache(num_blocks)
+        graphs: :meth:`ModelRunner.warm_up`) so the first request does not pay for it. In
+        sleep mode the cache is cut out of a releasable arena."""
+        alloc = self.sleep.kv_allocator(num_blocks * self.bytes_per_block()) if self.sleep is not None else None
+        self.runner.allocate_kv_cache(num_blocks, alloc=alloc)
         with self.tp():
             self.warm_up_seconds = self.runner.warm_up()
 

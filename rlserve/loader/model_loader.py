@@ -121,6 +121,19 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
 
         quant_config = get_quant_config(config.quantization)
     model = build_model(hf_config, device, dtype, quant_config)
+    fill_weights(model, config)
+    return model
+
+
+def fill_weights(model: nn.Module, config) -> None:
+    """Write the weights ``config`` names into ``model``'s existing parameters, in place: the
+    checkpoint at ``config.model`` (``config.load_format``) through ``model.load_weights``, or
+    the seeded dummy weights; then ``process_weights_after_loading``. The initial load, and the
+    reload after a level-2 sleep that no weight sync refilled.
+
+    Raises:
+        FileNotFoundError, KeyError, ValueError: as :func:`load_model`.
+    """
     if config.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.seed)
     else:
@@ -132,4 +145,3 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
                              + ", ".join(missing))
         logger.info("loaded %d tensors from %s", len(loaded), config.model)
     process_weights_after_loading(model)
-    return model

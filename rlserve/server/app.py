@@ -7,9 +7,11 @@ Route protection:
 ``/v1/*``, ``/generate/``                   ``--api-key``
 ``/pause``, ``/resume``,                    ``--admin-key`` (or loopback bind)
 ``/reset_prefix_cache[/]``,
-``/abort_requests``, weight-sync routes
+``/abort_requests``, weight-sync routes,
+``/sleep``, ``/wake_up``
 ``/health[/]``, ``/get_world_size[/]``,     open
 ``/server_info``, ``/is_paused``,
+``/is_sleeping``,
 ``/metrics``, ``/version``
 =========================================  ==================
 """
@@ -27,6 +29,7 @@ from rlserve.server.errors import install_error_handlers
 from rlserve.server.limits import BodySizeLimit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
+from rlserve.server.sleep_routes import connect_weight_manager, make_sleep_routers
 from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, WEIGHT_SYNC_ERRORS, error_answers
 from rlserve.server.state import ServerSettings, ServerState
 
@@ -59,6 +62,10 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app.include_router(make_admin_router(state, admin_deps), responses=error_answers(ADMIN_ERRORS))
     if settings.weight_transfer_config is not None or weight_manager is not None:
         mount_weight_routes(app, state, admin_deps, weight_manager)
+    sleep_public, sleep_admin = make_sleep_routers(state, admin_deps)
+    app.include_router(sleep_public)
+    app.include_router(sleep_admin, responses=error_answers(ADMIN_ERRORS))
+    connect_weight_manager(state)
     return app
 
 

@@ -20,6 +20,7 @@ from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
 from rlserve.server.server_info import _world_size, server_info
+from rlserve.server.sleep_routes import sleep_info
 from rlserve.server.weight_routes import error_response
 from rlserve.server.state import ServerState, finite
 
@@ -51,7 +52,7 @@ def make_public_router(state: ServerState) -> APIRouter:
     @router.get("/server_info")
     async def get_server_info(config_format: Optional[Literal["text", "json"]] = Query(None)):
         """rlserve's fields plus ``vllm_config`` (see :mod:`rlserve.server.server_info`)."""
-        return server_info(state, config_format)
+        return server_info(state, config_format, await sleep_info(state))
 
     @router.get("/version")
     async def version():
@@ -63,7 +64,7 @@ def make_public_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(state.aengine), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(state.aengine, await sleep_info(state)), media_type=CONTENT_TYPE_LATEST)
 
     return router
 

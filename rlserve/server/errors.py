@@ -23,7 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rlserve.errors import (
     InvalidRequestError,
     RLServeError,
+    ModelSleepingError,
     ModelUnavailableError,
+    SleepMemoryError,
+    SleepStateError,
     WeightUpdateError,
     WeightUpdateStateError,
 )
@@ -126,6 +129,12 @@ def exception_to_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, ModelSleepingError):
+        return APIError(503, str(exc), code="model_sleeping")
+    if isinstance(exc, SleepStateError):
+        return APIError(400 if exc.code == "sleep_mode_disabled" else 409, str(exc), code=exc.code)
+    if isinstance(exc, SleepMemoryError):
+        return APIError(503, str(exc), code="wake_up_out_of_memory")
     if isinstance(exc, ModelUnavailableError):
         return APIError(503, f"the model is unavailable: {exc}", code="model_unavailable")
     if isinstance(exc, EngineDeadError):

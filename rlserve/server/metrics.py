@@ -25,6 +25,12 @@ start to commit of each successful update, ``mode`` the staging: none | device |
 ``weight_sync_bytes_total{backend,mode}``, ``weight_syncs_total{backend,mode}``,
 ``weight_sync_failures_total{backend,mode}``, ``generation_paused_seconds_total`` (the stall:
 seconds generation was paused, by weight syncs or operators) and ``weight_version_number``.
+
+Sleep mode (``--enable-sleep-mode``; gauges, prefix ``rlserve_``): ``is_sleeping`` (1 while any
+region sleeps), ``sleep_level`` (0 awake, 1, 2), ``sleep_bytes_released`` (device bytes
+released now, all replicas and TP ranks), ``sleep_region_bytes{tag}`` (bytes of the
+``weights`` / ``kv_cache`` regions while awake), ``sleeps_total``, ``wake_ups_total``,
+``sleep_last_seconds{op}`` (``sleep`` / ``wake_up``: the last one's duration).
 """
 
 from __future__ import annotations
@@ -125,6 +131,17 @@ class ServerMetrics:
                                  lbl, registry=r)
         self.prefix_queries = Gauge("rlserve_prefix_cache_query_tokens_total",
                                     "Prompt tokens looked up in the prefix cache.", lbl, registry=r)
+        self.sleeping = Gauge("rlserve_is_sleeping", "1 while sleep mode has released memory.", lbl, registry=r)
+        self.sleep_level = Gauge("rlserve_sleep_level", "Level of the sleep in force (0: awake).", lbl, registry=r)
+        self.sleep_released = Gauge("rlserve_sleep_bytes_released", "Device bytes released by sleep mode now.", lbl,
+                                    registry=r)
+        self.sleep_region = Gauge("rlserve_sleep_region_bytes", "Device bytes of a sleep-mode region while awake.",
+                                  lbl + ["tag"], registry=r)
+        self.sleeps = Gauge("rlserve_sleeps_total", "Sleeps since start.", lbl, registry=r)
+        self.wake_ups = Gauge("rlserve_wake_ups_total", "wake_up calls that woke something, since start.", lbl,
+                              registry=r)
+        self.sleep_last = Gauge("rlserve_sleep_last_seconds", "Duration of the last sleep / wake_up, seconds.",
+                                lbl + ["op"], registry=r)
         self.version_info = Info("rlserve_weight_version", "Weight version being served.", registry=r)
         self.version_num = Gauge("rlserve_weight_version_number",
                                  "Weight version as a number (-1 when it is not numeric).", lbl, registry=r)
@@ -223,9 +240,21 @@ class ServerMetrics:
     def record_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
 
-    def render(self, aengine) -> bytes:
-        """Refresh the gauges from ``aengine`` and return the exposition text."""
+    def render(self, aengine, sleep: dict | None = None) -> bytes:
+        """Refresh the gauges from ``aengine`` (and ``sleep``, sleep mode's state: AsyncSleep.info)
+        and return the exposition text."""
         m = self.model_name
+        if sleep is not None:
+            self.sleeping.labels(m).set(1 if sleep["is_sleeping"] else 0)
+            self.sleep_level.labels(m).set(sleep["level"])
+            self.sleep_released.labels(m).set(sleep["bytes_released"])
+            for tag, n in sleep["bytes"].items():
+                self.sleep_region.labels(m, tag).set(n)
+            self.sleeps.labels(m).set(sleep["sleeps"])
+            self.wake_ups.labels(m).set(sleep["wake_ups"])
+            for op in ("sleep", "wake_up"):
+                if sleep.get(f"last_{op}_s") is not None:
+                    self.sleep_last.labels(m, op).set(sleep[f"last_{op}_s"])
         stats = aengine.stats()
         self.running.labels(m).set(stats.get("num_running", 0))
         self.waiting.labels(m).set(stats.get("num_waiting", 0))

@@ -43,6 +43,7 @@ def vllm_config(state: ServerState) -> dict:
             "quantization": cfg.quantization,
             "enforce_eager": cfg.enforce_eager,
             "skip_tokenizer_init": cfg.skip_tokenizer_init,
+            "enable_sleep_mode": bool(getattr(cfg, "enable_sleep_mode", False)),
             "trust_remote_code": False,
             "revision": None,
             "runner_type": "generate",
@@ -87,9 +88,11 @@ def _text(tree: dict, prefix: str = "") -> str:
     return ", ".join(parts)
 
 
-def server_info(state: ServerState, config_format: str | None = None) -> dict:
+def server_info(state: ServerState, config_format: str | None = None, sleep: dict | None = None) -> dict:
     """What ``GET /server_info`` answers. ``config_format``: absent or "json" give
-    ``vllm_config`` as an object; "text" as vLLM's one-line string."""
+    ``vllm_config`` as an object; "text" as vLLM's one-line string. ``sleep``: sleep mode's
+    state (``AsyncSleep.info()``: ``is_sleeping``, ``level``, ``tags``, ``bytes``,
+    ``bytes_released``, counts and last times), None without ``--enable-sleep-mode``."""
     cfg = state.aengine.config
     eng = state.aengine.engine
     vc = vllm_config(state)
@@ -114,6 +117,9 @@ def server_info(state: ServerState, config_format: str | None = None) -> dict:
         "weight_transfer_config": state.settings.weight_transfer_config,
         "weight_staging": state.settings.weight_staging,
         "is_paused": state.aengine.is_paused(),
+        "enable_sleep_mode": bool(getattr(cfg, "enable_sleep_mode", False)),
+        "is_sleeping": bool(sleep and sleep["is_sleeping"]),
+        "sleep": sleep,
         "unavailable_reason": state.aengine.unavailable_reason,
         "engine_mode": getattr(state.aengine, "engine_mode", "thread"),
         "engine_core_pids": state.aengine.core_pids() if hasattr(state.aengine, "core_pids") else [],

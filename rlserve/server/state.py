@@ -117,11 +117,15 @@ class ServerState:
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:
         """Raises APIError 503 while the model is unavailable (a failed in-place weight
-        update) or the engine is down; checked before a stream starts, so streams never
+        update), asleep (sleep mode) or the engine is down; checked before a stream starts, so streams never
         begin with a 200 and then fail for this."""
         reason = self.aengine.unavailable_reason
         if reason is not None:
             raise APIError(503, f"the model is unavailable: {reason}", code="model_unavailable")
+        sleep = getattr(self.aengine, "sleep_mode", None)
+        if sleep is not None and sleep.is_sleeping():
+            raise APIError(503, f"the model is sleeping (level {sleep.level}): POST /wake_up first; requests are "
+                                "not held while asleep", code="model_sleeping")
         if not self.aengine.is_alive():
             reason = self.aengine.dead_reason() if hasattr(self.aengine, "dead_reason") else None
             raise APIError(503, f"the engine is not running: {reason}" if reason else "the engine is not running",

@@ -1,0 +1,140 @@
+"""Sleep mode on the CPU (issue 19): the offline ``LLM``'s ``sleep`` / ``wake_up`` state machine,
+what each level does to the weights (level 1 restores them exactly, level 2 really loses them:
+a full wake reloads the checkpoint, a load between the two wakes gives the trainer's greedy
+output), the 409s of out-of-order calls (nothing changed), and ``generate`` refused while asleep.
+The HTTP routes are in tests/test_sleep_server.py; the GPU memory (VMM) in tests/gpu/."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlserve.engine.llm import LLM
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.errors import InvalidRequestError, ModelSleepingError, SleepStateError
+from tests.transfer_harness import greedy_continuation
+
+PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
+N_TOK = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=N_TOK, ignore_eos=True)
+
+
+def _greedy(llm) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _params(llm) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in llm.engine.model.parameters()]
+
+
+def _trainer(path):
+    """The trainer's model: the tiny checkpoint plus noise (a different, non-degenerate greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+               kv_cache_bytes=4 << 20, enable_sleep_mode=True)
+
+
+def test_level1_restores_exactly_and_refuses_generation(llm):
+    before, weights = _greedy(llm), _params(llm)
+    kv = llm.engine.executor.runner.kv_caches[0][0]
+    llm.sleep(level=1)
+    assert llm.is_sleeping()
+    info = llm.engine.sleep_mode.info()
+    assert info["tags"] == {"weights": "offloaded", "kv_cache": "discarded"} and info["level"] == 1
+    assert info["bytes_released"] == info["bytes"]["weights"] + info["bytes"]["kv_cache"] > 0
+    # really gone from the model while asleep (NaN bytes), not just flagged
+    assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
+    assert torch.isnan(kv).all()
+    with pytest.raises(ModelSleepingError):
+        llm.generate(PROMPTS, GREEDY)
+    assert not llm.engine.has_unfinished_requests()  # nothing was queued
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert all(torch.equal(a, b) for a, b in zip(weights, _params(llm)))
+    assert not kv.any()  # the KV cache comes back zeroed
+    assert _greedy(llm) == before
+
+
+def test_out_of_order_calls_are_refused_and_change_nothing(llm):
+    with pytest.raises(SleepStateError) as ei:
+        llm.wake_up()
+    assert ei.value.code == "not_sleeping"
+    with pytest.raises(InvalidRequestError):
+        llm.sleep(level=3)
+    assert not llm.is_sleeping()
+    llm.sleep(level=1)
+    try:
+        for call in (lambda: llm.sleep(level=1), lambda: llm.sleep(level=2)):
+            with pytest.raises(SleepStateError) as ei:
+                call()
+            assert ei.value.code == "already_sleeping"
+        with pytest.raises(InvalidRequestError):
+            llm.wake_up(["weights", "bogus"])
+        assert llm.engine.sleep_mode.info()["tags"] == {"weights": "offloaded", "kv_cache": "discarded"}
+        # a load into weights offloaded by a level-1 sleep would be overwritten by the wake
+        with pytest.raises(SleepStateError) as ei:
+            llm.engine.load_weights([])
+        assert ei.value.code == "weights_offloaded"
+        llm.wake_up(["kv_cache"])
+        assert llm.is_sleeping()  # weights still asleep: still no generation
+        with pytest.raises(ModelSleepingError):
+            llm.generate(PROMPTS, GREEDY)
+        with pytest.raises(SleepStateError) as ei:
+            llm.wake_up(["kv_cache"])
+        assert ei.value.code == "not_sleeping"
+    finally:
+        if llm.is_sleeping():
+            llm.wake_up()
+    assert not llm.is_sleeping()
+
+
+def test_level2_full_wake_reloads_the_checkpoint(llm):
+    before, weights = _greedy(llm), _params(llm)
+    llm.sleep(level=2)
+    assert llm.engine.sleep_mode.info()["tags"] == {"weights": "discarded", "kv_cache": "discarded"}
+    assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
+    reloads = llm.engine.sleep_mode.stats["reloads"]
+    llm.wake_up(["weights"])  # memory back, contents undefined: no generation yet
+    assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
+    llm.wake_up(["kv_cache"])  # fully awake, nobody refilled the weights: the checkpoint again
+    assert llm.engine.sleep_mode.stats["reloads"] == reloads + 1
+    assert all(torch.equal(a, b) for a, b in zip(weights, _params(llm)))
+    assert _greedy(llm) == before
+
+
+def test_level2_load_between_wakes_gives_the_trainers_greedy(llm, tiny_model):
+    hf = _trainer(tiny_model("llama"))
+    expected = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]
+    before = _greedy(llm)
+    assert expected != before and len({t for e in expected for t in e}) > 3
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.engine.load_weights((k, v.detach().clone()) for k, v in hf.state_dict().items())
+    reloads = llm.engine.sleep_mode.stats["reloads"]
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.engine.sleep_mode.stats["reloads"] == reloads  # refilled: no reload
+    assert _greedy(llm) == expected
+    # back to the checkpoint for the other tests: level 2 + a plain wake reloads it
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert _greedy(llm) == before
+
+
+def test_sleep_mode_off(tiny_model):
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2,
+              kv_cache_bytes=1 << 20)
+    assert not llm.is_sleeping()
+    with pytest.raises(SleepStateError) as ei:
+        llm.sleep()
+    assert ei.value.code == "sleep_mode_disabled"
