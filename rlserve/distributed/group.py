@@ -23,8 +23,34 @@ def get_open_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def local_address_toward(host: str) -> str:
+    """The IP address of this machine's interface that routes to ``host`` (a name or an IP).
+
+    A UDP socket is "connected" to ``host`` (no packet is sent) and its local address read: on
+    a cluster that is the NIC the peers reach this machine by; toward ``127.0.0.1`` it is the
+    loopback address. Used to bind gloo (whose default, the address the hostname resolves to,
+    is often ``127.0.0.1`` or ``127.0.1.1`` from ``/etc/hosts``, unreachable from other hosts).
+
+    Raises:
+        OSError: ``host`` does not resolve, or no route leads to it.
+    """
+    family, _type, _proto, _name, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def primary_address() -> str:
+    """This machine's address on its default route (what other hosts most likely reach it by),
+    or ``127.0.0.1`` when it has no route off the machine."""
+    try:
+        return local_address_toward("192.0.2.123")  # TEST-NET-1: only the routing table is read
+    except OSError:
+        return "127.0.0.1"
+
+
 def new_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta,
-                nccl_async_error_handling: str | None = None):
+                nccl_async_error_handling: str | None = None, gloo_address: str | None = None):
     """Construct a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` directly on ``store`` (no
     ``init_process_group``). The caller has set the CUDA device for NCCL.
 
@@ -32,12 +58,21 @@ def new_backend(backend: str, store, rank: int, world_size: int, timeout: timede
         nccl_async_error_handling: a value for ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` while the
             NCCL backend is built (e.g. "2" = clean up only, so a timed-out watchdog never
             kills the process); the previous value is restored.
+        gloo_address: gloo binds this local address (:func:`local_address_toward` the master)
+            instead of the one the hostname resolves to; ignored when ``GLOO_SOCKET_IFNAME``
+            is set (the operator's choice wins). NCCL picks its interfaces itself
+            (``NCCL_SOCKET_IFNAME``).
 
     Raises:
         ValueError: unknown backend; RuntimeError: this torch build has no NCCL.
     """
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if gloo_address is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_address)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend != "nccl":
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not hasattr(dist, "ProcessGroupNCCL"):

@@ -53,7 +53,19 @@ class ResponseFormat(_Body):
     json_schema: Optional[JSONSchemaFormat] = None
 
 
-class _SamplingFields(_Body):
+class _RouterFields(_Body):
+    """Fields the SGLang router (``sglang-router``, :mod:`rlserve.scaleout.router`) adds to every
+    request it forwards, accepted only at the value that means what rlserve does anyway
+    (anything else is a 400 ``invalid_value``): ``no_stop_trim: false`` (stop strings are
+    trimmed: ``include_stop_str_in_output`` is rlserve's switch), ``return_hidden_states: false``;
+    chat also sends ``separate_reasoning`` / ``stream_reasoning``, which only act with a
+    reasoning parser (rlserve has none): any boolean."""
+
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
+
+
+class _SamplingFields(_RouterFields):
     """Sampling fields shared by completions and chat (OpenAI names + vLLM extensions)."""
 
     model: Optional[str] = None
@@ -128,6 +140,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     add_special_tokens: bool = False
+    # the SGLang router's (see _RouterFields): no reasoning parser, so either value does nothing
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class TRLGenerateRequest(_Body):

@@ -1,0 +1,1 @@
+"""Scale-out: many rlserve servers behind a router, placed by Ray, synced by one trainer."""
