@@ -2,7 +2,12 @@
 what each level does to the weights (level 1 restores them exactly, level 2 really loses them:
 a full wake reloads the checkpoint, a load between the two wakes gives the trainer's greedy
 output), the 409s of out-of-order calls (nothing changed), and ``generate`` refused while asleep.
-The HTTP routes are in tests/test_sleep_server.py; the GPU memory (VMM) in tests/gpu/."""
+
+Each test runs twice: with the CPU's in-place regions, and with the GPU's arena path (parameters
+re-pointed into one flat arena, the KV cache cut out of another) over :class:`HostArena`, a
+host-memory stand-in for the CUDA VMM arena whose unmap overwrites the pages and whose map hands
+back garbage, as new physical pages would. The HTTP routes are in tests/test_sleep_server.py;
+the real VMM in tests/gpu/test_sleep_gpu.py."""
 
 from __future__ import annotations
 
@@ -39,14 +44,66 @@ def _trainer(path):
     return hf
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
-    return LLM(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
-               kv_cache_bytes=4 << 20, enable_sleep_mode=True)
+class HostArena:
+    """:class:`~rlserve.engine.cuda_vmm.VMMArena`'s interface over one host buffer: ``unmap``
+    overwrites it with 0xFF (NaN in every float dtype), ``map`` with 0xAB (new pages hold
+    anything), ``view`` refuses while unmapped. Addresses never move."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, nbytes: int):
+        self.size = -(-int(nbytes) // 4096) * 4096
+        self.buf = torch.full((self.size,), 0xAB, dtype=torch.uint8)
+        self.ptr = self.buf.data_ptr()
+        self.mapped = True
+
+    def map(self):
+        if not self.mapped:
+            self.buf.fill_(0xAB)
+            self.mapped = True
+
+    def unmap(self):
+        self.buf.fill_(0xFF)
+        self.mapped = False
+
+    def view(self, offset=0, nbytes=None):
+        assert self.mapped, "a view of an unmapped arena"
+        return self.buf[offset: offset + (self.size - offset if nbytes is None else nbytes)]
+
+    def close(self):
+        self.mapped = False
+
+
+@pytest.fixture(scope="module", params=["inplace", "arena"])
+def llm(request, tiny_model):
+    from rlserve.engine.sleep_memory import WorkerSleep
+
+    mp = pytest.MonkeyPatch()
+    if request.param == "arena":
+        init = WorkerSleep.__init__
+        mp.setattr(WorkerSleep, "__init__", lambda self, worker: init(self, worker, arena_factory=HostArena))
+    try:
+        llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+                  kv_cache_bytes=4 << 20, enable_sleep_mode=True)
+    finally:
+        mp.undo()
+    ws = llm.engine.executor.sleep
+    assert ws.vmm == (request.param == "arena")
+    if ws.vmm:  # every parameter and KV tensor lives in an arena
+        for region, tensors in ((ws.regions["weights"], list(llm.engine.model.parameters())),
+                                (ws.regions["kv_cache"], [t for kv in llm.engine.executor.runner.kv_caches for t in kv])):
+            lo, hi = region.arena.ptr, region.arena.ptr + region.arena.size
+            assert all(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for t in tensors)
+    return llm
+
+
+def _addresses(llm) -> list[int]:
+    runner = llm.engine.executor.runner
+    return [p.data_ptr() for p in llm.engine.model.parameters()] + [t.data_ptr() for kv in runner.kv_caches for t in kv]
 
 
 def test_level1_restores_exactly_and_refuses_generation(llm):
-    before, weights = _greedy(llm), _params(llm)
+    before, weights, addrs = _greedy(llm), _params(llm), _addresses(llm)
     kv = llm.engine.executor.runner.kv_caches[0][0]
     llm.sleep(level=1)
     assert llm.is_sleeping()
@@ -63,6 +120,7 @@ def test_level1_restores_exactly_and_refuses_generation(llm):
     assert not llm.is_sleeping()
     assert all(torch.equal(a, b) for a, b in zip(weights, _params(llm)))
     assert not kv.any()  # the KV cache comes back zeroed
+    assert _addresses(llm) == addrs
     assert _greedy(llm) == before
 
 
@@ -106,7 +164,7 @@ def test_level2_full_wake_reloads_the_checkpoint(llm):
     assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
     reloads = llm.engine.sleep_mode.stats["reloads"]
     llm.wake_up(["weights"])  # memory back, contents undefined: no generation yet
-    assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
+    assert not any(torch.equal(a, b) for a, b in zip(weights, _params(llm)))
     llm.wake_up(["kv_cache"])  # fully awake, nobody refilled the weights: the checkpoint again
     assert llm.engine.sleep_mode.stats["reloads"] == reloads + 1
     assert all(torch.equal(a, b) for a, b in zip(weights, _params(llm)))

@@ -55,17 +55,24 @@ def pack_parameters(model: nn.Module, arena_factory) -> tuple[object, int]:
         ``(arena, used_bytes)``.
     """
     params = list(model.parameters())  # unique objects
+    slots: dict = {}  # distinct Parameters over the same memory (a tie by .data) keep sharing it
     offsets, total = [], 0
     for p in params:
-        offsets.append(total)
-        total += _aligned(p.numel() * p.element_size())
+        key = (p.data_ptr(), p.dtype, tuple(p.shape))
+        if key not in slots:
+            slots[key] = total
+            total += _aligned(p.numel() * p.element_size())
+        offsets.append(slots[key])
     arena = arena_factory(max(total, ALIGN))
+    views: dict = {}
     with torch.no_grad():
         for p, off in zip(params, offsets):
-            n = p.numel() * p.element_size()
-            view = arena.view(off, n).view(p.dtype).view(p.shape)
-            view.copy_(p.data)
-            p.data = view
+            if not p.is_contiguous():
+                raise ValueError("sleep mode needs contiguous parameters")
+            if off not in views:
+                views[off] = arena.view(off, p.numel() * p.element_size()).view(p.dtype).view(p.shape)
+                views[off].copy_(p.data)
+            p.data = views[off]
     if arena.device.type == "cuda":
         torch.cuda.synchronize(arena.device)
         gc.collect()
@@ -101,14 +108,18 @@ class _ArenaRegion:
         """Physical bytes the region holds while awake (the arena's granularity-rounded size)."""
         return self.arena.size
 
+    def _sync(self) -> None:
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
+
     def offload(self) -> None:
         if self.backup is None or self.backup.numel() < self.used:
-            self.backup = torch.empty(self.used, dtype=torch.uint8, pin_memory=True)
+            self.backup = torch.empty(self.used, dtype=torch.uint8, pin_memory=self.arena.device.type == "cuda")
         self.backup[: self.used].copy_(self.arena.view(0, self.used), non_blocking=True)
         self.discard()
 
     def discard(self) -> None:
-        torch.cuda.synchronize(self.arena.device)  # nothing still reads or writes the pages
+        self._sync()  # nothing still reads or writes the pages
         self.arena.unmap()
 
     def drop_backup(self) -> None:
@@ -124,7 +135,7 @@ class _ArenaRegion:
             self.arena.view(0, self.used).copy_(self.backup[: self.used], non_blocking=True)
         elif zero:
             self.arena.view(0, self.used).zero_()
-        torch.cuda.synchronize(self.arena.device)
+        self._sync()
 
 
 class _InPlaceRegion:
@@ -168,20 +179,22 @@ class WorkerSleep:
 
     Built by the :class:`~rlserve.engine.worker.Worker` right after the model is loaded (with
     ``enable_sleep_mode``): on CUDA it packs the parameters into the weights arena then.
+    ``arena_factory(nbytes)`` replaces :class:`~rlserve.engine.cuda_vmm.VMMArena` (tests run
+    the arena path on the CPU with a stand-in).
 
     Attributes:
         state: ``{tag: None | "offloaded" | "discarded"}`` (None: awake).
     """
 
-    def __init__(self, worker):
+    def __init__(self, worker, arena_factory=None):
         self.worker = worker
         self.device = worker.device
-        self.vmm = self.device.type == "cuda"
+        self.vmm = self.device.type == "cuda" or arena_factory is not None
         self.state: dict[str, str | None] = {WEIGHTS: None, KV_CACHE: None}
         if self.vmm:
             from rlserve.engine.cuda_vmm import VMMArena
 
-            self._arena = lambda n: VMMArena(self.device, n)
+            self._arena = arena_factory or (lambda n: VMMArena(self.device, n))
             arena, used = pack_parameters(worker.model, self._arena)
             self.regions = {WEIGHTS: _ArenaRegion(arena, used)}
             logger.info("sleep mode: %.1f MiB of parameters in a VMM arena at 0x%x", used / 2**20, arena.ptr)
