@@ -25,6 +25,7 @@ Hugging Face's random initialisation and the server from dummy weights.
 
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -63,7 +64,8 @@ def _trainer_model(model_dir: str, device: str, dtype: str):
         return load_trainer_model(model_dir, device=device, dtype=dtype)
     torch.manual_seed(0)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype(dtype))
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return model.to(torch_dtype(dtype)).eval()
 
 
 def training_step(model, free_bytes: int, fill: float = 0.8) -> dict:
@@ -113,6 +115,7 @@ def main() -> int:
     ap.add_argument("--tie-tolerance", type=float, default=None,
                     help="nats (default: 0 in float32, 0.5 in 16-bit dtypes)")
     ap.add_argument("--report", default=None, help="write the phase times as JSON here")
+    ap.add_argument("--server-args", default="", help="extra `rlserve serve` flags, one string")
     args = ap.parse_args()
     layout = choose_layout("ipc", dtype=args.dtype)
     model_dir = args.model if os.path.isdir(args.model) else resolve_model(args.model)
@@ -120,6 +123,7 @@ def main() -> int:
     extra = ["--enable-sleep-mode", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.tokenizer:
         extra += ["--tokenizer", args.tokenizer]
+    extra += shlex.split(args.server_args)
     url = f"http://127.0.0.1:{port}"
     tol = default_tie_tolerance(args.dtype) if args.tie_tolerance is None else args.tie_tolerance
     report: dict = {"layout": layout.describe(), "iterations": []}

@@ -115,12 +115,18 @@ def _check(lib, call: str, rc: int) -> None:
         raise CUDADriverError(call, rc, (msg.value or b"?").decode())
 
 
+_primary: dict[int, ctypes.c_void_p] = {}
+
+
 def _ensure_context(lib, ordinal: int) -> None:
     """Make device ``ordinal``'s primary context current on this thread (the runtime's)."""
-    dev = ctypes.c_int()
-    _check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
-    ctx = ctypes.c_void_p()
-    _check(lib, "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    ctx = _primary.get(ordinal)
+    if ctx is None:
+        dev = ctypes.c_int()
+        _check(lib, "cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+        ctx = ctypes.c_void_p()
+        _check(lib, "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        _primary[ordinal] = ctx  # retained once for the process's life, as the runtime does
     cur = ctypes.c_void_p()
     _check(lib, "cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(cur)))
     if cur.value != ctx.value:
@@ -134,7 +140,7 @@ class _CudaArrayView:
     def __init__(self, ptr: int, nbytes: int, owner):
         self.owner = owner  # the arena lives as long as any view
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3, "stream": None}
+                                         "strides": None, "version": 3}
 
 
 class VMMArena:

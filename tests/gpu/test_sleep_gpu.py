@@ -183,8 +183,8 @@ def test_level2_reload_and_trainer_sync(llm):
 
     torch.manual_seed(1)  # the trainer: Hugging Face's own random init of the same shape
     with torch.device("cuda"):
-        trainer = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llm.engine.config.model),
-                                                   dtype=torch.bfloat16).eval()
+        trainer = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llm.engine.config.model))
+    trainer = trainer.to(torch.bfloat16).eval()
     llm.sleep(level=2)
     t0 = time.perf_counter()
     llm.wake_up(tags=["weights"])
