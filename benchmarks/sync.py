@@ -8,7 +8,7 @@ CPU, gloo (unless ``--cpu off``):
   - ``packed``     SDK ``send_weights()``: buckets of ``--bucket-mb``, 2 in flight, checksums on
                    (and once with checksums off, to show what they cost)
                    (from the second sync on, received straight into the server's parameters:
-                   ``rlserve.transfer.direct``; once more with ``direct_receive`` off)
+                   ``rlserve.transfer.server.direct``; once more with ``direct_receive`` off)
   - ``unpacked``   SDK, one broadcast per tensor
   - ``trl-http``   TRL legacy style: ``POST /update_named_param/`` + one broadcast per tensor
   - ``raw``        ceiling: a bare gloo broadcast of the same bytes in the same buckets between
@@ -72,7 +72,7 @@ from rlserve.transfer import (  # noqa: E402
     TensorListSource,
     WeightTransferTrainerFactory,
 )
-from rlserve.transfer.trl import TRLWeightSyncClient  # noqa: E402
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient  # noqa: E402
 
 
 def free_port() -> int:
@@ -173,7 +173,7 @@ def trl_sync(url: str, named, repeats: int, backend: str, device: str, timeout_s
 RAW_RECEIVER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
-    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup
     sizes = {sizes!r}
     dev = torch.device({device!r})
     g = TransferGroup.create({backend!r}, "127.0.0.1", {port}, 1, 2, {timeout_s}, device=dev)
@@ -199,7 +199,7 @@ def raw_broadcast(sizes: list[int], nbuf: int, repeats: int, backend: str = "glo
     (rank 0, tensors on ``device``) to a child process (rank 1, on ``peer_device``) over a bare
     ``TransferGroup`` of ``backend`` (gloo: CPU; nccl: one GPU each). No HTTP, packing, checksum or
     load: the transport's ceiling."""
-    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup
 
     port = free_port()
     code = RAW_RECEIVER.format(root=ROOT, sizes=sizes, port=port, nbuf=nbuf, repeats=repeats, backend=backend,
@@ -269,7 +269,7 @@ def attempt(rows: list[dict], section: str, shape: str, backend: str, mode: str,
 
 def bucket_sizes(named, bucket: int) -> list[int]:
     """Bytes of each packed bucket of ``named`` (the SDK's plan: same rule as packed mode)."""
-    from rlserve.transfer.packing import plan_buckets
+    from rlserve.transfer.wire.packing import plan_buckets
 
     plan = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [list(t.shape) for _, t in named], bucket)
     return [b.nbytes for b in plan]
@@ -295,7 +295,7 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
         add(rows, "cpu", shape, "gloo", "trl-http", total, r)
         print(f"[cpu] trl-http: {r['sync_s']:.3f} s/sync")
     # the same packed sync when the server keeps its receive buffers and load copy (what every
-    # packed update did before rlserve.transfer.direct)
+    # packed update did before rlserve.transfer.server.direct)
     with serve(model_dir, tok, "gloo", "cpu", "float32", direct_receive=False) as srv:
         r = sdk_sync(srv.url, named, GlooTrainerInitInfo(master_port=free_port(), world_size=2,
                                                          packed_buffer_size_bytes=bucket, timeout_s=600), args.repeats)

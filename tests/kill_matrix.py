@@ -115,7 +115,7 @@ def model_meta(path: str) -> list[tuple[str, str, list[int]]]:
     from transformers import AutoModelForCausalLM
 
     from rlserve.transfer import ModuleSource
-    from rlserve.transfer.protocol import dtype_to_name
+    from rlserve.transfer.wire.protocol import dtype_to_name
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return [(n, dtype_to_name(d), list(s)) for n, d, s in ModuleSource(hf).metadata()]

@@ -54,7 +54,7 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "rlserve.transfer", "rlserve.transfer.trl", "tests.kill_trainer"])
+        _CTX.set_forkserver_preload(["torch", "rlserve.transfer", "rlserve.transfer.sdk.trl", "tests.kill_trainer"])
     return _CTX
 
 
@@ -82,7 +82,7 @@ def half_readable(src: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap]:
 def random_weights(meta: list[tuple[str, str, list[int]]], seed: int,
                    device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """Deterministic tensors for ``meta`` (``(name, dtype name, shape)``): 0.05 x N(0, 1)."""
-    from rlserve.transfer.protocol import dtype_from_name
+    from rlserve.transfer.wire.protocol import dtype_from_name
 
     g = torch.Generator().manual_seed(seed)
     return [(n, (0.05 * torch.randn(list(s), generator=g)).to(dtype_from_name(d)).to(device)) for n, d, s in meta]
@@ -113,7 +113,7 @@ def _group_hooks(conn, spec: dict, at: int | None) -> None:
     """gloo / NCCL: act at the trainer's broadcast number ``at`` (see the module docstring).
     ``spec["cut"]``: cut the message in half (gloo's TCP transport, also under the one-GPU NCCL
     emulation); without it (real NCCL) the process is SIGKILLed right after issuing it."""
-    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup
 
     phase = spec["phase"]
     calls: list = []
@@ -155,7 +155,7 @@ def _ipc_hooks(conn, spec: dict, at: int | None) -> None:
     device sums), the trainer dying after the refusal."""
     import threading
 
-    from rlserve.transfer.trainer import HTTPWeightSyncClient
+    from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient
 
     phase = spec["phase"]
     calls: list = []
@@ -214,7 +214,7 @@ def _ipc_hooks(conn, spec: dict, at: int | None) -> None:
 def _child(conn, spec: dict) -> None:
     """The trainer process body (see the module docstring and :func:`spawn_killed_trainer`).
     Reports ``"error: ..."`` through ``conn`` when the phase was never reached."""
-    from rlserve.transfer.trainer import HTTPWeightSyncClient
+    from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient
 
     torch.set_num_threads(1)
     if spec.get("setup"):
@@ -223,7 +223,7 @@ def _child(conn, spec: dict) -> None:
     named = random_weights(spec["meta"], spec["seed"], spec["device"])
     sizes = [t.numel() * t.element_size() for _n, t in named]
     if spec["packed"] and sdk:
-        from rlserve.transfer.packing import plan_buckets
+        from rlserve.transfer.wire.packing import plan_buckets
 
         plan = plan_buckets([n for n, _t in named], [t.dtype for _n, t in named], [t.shape for _n, t in named],
                             spec["bucket_bytes"])
@@ -265,7 +265,7 @@ def _child(conn, spec: dict) -> None:
                 client=HTTPWeightSyncClient(spec["url"], timeout_s=60), source=TensorListSource(named))
             eng.send_weights()
         else:
-            from rlserve.transfer.trl import TRLWeightSyncClient
+            from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 
             c = TRLWeightSyncClient(spec["url"], group_port=spec["port"], backend=backend,
                                     device=None if backend == "gloo" else spec["device"], timeout_s=spec["timeout_s"])
@@ -288,7 +288,7 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
         url: the server. port: a free port for the group's TCPStore (the trainer hosts it;
             TRL: the server's worker 0 does).
         protocol: ``"sdk"`` (start / update / finish, :class:`WeightTransferTrainerFactory`) or
-            ``"trl"`` (:class:`~rlserve.transfer.trl.TRLWeightSyncClient`).
+            ``"trl"`` (:class:`~rlserve.transfer.sdk.trl.TRLWeightSyncClient`).
         meta: ``(name, dtype name, shape)`` of every tensor, in order (the server's checkpoint).
         seed: the weights' seed (:func:`random_weights`).
         packed / bucket_bytes: the SDK's ``init_info`` (TRL sends per tensor).

@@ -1,4 +1,4 @@
-"""Recorded weight loads (rlserve.transfer.copy_plan): a replay equals a fresh load_weights,
+"""Recorded weight loads (rlserve.transfer.server.copy_plan): a replay equals a fresh load_weights,
 and loads that a replay could not reproduce are refused."""
 
 import pytest
@@ -7,9 +7,9 @@ from transformers import AutoConfig
 
 from rlserve.config import EngineConfig
 from rlserve.loader import load_model
-from rlserve.transfer.checksums import export_hf_tensors
-from rlserve.transfer.copy_plan import FixedPairs, plan_key, record_load, source_tensors
-from rlserve.transfer.packing import tensor_checksum
+from rlserve.transfer.server.checksums import export_hf_tensors
+from rlserve.transfer.server.copy_plan import FixedPairs, plan_key, record_load, source_tensors
+from rlserve.transfer.wire.packing import tensor_checksum
 
 
 def _model(path, dtype=torch.float32):

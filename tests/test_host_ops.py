@@ -76,7 +76,7 @@ def test_host_threads_default_leaves_small_machines_single_threaded(monkeypatch)
 def test_fused_copy_checksum_equals_packed_bucket_checksum(threads):
     """pack_checksummed's sum (each piece summed after its copy, odd sizes zero-padded) equals
     the checksum of the packed bucket."""
-    from rlserve.transfer.packing import checksum, max_bucket_bytes, pack, pack_checksummed, plan_buckets
+    from rlserve.transfer.wire.packing import checksum, max_bucket_bytes, pack, pack_checksummed, plan_buckets
 
     g = torch.Generator().manual_seed(2)
     tensors = [torch.randn(300, 101, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),

@@ -268,7 +268,7 @@ def test_trainer_against_server_without_weight_transfer_fails_fast(server):
     script = f"""
 import torch
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, TensorListSource, WeightTransferTrainerFactory
-from rlserve.transfer.trainer import WeightSyncHTTPError
+from rlserve.transfer.sdk.trainer import WeightSyncHTTPError
 from rlserve.distributed.group import get_open_port
 try:
     WeightTransferTrainerFactory.trainer_init(

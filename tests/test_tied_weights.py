@@ -15,8 +15,8 @@ from rlserve.config import EngineConfig
 from rlserve.errors import WeightUpdateError
 from rlserve.loader.model_loader import load_model
 from rlserve.transfer import ModuleSource, WeightSyncHTTPError
-from rlserve.transfer.protocol import UpdateInfo, validate_against_spec
-from rlserve.transfer.trl import TRLWeightSyncClient
+from rlserve.transfer.wire.protocol import UpdateInfo, validate_against_spec
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.test_transfer_manager import checksums, hf_greedy, server_greedy, trainer, PROMPT_IDS
 from tests.tiny_models import ARCHS
 from tests.transfer_harness import InProcessServer, free_port

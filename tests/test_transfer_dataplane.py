@@ -16,8 +16,8 @@ import torch
 
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import (
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.wire.packing import (
     ALIGN,
     BucketBuffers,
     as_bytes,
@@ -28,9 +28,10 @@ from rlserve.transfer.packing import (
     tensor_checksum,
     unpack,
 )
-from rlserve.transfer.protocol import InitInfo, UpdateInfo, dtype_to_name
-from rlserve.transfer.receiver import WeightReceiver, check_transport_fields
-from rlserve.transfer.sender import send_packed, send_unpacked
+from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, dtype_to_name
+from rlserve.transfer.server.receiver import WeightReceiver
+from rlserve.transfer.wire.header import check_transport_fields
+from rlserve.transfer.sdk.sender import send_packed, send_unpacked
 
 
 def free_port() -> int:
@@ -296,9 +297,9 @@ def test_rendezvous_timeout_when_trainer_never_comes():
 TRAINER_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {root!r})
-    from rlserve.transfer.group import TransferGroup
-    from rlserve.transfer.packing import plan_buckets, max_bucket_bytes, pack
-    from rlserve.transfer.sender import send_header
+    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.wire.packing import plan_buckets, max_bucket_bytes, pack
+    from rlserve.transfer.sdk.sender import send_header
     from tests.test_transfer_dataplane import make_tensors, info_for
     ts = make_tensors(5)
     info = info_for(ts, size=600)
@@ -343,7 +344,7 @@ def test_trainer_sigkill_mid_update_receiver_does_not_hang():
 
 def test_ipc_handle_validation_without_cuda():
     """Malformed IPC handles are refused before any CUDA call (the payload can name no code)."""
-    from rlserve.transfer.ipc import import_handle
+    from rlserve.transfer.wire.ipc import import_handle
 
     with pytest.raises(WeightUpdateError, match="missing"):
         import_handle({})
@@ -363,7 +364,7 @@ def test_deferred_checksums_compared_once_at_the_end():
     """GPU receivers queue each bucket's sum on the stream, and with checksums_after_data every
     receiver keeps each bucket's sum; all are compared at the end (one host sync for the queued
     ones); the comparison itself is device-agnostic and names the bucket."""
-    from rlserve.transfer.packing import checksum, checksum_tensor
+    from rlserve.transfer.wire.packing import checksum, checksum_tensor
 
     good = torch.arange(64, dtype=torch.uint8)
     bad = good.clone()

@@ -1,4 +1,4 @@
-"""Direct receive (rlserve.transfer.direct) and unpacked sends (packing.in_place_bucket): the
+"""Direct receive (rlserve.transfer.server.direct) and unpacked sends (packing.in_place_bucket): the
 layout rules on hand-made loads, no server. The server path is covered in
 test_transfer_manager.py (test_direct_receive_*)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlserve.transfer.copy_plan import record_load
-from rlserve.transfer.direct import build_direct_layout, update_key
-from rlserve.transfer.packing import BucketBuffers, max_bucket_bytes, pack, plan_buckets, unpack, in_place_bucket
+from rlserve.transfer.server.copy_plan import record_load
+from rlserve.transfer.server.direct import build_direct_layout, update_key
+from rlserve.transfer.wire.packing import BucketBuffers, max_bucket_bytes, pack, plan_buckets, unpack, in_place_bucket
 
 
 class Fused(nn.Module):

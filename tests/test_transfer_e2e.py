@@ -26,7 +26,7 @@ from rlserve.transfer import (
     WeightTransferTrainerFactory,
     hf_state_checksums,
 )
-from rlserve.transfer.trl import TRLWeightSyncClient
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
 from tests.transfer_harness import free_port, greedy_continuation, kill_trainer_script, killed_at
 
@@ -136,7 +136,7 @@ KILL_CELLS = [("none", ("after_start", "first_bucket", "between_buckets")), ("de
 @pytest.mark.parametrize("staging,points", KILL_CELLS, ids=[c[0] for c in KILL_CELLS])
 def test_trainer_sigkill_noticed_in_seconds(tiny_model, staging, points):
     """A trainer SIGKILLed mid-sync (timeout_s=300) is noticed in seconds through its TCPStore
-    connection (rlserve.transfer.liveness), at every point of the update: the update fails as a
+    connection (rlserve.transfer.server.liveness), at every point of the update: the update fails as a
     broken one does (in place with a bucket loaded: 503 until a full update; otherwise, and
     staged, the old weights serve), the pause is released, the group is torn down and a fresh
     init + full sync works. The bound asserted here (60 s) only has to be far below timeout_s;
@@ -187,7 +187,7 @@ PROBES = [PREFIX + [11, 12], PREFIX + [13], PREFIX + [200, 201, 202]]
 def test_20_syncs_under_load(tiny_model, tmp_path, staging):
     n_syncs = 20 if staging == "none" else 8
     # in place: a vocabulary with no padding rows, so that syncs 2.. are received straight into
-    # the parameters (rlserve.transfer.direct) while requests wait
+    # the parameters (rlserve.transfer.server.direct) while requests wait
     path = tiny_model("llama", vocab_size=384) if staging == "none" else tiny_model("llama")
     hf = load_hf(path)
     base = {n: p.detach().clone() for n, p in hf.named_parameters()}

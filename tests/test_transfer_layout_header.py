@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from rlserve.transfer.packing import (
+from rlserve.transfer.wire.packing import (
     FLAG_CHECKSUMS_AFTER,
     FLAG_PACKED,
     HEADER_MAGIC,
@@ -30,9 +30,9 @@ from rlserve.transfer.packing import (
     pack,
     plan_buckets,
 )
-from rlserve.transfer.protocol import UpdateInfo, dtype_to_name
-from rlserve.transfer.receiver import LayoutMismatchError, check_layout_header
-from rlserve.transfer.sender import send_packed, send_unpacked
+from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
+from rlserve.transfer.wire.header import LayoutMismatchError, check_layout_header
+from rlserve.transfer.sdk.sender import send_packed, send_unpacked
 from tests.test_transfer_dataplane import free_port, info_for, make_tensors, run_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

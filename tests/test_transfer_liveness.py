@@ -1,4 +1,4 @@
-"""Trainer liveness (rlserve.transfer.liveness) and the abortable receive it relies on.
+"""Trainer liveness (rlserve.transfer.server.liveness) and the abortable receive it relies on.
 
 The end-to-end kill tests (a real trainer SIGKILLed at each point of a sync, timeout_s=300) are
 in test_transfer_e2e.py / test_transfer_manager.py; benchmarks/kill_matrix.py prints the times."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlserve.transfer.errors import TransferAbortedError
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.liveness import StoreLiveness
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.server.liveness import StoreLiveness
 from tests.transfer_harness import free_port
 
 STORE_HOST = """
@@ -63,7 +63,7 @@ def test_store_liveness_notices_a_killed_process():
 def test_store_liveness_keeps_alive_a_silent_connection_and_sets_keepalive(monkeypatch):
     """The watch never writes: it waits for end of file. A host that vanishes without closing
     the connection is caught by TCP keepalive, set to give up after ~unresponsive_s."""
-    import rlserve.transfer.liveness as liveness
+    import rlserve.transfer.server.liveness as liveness
 
     seen = {}
     real = liveness._keepalive
@@ -153,7 +153,7 @@ def test_abort_ends_a_receive_the_peer_never_sends():
 
 
 def test_trainer_liveness_config_is_checked():
-    from rlserve.transfer.manager import WeightTransferManager
+    from rlserve.transfer.server.manager import WeightTransferManager
 
     with pytest.raises(ValueError, match="trainer_liveness"):
         WeightTransferManager(None, {"backend": "gloo", "trainer_liveness": "no"})

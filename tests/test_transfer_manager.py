@@ -27,7 +27,7 @@ from rlserve.transfer import (
     WeightTransferTrainerFactory,
     hf_state_checksums,
 )
-from rlserve.transfer.trl import TRLWeightSyncClient
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.transfer_harness import (
     InProcessServer,
     free_port,
@@ -275,7 +275,7 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
 @pytest.fixture(scope="module")
 def llama384(tiny_model):
     """A tiny llama whose vocabulary (384) needs no padding rows: its loads are byte copies, so
-    packed updates can be received straight into the parameters (rlserve.transfer.direct)."""
+    packed updates can be received straight into the parameters (rlserve.transfer.server.direct)."""
     path = tiny_model("llama", vocab_size=384)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
@@ -384,7 +384,7 @@ def test_direct_receive_abandoned_update_cannot_write_later(llama384):
     """The server gives up on a direct receive while the trainer is alive (shutdown mid-update):
     the broadcasts it had posted into the parameters stay pending in gloo. The trainer then
     sends the next bucket anyway; it must land in the abandoned buffer, not in the model."""
-    from rlserve.transfer.packing import plan_buckets
+    from rlserve.transfer.wire.packing import plan_buckets
 
     path, hf = llama384
     with InProcessServer(path) as srv:
@@ -436,7 +436,7 @@ def test_failed_in_place_update_ends_requests_in_flight(llama):
     text from part-old, part-new weights. While the update is open, /resume and
     /pause?mode=wait (which would step the model) are refused with 409; an abort-free keep pause
     is taken. A full sync then serves again."""
-    from rlserve.transfer.packing import plan_buckets
+    from rlserve.transfer.wire.packing import plan_buckets
 
     path, hf = llama
     with InProcessServer(path, max_model_len=256) as srv:
@@ -522,7 +522,7 @@ def test_direct_receive_off_and_not_for_announced_checksums(llama384):
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng.shutdown()
         assert c.weight_info()["state"] == "uninitialized"
-    from rlserve.transfer.manager import WeightTransferManager
+    from rlserve.transfer.server.manager import WeightTransferManager
 
     with pytest.raises(ValueError, match="direct_receive"):
         WeightTransferManager(None, {"backend": "gloo", "direct_receive": "yes"})
@@ -624,7 +624,7 @@ def test_finished_op_answers_until_forgotten():
     finished first must keep answering its result (not "unknown op") until ``forget``."""
     from types import SimpleNamespace
 
-    from rlserve.transfer import worker_ext
+    from rlserve.transfer.server import worker_ext
 
     worker = SimpleNamespace(extension_state={})
     st = worker_ext._state(worker)
@@ -644,7 +644,7 @@ def test_sync_weights_one_call(llama):
     body is a 400 that leaves no session open."""
     import concurrent.futures as cf
 
-    from rlserve.transfer.sender import send_packed
+    from rlserve.transfer.sdk.sender import send_packed
 
     path, hf = llama
     with InProcessServer(path) as srv:

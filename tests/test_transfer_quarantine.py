@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
-from rlserve.transfer.trainer import WeightSyncHTTPError
+from rlserve.transfer.sdk.trainer import WeightSyncHTTPError
 from tests.transfer_harness import InProcessServer, free_port
 
 
@@ -23,12 +23,12 @@ def test_failed_staged_commit_in_the_engine_command_steps_nothing_after(tiny_mod
     after loading one tensor; the request that was generating ends with 503 and the engine runs
     no step between the failed command and that end (it used to keep stepping the request on
     the part-loaded weights until the event loop's fail_all reached the engine thread)."""
-    import rlserve.transfer.worker_ext as worker_ext
+    import rlserve.transfer.server.worker_ext as worker_ext
 
     path = tiny_model("llama", max_position_embeddings=2048)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # the engine is patched in this process: thread mode (the engine-core process runs the same
-    # quarantine through rlserve.transfer.engine_calls.worker_rpc)
+    # quarantine through rlserve.transfer.server.engine_calls.worker_rpc)
     with InProcessServer(path, staging="device", max_model_len=2048, kv_cache_bytes=64 << 20,
                          engine_mode="thread") as srv:
         eng = WeightTransferTrainerFactory.trainer_init(

@@ -12,10 +12,10 @@ import torch
 
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer import GlooTrainerInitInfo, TensorListSource, WeightSyncHTTPError
-from rlserve.transfer import trainer as sdk
+from rlserve.transfer.sdk import engine as sdk
 from rlserve.transfer.errors import WeightTransferFailedError
-from rlserve.transfer.packing import BucketBuffers
-from rlserve.transfer.protocol import MIN_TIMEOUT_S, InitInfo
+from rlserve.transfer.wire.packing import BucketBuffers
+from rlserve.transfer.wire.protocol import MIN_TIMEOUT_S, InitInfo
 from tests.test_transfer_manager import checksums, llama, server_greedy, trainer  # noqa: F401 (fixture)
 from tests.transfer_harness import InProcessServer, free_port
 

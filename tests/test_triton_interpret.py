@@ -188,7 +188,7 @@ def test_multi_tensor_sum_equals_per_tensor_s64sum(copy):
     """One launch over a chunk table (chunks of 7 words: several per tensor) gives each
     tensor's s64sum exactly, tails included, and copies every byte when destinations are given."""
     from rlserve.transfer.multi_tensor import MultiTensorSum
-    from rlserve.transfer.packing import as_bytes, tensor_checksum
+    from rlserve.transfer.wire.packing import as_bytes, tensor_checksum
 
     srcs = _multi_tensor_cases()
     dsts = [torch.full_like(s, 0) for s in srcs] if copy else None

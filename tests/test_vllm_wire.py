@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlserve.transfer.safe_pickle import UnsafePickleError, restricted_loads
-from rlserve.transfer.vllm_ipc import translate_update_info
-from rlserve.transfer.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
+from rlserve.transfer.wire.safe_pickle import UnsafePickleError, restricted_loads
+from rlserve.transfer.wire.vllm_ipc import translate_update_info
+from rlserve.transfer.wire.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
 from tests.transfer_harness import InProcessServer, free_port
 
 
@@ -312,7 +312,7 @@ def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path
         # the bucket layout rlserve receives is vLLM's: same tensors per bucket, same bytes
         import hashlib
 
-        from rlserve.transfer.vllm_group import plan_vllm_buckets
+        from rlserve.transfer.backends.vllm_group import plan_vllm_buckets
 
         named = WIRE_TENSORS()
         plan = plan_vllm_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 500)
@@ -371,10 +371,10 @@ def test_receiver_takes_vllms_layout(packed):
     ``plan_vllm_buckets``, which the test above checks against vLLM's own packer; unpacked: one
     broadcast per tensor in its dtype), carried here over gloo because vLLM's NCCL communicator
     needs CUDA. The sender does what vLLM's producer does: ``torch.cat`` of the tensors' bytes."""
-    from rlserve.transfer.group import TransferGroup
-    from rlserve.transfer.protocol import InitInfo, UpdateInfo, dtype_to_name
-    from rlserve.transfer.receiver import WeightReceiver
-    from rlserve.transfer.vllm_group import plan_vllm_buckets
+    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, dtype_to_name
+    from rlserve.transfer.server.receiver import WeightReceiver
+    from rlserve.transfer.backends.vllm_group import plan_vllm_buckets
 
     port = free_port()
     init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=60)
@@ -416,7 +416,7 @@ def test_trl_legacy_init_communicator_hosts_vllms_store(nccl_cpu_server):
     client does) and then mints the NCCL unique id. A CPU-only torch ships no libnccl, so the
     server stops there and the TRL session reports it (``/weight_info``'s trl error); with one it
     stores the id (a 128-byte vLLM ``ncclUniqueId`` pickle) and stops at the communicator."""
-    from rlserve.transfer.nccl_lib import NcclError, nccl
+    from rlserve.transfer.backends.nccl_lib import NcclError, nccl
 
     try:
         nccl()

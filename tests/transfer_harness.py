@@ -97,7 +97,7 @@ _KILL_TRAINER = textwrap.dedent("""
     {setup}
     from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource,
                                   NCCLTrainerInitInfo, WeightTransferTrainerFactory)
-    from rlserve.transfer.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup
     KILL_AT = {kill_at!r}
     hf = AutoModelForCausalLM.from_pretrained({path!r}, dtype={dtype}).to({device!r})
     with torch.no_grad():
@@ -198,7 +198,7 @@ def greedy_continuation(model, prompt_ids: list[int], n: int) -> list[int]:
 def wrong_second_bucket_sum(monkeypatch) -> list[int]:
     """Make the trainer's checksum of its second packed bucket (sent after the data) wrong by 1;
     returns the list of packed bucket sizes, filled as the trainer packs."""
-    import rlserve.transfer.sender as sender
+    import rlserve.transfer.sdk.sender as sender
 
     real, calls = sender.pack_checksummed, []
 

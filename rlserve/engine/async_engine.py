@@ -242,7 +242,7 @@ class AsyncEngine:
         left that replica's weights unusable: from now on :meth:`generate` answers 503 with
         ``reason`` and the replica steps nothing until :meth:`fail_all` ended its requests.
         (Engine-side code that runs in both modes calls ``core.quarantine(reason)`` instead, as
-        ``rlserve.transfer.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
+        ``rlserve.transfer.server.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
         only the 503."""
         self._unavailable = reason
         for r in self._replicas:

@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         (``tie_word_embeddings``: ``lm_head.weight`` is ``model.embed_tokens.weight``); empty when nothing
         is tied. A weight update that carries a tied name is refused (it would be ignored, and the
         server would serve the other tensor in its place), see
-        :func:`rlserve.transfer.protocol.validate_against_spec`."""
+        :func:`rlserve.transfer.wire.protocol.validate_against_spec`."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def required_checkpoint_names(self) -> set[str]:

@@ -206,7 +206,7 @@ class OPTForCausalLM(nn.Module):
         (``tie_word_embeddings``: ``lm_head.weight`` is ``model.decoder.embed_tokens.weight``); empty when nothing
         is tied. A weight update that carries a tied name is refused (it would be ignored, and the
         server would serve the other tensor in its place), see
-        :func:`rlserve.transfer.protocol.validate_against_spec`."""
+        :func:`rlserve.transfer.wire.protocol.validate_against_spec`."""
         return {"lm_head.weight": "model.decoder.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def required_checkpoint_names(self) -> set[str]:

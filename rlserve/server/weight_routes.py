@@ -2,7 +2,7 @@
 
 ``make_weight_router(manager, dependencies=[...])`` returns a FastAPI ``APIRouter``; the server
 mounts it behind its admin-key dependency. ``make_weight_manager(aengine, config, staging)``
-builds the :class:`~rlserve.transfer.manager.WeightTransferManager` the router drives.
+builds the :class:`~rlserve.transfer.server.manager.WeightTransferManager` the router drives.
 
 Routes (JSON bodies; every error is OpenAI-shaped ``{"error": {"message", "type", "param",
 "code"}}``):
@@ -173,7 +173,7 @@ def make_weight_manager(aengine, transfer_config: dict | None, staging: str = "n
     Raises:
         ValueError: a bad config or staging mode (the server refuses to start).
     """
-    from rlserve.transfer.manager import WeightTransferManager
+    from rlserve.transfer.server.manager import WeightTransferManager
 
     return WeightTransferManager(aengine, transfer_config, staging=staging)
 

@@ -5,36 +5,38 @@ Trainer SDK (names mirror vLLM's ``vllm.distributed.weight_transfer``)::
     from rlserve.transfer import (WeightTransferTrainerFactory, HTTPWeightSyncClient, ModuleSource,
                                   GlooTrainerInitInfo, NCCLTrainerInitInfo, IPCTrainerInitInfo)
 
-Modules:
-    protocol     JSON data classes ``InitInfo`` / ``UpdateInfo`` and their validation
-    packing      bucket plan, byte packing, the ``s64sum`` checksum
-    group        the transfer process group (own TCPStore, gloo / NCCL, deadlines, teardown)
-    sender       trainer-side broadcast (packed / unpacked)
-    receiver     server-side receive into a sink (packed / unpacked / ipc)
-    ipc          CUDA IPC handles as JSON
-    trainer      the trainer SDK
-    worker_ext   functions run on server workers through ``engine.collective_rpc``
-    manager      ``WeightTransferManager``: the server's state machine
-    checksums    sha256 per Hugging Face tensor (``/weight_checker``)
+Layout (``README.md`` here has the full map)::
+
+    wire/      what travels: protocol (InitInfo / UpdateInfo JSON), packing (bucket plan, s64sum,
+               layout header), header (its checks), ipc (CUDA IPC handles as JSON), safe_pickle,
+               vllm_store / vllm_ipc (vLLM's rendezvous and IPC formats)
+    backends/  data planes: group (TransferGroup: gloo / NCCL), nccl_lib (ctypes NCCL),
+               vllm_group (vLLM's NCCL wire)
+    server/    the server process: manager (+ manager_update / manager_info / manager_trl, session),
+               receiver (+ receiver_ipc), worker_ext (+ worker_load), engine_calls, liveness,
+               direct, copy_plan, checksums
+    sdk/       the trainer process: trainer (factory), client, sources, init_info, engine,
+               ipc_engine, sender, trl
+    errors, host_ops, multi_tensor: shared by both sides
 """
 
 _LAZY = {
-    "WeightTransferTrainerFactory": "rlserve.transfer.trainer",
-    "HTTPWeightSyncClient": "rlserve.transfer.trainer",
-    "HTTPVLLMWeightSyncClient": "rlserve.transfer.trainer",
-    "WeightSyncHTTPError": "rlserve.transfer.trainer",
-    "WeightSyncConflictError": "rlserve.transfer.trainer",
-    "ModuleSource": "rlserve.transfer.trainer",
-    "TensorListSource": "rlserve.transfer.trainer",
-    "TrainerInitInfo": "rlserve.transfer.trainer",
-    "GlooTrainerInitInfo": "rlserve.transfer.trainer",
-    "NCCLTrainerInitInfo": "rlserve.transfer.trainer",
-    "IPCTrainerInitInfo": "rlserve.transfer.trainer",
-    "TRLWeightSyncClient": "rlserve.transfer.trl",
-    "InitInfo": "rlserve.transfer.protocol",
-    "UpdateInfo": "rlserve.transfer.protocol",
-    "WeightTransferManager": "rlserve.transfer.manager",
-    "hf_state_checksums": "rlserve.transfer.checksums",
+    "WeightTransferTrainerFactory": "rlserve.transfer.sdk.trainer",
+    "HTTPWeightSyncClient": "rlserve.transfer.sdk.trainer",
+    "HTTPVLLMWeightSyncClient": "rlserve.transfer.sdk.trainer",
+    "WeightSyncHTTPError": "rlserve.transfer.sdk.trainer",
+    "WeightSyncConflictError": "rlserve.transfer.sdk.trainer",
+    "ModuleSource": "rlserve.transfer.sdk.trainer",
+    "TensorListSource": "rlserve.transfer.sdk.trainer",
+    "TrainerInitInfo": "rlserve.transfer.sdk.trainer",
+    "GlooTrainerInitInfo": "rlserve.transfer.sdk.trainer",
+    "NCCLTrainerInitInfo": "rlserve.transfer.sdk.trainer",
+    "IPCTrainerInitInfo": "rlserve.transfer.sdk.trainer",
+    "TRLWeightSyncClient": "rlserve.transfer.sdk.trl",
+    "InitInfo": "rlserve.transfer.wire.protocol",
+    "UpdateInfo": "rlserve.transfer.wire.protocol",
+    "WeightTransferManager": "rlserve.transfer.server.manager",
+    "hf_state_checksums": "rlserve.transfer.server.checksums",
 }
 
 

@@ -41,4 +41,4 @@ class TransferAbortedError(WeightTransferFailedError):
 
 class TrainerGoneError(TransferAbortedError):
     """The trainer's process died (its TCPStore connection closed or stopped answering, see
-    :mod:`rlserve.transfer.liveness`): the open update failed the way a broken transfer fails."""
+    :mod:`rlserve.transfer.server.liveness`): the open update failed the way a broken transfer fails."""

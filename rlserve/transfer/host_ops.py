@@ -174,7 +174,7 @@ def _sum_words(a: np.ndarray) -> int:
 
 
 def host_s64sums(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The ``s64sum`` checksum (:mod:`rlserve.transfer.packing`) of each contiguous CPU tensor's
+    """The ``s64sum`` checksum (:mod:`rlserve.transfer.wire.packing`) of each contiguous CPU tensor's
     bytes, split over :func:`host_threads` threads. The bytes are read as little-endian int64
     words and summed with wrap-around. The last ``n % 8`` bytes form one zero-padded word.
     Returns ints in the int64 range, the same values as the torch path gives."""

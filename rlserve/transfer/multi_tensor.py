@@ -11,7 +11,7 @@ and runs one Triton kernel over the chunk table (``chunk -> source address, dest
 words``): each program sums its chunk's words as wrapping int64 (and, when destinations are
 given, stores them there: a copy), and writes one partial sum; partial sums are added per tensor
 with ``index_add_`` (integer addition mod 2^64 is associative, so the result is exactly
-:func:`rlserve.transfer.packing.checksum_tensor` of each source's bytes, whatever the chunking).
+:func:`rlserve.transfer.wire.packing.checksum_tensor` of each source's bytes, whatever the chunking).
 The copy and the checksum are then one pass over the sources.
 
 Requirements (else :meth:`MultiTensorSum.build` returns ``None`` and callers keep the
@@ -151,7 +151,7 @@ class MultiTensorSum:
         checksums as an int64 tensor of shape ``[n]`` on the device (read it with ``.tolist()``).
         ``out``: an int64 ``[n]`` tensor on the device to write them into (e.g. one shared with
         the server over CUDA IPC)."""
-        from rlserve.transfer.packing import checksum_tensor
+        from rlserve.transfer.wire.packing import checksum_tensor
 
         if out is None:
             out = torch.zeros(self.n, dtype=torch.int64, device=self.device)

@@ -31,8 +31,8 @@ def gloo_for_nccl(real):
 
 
 def install() -> None:
-    """Patch :mod:`rlserve.transfer.group` in this process (idempotent)."""
-    import rlserve.transfer.group as group
+    """Patch :mod:`rlserve.transfer.backends.group` in this process (idempotent)."""
+    import rlserve.transfer.backends.group as group
 
     if not getattr(group.new_backend, "gloo_for_nccl", False):
         group.new_backend = gloo_for_nccl(group.new_backend)

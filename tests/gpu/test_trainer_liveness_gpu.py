@@ -1,5 +1,5 @@
 """Kill matrix on a GPU (issue 25): a trainer SIGKILLed at each point of a sync, with
-``timeout_s`` = 300, is noticed through its TCPStore connection (rlserve.transfer.liveness) in
+``timeout_s`` = 300, is noticed through its TCPStore connection (rlserve.transfer.server.liveness) in
 seconds, on every data plane:
 
 - ``gloo-cuda``: the "nccl" backend's code built as gloo over CUDA tensors on one GPU
@@ -105,7 +105,7 @@ def _matrix(path, backend, transport, staging, points, device, launcher=("-m", "
 
 @pytest.mark.parametrize("staging", ["none", "device"])
 def test_kill_matrix_nccl_over_gloo(tiny_model, staging, monkeypatch):
-    import rlserve.transfer.group as group
+    import rlserve.transfer.backends.group as group
 
     monkeypatch.setattr(group, "new_backend", nccl_over_gloo.gloo_for_nccl(group.new_backend))  # this process
     _matrix(tiny_model("llama"), "nccl", "gloo-cuda", staging, GROUP_POINTS, "cuda:0",

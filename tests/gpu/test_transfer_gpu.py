@@ -40,9 +40,9 @@ from rlserve.transfer import (  # noqa: E402
     WeightTransferTrainerFactory,
     hf_state_checksums,
 )
-from rlserve.transfer.ipc import export_handle  # noqa: E402
-from rlserve.transfer.packing import checksum  # noqa: E402
-from rlserve.transfer.trainer import WeightSyncHTTPError  # noqa: E402
+from rlserve.transfer.wire.ipc import export_handle  # noqa: E402
+from rlserve.transfer.wire.packing import checksum  # noqa: E402
+from rlserve.transfer.sdk.trainer import WeightSyncHTTPError  # noqa: E402
 from tests.gpu import nccl_over_gloo  # noqa: E402
 from tests.transfer_harness import free_port, wrong_second_bucket_sum  # noqa: E402
 
@@ -103,8 +103,8 @@ def serve(path, backend, *extra, dtype="bfloat16", staging="none", device="cuda:
 CHILD = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {root!r})
-    from rlserve.transfer.ipc import import_handle
-    from rlserve.transfer.packing import checksum
+    from rlserve.transfer.wire.ipc import import_handle
+    from rlserve.transfer.wire.packing import checksum
     h = json.loads(sys.stdin.read())
     t = import_handle(h)
     print(json.dumps({{"checksum": checksum(t), "numel": t.numel(), "dtype": str(t.dtype)}}))
@@ -235,7 +235,7 @@ class Transport:
 def transport(request, monkeypatch):
     t = Transport(request.param)
     if t.emulated:
-        import rlserve.transfer.group as group
+        import rlserve.transfer.backends.group as group
 
         monkeypatch.setattr(group, "new_backend", nccl_over_gloo.gloo_for_nccl(group.new_backend))
     return t
@@ -279,7 +279,7 @@ def test_nccl_after_data_checksum_mismatch_refused(tiny_model, transport, stagin
     data) is off by one fails on the server's one comparison per update: 500 naming the
     checksum; in place the server then answers 503, staged it keeps the weights it had; the
     next full sync restores the trainer's weights."""
-    import rlserve.transfer.sender as sender
+    import rlserve.transfer.sdk.sender as sender
 
     path = tiny_model("llama")
     hf = load_hf(path, transport.trainer_device, torch.bfloat16)
@@ -390,7 +390,7 @@ def test_multi_tensor_sum_gpu_equals_per_tensor():
     """The Triton chunk-table kernel gives every tensor's s64sum exactly (odd byte tails, chunks
     spanning tensors) and copies every byte; misaligned tensors are refused."""
     from rlserve.transfer.multi_tensor import MultiTensorSum
-    from rlserve.transfer.packing import as_bytes, checksum_tensor
+    from rlserve.transfer.wire.packing import as_bytes, checksum_tensor
 
     g = torch.Generator(device="cuda").manual_seed(0)
     srcs = [torch.randn(n, device="cuda", generator=g).to(dt) for n, dt in
@@ -472,7 +472,7 @@ def test_ipc_handles_sent_once_then_by_ref(tiny_model, staging, checksums):
 def test_ipc_fused_checksum_mismatch_refuses_update(tiny_model):
     """A checksum that disagrees with what the fused copy read fails the update: in place the
     server answers 503 until a full update lands; the next correct sync restores service."""
-    from rlserve.transfer.trainer import WeightSyncHTTPError
+    from rlserve.transfer.sdk.trainer import WeightSyncHTTPError
 
     path = tiny_model("llama")
     hf = load_hf(path, "cuda:0", torch.bfloat16)
@@ -588,9 +588,9 @@ def test_send_packed_cuda_in_place_and_packed_buckets(after):
     back in one CUDA tensor goes out of that memory, the others are packed on the GPU; every
     bucket's bytes equal what packing gives, and with checksums after the data the last
     broadcast holds each bucket's s64sum."""
-    from rlserve.transfer.packing import BucketBuffers, checksum, pack, plan_buckets
-    from rlserve.transfer.protocol import UpdateInfo, dtype_to_name
-    from rlserve.transfer.sender import send_packed
+    from rlserve.transfer.wire.packing import BucketBuffers, checksum, pack, plan_buckets
+    from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
+    from rlserve.transfer.sdk.sender import send_packed
 
     g = torch.Generator(device="cuda").manual_seed(0)
     flat = torch.randn(3 * 64, device="cuda", generator=g)
@@ -606,7 +606,7 @@ def test_send_packed_cuda_in_place_and_packed_buckets(after):
     by_name = dict(named)
     expected = [pack(torch.empty(b.nbytes, dtype=torch.uint8), b, [by_name[s.name].cpu() for s in b.slots])
                 for b in plan]
-    from rlserve.transfer.packing import layout_header
+    from rlserve.transfer.wire.packing import layout_header
 
     assert grp.sent[0].tolist() == layout_header(info, plan)  # the layout header goes first
     sent = grp.sent[1:]

@@ -94,7 +94,7 @@ def test_nccl_trainer_killed_at_every_phase(model, cfg, transport, monkeypatch):
     path, meta = model
     emulated = transport == "gloo-cuda"
     if emulated:  # this process's good-weights trainer builds its "nccl" group as gloo too
-        import rlserve.transfer.group as group
+        import rlserve.transfer.backends.group as group
 
         monkeypatch.setattr(group, "new_backend", nccl_over_gloo.gloo_for_nccl(group.new_backend))
     out = run_config(path, meta, cfg, TIMEOUT_S,

@@ -81,7 +81,7 @@ class TransferGroup:
                warmup: bool = True, session: str = "", **kwargs) -> "TransferGroup":
         """Connect to (rank 0: host) the store, build the backend and run one all-reduce so that
         this returns only once every rank has joined. ``kwargs`` go to a subclass's constructor
-        (:class:`~rlserve.transfer.vllm_group.VLLMWireGroup`). A ``WeightUpdateError`` raised
+        (:class:`~rlserve.transfer.backends.vllm_group.VLLMWireGroup`). A ``WeightUpdateError`` raised
         while building (e.g. a refused pickle: HTTP 400) passes through unchanged."""
         g = cls(backend, master_address, master_port, rank, world_size, timeout_s, device, session, **kwargs)
         try:

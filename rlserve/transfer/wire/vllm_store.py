@@ -15,7 +15,7 @@ What vLLM (0.32, ``vllm/distributed/utils.py``) does, and so what rlserve matche
   ``departure_<id>_<rank>``; rank 0 also waits for every departure key and deletes the keys.
   TRL <= 1.10 runs one after every tensor it broadcasts.
 
-Pickles are read only through :mod:`rlserve.transfer.safe_pickle`: the unique id admits only
+Pickles are read only through :mod:`rlserve.transfer.wire.safe_pickle`: the unique id admits only
 ``_ctypes._unpickle`` applied to vLLM's ``ncclUniqueId`` class with an empty dict and exactly
 128 bytes (:func:`loads_unique_id`); a barrier id admits no global at all. Written pickles are
 built here byte by byte (:func:`dumps_unique_id`), so rlserve needs no vLLM to write what vLLM's
@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError
-from rlserve.transfer.safe_pickle import refuse, restricted_loads
+from rlserve.transfer.wire.safe_pickle import refuse, restricted_loads
 
 #: Bytes of an ``ncclUniqueId``.
 UNIQUE_ID_BYTES = 128

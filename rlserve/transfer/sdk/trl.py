@@ -8,7 +8,7 @@ tensors: ``POST /reset_prefix_cache/``; at the end ``POST /close_communicator/``
 The HTTP side is TRL's. The data plane is rlserve's (a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
 on a ``TCPStore``), not vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``, whose store
 messages are pickled. It tells the server so (``"wire": "rlserve"``); without it an NCCL server
-speaks vLLM's wire, which TRL <= 1.10's own ``VLLMClient`` joins (:mod:`rlserve.transfer.vllm_group`).
+speaks vLLM's wire, which TRL <= 1.10's own ``VLLMClient`` joins (:mod:`rlserve.transfer.backends.vllm_group`).
 This class is the same protocol on rlserve's data plane (same method names; gloo too)::
 
     client = TRLWeightSyncClient("http://127.0.0.1:8000", group_port=51216)
@@ -25,10 +25,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import as_bytes
-from rlserve.transfer.protocol import DEFAULT_TIMEOUT_S
-from rlserve.transfer.trainer import HTTPWeightSyncClient, ModuleSource
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.wire.packing import as_bytes
+from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
+from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient, ModuleSource
 
 
 class TRLWeightSyncClient:

@@ -1,8 +1,8 @@
-"""Engine-side halves of the weight-sync manager's calls (:mod:`rlserve.transfer.manager`).
+"""Engine-side halves of the weight-sync manager's calls (:mod:`rlserve.transfer.server.manager`).
 
 The manager runs in the API process; the model lives with the engine (an engine-core process
 by default). Each function here runs there, between two engine steps, as
-``AsyncEngine.call_engines("rlserve.transfer.engine_calls:<fn>", ...)``; it gets the replica's
+``AsyncEngine.call_engines("rlserve.transfer.server.engine_calls:<fn>", ...)``; it gets the replica's
 :class:`~rlserve.engine.core.EngineCore` and returns plain data (MessagePack crosses the process
 boundary: tuples and sets arrive as lists).
 """
@@ -43,7 +43,7 @@ def worker_rpc(core, target: str, args: list, timeout_s: float, commit: dict | N
     if commit is not None:
         ok = all(isinstance(r, dict) and r.get("done") and r.get("ok") for r in res)
         if commit.get("when") == "always" or ok:
-            from rlserve.transfer.manager import next_version
+            from rlserve.transfer.server.session import next_version
 
             core.engine.reset_prefix_cache()
             committed = commit.get("version") or next_version(core.weight_version)

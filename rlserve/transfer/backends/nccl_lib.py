@@ -1,6 +1,6 @@
 """A small ctypes binding of the NCCL library torch ships (``libnccl.so.2``).
 
-vLLM's wire (:mod:`rlserve.transfer.vllm_group`) builds its communicator from a unique id that
+vLLM's wire (:mod:`rlserve.transfer.backends.vllm_group`) builds its communicator from a unique id that
 its own rank 0 minted, which torch's ``ProcessGroupNCCL`` cannot take; this module calls NCCL's C
 API directly for the few functions that needs: ``ncclGetUniqueId``, ``ncclCommInitRank``,
 ``ncclAllReduce``, ``ncclBroadcast``, ``ncclCommGetAsyncError``, ``ncclCommAbort``,

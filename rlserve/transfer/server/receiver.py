@@ -1,21 +1,21 @@
 """Server-side data plane: receive one update's tensors and hand them to a sink.
 
 :class:`WeightReceiver` is model-agnostic. ``receive(info, sink)`` pulls every tensor of an
-:class:`~rlserve.transfer.protocol.UpdateInfo` off the transport and calls
+:class:`~rlserve.transfer.wire.protocol.UpdateInfo` off the transport and calls
 ``sink(list_of_(name, tensor))`` once per bucket (packed) or per tensor (unpacked). The tensors
 are views into a receive buffer that is reused afterwards: the sink must copy them (the model's
 ``load_weights`` copies in place; staging clones).
 
 Transports:
 
-- gloo / nccl: a :class:`~rlserve.transfer.group.TransferGroup`; packed buckets travel as raw
+- gloo / nccl: a :class:`~rlserve.transfer.backends.group.TransferGroup`; packed buckets travel as raw
   bytes with ``packed_num_buffers`` broadcasts posted ahead (round-robin), so bucket ``i+1`` is on
   the wire while bucket ``i`` is checked and loaded. CUDA: all work runs on a side stream; the
   backend orders its broadcasts after the stream's earlier copies out of the same buffer.
 - ipc: no group; ``update_info.ipc_handles`` (one per bucket) are mapped
-  (:func:`rlserve.transfer.ipc.import_handle`) and read in place on the GPU.
+  (:func:`rlserve.transfer.wire.ipc.import_handle`) and read in place on the GPU.
 
-Each bucket's ``s64sum`` checksum (:mod:`rlserve.transfer.packing`) is verified before the update
+Each bucket's ``s64sum`` checksum (:mod:`rlserve.transfer.wire.packing`) is verified before the update
 can be committed; a mismatch raises :class:`ChecksumMismatchError`. Bytes in host memory (gloo)
 are checked before the sink sees the bucket; bytes on a GPU (NCCL) are summed on the stream and
 compared once at the end of the receive (one host sync per update, not per bucket): a corrupt
@@ -24,7 +24,7 @@ lands), a staged one is never committed.
 
 Layout header: every gloo / NCCL update whose trainer is rank 0 (``rank_offset`` 1: the SDK's
 layout; TRL's trainer is the last rank and sends none) starts with one int64 ``[8]`` broadcast
-from the trainer (:func:`rlserve.transfer.packing.layout_header`: magic + version, packed /
+from the trainer (:func:`rlserve.transfer.wire.packing.layout_header`: magic + version, packed /
 checksum flags, bucket or tensor count, message count, data bytes, bucket size, a blake2b-64
 digest of the message sizes and one of the names / dtypes / shapes). The receiver takes it before it posts any bucket or
 tensor receive, waits for it with the group's deadline and compares it with the header of its
@@ -48,23 +48,18 @@ out). Transport errors (peer gone, timeout) raise immediately.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.transfer.copy_plan import FixedPairs
-from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError, WeightTransferFailedError
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import (
+from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.wire.packing import (
     HEADER_BYTES,
-    HEADER_MAGIC,
-    HEADER_VERSION,
     HEADER_WORDS,
     BucketBuffers,
     as_bytes,
@@ -72,16 +67,16 @@ from rlserve.transfer.packing import (
     checksum_tensor,
     checksum_values,
     combine,
-    describe_layout,
     layout_header,
     layout_message_sizes,
     max_bucket_bytes,
     plan_buckets,
-    tensor_checksums,
     unpack,
     uses_layout_header,
 )
-from rlserve.transfer.protocol import InitInfo, UpdateInfo
+from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo
+from rlserve.transfer.wire.header import check_layout_header
+from rlserve.transfer.server.receiver_ipc import IpcReceive, _IpcSet
 
 logger = logging.getLogger(__name__)
 
@@ -91,93 +86,7 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[list[tuple[str, torch.Tensor]]], "torch.Tensor | None"]
 
 
-class LayoutMismatchError(WeightUpdateError):
-    """The trainer's layout header (the first message of a gloo / NCCL update) differs from the
-    one this server computed from ``update_info``, or is not a layout header at all: the data the
-    trainer broadcasts does not match the metadata. Raised before any bucket / tensor receive
-    was posted: nothing was received or loaded. The trainer's broadcasts stay pending, so the
-    transfer group has to be torn down and re-initialised (the manager's failure path does it).
-    A ``WeightUpdateError``: the client's fault, HTTP 400 (the manager re-raises a worker's error
-    by class name from ``manager._ERRORS``, which lists this class)."""
-
-
-_HEADER_FIELDS = ("flags (packed / checksums after the data)", "bucket or tensor count", "message count",
-                  "data bytes", "bucket size", "message sizes digest", "names / dtypes / shapes digest")
-
-
-def check_layout_header(got: Sequence[int], expected: Sequence[int]) -> None:
-    """Compare a received layout header with the expected one (both ``HEADER_WORDS`` ints).
-
-    Raises:
-        LayoutMismatchError: not a layout header (wrong magic), another layout version, or any
-            field differs; the message names both layouts and the fields that differ.
-    """
-    got = [int(w) for w in got]
-    expected = [int(w) for w in expected]
-    if (got[0] & ~0xFFFF) != HEADER_MAGIC:
-        raise LayoutMismatchError(
-            f"the trainer's data does not match update_info: its first message of this update is not an "
-            f"rlserve layout header (word 0 is {got[0] & 0xFFFFFFFFFFFFFFFF:#018x}): a trainer that sends none (an "
-            f"older rlserve SDK, or code broadcasting on the transfer group itself) where update_info gives "
-            f"{describe_layout(expected)}; nothing was received or loaded")
-    if got[0] != expected[0]:
-        raise LayoutMismatchError(f"the trainer's layout header has version {got[0] & 0xFFFF}, this server speaks "
-                                  f"version {HEADER_VERSION}; nothing was received or loaded")
-    diff = [name for name, g, e in zip(_HEADER_FIELDS, got[1:], expected[1:]) if g != e]
-    if diff:
-        raise LayoutMismatchError(
-            f"the trainer's data does not match update_info: it announces {describe_layout(got)} where update_info "
-            f"gives {describe_layout(expected)} (differs: {', '.join(diff)}); nothing was received or loaded")
-
-
-def expected_checksum_count(info: UpdateInfo) -> int:
-    """How many checksums a resolved ``info`` must carry: buckets when packed, else tensors."""
-    if info.packed:
-        return len(plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes))
-    return len(info.names)
-
-
-def check_transport_fields(info: UpdateInfo, backend: str, known_ipc_refs=frozenset()) -> None:
-    """Checks that need the plan (checksum count, ipc handle count) or the server's state
-    (``known_ipc_refs``: the ``ipc_handles_ref`` names the workers hold). Raises WeightUpdateError."""
-    if info.checksums is not None and len(info.checksums) != expected_checksum_count(info):
-        raise WeightUpdateError(
-            f"update_info.checksums has {len(info.checksums)} entries, expected {expected_checksum_count(info)} "
-            f"({'one per bucket' if info.packed else 'one per tensor'})")
-    ref = info.ipc_handles_ref
-    if backend == "ipc":
-        n = expected_checksum_count(info)
-        if ref is not None and info.packed:
-            raise WeightUpdateError("update_info.ipc_handles_ref is for per-tensor handles (packed=false) only")
-        if info.ipc_handles is None and ref is not None:
-            if ref not in known_ipc_refs:
-                raise WeightUpdateError(f"update_info.ipc_handles_ref {ref!r} is unknown to this server (a new "
-                                        "transfer engine, or not used by the last update): send ipc_handles with it")
-        elif info.ipc_handles is None or len(info.ipc_handles) != n:
-            raise WeightUpdateError(f"the ipc backend needs update_info.ipc_handles with one handle per "
-                                    f"{'bucket' if info.packed else 'tensor'} ({n})")
-    elif info.ipc_handles is not None or ref is not None:
-        raise WeightUpdateError(f"update_info.ipc_handles given but the backend is {backend!r}")
-    if info.checksums_after_data and (backend == "ipc" or not info.packed):
-        raise WeightUpdateError("update_info.checksums_after_data needs a packed gloo / NCCL update")
-
-
-@dataclass
-class _IpcSet:
-    """A per-tensor ipc handle list kept under its ``ipc_handles_ref``."""
-
-    keys: list  # _ipc_cache keys of the mapped tensors
-    tensors: list  # the mapped trainer tensors, in update order
-    names: list
-    dtype_names: list
-    shapes: list
-    sums: torch.Tensor | None = None  # the trainer's int64 [n] checksum tensor (mapped)
-    event: object = None  # the trainer's interprocess torch.cuda.Event
-    pairs: FixedPairs | None = None  # (name, tensor) of the load, once known to be on the worker's device
-    nbytes: int = 0
-
-
-class WeightReceiver:
+class WeightReceiver(IpcReceive):
     """One server worker's end of the transfer.
 
     Args:
@@ -224,8 +133,8 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dev = torch.device("cpu") if self.init.backend == "gloo" else self.device
-        if self.init.wire == "vllm":  # an unmodified vLLM / TRL trainer (rlserve.transfer.vllm_group)
-            from rlserve.transfer.vllm_group import VLLMWireGroup
+        if self.init.wire == "vllm":  # an unmodified vLLM / TRL trainer (rlserve.transfer.backends.vllm_group)
+            from rlserve.transfer.backends.vllm_group import VLLMWireGroup
 
             self.group = VLLMWireGroup.create("nccl", self.init.master_address, self.init.master_port, self.rank,
                                               self.init.world_size, self.init.timeout_s, dev,
@@ -283,7 +192,7 @@ class WeightReceiver:
                 the end of the receive (device bytes, ``checksums_after_data``: a mismatch then
                 fails the whole receive); tensors are only valid during the call.
             on_bucket: called with the bucket index after ``sink`` returned (progress).
-            direct: packed gloo only (:mod:`rlserve.transfer.direct`): ``direct(i)`` is the
+            direct: packed gloo only (:mod:`rlserve.transfer.server.direct`): ``direct(i)`` is the
                 ``uint8 [nbytes]`` memory bucket ``i`` is received into (the model's
                 parameters); ``sink`` is then not called, and announced ``checksums`` are refused
                 (they must be compared before anything is loaded).
@@ -378,7 +287,7 @@ class WeightReceiver:
         """Receive the trainer's layout header (the first broadcast of the update), wait for it
         with the group's deadline and compare it with ``info``'s (:func:`check_layout_header`).
         Called before any bucket / tensor receive is posted. A no-op when the trainer is not
-        rank 0 (:func:`~rlserve.transfer.packing.uses_layout_header`: TRL's layout, no header).
+        rank 0 (:func:`~rlserve.transfer.wire.packing.uses_layout_header`: TRL's layout, no header).
 
         Args:
             plan: ``info``'s bucket plan (packed; computed when ``None``).
@@ -416,7 +325,7 @@ class WeightReceiver:
     def _plan(self, info: UpdateInfo) -> list:
         """The update's bucket plan: rlserve's aligned one, or vLLM's raw one on its wire."""
         if self.init.wire == "vllm":
-            from rlserve.transfer.vllm_group import plan_vllm_buckets
+            from rlserve.transfer.backends.vllm_group import plan_vllm_buckets
 
             return plan_vllm_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
         return plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
@@ -563,207 +472,3 @@ class WeightReceiver:
             raise failure
         self._check_deferred(deferred, info.checksums)
         return {"bytes": total, "buckets": n, "tensors": n}
-
-    def end_session(self) -> None:
-        """Drop cached IPC mappings not used since the previous call (the trainer's memory they
-        pin is released)."""
-        for r in [r for r in self._ipc_sets if r not in self._ipc_sets_used]:
-            del self._ipc_sets[r]
-        self._ipc_sets_used.clear()
-        for st in self._ipc_sets.values():
-            self._ipc_used.update(st.keys)
-        for k in [k for k in self._ipc_cache if k not in self._ipc_used]:
-            del self._ipc_cache[k]
-        self._ipc_used.clear()
-
-    @property
-    def ipc_refs(self) -> set[str]:
-        """The ``ipc_handles_ref`` names this receiver can resolve."""
-        return set(self._ipc_sets)
-
-    def _own_gpu_handle(self, handle: dict) -> dict:
-        """A handle with ``"per_gpu"`` (vLLM's multi-GPU colocated trainer,
-        :mod:`rlserve.transfer.vllm_ipc`): the entry of this worker's GPU. Raises WeightUpdateError."""
-        per_gpu = handle.get("per_gpu")
-        if not isinstance(per_gpu, dict):
-            return handle
-        from rlserve.transfer.ipc import device_uuid
-
-        own = device_uuid(self.device.index if self.device.index is not None else torch.cuda.current_device())
-        if own not in per_gpu:
-            raise WeightUpdateError(f"ipc handle: none for this worker's GPU {own} (the trainer sent handles for "
-                                    f"{sorted(per_gpu)})")
-        return per_gpu[own]
-
-    def _map_cached(self, handle: dict, what: str) -> tuple[tuple, torch.Tensor]:
-        handle = self._own_gpu_handle(handle)
-        # "export" (vLLM's handles, rlserve.transfer.vllm_ipc): its trainer exports every tensor
-        # again at each sync, and each export's IPC ref counter must be released by one rebuild
-        # (torch's rebuild_cuda_tensor does it on its own cache hit), so each export is mapped
-        key = tuple(str(handle.get(k)) for k in ("handle", "device_uuid", "storage_offset_bytes",
-                                                 "tensor_offset", "size", "stride", "dtype", "export"))
-        t = self._ipc_cache.get(key)
-        if t is None:
-            t = self._ipc_cache[key] = self._map(handle, what)
-        self._ipc_used.add(key)
-        return key, t
-
-    def with_ref_metadata(self, info: UpdateInfo) -> UpdateInfo:
-        """``info`` itself, or -- a call :attr:`~UpdateInfo.by_ref` -- a copy with the names,
-        dtypes and shapes recorded under its ref. Raises WeightUpdateError (unknown ref)."""
-        if not info.by_ref:
-            return info
-        st = self._ipc_sets.get(info.ipc_handles_ref)
-        if st is None:
-            raise WeightUpdateError(f"ipc_handles_ref {info.ipc_handles_ref!r} is unknown to this worker: "
-                                    "send ipc_handles with it")
-        out = UpdateInfo(**{**info.__dict__, "names": st.names, "dtype_names": st.dtype_names, "shapes": st.shapes})
-        return out
-
-    def _ipc_set(self, info: UpdateInfo) -> _IpcSet:
-        """The mapped tensors (and the trainer's checksum tensor / event) of a per-tensor ipc
-        call: from ``ipc_handles`` (kept under ``ipc_handles_ref`` when one is given) or, without
-        handles, the set kept under the ref. Raises WeightUpdateError (unknown ref, wrong count,
-        a bad event handle) / WeightTransferFailedError (mapping)."""
-        ref = info.ipc_handles_ref
-        if info.ipc_handles is None:
-            st = self._ipc_sets.get(ref)
-            if st is None:
-                raise WeightUpdateError(f"ipc_handles_ref {ref!r} is unknown to this worker: send ipc_handles with it")
-            if st.names != info.names or st.dtype_names != info.dtype_names or st.shapes != info.shapes:
-                raise WeightUpdateError(f"ipc_handles_ref {ref!r} was given for other tensors than this call's")
-            self._ipc_used.update(st.keys)
-        else:
-            st = _IpcSet([], [], list(info.names), list(info.dtype_names), [list(x) for x in info.shapes])
-            for i, (name, handle) in enumerate(zip(info.names, info.ipc_handles)):
-                k, t = self._map_cached(handle, f"ipc tensor {name!r} ({i + 1}/{len(info.names)})")
-                st.keys.append(k)
-                st.tensors.append(t)
-            if info.ipc_checksums_handle is not None:
-                k, sums = self._map_cached(info.ipc_checksums_handle, "the trainer's checksum tensor")
-                if sums.dtype != torch.int64 or list(sums.shape) != [len(info.names)]:
-                    raise WeightUpdateError(f"ipc_checksums_handle maps {sums.dtype} {list(sums.shape)}, expected "
-                                            f"int64 [{len(info.names)}]")
-                st.keys.append(k)
-                st.sums = sums
-            if info.ipc_event_handle is not None:
-                raw = base64.b64decode(info.ipc_event_handle.encode("ascii"), validate=True) \
-                    if info.ipc_event_handle else b""
-                try:
-                    dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                    st.event = torch.cuda.Event.from_ipc_handle(dev, raw)
-                except Exception as e:  # noqa: BLE001 - a bad handle from the trainer
-                    raise WeightUpdateError(f"ipc_event_handle could not be opened: {e}") from e
-            if ref is not None:
-                self._ipc_sets[ref] = st
-        if ref is not None:
-            self._ipc_sets_used.add(ref)
-        return st
-
-    def _map(self, handle: dict, what: str) -> torch.Tensor:
-        from rlserve.transfer.ipc import import_handle
-
-        try:
-            return import_handle(handle)
-        except WeightUpdateError:
-            raise
-        except Exception as e:
-            raise WeightTransferFailedError(f"{what}: could not map the CUDA IPC handle: {e}") from e
-
-    def _ipc_done_reading(self, dev: torch.device) -> None:
-        # the trainer may reuse / free its memory as soon as we answer: finish reading first
-        if self._stream is not None:
-            self._stream.synchronize()
-        if dev != self.device:
-            torch.cuda.current_stream(dev).synchronize()
-
-    def _receive_ipc(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
-        """Packed: one handle per bucket (a uint8 buffer laid out by the plan). Unpacked: one
-        handle per tensor (the trainer's own tensors, read in place: no copy on its side)."""
-        n = expected_checksum_count(info)
-        if (info.ipc_handles is None and (info.packed or info.ipc_handles_ref is None)) or \
-                (info.ipc_handles is not None and len(info.ipc_handles) != n):
-            raise WeightUpdateError(f"ipc: expected {n} handles, got "
-                                    f"{0 if info.ipc_handles is None else len(info.ipc_handles)}")
-        total = 0
-        if not info.packed:
-            # map (cached across calls; a whole set under its ipc_handles_ref) and check every
-            # tensor (once per set), then hand the whole call to the sink at once and verify
-            # every checksum
-            t0 = time.perf_counter()
-            known = info.ipc_handles is None
-            st = self._ipc_set(info)
-            if not known:
-                dtypes = info.dtypes()
-                for i, (name, t) in enumerate(zip(info.names, st.tensors)):
-                    if t.dtype != dtypes[i] or list(t.shape) != list(info.shapes[i]):
-                        self._ipc_sets.pop(info.ipc_handles_ref, None)
-                        raise WeightUpdateError(f"ipc tensor {name!r} ({i + 1}/{n}): handle maps {t.dtype} "
-                                                f"{list(t.shape)}, update_info says {dtypes[i]} {info.shapes[i]}")
-            if st.pairs is None:
-                st.nbytes = sum(t.numel() * t.element_size() for t in st.tensors)
-                if all(t.device == self.device for t in st.tensors):  # (else moved per update, below)
-                    st.pairs = FixedPairs(zip(info.names, st.tensors))
-            pairs = st.pairs if st.pairs is not None else list(zip(info.names, st.tensors))
-            total = st.nbytes
-            if st.event is not None:
-                torch.cuda.current_stream(self.device).wait_event(st.event)  # the trainer's writes + sums
-            if info.device_checksums and st.sums is None:
-                raise WeightUpdateError("device_checksums: the trainer registered no checksum tensor for this ref")
-            t_map = time.perf_counter()
-            devs = {self.device} if st.pairs is not None else {t.device for _, t in pairs}
-            t_load = t_ck = t_map
-            fused = False
-            if pairs:
-                # The sink copies first; the checksums are compared after (the sources are the
-                # trainer's own tensors: reading them twice would double the cost). A sink that
-                # copied with MultiTensorSum returns the sums of what it read (one pass over the
-                # bytes); otherwise they are taken here, from the same sources, after the copy.
-                # A mismatch fails the update like a broken one: in place the server answers
-                # 503 until a full update lands, staged it is never committed.
-                ret = sink(pairs if st.pairs is not None else
-                           [(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
-                t_load = time.perf_counter()
-                if info.checksums is not None or info.device_checksums:
-                    fused = isinstance(ret, torch.Tensor)
-                    # expected: the trainer's checksum tensor (read on the GPU after its event) or
-                    # the announced list; compared as int64 tensors where the expected sums live, one sync
-                    got = ret if fused else torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64)
-                    exp = st.sums if info.device_checksums else torch.tensor(info.checksums, dtype=torch.int64)
-                    got = got.to(exp.device)
-                    bad = (got != exp).nonzero()
-                    if bad.numel():
-                        i = int(bad[0, 0])
-                        got, exp = int(got[i]), int(exp[i])
-                        raise ChecksumMismatchError(
-                            f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
-                            "(the trainer's memory changed while the server read it?); the update is refused")
-                t_ck = time.perf_counter()
-                for d in devs:
-                    self._ipc_done_reading(d)
-            if on_bucket is not None:
-                for i in range(n):
-                    on_bucket(i)
-            t_end = time.perf_counter()
-            return {"bytes": total, "buckets": 1 if n else 0, "tensors": n, "checksums_fused": fused,
-                    "phases_s": {"map": t_map - t0, "load_queued": t_load - t_map, "checksum": t_ck - t_load,
-                                 "device_sync": t_end - t_ck}}
-        plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
-        for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
-            what = f"ipc bucket {i + 1}/{len(plan)}"
-            mapped = self._map(handle, what)
-            if mapped.dtype != torch.uint8 or mapped.dim() != 1 or mapped.numel() < b.nbytes:
-                raise WeightUpdateError(f"{what}: the handle maps {mapped.dtype} {list(mapped.shape)}, the plan "
-                                        f"needs a 1-D uint8 buffer of {b.nbytes} bytes")
-            buf = mapped[: b.nbytes]
-            self._verify(buf, info.checksums, i, what)
-            pairs = list(unpack(buf, b))
-            if buf.device != self.device:
-                pairs = [(n_, t.to(self.device)) for n_, t in pairs]
-            sink(pairs)
-            self._ipc_done_reading(buf.device)
-            del buf, mapped, pairs
-            total += b.nbytes
-            if on_bucket is not None:
-                on_bucket(i)
-        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}

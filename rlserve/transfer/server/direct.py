@@ -2,7 +2,7 @@
 packed gloo buckets straight into them.
 
 A packed update normally lands in a receive buffer and is then copied into the parameters (the
-replayed load of :mod:`rlserve.transfer.copy_plan`). On a CPU server that copy shares the cores
+replayed load of :mod:`rlserve.transfer.server.copy_plan`). On a CPU server that copy shares the cores
 and the memory bandwidth with gloo's own socket copies. SmolLM2-135M in float32 (538 MB, 64 MiB
 buckets) on the 2-core CI machine: the load copy and its checksum cost the server ~50 ms of CPU
 per sync while the broadcast alone keeps both cores ~70% busy.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.transfer.host_ops import host_copy_many
-from rlserve.transfer.packing import Bucket
+from rlserve.transfer.wire.packing import Bucket
 
 
 @dataclass
@@ -145,7 +145,7 @@ def build_direct_layout(params: Sequence[torch.nn.Parameter], buckets: Sequence[
         buckets: the update's bucket plan.
         loads: per bucket, ``(pairs, copies)``: the ``(name, tensor)`` views of the receive
             buffer the sink was given, and every ``(dst, src)`` copy its load made (a recorded
-            :class:`~rlserve.transfer.copy_plan.CopyPlan`'s :meth:`~CopyPlan.copies`; a plan with
+            :class:`~rlserve.transfer.server.copy_plan.CopyPlan`'s :meth:`~CopyPlan.copies`; a plan with
             constant fills gives none).
         key: :func:`update_key` of the update.
     Returns:

@@ -1,11 +1,11 @@
 """vLLM's NCCL wire: the transfer group of an unmodified vLLM (or TRL) trainer.
 
-A :class:`~rlserve.transfer.group.TransferGroup` whose rendezvous and communicator are vLLM's
+A :class:`~rlserve.transfer.backends.group.TransferGroup` whose rendezvous and communicator are vLLM's
 (``StatelessProcessGroup`` + ``PyNcclCommunicator``, vLLM 0.32), so that vLLM's
 ``NCCLTrainerWeightTransferEngine`` (what TRL >= 1.11's ``VLLMClient`` uses) and TRL <= 1.10's
 legacy ``/init_communicator/`` client can sync into rlserve:
 
-1. the store (:class:`~rlserve.transfer.vllm_store.StatelessStore`): vLLM's trainer is rank 0 and
+1. the store (:class:`~rlserve.transfer.wire.vllm_store.StatelessStore`): vLLM's trainer is rank 0 and
    hosts it (``init_info.rank_offset`` 1); with TRL's legacy layout (``rank_offset`` 0) server
    worker 0 is rank 0 and hosts it, the trainer is the last rank;
 2. the unique id: rank 0 mints it (``ncclGetUniqueId``) and stores its pickle at
@@ -13,10 +13,10 @@ legacy ``/init_communicator/`` client can sync into rlserve:
    ``ncclUniqueId`` class only, exactly 128 bytes: anything else is a 400, ``unsafe_pickle``).
    ``init_info.nccl_unique_id_b64`` (vLLM's torch-free trainers) gives the 128 bytes instead and
    skips the store;
-3. ``ncclCommInitRank(world_size, id, rank)`` on the worker's GPU (:mod:`rlserve.transfer.nccl_lib`)
+3. ``ncclCommInitRank(world_size, id, rank)`` on the worker's GPU (:mod:`rlserve.transfer.backends.nccl_lib`)
    and vLLM's warm-up: a one-element float32 zeros all-reduce.
 
-Data: what the receiver posts (:mod:`rlserve.transfer.receiver` with ``init_info.wire ==
+Data: what the receiver posts (:mod:`rlserve.transfer.server.receiver` with ``init_info.wire ==
 "vllm"``): packed, one uint8 broadcast per bucket, the raw bytes of the bucket's tensors in
 metadata order with no header, padding or checksum (:func:`plan_vllm_buckets`); unpacked, one
 broadcast per tensor in its own dtype. TRL's legacy layout: one tensor per
@@ -38,10 +38,10 @@ import torch
 
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import TransferAbortedError, WeightTransferFailedError
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import Bucket, Slot, tensor_nbytes
-from rlserve.transfer.safe_pickle import UnsafePickleError
-from rlserve.transfer.vllm_store import (
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.wire.packing import Bucket, Slot, tensor_nbytes
+from rlserve.transfer.wire.safe_pickle import UnsafePickleError
+from rlserve.transfer.wire.vllm_store import (
     UNIQUE_ID_BYTES,
     StatelessStore,
     dumps_unique_id,
@@ -154,7 +154,7 @@ class VLLMWireGroup(TransferGroup):
             self.store = self.sps.store
             what = "the NCCL unique id (broadcast_from/0/0)"
             if self.rank == 0:
-                from rlserve.transfer.nccl_lib import nccl
+                from rlserve.transfer.backends.nccl_lib import nccl
 
                 self.unique_id = nccl().unique_id()
                 self.sps.broadcast_bytes(dumps_unique_id(self.unique_id), 0, what)
@@ -168,7 +168,7 @@ class VLLMWireGroup(TransferGroup):
             raise WeightTransferFailedError(
                 f"vLLM's NCCL wire: rendezvous done and the unique id received (rank {self.rank}/{self.world_size}), "
                 f"but the NCCL communicator needs a CUDA device; this server worker runs on {self.device}")
-        from rlserve.transfer.nccl_lib import NcclError, nccl
+        from rlserve.transfer.backends.nccl_lib import NcclError, nccl
 
         try:
             lib = nccl()
@@ -183,7 +183,7 @@ class VLLMWireGroup(TransferGroup):
         if not t.is_cuda or not t.is_contiguous():
             raise WeightTransferFailedError(f"{what}: NCCL needs a contiguous CUDA tensor")
         stream = torch.cuda.current_stream(self.device)
-        from rlserve.transfer.nccl_lib import NcclError
+        from rlserve.transfer.backends.nccl_lib import NcclError
 
         try:
             op(t, stream.cuda_stream)

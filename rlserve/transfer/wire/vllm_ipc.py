@@ -11,12 +11,12 @@ their bytes); ``args`` is what ``torch.multiprocessing.reductions.reduce_tensor`
 the rebuild function (a pickle of the whole ``(rebuild_cuda_tensor, args)`` pair is read too).
 vLLM itself only reads it with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 
-:func:`translate_update_info` reads the pickle with :func:`~rlserve.transfer.safe_pickle.restricted_loads`
+:func:`translate_update_info` reads the pickle with :func:`~rlserve.transfer.wire.safe_pickle.restricted_loads`
 admitting only ``torch.Size``, the tensor classes ``torch.Tensor`` / ``torch.nn.Parameter``, the
 storage classes ``torch.UntypedStorage`` / ``torch.TypedStorage``, the float and integer
 ``torch`` dtypes and ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` -- each replaced by
 an inert marker that cannot be called -- then type-checks every argument by position and turns
-each handle into rlserve's JSON handle (:mod:`rlserve.transfer.ipc`), whose import calls torch's
+each handle into rlserve's JSON handle (:mod:`rlserve.transfer.wire.ipc`), whose import calls torch's
 ``rebuild_cuda_tensor`` with those checked values only. A packed buffer becomes one handle per
 tensor (a view at the tensor's offset), so the server's per-tensor ipc path (mapping cache,
 fused copy + checksum, replayed loads) serves vLLM's trainer as it serves rlserve's SDK.
@@ -43,8 +43,8 @@ import binascii
 from typing import Any
 
 from rlserve.errors import WeightUpdateError
-from rlserve.transfer.protocol import WIRE_DTYPES, dtype_from_name, dtype_to_name
-from rlserve.transfer.safe_pickle import refuse, restricted_loads
+from rlserve.transfer.wire.protocol import WIRE_DTYPES, dtype_from_name, dtype_to_name
+from rlserve.transfer.wire.safe_pickle import refuse, restricted_loads
 
 _WHAT = "update_info.ipc_handles_pickled"
 #: vLLM's fields that this module consumes (``first_chunk`` / ``last_chunk``: older vLLM's packed

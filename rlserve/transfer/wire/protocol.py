@@ -2,7 +2,7 @@
 
 Everything that crosses the HTTP control plane is plain JSON (str, int, float, bool, list,
 dict). Nothing is ever pickled. Tensors travel on the data plane (gloo / NCCL broadcast, or
-CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer.ipc`).
+CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer.wire.ipc`).
 
 ``init_info`` (body of ``POST /init_weight_transfer_engine``)::
 
@@ -56,7 +56,7 @@ DEFAULT_TIMEOUT_S = 300.0
 #: Smallest ``timeout_s`` accepted (seconds). It bounds the rendezvous (TCPStore connect plus the
 #: backend's own connect: ~0.1-1 s for gloo on a loaded CPU host, seconds for NCCL) and the wait
 #: for every bucket; below a second a healthy update ends in a timeout (``1e-9`` gave a 504). A
-#: dead trainer is noticed without it (:mod:`rlserve.transfer.liveness`).
+#: dead trainer is noticed without it (:mod:`rlserve.transfer.server.liveness`).
 MIN_TIMEOUT_S = 1.0
 #: Largest ``timeout_s`` accepted (seconds; one year): larger values overflow the store's and the
 #: backends' timeouts.
@@ -151,7 +151,7 @@ class InitInfo:
             keys live under it, so a re-init never meets a previous group's keys.
         wire: ``"rlserve"`` (the SDK's: layout header, aligned buckets, checksums) or ``"vllm"``
             (NCCL only: vLLM's ``StatelessProcessGroup`` rendezvous and raw buckets, what an
-            unmodified vLLM / TRL trainer speaks; :mod:`rlserve.transfer.vllm_group`). The server
+            unmodified vLLM / TRL trainer speaks; :mod:`rlserve.transfer.backends.vllm_group`). The server
             picks ``"vllm"`` for an NCCL ``init_info`` that names no ``backend`` (vLLM's trainer
             never does; the SDK always does) and for TRL's legacy ``/init_communicator/``.
         nccl_unique_id_b64: vLLM's torch-free rendezvous (``wire == "vllm"``): the base64 of the
@@ -195,7 +195,7 @@ class InitInfo:
         if self.wire == "vllm" and self.backend != "nccl":
             raise WeightUpdateError(f"init_info.wire 'vllm' is vLLM's NCCL wire; the backend is {self.backend!r}")
         if self.nccl_unique_id_b64 is not None:
-            from rlserve.transfer.vllm_group import decode_unique_id_b64
+            from rlserve.transfer.backends.vllm_group import decode_unique_id_b64
 
             if self.wire != "vllm":
                 raise WeightUpdateError("init_info.nccl_unique_id_b64 belongs to vLLM's NCCL wire (wire 'vllm')")
@@ -232,7 +232,7 @@ class UpdateInfo:
         shapes: full (unsharded) shape of each tensor.
         packed / packed_buffer_size_bytes / packed_num_buffers: ``None`` takes the
             ``init_info`` value. Both sides derive the bucket plan from these alone.
-        checksums: int64 checksums (:func:`rlserve.transfer.packing.checksum`), one per
+        checksums: int64 checksums (:func:`rlserve.transfer.wire.packing.checksum`), one per
             bucket when packed, one per tensor when not; ``None``: not verified.
         checksum_algo: only ``"s64sum"``.
         checksums_after_data: gloo / NCCL, packed (rlserve extension): ``checksums`` stays
@@ -243,7 +243,7 @@ class UpdateInfo:
             place, the buckets were already loaded, so the update fails like a broken one (HTTP 503
             until a full update lands) instead of loading nothing.
         partial: ``True`` allows a subset of the model's parameters.
-        ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.ipc.export_handle`)
+        ipc_handles: ``ipc`` backend: one JSON handle (:func:`rlserve.transfer.wire.ipc.export_handle`)
             per bucket (packed) or tensor (unpacked) of this call.
         ipc_handles_ref: ``ipc`` backend, unpacked (rlserve extension): a name the trainer gives
             this call's handle list. Sent *with* ``ipc_handles``, the server keeps the mapped

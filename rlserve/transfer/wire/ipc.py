@@ -24,7 +24,7 @@ import base64
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.transfer.protocol import dtype_from_name, dtype_to_name
+from rlserve.transfer.wire.protocol import dtype_from_name, dtype_to_name
 
 _TENSOR_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}

@@ -26,7 +26,7 @@ sockets with them: the connection ends when the last of them exits (``DataLoader
 notice their parent's death within ~5 s) -- the same holds for gloo's own connections.
 
 Interface (:class:`PeerLiveness`): ``start()``, ``gone()`` (``None`` while alive, else why),
-``stop()``. The manager (:mod:`rlserve.transfer.manager`) polls ``gone()`` from init to
+``stop()``. The manager (:mod:`rlserve.transfer.server.manager`) polls ``gone()`` from init to
 teardown and fails an open update the way a broken transfer fails.
 """
 

@@ -1,7 +1,7 @@
 """Trainer-side data plane: broadcast an update's tensors from the trainer rank.
 
-The mirror of :mod:`rlserve.transfer.receiver`: the same bucket plan, the same byte layout, the
-same order. Tensors come from an iterator (a :class:`~rlserve.transfer.trainer.ModuleSource`),
+The mirror of :mod:`rlserve.transfer.server.receiver`: the same bucket plan, the same byte layout, the
+same order. Tensors come from an iterator (a :class:`~rlserve.transfer.sdk.trainer.ModuleSource`),
 are copied into the bucket buffer as they arrive (a gathered FSDP tensor is freed right after),
 and each full bucket is broadcast asynchronously; with ``packed_num_buffers`` buffers, packing
 bucket ``i+1`` overlaps the broadcast of bucket ``i`` (gloo: the backend's threads; NCCL: the
@@ -9,7 +9,7 @@ backend's stream, ordered after the packing copies on the current stream).
 
 Every update from rank 0 (the SDK's layout; TRL's trainer is the last rank and sends none)
 starts with a layout header: one int64 ``[8]`` broadcast
-(:func:`~rlserve.transfer.packing.layout_header`, 64 bytes, on ``device``: CPU for gloo, the
+(:func:`~rlserve.transfer.wire.packing.layout_header`, 64 bytes, on ``device``: CPU for gloo, the
 trainer's GPU for NCCL) before the first bucket / tensor, describing the messages that follow;
 the receiver compares it with its own ``update_info`` before it posts any receive, so a
 mismatch fails the update cleanly instead of overflowing a gloo receive buffer (which aborts
@@ -24,8 +24,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from rlserve.transfer.group import TransferGroup
-from rlserve.transfer.packing import (
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.wire.packing import (
     BucketBuffers,
     as_bytes,
     checksum,
@@ -38,7 +38,7 @@ from rlserve.transfer.packing import (
     plan_buckets,
     uses_layout_header,
 )
-from rlserve.transfer.protocol import UpdateInfo
+from rlserve.transfer.wire.protocol import UpdateInfo
 
 
 class _Done:
@@ -53,7 +53,7 @@ class _Done:
 
 def send_header(group: TransferGroup, info: UpdateInfo, device: torch.device, plan=None):
     """Broadcast ``info``'s layout header from ``group.rank`` (async); only from rank 0
-    (:func:`~rlserve.transfer.packing.uses_layout_header`: TRL's trainer, the last rank, sends
+    (:func:`~rlserve.transfer.wire.packing.uses_layout_header`: TRL's trainer, the last rank, sends
     none and its receiver expects none), else a no-op.
 
     Args:
@@ -105,14 +105,14 @@ def send_packed(group: TransferGroup, info: UpdateInfo, tensors: Iterable[tuple[
     """Broadcast ``tensors`` (in ``info`` order) as packed buckets from ``group.rank``.
 
     A bucket whose tensors already lie in memory as the bucket would
-    (:func:`~rlserve.transfer.packing.in_place_bucket`: e.g. a large embedding table alone in its
+    (:func:`~rlserve.transfer.wire.packing.in_place_bucket`: e.g. a large embedding table alone in its
     bucket) is broadcast from that memory, not packed, and uses no buffer: the buffers go
     round-robin over the packed buckets, and at most ``2 x packed_num_buffers`` broadcasts are in
     flight. The layout header (:func:`send_header`) goes out first. Refilling a buffer waits for its
     previous broadcast through :meth:`TransferGroup.order` (NCCL: on the stream, so the host
     packs ahead; gloo: on the host); the last broadcasts are waited for on the host with the
     group's deadline. With ``info.checksums_after_data`` each bucket's checksum is taken as it is
-    packed (:func:`~rlserve.transfer.packing.pack_checksummed`; CUDA: queued on the stream) and
+    packed (:func:`~rlserve.transfer.wire.packing.pack_checksummed`; CUDA: queued on the stream) and
     all of them follow the last bucket as one int64 ``[n_buckets]`` broadcast.
 
     Args:

@@ -34,7 +34,7 @@ On the CPU the packing copies and the checksums are numpy calls on a few threads
 Layout header (:func:`layout_header`): the first message of every gloo / NCCL update sent from
 rank 0 (:func:`uses_layout_header`), an int64 ``[8]`` (64 bytes) describing the messages that
 follow, so that a receiver whose metadata differs from the trainer's notices before it posts any
-receive of a bucket or tensor (see :mod:`rlserve.transfer.receiver`).
+receive of a bucket or tensor (see :mod:`rlserve.transfer.server.receiver`).
 """
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ def uses_layout_header(src_rank: int) -> bool:
     """Whether an update sent from ``src_rank`` starts with a layout header: when the trainer is
     rank 0 (``init_info.rank_offset == 1``: the rlserve SDK's and vLLM's layout). TRL's protocol
     puts the trainer on the last rank and broadcasts one tensor per ``update_named_param`` call
-    without a header (:class:`rlserve.transfer.trl.TRLWeightSyncClient`, and TRL's own client),
+    without a header (:class:`rlserve.transfer.sdk.trl.TRLWeightSyncClient`, and TRL's own client),
     so those receives go without one. Both ends decide from the sending rank alone."""
     return src_rank == 0
 
@@ -346,7 +346,7 @@ def layout_message_sizes(info, plan: Sequence[Bucket] | None = None) -> list[int
     every non-empty tensor. Empty buckets / tensors are not broadcast, so they have no entry.
 
     Args:
-        info: a resolved :class:`~rlserve.transfer.protocol.UpdateInfo` (``packed`` and
+        info: a resolved :class:`~rlserve.transfer.wire.protocol.UpdateInfo` (``packed`` and
             ``packed_buffer_size_bytes`` set).
         plan: ``info``'s bucket plan when the caller has it (packed only; computed otherwise).
     """
@@ -380,7 +380,7 @@ def layout_header(info, plan: Sequence[Bucket] | None = None) -> list[int]:
     ``update_info``). Cost: one pass over the names (the plan is the caller's when given).
 
     Args:
-        info: a resolved :class:`~rlserve.transfer.protocol.UpdateInfo`.
+        info: a resolved :class:`~rlserve.transfer.wire.protocol.UpdateInfo`.
         plan: ``info``'s bucket plan when the caller has it (packed only).
     """
     dtypes = info.dtypes()

@@ -1,0 +1,1 @@
+"""Data planes: the transfer process group (gloo / NCCL), the ctypes NCCL binding, vLLM's NCCL wire."""

@@ -1,0 +1,463 @@
+"""Server-side weight-sync state machine: :class:`WeightTransferManager`.
+
+The HTTP routes (``rlserve/server/weight_routes.py``) call it; it reaches every engine replica
+(in its engine-core process, or on a thread) through ``AsyncEngine.call_engines`` of the
+functions in :mod:`rlserve.transfer.server.engine_calls`, and every TP worker through
+``engine.collective_rpc`` of the functions in :mod:`rlserve.transfer.server.worker_ext`.
+
+States::
+
+    uninitialized --init--> ready --start--> updating --update*--> updating --finish--> ready
+          ^                   |                  |  (failure: group torn down)
+          +----shutdown-------+------------------+--> uninitialized
+
+Out-of-order calls raise :class:`WeightUpdateStateError` (HTTP 409): update / finish without
+start, start twice, update without init, a second long call while one runs.
+
+Guarantees (beyond vLLM):
+
+- the whole update's metadata (names known, shapes, float dtypes, full coverage unless
+  ``partial``) is validated against the model's ``checkpoint_spec()`` /
+  ``required_checkpoint_names()`` before any byte moves (400, nothing changed);
+- a failure mid-update (trainer died, timeout, checksum mismatch, a worker raising) tears the
+  group down on every worker; staged mode keeps the old weights; in-place mode marks the model
+  unavailable (``AsyncEngine.set_unavailable``: generation answers 503) if any worker may have
+  written into the parameters (its op reported ``touched``: a load began, or a direct receive
+  posted into them, even if no bucket completed; or its end was never seen), until an update
+  covering every required parameter commits; a fresh ``init_weight_transfer_engine`` then works;
+- TRL's per-tensor protocol runs as one such session per batch (first ``update_named_param``
+  to ``reset_prefix_cache``), so it gets the same guarantees;
+- a trainer whose process dies is noticed within about a second
+  (:mod:`rlserve.transfer.server.liveness`: its TCPStore connection closes) during init ... finish,
+  inside a bucket receive as between calls: the update in progress fails as above (a receive
+  blocked on the dead peer is aborted), and the group is torn down;
+- an open update session that sees no call for ``timeout_s`` seconds is abandoned the same way
+  (a live trainer that stopped calling never leaves the server paused);
+- every commit resets the prefix cache and sets the weight version (auto-incremented when the
+  trainer gives none).
+
+Staging (``weight_staging``): ``"none"`` loads in place while generation is paused (the trainer
+pauses, as with vLLM; if it did not, the manager pauses with mode ``keep`` from
+``start_weight_update`` to ``finish_weight_update``). ``"device"`` / ``"host"`` receive into a
+staging copy while generation continues; ``finish`` pauses briefly (``keep``), loads the staged
+tensors with one local copy, resets the prefix cache and resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+
+from rlserve.errors import ModelUnavailableError, WeightUpdateStateError
+from rlserve.transfer import errors as terr
+from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
+from rlserve.transfer.server.liveness import PeerLiveness, StoreLiveness
+from rlserve.transfer.wire.protocol import BACKENDS, DEFAULT_TIMEOUT_S, InitInfo
+from rlserve.transfer.wire.header import LayoutMismatchError
+from rlserve.transfer.wire.safe_pickle import UnsafePickleError
+from rlserve.transfer.server.manager_info import InfoRoutes
+from rlserve.transfer.server.manager_trl import TRLRoutes
+from rlserve.transfer.server.manager_update import UpdateRoutes
+from rlserve.transfer.server.session import _Session
+
+logger = logging.getLogger(__name__)
+
+_WORKER = "rlserve.transfer.server.worker_ext"
+#: Longest a poll of a paused engine's worker waits for its op (seconds): bounds how long a
+#: control command (resume, abort) queued behind the poll on the engine thread waits.
+_POLL_BLOCK_S = 0.05
+STAGING_MODES = ("none", "device", "host")
+#: keys of --weight-transfer-config that are init_info defaults; the others are the server's own
+_INIT_DEFAULT_KEYS = {"timeout_s", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+_CONFIG_KEYS = {"backend", "direct_receive", "trainer_liveness", *_INIT_DEFAULT_KEYS}
+
+_ERRORS = {
+    "LayoutMismatchError": LayoutMismatchError,  # 400: the trainer's data disagrees with its update_info
+    "UnsafePickleError": UnsafePickleError,  # 400: the trainer's unique-id pickle was refused (vLLM's wire)
+    "ChecksumMismatchError": terr.ChecksumMismatchError,
+    "TransferTimeoutError": terr.TransferTimeoutError,
+    "TransferAbortedError": terr.TransferAbortedError,
+    "WeightTransferFailedError": terr.WeightTransferFailedError,
+}
+
+
+class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
+    """The server's weight-sync control plane.
+
+    Args:
+        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``call_engines``,
+            ``pause``/``resume``/``is_paused``, ``set_weight_version``, ``set_unavailable``,
+            ``reset_prefix_cache``, ``config``).
+        transfer_config: ``--weight-transfer-config`` JSON: ``{"backend": "gloo"|"nccl"|"ipc"}``
+            plus optional defaults for ``init_info`` (``timeout_s``, ``packed``,
+            ``packed_buffer_size_bytes``, ``packed_num_buffers``). A trainer asking for another
+            backend is refused (400). ``"direct_receive": false`` keeps packed gloo updates of
+            a CPU model going through the receive buffers (default true: from the second
+            identical update on they land straight in the parameters, see
+            :mod:`rlserve.transfer.server.direct`). ``"trainer_liveness": false`` stops watching the
+            trainer's TCPStore (:mod:`rlserve.transfer.server.liveness`; default true): a dead trainer
+            is then noticed by ``timeout_s`` only.
+        staging: ``"none"`` (in place), ``"device"`` or ``"host"``.
+        rpc_timeout_s: seconds for one short worker RPC (poll, abort, status).
+        poll_interval_s: the longest pause between progress polls of a running transfer (seconds;
+            polls start 0.2 ms apart and back off to this).
+
+    Raises:
+        ValueError: bad ``transfer_config`` or ``staging``.
+    """
+
+    def __init__(self, aengine, transfer_config: dict | None = None, staging: str = "none",
+                 rpc_timeout_s: float = 60.0, poll_interval_s: float = 0.005):
+        cfg = dict(transfer_config or {})
+        unknown = set(cfg) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"weight transfer config: unknown key(s) {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}")
+        if cfg.get("backend") is not None and cfg["backend"] not in BACKENDS:
+            raise ValueError(f"weight transfer backend must be one of {BACKENDS}, got {cfg['backend']!r}")
+        if staging not in STAGING_MODES:
+            raise ValueError(f"weight staging must be one of {STAGING_MODES}, got {staging!r}")
+        self.aengine = aengine
+        self.config = cfg
+        self.backend: str | None = cfg.get("backend")
+        self.staging = staging
+        if not isinstance(cfg.get("direct_receive", True), bool):
+            raise ValueError(f"weight transfer config: direct_receive must be true or false, got {cfg['direct_receive']!r}")
+        self.direct_receive: bool = cfg.get("direct_receive", True)
+        if not isinstance(cfg.get("trainer_liveness", True), bool):
+            raise ValueError(f"weight transfer config: trainer_liveness must be true or false, "
+                             f"got {cfg['trainer_liveness']!r}")
+        self.trainer_liveness: bool = cfg.get("trainer_liveness", True)
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self._init: InitInfo | None = None
+        self._session: _Session | None = None
+        self._init_cancelled: str | None = None  # why a pending init was cancelled (see _preempt)
+        self._busy: str | None = None
+        self._spec: tuple[dict, set] | None = None
+        self._tied: dict[str, str] = {}  # tied_checkpoint_names(), set by _model_spec
+        self._unavailable_by_us = False
+        # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
+        self._ipc_refs: dict[str, dict] = {}
+        self._watchdog: asyncio.Task | None = None
+        # the trainer's liveness (rlserve.transfer.server.liveness), watched from init to teardown
+        self._liveness: PeerLiveness | None = None
+        self._liveness_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # background bookkeeping calls (forget, end_session)
+        self.last_update: dict | None = None
+        self.history: collections.deque = collections.deque(maxlen=32)
+        #: callables ``fn(entry)`` told of every update recorded (``last_update``'s dict): metrics
+        self.update_listeners: list = []
+        self.num_updates = 0
+        self.num_failures = 0
+        # TRL protocol
+        self._trl_queue: asyncio.Queue | None = None
+        self._trl_worker: asyncio.Task | None = None
+        self._trl_init_task: asyncio.Task | None = None
+        self._trl_error: BaseException | None = None
+        self._trl_pending = 0  # update_named_param calls queued or running
+
+    # ================================================================== helpers
+    @property
+    def num_workers(self) -> int:
+        """Server workers in the transfer group: TP x DP."""
+        c = self.aengine.config
+        return int(getattr(c, "tensor_parallel_size", 1) or 1) * int(getattr(c, "data_parallel_size", 1) or 1)
+
+    def _init_defaults(self) -> dict:
+        """The init_info defaults of the transfer config (``timeout_s``, ``packed*``)."""
+        return {k: v for k, v in self.config.items() if k in _INIT_DEFAULT_KEYS}
+
+    def _timeout(self) -> float:
+        return self._init.timeout_s if self._init is not None else float(self.config.get("timeout_s", DEFAULT_TIMEOUT_S))
+
+    async def _rpc(self, fn: str, *args, timeout_s: float | None = None) -> list:
+        """``fn(worker, *args)`` on every worker of every replica; results flattened (replica-major,
+        TP rank order). Raises TransferTimeoutError after ``timeout_s``."""
+        return (await self._rpc_commit(fn, *args, timeout_s=timeout_s))[0]
+
+    async def _rpc_commit(self, fn: str, *args, timeout_s: float | None = None,
+                          commit: dict | None = None) -> tuple[list, str | None]:
+        """:meth:`_rpc`; with ``commit`` (see ``engine_calls.worker_rpc``) the same engine command
+        then commits (prefix-cache reset, new weight version) or, after a failure that may have
+        written into the parameters, quarantines the replica (``AsyncEngine.quarantine``): nothing
+        steps in between. Returns ``(results, the version committed or None)``."""
+        t = timeout_s or self.rpc_timeout_s
+        try:
+            res = await self.aengine.call_engines(f"{_ENGINE}worker_rpc", f"{_WORKER}:{fn}", list(args), t, commit,
+                                                  timeout_s=t + 5)
+        except asyncio.TimeoutError as e:
+            raise terr.TransferTimeoutError(f"worker call {fn} did not return within {t:.0f} s") from e
+        for r in res:
+            if r.get("quarantined"):
+                self.aengine.set_unavailable(r["quarantined"])  # the 503 here; the replica halted there
+        committed = [r["committed_version"] for r in res if r.get("committed_version") is not None]
+        if committed:
+            self.aengine.set_weight_version(committed[-1])  # the front's copy (the engines have it)
+        return [x for r in res for x in r["results"]], (committed[-1] if committed else None)
+
+    async def _model_spec(self) -> tuple[dict, set]:
+        """``(checkpoint_spec, required names)`` of the served model; also sets ``self._tied``
+        (``tied_checkpoint_names()``, for ``validate_against_spec(tied=...)``)."""
+        if self._spec is None:
+            res = await self.aengine.call_engines(f"{_ENGINE}model_spec", timeout_s=self.rpc_timeout_s)
+            spec, req, self._tied = res[0]
+            self._spec = ({k: tuple(v) for k, v in spec.items()}, set(req))
+        return self._spec
+
+    def _check_not_busy(self, what: str) -> None:
+        if self._busy is not None:
+            raise WeightUpdateStateError(f"{what}: a {self._busy} call is still running; wait for it to return")
+
+    def _record(self, **kw) -> None:
+        entry = {"time": time.time(), **kw}
+        self.last_update = entry
+        self.history.append(entry)
+        for listener in self.update_listeners:
+            try:
+                listener(entry)
+            except Exception:  # noqa: BLE001 - a metrics listener must not fail an update
+                logger.exception("weight update listener failed")
+
+    async def _run_op(self, start_fn: str, args: list, deadline_s: float, what: str,
+                      session: _Session | None = None) -> list[dict]:
+        """Start a background op on every worker and poll until all finished.
+
+        Raises the first worker error as its rlserve class (TransferTimeoutError, ...)."""
+        op_id = uuid.uuid4().hex
+        # Paused engines (an in-place update, or a trainer that paused) step nothing: the engine
+        # thread may then wait for the op (at most _POLL_BLOCK_S per call), so its end is seen at
+        # once instead of after a back-off sleep; the first wait rides on the call that starts
+        # the op. Running engines are polled between steps without blocking. A session that
+        # commits in the engine holds the engine thread for the whole command anyway.
+        commit = session is not None and session.commit_in_engine
+        block = _POLL_BLOCK_S if (commit or self.aengine.is_paused()) else 0.0
+        try:
+            if block:
+                results, committed = await self._rpc_commit(
+                    "start_wait", start_fn, op_id, block, *args,
+                    commit={"version": session.commit_version, "when": "all_ok",
+                            "failure": "a weight update failed after it had changed some parameters"}
+                    if commit else None)
+                if committed is not None:
+                    session.committed_version = committed
+                done = self._poll_results(results, what, session)
+                if done is not None:
+                    return done
+            else:
+                await self._rpc(start_fn, op_id, *args)
+            return await self._poll_op(op_id, deadline_s, what, session)
+        finally:
+            # off the caller's path: later calls to the same engine threads queue behind it
+            self._background(self._forget(op_id))
+
+    def _commits_in_engine(self) -> bool:
+        """Whether a ``/sync_weights`` call runs as one engine-thread command, without pause and
+        resume: ipc (the receive runs on the engine thread and waits for no peer), in place, one
+        replica. A command runs between two steps by itself, so the running requests see the
+        update exactly as under a keep-pause, and the next step already runs (and is stamped)
+        with the new weights; it saves the pause, prefix-cache reset and resume round trips."""
+        return (self._init is not None and self._init.backend == "ipc" and self.staging == "none"
+                and len(self.aengine.engines) == 1)
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` as a task off the caller's path, referenced until it ends (asyncio keeps
+        only weak references to tasks)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forget(self, op_id: str) -> None:
+        await self._rpc_logged("forget", op_id)  # the op table is also cleared on teardown
+
+    async def _rpc_logged(self, fn: str, *args) -> None:
+        """:meth:`_rpc` whose failure is only logged (bookkeeping calls run as background tasks)."""
+        try:
+            await self._rpc(fn, *args, timeout_s=min(self.rpc_timeout_s, 30.0))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("weight transfer worker call %s failed: %s", fn, e)
+
+    @staticmethod
+    def _poll_results(results: list, what: str, session: _Session | None) -> list | None:
+        """The op's results once every worker finished, ``None`` while some still run.
+        Raises the first worker error as its rlserve class (a root cause before the aborts it
+        caused elsewhere)."""
+        if session is not None:
+            # a worker that began writing into the live parameters changed the model, whether or
+            # not a bucket completed (a direct receive killed mid-bucket); one not seen to end may
+            # still write: only an op seen ended on every worker without a write is proven clean
+            if any(r.get("applied") or r.get("touched") for r in results):
+                session.applied = True
+            if all(r.get("done") for r in results):
+                session.in_doubt = False
+        failed = [r for r in results if r.get("done") and not r.get("ok")]
+        if failed:
+            failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
+            r = failed[0]
+            cls = _ERRORS.get(r.get("error_type"), terr.WeightTransferFailedError)
+            raise cls(f"{what} failed on a server worker: {r.get('error_type')}: {r.get('error')}")
+        if all(r.get("done") for r in results):
+            return [r.get("result") for r in results]
+        return None
+
+    async def _poll_op(self, op_id: str, deadline_s: float, what: str, session: _Session | None) -> list:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        sleep = 0.0002  # short ops (an ipc update of a few ms) are seen finished within ~0.2 ms
+        while True:
+            block = _POLL_BLOCK_S if self.aengine.is_paused() else 0.0  # see _run_op
+            done = self._poll_results(await self._rpc("poll", op_id, block), what, session)
+            if done is not None:
+                return done
+            if loop.time() > deadline:
+                raise terr.TransferTimeoutError(f"{what} did not finish within {deadline_s:.0f} s")
+            if block:
+                continue
+            await asyncio.sleep(sleep)
+            sleep = min(sleep * 2, self.poll_interval_s)
+
+    async def _teardown_group(self) -> None:
+        """Abort and leave the group on every worker; never raises."""
+        self._stop_liveness()
+        self._init = None
+        self._ipc_refs = {}
+        for fn in ("abort", "shutdown_transfer"):
+            try:
+                await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
+
+    # ------------------------------------------------------------------ trainer liveness
+    #: Seconds between two looks at the liveness watch (on the event loop; a look is a few
+    #: attribute reads).
+    LIVENESS_POLL_S = 0.05
+
+    def _stop_liveness(self) -> None:
+        if self._liveness is not None:
+            self._liveness.stop()
+        self._liveness = None
+
+    def _new_liveness(self, info: InitInfo) -> StoreLiveness | None:
+        """A watch on the trainer's TCPStore, or ``None`` where the trainer hosts none: TRL's
+        layout (``rank_offset`` 0: server worker 0 hosts it) and ipc without ``master_port``
+        (the SDK's ipc engine hosts one and sends its port; other ipc clients do not)."""
+        if not self.trainer_liveness or info.rank_offset != 1 or not info.master_port:
+            return None
+        return StoreLiveness(info.master_address, info.master_port)
+
+    def _watch_liveness(self, watch: StoreLiveness | None) -> None:
+        """Make ``watch`` (started) the current one and poll it until it is replaced / stopped."""
+        self._stop_liveness()
+        if watch is None:
+            return
+        self._liveness = watch
+        self._liveness_task = asyncio.get_running_loop().create_task(self._poll_liveness(watch))
+
+    async def _poll_liveness(self, watch: PeerLiveness) -> None:
+        while self._liveness is watch:
+            reason = watch.gone()
+            if reason is not None:
+                try:
+                    await self._trainer_gone(watch, reason)
+                except Exception:  # noqa: BLE001 - a background task: log, never raise into the loop
+                    logger.exception("handling the trainer's death failed")
+                return
+            await asyncio.sleep(self.LIVENESS_POLL_S)
+
+    async def _trainer_gone(self, watch: PeerLiveness, reason: str) -> None:
+        """The trainer died: fail the open update exactly as a broken transfer fails (a running
+        receive is aborted: its error names ``reason``; in place with something loaded, 503
+        until a full update; staged, the old weights stay; the pause is released) and leave the
+        group. With no update open, the group is only torn down (the next init starts afresh)."""
+        why = f"the trainer is gone: {reason}"
+        if self._busy == "init":
+            return  # a newer init is replacing the group (and stopped this watch)
+        if self._busy in ("update", "trl"):
+            logger.error("%s; aborting the weight update in progress", why)
+        await self._preempt(why)  # a running call ends through its own failure path
+        if self._liveness is not watch or self._busy is not None:
+            return  # that failure path (or a newer init / shutdown) tore the group down
+        self._busy = "teardown"  # a new init (the trainer restarted) waits for this to end
+        try:
+            if self._session is not None:
+                await self._fail(self._session, terr.TrainerGoneError(why))
+            else:
+                logger.warning("%s; leaving the transfer group (no update was open)", why)
+                await self._teardown_group()
+        finally:
+            self._busy = None
+
+    async def _mark_unavailable(self, reason: str) -> None:
+        """Generation answers 503 with ``reason`` until a full update lands, and the requests in
+        flight or held end now with the same error (:meth:`AsyncEngine.fail_all`): frozen by the
+        update's pause or not, their KV cache holds the old weights' keys and values and the
+        model is now part old, part new."""
+        self._unavailable_by_us = True
+        self.aengine.set_unavailable(reason)
+        logger.error("model marked unavailable: %s", reason)
+        try:
+            n = await self.aengine.fail_all(ModelUnavailableError(reason))
+        except Exception as e:  # noqa: BLE001 - the 503 for new requests is in place already
+            logger.warning("ending the requests in flight failed: %s", e)
+        else:
+            if n:
+                logger.error("%d request(s) in flight ended with the same error", n)
+
+    async def _end_session(self, session: _Session) -> None:
+        if self._session is session:
+            self._session = None
+        if self._init is not None and self._init.backend == "ipc":
+            # the workers drop the lists a session did not use
+            self._ipc_refs = {r: m for r, m in self._ipc_refs.items() if r in session.ipc_refs}
+            # off the caller's path: the next session's calls queue behind it on the engine threads
+            self._background(self._rpc_logged("end_session"))
+        if session.auto_paused:
+            try:
+                await self.aengine.resume()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("resume after weight update failed: %s", e)
+
+    async def _fail(self, session: _Session | None, err: BaseException, teardown: bool = True) -> None:
+        """Failure path of an update: tear down, keep old weights (staged) or mark the model
+        unavailable (in place, if anything was loaded), resume if we paused."""
+        self.num_failures += 1
+        msg = f"{type(err).__name__}: {err}"
+        logger.error("weight update failed: %s", msg)
+        if teardown:
+            await self._teardown_group()
+        elif self.staging != "none":
+            try:
+                await self._rpc("discard")
+            except Exception:  # noqa: BLE001
+                pass
+        if session is not None:
+            if self.staging == "none" and (session.applied or session.in_doubt):
+                await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
+                                             "generation resumes once a full weight update lands")
+            await self._end_session(session)
+        self._record(ok=False, error=msg, staging=self.staging, backend=self._init.backend if self._init else self.backend,
+                     **({"protocol": "trl"} if session is not None and session.trl else {}))
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            s = self._session
+            if s is None:
+                return
+            limit = self._timeout()
+            idle = time.monotonic() - s.last_activity
+            if self._busy is None and idle > limit:
+                logger.error("weight update session idle for %.0f s: abandoning it", idle)
+                what = "/update_named_param/ or /reset_prefix_cache/" if s.trl else "weight-update"
+                err = terr.TransferTimeoutError(f"no {what} call for {limit:.0f} s after the update started "
+                                                "(trainer gone?)")
+                if s.trl:
+                    self._trl_error = err  # the next TRL call reports it
+                await self._fail(s, err)
+                return
+            await asyncio.sleep(min(5.0, max(0.05, limit / 4)))

@@ -1,0 +1,474 @@
+"""The manager's vLLM-style update routes (``/init_weight_transfer_engine`` ...
+``/finish_weight_update``, ``/sync_weights``, shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rlserve.errors import NoTransferEngineError, StaleSessionError, WeightUpdateError, WeightUpdateStateError
+from rlserve.transfer import errors as terr
+from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, validate_against_spec
+from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
+from rlserve.transfer.wire.vllm_ipc import translate_update_info
+from rlserve.transfer.server.session import _Session, check_weight_version, next_version
+
+logger = logging.getLogger(__name__)
+
+
+class UpdateRoutes:
+    """vLLM's weight-sync routes: init, start / update / finish, the one-call ``sync_weights``,
+    shutdown. Mixed into :class:`~rlserve.transfer.server.manager.WeightTransferManager`
+    (its state and helpers live there)."""
+
+    # ================================================================== vLLM-style API
+    async def init_engine(self, init_info: dict) -> dict:
+        """``POST /init_weight_transfer_engine``: every worker joins the transfer group (the
+        trainer joins concurrently). Replaces a previous group; an update in progress is
+        abandoned. Returns once all workers joined, at most ``timeout_s`` (+30) seconds.
+
+        Raises:
+            WeightUpdateError (400): bad init_info, wrong backend / world size.
+            WeightUpdateStateError (409): another init is running.
+            TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
+        """
+        merged = self._init_defaults()
+        if not isinstance(init_info, dict):
+            raise WeightUpdateError("init_info must be a JSON object")
+        merged.update(init_info)
+        if "backend" not in init_info:
+            # vLLM's trainers never name a backend (the server's config does); rlserve's SDK always
+            # does. On NCCL such a trainer speaks vLLM's wire (rlserve.transfer.backends.vllm_group).
+            merged["backend"] = self.backend or "gloo"
+            if merged["backend"] == "nccl":
+                merged.setdefault("wire", "vllm")
+        info = InitInfo.from_dict(merged)
+        if self.backend is not None and info.backend != self.backend:
+            raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
+                                    f"(--weight-transfer-config), the trainer asked for {info.backend!r}")
+        n = self.num_workers
+        if info.backend == "ipc":
+            info.world_size = n + 1  # no group: the field is meaningless
+        elif info.world_size != n + 1:
+            raise WeightUpdateError(f"init_info.world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), "
+                                    f"got {info.world_size}")
+        if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
+            raise WeightUpdateError("the ipc backend needs a CUDA server")
+        # a pending init (a trainer that never joined, or is still joining) is cancelled: the
+        # newer init wins, as a new init also wins over an update in progress
+        await self._preempt("a new init_weight_transfer_engine")
+        if self._busy is not None:
+            raise WeightUpdateStateError(f"init_weight_transfer_engine: a {self._busy} call is still running")
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError("superseded by a new init_weight_transfer_engine"))
+        self._busy = "init"
+        t0 = time.perf_counter()
+        self._stop_liveness()  # the previous trainer's watch: its group is being replaced
+        watch = self._new_liveness(info)
+        try:
+            if watch is not None and info.backend == "ipc":
+                # the SDK's ipc engine hosts a store for its liveness only, up before this call
+                watch.start()
+                if not await asyncio.to_thread(watch.wait_connected, min(10.0, info.timeout_s)):
+                    raise WeightUpdateError(
+                        f"init_info.master_port: no TCPStore answers at {info.master_address}:{info.master_port} "
+                        "(ipc: the trainer's liveness store; send master_port 0 for none)")
+            results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
+                                         "init_weight_transfer_engine")
+            await self._model_spec()
+            self._init = info
+            self._ipc_refs = {}  # the workers' receivers are new
+            if watch is not None and info.backend != "ipc":
+                watch.start()  # the rendezvous went through the trainer's store: it is up
+            self._watch_liveness(watch)
+        except BaseException as e:
+            if watch is not None:
+                watch.stop()
+            await self._teardown_group()
+            why, self._init_cancelled = self._init_cancelled, None
+            if why is not None:
+                raise WeightUpdateStateError(f"init_weight_transfer_engine cancelled by {why}") from e
+            raise
+        finally:
+            self._busy = None
+        ranks = [r.get("rank") for r in results if isinstance(r, dict)]
+        logger.info("weight transfer engine ready: %s, world size %d, worker ranks %s (%.2f s)",
+                    info.backend, info.world_size, ranks, time.perf_counter() - t0)
+        return {"status": "ok", "backend": info.backend, "world_size": info.world_size, "worker_ranks": ranks,
+                "staging": self.staging}
+
+    async def _preempt(self, why: str) -> None:
+        """Abort a running update (workers fail fast) and wait for its failure path."""
+        if self._busy is None:
+            return
+        if self._busy == "init":
+            logger.warning("cancelling the pending rendezvous: %s", why)
+            self._init_cancelled = why
+            try:
+                await self._rpc("abort_init", timeout_s=10.0)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._busy == "update":
+            logger.warning("aborting the weight update in progress: %s", why)
+            try:
+                await self._rpc("abort", why, timeout_s=10.0)
+            except Exception:  # noqa: BLE001
+                pass
+        deadline = time.monotonic() + self._timeout() + 30
+        while self._busy is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def start_update(self, update_info: dict | None = None, pause: bool = True) -> dict:
+        """``POST /start_weight_update``: open an update session.
+
+        Args:
+            update_info: optional declaration of the whole update (rlserve extension; the SDK
+                sends it): validated now, so bad metadata is refused before any data moves;
+                later ``update_weights`` calls must stay within it, and ``finish`` checks that all
+                of it arrived.
+            pause: in place, keep-pause generation until finish (``False``: the one-call path
+                that commits in the engine command, :meth:`sync_weights`).
+        Raises:
+            WeightUpdateStateError (409): no transfer engine, or a session is already open.
+            WeightUpdateError (400): the declared metadata is invalid.
+        """
+        if self._init is None:
+            raise NoTransferEngineError("start_weight_update: no transfer engine; call "
+                                        "/init_weight_transfer_engine first")
+        if self._session is not None:
+            raise WeightUpdateStateError("start_weight_update called twice: an update is already in progress; "
+                                         "call /finish_weight_update (or /shutdown_weight_transfer_engine) first")
+        self._check_not_busy("start_weight_update")
+        self._busy = "start"
+        try:
+            return await self._start_update(update_info, pause)
+        finally:
+            self._busy = None
+
+    def check_session(self, session: str | None) -> None:
+        """Refuse an update call (start / update / finish / sync) that names the transfer group
+        incarnation it belongs to (``session``: its ``init_info.session``) when another init has
+        replaced that group since: its data would go to a group the server no longer listens
+        on, and the current trainer's session would be the one to fail. ``None`` (vLLM-style
+        clients): not checked.
+
+        Raises:
+            WeightUpdateStateError: (HTTP 409, code ``stale_session``).
+        """
+        if session is None:
+            return
+        if not isinstance(session, str):
+            raise WeightUpdateError("session must be a string")
+        current = None if self._init is None else self._init.session
+        if current is not None and session != current:
+            raise StaleSessionError(f"session {session[:40]!r} is not the transfer engine's current one: another "
+                                    "/init_weight_transfer_engine replaced it; initialise again")
+
+    def operator_generation_control(self, action: str) -> None:
+        """Check an operator's ``POST /resume`` (``action="resume"``) or ``POST /pause?mode=M``
+        (``"pause:M"``) against an open in-place update, whose tensors land in the running model.
+
+        Generation must not run until that update finished: ``/resume`` and ``/pause?mode=wait``
+        (which drains the frozen requests by stepping them) are refused. ``abort`` and ``keep``
+        pauses are taken, and an explicit pause then outlives the update (its end no longer
+        resumes; the operator resumes). Staged updates never pause, so nothing is refused there.
+
+        Raises:
+            WeightUpdateStateError: (HTTP 409) the action is refused.
+        """
+        s = self._session
+        if s is None or self.staging != "none" or s.commit_in_engine:
+            return
+        if action in ("resume", "pause:wait"):
+            what = "/resume" if action == "resume" else "/pause?mode=wait (it drains requests by running them)"
+            raise WeightUpdateStateError(
+                f"{what} refused: a weight update is in progress in place, and generation would run on partly "
+                "loaded weights; it resumes when the update finishes or fails "
+                "(/finish_weight_update, /shutdown_weight_transfer_engine)")
+        s.auto_paused = False
+
+    async def _start_update(self, update_info: dict | None, pause: bool = True) -> dict:
+        declared = None
+        if update_info:
+            declared = UpdateInfo.from_dict(update_info).resolved(self._init)
+            spec, req = await self._model_spec()
+            validate_against_spec(declared, spec, req, tied=self._tied)
+            declared.checksums = None
+            declared.ipc_handles = None
+        auto = False
+        if self.staging == "none" and pause and not self.aengine.is_paused():
+            await self.aengine.pause(mode="keep")
+            auto = True
+        self._session = _Session(declared=declared, auto_paused=auto)
+        self._arm_watchdog()
+        return {"status": "started", "staging": self.staging, "paused_by_server": auto,
+                "declared_tensors": None if declared is None else len(declared.names)}
+
+    async def update_weights(self, update_info: dict) -> dict:
+        """``POST /update_weights``: validate, then receive and load (or stage) this update's
+        tensors; returns when every worker has them.
+
+        Raises:
+            WeightUpdateStateError (409): no session / engine, or another call running.
+            WeightUpdateError (400): metadata refused (nothing changed, the group stays usable).
+            WeightTransferFailedError / ChecksumMismatchError / TransferTimeoutError: the transfer
+                broke; the group was torn down (re-init needed).
+        """
+        # vLLM's ipc_handles_pickled: read (restricted) before anything else, so a refused pickle
+        # is a 400 in any state and nothing it names runs
+        update_info = translate_update_info(update_info)
+        if self._init is None:
+            raise NoTransferEngineError("update_weights: no transfer engine; call /init_weight_transfer_engine first")
+        s = self._session
+        if s is None:
+            raise WeightUpdateStateError("update_weights without start_weight_update: call /start_weight_update first")
+        self._check_not_busy("update_weights")
+        self._busy = "update"  # claimed before the first await: a concurrent call gets 409
+        try:
+            return await self._update_weights(s, update_info)
+        finally:
+            self._busy = None
+            s.last_activity = time.monotonic()
+
+    async def _update_weights(self, s: _Session, update_info: dict) -> dict:
+        s.last_activity = time.monotonic()
+        t_in = time.perf_counter()
+        try:
+            info = UpdateInfo.from_dict(update_info).resolved(self._init)
+            meta = None
+            if info.by_ref:  # the tensors of a known ipc handle list: its record has the metadata
+                meta = self._ipc_refs.get(info.ipc_handles_ref)
+                if meta is None:
+                    raise WeightUpdateError(f"update_info.ipc_handles_ref {info.ipc_handles_ref!r} is unknown to this "
+                                            "server: send names, dtype_names, shapes and ipc_handles with it")
+                info.names, info.dtype_names, info.shapes = meta["names"], meta["dtype_names"], meta["shapes"]
+            spec, req = await self._model_spec()
+            if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]):
+                # (the same tensors with the same coverage rule were validated when the ref was given)
+                validate_against_spec(info, spec, req,
+                                      allowed_names=None if s.declared is None else set(s.declared.names),
+                                      already_received=frozenset() if s.trl else s.received,
+                                      check_coverage=s.declared is None, tied=self._tied)
+            check_transport_fields(info, self._init.backend, self._ipc_refs)
+        except WeightUpdateError as e:
+            # The trainer may already be broadcasting (it calls update_weights concurrently with
+            # its collective): leave the group so both ends re-initialise cleanly. No parameter
+            # changed in this call.
+            if self._init.backend != "ipc":
+                await self._fail(s, e)
+                raise WeightUpdateError(f"{e} (the transfer group was torn down: re-initialise with "
+                                        "/init_weight_transfer_engine)") from None
+            raise
+        n_steps = expected_checksum_count(info)
+        t0 = time.perf_counter()
+        try:
+            wire = info.to_dict()
+            if meta is not None:  # the workers fill the metadata from their own record of the ref
+                wire.update(names=[], dtype_names=[], shapes=[])
+            # in place: assume the parameters change from here on until every worker's op was
+            # seen to end without writing (an error before that, e.g. a poll that timed out,
+            # counts as a changed model)
+            s.in_doubt = self.staging == "none"
+            results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive],
+                                         self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
+        except BaseException as e:
+            await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
+            raise
+        secs = time.perf_counter() - t0
+        nbytes = int(results[0].get("bytes", 0)) if results and isinstance(results[0], dict) else 0
+        s.received |= set(info.names)
+        if info.ipc_handles_ref is not None:
+            s.ipc_refs.add(info.ipc_handles_ref)
+            self._ipc_refs[info.ipc_handles_ref] = meta or {
+                "names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "partial": info.partial}
+        s.bytes += nbytes
+        s.seconds += secs
+        s.calls += 1
+        if self.staging == "none" and info.names:
+            s.applied = True
+        first = results[0] if results and isinstance(results[0], dict) else {}
+        replayed = int(first.get("replayed_loads", 0))
+        out = {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
+               "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
+               "replayed_loads": replayed, "validate_seconds": round(t0 - t_in, 6),
+               "worker_seconds": round(float(first.get("seconds", 0.0)), 6),
+               "worker_op_seconds": round(float(first.get("op_seconds", 0.0)), 6)}
+        if "checksums_fused" in first:
+            out["checksums_fused"] = bool(first["checksums_fused"])
+        # every worker received straight into its parameters (rlserve.transfer.server.direct)
+        out["direct_receive"] = bool(results) and all(isinstance(r, dict) and r.get("direct") for r in results)
+        if first.get("phases_s"):
+            out["worker_phases_s"] = {k: round(v, 6) for k, v in first["phases_s"].items()}
+        return out
+
+    async def finish_update(self, weight_version: str | None = None) -> dict:
+        """``POST /finish_weight_update``: commit. Staged: one local copy, run by the engine thread
+        between two steps (one replica) or under a brief keep-pause of every replica (DP); always:
+        prefix-cache reset and the new weight version (``weight_version`` or the current one
+        incremented).
+
+        Raises:
+            WeightUpdateStateError (409): no session, or a call still running.
+            WeightUpdateError (400): the declared update did not fully arrive (staged: nothing
+                committed; in place: the model is marked unavailable if anything was loaded).
+        """
+        weight_version = check_weight_version(weight_version)  # a bad one leaves the session open
+        s = self._session
+        if s is None:
+            raise WeightUpdateStateError("finish_weight_update without start_weight_update")
+        self._check_not_busy("finish_weight_update")
+        self._busy = "finish"
+        try:
+            return await self._finish_update(s, weight_version)
+        finally:
+            self._busy = None
+
+    async def _finish_update(self, s: _Session, weight_version: str | None) -> dict:
+        if s.declared is not None:
+            missing = [n for n in s.declared.names if n not in s.received]
+            if missing:
+                err = WeightUpdateError(self._incomplete_message(s, missing))
+                await self._fail(s, err, teardown=False)
+                raise err
+        _spec, req = await self._model_spec()
+        paused_here = False
+        pause_t0 = None
+        phases: dict[str, float] = {}
+        commit_replayed = None
+        version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
+        staged = self.staging != "none" and bool(s.received)
+        # One replica: a single engine-thread command runs between two steps by itself, so commit +
+        # prefix-cache reset + version need no pause/resume round trips; the next step already runs
+        # (and is stamped) with the new weights. Several replicas switch together, all frozen.
+        in_engine = staged and len(self.aengine.engines) == 1 and not self.aengine.is_paused()
+        try:
+            if staged:
+                if not in_engine and not self.aengine.is_paused():
+                    pause_t0 = time.perf_counter()
+                    await self.aengine.pause(mode="keep")
+                    paused_here = True
+                    phases["pause_s"] = time.perf_counter() - pause_t0
+                t_c = time.perf_counter()
+                workers = await self._commit_staged(version if in_engine else None)
+                phases["commit_in_engine_thread_s" if in_engine else "commit_s"] = time.perf_counter() - t_c
+                phases["worker_commit_s"] = max((r.get("seconds", 0.0) for r in workers), default=0.0)
+                for k in ("load", "post_load", "device_sync"):
+                    phases[f"worker_{k}_s"] = max((r.get("phases_s", {}).get(k, 0.0) for r in workers), default=0.0)
+                commit_replayed = all(r.get("replayed") for r in workers)
+            if s.committed_version is not None:  # the receive's engine command committed
+                version = s.committed_version
+            elif not in_engine:
+                t_r = time.perf_counter()
+                await self.aengine.reset_prefix_cache()
+                phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
+                self.aengine.set_weight_version(version)
+            full = req.issubset(s.received)
+            if full and self._unavailable_by_us:
+                self.aengine.set_unavailable(None)
+                self._unavailable_by_us = False
+                logger.info("full weight update landed: generation available again")
+        except BaseException as e:
+            await self._fail(s, e, teardown=False)
+            if paused_here:
+                await self.aengine.resume()
+            raise
+        if paused_here:
+            await self.aengine.resume()
+            phases["paused_s"] = time.perf_counter() - pause_t0
+        await self._end_session(s)
+        self.num_updates += 1
+        total = time.monotonic() - s.started
+        self._record(ok=True, weight_version=version, tensors=len(s.received), bytes=s.bytes,
+                     transfer_seconds=round(s.seconds, 6), total_seconds=round(total, 6), full=full,
+                     staging=self.staging, backend=self._init.backend if self._init else self.backend,
+                     **({"protocol": "trl"} if s.trl else {}))
+        return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
+                "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
+                "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,
+                "committed_in_engine_command": s.committed_version is not None}
+
+    def _incomplete_message(self, s: _Session, missing: list[str]) -> str:
+        """What ``finish_weight_update`` of a declared update that did not fully arrive did."""
+        head = (f"finish_weight_update: {len(missing)} of the {len(s.declared.names)} declared tensors never "
+                f"arrived (e.g. {missing[:3]})")
+        if self.staging != "none":
+            return f"{head}; nothing was committed: the staged tensors were dropped and the old weights keep serving"
+        if s.applied:
+            return (f"{head}; the {len(s.received)} that arrived were loaded in place, so the model is part old, "
+                    "part new: generation answers 503 until a full weight update lands")
+        return f"{head}; nothing was loaded: the old weights keep serving"
+
+    async def _commit_staged(self, version: str | None) -> list[dict]:
+        """Every worker loads its staging dict into the model (worker_ext ``commit``). With
+        ``version`` (one replica), as one engine-thread command that also resets the prefix cache
+        and sets the weight version. Returns the workers' answers.
+
+        Raises:
+            WeightTransferFailedError: a commit failed; the model is marked unavailable (some
+                workers may have loaded, others not).
+        """
+        t = max(self.rpc_timeout_s, self._timeout())
+        try:
+            # some workers may have loaded when a commit fails: the command quarantines the replica
+            # so that no step runs before the failure path below ends the requests
+            res, _ = await self._rpc_commit("commit", timeout_s=t, commit=None if version is None else {
+                "version": version, "when": "always", "failure": "committing staged weights failed"})
+        except BaseException as e:
+            await self._mark_unavailable(f"committing staged weights failed ({type(e).__name__}: {e}); "
+                                         "generation resumes once a full weight update lands")
+            raise terr.WeightTransferFailedError(f"commit failed: {e}") from e
+        return [r for r in res if isinstance(r, dict)]
+
+    async def sync_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+        """``POST /sync_weights`` (rlserve extension): ``start_weight_update`` +
+        ``update_weights(update_info)`` + ``finish_weight_update(weight_version)`` in one call,
+        for a trainer whose whole update is one ``update_weights`` call (ipc with per-tensor
+        handles). Same validation (everything checked before any byte moves: 400), same failure
+        handling and answers as the three calls; saves two HTTP round trips and the declaration.
+        A refused call leaves no session open (the trainer may retry at once). ipc in place on
+        one replica: no pause / resume; the receive, prefix-cache reset and new version are one
+        engine-thread command (:meth:`_commits_in_engine`).
+
+        Returns:
+            ``finish_weight_update``'s answer plus ``"update"``: ``update_weights``' answer, and
+            ``"sync_phases_s"``: seconds in the start, update and finish steps.
+        Raises:
+            What the three calls raise.
+        """
+        t0 = time.perf_counter()
+        weight_version = check_weight_version(weight_version)  # before anything starts
+        update_info = translate_update_info(update_info)
+        in_engine = self._commits_in_engine()
+        await self.start_update(None, pause=not in_engine)
+        s = self._session
+        if s is not None and in_engine:
+            s.commit_in_engine, s.commit_version = True, weight_version
+        t1 = time.perf_counter()
+        try:
+            upd = await self.update_weights(update_info)
+        except BaseException as e:
+            if s is not None and self._session is s:  # refused before anything moved (ipc 400)
+                await self._fail(s, e, teardown=False)
+            raise
+        t2 = time.perf_counter()
+        fin = await self.finish_update(weight_version)
+        fin["update"] = upd
+        fin["sync_phases_s"] = {"start": round(t1 - t0, 6), "update": round(t2 - t1, 6),
+                                "finish": round(time.perf_counter() - t2, 6)}
+        return fin
+
+    async def shutdown_engine(self) -> dict:
+        """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
+        abandoned: its failure path runs). Serving continues."""
+        await self._preempt("shutdown_weight_transfer_engine")
+        await self._leave_group("the transfer engine was shut down during an update")
+        return {"status": "ok"}
+
+    async def _leave_group(self, session_error: str) -> None:
+        """Leave the transfer group; an open session fails with ``session_error`` first (its
+        pause is released; in place with something loaded, 503 until a full update). The caller
+        has preempted a running call (:meth:`_preempt`)."""
+        if self._session is not None:
+            await self._fail(self._session, WeightUpdateStateError(session_error))
+        await self._teardown_group()
