@@ -48,7 +48,7 @@ def set_fused_sampler(on: bool) -> bool:
 
 def eligible(logits: torch.Tensor, params: list, output_token_ids: list[list[int]], vocab_size: int) -> bool:
     """Whether every row can be sampled by :func:`sample` (see the module docstring)."""
-    if not (_ENABLED[0] and fused_ops.fused_enabled(logits)) or logits.shape[0] != len(params):
+    if not (_ENABLED[0] and fused_ops.triton_enabled(logits)) or logits.shape[0] != len(params):
         return False
     for p, out in zip(params, output_token_ids):
         if p.logprobs or (p.min_tokens and len(out) < p.min_tokens):

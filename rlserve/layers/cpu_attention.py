@@ -12,78 +12,26 @@ time per layer, so that the machine's other load does not count; 2026-12-01): ga
 SDPA 35-40 ms, index_select + SDPA (the fallback now) 20-27 ms, this kernel 6-8 ms. A whole
 SmolLM2 decode step at batch 64 then takes ~0.7 s of CPU instead of ~2.5 s.
 
-The kernel is compiled at first use with the system C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``: the same requirement ``torch.compile`` has on CPU), with
-``-O3 -march=native -fopenmp``, and cached under ``<rlserve cache>/kernels/`` (see
-:func:`rlserve.download.default_cache_root`) by a hash of the source, the flags, the
-compiler and the CPU's flags; later starts load it in milliseconds. A build takes ~1 s.
-Without a compiler, or if the build fails, :func:`paged_decode` returns ``None`` and the
-caller keeps PyTorch (one warning is logged). ``RLSERVE_CPU_ATTENTION=torch`` turns the
-kernel off.
-
-With ``-fopenmp`` the library links ``libgomp.so.1``; torch's own ``libgomp.so.1`` is
-already loaded under that name, so the dynamic loader binds the kernel to torch's OpenMP
-runtime (one thread pool, sized by ``torch.set_num_threads``), not a second one.
+The kernel is built at first use and cached (:mod:`rlserve.layers.cpu_build`: the system C
+compiler, ``-O3 -march=native -fopenmp``, torch's OpenMP runtime). Without a compiler, or if
+the build fails, :func:`paged_decode` returns ``None`` and the caller keeps PyTorch (one
+warning is logged). ``RLSERVE_CPU_ATTENTION=torch`` turns the kernel off.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from rlserve.layers.cpu_build import load_library
 
-_SRC = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 _ENV = "RLSERVE_CPU_ATTENTION"
 
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the ctypes function, or None once loading failed
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU model and flags (``/proc/cpuinfo``)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build(cc: str, src: bytes, out: Path) -> None:
-    """Compile ``src`` into ``out`` (atomically: a temp file renamed into place), with
-    OpenMP when the compiler has it. Raises ``RuntimeError`` with the compiler's output."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for extra in (["-fopenmp"], []):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        cmd = [cc, *_FLAGS, *extra, str(_SRC), "-o", tmp, "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if r.returncode == 0:
-            os.replace(tmp, out)
-            return
-        os.unlink(tmp)
-        errors.append(f"{' '.join(cmd)}: {r.stderr.strip()[-500:]}")
-    raise RuntimeError("; ".join(errors))
 
 
 def _load():
@@ -91,31 +39,15 @@ def _load():
     if "fn" in _state:
         return _state["fn"]
     with _lock:
-        if "fn" in _state:
-            return _state["fn"]
-        fn = None
-        try:
-            cc = _compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-            src = _SRC.read_bytes()
-            key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(),
-                                             _cpu_signature().encode()])).hexdigest()[:20]
-            from rlserve.download import default_cache_root
-
-            lib_path = default_cache_root() / "kernels" / f"paged_decode-{key}.so"
-            if not lib_path.exists():
-                _build(cc, src, lib_path)
-                logger.info("built the CPU paged-attention kernel: %s", lib_path)
-            lib = ctypes.CDLL(str(lib_path))
-            fn = lib.rlserve_paged_decode_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-        except Exception as e:  # noqa: BLE001 - any failure means "use PyTorch"
-            logger.warning("CPU paged-attention kernel unavailable, using PyTorch attention: %s", e)
+        if "fn" not in _state:
+            lib = load_library("paged_decode.c")
             fn = None
-        _state["fn"] = fn
-        return fn
+            if lib is not None:
+                fn = lib.rlserve_paged_decode_f32
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+            _state["fn"] = fn
+        return _state["fn"]
 
 
 def available() -> bool:

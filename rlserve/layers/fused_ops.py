@@ -21,12 +21,15 @@ and the sum; SiLU is rounded before the multiply. So in float32 the results equa
 reference up to the order of the float32 mean, and in bf16 / fp16 they differ only where
 that order (or ``rsqrt``'s last bit) moves a value across a rounding boundary.
 
-Where the kernels run: on CUDA tensors when Triton is installed, unless switched off with
-``RLSERVE_FUSED_KERNELS=0`` (read at import) or :func:`set_fused_kernels`. CPU tensors keep
-the callers' PyTorch code (``RMSNorm``, ``SiluAndMul``, the Llama attention), which is the
-CPU path; tests run the kernels on CPU through Triton's interpreter by asking for it
-explicitly (``set_fused_kernels(True, on_cpu=True)`` with ``TRITON_INTERPRET=1``). Triton is
-imported at the first fused call, never by importing this module.
+Where the kernels run: on CUDA tensors when Triton is installed; on float32 CPU tensors the
+same three functions run the C kernels of :mod:`rlserve.layers.cpu_fused` (same signatures,
+same rounding rules) when those build. Both are switched off with ``RLSERVE_FUSED_KERNELS=0``
+(read at import) or :func:`set_fused_kernels`; the callers then run their PyTorch code
+(``RMSNorm``, ``SiluAndMul``, the Llama attention), the reference. Tests run the Triton
+kernels on CPU through Triton's interpreter by asking for it explicitly
+(``set_fused_kernels(True, on_cpu=True)`` with ``TRITON_INTERPRET=1``; the Triton kernels then
+take CPU tensors instead of the C ones). Triton is imported at the first Triton call, never
+by importing this module.
 """
 
 from __future__ import annotations
@@ -52,10 +55,32 @@ def set_fused_kernels(on: bool, on_cpu: bool = False) -> tuple[bool, bool]:
     return prev
 
 
-def fused_enabled(t: torch.Tensor) -> bool:
-    """Whether the fused kernels run on this tensor: Triton is installed, the kernels are
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels run on this tensor: Triton is installed, the kernels are
     switched on, and the tensor is on a CUDA device (or CPU runs were asked for)."""
     return _ENABLED[0] and HAS_TRITON and (t.is_cuda or _ON_CPU[0])
+
+
+def fused_enabled(t: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm`, :func:`silu_and_mul` and :func:`qkv_norm_rope_write` run fused
+    on this tensor: :func:`triton_enabled`, or a float32 CPU tensor with the C kernels of
+    :mod:`rlserve.layers.cpu_fused` available (and the fused kernels switched on)."""
+    if triton_enabled(t):
+        return True
+    if not _ENABLED[0] or t.device.type != "cpu":
+        return False
+    from rlserve.layers import cpu_fused
+
+    return cpu_fused.takes(t)
+
+
+def _cpu(t: torch.Tensor):
+    """:mod:`rlserve.layers.cpu_fused` when ``t`` goes to the C kernels, else None (Triton)."""
+    if triton_enabled(t):
+        return None
+    from rlserve.layers import cpu_fused
+
+    return cpu_fused
 
 
 def _kernels():
@@ -89,6 +114,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         ``norm(x)`` (same shape and dtype), or ``(norm(x + residual), x + residual)`` with a
         residual.
     """
+    cpu = _cpu(x)
+    if cpu is not None:
+        return cpu.rms_norm(x, weight, eps, residual)
     shape = x.shape
     N = shape[-1]
     x2 = _rows(x)
@@ -112,6 +140,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` in one kernel (``x [..., 2d]`` -> ``[..., d]``, same
     dtype), SiLU rounded to the dtype before the multiply, as the op-by-op code does."""
+    cpu = _cpu(x)
+    if cpu is not None:
+        return cpu.silu_and_mul(x)
     shape = x.shape
     d = shape[-1] // 2
     x2 = _rows(x)
@@ -159,6 +190,10 @@ def qkv_norm_rope_write(
         ``[T, num_heads * head_dim]`` normed and rotated queries, in ``qkv.dtype``. The
         normed, rotated keys and the values are in the cache.
     """
+    cpu = _cpu(qkv)
+    if cpu is not None:
+        return cpu.qkv_norm_rope_write(qkv, positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
+                                       k_cache, v_cache, slot_mapping, q_weight, k_weight, eps)
     T = qkv.shape[0]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
