@@ -16,6 +16,14 @@ What it adds to the engine:
 * final "abort" outputs for aborted requests, and ending every request when a step fails;
 * the replica's weight version, its keep-pause ``frozen`` flag, its quarantine and its stats
   snapshot.
+
+Outputs come in one of two forms. Cumulative (the default, on a thread): the engine's
+``RequestOutput`` s, text included. Deltas (``deltas=True``, in the engine-core process): the
+engine does not detokenize; each step yields a
+:class:`~rlserve.engine.core_protocol.RequestDelta` per request that advanced and is streamed
+or has stop strings, and per request that finished -- only the tokens sampled since its
+previous delta -- and the API process turns them into ``RequestOutput`` s
+(:mod:`rlserve.engine.output_processor`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,12 @@ class _Tracked:
     versions: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     last_output: Any = None
+    # delta mode
+    live: Any = None  # the engine's Request (its Sequences), kept after the engine drops it
+    steps: bool = True  # a delta every step it advances (streamed, or stop strings to match)
+    sent: list = dataclasses.field(default_factory=list)  # per sample: tokens already sent
+    done: list = dataclasses.field(default_factory=list)  # per sample: its finish was sent
+    started: bool = False  # its RequestStart was sent
 
 
 class _StreamingIds:
@@ -80,13 +94,16 @@ class EngineCore:
     """Request bookkeeping of one engine replica.
 
     Args:
-        engine: an :class:`~rlserve.engine.llm_engine.LLMEngine` (or a test fake with
-            ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``).
+        engine: an :class:`~rlserve.engine.llm_engine.LLMEngine` (or, without ``deltas``, a test
+            fake with ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``).
         index: the data-parallel replica index.
         weight_version: the version stamped on outputs until :attr:`weight_version` changes.
+        deltas: yield :class:`~rlserve.engine.core_protocol.RequestDelta` s instead of
+            ``RequestOutput`` s, and switch the engine's detokenization off (an LLMEngine with
+            no request yet).
     """
 
-    def __init__(self, engine, index: int = 0, weight_version: str = "0"):
+    def __init__(self, engine, index: int = 0, weight_version: str = "0", deltas: bool = False):
         self.engine = engine
         self.index = index
         self.weight_version = str(weight_version)
@@ -99,14 +116,37 @@ class EngineCore:
         self._filter = bool(getattr(engine, "supports_output_filter", False))
         self.stats: dict = {}
         self._stats_time = 0.0
+        self.deltas = deltas
+        if deltas:
+            from rlserve.engine import core_protocol
+
+            self._proto = core_protocol
+            engine.detokenize = False
 
     # ---- requests ------------------------------------------------------------------
     def add(self, request_id: str, prompt, params, stream: bool = True, arrival_time: float | None = None) -> None:
-        """Queue a request in the engine. Raises what ``engine.add_request`` raises
-        (InvalidRequestError for bad input); nothing is kept then."""
-        self.engine.add_request(request_id, prompt, params)
-        self.requests[request_id] = _Tracked(stream, time.monotonic() if arrival_time is None else arrival_time,
-                                             prompt, getattr(params, "n", 1) or 1)
+        """Queue a request in the engine. Nothing is kept when it raises.
+
+        Raises:
+            what ``engine.add_request`` raises when it is one of rlserve's errors
+            (InvalidRequestError for bad input); anything else (a bug met by this request only)
+            as :class:`EngineStepError` naming the request and the original error (HTTP 500).
+        """
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except RLServeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this request fails alone; the replica keeps serving
+            logger.exception("engine replica %d could not add request %s", self.index, request_id)
+            raise EngineStepError(f"engine replica {self.index} could not add request {request_id}: "
+                                  f"{type(e).__name__}: {e}") from e
+        n = getattr(params, "n", 1) or 1
+        req = _Tracked(stream, time.monotonic() if arrival_time is None else arrival_time, prompt, n)
+        if self.deltas:
+            req.live = self.engine.requests[request_id]
+            req.steps = bool(stream or params.stop)
+            req.sent, req.done = [0] * n, [False] * n
+        self.requests[request_id] = req
 
     @property
     def halted(self) -> bool:
@@ -128,23 +168,17 @@ class EngineCore:
 
     def step(self) -> list:
         """One engine step. Returns the stamped cumulative outputs of streamed requests that
-        advanced and of every request that finished. Raises what the engine raises (the
-        driver then calls :meth:`fail_all`)."""
+        advanced and of every request that finished (delta mode: their deltas, also for
+        requests with stop strings). Raises what the engine raises (the driver then calls
+        :meth:`fail_all`)."""
+        if self.deltas:
+            return self._step_deltas()
         if self._filter:
             outs = self.engine.step(outputs_for=self._streaming)
             advanced = self.engine.last_step_request_ids
         else:
             outs, advanced = self.engine.step(), None
-        if advanced:
-            version, now = self.weight_version, None
-            for rid in advanced:
-                req = self.requests.get(rid)
-                if req is None:
-                    continue
-                if req.first_token_time is None:
-                    req.first_token_time = now = now or time.monotonic()
-                if not req.versions or req.versions[-1] != version:
-                    req.versions.append(version)
+        self._note_advanced(advanced)
         items = []
         for out in outs:
             req = self.requests.get(out.request_id)
@@ -158,6 +192,76 @@ class EngineCore:
                 req.last_output = out
                 items.append(out)
         return items
+
+    def _note_advanced(self, advanced) -> None:
+        """First-token time and weight version of the requests that got tokens this step."""
+        if advanced:
+            version, now = self.weight_version, None
+            for rid in advanced:
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                if req.first_token_time is None:
+                    req.first_token_time = now = now or time.monotonic()
+                if not req.versions or req.versions[-1] != version:
+                    req.versions.append(version)
+
+    # ---- delta mode --------------------------------------------------------------------
+    def _step_deltas(self) -> list:
+        outs = self.engine.step(outputs_for=())  # cumulative outputs for finished requests only
+        self._note_advanced(getattr(self.engine, "last_step_request_ids", ()))
+        finished = {o.request_id for o in outs if o.finished}
+        items = []
+        for rid, req in list(self.requests.items()):
+            done = rid in finished
+            if done or req.steps:
+                d = self._delta(rid, req, done)
+                if done:
+                    del self.requests[rid]
+                if d is not None:
+                    items.append(d)
+        return items
+
+    def _delta(self, rid: str, req: _Tracked, finished: bool):
+        """``req``'s :class:`~rlserve.engine.core_protocol.RequestDelta` since its previous one
+        (None: nothing new and not finished). ``finished``: its last; samples the engine left
+        unfinished end with "abort"."""
+        proto = self._proto
+        samples = []
+        for i, s in enumerate(req.live.seqs):
+            k, toks, reason = req.sent[i], s.output_token_ids, s.finish_reason
+            if finished and reason is None:
+                reason = "abort"
+            if len(toks) == k and (reason is None or req.done[i]):
+                continue
+            samples.append(proto.SampleDelta(
+                s.index, toks[k:], s.sampled_logprobs[k:], None if s.logprobs is None else s.logprobs[k:],
+                reason, s.stop_reason))
+            req.sent[i] = len(toks)
+            req.done[i] = reason is not None
+        if not samples and not finished:
+            return None
+        start = None
+        if not req.started:
+            live = req.live
+            start = proto.RequestStart(live.prompt_token_ids, live.prompt_logprobs,
+                                       live.extra.get("prompt_logprob_ranks"))
+            req.started = True
+        if not req.versions:
+            req.versions.append(self.weight_version)
+        return proto.RequestDelta(rid, samples, finished, list(req.versions), req.first_token_time, start)
+
+    def stop_samples(self, request_id: str, indices) -> list:
+        """Delta mode: finish samples ``indices`` of a request (a stop string matched in the API
+        process). Returns the request's final delta when that finished it, else ``[]``."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        self.engine.finish_sequences(request_id, indices)
+        if not req.live.finished:
+            return []
+        del self.requests[request_id]
+        return [self._delta(request_id, req, True)]
 
     def abort(self, request_ids) -> list:
         """Abort requests (unknown ids ignored). Returns their final outputs (unfinished samples
@@ -174,6 +278,9 @@ class EngineCore:
         items = []
         for rid in present:
             req = self.requests.pop(rid)
+            if self.deltas:
+                items.append(self._delta(rid, req, True))
+                continue
             out = by_id.get(rid) or abort_output(rid, req.prompt, req.n, req.last_output)
             self._stamp(req, out, bump=False)
             out.finished = True

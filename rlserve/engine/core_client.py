@@ -7,8 +7,11 @@ reaches only the API process, which stops its cores; killing the core's group al
 TP workers). The engine's step loop, scheduler, KV cache and model runner live there, off this
 process's GIL. Messages: :mod:`rlserve.engine.core_protocol`.
 
-A reader thread here receives each step's outputs as one message, decodes it and hands the
-outputs to their requests' event loops (one ``call_soon_threadsafe`` per loop and step). It
+A reader thread here receives each step's token deltas as one message, decodes it, turns the
+deltas into cumulative outputs with text (:class:`~rlserve.engine.output_processor.OutputProcessor`:
+detokenization and stop strings run here, not in the engine's step) and hands them to their
+requests' event loops (one ``call_soon_threadsafe`` per loop and step); samples that a stop
+string ended here are stopped in the core with one message per request. It
 also watches the process itself (a Linux pidfd, else a 100 ms poll): the moment the core dies,
 its requests in flight end with :class:`~rlserve.engine.core.EngineDeadError` (HTTP 503), its
 pending calls fail the same way, and the replica reads as not alive (``/health`` 503).
@@ -33,6 +36,7 @@ import zmq
 
 from rlserve.engine import core_protocol as proto
 from rlserve.engine.core import EngineDeadError
+from rlserve.engine.output_processor import OutputProcessor
 from rlserve.engine.replica import EngineView, Replica, failed_future
 
 logger = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class CoreProcReplica(Replica):
         self.proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
         self._view: EngineView | None = None
+        self._outputs: OutputProcessor | None = None  # built with the view (needs the tokenizer)
         self._reader: threading.Thread | None = None
         self.death: str | None = None  # why the core is gone, once it is
 
@@ -127,6 +132,7 @@ class CoreProcReplica(Replica):
                 raise TimeoutError(f"engine replica {self.index} did not start in {timeout_s}s")
         tok = self._tokenizer_loader() if self._tokenizer_loader is not None else None
         self._view = EngineView(msg.info, tok)
+        self._outputs = OutputProcessor(tok)
         self.alive = True
         self._reader = threading.Thread(target=self._read, name=f"rlserve-core-reader-{self.index}", daemon=True)
         self._reader.start()
@@ -240,8 +246,18 @@ class CoreProcReplica(Replica):
         if isinstance(msg, proto.CoreOutputs):
             if msg.stats is not None:  # before the outputs reach their requests
                 self.stats = msg.stats
-            errors = [(e.request_id, proto.rebuild_error(e.error)) for e in msg.errors]
-            self.route(msg.outputs, errors)
+            outputs, errors, stops, aborts = self._outputs.process(msg.deltas, self.reqs)
+            for e in msg.errors:
+                self._outputs.drop(e.request_id)
+                errors.append((e.request_id, proto.rebuild_error(e.error)))
+            try:  # first: the core stops their work sooner, and before anyone sees these outputs
+                for rid, indices in stops:
+                    self._send(proto.StopSamples(rid, indices))
+                if aborts:
+                    self._send(proto.Abort(aborts))
+            except EngineDeadError:
+                pass
+            self.route(outputs, errors)
         elif isinstance(msg, proto.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():
@@ -262,6 +278,8 @@ class CoreProcReplica(Replica):
                           f"{_exit_text(rc)}; the server cannot generate until it is restarted")
             logger.error("%s", self.death)
         self.fail_routed(self._dead())
+        if self._outputs is not None:
+            self._outputs.clear()
         self._fail_calls()
         if not self._closing:
             self.front._replica_died(self)

@@ -2,8 +2,9 @@
 worker processes) stepping in a process of its own, driven over ZMQ by the API server
 (:mod:`rlserve.engine.core_client` starts it; messages in :mod:`rlserve.engine.core_protocol`).
 
-Between two steps it takes every message waiting on its input socket (adds, aborts, utility
-calls), then runs one step and sends that step's outputs as one message. Idle or frozen (a
+Between two steps it takes every message waiting on its input socket (adds, aborts, stop-string
+stops, utility calls), then runs one step and sends that step's token deltas as one message
+(no text: the API process detokenizes, see :mod:`rlserve.engine.output_processor`). Idle or frozen (a
 keep-pause), it blocks on the input socket. It never outlives the API process: the kernel
 kills it when its parent dies (``PR_SET_PDEATHSIG``), and it also checks its parent id every
 loop. SIGINT is ignored (a Ctrl-C reaches the API process, which stops the cores); SIGTERM
@@ -65,7 +66,7 @@ class CoreServer:
         self.stopping = False
         self._dec = proto.input_decoder()
         self._enc = proto.output_encoder()
-        self._outs: list = []  # outputs not sent yet
+        self._outs: list = []  # RequestDeltas not sent yet
         self._errors: list = []
         self._drain_calls: list[int] = []  # wait_drained calls answered once idle
 
@@ -115,6 +116,12 @@ class CoreServer:
                 self._errors.append(p.RequestError(msg.request_id, p.error_info(e)))
         elif isinstance(msg, p.Abort):
             self._outs.extend(core.abort(msg.request_ids))
+        elif isinstance(msg, p.StopSamples):
+            try:
+                self._outs.extend(core.stop_samples(msg.request_id, msg.indices))
+            except Exception:  # noqa: BLE001 - this request only (its abort ends it)
+                logger.exception("stopping samples of request %s failed", msg.request_id)
+                self._outs.extend(core.abort([msg.request_id]))
         elif isinstance(msg, p.SetWeightVersion):
             core.weight_version = msg.version
         elif isinstance(msg, p.UtilityCall):
@@ -261,7 +268,7 @@ def main(argv=None) -> int:
             resolve_target(init)()
         config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
         engine = LLMEngine(config, dp_index=args.dp_index)
-        core = EngineCore(engine, args.dp_index, args.weight_version)
+        core = EngineCore(engine, args.dp_index, args.weight_version, deltas=True)
         dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
         info = proto.EngineInfo(pid=os.getpid(), vocab_size=int(engine.vocab_size),
                                 max_model_len=int(engine.max_model_len),

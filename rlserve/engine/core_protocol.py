@@ -5,15 +5,23 @@ Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.core_client`):
 * input, API → core (``PUSH`` → ``PULL``): :class:`AddRequest`, :class:`Abort`,
   :class:`SetWeightVersion`, :class:`UtilityCall`, :class:`Shutdown`;
 * output, core → API (``PUSH`` → ``PULL``): :class:`CoreReady` / :class:`CoreFailed` once at
-  start, then :class:`CoreOutputs` (one per engine step: every output of that step in one
-  message) and :class:`UtilityResult`.
+  start, then :class:`CoreOutputs` (one per engine step: every request's :class:`RequestDelta`
+  of that step in one message) and :class:`UtilityResult`.
+
+Outputs cross as token-id deltas: each step sends, per request that advanced, only the tokens
+(and their logprobs) sampled since the request's previous delta -- O(new tokens), not O(length)
+-- and no text: the API process detokenizes, matches stop strings and builds vLLM's cumulative
+``RequestOutput`` (:mod:`rlserve.engine.output_processor`). A stop string found there ends its
+sample in the core with :class:`StopSamples` (the core may have sampled a token or two past it
+meanwhile; the API process drops them, so the result is the in-engine detokenizer's). Which
+requests get a delta each step: streamed ones and those with stop strings; any other request
+gets one delta, when it finishes.
 
 Every message is a msgspec ``Struct`` (tagged union, MessagePack): typed, schema-checked on
-decode, never pickle. Sampling parameters and outputs travel as the engine's own dataclasses
-(:class:`~rlserve.engine.sampling_params.SamplingParams`,
-:class:`~rlserve.engine.outputs.RequestOutput`), so a field added there travels without a
-change here. Messages on one socket arrive in the order they were sent: a utility call's
-result comes after the outputs of every step run before it.
+decode, never pickle. Sampling parameters travel as the engine's own dataclass
+(:class:`~rlserve.engine.sampling_params.SamplingParams`), so a field added there travels
+without a change here. Messages on one socket arrive in the order they were sent: a utility
+call's result comes after the outputs of every step run before it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,6 @@ from typing import Any, Union
 
 import msgspec
 
-from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 
 
@@ -68,11 +75,20 @@ class UtilityCall(msgspec.Struct, tag="call"):
     args: list[Any] = []
 
 
+class StopSamples(msgspec.Struct, tag="stop"):
+    """Finish samples ``indices`` of request ``request_id`` with ``finish_reason == "stop"``
+    (the API process matched a stop string in their text); no reply. When that finishes the
+    request, its final delta is sent (the API process has already ended it)."""
+
+    request_id: str
+    indices: list[int]
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop: fail the requests in flight, shut the engine down, exit."""
 
 
-InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, Shutdown]
+InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, StopSamples, Shutdown]
 
 
 # ---- core → API ------------------------------------------------------------------------
@@ -111,17 +127,73 @@ class RequestError(msgspec.Struct):
     error: ErrorInfo
 
 
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sample of a request gained since its previous delta.
+
+    Attributes:
+        index: the sample's index in ``[0, n)``.
+        token_ids: token ids sampled since (a terminating EOS / stop token id included).
+        sampled_logprobs: per token of ``token_ids`` its logprob (the terms the API process
+            adds up into ``cumulative_logprob``, in the engine's order: the same float).
+        logprobs: per token ``{token_id: logprob}`` (sampled + top-k), when the request asked.
+        finish_reason / stop_reason: set once the engine finished the sample ("stop" with the
+            stop token id or None for EOS / a completed structured output, "length", "abort").
+    """
+
+    index: int
+    token_ids: list[int]
+    sampled_logprobs: list[float]
+    logprobs: Union[list[dict[int, float]], None] = None
+    finish_reason: Union[str, None] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class RequestStart(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Sent once per request, with its first delta: what the engine resolved at its start.
+
+    Attributes:
+        prompt_token_ids: the prompt's ids (the detokenizer's left context).
+        prompt_logprobs / prompt_logprob_ranks: as in
+            :class:`~rlserve.engine.outputs.RequestOutput`, when asked (None before prefill).
+    """
+
+    prompt_token_ids: list[int]
+    prompt_logprobs: Union[list[Union[dict[int, float], None]], None] = None
+    prompt_logprob_ranks: Union[list[Union[int, None]], None] = None
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's progress in one engine step (or command).
+
+    Attributes:
+        request_id: the caller's id.
+        samples: the samples that gained tokens or finished.
+        finished: the engine finished the request (every sample); its last delta.
+        weight_versions: every weight version seen while it ran, in order (the last one
+            produced its newest token).
+        first_token_time: ``time.monotonic()`` seconds of its first sampled token, or None.
+        start: with the request's first delta only.
+    """
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    weight_versions: list[str]
+    first_token_time: Union[float, None] = None
+    start: Union[RequestStart, None] = None
+
+
 class CoreOutputs(msgspec.Struct, tag="outputs"):
     """Everything one engine step (or one command) produced.
 
     Attributes:
-        outputs: stamped cumulative outputs (streamed requests that advanced, finished ones,
-            aborted ones); a ``finished`` one is the request's last message.
+        deltas: per request that advanced (streamed or with stop strings), finished or was
+            aborted, its :class:`RequestDelta`; a ``finished`` one is the request's last.
         errors: requests that ended with an error (refused on add, or a failed step).
         stats: the engine's stats snapshot when it was refreshed (at most every 0.2 s).
     """
 
-    outputs: list[RequestOutput] = []
+    deltas: list[RequestDelta] = []
     errors: list[RequestError] = []
     stats: dict[str, Any] | None = None
 

@@ -124,6 +124,10 @@ class LLMEngine:
 
             self._overlap = OverlapScheduler(self)
         self._grammar_compiler = None  # built on the first structured-output request
+        # False: no text here (the engine-core process: the API process detokenizes, matches stop
+        # strings and calls finish_sequences); each sequence then keeps its sampled tokens'
+        # logprobs (Sequence.sampled_logprobs). Set before the first request.
+        self.detokenize = True
         self.requests: dict[str, Request] = {}
         self.sleep_mode = None  # rlserve.engine.sleep_mode.EngineSleep with enable_sleep_mode
         if config.enable_sleep_mode:
@@ -233,11 +237,12 @@ class LLMEngine:
             seq = Sequence(request_id, i, ids, p, self.config.block_size)
             if params.structured_outputs is not None:
                 seq.grammar = self.grammar_compiler().new_state(params.structured_outputs)
-            seq.detokenizer = (
-                _NullDetokenizer()
-                if self.tokenizer is None
-                else IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
-            )
+            if self.tokenizer is None or not self.detokenize:
+                seq.detokenizer = _NullDetokenizer()
+                if not self.detokenize:
+                    seq.sampled_logprobs = []
+            else:
+                seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
         self.requests[request_id] = req
@@ -280,6 +285,25 @@ class LLMEngine:
 
     def abort_all(self) -> list[RequestOutput]:
         return self.abort_request(list(self.requests))
+
+    def finish_sequences(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> list[RequestOutput]:
+        """Finish samples ``indices`` of a request from outside a step, with ``finish_reason``
+        ``reason`` (the API process matched a stop string in their text). Unknown ids and
+        finished samples are ignored. Returns the request's final output when that finished
+        it (the request is then gone), else ``[]``."""
+        self._drain()
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        wanted = set(indices)
+        for s in req.seqs:
+            if s.index in wanted and not s.is_finished:
+                s.finish_reason = reason
+                self.scheduler.finish(s)
+        if not req.finished:
+            return []
+        del self.requests[request_id]
+        return [self._make_output(req)]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -463,6 +487,8 @@ class LLMEngine:
         p = seq.params
         seq.output_token_ids.append(tok)
         seq.cumulative_logprob += lp
+        if seq.sampled_logprobs is not None:
+            seq.sampled_logprobs.append(lp)
         self.stats_counters["generation_tokens"] += 1
         if seq.logprobs is not None:
             d = {tok: lp}

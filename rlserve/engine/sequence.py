@@ -44,6 +44,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.cache_epoch = -1  # BlockManager.epoch at the last allocation
         self.cumulative_logprob = 0.0
+        # per output token its logprob (the terms of cumulative_logprob), kept only where the
+        # engine does not detokenize (LLMEngine.detokenize False: the API process sums them)
+        self.sampled_logprobs: list[float] | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -1,0 +1,202 @@
+"""Detokenization in the API process (issue 17): the engine-core process sends token ids only and
+:class:`~rlserve.engine.output_processor.OutputProcessor` makes the text, matches stop strings
+and stops samples in the core. Results must equal the engine's own detokenizer (the offline
+``LLM``): stop strings spanning tokens, multi-byte characters split across tokens, n > 1,
+logprobs, min_tokens, include_stop_str_in_output, a stop string completed by the last allowed
+token, streamed and not. The output is forced through a random tiny model with a regex
+(structured outputs), so the text is known."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlserve.engine import core_protocol as proto
+from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+T = 120.0  # bound on every wait (seconds)
+TEXT = "héllo 世界 🙂 the end. STOP now"  # é, 世, 界, 🙂: several byte tokens each
+FORCE = StructuredOutputsParams(regex=TEXT.replace(".", r"\."))
+PROMPT = [5, 6, 7]
+KW = dict(device="cpu", dtype="float32", max_model_len=128)
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 60, "structured_outputs": FORCE, **kw})
+
+
+CASES = {
+    "plain_multibyte_logprobs": dict(logprobs=2),
+    "stop_spanning_multibyte_tokens": dict(stop=["界 🙂"]),
+    "stop_included": dict(stop=["d. S"], include_stop_str_in_output=True),
+    "earliest_of_two_stops": dict(stop=["STOP", "end"], logprobs=0),
+    "n3_sampled_stop": dict(n=3, temperature=1.0, seed=3, stop=["e end"], logprobs=1),
+    "min_tokens_defers_stop": dict(stop=["llo"], min_tokens=8),
+    "eos_text_with_include_stop": dict(include_stop_str_in_output=True, skip_special_tokens=False),
+    "stop_in_eos_text_keeps_eos_reason": dict(stop=["im_end"], include_stop_str_in_output=True,
+                                              skip_special_tokens=False),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    from rlserve import LLM
+    from rlserve.config import EngineConfig
+    from rlserve.engine.async_engine import AsyncEngine
+
+    model = tiny_model("llama")
+    offline = LLM(model, **KW)
+    aeng = AsyncEngine(EngineConfig(model=model, **KW), engine_mode="process")
+    try:
+        yield offline, aeng
+    finally:
+        aeng.shutdown()
+
+
+def _through_core(aeng, sp: SamplingParams, stream: bool) -> tuple:
+    """The final output and every intermediate one (streamed) of one request."""
+    async def run():
+        seen = []
+        async for o in aeng.generate(PROMPT, sp, stream=stream):
+            seen.append(o)
+        return seen
+    seen = asyncio.run(asyncio.wait_for(run(), T))
+    return seen[-1], seen
+
+
+def _same(got, want) -> None:
+    assert len(got.outputs) == len(want.outputs)
+    for g, w in zip(sorted(got.outputs, key=lambda c: c.index), want.outputs):
+        assert g.token_ids == w.token_ids
+        assert g.text == w.text
+        assert (g.finish_reason, g.stop_reason) == (w.finish_reason, w.stop_reason)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+        if w.logprobs is None:
+            assert g.logprobs is None
+        else:
+            assert len(g.logprobs) == len(w.logprobs)
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert set(a) == set(b) and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in b)
+    assert got.prompt_token_ids == want.prompt_token_ids and got.finished
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_process_mode_text_equals_the_engines_own(engines, case):
+    offline, aeng = engines
+    sp = _params(**CASES[case])
+    (want,) = offline.generate([PROMPT], sp)
+    for stream in (False, True):
+        got, seen = _through_core(aeng, sp, stream)
+        _same(got, want)
+        if not stream:
+            assert len(seen) == 1
+            continue
+        for i in range(len(want.outputs)):
+            texts = [o.outputs[i].text for o in seen]
+            for a, b in zip(texts, texts[1:]):
+                assert b.startswith(a)  # streamed text is never taken back
+            assert all("\ufffd" not in t for t in texts)  # no half characters on the way
+            if sp.stop and not sp.include_stop_str_in_output and not sp.min_tokens:
+                assert all(not any(s in t for s in sp.stop) for t in texts)
+    if case == "stop_spanning_multibyte_tokens":
+        assert want.outputs[0].text == "héllo 世" and want.outputs[0].stop_reason == "界 🙂"
+    if case == "n3_sampled_stop":  # the samples tokenized the text differently: stops at different tokens
+        assert len({len(c.token_ids) for c in want.outputs}) > 1
+        assert all(c.text == "héllo 世界 🙂 th" for c in want.outputs)
+    if case == "stop_in_eos_text_keeps_eos_reason":
+        assert want.outputs[0].text.endswith("now<|im_end") and want.outputs[0].stop_reason is None
+
+
+def test_stop_string_completed_by_the_last_allowed_token(engines):
+    """``max_tokens`` reached by the token that completes a stop string: "stop", not "length"."""
+    offline, aeng = engines
+    (full,) = offline.generate([PROMPT], _params())
+    tok = offline.tokenizer
+    ids = full.outputs[0].token_ids
+    k = next(k for k in range(1, len(ids) + 1) if "end" in tok.decode(ids[:k]))
+    sp = _params(stop=["end"], max_tokens=k)
+    (want,) = offline.generate([PROMPT], sp)
+    assert want.outputs[0].finish_reason == "stop" and want.outputs[0].stop_reason == "end"
+    assert len(want.outputs[0].token_ids) == k
+    for stream in (False, True):
+        _same(_through_core(aeng, sp, stream)[0], want)
+
+
+# ---- OutputProcessor alone: tokens past a stop string, per-request errors ------------------
+class _Req:
+    def __init__(self, params, stream=True, prompt=PROMPT):
+        self.params, self.stream, self.prompt, self.arrival_time = params, stream, prompt, 1.0
+
+
+def _delta(rid, toks, lps, finished=False, reason=None, start=True, index=0):
+    return proto.RequestDelta(rid, [proto.SampleDelta(index, toks, lps, None, reason, None)], finished, ["v1"], 2.0,
+                              proto.RequestStart(PROMPT) if start else None)
+
+
+def test_tokens_sampled_past_a_stop_string_are_dropped():
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = tok.encode("ab STOP cd ef")
+    stop_at = next(k for k in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:k]))
+    proc = OutputProcessor(tok)
+    reqs = {"r": _Req(SamplingParams(max_tokens=50, stop=["STOP"]), stream=False)}
+    lps = [-0.5 * (i + 1) for i in range(len(ids))]
+    # the core sampled every token before it heard of the stop: one delta with all of them
+    outs, errors, stops, aborts = proc.process([_delta("r", ids, lps)], reqs)
+    assert not errors and not stops and aborts == ["r"]  # finished here, the core still runs it
+    (out,) = outs
+    c = out.outputs[0]
+    assert out.finished and c.finish_reason == "stop" and c.stop_reason == "STOP"
+    assert c.token_ids == ids[:stop_at] and c.text == "ab "
+    assert c.cumulative_logprob == sum(lps[:stop_at])
+    assert out.weight_versions == ["v1"] and out.first_token_time == 2.0 and len(proc) == 0
+    # later deltas of the request (the core's own end) are dropped
+    assert proc.process([_delta("r", [5], [-1.0], finished=True, reason="abort", start=False)], reqs)[0] == []
+
+
+def test_n2_one_sample_stopped_here_is_stopped_in_the_core():
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    stop_ids, other = tok.encode("x STOP"), tok.encode("hello")
+    proc = OutputProcessor(tok)
+    reqs = {"r": _Req(SamplingParams(n=2, max_tokens=50, stop=["STOP"]))}
+    d = proto.RequestDelta("r", [proto.SampleDelta(0, stop_ids, [0.0] * len(stop_ids)),
+                                 proto.SampleDelta(1, other, [0.0] * len(other))], False, ["0"], None,
+                           proto.RequestStart(PROMPT))
+    outs, errors, stops, aborts = proc.process([d], reqs)
+    assert stops == [("r", [0])] and not aborts and not errors
+    assert not outs[0].finished and outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[1].text == "hello"
+    # sample 0's extra tokens are ignored; sample 1 ends in the core: the request ends
+    d2 = proto.RequestDelta("r", [proto.SampleDelta(0, [5], [0.0]), proto.SampleDelta(1, [2], [0.0], None, "stop")],
+                            True, ["0"])
+    outs, errors, stops, aborts = proc.process([d2], reqs)
+    assert outs[0].finished and outs[0].outputs[0].token_ids == stop_ids and not stops and not aborts
+    assert outs[0].outputs[1].finish_reason == "stop" and outs[0].outputs[1].text == "hello"
+
+
+def test_a_request_whose_outputs_cannot_be_processed_fails_alone():
+    from tests.tiny_models import build_tokenizer
+
+    class Broken:
+        """A tokenizer that cannot decode token 99 (the other tokens decode normally)."""
+
+        def __init__(self, tok):
+            self.tok = tok
+
+        def decode(self, ids, **kw):
+            if 99 in ids:
+                raise ValueError("cannot decode token 99")
+            return self.tok.decode(ids, **kw)
+
+    proc = OutputProcessor(Broken(build_tokenizer()))
+    reqs = {"bad": _Req(SamplingParams()), "good": _Req(SamplingParams())}
+    outs, errors, stops, aborts = proc.process([_delta("bad", [99], [0.0]), _delta("good", [40, 41], [0.0, 0.0])],
+                                               reqs)
+    assert [o.request_id for o in outs] == ["good"] and outs[0].outputs[0].token_ids == [40, 41]
+    ((rid, exc),) = errors
+    assert rid == "bad" and "cannot decode token 99" in str(exc) and type(exc).__name__ == "EngineStepError"
+    assert aborts == ["bad"] and len(proc) == 1
