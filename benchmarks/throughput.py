@@ -69,7 +69,30 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     gen = lambda ps, sps: [len(o.outputs[0].token_ids) for o in llm.generate(ps, sps)]  # noqa: E731
-    return _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
+    res = _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
+    res["async_scheduling"] = getattr(llm.engine, "_overlap", None) is not None
+    if args.profile:
+        _profile(lambda: gen(prompts, params), args)
+    return res
+
+
+def _profile(fn, args) -> None:
+    """Run ``fn`` (the workload again) under cProfile; print the top ``--profile`` functions
+    by own time and by cumulative time (host view: a large own time in a copy or an event wait
+    is the host waiting for the GPU)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    _sync(args.device)
+    prof.disable()
+    print(f"--- cProfile of the workload ({time.perf_counter() - t0:.2f} s under the profiler) ---")
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(args.profile)
+    st.sort_stats("cumulative").print_stats(args.profile)
 
 
 def _timed(engine: str, startup: float, gen, prompts, out_lens, params, SamplingParams, args, sync=None) -> dict:
@@ -204,6 +227,8 @@ def main(argv=None) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="rlserve: run the workload once more under cProfile and print its top N functions")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -237,9 +262,10 @@ def main(argv=None) -> None:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     fused = os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0"
+    overlap = [r["async_scheduling"] for r in results if "async_scheduling" in r]
     print(f"shape={args.shape} device={args.device} ({machine}) dtype={args.dtype} seqs={args.num_seqs} "
           f"lens={args.min_len}..{args.max_len} fused_kernels={fused} "
-          f"async_scheduling={os.environ.get('RLSERVE_ASYNC_SCHEDULING') == '1'}")
+          f"async_scheduling={overlap[0] if overlap else os.environ.get('RLSERVE_ASYNC_SCHEDULING') == '1'}")
     for r in results:
         b1 = f"  batch-1 {r['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in r else ""
         st = f"  startup {r['startup_s']:.1f} s" if "startup_s" in r else ""

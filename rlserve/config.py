@@ -90,6 +90,11 @@ class EngineConfig:
         enable_sleep_mode: weights and KV cache in releasable memory, so ``sleep(level)`` /
             ``wake_up(tags)`` can give the GPU memory back (vLLM's ``--enable-sleep-mode``;
             :mod:`rlserve.engine.sleep_mode`).
+        async_scheduling: overlapped decode (vLLM's ``async_scheduling``): step N+1 is
+            scheduled and launched before step N's tokens are read
+            (:mod:`rlserve.engine.overlap`). None (default): on for a single-process CUDA
+            engine (TP=1), off elsewhere; the environment variable
+            ``RLSERVE_ASYNC_SCHEDULING=0/1`` decides when this field is None.
     """
 
     model: str
@@ -115,6 +120,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     skip_tokenizer_init: bool = False
     enable_sleep_mode: bool = False
+    async_scheduling: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

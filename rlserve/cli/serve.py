@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="POST /sleep?level=1|2 frees the GPU memory of the weights and KV cache, POST /wake_up "
                         "takes it back (colocated training; vLLM's flag)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped decode: launch step N+1 before reading step N's tokens (default: on for "
+                        "CUDA with TP=1; env RLSERVE_ASYNC_SCHEDULING=0/1 when not given)")
 
 
 def engine_config_from_args(args, model_path: str):
@@ -83,6 +86,7 @@ def engine_config_from_args(args, model_path: str):
         data_parallel_size=args.data_parallel_size, device_ids=args.device_ids, quantization=args.quantization,
         max_logprobs=args.max_logprobs, logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
+        async_scheduling=getattr(args, "async_scheduling", None),
     )
 
 

@@ -31,6 +31,7 @@ import random
 
 import torch
 
+from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
 
 _ENABLED = [os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0"]
@@ -92,8 +93,8 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
         else:
             keys.append(derive_seed(p.seed, len(out)))
             offs.append(0)
-    temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
-    ko = torch.tensor(keys + offs, dtype=torch.int64).to(dev, non_blocking=True)
+    temp_t = to_device(temps, torch.float32, dev)
+    ko = to_device(keys + offs, torch.int64, dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     lp = torch.empty(B, dtype=torch.float32, device=dev)
     if B == 0:

@@ -22,6 +22,7 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.engine.scheduler import ScheduledBatch, Scheduler
 from rlserve.engine.sequence import Request, Sequence
 from rlserve.errors import InvalidRequestError
+from rlserve.h2d import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,25 @@ def _sub_seed(seed: int | None, index: int) -> int | None:
     return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def want_async_scheduling(config: EngineConfig, executor) -> bool:
+    """Whether the engine overlaps decode steps (``EngineConfig.async_scheduling``):
+    ``config.async_scheduling`` when set, else ``config.extra["async_scheduling"]`` when
+    present, else ``RLSERVE_ASYNC_SCHEDULING=0/1`` when set, else on exactly when the
+    executor runs on a CUDA device. Never for an executor that cannot take device-side input
+    ids (``supports_device_input_ids``: the multi-process TP executor)."""
+    if not getattr(executor, "supports_device_input_ids", False):
+        return False
+    if config.async_scheduling is not None:
+        return bool(config.async_scheduling)
+    extra = config.extra or {}
+    if "async_scheduling" in extra:
+        return bool(extra["async_scheduling"])
+    env = os.environ.get("RLSERVE_ASYNC_SCHEDULING")
+    if env in ("0", "1"):
+        return env == "1"
+    return torch.device(executor.device).type == "cuda"
+
+
 class LLMEngine:
     """Continuous-batching generation engine (one data-parallel replica).
 
@@ -117,9 +137,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
-        self._overlap = None  # overlapped decode (rlserve.engine.overlap), opt-in
-        if (os.environ.get("RLSERVE_ASYNC_SCHEDULING") == "1" or (config.extra or {}).get("async_scheduling")) \
-                and getattr(executor, "supports_device_input_ids", False):
+        self._overlap = None  # overlapped decode (rlserve.engine.overlap)
+        if want_async_scheduling(config, executor):
             from rlserve.engine.overlap import OverlapScheduler
 
             self._overlap = OverlapScheduler(self)
@@ -306,7 +325,9 @@ class LLMEngine:
         return [self._make_output(req)]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests still running, or outputs not yet returned (an overlapped step finished
+        by a drain, e.g. inside an abort or an RPC, hands its outputs to the next ``step``)."""
+        return bool(self.requests) or (self._overlap is not None and bool(self._overlap.pending))
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV would be stale after a weight update)."""
@@ -446,7 +467,7 @@ class LLMEngine:
                 r += pr.get(r, 0)
                 last_rows.append(r)
                 r += 1
-            logits = logits[torch.tensor(last_rows, device=logits.device)]
+            logits = logits[to_device(last_rows, torch.long, logits.device)]
         meta = SamplingMetadata(
             params=[s.params for s in batch.seqs],
             prompt_token_ids=[s.prompt_token_ids for s in batch.seqs],

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlserve.h2d import to_device
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
     n = len(rows)
     if rows == list(range(n)):
         return tokens[:n].long()
-    idx = torch.tensor(rows, dtype=torch.long).to(tokens.device, non_blocking=True)
+    idx = to_device(rows, torch.long, tokens.device)
     return tokens.index_select(0, idx).long()
 
 
@@ -258,14 +259,14 @@ class ModelRunner:
             idx = step.logits_indices
             if len(idx) == B and idx[0] == 0 and idx[-1] == B - 1:
                 return self.model.compute_logits(hidden)
-            rows = torch.tensor(idx, dtype=torch.long, device=self.device)
+            rows = to_device(idx, torch.long, self.device)
             return self.model.compute_logits(hidden.index_select(0, rows))
         if step.input_ids_from is not None:
             input_ids = gather_rows(*step.input_ids_from).to(self.device)
         else:
-            input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+            input_ids = to_device(step.input_ids, torch.long, self.device)
+        positions = to_device(step.positions, torch.long, self.device)
         meta = self.build_metadata(step)
         hidden = self.model(input_ids, positions, meta)
-        idx = torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)
+        idx = to_device(step.logits_indices, torch.long, self.device)
         return self.model.compute_logits(hidden.index_select(0, idx))

@@ -20,10 +20,13 @@ Block frees while a step is in flight are safe: every later write to a freed blo
 a step launched later on the same stream. Steps overlap only when the next batch is pure
 decode (no prompt waiting), every sequence's sampling ignores its output's *values*
 (no repetition / frequency / presence penalty, no structured output) and the executor takes
-device-side input ids (in-process workers). Otherwise the step runs as before. Off unless
-``RLSERVE_ASYNC_SCHEDULING=1`` or ``config.extra["async_scheduling"]``; anything that changes
-the engine from outside a step (abort, weight loads, RPCs, prefix-cache reset) first calls
-:meth:`OverlapScheduler.drain`, whose outputs the next ``step()`` returns.
+device-side input ids (in-process workers). Otherwise the step runs as before. On by default
+for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
+:func:`rlserve.engine.llm_engine.want_async_scheduling` says how it is decided; off with
+``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
+from outside a step (abort, weight loads, RPCs, prefix-cache reset) first calls
+:meth:`OverlapScheduler.drain`, whose outputs the next ``step()`` returns (until then
+``has_unfinished_requests()`` stays true, so a driver keeps stepping).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def _copy_to_host(out):
     if out.token_ids.device.type != "cuda":
         return out, None
     host = type(out)(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                       if t.numel() else torch.empty(t.shape, dtype=t.dtype)
                        for t in (out.token_ids, out.logprobs, out.topk_token_ids, out.topk_logprobs)))
     done = torch.cuda.Event()
     done.record()

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.engine import fused_sampling
+from rlserve.h2d import to_device
 from rlserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -133,8 +134,8 @@ def _row_token_index(rows: list[list[int]], row_ids: list[int], device) -> tuple
         r.extend([i] * len(toks))
         t.extend(toks)
     return (
-        torch.tensor(r, dtype=torch.long).to(device, non_blocking=True),
-        torch.tensor(t, dtype=torch.long).to(device, non_blocking=True),
+        to_device(r, torch.long, device),
+        to_device(t, torch.long, device),
     )
 
 
@@ -154,8 +155,8 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, eos_token_ids
                     rows.append(i)
                     toks.append(t)
     if rows:
-        r = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        t = torch.tensor(toks, dtype=torch.long).to(logits.device, non_blocking=True)
+        r = to_device(rows, torch.long, logits.device)
+        t = to_device(toks, torch.long, logits.device)
         logits[r, t] = float("-inf")
     return logits
 
@@ -188,15 +189,12 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         r, t = _row_token_index(meta.prompt_token_ids, rep_rows, device)
         keep = t < V
         seen[r[keep], t[keep]] = True
-        pen = torch.tensor([[p.repetition_penalty] for p in meta.params], dtype=torch.float32)
-        pen = pen.to(device, non_blocking=True)
+        pen = to_device([[p.repetition_penalty] for p in meta.params], torch.float32, device)
         pen_full = torch.where(seen, pen, torch.ones((), dtype=torch.float32, device=device))
         logits.copy_(torch.where(logits > 0, logits / pen_full, logits * pen_full))
     if fp_rows:
-        freq = torch.tensor([[p.frequency_penalty] for p in meta.params], dtype=torch.float32)
-        pres = torch.tensor([[p.presence_penalty] for p in meta.params], dtype=torch.float32)
-        freq = freq.to(device, non_blocking=True)
-        pres = pres.to(device, non_blocking=True)
+        freq = to_device([[p.frequency_penalty] for p in meta.params], torch.float32, device)
+        pres = to_device([[p.presence_penalty] for p in meta.params], torch.float32, device)
         logits.sub_(freq * counts + pres * (counts > 0).float())
     return logits
 
@@ -329,18 +327,18 @@ class Sampler:
             return x, greedy_tokens
         temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
         if any(t != 1.0 for t in temps):
-            x.div_(torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1))
+            x.div_(to_device(temps, torch.float32, device).unsqueeze(1))
         ks = [p.top_k if (not g and 0 < p.top_k < V) else V for g, p in zip(greedy, params)]
         ps = [p.top_p if not g else 1.0 for g, p in zip(greedy, params)]
-        k_t = torch.tensor(ks, dtype=torch.long).to(device, non_blocking=True) if any(k < V for k in ks) else None
-        p_t = torch.tensor(ps, dtype=torch.float32).to(device, non_blocking=True) if any(q < 1.0 for q in ps) else None
+        k_t = to_device(ks, torch.long, device) if any(k < V for k in ks) else None
+        p_t = to_device(ps, torch.float32, device) if any(q < 1.0 for q in ps) else None
         if k_t is not None and p_t is None:
             x = apply_top_k_only(x, k_t, max(k for k in ks if k < V))
         else:
             x = apply_top_k_top_p(x, k_t, p_t)
         mps = [p.min_p if not g else 0.0 for g, p in zip(greedy, params)]
         if any(m > 0 for m in mps):
-            apply_min_p(x, torch.tensor(mps, dtype=torch.float32).to(device, non_blocking=True))
+            apply_min_p(x, to_device(mps, torch.float32, device))
         return x, greedy_tokens
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -385,7 +383,7 @@ class Sampler:
             else:
                 q = torch.ones_like(probs)  # greedy rows keep 1 (their draw is replaced below)
                 if unseeded:
-                    idx = torch.tensor(unseeded, dtype=torch.long).to(device, non_blocking=True)
+                    idx = to_device(unseeded, torch.long, device)
                     qu = torch.empty(len(unseeded), V, dtype=probs.dtype, device=device)
                     qu.exponential_(generator=self._generator(device))
                     q[idx] = qu
@@ -398,7 +396,7 @@ class Sampler:
             q.clamp_min_(torch.finfo(q.dtype).tiny)
             token_ids = probs.div_(q).argmax(dim=-1)
             if greedy_tokens is not None:
-                gmask = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+                gmask = to_device(greedy, torch.bool, device)
                 token_ids = torch.where(gmask, greedy_tokens, token_ids)
 
         sampled_logprobs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)

@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 import torch
 
+from rlserve.h2d import to_device
 from rlserve.engine.sampling_params import StructuredOutputsParams
 from rlserve.errors import InvalidRequestError
 
@@ -154,10 +155,10 @@ def apply_grammar_masks(logits: torch.Tensor, states: list) -> torch.Tensor:
     bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
     for j, i in enumerate(rows):
         states[i].fill_mask(bitmask, j)
-    bm = bitmask.to(logits.device, non_blocking=True)
+    bm = to_device(bitmask, torch.int32, logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bm.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), words * 32)[:, :V]
-    idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    idx = to_device(rows, torch.long, logits.device)
     sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)
     return logits

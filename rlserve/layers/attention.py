@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve.h2d import to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -100,10 +102,10 @@ class AttentionMetadata:
         bt_tensor = torch.tensor([list(bt) + [0] * (max_blocks - len(bt)) for bt in block_tables],
                                  dtype=torch.int32).reshape(len(block_tables), max_blocks)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=bt_tensor.to(device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            query_start_loc=to_device(qsl, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(bt_tensor, torch.int32, device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,

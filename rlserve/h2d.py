@@ -1,0 +1,39 @@
+"""Small host-to-device copies that never wait for the GPU (engine and layers use it).
+
+A ``non_blocking`` copy from *pageable* host memory is not asynchronous: the CUDA driver
+may synchronise with the stream before staging it ("API synchronization behavior" in the
+CUDA runtime documentation; PyTorch's pin_memory guide says the same). On the engine's
+overlapped decode path that means the host waits for the step in flight before it can even
+launch the next one. Copies from *pinned* memory are queued and return at once; PyTorch's
+caching host allocator keeps a pinned block alive until the copy that reads it has run, so
+a fresh pinned staging tensor per copy is safe to let go right away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(data, dtype)`` on ``device`` without a host sync.
+
+    Args:
+        data: a (nested) list of Python numbers, or a CPU tensor.
+        dtype: the result's dtype.
+        device: where the result lives; for a CUDA device the values are staged in pinned
+            memory and copied with ``non_blocking=True`` (stream-ordered, no wait).
+    Returns:
+        a tensor on ``device``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        if isinstance(data, torch.Tensor):
+            return data.to(device=device, dtype=dtype)
+        return torch.tensor(data, dtype=dtype, device=device)
+    if isinstance(data, torch.Tensor):
+        host = data.to(dtype=dtype)
+        if not host.is_pinned():
+            host = host.pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
