@@ -71,9 +71,93 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     gen = lambda ps, sps: [len(o.outputs[0].token_ids) for o in llm.generate(ps, sps)]  # noqa: E731
     res = _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
     res["async_scheduling"] = getattr(llm.engine, "_overlap", None) is not None
+    # the extra runs below get other prompt tokens (same lengths): a repeat would hit the prefix cache
+    fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
+    if args.phases:
+        res["phases"] = _phases(llm.engine, lambda: gen(fresh(1), params), args)
     if args.profile:
-        _profile(lambda: gen(prompts, params), args)
+        _profile(lambda: gen(fresh(2), params), args)
     return res
+
+
+def _phases(engine, fn, args) -> dict:
+    """Run ``fn`` (the workload again) with light instruments; returns seconds spent in
+    engine steps that computed prompt tokens (prefill) and in the others (decode), the host's
+    waits for an overlapped step's tokens (the GPU was the bottleneck that long), the time
+    and count of Python's garbage collections, and on CUDA the GPU time from the start of each
+    step's launch to the end of its sampler (``gpu_prefill_s`` / ``gpu_decode_s``, CUDA events;
+    ``wall_s`` minus their sum is time the GPU sat idle between steps)."""
+    import gc
+
+    acc = {"wall_s": 0.0, "prefill_steps_s": 0.0, "decode_steps_s": 0.0, "prefill_steps": 0, "decode_steps": 0,
+           "overlap_wait_s": 0.0, "gc_s": 0.0, "gc_count": [0, 0, 0]}
+    step0 = engine.step
+    c = engine.stats_counters
+
+    def step(*a, **kw):
+        p0 = c["prefill_tokens_computed"]
+        t0 = time.perf_counter()
+        out = step0(*a, **kw)
+        kind = "prefill" if c["prefill_tokens_computed"] != p0 else "decode"
+        acc[f"{kind}_steps_s"] += time.perf_counter() - t0
+        acc[f"{kind}_steps"] += 1
+        return out
+
+    wait0 = None
+    try:
+        from rlserve.engine import overlap as ov
+
+        wait0 = ov._InFlight.wait
+
+        def wait(self):
+            t0 = time.perf_counter()
+            r = wait0(self)
+            acc["overlap_wait_s"] += time.perf_counter() - t0
+            return r
+
+        ov._InFlight.wait = wait
+    except (ImportError, AttributeError):
+        pass
+    gc_t = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t[0] = time.perf_counter()
+        else:
+            acc["gc_s"] += time.perf_counter() - gc_t[0]
+            acc["gc_count"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    engine.step = step
+    events = []  # (start, end, is_prefill) CUDA events around each step's launch: its GPU time
+    launch0 = engine._launch
+    if args.device.startswith("cuda"):
+        def launch(batch, *a, **kw):
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = launch0(batch, *a, **kw)
+            e1.record()
+            events.append((e0, e1, batch.is_prefill))
+            return out
+
+        engine._launch = launch
+    t0 = time.perf_counter()
+    try:
+        fn()
+        _sync(args.device)
+    finally:
+        acc["wall_s"] = time.perf_counter() - t0
+        engine.step = step0
+        engine._launch = launch0
+        for e0, e1, pre in events:
+            k = "gpu_prefill_s" if pre else "gpu_decode_s"
+            acc[k] = acc.get(k, 0.0) + e0.elapsed_time(e1) / 1e3
+        gc.callbacks.remove(on_gc)
+        if wait0 is not None:
+            ov._InFlight.wait = wait0
+    print("phases:", {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()}, flush=True)
+    return acc
 
 
 def _profile(fn, args) -> None:
@@ -227,6 +311,8 @@ def main(argv=None) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--phases", action="store_true",
+                    help="rlserve: run the workload once more, timing prefill vs decode steps, overlap waits, GC")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="rlserve: run the workload once more under cProfile and print its top N functions")
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -74,3 +74,25 @@ def test_abort_between_overlapped_steps(tiny_model):
     ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(
         [PROMPTS[0], PROMPTS[2]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert [done["r0"].outputs[0].token_ids, done["r2"].outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
+
+
+def test_overlap_prefill_steps_and_admissions(tiny_model):
+    # prompts prefilled over several steps (8 tokens per step at most) and, with 3 sequences at
+    # most, admitted while others decode: prefill steps are launched before the step in flight
+    # is read, and every token equals the plain loop's
+    path = tiny_model("qwen3")
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=3)
+    _, ref = _run(path, False, **kw)
+    llm, got = _run(path, True, **kw)
+    _same(got, ref)
+    assert not llm.engine.requests and llm.engine.block_manager.usage() == 0
+
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    eng.step()
+    # the first prefill was read; the second one is already on its way
+    assert eng._overlap.inflight is not None and eng._overlap.inflight.is_prefill
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.block_manager.usage() == 0

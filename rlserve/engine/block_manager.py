@@ -9,7 +9,7 @@ it up again without recomputation.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from rlserve.engine.sequence import Sequence
 
@@ -49,7 +49,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # free blocks in reuse order (front first); an ordered dict so that taking back a cached
+        # free block on a prefix hit is O(1) (a deque's remove scanned every free block: ~0.6 ms
+        # per hit with an H200's ~68k blocks)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         # ids of blocks whose ``hash`` is set: reset_prefix_cache visits these, not every block
         # (an H200's KV cache has tens of thousands of blocks: a full walk cost ~10 ms of stall)
@@ -74,7 +77,7 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------
     def _take_free_block(self) -> Block:
-        block = self.blocks[self.free_block_ids.popleft()]
+        block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]  # evict the cached content
         block.hash = None
@@ -123,7 +126,7 @@ class BlockManager:
                 if bid is not None and self.blocks[bid].token_ids == chunk:
                     block = self.blocks[bid]
                     if block.ref_count == 0:
-                        self.free_block_ids.remove(bid)
+                        del self.free_block_ids[bid]
                     block.ref_count += 1
                     cached += bs
                 else:
@@ -146,10 +149,9 @@ class BlockManager:
             block = self.blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_block_ids.appendleft(bid)  # nothing worth keeping: reuse first
-                else:
-                    self.free_block_ids.append(bid)
+                self.free_block_ids[bid] = None
+                if block.hash is None:  # nothing worth keeping: reuse first
+                    self.free_block_ids.move_to_end(bid, last=False)
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
@@ -163,6 +165,16 @@ class BlockManager:
         previous block's hash once it became full (so generated text is cacheable too)."""
         if seq.num_blocks_needed > len(seq.block_table):
             seq.block_table.append(self._take_free_block().block_id)
+
+    def reserve_decode_slot(self, seq: Sequence) -> bool:
+        """:meth:`can_append` then :meth:`append_slot` in one pass (the scheduler's per-sequence
+        decode step); False, changing nothing, when no block is free for it."""
+        need = (len(seq) + self.block_size - 1) // self.block_size
+        if need > len(seq.block_table):
+            if not self.free_block_ids:
+                return False
+            seq.block_table.append(self._take_free_block().block_id)
+        return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash every full block of ``seq`` not yet hashed (after tokens were computed).

@@ -129,7 +129,10 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len
         if config.max_num_batched_tokens is None:
-            config.max_num_batched_tokens = max(2048, self.max_model_len)
+            # on a GPU, vLLM's server default (8192): fewer, larger prefill steps (a prefill
+            # step runs eagerly: hundreds of kernel launches from Python each)
+            floor = 8192 if torch.device(executor.device).type == "cuda" else 2048
+            config.max_num_batched_tokens = max(floor, self.max_model_len)
         num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -395,6 +398,13 @@ class LLMEngine:
     def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple[Sequence, int, int]]]:
         """Flatten a batch. Returns the step and, per sequence wanting prompt logprobs,
         ``(seq, first_row, n_rows)`` into the logits."""
+        if not batch.is_prefill:  # one token per sequence: the common step, kept lean
+            seqs = batch.seqs
+            slens = [len(s) for s in seqs]
+            B = len(seqs)
+            step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
+                             [s.block_table for s in seqs], list(range(B)), False)
+            return step, []
         input_ids: list[int] = []
         positions: list[int] = []
         qlens, slens, tables, logit_rows = [], [], [], []
@@ -486,25 +496,34 @@ class LLMEngine:
         topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids.numel() else None
         topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs.numel() else None
         touched: dict[str, Request] = {}
+        ended: set[str] = set()  # requests with a sequence that finished in this step
+        requests = self.requests
         for i, seq in enumerate(seqs):
             if token_index is not None:
                 if seq.is_finished:
                     continue
                 del seq.output_token_ids[token_index[i]:]
             seq.num_computed_tokens = len(seq)
-            self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None, topk_lps[i] if topk_lps else None)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            rid = seq.request_id
+            if self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None,
+                                  topk_lps[i] if topk_lps else None):
+                ended.add(rid)
+            touched[rid] = requests[rid]
         outputs = []
         self.last_step_request_ids = list(touched)
+        if outputs_for is not None and not outputs_for and not ended:
+            return outputs  # offline: nothing finished, nothing asked for
         for rid, req in touched.items():
-            if req.finished:
+            if rid in ended and req.finished:
                 outputs.append(self._make_output(req))
-                del self.requests[rid]
+                del requests[rid]
             elif outputs_for is None or rid in outputs_for:
                 outputs.append(self._make_output(req))
         return outputs
 
-    def _append_token(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps) -> None:
+    def _append_token(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps) -> bool:
+        """Append one sampled token to ``seq`` and apply the stop rules; True when ``seq``
+        finished with it."""
         p = seq.params
         seq.output_token_ids.append(tok)
         seq.cumulative_logprob += lp
@@ -537,6 +556,8 @@ class LLMEngine:
         if seq.finish_reason is not None:
             seq.detokenizer.finish()
             self.scheduler.finish(seq)
+            return True
+        return False
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []

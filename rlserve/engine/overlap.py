@@ -16,11 +16,16 @@ launches step N+1 first and processes step N while N+1 runs:
    the usual bookkeeping; a sequence that stops here (EOS, stop token or string) has one
    wasted row in step N+1, whose result is dropped.
 
+Prefill steps overlap the same way: while prompts wait, the next step is a prefill of other
+sequences, whose inputs are all on the host, so it is launched before the step in flight is
+read (the prefill phase of a large batch is otherwise one host sync per step).
+
 Block frees while a step is in flight are safe: every later write to a freed block comes from
-a step launched later on the same stream. Steps overlap only when the next batch is pure
-decode (no prompt waiting), every sequence's sampling ignores its output's *values*
-(no repetition / frequency / presence penalty, no structured output) and the executor takes
-device-side input ids (in-process workers). Otherwise the step runs as before. On by default
+a step launched later on the same stream. A decode step is launched early only when every
+sequence in it was in the step in flight, every sequence's sampling ignores its output's
+*values* (no repetition / frequency / presence penalty, no structured output) and the
+executor takes device-side input ids (in-process workers); a prefill step whenever it is the
+next step. Otherwise the step runs as before, after the step in flight was read. On by default
 for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
 :func:`rlserve.engine.llm_engine.want_async_scheduling` says how it is decided; off with
 ``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
@@ -47,7 +52,8 @@ class _InFlight:
     host: object  # the same in pinned host memory, valid once ``done`` has completed
     done: object  # CUDA event after the device-to-host copies (None on CPU)
     token_index: list[int]  # per sequence: where this step's token goes in its output list
-    row: dict[int, int]  # id(sequence) -> row
+    row: dict  # sequence -> row (sequences hash by identity)
+    is_prefill: bool = False
 
     def wait(self):
         """The step's results on the host (waits for this step's copies only: a ``tolist()``
@@ -91,11 +97,22 @@ class OverlapScheduler:
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
         ids_from = None
         if prev is not None:
-            ids_from = (prev.out.token_ids, [prev.row[id(s)] for s in batch.seqs])
+            ids_from = (prev.out.token_ids, [prev.row[s] for s in batch.seqs])
         index = [len(s.output_token_ids) for s in batch.seqs]
         out = self.engine._launch(batch, ids_from)
         host, done = _copy_to_host(out)
-        return _InFlight(list(batch.seqs), out, host, done, index, {id(s): i for i, s in enumerate(batch.seqs)})
+        return _InFlight(list(batch.seqs), out, host, done, index, {s: i for i, s in enumerate(batch.seqs)},
+                         batch.is_prefill)
+
+    @staticmethod
+    def _launchable(follow, cur: _InFlight) -> bool:
+        """Whether ``follow`` can run before ``cur``'s tokens are read: a prefill (its inputs
+        are on the host), or a decode of ``cur``'s own sequences whose sampling ignores output
+        values (their ids come from ``cur``'s device tensor)."""
+        if follow.is_prefill:
+            return True
+        row = cur.row
+        return overlappable(follow.seqs) and all(s in row for s in follow.seqs)
 
     def _schedule_next(self, cur: _InFlight):
         """Placeholders for ``cur``'s tokens, then the scheduler's next batch."""
@@ -119,15 +136,15 @@ class OverlapScheduler:
             batch = eng.scheduler.schedule()
             if batch is None:
                 return outs
-            if batch.is_prefill or not overlappable(batch.seqs):
+            if not batch.is_prefill and not overlappable(batch.seqs):
                 return outs + eng._finish_step(batch.seqs, eng._launch(batch), outputs_for)
             cur = self._launch(batch, None)
         follow = None
-        if not eng.scheduler.waiting and overlappable(cur.seqs):
+        # prompts waiting: the next step is most likely their prefill, launchable at once
+        if eng.scheduler.waiting or overlappable(cur.seqs):
             follow = self._schedule_next(cur)
-            if (follow is not None and not follow.is_prefill and overlappable(follow.seqs)
-                    and all(id(s) in cur.row for s in follow.seqs)):
-                self.inflight = self._launch(follow, cur)
+            if follow is not None and self._launchable(follow, cur):
+                self.inflight = self._launch(follow, None if follow.is_prefill else cur)
                 follow = None
         outs += eng._finish_step(cur.seqs, cur.wait(), outputs_for, cur.token_index)
         if follow is not None:  # scheduled on placeholders but not launchable early: its ids are real now

@@ -91,19 +91,22 @@ class Scheduler:
             return ScheduledBatch(prefill, is_prefill=True)
 
         decode: list[Sequence] = []
-        queue = list(self.running)
-        while queue:
-            seq = queue.pop(0)
-            while not self.block_manager.can_append(seq):
-                if queue:
-                    self._preempt(queue.pop())
+        queue = self.running
+        bm = self.block_manager
+        i, end = 0, len(queue)  # queue[i:end] still to place; preempted ones are cut off the end
+        while i < end:
+            seq = queue[i]
+            i += 1
+            while not bm.reserve_decode_slot(seq):
+                if end > i:
+                    end -= 1
+                    self._preempt(queue[end])
                 else:
                     self._preempt(seq)
                     seq = None
                     break
             if seq is None:
                 break
-            self.block_manager.append_slot(seq)
             decode.append(seq)
         self.running = decode
         if not decode:

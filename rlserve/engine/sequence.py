@@ -35,6 +35,7 @@ class Sequence:
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
+        self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
         self.output_token_ids: list[int] = []
         self.params = params
         self.block_size = block_size
@@ -55,11 +56,11 @@ class Sequence:
         self.num_preemptions = 0
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self._num_prompt + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_output_tokens(self) -> int:
@@ -104,4 +105,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
