@@ -110,3 +110,41 @@ def test_sequence_allocated_before_reset_never_publishes_its_blocks():
     c = seq(list(range(9)))
     bm.allocate(c)
     assert c.num_cached_tokens == 8
+
+
+def test_free_list_order_and_taking_back_a_cached_free_block():
+    bm = BlockManager(6, 2)
+    a = seq([1, 2, 3, 4, 5], bs=2)  # blocks 0, 1 full (hashed), block 2 partial
+    bm.allocate(a)
+    assert a.block_table == [0, 1, 2]
+    bm.free(a)
+    # the partial block (nothing worth keeping) is reused first, the hashed ones last
+    assert list(bm.free_block_ids) == [2, 3, 4, 5, 1, 0]
+    b = seq([1, 2, 3, 4, 9], bs=2)  # hits blocks 0 and 1: they leave the free list
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 and b.block_table == [0, 1, 2]
+    assert list(bm.free_block_ids) == [3, 4, 5]
+    c = seq([7, 7], bs=2)
+    bm.allocate(c)
+    assert c.block_table == [3] and list(bm.free_block_ids) == [4, 5]
+
+
+def test_scheduler_preemption_order_with_several_running():
+    # decode needs a block for every sequence; the latest started ones are preempted first,
+    # the earliest keep running, and the waiting queue holds the preempted in start order
+    bm = BlockManager(6, 2, enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    ss = [seq([i, i], bs=2) for i in range(3)]
+    for s in ss:
+        sch.add(s)
+    assert sch.schedule().seqs == ss and bm.num_free_blocks == 3
+    for s in ss:
+        s.num_computed_tokens = len(s)
+        s.output_token_ids += [9, 9]  # 4 tokens: a second block each, then a third
+    assert sch.schedule().seqs == ss and bm.num_free_blocks == 0
+    for s in ss:
+        s.output_token_ids.append(9)
+    batch = sch.schedule()
+    # ss[0] needs a block: ss[2] is preempted (2 blocks back); ss[1] takes one of them
+    assert batch.seqs == [ss[0], ss[1]] and list(sch.waiting) == [ss[2]]
+    assert ss[2].status == SequenceStatus.WAITING and sch.num_preemptions == 1

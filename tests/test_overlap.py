@@ -96,3 +96,48 @@ def test_overlap_prefill_steps_and_admissions(tiny_model):
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.block_manager.usage() == 0
+
+
+def test_async_scheduling_decision(monkeypatch):
+    # EngineConfig.async_scheduling wins, then extra["async_scheduling"], then the environment,
+    # else on exactly for a CUDA executor; never for one without device-side input ids
+    from types import SimpleNamespace
+
+    from rlserve.config import EngineConfig
+    from rlserve.engine.llm_engine import want_async_scheduling
+
+    cuda = SimpleNamespace(device="cuda:0", supports_device_input_ids=True)
+    cpu = SimpleNamespace(device="cpu", supports_device_input_ids=True)
+    tp = SimpleNamespace(device="cuda:0")  # the multi-process TP executor
+    cfg = lambda **kw: EngineConfig(model="m", **kw)  # noqa: E731
+    monkeypatch.delenv("RLSERVE_ASYNC_SCHEDULING", raising=False)
+    assert want_async_scheduling(cfg(), cuda) and not want_async_scheduling(cfg(), cpu)
+    assert not want_async_scheduling(cfg(), tp) and not want_async_scheduling(cfg(async_scheduling=True), tp)
+    assert not want_async_scheduling(cfg(async_scheduling=False), cuda)
+    assert want_async_scheduling(cfg(async_scheduling=True), cpu)
+    assert want_async_scheduling(cfg(extra={"async_scheduling": True}), cpu)
+    monkeypatch.setenv("RLSERVE_ASYNC_SCHEDULING", "0")
+    assert not want_async_scheduling(cfg(), cuda)
+    assert want_async_scheduling(cfg(extra={"async_scheduling": True}), cuda)
+    assert want_async_scheduling(cfg(async_scheduling=True), cuda)
+    monkeypatch.setenv("RLSERVE_ASYNC_SCHEDULING", "1")
+    assert want_async_scheduling(cfg(), cpu) and not want_async_scheduling(cfg(async_scheduling=False), cpu)
+
+
+def test_outputs_left_by_a_drain_keep_the_engine_busy(tiny_model):
+    # a step in flight finished by a drain (here inside reset_prefix_cache) may end the last
+    # request: its output waits for the next step(), and until then the engine is not idle,
+    # so a driver that steps while has_unfinished_requests() does not lose it
+    path = tiny_model("llama")
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"async_scheduling": True})
+    eng = llm.engine
+    eng.add_request("only", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()  # the prefill's token is read; the last decode step is in flight
+    assert eng._overlap.inflight is not None
+    eng.reset_prefix_cache()  # drains: the request ends, its output is pending
+    assert not eng.requests and eng.has_unfinished_requests()
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.request_id for o in outs] == ["only"] and outs[0].finished
+    assert len(outs[0].outputs[0].token_ids) == 2
