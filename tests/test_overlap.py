@@ -141,3 +141,17 @@ def test_outputs_left_by_a_drain_keep_the_engine_busy(tiny_model):
         outs += eng.step()
     assert [o.request_id for o in outs] == ["only"] and outs[0].finished
     assert len(outs[0].outputs[0].token_ids) == 2
+
+
+def test_abort_of_a_request_the_drain_finished(tiny_model):
+    # the step in flight ends the request while abort_request drains it: the abort answers with
+    # the real final output and leaves nothing pending (a sleep right after sees no requests)
+    path = tiny_model("llama")
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"async_scheduling": True})
+    eng = llm.engine
+    eng.add_request("only", PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()
+    assert eng._overlap.inflight is not None
+    (out,) = eng.abort_request("only")
+    assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 2
+    assert not eng.has_unfinished_requests() and eng.step() == []

@@ -289,10 +289,16 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown ids are ignored). Returns their final outputs with
-        finish_reason "abort"."""
+        finish_reason "abort" (a request that the overlapped step drained here finished
+        anyway: its real final output instead)."""
         self._drain()
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outs = []
+        pending = self._overlap.pending if self._overlap is not None else None
+        if pending:  # outputs the drain left for these ids: the finished ones are their answer
+            want = set(ids)
+            outs = [o for o in pending if o.request_id in want and o.finished]
+            self._overlap.pending = [o for o in pending if o.request_id not in want]
         for rid in ids:
             req = self.requests.pop(rid, None)
             if req is None:
