@@ -1,5 +1,6 @@
 """--api-key on generation routes (401), control routes refused (403) on a non-loopback
-bind without --admin-key, and --admin-key enforced (401) when given."""
+bind without --admin-key, --admin-key enforced (401) when given, and vLLM's dev mode
+(``--insecure-control-routes`` / ``VLLM_SERVER_DEV_MODE=1``) serving them without a key."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def model_dir(tiny_model):
 def server(model_dir):
     # 0.0.0.0 is not loopback: without --admin-key the control routes must answer 403
     with ServerProcess(model_dir, "--host", "0.0.0.0", "--api-key", KEY, "--served-model-name", "tiny",
-                       "--device", "cpu", "--disable-access-log") as srv:
+                       "--device", "cpu", "--disable-access-log", env={"VLLM_SERVER_DEV_MODE": "0"}) as srv:
         yield srv
 
 
@@ -86,6 +87,53 @@ def test_admin_key_enforced(model_dir):
             # no --api-key: /v1 is open
             r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 200, r.text
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), T))
+    finally:
+        aeng.shutdown()
+
+
+def test_insecure_control_routes_serve_without_a_key(model_dir, monkeypatch):
+    """vLLM's dev mode (what ``trl vllm-serve`` sets): on a public bind without --admin-key the
+    control routes answer without a key; with --admin-key the key still applies. The flag
+    defaults to on exactly when ``VLLM_SERVER_DEV_MODE=1``."""
+    import argparse
+
+    from rlserve.cli import serve as serve_cli
+    from rlserve.config import EngineConfig
+    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.server.app import build_app
+    from rlserve.server.state import ServerSettings
+
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        serve_cli.register(p.add_subparsers())
+        return p.parse_args(["serve", model_dir, *argv])
+
+    for env, flag, want in [("1", (), True), ("0", (), False), (None, (), False), (None, ("--insecure-control-routes",), True)]:
+        if env is None:
+            monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_SERVER_DEV_MODE", env)
+        assert parsed(*flag).insecure_control_routes is want, (env, flag)
+
+    aeng = AsyncEngine(EngineConfig(model=model_dir, device="cpu"))
+    open_app = build_app(aeng, ServerSettings(model=model_dir, served_model_names=["tiny"], host="0.0.0.0",
+                                              insecure_control_routes=True))
+    keyed_app = build_app(aeng, ServerSettings(model=model_dir, served_model_names=["tiny"], host="0.0.0.0",
+                                               admin_key="adm", insecure_control_routes=True))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_app), base_url="http://test",
+                                     timeout=T) as c:
+            r = await c.post("/pause", params={"mode": "keep"})
+            assert r.status_code == 200 and r.json()["mode"] == "keep", r.text
+            assert (await c.post("/resume")).status_code == 200
+            assert (await c.post("/reset_prefix_cache/")).status_code == 200
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=keyed_app), base_url="http://test",
+                                     timeout=T) as c:
+            assert _err(await c.post("/pause"), 401)["code"] == "invalid_admin_key"
 
     try:
         asyncio.run(asyncio.wait_for(main(), T))

@@ -181,6 +181,23 @@ def test_reset_prefix_cache(client):
     client.reset_prefix_cache()
 
 
+def test_trls_default_host_in_vllm_dev_mode(model_dir):
+    """``trl vllm-serve`` with its defaults: ``--host 0.0.0.0`` and ``VLLM_SERVER_DEV_MODE=1`` in the
+    server's environment (it sets it; vLLM then serves its weight-transfer / cache routes with no
+    key). rlserve does the same in that mode, says so in its log, and TRL's client (which sends no
+    key) can reset the cache and reach the weight routes; the generation routes are unchanged."""
+    cmd = build_command(ScriptArguments(model=model_dir, port=0, max_model_len=128))  # TRL's default host
+    flags = cmd[cmd.index("serve") + 2:]
+    assert flags[flags.index("--host") + 1] == "0.0.0.0"
+    with ServerProcess(model_dir, *flags, env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+        c = VLLMClient(base_url=srv.url, connection_timeout=60)
+        c.reset_prefix_cache()  # a control route: 403 on a public bind without dev mode / --admin-key
+        assert c.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}
+        r = c.session.post(f"{srv.url}/close_communicator/")  # the TRL weight routes answer too
+        assert r.status_code == 200, r.text
+        assert "served WITHOUT authentication on 0.0.0.0 (VLLM_SERVER_DEV_MODE=1" in srv.log_tail(100_000)
+
+
 def test_flags_are_trls(model_dir):
     flags = trl_serve_flags(model_dir)
     assert flags[flags.index("--logprobs-mode") + 1] == "processed_logprobs"

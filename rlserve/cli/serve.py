@@ -110,7 +110,14 @@ def register(subparsers) -> None:
                    help="Bearer key for /v1 and /generate/ (default: env RLSERVE_API_KEY, else none)")
     s.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
                    help="Bearer key for control routes (pause/resume/abort/weights; default: env RLSERVE_ADMIN_KEY, "
-                        "else none). Without it, control routes only work on a loopback --host")
+                        "else none). Without it, control routes only work on a loopback --host (see "
+                        "--insecure-control-routes)")
+    s.add_argument("--insecure-control-routes", action="store_true",
+                   default=os.environ.get("VLLM_SERVER_DEV_MODE", "").strip() == "1",
+                   help="serve control routes (pause/resume/abort/weight sync/TRL) WITHOUT a key on a non-loopback "
+                        "--host, as vLLM does in dev mode: anyone who can reach the port can pause the server or "
+                        "replace its weights (default: on when env VLLM_SERVER_DEV_MODE=1 (what `trl vllm-serve` "
+                        "sets), else off). --admin-key, when given, still applies")
     s.add_argument("--weight-transfer-config", type=_json_object, default=None,
                    help='enable weight sync, e.g. \'{"backend": "nccl"}\' (nccl | gloo | ipc)')
     s.add_argument("--weight-staging", default="none", choices=["none", "device", "host"],
@@ -182,11 +189,20 @@ def run(args) -> int:
         model=model_arg, served_model_names=args.served_model_name or [model_arg], host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
         weight_staging=args.weight_staging, max_request_body_bytes=args.max_request_body_bytes,
-        max_request_sequences=args.max_request_sequences,
+        max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
     )
     if settings.admin_key is None and not is_loopback(args.host):
-        logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403",
-                       args.host)
+        if settings.insecure_control_routes:
+            why = "VLLM_SERVER_DEV_MODE=1" if os.environ.get("VLLM_SERVER_DEV_MODE", "").strip() == "1" \
+                else "--insecure-control-routes"
+            logger.warning("control routes (pause/resume/abort/weight sync/TRL) are served WITHOUT authentication "
+                           "on %s (%s, as vLLM's dev mode): anyone who can reach this port can pause the server or "
+                           "replace its weights. Set --admin-key KEY to require 'Authorization: Bearer KEY'.",
+                           args.host, why)
+        else:
+            logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
+                           "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
+                           "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
     rc = 1
     try:
         app = build_app(aengine, settings)

@@ -5,8 +5,8 @@ Route protection:
 
 =========================================  ==================
 ``/v1/*``, ``/generate/``                   ``--api-key``
-``/pause``, ``/resume``,                    ``--admin-key`` (or loopback bind)
-``/reset_prefix_cache[/]``,
+``/pause``, ``/resume``,                    ``--admin-key`` (or loopback bind,
+``/reset_prefix_cache[/]``,                 or ``--insecure-control-routes``)
 ``/abort_requests``, weight-sync routes,
 ``/sleep``, ``/wake_up``
 ``/health[/]``, ``/get_world_size[/]``,     open

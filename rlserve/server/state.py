@@ -52,6 +52,9 @@ class ServerSettings:
         weight_staging: "none", "device" or "host".
         max_request_body_bytes: largest request body (413 above; ``rlserve.server.limits``).
         max_request_sequences: largest prompts x ``n`` of one request (400 above).
+        insecure_control_routes: serve control routes without a key on a non-loopback bind
+            (``--insecure-control-routes``, default on with env ``VLLM_SERVER_DEV_MODE=1``: vLLM's
+            dev mode, which `trl vllm-serve` sets); ``admin_key``, when set, still applies.
     """
 
     model: str
@@ -64,6 +67,7 @@ class ServerSettings:
     weight_staging: str = "none"
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
+    insecure_control_routes: bool = False
 
 
 def is_loopback(host: str) -> bool:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from rlserve.errors import WeightUpdateError, WeightUpdateStateError
+from rlserve.errors import NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, validate_against_spec
 
@@ -76,6 +76,18 @@ class TRLRoutes:
             e, self._trl_error = self._trl_error, None
             raise e
 
+    def _raise_trl_gone(self) -> None:
+        """409 when the TRL group is gone: its failure (recorded for the next TRL call) is reported
+        inside a conflict, not as a 500 -- nothing of this call was attempted, and the trainer's
+        way out is a new ``/init_communicator/``."""
+        if self._init is not None or (self._trl_init_task is not None and not self._trl_init_task.done()):
+            return
+        if self._trl_error is None:
+            raise NoTransferEngineError("update_named_param: no communicator; call /init_communicator/ first")
+        e, self._trl_error = self._trl_error, None
+        raise NoTransferEngineError(f"update_named_param: no communicator (the last one failed or was torn down: "
+                                    f"{type(e).__name__}: {e}); call /init_communicator/ again") from e
+
     async def trl_update_named_param(self, name: str, dtype: str, shape: list[int]) -> dict:
         """TRL ``/update_named_param/``: validate (400 on a bad name / shape / dtype), queue the
         receive, return at once; the trainer then broadcasts. A failure is reported by the next
@@ -88,10 +100,17 @@ class TRLRoutes:
         to the flush (never served part old, part new); staged, the tensors are staged and the
         flush commits them together. A trainer that dies in between (no call for
         ``timeout_s``) is noticed by the session watchdog: staged, nothing changed; in place,
-        503 until a full update lands once anything was loaded."""
+        503 until a full update lands once anything was loaded.
+
+        Raises:
+            WeightUpdateError (400): unknown name, wrong shape / dtype.
+            NoTransferEngineError (409 ``no_transfer_engine``): no communicator -- never
+                initialised, closed, or torn down (e.g. by a failed batch, a shutdown or another
+                trainer's init: the message names why); call ``/init_communicator/`` again.
+            A recorded failure of the batch in progress while its group is still up (500/504).
+        """
+        self._raise_trl_gone()
         self._raise_trl_error()
-        if self._init is None and (self._trl_init_task is None or self._trl_init_task.done()):
-            raise WeightUpdateStateError("update_named_param: no communicator; call /init_communicator/ first")
         info = UpdateInfo(names=[name], dtype_names=[str(dtype)], shapes=[list(shape)], packed=False, partial=True)
         info.validate()
         spec, req = await self._model_spec()

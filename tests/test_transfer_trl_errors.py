@@ -1,0 +1,79 @@
+"""TRL's per-tensor routes after their group is gone: a conflict (409, OpenAI-style JSON error),
+not a 500. Found by schemathesis (issue 23): ``/update_named_param/`` after another call had torn
+the TRL group down answered 500 ``TransferAbortedError``."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient
+from tests.transfer_harness import InProcessServer, free_port
+
+T = 60.0
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model):
+    return tiny_model("llama")
+
+
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["code"], str), err
+    return err
+
+
+def _wait_trl_error(url: str) -> str:
+    deadline = time.monotonic() + T
+    while (e := httpx.get(url + "/weight_info", timeout=T).json()["trl"]["error"]) is None:
+        assert time.monotonic() < deadline, "the TRL failure was never recorded"
+        time.sleep(0.02)
+    return e
+
+
+def test_update_named_param_after_the_trl_group_was_torn_down_is_409(llama_path):
+    named = {"name": "model.norm.weight", "dtype": "torch.float32", "shape": [64]}
+    with InProcessServer(llama_path, transfer_config={"backend": "gloo", "timeout_s": 60}) as srv:
+        # never initialised: 409
+        err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
+        assert err["code"] == "no_transfer_engine" and "/init_communicator/" in err["message"], err
+
+        # schemathesis' case: a TRL tensor being received when another call tears the group
+        # down (the receive ends with TransferAbortedError, recorded for the next TRL call)
+        trl = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=60)
+        trl.init_communicator()
+        trl.http.update_named_param(**named)  # its broadcast never follows
+        deadline = time.monotonic() + T
+        while httpx.get(srv.url + "/weight_info", timeout=T).json()["state"] != "update":
+            assert time.monotonic() < deadline, "the receive never started"
+            time.sleep(0.02)
+        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
+        _wait_trl_error(srv.url)
+        err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
+        assert err["code"] == "no_transfer_engine" and err["type"] == "conflict_error", err
+        assert "TransferAbortedError" in err["message"] and "/init_communicator/ again" in err["message"], err
+        # reported once; nothing was loaded, the server is unharmed
+        err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
+        assert "TransferAbortedError" not in err["message"], err
+        info = httpx.get(srv.url + "/weight_info", timeout=T).json()
+        assert info["trl"]["error"] is None and info["state"] == "uninitialized" and info["weight_version"] == "0"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=T)
+        assert r.status_code == 200, r.text
+        trl.group.destroy(wait_s=5.0)
+
+        # a pending TRL rendezvous (no trainer joins) cancelled by a shutdown: 409 naming it
+        r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": free_port(),
+                                                              "world_size": 2}, timeout=T)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + T
+        while httpx.get(srv.url + "/weight_info", timeout=T).json()["state"] != "init":
+            assert time.monotonic() < deadline, "the rendezvous never started"
+            time.sleep(0.02)
+        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
+        _wait_trl_error(srv.url)
+        err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
+        assert err["code"] == "no_transfer_engine" and "cancelled by shutdown_weight_transfer_engine" in err["message"]
