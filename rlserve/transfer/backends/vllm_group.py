@@ -39,7 +39,7 @@ import torch
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import TransferAbortedError, WeightTransferFailedError
 from rlserve.transfer.backends.group import TransferGroup
-from rlserve.transfer.wire.packing import Bucket, Slot, tensor_nbytes
+from rlserve.transfer.wire.packing import Bucket, plan_buckets
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError
 from rlserve.transfer.wire.vllm_store import (
     UNIQUE_ID_BYTES,
@@ -55,22 +55,8 @@ def plan_vllm_buckets(names, dtypes, shapes, bucket_size_bytes: int) -> list[Buc
     """vLLM's packed layout (``packed_nccl_broadcast_consumer``): tensors back to back in metadata
     order, no alignment or padding; a bucket closes right after the tensor that takes its bytes
     past ``bucket_size_bytes`` (so a tensor larger than that is sent in a bucket with what
-    preceded it). ``Bucket.nbytes`` is the exact message size."""
-    if bucket_size_bytes < 1:
-        raise ValueError("bucket_size_bytes must be >= 1")
-    buckets: list[Bucket] = []
-    slots: list[Slot] = []
-    cur = 0
-    for i, (name, dt, shape) in enumerate(zip(names, dtypes, shapes)):
-        nb = tensor_nbytes(dt, shape)
-        slots.append(Slot(i, name, dt, tuple(int(s) for s in shape), cur, nb))
-        cur += nb
-        if cur > bucket_size_bytes:
-            buckets.append(Bucket(len(buckets), tuple(slots), cur))
-            slots, cur = [], 0
-    if slots:
-        buckets.append(Bucket(len(buckets), tuple(slots), cur))
-    return buckets
+    preceded it). ``Bucket.nbytes`` is the exact message size. Raises ValueError for a size < 1."""
+    return plan_buckets(names, dtypes, shapes, bucket_size_bytes, align=1)
 
 
 def decode_unique_id_b64(s: str) -> bytes:

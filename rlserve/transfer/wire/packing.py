@@ -90,12 +90,16 @@ def plan_buckets(
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[Sequence[int]],
     bucket_size_bytes: int,
+    align: int = ALIGN,
 ) -> list[Bucket]:
     """Lay tensors in order into buckets; a bucket closes once its bytes exceed the size.
 
     Args:
         names / dtypes / shapes: the update's tensors, in send order.
         bucket_size_bytes: ``packed_buffer_size_bytes``.
+        align: each tensor starts at a multiple of this many bytes (rlserve's layout: 256; 1 is
+            vLLM's, tensors back to back with no padding:
+            :func:`rlserve.transfer.backends.vllm_group.plan_vllm_buckets`).
     Returns:
         Buckets in send order; every tensor is in exactly one. Deterministic: trainer and server
         compute the same plan from the same metadata.
@@ -109,7 +113,7 @@ def plan_buckets(
         nb = tensor_nbytes(dt, shape)
         off = cur  # cur is already aligned
         slots.append(Slot(i, name, dt, tuple(int(s) for s in shape), off, nb))
-        cur = _align_up(off + nb)
+        cur = _align_up(off + nb, align)
         if cur > bucket_size_bytes:
             buckets.append(Bucket(len(buckets), tuple(slots), cur))
             slots, cur = [], 0
