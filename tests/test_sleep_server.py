@@ -115,3 +115,79 @@ def test_sleep_mode_off_answers_400(tiny_model):
         _error(_post(srv.url, "/wake_up"), 400, "sleep_mode_disabled")
         assert _sleeping(srv.url) is False
         assert httpx.get(srv.url + "/server_info", timeout=T).json()["sleep"] is None
+
+
+# ----------------------------------------------------------------------------- with weight sync
+def _trainer_model(path):
+    """The trainer's model: the tiny checkpoint plus noise (a non-degenerate greedy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def trainer(server, tiny_model):
+    from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+    from tests.transfer_harness import free_port, greedy_continuation
+
+    hf = _trainer_model(tiny_model("llama"))
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+                                      packed_buffer_size_bytes=64 << 10),
+        client=HTTPWeightSyncClient(server.url, timeout_s=60), source=ModuleSource(hf))
+    eng.expected = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]
+    yield eng
+    eng.shutdown()
+
+
+def test_sync_into_level1_sleep_is_refused(server, trainer):
+    from rlserve.transfer import WeightSyncHTTPError
+
+    url = server.url
+    before = _generate(url).json()["completion_ids"]
+    assert before != trainer.expected
+    assert _post(url, "/sleep", level=1).status_code == 200
+    try:
+        with pytest.raises(WeightSyncHTTPError) as ei:
+            trainer.send_weights()
+        assert ei.value.status_code == 409 and "level 1" in str(ei.value)
+        info = httpx.get(url + "/server_info", timeout=T).json()
+        assert info["sleep"]["tags"] == {"weights": "offloaded", "kv_cache": "discarded"}
+        assert info["unavailable_reason"] is None
+    finally:
+        assert _post(url, "/wake_up").status_code == 200
+    assert _generate(url).json()["completion_ids"] == before  # nothing changed
+
+
+def test_level2_sync_then_wake_gives_the_trainers_greedy(server, trainer):
+    """No wake_up(tags=weights) first: the sync maps the weights' memory itself."""
+    url = server.url
+    assert _post(url, "/sleep", level=2).status_code == 200
+    reloads = httpx.get(url + "/server_info", timeout=T).json()["sleep"]["reloads"]
+    fin = trainer.send_weights()
+    assert fin["full"]
+    info = httpx.get(url + "/server_info", timeout=T).json()
+    assert info["sleep"]["tags"] == {"weights": "awake", "kv_cache": "discarded"} and info["is_sleeping"]
+    _error(_generate(url), 503, "model_sleeping")
+    r = _post(url, "/wake_up", tags="kv_cache")
+    assert r.status_code == 200 and r.json()["is_sleeping"] is False
+    assert r.json()["reloads"] == reloads  # the sync refilled the weights: no reload
+    assert _generate(url).json()["completion_ids"] == trainer.expected
+
+
+def test_sleep_during_an_open_update_is_refused(server, trainer):
+    url = server.url
+    trainer.client.start_weight_update()
+    try:
+        msg = _error(_post(url, "/sleep", level=1), 409, "weight_update_in_progress")
+        assert "update" in msg
+        assert _sleeping(url) is False
+    finally:
+        trainer.client.finish_weight_update()
+    assert _generate(url).json()["completion_ids"] == trainer.expected
