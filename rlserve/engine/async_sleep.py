@@ -193,10 +193,15 @@ class AsyncSleep:
         return self.info()
 
     async def before_weight_sync(self) -> None:
-        """Called by the weight-sync manager before it writes weights: 409 at level 1 (see
-        :meth:`check_weight_sync`); at level 2 the weights' memory is mapped first."""
-        tags = self.check_weight_sync()
-        if tags:
-            async with self._get_lock():
-                if self.check_weight_sync():
-                    await self._wake_locked(tags)
+        """Called by the weight-sync manager before an update may write weights (with its own
+        busy flag set, so no sleep starts after this): waits for a sleep in progress, then 409
+        at level 1 (see :meth:`check_weight_sync`); at level 2 the weights' memory is mapped
+        first (``wake_up(tags=["weights"])``, contents undefined until the update fills them).
+
+        Raises:
+            SleepStateError: ``weights_offloaded``. SleepMemoryError: the memory is taken.
+        """
+        async with self._get_lock():
+            tags = self.check_weight_sync()
+            if tags:
+                await self._wake_locked(tags)
