@@ -43,6 +43,8 @@ from pydantic import BaseModel, StrictInt, StrictStr
 from rlserve.errors import (
     ModelUnavailableError,
     NoTransferEngineError,
+    SleepMemoryError,
+    SleepStateError,
     StaleSessionError,
     WeightUpdateError,
     WeightUpdateStateError,
@@ -57,6 +59,10 @@ _TYPES = {400: "invalid_request_error", 409: "conflict_error", 500: "internal_se
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and error code of an exception raised by the manager."""
+    if isinstance(exc, SleepStateError):  # sleep mode: e.g. a sync into weights a level-1 sleep holds
+        return 409, exc.code
+    if isinstance(exc, SleepMemoryError):
+        return 503, "wake_up_out_of_memory"
     if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):
         return 400, exc.code  # e.g. UnsafePickleError: "unsafe_pickle"
     if isinstance(exc, NoTransferEngineError):
@@ -82,7 +88,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     status, code = error_status(exc)
     if status >= 500 and not isinstance(exc, (WeightUpdateError, TimeoutError)):
         logger.error("weight route failed", exc_info=exc)
-    msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError)) \
+    msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError, SleepStateError,
+                                       SleepMemoryError)) \
         else f"{type(exc).__name__}: {exc}"
     return JSONResponse({"error": {"message": msg, "type": _TYPES.get(status, "error"), "param": None, "code": code}},
                         status_code=status)

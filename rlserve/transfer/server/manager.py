@@ -160,6 +160,22 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self._trl_pending = 0  # update_named_param calls queued or running
 
     # ================================================================== helpers
+    #: sleep mode's front (``rlserve.engine.async_sleep.AsyncSleep``), set by the server when
+    #: ``--enable-sleep-mode`` is on: every update session asks it first (``before_weight_sync``)
+    sleep_mode = None
+
+    def sleep_blocker(self) -> str | None:
+        """Why a ``/sleep`` must be refused now (409), or None: an update session is open, a
+        call is running, or TRL tensors are queued (their weights would land in released
+        memory)."""
+        if self._session is not None:
+            return "a weight update is in progress (finish or shut it down first)"
+        if self._busy is not None:
+            return f"a weight-transfer {self._busy} call is running"
+        if self._trl_pending:
+            return f"{self._trl_pending} TRL update_named_param tensor(s) are queued"
+        return None
+
     @property
     def num_workers(self) -> int:
         """Server workers in the transfer group: TP x DP."""

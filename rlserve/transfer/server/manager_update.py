@@ -196,6 +196,8 @@ class UpdateRoutes:
             validate_against_spec(declared, spec, req, tied=self._tied)
             declared.checksums = None
             declared.ipc_handles = None
+        if self.sleep_mode is not None:  # 409 into weights a level-1 sleep holds; level 2: mapped first
+            await self.sleep_mode.before_weight_sync()
         auto = False
         if self.staging == "none" and pause and not self.aengine.is_paused():
             await self.aengine.pause(mode="keep")
