@@ -11,7 +11,8 @@ handles of the trainer's own parameters travel once as JSON, later syncs are one
 ``/sync_weights`` call and the server copies straight out of the trainer's memory (CUDA IPC
 needs no NCCL, which refuses two ranks on one GPU). Every generation's greedy completions are
 compared token for token with the trainer's own ``generate`` (16-bit dtypes: up to near ties,
-``--tie-tolerance``); exit status 3 if one differs. Each phase's time, and the device memory
+``--tie-tolerance``), and after every sync the server's weights with the trainer's (sha256 of
+each tensor, ``/weight_checker``); exit status 3 if one differs. Each phase's time, and the device memory
 the trainer sees free before and after each sleep (``torch.cuda.mem_get_info``), are printed
 (``--report FILE``: also as JSON).
 
@@ -66,6 +67,16 @@ def _trainer_model(model_dir: str, device: str, dtype: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return model.to(torch_dtype(dtype)).eval()
+
+
+def _weights_equal(engine, model, dtype: str) -> bool:
+    """Whether the server's weights are the trainer's, bit for bit (``/weight_checker``: sha256
+    of every tensor on both sides, in the server's dtype)."""
+    from rlserve.demo import torch_dtype
+    from rlserve.transfer import ModuleSource, hf_state_checksums
+
+    mine = hf_state_checksums(ModuleSource(model).named_tensors(), torch_dtype(dtype))
+    return bool(engine.client.weight_checker(compare=mine)["compare"]["match"])
 
 
 def training_step(model, free_bytes: int, fill: float = 0.8) -> dict:
@@ -207,11 +218,14 @@ def _loop(args, layout, model_dir, url, tol, report, server) -> int:
                 engine.send_weights()
                 row["sync_s"] = time.perf_counter() - t1
             row["wake_and_sync_s"] = time.perf_counter() - t0
+            row["weights_equal_trainer"] = _weights_equal(engine, model, args.dtype)  # sha256 per tensor
+            mismatched += not row["weights_equal_trainer"]
             report["iterations"].append(row)
             print(f"[{it}] generate {row['generate_s']:.2f}s (= trainer {row['greedy_equal_trainer']}), "
                   f"sleep {row['sleep_s']:.2f}s releasing {row['released_gib']:.1f} GiB, train step "
                   f"{row['train_step_s']:.2f}s holding {row['train_held_gib']:.1f} GiB, wake + sync "
-                  f"{row['wake_and_sync_s']:.2f}s (sync {row['sync_s']:.2f}s)", flush=True)
+                  f"{row['wake_and_sync_s']:.2f}s (sync {row['sync_s']:.2f}s), weights = trainer's: "
+                  f"{row['weights_equal_trainer']}", flush=True)
     finally:
         engine.shutdown()
     if mismatched:

@@ -196,3 +196,39 @@ def test_sleep_mode_off(tiny_model):
     with pytest.raises(SleepStateError) as ei:
         llm.sleep()
     assert ei.value.code == "sleep_mode_disabled"
+
+
+def test_wake_without_free_memory_stays_asleep(tiny_model, monkeypatch):
+    """The driver says out of memory (another process holds it): SleepMemoryError (HTTP 503),
+    nothing half-awake (a region that did come back is released again), a later wake works."""
+    from rlserve.engine.cuda_vmm import CUDADriverError
+    from rlserve.engine.sleep_memory import WorkerSleep
+    from rlserve.errors import SleepMemoryError
+
+    class TakenArena(HostArena):
+        taken = False
+
+        def map(self):
+            if not self.mapped and TakenArena.taken and self.size > 1 << 20:  # the KV arena (4 MiB)
+                raise CUDADriverError("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+            super().map()
+
+    init = WorkerSleep.__init__
+    monkeypatch.setattr(WorkerSleep, "__init__", lambda self, worker: init(self, worker, arena_factory=TakenArena))
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+              kv_cache_bytes=4 << 20, enable_sleep_mode=True)
+    ws = llm.engine.executor.sleep
+    assert ws.regions["weights"].arena.size < 1 << 20 < ws.regions["kv_cache"].arena.size
+    before = _greedy(llm)
+    llm.sleep(level=1)
+    TakenArena.taken = True
+    with pytest.raises(SleepMemoryError):
+        llm.wake_up()  # weights come back first, then the KV cache fails
+    assert llm.engine.sleep_mode.info()["tags"] == {"weights": "offloaded", "kv_cache": "discarded"}
+    assert ws.state == {"weights": "offloaded", "kv_cache": "discarded"}  # weights released again
+    assert not ws.regions["weights"].arena.mapped
+    with pytest.raises(ModelSleepingError):
+        llm.generate(PROMPTS, GREEDY)
+    TakenArena.taken = False
+    llm.wake_up()
+    assert _greedy(llm) == before

@@ -215,3 +215,7 @@ def test_level2_reload_and_trainer_sync(llm):
                        "mismatch_gaps": [m.gap for m in mism]})
     assert after != before
     assert all(m.near_tie(0.5) for m in mism), [(m.index, m.first_difference, m.gap) for m in mism]
+    # exact: the same trainer weights loaded into the awake engine give the same parameters
+    fp = _fingerprint(llm)
+    llm.engine.load_weights((k, v) for k, v in trainer.state_dict().items())
+    assert torch.equal(_fingerprint(llm), fp)
