@@ -1,4 +1,4 @@
-"""rlserve.layers.cpu_linear: the LM head's CPU product equals F.linear."""
+"""rlserve.layers.cpu_linear: the LM head's CPU product and the packed decoder linears equal F.linear."""
 
 from __future__ import annotations
 
@@ -30,3 +30,33 @@ def test_weight_updated_in_place_is_seen():
 def test_other_dtypes_use_f_linear():
     x, w = torch.randn(3, 64).bfloat16(), torch.randn(50, 64).bfloat16()
     torch.testing.assert_close(cl.cpu_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 2, 64, 256, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(m, bias):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=g), torch.randn(960, 576, generator=g)
+    b = torch.randn(960, generator=g) if bias else None
+    packed = cl.pack_weight(w)
+    assert packed is not None, "torch here has oneDNN: decode-sized products must use the packed copy"
+    torch.testing.assert_close(cl.packed_linear(x, w, packed, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_packed_copy_follows_process_weights_after_loading(monkeypatch):
+    """The packed copy is a snapshot: a layer serves new weights once its method's
+    process_weights_after_loading ran (what every load path calls), and packing can be
+    switched off."""
+    from rlserve.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(64, 96, bias=False)
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
+    layer.weight.data.mul_(-3)
+    layer.quant_method.process_weights_after_loading(layer)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
+    assert cl.pack_weight(layer.weight.data.bfloat16()) is None
+    monkeypatch.setenv(cl.PACKED_ENV, "0")
+    assert cl.pack_weight(layer.weight.data) is None

@@ -351,6 +351,10 @@ class LLMEngine:
         if self.sleep_mode is not None:
             self.sleep_mode.check_weights_writable()
         names = self.executor.load_weights(weights)
+        # what every weight-sync path does after writing weights: derived state (fp8 scales,
+        # CPU packed linear weights) follows the new values
+        rpc = getattr(self.executor, "collective_rpc", None) or self.executor.call
+        rpc("rlserve.loader.model_loader:process_worker_weights")
         self.reset_prefix_cache()
         if self.sleep_mode is not None:
             self.sleep_mode.note_weights_loaded()

@@ -7,14 +7,27 @@ one thread, CPU time (2026-12-01): N=1 13.9 -> 11.4 ms, N=8 48.7 -> 29.4 ms, N=6
 77 ms, N=256 342 -> 324 ms. For the decoder's narrower projections the two were within
 noise of each other or MKL was faster, so only the LM head uses this.
 
-The weight is passed as a plain dense tensor (no oneDNN pre-packed copy), so in-place
-weight updates (weight sync) are seen at the next call with nothing to invalidate. Results
-are float32 (oneDNN's default fp32 math mode), equal to MKL's up to summation order.
+There the weight is passed as a plain dense tensor, so in-place weight updates (weight
+sync) are seen at the next call with nothing to invalidate.
+
+The decoder's linears at decode-step sizes (2-256 rows: one per running sequence) run on
+a oneDNN pre-packed copy of the weight (:func:`pack_weight`, oneDNN's blocked layout for a
+batch of 64): 30 layers of SmolLM2-135M's four projections, one thread, CPU time, three
+interleaved runs each at load 8-10 (2026-12-01): 2 rows MKL 145-168 ms -> packed 101-107, 8
+rows 185-231 -> 139-178, 32 rows 280-366 -> 217-284, 128 rows 629-802 -> 599-623, 256 rows
+947-1,387 -> 877-998; 1 row 57-67 -> 78-96 (slower: one row keeps MKL, as do prefill
+sizes, where MKL reaches ~65 GFLOPS, the machine's practical peak). The packed copy costs a
+second copy of those weights in memory and must be rebuilt whenever the weights change:
+the linear layers do it in ``process_weights_after_loading``, which the loader, every
+weight-sync path and ``LLMEngine.load_weights`` call after writing weights (a test syncs new
+weights and checks the served greedy tokens). ``RLSERVE_CPU_PACKED_LINEAR=0`` turns it off.
+Results are float32 (oneDNN's default fp32 math mode), equal to MKL's up to summation order.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +35,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _state: dict = {}
+
+PACKED_ENV = "RLSERVE_CPU_PACKED_LINEAR"
+PACK_ROWS = 64  # the batch size oneDNN's layout is chosen for
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256  # where the packed copy measured faster (see above)
 
 
 def _onednn_ok() -> bool:
@@ -44,4 +61,30 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > 0
             and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32) and _onednn_ok()):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN pre-packed copy of ``weight [N, K]`` (float32, CPU, contiguous) for
+    :func:`cpu_linear`'s ``packed``; ``None`` where packing does not apply (another device or
+    dtype, oneDNN missing, ``RLSERVE_CPU_PACKED_LINEAR=0``). The copy does not follow later
+    writes to ``weight``: call again after every weight update."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
+            or not weight.is_contiguous() or os.environ.get(PACKED_ENV, "1") == "0" or not _onednn_ok()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    except Exception as e:  # noqa: BLE001 - no packed copy: MKL
+        logger.info("oneDNN weight packing unavailable, using F.linear: %s", e)
+        return None
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight.T + bias`` on CPU: on ``packed`` (from :func:`pack_weight` of this
+    same ``weight``) for ``PACKED_MIN_ROWS <= M <= PACKED_MAX_ROWS`` float32 2-D inputs, else
+    ``F.linear`` on ``weight``."""
+    if (packed is not None and x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS
+            and x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

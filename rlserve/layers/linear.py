@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.layers.cpu_linear import pack_weight, packed_linear
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
 
@@ -138,7 +139,9 @@ class LinearMethodBase:
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """Plain ``F.linear`` on a weight of the model dtype."""
+    """Plain ``F.linear`` on a weight of the model dtype; on CPU in float32, decode-sized
+    inputs run on a oneDNN pre-packed copy of the weight (:mod:`rlserve.layers.cpu_linear`),
+    rebuilt by :meth:`process_weights_after_loading` after every load."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -150,7 +153,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
+        packed = layer.__dict__.get("_cpu_packed_weight")
+        if packed is not None:
+            return packed_linear(x, layer.weight, packed, bias)
         return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer):
+        """(Re)build the CPU packed copy of ``layer.weight`` (``None`` off CPU/float32)."""
+        layer.__dict__["_cpu_packed_weight"] = pack_weight(layer.weight.data)
 
 
 class LinearBase(nn.Module):

@@ -94,6 +94,12 @@ def process_weights_after_loading(model: nn.Module) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
+def process_worker_weights(worker) -> None:
+    """:func:`process_weights_after_loading` of ``worker.model`` (an rpc target: runs inside
+    the worker's TP context)."""
+    process_weights_after_loading(worker.model)
+
+
 def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype, quant_config=None) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and load its weights.
 
