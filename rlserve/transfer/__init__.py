@@ -14,7 +14,7 @@ Layout (``README.md`` here has the full map)::
                vllm_group (vLLM's NCCL wire)
     server/    the server process: manager (+ manager_update / manager_info / manager_trl, session),
                receiver (+ receiver_ipc), worker_ext (+ worker_load), engine_calls, liveness,
-               direct, copy_plan, checksums
+               tcp_peer, direct, copy_plan, checksums
     sdk/       the trainer process: trainer (factory), client, sources, init_info, engine,
                ipc_engine, sender, trl
     errors, host_ops, multi_tensor: shared by both sides

@@ -55,6 +55,7 @@ from rlserve.errors import ModelUnavailableError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
 from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
 from rlserve.transfer.server.liveness import PeerLiveness, StoreLiveness
+from rlserve.transfer.server.tcp_peer import StoreConnectionLiveness
 from rlserve.transfer.wire.protocol import BACKENDS, DEFAULT_TIMEOUT_S, InitInfo
 from rlserve.transfer.wire.header import LayoutMismatchError
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError
@@ -363,7 +364,18 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
             return None
         return StoreLiveness(info.master_address, info.master_port)
 
-    def _watch_liveness(self, watch: StoreLiveness | None) -> None:
+    async def _server_store_liveness(self, info: InitInfo) -> StoreConnectionLiveness | None:
+        """TRL's layout (worker 0 hosts the store): a watch on the trainer's connections to it,
+        started (:mod:`rlserve.transfer.server.tcp_peer`); ``None`` for other layouts or when
+        liveness is off."""
+        if not self.trainer_liveness or info.rank_offset != 0 or info.backend == "ipc" or not info.master_port:
+            return None
+        res = await self._rpc("store_endpoints", info.master_port)
+        watch = StoreConnectionLiveness(info.master_port, [tuple(e) for r in res for e in r])
+        watch.start()
+        return watch
+
+    def _watch_liveness(self, watch: PeerLiveness | None) -> None:
         """Make ``watch`` (started) the current one and poll it until it is replaced / stopped."""
         self._stop_liveness()
         if watch is None:

@@ -79,7 +79,9 @@ class UpdateRoutes:
             await self._model_spec()
             self._init = info
             self._ipc_refs = {}  # the workers' receivers are new
-            if watch is not None and info.backend != "ipc":
+            if watch is None:
+                watch = await self._server_store_liveness(info)
+            elif info.backend != "ipc":
                 watch.start()  # the rendezvous went through the trainer's store: it is up
             self._watch_liveness(watch)
         except BaseException as e:

@@ -398,6 +398,15 @@ def status(worker) -> dict:
     }
 
 
+def store_endpoints(worker, port: int) -> list:
+    """The local ``[ip, port]`` of this worker process's connections to the store on ``port``
+    (so that the manager can tell the trainer's connections from the workers':
+    :mod:`rlserve.transfer.server.tcp_peer`)."""
+    from rlserve.transfer.server.tcp_peer import own_endpoints
+
+    return own_endpoints(port)
+
+
 def model_checksums(worker, dtype_name: str | None = None) -> dict | None:
     """sha256 per Hugging Face tensor of this replica's model (TP shards gathered over the TP
     group: every TP worker must run this together). Returns the dict on TP rank 0, ``None`` on
