@@ -30,8 +30,6 @@ import shlex
 import sys
 import time
 
-import requests
-
 
 def trainer_init(client, train_model, layout):
     """Open the trainer's end: no process group, only the server's consent over HTTP."""
@@ -45,13 +43,6 @@ def trainer_init(client, train_model, layout):
         client=client,
         source=ModuleSource(train_model),
     )
-
-
-def _post(url: str, path: str, **params) -> dict:
-    r = requests.post(url + path, params=params, timeout=600)
-    if r.status_code != 200:
-        raise RuntimeError(f"POST {path} -> HTTP {r.status_code}: {r.text[:1000]}")
-    return r.json()
 
 
 def _trainer_model(model_dir: str, device: str, dtype: str):
@@ -193,7 +184,7 @@ def _loop(args, layout, model_dir, url, tol, report, server) -> int:
                 break
             free_awake = torch.cuda.mem_get_info()[0]
             t0 = time.perf_counter()
-            row["sleep"] = _post(url, "/sleep", level=args.sleep_level)
+            row["sleep"] = client.sleep(level=args.sleep_level)
             row["sleep_s"] = time.perf_counter() - t0
             free_asleep = torch.cuda.mem_get_info()[0]
             row["trainer_free_gib_awake"] = free_awake / 2**30
@@ -203,16 +194,16 @@ def _loop(args, layout, model_dir, url, tol, report, server) -> int:
             row["train_step_s"], row["train_held_gib"] = step["seconds"], step["held_bytes"] / 2**30
             t0 = time.perf_counter()
             if args.sleep_level == 2:  # vLLM's RLHF order: weights, sync, then the KV cache
-                _post(url, "/wake_up", tags="weights")
+                client.wake_up(tags=["weights"])
                 row["wake_weights_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 engine.send_weights()
                 row["sync_s"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
-                _post(url, "/wake_up", tags="kv_cache")
+                client.wake_up(tags=["kv_cache"])
                 row["wake_kv_cache_s"] = time.perf_counter() - t1
             else:  # level 1: the host copy comes back first, then the new weights over it
-                _post(url, "/wake_up")
+                client.wake_up()
                 row["wake_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 engine.send_weights()

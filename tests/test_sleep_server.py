@@ -166,18 +166,27 @@ def test_sync_into_level1_sleep_is_refused(server, trainer):
 
 
 def test_level2_sync_then_wake_gives_the_trainers_greedy(server, trainer):
-    """No wake_up(tags=weights) first: the sync maps the weights' memory itself."""
-    url = server.url
-    assert _post(url, "/sleep", level=2).status_code == 200
-    reloads = httpx.get(url + "/server_info", timeout=T).json()["sleep"]["reloads"]
+    """No wake_up(tags=weights) first: the sync maps the weights' memory itself. Through the
+    SDK client's sleep-mode calls."""
+    from rlserve.transfer import WeightSyncConflictError
+
+    url, client = server.url, trainer.client
+    reloads = client.sleep(level=2)["reloads"]
+    assert client.is_sleeping()
+    with pytest.raises(WeightSyncConflictError) as ei:
+        client.sleep(level=1)
+    assert ei.value.code == "already_sleeping"
     fin = trainer.send_weights()
     assert fin["full"]
     info = httpx.get(url + "/server_info", timeout=T).json()
     assert info["sleep"]["tags"] == {"weights": "awake", "kv_cache": "discarded"} and info["is_sleeping"]
     _error(_generate(url), 503, "model_sleeping")
-    r = _post(url, "/wake_up", tags="kv_cache")
-    assert r.status_code == 200 and r.json()["is_sleeping"] is False
-    assert r.json()["reloads"] == reloads  # the sync refilled the weights: no reload
+    with pytest.raises(WeightSyncConflictError) as ei:
+        client.wake_up(tags=["weights"])
+    assert ei.value.code == "not_sleeping"
+    r = client.wake_up(tags=["kv_cache"])
+    assert r["is_sleeping"] is False and not client.is_sleeping()
+    assert r["reloads"] == reloads  # the sync refilled the weights: no reload
     assert _generate(url).json()["completion_ids"] == trainer.expected
 
 

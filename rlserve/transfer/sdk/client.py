@@ -153,6 +153,22 @@ class HTTPWeightSyncClient:
     def resume(self) -> dict:
         return self._call("POST", "/resume", {})
 
+    # sleep mode (a server started with --enable-sleep-mode; vLLM's routes)
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """``POST /sleep``: free the server's GPU memory (level 1: weights kept in host memory;
+        2: discarded, the next ``send_weights()`` refills them). Returns the sleep state.
+        Raises WeightSyncConflictError (409) while asleep or during an update."""
+        return self._call("POST", f"/sleep?level={int(level)}&mode={mode}", {})
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """``POST /wake_up`` (``tags``: ``"weights"``, ``"kv_cache"``; default both). Raises
+        WeightSyncConflictError (409 ``not_sleeping``) when none of them sleeps."""
+        query = "&".join(f"tags={t}" for t in tags or [])
+        return self._call("POST", "/wake_up" + (f"?{query}" if query else ""), {})
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("GET", "/is_sleeping")["is_sleeping"])
+
     # TRL-style
     def init_communicator(self, host: str, port: int, world_size: int, wire: str | None = None) -> dict:
         body = {"host": host, "port": port, "world_size": world_size}
