@@ -219,16 +219,18 @@ def verdict(url: str, good: Good) -> str:
     return "unchanged"
 
 
-def cpu_server(path: str, cfg: Config, timeout_s: float):
-    """The default server of :func:`run_config`: in this process, CPU, float32."""
+def cpu_server(path: str, cfg: Config, timeout_s: float, liveness: bool = True):
+    """The default server of :func:`run_config`: in this process, CPU, float32 (``liveness``:
+    ``trainer_liveness`` in its config)."""
     # timeout_s in the server's config too: TRL's init_communicator carries none
     return InProcessServer(path, transfer_config={"backend": cfg.backend, "direct_receive": cfg.direct,
-                                                  "timeout_s": timeout_s}, staging=cfg.staging)
+                                                  "timeout_s": timeout_s, "trainer_liveness": liveness},
+                           staging=cfg.staging)
 
 
 def run_config(path: str, meta: list, cfg: Config, timeout_s: float = 2.0, phases=None,
                bucket_bytes: int = 64 << 10, log=print, server=cpu_server, device: str = "cpu",
-               setup: str = "") -> dict[str, str]:
+               setup: str = "", timings: dict | None = None) -> dict[str, str]:
     """Every phase of ``cfg`` (or ``phases``): ``{phase: verdict}``.
 
     Args:
@@ -237,6 +239,9 @@ def run_config(path: str, meta: list, cfg: Config, timeout_s: float = 2.0, phase
             ``timeout_s``).
         device: where the trainers' tensors live (NCCL / ipc: a CUDA device).
         setup: Python the killed trainer runs first (:func:`~tests.kill_trainer.spawn_killed_trainer`).
+        timings: when given, filled with ``{phase: seconds}`` from the trainer's death to the
+            failure the server recorded (``/weight_info`` ``last_update.time``; ``None`` where it
+            recorded none, e.g. an ipc trainer that died before its only call).
     """
     out: dict[str, str] = {}
     with server(path, cfg, timeout_s) as srv:
@@ -245,11 +250,16 @@ def run_config(path: str, meta: list, cfg: Config, timeout_s: float = 2.0, phase
             t0 = time.monotonic()
             good.sync(srv, cfg, bucket_bytes)
             try:
+                times: dict = {}
                 spawn_killed_trainer(srv.url, free_port(), timeout_s, cfg.protocol, phase, meta, BAD_SEED,
                                      packed=cfg.packed, bucket_bytes=bucket_bytes, backend=cfg.backend,
-                                     device=device, setup=setup)
-                wait_given_up(srv.url, 30 + 10 * timeout_s,
-                              idle_ok=cfg.backend == "ipc" and not cfg.packed and phase == "before_header")
+                                     device=device, setup=setup, times=times)
+                info = wait_given_up(srv.url, 30 + 10 * timeout_s,
+                                     idle_ok=cfg.backend == "ipc" and not cfg.packed and phase == "before_header")
+                if timings is not None:
+                    last = info.get("last_update") or {}
+                    failed = last.get("ok") is False and last.get("time", 0) >= times["killed"] - 1
+                    timings[phase] = round(last["time"] - times["killed"], 3) if failed else None
                 out[phase] = verdict(srv.url, good)
             except AssertionError as e:
                 out[phase] = f"FAIL: {e}" + (f" [{verdict(srv.url, good)}]" if "gave the update up" in str(e) else "")

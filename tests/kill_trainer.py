@@ -281,7 +281,8 @@ def _child(conn, spec: dict) -> None:
 
 def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, phase: str, meta: list,
                          seed: int, packed: bool = True, bucket_bytes: int = 64 << 10, wait_s: float = 120.0,
-                         backend: str = "gloo", device: str = "cpu", setup: str = "") -> str:
+                         backend: str = "gloo", device: str = "cpu", setup: str = "",
+                         times: dict | None = None) -> str:
     """Run a trainer process that dies at ``phase`` (module docstring) and wait for it to end.
 
     Args:
@@ -296,6 +297,8 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
         setup: Python run first in the trainer process (e.g. the one-GPU NCCL emulation's
             ``install()``, :mod:`tests.gpu.nccl_over_gloo`); a message is cut in half (not
             just SIGKILLed after it was issued) on gloo and whenever ``setup`` is given.
+        times: when given, ``times["killed"]`` is set to the ``time.time()`` at which the
+            trainer's last message (sent right before its SIGKILL) arrived.
     Returns:
         ``phase`` once the process died there.
     Raises:
@@ -314,6 +317,8 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
     try:
         if parent.poll(wait_s):
             msg = parent.recv()
+            if times is not None:
+                times["killed"] = time.time()
     except EOFError:
         msg = None
     p.join(wait_s)
