@@ -31,7 +31,6 @@ What it does with rlserve servers (``sglang-router`` 0.3.2, checked here):
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -148,20 +147,30 @@ class SGLangRouter:
         cmd = router_command(self.worker_urls, host, self.port, free_port(client_host), self.options)
         self._proc = DemoServer(cmd, self.url, log_path=log_path, startup_timeout_s=startup_timeout_s)
 
+    @classmethod
+    def attach(cls, url: str) -> "SGLangRouter":
+        """A client of a router started elsewhere: the worker API only (:meth:`start` and
+        :meth:`stop` do nothing)."""
+        self = cls.__new__(cls)
+        self.url, self.options, self.worker_urls, self._proc = url.rstrip("/"), RouterOptions(), [], None
+        return self
+
     # ------------------------------------------------------------------ process
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return None if self._proc is None else self._proc.pid
 
     @property
-    def log_path(self) -> str:
-        return self._proc.log_path
+    def log_path(self) -> str | None:
+        return None if self._proc is None else self._proc.log_path
 
     def log_tail(self, n_chars: int = 4000) -> str:
-        return self._proc.log_tail(n_chars)
+        return "" if self._proc is None else self._proc.log_tail(n_chars)
 
     def start(self) -> "SGLangRouter":
         """Start the process; return once it answers and lists every worker as healthy."""
+        if self._proc is None:
+            return self
         self._proc.start()
         try:
             remaining = self._proc.startup_timeout_s
@@ -174,6 +183,8 @@ class SGLangRouter:
 
     def stop(self) -> int | None:
         """Stop the router (SIGTERM to its process group, SIGKILL after a bounded wait)."""
+        if self._proc is None:
+            return None
         return self._proc.stop(grace_s=float(self.options.shutdown_grace_period_secs) + 5.0)
 
     def __enter__(self) -> "SGLangRouter":
@@ -235,11 +246,3 @@ class SGLangRouter:
         self._wait(lambda ws: url not in {w["url"] for w in ws}, f"removing {url}", timeout_s)
         return bool(ids)
 
-
-def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts TCP connections on ``host:port`` now."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from rlserve.distributed.group import new_backend
+from rlserve.distributed.group import local_address_toward, new_backend
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
 
@@ -113,8 +113,12 @@ class TransferGroup:
         try:
             # NCCL's own timeout is ours + 60 s so that our deadline fires first
             nccl_extra = 60 if self.backend == "nccl" else 0
+            # gloo binds the interface that routes to the master (the trainer), not the address
+            # the hostname resolves to (often 127.0.x.1: unreachable from other hosts)
             self.pg = new_backend(self.backend, prefix, self.rank, self.world_size,
-                                  timedelta(seconds=self.timeout_s + nccl_extra), nccl_async_error_handling="2")
+                                  timedelta(seconds=self.timeout_s + nccl_extra), nccl_async_error_handling="2",
+                                  gloo_address=local_address_toward(self.master_address)
+                                  if self.backend == "gloo" else None)
         except RuntimeError as e:
             raise WeightTransferFailedError(str(e)) from e
 

@@ -360,7 +360,7 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         """A watch on the trainer's TCPStore, or ``None`` where the trainer hosts none: TRL's
         layout (``rank_offset`` 0: server worker 0 hosts it) and ipc without ``master_port``
         (the SDK's ipc engine hosts one and sends its port; other ipc clients do not)."""
-        if not self.trainer_liveness or info.rank_offset != 1 or not info.master_port:
+        if not self.trainer_liveness or info.rank_offset == 0 or not info.master_port:
             return None
         return StoreLiveness(info.master_address, info.master_port)
 

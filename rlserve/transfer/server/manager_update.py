@@ -50,6 +50,11 @@ class UpdateRoutes:
         n = self.num_workers
         if info.backend == "ipc":
             info.world_size = n + 1  # no group: the field is meaningless
+        elif info.shared_group or info.rank_offset > 1:
+            # several servers share the trainer's group (rlserve.transfer.sdk.fanout)
+            if info.rank_offset + n > info.world_size:
+                raise WeightUpdateError(f"init_info.rank_offset {info.rank_offset} + this server's {n} worker(s) "
+                                        f"exceeds init_info.world_size {info.world_size}")
         elif info.world_size != n + 1:
             raise WeightUpdateError(f"init_info.world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), "
                                     f"got {info.world_size}")

@@ -9,13 +9,14 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
     {"backend": "gloo" | "nccl" | "ipc",
      "master_address": "10.0.0.1",       # host of the TCPStore (rank 0 hosts it)
      "master_port": 29555,               # ipc: optional, a store the trainer hosts for liveness only
-     "rank_offset": 1,                   # 1: trainer is rank 0 (vLLM); 0: trainer is the last rank (TRL)
-     "world_size": 2,                    # server workers + 1 trainer rank
+     "rank_offset": 1,                   # >= 1: trainer is rank 0 (vLLM; > 1: several servers); 0: last rank (TRL)
+     "world_size": 2,                    # every server's workers + 1 trainer rank
      "packed": true,                     # default for updates (update_info may override)
      "packed_buffer_size_bytes": 1073741824,
      "packed_num_buffers": 2,
      "timeout_s": 300.0,                 # store, group, every collective and RPC (1 s .. a year)
-     "session": "5f0c..."}               # optional: names this group incarnation
+     "session": "5f0c...",               # optional: names this group incarnation
+     "shared_group": false}              # true: other servers share the group (rank_offset > 1 implies it)
 
 ``update_info`` (body of ``POST /update_weights``)::
 
@@ -141,10 +142,11 @@ class InitInfo:
         master_address / master_port: the TCPStore; the group's rank 0 hosts it (the trainer
             when ``rank_offset == 1``, server worker 0 when ``rank_offset == 0``, TRL's layout).
         rank_offset: rank of server worker 0. 1 (vLLM): trainer rank 0, worker ranks
-            ``1 + dp_index*TP + tp_rank``. 0 (TRL): workers ``dp_index*TP + tp_rank``, trainer
-            ``world_size - 1``.
-        world_size: server workers + 1 (a single trainer rank sends; FSDP trainers send from
-            their rank 0 only).
+            ``1 + dp_index*TP + tp_rank``. Above 1: this server shares the group with others
+            (trainer rank 0, the servers one after another: :mod:`rlserve.transfer.sdk.fanout`).
+            0 (TRL): workers ``dp_index*TP + tp_rank``, trainer ``world_size - 1``.
+        world_size: every server's workers + 1 (a single trainer rank sends; FSDP trainers send
+            from their rank 0 only).
         packed / packed_buffer_size_bytes / packed_num_buffers: defaults for updates.
         timeout_s: seconds for the store, the group, each collective wait and each RPC.
         session: optional name of this group incarnation (the SDK sends a random one); the store
@@ -156,6 +158,11 @@ class InitInfo:
             never does; the SDK always does) and for TRL's legacy ``/init_communicator/``.
         nccl_unique_id_b64: vLLM's torch-free rendezvous (``wire == "vllm"``): the base64 of the
             128-byte NCCL unique id, instead of ``master_address`` / ``master_port``.
+        shared_group: (rlserve extension) other servers share this group, so ``world_size`` may
+            exceed this server's workers + 1 (``rank_offset + workers <= world_size``); the
+            multi-server SDK sets it. Without it a single server keeps the strict check
+            (``world_size == workers + 1``), which catches a wrong world size with a 400 instead
+            of a rendezvous that waits for ranks that never come.
     """
 
     backend: str = "gloo"
@@ -170,6 +177,7 @@ class InitInfo:
     session: str = ""
     wire: str = "rlserve"
     nccl_unique_id_b64: str | None = None
+    shared_group: bool = False
 
     @classmethod
     def from_dict(cls, d: Any) -> "InitInfo":
@@ -181,8 +189,9 @@ class InitInfo:
 
     @property
     def src_rank(self) -> int:
-        """The trainer's (sending) rank: 0 when ``rank_offset == 1``, else ``world_size - 1``."""
-        return 0 if self.rank_offset == 1 else self.world_size - 1
+        """The trainer's (sending) rank: 0 when ``rank_offset >= 1`` (the SDK's and vLLM's layout;
+        above 1 when several servers share the group), ``world_size - 1`` when 0 (TRL's)."""
+        return 0 if self.rank_offset >= 1 else self.world_size - 1
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
@@ -202,8 +211,11 @@ class InitInfo:
             decode_unique_id_b64(self.nccl_unique_id_b64)
         elif self.backend != "ipc" and self.master_port == 0:
             raise WeightUpdateError("init_info.master_port must be set (1..65535) for gloo/nccl")
-        _check_int("init_info.rank_offset", self.rank_offset, 0, 1)
         _check_int("init_info.world_size", self.world_size, 2)
+        _check_int("init_info.rank_offset", self.rank_offset, 0, self.world_size - 1)
+        _check_bool("init_info.shared_group", self.shared_group)
+        if self.shared_group and self.rank_offset == 0:
+            raise WeightUpdateError("init_info.shared_group needs the trainer on rank 0 (rank_offset >= 1)")
         _check_bool("init_info.packed", self.packed)
         _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
         _check_int("init_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
