@@ -9,6 +9,12 @@ import os
 from transformers import LlamaConfig, Qwen3Config
 
 SHAPES = {
+    # not a real model: a 2-layer Llama for checking benchmark scripts on a CPU in seconds
+    "tiny-llama": lambda: LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=0, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    ),
     # HuggingFaceTB/SmolLM2-135M-Instruct
     "smollm2-135m": lambda: LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

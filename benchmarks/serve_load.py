@@ -28,6 +28,14 @@ one GPU, or the engine-core process against ``--engine-mode thread``, in one com
     python benchmarks/serve_load.py --shape smollm2-135m --workload throughput --offline \
         --configs "dp1=" "dp2=--data-parallel-size 2 --device-ids 0,0" "dp1-thread=--engine-mode thread" \
         -- --dtype bfloat16 --num-kv-blocks 34000
+
+A config whose flags start with the word ``vllm`` starts ``vllm serve`` instead, on the same
+model directory (dummy weights, the same tokenizer), with the same ``--max-model-len``,
+``--max-num-seqs`` and ``--seed`` and the rest of its flags (the ones after ``--`` are
+rlserve's and are not passed); vLLM runs with ``PYTHONPATH=--vllm-pythonpath`` only
+(``benchmarks/vllm_serve.py``)::
+
+    ... --configs "dp1=" "vllm=vllm --dtype bfloat16 --attention-backend FLASH_ATTN" -- --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -261,14 +269,26 @@ def throughput_main(args, serve_args: list[str]) -> int:
     offline = _offline(args) if args.offline else None
     if offline is not None:
         print(f"offline LLM.generate: {offline['tokens_per_s']:.0f} out tok/s ({offline['seconds']:.2f} s)", flush=True)
-    base = ["--load-format", "dummy", "--max-model-len", str(2 * args.max_len + 8), "--max-num-seqs",
-            str(args.num_seqs), "--seed", str(args.seed), "--disable-access-log"]
+    common = ["--load-format", "dummy", "--max-model-len", str(2 * args.max_len + 8), "--max-num-seqs",
+              str(args.num_seqs), "--seed", str(args.seed)]  # flags both servers take
     for cfg in args.configs or ["default="]:
         name, _, flags = cfg.partition("=")
-        srv = ServerProcess(model, *base, *serve_args, *flags.split(), startup_timeout_s=1800).start()
+        words = flags.split()
+        if words[:1] == ["vllm"]:
+            from benchmarks.vllm_serve import VLLMServer
+
+            srv = VLLMServer(model, common + words[1:], args.vllm_pythonpath).start()
+        else:
+            srv = ServerProcess(model, *common, "--disable-access-log", *serve_args, *words,
+                                startup_timeout_s=1800).start()
         try:
-            info = httpx.get(srv.url + "/server_info", timeout=30).json()
-            r = run_burst(srv.url, prompts, out_lens, args.api_key)
+            if words[:1] == ["vllm"]:
+                info = {"engine_mode": "vllm serve", "data_parallel_size": _flag(words, "--data-parallel-size", 1)}
+            else:
+                info = httpx.get(srv.url + "/server_info", timeout=30).json()
+            served = httpx.get(srv.url + "/v1/models", timeout=30,
+                               headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
+            r = run_burst(srv.url, prompts, out_lens, args.api_key, model=served["data"][0]["id"])
         finally:
             srv.stop()
         r.update(config=name, flags=flags, data_parallel_size=info.get("data_parallel_size"),
@@ -285,6 +305,16 @@ def throughput_main(args, serve_args: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump({"offline": offline, "rows": rows}, f, indent=2)
     return 0
+
+
+def _flag(words: list[str], name: str, default):
+    """The value after ``name`` in ``words`` (``--name v`` or ``--name=v``), else ``default``."""
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(name + "="):
+            return w.split("=", 1)[1]
+    return default
 
 
 def _ms(x):
@@ -343,7 +373,10 @@ def main(argv=None) -> int:
     t.add_argument("--offline", action="store_true", help="also run the offline LLM.generate figure first")
     t.add_argument("--offline-args", default="", help="extra flags for throughput.py (e.g. '--dtype bfloat16')")
     t.add_argument("--configs", nargs="+", default=None, metavar="NAME=FLAGS",
-                   help="one server per entry, FLAGS added to the ones after --")
+                   help="one server per entry, FLAGS added to the ones after --; FLAGS starting with the "
+                        "word vllm: `vllm serve` with the rest of FLAGS instead")
+    t.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"),
+                   help="vLLM's site directory (../shared/tools/device-vllm installs it there)")
     args = p.parse_args(argv)
     if args.workload == "throughput":
         return throughput_main(args, serve_args)
