@@ -96,7 +96,11 @@ TRAINER = textwrap.dedent('''
         fields = IPCTrainerSendWeightsArgs.__dataclass_fields__
         kw = {("send_mode" if "send_mode" in fields else "mode"): "http", "url": url}
         if "packed" in fields:
-            kw.update(packed=packed, packed_buffer_size_bytes=64 << 10)
+            # vLLM 0.24's packed IPC producer refuses a tensor larger than its buffer (run on the H200,
+            # 2026-12-01: "model.embed_tokens.weight has size 86016 bytes, which exceeds
+            # buffer_size_bytes=65536"), unlike its NCCL producer: 128 KiB holds the tiny model's largest
+            # tensor and still cuts the model into several buffers
+            kw.update(packed=packed, packed_buffer_size_bytes=128 << 10)
         elif packed:
             print(json.dumps({"skip": "this vLLM's IPC engine has no packed mode"})); sys.exit(0)
         IPCWeightTransferEngine.trainer_send_weights(params(), IPCTrainerSendWeightsArgs(**kw))
