@@ -17,7 +17,7 @@ import torch
 from rlserve.engine.llm import LLM
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError, ModelSleepingError, SleepStateError
-from tests.transfer_harness import greedy_continuation
+from tests.transfer_harness import greedy_continuation, load_hf
 
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
 N_TOK = 6
@@ -30,18 +30,6 @@ def _greedy(llm) -> list[list[int]]:
 
 def _params(llm) -> list[torch.Tensor]:
     return [p.detach().clone() for p in llm.engine.model.parameters()]
-
-
-def _trainer(path):
-    """The trainer's model: the tiny checkpoint plus noise (a different, non-degenerate greedy)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return hf
 
 
 class HostArena:
@@ -172,7 +160,7 @@ def test_level2_full_wake_reloads_the_checkpoint(llm):
 
 
 def test_level2_load_between_wakes_gives_the_trainers_greedy(llm, tiny_model):
-    hf = _trainer(tiny_model("llama"))
+    hf = load_hf(tiny_model("llama"), seed=1)  # a different, non-degenerate greedy
     expected = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]
     before = _greedy(llm)
     assert expected != before and len({t for e in expected for t in e}) > 3

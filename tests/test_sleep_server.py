@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from rlserve.server.testing import ServerProcess
+from tests.transfer_harness import load_hf
 
 T = 120.0
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
@@ -118,25 +119,13 @@ def test_sleep_mode_off_answers_400(tiny_model):
 
 
 # ----------------------------------------------------------------------------- with weight sync
-def _trainer_model(path):
-    """The trainer's model: the tiny checkpoint plus noise (a non-degenerate greedy)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return hf
-
 
 @pytest.fixture(scope="module")
 def trainer(server, tiny_model):
     from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
     from tests.transfer_harness import free_port, greedy_continuation
 
-    hf = _trainer_model(tiny_model("llama"))
+    hf = load_hf(tiny_model("llama"))
     eng = WeightTransferTrainerFactory.trainer_init(
         init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
                                       packed_buffer_size_bytes=64 << 10),

@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rlserve.server.testing import ServerProcess
 from rlserve.transfer import (
@@ -28,7 +27,7 @@ from rlserve.transfer import (
 )
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
-from tests.transfer_harness import free_port, greedy_continuation, kill_trainer_script, killed_at
+from tests.transfer_harness import free_port, greedy_continuation, kill_trainer_script, killed_at, load_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
@@ -42,17 +41,6 @@ def serve(model, *extra, staging="none", dummy=True):
     if dummy:
         args += ["--load-format", "dummy"]
     return ServerProcess(model, *args, *extra)
-
-
-def load_hf(path, scale=0.3, seed=0):
-    """The trainer's model: the tiny checkpoint plus noise (tiny random models otherwise repeat
-    one token greedily, which would make output comparisons weak)."""
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return hf
 
 
 def hf_greedy(model, prompt_ids, n=N_TOK):

@@ -75,6 +75,20 @@ class InProcessServer:
         self.close()
 
 
+def load_hf(path, scale=0.3, seed=0):
+    """The trainer's model: the tiny checkpoint at ``path`` plus ``scale`` x N(0, 1) noise drawn
+    from ``seed`` (tiny random models otherwise repeat one token greedily, which would make output
+    comparisons weak). float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return hf
+
+
 def complete(url: str, prompt: str, max_tokens: int = 8, **kw) -> dict:
     """Greedy ``/v1/completions``; returns the JSON (choices[0].text, weight_version, ...)."""
     r = httpx.post(url + "/v1/completions", json={"model": kw.pop("model", None) or "m", "prompt": prompt,
