@@ -33,6 +33,7 @@ from tests.transfer_harness import (
     free_port,
     greedy_continuation,
     kill_trainer_script,
+    load_hf,
     wrong_second_bucket_sum,
 )
 
@@ -277,12 +278,7 @@ def llama384(tiny_model):
     """A tiny llama whose vocabulary (384) needs no padding rows: its loads are byte copies, so
     packed updates can be received straight into the parameters (rlserve.transfer.server.direct)."""
     path = tiny_model("llama", vocab_size=384)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))  # less degenerate greedy outputs
-    return path, hf
+    return path, load_hf(path, seed=1)  # less degenerate greedy outputs
 
 
 def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
