@@ -104,7 +104,7 @@ def test_async_scheduling_decision(monkeypatch):
     from types import SimpleNamespace
 
     from rlserve.config import EngineConfig
-    from rlserve.engine.llm_engine import want_async_scheduling
+    from rlserve.engine.engine_setup import want_async_scheduling
 
     cuda = SimpleNamespace(device="cuda:0", supports_device_input_ids=True)
     cpu = SimpleNamespace(device="cpu", supports_device_input_ids=True)

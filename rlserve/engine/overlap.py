@@ -27,7 +27,7 @@ sequence in it was in the step in flight, every sequence's sampling ignores its 
 executor takes device-side input ids (in-process workers); a prefill step whenever it is the
 next step. Otherwise the step runs as before, after the step in flight was read. On by default
 for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
-:func:`rlserve.engine.llm_engine.want_async_scheduling` says how it is decided; off with
+:func:`rlserve.engine.engine_setup.want_async_scheduling` says how it is decided; off with
 ``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
 from outside a step (abort, weight loads, RPCs, prefix-cache reset) first calls
 :meth:`OverlapScheduler.drain`, whose outputs the next ``step()`` returns (until then
