@@ -17,25 +17,14 @@ are cumulative, so a consumer that falls behind simply gets the newest one (its 
 bigger) instead of a backlog, and a non-streaming consumer (``generate(..., stream=False)``) is
 woken only once, at the end.
 
-Pause semantics follow vLLM's ``pause_generation``:
-
-* ``abort``: in-flight requests end now with ``finish_reason == "abort"``.
-* ``wait``: requests already submitted run to completion; :meth:`AsyncEngine.pause`
-  returns once every replica is idle.
-* ``keep``: the step loops stop between two steps and keep all state (KV cache, partial
-  outputs); :meth:`AsyncEngine.resume` continues exactly where they stopped.
-
-In every mode requests that arrive while paused are *held* (queued in the front, never
-rejected) and start on resume. ``clear_cache=True`` resets every replica's prefix cache
-once the pause has taken effect. :meth:`AsyncEngine.call_engines` works while paused (that is
-how weight updates run with the engines frozen).
+Pausing, and the requests held meanwhile: :mod:`rlserve.engine.async_pause`. Building the
+replicas: :mod:`rlserve.engine.replica_setup`; the per-request mailbox:
+:mod:`rlserve.engine.front_request`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import dataclasses
 import itertools
 import logging
 import os
@@ -43,64 +32,20 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from rlserve.engine.core import EngineDeadError, EngineStepError, abort_output
+from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
+from rlserve.engine.core import EngineDeadError, EngineStepError
+from rlserve.engine.front_request import FrontRequest, put, put_all, stamped_abort, wait_all
+from rlserve.engine.replica_setup import build_replicas
 from rlserve.errors import ModelUnavailableError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "HeldTooLongError", "PAUSE_MODES", "ENGINE_MODES"]
 
-PAUSE_MODES = ("abort", "wait", "keep")
 ENGINE_MODES = ("process", "thread")
-DEFAULT_HOLD_TIMEOUT_S = 600.0  # a request held behind a pause waits at most this long (seconds)
 
 
-class HeldTooLongError(ModelUnavailableError):
-    """A request was held behind a pause for longer than the engine's ``hold_timeout_s``; it
-    never started. HTTP 503 (the model is unavailable while generation stays paused)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    """Front-side state of one request (event-loop side, plus the replica's delivering thread)."""
-
-    request_id: str
-    prompt: Any
-    params: Any
-    loop: asyncio.AbstractEventLoop
-    event: asyncio.Event  # set when ``slot`` holds something new
-    arrival_time: float  # time.monotonic() seconds
-    stream: bool = True  # deliver every step's output (else only the final one)
-    slot: Any = None  # newest undelivered output, or the exception that ended the request
-    replica: Any = None
-    finished: bool = False  # set by the delivering thread when the final item is routed
-
-
-def _replica_config(config, dp_index: int):
-    """A per-replica copy of ``config`` (the engine writes resolved values into its config).
-
-    Replica ``i`` uses GPUs ``device_ids[i*TP:(i+1)*TP]`` (default ids ``0..TP*DP-1``): with
-    TP > 1 the TP executor picks them from the full list by ``dp_index``; with TP = 1 the
-    single in-process worker follows ``config.device``, so it is set to ``cuda:<id>`` here.
-
-    Raises:
-        ValueError: fewer device ids than TP x DP.
-    """
-    cfg = copy.deepcopy(config)
-    dp, tp = config.data_parallel_size, config.tensor_parallel_size
-    if tp == 1 and (dp > 1 or config.device_ids):
-        from rlserve.config import resolve_device
-
-        dev = resolve_device(config.device)
-        if dev.type == "cuda" and dev.index is None:
-            ids = list(config.device_ids) if config.device_ids else list(range(dp * tp))
-            if len(ids) < dp * tp:
-                raise ValueError(f"device_ids {ids} has fewer than TP x DP = {dp * tp} entries")
-            cfg.device = f"cuda:{ids[dp_index]}"
-    return cfg
-
-
-class AsyncEngine:
+class AsyncEngine(PauseControl):
     """``data_parallel_size`` engine replicas behind one asyncio interface.
 
     Args:
@@ -144,29 +89,11 @@ class AsyncEngine:
         self._pause_mode: str | None = None
         self._paused_since: float | None = None  # time.monotonic() of the pause in force
         self._paused_total_s = 0.0  # seconds paused before it
-        self._held: list[_Request] = []
-        self._requests: dict[str, _Request] = {}
+        self._held: list[FrontRequest] = []
+        self._requests: dict[str, FrontRequest] = {}
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
-        dp = max(1, int(getattr(config, "data_parallel_size", 1) or 1))
-        cfgs = [_replica_config(config, i) if hasattr(config, "data_parallel_size") else config for i in range(dp)]
-        if engine_mode == "thread":
-            from rlserve.engine.thread_replica import ThreadReplica
-
-            if engine_factory is None:
-                from rlserve.engine.llm_engine import LLMEngine
-
-                def engine_factory(cfg, dp_index):
-                    return LLMEngine(cfg, dp_index=dp_index)
-
-            self._replicas = [ThreadReplica(self, i, lambda cfg=cfg, i=i: engine_factory(cfg, i), self._weight_version)
-                              for i, cfg in enumerate(cfgs)]
-        else:
-            from rlserve.engine.core_client import CoreProcReplica
-
-            tokenizer = _TokenizerOnce(config)
-            self._replicas = [CoreProcReplica(self, i, cfg, self._weight_version, tokenizer)
-                              for i, cfg in enumerate(cfgs)]
+        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self._weight_version)
         error = None
         try:
             for r in self._replicas:
@@ -260,28 +187,14 @@ class AsyncEngine:
         for req in reqs:
             if req in self._held:
                 self._held.remove(req)
-            _put(req, exc)  # final: a later abort output from the engine cannot replace it
+            put(req, exc)  # final: a later abort output from the engine cannot replace it
         # aborted, then a quarantined replica may step again: it has no requests
-        await _wait_all([r.abort_all(lift_quarantine=True) for r in self._replicas])
+        await wait_all([r.abort_all(lift_quarantine=True) for r in self._replicas])
         return len(reqs)
 
     @property
     def unavailable_reason(self) -> str | None:
         return self._unavailable
-
-    def is_paused(self) -> bool:
-        return self._paused
-
-    @property
-    def paused_seconds(self) -> float:
-        """Seconds generation has been paused since start (weight syncs and operators; the
-        pause in force included): what pausing has cost generation."""
-        since = self._paused_since
-        return self._paused_total_s + (time.monotonic() - since if since is not None else 0.0)
-
-    @property
-    def pause_mode(self) -> str | None:
-        return self._pause_mode if self._paused else None
 
     def is_alive(self) -> bool:
         """True while every replica runs (its thread, or its engine-core process)."""
@@ -340,7 +253,7 @@ class AsyncEngine:
     def _fail_held(self, loop, exc: BaseException) -> None:
         for req in [r for r in self._held if r.loop is loop]:
             self._held.remove(req)
-            _put(req, exc)
+            put(req, exc)
 
     # ---- generation -------------------------------------------------------------------
     async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True) -> AsyncIterator:
@@ -377,7 +290,7 @@ class AsyncEngine:
 
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = _Request(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Event(), time.monotonic(),
+        req = FrontRequest(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Event(), time.monotonic(),
                        stream=stream)
         self._requests[request_id] = req
         if self._paused:
@@ -408,26 +321,13 @@ class AsyncEngine:
             if not done:
                 self._abort_req(req)
 
-    async def _wait_held(self, req: _Request) -> None:
-        """Wait for ``req``'s next item while it is held; raises :class:`HeldTooLongError` (and
-        drops it) once it has been held ``hold_timeout_s`` seconds since its arrival."""
-        left = req.arrival_time + self.hold_timeout_s - time.monotonic()
-        try:
-            await asyncio.wait_for(req.event.wait(), max(left, 0.0))
-        except asyncio.TimeoutError:
-            if req in self._held and not req.event.is_set():
-                self._held.remove(req)
-                raise HeldTooLongError(
-                    f"generation has been paused (mode={self._pause_mode}) for the {self.hold_timeout_s:g} s this "
-                    "request may wait for /resume (rlserve serve --pause-hold-timeout); it was not started") from None
-
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: FrontRequest) -> None:
         with self._lock:
             replica = min((r for r in self._replicas if r.alive), key=lambda r: r.load, default=None)
             if replica is not None:
                 replica.load += 1
         if replica is None:
-            _put(req, EngineDeadError(self.dead_reason() or "no engine replica is running"))
+            put(req, EngineDeadError(self.dead_reason() or "no engine replica is running"))
             return
         req.replica = replica
         try:
@@ -435,7 +335,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - the replica died meanwhile
             with self._lock:
                 replica.load -= 1
-            _put(req, e)
+            put(req, e)
 
     def _deliver(self, items) -> None:
         """Delivering thread → event loops: one ``call_soon_threadsafe`` per loop."""
@@ -444,11 +344,11 @@ class AsyncEngine:
             by_loop.setdefault(req.loop, []).append((req, item))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(put_all, batch)
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
-    def _abort_req(self, req: _Request) -> None:
+    def _abort_req(self, req: FrontRequest) -> None:
         if req in self._held:
             self._held.remove(req)
             return
@@ -466,108 +366,20 @@ class AsyncEngine:
                 continue
             if req in self._held:
                 self._held.remove(req)
-                _put(req, _stamped_abort(req, self.weight_version))
+                put(req, stamped_abort(req, self.weight_version))
             elif req.replica is not None:
                 futs.append(req.replica.abort([req.request_id]))
-        await _wait_all(futs)
+        await wait_all(futs)
 
     async def abort_all(self) -> int:
         """Abort every in-flight and held request. Returns how many were aborted."""
         n = 0
         for req in list(self._held):
             self._held.remove(req)
-            _put(req, _stamped_abort(req, self.weight_version))
+            put(req, stamped_abort(req, self.weight_version))
             n += 1
-        results = await _wait_all([r.abort_all() for r in self._replicas])
+        results = await wait_all([r.abort_all() for r in self._replicas])
         return n + sum(x for x in results if isinstance(x, int))
-
-    # ---- pause / resume ---------------------------------------------------------------
-    async def pause(self, mode: str = "abort", clear_cache: bool = False, timeout_s: float | None = None) -> None:
-        """Stop generation. New requests are held until :meth:`resume`.
-
-        Args:
-            mode: "abort" (in-flight requests end with finish_reason "abort"), "wait" (let
-                them finish; returns when all replicas are idle) or "keep" (freeze them in
-                place between two steps).
-            clear_cache: reset the prefix cache of every replica once paused.
-            timeout_s: give up waiting after this many seconds (TimeoutError). A pause that
-                fails (timeout, cancellation, an engine error) is undone: generation resumes
-                (held requests start) when it was running before, or stays under the earlier
-                pause otherwise; requests that an ``abort`` pause already ended stay ended.
-
-        Raises:
-            ValueError: unknown mode. TimeoutError: see ``timeout_s``.
-        """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        async with self._get_pause_lock():
-            before = self._pause_mode if self._paused else None
-            if not self._paused:
-                self._paused_since = time.monotonic()
-            self._paused = True
-            self._pause_mode = mode
-            try:
-                await self._pause_locked(mode, clear_cache, timeout_s)
-            except BaseException:
-                # a pause that did not take effect (timeout, cancelled, an engine error) must not
-                # leave generation paused with nobody to resume it: back to the state before it
-                await self._restore_pause(before)
-                raise
-        logger.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
-
-    async def _restore_pause(self, before: str | None) -> None:
-        """Undo a failed :meth:`pause` (pause lock held): resume when generation was running
-        before it (held requests are submitted), else return to the earlier pause's mode (a
-        keep-pause freezes the replicas again)."""
-        if before is None:
-            await self._resume_locked()
-            logger.warning("pause did not take effect; generation resumed (it was not paused before)")
-            return
-        self._pause_mode = before
-        if before == "keep":
-            await _wait_all([r.set_frozen(True) for r in self._replicas])
-        logger.warning("pause did not take effect; generation stays paused by the earlier pause (mode=%s)", before)
-
-    async def _pause_locked(self, mode: str, clear_cache: bool, timeout_s: float | None) -> None:
-        if mode == "keep":  # frozen, with stats() as of the freeze
-            futs = [r.set_frozen(True) for r in self._replicas]
-        elif mode == "abort":
-            futs = [f for r in self._replicas for f in (r.abort_all(), r.set_frozen(False))]
-        else:  # wait: a replica frozen by an earlier keep-pause steps to drain
-            futs = [r.wait_drained() for r in self._replicas]
-        coro = self._pause_effect(futs, clear_cache)
-        if timeout_s is None:
-            await coro
-        else:
-            await asyncio.wait_for(coro, timeout_s)
-
-    async def _pause_effect(self, futs, clear_cache) -> None:
-        await _wait_all(futs, raise_first=True)
-        if clear_cache:
-            await self.reset_prefix_cache()
-
-    async def resume(self) -> None:
-        """Continue generation: unfreeze replicas and submit the held requests."""
-        async with self._get_pause_lock():
-            n = await self._resume_locked()
-        logger.info("generation resumed (%d held request(s) submitted)", n)
-
-    async def _resume_locked(self) -> int:
-        await _wait_all([r.set_frozen(False) for r in self._replicas])
-        if self._paused_since is not None:
-            self._paused_total_s += time.monotonic() - self._paused_since
-            self._paused_since = None
-        self._paused = False
-        self._pause_mode = None
-        held, self._held = self._held, []
-        for req in held:
-            self._submit(req)
-        return len(held)
-
-    def _get_pause_lock(self) -> asyncio.Lock:
-        if self._pause_lock is None:
-            self._pause_lock = asyncio.Lock()
-        return self._pause_lock
 
     # ---- sleep mode (rlserve.engine.async_sleep; enable_sleep_mode) -----------------------
     def _sleep_mode(self):
@@ -606,7 +418,7 @@ class AsyncEngine:
             still complete later); EngineDeadError: a replica is not running.
         """
         futs = [r.call(target, *args) for r in self._replicas]
-        coro = _wait_all(futs, raise_first=True)
+        coro = wait_all(futs, raise_first=True)
         return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
 
     async def run_in_engines(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> list:
@@ -623,12 +435,12 @@ class AsyncEngine:
             TypeError in process mode.
         """
         futs = [r.run(fn) for r in self._replicas]
-        coro = _wait_all(futs, raise_first=True)
+        coro = wait_all(futs, raise_first=True)
         return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
 
     async def reset_prefix_cache(self) -> None:
         """Forget every replica's cached prefixes."""
-        await _wait_all([r.reset_prefix_cache() for r in self._replicas], raise_first=True)
+        await wait_all([r.reset_prefix_cache() for r in self._replicas], raise_first=True)
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Event-loop side, first step of stopping (a SIGINT/SIGTERM handler): new requests are
@@ -637,7 +449,7 @@ class AsyncEngine:
         self._closed = reason
         self._held = []
         for req in list(self._requests.values()):
-            _put(req, EngineDeadError(reason))
+            put(req, EngineDeadError(reason))
         for r in self._replicas:
             r.stop()
 
@@ -655,54 +467,3 @@ class AsyncEngine:
         self._deliver([(req, EngineDeadError(self._closed)) for req in held])
 
 
-class _TokenizerOnce:
-    """Loads the tokenizer in this (the API) process once, for every replica's view."""
-
-    def __init__(self, config):
-        self.config = config
-        self._tok = None
-        self._loaded = False
-
-    def __call__(self):
-        if not self._loaded:
-            if not getattr(self.config, "skip_tokenizer_init", False):
-                from transformers import AutoTokenizer
-
-                self._tok = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
-            self._loaded = True
-        return self._tok
-
-
-def _put(req: _Request, item) -> None:
-    """Event-loop side: the newest item replaces an undelivered one, except that the final
-    item (an exception or a finished output) is never replaced (nothing follows it)."""
-    if req.slot is not None and (isinstance(req.slot, BaseException) or req.slot.finished):
-        return
-    req.slot = item
-    req.event.set()
-
-
-def _put_all(batch) -> None:
-    for req, item in batch:
-        _put(req, item)
-
-
-def _stamped_abort(req: _Request, version: str):
-    out = abort_output(req.request_id, req.prompt, getattr(req.params, "n", 1) or 1)
-    out.weight_version = version
-    out.weight_versions = [version]
-    out.arrival_time = req.arrival_time
-    return out
-
-
-async def _wait_all(futs, raise_first: bool = False) -> list:
-    """Await concurrent futures; returns results (exceptions in place unless raise_first)."""
-    if not futs:
-        return []
-    wrapped = [asyncio.wrap_future(f) for f in futs]
-    results = await asyncio.gather(*wrapped, return_exceptions=True)
-    if raise_first:
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-    return results
