@@ -73,9 +73,16 @@ def _rope(head_dim, rotary_dim):
     return RotaryEmbedding(head_dim, rotary_dim, 64, {"rope_type": "default", "rope_theta": 10000.0})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("qk_norm,head_dim,rotary_dim", [(True, 32, 32), (False, 32, 32), (False, 48, 24)])
-def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, fused_on_cpu):
+@pytest.mark.parametrize("dtype,qk_norm,head_dim,rotary_dim,many", [
+    (dt, *case, False) for dt in (torch.float32, torch.float16)
+    for case in ((True, 32, 32), (False, 32, 32), (False, 48, 24))
+] + [(torch.float16, True, 32, 32, True)])
+def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, many, fused_on_cpu, monkeypatch):
+    """``many``: the long-batch variant (several tokens per program; 6 tokens over programs
+    of 4, so the last program is partly past the batch)."""
+    if many:
+        monkeypatch.setattr(fused_ops, "_QKV_MANY_TOKENS", 4)
+        monkeypatch.setattr(fused_ops, "_QKV_TOKENS_PER_PROGRAM", 4)
     H, Hkv, T, P, nb = 4, 2, 6, 4, 8
     g = torch.Generator().manual_seed(head_dim + rotary_dim + qk_norm)
     qkv = torch.randn(T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)

@@ -36,7 +36,13 @@ from rlserve.layers import fused_ops
 
 _ENABLED = [os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0"]
 _BLOCK = 2048
-_TARGET_PROGRAMS = 264  # ~2 per SM on an H200 (132 SMs)
+# Programs per call: at least this many in all, and no program looping over more than
+# _MAX_BLOCKS_PER_PROGRAM blocks. The partial kernel is bound by its per-element work (Philox,
+# two logs, an exp) and by the latency of its loop, not by bytes: with ~2 programs per SM
+# (the earlier plan) the whole offline workload spent 158 us per call in it (1041 calls,
+# one H200, 2026-12-02) against ~20-40 us to read the logits once.
+_TARGET_PROGRAMS = 2048
+_MAX_BLOCKS_PER_PROGRAM = 4
 
 
 def set_fused_sampler(on: bool) -> bool:
@@ -100,7 +106,7 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
     if B == 0:
         return tok, lp
     n_blocks = -(-V // _BLOCK)
-    S = max(1, min(n_blocks, -(-_TARGET_PROGRAMS // B)))
+    S = max(1, min(n_blocks, max(-(-_TARGET_PROGRAMS // B), -(-n_blocks // _MAX_BLOCKS_PER_PROGRAM))))
     chunk = -(-n_blocks // S) * _BLOCK
     S = -(-V // chunk)
     part_f = torch.empty(B, S, 3, dtype=torch.float32, device=dev)
@@ -110,7 +116,24 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
         logits, logits.stride(0), V, chunk, temp_t, ko[:B], ko[B:], part_f, part_i, S,
         BLOCK=_BLOCK, num_warps=8,
     )
+    # S_PAD is a compile-time size: one value for every batch (the chunk count of B = 1)
+    # keeps this kernel to one compilation
     k._sample_reduce_kernel[(B,)](
-        logits, logits.stride(0), part_f, part_i, S, tok, lp, S_PAD=max(2, 1 << (S - 1).bit_length()), num_warps=1,
+        logits, logits.stride(0), part_f, part_i, S, tok, lp, S_PAD=max(2, 1 << (n_blocks - 1).bit_length()),
+        num_warps=1,
     )
     return tok, lp
+
+
+def warm_up(device: torch.device | str, vocab_size: int) -> bool:
+    """Compile the one-pass sampler's kernels now (engine startup) instead of in the first
+    request's step: one greedy and one temperature row over zero logits on ``device``.
+    Returns whether the kernels ran (False where :func:`eligible` would be False)."""
+    logits = torch.zeros(2, int(vocab_size), dtype=torch.float32, device=device)
+    if not (_ENABLED[0] and fused_ops.triton_enabled(logits)):
+        return False
+    from rlserve.engine.sampling_params import SamplingParams
+
+    sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [[], []], vocab_size,
+           random.Random(0))
+    return True

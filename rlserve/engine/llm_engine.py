@@ -102,6 +102,10 @@ class LLMEngine(EngineStep):
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
+        if torch.device(executor.device).type == "cuda":
+            from rlserve.engine import fused_sampling
+
+            fused_sampling.warm_up(executor.device, self.vocab_size)  # compile now, not in the first step
         self._overlap = None  # overlapped decode (rlserve.engine.overlap)
         if want_async_scheduling(config, executor):
             from rlserve.engine.overlap import OverlapScheduler

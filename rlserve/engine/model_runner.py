@@ -173,10 +173,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Before the first request: on CUDA, run one 16-token prefill that writes nothing
-        (every slot -1) so the prefill kernels are compiled, then capture the decode CUDA
-        graphs (when they are on), which compiles the decode kernels. Returns the seconds
-        spent. A capture failure is logged and leaves graphs off, as at a lazy capture.
+        """Before the first request: on CUDA, run a 16-token and a 1024-token prefill (both
+        capped at ``max_model_len``) that write nothing (every slot -1) so the prefill kernels
+        are compiled (the fused q/k-norm + rotary kernel has a variant for long batches), then
+        capture the decode CUDA graphs (when they are on), which compiles the decode kernels.
+        Returns the seconds spent. A capture failure is logged and leaves graphs off, as at a
+        lazy capture.
 
         Raises:
             RuntimeError: no KV cache allocated yet.
@@ -186,12 +188,13 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
-        n = min(16, self.block_size * self.num_blocks)
-        meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size, self.device)
-        meta.slot_mapping.fill_(-1)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, dtype=torch.long, device=self.device)
-        self.model.compute_logits(self.model(ids, pos, meta)[-1:])
+        for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
+            meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
+                                           self.device)
+            meta.slot_mapping.fill_(-1)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, dtype=torch.long, device=self.device)
+            self.model.compute_logits(self.model(ids, pos, meta)[-1:])
         if self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed:
             self._try_capture()
         torch.cuda.synchronize(self.device)

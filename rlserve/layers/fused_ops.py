@@ -91,6 +91,13 @@ def _kernels():
     return _K[0]
 
 
+# qkv_norm_rope_write: batches of at least _QKV_MANY_TOKENS tokens (prefill steps) give each
+# program _QKV_TOKENS_PER_PROGRAM tokens of one head (decode batches keep one, for parallelism);
+# the model runner's warm-up compiles both variants.
+_QKV_MANY_TOKENS = 1024
+_QKV_TOKENS_PER_PROGRAM = 8
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -204,13 +211,14 @@ def qkv_norm_rope_write(
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     norm = q_weight is not None
-    _kernels()._qkv_norm_rope_write_kernel[(T, num_heads + num_kv_heads)](
+    tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
+    _kernels()._qkv_norm_rope_write_kernel[(-(-T // tokens), num_heads + num_kv_heads)](
         qkv, positions, cos_cache, sin_cache,
         q_weight if norm else qkv, k_weight if norm else qkv,
         q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), k_cache.stride(1),
-        num_heads, num_kv_heads, float(eps),
-        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm,
+        num_heads, num_kv_heads, float(eps), T,
+        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, TOKENS=tokens,
         num_warps=1,
     )
     return q

@@ -8,12 +8,16 @@ metadata contract in :mod:`rlserve.layers.attention`):
   sync (the torch writer tests ``valid.all()`` on the host, which cannot be captured).
 - decode (``max_query_len == 1``): *flash-decoding* (Dao et al., "Flash-Decoding for
   long-context inference", 2023; the split-KV scheme of vLLM's paged attention v2).
-  Grid ``(B, num_kv_heads, num_splits)``: one program holds the ``G = heads / kv_heads``
+  Grid ``(num_kv_heads, B, num_splits)``: one program holds the ``G = heads / kv_heads``
   query heads that share a KV head (grouped-query packing, so each K/V tile is read once
   per group, not once per head), walks its share of the context in tiles of
   ``BLOCK_N`` tokens with an online softmax (Milakov & Gimelshein 2018), and writes a
   partial output and its log-sum-exp; a second kernel merges the splits. With one split
-  the first kernel writes the output directly. Every per-step value (context lengths,
+  the first kernel writes the output directly. Programs take the sequences longest
+  context first (a permutation sorted once per step on the device and shared by every
+  layer: longest-processing-time-first order, so a long context does not start in the last
+  wave and leave the other SMs idle), and the KV heads of one sequence are neighbours in
+  launch order (they read the same cache rows). Every per-step value (context lengths,
   block ids) is read from device tensors, and the grid depends only on the batch size
   and ``meta.max_seq_len``, so the kernel can be captured in a CUDA graph where the
   runner passes the static upper bound ``max_model_len`` as ``max_seq_len``.
@@ -67,8 +71,12 @@ DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_N = 64
 # Split-K planning: aim for this many programs per SM, never split below this many
-# tokens per split, and never use more splits than this.
-_PROGRAMS_PER_SM = 2
+# tokens per split, and never use more splits than this. Contexts of unequal length (every
+# real batch) leave SMs idle at the end of a step unless there are a few programs per SM
+# to balance over; RLSERVE_DECODE_PROGRAMS_PER_SM overrides it (A/B runs).
+_PROGRAMS_PER_SM = int(os.environ.get("RLSERVE_DECODE_PROGRAMS_PER_SM", "4"))
+# Longest context first (see the module docstring); RLSERVE_DECODE_LPT=0 keeps batch order.
+_LONGEST_FIRST = os.environ.get("RLSERVE_DECODE_LPT", "1") != "0"
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
@@ -142,9 +150,11 @@ if HAS_TRITON:
         tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # stride_bt (the block-table width) and NUM_SPLITS change from step to step outside CUDA
+    # graphs: not specialised, so one compilation serves every step (see fused_kernels)
+    @triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"])
     def _decode_kernel(
-        Q, KC, VC, BT, SEQ_LENS, OUT, PART_O, PART_LSE,
+        Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE,
         qk_scale,  # softmax scale x log2(e)
         stride_qt, stride_qh,
         stride_cs, stride_ch,  # cache: slot stride, kv-head stride (head_dim stride is 1)
@@ -153,11 +163,14 @@ if HAS_TRITON:
         NUM_HEADS, GROUP, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
     ):
-        """Program ``(b, kv_head, split)``: GROUP query heads x one split of the context."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
+        (``i`` itself when not ``ORDERED``) x one split of its context."""
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        if ORDERED:
+            b = tl.load(ORDER + b)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ_LENS + b)
         # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
@@ -212,7 +225,7 @@ if HAS_TRITON:
             tl.store(PART_O + row[:, None] * D_PAD + d[None, :], o, mask=o_mask)
             tl.store(PART_LSE + row, lse, mask=g_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NUM_SPLITS"])
     def _decode_reduce_kernel(
         PART_O, PART_LSE, OUT,
         stride_ot, stride_oh,
@@ -271,7 +284,7 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _prefill_kernel(
         Q, KC, VC, BT, SEQ_LENS, QSL, OUT,
         qk_scale,
@@ -345,6 +358,17 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if not k_cache.is_contiguous():
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
+
+
+def decode_order(meta: AttentionMetadata) -> torch.Tensor:
+    """The decode batch's rows sorted by context length, longest first (``[B]`` int32 on the
+    device; no host sync, so it can be captured in a CUDA graph). Computed once per step and
+    kept in ``meta.backend_cache`` for the other layers."""
+    order = meta.backend_cache.get("decode_order")
+    if order is None:
+        order = torch.argsort(meta.seq_lens, descending=True).to(torch.int32)
+        meta.backend_cache["decode_order"] = order
+    return order
 
 
 def triton_write_kv_cache(
@@ -431,8 +455,10 @@ def triton_paged_attention(
             part_lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         else:
             part_o = part_lse = out  # unused
-        _decode_kernel[(B, Hkv, S)](
-            q, k_cache, v_cache, bt, meta.seq_lens, out, part_o, part_lse,
+        order = decode_order(meta) if _LONGEST_FIRST and B > 1 else None
+        _decode_kernel[(Hkv, B, S)](
+            q, k_cache, v_cache, bt, meta.seq_lens, order if order is not None else meta.seq_lens, out, part_o,
+            part_lse,
             qk_scale,
             q.stride(0), q.stride(1),
             k_cache.stride(1), k_cache.stride(2),
@@ -440,7 +466,7 @@ def triton_paged_attention(
             out.stride(0), out.stride(1),
             NUM_HEADS=H, GROUP=G, GROUP_PAD=_pow2(G), HEAD_DIM=D, D_PAD=D_PAD,
             PAGE=page, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1, DOT_PRECISION=prec,
-            num_warps=DECODE_NUM_WARPS,
+            ORDERED=order is not None, num_warps=DECODE_NUM_WARPS,
         )
         if S > 1:
             _decode_reduce_kernel[(B, H)](
