@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.layers import skinny_gemm
 from rlserve.layers.cpu_linear import pack_weight, packed_linear
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
@@ -156,6 +157,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = layer.__dict__.get("_cpu_packed_weight")
         if packed is not None:
             return packed_linear(x, layer.weight, packed, bias)
+        if skinny_gemm.takes(x, layer.weight):  # decode-sized bf16/fp16 on CUDA (opt-in)
+            return skinny_gemm.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer):
