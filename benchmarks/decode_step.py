@@ -193,7 +193,7 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
         best = row.get("graph_ms", row["eager_ms"])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"] if "graph_ms" in row else None
         row["x_floor"] = best / row["floor_ms"]
-        if args.profile and B == max_b:
+        if args.profile and B in (args.profile_batches or [max_b]):
             profile_step(runner, step, graphs_on, shape, B)
         if args.engine_steps:
             row["engine_step_ms"] = engine_step_ms(eng, B, ctx, cfg.vocab_size, args, SamplingParams) * 1e3
@@ -208,21 +208,63 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     return rows
 
 
-def profile_step(runner, step, graphs_on: bool, shape: str, B: int) -> None:
-    """Print the top CUDA kernels of 5 decode steps, eager and (if on) graphed."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(runner, step, graphs_on: bool, shape: str, B: int, top: int = 30) -> None:
+    """Print the GPU kernel tables (:mod:`kernel_table`) of 5 decode steps (forward and
+    logits), eager and (if on) replayed from the CUDA graph."""
+    from kernel_table import profile_kernels
+
+    def five():
+        for _ in range(5):
+            runner.execute(step)
 
     for mode in ("eager", "graph") if graphs_on else ("eager",):
         runner.use_cuda_graphs = mode == "graph"
         runner.execute(step)
         _sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                runner.execute(step)
-            _sync()
-        print(f"--- profile {shape} B={B} {mode} (5 steps) ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        profile_kernels(five, f"{shape} B={B} {mode}, 5 steps", top)
     runner.use_cuda_graphs = graphs_on
+
+
+def bench_gemms(args, shapes: list[str]) -> list[dict]:
+    """GPU time of each decoder linear (and the LM head) of ``shapes`` as ``F.linear`` on a
+    bf16 weight (cuBLAS), replayed from a CUDA graph, for M = ``--gemm-rows`` rows: TB/s of
+    weight bytes and TFLOP/s, against the decode step's share of such GEMMs."""
+    import torch.nn.functional as F
+
+    rows_list = [int(x) for x in args.gemm_rows.split(",")]
+    out = []
+    for shape in shapes:
+        cfg = shape_config(shape)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        H = cfg.hidden_size
+        lin = {
+            "qkv": (H, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd),
+            "o": (cfg.num_attention_heads * hd, H),
+            "gate_up": (H, 2 * cfg.intermediate_size),
+            "down": (cfg.intermediate_size, H),
+            "lm_head": (H, cfg.vocab_size),
+        }
+        for name, (K, N) in lin.items():
+            w = torch.randn(N, K, dtype=torch.bfloat16, device="cuda") * 0.02
+            for M in rows_list:
+                x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+                t = graph_time(lambda: F.linear(x, w), iters=args.iters)
+                r = {"shape": shape, "linear": name, "M": M, "K": K, "N": N, "us": t * 1e6,
+                     "weight_TBps": N * K * 2 / t / 1e12, "TFLOPs": 2 * M * N * K / t / 1e12}
+                if M <= 64:  # rlserve.layers.skinny_gemm against cuBLAS, ten launches per graph
+                    from rlserve.layers import skinny_gemm
+
+                    prev = skinny_gemm.set_max_rows(64)
+                    ts = graph_time(lambda: [skinny_gemm.linear(x, w) for _ in range(10)], iters=args.iters) / 10
+                    tc = graph_time(lambda: [F.linear(x, w) for _ in range(10)], iters=args.iters) / 10
+                    err = (skinny_gemm.linear(x, w).float() - F.linear(x, w).float()).abs().max().item()
+                    skinny_gemm.set_max_rows(*prev)
+                    r.update(cublas_x10_us=tc * 1e6, skinny_x10_us=ts * 1e6, skinny_TBps=N * K * 2 / ts / 1e12,
+                             skinny_max_abs_diff=err)
+                out.append(r)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            del w
+    return out
 
 
 def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
@@ -376,11 +418,16 @@ def main(argv=None) -> dict:
                     help="comma-separated contexts for the decode kernel micro-benchmarks (default: --context)")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: tile-configuration sweeps")
     ap.add_argument("--profile", action="store_true", help="profile the largest batch of each shape")
+    ap.add_argument("--profile-batches", default=None,
+                    help="with --profile: the batch sizes to profile (default: the largest)")
+    ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows")
+    ap.add_argument("--gemm-rows", default="1,16,64,128,256,8192")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only smoke-tests this script")
     args = ap.parse_args(argv)
     args.batch = [int(x) for x in args.batch.split(",")]
+    args.profile_batches = [int(x) for x in args.profile_batches.split(",")] if args.profile_batches else None
     args.kernel_contexts = [int(x) for x in (args.kernel_contexts or str(args.context)).split(",")]
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -406,6 +453,8 @@ def main(argv=None) -> dict:
     result = {"info": info, "models": [], "kernels": None}
     if args.kernels and dev.type == "cuda":
         result["kernels"] = bench_kernels(args)
+    if args.gemms and dev.type == "cuda":
+        result["gemms"] = bench_gemms(args, args.shape.split(","))
     if not args.no_models:
         with tempfile.TemporaryDirectory() as root:
             for shape in args.shape.split(","):

@@ -77,6 +77,14 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         res["phases"] = _phases(llm.engine, lambda: gen(fresh(1), params), args)
     if args.profile:
         _profile(lambda: gen(fresh(2), params), args)
+    if args.kernel_profile and args.device.startswith("cuda"):
+        from kernel_table import profile_kernels
+
+        one = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)] * len(prompts)
+        res["kernels_prefill"] = profile_kernels(lambda: gen(fresh(3), one), "prefill only (max_tokens=1)",
+                                                 args.kernel_profile)
+        res["kernels_workload"] = profile_kernels(lambda: gen(fresh(4), params), "whole workload",
+                                                  args.kernel_profile)
     return res
 
 
@@ -315,6 +323,9 @@ def main(argv=None) -> None:
                     help="rlserve: run the workload once more, timing prefill vs decode steps, overlap waits, GC")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="rlserve: run the workload once more under cProfile and print its top N functions")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                    help="rlserve on CUDA: GPU kernel tables (top N) of a prefill-only run of the prompts and of "
+                         "the whole workload once more (torch.profiler)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
