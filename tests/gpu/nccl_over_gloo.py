@@ -23,8 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def gloo_for_nccl(real):
     """A ``new_backend`` that builds gloo where ``real`` would build NCCL."""
 
-    def new_backend(backend, store, rank, world_size, timeout, nccl_async_error_handling=None):
-        return real("gloo" if backend == "nccl" else backend, store, rank, world_size, timeout)
+    def new_backend(backend, store, rank, world_size, timeout, nccl_async_error_handling=None, **kw):
+        # keyword arguments the real one takes (gloo_address=...) pass through: without them the
+        # transfer group's call raised TypeError (seen on an H200, 2026-12-02: both gloo-cuda
+        # kill-matrix cells failed before reporting)
+        return real("gloo" if backend == "nccl" else backend, store, rank, world_size, timeout, **kw)
 
     new_backend.gloo_for_nccl = True
     return new_backend
