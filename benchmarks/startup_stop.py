@@ -1,11 +1,22 @@
-"""Start-up and Ctrl-C stop time of ``rlserve serve`` on a tiny dummy model (issue 21.11).
+"""Start-up and Ctrl-C stop time of ``rlserve serve`` (issues 21.11 and 17).
 
 For each checkout given (``--checkout DIR``, repeatable; default: this one), interleaved, ``--reps``
-times: start ``python -m rlserve serve TINY --load-format dummy --device cpu --port 0`` and time
-(a) process start -> the ready line, (b) the server's own "loading" log line -> "engine ready",
-(c) SIGINT -> process exit. Prints the median of each per checkout.
+times: start ``python -m rlserve serve MODEL --device cpu --port 0 --log-level debug ...`` (default
+MODEL: the tests' tiny Llama with ``--load-format dummy``) in a session of its own and time
+
+(a) process start -> the ready line, (b) the server's own "loading" log line -> "engine ready"
+(the engine-core process's line in process mode), (c) the signal -> process exit, with
+``--in-flight N`` streamed requests generating when it is sent (``--group``: to the whole process
+group, as a Ctrl-C in a terminal does; ``--prefill-len N``: and one N-token prompt's prefill under
+way, sent ``--prefill-wait`` s before). The stop is split by the server's debug log lines
+(``rlserve/cli/serve.py``): signal -> "received" (the handler ran), -> "HTTP server closed"
+(uvicorn done), -> "engines stopped" (engine-core processes or threads joined), -> "exit handlers
+done"; the rest to the process's end is ``os._exit`` and the kernel freeing the memory. Also
+checks that no engine-core process outlived the server. ``--nice N`` runs the server at that
+niceness: on a shared machine, a stand-in for a heavier load without adding any.
 
     python benchmarks/startup_stop.py --reps 3 --checkout /path/to/baseline --checkout .
+    python benchmarks/startup_stop.py --reps 5 --in-flight 4 --group --model ~/.cache/rlserve/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -19,61 +30,148 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import httpx  # noqa: E402
+
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
-_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: (loading|engine ready)", re.M)
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:\[engine-core \d+\] )?\S+: "
+_MARKS = {"loading": r"loading ", "engine ready": r"engine ready: ", "received": r"stopping: \w+ received",
+          "http closed": r"stopping: HTTP server closed", "engines stopped": r"stopping: engines stopped",
+          "exit handlers done": r"stopping: exit handlers done"}
+_READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
 
 
-def one(checkout: str, model: str) -> dict:
+def _stamps(text: str) -> dict[str, float]:
+    """Epoch seconds of the first line matching each of :data:`_MARKS`."""
+    out = {}
+    for key, pat in _MARKS.items():
+        m = re.search(_STAMP + pat, text, re.M)
+        if m:
+            out[key] = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def one(checkout: str, model: str, args) -> dict:
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.path.abspath(checkout))
+    cmd = [sys.executable, "-m", "rlserve", "serve", model, "--port", "0", "--device", "cpu", "--log-level", "debug",
+           "--disable-access-log", "--engine-mode", args.engine_mode, "--data-parallel-size", str(args.dp),
+           *(["--load-format", "dummy"] if args.model is None else []), *args.server_args]
+    if args.nice:
+        cmd = ["nice", "-n", str(args.nice), *cmd]
     t0 = time.monotonic()
     with open(log, "w") as out:
-        p = subprocess.Popen([sys.executable, "-m", "rlserve", "serve", model, "--port", "0", "--device", "cpu",
-                              "--load-format", "dummy"], stdout=out, stderr=subprocess.STDOUT, env=env,
-                             cwd=os.path.abspath(checkout))
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=os.path.abspath(checkout),
+                             start_new_session=True)
         while True:
             text = open(log).read()
-            if "rlserve: serving" in text:
+            m = _READY.search(text)
+            if m:
                 break
-            if p.poll() is not None or time.monotonic() - t0 > 600:
+            if p.poll() is not None or time.monotonic() - t0 > 900:
                 p.kill()
                 raise RuntimeError(f"server did not start:\n{text[-3000:]}")
             time.sleep(0.02)
         ready = time.monotonic() - t0
+        url = m.group(1)
+        pids = httpx.get(url + "/server_info", timeout=30).json().get("engine_core_pids") or []
+        started = threading.Semaphore(0)
+
+        def stream():
+            first = True
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                        "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and first:
+                            started.release()
+                            first = False
+            except Exception:  # noqa: BLE001 - the stop cuts it
+                pass
+
+        threads = [threading.Thread(target=stream, daemon=True) for _ in range(args.in_flight)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            started.acquire(timeout=300)  # every stream has its first token: generating now
+        if args.prefill_len:  # one long prompt more, its prefill under way at the signal
+            threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=300, json={
+                "prompt": [5 + i % 300 for i in range(args.prefill_len)], "max_tokens": 2}), daemon=True).start()
+            time.sleep(args.prefill_wait)
+        sig = signal.SIGTERM if args.signal == "TERM" else signal.SIGINT
+        t_sig = time.time()
         t1 = time.monotonic()
-        p.send_signal(signal.SIGINT)
+        if args.group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
         p.wait(120)
         stop = time.monotonic() - t1
-    stamps = {k: datetime.datetime.strptime(v, "%Y-%m-%d %H:%M:%S,%f") for v, k in _TS.findall(open(log).read())}
+        t_end = t_sig + stop
+    text = open(log).read()
     os.remove(log)
-    load = (stamps["engine ready"] - stamps["loading"]).total_seconds() if len(stamps) == 2 else float("nan")
-    return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode}
+    st = _stamps(text)
+    if args.show_stop_log:  # the server's log from the signal on
+        i = text.find("stopping: ")
+        print(text[text.rfind("\n", 0, i) + 1:] if i >= 0 else text[-3000:])
+    load = st["engine ready"] - st["loading"] if "engine ready" in st and "loading" in st else float("nan")
+    phases, prev = {}, t_sig
+    for key in ("received", "http closed", "engines stopped", "exit handlers done"):
+        if key in st:
+            phases[key] = st[key] - prev
+            prev = st[key]
+    phases["exit"] = t_end - prev
+    phases["core killed"] = "did not exit" in text  # (debug line of core_client.CoreProcReplica.join)
+    return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode, "phases": phases,
+            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkout", action="append", default=None, help="repository root to run (repeatable)")
     ap.add_argument("--reps", type=int, default=3, help="runs per checkout (interleaved)")
+    ap.add_argument("--model", default=None, help="model directory (default: the tiny Llama, dummy weights)")
+    ap.add_argument("--engine-mode", default="process", choices=["process", "thread"])
+    ap.add_argument("--dp", type=int, default=1, help="--data-parallel-size")
+    ap.add_argument("--in-flight", type=int, default=0, help="streamed requests generating at the signal")
+    ap.add_argument("--signal", default="INT", choices=["INT", "TERM"])
+    ap.add_argument("--group", action="store_true", help="signal the process group (a terminal's Ctrl-C)")
+    ap.add_argument("--nice", type=int, default=0, help="run the server at this niceness")
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="also send one prompt of this many tokens --prefill-wait s before the signal")
+    ap.add_argument("--prefill-wait", type=float, default=0.5, help="seconds (see --prefill-len)")
+    ap.add_argument("--show-stop-log", action="store_true", help="print the server's log from the signal on")
+    ap.add_argument("server_args", nargs="*", help="more `rlserve serve` flags (after --)")
     args = ap.parse_args()
     checkouts = args.checkout or ["."]
-    model = make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve-bench-tiny-llama"))
+    model = args.model or make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve-bench-tiny-llama"))
     res: dict[str, list] = {c: [] for c in checkouts}
     for _ in range(args.reps):
         for c in checkouts:
-            r = one(c, model)
+            r = one(c, model, args)
             res[c].append(r)
-            print(f"{c}: ready {r['ready_s']:.1f}s (load {r['load_s']:.1f}s), stop {r['stop_s']:.1f}s, rc {r['rc']}",
-                  flush=True)
+            ph = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["phases"].items())
+            print(f"{c}: ready {r['ready_s']:.1f}s (load {r['load_s']:.1f}s), stop {r['stop_s']:.3f}s [{ph}], "
+                  f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}", flush=True)
     for c, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("ready_s", "load_s", "stop_s")}
         print(f"median {c}: ready {med['ready_s']:.1f}s, loading->engine ready {med['load_s']:.1f}s, "
-              f"Ctrl-C->exit {med['stop_s']:.1f}s ({len(rs)} runs)")
+              f"SIG{args.signal}->exit {med['stop_s']:.3f}s (max {max(r['stop_s'] for r in rs):.3f}s, "
+              f"{len(rs)} runs)")
     return 0
 
 

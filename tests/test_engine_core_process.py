@@ -1,7 +1,8 @@
 """The engine core in its own process (the server's default): a core that dies is noticed at
 once (requests in flight end with 503, /health fails, nothing hangs); the server stops within
-2 s of SIGINT/SIGTERM and takes its engine-core processes with it; a core never outlives its
-server; the async front gives the offline engine's greedy tokens through the boundary."""
+2 s of SIGINT/SIGTERM and takes its engine-core processes with it; a core never outlives the
+program that started it (a server, a pytest), whatever thread started it; the async front gives
+the offline engine's greedy tokens through the boundary."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -83,9 +85,21 @@ def test_engine_process_killed_mid_generation(tiny_model):
         assert srv.proc.poll() is None  # the API process keeps answering
 
 
+#: The bound on a server's stop: the issue's (2 s). What this configuration (DP=2, tiny model, a
+#: stream in flight, the process group signalled) measured with benchmarks/startup_stop.py on the
+#: shared 2-core machine: 0.37-0.43 s at load 4-5; a SmolLM2 server with a 6000-token prefill in
+#: flight 1.0-1.3 s (BENCHMARKS.md, "Stop of rlserve serve with engine-core processes"). Nothing in
+#: the stop waits longer than core_client._KILL_AFTER_S (0.25 s after the signal) for a core; the
+#: rest is uvicorn's close (its 0.1 s tick), the kernel's teardown of the processes, and scheduling.
+STOP_BOUND_S = 2.0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
-    srv = _server(tiny_model, "--data-parallel-size", "2").start()
+    """SIGINT/SIGTERM to the server's process group with a request generating: the server exits
+    within :data:`STOP_BOUND_S` and no engine-core process outlives it. The server logs its stop's
+    phases at debug level (``stopping: ...`` lines), shown if the bound is missed."""
+    srv = _server(tiny_model, "--data-parallel-size", "2", "--log-level", "debug").start()
     try:
         pids = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
@@ -110,20 +124,68 @@ def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
 
         t0 = asyncio.run(asyncio.wait_for(in_flight_then_signal(), T))
         try:
-            srv.proc.wait(timeout=max(0.0, 2.0 - (time.monotonic() - t0)))
+            srv.proc.wait(timeout=max(0.0, STOP_BOUND_S - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not exit within 2 s of {sig.name}:\n{srv.log_tail()}")
+            pytest.fail(f"the server did not exit within {STOP_BOUND_S} s of {sig.name} (load average "
+                        f"{os.getloadavg()[0]:.1f}):\n{srv.log_tail()}")
         assert all(not _alive(p) for p in pids), "engine-core processes outlived the server"
     finally:
         srv.stop()
 
 
-def test_core_dies_with_a_killed_server(tiny_model):
-    with _server(tiny_model) as srv:
-        (core_pid,) = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
-        srv.proc.kill()
-        srv.proc.wait(T)
-        assert _wait_gone(core_pid, T), "the engine-core process outlived its killed server"
+#: a stand-in for a pytest (or any program) that runs an AsyncEngine in process mode: it builds
+#: the engine on a thread that then ends, proves the core still serves, and waits to be killed
+_PARENT = """
+import asyncio, sys, threading
+from rlserve import SamplingParams
+from rlserve.config import EngineConfig
+from rlserve.engine.async_engine import AsyncEngine
+
+box = {}
+cfg = EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", max_model_len=128, load_format="dummy")
+t = threading.Thread(target=lambda: box.update(engine=AsyncEngine(cfg, engine_mode="process")))
+t.start()
+t.join()
+engine = box["engine"]
+
+async def one():
+    async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)):
+        last = out
+    return last
+
+n = len(asyncio.run(one()).outputs[0].token_ids)
+print("CORE", engine.core_pids()[0], n, engine.is_alive(), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_core_outlives_the_thread_that_started_it_not_its_killed_process(tiny_model):
+    """A core asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), and Linux means
+    the parent *thread*: cores are therefore started from a thread that lives as long as the
+    process (core_client._Spawner). An AsyncEngine built on a thread that ended still serves;
+    SIGKILL its process (a killed pytest, or a killed ``rlserve serve``: the same code path) and
+    the core goes too, nothing orphaned."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT, tiny_model("llama")], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONPATH=root))
+    try:
+        line = ""
+        deadline = time.monotonic() + 600
+        while not line.startswith("CORE") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert line.startswith("CORE"), f"the parent did not report its core (exit {proc.poll()})"
+        _, core_pid, n_tokens, alive = line.split()
+        core_pid = int(core_pid)
+        assert n_tokens == "2" and alive == "True" and _alive(core_pid)
+        proc.kill()
+        proc.wait(T)
+        assert _wait_gone(core_pid, T), "the engine-core process outlived its killed parent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(T)
 
 
 def _same_logprobs(got: list[dict], want: list[dict]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 
 from rlserve.cli._help import HelpFormatter
@@ -210,9 +211,18 @@ def run(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
         rc = 130
     finally:
+        logger.debug("stopping: HTTP server closed; stopping the engines")
         aengine.shutdown(timeout_s=5.0)
+        logger.debug("stopping: engines stopped; exit handlers next")
     _exit_now(rc)
     return rc  # not reached
+
+
+def _signal_name(sig) -> str:
+    try:
+        return signal.Signals(sig).name
+    except (ValueError, TypeError):
+        return f"signal {sig}"
 
 
 def _exit_now(rc: int) -> None:
@@ -225,6 +235,7 @@ def _exit_now(rc: int) -> None:
     try:
         atexit._run_exitfuncs()
     finally:
+        logger.debug("stopping: exit handlers done")
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -251,6 +262,7 @@ async def _serve(app, args) -> int:
             first = not self.should_exit
             super().handle_exit(sig, frame)
             if first:
+                logger.info("stopping: %s received", _signal_name(sig))
                 loop.call_soon_threadsafe(aengine.begin_shutdown, "the server is shutting down")
 
     server = Server(config)

@@ -41,7 +41,53 @@ from rlserve.engine.replica import EngineView, Replica, failed_future
 
 logger = logging.getLogger(__name__)
 
-_KILL_AFTER_S = 1.0  # a core that has not exited this long after Shutdown is killed (seconds)
+#: a core that has not exited this long after Shutdown was sent is killed, with its TP workers
+#: (seconds). Nothing is lost by it: its requests have ended by then (503), and the kernel frees
+#: its memory (GPU memory included) either way. A core mid-step sees Shutdown only after the
+#: step: on a loaded 2-core CPU a 6000-token SmolLM2 prefill in flight kept it 1.3-1.6 s after a
+#: Ctrl-C, and waiting it out put the server's stop at 1.7-1.9 s (BENCHMARKS.md, "Stop of
+#: rlserve serve with engine-core processes"). An idle core exits in milliseconds; by the time
+#: the HTTP server has closed (0.12-0.2 s after the signal there) the grace is nearly over.
+_KILL_AFTER_S = 0.25
+
+
+class _Spawner:
+    """Starts the engine-core processes from one daemon thread that lives as long as this
+    process. A core asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG`` in
+    :func:`rlserve.engine.core_proc.die_with_parent`), and Linux counts the *thread* that forked
+    it as that parent: a core started from a thread that then ended (an ``AsyncEngine`` built in
+    a worker thread) was SIGKILLed at once. Started from here, it dies with the process only."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue = None
+        self._pid = None  # the process the thread runs in (a forked child needs its own)
+
+    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
+        """``subprocess.Popen(cmd, **kw)`` on the spawner thread; raises what it raises."""
+        import queue
+
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self._queue,), name="rlserve-core-spawner",
+                                 daemon=True).start()
+            q = self._queue
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        q.put((fut, cmd, kw))
+        return fut.result()
+
+    @staticmethod
+    def _run(q) -> None:
+        while True:
+            fut, cmd, kw = q.get()
+            try:
+                fut.set_result(subprocess.Popen(cmd, **kw))
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(e)
+
+
+_SPAWNER = _Spawner()
 
 
 def _exit_text(rc: int | None) -> str:
@@ -87,6 +133,7 @@ class CoreProcReplica(Replica):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count(1)
         self._closing = False
+        self._stop_t: float | None = None  # time.monotonic() of stop()
         self.proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
         self._view: EngineView | None = None
@@ -108,7 +155,7 @@ class CoreProcReplica(Replica):
                "--output", f"ipc://{self._dir}/out", "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
                "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
                "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
         try:
             self._pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
@@ -298,18 +345,24 @@ class CoreProcReplica(Replica):
         if self._closing:
             return
         self._closing = True
+        self._stop_t = time.monotonic()
         try:
             self._send(proto.Shutdown())
         except EngineDeadError:
             pass
 
     def join(self, timeout_s: float) -> None:
+        """Wait for the core to exit, at most ``timeout_s`` and at most until :data:`_KILL_AFTER_S`
+        after :meth:`stop` sent it Shutdown (the signal's time, on a server's Ctrl-C); then kill its
+        process group. Then close the sockets and end the reader."""
         if self.proc is not None:
+            since = 0.0 if self._stop_t is None else time.monotonic() - self._stop_t
+            grace = max(0.0, min(timeout_s, _KILL_AFTER_S - since))
             try:
-                self.proc.wait(min(timeout_s, _KILL_AFTER_S))
-            except subprocess.TimeoutExpired:
-                logger.warning("engine replica %d did not exit in %.1f s: killing it", self.index,
-                               min(timeout_s, _KILL_AFTER_S))
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:  # mid-step, or still exiting: kill (not an error)
+                logger.debug("engine replica %d did not exit %.2f s after its shutdown: killing it", self.index,
+                             since + grace)
             self._reap()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout_s)

@@ -6,8 +6,9 @@ Between two steps it takes every message waiting on its input socket (adds, abor
 stops, utility calls), then runs one step and sends that step's token deltas as one message
 (no text: the API process detokenizes, see :mod:`rlserve.engine.output_processor`). Idle or frozen (a
 keep-pause), it blocks on the input socket. It never outlives the API process: the kernel
-kills it when its parent dies (``PR_SET_PDEATHSIG``), and it also checks its parent id every
-loop. SIGINT is ignored (a Ctrl-C reaches the API process, which stops the cores); SIGTERM
+kills it when its parent dies (``PR_SET_PDEATHSIG``: the API process starts every core from one
+thread that lives as long as it does, ``core_client._Spawner``, because the kernel means the
+parent *thread*), and it also checks its parent id every loop. SIGINT is ignored (a Ctrl-C reaches the API process, which stops the cores); SIGTERM
 stops it cleanly.
 
 Run as ``python -m rlserve.engine.core_proc --input ADDR --output ADDR --dp-index I
