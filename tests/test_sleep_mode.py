@@ -97,7 +97,10 @@ def test_level1_restores_exactly_and_refuses_generation(llm):
     assert llm.is_sleeping()
     info = llm.engine.sleep_mode.info()
     assert info["tags"] == {"weights": "offloaded", "kv_cache": "discarded"} and info["level"] == 1
-    assert info["bytes_released"] == info["bytes"]["weights"] + info["bytes"]["kv_cache"] > 0
+    asleep = info["bytes"]["weights"] + info["bytes"]["kv_cache"]
+    assert info["bytes_discarded"] == asleep > 0
+    # the arena (CUDA's path) gives its pages back; the CPU's in-place regions keep their memory
+    assert info["bytes_released"] == (asleep if llm.engine.executor.sleep.vmm else 0)
     # really gone from the model while asleep (NaN bytes), not just flagged
     assert all(torch.isnan(p).all() for p in llm.engine.model.parameters())
     assert torch.isnan(kv).all()

@@ -83,9 +83,12 @@ def test_routes_states_and_conflicts(server):
     assert httpx.get(url + "/health", timeout=T).status_code == 200
     info = httpx.get(url + "/server_info", timeout=T).json()
     assert info["is_sleeping"] is True and info["sleep"]["level"] == 1
-    assert info["sleep"]["bytes_released"] == info["sleep"]["bytes"]["weights"] + info["sleep"]["bytes"]["kv_cache"]
+    asleep = info["sleep"]["bytes"]["weights"] + info["sleep"]["bytes"]["kv_cache"]
+    assert info["sleep"]["bytes_discarded"] == asleep > 0
+    assert info["sleep"]["bytes_released"] == 0  # CPU: in place, the memory stays allocated
     assert _metric(url, "rlserve_is_sleeping") == 1 and _metric(url, "rlserve_sleep_level") == 1
-    assert _metric(url, "rlserve_sleep_bytes_released") == info["sleep"]["bytes_released"]
+    assert _metric(url, "rlserve_sleep_bytes_discarded") == asleep
+    assert _metric(url, "rlserve_sleep_bytes_released") == 0
 
     _error(_post(url, "/sleep", level=2), 409, "already_sleeping")
     _error(_post(url, "/wake_up", tags="bogus"), 400, "invalid_request")
@@ -98,7 +101,8 @@ def test_routes_states_and_conflicts(server):
     assert r.status_code == 200 and r.json()["is_sleeping"] is False
     assert _sleeping(url) is False and httpx.get(url + "/is_paused", timeout=T).json()["is_paused"] is False
     assert _generate(url).json()["completion_ids"] == before
-    assert _metric(url, "rlserve_is_sleeping") == 0 and _metric(url, "rlserve_sleep_bytes_released") == 0
+    assert _metric(url, "rlserve_is_sleeping") == 0 and _metric(url, "rlserve_sleep_bytes_discarded") == 0
+    assert _metric(url, "rlserve_sleep_bytes_released") == 0
 
 
 def test_level2_plain_wake_reloads(server):

@@ -84,13 +84,15 @@ class AsyncSleep:
     def info(self) -> dict:
         """JSON-ready: ``is_sleeping``, ``level``, ``tags`` (per tag ``awake`` / ``offloaded``
         / ``discarded``), ``bytes`` (device bytes of each region, all replicas and TP ranks),
-        ``bytes_released`` (released now), ``sleeps`` / ``wake_ups`` / ``reloads`` counts and
+        ``bytes_discarded`` (bytes of the sleeping regions) and ``bytes_released`` (of those,
+        given back to the driver: 0 on the CPU), ``sleeps`` / ``wake_ups`` / ``reloads`` counts and
         the last ``sleep`` / ``wake_up`` times in seconds (server side, pause included)."""
         reps = self.replicas
         return {
             "is_sleeping": self.is_sleeping(), "level": self.level,
             "tags": {t: self.state[t] or "awake" for t in TAGS},
             "bytes": {t: sum(int(r["bytes"][t]) for r in reps) for t in TAGS},
+            "bytes_discarded": sum(int(r["bytes_discarded"]) for r in reps),
             "bytes_released": sum(int(r["bytes_released"]) for r in reps),
             "reloads": sum(int(r["reloads"]) for r in reps), **self.totals,
         }
@@ -139,9 +141,10 @@ class AsyncSleep:
             self.state = dict(self.replicas[0]["tags"])
             self.state = {t: (None if v == "awake" else v) for t, v in self.state.items()}
             self.totals.update(sleeps=self.totals["sleeps"] + 1, last_sleep_s=time.perf_counter() - t0)
-        logger.info("asleep (level %d): %.1f MiB released in %.2f s", level, self.info()["bytes_released"] / 2**20,
-                    self.totals["last_sleep_s"])
-        return self.info()
+        info = self.info()
+        logger.info("asleep (level %d): %.1f MiB discarded, %.1f MiB released in %.2f s", level,
+                    info["bytes_discarded"] / 2**20, info["bytes_released"] / 2**20, self.totals["last_sleep_s"])
+        return info
 
     async def _undo_sleep(self, paused_before: bool) -> None:
         """A sleep that failed: back to what every replica reports, generation as before."""

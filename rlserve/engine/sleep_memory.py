@@ -124,6 +124,8 @@ def _unregister(buf: torch.Tensor) -> None:
 class _ArenaRegion:
     """A region backed by a VMM arena (CUDA): releasing unmaps the physical pages."""
 
+    releases = True  # asleep, its pages are back with the driver
+
     def __init__(self, arena, used_bytes: int):
         self.arena = arena
         self.used = int(used_bytes)
@@ -168,6 +170,8 @@ class _InPlaceRegion:
 
     ``tensors()`` is called at each operation: the weight sync's CPU direct layout may move
     the parameters between sleeps."""
+
+    releases = False  # asleep, its memory stays allocated (only the contents are gone)
 
     def __init__(self, tensors):
         self.tensors = tensors
@@ -249,7 +253,8 @@ class WorkerSleep:
     def sleep(self, level: int, tags=TAGS) -> int:
         """Level 1: weights offloaded to host memory, KV cache discarded; level 2: both
         discarded (only ``tags``; regions already asleep are left as they are). Returns the
-        bytes released."""
+        bytes released: given back to the driver (VMM arenas); 0 for the CPU's in-place
+        regions, whose memory stays allocated."""
         released = 0
         for tag in TAGS:
             region = self.regions.get(tag)
@@ -262,7 +267,8 @@ class WorkerSleep:
                 region.discard()
                 region.drop_backup()
                 self.state[tag] = "discarded"
-            released += region.nbytes
+            if region.releases:
+                released += region.nbytes
         return released
 
     def wake_up(self, tags) -> int:
@@ -317,3 +323,9 @@ def worker_region_bytes(worker) -> dict:
     """collective_rpc target: ``{tag: bytes}`` each region holds while awake."""
     ws = _get(worker)
     return {tag: ws.bytes_of(tag) for tag in TAGS}
+
+
+def worker_releases_memory(worker) -> bool:
+    """collective_rpc target: whether a sleeping region's memory goes back to the driver (VMM
+    arenas: CUDA) or stays allocated with its contents overwritten (the CPU's in-place regions)."""
+    return bool(_get(worker).vmm)

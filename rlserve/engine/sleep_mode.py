@@ -75,6 +75,8 @@ class EngineSleep:
                       "last_wake_up_s": None, "last_reload_s": None}
         sizes = engine.collective_rpc(_MEM + "worker_region_bytes")
         self.region_bytes = {t: sum(int(s[t]) for s in sizes) for t in TAGS}  # over TP ranks
+        # CUDA: a sleeping region's pages go back to the driver; CPU: they stay allocated
+        self.releases_memory = all(engine.collective_rpc(_MEM + "worker_releases_memory"))
 
     # ---- queries -------------------------------------------------------------------
     def is_sleeping(self) -> bool:
@@ -102,11 +104,14 @@ class EngineSleep:
     def info(self) -> dict:
         """JSON-ready state: ``is_sleeping``, ``level``, ``tags`` (per tag: ``awake`` /
         ``offloaded`` / ``discarded``), ``bytes`` (device bytes of each region, all TP ranks),
-        ``bytes_released`` (released now), counters and the last times in seconds."""
+        ``bytes_discarded`` (bytes of the sleeping regions: their contents are gone from the
+        device, offloaded or dropped), ``bytes_released`` (of those, the bytes given back to
+        the driver now: all of them on CUDA, 0 on the CPU, where the memory stays allocated),
+        counters and the last times in seconds."""
         asleep = sum(self.region_bytes[t] for t in TAGS if self.state[t])
         return {"is_sleeping": self.is_sleeping(), "level": self.level, "needs_weights": self.needs_weights,
                 "tags": {t: self.state[t] or "awake" for t in TAGS}, "bytes": dict(self.region_bytes),
-                "bytes_released": asleep, **self.stats}
+                "bytes_discarded": asleep, "bytes_released": asleep if self.releases_memory else 0, **self.stats}
 
     # ---- transitions -----------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict:

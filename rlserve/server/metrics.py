@@ -27,8 +27,10 @@ start to commit of each successful update, ``mode`` the staging: none | device |
 seconds generation was paused, by weight syncs or operators) and ``weight_version_number``.
 
 Sleep mode (``--enable-sleep-mode``; gauges, prefix ``rlserve_``): ``is_sleeping`` (1 while any
-region sleeps), ``sleep_level`` (0 awake, 1, 2), ``sleep_bytes_released`` (device bytes
-released now, all replicas and TP ranks), ``sleep_region_bytes{tag}`` (bytes of the
+region sleeps), ``sleep_level`` (0 awake, 1, 2), ``sleep_bytes_discarded`` (bytes of the
+sleeping regions, their contents offloaded or dropped, all replicas and TP ranks),
+``sleep_bytes_released`` (of those, the device bytes given back to the driver now; 0 on the CPU,
+where the memory stays allocated), ``sleep_region_bytes{tag}`` (bytes of the
 ``weights`` / ``kv_cache`` regions while awake), ``sleeps_total``, ``wake_ups_total``,
 ``sleep_last_seconds{op}`` (``sleep`` / ``wake_up``: the last one's duration).
 """
@@ -131,10 +133,14 @@ class ServerMetrics:
                                  lbl, registry=r)
         self.prefix_queries = Gauge("rlserve_prefix_cache_query_tokens_total",
                                     "Prompt tokens looked up in the prefix cache.", lbl, registry=r)
-        self.sleeping = Gauge("rlserve_is_sleeping", "1 while sleep mode has released memory.", lbl, registry=r)
+        self.sleeping = Gauge("rlserve_is_sleeping", "1 while any sleep-mode region sleeps.", lbl, registry=r)
         self.sleep_level = Gauge("rlserve_sleep_level", "Level of the sleep in force (0: awake).", lbl, registry=r)
-        self.sleep_released = Gauge("rlserve_sleep_bytes_released", "Device bytes released by sleep mode now.", lbl,
+        self.sleep_released = Gauge("rlserve_sleep_bytes_released",
+                                    "Device bytes sleep mode has given back to the driver now (0 on CPU).", lbl,
                                     registry=r)
+        self.sleep_discarded = Gauge("rlserve_sleep_bytes_discarded",
+                                     "Bytes of the regions asleep now (contents offloaded or dropped).", lbl,
+                                     registry=r)
         self.sleep_region = Gauge("rlserve_sleep_region_bytes", "Device bytes of a sleep-mode region while awake.",
                                   lbl + ["tag"], registry=r)
         self.sleeps = Gauge("rlserve_sleeps_total", "Sleeps since start.", lbl, registry=r)
@@ -248,6 +254,7 @@ class ServerMetrics:
             self.sleeping.labels(m).set(1 if sleep["is_sleeping"] else 0)
             self.sleep_level.labels(m).set(sleep["level"])
             self.sleep_released.labels(m).set(sleep["bytes_released"])
+            self.sleep_discarded.labels(m).set(sleep["bytes_discarded"])
             for tag, n in sleep["bytes"].items():
                 self.sleep_region.labels(m, tag).set(n)
             self.sleeps.labels(m).set(sleep["sleeps"])

@@ -92,7 +92,8 @@ def server_info(state: ServerState, config_format: str | None = None, sleep: dic
     """What ``GET /server_info`` answers. ``config_format``: absent or "json" give
     ``vllm_config`` as an object; "text" as vLLM's one-line string. ``sleep``: sleep mode's
     state (``AsyncSleep.info()``: ``is_sleeping``, ``level``, ``tags``, ``bytes``,
-    ``bytes_released``, counts and last times), None without ``--enable-sleep-mode``."""
+    ``bytes_discarded``, ``bytes_released``, counts and last times), None without
+    ``--enable-sleep-mode``."""
     cfg = state.aengine.config
     eng = state.aengine.engine
     vc = vllm_config(state)
