@@ -45,7 +45,21 @@ def _server(tiny_model, *extra):
                          *extra, startup_timeout_s=600)
 
 
+def _held(metrics_text: str) -> float:
+    """``rlserve_num_requests_held`` from a /metrics page (0 when absent)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("rlserve_num_requests_held"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_engine_process_killed_mid_generation(tiny_model):
+    """SIGKILL the engine-core process while a stream and a plain request are generating (frozen
+    by a keep-pause, so they cannot finish first) and a third request is held by that pause:
+    the stream ends with an ``engine_dead`` error event after its tokens, the other two with
+    503, /health turns 503 with the reason, /resume answers at once (200: the pause is lifted; the
+    engine stays dead), a new request gets 503; the
+    API process keeps answering. Every wait is bounded by T."""
     with _server(tiny_model) as srv:
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["engine_mode"] == "process"
@@ -57,30 +71,35 @@ def test_engine_process_killed_mid_generation(tiny_model):
             async with httpx.AsyncClient(base_url=srv.url, timeout=T) as client:
                 nonstream = asyncio.create_task(client.post("/v1/completions", json=body))
                 events = []
-                status = None
+                held = None
                 async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
                     status = r.status_code
-                    killed = False
                     async for line in r.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         events.append(json.loads(line[6:]))
-                        if not killed:  # a token arrived: the engine is mid-generation
+                        if held is None:  # a token arrived: the engine is mid-generation
+                            assert (await client.post("/pause", params={"mode": "keep"})).status_code == 200
+                            held = asyncio.create_task(client.post("/v1/completions", json=dict(body, max_tokens=2)))
+                            while _held((await client.get("/metrics")).text) < 1:
+                                await asyncio.sleep(0.02)
                             os.kill(core_pid, signal.SIGKILL)
-                            killed = True
-                r2 = await nonstream
+                r2, r3 = await nonstream, await held
                 health = await client.get("/health")
+                resumed = await client.post("/resume")
                 after = await client.post("/v1/completions", json=dict(body, max_tokens=2))
-                return status, events, r2, health, after
+                return status, events, r2, r3, health, resumed, after
 
-        status, events, r2, health, after = asyncio.run(asyncio.wait_for(scenario(), T))
+        status, events, r2, r3, health, resumed, after = asyncio.run(asyncio.wait_for(scenario(), T))
         assert status == 200
         err = events[-1].get("error")
         assert err is not None and err["code"] == "engine_dead", events[-1]
         assert "SIGKILL" in err["message"], err
         assert any(e.get("choices") for e in events[:-1])  # tokens came before the error
-        assert r2.status_code == 503 and r2.json()["error"]["code"] == "engine_dead", r2.text
+        for r in (r2, r3):  # the one generating, the one held by the pause
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
         assert health.status_code == 503 and "SIGKILL" in health.json()["reason"], health.text
+        assert resumed.status_code == 200, resumed.text  # answered at once: the pause is lifted, the engine stays dead
         assert after.status_code == 503, after.text
         assert srv.proc.poll() is None  # the API process keeps answering
 
