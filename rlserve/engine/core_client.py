@@ -156,6 +156,9 @@ class CoreProcReplica(Replica):
                "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
                "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
         self.proc = _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        prefetch = getattr(self._tokenizer_loader, "prefetch", None)
+        if prefetch is not None:  # the tokenizer loads here while the core starts
+            prefetch()
         try:
             self._pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
