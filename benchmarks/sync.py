@@ -63,6 +63,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.model_shapes import save_shape, shape_config  # noqa: E402
 from rlserve.demo import NCCL_SAFE_ENV  # noqa: E402
+from rlserve.server.launch import free_port  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
@@ -73,14 +74,6 @@ from rlserve.transfer import (  # noqa: E402
     WeightTransferTrainerFactory,
 )
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_tensors(shape: str, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:

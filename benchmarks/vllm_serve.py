@@ -4,7 +4,8 @@ vLLM runs in its own environment: ``PYTHONPATH`` is only ``pythonpath`` (default
 where ``../shared/tools/device-vllm`` installs vLLM 0.24 on the GPU machine; vLLM pins an older
 FastAPI than rlserve, so the two must not share a ``PYTHONPATH``), ``PATH`` starts with its
 ``bin``, and the variables of that tool's ``env.sh`` are set (no flashinfer sampler, no usage
-stats, offline hub). The server is started in a session of its own, on loopback and a free port;
+stats, offline hub). The server is started in a session of its own, on loopback and a free port
+(:mod:`rlserve.server.launch`: it also gets SIGTERM if this process dies);
 :meth:`VLLMServer.stop` ends its whole process group (vLLM's engine core is a child process).
 """
 
@@ -12,14 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 
-import httpx
-
-from rlserve.demo import free_port
+from rlserve.server.launch import free_port, spawn_server, stop_group, wait_healthy
 
 
 class VLLMServer:
@@ -77,45 +74,21 @@ class VLLMServer:
         port = free_port()
         cmd = self.command(port)
         print(f"starting: {' '.join(cmd)} (PYTHONPATH={self.pythonpath}; log {self.log_path})", flush=True)
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
-        log.close()
+        self.proc, log = spawn_server(cmd, self.log_path, self.env())
+        log.close()  # the child holds its own descriptor
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    self.url = url
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vllm serve: /health not OK within {self.startup_timeout_s}s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.proc, url, self.startup_timeout_s, self.log_tail, what="vllm serve", poll_s=0.5,
+                         error=RuntimeError)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = url
+        return self
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM to its process group, SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # children left in its group (its engine core)
-        except OSError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        return self.proc.returncode
+        return stop_group(self.proc, timeout_s)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()

@@ -27,7 +27,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from rlserve.progress import progress as progress_line
+from rlserve.server.launch import free_port, spawn_server, stop_group, wait_healthy
 
 PROMPTS = [
     "Hello, my name is",
@@ -145,12 +145,6 @@ def choose_layout(backend: str = "auto", tensor_parallel_size: int = 1, num_gpus
 
 
 # ============================================================================ server
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1",
                   quantization: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The ``python -m rlserve serve`` command line of a demo server (dummy weights, weight sync on)."""
@@ -164,15 +158,6 @@ def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1"
     if quantization:
         cmd += ["--quantization", quantization]
     return cmd + list(extra_args)
-
-
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; stop() still kills the group
-        pass
 
 
 class DemoServer:
@@ -218,69 +203,30 @@ class DemoServer:
 
     def start(self) -> "DemoServer":
         """Spawn the process (returns at once; :meth:`wait_healthy` waits)."""
-        out = None
-        if self.log_path != "-":
-            self._log_file = out = open(self.log_path, "w")
-        preexec = _set_parent_death_signal if sys.platform.startswith("linux") else None
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT if out else None, env=self.env,
-                                     start_new_session=True, preexec_fn=preexec)
+        self.proc, self._log_file = spawn_server(self.cmd, None if self.log_path == "-" else self.log_path, self.env)
         return self
 
     def wait_healthy(self, poll_s: float = 0.25) -> float:
         """Block until ``GET /health`` answers 200; return the seconds waited. Raises
         :class:`ServerStartError` as soon as the process exits, or after ``startup_timeout_s``."""
-        import requests
-
         assert self.proc is not None, "start() first"
-        t0 = time.monotonic()
-        deadline = t0 + self.startup_timeout_s
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                raise ServerStartError(f"the server exited with status {rc} before it was ready; "
-                                       f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.monotonic() - t0
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerStartError(f"the server was not healthy within {self.startup_timeout_s:.0f}s; "
-                                       f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
-            time.sleep(poll_s)
+        return wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, poll_s=poll_s,
+                            what=f"the server (log {self.log_path})", error=ServerStartError)
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """Stop the server and everything in its process group (TP workers included):
         SIGTERM, SIGKILL after ``grace_s``. Idempotent; returns the exit status."""
-        proc = self.proc
-        if proc is None:
-            return None
-        pgid = proc.pid  # start_new_session: the server leads its own group
-        if proc.poll() is None:
-            _killpg(pgid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                _killpg(pgid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(10)
-        _killpg(pgid, signal.SIGKILL)  # stragglers of the group (spawned workers)
+        rc = stop_group(self.proc, grace_s)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        return proc.returncode
+        return rc
 
     def __enter__(self) -> "DemoServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def pid_alive(pid: int) -> bool:

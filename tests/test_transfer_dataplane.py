@@ -4,7 +4,6 @@ unpacked broadcast, failure detection, teardown and re-init."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from rlserve.errors import WeightUpdateError
+from rlserve.server.launch import free_port
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.wire.packing import (
@@ -32,12 +32,6 @@ from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, dtype_to_name
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.header import check_transport_fields
 from rlserve.transfer.sdk.sender import send_packed, send_unpacked
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

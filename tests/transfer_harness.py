@@ -3,7 +3,6 @@ uvicorn in a thread) and greedy-generation helpers. Not a test module."""
 
 from __future__ import annotations
 
-import socket
 import textwrap
 import threading
 import time
@@ -11,11 +10,7 @@ import time
 import httpx
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlserve.server.launch import free_port
 
 
 class InProcessServer:

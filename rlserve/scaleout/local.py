@@ -8,7 +8,8 @@ import concurrent.futures as cf
 import signal
 from typing import Sequence
 
-from rlserve.demo import DemoServer, Layout, _killpg, free_port, serve_command
+from rlserve.demo import DemoServer, Layout, free_port, serve_command
+from rlserve.server.launch import killpg
 
 #: Small CPU defaults for a fleet of tiny servers on a shared machine.
 CPU_SERVER_ARGS = ("--max-model-len", "256", "--max-num-seqs", "16", "--kv-cache-bytes", str(16 << 20),
@@ -82,7 +83,7 @@ class LocalServers:
         """SIGKILL server ``i`` and its whole process group (its engine cores): a crash."""
         s = self.servers[i]
         if s.proc is not None:
-            _killpg(s.proc.pid, signal.SIGKILL)
+            killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait(30)
 
     def stop(self) -> None:

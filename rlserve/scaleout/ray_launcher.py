@@ -65,10 +65,10 @@ class _ServerProcess:
         """SIGKILL the server's process group (a crash, for tests)."""
         import signal
 
-        from rlserve.demo import _killpg
+        from rlserve.server.launch import killpg
 
         if self.server.proc is not None:
-            _killpg(self.server.proc.pid, signal.SIGKILL)
+            killpg(self.server.proc.pid, signal.SIGKILL)
             self.server.proc.wait(30)
 
     def stop(self) -> int | None:

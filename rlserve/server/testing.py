@@ -6,30 +6,31 @@
 The server binds ``--port 0`` (a free port picked by the OS, so parallel tests never
 collide) and the URL is read from its ready line. Its output goes to a log file (never a
 pipe that could fill up and block it); the log's tail is included in every error.
-Every wait is bounded.
+Every wait is bounded. It never outlives this process (:mod:`rlserve.server.launch`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
+from rlserve.server.launch import ServerStartError, spawn_server, stop_group, wait_healthy
+
+__all__ = ["ServerProcess", "ServerStartError"]
 
 _READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
 
 
-class ServerStartError(RuntimeError):
-    """The server exited or did not become healthy in time (the message has its log)."""
-
-
 class ServerProcess:
     """A ``python -m rlserve serve MODEL ...`` subprocess.
+
+    Started by :func:`rlserve.server.launch.spawn_server`: its own session (``stop`` ends its
+    process group), output to a log file, and on Linux SIGTERMed by the kernel when the thread
+    that started it ends -- a test run killed with ``kill -9`` leaves no server behind (start it
+    from a thread that outlives it: the main thread, normally).
 
     Args:
         model: model directory.
@@ -44,6 +45,10 @@ class ServerProcess:
         url: ``http://127.0.0.1:PORT`` once started (a wildcard bind is reached on 127.0.0.1).
         proc: the ``subprocess.Popen``.
         log_path: the server's stdout+stderr.
+
+    Raises (start):
+        ServerStartError: the process exited, or was not healthy within ``startup_timeout_s``
+            (the log's tail is in the message).
     """
 
     def __init__(self, model: str, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None,
@@ -56,6 +61,7 @@ class ServerProcess:
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.url: str | None = None
         self.proc: subprocess.Popen | None = None
+        self._log = None
         fd, self.log_path = tempfile.mkstemp(prefix="rlserve-server-", suffix=".log")
         os.close(fd)
 
@@ -66,48 +72,32 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def start(self) -> "ServerProcess":
-        cmd = [sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+    def _ready_url(self) -> str | None:
+        """The URL of the ready line (``--port 0``: the OS picked the port), once printed."""
+        if self.url is None:
             m = _READY.search(self.log_tail(1_000_000))
             if m:
-                url = m.group(1)
-                url = url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
-                self.url = url
-                break
-            time.sleep(0.1)
-        else:
+                self.url = m.group(1).replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
+        return self.url
+
+    def start(self) -> "ServerProcess":
+        cmd = [sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args]
+        self.proc, self._log = spawn_server(cmd, self.log_path, self.env)
+        try:
+            wait_healthy(self.proc, self._ready_url, self.startup_timeout_s, self.log_tail, what="rlserve serve",
+                         error=ServerStartError)
+        except BaseException:
             self.stop()
-            raise ServerStartError(f"no ready line within {self.startup_timeout_s}s:\n{self.log_tail()}")
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ServerStartError(f"/health not OK within {self.startup_timeout_s}s:\n{self.log_tail()}")
+            raise
+        return self
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
+        """SIGTERM to its process group, SIGKILL after ``timeout_s``. Returns the exit code."""
+        rc = stop_group(self.proc, timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return rc
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

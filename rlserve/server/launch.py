@@ -1,0 +1,145 @@
+"""Running a server as a subprocess (``rlserve serve``, ``vllm serve``): the pieces every launcher
+shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.DemoServer`,
+``benchmarks/vllm_serve.py``'s ``VLLMServer``).
+
+- :func:`spawn_server` starts the command in a session (process group) of its own, output to a
+  file (never a pipe that could fill up and block it), and on Linux with ``PR_SET_PDEATHSIG``
+  set: the kernel sends the server SIGTERM when the thread that started it ends, so a test run
+  or script that is killed (``kill -9``, a CI timeout) does not leave servers behind. SIGTERM
+  (not SIGKILL) lets the server stop its own children (engine-core processes, TP followers) as
+  on a normal stop.
+- :func:`wait_healthy` waits for ``GET /health`` (bounded; fails at once if the process exits).
+- :func:`stop_group` ends the server's whole process group: SIGTERM, SIGKILL after a grace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+
+class ServerStartError(RuntimeError):
+    """The server exited, or was not healthy in time (the message has its log's tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _prctl():
+    """libc's ``prctl`` (Linux), loaded in the parent: the child between fork and exec must not
+    import or load anything (another thread may have held the import lock at the fork)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send ``sig`` to the child when the thread that
+    started it ends (Linux ``PR_SET_PDEATHSIG``; it survives the exec). ``None`` where there is
+    no ``prctl`` (not Linux). Best effort: the launchers' ``stop`` still ends the group on a
+    normal exit."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before the line above: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
+def spawn_server(cmd: Sequence[str], log_path: str | None, env: dict | None = None) -> tuple[subprocess.Popen, object]:
+    """Start ``cmd`` in a new session with stdin closed and stdout + stderr to ``log_path``
+    (``None``: this terminal), SIGTERMed by the kernel if the calling thread ends first
+    (:func:`parent_death_signal`). Start it from a thread that lives as long as the server
+    should (the main thread, normally). Returns ``(proc, log file)``; close the file after the
+    process ended (``None`` for the terminal)."""
+    log = open(log_path, "w") if log_path is not None else None
+    try:
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT if log is not None else None, env=env,
+                                start_new_session=True, preexec_fn=parent_death_signal())
+    except BaseException:
+        if log is not None:
+            log.close()
+        raise
+    return proc, log
+
+
+def wait_healthy(proc: subprocess.Popen, url: str | Callable[[], str | None], timeout_s: float,
+                 log_tail: Callable[[], str], what: str = "the server", poll_s: float = 0.1,
+                 error: type[Exception] = ServerStartError) -> float:
+    """Block until ``GET {url}/health`` answers 200; return the seconds waited.
+
+    Args:
+        url: the base URL, or a function giving it once known (``None`` until then: e.g. read
+            from the server's ready line when it bound port 0).
+        timeout_s: the bound on the whole wait (seconds).
+        log_tail: gives the end of the server's log, for the error messages.
+        error: the exception class raised (the caller's own ``ServerStartError``).
+
+    Raises:
+        error: as soon as the process exits, or when ``timeout_s`` passed.
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            raise error(f"{what} exited with status {rc} before it was ready; its log ends with:\n{log_tail()}")
+        base = url() if callable(url) else url
+        if base is not None:
+            try:
+                if httpx.get(base.rstrip("/") + "/health", timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise error(f"{what} was not healthy within {timeout_s:.0f} s; its log ends with:\n{log_tail()}")
+        time.sleep(poll_s)
+
+
+def killpg(pgid: int, sig: int) -> None:
+    """``os.killpg`` that ignores a group that is gone (or not ours)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def stop_group(proc: subprocess.Popen | None, grace_s: float = 15.0) -> int | None:
+    """Stop a process started by :func:`spawn_server` and everything left in its process group:
+    SIGTERM, SIGKILL after ``grace_s``, then SIGKILL to the group's stragglers. Idempotent;
+    returns the exit status (``None`` if it never started)."""
+    if proc is None:
+        return None
+    pgid = proc.pid  # a new session: the server leads its own group
+    if proc.poll() is None:
+        killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+    killpg(pgid, signal.SIGKILL)  # stragglers of the group
+    return proc.returncode
