@@ -2,7 +2,7 @@
 ``trl vllm-serve`` passes (``--logprobs-mode processed_logprobs --max-logprobs -1`` ...):
 ``return_token_ids`` / ``return_tokens_as_token_ids``, ``prompt_logprobs`` in vLLM's form,
 unlimited logprobs, structured outputs, ``chat_template``, ``tools``, ``truncate_prompt_tokens``,
-``/server_info``'s ``vllm_config``, unknown fields (400 naming them), string error codes, and the
+``/server_info``'s ``vllm_config``, ``/tokenize`` / ``/detokenize``, unknown fields (400 naming them), string error codes, and the
 ``vllm serve`` flags that stop the server. Values are checked against a Hugging Face float32
 forward of the same checkpoint."""
 
@@ -253,6 +253,39 @@ def test_chat_template_tools_truncation(server, hf):
     c = post(server, "/v1/completions", {"prompt": [5, 6, 7, 8, 9], "max_tokens": 1, "truncate_prompt_tokens": 2,
                                          "return_token_ids": True})["choices"][0]
     assert c["prompt_token_ids"] == [8, 9]
+
+
+def test_tokenize_detokenize(server, hf):
+    """vLLM's /tokenize and /detokenize (what ``vllm bench serve`` aligns its prompts with): the
+    server's tokenizer, the chat form rendered exactly as /v1/chat/completions renders it."""
+    tok = hf[1]
+    text = "Hello world, the capital of France"
+    out = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert out["tokens"] == tok.encode(text) and out["count"] == len(out["tokens"]) and out["max_model_len"] == 128
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    bare = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False) and bare["token_strs"] is None
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}]}]
+    chat = post(server, "/tokenize", {"messages": msgs})
+    ref = tok.apply_chat_template([dict(m, content="How are you?") if i == 2 else m for i, m in enumerate(msgs)],
+                                  tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(ref, add_special_tokens=False)
+    gen = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "return_token_ids": True})
+    assert gen["prompt_token_ids"] == chat["tokens"]
+    ids = [0, 5, 17, 42, 2]
+    assert post(server, "/detokenize", {"tokens": ids})["prompt"] == tok.decode(ids)  # special tokens kept
+    for path, body, status, param, code in [
+        ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown_field"),
+        ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools", "unknown_field"),
+        ("/tokenize", {"prompt": "x", "messages": msgs}, 400, "prompt", "invalid_request"),
+        ("/tokenize", {"messages": []}, 400, "messages", "invalid_request"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model", "model_not_found"),
+        ("/detokenize", {"tokens": [5, 10 ** 6]}, 400, "tokens", "invalid_token_id"),
+        ("/detokenize", {"tokens": [True]}, 400, "tokens.0", "invalid_value"),
+    ]:
+        err = post(server, path, body, status)["error"]
+        assert (err["param"], err["code"]) == (param, code), (path, body, err)
 
 
 @pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "fp8"), ("--speculative-config", '{"method": "ngram"}'),

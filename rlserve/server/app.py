@@ -12,7 +12,8 @@ Route protection:
 ``/health[/]``, ``/get_world_size[/]``,     open
 ``/server_info``, ``/is_paused``,
 ``/is_sleeping``,
-``/metrics``, ``/version``
+``/metrics``, ``/version``,
+``/tokenize``, ``/detokenize`` (as vLLM)
 =========================================  ==================
 """
 
@@ -30,8 +31,10 @@ from rlserve.server.limits import BodySizeLimit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
 from rlserve.server.sleep_routes import connect_weight_manager, make_sleep_routers
-from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, WEIGHT_SYNC_ERRORS, error_answers
+from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, TOKENIZE_ERRORS, WEIGHT_SYNC_ERRORS, \
+    error_answers
 from rlserve.server.state import ServerSettings, ServerState
+from rlserve.server.tokenize_routes import make_tokenize_router
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     admin_deps = [Depends(require_admin(settings))]
     app.include_router(make_public_router(state))
     app.include_router(make_openai_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
+    app.include_router(make_tokenize_router(state), responses=error_answers(TOKENIZE_ERRORS))
     app.include_router(make_trl_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
     app.include_router(make_admin_router(state, admin_deps), responses=error_answers(ADMIN_ERRORS))
     if settings.weight_transfer_config is not None or weight_manager is not None:

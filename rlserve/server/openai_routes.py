@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError, exception_to_error
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import ServerState
@@ -304,36 +305,9 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                                       param=f"messages.{i}.content")
-                    texts.append(part.text)
-                content = "".join(texts)
-            msg = {k: v for k, v in (m.model_extra or {}).items()}
-            msg.update(role=m.role, content=content if content is not None else "")
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.continue_final_message:
-            kwargs["continue_final_message"] = True
-        if body.tools:
-            kwargs["tools"] = body.tools
-        if body.chat_template is not None:
-            kwargs["chat_template"] = body.chat_template
-        try:
-            prompt = state.tokenizer.apply_chat_template(
-                messages, tokenize=False,
-                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message, **kwargs)
-        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-            raise APIError(400, f"could not apply the chat template: {type(e).__name__}: {e}",
-                           param="chat_template" if body.chat_template is not None else "messages") from None
+        prompt = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                             chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
         ids = state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:
             ids = state.truncate(ids, body.truncate_prompt_tokens)
@@ -466,20 +440,26 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
             c["usage"] = None
         return sse(c)
 
-    first = {"role": "assistant", "content": ""}
-    version = state.aengine.weight_version
-    role_chunk = [{"index": i, "delta": dict(first), "logprobs": None, "finish_reason": None,
-                   "weight_version": version} for i in range(n)]
-    if body.return_token_ids:  # vLLM sends the prompt's ids once, on the first chunk
-        c0 = dict(base, choices=role_chunk, prompt_token_ids=list(ids))
+    def role_chunk(version):
+        """The choices' ``{"role": "assistant", "content": ""}`` deltas. As vLLM, sent with the
+        engine's first output (the first token is ready), not on arrival: a client timing the
+        first chunk (``vllm bench serve``'s TTFT) measures the prefill."""
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None, "weight_version": version} for i in range(n)]
+        if not body.return_token_ids:
+            return chunk(choices)
+        c0 = dict(base, choices=choices, prompt_token_ids=list(ids))  # vLLM sends them once, on the first chunk
         if include_usage:
             c0["usage"] = None
-        yield sse(c0)
-    else:
-        yield chunk(role_chunk)
+        return sse(c0)
+
     agen = merge_generators([gen])
+    sent_role = False
     try:
         async for _, out in agen:
+            if not sent_role:
+                sent_role = True
+                yield role_chunk(getattr(out, "weight_version", None))
             choices = []
             for c in out.outputs:
                 i = c.index

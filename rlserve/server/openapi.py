@@ -43,8 +43,10 @@ ERROR_MEANINGS = {
     504: "Timed out (a rendezvous, a collective or a worker call ran past its timeout_s; a pause).",
 }
 
-#: The answers of generation routes (OpenAI, TRL, tokenize).
+#: The answers of generation routes (OpenAI, TRL).
 GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+#: The answers of /tokenize and /detokenize (open, no engine involved).
+TOKENIZE_ERRORS = (400, 404, 413, 500)
 #: The answers of the admin routes (pause, resume, reset_prefix_cache, abort).
 ADMIN_ERRORS = (400, 401, 409, 500, 504)
 #: The answers of the weight-sync routes.

@@ -145,6 +145,37 @@ class ChatCompletionRequest(_SamplingFields):
     stream_reasoning: bool = True
 
 
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's route): either ``prompt`` (a string; ``add_special_tokens``
+    defaults to true, as for completions) or ``messages`` (rendered with the chat template as
+    ``/v1/chat/completions`` does; ``add_special_tokens`` defaults to false). The chat-only fields
+    (``add_generation_prompt``, ``continue_final_message``, ``chat_template``,
+    ``chat_template_kwargs``, ``tools``) are refused with ``prompt``."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    return_token_strs: Optional[bool] = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+#: the fields of :class:`TokenizeRequest` that only go with ``messages``
+TOKENIZE_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                        "tools")
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's route): token ids → text, special tokens kept."""
+
+    model: Optional[str] = None
+    tokens: list[TokenId]
+
+
 class TRLGenerateRequest(_Body):
     """TRL ``vllm-serve``'s ``POST /generate/`` body (plus ``prompt_ids`` / token-id prompts)."""
 

