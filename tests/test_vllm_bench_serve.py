@@ -25,8 +25,8 @@ import subprocess
 import httpx
 import pytest
 
+from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
-from tests.transfer_harness import free_port
 from tests.vllm_python import vllm_python
 
 VLLM_PY = vllm_python()
