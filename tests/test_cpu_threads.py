@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from rlserve.engine import cpu_threads
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in (cpu_threads.THREADS_ENV, cpu_threads.RESERVED_ENV, "OMP_NUM_THREADS"):
+    for k in (cpu_threads.THREADS_ENV, cpu_threads.RESERVED_ENV, "OMP_NUM_THREADS", cpu_threads.BIND_ENV):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -53,5 +55,53 @@ def test_configure_sets_torch_threads_of_the_calling_thread(clean_env):
         clean_env.setenv(cpu_threads.THREADS_ENV, "1")
         assert cpu_threads.configure_engine_threads(EngineConfig(model="unused")) == 1
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_cpu_list_parsing():
+    assert cpu_threads.parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+    assert cpu_threads.parse_cpu_list("1") == [1]
+    with pytest.raises(ValueError, match=cpu_threads.BIND_ENV):
+        cpu_threads.parse_cpu_list("0-x")
+
+
+def test_claimed_cpus_are_not_claimed_twice(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_held_locks", [])
+    cpus = sorted(os.sched_getaffinity(0), reverse=True)
+    first = cpu_threads._claim_cpus(1, str(tmp_path))
+    assert first == cpus[:1]
+    # another engine (here: a second open file, as another process would hold) gets the next CPU, or none
+    second = cpu_threads._claim_cpus(len(cpus), str(tmp_path))
+    assert second == []  # only len(cpus) - 1 are left
+    if len(cpus) > 1:
+        assert cpu_threads._claim_cpus(1, str(tmp_path)) == cpus[1:2]
+    for f in cpu_threads._held_locks:
+        f.close()
+
+
+def test_binding_only_where_allowed_and_asked(clean_env, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_threads.os, "sched_setaffinity", lambda pid, cpus: calls.append(list(cpus)))
+    monkeypatch.setattr(cpu_threads, "_bind_allowed", False)
+    clean_env.setenv(cpu_threads.THREADS_ENV, "1")
+    old = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(cpu_threads, "_bind_allowed", True)
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"))
+        assert calls == []  # off by default
+        clean_env.setenv(cpu_threads.BIND_ENV, "0")
+        monkeypatch.setattr(cpu_threads, "_bind_allowed", False)
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"))
+        assert calls == []  # an offline LLM / a thread of another program: never pinned
+        monkeypatch.setattr(cpu_threads, "_bind_allowed", True)
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"))
+        assert calls == [[0]]
+        clean_env.setenv(cpu_threads.BIND_ENV, "nobind")
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"))
+        assert calls == [[0]]
+        clean_env.setenv(cpu_threads.BIND_ENV, "auto")  # several ranks: they place their own
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused", tensor_parallel_size=2))
+        assert calls == [[0]]
     finally:
         torch.set_num_threads(old)

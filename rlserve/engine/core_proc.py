@@ -267,6 +267,9 @@ def main(argv=None) -> int:
 
         if init:
             resolve_target(init)()
+        from rlserve.engine.cpu_threads import allow_binding
+
+        allow_binding()  # this process only runs the engine: its CPU engine thread may be pinned
         config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
         engine = LLMEngine(config, dp_index=args.dp_index)
         core = EngineCore(engine, args.dp_index, args.weight_version, deltas=True)

@@ -19,7 +19,10 @@ least 1. On 2 cores that is 1 thread: the forward pass on one core, the HTTP ser
 engine's Python and the rest of the machine on the other, and no barrier ever waits for a
 preempted sibling. Threads are not pinned to cores: on a machine shared with other work a
 pinned thread cannot move off a core that something else is using, and the scheduler keeps
-an unpinned busy thread on its core anyway.
+an unpinned busy thread on its core anyway. Pinning is available, off by default
+(:func:`bind_engine_thread`, ``RLSERVE_CPU_OMP_THREADS_BIND``): measured beside vLLM's pinned
+worker on the shared 2-core machine it did not give the engine a larger share of the CPU
+(BENCHMARKS.md, issue 22, seventh session).
 
 Overrides, first match wins: ``config.extra["cpu_threads"]``, ``RLSERVE_CPU_THREADS``, and
 ``OMP_NUM_THREADS`` when the user set it (torch reads it too). The choice is made by
@@ -31,8 +34,10 @@ or an engine process of its own.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import tempfile
 
 import torch
 
@@ -40,6 +45,20 @@ logger = logging.getLogger(__name__)
 
 THREADS_ENV = "RLSERVE_CPU_THREADS"
 RESERVED_ENV = "RLSERVE_CPU_RESERVED_CPUS"
+BIND_ENV = "RLSERVE_CPU_OMP_THREADS_BIND"  # vLLM's VLLM_CPU_OMP_THREADS_BIND: "auto", "nobind" or "0-3,6"
+
+_held_locks: list = []  # open lock files of the CPUs this process claimed (released when it exits)
+_bind_allowed = False  # set by the processes that exist only to run an engine (allow_binding)
+
+
+def allow_binding() -> None:
+    """Let :func:`configure_engine_threads` pin this process's engine thread. Called by the
+    engine-core process (``rlserve.engine.core_proc``), whose main thread runs the forward
+    passes and starts nothing else; not by an offline ``LLM`` or an engine thread inside
+    another program, where a pinned thread would narrow that program's own work (and the
+    affinity of every process it starts afterwards) to the engine's cores."""
+    global _bind_allowed
+    _bind_allowed = True
 
 
 def usable_cpus() -> int:
@@ -85,12 +104,88 @@ def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
     return max(1, (cpus - reserved) // max(1, ranks))
 
 
-def configure_engine_threads(config=None, ranks: int | None = None) -> int:
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]``. Raises ValueError on anything else."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"{BIND_ENV}: not a CPU list: {text!r} (e.g. 0-3,6)")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
+def _claim_cpus(n: int, lock_dir: str | None = None) -> list[int]:
+    """Claim ``n`` of this process's usable CPUs that no other rlserve engine on the machine
+    has claimed (one ``flock``-ed file per CPU in ``<tmp>/rlserve-cpu-bind``, held until this
+    process exits), highest numbers first (CPU 0 is where vLLM's CPU worker binds by
+    default); [] (and nothing held) when fewer than ``n`` are free."""
+    lock_dir = lock_dir or os.path.join(tempfile.gettempdir(), "rlserve-cpu-bind")
+    os.makedirs(lock_dir, exist_ok=True)
+    got: list[tuple[int, object]] = []
+    for cpu in sorted(os.sched_getaffinity(0), reverse=True):
+        f = open(os.path.join(lock_dir, f"{cpu}.lock"), "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        got.append((cpu, f))
+        if len(got) == n:
+            _held_locks.extend(f for _, f in got)
+            return [c for c, _ in got]
+    for _, f in got:
+        f.close()
+    return []
+
+
+def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[int]:
+    """Pin the calling thread (the one that runs the forward passes, and the OpenMP threads
+    it starts later) to ``n`` CPUs, as vLLM's CPU worker pins its OpenMP threads; returns
+    the CPUs, [] where nothing was pinned.
+
+    Which CPUs, first match wins: ``config.extra["cpu_threads_bind"]``, then
+    ``RLSERVE_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` values):
+    ``"nobind"`` (the default), an explicit list (``"0-3,6"``), or ``"auto"``: ``n`` CPUs of
+    this process's affinity mask that no other rlserve engine on the machine holds (a lock
+    file per CPU, released at exit), highest first, so that two servers on one machine never
+    share a core; nothing is pinned when none are free, with several engine ranks in this
+    process group (``ranks`` > 1), or where the OS has no ``sched_setaffinity``.
+
+    Off by default because it did not pay where measured: on the shared 2-core CI machine,
+    next to vLLM CPU (whose worker is pinned to CPU 0), the engine pinned to CPU 1 got
+    0.61-0.74 of a core over 64-request runs against 0.48-0.72 unpinned, and pinned to CPU 0
+    no more (BENCHMARKS.md, issue 22, seventh session); a pinned engine also cannot move
+    off a core that other work, or another pinned program, is using.
+
+    Raises:
+        ValueError: a malformed CPU list.
+    """
+    extra = getattr(config, "extra", None) or {}
+    mode = str(extra.get("cpu_threads_bind") or os.environ.get(BIND_ENV) or "nobind").strip()
+    if mode == "nobind" or not hasattr(os, "sched_setaffinity"):
+        return []
+    if mode == "auto":
+        if ranks is None:
+            ranks = (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+        cpus = _claim_cpus(n) if ranks == 1 else []
+    else:
+        cpus = parse_cpu_list(mode)
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # Linux: the calling thread only
+    return cpus
+
+
+def configure_engine_threads(config=None, ranks: int | None = None, bind: bool | None = None) -> int:
     """Set torch's intra-op threads for the engine running in the calling thread (CPU
     engines only: call it from the thread that will run the forward passes, before the
-    first one). Returns the thread count set."""
+    first one) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
+    process), pin that thread to as many CPUs (:func:`bind_engine_thread`). Returns the
+    thread count set."""
     n = engine_cpu_threads(config, ranks)
+    cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs)", n, usable_cpus())
+    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s", n, usable_cpus(),
+                f"bound to CPUs {cpus}" if cpus else "not bound")
     return n
