@@ -30,6 +30,15 @@ def llama(tiny_model):
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def server(llama):
+    """One in-process server for the module's tests, in file order: streamed chat, metrics (deltas
+    of the counters; its failed sync leaves the model refusing until a full one), the pause
+    default (leaves the server paused)."""
+    with InProcessServer(llama[0]) as srv:
+        yield srv
+
+
 def _sse(url: str, body: dict) -> list[dict]:
     chunks = []
     with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as r:
@@ -40,13 +49,12 @@ def _sse(url: str, body: dict) -> list[dict]:
     return chunks
 
 
-def test_stream_chat_sends_no_empty_content_mid_stream(llama):
-    path, _ = llama
+def test_stream_chat_sends_no_empty_content_mid_stream(server):
     body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 100, "temperature": 1.0,
             "seed": 7, "ignore_eos": True, "return_token_ids": True, "logprobs": True}
-    with InProcessServer(path) as srv:
-        full = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
-        chunks = _sse(srv.url + "/v1/chat/completions", dict(body, stream=True))
+    srv = server
+    full = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    chunks = _sse(srv.url + "/v1/chat/completions", dict(body, stream=True))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # OpenAI's first chunk
     content, ids, logprobs, multi = "", [], [], 0
     for ch in chunks[1:]:
@@ -62,7 +70,9 @@ def test_stream_chat_sends_no_empty_content_mid_stream(llama):
     assert multi > 0, "this sample should contain tokens that are part of one character (the case under test)"
 
 
-def _metric(text: str, name: str, **labels) -> float:
+def _metric(text: str, name: str, default: float | None = None, **labels) -> float:
+    """The sum of ``name``'s samples with ``labels``; ``default`` when it has none (else an
+    AssertionError)."""
     total, found = 0.0, False
     for ln in text.splitlines():
         if ln.startswith("#") or not ln.startswith(name):
@@ -73,6 +83,8 @@ def _metric(text: str, name: str, **labels) -> float:
             continue
         total += float(value)
         found = True
+    if not found and default is not None:
+        return default
     assert found, f"{name} {labels} not in /metrics"
     return total
 
@@ -87,41 +99,48 @@ VLLM_NAMES = [
 ]
 
 
-def test_metrics_vllm_names_and_weight_sync(llama, monkeypatch):
+def test_metrics_vllm_names_and_weight_sync(llama, server, monkeypatch):
     path, hf = llama
-    with InProcessServer(path) as srv:
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 9, "n": 2,
-                                                          "ignore_eos": True, "temperature": 0}, timeout=TIMEOUT)
-        assert r.status_code == 200
-        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
-        for name in VLLM_NAMES:
-            _metric(text, name, model_name=path)
-        assert _metric(text, "vllm:generation_tokens_total") == 18
-        assert _metric(text, "vllm:prompt_tokens_total") == 3
-        assert _metric(text, "vllm:request_success_total", finished_reason="length") == 2
-        # one inter-token gap per token after the first, per sample
-        assert _metric(text, "vllm:inter_token_latency_seconds_count") == 16
-        assert _metric(text, "vllm:e2e_request_latency_seconds_count") == 1
-        assert _metric(text, "vllm:num_requests_running") == 0
-        # a good sync, then one that fails (a wrong bucket checksum)
-        eng = trainer(srv.url, hf)
+    srv = server
+    # the module's server: the request counters are read as deltas
+    counters = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:inter_token_latency_seconds_count",
+                "vllm:e2e_request_latency_seconds_count")
+    text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    before = {n: _metric(text, n, default=0.0) for n in counters}
+    success = _metric(text, "vllm:request_success_total", default=0.0, finished_reason="length")
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 9, "n": 2,
+                                                      "ignore_eos": True, "temperature": 0}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    for name in VLLM_NAMES:
+        _metric(text, name, model_name=path)
+    delta = {n: _metric(text, n) - before[n] for n in counters}
+    assert delta["vllm:generation_tokens_total"] == 18
+    assert delta["vllm:prompt_tokens_total"] == 3
+    assert _metric(text, "vllm:request_success_total", finished_reason="length") - success == 2
+    # one inter-token gap per token after the first, per sample
+    assert delta["vllm:inter_token_latency_seconds_count"] == 16
+    assert delta["vllm:e2e_request_latency_seconds_count"] == 1
+    assert _metric(text, "vllm:num_requests_running") == 0
+    # a good sync, then one that fails (a wrong bucket checksum)
+    eng = trainer(srv.url, hf)
+    eng.send_weights()
+    text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    sync = dict(backend="gloo", mode="none")
+    assert _metric(text, "rlserve_weight_sync_duration_seconds_count", **sync) == 1
+    assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
+    n_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    assert _metric(text, "rlserve_weight_sync_bytes_total", **sync) == n_bytes
+    assert _metric(text, "rlserve_weight_version_number") == 1
+    paused = _metric(text, "rlserve_generation_paused_seconds_total")
+    assert paused > 0  # an in-place update pauses generation for its length
+    wrong_second_bucket_sum(monkeypatch)
+    with pytest.raises(WeightSyncHTTPError):
         eng.send_weights()
-        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
-        sync = dict(backend="gloo", mode="none")
-        assert _metric(text, "rlserve_weight_sync_duration_seconds_count", **sync) == 1
-        assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
-        n_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-        assert _metric(text, "rlserve_weight_sync_bytes_total", **sync) == n_bytes
-        assert _metric(text, "rlserve_weight_version_number") == 1
-        paused = _metric(text, "rlserve_generation_paused_seconds_total")
-        assert paused > 0  # an in-place update pauses generation for its length
-        wrong_second_bucket_sum(monkeypatch)
-        with pytest.raises(WeightSyncHTTPError):
-            eng.send_weights()
-        text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
-        assert _metric(text, "rlserve_weight_sync_failures_total", **sync) == 1
-        assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
-        assert _metric(text, "rlserve_generation_paused_seconds_total") > paused
+    text = httpx.get(srv.url + "/metrics", timeout=TIMEOUT).text
+    assert _metric(text, "rlserve_weight_sync_failures_total", **sync) == 1
+    assert _metric(text, "rlserve_weight_syncs_total", **sync) == 1
+    assert _metric(text, "rlserve_generation_paused_seconds_total") > paused
 
 
 def _subparsers():
@@ -145,18 +164,18 @@ def test_help_states_defaults_once_and_every_flag_has_help():
     assert help_of["--log-level"] and help_of["-tp"]
 
 
-def test_pause_has_one_default(llama):
-    path, _ = llama
+def test_pause_has_one_default(server):
     sdk_default = inspect.signature(HTTPWeightSyncClient.pause).parameters["mode"].default
-    with InProcessServer(path) as srv:
-        schema = httpx.get(srv.url + "/openapi.json", timeout=TIMEOUT).json()
-        params = schema["paths"]["/pause"]["post"]["parameters"]
-        route_default = next(p for p in params if p["name"] == "mode")["schema"]["default"]
-        assert sdk_default == route_default == "abort"
-        HTTPWeightSyncClient(srv.url).pause()
-        assert httpx.get(srv.url + "/is_paused", timeout=TIMEOUT).json() == {"is_paused": True, "mode": "abort"}
-        HTTPWeightSyncClient(srv.url).resume()
-        assert httpx.post(srv.url + "/pause", timeout=TIMEOUT).json()["mode"] == "abort"
+    srv = server
+    # the module's server; this test leaves it paused
+    schema = httpx.get(srv.url + "/openapi.json", timeout=TIMEOUT).json()
+    params = schema["paths"]["/pause"]["post"]["parameters"]
+    route_default = next(p for p in params if p["name"] == "mode")["schema"]["default"]
+    assert sdk_default == route_default == "abort"
+    HTTPWeightSyncClient(srv.url).pause()
+    assert httpx.get(srv.url + "/is_paused", timeout=TIMEOUT).json() == {"is_paused": True, "mode": "abort"}
+    HTTPWeightSyncClient(srv.url).resume()
+    assert httpx.post(srv.url + "/pause", timeout=TIMEOUT).json()["mode"] == "abort"
 
 
 def test_examples_take_the_demo_flags():

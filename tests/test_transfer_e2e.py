@@ -4,6 +4,7 @@ subprocess) using the SDK over HTTP + gloo. The issue's "Must show" list, CPU pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import httpx
 import pytest
 import torch
 
+from rlserve.engine.llm import LLM
+from rlserve.engine.sampling_params import SamplingParams
 from rlserve.server.testing import ServerProcess
 from rlserve.transfer import (
     GlooTrainerInitInfo,
@@ -41,6 +44,44 @@ def serve(model, *extra, staging="none", dummy=True):
     if dummy:
         args += ["--load-format", "dummy"]
     return ServerProcess(model, *args, *extra)
+
+
+#: (tiny arch, staging) of the servers that more than one test uses: started once for the module
+#: (a server start is most of a test's time on 2 cores). Every test that takes one begins with a
+#: full sync of its own weights and reads versions relative to what it found.
+SHARED = {("llama", "none"), ("llama_tied", "none"), ("qwen3", "none"), ("llama", "device")}
+
+
+@pytest.fixture(scope="module")
+def shared_servers(tiny_model):
+    """``get(arch, staging)``: the module's server of a :data:`SHARED` pair (started on first use,
+    stopped at the module's end)."""
+    started: dict = {}
+
+    def get(arch, staging="none"):
+        assert (arch, staging) in SHARED, (arch, staging)
+        if (arch, staging) not in started:
+            started[arch, staging] = serve(tiny_model(arch), staging=staging).start()
+        return started[arch, staging]
+
+    yield get
+    for srv in started.values():
+        srv.stop()
+
+
+@contextlib.contextmanager
+def server_for(shared_servers, tiny_model, arch, staging="none"):
+    """The module's shared server for ``(arch, staging)``, else one of this test's own."""
+    if (arch, staging) in SHARED:
+        yield shared_servers(arch, staging)
+    else:
+        with serve(tiny_model(arch), staging=staging) as srv:
+            yield srv
+
+
+def version_number(url) -> int:
+    """The server's weight version (a number on these servers: every sync takes the next)."""
+    return int(httpx.get(url + "/weight_info", timeout=10).json()["weight_version"])
 
 
 def hf_greedy(model, prompt_ids, n=N_TOK):
@@ -81,14 +122,15 @@ def wait_state(url, state, timeout_s=30):
 # ----------------------------------------------------------------------------- every architecture
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sync_every_arch_matches_hf(tiny_model, arch):
+def test_sync_every_arch_matches_hf(tiny_model, shared_servers, arch):
     path = tiny_model(arch)
     hf = load_hf(path)
     expected = [hf_greedy(hf, p) for p in PROMPTS]
     assert len({t for e in expected for t in e}) > 3  # a non-degenerate reference
-    with serve(path) as srv:
+    with server_for(shared_servers, tiny_model, arch) as srv:
         before = generate(srv.url).json()
         before_sums = server_checksums(srv.url)
+        assert before["weight_version"] == "0"  # the first test on this server: dummy weights
         eng = trainer(srv.url, hf)
         fin = eng.send_weights()
         assert fin["full"] and fin["weight_version"] == "1"
@@ -122,7 +164,7 @@ KILL_CELLS = [("none", ("after_start", "first_bucket", "between_buckets")), ("de
 
 
 @pytest.mark.parametrize("staging,points", KILL_CELLS, ids=[c[0] for c in KILL_CELLS])
-def test_trainer_sigkill_noticed_in_seconds(tiny_model, staging, points):
+def test_trainer_sigkill_noticed_in_seconds(tiny_model, shared_servers, staging, points):
     """A trainer SIGKILLed mid-sync (timeout_s=300) is noticed in seconds through its TCPStore
     connection (rlserve.transfer.server.liveness), at every point of the update: the update fails as a
     broken one does (in place with a bucket loaded: 503 until a full update; otherwise, and
@@ -131,7 +173,7 @@ def test_trainer_sigkill_noticed_in_seconds(tiny_model, staging, points):
     benchmarks/kill_matrix.py measures the real times (~0.2-0.3 s)."""
     path = tiny_model("llama")
     hf = load_hf(path)
-    with serve(path, staging=staging) as srv:
+    with server_for(shared_servers, tiny_model, "llama", staging) as srv:
         eng = trainer(srv.url, hf)
         eng.send_weights()
         synced = server_checksums(srv.url)
@@ -172,7 +214,7 @@ PROBES = [PREFIX + [11, 12], PREFIX + [13], PREFIX + [200, 201, 202]]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("staging", ["none", "device"])
-def test_20_syncs_under_load(tiny_model, tmp_path, staging):
+def test_20_syncs_under_load(tiny_model, shared_servers, tmp_path, staging):
     n_syncs = 20 if staging == "none" else 8
     # in place: a vocabulary with no padding rows, so that syncs 2.. are received straight into
     # the parameters (rlserve.transfer.server.direct) while requests wait
@@ -196,7 +238,9 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
                 except Exception as e:  # noqa: BLE001
                     errors.append(repr(e))
 
-    with serve(path, staging=staging) as srv:
+    own = serve(path, staging=staging) if staging == "none" else contextlib.nullcontext(shared_servers("llama", staging))
+    with own as srv:
+        v0 = httpx.get(srv.url + "/weight_info", timeout=10).json()["weight_version"]
         eng = trainer(srv.url, hf)
         threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(2)]
         for t in threads:
@@ -206,22 +250,22 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
             with torch.no_grad():
                 for n, p in hf.named_parameters():
                     p.copy_(base[n] + 0.05 * torch.randn(p.shape, generator=g))
-            refs[str(v)] = [hf_greedy(hf, p) for p in PROBES]
-            fin = eng.send_weights(weight_version=str(v))
-            assert fin["weight_version"] == str(v)
+            refs[f"u{v}"] = [hf_greedy(hf, p) for p in PROBES]
+            fin = eng.send_weights(weight_version=f"u{v}")
+            assert fin["weight_version"] == f"u{v}"
             if staging == "none" and v > 1:  # received into the parameters laid out by sync 1
                 assert eng.last_stats["server"]["direct_receive"] is True, eng.last_stats["server"]
             elif v > 1:  # the reused staging tensors: the commit replays a recorded load
                 assert eng.last_stats["server"]["direct_receive"] is False
             # right after the commit: the same greedy as HF with these weights (no stale prefix KV)
             got = generate(srv.url, PROBES).json()
-            assert got["weight_versions"] == [str(v)]
-            if got["completion_ids"] != refs[str(v)]:
+            assert got["weight_versions"] == [f"u{v}"]
+            if got["completion_ids"] != refs[f"u{v}"]:
                 stale.append(f"probe after sync {v}")
         stop.set()
         for t in threads:
             t.join(60)
-        # a fresh server loaded from these weights agrees
+        # a fresh engine loaded from these weights agrees (the loader a server starts with)
         hf.save_pretrained(tmp_path / "final")
         for f in ("tokenizer.json", "tokenizer_config.json"):
             if os.path.exists(os.path.join(path, f)):
@@ -229,15 +273,18 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
                     dst.write(src.read())
         synced = generate(srv.url, PROBES).json()["completion_ids"]
         eng.shutdown()
-    with ServerProcess(str(tmp_path / "final"), *SERVER_ARGS) as fresh:
-        fresh_out = generate(fresh.url, PROBES).json()["completion_ids"]
-    assert fresh_out == refs[str(n_syncs)]
+    fresh = LLM(str(tmp_path / "final"), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=16,
+                kv_cache_bytes=16 << 20)
+    fresh_out = [list(o.outputs[0].token_ids)
+                 for o in fresh.generate(PROBES, SamplingParams(temperature=0, max_tokens=N_TOK, ignore_eos=True))]
+    del fresh
+    assert fresh_out == refs[f"u{n_syncs}"]
     if synced != fresh_out:
-        stale.append("final probe != fresh server")
+        stale.append("final probe != fresh engine")
 
     assert not errors, errors[:3]
     assert len(results) > n_syncs
-    order = ["0"] + [str(v) for v in range(1, n_syncs + 1)]
+    order = [v0] + [f"u{v}" for v in range(1, n_syncs + 1)]
     checked = 0
     for prompt, status, body in results:
         assert status == 200, body  # no request lost
@@ -245,7 +292,7 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
         idx = [order.index(v) for v in vs]
         assert idx == sorted(idx) and idx == list(range(idx[0], idx[0] + len(idx))), vs  # in order, no gaps
         assert body["weight_version"] == vs[-1]
-        if len(vs) == 1 and vs[0] != "0":  # produced entirely by one version: must equal its reference
+        if len(vs) == 1 and vs[0] != v0:  # produced entirely by one version: must equal its reference
             if body["completion_ids"][0] != refs[vs[0]][PROBES.index(list(prompt))]:
                 stale.append(f"load request under version {vs[0]}")
             checked += 1
@@ -255,10 +302,12 @@ def test_20_syncs_under_load(tiny_model, tmp_path, staging):
 
 
 # ----------------------------------------------------------------------------- TRL protocol
-def test_trl_flow_end_to_end(tiny_model):
+def test_trl_flow_end_to_end(tiny_model, shared_servers):
     path = tiny_model("qwen3")
-    hf = load_hf(path)
-    with serve(path) as srv:
+    hf = load_hf(path, seed=2)  # not the weights an earlier test synced
+    with server_for(shared_servers, tiny_model, "qwen3") as srv:
+        v0 = version_number(srv.url)
+        assert generate(srv.url).json()["completion_ids"] != [hf_greedy(hf, p) for p in PROMPTS]
         c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=30)
         c.init_communicator()
         c.update_model_params(hf)
@@ -268,7 +317,7 @@ def test_trl_flow_end_to_end(tiny_model):
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         assert server_checksums(srv.url) == mine
         info = httpx.get(srv.url + "/weight_info").json()
-        assert info["state"] == "uninitialized" and info["weight_version"] == "1"
+        assert info["state"] == "uninitialized" and info["weight_version"] == str(v0 + 1)
 
 
 # ----------------------------------------------------------------------------- TP=2 server
@@ -300,10 +349,10 @@ FSDP_TRAINER = textwrap.dedent("""
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{dist_port}")
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from torch.distributed.fsdp import fully_shard
-        from tests.test_transfer_e2e import load_hf
+        from tests.transfer_harness import load_hf
         from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
                                       WeightTransferTrainerFactory)
-        m = load_hf({path!r})
+        m = load_hf({path!r}, seed=3)
         for layer in m.model.layers:
             fully_shard(layer)
         fully_shard(m)
@@ -323,17 +372,19 @@ FSDP_TRAINER = textwrap.dedent("""
 """)
 
 
-def test_fsdp2_trainer_two_ranks(tiny_model, tmp_path):
+def test_fsdp2_trainer_two_ranks(tiny_model, shared_servers, tmp_path):
     """A 2-rank FSDP2 trainer (DTensor parameters): every rank iterates (full_tensor), rank 0
     talks to the server and sends; the server ends up with the unsharded model's weights."""
     path = tiny_model("llama_tied")
-    hf = load_hf(path)
+    hf = load_hf(path, seed=3)  # the trainer's weights (FSDP_TRAINER), not an earlier test's
     script = tmp_path / "fsdp_trainer.py"
-    with serve(path) as srv:
+    with server_for(shared_servers, tiny_model, "llama_tied") as srv:
+        v0 = version_number(srv.url)
+        assert server_checksums(srv.url) != hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path,
                                               url=srv.url))
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert "0 DONE 1" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+        assert f"0 DONE {v0 + 1}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         assert server_checksums(srv.url) == mine
         assert generate(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPTS]

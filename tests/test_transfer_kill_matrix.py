@@ -3,13 +3,16 @@ model in service. Each cell kills a real trainer process (``tests/kill_trainer.p
 ``/weight_checker``, ``/health``, ``/weight_info`` and greedy tokens against the last good
 version (``tests/kill_matrix.py``: the whole matrix, also runnable as a script that prints it).
 CI runs the issue's case and a selection of cells (each cell costs about ``timeout_s``: a
-trainer that died mid-message is noticed when the receive times out)."""
+trainer that died mid-message is noticed when the receive times out), on one server per server
+configuration."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from tests.kill_matrix import CONFIGS, expected, model_meta, run_config
+from tests.kill_matrix import CONFIGS, cpu_server, expected, model_meta, run_config
 
 TIMEOUT_S = 2.0
 BY_NAME = {c.name: c for c in CONFIGS}
@@ -23,7 +26,25 @@ def llama384(tiny_model):
     return path, model_meta(path)
 
 
-def test_direct_receive_killed_inside_its_only_bucket_is_not_served(llama384):
+@pytest.fixture(scope="module")
+def server(llama384):
+    """``run_config``'s ``server``: one in-process server per distinct server configuration
+    (backend, direct receive, staging), shared by the cells that use it (each cell starts with
+    a full sync of the good weights, so what an earlier cell left behind does not carry over)."""
+    started: dict = {}
+
+    def get(path, cfg, timeout_s):
+        key = (path, cfg.backend, cfg.direct, cfg.staging, timeout_s)
+        if key not in started:
+            started[key] = cpu_server(path, cfg, timeout_s)
+        return contextlib.nullcontext(started[key])
+
+    yield get
+    for srv in started.values():
+        srv.close()
+
+
+def test_direct_receive_killed_inside_its_only_bucket_is_not_served(llama384, server):
     """The issue's case: in place, direct receive on (the default), the trainer synced before so
     the update is received straight into the parameters, the whole model is one bucket (the
     default 1 GiB buckets) and the trainer dies with that bucket half on the wire. No bucket
@@ -31,7 +52,7 @@ def test_direct_receive_killed_inside_its_only_bucket_is_not_served(llama384):
     200 with the old version label and changed text)."""
     path, meta = llama384
     out = run_config(path, meta, BY_NAME["gloo packed, in place, direct"], TIMEOUT_S, phases=["first_bucket"],
-                     bucket_bytes=1 << 30)
+                     bucket_bytes=1 << 30, server=server)
     assert out == {"first_bucket": "503"}
 
 
@@ -46,11 +67,11 @@ CI_CELLS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CI_CELLS))
-def test_killed_trainer_never_leaves_mixed_weights_in_service(llama384, name):
+def test_killed_trainer_never_leaves_mixed_weights_in_service(llama384, server, name):
     """Per receive path, the phases whose outcome differs: ``503`` once the parameters may
     have changed, else the last good weights served unchanged (``tests/kill_matrix.py``)."""
     path, meta = llama384
     cfg = BY_NAME[name]
-    out = run_config(path, meta, cfg, TIMEOUT_S, phases=CI_CELLS[name])
+    out = run_config(path, meta, cfg, TIMEOUT_S, phases=CI_CELLS[name], server=server)
     wrong = {p: v for p, v in out.items() if v not in expected(cfg, p)}
     assert not wrong, (out, {p: expected(cfg, p) for p in wrong})

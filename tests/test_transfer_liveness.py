@@ -1,7 +1,7 @@
 """Trainer liveness (rlserve.transfer.server.liveness) and the abortable receive it relies on.
 
 The end-to-end kill tests (a real trainer SIGKILLed at each point of a sync, timeout_s=300) are
-in test_transfer_e2e.py / test_transfer_manager.py; benchmarks/kill_matrix.py prints the times."""
+in test_transfer_e2e.py; benchmarks/kill_matrix.py prints the times."""
 
 from __future__ import annotations
 
