@@ -155,8 +155,9 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
     Off by default because it did not pay where measured: on the shared 2-core CI machine,
     next to vLLM CPU (whose worker is pinned to CPU 0), the engine pinned to CPU 1 got
     0.61-0.74 of a core over 64-request runs against 0.48-0.72 unpinned, and pinned to CPU 0
-    no more (BENCHMARKS.md, issue 22, seventh session); a pinned engine also cannot move
-    off a core that other work, or another pinned program, is using.
+    0.33-0.38 against 0.48-0.55 unpinned in the same alternation (BENCHMARKS.md, issue 22,
+    seventh session); a pinned engine also cannot move off a core that other work, or
+    another pinned program, is using.
 
     Raises:
         ValueError: a malformed CPU list.
