@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.server.launch import free_port
+from rlserve.server.launch import free_port, parent_death_signal
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.wire.packing import (
@@ -314,7 +314,8 @@ def test_trainer_sigkill_mid_update_receiver_does_not_hang():
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-c", TRAINER_SCRIPT.format(root=root, port=port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                            preexec_fn=parent_death_signal())
     try:
         ts = make_tensors(5)
         info = info_for(ts, size=600)

@@ -19,6 +19,7 @@ import torch
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.server.liveness import StoreLiveness
+from rlserve.server.launch import parent_death_signal
 from tests.transfer_harness import free_port
 
 STORE_HOST = """
@@ -39,7 +40,8 @@ def _wait_gone(watch: StoreLiveness, limit_s: float) -> str:
 
 
 def test_store_liveness_notices_a_killed_process():
-    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=parent_death_signal())
     try:
         port = int(proc.stdout.readline())
         watch = StoreLiveness("127.0.0.1", port)
@@ -106,7 +108,8 @@ def test_store_liveness_nothing_listening():
 
 
 def test_stopped_watch_reports_nothing():
-    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=parent_death_signal())
     try:
         port = int(proc.stdout.readline())
         watch = StoreLiveness("127.0.0.1", port)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from rlserve.transfer.server.tcp_peer import StoreConnectionLiveness, _ip, own_endpoints, tcp_table
+from rlserve.server.launch import parent_death_signal
 from tests.transfer_harness import InProcessServer, free_port
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc/net/tcp")
@@ -37,7 +38,8 @@ def test_watch_finds_the_peer_and_notices_its_death():
     port = srv.getsockname()[1]
     mine = socket.create_connection(("127.0.0.1", port))  # a "worker's" own client: excluded
     accepted = [srv.accept()[0]]
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(port)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(port)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=parent_death_signal())
     try:
         peer_port = int(proc.stdout.readline())
         accepted.append(srv.accept()[0])

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError, restricted_loads
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
 from rlserve.transfer.wire.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
+from rlserve.server.launch import parent_death_signal
 from tests.transfer_harness import InProcessServer, free_port
 from tests.vllm_python import vllm_python
 
@@ -258,7 +259,7 @@ def _vllm_proc(tmp_path, *args) -> subprocess.Popen:
     script.write_text(inspect.getsource(WIRE_TENSORS) + _VLLM_SIDE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=parent_death_signal())  # never outlives this run
     assert _read_json(proc, 600) == {"ready": True}
     return proc
 
