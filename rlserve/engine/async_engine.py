@@ -456,7 +456,8 @@ class AsyncEngine(PauseControl):
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the replicas (in-flight requests fail with EngineDeadError) and free the
         engines: threads are joined, engine-core processes told to exit and killed (with their
-        TP workers) if they have not within a second. Safe to call twice, from any thread."""
+        TP workers) if they have not 0.25 s after they were told (``core_client._KILL_AFTER_S``). Safe to
+        call twice, from any thread."""
         if self._closed is None:
             self._closed = "the engine is shut down"
         for r in self._replicas:
