@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import contextlib
 import logging
 import os
 import shutil
@@ -101,6 +102,42 @@ def _exit_text(rc: int | None) -> str:
     return f"exited with code {rc}"
 
 
+SOCKET_DIR_PREFIX = "rlserve-core-"
+
+
+def socket_dir(root: str | None = None) -> str:
+    """A new directory for one core's two ZMQ ``ipc://`` sockets, ``<tmp>/rlserve-core-<pid>-XXXX``
+    after this process. Removes first the ones whose creating process is gone: a SIGKILLed
+    server cannot remove its own (its core is SIGKILLed too, by ``PR_SET_PDEATHSIG``), and 638
+    of them had piled up in a CI machine's ``/tmp`` from killed test runs. Directories without a
+    pid (older layout), of other users, or of live processes are left alone.
+
+    Args:
+        root: where (default ``tempfile.gettempdir()``).
+    """
+    root = root or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0] if name.startswith(SOCKET_DIR_PREFIX) else ""
+            if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
+                continue
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_uid == os.getuid():
+                    shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class CoreProcReplica(Replica):
     """One engine replica in an engine-core process.
 
@@ -118,7 +155,7 @@ class CoreProcReplica(Replica):
         self.config = config
         self._version = weight_version
         self._tokenizer_loader = tokenizer_loader
-        self._dir = tempfile.mkdtemp(prefix="rlserve-core-")
+        self._dir = socket_dir()
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
