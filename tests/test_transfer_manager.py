@@ -1,11 +1,19 @@
 """Weight sync through the real control plane, in one process: AsyncEngine + LLMEngine (tiny
 model, CPU, dummy weights) + the real FastAPI app on a uvicorn thread; the trainer SDK talks
 HTTP to it and broadcasts over gloo from the test thread. The server-process end-to-end tests
-are in test_transfer_e2e.py."""
+are in test_transfer_e2e.py.
+
+A server start is most of a test's time on 2 cores, so the tests share one server per (model,
+staging) (:func:`shared`); a test with a server setting of its own (admin key, data
+parallelism, a transfer config) starts its own. A test on a shared server reads the weight
+version and counters it starts from and asserts relative to them, and makes the server's
+weights differ from its trainer's first where it asserts that a sync changed them
+(:func:`scramble`)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 
@@ -59,6 +67,62 @@ def llama(tiny_model):
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+#: The shared servers' settings: max_model_len 256 for the request that runs through a failed
+#: update (test_failed_in_place_update_ends_requests_in_flight), else InProcessServer's.
+SHARED_KW = {"max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """``with shared(path, staging="none", fresh=False) as srv``: the module's
+    :class:`InProcessServer` for ``(path, staging)``, started on first use and stopped at the
+    module's end (not at the ``with``'s).
+
+    Each hand-out first shuts the transfer engine down (every test starts from
+    ``state == "uninitialized"``, as on a new server); a server left paused or unavailable (a
+    test that failed half way) is replaced by a new one, so one failure does not spread.
+    ``fresh=True``: a server no test has used yet (a used one is replaced), for a test that
+    needs a new server's state (weight version "0", no direct-receive layout)."""
+    started: dict = {}
+
+    def get(path, staging="none", fresh=False):
+        srv = started.get((path, staging))
+        if srv is not None:
+            HTTPWeightSyncClient(srv.url, timeout_s=30).shutdown_weight_transfer_engine()
+            if fresh or srv.aengine.is_paused() or srv.aengine.unavailable_reason is not None:
+                srv.close()
+                srv = None
+        if srv is None:
+            srv = started[path, staging] = InProcessServer(path, staging=staging, **SHARED_KW)
+        return contextlib.nullcontext(srv)  # `with shared(path) as srv:` does not stop it
+
+    yield get
+    for srv in started.values():
+        srv.close()
+
+
+def version(url) -> str:
+    """The server's current weight version."""
+    return httpx.get(url + "/weight_info", timeout=30).json()["weight_version"]
+
+
+def bumped(weight_version: str, n: int = 1) -> str:
+    """``weight_version`` after ``n`` syncs that name no version: the server adds ``n`` to its
+    trailing number (``"7"`` -> ``"8"``, ``"step-7"`` -> ``"step-8"``)."""
+    head, num = re.fullmatch(r"(.*?)(\d+)", weight_version).groups()
+    return f"{head}{int(num) + n}"
+
+
+def scramble(url, path):
+    """One full sync of other weights than any trainer model of this module pushes (the tiny
+    checkpoint plus noise of a seed no test uses), so that a test's own sync visibly changes
+    the server's outputs and checksums, as the dummy weights of a new server would. The
+    trainer engine is shut down afterwards (``state == "uninitialized"``)."""
+    eng = trainer(url, load_hf(path, scale=0.5, seed=1234))
+    eng.send_weights()
+    eng.shutdown()
+
+
 def direct_trainer(url, hf):
     """A trainer engine that has synced twice: the second sync was received directly."""
     eng = trainer(url, hf)
@@ -78,18 +142,21 @@ def trainer(url, model_or_source, **kw):
 
 
 @pytest.mark.parametrize("staging,packed", [("none", True), ("none", False), ("device", True), ("host", True)])
-def test_sync_matches_hf_and_checksums(llama, staging, packed):
+def test_sync_matches_hf_and_checksums(llama, shared, staging, packed):
     path, hf = llama
-    with InProcessServer(path, staging=staging) as srv:
+    own = staging == "host"  # the only test with host staging: a server of its own
+    with InProcessServer(path, staging=staging, **SHARED_KW) if own else shared(path, staging) as srv:
+        scramble(srv.url, path)
+        v0, updates0 = version(srv.url), httpx.get(srv.url + "/weight_info").json()["num_updates"]
         before = server_greedy(srv.url).json()
-        assert before["weight_version"] == "0"
+        assert before["weight_version"] == v0
         eng = trainer(srv.url, hf, packed=packed)
         fin = eng.send_weights()
-        assert fin["weight_version"] == "1" and fin["full"] is True
+        assert fin["weight_version"] == bumped(v0) and fin["full"] is True
         after = server_greedy(srv.url).json()
         assert after["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
-        assert after["completion_ids"] != before["completion_ids"]  # dummy weights were different
-        assert after["weight_version"] == "1"
+        assert after["completion_ids"] != before["completion_ids"]  # the scrambled weights were different
+        assert after["weight_version"] == bumped(v0)
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         rep = eng.client.weight_checker(compare=mine)
         assert rep["compare"]["match"] and rep["compare"]["compared"] == len(mine), rep["compare"]
@@ -99,7 +166,7 @@ def test_sync_matches_hf_and_checksums(llama, staging, packed):
         assert server_greedy(srv.url).json()["weight_version"] == "step-7"
         assert eng.send_weights()["weight_version"] == "step-8"
         info = httpx.get(srv.url + "/weight_info").json()
-        assert info["state"] == "ready" and info["num_updates"] == 3 and info["last_update"]["ok"]
+        assert info["state"] == "ready" and info["num_updates"] == updates0 + 3 and info["last_update"]["ok"]
         assert not srv.aengine.is_paused()
         eng.shutdown()
         assert httpx.get(srv.url + "/weight_info").json()["state"] == "uninitialized"
@@ -110,7 +177,7 @@ def _named(hf):
 
 
 @pytest.mark.parametrize("case", ["unknown", "shape", "dtype", "missing"])
-def test_bad_metadata_refused_before_any_change(llama, case):
+def test_bad_metadata_refused_before_any_change(llama, shared, case):
     path, hf = llama
     named = _named(hf)
     if case == "unknown":
@@ -121,7 +188,9 @@ def test_bad_metadata_refused_before_any_change(llama, case):
         named[2] = (named[2][0], torch.zeros(named[2][1].shape, dtype=torch.int32))
     else:
         named = named[:-3]
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
+        scramble(srv.url, path)
+        v0 = version(srv.url)
         base = checksums(srv.url)
         eng = trainer(srv.url, TensorListSource(named))
         with pytest.raises(WeightSyncHTTPError) as ei:
@@ -130,11 +199,11 @@ def test_bad_metadata_refused_before_any_change(llama, case):
         assert {"unknown": "unknown parameter", "shape": "shape", "dtype": "not a float type",
                 "missing": "missing 3 required"}[case] in str(ei.value)
         assert checksums(srv.url) == base
-        assert httpx.get(srv.url + "/weight_info").json()["weight_version"] == "0"
+        assert httpx.get(srv.url + "/weight_info").json()["weight_version"] == v0
         assert server_greedy(srv.url).status_code == 200  # not paused, not unavailable
         # the refusal came before any data moved: the same group still works for a good update
         eng.source = ModuleSource(hf)
-        assert eng.send_weights()["weight_version"] == "1"
+        assert eng.send_weights()["weight_version"] == bumped(v0)
         assert checksums(srv.url) != base
         # a raw vLLM-style bad update_weights (no declaration) is refused too, nothing changes
         c = eng.client
@@ -147,9 +216,10 @@ def test_bad_metadata_refused_before_any_change(llama, case):
         assert server_greedy(srv.url).status_code == 200
 
 
-def test_out_of_order_calls_409(llama):
+def test_out_of_order_calls_409(llama, shared):
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
+        v0 = version(srv.url)
         c = HTTPWeightSyncClient(srv.url, timeout_s=10)
         with pytest.raises(WeightSyncConflictError, match="init_weight_transfer_engine"):
             c.start_weight_update()
@@ -174,7 +244,7 @@ def test_out_of_order_calls_409(llama):
         r = httpx.post(srv.url + "/init_weight_transfer_engine", json={"init_info": {"backend": "gloo",
                                                                                      "master_port": 1, "world_size": 5}})
         assert r.status_code == 400 and "world_size must be 2" in r.json()["error"]["message"]
-        assert eng.send_weights()["weight_version"] == "2"
+        assert eng.send_weights()["weight_version"] == bumped(v0, 2)
         # a second call while update_weights runs -> 409; shutdown aborts the running one
         import threading
 
@@ -225,7 +295,7 @@ class FlakySource:
 
 @pytest.mark.parametrize("staging,mode", [("none", "after_data"), ("device", "after_data"),
                                           ("none", "announced"), ("device", "announced")])
-def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monkeypatch):
+def test_checksum_mismatch_fails_safely_then_recovers(llama, shared, staging, mode, monkeypatch):
     """A checksum that disagrees with the data fails the update, whether it was announced before
     the data (unpacked: per tensor, from a first pass over a source whose data then changes) or
     sent after it (packed, the SDK's default: the trainer's second bucket sum is made wrong): the
@@ -233,7 +303,8 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
     keeps the old weights; the next full sync restores everything."""
 
     path, hf = llama
-    with InProcessServer(path, staging=staging) as srv:
+    with shared(path, staging) as srv:
+        failures0 = httpx.get(srv.url + "/weight_info").json()["num_failures"]
         good = trainer(srv.url, hf)
         good.send_weights()
         base = checksums(srv.url)
@@ -249,7 +320,7 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, staging, mode, monk
         assert time.monotonic() - t0 < 15
         assert ei.value.status_code == 500 and "checksum" in str(ei.value)
         info = httpx.get(srv.url + "/weight_info").json()
-        assert info["state"] == "uninitialized" and info["num_failures"] == 1
+        assert info["state"] == "uninitialized" and info["num_failures"] == failures0 + 1
         assert not srv.aengine.is_paused()
         r = server_greedy(srv.url)
         if staging == "none":
@@ -277,14 +348,14 @@ def llama384(tiny_model):
     return path, load_hf(path, seed=1)  # less degenerate greedy outputs
 
 
-def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
+def test_direct_receive_matches_hf_and_fails_safely(llama384, shared, monkeypatch):
     """In place on a CPU model: the first packed update goes through the receive buffers and lays
     the parameters out like the buckets; the next ones land straight in them. Outputs and
     checksums equal the trainer's after each; a wrong checksum sent after the data fails the
     update (503 until a full one lands), and the next full update is direct again."""
 
     path, hf = llama384
-    with InProcessServer(path) as srv:
+    with shared(path, fresh=True) as srv:  # no layout yet: its first update takes the buffers
         eng = trainer(srv.url, hf)
         g = torch.Generator().manual_seed(0)
         base = {n: p.detach().clone() for n, p in hf.named_parameters()}
@@ -317,13 +388,13 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, monkeypatch):
         eng.shutdown()
 
 
-def test_partial_updates_between_full_ones(llama384):
+def test_partial_updates_between_full_ones(llama384, shared):
     """Partial updates (``ModuleSource(include=...)``, ``send_weights(partial=True)``) change only
     the parameters they carry; after each one the server's checksums and greedy tokens equal the
     trainer's. They take the buffered path and leave the parameters laid out for the full
     update, so every full update after the first two is received directly."""
     path, hf = llama384
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         eng = direct_trainer(srv.url, hf)
         g = torch.Generator().manual_seed(3)
         for step in range(2):
@@ -372,14 +443,14 @@ class StallingSource:
             yield n, t
 
 
-def test_direct_receive_abandoned_update_cannot_write_later(llama384):
+def test_direct_receive_abandoned_update_cannot_write_later(llama384, shared):
     """The server gives up on a direct receive while the trainer is alive (shutdown mid-update):
     the broadcasts it had posted into the parameters stay pending in gloo. The trainer then
     sends the next bucket anyway; it must land in the abandoned buffer, not in the model."""
     from rlserve.transfer.wire.packing import plan_buckets
 
     path, hf = llama384
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         eng = direct_trainer(srv.url, hf)
         good = checksums(srv.url)
         g = torch.Generator().manual_seed(5)
@@ -422,7 +493,7 @@ def test_direct_receive_abandoned_update_cannot_write_later(llama384):
         eng.shutdown()
 
 
-def test_failed_in_place_update_ends_requests_in_flight(llama):
+def test_failed_in_place_update_ends_requests_in_flight(llama, shared):
     """An in-place update that fails after loading some buckets: the request that was running
     (frozen by the update's pause) and the one held by that pause both end with 503, not with
     text from part-old, part-new weights. While the update is open, /resume and
@@ -431,7 +502,7 @@ def test_failed_in_place_update_ends_requests_in_flight(llama):
     from rlserve.transfer.wire.packing import plan_buckets
 
     path, hf = llama
-    with InProcessServer(path, max_model_len=256) as srv:
+    with shared(path) as srv:  # max_model_len 256 (SHARED_KW)
         eng = trainer(srv.url, hf)
         eng.send_weights()
         meta = ModuleSource(hf).metadata()
@@ -491,7 +562,7 @@ def test_failed_in_place_update_ends_requests_in_flight(llama):
             th.join(40)
 
 
-def test_direct_receive_off_and_not_for_announced_checksums(llama384):
+def test_direct_receive_off_and_not_for_announced_checksums(llama384, shared):
     path, hf = llama384
     with InProcessServer(path, transfer_config={"backend": "gloo", "direct_receive": False}) as srv:
         eng = trainer(srv.url, hf)
@@ -500,7 +571,7 @@ def test_direct_receive_off_and_not_for_announced_checksums(llama384):
         assert eng.last_stats["server"]["direct_receive"] is False
         assert eng.last_stats["server"]["replayed_loads"] > 0
         eng.shutdown()
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         # checksums announced before the data must be compared before anything is loaded
         c = HTTPWeightSyncClient(srv.url, timeout_s=30)
         eng = direct_trainer(srv.url, hf)
@@ -520,9 +591,9 @@ def test_direct_receive_off_and_not_for_announced_checksums(llama384):
         WeightTransferManager(None, {"backend": "gloo", "direct_receive": "yes"})
 
 
-def test_idle_session_is_abandoned(llama):
+def test_idle_session_is_abandoned(llama, shared):
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         eng = trainer(srv.url, hf, timeout_s=1.0)
         eng.client.start_weight_update()
         assert srv.aengine.is_paused()
@@ -533,9 +604,11 @@ def test_idle_session_is_abandoned(llama):
         assert server_greedy(srv.url).status_code == 200  # nothing was loaded: still available
 
 
-def test_trl_protocol(llama):
+def test_trl_protocol(llama, shared):
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
+        scramble(srv.url, path)
+        v0 = version(srv.url)
         base = checksums(srv.url)
         c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
         c.init_communicator()
@@ -549,7 +622,7 @@ def test_trl_protocol(llama):
         assert ei.value.status_code == 400
         c.close_communicator()  # flushes: the batch is committed with a new version
         info = httpx.get(srv.url + "/weight_info").json()
-        assert info["state"] == "uninitialized" and info["weight_version"] == "1", info
+        assert info["state"] == "uninitialized" and info["weight_version"] == bumped(v0), info
         assert info["last_update"]["ok"] and info["last_update"]["full"]
 
 
@@ -604,7 +677,7 @@ def test_finished_op_answers_until_forgotten():
     assert gone["done"] and not gone["ok"] and gone["error_type"] == "TransferAbortedError"
 
 
-def test_sync_weights_one_call(llama):
+def test_sync_weights_one_call(llama, shared):
     """``POST /sync_weights``: start + update + finish in one call (the broadcast runs while it
     is open, as with update_weights); same result and version as the three calls; a refused
     body is a 400 that leaves no session open."""
@@ -613,7 +686,7 @@ def test_sync_weights_one_call(llama):
     from rlserve.transfer.sdk.sender import send_packed
 
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         eng = trainer(srv.url, hf)
         info = eng._metadata_info(False)
         info.checksums = eng._checksum_pass(info)
@@ -640,35 +713,37 @@ def test_sync_weights_one_call(llama):
 
 # --------------------------------------------------------------------------- found by an adversarial pass
 @contextlib.contextmanager
-def synced_server(path, hf):
-    """An :class:`InProcessServer` after one full sync: ``(server, trainer engine, client)``."""
-    with InProcessServer(path) as srv:
+def synced_server(shared, path, hf):
+    """The shared server after one full sync: ``(server, trainer engine, client, the version
+    before that sync)``."""
+    with shared(path) as srv:
+        v0 = version(srv.url)
         eng = trainer(srv.url, hf)
         eng.send_weights()
-        yield srv, eng, HTTPWeightSyncClient(srv.url, timeout_s=30)
+        yield srv, eng, HTTPWeightSyncClient(srv.url, timeout_s=30), v0
 
 
-def test_sdk_reinitialises_after_the_server_dropped_its_engine(llama):
+def test_sdk_reinitialises_after_the_server_dropped_its_engine(llama, shared):
     """The server's transfer engine goes away between two syncs (an operator's shutdown; the
     idle watchdog and a restart look the same): the next ``send_weights()`` gets 409
     ``no_transfer_engine`` at its start, joins again on its own and syncs."""
     path, hf = llama
-    with synced_server(path, hf) as (srv, eng, c):
+    with synced_server(shared, path, hf) as (srv, eng, c, v0):
         c.shutdown_weight_transfer_engine()
         with pytest.raises(WeightSyncHTTPError) as ei:
             c.start_weight_update()
         assert ei.value.status_code == 409 and ei.value.code == "no_transfer_engine"
-        assert eng.send_weights()["weight_version"] == "2"
+        assert eng.send_weights()["weight_version"] == bumped(v0, 2)
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng.shutdown()
 
 
-def test_control_route_inputs_refused_with_400(llama):
+def test_control_route_inputs_refused_with_400(llama, shared):
     """Inputs that used to give 500 or wedge a session: a weight version of 5000 digits (its
     increment overflowed int()), one with control characters, a body nested 100000 deep, and a
     timeout that overflows the store. Each is a 400 and a bad version leaves the session open."""
     path, hf = llama
-    with synced_server(path, hf) as (srv, eng, c):
+    with synced_server(shared, path, hf) as (srv, eng, c, _v0):
         c.start_weight_update()
         for bad in ("9" * 5000, "v\x001", ""):
             with pytest.raises(WeightSyncHTTPError) as ei:
@@ -693,19 +768,19 @@ def test_control_route_inputs_refused_with_400(llama):
         eng.shutdown()
 
 
-def test_close_communicator_during_an_update_releases_the_pause(llama):
+def test_close_communicator_during_an_update_releases_the_pause(llama, shared):
     """TRL's ``/close_communicator/`` while a start / update / finish session holds the server's
     keep-pause: the session fails (nothing was loaded: no 503), the pause is released and a
     new init + sync work."""
     path, hf = llama
-    with synced_server(path, hf) as (srv, eng, c):
+    with synced_server(shared, path, hf) as (srv, eng, c, v0):
         c.start_weight_update()
         assert srv.aengine.is_paused()
         assert httpx.post(srv.url + "/close_communicator/", timeout=30).status_code == 200
         info = c.weight_info()
         assert info["state"] == "uninitialized" and not srv.aengine.is_paused(), info
         assert server_greedy(srv.url).status_code == 200
-        assert eng.send_weights()["weight_version"] == "2"
+        assert eng.send_weights()["weight_version"] == bumped(v0, 2)
         eng.shutdown()
 
 
@@ -723,13 +798,14 @@ def test_trl_reset_reports_a_failed_transfer_as_504(llama):
         assert server_greedy(srv.url).status_code == 200  # nothing was loaded
 
 
-def test_a_replaced_trainer_is_refused_without_harming_the_current_one(llama):
+def test_a_replaced_trainer_is_refused_without_harming_the_current_one(llama, shared):
     """Trainer B initialised, then trainer A (its init replaces B's group). B's next sync is
     refused at its start with 409 ``stale_session``: it neither pauses the server nor opens a
     session on A's group (which used to freeze generation for timeout_s and then tear A's group
     down). A syncs as before."""
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
+        v0 = version(srv.url)
         eng_b = trainer(srv.url, hf)
         eng_b.send_weights()
         eng_a = trainer(srv.url, hf)
@@ -738,18 +814,18 @@ def test_a_replaced_trainer_is_refused_without_harming_the_current_one(llama):
         assert ei.value.status_code == 409 and ei.value.code == "stale_session", ei.value
         info = httpx.get(srv.url + "/weight_info").json()
         assert info["state"] == "ready" and not srv.aengine.is_paused(), info
-        assert eng_a.send_weights()["weight_version"] == "2"
+        assert eng_a.send_weights()["weight_version"] == bumped(v0, 2)
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng_a.shutdown()
         eng_b.shutdown()
 
 
-def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
+def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama, shared):
     """An init whose trainer never joins used to hold the control plane until its timeout:
     ``/shutdown_weight_transfer_engine`` blocked for all of it and every other init got 409. Now
     both cancel it at once; the cancelled call answers 409 and names what cancelled it."""
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
         out: dict = {}
 
         def bogus_init():
@@ -787,7 +863,7 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama):
             t.join(60)
 
 
-def test_data_that_disagrees_with_update_info_is_refused_with_400(llama):
+def test_data_that_disagrees_with_update_info_is_refused_with_400(llama, shared):
     """The trainer broadcasts buckets of another size than the update_info it sent (a bug in a
     custom trainer; with gloo a longer message than the receive buffer used to abort the whole
     server process): the layout header that starts the data is compared first, the update is
@@ -796,7 +872,8 @@ def test_data_that_disagrees_with_update_info_is_refused_with_400(llama):
     import copy
 
     path, hf = llama
-    with InProcessServer(path) as srv:
+    with shared(path) as srv:
+        v0 = version(srv.url)
         eng = trainer(srv.url, hf)
         eng.send_weights()
         base = checksums(srv.url)
@@ -814,6 +891,6 @@ def test_data_that_disagrees_with_update_info_is_refused_with_400(llama):
         assert srv.aengine.unavailable_reason is None and not srv.aengine.is_paused()
         assert checksums(srv.url) == base and server_greedy(srv.url).status_code == 200
         eng._send = honest
-        assert eng.send_weights()["weight_version"] == "2"
+        assert eng.send_weights()["weight_version"] == bumped(v0, 2)
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng.shutdown()
