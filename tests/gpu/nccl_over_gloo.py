@@ -11,11 +11,22 @@ landed, which only hides ordering bugs that NCCL would expose) and its error han
 
 Use: :func:`install` in the trainer's process (or ``monkeypatch``), and
 :data:`SERVER_LAUNCHER` as ``ServerProcess(..., launcher=SERVER_LAUNCHER)`` for the server.
+
+The server's transfer group is built in its engine-core process (``python -m
+rlserve.engine.core_proc``, one per replica, started by the API process since issue 17), not in
+the API process the launcher starts: :func:`install` therefore also exports
+``RLSERVE_ENGINE_CORE_INIT`` (:data:`CORE_INIT`) and puts this checkout on ``PYTHONPATH``, so
+every process started from a patched one patches itself before it builds its engine. Without
+that the trainer built gloo while the server's core built real NCCL on the same store: neither
+rendezvous could complete, and the trainer's sync failed when gloo's connect gave up after
+its timeout (``timeout_s + 60`` = 90 s: "TCPStore waitForInput ... timed out after 90000ms", both
+gloo-cuda kill-matrix configurations on an H200, 2026-12-02).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,15 +44,42 @@ def gloo_for_nccl(real):
     return new_backend
 
 
+#: ``RLSERVE_ENGINE_CORE_INIT`` value that runs :func:`install` in an engine-core process.
+CORE_INIT = "tests.gpu.nccl_over_gloo:install"
+
+
 def install() -> None:
-    """Patch :mod:`rlserve.transfer.backends.group` in this process (idempotent)."""
+    """Patch :mod:`rlserve.transfer.backends.group` in this process and in every process it
+    starts afterwards (idempotent): sets ``RLSERVE_ENGINE_CORE_INIT`` to :data:`CORE_INIT` and
+    prepends this checkout to ``PYTHONPATH`` in ``os.environ``.
+
+    Raises:
+        RuntimeError: ``RLSERVE_ENGINE_CORE_INIT`` already names another hook (one would be lost).
+    """
     import rlserve.transfer.backends.group as group
 
+    prev = os.environ.get("RLSERVE_ENGINE_CORE_INIT")
+    if prev not in (None, "", CORE_INIT):
+        raise RuntimeError(f"RLSERVE_ENGINE_CORE_INIT is {prev!r}: the NCCL-over-gloo emulation needs {CORE_INIT!r}")
     if not getattr(group.new_backend, "gloo_for_nccl", False):
         group.new_backend = gloo_for_nccl(group.new_backend)
+        print(f"[nccl-over-gloo] installed in process {os.getpid()}", file=sys.stderr, flush=True)
+    os.environ["RLSERVE_ENGINE_CORE_INIT"] = CORE_INIT
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if ROOT not in path:
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *path])
 
 
-#: Interpreter arguments that start ``rlserve serve`` with :func:`install` applied first.
+def installed(_core=None) -> bool:
+    """Whether this process builds "nccl" as gloo (an engine call: ``AsyncEngine.call_engines``
+    passes the core, ignored)."""
+    import rlserve.transfer.backends.group as group
+
+    return bool(getattr(group.new_backend, "gloo_for_nccl", False))
+
+
+#: Interpreter arguments that start ``rlserve serve`` with :func:`install` applied first (in the
+#: API process, and through ``RLSERVE_ENGINE_CORE_INIT`` in its engine-core processes).
 SERVER_LAUNCHER = ("-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
                          "from tests.gpu.nccl_over_gloo import install; install(); "
                          "from rlserve.cli import main; sys.exit(main(sys.argv[1:]))")

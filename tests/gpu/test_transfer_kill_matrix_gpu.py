@@ -13,7 +13,10 @@ lands (or, where one call is the whole update, serve the dead trainer's complete
   (``tests/gpu/nccl_over_gloo.py``; messages are cut in half as on the CPU).
 
 The table is printed and, with ``$RLSERVE_GPU_REPORT``, written to
-``$RLSERVE_GPU_REPORT/kill_matrix.json``.
+``$RLSERVE_GPU_REPORT/kill_matrix.json`` (``{configuration: {"verdicts": {phase: verdict},
+"kill_to_failure_s": {phase: seconds from the trainer's last message to the failure the server
+recorded, or null where it recorded none}}}``; reported, not asserted: the killed trainers'
+``timeout_s`` is 5 s here, the liveness watch's own bound is ``test_trainer_liveness_gpu.py``'s).
 """
 
 from __future__ import annotations
@@ -57,20 +60,20 @@ def _server(launcher):
     return make
 
 
-def _report(name: str, out: dict) -> None:
-    print(f"[kill-matrix-gpu] {name}: {out}")
+def _report(name: str, out: dict, times: dict) -> None:
+    print(f"[kill-matrix-gpu] {name}: {out} kill -> failure s: {times}")
     d = os.environ.get("RLSERVE_GPU_REPORT")
     if d:
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, "kill_matrix.json")
         table = json.load(open(path)) if os.path.exists(path) else {}
-        table[name] = out
+        table[name] = {"verdicts": out, "kill_to_failure_s": times}
         with open(path, "w") as f:
             json.dump(table, f, indent=2)
 
 
-def _check(name: str, cfg: Config, out: dict, cut: bool) -> None:
-    _report(name, out)
+def _check(name: str, cfg: Config, out: dict, cut: bool, times: dict) -> None:
+    _report(name, out, times)
     wrong = {p: v for p, v in out.items() if v not in expected(cfg, p, cut)}
     assert not wrong, (out, {p: sorted(expected(cfg, p, cut)) for p in wrong})
 
@@ -84,8 +87,9 @@ def model(tiny_model):
 @pytest.mark.parametrize("cfg", IPC_CONFIGS, ids=lambda c: c.name)
 def test_ipc_trainer_killed_at_every_phase(model, cfg):
     path, meta = model
-    out = run_config(path, meta, cfg, TIMEOUT_S, server=_server(("-m", "rlserve")), device="cuda:0")
-    _check(cfg.name, cfg, out, cut=False)
+    times: dict = {}
+    out = run_config(path, meta, cfg, TIMEOUT_S, server=_server(("-m", "rlserve")), device="cuda:0", timings=times)
+    _check(cfg.name, cfg, out, cut=False, times=times)
 
 
 @pytest.mark.parametrize("transport", [pytest.param("nccl", marks=needs_2), "gloo-cuda"])
@@ -97,7 +101,8 @@ def test_nccl_trainer_killed_at_every_phase(model, cfg, transport, monkeypatch):
         import rlserve.transfer.backends.group as group
 
         monkeypatch.setattr(group, "new_backend", nccl_over_gloo.gloo_for_nccl(group.new_backend))
+    times: dict = {}
     out = run_config(path, meta, cfg, TIMEOUT_S,
                      server=_server(nccl_over_gloo.SERVER_LAUNCHER if emulated else ("-m", "rlserve")),
-                     device="cuda:0" if emulated else "cuda:1", setup=EMULATION if emulated else "")
-    _check(f"{cfg.name} [{transport}]", cfg, out, cut=emulated)
+                     device="cuda:0" if emulated else "cuda:1", setup=EMULATION if emulated else "", timings=times)
+    _check(f"{cfg.name} [{transport}]", cfg, out, cut=emulated, times=times)

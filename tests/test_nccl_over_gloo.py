@@ -1,0 +1,66 @@
+"""The one-GPU NCCL emulation (``tests/gpu/nccl_over_gloo.py``) on the CPU: its patch reaches
+the process that builds the server's transfer group, which is the engine-core process, not the
+API process the launcher patches (before: the trainer built gloo, the server's core real NCCL,
+and every gloo-cuda sync on the H200 failed after 90 s in the rendezvous)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import timedelta
+
+import pytest
+
+from tests.gpu import nccl_over_gloo
+
+
+def test_gloo_for_nccl_swaps_only_nccl_and_passes_keywords():
+    calls = []
+
+    def real(backend, store, rank, world_size, timeout, nccl_async_error_handling=None, gloo_address=None):
+        calls.append((backend, rank, world_size, timeout, nccl_async_error_handling, gloo_address))
+        return backend
+
+    patched = nccl_over_gloo.gloo_for_nccl(real)
+    td = timedelta(seconds=90)
+    assert patched("nccl", None, 1, 2, td, nccl_async_error_handling="2", gloo_address=None) == "gloo"
+    assert patched("gloo", None, 0, 2, td, nccl_async_error_handling="2", gloo_address="10.0.0.1") == "gloo"
+    # NCCL's async-error-handling setting means nothing to gloo: dropped; gloo_address passes through
+    assert calls == [("gloo", 1, 2, td, None, None), ("gloo", 0, 2, td, None, "10.0.0.1")]
+    assert patched.gloo_for_nccl is True
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """Whatever :func:`install` changes in this process is restored afterwards."""
+    import rlserve.transfer.backends.group as group
+
+    monkeypatch.setattr(group, "new_backend", group.new_backend)
+    monkeypatch.setenv("RLSERVE_ENGINE_CORE_INIT", "")
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return monkeypatch
+
+
+def test_install_reaches_the_engine_core_process(tiny_model, clean_env):
+    from rlserve.config import EngineConfig
+    from rlserve.engine.async_engine import AsyncEngine
+
+    nccl_over_gloo.install()
+    nccl_over_gloo.install()  # idempotent
+    assert nccl_over_gloo.installed()
+    assert os.environ["RLSERVE_ENGINE_CORE_INIT"] == nccl_over_gloo.CORE_INIT
+    assert os.environ["PYTHONPATH"].split(os.pathsep).count(nccl_over_gloo.ROOT) == 1
+    engine = AsyncEngine(EngineConfig(model=tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128),
+                         engine_mode="process")
+    try:
+        assert engine.core_pids() and engine.core_pids()[0] != os.getpid()
+        assert asyncio.run(engine.call_engines("tests.gpu.nccl_over_gloo:installed", timeout_s=60)) == [True]
+    finally:
+        engine.shutdown()
+
+
+def test_install_refuses_to_replace_another_core_hook(clean_env):
+    clean_env.setenv("RLSERVE_ENGINE_CORE_INIT", "tests.test_engine_core_isolation:faulty_add")
+    with pytest.raises(RuntimeError, match="faulty_add"):
+        nccl_over_gloo.install()
+    assert not nccl_over_gloo.installed()
