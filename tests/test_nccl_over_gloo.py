@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from datetime import timedelta
 
 import pytest
@@ -36,6 +37,7 @@ def clean_env(monkeypatch):
     import rlserve.transfer.backends.group as group
 
     monkeypatch.setattr(group, "new_backend", group.new_backend)
+    monkeypatch.setattr(group.TransferGroup, "order", group.TransferGroup.order)
     monkeypatch.setenv("RLSERVE_ENGINE_CORE_INIT", "")
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     return monkeypatch
@@ -64,3 +66,31 @@ def test_install_refuses_to_replace_another_core_hook(clean_env):
     with pytest.raises(RuntimeError, match="faulty_add"):
         nccl_over_gloo.install()
     assert not nccl_over_gloo.installed()
+
+
+class _Pending:
+    """A work handle that never completes; its blocking ``wait`` is a test failure."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self):
+        raise AssertionError("work.wait() called on a pending work: it would block the host")
+
+
+def test_order_is_abortable_under_the_emulation(clean_env):
+    """A receive blocked on a dead trainer ends on the liveness watch's abort: ``order`` on a
+    "nccl" group built as gloo polls like ``wait`` instead of blocking in gloo's ``work.wait()``."""
+    import torch
+
+    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.errors import TransferAbortedError, WeightTransferFailedError
+
+    g = TransferGroup("nccl", "127.0.0.1", 1, 1, 2, timeout_s=60, device=torch.device("cpu"))
+    with pytest.raises(WeightTransferFailedError, match="would block"):  # NCCL's order: work.wait() at once
+        g.order(_Pending(), what="bucket 1/3")
+    nccl_over_gloo.install()
+    threading.Timer(0.2, g.abort, args=("the trainer is gone",)).start()
+    # (the deadline, 60 s, would raise TransferTimeoutError)
+    with pytest.raises(TransferAbortedError, match="bucket 1/3 aborted: the trainer is gone"):
+        g.order(_Pending(), what="bucket 1/3")

@@ -9,6 +9,15 @@ the GPU and compared once per update, staged receives, teardown. What it cannot 
 itself: its asynchronous completion (gloo's ``work.wait()`` blocks the host until the data has
 landed, which only hides ordering bugs that NCCL would expose) and its error handling.
 
+A dead trainer: NCCL's ``TransferGroup.order`` only orders the stream and returns, and the host
+waits at the end of the receive with the deadline and abort checks (``wait_stream``), so the
+liveness watch's abort ends the receive; gloo's ``work.wait()`` would block the host instead,
+where no abort reaches it, until gloo itself notices the dead peer (it does not always: issue 25)
+or its timeout (``timeout_s + 60``) passes. :func:`install` therefore makes ``order`` wait the
+way ``wait`` does (polled, with the deadline and the abort checks): the receive ends on the
+abort, as on NCCL. NCCL's own end-of-receive path (``order`` returning at once, then
+``wait_stream``) is not exercised here.
+
 Use: :func:`install` in the trainer's process (or ``monkeypatch``), and
 :data:`SERVER_LAUNCHER` as ``ServerProcess(..., launcher=SERVER_LAUNCHER)`` for the server.
 
@@ -48,8 +57,16 @@ def gloo_for_nccl(real):
 CORE_INIT = "tests.gpu.nccl_over_gloo:install"
 
 
+def _polled_order(self, work, what: str = "broadcast") -> None:
+    """``TransferGroup.order`` under the emulation: :meth:`TransferGroup.wait` (polls the work
+    with the deadline and the abort checks, then ``work.wait()`` for its error and the CUDA
+    stream ordering). Raises what ``wait`` raises."""
+    self.wait(work, what=what)
+
+
 def install() -> None:
-    """Patch :mod:`rlserve.transfer.backends.group` in this process and in every process it
+    """Patch :mod:`rlserve.transfer.backends.group` in this process (``new_backend`` builds gloo
+    for "nccl"; ``TransferGroup.order`` is :func:`_polled_order`) and in every process it
     starts afterwards (idempotent): sets ``RLSERVE_ENGINE_CORE_INIT`` to :data:`CORE_INIT` and
     prepends this checkout to ``PYTHONPATH`` in ``os.environ``.
 
@@ -61,6 +78,7 @@ def install() -> None:
     prev = os.environ.get("RLSERVE_ENGINE_CORE_INIT")
     if prev not in (None, "", CORE_INIT):
         raise RuntimeError(f"RLSERVE_ENGINE_CORE_INIT is {prev!r}: the NCCL-over-gloo emulation needs {CORE_INIT!r}")
+    group.TransferGroup.order = _polled_order
     if not getattr(group.new_backend, "gloo_for_nccl", False):
         group.new_backend = gloo_for_nccl(group.new_backend)
         print(f"[nccl-over-gloo] installed in process {os.getpid()}", file=sys.stderr, flush=True)
@@ -71,11 +89,11 @@ def install() -> None:
 
 
 def installed(_core=None) -> bool:
-    """Whether this process builds "nccl" as gloo (an engine call: ``AsyncEngine.call_engines``
+    """Whether :func:`install` patched this process (an engine call: ``AsyncEngine.call_engines``
     passes the core, ignored)."""
     import rlserve.transfer.backends.group as group
 
-    return bool(getattr(group.new_backend, "gloo_for_nccl", False))
+    return bool(getattr(group.new_backend, "gloo_for_nccl", False)) and group.TransferGroup.order is _polled_order
 
 
 #: Interpreter arguments that start ``rlserve serve`` with :func:`install` applied first (in the
