@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -116,8 +117,11 @@ STOP_BOUND_S = 2.0
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
     """SIGINT/SIGTERM to the server's process group with a request generating: the server exits
-    within :data:`STOP_BOUND_S` and no engine-core process outlives it. The server logs its stop's
-    phases at debug level (``stopping: ...`` lines), shown if the bound is missed."""
+    within :data:`STOP_BOUND_S` and no engine-core process outlives it; it stopped its cores
+    itself (their socket directories are gone: a SIGTERM used to end the process before the
+    engines' stop) and exits as a program that does not handle the signal (SIGINT: 130, SIGTERM:
+    killed by it). The server logs its stop's phases at debug level (``stopping: ...`` lines),
+    shown if the bound is missed."""
     srv = _server(tiny_model, "--data-parallel-size", "2", "--log-level", "debug").start()
     try:
         pids = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
@@ -148,6 +152,10 @@ def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
             pytest.fail(f"the server did not exit within {STOP_BOUND_S} s of {sig.name} (load average "
                         f"{os.getloadavg()[0]:.1f}):\n{srv.log_tail()}")
         assert all(not _alive(p) for p in pids), "engine-core processes outlived the server"
+        assert srv.proc.returncode == (130 if sig == signal.SIGINT else -sig), srv.log_tail()
+        left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"rlserve-core-{srv.proc.pid}-")]
+        assert left == [], f"the server's engine-core socket directories are left: {left}\n{srv.log_tail()}"
+        assert "stopping: engines stopped" in srv.log_tail(1_000_000)
     finally:
         srv.stop()
 

@@ -205,18 +205,37 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
-    rc = 1
+    rc, resignal = 1, None
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(aengine, settings)
         rc = asyncio.run(_serve(app, args))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
         rc = 130
+    except _Terminated:  # SIGTERM: uvicorn has shut down and re-raised it (see _raise_terminated)
+        rc, resignal = 128 + signal.SIGTERM, signal.SIGTERM
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
         logger.debug("stopping: HTTP server closed; stopping the engines")
         aengine.shutdown(timeout_s=5.0)
         logger.debug("stopping: engines stopped; exit handlers next")
-    _exit_now(rc)
+        signal.signal(signal.SIGTERM, old_term)
+    _exit_now(rc, resignal)
     return rc  # not reached
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived outside uvicorn's own handler (see :func:`_raise_terminated`)."""
+
+
+def _raise_terminated(_sig, _frame) -> None:
+    """SIGTERM's handler while the server runs (uvicorn installs its own during ``serve()`` and
+    puts this one back after). uvicorn ends ``serve()`` by re-raising the signal it stopped for;
+    with the default action a SIGTERM then killed the process on the spot, before the engines'
+    stop (the cores died of ``PR_SET_PDEATHSIG`` and their socket directories
+    ``<tmp>/rlserve-core-<pid>-*`` stayed behind). Raised as an exception instead, the stop in
+    :func:`run` runs as on Ctrl-C, and :func:`_exit_now` ends the process by SIGTERM after it."""
+    raise _Terminated()
 
 
 def _signal_name(sig) -> str:
@@ -226,11 +245,15 @@ def _signal_name(sig) -> str:
         return f"signal {sig}"
 
 
-def _exit_now(rc: int) -> None:
+def _exit_now(rc: int, resignal: int | None = None) -> None:
     """End the process once serving is over: the atexit handlers (multiprocessing's stops the TP
     followers), flushed logs and streams, then ``os._exit``. This skips the interpreter's own
     teardown of torch / transformers' thousands of modules and objects, which took 9-14 s after
-    Ctrl-C on a busy 2-core machine (BENCHMARKS.md, start-up and stop)."""
+    Ctrl-C on a busy 2-core machine (BENCHMARKS.md, start-up and stop).
+
+    ``resignal``: the signal the server stopped for (SIGTERM): the process ends by it (default
+    action), so its parent sees "killed by SIGTERM" as from any program that does not handle it;
+    ``rc`` only if that fails."""
     import atexit
 
     try:
@@ -243,6 +266,10 @@ def _exit_now(rc: int) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
                 pass
+        if resignal is not None:
+            signal.signal(resignal, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {resignal})
+            os.kill(os.getpid(), resignal)
         os._exit(rc)
 
 
