@@ -1,13 +1,14 @@
 """What a newcomer meets (issue 21): streamed chat never sends an empty ``delta.content``
-mid-stream; ``/metrics`` carries vLLM's metric names and the weight-sync metrics; ``--help``
-states each default once and every flag has help; ``client.pause()`` and ``POST /pause`` share
-one default."""
+mid-stream; ``/tokenize`` does not hold up the API process while it encodes; ``/metrics``
+carries vLLM's metric names and the weight-sync metrics; ``--help`` states each default once and
+every flag has help; ``client.pause()`` and ``POST /pause`` share one default."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
 import json
+import threading
 
 import httpx
 import pytest
@@ -68,6 +69,37 @@ def test_stream_chat_sends_no_empty_content_mid_stream(server):
     # nothing lost: the held tokens (and their logprobs) went out with the next text
     assert content == full["message"]["content"] and ids == full["token_ids"] and len(logprobs) == len(ids)
     assert multi > 0, "this sample should contain tokens that are part of one character (the case under test)"
+
+
+def test_tokenize_encodes_off_the_event_loop(server, monkeypatch):
+    """While /tokenize's encode runs (here: held until the test lets it go; a long prompt takes
+    the tokenizer a while), the API process still answers: the encode is not on its event loop.
+    The answer is then the tokenizer's own."""
+    tok = server.app.state.rlserve.tokenizer
+    real = tok.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def held_encode(text, **kw):
+        entered.set()
+        release.wait(TIMEOUT)
+        return real(text, **kw)
+
+    monkeypatch.setattr(tok, "encode", held_encode)
+    box: dict = {}
+    caller = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+        server.url + "/tokenize", json={"prompt": "Hello world"}, timeout=TIMEOUT)))
+    caller.start()
+    try:
+        assert entered.wait(TIMEOUT), "/tokenize never reached the tokenizer"
+        try:  # on the event loop, the encode would hold this answer until `release` (TIMEOUT)
+            health = httpx.get(server.url + "/health", timeout=10).status_code
+        except httpx.TimeoutException:
+            health = "no answer while /tokenize encodes"
+        assert health == 200
+    finally:
+        release.set()
+        caller.join(TIMEOUT)
+    assert box["r"].status_code == 200 and box["r"].json()["tokens"] == real("Hello world"), box["r"].text
 
 
 def _metric(text: str, name: str, default: float | None = None, **labels) -> float:

@@ -113,10 +113,23 @@ class ServerState:
         self.weight_manager = None
         self._token_text: dict[int, str] = {}
         self._grammar_compiler = None
+        self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the server's tokenizer thread, awaited: tokenizer work that grows with
+        the text (a chat template's rendering, encoding a long prompt) must not stop the event
+        loop, which serves every other request and stream of this process. One thread, as vLLM's
+        tokenizer executor: a Hugging Face fast tokenizer used from two threads at once can fail
+        with "Already borrowed". What ``fn`` raises is raised here."""
+        if self._tokenizer_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:

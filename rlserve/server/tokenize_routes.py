@@ -4,7 +4,9 @@
 re-align its prompts to the server's tokenizer; without them it prints ``/tokenize unavailable,
 skipping alignment`` and its prompts can carry a few more tokens than asked. As in vLLM they
 are open (no ``--api-key``: vLLM guards only ``/v1``); the body-size limit and the prompt-size
-check of the generation routes apply.
+check of the generation routes apply. The chat template's rendering and the encoding run on
+the server's tokenizer thread (:meth:`~rlserve.server.state.ServerState.off_loop`), not on the
+event loop: a long prompt does not hold up the process's other requests.
 
 ``/tokenize`` answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``
 only with ``return_token_strs: true``, else null); ``/detokenize`` answers ``{"prompt"}``.
@@ -33,28 +35,7 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         state.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send exactly one of prompt (a string) or messages (a conversation)",
-                           param="prompt")
-        if body.prompt is not None:
-            extra = [f for f in TOKENIZE_CHAT_FIELDS if f in body.model_fields_set]
-            if extra:
-                raise APIError(400, f"{extra[0]} goes with messages, not prompt", param=extra[0], code="unknown_field")
-            text, param = body.prompt, "prompt"
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        else:
-            if not body.messages:
-                raise APIError(400, "messages must not be empty", param="messages")
-            text = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message, chat_template=body.chat_template,
-                               chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
-            param = "messages"
-            add_special = bool(body.add_special_tokens)
-        check_text(text, param)
-        state.limits.check_prompt_chars(text, param, state.max_model_len)
-        ids = list(state.tokenizer.encode(text, add_special_tokens=add_special))
-        strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+        return await state.off_loop(_tokenize, state, body)  # a long prompt must not stop the loop
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -66,3 +47,30 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     return router
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    """``/tokenize``'s answer (on the tokenizer thread: :meth:`ServerState.off_loop`). Raises
+    APIError 400 as :func:`make_tokenize_router` lists."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of prompt (a string) or messages (a conversation)",
+                       param="prompt")
+    if body.prompt is not None:
+        extra = [f for f in TOKENIZE_CHAT_FIELDS if f in body.model_fields_set]
+        if extra:
+            raise APIError(400, f"{extra[0]} goes with messages, not prompt", param=extra[0], code="unknown_field")
+        text, param = body.prompt, "prompt"
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    else:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        text = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                           chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
+        param = "messages"
+        add_special = bool(body.add_special_tokens)
+    check_text(text, param)
+    state.limits.check_prompt_chars(text, param, state.max_model_len)
+    ids = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+    strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
