@@ -71,6 +71,29 @@ def test_stream_chat_sends_no_empty_content_mid_stream(server):
     assert multi > 0, "this sample should contain tokens that are part of one character (the case under test)"
 
 
+def test_stream_chat_chunks_have_vllms_keys(server):
+    """A streamed chat choice has vLLM's keys (vLLM 0.32's ChatCompletionStreamResponse dumped
+    with exclude_unset): the role chunk and the content chunks before the last have no
+    ``stop_reason``; the choice's last chunk (with its ``finish_reason``) has it: null after
+    ``max_tokens``, the stop string that ended it (one from the middle of the first answer's
+    text). Plus rlserve's ``weight_version`` on every one."""
+    common = {"index", "delta", "logprobs", "finish_reason", "weight_version"}
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    stop = None
+    for _ in range(2):
+        chunks = _sse(server.url + "/v1/chat/completions", dict(body, **({"stop": [stop]} if stop else {})))
+        choices = [ch["choices"][0] for ch in chunks]
+        assert set(choices[0]) == common and choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [set(c) for c in choices[1:-1]] == [common] * (len(choices) - 2), choices
+        last = choices[-1]
+        assert set(last) == common | {"stop_reason"} and last["stop_reason"] == stop, (stop, last)
+        assert last["finish_reason"] == ("stop" if stop else "length"), last
+        assert len(choices) >= 3, choices  # a content chunk before the last
+        text = "".join(c["delta"].get("content", "") for c in choices)
+        stop = text[len(text) // 2]
+
+
 def test_tokenize_encodes_off_the_event_loop(server, monkeypatch):
     """While /tokenize's encode runs (here: held until the test lets it go; a long prompt takes
     the tokenizer a while), the API process still answers: the encode is not on its event loop.

@@ -426,7 +426,10 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model, include_usage,
                        gen, top_k: int = 0) -> AsyncIterator[str]:
-    """SSE chunks of a chat stream: a role delta per choice first, then content deltas."""
+    """SSE chunks of a chat stream: a role delta per choice first, then content deltas. A
+    choice's keys are vLLM's (0.32): ``index``, ``delta``, ``logprobs``, ``finish_reason``, and
+    ``stop_reason`` only on the choice's last chunk (the one with its ``finish_reason``); ``token_ids``
+    with ``return_token_ids``; plus rlserve's ``weight_version``."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     n = body.n
     sent_text = [0] * n
@@ -479,8 +482,10 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
                                                           top_k, body.return_tokens_as_token_ids)
                           if body.logprobs else None,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                          "weight_version": getattr(out, "weight_version", None)}
+                          "finish_reason": c.finish_reason}
+                if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only
+                    choice["stop_reason"] = c.stop_reason
+                choice["weight_version"] = getattr(out, "weight_version", None)
                 if body.return_token_ids:
                     choice["token_ids"] = delta_ids
                 if c.finish_reason is not None:
