@@ -95,3 +95,29 @@ def test_openapi_lists_error_answers(srv):
         assert {"400", "401", "503"} <= codes, (route, codes)
     props = spec["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
     assert props  # {"message", "type", "param", "code"}
+
+
+def test_chat_template_fields_are_defined_once():
+    """``/v1/chat/completions`` and ``/tokenize`` take the same chat-template fields (vLLM's
+    names), defined once (``protocol.ChatTemplateFields``): both bodies hand the same
+    ``render_chat`` arguments on, with the same defaults; ``/tokenize`` refuses exactly these
+    with ``prompt``."""
+    from rlserve.server.protocol import (
+        TOKENIZE_CHAT_FIELDS,
+        ChatCompletionRequest,
+        ChatTemplateFields,
+        TokenizeRequest,
+    )
+
+    assert TOKENIZE_CHAT_FIELDS == ("add_generation_prompt", "continue_final_message", "chat_template",
+                                    "chat_template_kwargs", "tools")
+    assert issubclass(ChatCompletionRequest, ChatTemplateFields) and issubclass(TokenizeRequest, ChatTemplateFields)
+    msgs = [{"role": "user", "content": "hi"}]
+    args = {"add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ 1 }}",
+            "chat_template_kwargs": {"k": 1}, "tools": [{"type": "function"}]}
+    assert ChatCompletionRequest(messages=msgs, **args).chat_template_args() == args
+    assert TokenizeRequest(messages=msgs, **args).chat_template_args() == args
+    defaults = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+                "chat_template_kwargs": None, "tools": None}
+    assert ChatCompletionRequest(messages=msgs).chat_template_args() == defaults
+    assert TokenizeRequest(messages=msgs).chat_template_args() == defaults

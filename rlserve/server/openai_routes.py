@@ -305,9 +305,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
-        prompt = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                             continue_final_message=body.continue_final_message, chat_template=body.chat_template,
-                             chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
+        prompt = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
         ids = state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:
             ids = state.truncate(ids, body.truncate_prompt_tokens)

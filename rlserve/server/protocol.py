@@ -125,19 +125,30 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``."""
+class ChatTemplateFields(_Body):
+    """How ``messages`` become a prompt (vLLM's names), shared by ``/v1/chat/completions`` and
+    ``/tokenize``: the arguments of :func:`rlserve.server.chat_render.render_chat` after the
+    messages."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+    def chat_template_args(self) -> dict[str, Any]:
+        """``render_chat``'s keyword arguments from this body: ``{field: value}``."""
+        return {name: getattr(self, name) for name in ChatTemplateFields.model_fields}
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
+    """``POST /v1/chat/completions`` (the chat-template fields: :class:`ChatTemplateFields`)."""
 
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     add_special_tokens: bool = False
     # the SGLang router's (see _RouterFields): no reasoning parser, so either value does nothing
@@ -145,28 +156,21 @@ class ChatCompletionRequest(_SamplingFields):
     stream_reasoning: bool = True
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(ChatTemplateFields):
     """``POST /tokenize`` (vLLM's route): either ``prompt`` (a string; ``add_special_tokens``
     defaults to true, as for completions) or ``messages`` (rendered with the chat template as
     ``/v1/chat/completions`` does; ``add_special_tokens`` defaults to false). The chat-only fields
-    (``add_generation_prompt``, ``continue_final_message``, ``chat_template``,
-    ``chat_template_kwargs``, ``tools``) are refused with ``prompt``."""
+    (:class:`ChatTemplateFields`) are refused with ``prompt``."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = None
     return_token_strs: Optional[bool] = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
 
 
 #: the fields of :class:`TokenizeRequest` that only go with ``messages``
-TOKENIZE_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                        "tools")
+TOKENIZE_CHAT_FIELDS = tuple(ChatTemplateFields.model_fields)
 
 
 class DetokenizeRequest(_Body):

@@ -64,9 +64,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     else:
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        text = render_chat(state.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message, chat_template=body.chat_template,
-                           chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
+        text = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
         param = "messages"
         add_special = bool(body.add_special_tokens)
     check_text(text, param)
