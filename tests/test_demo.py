@@ -231,6 +231,28 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     assert srv.stop() is not None  # idempotent
 
 
+def test_demo_and_test_servers_share_one_launcher():
+    """``DemoServer`` and the tests' ``ServerProcess`` are one :class:`ServerSubprocess` (its
+    ``log_tail``, ``stop`` and ``with``, not two copies): a fresh one has a kept log file in the
+    temporary directory named after its kind, and stops as "never started"."""
+    from rlserve.server.launch import ServerSubprocess
+    from rlserve.server.testing import ServerProcess
+
+    for name in ("log_tail", "stop", "__enter__", "__exit__", "pid"):
+        assert getattr(DemoServer, name) is getattr(ServerProcess, name) is getattr(ServerSubprocess, name), name
+    demo_srv = DemoServer([sys.executable, "-c", "pass"], "http://127.0.0.1:9/")
+    test_srv = ServerProcess("/no/model", "--device", "cpu")
+    for srv, prefix in ((demo_srv, "rlserve-demo-server-"), (test_srv, "rlserve-server-")):
+        try:
+            assert os.path.basename(srv.log_path).startswith(prefix) and os.path.exists(srv.log_path)
+            assert srv.env["PYTHONUNBUFFERED"] == "1" and srv.pid is None and srv.log_tail() == ""
+            assert srv.stop() is None
+        finally:
+            os.remove(srv.log_path)
+    assert demo_srv.url == "http://127.0.0.1:9"
+    assert DemoServer(["x"], "http://h", log_path="-").log_tail() == "(server output went to the terminal above)"
+
+
 def test_sigterm_becomes_system_exit():
     with pytest.raises(SystemExit) as e:
         with demo.exit_on_signals():

@@ -7,15 +7,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 from typing import Iterator, Sequence
 
 from rlserve.demo.common import ServerStartError
 from rlserve.demo.layout import Layout
-from rlserve.server.launch import spawn_server, stop_group, wait_healthy
+from rlserve.server.launch import ServerSubprocess, wait_healthy
 
 
 def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1",
@@ -33,8 +31,9 @@ def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1"
     return cmd + list(extra_args)
 
 
-class DemoServer:
-    """An ``rlserve serve`` subprocess in its own session, killed as a group.
+class DemoServer(ServerSubprocess):
+    """An ``rlserve serve`` subprocess in its own session, killed as a group
+    (:class:`~rlserve.server.launch.ServerSubprocess`: ``log_tail``, ``stop``, ``with``).
 
     Args:
         cmd: the command line (:func:`serve_command`).
@@ -48,35 +47,13 @@ class DemoServer:
 
     def __init__(self, cmd: list[str], url: str, env: dict | None = None, log_path: str | None = None,
                  startup_timeout_s: float = 600.0):
+        super().__init__(env, log_path, startup_timeout_s, log_prefix="rlserve-demo-server-")
         self.cmd = list(cmd)
         self.url = url.rstrip("/")
-        self.env = dict(os.environ, **(env or {}))
-        self.env.setdefault("PYTHONUNBUFFERED", "1")
-        self.startup_timeout_s = float(startup_timeout_s)
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="rlserve-demo-server-", suffix=".log")
-            os.close(fd)
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self._log_file = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def log_tail(self, n_chars: int = 4000) -> str:
-        if self.log_path == "-":
-            return "(server output went to the terminal above)"
-        try:
-            with open(self.log_path, errors="replace") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
-                return f.read()
-        except OSError:
-            return ""
 
     def start(self) -> "DemoServer":
         """Spawn the process (returns at once; :meth:`wait_healthy` waits)."""
-        self.proc, self._log_file = spawn_server(self.cmd, None if self.log_path == "-" else self.log_path, self.env)
+        self._spawn(self.cmd)
         return self
 
     def wait_healthy(self, poll_s: float = 0.25) -> float:
@@ -85,21 +62,6 @@ class DemoServer:
         assert self.proc is not None, "start() first"
         return wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, poll_s=poll_s,
                             what=f"the server (log {self.log_path})", error=ServerStartError)
-
-    def stop(self, grace_s: float = 15.0) -> int | None:
-        """Stop the server and everything in its process group (TP workers included):
-        SIGTERM, SIGKILL after ``grace_s``. Idempotent; returns the exit status."""
-        rc = stop_group(self.proc, grace_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        return rc
-
-    def __enter__(self) -> "DemoServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def pid_alive(pid: int) -> bool:

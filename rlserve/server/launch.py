@@ -10,6 +10,8 @@ shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.Demo
   on a normal stop.
 - :func:`wait_healthy` waits for ``GET /health`` (bounded; fails at once if the process exits).
 - :func:`stop_group` ends the server's whole process group: SIGTERM, SIGKILL after a grace.
+- :class:`ServerSubprocess`: the object around them that ``ServerProcess`` and ``DemoServer``
+  are (environment, log file, ``log_tail``, ``stop``, ``with``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -143,3 +146,72 @@ def stop_group(proc: subprocess.Popen | None, grace_s: float = 15.0) -> int | No
                 proc.wait(10)
     killpg(pgid, signal.SIGKILL)  # stragglers of the group
     return proc.returncode
+
+
+class ServerSubprocess:
+    """A server process started by :func:`spawn_server` and stopped by :func:`stop_group`: the
+    part :class:`rlserve.server.testing.ServerProcess` and :class:`rlserve.demo.DemoServer`
+    share. A subclass's ``start()`` calls :meth:`_spawn` with its command line (and waits for
+    health or not) and returns ``self``; ``with`` starts it and stops it at the end.
+
+    Args:
+        env: extra environment variables, over this process's (``PYTHONUNBUFFERED=1`` unless given).
+        log_path: the file for the server's stdout + stderr; ``"-"``: this terminal; ``None``: a new
+            file ``<log_prefix>*.log`` in the temporary directory (kept after the stop: its path
+            and tail go into the errors).
+        startup_timeout_s: the bound on the wait for ``/health`` (seconds), for the subclass's wait.
+
+    Attributes:
+        proc: the ``subprocess.Popen`` once started, else ``None``.
+        log_path, env, startup_timeout_s: as given (``env`` merged).
+    """
+
+    def __init__(self, env: dict | None = None, log_path: str | None = None, startup_timeout_s: float = 600.0,
+                 log_prefix: str = "rlserve-server-"):
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.startup_timeout_s = float(startup_timeout_s)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        """The last ``n_chars`` characters of the server's log (``""`` if it cannot be read)."""
+        if self.log_path == "-":
+            return "(server output went to the terminal above)"
+        try:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - n_chars))
+                return f.read()
+        except OSError:
+            return ""
+
+    def _spawn(self, cmd: Sequence[str]) -> None:
+        """Start ``cmd`` (:func:`spawn_server`); returns at once."""
+        self.proc, self._log_file = spawn_server(cmd, None if self.log_path == "-" else self.log_path, self.env)
+
+    def start(self) -> "ServerSubprocess":
+        raise NotImplementedError
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """Stop the server and everything in its process group (its engine cores, TP followers):
+        SIGTERM, SIGKILL after ``grace_s`` seconds (:func:`stop_group`). Idempotent; returns the
+        exit status (``None`` if it never started)."""
+        rc = stop_group(self.proc, grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return rc
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -11,20 +11,17 @@ Every wait is bounded. It never outlives this process (:mod:`rlserve.server.laun
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-from rlserve.server.launch import ServerStartError, spawn_server, stop_group, wait_healthy
+from rlserve.server.launch import ServerStartError, ServerSubprocess, wait_healthy
 
 __all__ = ["ServerProcess", "ServerStartError"]
 
 _READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
 
 
-class ServerProcess:
+class ServerProcess(ServerSubprocess):
     """A ``python -m rlserve serve MODEL ...`` subprocess.
 
     Started by :func:`rlserve.server.launch.spawn_server`: its own session (``stop`` ends its
@@ -53,24 +50,11 @@ class ServerProcess:
 
     def __init__(self, model: str, *args: str, startup_timeout_s: float = 180.0, env: dict | None = None,
                  launcher: tuple[str, ...] = ("-m", "rlserve")):
+        super().__init__(env, None, startup_timeout_s, log_prefix="rlserve-server-")
         self.model = model
         self.launcher = tuple(launcher)
         self.args = [str(a) for a in args]
-        self.startup_timeout_s = startup_timeout_s
-        self.env = dict(os.environ, **(env or {}))
-        self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.url: str | None = None
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-        fd, self.log_path = tempfile.mkstemp(prefix="rlserve-server-", suffix=".log")
-        os.close(fd)
-
-    def log_tail(self, n_chars: int = 4000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-n_chars:]
-        except OSError:
-            return ""
 
     def _ready_url(self) -> str | None:
         """The URL of the ready line (``--port 0``: the OS picked the port), once printed."""
@@ -81,8 +65,7 @@ class ServerProcess:
         return self.url
 
     def start(self) -> "ServerProcess":
-        cmd = [sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args]
-        self.proc, self._log = spawn_server(cmd, self.log_path, self.env)
+        self._spawn([sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args])
         try:
             wait_healthy(self.proc, self._ready_url, self.startup_timeout_s, self.log_tail, what="rlserve serve",
                          error=ServerStartError)
@@ -90,17 +73,3 @@ class ServerProcess:
             self.stop()
             raise
         return self
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM to its process group, SIGKILL after ``timeout_s``. Returns the exit code."""
-        rc = stop_group(self.proc, timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return rc
-
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
