@@ -182,6 +182,22 @@ def test_fused_sampling_greedy_and_logprobs(fused_on_cpu, small_sampling_blocks)
     assert out.topk_token_ids.shape == (5, 0)
 
 
+def test_fused_sampling_takes_half_precision_logits(fused_on_cpu, small_sampling_blocks):
+    """Logits in a model dtype (what the engine hands over) sample as their float32 copy."""
+    import random
+
+    from rlserve.engine import fused_sampling
+    from rlserve.engine.sampling_params import SamplingParams
+
+    V = 300
+    logits = (3 * torch.randn(4, V, generator=torch.Generator().manual_seed(1))).half()
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 0.0, 1.3)]
+    tok, lp = fused_sampling.sample(logits, params, [[]] * 4, V, random.Random(2))
+    tok32, lp32 = fused_sampling.sample(logits.float(), params, [[]] * 4, V, random.Random(2))
+    assert torch.equal(tok, tok32) and torch.equal(lp, lp32)
+    assert tok[0] == logits[0].float().argmax() and tok[2] == logits[2].float().argmax()
+
+
 def test_fused_sampling_follows_softmax_and_seeds(fused_on_cpu, small_sampling_blocks):
     from rlserve.engine import fused_sampling
     from rlserve.engine.sampler import Sampler

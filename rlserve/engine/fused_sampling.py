@@ -72,8 +72,8 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
     """One token per row (rows must be :func:`eligible`).
 
     Args:
-        logits: ``[B, >= vocab_size]`` float logits (columns past ``vocab_size`` are ignored;
-            last dim contiguous).
+        logits: ``[B, >= vocab_size]`` float logits, any float dtype (read as float32 in the
+            kernels; columns past ``vocab_size`` are ignored; last dim contiguous).
         params / output_token_ids: per row, as in ``SamplingMetadata``.
         vocab_size: ``V``.
         rng: the key source of unseeded rows (advanced once per call).
@@ -125,15 +125,18 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
     return tok, lp
 
 
-def warm_up(device: torch.device | str, vocab_size: int) -> bool:
+def warm_up(device: torch.device | str, vocab_size: int,
+            dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Compile the one-pass sampler's kernels now (engine startup) instead of in the first
-    request's step: one greedy and one temperature row over zero logits on ``device``.
+    request's step: one greedy and one temperature row over zero logits of each of ``dtypes``
+    (the logits' dtypes the engine will hand over: its model dtype) on ``device``.
     Returns whether the kernels ran (False where :func:`eligible` would be False)."""
-    logits = torch.zeros(2, int(vocab_size), dtype=torch.float32, device=device)
-    if not (_ENABLED[0] and fused_ops.triton_enabled(logits)):
-        return False
     from rlserve.engine.sampling_params import SamplingParams
 
-    sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [[], []], vocab_size,
-           random.Random(0))
+    for dtype in dict.fromkeys(dtypes):
+        logits = torch.zeros(2, int(vocab_size), dtype=dtype, device=device)
+        if not (_ENABLED[0] and fused_ops.triton_enabled(logits)):
+            return False
+        sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)], [[], []], vocab_size,
+               random.Random(0))
     return True

@@ -105,7 +105,9 @@ class LLMEngine(EngineStep):
         if torch.device(executor.device).type == "cuda":
             from rlserve.engine import fused_sampling
 
-            fused_sampling.warm_up(executor.device, self.vocab_size)  # compile now, not in the first step
+            # compile now, not in the first step; the logits come in the model dtype
+            dtypes = (torch.float32,) + ((executor.dtype,) if executor.dtype.is_floating_point else ())
+            fused_sampling.warm_up(executor.device, self.vocab_size, dtypes)
         self._overlap = None  # overlapped decode (rlserve.engine.overlap)
         if want_async_scheduling(config, executor):
             from rlserve.engine.overlap import OverlapScheduler

@@ -21,6 +21,7 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -108,6 +109,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs = None  # DecodeCUDAGraphs once captured
         self._graphs_failed = False
+        # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
+        # samplers widen what they read)
+        fn = getattr(model, "compute_logits", None)
+        self._logits_kw = ({"float32": False} if fn is not None and "float32" in inspect.signature(fn).parameters
+                           else {})
         self._select_backend()
         self.use_cuda_graphs = self._want_cuda_graphs()
 
@@ -254,16 +260,18 @@ class ModelRunner:
         """Run one forward step.
 
         Returns:
-            ``[len(step.logits_indices), vocab]`` float32 logits (full vocabulary).
+            ``[len(step.logits_indices), vocab]`` logits (full vocabulary) in the model dtype
+            (float32 for a model whose ``compute_logits`` has no ``float32`` argument).
         """
+        logits = lambda h: self.model.compute_logits(h, **self._logits_kw)  # noqa: E731
         hidden = self._decode_with_graph(step)
         if hidden is not None:
             B = hidden.shape[0]
             idx = step.logits_indices
             if len(idx) == B and idx[0] == 0 and idx[-1] == B - 1:
-                return self.model.compute_logits(hidden)
+                return logits(hidden)
             rows = to_device(idx, torch.long, self.device)
-            return self.model.compute_logits(hidden.index_select(0, rows))
+            return logits(hidden.index_select(0, rows))
         if step.input_ids_from is not None:
             input_ids = gather_rows(*step.input_ids_from).to(self.device)
         else:
@@ -272,4 +280,4 @@ class ModelRunner:
         meta = self.build_metadata(step)
         hidden = self.model(input_ids, positions, meta)
         idx = to_device(step.logits_indices, torch.long, self.device)
-        return self.model.compute_logits(hidden.index_select(0, idx))
+        return logits(hidden.index_select(0, idx))

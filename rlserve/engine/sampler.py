@@ -345,7 +345,8 @@ class Sampler:
         """Sample one token per row.
 
         Args:
-            logits: ``[B, V]`` float32 on any device (not modified).
+            logits: ``[B, V]`` float logits on any device (not modified; other dtypes than
+                float32 -- the engine hands over the model dtype -- are widened as they are read).
             meta: per-row params and token histories.
         Returns:
             :class:`SamplerOutput` on the logits' device (no host sync here).

@@ -147,7 +147,8 @@ class Worker:
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; returns logits ``[len(step.logits_indices), vocab]`` float32."""
+        """Run one step; returns logits ``[len(step.logits_indices), vocab]`` in the model dtype
+        (:meth:`ModelRunner.execute`)."""
         with self.tp():
             return self.runner.execute(step)
 

@@ -194,9 +194,10 @@ class LlamaForCausalLM(nn.Module):
         (model dtype). Writes this step's K/V into the bound caches."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size]`` -> ``[N, vocab_size]`` float32, full vocabulary on every rank."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> ``[N, vocab_size]`` float32 (``float32=False``: the
+        model dtype), full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden, float32=float32)
 
     @staticmethod
     def normalize_checkpoint_name(name: str) -> str:

@@ -175,9 +175,10 @@ class OPTForCausalLM(nn.Module):
         """``input_ids [T] int64``, ``positions [T] int64`` (0-based) -> ``[T, word_embed_proj_dim]``."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, word_embed_proj_dim]`` -> ``[N, vocab_size]`` float32 on every rank."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """``hidden [N, word_embed_proj_dim]`` -> ``[N, vocab_size]`` float32 (``float32=False``:
+        the model dtype) on every rank."""
+        return self.lm_head.compute_logits(hidden, float32=float32)
 
     @staticmethod
     def normalize_checkpoint_name(name: str) -> str:

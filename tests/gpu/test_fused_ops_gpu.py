@@ -152,6 +152,26 @@ def test_fused_sampling_greedy_equals_argmax_on_a_full_vocabulary(B):
     assert torch.allclose(out.logprobs, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_sampling_reads_model_dtype_logits_as_their_float32_copy(dtype):
+    """The engine hands the sampler logits in the model dtype (no float32 copy): the tokens and
+    logprobs are those of the widened copy, bit for bit, greedy and sampled rows alike."""
+    import random
+
+    from rlserve.engine import fused_sampling
+    from rlserve.engine.sampling_params import SamplingParams
+
+    V, B = 151936, 64
+    g = torch.Generator(device=DEV).manual_seed(7)
+    logits = (5 * torch.randn(B, V, generator=g, device=DEV)).to(dtype)
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.6, seed=i if i % 2 else None) for i in range(B)]
+    outs = [[]] * B
+    tok, lp = fused_sampling.sample(logits, params, outs, V, random.Random(5))
+    tok32, lp32 = fused_sampling.sample(logits.float(), params, outs, V, random.Random(5))
+    assert torch.equal(tok, tok32) and torch.equal(lp, lp32)
+    assert torch.equal(tok[::3], logits[::3].float().argmax(-1))
+
+
 def test_fused_sampling_follows_softmax():
     from rlserve.engine.sampler import Sampler, SamplingMetadata
     from rlserve.engine.sampling_params import SamplingParams
