@@ -12,12 +12,13 @@ layers x the stride, summed over the sampled steps, estimates the workload's dec
 attention time (to compare with ``throughput.py --kernel-profile``'s ``_decode_kernel`` +
 ``_decode_reduce_kernel`` rows) and its K/V read rate.
 
-Variants (``--variants``, comma-separated): ``base`` (near-equal splits,
-:func:`rlserve.layers.triton_attention.plan_num_splits`), ``chunkN`` (fixed chunks of ``N``
-tokens), ``stagesK`` / ``warpsK`` (``base`` with ``num_stages`` / ``num_warps = K``), ``default`` (whatever the environment
-selects). Usage, on the GPU machine:
+Variants (``--variants``, comma-separated): ``default`` (the kernel as configured),
+``warpsK`` / ``blocknN`` (``DECODE_NUM_WARPS = K`` / ``DECODE_BLOCK_N = N``), ``chunkN``
+(fixed-size chunks of ``N`` tokens: only with the kernel of commit c4fd6b2, which had them;
+measured slower at every batch size and not kept, see BENCHMARKS.md). Usage, on the GPU
+machine:
 
-    python3 benchmarks/decode_attention_workload.py --shape qwen3-0.6b --variants base,chunk256,chunk512
+    python3 benchmarks/decode_attention_workload.py --shape qwen3-0.6b --variants default,warps8
 """
 
 from __future__ import annotations
@@ -51,17 +52,14 @@ def run_variant(name: str, ta, shape, steps, args, caches, bt, max_model_len, bl
     from rlserve.layers.attention import AttentionMetadata
 
     H, Hkv, D, _ = shape
-    chunk = None
-    ta.DECODE_NUM_STAGES = None
-    ta.DECODE_NUM_WARPS = 4
-    if name.startswith("chunk"):
-        chunk = int(name[5:])
-    elif name.startswith("stages"):
-        ta.DECODE_NUM_STAGES, chunk = int(name[6:]), 0
+    kw = {}
+    ta.DECODE_NUM_WARPS, ta.DECODE_BLOCK_N = 4, 64
+    if name.startswith("chunk"):  # needs triton_paged_attention(chunk=): commit c4fd6b2 only
+        kw["chunk"] = int(name[5:])
     elif name.startswith("warps"):
-        ta.DECODE_NUM_WARPS, chunk = int(name[5:]), 0
-    elif name == "base":
-        chunk = 0
+        ta.DECODE_NUM_WARPS = int(name[5:])
+    elif name.startswith("blockn"):
+        ta.DECODE_BLOCK_N = int(name[6:])
     elif name != "default":
         raise ValueError(f"unknown variant {name!r}")
     sizes = capture_sizes(args.num_seqs)
@@ -89,7 +87,7 @@ def run_variant(name: str, ta, shape, steps, args, caches, bt, max_model_len, bl
             def fwd():
                 meta.backend_cache.clear()
                 for kc, vc in caches:
-                    ta.triton_paged_attention(q[:bs], kc, vc, meta, D**-0.5, chunk=chunk)
+                    ta.triton_paged_attention(q[:bs], kc, vc, meta, D**-0.5, **kw)
 
             fwd()  # compile
             torch.cuda.synchronize()
@@ -113,7 +111,7 @@ def run_variant(name: str, ta, shape, steps, args, caches, bt, max_model_len, bl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
-    ap.add_argument("--variants", default="base,chunk256,chunk512")
+    ap.add_argument("--variants", default="default,warps8")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)

@@ -71,57 +71,6 @@ def test_decode_matches_reference_fp32(seq_lens, H, Hkv, D, bs, splits):
     torch.testing.assert_close(out, reference(q, kc, vc, meta, D**-0.5), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "seq_lens,H,Hkv,D,bs,chunk,max_seq_len",
-    [
-        ([5, 40, 17, 64, 65], 4, 2, 16, 4, 64, None),  # one chunk, several, exactly one, one past
-        ([130, 3, 200], 6, 3, 16, 16, 64, 512),  # static bound past the contexts: empty chunks
-        ([70, 1, 300], 4, 1, 24, 16, 128, None),  # MQA, odd head_dim, chunks of two tiles
-    ],
-)
-def test_decode_fixed_chunks_match_reference_fp32(seq_lens, H, Hkv, D, bs, chunk, max_seq_len, monkeypatch):
-    """Fixed-size chunks: programs past a context return at once, contexts of one chunk are
-    written by the attention kernel, longer ones merged by the reduce kernel."""
-    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 64)
-    q, kc, vc, meta = make_case([1] * len(seq_lens), seq_lens, H, Hkv, D, bs, torch.float32)
-    if max_seq_len is not None:
-        meta.max_seq_len = max_seq_len
-    S, c = ta.plan_decode(len(seq_lens), Hkv, meta.max_seq_len, torch.device("cpu"), chunk)
-    assert c == chunk and S == -(-meta.max_seq_len // chunk) and S > 1
-    out = ta.triton_paged_attention(q, kc, vc, meta, D**-0.5, chunk=chunk)
-    torch.testing.assert_close(out, reference(q, kc, vc, meta, D**-0.5), atol=2e-6, rtol=1e-5)
-
-
-def test_decode_fixed_chunks_padding_rows_and_stale_partials():
-    """Context-0 rows (CUDA-graph padding) get 0 in chunk mode, and partials left in the
-    buffer by other rows' chunks are never read for a row with fewer chunks."""
-    q, kc, vc, meta = make_case([1, 1, 1], [9, 200, 70], 4, 2, 16, 4, torch.float32)
-    ref = reference(q, kc, vc, meta, 0.25)
-    padded = AttentionMetadata(
-        slot_mapping=torch.tensor([-1] * 5),
-        query_start_loc=torch.arange(6, dtype=torch.int32),
-        seq_lens=torch.tensor([9, 200, 70, 0, 0], dtype=torch.int32),
-        block_tables=torch.cat([meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int32)]),
-        max_query_len=1, max_seq_len=256, block_size=4,
-        query_start_loc_cpu=list(range(6)), seq_lens_cpu=[256] * 5,
-    )
-    qp = torch.cat([q, torch.randn(2, 4, 16)])
-    out = ta.triton_paged_attention(qp, kc, vc, padded, 0.25, chunk=64)
-    torch.testing.assert_close(out[:3], ref, atol=2e-6, rtol=1e-5)
-    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
-
-
-def test_decode_plan_chunk_rounding_and_bounds(monkeypatch):
-    dev = torch.device("cpu")
-    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 64)
-    assert ta.plan_decode(256, 8, 2056, dev, 512) == (5, 512)  # ceil(2056 / 512) chunks
-    assert ta.plan_decode(256, 8, 2056, dev, 100) == (17, 128)  # rounded up to whole 64-token tiles
-    assert ta.plan_decode(4, 8, 1 << 20, dev, 256) == (64, (1 << 20) // 64)  # at most _MAX_CHUNKS chunks
-    # one chunk covers every context: the near-equal plan (no partials, no reduce)
-    assert ta.plan_decode(256, 8, 400, dev, 512) == (ta.plan_num_splits(256, 8, 400, dev), 0)
-    assert ta.plan_decode(16, 8, 2056, dev, 0) == (ta.plan_num_splits(16, 8, 2056, dev), 0)
-
-
 def test_decode_padding_rows_are_zero_and_harmless():
     """CUDA-graph padding: rows with context 0 produce 0 and do not disturb real rows."""
     q, kc, vc, meta = make_case([1, 1], [9, 20], 4, 2, 16, 4, torch.float32)

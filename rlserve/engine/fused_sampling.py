@@ -11,13 +11,15 @@ ties) and its raw logprob is ``logit - logsumexp(logits)``; both come out of one
 the logits (:func:`rlserve.layers.fused_kernels._sample_partial_kernel` over vocabulary
 chunks, then a per-row merge).
 
-Randomness: Philox (``tl.rand``). A row with a ``seed`` is keyed by
-:func:`~rlserve.engine.sampler.derive_seed` ``(seed, len(output_token_ids))`` at counters
-``0..V-1``, so its token depends only on its own logits, seed and position, as in the
-general path. Unseeded rows share a key drawn per call from a ``random.Random`` seeded with
-the sampler's ``generator_seed`` (reproducible per engine seed, no device sync), at
-counters ``row * V + v``. The draws differ from the general path's (another generator), not
-their distribution.
+Randomness: Philox (``tl.randint4x``: four draws per counter, vocabulary entry ``v`` takes
+one of the draws at counter ``offset + v // 4`` -- the exact map is in the kernel's
+docstring). A row with a ``seed`` is keyed by :func:`~rlserve.engine.sampler.derive_seed`
+``(seed, len(output_token_ids))`` at offset 0, so its token depends only on its own logits,
+seed and position, as in the general path. Unseeded rows share a key drawn per call from a
+``random.Random`` seeded with the sampler's ``generator_seed`` (reproducible per engine seed,
+no device sync), at offset ``row * V`` (disjoint counters per row). Greedy rows draw
+nothing. The draws differ from the general path's (another generator), not their
+distribution.
 
 Used on CUDA tensors (or CPU tensors where ``fused_ops`` runs kernels on CPU, for the
 interpreter tests) unless ``RLSERVE_FUSED_SAMPLER=0`` (read at import) or
@@ -114,7 +116,7 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
     k = fused_ops._kernels()
     k._sample_partial_kernel[(B, S)](
         logits, logits.stride(0), V, chunk, temp_t, ko[:B], ko[B:], part_f, part_i, S,
-        BLOCK=_BLOCK, num_warps=8,
+        BLOCK=_BLOCK, FAST_LOG=dev.type == "cuda", num_warps=8,
     )
     # S_PAD is a compile-time size: one value for every batch (the chunk count of B = 1)
     # keeps this kernel to one compilation

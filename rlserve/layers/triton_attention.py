@@ -79,16 +79,6 @@ _PROGRAMS_PER_SM = int(os.environ.get("RLSERVE_DECODE_PROGRAMS_PER_SM", "4"))
 _LONGEST_FIRST = os.environ.get("RLSERVE_DECODE_LPT", "1") != "0"
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
-# Fixed-size chunks (every program of a step reads at most the same number of tokens, so
-# contexts of unequal length balance over the SMs; a second kernel merges a context's chunks):
-# RLSERVE_DECODE_CHUNK tokens per program (a multiple of DECODE_BLOCK_N; 0 = off) for decode
-# batches of at most RLSERVE_DECODE_CHUNK_MAX_SEQS sequences. At most _MAX_CHUNKS chunks per
-# context (longer contexts get longer chunks), which bounds the partials' buffer.
-_CHUNK = int(os.environ.get("RLSERVE_DECODE_CHUNK", "0"))
-_CHUNK_MAX_SEQS = int(os.environ.get("RLSERVE_DECODE_CHUNK_MAX_SEQS", str(1 << 30)))
-_MAX_CHUNKS = 64
-# Software-pipelining depth of the decode loop (None: Triton's default); A/B runs only.
-DECODE_NUM_STAGES = int(os.environ["RLSERVE_DECODE_NUM_STAGES"]) if os.environ.get("RLSERVE_DECODE_NUM_STAGES") else None
 
 
 def interpreter_enabled() -> bool:
@@ -137,28 +127,6 @@ def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: 
     return int(max(1, min(want, by_len, _MAX_SPLITS)))
 
 
-def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                chunk: int | None = None) -> tuple[int, int]:
-    """``(num_splits, chunk)`` for a decode batch, a pure function of its arguments (so a CUDA
-    graph captured for a batch size keeps its plan).
-
-    ``chunk > 0``: fixed-size chunks of ``chunk`` tokens, ``num_splits = ceil(max_seq_len /
-    chunk)`` programs per (sequence, KV head) of which those past a context return at once.
-    ``chunk == 0``: :func:`plan_num_splits` near-equal splits. ``chunk`` (tests, benchmarks)
-    overrides ``RLSERVE_DECODE_CHUNK`` (0 forces the near-equal splits); it is rounded up to a
-    multiple of ``DECODE_BLOCK_N`` and to at most ``_MAX_CHUNKS`` chunks of ``max_seq_len``.
-    """
-    if chunk is None:
-        chunk = _CHUNK if num_seqs <= _CHUNK_MAX_SEQS else 0
-    if chunk > 0:
-        chunk = max(int(chunk), -(-max(1, max_seq_len) // _MAX_CHUNKS))
-        chunk = -(-chunk // DECODE_BLOCK_N) * DECODE_BLOCK_N
-        n = -(-max(1, max_seq_len) // chunk)
-        if n > 1:
-            return n, chunk
-    return plan_num_splits(num_seqs, num_kv_heads, max_seq_len, device), 0
-
-
 if HAS_TRITON:
 
     @triton.jit
@@ -182,9 +150,9 @@ if HAS_TRITON:
         tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
 
-    # stride_bt (the block-table width), NUM_SPLITS and CHUNK change from step to step outside
-    # CUDA graphs: not specialised, so one compilation serves every step (see fused_kernels)
-    @triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS", "CHUNK"])
+    # stride_bt (the block-table width) and NUM_SPLITS change from step to step outside CUDA
+    # graphs: not specialised, so one compilation serves every step (see fused_kernels)
+    @triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"])
     def _decode_kernel(
         Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE,
         qk_scale,  # softmax scale x log2(e)
@@ -196,30 +164,18 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
-        CHUNK, FIXED_CHUNK: tl.constexpr,
     ):
         """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
-        (``i`` itself when not ``ORDERED``) x one split of its context. ``FIXED_CHUNK``: split
-        ``s`` is tokens ``[s*CHUNK, (s+1)*CHUNK)`` (programs past the context return at once;
-        a context of one chunk writes ``OUT`` itself), else the context is cut in
-        ``NUM_SPLITS`` near-equal splits."""
+        (``i`` itself when not ``ORDERED``) x one split of its context."""
         kvh = tl.program_id(0)
         b = tl.program_id(1)
         if ORDERED:
             b = tl.load(ORDER + b)
         split = tl.program_id(2)
         seq_len = tl.load(SEQ_LENS + b)
-        if FIXED_CHUNK:
-            per_split = CHUNK
-            n_chunks = tl.cdiv(seq_len, CHUNK)
-        else:
-            # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
-            per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            n_chunks = NUM_SPLITS
+        # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * per_split
-        if FIXED_CHUNK:
-            if split > 0 and start >= seq_len:
-                return  # nothing of this context here (split 0 always runs: context-0 rows get 0)
         end = tl.minimum(start + per_split, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
@@ -257,7 +213,7 @@ if HAS_TRITON:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         o_mask = g_mask[:, None] & d_mask[None, :]
-        if not SPLIT or (FIXED_CHUNK and n_chunks <= 1):
+        if not SPLIT:
             tl.store(
                 OUT + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
                 o.to(OUT.dtype.element_ty), mask=o_mask,
@@ -269,29 +225,21 @@ if HAS_TRITON:
             tl.store(PART_O + row[:, None] * D_PAD + d[None, :], o, mask=o_mask)
             tl.store(PART_LSE + row, lse, mask=g_mask)
 
-    @triton.jit(do_not_specialize=["NUM_SPLITS", "CHUNK"])
+    @triton.jit(do_not_specialize=["NUM_SPLITS"])
     def _decode_reduce_kernel(
-        PART_O, PART_LSE, OUT, SEQ_LENS,
+        PART_O, PART_LSE, OUT,
         stride_ot, stride_oh,
         NUM_HEADS, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        NUM_SPLITS, S_PAD: tl.constexpr, CHUNK, FIXED_CHUNK: tl.constexpr,
+        NUM_SPLITS, S_PAD: tl.constexpr,
     ):
         """Program ``(b, head)``: merge the splits, ``o = sum_s 2^(lse_s - M) o_s / sum_s
-        2^(lse_s - M)``; a row whose splits are all empty (context 0, graph padding) gets 0.
-        ``FIXED_CHUNK``: only the row's ``ceil(seq_len / CHUNK)`` chunks are read, and a row
-        of at most one chunk is left alone (the attention kernel wrote it)."""
+        2^(lse_s - M)``; a row whose splits are all empty (context 0, graph padding) gets 0."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        if FIXED_CHUNK:
-            n_splits = tl.cdiv(tl.load(SEQ_LENS + b), CHUNK)
-            if n_splits <= 1:
-                return
-        else:
-            n_splits = NUM_SPLITS
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
-        s_mask = s < n_splits
-        row0 = (b * NUM_HEADS + h) * NUM_SPLITS  # partials are laid out with NUM_SPLITS per row
+        s_mask = s < NUM_SPLITS
+        row0 = (b * NUM_HEADS + h) * NUM_SPLITS
         lse = tl.load(PART_LSE + row0 + s, mask=s_mask, other=float("-inf"))
         m = tl.max(lse, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -464,7 +412,6 @@ def triton_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
-    chunk: int | None = None,
 ) -> torch.Tensor:
     """Paged causal grouped-query attention (drop-in for ``torch_paged_attention``).
 
@@ -477,9 +424,7 @@ def triton_paged_attention(
             bound is fine), ``block_size`` are read -- never the CPU lists, so the decode
             path can be captured in a CUDA graph.
         scale: softmax scale.
-        num_splits: force the decode split count (tests); default :func:`plan_decode`.
-        chunk: force fixed-size decode chunks of this many tokens (0: near-equal splits;
-            tests, benchmarks); default :func:`plan_decode`. Ignored when ``num_splits`` is set.
+        num_splits: force the decode split count (tests); default :func:`plan_num_splits`.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q.dtype``.
@@ -504,10 +449,7 @@ def triton_paged_attention(
     bt = meta.block_tables
     if meta.max_query_len == 1:
         B = T
-        if num_splits:
-            S, chunk = num_splits, 0
-        else:
-            S, chunk = plan_decode(B, Hkv, meta.max_seq_len, q.device, chunk)
+        S = num_splits or plan_num_splits(B, Hkv, meta.max_seq_len, q.device)
         if S > 1:
             part_o = torch.empty((B, H, S, D_PAD), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
@@ -524,14 +466,13 @@ def triton_paged_attention(
             out.stride(0), out.stride(1),
             NUM_HEADS=H, GROUP=G, GROUP_PAD=_pow2(G), HEAD_DIM=D, D_PAD=D_PAD,
             PAGE=page, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1, DOT_PRECISION=prec,
-            ORDERED=order is not None, CHUNK=chunk, FIXED_CHUNK=chunk > 0, num_warps=DECODE_NUM_WARPS,
-            **({} if DECODE_NUM_STAGES is None else {"num_stages": DECODE_NUM_STAGES}),
+            ORDERED=order is not None, num_warps=DECODE_NUM_WARPS,
         )
         if S > 1:
             _decode_reduce_kernel[(B, H)](
-                part_o, part_lse, out, meta.seq_lens, out.stride(0), out.stride(1),
+                part_o, part_lse, out, out.stride(0), out.stride(1),
                 NUM_HEADS=H, HEAD_DIM=D, D_PAD=D_PAD, NUM_SPLITS=S, S_PAD=triton.next_power_of_2(S),
-                CHUNK=chunk, FIXED_CHUNK=chunk > 0, num_warps=4,
+                num_warps=4,
             )
         return out
     B = meta.seq_lens.shape[0]

@@ -50,9 +50,6 @@ def test_decode(B, H, Hkv, D, dtype):
     for splits in (None, 1, 5):
         out = ta.triton_paged_attention(q, kc, vc, meta, D**-0.5, num_splits=splits)
         torch.testing.assert_close(out.double(), expect, **TOL[dtype], msg=f"splits={splits}")
-    for chunk in (64, 256):  # fixed-size chunks (plan_decode)
-        out = ta.triton_paged_attention(q, kc, vc, meta, D**-0.5, chunk=chunk)
-        torch.testing.assert_close(out.double(), expect, **TOL[dtype], msg=f"chunk={chunk}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,10 +67,9 @@ def test_decode_static_upper_bound_and_padding_rows(dtype):
         query_start_loc_cpu=list(range(4 + pad)), seq_lens_cpu=[4096] * (3 + pad),
     )
     qp = torch.cat([q, torch.randn(pad, 16, 128, device=DEV).to(dtype)])
-    for chunk in (None, 0, 256):
-        out = ta.triton_paged_attention(qp, kc, vc, padded, 0.1, chunk=chunk)
-        torch.testing.assert_close(out[:3].double(), expect, **TOL[dtype], msg=f"chunk={chunk}")
-        assert torch.count_nonzero(out[3:]) == 0
+    out = ta.triton_paged_attention(qp, kc, vc, padded, 0.1)
+    torch.testing.assert_close(out[:3].double(), expect, **TOL[dtype])
+    assert torch.count_nonzero(out[3:]) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,21 +105,20 @@ def test_write_kv_cache(dtype):
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
-@pytest.mark.parametrize("chunk", [None, 256])
-def test_decode_capturable_in_cuda_graph(chunk):
+def test_decode_capturable_in_cuda_graph():
     q, kc, vc, meta = make_case([1] * 4, [100, 900, 3, 40], 16, 8, 128, 16, torch.bfloat16)
-    expect = ta.triton_paged_attention(q, kc, vc, meta, 0.1, chunk=chunk)
+    expect = ta.triton_paged_attention(q, kc, vc, meta, 0.1)
     k_new = torch.randn(4, 8, 128, device=DEV, dtype=torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         ta.triton_write_kv_cache(k_new, k_new, kc, vc, torch.full((4,), -1, device=DEV))
-        ta.triton_paged_attention(q, kc, vc, meta, 0.1, chunk=chunk)
+        ta.triton_paged_attention(q, kc, vc, meta, 0.1)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ta.triton_write_kv_cache(k_new, k_new, kc, vc, torch.full((4,), -1, device=DEV))
-        out = ta.triton_paged_attention(q, kc, vc, meta, 0.1, chunk=chunk)
+        out = ta.triton_paged_attention(q, kc, vc, meta, 0.1)
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expect, atol=0, rtol=0)
