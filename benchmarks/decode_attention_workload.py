@@ -14,9 +14,9 @@ attention time (to compare with ``throughput.py --kernel-profile``'s ``_decode_k
 
 Variants (``--variants``, comma-separated): ``default`` (the kernel as configured),
 ``warpsK`` / ``blocknN`` (``DECODE_NUM_WARPS = K`` / ``DECODE_BLOCK_N = N``), ``chunkN``
-(fixed-size chunks of ``N`` tokens: only with the kernel of commit c4fd6b2, which had them;
-measured slower at every batch size and not kept, see BENCHMARKS.md). Usage, on the GPU
-machine:
+(fixed-size chunks of ``N`` tokens: only with the kernel of the commit that added this file,
+which had them; measured slower at every batch size and not kept, see BENCHMARKS.md). Usage,
+on the GPU machine:
 
     python3 benchmarks/decode_attention_workload.py --shape qwen3-0.6b --variants default,warps8
 """
@@ -54,7 +54,7 @@ def run_variant(name: str, ta, shape, steps, args, caches, bt, max_model_len, bl
     H, Hkv, D, _ = shape
     kw = {}
     ta.DECODE_NUM_WARPS, ta.DECODE_BLOCK_N = 4, 64
-    if name.startswith("chunk"):  # needs triton_paged_attention(chunk=): commit c4fd6b2 only
+    if name.startswith("chunk"):  # needs triton_paged_attention(chunk=): this file's first commit only
         kw["chunk"] = int(name[5:])
     elif name.startswith("warps"):
         ta.DECODE_NUM_WARPS = int(name[5:])
