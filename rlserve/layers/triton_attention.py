@@ -142,7 +142,9 @@ if HAS_TRITON:
         offs = tl.arange(0, BLOCK)
         h = offs // HEAD_DIM
         d = offs % HEAD_DIM
-        mask = (offs < N) & (slot >= 0)
+        # a padded token (slot < 0) writes nothing. Not ``(offs < N) & (slot >= 0)``: Triton 3.9's
+        # interpreter gives a block & scalar of int1 an int32 mask, which its load refuses
+        mask = offs < tl.where(slot >= 0, N, 0)
         t64 = t.to(tl.int64)
         k = tl.load(K + t64 * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(V + t64 * stride_vt + h * stride_vh + d, mask=mask)
