@@ -94,10 +94,20 @@ def test_stream_chat_chunks_have_vllms_keys(server):
         stop = text[len(text) // 2]
 
 
-def test_tokenize_encodes_off_the_event_loop(server, monkeypatch):
-    """While /tokenize's encode runs (here: held until the test lets it go; a long prompt takes
+#: a body for each route that encodes text: (route, body)
+ENCODING_ROUTES = [
+    ("/tokenize", {"prompt": "Hello world"}),
+    ("/v1/completions", {"prompt": ["Hello world", "Hi"], "max_tokens": 2, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 2}),
+    ("/generate/", {"prompts": ["Hello world"], "max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("route,body", ENCODING_ROUTES, ids=[r for r, _ in ENCODING_ROUTES])
+def test_prompt_text_is_encoded_off_the_event_loop(server, monkeypatch, route, body):
+    """While a route's encode runs (here: held until the test lets it go; a long prompt takes
     the tokenizer a while), the API process still answers: the encode is not on its event loop.
-    The answer is then the tokenizer's own."""
+    The request then succeeds (``/tokenize``: with the tokenizer's own ids)."""
     tok = server.app.state.rlserve.tokenizer
     real = tok.encode
     entered, release = threading.Event(), threading.Event()
@@ -109,20 +119,23 @@ def test_tokenize_encodes_off_the_event_loop(server, monkeypatch):
 
     monkeypatch.setattr(tok, "encode", held_encode)
     box: dict = {}
-    caller = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
-        server.url + "/tokenize", json={"prompt": "Hello world"}, timeout=TIMEOUT)))
+    caller = threading.Thread(target=lambda: box.setdefault("r", httpx.post(server.url + route, json=body,
+                                                                            timeout=TIMEOUT)))
     caller.start()
     try:
-        assert entered.wait(TIMEOUT), "/tokenize never reached the tokenizer"
+        assert entered.wait(TIMEOUT), f"{route} never reached the tokenizer"
         try:  # on the event loop, the encode would hold this answer until `release` (TIMEOUT)
             health = httpx.get(server.url + "/health", timeout=10).status_code
         except httpx.TimeoutException:
-            health = "no answer while /tokenize encodes"
+            health = f"no answer while {route} encodes"
         assert health == 200
     finally:
         release.set()
         caller.join(TIMEOUT)
-    assert box["r"].status_code == 200 and box["r"].json()["tokens"] == real("Hello world"), box["r"].text
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    if route == "/tokenize":
+        assert r.json()["tokens"] == real("Hello world")
 
 
 def _metric(text: str, name: str, default: float | None = None, **labels) -> float:

@@ -174,8 +174,8 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         fields.update(extra)
         state.limits.check_sequences(len(prompts), fields.get("n"), param="prompts")
         items = []
-        for i, p in enumerate(prompts):
-            ids = state.tokenize(p, param=f"prompts.{i}")
+        all_ids = await state.tokenize_many(prompts, [f"prompts.{i}" for i in range(len(prompts))])
+        for ids in all_ids:
             if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
                 ids = ids[-body.truncate_prompt_tokens:]
             max_tokens = state.check_length(len(ids), fields.get("max_tokens"))

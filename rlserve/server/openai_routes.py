@@ -222,8 +222,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         prompts = _normalize_prompts(body.prompt)
         state.limits.check_sequences(len(prompts), body.n)
         items = []  # (prompt text, prompt ids, params)
-        for p in prompts:
-            ids = state.tokenize(p, add_special_tokens=body.add_special_tokens)
+        all_ids = await state.tokenize_many(prompts, ["prompt"] * len(prompts), body.add_special_tokens)
+        for p, ids in zip(prompts, all_ids):
             if body.truncate_prompt_tokens is not None:
                 ids = state.truncate(ids, body.truncate_prompt_tokens)
             max_tokens = state.check_length(len(ids), body.max_tokens)
@@ -305,8 +305,11 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
-        prompt = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
-        ids = state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
+        def render_and_tokenize() -> list[int]:
+            prompt = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
+            return state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
+
+        ids = await state.off_loop(render_and_tokenize)  # a long conversation must not stop the loop
         if body.truncate_prompt_tokens is not None:
             ids = state.truncate(ids, body.truncate_prompt_tokens)
         max_tokens = state.check_length(

@@ -131,6 +131,17 @@ class ServerState:
             self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer")
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
+    async def tokenize_many(self, prompts: list, params: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """:meth:`tokenize` of each prompt (``params[i]`` names prompt ``i`` in errors), on the
+        tokenizer thread (:meth:`off_loop`) when one of them is text; token-id prompts are only
+        checked, here. Raises what :meth:`tokenize` raises."""
+        def run():
+            return [self.tokenize(p, q, add_special_tokens=add_special_tokens) for p, q in zip(prompts, params)]
+
+        if any(isinstance(p, str) for p in prompts):
+            return await self.off_loop(run)
+        return run()
+
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:
         """Raises APIError 503 while the model is unavailable (a failed in-place weight
