@@ -41,6 +41,7 @@ from rlserve.demo.check import (  # noqa: F401
     describe_mismatches,
     format_table,
     measure_gaps,
+    verdict,
 )
 from rlserve.demo.client import Completion, complete  # noqa: F401
 from rlserve.demo.common import (  # noqa: F401
@@ -162,35 +163,16 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             res.mismatches = compare_completions(res.after, res.reference)
             measure_gaps(model, res.after, res.mismatches)
             tol = default_tie_tolerance(layout.dtype) if opts.tie_tolerance is None else opts.tie_tolerance
-            ties = [m for m in res.mismatches if m.near_tie(tol)]
-            real = [m for m in res.mismatches if not m.near_tie(tol)]
-
-            marks: list[bool | str] = [True] * len(opts.prompts)
-            for m in res.mismatches:
-                marks[m.index] = "near tie" if m.near_tie(tol) else False
+            code, marks, lines = verdict(res.mismatches, len(opts.prompts), tol, layout.dtype, opts.allow_mismatch,
+                                         _decoder(model_path) if res.mismatches else None)
             log("")
             log(format_table(opts.prompts, res.before, res.after, marks))
             log("")
             res.timings["total"] = time.perf_counter() - t_all
             log("[demo] times: " + ", ".join(f"{k} {v:.1f}s" for k, v in res.timings.items()))
-            if res.mismatches:
-                decode = _decoder(model_path)
-                log(f"[demo] {len(res.mismatches)} of {len(opts.prompts)} server completions differ from the "
-                    f"trainer's greedy generate:\n{describe_mismatches(res.mismatches, decode)}")
-                if ties:
-                    log(f"[demo] {len(ties)} of them first differ at a near tie (trainer logit gap <= {tol} nats, "
-                        f"within {layout.dtype} rounding); --tie-tolerance 0 makes them count")
-                if real:
-                    log(f"[demo] MISMATCH: {len(real)} completion(s) differ beyond rounding"
-                        + (" (--allow-mismatch: exit 0)" if opts.allow_mismatch else ""))
-                res.exit_code = EXIT_OK if (opts.allow_mismatch or not real) else EXIT_MISMATCH
-            else:
-                log(f"[demo] OK: all {len(opts.prompts)} server completions equal the trainer's greedy "
-                    "generate, token for token")
-                res.exit_code = EXIT_OK
-            if res.mismatches and not real:
-                log(f"[demo] OK within {layout.dtype} rounding: {len(opts.prompts) - len(ties)} of "
-                    f"{len(opts.prompts)} equal token for token, {len(ties)} first differ at a near tie")
+            for line in lines:
+                log(line)
+            res.exit_code = code
     except DemoError as e:
         res.error = str(e)
         log(f"[demo] error: {e}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from rlserve.demo.client import Completion
+from rlserve.demo.common import EXIT_MISMATCH, EXIT_OK
 
 
 @dataclass
@@ -76,6 +77,47 @@ def describe_mismatches(mismatches: Sequence[Mismatch], decode: Callable[[list[i
             lines.append(f"      server : {decode(m.server_ids)!r}")
             lines.append(f"      trainer: {decode(m.reference_ids)!r}")
     return "\n".join(lines)
+
+
+def verdict(mismatches: Sequence[Mismatch], n_prompts: int, tie_tolerance: float, dtype: str,
+            allow_mismatch: bool = False, decode: Callable[[list[int]], str] | None = None
+            ) -> tuple[int, list[bool | str], list[str]]:
+    """The demo's conclusion from its mismatches (gaps measured: :func:`measure_gaps`).
+
+    Args:
+        mismatches: :func:`compare_completions`' list.
+        n_prompts: how many completions were compared.
+        tie_tolerance: the logit gap (nats) up to which a first difference is a near tie (rounding
+            of ``dtype``, not a failed sync); 0: every difference counts.
+        dtype: the server's dtype (named in the messages).
+        allow_mismatch: exit 0 even when completions differ beyond rounding.
+        decode: token ids -> text, for the mismatches' description (``None``: ids only).
+
+    Returns:
+        ``(exit code, marks, lines)``: :data:`EXIT_OK`, or :data:`EXIT_MISMATCH` when a completion
+        differs beyond rounding; per prompt ``True`` (equal), ``False`` (differs) or ``"near tie"``
+        (:func:`format_table`'s ``matches``); the log lines that say so.
+    """
+    ties = [m for m in mismatches if m.near_tie(tie_tolerance)]
+    real = [m for m in mismatches if not m.near_tie(tie_tolerance)]
+    marks: list[bool | str] = [True] * n_prompts
+    for m in mismatches:
+        marks[m.index] = "near tie" if m.near_tie(tie_tolerance) else False
+    if not mismatches:
+        return EXIT_OK, marks, [f"[demo] OK: all {n_prompts} server completions equal the trainer's greedy "
+                                "generate, token for token"]
+    lines = [f"[demo] {len(mismatches)} of {n_prompts} server completions differ from the trainer's greedy "
+             f"generate:\n{describe_mismatches(mismatches, decode)}"]
+    if ties:
+        lines.append(f"[demo] {len(ties)} of them first differ at a near tie (trainer logit gap <= {tie_tolerance} "
+                     f"nats, within {dtype} rounding); --tie-tolerance 0 makes them count")
+    if real:
+        lines.append(f"[demo] MISMATCH: {len(real)} completion(s) differ beyond rounding"
+                     + (" (--allow-mismatch: exit 0)" if allow_mismatch else ""))
+    else:
+        lines.append(f"[demo] OK within {dtype} rounding: {n_prompts - len(ties)} of {n_prompts} equal token for "
+                     f"token, {len(ties)} first differ at a near tie")
+    return (EXIT_OK if allow_mismatch or not real else EXIT_MISMATCH), marks, lines
 
 
 def _clip(s: str, width: int) -> str:
