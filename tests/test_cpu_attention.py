@@ -36,6 +36,8 @@ CASES = [
     ([7, 64, 65], 4, 4, 32, 8),  # no GQA
     ([3, 130], 8, 1, 128, 32),  # one KV head (MQA), head_dim 128
     ([40], 16, 8, 8, 1),  # block size 1
+    ([1, 15, 31, 129, 200], 9, 3, 64, 24),  # blocks not a multiple of 16 tokens (AVX-512 path's tails)
+    ([1, 127, 128, 300], 6, 2, 64, 128),  # vLLM CPU's block size: 8 chunks of 16 per block
 ]
 
 

@@ -20,6 +20,11 @@
  * Vector code uses GCC/Clang vector extensions (8 floats), so one source compiles to
  * AVX2, AVX-512 or NEON as -march=native allows. Returns 0, or a nonzero code for shapes
  * this kernel does not take (the caller falls back to PyTorch).
+ *
+ * Compiled for AVX-512 (-march=native on such a CPU) and with D a multiple of 16, tasks run
+ * one_task16 instead (below): one layer, batch 64, contexts 128-512, one thread, CPU time on
+ * the Zen 5 2-core machine (2026-12-02, load ~2): 3.08 -> 1.04 ms with the KV in L2, 6.9 ->
+ * 3.8-4.0 ms with 8 layers' shuffled blocks from memory; outputs within 4.2e-7 of one_task.
  */
 #include <math.h>
 #include <stdint.h>
@@ -99,6 +104,157 @@ static void one_task(const float *q, const float *k_cache, const float *v_cache,
     for (int i = 0; i < H; i++) { const float inv = 1.f / l[i]; for (int d = 0; d < D; d++) ob[i * D + d] = acc[i * D + d] * inv; }
 }
 
+#if defined(__AVX512F__)
+/* ---- AVX-512 path (D a multiple of 16): 16-float vectors, per block the scores of 16
+ * tokens of one query head as 16 dot products reduced together (one transpose-add tree, no
+ * horizontal sum per dot), a vectorised exp, and each query head's accumulator held in
+ * registers while it walks the block's V rows. Same math as one_task: online softmax over
+ * blocks, every K/V row read from memory once per step. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* lane l of the result = sum of all lanes of a[l] (for l < 16) */
+static inline v16 reduce16(const v16 *a) {
+    v16 r1[8], r2[4], r3[2];
+    for (int k = 0; k < 8; k++)
+        r1[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+              + __builtin_shufflevector(a[2 * k], a[2 * k + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int k = 0; k < 4; k++)
+        r2[k] = __builtin_shufflevector(r1[2 * k], r1[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+              + __builtin_shufflevector(r1[2 * k], r1[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int k = 0; k < 2; k++)
+        r3[k] = __builtin_shufflevector(r2[2 * k], r2[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+              + __builtin_shufflevector(r2[2 * k], r2[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(r3[0], r3[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+         + __builtin_shufflevector(r3[0], r3[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+static inline float hmax16(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* e^x for x <= 0 (x >= -87.3 after clamping: e^-87.3 ~ 1e-38), relative error ~1e-7:
+ * Cody-Waite reduction x = n ln2 + f, |f| <= ln2/2, degree-7 Taylor polynomial of e^f. */
+static inline v16 exp16(v16 x) {
+    const v16 lo = x * 0.f - 87.3f;
+    i16v below = x < lo;
+    x = (v16)(((i16v)x & ~below) | ((i16v)lo & below));
+    v16 n = x * 1.44269504088896341f;
+    n = (n + 12582912.f) - 12582912.f; /* round to nearest */
+    v16 f = x - n * 0.693359375f;
+    f = f - n * -2.12194440e-4f;
+    v16 p = f * (1.f / 5040) + (1.f / 720);
+    p = p * f + (1.f / 120);
+    p = p * f + (1.f / 24);
+    p = p * f + (1.f / 6);
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+    return p * (v16)e;
+}
+
+static inline __attribute__((always_inline)) void task16(
+        const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+        const int32_t *seq_lens, float *out, int b, int H, int Hkv, const int D16, int block_size,
+        int max_blocks, float scale) {
+    const int D = 16 * D16;
+    const int G = H / Hkv;
+    const int L = seq_lens[b];
+    const int32_t *bt = block_tables + (int64_t)b * max_blocks;
+    const int64_t row = (int64_t)Hkv * D;
+    const int64_t block_floats = (int64_t)block_size * row;
+    const int nchunks_max = (block_size + 15) / 16;
+    v16 qs[MAX_HD / 16];
+    v16 acc[MAX_HD / 16];
+    float s[MAX_H][MAX_BS + 16] __attribute__((aligned(64)));
+    float m[MAX_H], l[MAX_H];
+    const float *qb = q + (int64_t)b * H * D;
+    for (int i = 0; i < H * D16; i++) { qs[i] = *(const v16u *)(qb + 16 * i) * scale; acc[i] = qs[i] * 0.f; }
+    for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
+    (void)nchunks_max;
+    for (int j = 0; j * block_size < L; j++) {
+        const int n = L - j * block_size < block_size ? L - j * block_size : block_size;
+        const float *kb = k_cache + (int64_t)bt[j] * block_floats;
+        const float *vb = v_cache + (int64_t)bt[j] * block_floats;
+        /* scores */
+        for (int i = 0; i < H; i++) {
+            const v16 *qi = qs + i * D16;
+            const float *kh = kb + (i / G) * D;
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                v16 parts[16];
+                const int tn = n - t0 < 16 ? n - t0 : 16;
+                for (int tt = 0; tt < 16; tt++) {
+                    v16 a = qi[0] * 0.f;
+                    if (tt < tn) {
+                        const float *kr = kh + (int64_t)(t0 + tt) * row;
+                        for (int c = 0; c < D16; c++) a += qi[c] * *(const v16u *)(kr + 16 * c);
+                    }
+                    parts[tt] = a;
+                }
+                *(v16 *)(s[i] + t0) = reduce16(parts);
+            }
+        }
+        /* online softmax over this block */
+        for (int i = 0; i < H; i++) {
+            float mx = -INFINITY;
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                v16 x = *(v16 *)(s[i] + t0);
+                const int tn = n - t0 < 16 ? n - t0 : 16;
+                if (tn == 16) { float h = hmax16(x); mx = h > mx ? h : mx; }
+                else for (int tt = 0; tt < tn; tt++) mx = x[tt] > mx ? x[tt] : mx;
+            }
+            if (mx > m[i]) {
+                const float alpha = expf(m[i] - mx);
+                l[i] *= alpha;
+                for (int c = 0; c < D16; c++) acc[i * D16 + c] *= alpha;
+                m[i] = mx;
+            }
+            v16 sum = qs[0] * 0.f;
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                v16 p = exp16(*(v16 *)(s[i] + t0) - m[i]);
+                const int tn = n - t0 < 16 ? n - t0 : 16;
+                for (int tt = tn; tt < 16; tt++) p[tt] = 0.f;
+                *(v16 *)(s[i] + t0) = p;
+                sum += p;
+            }
+            l[i] += hsum8(__builtin_shufflevector(sum, sum, 0, 1, 2, 3, 4, 5, 6, 7)
+                          + __builtin_shufflevector(sum, sum, 8, 9, 10, 11, 12, 13, 14, 15));
+        }
+        /* values: each query head's accumulator in registers over the block's rows */
+        for (int i = 0; i < H; i++) {
+            const float *vh = vb + (i / G) * D;
+            v16 a[MAX_D / 16];
+            for (int c = 0; c < D16; c++) a[c] = acc[i * D16 + c];
+            for (int t = 0; t < n; t++) {
+                const float p = s[i][t];
+                const float *vr = vh + (int64_t)t * row;
+                for (int c = 0; c < D16; c++) a[c] += p * *(const v16u *)(vr + 16 * c);
+            }
+            for (int c = 0; c < D16; c++) acc[i * D16 + c] = a[c];
+        }
+    }
+    float *ob = out + (int64_t)b * H * D;
+    for (int i = 0; i < H; i++) {
+        const float inv = 1.f / l[i];
+        for (int c = 0; c < D16; c++) *(v16u *)(ob + i * D + 16 * c) = acc[i * D16 + c] * inv;
+    }
+}
+
+static void one_task16(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                       const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size,
+                       int max_blocks, float scale) {
+    switch (D) { /* constant trip counts: the compiler keeps a head's vectors in registers */
+    case 64: task16(q, k_cache, v_cache, block_tables, seq_lens, out, b, H, Hkv, 4, block_size, max_blocks, scale); break;
+    case 128: task16(q, k_cache, v_cache, block_tables, seq_lens, out, b, H, Hkv, 8, block_size, max_blocks, scale); break;
+    default: task16(q, k_cache, v_cache, block_tables, seq_lens, out, b, H, Hkv, D / 16, block_size, max_blocks, scale);
+    }
+}
+#endif
+
 int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
                              int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads) {
@@ -111,6 +267,12 @@ int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
 #endif
     for (int task = 0; task < tasks; task++)
+#if defined(__AVX512F__)
+        if (D % 16 == 0)
+            one_task16(q, k_cache, v_cache, block_tables, seq_lens, out, task, H, Hkv, D, block_size,
+                       max_blocks, scale);
+        else
+#endif
         one_task(q, k_cache, v_cache, block_tables, seq_lens, out, task, H, Hkv, D, block_size,
                  max_blocks, scale);
     (void)num_threads;
