@@ -41,13 +41,17 @@ def _load():
     with _lock:
         if "fn" not in _state:
             lib = load_library("paged_decode.c")
-            fn = None
-            if lib is not None:
-                fn = lib.rlserve_paged_decode_f32
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-            _state["fn"] = fn
+            _state["fn"] = None if lib is None else bind(lib)
         return _state["fn"]
+
+
+def bind(lib: ctypes.CDLL):
+    """The kernel's entry point ``rlserve_paged_decode_f32`` in a library built from
+    ``csrc/paged_decode.c`` (any flags), with its argument types set."""
+    fn = lib.rlserve_paged_decode_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    return fn
 
 
 def available() -> bool:
