@@ -100,6 +100,7 @@ ENCODING_ROUTES = [
     ("/v1/completions", {"prompt": ["Hello world", "Hi"], "max_tokens": 2, "temperature": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 2}),
     ("/generate/", {"prompts": ["Hello world"], "max_tokens": 2}),
+    ("/v1/responses", {"input": "Hello world", "max_output_tokens": 2}),
 ]
 
 

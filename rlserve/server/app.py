@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, TRL routes, control routes, metrics, and (with
+"""The FastAPI application: OpenAI routes (``rlserve.server.openai_routes``, the Responses API of
+``rlserve.server.responses_routes``), TRL routes, control routes, metrics, and (with
 ``--weight-transfer-config``) the weight-sync routes of ``rlserve.server.weight_routes``.
 
 Route protection:
@@ -30,6 +31,7 @@ from rlserve.server.errors import install_error_handlers
 from rlserve.server.limits import BodySizeLimit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
+from rlserve.server.responses_routes import make_responses_router
 from rlserve.server.sleep_routes import connect_weight_manager, make_sleep_routers
 from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, TOKENIZE_ERRORS, WEIGHT_SYNC_ERRORS, \
     error_answers
@@ -61,6 +63,7 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     admin_deps = [Depends(require_admin(settings))]
     app.include_router(make_public_router(state))
     app.include_router(make_openai_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
+    app.include_router(make_responses_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
     app.include_router(make_tokenize_router(state), responses=error_answers(TOKENIZE_ERRORS))
     app.include_router(make_trl_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
     app.include_router(make_admin_router(state, admin_deps), responses=error_answers(ADMIN_ERRORS))

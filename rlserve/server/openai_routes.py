@@ -48,6 +48,12 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_event(obj: dict) -> str:
+    """One server-sent event named by ``obj["type"]`` (an ``event:`` line before the data, as
+    the Responses API's stream labels every event)."""
+    return f"event: {obj['type']}\n" + sse(obj)
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its (non-streaming) answer was ready."""
 
@@ -129,13 +135,9 @@ async def unless_disconnected(raw: Request, coro):
                 await task
 
 
-def _stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _versions(outs) -> tuple[str | None, list[str]]:
+def weight_versions(outs) -> tuple[str | None, list[str]]:
+    """``(weight_version, weight_versions)`` of engine outputs: the last version seen and every
+    version in order of first appearance (more than one when a request spanned a weight update)."""
     versions: list[str] = []
     for o in outs:
         for v in getattr(o, "weight_versions", None) or [getattr(o, "weight_version", None)]:
@@ -151,14 +153,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_logprobs=None, structured=None):
     return state.sampling_params(
-        structured_outputs=structured,
-        n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, max_tokens=max_tokens,
-        min_tokens=body.min_tokens, stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-    )
+        structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, **body.sampler_args())
 
 
 def _reject_unsupported(body) -> None:
@@ -283,7 +279,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                     choice["prompt_logprobs"] = state.prompt_logprobs_json(
                         ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None), as_ids)
                 choices.append(choice)
-        version, versions = _versions(finals)
+        version, versions = weight_versions(finals)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(sum(len(it[1]) for it in items), completion_tokens),
@@ -342,7 +338,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             if body.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
-        version, versions = _versions([out])
+        version, versions = weight_versions([out])
         resp = {
             "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),

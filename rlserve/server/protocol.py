@@ -65,11 +65,11 @@ class _RouterFields(_Body):
     return_hidden_states: Literal[False] = False
 
 
-class _SamplingFields(_RouterFields):
-    """Sampling fields shared by completions and chat (OpenAI names + vLLM extensions)."""
+class SamplerFields(_Body):
+    """The sampling fields of every generation route (completions, chat, responses): OpenAI's
+    names plus vLLM's extensions. ``None`` takes the default of
+    :meth:`rlserve.server.state.ServerState.sampling_params`."""
 
-    model: Optional[str] = None
-    n: int = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -80,14 +80,30 @@ class _SamplingFields(_RouterFields):
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[TokenId]] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
     # vLLM extensions
     ignore_eos: bool = False
     min_tokens: int = 0
-    return_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def sampler_args(self) -> dict[str, Any]:
+        """These fields as :class:`~rlserve.engine.sampling_params.SamplingParams` keyword
+        arguments (``stop`` as a list of strings)."""
+        args = {name: getattr(self, name) for name in SamplerFields.model_fields}
+        stop = self.stop
+        args["stop"] = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        return args
+
+
+class _SamplingFields(_RouterFields, SamplerFields):
+    """Fields shared by completions and chat (OpenAI names + vLLM extensions)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM extensions
+    return_token_ids: bool = False
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     return_tokens_as_token_ids: bool = False
@@ -154,6 +170,55 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     # the SGLang router's (see _RouterFields): no reasoning parser, so either value does nothing
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+
+
+class ResponsesTextFormat(_Body):
+    """OpenAI Responses ``text.format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``schema`` required), applied through the structured-outputs path."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponsesTextConfig(_Body):
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ResponsesRequest(SamplerFields, ChatTemplateFields):
+    """``POST /v1/responses`` (OpenAI's Responses API, text generation; vLLM's field names for
+    the extensions: :class:`SamplerFields`, :class:`ChatTemplateFields`).
+
+    ``input``: a string (one user message) or a list of message items (``{"role", "content"}``,
+    optionally ``"type": "message"``, ``id``, ``status``), checked by
+    :func:`rlserve.server.responses_routes.input_messages`. The fields from ``store`` on are
+    OpenAI's features rlserve does not have: accepted only at the value that asks for nothing
+    (absent, null, false, empty, ``"auto"`` / ``"none"`` / ``"disabled"`` where that is the
+    no-op), else a 400 naming the field (:func:`rlserve.server.responses_routes.refuse_unsupported`)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    stream: bool = False
+    text: Optional[ResponsesTextConfig] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    background: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Union[str, dict[str, Any]]] = None
+    prompt: Optional[dict[str, Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[int] = None
+    reasoning: Optional[dict[str, Any]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = None
+    truncation: Optional[str] = None
+    service_tier: Optional[str] = None
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -241,8 +241,6 @@ class ServerState:
         ``structured_outputs``, OpenAI's ``response_format``, or TRL's ``guided_decoding_regex``),
         compiled once here (off the event loop) so that a bad regex / schema / grammar is a 400
         naming the field before anything is queued. None: unconstrained."""
-        from rlserve.engine.structured import structured_from_request
-
         spec_obj = None
         so = getattr(body, "structured_outputs", None)
         if so is not None:
@@ -266,6 +264,17 @@ class ServerState:
             spec_obj = {"regex": regex}
         if spec_obj is None:
             return None
+        return await self.compile_structured(spec_obj, param)
+
+    async def compile_structured(self, spec_obj: dict, param: str):
+        """vLLM's ``structured_outputs`` object (``{"json": schema}``, ``{"regex": ...}``, ...) as a
+        compiled-once :class:`StructuredOutputsParams` (compiled off the event loop).
+
+        Raises:
+            APIError 400 naming ``param``: a bad regex / schema / grammar.
+        """
+        from rlserve.engine.structured import structured_from_request
+
         try:
             spec = structured_from_request(spec_obj)
             await asyncio.to_thread(self.grammar_compiler().compile, spec)
