@@ -7,6 +7,7 @@ through structured outputs, and a 400 naming the field for every unsupported fea
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from rlserve.server.testing import ServerProcess
 TIMEOUT = 60.0
 MODEL = "tiny"
 SYSTEM, USER = "You are terse.", "Name three colors."
+BASE = {"model": MODEL, "input": USER, "max_output_tokens": 4}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,34 @@ def test_stream_events_in_order(client):
         assert stream.get_final_response().output_text == text
 
 
+def test_aborted_request_is_cancelled(server):
+    """A request aborted by ``/abort_requests`` with the response's id ends ``cancelled`` (and
+    its stream still closes with ``response.completed``). A pause in mode ``keep`` holds it, so
+    the abort lands before it runs, however fast the machine."""
+    assert httpx.post(server.url + "/pause", params={"mode": "keep"}, timeout=TIMEOUT).status_code == 200
+    events, aborted = [], 0
+    try:
+        with httpx.stream("POST", server.url + "/v1/responses", json=dict(BASE, stream=True), timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.in_progress":
+                    rid, deadline = events[-1]["response"]["id"], time.monotonic() + TIMEOUT
+                    while not aborted:  # until the request is held (a bound on a hang, not a speed limit)
+                        assert time.monotonic() < deadline, "the request was never held"
+                        aborted = httpx.post(server.url + "/abort_requests", json={"request_ids": [rid]},
+                                             timeout=TIMEOUT).json()["aborted"]
+    finally:
+        httpx.post(server.url + "/resume", timeout=TIMEOUT)
+    assert aborted == 1 and [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final["type"] == "response.completed", events
+    resp = Response.model_validate(final["response"])
+    assert resp.status == "cancelled" and resp.incomplete_details is None and resp.usage.output_tokens == 0
+    assert resp.output[0].status == "incomplete" and resp.output_text == ""
+
+
 def test_text_format_json_schema(client):
     """``text.format`` json_schema constrains the output through the structured-outputs path."""
     pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (pip install 'rlserve[structured]')")
@@ -140,9 +170,6 @@ def test_text_format_json_schema(client):
                                                  "schema": {"type": "string", "enum": ["yes", "no"]}}})
     assert json.loads(r.output_text) in ("yes", "no") and r.status == "completed"
     assert r.text.format.type == "json_schema"
-
-
-BASE = {"model": MODEL, "input": USER, "max_output_tokens": 4}
 
 
 @pytest.mark.parametrize("extra,param", [

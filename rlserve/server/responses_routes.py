@@ -10,7 +10,9 @@ on the tokenizer thread), so greedy output is the same. As in vLLM, a last ``ass
 
 Answer: vLLM's ``ResponsesResponse`` (``object: "response"``, one ``message`` output item with
 one ``output_text`` part), ``status`` ``completed``, or ``incomplete`` with
-``incomplete_details.reason = "max_output_tokens"`` when ``max_output_tokens`` cut it; ``usage``
+``incomplete_details.reason = "max_output_tokens"`` when ``max_output_tokens`` cut it, or
+``cancelled`` when it was aborted (``/abort_requests`` with the response's ``id``, a pause in
+mode ``abort``); ``usage``
 ``{input_tokens, output_tokens, total_tokens, input_tokens_details: {cached_tokens: 0,
 cache_write_tokens: 0}, output_tokens_details: {reasoning_tokens: 0}}`` (token counts of the
 rendered prompt and the output; rlserve does not count prefix-cache hits per request, hence 0);
@@ -165,9 +167,13 @@ def _message(item_id: str, status: str, content: list) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _status(out) -> str:
-    """``incomplete`` when the output stopped at ``max_output_tokens`` (finish reason ``length``)."""
-    return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+def _status(out) -> tuple[str, str]:
+    """``(response status, output item status)`` of a finished output: ``incomplete`` when it
+    stopped at ``max_output_tokens`` (finish reason ``length``), ``cancelled`` (item
+    ``incomplete``) when it was aborted (``/abort_requests``, ``/pause?mode=abort``), else
+    ``completed``."""
+    status = {"length": "incomplete", "abort": "cancelled"}.get(out.outputs[0].finish_reason, "completed")
+    return status, "completed" if status == "completed" else "incomplete"
 
 
 def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
@@ -228,8 +234,8 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
         except ClientDisconnected:
             return Response(status_code=499)
         c = out.outputs[0]
-        status = _status(out)
-        item = _message(f"msg_{uuid.uuid4().hex}", status, [_text_part(c.text)])
+        status, item_status = _status(out)
+        item = _message(f"msg_{uuid.uuid4().hex}", item_status, [_text_part(c.text)])
         return JSONResponse(response(status, [item], _usage(len(ids), len(c.token_ids)), [out]))
 
     return router
@@ -267,9 +273,9 @@ async def _stream(gen, response, n_input: int) -> AsyncIterator[str]:
                 yield event({"type": "response.output_text.delta", **where, "delta": delta, "logprobs": []})
         if last is None:
             raise APIError(500, "the engine ended the request without an output", code="engine_error")
-        status = _status(last)
+        status, item_status = _status(last)
         part = _text_part(text)
-        item = _message(item_id, status, [part])
+        item = _message(item_id, item_status, [part])
         yield event({"type": "response.output_text.done", **where, "text": text, "logprobs": []})
         yield event({"type": "response.content_part.done", **where, "part": part})
         yield event({"type": "response.output_item.done", "output_index": 0, "item": item})
