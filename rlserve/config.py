@@ -67,8 +67,8 @@ class EngineConfig:
             ``max_position_embeddings`` capped at 8192.
         max_num_seqs: sequences in one batch at most.
         max_num_batched_tokens: tokens in one forward step at most (default
-            ``max(8192, max_model_len)`` on CUDA, vLLM's server default; ``max(2048,
-            max_model_len)`` on CPU).
+            ``max(8192, max_model_len)`` on CUDA, vLLM's server default; 1024 on CPU, where a
+            prompt longer than that runs alone in its prefill step).
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).

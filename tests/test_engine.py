@@ -196,3 +196,21 @@ def test_abort(llms):
                 done[o.request_id] = o
     assert set(done) == {"b"} and len(done["b"].outputs[0].token_ids) == 5
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_cpu_prefill_budget_default_and_long_prompt(tiny_model):
+    """On CPU a prefill step takes at most 1024 tokens by default (several prompts split over
+    steps); a prompt longer than that still runs, alone, with HF's greedy tokens."""
+    path = tiny_model("llama", max_position_embeddings=2048)
+    llm = LLM(path, dtype="float32", device="cpu")
+    assert llm.engine.config.max_num_batched_tokens == 1024
+    rows = []
+    real = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda step: rows.append((step.is_prefill, len(step.input_ids))) or real(step)
+    try:
+        ids = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate([1500, 700, 600])]
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
+    finally:
+        llm.engine.executor.execute = real
+    assert [n for p, n in rows if p] == [1500, 700, 600]  # 700 + 600 > 1024: two steps
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ids, 4)

@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory for weights + KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: max(8192, max-model-len) on CUDA, "
-                        "max(2048, max-model-len) on CPU)")
+                        "1024 on CPU; a longer prompt runs alone)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
                         "--gpu-memory-utilization)")

@@ -28,6 +28,7 @@ from rlserve.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 _MAX_DEFAULT_MODEL_LEN = 8192
+_CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
 _arrival = itertools.count()
 
 
@@ -91,10 +92,17 @@ class LLMEngine(EngineStep):
             )
         self.max_model_len = config.max_model_len
         if config.max_num_batched_tokens is None:
-            # on a GPU, vLLM's server default (8192): fewer, larger prefill steps (a prefill
-            # step runs eagerly: hundreds of kernel launches from Python each)
-            floor = 8192 if torch.device(executor.device).type == "cuda" else 2048
-            config.max_num_batched_tokens = max(floor, self.max_model_len)
+            if torch.device(executor.device).type == "cuda":
+                # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
+                # runs eagerly: hundreds of kernel launches from Python each)
+                config.max_num_batched_tokens = max(8192, self.max_model_len)
+            else:
+                # CPU: prefill steps of ~1024 tokens keep the linears' activations in cache
+                # (a longer prompt still runs alone). SmolLM2-135M's 30 layers, one thread,
+                # Zen 5 (2026-12-02): 1.03 ms of CPU per token at 1,024 rows, 1.31 at 8,192;
+                # issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
+                # instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)
+                config.max_num_batched_tokens = _CPU_MAX_NUM_BATCHED_TOKENS
         num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
