@@ -89,7 +89,9 @@ def test_stream_chat_chunks_have_vllms_keys(server):
         last = choices[-1]
         assert set(last) == common | {"stop_reason"} and last["stop_reason"] == stop, (stop, last)
         assert last["finish_reason"] == ("stop" if stop else "length"), last
-        assert len(choices) >= 3, choices  # a content chunk before the last
+        # no count of content chunks is asserted: the API process sends what the core has produced
+        # when it gets to it, so on a loaded machine several tokens (even all of them) share a chunk
+        assert len(choices) >= 2, choices
         text = "".join(c["delta"].get("content", "") for c in choices)
         stop = text[len(text) // 2]
 
