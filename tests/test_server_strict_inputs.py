@@ -67,6 +67,29 @@ def test_token_ids_must_be_integers(srv, route, body):
     assert _post(srv, route, ok).status_code == 200  # the same request with integers works
 
 
+@pytest.mark.parametrize("body,where", [
+    ({"prompt": [1, True, 3]}, "as list[int]: prompt.1: Input should be a valid integer (got true)"),
+    ({"prompt": [[1, 2], [3, True]]}, "as list[list[int]]: prompt.1.1: Input should be a valid integer (got true)"),
+])
+def test_union_error_names_the_element(srv, body, where):
+    """A prompt no accepted shape matches: the message says which element of the closest shape
+    is wrong (it used to say only "invalid type or value")."""
+    err = _error(_post(srv, "/v1/completions", {**body, "max_tokens": 2}), 400)
+    assert err["param"] == "prompt" and err["code"] == "invalid_value", err
+    assert where in err["message"], err
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+])
+def test_max_tokens_error_names_the_field_sent(srv, route, body, param):
+    err = _error(_post(srv, route, body), 400)
+    assert err["param"] == param and err["message"].startswith(f"{param} must be >= 1, got "), err
+
+
 def test_unexpected_exception_is_a_logged_500_without_internals(srv, caplog, monkeypatch):
     state = srv.app.state.rlserve
 

@@ -198,12 +198,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         if e.get("type") == "missing":
             msgs.append("the request needs a JSON body" if param is None else f"missing required field {param!r}")
         elif len(errs) > 1:  # a union: no member matched
-            msgs.append(f"{param or 'body'}: invalid type or value (got {got_s})")
+            msgs.append(f"{param or 'body'}: invalid type or value (got {got_s}){_closest_member(errs)}")
         else:
             msgs.append(f"{param or 'body'}: {e.get('msg')} (got {got_s})")
     first = next(iter(by_param.values()))[0]
     code = "missing_field" if first.get("type") == "missing" else "invalid_value"
     return "; ".join(msgs), next(iter(by_param)), code
+
+
+def _closest_member(errs: list[dict]) -> str:
+    """For a union field no member of which matched: what was wrong for the member that came
+    closest (the fewest errors, then the deepest location), e.g. ``prompt: [1, true, 3]`` ->
+    ``"; as list[int]: prompt.1: Input should be a valid integer (got true)"``; ``""`` when the
+    errors carry no union-member tag."""
+    by_member: dict = {}
+    for e in errs:
+        tag = next((p for p in e.get("loc", ()) if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS)), None)
+        if tag is not None:
+            by_member.setdefault(tag, []).append(e)
+    if not by_member:
+        return ""
+    tag, member_errs = min(by_member.items(), key=lambda kv: (len(kv[1]), -max(len(e.get("loc", ())) for e in kv[1])))
+    e = max(member_errs, key=lambda e: len(e.get("loc", ())))
+    where = ".".join(str(p) for p in e["loc"] if p not in ("body", tag))
+    got = e.get("input")
+    got_s = json.dumps(got)[:40] if _jsonable(got) else repr(got)[:40]
+    return f"; as {tag}: {where}: {e.get('msg')} (got {got_s})"
 
 
 def _jsonable(x) -> bool:

@@ -203,7 +203,7 @@ class ServerState:
         if max_tokens is None:
             return self.max_model_len - n_prompt
         if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param=param)
+            raise APIError(400, f"{param or 'max_tokens'} must be >= 1, got {max_tokens}", param=param)
         if n_prompt + max_tokens > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
