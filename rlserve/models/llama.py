@@ -28,6 +28,7 @@ from rlserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from rlserve.layers.norm import RMSNorm
 from rlserve.layers.rotary import get_rope
 from rlserve.loader.weight_utils import load_mapped_weights, mapped_checkpoint_spec
+from rlserve.models import llama_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +145,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
         residual = None
+        ctx = llama_cpu.step_context(self.layers, hidden, positions, meta)  # CPU decode: kernels called directly
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            if ctx is not None:
+                hidden, residual = llama_cpu.layer_forward(ctx, layer, positions, hidden, residual, meta)
+            else:
+                hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,174 @@
+"""The Llama decoder layer's CPU float32 decode step with as little host work as possible.
+
+At batch 1 a SmolLM2-135M decode step is memory-bound: its linears stream 538 MB of float32
+weights (~20 ms of the step on the 2-core Zen 5 machine). Everything else is host work around
+small kernels: per layer nine module calls, the fused-kernel dispatch of
+:mod:`rlserve.layers.fused_ops` (an environment read and device checks per call), the
+wrappers of :mod:`rlserve.layers.cpu_fused` / :mod:`rlserve.layers.cpu_attention` (views,
+dtype/contiguity checks, ctypes argument conversion) and the linear layers' method chain to
+oneDNN. Measured with one thread (2026-12-02): an RMSNorm call costs 13-30 us of CPU for 576
+floats of which the C kernel call is ~2 us; ~6-8 ms per step over 30 layers all told.
+
+:func:`layer_forward` runs the same kernels, in the same order, with the same arguments as
+``LlamaDecoderLayer.forward`` does on this path (fused (residual add +) RMSNorm, the packed
+oneDNN linear, the fused q/k-norm + rotary + KV write, the paged decode attention kernel,
+SiLU-and-mul), so its results are bit-equal; it only calls them directly. Per-step inputs
+(positions, slots, block tables, context lengths, the thread count) are prepared once per
+step by :func:`step_context` and shared by every layer.
+
+When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
+modules): a pure decode step (one token per sequence) on float32 CPU tensors, the fused C
+kernels and the paged decode kernel available and switched on, the ``torch`` attention
+backend, a row count that runs on the packed linear copy (:func:`rlserve.layers.cpu_linear.
+packed_rows`), and per layer (:func:`_layer_ok`, checked once): tensor parallel size 1,
+unquantized linears with a packed copy (re-read every call, since weight updates rebuild it),
+float32 contiguous norm weights, no module hooks. A layer whose attention kernel refuses the
+shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.forward_cached`.
+``RLSERVE_CPU_FAST_LAYER=0`` turns the fast path off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlserve.layers import cpu_attention, cpu_fused, fused_ops
+from rlserve.layers.activation import SiluAndMul
+from rlserve.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend, \
+    torch_paged_attention
+from rlserve.layers.cpu_linear import packed_rows
+from rlserve.layers.linear import ColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
+
+ENV = "RLSERVE_CPU_FAST_LAYER"
+_ENABLED = [os.environ.get(ENV, "1") != "0"]
+
+
+@dataclass
+class StepContext:
+    """Per-step inputs shared by every layer: kernel entry points, pointers and sizes.
+
+    ``pos`` / ``slots``: ``[T]`` int64; ``bt``: ``[T, max_blocks]`` int32; ``sl``: ``[T]`` int32
+    (held so the pointers stay valid for the step); ``nthreads``: torch's intra-op threads.
+    """
+
+    lib: object
+    attn_fn: object
+    pos: torch.Tensor
+    slots: torch.Tensor
+    bt: torch.Tensor
+    sl: torch.Tensor
+    nthreads: int
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the fast path on or off for this process; returns the previous setting."""
+    prev = _ENABLED[0]
+    _ENABLED[0] = bool(on)
+    return prev
+
+
+def _no_hooks(*mods: nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
+def _layer_ok(layer: nn.Module) -> bool:
+    """Static conditions on one decoder layer (cached on it as ``_cpu_fast_ok``)."""
+    ok = layer.__dict__.get("_cpu_fast_ok")
+    if ok is None:
+        a, m = layer.self_attn, layer.mlp
+        cols, rows = (a.qkv_proj, m.gate_up_proj), (a.o_proj, m.down_proj)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
+        ok = (all(type(lin).forward is ColumnParallelLinear.forward and not lin.gather_output for lin in cols)
+              and all(type(lin).forward is RowParallelLinear.forward for lin in rows)
+              and all(type(lin.quant_method) is UnquantizedLinearMethod and lin.tp_size == 1
+                      and (lin.bias is None or lin.bias.dtype == torch.float32) for lin in cols + rows)
+              and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms)
+              and type(m.act_fn) is SiluAndMul and a.head_dim <= 1024
+              and _no_hooks(layer, a, m, a.attn, a.rotary_emb, m.act_fn, *cols, *rows, *norms))
+        layer.__dict__["_cpu_fast_ok"] = ok
+    return ok
+
+
+def step_context(layers, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    """A :class:`StepContext` when this step can take :func:`layer_forward` (see the module
+    docstring), else ``None``. ``hidden``: the embeddings ``[T, hidden]``."""
+    if not _ENABLED[0] or meta.max_query_len != 1 or hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+        return None
+    T = hidden.shape[0]
+    lo, hi = packed_rows()
+    if T == 0 or not lo <= T <= hi or hidden.dim() != 2 or T != meta.num_seqs:
+        return None
+    if not fused_ops.fused_enabled(hidden) or fused_ops.triton_enabled(hidden) or not cpu_fused.available():
+        return None
+    if ATTENTION_BACKENDS.get(get_attention_backend()) is not torch_paged_attention or not cpu_attention.available():
+        return None
+    if not all(_layer_ok(layer) for layer in layers):
+        return None
+    return StepContext(cpu_fused._lib(), cpu_attention._load(), positions.to(torch.int64).contiguous(),
+                       meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
+                       meta.seq_lens.to(torch.int32).contiguous(), torch.get_num_threads())
+
+
+_linear = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
+
+
+def _norm(ctx: StepContext, norm, x: torch.Tensor, residual: torch.Tensor | None):
+    """The fused (residual add +) RMSNorm kernel: ``(norm(x + residual), x + residual)``."""
+    T, N = x.shape
+    out = torch.empty((T, N), dtype=torch.float32)
+    if residual is None:
+        ctx.lib.rlserve_rms_norm_f32(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), None, T, N,
+                                     x.stride(0), 0, float(norm.eps), ctx.nthreads)
+        return out, x
+    res_out = torch.empty((T, N), dtype=torch.float32)
+    ctx.lib.rlserve_rms_norm_f32(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
+                                 res_out.data_ptr(), T, N, x.stride(0), residual.stride(0), float(norm.eps),
+                                 ctx.nthreads)
+    return out, res_out
+
+
+def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torch.Tensor,
+                  residual: torch.Tensor | None, meta: AttentionMetadata):
+    """``LlamaDecoderLayer.forward(positions, hidden, residual, meta)`` for a step that
+    :func:`step_context` accepted: ``hidden``, ``residual`` ``[T, hidden]`` float32 (residual
+    ``None`` for the first layer) -> ``(mlp output, residual)``, bit-equal to the module path.
+    Falls back to the module call when a linear has no packed copy (e.g. packing off).
+    (``None in packs`` would compare tensors with ``None``: torch raises and catches a
+    TypeError with a C++ backtrace, ~5% of a batch-1 step; hence the ``is None`` test.)"""
+    a, m = layer.self_attn, layer.mlp
+    qkv_l, o_l, gu_l, down_l = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
+    packs = (qkv_l.__dict__.get("_cpu_packed_weight"), o_l.__dict__.get("_cpu_packed_weight"),
+             gu_l.__dict__.get("_cpu_packed_weight"), down_l.__dict__.get("_cpu_packed_weight"))
+    attn = a.attn
+    kc, vc = attn.k_cache, attn.v_cache
+    if _linear is None or any(p is None for p in packs) or kc is None or not (kc.is_contiguous() and vc.is_contiguous()
+                                                               and kc.dtype == torch.float32 and vc.dtype == kc.dtype):
+        return layer(positions, hidden, residual, meta)
+    hidden = hidden.contiguous()
+    h, residual = _norm(ctx, layer.input_layernorm, hidden, residual)
+    qkv = _linear(h, packs[0], qkv_l.bias, "none", [], "")
+    T = qkv.shape[0]
+    H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+    rope = a.rotary_emb
+    q = torch.empty((T, H * D), dtype=torch.float32)
+    qw = a.q_norm.weight.data_ptr() if a.qk_norm else None
+    kw = a.k_norm.weight.data_ptr() if a.qk_norm else None
+    ctx.lib.rlserve_qkv_rope_write_f32(
+        qkv.data_ptr(), ctx.pos.data_ptr(), rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), qw, kw,
+        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), ctx.slots.data_ptr(), T, H, Hkv, D, rope.cos_cache.shape[-1],
+        qkv.stride(0), float(a.q_norm.eps) if a.qk_norm else 0.0, ctx.nthreads)
+    o = torch.empty((T, H * D), dtype=torch.float32)
+    rc = ctx.attn_fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), ctx.bt.data_ptr(), ctx.sl.data_ptr(), o.data_ptr(),
+                     T, H, Hkv, D, kc.shape[1], ctx.bt.shape[1], float(attn.scale), ctx.nthreads)
+    if rc != 0:
+        o = attn.forward_cached(q, meta)
+    hidden = _linear(o, packs[1], o_l.bias, "none", [], "")
+    h, residual = _norm(ctx, layer.post_attention_layernorm, hidden, residual)
+    gu = _linear(h, packs[2], gu_l.bias, "none", [], "")
+    d = gu.shape[1] // 2
+    s = torch.empty((T, d), dtype=torch.float32)
+    ctx.lib.rlserve_silu_mul_f32(gu.data_ptr(), s.data_ptr(), T, d, gu.stride(0), ctx.nthreads)
+    return _linear(s, packs[3], down_l.bias, "none", [], ""), residual
