@@ -11,10 +11,14 @@ still inflate it). Prints the machine's load average with every figure.
   fallback (index_select of blocks + SDPA), and the gather + SDPA code it replaced.
 - step: the whole model's decode step (``Worker.execute``) on the real SmolLM2-135M-Instruct
   weights at ``--batch`` sequences, for each ``--threads`` value.
+- ``--ab-fast-layer N``: instead, the decode step with :mod:`rlserve.models.llama_cpu`'s fast
+  path off and on, alternating step by step (N steps each, one thread), after checking that
+  the two give bit-equal logits; prints one JSON line per batch size.
 
 Usage:
     python benchmarks/cpu_decode_step.py                       # batch 64, threads 1 and 2
     python benchmarks/cpu_decode_step.py --batch 1 --threads 1 --skip-attention
+    python benchmarks/cpu_decode_step.py --ab-fast-layer 100 --batch 1 4 16 64
 """
 
 from __future__ import annotations
@@ -93,20 +97,63 @@ def bench_attention(batch: int, reps: int) -> None:
               f"  max|diff| {err:.1e}  load {_load()}")
 
 
-def bench_step(batch: int, threads: int, reps: int) -> None:
+def _worker(threads: int):
     from rlserve.config import EngineConfig
     from rlserve.download import ensure_default_model
-    from rlserve.engine.model_runner import StepInput
     from rlserve.engine.worker import Worker
 
     cfg = EngineConfig(model=str(ensure_default_model(progress=False)), dtype="float32", device="cpu",
                        max_model_len=1024, num_kv_blocks=4096, extra={"cpu_threads": threads})
     w = Worker(cfg)
     w.init_kv_cache(4096)
+    return w
+
+
+def _decode_step(batch: int):
+    from rlserve.engine.model_runner import StepInput
+
     lens, tables = _case(batch)
     rng = random.Random(1)
-    step = StepInput([rng.randrange(49152) for _ in range(batch)], [n - 1 for n in lens], [1] * batch, lens, tables,
+    return StepInput([rng.randrange(49152) for _ in range(batch)], [n - 1 for n in lens], [1] * batch, lens, tables,
                      list(range(batch)), False)
+
+
+def bench_fast_layer_ab(w, batch: int, steps: int) -> None:
+    """One JSON line: CPU ms per decode step (``time.thread_time``) with the fast path of
+    :mod:`rlserve.models.llama_cpu` off and on, alternating step by step (which goes first
+    alternates too), medians, means and the median of the paired differences."""
+    import json
+
+    from rlserve.models import llama_cpu
+
+    step = _decode_step(batch)
+    logits = {}
+    for on in (False, True):
+        llama_cpu.set_enabled(on)
+        logits[on] = w.execute(step).clone()
+    for _ in range(3):
+        w.execute(step)
+    res: dict = {"off": [], "on": []}
+    load0 = os.getloadavg()[0]
+    for i in range(steps):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            llama_cpu.set_enabled(on)
+            c0 = time.thread_time()
+            w.execute(step)
+            res["on" if on else "off"].append(1e3 * (time.thread_time() - c0))
+    llama_cpu.set_enabled(True)
+    diffs = sorted(a - b for a, b in zip(res["off"], res["on"]))
+    print(json.dumps({"batch": batch, "steps_each": steps, "logits_bit_equal": torch.equal(logits[False], logits[True]),
+                      "off_median_ms": round(statistics.median(res["off"]), 2),
+                      "on_median_ms": round(statistics.median(res["on"]), 2),
+                      "off_mean_ms": round(statistics.mean(res["off"]), 2), "on_mean_ms": round(statistics.mean(res["on"]), 2),
+                      "paired_diff_median_ms": round(diffs[len(diffs) // 2], 2),
+                      "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
+
+
+def bench_step(batch: int, threads: int, reps: int) -> None:
+    w = _worker(threads)
+    step = _decode_step(batch)
     for _ in range(2):
         w.execute(step)
     cpu, wall = [], []
@@ -121,17 +168,25 @@ def bench_step(batch: int, threads: int, reps: int) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[64])
+    p.add_argument("--ab-fast-layer", type=int, default=0, metavar="STEPS",
+                   help="A/B of the llama_cpu fast path (off/on alternating, STEPS each) at every --batch")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-step", action="store_true")
     args = p.parse_args(argv)
-    if not args.skip_attention:
-        bench_attention(args.batch, args.reps)
-    if not args.skip_step:
-        for t in args.threads:
-            bench_step(args.batch, t, max(3, args.reps // 2))
+    if args.ab_fast_layer:
+        w = _worker(1)
+        for b in args.batch:
+            bench_fast_layer_ab(w, b, args.ab_fast_layer)
+        return 0
+    for batch in args.batch:
+        if not args.skip_attention:
+            bench_attention(batch, args.reps)
+        if not args.skip_step:
+            for t in args.threads:
+                bench_step(batch, t, max(3, args.reps // 2))
     return 0
 
 
