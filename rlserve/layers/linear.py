@@ -153,8 +153,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)
 
+    @staticmethod
+    def packed_weight(layer) -> torch.Tensor | None:
+        """``layer``'s current CPU packed copy of its weight (:func:`pack_weight`), or ``None``
+        (not on CPU/float32, packing off, or not built yet). Rebuilt by every weight load."""
+        return layer.__dict__.get("_cpu_packed_weight")
+
     def apply(self, layer, x, bias=None):
-        packed = layer.__dict__.get("_cpu_packed_weight")
+        packed = self.packed_weight(layer)
         if packed is not None:
             return packed_linear(x, layer.weight, packed, bias)
         if skinny_gemm.takes(x, layer.weight):  # decode-sized bf16/fp16 on CUDA (opt-in)

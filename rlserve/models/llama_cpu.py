@@ -140,8 +140,8 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     TypeError with a C++ backtrace, ~5% of a batch-1 step; hence the ``is None`` test.)"""
     a, m = layer.self_attn, layer.mlp
     qkv_l, o_l, gu_l, down_l = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
-    packs = (qkv_l.__dict__.get("_cpu_packed_weight"), o_l.__dict__.get("_cpu_packed_weight"),
-             gu_l.__dict__.get("_cpu_packed_weight"), down_l.__dict__.get("_cpu_packed_weight"))
+    packed = UnquantizedLinearMethod.packed_weight
+    packs = (packed(qkv_l), packed(o_l), packed(gu_l), packed(down_l))
     attn = a.attn
     kc, vc = attn.k_cache, attn.v_cache
     if _linear is None or any(p is None for p in packs) or kc is None or not (kc.is_contiguous() and vc.is_contiguous()
