@@ -32,7 +32,6 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError, exception_to_error
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import ServerState
@@ -301,11 +300,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
-        def render_and_tokenize() -> list[int]:
-            prompt = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
-            return state.tokenize(prompt, param="messages", add_special_tokens=body.add_special_tokens)
-
-        ids = await state.off_loop(render_and_tokenize)  # a long conversation must not stop the loop
+        ids = await state.tokenize_chat(body.messages, body.chat_template_args(), "messages", body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:
             ids = state.truncate(ids, body.truncate_prompt_tokens)
         max_tokens = state.check_length(

@@ -42,7 +42,6 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError, exception_to_error
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, merge_generators, sse_event, \
     unless_disconnected, weight_versions
@@ -192,15 +191,7 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
         if continue_final:
             template_args["continue_final_message"] = True
 
-        def render_and_tokenize() -> list[int]:
-            try:
-                prompt = render_chat(state.tokenizer, messages, **template_args)
-            except APIError as e:
-                e.param = "input" if e.param == "messages" else e.param
-                raise
-            return state.tokenize(prompt, param="input", add_special_tokens=False)
-
-        ids = await state.off_loop(render_and_tokenize)  # a long conversation must not stop the loop
+        ids = await state.tokenize_chat(messages, template_args, "input", add_special_tokens=False)
         max_tokens = state.check_length(len(ids), body.max_output_tokens, param="max_output_tokens")
         params = state.sampling_params(structured_outputs=structured, n=1, max_tokens=max_tokens, logprobs=None,
                                        **body.sampler_args())

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
+from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError
 from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, RequestLimits, \
     max_prompt_chars
@@ -141,6 +142,27 @@ class ServerState:
         if any(isinstance(p, str) for p in prompts):
             return await self.off_loop(run)
         return run()
+
+    async def tokenize_chat(self, messages: list, template_args: dict, param: str,
+                            add_special_tokens: bool) -> list[int]:
+        """A conversation's prompt token ids: :func:`~rlserve.server.chat_render.render_chat`
+        (``template_args``: its keyword arguments) then :meth:`tokenize`, on the tokenizer thread
+        (:meth:`off_loop`: a long conversation must not stop the loop). ``param`` names the
+        conversation's field in errors (``messages``; ``input`` for the Responses API).
+
+        Raises:
+            APIError 400: as ``render_chat`` and :meth:`tokenize` raise (a template error about
+            the whole conversation names ``param``).
+        """
+        def run() -> list[int]:
+            try:
+                prompt = render_chat(self.tokenizer, messages, **template_args)
+            except APIError as e:
+                e.param = param if e.param == "messages" else e.param
+                raise
+            return self.tokenize(prompt, param=param, add_special_tokens=add_special_tokens)
+
+        return await self.off_loop(run)
 
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:
