@@ -79,3 +79,40 @@ def test_step_context_only_for_cpu_float32_decode(tiny_model):
     finally:
         fused_ops.set_fused_kernels(*prev_fused)
 
+
+
+def test_fast_path_after_sleep_and_weight_sync(tiny_model, tmp_path, fast_calls):
+    """``_layer_ok`` is cached per layer at the first decode step: after a level-1 sleep/wake
+    the fast path serves exactly what it served before, and after a level-2 sleep refilled by
+    a weight sync (new packed copies) it serves the new weights bit-equal to a fresh module-path
+    engine on them; decode steps take the fast path throughout."""
+    from rlserve import LLM, SamplingParams
+    from rlserve.loader import iterate_checkpoint
+    from tests.tiny_models import make_tiny_model
+
+    old, new = tiny_model("llama"), make_tiny_model("llama", tmp_path / "new", seed=1)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+
+    def run(llm):
+        n = len(fast_calls)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [o.logprobs for o in outs], len(fast_calls) - n
+
+    llm = LLM(old, dtype="float32", device="cpu", block_size=4, kv_cache_bytes=4 << 20, enable_sleep_mode=True)
+    ids0, lps0, n0 = run(llm)
+    assert n0 > 0 and all(layer.__dict__["_cpu_fast_ok"] is True for layer in llm.engine.model.model.layers)
+    llm.sleep(level=1)
+    llm.wake_up()
+    ids1, lps1, n1 = run(llm)
+    assert (ids1, lps1, n1) == (ids0, lps0, n0)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.engine.load_weights(iterate_checkpoint(new))
+    llm.wake_up(tags=["kv_cache"])
+    ids2, lps2, n2 = run(llm)
+    assert n2 == n0 and ids2 != ids0  # still the fast path, serving the synced weights
+    llama_cpu.set_enabled(False)
+    ref_ids, ref_lps, n_ref = run(LLM(new, dtype="float32", device="cpu", block_size=4))
+    assert n_ref == 0
+    assert ids2 == ref_ids and lps2 == ref_lps  # bit-equal, not close

@@ -59,6 +59,21 @@ def available() -> bool:
     return os.environ.get(_ENV, "").lower() != "torch" and _load() is not None
 
 
+def call(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+         seq_lens: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+         nthreads: int) -> int:
+    """The one call of the kernel ``fn`` (:func:`bind`'s; its argument order lives here only).
+
+    ``q``, ``out``: ``B`` rows of ``num_heads * head_dim`` contiguous float32 (``[B, H, D]``
+    or ``[B, H * D]``); caches ``[num_blocks, block_size, Hkv, D]`` contiguous float32;
+    ``block_tables`` ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` contiguous int32. Nothing is
+    checked here (see :func:`paged_decode`). Returns the kernel's code: 0, or non-zero when it
+    refuses the shapes (``out`` then unwritten)."""
+    return fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+              out.data_ptr(), q.shape[0], num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
+              float(scale), nthreads)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Decode attention (one query token per sequence) read in place from the paged cache.
@@ -85,13 +100,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return None
     fn = _state["fn"]
     B, H, D = q.shape
-    _, block_size, Hkv, Dk = k_cache.shape
+    _, _, Hkv, Dk = k_cache.shape
     if Dk != D or B == 0:
         return None
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), sl.data_ptr(), out.data_ptr(),
-            B, H, Hkv, D, block_size, bt.shape[1], float(scale), torch.get_num_threads())
+    rc = call(fn, q, k_cache, v_cache, bt, sl, out, H, Hkv, D, scale, torch.get_num_threads())
     return out if rc == 0 else None

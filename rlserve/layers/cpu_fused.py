@@ -61,6 +61,45 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def rms_norm_rows(lib, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                  res_out: torch.Tensor | None, eps: float, nthreads: int) -> None:
+    """The one call of the C RMSNorm kernel (its argument order lives here only): ``out =
+    norm(x [+ residual])``, and ``res_out = x + residual`` when ``residual`` is given.
+
+    ``x``, ``residual``: ``[T, N]`` float32 CPU with unit column stride (any row stride);
+    ``weight``: ``[N]`` contiguous float32; ``out``, ``res_out``: ``[T, N]`` contiguous float32
+    written by the kernel; ``lib``: :func:`_lib`'s library; ``nthreads``: OpenMP threads.
+    Nothing is checked (callers have): wrong shapes or strides read/write out of bounds."""
+    T, N = x.shape
+    has_res = residual is not None
+    lib.rlserve_rms_norm_f32(x.data_ptr(), residual.data_ptr() if has_res else None, weight.data_ptr(),
+                             out.data_ptr(), res_out.data_ptr() if has_res else None, T, N, x.stride(0),
+                             residual.stride(0) if has_res else 0, float(eps), nthreads)
+
+
+def silu_mul_rows(lib, x: torch.Tensor, out: torch.Tensor, nthreads: int) -> None:
+    """The one call of the C SiLU-and-mul kernel: ``out = silu(x[:, :d]) * x[:, d:]``; ``x``
+    ``[T, 2d]`` float32 CPU with unit column stride, ``out`` ``[T, d]`` contiguous float32.
+    Unchecked, as :func:`rms_norm_rows`."""
+    lib.rlserve_silu_mul_f32(x.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], x.stride(0), nthreads)
+
+
+def qkv_rope_write_rows(lib, qkv: torch.Tensor, pos: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, q: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                        num_kv_heads: int, head_dim: int, eps: float, nthreads: int) -> None:
+    """The one call of the C q/k-norm + rotary + KV-write kernel. ``qkv`` ``[T, (H + 2 Hkv) D]``
+    float32 with unit column stride; ``pos``, ``slots`` ``[T]`` contiguous int64; caches,
+    cos/sin caches and norm weights (``None``: no q/k norm) contiguous float32; ``q`` ``[T, H
+    D]`` contiguous float32, written. Unchecked, as :func:`rms_norm_rows` (see
+    :func:`qkv_norm_rope_write` for the checks)."""
+    lib.rlserve_qkv_rope_write_f32(
+        qkv.data_ptr(), pos.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+        q_weight.data_ptr() if q_weight is not None else None, k_weight.data_ptr() if k_weight is not None else None,
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        qkv.shape[0], num_heads, num_kv_heads, head_dim, cos_cache.shape[-1], qkv.stride(0), float(eps), nthreads)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """As :func:`rlserve.layers.fused_ops.rms_norm` (``x``, ``residual`` ``[..., N]`` float32 on
     CPU, ``weight`` ``[N]``): ``norm(x)``, or ``(norm(x + residual), x + residual)``."""
@@ -73,10 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty_like(out) if residual is not None else None
     w = weight.to(torch.float32).contiguous()
     if T:
-        _lib().rlserve_rms_norm_f32(x2.data_ptr(), r2.data_ptr() if r2 is not None else None, w.data_ptr(),
-                                    out.data_ptr(), res_out.data_ptr() if res_out is not None else None,
-                                    T, N, x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
-                                    torch.get_num_threads())
+        rms_norm_rows(_lib(), x2, r2, w, out, res_out, eps, torch.get_num_threads())
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -91,7 +127,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     T = x2.shape[0]
     out = torch.empty((T, d), dtype=x.dtype)
     if T:
-        _lib().rlserve_silu_mul_f32(x2.data_ptr(), out.data_ptr(), T, d, x2.stride(0), torch.get_num_threads())
+        silu_mul_rows(_lib(), x2, out, torch.get_num_threads())
     return out.view(*shape[:-1], d)
 
 
@@ -117,11 +153,6 @@ def qkv_norm_rope_write(qkv, positions, cos_cache, sin_cache, num_heads, num_kv_
         return q
     pos = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    qw, kw = q_weight, k_weight
-    _lib().rlserve_qkv_rope_write_f32(
-        qkv.data_ptr(), pos.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
-        qw.data_ptr() if qw is not None else None, kw.data_ptr() if kw is not None else None,
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        T, num_heads, num_kv_heads, head_dim, cos_cache.shape[-1], qkv.stride(0), float(eps),
-        torch.get_num_threads())
+    qkv_rope_write_rows(_lib(), qkv, pos, cos_cache, sin_cache, q_weight, k_weight, q, k_cache, v_cache, slots,
+                        num_heads, num_kv_heads, head_dim, eps, torch.get_num_threads())
     return q

@@ -75,7 +75,19 @@ def _no_hooks(*mods: nn.Module) -> bool:
 
 
 def _layer_ok(layer: nn.Module) -> bool:
-    """Static conditions on one decoder layer (cached on it as ``_cpu_fast_ok``)."""
+    """Static conditions on one decoder layer, checked at its first decode step and cached on it
+    as ``_cpu_fast_ok``.
+
+    Nothing after model build changes them: a weight sync (every path ends in
+    ``load_weights`` + ``process_weights_after_loading``) copies into the parameters in place,
+    and sleep mode (:mod:`rlserve.engine.sleep_memory`) copies in place or re-points
+    ``param.data`` to a contiguous view of the same dtype and shape, so module types, quant
+    methods, TP size, dtypes and contiguity stay as checked (tests/test_cpu_fast_layer.py
+    checks sleep levels 1 and 2 and a sync). The packed weight copies, which each load
+    rebuilds, are not cached here: :func:`layer_forward` reads them per call. Not seen: forward
+    hooks registered after the first decode step (rlserve registers none); to hook a layer
+    later, switch the path off (:func:`set_enabled`) or delete ``_cpu_fast_ok`` from its
+    ``__dict__``."""
     ok = layer.__dict__.get("_cpu_fast_ok")
     if ok is None:
         a, m = layer.self_attn, layer.mlp
@@ -117,16 +129,11 @@ _linear = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn
 
 def _norm(ctx: StepContext, norm, x: torch.Tensor, residual: torch.Tensor | None):
     """The fused (residual add +) RMSNorm kernel: ``(norm(x + residual), x + residual)``."""
-    T, N = x.shape
-    out = torch.empty((T, N), dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
+    cpu_fused.rms_norm_rows(ctx.lib, x, residual, norm.weight, out, res_out, norm.eps, ctx.nthreads)
     if residual is None:
-        ctx.lib.rlserve_rms_norm_f32(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), None, T, N,
-                                     x.stride(0), 0, float(norm.eps), ctx.nthreads)
         return out, x
-    res_out = torch.empty((T, N), dtype=torch.float32)
-    ctx.lib.rlserve_rms_norm_f32(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
-                                 res_out.data_ptr(), T, N, x.stride(0), residual.stride(0), float(norm.eps),
-                                 ctx.nthreads)
     return out, res_out
 
 
@@ -154,15 +161,11 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
     rope = a.rotary_emb
     q = torch.empty((T, H * D), dtype=torch.float32)
-    qw = a.q_norm.weight.data_ptr() if a.qk_norm else None
-    kw = a.k_norm.weight.data_ptr() if a.qk_norm else None
-    ctx.lib.rlserve_qkv_rope_write_f32(
-        qkv.data_ptr(), ctx.pos.data_ptr(), rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), qw, kw,
-        q.data_ptr(), kc.data_ptr(), vc.data_ptr(), ctx.slots.data_ptr(), T, H, Hkv, D, rope.cos_cache.shape[-1],
-        qkv.stride(0), float(a.q_norm.eps) if a.qk_norm else 0.0, ctx.nthreads)
+    qkn = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else (None, None, 0.0)
+    cpu_fused.qkv_rope_write_rows(ctx.lib, qkv, ctx.pos, rope.cos_cache, rope.sin_cache, qkn[0], qkn[1], q, kc, vc,
+                                  ctx.slots, H, Hkv, D, qkn[2], ctx.nthreads)
     o = torch.empty((T, H * D), dtype=torch.float32)
-    rc = ctx.attn_fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), ctx.bt.data_ptr(), ctx.sl.data_ptr(), o.data_ptr(),
-                     T, H, Hkv, D, kc.shape[1], ctx.bt.shape[1], float(attn.scale), ctx.nthreads)
+    rc = cpu_attention.call(ctx.attn_fn, q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale, ctx.nthreads)
     if rc != 0:
         o = attn.forward_cached(q, meta)
     hidden = _linear(o, packs[1], o_l.bias, "none", [], "")
@@ -170,5 +173,5 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     gu = _linear(h, packs[2], gu_l.bias, "none", [], "")
     d = gu.shape[1] // 2
     s = torch.empty((T, d), dtype=torch.float32)
-    ctx.lib.rlserve_silu_mul_f32(gu.data_ptr(), s.data_ptr(), T, d, gu.stride(0), ctx.nthreads)
+    cpu_fused.silu_mul_rows(ctx.lib, gu, s, ctx.nthreads)
     return _linear(s, packs[3], down_l.bias, "none", [], ""), residual
