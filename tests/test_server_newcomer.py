@@ -72,28 +72,75 @@ def test_stream_chat_sends_no_empty_content_mid_stream(server):
 
 
 def test_stream_chat_chunks_have_vllms_keys(server):
-    """A streamed chat choice has vLLM's keys (vLLM 0.32's ChatCompletionStreamResponse dumped
-    with exclude_unset): the role chunk and the content chunks before the last have no
-    ``stop_reason``; the choice's last chunk (with its ``finish_reason``) has it: null after
-    ``max_tokens``, the stop string that ended it (one from the middle of the first answer's
-    text). Plus rlserve's ``weight_version`` on every one."""
+    """A streamed chat chunk has vLLM's keys (vLLM 0.32's ChatCompletionStreamResponse dumped
+    with exclude_unset): the first chunk also ``prompt_token_ids`` and ``prompt_text`` (null
+    here); the role choice index/delta/logprobs/finish_reason; content choices also
+    ``token_ids`` (null without return_token_ids), and ``stop_reason`` on the choice's last
+    chunk only: null after ``max_tokens``, the stop string that ended it (one from the middle of
+    the first answer's text). Plus rlserve's ``weight_version`` on every choice. No ``usage``
+    key on any chunk before the usage chunk (vLLM sets none), which has exactly the counts."""
+    top = {"id", "object", "created", "model", "choices"}
     common = {"index", "delta", "logprobs", "finish_reason", "weight_version"}
     body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 40, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     stop = None
     for _ in range(2):
         chunks = _sse(server.url + "/v1/chat/completions", dict(body, **({"stop": [stop]} if stop else {})))
+        *chunks, usage = chunks
+        assert set(usage) == top | {"usage"} and usage["choices"] == [], usage
+        assert set(chunks[0]) == top | {"prompt_token_ids", "prompt_text"}, chunks[0]
+        assert chunks[0]["prompt_token_ids"] is None and chunks[0]["prompt_text"] is None
+        assert [set(ch) for ch in chunks[1:]] == [top] * (len(chunks) - 1), chunks
         choices = [ch["choices"][0] for ch in chunks]
         assert set(choices[0]) == common and choices[0]["delta"] == {"role": "assistant", "content": ""}
-        assert [set(c) for c in choices[1:-1]] == [common] * (len(choices) - 2), choices
+        assert [set(c) for c in choices[1:-1]] == [common | {"token_ids"}] * (len(choices) - 2), choices
+        assert all(c["token_ids"] is None for c in choices[1:]), choices
         last = choices[-1]
-        assert set(last) == common | {"stop_reason"} and last["stop_reason"] == stop, (stop, last)
+        assert set(last) == common | {"stop_reason", "token_ids"} and last["stop_reason"] == stop, (stop, last)
         assert last["finish_reason"] == ("stop" if stop else "length"), last
         # no count of content chunks is asserted: the API process sends what the core has produced
         # when it gets to it, so on a loaded machine several tokens (even all of them) share a chunk
         assert len(choices) >= 2, choices
         text = "".join(c["delta"].get("content", "") for c in choices)
+        if stop is None:
+            assert usage["usage"]["completion_tokens"] == 40
         stop = text[len(text) // 2]
+    # with return_token_ids: the prompt's ids on the first chunk, each delta's ids on its choice
+    full = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False, return_token_ids=True),
+                      timeout=TIMEOUT).json()
+    chunks = _sse(server.url + "/v1/chat/completions", dict(body, return_token_ids=True))
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"] and chunks[0]["prompt_text"] is None
+    assert "token_ids" not in chunks[0]["choices"][0]  # vLLM's role choice has none
+    assert [t for ch in chunks[1:-1] for t in ch["choices"][0]["token_ids"]] == full["choices"][0]["token_ids"]
+    assert chunks[-1]["usage"] == full["usage"] == {"prompt_tokens": len(full["prompt_token_ids"]),
+                                                    "completion_tokens": 40,
+                                                    "total_tokens": len(full["prompt_token_ids"]) + 40}
+
+
+def test_stream_completion_chunks_have_vllms_keys(server):
+    """A streamed completion choice has vLLM 0.32's keys (CompletionStreamResponse, exclude_unset):
+    index, text, logprobs, finish_reason, stop_reason, prompt_token_ids and token_ids (null
+    without return_token_ids; with it the prompt's ids on a choice's first chunk only, null
+    after, and each delta's ids), plus rlserve's ``weight_version``; no ``usage`` key before
+    the usage chunk."""
+    keys = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids",
+            "weight_version"}
+    body = {"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    *chunks, usage = _sse(server.url + "/v1/completions", body)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert all(set(ch) == {"id", "object", "created", "model", "choices"} for ch in chunks), chunks
+    choices = [c for ch in chunks for c in ch["choices"]]
+    assert all(set(c) == keys and c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices)
+    full = httpx.post(server.url + "/v1/completions", json=dict(body, stream=False, return_token_ids=True),
+                      timeout=TIMEOUT).json()["choices"][0]
+    *chunks, _ = _sse(server.url + "/v1/completions", dict(body, return_token_ids=True))
+    choices = [c for ch in chunks for c in ch["choices"]]
+    assert all(set(c) == keys for c in choices), choices
+    assert choices[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert all(c["prompt_token_ids"] is None for c in choices[1:]), choices
+    assert [t for c in choices for t in c["token_ids"]] == full["token_ids"]
+    assert "".join(c["text"] for c in choices) == full["text"]
 
 
 #: a body for each route that encodes text: (route, body)

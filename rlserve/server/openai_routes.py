@@ -348,7 +348,12 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
 
 async def _stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
                               include_usage, prompt_text, gens) -> AsyncIterator[str]:
-    """SSE chunks of a completions stream (one delta per choice per engine step)."""
+    """SSE chunks of a completions stream (one delta per choice per engine step). A choice's
+    keys are vLLM's (0.32's ``CompletionStreamResponse`` dumped with ``exclude_unset``):
+    ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``, ``prompt_token_ids``
+    (the prompt's ids on a choice's first chunk with ``return_token_ids``, else null),
+    ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus rlserve's
+    ``weight_version``. No ``usage`` key before the usage chunk (vLLM sets none)."""
     sent_text: dict[int, int] = {}
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
@@ -388,11 +393,9 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
                 completion_tokens[idx] = len(c.token_ids)
                 choice = {"index": idx, "text": prefix + delta_text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                          "prompt_token_ids": list(ids) if body.return_token_ids and first else None,
+                          "token_ids": delta_ids if body.return_token_ids else None,
                           "weight_version": getattr(out, "weight_version", None)}
-                if body.return_token_ids:
-                    choice["token_ids"] = delta_ids
-                    if first:
-                        choice["prompt_token_ids"] = list(ids)
                 if first and body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = state.prompt_logprobs_json(
                         ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
@@ -401,10 +404,7 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
                     done.add(idx)
                 choices.append(choice)
             if choices:
-                chunk = dict(base, choices=choices)
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+                yield sse(dict(base, choices=choices))
         if include_usage:
             yield sse(dict(base, choices=[], usage=_usage(sum(len(it[1]) for it in items),
                                                           sum(completion_tokens.values()))))
@@ -418,10 +418,14 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, items
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model, include_usage,
                        gen, top_k: int = 0) -> AsyncIterator[str]:
-    """SSE chunks of a chat stream: a role delta per choice first, then content deltas. A
-    choice's keys are vLLM's (0.32): ``index``, ``delta``, ``logprobs``, ``finish_reason``, and
-    ``stop_reason`` only on the choice's last chunk (the one with its ``finish_reason``); ``token_ids``
-    with ``return_token_ids``; plus rlserve's ``weight_version``."""
+    """SSE chunks of a chat stream: a role delta per choice first, then content deltas. Keys
+    as vLLM 0.32 sends them (``ChatCompletionStreamResponse`` dumped with ``exclude_unset``):
+    the first chunk has ``prompt_token_ids`` (the ids with ``return_token_ids``, else null) and
+    ``prompt_text`` (null); a role choice has ``index``, ``delta``, ``logprobs``,
+    ``finish_reason``; a content choice those and ``token_ids`` (the delta's ids with
+    ``return_token_ids``, else null), and ``stop_reason`` on the choice's last chunk only (the
+    one with its ``finish_reason``); plus rlserve's ``weight_version`` on every choice. No
+    ``usage`` key before the usage chunk (vLLM sets none)."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     n = body.n
     sent_text = [0] * n
@@ -429,24 +433,14 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
     done: set[int] = set()
     completion_tokens = 0
 
-    def chunk(choices):
-        c = dict(base, choices=choices)
-        if include_usage:
-            c["usage"] = None
-        return sse(c)
-
     def role_chunk(version):
         """The choices' ``{"role": "assistant", "content": ""}`` deltas. As vLLM, sent with the
         engine's first output (the first token is ready), not on arrival: a client timing the
         first chunk (``vllm bench serve``'s TTFT) measures the prefill."""
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None, "weight_version": version} for i in range(n)]
-        if not body.return_token_ids:
-            return chunk(choices)
-        c0 = dict(base, choices=choices, prompt_token_ids=list(ids))  # vLLM sends them once, on the first chunk
-        if include_usage:
-            c0["usage"] = None
-        return sse(c0)
+        return sse(dict(base, choices=choices, prompt_token_ids=list(ids) if body.return_token_ids else None,
+                        prompt_text=None))
 
     agen = merge_generators([gen])
     sent_role = False
@@ -478,15 +472,14 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid
                 if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only
                     choice["stop_reason"] = c.stop_reason
                 choice["weight_version"] = getattr(out, "weight_version", None)
-                if body.return_token_ids:
-                    choice["token_ids"] = delta_ids
+                choice["token_ids"] = delta_ids if body.return_token_ids else None
                 if c.finish_reason is not None:
                     done.add(i)
                 choices.append(choice)
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             if choices:
-                yield chunk(choices)
+                yield sse(dict(base, choices=choices))
         if include_usage:
             yield sse(dict(base, choices=[], usage=_usage(len(ids), completion_tokens)))
     except Exception as e:  # noqa: BLE001

@@ -197,12 +197,10 @@ class ServerState:
         if isinstance(prompt, str):
             if prompt == "":
                 raise APIError(400, "prompt must not be empty", param=param)
-            check_text(prompt, param)
-            self.limits.check_prompt_chars(prompt, param, self.max_model_len)  # before tokenizing
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.encode_text(prompt, param, add_special_tokens)
             if not ids:
                 raise APIError(400, "prompt tokenizes to no tokens", param=param)
-            return list(ids)
+            return ids
         ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt must not be empty", param=param)
@@ -211,6 +209,20 @@ class ServerState:
             raise APIError(400, f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=param,
                            code="invalid_token_id")
         return ids
+
+    def encode_text(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids (empty text gives whatever the tokenizer gives: ``[]`` or its
+        special tokens), after the checks every text prompt gets: valid Unicode and at most
+        ``limits.max_prompt_chars`` characters (checked before encoding). Used by
+        :meth:`tokenize` and ``/tokenize`` (which, as vLLM, allows an empty prompt).
+
+        Raises:
+            APIError 400 (``param``): a lone surrogate (:func:`check_text`), text too long for
+            ``max_model_len`` (:meth:`RequestLimits.check_prompt_chars`).
+        """
+        check_text(text, param)
+        self.limits.check_prompt_chars(text, param, self.max_model_len)  # before tokenizing
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).

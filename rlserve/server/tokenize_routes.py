@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError
 from rlserve.server.protocol import TOKENIZE_CHAT_FIELDS, DetokenizeRequest, TokenizeRequest
-from rlserve.server.state import ServerState, check_text
+from rlserve.server.state import ServerState
 
 
 def make_tokenize_router(state: ServerState) -> APIRouter:
@@ -67,8 +67,6 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
         text = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
         param = "messages"
         add_special = bool(body.add_special_tokens)
-    check_text(text, param)
-    state.limits.check_prompt_chars(text, param, state.max_model_len)
-    ids = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+    ids = state.encode_text(text, param, add_special)
     strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
