@@ -10,8 +10,8 @@ shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.Demo
   on a normal stop.
 - :func:`wait_healthy` waits for ``GET /health`` (bounded; fails at once if the process exits).
 - :func:`stop_group` ends the server's whole process group: SIGTERM, SIGKILL after a grace.
-- :class:`ServerSubprocess`: the object around them that ``ServerProcess`` and ``DemoServer``
-  are (environment, log file, ``log_tail``, ``stop``, ``with``).
+- :class:`ServerSubprocess`: the object around them that ``ServerProcess``, ``DemoServer`` and
+  ``VLLMServer`` are (environment, log file, ``log_tail``, start-and-wait, ``stop``, ``with``).
 """
 
 from __future__ import annotations
@@ -150,9 +150,10 @@ def stop_group(proc: subprocess.Popen | None, grace_s: float = 15.0) -> int | No
 
 class ServerSubprocess:
     """A server process started by :func:`spawn_server` and stopped by :func:`stop_group`: the
-    part :class:`rlserve.server.testing.ServerProcess` and :class:`rlserve.demo.DemoServer`
-    share. A subclass's ``start()`` calls :meth:`_spawn` with its command line (and waits for
-    health or not) and returns ``self``; ``with`` starts it and stops it at the end.
+    part :class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.DemoServer` and
+    ``benchmarks/vllm_serve.py``'s ``VLLMServer`` share. A subclass's ``start()`` calls
+    :meth:`_spawn` with its command line (:meth:`_spawn_and_wait` to also wait for health) and
+    returns ``self``; ``with`` starts it and stops it at the end.
 
     Args:
         env: extra environment variables, over this process's (``PYTHONUNBUFFERED=1`` unless given).
@@ -196,6 +197,23 @@ class ServerSubprocess:
     def _spawn(self, cmd: Sequence[str]) -> None:
         """Start ``cmd`` (:func:`spawn_server`); returns at once."""
         self.proc, self._log_file = spawn_server(cmd, None if self.log_path == "-" else self.log_path, self.env)
+
+    def _spawn_and_wait(self, cmd: Sequence[str], url: str | Callable[[], str | None], what: str,
+                        error: type[Exception] = ServerStartError, poll_s: float = 0.1) -> float:
+        """:meth:`_spawn` ``cmd``, then :func:`wait_healthy` on ``url`` (bounded by
+        ``startup_timeout_s``); on any failure the process group is stopped before the error
+        propagates. Returns the seconds waited.
+
+        Raises:
+            error: the process exited, or was not healthy in time (its log's tail in the message).
+        """
+        self._spawn(cmd)
+        try:
+            return wait_healthy(self.proc, url, self.startup_timeout_s, self.log_tail, what=what, poll_s=poll_s,
+                                error=error)
+        except BaseException:
+            self.stop()
+            raise
 
     def start(self) -> "ServerSubprocess":
         raise NotImplementedError

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 
-from rlserve.server.launch import ServerStartError, ServerSubprocess, wait_healthy
+from rlserve.server.launch import ServerStartError, ServerSubprocess
 
 __all__ = ["ServerProcess", "ServerStartError"]
 
@@ -65,11 +65,6 @@ class ServerProcess(ServerSubprocess):
         return self.url
 
     def start(self) -> "ServerProcess":
-        self._spawn([sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args])
-        try:
-            wait_healthy(self.proc, self._ready_url, self.startup_timeout_s, self.log_tail, what="rlserve serve",
-                         error=ServerStartError)
-        except BaseException:
-            self.stop()
-            raise
+        self._spawn_and_wait([sys.executable, *self.launcher, "serve", self.model, "--port", "0", *self.args],
+                             self._ready_url, "rlserve serve")
         return self
