@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-init checkpoints, built once per test session."""
+"""Shared fixtures: tiny random-init checkpoints, built once per test session; the weight-sync
+tests' shared in-process servers."""
 
 import pytest
 
@@ -17,3 +18,36 @@ def tiny_model(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+_shared_servers: list = []  # the session's tests.transfer_sync.SharedServers, once `shared` was set up
+_last_shared_user: dict = {}  # session -> the last collected item that uses `shared`
+
+
+@pytest.fixture(scope="session")
+def shared():
+    """``with shared(path, staging="none", fresh=False) as srv``: the weight-sync tests' shared
+    in-process server of ``(path, staging)`` (:class:`tests.transfer_sync.SharedServers`), one
+    for all the test files that use it. Closed right after the last collected test that uses
+    this fixture (:func:`pytest_runtest_teardown`), not at the end of the whole run."""
+    from tests.transfer_sync import SharedServers
+
+    servers = SharedServers()
+    _shared_servers.append(servers)
+    yield servers.get
+    servers.close()
+    _shared_servers.remove(servers)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared weight-sync servers after the last test that uses ``shared`` (the files
+    that do are consecutive in a run, so none is started twice)."""
+    if not _shared_servers:
+        return
+    session = item.session
+    if session not in _last_shared_user:
+        users = [it for it in session.items if "shared" in getattr(it, "fixturenames", ())]
+        _last_shared_user[session] = users[-1] if users else None
+    if item is _last_shared_user[session]:
+        for servers in _shared_servers:
+            servers.close()

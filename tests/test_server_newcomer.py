@@ -16,8 +16,8 @@ import pytest
 from rlserve.cli import build_parser
 from rlserve.cli._help import HelpFormatter
 from rlserve.transfer import HTTPWeightSyncClient, WeightSyncHTTPError
-from tests.test_transfer_manager import trainer, wrong_second_bucket_sum
-from tests.transfer_harness import InProcessServer
+from tests.transfer_harness import InProcessServer, wrong_second_bucket_sum
+from tests.transfer_sync import trainer
 
 TIMEOUT = 60.0
 

@@ -17,7 +17,7 @@ from rlserve.loader.model_loader import load_model
 from rlserve.transfer import ModuleSource, WeightSyncHTTPError
 from rlserve.transfer.wire.protocol import UpdateInfo, validate_against_spec
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.test_transfer_manager import checksums, hf_greedy, server_greedy, trainer, PROMPT_IDS
+from tests.transfer_sync import checksums, hf_greedy, server_greedy, trainer, PROMPT_IDS
 from tests.tiny_models import ARCHS
 from tests.transfer_harness import InProcessServer, free_port
 

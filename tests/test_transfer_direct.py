@@ -1,6 +1,6 @@
 """Direct receive (rlserve.transfer.server.direct) and unpacked sends (packing.in_place_bucket): the
 layout rules on hand-made loads, no server. The server path is covered in
-test_transfer_manager.py (test_direct_receive_*)."""
+test_transfer_manager_direct.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from rlserve.transfer.sdk import engine as sdk
 from rlserve.transfer.errors import WeightTransferFailedError
 from rlserve.transfer.wire.packing import BucketBuffers
 from rlserve.transfer.wire.protocol import MIN_TIMEOUT_S, InitInfo
-from tests.test_transfer_manager import checksums, llama, server_greedy, trainer  # noqa: F401 (fixture)
+from tests.transfer_sync import checksums, llama, server_greedy, trainer  # noqa: F401 (fixture)
 from tests.transfer_harness import InProcessServer, free_port
 
 

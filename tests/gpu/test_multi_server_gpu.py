@@ -17,7 +17,7 @@ def test_two_servers_one_nccl_group(tiny_model, monkeypatch):
     from rlserve.demo import NCCL_SAFE_ENV
     from rlserve.transfer import HTTPWeightSyncClient, ModuleSource, hf_state_checksums
     from rlserve.transfer.sdk.multi_server import MultiServerTrainer
-    from tests.gpu.test_transfer_gpu import PROMPTS, generate, hf_greedy, load_hf, serve
+    from tests.gpu.transfer_gpu_common import PROMPTS, generate, hf_greedy, load_hf, serve
 
     for k, v in NCCL_SAFE_ENV.items():  # NVLink multicast off here and in the servers (they inherit it)
         monkeypatch.setenv(k, v)

@@ -39,7 +39,7 @@ from rlserve.transfer import (  # noqa: E402
     WeightTransferTrainerFactory,
 )
 from tests.gpu import nccl_over_gloo  # noqa: E402
-from tests.gpu.test_transfer_gpu import ROOT, generate, load_hf, serve  # noqa: E402
+from tests.gpu.transfer_gpu_common import ROOT, generate, load_hf, serve  # noqa: E402
 from tests.transfer_harness import free_port, kill_trainer_script, killed_at  # noqa: E402
 
 REPORT: dict = {}

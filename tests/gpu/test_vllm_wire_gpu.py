@@ -26,7 +26,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from rlserve.transfer import ModuleSource, hf_state_checksums  # noqa: E402
-from tests.gpu.test_transfer_gpu import PROMPTS, ROOT, _report, generate, hf_greedy, load_hf, serve  # noqa: E402
+from tests.gpu.transfer_gpu_common import PROMPTS, ROOT, _report, generate, hf_greedy, load_hf, serve  # noqa: E402
 from tests.transfer_harness import free_port  # noqa: E402
 
 VLLM_PATH = os.environ.get("RLSERVE_VLLM_PYTHONPATH")
@@ -48,7 +48,7 @@ needs_vllm = pytest.mark.skipif(VLLM_VERSION is None, reason="vLLM is not import
                                 "(e.g. /tmp/vsite from ../shared/tools/device-vllm)")
 needs_2 = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one rank per GPU)")
 
-# The trainer: the same perturbed HF model as tests.gpu.test_transfer_gpu.load_hf (seed 0, scale
+# The trainer: the same perturbed HF model as tests.gpu.transfer_gpu_common.load_hf (seed 0, scale
 # 0.3, float32), sent with vLLM's own engine. No rlserve import (vLLM's environment).
 TRAINER = textwrap.dedent('''
     import json, sys, threading, torch, requests, vllm
