@@ -171,7 +171,7 @@ def test_model_fp8_gpu_vs_cpu_and_unquantized(arch, tiny_model):
 
     from rlserve.config import EngineConfig
     from rlserve.loader import load_model
-    from tests.test_fp8 import _generate, _prompts
+    from tests.test_fp8_models import _generate, _prompts
 
     path = tiny_model(arch)
     hf = AutoConfig.from_pretrained(path)
