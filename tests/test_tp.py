@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
+from rlserve.distributed.head_partition import attention_head_partition, attention_head_partition_sizes
 from rlserve.distributed.parallel_state import tp_context
-from rlserve.layers.linear import (
-    QKVParallelLinear,
-    RowParallelLinear,
-    attention_head_partition,
-    attention_head_partition_sizes,
-)
+from rlserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from tests.test_engine import PROMPTS, hf_greedy
 
 NEW = 24

@@ -19,8 +19,9 @@ import torch
 
 import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
 
-if "rlserve.layers.triton_attention" in sys.modules:  # built without the interpreter: rebuild
-    importlib.reload(sys.modules["rlserve.layers.triton_attention"])
+for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.layers.triton_attention"):
+    if _name in sys.modules:  # built without the interpreter: rebuild (the kernels first)
+        importlib.reload(sys.modules[_name])
 from rlserve.layers import triton_attention as ta  # noqa: E402
 from rlserve.layers.attention import (  # noqa: E402
     AttentionMetadata,

@@ -12,7 +12,7 @@ from rlserve.config import EngineConfig, resolve_device, resolve_dtype
 from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
-from rlserve.layers.linear import attention_head_partition
+from rlserve.distributed.head_partition import attention_head_partition
 
 logger = logging.getLogger(__name__)
 

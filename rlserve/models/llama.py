@@ -18,13 +18,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from rlserve.distributed.head_partition import attention_head_partition_sizes
 from rlserve.errors import UnsupportedArchitectureError
 from rlserve.layers import fused_ops
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rlserve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                   attention_head_partition_sizes)
+from rlserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rlserve.layers.norm import RMSNorm
 from rlserve.layers.rotary import get_rope
 from rlserve.loader.weight_utils import load_mapped_weights, mapped_checkpoint_spec
@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     Raises:
         UnsupportedArchitectureError: unsupported activation or rope type.
         ValueError: heads that cannot be split over the TP size (see
-            :func:`rlserve.layers.linear.attention_head_partition`).
+            :func:`rlserve.distributed.head_partition.attention_head_partition`).
     """
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -14,11 +14,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from rlserve.distributed.head_partition import attention_head_partition_sizes
 from rlserve.layers.activation import get_act_fn
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rlserve.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
-                                   attention_head_partition_sizes)
+from rlserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from rlserve.layers.norm import LayerNorm
 from rlserve.loader.weight_utils import default_weight_loader, load_mapped_weights, mapped_checkpoint_spec, \
     set_weight_attrs
@@ -150,7 +150,7 @@ class OPTForCausalLM(nn.Module):
 
     Raises:
         UnsupportedArchitectureError: unsupported activation. ValueError: heads that cannot be
-            split over the TP size (see :func:`rlserve.layers.linear.attention_head_partition`).
+            split over the TP size (see :func:`rlserve.distributed.head_partition.attention_head_partition`).
     """
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}

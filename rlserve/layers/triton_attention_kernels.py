@@ -1,0 +1,230 @@
+"""The Triton kernels behind :mod:`rlserve.layers.triton_attention` (the paged KV write, the
+split-KV decode kernel and its merge, the FlashAttention-2 style prefill kernel): that module
+plans, checks and launches them, and its docstring says what each computes and how it rounds.
+Imported by it only when Triton is installed; with ``TRITON_INTERPRET=1`` set before this module
+is imported they run in Triton's interpreter (the CPU tests)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, KC, VC, SLOT,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    HEAD_DIM: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per token: copy its ``num_kv_heads * head_dim`` K and V values to
+    ``cache[slot]`` (cache viewed as ``[num_slots, num_kv_heads * head_dim]``)."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    h = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    # a padded token (slot < 0) writes nothing. Not ``(offs < N) & (slot >= 0)``: Triton 3.9's
+    # interpreter gives a block & scalar of int1 an int32 mask, which its load refuses
+    mask = offs < tl.where(slot >= 0, N, 0)
+    t64 = t.to(tl.int64)
+    k = tl.load(K + t64 * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(V + t64 * stride_vt + h * stride_vh + d, mask=mask)
+    dst = slot * stride_cs + offs
+    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+# stride_bt (the block-table width) and NUM_SPLITS change from step to step outside CUDA
+# graphs: not specialised, so one compilation serves every step (see fused_kernels)
+@triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"])
+def _decode_kernel(
+    Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE,
+    qk_scale,  # softmax scale x log2(e)
+    stride_qt, stride_qh,
+    stride_cs, stride_ch,  # cache: slot stride, kv-head stride (head_dim stride is 1)
+    stride_bt,
+    stride_ot, stride_oh,
+    NUM_HEADS, GROUP, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
+):
+    """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
+    (``i`` itself when not ``ORDERED``) x one split of its context."""
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(ORDER + b)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        Q + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    kv_off = kvh * stride_ch + d[None, :]
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(BT + b64 * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        slot = blk * PAGE + offs_n % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if not SPLIT:
+        tl.store(
+            OUT + b64 * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(OUT.dtype.element_ty), mask=o_mask,
+        )
+    else:
+        # partials: PART_O [B, H, NUM_SPLITS, D_PAD], PART_LSE [B, H, NUM_SPLITS] (log2 units)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        row = (b64 * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(PART_O + row[:, None] * D_PAD + d[None, :], o, mask=o_mask)
+        tl.store(PART_LSE + row, lse, mask=g_mask)
+
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _decode_reduce_kernel(
+    PART_O, PART_LSE, OUT,
+    stride_ot, stride_oh,
+    NUM_HEADS, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS, S_PAD: tl.constexpr,
+):
+    """Program ``(b, head)``: merge the splits, ``o = sum_s 2^(lse_s - M) o_s / sum_s
+    2^(lse_s - M)``; a row whose splits are all empty (context 0, graph padding) gets 0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < NUM_SPLITS
+    row0 = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(PART_LSE + row0 + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_safe))
+    o = tl.load(
+        PART_O + (row0 + s)[:, None] * D_PAD + d[None, :],
+        mask=s_mask[:, None] & (w > 0)[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
+    )
+    den = tl.sum(w, 0)
+    den = tl.where(den > 0, den, 1.0)
+    out = tl.sum(o * w[:, None], 0) / den
+    tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+
+@triton.jit
+def _prefill_tile(
+    q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-key step of the online softmax for a query tile (FlashAttention-2's
+    inner loop). ``MASKED``: apply the causal / length masks (diagonal tiles only)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < end
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    slot = blk * PAGE + offs_n % PAGE
+    k = tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # rows with nothing visible yet (padding rows) keep m = -inf: avoid inf - inf
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_cs, stride_ch,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program ``(m_tile, b, head)``: BLOCK_M query rows of one head of sequence b."""
+    mt = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(QSL + b)
+    q_len = tl.load(QSL + b + 1) - q_start
+    seq_len = tl.load(SEQ_LENS + b)
+    ctx = seq_len - q_len  # tokens before this step's first query (cached prefix)
+
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    q_pos = ctx + offs_m
+    # causal bound for this tile; a tile past the query's end does no work
+    end = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
+    end = tl.where(mt * BLOCK_M < q_len, end, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_bt
+    kv_off = kvh * stride_ch + d[None, :]
+    # keys below the tile's first query position are visible to every row: no masks
+    full_end = (ctx + mt * BLOCK_M) // BLOCK_N * BLOCK_N
+    full_end = tl.where(mt * BLOCK_M < q_len, full_end, 0)
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
+            PAGE, BLOCK_N, False, DOT_PRECISION,
+        )
+    # the diagonal band: causal and length masks
+    for n0 in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
+            PAGE, BLOCK_N, True, DOT_PRECISION,
+        )
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        OUT + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
