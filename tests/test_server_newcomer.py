@@ -17,18 +17,9 @@ from rlserve.cli import build_parser
 from rlserve.cli._help import HelpFormatter
 from rlserve.transfer import HTTPWeightSyncClient, WeightSyncHTTPError
 from tests.transfer_harness import InProcessServer, wrong_second_bucket_sum
-from tests.transfer_sync import trainer
+from tests.transfer_sync import llama, trainer  # noqa: F401 (llama: a fixture)
 
 TIMEOUT = 60.0
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_model):
-    from transformers import AutoModelForCausalLM
-    import torch
-
-    path = tiny_model("llama")
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

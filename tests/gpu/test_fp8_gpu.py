@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -33,6 +32,7 @@ from rlserve.layers.fp8 import (  # noqa: E402
     scaled_mm_supported,
 )
 from rlserve.layers.linear import ReplicatedLinear  # noqa: E402
+from tests.gpu.report import write_report  # noqa: E402
 
 DEV = torch.device("cuda")
 needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or not scaled_mm_supported(DEV),
@@ -56,11 +56,7 @@ def _operands(T, K, N, seed=0, dtype=torch.bfloat16):
 
 
 def _write_report():
-    out = os.environ.get("RLSERVE_GPU_REPORT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "fp8.json"), "w") as f:
-            json.dump(REPORT, f, indent=1)
+    write_report("fp8", REPORT)
 
 
 def test_quantization_bit_identical_on_gpu_and_cpu():

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from rlserve import LLM, SamplingParams  # noqa: E402
 from rlserve.layers.attention import get_attention_backend, set_attention_backend  # noqa: E402
+from tests.gpu.report import write_report  # noqa: E402
 from tests.tiny_models import ARCHS  # noqa: E402
 
 PROMPTS = [
@@ -168,10 +168,6 @@ def test_bf16_agreement_with_hf(tiny_model):
             row[name]["teacher_forced_top1"] = _teacher_forced(path, ids, ours, dt)
         report[arch] = row
     print("bf16 agreement:", json.dumps(report, indent=1))
-    out = os.environ.get("RLSERVE_GPU_REPORT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "bf16_agreement.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    write_report("bf16_agreement", report)
     for row in report.values():
         assert row["hf_fp32"]["teacher_forced_top1"] > 0.8

@@ -32,20 +32,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-REPORT: dict = {}
+from tests.gpu.report import gpu_report  # noqa: E402
+
 GiB = 2**30
 PROMPTS = [[1000 + 37 * i + j for j in range(24)] for i in range(8)]
 NEW = 32
 
 
 def _report(key, value):
-    REPORT[key] = value
-    print(f"[sleep-gpu] {key}: {value}", flush=True)
-    out = os.environ.get("RLSERVE_GPU_REPORT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "sleep.json"), "w") as f:
-            json.dump(REPORT, f, indent=1)
+    gpu_report("sleep", key, value)
 
 
 def _free() -> int:

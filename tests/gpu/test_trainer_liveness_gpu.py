@@ -19,8 +19,6 @@ Run: ``python -m pytest -q tests/gpu/test_trainer_liveness_gpu.py -s``
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -39,22 +37,16 @@ from rlserve.transfer import (  # noqa: E402
     WeightTransferTrainerFactory,
 )
 from tests.gpu import nccl_over_gloo  # noqa: E402
+from tests.gpu.report import gpu_report  # noqa: E402
 from tests.gpu.transfer_gpu_common import ROOT, generate, load_hf, serve  # noqa: E402
 from tests.transfer_harness import free_port, kill_trainer_script, killed_at  # noqa: E402
 
-REPORT: dict = {}
 GROUP_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 IPC_POINTS = ("after_start", "after_update")  # ipc: "after_update" = after the first bucket's call
 
 
 def _report(key, value):
-    REPORT[key] = value
-    print(f"[liveness-gpu] {key}: {value}")
-    out = os.environ.get("RLSERVE_GPU_REPORT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "liveness.json"), "w") as f:
-            json.dump(REPORT, f, indent=2, default=str)
+    gpu_report("liveness", key, value)
 
 
 def _full_sync(url, path, backend, device):

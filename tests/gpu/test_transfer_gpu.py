@@ -10,9 +10,7 @@ helpers: tests/gpu/transfer_gpu_common.py.
   unavailable (in place) and a re-init + full sync work;
 - per-tensor handles sent once then by reference, the fused copy + checksum, one-call syncs
   under load; the Triton multi-tensor checksum.
-
-Timings are printed and, when ``$RLSERVE_GPU_REPORT`` is set, written to
-``$RLSERVE_GPU_REPORT/transfer.json``.
+Timings: ``transfer_gpu_common._report`` (``$RLSERVE_GPU_REPORT/transfer.json``).
 """
 
 from __future__ import annotations
@@ -38,16 +36,8 @@ from rlserve.transfer import (  # noqa: E402
 )
 from rlserve.transfer.wire.ipc import export_handle  # noqa: E402
 from rlserve.transfer.wire.packing import checksum  # noqa: E402
-from tests.gpu.transfer_gpu_common import (  # noqa: E402
-    N_TOK,
-    PROMPTS,
-    ROOT,
-    _report,
-    generate,
-    hf_greedy,
-    load_hf,
-    serve,
-)
+from tests.gpu.transfer_gpu_common import (N_TOK, PROMPTS, ROOT, _report, generate, hf_greedy,  # noqa: E402
+                                            load_hf, serve)
 
 
 # --------------------------------------------------------------------------- IPC

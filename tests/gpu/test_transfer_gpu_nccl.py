@@ -8,9 +8,7 @@ helpers: tests/gpu/transfer_gpu_common.py.
   communicator abort: the server process survives), re-init works; TP=2 server + trainer on a
   third GPU when there are >= 3;
 - the CUDA side of ``send_packed`` (in-place and packed buckets) against a recording group.
-
-Timings are printed and, when ``$RLSERVE_GPU_REPORT`` is set, written to
-``$RLSERVE_GPU_REPORT/transfer.json``.
+Timings: ``transfer_gpu_common._report`` (``$RLSERVE_GPU_REPORT/transfer.json``).
 """
 
 from __future__ import annotations
@@ -35,17 +33,8 @@ from rlserve.transfer import (  # noqa: E402
 )
 from rlserve.transfer.sdk.trainer import WeightSyncHTTPError  # noqa: E402
 from tests.gpu import nccl_over_gloo  # noqa: E402
-from tests.gpu.transfer_gpu_common import (  # noqa: E402
-    PROMPTS,
-    ROOT,
-    _report,
-    generate,
-    hf_greedy,
-    load_hf,
-    needs_2,
-    needs_3,
-    serve,
-)
+from tests.gpu.transfer_gpu_common import (PROMPTS, ROOT, _report, generate, hf_greedy, load_hf,  # noqa: E402
+                                            needs_2, needs_3, serve)
 from tests.transfer_harness import free_port, wrong_second_bucket_sum  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from rlserve.transfer import ModuleSource, hf_state_checksums  # noqa: E402
-from tests.gpu.transfer_gpu_common import PROMPTS, ROOT, _report, generate, hf_greedy, load_hf, serve  # noqa: E402
+from tests.gpu.transfer_gpu_common import PROMPTS, _report, generate, hf_greedy, load_hf, serve  # noqa: E402
 from tests.transfer_harness import free_port  # noqa: E402
 
 VLLM_PATH = os.environ.get("RLSERVE_VLLM_PYTHONPATH")

@@ -15,23 +15,18 @@ import pytest
 import torch
 
 from rlserve.server.testing import ServerProcess
+from tests.gpu.report import gpu_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPORT: dict = {}
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
 N_TOK = 6
 needs_2 = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one rank per GPU)")
 needs_3 = pytest.mark.skipif(torch.cuda.device_count() < 3, reason="TP=2 server + trainer needs three GPUs")
 
 
-def _report(key, value):
-    REPORT[key] = value
-    print(f"[transfer-gpu] {key}: {value}")
-    out = os.environ.get("RLSERVE_GPU_REPORT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "transfer.json"), "w") as f:
-            json.dump(REPORT, f, indent=2, default=str)
+def _report(key: str, value) -> None:
+    """:func:`tests.gpu.report.gpu_report` into ``transfer.json``."""
+    gpu_report("transfer", key, value)
 
 
 def load_hf(path, device, dtype=torch.float32, scale=0.3):
