@@ -5,6 +5,7 @@ in test_transfer_e2e.py; benchmarks/kill_matrix.py prints the times."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -39,7 +40,10 @@ def _wait_gone(watch: StoreLiveness, limit_s: float) -> str:
     return watch.gone()
 
 
-def test_store_liveness_notices_a_killed_process():
+@contextlib.contextmanager
+def _watched_store_host():
+    """A TCPStore host in a subprocess and a started :class:`StoreLiveness` connected to it:
+    ``(process, its port, the watch)``. The process is killed at the end."""
     proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
                             preexec_fn=parent_death_signal())
     try:
@@ -47,6 +51,14 @@ def test_store_liveness_notices_a_killed_process():
         watch = StoreLiveness("127.0.0.1", port)
         watch.start()
         assert watch.wait_connected(30)
+        yield proc, port, watch
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_store_liveness_notices_a_killed_process():
+    with _watched_store_host() as (proc, port, watch):
         time.sleep(0.5)
         assert watch.gone() is None  # alive: the silent connection stays open
         os.kill(proc.pid, signal.SIGKILL)
@@ -57,9 +69,6 @@ def test_store_liveness_notices_a_killed_process():
         assert "closed its connection: the trainer process died" in reason and str(port) in reason
         watch.stop()
         watch.join(30)
-    finally:
-        proc.kill()
-        proc.wait(30)
 
 
 def test_store_liveness_keeps_alive_a_silent_connection_and_sets_keepalive(monkeypatch):
@@ -108,21 +117,12 @@ def test_store_liveness_nothing_listening():
 
 
 def test_stopped_watch_reports_nothing():
-    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=parent_death_signal())
-    try:
-        port = int(proc.stdout.readline())
-        watch = StoreLiveness("127.0.0.1", port)
-        watch.start()
-        assert watch.wait_connected(30)
+    with _watched_store_host() as (proc, _port, watch):
         watch.stop()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         watch.join(30)
         assert watch.gone() is None  # the manager stopped it (the group was torn down first)
-    finally:
-        proc.kill()
-        proc.wait(30)
 
 
 def test_abort_ends_a_receive_the_peer_never_sends():
