@@ -134,6 +134,40 @@ def test_stream_completion_chunks_have_vllms_keys(server):
     assert "".join(c["text"] for c in choices) == full["text"]
 
 
+def test_stream_continuous_usage_stats(server):
+    """``stream_options: {include_usage, continuous_usage_stats}`` (vLLM's): every chunk carries
+    the usage so far -- chat: the role chunk 0 completion tokens and vLLM's
+    ``completion_tokens_details: null``, then the tokens generated so far, rising to the total;
+    completions: the same counts -- and the last chunk the request's usage; without
+    ``include_usage`` the flag does nothing (as in vLLM)."""
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, last = _sse(server.url + "/v1/chat/completions", chat)
+    n_prompt = len(chunks[0]["prompt_token_ids"])
+    assert chunks[0]["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt,
+                                  "completion_tokens_details": None}
+    sent = 0
+    for ch in chunks[1:]:
+        sent += len(ch["choices"][0]["token_ids"])
+        assert ch["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": sent, "total_tokens": n_prompt + sent,
+                               "completion_tokens_details": None}, ch
+    assert sent == 12 and last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12}
+    comp = {"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, last = _sse(server.url + "/v1/completions", comp)
+    n_prompt = len(chunks[0]["choices"][0]["prompt_token_ids"])
+    sent = 0
+    for ch in chunks:
+        sent += len(ch["choices"][0]["token_ids"])
+        assert ch["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": sent, "total_tokens": n_prompt + sent}
+    assert sent == 12 and last["usage"]["completion_tokens"] == 12
+    for route, body in (("/v1/chat/completions", chat), ("/v1/completions", comp)):
+        only = dict(body, stream_options={"continuous_usage_stats": True})
+        assert all("usage" not in ch for ch in _sse(server.url + route, only)), route
+
+
 #: a body for each route that encodes text: (route, body)
 ENCODING_ROUTES = [
     ("/tokenize", {"prompt": "Hello world"}),

@@ -81,10 +81,13 @@ def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoin
     assert sum(result["input_lens"]) == result["total_input_tokens"]
     assert all(n >= INPUT_LEN for n in result["input_lens"]), result["input_lens"]
     assert all(text for text in result["generated_texts"])
-    # one chunk per engine step: the first token, then at most OUTPUT_LEN - 1 inter-token gaps
-    assert all(1 <= len(itl) <= OUTPUT_LEN - 1 for itl in result["itls"]), result["itls"]
+    # at most one chunk per engine step: the first token, then at most OUTPUT_LEN - 1 inter-token
+    # gaps (fewer when the API process sends several steps' tokens at once, as on a loaded machine:
+    # a request whose 8 tokens all came in one event has no gap at all)
+    assert all(len(itl) <= OUTPUT_LEN - 1 for itl in result["itls"]), result["itls"]
     assert all(t > 0 for t in result["ttfts"])
-    for name in ("ttft", "tpot", "itl", "e2el"):
+    timed = ("ttft", "tpot", "e2el") + (("itl",) if any(result["itls"]) else ())
+    for name in timed:
         assert result[f"mean_{name}_ms"] > 0 and result[f"p99_{name}_ms"] >= result[f"median_{name}_ms"] > 0, name
     # the server counted the same tokens (the benchmark sent nothing else: no ready check, no warm-up)
     gen = re.search(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
