@@ -264,6 +264,18 @@ def test_dummy_load_shapes_and_finite_outputs(arch, tiny_dirs):
 
 # ---- tensor parallelism over gloo (2 CPU processes) -------------------------------------
 
+def _prefill_and_decode(path):
+    """The logits of a 2-sequence prefill (5 and 3 tokens) and of one decode step after it, of
+    the model at ``path`` under the calling thread's TP state: ``(prefill, decode)``."""
+    model, cfg = _load(path)
+    _bind_cache(model)
+    seqs = _prompts(cfg.vocab_size, lens=(5, 3))
+    logits = _run_step(model, seqs, [5, 3], [[0, 1], [2]])
+    seqs[0].append(7)
+    seqs[1].append(9)
+    return logits, _run_step(model, seqs, [1, 1], [[0, 1], [2]])
+
+
 def _tp_worker(rank: int, world: int, port: int, paths: list[str], results: dict) -> None:
     from rlserve.distributed.group import StandaloneGroup
     from rlserve.distributed.parallel_state import tp_context
@@ -272,14 +284,7 @@ def _tp_worker(rank: int, world: int, port: int, paths: list[str], results: dict
     try:
         with tp_context(rank, world, group):
             for i, path in enumerate(paths):
-                model, cfg = _load(path)
-                _bind_cache(model)
-                seqs = _prompts(cfg.vocab_size, lens=(5, 3))
-                logits = _run_step(model, seqs, [5, 3], [[0, 1], [2]])
-                seqs[0].append(7)
-                seqs[1].append(9)
-                dec = _run_step(model, seqs, [1, 1], [[0, 1], [2]])
-                results[(i, rank)] = (logits, dec)
+                results[(i, rank)] = _prefill_and_decode(path)
     except BaseException as e:  # surfaced by the test
         results[("error", rank)] = e
         raise
@@ -315,13 +320,7 @@ def test_tensor_parallel_2_matches_tp1(tmp_path, tiny_dirs):
     if errors:
         raise errors[0]
     for i, path in enumerate(paths):
-        model, cfg = _load(path)
-        _bind_cache(model)
-        seqs = _prompts(cfg.vocab_size, lens=(5, 3))
-        ref = _run_step(model, seqs, [5, 3], [[0, 1], [2]])
-        seqs[0].append(7)
-        seqs[1].append(9)
-        ref_dec = _run_step(model, seqs, [1, 1], [[0, 1], [2]])
+        ref, ref_dec = _prefill_and_decode(path)
         for rank in range(2):
             got, got_dec = results[(i, rank)]
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -26,7 +26,7 @@ from rlserve.transfer import (
     hf_state_checksums,
 )
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer, free_port, wait_for_state
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
     SHARED_KW,
@@ -154,9 +154,7 @@ def test_out_of_order_calls_409(llama, shared):
         th = threading.Thread(target=lambda: first.setdefault("r", httpx.post(
             srv.url + "/update_weights", json={"update_info": body}, timeout=60)))
         th.start()
-        deadline = time.monotonic() + 10
-        while httpx.get(srv.url + "/weight_info").json()["state"] != "update" and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for_state(srv.url, "update")
         with pytest.raises(WeightSyncConflictError, match="still running"):
             c.update_weights(body)
         with pytest.raises(WeightSyncConflictError, match="still running"):
@@ -210,9 +208,7 @@ def test_idle_session_is_abandoned(llama, shared):
         eng = trainer(srv.url, hf, timeout_s=1.0)
         eng.client.start_weight_update()
         assert srv.aengine.is_paused()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and httpx.get(srv.url + "/weight_info").json()["state"] != "uninitialized":
-            time.sleep(0.1)
+        wait_for_state(srv.url, "uninitialized")  # the watchdog (timeout_s 1) abandoned the idle session
         assert not srv.aengine.is_paused()  # the watchdog resumed generation
         assert server_greedy(srv.url).status_code == 200  # nothing was loaded: still available
 

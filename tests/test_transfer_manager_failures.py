@@ -16,7 +16,7 @@ import torch
 
 from rlserve.transfer import ModuleSource, WeightSyncHTTPError, hf_state_checksums
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port, wrong_second_bucket_sum
+from tests.transfer_harness import InProcessServer, free_port, wait_for_state, wrong_second_bucket_sum
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
     StallingSource,
@@ -278,10 +278,7 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama, shar
         def pending() -> threading.Thread:
             th = threading.Thread(target=bogus_init)
             th.start()
-            deadline = time.monotonic() + 60
-            while httpx.get(srv.url + "/weight_info").json()["state"] != "init":
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for_state(srv.url, "init")
             return th
 
         th = pending()

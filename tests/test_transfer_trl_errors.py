@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer, free_port, wait_for_state
 
 T = 60.0
 
@@ -47,10 +47,7 @@ def test_update_named_param_after_the_trl_group_was_torn_down_is_409(llama_path)
         trl = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=60)
         trl.init_communicator()
         trl.http.update_named_param(**named)  # its broadcast never follows
-        deadline = time.monotonic() + T
-        while httpx.get(srv.url + "/weight_info", timeout=T).json()["state"] != "update":
-            assert time.monotonic() < deadline, "the receive never started"
-            time.sleep(0.02)
+        wait_for_state(srv.url, "update", T)  # the receive started
         assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
         _wait_trl_error(srv.url)
         err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
@@ -69,10 +66,7 @@ def test_update_named_param_after_the_trl_group_was_torn_down_is_409(llama_path)
         r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": free_port(),
                                                               "world_size": 2}, timeout=T)
         assert r.status_code == 200, r.text
-        deadline = time.monotonic() + T
-        while httpx.get(srv.url + "/weight_info", timeout=T).json()["state"] != "init":
-            assert time.monotonic() < deadline, "the rendezvous never started"
-            time.sleep(0.02)
+        wait_for_state(srv.url, "init", T)  # the rendezvous started
         assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
         _wait_trl_error(srv.url)
         err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)

@@ -70,6 +70,19 @@ class InProcessServer:
         self.close()
 
 
+def wait_for_state(url: str, state: str, timeout_s: float = 60.0) -> None:
+    """Poll the server's ``GET /weight_info`` every 20 ms until its ``state`` is ``state``
+    (``"init"``, ``"update"``, ``"uninitialized"``, ...).
+
+    Raises:
+        AssertionError: not reached within ``timeout_s`` seconds (the last state seen is named).
+    """
+    deadline = time.monotonic() + timeout_s
+    while (now := httpx.get(url + "/weight_info", timeout=timeout_s).json()["state"]) != state:
+        assert time.monotonic() < deadline, f"weight_info state {now!r}, not {state!r}, after {timeout_s} s"
+        time.sleep(0.02)
+
+
 def load_hf(path, scale=0.3, seed=0):
     """The trainer's model: the tiny checkpoint at ``path`` plus ``scale`` x N(0, 1) noise drawn
     from ``seed`` (tiny random models otherwise repeat one token greedily, which would make output
