@@ -134,6 +134,29 @@ def test_stream_completion_chunks_have_vllms_keys(server):
     assert "".join(c["text"] for c in choices) == full["text"]
 
 
+def test_answers_have_vllms_token_id_keys(server):
+    """Non-streamed answers carry vLLM 0.32's keys (its Completion/ChatCompletionResponse dumped
+    whole) for what rlserve supports: completions ``token_ids``, ``prompt_logprobs``,
+    ``prompt_token_ids`` per choice, chat ``token_ids`` per choice and ``prompt_token_ids`` on
+    the answer -- null when not asked for, the values when asked."""
+    comp = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    (c,) = httpx.post(server.url + "/v1/completions", json=comp, timeout=TIMEOUT).json()["choices"]
+    assert (c["token_ids"], c["prompt_logprobs"], c["prompt_token_ids"]) == (None, None, None), c
+    asked = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                       json=dict(comp, return_token_ids=True, prompt_logprobs=0)).json()["choices"][0]
+    ids = server.app.state.rlserve.tokenizer.encode("Hello there")
+    assert asked["prompt_token_ids"] == ids and len(asked["token_ids"]) == 4
+    assert asked["prompt_logprobs"][0] is None and len(asked["prompt_logprobs"]) == len(ids)
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
+    assert r["prompt_token_ids"] is None and r["choices"][0]["token_ids"] is None, r
+    asked = httpx.post(server.url + "/v1/chat/completions", json=dict(chat, return_token_ids=True),
+                       timeout=TIMEOUT).json()
+    assert len(asked["prompt_token_ids"]) == asked["usage"]["prompt_tokens"]
+    assert len(asked["choices"][0]["token_ids"]) == 4 and asked["choices"][0]["message"] == r["choices"][0]["message"]
+
+
 def test_stream_continuous_usage_stats(server):
     """``stream_options: {include_usage, continuous_usage_stats}`` (vLLM's): every chunk carries
     the usage so far -- chat: the role chunk 0 completion tokens and vLLM's

@@ -14,7 +14,8 @@ Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
   produced the last token), ``weight_versions`` (every version seen while generating: more
   than one when a request spanned an update), ``stop_reason``; with ``return_token_ids``:
   ``token_ids`` per choice and ``prompt_token_ids``; ``prompt_logprobs`` in vLLM's form
-  (``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``).
+  (``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``). As in vLLM 0.32's
+  answers, those keys are there (null) when not asked for.
 
 Any other field is a 400 naming it (``code`` ``unknown_field``); ``model`` may be omitted (one
 model is served).
@@ -206,15 +207,15 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                                                        as_ids=as_ids)
                 elif body.logprobs is not None:
                     lp = state.completion_logprobs(c.token_ids, c.logprobs, as_ids=as_ids)
-                choice = {"index": i * n + c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason, "weight_version": getattr(out, "weight_version", None)}
-                if body.return_token_ids:
-                    choice["prompt_token_ids"] = list(ids)
-                    choice["token_ids"] = list(c.token_ids)
-                if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = state.prompt_logprobs_json(
-                        ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None), as_ids)
-                choices.append(choice)
+                # vLLM's keys (its CompletionResponseChoice, dumped whole): null when not asked for
+                plp = (state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
+                                                  as_ids) if body.prompt_logprobs is not None else None)
+                choices.append({"index": i * n + c.index, "text": text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                "token_ids": list(c.token_ids) if body.return_token_ids else None,
+                                "prompt_logprobs": plp,
+                                "prompt_token_ids": list(ids) if body.return_token_ids else None,
+                                "weight_version": getattr(out, "weight_version", None)})
         version, versions = weight_versions(finals)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
@@ -264,19 +265,16 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                 "logprobs": state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
                 if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": list(c.token_ids) if body.return_token_ids else None,  # vLLM's keys: null unless asked
                 "weight_version": getattr(out, "weight_version", None),
             }
-            if body.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
         version, versions = weight_versions([out])
-        resp = {
+        return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_json(len(ids), sum(len(c.token_ids) for c in out.outputs)),
+            "prompt_token_ids": list(ids) if body.return_token_ids else None,
             "weight_version": version, "weight_versions": versions,
-        }
-        if body.return_token_ids:
-            resp["prompt_token_ids"] = list(ids)
-        return JSONResponse(resp)
+        })
 
     return router
