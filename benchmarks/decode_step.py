@@ -9,7 +9,8 @@ tokens, this measures:
   over ``--iters`` steps. Both with CUDA graphs and eager (the same runner with graphs
   switched off), so the two are directly comparable.
 - ``engine`` (``--engine-steps``): a full ``LLMEngine.step()`` in steady decode
-  (scheduling, inputs, forward, sampling at temperature 0.6, output bookkeeping). By
+  (scheduling, inputs, forward, sampling at temperature 0.6, output bookkeeping;
+  ``--profile-engine`` prints the GPU kernel table of 5 more steps). By
   default as offline ``generate`` and non-streamed requests run it (``outputs_for=()``:
   outputs are built for finished requests only); ``--engine-outputs all`` builds a
   cumulative output for every request every step, as for streamed requests (the
@@ -270,7 +271,9 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
 def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
     """Median wall time of ``engine.step()`` with B sequences in steady decode."""
     g = torch.Generator().manual_seed(B)
-    n = args.engine_steps + 8
+    profile = (args.profile_engine and eng.device.type == "cuda"
+               and B in (args.profile_batches or [max(args.batch)]))
+    n = args.engine_steps + 8 + (5 if profile else 0)
     for i in range(B):
         prompt = torch.randint(0, vocab, (ctx - 1,), generator=g).tolist()
         eng.add_request(f"b{B}-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
@@ -285,6 +288,14 @@ def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
         t0 = time.perf_counter()
         eng.step(outputs_for=outputs_for)
         times.append(time.perf_counter() - t0)
+    if profile:  # the whole step's GPU kernels: forward, LM head, sampler, copies
+        from kernel_table import profile_kernels
+
+        def five():
+            for _ in range(5):
+                eng.step(outputs_for=outputs_for)
+
+        profile_kernels(five, f"engine step B={B}, 5 steps", 40)
     eng.abort_all()
     return statistics.median(times)
 
@@ -419,7 +430,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="with --kernels: tile-configuration sweeps")
     ap.add_argument("--profile", action="store_true", help="profile the largest batch of each shape")
     ap.add_argument("--profile-batches", default=None,
-                    help="with --profile: the batch sizes to profile (default: the largest)")
+                    help="with --profile / --profile-engine: the batch sizes to profile (default: the largest)")
+    ap.add_argument("--profile-engine", action="store_true",
+                    help="with --engine-steps: kernel table of 5 engine steps (forward, LM head, sampler)")
     ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows")
     ap.add_argument("--gemm-rows", default="1,16,64,128,256,8192")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")

@@ -73,16 +73,21 @@ def _rope(head_dim, rotary_dim):
     return RotaryEmbedding(head_dim, rotary_dim, 64, {"rope_type": "default", "rope_theta": 10000.0})
 
 
-@pytest.mark.parametrize("dtype,qk_norm,head_dim,rotary_dim,many", [
-    (dt, *case, False) for dt in (torch.float32, torch.float16)
+@pytest.mark.parametrize("dtype,qk_norm,head_dim,rotary_dim,variant", [
+    (dt, *case, "heads") for dt in (torch.float32, torch.float16)
     for case in ((True, 32, 32), (False, 32, 32), (False, 48, 24))
-] + [(torch.float16, True, 32, 32, True)])
-def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, many, fused_on_cpu, monkeypatch):
-    """``many``: the long-batch variant (several tokens per program; 6 tokens over programs
-    of 4, so the last program is partly past the batch)."""
-    if many:
+] + [(torch.float16, True, 32, 32, v) for v in ("heads4", "per_head", "many")])
+def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, variant, fused_on_cpu, monkeypatch):
+    """``variant``: ``heads`` the decode-batch kernel (the 6 heads of a token in one tile of 8,
+    two rows masked), ``heads4`` the same in tiles of 4 (the second tile holds the key heads
+    and two masked rows), ``per_head`` one program per token and head, ``many`` the
+    long-batch variant (several tokens per program; 6 tokens over programs of 4, so the last
+    program is partly past the batch)."""
+    if variant == "many":
         monkeypatch.setattr(fused_ops, "_QKV_MANY_TOKENS", 4)
         monkeypatch.setattr(fused_ops, "_QKV_TOKENS_PER_PROGRAM", 4)
+    if variant in ("heads4", "per_head"):
+        monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", 4 if variant == "heads4" else 1)
     H, Hkv, T, P, nb = 4, 2, 6, 4, 8
     g = torch.Generator().manual_seed(head_dim + rotary_dim + qk_norm)
     qkv = torch.randn(T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)

@@ -11,9 +11,9 @@ ties) and its raw logprob is ``logit - logsumexp(logits)``; both come out of one
 the logits (:func:`rlserve.layers.fused_kernels._sample_partial_kernel` over vocabulary
 chunks, then a per-row merge).
 
-Randomness: Philox (``tl.randint4x``: four draws per counter, vocabulary entry ``v`` takes
-one of the draws at counter ``offset + v // 4`` -- the exact map is in the kernel's
-docstring). A row with a ``seed`` is keyed by :func:`~rlserve.engine.sampler.derive_seed`
+Randomness: Philox (``tl.randint4x``: four draws per counter; in each block of ``_BLOCK``
+entries starting at ``v0``, entry ``v`` takes draw ``(v - v0) // (_BLOCK / 4)`` of counter
+``offset + v0 / 4 + (v - v0) % (_BLOCK / 4)`` -- the kernel's docstring has the map). A row with a ``seed`` is keyed by :func:`~rlserve.engine.sampler.derive_seed`
 ``(seed, len(output_token_ids))`` at offset 0, so its token depends only on its own logits,
 seed and position, as in the general path. Unseeded rows share a key drawn per call from a
 ``random.Random`` seeded with the sampler's ``generator_seed`` (reproducible per engine seed,

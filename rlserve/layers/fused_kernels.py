@@ -116,6 +116,64 @@ def _qkv_norm_rope_write_kernel(
                     tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=d_mask)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _qkv_norm_rope_write_heads_kernel(
+    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT,
+    stride_t, stride_qo, stride_cs,
+    NUM_HEADS, NUM_KV_HEADS, eps, T,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """Program ``(t, g)``: heads ``[g*HEADS, (g+1)*HEADS)`` of token ``t`` as one
+    ``[HEADS, D_PAD]`` tile, counting the ``NUM_HEADS`` query heads first and the
+    ``NUM_KV_HEADS`` key heads after them (their order in ``QKV``); the same arithmetic as
+    :func:`_norm_rope_head`, row by row. Query rows go to ``Q_OUT``, key rows (normed,
+    rotated) and the matching value heads to ``cache[slot]`` (skipped for ``slot < 0``).
+    Decode batches: one program per token and head (``_qkv_norm_rope_write_kernel`` with one
+    token) ran ~10,000 one-warp programs per Qwen3-8B layer at batch 256 (8.2 us per call on
+    an H200, 2026-12-02), bound by the programs' dependent loads, not by bytes."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_mask = h < NUM_HEADS + NUM_KV_HEADS
+    is_q = h < NUM_HEADS
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    rot_mask = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)[None, :]
+    dt = QKV.dtype.element_ty
+    pos = tl.load(POS + t).to(tl.int64)
+    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    row = QKV + t * stride_t
+    m2 = h_mask[:, None] & d_mask[None, :]
+    mr = h_mask[:, None] & rot_mask[None, :]
+    x = tl.load(row + h[:, None] * HEAD_DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    xp = tl.load(row + h[:, None] * HEAD_DIM + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.where(is_q[:, None], tl.load(QW + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
+                     tl.load(KW + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+        wp = tl.where(is_q[:, None], tl.load(QW + partner, mask=rot_mask, other=0.0).to(tl.float32)[None, :],
+                      tl.load(KW + partner, mask=rot_mask, other=0.0).to(tl.float32)[None, :])
+        x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    a = (x * cos).to(dt).to(tl.float32)
+    b = (xp * sin).to(dt).to(tl.float32)
+    y = tl.where(rot_mask[None, :], (a + sign * b).to(dt).to(tl.float32), x)
+    tl.store(Q_OUT + t * stride_qo + h[:, None] * HEAD_DIM + d[None, :], y.to(Q_OUT.dtype.element_ty),
+             mask=m2 & is_q[:, None])
+    slot = tl.load(SLOT + t).to(tl.int64)
+    if slot >= 0:
+        mk = m2 & (h >= NUM_HEADS)[:, None]
+        dst = slot * stride_cs + (h - NUM_HEADS)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=mk)
+        # value head kvh sits at (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM = (h + NUM_KV_HEADS) * HEAD_DIM
+        v = tl.load(row + (h + NUM_KV_HEADS)[:, None] * HEAD_DIM + d[None, :], mask=mk, other=0.0)
+        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mk)
+
+
 @triton.jit
 def _log(x, FAST: tl.constexpr):
     """Natural log: ``lg2.approx`` (~2^-22 relative error, a few instructions) when ``FAST``,
@@ -126,22 +184,44 @@ def _log(x, FAST: tl.constexpr):
         return tl.log(x)
 
 
+@triton.jit
+def _lse_step(m, s, x):
+    """One element per lane into per-lane running (max, sum of ``exp(x - max)``) with one
+    ``exp``: ``exp(-|x - m|)`` rescales the sum when ``x`` is the new max and is the new term
+    otherwise. ``x = -inf`` adds nothing (also while ``m`` is still ``-inf``)."""
+    d = x - m
+    e = tl.where(x > -float("inf"), tl.exp(-tl.abs(d)), 0.0)
+    return tl.maximum(m, x), tl.where(d > 0, s * e + 1.0, s + e)
+
+
+@triton.jit
+def _argmax_step(best, best_i, score, idx):
+    """Per-lane running max of ``score`` and its index (strictly greater: a lane keeps its first
+    maximum, the lowest index, since a lane's indices only grow)."""
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, idx, best_i)
+
+
 @triton.jit(do_not_specialize=["CHUNK", "S"], do_not_specialize_on_alignment=["SEED", "ROW_OFF"])
 def _sample_partial_kernel(
     LOGITS, stride_l, V, CHUNK, TEMP, SEED, ROW_OFF, PART_F, PART_I, S,
     BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     """Program ``(b, c)``: vocabulary chunk ``[c*CHUNK, (c+1)*CHUNK)`` of row ``b`` (``CHUNK`` a
-    multiple of ``BLOCK``). Keeps the running max and sum of ``exp`` of the raw logits (for
-    their log-sum-exp) and the running argmax of ``logits / T + Gumbel`` (``T == 0``: of the
-    logits themselves, no noise drawn). The Gumbel noise ``-log(-log(u))`` takes ``u`` from
-    Philox keyed by the row's seed: one ``randint4x`` call at counter ``ROW_OFF[b] + v0 / 4 +
-    j`` gives the four draws of the vocabulary entries ``v0 + 4j .. v0 + 4j + 3`` of the block
-    starting at ``v0`` (a multiple of ``BLOCK``), so the noise of an entry does not depend on
-    the chunking, and Philox runs once per four entries (``tl.rand`` ran it once per entry: its
-    integer multiplies bounded this kernel, 158 us per call over the offline workload on an
-    H200, 2026-12-02). Writes ``PART_F[b, c] = (max, sum, best score)`` and ``PART_I[b, c] =
-    best index``."""
+    multiple of ``BLOCK``), read as four sub-blocks of ``Q = BLOCK / 4`` entries per block.
+    Keeps per lane (one of ``Q``) the running max and sum of ``exp`` of the raw logits (for
+    their log-sum-exp) and the running max of ``logits / T + Gumbel`` with its index
+    (``T == 0``: of the logits themselves, no noise drawn), and merges the lanes once at the
+    end. The Gumbel noise ``-log(-log(u))`` takes ``u`` from Philox keyed by the row's seed:
+    one ``randint4x`` call at counter ``ROW_OFF[b] + v0 / 4 + j`` gives the four draws of the
+    vocabulary entries ``v0 + j``, ``v0 + Q + j``, ``v0 + 2Q + j`` and ``v0 + 3Q + j`` of the
+    block starting at ``v0`` (a multiple of ``BLOCK``), so the noise of an entry does not
+    depend on the chunking, and Philox runs once per four entries. Writes ``PART_F[b, c] =
+    (max, sum, best score)`` and ``PART_I[b, c] = best index`` (the lowest index among equal
+    best scores). Per-lane state replaced four cross-warp reductions per block and the
+    interleaving of the four draws into one vector (was 145.6 us per call at batch 256 on an
+    H200, 2026-12-02; BENCHMARKS.md, issue 16, ninth session)."""
+    Q: tl.constexpr = BLOCK // 4
     b = tl.program_id(0)
     c = tl.program_id(1)
     row = LOGITS + b.to(tl.int64) * stride_l
@@ -150,37 +230,50 @@ def _sample_partial_kernel(
     off0 = tl.load(ROW_OFF + b)
     greedy = t == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
-    m = -float("inf")
-    s = 0.0
-    best = -float("inf")
-    best_i = 0
+    lane = tl.arange(0, Q)
+    m = tl.full([Q], -float("inf"), tl.float32)
+    s = tl.zeros([Q], tl.float32)
+    best = tl.full([Q], -float("inf"), tl.float32)
+    best_i = tl.zeros([Q], tl.int32)
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < hi
-        x = tl.load(row + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(x - m_new), 0.0), 0)
-        m = m_new
+        i0 = start + lane
+        i1 = i0 + Q
+        i2 = i1 + Q
+        i3 = i2 + Q
+        x0 = tl.load(row + i0, mask=i0 < hi, other=-float("inf")).to(tl.float32)
+        x1 = tl.load(row + i1, mask=i1 < hi, other=-float("inf")).to(tl.float32)
+        x2 = tl.load(row + i2, mask=i2 < hi, other=-float("inf")).to(tl.float32)
+        x3 = tl.load(row + i3, mask=i3 < hi, other=-float("inf")).to(tl.float32)
+        m, s = _lse_step(m, s, x0)
+        m, s = _lse_step(m, s, x1)
+        m, s = _lse_step(m, s, x2)
+        m, s = _lse_step(m, s, x3)
         if greedy:
-            score = x
+            best, best_i = _argmax_step(best, best_i, x0, i0)
+            best, best_i = _argmax_step(best, best_i, x1, i1)
+            best, best_i = _argmax_step(best, best_i, x2, i2)
+            best, best_i = _argmax_step(best, best_i, x3, i3)
         else:
-            ctr = (off0 + start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
-            r0, r1, r2, r3 = tl.randint4x(seed, ctr)
-            r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
-            u = tl.random.uint_to_uniform_float(r)
-            score = x * inv_t - _log(-_log(u, FAST_LOG), FAST_LOG)
-        score = tl.where(mask, score, -float("inf"))
-        blk = tl.max(score, 0)
-        take = blk > best
-        best_i = tl.where(take, start + tl.argmax(score, 0), best_i)
-        best = tl.where(take, blk, best)
+            r0, r1, r2, r3 = tl.randint4x(seed, (off0 + start // 4 + lane).to(tl.uint32))
+            g0 = -_log(-_log(tl.random.uint_to_uniform_float(r0), FAST_LOG), FAST_LOG)
+            g1 = -_log(-_log(tl.random.uint_to_uniform_float(r1), FAST_LOG), FAST_LOG)
+            g2 = -_log(-_log(tl.random.uint_to_uniform_float(r2), FAST_LOG), FAST_LOG)
+            g3 = -_log(-_log(tl.random.uint_to_uniform_float(r3), FAST_LOG), FAST_LOG)
+            best, best_i = _argmax_step(best, best_i, tl.where(i0 < hi, x0 * inv_t + g0, -float("inf")), i0)
+            best, best_i = _argmax_step(best, best_i, tl.where(i1 < hi, x1 * inv_t + g1, -float("inf")), i1)
+            best, best_i = _argmax_step(best, best_i, tl.where(i2 < hi, x2 * inv_t + g2, -float("inf")), i2)
+            best, best_i = _argmax_step(best, best_i, tl.where(i3 < hi, x3 * inv_t + g3, -float("inf")), i3)
+    mx = tl.max(m, 0)
+    total = tl.sum(tl.where(m > -float("inf"), s * tl.exp(m - mx), 0.0), 0)
+    top = tl.max(best, 0)
+    top_i = tl.min(tl.where(best == top, best_i, 2147483647), 0)
     base = (b * S + c) * 3
-    tl.store(PART_F + base, m)
-    tl.store(PART_F + base + 1, s)
-    tl.store(PART_F + base + 2, best)
-    tl.store(PART_I + b * S + c, best_i)
+    tl.store(PART_F + base, mx)
+    tl.store(PART_F + base + 1, total)
+    tl.store(PART_F + base + 2, top)
+    tl.store(PART_I + b * S + c, top_i)
 
 
 @triton.jit(do_not_specialize=["S"])

@@ -96,6 +96,11 @@ def _kernels():
 # the model runner's warm-up compiles both variants.
 _QKV_MANY_TOKENS = 1024
 _QKV_TOKENS_PER_PROGRAM = 8
+# Shorter (decode) batches: each program takes this many heads of one token as one tile
+# (``_qkv_norm_rope_write_heads_kernel``); RLSERVE_QKV_HEADS_PER_PROGRAM=1 keeps one program per
+# token and head (A/B runs). Qwen3-8B, batch 256, one H200: numbers in BENCHMARKS.md (issue 16,
+# ninth session).
+_QKV_HEADS_PER_PROGRAM = int(os.environ.get("RLSERVE_QKV_HEADS_PER_PROGRAM", "8"))
 
 
 def _next_pow2(n: int) -> int:
@@ -211,6 +216,18 @@ def qkv_norm_rope_write(
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     norm = q_weight is not None
+    heads = min(_QKV_HEADS_PER_PROGRAM, _next_pow2(num_heads + num_kv_heads))
+    if T < _QKV_MANY_TOKENS and heads > 1:
+        _kernels()._qkv_norm_rope_write_heads_kernel[(T, -(-(num_heads + num_kv_heads) // heads))](
+            qkv, positions, cos_cache, sin_cache,
+            q_weight if norm else qkv, k_weight if norm else qkv,
+            q, k_cache, v_cache, slot_mapping,
+            qkv.stride(0), q.stride(0), k_cache.stride(1),
+            num_heads, num_kv_heads, float(eps), T,
+            HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, HEADS=heads,
+            num_warps=4 if heads * head_dim >= 1024 else 1,
+        )
+        return q
     tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
     _kernels()._qkv_norm_rope_write_kernel[(-(-T // tokens), num_heads + num_kv_heads)](
         qkv, positions, cos_cache, sin_cache,
