@@ -124,54 +124,43 @@ def _qkv_norm_rope_write_heads_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
     HEADS: tl.constexpr,
 ):
-    """Program ``(t, g)``: heads ``[g*HEADS, (g+1)*HEADS)`` of token ``t`` as one
-    ``[HEADS, D_PAD]`` tile, counting the ``NUM_HEADS`` query heads first and the
-    ``NUM_KV_HEADS`` key heads after them (their order in ``QKV``); the same arithmetic as
-    :func:`_norm_rope_head`, row by row. Query rows go to ``Q_OUT``, key rows (normed,
-    rotated) and the matching value heads to ``cache[slot]`` (skipped for ``slot < 0``).
-    Decode batches: one program per token and head (``_qkv_norm_rope_write_kernel`` with one
-    token) ran ~10,000 one-warp programs per Qwen3-8B layer at batch 256 (8.2 us per call on
-    an H200, 2026-12-02), bound by the programs' dependent loads, not by bytes."""
+    """Program ``(t, g)``: heads ``[g*HEADS, (g+1)*HEADS)`` of token ``t``, counting the
+    ``NUM_HEADS`` query heads first and the ``NUM_KV_HEADS`` key heads after them (their order
+    in ``QKV``); query heads go to ``Q_OUT``, key heads (normed, rotated) and the matching value
+    heads to ``cache[slot]`` (skipped for ``slot < 0``). Each head goes through
+    :func:`_norm_rope_head` exactly as in ``_qkv_norm_rope_write_kernel`` (same vectors, same
+    reductions: bit-identical results); which heads exist, which are queries and whether the
+    slot is valid are masks, not branches, so the heads' loads are independent. Decode batches:
+    one program per token and head ran ~10,000 one-warp programs per Qwen3-8B layer at batch
+    256 (8.2 us per call on an H200, 2026-12-02), bound by each program's dependent loads."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    h_mask = h < NUM_HEADS + NUM_KV_HEADS
-    is_q = h < NUM_HEADS
     half: tl.constexpr = ROT // 2
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
     rot_mask = d < ROT
     partner = tl.where(d < half, d + half, d - half)
-    sign = tl.where(d < half, -1.0, 1.0)[None, :]
-    dt = QKV.dtype.element_ty
+    sign = tl.where(d < half, -1.0, 1.0)
     pos = tl.load(POS + t).to(tl.int64)
-    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
+    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
     row = QKV + t * stride_t
-    m2 = h_mask[:, None] & d_mask[None, :]
-    mr = h_mask[:, None] & rot_mask[None, :]
-    x = tl.load(row + h[:, None] * HEAD_DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    xp = tl.load(row + h[:, None] * HEAD_DIM + partner[None, :], mask=mr, other=0.0).to(tl.float32)
-    if QK_NORM:
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        w = tl.where(is_q[:, None], tl.load(QW + d, mask=d_mask, other=0.0).to(tl.float32)[None, :],
-                     tl.load(KW + d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
-        wp = tl.where(is_q[:, None], tl.load(QW + partner, mask=rot_mask, other=0.0).to(tl.float32)[None, :],
-                      tl.load(KW + partner, mask=rot_mask, other=0.0).to(tl.float32)[None, :])
-        x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    a = (x * cos).to(dt).to(tl.float32)
-    b = (xp * sin).to(dt).to(tl.float32)
-    y = tl.where(rot_mask[None, :], (a + sign * b).to(dt).to(tl.float32), x)
-    tl.store(Q_OUT + t * stride_qo + h[:, None] * HEAD_DIM + d[None, :], y.to(Q_OUT.dtype.element_ty),
-             mask=m2 & is_q[:, None])
     slot = tl.load(SLOT + t).to(tl.int64)
-    if slot >= 0:
-        mk = m2 & (h >= NUM_HEADS)[:, None]
-        dst = slot * stride_cs + (h - NUM_HEADS)[:, None] * HEAD_DIM + d[None, :]
-        tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=mk)
+    kv_dst = slot * stride_cs + d
+    zero = tl.zeros([D_PAD], dtype=tl.int32)  # per-head conditions as vectors (masks)
+    slot_ok = (zero + slot) >= 0
+    for i in tl.static_range(HEADS):
+        h = zero + (tl.program_id(1) * HEADS + i)
+        ok = h < NUM_HEADS + NUM_KV_HEADS
+        is_q = h < NUM_HEADS
+        y = _norm_rope_head(row + h * HEAD_DIM, tl.where(is_q, QW, KW), cos, sin, d, partner, sign, d_mask & ok,
+                            rot_mask & ok, eps, HEAD_DIM, QK_NORM)
+        tl.store(Q_OUT + t * stride_qo + h * HEAD_DIM + d, y.to(Q_OUT.dtype.element_ty), mask=d_mask & ok & is_q)
+        kv = d_mask & ok & (h >= NUM_HEADS) & slot_ok
+        dst = kv_dst + (h - NUM_HEADS) * HEAD_DIM
+        tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=kv)
         # value head kvh sits at (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM = (h + NUM_KV_HEADS) * HEAD_DIM
-        v = tl.load(row + (h + NUM_KV_HEADS)[:, None] * HEAD_DIM + d[None, :], mask=mk, other=0.0)
-        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mk)
+        v = tl.load(row + (h + NUM_KV_HEADS) * HEAD_DIM + d, mask=kv, other=0.0)
+        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=kv)
 
 
 @triton.jit

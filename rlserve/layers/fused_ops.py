@@ -96,8 +96,8 @@ def _kernels():
 # the model runner's warm-up compiles both variants.
 _QKV_MANY_TOKENS = 1024
 _QKV_TOKENS_PER_PROGRAM = 8
-# Shorter (decode) batches: each program takes this many heads of one token as one tile
-# (``_qkv_norm_rope_write_heads_kernel``); RLSERVE_QKV_HEADS_PER_PROGRAM=1 keeps one program per
+# Shorter (decode) batches: each program takes this many heads of one token
+# (``_qkv_norm_rope_write_heads_kernel``, bit-identical to one program per head); RLSERVE_QKV_HEADS_PER_PROGRAM=1 keeps one program per
 # token and head (A/B runs). Qwen3-8B, batch 256, one H200: numbers in BENCHMARKS.md (issue 16,
 # ninth session).
 _QKV_HEADS_PER_PROGRAM = int(os.environ.get("RLSERVE_QKV_HEADS_PER_PROGRAM", "8"))
@@ -225,7 +225,7 @@ def qkv_norm_rope_write(
             qkv.stride(0), q.stride(0), k_cache.stride(1),
             num_heads, num_kv_heads, float(eps), T,
             HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, HEADS=heads,
-            num_warps=4 if heads * head_dim >= 1024 else 1,
+            num_warps=1,
         )
         return q
     tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1

@@ -81,8 +81,9 @@ def test_silu_and_mul(dtype, T, d, fused_switch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,Hkv,D,qk_norm", [(16, 8, 128, True), (9, 3, 64, False), (4, 4, 80, True)])
-def test_qkv_norm_rope_write(dtype, H, Hkv, D, qk_norm, fused_switch):
-    T, P, nb = 57, 16, 16
+def _qkv_case(dtype, H, Hkv, D, T, nb, P=16):
+    """Inputs of ``fused_ops.qkv_norm_rope_write``: qkv, positions, slots (row 3 padding),
+    q/k norm weights and a rotary embedding (seeded by the shape)."""
     g = torch.Generator(device=DEV).manual_seed(H * D)
     qkv = (2 * torch.randn(T, (H + 2 * Hkv) * D, generator=g, device=DEV)).to(dtype)
     pos = torch.randint(0, 4000, (T,), generator=g, device=DEV)
@@ -92,6 +93,35 @@ def test_qkv_norm_rope_write(dtype, H, Hkv, D, qk_norm, fused_switch):
     kw = (1 + 0.2 * torch.randn(D, generator=g, device=DEV)).to(dtype)
     with torch.device(DEV):
         rope = RotaryEmbedding(D, D, 4096, {"rope_type": "default", "rope_theta": 1e6})
+    return qkv, pos, slots, qw, kw, rope
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,D,qk_norm", [(32, 8, 128, True), (9, 3, 64, False), (4, 4, 80, True)])
+def test_qkv_norm_rope_write_heads_per_program_bit_identical(dtype, H, Hkv, D, qk_norm, fused_switch, monkeypatch):
+    """Decode batches take several heads of a token per program: the same queries, keys and
+    values, bit for bit, as one program per token and head (8 heads; 4: tiles that mix query
+    and key heads for the 9/3 layout, and a partly empty last tile)."""
+    T, nb = 256, 32
+    qkv, pos, slots, qw, kw, rope = _qkv_case(dtype, H, Hkv, D, T, nb)
+    out = {}
+    for heads in (1, 4, 8):
+        monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", heads)
+        kc = torch.full((nb, 16, Hkv, D), 5.0, dtype=dtype, device=DEV)
+        vc = torch.full_like(kc, 5.0)
+        q = fused_ops.qkv_norm_rope_write(qkv, pos, rope.cos_cache, rope.sin_cache, H, Hkv, D, kc, vc, slots,
+                                          qw if qk_norm else None, kw if qk_norm else None, 1e-6)
+        out[heads] = (q, kc, vc)
+    for heads in (4, 8):
+        for a, b in zip(out[heads], out[1]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,D,qk_norm", [(16, 8, 128, True), (9, 3, 64, False), (4, 4, 80, True)])
+def test_qkv_norm_rope_write(dtype, H, Hkv, D, qk_norm, fused_switch):
+    T, P, nb = 57, 16, 16
+    qkv, pos, slots, qw, kw, rope = _qkv_case(dtype, H, Hkv, D, T, nb, P)
     fused_switch(False)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     if qk_norm:
