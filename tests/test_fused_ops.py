@@ -73,21 +73,33 @@ def _rope(head_dim, rotary_dim):
     return RotaryEmbedding(head_dim, rotary_dim, 64, {"rope_type": "default", "rope_theta": 10000.0})
 
 
+def test_qkv_heads_per_program_fills_one_wave(monkeypatch):
+    """Auto: the smallest power of two of heads per program whose grid fits one wave of
+    one-warp programs (32 per SM; the interpreter counts 4 SMs), at most next_pow2(heads)."""
+    monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", None)
+    cpu = torch.device("cpu")
+    assert fused_ops._qkv_heads_per_program(6, 6, cpu) == 1  # 36 programs <= 128
+    assert fused_ops._qkv_heads_per_program(64, 6, cpu) == 4  # 384, 192 > 128 >= 64 x 2
+    assert fused_ops._qkv_heads_per_program(1000, 6, cpu) == 8  # capped at next_pow2(6)
+    monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", 2)
+    assert fused_ops._qkv_heads_per_program(1000, 6, cpu) == 2
+
+
 @pytest.mark.parametrize("dtype,qk_norm,head_dim,rotary_dim,variant", [
     (dt, *case, "heads") for dt in (torch.float32, torch.float16)
     for case in ((True, 32, 32), (False, 32, 32), (False, 48, 24))
-] + [(torch.float16, True, 32, 32, v) for v in ("heads4", "per_head", "many")])
+] + [(torch.float16, True, 32, 32, v) for v in ("heads4", "per_head", "many", "auto")])
 def test_qkv_norm_rope_write_equals_op_by_op(dtype, qk_norm, head_dim, rotary_dim, variant, fused_on_cpu, monkeypatch):
-    """``variant``: ``heads`` the decode-batch kernel (the 6 heads of a token in one tile of 8,
-    two rows masked), ``heads4`` the same in tiles of 4 (the second tile holds the key heads
-    and two masked rows), ``per_head`` one program per token and head, ``many`` the
+    """``variant``: ``heads`` the decode-batch kernel with the 6 heads of a token in one
+    program of 8 (two masked), ``heads4`` programs of 4 (the second holds the key heads and two
+    masked), ``per_head`` one program per token and head, ``auto`` the default choice
+    (:func:`fused_ops._qkv_heads_per_program`: one here), ``many`` the
     long-batch variant (several tokens per program; 6 tokens over programs of 4, so the last
     program is partly past the batch)."""
     if variant == "many":
         monkeypatch.setattr(fused_ops, "_QKV_MANY_TOKENS", 4)
         monkeypatch.setattr(fused_ops, "_QKV_TOKENS_PER_PROGRAM", 4)
-    if variant in ("heads4", "per_head"):
-        monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", 4 if variant == "heads4" else 1)
+    monkeypatch.setattr(fused_ops, "_QKV_HEADS_PER_PROGRAM", {"heads": 8, "heads4": 4, "per_head": 1}.get(variant))
     H, Hkv, T, P, nb = 4, 2, 6, 4, 8
     g = torch.Generator().manual_seed(head_dim + rotary_dim + qk_norm)
     qkv = torch.randn(T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)

@@ -96,11 +96,34 @@ def _kernels():
 # the model runner's warm-up compiles both variants.
 _QKV_MANY_TOKENS = 1024
 _QKV_TOKENS_PER_PROGRAM = 8
-# Shorter (decode) batches: each program takes this many heads of one token
-# (``_qkv_norm_rope_write_heads_kernel``, bit-identical to one program per head); RLSERVE_QKV_HEADS_PER_PROGRAM=1 keeps one program per
-# token and head (A/B runs). Qwen3-8B, batch 256, one H200: numbers in BENCHMARKS.md (issue 16,
-# ninth session).
-_QKV_HEADS_PER_PROGRAM = int(os.environ.get("RLSERVE_QKV_HEADS_PER_PROGRAM", "8"))
+# Shorter (decode) batches: each program may take several heads of one token
+# (``_qkv_norm_rope_write_heads_kernel``, bit-identical to one program per head), see
+# _qkv_heads_per_program; RLSERVE_QKV_HEADS_PER_PROGRAM fixes the count (1: one program per
+# token and head; A/B runs).
+_QKV_HEADS_PER_PROGRAM = int(os.environ["RLSERVE_QKV_HEADS_PER_PROGRAM"]) if os.environ.get(
+    "RLSERVE_QKV_HEADS_PER_PROGRAM") else None
+# one-warp programs resident at once per SM (the per-SM block limit of sm_80 / sm_90: 32)
+_QKV_PROGRAMS_PER_SM = 32
+
+
+def _qkv_heads_per_program(T: int, n_heads: int, device: torch.device) -> int:
+    """Heads per program of ``qkv_norm_rope_write`` for ``T`` tokens of ``n_heads`` query + key
+    heads: ``_QKV_HEADS_PER_PROGRAM`` when set, else the smallest power of two that fits the
+    grid into one wave of one-warp programs (``_QKV_PROGRAMS_PER_SM`` x SMs), at most
+    ``next_pow2(n_heads)``. One program per head is the fastest while the grid fits in a wave
+    (batch 1: 40 programs for Qwen3-8B); past it the extra waves of dependent loads cost more
+    (Qwen3-8B at batch 256: 10,240 programs, 8.2 us per call on an H200; numbers in
+    BENCHMARKS.md, issue 16, ninth session)."""
+    cap = _next_pow2(n_heads)
+    if _QKV_HEADS_PER_PROGRAM is not None:
+        return max(1, min(_QKV_HEADS_PER_PROGRAM, cap))
+    from rlserve.layers.triton_attention import num_sms
+
+    wave = _QKV_PROGRAMS_PER_SM * num_sms(device)
+    h = 1
+    while h < cap and T * -(-n_heads // h) > wave:
+        h *= 2
+    return h
 
 
 def _next_pow2(n: int) -> int:
@@ -216,8 +239,8 @@ def qkv_norm_rope_write(
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     norm = q_weight is not None
-    heads = min(_QKV_HEADS_PER_PROGRAM, _next_pow2(num_heads + num_kv_heads))
-    if T < _QKV_MANY_TOKENS and heads > 1:
+    heads = _qkv_heads_per_program(T, num_heads + num_kv_heads, qkv.device) if T < _QKV_MANY_TOKENS else 1
+    if heads > 1:
         _kernels()._qkv_norm_rope_write_heads_kernel[(T, -(-(num_heads + num_kv_heads) // heads))](
             qkv, positions, cos_cache, sin_cache,
             q_weight if norm else qkv, k_weight if norm else qkv,

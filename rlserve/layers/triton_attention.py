@@ -103,7 +103,9 @@ def _pow2(n: int, lo: int = 16) -> int:
 _SM_COUNT: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached); 4 elsewhere (the interpreter:
+    keeps grid-planning logic exercised on tiny inputs)."""
     if device.type != "cuda":
         return 4  # interpreter: keep the split logic exercised on tiny inputs
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -121,7 +123,7 @@ def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: 
     per split and at most ``_MAX_SPLITS`` splits.
     """
     base = max(1, num_seqs * num_kv_heads)
-    want = math.ceil(_PROGRAMS_PER_SM * _num_sms(device) / base)
+    want = math.ceil(_PROGRAMS_PER_SM * num_sms(device) / base)
     by_len = math.ceil(max(1, max_seq_len) / _MIN_TOKENS_PER_SPLIT)
     return int(max(1, min(want, by_len, _MAX_SPLITS)))
 
