@@ -213,6 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--rlserve-b-env", action="append", default=None, metavar="K=V",
                    help="also run a second rlserve server ('rlserve-b') with these extra env vars (an A/B "
                         "of two rlserve settings beside vLLM, all runs alternating)")
+    p.add_argument("--rlserve-b-arg", action="append", default=[], metavar="ARG",
+                   help="extra `rlserve serve` arguments of 'rlserve-b' only (with --rlserve-b-env; e.g. "
+                        "--rlserve-b-arg=--data-parallel-size=2)")
     p.add_argument("--vllm-url", default=None,
                    help="use a vLLM server already running here instead of starting one (not stopped at the end)")
     p.add_argument("--vllm-pid", type=int, default=None, help="that server's pid (for its CPU time)")
@@ -234,16 +237,16 @@ def main(argv=None) -> int:
     logdir = tempfile.mkdtemp(prefix="rlserve-bench-")
     servers: dict[str, Server] = {}
     try:
-        variants = {"rlserve": []} if "rlserve" in want else {}
+        variants = {"rlserve": ([], [])} if "rlserve" in want else {}
         if "rlserve" in want and args.rlserve_b_env is not None:
-            variants["rlserve-b"] = args.rlserve_b_env
-        for name, extra_env in variants.items():
+            variants["rlserve-b"] = (args.rlserve_b_env, args.rlserve_b_arg)
+        for name, (extra_env, extra_args) in variants.items():
             env = dict(os.environ)
             env.update(kv.split("=", 1) for kv in args.rlserve_env + extra_env)
             port = _free_port()
             cmd = [sys.executable, "-m", "rlserve", "serve", model, "--dtype", "float32", "--device", "cpu",
                    "--port", str(port), "--kv-cache-bytes", str(args.kv_cache_gib << 30), "--disable-access-log",
-                   *args.rlserve_arg]
+                   *args.rlserve_arg, *extra_args]
             servers[name] = Server(name, cmd, env, port, logdir)
             servers[name].wait_ready(args.startup_timeout)  # one at a time: start-up times stay apart
         if "vllm" in want and args.vllm_url:
