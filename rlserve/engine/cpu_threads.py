@@ -11,6 +11,20 @@ the very threads they wait for. Measured on the 2-core CI machine under other lo
 22, 64 concurrent requests on SmolLM2-135M): torch's 2 threads 8-12 tok/s, 1 thread 25-40
 tok/s (before the native decode kernel; see BENCHMARKS.md for the current runs).
 
+Re-measured on a quieter 2-core Zen 5 machine (AVX-512; load 1-5 from other sessions;
+BENCHMARKS.md, issue 22, ninth session), one process per setting, alternating: a batch-64
+decode step took 222-278 ms of wall time with 1 thread and 133-147 ms with 2 whenever the
+other work paused, but 183-859 ms with 2 when it ran; a 1,024-token prefill step 1.32-1.48 s
+with 1 thread, 0.75-0.87 s with 2, and 4.3-4.5 s with 2 at load ~3.5. Shorter spinning
+(``GOMP_SPINCOUNT=10000``) kept the good cases and still lost at load 3.6 (batch 1: 117 ms
+against 26-28 ms with 1 thread); ``OMP_WAIT_POLICY=passive`` never spins but fell to
+1-thread speed or below under load. In the server beside vLLM CPU, 2 threads with
+``GOMP_SPINCOUNT=10000`` gave 113.6 and 349.3 tok/s in two rounds of the issue's 64-request
+workload against 201.7 and 226.6 for 1 thread. Two threads win only while nothing else
+wants a core, and lose up to 6x when something does: the default stays 1 on 2 cores. The
+second core pays without barriers between engines: ``--data-parallel-size 2`` (two
+engine-core processes of one thread each) measured in the same sittings.
+
 So the default follows vLLM's CPU backend, which binds one OpenMP thread per core and keeps
 a core for its API server process: intra-op threads = usable CPUs (this process's affinity
 mask) minus ``RLSERVE_CPU_RESERVED_CPUS`` (default 1; 0 on a 1-CPU machine), divided among
