@@ -25,12 +25,15 @@
  * one_task16 instead (below): one layer, batch 64, contexts 128-512, one thread, CPU time on
  * the Zen 5 2-core machine (2026-12-02, load ~2): 3.08 -> 1.04 ms with the KV in L2, 6.9 ->
  * 3.8-4.0 ms with 8 layers' shuffled blocks from memory; outputs within 4.2e-7 of one_task.
- * Software prefetch of the next block (one share of its lines per query head, while the
- * current block is scored and summed), same case, 8 layers from memory, one thread, load
- * ~1.3 (2026-12-02, ninth session): shuffled blocks 3.7-4.4 -> 2.6-2.9 ms per layer (32 MB of
- * K/V: 8 -> 12 GB/s; reading the same bytes in the same order without the math takes 2.2 ms),
- * blocks in order 3.1-3.5 -> 1.9-2.2 ms; prefetching all of the next block at its start,
- * or two blocks ahead, measured no faster than none / than one.
+ *
+ * Both paths prefetch the next block while they work on the current one (one share of its
+ * K lines per query head / token row while scoring, of its V lines while summing). Same
+ * case, 8 layers from memory, one thread (2026-12-02, ninth session, load ~1.3-2.4):
+ * AVX-512 path, shuffled blocks 3.7-4.4 -> 2.6-2.9 ms per layer (32 MB of K/V: 8 -> 12 GB/s;
+ * reading the same bytes in the same order without the math takes 2.2 ms), blocks in order
+ * 3.1-3.5 -> 1.9-2.2 ms; the portable path built without AVX-512 (-mno-avx512f, as on an
+ * AVX2 machine), shuffled 6.6-6.7 -> 3.5-3.6 ms, in order 2.1 -> 2.1 ms. Prefetching all of
+ * the next block at its start, or two blocks ahead, measured no faster than none / than one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,6 +72,11 @@ static inline void scale_vec(float *y, float a, int d) {
     for (int i = 0; i < d; i += 8) *(v8u *)(y + i) *= av;
 }
 
+/* prefetch 64-byte lines [lo, hi) of p into L1 */
+static inline void prefetch_lines(const char *p, int64_t lo, int64_t hi) {
+    for (int64_t o = lo; o < hi; o++) __builtin_prefetch(p + 64 * o, 0, 3);
+}
+
 static void one_task(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size,
                      int max_blocks, float scale) {
@@ -88,8 +96,14 @@ static void one_task(const float *q, const float *k_cache, const float *v_cache,
         const int n = L - j * block_size < block_size ? L - j * block_size : block_size;
         const float *kb = k_cache + (int64_t)bt[j] * block_floats;
         const float *vb = v_cache + (int64_t)bt[j] * block_floats;
-        for (int t = 0; t < n; t++)
+        const int more = (j + 1) * block_size < L;
+        const char *nk = more ? (const char *)(k_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+        const char *nv = more ? (const char *)(v_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+        const int64_t lines = block_floats / 16, per = (lines + n - 1) / n;
+        for (int t = 0; t < n; t++) {
+            if (more) prefetch_lines(nk, t * per, (t + 1) * per < lines ? (t + 1) * per : lines);
             for (int i = 0; i < H; i++) s[i][t] = dot(qs + i * D, kb + t * row + (i / G) * D, D);
+        }
         for (int i = 0; i < H; i++) {
             float mx = s[i][0];
             for (int t = 1; t < n; t++) mx = s[i][t] > mx ? s[i][t] : mx;
@@ -103,8 +117,10 @@ static void one_task(const float *q, const float *k_cache, const float *v_cache,
             for (int t = 0; t < n; t++) { const float p = expf(s[i][t] - m[i]); s[i][t] = p; sum += p; }
             l[i] += sum;
         }
-        for (int t = 0; t < n; t++)
+        for (int t = 0; t < n; t++) {
+            if (more) prefetch_lines(nv, t * per, (t + 1) * per < lines ? (t + 1) * per : lines);
             for (int i = 0; i < H; i++) axpy(acc + i * D, s[i][t], vb + t * row + (i / G) * D, D);
+        }
     }
     float *ob = out + (int64_t)b * H * D;
     for (int i = 0; i < H; i++) { const float inv = 1.f / l[i]; for (int d = 0; d < D; d++) ob[i * D + d] = acc[i * D + d] * inv; }
@@ -163,11 +179,6 @@ static inline v16 exp16(v16 x) {
     return p * (v16)e;
 }
 
-/* prefetch 64-byte lines [lo, hi) of p into L1 */
-static inline void prefetch_lines(const char *p, int64_t lo, int64_t hi) {
-    for (int64_t o = lo; o < hi; o++) __builtin_prefetch(p + 64 * o, 0, 3);
-}
-
 static inline __attribute__((always_inline)) void task16(
         const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, float *out, int b, int H, int Hkv, const int D16, int block_size,
@@ -191,8 +202,7 @@ static inline __attribute__((always_inline)) void task16(
         const int n = L - j * block_size < block_size ? L - j * block_size : block_size;
         const float *kb = k_cache + (int64_t)bt[j] * block_floats;
         const float *vb = v_cache + (int64_t)bt[j] * block_floats;
-        /* the next block's K and V lines are prefetched a share per query head while this
-         * block is scored and summed (a burst of all of them at once measured no faster) */
+        /* the next block's K and V lines, a share per query head (see the header) */
         const int more = (j + 1) * block_size < L;
         const char *nk = more ? (const char *)(k_cache + (int64_t)bt[j + 1] * block_floats) : 0;
         const char *nv = more ? (const char *)(v_cache + (int64_t)bt[j + 1] * block_floats) : 0;
