@@ -61,9 +61,11 @@ class Worker:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
+            from rlserve.engine.cpu_malloc import tune_malloc
             from rlserve.engine.cpu_threads import configure_engine_threads
 
             configure_engine_threads(config)  # this thread runs the forward passes
+            tune_malloc()  # keep freed step tensors instead of faulting them in again
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.extension_state: dict = {}
