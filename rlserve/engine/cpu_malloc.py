@@ -10,8 +10,10 @@ ninth session; the 64-request workload of ``benchmarks/cpu_vs_vllm.py`` through 
 ``LLM``, one thread, one process per setting, alternating, load 0.9-2.8; BENCHMARKS.md):
 268k-875k minor page faults and 57.1-60.2 s of CPU (4 runs, mean 58.6) with glibc's
 defaults, 57-59k faults and 49.8-58.0 s (6 runs, mean 54.0) with the thresholds below, the
-same greedy ids and peak RSS (2.15 GB); ``perf`` of the server's engine-core process had put
-~2.5% of its CPU in page faults and ~1.8% in malloc.
+same greedy ids and peak RSS (2.15 GB). In the server's engine-core process (``perf``: ~2.5%
+of its CPU in page faults, ~1.8% in malloc) the same workload measured within noise, 40.9 /
+46.1 s with the thresholds against 41.9 / 45.4 s without; inter-token latency at concurrency
+1 unchanged.
 
 :func:`tune_malloc` sets ``M_MMAP_THRESHOLD`` to 64 MiB (allocations below it come from the
 heap and are reused; fixing it also stops glibc's dynamic threshold) and
