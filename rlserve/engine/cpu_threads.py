@@ -24,9 +24,9 @@ workload against 201.7 and 226.6 for 1 thread. Two threads win only while nothin
 wants a core, and lose up to 6x when something does: the default stays 1 on 2 cores. The
 second core pays without barriers between engines: ``--data-parallel-size 2`` (two
 engine-core processes of one thread each, no barrier between them) gave 292-369 tok/s in
-four of five rounds of the same workload against 206-246 for one engine in the same
-rounds, and 189.5 against 187.4 in a round under other load (not the default: two copies of
-the weights, each replica with its own KV cache and prefix cache).
+six of seven rounds of the same workload against 206-246 for one engine in the same rounds
+(1.2-1.8x vLLM CPU's), and 189.5 against 187.4 in a round under other load (not the
+default: two copies of the weights, each replica with its own KV cache and prefix cache).
 
 So the default follows vLLM's CPU backend, which binds one OpenMP thread per core and keeps
 a core for its API server process: intra-op threads = usable CPUs (this process's affinity
