@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rlserve.errors import InvalidRequestError
@@ -126,14 +127,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be >= 1, got {self.n}")
-        if self.temperature is None or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+        # NaN passes every comparison and JSON bodies may carry NaN / Infinity (Python's json
+        # reads them): non-finite values are refused here, not left to sample garbage.
+        if self.temperature is None or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
