@@ -1,7 +1,10 @@
 """Inputs the server used to accept or answer with internals (issue 25's list): a lone UTF-16
 surrogate in a prompt is a clear 400, token ids must be JSON integers (no booleans, no floats),
 an unexpected exception is a logged 500 that does not show its text, and the OpenAPI schema
-lists the error answers of the routes."""
+lists the error answers of the routes. From a newcomer's walk through the README (2026-12-02):
+a NaN / Infinity ``temperature`` or ``repetition_penalty`` (Python's json reads them) is a 400,
+not a 200 of garbage or, on /v1/responses, a 500; ``stream_options`` without ``stream: true``
+is a 400 as in vLLM."""
 
 from __future__ import annotations
 
@@ -88,6 +91,39 @@ def test_union_error_names_the_element(srv, body, where):
 def test_max_tokens_error_names_the_field_sent(srv, route, body, param):
     err = _error(_post(srv, route, body), 400)
     assert err["param"] == param and err["message"].startswith(f"{param} must be >= 1, got "), err
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", CHAT),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+])
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("repetition_penalty", float("nan")), ("repetition_penalty", float("inf"))])
+def test_non_finite_sampling_floats_are_a_400(srv, route, body, field, value):
+    """``NaN`` passes every ``<`` check; it used to sample (an empty text, 200) and on
+    /v1/responses failed to serialise its echo (500)."""
+    err = _error(_post(srv, route, {**body, field: value}), 400)
+    assert err["param"] == field and err["code"] == "invalid_request", err
+    assert err["message"] == f"{field} must be a finite number {'>=' if field == 'temperature' else '>'} 0, " \
+                             f"got {value}", err
+    assert _post(srv, route, {**body, field: 1.0}).status_code == 200  # the server lives on
+
+
+@pytest.mark.parametrize("route,body", [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                                        ("/v1/chat/completions", CHAT)])
+def test_stream_options_need_stream(srv, route, body):
+    """vLLM's ``validate_stream_options``: options without ``stream: true`` are a 400; ``{}`` passes."""
+    for extra in ({}, {"stream": False}):
+        err = _error(_post(srv, route, {**body, **extra, "stream_options": {"include_usage": True}}), 400)
+        assert err["param"] == "stream_options" and err["code"] == "invalid_value", err
+        assert "stream_options can only be defined when stream=true" in err["message"], err
+    assert _post(srv, route, {**body, "stream_options": {}}).status_code == 200
+    r = _post(srv, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
 
 def test_unexpected_exception_is_a_logged_500_without_internals(srv, caplog, monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 
 #: A token id: a JSON integer. ``true`` and ``1.0`` are refused (pydantic's lax ``int`` reads them
@@ -110,6 +110,15 @@ class _SamplingFields(_RouterFields, SamplerFields):
     structured_outputs: Optional[StructuredOutputs] = None
     response_format: Optional[ResponseFormat] = None
     truncate_prompt_tokens: Optional[int] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: Optional[StreamOptions], info) -> Optional[StreamOptions]:
+        """vLLM's (and OpenAI's) rule: a non-empty ``stream_options`` without ``stream: true`` is
+        a 400 (param ``stream_options``), not silently ignored. ``{}`` passes, as in vLLM."""
+        if value is not None and value.model_fields_set and info.data.get("stream") is False:
+            raise ValueError("stream_options can only be defined when stream=true")
+        return value
 
 
 class CompletionRequest(_SamplingFields):
