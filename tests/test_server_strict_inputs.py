@@ -126,6 +126,18 @@ def test_stream_options_need_stream(srv, route, body):
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
 
+def test_body_without_json_content_type_says_so(srv):
+    """``curl -d '{...}'`` without ``-H 'Content-Type: application/json'`` sends a form type:
+    the 400 names the header (it used to say "Input should be a valid dictionary")."""
+    r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                   headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=60)
+    err = _error(r, 400)
+    assert err["param"] is None and err["code"] == "invalid_value", err
+    assert err["message"] == ("the body must be sent as JSON with the header Content-Type: application/json "
+                              "(curl: -H 'Content-Type: application/json'); got b'{\"prompt\": \"hi\", "
+                              "\"max_tokens\": 2}'"), err
+
+
 def test_unexpected_exception_is_a_logged_500_without_internals(srv, caplog, monkeypatch):
     state = srv.app.state.rlserve
 

@@ -197,6 +197,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
         if e.get("type") == "missing":
             msgs.append("the request needs a JSON body" if param is None else f"missing required field {param!r}")
+        elif param is None and isinstance(got, (bytes, bytearray)):
+            # FastAPI hands the raw bytes over when the Content-Type is not JSON (curl -d sends
+            # application/x-www-form-urlencoded): say so rather than "not a dictionary".
+            msgs.append("the body must be sent as JSON with the header Content-Type: application/json "
+                        f"(curl: -H 'Content-Type: application/json'); got {got[:40]!r}")
         elif len(errs) > 1:  # a union: no member matched
             msgs.append(f"{param or 'body'}: invalid type or value (got {got_s}){_closest_member(errs)}")
         else:
