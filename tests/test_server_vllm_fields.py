@@ -234,6 +234,19 @@ def test_model_may_be_omitted(server):
     assert out["model"] == served
 
 
+def test_models_card_has_vllms_keys(server):
+    """``/v1/models``' card carries every key of vLLM's ``ModelCard``, ``permission`` included
+    (vLLM sends one default ``ModelPermission``)."""
+    card = httpx.get(server.url + "/v1/models", timeout=T).json()["data"][0]
+    assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    (perm,) = card["permission"]
+    assert perm["id"].startswith("modelperm-") and perm["created"] == card["created"], perm
+    assert {k: v for k, v in perm.items() if k not in ("id", "created")} == {
+        "object": "model_permission", "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+        "group": None, "is_blocking": False}
+
+
 def test_chat_template_tools_truncation(server, hf):
     tok = hf[1]
     msgs = [{"role": "user", "content": "Hello"}]

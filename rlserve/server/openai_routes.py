@@ -130,10 +130,16 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models():
+        """vLLM's ``ModelList``: one card per served name, with vLLM's one default
+        ``ModelPermission`` (sampling, logprobs and view allowed; ``created`` in unix seconds)."""
         created = int(state.started)
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "rlserve", "root": state.settings.model,
-             "parent": None, "max_model_len": state.max_model_len}
+             "parent": None, "max_model_len": state.max_model_len,
+             "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                             "organization": "*", "group": None, "is_blocking": False}]}
             for name in state.settings.served_model_names
         ]}
 
