@@ -120,7 +120,8 @@ def test_stream_options_need_stream(srv, route, body):
     for extra in ({}, {"stream": False}):
         err = _error(_post(srv, route, {**body, **extra, "stream_options": {"include_usage": True}}), 400)
         assert err["param"] == "stream_options" and err["code"] == "invalid_value", err
-        assert "stream_options can only be defined when stream=true" in err["message"], err
+        assert err["message"] == ('stream_options: stream_options can only be defined when stream=true '
+                                  '(got {"include_usage": true})'), err
     assert _post(srv, route, {**body, "stream_options": {}}).status_code == 200
     r = _post(srv, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text

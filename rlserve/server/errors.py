@@ -204,8 +204,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
                         f"(curl: -H 'Content-Type: application/json'); got {got[:40]!r}")
         elif len(errs) > 1:  # a union: no member matched
             msgs.append(f"{param or 'body'}: invalid type or value (got {got_s}){_closest_member(errs)}")
-        else:
-            msgs.append(f"{param or 'body'}: {e.get('msg')} (got {got_s})")
+        else:  # a validator's ValueError: its own text, without pydantic's "Value error, " prefix
+            msg = str(e.get("msg"))
+            msg = msg.removeprefix("Value error, ") if e.get("type") == "value_error" else msg
+            msgs.append(f"{param or 'body'}: {msg} (got {got_s})")
     first = next(iter(by_param.values()))[0]
     code = "missing_field" if first.get("type") == "missing" else "invalid_value"
     return "; ".join(msgs), next(iter(by_param)), code
