@@ -191,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
+            self.lm_head.serve_as_lm_head()
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
 

@@ -168,6 +168,7 @@ class OPTForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head = self.model.decoder.embed_tokens
+            self.lm_head.serve_as_lm_head()
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim, prefix="lm_head")
 
