@@ -76,3 +76,35 @@ def test_packed_rows_follow_the_cpu_capability(monkeypatch, cap, rows):
     monkeypatch.setattr(cl.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a) or real(*a))
     torch.testing.assert_close(cl.packed_linear(x, w, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
     assert len(calls) == (1 if rows[0] == 1 else 0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_packed_copy_follows_weight_loads(tied):
+    """The LM head (tied table or ParallelLMHead) gets a packed copy through
+    serve_as_lm_head + process_weights_after_loading, computes the same logits as F.linear
+    over the real vocabulary, and serves new weights after the next load; a table not marked
+    as the head gets no copy."""
+    from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from rlserve.layers.linear import UnquantizedLinearMethod
+    from rlserve.loader import process_weights_after_loading
+
+    plain = VocabParallelEmbedding(1000, 64, params_dtype=torch.float32)
+    if tied:
+        head = VocabParallelEmbedding(1000, 64, params_dtype=torch.float32)
+        head.serve_as_lm_head()
+    else:
+        head = ParallelLMHead(1000, 64, params_dtype=torch.float32)
+    model = torch.nn.ModuleDict({"plain": plain, "head": head})
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 64, generator=g)
+    head.weight_loader(head.weight, w)
+    process_weights_after_loading(model)
+    assert UnquantizedLinearMethod.packed_weight(plain) is None
+    assert UnquantizedLinearMethod.packed_weight(head) is not None
+    x = torch.randn(3, 64, generator=g)
+    logits = head.compute_logits(x)
+    assert logits.shape == (3, 1000)
+    torch.testing.assert_close(logits, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    head.weight_loader(head.weight, -2 * w)
+    process_weights_after_loading(model)
+    torch.testing.assert_close(head.compute_logits(x), F.linear(x, -2 * w), atol=1e-4, rtol=1e-5)
