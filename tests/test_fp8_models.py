@@ -16,7 +16,7 @@ from rlserve.config import EngineConfig
 from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8LinearMethod
-from rlserve.loader import iterate_checkpoint, load_model
+from rlserve.loader import iterate_checkpoint, load_model, process_weights_after_loading
 from tests.test_fp8 import bit_equal
 from tests.tiny_models import make_tiny_model
 
@@ -186,6 +186,7 @@ def test_dummy_load_then_sync_equals_load_from_disk(tiny_model):
     # a weight sync into the dummy model == the model loaded from disk
     ptrs = {n: p.data_ptr() for n, p in dummy.named_parameters()}
     dummy.load_weights(iterate_checkpoint(path))
+    process_weights_after_loading(dummy)  # as every sync path does (the CPU LM head's packed copy)
     disk, _ = _load(path, quant="fp8")
     disk_params = dict(disk.named_parameters())
     for n, p in dummy.named_parameters():
@@ -236,6 +237,7 @@ def _tp_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> Non
             synced, _ = _load(path, quant="fp8", load_format="dummy")
             ptrs = [p.data_ptr() for p in synced.parameters()]
             synced.load_weights(iterate_checkpoint(path))
+            process_weights_after_loading(synced)  # as every sync path does
             assert ptrs == [p.data_ptr() for p in synced.parameters()]
             same = all(bit_equal(a.data, b.data) for a, b in zip(disk.parameters(), synced.parameters()))
             prompts = _prompts(cfg.vocab_size, lens=(6, 3))
