@@ -5,7 +5,10 @@ EPYC CI machine; MKL picks its code path by vendor) oneDNN's own JIT kernels are
 the wide, short products of an LM head: ``[N, 576] x [576, 49152]`` (SmolLM2's tied head),
 one thread, CPU time (2026-12-01): N=1 13.9 -> 11.4 ms, N=8 48.7 -> 29.4 ms, N=64 113 ->
 77 ms, N=256 342 -> 324 ms. For the decoder's narrower projections the two were within
-noise of each other or MKL was faster, so only the LM head uses this.
+noise of each other or MKL was faster, so only the LM head uses this: since 2026-12-02 as the
+fallback for row counts outside :func:`packed_rows`, the head itself running on a packed copy
+like the decoder's (:meth:`rlserve.layers.embedding.VocabParallelEmbedding.serve_as_lm_head`;
+on the AVX2 machine, where that means 2-256 rows, the head's packed copy was not measured).
 
 There the weight is passed as a plain dense tensor, so in-place weight updates (weight
 sync) are seen at the next call with nothing to invalidate.

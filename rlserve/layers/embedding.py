@@ -102,7 +102,10 @@ class VocabParallelEmbedding(nn.Module):
         it off. SmolLM2's ``[N, 576] x [576, 49152]`` head, one thread, CPU time, medians of
         interleaved calls on the 2-core Zen 5 machine (2026-12-02, load 2-3): N=1 plain 5.23 ->
         packed 4.61 ms (a plain read of the 113 MB: 4.03), N=16 11.06 -> 8.50, N=64 23.42 ->
-        20.01. Logits equal to the plain weight's up to summation order (max |diff| 1e-5)."""
+        20.01; the whole decode step (paired medians, in-process alternation, three runs,
+        ``BENCHMARKS.md``) -1.4 to -1.7 ms at batch 1 (~27 ms), -2.8 to -4.1 at 16, -2.3 to -3.3
+        at 64. Logits equal to the plain weight's up to summation order (bit-equal at 16 and 64
+        rows, max |diff| 2.3e-5 at 1 row, same argmax)."""
         self.quant_method = UnquantizedLinearMethod()
 
     def compute_logits(self, hidden: torch.Tensor, bias: torch.Tensor | None = None,
