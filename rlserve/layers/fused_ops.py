@@ -239,26 +239,22 @@ def qkv_norm_rope_write(
     if not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     norm = q_weight is not None
-    heads = _qkv_heads_per_program(T, num_heads + num_kv_heads, qkv.device) if T < _QKV_MANY_TOKENS else 1
-    if heads > 1:
-        _kernels()._qkv_norm_rope_write_heads_kernel[(T, -(-(num_heads + num_kv_heads) // heads))](
-            qkv, positions, cos_cache, sin_cache,
-            q_weight if norm else qkv, k_weight if norm else qkv,
-            q, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), q.stride(0), k_cache.stride(1),
-            num_heads, num_kv_heads, float(eps), T,
-            HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, HEADS=heads,
-            num_warps=1,
-        )
-        return q
-    tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
-    _kernels()._qkv_norm_rope_write_kernel[(-(-T // tokens), num_heads + num_kv_heads)](
+    n_heads = num_heads + num_kv_heads
+    heads = _qkv_heads_per_program(T, n_heads, qkv.device) if T < _QKV_MANY_TOKENS else 1
+    if heads > 1:  # decode batches: several heads of one token per program
+        kernel = _kernels()._qkv_norm_rope_write_heads_kernel
+        grid, per_program = (T, -(-n_heads // heads)), {"HEADS": heads}
+    else:  # one head per program, several tokens on long (prefill) batches
+        tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
+        kernel = _kernels()._qkv_norm_rope_write_kernel
+        grid, per_program = (-(-T // tokens), n_heads), {"TOKENS": tokens}
+    kernel[grid](
         qkv, positions, cos_cache, sin_cache,
         q_weight if norm else qkv, k_weight if norm else qkv,
         q, k_cache, v_cache, slot_mapping,
         qkv.stride(0), q.stride(0), k_cache.stride(1),
         num_heads, num_kv_heads, float(eps), T,
-        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, TOKENS=tokens,
+        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, **per_program,
         num_warps=1,
     )
     return q
