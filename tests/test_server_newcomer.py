@@ -97,7 +97,8 @@ def test_stream_chat_chunks_have_vllms_keys(server):
             assert usage["usage"]["completion_tokens"] == 40
         stop = text[len(text) // 2]
     # with return_token_ids: the prompt's ids on the first chunk, each delta's ids on its choice
-    full = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False, return_token_ids=True),
+    plain = dict(body, stream=False, stream_options=None, return_token_ids=True)  # stream_options needs stream
+    full = httpx.post(server.url + "/v1/chat/completions", json=plain,
                       timeout=TIMEOUT).json()
     chunks = _sse(server.url + "/v1/chat/completions", dict(body, return_token_ids=True))
     assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"] and chunks[0]["prompt_text"] is None
@@ -123,7 +124,8 @@ def test_stream_completion_chunks_have_vllms_keys(server):
     assert all(set(ch) == {"id", "object", "created", "model", "choices"} for ch in chunks), chunks
     choices = [c for ch in chunks for c in ch["choices"]]
     assert all(set(c) == keys and c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices)
-    full = httpx.post(server.url + "/v1/completions", json=dict(body, stream=False, return_token_ids=True),
+    plain = dict(body, stream=False, stream_options=None, return_token_ids=True)  # stream_options needs stream
+    full = httpx.post(server.url + "/v1/completions", json=plain,
                       timeout=TIMEOUT).json()["choices"][0]
     *chunks, _ = _sse(server.url + "/v1/completions", dict(body, return_token_ids=True))
     choices = [c for ch in chunks for c in ch["choices"]]
