@@ -105,13 +105,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, fallback=F.linear) -> torch.Tensor:
     """``x [M, K] @ weight.T + bias`` on CPU: on ``packed`` (from :func:`pack_weight` of this
     same ``weight``) for float32 2-D inputs whose row count is in :func:`packed_rows`, else
-    ``F.linear`` on ``weight``."""
+    ``fallback(x, weight, bias)``: ``F.linear`` (MKL) for the decoder's projections, where it
+    was as fast as oneDNN on the plain weight; the LM head passes :func:`cpu_linear`."""
     if packed is None or x.dim() != 2:
-        return F.linear(x, weight, bias)
+        return fallback(x, weight, bias)
     lo, hi = packed_rows()
     if lo <= x.shape[0] <= hi and x.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return fallback(x, weight, bias)

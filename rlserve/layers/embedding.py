@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
-from rlserve.layers.cpu_linear import cpu_linear, packed_linear, packed_rows
+from rlserve.layers.cpu_linear import cpu_linear, packed_linear
 from rlserve.layers.linear import UnquantizedLinearMethod
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
@@ -125,13 +125,9 @@ class VocabParallelEmbedding(nn.Module):
         """
         if hidden.device.type != "cpu":
             logits = F.linear(hidden, self.weight, bias)
-        else:
-            packed = UnquantizedLinearMethod.packed_weight(self)  # None until serve_as_lm_head + a load
-            lo, hi = packed_rows()
-            if packed is not None and hidden.dim() == 2 and lo <= hidden.shape[0] <= hi:
-                logits = packed_linear(hidden, self.weight, packed, bias)
-            else:
-                logits = cpu_linear(hidden, self.weight, bias)
+        else:  # the packed copy exists after serve_as_lm_head + a load; else oneDNN on the plain weight
+            packed = UnquantizedLinearMethod.packed_weight(self)
+            logits = packed_linear(hidden, self.weight, packed, bias, fallback=cpu_linear)
         logits = tp_all_gather_last_dim(logits)
         logits = logits[..., : self.num_embeddings]
         return logits.float() if float32 else logits
