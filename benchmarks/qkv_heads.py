@@ -4,9 +4,9 @@
 each program several heads of one token (``_qkv_heads_per_program``; one program per head is
 the old kernel). For Qwen3-8B (32 query / 8 KV heads) and Qwen3-0.6B (16 / 8) layers, head_dim
 128, bf16, q/k norm, full rotary, and ``T`` in 1, 64, 128, 256 tokens, this times every setting
-(1, 2, 4, 8 heads, and the automatic choice): 20 calls captured in one CUDA graph, median of 20
-replays, GPU microseconds per call; and checks that queries, keys and values equal those of one
-program per head bit for bit.
+(1, 2, 4, 8 heads, and the automatic choice): 20 calls captured in one CUDA graph
+(``decode_step.graph_time``), median of 20 replays, GPU microseconds per call; and checks that
+queries, keys and values equal those of one program per head bit for bit.
 
 Usage:
     python benchmarks/qkv_heads.py
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from decode_step import graph_time  # noqa: E402
 from rlserve.layers import fused_ops  # noqa: E402
 from rlserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -51,26 +52,10 @@ def run(T: int, H: int, Hkv: int, D: int = 128) -> list[dict]:
             fused_ops._QKV_HEADS_PER_PROGRAM = setting
             out = (f().clone(), kc.clone(), vc.clone())
             ref = ref or out
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                f()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    f()
-            times = []
-            for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / 20)
+            us = graph_time(lambda: [f() for _ in range(20)], iters=20) * 1e6 / 20
             rows.append({"T": T, "H": H, "Hkv": Hkv, "setting": setting or "auto",
                          "heads_per_program": fused_ops._qkv_heads_per_program(T, H + Hkv, dev),
-                         "us": round(statistics.median(times), 2),
+                         "us": round(us, 2),
                          "equal_to_per_head": all(torch.equal(x, y) for x, y in zip(out, ref))})
             print(json.dumps(rows[-1]), flush=True)
     finally:
