@@ -1,8 +1,9 @@
 """The engine core in its own process (the server's default): a core that dies is noticed at
 once (requests in flight end with 503, /health fails, nothing hangs); the server stops within
-2 s of SIGINT/SIGTERM and takes its engine-core processes with it; a core never outlives the
-program that started it (a server, a pytest), whatever thread started it; the async front gives
-the offline engine's greedy tokens through the boundary."""
+2 s of SIGINT/SIGTERM and takes its engine-core processes with it; a core that has left its loop
+on a stop exits on its own (exit code 0), however long its process takes to end; a core never
+outlives the program that started it (a server, a pytest), whatever thread started it; the async
+front gives the offline engine's greedy tokens through the boundary."""
 
 from __future__ import annotations
 
@@ -18,9 +19,27 @@ import time
 import httpx
 import pytest
 
+from rlserve.engine.core_client import _exit_text
 from rlserve.server.testing import ServerProcess
 
 T = 60.0  # bound on every wait in this module (seconds)
+HERE = "tests.test_engine_core_process"  # this module as the engine-core process imports it
+#: how much longer the patched core's process takes to end (seconds): 4x core_client._KILL_AFTER_S,
+#: so the grace is always over before it ends, on a machine of any speed
+SLOW_EXIT_S = 1.0
+
+
+def slow_exit():
+    """``RLSERVE_ENGINE_CORE_INIT`` hook (runs in the engine-core process): its ``os._exit``
+    sleeps :data:`SLOW_EXIT_S` first, a stand-in for the kernel freeing a big core's memory
+    (0.2-0.3 s for SmolLM2 fp32 on the loaded 2-core machine: longer than the 0.25 s grace)."""
+    real = os._exit
+
+    def _exit(code):
+        time.sleep(SLOW_EXIT_S)
+        real(code)
+
+    os._exit = _exit
 
 
 def _alive(pid: int) -> bool:
@@ -158,6 +177,35 @@ def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
         assert "stopping: engines stopped" in srv.log_tail(1_000_000)
     finally:
         srv.stop()
+
+
+def test_exiting_core_is_waited_for_not_killed(tiny_model, monkeypatch):
+    """A stopped core leaves its loop, says so (``CoreExiting``) and ends its process with exit
+    code 0 on its own, even when the process's end takes longer than the 0.25 s grace (here
+    :data:`SLOW_EXIT_S`): the API process waits for it instead of SIGKILLing it (which could not
+    make the kernel's teardown faster; it used to, and the core's exit code was -9)."""
+    from rlserve import SamplingParams
+    from rlserve.config import EngineConfig
+    from rlserve.engine.async_engine import AsyncEngine
+
+    monkeypatch.setenv("RLSERVE_ENGINE_CORE_INIT", f"{HERE}:slow_exit")
+    aeng = AsyncEngine(EngineConfig(model=tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128,
+                                    load_format="dummy"), engine_mode="process")
+    try:
+        async def one():
+            async for out in aeng.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)):
+                last = out
+            return last
+
+        assert len(asyncio.run(asyncio.wait_for(one(), T)).outputs[0].token_ids) == 2
+        (rep,) = aeng._replicas
+        pid = rep.pid
+        rep.stop()
+        assert rep.exiting.wait(T), "the core did not say it was exiting"
+    finally:
+        aeng.shutdown(timeout_s=T)
+    assert rep.proc.returncode == 0, f"the core {_exit_text(rep.proc.returncode)}"
+    assert not _alive(pid)
 
 
 #: a stand-in for a pytest (or any program) that runs an AsyncEngine in process mode: it builds

@@ -42,13 +42,15 @@ from rlserve.engine.replica import EngineView, Replica, failed_future
 
 logger = logging.getLogger(__name__)
 
-#: a core that has not exited this long after Shutdown was sent is killed, with its TP workers
-#: (seconds). Nothing is lost by it: its requests have ended by then (503), and the kernel frees
-#: its memory (GPU memory included) either way. A core mid-step sees Shutdown only after the
-#: step: on a loaded 2-core CPU a 6000-token SmolLM2 prefill in flight kept it 1.3-1.6 s after a
-#: Ctrl-C, and waiting it out put the server's stop at 1.7-1.9 s (BENCHMARKS.md, "Stop of
-#: rlserve serve with engine-core processes"). An idle core exits in milliseconds; by the time
-#: the HTTP server has closed (0.12-0.2 s after the signal there) the grace is nearly over.
+#: a core that has neither exited nor said it is exiting (``CoreExiting``) this long after
+#: Shutdown was sent is killed, with its TP workers (seconds). Nothing is lost by it: its requests
+#: have ended by then (503), and the kernel frees its memory (GPU memory included) either way. A
+#: core mid-step sees Shutdown only after the step: on a loaded 2-core CPU a 6000-token SmolLM2
+#: prefill in flight kept it 1.3-1.6 s after a Ctrl-C, and waiting it out put the server's stop at
+#: 1.7-1.9 s (BENCHMARKS.md, "Stop of rlserve serve with engine-core processes"). An idle core
+#: leaves its loop in milliseconds; its process then takes as long as the kernel needs to free
+#: its memory (0.2-0.3 s for SmolLM2 fp32 at load), which a kill would not shorten: a core that
+#: said it is exiting is waited for (up to ``join``'s timeout), not killed.
 _KILL_AFTER_S = 0.25
 
 
@@ -177,6 +179,9 @@ class CoreProcReplica(Replica):
         self._outputs: OutputProcessor | None = None  # built with the view (needs the tokenizer)
         self._reader: threading.Thread | None = None
         self.death: str | None = None  # why the core is gone, once it is
+        #: set when the core has said it is exiting (left its loop after Shutdown; only the
+        #: process's end remains)
+        self.exiting = threading.Event()
 
     @property
     def engine(self) -> EngineView | None:
@@ -345,6 +350,8 @@ class CoreProcReplica(Replica):
             except EngineDeadError:
                 pass
             self.route(outputs, errors)
+        elif isinstance(msg, proto.CoreExiting):
+            self.exiting.set()
         elif isinstance(msg, proto.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():
@@ -392,17 +399,20 @@ class CoreProcReplica(Replica):
             pass
 
     def join(self, timeout_s: float) -> None:
-        """Wait for the core to exit, at most ``timeout_s`` and at most until :data:`_KILL_AFTER_S`
-        after :meth:`stop` sent it Shutdown (the signal's time, on a server's Ctrl-C); then kill its
-        process group. Then close the sockets and end the reader."""
+        """Wait for the core to exit, at most ``timeout_s``. A core that has not said it is
+        exiting (:attr:`exiting`) by :data:`_KILL_AFTER_S` after :meth:`stop` sent it Shutdown
+        (the signal's time, on a server's Ctrl-C) is killed with its process group; one that has
+        is waited for, its process's end being the kernel's teardown. Then close the sockets and
+        end the reader."""
         if self.proc is not None:
-            since = 0.0 if self._stop_t is None else time.monotonic() - self._stop_t
-            grace = max(0.0, min(timeout_s, _KILL_AFTER_S - since))
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:  # mid-step, or still exiting: kill (not an error)
-                logger.debug("engine replica %d did not exit %.2f s after its shutdown: killing it", self.index,
-                             since + grace)
+            t0 = time.monotonic()
+            since = 0.0 if self._stop_t is None else t0 - self._stop_t
+            if not self._wait_exit(max(0.0, min(timeout_s, _KILL_AFTER_S - since))) and self.exiting.is_set():
+                self._wait_exit(max(0.0, timeout_s - (time.monotonic() - t0)))
+            if self.proc.poll() is None:  # mid-step, or stuck: kill (not an error)
+                logger.debug("engine replica %d did not exit %.2f s after its shutdown (%s): killing it", self.index,
+                             since + time.monotonic() - t0,
+                             "it said it was exiting" if self.exiting.is_set() else "still in its loop")
             self._reap()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout_s)
@@ -417,6 +427,14 @@ class CoreProcReplica(Replica):
             os.close(self._pidfd)
             self._pidfd = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        """Whether the core's process has ended within ``timeout_s`` seconds."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def _reap(self) -> None:
         """Kill the core's process group (the core and its TP workers) if still there; wait."""

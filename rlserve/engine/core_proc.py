@@ -9,7 +9,8 @@ keep-pause), it blocks on the input socket. It never outlives the API process: t
 kills it when its parent dies (``PR_SET_PDEATHSIG``: the API process starts every core from one
 thread that lives as long as it does, ``core_client._Spawner``, because the kernel means the
 parent *thread*), and it also checks its parent id every loop. SIGINT is ignored (a Ctrl-C reaches the API process, which stops the cores); SIGTERM
-stops it cleanly.
+stops it cleanly. Once out of its loop it sends :class:`~rlserve.engine.core_protocol.CoreExiting`
+and ends with ``os._exit`` (no interpreter teardown).
 
 Run as ``python -m rlserve.engine.core_proc --input ADDR --output ADDR --dp-index I
 --parent-pid PID --config JSON``. ``RLSERVE_ENGINE_CORE_INIT=module:function`` names a
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
     server = CoreServer(core, inp, out, args.parent_pid)
     try:
         server.run()
+        # the API process waits for an exiting core instead of killing it at its grace
+        out.send(enc.encode(proto.CoreExiting()))
     finally:
         inp.close(linger=0)
         out.close(linger=1000)

@@ -122,6 +122,12 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     error: ErrorInfo
 
 
+class CoreExiting(msgspec.Struct, tag="exiting"):
+    """The core has left its loop (its requests failed, its engine shut down) and ends its
+    process next (``os._exit``). What remains is the kernel freeing the process's memory
+    (0.2-0.3 s for SmolLM2 fp32 on a loaded 2-core CPU), which a kill would not shorten."""
+
+
 class RequestError(msgspec.Struct):
     request_id: str
     error: ErrorInfo
@@ -204,7 +210,7 @@ class UtilityResult(msgspec.Struct, tag="result"):
     error: ErrorInfo | None = None
 
 
-OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult]
+OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting]
 
 
 def input_encoder() -> msgspec.msgpack.Encoder:
