@@ -69,7 +69,8 @@ def test_stream_chat_chunks_have_vllms_keys(server):
     ``token_ids`` (null without return_token_ids), and ``stop_reason`` on the choice's last
     chunk only: null after ``max_tokens``, the stop string that ended it (one from the middle of
     the first answer's text). Plus rlserve's ``weight_version`` on every choice. No ``usage``
-    key on any chunk before the usage chunk (vLLM sets none), which has exactly the counts."""
+    key on any chunk before the usage chunk (vLLM sets none), which has exactly the counts and
+    the ``system_fingerprint``. (Every object's keys: tests/test_server_vllm_keys.py.)"""
     top = {"id", "object", "created", "model", "choices"}
     common = {"index", "delta", "logprobs", "finish_reason", "weight_version"}
     body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 40, "temperature": 0,
@@ -78,7 +79,7 @@ def test_stream_chat_chunks_have_vllms_keys(server):
     for _ in range(2):
         chunks = _sse(server.url + "/v1/chat/completions", dict(body, **({"stop": [stop]} if stop else {})))
         *chunks, usage = chunks
-        assert set(usage) == top | {"usage"} and usage["choices"] == [], usage
+        assert set(usage) == top | {"usage", "system_fingerprint"} and usage["choices"] == [], usage
         assert set(chunks[0]) == top | {"prompt_token_ids", "prompt_text"}, chunks[0]
         assert chunks[0]["prompt_token_ids"] is None and chunks[0]["prompt_text"] is None
         assert [set(ch) for ch in chunks[1:]] == [top] * (len(chunks) - 1), chunks
@@ -104,9 +105,11 @@ def test_stream_chat_chunks_have_vllms_keys(server):
     assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"] and chunks[0]["prompt_text"] is None
     assert "token_ids" not in chunks[0]["choices"][0]  # vLLM's role choice has none
     assert [t for ch in chunks[1:-1] for t in ch["choices"][0]["token_ids"]] == full["choices"][0]["token_ids"]
-    assert chunks[-1]["usage"] == full["usage"] == {"prompt_tokens": len(full["prompt_token_ids"]),
-                                                    "completion_tokens": 40,
-                                                    "total_tokens": len(full["prompt_token_ids"]) + 40}
+    counts = {"prompt_tokens": len(full["prompt_token_ids"]), "completion_tokens": 40,
+              "total_tokens": len(full["prompt_token_ids"]) + 40}
+    # as vLLM's: the usage chunk leaves out the null details that the plain answer has
+    assert chunks[-1]["usage"] == counts
+    assert full["usage"] == dict(counts, prompt_tokens_details=None, completion_tokens_details=None)
 
 
 def test_stream_completion_chunks_have_vllms_keys(server):

@@ -15,7 +15,8 @@ Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
   than one when a request spanned an update), ``stop_reason``; with ``return_token_ids``:
   ``token_ids`` per choice and ``prompt_token_ids``; ``prompt_logprobs`` in vLLM's form
   (``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``). As in vLLM 0.32's
-  answers, those keys are there (null) when not asked for.
+  answers, those keys are there (null) when not asked for, and so is every other key of vLLM's
+  answers (:mod:`rlserve.server.openai_answers`; streams: :mod:`rlserve.server.openai_stream`).
 
 Any other field is a 400 naming it (``code`` ``unknown_field``); ``model`` may be omitted (one
 model is served).
@@ -32,8 +33,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlserve.server.errors import APIError
-from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_json, \
-    usage_options
+from rlserve.server.openai_answers import answer_usage, chat_choice, chat_response, completion_choice, \
+    completion_response
+from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import ServerState
 
@@ -213,21 +215,16 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                                                        as_ids=as_ids)
                 elif body.logprobs is not None:
                     lp = state.completion_logprobs(c.token_ids, c.logprobs, as_ids=as_ids)
-                # vLLM's keys (its CompletionResponseChoice, dumped whole): null when not asked for
                 plp = (state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
                                                   as_ids) if body.prompt_logprobs is not None else None)
-                choices.append({"index": i * n + c.index, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                "token_ids": list(c.token_ids) if body.return_token_ids else None,
-                                "prompt_logprobs": plp,
-                                "prompt_token_ids": list(ids) if body.return_token_ids else None,
-                                "weight_version": getattr(out, "weight_version", None)})
+                ret = body.return_token_ids
+                choices.append(completion_choice(
+                    i * n + c.index, text, lp, c.finish_reason, c.stop_reason, list(c.token_ids) if ret else None,
+                    plp, list(ids) if ret else None, getattr(out, "weight_version", None)))
         version, versions = weight_versions(finals)
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_json(sum(len(it[1]) for it in items), completion_tokens),
-            "weight_version": version, "weight_versions": versions,
-        })
+        return JSONResponse(completion_response(
+            rid, created, model, choices, answer_usage(sum(len(it[1]) for it in items), completion_tokens),
+            state.system_fingerprint, version, versions))
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     @router.post("/v1/chat/completions")
@@ -263,24 +260,15 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             (out,) = await unless_disconnected(raw, collect_final([gen]))
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            choice = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
-                if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "token_ids": list(c.token_ids) if body.return_token_ids else None,  # vLLM's keys: null unless asked
-                "weight_version": getattr(out, "weight_version", None),
-            }
-            choices.append(choice)
+        choices = [chat_choice(c.index, c.text,
+                               state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
+                               if body.logprobs else None, c.finish_reason, c.stop_reason,
+                               list(c.token_ids) if body.return_token_ids else None,
+                               getattr(out, "weight_version", None))
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
         version, versions = weight_versions([out])
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_json(len(ids), sum(len(c.token_ids) for c in out.outputs)),
-            "prompt_token_ids": list(ids) if body.return_token_ids else None,
-            "weight_version": version, "weight_versions": versions,
-        })
+        return JSONResponse(chat_response(
+            rid, created, model, choices, answer_usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),
+            state.system_fingerprint, list(ids) if body.return_token_ids else None, version, versions))
 
     return router

@@ -1,7 +1,8 @@
 """Server-sent events of the OpenAI routes: the event encoding (:func:`sse`, :func:`sse_event`),
 the interleaving of a request's generators (:func:`merge_generators`), and the chunk streams of
-``/v1/completions`` and ``/v1/chat/completions`` with ``"stream": true`` (their keys as vLLM
-0.32 sends them). The routes themselves: :mod:`rlserve.server.openai_routes`."""
+``/v1/completions`` and ``/v1/chat/completions`` with ``"stream": true``: one choice per chunk,
+with the keys vLLM 0.32 sends (its ``*StreamResponse`` models dumped with ``exclude_unset``; the
+last usage chunk with ``exclude_none``). The routes themselves: :mod:`rlserve.server.openai_routes`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 from typing import Any, AsyncIterator
 
 from rlserve.server.errors import exception_to_error
+from rlserve.server.openai_answers import usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import ServerState
 
@@ -73,43 +75,66 @@ async def merge_generators(gens: list) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's ``usage`` object of a completion or chat answer (token counts)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 def usage_options(stream_options) -> tuple[bool, bool]:
     """``(include_usage, continuous)`` of a request's ``stream_options`` (``None``: neither), as
     vLLM reads them: ``continuous_usage_stats`` counts only with ``include_usage``. With
     ``include_usage`` a last chunk carries the request's usage; with both, every chunk also
-    carries the usage so far."""
+    carries the usage so far of the one choice in it."""
     include = bool(stream_options and stream_options.include_usage)
     return include, include and bool(stream_options.continuous_usage_stats)
 
 
+class _Chunks:
+    """Chunk encoder of one stream, as vLLM's serving code builds them: one choice per chunk;
+    with ``continuous_usage_stats`` every chunk's ``usage`` counts that choice's prompt tokens
+    and its completion tokens sent so far (vLLM's ``previous_num_tokens[i]``), chat adding
+    ``completion_tokens_details: null``; without ``include_usage``, a choice's last chunk (the
+    one with its ``finish_reason``) carries the ``system_fingerprint``, else the usage chunk
+    does."""
+
+    def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool):
+        self.base, self.include, self.continuous, self.chat = base, usage[0], usage[1], chat
+        self.fingerprint = state.system_fingerprint
+
+    def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> str:
+        """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's)."""
+        ch = dict(self.base, choices=[choice])
+        if self.continuous:
+            ch["usage"] = usage_json(prompt_tokens, completion_tokens)
+            if self.chat:
+                ch["usage"]["completion_tokens_details"] = None
+        if not self.include and choice["finish_reason"] is not None:
+            ch["system_fingerprint"] = self.fingerprint
+        ch.update(extra)
+        return sse(ch)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        """The last chunk of a stream with ``include_usage``: no choices, the request's usage."""
+        return sse(dict(self.base, choices=[], usage=usage_json(prompt_tokens, completion_tokens),
+                        system_fingerprint=self.fingerprint))
+
+
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
                              usage: tuple[bool, bool], prompt_text, gens) -> AsyncIterator[str]:
-    """SSE chunks of a completions stream (one delta per choice per engine step). A choice's
-    keys are vLLM's (0.32's ``CompletionStreamResponse`` dumped with ``exclude_unset``):
-    ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``, ``prompt_token_ids``
-    (the prompt's ids on a choice's first chunk with ``return_token_ids``, else null),
-    ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus rlserve's
-    ``weight_version``. ``usage`` (:func:`usage_options`): with ``include_usage`` a last chunk
-    with the request's usage and no choices; with ``continuous_usage_stats`` too, every chunk
-    carries its prompt's ``usage`` so far (the tokens of the choices in it; vLLM sends one
-    choice a chunk), else no ``usage`` key (vLLM sets none)."""
+    """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
+    tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`_Chunks`). A choice's
+    keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
+    ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``,
+    else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
+    rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
+    for: vLLM refuses ``prompt_logprobs`` with ``stream``). ``usage`` (:func:`usage_options`):
+    with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
+    key on the others unless ``continuous_usage_stats``."""
     sent_text: dict[int, int] = {}
     sent_toks: dict[int, int] = {}
     done: set[int] = set()
-    completion_tokens: dict[int, int] = {}
     text_offset: dict[int, int] = {}
-    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    chunks = _Chunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
+                     chat=False)
     agen = merge_generators(gens)
     try:
         async for i, out in agen:
             _, ids, params = items[i]
-            choices = []
             for c in out.outputs:
                 idx = i * n + c.index
                 if idx in done:
@@ -135,7 +160,6 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_text[idx] = len(c.text)
                 sent_toks[idx] = len(c.token_ids)
-                completion_tokens[idx] = len(c.token_ids)
                 choice = {"index": idx, "text": prefix + delta_text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                           "prompt_token_ids": list(ids) if body.return_token_ids and first else None,
@@ -147,15 +171,9 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         body.return_tokens_as_token_ids)
                 if c.finish_reason is not None:
                     done.add(idx)
-                choices.append(choice)
-            if choices:
-                chunk = dict(base, choices=choices)
-                if usage[1]:
-                    chunk["usage"] = usage_json(len(ids), sum(len(c.token_ids) for c in out.outputs))
-                yield sse(chunk)
+                yield chunks.chunk(choice, len(ids), sent_toks[idx])
         if usage[0]:
-            yield sse(dict(base, choices=[], usage=usage_json(sum(len(it[1]) for it in items),
-                                                          sum(completion_tokens.values()))))
+            yield chunks.usage(sum(len(it[1]) for it in items), sum(sent_toks.values()))
     except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
         err = exception_to_error(e)
         yield sse(err.body())
@@ -166,36 +184,33 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
 
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model,
                       usage: tuple[bool, bool], gen, top_k: int = 0) -> AsyncIterator[str]:
-    """SSE chunks of a chat stream: a role delta per choice first, then content deltas. Keys
-    as vLLM 0.32 sends them (``ChatCompletionStreamResponse`` dumped with ``exclude_unset``):
-    the first chunk has ``prompt_token_ids`` (the ids with ``return_token_ids``, else null) and
-    ``prompt_text`` (null); a role choice has ``index``, ``delta``, ``logprobs``,
-    ``finish_reason``; a content choice those and ``token_ids`` (the delta's ids with
-    ``return_token_ids``, else null), and ``stop_reason`` on the choice's last chunk only (the
-    one with its ``finish_reason``); plus rlserve's ``weight_version`` on every choice.
-    ``usage`` (:func:`usage_options`): with ``include_usage`` a last chunk with the usage and
-    no choices; with ``continuous_usage_stats`` too, every chunk carries the usage so far (the
-    role chunk 0 completion tokens; then the tokens of every choice so far: vLLM counts the
-    chunk's one choice; with vLLM's ``completion_tokens_details``: null), else no ``usage`` key
-    (vLLM sets none)."""
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    """SSE chunks of a chat stream: a role chunk per choice first, then a chunk per choice per
+    engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
+    :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
+    ``return_token_ids``, else null) and ``prompt_text`` (null), its choice ``index``,
+    ``delta`` (``{"role": "assistant", "content": ""}``), ``logprobs``, ``finish_reason``; a
+    content choice ``index``, ``delta`` (``{"content": text}``), ``logprobs``,
+    ``finish_reason``, ``token_ids`` (the delta's ids with ``return_token_ids``, else null), and
+    ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
+    rlserve's ``weight_version`` on every choice. ``usage`` (:func:`usage_options`): with
+    ``include_usage`` a last chunk with the usage and no choices; no ``usage`` key on the
+    others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens)."""
     n = body.n
     sent_text = [0] * n
     sent_toks = [0] * n
     done: set[int] = set()
     completion_tokens = 0
+    chunks = _Chunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
+                     chat=True)
 
-    def role_chunk(version):
+    def role_chunks(version):
         """The choices' ``{"role": "assistant", "content": ""}`` deltas. As vLLM, sent with the
         engine's first output (the first token is ready), not on arrival: a client timing the
         first chunk (``vllm bench serve``'s TTFT) measures the prefill."""
-        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None, "weight_version": version} for i in range(n)]
-        chunk = dict(base, choices=choices, prompt_token_ids=list(ids) if body.return_token_ids else None,
-                     prompt_text=None)
-        if usage[1]:
-            chunk["usage"] = dict(usage_json(len(ids), 0), completion_tokens_details=None)
-        return sse(chunk)
+        prompt_ids = list(ids) if body.return_token_ids else None
+        return [chunks.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None, "weight_version": version}, len(ids), 0,
+                             prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
     agen = merge_generators([gen])
     sent_role = False
@@ -203,8 +218,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
         async for _, out in agen:
             if not sent_role:
                 sent_role = True
-                yield role_chunk(getattr(out, "weight_version", None))
-            choices = []
+                for ch in role_chunks(getattr(out, "weight_version", None)):
+                    yield ch
             for c in out.outputs:
                 i = c.index
                 if i in done:
@@ -218,29 +233,21 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     continue
                 sent_text[i] = len(c.text)
                 sent_toks[i] = len(c.token_ids)
-                delta = {"content": delta_text} if delta_text else {}
-                choice = {"index": i, "delta": delta,
+                choice = {"index": i, "delta": {"content": delta_text},
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
                                                           top_k, body.return_tokens_as_token_ids)
                           if body.logprobs else None,
                           "finish_reason": c.finish_reason}
                 if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only
                     choice["stop_reason"] = c.stop_reason
-                choice["weight_version"] = getattr(out, "weight_version", None)
-                choice["token_ids"] = delta_ids if body.return_token_ids else None
-                if c.finish_reason is not None:
                     done.add(i)
-                choices.append(choice)
+                choice["token_ids"] = delta_ids if body.return_token_ids else None
+                choice["weight_version"] = getattr(out, "weight_version", None)
+                yield chunks.chunk(choice, len(ids), sent_toks[i])
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if choices:
-                chunk = dict(base, choices=choices)
-                if usage[1]:  # vLLM's chat chunks also name completion_tokens_details (null)
-                    chunk["usage"] = dict(usage_json(len(ids), sum(len(c.token_ids) for c in out.outputs)),
-                                          completion_tokens_details=None)
-                yield sse(chunk)
         if usage[0]:
-            yield sse(dict(base, choices=[], usage=usage_json(len(ids), completion_tokens)))
+            yield chunks.usage(len(ids), completion_tokens)
     except Exception as e:  # noqa: BLE001
         err = exception_to_error(e)
         yield sse(err.body())

@@ -10,7 +10,9 @@ dtype).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 
 import rlserve
 from rlserve.server.state import ServerState
@@ -75,6 +77,20 @@ def vllm_config(state: ServerState) -> dict:
         "structured_outputs_config": {"backend": "xgrammar" if importlib.util.find_spec("xgrammar") else None},
         "weight_transfer_config": state.settings.weight_transfer_config,
     }
+
+
+def system_fingerprint(state: ServerState) -> str:
+    """The answers' ``system_fingerprint``, in the form of vLLM 0.32's default
+    (``--fingerprint-mode full``, ``vllm/entrypoints/serve/utils/fingerprint.py``) with rlserve's
+    name: ``rlserve-<version>[-tp<N>][-dp<N>]-<hash8>``, ``hash8`` the first 8 hex digits of the
+    SHA-256 of :func:`vllm_config` as JSON (sorted keys): another model, dtype, parallelism or
+    cache configuration gives another fingerprint (vLLM hashes its ``VllmConfig`` alike)."""
+    cfg = state.aengine.config
+    parts = [f"rlserve-{rlserve.__version__}"]
+    parts += [f"{name}{size}" for name, size in (("tp", cfg.tensor_parallel_size), ("dp", cfg.data_parallel_size))
+              if int(size) > 1]
+    tree = json.dumps(vllm_config(state), sort_keys=True, default=str)
+    return "-".join(parts + [hashlib.sha256(tree.encode()).hexdigest()[:8]])
 
 
 def _text(tree: dict, prefix: str = "") -> str:

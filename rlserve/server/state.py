@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import math
 import re
@@ -119,6 +120,14 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """The ``system_fingerprint`` of the chat and completions answers, computed once
+        (:func:`rlserve.server.server_info.system_fingerprint`)."""
+        from rlserve.server.server_info import system_fingerprint
+
+        return system_fingerprint(self)
 
     async def off_loop(self, fn, *args):
         """``fn(*args)`` on the server's tokenizer thread, awaited: tokenizer work that grows with

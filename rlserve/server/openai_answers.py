@@ -1,0 +1,83 @@
+"""The JSON objects of ``/v1/completions`` and ``/v1/chat/completions`` answers, with the keys
+vLLM 0.32 sends, nulls included (a client reading the raw JSON finds every key it would find in
+vLLM's answer), plus rlserve's ``weight_version`` (every choice and answer) and
+``weight_versions`` (answers).
+
+Where the key sets come from: vLLM 0.32's pydantic models
+(``vllm/entrypoints/openai/{chat_completion,completion}/protocol.py``,
+``vllm/entrypoints/serve/engine/protocol.py``'s ``UsageInfo``) dumped as its serving code dumps
+them -- a non-streamed answer whole (``model_dump()``), so every field is there, null when vLLM
+has nothing for it (``service_tier``, ``kv_transfer_params``, ``metrics``, a message's
+``refusal`` / ``annotations`` / ``audio`` / ``function_call`` / ``reasoning`` ...); a stream chunk
+with ``exclude_unset`` (only what the serving code set); the stream's last usage chunk with
+``exclude_none``. ``tests/test_server_vllm_keys.py`` checks them against the installed vLLM.
+The chunks themselves are built in :mod:`rlserve.server.openai_stream`.
+"""
+
+from __future__ import annotations
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+    """``usage`` as a stream's last chunk carries it (vLLM's ``UsageInfo`` without its null
+    ``*_details``): token counts."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def answer_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """``usage`` of a non-streamed answer: the counts plus vLLM's ``prompt_tokens_details`` and
+    ``completion_tokens_details`` (null: no cached-token or reasoning-token details)."""
+    return dict(usage_json(prompt_tokens, completion_tokens), prompt_tokens_details=None,
+                completion_tokens_details=None)
+
+
+def chat_message(content: str) -> dict:
+    """A chat choice's ``message`` (vLLM's ``ChatMessage``, ``tool_calls`` dropped when empty as
+    its serializer does): the assistant's text and the fields rlserve never fills, null."""
+    return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "reasoning": None}
+
+
+def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason, stop_reason,
+                token_ids: list[int] | None, weight_version: str | None) -> dict:
+    """One choice of a non-streamed chat answer (vLLM's ``ChatCompletionResponseChoice``:
+    ``routed_experts`` null) plus rlserve's ``weight_version``."""
+    return {"index": index, "message": chat_message(content), "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": None,
+            "weight_version": weight_version}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason,
+                      token_ids: list[int] | None, prompt_logprobs: list | None, prompt_token_ids: list[int] | None,
+                      weight_version: str | None) -> dict:
+    """One choice of a non-streamed completions answer (vLLM's ``CompletionResponseChoice``:
+    ``routed_experts`` null) plus rlserve's ``weight_version``."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": prompt_token_ids, "routed_experts": None, "weight_version": weight_version}
+
+
+def _answer(rid: str, obj: str, created: int, model: str, choices: list[dict], fingerprint: str | None,
+            usage: dict) -> dict:
+    """The keys both answers open with, in vLLM's order (``service_tier`` null)."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "service_tier": None,
+            "system_fingerprint": fingerprint, "usage": usage}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict], usage: dict, fingerprint: str | None,
+                  prompt_token_ids: list[int] | None, weight_version: str | None, weight_versions: list[str]) -> dict:
+    """A non-streamed chat answer (vLLM's ``ChatCompletionResponse``: ``prompt_logprobs``,
+    ``prompt_text``, ``kv_transfer_params``, ``ec_transfer_params``, ``metrics`` null) plus
+    rlserve's ``weight_version`` / ``weight_versions``."""
+    return dict(_answer(rid, "chat.completion", created, model, choices, fingerprint, usage), prompt_logprobs=None,
+                prompt_token_ids=prompt_token_ids, prompt_text=None, kv_transfer_params=None, ec_transfer_params=None,
+                metrics=None, weight_version=weight_version, weight_versions=weight_versions)
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict], usage: dict,
+                        fingerprint: str | None, weight_version: str | None, weight_versions: list[str]) -> dict:
+    """A non-streamed completions answer (vLLM's ``CompletionResponse``: ``kv_transfer_params``,
+    ``ec_transfer_params``, ``metrics`` null) plus rlserve's ``weight_version`` /
+    ``weight_versions``."""
+    return dict(_answer(rid, "text_completion", created, model, choices, fingerprint, usage), kv_transfer_params=None,
+                ec_transfer_params=None, metrics=None, weight_version=weight_version, weight_versions=weight_versions)
