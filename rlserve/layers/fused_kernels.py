@@ -72,6 +72,30 @@ def _norm_rope_head(
     y = (a + sign * b).to(dt).to(tl.float32)
     return tl.where(rot_mask, y, x)
 
+@triton.jit
+def _rope_lanes(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr):
+    """The lane vectors of one head, shared by both ``_qkv_norm_rope_write`` kernels: ``d``
+    (``[D_PAD]`` int32 dims), ``d_mask`` (``d < HEAD_DIM``), ``rot_mask`` (``d < ROT``, the
+    rotated dims), ``partner`` (the dim ``rotate_half`` reads for ``d``: ``d + ROT/2`` in the
+    first half, ``d - ROT/2`` in the second) and ``sign`` (float32 -1 / +1: ``rotate_half``'s
+    ``(-x2, x1)``)."""
+    half: tl.constexpr = ROT // 2
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    rot_mask = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)
+    return d, d_mask, rot_mask, partner, sign
+
+@triton.jit
+def _rope_cos_sin(COS, SIN, pos, d, rot_mask, ROT: tl.constexpr, dt: tl.constexpr):
+    """Row ``pos`` (int64) of the ``[max_position, ROT]`` float32 cos / sin caches, rounded to
+    ``dt`` (the activations' dtype, as ``RotaryEmbedding`` casts them) and back to float32;
+    lanes past ``ROT`` read cos 1 and sin 0."""
+    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(dt).to(tl.float32)
+    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(dt).to(tl.float32)
+    return cos, sin
+
 @triton.jit(do_not_specialize=["T"])
 def _qkv_norm_rope_write_kernel(
     QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT,
@@ -86,18 +110,12 @@ def _qkv_norm_rope_write_kernel(
     on long (prefill) batches: one program per token and head was bound by the programs' own
     cost (an 8192-token prefill step: 114 us per layer, ~1 TB/s)."""
     j = tl.program_id(1)
-    half: tl.constexpr = ROT // 2
-    d = tl.arange(0, D_PAD)
-    d_mask = d < HEAD_DIM
-    rot_mask = d < ROT
-    partner = tl.where(d < half, d + half, d - half)
-    sign = tl.where(d < half, -1.0, 1.0)
+    d, d_mask, rot_mask, partner, sign = _rope_lanes(HEAD_DIM, D_PAD, ROT)
     for i in tl.static_range(TOKENS):
         t = tl.program_id(0).to(tl.int64) * TOKENS + i
         if t < T:
             pos = tl.load(POS + t).to(tl.int64)
-            cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
-            sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
+            cos, sin = _rope_cos_sin(COS, SIN, pos, d, rot_mask, ROT, Q_OUT.dtype.element_ty)
             row = QKV + t * stride_t
             if j < NUM_HEADS:
                 y = _norm_rope_head(row + j * HEAD_DIM, QW, cos, sin, d, partner, sign, d_mask, rot_mask, eps,
@@ -134,15 +152,9 @@ def _qkv_norm_rope_write_heads_kernel(
     one program per token and head ran ~10,000 one-warp programs per Qwen3-8B layer at batch
     256 (8.2 us per call on an H200, 2026-12-02), bound by each program's dependent loads."""
     t = tl.program_id(0).to(tl.int64)
-    half: tl.constexpr = ROT // 2
-    d = tl.arange(0, D_PAD)
-    d_mask = d < HEAD_DIM
-    rot_mask = d < ROT
-    partner = tl.where(d < half, d + half, d - half)
-    sign = tl.where(d < half, -1.0, 1.0)
+    d, d_mask, rot_mask, partner, sign = _rope_lanes(HEAD_DIM, D_PAD, ROT)
     pos = tl.load(POS + t).to(tl.int64)
-    cos = tl.load(COS + pos * ROT + d, mask=rot_mask, other=1.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
-    sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(Q_OUT.dtype.element_ty).to(tl.float32)
+    cos, sin = _rope_cos_sin(COS, SIN, pos, d, rot_mask, ROT, Q_OUT.dtype.element_ty)
     row = QKV + t * stride_t
     slot = tl.load(SLOT + t).to(tl.int64)
     kv_dst = slot * stride_cs + d
