@@ -17,6 +17,9 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
   is re-allocated), for the batch sizes of :func:`rlserve.engine.cuda_graph.capture_sizes` or those listed in
   ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
   a batch larger than the largest captured size runs eagerly.
+
+On CPU the runner splits decode steps and the LM head into micro-batches of rows on threads
+(:mod:`rlserve.engine.cpu_microbatch`: two on a 2-core machine, none below 16 rows).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlserve.engine import cpu_microbatch
 from rlserve.h2d import to_device
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 
@@ -116,6 +120,13 @@ class ModelRunner:
                            else {})
         self._select_backend()
         self.use_cuda_graphs = self._want_cuda_graphs()
+        # CPU: decode steps (and the LM head) split into micro-batches of rows on threads
+        self.microbatches = None
+        if device.type == "cpu":
+            n = cpu_microbatch.microbatch_count(config, torch.get_num_threads())
+            if n > 1:
+                self.microbatches = cpu_microbatch.CPUMicroBatches(n, threads=torch.get_num_threads())
+                logger.info("CPU decode steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
 
     # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
     def _select_backend(self) -> None:
@@ -263,7 +274,18 @@ class ModelRunner:
             ``[len(step.logits_indices), vocab]`` logits (full vocabulary) in the model dtype
             (float32 for a model whose ``compute_logits`` has no ``float32`` argument).
         """
-        logits = lambda h: self.model.compute_logits(h, **self._logits_kw)  # noqa: E731
+        with cpu_microbatch.active(self.microbatches):
+            return self._execute(step)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.compute_logits`` of ``hidden`` ``[N, hidden]``, its rows split into the
+        step's CPU micro-batches where they are (rows are independent: bit-equal)."""
+        fn = self.model.compute_logits
+        out = cpu_microbatch.split_rows(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
+        return fn(hidden, **self._logits_kw) if out is None else out
+
+    def _execute(self, step: StepInput) -> torch.Tensor:
+        logits = self._logits
         hidden = self._decode_with_graph(step)
         if hidden is not None:
             B = hidden.shape[0]

@@ -64,6 +64,29 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
+    def decode_rows(self, a: int, b: int) -> "AttentionMetadata":
+        """The metadata of sequences ``a:b`` of a pure decode step (one token per sequence,
+        so token rows and sequences coincide): tensor views, a fresh ``backend_cache``.
+
+        Raises:
+            ValueError: not a pure decode step, or an empty / out-of-range slice.
+        """
+        if not self.is_pure_decode or not 0 <= a < b <= self.num_seqs:
+            raise ValueError(f"decode_rows({a}, {b}) needs a pure decode step of at least {b} sequences "
+                             f"(max_query_len={self.max_query_len}, {self.num_seqs} sequences)")
+        seq_lens_cpu = self.seq_lens_cpu[a:b]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[a:b],
+            query_start_loc=self.query_start_loc[a:b + 1] - self.query_start_loc[a],
+            seq_lens=self.seq_lens[a:b],
+            block_tables=self.block_tables[a:b],
+            max_query_len=1,
+            max_seq_len=max(seq_lens_cpu),
+            block_size=self.block_size,
+            query_start_loc_cpu=list(range(b - a + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
     @staticmethod
     def build(
         query_lens: list[int],

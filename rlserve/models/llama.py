@@ -146,11 +146,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual = None
         ctx = llama_cpu.step_context(self.layers, hidden, positions, meta)  # CPU decode: kernels called directly
+        if ctx is not None:
+            return llama_cpu.decode_forward(ctx, self.layers, self.norm, positions, hidden, meta)
         for layer in self.layers:
-            if ctx is not None:
-                hidden, residual = llama_cpu.layer_forward(ctx, layer, positions, hidden, residual, meta)
-            else:
-                hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

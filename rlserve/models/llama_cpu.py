@@ -14,7 +14,9 @@ floats of which the C kernel call is ~2 us; ~6-8 ms per step over 30 layers all 
 oneDNN linear, the fused q/k-norm + rotary + KV write, the paged decode attention kernel,
 SiLU-and-mul), so its results are bit-equal; it only calls them directly. Per-step inputs
 (positions, slots, block tables, context lengths, the thread count) are prepared once per
-step by :func:`step_context` and shared by every layer.
+step by :func:`step_context` and shared by every layer. :func:`decode_forward` runs the
+whole layer stack, split into micro-batches of rows on several threads where the step's
+:mod:`rlserve.engine.cpu_microbatch` says so.
 
 When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
 modules): a pure decode step (one token per sequence) on float32 CPU tensors, the fused C
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlserve.engine import cpu_microbatch
 from rlserve.layers import cpu_attention, cpu_fused, fused_ops
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend, \
@@ -61,6 +64,11 @@ class StepContext:
     bt: torch.Tensor
     sl: torch.Tensor
     nthreads: int
+
+    def rows(self, a: int, b: int) -> "StepContext":
+        """The context of rows ``a:b`` of this step (views, no copies)."""
+        return StepContext(self.lib, self.attn_fn, self.pos[a:b], self.slots[a:b], self.bt[a:b], self.sl[a:b],
+                           self.nthreads)
 
 
 def set_enabled(on: bool) -> bool:
@@ -122,6 +130,40 @@ def step_context(layers, hidden: torch.Tensor, positions: torch.Tensor, meta: At
     return StepContext(cpu_fused._lib(), cpu_attention._load(), positions.to(torch.int64).contiguous(),
                        meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
                        meta.seq_lens.to(torch.int32).contiguous(), torch.get_num_threads())
+
+
+# Relative cost of a row's linears and of one context token's attention, for balancing
+# micro-batches: one core's float32 GEMM rate (~200 GFLOPS) over its rate of reading a paged
+# KV cache (~12 GB/s) on the 2-core Zen 5 machine (BENCHMARKS.md, issue 22, ninth session).
+_FLOPS_PER_KV_BYTE = 200e9 / 12e9
+
+
+def _row_cost_tokens(layer) -> float:
+    """A decode row's linears in context tokens of attention (the ``c0`` of ``c0 + seq_len``)."""
+    a, m = layer.self_attn, layer.mlp
+    numel = sum(lin.weight.numel() for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
+    kv_bytes = 2 * a.num_kv_heads * a.head_dim * 4  # float32 K and V of one token
+    return 2.0 * numel / _FLOPS_PER_KV_BYTE / kv_bytes
+
+
+def decode_forward(ctx: StepContext, layers, norm, positions: torch.Tensor, hidden: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+    """Every decoder layer and the final ``norm`` for a step that :func:`step_context`
+    accepted: ``hidden`` ``[T, hidden]`` float32 embeddings -> ``[T, hidden]`` normed hidden
+    states. With a current :class:`rlserve.engine.cpu_microbatch.CPUMicroBatches` that splits
+    this step, each micro-batch of rows runs the whole stack on its own thread (rows are
+    independent; bit-equal to the whole step), balanced by ``c0 + seq_len`` per row."""
+
+    def run(a: int, b: int) -> torch.Tensor:
+        sub, sub_meta = (ctx, meta) if (a, b) == (0, hidden.shape[0]) else (ctx.rows(a, b), meta.decode_rows(a, b))
+        h, residual = hidden[a:b], None
+        for layer in layers:
+            h, residual = layer_forward(sub, layer, positions[a:b], h, residual, sub_meta)
+        return norm(h, residual)[0]
+
+    c0 = _row_cost_tokens(layers[0]) if len(layers) else 0.0
+    out = cpu_microbatch.split_rows(run, [c0 + n for n in meta.seq_lens_cpu])
+    return run(0, hidden.shape[0]) if out is None else out
 
 
 _linear = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None

@@ -1,0 +1,296 @@
+"""CPU micro-batches: one decode step's rows split over threads, with no barrier inside the step.
+
+Why: on a 2-core machine the CPU engine runs its forward passes on one intra-op thread
+(:mod:`rlserve.engine.cpu_threads`): torch's second OpenMP thread made a step 1.6-1.9x faster
+while the machine was otherwise idle and up to 3-6x slower when anything else wanted a core,
+because every one of the step's several hundred parallel regions ends at a barrier that waits
+for the preempted thread. Sequences of a decode step are independent until sampling, so the
+step can instead be cut into micro-batches of whole rows that run the *entire* layer stack
+(and the LM head) each on its own thread, joined once per step. A preempted micro-batch
+thread then delays only its own rows; the other thread finishes its share and sleeps in the
+join (no spinning), leaving its core to whatever needs one. This is the CPU analogue of
+data parallelism inside one step, sharing one copy of the weights and one KV cache (each
+row writes only its own slots).
+
+Measured (SmolLM2-135M float32, ``Worker.execute`` of one decode step, contexts 128-512,
+2-core Zen 5 KVM guest, load < 0.7, one process alternating one / two micro-batches step by
+step, wall ms median of 12; 2026-12-02, tenth session): batch 4 30 -> 42 (a loss: each
+micro-batch streams all 538 MB of weights, and the two cores together read them only ~1.4x
+as fast as one), batch 16 72 -> 59, batch 32 107 -> 80, batch 64 238 -> 140 (1.7x), batch
+128 359 -> 231; logits bit-equal to one micro-batch in every case (every kernel on this path
+computes a row from that row alone, with the same summation order at any row count).
+Hence :data:`MIN_ROWS`: steps with fewer rows run as one micro-batch.
+
+Contention guard: each micro-batch thread's wall time over its own CPU time (``time.thread_time``)
+is ~1 while it owns a core; when other work shares its core it grows toward 2 (or beyond).
+After a split step whose largest such ratio exceeds :data:`CONTENDED_RATIO`, the next
+``backoff`` splits are skipped (steps run as one micro-batch, which then has a core to itself
+wherever the scheduler puts it), ``backoff`` doubling on each repeated contended step up to
+:data:`MAX_BACKOFF` and falling back to :data:`MIN_BACKOFF` after an uncontended one. So a busy
+machine costs at most one slowed step per backoff period.
+
+Count, first match wins: ``config.extra["cpu_microbatches"]``, ``RLSERVE_CPU_MICROBATCHES``
+(1 turns the split off), else 2 when the engine runs one intra-op thread, is the only engine
+rank on the machine and this process may use at least 2 CPUs, otherwise 1. The model runner
+makes the engine's :class:`CPUMicroBatches` current for the duration of a step
+(:func:`active`); the model's CPU decode path (:mod:`rlserve.models.llama_cpu`) and the
+runner's LM head ask :func:`current` for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "RLSERVE_CPU_MICROBATCHES"
+MIN_ROWS_ENV = "RLSERVE_CPU_MICROBATCH_MIN_ROWS"
+MIN_ROWS = 16  # below this a split loses or barely wins (module docstring: batch 4 a loss, 16 1.2x)
+CONTENDED_RATIO = 1.5  # wall / CPU of a micro-batch thread above which its core was shared
+MIN_BACKOFF = 4  # splits skipped after a contended step ...
+MAX_BACKOFF = 256  # ... doubling up to this many
+
+_local = threading.local()
+
+
+def microbatch_count(config=None, threads: int = 1, ranks: int | None = None) -> int:
+    """How many micro-batches a CPU engine splits its decode steps into (module docstring).
+
+    Args:
+        config: the engine config (``extra["cpu_microbatches"]``, TP / DP sizes), or None.
+        threads: the engine's intra-op threads (:func:`rlserve.engine.cpu_threads.engine_cpu_threads`).
+        ranks: engine ranks on this machine (default: TP size x DP size of ``config``).
+
+    Raises:
+        ValueError: an override that is not an integer >= 1.
+    """
+    from rlserve.engine.cpu_threads import usable_cpus
+
+    extra = getattr(config, "extra", None) or {}
+    raw, what = extra.get("cpu_microbatches"), 'extra["cpu_microbatches"]'
+    if raw is None:
+        raw, what = os.environ.get(ENV) or None, ENV
+    if raw is not None:
+        try:
+            n = int(raw)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            raise ValueError(f"{what} must be an integer >= 1, got {raw!r}")
+        return n
+    if ranks is None:
+        ranks = (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+    return 2 if threads == 1 and ranks == 1 and usable_cpus() >= 2 else 1
+
+
+class _Thread:
+    """One persistent micro-batch thread: runs a submitted job, records its wall and CPU time."""
+
+    def __init__(self, index: int, threads: int):
+        self._go = threading.Event()
+        self._done = threading.Event()
+        self._job: Callable | None = None
+        self._threads = threads
+        self.result = None
+        self.error: BaseException | None = None
+        self.wall = self.cpu = 0.0
+        self._thread = threading.Thread(target=self._main, name=f"rlserve-cpu-microbatch-{index}", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            self._go.wait()
+            self._go.clear()
+            job = self._job
+            if job is None:  # close()
+                return
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                self.result, self.error = job(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.result, self.error = None, e
+            self.wall, self.cpu = time.perf_counter() - w0, time.thread_time() - c0
+            self._job = None
+            self._done.set()
+
+    def submit(self, job: Callable) -> None:
+        self._done.clear()
+        self._job = job
+        self._go.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def stop(self) -> None:
+        self._job = None
+        self._go.set()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+def _stop_all(threads: list[_Thread]) -> None:
+    """Stop the threads and wait for them (at most 5 s each): a thread still inside a torch
+    op while the interpreter shuts down aborts the process (``terminate called``)."""
+    for t in threads:
+        t.stop()
+    for t in threads:
+        t.join(5.0)
+
+
+class CPUMicroBatches:
+    """Runs row ranges of one CPU step on ``count`` threads (the caller's and ``count - 1``
+    persistent ones), joined once; see the module docstring.
+
+    Args:
+        count: micro-batches per split step (>= 1; 1 never splits).
+        threads: torch intra-op threads of each micro-batch thread.
+        min_rows: steps with fewer rows are not split (default :data:`MIN_ROWS`, or
+            ``RLSERVE_CPU_MICROBATCH_MIN_ROWS``).
+
+    Not re-entrant: one step at a time (an engine's steps are sequential); a second caller
+    while a split runs gets ``None`` from :meth:`plan` and runs its step whole.
+    """
+
+    def __init__(self, count: int, threads: int = 1, min_rows: int | None = None):
+        if count < 1:
+            raise ValueError(f"micro-batch count must be >= 1, got {count}")
+        self.count = count
+        self.threads = threads
+        self.min_rows = max(2, int(min_rows if min_rows is not None else os.environ.get(MIN_ROWS_ENV) or MIN_ROWS))
+        self._workers: list[_Thread] = []
+        self._busy = threading.Lock()
+        self.contended_ratio = CONTENDED_RATIO  # the guard's threshold (tests: inf turns it off)
+        self._skip = 0
+        self._backoff = MIN_BACKOFF
+        self.stats = {"split_steps": 0, "whole_steps": 0, "contended_steps": 0}
+
+    def plan(self, costs: Sequence[float]) -> list[tuple[int, int]] | None:
+        """Contiguous row ranges ``[(0, k1), (k1, k2), ...]`` of about equal total cost, one
+        per micro-batch, or ``None``: run the step whole (one micro-batch configured, fewer
+        than ``min_rows`` rows, backing off after a contended step, or another step running).
+
+        Args:
+            costs: one non-negative estimate per row (any unit; e.g. a decode row's context
+                length plus a constant for its linears).
+        """
+        n = len(costs)
+        if self.count < 2 or n < self.min_rows:
+            return None
+        if self._skip > 0:
+            self._skip -= 1
+            self.stats["whole_steps"] += 1
+            return None
+        parts = min(self.count, n)
+        costs = [max(0.0, float(c)) for c in costs]
+        total = sum(costs)
+        if total <= 0.0:
+            costs, total = [1.0] * n, float(n)
+        ranges, start, acc = [], 0, 0.0
+        for i, c in enumerate(costs):
+            acc += c
+            # close part j once the running cost reaches j/parts of the total, leaving a row for each later part
+            if len(ranges) < parts - 1 and acc >= total * (len(ranges) + 1) / parts and i + 1 <= n - (parts - 1 - len(ranges)):
+                ranges.append((start, i + 1))
+                start = i + 1
+        ranges.append((start, n))
+        return [r for r in ranges if r[1] > r[0]]
+
+    def run(self, fn: Callable[[int, int], object], ranges: list[tuple[int, int]]) -> list:
+        """``[fn(a, b) for (a, b) in ranges]``, the first range on the calling thread and each
+        other on a micro-batch thread, under the caller's grad / inference mode. Returns after
+        every range finished; then re-raises the first exception any of them raised (the
+        threads stay usable). Records whether a thread's core was shared (contention guard).
+        """
+        if len(ranges) == 1 or not self._busy.acquire(blocking=False):
+            return [fn(a, b) for a, b in ranges]
+        try:
+            while len(self._workers) < self.count - 1:
+                self._workers.append(_Thread(len(self._workers) + 1, self.threads))
+                if len(self._workers) == 1:
+                    weakref.finalize(self, _stop_all, self._workers)
+            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+            def job(a, b):
+                def call():
+                    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                        return fn(a, b)
+                return call
+
+            extra = ranges[1:]
+            for t, (a, b) in zip(self._workers, extra):
+                t.submit(job(a, b))
+            w0, c0 = time.perf_counter(), time.thread_time()
+            first_error = None
+            try:
+                first = fn(*ranges[0])
+            except BaseException as e:  # noqa: BLE001 - re-raised after the join
+                first, first_error = None, e
+            wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+            used = self._workers[:len(extra)]
+            for t in used:
+                t.wait()
+            error = first_error or next((t.error for t in used if t.error is not None), None)
+            if error is not None:
+                raise error
+            self.record([wall] + [t.wall for t in used], [cpu] + [t.cpu for t in used])
+            return [first] + [t.result for t in used]
+        finally:
+            self._busy.release()
+
+    def record(self, walls: Sequence[float], cpus: Sequence[float]) -> bool:
+        """Contention guard for one split step: ``walls`` / ``cpus`` seconds of each micro-batch.
+        Returns True (and schedules ``backoff`` whole steps) when some thread's wall / CPU ratio
+        exceeded ``contended_ratio`` (:data:`CONTENDED_RATIO`)."""
+        self.stats["split_steps"] += 1
+        contended = any(w > self.contended_ratio * max(c, 1e-6) for w, c in zip(walls, cpus))
+        if contended:
+            self.stats["contended_steps"] += 1
+            self._skip = self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        else:
+            self._backoff = MIN_BACKOFF
+        return contended
+
+    def close(self) -> None:
+        """Stop the micro-batch threads (they also stop when this object is collected)."""
+        _stop_all(self._workers)
+        self._workers = []
+
+
+def current() -> CPUMicroBatches | None:
+    """The micro-batches of the step running on this thread (:func:`active`), or None."""
+    return getattr(_local, "microbatches", None)
+
+
+@contextlib.contextmanager
+def active(microbatches: CPUMicroBatches | None):
+    """Make ``microbatches`` :func:`current` on this thread inside the ``with`` block."""
+    prev = getattr(_local, "microbatches", None)
+    _local.microbatches = microbatches
+    try:
+        yield microbatches
+    finally:
+        _local.microbatches = prev
+
+
+def split_rows(fn: Callable[[int, int], torch.Tensor], costs: Sequence[float]) -> torch.Tensor | None:
+    """``fn(0, n)`` computed as micro-batches of rows on the current step's threads and
+    concatenated along dim 0, or ``None`` when there is no current :class:`CPUMicroBatches` or
+    it does not split this step (the caller then computes ``fn(0, n)`` itself). ``fn(a, b)``
+    must return rows ``a:b`` of the whole result, computed from those rows alone."""
+    mb = current()
+    ranges = None if mb is None else mb.plan(costs)
+    if ranges is None or len(ranges) < 2:
+        return None
+    return torch.cat(mb.run(fn, ranges))

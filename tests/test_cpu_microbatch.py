@@ -1,0 +1,182 @@
+"""CPU micro-batches (rlserve/engine/cpu_microbatch.py): a decode step's rows split over threads
+must give bit-equal results, keep order, surface errors without hanging, and back off when a
+thread's core is shared."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlserve.engine import cpu_microbatch as mbm
+from rlserve.engine.cpu_microbatch import CPUMicroBatches
+from rlserve.layers.attention import AttentionMetadata
+
+
+def test_plan_balances_contiguous_ranges_by_cost():
+    mb = CPUMicroBatches(2, min_rows=2)
+    assert mb.plan([1.0] * 16) == [(0, 8), (8, 16)]
+    assert mb.plan([9.0, 1, 1, 1, 1, 1, 1, 1, 1, 1]) == [(0, 1), (1, 10)]  # cost 9 | 9
+    assert mb.plan([0.0] * 4) == [(0, 2), (2, 4)]  # no cost information: equal rows
+    assert mb.plan([100.0, 0.0]) == [(0, 1), (1, 2)]  # every micro-batch keeps at least one row
+    assert CPUMicroBatches(3, min_rows=2).plan([1.0] * 7) == [(0, 3), (3, 5), (5, 7)]
+    assert CPUMicroBatches(3, min_rows=2).plan([1.0, 1.0]) == [(0, 1), (1, 2)]
+
+
+def test_plan_declines_small_steps_and_one_microbatch():
+    assert CPUMicroBatches(2, min_rows=16).plan([1.0] * 15) is None
+    assert CPUMicroBatches(2, min_rows=16).plan([1.0] * 16) == [(0, 8), (8, 16)]
+    assert CPUMicroBatches(1, min_rows=2).plan([1.0] * 64) is None
+    with pytest.raises(ValueError, match=">= 1"):
+        CPUMicroBatches(0)
+
+
+def test_run_keeps_order_uses_another_thread_and_caller_modes():
+    mb = CPUMicroBatches(3, min_rows=2)
+    seen = {}
+
+    def fn(a, b):
+        seen[(a, b)] = (threading.current_thread().name, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        return list(range(a, b))
+
+    with torch.inference_mode():
+        out = mb.run(fn, [(0, 2), (2, 5), (5, 6)])
+    assert out == [[0, 1], [2, 3, 4], [5]]
+    assert seen[(0, 2)][0] == threading.current_thread().name
+    assert {seen[(2, 5)][0], seen[(5, 6)][0]} == {"rlserve-cpu-microbatch-1", "rlserve-cpu-microbatch-2"}
+    assert all(v[1:] == (True, False) for v in seen.values())  # inference mode carried over
+    with torch.no_grad():
+        mb.run(fn, [(0, 1), (1, 2)])
+    assert seen[(1, 2)][1:] == (False, False)
+    mb.close()
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_error_in_any_microbatch_is_raised_after_all_finish(failing):
+    mb = CPUMicroBatches(2, min_rows=2)
+    finished = []
+
+    def fn(a, b):
+        if a == failing:
+            raise RuntimeError(f"boom in rows {a}:{b}")
+        finished.append(a)
+        return a
+
+    with pytest.raises(RuntimeError, match=f"boom in rows {failing}:"):
+        mb.run(fn, [(0, 1), (1, 2)])
+    assert finished == [1 - failing]  # the other micro-batch ran to its end before the raise
+    assert mb.run(lambda a, b: a * 10, [(0, 1), (1, 2)]) == [0, 10]  # still usable, nothing hangs
+    mb.close()
+
+
+def test_a_busy_instance_runs_the_step_inline():
+    mb = CPUMicroBatches(2, min_rows=2)
+    with mb._busy:  # another step is running
+        assert mb.run(lambda a, b: threading.current_thread().name, [(0, 1), (1, 2)]) == \
+            [threading.current_thread().name] * 2
+
+
+def test_contention_backs_off_doubling_then_resets():
+    mb = CPUMicroBatches(2, min_rows=2)
+    costs = [1.0] * 4
+    assert mb.record([0.10, 0.10], [0.10, 0.095]) is False  # ratio <= 1.5: both threads had a core
+    assert mb.record([0.10, 0.20], [0.10, 0.10]) is True  # ratio 2: the second shared its core
+    assert [mb.plan(costs) for _ in range(mbm.MIN_BACKOFF)] == [None] * mbm.MIN_BACKOFF
+    assert mb.plan(costs) == [(0, 2), (2, 4)]
+    assert mb.record([0.30, 0.10], [0.10, 0.10]) is True  # again: twice as long
+    assert [mb.plan(costs) for _ in range(2 * mbm.MIN_BACKOFF)] == [None] * (2 * mbm.MIN_BACKOFF)
+    assert mb.plan(costs) is not None
+    assert mb.record([0.1, 0.1], [0.1, 0.1]) is False
+    assert mb.record([0.1, 0.2], [0.1, 0.1]) is True  # reset after the clean step: MIN_BACKOFF again
+    assert sum(mb.plan(costs) is None for _ in range(4 * mbm.MIN_BACKOFF)) == mbm.MIN_BACKOFF
+    assert mb.stats == {"split_steps": 5, "whole_steps": 4 * mbm.MIN_BACKOFF, "contended_steps": 3}
+    for _ in range(20):
+        mb.record([1.0, 9.0], [1.0, 1.0])
+    assert mb._backoff == mbm.MAX_BACKOFF
+
+
+def test_microbatch_count_rule_and_overrides(monkeypatch):
+    from rlserve.config import EngineConfig
+    from rlserve.engine import cpu_threads
+
+    monkeypatch.delenv(mbm.ENV, raising=False)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    cfg = EngineConfig(model="x", device="cpu")
+    assert mbm.microbatch_count(cfg, threads=1) == 2
+    assert mbm.microbatch_count(cfg, threads=2) == 1  # intra-op threads already use the cores
+    assert mbm.microbatch_count(cfg, threads=1, ranks=2) == 1  # DP replicas / TP ranks share the machine
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 1)
+    assert mbm.microbatch_count(cfg, threads=1) == 1
+    monkeypatch.setenv(mbm.ENV, "3")
+    assert mbm.microbatch_count(cfg, threads=1) == 3
+    cfg.extra["cpu_microbatches"] = 1
+    assert mbm.microbatch_count(cfg, threads=1) == 1
+    for bad in ("0", "two", "-1"):
+        cfg.extra["cpu_microbatches"] = bad
+        with pytest.raises(ValueError, match="cpu_microbatches"):
+            mbm.microbatch_count(cfg)
+
+
+def test_decode_rows_slices_a_decode_step():
+    meta = AttentionMetadata.build([1, 1, 1], [5, 9, 2], [[3, 4], [5, 6, 7], [8]], 4)
+    sub = meta.decode_rows(1, 3)
+    assert sub.slot_mapping.tolist() == [7 * 4 + 0, 8 * 4 + 1]  # positions 8 and 1
+    assert sub.seq_lens.tolist() == [9, 2] and sub.seq_lens_cpu == [9, 2] and sub.max_seq_len == 9
+    assert sub.query_start_loc.tolist() == [0, 1, 2] and sub.query_start_loc_cpu == [0, 1, 2]
+    assert sub.block_tables.tolist() == [[5, 6, 7], [8, 0, 0]] and sub.block_size == 4
+    with pytest.raises(ValueError, match="pure decode"):
+        AttentionMetadata.build([2, 1], [5, 9], [[3, 4], [5, 6, 7]], 4).decode_rows(0, 1)
+    with pytest.raises(ValueError):
+        meta.decode_rows(2, 2)
+
+
+def _generate(path, microbatches: int, prompts, params):
+    from rlserve import LLM
+
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_microbatches": microbatches})
+    runner = llm.engine.executor.runner
+    if runner.microbatches is not None:  # split every step, whatever else runs on the machine
+        runner.microbatches.min_rows = 2
+        runner.microbatches.contended_ratio = float("inf")
+    return llm.generate(prompts, params), runner
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_microbatched_decode_is_bit_equal(arch, tiny_model):
+    """Greedy tokens and logprobs of a tiny model with 2 and 3 micro-batches equal one micro-batch
+    bit for bit, and the decode steps and the LM head really were split."""
+    from rlserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
+    prompts = [f"Prompt number {i} says" + " more" * (i % 5) for i in range(7)]
+    path = tiny_model(arch)
+    ref, runner = _generate(path, 1, prompts, params)
+    assert runner.microbatches is None
+    for n in (2, 3):
+        got, runner = _generate(path, n, prompts, params)
+        assert runner.microbatches.stats["split_steps"] >= 5  # 5 decode steps and their LM heads
+        for a, b in zip(got, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit-equal, not close
+
+
+def test_microbatched_decode_with_the_attention_fallback(tiny_model, monkeypatch):
+    """When the native attention kernel refuses a micro-batch, the layer's own attention runs on
+    that micro-batch's metadata (``AttentionMetadata.decode_rows``): still the same tokens."""
+    from rlserve import SamplingParams
+    from rlserve.layers import cpu_attention
+
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=2)
+    prompts = [f"Fallback {i}" + " x" * i for i in range(6)]
+    path = tiny_model("llama")
+    ref, _ = _generate(path, 1, prompts, params)
+    monkeypatch.setattr(cpu_attention, "call", lambda *a, **k: 1)  # the kernel refuses every call
+    got, runner = _generate(path, 2, prompts, params)
+    assert runner.microbatches.stats["split_steps"] >= 4
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):  # another attention kernel
+            assert la.keys() == lb.keys()
+            for tok in la:  # float32 attention in another summation order: ~1e-6 (tolerance 1e-4)
+                assert abs(la[tok] - lb[tok]) < 1e-4
