@@ -118,17 +118,51 @@ def test_microbatch_count_rule_and_overrides(monkeypatch):
             mbm.microbatch_count(cfg)
 
 
-def test_decode_rows_slices_a_decode_step():
+def test_sequences_slices_a_step():
     meta = AttentionMetadata.build([1, 1, 1], [5, 9, 2], [[3, 4], [5, 6, 7], [8]], 4)
-    sub = meta.decode_rows(1, 3)
+    sub = meta.sequences(1, 3)
     assert sub.slot_mapping.tolist() == [7 * 4 + 0, 8 * 4 + 1]  # positions 8 and 1
     assert sub.seq_lens.tolist() == [9, 2] and sub.seq_lens_cpu == [9, 2] and sub.max_seq_len == 9
     assert sub.query_start_loc.tolist() == [0, 1, 2] and sub.query_start_loc_cpu == [0, 1, 2]
-    assert sub.block_tables.tolist() == [[5, 6, 7], [8, 0, 0]] and sub.block_size == 4
-    with pytest.raises(ValueError, match="pure decode"):
-        AttentionMetadata.build([2, 1], [5, 9], [[3, 4], [5, 6, 7]], 4).decode_rows(0, 1)
-    with pytest.raises(ValueError):
-        meta.decode_rows(2, 2)
+    assert sub.block_tables.tolist() == [[5, 6, 7], [8, 0, 0]] and sub.block_size == 4 and sub.max_query_len == 1
+    mixed = AttentionMetadata.build([3, 1, 2], [3, 9, 6], [[3], [5, 6, 7], [8, 9]], 4)  # prefill, decode, chunk
+    tail = mixed.sequences(1, 3)
+    assert tail.slot_mapping.tolist() == [7 * 4 + 0, 9 * 4 + 0, 9 * 4 + 1]  # rows 3:6 of the step
+    assert tail.query_start_loc.tolist() == [0, 1, 3] and tail.query_start_loc_cpu == [0, 1, 3]
+    assert tail.max_query_len == 2 and tail.seq_lens_cpu == [9, 6]
+    head = mixed.sequences(0, 1)
+    assert head.slot_mapping.tolist() == [12, 13, 14] and head.max_query_len == 3 and head.max_seq_len == 3
+    for a, b in ((2, 2), (-1, 1), (0, 4)):
+        with pytest.raises(ValueError, match="sequences"):
+            meta.sequences(a, b)
+
+
+def test_writes_shared_block_finds_same_step_prefix_hits():
+    # sequence 0 prefills blocks 3, 4; sequence 1 hit block 3 (prefix cache) and prefills block 5
+    same_step_hit = AttentionMetadata.build([8, 4], [8, 8], [[3, 4], [3, 5]], 4)
+    assert same_step_hit.writes_shared_block()
+    # a hit on a block computed in an earlier step (no one writes it now) is fine
+    earlier_hit = AttentionMetadata.build([4, 4], [8, 8], [[3, 4], [3, 5]], 4)
+    assert not earlier_hit.writes_shared_block()
+    decode = AttentionMetadata.build([1, 1, 1], [5, 9, 2], [[3, 4], [3, 6, 7], [8]], 4)
+    assert not decode.writes_shared_block()  # block 3 is shared but only read
+    assert AttentionMetadata.build([1, 1], [4, 6], [[3], [3, 7]], 4).writes_shared_block()  # both touch 3
+
+
+def test_prefix_hits_in_the_same_step_stay_correct(tiny_model):
+    """n samples of one prompt (prefix-cache hits on blocks computed in the same step) and
+    distinct prompts together: the same tokens with micro-batches as without."""
+    from rlserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logprobs=2, n=3)
+    prompts = ["one shared prompt of several blocks of tokens"] * 4 + [f"other {i}" for i in range(4)]
+    path = tiny_model("llama")
+    ref, _ = _generate(path, 1, prompts, params)
+    got, runner = _generate(path, 2, prompts, params)
+    assert runner.microbatches.stats["split_steps"] >= 3
+    for a, b in zip(got, ref):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.logprobs for o in a.outputs] == [o.logprobs for o in b.outputs]
 
 
 def _generate(path, microbatches: int, prompts, params):
@@ -145,7 +179,8 @@ def _generate(path, microbatches: int, prompts, params):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_microbatched_decode_is_bit_equal(arch, tiny_model):
     """Greedy tokens and logprobs of a tiny model with 2 and 3 micro-batches equal one micro-batch
-    bit for bit, and the decode steps and the LM head really were split."""
+    bit for bit (prefill of prompts of several lengths, decode), and the steps and the LM head
+    really were split."""
     from rlserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
@@ -163,7 +198,7 @@ def test_microbatched_decode_is_bit_equal(arch, tiny_model):
 
 def test_microbatched_decode_with_the_attention_fallback(tiny_model, monkeypatch):
     """When the native attention kernel refuses a micro-batch, the layer's own attention runs on
-    that micro-batch's metadata (``AttentionMetadata.decode_rows``): still the same tokens."""
+    that micro-batch's metadata (``AttentionMetadata.sequences``): still the same tokens."""
     from rlserve import SamplingParams
     from rlserve.layers import cpu_attention
 

@@ -64,26 +64,46 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
-    def decode_rows(self, a: int, b: int) -> "AttentionMetadata":
-        """The metadata of sequences ``a:b`` of a pure decode step (one token per sequence,
-        so token rows and sequences coincide): tensor views, a fresh ``backend_cache``.
+    def writes_shared_block(self) -> bool:
+        """True when a KV block this step writes is also in another sequence's block table.
+
+        Prefix caching registers a full prompt block when it is allocated, so a sequence
+        scheduled in the same step as the one computing that block reads it in this step:
+        correct when every layer writes the whole step's K/V before any attention, wrong if the
+        sequences ran separately (:meth:`sequences`, CPU micro-batches). Block tables are read
+        on the host (CPU tensors; ``.cpu()`` copies others)."""
+        bs = self.block_size
+        seq = torch.tensor(self.seq_lens_cpu, dtype=torch.long)
+        qsl = torch.tensor(self.query_start_loc_cpu, dtype=torch.long)
+        bt = self.block_tables.cpu().long()
+        cols = torch.arange(bt.shape[1])[None, :]
+        read = cols < ((seq + bs - 1) // bs)[:, None]
+        written = read & (cols >= ((seq - (qsl[1:] - qsl[:-1])) // bs)[:, None])
+        counts = torch.bincount(bt[read])
+        return bool((counts[bt[written]] > 1).any())
+
+    def sequences(self, a: int, b: int) -> "AttentionMetadata":
+        """The metadata of sequences ``a:b`` of this step alone (their query tokens are rows
+        ``query_start_loc_cpu[a]:query_start_loc_cpu[b]`` of the step's inputs): tensor
+        views (``query_start_loc`` rebased to 0), a fresh ``backend_cache``.
 
         Raises:
-            ValueError: not a pure decode step, or an empty / out-of-range slice.
+            ValueError: an empty or out-of-range slice.
         """
-        if not self.is_pure_decode or not 0 <= a < b <= self.num_seqs:
-            raise ValueError(f"decode_rows({a}, {b}) needs a pure decode step of at least {b} sequences "
-                             f"(max_query_len={self.max_query_len}, {self.num_seqs} sequences)")
+        if not 0 <= a < b <= self.num_seqs:
+            raise ValueError(f"sequences({a}, {b}) of a step of {self.num_seqs} sequences")
+        qsl = self.query_start_loc_cpu
+        t0, t1 = qsl[a], qsl[b]
         seq_lens_cpu = self.seq_lens_cpu[a:b]
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[a:b],
-            query_start_loc=self.query_start_loc[a:b + 1] - self.query_start_loc[a],
+            slot_mapping=self.slot_mapping[t0:t1],
+            query_start_loc=self.query_start_loc[a:b + 1] - t0,
             seq_lens=self.seq_lens[a:b],
             block_tables=self.block_tables[a:b],
-            max_query_len=1,
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(a, b)),
             max_seq_len=max(seq_lens_cpu),
             block_size=self.block_size,
-            query_start_loc_cpu=list(range(b - a + 1)),
+            query_start_loc_cpu=[x - t0 for x in qsl[a:b + 1]],
             seq_lens_cpu=seq_lens_cpu,
         )
 

@@ -144,14 +144,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        residual = None
         ctx = llama_cpu.step_context(self.layers, hidden, positions, meta)  # CPU decode: kernels called directly
-        if ctx is not None:
-            return llama_cpu.decode_forward(ctx, self.layers, self.norm, positions, hidden, meta)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return llama_cpu.forward_layers(ctx, self.layers, self.norm, positions, hidden, meta)
 
 
 class LlamaForCausalLM(nn.Module):

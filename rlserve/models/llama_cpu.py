@@ -14,9 +14,9 @@ floats of which the C kernel call is ~2 us; ~6-8 ms per step over 30 layers all 
 oneDNN linear, the fused q/k-norm + rotary + KV write, the paged decode attention kernel,
 SiLU-and-mul), so its results are bit-equal; it only calls them directly. Per-step inputs
 (positions, slots, block tables, context lengths, the thread count) are prepared once per
-step by :func:`step_context` and shared by every layer. :func:`decode_forward` runs the
-whole layer stack, split into micro-batches of rows on several threads where the step's
-:mod:`rlserve.engine.cpu_microbatch` says so.
+step by :func:`step_context` and shared by every layer. :func:`forward_layers` runs the
+whole layer stack (this path or the modules), split into micro-batches of sequences on
+several threads where the step's :mod:`rlserve.engine.cpu_microbatch` says so.
 
 When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
 modules): a pure decode step (one token per sequence) on float32 CPU tensors, the fused C
@@ -139,31 +139,50 @@ _FLOPS_PER_KV_BYTE = 200e9 / 12e9
 
 
 def _row_cost_tokens(layer) -> float:
-    """A decode row's linears in context tokens of attention (the ``c0`` of ``c0 + seq_len``)."""
+    """A token's linears in context tokens of attention (the ``c0`` of ``q * c0 + seq_len``)."""
     a, m = layer.self_attn, layer.mlp
     numel = sum(lin.weight.numel() for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
     kv_bytes = 2 * a.num_kv_heads * a.head_dim * 4  # float32 K and V of one token
     return 2.0 * numel / _FLOPS_PER_KV_BYTE / kv_bytes
 
 
-def decode_forward(ctx: StepContext, layers, norm, positions: torch.Tensor, hidden: torch.Tensor,
+def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tensor, hidden: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-    """Every decoder layer and the final ``norm`` for a step that :func:`step_context`
-    accepted: ``hidden`` ``[T, hidden]`` float32 embeddings -> ``[T, hidden]`` normed hidden
-    states. With a current :class:`rlserve.engine.cpu_microbatch.CPUMicroBatches` that splits
-    this step, each micro-batch of rows runs the whole stack on its own thread (rows are
-    independent; bit-equal to the whole step), balanced by ``c0 + seq_len`` per row."""
+    """Every decoder layer and the final ``norm``: ``hidden`` ``[T, hidden]`` embeddings ->
+    ``[T, hidden]`` normed hidden states, through :func:`layer_forward` when :func:`step_context`
+    gave a ``ctx``, else through the layer modules.
 
-    def run(a: int, b: int) -> torch.Tensor:
-        sub, sub_meta = (ctx, meta) if (a, b) == (0, hidden.shape[0]) else (ctx.rows(a, b), meta.decode_rows(a, b))
-        h, residual = hidden[a:b], None
+    With a current :class:`rlserve.engine.cpu_microbatch.CPUMicroBatches` that splits this
+    step, each micro-batch of whole sequences (their query tokens) runs the whole stack on its
+    own thread with :meth:`AttentionMetadata.sequences` as its metadata (not when a block this
+    step writes is shared with another sequence: :meth:`AttentionMetadata.writes_shared_block`), balanced by
+    ``query_len * c0 + seq_len`` per sequence (``c0``: a token's linears in context tokens of
+    attention, :func:`_row_cost_tokens`). Sequences never meet inside a layer, so the result
+    is that of the whole step (bit-equal on the fast decode path, tests/test_cpu_microbatch.py).
+    """
+    def stack(sub: StepContext | None, pos: torch.Tensor, h: torch.Tensor, sub_meta: AttentionMetadata):
+        residual = None
         for layer in layers:
-            h, residual = layer_forward(sub, layer, positions[a:b], h, residual, sub_meta)
+            if sub is not None:
+                h, residual = layer_forward(sub, layer, pos, h, residual, sub_meta)
+            else:
+                h, residual = layer(pos, h, residual, sub_meta)
         return norm(h, residual)[0]
 
-    c0 = _row_cost_tokens(layers[0]) if len(layers) else 0.0
-    out = cpu_microbatch.split_rows(run, [c0 + n for n in meta.seq_lens_cpu])
-    return run(0, hidden.shape[0]) if out is None else out
+    mb = cpu_microbatch.current() if hidden.device.type == "cpu" and len(layers) else None
+    if mb is not None and meta.num_seqs >= mb.min_rows and not meta.writes_shared_block():
+        qsl = meta.query_start_loc_cpu
+
+        def run(a: int, b: int) -> torch.Tensor:
+            t0, t1 = qsl[a], qsl[b]
+            return stack(None if ctx is None else ctx.rows(t0, t1), positions[t0:t1], hidden[t0:t1],
+                         meta.sequences(a, b))
+
+        c0 = _row_cost_tokens(layers[0])
+        out = cpu_microbatch.split_rows(run, [(qsl[i + 1] - qsl[i]) * c0 + n for i, n in enumerate(meta.seq_lens_cpu)])
+        if out is not None:
+            return out
+    return stack(ctx, positions, hidden, meta)
 
 
 _linear = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
