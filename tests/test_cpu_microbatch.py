@@ -28,6 +28,8 @@ def test_plan_declines_small_steps_and_one_microbatch():
     assert CPUMicroBatches(2, min_rows=16).plan([1.0] * 15) is None
     assert CPUMicroBatches(2, min_rows=16).plan([1.0] * 16) == [(0, 8), (8, 16)]
     assert CPUMicroBatches(1, min_rows=2).plan([1.0] * 64) is None
+    assert CPUMicroBatches(2, min_rows=16).plan([100.0, 300.0], rows=400) == [(0, 1), (1, 2)]  # 2 prompts
+    assert CPUMicroBatches(2, min_rows=16).plan([1.0], rows=400) is None  # one sequence cannot be split
     with pytest.raises(ValueError, match=">= 1"):
         CPUMicroBatches(0)
 
@@ -80,8 +82,9 @@ def test_a_busy_instance_runs_the_step_inline():
 def test_contention_backs_off_doubling_then_resets():
     mb = CPUMicroBatches(2, min_rows=2)
     costs = [1.0] * 4
-    assert mb.record([0.10, 0.10], [0.10, 0.095]) is False  # ratio <= 1.5: both threads had a core
-    assert mb.record([0.10, 0.20], [0.10, 0.10]) is True  # ratio 2: the second shared its core
+    assert mb.record([0.10, 0.10], [0.10, 0.095]) is False  # both threads had a core: 0.1 * 1.25 < 0.195
+    assert mb.record([0.15, 0.15], [0.10, 0.10]) is False  # each 2/3 of a core: 0.1875 < 0.2, still a win
+    assert mb.record([0.10, 0.20], [0.10, 0.10]) is True  # the second at half speed: 0.25 > 0.2
     assert [mb.plan(costs) for _ in range(mbm.MIN_BACKOFF)] == [None] * mbm.MIN_BACKOFF
     assert mb.plan(costs) == [(0, 2), (2, 4)]
     assert mb.record([0.30, 0.10], [0.10, 0.10]) is True  # again: twice as long
@@ -90,7 +93,7 @@ def test_contention_backs_off_doubling_then_resets():
     assert mb.record([0.1, 0.1], [0.1, 0.1]) is False
     assert mb.record([0.1, 0.2], [0.1, 0.1]) is True  # reset after the clean step: MIN_BACKOFF again
     assert sum(mb.plan(costs) is None for _ in range(4 * mbm.MIN_BACKOFF)) == mbm.MIN_BACKOFF
-    assert mb.stats == {"split_steps": 5, "whole_steps": 4 * mbm.MIN_BACKOFF, "contended_steps": 3}
+    assert mb.stats == {"split_steps": 6, "whole_steps": 4 * mbm.MIN_BACKOFF, "contended_steps": 3}
     for _ in range(20):
         mb.record([1.0, 9.0], [1.0, 1.0])
     assert mb._backoff == mbm.MAX_BACKOFF
@@ -172,7 +175,7 @@ def _generate(path, microbatches: int, prompts, params):
     runner = llm.engine.executor.runner
     if runner.microbatches is not None:  # split every step, whatever else runs on the machine
         runner.microbatches.min_rows = 2
-        runner.microbatches.contended_ratio = float("inf")
+        runner.microbatches.split_cpu_overhead = 0.0
     return llm.generate(prompts, params), runner
 
 

@@ -21,13 +21,17 @@ as fast as one), batch 16 72 -> 59, batch 32 107 -> 80, batch 64 238 -> 140 (1.7
 computes a row from that row alone, with the same summation order at any row count).
 Hence :data:`MIN_ROWS`: steps with fewer rows run as one micro-batch.
 
-Contention guard: each micro-batch thread's wall time over its own CPU time (``time.thread_time``)
-is ~1 while it owns a core; when other work shares its core it grows toward 2 (or beyond).
-After a split step whose largest such ratio exceeds :data:`CONTENDED_RATIO`, the next
-``backoff`` splits are skipped (steps run as one micro-batch, which then has a core to itself
-wherever the scheduler puts it), ``backoff`` doubling on each repeated contended step up to
-:data:`MAX_BACKOFF` and falling back to :data:`MIN_BACKOFF` after an uncontended one. So a busy
-machine costs at most one slowed step per backoff period.
+Contention guard: a split step did worse than a whole one would have when its wall time (the
+slowest micro-batch's) exceeds the CPU time of all its micro-batches divided by
+:data:`SPLIT_CPU_OVERHEAD` (a whole step on one core needs about that much: splitting costs
+~25% more CPU in all, each micro-batch streaming the weights). That happens when another
+program shares one micro-batch thread's core: that thread runs at half speed and the step
+waits for it, while a whole step would have had a core of its own. (When the scheduler
+spreads three threads evenly, each micro-batch gets 2/3 of a core and the split still wins:
+the rule keeps splitting then.) After such a step the next ``backoff`` splits are skipped,
+``backoff`` doubling on each repeated loss up to :data:`MAX_BACKOFF` and falling back to
+:data:`MIN_BACKOFF` after a winning split: a busy machine costs at most one slowed step per
+backoff period, and the split comes back within a few seconds once the machine is free.
 
 Count, first match wins: ``config.extra["cpu_microbatches"]``, ``RLSERVE_CPU_MICROBATCHES``
 (1 turns the split off), else 2 when the engine runs one intra-op thread, is the only engine
@@ -54,9 +58,9 @@ logger = logging.getLogger(__name__)
 ENV = "RLSERVE_CPU_MICROBATCHES"
 MIN_ROWS_ENV = "RLSERVE_CPU_MICROBATCH_MIN_ROWS"
 MIN_ROWS = 16  # below this a split loses or barely wins (module docstring: batch 4 a loss, 16 1.2x)
-CONTENDED_RATIO = 1.5  # wall / CPU of a micro-batch thread above which its core was shared
-MIN_BACKOFF = 4  # splits skipped after a contended step ...
-MAX_BACKOFF = 256  # ... doubling up to this many
+SPLIT_CPU_OVERHEAD = 1.25  # CPU of a split step / of the whole step, batch 64 (module docstring: 234 / 185)
+MIN_BACKOFF = 4  # splits skipped after a losing split ...
+MAX_BACKOFF = 64  # ... doubling up to this many (~32 decode steps: model and LM head each ask)
 
 _local = threading.local()
 
@@ -170,22 +174,23 @@ class CPUMicroBatches:
         self.min_rows = max(2, int(min_rows if min_rows is not None else os.environ.get(MIN_ROWS_ENV) or MIN_ROWS))
         self._workers: list[_Thread] = []
         self._busy = threading.Lock()
-        self.contended_ratio = CONTENDED_RATIO  # the guard's threshold (tests: inf turns it off)
+        self.split_cpu_overhead = SPLIT_CPU_OVERHEAD  # the guard's threshold (tests: 0 turns it off)
         self._skip = 0
         self._backoff = MIN_BACKOFF
         self.stats = {"split_steps": 0, "whole_steps": 0, "contended_steps": 0}
 
-    def plan(self, costs: Sequence[float]) -> list[tuple[int, int]] | None:
-        """Contiguous row ranges ``[(0, k1), (k1, k2), ...]`` of about equal total cost, one
+    def plan(self, costs: Sequence[float], rows: int | None = None) -> list[tuple[int, int]] | None:
+        """Contiguous item ranges ``[(0, k1), (k1, k2), ...]`` of about equal total cost, one
         per micro-batch, or ``None``: run the step whole (one micro-batch configured, fewer
-        than ``min_rows`` rows, backing off after a contended step, or another step running).
+        than ``min_rows`` rows or 2 items, backing off after a losing split).
 
         Args:
-            costs: one non-negative estimate per row (any unit; e.g. a decode row's context
-                length plus a constant for its linears).
+            costs: one non-negative estimate per item (a row, or a sequence of rows; any unit,
+                e.g. a decode row's context length plus a constant for its linears).
+            rows: the step's token rows (default: one per item).
         """
         n = len(costs)
-        if self.count < 2 or n < self.min_rows:
+        if self.count < 2 or n < 2 or (n if rows is None else rows) < self.min_rows:
             return None
         if self._skip > 0:
             self._skip -= 1
@@ -199,8 +204,9 @@ class CPUMicroBatches:
         ranges, start, acc = [], 0, 0.0
         for i, c in enumerate(costs):
             acc += c
-            # close part j once the running cost reaches j/parts of the total, leaving a row for each later part
-            if len(ranges) < parts - 1 and acc >= total * (len(ranges) + 1) / parts and i + 1 <= n - (parts - 1 - len(ranges)):
+            later = parts - 1 - len(ranges)  # micro-batches still to open after this one
+            # close this one at its share of the cost, or where each later one keeps just one item
+            if later > 0 and n - (i + 1) >= later and (acc >= total * (len(ranges) + 1) / parts or n - (i + 1) == later):
                 ranges.append((start, i + 1))
                 start = i + 1
         ranges.append((start, n))
@@ -250,17 +256,20 @@ class CPUMicroBatches:
 
     def record(self, walls: Sequence[float], cpus: Sequence[float]) -> bool:
         """Contention guard for one split step: ``walls`` / ``cpus`` seconds of each micro-batch.
-        Returns True (and schedules ``backoff`` whole steps) when some thread's wall / CPU ratio
-        exceeded ``contended_ratio`` (:data:`CONTENDED_RATIO`)."""
+        Returns True (and schedules ``backoff`` whole steps) when the step lost: its wall time
+        ``max(walls)`` exceeded ``sum(cpus) / split_cpu_overhead`` (module docstring)."""
         self.stats["split_steps"] += 1
-        contended = any(w > self.contended_ratio * max(c, 1e-6) for w, c in zip(walls, cpus))
-        if contended:
+        lost = self.split_cpu_overhead > 0 and max(walls) * self.split_cpu_overhead > sum(cpus)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("micro-batches: wall ms %s, CPU ms %s, %s; %s", [round(1e3 * w, 1) for w in walls],
+                         [round(1e3 * c, 1) for c in cpus], "lost" if lost else "won", self.stats)
+        if lost:
             self.stats["contended_steps"] += 1
             self._skip = self._backoff
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         else:
             self._backoff = MIN_BACKOFF
-        return contended
+        return lost
 
     def close(self) -> None:
         """Stop the micro-batch threads (they also stop when this object is collected)."""
@@ -284,13 +293,14 @@ def active(microbatches: CPUMicroBatches | None):
         _local.microbatches = prev
 
 
-def split_rows(fn: Callable[[int, int], torch.Tensor], costs: Sequence[float]) -> torch.Tensor | None:
-    """``fn(0, n)`` computed as micro-batches of rows on the current step's threads and
-    concatenated along dim 0, or ``None`` when there is no current :class:`CPUMicroBatches` or
-    it does not split this step (the caller then computes ``fn(0, n)`` itself). ``fn(a, b)``
-    must return rows ``a:b`` of the whole result, computed from those rows alone."""
+def split(fn: Callable[[int, int], torch.Tensor], costs: Sequence[float], rows: int | None = None) -> torch.Tensor | None:
+    """``fn(0, n)`` computed as micro-batches of items (rows, or sequences of rows) on the
+    current step's threads and concatenated along dim 0, or ``None`` when there is no current
+    :class:`CPUMicroBatches` or it does not split this step (the caller then computes
+    ``fn(0, n)`` itself). ``fn(a, b)`` must return the result rows of items ``a:b``, computed
+    from those items alone. ``costs`` / ``rows``: as for :meth:`CPUMicroBatches.plan`."""
     mb = current()
-    ranges = None if mb is None else mb.plan(costs)
+    ranges = None if mb is None else mb.plan(costs, rows)
     if ranges is None or len(ranges) < 2:
         return None
     return torch.cat(mb.run(fn, ranges))

@@ -281,7 +281,7 @@ class ModelRunner:
         """``model.compute_logits`` of ``hidden`` ``[N, hidden]``, its rows split into the
         step's CPU micro-batches where they are (rows are independent: bit-equal)."""
         fn = self.model.compute_logits
-        out = cpu_microbatch.split_rows(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
+        out = cpu_microbatch.split(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
         return fn(hidden, **self._logits_kw) if out is None else out
 
     def _execute(self, step: StepInput) -> torch.Tensor:

@@ -170,7 +170,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
         return norm(h, residual)[0]
 
     mb = cpu_microbatch.current() if hidden.device.type == "cpu" and len(layers) else None
-    if mb is not None and meta.num_seqs >= mb.min_rows and not meta.writes_shared_block():
+    if mb is not None and hidden.shape[0] >= mb.min_rows and meta.num_seqs > 1 and not meta.writes_shared_block():
         qsl = meta.query_start_loc_cpu
 
         def run(a: int, b: int) -> torch.Tensor:
@@ -179,7 +179,8 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
                          meta.sequences(a, b))
 
         c0 = _row_cost_tokens(layers[0])
-        out = cpu_microbatch.split_rows(run, [(qsl[i + 1] - qsl[i]) * c0 + n for i, n in enumerate(meta.seq_lens_cpu)])
+        out = cpu_microbatch.split(run, [(qsl[i + 1] - qsl[i]) * c0 + n for i, n in enumerate(meta.seq_lens_cpu)],
+                                   hidden.shape[0])
         if out is not None:
             return out
     return stack(ctx, positions, hidden, meta)
