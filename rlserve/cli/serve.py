@@ -286,10 +286,13 @@ async def _serve(app, args) -> int:
         """On SIGINT/SIGTERM, also end every request at once (503) and stop the engines, so
         open connections close and the process exits within about a second."""
 
+        stopped_for = None  # the first signal handled
+
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
             if first:
+                self.stopped_for = sig
                 logger.info("stopping: %s received", _signal_name(sig))
                 loop.call_soon_threadsafe(aengine.begin_shutdown, "the server is shutting down")
 
@@ -315,4 +318,9 @@ async def _serve(app, args) -> int:
     task = asyncio.create_task(announce())
     await server.serve()
     task.cancel()
+    if server.stopped_for == signal.SIGINT:
+        # uvicorn re-raises the SIGINT it stopped for; asyncio.run turns it into a
+        # KeyboardInterrupt by cancelling this task, unless the task has already returned by
+        # then (a race seen on a loaded machine: exit status 0 instead of 130)
+        return 130
     return 0 if server.started else 1
