@@ -4,6 +4,7 @@ thread's core is shared."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -69,6 +70,22 @@ def test_an_error_in_any_microbatch_is_raised_after_all_finish(failing):
         mb.run(fn, [(0, 1), (1, 2)])
     assert finished == [1 - failing]  # the other micro-batch ran to its end before the raise
     assert mb.run(lambda a, b: a * 10, [(0, 1), (1, 2)]) == [0, 10]  # still usable, nothing hangs
+    mb.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and 2 usable CPUs")
+def test_a_split_keeps_the_threads_on_different_cpus(monkeypatch):
+    monkeypatch.delenv(mbm.PLACE_ENV, raising=False)
+    mb = CPUMicroBatches(2, min_rows=2)
+    before = os.sched_getaffinity(0)
+    masks = mb.run(lambda a, b: os.sched_getaffinity(0), [(0, 1), (1, 2)])
+    assert len(masks[0]) == 1 and masks[0] <= before  # the caller stays on its CPU ...
+    assert masks[1] == before - masks[0]  # ... and the micro-batch thread may use only the others
+    assert os.sched_getaffinity(0) == before  # restored after the join
+    monkeypatch.setenv(mbm.PLACE_ENV, "0")
+    masks = mb.run(lambda a, b: os.sched_getaffinity(0), [(0, 1), (1, 2)])
+    assert masks[0] == before  # placement off: the caller's mask untouched
     mb.close()
 
 
