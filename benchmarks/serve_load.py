@@ -191,7 +191,8 @@ def run_load(url: str, concurrency: int, duration_s: float, prompt_len: int, max
     if stream:
         ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
         itl = [x for r in ok for x in r.get("itl", [])]
-        out.update(ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        out.update(ttft_mean_s=sum(ttft) / len(ttft) if ttft else None,
+                   ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
                    itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99))
     if out["errors"]:
         out["first_error"] = next(r for r in results if not r["ok"])

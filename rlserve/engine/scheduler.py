@@ -1,11 +1,25 @@
 """Continuous batching: which sequences run in the next forward step.
 
-Policy (the one nano-vllm and vLLM v0 use): a step is either a *prefill* step (waiting
-sequences, FIFO, as many as fit in ``max_num_seqs``, ``max_num_batched_tokens`` and the
-free KV blocks) or, when nothing new can start, a *decode* step over every running
-sequence. When a decode step lacks a KV block, the most recently started sequence is
-preempted by recompute: its blocks are freed and it goes back to the head of the queue,
-to be prefilled again over its prompt plus the tokens it already generated.
+Policy: a step is either a *prefill* step (waiting sequences, FIFO, as many as fit in
+``max_num_seqs``, ``max_num_batched_tokens`` and the free KV blocks) or a *decode* step over
+every running sequence. A prefill step goes first when something can start, except that at
+most ``max_consecutive_prefill_steps`` prefill steps run in a row while sequences are
+running: then a decode step comes (default 1: prefill and decode steps alternate while
+requests wait). When a decode step lacks a KV block, the most recently started sequence is
+preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
+prefilled again over its prompt plus the tokens it already generated.
+
+Why the bound (the tenth session's ``vllm bench serve`` on one H200, BENCHMARKS.md): with
+prefill steps first without bound (nano-vllm's and vLLM v0's policy) a burst of 256
+512-token prompts took 16 prefill steps (8192 tokens each) before any of them decoded, so all
+256 decoded in lock-step and finished in the same step; a closed-loop client then sent the
+next 256 at once, and every wave's requests waited for the whole wave's HTTP intake and
+prefill: mean TTFT 986 ms against vLLM's 618. vLLM never starves running requests (its
+scheduler puts every running request's decode token in each step and fills the rest of
+``max_num_batched_tokens`` with prefill chunks), so its requests finish staggered and arrive
+staggered. rlserve keeps prefill and decode steps apart (decode steps replay CUDA graphs);
+alternating them gives the same staggering: a burst's groups start decoding one decode step
+apart, finish one step apart, and their successors arrive spread out.
 """
 
 from __future__ import annotations
@@ -43,15 +57,26 @@ class Scheduler:
     max_num_seqs: sequences per step at most.
     max_num_batched_tokens: tokens per prefill step at most (a single prompt longer than
         this still runs alone).
-    """
+    max_consecutive_prefill_steps: prefill steps in a row at most while sequences are running
+        (then a decode step); 0: no bound (prefill steps first whenever something can start).
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+Raises:
+    ValueError: ``max_consecutive_prefill_steps`` below 0.
+"""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_consecutive_prefill_steps: int = 1):
+        if max_consecutive_prefill_steps < 0:
+            raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
+                             f"got {max_consecutive_prefill_steps}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_consecutive_prefill_steps = max_consecutive_prefill_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_steps_in_a_row = 0  # prefill steps since the last decode step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -68,7 +93,9 @@ class Scheduler:
         """
         prefill: list[Sequence] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+        limit = self.max_consecutive_prefill_steps
+        decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
+        while not decode_due and self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq)
             if prefill and tokens + need > self.max_num_batched_tokens:
@@ -88,7 +115,9 @@ class Scheduler:
             prefill.append(seq)
         if prefill:
             self.running.extend(prefill)
+            self.prefill_steps_in_a_row += 1
             return ScheduledBatch(prefill, is_prefill=True)
+        self.prefill_steps_in_a_row = 0
 
         decode: list[Sequence] = []
         queue = self.running

@@ -1,0 +1,114 @@
+"""Scheduler policy: prefill steps and decode steps alternate while requests wait
+(``max_consecutive_prefill_steps``, default 1; 0 = prefill steps first without bound), and a
+burst of equal requests therefore finishes staggered instead of in one step."""
+
+import pytest
+
+from rlserve.config import EngineConfig
+from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.scheduler import Scheduler
+from rlserve.errors import InvalidRequestError
+
+
+def _seqs(n: int, length: int = 4):
+    from rlserve.engine.sequence import Sequence
+
+    return [Sequence(f"r{i}", 0, [10 * i + j for j in range(length)], SamplingParams(max_tokens=100), 4)
+            for i in range(n)]
+
+
+def _run(sch: Scheduler, steps: int) -> list[tuple[str, list[str]]]:
+    """``steps`` schedules, each step's sequences advanced by one token as the engine would.
+    Returns ``("P" | "D", request ids)`` per step."""
+    out = []
+    for _ in range(steps):
+        batch = sch.schedule()
+        for s in batch.seqs:
+            s.num_computed_tokens = len(s)
+            s.output_token_ids.append(1)
+        out.append(("P" if batch.is_prefill else "D", [s.request_id for s in batch.seqs]))
+    return out
+
+
+def _scheduler(limit: int | None) -> Scheduler:
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    kw = {} if limit is None else {"max_consecutive_prefill_steps": limit}
+    return Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=8, **kw)  # two 4-token prompts per step
+
+
+def test_default_alternates_prefill_and_decode_steps_while_requests_wait():
+    sch = _scheduler(None)
+    assert sch.max_consecutive_prefill_steps == 1
+    for s in _seqs(6):
+        sch.add(s)
+    assert _run(sch, 7) == [
+        ("P", ["r0", "r1"]), ("D", ["r0", "r1"]),
+        ("P", ["r2", "r3"]), ("D", ["r0", "r1", "r2", "r3"]),
+        ("P", ["r4", "r5"]), ("D", ["r0", "r1", "r2", "r3", "r4", "r5"]),
+        ("D", ["r0", "r1", "r2", "r3", "r4", "r5"]),
+    ]
+
+
+def test_zero_runs_every_prefill_first():
+    sch = _scheduler(0)
+    for s in _seqs(6):
+        sch.add(s)
+    assert _run(sch, 4) == [("P", ["r0", "r1"]), ("P", ["r2", "r3"]), ("P", ["r4", "r5"]),
+                            ("D", ["r0", "r1", "r2", "r3", "r4", "r5"])]
+
+
+def test_two_prefill_steps_in_a_row_then_a_decode_step():
+    sch = _scheduler(2)
+    for s in _seqs(8):
+        sch.add(s)
+    kinds = [k for k, _ in _run(sch, 7)]
+    assert kinds == ["P", "P", "D", "P", "P", "D", "D"]
+
+
+def test_a_request_arriving_after_a_decode_step_is_prefilled_next():
+    sch = _scheduler(None)
+    a, b = _seqs(2)
+    sch.add(a)
+    assert _run(sch, 3) == [("P", ["r0"]), ("D", ["r0"]), ("D", ["r0"])]
+    sch.add(b)  # arrives while r0 decodes: the next step is its prefill
+    assert _run(sch, 3) == [("P", ["r1"]), ("D", ["r0", "r1"]), ("D", ["r0", "r1"])]
+
+
+def test_bad_limit_is_refused():
+    with pytest.raises(ValueError, match="max_consecutive_prefill_steps must be >= 0"):
+        Scheduler(BlockManager(4, 4), 4, 8, max_consecutive_prefill_steps=-1)
+    with pytest.raises(InvalidRequestError, match="max_consecutive_prefill_steps"):
+        EngineConfig("unused", max_consecutive_prefill_steps=-1)
+
+
+def _finish_steps(path: str, limit: int) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Six 8-token prompts (two per 16-token prefill step), 5 greedy tokens each: the step
+    each request finished in, and its tokens."""
+    from rlserve.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(path, dtype="float32", device="cpu", max_num_batched_tokens=16,
+                                 max_consecutive_prefill_steps=limit, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for i in range(6):
+        eng.add_request(f"r{i}", [3 + i + j for j in range(8)], params)
+    finished, tokens, step = {}, {}, 0
+    while eng.has_unfinished_requests():
+        step += 1
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = step
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return finished, tokens
+
+
+def test_engine_burst_finishes_staggered_with_the_same_tokens(tiny_model):
+    path = tiny_model("llama")
+    lockstep, tok0 = _finish_steps(path, 0)
+    staggered, tok1 = _finish_steps(path, 1)
+    # prefill-first: 3 prefill steps, then 4 decode steps in which all six run: one finish step
+    assert lockstep == {f"r{i}": 7 for i in range(6)}
+    # alternating: P D P D P D D D D -- each pair starts decoding one decode step after the one
+    # before, and finishes one step after it
+    assert staggered == {"r0": 7, "r1": 7, "r2": 8, "r3": 8, "r4": 9, "r5": 9}
+    assert tok1 == tok0 and all(len(t) == 5 for t in tok0.values())
