@@ -91,7 +91,11 @@ def test_overlap_prefill_steps_and_admissions(tiny_model):
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     eng.step()
-    # the first prefill was read; the second one is already on its way
+    # the first prefill was read; a decode step of its sequence is on its way (a prefill step
+    # does not follow a prefill step while sequences run: max_consecutive_prefill_steps=1)
+    assert eng._overlap.inflight is not None and not eng._overlap.inflight.is_prefill
+    eng.step()
+    # and the second prefill was launched before that decode step was read
     assert eng._overlap.inflight is not None and eng._overlap.inflight.is_prefill
     while eng.has_unfinished_requests():
         eng.step()
