@@ -23,6 +23,16 @@ def _device_ids(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {value!r}") from None
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return n
+
+
 def _json_object(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -137,6 +147,10 @@ def register(subparsers) -> None:
                    help="largest request body; a larger one gets 413 before it is parsed")
     s.add_argument("--max-request-sequences", type=int, default=16384, metavar="N",
                    help="largest number of sequences (prompts x n) one request may ask for")
+    s.add_argument("--stream-interval", type=_positive_int, default=1, metavar="N",
+                   help="new tokens per streamed chunk at least; the first and last chunks go out at once "
+                        "(vLLM's flag; a request's stream_interval can raise it). A client slower than the "
+                        "engine still gets larger chunks: it is sent the newest output when it can take one")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
@@ -188,7 +202,8 @@ def run(args) -> int:
                 config.data_parallel_size, config.dtype, config.device)
     try:
         aengine = AsyncEngine(config, weight_version=args.weight_version, engine_mode=args.engine_mode,
-                              hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None)
+                              hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None,
+                              stream_interval=args.stream_interval)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1

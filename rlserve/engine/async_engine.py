@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Callable
 
 from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
 from rlserve.engine.core import EngineDeadError, EngineStepError
-from rlserve.engine.front_request import FrontRequest, put, put_all, stamped_abort, wait_all
+from rlserve.engine.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.replica_setup import build_replicas
 from rlserve.errors import ModelUnavailableError
 
@@ -61,16 +61,24 @@ class AsyncEngine(PauseControl):
             any weight update's pause should be (``rlserve serve --pause-hold-timeout``).
         engine_mode: ``"process"`` (one engine-core process per replica) or ``"thread"``;
             default: ``$RLSERVE_ENGINE_MODE``, else ``"process"`` (``"thread"`` with a factory).
+        stream_interval: new tokens per streamed output at least (vLLM's ``--stream-interval``,
+            default 1: every step's output); a request's ``params.stream_interval`` can only
+            raise it. The first and last outputs are never held back
+            (:mod:`rlserve.engine.front_request`).
 
     Raises:
         whatever building an engine raises (the first replica's error), after stopping the
         replicas that did start; TimeoutError when a replica takes over ``start_timeout_s``;
-        ValueError: an unknown ``engine_mode``, or ``"process"`` with an ``engine_factory``.
+        ValueError: an unknown ``engine_mode``, or ``"process"`` with an ``engine_factory``;
+        ``stream_interval`` below 1.
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
                  start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
-                 engine_mode: str | None = None):
+                 engine_mode: str | None = None, stream_interval: int = 1):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         if engine_mode is None:
             engine_mode = "thread" if engine_factory is not None else os.environ.get("RLSERVE_ENGINE_MODE", "process")
         if engine_mode not in ENGINE_MODES:
@@ -259,7 +267,9 @@ class AsyncEngine(PauseControl):
     async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True) -> AsyncIterator:
         """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the
         last one has ``finished == True``. A consumer slower than the engine skips
-        intermediate outputs (they are cumulative: nothing is lost). Each output carries
+        intermediate outputs (they are cumulative: nothing is lost); with a stream interval N > 1
+        (:attr:`stream_interval`, ``params.stream_interval``) an output is yielded only once a
+        sample has N new tokens, a sample finished, or it is the first or last. Each output carries
         ``weight_version``, ``weight_versions``, ``arrival_time`` and ``first_token_time``
         (``time.monotonic()`` seconds; None before the first token).
 
@@ -291,7 +301,8 @@ class AsyncEngine(PauseControl):
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = FrontRequest(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Event(), time.monotonic(),
-                       stream=stream)
+                           stream=stream,
+                           interval=max(self.stream_interval, getattr(params, "stream_interval", None) or 1))
         self._requests[request_id] = req
         if self._paused:
             self._held.append(req)
@@ -313,6 +324,7 @@ class AsyncEngine(PauseControl):
                     raise item
                 if item.finished:
                     done = True
+                mark_delivered(req, item)
                 yield item
                 if done:
                     return

@@ -80,6 +80,10 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         structured_outputs: constrain the output to a regex / JSON schema / choice / grammar
             (:class:`StructuredOutputsParams`); None: unconstrained.
+        stream_interval: new tokens per streamed output at least (vLLM's field, >= 1): raises
+            the server's ``--stream-interval`` for this request (a smaller value counts as the
+            server's); the first and the last output go out at once. None: the server's.
+            Read by the async front (:func:`rlserve.engine.front_request.put`), not the engine.
     """
 
     n: int = 1
@@ -101,6 +105,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +148,8 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.stream_interval is not None and (not isinstance(self.stream_interval, int) or self.stream_interval < 1):
+            bad(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.min_tokens < 0:
             bad(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -93,7 +93,8 @@ def weight_versions(outs) -> tuple[str | None, list[str]]:
 def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_logprobs=None, structured=None):
     return state.sampling_params(
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, **body.sampler_args())
+        prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
+        **body.sampler_args())
 
 
 def _reject_unsupported(body) -> None:

@@ -110,6 +110,8 @@ class _SamplingFields(_RouterFields, SamplerFields):
     structured_outputs: Optional[StructuredOutputs] = None
     response_format: Optional[ResponseFormat] = None
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's: new tokens per streamed chunk at least; raises the server's --stream-interval
+    stream_interval: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("stream_options")
     @classmethod
