@@ -70,10 +70,12 @@ class EngineConfig:
             ``max(8192, max_model_len)`` on CUDA, vLLM's server default; 1024 on CPU, where a
             prompt longer than that runs alone in its prefill step).
         max_consecutive_prefill_steps: prefill steps in a row at most while sequences are
-            running, then a decode step (default 1: they alternate while requests wait; 0: no
-            bound, prefill steps first whenever a request can start). rlserve's own knob: vLLM
-            mixes every running request's decode token into its prefill steps instead
-            (:mod:`rlserve.engine.scheduler` says why the bound exists).
+            running, then a decode step (1: they alternate while requests wait; 0: no bound,
+            prefill steps first whenever a request can start). Default: 1 on CUDA (measured:
+            BENCHMARKS.md, "Time to first token"), 0 on CPU (a CPU prefill step costs many decode
+            steps, so alternating staggers little; not measured as a default there). rlserve's
+            own knob: vLLM mixes every running request's decode token into its prefill steps
+            instead (:mod:`rlserve.engine.scheduler` says why the bound exists).
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
@@ -111,7 +113,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    max_consecutive_prefill_steps: int = 1
+    max_consecutive_prefill_steps: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -139,7 +141,7 @@ class EngineConfig:
             raise InvalidRequestError(f"load_format must be auto, safetensors, pt or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be >= 1")
-        if self.max_consecutive_prefill_steps < 0:
+        if self.max_consecutive_prefill_steps is not None and self.max_consecutive_prefill_steps < 0:
             raise InvalidRequestError("max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                                       f"got {self.max_consecutive_prefill_steps}")
         if self.block_size < 1:

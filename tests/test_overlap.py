@@ -8,6 +8,8 @@ compared: unseeded rows share one generator whose draws depend on the batch's ro
 
 from __future__ import annotations
 
+import pytest
+
 from rlserve import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "Hello world! Hello there", "Once upon a time", "def main():",
@@ -76,12 +78,13 @@ def test_abort_between_overlapped_steps(tiny_model):
     assert [done["r0"].outputs[0].token_ids, done["r2"].outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
 
 
-def test_overlap_prefill_steps_and_admissions(tiny_model):
+@pytest.mark.parametrize("limit", [0, 1])
+def test_overlap_prefill_steps_and_admissions(tiny_model, limit):
     # prompts prefilled over several steps (8 tokens per step at most) and, with 3 sequences at
     # most, admitted while others decode: prefill steps are launched before the step in flight
-    # is read, and every token equals the plain loop's
+    # is read, and every token equals the plain loop's; limit: max_consecutive_prefill_steps
     path = tiny_model("qwen3")
-    kw = dict(max_num_batched_tokens=8, max_num_seqs=3)
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=3, max_consecutive_prefill_steps=limit)
     _, ref = _run(path, False, **kw)
     llm, got = _run(path, True, **kw)
     _same(got, ref)
@@ -91,11 +94,12 @@ def test_overlap_prefill_steps_and_admissions(tiny_model):
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     eng.step()
-    # the first prefill was read; a decode step of its sequence is on its way (a prefill step
-    # does not follow a prefill step while sequences run: max_consecutive_prefill_steps=1)
-    assert eng._overlap.inflight is not None and not eng._overlap.inflight.is_prefill
-    eng.step()
-    # and the second prefill was launched before that decode step was read
+    if limit == 1:
+        # the first prefill was read; a decode step of its sequence is on its way (no prefill
+        # step follows a prefill step while sequences run)
+        assert eng._overlap.inflight is not None and not eng._overlap.inflight.is_prefill
+        eng.step()
+    # the (next) prefill is already on its way: launched before the step in flight was read
     assert eng._overlap.inflight is not None and eng._overlap.inflight.is_prefill
     while eng.has_unfinished_requests():
         eng.step()

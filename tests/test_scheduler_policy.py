@@ -112,3 +112,12 @@ def test_engine_burst_finishes_staggered_with_the_same_tokens(tiny_model):
     # before, and finishes one step after it
     assert staggered == {"r0": 7, "r1": 7, "r2": 8, "r3": 8, "r4": 9, "r5": 9}
     assert tok1 == tok0 and all(len(t) == 5 for t in tok0.values())
+
+
+def test_engine_default_is_no_bound_on_cpu(tiny_model):
+    from rlserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(tiny_model("llama"), dtype="float32", device="cpu")
+    assert cfg.max_consecutive_prefill_steps is None  # resolved by the engine, per device
+    eng = LLMEngine(cfg)
+    assert cfg.max_consecutive_prefill_steps == 0 and eng.scheduler.max_consecutive_prefill_steps == 0

@@ -59,10 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: max(8192, max-model-len) on CUDA, "
                         "1024 on CPU; a longer prompt runs alone)")
-    g.add_argument("--max-consecutive-prefill-steps", type=int, default=1, metavar="N",
+    g.add_argument("--max-consecutive-prefill-steps", type=int, default=None, metavar="N",
                    help="prefill steps in a row at most while requests are decoding, then a decode step (0: no "
-                        "bound: new requests always first). rlserve's own flag: vLLM mixes decodes into its "
-                        "prefill steps instead")
+                        "bound: new requests always first; default: 1 on CUDA, 0 on CPU). rlserve's own flag: "
+                        "vLLM mixes decodes into its prefill steps instead")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
                         "--gpu-memory-utilization)")
@@ -96,7 +96,7 @@ def engine_config_from_args(args, model_path: str):
         model=model_path, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", 1), block_size=args.block_size,
+        max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", None), block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,

@@ -103,6 +103,11 @@ class LLMEngine(EngineStep):
                 # issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
                 # instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)
                 config.max_num_batched_tokens = _CPU_MAX_NUM_BATCHED_TOKENS
+        if config.max_consecutive_prefill_steps is None:
+            # CUDA: prefill and decode steps alternate while requests wait (a burst of 512-token
+            # prompts otherwise decodes in lock-step; BENCHMARKS.md, "Time to first token");
+            # CPU: prefill steps first (one costs many decode steps there: little to stagger)
+            config.max_consecutive_prefill_steps = 1 if torch.device(executor.device).type == "cuda" else 0
         num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
