@@ -80,14 +80,18 @@ def test_engine_process_killed_mid_generation(tiny_model):
     503, /health turns 503 with the reason, /resume answers at once (200: the pause is lifted; the
     engine stays dead), a new request gets 503; the
     API process keeps answering. Every wait is bounded by T."""
-    with _server(tiny_model) as srv:
+    # 4,000 tokens to generate: the pause must land while both requests still generate, and
+    # 240 tokens of the 256-position model were sometimes all out before it did (loaded machine)
+    long_model = tiny_model("llama", max_position_embeddings=4096)
+    with ServerProcess(long_model, "--device", "cpu", "--max-model-len", "4096", "--disable-access-log",
+                       startup_timeout_s=600) as srv:
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["engine_mode"] == "process"
         (core_pid,) = info["engine_core_pids"]
         assert core_pid != srv.proc.pid and _alive(core_pid)
 
         async def scenario():
-            body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+            body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
             async with httpx.AsyncClient(base_url=srv.url, timeout=T) as client:
                 nonstream = asyncio.create_task(client.post("/v1/completions", json=body))
                 events = []
