@@ -22,7 +22,9 @@ against 26-28 ms with 1 thread); ``OMP_WAIT_POLICY=passive`` never spins but fel
 ``GOMP_SPINCOUNT=10000`` gave 113.6 and 349.3 tok/s in two rounds of the issue's 64-request
 workload against 201.7 and 226.6 for 1 thread. Two threads win only while nothing else
 wants a core, and lose up to 6x when something does: the default stays 1 on 2 cores. The
-second core pays without barriers between engines: ``--data-parallel-size 2`` (two
+second core pays without a barrier per operation: :mod:`rlserve.engine.cpu_microbatch` (the
+default there since the tenth session) runs each step as two micro-batches of whole
+sequences on two one-thread threads joined once per step, and ``--data-parallel-size 2`` (two
 engine-core processes of one thread each, no barrier between them) gave 292-369 tok/s in
 six of seven rounds of the same workload against 206-246 for one engine in the same rounds
 (1.2-1.8x vLLM CPU's), and 189.5 against 187.4 in a round under other load (not the
