@@ -110,7 +110,7 @@ def test_contention_backs_off_doubling_then_resets():
     assert mb.record([0.1, 0.1], [0.1, 0.1]) is False
     assert mb.record([0.1, 0.2], [0.1, 0.1]) is True  # reset after the clean step: MIN_BACKOFF again
     assert sum(mb.plan(costs) is None for _ in range(4 * mbm.MIN_BACKOFF)) == mbm.MIN_BACKOFF
-    assert mb.stats == {"split_steps": 6, "whole_steps": 4 * mbm.MIN_BACKOFF, "contended_steps": 3}
+    assert mb.stats == {"splits": 6, "skipped": 4 * mbm.MIN_BACKOFF, "lost": 3}
     for _ in range(20):
         mb.record([1.0, 9.0], [1.0, 1.0])
     assert mb._backoff == mbm.MAX_BACKOFF
@@ -179,7 +179,7 @@ def test_prefix_hits_in_the_same_step_stay_correct(tiny_model):
     path = tiny_model("llama")
     ref, _ = _generate(path, 1, prompts, params)
     got, runner = _generate(path, 2, prompts, params)
-    assert runner.microbatches.stats["split_steps"] >= 3
+    assert runner.microbatches.stats["splits"] >= 3
     for a, b in zip(got, ref):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.logprobs for o in a.outputs] == [o.logprobs for o in b.outputs]
@@ -210,7 +210,7 @@ def test_microbatched_decode_is_bit_equal(arch, tiny_model):
     assert runner.microbatches is None
     for n in (2, 3):
         got, runner = _generate(path, n, prompts, params)
-        assert runner.microbatches.stats["split_steps"] >= 5  # 5 decode steps and their LM heads
+        assert runner.microbatches.stats["splits"] >= 5  # 5 decode steps and their LM heads
         for a, b in zip(got, ref):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit-equal, not close
@@ -228,7 +228,7 @@ def test_microbatched_decode_with_the_attention_fallback(tiny_model, monkeypatch
     ref, _ = _generate(path, 1, prompts, params)
     monkeypatch.setattr(cpu_attention, "call", lambda *a, **k: 1)  # the kernel refuses every call
     got, runner = _generate(path, 2, prompts, params)
-    assert runner.microbatches.stats["split_steps"] >= 4
+    assert runner.microbatches.stats["splits"] >= 4
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):  # another attention kernel

@@ -1,4 +1,4 @@
-"""CPU micro-batches: one decode step's rows split over threads, with no barrier inside the step.
+"""CPU micro-batches: one step's sequences split over threads, with no barrier inside the step.
 
 Why: on a 2-core machine the CPU engine runs its forward passes on one intra-op thread
 (:mod:`rlserve.engine.cpu_threads`): torch's second OpenMP thread made a step 1.6-1.9x faster
@@ -212,8 +212,8 @@ def _stop_all(threads: list[_Thread]) -> None:
 
 
 class CPUMicroBatches:
-    """Runs row ranges of one CPU step on ``count`` threads (the caller's and ``count - 1``
-    persistent ones), joined once; see the module docstring.
+    """Runs item ranges (rows, or sequences of rows) of one CPU step on ``count`` threads (the
+    caller's and ``count - 1`` persistent ones), joined once; see the module docstring.
 
     Args:
         count: micro-batches per split step (>= 1; 1 never splits).
@@ -221,8 +221,11 @@ class CPUMicroBatches:
         min_rows: steps with fewer rows are not split (default :data:`MIN_ROWS`, or
             ``RLSERVE_CPU_MICROBATCH_MIN_ROWS``).
 
-    Not re-entrant: one step at a time (an engine's steps are sequential); a second caller
-    while a split runs gets ``None`` from :meth:`plan` and runs its step whole.
+    One split at a time (an engine's steps are sequential): a second caller of :meth:`run`
+    while a split runs gets its ranges run one after the other on its own thread.
+
+    ``stats``: ``splits`` (split steps run), ``skipped`` (splits skipped while backing off),
+    ``lost`` (split steps that did worse than a whole step would have).
     """
 
     def __init__(self, count: int, threads: int = 1, min_rows: int | None = None):
@@ -236,7 +239,7 @@ class CPUMicroBatches:
         self.split_cpu_overhead = SPLIT_CPU_OVERHEAD  # the guard's threshold (tests: 0 turns it off)
         self._skip = 0
         self._backoff = MIN_BACKOFF
-        self.stats = {"split_steps": 0, "whole_steps": 0, "contended_steps": 0}
+        self.stats = {"splits": 0, "skipped": 0, "lost": 0}
 
     def plan(self, costs: Sequence[float], rows: int | None = None) -> list[tuple[int, int]] | None:
         """Contiguous item ranges ``[(0, k1), (k1, k2), ...]`` of about equal total cost, one
@@ -253,7 +256,7 @@ class CPUMicroBatches:
             return None
         if self._skip > 0:
             self._skip -= 1
-            self.stats["whole_steps"] += 1
+            self.stats["skipped"] += 1
             return None
         parts = min(self.count, n)
         costs = [max(0.0, float(c)) for c in costs]
@@ -275,7 +278,7 @@ class CPUMicroBatches:
         """``[fn(a, b) for (a, b) in ranges]``, the first range on the calling thread and each
         other on a micro-batch thread, under the caller's grad / inference mode. Returns after
         every range finished; then re-raises the first exception any of them raised (the
-        threads stay usable). Records whether a thread's core was shared (contention guard).
+        threads stay usable). Records whether the split lost (:meth:`record`).
         """
         if len(ranges) == 1 or not self._busy.acquire(blocking=False):
             return [fn(a, b) for a, b in ranges]
@@ -319,13 +322,13 @@ class CPUMicroBatches:
         """Contention guard for one split step: ``walls`` / ``cpus`` seconds of each micro-batch.
         Returns True (and schedules ``backoff`` whole steps) when the step lost: its wall time
         ``max(walls)`` exceeded ``sum(cpus) / split_cpu_overhead`` (module docstring)."""
-        self.stats["split_steps"] += 1
+        self.stats["splits"] += 1
         lost = self.split_cpu_overhead > 0 and max(walls) * self.split_cpu_overhead > sum(cpus)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("micro-batches: wall ms %s, CPU ms %s, %s; %s", [round(1e3 * w, 1) for w in walls],
                          [round(1e3 * c, 1) for c in cpus], "lost" if lost else "won", self.stats)
         if lost:
-            self.stats["contended_steps"] += 1
+            self.stats["lost"] += 1
             self._skip = self._backoff
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         else:

@@ -18,8 +18,9 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
   ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
   a batch larger than the largest captured size runs eagerly.
 
-On CPU the runner splits decode steps and the LM head into micro-batches of rows on threads
-(:mod:`rlserve.engine.cpu_microbatch`: two on a 2-core machine, none below 16 rows).
+On CPU the runner makes the step's micro-batches current (:mod:`rlserve.engine.cpu_microbatch`:
+two on a 2-core machine): the model splits its sequences between them, the runner the LM
+head's rows (none below 16 rows).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class ModelRunner:
                            else {})
         self._select_backend()
         self.use_cuda_graphs = self._want_cuda_graphs()
-        # CPU: decode steps (and the LM head) split into micro-batches of rows on threads
+        # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
         self.microbatches = None
         if device.type == "cpu":
             n = cpu_microbatch.microbatch_count(config, torch.get_num_threads())
