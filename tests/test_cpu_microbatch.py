@@ -35,6 +35,16 @@ def test_plan_declines_small_steps_and_one_microbatch():
         CPUMicroBatches(0)
 
 
+def test_min_rows_from_the_environment(monkeypatch):
+    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "40")
+    assert CPUMicroBatches(2).min_rows == 40
+    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "1")
+    assert CPUMicroBatches(2).min_rows == 2  # a split needs two rows
+    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "abc")
+    with pytest.raises(ValueError, match="RLSERVE_CPU_MICROBATCH_MIN_ROWS must be an integer, got 'abc'"):
+        CPUMicroBatches(2)
+
+
 def test_run_keeps_order_uses_another_thread_and_caller_modes():
     mb = CPUMicroBatches(3, min_rows=2)
     seen = {}

@@ -219,7 +219,10 @@ class CPUMicroBatches:
         count: micro-batches per split step (>= 1; 1 never splits).
         threads: torch intra-op threads of each micro-batch thread.
         min_rows: steps with fewer rows are not split (default :data:`MIN_ROWS`, or
-            ``RLSERVE_CPU_MICROBATCH_MIN_ROWS``).
+            ``RLSERVE_CPU_MICROBATCH_MIN_ROWS``; at least 2).
+
+    Raises:
+        ValueError: ``count`` < 1, or a ``RLSERVE_CPU_MICROBATCH_MIN_ROWS`` that is not an integer.
 
     One split at a time (an engine's steps are sequential): a second caller of :meth:`run`
     while a split runs gets its ranges run one after the other on its own thread.
@@ -233,7 +236,13 @@ class CPUMicroBatches:
             raise ValueError(f"micro-batch count must be >= 1, got {count}")
         self.count = count
         self.threads = threads
-        self.min_rows = max(2, int(min_rows if min_rows is not None else os.environ.get(MIN_ROWS_ENV) or MIN_ROWS))
+        if min_rows is None:
+            raw = os.environ.get(MIN_ROWS_ENV) or str(MIN_ROWS)
+            try:
+                min_rows = int(raw)
+            except ValueError:
+                raise ValueError(f"{MIN_ROWS_ENV} must be an integer, got {raw!r}") from None
+        self.min_rows = max(2, int(min_rows))
         self._workers: list[_Thread] = []
         self._busy = threading.Lock()
         self.split_cpu_overhead = SPLIT_CPU_OVERHEAD  # the guard's threshold (tests: 0 turns it off)

@@ -127,7 +127,7 @@ class ModelRunner:
             n = cpu_microbatch.microbatch_count(config, torch.get_num_threads())
             if n > 1:
                 self.microbatches = cpu_microbatch.CPUMicroBatches(n, threads=torch.get_num_threads())
-                logger.info("CPU decode steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
+                logger.info("CPU steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
 
     # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
     def _select_backend(self) -> None:
