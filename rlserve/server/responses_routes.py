@@ -8,14 +8,21 @@ string or ``input_text`` / ``output_text`` parts) is rendered by the chat templa
 on the tokenizer thread), so greedy output is the same. As in vLLM, a last ``assistant`` item with
 ``status`` ``in_progress`` / ``incomplete`` is continued (``continue_final_message``).
 
-Answer: vLLM's ``ResponsesResponse`` (``object: "response"``, one ``message`` output item with
-one ``output_text`` part), ``status`` ``completed``, or ``incomplete`` with
+Answer: vLLM's ``ResponsesResponse`` with exactly the keys vLLM 0.32 sends (its
+``model_dump(mode="json")``: the nulls ``prompt``, ``input_messages``, ``output_messages``,
+``kv_transfer_params``, ``ec_transfer_params``, ``top_logprobs``; ``text`` the request's ``text``
+config or null; no ``metrics``, ``error`` or ``store``, which vLLM does not send):
+``object: "response"``, one ``message`` output item (``phase`` null) with one ``output_text``
+part (``logprobs`` null; no part for an empty output, as vLLM), ``status`` ``completed``, or ``incomplete`` with
 ``incomplete_details.reason = "max_output_tokens"`` when ``max_output_tokens`` cut it, or
 ``cancelled`` when it was aborted (``/abort_requests`` with the response's ``id``, a pause in
 mode ``abort``); ``usage``
 ``{input_tokens, output_tokens, total_tokens, input_tokens_details: {cached_tokens: 0,
-cache_write_tokens: 0}, output_tokens_details: {reasoning_tokens: 0}}`` (token counts of the
-rendered prompt and the output; rlserve does not count prefix-cache hits per request, hence 0);
+cache_write_tokens: 0, input_tokens_per_turn: [], cached_tokens_per_turn: []},
+output_tokens_details: {reasoning_tokens: 0, tool_output_tokens: 0, output_tokens_per_turn: [],
+tool_output_tokens_per_turn: []}}`` (token counts of the rendered prompt and the output; rlserve
+does not count prefix-cache hits per request, hence 0; the per-turn lists are empty as vLLM's for
+a single-turn answer);
 plus rlserve's ``weight_version`` / ``weight_versions`` as on its other answers.
 
 ``stream: true``: server-sent events, each ``event: <type>`` + ``data: {...}`` with a
@@ -24,7 +31,9 @@ plus rlserve's ``weight_version`` / ``weight_versions`` as on its other answers.
 ``response.output_text.delta`` (one per engine step that added text), ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, ``response.completed`` (also for an
 ``incomplete`` response, as vLLM does: the ``openai`` client's ``responses.stream`` helper needs
-it). A failure after the stream started is an ``error`` event (``{type, code, message, param}``).
+it). Each event has the keys vLLM's ``model_dump_json`` of it has (``tests/vllm_answer_keys.py``);
+the ``content_part.done`` part's ``logprobs`` is null, the other events' ``logprobs`` ``[]``, as
+vLLM's. A failure after the stream started is an ``error`` event (``{type, code, message, param}``).
 
 Not supported (a 400 naming the field: :func:`refuse_unsupported`, :func:`input_messages`): tools
 and tool calls, stored responses (``store: true``, ``previous_response_id``, ``conversation``,
@@ -153,17 +162,41 @@ async def _text_format(state: ServerState, body: ResponsesRequest):
 
 
 def _usage(n_input: int, n_output: int) -> dict:
-    return {"input_tokens": n_input, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": n_output, "output_tokens_details": {"reasoning_tokens": 0},
+    """vLLM's ``ResponseUsage`` of a single-turn answer: ``n_input`` prompt tokens, ``n_output``
+    generated tokens; no cache, reasoning or tool tokens, empty per-turn lists."""
+    return {"input_tokens": n_input,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [],
+                                     "cached_tokens_per_turn": []},
+            "output_tokens": n_output,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                                      "tool_output_tokens_per_turn": []},
             "total_tokens": n_input + n_output}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None) -> dict:
+    """An ``output_text`` part; ``logprobs``: ``[]`` on ``content_part.added``, None (rlserve
+    has no Responses logprobs) on the finished part, as vLLM."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _message(item_id: str, status: str, content: list) -> dict:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+def _message(item_id: str, status: str, text: str | None) -> dict:
+    """The assistant ``message`` output item: no part while ``text`` is None (in progress) or
+    empty (vLLM sends ``content: []`` for an empty output), else one ``output_text`` part."""
+    content = [_text_part(text, None)] if text else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content,
+            "phase": None}
+
+
+def _text_config(body: ResponsesRequest) -> dict | None:
+    """The answer's ``text``: the request's ``text`` as vLLM dumps it (``format`` with a
+    json_schema's ``name`` / ``schema`` / ``description`` / ``strict``, nulls included;
+    ``verbosity`` null), None when the request has none."""
+    if body.text is None:
+        return None
+    fmt = body.text.format
+    if fmt is not None:
+        fmt = fmt.model_dump(by_alias=True, exclude_none=fmt.type != "json_schema")
+    return {"format": fmt, "verbosity": None}
 
 
 def _status(out) -> tuple[str, str]:
@@ -197,23 +230,25 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
                                        **body.sampler_args())
         rid = f"resp_{uuid.uuid4().hex}"
         created = int(time.time())
-        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) \
-            if body.text is not None and body.text.format is not None else {"type": "text"}
+        text_config = _text_config(body)
 
         def response(status: str, output: list, usage: dict | None, outs: list) -> dict:
-            """The ``response`` object (vLLM's ``ResponsesResponse.from_request`` fields)."""
+            """The ``response`` object (vLLM's ``ResponsesResponse.from_request`` fields and
+            nulls) plus rlserve's ``weight_version`` / ``weight_versions``."""
             version, versions = weight_versions(outs)
             return {
-                "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
+                "id": rid, "object": "response", "created_at": created, "status": status,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": body.instructions, "metadata": body.metadata, "model": model, "output": output,
                 "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
                 "temperature": params.temperature, "top_p": params.top_p, "tool_choice": body.tool_choice or "none",
                 "tools": [], "background": False, "max_output_tokens": max_tokens, "max_tool_calls": None,
-                "previous_response_id": None, "reasoning": None, "service_tier": body.service_tier or "auto",
-                "store": False, "text": {"format": fmt}, "top_logprobs": 0, "truncation": "disabled",
-                "usage": usage, "user": body.user, "presence_penalty": params.presence_penalty,
-                "frequency_penalty": params.frequency_penalty, "weight_version": version, "weight_versions": versions,
+                "previous_response_id": None, "prompt": None, "reasoning": None,
+                "service_tier": body.service_tier or "auto", "text": text_config, "top_logprobs": None,
+                "truncation": "disabled", "usage": usage, "user": body.user,
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None,
+                "output_messages": None, "weight_version": version, "weight_versions": versions,
             }
 
         gen = state.generate(ids, params, rid, "responses", stream=body.stream)
@@ -226,7 +261,7 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
             return Response(status_code=499)
         c = out.outputs[0]
         status, item_status = _status(out)
-        item = _message(f"msg_{uuid.uuid4().hex}", item_status, [_text_part(c.text)])
+        item = _message(f"msg_{uuid.uuid4().hex}", item_status, c.text)
         return JSONResponse(response(status, [item], _usage(len(ids), len(c.token_ids)), [out]))
 
     return router
@@ -255,8 +290,8 @@ async def _stream(gen, response, n_input: int) -> AsyncIterator[str]:
         async for _, out in agen:
             if last is None:  # with the engine's first output, as vLLM opens the item with its first delta
                 yield event({"type": "response.output_item.added", "output_index": 0,
-                             "item": _message(item_id, "in_progress", [])})
-                yield event({"type": "response.content_part.added", **where, "part": _text_part("")})
+                             "item": _message(item_id, "in_progress", None)})
+                yield event({"type": "response.content_part.added", **where, "part": _text_part("", [])})
             last = out
             delta = out.outputs[0].text[len(text):]
             if delta:
@@ -265,8 +300,8 @@ async def _stream(gen, response, n_input: int) -> AsyncIterator[str]:
         if last is None:
             raise APIError(500, "the engine ended the request without an output", code="engine_error")
         status, item_status = _status(last)
-        part = _text_part(text)
-        item = _message(item_id, item_status, [part])
+        part = _text_part(text, None)
+        item = _message(item_id, item_status, text)
         yield event({"type": "response.output_text.done", **where, "text": text, "logprobs": []})
         yield event({"type": "response.content_part.done", **where, "part": part})
         yield event({"type": "response.output_item.done", "output_index": 0, "item": item})
