@@ -331,6 +331,8 @@ def test_responses_answer_has_vllms_keys(server, want):
     r = httpx.post(server.url + "/v1/responses", json=dict(RESP, text={"format": {"type": "text"}}), timeout=T).json()
     _check_response(r, want, "responses.response", 5)
     assert r["text"] == {"format": {"type": "text"}, "verbosity": None}
+    r = httpx.post(server.url + "/v1/responses", json=dict(RESP, text={}), timeout=T).json()
+    assert r["text"] == {"format": None, "verbosity": None}  # vLLM's dump of an empty text config
 
 
 def _events(server, body: dict) -> list[dict]:
@@ -370,3 +372,20 @@ def test_responses_stream_events_have_vllms_keys(server, want):
     assert text == full["output"][0]["content"][0]["text"] == text_done["text"]
     assert part_done["part"] == {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
     assert item_done["item"]["content"] == [part_done["part"]] == completed["response"]["output"][0]["content"]
+
+
+def test_responses_empty_output_has_no_part(server, want):
+    """An empty output (the greedy first token is a stop token) is, as vLLM sends it, a message
+    item with ``content: []`` (non-streamed and on ``output_item.done``), while the streamed
+    ``content_part.done`` still carries the empty part; status ``completed``."""
+    messages = [{"role": "system", "content": RESP["instructions"]}, {"role": "user", "content": RESP["input"]}]
+    chat = {"messages": messages, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+    first = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=T).json()["choices"][0]["token_ids"]
+    body = dict(RESP, stop_token_ids=first, ignore_eos=False)
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=T).json()
+    (item,) = r["output"]
+    assert r["status"] == "completed" and r["incomplete_details"] is None and r["usage"]["output_tokens"] == 1
+    assert keys(item) == want["responses.message"] and item["content"] == [] and item["status"] == "completed"
+    *_, part_done, item_done, completed = _events(server, body)
+    assert part_done["part"] == {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
+    assert item_done["item"]["content"] == [] == completed["response"]["output"][0]["content"]
