@@ -148,6 +148,24 @@ def test_microbatch_count_rule_and_overrides(monkeypatch):
             mbm.microbatch_count(cfg)
 
 
+@pytest.mark.parametrize("env,value,msg", [
+    (mbm.ENV, "0", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got '0'"),
+    (mbm.ENV, "two", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got 'two'"),
+    (mbm.MIN_ROWS_ENV, "abc", "RLSERVE_CPU_MICROBATCH_MIN_ROWS must be an integer, got 'abc'"),
+])
+def test_serve_refuses_a_bad_setting_before_any_engine(tiny_model, monkeypatch, capsys, env, value, msg):
+    """``rlserve serve`` checks the CPU settings before it starts an engine: one line of error
+    on stderr, exit status 2, no traceback (an engine process used to raise after loading)."""
+    from rlserve.cli import main
+
+    monkeypatch.setenv(env, value)
+    assert main(["serve", tiny_model("llama"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"rlserve serve: error: {msg}" in err and "Traceback" not in err, err
+    monkeypatch.delenv(env)
+    mbm.check_environment()  # the defaults pass
+
+
 def test_sequences_slices_a_step():
     meta = AttentionMetadata.build([1, 1, 1], [5, 9, 2], [[3, 4], [5, 6, 7], [8]], 4)
     sub = meta.sequences(1, 3)

@@ -187,6 +187,10 @@ def run(args) -> int:
     try:
         model_path = _resolve_model(model_arg)
         config = engine_config_from_args(args, model_path)
+        from rlserve.engine import cpu_microbatch, cpu_threads
+
+        cpu_threads.engine_cpu_threads(config)  # CPU engines' environment: refused here, before any engine loads
+        cpu_microbatch.check_environment(config)
     except (RLServeError, ValueError, OSError) as e:
         print(f"rlserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -101,6 +101,27 @@ def microbatch_count(config=None, threads: int = 1, ranks: int | None = None) ->
     return 2 if threads == 1 and ranks == 1 and usable_cpus() >= 2 else 1
 
 
+def _min_rows_from_env() -> int:
+    raw = os.environ.get(MIN_ROWS_ENV) or str(MIN_ROWS)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{MIN_ROWS_ENV} must be an integer, got {raw!r}") from None
+
+
+def check_environment(config=None) -> None:
+    """Validate the micro-batch settings of ``config`` and the environment before any engine
+    starts (``rlserve serve`` calls it, so a typo is one line of error, not an engine process's
+    traceback after the model loaded).
+
+    Raises:
+        ValueError: ``extra["cpu_microbatches"]`` / ``RLSERVE_CPU_MICROBATCHES`` not an integer
+            >= 1, or ``RLSERVE_CPU_MICROBATCH_MIN_ROWS`` not an integer.
+    """
+    microbatch_count(config)
+    _min_rows_from_env()
+
+
 class _Thread:
     """One persistent micro-batch thread: runs a submitted job, records its wall and CPU time."""
 
@@ -236,13 +257,7 @@ class CPUMicroBatches:
             raise ValueError(f"micro-batch count must be >= 1, got {count}")
         self.count = count
         self.threads = threads
-        if min_rows is None:
-            raw = os.environ.get(MIN_ROWS_ENV) or str(MIN_ROWS)
-            try:
-                min_rows = int(raw)
-            except ValueError:
-                raise ValueError(f"{MIN_ROWS_ENV} must be an integer, got {raw!r}") from None
-        self.min_rows = max(2, int(min_rows))
+        self.min_rows = max(2, int(min_rows if min_rows is not None else _min_rows_from_env()))
         self._workers: list[_Thread] = []
         self._busy = threading.Lock()
         self.split_cpu_overhead = SPLIT_CPU_OVERHEAD  # the guard's threshold (tests: 0 turns it off)

@@ -128,6 +128,9 @@ class ModelRunner:
             if n > 1:
                 self.microbatches = cpu_microbatch.CPUMicroBatches(n, threads=torch.get_num_threads())
                 logger.info("CPU steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
+            else:
+                logger.info("CPU steps run whole (1 micro-batch: %s=1, several intra-op threads, several "
+                            "engine ranks, or one usable CPU)", cpu_microbatch.ENV)
 
     # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
     def _select_backend(self) -> None:
