@@ -172,6 +172,24 @@ def _resolve_model(name: str) -> str:
     return resolve_model(name)
 
 
+def _check_cpu_environment(config) -> None:
+    """A CPU engine's environment (thread count, micro-batches), refused here rather than by an
+    engine process after the model loaded. Not on GPUs: there ``OMP_NUM_THREADS`` may hold
+    values (``"4,2"``) the CPU engine rule does not take.
+
+    Raises:
+        ValueError: a setting the CPU engine would refuse.
+    """
+    from rlserve.config import resolve_device
+
+    if resolve_device(config.device).type != "cpu":
+        return
+    from rlserve.engine import cpu_microbatch, cpu_threads
+
+    cpu_threads.engine_cpu_threads(config)
+    cpu_microbatch.check_environment(config)
+
+
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
@@ -187,10 +205,7 @@ def run(args) -> int:
     try:
         model_path = _resolve_model(model_arg)
         config = engine_config_from_args(args, model_path)
-        from rlserve.engine import cpu_microbatch, cpu_threads
-
-        cpu_threads.engine_cpu_threads(config)  # CPU engines' environment: refused here, before any engine loads
-        cpu_microbatch.check_environment(config)
+        _check_cpu_environment(config)
     except (RLServeError, ValueError, OSError) as e:
         print(f"rlserve serve: error: {e}", file=sys.stderr)
         return 2
