@@ -82,22 +82,16 @@ def microbatch_count(config=None, threads: int = 1, ranks: int | None = None) ->
     Raises:
         ValueError: an override that is not an integer >= 1.
     """
-    from rlserve.engine.cpu_threads import usable_cpus
+    from rlserve.engine.cpu_threads import engine_ranks, int_at_least, usable_cpus
 
     extra = getattr(config, "extra", None) or {}
     raw, what = extra.get("cpu_microbatches"), 'extra["cpu_microbatches"]'
     if raw is None:
         raw, what = os.environ.get(ENV) or None, ENV
     if raw is not None:
-        try:
-            n = int(raw)
-        except (TypeError, ValueError):
-            n = 0
-        if n < 1:
-            raise ValueError(f"{what} must be an integer >= 1, got {raw!r}")
-        return n
+        return int_at_least(raw, what, 1)
     if ranks is None:
-        ranks = (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+        ranks = engine_ranks(config)
     return 2 if threads == 1 and ranks == 1 and usable_cpus() >= 2 else 1
 
 

@@ -88,7 +88,17 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _int_at_least(value, what: str, low: int) -> int:
+def engine_ranks(config=None) -> int:
+    """Engine ranks of ``config`` sharing this machine: tensor-parallel size x data-parallel
+    size (1 without a config)."""
+    return (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+
+
+def int_at_least(value, what: str, low: int) -> int:
+    """``value`` as an integer >= ``low`` (a setting named ``what``).
+
+    Raises:
+        ValueError: not an integer, or below ``low`` (the message names ``what``)."""
     try:
         n = int(value)
     except (TypeError, ValueError):
@@ -111,15 +121,15 @@ def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
     """
     extra = getattr(config, "extra", None) or {}
     if extra.get("cpu_threads") is not None:
-        return _int_at_least(extra["cpu_threads"], 'extra["cpu_threads"]', 1)
+        return int_at_least(extra["cpu_threads"], 'extra["cpu_threads"]', 1)
     for env in (THREADS_ENV, "OMP_NUM_THREADS"):
         if os.environ.get(env):
-            return _int_at_least(os.environ[env], env, 1)
+            return int_at_least(os.environ[env], env, 1)
     if ranks is None:
-        ranks = (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+        ranks = engine_ranks(config)
     cpus = usable_cpus()
     raw = os.environ.get(RESERVED_ENV, "")
-    reserved = _int_at_least(raw, RESERVED_ENV, 0) if raw else (1 if cpus > 1 else 0)
+    reserved = int_at_least(raw, RESERVED_ENV, 0) if raw else (1 if cpus > 1 else 0)
     return max(1, (cpus - reserved) // max(1, ranks))
 
 
@@ -187,7 +197,7 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
         return []
     if mode == "auto":
         if ranks is None:
-            ranks = (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
+            ranks = engine_ranks(config)
         cpus = _claim_cpus(n) if ranks == 1 else []
     else:
         cpus = parse_cpu_list(mode)
