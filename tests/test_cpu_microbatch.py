@@ -99,6 +99,22 @@ def test_a_split_keeps_the_threads_on_different_cpus(monkeypatch):
     mb.close()
 
 
+def test_split_asks_its_veto_only_for_a_step_it_would_split():
+    mb = CPUMicroBatches(2, min_rows=4)
+    asked = []
+
+    def veto(answer):
+        return lambda: asked.append(answer) or answer
+
+    fn = lambda a, b: torch.arange(a, b)  # noqa: E731
+    with mbm.active(mb):
+        assert mbm.split(fn, [1.0] * 3, veto=veto(False)) is None and asked == []  # under min_rows
+        assert mbm.split(fn, [1.0] * 4, veto=veto(True)) is None and asked == [True]  # vetoed: whole
+        assert mbm.split(fn, [1.0] * 4, veto=veto(False)).tolist() == [0, 1, 2, 3] and asked == [True, False]
+    assert mbm.split(fn, [1.0] * 4, veto=veto(False)) is None and asked == [True, False]  # none current
+    mb.close()
+
+
 def test_a_busy_instance_runs_the_step_inline():
     mb = CPUMicroBatches(2, min_rows=2)
     with mb._busy:  # another step is running

@@ -375,14 +375,16 @@ def active(microbatches: CPUMicroBatches | None):
         _local.microbatches = prev
 
 
-def split(fn: Callable[[int, int], torch.Tensor], costs: Sequence[float], rows: int | None = None) -> torch.Tensor | None:
+def split(fn: Callable[[int, int], torch.Tensor], costs: Sequence[float], rows: int | None = None,
+          veto: Callable[[], bool] | None = None) -> torch.Tensor | None:
     """``fn(0, n)`` computed as micro-batches of items (rows, or sequences of rows) on the
     current step's threads and concatenated along dim 0, or ``None`` when there is no current
-    :class:`CPUMicroBatches` or it does not split this step (the caller then computes
-    ``fn(0, n)`` itself). ``fn(a, b)`` must return the result rows of items ``a:b``, computed
-    from those items alone. ``costs`` / ``rows``: as for :meth:`CPUMicroBatches.plan`."""
+    :class:`CPUMicroBatches`, it does not split this step, or ``veto()`` (asked only for a step
+    that would be split) is true; the caller then computes ``fn(0, n)`` itself. ``fn(a, b)``
+    must return the result rows of items ``a:b``, computed from those items alone. ``costs`` /
+    ``rows``: as for :meth:`CPUMicroBatches.plan`."""
     mb = current()
     ranges = None if mb is None else mb.plan(costs, rows)
-    if ranges is None or len(ranges) < 2:
+    if ranges is None or len(ranges) < 2 or (veto is not None and veto()):
         return None
     return torch.cat(mb.run(fn, ranges))

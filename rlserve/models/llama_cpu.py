@@ -169,8 +169,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
                 h, residual = layer(pos, h, residual, sub_meta)
         return norm(h, residual)[0]
 
-    mb = cpu_microbatch.current() if hidden.device.type == "cpu" and len(layers) else None
-    if mb is not None and hidden.shape[0] >= mb.min_rows and meta.num_seqs > 1 and not meta.writes_shared_block():
+    if hidden.device.type == "cpu" and len(layers) and cpu_microbatch.current() is not None:
         qsl = meta.query_start_loc_cpu
 
         def run(a: int, b: int) -> torch.Tensor:
@@ -180,7 +179,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
 
         c0 = _row_cost_tokens(layers[0])
         out = cpu_microbatch.split(run, [(qsl[i + 1] - qsl[i]) * c0 + n for i, n in enumerate(meta.seq_lens_cpu)],
-                                   hidden.shape[0])
+                                   hidden.shape[0], veto=meta.writes_shared_block)
         if out is not None:
             return out
     return stack(ctx, positions, hidden, meta)
