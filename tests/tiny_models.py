@@ -24,6 +24,11 @@ import torch
 
 # Every architecture variant this module can build.
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "opt", "opt_proj", "smollm"]
+# Mixture-of-experts variants (tests/test_moe*.py; not in ARCHS: their checkpoints name experts
+# per expert while the HF modules hold them fused, which ARCHS' generic tests do not expect).
+# 8 experts, top-2, moe_intermediate_size 32; qwen3_moe renormalizes the top-k (norm_topk_prob),
+# qwen2_moe does not and adds a shared expert of 48.
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe"]
 
 # Special tokens: ids 0, 1, 2 of every tiny tokenizer.
 BOS_TOKEN = "<|endoftext|>"
@@ -85,7 +90,8 @@ def build_tokenizer():
 
 
 def _config(arch: str, vocab: int, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, \
+        Qwen3MoeConfig
 
     ids = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=BOS_ID)
     common = dict(
@@ -114,6 +120,14 @@ def _config(arch: str, vocab: int, overrides: dict):
         cls, kw = Qwen3Config, dict(common, head_dim=16, use_sliding_window=False, architectures=["Qwen3ForCausalLM"])
     elif arch == "mistral":
         cls, kw = MistralConfig, dict(common, head_dim=16, sliding_window=None, architectures=["MistralForCausalLM"])
+    elif arch == "qwen3_moe":
+        cls, kw = Qwen3MoeConfig, dict(common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True, use_sliding_window=False,
+                                       architectures=["Qwen3MoeForCausalLM"])
+    elif arch == "qwen2_moe":
+        cls, kw = Qwen2MoeConfig, dict(common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                       use_sliding_window=False, architectures=["Qwen2MoeForCausalLM"])
     elif arch in ("opt", "opt_proj"):
         kw = dict(
             vocab_size=vocab,
@@ -132,7 +146,7 @@ def _config(arch: str, vocab: int, overrides: dict):
             kw.update(word_embed_proj_dim=32, do_layer_norm_before=False)
         cls = OPTConfig
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {ARCHS + MOE_ARCHS}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -145,7 +159,7 @@ def make_tiny_model(arch: str, path, seed: int = 0, **overrides) -> str:
     """Build (or reuse) a tiny random-init HF checkpoint + tokenizer in ``path``.
 
     Args:
-        arch: one of :data:`ARCHS`.
+        arch: one of :data:`ARCHS` or :data:`MOE_ARCHS`.
         path: target directory (created if missing).
         seed: torch seed for the random init (the global RNG state is restored after).
         **overrides: config fields to override, e.g. ``num_hidden_layers=1`` or
@@ -159,8 +173,8 @@ def make_tiny_model(arch: str, path, seed: int = 0, **overrides) -> str:
     """
     from transformers import AutoModelForCausalLM
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {ARCHS}")
+    if arch not in ARCHS + MOE_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {ARCHS + MOE_ARCHS}")
     path = Path(path)
     key = _key(arch, seed, overrides)
     marker = path / ".tiny_model_key"

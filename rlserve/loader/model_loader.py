@@ -145,7 +145,9 @@ def fill_weights(model: nn.Module, config) -> None:
     else:
         loaded = model.load_weights(iterate_checkpoint(config.model, config.load_format))
         normalize = getattr(model, "normalize_checkpoint_name", lambda n: n)
-        missing = sorted(model.required_checkpoint_names() - {normalize(n) for n in loaded})
+        covered = getattr(model, "covered_checkpoint_names", None)  # MoE: a fused name covers many
+        loaded = {normalize(n) for n in (covered(loaded) if covered is not None else loaded)}
+        missing = sorted(model.required_checkpoint_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint {config.model!r} is missing {len(missing)} required tensor(s): "
                              + ", ".join(missing))

@@ -62,8 +62,9 @@ class LlamaAttention(nn.Module):
         self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_num_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = True if model_type == "qwen2" else attention_bias
-        o_bias = False if model_type == "qwen2" else attention_bias
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
+        qkv_bias = bool(getattr(config, "qkv_bias", True)) if qwen2 else attention_bias
+        o_bias = False if qwen2 else attention_bias
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
                                           bias=qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads
@@ -77,7 +78,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden, bias=o_bias,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj",
                                         input_partition_sizes=q_split)
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -107,14 +108,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; carries the residual stream separately (fused add + RMSNorm)."""
+    """Pre-norm block; carries the residual stream separately (fused add + RMSNorm). ``mlp``:
+    the feed-forward module (``x [T, H] -> [T, H]``; default the dense :class:`LlamaMLP`; the MoE
+    models pass their sparse block)."""
 
-    def __init__(self, config, quant_config=None, prefix: str = ""):
+    def __init__(self, config, quant_config=None, prefix: str = "", mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, quant_config, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                            bias=bool(getattr(config, "mlp_bias", False)), quant_config=quant_config,
-                            prefix=f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+            bias=bool(getattr(config, "mlp_bias", False)), quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -130,14 +133,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF ``model.*``)."""
+    """Embedding, decoder layers and final norm (HF ``model.*``). ``make_mlp(i, prefix)``: the
+    feed-forward module of layer ``i`` (``None``: the dense :class:`LlamaMLP`)."""
 
-    def __init__(self, config, quant_config=None, prefix: str = "model"):
+    def __init__(self, config, quant_config=None, prefix: str = "model", make_mlp=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, quant_config, prefix=f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, quant_config, prefix=f"{prefix}.layers.{i}",
+                              mlp=make_mlp(i, f"{prefix}.layers.{i}.mlp") if make_mlp is not None else None)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -180,13 +185,17 @@ class LlamaForCausalLM(nn.Module):
         if sw is not None and getattr(config, "use_sliding_window", True) and sw < config.max_position_embeddings:
             logger.warning("sliding_window=%s is not implemented; attention is full-context (exact only for "
                            "contexts <= %s tokens)", sw, sw)
-        self.model = LlamaModel(config, quant_config, prefix="model")
+        self.model = self._build_model(config, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
             self.lm_head.serve_as_lm_head()
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+
+    def _build_model(self, config, quant_config) -> nn.Module:
+        """The ``model.*`` module (embedding, layers, norm); subclasses swap the layers' MLPs."""
+        return LlamaModel(config, quant_config, prefix="model")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids [T] int64``, ``positions [T] int64`` -> hidden states ``[T, hidden_size]``

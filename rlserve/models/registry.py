@@ -13,6 +13,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("rlserve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("rlserve.models.llama", "Qwen3ForCausalLM"),
     "OPTForCausalLM": ("rlserve.models.opt", "OPTForCausalLM"),
+    "Qwen2MoeForCausalLM": ("rlserve.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("rlserve.models.qwen_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -94,6 +94,12 @@ def _plain(param) -> torch.Tensor:
     return param.data
 
 
+def _gathered(fn: Callable[[], torch.Tensor], dim: int | None) -> torch.Tensor:
+    """``fn()`` (this rank's part), concatenated over the TP ranks along ``dim`` (``None``: whole)."""
+    local = fn()
+    return local if dim is None else torch.cat(_gather(local, dim), dim=dim)
+
+
 def _split_dim(param, dim: int) -> torch.Tensor:
     return torch.cat(_gather(param.data, dim), dim=dim)
 
@@ -128,6 +134,9 @@ def export_plan(model) -> tuple[list[tuple[str, Callable[[], torch.Tensor]]], li
     items: list[tuple[str, Callable[[], torch.Tensor]]] = []
     skipped: list[str] = []
     for mod_name, module in model.named_modules():  # a tied head is the same module: listed once
+        if hasattr(module, "export_checkpoint_tensors"):  # fused MoE experts: per-expert names
+            items += [(n, partial(_gathered, fn, dim)) for n, fn, dim in module.export_checkpoint_tensors(mod_name)]
+            continue
         for pname, param in module.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
             if getattr(param, "not_in_checkpoint", False):
