@@ -20,6 +20,10 @@ _DTYPES = {
 }
 
 
+#: the ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else is passed to torch."""
     if device == "auto":
@@ -98,6 +102,10 @@ class EngineConfig:
         enable_sleep_mode: weights and KV cache in releasable memory, so ``sleep(level)`` /
             ``wake_up(tags)`` can give the GPU memory back (vLLM's ``--enable-sleep-mode``;
             :mod:`rlserve.engine.sleep_mode`).
+        enable_lora / max_loras / max_lora_rank: serve LoRA adapters (vLLM's ``--enable-lora``,
+            ``--max-loras``, ``--max-lora-rank``; :mod:`rlserve.lora`): at most ``max_loras``
+            adapters loaded at once (every one may be in every batch), each of rank at most
+            ``max_lora_rank`` (one of vLLM's values :data:`LORA_RANKS`). Tensor parallel size 1.
         async_scheduling: overlapped decode (vLLM's ``async_scheduling``): step N+1 is
             scheduled and launched before step N's tokens are read
             (:mod:`rlserve.engine.overlap`). None (default): on for a single-process CUDA
@@ -130,6 +138,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enable_sleep_mode: bool = False
     async_scheduling: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -157,5 +168,12 @@ class EngineConfig:
         if self.logprobs_mode not in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
             raise InvalidRequestError("logprobs_mode must be raw_logprobs, raw_logits, processed_logprobs or "
                                       f"processed_logits, got {self.logprobs_mode!r}")
+        if self.max_loras < 1:
+            raise InvalidRequestError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise InvalidRequestError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's values), "
+                                      f"got {self.max_lora_rank}")
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise InvalidRequestError("--enable-lora needs --tensor-parallel-size 1 in this version")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be >= 1")

@@ -56,3 +56,13 @@ class SleepStateError(RLServeError):
 class SleepMemoryError(RLServeError):
     """wake_up could not get its GPU memory back (another process holds it); the engine stays
     asleep and a later wake_up may succeed. HTTP 503, error code ``wake_up_out_of_memory``."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served (unsupported config, wrong shapes, a rank above
+    ``--max-lora-rank``, too many adapters loaded) or a LoRA route called out of order. HTTP 400."""
+
+
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter at the given path, or no adapter of that name is loaded. HTTP 404 (vLLM's
+    ``LoRAAdapterNotFoundError`` / unload of an unknown name)."""

@@ -33,6 +33,22 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` item: ``NAME=PATH`` or ``{"name": ..., "path": ...}``."""
+    if value.lstrip().startswith("{"):
+        try:
+            obj = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {value!r}')
+        return obj["name"], obj["path"]
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def _json_object(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -83,6 +99,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="POST /sleep?level=1|2 frees the GPU memory of the weights and KV cache, POST /wake_up "
                         "takes it back (colocated training; vLLM's flag)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: POST /v1/load_lora_adapter, a request picks one by its 'model' name")
+    g.add_argument("--max-loras", type=_positive_int, default=1, metavar="N",
+                   help="LoRA adapters loaded at once at most (each one may be in every batch)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="largest LoRA rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512 (vLLM's values)")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="adapters to load at startup (with --enable-lora), as NAME=PATH")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped decode: launch step N+1 before reading step N's tokens (default: on for "
                         "CUDA with TP=1; env RLSERVE_ASYNC_SCHEDULING=0/1 when not given)")
@@ -104,6 +128,8 @@ def engine_config_from_args(args, model_path: str):
         max_logprobs=args.max_logprobs, logprobs_mode=getattr(args, "logprobs_mode", "raw_logprobs"),
         enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
         async_scheduling=getattr(args, "async_scheduling", None),
+        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
     )
 
 
@@ -199,6 +225,8 @@ def run(args) -> int:
 
     model_arg = args.model_flag or args.model or "default"
     problem = check_vllm_compat_args(args)
+    if problem is None and args.lora_modules and not args.enable_lora:
+        problem = "--lora-modules needs --enable-lora"
     if problem is not None:
         print(f"rlserve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -231,6 +259,7 @@ def run(args) -> int:
         api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
         weight_staging=args.weight_staging, max_request_body_bytes=args.max_request_body_bytes,
         max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
+        lora_modules=list(args.lora_modules or []),
     )
     if settings.admin_key is None and not is_loopback(args.host):
         if settings.insecure_control_routes:

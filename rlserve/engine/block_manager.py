@@ -5,6 +5,10 @@ hash of a *full* block is ``hash((hash_of_previous_block, tuple(block_token_ids)
 equal hashes mean equal whole prefixes. A freed block keeps its hash and content until it
 is reused (least-recently-freed first), so a later request with the same prefix can pick
 it up again without recomputation.
+
+The chain of a sequence on a LoRA adapter starts from the adapter's id instead of None
+(:func:`prefix_root`): KV computed under one adapter (or one load of it: ids are never reused)
+is never found by a request on the base model or on another adapter.
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ class Block:
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given the previous block's hash (None for the first block)."""
+    """Hash of a full block given the previous block's hash (:func:`prefix_root` for the first block)."""
     return hash((prev_hash, token_ids))
+
+
+def prefix_root(seq: Sequence) -> int | None:
+    """The ``prev_hash`` of ``seq``'s first block: None on the base model, else a hash of its
+    LoRA adapter id (``params.lora_int_id``)."""
+    adapter = getattr(seq.params, "lora_int_id", 0)
+    return hash(("lora", adapter)) if adapter else None
 
 
 class BlockManager:
@@ -113,7 +124,7 @@ class BlockManager:
         tokens = seq.all_token_ids
         bs = self.block_size
         hittable = (len(tokens) - 1) // bs if (allow_prefix_hit and self.enable_prefix_caching) else 0
-        prev: int | None = None
+        prev: int | None = prefix_root(seq)
         cached = 0
         miss = False
         for i in range(seq.num_blocks_needed):
@@ -185,7 +196,7 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        prev = None
+        prev = prefix_root(seq)
         for i in range(n_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

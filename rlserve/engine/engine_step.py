@@ -21,6 +21,12 @@ from rlserve.engine.sequence import Request, Sequence
 from rlserve.h2d import to_device
 
 
+def _lora_ids(seqs) -> list[int] | None:
+    """Each sequence's LoRA adapter id (``StepInput.lora_ids``), or None when all run on the base model."""
+    ids = [s.params.lora_int_id for s in seqs]
+    return ids if any(ids) else None
+
+
 class EngineStep:
     """One engine step, in two halves (see the module docstring)."""
 
@@ -38,7 +44,7 @@ class EngineStep:
             slens = [len(s) for s in seqs]
             B = len(seqs)
             step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
-                             [s.block_table for s in seqs], list(range(B)), False)
+                             [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(seqs))
             return step, []
         input_ids: list[int] = []
         positions: list[int] = []
@@ -61,7 +67,8 @@ class EngineStep:
                 prompt_rows.append((seq, len(logit_rows), p - 1))
                 logit_rows.extend(range(base, base + p - 1))
             logit_rows.append(base + len(toks) - 1)
-        step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill)
+        step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill,
+                         lora_ids=_lora_ids(batch.seqs))
         return step, prompt_rows
 
     #: ``step`` takes ``outputs_for`` and sets ``last_step_request_ids`` (the async engine asks).

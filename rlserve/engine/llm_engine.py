@@ -24,6 +24,7 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.sequence import Request, Sequence
 from rlserve.errors import InvalidRequestError
+from rlserve.lora.engine_ops import check_request_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class LLMEngine(EngineStep):
             self.sleep_mode.check_generate()
         params = params or SamplingParams()
         params.validate()
+        check_request_adapter(self, params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)

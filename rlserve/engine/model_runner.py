@@ -37,6 +37,7 @@ from torch import nn
 from rlserve.engine import cpu_microbatch
 from rlserve.h2d import to_device
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
+from rlserve.lora.model import lora_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class StepInput:
             a device tensor of an earlier step's sampled tokens (the engine's overlapped
             decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
             Only for in-process workers (a device tensor is not picklable across processes).
+        lora_ids: per sequence its LoRA adapter id (0: base model), or None when every sequence
+            runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CUDA
+            graphs and CPU micro-batches (the adapter of a row is known for the whole step only).
     """
 
     input_ids: list[int]
@@ -70,6 +74,7 @@ class StepInput:
     logits_indices: list[int]
     is_prefill: bool
     input_ids_from: tuple | None = None
+    lora_ids: list[int] | None = None
 
 
 def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -278,8 +283,12 @@ class ModelRunner:
             ``[len(step.logits_indices), vocab]`` logits (full vocabulary) in the model dtype
             (float32 for a model whose ``compute_logits`` has no ``float32`` argument).
         """
-        with cpu_microbatch.active(self.microbatches):
-            return self._execute(step)
+        lora = lora_of(self.model)
+        if lora is None or not step.lora_ids:
+            with cpu_microbatch.active(self.microbatches):
+                return self._execute(step)
+        with lora.step(step.lora_ids, step.query_lens), cpu_microbatch.active(None):
+            return self._execute(step, graphs=False)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.compute_logits`` of ``hidden`` ``[N, hidden]``, its rows split into the
@@ -288,9 +297,9 @@ class ModelRunner:
         out = cpu_microbatch.split(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
         return fn(hidden, **self._logits_kw) if out is None else out
 
-    def _execute(self, step: StepInput) -> torch.Tensor:
+    def _execute(self, step: StepInput, graphs: bool = True) -> torch.Tensor:
         logits = self._logits
-        hidden = self._decode_with_graph(step)
+        hidden = self._decode_with_graph(step) if graphs else None
         if hidden is not None:
             B = hidden.shape[0]
             idx = step.logits_indices

@@ -80,6 +80,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         structured_outputs: constrain the output to a regex / JSON schema / choice / grammar
             (:class:`StructuredOutputsParams`); None: unconstrained.
+        lora_int_id: the LoRA adapter the request runs under (:mod:`rlserve.lora`): the id the
+            server gave it at ``/v1/load_lora_adapter``, set from the request's ``model`` name; 0
+            (default): the base model. Ids are never reused, so a reloaded adapter has another.
         stream_interval: new tokens per streamed output at least (vLLM's field, >= 1): raises
             the server's ``--stream-interval`` for this request (a smaller value counts as the
             server's); the first and the last output go out at once. None: the server's.
@@ -106,6 +109,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     stream_interval: int | None = None
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,5 +164,7 @@ class SamplingParams:
             bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 0:
+            bad(f"lora_int_id must be an integer >= 0, got {self.lora_int_id!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")

@@ -72,6 +72,10 @@ class Worker:
         torch.manual_seed(config.seed)
         with self.tp():
             self.model = load_model(config, self.hf_config, self.device, self.dtype)
+            if getattr(config, "enable_lora", False):
+                from rlserve.lora.model import LoRAModel
+
+                LoRAModel.install(self.model, config.max_lora_rank, self.dtype, self.device)
         self.sleep = None  # sleep mode's memory regions (rlserve.engine.sleep_memory)
         if config.enable_sleep_mode:
             from rlserve.engine.sleep_memory import WorkerSleep

@@ -9,7 +9,9 @@ Route protection:
 ``/pause``, ``/resume``,                    ``--admin-key`` (or loopback bind,
 ``/reset_prefix_cache[/]``,                 or ``--insecure-control-routes``)
 ``/abort_requests``, weight-sync routes,
-``/sleep``, ``/wake_up``
+``/sleep``, ``/wake_up``,
+``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``
 ``/health[/]``, ``/get_world_size[/]``,     open
 ``/server_info``, ``/is_paused``,
 ``/is_sleeping``,
@@ -73,7 +75,25 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app.include_router(sleep_public)
     app.include_router(sleep_admin, responses=error_answers(ADMIN_ERRORS))
     connect_weight_manager(state)
+    if getattr(aengine.config, "enable_lora", False):
+        mount_lora_routes(app, state, admin_deps)
     return app
+
+
+def mount_lora_routes(app: FastAPI, state: ServerState, admin_deps: list) -> None:
+    """``--enable-lora``: the adapter table, vLLM's load/unload routes (behind the admin check) and
+    the ``--lora-modules`` loaded at startup (a failure stops the server's start-up)."""
+    from rlserve.server.lora_routes import load_static_adapters, make_lora_registry, make_lora_router
+
+    registry = make_lora_registry(state)
+    app.include_router(make_lora_router(state, admin_deps), responses=error_answers(ADMIN_ERRORS))
+    if state.settings.lora_modules:
+        modules = list(state.settings.lora_modules)
+
+        async def load_modules():
+            await load_static_adapters(registry, modules)
+
+        app.router.on_startup.append(load_modules)
 
 
 def mount_weight_routes(app: FastAPI, state: ServerState, admin_deps: list, weight_manager=None) -> None:

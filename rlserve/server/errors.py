@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlserve.errors import (
     InvalidRequestError,
+    LoRAAdapterNotFoundError,
     RLServeError,
     ModelSleepingError,
     ModelUnavailableError,
@@ -127,6 +128,8 @@ def exception_to_error(exc: BaseException) -> APIError:
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LoRAAdapterNotFoundError):
+        return APIError(404, str(exc), code="lora_adapter_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     if isinstance(exc, ModelSleepingError):

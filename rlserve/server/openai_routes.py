@@ -136,15 +136,18 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         """vLLM's ``ModelList``: one card per served name, with vLLM's one default
         ``ModelPermission`` (sampling, logprobs and view allowed; ``created`` in unix seconds)."""
         created = int(state.started)
+
+        def permission(created: int) -> list[dict]:
+            return [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                     "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                     "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                     "organization": "*", "group": None, "is_blocking": False}]
+
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "rlserve", "root": state.settings.model,
-             "parent": None, "max_model_len": state.max_model_len,
-             "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
-                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                             "organization": "*", "group": None, "is_blocking": False}]}
+             "parent": None, "max_model_len": state.max_model_len, "permission": permission(created)}
             for name in state.settings.served_model_names
-        ]}
+        ] + (state.lora.model_cards(state.model_name, permission) if state.lora is not None else [])}
 
     # ---- /v1/completions ----------------------------------------------------------------
     @router.post("/v1/completions")
@@ -152,6 +155,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         """OpenAI completions. Errors: 400 (bad fields, context overflow, bad token ids),
         404 (unknown model), 503 (model unavailable), 500 (engine failure)."""
         model = state.check_model(body.model)
+        lora_id = state.lora_int_id(body.model)
         state.check_available()
         _reject_unsupported(body)
         if body.suffix:
@@ -173,6 +177,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             if body.echo and lp_k is not None:
                 prompt_lps = max(prompt_lps or 0, lp_k)
             params = _common_params(state, body, max_tokens, lp_k, prompt_lps, structured)
+            params.lora_int_id = lora_id
             text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
             items.append((text, ids, params))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -250,6 +255,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         k = top_k if body.logprobs else None
         params = _common_params(state, body, max_tokens, k, structured=structured)
+        params.lora_int_id = state.lora_int_id(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         gen = state.generate(ids, params, rid, "chat", stream=body.stream)

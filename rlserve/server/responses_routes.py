@@ -228,6 +228,7 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
         max_tokens = state.check_length(len(ids), body.max_output_tokens, param="max_output_tokens")
         params = state.sampling_params(structured_outputs=structured, n=1, max_tokens=max_tokens, logprobs=None,
                                        **body.sampler_args())
+        params.lora_int_id = state.lora_int_id(body.model)
         rid = f"resp_{uuid.uuid4().hex}"
         created = int(time.time())
         text_config = _text_config(body)

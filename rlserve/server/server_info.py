@@ -28,6 +28,17 @@ def _dtype_name(state: ServerState) -> str:
     return str(dt).replace("torch.", "") if dt is not None else str(state.aengine.config.dtype)
 
 
+def _lora_config(state: ServerState) -> dict | None:
+    """vLLM's ``lora_config`` (None without ``--enable-lora``: TRL's capability probe, which reads
+    ``max_lora_rank`` and ``max_loras``). ``max_cpu_loras`` equals ``max_loras``: every loaded
+    adapter can be in every batch."""
+    cfg = state.aengine.config
+    if not getattr(cfg, "enable_lora", False):
+        return None
+    return {"max_lora_rank": cfg.max_lora_rank, "max_loras": cfg.max_loras, "max_cpu_loras": cfg.max_loras,
+            "fully_sharded_loras": False, "lora_dtype": _dtype_name(state), "target_modules": None}
+
+
 def vllm_config(state: ServerState) -> dict:
     """The ``vllm_config`` object (JSON-ready)."""
     cfg = state.aengine.config
@@ -72,7 +83,7 @@ def vllm_config(state: ServerState) -> dict:
         },
         "device_config": {"device": str(getattr(eng, "device", cfg.device))},
         "load_config": {"load_format": cfg.load_format},
-        "lora_config": None,
+        "lora_config": _lora_config(state),
         "speculative_config": None,
         "structured_outputs_config": {"backend": "xgrammar" if importlib.util.find_spec("xgrammar") else None},
         "weight_transfer_config": state.settings.weight_transfer_config,

@@ -57,6 +57,7 @@ class ServerSettings:
         insecure_control_routes: serve control routes without a key on a non-loopback bind
             (``--insecure-control-routes``, default on with env ``VLLM_SERVER_DEV_MODE=1``: vLLM's
             dev mode, which `trl vllm-serve` sets); ``admin_key``, when set, still applies.
+        lora_modules: ``[(name, path)]`` LoRA adapters loaded at startup (``--lora-modules``).
     """
 
     model: str
@@ -70,6 +71,7 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
     insecure_control_routes: bool = False
+    lora_modules: list = dataclasses.field(default_factory=list)
 
 
 def is_loopback(host: str) -> bool:
@@ -113,6 +115,7 @@ class ServerState:
             max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
         self.started = time.time()
         self.weight_manager = None
+        self.lora = None  # rlserve.lora.registry.LoRARegistry with --enable-lora
         self._token_text: dict[int, str] = {}
         self._grammar_compiler = None
         self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
@@ -191,11 +194,26 @@ class ServerState:
                            code="engine_dead")
 
     def check_model(self, name: str | None) -> str:
-        """Returns the model name to report. Raises APIError 404 for an unknown name."""
+        """Returns the model name to report (a LoRA adapter's name is one, with ``--enable-lora``).
+        Raises APIError 404 for an unknown name."""
         if name is None or name in self.settings.served_model_names or name == self.settings.model:
             return name or self.model_name
-        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.settings.served_model_names)}",
+        if self.lora is not None and self.lora.lora_int_id(name):
+            return name
+        served = list(self.settings.served_model_names) + (sorted(self.lora.adapters) if self.lora else [])
+        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}",
                        param="model", code="model_not_found")
+
+    def lora_int_id(self, name: str | None) -> int:
+        """The engines' id of the LoRA adapter a request's ``model`` names; 0: the base model.
+        Read right after :meth:`check_model` (an unload in between: 0 would serve the base
+        model, so an adapter name that vanished is a 404)."""
+        if self.lora is None or not name or name in self.settings.served_model_names or name == self.settings.model:
+            return 0
+        adapter_id = self.lora.lora_int_id(name)
+        if not adapter_id:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return adapter_id
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Prompt → token ids, checking emptiness and the vocabulary.

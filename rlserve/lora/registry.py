@@ -1,0 +1,131 @@
+"""The API server's table of loaded LoRA adapters: name -> integer id, path, rank.
+
+vLLM's ``OpenAIServingModels`` keeps the same table (``lora_requests``); rlserve differs where
+vLLM's behaviour hurts RL training:
+
+- a load reaches every data-parallel replica before it answers (vLLM: only the replica that
+  answered the request, which TRL warns about), through ``AsyncEngine.call_engines``; if one
+  replica refuses, the others drop it again and the name is not registered;
+- every load (``load_inplace`` included) gets a new id, never reused: the KV prefix cache is
+  keyed by the id (:func:`rlserve.engine.block_manager.prefix_root`), so a request never reuses
+  KV computed under other adapter weights (vLLM keys it by name, vllm#42125);
+- ``max_loras`` bounds the adapters loaded at once: a load beyond it is refused (400) instead of
+  silently evicting the oldest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from rlserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+
+OPS = "rlserve.lora.engine_ops"
+
+
+@dataclass
+class LoRARecord:
+    """One loaded adapter: ``name`` (what requests put in ``model``), ``lora_int_id`` (the engines'
+    id), ``path``, ``rank``, ``bytes`` (its factors, per replica) and ``created`` (unix seconds)."""
+
+    name: str
+    lora_int_id: int
+    path: str
+    rank: int
+    bytes: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class LoRARegistry:
+    """Adapters by name (see the module docstring).
+
+    Args:
+        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``call_engines``).
+        base_names: the served model names (an adapter may not take one).
+        max_loras: ``--max-loras``.
+        max_lora_rank: ``--max-lora-rank``.
+    """
+
+    def __init__(self, aengine, base_names: list[str], max_loras: int, max_lora_rank: int):
+        self.aengine = aengine
+        self.base_names = set(base_names)
+        self.max_loras = int(max_loras)
+        self.max_lora_rank = int(max_lora_rank)
+        self.adapters: dict[str, LoRARecord] = {}
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()  # one load / unload at a time: the capacity check holds
+
+    def lora_int_id(self, model: str | None) -> int:
+        """The id of the adapter named ``model``; 0 for anything else (the base model)."""
+        rec = self.adapters.get(model) if model else None
+        return rec.lora_int_id if rec is not None else 0
+
+    async def load(self, name: str, path: str, load_inplace: bool = False) -> LoRARecord:
+        """Load the PEFT adapter at ``path`` (read by every engine replica) as ``name``.
+
+        ``load_inplace``: replace an adapter of that name (it gets a new id; requests running on
+        the old one finish on it).
+
+        Raises:
+            LoRAAdapterError (400): a name or path missing, a base model's name, a name already
+                loaded without ``load_inplace``, ``max_loras`` adapters loaded, or an adapter the
+                engines refuse (message from :func:`rlserve.lora.adapter.read_adapter`).
+            LoRAAdapterNotFoundError (404): no adapter at ``path``.
+        """
+        if not name or not path:
+            raise LoRAAdapterError("Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.base_names:
+            raise LoRAAdapterError(f"The lora adapter '{name}' conflicts with a served base model.")
+        async with self._lock:
+            old = self.adapters.get(name)
+            if old is not None and not load_inplace:
+                raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                       "adapter in place, set 'load_inplace' to True.")
+            if old is None and len(self.adapters) >= self.max_loras:
+                raise LoRAAdapterError(f"{len(self.adapters)} LoRA adapters are loaded, the most --max-loras "
+                                       f"{self.max_loras} allows: unload one first "
+                                       f"({', '.join(sorted(self.adapters))}), or restart with a larger --max-loras")
+            adapter_id = next(self._ids)
+            try:
+                infos = await self.aengine.call_engines(f"{OPS}:load_lora", adapter_id, path, name)
+            except BaseException:
+                await self._drop(adapter_id)  # replicas that loaded it
+                raise
+            info = infos[0] if infos else {}
+            rec = LoRARecord(name, adapter_id, path, int(info.get("rank", 0)), int(info.get("bytes", 0)))
+            self.adapters[name] = rec
+            if old is not None:
+                await self._drop(old.lora_int_id)
+            return rec
+
+    async def unload(self, name: str) -> LoRARecord:
+        """Stop serving ``name``: new requests naming it get 404; requests already running on it
+        finish on it (each replica frees it then).
+
+        Raises:
+            LoRAAdapterError (400): no name. LoRAAdapterNotFoundError (404): not loaded.
+        """
+        if not name:
+            raise LoRAAdapterError("'lora_name' needs to be provided to unload a LoRA adapter.")
+        async with self._lock:
+            rec = self.adapters.pop(name, None)
+            if rec is None:
+                raise LoRAAdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
+            await self._drop(rec.lora_int_id)
+            return rec
+
+    async def _drop(self, adapter_id: int) -> None:
+        try:
+            await self.aengine.call_engines(f"{OPS}:unload_lora", adapter_id)
+        except Exception:  # noqa: BLE001 - a dead replica holds nothing; the name is gone either way
+            pass
+
+    def model_cards(self, parent: str, permission) -> list[dict]:
+        """vLLM's ``ModelCard`` of each adapter (``/v1/models``): ``root`` the adapter's path,
+        ``parent`` the base model's served name, ``max_model_len`` null, ``owned_by`` as the base's.
+        ``permission()``: a fresh permission list."""
+        return [{"id": r.name, "object": "model", "created": r.created, "owned_by": "rlserve", "root": r.path,
+                 "parent": parent, "max_model_len": None, "permission": permission(r.created)}
+                for r in self.adapters.values()]

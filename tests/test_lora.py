@@ -1,0 +1,126 @@
+"""LoRA adapters served per request on the CPU path (rlserve.lora): a batch mixing the base model
+and several PEFT adapters gives, per request, the greedy tokens and logprobs of PEFT's merged
+Hugging Face model (float32); prefix-cache entries are per adapter load; bad adapters are refused
+before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.errors import InvalidRequestError, LoRAAdapterError, LoRAAdapterNotFoundError
+from rlserve.lora.model import lora_of
+from tests.lora_adapters import hf_greedy_logprobs, make_adapter, merged_model
+
+PROMPTS = ["The capital of France is", "Hello world! Hello there", "Once upon a time there was"]
+NEW_TOKENS = 10
+# Logprob tolerance: the engine computes x W^T + (x A^T) B'^T, PEFT's merged model x (W + B'A)^T;
+# both float32, so they differ by summation order only (~1e-6 relative on logits of O(1-10));
+# 1e-4 is the bound tests/test_engine.py uses against Hugging Face for the base model.
+LP_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    out = {}
+    for arch in ("llama", "qwen3"):
+        base = tiny_model(arch)
+        d = tmp_path_factory.mktemp(f"lora-{arch}")
+        a1 = make_adapter(base, d / "a1", seed=1, r=8, alpha=16)
+        a2 = make_adapter(base, d / "a2", seed=2, r=16, alpha=8, targets=["q_proj", "v_proj", "o_proj"],
+                          use_rslora=True)
+        a3 = make_adapter(base, d / "a3", seed=3, r=4, alpha=4, targets=["gate_proj", "down_proj"])
+        llm = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16,
+                  block_size=4)
+        out[arch] = (base, {1: a1, 2: a2, 3: a3}, llm)
+    return out
+
+
+def _params(adapter_id: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, lora_int_id=adapter_id)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_mixed_batch_matches_peft_merged(arch, setup):
+    base, adapters, llm = setup[arch]
+    lora = lora_of(llm.engine.model)
+    for i, path in adapters.items():
+        if not lora.has(i):
+            lora.load(i, path)
+    # every prompt under the base model and each adapter, all in one generate call (one batch)
+    ids = [0, 1, 2, 3]
+    prompts = [p for p in PROMPTS for _ in ids]
+    params = [_params(a) for _ in PROMPTS for a in ids]
+    outs = llm.generate(prompts, params)
+    refs = {a: merged_model(base, adapters.get(a)) for a in ids}
+    seen_tokens = {}
+    for o, p in zip(outs, params):
+        want_ids, want_lps = hf_greedy_logprobs(refs[p.lora_int_id], o.prompt_token_ids, NEW_TOKENS)
+        c = o.outputs[0]
+        assert list(c.token_ids) == want_ids, (p.lora_int_id, o.prompt)
+        got_lps = [c.logprobs[i][t] for i, t in enumerate(c.token_ids)]
+        torch.testing.assert_close(torch.tensor(got_lps), torch.tensor(want_lps), atol=LP_ATOL, rtol=0)
+        seen_tokens.setdefault(o.prompt, set()).add(tuple(c.token_ids))
+    # the adapters change the outputs (else the test above could not tell them apart)
+    assert all(len(v) >= 3 for v in seen_tokens.values()), seen_tokens
+
+
+def test_prefix_cache_is_per_adapter(setup):
+    base, adapters, llm = setup["llama"]
+    lora = lora_of(llm.engine.model)
+    for i, path in adapters.items():
+        if not lora.has(i):
+            lora.load(i, path)
+    bm = llm.engine.block_manager
+    llm.engine.reset_prefix_cache()  # nothing cached from the other tests
+    prompt = "Hello world! Hello there, how are you today? I am fine"
+    llm.generate([prompt], [_params(0)])
+    hits0 = bm.prefix_hit_tokens
+    adapted = llm.generate([prompt], [_params(1)])[0]
+    assert bm.prefix_hit_tokens == hits0  # KV computed on the base model is not reused under adapter 1
+    again = llm.generate([prompt], [_params(1)])[0]
+    assert bm.prefix_hit_tokens > hits0  # ... but under the same adapter it is
+    assert again.outputs[0].token_ids == adapted.outputs[0].token_ids
+    # a new load of the same files is a new id: no reuse of id 1's blocks
+    lora.load(7, adapters[1])
+    before = bm.prefix_hit_tokens
+    reloaded = llm.generate([prompt], [_params(7)])[0]
+    assert bm.prefix_hit_tokens == before
+    assert reloaded.outputs[0].token_ids == adapted.outputs[0].token_ids
+    lora.remove(7)
+
+
+def test_request_on_unknown_adapter_is_refused(setup):
+    _, _, llm = setup["llama"]
+    with pytest.raises(InvalidRequestError, match="LoRA adapter id 99 is not loaded"):
+        llm.generate(["Hello"], [_params(99)])
+
+
+def test_bad_adapters_are_refused(setup, tmp_path):
+    base, adapters, llm = setup["llama"]
+    lora = lora_of(llm.engine.model)
+    held = dict(lora.adapters)
+    with pytest.raises(LoRAAdapterNotFoundError, match="No adapter found for"):
+        lora.load(50, str(tmp_path / "missing"))
+    big = make_adapter(base, tmp_path / "big", seed=4, r=32)
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 32 is greater than max_lora_rank 16"):
+        lora.load(51, big)
+    dora = make_adapter(base, tmp_path / "dora", seed=5, r=4, use_dora=True)
+    with pytest.raises(LoRAAdapterError, match="DoRA"):
+        lora.load(52, dora)
+    # a config whose rank disagrees with its tensors
+    bad = tmp_path / "bad"
+    os.makedirs(bad)
+    for f in ("adapter_model.safetensors",):
+        with open(os.path.join(adapters[1], f), "rb") as src, open(bad / f, "wb") as dst:
+            dst.write(src.read())
+    cfg = json.load(open(os.path.join(adapters[1], "adapter_config.json")))
+    cfg["r"] = 4
+    json.dump(cfg, open(bad / "adapter_config.json", "w"))
+    with pytest.raises(LoRAAdapterError, match=r"expected \(4, "):
+        lora.load(53, str(bad))
+    assert lora.adapters == held  # nothing was loaded by the refused calls
