@@ -111,6 +111,10 @@ class EngineConfig:
             (:mod:`rlserve.engine.overlap`). None (default): on for a single-process CUDA
             engine (TP=1), off elsewhere; the environment variable
             ``RLSERVE_ASYNC_SCHEDULING=0/1`` decides when this field is None.
+        enable_return_routed_experts: every sample's final output carries ``routed_experts``,
+            the expert ids its tokens were routed to (vLLM's ``--enable-return-routed-experts``;
+            mixture-of-experts models only; :mod:`rlserve.engine.routed_experts`). Turns CUDA
+            graphs off.
     """
 
     model: str
@@ -141,6 +145,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    enable_return_routed_experts: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

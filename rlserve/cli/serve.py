@@ -130,6 +130,7 @@ def engine_config_from_args(args, model_path: str):
         async_scheduling=getattr(args, "async_scheduling", None),
         enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
+        enable_return_routed_experts=getattr(args, "enable_return_routed_experts", False),
     )
 
 

@@ -39,6 +39,10 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["mp", "uni", "ray", "external_launcher"],
                    help="mp / uni accepted (rlserve's TP/DP workers are local processes); ray is refused")
+    g.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="every choice carries routed_experts: per token, per layer, the expert ids its router "
+                        "picked (base64 .npy, uint8/uint16 [tokens - 1, layers, top_k]); MoE models only; turns "
+                        "CUDA graphs off")
     g.add_argument("--speculative-config", default=None,
                    help="refused when given: rlserve has no speculative decoding")
 

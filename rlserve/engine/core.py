@@ -35,6 +35,7 @@ import logging
 import time
 from typing import Any
 
+from rlserve.engine.routed_experts import npy_bytes, routed_delta
 from rlserve.errors import RLServeError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class _Tracked:
     live: Any = None  # the engine's Request (its Sequences), kept after the engine drops it
     steps: bool = True  # a delta every step it advances (streamed, or stop strings to match)
     sent: list = dataclasses.field(default_factory=list)  # per sample: tokens already sent
+    routed_sent: list = dataclasses.field(default_factory=list)  # per sample: next routed position to send
     done: list = dataclasses.field(default_factory=list)  # per sample: its finish was sent
     started: bool = False  # its RequestStart was sent
 
@@ -146,6 +148,7 @@ class EngineCore:
             req.live = self.engine.requests[request_id]
             req.steps = bool(stream or params.stop)
             req.sent, req.done = [0] * n, [False] * n
+            req.routed_sent = [params.routed_experts_prompt_start] * n
         self.requests[request_id] = req
 
     @property
@@ -234,9 +237,10 @@ class EngineCore:
                 reason = "abort"
             if len(toks) == k and (reason is None or req.done[i]):
                 continue
+            routed, req.routed_sent[i] = routed_delta(self.engine.routed_experts, s, req.routed_sent[i])
             samples.append(proto.SampleDelta(
                 s.index, toks[k:], s.sampled_logprobs[k:], None if s.logprobs is None else s.logprobs[k:],
-                reason, s.stop_reason))
+                reason, s.stop_reason, None if routed is None else npy_bytes(routed)))
             req.sent[i] = len(toks)
             req.done[i] = reason is not None
         if not samples and not finished:

@@ -144,6 +144,8 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
         logprobs: per token ``{token_id: logprob}`` (sampled + top-k), when the request asked.
         finish_reason / stop_reason: set once the engine finished the sample ("stop" with the
             stop token id or None for EOS / a completed structured output, "length", "abort").
+        routed_experts: with the finish, when replay is on: the sample's routed expert ids as
+            ``.npy`` bytes (:func:`rlserve.engine.routed_experts.npy_bytes`; read without pickle).
     """
 
     index: int
@@ -152,6 +154,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: Union[list[dict[int, float]], None] = None
     finish_reason: Union[str, None] = None
     stop_reason: Union[int, str, None] = None
+    routed_experts: Union[bytes, None] = None
 
 
 class RequestStart(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -30,6 +30,16 @@ def _lora_ids(seqs) -> list[int] | None:
 class EngineStep:
     """One engine step, in two halves (see the module docstring)."""
 
+    #: :class:`rlserve.engine.routed_experts.RoutedExpertsRecorder` with routed-experts replay on
+    routed_experts = None
+
+    def _release(self, seq: Sequence) -> None:
+        """Finish ``seq`` in the scheduler (its KV blocks go back), keeping its routed experts
+        first (replay on: they are read from its blocks' slots)."""
+        if self.routed_experts is not None and seq.block_table:
+            seq.routed_experts = self.routed_experts.read(seq, seq.params.routed_experts_prompt_start)
+        self.scheduler.finish(seq)
+
     def _drain(self) -> None:
         """Finish an overlapped step still in flight (before anything changes the engine
         from outside a step); its outputs come with the next :meth:`step`."""
@@ -99,6 +109,8 @@ class EngineStep:
         step, prompt_rows = self._build_step(batch)
         step.input_ids_from = ids_from
         logits = self.executor.execute(step)
+        if self.routed_experts is not None:
+            self.routed_experts.record_step(step)
         self.stats_counters["steps"] += 1
         if batch.is_prefill:
             self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
@@ -197,7 +209,7 @@ class EngineStep:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.detokenizer.finish()
-            self.scheduler.finish(seq)
+            self._release(seq)
             return True
         return False
 
@@ -211,6 +223,7 @@ class EngineStep:
                     token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob,
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    routed_experts=s.routed_experts if s.finish_reason is not None else None,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                 )

@@ -109,8 +109,13 @@ class LLMEngine(EngineStep):
             # prompts otherwise decodes in lock-step; BENCHMARKS.md, "Time to first token");
             # CPU: prefill steps first (one costs many decode steps there: little to stagger)
             config.max_consecutive_prefill_steps = 1 if torch.device(executor.device).type == "cuda" else 0
+        capture = self._routed_experts_capture(executor) if config.enable_return_routed_experts else None
         num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(num_blocks)
+        if capture is not None:
+            from rlserve.engine.routed_experts import RoutedExpertsRecorder
+
+            self.routed_experts = RoutedExpertsRecorder(capture, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_consecutive_prefill_steps)
@@ -150,6 +155,21 @@ class LLMEngine(EngineStep):
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
         )
+
+    @staticmethod
+    def _routed_experts_capture(executor):
+        """The rank-0 model's routed-experts capture, switched on (replay; the router is
+        replicated, so rank 0 sees every token's routing).
+
+        Raises:
+            InvalidRequestError: the model has no routed experts.
+        """
+        enable = getattr(executor.model, "enable_routed_experts_capture", None)
+        if enable is None:
+            archs = getattr(executor.hf_config, "architectures", None)
+            raise InvalidRequestError(f"enable_return_routed_experts needs a mixture-of-experts model; {archs} has "
+                                      "no routed experts")
+        return enable()
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -225,6 +245,9 @@ class LLMEngine(EngineStep):
                 f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
                 "tokens and at least one must be left for the output"
             )
+        if params.routed_experts_prompt_start > len(ids):
+            raise InvalidRequestError(f"routed_experts_prompt_start must be between 0 and the prompt length "
+                                      f"{len(ids)}, got {params.routed_experts_prompt_start}")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         elif len(ids) + params.max_tokens > self.max_model_len:
@@ -291,7 +314,7 @@ class LLMEngine(EngineStep):
                 if not s.is_finished:
                     s.finish_reason = "abort"
                     s.detokenizer.finish()
-                    self.scheduler.finish(s)
+                    self._release(s)
             outs.append(self._make_output(req))
         return outs
 
@@ -311,7 +334,7 @@ class LLMEngine(EngineStep):
         for s in req.seqs:
             if s.index in wanted and not s.is_finished:
                 s.finish_reason = reason
-                self.scheduler.finish(s)
+                self._release(s)
         if not req.finished:
             return []
         del self.requests[request_id]

@@ -163,6 +163,9 @@ class ModelRunner:
             return False
         if os.environ.get("RLSERVE_CUDA_GRAPHS", "1") == "0":
             return False
+        if getattr(cfg, "enable_return_routed_experts", False):
+            logger.info("CUDA graphs off: routed-experts replay captures the routing in eager steps only")
+            return False
         if get_attention_backend() not in GRAPH_SAFE_BACKENDS:
             logger.info("CUDA graphs off: attention backend %r is not graph-safe", get_attention_backend())
             return False

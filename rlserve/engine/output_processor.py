@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 from rlserve.engine.core import EngineStepError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.routed_experts import RoutedChunks
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _NoText:
 
 
 class _Sample:
-    __slots__ = ("detok", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+    __slots__ = ("detok", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "routed")
 
     def __init__(self, detok, want_logprobs: bool):
         self.detok = detok
@@ -61,11 +62,12 @@ class _Sample:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.routed = RoutedChunks()  # routed-experts replay: rows as the core sends them
 
 
 class _State:
     __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "prompt_logprob_ranks", "samples", "stream",
-                 "arrival_time", "include_stop")
+                 "arrival_time", "include_stop", "routed_start")
 
     def __init__(self, req, start, tokenizer):
         from rlserve.engine.detokenizer import IncrementalDetokenizer
@@ -78,6 +80,7 @@ class _State:
         self.stream = req.stream
         self.arrival_time = req.arrival_time
         self.include_stop = bool(params.include_stop_str_in_output)
+        self.routed_start = int(getattr(params, "routed_experts_prompt_start", 0) or 0)
         n = getattr(params, "n", 1) or 1
         want_lps = params.logprobs is not None
         self.samples = [
@@ -160,6 +163,8 @@ class OutputProcessor:
         stopped = []
         for sd in d.samples:
             s = st.samples[sd.index]
+            if sd.routed_experts is not None:
+                s.routed.add(sd.routed_experts)
             if s.finish_reason is not None:
                 continue  # stopped here already: tokens the core sampled past it are dropped
             if self._extend(st, s, sd):
@@ -212,6 +217,8 @@ class OutputProcessor:
             outputs=[CompletionOutput(index=i, text=s.detok.visible_text, token_ids=list(s.token_ids),
                                       cumulative_logprob=s.cumulative_logprob,
                                       logprobs=None if s.logprobs is None else list(s.logprobs),
+                                      routed_experts=None if s.finish_reason is None else s.routed.result(
+                                          len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
                                       finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                      for i, s in enumerate(st.samples)],
             finished=finished,

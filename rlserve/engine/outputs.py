@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -17,6 +18,9 @@ class CompletionOutput:
         cumulative_logprob: sum of the sampled tokens' logprobs (raw model distribution, nats).
         logprobs: per generated token, ``{token_id: logprob}`` holding the sampled token and
             the top-``k`` alternatives; None unless ``SamplingParams.logprobs`` was set.
+        routed_experts: with routed-experts replay on, on the final output: numpy
+            ``[num_tokens - 1 - routed_experts_prompt_start, num_hidden_layers, top_k]`` uint8 /
+            uint16 expert ids (vLLM's field; :mod:`rlserve.engine.routed_experts`); else None.
         finish_reason: "stop", "length", "abort" or None while running.
         stop_reason: the stop string or stop token id that matched, else None.
     """
@@ -26,6 +30,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
+    routed_experts: Any = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

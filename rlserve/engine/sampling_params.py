@@ -87,6 +87,9 @@ class SamplingParams:
             the server's ``--stream-interval`` for this request (a smaller value counts as the
             server's); the first and the last output go out at once. None: the server's.
             Read by the async front (:func:`rlserve.engine.front_request.put`), not the engine.
+        routed_experts_prompt_start: with routed-experts replay on, leave out the routing of the
+            first this many prompt tokens (vLLM's field: a multi-turn caller that has them from
+            an earlier turn); in ``[0, prompt length]``, checked by the engine.
     """
 
     n: int = 1
@@ -110,6 +113,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     stream_interval: int | None = None
     lora_int_id: int = 0
+    routed_experts_prompt_start: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +158,8 @@ class SamplingParams:
             bad(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.stream_interval is not None and (not isinstance(self.stream_interval, int) or self.stream_interval < 1):
             bad(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not isinstance(self.routed_experts_prompt_start, int) or self.routed_experts_prompt_start < 0:
+            bad(f"routed_experts_prompt_start must be an integer >= 0, got {self.routed_experts_prompt_start!r}")
         if self.min_tokens < 0:
             bad(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -54,6 +54,9 @@ class Sequence:
         self.detokenizer = None  # set by the engine
         self.grammar = None  # structured-output state (rlserve.engine.structured.GrammarState), set by the engine
         self.num_preemptions = 0
+        # routed-experts replay: [tokens, layers, top_k] ids, read when the sequence finished
+        # (rlserve.engine.routed_experts); None otherwise
+        self.routed_experts = None
 
     def __len__(self) -> int:
         return self._num_prompt + len(self.output_token_ids)

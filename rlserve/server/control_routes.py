@@ -17,7 +17,7 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import WeightUpdateStateError
 from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
-from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
+from rlserve.server.openai_routes import ClientDisconnected, collect_final, routed_b64, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
 from rlserve.server.server_info import _world_size, server_info
 from rlserve.server.sleep_routes import sleep_info
@@ -153,7 +153,8 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
     @router.post("/generate/")
     async def generate(body: TRLGenerateRequest, raw: Request):
         """TRL protocol: ``prompts`` (strings or token-id lists) or ``prompt_ids`` plus
-        sampling fields → ``{"prompt_ids", "completion_ids", "logprobs", "weight_version"}``;
+        sampling fields → ``{"prompt_ids", "completion_ids", "logprobs", "weight_version"}``
+        (plus ``routed_experts`` with routed-experts replay on);
         ``completion_ids`` holds ``n`` entries per prompt, prompt-major; ``logprobs`` holds
         the sampled tokens' logprobs (None when ``logprobs`` is null)."""
         state.check_available()
@@ -198,12 +199,17 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
             for v in getattr(out, "weight_versions", None) or []:
                 if v not in versions:
                     versions.append(v)
-        return {
+        answer = {
             "prompt_ids": [list(ids) for ids, _ in items],
             "completion_ids": completion_ids,
             "logprobs": logprobs if body.logprobs is not None else None,
             "weight_version": versions[-1] if versions else state.aengine.weight_version,
             "weight_versions": versions,
         }
+        if getattr(state.aengine.config, "enable_return_routed_experts", False):
+            # replay on: per completion (same order as completion_ids) vLLM's base64 .npy
+            answer["routed_experts"] = [routed_b64(c) for out in finals
+                                        for c in sorted(out.outputs, key=lambda c: c.index)]
+        return answer
 
     return router

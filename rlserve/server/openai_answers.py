@@ -39,22 +39,22 @@ def chat_message(content: str) -> dict:
 
 
 def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason, stop_reason,
-                token_ids: list[int] | None, weight_version: str | None) -> dict:
-    """One choice of a non-streamed chat answer (vLLM's ``ChatCompletionResponseChoice``:
-    ``routed_experts`` null) plus rlserve's ``weight_version``."""
+                token_ids: list[int] | None, weight_version: str | None, routed_experts: str | None = None) -> dict:
+    """One choice of a non-streamed chat answer (vLLM's ``ChatCompletionResponseChoice``;
+    ``routed_experts``: base64 ``.npy`` with replay on, else null) plus rlserve's ``weight_version``."""
     return {"index": index, "message": chat_message(content), "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": None,
+            "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": routed_experts,
             "weight_version": weight_version}
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason, stop_reason,
                       token_ids: list[int] | None, prompt_logprobs: list | None, prompt_token_ids: list[int] | None,
-                      weight_version: str | None) -> dict:
-    """One choice of a non-streamed completions answer (vLLM's ``CompletionResponseChoice``:
-    ``routed_experts`` null) plus rlserve's ``weight_version``."""
+                      weight_version: str | None, routed_experts: str | None = None) -> dict:
+    """One choice of a non-streamed completions answer (vLLM's ``CompletionResponseChoice``;
+    ``routed_experts``: base64 ``.npy`` with replay on, else null) plus rlserve's ``weight_version``."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": prompt_logprobs,
-            "prompt_token_ids": prompt_token_ids, "routed_experts": None, "weight_version": weight_version}
+            "prompt_token_ids": prompt_token_ids, "routed_experts": routed_experts, "weight_version": weight_version}
 
 
 def _answer(rid: str, obj: str, created: int, model: str, choices: list[dict], fingerprint: str | None,

@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlserve.server.errors import APIError
+from rlserve.engine.routed_experts import encode_routed_experts
 from rlserve.server.openai_answers import answer_usage, chat_choice, chat_response, completion_choice, \
     completion_response
 from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
@@ -94,7 +95,13 @@ def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_l
     return state.sampling_params(
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
-        **body.sampler_args())
+        routed_experts_prompt_start=body.routed_experts_prompt_start, **body.sampler_args())
+
+
+def routed_b64(c) -> str | None:
+    """A choice's ``routed_experts``: vLLM's base64 ``.npy`` of the sample's array, or None."""
+    arr = getattr(c, "routed_experts", None)
+    return None if arr is None else encode_routed_experts(arr)
 
 
 def _reject_unsupported(body) -> None:
@@ -226,7 +233,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                 ret = body.return_token_ids
                 choices.append(completion_choice(
                     i * n + c.index, text, lp, c.finish_reason, c.stop_reason, list(c.token_ids) if ret else None,
-                    plp, list(ids) if ret else None, getattr(out, "weight_version", None)))
+                    plp, list(ids) if ret else None, getattr(out, "weight_version", None), routed_b64(c)))
         version, versions = weight_versions(finals)
         return JSONResponse(completion_response(
             rid, created, model, choices, answer_usage(sum(len(it[1]) for it in items), completion_tokens),
@@ -271,7 +278,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                                state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
                                if body.logprobs else None, c.finish_reason, c.stop_reason,
                                list(c.token_ids) if body.return_token_ids else None,
-                               getattr(out, "weight_version", None))
+                               getattr(out, "weight_version", None), routed_b64(c))
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         version, versions = weight_versions([out])
         return JSONResponse(chat_response(

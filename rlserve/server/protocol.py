@@ -112,6 +112,8 @@ class _SamplingFields(_RouterFields, SamplerFields):
     truncate_prompt_tokens: Optional[int] = None
     # vLLM's: new tokens per streamed chunk at least; raises the server's --stream-interval
     stream_interval: Optional[int] = Field(default=None, ge=1)
+    # vLLM's: leave the routing of the first N prompt tokens out of routed_experts (replay on)
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
     @field_validator("stream_options")
     @classmethod
