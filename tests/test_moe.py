@@ -18,7 +18,8 @@ from transformers import AutoConfig
 
 from rlserve.engine.llm import LLM
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.layers.moe import experts_grouped, experts_reference, parse_expert_name, route
+from rlserve.layers.moe import experts_grouped, experts_reference, route
+from rlserve.loader.weight_utils import parse_expert_name
 from rlserve.models.qwen_moe import SparseMoeBlock
 from tests.test_engine import hf_greedy
 from tests.test_models import _bind_cache, _check_prefill_and_decode, _hf, _load, _prompts, _run_step

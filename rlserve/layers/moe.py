@@ -28,8 +28,6 @@ decoder-layer index.
 
 from __future__ import annotations
 
-import re
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -125,24 +123,6 @@ class RoutedExpertsCapture:
         """The buffer of the last forward (``None`` before any); cleared."""
         buf, self.buffer = self.buffer, None
         return buf
-
-
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-
-
-def parse_expert_name(name: str) -> tuple[str, int | None, str] | None:
-    """``(experts module name, expert id or None for a fused tensor, projection)`` of a Hugging
-    Face expert tensor name -- per expert ``...mlp.experts.3.gate_proj.weight`` (checkpoints,
-    trainers) or fused ``...mlp.experts.gate_up_proj`` (transformers 5's parameters) -- else
-    ``None``."""
-    m = _EXPERT_NAME.match(name)
-    if m:
-        return m["prefix"], int(m["expert"]), m["proj"]
-    m = _FUSED_NAME.match(name)
-    if m:
-        return m["prefix"], None, m["proj"]
-    return None
 
 
 class FusedMoE(nn.Module):
@@ -256,9 +236,21 @@ class FusedMoE(nn.Module):
         """``(expert, projection)`` of every per-expert tensor, in checkpoint order."""
         return [(e, proj) for e in range(self.num_experts) for proj in ("gate_proj", "up_proj", "down_proj")]
 
-    def export_checkpoint_tensors(self, mod_name: str) -> list[tuple[str, object, int | None]]:
-        """``[(hf name, thunk returning this rank's part, TP dim to concatenate along)]`` of every
-        per-expert tensor (for :func:`rlserve.transfer.server.checksums.export_plan`)."""
+    def export_checkpoint_tensors(self, mod_name: str, gather) -> list[tuple[str, object]]:
+        """``[(hf name, thunk)]``: a thunk returns the full Hugging Face tensor, per expert and the
+        two fused ones (for :func:`rlserve.transfer.server.checksums.export_plan`).
+        ``gather(local, dim)``: every TP rank's ``local`` concatenated along ``dim`` (all ranks
+        must call the thunks together, in order)."""
+        p = self.i_part
+
+        def full(local, dim):
+            return local if self.tp_size == 1 else gather(local, dim)
+
         dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
-        return [(f"{mod_name}.{e}.{proj}.weight", partial(self.export_expert, e, proj),
-                 dims[proj] if self.tp_size > 1 else None) for e, proj in self.checkpoint_names()]
+        items = [(f"{mod_name}.{e}.{proj}.weight", lambda e=e, proj=proj: full(self.export_expert(e, proj), dims[proj]))
+                 for e, proj in self.checkpoint_names()]
+        w13, w2 = self.w13_weight.data, self.w2_weight.data
+        items.append((f"{mod_name}.gate_up_proj",
+                      lambda: torch.cat([full(w13[:, :p], 1), full(w13[:, p:], 1)], dim=1)))
+        items.append((f"{mod_name}.down_proj", lambda: full(w2, 2)))
+        return items

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rlserve.loader.checkpoint import iterate_checkpoint
+from rlserve.loader.weight_utils import expand_expert_names
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,7 @@ def fill_weights(model: nn.Module, config) -> None:
     else:
         loaded = model.load_weights(iterate_checkpoint(config.model, config.load_format))
         normalize = getattr(model, "normalize_checkpoint_name", lambda n: n)
-        covered = getattr(model, "covered_checkpoint_names", None)  # MoE: a fused name covers many
-        loaded = {normalize(n) for n in (covered(loaded) if covered is not None else loaded)}
+        loaded = expand_expert_names({normalize(n) for n in loaded}, model.checkpoint_spec())  # MoE: fused names
         missing = sorted(model.required_checkpoint_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint {config.model!r} is missing {len(missing)} required tensor(s): "

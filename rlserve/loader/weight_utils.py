@@ -5,7 +5,8 @@ Kept free of model / layer imports so that every layer module can import it.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Iterable
 
 import torch
 
@@ -147,3 +148,39 @@ def mapped_checkpoint_spec(model: torch.nn.Module, stacked_params_mapping: Stack
                 else:
                     raise KeyError(f"no checkpoint mapping for shard {sid!r} of {full_name!r}")
     return spec
+
+
+# ---- mixture-of-experts names ------------------------------------------------------------------
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def parse_expert_name(name: str) -> tuple[str, int | None, str] | None:
+    """``(experts module name, expert id or None for a fused tensor, projection)`` of a Hugging
+    Face expert tensor name -- per expert ``...mlp.experts.3.gate_proj.weight`` (checkpoints,
+    trainers) or fused ``...mlp.experts.gate_up_proj`` (transformers 5's parameters) -- else
+    ``None``."""
+    m = _EXPERT_NAME.match(name)
+    if m:
+        return m["prefix"], int(m["expert"]), m["proj"]
+    m = _FUSED_NAME.match(name)
+    if m:
+        return m["prefix"], None, m["proj"]
+    return None
+
+
+def expand_expert_names(names: Iterable[str], spec: dict[str, tuple[int, ...]]) -> set[str]:
+    """``names`` plus, for each fused expert name among them (``...experts.gate_up_proj`` /
+    ``...experts.down_proj``, a key of ``spec`` whose first dim is the expert count), the
+    per-expert names it holds (``...experts.{e}.gate_proj.weight`` + ``up_proj`` / ``down_proj``):
+    what a load or an update of ``names`` covers, to count against the required (per-expert)
+    names. Other names pass unchanged."""
+    out = set(names)
+    for name in list(out):
+        parsed = parse_expert_name(name)
+        if parsed is None or parsed[1] is not None or name not in spec:
+            continue
+        prefix, _, proj = parsed
+        projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        out |= {f"{prefix}.{e}.{q}.weight" for e in range(spec[name][0]) for q in projs}
+    return out

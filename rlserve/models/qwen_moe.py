@@ -17,7 +17,9 @@ Checkpoint names: the experts are held fused (``experts.w13_weight`` ``[E, 2I, H
 ``save_pretrained`` writes and trainers send (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``,
 ``up_proj`` ``[I, H]``, ``down_proj`` ``[H, I]``) and transformers 5's fused parameter names
 (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``).
-:meth:`checkpoint_spec` lists both; :meth:`required_checkpoint_names` the per-expert ones.
+:meth:`checkpoint_spec` lists both; :meth:`required_checkpoint_names` the per-expert ones (a
+fused name counts for the per-expert names it holds:
+:func:`rlserve.loader.weight_utils.expand_expert_names`).
 
 The forward runs the layer modules (not the dense models' CPU decode fast path of
 :mod:`rlserve.models.llama_cpu`, nor its micro-batches).
@@ -32,7 +34,8 @@ from torch import nn
 
 from rlserve.errors import UnsupportedArchitectureError
 from rlserve.layers.linear import ReplicatedLinear
-from rlserve.layers.moe import FusedMoE, RoutedExpertsCapture, parse_expert_name
+from rlserve.layers.moe import FusedMoE, RoutedExpertsCapture
+from rlserve.loader.weight_utils import parse_expert_name
 from rlserve.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
@@ -164,20 +167,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         """The per-expert names and every non-expert name (the fused aliases are optional)."""
         spec, per_expert = self._expert_spec()
         return (super().required_checkpoint_names() - set(spec)) | per_expert
-
-    def covered_checkpoint_names(self, loaded: Iterable[str]) -> set[str]:
-        """``loaded`` with each fused expert name replaced by the per-expert names it holds (what
-        a checkpoint load counts against :meth:`required_checkpoint_names`)."""
-        out: set[str] = set()
-        for name in loaded:
-            parsed = parse_expert_name(name)
-            if parsed is None or parsed[1] is not None:
-                out.add(name)
-                continue
-            prefix, _, proj = parsed
-            projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-            out |= {f"{prefix}.{e}.{p}.weight" for e in range(self._experts()[prefix].num_experts) for p in projs}
-        return out
 
     # ---- routed-experts replay --------------------------------------------------------
     def enable_routed_experts_capture(self) -> RoutedExpertsCapture:

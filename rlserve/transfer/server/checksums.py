@@ -13,7 +13,8 @@ of the hash. Use :func:`hf_state_checksums` on both sides::
 
 Server side, :func:`export_hf_tensors` rebuilds each HF tensor from the model's parameters, the
 inverse of ``load_weights``: fused ``qkv_proj`` / ``gate_up_proj`` are split back into
-``q/k/v_proj`` / ``gate/up_proj``; tensor-parallel shards are all-gathered over the TP group
+``q/k/v_proj`` / ``gate/up_proj``, fused MoE experts are reported under both their per-expert
+names and transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``; tensor-parallel shards are all-gathered over the TP group
 (column-parallel along the output dim, row-parallel along the input dim, vocabulary rows with
 the padding dropped; replicated KV heads once each). A tied ``lm_head.weight`` is the embedding
 and is not reported separately (trainers' ``named_parameters()`` skip it too). Parameters of
@@ -94,10 +95,9 @@ def _plain(param) -> torch.Tensor:
     return param.data
 
 
-def _gathered(fn: Callable[[], torch.Tensor], dim: int | None) -> torch.Tensor:
-    """``fn()`` (this rank's part), concatenated over the TP ranks along ``dim`` (``None``: whole)."""
-    local = fn()
-    return local if dim is None else torch.cat(_gather(local, dim), dim=dim)
+def _gather_cat(local: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every TP rank's ``local`` concatenated along ``dim``."""
+    return torch.cat(_gather(local, dim), dim=dim)
 
 
 def _split_dim(param, dim: int) -> torch.Tensor:
@@ -134,8 +134,8 @@ def export_plan(model) -> tuple[list[tuple[str, Callable[[], torch.Tensor]]], li
     items: list[tuple[str, Callable[[], torch.Tensor]]] = []
     skipped: list[str] = []
     for mod_name, module in model.named_modules():  # a tied head is the same module: listed once
-        if hasattr(module, "export_checkpoint_tensors"):  # fused MoE experts: per-expert names
-            items += [(n, partial(_gathered, fn, dim)) for n, fn, dim in module.export_checkpoint_tensors(mod_name)]
+        if hasattr(module, "export_checkpoint_tensors"):  # fused MoE experts: per-expert and fused names
+            items += module.export_checkpoint_tensors(mod_name, _gather_cat)
             continue
         for pname, param in module.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname

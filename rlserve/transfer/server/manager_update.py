@@ -8,6 +8,7 @@ import logging
 import time
 
 from rlserve.errors import NoTransferEngineError, StaleSessionError, WeightUpdateError, WeightUpdateStateError
+from rlserve.loader.weight_utils import expand_expert_names
 from rlserve.transfer import errors as terr
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
@@ -372,7 +373,7 @@ class UpdateRoutes:
                 await self.aengine.reset_prefix_cache()
                 phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
                 self.aengine.set_weight_version(version)
-            full = req.issubset(s.received)
+            full = req.issubset(expand_expert_names(s.received, _spec))  # MoE: a fused name covers many
             if full and self._unavailable_by_us:
                 self.aengine.set_unavailable(None)
                 self._unavailable_by_us = False

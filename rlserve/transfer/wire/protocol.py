@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from rlserve.errors import WeightUpdateError
+from rlserve.loader.weight_utils import expand_expert_names
 
 BACKENDS = ("gloo", "nccl", "ipc")
 _REF_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -438,7 +439,7 @@ def validate_against_spec(
         if len(problems) >= 8:
             break
     if not problems and check_coverage and not info.partial and allowed_names is None:
-        missing = sorted(required - set(info.names))
+        missing = sorted(required - expand_expert_names(info.names, spec))  # MoE: a fused name covers many
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             problems.append(f"missing {len(missing)} required parameter(s): {missing[:5]}{more}; "

@@ -1,0 +1,117 @@
+"""Expert weight sync of a tiny MoE policy over gloo through the trainer SDK (in-process server,
+engine-core process, :mod:`tests.transfer_sync`'s helpers): the trainer's per-expert Hugging Face
+names (``mlp.experts.{e}.gate_proj.weight`` ..., what checkpoints and most trainers name) and
+transformers 5's fused names (``mlp.experts.gate_up_proj``, what ``ModuleSource`` of a
+transformers 5 model sends) both land in the fused layout: the server's greedy tokens then equal
+the trainer's and ``/weight_checker`` matches, in place and staged, with packed buckets smaller
+than one expert tensor. A bad expert tensor is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from rlserve.loader.weight_utils import parse_expert_name
+from rlserve.transfer import ModuleSource, TensorListSource, WeightSyncHTTPError, hf_state_checksums
+from tests.transfer_harness import InProcessServer, load_hf
+from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, server_greedy, trainer, version
+
+# 8 experts x [32, 64] float32 = 8 KiB per expert projection; the packed buckets are 4 KiB
+BUCKET = 4 << 10
+
+
+def per_expert(hf) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's tensors with transformers 5's fused experts split into the per-expert names
+    (``gate_up_proj [E, 2I, H]`` -> ``experts.{e}.gate_proj.weight [I, H]`` + ``up_proj``;
+    ``down_proj [E, H, I]`` -> ``experts.{e}.down_proj.weight [H, I]``)."""
+    out = []
+    for name, t in ModuleSource(hf).named_tensors():
+        parsed = parse_expert_name(name)
+        if parsed is None:
+            out.append((name, t))
+            continue
+        prefix, _, proj = parsed
+        for e in range(t.shape[0]):
+            if proj == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out += [(f"{prefix}.{e}.gate_proj.weight", gate.clone()), (f"{prefix}.{e}.up_proj.weight", up.clone())]
+            else:
+                out.append((f"{prefix}.{e}.down_proj.weight", t[e].clone()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model):
+    path = tiny_model("qwen2_moe")  # routed + shared experts
+    return path, load_hf(path, seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(moe):
+    srv = InProcessServer(moe[0], max_model_len=128)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("names", ["per_expert", "fused"])
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_sync_equals_trainer(moe, server, tiny_model, names, staging):
+    path, hf = moe
+    srv = server
+    if staging != "none":  # a server of its own for staged updates
+        srv = InProcessServer(path, staging=staging, max_model_len=128)
+    try:
+        src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
+        if names == "per_expert":
+            assert any(".experts.7.down_proj.weight" in n for n, _ in src.items)
+            assert max(t.numel() * 4 for n, t in src.items if ".experts." in n) > BUCKET
+        # start from other weights than the trainer's (a fresh server's are dummy, a used one's
+        # the previous case's)
+        other = trainer(srv.url, load_hf(path, seed=99), packed_buffer_size_bytes=BUCKET)
+        other.send_weights()
+        other.shutdown()
+        v0 = version(srv.url)
+        before = server_greedy(srv.url).json()["completion_ids"]
+        eng = trainer(srv.url, src, packed_buffer_size_bytes=BUCKET)
+        fin = eng.send_weights()
+        assert fin["weight_version"] == bumped(v0) and fin["full"] is True
+        after = server_greedy(srv.url).json()["completion_ids"]
+        assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
+        # the server's tensors equal the trainer's, under either naming
+        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+            mine = hf_state_checksums(named, torch.float32)
+            rep = eng.client.weight_checker(compare=mine)["compare"]
+            assert rep["match"] and rep["compared"] == len(mine), rep
+        eng.shutdown()
+    finally:
+        if srv is not server:
+            srv.close()
+
+
+@pytest.mark.parametrize("case", ["shape", "expert_id", "missing_expert"])
+def test_bad_expert_tensor_refused_before_any_change(moe, server, case):
+    path, hf = moe
+    named = per_expert(hf)
+    i = next(k for k, (n, _) in enumerate(named) if n.endswith("experts.3.up_proj.weight"))
+    name, t = named[i]
+    if case == "shape":
+        named[i] = (name, torch.zeros(t.shape[0] + 1, t.shape[1]))
+    elif case == "expert_id":
+        named[i] = (name.replace("experts.3.", "experts.8."), t)  # 8 experts: ids 0..7
+    else:
+        del named[i]
+    v0, base = version(server.url), checksums(server.url)
+    eng = trainer(server.url, TensorListSource(named), packed_buffer_size_bytes=BUCKET)
+    with pytest.raises(WeightSyncHTTPError) as ei:
+        eng.send_weights()
+    assert ei.value.status_code == 400
+    msg = str(ei.value)
+    assert {"shape": "shape [33, 64] != expected [32, 64]", "expert_id": "unknown parameter",
+            "missing_expert": "missing 1 required"}[case] in msg, msg
+    assert "experts.3.up_proj" in msg or "experts.8.up_proj" in msg
+    assert checksums(server.url) == base and version(server.url) == v0
+    assert server_greedy(server.url).status_code == 200
+    eng.shutdown()
+    assert httpx.get(server.url + "/weight_info").json()["state"] == "uninitialized"
