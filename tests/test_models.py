@@ -297,17 +297,22 @@ def test_tensor_parallel_2_matches_tp1(tmp_path, tiny_dirs):
     logits: q/k/v bias + untied head (qwen2), replicated KV heads (1 KV head over 2 ranks),
     tied vocab-parallel head with project_in/out (opt_proj), uneven GQA groups (SmolLM2's 9
     heads / 3 KV heads: 6+3 query and 2+1 KV heads, o_proj rows split 6:3)."""
-    import threading
-
-    from rlserve.distributed.group import get_open_port
-
-    paths = [
+    check_tp2_equals_tp1([
         tiny_dirs("qwen2"),
         make_tiny_model("llama_tied", tmp_path / "kv1", num_hidden_layers=1, num_key_value_heads=1),
         tiny_dirs("opt_proj"),
         make_tiny_model("smollm", tmp_path / "h9kv3", num_hidden_layers=1, num_attention_heads=9,
                         num_key_value_heads=3, hidden_size=144),
-    ]
+    ])
+
+
+def check_tp2_equals_tp1(paths: list[str]) -> None:
+    """The prefill and decode logits of each model in ``paths`` under TP=2 over gloo (one thread
+    per rank) equal TP=1's at 1e-5 (float32; only the all-reduce's summation order differs)."""
+    import threading
+
+    from rlserve.distributed.group import get_open_port
+
     results: dict = {}
     port = get_open_port()
     threads = [threading.Thread(target=_tp_worker, args=(r, 2, port, paths, results), daemon=True) for r in range(2)]

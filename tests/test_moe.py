@@ -22,7 +22,8 @@ from rlserve.layers.moe import experts_grouped, experts_reference, route
 from rlserve.loader.weight_utils import parse_expert_name
 from rlserve.models.qwen_moe import SparseMoeBlock
 from tests.test_engine import hf_greedy
-from tests.test_models import _bind_cache, _check_prefill_and_decode, _hf, _load, _prompts, _run_step
+from tests.test_models import _bind_cache, _check_prefill_and_decode, _hf, _load, _prompts, _run_step, \
+    check_tp2_equals_tp1
 from tests.tiny_models import MOE_ARCHS
 
 # (arch, config overrides): norm_topk_prob both ways; decoder_sparse_step / mlp_only_layers make
@@ -165,3 +166,9 @@ def test_dummy_weights_cover_experts(tiny_model):
     logits = _run_step(model, _prompts(cfg.vocab_size, lens=(4, 6)), [4, 6], [[0, 1], [2, 3]])
     assert logits.shape == (10, cfg.vocab_size) and torch.isfinite(logits).all()
     assert AutoConfig.from_pretrained(path).architectures == ["Qwen2MoeForCausalLM"]
+
+
+def test_tensor_parallel_2_matches_tp1(tiny_model):
+    """TP=2 over gloo: every expert's intermediate dim split in two (w13 rows / w2 columns of
+    each rank), the routed and shared experts' partial sums all-reduced; the router replicated."""
+    check_tp2_equals_tp1([tiny_model("qwen2_moe"), tiny_model("qwen3_moe", decoder_sparse_step=2)])
