@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 SHAPES = {
     # not a real model: a 2-layer Llama for checking benchmark scripts on a CPU in seconds
@@ -14,6 +14,21 @@ SHAPES = {
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=0, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    ),
+    # not a real model: a small Qwen3-MoE (32 experts, top-4) for CPU runs of the MoE path
+    "small-qwen3-moe": lambda: Qwen3MoeConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
+        norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=0, eos_token_id=2,
+        architectures=["Qwen3MoeForCausalLM"],
+    ),
+    # Qwen/Qwen3-30B-A3B (48 layers, 128 experts, top-8)
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, architectures=["Qwen3MoeForCausalLM"],
     ),
     # HuggingFaceTB/SmolLM2-135M-Instruct
     "smollm2-135m": lambda: LlamaConfig(

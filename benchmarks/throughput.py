@@ -64,6 +64,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
         max_model_len=_max_model_len(args), enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs, seed=args.seed,
+        **({"enable_return_routed_experts": True} if args.enable_return_routed_experts else {}),
     )
     _sync(args.device)
     startup = time.perf_counter() - t0
@@ -223,6 +224,7 @@ def run_vllm_child(path: str, prompts, out_lens, args) -> dict:
     llm = LLM(
         model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True, seed=args.seed,
         max_model_len=_max_model_len(args), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        **({"enable_return_routed_experts": True} if args.enable_return_routed_experts else {}),
     )
     startup = time.perf_counter() - t0
     import vllm
@@ -317,6 +319,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"))
     ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="MoE shapes: routed-experts replay on (rlserve, and vLLM where its version has it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--phases", action="store_true",
