@@ -4,7 +4,8 @@ names (``mlp.experts.{e}.gate_proj.weight`` ..., what checkpoints and most train
 transformers 5's fused names (``mlp.experts.gate_up_proj``, what ``ModuleSource`` of a
 transformers 5 model sends) both land in the fused layout: the server's greedy tokens then equal
 the trainer's and ``/weight_checker`` matches, in place and staged, with packed buckets smaller
-than one expert tensor. A bad expert tensor is refused before anything changes.
+than one expert tensor; TRL's protocol (one ``update_named_param`` per tensor, the model's
+``named_parameters()``: fused names) too. A bad expert tensor is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 from rlserve.loader.weight_utils import parse_expert_name
 from rlserve.transfer import ModuleSource, TensorListSource, WeightSyncHTTPError, hf_state_checksums
-from tests.transfer_harness import InProcessServer, load_hf
+from rlserve.transfer.sdk.trl import TRLWeightSyncClient
+from tests.transfer_harness import InProcessServer, free_port, load_hf
 from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, server_greedy, trainer, version
 
 # 8 experts x [32, 64] float32 = 8 KiB per expert projection; the packed buckets are 4 KiB
@@ -115,3 +117,22 @@ def test_bad_expert_tensor_refused_before_any_change(moe, server, case):
     assert server_greedy(server.url).status_code == 200
     eng.shutdown()
     assert httpx.get(server.url + "/weight_info").json()["state"] == "uninitialized"
+
+
+def test_trl_protocol_fused_names(moe, server):
+    """TRL's ``update_model_params`` sends ``named_parameters()`` one tensor at a time (fused
+    expert names with transformers 5); the close commits a full update."""
+    path, hf = moe
+    other = trainer(server.url, load_hf(path, seed=98), packed_buffer_size_bytes=BUCKET)
+    other.send_weights()  # other weights than hf's first
+    other.shutdown()
+    base = checksums(server.url)
+    c = TRLWeightSyncClient(server.url, group_port=free_port(), timeout_s=20)
+    c.init_communicator()
+    c.update_model_params(hf)
+    c.reset_prefix_cache()  # lands the queued tensors before it answers
+    assert server_greedy(server.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+    assert checksums(server.url) != base
+    c.close_communicator()
+    info = httpx.get(server.url + "/weight_info").json()
+    assert info["state"] == "uninitialized" and info["last_update"]["ok"] and info["last_update"]["full"], info
