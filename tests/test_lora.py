@@ -124,3 +124,24 @@ def test_bad_adapters_are_refused(setup, tmp_path):
     with pytest.raises(LoRAAdapterError, match=r"expected \(4, "):
         lora.load(53, str(bad))
     assert lora.adapters == held  # nothing was loaded by the refused calls
+
+
+def test_offline_lora_request(setup):
+    """vLLM's offline ``generate(..., lora_request=LoRARequest(name, id, path))``: the adapter is read
+    at its id's first use; a list picks one per prompt (None: the base model)."""
+    from rlserve.lora.request import LoRARequest
+
+    base, adapters, llm = setup["llama"]
+    lora = lora_of(llm.engine.model)
+    for i, path in adapters.items():
+        if not lora.has(i):
+            lora.load(i, path)
+    p = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], [_params(2), _params(0)])]
+    req = LoRARequest("a2-again", 12, adapters[2])
+    got = llm.generate(PROMPTS[:2], p, lora_request=[req, None])
+    assert [o.outputs[0].token_ids for o in got] == want and lora.has(12)
+    assert llm.generate(PROMPTS[0], p, lora_request=req)[0].outputs[0].token_ids == want[0]
+    with pytest.raises(LoRAAdapterError, match="lora_int_id must be an integer >= 1"):
+        llm.generate(PROMPTS[0], p, lora_request=LoRARequest("x", 0, adapters[2]))
+    lora.remove(12)

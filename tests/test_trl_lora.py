@@ -109,6 +109,43 @@ def test_async_grpo_adapter_sync(server, base, tmp_path):
     assert requests.get(f"{server.url}/is_paused").json()["is_paused"] is False
 
 
+def _logprobs(model, ids: list[int], new: list[int]) -> list[float]:
+    """log p(new[i] | ids + new[:i]) under ``model`` (float32, one forward)."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids + new])).logits[0].float(), -1)
+    return [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(new)]
+
+
+def test_rollout_request_on_the_synced_adapter(server, base, tmp_path):
+    """The rollout worker's request (its ``_request_model`` name and ``/v1/completions`` payload
+    shape: token-id prompt, sampling with a per-request seed, ``logprobs: 0``) on the adapter TRL
+    synced: the sampled tokens' logprobs are the trainer's PEFT model's (float32, 1e-4: the bound
+    tests/test_engine.py uses against Hugging Face)."""
+    from accelerate import Accelerator
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    client = VLLMClient(server.url)
+    model = _peft_model(base)
+    _train_step(model, seed=21)
+    trainer = SimpleNamespace(model_version=0, _lora_dir=str(tmp_path / ".vllm_lora"), _lora_name="rollout",
+                              accelerator=Accelerator(cpu=True), model=model, _adapter_name="default",
+                              vllm_client=client, args=SimpleNamespace(max_staleness=1), rollout_worker=None)
+    AsyncGRPOTrainer._sync_weight_lora(trainer, time.time())
+    worker = SimpleNamespace(lora_name="rollout", model_name=base, model_version=trainer.model_version)
+    name = AsyncRolloutWorker._request_model.fget(worker)
+    assert name == "rollout-v1"
+    ids = requests.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r = requests.post(f"{server.url}/v1/completions", json={
+        "model": name, "prompt": ids, "max_tokens": NEW, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+        "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": 1234}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    want = _logprobs(model, ids, choice["token_ids"])
+    torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), torch.tensor(want),
+                               atol=1e-4, rtol=0)
+    client.unload_lora_adapter(name)
+
+
 def test_async_distillation_client(server, base, tmp_path):
     from trl.experimental.async_distillation.vllm_client import VLLMClient as DistillClient
 

@@ -34,18 +34,23 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched by the engine.
 
         Args:
             prompts: one prompt or a list; each is text or a list of token ids.
             sampling_params: one for all prompts, or one per prompt.
+            lora_request: vLLM's: a :class:`rlserve.lora.request.LoRARequest` for all prompts, a
+                list (one per prompt, None = the base model), or None (engine built with
+                ``enable_lora=True``; an adapter is read the first time its id is seen).
 
         Returns:
             one :class:`RequestOutput` per prompt, in order.
 
         Raises:
-            InvalidRequestError: on bad prompts or parameters (nothing is queued then).
+            InvalidRequestError: on bad prompts or parameters (nothing is queued then);
+                LoRAAdapterError (a subclass) for an adapter that cannot be served.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,6 +58,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if lora_request is not None:
+            from rlserve.lora.request import with_adapters
+
+            params = with_adapters(self.engine, params, lora_request)
         return self.engine.generate_blocking(list(prompts), params, progress=use_tqdm)
 
     def sleep(self, level: int = 1) -> None:
