@@ -122,7 +122,7 @@ def test_rollout_request_on_the_synced_adapter(server, base, tmp_path):
     synced: the sampled tokens' logprobs are the trainer's PEFT model's (float32, 1e-4: the bound
     tests/test_engine.py uses against Hugging Face)."""
     from accelerate import Accelerator
-    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 
     client = VLLMClient(server.url)
     model = _peft_model(base)
@@ -132,7 +132,7 @@ def test_rollout_request_on_the_synced_adapter(server, base, tmp_path):
                               vllm_client=client, args=SimpleNamespace(max_staleness=1), rollout_worker=None)
     AsyncGRPOTrainer._sync_weight_lora(trainer, time.time())
     worker = SimpleNamespace(lora_name="rollout", model_name=base, model_version=trainer.model_version)
-    name = AsyncRolloutWorker._request_model.fget(worker)
+    name = _AsyncRolloutLoop._request_model.fget(worker)  # the name the rollout loop requests
     assert name == "rollout-v1"
     ids = requests.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     r = requests.post(f"{server.url}/v1/completions", json={
