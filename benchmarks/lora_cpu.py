@@ -12,7 +12,7 @@ model), ``one`` (every request on one adapter), ``mixed`` (requests spread over 
 four adapters).
 
 Usage:
-    python benchmarks/lora_cpu.py --reps 2
+    python benchmarks/lora_cpu.py --reps 3 --out benchmarks/results/lora-cpu-CPU-DATE.json
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write every run's figures here (JSON)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from model_shapes import save_shape
@@ -107,8 +108,12 @@ def main() -> None:
                 if out.returncode != 0:
                     sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
                 results[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        load = os.getloadavg()[0]
         print(f"{args.shape}, rank {args.rank}, {args.num_prompts} prompts x {args.prompt_len} tokens, "
-              f"{args.max_tokens} new each; load {os.getloadavg()[0]:.1f}")
+              f"{args.max_tokens} new each; load {load:.1f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "load_end": load, "runs": results}, f, indent=1)
         for case in CASES:
             cpu = sorted(r["cpu_ms_per_token"] for r in results[case])
             wall = sorted(r["wall_ms_per_token"] for r in results[case])
