@@ -61,6 +61,7 @@ class InProcessServer:
     def close(self):
         self._server.should_exit = True
         self._thread.join(10)
+        self.app.state.rlserve.close()
         self.aengine.shutdown()
 
     def __enter__(self):

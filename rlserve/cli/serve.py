@@ -274,7 +274,7 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
-    rc, resignal = 1, None
+    rc, resignal, app = 1, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(aengine, settings)
@@ -286,6 +286,8 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
         logger.debug("stopping: HTTP server closed; stopping the engines")
+        if app is not None:
+            app.state.rlserve.close()  # the chat-template workers
         aengine.shutdown(timeout_s=5.0)
         logger.debug("stopping: engines stopped; exit handlers next")
         signal.signal(signal.SIGTERM, old_term)

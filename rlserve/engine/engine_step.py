@@ -92,16 +92,20 @@ class EngineStep:
                 request ids: outputs only for those and for requests that finished this step (a
                 cumulative output copies every token list: O(length) per request per step, which
                 offline and non-streamed callers need not pay).
+        Requests whose structured-output constraint finished compiling join the scheduler first
+        (:meth:`LLMEngine.admit_compiled`).
+
         Returns:
             cumulative outputs, as selected. ``self.last_step_request_ids`` lists every request
             that advanced (got tokens) in this step, in batch order.
         """
+        failed = self.admit_compiled() if len(self._grammars) else []
         if self._overlap is not None:
-            return self._overlap.step(outputs_for)
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        return self._finish_step(batch.seqs, self._launch(batch), outputs_for)
+            outs = self._overlap.step(outputs_for)
+        else:
+            batch = self.scheduler.schedule()
+            outs = [] if batch is None else self._finish_step(batch.seqs, self._launch(batch), outputs_for)
+        return failed + outs if failed else outs
 
     def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> SamplerOutput:
         """Run ``batch``'s forward pass and sampler; the tokens stay on the device. Prompt

@@ -4,6 +4,7 @@ is in :mod:`rlserve.engine.engine_step`, what is decided at construction in
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -23,6 +24,7 @@ from rlserve.engine.sampler import Sampler
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.sequence import Request, Sequence
+from rlserve.engine.structured import PendingGrammars
 from rlserve.errors import InvalidRequestError
 from rlserve.lora.engine_ops import check_request_adapter
 
@@ -31,6 +33,10 @@ logger = logging.getLogger(__name__)
 _MAX_DEFAULT_MODEL_LEN = 8192
 _CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
 _arrival = itertools.count()
+# add_request waits this long (seconds) for a constraint's compile, so a cached or quick one,
+# and a bad one's InvalidRequestError, come back at once; a longer compile goes on beside the
+# steps (issue 33: 100,000 choices compiled inside add_request stopped every request ~45 s)
+INLINE_COMPILE_S = 0.05
 
 
 class _NullDetokenizer:
@@ -134,6 +140,7 @@ class LLMEngine(EngineStep):
 
             self._overlap = OverlapScheduler(self)
         self._grammar_compiler = None  # built on the first structured-output request
+        self._grammars = PendingGrammars()  # requests whose constraint compiles beside the steps
         # False: no text here (the engine-core process: the API process detokenizes, matches stop
         # strings and calls finish_sequences); each sequence then keeps its sampled tokens'
         # logprobs (Sequence.sampled_logprobs). Set before the first request.
@@ -260,12 +267,20 @@ class LLMEngine(EngineStep):
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        pending = None
+        if params.structured_outputs is not None:
+            pending = self.grammar_compiler().compile_async(params.structured_outputs)
+            try:  # a cached or quick compile, and a bad constraint's error, as before
+                compiled = pending.result(timeout=INLINE_COMPILE_S)
+                pending = None
+            except concurrent.futures.TimeoutError:  # the rest compiles beside the steps
+                compiled = None
         seqs = []
         for i in range(params.n):
             p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=_sub_seed(params.seed, i))
             seq = Sequence(request_id, i, ids, p, self.config.block_size)
-            if params.structured_outputs is not None:
-                seq.grammar = self.grammar_compiler().new_state(params.structured_outputs)
+            if params.structured_outputs is not None and pending is None:
+                seq.grammar = self.grammar_compiler().new_state(params.structured_outputs, compiled)
             if self.tokenizer is None or not self.detokenize:
                 seq.detokenizer = _NullDetokenizer()
                 if not self.detokenize:
@@ -275,9 +290,37 @@ class LLMEngine(EngineStep):
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
         self.requests[request_id] = req
-        for s in seqs:
-            self.scheduler.add(s)
+        if pending is not None:
+            self._grammars.add(request_id, pending)
+        else:
+            for s in seqs:
+                self.scheduler.add(s)
         self.stats_counters["prompt_tokens"] += len(ids)
+
+    def admit_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences of requests whose constraint finished compiling (the step calls
+        this first). When the engine has nothing else to run it waits up to 10 ms for a compile
+        (the driver does not spin). Returns the final "abort" outputs of requests whose
+        constraint failed to compile (the API process compiles it first, so only an offline
+        caller's slow, bad constraint gets here)."""
+        idle = not self.scheduler.has_unfinished() and not (self._overlap is not None and self._overlap.pending)
+        outs = []
+        for rid, future in self._grammars.ready(wait_s=0.01 if idle else 0.0):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            try:
+                compiled = future.result()
+            except Exception as e:  # noqa: BLE001 - this request ends alone
+                logger.error("request %s: its structured_outputs constraint did not compile (%s: %s); aborted",
+                             rid, type(e).__name__, e)
+                outs += self.abort_request(rid)
+                continue
+            for s in req.seqs:
+                if not s.is_finished:
+                    s.grammar = self.grammar_compiler().new_state(req.params.structured_outputs, compiled)
+                    self.scheduler.add(s)
+        return outs
 
     def grammar_compiler(self):
         """The structured-output compiler of this engine's tokenizer (built on first use).
@@ -310,6 +353,7 @@ class LLMEngine(EngineStep):
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            self._grammars.discard(rid)
             for s in req.seqs:
                 if not s.is_finished:
                     s.finish_reason = "abort"

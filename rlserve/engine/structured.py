@@ -18,6 +18,7 @@ needed): xgrammar's bitmask is ``int32 [B, ceil(V / 32)]``, bit ``j`` of word ``
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
@@ -65,6 +66,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict = OrderedDict()
+        self._thread = None  # compile_async's ThreadPoolExecutor(1)
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -75,7 +77,9 @@ class GrammarCompiler:
         return self._compiler
 
     def compile(self, spec: StructuredOutputsParams):
-        """The xgrammar ``CompiledGrammar`` of ``spec``.
+        """The xgrammar ``CompiledGrammar`` of ``spec`` (the lock covers the cache, not the
+        compile: two threads may compile different constraints at once; xgrammar releases the
+        GIL while it compiles).
 
         Raises:
             InvalidRequestError: xgrammar is not installed, or the regex / schema / grammar is
@@ -88,28 +92,68 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
             compiler = self._get_compiler()
-            kind = spec.kind
-            try:
-                if kind == "json":
-                    compiled = compiler.compile_json_schema(spec.json)
-                elif kind == "json_object":  # OpenAI's json_object: an object (xgrammar's builtin is any value)
-                    compiled = compiler.compile_json_schema('{"type": "object"}')
-                elif kind == "regex":
-                    compiled = compiler.compile_regex(spec.regex)
-                elif kind == "choice":
-                    compiled = compiler.compile_regex("(" + "|".join(_regex_escape(c) for c in spec.choice) + ")")
-                else:
-                    compiled = compiler.compile_grammar(spec.grammar)
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {e}") from None
+        kind = spec.kind
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(spec.json)
+            elif kind == "json_object":  # OpenAI's json_object: an object (xgrammar's builtin is any value)
+                compiled = compiler.compile_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_regex("(" + "|".join(_regex_escape(c) for c in spec.choice) + ")")
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {e}") from None
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
-    def new_state(self, spec: StructuredOutputsParams) -> "GrammarState":
-        """A fresh matcher for one sequence (compiles ``spec`` on a cache miss)."""
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(spec)), self.vocab_size)
+    def compile_async(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
+        """:meth:`compile` on this compiler's own thread (made on first use): its Future gives
+        the ``CompiledGrammar`` or raises what ``compile`` raises. One thread: constraints
+        compile one after another, beside the engine's steps, not inside them."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlserve-grammar")
+        return self._thread.submit(self.compile, spec)
+
+    def new_state(self, spec: StructuredOutputsParams, compiled=None) -> "GrammarState":
+        """A fresh matcher for one sequence (``compiled``: ``spec``'s compiled grammar, when the
+        caller has it; else :meth:`compile`, a cache hit after the first)."""
+        return GrammarState(_xgrammar().GrammarMatcher(compiled if compiled is not None else self.compile(spec)),
+                            self.vocab_size)
+
+
+class PendingGrammars:
+    """Requests whose constraint compiles on the compiler's thread: their sequences join the
+    scheduler once it is compiled (the engine's step loop never waits for a compile, as vLLM's
+    ``WAITING_FOR_FSM`` requests)."""
+
+    def __init__(self):
+        self._pending: dict[str, concurrent.futures.Future] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, request_id: str, future: concurrent.futures.Future) -> None:
+        self._pending[request_id] = future
+
+    def discard(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def ready(self, wait_s: float = 0.0) -> list[tuple[str, concurrent.futures.Future]]:
+        """The requests whose compile ended (removed from here), waiting up to ``wait_s``
+        seconds for the first when none has (the engine has nothing else to do)."""
+        if wait_s > 0 and self._pending and not any(f.done() for f in self._pending.values()):
+            concurrent.futures.wait(list(self._pending.values()), timeout=wait_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        done = [(rid, f) for rid, f in self._pending.items() if f.done()]
+        for rid, _ in done:
+            del self._pending[rid]
+        return done
 
 
 class GrammarState:

@@ -7,28 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 from rlserve.server.errors import APIError
+from rlserve.server.template_pool import TemplateError, apply_chat_template, template_call_kwargs
 
 
-def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None) -> str:
-    """The prompt text of a conversation.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer with ``apply_chat_template``.
-        messages: :class:`~rlserve.server.protocol.ChatMessage` objects; list contents may only
-            hold text parts (joined without a separator, as vLLM does for text-only content).
-        add_generation_prompt: end with the assistant turn's opening (ignored, as in vLLM, when
-            ``continue_final_message`` is set).
-        continue_final_message: leave the last message open for the model to continue.
-        chat_template / chat_template_kwargs / tools: passed to the template.
-
-    Returns:
-        the rendered prompt (not tokenized).
+def chat_message_dicts(messages: list) -> list[dict]:
+    """:class:`~rlserve.server.protocol.ChatMessage` objects as the plain dicts a chat template
+    reads: list contents may only hold text parts (joined without a separator, as vLLM does for
+    text-only content); extra keys of a message are kept.
 
     Raises:
-        APIError 400: a non-text content part (``param`` ``messages.<i>.content``), or the
-            template fails on this conversation (``param`` ``messages`` or ``chat_template``).
+        APIError 400: a non-text content part (``param`` ``messages.<i>.content``).
     """
     rendered = []
     for i, m in enumerate(messages):
@@ -46,17 +34,50 @@ def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool = True
         if m.name is not None:
             msg["name"] = m.name
         rendered.append(msg)
-    kwargs = dict(chat_template_kwargs or {})
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-    if tools:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
+    return rendered
+
+
+def template_error(e: TemplateError, chat_template: str | None, param: str = "messages") -> APIError:
+    """The 400 for a failed render: ``param`` names ``chat_template`` when the request sent one
+    (else ``param``, the conversation's field); a rendered prompt over the context's character
+    bound is ``context_length_exceeded``, a render over its time bound ``chat_template_timeout``."""
+    where = "chat_template" if chat_template is not None else param
+    if e.kind == "too_long":
+        return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if e.kind == "timeout":
+        return APIError(400, f"{e} (a server bound: the template must render in less)", param=where,
+                        code="chat_template_timeout")
+    if e.kind == "died":
+        return APIError(400, str(e), param=where, code="chat_template_failed")
+    return APIError(400, f"could not apply the chat template: {e}", param=where)
+
+
+def render_chat(tokenizer, messages: list, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None) -> str:
+    """The prompt text of a conversation, rendered in this thread (the server renders in its
+    template workers instead: :mod:`rlserve.server.template_pool`, which bounds time and size).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with ``apply_chat_template``.
+        messages: :class:`~rlserve.server.protocol.ChatMessage` objects (:func:`chat_message_dicts`).
+        add_generation_prompt: end with the assistant turn's opening (ignored, as in vLLM, when
+            ``continue_final_message`` is set).
+        continue_final_message: leave the last message open for the model to continue.
+        chat_template / chat_template_kwargs / tools: passed to the template.
+
+    Returns:
+        the rendered prompt (not tokenized).
+
+    Raises:
+        APIError 400: a non-text content part (``param`` ``messages.<i>.content``), or the
+            template fails on this conversation (``param`` ``messages`` or ``chat_template``).
+    """
+    kwargs = template_call_kwargs(add_generation_prompt, continue_final_message, chat_template,
+                                  chat_template_kwargs, tools)
     try:
-        return tokenizer.apply_chat_template(
-            rendered, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-            **kwargs)
+        return apply_chat_template(tokenizer, chat_message_dicts(messages), kwargs)
+    except APIError:
+        raise
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(400, f"could not apply the chat template: {type(e).__name__}: {e}",
-                       param="chat_template" if chat_template is not None else "messages") from None
+        raise template_error(TemplateError("error", f"{type(e).__name__}: {e}"), chat_template) from None

@@ -11,6 +11,11 @@ single request can hold the server for minutes or exhaust its memory:
   ``--max-logprobs``, at most :data:`MAX_STOP` stop strings of at most :data:`MAX_STOP_CHARS`
   characters and :data:`MAX_STOP_TOKEN_IDS` stop token ids (each in the vocabulary).
 
+* a structured-output constraint: at most :data:`MAX_CONSTRAINT_CHARS` characters (the JSON
+  schema as sent, the regex, the grammar, or the choices together) and :data:`MAX_CHOICES`
+  choices (400 ``constraint_too_large`` before it compiles), and it must compile within
+  :data:`COMPILE_TIMEOUT_S` seconds (400 ``constraint_timeout``).
+
 ``max_tokens`` is bounded by the context (``prompt + max_tokens <= max_model_len``, checked
 by :meth:`rlserve.server.state.ServerState.check_length`).
 """
@@ -34,6 +39,34 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 4096
 #: Stop token ids per request at most.
 MAX_STOP_TOKEN_IDS = 1024
+#: Characters of one structured-output constraint at most. xgrammar's compile time grows with
+#: the constraint's size, faster than linearly; measured with the tests' 330-token vocabulary
+#: on the 2-core machine: a 60,000-character regex 1.4 s, a 2,000-property JSON schema
+#: (~45,000 characters) 5.3 s, 20,000 choices (~210,000 characters) 9 s, 4,000 choices 0.2 s.
+MAX_CONSTRAINT_CHARS = 32768
+#: ``structured_outputs.choice`` entries at most (see MAX_CONSTRAINT_CHARS).
+MAX_CHOICES = 4096
+#: Seconds the API process waits for a constraint's compile before it answers 400; the compile
+#: itself (a thread: it cannot be stopped) ends within the size bound's time.
+COMPILE_TIMEOUT_S = 10.0
+
+
+def check_constraint(spec, param: str) -> None:
+    """The size bound of a structured-output constraint (a
+    :class:`~rlserve.engine.sampling_params.StructuredOutputsParams`).
+
+    Raises:
+        APIError 400 ``constraint_too_large`` naming ``param``'s field.
+    """
+    if spec.choice is not None and len(spec.choice) > MAX_CHOICES:
+        raise APIError(400, f"{param}.choice: at most {MAX_CHOICES} choices, got {len(spec.choice)}",
+                       param=f"{param}.choice", code="constraint_too_large")
+    for kind, text in (("json", spec.json), ("regex", spec.regex), ("grammar", spec.grammar),
+                       ("choice", None if spec.choice is None else "|".join(map(str, spec.choice)))):
+        if isinstance(text, str) and len(text) > MAX_CONSTRAINT_CHARS:
+            raise APIError(400, f"{param}.{kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(text)} (a "
+                                "larger constraint takes seconds to compile)", param=f"{param}.{kind}",
+                           code="constraint_too_large")
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

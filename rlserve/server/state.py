@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 import ipaddress
+import logging
 import math
 import re
 import time
@@ -15,12 +16,13 @@ from typing import Any, AsyncIterator
 
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
-from rlserve.server.chat_render import render_chat
+from rlserve.server.chat_render import chat_message_dicts, render_chat, template_error
 from rlserve.server.errors import APIError
-from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, RequestLimits, \
-    max_prompt_chars
+from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
+    RequestLimits, check_constraint, max_prompt_chars
 
 
+logger = logging.getLogger(__name__)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -119,6 +121,7 @@ class ServerState:
         self._token_text: dict[int, str] = {}
         self._grammar_compiler = None
         self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
+        self._templates = None  # TemplateWorkers, made on first use (False: render in this process)
 
     @property
     def model_name(self) -> str:
@@ -155,26 +158,75 @@ class ServerState:
             return await self.off_loop(run)
         return run()
 
-    async def tokenize_chat(self, messages: list, template_args: dict, param: str,
-                            add_special_tokens: bool) -> list[int]:
-        """A conversation's prompt token ids: :func:`~rlserve.server.chat_render.render_chat`
-        (``template_args``: its keyword arguments) then :meth:`tokenize`, on the tokenizer thread
-        (:meth:`off_loop`: a long conversation must not stop the loop). ``param`` names the
+    def template_workers(self):
+        """The chat-template worker pool (:class:`~rlserve.server.template_pool.TemplateWorkers`,
+        made on first use), or None when the tokenizer cannot be sent to a process (a test
+        fake): then templates render on the tokenizer thread, without the time bound."""
+        if self._templates is None:
+            from rlserve.server.template_pool import TemplateWorkers
+
+            try:
+                self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars)
+            except Exception as e:  # noqa: BLE001 - pickling errors come in many types
+                logger.warning("chat templates render in the server process, without a time bound: the "
+                               "tokenizer cannot be sent to a worker process (%s: %s)", type(e).__name__, e)
+                self._templates = False
+        return self._templates or None
+
+    async def render_chat(self, messages: list, template_args: dict, param: str = "messages") -> str:
+        """A conversation's prompt text through the chat template, rendered in a template worker
+        process (:mod:`rlserve.server.template_pool`: bounded in time, memory and output size;
+        the event loop and the tokenizer thread only wait). ``template_args``: the keyword
+        arguments of :func:`~rlserve.server.chat_render.render_chat`; ``param`` names the
         conversation's field in errors (``messages``; ``input`` for the Responses API).
 
         Raises:
-            APIError 400: as ``render_chat`` and :meth:`tokenize` raise (a template error about
-            the whole conversation names ``param``).
+            APIError 400: a non-text content part; the template raised, took longer than
+            :data:`~rlserve.server.template_pool.RENDER_TIMEOUT_S` (``chat_template_timeout``),
+            overran the worker's memory, or rendered more characters than the context can hold
+            (``context_length_exceeded``).
         """
-        def run() -> list[int]:
-            try:
-                prompt = render_chat(self.tokenizer, messages, **template_args)
-            except APIError as e:
-                e.param = param if e.param == "messages" else e.param
-                raise
-            return self.tokenize(prompt, param=param, add_special_tokens=add_special_tokens)
+        from rlserve.server.template_pool import TemplateError, template_call_kwargs
 
-        return await self.off_loop(run)
+        workers = self.template_workers()
+        if workers is None:
+            def run() -> str:
+                try:
+                    return render_chat(self.tokenizer, messages, **template_args)
+                except APIError as e:
+                    e.param = param if e.param == "messages" else e.param
+                    raise
+
+            return await self.off_loop(run)
+        dicts = chat_message_dicts(messages)
+        kwargs = template_call_kwargs(**template_args)
+        try:
+            return await asyncio.to_thread(workers.render, dicts, kwargs)
+        except TemplateError as e:
+            raise template_error(e, template_args.get("chat_template"), param) from None
+        except RuntimeError as e:  # no worker could start: render here from now on
+            logger.warning("chat templates render in the server process from now on: %s", e)
+            self._templates = False
+            workers.close()
+            return await self.render_chat(messages, template_args, param)
+
+    async def tokenize_chat(self, messages: list, template_args: dict, param: str,
+                            add_special_tokens: bool) -> list[int]:
+        """A conversation's prompt token ids: :meth:`render_chat`, then :meth:`tokenize` on the
+        tokenizer thread (:meth:`off_loop`: a long prompt must not stop the loop). ``param``
+        names the conversation's field in errors (``messages``; ``input`` for the Responses API).
+
+        Raises:
+            APIError 400: as :meth:`render_chat` and :meth:`tokenize` raise.
+        """
+        prompt = await self.render_chat(messages, template_args, param)
+        return await self.off_loop(functools.partial(self.tokenize, prompt, param=param,
+                                                     add_special_tokens=add_special_tokens))
+
+    def close(self) -> None:
+        """Stop the chat-template workers (the server's stop)."""
+        if self._templates:
+            self._templates.close()
 
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:
@@ -332,15 +384,23 @@ class ServerState:
         compiled-once :class:`StructuredOutputsParams` (compiled off the event loop).
 
         Raises:
-            APIError 400 naming ``param``: a bad regex / schema / grammar.
+            APIError 400 naming ``param``: a bad regex / schema / grammar, one over the size
+            bound (``constraint_too_large``) or one that did not compile within
+            :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (``constraint_timeout``).
         """
         from rlserve.engine.structured import structured_from_request
 
         try:
             spec = structured_from_request(spec_obj)
-            await asyncio.to_thread(self.grammar_compiler().compile, spec)
+            check_constraint(spec, param)
+            compiling = asyncio.ensure_future(asyncio.to_thread(self.grammar_compiler().compile, spec))
+            await asyncio.wait_for(asyncio.shield(compiling), COMPILE_TIMEOUT_S)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
+        except asyncio.TimeoutError:
+            compiling.add_done_callback(lambda f: f.cancelled() or f.exception())  # its result is not needed
+            raise APIError(400, f"{param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; send a "
+                                "smaller one", param=param, code="constraint_timeout") from None
         return spec
 
     def grammar_compiler(self):

@@ -4,9 +4,10 @@
 re-align its prompts to the server's tokenizer; without them it prints ``/tokenize unavailable,
 skipping alignment`` and its prompts can carry a few more tokens than asked. As in vLLM they
 are open (no ``--api-key``: vLLM guards only ``/v1``); the body-size limit and the prompt-size
-check of the generation routes apply. The chat template's rendering and the encoding run on
-the server's tokenizer thread (:meth:`~rlserve.server.state.ServerState.off_loop`), not on the
-event loop: a long prompt does not hold up the process's other requests.
+check of the generation routes apply. The chat template renders in a template worker process
+(:meth:`~rlserve.server.state.ServerState.render_chat`, bounded in time and size) and the
+encoding runs on the server's tokenizer thread (:meth:`~rlserve.server.state.ServerState.off_loop`),
+not on the event loop: a long prompt does not hold up the process's other requests.
 
 ``/tokenize`` answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``
 only with ``return_token_strs: true``, else null); ``/detokenize`` answers ``{"prompt"}``.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from rlserve.server.chat_render import render_chat
 from rlserve.server.errors import APIError
 from rlserve.server.protocol import TOKENIZE_CHAT_FIELDS, DetokenizeRequest, TokenizeRequest
 from rlserve.server.state import ServerState
@@ -35,7 +35,10 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         state.check_model(body.model)
-        return await state.off_loop(_tokenize, state, body)  # a long prompt must not stop the loop
+        text = None
+        if body.messages and body.prompt is None:
+            text = await state.render_chat(body.messages, body.chat_template_args())
+        return await state.off_loop(_tokenize, state, body, text)  # a long prompt must not stop the loop
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -49,9 +52,10 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
     return router
 
 
-def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
-    """``/tokenize``'s answer (on the tokenizer thread: :meth:`ServerState.off_loop`). Raises
-    APIError 400 as :func:`make_tokenize_router` lists."""
+def _tokenize(state: ServerState, body: TokenizeRequest, rendered: str | None) -> dict:
+    """``/tokenize``'s answer (on the tokenizer thread: :meth:`ServerState.off_loop`);
+    ``rendered``: the conversation's prompt text when ``messages`` were sent. Raises APIError
+    400 as :func:`make_tokenize_router` lists."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt (a string) or messages (a conversation)",
                        param="prompt")
@@ -64,8 +68,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     else:
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        text = render_chat(state.tokenizer, body.messages, **body.chat_template_args())
-        param = "messages"
+        text, param = rendered, "messages"
         add_special = bool(body.add_special_tokens)
     ids = state.encode_text(text, param, add_special)
     strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None

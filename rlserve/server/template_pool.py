@@ -1,0 +1,316 @@
+"""Chat templates rendered in worker processes, with a time and a size bound.
+
+A chat template is a program the client may send (``chat_template``) or steer
+(``chat_template_kwargs``, ``messages``, ``tools``). Jinja's sandbox stops it from reaching the
+server's objects, not from running long or allocating much: ``{{ 'x' * 10**9 }}`` builds a
+1 GB string in one C call that holds the GIL (measured: ``'x' * 10**8`` stopped another thread's
+event loop for 0.6 s; the issue-33 run saw ``/health`` take 6.4 s idle, 15-23 s under load), and
+two nested ``range(100000)`` loops run 10^10 iterations. A thread cannot be stopped, so the
+render runs in a child process of its own (its own GIL), which is killed when it overruns:
+
+* time: :data:`RENDER_TIMEOUT_S` seconds per render, enforced by the server (SIGKILL) and by the
+  worker itself (``alarm``: it also dies when the server is gone);
+* memory: during a render the worker's address space may grow :func:`memory_headroom` bytes
+  past what it holds with the request parsed (``RLIMIT_AS``): ``'x' * 10**9`` is a
+  ``MemoryError``;
+* output: a rendered prompt longer than ``max_chars`` (the longest text prompt
+  ``max_model_len`` can hold, :func:`rlserve.server.limits.max_prompt_chars`) is refused in the
+  worker, before it is sent.
+
+Each overrun is a 400 naming the template's field; the worker is replaced. The pool holds
+:data:`POOL_SIZE` workers, started on first use (about 1 s each: the tokenizer is sent pickled
+by the server and loaded there), so a request keeps a free worker while another one's template
+runs to its bound. The wire between them is length-prefixed JSON; the server never unpickles
+what a worker sends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+RENDER_TIMEOUT_S = 5.0  # a real template renders in milliseconds; a 100,000-message chat in < 1 s
+POOL_SIZE = 2
+START_TIMEOUT_S = 120.0  # a worker's start (import + tokenizer) on a loaded 2-core machine
+_HEADER = struct.Struct(">I")
+
+
+class TemplateError(Exception):
+    """A render failed for the request's reason: ``kind`` is ``"error"`` (the template raised;
+    the message has the exception), ``"timeout"``, ``"too_long"`` (the output is over
+    ``max_chars``) or ``"died"`` (the worker process ended while rendering)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def template_call_kwargs(add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                         tools: list | None = None) -> dict:
+    """The keyword arguments of ``tokenizer.apply_chat_template`` (besides the messages and
+    ``tokenize=False``) for vLLM's request fields: ``add_generation_prompt`` is ignored, as in
+    vLLM, when ``continue_final_message`` is set."""
+    kwargs = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    kwargs["add_generation_prompt"] = add_generation_prompt and not continue_final_message
+    return kwargs
+
+
+def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` (what a worker runs)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def memory_headroom(max_chars: int) -> int:
+    """Bytes a worker's address space may grow by during one render, past what it holds with the
+    request's own data parsed: 256 MiB (Jinja's compile of a template and its working objects)
+    plus 8 bytes per character of the longest allowed output (a CPython ``str`` takes up to 4
+    bytes a character; Jinja's join of the output takes as much again)."""
+    return (256 << 20) + 8 * max(int(max_chars), 0)
+
+
+def _write_frame(fd: int, payload: bytes) -> None:
+    data = _HEADER.pack(len(payload)) + payload
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes from ``fd``; raises TimeoutError at ``deadline`` (``time.monotonic()``),
+    EOFError when the other end closed."""
+    chunks, left = [], n
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: float | None = None) -> bytes:
+    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    return _read_exact(fd, size, deadline)
+
+
+class _Worker:
+    """One worker process and its pipes (used by one thread at a time)."""
+
+    def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float):
+        cmd = [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s))]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self.ready = False
+        try:
+            _write_frame(self.proc.stdin.fileno(), tokenizer_pickle)
+        except OSError:
+            pass  # it died at once: found by the ready wait
+
+    def wait_ready(self) -> None:
+        """Raises RuntimeError when the worker did not start within :data:`START_TIMEOUT_S`."""
+        if self.ready:
+            return
+        try:
+            reply = json.loads(_read_frame(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S))
+        except (TimeoutError, EOFError, ValueError) as e:
+            self.kill()
+            raise RuntimeError(f"the chat-template worker did not start ({type(e).__name__}; exit status "
+                               f"{self.proc.poll()})") from None
+        if not reply.get("ready"):
+            self.kill()
+            raise RuntimeError(f"the chat-template worker did not start: {reply.get('message')}")
+        self.ready = True
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def render(self, messages: list[dict], kwargs: dict, timeout_s: float) -> str:
+        """The rendered text. Raises TemplateError (the worker is then dead for ``timeout`` and
+        ``died``), TypeError/ValueError for arguments that are not JSON."""
+        request = json.dumps({"messages": messages, "kwargs": kwargs}).encode()
+        try:
+            _write_frame(self.proc.stdin.fileno(), request)
+            reply = json.loads(_read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s))
+        except TimeoutError:
+            self.kill()
+            raise TemplateError("timeout", f"the chat template did not finish within {timeout_s:g} s") from None
+        except (EOFError, OSError):
+            self.kill()
+            raise TemplateError("died", "the chat template's worker process ended while rendering it (over its "
+                                        "memory bound?)") from None
+        if "text" in reply:
+            return reply["text"]
+        raise TemplateError(reply.get("kind", "error"), reply.get("message", "unknown error"))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class TemplateWorkers:
+    """A pool of chat-template worker processes for one tokenizer (thread-safe; the server calls
+    :meth:`render` from worker threads, never from its event loop).
+
+    Args:
+        tokenizer: a picklable Hugging Face tokenizer (sent to each worker once).
+        max_chars: the longest rendered prompt accepted (characters).
+        timeout_s: the bound on one render (seconds).
+        size: the number of worker processes.
+
+    Raises:
+        TypeError / pickle.PicklingError: the tokenizer cannot be sent to a process (the caller
+            then renders in-process).
+    """
+
+    def __init__(self, tokenizer, max_chars: int, timeout_s: float = RENDER_TIMEOUT_S, size: int = POOL_SIZE):
+        self._pickle = pickle.dumps(tokenizer)
+        self.max_chars = int(max_chars)
+        self.timeout_s = float(timeout_s)
+        self.size = int(size)
+        self._idle: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._started = 0
+        self._closed = False
+
+    def _acquire(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the chat-template workers are shut down")
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                pass
+            if self._started < self.size:
+                self._started += 1
+                try:
+                    return _Worker(self._pickle, self.max_chars, self.timeout_s)
+                except BaseException:
+                    self._started -= 1
+                    raise
+        return self._idle.get()
+
+    def _release(self, worker: _Worker) -> None:
+        """Back to the pool, or replaced by a new worker (starting now) when it died."""
+        with self._lock:
+            if self._closed:
+                worker.kill()
+                return
+            if not worker.alive():
+                worker.kill()
+                worker = _Worker(self._pickle, self.max_chars, self.timeout_s)
+        self._idle.put(worker)
+
+    def render(self, messages: list[dict], kwargs: dict) -> str:
+        """``apply_chat_template(messages, tokenize=False, **kwargs)`` in a worker (blocks this
+        thread up to :attr:`timeout_s` plus a free worker's wait).
+
+        Raises:
+            TemplateError: the template raised, overran its time, memory or output bound.
+            RuntimeError: no worker could start.
+        """
+        worker = self._acquire()
+        try:
+            worker.wait_ready()
+            return worker.render(messages, kwargs, self.timeout_s)
+        except RuntimeError:
+            worker.kill()
+            raise
+        finally:
+            self._release(worker)
+
+    def close(self) -> None:
+        """Stop every idle worker (busy ones are stopped when they come back)."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                return
+
+
+# ---- the worker process ------------------------------------------------------------------
+def _set_memory_bound(max_chars: int) -> None:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = size + memory_headroom(max_chars)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(max_chars: int, timeout_s: float) -> int:
+    """Read the pickled tokenizer (trusted: the server sent it), then answer render requests
+    until stdin closes. Requests and answers are length-prefixed JSON."""
+    rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
+    try:
+        tokenizer = pickle.loads(_read_frame(rfd))
+    except EOFError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the server
+        _write_frame(wfd, json.dumps({"ready": False, "message": f"{type(e).__name__}: {e}"}).encode())
+        return 1
+    _write_frame(wfd, b'{"ready": true}')
+    bound_memory = sys.platform.startswith("linux")
+    alarm_s = int(timeout_s) + 2  # the server kills it first; this is for a server that is gone
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    while True:
+        try:
+            request = json.loads(_read_frame(rfd))
+        except EOFError:
+            return 0
+        signal.alarm(alarm_s)
+        try:
+            if bound_memory:
+                _set_memory_bound(max_chars)
+            text = apply_chat_template(tokenizer, request["messages"], request["kwargs"])
+            if not isinstance(text, str):
+                raise TypeError(f"the template gave {type(text).__name__}, not text")
+            if len(text) > max_chars:
+                reply = {"kind": "too_long", "message": f"the rendered prompt has {len(text)} characters, more than "
+                                                        f"the {max_chars} that fit in the model's context"}
+            else:
+                reply = {"text": text}
+        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, the template's own errors
+            reply = {"kind": "error", "message": f"{type(e).__name__}: {e}"[:2000]}
+        text = None
+        payload = json.dumps(reply).encode()
+        signal.alarm(0)
+        _write_frame(wfd, payload)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(int(sys.argv[1]), float(sys.argv[2])))

@@ -1,0 +1,116 @@
+"""Issue 33, finding 6: one request must not stall the others. A chat template renders in a
+worker process bounded in time, memory and output (:mod:`rlserve.server.template_pool`); a
+structured-output constraint has a size bound and compiles off the event loop and off the
+engine's step loop. Each bomb is a 400, and a canary ``/health`` keeps answering meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from rlserve.server import template_pool
+from tests.transfer_harness import InProcessServer
+
+# 3 ** 40,000,000 is one C call that holds the GIL: ~3 s for 3 ** 10**7 on this 2-core machine,
+# Karatsuba's n^1.585 gives ~25-35 s for 4x the exponent; rendered on a thread of the server
+# process (the old code) it stopped the event loop that long. The canary bound leaves a loaded
+# machine 5 s for a /health that a blocked loop could not answer in under 20 s.
+POW_BOMB = "{{ 3 ** 40000000 }}"
+CANARY_BOUND_S = 5.0
+LOOP_BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"  # 10^10 steps
+MEMORY_BOMB = "{{ 'x' * 10**9 }}"  # 1 GB in one C call
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    with InProcessServer(tiny_model("llama")) as s:
+        yield s
+
+
+def _chat(srv, timeout=120, **extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, **extra}
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _with_canary(srv, fn):
+    """``fn()`` on a thread while this thread times ``GET /health`` back to back; returns
+    (fn's result, the slowest /health in seconds, how many /health answered)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn()), daemon=True)
+    worst, count = 0.0, 0
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        t.start()
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert client.get("/health").status_code == 200
+            worst, count = max(worst, time.monotonic() - t0), count + 1
+            time.sleep(0.02)
+    t.join()
+    return box["r"], worst, count
+
+
+def test_cpu_bound_template_is_a_400_and_does_not_stop_the_loop(srv):
+    """Fails on the code before the template workers: the render held the GIL ~30 s (the canary
+    waited as long) and then answered 200."""
+    r, worst, count = _with_canary(srv, lambda: _chat(srv, chat_template=POW_BOMB))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "chat_template_timeout" and err["param"] == "chat_template", err
+    assert f"within {template_pool.RENDER_TIMEOUT_S:g} s" in err["message"], err
+    assert worst < CANARY_BOUND_S, (worst, count)
+    assert count >= 2  # /health answered while the template ran (the render takes >= RENDER_TIMEOUT_S)
+
+
+def test_endless_template_is_a_400_within_its_time_bound(srv):
+    """10^10 loop steps: on the old code the request never got an answer (and a thread spun
+    forever); now a 400 after RENDER_TIMEOUT_S, and the next chat request renders as before."""
+    expect = _chat(srv)
+    assert expect.status_code == 200, expect.text
+    t0 = time.monotonic()
+    r = _chat(srv, timeout=60, chat_template=LOOP_BOMB)
+    took = time.monotonic() - t0
+    assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_timeout", r.text
+    assert template_pool.RENDER_TIMEOUT_S <= took < template_pool.RENDER_TIMEOUT_S + 30, took
+    again = _chat(srv)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["message"] == expect.json()["choices"][0]["message"]
+
+
+def test_memory_bomb_template_is_a_400(srv):
+    r = _chat(srv, chat_template=MEMORY_BOMB)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "chat_template" and "MemoryError" in err["message"], err
+    assert _chat(srv).status_code == 200
+
+
+def test_template_output_over_the_context_is_a_400(srv):
+    """A render longer than max_prompt_chars is refused in the worker (never sent back)."""
+    n = srv.app.state.rlserve.limits.max_prompt_chars + 1
+    r = _chat(srv, chat_template="{{ 'y' * %d }}" % n)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert f"has {n} characters" in err["message"], err
+
+
+def test_template_errors_and_tokenize_use_the_workers(srv):
+    """The same renders as before through /tokenize and the template's own errors: a 400
+    naming chat_template with the template's exception."""
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(srv.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    state = srv.app.state.rlserve
+    text = state.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                               add_generation_prompt=True)
+    assert r.json()["tokens"] == state.tokenizer.encode(text, add_special_tokens=False)
+    bad = httpx.post(srv.url + "/v1/chat/completions",
+                     content=json.dumps({**body, "chat_template": "{{ raise_exception('no') }}"}),
+                     headers={"content-type": "application/json"}, timeout=60)
+    err = bad.json()["error"]
+    assert bad.status_code == 400 and err["param"] == "chat_template", bad.text
+    assert "could not apply the chat template" in err["message"] and "no" in err["message"], err
