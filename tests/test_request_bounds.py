@@ -114,3 +114,81 @@ def test_template_errors_and_tokenize_use_the_workers(srv):
     err = bad.json()["error"]
     assert bad.status_code == 400 and err["param"] == "chat_template", bad.text
     assert "could not apply the chat template" in err["message"] and "no" in err["message"], err
+
+
+# ---- structured outputs ----------------------------------------------------------------------
+def test_oversized_constraints_are_a_400_before_compiling(srv):
+    """100,000 choices (issue 33: ~45 s of stall for every other request) and a regex over
+    MAX_CONSTRAINT_CHARS are refused by size, at once, with a canary /health answering."""
+    from rlserve.server.limits import MAX_CHOICES, MAX_CONSTRAINT_CHARS
+
+    def send():
+        out = []
+        for so in ({"choice": [f"c{i}" for i in range(100_000)]}, {"regex": "a" * (MAX_CONSTRAINT_CHARS + 1)},
+                   {"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}):
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "structured_outputs": so},
+                           timeout=120)
+            out.append((r, time.monotonic() - t0))
+        return out
+
+    answers, worst, _ = _with_canary(srv, send)
+    (choice, _), (regex, _), (schema, _) = answers
+    err = choice.json()["error"]
+    assert choice.status_code == 400 and err["code"] == "constraint_too_large", choice.text
+    assert err["param"] == "structured_outputs.choice" and f"at most {MAX_CHOICES} choices, got 100000" in err["message"]
+    err = regex.json()["error"]
+    assert regex.status_code == 400 and err["param"] == "structured_outputs.regex", regex.text
+    assert f"at most {MAX_CONSTRAINT_CHARS} characters, got {MAX_CONSTRAINT_CHARS + 1}" in err["message"], err
+    assert schema.status_code == 400 and schema.json()["error"]["param"] == "structured_outputs.json", schema.text
+    assert worst < CANARY_BOUND_S, worst
+    ok = httpx.post(srv.url + "/v1/completions", timeout=60,
+                    json={"prompt": "hi", "max_tokens": 5, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
+
+
+def test_engine_compiles_constraints_beside_its_steps(tiny_model):
+    """A constraint that takes seconds to compile (10,000 choices: 2-10 s on the 2-core machine)
+    no longer holds the engine's step loop: add_request returns within INLINE_COMPILE_S plus
+    overhead (the old code compiled inside it, the whole time), another request runs to its end
+    meanwhile, and the constrained one then answers one of its choices. The engine limits no
+    size (the API process does), so this reaches it directly."""
+    from rlserve.engine import llm_engine
+    from rlserve.engine.llm import LLM
+    from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    inline_s = getattr(llm_engine, "INLINE_COMPILE_S", 0.05)  # (so that the old code fails on time, not import)
+    eng = LLM(tiny_model("llama"), dtype="float32", device="cpu").engine
+    eng.add_request("plain", "hello", SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
+    eng.step()
+    choices = tuple(f"choice{i}" for i in range(10_000))
+    t0 = time.monotonic()
+    eng.add_request("slow", "hi", SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(
+        choice=choices)))
+    added = time.monotonic() - t0
+    assert added < inline_s + 1.0, added  # the old code: the whole compile
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = (o, time.monotonic() - t0)
+    plain, slow = done["plain"], done["slow"]
+    assert len(plain[0].outputs[0].token_ids) == 8 and plain[1] < slow[1]  # plain did not wait for the compile
+    assert slow[1] > added + 1.0, (added, slow[1])  # (the compile did take seconds: the check above means something)
+    assert slow[0].outputs[0].finish_reason == "stop" and slow[0].outputs[0].text in choices, slow[0].outputs[0]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_request_aborted_while_its_constraint_compiles(tiny_model):
+    from rlserve.engine.llm import LLM
+    from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    eng = LLM(tiny_model("llama"), dtype="float32", device="cpu").engine
+    eng.add_request("slow", "hi", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=tuple(f"other{i}" for i in range(5_000)))))
+    outs = eng.abort_request("slow")
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and not eng.has_unfinished_requests()
+    eng.add_request("next", "hello", SamplingParams(temperature=0, max_tokens=3, min_tokens=3))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -49,6 +49,16 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _port(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0: a free one), got {value!r}")
+    return n
+
+
 def _json_object(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -146,7 +156,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all interfaces)")
-    s.add_argument("--port", type=int, default=8000, help="port (0 = pick a free one; the ready line says which)")
+    s.add_argument("--port", type=_port, default=8000, help="port (0 = pick a free one; the ready line says which)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) accepted in the 'model' field (default: the MODEL argument)")
     s.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
@@ -178,6 +188,9 @@ def register(subparsers) -> None:
                    help="new tokens per streamed chunk at least; the first and last chunks go out at once "
                         "(vLLM's flag; a request's stream_interval can raise it). A client slower than the "
                         "engine still gets larger chunks: it is sent the newest output when it can take one")
+    s.add_argument("--http-header-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="close a connection whose request line and headers are not complete this many seconds "
+                        "after it opened or after its previous response (slow-loris clients); 0: no bound")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
@@ -217,6 +230,48 @@ def _check_cpu_environment(config) -> None:
     cpu_microbatch.check_environment(config)
 
 
+def _check_device(config) -> None:
+    """A CUDA device asked for (``--device cuda[:N]``) must exist, found here rather than by the
+    engine after the model loaded. Raises ValueError."""
+    from rlserve.config import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device}: no CUDA device is available here (torch "
+                         f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {config.device}: there are {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _bind(host: str, port: int):
+    """The listening address, bound now (as vLLM does) so that a port in use or a host that
+    is not ours fails before any engine starts; uvicorn is handed the socket.
+
+    Raises:
+        OSError: the address cannot be resolved or bound (the message names it).
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
@@ -231,15 +286,21 @@ def run(args) -> int:
     if problem is not None:
         print(f"rlserve serve: error: {problem}", file=sys.stderr)
         return 2
-    try:
-        model_path = _resolve_model(model_arg)
-        config = engine_config_from_args(args, model_path)
-        _check_cpu_environment(config)
-    except (RLServeError, ValueError, OSError) as e:
-        print(f"rlserve serve: error: {e}", file=sys.stderr)
-        return 2
     if args.weight_transfer_config is not None and "backend" not in args.weight_transfer_config:
         print("rlserve serve: error: --weight-transfer-config needs a \"backend\" (nccl | gloo | ipc)", file=sys.stderr)
+        return 2
+    try:
+        if args.weight_transfer_config is not None:
+            from rlserve.transfer.server.manager import check_transfer_config
+
+            check_transfer_config(args.weight_transfer_config, args.weight_staging)
+        model_path = _resolve_model(model_arg)
+        config = engine_config_from_args(args, model_path)
+        _check_device(config)
+        _check_cpu_environment(config)
+        sock = _bind(args.host, args.port)
+    except (RLServeError, ValueError, OSError) as e:
+        print(f"rlserve serve: error: {e}", file=sys.stderr)
         return 2
 
     from rlserve.engine.async_engine import AsyncEngine
@@ -253,6 +314,7 @@ def run(args) -> int:
                               hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None,
                               stream_interval=args.stream_interval)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
+        sock.close()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(
@@ -278,7 +340,7 @@ def run(args) -> int:
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(aengine, settings)
-        rc = asyncio.run(_serve(app, args))
+        rc = asyncio.run(_serve(app, args, sock))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
         rc = 130
     except _Terminated:  # SIGTERM: uvicorn has shut down and re-raised it (see _raise_terminated)
@@ -344,12 +406,14 @@ def _exit_now(rc: int, resignal: int | None = None) -> None:
         os._exit(rc)
 
 
-async def _serve(app, args) -> int:
+async def _serve(app, args, sock) -> int:
     import uvicorn
+
+    from rlserve.server.http_protocol import bounded_h11_protocol
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             access_log=not args.disable_access_log, timeout_graceful_shutdown=1,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=30, http=bounded_h11_protocol(args.http_header_timeout))
     loop = asyncio.get_running_loop()
     aengine = app.state.rlserve.aengine
 
@@ -387,7 +451,7 @@ async def _serve(app, args) -> int:
         logger.info("ready: %s", url)
 
     task = asyncio.create_task(announce())
-    await server.serve()
+    await server.serve(sockets=[sock])
     task.cancel()
     if server.stopped_for == signal.SIGINT:
         # uvicorn re-raises the SIGINT it stopped for; asyncio.run turns it into a

@@ -85,6 +85,29 @@ _ERRORS = {
 }
 
 
+def check_transfer_config(transfer_config: dict | None, staging: str = "none") -> dict:
+    """``--weight-transfer-config`` and ``--weight-staging`` checked (``rlserve serve`` calls
+    this before any engine starts; :class:`WeightTransferManager` again). Returns a copy of
+    the config.
+
+    Raises:
+        ValueError: an unknown key, a backend not in ``BACKENDS``, a staging mode not in
+            ``STAGING_MODES``, ``direct_receive`` / ``trainer_liveness`` not a boolean.
+    """
+    cfg = dict(transfer_config or {})
+    unknown = set(cfg) - _CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"weight transfer config: unknown key(s) {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}")
+    if cfg.get("backend") is not None and cfg["backend"] not in BACKENDS:
+        raise ValueError(f"weight transfer backend must be one of {BACKENDS}, got {cfg['backend']!r}")
+    if staging not in STAGING_MODES:
+        raise ValueError(f"weight staging must be one of {STAGING_MODES}, got {staging!r}")
+    for key in ("direct_receive", "trainer_liveness"):
+        if not isinstance(cfg.get(key, True), bool):
+            raise ValueError(f"weight transfer config: {key} must be true or false, got {cfg[key]!r}")
+    return cfg
+
+
 class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
     """The server's weight-sync control plane.
 
@@ -112,24 +135,12 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
 
     def __init__(self, aengine, transfer_config: dict | None = None, staging: str = "none",
                  rpc_timeout_s: float = 60.0, poll_interval_s: float = 0.005):
-        cfg = dict(transfer_config or {})
-        unknown = set(cfg) - _CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"weight transfer config: unknown key(s) {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}")
-        if cfg.get("backend") is not None and cfg["backend"] not in BACKENDS:
-            raise ValueError(f"weight transfer backend must be one of {BACKENDS}, got {cfg['backend']!r}")
-        if staging not in STAGING_MODES:
-            raise ValueError(f"weight staging must be one of {STAGING_MODES}, got {staging!r}")
+        cfg = check_transfer_config(transfer_config, staging)
         self.aengine = aengine
         self.config = cfg
         self.backend: str | None = cfg.get("backend")
         self.staging = staging
-        if not isinstance(cfg.get("direct_receive", True), bool):
-            raise ValueError(f"weight transfer config: direct_receive must be true or false, got {cfg['direct_receive']!r}")
         self.direct_receive: bool = cfg.get("direct_receive", True)
-        if not isinstance(cfg.get("trainer_liveness", True), bool):
-            raise ValueError(f"weight transfer config: trainer_liveness must be true or false, "
-                             f"got {cfg['trainer_liveness']!r}")
         self.trainer_liveness: bool = cfg.get("trainer_liveness", True)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.poll_interval_s = float(poll_interval_s)

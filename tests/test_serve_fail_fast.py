@@ -1,0 +1,128 @@
+"""Issue 33, finding 8: a wrong ``rlserve serve`` setting is one ``rlserve serve: error: ...``
+line and exit status 2 before any engine starts (the old code loaded the model first and
+ended in a traceback, exit 1 or 3), and a client that never completes its request head is
+disconnected (slow-loris)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from rlserve.server.testing import ServerProcess
+
+
+def _serve(monkeypatch, capsys, model: str, *flags: str) -> tuple[int, str]:
+    """``rlserve serve MODEL --port 0 --device cpu FLAGS`` in this process (the code path of
+    ``python -m rlserve``) with an engine that cannot start: the exit status (argparse's too)
+    and the output. An engine start returns 1 ("could not start the engine"), so a setting
+    that was only found after the engine (the old code) fails the test."""
+    from rlserve.cli import main
+    from rlserve.engine import async_engine
+
+    def no_engine(*a, **k):
+        raise RuntimeError("the engine was started")
+
+    monkeypatch.setattr(async_engine, "AsyncEngine", no_engine)
+    try:
+        rc = main(["serve", model, "--port", "0", "--device", "cpu", *flags])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+@pytest.fixture
+def port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+CASES = {
+    "unknown backend": (["--weight-transfer-config", '{"backend": "glo"}'],
+                        "weight transfer backend must be one of ('gloo', 'nccl', 'ipc'), got 'glo'"),
+    "unknown key": (["--weight-transfer-config", '{"backend": "gloo", "tiemout_s": 5}'],
+                    "weight transfer config: unknown key(s) ['tiemout_s']"),
+    "bad flag value": (["--weight-transfer-config", '{"backend": "gloo", "direct_receive": "yes"}'],
+                       "direct_receive must be true or false, got 'yes'"),
+    "port out of range": (["--port", "70000"], "argument --port: must be a TCP port in [0, 65535]"),
+    "cuda without cuda": (["--device", "cuda"], "--device cuda: no CUDA device is available here"),
+    "host not ours": (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:0: "),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_setting_is_one_line_exit_2_before_the_engine(tiny_model, monkeypatch, capsys, case):
+    """Each wrong setting fails the same way. ("cuda without cuda" needs a machine without
+    CUDA, as the CPU test machine is.)"""
+    flags, message = CASES[case]
+    if case == "cuda without cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), *flags)
+    assert rc == 2, out
+    lines = [ln for ln in out.splitlines() if "error:" in ln]  # (argparse prints its usage first)
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("rlserve serve: error: "), out
+    assert "Traceback" not in out and "engine was started" not in out, out
+
+
+def test_port_in_use_is_one_line_exit_2(tiny_model, monkeypatch, capsys, port_in_use):
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--port", str(port_in_use))
+    assert rc == 2, out
+    assert f"rlserve serve: error: cannot listen on 127.0.0.1:{port_in_use}: Address already in use" in out, out
+    assert "Traceback" not in out and "engine was started" not in out, out
+
+
+def _recv_until_closed(sock: socket.socket, trickle: bytes, bound_s: float) -> float | None:
+    """Send one byte of ``trickle`` every 0.2 s; the seconds until the server closed the
+    connection, or None if it was still open after ``bound_s``."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    i = 0
+    while time.monotonic() - t0 < bound_s:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - t0
+        except socket.timeout:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        try:
+            sock.sendall(trickle[i % len(trickle):i % len(trickle) + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - t0
+        i += 1
+    return None
+
+
+def test_slow_loris_connections_are_closed(tiny_model):
+    """--http-header-timeout 2: a connection that trickles header bytes (the old code kept it
+    open for ever), or sends nothing, is closed after ~2 s; a request whose head arrived in
+    time is answered, and its keep-alive connection has the same bound for the next head."""
+    with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2") as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            took = _recv_until_closed(s, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaa\r\n", bound_s=30)
+        assert took is not None and 1.5 < took < 20, took
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(30)
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""  # sent nothing: closed
+            assert 1.5 < time.monotonic() - t0 < 20
+        with httpx.Client(base_url=srv.url, timeout=30) as client:  # heads in time: answered, kept alive
+            for _ in range(3):
+                assert client.get("/health").status_code == 200
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(30)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET /health HTTP/1.1\r\n")  # the second head never ends
+            took = _recv_until_closed(s, b"X", bound_s=30)
+        assert took is not None and took < 20, took
