@@ -9,6 +9,13 @@ requests still unfinished after the hunt).
     pip install -e ".[fuzz]"            # schemathesis 4.x
     python benchmarks/fuzz_http.py --max-examples 25 --out /tmp/fuzz
 
+Issue 33's classes (``benchmarks/fuzz_cases.py``: wrong-typed values in every nested kwargs
+dict, lone surrogates in every string field, template and grammar bombs, out-of-range TRL
+routes) run first, with a canary client sending a small completion beside them; they report
+the 5xx answers, the engine deaths (the engine-core process's PID changed, or an answer said
+``engine_dead``) and the canary's p50/p99 latency (targets: 0, 0, p99 < 250 ms on the 2-core
+machine). ``--classes typed,bombs --skip-schemathesis --skip-extremes`` runs only those.
+
 Exit status 0 when there were no hangs and no 5xx except by design (a 504 for a timeout the request
 set itself, a 503 for a request held longer than --pause-hold-timeout behind a pause the hunt
 left in force). On the 2-core machine shared with other work (load 20+) a full run with
@@ -35,6 +42,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.fuzz_cases import CLASSES, encode  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
@@ -169,6 +177,109 @@ def _wait_quiet(url: str, headers: dict, timeout_s: float = 60.0) -> float:
     return left
 
 
+def engine_core_pids(server_pid: int) -> set[int]:
+    """The PIDs of the server's engine-core processes (children running ``core_proc``)."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != server_pid:
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"core_proc" in f.read():
+                    pids.add(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+class Canary:
+    """A thread that sends ``{"prompt": "hi", "max_tokens": 4}`` completions back to back
+    (20 ms apart) and keeps their latencies (seconds) and failures."""
+
+    def __init__(self, url: str, headers: dict):
+        import threading
+
+        self.url, self.headers = url, headers
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=60) as client:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+                    if r.status_code != 200:
+                        self.failures.append(f"{r.status_code} {r.text[:200]}")
+                    else:
+                        self.latencies.append(time.monotonic() - t0)
+                except httpx.HTTPError as e:
+                    self.failures.append(type(e).__name__)
+                self._stop.wait(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def percentile(self, q: float) -> float | None:
+        """The ``q`` quantile (0..1, nearest rank) of the latencies, seconds."""
+        if not self.latencies:
+            return None
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def issue33_pass(url: str, server_pid: int, model: str, classes: list[str], headers: dict, timeout: float) -> dict:
+    """Send every case of ``classes`` (``benchmarks/fuzz_cases.py``) beside a :class:`Canary`.
+    Returns {"sent", "statuses", "5xx", "deaths", "hangs", "dropped" (connections closed without
+    an answer), "canary": {p50_ms, p99_ms, max_ms, n, failures}, "slowest": [(seconds, case), ...]}."""
+    statuses: collections.Counter = collections.Counter()
+    fivexx, deaths, hangs, took, dropped = [], [], [], [], []
+    pids = engine_core_pids(server_pid)
+    cases = [c for name in classes for c in CLASSES[name](model)]
+    with Canary(url, headers) as canary, httpx.Client(base_url=url) as client:
+        for cls, method, path, body in cases:
+            what = f"[{cls}] {method} {path} {repr(body)[:160]}"
+            h = dict(headers)
+            raw = encode(body)
+            if raw is not None:
+                h["content-type"] = "application/json"
+            t0 = time.monotonic()
+            try:
+                r = client.request(method, path, headers=h, content=raw, timeout=timeout)
+            except httpx.TimeoutException:
+                hangs.append(f"{what}: no answer within {timeout:.0f} s")
+                continue
+            except httpx.HTTPError as e:  # the server closed the connection without an answer
+                statuses[type(e).__name__] += 1
+                dropped.append(f"{what}: {type(e).__name__}")
+                continue
+            took.append((time.monotonic() - t0, what))
+            statuses[r.status_code] += 1
+            if r.status_code >= 500:
+                fivexx.append(f"{what} -> {r.status_code} {r.text[:300]}")
+            now = engine_core_pids(server_pid)
+            if now != pids or "engine_dead" in r.text:
+                deaths.append(f"{what}: engine-core PIDs {sorted(pids)} -> {sorted(now)}; {r.text[:200]}")
+                pids = now
+    ms = lambda x: None if x is None else round(1000 * x, 1)  # noqa: E731
+    return {"sent": sum(statuses.values()), "statuses": dict(statuses), "5xx": fivexx, "deaths": deaths,
+            "hangs": hangs, "dropped": dropped, "canary": {"p50_ms": ms(canary.percentile(0.5)), "p99_ms": ms(canary.percentile(0.99)),
+                                       "max_ms": ms(max(canary.latencies, default=None)), "n": len(canary.latencies),
+                                       "failures": canary.failures[:20]},
+            "slowest": [(round(t, 2), w) for t, w in sorted(took, reverse=True)[:10]]}
+
+
 def hand_made(url: str, model: str, headers: dict, timeout: float) -> dict:
     """Send every extreme; returns {"sent", "statuses", "5xx": [...], "hangs": [...]}."""
     statuses: collections.Counter = collections.Counter()
@@ -244,13 +355,21 @@ def main() -> int:
     ap.add_argument("--max-examples", type=int, default=25, help="schemathesis cases per operation and phase")
     ap.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request counts as a hang")
     ap.add_argument("--out", default=None, help="directory for the reports (default: a temporary one)")
-    ap.add_argument("--skip-schemathesis", action="store_true", help="hand-made extremes only")
+    ap.add_argument("--skip-schemathesis", action="store_true", help="no schemathesis passes")
+    ap.add_argument("--skip-extremes", action="store_true", help="no pass of issue 23's hand-made extremes")
+    ap.add_argument("--classes", default=",".join(CLASSES),
+                    help=f"issue 33's classes to send, comma-separated (of {','.join(CLASSES)}; '' for none)")
+    ap.add_argument("--no-keys-only", action="store_true", help="only the server without --api-key/--admin-key")
     args = ap.parse_args()
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="rlserve-fuzz-"))
     os.makedirs(out, exist_ok=True)
     model = make_tiny_model("llama_tied", os.path.join(out, "tiny"))
     summary = {}
-    for keyed in (False, True):
+    classes = [c for c in args.classes.split(",") if c]
+    unknown = set(classes) - set(CLASSES)
+    if unknown:
+        ap.error(f"--classes: unknown {sorted(unknown)}; known: {sorted(CLASSES)}")
+    for keyed in (False,) if args.no_keys_only else (False, True):
         flags = ["--max-model-len", "128", "--device", "cpu", "--kv-cache-bytes", str(32 << 20),
                  "--weight-transfer-config", '{"backend": "gloo"}', "--pause-hold-timeout", "5"]
         auth: dict = {}
@@ -263,6 +382,10 @@ def main() -> int:
             if keyed:  # the admin key opens everything it guards; the API key the generation routes
                 header_sets = {"admin key": {"Authorization": f"Bearer {ADMIN_KEY}"},
                                "api key": {"Authorization": f"Bearer {API_KEY}"}, "no key": {}}
+            if classes:  # with the key that opens everything (TRL routes included)
+                runs["issue 33"] = issue33_pass(srv.url, srv.proc.pid, model, classes,
+                                                next(iter(header_sets.values())), args.request_timeout)
+                _wait_quiet(srv.url, {"Authorization": f"Bearer {ADMIN_KEY}"} if keyed else {})
             for label, headers in header_sets.items():
                 if not args.skip_schemathesis:
                     for part, include, exclude in (("serving", SERVING, False), ("control", SERVING, True)):
@@ -270,7 +393,8 @@ def main() -> int:
                         runs[f"schemathesis {label} {part}".strip()] = schemathesis(
                             srv.url, headers, include, exclude, args.max_examples, args.request_timeout, rd)
                         _wait_quiet(srv.url, {"Authorization": f"Bearer {ADMIN_KEY}"} if keyed else {})
-                runs[f"hand-made {label}".strip()] = hand_made(srv.url, model, headers, args.request_timeout)
+                if not args.skip_extremes:
+                    runs[f"hand-made {label}".strip()] = hand_made(srv.url, model, headers, args.request_timeout)
             left = _wait_quiet(srv.url, {"Authorization": f"Bearer {ADMIN_KEY}"} if keyed else {})
             ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                             headers={"Authorization": f"Bearer {API_KEY}"} if keyed else {}, timeout=60)
@@ -296,7 +420,17 @@ def main() -> int:
               f"unfinished after {s['unfinished_after']}, serves after: {s['serves_after']}")
         for run_name, r in s["runs"].items():
             unexpected = [x for x in r["5xx"] if not by_design(x)]
-            if "rc" in r:
+            if "canary" in r:
+                c = r["canary"]
+                print(f"  {run_name}: {r['sent']} sent, {r['statuses']}, 5xx {len(r['5xx'])}, engine deaths "
+                      f"{len(r['deaths'])}, hangs {len(r['hangs'])}; canary p50 {c['p50_ms']} ms p99 {c['p99_ms']} ms "
+                      f"max {c['max_ms']} ms over {c['n']} requests, {len(c['failures'])} failed")
+                for x in r["deaths"][:20] + r["hangs"][:20] + r["dropped"][:20] + c["failures"][:5]:
+                    print("    " + x[:400])
+                for t, w in r["slowest"][:5]:
+                    print(f"    slowest: {t} s {w[:200]}")
+                bad += len(r["deaths"]) + len(r["hangs"]) + (c["p99_ms"] is None or c["p99_ms"] >= 250)
+            elif "rc" in r:
                 cases = re.findall(r"(\d+) generated", r["tail"])
                 print(f"  {run_name}: schemathesis exit {r['rc']}, {cases[-1] if cases else '?'} cases, "
                       f"5xx {len(r['5xx'])} ({len(unexpected)} not by design)")
