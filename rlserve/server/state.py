@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import math
 import re
+import threading
 import time
 from typing import Any, AsyncIterator
 
@@ -122,6 +123,7 @@ class ServerState:
         self._grammar_compiler = None
         self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
         self._templates = None  # TemplateWorkers, made on first use (False: render in this process)
+        self._templates_lock = threading.Lock()
 
     @property
     def model_name(self) -> str:
@@ -162,15 +164,16 @@ class ServerState:
         """The chat-template worker pool (:class:`~rlserve.server.template_pool.TemplateWorkers`,
         made on first use), or None when the tokenizer cannot be sent to a process (a test
         fake): then templates render on the tokenizer thread, without the time bound."""
-        if self._templates is None:
-            from rlserve.server.template_pool import TemplateWorkers
+        with self._templates_lock:
+            if self._templates is None:
+                from rlserve.server.template_pool import TemplateWorkers
 
-            try:
-                self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars)
-            except Exception as e:  # noqa: BLE001 - pickling errors come in many types
-                logger.warning("chat templates render in the server process, without a time bound: the "
-                               "tokenizer cannot be sent to a worker process (%s: %s)", type(e).__name__, e)
-                self._templates = False
+                try:
+                    self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars)
+                except Exception as e:  # noqa: BLE001 - pickling errors come in many types
+                    logger.warning("chat templates render in the server process, without a time bound: the "
+                                   "tokenizer cannot be sent to a worker process (%s: %s)", type(e).__name__, e)
+                    self._templates = False
         return self._templates or None
 
     async def render_chat(self, messages: list, template_args: dict, param: str = "messages") -> str:
@@ -188,7 +191,8 @@ class ServerState:
         """
         from rlserve.server.template_pool import TemplateError, template_call_kwargs
 
-        workers = self.template_workers()
+        workers = self.template_workers() if self._templates is not None else \
+            await asyncio.to_thread(self.template_workers)  # the first: pickles the tokenizer
         if workers is None:
             def run() -> str:
                 try:
