@@ -106,6 +106,19 @@ def test_preemption_recomputes_routing(moe_path):
         _check(moe_path, out)
 
 
+def test_tensor_parallel_2_replay(tiny_model):
+    """TP=2 (two CPU processes over gloo): rank 0's replicated router sees every token; its
+    capture alone gives the rows, equal to HF's, and the greedy tokens equal HF's."""
+    from tests.test_engine import hf_greedy
+
+    path = tiny_model("qwen3_moe")
+    llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, enable_return_routed_experts=True)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 6)
+    for out in outs:
+        _check(path, out)
+
+
 def test_dense_model_refuses_replay(tiny_model):
     with pytest.raises(InvalidRequestError, match="mixture-of-experts"):
         LLM(tiny_model("llama"), dtype="float32", device="cpu", enable_return_routed_experts=True)

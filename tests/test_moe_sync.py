@@ -51,45 +51,52 @@ def moe(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def server(moe):
-    srv = InProcessServer(moe[0], max_model_len=128)
-    yield srv
-    srv.close()
+def servers(moe):
+    """``servers(staging)``: this module's in-process server of each staging mode (started on first use)."""
+    started: dict = {}
+
+    def get(staging: str):
+        if staging not in started:
+            started[staging] = InProcessServer(moe[0], staging=staging, max_model_len=128)
+        return started[staging]
+
+    yield get
+    for srv in started.values():
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("none")
 
 
 @pytest.mark.parametrize("names", ["per_expert", "fused"])
 @pytest.mark.parametrize("staging", ["none", "device"])
-def test_sync_equals_trainer(moe, server, tiny_model, names, staging):
+def test_sync_equals_trainer(moe, servers, names, staging):
     path, hf = moe
-    srv = server
-    if staging != "none":  # a server of its own for staged updates
-        srv = InProcessServer(path, staging=staging, max_model_len=128)
-    try:
-        src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
-        if names == "per_expert":
-            assert any(".experts.7.down_proj.weight" in n for n, _ in src.items)
-            assert max(t.numel() * 4 for n, t in src.items if ".experts." in n) > BUCKET
-        # start from other weights than the trainer's (a fresh server's are dummy, a used one's
-        # the previous case's)
-        other = trainer(srv.url, load_hf(path, seed=99), packed_buffer_size_bytes=BUCKET)
-        other.send_weights()
-        other.shutdown()
-        v0 = version(srv.url)
-        before = server_greedy(srv.url).json()["completion_ids"]
-        eng = trainer(srv.url, src, packed_buffer_size_bytes=BUCKET)
-        fin = eng.send_weights()
-        assert fin["weight_version"] == bumped(v0) and fin["full"] is True
-        after = server_greedy(srv.url).json()["completion_ids"]
-        assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
-        # the server's tensors equal the trainer's, under either naming
-        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
-            mine = hf_state_checksums(named, torch.float32)
-            rep = eng.client.weight_checker(compare=mine)["compare"]
-            assert rep["match"] and rep["compared"] == len(mine), rep
-        eng.shutdown()
-    finally:
-        if srv is not server:
-            srv.close()
+    srv = servers(staging)
+    src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
+    if names == "per_expert":
+        assert any(".experts.7.down_proj.weight" in n for n, _ in src.items)
+        assert max(t.numel() * 4 for n, t in src.items if ".experts." in n) > BUCKET
+    # start from other weights than the trainer's (a fresh server's are dummy, a used one's
+    # the previous case's)
+    other = trainer(srv.url, load_hf(path, seed=99), packed_buffer_size_bytes=BUCKET)
+    other.send_weights()
+    other.shutdown()
+    v0 = version(srv.url)
+    before = server_greedy(srv.url).json()["completion_ids"]
+    eng = trainer(srv.url, src, packed_buffer_size_bytes=BUCKET)
+    fin = eng.send_weights()
+    assert fin["weight_version"] == bumped(v0) and fin["full"] is True
+    after = server_greedy(srv.url).json()["completion_ids"]
+    assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
+    # the server's tensors equal the trainer's, under either naming
+    for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+        mine = hf_state_checksums(named, torch.float32)
+        rep = eng.client.weight_checker(compare=mine)["compare"]
+        assert rep["match"] and rep["compared"] == len(mine), rep
+    eng.shutdown()
 
 
 @pytest.mark.parametrize("case", ["shape", "expert_id", "missing_expert"])
