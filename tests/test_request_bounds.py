@@ -192,3 +192,29 @@ def test_request_aborted_while_its_constraint_compiles(tiny_model):
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+# ---- tokenizing ----------------------------------------------------------------------------
+def test_long_text_is_encoded_on_its_own_thread(srv, monkeypatch):
+    """A text of LONG_TEXT_CHARS or more (lowered to 1,000 here) is encoded on the long-text thread with its own
+    tokenizer copy, a short one on the short-text thread: a short request never waits behind
+    the seconds a maximal prompt takes (the old code had one thread for both). Same ids."""
+    from rlserve.server import tokenizer_threads
+
+    monkeypatch.setattr(tokenizer_threads, "LONG_TEXT_CHARS", 1000)  # the tiny model's context holds 3,328
+    state = srv.app.state.rlserve
+    seen = []
+    real = type(state.tokenizer).encode
+
+    def spy(tok, text, *a, **k):
+        seen.append((threading.current_thread().name.rsplit("_", 1)[0], tok is state.tokenizer, len(text)))
+        return real(tok, text, *a, **k)
+
+    monkeypatch.setattr(type(state.tokenizer), "encode", spy)
+    long_text = "ab " * 400
+    short = httpx.post(srv.url + "/tokenize", json={"prompt": "ab ab"}, timeout=60)
+    long = httpx.post(srv.url + "/tokenize", json={"prompt": long_text}, timeout=60)
+    assert short.status_code == 200 and long.status_code == 200, (short.text, long.text)
+    assert ("rlserve-tokenizer", True, 5) in seen, seen
+    assert ("rlserve-tokenizer-long", False, len(long_text)) in seen, seen
+    assert long.json()["tokens"] == real(state.tokenizer, long_text, add_special_tokens=True)
