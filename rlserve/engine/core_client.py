@@ -40,6 +40,7 @@ from rlserve.engine import core_protocol as proto
 from rlserve.engine.core import EngineDeadError
 from rlserve.engine.output_processor import OutputProcessor
 from rlserve.engine.replica import EngineView, Replica, failed_future
+from rlserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,11 @@ class CoreProcReplica(Replica):
         self.reqs[req.request_id] = req
         try:
             self._send(proto.AddRequest(req.request_id, req.prompt, req.params, req.stream, req.arrival_time))
+        except (UnicodeEncodeError, OverflowError, TypeError) as e:  # what MessagePack cannot carry
+            self.reqs.pop(req.request_id, None)
+            raise InvalidRequestError(f"request {req.request_id} cannot be sent to the engine core: {e} (build its "
+                                      "parameters with core_protocol.params_from_fields to have the field named)") \
+                from None
         except BaseException:
             self.reqs.pop(req.request_id, None)
             raise

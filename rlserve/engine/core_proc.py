@@ -27,6 +27,10 @@ import signal
 import sys
 import time
 
+import msgspec
+
+from rlserve.errors import InvalidRequestError
+
 logger = logging.getLogger("rlserve.engine.core_proc")
 
 _IDLE_POLL_MS = 1000  # an idle core wakes at least this often (milliseconds)
@@ -105,9 +109,41 @@ class CoreServer:
                 raw = self.input.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(self._dec.decode(raw.buffer))
+            try:
+                msg = self._dec.decode(raw.buffer)
+            except Exception as e:  # noqa: BLE001 - msgspec's DecodeError / ValidationError, a __post_init__'s error
+                self._refuse(raw.buffer, e)
+                continue
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - one message's failure (a bug) must not end the loop
+                logger.exception("engine core: handling a %s message failed", type(msg).__name__)
             if self.stopping:
                 return
+
+    def _refuse(self, data, exc: Exception) -> None:
+        """A message that does not decode as :data:`~rlserve.engine.core_protocol.InputMessage`
+        fails alone: an add is answered with its request's error (``InvalidRequestError``: the
+        API process answers 400), a utility call with its call's error; anything else is logged
+        and dropped. The message is read a second time without the schema (plain MessagePack:
+        never pickle) only to find whom to answer."""
+        p = self.proto
+        err = InvalidRequestError(f"the engine core could not decode this message: {exc}")
+        try:
+            obj = msgspec.msgpack.decode(data)
+        except Exception:  # noqa: BLE001 - not MessagePack at all
+            obj = None
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        rid = obj.get("request_id") if isinstance(obj, dict) else None
+        cid = obj.get("call_id") if isinstance(obj, dict) else None
+        if kind == "add" and isinstance(rid, str):
+            logger.error("engine core: refused request %s: %s", rid, exc)
+            self._errors.append(p.RequestError(rid, p.error_info(err)))
+        elif kind == "call" and isinstance(cid, int) and not isinstance(cid, bool) and cid > 0:
+            logger.error("engine core: refused utility call %d: %s", cid, exc)
+            self._reply(cid, error=err)
+        else:
+            logger.error("engine core: dropped an undecodable input message (%d bytes): %s", len(data), exc)
 
     def _handle(self, msg) -> None:
         p, core = self.proto, self.core
@@ -237,7 +273,6 @@ def main(argv=None) -> int:
                         format=f"%(asctime)s %(levelname)s [engine-core {args.dp_index}] %(name)s: %(message)s",
                         stream=sys.stderr)
 
-    import msgspec
     import zmq
 
     from rlserve.engine import core_protocol as proto

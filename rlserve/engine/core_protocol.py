@@ -20,18 +20,24 @@ gets one delta, when it finishes.
 Every message is a msgspec ``Struct`` (tagged union, MessagePack): typed, schema-checked on
 decode, never pickle. Sampling parameters travel as the engine's own dataclass
 (:class:`~rlserve.engine.sampling_params.SamplingParams`), so a field added there travels
-without a change here. Messages on one socket arrive in the order they were sent: a utility
+without a change here. That one schema is enforced on both sides: the API process builds every
+request's parameters with :func:`params_from_fields` (the core's decoder's type check, the
+dataclass's range check and the wire's limits: a bad value is an :class:`InvalidParamsError`
+naming the field, HTTP 400), and the core's loop fails a message it cannot decode alone
+(:mod:`rlserve.engine.core_proc`), never itself. Messages on one socket arrive in the order they were sent: a utility
 call's result comes after the outputs of every step run before it.
 """
 
 from __future__ import annotations
 
 import builtins
+import re
 from typing import Any, Union
 
 import msgspec
 
 from rlserve.engine.sampling_params import SamplingParams
+from rlserve.errors import InvalidRequestError
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -262,3 +268,126 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
         return cls(info.message)
     except Exception:  # noqa: BLE001 - a class whose constructor wants more
         return RuntimeError(f"{info.type}: {info.message}")
+
+
+# ---- the API process's side of the schema ---------------------------------------------------
+class InvalidParamsError(InvalidRequestError):
+    """A sampling parameter the engine core would not accept.
+
+    Attributes:
+        field: the offending field as a dotted path into
+            :class:`~rlserve.engine.sampling_params.SamplingParams` (``"top_k"``, ``"stop.0"``,
+            ``"structured_outputs.choice.2"``), or None when no single field is to blame.
+        message: the whole message; it starts with ``field`` when there is one
+            (``"top_k: expected int, got float (2.5)"``, ``"top_p must be in (0, 1], got 5.0"``).
+    """
+
+    def __init__(self, field: str | None, message: str):
+        if field and not message.startswith(field):
+            message = f"{field}: {message}"
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+    def renamed(self, name: str) -> str:
+        """The message with the field called ``name`` (how the request named it, e.g.
+        ``generation_kwargs.top_k``)."""
+        if self.field and self.message.startswith(self.field):
+            return name + self.message[len(self.field):]
+        return self.message
+
+
+_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_FIELD_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+#: what MessagePack (and so the wire) holds of an integer: int64 .. uint64
+_WIRE_INT_MIN, _WIRE_INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _dotted(path: str) -> str:
+    """msgspec's ``.stop[0].x`` as ``stop.0.x``."""
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def _value_at(fields: dict, dotted: str):
+    value: Any = fields
+    for part in dotted.split("."):
+        try:
+            value = value[int(part)] if isinstance(value, (list, tuple)) else (
+                value[part] if isinstance(value, dict) else getattr(value, part))
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+            return None
+    return value
+
+
+def _unwireable(value, path: str) -> tuple[str, str] | None:
+    """``(path, reason)`` of the first part of ``value`` MessagePack cannot carry (an integer
+    outside int64 .. uint64, text that is not valid Unicode), else None."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return None
+    if isinstance(value, int):
+        if not _WIRE_INT_MIN <= value <= _WIRE_INT_MAX:
+            return path, f"the integer must be in [-2**63, 2**64 - 1], got {value}"
+        return None
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, (f"a lone UTF-16 surrogate (U+{ord(value[e.start]):04X}) at character {e.start} is not "
+                          "valid Unicode text")
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            bad = _unwireable(v, f"{path}.{i}")
+            if bad is not None:
+                return bad
+        return None
+    if hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            bad = _unwireable(getattr(value, name), f"{path}.{name}")
+            if bad is not None:
+                return bad
+    return None
+
+
+def params_from_fields(fields: dict[str, Any]) -> SamplingParams:
+    """The request's :class:`~rlserve.engine.sampling_params.SamplingParams`, checked against
+    the schema the engine core decodes :class:`AddRequest` with: every field's type exactly as
+    the core's decoder checks it (an int field takes no float or bool, a bool field no string),
+    then the dataclass's own range checks (``SamplingParams.validate``), then what the wire can
+    carry (integers in int64 .. uint64, text valid Unicode). What passes here decodes in the core.
+
+    Args:
+        fields: ``SamplingParams`` keyword arguments as the request gave them (JSON values;
+            ``structured_outputs`` may be a built ``StructuredOutputsParams``); ``stop`` may be
+            one string; ``stop`` / ``stop_token_ids`` may be None (none).
+
+    Raises:
+        InvalidParamsError: naming the field (``field``) and what is wrong with it.
+    """
+    fields = dict(fields)
+    unknown = sorted(set(fields) - _FIELD_NAMES)
+    if unknown:
+        raise InvalidParamsError(unknown[0], f"not a sampling parameter; known: {', '.join(sorted(_FIELD_NAMES))}")
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    for name in ("stop", "stop_token_ids"):
+        if name in fields and fields[name] is None:
+            del fields[name]
+    try:
+        params = msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as e:
+        m = _PATH.match(str(e))
+        msg, path = m.group("msg"), _dotted(m.group("path") or "")
+        if not path:  # SamplingParams.validate's message: it starts with the field's name
+            first = msg.split(" ", 1)[0]
+            raise InvalidParamsError(first if first in _FIELD_NAMES else None, msg) from None
+        if msg.startswith("Expected `"):
+            got = _value_at(fields, path)
+            msg = msg.replace("`", "").replace("Expected", "expected", 1)
+            if got is not None and _unwireable(got, "") is None:
+                msg += f" ({msgspec.json.encode(got).decode()[:80]})"
+        raise InvalidParamsError(path, msg) from None
+    bad = _unwireable(params, "")
+    if bad is not None:
+        raise InvalidParamsError(bad[0].lstrip("."), bad[1])
+    return params

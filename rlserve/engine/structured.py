@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -105,7 +106,7 @@ class GrammarCompiler:
             else:
                 compiled = compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {e}") from None
+            raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {xgrammar_reason(e)}") from None
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_SIZE:
@@ -154,6 +155,26 @@ class PendingGrammars:
         for rid, _ in done:
             del self._pending[rid]
         return done
+
+
+_XGR_WHERE = re.compile(r"^\s*(?:\[[0-9:.]+\]\s*)?(?:\S+\.(?:cc|cpp|cxx|h|hpp):\d+:\s*)?")
+_XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def xgrammar_reason(exc: BaseException) -> str:
+    """xgrammar's error as a client should read it: without the time stamp and the C++ source
+    location it starts with (``[02:42:28] /project/cpp/regex_converter.cc:94: ``), an internal
+    check's condition (``Check failed: (error.empty()) is false: ``), the echo of the whole
+    schema that follows a JSON syntax error (``The JSON string is:...``: the client sent it) and
+    any stack trace; what is left is the reason and its position, one line."""
+    text = str(exc).split("Stack trace:", 1)[0]
+    lines = []
+    for line in text.splitlines():
+        line = _XGR_CHECK.sub("", _XGR_WHERE.sub("", line, count=1), count=1).strip()
+        if line:
+            lines.append(line)
+    reason = " ".join(lines).split(" The JSON string is:", 1)[0].strip()
+    return reason or type(exc).__name__
 
 
 class GrammarState:

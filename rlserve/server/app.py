@@ -38,6 +38,7 @@ from rlserve.server.sleep_routes import connect_weight_manager, make_sleep_route
 from rlserve.server.openapi import ADMIN_ERRORS, GENERATION_ERRORS, TOKENIZE_ERRORS, WEIGHT_SYNC_ERRORS, \
     error_answers
 from rlserve.server.state import ServerSettings, ServerState
+from rlserve.server.text_check import LoneSurrogateCheck
 from rlserve.server.tokenize_routes import make_tokenize_router
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     app.state.rlserve = state
     install_error_handlers(app, on_error=metrics.record_error)
+    # the last added runs first: the size limit, then the text check over the (bounded) body
+    app.add_middleware(LoneSurrogateCheck, on_error=metrics.record_error)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes, on_error=metrics.record_error)
     api_deps = [Depends(require_api_key(settings))]
     admin_deps = [Depends(require_admin(settings))]

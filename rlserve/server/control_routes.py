@@ -24,7 +24,9 @@ from rlserve.server.sleep_routes import sleep_info
 from rlserve.server.weight_routes import error_response
 from rlserve.server.state import ServerState, finite
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"}
+#: what TRL's ``generation_kwargs`` may set: vLLM's SamplingParams fields (``lora_int_id`` is the
+#: server's, from the request's model name; ``structured_outputs`` comes as guided_decoding_regex)
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs", "lora_int_id"}
 
 
 def make_public_router(state: ServerState) -> APIRouter:
@@ -173,14 +175,16 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
                       top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, max_tokens=body.max_tokens,
                       logprobs=lp_k, structured_outputs=await state.structured_outputs(body))
         fields.update(extra)
-        state.limits.check_sequences(len(prompts), fields.get("n"), param="prompts")
+        names = {k: f"generation_kwargs.{k}" for k in extra}
+        params = state.sampling_params(names, **fields)  # every value typed and in range, before any work
+        state.limits.check_sequences(len(prompts), params.n, param="prompts")
         items = []
         all_ids = await state.tokenize_many(prompts, [f"prompts.{i}" for i in range(len(prompts))])
         for ids in all_ids:
             if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
                 ids = ids[-body.truncate_prompt_tokens:]
-            max_tokens = state.check_length(len(ids), fields.get("max_tokens"))
-            items.append((ids, state.sampling_params(**dict(fields, max_tokens=max_tokens))))
+            max_tokens = state.check_length(len(ids), params.max_tokens, param=names.get("max_tokens", "max_tokens"))
+            items.append((ids, state.sampling_params(names, **dict(fields, max_tokens=max_tokens))))
         rid = f"trl-{uuid.uuid4().hex[:24]}"
         gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate", stream=False)
                 for i, (ids, params) in enumerate(items)]

@@ -97,13 +97,28 @@ class APIError(Exception):
 
     def body(self) -> dict:
         """``{"error": {message, type, param, code}}`` (also what an SSE stream sends in-band)."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, self.param, self.code, self.type)
+
+
+def encodable(text):
+    """``text`` as UTF-8 can carry it: a lone UTF-16 surrogate (which a client's own string may
+    bring into a message) is written out as the six characters ``\\udXXX``. Anything but a
+    ``str`` is returned as it is."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(status: int, message: str, param=None, code=None, type: str | None = None) -> dict:
-    """The OpenAI-shaped body of an error; ``code`` defaults to :func:`default_code` of the status."""
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
-                      "code": str(code) if code is not None else default_code(status)}}
+    """The OpenAI-shaped body of an error; ``code`` defaults to :func:`default_code` of the status.
+    Every string is :func:`encodable`: building an error answer never fails."""
+    return {"error": {"message": encodable(message), "type": encodable(type or _TYPES.get(status, "error")),
+                      "param": encodable(param),
+                      "code": encodable(str(code)) if code is not None else default_code(status)}}
 
 
 #: the weight-transfer control routes, served only with --weight-transfer-config

@@ -10,36 +10,21 @@ import functools
 import ipaddress
 import logging
 import math
-import re
 import threading
 import time
 from typing import Any, AsyncIterator
 
+from rlserve.engine.core_protocol import InvalidParamsError, params_from_fields
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
 from rlserve.server.chat_render import chat_message_dicts, render_chat, template_error
 from rlserve.server.errors import APIError
 from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
     RequestLimits, check_constraint, max_prompt_chars
-from rlserve.server.tokenizer_threads import TokenizerThreads
+from rlserve.server.text_check import check_text
 
 
 logger = logging.getLogger(__name__)
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_text(text: str, param: str) -> None:
-    """Refuse text that is not valid Unicode: a lone UTF-16 surrogate (JSON ``"\\ud800"``
-    without its pair) cannot be encoded as UTF-8, so no tokenizer can read it.
-
-    Raises:
-        APIError 400 (``code`` ``invalid_text``) naming the position.
-    """
-    m = _SURROGATE.search(text)
-    if m is not None:
-        raise APIError(400, f"{param}: a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at character {m.start()} is "
-                            "not valid Unicode text; send the character itself (or both halves of its "
-                            "surrogate pair)", param=param, code="invalid_text")
 
 
 @dataclasses.dataclass
@@ -122,7 +107,7 @@ class ServerState:
         self.lora = None  # rlserve.lora.registry.LoRARegistry with --enable-lora
         self._token_text: dict[int, str] = {}
         self._grammar_compiler = None
-        self.tokenizer_threads = TokenizerThreads(self.tokenizer)
+        self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
         self._templates = None  # TemplateWorkers, made on first use (False: render in this process)
         self._templates_lock = threading.Lock()
 
@@ -138,13 +123,17 @@ class ServerState:
 
         return system_fingerprint(self)
 
-    async def off_loop(self, fn, *args, chars: int = 0):
-        """``fn(*args)`` on a tokenizer thread, awaited (:mod:`rlserve.server.tokenizer_threads`:
-        encoding a prompt must not stop the event loop, which serves every other request and
-        stream of this process; ``chars``, the text's length, sends a long text to the thread of
-        its own so that short ones do not wait behind it). ``fn`` encodes with
-        ``self.tokenizer_threads.current()``. What ``fn`` raises is raised here."""
-        return await self.tokenizer_threads.run(fn, *args, chars=chars)
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the server's tokenizer thread, awaited: tokenizer work that grows with
+        the text (a chat template's rendering, encoding a long prompt) must not stop the event
+        loop, which serves every other request and stream of this process. One thread, as vLLM's
+        tokenizer executor: a Hugging Face fast tokenizer used from two threads at once can fail
+        with "Already borrowed". What ``fn`` raises is raised here."""
+        if self._tokenizer_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     async def tokenize_many(self, prompts: list, params: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """:meth:`tokenize` of each prompt (``params[i]`` names prompt ``i`` in errors), on the
@@ -154,7 +143,7 @@ class ServerState:
             return [self.tokenize(p, q, add_special_tokens=add_special_tokens) for p, q in zip(prompts, params)]
 
         if any(isinstance(p, str) for p in prompts):
-            return await self.off_loop(run, chars=sum(len(p) for p in prompts if isinstance(p, str)))
+            return await self.off_loop(run)
         return run()
 
     def template_workers(self):
@@ -222,7 +211,7 @@ class ServerState:
         """
         prompt = await self.render_chat(messages, template_args, param)
         return await self.off_loop(functools.partial(self.tokenize, prompt, param=param,
-                                                     add_special_tokens=add_special_tokens), chars=len(prompt))
+                                                     add_special_tokens=add_special_tokens))
 
     def close(self) -> None:
         """Stop the chat-template workers (the server's stop)."""
@@ -302,7 +291,7 @@ class ServerState:
         """
         check_text(text, param)
         self.limits.check_prompt_chars(text, param, self.max_model_len)  # before tokenizing
-        return list(self.tokenizer_threads.current().encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).
@@ -420,20 +409,40 @@ class ServerState:
                                                      getattr(self.aengine, "eos_token_ids", ()) or ())
         return self._grammar_compiler
 
-    def sampling_params(self, **kw) -> SamplingParams:
-        """Build SamplingParams; ``None`` values take the defaults. InvalidRequestError → 400;
-        the size bounds of ``rlserve.server.limits`` (n, logprobs, stop lists) → 400."""
+    def sampling_params(self, names: dict[str, str] | None = None, **kw) -> SamplingParams:
+        """Build the request's SamplingParams, the one place every generation route does:
+        ``None`` values take the defaults; the size bounds of ``rlserve.server.limits`` (n,
+        logprobs, stop lists); then the engine core's own schema
+        (:func:`rlserve.engine.core_protocol.params_from_fields`: types as the core decodes
+        them, ranges, what the wire carries), so that what is built here always reaches the
+        engine.
+
+        Args:
+            names: how the request names a field where that is not the field's own name (TRL's
+                ``{"top_k": "generation_kwargs.top_k"}``); errors name the request's field.
+            kw: SamplingParams fields.
+
+        Raises:
+            APIError 400: naming the field (``param``) and what is wrong with it.
+        """
+        names = names or {}
         defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                         presence_penalty=0.0, frequency_penalty=0.0)
         args = {k: (defaults[k] if v is None and k in defaults else v) for k, v in kw.items()}
-        self.limits.check_sampling(args)
         try:
-            return SamplingParams(**args)
-        except InvalidRequestError as e:
-            param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=param if param.isidentifier() else None) from None
-        except TypeError as e:
-            raise APIError(400, f"bad sampling parameters: {e}") from None
+            self.limits.check_sampling(args)
+        except APIError as e:
+            if e.param in names:
+                e.message, e.param = e.message.replace(e.param, names[e.param], 1), names[e.param]
+            raise
+        try:
+            return params_from_fields(args)
+        except InvalidParamsError as e:
+            if e.field is None:
+                raise APIError(400, str(e)) from None
+            top = e.field.split(".", 1)[0]
+            param = names.get(top, top) + e.field[len(top):]
+            raise APIError(400, e.renamed(param), param=param) from None
 
     # ---- token text -------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:

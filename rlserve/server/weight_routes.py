@@ -49,13 +49,10 @@ from rlserve.errors import (
     WeightUpdateError,
     WeightUpdateStateError,
 )
+from rlserve.server.errors import error_body
 from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {400: "invalid_request_error", 409: "conflict_error", 500: "internal_server_error",
-          503: "service_unavailable_error", 504: "timeout_error"}
-
 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """HTTP status and error code of an exception raised by the manager."""
@@ -91,8 +88,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError, SleepStateError,
                                        SleepMemoryError)) \
         else f"{type(exc).__name__}: {exc}"
-    return JSONResponse({"error": {"message": msg, "type": _TYPES.get(status, "error"), "param": None, "code": code}},
-                        status_code=status)
+    return JSONResponse(error_body(status, msg, None, code), status_code=status)
 
 
 async def _call(coro) -> Any:

@@ -9,7 +9,7 @@ import time
 
 from rlserve.errors import NoTransferEngineError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
-from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, validate_against_spec
+from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,10 @@ class TRLRoutes:
         :class:`~rlserve.transfer.sdk.trl.TRLWeightSyncClient` sends it).
 
         Raises:
-            WeightUpdateError (400): the ipc backend, a bad port, or (NCCL) the trainer on one of
-                the server's GPUs.
+            WeightUpdateError (400): the ipc backend, a bad port, a ``world_size`` that is not this
+                server's workers + 1 (:func:`~rlserve.transfer.wire.protocol.check_group_size`, as
+                ``/init_weight_transfer_engine`` checks it), or (NCCL) the trainer on one of the
+                server's GPUs.
         """
         backend = self.backend
         if backend == "ipc":
@@ -43,11 +45,8 @@ class TRLRoutes:
             backend = "gloo" if str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu") else "nccl"
         n = self.num_workers
         wire = wire or ("vllm" if backend == "nccl" else "rlserve")
-        if wire == "vllm" and world_size is not None and world_size != n + 1:
-            raise WeightUpdateError(f"world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), got "
-                                    f"{world_size}")
-        if world_size is not None and world_size != n + 1:
-            logger.warning("TRL init_communicator: world_size %s ignored; the group has %d ranks", world_size, n + 1)
+        if world_size is not None:  # the check of /init_weight_transfer_engine (TRL's layout: rank_offset 0)
+            check_group_size(world_size, n, field="world_size")
         if client_device_uuid and backend == "nccl":
             uuids = await self._worker_device_uuids()
             if client_device_uuid in uuids:

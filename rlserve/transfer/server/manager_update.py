@@ -10,7 +10,7 @@ import time
 from rlserve.errors import NoTransferEngineError, StaleSessionError, WeightUpdateError, WeightUpdateStateError
 from rlserve.loader.weight_utils import expand_expert_names
 from rlserve.transfer import errors as terr
-from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, validate_against_spec
+from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
 from rlserve.transfer.server.session import _Session, check_weight_version, next_version
@@ -51,14 +51,8 @@ class UpdateRoutes:
         n = self.num_workers
         if info.backend == "ipc":
             info.world_size = n + 1  # no group: the field is meaningless
-        elif info.shared_group or info.rank_offset > 1:
-            # several servers share the trainer's group (rlserve.transfer.sdk.fanout)
-            if info.rank_offset + n > info.world_size:
-                raise WeightUpdateError(f"init_info.rank_offset {info.rank_offset} + this server's {n} worker(s) "
-                                        f"exceeds init_info.world_size {info.world_size}")
-        elif info.world_size != n + 1:
-            raise WeightUpdateError(f"init_info.world_size must be {n + 1} (this server's {n} worker(s) + 1 trainer), "
-                                    f"got {info.world_size}")
+        else:  # shared_group / rank_offset > 1: several servers share it (rlserve.transfer.sdk.fanout)
+            check_group_size(info.world_size, n, info.rank_offset, info.shared_group)
         if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
             raise WeightUpdateError("the ipc backend needs a CUDA server")
         # a pending init (a trainer that never joined, or is still joining) is cancelled: the

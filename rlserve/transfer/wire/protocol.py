@@ -115,6 +115,30 @@ def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) 
     return v
 
 
+def check_group_size(world_size: Any, num_workers: int, rank_offset: int = 0, shared_group: bool = False,
+                     field: str = "init_info.world_size") -> None:
+    """The transfer group's size fits this server, for every route that opens a group
+    (``/init_weight_transfer_engine``, TRL's ``/init_communicator/``): ``world_size`` is this
+    server's ``num_workers`` + 1 trainer rank; when other servers share the group
+    (``shared_group``, or ``rank_offset`` above 1) it may be larger, but must hold this server's
+    ranks (``rank_offset + num_workers <= world_size``). A wrong size is refused here, not left to
+    a rendezvous that waits for ranks that never come.
+
+    Args:
+        field: how the request names the world size (in the message).
+
+    Raises:
+        WeightUpdateError (400): naming ``field`` and the size expected.
+    """
+    n = int(num_workers)
+    if shared_group or rank_offset > 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or rank_offset + n > world_size:
+            raise WeightUpdateError(f"init_info.rank_offset {rank_offset} + this server's {n} worker(s) exceeds "
+                                    f"{field} {world_size}")
+    elif isinstance(world_size, bool) or world_size != n + 1:
+        raise WeightUpdateError(f"{field} must be {n + 1} (this server's {n} worker(s) + 1 trainer), got {world_size!r}")
+
+
 def _check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise WeightUpdateError(f"{name} must be true or false, got {v!r}")
