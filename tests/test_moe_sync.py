@@ -16,9 +16,9 @@ import torch
 
 from rlserve.loader.weight_utils import parse_expert_name
 from rlserve.transfer import ModuleSource, TensorListSource, WeightSyncHTTPError, hf_state_checksums
-from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port, load_hf
-from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, server_greedy, trainer, version
+from tests.transfer_harness import InProcessServer, load_hf
+from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, scramble, server_greedy, trainer, \
+    trl_synced, version
 
 # 8 experts x [32, 64] float32 = 8 KiB per expert projection; the packed buckets are 4 KiB
 BUCKET = 4 << 10
@@ -79,11 +79,7 @@ def test_sync_equals_trainer(moe, servers, names, staging):
     if names == "per_expert":
         assert any(".experts.7.down_proj.weight" in n for n, _ in src.items)
         assert max(t.numel() * 4 for n, t in src.items if ".experts." in n) > BUCKET
-    # start from other weights than the trainer's (a fresh server's are dummy, a used one's
-    # the previous case's)
-    other = trainer(srv.url, load_hf(path, seed=99), packed_buffer_size_bytes=BUCKET)
-    other.send_weights()
-    other.shutdown()
+    scramble(srv.url, path)  # other weights than the trainer's first
     v0 = version(srv.url)
     before = server_greedy(srv.url).json()["completion_ids"]
     eng = trainer(srv.url, src, packed_buffer_size_bytes=BUCKET)
@@ -130,15 +126,9 @@ def test_trl_protocol_fused_names(moe, server):
     """TRL's ``update_model_params`` sends ``named_parameters()`` one tensor at a time (fused
     expert names with transformers 5); the close commits a full update."""
     path, hf = moe
-    other = trainer(server.url, load_hf(path, seed=98), packed_buffer_size_bytes=BUCKET)
-    other.send_weights()  # other weights than hf's first
-    other.shutdown()
+    scramble(server.url, path)  # other weights than hf's first
     base = checksums(server.url)
-    c = TRLWeightSyncClient(server.url, group_port=free_port(), timeout_s=20)
-    c.init_communicator()
-    c.update_model_params(hf)
-    c.reset_prefix_cache()  # lands the queued tensors before it answers
-    assert server_greedy(server.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+    c = trl_synced(server.url, hf)
     assert checksums(server.url) != base
     c.close_communicator()
     info = httpx.get(server.url + "/weight_info").json()

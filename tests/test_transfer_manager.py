@@ -25,7 +25,6 @@ from rlserve.transfer import (
     WeightTransferTrainerFactory,
     hf_state_checksums,
 )
-from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.transfer_harness import InProcessServer, free_port, wait_for_state
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
@@ -37,6 +36,7 @@ from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     scramble,
     server_greedy,
     trainer,
+    trl_synced,
     version,
 )
 
@@ -219,11 +219,7 @@ def test_trl_protocol(llama, shared):
         scramble(srv.url, path)
         v0 = version(srv.url)
         base = checksums(srv.url)
-        c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
-        c.init_communicator()
-        c.update_model_params(hf)
-        c.reset_prefix_cache()  # lands the queued tensors before it answers
-        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        c = trl_synced(srv.url, hf)
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         assert checksums(srv.url) == mine != base
         with pytest.raises(WeightSyncHTTPError) as ei:  # bad name: refused before the broadcast

@@ -121,6 +121,20 @@ def scramble(url, path):
     eng.shutdown()
 
 
+def trl_synced(url, hf):
+    """A TRL-protocol client (:class:`TRLWeightSyncClient`, gloo) that pushed ``hf``
+    (``update_model_params``: one tensor per call) and landed it (``reset_prefix_cache``); the
+    server's greedy tokens are checked to be ``hf``'s. Returns the client, communicator open."""
+    from rlserve.transfer.sdk.trl import TRLWeightSyncClient
+
+    c = TRLWeightSyncClient(url, group_port=free_port(), timeout_s=20)
+    c.init_communicator()
+    c.update_model_params(hf)
+    c.reset_prefix_cache()  # lands the queued tensors before it answers
+    assert server_greedy(url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+    return c
+
+
 def direct_trainer(url, hf):
     """A trainer engine that has synced twice: the second sync was received directly."""
     eng = trainer(url, hf)
