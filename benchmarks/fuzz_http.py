@@ -239,14 +239,24 @@ class Canary:
         return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-def issue33_pass(url: str, server_pid: int, model: str, classes: list[str], headers: dict, timeout: float) -> dict:
-    """Send every case of ``classes`` (``benchmarks/fuzz_cases.py``) beside a :class:`Canary`.
+def _latency(c: Canary) -> dict:
+    ms = lambda x: None if x is None else round(1000 * x, 1)  # noqa: E731
+    return {"p50_ms": ms(c.percentile(0.5)), "p99_ms": ms(c.percentile(0.99)), "max_ms": ms(max(c.latencies, default=None)),
+            "n": len(c.latencies), "failures": c.failures[:20]}
+
+
+def issue33_pass(url: str, server_pid: int, model: str, classes: list[str], headers: dict, timeout: float,
+                 baseline_s: float = 15.0) -> dict:
+    """Send every case of ``classes`` (``benchmarks/fuzz_cases.py``) beside a :class:`Canary`
+    (first ``baseline_s`` seconds of the canary alone: its latency without the fuzz).
     Returns {"sent", "statuses", "5xx", "deaths", "hangs", "dropped" (connections closed without
     an answer), "canary": {p50_ms, p99_ms, max_ms, n, failures}, "slowest": [(seconds, case), ...]}."""
     statuses: collections.Counter = collections.Counter()
     fivexx, deaths, hangs, took, dropped = [], [], [], [], []
     pids = engine_core_pids(server_pid)
     cases = [c for name in classes for c in CLASSES[name](model)]
+    with Canary(url, headers) as alone:  # the peer: the same canary with no fuzz beside it
+        time.sleep(baseline_s)
     with Canary(url, headers) as canary, httpx.Client(base_url=url) as client:
         for cls, method, path, body in cases:
             what = f"[{cls}] {method} {path} {repr(body)[:160]}"
@@ -272,11 +282,8 @@ def issue33_pass(url: str, server_pid: int, model: str, classes: list[str], head
             if now != pids or "engine_dead" in r.text:
                 deaths.append(f"{what}: engine-core PIDs {sorted(pids)} -> {sorted(now)}; {r.text[:200]}")
                 pids = now
-    ms = lambda x: None if x is None else round(1000 * x, 1)  # noqa: E731
     return {"sent": sum(statuses.values()), "statuses": dict(statuses), "5xx": fivexx, "deaths": deaths,
-            "hangs": hangs, "dropped": dropped, "canary": {"p50_ms": ms(canary.percentile(0.5)), "p99_ms": ms(canary.percentile(0.99)),
-                                       "max_ms": ms(max(canary.latencies, default=None)), "n": len(canary.latencies),
-                                       "failures": canary.failures[:20]},
+            "hangs": hangs, "dropped": dropped, "canary": _latency(canary), "canary_alone": _latency(alone),
             "slowest": [(round(t, 2), w) for t, w in sorted(took, reverse=True)[:10]]}
 
 
@@ -424,7 +431,8 @@ def main() -> int:
                 c = r["canary"]
                 print(f"  {run_name}: {r['sent']} sent, {r['statuses']}, 5xx {len(r['5xx'])}, engine deaths "
                       f"{len(r['deaths'])}, hangs {len(r['hangs'])}; canary p50 {c['p50_ms']} ms p99 {c['p99_ms']} ms "
-                      f"max {c['max_ms']} ms over {c['n']} requests, {len(c['failures'])} failed")
+                      f"max {c['max_ms']} ms over {c['n']} requests, {len(c['failures'])} failed (alone before: "
+                      f"p50 {r['canary_alone']['p50_ms']} ms p99 {r['canary_alone']['p99_ms']} ms)")
                 for x in r["deaths"][:20] + r["hangs"][:20] + r["dropped"][:20] + c["failures"][:5]:
                     print("    " + x[:400])
                 for t, w in r["slowest"][:5]:

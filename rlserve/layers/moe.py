@@ -116,8 +116,18 @@ class RoutedExpertsCapture:
         self.buffer = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32, device=device)
 
     def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        if self.buffer is not None and self.buffer.shape[0] == topk_ids.shape[0]:
-            self.buffer[:, layer_id] = topk_ids
+        """Write one layer's ``[T, top_k]`` ids (nothing before :meth:`begin`).
+
+        Raises:
+            RuntimeError: ``T`` is not the step's token count (a forward that split the step's
+                rows would lose rows: the MoE model runs whole steps).
+        """
+        if self.buffer is None:
+            return
+        if self.buffer.shape[0] != topk_ids.shape[0]:
+            raise RuntimeError(f"routed-experts capture: layer {layer_id} routed {topk_ids.shape[0]} tokens in a "
+                               f"step of {self.buffer.shape[0]}")
+        self.buffer[:, layer_id] = topk_ids
 
     def take(self) -> torch.Tensor | None:
         """The buffer of the last forward (``None`` before any); cleared."""
@@ -157,6 +167,9 @@ class FusedMoE(nn.Module):
         self.w2_weight = Parameter(torch.empty(num_experts, hidden_size, self.i_part, dtype=dtype),
                                    requires_grad=False)
         self.capture: RoutedExpertsCapture | None = None
+        # the expert computation, :func:`experts_grouped`'s contract: the seam where a GPU grouped
+        # GEMM kernel goes (tested against :func:`experts_reference`, tests/gpu/test_moe_gpu.py)
+        self.experts_fn = experts_grouped
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -164,7 +177,7 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize)
         if self.capture is not None:
             self.capture.record(self.layer_id, ids)
-        out = experts_grouped(x, self.w13_weight, self.w2_weight, weights, ids)
+        out = self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids)
         if self.reduce_results and self.tp_size > 1:
             out = tp_all_reduce(out)
         return out

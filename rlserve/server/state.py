@@ -22,6 +22,7 @@ from rlserve.server.errors import APIError
 from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
     RequestLimits, check_constraint, max_prompt_chars
 from rlserve.server.text_check import check_text
+from rlserve.server.tokenizer_threads import TokenizerThreads
 
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class ServerState:
         self.lora = None  # rlserve.lora.registry.LoRARegistry with --enable-lora
         self._token_text: dict[int, str] = {}
         self._grammar_compiler = None
-        self._tokenizer_thread = None  # concurrent.futures.ThreadPoolExecutor(1), made on first use
+        self.tokenizer_threads = TokenizerThreads(self.tokenizer)
         self._templates = None  # TemplateWorkers, made on first use (False: render in this process)
         self._templates_lock = threading.Lock()
 
@@ -123,17 +124,13 @@ class ServerState:
 
         return system_fingerprint(self)
 
-    async def off_loop(self, fn, *args):
-        """``fn(*args)`` on the server's tokenizer thread, awaited: tokenizer work that grows with
-        the text (a chat template's rendering, encoding a long prompt) must not stop the event
-        loop, which serves every other request and stream of this process. One thread, as vLLM's
-        tokenizer executor: a Hugging Face fast tokenizer used from two threads at once can fail
-        with "Already borrowed". What ``fn`` raises is raised here."""
-        if self._tokenizer_thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+    async def off_loop(self, fn, *args, chars: int = 0):
+        """``fn(*args)`` on a tokenizer thread, awaited (:mod:`rlserve.server.tokenizer_threads`:
+        encoding a prompt must not stop the event loop, which serves every other request and
+        stream of this process; ``chars``, the text's length, sends a long text to the thread of
+        its own so that short ones do not wait behind it). ``fn`` encodes with
+        ``self.tokenizer_threads.current()``. What ``fn`` raises is raised here."""
+        return await self.tokenizer_threads.run(fn, *args, chars=chars)
 
     async def tokenize_many(self, prompts: list, params: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """:meth:`tokenize` of each prompt (``params[i]`` names prompt ``i`` in errors), on the
@@ -143,7 +140,7 @@ class ServerState:
             return [self.tokenize(p, q, add_special_tokens=add_special_tokens) for p, q in zip(prompts, params)]
 
         if any(isinstance(p, str) for p in prompts):
-            return await self.off_loop(run)
+            return await self.off_loop(run, chars=sum(len(p) for p in prompts if isinstance(p, str)))
         return run()
 
     def template_workers(self):
@@ -211,7 +208,7 @@ class ServerState:
         """
         prompt = await self.render_chat(messages, template_args, param)
         return await self.off_loop(functools.partial(self.tokenize, prompt, param=param,
-                                                     add_special_tokens=add_special_tokens))
+                                                     add_special_tokens=add_special_tokens), chars=len(prompt))
 
     def close(self) -> None:
         """Stop the chat-template workers (the server's stop)."""
@@ -291,7 +288,7 @@ class ServerState:
         """
         check_text(text, param)
         self.limits.check_prompt_chars(text, param, self.max_model_len)  # before tokenizing
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer_threads.current().encode(text, add_special_tokens=add_special_tokens))
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).

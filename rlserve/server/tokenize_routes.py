@@ -38,7 +38,8 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
         text = None
         if body.messages and body.prompt is None:
             text = await state.render_chat(body.messages, body.chat_template_args())
-        return await state.off_loop(_tokenize, state, body, text)  # a long prompt must not stop the loop
+        chars = len(text if text is not None else body.prompt or "")
+        return await state.off_loop(_tokenize, state, body, text, chars=chars)  # a long prompt must not stop the loop
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -71,5 +72,5 @@ def _tokenize(state: ServerState, body: TokenizeRequest, rendered: str | None) -
         text, param = rendered, "messages"
         add_special = bool(body.add_special_tokens)
     ids = state.encode_text(text, param, add_special)
-    strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+    strs = list(state.tokenizer_threads.current().convert_ids_to_tokens(ids)) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
