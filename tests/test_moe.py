@@ -172,3 +172,27 @@ def test_tensor_parallel_2_matches_tp1(tiny_model):
     """TP=2 over gloo: every expert's intermediate dim split in two (w13 rows / w2 columns of
     each rank), the routed and shared experts' partial sums all-reduced; the router replicated."""
     check_tp2_equals_tp1([tiny_model("qwen2_moe"), tiny_model("qwen3_moe", decoder_sparse_step=2)])
+
+
+def test_qwen3_30b_a3b_shape_on_meta():
+    """The real Qwen3-30B-A3B config (benchmarks/model_shapes.py: 48 layers, 128 experts, top-8)
+    built on the meta device: the same parameter count as Hugging Face's model (30.5 B), every HF
+    parameter name and shape in the spec, 48 x 128 x 3 per-expert names required."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from model_shapes import shape_config
+    from transformers import AutoModelForCausalLM
+
+    from rlserve.loader.model_loader import build_model
+
+    cfg = shape_config("qwen3-30b-a3b")
+    ours = build_model(cfg, "meta", torch.bfloat16)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(p.numel() for p in hf.parameters()) and 30.4e9 < n < 30.6e9
+    assert {k: tuple(p.shape) for k, p in hf.named_parameters()}.items() <= ours.checkpoint_spec().items()
+    required = ours.required_checkpoint_names()
+    assert sum(".experts." in k for k in required) == 48 * 128 * 3
+    assert ours.model.layers[0].mlp.experts.w13_weight.shape == (128, 2 * 768, 2048)
