@@ -12,6 +12,8 @@ class                           HTTP   meaning
                                        checksum mismatch, broken group)
 ``TransferTimeoutError``        504    a rendezvous / collective / RPC ran past its
                                        timeout
+``NonFiniteWeightsError``       400    a synced tensor holds NaN / inf (code
+                                       ``non_finite_weights``)
 ``ModelUnavailableError``       503    (rlserve.errors) generation refused after a
                                        failed in-place update
 ==============================  =====  ==========================================
@@ -42,3 +44,12 @@ class TransferAbortedError(WeightTransferFailedError):
 class TrainerGoneError(TransferAbortedError):
     """The trainer's process died (its TCPStore connection closed or stopped answering, see
     :mod:`rlserve.transfer.server.liveness`): the open update failed the way a broken transfer fails."""
+
+
+class NonFiniteWeightsError(WeightTransferFailedError):
+    """A synced tensor holds a NaN or an infinity (:mod:`rlserve.transfer.finite`): the update is
+    refused before it is committed (HTTP 400, code ``non_finite_weights``; staged, the old
+    weights keep serving; in place, once anything was written, generation answers 503 until a
+    complete good update lands)."""
+
+    code = "non_finite_weights"

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rlserve.transfer.finite import checked, np_nonfinite
+
 #: Byte ranges handed to one pool task (split at multiples of 8 bytes: s64sum words). 1 MiB: a
 #: fused copy + sum then reads the piece back from the cache (538 MB, one thread: 0.048 s at
 #: 256 KiB-1 MiB pieces, 0.053 s at 4 MiB).
@@ -118,36 +120,49 @@ def host_copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], s64sums: 
     Raises:
         ValueError: :func:`host_copyable` does not hold for a pair (nothing was copied).
     """
+    return host_copy_scan(pairs, s64sums)[0]
+
+
+def host_copy_scan(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], s64sums: bool = False,
+                   finite: bool = False) -> tuple[list[int] | None, list[bool] | None]:
+    """:func:`host_copy_many`, and with ``finite`` the non-finite test of each pair's elements
+    (:func:`rlserve.transfer.finite.np_nonfinite` on each piece right after its copy, from the
+    cache). Returns ``(checksums or None, per pair "holds NaN / inf" or None)``; raises what
+    :func:`host_copy_many` raises."""
     views = []
     for dst, src in pairs:
         if not host_copyable(dst, src):
             raise ValueError(f"host copy: needs contiguous CPU tensors of one dtype and size, got {dst.dtype} "
                              f"{tuple(dst.shape)} {dst.device} <- {src.dtype} {tuple(src.shape)} {src.device}")
-        views.append((_u8(dst), _u8(src)))
-    sums = _per_array([s.size for _, s in views],
-                      lambda i, a, b: _copy_piece(views[i][0][a:b], views[i][1][a:b], s64sums))
-    return sums if s64sums else None
+        views.append((_u8(dst), _u8(src), src.dtype if finite else None))
+    sums, bad = _per_array([s.size for _, s, _ in views],
+                           lambda i, a, b: _copy_piece(views[i][0][a:b], views[i][1][a:b], s64sums, views[i][2]))
+    return (sums if s64sums else None), (bad if finite else None)
 
 
-def _per_array(sizes: list[int], piece) -> list[int]:
-    """Run ``piece(i, a, b)`` over the :func:`_ranges` of each array ``i`` of ``sizes`` bytes (on
-    the pool, :func:`_run`) and return, per array, the wrapped sum of its pieces' results."""
+def _per_array(sizes: list[int], piece) -> tuple[list[int], list[bool]]:
+    """Run ``piece(i, a, b) -> (sum, bad)`` over the :func:`_ranges` of each array ``i`` of
+    ``sizes`` bytes (on the pool, :func:`_run`) and return, per array, the wrapped sum of its
+    pieces' sums and whether any piece was bad."""
     tasks, owner = [], []
     for i, n in enumerate(sizes):
         for a, b in _ranges(n):
             tasks.append((lambda i=i, a=a, b=b: piece(i, a, b), b - a))
             owner.append(i)
     totals = [0] * len(sizes)
-    for i, v in zip(owner, _run(tasks, sum(sizes))):
+    bad = [False] * len(sizes)
+    for i, (v, nf) in zip(owner, _run(tasks, sum(sizes))):
         totals[i] += v
-    return [wrap64(v) for v in totals]
+        bad[i] = bad[i] or nf
+    return [wrap64(v) for v in totals], bad
 
 
-def _copy_piece(d: np.ndarray, s: np.ndarray, s64sum: bool) -> int:
+def _copy_piece(d: np.ndarray, s: np.ndarray, s64sum: bool, finite_dtype=None) -> tuple[int, bool]:
     """Copy ``s`` into ``d``; with ``s64sum`` return the piece's checksum (a piece starts at a
-    multiple of 8 bytes of its tensor; only a tensor's last piece has a zero-padded tail)."""
+    multiple of 8 bytes of its tensor; only a tensor's last piece has a zero-padded tail), with
+    ``finite_dtype`` whether the copied ``finite_dtype`` elements hold a non-finite value."""
     np.copyto(d, s)
-    return _s64sum_piece(d) if s64sum else 0
+    return (_s64sum_piece(d) if s64sum else 0), np_nonfinite(d, finite_dtype)
 
 
 def _s64sum_piece(a: np.ndarray) -> int:
@@ -179,7 +194,46 @@ def host_s64sums(tensors: Sequence[torch.Tensor]) -> list[int]:
     words and summed with wrap-around. The last ``n % 8`` bytes form one zero-padded word.
     Returns ints in the int64 range, the same values as the torch path gives."""
     arrays = [_u8(t if t.is_contiguous() else t.contiguous()) for t in tensors]
-    return _per_array([a.size for a in arrays], lambda i, a, b: _s64sum_piece(arrays[i][a:b]))
+    return _per_array([a.size for a in arrays], lambda i, a, b: (_s64sum_piece(arrays[i][a:b]), False))[0]
+
+
+def host_scan_spans(u8: torch.Tensor, spans: Sequence[tuple[int, int, torch.dtype | None]],
+                    s64sum: bool = True) -> tuple[int | None, list[bool]]:
+    """One pass over a CPU byte buffer (a packed bucket): its ``s64sum`` and, per span, the
+    non-finite test of the elements it holds.
+
+    Args:
+        u8: contiguous 1-D uint8 CPU tensor.
+        spans: ``(offset, nbytes, dtype)`` per tensor in ``u8`` (bytes; any offsets, in
+            increasing order, not overlapping); a dtype :func:`~rlserve.transfer.finite.checked`
+            rejects is not tested.
+        s64sum: also sum the whole buffer.
+    Returns:
+        ``(checksum of u8 or None, per span "holds NaN / inf")``. Each 1 MiB piece is summed and
+        the spans' elements that start in it are tested right after, from the cache.
+    """
+    a = _u8(u8)
+    tested = [(k, off, nb, dt) for k, (off, nb, dt) in enumerate(spans) if nb and checked(dt)]
+
+    def piece(lo: int, hi: int) -> tuple[int, list[int]]:
+        total = _s64sum_piece(a[lo:hi]) if s64sum else 0
+        bad = []
+        for k, off, nb, dt in tested:
+            if off + nb <= lo or off >= hi:
+                continue
+            size = dt.itemsize
+            start = off + max(0, -(-(lo - off) // size) * size)  # first element starting in the piece
+            end = min(off + nb, off + -(-(hi - off) // size) * size)  # through the last one starting here
+            if start < end and np_nonfinite(a[start:end], dt):
+                bad.append(k)
+        return total, bad
+
+    out = _run([(lambda lo=lo, hi=hi: piece(lo, hi), hi - lo) for lo, hi in _ranges(a.size)], a.size)
+    flags = [False] * len(spans)
+    for _, bad in out:
+        for k in bad:
+            flags[k] = True
+    return (wrap64(sum(t for t, _ in out)) if s64sum else None), flags
 
 
 def host_s64sum(u8: torch.Tensor) -> int:

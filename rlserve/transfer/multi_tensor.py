@@ -28,6 +28,8 @@ from typing import Sequence
 
 import torch
 
+from rlserve.transfer.finite import checked, lane_masks, torch_nonfinite
+
 #: Words (8 bytes) per chunk: 8 MiB, so a 16 GB update is ~2,000 programs (many waves on 132 SMs).
 CHUNK_WORDS = 1 << 20
 #: Words each program moves per loop iteration.
@@ -44,13 +46,19 @@ def _kernel():
         return None
 
     @triton.jit
-    def copy_sum(src_ptrs, dst_ptrs, words, partial, COPY: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_sum(src_ptrs, dst_ptrs, words, partial, masks, partial_bad, COPY: tl.constexpr, CHECK: tl.constexpr,
+                 BLOCK: tl.constexpr):
         c = tl.program_id(0)
         src = tl.load(src_ptrs + c).to(tl.pointer_type(tl.int64))
         n = tl.load(words + c)
         acc = tl.zeros([BLOCK], dtype=tl.int64)
         if COPY:
             dst = tl.load(dst_ptrs + c).to(tl.pointer_type(tl.int64))
+        if CHECK:  # rlserve.transfer.finite.lane_masks of the chunk's dtype (H = 0: not tested)
+            mm = tl.load(masks + 3 * c)
+            ll = tl.load(masks + 3 * c + 1)
+            hh = tl.load(masks + 3 * c + 2)
+            bad = tl.zeros([BLOCK], dtype=tl.int64)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
@@ -58,7 +66,12 @@ def _kernel():
             if COPY:
                 tl.store(dst + offs, x, mask=m)
             acc += x
+            if CHECK:
+                v = (x & mm) ^ mm  # a lane is zero where its element's exponent bits are all set
+                bad |= (v - ll) & (v ^ -1) & hh
         tl.store(partial + c, tl.sum(acc, axis=0))
+        if CHECK:
+            tl.store(partial_bad + c, tl.sum((bad != 0).to(tl.int64), axis=0))
 
     return copy_sum
 
@@ -77,8 +90,9 @@ def warmup(device: torch.device) -> None:
         return
     with torch.cuda.device(device):
         src = torch.zeros(64, dtype=torch.int64, device=device)
-        MultiTensorSum.build([src]).run()
-        MultiTensorSum.build([src], [torch.empty_like(src)]).run()
+        for check in (False, True):
+            MultiTensorSum.build([src], check_finite=check).run()
+            MultiTensorSum.build([src], [torch.empty_like(src)], check_finite=check).run()
         torch.cuda.synchronize(device)
 
 
@@ -93,16 +107,22 @@ class MultiTensorSum:
     """
 
     def __init__(self, srcs, dsts, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                 tails: list[tuple[int, torch.Tensor, torch.Tensor | None]]):
+                 tails: list[tuple[int, torch.Tensor, torch.Tensor | None]], masks: torch.Tensor | None = None,
+                 check_dtypes: list | None = None):
         self._srcs, self._dsts = list(srcs), None if dsts is None else list(dsts)
         self._src_ptrs, self._dst_ptrs, self._words, self._owner = table
         self._tails = tails
+        self._masks = masks  # int64 [chunks, 3]: the finite test's lane masks (None: no test)
+        self._check_dtypes = check_dtypes
+        #: after :meth:`run` with the test on: int64 ``[n]``, non-zero where a source holds NaN / inf
+        self.bad: torch.Tensor | None = None
         self.n = len(self._srcs)
         self.device = self._srcs[0].device if self._srcs else None
 
     @classmethod
     def build(cls, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor] | None = None,
-              chunk_words: int = CHUNK_WORDS, _allow_cpu: bool = False) -> "MultiTensorSum | None":
+              chunk_words: int = CHUNK_WORDS, _allow_cpu: bool = False, check_finite: bool = False,
+              check_dtypes: Sequence[torch.dtype | None] | None = None) -> "MultiTensorSum | None":
         """Prepare the chunk table for ``srcs`` (and ``dsts``: copy ``srcs[i]`` into ``dsts[i]``).
 
         Args:
@@ -111,6 +131,10 @@ class MultiTensorSum:
                 same device (dtypes may differ: bytes are copied as they are).
             chunk_words: int64 words per program.
             _allow_cpu: accept CPU tensors (tests only: Triton's interpreter, ``TRITON_INTERPRET=1``).
+            check_finite: the same pass also tests every element for NaN / inf
+                (:mod:`rlserve.transfer.finite`; :attr:`bad` after :meth:`run`).
+            check_dtypes: with ``check_finite``, the dtype each source's bytes hold (default:
+                the sources' own; e.g. uint8 views of a packed bucket's slots).
         Returns:
             The prepared op, or ``None`` when the requirements of the module docstring are not met.
         """
@@ -125,6 +149,8 @@ class MultiTensorSum:
         words: list[int] = []
         owner: list[int] = []
         tails = []
+        dts = list(check_dtypes) if check_dtypes is not None else [s.dtype for s in srcs]
+        lanes: list[tuple[int, int, int]] = []
         for i, (s, d) in enumerate(pairs):
             nb = s.numel() * s.element_size()
             if s.device != dev or not (s.is_cuda or _allow_cpu) or not s.is_contiguous() or s.data_ptr() % 8:
@@ -142,13 +168,17 @@ class MultiTensorSum:
                 dst_ptrs.append(0 if d is None else d.data_ptr() + 8 * w0)
                 words.append(min(chunk_words, full - w0))
                 owner.append(i)
+                if check_finite:
+                    lanes.append(lane_masks(dts[i]))
         mk = functools.partial(torch.tensor, dtype=torch.int64, device=dev)
         table = (mk(src_ptrs), mk(dst_ptrs), mk(words), mk(owner))
-        return cls(srcs, dsts, table, tails)
+        masks = (mk(lanes) if lanes else mk([[0, 0, 0]])) if check_finite else None
+        return cls(srcs, dsts, table, tails, masks, dts if check_finite else None)
 
     def run(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the kernel on the current stream (asynchronous); returns the per-source ``s64sum``
-        checksums as an int64 tensor of shape ``[n]`` on the device (read it with ``.tolist()``).
+        checksums as an int64 tensor of shape ``[n]`` on the device (read it with ``.tolist()``);
+        built with ``check_finite``, :attr:`bad` then holds the non-finite test (queued too).
         ``out``: an int64 ``[n]`` tensor on the device to write them into (e.g. one shared with
         the server over CUDA IPC)."""
         from rlserve.transfer.wire.packing import checksum_tensor
@@ -157,14 +187,23 @@ class MultiTensorSum:
             out = torch.zeros(self.n, dtype=torch.int64, device=self.device)
         else:
             out.zero_()
+        check = self._masks is not None
+        if check:
+            self.bad = torch.zeros(self.n, dtype=torch.int64, device=self.device)
         nchunks = self._words.numel()
         if nchunks:
             partial = torch.empty(nchunks, dtype=torch.int64, device=self.device)
+            pbad = torch.empty(nchunks if check else 1, dtype=torch.int64, device=self.device)
             _kernel()[(nchunks,)](self._src_ptrs, self._dst_ptrs, self._words, partial,
-                                  COPY=self._dsts is not None, BLOCK=BLOCK_WORDS, num_warps=8)
+                                  self._masks if check else partial, pbad, COPY=self._dsts is not None,
+                                  CHECK=check, BLOCK=BLOCK_WORDS, num_warps=8)
             out.index_add_(0, self._owner, partial)
+            if check:
+                self.bad.index_add_(0, self._owner, pbad)
         for i, su8, du8 in self._tails:
             if du8 is not None:
                 du8.copy_(su8)
             out[i] += checksum_tensor(su8)
+            if check and checked(self._check_dtypes[i]):
+                self.bad[i] += torch_nonfinite(su8.view(self._check_dtypes[i]))
         return out

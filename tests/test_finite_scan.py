@@ -1,0 +1,129 @@
+"""The non-finite test folded into the checksum passes (rlserve.transfer.finite): host pieces
+(numpy, host_ops) and the Triton chunk kernel (through Triton's interpreter on CPU), for every
+tested dtype: one NaN / +inf / -inf in one element is found, in the element where it is, and
+finite extremes (max, -max, smallest subnormal, -0.0) are not flagged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
+from rlserve.transfer.finite import lane_masks, np_nonfinite, torch_nonfinite
+from rlserve.transfer.host_ops import host_copy_scan, host_scan_spans
+from rlserve.transfer.wire.packing import plan_buckets, tensor_checksum, checksum, pack
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+#: what each dtype can hold that is not finite (e4m3fn has no infinity: inf casts to NaN there)
+BAD = {dt: [float("nan"), float("inf"), float("-inf")] for dt in DTYPES}
+BAD[torch.float8_e4m3fn] = [float("nan"), -float("nan")]
+
+
+def finite_extremes(dt: torch.dtype, n: int = 333) -> torch.Tensor:
+    """``n`` finite values of ``dt``, its largest, most negative, tiniest and -0.0 among them."""
+    fi = torch.finfo(dt)
+    base = torch.linspace(-3, 3, n, dtype=torch.float32).to(dt)
+    ext = torch.tensor([fi.max, -fi.max, fi.smallest_normal, -fi.tiny, 0.0, -0.0], dtype=torch.float64).to(dt)
+    base[: ext.numel()] = ext  # (n >= 7)
+    if dt.itemsize > 1:
+        base[6] = torch.tensor(fi.smallest_normal / 4, dtype=torch.float64).to(dt)  # a subnormal
+    return base
+
+
+def with_bad(dt, value, at: int, n: int = 333) -> torch.Tensor:
+    t = finite_extremes(dt, n)
+    t[at] = torch.tensor(value, dtype=torch.float32).to(dt) if dt.itemsize > 1 else \
+        torch.tensor([value], dtype=torch.float32).to(dt)[0]
+    return t
+
+
+def _bad_bits(t):
+    """The bytes of ``t`` (NaN != NaN: compare bits)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_host_and_torch_tests_find_one_bad_element(dt):
+    good = finite_extremes(dt)
+    assert not np_nonfinite(good.view(torch.uint8).numpy(), dt)
+    assert not bool(torch_nonfinite(good))
+    for value in BAD[dt]:
+        for at in (0, 7, 332):
+            t = with_bad(dt, value, at)
+            assert np_nonfinite(t.view(torch.uint8).numpy(), dt), (value, at)
+            assert bool(torch_nonfinite(t)), (value, at)
+    # integers are not tested whatever their bits
+    assert not np_nonfinite(torch.full((8,), -1, dtype=torch.int32).view(torch.uint8).numpy(), torch.int32)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_host_copy_scan_flags_the_pair_and_copies_everything(dt, monkeypatch):
+    monkeypatch.setattr("rlserve.transfer.host_ops.CHUNK_BYTES", 64)  # many pieces per tensor
+    srcs = [finite_extremes(dt), with_bad(dt, BAD[dt][-1], 200), finite_extremes(dt, 9)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    sums, bad = host_copy_scan(list(zip(dsts, srcs)), s64sums=True, finite=True)
+    assert bad == [False, True, False]
+    assert sums == [tensor_checksum(s) for s in srcs]
+    assert all(torch.equal(_bad_bits(d), _bad_bits(s)) for d, s in zip(dsts, srcs))
+    assert host_copy_scan(list(zip(dsts, srcs)), s64sums=True, finite=False)[1] is None
+
+
+@pytest.mark.parametrize("align", [256, 1])
+def test_host_scan_spans_of_a_bucket(align, monkeypatch):
+    """rlserve's aligned layout and vLLM's back-to-back one (slots at odd offsets): the bucket's
+    s64sum equals checksum() of its bytes and exactly the slot holding the bad value is named,
+    also when that value sits across a piece boundary."""
+    monkeypatch.setattr("rlserve.transfer.host_ops.CHUNK_BYTES", 64)
+    tensors = [finite_extremes(torch.float8_e4m3fn, 37), finite_extremes(torch.bfloat16, 91),
+               with_bad(torch.float16, float("-inf"), 45, 77), finite_extremes(torch.float32, 33),
+               with_bad(torch.bfloat16, float("nan"), 90, 91)]
+    plan = plan_buckets([f"t{i}" for i in range(5)], [t.dtype for t in tensors], [t.shape for t in tensors],
+                        1 << 20, align=align)
+    (b,) = plan
+    buf = torch.zeros(b.nbytes, dtype=torch.uint8)
+    for sl, t in zip(b.slots, tensors):
+        buf[sl.offset: sl.offset + sl.nbytes] = t.reshape(-1).view(torch.uint8)
+    spans = [(sl.offset, sl.nbytes, sl.dtype) for sl in b.slots]
+    total, bad = host_scan_spans(buf, spans)
+    assert total == checksum(buf)
+    assert bad == [False, False, True, False, True]
+    assert host_scan_spans(buf, spans, s64sum=False) == (None, bad)
+
+
+def test_lane_masks_are_the_exponent_fields():
+    assert lane_masks(torch.bfloat16)[0] == 0x7F807F807F807F80
+    assert lane_masks(torch.float32) == (0x7F8000007F800000, 0x0000000100000001, -0x7FFFFFFF80000000)
+    assert lane_masks(torch.int64) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_multi_tensor_sum_tests_every_element(copy):
+    """The Triton kernel (chunks of 3 words: an element's word in any chunk; odd-sized tails):
+    per-source flags, the sums unchanged, with the test off no flags."""
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+
+    srcs, want = [], []
+    for dt in DTYPES:
+        srcs.append(finite_extremes(dt, 29))
+        want.append(0)
+        for value in BAD[dt]:
+            for at in (0, 13, 28):  # 28: in the tail past the last whole word for 1- and 2-byte types
+                srcs.append(with_bad(dt, value, at, 29))
+                want.append(1)
+    srcs.append(torch.full((9,), -1, dtype=torch.int32))  # all bits set: not a float, not tested
+    want.append(0)
+    dsts = [torch.zeros_like(s) for s in srcs] if copy else None
+    op = MultiTensorSum.build(srcs, dsts, chunk_words=3, _allow_cpu=True, check_finite=True)
+    sums = op.run().tolist()
+    assert [int(b != 0) for b in op.bad.tolist()] == want
+    assert sums == [tensor_checksum(s) for s in srcs]
+    if copy:
+        assert all(torch.equal(_bad_bits(d), _bad_bits(s)) for d, s in zip(dsts, srcs))
+    plain = MultiTensorSum.build(srcs, chunk_words=3, _allow_cpu=True)
+    assert plain.run().tolist() == sums and plain.bad is None
+    # uint8 views of a bucket's slots, tested as the dtype they hold
+    u8 = [s.reshape(-1).view(torch.uint8) for s in srcs[:5]]
+    op = MultiTensorSum.build(u8, chunk_words=3, _allow_cpu=True, check_finite=True,
+                              check_dtypes=[s.dtype for s in srcs[:5]])
+    op.run()
+    assert [int(b != 0) for b in op.bad.tolist()] == want[:5]
