@@ -15,7 +15,7 @@ import torch
 
 from rlserve.errors import WeightUpdateError
 from rlserve.server.launch import free_port, parent_death_signal
-from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
+from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError, WeightTransferFailedError
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.wire.packing import (
     ALIGN,
@@ -365,15 +365,21 @@ def test_deferred_checksums_compared_once_at_the_end():
     bad = good.clone()
     bad[3] ^= 1
     expected = [checksum(good), checksum(good)]
-    ok = [(checksum_tensor(good), 0, "bucket 1/2", 64), (checksum(good), 1, "bucket 2/2", 64)]  # queued / host
+    ok = [(checksum_tensor(good), 0, "bucket 1/2", 64, []), (checksum(good), 1, "bucket 2/2", 64, [])]  # queued / host
     WeightReceiver._check_deferred(ok, expected)  # no error
     WeightReceiver._check_deferred([], expected)
     WeightReceiver._check_deferred(ok, None)  # nothing announced: nothing to compare
-    wrong = [ok[0], (checksum_tensor(bad), 1, "bucket 2/2", 64)]
+    wrong = [ok[0], (checksum_tensor(bad), 1, "bucket 2/2", 64, [])]
     with pytest.raises(ChecksumMismatchError, match="bucket 2/2.*!= announced.*not committed"):
         WeightReceiver._check_deferred(wrong, expected)
     with pytest.raises(ChecksumMismatchError, match="bucket 1/2.*sent after the data"):
-        WeightReceiver._check_deferred([(checksum(bad), 0, "bucket 1/2", 64)], expected, after_data=True)
+        WeightReceiver._check_deferred([(checksum(bad), 0, "bucket 1/2", 64, [])], expected, after_data=True)
+    # the non-finite tensors the pass found (names, or device flags + names) fail after the sums
+    nan = [ok[0], (checksum(good), 1, "bucket 2/2", 64, (torch.tensor([0, 1]), ["a", "b.weight"]))]
+    with pytest.raises(NonFiniteWeightsError, match="'b.weight' \\(bucket 2/2\\).*refused"):
+        WeightReceiver._check_deferred(nan, None)
+    with pytest.raises(ChecksumMismatchError):  # a corrupt bucket is named as such first
+        WeightReceiver._check_deferred([wrong[1][:4] + (["b.weight"],)], expected)
 
 
 def test_ipc_ref_fields_validated():

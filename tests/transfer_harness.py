@@ -20,12 +20,14 @@ class InProcessServer:
         model: tiny model directory.
         transfer_config: ``--weight-transfer-config``.
         staging: ``--weight-staging``.
+        check_finite: ``--weight-check-finite``.
         engine_mode: ``AsyncEngine``'s (default: its own, the engine-core process).
         engine_kwargs: extra ``EngineConfig`` fields.
     """
 
     def __init__(self, model: str, transfer_config: dict | None = None, staging: str = "none",
-                 admin_key: str | None = None, engine_mode: str | None = None, **engine_kwargs):
+                 admin_key: str | None = None, engine_mode: str | None = None, check_finite: bool = True,
+                 **engine_kwargs):
         from rlserve.config import EngineConfig
         from rlserve.engine.async_engine import AsyncEngine
         from rlserve.server.app import build_app
@@ -39,7 +41,7 @@ class InProcessServer:
         self.port = free_port()
         settings = ServerSettings(model=model, served_model_names=[model], host="127.0.0.1", port=self.port,
                                   admin_key=admin_key, weight_transfer_config=transfer_config or {"backend": "gloo"},
-                                  weight_staging=staging)
+                                  weight_staging=staging, weight_check_finite=check_finite)
         self.app = build_app(self.aengine, settings)
         self.manager = self.app.state.rlserve.weight_manager
         self.url = f"http://127.0.0.1:{self.port}"

@@ -176,6 +176,10 @@ def register(subparsers) -> None:
     s.add_argument("--weight-staging", default="none", choices=["none", "device", "host"],
                    help="none: update in place while paused; device/host: receive into a staging copy while "
                         "generating, then commit with one copy")
+    s.add_argument("--weight-check-finite", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse a weight update whose tensor holds NaN or +-inf (400 non_finite_weights naming it, "
+                        "tested in the checksum pass: staged, the old weights keep serving; in place, 503 until a "
+                        "complete good update). --no-weight-check-finite commits whatever arrives")
     s.add_argument("--weight-version", default="0", help="initial weight version reported on every completion")
     s.add_argument("--pause-hold-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request that arrives while generation is paused waits at most this long for /resume, "
@@ -320,7 +324,8 @@ def run(args) -> int:
     settings = ServerSettings(
         model=model_arg, served_model_names=args.served_model_name or [model_arg], host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
-        weight_staging=args.weight_staging, max_request_body_bytes=args.max_request_body_bytes,
+        weight_staging=args.weight_staging, weight_check_finite=args.weight_check_finite,
+        max_request_body_bytes=args.max_request_body_bytes,
         max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
         lora_modules=list(args.lora_modules or []),
     )

@@ -123,7 +123,8 @@ def mount_weight_routes(app: FastAPI, state: ServerState, admin_deps: list, weig
             logger.warning("rlserve.server.weight_routes has no make_weight_manager(); weight routes not mounted")
             return
         weight_manager = make_manager(state.aengine, state.settings.weight_transfer_config,
-                                      staging=state.settings.weight_staging)
+                                      staging=state.settings.weight_staging,
+                                      check_finite=state.settings.weight_check_finite)
     state.weight_manager = weight_manager
     listeners = getattr(weight_manager, "update_listeners", None)
     if listeners is not None:

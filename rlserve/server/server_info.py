@@ -144,6 +144,7 @@ def server_info(state: ServerState, config_format: str | None = None, sleep: dic
         "max_logprobs": state.max_logprobs,
         "weight_transfer_config": state.settings.weight_transfer_config,
         "weight_staging": state.settings.weight_staging,
+        "weight_check_finite": state.settings.weight_check_finite,
         "is_paused": state.aengine.is_paused(),
         "enable_sleep_mode": bool(getattr(cfg, "enable_sleep_mode", False)),
         "is_sleeping": bool(sleep and sleep["is_sleeping"]),

@@ -42,6 +42,7 @@ class ServerSettings:
         weight_transfer_config: the parsed ``--weight-transfer-config`` (None: weight-sync
             routes are not mounted).
         weight_staging: "none", "device" or "host".
+        weight_check_finite: refuse synced tensors holding NaN / inf (``--weight-check-finite``).
         max_request_body_bytes: largest request body (413 above; ``rlserve.server.limits``).
         max_request_sequences: largest prompts x ``n`` of one request (400 above).
         insecure_control_routes: serve control routes without a key on a non-loopback bind
@@ -58,6 +59,7 @@ class ServerSettings:
     admin_key: str | None = None
     weight_transfer_config: dict | None = None
     weight_staging: str = "none"
+    weight_check_finite: bool = True
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
     insecure_control_routes: bool = False

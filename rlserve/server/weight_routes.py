@@ -170,15 +170,15 @@ class TRLUpdateBody(BaseModel):
     shape: list[int]
 
 
-def make_weight_manager(aengine, transfer_config: dict | None, staging: str = "none"):
-    """The manager for ``--weight-transfer-config`` / ``--weight-staging``.
+def make_weight_manager(aengine, transfer_config: dict | None, staging: str = "none", check_finite: bool = True):
+    """The manager for ``--weight-transfer-config`` / ``--weight-staging`` / ``--weight-check-finite``.
 
     Raises:
         ValueError: a bad config or staging mode (the server refuses to start).
     """
     from rlserve.transfer.server.manager import WeightTransferManager
 
-    return WeightTransferManager(aengine, transfer_config, staging=staging)
+    return WeightTransferManager(aengine, transfer_config, staging=staging, check_finite=check_finite)
 
 
 def make_weight_router(manager, dependencies: list | None = None) -> APIRouter:

@@ -26,6 +26,8 @@ _LAZY = {
     "HTTPVLLMWeightSyncClient": "rlserve.transfer.sdk.trainer",
     "WeightSyncHTTPError": "rlserve.transfer.sdk.trainer",
     "WeightSyncConflictError": "rlserve.transfer.sdk.trainer",
+    "WeightsRefusedNonFiniteError": "rlserve.transfer.sdk.trainer",
+    "NonFiniteWeightsError": "rlserve.transfer.errors",
     "ModuleSource": "rlserve.transfer.sdk.trainer",
     "TensorListSource": "rlserve.transfer.sdk.trainer",
     "TrainerInitInfo": "rlserve.transfer.sdk.trainer",

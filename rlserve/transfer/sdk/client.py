@@ -8,7 +8,7 @@ import threading
 
 
 from rlserve.errors import WeightUpdateError, WeightUpdateStateError
-from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
+from rlserve.transfer.errors import NonFiniteWeightsError, TransferTimeoutError, WeightTransferFailedError
 from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
 
 class WeightSyncHTTPError(WeightUpdateError):
@@ -26,6 +26,12 @@ class WeightSyncConflictError(WeightSyncHTTPError, WeightUpdateStateError):
     """HTTP 409: the call arrived out of order."""
 
 
+class WeightsRefusedNonFiniteError(WeightSyncHTTPError, NonFiniteWeightsError):
+    """HTTP 400 ``non_finite_weights``: the server found NaN / inf in a synced tensor (named in
+    ``message``) and refused the update; staged servers keep their old weights, in-place ones
+    answer 503 until a complete good update. Catch it as either class."""
+
+
 class HTTPWeightSyncClient:
     """Client of the server's weight-sync control routes (``requests``, JSON only).
 
@@ -35,7 +41,8 @@ class HTTPWeightSyncClient:
         timeout_s: read timeout of each call in seconds (``update_weights`` gets the larger of
             this and the value the engine passes); connecting is limited to 10 s.
 
-    Every method raises :class:`WeightSyncHTTPError` (409: :class:`WeightSyncConflictError`)
+    Every method raises :class:`WeightSyncHTTPError` (409: :class:`WeightSyncConflictError`; 400
+    ``non_finite_weights``: :class:`WeightsRefusedNonFiniteError`)
     with the server's JSON error message on 4xx/5xx, and :class:`WeightTransferFailedError`
     when the server cannot be reached.
     """
@@ -91,7 +98,8 @@ class HTTPWeightSyncClient:
                     msg = err
             except ValueError:
                 pass
-            cls = WeightSyncConflictError if r.status_code == 409 else WeightSyncHTTPError
+            cls = WeightSyncConflictError if r.status_code == 409 else \
+                WeightsRefusedNonFiniteError if code == NonFiniteWeightsError.code else WeightSyncHTTPError
             raise cls(route, r.status_code, str(msg), etype, code)
         try:
             return r.json() if r.content else {}

@@ -44,6 +44,7 @@ from rlserve.transfer.sdk.client import (  # noqa: F401
     HTTPWeightSyncClient,
     WeightSyncConflictError,
     WeightSyncHTTPError,
+    WeightsRefusedNonFiniteError,
 )
 from rlserve.transfer.sdk.engine import GroupTrainerEngine, TrainerWeightTransferEngine
 from rlserve.transfer.sdk.init_info import (  # noqa: F401

@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlserve.transfer.host_ops import host_copy_many, host_copyable
+from rlserve.transfer.finite import Scan
+from rlserve.transfer.host_ops import host_copy_many, host_copy_scan, host_copyable
 
 _COPY = torch.ops.aten.copy_.default
 _UNSET = object()
@@ -63,7 +64,7 @@ class CopyPlan:
         self._fused: dict[tuple, object] = {}  # sources' addresses -> MultiTensorSum (None: cannot)
         self._copy_op = _UNSET  # MultiTensorSum over the fast pairs (None: use _foreach_copy_)
 
-    def replay(self, sum_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+    def replay(self, sum_sources: Sequence[torch.Tensor] | None = None, check_finite: bool = False) -> Scan | None:
         """Issue every constant fill, then every copy, on the current stream (asynchronous on CUDA).
 
         The same-dtype contiguous copies go in one launch: the Triton chunk-table copy where it
@@ -71,18 +72,21 @@ class CopyPlan:
         the CPU numpy byte copies on a few threads of ours (:mod:`rlserve.transfer.host_ops`), else
         ``_foreach_copy_`` (~12 ms there). With ``sum_sources`` (the load's source tensors, in
         order) and when :meth:`_fused_op` allows, that launch (on the CPU: those numpy copies)
-        also takes their ``s64sum`` checksums (each byte read once) and they are returned (int64
-        ``[len(sum_sources)]`` on the sources' device; on CUDA queued on the current stream);
-        otherwise ``None`` (the caller checksums the sources itself)."""
-        fused = self._fused_op(sum_sources) if sum_sources is not None else None
+        also takes their ``s64sum`` checksums (each byte read once) and -- ``check_finite`` --
+        tests them for NaN / inf (:mod:`rlserve.transfer.finite`), returned as a
+        :class:`~rlserve.transfer.finite.Scan` (int64 / flags ``[len(sum_sources)]`` on the
+        sources' device; on CUDA queued on the current stream); otherwise ``None`` (the caller
+        checksums the sources itself)."""
+        fused = self._fused_op(sum_sources, check_finite) if sum_sources is not None else None
         for func, args, kwargs in self._fills:
             func(*args, **kwargs)
         sums = None
         d, s = self._fast
-        if isinstance(fused, list):  # CPU: numpy copies, each piece summed right after its copy
-            sums = torch.tensor(host_copy_many(fused, s64sums=True), dtype=torch.int64)
+        if isinstance(fused, list):  # CPU: numpy copies, each piece summed (and tested) right after its copy
+            got, bad = host_copy_scan(fused, s64sums=True, finite=check_finite)
+            sums = Scan(torch.tensor(got, dtype=torch.int64), None if bad is None else torch.tensor(bad))
         elif fused is not None:
-            sums = fused.run()
+            sums = Scan(fused.run(), fused.bad)
         elif d:
             if self._copy_op is _UNSET:
                 from rlserve.transfer.multi_tensor import MultiTensorSum
@@ -98,7 +102,7 @@ class CopyPlan:
             dst.copy_(src)
         return sums
 
-    def _fused_op(self, sources: Sequence[torch.Tensor]):
+    def _fused_op(self, sources: Sequence[torch.Tensor], check_finite: bool = False):
         """How to do every fast copy and sum each of ``sources`` in the same pass: on CUDA a
         :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`, on the CPU the ``(dst, src)``
         pairs ordered like ``sources`` (for :func:`host_copy_many`); ``None``: not possible.
@@ -106,8 +110,8 @@ class CopyPlan:
         other fast copy exists (TP=1, dtypes match; a TP shard reads slices of its sources; a
         tied ``lm_head`` that is not loaded leaves a source unread)."""
         key = sources.sum_key if isinstance(sources, FixedSources) else _sum_key(sources)
-        if key in self._fused:
-            return self._fused[key]
+        if (key, check_finite) in self._fused:
+            return self._fused[key, check_finite]
         from rlserve.transfer.multi_tensor import MultiTensorSum
 
         op = None
@@ -118,8 +122,8 @@ class CopyPlan:
             if all(host_copyable(d, s) for d, s in pairs):
                 op = pairs
             else:
-                op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs])
-        self._fused[key] = op
+                op = MultiTensorSum.build([s for _, s in pairs], [d for d, _ in pairs], check_finite=check_finite)
+        self._fused[key, check_finite] = op
         return op
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

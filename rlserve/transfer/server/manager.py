@@ -79,6 +79,7 @@ _ERRORS = {
     "LayoutMismatchError": LayoutMismatchError,  # 400: the trainer's data disagrees with its update_info
     "UnsafePickleError": UnsafePickleError,  # 400: the trainer's unique-id pickle was refused (vLLM's wire)
     "ChecksumMismatchError": terr.ChecksumMismatchError,
+    "NonFiniteWeightsError": terr.NonFiniteWeightsError,  # 400 non_finite_weights: a NaN / inf was synced
     "TransferTimeoutError": terr.TransferTimeoutError,
     "TransferAbortedError": terr.TransferAbortedError,
     "WeightTransferFailedError": terr.WeightTransferFailedError,
@@ -128,13 +129,16 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         rpc_timeout_s: seconds for one short worker RPC (poll, abort, status).
         poll_interval_s: the longest pause between progress polls of a running transfer (seconds;
             polls start 0.2 ms apart and back off to this).
+        check_finite: refuse an update whose tensor holds NaN / inf (``--weight-check-finite``,
+            default on; :mod:`rlserve.transfer.finite`): 400 ``non_finite_weights`` naming it,
+            staged the old weights stay, in place 503 until a complete good update.
 
     Raises:
         ValueError: bad ``transfer_config`` or ``staging``.
     """
 
     def __init__(self, aengine, transfer_config: dict | None = None, staging: str = "none",
-                 rpc_timeout_s: float = 60.0, poll_interval_s: float = 0.005):
+                 rpc_timeout_s: float = 60.0, poll_interval_s: float = 0.005, check_finite: bool = True):
         cfg = check_transfer_config(transfer_config, staging)
         self.aengine = aengine
         self.config = cfg
@@ -142,6 +146,7 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self.staging = staging
         self.direct_receive: bool = cfg.get("direct_receive", True)
         self.trainer_liveness: bool = cfg.get("trainer_liveness", True)
+        self.check_finite = bool(check_finite)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self._init: InitInfo | None = None

@@ -274,7 +274,7 @@ class UpdateRoutes:
             # seen to end without writing (an error before that, e.g. a poll that timed out,
             # counts as a changed model)
             s.in_doubt = self.staging == "none"
-            results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive],
+            results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive, self.check_finite],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except BaseException as e:
             await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))

@@ -63,8 +63,6 @@ from rlserve.transfer.wire.packing import (
     HEADER_WORDS,
     BucketBuffers,
     as_bytes,
-    checksum,
-    checksum_tensor,
     checksum_values,
     combine,
     layout_header,
@@ -77,13 +75,17 @@ from rlserve.transfer.wire.packing import (
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.wire.header import check_layout_header
 from rlserve.transfer.server.receiver_ipc import IpcReceive, _IpcSet
+from rlserve.transfer.finite import Scan
+from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan, scan_result
+from rlserve.transfer.host_ops import wrap64
 
 logger = logging.getLogger(__name__)
 
-#: ``sink(pairs)``: load / stage ``[(hf_name, tensor)]``. It may return the ``s64sum`` checksums of
-#: the tensors it read (int64 ``[len(pairs)]``, e.g. from a fused copy + checksum); only the ipc
-#: per-tensor path uses them, every other path ignores the return value.
-Sink = Callable[[list[tuple[str, torch.Tensor]]], "torch.Tensor | None"]
+#: ``sink(pairs)``: load / stage ``[(hf_name, tensor)]``. It may return a
+#: :class:`~rlserve.transfer.finite.Scan` of the tensors it read (their ``s64sum`` checksums and
+#: non-finite test, from a fused copy + checksum); the paths that check after the sink (ipc per
+#: tensor, packed with checksums after the data) use it, the others ignore the return value.
+Sink = Callable[[list[tuple[str, torch.Tensor]]], "Scan | None"]
 
 
 class WeightReceiver(IpcReceive):
@@ -107,6 +109,9 @@ class WeightReceiver(IpcReceive):
         self._bufs = BucketBuffers()
         self._stream = None
         self.stats: dict = {}
+        #: test every received float for NaN / inf in the checksum pass (rlserve.transfer.finite);
+        #: set per update by the worker (the server's --weight-check-finite)
+        self.check_finite = True
         self._closed = False
         # ipc, per-tensor handles: mapped trainer tensors kept across calls (a trainer exports each
         # parameter once); entries unused during a session are dropped at its end
@@ -227,47 +232,58 @@ class WeightReceiver(IpcReceive):
         return out
 
     def _verify(self, u8: torch.Tensor, expected: list[int] | None, i: int, what: str,
-                deferred: list | None = None) -> None:
-        """Check ``u8``'s checksum against ``expected[i]``: at once on the host (nothing from a
-        bad bucket is loaded), or -- CUDA bytes with a ``deferred`` list -- queued on the stream
-        and compared by :meth:`_check_deferred` at the end of the receive (no host sync per
-        bucket; a mismatch then fails the update before it can be committed)."""
-        if expected is None:
+                deferred: list | None = None, units=()) -> None:
+        """Check ``u8``'s checksum against ``expected[i]`` and -- with :attr:`check_finite` -- the
+        ``units`` in it (:data:`~rlserve.transfer.server.finite_scan.Unit`) for NaN / inf, in the
+        same pass: at once on the host (nothing from a bad bucket is loaded), or -- CUDA bytes
+        with a ``deferred`` list -- queued on the stream and compared by :meth:`_check_deferred`
+        at the end of the receive (no host sync per bucket; a bad bucket then fails the update
+        before it can be committed). Raises ChecksumMismatchError, NonFiniteWeightsError."""
+        check = self.check_finite and bool(units)
+        if expected is None and not check:
             return
+        got, bad = scan(u8, units, expected is not None, check)
         if deferred is not None and u8.is_cuda:
-            deferred.append((checksum_tensor(u8), i, what, u8.numel()))
+            deferred.append((got, i, what, u8.numel(), bad))
             return
-        got = checksum(u8)
-        if got != expected[i]:
-            raise ChecksumMismatchError(f"{what}: checksum {got} != announced {expected[i]} "
-                                        f"({u8.numel()} bytes); nothing from it was loaded")
+        if expected is not None:
+            got = got if isinstance(got, int) else wrap64(int(got.item()))
+            if got != expected[i]:
+                raise ChecksumMismatchError(f"{what}: checksum {got} != announced {expected[i]} "
+                                            f"({u8.numel()} bytes); nothing from it was loaded")
+        raise_if_bad(bad, what + "; nothing from it was loaded")
 
     @staticmethod
     def _check_deferred(deferred: list, expected: list[int] | None, after_data: bool = False) -> None:
-        """Compare the checksums taken during the receive -- ``(sum, index, what, bytes)``, the sum a
-        queued 0-dim device tensor or an int -- with ``expected`` (one host sync for the device
-        ones). Raises ChecksumMismatchError."""
-        if not deferred or expected is None:
+        """Compare the checksums taken during the receive -- ``(sum, index, what, bytes, bad)``, the
+        sum a queued 0-dim device tensor, an int or ``None`` -- with ``expected`` (one host sync
+        for the device ones), then refuse any non-finite tensor ``bad`` names. Raises
+        ChecksumMismatchError, NonFiniteWeightsError."""
+        if not deferred:
             return
-        queued = iter(checksum_values([d[0] for d in deferred if isinstance(d[0], torch.Tensor)]))
-        for got, i, what, n in deferred:
-            got = next(queued) if isinstance(got, torch.Tensor) else got
-            if got != expected[i]:
-                when = "sent after the data" if after_data else "announced"
-                raise ChecksumMismatchError(f"{what}: checksum {got} != {when} {expected[i]} ({n} bytes); the "
-                                            "update is refused (not committed)")
+        if expected is not None:
+            queued = iter(checksum_values([d[0] for d in deferred if isinstance(d[0], torch.Tensor)]))
+            for got, i, what, n, _ in deferred:
+                got = next(queued) if isinstance(got, torch.Tensor) else got
+                if got != expected[i]:
+                    when = "sent after the data" if after_data else "announced"
+                    raise ChecksumMismatchError(f"{what}: checksum {got} != {when} {expected[i]} ({n} bytes); the "
+                                                "update is refused (not committed)")
+        for _, _, what, _, bad in deferred:
+            raise_if_bad(bad, what)
 
-    @staticmethod
-    def _bucket_sum(buf: torch.Tensor, pairs: list, ret) -> int | torch.Tensor:
-        """A received bucket's ``s64sum`` (an int, or a 0-dim int64 tensor queued on the GPU). From
-        the sums the sink took while copying when it returned one per slot (their wrapping
-        total is the bucket's: slots start 8-byte aligned and the trainer zeroes the padding),
-        else from one more pass over ``buf`` (it is still intact: the buffer is reposted only
-        after this)."""
-        if isinstance(ret, torch.Tensor) and ret.dtype == torch.int64 and ret.numel() == len(pairs) and \
-                ret.device == buf.device:
-            return ret.sum() if ret.is_cuda else combine(ret.tolist())  # (int64 addition wraps on the GPU)
-        return checksum_tensor(buf) if buf.is_cuda else checksum(buf)
+    def _bucket_sum(self, buf: torch.Tensor, bucket, pairs: list, ret, want_sum: bool = True):
+        """A received bucket's ``s64sum`` (an int, or a 0-dim int64 tensor queued on the GPU) and its
+        non-finite tensors (:data:`~rlserve.transfer.server.finite_scan.Bad`). From what the
+        sink took while copying when it returned a :class:`~rlserve.transfer.finite.Scan` per
+        slot (the sums' wrapping total is the bucket's: slots start 8-byte aligned and the
+        trainer zeroes the padding), else from one more pass over ``buf`` (it is still intact:
+        the buffer is reposted only after this)."""
+        sums, bad = scan_result(ret, [n for n, _ in pairs])
+        if sums is not None and (bad is not None or not self.check_finite):
+            if sums.device == buf.device:
+                return (sums.sum() if sums.is_cuda else combine(sums.tolist())), bad or []
+        return scan(buf, bucket_units(bucket), want_sum, self.check_finite)
 
     def _receive_checksums(self, g: TransferGroup, src: int, n: int) -> list[int]:
         """The trainer's ``checksums_after_data``: one broadcast of an int64 ``[n]`` tensor after
@@ -367,13 +383,14 @@ class WeightReceiver(IpcReceive):
             if failure is None:
                 try:
                     if not after:
-                        self._verify(buf, info.checksums, i, what, deferred)
+                        self._verify(buf, info.checksums, i, what, deferred, bucket_units(b))
                     pairs = list(unpack(buf, b))
                     if buf.device != self.device:
                         pairs = [(n, t.to(self.device)) for n, t in pairs]
                     ret = sink(pairs)
                     if after:  # compared at the end, with the sums the trainer sends after the data
-                        deferred.append((self._bucket_sum(buf, pairs, ret), i, what, buf.numel()))
+                        got, bad = self._bucket_sum(buf, b, pairs, ret)
+                        deferred.append((got, i, what, buf.numel(), bad))
                     if on_bucket is not None:
                         on_bucket(i)
                 except Exception as e:  # noqa: BLE001 - drained below, raised at the end
@@ -415,8 +432,9 @@ class WeightReceiver(IpcReceive):
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
                 g.order(works.pop(i), what=what)
-            if after:
-                deferred.append((checksum(v), i, what, v.numel()))
+            if after or self.check_finite:
+                got, bad = scan(v, bucket_units(plan[i]), after, self.check_finite)
+                deferred.append((got, i, what, v.numel(), bad))
             if on_bucket is not None:
                 on_bucket(i)
         expected = self._receive_checksums(g, src, len(plan)) if after else None
@@ -456,7 +474,8 @@ class WeightReceiver(IpcReceive):
                 g.order(w, what=what)
             if failure is None:
                 try:
-                    self._verify(as_bytes(t), info.checksums, i, what, deferred)
+                    self._verify(as_bytes(t), info.checksums, i, what, deferred,
+                                 [(info.names[i], 0, t.numel() * t.element_size(), t.dtype)])
                     sink([(info.names[i], t if t.device == self.device else t.to(self.device))])
                     if on_bucket is not None:
                         on_bucket(i)

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlserve.errors import WeightUpdateError
+from rlserve.transfer.finite import torch_nonfinite
 from rlserve.transfer.server.copy_plan import FixedPairs
+from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan_result
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
 from rlserve.transfer.wire.packing import plan_buckets, tensor_checksums, unpack
 from rlserve.transfer.wire.header import expected_checksum_count
@@ -203,11 +205,12 @@ class IpcReceive:
                 ret = sink(pairs if st.pairs is not None else
                            [(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
+                sums, bad = scan_result(ret, info.names)
                 if info.checksums is not None or info.device_checksums:
-                    fused = isinstance(ret, torch.Tensor)
+                    fused = sums is not None
                     # expected: the trainer's checksum tensor (read on the GPU after its event) or
                     # the announced list; compared as int64 tensors where the expected sums live, one sync
-                    got = ret if fused else torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64)
+                    got = sums if fused else torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64)
                     exp = st.sums if info.device_checksums else torch.tensor(info.checksums, dtype=torch.int64)
                     got = got.to(exp.device)
                     bad = (got != exp).nonzero()
@@ -217,6 +220,9 @@ class IpcReceive:
                         raise ChecksumMismatchError(
                             f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
                             "(the trainer's memory changed while the server read it?); the update is refused")
+                if self.check_finite:  # NaN / inf: from the fused pass, else one more read of the sources
+                    raise_if_bad(bad if bad is not None else
+                                 (torch.stack([torch_nonfinite(t) for _, t in pairs]), list(info.names)), "ipc update")
                 t_ck = time.perf_counter()
                 for d in devs:
                     self._ipc_done_reading(d)
@@ -235,7 +241,7 @@ class IpcReceive:
                 raise WeightUpdateError(f"{what}: the handle maps {mapped.dtype} {list(mapped.shape)}, the plan "
                                         f"needs a 1-D uint8 buffer of {b.nbytes} bytes")
             buf = mapped[: b.nbytes]
-            self._verify(buf, info.checksums, i, what)
+            self._verify(buf, info.checksums, i, what, units=bucket_units(b))
             pairs = list(unpack(buf, b))
             if buf.device != self.device:
                 pairs = [(n_, t.to(self.device)) for n_, t in pairs]

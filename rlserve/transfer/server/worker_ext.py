@@ -195,16 +195,19 @@ def abort_init(worker) -> None:
 
 
 def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: bool = True,
-                  inline: bool = False) -> str:
+                  check_finite: bool = True, inline: bool = False) -> str:
     """Start receiving one update (background). ``update_info`` is resolved (``packed*`` set)
     and validated by the manager. ``staging``: "none" (load in place), "device" or "host".
     ``inline``: receive on the calling (engine) thread instead (see :func:`start_wait`).
-    ``direct``: allow receiving straight into the parameters (:mod:`rlserve.transfer.server.direct`)."""
+    ``direct``: allow receiving straight into the parameters (:mod:`rlserve.transfer.server.direct`).
+    ``check_finite``: refuse tensors holding NaN / inf (:mod:`rlserve.transfer.finite`), tested
+    in the checksum pass (the server's ``--weight-check-finite``)."""
     st = _state(worker)
     if st.receiver is None:
         raise TransferAbortedError("no transfer engine on this worker: call init_weight_transfer_engine first")
     receiver = st.receiver
     info = receiver.with_ref_metadata(UpdateInfo.from_dict(update_info))
+    receiver.check_finite = bool(check_finite)
 
     def run(op: _Op):
         t_op = time.perf_counter()
@@ -215,10 +218,11 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
         stable = receiver.init.backend == "ipc" or (info.packed and receiver.wire_device() == worker.device)
         params_sig = _params_signature(worker) if stable and staging == "none" else ()
         t_sig = time.perf_counter()
-        # ipc per-tensor (the receiver compares checksums after the copy) and packed buckets
-        # whose checksums come after the data: a fused copy + checksum reads each byte once
+        # ipc per-tensor (the receiver compares checksums / tests NaN after the copy) and packed
+        # buckets whose checksums come after the data: a fused copy + checksum (+ the NaN / inf
+        # test) reads each byte once
         want_sums = (receiver.init.backend == "ipc" and not info.packed and
-                     (info.checksums is not None or info.device_checksums)) or \
+                     (info.checksums is not None or info.device_checksums or check_finite)) or \
             (bool(info.packed) and info.checksums_after_data)
         dkey = _direct_key(worker, info, staging, direct and stable)
         layout = st.direct if dkey is not None else None
@@ -230,7 +234,7 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
                 sums = None
                 op.touched = True  # before the load's first byte: a load that raises may have written some
                 if stable:
-                    replayed, sums, plan = _load_replayable(worker, st, pairs, params_sig, want_sums)
+                    replayed, sums, plan = _load_replayable(worker, st, pairs, params_sig, want_sums, check_finite)
                     op.replayed += replayed
                     if dkey is not None:
                         loads.append((pairs, plan.copies() if plan is not None else None))
@@ -244,7 +248,7 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
             dev = worker.device if staging == "device" else torch.device("cpu")
 
             def sink(pairs):
-                sums = _stage(st, pairs, dtype, dev, pin, want_sums and staging == "device")
+                sums = _stage(st, pairs, dtype, dev, pin, want_sums, check_finite)
                 op.staged += 1
                 return sums
         t_rx = time.perf_counter()

@@ -12,8 +12,9 @@ import torch
 
 from rlserve.transfer.server.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.server.direct import DirectLayout, build_direct_layout, update_key
-from rlserve.transfer.errors import ChecksumMismatchError
-from rlserve.transfer.host_ops import host_copy_many, host_copyable
+from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError
+from rlserve.transfer.finite import Scan
+from rlserve.transfer.host_ops import host_copy_many, host_copy_scan, host_copyable
 from rlserve.transfer.wire.protocol import UpdateInfo
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.header import LayoutMismatchError
@@ -48,19 +49,20 @@ def _params_signature(worker) -> tuple:
     return tuple(p.data_ptr() for p in _param_list(worker))
 
 
-def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple,
-                     want_sums: bool = False) -> tuple[bool, torch.Tensor | None, CopyPlan | None]:
+def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple, want_sums: bool = False,
+                     check_finite: bool = False) -> tuple[bool, Scan | None, CopyPlan | None]:
     """``_load(worker, pairs)`` for sources that sit at the same addresses on every update: the
     first load is recorded, later ones replay its copies (see :mod:`rlserve.transfer.server.copy_plan`).
     ``params_sig``: :func:`_params_signature` (taken once per update, not per bucket).
-    ``want_sums``: a replay copies and checksums the sources in one pass where it can. Returns
-    ``(replayed, sums or None, the plan or None)``."""
+    ``want_sums``: a replay copies and checksums the sources in one pass where it can (and
+    with ``check_finite`` tests them for NaN / inf in it). Returns ``(replayed, its Scan or
+    None, the plan or None)``."""
     key = (plan_key(pairs), params_sig)
     st.plans_used.add(key)
     if key in st.plans:
         plan = st.plans[key]
         if plan is not None:
-            return True, plan.replay(source_tensors(pairs) if want_sums else None), plan
+            return True, plan.replay(source_tensors(pairs) if want_sums else None, check_finite), plan
         _load(worker, pairs)
         return False, None, None
     plan, why = record_load(lambda p: _load(worker, p), pairs)
@@ -146,7 +148,7 @@ def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, i
     try:
         return receiver.receive(info, lambda _pairs: None, on_bucket=applied, direct=layout.target,
                                 before_write=before_write)
-    except (ChecksumMismatchError, LayoutMismatchError):
+    except (ChecksumMismatchError, NonFiniteWeightsError, LayoutMismatchError):
         raise  # every broadcast completed / none was posted into the parameters
     except BaseException:
         _abandon_direct(worker, st, layout)
@@ -154,10 +156,11 @@ def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, i
 
 
 def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
-           want_sums: bool) -> torch.Tensor | None:
-    """Copy ``pairs`` into the (reused) staging tensors. With ``want_sums`` and CUDA sources of
-    the staging dtypes, one fused copy + checksum launch (its sums are returned), else one
-    ``copy_`` per tensor (``None``)."""
+           want_sums: bool, check_finite: bool = False) -> Scan | None:
+    """Copy ``pairs`` into the (reused) staging tensors. With ``want_sums`` and sources of the
+    staging dtypes, one fused copy + checksum pass (with ``check_finite`` also the NaN / inf
+    test): a Triton launch on CUDA, numpy pieces on the host; its
+    :class:`~rlserve.transfer.finite.Scan` is returned. Else one ``copy_`` per tensor (``None``)."""
     dsts = []
     for name, t in pairs:
         dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
@@ -170,17 +173,21 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
         from rlserve.transfer.multi_tensor import MultiTensorSum
 
         key = tuple((t.data_ptr(), d.data_ptr(), t.numel(), t.dtype) for d, (_, t) in zip(dsts, pairs))
-        if st.stage_op is None or st.stage_op[0] != key:
-            st.stage_op = (key, MultiTensorSum.build([t for _, t in pairs], dsts))
+        if st.stage_op is None or st.stage_op[0] != (key, check_finite):
+            st.stage_op = ((key, check_finite),
+                           MultiTensorSum.build([t for _, t in pairs], dsts, check_finite=check_finite))
         op = st.stage_op[1]
         if op is not None:
-            return op.run()
+            return Scan(op.run(), op.bad)
     host = []
     for d, (_, t) in zip(dsts, pairs):
         if host_copyable(d, t):
             host.append((d, t))  # numpy on our threads (rlserve.transfer.host_ops)
         else:
             d.copy_(t, non_blocking=pin)
+    if host and want_sums and len(host) == len(pairs):  # every byte copied (and summed) on the host
+        got, bad = host_copy_scan(host, s64sums=True, finite=check_finite)
+        return Scan(torch.tensor(got, dtype=torch.int64), None if bad is None else torch.tensor(bad))
     if host:
         host_copy_many(host)
     return None

@@ -64,12 +64,15 @@ MIN_TIMEOUT_S = 1.0
 #: backends' timeouts.
 MAX_TIMEOUT_S = 365 * 86400.0
 
-#: Floating dtypes a weight update may carry (the server converts to its own dtype).
+#: Floating dtypes a weight update may carry (the server converts to its own dtype; fp8 as vLLM
+#: names them, ``getattr(torch, name)``).
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 #: All dtypes the wire knows (checksums and byte views work for every one of them).
 WIRE_DTYPES: dict[str, torch.dtype] = {

@@ -1,0 +1,96 @@
+"""The receiver's checksum pass with the non-finite test folded in (:mod:`rlserve.transfer.finite`).
+
+A received bucket (or tensor) is read once: its ``s64sum`` and, per tensor in it, whether it
+holds a NaN or an infinity. Host bytes: :func:`rlserve.transfer.host_ops.host_scan_spans`
+(numpy pieces on our threads). Device bytes: one :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`
+launch over the slots' byte ranges, each tested as the dtype it holds; where that launch cannot
+run (slots not 8-byte aligned: vLLM's back-to-back layout, which carries no checksums), the
+bucket's sum and each slot's test are separate reductions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rlserve.transfer.errors import NonFiniteWeightsError
+from rlserve.transfer.finite import Scan, checked, refusal, torch_nonfinite
+from rlserve.transfer.host_ops import host_scan_spans
+from rlserve.transfer.wire.packing import checksum, checksum_tensor
+
+#: ``(name, byte offset, bytes, dtype)`` of one tensor inside a received byte buffer
+Unit = tuple[str, int, int, torch.dtype]
+#: non-finite tensors found: names (known now) or ``(int / bool flags [k] on a device, k names)``
+Bad = "list[str] | tuple[torch.Tensor, list[str]]"
+
+
+def bucket_units(bucket) -> list[Unit]:
+    """The :data:`Unit` of every slot of a :class:`~rlserve.transfer.wire.packing.Bucket`."""
+    return [(s.name, s.offset, s.nbytes, s.dtype) for s in bucket.slots]
+
+
+def scan(u8: torch.Tensor, units: Sequence[Unit], want_sum: bool, check: bool):
+    """The checksum of ``u8`` (1-D uint8, contiguous) and the non-finite tensors among ``units``.
+
+    Returns:
+        ``(sum, bad)``: ``sum`` an int (host bytes), a 0-dim int64 tensor queued on the device
+        (device bytes) or ``None`` (not ``want_sum``); ``bad`` a :data:`Bad` (``[]`` when not
+        ``check``). Device results are queued on the current stream: read them with
+        :func:`bad_names` / ``checksum_values`` (one host sync).
+    """
+    units = [u for u in units if u[2] and checked(u[3])] if check else []
+    if not units:
+        if not want_sum:
+            return None, []
+        return (checksum_tensor(u8) if u8.is_cuda else checksum(u8)), []
+    if not u8.is_cuda:
+        total, flags = host_scan_spans(u8, [(o, n, d) for _, o, n, d in units], s64sum=want_sum)
+        return total, [u[0] for u, f in zip(units, flags) if f]
+    return _device_scan(u8, units, want_sum)
+
+
+def _device_scan(u8: torch.Tensor, units: list[Unit], want_sum: bool):
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+
+    names = [u[0] for u in units]
+    ends = [u[1] for u in units[1:]] + [u8.numel()]
+    # each slot's bytes to the end of its last int64 word (padding there is zero); only when
+    # that stays clear of the next slot and the slots cover every non-zero byte of u8
+    spans = [(o, min(e, -(-(o + n) // 8) * 8)) for (_, o, n, _), e in zip(units, ends)]
+    covered = sum(b - a for a, b in spans) == u8.numel() or not want_sum
+    op = None
+    if covered and all(b >= o + n for (a, b), (_, o, n, _) in zip(spans, units)):
+        op = MultiTensorSum.build([u8[a:b] for a, b in spans], check_finite=True, check_dtypes=[u[3] for u in units])
+    if op is not None:
+        sums = op.run()
+        return (sums.sum() if want_sum else None), (op.bad, names)
+    total = checksum_tensor(u8) if want_sum else None
+    flags = torch.stack([torch_nonfinite(u8[o:o + n].view(d)) for _, o, n, d in units])
+    return total, (flags, names)
+
+
+def scan_result(ret, names: Sequence[str]):
+    """``(sums [n], bad)`` of a sink's :class:`~rlserve.transfer.finite.Scan` over the tensors
+    ``names`` (``(None, None)`` when the sink returned none; ``bad`` is ``None`` when it did not
+    test)."""
+    if not isinstance(ret, Scan) or ret.sums is None or ret.sums.numel() != len(names):
+        return None, None
+    if ret.bad is None:
+        return ret.sums, None
+    return ret.sums, ((ret.bad, list(names)) if ret.bad.is_cuda else [n for n, f in zip(names, ret.bad.tolist()) if f])
+
+
+def bad_names(bad) -> list[str]:
+    """The names in a :data:`Bad` (one host sync for device flags)."""
+    if isinstance(bad, tuple):
+        flags, names = bad
+        return [n for n, f in zip(names, flags.tolist()) if f]
+    return list(bad or ())
+
+
+def raise_if_bad(bad, where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the tensors of ``bad`` (a :data:`Bad`), if any."""
+    names = bad_names(bad)
+    if names:
+        raise NonFiniteWeightsError(refusal(names, where))
