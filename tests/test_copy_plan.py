@@ -62,8 +62,15 @@ def test_fixed_pairs_remember_key_and_sources(tiny_model):
     assert plan is not None, why
     for _, t in pairs:
         t.mul_(2.0)
-    sums = plan.replay(src)  # every source copied whole once: copied and summed in one pass
-    assert sums.tolist() == [tensor_checksum(t) for t in src]
+    scan = plan.replay(src)  # every source copied whole once: copied and summed in one pass
+    assert scan.sums.tolist() == [tensor_checksum(t) for t in src] and scan.bad is None
+    for _, t in pairs:
+        t.mul_(2.0)
+    t = src[1]
+    t.view(-1)[3] = float("-inf")  # tested in the same pass when asked
+    scan = plan.replay(src, check_finite=True)
+    assert scan.sums.tolist() == [tensor_checksum(t) for t in src]
+    assert scan.bad.tolist() == [i == 1 for i in range(len(src))]
     got = dict(export_hf_tensors(model)[0])
     for n, t in pairs:
         if n in got:

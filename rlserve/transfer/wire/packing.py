@@ -308,9 +308,13 @@ def in_place_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], device: tor
 
 def unpack(buf: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, view)`` for each slot: views into ``buf`` (no copy) of the slot's dtype
-    and shape. The caller must copy them out before ``buf`` is reused."""
+    and shape. The caller must copy them out before ``buf`` is reused. A slot at an offset that
+    is not a multiple of its element size (vLLM's back-to-back layout after an odd-sized fp8
+    tensor) is yielded as a copy: torch cannot view misaligned bytes as a wider dtype."""
     for slot in bucket.slots:
         raw = buf[slot.offset: slot.offset + slot.nbytes]
+        if raw.storage_offset() % slot.dtype.itemsize:
+            raw = raw.clone()
         yield slot.name, raw.view(slot.dtype).view(slot.shape)
 
 
