@@ -41,7 +41,7 @@ def poisoned(hf, value: float, dtype: torch.dtype | None = None, at: int = 7) ->
     """``hf``'s tensors (cast to ``dtype`` when given), ``TARGET``'s element ``at`` set to ``value``."""
     out = []
     for n, t in ModuleSource(hf).named_tensors():
-        t = t.detach().to(dtype) if dtype is not None else t.detach().clone()
+        t = t.detach().to(dtype or t.dtype, copy=True)  # never the model's own memory
         if n == TARGET:
             t.view(-1)[at: at + 1] = torch.tensor([value]).to(t.dtype)
         out.append((n, t))

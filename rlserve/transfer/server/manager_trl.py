@@ -165,13 +165,17 @@ class TRLRoutes:
         server's ``/reset_prefix_cache/`` route calls this first so that TRL's
         ``update_named_param``... ``reset_prefix_cache`` sequence commits in order. Returns the
         commit summary or ``None`` when nothing was pending. Raises a recorded failure of the
-        batch."""
+        batch, and :class:`~rlserve.transfer.errors.NonFiniteWeightsError` (400) when one of its
+        tensors held NaN / inf (nothing is committed; in place, 503 until a full update)."""
         if self._trl_queue is not None:
             await asyncio.wait_for(self._trl_queue.join(), timeout_s or self._timeout() + 60)
         self._raise_trl_error()
         s = self._session
         if s is None or not s.trl:
             return None
+        if s.refused is not None:  # a tensor held NaN / inf: the whole batch is refused
+            await self._fail(s, s.refused)
+            raise s.refused
         fin = await self.finish_update(None)
         return {"weight_version": fin["weight_version"], "tensors": fin["tensors"], "full": fin["full"]}
 

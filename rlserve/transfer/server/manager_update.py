@@ -276,6 +276,15 @@ class UpdateRoutes:
             s.in_doubt = self.staging == "none"
             results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive, self.check_finite],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
+        except terr.NonFiniteWeightsError as e:
+            if not s.trl:
+                await self._fail(s, e)
+                raise
+            # TRL's trainer broadcasts its next tensors without waiting for an answer: the group
+            # stays, the rest of the batch is received (nothing of this tensor was loaded) and
+            # the batch is refused at its flush (/reset_prefix_cache/, trl_flush)
+            s.refused = s.refused or e
+            return {"status": "refused", "tensors": 0, "error": str(e)}
         except BaseException as e:
             await self._fail(s, e if isinstance(e, WeightUpdateError) else terr.WeightTransferFailedError(str(e)))
             raise

@@ -54,6 +54,9 @@ class _Session:
     # not been seen on every worker; a failure then counts as a changed model (see _poll_results)
     in_doubt: bool = False
     trl: bool = False  # a TRL batch: update_named_param ... reset_prefix_cache (see trl_update_named_param)
+    # a TRL batch's tensor held NaN / inf: the batch keeps receiving (its trainer broadcasts the
+    # next tensors without waiting) and is refused at its flush with this error
+    refused: BaseException | None = None
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
