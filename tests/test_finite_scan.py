@@ -59,6 +59,7 @@ def test_host_and_torch_tests_find_one_bad_element(dt):
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_host_copy_scan_flags_the_pair_and_copies_everything(dt, monkeypatch):
     monkeypatch.setattr("rlserve.transfer.host_ops.CHUNK_BYTES", 64)  # many pieces per tensor
+    monkeypatch.setattr("rlserve.transfer.host_ops.TEST_BYTES", 16)  # and sub-pieces per piece
     srcs = [finite_extremes(dt), with_bad(dt, BAD[dt][-1], 200), finite_extremes(dt, 9)]
     dsts = [torch.empty_like(s) for s in srcs]
     sums, bad = host_copy_scan(list(zip(dsts, srcs)), s64sums=True, finite=True)
@@ -74,6 +75,7 @@ def test_host_scan_spans_of_a_bucket(align, monkeypatch):
     s64sum equals checksum() of its bytes and exactly the slot holding the bad value is named,
     also when that value sits across a piece boundary."""
     monkeypatch.setattr("rlserve.transfer.host_ops.CHUNK_BYTES", 64)
+    monkeypatch.setattr("rlserve.transfer.host_ops.TEST_BYTES", 24)  # elements across sub-piece ends
     tensors = [finite_extremes(torch.float8_e4m3fn, 37), finite_extremes(torch.bfloat16, 91),
                with_bad(torch.float16, float("-inf"), 45, 77), finite_extremes(torch.float32, 33),
                with_bad(torch.bfloat16, float("nan"), 90, 91)]

@@ -20,6 +20,7 @@ pipeline stalled on those copies.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import os
 import threading
@@ -34,6 +35,10 @@ from rlserve.transfer.finite import checked, np_nonfinite
 #: fused copy + sum then reads the piece back from the cache (538 MB, one thread: 0.048 s at
 #: 256 KiB-1 MiB pieces, 0.053 s at 4 MiB).
 CHUNK_BYTES = 1 << 20
+#: With the non-finite test, each piece is summed (copied) and tested in sub-pieces of this many
+#: bytes, so that the test reads them from the cache (2-core machine, 128 MiB of bfloat16: sum +
+#: test 0.071 s in 256 KiB steps, 0.145 s in 1 MiB steps, sum alone 0.059-0.066 s).
+TEST_BYTES = 1 << 18
 #: Below this many bytes in one call, everything runs on the calling thread.
 PARALLEL_MIN_BYTES = 8 << 20
 
@@ -160,9 +165,18 @@ def _per_array(sizes: list[int], piece) -> tuple[list[int], list[bool]]:
 def _copy_piece(d: np.ndarray, s: np.ndarray, s64sum: bool, finite_dtype=None) -> tuple[int, bool]:
     """Copy ``s`` into ``d``; with ``s64sum`` return the piece's checksum (a piece starts at a
     multiple of 8 bytes of its tensor; only a tensor's last piece has a zero-padded tail), with
-    ``finite_dtype`` whether the copied ``finite_dtype`` elements hold a non-finite value."""
-    np.copyto(d, s)
-    return (_s64sum_piece(d) if s64sum else 0), np_nonfinite(d, finite_dtype)
+    ``finite_dtype`` whether the copied ``finite_dtype`` elements hold a non-finite value (in
+    :data:`TEST_BYTES` steps: copy, sum, test while in the cache)."""
+    if not checked(finite_dtype):
+        np.copyto(d, s)
+        return (_s64sum_piece(d) if s64sum else 0), False
+    total, bad = 0, False
+    for a in range(0, d.size, TEST_BYTES):
+        dd = d[a: a + TEST_BYTES]
+        np.copyto(dd, s[a: a + TEST_BYTES])
+        total += _s64sum_piece(dd) if s64sum else 0
+        bad = bad or np_nonfinite(dd, finite_dtype)
+    return total, bad
 
 
 def _s64sum_piece(a: np.ndarray) -> int:
@@ -215,17 +229,22 @@ def host_scan_spans(u8: torch.Tensor, spans: Sequence[tuple[int, int, torch.dtyp
     a = _u8(u8)
     tested = [(k, off, nb, dt) for k, (off, nb, dt) in enumerate(spans) if nb and checked(dt)]
 
+    ends = [off + nb for _, off, nb, _ in tested]
+
     def piece(lo: int, hi: int) -> tuple[int, list[int]]:
-        total = _s64sum_piece(a[lo:hi]) if s64sum else 0
-        bad = []
-        for k, off, nb, dt in tested:
-            if off + nb <= lo or off >= hi:
-                continue
-            size = dt.itemsize
-            start = off + max(0, -(-(lo - off) // size) * size)  # first element starting in the piece
-            end = min(off + nb, off + -(-(hi - off) // size) * size)  # through the last one starting here
-            if start < end and np_nonfinite(a[start:end], dt):
-                bad.append(k)
+        total, bad = 0, []
+        for sub in range(lo, hi, TEST_BYTES):  # sum, then test from the cache
+            top = min(hi, sub + TEST_BYTES)
+            total += _s64sum_piece(a[sub:top]) if s64sum else 0
+            j = bisect.bisect_right(ends, sub)  # the first span ending after sub
+            while j < len(tested) and tested[j][1] < top:
+                k, off, nb, dt = tested[j]
+                size = dt.itemsize
+                start = off + max(0, -(-(sub - off) // size) * size)  # first element starting here
+                end = min(off + nb, off + -(-(top - off) // size) * size)  # through the last one starting here
+                if start < end and np_nonfinite(a[start:end], dt):
+                    bad.append(k)
+                j += 1
         return total, bad
 
     out = _run([(lambda lo=lo, hi=hi: piece(lo, hi), hi - lo) for lo, hi in _ranges(a.size)], a.size)
