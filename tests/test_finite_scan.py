@@ -129,3 +129,33 @@ def test_multi_tensor_sum_tests_every_element(copy):
                               check_dtypes=[s.dtype for s in srcs[:5]])
     op.run()
     assert [int(b != 0) for b in op.bad.tolist()] == want[:5]
+
+
+@pytest.mark.parametrize("align", [256, 1])
+def test_device_bucket_scan_logic(align, monkeypatch):
+    """The receiver's bucket scan for device bytes (rlserve.transfer.server.finite_scan), run on
+    CPU through the interpreter: rlserve's aligned layout goes through one chunk-kernel launch
+    (slot pieces to the next slot: the sum equals the bucket's s64sum), vLLM's raw layout through
+    the per-slot fallback (misaligned slots copied); both name exactly the bad slots, never an
+    integer slot whose bits would read as NaN in a float."""
+    from functools import partial
+
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.server import finite_scan
+    from rlserve.transfer.server.finite_scan import bucket_units, bad_names
+
+    built = []
+    real = partial(MultiTensorSum.build.__func__, MultiTensorSum, _allow_cpu=True, chunk_words=5)
+    monkeypatch.setattr(MultiTensorSum, "build", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    tensors = [finite_extremes(torch.float8_e4m3fn, 37), torch.full((9,), -1, dtype=torch.int16),
+               with_bad(torch.float16, float("-inf"), 45, 77), finite_extremes(torch.float32, 33),
+               with_bad(torch.bfloat16, float("nan"), 90, 91)]
+    (b,) = plan_buckets([f"t{i}" for i in range(5)], [t.dtype for t in tensors], [t.shape for t in tensors],
+                        1 << 20, align=align)
+    buf = torch.zeros(b.nbytes, dtype=torch.uint8)
+    for sl, t in zip(b.slots, tensors):
+        buf[sl.offset: sl.offset + sl.nbytes] = t.reshape(-1).view(torch.uint8)
+    total, bad = finite_scan._device_scan(buf, bucket_units(b), want_sum=True)
+    assert int(total) == checksum(buf)
+    assert bad_names(bad) == ["t2", "t4"]
+    assert bool(built and built[0] is not None) == (align == 256)  # one launch where the layout allows

@@ -204,6 +204,7 @@ class MultiTensorSum:
             if du8 is not None:
                 du8.copy_(su8)
             out[i] += checksum_tensor(su8)
-            if check and checked(self._check_dtypes[i]):
-                self.bad[i] += torch_nonfinite(su8.view(self._check_dtypes[i]))
+            dt = self._check_dtypes[i] if check else None
+            if checked(dt):  # (the whole elements of a byte view's tail)
+                self.bad[i] += torch_nonfinite(su8[: su8.numel() - su8.numel() % dt.itemsize].view(dt))
         return out

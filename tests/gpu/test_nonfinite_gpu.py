@@ -42,7 +42,8 @@ def test_multi_tensor_sum_gpu_flags_nonfinite():
 
     srcs, want = [], []
     for dt in DTYPES:
-        srcs.append(torch.tensor([torch.finfo(dt).max, -torch.finfo(dt).max] * 2049, device="cuda").to(dt))
+        fi = torch.finfo(dt)
+        srcs.append(torch.tensor([fi.max, -fi.max] * 2049, dtype=torch.float64, device="cuda").to(dt))
         want.append(0)
         bads = [float("nan")] if dt == torch.float8_e4m3fn else [float("nan"), float("inf"), float("-inf")]
         for v in bads:

@@ -39,35 +39,43 @@ def scan(u8: torch.Tensor, units: Sequence[Unit], want_sum: bool, check: bool):
         ``check``). Device results are queued on the current stream: read them with
         :func:`bad_names` / ``checksum_values`` (one host sync).
     """
-    units = [u for u in units if u[2] and checked(u[3])] if check else []
-    if not units:
+    tested = [u for u in units if u[2] and checked(u[3])] if check else []
+    if not tested:
         if not want_sum:
             return None, []
         return (checksum_tensor(u8) if u8.is_cuda else checksum(u8)), []
     if not u8.is_cuda:
-        total, flags = host_scan_spans(u8, [(o, n, d) for _, o, n, d in units], s64sum=want_sum)
-        return total, [u[0] for u, f in zip(units, flags) if f]
-    return _device_scan(u8, units, want_sum)
+        total, flags = host_scan_spans(u8, [(o, n, d) for _, o, n, d in tested], s64sum=want_sum)
+        return total, [u[0] for u, f in zip(tested, flags) if f]
+    return _device_scan(u8, list(units), want_sum)
 
 
 def _device_scan(u8: torch.Tensor, units: list[Unit], want_sum: bool):
+    """One launch over ``u8`` cut at the slots' offsets (each piece runs to the next slot, its
+    zero padding included, so the pieces' sums add up to ``u8``'s), each piece tested as its
+    slot's dtype. Needs every offset 8-byte aligned (rlserve's layout); else (vLLM's raw
+    layout) the sum and each slot's test are separate reductions."""
     from rlserve.transfer.multi_tensor import MultiTensorSum
 
     names = [u[0] for u in units]
-    ends = [u[1] for u in units[1:]] + [u8.numel()]
-    # each slot's bytes to the end of its last int64 word (padding there is zero); only when
-    # that stays clear of the next slot and the slots cover every non-zero byte of u8
-    spans = [(o, min(e, -(-(o + n) // 8) * 8)) for (_, o, n, _), e in zip(units, ends)]
-    covered = sum(b - a for a, b in spans) == u8.numel() or not want_sum
+    starts = [u[1] for u in units]
+    ends = starts[1:] + [u8.numel()]
     op = None
-    if covered and all(b >= o + n for (a, b), (_, o, n, _) in zip(spans, units)):
-        op = MultiTensorSum.build([u8[a:b] for a, b in spans], check_finite=True, check_dtypes=[u[3] for u in units])
+    if starts and starts[0] == 0 and all(a % 8 == 0 for a in starts):
+        op = MultiTensorSum.build([u8[a:b] for a, b in zip(starts, ends)], check_finite=True,
+                                  check_dtypes=[d if checked(d) else None for *_, d in units])
     if op is not None:
         sums = op.run()
         return (sums.sum() if want_sum else None), (op.bad, names)
     total = checksum_tensor(u8) if want_sum else None
-    flags = torch.stack([torch_nonfinite(u8[o:o + n].view(d)) for _, o, n, d in units])
+    flags = torch.stack([torch_nonfinite(_typed(u8[o:o + n], d)) for _, o, n, d in units])
     return total, (flags, names)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (uint8) viewed as ``dtype``; copied first when its offset is not a multiple of the
+    element size (torch cannot view it in place)."""
+    return (raw.clone() if raw.storage_offset() % dtype.itemsize else raw).view(dtype)
 
 
 def scan_result(ret, names: Sequence[str]):

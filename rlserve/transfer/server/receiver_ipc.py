@@ -205,7 +205,7 @@ class IpcReceive:
                 ret = sink(pairs if st.pairs is not None else
                            [(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
-                sums, bad = scan_result(ret, info.names)
+                sums, nonfinite = scan_result(ret, info.names)
                 if info.checksums is not None or info.device_checksums:
                     fused = sums is not None
                     # expected: the trainer's checksum tensor (read on the GPU after its event) or
@@ -221,7 +221,7 @@ class IpcReceive:
                             f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
                             "(the trainer's memory changed while the server read it?); the update is refused")
                 if self.check_finite:  # NaN / inf: from the fused pass, else one more read of the sources
-                    raise_if_bad(bad if bad is not None else
+                    raise_if_bad(nonfinite if nonfinite is not None else
                                  (torch.stack([torch_nonfinite(t) for _, t in pairs]), list(info.names)), "ipc update")
                 t_ck = time.perf_counter()
                 for d in devs:
