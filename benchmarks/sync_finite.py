@@ -5,7 +5,8 @@ engine core in its own process, ``--load-format dummy``) and a trainer in this p
 random tensors with the shape's Hugging Face names (``benchmarks/sync.py``'s
 ``model_tensors``). The check is a per-update argument of the server's workers, so the same
 server and trainer alternate syncs with the check on and off (the order flips every round),
-after one warm-up sync of each: the two columns share the machine's state and drift.
+after one warm-up sync of each: the two columns share the machine's state and drift. Last, one
+sync with a NaN in one tensor must be refused (printed), and a good one follows.
 
 - CPU, gloo: the SDK's default packed sync (buckets of ``--bucket-mb``, checksums after the
   data; from the second sync on received straight into the parameters).
@@ -45,6 +46,7 @@ from rlserve.transfer import (  # noqa: E402
     HTTPWeightSyncClient,
     IPCTrainerInitInfo,
     TensorListSource,
+    WeightsRefusedNonFiniteError,
     WeightTransferTrainerFactory,
 )
 from tests.transfer_harness import InProcessServer  # noqa: E402
@@ -66,6 +68,19 @@ def ab(srv, named, init_info, repeats: int) -> dict:
                     runs[check]["sync_s"].append(dt)
                     server = eng.last_stats.get("server") or {}
                     runs[check]["server_s"].append(float(server.get("worker_op_seconds", "nan")))
+        # then one sync with a NaN in one element: refused naming the tensor, the next good one serves
+        srv.manager.check_finite = True
+        name, t = named[len(named) // 2]
+        poisoned = t.clone()
+        poisoned.view(-1)[5] = float("nan")
+        eng.source = TensorListSource([(n, poisoned if n == name else x) for n, x in named])
+        try:
+            eng.send_weights()
+            print(f"NOT REFUSED: a sync with a NaN in {name!r} committed", flush=True)
+        except WeightsRefusedNonFiniteError as e:
+            print(f"refused as expected ({e.status_code} {e.code}): {e.message[:160]}", flush=True)
+        eng.source = TensorListSource(named)
+        eng.send_weights()
     finally:
         srv.manager.check_finite = True
         eng.shutdown()
