@@ -200,6 +200,33 @@ def test_trl_init_communicator_checks_world_size(srv, world_size):
     _still_serving(srv)
 
 
+@pytest.mark.parametrize("port,says", [(70000, "port must be <= 65535, got 70000"),
+                                       (-1, "port must be >= 0, got -1"),
+                                       (0, "port must be set (1..65535) for gloo/nccl")])
+def test_trl_init_communicator_names_its_port(srv, port, says):
+    err = _error(_post(srv, "/init_communicator/", {"host": "127.0.0.1", "port": port, "world_size": 2}))
+    assert err["message"] == says, err
+
+
+def test_chunked_bodies_are_checked_whole(srv):
+    """A body sent in chunks (Transfer-Encoding: chunked) is checked once whole: an escape split
+    across two chunks is still found, and a clean chunked body is served."""
+    def chunks(text):
+        data = text.encode()
+        cut = data.index(b"\\ud800") + 3  # inside the escape
+        yield data[:cut]
+        yield data[cut:]
+
+    body = json.dumps({"prompt": "hi", "max_tokens": 2, "stop": ["x\ud800"]})
+    r = httpx.post(srv.url + "/v1/completions", content=chunks(body), headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert _error(r)["param"] == "stop.0"
+    clean = json.dumps(GREEDY)
+    r = httpx.post(srv.url + "/generate/", content=(p for p in (clean[:7].encode(), clean[7:].encode())),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 200 and r.json()["completion_ids"] == srv.greedy, r.text
+
+
 # ---- xgrammar's messages ------------------------------------------------------------------------
 @pytest.mark.parametrize("so,says", [
     ({"regex": "a("}, "structured_outputs.regex is not valid: Regex parsing error at position 3: "

@@ -54,7 +54,12 @@ class TRLRoutes:
                                         "one GPU; use the ipc backend (init_weight_transfer_engine) instead")
         info = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "rank_offset": 0,
                 "world_size": n + 1, "packed": False, "wire": wire}
-        InitInfo.from_dict({**self._init_defaults(), **info})  # 400 now
+        try:  # 400 now, by the checks of /init_weight_transfer_engine
+            InitInfo.from_dict({**self._init_defaults(), **info})
+        except WeightUpdateError as e:  # named as TRL's body names it (its "port" is init_info.master_port)
+            if type(e) is not WeightUpdateError or not str(e).startswith("init_info.master_port"):
+                raise
+            raise WeightUpdateError("port" + str(e)[len("init_info.master_port"):]) from None
         self._trl_error = None
         self._trl_init_task = asyncio.get_running_loop().create_task(self._trl_run_init(info))
         return {"message": "Request received, initializing communicator"}
