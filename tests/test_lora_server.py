@@ -34,6 +34,16 @@ def server(files):
         yield srv
 
 
+def _lora_numel_per_rank(base: str) -> int:
+    """sum over the decoder's seven projections of (in + out) features: one rank's factor elements."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(base)
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, i, q, kv = c.hidden_size, c.intermediate_size, c.num_attention_heads * d, c.num_key_value_heads * d
+    return c.num_hidden_layers * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + i))
+
+
 def _load(srv, name, path, **kw):
     return httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **kw}, timeout=60)
 
@@ -62,6 +72,10 @@ def test_lora_routes_and_outputs(server, files):
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' added successfully."
     models = httpx.get(f"{server.url}/v1/models").json()["data"]
     assert [m["id"] for m in models] == [base, "a3", "a2"]
+    held = {a["name"]: a for a in httpx.get(f"{server.url}/server_info").json()["lora_adapters"]}
+    assert held["a2"]["rank"] == 16 and held["a2"]["path"] == ad["a2"] and held["a3"]["rank"] == 4
+    # rank 16 on q/k/v/o/gate/up/down of the tiny Llama's layers, float32: r x (in + out) x 4 bytes each
+    assert held["a2"]["bytes"] == 16 * 4 * _lora_numel_per_rank(base)
     assert models[2]["root"] == ad["a2"] and models[2]["parent"] == base and models[0]["parent"] is None
     # errors, as vLLM words them
     r = _load(server, "a2", ad["a2"])

@@ -10,6 +10,7 @@ dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -152,5 +153,6 @@ def server_info(state: ServerState, config_format: str | None = None, sleep: dic
         "unavailable_reason": state.aengine.unavailable_reason,
         "engine_mode": getattr(state.aengine, "engine_mode", "thread"),
         "engine_core_pids": state.aengine.core_pids() if hasattr(state.aengine, "core_pids") else [],
+        "lora_adapters": [dataclasses.asdict(r) for r in state.lora.adapters.values()] if state.lora else None,
         "vllm_config": _text(vc) if config_format == "text" else vc,
     }
