@@ -145,3 +145,24 @@ def test_offline_lora_request(setup):
     with pytest.raises(LoRAAdapterError, match="lora_int_id must be an integer >= 1"):
         llm.generate(PROMPTS[0], p, lora_request=LoRARequest("x", 0, adapters[2]))
     lora.remove(12)
+
+
+@pytest.mark.parametrize("arch,targets", [("qwen2", None), ("opt", ["q_proj", "k_proj", "v_proj", "out_proj",
+                                                                   "fc1", "fc2"])])
+def test_other_architectures(arch, targets, tiny_model, tmp_path):
+    """Qwen2 (q/k/v biases) and OPT (its own projection names, unpacked q/k/v): base + one adapter in
+    one batch = PEFT's merged model."""
+    base = tiny_model(arch)
+    path = make_adapter(base, tmp_path / "a", seed=5, r=8, targets=targets)
+    llm = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    lora_of(llm.engine.model).load(1, path)
+    params = [_params(0), _params(1)]
+    outs = llm.generate([PROMPTS[0]] * 2, params)
+    for o, p in zip(outs, params):
+        want_ids, want_lps = hf_greedy_logprobs(merged_model(base, path if p.lora_int_id else None),
+                                                o.prompt_token_ids, NEW_TOKENS)
+        c = o.outputs[0]
+        assert list(c.token_ids) == want_ids
+        torch.testing.assert_close(torch.tensor([c.logprobs[i][t] for i, t in enumerate(c.token_ids)]),
+                                   torch.tensor(want_lps), atol=LP_ATOL, rtol=0)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
