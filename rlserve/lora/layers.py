@@ -8,8 +8,11 @@ For a base linear ``y = x W^T`` whose output packs several checkpoint matrices (
     y[t, offset:offset+size] += (x[t] A_a^T) B'_a^T
 
 The step's rows are grouped by adapter once (:class:`LoRABatch`); :func:`apply_lora` runs each
-group as two dense products (shrink ``x A^T`` for every slice at once, expand per slice) and adds
-the result into ``y`` in place. This is the CPU path. A batched GPU kernel (punica-style SGMV for
+group as two dense products and adds the result into ``y`` in place: shrink ``x A_cat^T`` with the
+slices' ``A`` stacked (``[sum r_i, in]``), expand with their ``B'`` placed block-diagonally in one
+``[out, sum r_i]`` matrix (zeros elsewhere). This is the CPU path: at decode sizes a layer's hook is
+then 2-4 small kernels instead of 2 per slice (the zero blocks cost ``T x sum r_i x out`` extra
+multiply-adds, a few microseconds). A batched GPU kernel (punica-style SGMV for
 prefill, BGMV for decode) replaces :func:`apply_lora` with the same inputs: ``LoRABatch.token_adapters``
 (the adapter per row) and ``LoRABatch.groups`` (rows sorted by adapter, i.e. SGMV's segments), with
 the per-adapter factors moved into stacked ``[slots, r, in]`` / ``[slots, size, r]`` buffers.
@@ -61,27 +64,30 @@ class LoRALinear:
         in_features: the layer's input width.
 
     Attributes:
-        adapters: ``{adapter_id: (A_cat [sum r_i, in], [(offset, size, r_i), ...], [B'_i [size, r_i]])}``
-            for the slices that adapter targets (an adapter may target only some slices).
+        adapters: ``{adapter_id: (A_cat [sum r_i, in], B_cat [out, sum r_i])}`` over the slices that
+            adapter targets (an adapter may target only some): ``B_cat[offset_i : offset_i + size_i,
+            col_i : col_i + r_i] = B'_i``, zero elsewhere.
     """
 
     def __init__(self, slices: list[tuple[str, int, int]], in_features: int):
         self.slices = slices
         self.in_features = in_features
-        self.adapters: dict[int, tuple[torch.Tensor, list[tuple[int, int, int]], list[torch.Tensor]]] = {}
+        self.out_features = sum(size for _, _, size in slices)
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add(self, adapter_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hold ``adapter_id``'s factors of this layer's slices (``weights``: ``{hf_module: (A, B')}``,
         as :class:`rlserve.lora.adapter.LoRAAdapter`); no-op when it targets none of them."""
-        a_parts, spans, b_parts = [], [], []
-        for module, offset, size in self.slices:
-            if module in weights:
-                a, b = weights[module]
-                a_parts.append(a)
-                spans.append((offset, size, a.shape[0]))
-                b_parts.append(b)
-        if a_parts:
-            self.adapters[adapter_id] = (torch.cat(a_parts).contiguous(), spans, b_parts)
+        parts = [(offset, size, weights[module]) for module, offset, size in self.slices if module in weights]
+        if not parts:
+            return
+        a_cat = torch.cat([a for _, _, (a, _) in parts]).contiguous()
+        b_cat = a_cat.new_zeros((self.out_features, a_cat.shape[0]))
+        col = 0
+        for offset, size, (a, b) in parts:
+            b_cat[offset:offset + size, col:col + a.shape[0]] = b
+            col += a.shape[0]
+        self.adapters[adapter_id] = (a_cat, b_cat)
 
     def remove(self, adapter_id: int) -> None:
         self.adapters.pop(adapter_id, None)
@@ -102,16 +108,9 @@ def apply_lora(lin: LoRALinear, x: torch.Tensor, y: torch.Tensor, batch: LoRABat
         held = lin.adapters.get(adapter_id)
         if held is None:
             continue
-        a_cat, spans, b_parts = held
-        xs = x if rows is None else x.index_select(0, rows)
-        shrunk = xs @ a_cat.t()  # [n, sum r_i]
-        col = 0
-        for (offset, size, r), b in zip(spans, b_parts):
-            delta = shrunk[:, col:col + r] @ b.t()  # [n, size]
-            col += r
-            target = y.narrow(-1, offset, size)
-            if rows is None:
-                target += delta
-            else:
-                target.index_add_(0, rows, delta)
+        a_cat, b_cat = held
+        if rows is None:
+            y.addmm_(x @ a_cat.t(), b_cat.t())  # y += (x A^T) B^T
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ a_cat.t()) @ b_cat.t())
     return y
