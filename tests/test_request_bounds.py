@@ -117,6 +117,20 @@ def test_template_errors_and_tokenize_use_the_workers(srv):
 
 
 # ---- structured outputs ----------------------------------------------------------------------
+def _slow_compiles(monkeypatch, seconds: float) -> None:
+    """Every constraint compile of the engine takes ``seconds`` longer (a sleep: no CPU), as a
+    large constraint's does (20,000 choices: 9-30 s of CPU on the 2-core machine)."""
+    from rlserve.engine import structured
+
+    real = structured.GrammarCompiler.compile
+
+    def slow(self, spec):
+        time.sleep(seconds)
+        return real(self, spec)
+
+    monkeypatch.setattr(structured.GrammarCompiler, "compile", slow)
+
+
 def test_oversized_constraints_are_a_400_before_compiling(srv):
     """100,000 choices (issue 33: ~45 s of stall for every other request) and a regex over
     MAX_CONSTRAINT_CHARS are refused by size, at once, with a canary /health answering."""
@@ -147,18 +161,23 @@ def test_oversized_constraints_are_a_400_before_compiling(srv):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
 
 
-def _slow_compiles(monkeypatch, seconds: float) -> None:
-    """Every constraint compile of the engine takes ``seconds`` longer (a sleep: no CPU), as a
-    large constraint's does (20,000 choices: 9-30 s of CPU on the 2-core machine)."""
-    from rlserve.engine import structured
+def test_constraint_over_its_compile_time_is_a_400(srv, monkeypatch):
+    """A constraint within the size bound whose compile overruns COMPILE_TIMEOUT_S (lowered to
+    0.5 s here; compiles slowed by 3 s) is a 400 ``constraint_timeout`` after the bound, not an
+    answer after the compile; the server goes on serving meanwhile."""
+    from rlserve.server import state as state_mod
 
-    real = structured.GrammarCompiler.compile
-
-    def slow(self, spec):
-        time.sleep(seconds)
-        return real(self, spec)
-
-    monkeypatch.setattr(structured.GrammarCompiler, "compile", slow)
+    monkeypatch.setattr(state_mod, "COMPILE_TIMEOUT_S", 0.5)
+    _slow_compiles(monkeypatch, 3.0)
+    t0 = time.monotonic()
+    r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]{3}x"}})
+    took = time.monotonic() - t0
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "constraint_timeout", r.text
+    assert err["param"] == "structured_outputs" and "within 0.5 s" in err["message"], err
+    assert took < 3.0, took
+    assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
 
 
 def test_engine_compiles_constraints_beside_its_steps(tiny_model, monkeypatch):
