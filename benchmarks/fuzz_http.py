@@ -198,7 +198,8 @@ def engine_core_pids(server_pid: int) -> set[int]:
 
 class Canary:
     """A thread that sends ``{"prompt": "hi", "max_tokens": 4}`` completions back to back
-    (20 ms apart) and keeps their latencies (seconds) and failures."""
+    (20 ms apart) and keeps their latencies (seconds) and failures. While :attr:`paused` is set
+    (the server restarts) it sends nothing and a failure does not count; :attr:`url` may change."""
 
     def __init__(self, url: str, headers: dict):
         import threading
@@ -206,22 +207,28 @@ class Canary:
         self.url, self.headers = url, headers
         self.latencies: list[float] = []
         self.failures: list[str] = []
+        self.paused = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(base_url=self.url, headers=self.headers, timeout=60) as client:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
-                    if r.status_code != 200:
-                        self.failures.append(f"{r.status_code} {r.text[:200]}")
-                    else:
-                        self.latencies.append(time.monotonic() - t0)
-                except httpx.HTTPError as e:
+        while not self._stop.is_set():
+            if self.paused.is_set():
+                self._stop.wait(0.1)
+                continue
+            url = self.url
+            t0 = time.monotonic()
+            try:
+                r = httpx.post(url + "/v1/completions", headers=self.headers, timeout=60,
+                               json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+                if r.status_code == 200:
+                    self.latencies.append(time.monotonic() - t0)
+                elif not self.paused.is_set():
+                    self.failures.append(f"{r.status_code} {r.text[:200]}")
+            except httpx.HTTPError as e:
+                if not self.paused.is_set():
                     self.failures.append(type(e).__name__)
-                self._stop.wait(0.02)
+            self._stop.wait(0.02)
 
     def __enter__(self):
         self._thread.start()
@@ -245,45 +252,69 @@ def _latency(c: Canary) -> dict:
             "n": len(c.latencies), "failures": c.failures[:20]}
 
 
-def issue33_pass(url: str, server_pid: int, model: str, classes: list[str], headers: dict, timeout: float,
-                 baseline_s: float = 15.0) -> dict:
-    """Send every case of ``classes`` (``benchmarks/fuzz_cases.py``) beside a :class:`Canary`
-    (first ``baseline_s`` seconds of the canary alone: its latency without the fuzz).
+def issue33_pass(srv: ServerProcess, model: str, classes: list[str], headers: dict, timeout: float,
+                 log_prefix: str, baseline_s: float = 15.0, max_restarts: int = 15) -> dict:
+    """Send every case of ``classes`` (``benchmarks/fuzz_cases.py``) to ``srv`` beside a
+    :class:`Canary` (first ``baseline_s`` seconds of the canary alone: its latency without the
+    fuzz). After an engine death, or a hang with ``/health`` unanswered, the server is
+    restarted and the cases go on (at most ``max_restarts`` times, then the pass stops); the
+    log of each server life that ended so is kept as ``<log_prefix>-life-<n>.log``.
     Returns {"sent", "statuses", "5xx", "deaths", "hangs", "dropped" (connections closed without
-    an answer), "canary": {p50_ms, p99_ms, max_ms, n, failures}, "slowest": [(seconds, case), ...]}."""
+    an answer), "restarts", "not_sent", "canary": {p50_ms, p99_ms, max_ms, n, failures},
+    "canary_alone": the same, "slowest": [(seconds, case), ...]}."""
     statuses: collections.Counter = collections.Counter()
     fivexx, deaths, hangs, took, dropped = [], [], [], [], []
-    pids = engine_core_pids(server_pid)
+    pids = engine_core_pids(srv.proc.pid)
     cases = [c for name in classes for c in CLASSES[name](model)]
-    with Canary(url, headers) as alone:  # the peer: the same canary with no fuzz beside it
+    restarts, not_sent = 0, 0
+    with Canary(srv.url, headers) as alone:  # the peer: the same canary with no fuzz beside it
         time.sleep(baseline_s)
-    with Canary(url, headers) as canary, httpx.Client(base_url=url) as client:
-        for cls, method, path, body in cases:
+    with Canary(srv.url, headers) as canary:
+        for k, (cls, method, path, body) in enumerate(cases):
             what = f"[{cls}] {method} {path} {repr(body)[:160]}"
             h = dict(headers)
             raw = encode(body)
             if raw is not None:
                 h["content-type"] = "application/json"
             t0 = time.monotonic()
+            broken = False
             try:
-                r = client.request(method, path, headers=h, content=raw, timeout=timeout)
+                r = httpx.request(method, srv.url + path, headers=h, content=raw, timeout=timeout)
             except httpx.TimeoutException:
                 hangs.append(f"{what}: no answer within {timeout:.0f} s")
-                continue
+                try:
+                    broken = httpx.get(srv.url + "/health", timeout=5).status_code != 200
+                except httpx.HTTPError:
+                    broken = True
+                r = None
             except httpx.HTTPError as e:  # the server closed the connection without an answer
                 statuses[type(e).__name__] += 1
                 dropped.append(f"{what}: {type(e).__name__}")
-                continue
-            took.append((time.monotonic() - t0, what))
-            statuses[r.status_code] += 1
-            if r.status_code >= 500:
-                fivexx.append(f"{what} -> {r.status_code} {r.text[:300]}")
-            now = engine_core_pids(server_pid)
-            if now != pids or "engine_dead" in r.text:
-                deaths.append(f"{what}: engine-core PIDs {sorted(pids)} -> {sorted(now)}; {r.text[:200]}")
-                pids = now
+                r = None
+            if r is not None:
+                took.append((time.monotonic() - t0, what))
+                statuses[r.status_code] += 1
+                if r.status_code >= 500:
+                    fivexx.append(f"{what} -> {r.status_code} {r.text[:300]}")
+                now = engine_core_pids(srv.proc.pid)
+                if now != pids or "engine_dead" in r.text:
+                    deaths.append(f"{what}: engine-core PIDs {sorted(pids)} -> {sorted(now)}; {r.text[:200]}")
+                    broken = True
+            if broken:
+                if restarts == max_restarts:
+                    not_sent = len(cases) - k - 1
+                    break
+                restarts += 1
+                canary.paused.set()
+                srv.stop()
+                shutil.copy(srv.log_path, f"{log_prefix}-life-{restarts}.log")
+                srv.start()
+                canary.url = srv.url
+                pids = engine_core_pids(srv.proc.pid)
+                canary.paused.clear()
     return {"sent": sum(statuses.values()), "statuses": dict(statuses), "5xx": fivexx, "deaths": deaths,
-            "hangs": hangs, "dropped": dropped, "canary": _latency(canary), "canary_alone": _latency(alone),
+            "hangs": hangs, "dropped": dropped, "restarts": restarts, "not_sent": not_sent,
+            "canary": _latency(canary), "canary_alone": _latency(alone),
             "slowest": [(round(t, 2), w) for t, w in sorted(took, reverse=True)[:10]]}
 
 
@@ -390,8 +421,8 @@ def main() -> int:
                 header_sets = {"admin key": {"Authorization": f"Bearer {ADMIN_KEY}"},
                                "api key": {"Authorization": f"Bearer {API_KEY}"}, "no key": {}}
             if classes:  # with the key that opens everything (TRL routes included)
-                runs["issue 33"] = issue33_pass(srv.url, srv.proc.pid, model, classes,
-                                                next(iter(header_sets.values())), args.request_timeout)
+                runs["issue 33"] = issue33_pass(srv, model, classes, next(iter(header_sets.values())),
+                                                args.request_timeout, os.path.join(out, f"server-{name}"))
                 _wait_quiet(srv.url, {"Authorization": f"Bearer {ADMIN_KEY}"} if keyed else {})
             for label, headers in header_sets.items():
                 if not args.skip_schemathesis:
@@ -406,6 +437,8 @@ def main() -> int:
             ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                             headers={"Authorization": f"Bearer {API_KEY}"} if keyed else {}, timeout=60)
             statuses = access_statuses(srv.log_path)
+            for life in glob.glob(os.path.join(out, f"server-{name}-life-*.log")):  # lives before restarts
+                statuses += access_statuses(life)
             alive = srv.proc.poll() is None
             shutil.copy(srv.log_path, os.path.join(out, f"server-{name}.log"))
         summary[name] = {"runs": runs, "server_statuses": dict(sorted(statuses.items())),
@@ -430,7 +463,8 @@ def main() -> int:
             if "canary" in r:
                 c = r["canary"]
                 print(f"  {run_name}: {r['sent']} sent, {r['statuses']}, 5xx {len(r['5xx'])}, engine deaths "
-                      f"{len(r['deaths'])}, hangs {len(r['hangs'])}; canary p50 {c['p50_ms']} ms p99 {c['p99_ms']} ms "
+                      f"{len(r['deaths'])}, hangs {len(r['hangs'])}, server restarts {r['restarts']}, not sent "
+                      f"{r['not_sent']}; canary p50 {c['p50_ms']} ms p99 {c['p99_ms']} ms "
                       f"max {c['max_ms']} ms over {c['n']} requests, {len(c['failures'])} failed (alone before: "
                       f"p50 {r['canary_alone']['p50_ms']} ms p99 {r['canary_alone']['p99_ms']} ms)")
                 for x in r["deaths"][:20] + r["hangs"][:20] + r["dropped"][:20] + c["failures"][:5]:
