@@ -387,7 +387,9 @@ def params_from_fields(fields: dict[str, Any]) -> SamplingParams:
             if got is not None and _unwireable(got, "") is None:
                 msg += f" ({msgspec.json.encode(got).decode()[:80]})"
         raise InvalidParamsError(path, msg) from None
-    bad = _unwireable(params, "")
-    if bad is not None:
-        raise InvalidParamsError(bad[0].lstrip("."), bad[1])
+    try:
+        msgspec.msgpack.encode(params)
+    except (OverflowError, UnicodeEncodeError, TypeError) as e:  # which field: looked for only now
+        bad = _unwireable(params, "")
+        raise InvalidParamsError(*((bad[0].lstrip("."), bad[1]) if bad is not None else (None, str(e)))) from None
     return params

@@ -184,7 +184,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
             if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
                 ids = ids[-body.truncate_prompt_tokens:]
             max_tokens = state.check_length(len(ids), params.max_tokens, param=names.get("max_tokens", "max_tokens"))
-            items.append((ids, state.sampling_params(names, **dict(fields, max_tokens=max_tokens))))
+            items.append((ids, dataclasses.replace(params, max_tokens=max_tokens)))  # (checked: an int in range)
         rid = f"trl-{uuid.uuid4().hex[:24]}"
         gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate", stream=False)
                 for i, (ids, params) in enumerate(items)]
