@@ -33,8 +33,14 @@ class StaleSessionError(WeightUpdateStateError):
 
 
 class ModelUnavailableError(RLServeError):
-    """The model's weights are inconsistent after a failed in-place update; generation is
-    refused until a full update lands. HTTP 503."""
+    """The served weights are not valid (a failed in-place update left them part old, part new:
+    code ``model_unavailable``; a level-2 sleep's refill is incomplete or an engine-core restart
+    lost them: ``weights_lost``); generation is refused until a complete update lands. HTTP 503
+    with ``code``."""
+
+    def __init__(self, message: str = "", code: str = "model_unavailable"):
+        super().__init__(message)
+        self.code = code
 
 
 class ModelSleepingError(ModelUnavailableError):

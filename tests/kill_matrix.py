@@ -25,6 +25,7 @@ tears the group down; a trainer that died between calls is noticed by the idle w
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -43,6 +44,7 @@ from tests.transfer_harness import InProcessServer, free_port  # noqa: E402
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
 GOOD_SEED, BAD_SEED = 1, 2
+_LABELS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ class Good:
         try:
             for i in range(2 if direct else 1):
                 self.n += 1
-                self.version = f"good-{self.n}"
+                # labels are unique for a server's lifetime, and a server may serve several runs
+                self.version = f"good-{next(_LABELS)}"
                 eng.send_weights(weight_version=self.version)
                 if i == 1:
                     assert eng.last_stats["server"]["direct_receive"] is True, eng.last_stats["server"]

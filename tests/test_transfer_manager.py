@@ -61,10 +61,11 @@ def test_sync_matches_hf_and_checksums(llama, shared, staging, packed):
         rep = eng.client.weight_checker(compare=mine)
         assert rep["compare"]["match"] and rep["compare"]["compared"] == len(mine), rep["compare"]
         # an explicit version, and the stats
-        fin = eng.send_weights(weight_version="step-7")
-        assert fin["weight_version"] == "step-7"
-        assert server_greedy(srv.url).json()["weight_version"] == "step-7"
-        assert eng.send_weights()["weight_version"] == "step-8"
+        # (labels are unique for a server's lifetime: each parametrization, one shared server)
+        fin = eng.send_weights(weight_version=f"{staging}{int(packed)}-step-7")
+        assert fin["weight_version"] == f"{staging}{int(packed)}-step-7"
+        assert server_greedy(srv.url).json()["weight_version"] == f"{staging}{int(packed)}-step-7"
+        assert eng.send_weights()["weight_version"] == f"{staging}{int(packed)}-step-8"
         info = httpx.get(srv.url + "/weight_info").json()
         assert info["state"] == "ready" and info["num_updates"] == updates0 + 3 and info["last_update"]["ok"]
         assert not srv.aengine.is_paused()
@@ -280,3 +281,34 @@ def test_finished_op_answers_until_forgotten():
     worker_ext.forget(worker, "op1")
     gone = worker_ext.poll(worker, "op1")
     assert gone["done"] and not gone["ok"] and gone["error_type"] == "TransferAbortedError"
+
+
+def test_weight_version_labels_are_unique(llama, shared):
+    """Issue 33 item 4: an explicit label already used (the checkpoint's, the current one) is a
+    409 ``weight_version_in_use`` naming it, with nothing changed (the session stays open: the
+    trainer finishes it under another label); automatic versions move past every numeric label
+    seen (after "7000" and "6000", "7001", not "6001"). Fails on the code before: both accepted."""
+    path, hf = llama
+    with shared(path) as srv:
+        scramble(srv.url, path)
+        v0 = version(srv.url)
+        mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
+        eng = trainer(srv.url, hf)
+        for used in ("0", v0):
+            with pytest.raises(WeightSyncConflictError) as ei:
+                eng.send_weights(weight_version=used)
+            assert ei.value.status_code == 409 and ei.value.code == "weight_version_in_use", ei.value
+            assert repr(used) in str(ei.value)
+            info = httpx.get(srv.url + "/weight_info").json()  # (in place: loaded, paused, not committed)
+            assert info["weight_version"] == v0 and info["state"] == "updating" and info["unavailable"] is None
+            fin = eng.client.finish_weight_update()  # the open session, under the next automatic label
+            assert fin["weight_version"] == bumped(v0) and fin["weights_valid"] is True
+            assert checksums(srv.url) == mine and server_greedy(srv.url).json()["weight_version"] == bumped(v0)
+            v0 = fin["weight_version"]
+        assert eng.send_weights(weight_version="7000")["weight_version"] == "7000"
+        assert eng.send_weights(weight_version="6000")["weight_version"] == "6000"
+        assert eng.send_weights()["weight_version"] == "7001"
+        assert server_greedy(srv.url).json()["weight_version"] == "7001"
+        r = httpx.post(srv.url + "/finish_weight_update", json={"weight_version": "6000"})
+        assert r.status_code == 409  # no session: out of order, before any label check
+        eng.shutdown()

@@ -36,6 +36,7 @@ from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, Held
 from rlserve.engine.core import EngineDeadError, EngineStepError
 from rlserve.engine.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.replica_setup import build_replicas
+from rlserve.engine.weight_state import MODEL_UNAVAILABLE, WEIGHTS_LOST, WeightState
 from rlserve.errors import ModelUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -89,9 +90,8 @@ class AsyncEngine(PauseControl):
         self.engine_mode = engine_mode
         self.hold_timeout_s = hold_timeout_s
         self._lock = threading.Lock()
-        self._weight_version = str(weight_version)
-        self.weight_version_sets = 0  # set_weight_version calls (committed weight syncs)
-        self._unavailable: str | None = None
+        # valid or lost, and the version label (shared by weight syncs, sleep mode, restarts)
+        self.weights = WeightState(str(weight_version))
         self._closed: str | None = None
         self._paused = False
         self._pause_mode: str | None = None
@@ -101,7 +101,7 @@ class AsyncEngine(PauseControl):
         self._requests: dict[str, FrontRequest] = {}
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
-        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self._weight_version)
+        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version)
         error = None
         try:
             for r in self._replicas:
@@ -154,23 +154,59 @@ class AsyncEngine(PauseControl):
 
     @property
     def weight_version(self) -> str:
-        """The version stamped on new outputs (str)."""
-        return self._weight_version
+        """The version stamped on new outputs (str): :attr:`weights`' label."""
+        return self.weights.version
+
+    def _stamp(self) -> None:
+        """Every replica stamps :attr:`weights`' label on the outputs of the steps that follow."""
+        for r in self._replicas:
+            r.set_weight_version(self.weights.version)
+
+    def commit_weights(self, version: str, names, required) -> bool:
+        """A weight sync committed ``version`` after writing ``names`` (checkpoint names; the
+        model's ``required`` names decide whether lost weights are complete again): see
+        :meth:`WeightState.commit`. Lost weights that became complete are served again. Returns
+        whether the weights are valid now."""
+        was_valid = self.weights.valid
+        valid = self.weights.commit(version, names, required)
+        if valid:
+            self._stamp()
+            if not was_valid:
+                self._lift_quarantine()
+                logger.info("weights complete again (version %s): generation available", version)
+        return valid
 
     def set_weight_version(self, version: str) -> None:
-        """Stamp ``version`` on every output of the steps that follow."""
-        self._weight_version = str(version)
-        self.weight_version_sets += 1
-        for r in self._replicas:
-            r.set_weight_version(self._weight_version)
+        """Stamp ``version`` on every output of the steps that follow (weights stay as they are:
+        a commit of valid weights that wrote nothing, e.g. a test's relabel)."""
+        self.weights.relabel(str(version))
+        self._stamp()
+
+    def checkpoint_reloaded(self) -> None:
+        """The replicas reloaded the checkpoint: served under the checkpoint's label."""
+        self.weights.checkpoint_reloaded()
+        self._stamp()
+        self._lift_quarantine()
+
+    def lose_weights(self, reason: str, code: str = WEIGHTS_LOST, reload_ok: bool = False) -> None:
+        """From now on :meth:`generate` answers 503 ``code`` with ``reason`` until the weights are
+        complete again (:class:`WeightState`). Requests in flight are not touched (see
+        :meth:`fail_all`)."""
+        self.weights.lose(reason, code, reload_ok)
 
     def set_unavailable(self, reason: str | None) -> None:
-        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503). ``None``
-        also lifts any quarantine (:meth:`quarantine`)."""
-        self._unavailable = reason
-        if reason is None:
-            for r in self._replicas:
-                r.set_quarantined(False)
+        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503,
+        ``model_unavailable``) until a complete update (:meth:`lose_weights`). ``None``: valid
+        again with the current label, and any quarantine (:meth:`quarantine`) lifted."""
+        if reason is not None:
+            self.weights.lose(reason, MODEL_UNAVAILABLE)
+            return
+        self.weights.restore()
+        self._lift_quarantine()
+
+    def _lift_quarantine(self) -> None:
+        for r in self._replicas:
+            r.set_quarantined(False)
 
     def quarantine(self, engine, reason: str) -> None:
         """Thread mode, on a replica's thread inside a :meth:`run_in_engines` command whose work
@@ -179,7 +215,7 @@ class AsyncEngine(PauseControl):
         (Engine-side code that runs in both modes calls ``core.quarantine(reason)`` instead, as
         ``rlserve.transfer.server.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
         only the 503."""
-        self._unavailable = reason
+        self.weights.lose(reason, MODEL_UNAVAILABLE)
         for r in self._replicas:
             core = getattr(r, "core", None)
             if core is not None and core.engine is engine:
@@ -202,7 +238,13 @@ class AsyncEngine(PauseControl):
 
     @property
     def unavailable_reason(self) -> str | None:
-        return self._unavailable
+        """Why generation answers 503 with the weights (None while they are valid)."""
+        return self.weights.reason
+
+    @property
+    def unavailable_code(self) -> str | None:
+        """The error code of that 503: ``weights_lost`` or ``model_unavailable``."""
+        return self.weights.code
 
     def is_alive(self) -> bool:
         """True while every replica runs (its thread, or its engine-core process)."""
@@ -288,10 +330,10 @@ class AsyncEngine(PauseControl):
 
         Closing the generator early (or cancelling its task) aborts the request.
         """
-        if self._unavailable is not None:
-            raise ModelUnavailableError(self._unavailable)
         if self.sleep_mode is not None:
             self.sleep_mode.check_generate()
+        if self.weights.reason is not None:
+            raise ModelUnavailableError(self.weights.reason, code=self.weights.code)
         if not self.is_alive():
             raise EngineDeadError(self.dead_reason() or "the engine is not running")
         if request_id is None:

@@ -13,7 +13,12 @@
 
 ``wake_up(tags)`` takes the tags' memory back on every replica; once nothing sleeps, requests
 are accepted again and generation resumes (unless it was paused before the sleep: that pause
-stays). A level-2 engine that no committed weight sync refilled reloads its checkpoint then.
+stays). The weights after a level-2 sleep (``AsyncEngine.weights``,
+:mod:`rlserve.engine.weight_state`) are either a complete refill by syncs (served under the
+version of the sync that completed it), or, when nothing was written since the sleep, the
+checkpoint reloaded at the full wake (served under the checkpoint's own version label), or
+neither: a partial or failed refill is never served, generation answers 503 ``weights_lost``
+until syncs have written every parameter.
 
 Requests while asleep get **503, not held**. Why: a sleep lasts a training step (minutes, with
 no bound the server knows of), far beyond the hold a pause gives (``--pause-hold-timeout``) and
@@ -31,12 +36,16 @@ import time
 
 from rlserve.engine.sleep_memory import TAGS, WEIGHTS
 from rlserve.engine.sleep_mode import check_level, check_tags
+from rlserve.engine.weight_state import WEIGHTS_LOST
 from rlserve.errors import InvalidRequestError, ModelSleepingError, SleepStateError
 
 logger = logging.getLogger(__name__)
 
 _CALL = "rlserve.engine.sleep_mode:"
 SLEEP_MODES = ("abort", "wait")
+#: why generation answers 503 ``weights_lost`` after a level-2 sleep whose refill is incomplete
+LEVEL2_LOST = ("a level-2 sleep discarded the weights and the weight syncs since did not write every parameter (or "
+               "one failed): generation answers 503 until syncs have written all of them")
 
 
 class AsyncSleep:
@@ -56,7 +65,6 @@ class AsyncSleep:
         self.replicas: list[dict] = []  # the replicas' EngineSleep.info() after the last call
         self._lock: asyncio.Lock | None = None
         self._paused_before = False
-        self._versions_at_sleep = 0
         self.totals = {"sleeps": 0, "wake_ups": 0, "last_sleep_s": None, "last_wake_up_s": None}
 
     # ---- queries -------------------------------------------------------------------
@@ -137,7 +145,8 @@ class AsyncSleep:
                 await self._undo_sleep(paused_before)
                 raise
             self._paused_before = paused_before
-            self._versions_at_sleep = aeng.weight_version_sets
+            if level == 2:
+                aeng.lose_weights(LEVEL2_LOST, WEIGHTS_LOST, reload_ok=True)
             self.state = dict(self.replicas[0]["tags"])
             self.state = {t: (None if v == "awake" else v) for t, v in self.state.items()}
             self.totals.update(sleeps=self.totals["sleeps"] + 1, last_sleep_s=time.perf_counter() - t0)
@@ -178,14 +187,18 @@ class AsyncSleep:
             raise SleepStateError(f"not sleeping ({', '.join(tags)} already awake): nothing to wake up",
                                   code="not_sleeping")
         t0 = time.perf_counter()
-        refilled = self.aengine.weight_version_sets != self._versions_at_sleep
+        # the checkpoint is reloaded (at the full wake) only while nothing was written since a
+        # level-2 sleep discarded the weights; a sync (partial or failed) leaves the refill to syncs
+        reload = self.aengine.weights.reload_ok
         try:
-            self.replicas = list(await self.aengine.call_engines(_CALL + "core_wake_up", asleep, refilled))
+            self.replicas = list(await self.aengine.call_engines(_CALL + "core_wake_up", asleep, not reload))
         except BaseException:
             await self._undo_sleep(True)  # whatever the replicas say now; stays paused
             raise
         for t in asleep:
             self.state[t] = None
+        if reload and not self.is_sleeping():
+            self.aengine.checkpoint_reloaded()  # served under the checkpoint's own label
         self.totals.update(wake_ups=self.totals["wake_ups"] + 1, last_wake_up_s=time.perf_counter() - t0)
         if not self.is_sleeping():
             self.level = 0

@@ -140,9 +140,11 @@ class EngineSleep:
         return self.info()
 
     def wake_up(self, tags=None, weights_refilled: bool = False) -> dict:
-        """Take the memory of ``tags`` back (default both). ``weights_refilled``: weights were
-        loaded since a level-2 sleep (the server's weight sync). When this leaves the engine
-        fully awake with level-2 weights nobody refilled, they are reloaded from the checkpoint.
+        """Take the memory of ``tags`` back (default both). ``weights_refilled``: do not reload
+        the checkpoint: weights were written since a level-2 sleep (the server passes it whenever
+        a sync wrote, complete or not: its ``AsyncEngine.weights`` decides what is served). When
+        this leaves the engine fully awake with level-2 weights nobody refilled, they are
+        reloaded from the checkpoint.
         Returns :meth:`info`.
 
         Raises:

@@ -39,7 +39,8 @@ def make_public_router(state: ServerState) -> APIRouter:
             reason = aeng.dead_reason() if hasattr(aeng, "dead_reason") else None
             return JSONResponse({"status": "dead", "reason": reason or "the engine is not running"}, status_code=503)
         if aeng.unavailable_reason is not None:
-            return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason}, status_code=503)
+            return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason,
+                                 "code": getattr(aeng, "unavailable_code", None)}, status_code=503)
         return {"status": "ok"}
 
     router.add_api_route("/health", health, methods=["GET"])

@@ -154,7 +154,7 @@ def exception_to_error(exc: BaseException) -> APIError:
     if isinstance(exc, SleepMemoryError):
         return APIError(503, str(exc), code="wake_up_out_of_memory")
     if isinstance(exc, ModelUnavailableError):
-        return APIError(503, f"the model is unavailable: {exc}", code="model_unavailable")
+        return APIError(503, f"the model is unavailable: {exc}", code=getattr(exc, "code", None) or "model_unavailable")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, WeightUpdateStateError):

@@ -222,13 +222,14 @@ class ServerState:
         """Raises APIError 503 while the model is unavailable (a failed in-place weight
         update), asleep (sleep mode) or the engine is down; checked before a stream starts, so streams never
         begin with a 200 and then fail for this."""
-        reason = self.aengine.unavailable_reason
-        if reason is not None:
-            raise APIError(503, f"the model is unavailable: {reason}", code="model_unavailable")
         sleep = getattr(self.aengine, "sleep_mode", None)
         if sleep is not None and sleep.is_sleeping():
             raise APIError(503, f"the model is sleeping (level {sleep.level}): POST /wake_up first; requests are "
                                 "not held while asleep", code="model_sleeping")
+        reason = self.aengine.unavailable_reason
+        if reason is not None:
+            raise APIError(503, f"the model is unavailable: {reason}",
+                           code=getattr(self.aengine, "unavailable_code", None) or "model_unavailable")
         if not self.aengine.is_alive():
             reason = self.aengine.dead_reason() if hasattr(self.aengine, "dead_reason") else None
             raise APIError(503, f"the engine is not running: {reason}" if reason else "the engine is not running",

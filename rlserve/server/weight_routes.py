@@ -49,6 +49,7 @@ from rlserve.errors import (
     WeightUpdateError,
     WeightUpdateStateError,
 )
+from rlserve.engine.weight_state import WeightVersionInUseError
 from rlserve.server.errors import error_body
 from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
 
@@ -60,6 +61,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 409, exc.code
     if isinstance(exc, SleepMemoryError):
         return 503, "wake_up_out_of_memory"
+    if isinstance(exc, WeightVersionInUseError):
+        return 409, exc.code
     if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):
         return 400, exc.code  # e.g. UnsafePickleError: "unsafe_pickle"
     if isinstance(exc, NoTransferEngineError):
@@ -75,7 +78,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, WeightUpdateError):
         return 400, "weight_update_refused"
     if isinstance(exc, ModelUnavailableError):
-        return 503, "model_unavailable"
+        return 503, getattr(exc, "code", None) or "model_unavailable"
     if isinstance(exc, TimeoutError):
         return 504, "timeout"
     return 500, "internal_error"

@@ -34,7 +34,10 @@ Guarantees (beyond vLLM):
 - an open update session that sees no call for ``timeout_s`` seconds is abandoned the same way
   (a live trainer that stopped calling never leaves the server paused);
 - every commit resets the prefix cache and sets the weight version (auto-incremented when the
-  trainer gives none).
+  trainer gives none, past every label the server used; a label already used is refused: 409
+  ``weight_version_in_use``); whether the weights are served is ``AsyncEngine.weights``'
+  (:mod:`rlserve.engine.weight_state`): lost weights (a failed update, a level-2 sleep, an
+  engine-core restart) come back once syncs committed since have written every parameter.
 
 Staging (``weight_staging``): ``"none"`` loads in place while generation is paused (the trainer
 pauses, as with vLLM; if it did not, the manager pauses with mode ``keep`` from
@@ -155,7 +158,6 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self._busy: str | None = None
         self._spec: tuple[dict, set] | None = None
         self._tied: dict[str, str] = {}  # tied_checkpoint_names(), set by _model_spec
-        self._unavailable_by_us = False
         # ipc_handles_ref -> the validated metadata of its tensors (every worker holds the ref)
         self._ipc_refs: dict[str, dict] = {}
         self._watchdog: asyncio.Task | None = None
@@ -226,9 +228,8 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         for r in res:
             if r.get("quarantined"):
                 self.aengine.set_unavailable(r["quarantined"])  # the 503 here; the replica halted there
+        # (the front's copy of a committed version is set by finish, with the names written)
         committed = [r["committed_version"] for r in res if r.get("committed_version") is not None]
-        if committed:
-            self.aengine.set_weight_version(committed[-1])  # the front's copy (the engines have it)
         return [x for r in res for x in r["results"]], (committed[-1] if committed else None)
 
     async def _model_spec(self) -> tuple[dict, set]:
@@ -438,7 +439,6 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         flight or held end now with the same error (:meth:`AsyncEngine.fail_all`): frozen by the
         update's pause or not, their KV cache holds the old weights' keys and values and the
         model is now part old, part new."""
-        self._unavailable_by_us = True
         self.aengine.set_unavailable(reason)
         logger.error("model marked unavailable: %s", reason)
         try:

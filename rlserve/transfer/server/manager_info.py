@@ -42,6 +42,7 @@ class InfoRoutes:
                                                "declared_tensors": None if s.declared is None else len(s.declared.names),
                                                "paused_by_server": s.auto_paused},
             "unavailable": getattr(self.aengine, "unavailable_reason", None),
+            "unavailable_code": getattr(self.aengine, "unavailable_code", None),
             "trl": {"pending": self._trl_pending,
                     "uncommitted_tensors": len(s.received) if s is not None and s.trl else 0,
                     "error": None if self._trl_error is None else str(self._trl_error)},

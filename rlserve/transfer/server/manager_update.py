@@ -13,7 +13,7 @@ from rlserve.transfer import errors as terr
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
-from rlserve.transfer.server.session import _Session, check_weight_version, next_version
+from rlserve.transfer.server.session import _Session, check_weight_version
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +322,14 @@ class UpdateRoutes:
         incremented).
 
         Raises:
-            WeightUpdateStateError (409): no session, or a call still running.
+            WeightUpdateStateError (409): no session, or a call still running;
+                WeightVersionInUseError (409, ``weight_version_in_use``): ``weight_version`` already
+                named other weights (the session stays open).
             WeightUpdateError (400): the declared update did not fully arrive (staged: nothing
                 committed; in place: the model is marked unavailable if anything was loaded).
         """
         weight_version = check_weight_version(weight_version)  # a bad one leaves the session open
+        self.aengine.weights.check_label(weight_version)  # 409 weight_version_in_use, as well
         s = self._session
         if s is None:
             raise WeightUpdateStateError("finish_weight_update without start_weight_update")
@@ -349,7 +352,7 @@ class UpdateRoutes:
         pause_t0 = None
         phases: dict[str, float] = {}
         commit_replayed = None
-        version = weight_version if weight_version is not None else next_version(self.aengine.weight_version)
+        version = weight_version if weight_version is not None else self.aengine.weights.next_label()
         staged = self.staging != "none" and bool(s.received)
         # One replica: a single engine-thread command runs between two steps by itself, so commit +
         # prefix-cache reset + version need no pause/resume round trips; the next step already runs
@@ -375,12 +378,11 @@ class UpdateRoutes:
                 t_r = time.perf_counter()
                 await self.aengine.reset_prefix_cache()
                 phases["reset_prefix_cache_s"] = time.perf_counter() - t_r
-                self.aengine.set_weight_version(version)
-            full = req.issubset(expand_expert_names(s.received, _spec))  # MoE: a fused name covers many
-            if full and self._unavailable_by_us:
-                self.aengine.set_unavailable(None)
-                self._unavailable_by_us = False
-                logger.info("full weight update landed: generation available again")
+            written = expand_expert_names(s.received, _spec)  # MoE: a fused name covers many
+            full = req.issubset(written)
+            # lost weights (a failed update, a level-2 sleep, a restart) are served again once the
+            # syncs since have written every required parameter
+            valid = self.aengine.commit_weights(version, written, req)
         except BaseException as e:
             await self._fail(s, e, teardown=False)
             if paused_here:
@@ -397,6 +399,7 @@ class UpdateRoutes:
                      staging=self.staging, backend=self._init.backend if self._init else self.backend,
                      **({"protocol": "trl"} if s.trl else {}))
         return {"status": "ok", "weight_version": version, "tensors": len(s.received), "full": full,
+                "weights_valid": valid,
                 "bytes": s.bytes, "transfer_seconds": round(s.seconds, 6), "total_seconds": round(total, 6),
                 "commit_phases_s": {k: round(v, 6) for k, v in phases.items()}, "commit_replayed": commit_replayed,
                 "committed_in_engine_command": s.committed_version is not None}
@@ -451,12 +454,14 @@ class UpdateRoutes:
         """
         t0 = time.perf_counter()
         weight_version = check_weight_version(weight_version)  # before anything starts
+        self.aengine.weights.check_label(weight_version)
         update_info = translate_update_info(update_info)
         in_engine = self._commits_in_engine()
         await self.start_update(None, pause=not in_engine)
         s = self._session
-        if s is not None and in_engine:
-            s.commit_in_engine, s.commit_version = True, weight_version
+        if s is not None and in_engine:  # the engine stamps the label the front chose
+            s.commit_in_engine = True
+            s.commit_version = weight_version or self.aengine.weights.next_label()
         t1 = time.perf_counter()
         try:
             upd = await self.update_weights(update_info)

@@ -1,12 +1,12 @@
 """One weight-update session's record (:class:`_Session`) and the weight-version rules
-(what a trainer may ask for, how the server increments it)."""
+(what a trainer may ask for; the server's labels: :mod:`rlserve.engine.weight_state`)."""
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
+from rlserve.engine.weight_state import next_version  # noqa: F401 - re-exported
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.wire.protocol import UpdateInfo
 
@@ -32,14 +32,6 @@ def check_weight_version(version) -> str | None:
         raise WeightUpdateError(f"weight_version must be 1 to {MAX_VERSION_CHARS} printable characters "
                                 f"(got {len(v)} characters{', with control characters' if control else ''})")
     return v
-
-
-def next_version(current: str) -> str:
-    """``"7"`` → ``"8"``; ``"step-41"`` → ``"step-42"``; ``"abc"`` → ``"abc.1"``."""
-    m = re.match(r"^(.*?)(\d+)$", str(current))
-    if m:
-        return f"{m.group(1)}{int(m.group(2)) + 1}"
-    return f"{current}.1"
 
 
 @dataclass
