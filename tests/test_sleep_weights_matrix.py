@@ -235,6 +235,9 @@ def test_sleep_matrix(rig, level, monkeypatch):
                 else:
                     rig.killed_sync()
             if order == "asleep":
+                r = _generate(url)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_sleeping", r.text
+                assert httpx.get(url + "/health", timeout=T).status_code == 200  # healthy, just asleep
                 _post(url, "/wake_up")
             seen[(action, order)] = rig.served()
             want = _expected(level, action, order, rig, v_a, v_new)

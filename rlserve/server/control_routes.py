@@ -38,7 +38,8 @@ def make_public_router(state: ServerState) -> APIRouter:
         if not aeng.is_alive():
             reason = aeng.dead_reason() if hasattr(aeng, "dead_reason") else None
             return JSONResponse({"status": "dead", "reason": reason or "the engine is not running"}, status_code=503)
-        if aeng.unavailable_reason is not None:
+        # asleep: 200 (healthy, just asleep; a level-2 sleep's weights count as lost until the wake)
+        if aeng.unavailable_reason is not None and not (hasattr(aeng, "is_sleeping") and aeng.is_sleeping()):
             return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason,
                                  "code": getattr(aeng, "unavailable_code", None)}, status_code=503)
         return {"status": "ok"}
