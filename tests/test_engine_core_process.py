@@ -83,8 +83,9 @@ def test_engine_process_killed_mid_generation(tiny_model):
     # 4,000 tokens to generate: the pause must land while both requests still generate, and
     # 240 tokens of the 256-position model were sometimes all out before it did (loaded machine)
     long_model = tiny_model("llama", max_position_embeddings=4096)
+    # restarts off: this is the dead engine's behaviour (tests/test_engine_restart.py: the restart)
     with ServerProcess(long_model, "--device", "cpu", "--max-model-len", "4096", "--disable-access-log",
-                       startup_timeout_s=600) as srv:
+                       "--max-engine-restarts", "0", startup_timeout_s=600) as srv:
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["engine_mode"] == "process"
         (core_pid,) = info["engine_core_pids"]

@@ -59,6 +59,26 @@ def _port(value: str) -> int:
     return n
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+    return x
+
+
 def _json_object(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -181,6 +201,16 @@ def register(subparsers) -> None:
                         "tested in the checksum pass: staged, the old weights keep serving; in place, 503 until a "
                         "complete good update). --no-weight-check-finite commits whatever arrives")
     s.add_argument("--weight-version", default="0", help="initial weight version reported on every completion")
+    s.add_argument("--max-engine-restarts", type=_non_negative_int, default=3, metavar="N",
+                   help="an engine-core process that dies is restarted, at most N times within "
+                        "--engine-restart-window seconds (a crash loop then leaves it dead, /health says why); "
+                        "0: never. The trained weights die with it: 503 weights_lost until a complete sync")
+    s.add_argument("--engine-restart-window", type=_positive_float, default=60.0, metavar="SECONDS",
+                   help="the window of --max-engine-restarts")
+    s.add_argument("--serve-checkpoint-after-restart", action="store_true",
+                   help="after an engine-core restart, serve the reloaded checkpoint (under --weight-version, the "
+                        "checkpoint's label) instead of answering 503 weights_lost until a complete sync "
+                        "(one replica only)")
     s.add_argument("--pause-hold-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request that arrives while generation is paused waits at most this long for /resume, "
                         "then gets a 503 (0: wait without bound)")
@@ -316,7 +346,9 @@ def run(args) -> int:
     try:
         aengine = AsyncEngine(config, weight_version=args.weight_version, engine_mode=args.engine_mode,
                               hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None,
-                              stream_interval=args.stream_interval)
+                              stream_interval=args.stream_interval, max_engine_restarts=args.max_engine_restarts,
+                              engine_restart_window_s=args.engine_restart_window,
+                              serve_checkpoint_after_restart=args.serve_checkpoint_after_restart)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         sock.close()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)

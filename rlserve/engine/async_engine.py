@@ -36,7 +36,7 @@ from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, Held
 from rlserve.engine.core import EngineDeadError, EngineStepError
 from rlserve.engine.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.replica_setup import build_replicas
-from rlserve.engine.weight_state import MODEL_UNAVAILABLE, WEIGHTS_LOST, WeightState
+from rlserve.engine.weight_state import WeightsControl, WeightState
 from rlserve.errors import ModelUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "HeldTooLongErro
 ENGINE_MODES = ("process", "thread")
 
 
-class AsyncEngine(PauseControl):
+class AsyncEngine(PauseControl, WeightsControl):
     """``data_parallel_size`` engine replicas behind one asyncio interface.
 
     Args:
@@ -72,11 +72,16 @@ class AsyncEngine(PauseControl):
         replicas that did start; TimeoutError when a replica takes over ``start_timeout_s``;
         ValueError: an unknown ``engine_mode``, or ``"process"`` with an ``engine_factory``;
         ``stream_interval`` below 1.
+        max_engine_restarts / engine_restart_window_s / serve_checkpoint_after_restart: process
+            mode: an engine-core process that dies is restarted, at most ``max_engine_restarts``
+            times within ``engine_restart_window_s`` seconds (0: never, the default here;
+            ``rlserve serve``: 3 in 60 s); see :mod:`rlserve.engine.core_restart`.
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
                  start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
-                 engine_mode: str | None = None, stream_interval: int = 1):
+                 engine_mode: str | None = None, stream_interval: int = 1, max_engine_restarts: int = 0,
+                 engine_restart_window_s: float = 60.0, serve_checkpoint_after_restart: bool = False):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -101,6 +106,13 @@ class AsyncEngine(PauseControl):
         self._requests: dict[str, FrontRequest] = {}
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, seen by generate / call_engines
+        self.restarter = None  # rlserve.engine.core_restart.CoreRestarter (process mode, restarts on)
+        if engine_mode == "process" and max_engine_restarts:
+            from rlserve.engine.core_restart import CoreRestarter
+
+            self.restarter = CoreRestarter(self, max_engine_restarts, engine_restart_window_s,
+                                           serve_checkpoint_after_restart, start_timeout_s)
         self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version)
         error = None
         try:
@@ -152,75 +164,6 @@ class AsyncEngine(PauseControl):
         """Process ids of the engine-core processes (empty in thread mode)."""
         return [r.pid for r in self._replicas if getattr(r, "pid", None) is not None]
 
-    @property
-    def weight_version(self) -> str:
-        """The version stamped on new outputs (str): :attr:`weights`' label."""
-        return self.weights.version
-
-    def _stamp(self) -> None:
-        """Every replica stamps :attr:`weights`' label on the outputs of the steps that follow."""
-        for r in self._replicas:
-            r.set_weight_version(self.weights.version)
-
-    def commit_weights(self, version: str, names, required) -> bool:
-        """A weight sync committed ``version`` after writing ``names`` (checkpoint names; the
-        model's ``required`` names decide whether lost weights are complete again): see
-        :meth:`WeightState.commit`. Lost weights that became complete are served again. Returns
-        whether the weights are valid now."""
-        was_valid = self.weights.valid
-        valid = self.weights.commit(version, names, required)
-        if valid:
-            self._stamp()
-            if not was_valid:
-                self._lift_quarantine()
-                logger.info("weights complete again (version %s): generation available", version)
-        return valid
-
-    def set_weight_version(self, version: str) -> None:
-        """Stamp ``version`` on every output of the steps that follow (weights stay as they are:
-        a commit of valid weights that wrote nothing, e.g. a test's relabel)."""
-        self.weights.relabel(str(version))
-        self._stamp()
-
-    def checkpoint_reloaded(self) -> None:
-        """The replicas reloaded the checkpoint: served under the checkpoint's label."""
-        self.weights.checkpoint_reloaded()
-        self._stamp()
-        self._lift_quarantine()
-
-    def lose_weights(self, reason: str, code: str = WEIGHTS_LOST, reload_ok: bool = False) -> None:
-        """From now on :meth:`generate` answers 503 ``code`` with ``reason`` until the weights are
-        complete again (:class:`WeightState`). Requests in flight are not touched (see
-        :meth:`fail_all`)."""
-        self.weights.lose(reason, code, reload_ok)
-
-    def set_unavailable(self, reason: str | None) -> None:
-        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503,
-        ``model_unavailable``) until a complete update (:meth:`lose_weights`). ``None``: valid
-        again with the current label, and any quarantine (:meth:`quarantine`) lifted."""
-        if reason is not None:
-            self.weights.lose(reason, MODEL_UNAVAILABLE)
-            return
-        self.weights.restore()
-        self._lift_quarantine()
-
-    def _lift_quarantine(self) -> None:
-        for r in self._replicas:
-            r.set_quarantined(False)
-
-    def quarantine(self, engine, reason: str) -> None:
-        """Thread mode, on a replica's thread inside a :meth:`run_in_engines` command whose work
-        left that replica's weights unusable: from now on :meth:`generate` answers 503 with
-        ``reason`` and the replica steps nothing until :meth:`fail_all` ended its requests.
-        (Engine-side code that runs in both modes calls ``core.quarantine(reason)`` instead, as
-        ``rlserve.transfer.server.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
-        only the 503."""
-        self.weights.lose(reason, MODEL_UNAVAILABLE)
-        for r in self._replicas:
-            core = getattr(r, "core", None)
-            if core is not None and core.engine is engine:
-                core.quarantine(reason)
-
     async def fail_all(self, exc: BaseException) -> int:
         """End every in-flight and held request with ``exc`` (its :meth:`generate` raises it) and
         abort them in the engines. For weights that became unusable under running requests (a
@@ -236,16 +179,6 @@ class AsyncEngine(PauseControl):
         await wait_all([r.abort_all(lift_quarantine=True) for r in self._replicas])
         return len(reqs)
 
-    @property
-    def unavailable_reason(self) -> str | None:
-        """Why generation answers 503 with the weights (None while they are valid)."""
-        return self.weights.reason
-
-    @property
-    def unavailable_code(self) -> str | None:
-        """The error code of that 503: ``weights_lost`` or ``model_unavailable``."""
-        return self.weights.code
-
     def is_alive(self) -> bool:
         """True while every replica runs (its thread, or its engine-core process)."""
         return self._closed is None and all(r.alive for r in self._replicas)
@@ -254,9 +187,14 @@ class AsyncEngine(PauseControl):
         """Why :meth:`is_alive` is False (None while alive)."""
         if self._closed is not None:
             return self._closed
+        if self.restarter is not None and self.restarter.gave_up is not None:
+            return self.restarter.gave_up
         for r in self._replicas:
             if not r.alive:
-                return getattr(r, "death", None) or f"engine replica {r.index} is not running"
+                why = getattr(r, "death", None) or f"engine replica {r.index} is not running"
+                if self.restarter is not None and r.index in self.restarter.restarting:
+                    why += " (being restarted)"
+                return why
         return None
 
     @property
@@ -292,13 +230,15 @@ class AsyncEngine(PauseControl):
     def _replica_died(self, replica) -> None:
         """A replica's engine-core process died (its delivering thread calls this after ending
         its requests): the held requests end too (nothing sound is left to run them on); this
-        is done on their event loops."""
+        is done on their event loops. With restarts on, the restarter takes it from here."""
         exc = EngineDeadError(getattr(replica, "death", None) or "an engine replica died")
         for loop in {req.loop for req in list(self._held)}:
             try:
                 loop.call_soon_threadsafe(self._fail_held, loop, exc)
             except RuntimeError:  # the loop is closed
                 pass
+        if self.restarter is not None:
+            self.restarter.on_death(replica)
 
     def _fail_held(self, loop, exc: BaseException) -> None:
         for req in [r for r in self._held if r.loop is loop]:
@@ -336,6 +276,7 @@ class AsyncEngine(PauseControl):
             raise ModelUnavailableError(self.weights.reason, code=self.weights.code)
         if not self.is_alive():
             raise EngineDeadError(self.dead_reason() or "the engine is not running")
+        self.loop = asyncio.get_running_loop()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         from rlserve.errors import InvalidRequestError
@@ -471,6 +412,7 @@ class AsyncEngine(PauseControl):
             mode rebuilt by class name); TimeoutError after ``timeout_s`` seconds (the calls
             still complete later); EngineDeadError: a replica is not running.
         """
+        self.loop = asyncio.get_running_loop()
         futs = [r.call(target, *args) for r in self._replicas]
         coro = wait_all(futs, raise_first=True)
         return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))

@@ -26,9 +26,12 @@ of the start, default ``"0"``) names the checkpoint's weights, whenever they are
 
 from __future__ import annotations
 
+import logging
 import re
 
 from rlserve.errors import WeightUpdateStateError
+
+logger = logging.getLogger(__name__)
 
 #: 503 codes of lost weights: ``weights_lost`` (a level-2 sleep's refill, an engine-core restart:
 #: the weights are gone) and ``model_unavailable`` (a failed in-place update: part old, part new)
@@ -156,3 +159,89 @@ class WeightState:
         self.reason = self.code = None
         self.written = set()
         self.reload_ok = False
+
+
+class WeightsControl:
+    """:class:`~rlserve.engine.async_engine.AsyncEngine`'s side of :class:`WeightState` (mixed
+    in; uses its ``weights`` and ``_replicas``): stamping the label on the replicas, the 503 of
+    lost weights, quarantine."""
+
+    @property
+    def weight_version(self) -> str:
+        """The version stamped on new outputs (str): :attr:`weights`' label."""
+        return self.weights.version
+
+    def _stamp(self) -> None:
+        """Every replica stamps :attr:`weights`' label on the outputs of the steps that follow."""
+        for r in self._replicas:
+            r.set_weight_version(self.weights.version)
+
+    def commit_weights(self, version: str, names, required) -> bool:
+        """A weight sync committed ``version`` after writing ``names`` (checkpoint names; the
+        model's ``required`` names decide whether lost weights are complete again): see
+        :meth:`WeightState.commit`. Lost weights that became complete are served again. Returns
+        whether the weights are valid now."""
+        was_valid = self.weights.valid
+        valid = self.weights.commit(version, names, required)
+        if valid:
+            self._stamp()
+            if not was_valid:
+                self._lift_quarantine()
+                logger.info("weights complete again (version %s): generation available", version)
+        return valid
+
+    def set_weight_version(self, version: str) -> None:
+        """Stamp ``version`` on every output of the steps that follow (weights stay as they are:
+        a commit of valid weights that wrote nothing, e.g. a test's relabel)."""
+        self.weights.relabel(str(version))
+        self._stamp()
+
+    def checkpoint_reloaded(self) -> None:
+        """The replicas reloaded the checkpoint: served under the checkpoint's label."""
+        self.weights.checkpoint_reloaded()
+        self._stamp()
+        self._lift_quarantine()
+
+    def lose_weights(self, reason: str, code: str = WEIGHTS_LOST, reload_ok: bool = False) -> None:
+        """From now on :meth:`generate` answers 503 ``code`` with ``reason`` until the weights are
+        complete again (:class:`WeightState`). Requests in flight are not touched (see
+        :meth:`fail_all`)."""
+        self.weights.lose(reason, code, reload_ok)
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503,
+        ``model_unavailable``) until a complete update (:meth:`lose_weights`). ``None``: valid
+        again with the current label, and any quarantine (:meth:`quarantine`) lifted."""
+        if reason is not None:
+            self.weights.lose(reason, MODEL_UNAVAILABLE)
+            return
+        self.weights.restore()
+        self._lift_quarantine()
+
+    def _lift_quarantine(self) -> None:
+        for r in self._replicas:
+            r.set_quarantined(False)
+
+    def quarantine(self, engine, reason: str) -> None:
+        """Thread mode, on a replica's thread inside a :meth:`run_in_engines` command whose work
+        left that replica's weights unusable: from now on :meth:`generate` answers 503 with
+        ``reason`` and the replica steps nothing until :meth:`fail_all` ended its requests.
+        (Engine-side code that runs in both modes calls ``core.quarantine(reason)`` instead, as
+        ``rlserve.transfer.server.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
+        only the 503."""
+        self.weights.lose(reason, MODEL_UNAVAILABLE)
+        for r in self._replicas:
+            core = getattr(r, "core", None)
+            if core is not None and core.engine is engine:
+                core.quarantine(reason)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why generation answers 503 with the weights (None while they are valid)."""
+        return self.weights.reason
+
+    @property
+    def unavailable_code(self) -> str | None:
+        """The error code of that 503: ``weights_lost`` or ``model_unavailable``."""
+        return self.weights.code
+

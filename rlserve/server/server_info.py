@@ -154,5 +154,7 @@ def server_info(state: ServerState, config_format: str | None = None, sleep: dic
         "engine_mode": getattr(state.aengine, "engine_mode", "thread"),
         "engine_core_pids": state.aengine.core_pids() if hasattr(state.aengine, "core_pids") else [],
         "lora_adapters": [dataclasses.asdict(r) for r in state.lora.adapters.values()] if state.lora else None,
+        "engine_restarts": (state.aengine.restarter.info()
+                            if getattr(state.aengine, "restarter", None) is not None else None),
         "vllm_config": _text(vc) if config_format == "text" else vc,
     }

@@ -177,6 +177,9 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self._trl_init_task: asyncio.Task | None = None
         self._trl_error: BaseException | None = None
         self._trl_pending = 0  # update_named_param calls queued or running
+        restarter = getattr(aengine, "restarter", None)  # rlserve.engine.core_restart
+        if restarter is not None:
+            restarter.listeners.append(self.on_engine_restart)
 
     # ================================================================== helpers
     #: sleep mode's front (``rlserve.engine.async_sleep.AsyncSleep``), set by the server when
@@ -362,6 +365,14 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
                 await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
             except Exception as e:  # noqa: BLE001
                 logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
+
+    async def on_engine_restart(self, index: int) -> None:
+        """An engine-core process died and its replacement is about to serve: the transfer
+        group (which held the dead core's workers) is left, an open update fails (its trainer
+        gets 409 ``no_transfer_engine`` on its next call, and re-initialises)."""
+        logger.warning("engine replica %d restarted: leaving the weight transfer group", index)
+        await self._preempt(f"the engine-core process of replica {index} died")
+        await self._leave_group(f"the engine-core process of replica {index} died during the update")
 
     # ------------------------------------------------------------------ trainer liveness
     #: Seconds between two looks at the liveness watch (on the event loop; a look is a few

@@ -1,0 +1,165 @@
+"""Issue 33: an engine-core process that dies is restarted by ``rlserve serve`` (bounded), and the
+trained weights that died with it are never served under their label: 503 ``weights_lost``
+until a complete sync (coverage counted per parameter over the syncs since), or, with
+``--serve-checkpoint-after-restart``, the checkpoint under its own label. A request in flight at
+the crash ends with a clean ``engine_dead`` error. A crash loop ends dead, with the reason.
+
+Real ``rlserve serve`` processes (CPU, tiny llama, gloo weight sync); the core is SIGKILLed.
+Every wait is on a state, bounded by :data:`T`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from rlserve.server.testing import ServerProcess
+from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+from tests.transfer_harness import free_port, greedy_continuation, load_hf
+
+T = 120.0
+PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
+N_TOK = 6
+ARGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "4",
+        "--kv-cache-bytes", str(8 << 20), "--disable-access-log", "--weight-transfer-config", '{"backend": "gloo"}')
+
+
+def _generate(url: str) -> httpx.Response:
+    return httpx.post(url + "/generate/", json={"prompt_ids": PROMPTS, "max_tokens": N_TOK, "temperature": 0,
+                                                "generation_kwargs": {"ignore_eos": True}}, timeout=T)
+
+
+def _sync(url: str, model, include=None, partial: bool = False) -> str:
+    """A gloo sync from a trainer of this process (a new one: a restart left the old group)."""
+    eng = WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+                                      packed_buffer_size_bytes=64 << 10),
+        client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(model, include=include))
+    try:
+        return eng.send_weights(partial=partial)["weight_version"]
+    finally:
+        eng.shutdown()
+
+
+def _core_pid(url: str) -> int:
+    (pid,) = httpx.get(url + "/server_info", timeout=T).json()["engine_core_pids"]
+    return pid
+
+
+def _kill_and_wait_back(url: str) -> tuple[float, httpx.Response]:
+    """SIGKILL the engine core; poll ``/health`` every 5 ms until it no longer reports the engine
+    dead. Returns (seconds from the kill to that answer, that answer)."""
+    pid = _core_pid(url)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    saw_dead = False
+    while True:
+        r = httpx.get(url + "/health", timeout=T)
+        if r.status_code == 503 and r.json()["status"] == "dead":
+            saw_dead = True
+            assert "SIGKILL" in r.json()["reason"], r.text
+        elif saw_dead:
+            assert _core_pid(url) != pid
+            return time.monotonic() - t0, r
+        assert time.monotonic() - t0 < T, f"the engine core did not come back within {T} s: {r.text}"
+        time.sleep(0.005)
+
+
+def _error(r: httpx.Response, code: str) -> str:
+    assert r.status_code == 503 and r.json()["error"]["code"] == code, r.text
+    return r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def long_llama(tiny_model):
+    return tiny_model("llama", max_position_embeddings=4096)
+
+
+@pytest.mark.slow
+def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(long_llama):
+    hf = load_hf(long_llama, seed=1)
+    want = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]
+    with ServerProcess(long_llama, *ARGS, "--max-engine-restarts", "2", "--engine-restart-window", "600",
+                       startup_timeout_s=600) as srv:
+        url = srv.url
+        v1 = _sync(url, hf)
+        assert _generate(url).json()["completion_ids"] == want
+
+        # a request in flight at the crash fails cleanly (an error event after its tokens)
+        body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=T) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 1:
+                    os.kill(_core_pid(url), signal.SIGKILL)
+        assert events[-1]["error"]["code"] == "engine_dead" and "SIGKILL" in events[-1]["error"]["message"]
+        assert any(e.get("choices") for e in events[:-1])
+
+        # back, without the trained weights: 503 weights_lost, the reason everywhere
+        deadline = time.monotonic() + T
+        while (health := httpx.get(url + "/health", timeout=T)).json()["status"] == "dead":
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.01)
+        assert health.status_code == 503 and health.json()["code"] == "weights_lost", health.text
+        assert "SIGKILL" in health.json()["reason"] and f"version {v1}" in health.json()["reason"]
+        msg = _error(_generate(url), "weights_lost")
+        assert "restarted" in msg
+        info = httpx.get(url + "/weight_info", timeout=T).json()
+        assert info["unavailable_code"] == "weights_lost" and info["state"] == "uninitialized", info
+        assert httpx.get(url + "/server_info", timeout=T).json()["engine_restarts"]["restarts"] == 1
+
+        # a partial sync is not enough; the rest completes the weights, under a new label
+        hf2 = load_hf(long_llama, seed=2)
+        v2 = _sync(url, hf2, include=lambda n: ".layers.0." in n, partial=True)
+        _error(_generate(url), "weights_lost")
+        v3 = _sync(url, hf2, include=lambda n: ".layers.0." not in n, partial=True)
+        assert len({"0", v1, v2, v3}) == 4
+        out = _generate(url).json()
+        assert out["weight_version"] == v3
+        assert out["completion_ids"] == [greedy_continuation(hf2, p, N_TOK) for p in PROMPTS]
+
+        # the second restart (the last the window allows), timed; then a crash loop: dead
+        seconds, health = _kill_and_wait_back(url)
+        assert health.json()["code"] == "weights_lost", health.text
+        print(f"kill -9 -> /health answering (503 weights_lost, new core): {seconds:.2f} s")
+        v4 = _sync(url, hf)
+        out = _generate(url).json()
+        assert out["weight_version"] == v4 and out["completion_ids"] == want
+        pid = _core_pid(url)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + T
+        while "crash loop" not in (health := httpx.get(url + "/health", timeout=T)).json().get("reason", ""):
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.01)
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        assert "crash loop" in _error(_generate(url), "engine_dead")
+        time.sleep(0.5)  # no restart comes
+        assert httpx.get(url + "/server_info", timeout=T).json()["engine_restarts"]["restarts"] == 2
+        assert srv.proc.poll() is None  # the API process keeps answering
+
+
+@pytest.mark.slow
+def test_serve_checkpoint_after_restart_uses_the_checkpoint_label(long_llama):
+    """Opt-in: after the restart the checkpoint is served, under the checkpoint's label ("0",
+    ``--weight-version``), exactly as the fresh server served it -- never the lost version."""
+    hf = load_hf(long_llama, seed=1)
+    with ServerProcess(long_llama, *ARGS, "--serve-checkpoint-after-restart", startup_timeout_s=600) as srv:
+        url = srv.url
+        fresh = _generate(url).json()
+        assert fresh["weight_version"] == "0"
+        v1 = _sync(url, hf)
+        assert _generate(url).json()["completion_ids"] != fresh["completion_ids"]
+        seconds, health = _kill_and_wait_back(url)
+        assert health.status_code == 200, health.text
+        after = _generate(url).json()
+        assert after["weight_version"] == "0" != v1
+        assert after["completion_ids"] == fresh["completion_ids"]
+        assert _sync(url, hf) not in ("0", v1)  # and syncs go on, under new labels
