@@ -23,14 +23,21 @@ def _device_ids(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {value!r}") from None
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}")
+        return n
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -56,16 +63,6 @@ def _port(value: str) -> int:
         n = -1
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0: a free one), got {value!r}")
-    return n
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
     return n
 
 
