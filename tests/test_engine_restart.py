@@ -88,6 +88,13 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
         url = srv.url
         v1 = _sync(url, hf)
         assert _generate(url).json()["completion_ids"] == want
+        # a trainer's transfer group is open at the crash: the restart leaves it (the dead core
+        # held one of its ranks); the trainer re-initialises on its next send
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+                                          packed_buffer_size_bytes=64 << 10),
+            client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(hf))
+        assert httpx.get(url + "/weight_info", timeout=T).json()["state"] == "ready"
 
         # a request in flight at the crash fails cleanly (an error event after its tokens)
         body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -115,6 +122,7 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
         info = httpx.get(url + "/weight_info", timeout=T).json()
         assert info["unavailable_code"] == "weights_lost" and info["state"] == "uninitialized", info
         assert httpx.get(url + "/server_info", timeout=T).json()["engine_restarts"]["restarts"] == 1
+        trainer.shutdown()
 
         # a partial sync is not enough; the rest completes the weights, under a new label
         hf2 = load_hf(long_llama, seed=2)
