@@ -206,6 +206,7 @@ class Canary:
 
         self.url, self.headers = url, headers
         self.latencies: list[float] = []
+        self.started: list[float] = []  # time.monotonic() at each latency's request
         self.failures: list[str] = []
         self.paused = threading.Event()
         self._stop = threading.Event()
@@ -223,6 +224,7 @@ class Canary:
                                json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
                 if r.status_code == 200:
                     self.latencies.append(time.monotonic() - t0)
+                    self.started.append(t0)
                 elif not self.paused.is_set():
                     self.failures.append(f"{r.status_code} {r.text[:200]}")
             except httpx.HTTPError as e:
@@ -261,9 +263,11 @@ def issue33_pass(srv: ServerProcess, model: str, classes: list[str], headers: di
     log of each server life that ended so is kept as ``<log_prefix>-life-<n>.log``.
     Returns {"sent", "statuses", "5xx", "deaths", "hangs", "dropped" (connections closed without
     an answer), "restarts", "not_sent", "canary": {p50_ms, p99_ms, max_ms, n, failures},
-    "canary_alone": the same, "slowest": [(seconds, case), ...]}."""
+    "canary_alone": the same, "slowest": [(seconds, case), ...], "canary_slowest": [(ms, the case in
+    flight), ...]}."""
     statuses: collections.Counter = collections.Counter()
     fivexx, deaths, hangs, took, dropped = [], [], [], [], []
+    spans = []  # (start, end, case) of every case sent
     pids = engine_core_pids(srv.proc.pid)
     cases = [c for name in classes for c in CLASSES[name](model)]
     restarts, not_sent = 0, 0
@@ -291,6 +295,7 @@ def issue33_pass(srv: ServerProcess, model: str, classes: list[str], headers: di
                 statuses[type(e).__name__] += 1
                 dropped.append(f"{what}: {type(e).__name__}")
                 r = None
+            spans.append((t0, time.monotonic(), what))
             if r is not None:
                 took.append((time.monotonic() - t0, what))
                 statuses[r.status_code] += 1
@@ -315,7 +320,18 @@ def issue33_pass(srv: ServerProcess, model: str, classes: list[str], headers: di
     return {"sent": sum(statuses.values()), "statuses": dict(statuses), "5xx": fivexx, "deaths": deaths,
             "hangs": hangs, "dropped": dropped, "restarts": restarts, "not_sent": not_sent,
             "canary": _latency(canary), "canary_alone": _latency(alone),
-            "slowest": [(round(t, 2), w) for t, w in sorted(took, reverse=True)[:10]]}
+            "slowest": [(round(t, 2), w) for t, w in sorted(took, reverse=True)[:10]],
+            "canary_slowest": _slowest_canaries(canary, spans)}
+
+
+def _slowest_canaries(canary: Canary, spans: list, n: int = 8) -> list[tuple[float, str]]:
+    """The ``n`` slowest canary requests (ms) with the fuzz case that was in flight when each
+    started (or ``-`` between cases)."""
+    out = []
+    for lat, t0 in sorted(zip(canary.latencies, canary.started), reverse=True)[:n]:
+        case = next((w for a, b, w in spans if a <= t0 <= b), "-")
+        out.append((round(1000 * lat, 1), case))
+    return out
 
 
 def hand_made(url: str, model: str, headers: dict, timeout: float) -> dict:
@@ -471,6 +487,8 @@ def main() -> int:
                     print("    " + x[:400])
                 for t, w in r["slowest"][:5]:
                     print(f"    slowest: {t} s {w[:200]}")
+                for t, w in r["canary_slowest"][:5]:
+                    print(f"    slowest canary: {t} ms beside {w[:200]}")
                 bad += len(r["deaths"]) + len(r["hangs"]) + (c["p99_ms"] is None or c["p99_ms"] >= 250)
             elif "rc" in r:
                 cases = re.findall(r"(\d+) generated", r["tail"])
