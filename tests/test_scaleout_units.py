@@ -99,6 +99,15 @@ def test_common_next_version(versions, want):
     assert common_next_version(versions) == want
 
 
+@pytest.mark.parametrize("versions,nexts,want", [
+    (["0", "0"], ["5", "5"], "5"),  # a server back on its checkpoint's "0" after using "1".."4"
+    (["0", "3"], ["5", "4"], "5"), (["a", "b"], ["a.1", "b.1"], "a.1"), (["s-1", "s-2"], ["s-9", "s-3"], "s-9"),
+    (["7", "7"], ["8", None], "8"),  # a server without next_weight_version: the current ones decide
+])
+def test_common_next_version_uses_the_servers_next_labels(versions, nexts, want):
+    assert common_next_version(versions, nexts) == want
+
+
 def test_init_info_rank_offset_range():
     InitInfo(backend="gloo", master_port=1, rank_offset=5, world_size=6).validate()
     assert InitInfo(backend="gloo", master_port=1, rank_offset=5, world_size=6).src_rank == 0

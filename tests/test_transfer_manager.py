@@ -312,6 +312,7 @@ def test_weight_version_labels_are_unique(llama, shared):
             v0 = fin["weight_version"]
         assert eng.send_weights(weight_version="7000")["weight_version"] == "7000"
         assert eng.send_weights(weight_version="6000")["weight_version"] == "6000"
+        assert httpx.get(srv.url + "/weight_info").json()["next_weight_version"] == "7001"
         assert eng.send_weights()["weight_version"] == "7001"
         assert server_greedy(srv.url).json()["weight_version"] == "7001"
         r = httpx.post(srv.url + "/finish_weight_update", json={"weight_version": "6000"})

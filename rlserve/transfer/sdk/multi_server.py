@@ -66,15 +66,25 @@ class MultiServerUpdateError(WeightTransferFailedError):
         self.failures, self.dropped, self.committed = failures, dropped, committed
 
 
-def common_next_version(versions: Sequence[str]) -> str:
+def common_next_version(versions: Sequence[str], nexts: Sequence[str | None] | None = None) -> str:
     """The version after the servers' current ones (the server's own rule: ``"7"`` → ``"8"``,
     ``"step-41"`` → ``"step-42"``, ``"abc"`` → ``"abc.1"``). Servers that disagree (one joined
-    later) are all moved past the highest numbered one."""
+    later) are all moved past the highest numbered one. ``nexts``: each server's own next label
+    (``/weight_info``'s ``next_weight_version``: past every label it used, as labels are unique
+    per server); when every server gave one, the highest numbered of them (or their common one)."""
+    if nexts and all(nexts):
+        vs = sorted({str(v) for v in nexts})
+        return vs[0] if len(vs) == 1 else _highest(vs)
     vs = sorted({str(v) for v in versions})
+    return next_version(vs[0] if len(vs) == 1 else _highest(vs))
+
+
+def _highest(vs: list[str]) -> str:
+    """The label with the highest trailing number (the first of ``vs`` when none has one)."""
     numbered = [v for v in vs if re.search(r"\d+$", v)]
-    if len(vs) == 1 or not numbered:
-        return next_version(vs[0])
-    return next_version(max(numbered, key=lambda v: int(re.search(r"(\d+)$", v).group(1))))
+    if not numbered:
+        return vs[0]
+    return max(numbered, key=lambda v: int(re.search(r"(\d+)$", v).group(1)))
 
 
 def trainer_address(urls: Sequence[str]) -> str:
@@ -190,7 +200,8 @@ class MultiServerTrainer:
             self._regroup()
         if weight_version is None:
             infos = self.client.weight_info()
-            weight_version = common_next_version([i.get("weight_version", "0") for i in infos.values()])
+            weight_version = common_next_version([i.get("weight_version", "0") for i in infos.values()],
+                                                  [i.get("next_weight_version") for i in infos.values()])
         weight_version = str(weight_version)
         try:
             fin = self.engine.send_weights(weight_version, partial=partial)

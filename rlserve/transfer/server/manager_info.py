@@ -30,6 +30,8 @@ class InfoRoutes:
         dtype = str(getattr(eng, "dtype", "")).removeprefix("torch.") if eng is not None else None
         return {
             "weight_version": self.aengine.weight_version,
+            # the label the next sync without one gets (labels are unique: past every one used)
+            "next_weight_version": self.aengine.weights.next_label() if hasattr(self.aengine, "weights") else None,
             "state": state,
             "backend": self._init.backend if self._init else self.backend,
             "initialized": self._init is not None,
