@@ -21,8 +21,11 @@ from rlserve.engine.sequence import Request, Sequence
 from rlserve.h2d import to_device
 
 
-def _lora_ids(seqs) -> list[int] | None:
-    """Each sequence's LoRA adapter id (``StepInput.lora_ids``), or None when all run on the base model."""
+def _lora_ids(config, seqs) -> list[int] | None:
+    """Each sequence's LoRA adapter id (``StepInput.lora_ids``), or None when all run on the base model
+    (or the engine runs without ``enable_lora``: no per-sequence work then)."""
+    if not getattr(config, "enable_lora", False):
+        return None
     ids = [s.params.lora_int_id for s in seqs]
     return ids if any(ids) else None
 
@@ -54,7 +57,7 @@ class EngineStep:
             slens = [len(s) for s in seqs]
             B = len(seqs)
             step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
-                             [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(seqs))
+                             [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(self.config, seqs))
             return step, []
         input_ids: list[int] = []
         positions: list[int] = []
@@ -78,7 +81,7 @@ class EngineStep:
                 logit_rows.extend(range(base, base + p - 1))
             logit_rows.append(base + len(toks) - 1)
         step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill,
-                         lora_ids=_lora_ids(batch.seqs))
+                         lora_ids=_lora_ids(self.config, batch.seqs))
         return step, prompt_rows
 
     #: ``step`` takes ``outputs_for`` and sets ``last_step_request_ids`` (the async engine asks).
