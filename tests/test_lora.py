@@ -166,3 +166,32 @@ def test_other_architectures(arch, targets, tiny_model, tmp_path):
         torch.testing.assert_close(torch.tensor([c.logprobs[i][t] for i, t in enumerate(c.token_ids)]),
                                    torch.tensor(want_lps), atol=LP_ATOL, rtol=0)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_fast_decode_layer_is_kept_for_base_steps(setup):
+    """With adapters loaded, a step with every row on the base model still takes the CPU fast decode
+    layer (which calls kernels directly and would skip a hook); a step with adapters right after it
+    does not, even one shaped like a decode step: a prompt whose blocks but its last token are in the
+    prefix cache (block size 4, 9 tokens) computes one token per sequence, as a decode step does."""
+    base, adapters, llm = setup["llama"]
+    lora = lora_of(llm.engine.model)
+    for i, path in adapters.items():
+        if not lora.has(i):
+            lora.load(i, path)
+    layers = llm.engine.model.model.layers
+    cached = [list(range(3, 12)), list(range(12, 21))]  # two rows: inside the packed-linear row range everywhere
+    first = llm.generate(cached, [_params(1), _params(1)])
+    base_out = llm.generate(PROMPTS[:2], [_params(0), _params(0)])
+    if any("_cpu_fast_ok" not in layer.__dict__ for layer in layers):
+        pytest.skip("the CPU fast decode layer does not apply on this machine (C kernels / oneDNN missing)")
+    assert all(layer.__dict__["_cpu_fast_ok"] for layer in layers)
+    hits = llm.engine.block_manager.prefix_hit_tokens
+    again = llm.generate(cached, [_params(1), _params(1)])
+    assert llm.engine.block_manager.prefix_hit_tokens - hits == 16  # 8 of 9 tokens of each prompt
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    for o in first:
+        want, _ = hf_greedy_logprobs(merged_model(base, adapters[1]), o.prompt_token_ids, NEW_TOKENS)
+        assert list(o.outputs[0].token_ids) == want
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], [_params(0), _params(0)])] == \
+        [o.outputs[0].token_ids for o in base_out]
+    assert all(layer.__dict__.get("_cpu_fast_ok") for layer in layers)

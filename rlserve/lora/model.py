@@ -3,16 +3,19 @@
 :meth:`LoRAModel.install` (the worker calls it after the model is built, with ``--enable-lora``)
 finds every linear layer of the decoder (``*.layers.N.*``), maps the checkpoint matrices packed in
 it (``packed_modules_mapping``: ``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up) onto output
-slices, and registers a forward hook on it that adds the current step's adapter deltas
-(:func:`rlserve.lora.layers.apply_lora`). The model runner sets the step's :class:`LoRABatch`
-around the forward pass (:meth:`LoRAModel.step`); with none set (every row on the base model) a
-hook returns at once.
+slices. The model runner sets the step's :class:`LoRABatch` around the forward pass
+(:meth:`LoRAModel.step`); for a step with adapters that registers, for the step only, a forward hook
+on each linear some loaded adapter targets, which adds the rows' deltas
+(:func:`rlserve.lora.layers.apply_lora`). A step with every row on the base model runs the model
+as without ``--enable-lora``, the CPU fast decode layer included: registering and removing the
+hooks drops the layers' cached ``_cpu_fast_ok`` (:func:`rlserve.models.llama_cpu._layer_ok`), so the
+fast layer, which calls the kernels directly and would skip a hook, is re-checked and steps aside
+while the hooks are there.
 
 Adapters are held by integer id (the API server's ``lora_int_id``, unique per load: a reloaded
 adapter gets a new id, so its KV-cache prefix hashes differ, :mod:`rlserve.engine.block_manager`).
-Limits of this first round: tensor parallel size 1; the CPU fast decode layer
-(:mod:`rlserve.models.llama_cpu`) and CPU micro-batches step aside (the hooks make the layers take
-the module path), and CUDA graphs are not used for steps with adapters.
+Limits of this first round: tensor parallel size 1; steps with adapters run without the CPU fast
+decode layer, CPU micro-batches and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class LoRAModel:
         packed = getattr(model, "packed_modules_mapping", {}) or {}
         self.targets: dict[str, tuple[int, int]] = {}  # hf_module -> (out, in)
         self.layers: list[LoRALinear] = []
+        self._linears: list[tuple[nn.Module, LoRALinear]] = []
+        self._handles: list = []  # this step's hooks
+        self._modules = list(model.modules())  # where _cpu_fast_ok may be cached
         for name, mod in model.named_modules():
             if not isinstance(mod, LinearBase) or not _DECODER_LINEAR.search(name):
                 continue
@@ -77,7 +83,7 @@ class LoRAModel:
                 continue
             lin = LoRALinear(slices, mod.input_size)
             self.layers.append(lin)
-            mod.register_forward_hook(self._hook(lin))
+            self._linears.append((mod, lin))
         if not self.layers:
             raise LoRAAdapterError(f"{type(model).__name__} has no decoder linear layer LoRA can target")
 
@@ -86,8 +92,6 @@ class LoRAModel:
         """Build the state, hook ``model``'s linears and attach it as ``model.rlserve_lora``."""
         lora = cls(model, max_lora_rank, dtype, device)
         object.__setattr__(model, ATTR, lora)
-        for m in model.modules():  # the CPU fast layer cached "no hooks" on layers that ran before
-            m.__dict__.pop("_cpu_fast_ok", None)
         logger.info("LoRA: %d linear layers can take adapters (max rank %d)", len(lora.layers), lora.max_lora_rank)
         return lora
 
@@ -133,10 +137,23 @@ class LoRAModel:
         """The forward pass inside runs sequence ``i`` (``query_lens[i]`` rows) under adapter
         ``seq_adapters[i]`` (0 or ``None`` for all: the base model)."""
         self.current = None if not seq_adapters else LoRABatch.build(seq_adapters, query_lens, self.device)
+        if self.current is not None:
+            self._handles = [mod.register_forward_hook(self._hook(lin)) for mod, lin in self._linears if lin.adapters]
+            self._forget_fast_layer_checks()
         try:
             yield self.current
         finally:
             self.current = None
+            if self._handles:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
+                self._forget_fast_layer_checks()
+
+    def _forget_fast_layer_checks(self) -> None:
+        """Drop every layer's cached fast-path check (it looks at the hooks, which just changed)."""
+        for m in self._modules:
+            m.__dict__.pop("_cpu_fast_ok", None)
 
 
 def lora_of(model) -> LoRAModel | None:
