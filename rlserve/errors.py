@@ -32,6 +32,15 @@ class StaleSessionError(WeightUpdateStateError):
     init replaced. HTTP 409, error code ``stale_session``."""
 
 
+class EngineStepError(RLServeError):
+    """An engine step (or adding a request) raised unexpectedly. The requests that were in
+    that replica fail with this error (HTTP 500); the replica keeps serving."""
+
+
+class EngineDeadError(RLServeError):
+    """The engine replica is stopped (shutdown, a fatal error, or its process died). HTTP 503."""
+
+
 class ModelUnavailableError(RLServeError):
     """The served weights are not valid (a failed in-place update left them part old, part new:
     code ``model_unavailable``; a level-2 sleep's refill is incomplete or an engine-core restart

@@ -37,3 +37,13 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
     else:
         host = torch.tensor(data, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
+
+
+def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``tokens[rows]`` (int64) without a host sync (the row indices are staged with
+    :func:`to_device`); a slice when ``rows`` is ``0..n-1``."""
+    n = len(rows)
+    if rows == list(range(n)):
+        return tokens[:n].long()
+    idx = to_device(rows, torch.long, tokens.device)
+    return tokens.index_select(0, idx).long()

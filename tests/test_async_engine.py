@@ -12,7 +12,8 @@ import types
 
 import pytest
 
-from rlserve.engine.async_engine import AsyncEngine, EngineStepError, HeldTooLongError
+from rlserve.engine.async_engine import AsyncEngine, HeldTooLongError
+from rlserve.errors import EngineStepError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError, ModelUnavailableError

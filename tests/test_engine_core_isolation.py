@@ -63,7 +63,7 @@ async def _final(aeng, prompt, sp, stream, request_id=None):
 def test_a_request_the_core_cannot_add_fails_alone(aeng):
     """Adding it raises a plain bug in the core: it ends with EngineStepError naming the request
     and the error (HTTP 500 ``engine_error``); the requests beside it, streamed or not, finish."""
-    from rlserve.engine.core import EngineStepError
+    from rlserve.errors import EngineStepError
     from rlserve.engine.sampling_params import SamplingParams
     from rlserve.server.errors import exception_to_error
 
@@ -88,7 +88,7 @@ def test_a_request_whose_text_cannot_be_made_fails_alone(aeng):
     """The API process's detokenizer raises on one request's tokens: that request ends with
     EngineStepError (HTTP 500 ``engine_error``) and is aborted in the core; the others finish
     with their text; the engine serves the next request."""
-    from rlserve.engine.core import EngineStepError
+    from rlserve.errors import EngineStepError
     from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     outputs = aeng._replicas[0]._outputs

@@ -9,9 +9,8 @@ from rlserve.engine.sampler import (
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,
-    derive_seed,
 )
-from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.sampling_params import SamplingParams, derive_seed
 
 V = 32
 EOS = 31

@@ -17,6 +17,7 @@ import subprocess
 import httpx
 import pytest
 
+from rlserve.server.server_info import system_fingerprint
 from tests.transfer_harness import InProcessServer
 from tests.vllm_python import vllm_python
 
@@ -148,7 +149,7 @@ def _sse(server, route: str, body: dict) -> list[dict]:
 
 
 def _fingerprint(server) -> str:
-    fp = server.app.state.rlserve.system_fingerprint
+    fp = system_fingerprint(server.app.state.rlserve)
     assert re.fullmatch(r"rlserve-\S+-[0-9a-f]{8}", fp), fp
     return fp
 

@@ -33,15 +33,14 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
-from rlserve.engine.core import EngineDeadError, EngineStepError
 from rlserve.engine.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.replica_setup import build_replicas
 from rlserve.engine.weight_state import WeightsControl, WeightState
-from rlserve.errors import ModelUnavailableError
+from rlserve.errors import EngineDeadError, ModelUnavailableError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "HeldTooLongError", "PAUSE_MODES", "ENGINE_MODES"]
+__all__ = ["AsyncEngine", "HeldTooLongError", "PAUSE_MODES", "ENGINE_MODES"]
 
 ENGINE_MODES = ("process", "thread")
 

@@ -35,21 +35,13 @@ import logging
 import time
 from typing import Any
 
+from rlserve.engine import core_protocol
 from rlserve.engine.routed_experts import npy_bytes, routed_delta
-from rlserve.errors import RLServeError
+from rlserve.errors import EngineDeadError, EngineStepError, RLServeError
 
 logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.2  # engine stats are snapshotted at most this often (seconds)
-
-
-class EngineStepError(RLServeError):
-    """An engine step (or adding a request) raised unexpectedly. The requests that were in
-    that replica fail with this error (HTTP 500); the replica keeps serving."""
-
-
-class EngineDeadError(RLServeError):
-    """The engine replica is stopped (shutdown, a fatal error, or its process died). HTTP 503."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,8 +112,6 @@ class EngineCore:
         self._stats_time = 0.0
         self.deltas = deltas
         if deltas:
-            from rlserve.engine import core_protocol
-
             self._proto = core_protocol
             engine.detokenize = False
 

@@ -13,7 +13,7 @@ detokenization and stop strings run here, not in the engine's step) and hands th
 requests' event loops (one ``call_soon_threadsafe`` per loop and step); samples that a stop
 string ended here are stopped in the core with one message per request. It
 also watches the process itself (a Linux pidfd, else a 100 ms poll): the moment the core dies,
-its requests in flight end with :class:`~rlserve.engine.core.EngineDeadError` (HTTP 503), its
+its requests in flight end with :class:`~rlserve.errors.EngineDeadError` (HTTP 503), its
 pending calls fail the same way, and the replica reads as not alive (``/health`` 503).
 """
 
@@ -37,10 +37,9 @@ import msgspec
 import zmq
 
 from rlserve.engine import core_protocol as proto
-from rlserve.engine.core import EngineDeadError
 from rlserve.engine.output_processor import OutputProcessor
 from rlserve.engine.replica import EngineView, Replica, failed_future
-from rlserve.errors import InvalidRequestError
+from rlserve.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -209,7 +209,7 @@ class CoreServer:
     # ---- loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until :class:`Shutdown`, SIGTERM or the parent's death."""
-        from rlserve.engine.core import EngineDeadError
+        from rlserve.errors import EngineDeadError
 
         core = self.core
         step_failures = 0

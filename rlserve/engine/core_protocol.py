@@ -37,6 +37,8 @@ from typing import Any, Union
 import msgspec
 
 from rlserve.engine.sampling_params import SamplingParams
+import rlserve.errors as errors
+import rlserve.transfer.errors as terrors
 from rlserve.errors import InvalidRequestError
 
 
@@ -252,11 +254,7 @@ def rebuild_error(info: ErrorInfo) -> BaseException:
     """The exception :func:`error_info` described, as rlserve's own class of that name where
     there is one (so HTTP statuses stay the same across the process boundary), else a
     built-in exception class of that name, else ``RuntimeError("Type: message")``."""
-    import rlserve.engine.core as core
-    import rlserve.errors as errors
-    import rlserve.transfer.errors as terrors
-
-    for mod in (errors, core, terrors):
+    for mod in (errors, terrors):
         cls = getattr(mod, info.type, None)
         if isinstance(cls, type) and issubclass(cls, BaseException):
             break

@@ -39,6 +39,7 @@ import time
 import torch
 from torch import nn
 
+from rlserve.h2d import gather_rows
 from rlserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -222,8 +223,6 @@ class DecodeCUDAGraphs:
         n = 2 * self.max_bs + bs * self.max_blocks
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if ids_from is not None:  # stream-ordered after the staging copy, before the replay
-            from rlserve.engine.model_runner import gather_rows
-
             self.input_ids[:B].copy_(gather_rows(*ids_from))
         if self.emulate:
             self.num_replays += 1

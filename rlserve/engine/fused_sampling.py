@@ -13,7 +13,7 @@ chunks, then a per-row merge).
 
 Randomness: Philox (``tl.randint4x``: four draws per counter; in each block of ``_BLOCK``
 entries starting at ``v0``, entry ``v`` takes draw ``(v - v0) // (_BLOCK / 4)`` of counter
-``offset + v0 / 4 + (v - v0) % (_BLOCK / 4)`` -- the kernel's docstring has the map). A row with a ``seed`` is keyed by :func:`~rlserve.engine.sampler.derive_seed`
+``offset + v0 / 4 + (v - v0) % (_BLOCK / 4)`` -- the kernel's docstring has the map). A row with a ``seed`` is keyed by :func:`~rlserve.engine.sampling_params.derive_seed`
 ``(seed, len(output_token_ids))`` at offset 0, so its token depends only on its own logits,
 seed and position, as in the general path. Unseeded rows share a key drawn per call from a
 ``random.Random`` seeded with the sampler's ``generator_seed`` (reproducible per engine seed,
@@ -33,6 +33,7 @@ import random
 
 import torch
 
+from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
 
@@ -84,8 +85,6 @@ def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]]
         ``(token_ids LongTensor [B], logprobs FloatTensor [B])`` on the logits' device: raw
         logprobs (``log_softmax`` of the logits) of the chosen tokens. No host sync.
     """
-    from rlserve.engine.sampler import derive_seed
-
     B = logits.shape[0]
     dev = logits.device
     V = int(vocab_size)
@@ -133,8 +132,6 @@ def warm_up(device: torch.device | str, vocab_size: int,
     request's step: one greedy and one temperature row over zero logits of each of ``dtypes``
     (the logits' dtypes the engine will hand over: its model dtype) on ``device``.
     Returns whether the kernels ran (False where :func:`eligible` would be False)."""
-    from rlserve.engine.sampling_params import SamplingParams
-
     for dtype in dict.fromkeys(dtypes):
         logits = torch.zeros(2, int(vocab_size), dtype=dtype, device=device)
         if not (_ENABLED[0] and fused_ops.triton_enabled(logits)):

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from rlserve.engine import cpu_microbatch
-from rlserve.h2d import to_device
+from rlserve.engine.cuda_graph import DecodeCUDAGraphs
+from rlserve.h2d import gather_rows, to_device
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora.model import lora_of
 
@@ -75,15 +76,6 @@ class StepInput:
     is_prefill: bool
     input_ids_from: tuple | None = None
     lora_ids: list[int] | None = None
-
-
-def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``tokens[rows]`` (int64) without a host sync; a slice when ``rows`` is ``0..n-1``."""
-    n = len(rows)
-    if rows == list(range(n)):
-        return tokens[:n].long()
-    idx = to_device(rows, torch.long, tokens.device)
-    return tokens.index_select(0, idx).long()
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -184,8 +176,6 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs now (otherwise done at the first decode step). Call
         inside the worker's TP context, after the KV cache is allocated."""
-        from rlserve.engine.cuda_graph import DecodeCUDAGraphs
-
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         extra = getattr(self.config, "extra", None) or {}

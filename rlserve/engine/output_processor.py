@@ -24,7 +24,7 @@ paths), rule for rule:
   string completed by the flush cuts the text only, as in the engine).
 
 Errors are per request: one whose outputs cannot be processed (a tokenizer that raises on its
-tokens) ends alone with :class:`~rlserve.engine.core.EngineStepError` and is aborted in the
+tokens) ends alone with :class:`~rlserve.errors.EngineStepError` and is aborted in the
 core; the others go on.
 """
 
@@ -33,9 +33,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from rlserve.engine.core import EngineStepError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.routed_experts import RoutedChunks
+from rlserve.errors import EngineStepError
 
 logger = logging.getLogger(__name__)
 

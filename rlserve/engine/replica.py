@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from rlserve.engine.core import EngineDeadError
+from rlserve.errors import EngineDeadError
 
 
 def failed_future(exc: BaseException) -> concurrent.futures.Future:

@@ -22,10 +22,10 @@ The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` 
 8. **draw** — exponential race (equivalent to Gumbel-max / multinomial):
    ``token = argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. per vocabulary entry. Rows with a
    ``seed`` draw ``q`` from their own ``torch.Generator`` seeded with
-   :func:`derive_seed` ``(seed, len(output_token_ids))``, so the token depends only on the
-   row's own logits, seed and position — not on the batch, the row's place in it, or on
-   whether the sequence was preempted and recomputed. Unseeded rows share the sampler's
-   generator.
+   :func:`~rlserve.engine.sampling_params.derive_seed` ``(seed, len(output_token_ids))``, so
+   the token depends only on the row's own logits, seed and position — not on the batch, the
+   row's place in it, or on whether the sequence was preempted and recomputed. Unseeded rows
+   share the sampler's generator.
 
 0. **structured outputs** (before everything, as vLLM applies its grammar bitmask to the
    logits it hands the sampler) -- rows with a constraint get ``-inf`` at every token it
@@ -60,27 +60,10 @@ import torch
 
 from rlserve.engine import fused_sampling
 from rlserve.h2d import to_device
-from rlserve.engine.sampling_params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
+from rlserve.engine.sampling_params import SamplingParams, derive_seed
 
 #: vLLM's ``--logprobs-mode`` values (``vllm.config.model.LogprobsMode``)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
-def derive_seed(seed: int, step: int) -> int:
-    """Deterministic 63-bit seed for the draw at output index ``step`` of a seeded request.
-
-    SplitMix64 finaliser (Steele et al. 2014) over a combination of ``seed`` and ``step``;
-    any Python int seed (negative too) is accepted.
-    """
-    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return x & ((1 << 63) - 1)
 
 
 @dataclass

@@ -8,6 +8,24 @@ from dataclasses import dataclass, field
 from rlserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, step: int) -> int:
+    """Deterministic 63-bit seed for the draw at output index ``step`` of a seeded request
+    (the ``seed`` field): the key of that row's draw in both samplers, the general one's
+    ``torch.Generator`` and the one-pass sampler's Philox noise.
+
+    SplitMix64 finaliser (Steele et al. 2014) over a combination of ``seed`` and ``step``;
+    any Python int seed (negative too) is accepted.
+    """
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)

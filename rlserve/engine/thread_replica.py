@@ -16,8 +16,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from rlserve.engine.core import EngineCore, EngineDeadError
+from rlserve.engine.core import EngineCore
 from rlserve.engine.replica import Replica, failed_future
+from rlserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

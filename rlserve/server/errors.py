@@ -139,7 +139,7 @@ error_response = _error_response
 
 def exception_to_error(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request onto an :class:`APIError`."""
-    from rlserve.engine.async_engine import EngineDeadError, EngineStepError
+    from rlserve.errors import EngineDeadError, EngineStepError
 
     if isinstance(exc, APIError):
         return exc

@@ -38,6 +38,7 @@ from rlserve.server.openai_answers import answer_usage, chat_choice, chat_respon
     completion_response
 from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for a gone client
@@ -237,7 +238,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         version, versions = weight_versions(finals)
         return JSONResponse(completion_response(
             rid, created, model, choices, answer_usage(sum(len(it[1]) for it in items), completion_tokens),
-            state.system_fingerprint, version, versions))
+            system_fingerprint(state), version, versions))
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     @router.post("/v1/chat/completions")
@@ -283,6 +284,6 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         version, versions = weight_versions([out])
         return JSONResponse(chat_response(
             rid, created, model, choices, answer_usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),
-            state.system_fingerprint, list(ids) if body.return_token_ids else None, version, versions))
+            system_fingerprint(state), list(ids) if body.return_token_ids else None, version, versions))
 
     return router

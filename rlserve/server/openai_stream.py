@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from rlserve.server.errors import exception_to_error
 from rlserve.server.openai_answers import usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
 
 
@@ -94,7 +95,7 @@ class _Chunks:
 
     def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool):
         self.base, self.include, self.continuous, self.chat = base, usage[0], usage[1], chat
-        self.fingerprint = state.system_fingerprint
+        self.fingerprint = system_fingerprint(state)
 
     def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> str:
         """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's)."""

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import weakref
 
 import rlserve
 from rlserve.server.state import ServerState
@@ -96,7 +97,19 @@ def system_fingerprint(state: ServerState) -> str:
     (``--fingerprint-mode full``, ``vllm/entrypoints/serve/utils/fingerprint.py``) with rlserve's
     name: ``rlserve-<version>[-tp<N>][-dp<N>]-<hash8>``, ``hash8`` the first 8 hex digits of the
     SHA-256 of :func:`vllm_config` as JSON (sorted keys): another model, dtype, parallelism or
-    cache configuration gives another fingerprint (vLLM hashes its ``VllmConfig`` alike)."""
+    cache configuration gives another fingerprint (vLLM hashes its ``VllmConfig`` alike).
+    Computed once per server state (the configuration does not change while it serves)."""
+    fp = _FINGERPRINTS.get(state)
+    if fp is None:
+        fp = _FINGERPRINTS[state] = _fingerprint(state)
+    return fp
+
+
+#: state -> its fingerprint; entries go with their state
+_FINGERPRINTS: weakref.WeakKeyDictionary[ServerState, str] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(state: ServerState) -> str:
     cfg = state.aengine.config
     parts = [f"rlserve-{rlserve.__version__}"]
     parts += [f"{name}{size}" for name, size in (("tp", cfg.tensor_parallel_size), ("dp", cfg.data_parallel_size))

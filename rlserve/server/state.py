@@ -118,14 +118,6 @@ class ServerState:
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
 
-    @functools.cached_property
-    def system_fingerprint(self) -> str:
-        """The ``system_fingerprint`` of the chat and completions answers, computed once
-        (:func:`rlserve.server.server_info.system_fingerprint`)."""
-        from rlserve.server.server_info import system_fingerprint
-
-        return system_fingerprint(self)
-
     async def off_loop(self, fn, *args, chars: int = 0):
         """``fn(*args)`` on a tokenizer thread, awaited (:mod:`rlserve.server.tokenizer_threads`:
         encoding a prompt must not stop the event loop, which serves every other request and

@@ -21,8 +21,8 @@ from rlserve.transfer.wire.packing import (
     BucketBuffers,
     bucket_checksums_from_tensors,
     plan_buckets,
-    tensor_checksums,
 )
+from rlserve.transfer.multi_tensor import tensor_checksums
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.sdk.sender import send_packed, send_unpacked
 from rlserve.transfer.sdk.client import HTTPWeightSyncClient, WeightSyncConflictError

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from rlserve.transfer.wire.packing import checksum, max_bucket_bytes, plan_buckets, tensor_checksums
+from rlserve.transfer.multi_tensor import tensor_checksums
+from rlserve.transfer.wire.packing import checksum, max_bucket_bytes, plan_buckets
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.sdk.client import WeightSyncHTTPError
 from rlserve.transfer.sdk.engine import TrainerWeightTransferEngine, _liveness_store

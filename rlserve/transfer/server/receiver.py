@@ -74,19 +74,11 @@ from rlserve.transfer.wire.packing import (
 )
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.wire.header import check_layout_header
-from rlserve.transfer.server.receiver_ipc import IpcReceive, _IpcSet
-from rlserve.transfer.finite import Scan
+from rlserve.transfer.server.receiver_ipc import IpcReceive, Sink, _IpcSet
 from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan, scan_result
 from rlserve.transfer.host_ops import wrap64
 
 logger = logging.getLogger(__name__)
-
-#: ``sink(pairs)``: load / stage ``[(hf_name, tensor)]``. It may return a
-#: :class:`~rlserve.transfer.finite.Scan` of the tensors it read (their ``s64sum`` checksums and
-#: non-finite test, from a fused copy + checksum); the paths that check after the sink (ipc per
-#: tensor, packed with checksums after the data) use it, the others ignore the return value.
-Sink = Callable[[list[tuple[str, torch.Tensor]]], "Scan | None"]
-
 
 class WeightReceiver(IpcReceive):
     """One server worker's end of the transfer.

@@ -7,23 +7,28 @@ import base64
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.transfer.finite import torch_nonfinite
+from rlserve.transfer.finite import Scan, torch_nonfinite
 from rlserve.transfer.server.copy_plan import FixedPairs
 from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan_result
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
-from rlserve.transfer.wire.packing import plan_buckets, tensor_checksums, unpack
+from rlserve.transfer.multi_tensor import tensor_checksums
+from rlserve.transfer.wire.packing import plan_buckets, unpack
 from rlserve.transfer.wire.header import expected_checksum_count
 from rlserve.transfer.wire.protocol import UpdateInfo
 
-if TYPE_CHECKING:
-    from rlserve.transfer.server.receiver import Sink
-
 logger = logging.getLogger(__name__)
+
+#: ``sink(pairs)``: what every receive path of :class:`~rlserve.transfer.server.receiver.WeightReceiver`
+#: hands its tensors to, to load / stage ``[(hf_name, tensor)]``. It may return a
+#: :class:`~rlserve.transfer.finite.Scan` of the tensors it read (their ``s64sum`` checksums and
+#: non-finite test, from a fused copy + checksum); the paths that check after the sink (ipc per
+#: tensor, packed with checksums after the data) use it, the others ignore the return value.
+Sink = Callable[[list[tuple[str, torch.Tensor]]], "Scan | None"]
 
 
 @dataclass

@@ -42,11 +42,10 @@ import traceback
 
 import torch
 
-from rlserve.transfer.server.copy_plan import CopyPlan
-from rlserve.transfer.server.direct import DirectLayout
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.server.receiver import WeightReceiver
+from rlserve.transfer.server.worker_state import WorkerTransferState, _Op
 from rlserve.transfer.server.worker_load import (
     _build_direct,
     _direct_key,
@@ -62,60 +61,6 @@ from rlserve.transfer.server.worker_load import (
 logger = logging.getLogger(__name__)
 
 STATE_KEY = "rlserve.transfer"
-
-
-class _Op:
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.future: cf.Future | None = None
-        self.applied = 0  # buckets loaded into the model in place (in-place mode)
-        # set right BEFORE the op's first write into the live parameters (a load, or a direct
-        # receive posting broadcasts into them): from then on the model may be part old, part
-        # new until the update completes, even when no bucket finished (poll reports it)
-        self.touched = False
-        self.staged = 0
-        self.replayed = 0  # in-place loads served by a recorded copy plan
-        self.started = time.monotonic()
-
-
-class WorkerTransferState:
-    """Per-worker transfer state (receiver, background thread, staging, running ops)."""
-
-    def __init__(self):
-        self.receiver: WeightReceiver | None = None
-        self.init: InitInfo | None = None
-        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
-        self.ops: dict[str, _Op] = {}
-        self.staging: dict[str, torch.Tensor] = {}
-        self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
-        self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
-        self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
-        self.plans_used: set[tuple] = set()
-        self.direct: DirectLayout | None = None  # CPU, packed gloo: parameters laid out like the buckets
-        self.direct_tried: tuple | None = None  # (update key, params signature) of the last attempt
-        self.lock = threading.Lock()
-
-    def drop_unused_plans(self) -> None:
-        """Keep only the plans the last update used (bounds what they keep alive)."""
-        self.plans = {k: v for k, v in self.plans.items() if k in self.plans_used}
-        self.plans_used = set()
-
-    def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.abort()
-            self.receiver.close()
-        self.receiver = None
-        self.init = None
-        self.staging = {}
-        self.staging_bufs = {}
-        self.stage_op = None
-        self.plans = {}
-        self.plans_used = set()
-        # self.direct / direct_tried stay: they describe where the parameters are, which a new
-        # transfer engine does not change
-        old = self.pool
-        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-transfer-recv")
-        old.shutdown(wait=False, cancel_futures=True)
 
 
 def _state(worker) -> WorkerTransferState:

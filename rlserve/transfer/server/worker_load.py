@@ -6,7 +6,6 @@ staging copies, and the post-load hook (fp8 scales). Called by
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +17,7 @@ from rlserve.transfer.host_ops import host_copy_many, host_copy_scan, host_copya
 from rlserve.transfer.wire.protocol import UpdateInfo
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.header import LayoutMismatchError
-
-if TYPE_CHECKING:
-    from rlserve.transfer.server.worker_ext import WorkerTransferState, _Op
+from rlserve.transfer.server.worker_state import WorkerTransferState, _Op
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from rlserve.transfer.host_ops import host_copy_many, host_s64sum, host_s64sums, wrap64
+from rlserve.transfer.host_ops import host_copy_many, host_s64sum, wrap64
 
 #: Alignment of each tensor inside a bucket, in bytes.
 ALIGN = 256
@@ -199,25 +199,6 @@ def checksum_values(sums: Sequence[torch.Tensor]) -> list[int]:
         for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist()):
             vals[i] = wrap64(int(v))
     return [vals[i] for i in range(len(sums))]
-
-
-def tensor_checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """``s64sum`` of each tensor, with one host sync per device at the end (not per tensor).
-
-    A list or tuple of contiguous CUDA tensors on one device is summed in one Triton launch
-    (:class:`rlserve.transfer.multi_tensor.MultiTensorSum`; ~400 tensors of an 8B model: one
-    pass at HBM speed instead of ~400 reductions). Any other iterable is consumed one tensor at
-    a time and only the sums are kept: a tensor it creates (an FSDP gather, a cast) is freed as
-    soon as its sum is queued."""
-    if isinstance(tensors, (list, tuple)) and len(tensors) > 1 and all(t.is_cuda for t in tensors):
-        from rlserve.transfer.multi_tensor import MultiTensorSum
-
-        op = MultiTensorSum.build([t.detach() for t in tensors])
-        if op is not None:
-            return op.run().tolist()
-    if isinstance(tensors, (list, tuple)) and all(t.device.type == "cpu" for t in tensors):
-        return host_s64sums([as_bytes(t) for t in tensors])  # multi-threaded numpy, no torch pool
-    return checksum_values([checksum_tensor(as_bytes(t)) for t in tensors])
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
