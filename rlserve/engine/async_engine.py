@@ -27,11 +27,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+from rlserve import envs
 from rlserve.engine.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
 from rlserve.engine.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.replica_setup import build_replicas
@@ -85,7 +85,7 @@ class AsyncEngine(PauseControl, WeightsControl):
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
         if engine_mode is None:
-            engine_mode = "thread" if engine_factory is not None else os.environ.get("RLSERVE_ENGINE_MODE", "process")
+            engine_mode = "thread" if engine_factory is not None else envs.RLSERVE_ENGINE_MODE
         if engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {engine_mode!r}")
         if engine_mode == "process" and engine_factory is not None:

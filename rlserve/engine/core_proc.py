@@ -29,6 +29,7 @@ import time
 
 import msgspec
 
+from rlserve import envs
 from rlserve.errors import InvalidRequestError
 
 logger = logging.getLogger("rlserve.engine.core_proc")
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
-    ap.add_argument("--log-level", default=os.environ.get("RLSERVE_LOG_LEVEL", "info"))
+    ap.add_argument("--log-level", default=envs.RLSERVE_LOG_LEVEL)
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        init = os.environ.get("RLSERVE_ENGINE_CORE_INIT")
+        init = envs.RLSERVE_ENGINE_CORE_INIT
         from rlserve.config import EngineConfig
         from rlserve.engine.core import EngineCore, resolve_target
         from rlserve.engine.llm_engine import LLMEngine

@@ -29,11 +29,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from rlserve import envs
 
 logger = logging.getLogger(__name__)
 
-ENV = "RLSERVE_CPU_MALLOC_TUNE"
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 << 20
@@ -49,7 +49,7 @@ def tune_malloc() -> bool:
     if _done:
         return _done[0]
     ok = False
-    if os.environ.get(ENV, "1") != "0":
+    if envs.RLSERVE_CPU_MALLOC_TUNE:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = libc.mallopt

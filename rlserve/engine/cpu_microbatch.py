@@ -34,9 +34,9 @@ the rule keeps splitting then.) After such a step the next ``backoff`` splits ar
 backoff period, and the split comes back within a few seconds once the machine is free.
 
 Placement: for the length of a split the calling thread stays on its CPU and the other
-micro-batch threads may use only the other CPUs (:func:`_place`); ``RLSERVE_CPU_MICROBATCH_PLACE=0``
-leaves placement to the kernel. Offline, the issue-22 workload at load 2.5-3.4 (2026-12-02):
-3 and 1 losing splits with it against 24 and 2 without.
+micro-batch threads may use only the other CPUs (:func:`_place`). Offline, the issue-22 workload
+at load 2.5-3.4 (2026-12-02): 3 and 1 losing splits with it against 24 and 2 without (the A/B
+switch went with the tenth session's verdict).
 
 Count, first match wins: ``config.extra["cpu_microbatches"]``, ``RLSERVE_CPU_MICROBATCHES``
 (1 turns the split off), else 2 when the engine runs one intra-op thread, is the only engine
@@ -58,11 +58,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from rlserve import envs
+from rlserve.envs import int_at_least
+
 logger = logging.getLogger(__name__)
 
-ENV = "RLSERVE_CPU_MICROBATCHES"
-MIN_ROWS_ENV = "RLSERVE_CPU_MICROBATCH_MIN_ROWS"
-PLACE_ENV = "RLSERVE_CPU_MICROBATCH_PLACE"  # "0": leave thread placement to the kernel
 MIN_ROWS = 16  # below this a split loses or barely wins (module docstring: batch 4 a loss, 16 1.2x)
 SPLIT_CPU_OVERHEAD = 1.25  # CPU of a split step / of the whole step, batch 64 (module docstring: 234 / 185)
 MIN_BACKOFF = 4  # splits skipped after a losing split ...
@@ -82,25 +82,21 @@ def microbatch_count(config=None, threads: int = 1, ranks: int | None = None) ->
     Raises:
         ValueError: an override that is not an integer >= 1.
     """
-    from rlserve.engine.cpu_threads import engine_ranks, int_at_least, usable_cpus
+    from rlserve.engine.cpu_threads import engine_ranks, usable_cpus
 
     extra = getattr(config, "extra", None) or {}
-    raw, what = extra.get("cpu_microbatches"), 'extra["cpu_microbatches"]'
-    if raw is None:
-        raw, what = os.environ.get(ENV) or None, ENV
-    if raw is not None:
-        return int_at_least(raw, what, 1)
+    if extra.get("cpu_microbatches") is not None:
+        return int_at_least(extra["cpu_microbatches"], 'extra["cpu_microbatches"]', 1)
+    if envs.RLSERVE_CPU_MICROBATCHES is not None:
+        return envs.RLSERVE_CPU_MICROBATCHES
     if ranks is None:
         ranks = engine_ranks(config)
     return 2 if threads == 1 and ranks == 1 and usable_cpus() >= 2 else 1
 
 
 def _min_rows_from_env() -> int:
-    raw = os.environ.get(MIN_ROWS_ENV) or str(MIN_ROWS)
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{MIN_ROWS_ENV} must be an integer, got {raw!r}") from None
+    rows = envs.RLSERVE_CPU_MICROBATCH_MIN_ROWS
+    return MIN_ROWS if rows is None else rows
 
 
 def check_environment(config=None) -> None:
@@ -193,7 +189,7 @@ def _place(workers: list[_Thread]) -> set[int] | None:
     at half speed (wall = 2x CPU in 9 of 16 losing splits of an offline run at load 2.5).
     Returns the calling thread's CPU mask to restore, or None (nothing changed: one usable
     CPU, a pinned engine thread, or no ``sched_getcpu`` / ``sched_setaffinity``)."""
-    if os.environ.get(PLACE_ENV, "1") == "0" or not hasattr(os, "sched_setaffinity"):
+    if not hasattr(os, "sched_setaffinity"):
         return None
     try:
         allowed = os.sched_getaffinity(0)

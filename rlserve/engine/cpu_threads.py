@@ -60,11 +60,11 @@ import tempfile
 
 import torch
 
+from rlserve import envs
+from rlserve.envs import int_at_least
+
 logger = logging.getLogger(__name__)
 
-THREADS_ENV = "RLSERVE_CPU_THREADS"
-RESERVED_ENV = "RLSERVE_CPU_RESERVED_CPUS"
-BIND_ENV = "RLSERVE_CPU_OMP_THREADS_BIND"  # vLLM's VLLM_CPU_OMP_THREADS_BIND: "auto", "nobind" or "0-3,6"
 
 _held_locks: list = []  # open lock files of the CPUs this process claimed (released when it exits)
 _bind_allowed = False  # set by the processes that exist only to run an engine (allow_binding)
@@ -94,20 +94,6 @@ def engine_ranks(config=None) -> int:
     return (getattr(config, "tensor_parallel_size", 1) or 1) * (getattr(config, "data_parallel_size", 1) or 1)
 
 
-def int_at_least(value, what: str, low: int) -> int:
-    """``value`` as an integer >= ``low`` (a setting named ``what``).
-
-    Raises:
-        ValueError: not an integer, or below ``low`` (the message names ``what``)."""
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = low - 1
-    if n < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
-    return n
-
-
 def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
     """Intra-op threads for one CPU engine rank (see the module docstring for the rule).
 
@@ -122,14 +108,16 @@ def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
     extra = getattr(config, "extra", None) or {}
     if extra.get("cpu_threads") is not None:
         return int_at_least(extra["cpu_threads"], 'extra["cpu_threads"]', 1)
-    for env in (THREADS_ENV, "OMP_NUM_THREADS"):
-        if os.environ.get(env):
-            return int_at_least(os.environ[env], env, 1)
+    if envs.RLSERVE_CPU_THREADS is not None:
+        return envs.RLSERVE_CPU_THREADS
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int_at_least(os.environ["OMP_NUM_THREADS"], "OMP_NUM_THREADS", 1)
     if ranks is None:
         ranks = engine_ranks(config)
     cpus = usable_cpus()
-    raw = os.environ.get(RESERVED_ENV, "")
-    reserved = int_at_least(raw, RESERVED_ENV, 0) if raw else (1 if cpus > 1 else 0)
+    reserved = envs.RLSERVE_CPU_RESERVED_CPUS
+    if reserved is None:
+        reserved = 1 if cpus > 1 else 0
     return max(1, (cpus - reserved) // max(1, ranks))
 
 
@@ -139,7 +127,7 @@ def parse_cpu_list(text: str) -> list[int]:
     for part in text.split(","):
         lo, _, hi = part.strip().partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"{BIND_ENV}: not a CPU list: {text!r} (e.g. 0-3,6)")
+            raise ValueError(f"RLSERVE_CPU_OMP_THREADS_BIND: not a CPU list: {text!r} (e.g. 0-3,6)")
         cpus += range(int(lo), int(hi or lo) + 1)
     return cpus
 
@@ -192,7 +180,7 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
         ValueError: a malformed CPU list.
     """
     extra = getattr(config, "extra", None) or {}
-    mode = str(extra.get("cpu_threads_bind") or os.environ.get(BIND_ENV) or "nobind").strip()
+    mode = str(extra.get("cpu_threads_bind") or envs.RLSERVE_CPU_OMP_THREADS_BIND).strip()
     if mode == "nobind" or not hasattr(os, "sched_setaffinity"):
         return []
     if mode == "auto":

@@ -4,11 +4,11 @@ steps (``EngineConfig.async_scheduling``)."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 from transformers import GenerationConfig
 
+from rlserve import envs
 from rlserve.config import EngineConfig
 
 
@@ -45,7 +45,6 @@ def want_async_scheduling(config: EngineConfig, executor) -> bool:
     extra = config.extra or {}
     if "async_scheduling" in extra:
         return bool(extra["async_scheduling"])
-    env = os.environ.get("RLSERVE_ASYNC_SCHEDULING")
-    if env in ("0", "1"):
-        return env == "1"
+    if envs.RLSERVE_ASYNC_SCHEDULING is not None:
+        return envs.RLSERVE_ASYNC_SCHEDULING
     return torch.device(executor.device).type == "cuda"

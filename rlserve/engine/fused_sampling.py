@@ -28,16 +28,16 @@ interpreter tests) unless ``RLSERVE_FUSED_SAMPLER=0`` (read at import) or
 
 from __future__ import annotations
 
-import os
 import random
 
 import torch
 
+from rlserve import envs
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
 
-_ENABLED = [os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0"]
+_ENABLED = [envs.RLSERVE_FUSED_SAMPLER]
 _BLOCK = 2048
 # Programs per call: at least this many in all, and no program looping over more than
 # _MAX_BLOCKS_PER_PROGRAM blocks. The partial kernel is bound by its per-element work (Philox,

@@ -10,7 +10,7 @@ graphs (:mod:`rlserve.engine.cuda_graph`):
   when set, else ``"triton"`` when Triton is importable, else ``"torch"``. On CPU nothing
   changes (the torch backend, unless the variable names another).
 - CUDA graphs: on when the device is CUDA, ``config.enforce_eager`` is False, the backend
-  is graph-safe (``"triton"``), ``RLSERVE_CUDA_GRAPHS`` is not ``0``, and TP size is 1
+  is graph-safe (``"triton"``) and TP size is 1
   (TP > 1 needs ``RLSERVE_CUDA_GRAPH_TP=1``: capturing the NCCL all-reduce of the TP
   group is untested). Graphs are captured at startup (:meth:`ModelRunner.warm_up`, called by
   the worker once the KV cache exists; again lazily at the next decode step after the cache
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from rlserve import envs
 from rlserve.engine import cpu_microbatch
 from rlserve.engine.cuda_graph import DecodeCUDAGraphs
 from rlserve.h2d import gather_rows, to_device
@@ -126,15 +126,15 @@ class ModelRunner:
                 self.microbatches = cpu_microbatch.CPUMicroBatches(n, threads=torch.get_num_threads())
                 logger.info("CPU steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
             else:
-                logger.info("CPU steps run whole (1 micro-batch: %s=1, several intra-op threads, several "
-                            "engine ranks, or one usable CPU)", cpu_microbatch.ENV)
+                logger.info("CPU steps run whole (1 micro-batch: RLSERVE_CPU_MICROBATCHES=1, several intra-op "
+                            "threads, several engine ranks, or one usable CPU)")
 
     # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
     def _select_backend(self) -> None:
         """Pick the attention backend (see the module docstring). CPU runners leave the
         process-wide choice alone unless asked explicitly."""
         extra = getattr(self.config, "extra", None) or {}
-        name = os.environ.get("RLSERVE_ATTENTION_BACKEND") or extra.get("attention_backend")
+        name = envs.RLSERVE_ATTENTION_BACKEND or extra.get("attention_backend")
         if name is None and self.device.type != "cuda":
             return
         if name in (None, "triton"):
@@ -153,15 +153,13 @@ class ModelRunner:
         cfg = self.config
         if cfg is None or self.device.type != "cuda" or cfg.enforce_eager:
             return False
-        if os.environ.get("RLSERVE_CUDA_GRAPHS", "1") == "0":
-            return False
         if getattr(cfg, "enable_return_routed_experts", False):
             logger.info("CUDA graphs off: routed-experts replay captures the routing in eager steps only")
             return False
         if get_attention_backend() not in GRAPH_SAFE_BACKENDS:
             logger.info("CUDA graphs off: attention backend %r is not graph-safe", get_attention_backend())
             return False
-        if getattr(cfg, "tensor_parallel_size", 1) > 1 and os.environ.get("RLSERVE_CUDA_GRAPH_TP") != "1":
+        if getattr(cfg, "tensor_parallel_size", 1) > 1 and not envs.RLSERVE_CUDA_GRAPH_TP:
             logger.info("CUDA graphs off under tensor parallelism (set RLSERVE_CUDA_GRAPH_TP=1 to try them)")
             return False
         return True
@@ -179,7 +177,7 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         extra = getattr(self.config, "extra", None) or {}
-        sizes = extra.get("cuda_graph_sizes") or os.environ.get("RLSERVE_CUDA_GRAPH_SIZES")
+        sizes = extra.get("cuda_graph_sizes") or envs.RLSERVE_CUDA_GRAPH_SIZES
         if isinstance(sizes, str):
             sizes = [int(x) for x in sizes.split(",") if x.strip()]
         if sizes:

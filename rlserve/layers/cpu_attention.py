@@ -21,14 +21,13 @@ warning is logged). ``RLSERVE_CPU_ATTENTION=torch`` turns the kernel off.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 
+from rlserve import envs
 from rlserve.layers.cpu_build import load_library
 
-_ENV = "RLSERVE_CPU_ATTENTION"
 
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the ctypes function, or None once loading failed
@@ -56,7 +55,7 @@ def bind(lib: ctypes.CDLL):
 
 def available() -> bool:
     """True when the kernel is enabled (``RLSERVE_CPU_ATTENTION`` is not ``torch``) and loads."""
-    return os.environ.get(_ENV, "").lower() != "torch" and _load() is not None
+    return envs.RLSERVE_CPU_ATTENTION.lower() != "torch" and _load() is not None
 
 
 def call(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -16,13 +16,12 @@ without a C compiler (the callers then keep PyTorch) or with ``RLSERVE_CPU_FUSED
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from rlserve import envs
 from rlserve.layers.cpu_build import load_library
 
-_ENV = "RLSERVE_CPU_FUSED"
 _FLAGS = ("-ffp-contract=off",)
 _state: dict = {}
 
@@ -48,7 +47,7 @@ def _lib():
 
 def available() -> bool:
     """True when the kernels are enabled (``RLSERVE_CPU_FUSED`` is not ``0``) and load."""
-    return os.environ.get(_ENV, "1") != "0" and _lib() is not None
+    return envs.RLSERVE_CPU_FUSED and _lib() is not None
 
 
 def takes(t: torch.Tensor) -> bool:

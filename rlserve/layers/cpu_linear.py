@@ -38,16 +38,16 @@ projections, load ~2, 2026-12-02): 1 row MKL 36.0 ms -> packed 20.5, 16 rows 81.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from rlserve import envs
 
 logger = logging.getLogger(__name__)
 
 _state: dict = {}
 
-PACKED_ENV = "RLSERVE_CPU_PACKED_LINEAR"
 PACK_ROWS = 64  # the batch size oneDNN's layout is chosen for
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 2, 256  # where the packed copy measured faster on AVX2 (see above)
 
@@ -95,7 +95,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     dtype, oneDNN missing, ``RLSERVE_CPU_PACKED_LINEAR=0``). The copy does not follow later
     writes to ``weight``: call again after every weight update."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
-            or not weight.is_contiguous() or os.environ.get(PACKED_ENV, "1") == "0" or not _onednn_ok()):
+            or not weight.is_contiguous() or not envs.RLSERVE_CPU_PACKED_LINEAR or not _onednn_ok()):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)

@@ -35,12 +35,13 @@ by importing this module.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from rlserve import envs
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-_ENABLED = [os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0"]
+_ENABLED = [envs.RLSERVE_FUSED_KERNELS]
 _ON_CPU = [False]
 _K: list = []  # the kernel module, once imported
 
@@ -98,10 +99,9 @@ _QKV_MANY_TOKENS = 1024
 _QKV_TOKENS_PER_PROGRAM = 8
 # Shorter (decode) batches: each program may take several heads of one token
 # (``_qkv_norm_rope_write_heads_kernel``, bit-identical to one program per head), see
-# _qkv_heads_per_program; RLSERVE_QKV_HEADS_PER_PROGRAM fixes the count (1: one program per
-# token and head; A/B runs).
-_QKV_HEADS_PER_PROGRAM = int(os.environ["RLSERVE_QKV_HEADS_PER_PROGRAM"]) if os.environ.get(
-    "RLSERVE_QKV_HEADS_PER_PROGRAM") else None
+# _qkv_heads_per_program; a number here fixes the count (1: one program per token and head;
+# benchmarks/qkv_heads.py sets it for its A/B runs).
+_QKV_HEADS_PER_PROGRAM: int | None = None
 # one-warp programs resident at once per SM (the per-SM block limit of sm_80 / sm_90: 32)
 _QKV_PROGRAMS_PER_SM = 32
 

@@ -43,7 +43,6 @@ from torch.nn import Parameter
 
 from rlserve.distributed.head_partition import attention_head_partition, divide
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
-from rlserve.layers import skinny_gemm
 from rlserve.layers.cpu_linear import pack_weight, packed_linear
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
@@ -108,8 +107,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = self.packed_weight(layer)
         if packed is not None:
             return packed_linear(x, layer.weight, packed, bias)
-        if skinny_gemm.takes(x, layer.weight):  # decode-sized bf16/fp16 on CUDA (opt-in)
-            return skinny_gemm.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer):

@@ -72,10 +72,9 @@ PREFILL_BLOCK_N = 64
 # Split-K planning: aim for this many programs per SM, never split below this many
 # tokens per split, and never use more splits than this. Contexts of unequal length (every
 # real batch) leave SMs idle at the end of a step unless there are a few programs per SM
-# to balance over; RLSERVE_DECODE_PROGRAMS_PER_SM overrides it (A/B runs).
-_PROGRAMS_PER_SM = int(os.environ.get("RLSERVE_DECODE_PROGRAMS_PER_SM", "4"))
-# Longest context first (see the module docstring); RLSERVE_DECODE_LPT=0 keeps batch order.
-_LONGEST_FIRST = os.environ.get("RLSERVE_DECODE_LPT", "1") != "0"
+# to balance over (4 against 2 and 8: BENCHMARKS.md, issue 16; the A/B switches of this plan
+# and of the longest-context-first order went with that verdict).
+_PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
 
@@ -239,7 +238,7 @@ def triton_paged_attention(
             part_lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         else:
             part_o = part_lse = out  # unused
-        order = decode_order(meta) if _LONGEST_FIRST and B > 1 else None
+        order = decode_order(meta) if B > 1 else None
         _decode_kernel[(Hkv, B, S)](
             q, k_cache, v_cache, bt, meta.seq_lens, order if order is not None else meta.seq_lens, out, part_o,
             part_lse,

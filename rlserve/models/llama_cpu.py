@@ -31,12 +31,12 @@ shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.fo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from rlserve import envs
 from rlserve.engine import cpu_microbatch
 from rlserve.layers import cpu_attention, cpu_fused, fused_ops
 from rlserve.layers.activation import SiluAndMul
@@ -45,8 +45,7 @@ from rlserve.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_
 from rlserve.layers.cpu_linear import packed_rows
 from rlserve.layers.linear import ColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
 
-ENV = "RLSERVE_CPU_FAST_LAYER"
-_ENABLED = [os.environ.get(ENV, "1") != "0"]
+_ENABLED = [envs.RLSERVE_CPU_FAST_LAYER]
 
 
 @dataclass

