@@ -99,8 +99,9 @@ VARIABLES: dict[str, Var] = {
                                      "attention backend: 'triton' or 'torch' (default: extra['attention_backend'], "
                                      "else triton where Triton runs, else torch)"),
     "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
-                                    "decode CUDA graph batch sizes, e.g. '1,64,256' (default: extra['cuda_graph_sizes'], "
-                                    "else the ladder 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs)"),
+                                    "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
+                                    "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "
+                                    "max_num_seqs)"),
     "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _flag,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
                                  "the graphs then hold the NCCL all-reduce)"),

@@ -112,6 +112,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--gpu-memory-utilization)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV-cache size in bytes on CPU (default: 512 MiB)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cudagraph-capture-sizes", nargs="+", type=_positive_int, default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs, capped at --max-num-seqs; a larger batch runs "
+                        "eagerly (vLLM's flag; default: env RLSERVE_CUDA_GRAPH_SIZES, else 1, 2, 4, 8, then "
+                        "multiples of 16 up to --max-num-seqs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="global seed (dummy weights, unseeded sampling)")
@@ -159,6 +163,8 @@ def engine_config_from_args(args, model_path: str):
         enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         enable_return_routed_experts=getattr(args, "enable_return_routed_experts", False),
+        extra={"cuda_graph_sizes": list(args.cudagraph_capture_sizes)} if getattr(
+            args, "cudagraph_capture_sizes", None) else {},
     )
 
 
