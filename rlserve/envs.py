@@ -40,8 +40,13 @@ def _str(name: str, raw: str) -> str:
 
 
 def _flag(name: str, raw: str) -> bool:
-    """``"0"`` is False, anything else True (every switch here is on unless set to 0)."""
-    return raw.strip() != "0"
+    """``"0"`` is False, anything else True (a switch that is on by default)."""
+    return raw != "0"
+
+
+def _one(name: str, raw: str) -> bool:
+    """``"1"`` is True, anything else False (a switch that is off by default)."""
+    return raw == "1"
 
 
 def _positive(name: str, raw: str) -> int:
@@ -61,7 +66,12 @@ def _integer(name: str, raw: str) -> int:
 
 def _zero_one(name: str, raw: str) -> bool | None:
     """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
-    return {"1": True, "0": False}.get(raw.strip())
+    return {"1": True, "0": False}.get(raw)
+
+
+def _clamped_to_one(name: str, raw: str) -> int:
+    """An integer; below 1 reads as 1."""
+    return max(1, _integer(name, raw))
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ VARIABLES: dict[str, Var] = {
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "
                                     "max_num_seqs)"),
-    "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _flag,
+    "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _one,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
                                  "the graphs then hold the NCCL all-reduce)"),
     "RLSERVE_FUSED_KERNELS": Var("bool", True, _flag,
@@ -136,7 +146,7 @@ VARIABLES: dict[str, Var] = {
                                   "'0': Llama decoder layers through the module path instead of the direct kernel "
                                   "calls of rlserve.models.llama_cpu; read at import"),
     # ---- weight sync
-    "RLSERVE_HOST_THREADS": Var("int >= 1 | None", None, _positive,
+    "RLSERVE_HOST_THREADS": Var("int | None (below 1 reads as 1)", None, _clamped_to_one,
                                 "threads for host copies and checksums (default: a quarter of the usable CPUs, 1-4)"),
     "RLSERVE_NCCL_SO_PATH": Var("str | None", None, _str,
                                 "the NCCL library to load (before VLLM_NCCL_SO_PATH and torch's own copy)"),
