@@ -100,7 +100,7 @@ def bench_attention(batch: int, reps: int) -> None:
 def _worker(threads: int):
     from rlserve.config import EngineConfig
     from rlserve.download import ensure_default_model
-    from rlserve.engine.worker import Worker
+    from rlserve.engine.worker.worker import Worker
 
     cfg = EngineConfig(model=str(ensure_default_model(progress=False)), dtype="float32", device="cpu",
                        max_model_len=1024, num_kv_blocks=4096, extra={"cpu_threads": threads})
@@ -110,7 +110,7 @@ def _worker(threads: int):
 
 
 def _decode_step(batch: int):
-    from rlserve.engine.model_runner import StepInput
+    from rlserve.engine.worker.model_runner import StepInput
 
     lens, tables = _case(batch)
     rng = random.Random(1)

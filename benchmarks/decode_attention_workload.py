@@ -48,7 +48,7 @@ def workload_steps(num_seqs: int, min_len: int, max_len: int, seed: int) -> list
 
 def run_variant(name: str, ta, shape, steps, args, caches, bt, max_model_len, block_size) -> list[dict]:
     """Per sampled step: ``{t, B, bs, us_per_call}`` for one variant."""
-    from rlserve.engine.cuda_graph import capture_sizes
+    from rlserve.engine.worker.cuda_graph import capture_sizes
     from rlserve.layers.attention import AttentionMetadata
 
     H, Hkv, D, _ = shape

@@ -145,7 +145,7 @@ def weight_bytes(model) -> int:
 
 def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     from rlserve import LLM, SamplingParams
-    from rlserve.engine.model_runner import StepInput
+    from rlserve.engine.worker.model_runner import StepInput
 
     cfg = shape_config(shape)
     path = save_shape(shape, root)

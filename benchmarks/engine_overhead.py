@@ -119,7 +119,7 @@ def _trees_main(args, argv: list[str]) -> None:
             with tempfile.TemporaryDirectory() as d:
                 out = os.path.join(d, "r.json")
                 env = dict(os.environ, PYTHONPATH=tree, RLSERVE_BENCH_TREE=tree)
-                # cwd = the tree: ``python -m rlserve.engine.core_proc`` puts the cwd first on sys.path
+                # cwd = the tree: ``python -m rlserve.engine.core.core_proc`` puts the cwd first on sys.path
                 subprocess.run([sys.executable, os.path.abspath(__file__), *child, "--repeats", "1",
                                 "--json-out", out], env=env, check=True, stdout=subprocess.DEVNULL, cwd=tree)
                 with open(out) as f:
@@ -138,7 +138,7 @@ def _async_runner(path: str, kw: dict, mode: str = "process", stream: bool = Fal
     ``mode``), every request submitted at once (``stream``: every output consumed, else only
     the final one); ``run.close()`` stops it."""
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model=path, **kw), engine_mode=mode)
 

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlserve import LLM, SamplingParams  # noqa: E402
-from rlserve.engine.sampler import SamplerOutput  # noqa: E402
+from rlserve.engine.core.sampler import SamplerOutput  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """Sampling cost per decode step, and where a whole engine step's host time goes.
 
-- ``sampler``: :class:`rlserve.engine.sampler.Sampler` on ``[B, V]`` float32 logits
+- ``sampler``: :class:`rlserve.engine.core.sampler.Sampler` on ``[B, V]`` float32 logits
   (temperature 0.6, unseeded, ``V`` = 151,936), the general path against the one-pass path
-  (:mod:`rlserve.engine.fused_sampling`), alternating in one process; median wall time of
+  (:mod:`rlserve.engine.core.fused_sampling`), alternating in one process; median wall time of
   the call plus a device synchronize (launches included).
 - ``engine``: ``LLMEngine.step()`` (``--engine-outputs all``: a cumulative output for every
   request every step, as for streamed requests; ``finished``: as offline ``generate``) of a Qwen3-0.6B-shaped model (random weights) in steady
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model_shapes import save_shape, shape_config  # noqa: E402
 
-from rlserve.engine import fused_sampling  # noqa: E402
+from rlserve.engine.core import fused_sampling  # noqa: E402
 
 
 def _wall(fn, iters: int) -> float:
@@ -46,7 +46,7 @@ def _wall(fn, iters: int) -> float:
 
 
 def bench_sampler(batches: list[int], iters: int) -> None:
-    from rlserve.engine.sampler import Sampler, SamplingMetadata
+    from rlserve.engine.core.sampler import Sampler, SamplingMetadata
     from rlserve.engine.sampling_params import SamplingParams
 
     V = 151936

@@ -114,7 +114,7 @@ def _phases(engine, fn, args) -> dict:
 
     wait0 = None
     try:
-        from rlserve.engine import overlap as ov
+        from rlserve.engine.core import overlap as ov
 
         wait0 = ov._InFlight.wait
 

@@ -79,7 +79,7 @@ class EngineConfig:
             BENCHMARKS.md, "Time to first token"), 0 on CPU (a CPU prefill step costs many decode
             steps, so alternating staggers little; not measured as a default there). rlserve's
             own knob: vLLM mixes every running request's decode token into its prefill steps
-            instead (:mod:`rlserve.engine.scheduler` says why the bound exists).
+            instead (:mod:`rlserve.engine.core.scheduler` says why the bound exists).
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
@@ -95,20 +95,20 @@ class EngineConfig:
         logprobs_mode: what logprobs hold: "raw_logprobs" (default), "raw_logits",
             "processed_logprobs" (after penalties, temperature, top-k/top-p/min-p: the
             distribution the token was drawn from) or "processed_logits" (vLLM's
-            ``--logprobs-mode``; see :mod:`rlserve.engine.sampler`).
+            ``--logprobs-mode``; see :mod:`rlserve.engine.core.sampler`).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs carry token ids
             only (empty text), stop strings are refused. For benchmarks and token-in/token-out
             RL loops.
         enable_sleep_mode: weights and KV cache in releasable memory, so ``sleep(level)`` /
             ``wake_up(tags)`` can give the GPU memory back (vLLM's ``--enable-sleep-mode``;
-            :mod:`rlserve.engine.sleep_mode`).
+            :mod:`rlserve.engine.core.sleep_mode`).
         enable_lora / max_loras / max_lora_rank: serve LoRA adapters (vLLM's ``--enable-lora``,
             ``--max-loras``, ``--max-lora-rank``; :mod:`rlserve.lora`): at most ``max_loras``
             adapters loaded at once (every one may be in every batch), each of rank at most
             ``max_lora_rank`` (one of vLLM's values :data:`LORA_RANKS`). Tensor parallel size 1.
         async_scheduling: overlapped decode (vLLM's ``async_scheduling``): step N+1 is
             scheduled and launched before step N's tokens are read
-            (:mod:`rlserve.engine.overlap`). None (default): on for a single-process CUDA
+            (:mod:`rlserve.engine.core.overlap`). None (default): on for a single-process CUDA
             engine (TP=1), off elsewhere; the environment variable
             ``RLSERVE_ASYNC_SCHEDULING=0/1`` decides when this field is None.
         enable_return_routed_experts: every sample's final output carries ``routed_experts``,

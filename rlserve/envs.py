@@ -100,7 +100,7 @@ VARIABLES: dict[str, Var] = {
     # ---- engine-core process
     "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
                              "default of --log-level of an engine-core process started by hand (python -m "
-                             "rlserve.engine.core_proc); the server passes its own --log-level to the cores it starts"),
+                             "rlserve.engine.core.core_proc); the server passes its own --log-level to the cores it starts"),
     "RLSERVE_ENGINE_CORE_INIT": Var("str | None", None, _str,
                                     "'module:function' an engine-core process calls before it builds its "
                                     "engine (test hooks: fault injection, fakes)"),
@@ -134,7 +134,7 @@ VARIABLES: dict[str, Var] = {
                                     "thread, one rank and >= 2 usable CPUs, else 1)"),
     "RLSERVE_CPU_MICROBATCH_MIN_ROWS": Var("int | None", None, _integer,
                                            "fewest token rows a CPU step needs to be split (default 16, "
-                                           "rlserve.engine.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
+                                           "rlserve.engine.cpu.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),

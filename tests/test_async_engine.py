@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from rlserve.engine.async_engine import AsyncEngine, HeldTooLongError
+from rlserve.engine.front.async_engine import AsyncEngine, HeldTooLongError
 from rlserve.errors import EngineStepError
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.sampling_params import SamplingParams

@@ -2,10 +2,10 @@
 
 import pytest
 
-from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.engine.scheduler import Scheduler
-from rlserve.engine.sequence import Sequence, SequenceStatus
+from rlserve.engine.core.scheduler import Scheduler
+from rlserve.engine.core.sequence import Sequence, SequenceStatus
 
 
 def seq(tokens, bs=4):

@@ -1,4 +1,4 @@
-"""rlserve.engine.cpu_malloc: glibc malloc thresholds for CPU engine processes."""
+"""rlserve.engine.cpu.cpu_malloc: glibc malloc thresholds for CPU engine processes."""
 
 import ctypes
 import ctypes.util
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from rlserve.engine import cpu_malloc
+from rlserve.engine.cpu import cpu_malloc
 
 glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 

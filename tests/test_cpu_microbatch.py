@@ -1,4 +1,4 @@
-"""CPU micro-batches (rlserve/engine/cpu_microbatch.py): a decode step's rows split over threads
+"""CPU micro-batches (rlserve/engine/cpu/cpu_microbatch.py): a decode step's rows split over threads
 must give bit-equal results, keep order, surface errors without hanging, and back off when a
 thread's core is shared."""
 
@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from rlserve.engine import cpu_microbatch as mbm
-from rlserve.engine.cpu_microbatch import CPUMicroBatches
+from rlserve.engine.cpu import cpu_microbatch as mbm
+from rlserve.engine.cpu.cpu_microbatch import CPUMicroBatches
 from rlserve.layers.attention import AttentionMetadata
 
 
@@ -140,7 +140,7 @@ def test_contention_backs_off_doubling_then_resets():
 
 def test_microbatch_count_rule_and_overrides(monkeypatch):
     from rlserve.config import EngineConfig
-    from rlserve.engine import cpu_threads
+    from rlserve.engine.cpu import cpu_threads
 
     monkeypatch.delenv("RLSERVE_CPU_MICROBATCHES", raising=False)
     monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)

@@ -1,4 +1,4 @@
-"""Thread placement of CPU engines (rlserve/engine/cpu_threads.py)."""
+"""Thread placement of CPU engines (rlserve/engine/cpu/cpu_threads.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlserve.config import EngineConfig
-from rlserve.engine import cpu_threads
+from rlserve.engine.cpu import cpu_threads
 
 
 @pytest.fixture

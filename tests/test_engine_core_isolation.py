@@ -17,7 +17,7 @@ HERE = "tests.test_engine_core_isolation"  # this module as the engine-core proc
 def faulty_add():
     """``RLSERVE_ENGINE_CORE_INIT`` hook (runs in the engine-core process before the engine is
     built): adding a request whose prompt starts with :data:`POISON` raises a plain bug."""
-    from rlserve.engine.llm_engine import LLMEngine
+    from rlserve.engine.core.llm_engine import LLMEngine
 
     real = LLMEngine.add_request
 
@@ -38,7 +38,7 @@ def core_request_ids(core) -> list[str]:
 def aeng(tiny_model):
     """An AsyncEngine in process mode whose core cannot add :data:`POISON` prompts."""
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     mp = pytest.MonkeyPatch()
     mp.setenv("RLSERVE_ENGINE_CORE_INIT", f"{HERE}:faulty_add")

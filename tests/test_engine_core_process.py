@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from rlserve.engine.core_client import _exit_text
+from rlserve.engine.front.core_client import _exit_text
 from rlserve.server.testing import ServerProcess
 
 T = 60.0  # bound on every wait in this module (seconds)
@@ -191,7 +191,7 @@ def test_exiting_core_is_waited_for_not_killed(tiny_model, monkeypatch):
     make the kernel's teardown faster; it used to, and the core's exit code was -9)."""
     from rlserve import SamplingParams
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     monkeypatch.setenv("RLSERVE_ENGINE_CORE_INIT", f"{HERE}:slow_exit")
     aeng = AsyncEngine(EngineConfig(model=tiny_model("llama"), device="cpu", dtype="float32", max_model_len=128,
@@ -219,7 +219,7 @@ _PARENT = """
 import asyncio, sys, threading
 from rlserve import SamplingParams
 from rlserve.config import EngineConfig
-from rlserve.engine.async_engine import AsyncEngine
+from rlserve.engine.front.async_engine import AsyncEngine
 
 box = {}
 cfg = EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", max_model_len=128, load_format="dummy")
@@ -279,7 +279,7 @@ def test_async_engine_in_process_mode_matches_offline(tiny_model):
     engine's; the thread mode gives the same."""
     from rlserve import LLM, SamplingParams
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     model = tiny_model("llama")
     kw = dict(device="cpu", dtype="float32", max_model_len=128)

@@ -167,7 +167,7 @@ def test_qwen3_model_fused_equals_unfused(tiny_model, fused_on_cpu, monkeypatch)
 
 # --------------------------------------------------------------------------- one-pass sampling
 def _meta(params, outs=None):
-    from rlserve.engine.sampler import SamplingMetadata
+    from rlserve.engine.core.sampler import SamplingMetadata
 
     outs = outs or [[] for _ in params]
     return SamplingMetadata(params=params, prompt_token_ids=[[1] for _ in params], output_token_ids=outs)
@@ -176,13 +176,13 @@ def _meta(params, outs=None):
 @pytest.fixture
 def small_sampling_blocks(monkeypatch):
     """16-wide vocabulary blocks: the interpreter stays fast and rows span many chunks."""
-    from rlserve.engine import fused_sampling
+    from rlserve.engine.core import fused_sampling
 
     monkeypatch.setattr(fused_sampling, "_BLOCK", 16)
 
 
 def test_fused_sampling_greedy_and_logprobs(fused_on_cpu, small_sampling_blocks):
-    from rlserve.engine.sampler import Sampler
+    from rlserve.engine.core.sampler import Sampler
     from rlserve.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)
@@ -203,7 +203,7 @@ def test_fused_sampling_takes_half_precision_logits(fused_on_cpu, small_sampling
     """Logits in a model dtype (what the engine hands over) sample as their float32 copy."""
     import random
 
-    from rlserve.engine import fused_sampling
+    from rlserve.engine.core import fused_sampling
     from rlserve.engine.sampling_params import SamplingParams
 
     V = 300
@@ -216,8 +216,8 @@ def test_fused_sampling_takes_half_precision_logits(fused_on_cpu, small_sampling
 
 
 def test_fused_sampling_follows_softmax_and_seeds(fused_on_cpu, small_sampling_blocks):
-    from rlserve.engine import fused_sampling
-    from rlserve.engine.sampler import Sampler
+    from rlserve.engine.core import fused_sampling
+    from rlserve.engine.core.sampler import Sampler
     from rlserve.engine.sampling_params import SamplingParams
 
     V = 6

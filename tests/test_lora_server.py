@@ -139,7 +139,7 @@ def test_load_reaches_every_replica(files):
     """In-process, two data-parallel replicas in engine-core processes: when the load returns both
     hold the adapter; a refused load leaves neither holding anything; unload frees both."""
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.errors import LoRAAdapterError
     from rlserve.lora.registry import LoRARegistry
 

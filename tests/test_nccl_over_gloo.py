@@ -45,7 +45,7 @@ def clean_env(monkeypatch):
 
 def test_install_reaches_the_engine_core_process(tiny_model, clean_env):
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     nccl_over_gloo.install()
     nccl_over_gloo.install()  # idempotent

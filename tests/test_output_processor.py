@@ -1,5 +1,5 @@
 """Detokenization in the API process (issue 17): the engine-core process sends token ids only and
-:class:`~rlserve.engine.output_processor.OutputProcessor` makes the text, matches stop strings
+:class:`~rlserve.engine.front.output_processor.OutputProcessor` makes the text, matches stop strings
 and stops samples in the core. Results must equal the engine's own detokenizer (the offline
 ``LLM``): stop strings spanning tokens, multi-byte characters split across tokens, n > 1,
 logprobs, min_tokens, include_stop_str_in_output, a stop string completed by the last allowed
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from rlserve.engine import core_protocol as proto
-from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = 120.0  # bound on every wait (seconds)
@@ -44,7 +44,7 @@ CASES = {
 def engines(tiny_model):
     from rlserve import LLM
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
 
     model = tiny_model("llama")
     offline = LLM(model, **KW)

@@ -1,4 +1,4 @@
-"""Overlapped decode (``rlserve.engine.overlap``) gives the same results as the plain loop.
+"""Overlapped decode (``rlserve.engine.core.overlap``) gives the same results as the plain loop.
 
 On CPU (the logic: placeholders, device-side input ids, wasted rows of sequences that stop,
 length limits, preemption, aborts between steps); the speed-up needs a GPU
@@ -112,7 +112,7 @@ def test_async_scheduling_decision(monkeypatch):
     from types import SimpleNamespace
 
     from rlserve.config import EngineConfig
-    from rlserve.engine.engine_setup import want_async_scheduling
+    from rlserve.engine.core.engine_setup import want_async_scheduling
 
     cuda = SimpleNamespace(device="cuda:0", supports_device_input_ids=True)
     cpu = SimpleNamespace(device="cpu", supports_device_input_ids=True)

@@ -120,7 +120,7 @@ def test_template_errors_and_tokenize_use_the_workers(srv):
 def _slow_compiles(monkeypatch, seconds: float) -> None:
     """Every constraint compile of the engine takes ``seconds`` longer (a sleep: no CPU), as a
     large constraint's does (20,000 choices: 9-30 s of CPU on the 2-core machine)."""
-    from rlserve.engine import structured
+    from rlserve.engine.core import structured
 
     real = structured.GrammarCompiler.compile
 
@@ -186,7 +186,7 @@ def test_engine_compiles_constraints_beside_its_steps(tiny_model, monkeypatch):
     the whole 3 s), another request runs to its end meanwhile, and the constrained one then
     answers one of its choices. The engine bounds no size (the API process does), so this
     reaches it directly."""
-    from rlserve.engine import llm_engine
+    from rlserve.engine.core import llm_engine
     from rlserve.engine.llm import LLM
     from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 

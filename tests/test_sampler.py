@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlserve.engine.sampler import (
+from rlserve.engine.core.sampler import (
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,

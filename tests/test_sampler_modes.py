@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlserve.engine.sampler import LOGPROBS_MODES, Sampler, SamplingMetadata, compute_prompt_logprobs
+from rlserve.engine.core.sampler import LOGPROBS_MODES, Sampler, SamplingMetadata, compute_prompt_logprobs
 from rlserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from rlserve.errors import InvalidRequestError
 
@@ -131,7 +131,7 @@ xgr = pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (
 
 @pytest.fixture(scope="module")
 def compiler():
-    from rlserve.engine.structured import GrammarCompiler
+    from rlserve.engine.core.structured import GrammarCompiler
     from tests.tiny_models import EOS_ID, build_tokenizer
 
     tok = build_tokenizer()
@@ -139,7 +139,7 @@ def compiler():
 
 
 def test_grammar_mask_equals_xgrammar_reference(compiler):
-    from rlserve.engine.structured import apply_grammar_masks
+    from rlserve.engine.core.structured import apply_grammar_masks
 
     comp, tok = compiler
     V2 = len(tok)

@@ -5,14 +5,14 @@ burst of equal requests therefore finishes staggered instead of in one step."""
 import pytest
 
 from rlserve.config import EngineConfig
-from rlserve.engine.block_manager import BlockManager
+from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.core.scheduler import Scheduler
 from rlserve.errors import InvalidRequestError
 
 
 def _seqs(n: int, length: int = 4):
-    from rlserve.engine.sequence import Sequence
+    from rlserve.engine.core.sequence import Sequence
 
     return [Sequence(f"r{i}", 0, [10 * i + j for j in range(length)], SamplingParams(max_tokens=100), 4)
             for i in range(n)]
@@ -85,7 +85,7 @@ def test_bad_limit_is_refused():
 def _finish_steps(path: str, limit: int) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Six 8-token prompts (two per 16-token prefill step), 5 greedy tokens each: the step
     each request finished in, and its tokens."""
-    from rlserve.engine.llm_engine import LLMEngine
+    from rlserve.engine.core.llm_engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(path, dtype="float32", device="cpu", max_num_batched_tokens=16,
                                  max_consecutive_prefill_steps=limit, enable_prefix_caching=False))
@@ -115,7 +115,7 @@ def test_engine_burst_finishes_staggered_with_the_same_tokens(tiny_model):
 
 
 def test_engine_default_is_no_bound_on_cpu(tiny_model):
-    from rlserve.engine.llm_engine import LLMEngine
+    from rlserve.engine.core.llm_engine import LLMEngine
 
     cfg = EngineConfig(tiny_model("llama"), dtype="float32", device="cpu")
     assert cfg.max_consecutive_prefill_steps is None  # resolved by the engine, per device

@@ -20,7 +20,7 @@ def _serve(monkeypatch, capsys, model: str, *flags: str) -> tuple[int, str]:
     and the output. An engine start returns 1 ("could not start the engine"), so a setting
     that was only found after the engine (the old code) fails the test."""
     from rlserve.cli import main
-    from rlserve.engine import async_engine
+    from rlserve.engine.front import async_engine
 
     def no_engine(*a, **k):
         raise RuntimeError("the engine was started")

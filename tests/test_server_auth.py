@@ -65,7 +65,7 @@ def test_control_routes_refused_without_admin_key_on_public_bind(server):
 def test_admin_key_enforced(model_dir):
     """In-process app (real engine) bound 'publicly' with an admin key."""
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.server.app import build_app
     from rlserve.server.state import ServerSettings
 
@@ -102,7 +102,7 @@ def test_insecure_control_routes_serve_without_a_key(model_dir, monkeypatch):
 
     from rlserve.cli import serve as serve_cli
     from rlserve.config import EngineConfig
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.server.app import build_app
     from rlserve.server.state import ServerSettings
 

@@ -33,7 +33,7 @@ def _params(llm) -> list[torch.Tensor]:
 
 
 class HostArena:
-    """:class:`~rlserve.engine.cuda_vmm.VMMArena`'s interface over one host buffer: ``unmap``
+    """:class:`~rlserve.engine.worker.cuda_vmm.VMMArena`'s interface over one host buffer: ``unmap``
     overwrites it with 0xFF (NaN in every float dtype), ``map`` with 0xAB (new pages hold
     anything), ``view`` refuses while unmapped. Addresses never move."""
 
@@ -64,7 +64,7 @@ class HostArena:
 
 @pytest.fixture(scope="module", params=["inplace", "arena"])
 def llm(request, tiny_model):
-    from rlserve.engine.sleep_memory import WorkerSleep
+    from rlserve.engine.worker.sleep_memory import WorkerSleep
 
     mp = pytest.MonkeyPatch()
     if request.param == "arena":
@@ -192,8 +192,8 @@ def test_sleep_mode_off(tiny_model):
 def test_wake_without_free_memory_stays_asleep(tiny_model, monkeypatch):
     """The driver says out of memory (another process holds it): SleepMemoryError (HTTP 503),
     nothing half-awake (a region that did come back is released again), a later wake works."""
-    from rlserve.engine.cuda_vmm import CUDADriverError
-    from rlserve.engine.sleep_memory import WorkerSleep
+    from rlserve.engine.worker.cuda_vmm import CUDADriverError
+    from rlserve.engine.worker.sleep_memory import WorkerSleep
     from rlserve.errors import SleepMemoryError
 
     class TakenArena(HostArena):

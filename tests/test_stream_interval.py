@@ -1,5 +1,5 @@
 """vLLM's ``--stream-interval`` / ``stream_interval``: which outputs wake a streamed request's
-consumer (:func:`rlserve.engine.front_request.put`), and the chunks ``rlserve serve`` sends."""
+consumer (:func:`rlserve.engine.front.front_request.put`), and the chunks ``rlserve serve`` sends."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from rlserve.engine.front_request import FrontRequest, mark_delivered, put
+from rlserve.engine.front.front_request import FrontRequest, mark_delivered, put
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError

@@ -31,7 +31,7 @@ def break_next_commit(setattr=setattr) -> None:
     ``monkeypatch.setattr``): the next ``worker_ext.commit`` loads one staged tensor into the
     model, then raises; every ``LLMEngine.step`` after that failure is counted in :data:`STATE`."""
     import rlserve.transfer.server.worker_ext as worker_ext
-    from rlserve.engine.llm_engine import LLMEngine
+    from rlserve.engine.core.llm_engine import LLMEngine
 
     real_commit, real_step = worker_ext.commit, LLMEngine.step
 

@@ -126,7 +126,7 @@ def test_split_plan_is_static_and_bounded():
 
 
 def test_decode_positions_and_slots_match_metadata():
-    from rlserve.engine.cuda_graph import decode_positions_and_slots
+    from rlserve.engine.worker.cuda_graph import decode_positions_and_slots
 
     tables = [[4, 2, 7], [1], [3, 5]]
     seq_lens = [9, 1, 8]

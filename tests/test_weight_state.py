@@ -1,4 +1,4 @@
-"""The one state machine of the served weights (:mod:`rlserve.engine.weight_state`): version
+"""The one state machine of the served weights (:mod:`rlserve.engine.front.weight_state`): version
 labels unique for the server's lifetime (issue 33 item 4), lost weights served again only once
 every required parameter was written since the loss, the checkpoint under its own label."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlserve.engine.weight_state import MODEL_UNAVAILABLE, WEIGHTS_LOST, WeightState, WeightVersionInUseError
+from rlserve.engine.front.weight_state import MODEL_UNAVAILABLE, WEIGHTS_LOST, WeightState, WeightVersionInUseError
 
 REQ = {"embed", "q", "k", "v", "head"}
 

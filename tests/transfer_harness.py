@@ -29,7 +29,7 @@ class InProcessServer:
                  admin_key: str | None = None, engine_mode: str | None = None, check_finite: bool = True,
                  **engine_kwargs):
         from rlserve.config import EngineConfig
-        from rlserve.engine.async_engine import AsyncEngine
+        from rlserve.engine.front.async_engine import AsyncEngine
         from rlserve.server.app import build_app
         from rlserve.server.state import ServerSettings
 

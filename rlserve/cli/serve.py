@@ -262,7 +262,7 @@ def _check_cpu_environment(config) -> None:
 
     if resolve_device(config.device).type != "cpu":
         return
-    from rlserve.engine import cpu_microbatch, cpu_threads
+    from rlserve.engine.cpu import cpu_microbatch, cpu_threads
 
     cpu_threads.engine_cpu_threads(config)
     cpu_microbatch.check_environment(config)
@@ -341,7 +341,7 @@ def run(args) -> int:
         print(f"rlserve serve: error: {e}", file=sys.stderr)
         return 2
 
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.server.app import build_app
     from rlserve.server.state import ServerSettings, is_loopback
 

@@ -35,7 +35,7 @@ def load_trainer_model(model_path: str, device: str = "cpu", dtype: str = "float
         # same thread rule (one core left to the others; torch's default of one thread per
         # core measured 508 s for the 4 x 32-token reference generate on the loaded 2-core
         # CI machine, where the server itself took 35-45 s per 4 x 32 tokens)
-        from rlserve.engine.cpu_threads import configure_engine_threads
+        from rlserve.engine.cpu.cpu_threads import configure_engine_threads
 
         configure_engine_threads()
     model = AutoModelForCausalLM.from_pretrained(model_path, **{key: torch_dtype(dtype)})

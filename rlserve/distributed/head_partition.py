@@ -1,7 +1,7 @@
 """Which attention heads a tensor-parallel rank owns, and exact division of sizes over the TP
 size: the one partition rule that the fused qkv / o_proj layers (:mod:`rlserve.layers.linear`),
 the models' per-rank head counts (:mod:`rlserve.models.llama`, :mod:`rlserve.models.opt`) and the
-worker's KV-cache sizing (:mod:`rlserve.engine.worker`) share."""
+worker's KV-cache sizing (:mod:`rlserve.engine.worker.worker`) share."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor-parallel state: TP rank, TP size and the TP process group.
 
 The state is per thread, so several engine replicas can live in one process (one engine
-thread each). A :class:`~rlserve.engine.worker.Worker` enters :func:`tp_context` while it
+thread each). A :class:`~rlserve.engine.worker.worker.Worker` enters :func:`tp_context` while it
 builds the model and around every forward and weight load; layers read
 :func:`get_tp_rank` / :func:`get_tp_size` at construction time to size their shards and
 call :func:`tp_all_reduce` / :func:`tp_all_gather_last_dim` in forward. Outside any

@@ -1,6 +1,6 @@
 """Wire format between the API server process and an engine-core process.
 
-Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.core_client`):
+Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.front.core_client`):
 
 * input, API → core (``PUSH`` → ``PULL``): :class:`AddRequest`, :class:`Abort`,
   :class:`SetWeightVersion`, :class:`UtilityCall`, :class:`Shutdown`;
@@ -11,7 +11,7 @@ Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.core_client`):
 Outputs cross as token-id deltas: each step sends, per request that advanced, only the tokens
 (and their logprobs) sampled since the request's previous delta -- O(new tokens), not O(length)
 -- and no text: the API process detokenizes, matches stop strings and builds vLLM's cumulative
-``RequestOutput`` (:mod:`rlserve.engine.output_processor`). A stop string found there ends its
+``RequestOutput`` (:mod:`rlserve.engine.front.output_processor`). A stop string found there ends its
 sample in the core with :class:`StopSamples` (the core may have sampled a token or two past it
 meanwhile; the API process drops them, so the result is the in-engine detokenizer's). Which
 requests get a delta each step: streamed ones and those with stop strings; any other request
@@ -24,7 +24,7 @@ without a change here. That one schema is enforced on both sides: the API proces
 request's parameters with :func:`params_from_fields` (the core's decoder's type check, the
 dataclass's range check and the wire's limits: a bad value is an :class:`InvalidParamsError`
 naming the field, HTTP 400), and the core's loop fails a message it cannot decode alone
-(:mod:`rlserve.engine.core_proc`), never itself. Messages on one socket arrive in the order they were sent: a utility
+(:mod:`rlserve.engine.core.core_proc`), never itself. Messages on one socket arrive in the order they were sent: a utility
 call's result comes after the outputs of every step run before it.
 """
 
@@ -76,7 +76,7 @@ class SetWeightVersion(msgspec.Struct, tag="version"):
 
 class UtilityCall(msgspec.Struct, tag="call"):
     """Call ``method`` with ``args`` between two steps; answered by a :class:`UtilityResult`
-    with the same ``call_id``. Methods: see :data:`rlserve.engine.core_proc.UTILITY_METHODS`."""
+    with the same ``call_id``. Methods: see :data:`rlserve.engine.core.core_proc.UTILITY_METHODS`."""
 
     call_id: int
     method: str

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlserve.config import EngineConfig
-from rlserve.engine.llm_engine import LLMEngine
+from rlserve.engine.core.llm_engine import LLMEngine
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 

@@ -87,7 +87,7 @@ class RoutedExpertsRecorder:
 
     def record_step(self, step) -> None:
         """Store the routed ids of the forward that just ran ``step`` (a
-        :class:`~rlserve.engine.model_runner.StepInput`) at its tokens' KV slots.
+        :class:`~rlserve.engine.worker.model_runner.StepInput`) at its tokens' KV slots.
 
         Raises:
             RuntimeError: the model captured no routing for this step (a forward path that

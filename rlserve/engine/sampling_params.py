@@ -39,7 +39,7 @@ class StructuredOutputsParams:
         grammar: an EBNF (GBNF) grammar whose root rule the output matches.
         json_object: any JSON object.
 
-    Enforced by :mod:`rlserve.engine.structured` as a mask on the logits; the output ends
+    Enforced by :mod:`rlserve.engine.core.structured` as a mask on the logits; the output ends
     (finish reason ``stop``) with the EOS token once the constraint is complete.
     """
 
@@ -104,7 +104,7 @@ class SamplingParams:
         stream_interval: new tokens per streamed output at least (vLLM's field, >= 1): raises
             the server's ``--stream-interval`` for this request (a smaller value counts as the
             server's); the first and the last output go out at once. None: the server's.
-            Read by the async front (:func:`rlserve.engine.front_request.put`), not the engine.
+            Read by the async front (:func:`rlserve.engine.front.front_request.put`), not the engine.
         routed_experts_prompt_start: with routed-experts replay on, leave out the routing of the
             first this many prompt tokens (vLLM's field: a multi-turn caller that has them from
             an earlier turn); in ``[0, prompt length]``, checked by the engine.

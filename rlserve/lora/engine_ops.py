@@ -1,7 +1,7 @@
 """Engine-side entry points of the LoRA routes, run on every data-parallel replica between two
-steps through :meth:`rlserve.engine.async_engine.AsyncEngine.call_engines` (also while paused; in
+steps through :meth:`rlserve.engine.front.async_engine.AsyncEngine.call_engines` (also while paused; in
 process mode inside the engine-core process, arguments and results as MessagePack). ``core`` is
-the replica's :class:`~rlserve.engine.core.EngineCore`; ``core.engine`` its ``LLMEngine``.
+the replica's :class:`~rlserve.engine.core.engine_core.EngineCore`; ``core.engine`` its ``LLMEngine``.
 
 An adapter unloaded while requests of that replica still run on it stays held ("retired") until
 they finish: unload never changes the outputs of a request already running (vLLM's unload does not

@@ -13,7 +13,7 @@ fast layer, which calls the kernels directly and would skip a hook, is re-checke
 while the hooks are there.
 
 Adapters are held by integer id (the API server's ``lora_int_id``, unique per load: a reloaded
-adapter gets a new id, so its KV-cache prefix hashes differ, :mod:`rlserve.engine.block_manager`).
+adapter gets a new id, so its KV-cache prefix hashes differ, :mod:`rlserve.engine.core.block_manager`).
 Limits of this first round: tensor parallel size 1; steps with adapters run without the CPU fast
 decode layer, CPU micro-batches and CUDA graphs.
 """

@@ -7,7 +7,7 @@ vLLM's behaviour hurts RL training:
   answered the request, which TRL warns about), through ``AsyncEngine.call_engines``; if one
   replica refuses, the others drop it again and the name is not registered;
 - every load (``load_inplace`` included) gets a new id, never reused: the KV prefix cache is
-  keyed by the id (:func:`rlserve.engine.block_manager.prefix_root`), so a request never reuses
+  keyed by the id (:func:`rlserve.engine.core.block_manager.prefix_root`), so a request never reuses
   KV computed under other adapter weights (vLLM keys it by name, vllm#42125);
 - ``max_loras`` bounds the adapters loaded at once: a load beyond it is refused (400) instead of
   silently evicting the oldest one.
@@ -42,7 +42,7 @@ class LoRARegistry:
     """Adapters by name (see the module docstring).
 
     Args:
-        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``call_engines``).
+        aengine: the :class:`~rlserve.engine.front.async_engine.AsyncEngine` (``call_engines``).
         base_names: the served model names (an adapter may not take one).
         max_loras: ``--max-loras``.
         max_lora_rank: ``--max-lora-rank``.

@@ -16,7 +16,7 @@ SiLU-and-mul), so its results are bit-equal; it only calls them directly. Per-st
 (positions, slots, block tables, context lengths, the thread count) are prepared once per
 step by :func:`step_context` and shared by every layer. :func:`forward_layers` runs the
 whole layer stack (this path or the modules), split into micro-batches of sequences on
-several threads where the step's :mod:`rlserve.engine.cpu_microbatch` says so.
+several threads where the step's :mod:`rlserve.engine.cpu.cpu_microbatch` says so.
 
 When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
 modules): a pure decode step (one token per sequence) on float32 CPU tensors, the fused C
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from rlserve import envs
-from rlserve.engine import cpu_microbatch
+from rlserve.engine.cpu import cpu_microbatch
 from rlserve.layers import cpu_attention, cpu_fused, fused_ops
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend, \
@@ -87,7 +87,7 @@ def _layer_ok(layer: nn.Module) -> bool:
 
     Nothing after model build changes them: a weight sync (every path ends in
     ``load_weights`` + ``process_weights_after_loading``) copies into the parameters in place,
-    and sleep mode (:mod:`rlserve.engine.sleep_memory`) copies in place or re-points
+    and sleep mode (:mod:`rlserve.engine.worker.sleep_memory`) copies in place or re-points
     ``param.data`` to a contiguous view of the same dtype and shape, so module types, quant
     methods, TP size, dtypes and contiguity stay as checked (tests/test_cpu_fast_layer.py
     checks sleep levels 1 and 2 and a sync). The packed weight copies, which each load
@@ -151,7 +151,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
     ``[T, hidden]`` normed hidden states, through :func:`layer_forward` when :func:`step_context`
     gave a ``ctx``, else through the layer modules.
 
-    With a current :class:`rlserve.engine.cpu_microbatch.CPUMicroBatches` that splits this
+    With a current :class:`rlserve.engine.cpu.cpu_microbatch.CPUMicroBatches` that splits this
     step, each micro-batch of whole sequences (their query tokens) runs the whole stack on its
     own thread with :meth:`AttentionMetadata.sequences` as its metadata (not when a block this
     step writes is shared with another sequence: :meth:`AttentionMetadata.writes_shared_block`), balanced by

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI:
-    """Build the HTTP app around a started :class:`~rlserve.engine.async_engine.AsyncEngine`.
+    """Build the HTTP app around a started :class:`~rlserve.engine.front.async_engine.AsyncEngine`.
 
     Args:
         aengine: the async engine (owned by the caller, who shuts it down).

@@ -7,7 +7,7 @@ answers an empty 200, so clients ignore the body); 400 for a bad level, mode or 
 started without ``--enable-sleep-mode`` (``sleep_mode_disabled``); 409 for a call out of order,
 nothing changed (``not_sleeping``, ``already_sleeping``, ``weight_update_in_progress``); 503
 ``wake_up_out_of_memory`` when another process holds the memory a wake needs (still asleep).
-Semantics: :mod:`rlserve.engine.async_sleep`.
+Semantics: :mod:`rlserve.engine.front.async_sleep`.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ class ServerState:
             bound (``constraint_too_large``) or one that did not compile within
             :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (``constraint_timeout``).
         """
-        from rlserve.engine.structured import structured_from_request
+        from rlserve.engine.core.structured import structured_from_request
 
         try:
             spec = structured_from_request(spec_obj)
@@ -393,7 +393,7 @@ class ServerState:
         if engine_compiler is not None:
             return engine_compiler()
         if self._grammar_compiler is None:
-            from rlserve.engine.structured import GrammarCompiler
+            from rlserve.engine.core.structured import GrammarCompiler
 
             if self.tokenizer is None:
                 raise InvalidRequestError("structured outputs need a tokenizer")

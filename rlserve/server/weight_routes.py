@@ -49,7 +49,7 @@ from rlserve.errors import (
     WeightUpdateError,
     WeightUpdateStateError,
 )
-from rlserve.engine.weight_state import WeightVersionInUseError
+from rlserve.engine.front.weight_state import WeightVersionInUseError
 from rlserve.server.errors import error_body
 from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
 

@@ -22,7 +22,7 @@ Use: :func:`install` in the trainer's process (or ``monkeypatch``), and
 :data:`SERVER_LAUNCHER` as ``ServerProcess(..., launcher=SERVER_LAUNCHER)`` for the server.
 
 The server's transfer group is built in its engine-core process (``python -m
-rlserve.engine.core_proc``, one per replica, started by the API process since issue 17), not in
+rlserve.engine.core.core_proc``, one per replica, started by the API process since issue 17), not in
 the API process the launcher starts: :func:`install` therefore also exports
 ``RLSERVE_ENGINE_CORE_INIT`` (:data:`CORE_INIT`) and puts this checkout on ``PYTHONPATH``, so
 every process started from a patched one patches itself before it builds its engine. Without

@@ -168,7 +168,7 @@ def test_engine_fused_equals_unfused_with_graphs(arch, tiny_model, fused_switch)
 
 @pytest.mark.parametrize("B", [1, 64, 300])
 def test_fused_sampling_greedy_equals_argmax_on_a_full_vocabulary(B):
-    from rlserve.engine.sampler import Sampler, SamplingMetadata
+    from rlserve.engine.core.sampler import Sampler, SamplingMetadata
     from rlserve.engine.sampling_params import SamplingParams
 
     V = 151936
@@ -188,7 +188,7 @@ def test_fused_sampling_reads_model_dtype_logits_as_their_float32_copy(dtype):
     logprobs are those of the widened copy, bit for bit, greedy and sampled rows alike."""
     import random
 
-    from rlserve.engine import fused_sampling
+    from rlserve.engine.core import fused_sampling
     from rlserve.engine.sampling_params import SamplingParams
 
     V, B = 151936, 64
@@ -203,7 +203,7 @@ def test_fused_sampling_reads_model_dtype_logits_as_their_float32_copy(dtype):
 
 
 def test_fused_sampling_follows_softmax():
-    from rlserve.engine.sampler import Sampler, SamplingMetadata
+    from rlserve.engine.core.sampler import Sampler, SamplingMetadata
     from rlserve.engine.sampling_params import SamplingParams
 
     V, B = 5000, 20000

@@ -1,4 +1,4 @@
-"""Overlapped decode (``rlserve.engine.overlap``) on a CUDA GPU: with CUDA graphs and the
+"""Overlapped decode (``rlserve.engine.core.overlap``) on a CUDA GPU: with CUDA graphs and the
 device-side input ids, float32 greedy tokens and seeded samples equal the plain loop's."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The manager runs in the API process; the model lives with the engine (an engine-core process
 by default). Each function here runs there, between two engine steps, as
 ``AsyncEngine.call_engines("rlserve.transfer.server.engine_calls:<fn>", ...)``; it gets the replica's
-:class:`~rlserve.engine.core.EngineCore` and returns plain data (MessagePack crosses the process
+:class:`~rlserve.engine.core.engine_core.EngineCore` and returns plain data (MessagePack crosses the process
 boundary: tuples and sets arrive as lists).
 """
 
@@ -23,7 +23,7 @@ def worker_rpc(core, target: str, args: list, timeout_s: float, commit: dict | N
             + 1) on the outputs of every later step. When instead the call raised, or (``all_ok``)
             a worker failed or is not done after having possibly written into the parameters
             (``touched`` / ``applied`` / not done), quarantine the replica
-            (:meth:`~rlserve.engine.core.EngineCore.quarantine`, reason ``failure``): it steps
+            (:meth:`~rlserve.engine.core.engine_core.EngineCore.quarantine`, reason ``failure``): it steps
             nothing until the requests in flight were ended.
 
     Returns:

@@ -36,7 +36,7 @@ Guarantees (beyond vLLM):
 - every commit resets the prefix cache and sets the weight version (auto-incremented when the
   trainer gives none, past every label the server used; a label already used is refused: 409
   ``weight_version_in_use``); whether the weights are served is ``AsyncEngine.weights``'
-  (:mod:`rlserve.engine.weight_state`): lost weights (a failed update, a level-2 sleep, an
+  (:mod:`rlserve.engine.front.weight_state`): lost weights (a failed update, a level-2 sleep, an
   engine-core restart) come back once syncs committed since have written every parameter.
 
 Staging (``weight_staging``): ``"none"`` loads in place while generation is paused (the trainer
@@ -116,7 +116,7 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
     """The server's weight-sync control plane.
 
     Args:
-        aengine: the :class:`~rlserve.engine.async_engine.AsyncEngine` (``call_engines``,
+        aengine: the :class:`~rlserve.engine.front.async_engine.AsyncEngine` (``call_engines``,
             ``pause``/``resume``/``is_paused``, ``set_weight_version``, ``set_unavailable``,
             ``reset_prefix_cache``, ``config``).
         transfer_config: ``--weight-transfer-config`` JSON: ``{"backend": "gloo"|"nccl"|"ipc"}``
@@ -177,12 +177,12 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self._trl_init_task: asyncio.Task | None = None
         self._trl_error: BaseException | None = None
         self._trl_pending = 0  # update_named_param calls queued or running
-        restarter = getattr(aengine, "restarter", None)  # rlserve.engine.core_restart
+        restarter = getattr(aengine, "restarter", None)  # rlserve.engine.front.core_restart
         if restarter is not None:
             restarter.listeners.append(self.on_engine_restart)
 
     # ================================================================== helpers
-    #: sleep mode's front (``rlserve.engine.async_sleep.AsyncSleep``), set by the server when
+    #: sleep mode's front (``rlserve.engine.front.async_sleep.AsyncSleep``), set by the server when
     #: ``--enable-sleep-mode`` is on: every update session asks it first (``before_weight_sync``)
     sleep_mode = None
 

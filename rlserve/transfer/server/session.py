@@ -1,12 +1,12 @@
 """One weight-update session's record (:class:`_Session`) and the weight-version rules
-(what a trainer may ask for; the server's labels: :mod:`rlserve.engine.weight_state`)."""
+(what a trainer may ask for; the server's labels: :mod:`rlserve.engine.front.weight_state`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from rlserve.engine.weight_state import next_version  # noqa: F401 - re-exported
+from rlserve.engine.front.weight_state import next_version  # noqa: F401 - re-exported
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.wire.protocol import UpdateInfo
 

@@ -1,0 +1,246 @@
+"""The step pipeline of an :class:`~rlserve.engine.core.llm_engine.LLMEngine`: schedule, flatten the
+batch into a :class:`~rlserve.engine.worker.model_runner.StepInput`, run the forward pass and sampler
+(:meth:`EngineStep._launch`, tokens left on the device), then read the tokens back, apply the stop
+rules and build the cumulative outputs (:meth:`EngineStep._finish_step`). The overlapped decode
+(:mod:`rlserve.engine.core.overlap`) calls the same two halves with a step in flight between them.
+
+:class:`EngineStep` is a base class of ``LLMEngine``; it uses the engine's ``config``,
+``scheduler``, ``executor``, ``sampler``, ``requests``, ``eos_token_ids``, ``max_model_len``,
+``stats_counters`` and ``_overlap``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlserve.engine.worker.model_runner import StepInput
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from rlserve.engine.core.scheduler import ScheduledBatch
+from rlserve.engine.core.sequence import Request, Sequence
+from rlserve.h2d import to_device
+
+
+def _lora_ids(config, seqs) -> list[int] | None:
+    """Each sequence's LoRA adapter id (``StepInput.lora_ids``), or None when all run on the base model
+    (or the engine runs without ``enable_lora``: no per-sequence work then)."""
+    if not getattr(config, "enable_lora", False):
+        return None
+    ids = [s.params.lora_int_id for s in seqs]
+    return ids if any(ids) else None
+
+
+class EngineStep:
+    """One engine step, in two halves (see the module docstring)."""
+
+    #: :class:`rlserve.engine.routed_experts.RoutedExpertsRecorder` with routed-experts replay on
+    routed_experts = None
+
+    def _release(self, seq: Sequence) -> None:
+        """Finish ``seq`` in the scheduler (its KV blocks go back), keeping its routed experts
+        first (replay on: they are read from its blocks' slots)."""
+        if self.routed_experts is not None and seq.block_table:
+            seq.routed_experts = self.routed_experts.read(seq, seq.params.routed_experts_prompt_start)
+        self.scheduler.finish(seq)
+
+    def _drain(self) -> None:
+        """Finish an overlapped step still in flight (before anything changes the engine
+        from outside a step); its outputs come with the next :meth:`step`."""
+        if self._overlap is not None:
+            self._overlap.drain()
+
+    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple[Sequence, int, int]]]:
+        """Flatten a batch. Returns the step and, per sequence wanting prompt logprobs,
+        ``(seq, first_row, n_rows)`` into the logits."""
+        if not batch.is_prefill:  # one token per sequence: the common step, kept lean
+            seqs = batch.seqs
+            slens = [len(s) for s in seqs]
+            B = len(seqs)
+            step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
+                             [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(self.config, seqs))
+            return step, []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        qlens, slens, tables, logit_rows = [], [], [], []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
+        for seq in batch.seqs:
+            n = len(seq)
+            start = seq.num_cached_tokens if batch.is_prefill else n - 1
+            toks = seq.all_token_ids[start:] if batch.is_prefill else [seq.last_token_id]
+            base = len(input_ids)
+            input_ids.extend(toks)
+            positions.extend(range(start, n))
+            qlens.append(n - start)
+            slens.append(n)
+            tables.append(seq.block_table)
+            req = self.requests[seq.request_id]
+            if batch.is_prefill and seq.params.prompt_logprobs is not None and not req.prompt_logprobs_done and seq.index == 0:
+                # rows predicting prompt tokens 1..P-1 come from positions 0..P-2
+                p = seq.num_prompt_tokens
+                prompt_rows.append((seq, len(logit_rows), p - 1))
+                logit_rows.extend(range(base, base + p - 1))
+            logit_rows.append(base + len(toks) - 1)
+        step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill,
+                         lora_ids=_lora_ids(self.config, batch.seqs))
+        return step, prompt_rows
+
+    #: ``step`` takes ``outputs_for`` and sets ``last_step_request_ids`` (the async engine asks).
+    supports_output_filter = True
+
+    def step(self, outputs_for=None) -> list[RequestOutput]:
+        """Run one scheduling step and forward pass.
+
+        Args:
+            outputs_for: ``None``: an output for every request that advanced. Else a container of
+                request ids: outputs only for those and for requests that finished this step (a
+                cumulative output copies every token list: O(length) per request per step, which
+                offline and non-streamed callers need not pay).
+        Requests whose structured-output constraint finished compiling join the scheduler first
+        (:meth:`LLMEngine.admit_compiled`).
+
+        Returns:
+            cumulative outputs, as selected. ``self.last_step_request_ids`` lists every request
+            that advanced (got tokens) in this step, in batch order.
+        """
+        failed = self.admit_compiled() if len(self._grammars) else []
+        if self._overlap is not None:
+            outs = self._overlap.step(outputs_for)
+        else:
+            batch = self.scheduler.schedule()
+            outs = [] if batch is None else self._finish_step(batch.seqs, self._launch(batch), outputs_for)
+        return failed + outs if failed else outs
+
+    def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> SamplerOutput:
+        """Run ``batch``'s forward pass and sampler; the tokens stay on the device. Prompt
+        logprobs are computed here. ``ids_from``: ``StepInput.input_ids_from``."""
+        step, prompt_rows = self._build_step(batch)
+        step.input_ids_from = ids_from
+        logits = self.executor.execute(step)
+        if self.routed_experts is not None:
+            self.routed_experts.record_step(step)
+        self.stats_counters["steps"] += 1
+        if batch.is_prefill:
+            self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
+        else:
+            self.stats_counters["decode_tokens"] += len(step.input_ids)
+        for seq, first, count in prompt_rows:
+            req = self.requests[seq.request_id]
+            req.prompt_logprobs, req.extra["prompt_logprob_ranks"] = compute_prompt_logprobs(
+                logits[first : first + count], seq.prompt_token_ids, seq.params.prompt_logprobs,
+                mode=self.config.logprobs_mode, with_ranks=True,
+            )
+            req.prompt_logprobs_done = True
+        if prompt_rows:
+            last_rows = []
+            pr = {first: count for _, first, count in prompt_rows}
+            r = 0
+            for _ in batch.seqs:
+                r += pr.get(r, 0)
+                last_rows.append(r)
+                r += 1
+            logits = logits[to_device(last_rows, torch.long, logits.device)]
+        meta = SamplingMetadata(
+            params=[s.params for s in batch.seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in batch.seqs],
+            output_token_ids=[s.output_token_ids for s in batch.seqs],
+            grammars=[s.grammar for s in batch.seqs] if any(s.grammar is not None for s in batch.seqs) else None,
+        )
+        return self.sampler(logits, meta)
+
+    def _finish_step(self, seqs: list[Sequence], out: SamplerOutput, outputs_for, token_index=None) -> list[RequestOutput]:
+        """Read a launched step's tokens (the host sync), append them, finish sequences and
+        build outputs (see :meth:`step`). ``token_index``: per sequence, where this step's
+        token goes in its output list (overlapped decode: placeholders from there on are
+        replaced; sequences finished meanwhile are skipped)."""
+        token_ids = out.token_ids.tolist()
+        lps = out.logprobs.tolist()
+        topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids.numel() else None
+        topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs.numel() else None
+        touched: dict[str, Request] = {}
+        ended: set[str] = set()  # requests with a sequence that finished in this step
+        requests = self.requests
+        for i, seq in enumerate(seqs):
+            if token_index is not None:
+                if seq.is_finished:
+                    continue
+                del seq.output_token_ids[token_index[i]:]
+            seq.num_computed_tokens = len(seq)
+            rid = seq.request_id
+            if self._append_token(seq, token_ids[i], lps[i], topk_ids[i] if topk_ids else None,
+                                  topk_lps[i] if topk_lps else None):
+                ended.add(rid)
+            touched[rid] = requests[rid]
+        outputs = []
+        self.last_step_request_ids = list(touched)
+        if outputs_for is not None and not outputs_for and not ended:
+            return outputs  # offline: nothing finished, nothing asked for
+        for rid, req in touched.items():
+            if rid in ended and req.finished:
+                outputs.append(self._make_output(req))
+                del requests[rid]
+            elif outputs_for is None or rid in outputs_for:
+                outputs.append(self._make_output(req))
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps) -> bool:
+        """Append one sampled token to ``seq`` and apply the stop rules; True when ``seq``
+        finished with it."""
+        p = seq.params
+        seq.output_token_ids.append(tok)
+        seq.cumulative_logprob += lp
+        if seq.sampled_logprobs is not None:
+            seq.sampled_logprobs.append(lp)
+        self.stats_counters["generation_tokens"] += 1
+        if seq.logprobs is not None:
+            d = {tok: lp}
+            if top_ids is not None and p.logprobs:
+                for t, l in zip(top_ids[: p.logprobs], top_lps[: p.logprobs]):
+                    d.setdefault(t, l)
+            seq.logprobs.append(d)
+        n_out = seq.num_output_tokens
+        if seq.grammar is not None and (not seq.grammar.accept(tok) or seq.grammar.is_terminated):
+            # the constraint is complete (its EOS was drawn), or nothing it allows was left to draw
+            seq.finish_reason = "stop"
+        if seq.finish_reason is not None:
+            pass
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            seq.finish_reason = "stop"
+        # a terminating EOS / stop token is text only when asked for (vLLM's rule)
+        if seq.finish_reason is None or p.include_stop_str_in_output:
+            match = seq.detokenizer.add_tokens([tok])
+            if match is not None and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", match.stop_str
+        if seq.finish_reason is None and (n_out >= p.max_tokens or len(seq) >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.detokenizer.finish()
+            self._release(seq)
+            return True
+        return False
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detokenizer.visible_text,
+                    token_ids=list(s.output_token_ids),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    routed_experts=s.routed_experts if s.finish_reason is not None else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprob_ranks=req.extra.get("prompt_logprob_ranks"),
+            outputs=outs,
+            finished=req.finished,
+        )

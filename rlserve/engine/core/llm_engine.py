@@ -1,0 +1,476 @@
+"""The synchronous engine: add_request / step / abort (see docs/INTERFACES.md). The step itself
+is in :mod:`rlserve.engine.core.engine_step`, what is decided at construction in
+:mod:`rlserve.engine.core.engine_setup`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Iterable
+
+import torch
+from transformers import AutoTokenizer
+
+from rlserve.config import EngineConfig
+from rlserve.engine.core.block_manager import BlockManager
+from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.core.engine_setup import eos_token_ids, want_async_scheduling
+from rlserve.engine.core.engine_step import EngineStep
+from rlserve.engine.outputs import RequestOutput
+from rlserve.engine.core.sampler import Sampler
+from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.core.scheduler import Scheduler
+from rlserve.engine.core.sequence import Request, Sequence
+from rlserve.engine.core.structured import PendingGrammars
+from rlserve.errors import InvalidRequestError
+from rlserve.lora.engine_ops import check_request_adapter
+
+logger = logging.getLogger(__name__)
+
+_MAX_DEFAULT_MODEL_LEN = 8192
+_CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
+_arrival = itertools.count()
+# add_request waits this long (seconds) for a constraint's compile, so a cached or quick one,
+# and a bad one's InvalidRequestError, come back at once; a longer compile goes on beside the
+# steps (issue 33: 100,000 choices compiled inside add_request stopped every request ~45 s)
+INLINE_COMPILE_S = 0.05
+
+
+class _NullDetokenizer:
+    """Stands in for :class:`IncrementalDetokenizer` when there is no tokenizer."""
+
+    output_text = visible_text = ""
+
+    def add_tokens(self, token_ids):
+        return None
+
+    def finish(self):
+        return None
+
+    def take_delta(self) -> str:
+        return ""
+
+
+def _sub_seed(seed: int | None, index: int) -> int | None:
+    """Seed of sample ``index`` of a request: sample 0 keeps the request's seed."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class LLMEngine(EngineStep):
+    """Continuous-batching generation engine (one data-parallel replica).
+
+    Args:
+        config: engine configuration.
+        executor: optional object with ``workers``-like behaviour for tensor parallelism
+            (``execute(step) -> logits``, ``collective_rpc(target, *args)``,
+            ``determine_num_blocks()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
+            ``dtype``, ``device``); default: one in-process :class:`Worker`.
+
+    Raises:
+        UnsupportedArchitectureError, InvalidRequestError: bad model or config.
+    """
+
+    def __init__(self, config: EngineConfig, executor=None, dp_index: int = 0):
+        self.config = config
+        if executor is None:
+            if config.tensor_parallel_size > 1:
+                from rlserve.engine.worker.tp_executor import TPExecutor
+
+                executor = TPExecutor(config, dp_index=dp_index)
+            else:
+                from rlserve.engine.worker.worker import Worker
+
+                executor = Worker(config, dp_index=dp_index)
+        self.executor = executor
+        self.hf_config = executor.hf_config
+        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        max_pos = getattr(self.hf_config, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN)
+        if config.max_model_len is None:
+            config.max_model_len = min(max_pos, _MAX_DEFAULT_MODEL_LEN)
+        elif config.max_model_len > max_pos:
+            raise InvalidRequestError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        self.max_model_len = config.max_model_len
+        if config.max_num_batched_tokens is None:
+            if torch.device(executor.device).type == "cuda":
+                # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
+                # runs eagerly: hundreds of kernel launches from Python each)
+                config.max_num_batched_tokens = max(8192, self.max_model_len)
+            else:
+                # CPU: prefill steps of ~1024 tokens keep the linears' activations in cache
+                # (a longer prompt still runs alone). SmolLM2-135M's 30 layers, one thread,
+                # Zen 5 (2026-12-02): 1.03 ms of CPU per token at 1,024 rows, 1.31 at 8,192;
+                # issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
+                # instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)
+                config.max_num_batched_tokens = _CPU_MAX_NUM_BATCHED_TOKENS
+        if config.max_consecutive_prefill_steps is None:
+            # CUDA: prefill and decode steps alternate while requests wait (a burst of 512-token
+            # prompts otherwise decodes in lock-step; BENCHMARKS.md, "Time to first token");
+            # CPU: prefill steps first (one costs many decode steps there: little to stagger)
+            config.max_consecutive_prefill_steps = 1 if torch.device(executor.device).type == "cuda" else 0
+        capture = self._routed_experts_capture(executor) if config.enable_return_routed_experts else None
+        num_blocks = executor.determine_num_blocks()
+        executor.init_kv_cache(num_blocks)
+        if capture is not None:
+            from rlserve.engine.routed_experts import RoutedExpertsRecorder
+
+            self.routed_experts = RoutedExpertsRecorder(capture, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_consecutive_prefill_steps)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
+                               logprobs_mode=config.logprobs_mode)
+        if torch.device(executor.device).type == "cuda":
+            from rlserve.engine.core import fused_sampling
+
+            # compile now, not in the first step; the logits come in the model dtype
+            dtypes = (torch.float32,) + ((executor.dtype,) if executor.dtype.is_floating_point else ())
+            fused_sampling.warm_up(executor.device, self.vocab_size, dtypes)
+        self._overlap = None  # overlapped decode (rlserve.engine.core.overlap)
+        if want_async_scheduling(config, executor):
+            from rlserve.engine.core.overlap import OverlapScheduler
+
+            self._overlap = OverlapScheduler(self)
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammars = PendingGrammars()  # requests whose constraint compiles beside the steps
+        # False: no text here (the engine-core process: the API process detokenizes, matches stop
+        # strings and calls finish_sequences); each sequence then keeps its sampled tokens'
+        # logprobs (Sequence.sampled_logprobs). Set before the first request.
+        self.detokenize = True
+        self.requests: dict[str, Request] = {}
+        self.sleep_mode = None  # rlserve.engine.core.sleep_mode.EngineSleep with enable_sleep_mode
+        if config.enable_sleep_mode:
+            from rlserve.engine.core.sleep_mode import EngineSleep
+
+            self.sleep_mode = EngineSleep(self)
+        self.stats_counters = {
+            "prefill_tokens_computed": 0,
+            "decode_tokens": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+        }
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
+        )
+
+    @staticmethod
+    def _routed_experts_capture(executor):
+        """The rank-0 model's routed-experts capture, switched on (replay; the router is
+        replicated, so rank 0 sees every token's routing).
+
+        Raises:
+            InvalidRequestError: the model has no routed experts.
+        """
+        enable = getattr(executor.model, "enable_routed_experts_capture", None)
+        if enable is None:
+            archs = getattr(executor.hf_config, "architectures", None)
+            raise InvalidRequestError(f"enable_return_routed_experts needs a mixture-of-experts model; {archs} has "
+                                      "no routed experts")
+        return enable()
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.executor.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.executor.dtype
+
+    @property
+    def stats(self) -> dict:
+        """Counters and gauges: running, waiting, KV usage, prefix-cache hits, ..."""
+        return {
+            **self.stats_counters,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.block_manager.usage(),
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "prefix_cache_hit_tokens": self.block_manager.prefix_hit_tokens,
+            "prefix_cache_query_tokens": self.block_manager.prefix_queries,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    # ---- requests ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init): pass token ids")
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of integer token ids")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique id (str).
+            prompt: text or token ids.
+            params: sampling parameters (default ``SamplingParams()``).
+
+        Raises:
+            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt plus
+                ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
+            ModelSleepingError: the engine is asleep (sleep mode).
+        """
+        if self.sleep_mode is not None:
+            self.sleep_mode.check_generate()
+        params = params or SamplingParams()
+        params.validate()
+        check_request_adapter(self, params)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's maximum context length is {self.max_model_len} "
+                "tokens and at least one must be left for the output"
+            )
+        if params.routed_experts_prompt_start > len(ids):
+            raise InvalidRequestError(f"routed_experts_prompt_start must be between 0 and the prompt length "
+                                      f"{len(ids)}, got {params.routed_experts_prompt_start}")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                f"and max_tokens asks for {params.max_tokens} more"
+            )
+        for k in (params.logprobs, params.prompt_logprobs):
+            if k is not None and 0 <= self.config.max_logprobs < k:  # max_logprobs -1: no limit
+                raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        pending = None
+        if params.structured_outputs is not None:
+            pending = self.grammar_compiler().compile_async(params.structured_outputs)
+            try:  # a cached or quick compile, and a bad constraint's error, as before
+                compiled = pending.result(timeout=INLINE_COMPILE_S)
+                pending = None
+            except concurrent.futures.TimeoutError:  # the rest compiles beside the steps
+                compiled = None
+        seqs = []
+        for i in range(params.n):
+            p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=_sub_seed(params.seed, i))
+            seq = Sequence(request_id, i, ids, p, self.config.block_size)
+            if params.structured_outputs is not None and pending is None:
+                seq.grammar = self.grammar_compiler().new_state(params.structured_outputs, compiled)
+            if self.tokenizer is None or not self.detokenize:
+                seq.detokenizer = _NullDetokenizer()
+                if not self.detokenize:
+                    seq.sampled_logprobs = []
+            else:
+                seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
+            seqs.append(seq)
+        req = Request(request_id, text, ids, params, seqs, next(_arrival))
+        self.requests[request_id] = req
+        if pending is not None:
+            self._grammars.add(request_id, pending)
+        else:
+            for s in seqs:
+                self.scheduler.add(s)
+        self.stats_counters["prompt_tokens"] += len(ids)
+
+    def admit_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences of requests whose constraint finished compiling (the step calls
+        this first). When the engine has nothing else to run it waits up to 10 ms for a compile
+        (the driver does not spin). Returns the final "abort" outputs of requests whose
+        constraint failed to compile (the API process compiles it first, so only an offline
+        caller's slow, bad constraint gets here)."""
+        idle = not self.scheduler.has_unfinished() and not (self._overlap is not None and self._overlap.pending)
+        outs = []
+        for rid, future in self._grammars.ready(wait_s=0.01 if idle else 0.0):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            try:
+                compiled = future.result()
+            except Exception as e:  # noqa: BLE001 - this request ends alone
+                logger.error("request %s: its structured_outputs constraint did not compile (%s: %s); aborted",
+                             rid, type(e).__name__, e)
+                outs += self.abort_request(rid)
+                continue
+            for s in req.seqs:
+                if not s.is_finished:
+                    s.grammar = self.grammar_compiler().new_state(req.params.structured_outputs, compiled)
+                    self.scheduler.add(s)
+        return outs
+
+    def grammar_compiler(self):
+        """The structured-output compiler of this engine's tokenizer (built on first use).
+
+        Raises:
+            InvalidRequestError: no tokenizer (skip_tokenizer_init), or xgrammar missing.
+        """
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need a tokenizer (the engine runs with "
+                                          "skip_tokenizer_init)")
+            from rlserve.engine.core.structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests (unknown ids are ignored). Returns their final outputs with
+        finish_reason "abort" (a request that the overlapped step drained here finished
+        anyway: its real final output instead)."""
+        self._drain()
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outs = []
+        pending = self._overlap.pending if self._overlap is not None else None
+        if pending:  # outputs the drain left for these ids: the finished ones are their answer
+            want = set(ids)
+            outs = [o for o in pending if o.request_id in want and o.finished]
+            self._overlap.pending = [o for o in pending if o.request_id not in want]
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self._grammars.discard(rid)
+            for s in req.seqs:
+                if not s.is_finished:
+                    s.finish_reason = "abort"
+                    s.detokenizer.finish()
+                    self._release(s)
+            outs.append(self._make_output(req))
+        return outs
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort_request(list(self.requests))
+
+    def finish_sequences(self, request_id: str, indices: Iterable[int], reason: str = "stop") -> list[RequestOutput]:
+        """Finish samples ``indices`` of a request from outside a step, with ``finish_reason``
+        ``reason`` (the API process matched a stop string in their text). Unknown ids and
+        finished samples are ignored. Returns the request's final output when that finished
+        it (the request is then gone), else ``[]``."""
+        self._drain()
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        wanted = set(indices)
+        for s in req.seqs:
+            if s.index in wanted and not s.is_finished:
+                s.finish_reason = reason
+                self._release(s)
+        if not req.finished:
+            return []
+        del self.requests[request_id]
+        return [self._make_output(req)]
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests still running, or outputs not yet returned (an overlapped step finished
+        by a drain, e.g. inside an abort or an RPC, hands its outputs to the next ``step``)."""
+        return bool(self.requests) or (self._overlap is not None and bool(self._overlap.pending))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their KV would be stale after a weight update)."""
+        self._drain()
+        self.block_manager.reset_prefix_cache()
+
+    # ---- weights ----------------------------------------------------------------------
+    def load_weights(self, weights) -> set[str]:
+        """Load Hugging Face-named full tensors into the model (TP=1 path) and reset the
+        prefix cache. Returns the consumed names."""
+        self._drain()
+        if self.sleep_mode is not None:
+            self.sleep_mode.check_weights_writable()
+        names = self.executor.load_weights(weights)
+        # what every weight-sync path does after writing weights: derived state (fp8 scales,
+        # CPU packed linear weights) follows the new values
+        rpc = getattr(self.executor, "collective_rpc", None) or self.executor.call
+        rpc("rlserve.loader.model_loader:process_worker_weights")
+        self.reset_prefix_cache()
+        if self.sleep_mode is not None:
+            self.sleep_mode.note_weights_loaded()
+        return names
+
+    # ---- sleep mode (rlserve.engine.core.sleep_mode; needs enable_sleep_mode) ---------------
+    def _sleep(self):
+        if self.sleep_mode is None:
+            from rlserve.errors import SleepStateError
+
+            raise SleepStateError("sleep mode is off: build the engine with enable_sleep_mode=True",
+                                  code="sleep_mode_disabled")
+        return self.sleep_mode
+
+    def sleep(self, level: int = 1) -> dict:
+        """Give the GPU memory of the weights and KV cache back (level 1: weights to host
+        memory; level 2: weights discarded). See :meth:`EngineSleep.sleep`."""
+        return self._sleep().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Take the memory of ``tags`` (``"weights"``, ``"kv_cache"``; default both) back. See
+        :meth:`EngineSleep.wake_up`."""
+        return self._sleep().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
+
+    def checkpoint_spec(self) -> dict[str, tuple[int, ...]]:
+        return self.model.checkpoint_spec()
+
+    def required_checkpoint_names(self) -> set[str]:
+        return self.model.required_checkpoint_names()
+
+    def tied_checkpoint_names(self) -> dict[str, str]:
+        return self.model.tied_checkpoint_names()
+
+    def collective_rpc(self, target: str, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Run ``function(worker, *args, **kwargs)`` on every TP worker (see INTERFACES)."""
+        self._drain()
+        if hasattr(self.executor, "collective_rpc"):
+            return self.executor.collective_rpc(target, *args, timeout_s=timeout_s, **kwargs)
+        return [self.executor.call(target, *args, **kwargs)]
+
+    def generate_blocking(self, prompts: list, params: list[SamplingParams], progress: bool = False) -> list[RequestOutput]:
+        """Run ``prompts`` to completion (the offline path). Returns outputs in input order."""
+        from tqdm.auto import tqdm
+
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = f"offline-{next(_arrival)}-{i}"
+                self.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            self.abort_request(ids)  # all or nothing
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
+        t0 = time.perf_counter()
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for o in self.step(outputs_for=()):
+                if o.finished and o.request_id in wanted:
+                    final[o.request_id] = o
+                    bar.update(1)
+        bar.close()
+        logger.debug("generated %d requests in %.2fs", len(ids), time.perf_counter() - t0)
+        return [final[r] for r in ids]

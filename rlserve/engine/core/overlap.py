@@ -1,0 +1,161 @@
+"""Overlapped decode: schedule and launch step N+1 before reading step N's tokens.
+
+In the plain loop the GPU waits while the host reads a step's tokens, appends them, checks
+stop conditions, schedules and builds the next step (2-3 ms per step at batch 256 on an
+H200 host, ``benchmarks/sampler_step.py``). Here, in steady decode, :meth:`OverlapScheduler.step`
+launches step N+1 first and processes step N while N+1 runs:
+
+1. every sequence of step N gets a placeholder token, so lengths, block slots, positions and
+   seeded-draw indices of step N+1 are right; sequences that reach ``max_tokens`` or
+   ``max_model_len`` with step N's token leave the running list (their next step is known to
+   be unneeded);
+2. the scheduler picks step N+1; its input ids are gathered on the device from step N's
+   sampled tokens (``StepInput.input_ids_from``), its forward and sampler are launched;
+3. step N's tokens are read (the only host sync: they were copied to pinned host memory right
+   after step N's sampler, and only that copy is waited for), replace the placeholders and go through
+   the usual bookkeeping; a sequence that stops here (EOS, stop token or string) has one
+   wasted row in step N+1, whose result is dropped.
+
+Prefill steps overlap the same way: while prompts wait, the next step is a prefill of other
+sequences, whose inputs are all on the host, so it is launched before the step in flight is
+read (the prefill phase of a large batch is otherwise one host sync per step).
+
+Block frees while a step is in flight are safe: every later write to a freed block comes from
+a step launched later on the same stream. A decode step is launched early only when every
+sequence in it was in the step in flight, every sequence's sampling ignores its output's
+*values* (no repetition / frequency / presence penalty, no structured output) and the
+executor takes device-side input ids (in-process workers); a prefill step whenever it is the
+next step. Otherwise the step runs as before, after the step in flight was read. On by default
+for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
+:func:`rlserve.engine.core.engine_setup.want_async_scheduling` says how it is decided; off with
+``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
+from outside a step (abort, weight loads, RPCs, prefix-cache reset) first calls
+:meth:`OverlapScheduler.drain`, whose outputs the next ``step()`` returns (until then
+``has_unfinished_requests()`` stays true, so a driver keeps stepping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.engine.core.scheduler import ScheduledBatch
+
+PLACEHOLDER = -1  # a sampled token not yet read back; never reaches an output
+
+
+@dataclass
+class _InFlight:
+    seqs: list
+    out: object  # SamplerOutput (device tensors: the next step gathers its input ids here)
+    host: object  # the same in pinned host memory, valid once ``done`` has completed
+    done: object  # CUDA event after the device-to-host copies (None on CPU)
+    token_index: list[int]  # per sequence: where this step's token goes in its output list
+    row: dict  # sequence -> row (sequences hash by identity)
+    is_prefill: bool = False
+
+    def wait(self):
+        """The step's results on the host (waits for this step's copies only: a ``tolist()``
+        of the device tensors would wait for every later launch on the stream too)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+def _copy_to_host(out):
+    """Queue pinned device-to-host copies of a SamplerOutput; ``(host copy, event)``."""
+    if out.token_ids.device.type != "cuda":
+        return out, None
+    host = type(out)(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                       if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+                       for t in (out.token_ids, out.logprobs, out.topk_token_ids, out.topk_logprobs)))
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def overlappable(seqs) -> bool:
+    """Whether a decode batch's sampling is independent of its output token values."""
+    for s in seqs:
+        p = s.params
+        if s.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+                or p.presence_penalty != 0.0:
+            return False
+    return True
+
+
+class OverlapScheduler:
+    """The overlapped ``step`` of an :class:`~rlserve.engine.core.llm_engine.LLMEngine` (see the
+    module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.inflight: _InFlight | None = None
+        self.pending: list = []
+
+    def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
+        ids_from = None
+        if prev is not None:
+            ids_from = (prev.out.token_ids, [prev.row[s] for s in batch.seqs])
+        index = [len(s.output_token_ids) for s in batch.seqs]
+        out = self.engine._launch(batch, ids_from)
+        host, done = _copy_to_host(out)
+        return _InFlight(list(batch.seqs), out, host, done, index, {s: i for i, s in enumerate(batch.seqs)},
+                         batch.is_prefill)
+
+    @staticmethod
+    def _launchable(follow, cur: _InFlight) -> bool:
+        """Whether ``follow`` can run before ``cur``'s tokens are read: a prefill (its inputs
+        are on the host), or a decode of ``cur``'s own sequences whose sampling ignores output
+        values (their ids come from ``cur``'s device tensor)."""
+        if follow.is_prefill:
+            return True
+        row = cur.row
+        return overlappable(follow.seqs) and all(s in row for s in follow.seqs)
+
+    def _schedule_next(self, cur: _InFlight):
+        """Placeholders for ``cur``'s tokens, then the scheduler's next batch."""
+        eng = self.engine
+        done = set()
+        for s in cur.seqs:
+            if s.is_finished:
+                continue
+            s.output_token_ids.append(PLACEHOLDER)
+            if s.num_output_tokens >= s.params.max_tokens or len(s) >= eng.max_model_len:
+                done.add(id(s))
+        if done:
+            eng.scheduler.running = [s for s in eng.scheduler.running if id(s) not in done]
+        return eng.scheduler.schedule()
+
+    def step(self, outputs_for) -> list:
+        eng = self.engine
+        outs, self.pending = self.pending, []
+        cur, self.inflight = self.inflight, None
+        if cur is None:
+            batch = eng.scheduler.schedule()
+            if batch is None:
+                return outs
+            if not batch.is_prefill and not overlappable(batch.seqs):
+                return outs + eng._finish_step(batch.seqs, eng._launch(batch), outputs_for)
+            cur = self._launch(batch, None)
+        follow = None
+        # prompts waiting: the next step is most likely their prefill, launchable at once
+        if eng.scheduler.waiting or overlappable(cur.seqs):
+            follow = self._schedule_next(cur)
+            if follow is not None and self._launchable(follow, cur):
+                self.inflight = self._launch(follow, None if follow.is_prefill else cur)
+                follow = None
+        outs += eng._finish_step(cur.seqs, cur.wait(), outputs_for, cur.token_index)
+        if follow is not None:  # scheduled on placeholders but not launchable early: its ids are real now
+            live = [s for s in follow.seqs if not s.is_finished]  # some may have stopped at cur's tokens
+            if live:
+                batch = ScheduledBatch(live, is_prefill=follow.is_prefill)
+                outs += eng._finish_step(live, eng._launch(batch), outputs_for)
+        return outs
+
+    def drain(self) -> None:
+        """Finish the step in flight, if any (its outputs go to the next ``step()``)."""
+        cur, self.inflight = self.inflight, None
+        if cur is not None:
+            self.pending += self.engine._finish_step(cur.seqs, cur.wait(), None, cur.token_index)

@@ -1,0 +1,482 @@
+"""Token sampling: logits processing, seeded/unseeded draws, logprobs, prompt logprobs.
+
+The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` of v0 and
+``vllm/v1/sample/sampler.py``), applied row-wise to a ``[B, V]`` float32 logits tensor:
+
+1. **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
+   and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``).
+2. **repetition penalty** — CTRL rule (Keskar et al. 2019, as in HF
+   ``RepetitionPenaltyLogitsProcessor`` and vLLM ``apply_penalties``): for every token that
+   appears in prompt *or* output, ``l = l / p if l > 0 else l * p``.
+3. **frequency / presence penalties** — OpenAI's definition over *output* tokens only:
+   ``l -= frequency_penalty * count(token) + presence_penalty * (count(token) > 0)``.
+4. **temperature** — ``l /= T`` (greedy rows, ``T < 1e-5``, take the argmax of the
+   logits after step 3 instead).
+5. **top-k** — keep the k largest (``k = 0`` or ``k >= V`` disables); exactly k survive
+   when combined with top-p (sort path), ties with the k-th value survive when alone
+   (``torch.topk`` path).
+6. **top-p** — nucleus over the top-k-truncated distribution: a token survives if the
+   probability mass of the tokens strictly more likely than it is ``< top_p``; the most
+   likely token always survives (vLLM ``apply_top_k_top_p``).
+7. **min-p** — drop tokens with ``prob < min_p * max_prob`` (computed after 4-6, as vLLM v0).
+8. **draw** — exponential race (equivalent to Gumbel-max / multinomial):
+   ``token = argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. per vocabulary entry. Rows with a
+   ``seed`` draw ``q`` from their own ``torch.Generator`` seeded with
+   :func:`~rlserve.engine.sampling_params.derive_seed` ``(seed, len(output_token_ids))``, so
+   the token depends only on the row's own logits, seed and position — not on the batch, the
+   row's place in it, or on whether the sequence was preempted and recomputed. Unseeded rows
+   share the sampler's generator.
+
+0. **structured outputs** (before everything, as vLLM applies its grammar bitmask to the
+   logits it hands the sampler) -- rows with a constraint get ``-inf`` at every token it
+   does not allow next (:func:`rlserve.engine.core.structured.apply_grammar_masks`).
+
+What ``logprobs`` (the sampled token's and the top-k) hold is the server's ``logprobs_mode``
+(vLLM's ``--logprobs-mode``, same names and meaning as ``vllm/v1/sample/sampler.py``):
+
+* ``raw_logprobs`` (default): ``log_softmax`` of the logits the model produced (after step 0).
+* ``raw_logits``: those logits themselves.
+* ``processed_logprobs``: ``log_softmax`` of the logits after steps 1-7 -- penalties,
+  temperature, top-k, top-p, min-p (removed tokens are ``-inf``): the distribution the token
+  was actually drawn from, which is what an importance ratio (GRPO's) needs. Greedy rows:
+  after the penalties only (temperature 1), as vLLM.
+* ``processed_logits``: the logits after steps 1-7.
+
+All float32. Prompt logprobs skip the sampling steps (vLLM's rule): ``log_softmax`` of the
+model's logits, or the logits themselves in the two ``*_logits`` modes.
+
+On CUDA, batches whose rows need only temperature (or greedy), with no structured output,
+no top logprobs and ``raw_logprobs`` mode go through :mod:`rlserve.engine.core.fused_sampling`
+instead: the same distribution in one pass over the logits (Gumbel-max with Philox noise
+rather than the exponential race's torch generator).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.engine.core import fused_sampling
+from rlserve.h2d import to_device
+from rlserve.engine.sampling_params import SamplingParams, derive_seed
+
+#: vLLM's ``--logprobs-mode`` values (``vllm.config.model.LogprobsMode``)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row inputs of one sampling call; one entry per sequence, in batch order.
+
+    Attributes:
+        params: the sequence's :class:`SamplingParams`.
+        prompt_token_ids: the prompt's token ids (used by the repetition penalty).
+        output_token_ids: tokens generated so far, *before* this step (penalties,
+            ``min_tokens``, and the seeded-draw index ``len(output_token_ids)``).
+        grammars: per row, the structured-output state
+            (:class:`~rlserve.engine.core.structured.GrammarState`) or None; None: no row has one.
+    """
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    grammars: list | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling call; tensors live on the logits' device.
+
+    Attributes:
+        token_ids: ``LongTensor [B]`` sampled token per row.
+        logprobs: ``FloatTensor [B]`` float32 score of the sampled token in the sampler's
+            ``logprobs_mode`` (default: logprob under the raw model distribution).
+        topk_token_ids: ``LongTensor [B, K]``, ``K = max(params.logprobs or 0)`` over the
+            batch (0 columns when no row asked). Rows that asked for fewer should use only
+            their first ``params.logprobs`` columns.
+        topk_logprobs: ``FloatTensor [B, K]`` scores of those tokens (same mode), descending.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    topk_token_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+
+
+# --------------------------------------------------------------------------- processors
+
+
+def _row_token_index(rows: list[list[int]], row_ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``rows[i]`` for ``i in row_ids`` into (row index, token id) LongTensors."""
+    r: list[int] = []
+    t: list[int] = []
+    for i in row_ids:
+        toks = rows[i]
+        r.extend([i] * len(toks))
+        t.extend(toks)
+    return (
+        to_device(r, torch.long, device),
+        to_device(t, torch.long, device),
+    )
+
+
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, eos_token_ids: set[int]) -> torch.Tensor:
+    """In place: ``-inf`` for EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` in rows
+    whose output is still shorter than ``min_tokens``. ``logits``: ``[B, V]`` float32."""
+    V = logits.shape[1]
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, p in enumerate(meta.params):
+        if p.min_tokens and len(meta.output_token_ids[i]) < p.min_tokens:
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids |= eos_token_ids
+            for t in stop_ids:
+                if 0 <= t < V:
+                    rows.append(i)
+                    toks.append(t)
+    if rows:
+        r = to_device(rows, torch.long, logits.device)
+        t = to_device(toks, torch.long, logits.device)
+        logits[r, t] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: repetition (CTRL), then frequency and presence (OpenAI) penalties.
+
+    ``logits``: ``[B, V]`` float32. Repetition: tokens seen in prompt or output get
+    ``l / p`` where ``l > 0`` and ``l * p`` otherwise. Frequency/presence over output tokens:
+    ``l -= f * count + pr * (count > 0)``. Rows with default values are untouched.
+    """
+    B, V = logits.shape
+    device = logits.device
+    rep_rows = [i for i, p in enumerate(meta.params) if p.repetition_penalty != 1.0]
+    fp_rows = [
+        i for i, p in enumerate(meta.params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rep_rows and not fp_rows:
+        return logits
+    out_rows = sorted(set(rep_rows) | set(fp_rows))
+    counts = None
+    if out_rows:
+        r, t = _row_token_index(meta.output_token_ids, out_rows, device)
+        keep = t < V
+        r, t = r[keep], t[keep]
+        counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+        counts.index_put_((r, t), torch.ones_like(t, dtype=torch.float32), accumulate=True)
+    if rep_rows:
+        seen = counts > 0
+        r, t = _row_token_index(meta.prompt_token_ids, rep_rows, device)
+        keep = t < V
+        seen[r[keep], t[keep]] = True
+        pen = to_device([[p.repetition_penalty] for p in meta.params], torch.float32, device)
+        pen_full = torch.where(seen, pen, torch.ones((), dtype=torch.float32, device=device))
+        logits.copy_(torch.where(logits > 0, logits / pen_full, logits * pen_full))
+    if fp_rows:
+        freq = to_device([[p.frequency_penalty] for p in meta.params], torch.float32, device)
+        pres = to_device([[p.presence_penalty] for p in meta.params], torch.float32, device)
+        logits.sub_(freq * counts + pres * (counts > 0).float())
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k, then outside its nucleus (top-p).
+
+    Args:
+        logits: ``[B, V]`` float32 (temperature already applied).
+        k: ``LongTensor [B]`` in ``[1, V]`` (``V`` = disabled) or None.
+        p: ``FloatTensor [B]`` in ``(0, 1]`` (1 = disabled) or None.
+    Returns:
+        a new ``[B, V]`` tensor with ``-inf`` at removed entries. Follows vLLM's
+        ``apply_top_k_top_p`` (ascending sort; top-p over the top-k-truncated softmax; the
+        most likely token is always kept); top-k keeps exactly k entries (ties broken by
+        the sort order).
+    """
+    if k is None and p is None:
+        return logits
+    V = logits.shape[1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        pos = torch.arange(V, device=logits.device).unsqueeze(0)
+        logits_sort.masked_fill_(pos < (V - k).unsqueeze(1), float("-inf"))
+    if p is not None:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = probs_sum <= (1 - p).unsqueeze(1)
+        mask[:, -1] = False
+        logits_sort.masked_fill_(mask, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
+
+
+def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """In place top-k without a full sort: ``torch.topk(max_k)`` gives each row's k-th
+    largest value; entries below it get ``-inf`` (entries tied with it are kept).
+
+    ``logits``: ``[B, V]`` float32; ``k``: ``LongTensor [B]`` in ``[1, V]`` (``V`` =
+    unrestricted row); ``max_k``: the largest ``k < V``, known on the host (no device sync).
+    """
+    V = logits.shape[1]
+    top = logits.topk(max_k, dim=-1, sorted=True).values
+    thresh = top.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+    thresh = torch.where((k >= V).unsqueeze(1), torch.full_like(thresh, float("-inf")), thresh)
+    logits.masked_fill_(logits < thresh, float("-inf"))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place: ``-inf`` where ``softmax(logits) < min_p * max(softmax(logits))``.
+
+    ``logits``: ``[B, V]`` float32; ``min_p``: ``FloatTensor [B]`` (0 = disabled).
+    """
+    probs = logits.softmax(dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < min_p.unsqueeze(1) * top, float("-inf"))
+    return logits
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Turns ``[B, V]`` logits into one token per row (see the module docstring).
+
+    Args:
+        eos_token_ids: ids that end a sequence (masked by ``min_tokens``).
+        vocab_size: number of real token ids; logits columns beyond it (padded
+            embeddings) are dropped before anything else.
+        generator_seed: seed of the generator shared by unseeded rows.
+        logprobs_mode: what logprobs hold, one of :data:`LOGPROBS_MODES` (module docstring).
+
+    Raises:
+        ValueError: an unknown ``logprobs_mode``.
+    """
+
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, generator_seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.eos_token_ids = set(int(t) for t in (eos_token_ids or ()))
+        self.vocab_size = int(vocab_size)
+        self.generator_seed = int(generator_seed)
+        self.logprobs_mode = logprobs_mode
+        self._generators: dict[str, torch.Generator] = {}
+        self._fused_rng = random.Random(self.generator_seed)  # keys of the one-pass path's unseeded rows
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        g = self._generators.get(key)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.generator_seed)
+            self._generators[key] = g
+        return g
+
+    def _trim(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits
+
+    def process_logits(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Apply steps 1-7 of the module docstring.
+
+        Args:
+            logits: ``[B, V]`` raw logits (not modified).
+        Returns:
+            ``(processed, greedy_tokens)``: processed float32 ``[B, V]`` logits (after
+            temperature / top-k / top-p / min-p; greedy rows are left at temperature 1), and
+            ``LongTensor [B]`` argmax after the penalties (valid for greedy rows) or None
+            when no row is greedy.
+        """
+        params = meta.params
+        B = len(params)
+        if logits.shape[0] != B:
+            raise ValueError(f"logits have {logits.shape[0]} rows but metadata has {B}")
+        x = self._trim(logits).clone()
+        V = x.shape[1]
+        device = x.device
+        apply_min_tokens(x, meta, self.eos_token_ids)
+        apply_penalties(x, meta)
+        greedy = [p.greedy for p in params]
+        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+        if all(greedy):
+            return x, greedy_tokens
+        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
+        if any(t != 1.0 for t in temps):
+            x.div_(to_device(temps, torch.float32, device).unsqueeze(1))
+        ks = [p.top_k if (not g and 0 < p.top_k < V) else V for g, p in zip(greedy, params)]
+        ps = [p.top_p if not g else 1.0 for g, p in zip(greedy, params)]
+        k_t = to_device(ks, torch.long, device) if any(k < V for k in ks) else None
+        p_t = to_device(ps, torch.float32, device) if any(q < 1.0 for q in ps) else None
+        if k_t is not None and p_t is None:
+            x = apply_top_k_only(x, k_t, max(k for k in ks if k < V))
+        else:
+            x = apply_top_k_top_p(x, k_t, p_t)
+        mps = [p.min_p if not g else 0.0 for g, p in zip(greedy, params)]
+        if any(m > 0 for m in mps):
+            apply_min_p(x, to_device(mps, torch.float32, device))
+        return x, greedy_tokens
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[B, V]`` float logits on any device (not modified; other dtypes than
+                float32 -- the engine hands over the model dtype -- are widened as they are read).
+            meta: per-row params and token histories.
+        Returns:
+            :class:`SamplerOutput` on the logits' device (no host sync here).
+        """
+        params = meta.params
+        if (self.logprobs_mode == "raw_logprobs" and not (meta.grammars and any(g is not None for g in meta.grammars))
+                and fused_sampling.eligible(logits, params, meta.output_token_ids, self.vocab_size)):
+            # temperature / greedy only: one pass over the logits on the GPU
+            tok, lp = fused_sampling.sample(logits, params, meta.output_token_ids, self.vocab_size, self._fused_rng)
+            return SamplerOutput(tok, lp, torch.empty(len(params), 0, dtype=torch.long, device=tok.device),
+                                 lp.new_empty(len(params), 0))
+        raw = self._trim(logits)
+        B, V = raw.shape
+        device = raw.device
+        if meta.grammars is not None and any(g is not None for g in meta.grammars):
+            from rlserve.engine.core.structured import apply_grammar_masks
+
+            raw = apply_grammar_masks(raw.clone(), meta.grammars)
+        mode = self.logprobs_mode
+        scores = raw if mode == "raw_logits" else torch.log_softmax(raw, dim=-1) if mode == "raw_logprobs" else None
+
+        processed, greedy_tokens = self.process_logits(raw, meta)
+        if mode == "processed_logits":
+            scores = processed
+        elif mode == "processed_logprobs":
+            scores = torch.log_softmax(processed, dim=-1)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = greedy_tokens
+        else:
+            probs = processed.softmax(dim=-1)
+            unseeded = [i for i, p in enumerate(params) if p.seed is None]
+            if len(unseeded) == B:
+                q = torch.empty_like(probs).exponential_(generator=self._generator(device))
+            else:
+                q = torch.ones_like(probs)  # greedy rows keep 1 (their draw is replaced below)
+                if unseeded:
+                    idx = to_device(unseeded, torch.long, device)
+                    qu = torch.empty(len(unseeded), V, dtype=probs.dtype, device=device)
+                    qu.exponential_(generator=self._generator(device))
+                    q[idx] = qu
+                for i, p in enumerate(params):
+                    if p.seed is not None and not greedy[i]:
+                        g = torch.Generator(device=device)
+                        g.manual_seed(derive_seed(p.seed, len(meta.output_token_ids[i])))
+                        q[i].exponential_(generator=g)
+            # Exp(1) can round to 0; keep 0/0 out of the argmax.
+            q.clamp_min_(torch.finfo(q.dtype).tiny)
+            token_ids = probs.div_(q).argmax(dim=-1)
+            if greedy_tokens is not None:
+                gmask = to_device(greedy, torch.bool, device)
+                token_ids = torch.where(gmask, greedy_tokens, token_ids)
+
+        sampled_logprobs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        K = max((p.logprobs or 0) for p in params) if params else 0
+        K = min(K, V)
+        if K > 0:
+            topk_logprobs, topk_ids = scores.topk(K, dim=-1, sorted=True)
+        else:
+            topk_logprobs = scores.new_empty(B, 0)
+            topk_ids = torch.empty(B, 0, dtype=torch.long, device=device)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=sampled_logprobs,
+            topk_token_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+        )
+
+
+# --------------------------------------------------------------------------- prompt logprobs
+
+
+def _scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """Prompt scores: the logits themselves in the ``*_logits`` modes, else ``log_softmax``
+    (prompt tokens skip the sampling steps, so raw and processed are the same: vLLM's rule)."""
+    return logits.float() if mode.endswith("_logits") else torch.log_softmax(logits.float(), dim=-1)
+
+
+def ranked_logprob_dicts(
+    logits: torch.Tensor, target_ids: list[int], num_top: int, mode: str = "raw_logprobs"
+) -> tuple[list[dict[int, float]], list[int]]:
+    """Per-position ``{target token: score, top-k tokens: scores}`` and the target's rank.
+
+    Args:
+        logits: ``[N, V]`` logits; row ``i`` predicts ``target_ids[i]``.
+        target_ids: ``N`` token ids.
+        num_top: number of top alternatives (0 = only the target).
+        mode: a ``logprobs_mode`` (:data:`LOGPROBS_MODES`): scores are logprobs or logits.
+    Returns:
+        ``(dicts, ranks)``: ``N`` dicts, the target first, then the top-k in descending order
+        (a target that is also in the top-k appears once); ``ranks[i]`` is the target's
+        1-based rank in its row, ``#{tokens scoring >= it}`` (vLLM's
+        ``batched_count_greater_than``). The top-k entries' ranks are their positions
+        ``1..k``. One host transfer in total.
+    """
+    N = len(target_ids)
+    if N == 0:
+        return [], []
+    if logits.shape[0] != N:
+        raise ValueError(f"logits have {logits.shape[0]} rows, expected {N}")
+    lp = _scores(logits, mode)
+    tgt = torch.tensor(target_ids, dtype=torch.long, device=lp.device)
+    tgt_col = lp.gather(1, tgt.unsqueeze(1))
+    ranks = (lp >= tgt_col).sum(dim=-1).tolist()
+    tgt_lp = tgt_col.squeeze(1).tolist()
+    k = min(int(num_top or 0), lp.shape[1])
+    if k > 0:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[dict[int, float]] = []
+    for i, t in enumerate(target_ids):
+        d = {int(t): tgt_lp[i]}
+        if k > 0:
+            for tid, v in zip(top_ids[i], top_lp[i]):
+                d.setdefault(tid, v)
+        out.append(d)
+    return out, [int(r) for r in ranks]
+
+
+def logprob_dicts(
+    logits: torch.Tensor, target_ids: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """:func:`ranked_logprob_dicts` without the ranks (raw logprobs)."""
+    return ranked_logprob_dicts(logits, target_ids, num_top)[0]
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, prompt_token_ids: list[int], num_top: int, mode: str = "raw_logprobs",
+    with_ranks: bool = False,
+):
+    """vLLM-format prompt logprobs.
+
+    Args:
+        logits: ``[P-1, V]`` float32 logits at prompt positions ``0..P-2`` (row ``i``
+            predicts prompt token ``i+1``).
+        prompt_token_ids: the ``P`` prompt ids.
+        num_top: top alternatives per position (``SamplingParams.prompt_logprobs``).
+        mode: the server's ``logprobs_mode`` (logits in the ``*_logits`` modes, else logprobs).
+        with_ranks: also return the prompt tokens' ranks.
+    Returns:
+        ``P`` entries: ``None`` for the first token, then per token a dict holding the
+        actual token's score and the ``num_top`` best tokens' scores; with ``with_ranks``,
+        ``(entries, ranks)`` where ``ranks`` is ``[None, rank of token 1, ...]``.
+    """
+    if not prompt_token_ids:
+        return ([], []) if with_ranks else []
+    dicts, ranks = ranked_logprob_dicts(logits, list(prompt_token_ids[1:]), num_top, mode)
+    if with_ranks:
+        return [None, *dicts], [None, *ranks]
+    return [None, *dicts]

@@ -1,0 +1,167 @@
+"""Continuous batching: which sequences run in the next forward step.
+
+Policy: a step is either a *prefill* step (waiting sequences, FIFO, as many as fit in
+``max_num_seqs``, ``max_num_batched_tokens`` and the free KV blocks) or a *decode* step over
+every running sequence. A prefill step goes first when something can start, except that at
+most ``max_consecutive_prefill_steps`` prefill steps run in a row while sequences are
+running: then a decode step comes (1, the engine's default on CUDA: prefill and decode
+steps alternate while requests wait; 0, its default on CPU: no bound; ``EngineConfig``). When a decode step lacks a KV block, the most recently started sequence is
+preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
+prefilled again over its prompt plus the tokens it already generated.
+
+Why the bound (the tenth session's ``vllm bench serve`` on one H200, BENCHMARKS.md): with
+prefill steps first without bound (nano-vllm's and vLLM v0's policy) a burst of 256
+512-token prompts took 16 prefill steps (8192 tokens each) before any of them decoded, so all
+256 decoded in lock-step and finished in the same step; a closed-loop client then sent the
+next 256 at once, and every wave's requests waited for the whole wave's HTTP intake and
+prefill: mean TTFT 986 ms against vLLM's 618. vLLM never starves running requests (its
+scheduler puts every running request's decode token in each step and fills the rest of
+``max_num_batched_tokens`` with prefill chunks), so its requests finish staggered and arrive
+staggered. rlserve keeps prefill and decode steps apart (decode steps replay CUDA graphs);
+alternating them gives the same staggering: a burst's groups start decoding one decode step
+apart, finish one step apart, and their successors arrive spread out. Measured on one H200
+(``benchmarks/serve_load.py``, 256 streaming clients, 512-token prompts, 256 tokens out,
+SmolLM2-135M shape): mean TTFT 923 -> 700 ms, output 18,154 -> 19,882 tok/s; a burst of 256
+requests of random lengths 30,078 -> 30,830 tok/s (BENCHMARKS.md, "Time to first token").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rlserve.engine.core.block_manager import BlockManager
+from rlserve.engine.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work.
+
+    Attributes:
+        seqs: sequences in batch order.
+        is_prefill: prefill step (each sequence computes ``len(seq) - num_cached_tokens``
+            tokens) or decode step (one token each).
+    """
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        if not self.is_prefill:
+            return len(self.seqs)
+        return sum(len(s) - s.num_cached_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """Args:
+    block_manager: the KV block allocator.
+    max_num_seqs: sequences per step at most.
+    max_num_batched_tokens: tokens per prefill step at most (a single prompt longer than
+        this still runs alone).
+    max_consecutive_prefill_steps: prefill steps in a row at most while sequences are running
+        (then a decode step); 0: no bound (prefill steps first whenever something can start).
+
+Raises:
+    ValueError: ``max_consecutive_prefill_steps`` below 0.
+"""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_consecutive_prefill_steps: int = 1):
+        if max_consecutive_prefill_steps < 0:
+            raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
+                             f"got {max_consecutive_prefill_steps}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_consecutive_prefill_steps = max_consecutive_prefill_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefill_steps_in_a_row = 0  # prefill steps since the last decode step
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's batch; None when there is nothing to run.
+
+        Raises:
+            RuntimeError: if a single sequence cannot fit in the whole KV cache.
+        """
+        prefill: list[Sequence] = []
+        tokens = 0
+        limit = self.max_consecutive_prefill_steps
+        decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
+        while not decode_due and self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = len(seq)
+            if prefill and tokens + need > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                if not self.running and not prefill and seq.num_blocks_needed > self.block_manager.num_blocks:
+                    raise RuntimeError(
+                        f"sequence of {len(seq)} tokens needs {seq.num_blocks_needed} KV blocks; the cache has "
+                        f"{self.block_manager.num_blocks}"
+                    )
+                break
+            self.waiting.popleft()
+            allow_hit = not (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0)
+            self.block_manager.allocate(seq, allow_prefix_hit=allow_hit)
+            seq.status = SequenceStatus.RUNNING
+            tokens += len(seq) - seq.num_cached_tokens
+            prefill.append(seq)
+        if prefill:
+            self.running.extend(prefill)
+            self.prefill_steps_in_a_row += 1
+            return ScheduledBatch(prefill, is_prefill=True)
+        self.prefill_steps_in_a_row = 0
+
+        decode: list[Sequence] = []
+        queue = self.running
+        bm = self.block_manager
+        i, end = 0, len(queue)  # queue[i:end] still to place; preempted ones are cut off the end
+        while i < end:
+            seq = queue[i]
+            i += 1
+            while not bm.reserve_decode_slot(seq):
+                if end > i:
+                    end -= 1
+                    self._preempt(queue[end])
+                else:
+                    self._preempt(seq)
+                    seq = None
+                    break
+            if seq is None:
+                break
+            decode.append(seq)
+        self.running = decode
+        if not decode:
+            return None
+        return ScheduledBatch(list(decode), is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark ``seq`` finished and release its blocks (running or waiting)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.block_manager.register_full_blocks(seq)
+            self.block_manager.free(seq)
+            if seq in self.running:
+                self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,1 @@
+"""CPU-engine tuning: torch threads, micro-batches over cores, glibc malloc thresholds."""

@@ -1,0 +1,467 @@
+"""An engine replica in its own engine-core process (the default): :class:`CoreProcReplica`.
+
+The API process binds two ZMQ sockets per replica on local ``ipc://`` paths -- input (``PUSH``,
+API → core) and output (``PULL``, core → API) -- and starts ``python -m
+rlserve.engine.core.core_proc`` in a session of its own (a Ctrl-C to the server's process group
+reaches only the API process, which stops its cores; killing the core's group also takes its
+TP workers). The engine's step loop, scheduler, KV cache and model runner live there, off this
+process's GIL. Messages: :mod:`rlserve.engine.core_protocol`.
+
+A reader thread here receives each step's token deltas as one message, decodes it, turns the
+deltas into cumulative outputs with text (:class:`~rlserve.engine.front.output_processor.OutputProcessor`:
+detokenization and stop strings run here, not in the engine's step) and hands them to their
+requests' event loops (one ``call_soon_threadsafe`` per loop and step); samples that a stop
+string ended here are stopped in the core with one message per request. It
+also watches the process itself (a Linux pidfd, else a 100 ms poll): the moment the core dies,
+its requests in flight end with :class:`~rlserve.errors.EngineDeadError` (HTTP 503), its
+pending calls fail the same way, and the replica reads as not alive (``/health`` 503).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import msgspec
+import zmq
+
+from rlserve.engine import core_protocol as proto
+from rlserve.engine.front.output_processor import OutputProcessor
+from rlserve.engine.front.replica import EngineView, Replica, failed_future
+from rlserve.errors import EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+#: a core that has neither exited nor said it is exiting (``CoreExiting``) this long after
+#: Shutdown was sent is killed, with its TP workers (seconds). Nothing is lost by it: its requests
+#: have ended by then (503), and the kernel frees its memory (GPU memory included) either way. A
+#: core mid-step sees Shutdown only after the step: on a loaded 2-core CPU a 6000-token SmolLM2
+#: prefill in flight kept it 1.3-1.6 s after a Ctrl-C, and waiting it out put the server's stop at
+#: 1.7-1.9 s (BENCHMARKS.md, "Stop of rlserve serve with engine-core processes"). An idle core
+#: leaves its loop in milliseconds; its process then takes as long as the kernel needs to free
+#: its memory (0.2-0.3 s for SmolLM2 fp32 at load), which a kill would not shorten: a core that
+#: said it is exiting is waited for (up to ``join``'s timeout), not killed.
+_KILL_AFTER_S = 0.25
+
+
+class _Spawner:
+    """Starts the engine-core processes from one daemon thread that lives as long as this
+    process. A core asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG`` in
+    :func:`rlserve.engine.core.core_proc.die_with_parent`), and Linux counts the *thread* that forked
+    it as that parent: a core started from a thread that then ended (an ``AsyncEngine`` built in
+    a worker thread) was SIGKILLed at once. Started from here, it dies with the process only."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue = None
+        self._pid = None  # the process the thread runs in (a forked child needs its own)
+
+    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
+        """``subprocess.Popen(cmd, **kw)`` on the spawner thread; raises what it raises."""
+        import queue
+
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self._queue,), name="rlserve-core-spawner",
+                                 daemon=True).start()
+            q = self._queue
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        q.put((fut, cmd, kw))
+        return fut.result()
+
+    @staticmethod
+    def _run(q) -> None:
+        while True:
+            fut, cmd, kw = q.get()
+            try:
+                fut.set_result(subprocess.Popen(cmd, **kw))
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(e)
+
+
+_SPAWNER = _Spawner()
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is None:
+        return "is gone"
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+SOCKET_DIR_PREFIX = "rlserve-core-"
+
+
+def socket_dir(root: str | None = None) -> str:
+    """A new directory for one core's two ZMQ ``ipc://`` sockets, ``<tmp>/rlserve-core-<pid>-XXXX``
+    after this process. Removes first the ones whose creating process is gone: a SIGKILLed
+    server cannot remove its own (its core is SIGKILLed too, by ``PR_SET_PDEATHSIG``), and 638
+    of them had piled up in a CI machine's ``/tmp`` from killed test runs. Directories without a
+    pid (older layout), of other users, or of live processes are left alone.
+
+    Args:
+        root: where (default ``tempfile.gettempdir()``).
+    """
+    root = root or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0] if name.startswith(SOCKET_DIR_PREFIX) else ""
+            if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
+                continue
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_uid == os.getuid():
+                    shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class CoreProcReplica(Replica):
+    """One engine replica in an engine-core process.
+
+    Args:
+        front: the AsyncEngine.
+        index: replica index.
+        config: this replica's :class:`~rlserve.config.EngineConfig`.
+        weight_version: initial version stamped on outputs.
+        tokenizer_loader: ``() -> tokenizer`` shared by the replicas (loaded once, in this
+            process, for the routes).
+    """
+
+    def __init__(self, front, index: int, config, weight_version: str, tokenizer_loader=None):
+        super().__init__(front, index)
+        self.config = config
+        self._version = weight_version
+        self._tokenizer_loader = tokenizer_loader
+        self._dir = socket_dir()
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(f"ipc://{self._dir}/in")
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._out.bind(f"ipc://{self._dir}/out")
+        self._enc = proto.input_encoder()
+        self._dec = proto.output_decoder()
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._closing = False
+        self._stop_t: float | None = None  # time.monotonic() of stop()
+        self.proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None
+        self._view: EngineView | None = None
+        self._outputs: OutputProcessor | None = None  # built with the view (needs the tokenizer)
+        self._reader: threading.Thread | None = None
+        self.death: str | None = None  # why the core is gone, once it is
+        #: set when the core has said it is exiting (left its loop after Shutdown; only the
+        #: process's end remains)
+        self.exiting = threading.Event()
+
+    @property
+    def engine(self) -> EngineView | None:
+        return self._view
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    # ---- start ----------------------------------------------------------------------------
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "rlserve.engine.core.core_proc", "--input", f"ipc://{self._dir}/in",
+               "--output", f"ipc://{self._dir}/out", "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
+               "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
+               "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
+        self.proc = _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        prefetch = getattr(self._tokenizer_loader, "prefetch", None)
+        if prefetch is not None:  # the tokenizer loads here while the core starts
+            prefetch()
+        try:
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
+            self._pidfd = None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._out.poll(100):
+                msg = self._dec.decode(self._out.recv())
+                if isinstance(msg, proto.CoreReady):
+                    break
+                if isinstance(msg, proto.CoreFailed):
+                    self._reap()
+                    raise proto.rebuild_error(msg.error)
+                continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine-core process of replica {self.index} {_exit_text(self.proc.returncode)} "
+                                   "before it was ready (its log is above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine replica {self.index} did not start in {timeout_s}s")
+        tok = self._tokenizer_loader() if self._tokenizer_loader is not None else None
+        self._view = EngineView(msg.info, tok)
+        self._outputs = OutputProcessor(tok)
+        self.alive = True
+        self._reader = threading.Thread(target=self._read, name=f"rlserve-core-reader-{self.index}", daemon=True)
+        self._reader.start()
+        logger.info("engine replica %d ready in process %d (%s, %s)", self.index, msg.info.pid, msg.info.device,
+                    msg.info.dtype)
+
+    # ---- sending --------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        data = self._enc.encode(msg)
+        with self._send_lock:
+            if not self.alive:
+                raise self._dead()
+            self._in.send(data, copy=False)
+
+    def _call(self, method: str, *args) -> concurrent.futures.Future:
+        if not self.alive:
+            return failed_future(self._dead())
+        call_id = next(self._call_ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls[call_id] = fut
+        try:
+            self._send(proto.UtilityCall(call_id, method, list(args)))
+        except BaseException as e:  # noqa: BLE001
+            self._calls.pop(call_id, None)
+            if not fut.done():
+                fut.set_exception(e)
+        if not self.alive:  # died between the check and the registration: the reader may have missed it
+            self._fail_calls()
+        return fut
+
+    def submit(self, req) -> None:
+        self.reqs[req.request_id] = req
+        try:
+            self._send(proto.AddRequest(req.request_id, req.prompt, req.params, req.stream, req.arrival_time))
+        except (UnicodeEncodeError, OverflowError, TypeError) as e:  # what MessagePack cannot carry
+            self.reqs.pop(req.request_id, None)
+            raise InvalidRequestError(f"request {req.request_id} cannot be sent to the engine core: {e} (build its "
+                                      "parameters with core_protocol.params_from_fields to have the field named)") \
+                from None
+        except BaseException:
+            self.reqs.pop(req.request_id, None)
+            raise
+
+    def abort(self, request_ids) -> concurrent.futures.Future:
+        return self._call("abort", list(request_ids))
+
+    def abort_nowait(self, request_ids) -> None:
+        """Abort without an answer (a client went away)."""
+        try:
+            self._send(proto.Abort(list(request_ids)))
+        except EngineDeadError:
+            pass
+
+    def abort_all(self, lift_quarantine: bool = False) -> concurrent.futures.Future:
+        return self._call("abort_all", bool(lift_quarantine))
+
+    def set_quarantined(self, quarantined: bool) -> None:
+        if not quarantined:
+            try:
+                self._send(proto.UtilityCall(0, "lift_quarantine"))  # call id 0: no answer
+            except EngineDeadError:
+                pass
+
+    def set_frozen(self, frozen: bool) -> concurrent.futures.Future:
+        return self._call("set_frozen", bool(frozen))
+
+    def wait_drained(self) -> concurrent.futures.Future:
+        return self._call("wait_drained")
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        return self._call("reset_prefix_cache")
+
+    def call(self, target: str, *args) -> concurrent.futures.Future:
+        return self._call("call", target, *args)
+
+    def set_weight_version(self, version: str) -> None:
+        self._version = version
+        try:
+            self._send(proto.SetWeightVersion(version))
+        except EngineDeadError:
+            pass
+
+    # ---- receiving (reader thread) ---------------------------------------------------------
+    def _read(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        if self._pidfd is not None:
+            poller.register(self._pidfd, zmq.POLLIN)
+        try:
+            while True:
+                poller.poll(None if self._pidfd is not None else 100)
+                self._drain()
+                if self.proc.poll() is not None:
+                    self._drain()  # whatever it sent before it went
+                    break
+        except zmq.ZMQError:
+            if not self._closing:
+                logger.exception("engine replica %d: reading its outputs failed", self.index)
+        except Exception:  # noqa: BLE001 - a bug here must not leave requests hanging
+            logger.exception("engine replica %d: output reader crashed", self.index)
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+        self._on_exit()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                raw = self._out.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self._dec.decode(raw.buffer))
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, proto.CoreOutputs):
+            if msg.stats is not None:  # before the outputs reach their requests
+                self.stats = msg.stats
+            outputs, errors, stops, aborts = self._outputs.process(msg.deltas, self.reqs)
+            for e in msg.errors:
+                self._outputs.drop(e.request_id)
+                errors.append((e.request_id, proto.rebuild_error(e.error)))
+            try:  # first: the core stops their work sooner, and before anyone sees these outputs
+                for rid, indices in stops:
+                    self._send(proto.StopSamples(rid, indices))
+                if aborts:
+                    self._send(proto.Abort(aborts))
+            except EngineDeadError:
+                pass
+            self.route(outputs, errors)
+        elif isinstance(msg, proto.CoreExiting):
+            self.exiting.set()
+        elif isinstance(msg, proto.UtilityResult):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is None or fut.done():
+                return
+            if msg.error is not None:
+                fut.set_exception(proto.rebuild_error(msg.error))
+            else:
+                fut.set_result(msg.result)
+
+    def _on_exit(self) -> None:
+        rc = self.proc.poll()
+        with self._send_lock:
+            self.alive = False
+        if self._closing:
+            self.death = f"engine replica {self.index} was shut down"
+        else:
+            self.death = (f"the engine-core process of replica {self.index} (pid {self.proc.pid}) "
+                          f"{_exit_text(rc)}; the server cannot generate until it is restarted")
+            logger.error("%s", self.death)
+        self.fail_routed(self._dead())
+        if self._outputs is not None:
+            self._outputs.clear()
+        self._fail_calls()
+        if not self._closing:
+            self.front._replica_died(self)
+
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(self.death or f"engine replica {self.index} is not running")
+
+    def _fail_calls(self) -> None:
+        while self._calls:
+            _cid, fut = self._calls.popitem()
+            if not fut.done():
+                fut.set_exception(self._dead())
+
+    # ---- stop -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._stop_t = time.monotonic()
+        try:
+            self._send(proto.Shutdown())
+        except EngineDeadError:
+            pass
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the core to exit, at most ``timeout_s``. A core that has not said it is
+        exiting (:attr:`exiting`) by :data:`_KILL_AFTER_S` after :meth:`stop` sent it Shutdown
+        (the signal's time, on a server's Ctrl-C) is killed with its process group; one that has
+        is waited for, its process's end being the kernel's teardown. Then close the sockets and
+        end the reader."""
+        if self.proc is not None:
+            t0 = time.monotonic()
+            since = 0.0 if self._stop_t is None else t0 - self._stop_t
+            if not self._wait_exit(max(0.0, min(timeout_s, _KILL_AFTER_S - since))) and self.exiting.is_set():
+                self._wait_exit(max(0.0, timeout_s - (time.monotonic() - t0)))
+            if self.proc.poll() is None:  # mid-step, or stuck: kill (not an error)
+                logger.debug("engine replica %d did not exit %.2f s after its shutdown (%s): killing it", self.index,
+                             since + time.monotonic() - t0,
+                             "it said it was exiting" if self.exiting.is_set() else "still in its loop")
+            self._reap()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout_s)
+        with self._send_lock:
+            self.alive = False
+        self._fail_calls()
+        self.fail_routed(self._dead())
+        for s in (self._in, self._out):
+            s.close(linger=0)
+        self._ctx.term()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        """Whether the core's process has ended within ``timeout_s`` seconds. Woken by its pidfd
+        the moment it ends (``Popen.wait`` alone polls, up to 50 ms late); without one, polled."""
+        if self._pidfd is not None:
+            if not select.select([self._pidfd], [], [], timeout_s)[0]:
+                return False
+            timeout_s = max(timeout_s, 1.0)  # it has ended: only its reaping (maybe by the reader) is left
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _reap(self) -> None:
+        """Kill the core's process group (the core and its TP workers) if still there; wait."""
+        self._closing = True
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                self.proc.kill()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - an unkillable process
+            logger.error("engine-core process %d does not exit", self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # TP workers left in its group
+        except OSError:
+            pass

@@ -1,0 +1,95 @@
+"""The async front's per-request mailbox: :class:`FrontRequest` (one slot holding the newest
+undelivered output, or the exception that ended the request, plus an ``asyncio.Event``) and the
+helpers that fill it (:func:`put`, :func:`put_all`: event-loop side), the abort output of a
+request that never started (:func:`stamped_abort`) and awaiting replicas' concurrent futures
+(:func:`wait_all`). Used by :mod:`rlserve.engine.front.async_engine` and :mod:`rlserve.engine.front.async_pause`.
+
+Stream interval (vLLM's ``--stream-interval`` / ``stream_interval``): a streamed request with
+``interval`` N > 1 is woken for an output only when it is the request's first, its last, a
+sample finished since the previous delivery, or a sample has at least N tokens more than at the
+previous delivery (vLLM's ``RequestState.make_request_output`` rule, per sample). Other outputs
+wait in the slot, replaced by newer ones (outputs are cumulative: nothing is lost). A consumer
+slower than the engine still gets the newest output when it asks, so its deltas can be larger
+than N (rlserve's slow-client rule, which vLLM does not have)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from rlserve.engine.core.engine_core import abort_output
+
+
+@dataclasses.dataclass(eq=False)
+class FrontRequest:
+    """Front-side state of one request (event-loop side, plus the replica's delivering thread)."""
+
+    request_id: str
+    prompt: Any
+    params: Any
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event  # set when ``slot`` holds something new
+    arrival_time: float  # time.monotonic() seconds
+    stream: bool = True  # deliver every step's output (else only the final one)
+    slot: Any = None  # newest undelivered output, or the exception that ended the request
+    replica: Any = None
+    finished: bool = False  # set by the delivering thread when the final item is routed
+    interval: int = 1  # stream interval: new tokens per delivered output at least (see the module docstring)
+    delivered: Any = None  # per sample (tokens, finished) at the last delivery; None: nothing delivered
+
+
+def due(req: FrontRequest, item) -> bool:
+    """Whether ``item`` (an output) must wake ``req``'s consumer under its stream interval."""
+    if req.interval <= 1 or req.delivered is None or item.finished:
+        return True
+    for c, (k, was_done) in zip(item.outputs, req.delivered):
+        if len(c.token_ids) - k >= req.interval or (c.finish_reason is not None and not was_done):
+            return True
+    return False
+
+
+def mark_delivered(req: FrontRequest, item) -> None:
+    """Record what the consumer got (the base of :func:`due`'s counts)."""
+    if req.interval > 1:
+        req.delivered = [(len(c.token_ids), c.finish_reason is not None) for c in item.outputs]
+
+
+def put(req: FrontRequest, item) -> None:
+    """Event-loop side: the newest item replaces an undelivered one, except that the final
+    item (an exception or a finished output) is never replaced (nothing follows it). The
+    consumer is woken unless the stream interval holds the output back (:func:`due`)."""
+    if req.slot is not None and (isinstance(req.slot, BaseException) or req.slot.finished):
+        return
+    req.slot = item
+    if isinstance(item, BaseException) or due(req, item):
+        req.event.set()
+
+
+def put_all(batch) -> None:
+    """:func:`put` each ``(request, item)`` of ``batch`` (one event-loop callback per step)."""
+    for req, item in batch:
+        put(req, item)
+
+
+def stamped_abort(req: FrontRequest, version: str):
+    """The final \"abort\" output of a request that never reached an engine (held), stamped with
+    ``version``."""
+    out = abort_output(req.request_id, req.prompt, getattr(req.params, "n", 1) or 1)
+    out.weight_version = version
+    out.weight_versions = [version]
+    out.arrival_time = req.arrival_time
+    return out
+
+
+async def wait_all(futs, raise_first: bool = False) -> list:
+    """Await concurrent futures; returns results (exceptions in place unless raise_first)."""
+    if not futs:
+        return []
+    wrapped = [asyncio.wrap_future(f) for f in futs]
+    results = await asyncio.gather(*wrapped, return_exceptions=True)
+    if raise_first:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+    return results

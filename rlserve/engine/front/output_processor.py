@@ -1,0 +1,229 @@
+"""API-process side of the engine-core boundary: token deltas in, vLLM's ``RequestOutput`` s out.
+
+An engine-core process (:mod:`rlserve.engine.core.core_proc`) sends token ids only
+(:class:`~rlserve.engine.core_protocol.RequestDelta`: per step, the tokens each request gained).
+:class:`OutputProcessor` keeps each request's tokens, logprobs and an
+:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` per sample here, off the engine's
+critical path (vLLM's ``OutputProcessor`` does the same in its front-end process), and builds
+the cumulative outputs the async front delivers.
+
+Same results as the engine's own detokenizer (``LLMEngine.detokenize``, the offline and thread
+paths), rule for rule:
+
+* a token that ended its sample as a stop token or EOS (``finish_reason == "stop"`` from the
+  engine) becomes text only with ``include_stop_str_in_output``, and a stop string found in
+  it then does not replace the engine's reason;
+* a stop string completed by any other token (also the one that reached ``max_tokens``)
+  finishes the sample here: ``finish_reason "stop"``, ``stop_reason`` the string, tokens and
+  logprobs cut after the token that completed it; the core is asked to stop the sample
+  (:class:`~rlserve.engine.core_protocol.StopSamples`) and whatever it sampled past that
+  point is dropped;
+* ``cumulative_logprob`` is the sum of the kept tokens' logprobs, added in the engine's order
+  (the same float the engine computes);
+* a sample that ends for any other reason flushes its detokenizer (``finish()``; a stop
+  string completed by the flush cuts the text only, as in the engine).
+
+Errors are per request: one whose outputs cannot be processed (a tokenizer that raises on its
+tokens) ends alone with :class:`~rlserve.errors.EngineStepError` and is aborted in the
+core; the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.routed_experts import RoutedChunks
+from rlserve.errors import EngineStepError
+
+logger = logging.getLogger(__name__)
+
+
+class _NoText:
+    """The detokenizer of a sample when there is no tokenizer (``skip_tokenizer_init``)."""
+
+    visible_text = ""
+
+    def add_tokens(self, token_ids):
+        return None
+
+    def finish(self):
+        return None
+
+
+class _Sample:
+    __slots__ = ("detok", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "routed")
+
+    def __init__(self, detok, want_logprobs: bool):
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if want_logprobs else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.routed = RoutedChunks()  # routed-experts replay: rows as the core sends them
+
+
+class _State:
+    __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "prompt_logprob_ranks", "samples", "stream",
+                 "arrival_time", "include_stop", "routed_start")
+
+    def __init__(self, req, start, tokenizer):
+        from rlserve.engine.detokenizer import IncrementalDetokenizer
+
+        params = req.params
+        self.prompt = req.prompt if isinstance(req.prompt, str) else None
+        self.prompt_token_ids = list(start.prompt_token_ids)
+        self.prompt_logprobs = start.prompt_logprobs
+        self.prompt_logprob_ranks = start.prompt_logprob_ranks
+        self.stream = req.stream
+        self.arrival_time = req.arrival_time
+        self.include_stop = bool(params.include_stop_str_in_output)
+        self.routed_start = int(getattr(params, "routed_experts_prompt_start", 0) or 0)
+        n = getattr(params, "n", 1) or 1
+        want_lps = params.logprobs is not None
+        self.samples = [
+            _Sample(_NoText() if tokenizer is None
+                    else IncrementalDetokenizer.from_params(tokenizer, self.prompt_token_ids, params), want_lps)
+            for _ in range(n)]
+
+
+class OutputProcessor:
+    """Turns one engine replica's deltas into cumulative ``RequestOutput`` s (see the module
+    docstring). Used by one thread (the replica's output reader).
+
+    Args:
+        tokenizer: the Hugging Face tokenizer the engine uses (None: no text).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (it ended with an error routed elsewhere)."""
+        self._states.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def process(self, deltas, reqs: Mapping[str, Any]):
+        """Apply one message's deltas.
+
+        Args:
+            deltas: :class:`~rlserve.engine.core_protocol.RequestDelta` s, in the core's order.
+            reqs: request id -> the front's request (``prompt``, ``params``, ``stream``,
+                ``arrival_time``); deltas of requests not there are dropped (ended already).
+
+        Returns:
+            ``(outputs, errors, stops, aborts)``: the outputs to deliver (streamed requests
+            that advanced, and every request that finished: ``finished`` is its last),
+            ``(request_id, exception)`` for requests that failed here, ``(request_id,
+            indices)`` of samples the core must stop, and request ids the core must abort
+            (finished here before there, or failed here).
+        """
+        outputs, errors, stops, aborts = [], [], [], []
+        for d in deltas:
+            rid = d.request_id
+            req = reqs.get(rid)
+            if req is None:
+                self._states.pop(rid, None)
+                continue
+            try:
+                out, stopped = self._apply(rid, req, d)
+            except Exception as e:  # noqa: BLE001 - this request only
+                logger.exception("processing the outputs of request %s failed", rid)
+                self._states.pop(rid, None)
+                errors.append((rid, EngineStepError(
+                    f"processing the outputs of request {rid} failed: {type(e).__name__}: {e}")))
+                if not d.finished:
+                    aborts.append(rid)
+                continue
+            if out is None:
+                continue
+            outputs.append(out)
+            if out.finished:
+                self._states.pop(rid, None)
+                if not d.finished:
+                    aborts.append(rid)  # done here (stop strings) before the core knew
+            elif stopped:
+                stops.append((rid, stopped))
+        return outputs, errors, stops, aborts
+
+    def _apply(self, rid: str, req, d):
+        st = self._states.get(rid)
+        if st is None:
+            if d.start is None:
+                raise RuntimeError("the engine sent no start for this request")
+            st = self._states[rid] = _State(req, d.start, self.tokenizer)
+        stopped = []
+        for sd in d.samples:
+            s = st.samples[sd.index]
+            if sd.routed_experts is not None:
+                s.routed.add(sd.routed_experts)
+            if s.finish_reason is not None:
+                continue  # stopped here already: tokens the core sampled past it are dropped
+            if self._extend(st, s, sd):
+                stopped.append(sd.index)
+        if d.finished:
+            for s in st.samples:
+                if s.finish_reason is None:  # the core ended the request without a reason for it
+                    s.finish_reason = "abort"
+                    s.detok.finish()
+        finished = all(s.finish_reason is not None for s in st.samples)
+        if not (st.stream or finished):
+            return None, stopped
+        return self._output(rid, st, d, finished), stopped
+
+    def _extend(self, st: _State, s: _Sample, sd) -> bool:
+        """Add one sample's new tokens. Returns True when a stop string finished it here."""
+        toks, lps, top = sd.token_ids, sd.sampled_logprobs, sd.logprobs
+        last = len(toks) - 1
+        engine_stop = sd.finish_reason == "stop"
+        for j, tok in enumerate(toks):
+            s.token_ids.append(tok)
+            s.cumulative_logprob += lps[j]
+            if s.logprobs is not None and top is not None:
+                s.logprobs.append(top[j])
+            if j == last and engine_stop:
+                # a terminating EOS / stop token is text only when asked for (vLLM's rule), and a
+                # stop string it completes does not replace the engine's reason
+                if st.include_stop:
+                    s.detok.add_tokens([tok])
+                break
+            match = s.detok.add_tokens([tok])
+            if match is not None:
+                s.finish_reason, s.stop_reason = "stop", match.stop_str
+                s.detok.finish()
+                return True
+        if sd.finish_reason is not None:
+            s.finish_reason, s.stop_reason = sd.finish_reason, sd.stop_reason
+            s.detok.finish()
+        return False
+
+    @staticmethod
+    def _output(rid: str, st: _State, d, finished: bool) -> RequestOutput:
+        versions = list(d.weight_versions)
+        return RequestOutput(
+            request_id=rid,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            prompt_logprobs=st.prompt_logprobs,
+            prompt_logprob_ranks=st.prompt_logprob_ranks,
+            outputs=[CompletionOutput(index=i, text=s.detok.visible_text, token_ids=list(s.token_ids),
+                                      cumulative_logprob=s.cumulative_logprob,
+                                      logprobs=None if s.logprobs is None else list(s.logprobs),
+                                      routed_experts=None if s.finish_reason is None else s.routed.result(
+                                          len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
+                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                     for i, s in enumerate(st.samples)],
+            finished=finished,
+            weight_version=versions[-1] if versions else None,
+            weight_versions=versions,
+            arrival_time=st.arrival_time,
+            first_token_time=d.first_token_time,
+        )

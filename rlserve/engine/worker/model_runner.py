@@ -1,0 +1,309 @@
+"""Turns a scheduled batch into model inputs, owns the KV cache, runs the forward pass.
+
+Everything a step needs crosses process boundaries as a :class:`StepInput` of plain
+Python lists, so tensor-parallel workers run the same step from a pickled copy.
+
+On CUDA the runner also picks the attention backend and replays decode steps from CUDA
+graphs (:mod:`rlserve.engine.worker.cuda_graph`):
+
+- backend: ``RLSERVE_ATTENTION_BACKEND`` (env) or ``config.extra["attention_backend"]``
+  when set, else ``"triton"`` when Triton is importable, else ``"torch"``. On CPU nothing
+  changes (the torch backend, unless the variable names another).
+- CUDA graphs: on when the device is CUDA, ``config.enforce_eager`` is False, the backend
+  is graph-safe (``"triton"``) and TP size is 1
+  (TP > 1 needs ``RLSERVE_CUDA_GRAPH_TP=1``: capturing the NCCL all-reduce of the TP
+  group is untested). Graphs are captured at startup (:meth:`ModelRunner.warm_up`, called by
+  the worker once the KV cache exists; again lazily at the next decode step after the cache
+  is re-allocated), for the batch sizes of :func:`rlserve.engine.worker.cuda_graph.capture_sizes` or those listed in
+  ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
+  a batch larger than the largest captured size runs eagerly.
+
+On CPU the runner makes the step's micro-batches current (:mod:`rlserve.engine.cpu.cpu_microbatch`:
+two on a 2-core machine): the model splits its sequences between them, the runner the LM
+head's rows (none below 16 rows).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlserve import envs
+from rlserve.engine.cpu import cpu_microbatch
+from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
+from rlserve.h2d import gather_rows, to_device
+from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
+from rlserve.lora.model import lora_of
+
+logger = logging.getLogger(__name__)
+
+# Backends whose KV write and decode attention can be captured in a CUDA graph.
+GRAPH_SAFE_BACKENDS = {"triton"}
+# Default context bound when neither the config nor the model says (the engine's own cap).
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class StepInput:
+    """One forward step, as plain lists (picklable).
+
+    Attributes:
+        input_ids / positions: ``T`` flat token ids and their positions.
+        query_lens / seq_lens / block_tables: per sequence (see ``AttentionMetadata.build``).
+        logits_indices: rows of the flat batch whose logits are wanted (the last token of
+            each sequence, plus every prompt row of sequences asking prompt logprobs).
+        is_prefill: a prefill step (decode steps may use CUDA graphs).
+        input_ids_from: optional ``(tokens, rows)``: take the input ids from ``tokens[rows]``,
+            a device tensor of an earlier step's sampled tokens (the engine's overlapped
+            decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
+            Only for in-process workers (a device tensor is not picklable across processes).
+        lora_ids: per sequence its LoRA adapter id (0: base model), or None when every sequence
+            runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CUDA
+            graphs and CPU micro-batches (the adapter of a row is known for the whole step only).
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]
+    is_prefill: bool
+    input_ids_from: tuple | None = None
+    lora_ids: list[int] | None = None
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers of this rank: 2 (K and V) x layers x
+    block_size x kv_heads x head_dim x itemsize."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            total += 2 * block_size * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return total
+
+
+class ModelRunner:
+    """Runs the model for one TP rank.
+
+    Args:
+        model: a model following the contract in docs/INTERFACES.md.
+        device / dtype: where the model and KV cache live.
+        block_size: tokens per KV block.
+        config: the engine config (``enforce_eager``, ``max_num_seqs``, ``max_model_len``,
+            ``tensor_parallel_size``, ``extra["attention_backend"]``); without one, no CUDA
+            graphs are used.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, block_size: int, config=None):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.config = config
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs = None  # DecodeCUDAGraphs once captured
+        self._graphs_failed = False
+        # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
+        # samplers widen what they read)
+        fn = getattr(model, "compute_logits", None)
+        self._logits_kw = ({"float32": False} if fn is not None and "float32" in inspect.signature(fn).parameters
+                           else {})
+        self._select_backend()
+        self.use_cuda_graphs = self._want_cuda_graphs()
+        # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
+        self.microbatches = None
+        if device.type == "cpu":
+            n = cpu_microbatch.microbatch_count(config, torch.get_num_threads())
+            if n > 1:
+                self.microbatches = cpu_microbatch.CPUMicroBatches(n, threads=torch.get_num_threads())
+                logger.info("CPU steps of >= %d rows split into %d micro-batches", self.microbatches.min_rows, n)
+            else:
+                logger.info("CPU steps run whole (1 micro-batch: RLSERVE_CPU_MICROBATCHES=1, several intra-op "
+                            "threads, several engine ranks, or one usable CPU)")
+
+    # ---- GPU fast path: backend choice and CUDA graphs ---------------------------------
+    def _select_backend(self) -> None:
+        """Pick the attention backend (see the module docstring). CPU runners leave the
+        process-wide choice alone unless asked explicitly."""
+        extra = getattr(self.config, "extra", None) or {}
+        name = envs.RLSERVE_ATTENTION_BACKEND or extra.get("attention_backend")
+        if name is None and self.device.type != "cuda":
+            return
+        if name in (None, "triton"):
+            from rlserve.layers import triton_attention
+
+            if triton_attention.register() and triton_attention.is_available(self.device):
+                name = name or "triton"
+            elif name == "triton":
+                raise RuntimeError("attention backend 'triton' asked for, but Triton cannot run here")
+            else:
+                name = "torch"
+        set_attention_backend(name)
+        logger.info("attention backend: %s", name)
+
+    def _want_cuda_graphs(self) -> bool:
+        cfg = self.config
+        if cfg is None or self.device.type != "cuda" or cfg.enforce_eager:
+            return False
+        if getattr(cfg, "enable_return_routed_experts", False):
+            logger.info("CUDA graphs off: routed-experts replay captures the routing in eager steps only")
+            return False
+        if get_attention_backend() not in GRAPH_SAFE_BACKENDS:
+            logger.info("CUDA graphs off: attention backend %r is not graph-safe", get_attention_backend())
+            return False
+        if getattr(cfg, "tensor_parallel_size", 1) > 1 and not envs.RLSERVE_CUDA_GRAPH_TP:
+            logger.info("CUDA graphs off under tensor parallelism (set RLSERVE_CUDA_GRAPH_TP=1 to try them)")
+            return False
+        return True
+
+    def _max_model_len(self) -> int:
+        cfg = self.config
+        if cfg is not None and cfg.max_model_len:
+            return int(cfg.max_model_len)
+        hf = getattr(self.model, "config", None)
+        return int(min(getattr(hf, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN), _MAX_DEFAULT_MODEL_LEN))
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs now (otherwise done at the first decode step). Call
+        inside the worker's TP context, after the KV cache is allocated."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        extra = getattr(self.config, "extra", None) or {}
+        sizes = extra.get("cuda_graph_sizes") or envs.RLSERVE_CUDA_GRAPH_SIZES
+        if isinstance(sizes, str):
+            sizes = [int(x) for x in sizes.split(",") if x.strip()]
+        if sizes:
+            sizes = sorted({min(int(x), self.config.max_num_seqs) for x in sizes if int(x) > 0})
+        graphs = DecodeCUDAGraphs(
+            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Before the first request: on CUDA, run a 16-token and a 1024-token prefill (both
+        capped at ``max_model_len``) that write nothing (every slot -1) so the prefill kernels
+        are compiled (the fused q/k-norm + rotary kernel has a variant for long batches), then
+        capture the decode CUDA graphs (when they are on), which compiles the decode kernels.
+        Returns the seconds spent. A capture failure is logged and leaves graphs off, as at a
+        lazy capture.
+
+        Raises:
+            RuntimeError: no KV cache allocated yet.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before warming up")
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
+            meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
+                                           self.device)
+            meta.slot_mapping.fill_(-1)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, dtype=torch.long, device=self.device)
+            self.model.compute_logits(self.model(ids, pos, meta)[-1:])
+        if self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed:
+            self._try_capture()
+        torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
+        return dt
+
+    def _try_capture(self) -> bool:
+        """Capture the decode CUDA graphs; on any failure log it, decode eagerly from now on
+        (``_graphs_failed``) and return False: a capture failure never takes the engine down."""
+        try:
+            self.capture_cuda_graphs()
+            return True
+        except Exception:
+            logger.exception("CUDA graph capture failed; decoding eagerly from now on")
+            self._graphs_failed = True
+            self.cuda_graphs = None
+            return False
+
+    def _decode_with_graph(self, step: StepInput) -> torch.Tensor | None:
+        """Hidden states of a decode step replayed from a CUDA graph, or None when this step
+        cannot use one (graphs off, batch too large, context past the captured bound)."""
+        if not self.use_cuda_graphs or step.is_prefill or self._graphs_failed:
+            return None
+        B = len(step.input_ids)
+        if len(step.query_lens) != B or any(q != 1 for q in step.query_lens):
+            return None
+        if self.cuda_graphs is None and not self._try_capture():
+            torch.cuda.synchronize(self.device)
+            return None
+        if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
+            return None
+        return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
+
+    def allocate_kv_cache(self, num_blocks: int, alloc=None) -> None:
+        """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
+        for every attention layer (zeros). ``alloc(shape, dtype) -> zeroed tensor`` replaces
+        ``torch.zeros`` (sleep mode's arena)."""
+        self.num_blocks = num_blocks
+        self.kv_caches = []
+        if alloc is None:
+            def alloc(shape, dtype):
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            k = alloc(shape, self.dtype)
+            v = alloc(shape, self.dtype)
+            layer.k_cache, layer.v_cache = k, v
+            self.kv_caches.append((k, v))
+        self.cuda_graphs = None  # graphs captured the old cache tensors
+
+    def build_metadata(self, step: StepInput) -> AttentionMetadata:
+        return AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one forward step.
+
+        Returns:
+            ``[len(step.logits_indices), vocab]`` logits (full vocabulary) in the model dtype
+            (float32 for a model whose ``compute_logits`` has no ``float32`` argument).
+        """
+        lora = lora_of(self.model)
+        if lora is None or not step.lora_ids:
+            with cpu_microbatch.active(self.microbatches):
+                return self._execute(step)
+        with lora.step(step.lora_ids, step.query_lens), cpu_microbatch.active(None):
+            return self._execute(step, graphs=False)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.compute_logits`` of ``hidden`` ``[N, hidden]``, its rows split into the
+        step's CPU micro-batches where they are (rows are independent: bit-equal)."""
+        fn = self.model.compute_logits
+        out = cpu_microbatch.split(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
+        return fn(hidden, **self._logits_kw) if out is None else out
+
+    def _execute(self, step: StepInput, graphs: bool = True) -> torch.Tensor:
+        logits = self._logits
+        hidden = self._decode_with_graph(step) if graphs else None
+        if hidden is not None:
+            B = hidden.shape[0]
+            idx = step.logits_indices
+            if len(idx) == B and idx[0] == 0 and idx[-1] == B - 1:
+                return logits(hidden)
+            rows = to_device(idx, torch.long, self.device)
+            return logits(hidden.index_select(0, rows))
+        if step.input_ids_from is not None:
+            input_ids = gather_rows(*step.input_ids_from).to(self.device)
+        else:
+            input_ids = to_device(step.input_ids, torch.long, self.device)
+        positions = to_device(step.positions, torch.long, self.device)
+        meta = self.build_metadata(step)
+        hidden = self.model(input_ids, positions, meta)
+        idx = to_device(step.logits_indices, torch.long, self.device)
+        return logits(hidden.index_select(0, idx))

@@ -1,0 +1,170 @@
+"""One tensor-parallel rank: model, KV cache and model runner (see docs/INTERFACES.md)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+from transformers import AutoConfig
+
+from rlserve.config import EngineConfig, resolve_device, resolve_dtype
+from rlserve.distributed.parallel_state import tp_context
+from rlserve.layers.attention import get_attention_backend
+from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from rlserve.distributed.head_partition import attention_head_partition
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 512 * 1024**2
+# Memory kept free on GPU for activations beyond the measured profile peak.
+_GPU_HEADROOM_BYTES = 512 * 1024**2
+
+
+def resolve_rpc_target(target: str):
+    """``"package.module:function"`` → the function.
+
+    Raises:
+        ValueError: malformed target; ImportError / AttributeError: not found.
+    """
+    if ":" not in target:
+        raise ValueError(f"rpc target must look like 'package.module:function', got {target!r}")
+    mod, fn = target.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)
+
+
+class Worker:
+    """Owns one TP rank's model, KV cache and runner.
+
+    Args:
+        config: engine configuration.
+        tp_rank / tp_size: this rank and the TP size (the TP group is set up by the caller
+            through ``rlserve.distributed.parallel_state`` before construction).
+        dp_index: data-parallel replica index.
+        device: torch device for this rank (default: from ``config.device``).
+    """
+
+    def __init__(
+        self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, dp_index: int = 0, device=None, tp_group=None
+    ):
+        from rlserve.loader import load_model
+
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.tp_group = tp_group
+        self.dp_index = dp_index
+        self.transfer_rank = 1 + dp_index * tp_size + tp_rank
+        self.device = torch.device(device) if device is not None else resolve_device(config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":
+            from rlserve.engine.cpu.cpu_malloc import tune_malloc
+            from rlserve.engine.cpu.cpu_threads import configure_engine_threads
+
+            configure_engine_threads(config)  # this thread runs the forward passes
+            tune_malloc()  # keep freed step tensors instead of faulting them in again
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        self.extension_state: dict = {}
+        torch.manual_seed(config.seed)
+        with self.tp():
+            self.model = load_model(config, self.hf_config, self.device, self.dtype)
+            if getattr(config, "enable_lora", False):
+                from rlserve.lora.model import LoRAModel
+
+                LoRAModel.install(self.model, config.max_lora_rank, self.dtype, self.device)
+        self.sleep = None  # sleep mode's memory regions (rlserve.engine.worker.sleep_memory)
+        if config.enable_sleep_mode:
+            from rlserve.engine.worker.sleep_memory import WorkerSleep
+
+            self.sleep = WorkerSleep(self)  # on CUDA: the parameters move into a VMM arena now
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config=config)
+
+    #: ``execute`` accepts ``StepInput.input_ids_from`` (device tensors: in-process only).
+    supports_device_input_ids = True
+
+    def tp(self):
+        """Context manager: this worker's TP state for the current thread."""
+        return tp_context(self.tp_rank, self.tp_size, self.tp_group)
+
+    # ---- KV cache sizing -------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks this rank can hold.
+
+        ``config.num_kv_blocks`` wins; on CPU ``config.kv_cache_bytes`` (default 512 MiB, at most
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens);
+        on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
+        the weights and minus 512 MiB of activation headroom.
+        """
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_HEADROOM_BYTES
+            budget -= self._activation_estimate()
+        else:
+            budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
+        n = budget // per_block
+        if self.device.type == "cpu" and self.config.kv_cache_bytes is None and self.config.max_model_len:
+            # the default budget, never more than every sequence of a full batch at full length
+            # can use: a small model's 512 MiB would be tens of thousands of blocks that take
+            # seconds to zero and to index at start-up and to free at exit
+            bs = self.config.block_size
+            n = min(n, self.config.max_num_seqs * -(-int(self.config.max_model_len) // bs))
+        if n < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); "
+                "raise gpu_memory_utilization or lower max_model_len"
+            )
+        return int(n)
+
+    def _activation_estimate(self) -> int:
+        """Bytes of activations for a prefill of ``max_num_batched_tokens`` tokens: logits
+        rows are few, so the largest terms are the MLP intermediate (x2 for gate/up) and the
+        attention scores of the torch backend (heads x tokens^2 for one long prompt, float32;
+        the Triton backend streams over tiles and materialises none)."""
+        cfg = self.hf_config
+        t = self.config.max_num_batched_tokens or 2048
+        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 4 * cfg.hidden_size)
+        q = cfg.num_attention_heads
+        heads = attention_head_partition(q, getattr(cfg, "num_key_value_heads", None) or q, self.tp_size,
+                                         self.tp_rank)[1]  # this rank's query heads (may be uneven)
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        mlp = 3 * t * inter // self.tp_size * item
+        scores = heads * min(t, self.config.max_model_len or t) ** 2 * 4 if get_attention_backend() == "torch" else 0
+        return int(mlp + scores)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then warm up (compile kernels, capture the decode CUDA
+        graphs: :meth:`ModelRunner.warm_up`) so the first request does not pay for it. In
+        sleep mode the cache is cut out of a releasable arena."""
+        alloc = self.sleep.kv_allocator(num_blocks * self.bytes_per_block()) if self.sleep is not None else None
+        self.runner.allocate_kv_cache(num_blocks, alloc=alloc)
+        with self.tp():
+            self.warm_up_seconds = self.runner.warm_up()
+
+    # ---- execution --------------------------------------------------------------------
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one step; returns logits ``[len(step.logits_indices), vocab]`` in the model dtype
+        (:meth:`ModelRunner.execute`)."""
+        with self.tp():
+            return self.runner.execute(step)
+
+    def call(self, target: str, *args, **kwargs):
+        """Run ``function(self, *args, **kwargs)`` for the ``"module:function"`` target,
+        inside this worker's TP context."""
+        with self.tp():
+            return resolve_rpc_target(target)(self, *args, **kwargs)
+
+    def load_weights(self, weights) -> set[str]:
+        """``model.load_weights`` inside this worker's TP context (each rank keeps its shard)."""
+        with self.tp():
+            return self.model.load_weights(weights)
