@@ -1,1 +1,3 @@
-"""rlserve.engine"""
+"""The engine, one sub-package per process its code runs in (docs/ARCHITECTURE.md): ``front``
+(API process), ``core`` (engine-core process), ``worker`` (one device rank), ``cpu`` (CPU
+tuning); here the request types, the front/core wire format, the detokenizer and ``LLM``."""
