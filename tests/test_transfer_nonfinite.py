@@ -234,3 +234,12 @@ def test_vllm_wire_nonfinite(packed, check):
     stop = first_bad.slots[0].index if packed else 4
     assert sorted(got) == [f"t{i}" for i in range(stop)]
     assert "'t4'" in str(ei.value)
+
+
+def test_flag_parses():
+    """``--weight-check-finite`` is on by default; ``--no-weight-check-finite`` turns it off."""
+    from rlserve.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["serve", "m"]).weight_check_finite is True
+    assert p.parse_args(["serve", "m", "--no-weight-check-finite"]).weight_check_finite is False
