@@ -171,3 +171,20 @@ def test_serve_checkpoint_after_restart_uses_the_checkpoint_label(long_llama):
         assert after["weight_version"] == "0" != v1
         assert after["completion_ids"] == fresh["completion_ids"]
         assert _sync(url, hf) not in ("0", v1)  # and syncs go on, under new labels
+
+
+def test_weight_routes_answer_503_engine_dead_while_the_core_is_down():
+    """A control route called while the engine core is dead or being restarted (found by a new
+    user: ``POST /init_weight_transfer_engine`` within ~1.5 s of a kill -9 answered 500
+    ``internal_error`` with a traceback) answers as the generation routes do: 503 ``engine_dead``
+    with the reason. Fails on the code before this test (500, ``internal_error``)."""
+    from rlserve.errors import EngineDeadError
+    from rlserve.server.weight_routes import error_response, error_status
+
+    exc = EngineDeadError("the engine-core process exited (being restarted)")
+    assert error_status(exc) == (503, "engine_dead")
+    r = error_response(exc)
+    assert r.status_code == 503
+    body = json.loads(r.body)
+    assert body["error"]["code"] == "engine_dead"
+    assert body["error"]["message"] == "the engine-core process exited (being restarted)"

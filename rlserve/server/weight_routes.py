@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, StrictInt, StrictStr
 
 from rlserve.errors import (
+    EngineDeadError,
     ModelUnavailableError,
     NoTransferEngineError,
     SleepMemoryError,
@@ -79,6 +80,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 400, "weight_update_refused"
     if isinstance(exc, ModelUnavailableError):
         return 503, getattr(exc, "code", None) or "model_unavailable"
+    if isinstance(exc, EngineDeadError):  # the engine core died (being restarted, or for good)
+        return 503, "engine_dead"
     if isinstance(exc, TimeoutError):
         return 504, "timeout"
     return 500, "internal_error"
@@ -86,10 +89,10 @@ def error_status(exc: BaseException) -> tuple[int, str]:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, code = error_status(exc)
-    if status >= 500 and not isinstance(exc, (WeightUpdateError, TimeoutError)):
+    if status >= 500 and not isinstance(exc, (WeightUpdateError, TimeoutError, EngineDeadError)):
         logger.error("weight route failed", exc_info=exc)
     msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError, SleepStateError,
-                                       SleepMemoryError)) \
+                                       SleepMemoryError, EngineDeadError)) \
         else f"{type(exc).__name__}: {exc}"
     return JSONResponse(error_body(status, msg, None, code), status_code=status)
 
