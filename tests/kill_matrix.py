@@ -148,6 +148,17 @@ def wait_given_up(url: str, timeout_s: float, idle_ok: bool = False) -> dict:
     raise AssertionError(f"the server never gave the update up within {timeout_s:.0f} s: {info}")
 
 
+def good_label() -> str:
+    """A fresh label for the good weights: unique in this process (labels are unique for a
+    server's lifetime, and a server may serve several runs) and never one the server makes up.
+    A killed trainer sends no label, and where its whole update landed (ipc per tensor) the
+    server labelled it automatically: ``next_version`` of the good label. Automatic labels always
+    end in a digit ("good-15" after "good-14", "x.1" after "x"), so the good ones end in "-ok"
+    (with "good-N", the next cell's "good-15" was the killed update's automatic label: 409
+    ``weight_version_in_use``, the H200's failure of 2026-12-06)."""
+    return f"good-{next(_LABELS)}-ok"
+
+
 class Good:
     """The good weights and what the server serves with them (filled by the first sync)."""
 
@@ -178,8 +189,7 @@ class Good:
         try:
             for i in range(2 if direct else 1):
                 self.n += 1
-                # labels are unique for a server's lifetime, and a server may serve several runs
-                self.version = f"good-{next(_LABELS)}"
+                self.version = good_label()
                 eng.send_weights(weight_version=self.version)
                 if i == 1:
                     assert eng.last_stats["server"]["direct_receive"] is True, eng.last_stats["server"]

@@ -12,7 +12,7 @@ import contextlib
 
 import pytest
 
-from tests.kill_matrix import CONFIGS, cpu_server, expected, model_meta, run_config
+from tests.kill_matrix import BAD_SEED, CONFIGS, Good, cpu_server, expected, model_meta, run_config, verdict
 
 TIMEOUT_S = 2.0
 BY_NAME = {c.name: c for c in CONFIGS}
@@ -54,6 +54,36 @@ def test_direct_receive_killed_inside_its_only_bucket_is_not_served(llama384, se
     out = run_config(path, meta, BY_NAME["gloo packed, in place, direct"], TIMEOUT_S, phases=["first_bucket"],
                      bucket_bytes=1 << 30, server=server)
     assert out == {"first_bucket": "503"}
+
+
+def test_a_landed_unlabelled_update_between_cells_is_served_and_not_relabelled(llama384, server):
+    """What the GPU's ipc per-tensor cells do (2026-12-06: 409 ``weight_version_in_use`` on one
+    H200, deterministic): the killed trainer's one ``/sync_weights`` call completes before its
+    death, so its update lands under the automatic label, which the next cell's good sync then
+    asked for by hand. Here with gloo on the CPU (no ipc): the good sync, a complete update of
+    the killed trainers' weights with no label, the verdict ``updated`` under a label that is
+    not the good one, then the good sync again, served unchanged. Fails on the harness before
+    (labels "good-N": the second good sync got 409 for the first one's automatic successor)."""
+    from rlserve.transfer import HTTPWeightSyncClient, TensorListSource, WeightTransferTrainerFactory
+    from tests.kill_trainer import random_weights, trainer_init_info
+
+    path, meta = llama384
+    cfg = BY_NAME["gloo unpacked, staged"]
+    with server(path, cfg, TIMEOUT_S) as srv:
+        good = Good(meta)
+        good.sync(srv, cfg, 64 << 10)
+        first = good.version
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=trainer_init_info("gloo", False, 64 << 10, 30),
+            client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=TensorListSource(random_weights(meta, BAD_SEED)))
+        try:
+            landed = eng.send_weights()["weight_version"]
+        finally:
+            eng.shutdown()
+        assert landed not in (first, None)
+        assert verdict(srv.url, good) == "updated"
+        good.sync(srv, cfg, 64 << 10)
+        assert good.version != first and verdict(srv.url, good) == "unchanged"
 
 
 CI_CELLS = {

@@ -50,8 +50,26 @@ def test_lost_weights_come_back_only_once_every_required_name_was_written():
     assert w.commit("3", {"head"}, REQ) is True
     assert w.valid and w.version == "3" and w.reason is None and w.code is None and w.written == set()
     with pytest.raises(WeightVersionInUseError):
-        w.check_label("1")  # an incomplete set's label stays used
+        w.check_label("3")  # named the weights that serve
     assert w.next_label() == "4"
+
+
+def test_a_label_that_never_went_live_stays_free():
+    """The rule (P33): a label is claimed once it names weights that serve. An incomplete refill
+    of lost weights never served: its label may be used again, by hand or automatically, and the
+    sync that completes the refill under it serves it. Failed on the code before: the incomplete
+    commit claimed "1" (409 on the retry, next automatic label "2")."""
+    w = WeightState("0")
+    w.lose("level-2 sleep", WEIGHTS_LOST)
+    assert w.next_label() == "1"
+    assert w.commit("1", {"embed", "q"}, REQ) is False
+    w.check_label("1")  # free: nothing served under it
+    assert w.next_label() == "1"
+    assert w.commit("1", REQ - {"embed", "q"}, REQ) is True
+    assert w.valid and w.version == "1"
+    with pytest.raises(WeightVersionInUseError, match="'1'"):
+        w.check_label("1")
+    assert w.next_label() == "2"
 
 
 def test_a_new_loss_forgets_earlier_writes():

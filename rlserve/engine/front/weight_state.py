@@ -15,12 +15,15 @@ States::
   name, so a packed q/k/v target counts once all three arrived; tied aliases are refused by the
   sync's validation) was written by syncs committed since the loss, or the checkpoint was
   reloaded (only while :attr:`WeightState.reload_ok`: nothing was written since a loss that
-  allows it). Each committed sync while lost claims its label; the one that completes the
-  coverage is the version served.
+  allows it). The sync that completes the coverage is the version served; the labels of the
+  incomplete ones before it never named served weights and stay free.
 
-Version labels are unique for the server's lifetime: :meth:`WeightState.check_label` refuses a
-label already used (409 ``weight_version_in_use``) and :meth:`WeightState.next_label` moves
-automatic versions past every numeric label seen. The checkpoint's label (``--weight-version``
+Version labels are unique for the server's lifetime: a label is claimed once it names weights
+that serve (a commit that leaves them valid, :meth:`WeightState.relabel`, the checkpoint's
+label); :meth:`WeightState.check_label` refuses a claimed label (409 ``weight_version_in_use``)
+and :meth:`WeightState.next_label` moves automatic versions past every numeric label claimed. A
+label that never went live (a failed, aborted or refused update; an incomplete refill of lost
+weights) is not claimed: a retry may use it again. The checkpoint's label (``--weight-version``
 of the start, default ``"0"``) names the checkpoint's weights, whenever they are reloaded.
 """
 
@@ -124,11 +127,11 @@ class WeightState:
         self.reload_ok = reload_ok
 
     def commit(self, version: str, names, required) -> bool:
-        """A sync wrote ``names`` (checkpoint names) and committed under ``version`` (claimed).
-        Valid weights take the label at once; lost ones once every ``required`` name was
-        written since the loss. Returns whether the weights are valid now."""
+        """A sync wrote ``names`` (checkpoint names) and committed under ``version``.
+        Valid weights take the label at once (claimed); lost ones once every ``required`` name
+        was written since the loss (an incomplete refill claims nothing: its label never named
+        served weights). Returns whether the weights are valid now."""
         version = str(version)
-        self._claim(version)
         self.reload_ok = False
         if self.reason is not None:
             self.written |= set(names)
@@ -136,6 +139,7 @@ class WeightState:
                 return False
             self.reason = self.code = None
             self.written = set()
+        self._claim(version)
         self.version = version
         self.sets += 1
         return True
