@@ -195,6 +195,11 @@ def register(subparsers) -> None:
                         "--host, as vLLM does in dev mode: anyone who can reach the port can pause the server or "
                         "replace its weights (default: on when env VLLM_SERVER_DEV_MODE=1 (what `trl vllm-serve` "
                         "sets), else off). --admin-key, when given, still applies")
+    s.add_argument("--allow-unknown-fields", action="store_true",
+                   help="serve completions / chat requests that carry fields rlserve does not know, ignoring "
+                        "them with one log line per request naming them (vLLM's behaviour); default: a 400 "
+                        "naming the field (fields that change nothing, e.g. user, metadata, store, are always "
+                        "accepted)")
     s.add_argument("--weight-transfer-config", type=_json_object, default=None,
                    help='enable weight sync, e.g. \'{"backend": "nccl"}\' (nccl | gloo | ipc)')
     s.add_argument("--weight-staging", default="none", choices=["none", "device", "host"],
@@ -364,6 +369,7 @@ def run(args) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
         lora_modules=list(args.lora_modules or []),
+        allow_unknown_fields=args.allow_unknown_fields,
     )
     if settings.admin_key is None and not is_loopback(args.host):
         if settings.insecure_control_routes:

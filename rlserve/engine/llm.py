@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rlserve.config import EngineConfig
 from rlserve.engine.core.llm_engine import LLMEngine
 from rlserve.engine.outputs import RequestOutput
@@ -12,7 +14,10 @@ class LLM:
     """Offline batched generation.
 
     Args:
-        model: path of a Hugging Face model directory.
+        model: path of a Hugging Face model directory, or ``"default"`` (also
+            ``"SmolLM2-135M-Instruct"``, ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) for the built-in
+            default model, resolved as ``rlserve serve`` does (:func:`rlserve.download.resolve_model`:
+            rlserve's cache, built on first use; never the Hugging Face Hub).
         **kwargs: any :class:`rlserve.config.EngineConfig` field (dtype, device,
             load_format, max_model_len, tensor_parallel_size, quantization, ...).
 
@@ -23,6 +28,15 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs):
+        """Raises:
+            UnknownModelError: ``model`` is neither an existing path nor the default model's name
+                (:func:`rlserve.download.resolve_model`'s message says what to pass).
+            ModelDownloadError: the default model could not be fetched or built.
+        """
+        if not os.path.exists(os.path.expanduser(os.fspath(model))):  # "default", or a name serve refuses too
+            from rlserve.download import resolve_model
+
+            model = resolve_model(model)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @property

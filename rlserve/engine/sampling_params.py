@@ -71,6 +71,34 @@ class StructuredOutputsParams:
         return "json_object"
 
 
+#: OpenAI's range of a ``logit_bias`` value; vLLM clips to it (``SamplingParams.from_optional``)
+LOGIT_BIAS_MAX = 100.0
+
+
+def clip_logit_bias(bias) -> dict[int, float]:
+    """``logit_bias`` as ``{int token id: float bias}``: keys may be ints or strings of ints
+    (JSON's), values numbers, clipped to [-100, 100] (vLLM's rule).
+
+    Raises:
+        InvalidRequestError: not a dict, a key that is not an integer >= 0 (or its string),
+            a value that is not a finite number.
+    """
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be an object {{token id: bias}}, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            t = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        except ValueError:
+            t = k
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidRequestError(f"logit_bias values must be finite numbers, got {v!r} for token {t}")
+        out[t] = min(LOGIT_BIAS_MAX, max(-LOGIT_BIAS_MAX, float(v)))
+    return out
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
@@ -108,6 +136,11 @@ class SamplingParams:
         routed_experts_prompt_start: with routed-experts replay on, leave out the routing of the
             first this many prompt tokens (vLLM's field: a multi-turn caller that has them from
             an earlier turn); in ``[0, prompt length]``, checked by the engine.
+        logit_bias: OpenAI's ``logit_bias``: ``{token id: bias}`` added to that token's logit
+            before sampling (after the structured-output mask, with ``min_tokens``, before the
+            penalties: vLLM's ``LogitBiasLogitsProcessor``); each bias clipped to [-100, 100]
+            as vLLM's ``SamplingParams.from_optional`` does; ids checked against the vocabulary
+            by the engine. Raw logprobs do not see it (vLLM's rule); processed ones do.
     """
 
     n: int = 1
@@ -132,8 +165,11 @@ class SamplingParams:
     stream_interval: int | None = None
     lora_int_id: int = 0
     routed_experts_prompt_start: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = clip_logit_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -147,7 +183,8 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def validate(self) -> None:
-        """Check every field's range.
+        """Check every field's range (``logit_bias`` is checked and clipped when set:
+        :func:`clip_logit_bias`).
 
         Raises:
             InvalidRequestError: naming the field and the allowed range.

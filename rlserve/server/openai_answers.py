@@ -65,11 +65,14 @@ def _answer(rid: str, obj: str, created: int, model: str, choices: list[dict], f
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[dict], usage: dict, fingerprint: str | None,
-                  prompt_token_ids: list[int] | None, weight_version: str | None, weight_versions: list[str]) -> dict:
-    """A non-streamed chat answer (vLLM's ``ChatCompletionResponse``: ``prompt_logprobs``,
-    ``prompt_text``, ``kv_transfer_params``, ``ec_transfer_params``, ``metrics`` null) plus
-    rlserve's ``weight_version`` / ``weight_versions``."""
-    return dict(_answer(rid, "chat.completion", created, model, choices, fingerprint, usage), prompt_logprobs=None,
+                  prompt_token_ids: list[int] | None, weight_version: str | None, weight_versions: list[str],
+                  prompt_logprobs: list | None = None) -> dict:
+    """A non-streamed chat answer (vLLM's ``ChatCompletionResponse``: ``prompt_text``,
+    ``kv_transfer_params``, ``ec_transfer_params``, ``metrics`` null; ``prompt_logprobs`` null
+    unless given: vLLM's ``echo`` with ``top_logprobs``) plus rlserve's ``weight_version`` /
+    ``weight_versions``."""
+    return dict(_answer(rid, "chat.completion", created, model, choices, fingerprint, usage),
+                prompt_logprobs=prompt_logprobs,
                 prompt_token_ids=prompt_token_ids, prompt_text=None, kv_transfer_params=None, ec_transfer_params=None,
                 metrics=None, weight_version=weight_version, weight_versions=weight_versions)
 
@@ -81,3 +84,18 @@ def completion_response(rid: str, created: int, model: str, choices: list[dict],
     ``weight_versions``."""
     return dict(_answer(rid, "text_completion", created, model, choices, fingerprint, usage), kv_transfer_params=None,
                 ec_transfer_params=None, metrics=None, weight_version=weight_version, weight_versions=weight_versions)
+
+
+def chat_echo(body) -> str:
+    """vLLM's chat ``echo``: the last message's content (text parts joined by newlines) when its
+    role is the answer's (``assistant``, or with ``add_generation_prompt: false`` the last
+    message's own role, which then always matches), else ``""``; ``""`` without ``echo``."""
+    if not body.echo or not body.messages:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    if last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)

@@ -3,7 +3,8 @@
 
 Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
 
-* request: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+* request: ``logit_bias`` (OpenAI's), ``echo`` (completions: with ``max_tokens: 0`` the prompt
+  alone, for prompt-only scoring; chat: vLLM's), ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``return_token_ids``, ``return_tokens_as_token_ids``,
   ``skip_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
   ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` / ``json_object``;
@@ -18,7 +19,9 @@ Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
   answers, those keys are there (null) when not asked for, and so is every other key of vLLM's
   answers (:mod:`rlserve.server.openai_answers`; streams: :mod:`rlserve.server.openai_stream`).
 
-Any other field is a 400 naming it (``code`` ``unknown_field``); ``model`` may be omitted (one
+Fields that change nothing here (OpenAI's ``metadata``, ``store`` ...) are accepted; any other
+field is a 400 naming it (``code`` ``unknown_field``), or ignored and logged with
+``--allow-unknown-fields`` (:mod:`rlserve.server.request_fields`); ``model`` may be omitted (one
 model is served).
 """
 
@@ -34,10 +37,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlserve.server.errors import APIError
 from rlserve.engine.routed_experts import encode_routed_experts
-from rlserve.server.openai_answers import answer_usage, chat_choice, chat_response, completion_choice, \
-    completion_response
+from rlserve.engine.sampling_params import clip_logit_bias
+from rlserve.errors import InvalidRequestError
+from rlserve.server.openai_answers import answer_usage, chat_choice, chat_echo, chat_response, \
+    completion_choice, completion_response
 from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from rlserve.server.request_fields import check_extra_fields
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
 
@@ -96,7 +102,25 @@ def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_l
     return state.sampling_params(
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
-        routed_experts_prompt_start=body.routed_experts_prompt_start, **body.sampler_args())
+        routed_experts_prompt_start=body.routed_experts_prompt_start, logit_bias=_logit_bias(state, body),
+        **body.sampler_args())
+
+
+def _logit_bias(state: ServerState, body) -> dict[int, float] | None:
+    """The request's ``logit_bias`` as ``{token id: bias}`` (clipped to [-100, 100] as vLLM), or
+    None. Raises APIError 400 (param ``logit_bias``): a key that is not a token id, one outside
+    ``[0, vocab_size)``, a value that is not a finite number."""
+    if not body.logit_bias:
+        return None
+    try:
+        bias = clip_logit_bias(body.logit_bias)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="logit_bias") from None
+    bad = [t for t in bias if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias: token ids out of the vocabulary [0, {state.vocab_size}): {bad[:5]}",
+                       param="logit_bias", code="invalid_token_id")
+    return bias
 
 
 def routed_b64(c) -> str | None:
@@ -106,8 +130,6 @@ def routed_b64(c) -> str | None:
 
 
 def _reject_unsupported(body) -> None:
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.n is not None and body.n < 1:
         raise APIError(400, f"n must be >= 1, got {body.n}", param="n")
 
@@ -166,10 +188,11 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         lora_id = state.lora_int_id(body.model)
         state.check_available()
         _reject_unsupported(body)
+        check_extra_fields(body, "completions", state.settings.allow_unknown_fields)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of is not supported (it must be absent or equal n)", param="best_of")
+        # vLLM's prompt-only scoring: one token is generated (and counted in usage), the prompt returned
+        echo0 = body.echo and body.max_tokens == 0
         lp_k = state.check_logprobs(body.logprobs, "logprobs")
         plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
         structured = await state.structured_outputs(body)
@@ -180,10 +203,10 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         for p, ids in zip(prompts, all_ids):
             if body.truncate_prompt_tokens is not None:
                 ids = state.truncate(ids, body.truncate_prompt_tokens)
-            max_tokens = state.check_length(len(ids), body.max_tokens)
+            max_tokens = state.check_length(len(ids), 1 if echo0 else body.max_tokens)
             prompt_lps = plp_k
-            if body.echo and lp_k is not None:
-                prompt_lps = max(prompt_lps or 0, lp_k)
+            if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
+                prompt_lps = lp_k
             params = _common_params(state, body, max_tokens, lp_k, prompt_lps, structured)
             params.lora_int_id = lora_id
             text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
@@ -193,6 +216,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         n = body.n
 
         def prompt_text(i):
+            if body.return_token_ids:  # vLLM: the prompt's ids are returned instead of its text
+                return ""
             text = items[i][0]
             return text if text is not None else state.tokenizer.decode(items[i][1])
 
@@ -218,19 +243,14 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             text0, ids, params = items[i]
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
-                text = c.text
-                lp = None
-                if body.echo:
-                    ptext = prompt_text(i)
-                    text = ptext + text
-                    if body.logprobs is not None:
-                        plps = out.prompt_logprobs or [None] * len(ids)
-                        lp = state.completion_logprobs(list(ids) + list(c.token_ids), list(plps) + list(c.logprobs or []),
-                                                       as_ids=as_ids)
-                elif body.logprobs is not None:
-                    lp = state.completion_logprobs(c.token_ids, c.logprobs, as_ids=as_ids)
+                text, lp_ids, lp_vals = c.text, list(c.token_ids), list(c.logprobs or [])
+                if body.echo:  # vLLM: the prompt (text, ids, logprobs) before the output; max_tokens 0: alone
+                    plps = list(out.prompt_logprobs or [None] * len(ids))
+                    text = prompt_text(i) + ("" if echo0 else text)
+                    lp_ids, lp_vals = (list(ids), plps) if echo0 else (list(ids) + lp_ids, plps + lp_vals)
+                lp = state.completion_logprobs(lp_ids, lp_vals, as_ids=as_ids) if body.logprobs is not None else None
                 plp = (state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
-                                                  as_ids) if body.prompt_logprobs is not None else None)
+                                                  as_ids) if params.prompt_logprobs is not None else None)
                 ret = body.return_token_ids
                 choices.append(completion_choice(
                     i * n + c.index, text, lp, c.finish_reason, c.stop_reason, list(c.token_ids) if ret else None,
@@ -248,6 +268,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         model = state.check_model(body.model)
         state.check_available()
         _reject_unsupported(body)
+        check_extra_fields(body, "chat", state.settings.allow_unknown_fields)
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         _check_tools(body)
@@ -262,7 +283,9 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             len(ids), body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         k = top_k if body.logprobs else None
-        params = _common_params(state, body, max_tokens, k, structured=structured)
+        # vLLM: echo asks for the prompt's logprobs with top_logprobs' top-k (answered as prompt_logprobs)
+        plp_k = state.check_logprobs(body.top_logprobs, "top_logprobs") if body.echo else None
+        params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -275,7 +298,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             (out,) = await unless_disconnected(raw, collect_final([gen]))
         except ClientDisconnected:
             return Response(status_code=499)
-        choices = [chat_choice(c.index, c.text,
+        echo = chat_echo(body)
+        choices = [chat_choice(c.index, echo + c.text,
                                state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
                                if body.logprobs else None, c.finish_reason, c.stop_reason,
                                list(c.token_ids) if body.return_token_ids else None,
@@ -284,6 +308,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         version, versions = weight_versions([out])
         return JSONResponse(chat_response(
             rid, created, model, choices, answer_usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),
-            system_fingerprint(state), list(ids) if body.return_token_ids else None, version, versions))
+            system_fingerprint(state), list(ids) if body.return_token_ids else None, version, versions,
+            state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
+                                       body.return_tokens_as_token_ids) if plp_k is not None else None))
 
     return router

@@ -12,7 +12,7 @@ import json
 from typing import Any, AsyncIterator
 
 from rlserve.server.errors import exception_to_error
-from rlserve.server.openai_answers import usage_json
+from rlserve.server.openai_answers import chat_echo, usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
@@ -150,8 +150,11 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                 prefix = ""
                 if first and body.echo:
                     prefix = prompt_text(i)
+                echo0 = body.echo and body.max_tokens == 0  # vLLM's prompt-only scoring: no output text
+                if echo0:
+                    delta_text = ""
                 if body.logprobs is not None:
-                    lp_ids, lp_vals = delta_ids, list((c.logprobs or [])[k0:k0 + len(delta_ids)])
+                    lp_ids, lp_vals = ([], []) if echo0 else (delta_ids, list((c.logprobs or [])[k0:k0 + len(delta_ids)]))
                     if first and body.echo:
                         plps = out.prompt_logprobs or [None] * len(ids)
                         lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
@@ -221,6 +224,10 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                 sent_role = True
                 for ch in role_chunks(getattr(out, "weight_version", None)):
                     yield ch
+                echo = chat_echo(body)
+                for i in range(n) if echo else ():  # vLLM: the echoed message, one chunk per choice
+                    yield chunks.chunk({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None,
+                                        "weight_version": getattr(out, "weight_version", None)}, len(ids), 0)
             for c in out.outputs:
                 i = c.index
                 if i in done:

@@ -4,6 +4,11 @@ Every body is strict: a field rlserve does not implement is a 400 naming it (``c
 ``unknown_field``), never silently ignored; a mistyped known field is a 400 too. The fields
 accepted are OpenAI's plus the vLLM extensions rlserve implements (vLLM's names). ``model`` may
 be left out: one model is served, and a request without ``model`` goes to it.
+
+``/v1/completions`` and ``/v1/chat/completions`` bodies keep the fields they do not declare
+(``extra="allow"``): :func:`rlserve.server.request_fields.check_extra_fields` sorts them into
+no-ops (OpenAI's ``metadata``, ``store`` ...), vLLM fields refused unless at their default, and
+unknown ones (400, or ignored and logged with ``--allow-unknown-fields``, vLLM's behaviour).
 """
 
 from __future__ import annotations
@@ -127,13 +132,17 @@ class _SamplingFields(_RouterFields, SamplerFields):
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token
-    ids, or a list of token-id lists."""
+    ids, or a list of token-id lists. ``best_of``: accepted and ignored, as vLLM 0.32 does (its
+    ``CompletionRequest`` has no such field any more: ``n`` completions are generated).
+    ``echo`` with ``max_tokens: 0``: the prompt alone is returned (prompt-only scoring), as vLLM."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None
     add_special_tokens: bool = True
@@ -171,7 +180,12 @@ class ChatTemplateFields(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
-    """``POST /v1/chat/completions`` (the chat-template fields: :class:`ChatTemplateFields`)."""
+    """``POST /v1/chat/completions`` (the chat-template fields: :class:`ChatTemplateFields`).
+    ``echo`` (vLLM's): the last message's content is put before each choice's content when
+    that message's role is the answer's (``assistant``, or the last message's own role with
+    ``add_generation_prompt: false``)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
@@ -180,6 +194,7 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     top_logprobs: Optional[int] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     add_special_tokens: bool = False
+    echo: bool = False
     # the SGLang router's (see _RouterFields): no reasoning parser, so either value does nothing
     separate_reasoning: bool = True
     stream_reasoning: bool = True

@@ -49,6 +49,9 @@ class ServerSettings:
             (``--insecure-control-routes``, default on with env ``VLLM_SERVER_DEV_MODE=1``: vLLM's
             dev mode, which `trl vllm-serve` sets); ``admin_key``, when set, still applies.
         lora_modules: ``[(name, path)]`` LoRA adapters loaded at startup (``--lora-modules``).
+        allow_unknown_fields: ``--allow-unknown-fields``: completions / chat requests with
+            fields rlserve does not know are served, the fields ignored and named in one log
+            line (vLLM's behaviour), instead of a 400 (:mod:`rlserve.server.request_fields`).
     """
 
     model: str
@@ -64,6 +67,7 @@ class ServerSettings:
     max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
     insecure_control_routes: bool = False
     lora_modules: list = dataclasses.field(default_factory=list)
+    allow_unknown_fields: bool = False
 
 
 def is_loopback(host: str) -> bool:

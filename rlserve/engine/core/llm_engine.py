@@ -235,7 +235,8 @@ class LLMEngine(EngineStep):
             params: sampling parameters (default ``SamplingParams()``).
 
         Raises:
-            InvalidRequestError: empty prompt, token id outside the vocabulary, prompt plus
+            InvalidRequestError: empty prompt, token id outside the vocabulary (prompt or
+                ``logit_bias``), prompt plus
                 ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
             ModelSleepingError: the engine is asleep (sleep mode).
         """
@@ -262,6 +263,9 @@ class LLMEngine(EngineStep):
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
                 f"and max_tokens asks for {params.max_tokens} more"
             )
+        bad = [t for t in (params.logit_bias or ()) if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias: token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         for k in (params.logprobs, params.prompt_logprobs):
             if k is not None and 0 <= self.config.max_logprobs < k:  # max_logprobs -1: no limit
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")

@@ -4,7 +4,9 @@ The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` 
 ``vllm/v1/sample/sampler.py``), applied row-wise to a ``[B, V]`` float32 logits tensor:
 
 1. **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
-   and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``).
+   and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``); **logit_bias**
+   — ``l[t] += bias[t]`` (OpenAI's field; vLLM's ``LogitBiasLogitsProcessor``, applied with
+   min_tokens before the penalties, so greedy rows see it too).
 2. **repetition penalty** — CTRL rule (Keskar et al. 2019, as in HF
    ``RepetitionPenaltyLogitsProcessor`` and vLLM ``apply_penalties``): for every token that
    appears in prompt *or* output, ``l = l / p if l > 0 else l * p``.
@@ -141,6 +143,26 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, eos_token_ids
         r = to_device(rows, torch.long, logits.device)
         t = to_device(toks, torch.long, logits.device)
         logits[r, t] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: ``logits[i, t] += params[i].logit_bias[t]`` (``[B, V]`` float32; ids
+    ``>= V`` are skipped: the engine refuses them before they get here). One host-to-device
+    copy of the (row, id, bias) triples; rows without a bias are untouched."""
+    V = logits.shape[1]
+    rows: list[int] = []
+    toks: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(meta.params):
+        for t, b in (p.logit_bias or {}).items():
+            if 0 <= t < V:
+                rows.append(i)
+                toks.append(t)
+                vals.append(b)
+    if rows:
+        idx = to_device([rows, toks], torch.long, logits.device)
+        logits.index_put_((idx[0], idx[1]), to_device(vals, torch.float32, logits.device), accumulate=True)
     return logits
 
 
@@ -303,6 +325,7 @@ class Sampler:
         V = x.shape[1]
         device = x.device
         apply_min_tokens(x, meta, self.eos_token_ids)
+        apply_logit_bias(x, meta)
         apply_penalties(x, meta)
         greedy = [p.greedy for p in params]
         greedy_tokens = x.argmax(dim=-1) if any(greedy) else None

@@ -237,7 +237,7 @@ def structured_from_request(obj: dict | None) -> StructuredOutputsParams | None:
         return None
     schema = obj.get("json")
     if schema is not None and not isinstance(schema, str):
-        schema = json.dumps(schema, sort_keys=True)
+        schema = json.dumps(schema)  # vLLM's serialisation: the properties keep their order
     choice = obj.get("choice")
     return StructuredOutputsParams(json=schema, regex=obj.get("regex"),
                                    choice=tuple(choice) if choice is not None else None,
