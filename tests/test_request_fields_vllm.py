@@ -185,6 +185,16 @@ def test_logit_bias_served(srv):
     assert chat["choices"][0]["token_ids"] == [42, 42]
 
 
+def test_logit_bias_trl_generate(srv):
+    """TRL's generation_kwargs reach vLLM's SamplingParams, logit_bias included (JSON's string
+    keys read as token ids; a bad one is a 400 naming generation_kwargs.logit_bias)."""
+    out = post(srv, "/generate/", {"prompts": ["hi"], "max_tokens": 2, "temperature": 0.0,
+                                   "generation_kwargs": {"logit_bias": {"42": 100}, "ignore_eos": True}})
+    assert out["completion_ids"] == [[42, 42]]
+    err = post(srv, "/generate/", {"prompts": ["hi"], "generation_kwargs": {"logit_bias": {"x": 1}}}, 400)["error"]
+    assert err["param"] == "generation_kwargs.logit_bias", err
+
+
 @pytest.mark.parametrize("bias,fragment", [({"x": 1}, "token ids"), ({"-3": 1}, "token ids"),
                                            ({"100000": 1}, "out of the vocabulary"),
                                            ({"5": "NaN"}, "logit_bias")])

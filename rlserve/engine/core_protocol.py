@@ -36,7 +36,7 @@ from typing import Any, Union
 
 import msgspec
 
-from rlserve.engine.sampling_params import SamplingParams
+from rlserve.engine.sampling_params import SamplingParams, clip_logit_bias
 import rlserve.errors as errors
 import rlserve.transfer.errors as terrors
 from rlserve.errors import InvalidRequestError
@@ -371,6 +371,11 @@ def params_from_fields(fields: dict[str, Any]) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in fields and fields[name] is None:
             del fields[name]
+    if fields.get("logit_bias") is not None:  # JSON's string keys as token ids (msgspec takes no str for int)
+        try:
+            fields["logit_bias"] = clip_logit_bias(fields["logit_bias"])
+        except InvalidRequestError as e:
+            raise InvalidParamsError("logit_bias", str(e)) from None
     try:
         params = msgspec.convert(fields, SamplingParams)
     except msgspec.ValidationError as e:
