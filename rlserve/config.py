@@ -111,6 +111,10 @@ class EngineConfig:
             (:mod:`rlserve.engine.core.overlap`). None (default): on for a single-process CUDA
             engine (TP=1), off elsewhere; the environment variable
             ``RLSERVE_ASYNC_SCHEDULING=0/1`` decides when this field is None.
+        batch_invariant: vLLM's batch-invariant mode (``--batch-invariant``; also on with the
+            environment variable ``VLLM_BATCH_INVARIANT=1``): a request's tokens and logprobs are
+            bitwise the same whatever else shares its steps, prefix-cache hits and chunking
+            included (:mod:`rlserve.batch_invariant`). CPU: float32 only.
         enable_return_routed_experts: every sample's final output carries ``routed_experts``,
             the expert ids its tokens were routed to (vLLM's ``--enable-return-routed-experts``;
             mixture-of-experts models only; :mod:`rlserve.engine.routed_experts`). Turns CUDA
@@ -146,6 +150,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     enable_return_routed_experts: bool = False
+    batch_invariant: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

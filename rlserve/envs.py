@@ -1,4 +1,5 @@
-"""Every ``RLSERVE_*`` environment variable rlserve reads: its name, type, default and meaning.
+"""Every ``RLSERVE_*`` environment variable rlserve reads: its name, type, default and meaning
+(and, in :data:`VLLM_VARIABLES`, the vLLM variables it honours with vLLM's meaning).
 
 vLLM's ``envs.py`` style: read a variable as ``envs.RLSERVE_X`` (``from rlserve import envs``).
 The module's ``__getattr__`` reads the environment at each access, so a value set after import
@@ -159,10 +160,17 @@ VARIABLES: dict[str, Var] = {
 }
 
 
+#: vLLM's variables that rlserve honours with vLLM's meaning (read here like the others)
+VLLM_VARIABLES: dict[str, Var] = {
+    "VLLM_BATCH_INVARIANT": Var("bool", False, _one,
+                                "'1': the batch-invariant mode, as --batch-invariant (rlserve.batch_invariant)"),
+}
+
+
 def read(name: str) -> Any:
     """The value of ``name`` now (see the module docstring). Raises KeyError for a name not
     declared here, ValueError for a value that does not parse."""
-    var = VARIABLES[name]
+    var = VARIABLES[name] if name in VARIABLES else VLLM_VARIABLES[name]
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return var.default
@@ -171,16 +179,16 @@ def read(name: str) -> Any:
 
 def is_set(name: str) -> bool:
     """Whether ``name`` (declared here) is set to a non-empty value."""
-    if name not in VARIABLES:
+    if name not in VARIABLES and name not in VLLM_VARIABLES:
         raise KeyError(name)
     return bool(os.environ.get(name))
 
 
 def __getattr__(name: str) -> Any:
-    if name in VARIABLES:
+    if name in VARIABLES or name in VLLM_VARIABLES:
         return read(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(VARIABLES))
+    return sorted(list(globals()) + list(VARIABLES) + list(VLLM_VARIABLES))

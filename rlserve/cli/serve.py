@@ -139,6 +139,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest LoRA rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512 (vLLM's values)")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="adapters to load at startup (with --enable-lora), as NAME=PATH")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant kernels: a request's tokens and logprobs are bitwise the same whatever "
+                        "else is in its batch (also on with env VLLM_BATCH_INVARIANT=1; CPU: float32 only)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped decode: launch step N+1 before reading step N's tokens (default: on for "
                         "CUDA with TP=1; env RLSERVE_ASYNC_SCHEDULING=0/1 when not given)")
@@ -163,6 +166,7 @@ def engine_config_from_args(args, model_path: str):
         enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         enable_return_routed_experts=getattr(args, "enable_return_routed_experts", False),
+        batch_invariant=getattr(args, "batch_invariant", False),
         extra={"cuda_graph_sizes": list(args.cudagraph_capture_sizes)} if getattr(
             args, "cudagraph_capture_sizes", None) else {},
     )

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.h2d import to_device
 
 
@@ -241,6 +242,8 @@ def torch_paged_attention(
         out = F.scaled_dot_product_attention(q.view(B, 1, H, D).transpose(1, 2), k_ctx, v_ctx, attn_mask=mask,
                                              scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(T, H, D)
+    if bi_mode.enabled() and q.device.type == "cpu":  # --batch-invariant: each query as a decode
+        return bi_cpu.prefill_attention(q, k_cache, v_cache, meta, scale)
     # On CPU, SDPA takes its flash kernel only for 4-D inputs with as many K/V heads as query
     # heads: 3-D inputs or ``enable_gqa`` run the math path (a materialised [H, q, S] score
     # matrix, a masked softmax, two bmm). So the K/V heads are repeated to the query heads

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
 
+from rlserve.batch_invariant import mode as bi_mode, ops as bi_ops
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
 from rlserve.layers.cpu_linear import cpu_linear, packed_linear
 from rlserve.layers.linear import UnquantizedLinearMethod
@@ -123,7 +124,9 @@ class VocabParallelEmbedding(nn.Module):
             ``[N, V]`` logits over the full vocabulary, on every TP rank (last dim contiguous;
             a view past a padded vocabulary when not float32).
         """
-        if hidden.device.type != "cpu":
+        if bi_mode.enabled():  # --batch-invariant (rlserve.batch_invariant)
+            logits = bi_ops.linear(hidden, self.weight, UnquantizedLinearMethod.packed_weight(self), bias)
+        elif hidden.device.type != "cpu":
             logits = F.linear(hidden, self.weight, bias)
         else:  # the packed copy exists after serve_as_lm_head + a load; else oneDNN on the plain weight
             packed = UnquantizedLinearMethod.packed_weight(self)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
 
+from rlserve.batch_invariant import mode as bi_mode, ops as bi_ops
 from rlserve.distributed.head_partition import attention_head_partition, divide
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
 from rlserve.layers.cpu_linear import pack_weight, packed_linear
@@ -105,6 +106,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         packed = self.packed_weight(layer)
+        if bi_mode.enabled():  # --batch-invariant: a row's bits never depend on the other rows
+            return bi_ops.linear(x, layer.weight, packed, bias)
         if packed is not None:
             return packed_linear(x, layer.weight, packed, bias)
         return F.linear(x, layer.weight, bias)

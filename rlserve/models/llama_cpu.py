@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from rlserve import envs
+from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.layers import cpu_attention, cpu_fused, fused_ops
 from rlserve.layers.activation import SiluAndMul
@@ -215,8 +216,13 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
                                                                and kc.dtype == torch.float32 and vc.dtype == kc.dtype):
         return layer(positions, hidden, residual, meta)
     hidden = hidden.contiguous()
+    if bi_mode.enabled():  # --batch-invariant: one row runs as two (rlserve.batch_invariant.cpu)
+        def lin(x, p, b, *_):
+            return bi_cpu.packed_linear(x, p, b)
+    else:
+        lin = _linear
     h, residual = _norm(ctx, layer.input_layernorm, hidden, residual)
-    qkv = _linear(h, packs[0], qkv_l.bias, "none", [], "")
+    qkv = lin(h, packs[0], qkv_l.bias, "none", [], "")
     T = qkv.shape[0]
     H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
     rope = a.rotary_emb
@@ -228,10 +234,10 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     rc = cpu_attention.call(ctx.attn_fn, q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale, ctx.nthreads)
     if rc != 0:
         o = attn.forward_cached(q, meta)
-    hidden = _linear(o, packs[1], o_l.bias, "none", [], "")
+    hidden = lin(o, packs[1], o_l.bias, "none", [], "")
     h, residual = _norm(ctx, layer.post_attention_layernorm, hidden, residual)
-    gu = _linear(h, packs[2], gu_l.bias, "none", [], "")
+    gu = lin(h, packs[2], gu_l.bias, "none", [], "")
     d = gu.shape[1] // 2
     s = torch.empty((T, d), dtype=torch.float32)
     cpu_fused.silu_mul_rows(ctx.lib, gu, s, ctx.nthreads)
-    return _linear(s, packs[3], down_l.bias, "none", [], ""), residual
+    return lin(s, packs[3], down_l.bias, "none", [], ""), residual

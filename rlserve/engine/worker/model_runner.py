@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from rlserve import envs
+from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.h2d import gather_rows, to_device
@@ -116,6 +117,11 @@ class ModelRunner:
         fn = getattr(model, "compute_logits", None)
         self._logits_kw = ({"float32": False} if fn is not None and "float32" in inspect.signature(fn).parameters
                            else {})
+        # --batch-invariant (rlserve.batch_invariant): set again before every step (execute)
+        self.batch_invariant = bi_mode.from_config(config)
+        if self.batch_invariant and device.type == "cpu":
+            bi_cpu.check_engine_supported(dtype)
+        bi_mode.set_enabled(self.batch_invariant)
         self._select_backend()
         self.use_cuda_graphs = self._want_cuda_graphs()
         # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
@@ -204,6 +210,7 @@ class ModelRunner:
             raise RuntimeError("allocate the KV cache before warming up")
         if self.device.type != "cuda":
             return 0.0
+        bi_mode.set_enabled(self.batch_invariant)
         t0 = time.perf_counter()
         for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
             meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
@@ -274,6 +281,7 @@ class ModelRunner:
             ``[len(step.logits_indices), vocab]`` logits (full vocabulary) in the model dtype
             (float32 for a model whose ``compute_logits`` has no ``float32`` argument).
         """
+        bi_mode.set_enabled(self.batch_invariant)
         lora = lora_of(self.model)
         if lora is None or not step.lora_ids:
             with cpu_microbatch.active(self.microbatches):

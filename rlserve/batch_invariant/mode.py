@@ -1,0 +1,46 @@
+"""The process-wide batch-invariant switch (``--batch-invariant``, ``VLLM_BATCH_INVARIANT=1``).
+
+The layers read :func:`enabled` at each call (one list read); the model runner sets it from
+its config before every forward step (:func:`from_config`), so two engines of one process with
+different settings each run their own mode. Nothing here imports the layers: they import this.
+"""
+
+from __future__ import annotations
+
+from rlserve import envs
+
+_ON = [False]
+
+
+def enabled() -> bool:
+    """Whether the batch-invariant kernels run in this process now."""
+    return _ON[0]
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the mode for this process; returns the previous setting."""
+    prev = _ON[0]
+    _ON[0] = bool(on)
+    return prev
+
+
+def from_config(config) -> bool:
+    """The mode an engine with ``config`` runs: ``config.batch_invariant`` (``--batch-invariant``,
+    ``LLM(batch_invariant=True)``), or the environment variable ``VLLM_BATCH_INVARIANT=1`` (vLLM's
+    switch, read through :mod:`rlserve.envs`). ``config`` may be ``None`` (the variable decides)."""
+    return bool(getattr(config, "batch_invariant", False)) or bool(envs.VLLM_BATCH_INVARIANT)
+
+
+class active:
+    """``with active(on): ...`` runs the block in mode ``on`` and restores the previous one."""
+
+    def __init__(self, on: bool):
+        self.on = bool(on)
+
+    def __enter__(self):
+        self.prev = set_enabled(self.on)
+        return self
+
+    def __exit__(self, *exc):
+        set_enabled(self.prev)
+        return False
