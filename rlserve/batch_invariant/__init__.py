@@ -7,7 +7,6 @@ repeats across runs and restarts at the same weights.
 
 - :mod:`.mode`: the switch (the model runner sets it per step from its config).
 - :mod:`.cpu`: the CPU forms (where a CPU step depended on its batch and what replaced it).
-- :mod:`.gpu`: the CUDA forms (Triton GEMM with a fixed reduction order per (N, K)).
 - :mod:`.ops`: the device dispatch the layers call.
 - :mod:`.reference`: :func:`reference_logprobs`, the trainer-side reference (HF weights in,
   rlserve's kernels in this mode): bitwise the server's logprobs; :func:`mismatch` measures

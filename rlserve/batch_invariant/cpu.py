@@ -2,7 +2,7 @@
 
 Where a CPU step's results depended on the batch (checked by experiment on the 2-core AMD EPYC
 machine, Zen 5, AVX-512, torch 2.13 / oneDNN, 2026-12-06; ``x[i:i+1] @ W`` against
-``(X @ W)[i]``, 1 and 2 threads, ``benchmarks/batch_invariant_cpu.py --probe``):
+``(X @ W)[i]``, 1 and 2 threads, ``benchmarks/batch_invariant.py probe``):
 
 - GEMMs. MKL's ``F.linear`` and oneDNN on a plain weight give a row different bits for every
   row count M >= 2 than for M = 1. oneDNN on the pre-packed weight
