@@ -117,10 +117,17 @@ def cost(args) -> None:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(res) + "\n")
     if results[False] and results[True]:
-        off = max(r["tok_per_s"] for r in results[False])
-        on = max(r["tok_per_s"] for r in results[True])
-        summary = {"shape": args.shape, "device": args.device, "best_tok_per_s_off": off, "best_tok_per_s_on": on,
-                   "cost_pct": round((off / on - 1) * 100, 1), "on_runs_identical": len(digests[True]) == 1}
+        def median(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2]
+
+        wall = {on: median([r["wall_s"] for r in results[on]]) for on in (False, True)}
+        cpu = {on: median([r["cpu_s"] for r in results[on]]) for on in (False, True)}
+        summary = {"shape": args.shape, "device": args.device, "median_wall_s_off": wall[False],
+                   "median_wall_s_on": wall[True], "wall_cost_pct": round((wall[True] / wall[False] - 1) * 100, 1),
+                   "median_cpu_s_off": cpu[False], "median_cpu_s_on": cpu[True],
+                   "cpu_cost_pct": round((cpu[True] / cpu[False] - 1) * 100, 1),
+                   "on_runs_identical": len(digests[True]) == 1}
         print("SUMMARY " + json.dumps(summary), flush=True)
         if args.json:
             with open(args.json, "a") as f:

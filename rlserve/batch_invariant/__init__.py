@@ -7,6 +7,8 @@ repeats across runs and restarts at the same weights.
 
 - :mod:`.mode`: the switch (the model runner sets it per step from its config).
 - :mod:`.cpu`: the CPU forms (where a CPU step depended on its batch and what replaced it).
+- :mod:`.gpu`: the CUDA forms (a Triton GEMM with a reduction order fixed per (N, K)).
+- :mod:`.per_query`: prefill query tokens as decode rows (the attention of both devices).
 - :mod:`.ops`: the device dispatch the layers call.
 - :mod:`.reference`: :func:`reference_logprobs`, the trainer-side reference (HF weights in,
   rlserve's kernels in this mode): bitwise the server's logprobs; :func:`mismatch` measures

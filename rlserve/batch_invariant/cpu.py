@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlserve.batch_invariant.per_query import per_query_tables
 from rlserve.layers import cpu_attention
 
 #: rows per tile of the unpacked fallback GEMM (:func:`tiled_linear`)
@@ -77,21 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     else:
         out = tiled_linear(x2, weight, bias)
     return out.reshape(*lead, out.shape[-1])
-
-
-def per_query_tables(meta) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query token of the step as its own decode "sequence": ``(block_tables [T,
-    max_blocks] int32, seq_lens [T] int32)`` on CPU, the token's sequence's table and its own
-    context length (its position + 1). Built once per step (``meta.backend_cache``)."""
-    got = meta.backend_cache.get("bi_per_query")
-    if got is None:
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(lens))], dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
-        bt = meta.block_tables.cpu().to(torch.int32).index_select(0, rows).contiguous()
-        ctx = torch.cat([torch.arange(s - int(q) + 1, s + 1, dtype=torch.int32) for q, s in zip(q_lens, lens)])
-        got = meta.backend_cache["bi_per_query"] = (bt, ctx)
-    return got
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,

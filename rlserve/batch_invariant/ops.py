@@ -1,19 +1,23 @@
-"""The batch-invariant forms the layers call when the mode is on, by device."""
+"""The batch-invariant forms the layers call when the mode is on, by device: CPU
+(:mod:`rlserve.batch_invariant.cpu`) or CUDA (:mod:`rlserve.batch_invariant.gpu`, Triton)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rlserve.batch_invariant import cpu
+from rlserve.batch_invariant import cpu, gpu
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``) whose
     rows do not depend on the other rows: CPU :func:`rlserve.batch_invariant.cpu.linear`
-    (``packed``: the layer's oneDNN packed copy or None); other devices ``F.linear`` (not
-    covered yet)."""
+    (``packed``: the layer's oneDNN packed copy or None), CUDA
+    :func:`rlserve.batch_invariant.gpu.linear` (Triton, a reduction order fixed per (N, K));
+    other devices, or CUDA without Triton, ``F.linear`` (not covered)."""
     if x.device.type == "cpu":
         return cpu.linear(x, weight, packed, bias)
+    if x.is_cuda and gpu.available() and x.dtype == weight.dtype:
+        return gpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -46,6 +46,8 @@ import os
 
 import torch
 
+from rlserve.batch_invariant import mode as bi_mode
+from rlserve.batch_invariant.per_query import per_query_meta
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
 
 try:  # Triton is optional: CPU-only installs do not have it.
@@ -215,6 +217,10 @@ def triton_paged_attention(
     if not (q.is_cuda or interpreter_enabled()):
         return torch_paged_attention(q, k_cache, v_cache, meta, scale)
     _check_cache(k_cache, v_cache)
+    if bi_mode.enabled():  # --batch-invariant: one KV split; prefill query tokens as decode rows
+        num_splits = 1
+        if meta.max_query_len > 1:
+            meta = per_query_meta(meta)
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
     if H % Hkv:

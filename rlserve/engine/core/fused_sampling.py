@@ -33,6 +33,7 @@ import random
 import torch
 
 from rlserve import envs
+from rlserve.batch_invariant import mode as bi_mode
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
@@ -59,6 +60,8 @@ def set_fused_sampler(on: bool) -> bool:
 def eligible(logits: torch.Tensor, params: list, output_token_ids: list[list[int]], vocab_size: int) -> bool:
     """Whether every row can be sampled by :func:`sample` (see the module docstring)."""
     if not (_ENABLED[0] and fused_ops.triton_enabled(logits)) or logits.shape[0] != len(params):
+        return False
+    if bi_mode.enabled():  # --batch-invariant: every batch through the general sampler
         return False
     for p, out in zip(params, output_token_ids):
         if p.logprobs or p.logit_bias or (p.min_tokens and len(out) < p.min_tokens):

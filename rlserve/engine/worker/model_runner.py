@@ -123,6 +123,9 @@ class ModelRunner:
             bi_cpu.check_engine_supported(dtype)
         bi_mode.set_enabled(self.batch_invariant)
         self._select_backend()
+        if self.batch_invariant and device.type == "cuda" and get_attention_backend() != "triton":
+            raise ValueError("--batch-invariant on CUDA needs the triton attention backend (Triton installed, "
+                             f"RLSERVE_ATTENTION_BACKEND unset or 'triton'), got {get_attention_backend()!r}")
         self.use_cuda_graphs = self._want_cuda_graphs()
         # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
         self.microbatches = None

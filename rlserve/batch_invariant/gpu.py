@@ -1,0 +1,135 @@
+"""Batch-invariant CUDA forms (Triton), used when the mode is on.
+
+- GEMM (:func:`linear`): cuBLAS picks its kernel, tiling and split-K by the row count M, so a
+  row's bits change with the batch (``benchmarks/batch_invariant.py probe --device cuda``).
+  Here one Triton kernel computes every ``x [M, K] @ W[N, K].T`` with a tile shape and a
+  K-reduction order chosen from (N, K, dtype) only (:func:`config`): each output tile sums K
+  in ``BLOCK_K`` steps from 0 upwards with ``tl.dot`` into a float32 accumulator, no split-K,
+  the bias added in float32, one rounding to the output dtype. A row's value depends on its
+  own inputs and that fixed order only, never on M or its place in the batch. Persistent:
+  ``min(tiles, SMs)`` programs walk the tiles (grouped by ``GROUP_M`` rows of tiles for L2
+  reuse), as Thinking Machines' ``batch_invariant_ops`` matmul does; the walk changes which
+  program computes a tile, not how.
+- Attention: :mod:`rlserve.layers.triton_attention` runs its decode kernel with one KV split
+  (the split count otherwise follows the batch size) and every prefill query token as a decode
+  row over its own context (:func:`rlserve.batch_invariant.per_query.per_query_meta`), so a
+  token's attention is the same in a prompt, a prefix-cache hit and a decode step, eager or
+  replayed from a CUDA graph.
+- Sampling: the one-pass fused sampler is not used (its logprob and draw differ from the
+  general sampler's, and which one a batch takes depends on its other rows).
+- RMSNorm, SiLU-mul, q/k norm + rotary (Triton, :mod:`rlserve.layers.fused_ops`): one row
+  (token) per program with a block size from the hidden size only: unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    HAS_TRITON = False
+
+
+def available() -> bool:
+    """Whether :func:`linear` can run (Triton importable)."""
+    return HAS_TRITON
+
+
+def config(N: int, K: int, dtype: torch.dtype) -> dict:
+    """The kernel's tile shape for a GEMM of ``N`` outputs and depth ``K`` in ``dtype``: a pure
+    function of (N, K, dtype), never of M (that is the invariance). 16-bit inputs: 64 x 128 x
+    64 tiles (128 x 128 for N >= 8192, the LM head and wide MLPs); float32 (tests, the
+    interpreter): 32 x 32 x 32."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+    if N >= 8192:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
+                          stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
+                          num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """``c[M, N] = a[M, K] @ w[N, K].T (+ bias[N])``: persistent programs over output tiles;
+        each tile reduces K from 0 upwards in BLOCK_K steps (the fixed order)."""
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        tiles = num_m * num_n
+        in_group = GROUP_M * num_n
+        for tile in range(pid, tiles, num_programs):
+            group = tile // in_group
+            first_m = group * GROUP_M
+            group_m = tl.minimum(num_m - first_m, GROUP_M)
+            pid_m = first_m + (tile % in_group) % group_m
+            pid_n = (tile % in_group) // group_m
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
+                            mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+                w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                            mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                     acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with a reduction order fixed per (N, K, dtype): ``x [..., K]``
+    and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on one CUDA device (or CPU under
+    ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in ``x.dtype``. float32 uses
+    IEEE products (no TF32).
+
+    Raises:
+        ValueError: dtypes differ, or ``weight`` is not 2-D with ``K`` columns.
+    """
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1])
+    M, K = a.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    cfg = dict(config(N, K, x.dtype))
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    programs = min(tiles, _num_sms(x.device))
+    _bi_matmul_kernel[(programs,)](
+        a, weight, out, bias if bias is not None else out, M, N, K,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), programs,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages, **cfg)
+    return out.reshape(*lead, N)

@@ -1,0 +1,82 @@
+"""The batch-invariant mode's CUDA forms on CPU, through Triton's interpreter
+(``TRITON_INTERPRET=1``; rlserve/batch_invariant/gpu.py, the attention hooks of
+rlserve/layers/triton_attention.py): the Triton GEMM's rows and the attention of a token do
+not depend on the rest of the batch, bit for bit. float32 only (the interpreter has no bf16
+matmul); tests/gpu/test_batch_invariant_gpu.py runs the compiled kernels in bf16."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
+
+for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.layers.triton_attention",
+              "rlserve.batch_invariant.gpu"):
+    if _name in sys.modules:  # built without the interpreter: rebuild
+        importlib.reload(sys.modules[_name])
+from rlserve.batch_invariant import gpu as bi_gpu, mode as bi_mode  # noqa: E402
+from rlserve.layers import triton_attention as ta  # noqa: E402
+from rlserve.layers.attention import AttentionMetadata, torch_paged_attention  # noqa: E402
+from tests.attention_cases import make_paged_case  # noqa: E402
+
+
+@pytest.mark.parametrize("K,N,bias", [(96, 80, True), (40, 33, False)])
+def test_triton_gemm_rows_do_not_depend_on_the_row_count(K, N, bias):
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(70, K, generator=g)
+    one = torch.cat([bi_gpu.linear(x[i:i + 1], w, b) for i in range(70)])
+    for m in (2, 5, 33, 70):
+        assert torch.equal(bi_gpu.linear(x[:m], w, b), one[:m]), m
+    assert torch.equal(bi_gpu.linear(x[9:40], w, b), one[9:40])  # another place in the batch
+    # float32 IEEE products summed over K <= 96 terms: within 1e-5 of torch's sum order
+    torch.testing.assert_close(one, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert bi_gpu.linear(x[:0], w, b).shape == (0, N)
+    with pytest.raises(ValueError, match="does not take inputs of 40 features"):
+        bi_gpu.linear(torch.zeros(2, 40), torch.zeros(3, 41))
+
+
+def test_config_depends_on_n_k_and_dtype_only():
+    assert bi_gpu.config(1024, 3072, torch.bfloat16) == bi_gpu.config(1024, 3072, torch.bfloat16)
+    assert bi_gpu.config(151936, 1024, torch.bfloat16)["BLOCK_N"] == 128
+    assert "M" not in str(bi_gpu.config.__code__.co_varnames[:bi_gpu.config.__code__.co_argcount])
+
+
+def test_attention_of_a_token_is_the_same_in_every_kind_of_step():
+    """A prompt in one prefill, in two chunks (the second over the cached first), next to
+    another prompt, and each of its tokens as a decode step alone or among other decode rows:
+    the same bits with the mode on (and the torch reference's values up to float32 rounding)."""
+    H, Hkv, D, bs, n = 4, 2, 16, 4, 37
+    q, kc, vc, meta = make_paged_case([n], [n], H, Hkv, D, bs, torch.float32, spare_blocks=12)
+    table = meta.block_tables[0].tolist()
+    others = [10 + i for i in range(3)]  # spare blocks: a neighbour's context
+    with bi_mode.active(True):
+        whole = ta.triton_paged_attention(q, kc, vc, meta, 0.25)
+        a = ta.triton_paged_attention(q[:11], kc, vc, AttentionMetadata.build([11], [11], [table], bs), 0.25)
+        b = ta.triton_paged_attention(q[11:], kc, vc, AttentionMetadata.build([n - 11], [n], [table], bs), 0.25)
+        two = ta.triton_paged_attention(torch.cat([q[:5], q]), kc, vc,
+                                        AttentionMetadata.build([5, n], [12, n], [others, table], bs), 0.25)
+        dec = {}
+        for t in (0, 3, 36):
+            alone = ta.triton_paged_attention(q[t:t + 1], kc, vc, AttentionMetadata.build([1], [t + 1], [table], bs),
+                                              0.25)
+            many = ta.triton_paged_attention(torch.cat([q[:6], q[t:t + 1]]), kc, vc, AttentionMetadata.build(
+                [1] * 7, [12] * 6 + [t + 1], [others] * 6 + [table], bs), 0.25)
+            dec[t] = (alone[0], many[6])
+    assert torch.equal(torch.cat([a, b]), whole)
+    assert torch.equal(two[5:], whole)
+    for t, (alone, many) in dec.items():
+        assert torch.equal(alone, whole[t]) and torch.equal(many, whole[t]), t
+    ref = torch_paged_attention(q, kc, vc, meta, 0.25)
+    torch.testing.assert_close(whole, ref, atol=2e-6, rtol=1e-5)  # as test_triton_interpret's fp32 bound
+
+
+def test_without_the_mode_the_split_plan_follows_the_batch():
+    """The control: with the mode off a decode row's split count (hence its bits) depends on
+    the batch size; the mode pins it to one split."""
+    assert ta.plan_num_splits(1, 2, 512, torch.device("cpu")) > ta.plan_num_splits(64, 2, 512, torch.device("cpu"))
