@@ -22,12 +22,13 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.layers import cpu_attention
 from rlserve.layers.attention import AttentionMetadata
 from rlserve.layers.cpu_linear import pack_weight
+from tests.batch_invariant_cases import assert_same as _assert_same, check_among_neighbours, random_prompt as _prompt, \
+    tokens_and_logprobs as _tokens_and_logprobs
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU paged attention C kernel does not build")
 
 WIDE = dict(intermediate_size=2048, max_position_embeddings=512)
-VOCAB_LO, VOCAB_HI = 3, 300  # ids of the tiny tokenizers (~330 tokens), special ids 0-2 left out
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +39,6 @@ def smollm_wide(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(smollm_wide):
     return LLM(smollm_wide, dtype="float32", device="cpu", batch_invariant=True, max_num_seqs=64)
-
-
-def _prompt(rng: random.Random, lo: int = 4, hi: int = 90) -> list[int]:
-    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randrange(lo, hi))]
-
-
-def _tokens_and_logprobs(out) -> tuple[list[int], torch.Tensor]:
-    """The sample's token ids and its sampled tokens' logprobs as float32 (exact: the engine's
-    float32 values went through Python floats)."""
-    o = out.outputs[0]
-    return o.token_ids, torch.tensor([d[t] for d, t in zip(o.logprobs, o.token_ids)], dtype=torch.float32)
-
-
-def _assert_same(a, b):
-    assert a[0] == b[0]
-    assert torch.equal(a[1], b[1]), (a[1] - b[1]).abs().max()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
@@ -118,16 +103,8 @@ def test_prefill_attention_equals_each_token_decoded_alone_and_chunked():
 
 def test_greedy_request_alone_equals_it_among_random_neighbours(llm):
     rng = random.Random(1)
-    target = _prompt(rng, 30, 31)
-    alone = _tokens_and_logprobs(llm.generate([target], GREEDY)[0])
-    for n in (1, 2, 5, 13, 32):
-        prompts = [_prompt(rng) for _ in range(n)]
-        at = rng.randrange(n + 1)
-        prompts.insert(at, target)
-        params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(2, 16), logprobs=0, ignore_eos=True)
-                  for _ in prompts]
-        params[at] = GREEDY
-        _assert_same(_tokens_and_logprobs(llm.generate(prompts, params)[at]), alone)
+    check_among_neighbours(llm, _prompt(rng, 30, 31), GREEDY, lambda r, i: SamplingParams(
+        temperature=0.0, max_tokens=r.randrange(2, 16), logprobs=0, ignore_eos=True), (1, 2, 5, 13, 32), rng)
 
 
 def test_seeded_request_repeats_among_neighbours_and_after_a_restart(smollm_wide, llm):

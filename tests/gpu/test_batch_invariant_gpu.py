@@ -16,6 +16,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from rlserve import LLM, SamplingParams  # noqa: E402
 from rlserve.batch_invariant import BatchInvariantReference, gpu as bi_gpu, mismatch, reference_logprobs  # noqa: E402
+from tests.batch_invariant_cases import assert_same as _same, tokens_and_logprobs as _tl  # noqa: E402
+from tests.batch_invariant_cases import check_among_neighbours, random_prompt  # noqa: E402
 from tests.gpu.report import write_report  # noqa: E402
 
 WIDE = dict(hidden_size=256, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
@@ -32,20 +34,6 @@ def path(tiny_model):
 @pytest.fixture(scope="module")
 def llm(path):
     return LLM(path, **KW)
-
-
-def _prompt(rng, lo=4, hi=120):
-    return [rng.randrange(3, 300) for _ in range(rng.randrange(lo, hi))]
-
-
-def _tl(out):
-    o = out.outputs[0]
-    return o.token_ids, torch.tensor([d[t] for d, t in zip(o.logprobs, o.token_ids)], dtype=torch.float32)
-
-
-def _same(a, b):
-    assert a[0] == b[0]
-    assert torch.equal(a[1], b[1]), (a[1] - b[1]).abs().max()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
@@ -70,36 +58,31 @@ def test_triton_gemm_rows_do_not_depend_on_m(K, N):
 
 def test_request_alone_equals_it_among_1_to_255_neighbours(llm):
     rng = random.Random(0)
-    target = _prompt(rng, 60, 61)
-    alone = _tl(llm.generate([target], GREEDY)[0])
-    alone_seeded = _tl(llm.generate([target], SEEDED)[0])
-    for n in (1, 7, 64, 255):
-        prompts = [_prompt(rng) for _ in range(n)]
-        at = rng.randrange(n + 1)
-        prompts.insert(at, target)
-        params = [SamplingParams(temperature=rng.choice([0.0, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=i,
-                                 max_tokens=rng.randrange(2, 24), logprobs=0, ignore_eos=True) for i in range(n + 1)]
-        params[at] = GREEDY
-        _same(_tl(llm.generate(prompts, params)[at]), alone)
-        params[at] = SEEDED
-        _same(_tl(llm.generate(prompts, params)[at]), alone_seeded)
+    target = random_prompt(rng, 60, 61)
+
+    def neighbour(r, i):
+        return SamplingParams(temperature=r.choice([0.0, 1.0]), top_p=r.choice([1.0, 0.9]), seed=i,
+                              max_tokens=r.randrange(2, 24), logprobs=0, ignore_eos=True)
+
+    for params in (GREEDY, SEEDED):
+        check_among_neighbours(llm, target, params, neighbour, (1, 7, 64, 255), rng, hi=120)
 
 
 def test_prefix_hit_and_eager_equal_graphs(path, llm):
     rng = random.Random(1)
-    target = _prompt(rng, 70, 71)
+    target = random_prompt(rng, 70, 71)
     alone = _tl(llm.generate([target], GREEDY)[0])
     llm.generate([target[:48] + [5, 6]], GREEDY)  # three blocks of 16 cached
     _same(_tl(llm.generate([target], GREEDY)[0]), alone)
     eager = LLM(path, enforce_eager=True, **{**KW, "max_num_seqs": 8, "num_kv_blocks": 256})
     _same(_tl(eager.generate([target], GREEDY)[0]), alone)
-    prompts = [_prompt(rng) for _ in range(5)] + [target]
+    prompts = [random_prompt(rng, 4, 120) for _ in range(5)] + [target]
     _same(_tl(eager.generate(prompts, GREEDY)[5]), alone)
 
 
 def test_reference_logprobs_equal_the_servers(path, llm):
     rng = random.Random(2)
-    prompts = [_prompt(rng) for _ in range(32)]
+    prompts = [random_prompt(rng, 4, 120) for _ in range(32)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randrange(4, 32), logprobs=0) for i in range(32)]
     outs = llm.generate(prompts, params)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
