@@ -12,6 +12,7 @@ import sys
 
 from rlserve import envs
 from rlserve.cli._help import HelpFormatter
+from rlserve.cli.tool_flags import add_tool_args, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import add_vllm_compat_args, check_vllm_compat_args
 
 logger = logging.getLogger("rlserve.serve")
@@ -248,6 +249,7 @@ def register(subparsers) -> None:
                         "thread: on a thread of the server process (debugging; env RLSERVE_ENGINE_MODE)")
     add_engine_args(p)
     add_vllm_compat_args(p)
+    add_tool_args(p)
     p.set_defaults(func=run)
 
 
@@ -327,7 +329,7 @@ def run(args) -> int:
     from rlserve.errors import RLServeError
 
     model_arg = args.model_flag or args.model or "default"
-    problem = check_vllm_compat_args(args)
+    problem = check_vllm_compat_args(args) or check_tool_args(args)
     if problem is None and args.lora_modules and not args.enable_lora:
         problem = "--lora-modules needs --enable-lora"
     if problem is not None:
@@ -373,7 +375,7 @@ def run(args) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
         lora_modules=list(args.lora_modules or []),
-        allow_unknown_fields=args.allow_unknown_fields,
+        allow_unknown_fields=args.allow_unknown_fields, **tool_settings(args),
     )
     if settings.admin_key is None and not is_loopback(args.host):
         if settings.insecure_control_routes:

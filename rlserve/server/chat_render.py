@@ -4,6 +4,7 @@ conversation to exactly the same prompt."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rlserve.server.errors import APIError
@@ -13,7 +14,8 @@ from rlserve.server.template_pool import TemplateError, apply_chat_template, tem
 def chat_message_dicts(messages: list) -> list[dict]:
     """:class:`~rlserve.server.protocol.ChatMessage` objects as the plain dicts a chat template
     reads: list contents may only hold text parts (joined without a separator, as vLLM does for
-    text-only content); extra keys of a message are kept.
+    text-only content; a ``tool`` message's by newlines); extra keys of a message are kept;
+    an assistant's ``tool_calls`` / ``reasoning`` as vLLM passes them (:func:`_assistant_fields`).
 
     Raises:
         APIError 400: a non-text content part (``param`` ``messages.<i>.content``).
@@ -28,13 +30,48 @@ def chat_message_dicts(messages: list) -> list[dict]:
                     raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
                                    param=f"messages.{i}.content")
                 texts.append(part.text)
-            content = "".join(texts)
+            content = ("\n" if m.role == "tool" else "").join(texts)  # vLLM joins a tool result's parts by lines
         msg = dict(m.model_extra or {})
         msg.update(role=m.role, content=content if content is not None else "")
         if m.name is not None:
             msg["name"] = m.name
+        if m.role == "assistant":
+            _assistant_fields(msg, i)
         rendered.append(msg)
     return rendered
+
+
+def _assistant_fields(msg: dict, i: int) -> None:
+    """An assistant message as vLLM 0.32 hands it to the template: each tool call's
+    ``arguments`` a dict (a JSON string parsed; one that is not a JSON object becomes ``{}``,
+    so a bad turn in the history cannot fail every later request), empty ``tool_calls``
+    dropped, ``reasoning`` also given as ``reasoning_content``.
+
+    Raises:
+        APIError 400: a tool call that is not an object of type ``function`` with a
+            ``function`` object (``param`` ``messages.<i>.tool_calls``).
+    """
+    if msg.get("reasoning") is not None:
+        msg["reasoning_content"] = msg["reasoning"]
+    calls = msg.get("tool_calls")
+    if not isinstance(calls, list):
+        return
+    if not calls:
+        del msg["tool_calls"]
+        return
+    msg["tool_calls"] = calls = [dict(c) if isinstance(c, dict) else c for c in calls]
+    for c in calls:
+        if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
+            raise APIError(400, "chat completions only support assistant tool_calls of type 'function'.",
+                           param=f"messages.{i}.tool_calls")
+        fn = c["function"] = dict(c["function"])
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        fn["arguments"] = args if isinstance(args, dict) else {}
 
 
 def template_error(e: TemplateError, chat_template: str | None, param: str = "messages") -> APIError:

@@ -24,25 +24,35 @@ def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
             "completion_tokens": completion_tokens}
 
 
-def answer_usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """``usage`` of a non-streamed answer: the counts plus vLLM's ``prompt_tokens_details`` and
-    ``completion_tokens_details`` (null: no cached-token or reasoning-token details)."""
+def answer_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """``usage`` of a non-streamed answer: the counts plus vLLM's ``prompt_tokens_details`` (null)
+    and ``completion_tokens_details`` (``{"reasoning_tokens": n}`` with a reasoning parser, as
+    vLLM; else null)."""
     return dict(usage_json(prompt_tokens, completion_tokens), prompt_tokens_details=None,
-                completion_tokens_details=None)
+                completion_tokens_details=None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens})
 
 
-def chat_message(content: str) -> dict:
+def chat_message(content: str | None, reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
     """A chat choice's ``message`` (vLLM's ``ChatMessage``, ``tool_calls`` dropped when empty as
-    its serializer does): the assistant's text and the fields rlserve never fills, null."""
-    return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-            "function_call": None, "reasoning": None}
+    its serializer does): the assistant's text, its ``tool_calls`` (``[{"id", "type",
+    "function": {"name", "arguments"}}]``) and ``reasoning`` (vLLM 0.32's key; it sends no
+    ``reasoning_content``) from :mod:`rlserve.server.chat_output`, the fields rlserve never
+    fills null."""
+    msg = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+           "function_call": None}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    msg["reasoning"] = reasoning
+    return msg
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason, stop_reason,
+def chat_choice(index: int, content: str | dict, logprobs: dict | None, finish_reason, stop_reason,
                 token_ids: list[int] | None, weight_version: str | None, routed_experts: str | None = None) -> dict:
     """One choice of a non-streamed chat answer (vLLM's ``ChatCompletionResponseChoice``;
+    ``content``: the text, or :func:`chat_message`'s keyword arguments when a parser split it;
     ``routed_experts``: base64 ``.npy`` with replay on, else null) plus rlserve's ``weight_version``."""
-    return {"index": index, "message": chat_message(content), "logprobs": logprobs, "finish_reason": finish_reason,
+    message = chat_message(**content) if isinstance(content, dict) else chat_message(content)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": routed_experts,
             "weight_version": weight_version}
 

@@ -9,8 +9,10 @@ Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
   ``skip_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
   ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` / ``json_object``;
   OpenAI's ``response_format`` too), ``add_special_tokens``; completions: ``prompt_logprobs``;
-  chat: ``chat_template``, ``chat_template_kwargs``, ``tools`` with ``tool_choice: "none"``
-  (rendered into the prompt by the template; no tool-call parsing).
+  chat: ``chat_template``, ``chat_template_kwargs``, ``tools`` / ``tool_choice`` /
+  ``parallel_tool_calls`` (rendered into the prompt by the template; with
+  ``--tool-call-parser`` the calls are parsed out of the answer and ``required`` / named ones
+  forced: :mod:`rlserve.server.chat_tools`, :mod:`rlserve.server.chat_output`).
 * response: ``weight_version`` (on the response and on every choice: the weights that
   produced the last token), ``weight_versions`` (every version seen while generating: more
   than one when a request spanned an update), ``stop_reason``; with ``return_token_ids``:
@@ -35,6 +37,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rlserve.server.chat_output import ChatOutputConfig
+from rlserve.server.chat_tools import check_tools, forced_spec
 from rlserve.server.errors import APIError
 from rlserve.engine.routed_experts import encode_routed_experts
 from rlserve.engine.sampling_params import clip_logit_bias
@@ -134,18 +138,6 @@ def _reject_unsupported(body) -> None:
         raise APIError(400, f"n must be >= 1, got {body.n}", param="n")
 
 
-def _check_tools(body) -> None:
-    """``tools`` are rendered into the prompt by the chat template; rlserve parses no tool calls
-    out of the output, so only ``tool_choice: "none"`` (what TRL sends) is accepted with them."""
-    if body.tool_choice is not None and body.tool_choice != "none":
-        raise APIError(400, f"tool_choice {body.tool_choice!r} is not supported: rlserve parses no tool calls; "
-                            "send tool_choice \"none\" to have the tools rendered into the prompt",
-                       param="tool_choice")
-    if body.tools and body.tool_choice is None:
-        raise APIError(400, "tools need tool_choice \"none\": rlserve renders the tools into the prompt but parses "
-                            "no tool calls out of the output", param="tool_choice")
-
-
 def _normalize_prompts(prompt) -> list:
     """``prompt`` field → list of str | list[int]."""
     if isinstance(prompt, str):
@@ -160,6 +152,8 @@ def _normalize_prompts(prompt) -> list:
 def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
     """The /v1 routes, behind ``dependencies`` (the API-key check)."""
     router = APIRouter(dependencies=dependencies)
+    st = state.settings
+    outputs = ChatOutputConfig(st.tool_call_parser, st.reasoning_parser, st.enable_auto_tool_choice, state.tokenizer)
 
     @router.get("/v1/models")
     async def list_models():
@@ -271,11 +265,14 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         check_extra_fields(body, "chat", state.settings.allow_unknown_fields)
         if not body.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        _check_tools(body)
+        tool_choice = check_tools(body, outputs)
         if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
+        forced = forced_spec(body, outputs, tool_choice)
+        if forced is not None:
+            structured = await state.compile_structured(forced, "tool_choice")
         ids = await state.tokenize_chat(body.messages, body.chat_template_args(), "messages", body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:
             ids = state.truncate(ids, body.truncate_prompt_tokens)
@@ -287,27 +284,45 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         plp_k = state.check_logprobs(body.top_logprobs, "top_logprobs") if body.echo else None
         params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
+        if outputs.skip_special_tokens(body.tools, tool_choice) is not None:
+            params.skip_special_tokens = outputs.skip_special_tokens(body.tools, tool_choice)
+        parsers = [outputs.parser(body.tools, tool_choice, body.chat_template_kwargs, body.include_reasoning)
+                   for _ in range(body.n)] \
+            if outputs.active else None
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         gen = state.generate(ids, params, rid, "chat", stream=body.stream)
         if body.stream:
             return StreamingResponse(
-                stream_chat(state, body, ids, rid, created, model, usage_options(body.stream_options), gen, top_k),
+                stream_chat(state, body, ids, rid, created, model, usage_options(body.stream_options), gen, top_k,
+                            parsers),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             (out,) = await unless_disconnected(raw, collect_final([gen]))
         except ClientDisconnected:
             return Response(status_code=499)
         echo = chat_echo(body)
-        choices = [chat_choice(c.index, echo + c.text,
-                               state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
-                               if body.logprobs else None, c.finish_reason, c.stop_reason,
-                               list(c.token_ids) if body.return_token_ids else None,
-                               getattr(out, "weight_version", None), routed_b64(c))
-                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices, reasoning_tokens = [], None
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            content, finish = echo + c.text, c.finish_reason
+            if parsers is not None:  # tool calls / reasoning split out of the text (the token ids stay whole)
+                content, finish = parsers[c.index].message(c.text, c.finish_reason)
+                if body.echo:  # vLLM prepends the echo to the parsed content
+                    content["content"] = echo + (content["content"] or "")
+                content["tool_calls"] = content["tool_calls"][:1] if body.parallel_tool_calls is False \
+                    else content["tool_calls"]
+                if outputs.reasoning_cls is not None:
+                    reasoning_tokens = (reasoning_tokens or 0) + parsers[c.index].reasoning_tokens(c.token_ids)
+            hide = parsers is not None and not body.include_reasoning  # vLLM: no logprobs / ids showing the reasoning
+            choices.append(chat_choice(
+                c.index, content, state.chat_logprobs(c.token_ids, c.logprobs, top_k, body.return_tokens_as_token_ids)
+                if body.logprobs and not hide else None, finish, c.stop_reason,
+                list(c.token_ids) if body.return_token_ids and not hide else None,
+                getattr(out, "weight_version", None), routed_b64(c)))
         version, versions = weight_versions([out])
         return JSONResponse(chat_response(
-            rid, created, model, choices, answer_usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),
+            rid, created, model, choices,
+            answer_usage(len(ids), sum(len(c.token_ids) for c in out.outputs), reasoning_tokens),
             system_fingerprint(state), list(ids) if body.return_token_ids else None, version, versions,
             state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
                                        body.return_tokens_as_token_ids) if plp_k is not None else None))

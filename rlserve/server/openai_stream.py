@@ -109,10 +109,13 @@ class _Chunks:
         ch.update(extra)
         return sse(ch)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
-        """The last chunk of a stream with ``include_usage``: no choices, the request's usage."""
-        return sse(dict(self.base, choices=[], usage=usage_json(prompt_tokens, completion_tokens),
-                        system_fingerprint=self.fingerprint))
+    def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> str:
+        """The last chunk of a stream with ``include_usage``: no choices, the request's usage
+        (with ``completion_tokens_details.reasoning_tokens`` when counted)."""
+        u = usage_json(prompt_tokens, completion_tokens)
+        if reasoning_tokens is not None:
+            u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return sse(dict(self.base, choices=[], usage=u, system_fingerprint=self.fingerprint))
 
 
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
@@ -186,8 +189,23 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     yield SSE_DONE
 
 
+def _parsed_delta(parser, body, delta_text, delta_ids, prompt_ids, finish):
+    """``(delta, finish_reason)`` of one chunk through a choice's output parser; delta None:
+    no chunk (the parser holds the text back and nothing else must go out)."""
+    delta = parser.delta(delta_text, delta_ids, prompt_ids, finished=finish is not None)
+    if delta is None:
+        if finish is None and (not (body.logprobs or body.return_token_ids) or not body.include_reasoning):
+            return None, finish
+        delta = {}
+    if body.parallel_tool_calls is False and delta.get("tool_calls"):
+        delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
+        if not delta["tool_calls"]:
+            del delta["tool_calls"]
+    return delta, parser.finish_reason(finish) if finish is not None else None
+
+
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model,
-                      usage: tuple[bool, bool], gen, top_k: int = 0) -> AsyncIterator[str]:
+                      usage: tuple[bool, bool], gen, top_k: int = 0, parsers: list | None = None) -> AsyncIterator[str]:
     """SSE chunks of a chat stream: a role chunk per choice first, then a chunk per choice per
     engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
     :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
@@ -198,12 +216,19 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
     rlserve's ``weight_version`` on every choice. ``usage`` (:func:`usage_options`): with
     ``include_usage`` a last chunk with the usage and no choices; no ``usage`` key on the
-    others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens)."""
+    others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens). ``parsers``: a
+    :class:`~rlserve.server.chat_output.ChatOutputParser` per choice (tool calls / reasoning
+    flags on), fed each delta; its delta replaces ``{"content": text}``, a delta it holds back
+    sends no chunk (unless the choice finishes or the chunk carries logprobs or token ids),
+    and the usage chunk gains ``completion_tokens_details.reasoning_tokens``; with
+    ``include_reasoning: false`` no reasoning, logprobs or token ids go out (vLLM's rule)."""
     n = body.n
     sent_text = [0] * n
     sent_toks = [0] * n
     done: set[int] = set()
     completion_tokens = 0
+    reasoning_tokens = None
+    hide = parsers is not None and not body.include_reasoning  # vLLM: no logprobs / ids that show the reasoning
     chunks = _Chunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
                      chat=True)
 
@@ -241,21 +266,29 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     continue
                 sent_text[i] = len(c.text)
                 sent_toks[i] = len(c.token_ids)
-                choice = {"index": i, "delta": {"content": delta_text},
+                finish = c.finish_reason
+                delta = {"content": delta_text}
+                if parsers is not None:
+                    delta, finish = _parsed_delta(parsers[i], body, delta_text, delta_ids, ids, finish)
+                    if delta is None:
+                        continue
+                    if finish is not None and parsers[i].cfg.reasoning_cls is not None:
+                        reasoning_tokens = (reasoning_tokens or 0) + parsers[i].reasoning_tokens(c.token_ids)
+                choice = {"index": i, "delta": delta,
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
                                                           top_k, body.return_tokens_as_token_ids)
-                          if body.logprobs else None,
-                          "finish_reason": c.finish_reason}
+                          if body.logprobs and not hide else None,
+                          "finish_reason": finish}
                 if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only
                     choice["stop_reason"] = c.stop_reason
                     done.add(i)
-                choice["token_ids"] = delta_ids if body.return_token_ids else None
+                choice["token_ids"] = delta_ids if body.return_token_ids and not hide else None
                 choice["weight_version"] = getattr(out, "weight_version", None)
                 yield chunks.chunk(choice, len(ids), sent_toks[i])
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         if usage[0]:
-            yield chunks.usage(len(ids), completion_tokens)
+            yield chunks.usage(len(ids), completion_tokens, reasoning_tokens)
     except Exception as e:  # noqa: BLE001
         err = exception_to_error(e)
         yield sse(err.body())

@@ -63,8 +63,8 @@ class _RouterFields(_Body):
     request it forwards, accepted only at the value that means what rlserve does anyway
     (anything else is a 400 ``invalid_value``): ``no_stop_trim: false`` (stop strings are
     trimmed: ``include_stop_str_in_output`` is rlserve's switch), ``return_hidden_states: false``;
-    chat also sends ``separate_reasoning`` / ``stream_reasoning``, which only act with a
-    reasoning parser (rlserve has none): any boolean."""
+    chat also sends ``separate_reasoning`` / ``stream_reasoning``: any boolean, ignored (vLLM
+    has neither; ``--reasoning-parser`` always separates the reasoning)."""
 
     no_stop_trim: Literal[False] = False
     return_hidden_states: Literal[False] = False
@@ -193,9 +193,11 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one tool call (forced and parsed)
+    include_reasoning: bool = True  # false (with --reasoning-parser): no reasoning, logprobs or token ids
     add_special_tokens: bool = False
     echo: bool = False
-    # the SGLang router's (see _RouterFields): no reasoning parser, so either value does nothing
+    # the SGLang router's (see _RouterFields): either value does nothing (vLLM has no such fields)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 

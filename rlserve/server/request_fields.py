@@ -38,8 +38,6 @@ NOOP_FIELDS: dict[str, str] = {
 }
 #: chat only, accepted with any value and ignored (on completions they are unknown, as in vLLM)
 CHAT_NOOP_FIELDS: dict[str, str] = {
-    "parallel_tool_calls": "OpenAI's: how many tool calls an answer may hold (rlserve parses none)",
-    "include_reasoning": "vLLM's: reasoning in the answer (no reasoning parser here)",
     "media_io_kwargs": "vLLM's multimodal loading options (text models only here)",
     "mm_processor_kwargs": "vLLM's multimodal processor options (text models only here)",
 }

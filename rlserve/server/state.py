@@ -52,6 +52,8 @@ class ServerSettings:
         allow_unknown_fields: ``--allow-unknown-fields``: completions / chat requests with
             fields rlserve does not know are served, the fields ignored and named in one log
             line (vLLM's behaviour), instead of a 400 (:mod:`rlserve.server.request_fields`).
+        tool_call_parser / reasoning_parser / enable_auto_tool_choice: vLLM's flags of those
+            names (:mod:`rlserve.server.chat_output`).
     """
 
     model: str
@@ -68,6 +70,9 @@ class ServerSettings:
     insecure_control_routes: bool = False
     lora_modules: list = dataclasses.field(default_factory=list)
     allow_unknown_fields: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 def is_loopback(host: str) -> bool:

