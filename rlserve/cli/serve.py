@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -26,20 +27,25 @@ def _device_ids(value: str) -> list[int]:
 
 
 def _int_at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+    """An argparse type: an integer >= ``minimum`` (:func:`rlserve.envs.int_at_least`; argparse
+    names the flag before the message)."""
     def parse(value: str) -> int:
         try:
-            n = int(value)
+            return envs.int_at_least(value, "the value", minimum)
         except ValueError:
-            n = minimum - 1
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}")
-        return n
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}") from None
     return parse
 
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+
+
+def _device(value: str) -> str:
+    """``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (what the engine takes)."""
+    if value == "auto" or value == "cpu" or re.fullmatch(r"cuda(:\d+)?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -88,13 +94,21 @@ def _json_object(value: str) -> dict:
     return obj
 
 
+def _one_line_error(parser: argparse.ArgumentParser):
+    """``parser.error`` that prints one ``PROG: error: MESSAGE`` line and exits 2, without
+    argparse's usage (``rlserve serve``'s is ~50 lines; the message already names the flag)."""
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (see `{parser.prog} --help`)\n")
+    return error
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags (vLLM's names), shared with other subcommands that start an engine."""
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, "
                                                    "the checkpoint's 16-bit dtype on GPU)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy = random weights of the right shapes")
     g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output; default: the model's max_position_embeddings, at most "
@@ -181,6 +195,7 @@ def register(subparsers) -> None:
                     "control routes, /metrics.",
         formatter_class=HelpFormatter,
     )
+    p.error = _one_line_error(p)
     p.add_argument("model", nargs="?", default=None, help="model directory or 'default'")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     s = p.add_argument_group("server")
@@ -340,9 +355,11 @@ def run(args) -> int:
         return 2
     try:
         if args.weight_transfer_config is not None:
+            from rlserve.config import resolve_device
             from rlserve.transfer.server.manager import check_transfer_config
 
-            check_transfer_config(args.weight_transfer_config, args.weight_staging)
+            check_transfer_config(args.weight_transfer_config, args.weight_staging,
+                                  device=resolve_device(args.device).type)
         model_path = _resolve_model(model_arg)
         config = engine_config_from_args(args, model_path)
         _check_device(config)

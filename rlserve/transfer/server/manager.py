@@ -54,7 +54,7 @@ import logging
 import time
 import uuid
 
-from rlserve.errors import ModelUnavailableError, WeightUpdateStateError
+from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
 from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
 from rlserve.transfer.server.liveness import PeerLiveness, StoreLiveness
@@ -89,14 +89,20 @@ _ERRORS = {
 }
 
 
-def check_transfer_config(transfer_config: dict | None, staging: str = "none") -> dict:
+def check_transfer_config(transfer_config: dict | None, staging: str = "none", device: str | None = None) -> dict:
     """``--weight-transfer-config`` and ``--weight-staging`` checked (``rlserve serve`` calls
-    this before any engine starts; :class:`WeightTransferManager` again). Returns a copy of
-    the config.
+    this before any engine starts, with ``device``; :class:`WeightTransferManager` again).
+    Returns a copy of the config.
+
+    Args:
+        device: the engine's device type (``"cpu"``, ``"cuda"``), when known: nccl and ipc
+            need CUDA.
 
     Raises:
-        ValueError: an unknown key, a backend not in ``BACKENDS``, a staging mode not in
-            ``STAGING_MODES``, ``direct_receive`` / ``trainer_liveness`` not a boolean.
+        ValueError: an unknown key, a backend not in ``BACKENDS`` or not for ``device``, a
+            staging mode not in ``STAGING_MODES``, ``direct_receive`` / ``trainer_liveness``
+            not a boolean, an init_info default (``timeout_s``, ``packed*``) that
+            ``/init_weight_transfer_engine`` would refuse (the same check, its message).
     """
     cfg = dict(transfer_config or {})
     unknown = set(cfg) - _CONFIG_KEYS
@@ -109,6 +115,14 @@ def check_transfer_config(transfer_config: dict | None, staging: str = "none") -
     for key in ("direct_receive", "trainer_liveness"):
         if not isinstance(cfg.get(key, True), bool):
             raise ValueError(f"weight transfer config: {key} must be true or false, got {cfg[key]!r}")
+    if device == "cpu" and cfg.get("backend") in ("nccl", "ipc"):
+        raise ValueError(f"weight transfer backend {cfg['backend']!r} moves CUDA tensors; this server runs on "
+                         "--device cpu: use {\"backend\": \"gloo\"}")
+    defaults = {k: v for k, v in cfg.items() if k in _INIT_DEFAULT_KEYS}
+    try:  # a placeholder peer: only the defaults are under test
+        InitInfo.from_dict({"backend": "gloo", "master_port": 1, **defaults})
+    except WeightUpdateError as e:
+        raise ValueError("weight transfer config: " + str(e).removeprefix("init_info.")) from None
     return cfg
 
 
