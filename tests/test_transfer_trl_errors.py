@@ -71,3 +71,30 @@ def test_update_named_param_after_the_trl_group_was_torn_down_is_409(llama_path)
         _wait_trl_error(srv.url)
         err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
         assert err["code"] == "no_transfer_engine" and "cancelled by shutdown_weight_transfer_engine" in err["message"]
+
+
+def test_close_communicator_after_a_failed_init_is_a_clean_200(llama_path):
+    """P33 (issue 33's leftover): ``/close_communicator/`` after an ``/init_communicator/`` whose
+    rendezvous failed (no trainer joined within ``timeout_s``) answered the init's own error as
+    a 500 (``WeightTransferFailedError: wait timeout``). Now a 200 no-op naming that failure;
+    the server serves and a new init works. Fails before (500)."""
+    with InProcessServer(llama_path, transfer_config={"backend": "gloo", "timeout_s": 1}) as srv:
+        r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": free_port(),
+                                                              "world_size": 2}, timeout=T)
+        assert r.status_code == 200, r.text
+        assert "wait timeout" in _wait_trl_error(srv.url)  # nobody joined: the init failed
+        r = httpx.post(srv.url + "/close_communicator/", timeout=T)
+        assert r.status_code == 200, r.text
+        msg = r.json()["message"]
+        assert msg.startswith("no communicator to close: the last /init_communicator/ failed (") and "wait timeout" in msg
+        info = httpx.get(srv.url + "/weight_info", timeout=T).json()
+        assert info["trl"]["error"] is None and info["state"] == "uninitialized" and info["weight_version"] == "0"
+        # a second close: nothing recorded any more, the ordinary no-op
+        assert httpx.post(srv.url + "/close_communicator/", timeout=T).json() == {
+            "message": "Request received, closing communicator"}
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=T)
+        assert r.status_code == 200, r.text
+        trl = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=60)  # a trainer that joins
+        trl.init_communicator()
+        wait_for_state(srv.url, "ready", T)
+        trl.close_communicator()

@@ -190,6 +190,7 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         self._trl_worker: asyncio.Task | None = None
         self._trl_init_task: asyncio.Task | None = None
         self._trl_error: BaseException | None = None
+        self._trl_init_error: BaseException | None = None  # the last failed TRL init's (close: a no-op)
         self._trl_pending = 0  # update_named_param calls queued or running
         restarter = getattr(aengine, "restarter", None)  # rlserve.engine.front.core_restart
         if restarter is not None:

@@ -73,7 +73,7 @@ class TRLRoutes:
             await self.init_engine(info)
         except BaseException as e:  # noqa: BLE001 - reported on the next TRL call
             logger.error("TRL init_communicator failed: %s", e)
-            self._trl_error = e
+            self._trl_error = self._trl_init_error = e
 
     def _raise_trl_error(self) -> None:
         if self._trl_error is not None:
@@ -188,7 +188,15 @@ class TRLRoutes:
         """TRL ``/close_communicator/``: flush pending updates, then leave the group. A
         start / update / finish session still open on that group fails as under
         ``/shutdown_weight_transfer_engine`` (its pause is released; in place with something
-        loaded, 503 until a full update)."""
+        loaded, 503 until a full update). After an ``/init_communicator/`` that failed (no
+        trainer joined, a cancelled rendezvous) there is no group: a 200 no-op whose message
+        names that failure (it answered 500 / 504, the init's own error, before)."""
+        e = self._trl_error
+        if e is not None and e is self._trl_init_error and self._init is None and self._session is None \
+                and not self._trl_pending:
+            self._trl_error = None
+            return {"message": f"no communicator to close: the last /init_communicator/ failed "
+                               f"({type(e).__name__}: {e})"}
         err = None
         try:
             await self.trl_flush()
