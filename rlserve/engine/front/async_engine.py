@@ -182,6 +182,13 @@ class AsyncEngine(PauseControl, WeightsControl):
         """True while every replica runs (its thread, or its engine-core process)."""
         return self._closed is None and all(r.alive for r in self._replicas)
 
+    def is_restarting(self) -> bool:
+        """True while a dead replica's engine core is being (or about to be) restarted: the
+        server is open, restarts are on and the restarter has not given up (``/health`` says
+        ``restarting``, not ``dead``)."""
+        return (self._closed is None and self.restarter is not None and self.restarter.gave_up is None
+                and not all(r.alive for r in self._replicas))
+
     def dead_reason(self) -> str | None:
         """Why :meth:`is_alive` is False (None while alive)."""
         if self._closed is not None:
