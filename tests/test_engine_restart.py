@@ -192,3 +192,45 @@ def test_weight_routes_answer_503_engine_dead_while_the_core_is_down():
     body = json.loads(r.body)
     assert body["error"]["code"] == "engine_dead"
     assert body["error"]["message"] == "the engine-core process exited (being restarted)"
+
+
+@pytest.mark.slow
+def test_restart_while_asleep_keeps_the_sleep(long_llama):
+    """P33: an engine core that dies while the server sleeps comes back asleep (the old code
+    started it awake while the server said asleep: ``/wake_up`` answered 409 ``not_sleeping``
+    and generation stayed paused). Level 1: the trained weights offloaded in the dead process
+    are lost: after the wake 503 ``weights_lost`` until a complete sync, then exactly that
+    sync's weights. Level 2 with nothing synced: the wake reloads the checkpoint and serves it
+    under the checkpoint's label, token for token as the fresh server (the level-2 promise)."""
+    hf = load_hf(long_llama, seed=1)
+    want = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]
+    with ServerProcess(long_llama, *ARGS, "--enable-sleep-mode", startup_timeout_s=600) as srv:
+        url = srv.url
+        fresh = _generate(url).json()
+        assert fresh["weight_version"] == "0"
+        v1 = _sync(url, hf)
+        assert _generate(url).json()["completion_ids"] == want
+
+        # level 1
+        assert httpx.post(url + "/sleep", params={"level": 1}, timeout=T).status_code == 200
+        _seconds, health = _kill_and_wait_back(url)
+        assert health.status_code == 200, health.text  # asleep: healthy, just asleep
+        assert httpx.get(url + "/is_sleeping", timeout=T).json() == {"is_sleeping": True}
+        _error(_generate(url), "model_sleeping")
+        r = httpx.post(url + "/wake_up", timeout=T)
+        assert r.status_code == 200 and r.json()["is_sleeping"] is False, r.text
+        assert f"version {v1}" in _error(_generate(url), "weights_lost")
+        v2 = _sync(url, hf)
+        out = _generate(url).json()
+        assert out["weight_version"] == v2 != v1 and out["completion_ids"] == want
+
+        # level 2, nothing synced while asleep
+        assert httpx.post(url + "/sleep", params={"level": 2}, timeout=T).status_code == 200
+        _seconds, health = _kill_and_wait_back(url)
+        assert health.status_code == 200, health.text
+        assert httpx.get(url + "/is_sleeping", timeout=T).json() == {"is_sleeping": True}
+        r = httpx.post(url + "/wake_up", timeout=T)
+        assert r.status_code == 200 and r.json()["is_sleeping"] is False, r.text
+        out = _generate(url).json()
+        assert out["weight_version"] == "0" and out["completion_ids"] == fresh["completion_ids"]
+        assert httpx.get(url + "/server_info", timeout=T).json()["engine_restarts"]["restarts"] == 2

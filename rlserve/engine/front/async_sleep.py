@@ -11,6 +11,9 @@
    pause are aborted too (nothing could run them until the wake);
 4. every replica releases its memory (``core_sleep``).
 
+An engine core restarted while asleep is put to the same sleep before it serves
+(:meth:`AsyncSleep.adopt_restarted`).
+
 ``wake_up(tags)`` takes the tags' memory back on every replica; once nothing sleeps, requests
 are accepted again and generation resumes (unless it was paused before the sleep: that pause
 stays). The weights after a level-2 sleep (``AsyncEngine.weights``,
@@ -207,6 +210,33 @@ class AsyncSleep:
         logger.info("wake_up(%s) in %.2f s%s", ", ".join(asleep), self.totals["last_wake_up_s"],
                     "" if self.is_sleeping() else ": awake")
         return self.info()
+
+    async def adopt_restarted(self, index: int, new, swap) -> None:
+        """An engine-core restart (:class:`~rlserve.engine.front.core_restart.CoreRestarter`)
+        while asleep: the new core (awake, the checkpoint loaded) is put to the sleep in force
+        -- the same level, the tags the server woke already woken -- before ``swap()`` puts it
+        in service, so the server stays asleep as its clients were told (a trainer that put it
+        to sleep for the GPU memory gets it back once the restart loaded). Awake: just
+        ``swap()``. What the wake serves: a level-1 wake copies the new core's offloaded
+        checkpoint back; a level-2 wake reloads it only where nothing was written since the
+        sleep (:attr:`WeightState.reload_ok`); the weight state decides the label or the 503.
+
+        Raises:
+            what the new core's ``core_sleep`` / ``core_wake_up`` raised (the restart then fails).
+        """
+        async with self._get_lock():
+            if self.is_sleeping():
+                level = self.level or 1
+                info = await asyncio.wrap_future(new.call(_CALL + "core_sleep", level))
+                awake = [t for t in TAGS if self.state[t] is None]
+                if awake:  # level 2: the weights stay "needing a refill" on the core, as the others'
+                    info = await asyncio.wrap_future(new.call(_CALL + "core_wake_up", awake, False))
+                if index < len(self.replicas):
+                    self.replicas[index] = info
+            swap()
+            if self.is_sleeping() and self.level == 2 and self.aengine.weights.valid:
+                # the new core's checkpoint was discarded by its sleep: as after sleep(level=2)
+                self.aengine.lose_weights(LEVEL2_LOST, WEIGHTS_LOST, reload_ok=True)
 
     async def before_weight_sync(self) -> None:
         """Called by the weight-sync manager before an update may write weights (with its own

@@ -20,9 +20,13 @@ Bounded: at most ``max_restarts`` restarts within ``window_s`` seconds. The next
 window (a crash loop), or a restart that fails to start, leaves the replica dead: every request
 then answers 503 ``engine_dead`` with :attr:`CoreRestarter.gave_up` as the reason.
 
-Not handled: a restart while asleep (sleep mode) -- the new core is awake while the server's
-sleep state says asleep; the next ``/wake_up`` finds it awake and the state follows (409
-``not_sleeping``), generation stays paused until ``/resume``.
+A restart while asleep (sleep mode) keeps the server asleep: the new core is put to the same
+sleep before it is swapped in (:meth:`~rlserve.engine.front.async_sleep.AsyncSleep.adopt_restarted`),
+and ``/wake_up`` then wakes it as any other. The weights it serves after the wake: level 1, the
+trained weights (offloaded in the dead process) are lost: 503 ``weights_lost`` until a complete
+sync (or the checkpoint, opt-in); level 2 with nothing written since the sleep, the checkpoint
+(the level-2 promise: the sleep, not the restart, discarded the trained weights); level 2 after
+a partial refill, 503 ``weights_lost`` until a complete sync (the refill died with the process).
 """
 
 from __future__ import annotations
@@ -149,7 +153,11 @@ class CoreRestarter:
                        "served" if aeng.weights.valid else f"503 {aeng.weights.code} until a complete sync")
 
     async def _swap_async(self, old, new) -> None:
-        self._swap(old, new)
+        sleep = getattr(self.aengine, "sleep_mode", None)
+        if sleep is None:
+            self._swap(old, new)
+        else:  # asleep: the new core sleeps too before it is swapped in
+            await sleep.adopt_restarted(old.index, new, lambda: self._swap(old, new))
 
     def _swap(self, old, new) -> None:
         """The weights' state first (a request after the swap sees it), then the new replica in."""
@@ -177,6 +185,8 @@ class CoreRestarter:
         w = aeng.weights
         if w.valid and w.version == w.checkpoint_version:
             return  # the checkpoint was served: the new core serves the same weights
+        if not w.valid and w.reload_ok:
+            return  # asleep at level 2, nothing written: the wake reloads the checkpoint, as promised
         if self.serve_checkpoint and aeng.num_replicas == 1:
             aeng.checkpoint_reloaded()
             logger.warning("serving the checkpoint after the restart, as version %s (--serve-checkpoint-after-restart)",
