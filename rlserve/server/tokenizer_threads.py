@@ -2,8 +2,10 @@
 runs off the event loop, which serves every other request and stream of the process.
 
 Two threads, each with its own tokenizer: a Hugging Face fast tokenizer used from two threads
-at once can fail with "Already borrowed" (the reason vLLM has one tokenizer executor), so the
-second thread encodes with a copy. Text of :data:`LONG_TEXT_CHARS` characters or more goes to
+at once can fail with "Already borrowed" (an encode that changes its truncation / padding
+settings borrows the Rust tokenizer mutably; the reason vLLM has one tokenizer executor), so
+each thread encodes with a copy of its own, and the server's tokenizer stays with the threads
+that decode (the event loop, the engine replicas' output processing). Text of :data:`LONG_TEXT_CHARS` characters or more goes to
 the second thread: encoding the longest allowed prompt (``max_model_len`` x the longest
 vocabulary string, e.g. 32,768 x 256 characters) takes seconds, and on one thread every short
 request that came after it waited that long for its first token. The Rust tokenizer releases
@@ -26,13 +28,13 @@ class TokenizerThreads:
     """The short-text and long-text tokenizer threads of one server.
 
     Args:
-        tokenizer: the server's tokenizer (used on the short-text thread; the long-text thread
-            makes a ``copy.deepcopy`` of it on its first use).
+        tokenizer: the server's tokenizer (each thread makes a ``copy.deepcopy`` of it on its
+            first use; other threads use it as it is).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._long_tokenizer = None
+        self._copies: dict[bool, object] = {}  # long-text thread? -> its copy
         self._local = threading.local()
         self._short: ThreadPoolExecutor | None = None
         self._long: ThreadPoolExecutor | None = None
@@ -46,20 +48,26 @@ class TokenizerThreads:
                                                     initializer=self._mark_long)
                 return self._long
             if self._short is None:
-                self._short = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer")
+                self._short = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer",
+                                                 initializer=self._mark_short)
             return self._short
 
     def _mark_long(self) -> None:
         self._local.long = True
 
+    def _mark_short(self) -> None:
+        self._local.long = False
+
     def current(self):
-        """The tokenizer of the calling thread: the copy on the long-text thread, else the
-        server's."""
-        if getattr(self._local, "long", False):
-            if self._long_tokenizer is None:
-                self._long_tokenizer = copy.deepcopy(self.tokenizer)
-            return self._long_tokenizer
-        return self.tokenizer
+        """The tokenizer of the calling thread: on a tokenizer thread its own copy (made on the
+        thread's first call), elsewhere the server's."""
+        long = getattr(self._local, "long", None)
+        if long is None:
+            return self.tokenizer
+        tok = self._copies.get(long)
+        if tok is None:
+            tok = self._copies[long] = copy.deepcopy(self.tokenizer)
+        return tok
 
     async def run(self, fn, *args, chars: int = 0):
         """``fn(*args)`` on the short-text thread, or on the long-text one when ``chars`` (the
