@@ -96,15 +96,23 @@ def completion_response(rid: str, created: int, model: str, choices: list[dict],
                 ec_transfer_params=None, metrics=None, weight_version=weight_version, weight_versions=weight_versions)
 
 
+def chat_answer_role(body) -> str:
+    """The role of a chat answer's message, as vLLM's ``get_chat_request_role``: ``assistant``,
+    or with ``add_generation_prompt: false`` the last message's own role (the answer continues
+    that message)."""
+    if body.add_generation_prompt or not body.messages:
+        return "assistant"
+    return body.messages[-1].role
+
+
 def chat_echo(body) -> str:
     """vLLM's chat ``echo``: the last message's content (text parts joined by newlines) when its
-    role is the answer's (``assistant``, or with ``add_generation_prompt: false`` the last
-    message's own role, which then always matches), else ``""``; ``""`` without ``echo``."""
+    role is the answer's (:func:`chat_answer_role`: with ``add_generation_prompt: false`` always),
+    else ``""``; ``""`` without ``echo``."""
     if not body.echo or not body.messages:
         return ""
     last = body.messages[-1]
-    role = "assistant" if body.add_generation_prompt else last.role
-    if last.role != role or not last.content:
+    if last.role != chat_answer_role(body) or not last.content:
         return ""
     if isinstance(last.content, str):
         return last.content

@@ -43,7 +43,7 @@ from rlserve.server.errors import APIError
 from rlserve.engine.routed_experts import encode_routed_experts
 from rlserve.engine.sampling_params import clip_logit_bias
 from rlserve.errors import InvalidRequestError
-from rlserve.server.openai_answers import answer_usage, chat_choice, chat_echo, chat_response, \
+from rlserve.server.openai_answers import answer_usage, chat_answer_role, chat_choice, chat_echo, chat_response, \
     completion_choice, completion_response
 from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -280,8 +280,9 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             len(ids), body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         k = top_k if body.logprobs else None
-        # vLLM: echo asks for the prompt's logprobs with top_logprobs' top-k (answered as prompt_logprobs)
-        plp_k = state.check_logprobs(body.top_logprobs, "top_logprobs") if body.echo else None
+        # vLLM: echo asks for the prompt's logprobs with top_logprobs' top-k (vLLM's default 0: the
+        # prompt tokens' own), answered as the response's prompt_logprobs
+        plp_k = (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
         params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         if outputs.skip_special_tokens(body.tools, tool_choice) is not None:
@@ -319,6 +320,9 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                 if body.logprobs and not hide else None, finish, c.stop_reason,
                 list(c.token_ids) if body.return_token_ids and not hide else None,
                 getattr(out, "weight_version", None), routed_b64(c)))
+        role = chat_answer_role(body)
+        for ch in choices:
+            ch["message"]["role"] = role
         version, versions = weight_versions([out])
         return JSONResponse(chat_response(
             rid, created, model, choices,

@@ -12,7 +12,7 @@ import json
 from typing import Any, AsyncIterator
 
 from rlserve.server.errors import exception_to_error
-from rlserve.server.openai_answers import chat_echo, usage_json
+from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
@@ -123,8 +123,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
     tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`_Chunks`). A choice's
     keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
-    ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``,
-    else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
+    ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``
+    or ``echo``, else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
     rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
     for: vLLM refuses ``prompt_logprobs`` with ``stream``). ``usage`` (:func:`usage_options`):
     with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
@@ -169,7 +169,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                 sent_toks[idx] = len(c.token_ids)
                 choice = {"index": idx, "text": prefix + delta_text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                          "prompt_token_ids": list(ids) if body.return_token_ids and first else None,
+                          # vLLM: the first chunk of an echo carries the prompt's ids too
+                          "prompt_token_ids": list(ids) if (body.return_token_ids or body.echo) and first else None,
                           "token_ids": delta_ids if body.return_token_ids else None,
                           "weight_version": getattr(out, "weight_version", None)}
                 if first and body.prompt_logprobs is not None:
@@ -210,7 +211,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
     :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
     ``return_token_ids``, else null) and ``prompt_text`` (null), its choice ``index``,
-    ``delta`` (``{"role": "assistant", "content": ""}``), ``logprobs``, ``finish_reason``; a
+    ``delta`` (``{"role": ROLE, "content": ""}``: :func:`chat_answer_role`), ``logprobs``,
+    ``finish_reason``; with ``echo``, a chunk per choice with the echoed message next; a
     content choice ``index``, ``delta`` (``{"content": text}``), ``logprobs``,
     ``finish_reason``, ``token_ids`` (the delta's ids with ``return_token_ids``, else null), and
     ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
@@ -233,11 +235,11 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                      chat=True)
 
     def role_chunks(version):
-        """The choices' ``{"role": "assistant", "content": ""}`` deltas. As vLLM, sent with the
+        """The choices' ``{"role": ROLE, "content": ""}`` deltas. As vLLM, sent with the
         engine's first output (the first token is ready), not on arrival: a client timing the
         first chunk (``vllm bench serve``'s TTFT) measures the prefill."""
         prompt_ids = list(ids) if body.return_token_ids else None
-        return [chunks.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [chunks.chunk({"index": i, "delta": {"role": chat_answer_role(body), "content": ""}, "logprobs": None,
                               "finish_reason": None, "weight_version": version}, len(ids), 0,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 

