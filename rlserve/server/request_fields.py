@@ -57,7 +57,7 @@ DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
     "priority": ((0, None), "priority scheduling is not implemented (first come, first served)"),
     "return_token_offsets": ((False, None), "return_token_offsets is not implemented"),
     "repetition_detection": ((None,), "repetition_detection is not implemented"),
-    "thinking_token_budget": ((None,), "thinking_token_budget is not implemented (no reasoning parser)"),
+    "thinking_token_budget": ((None,), "thinking_token_budget is not implemented"),
 }
 #: chat only, as :data:`DEFAULT_ONLY_FIELDS`
 CHAT_DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
