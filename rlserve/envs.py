@@ -109,6 +109,10 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_ATTENTION_BACKEND": Var("str | None", None, _str,
                                      "attention backend: 'triton' or 'torch' (default: extra['attention_backend'], "
                                      "else triton where Triton runs, else torch)"),
+    "RLSERVE_MOE_BACKEND": Var("str | None", None, _str,
+                               "mixture-of-experts expert path: 'triton' (fused-MoE kernel; default on CUDA), "
+                               "'grouped_mm' (torch._grouped_mm, bf16 on sm90) or 'loop' (one GEMM pair per "
+                               "expert; default on CPU)"),
     "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "

@@ -34,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import Parameter
 
+from rlserve import envs
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from rlserve.layers import moe_kernels
+from rlserve.layers.fp8 import FP8_DTYPE, dequantize_per_row, fp8_linear_emulated, quantize_per_row
 from rlserve.loader.weight_utils import check_float
 
 
@@ -54,9 +57,34 @@ def _silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gu[..., :d]) * gu[..., d:]
 
 
+def _expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                 mlp) -> torch.Tensor:
+    """``sum_k w[t, k] * mlp(e_tk, x_t)``: tokens sorted by expert, ``mlp(e, rows [n, H]) -> [n, H]``
+    once per expert that got tokens, accumulated per token in ascending expert order (one host
+    sync for the per-expert counts)."""
+    T, K = topk_ids.shape
+    out = torch.zeros_like(x)
+    if T == 0:
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    flat_w = topk_weights.reshape(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start:start + n]
+        start += n
+        tok = rows // K
+        y = mlp(e, x.index_select(0, tok)) * flat_w.index_select(0, rows).unsqueeze(1)
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
 def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' weighted sum, one GEMM pair per expert that got tokens.
+    """The routed experts' weighted sum, one GEMM pair per expert that got tokens (the CPU path).
 
     Args:
         x: ``[T, H]`` activations. w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (same dtype as ``x``).
@@ -66,25 +94,50 @@ def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         ``[T, H]`` in ``x``'s dtype: ``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
         accumulated per token in ascending expert order (Hugging Face's order).
     """
-    T, K = topk_ids.shape
-    out = torch.zeros_like(x)
-    if T == 0:
-        return out
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    flat_w = topk_weights.reshape(-1)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = order[start:start + n]
-        start += n
-        tok = rows // K
-        h = _silu_and_mul(F.linear(x.index_select(0, tok), w13[e]))
-        y = F.linear(h, w2[e]) * flat_w.index_select(0, rows).unsqueeze(1)
-        out.index_add_(0, tok, y)
-    return out
+    return _expert_loop(x, topk_weights, topk_ids, w13.shape[0],
+                        lambda e, xe: F.linear(_silu_and_mul(F.linear(xe, w13[e])), w2[e]))
+
+
+def experts_fp8_emulated(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+    """fp8 experts without fp8 tensor cores (CPU): :func:`experts_grouped` with every GEMM an
+    :func:`rlserve.layers.fp8.fp8_linear_emulated` (activations quantized per row, float32
+    product of the fp8 values, both scales): the function the Triton kernel computes with fp8
+    weights. ``w13`` / ``w2`` float8_e4m3fn, ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32."""
+    def mlp(e, xe):
+        h = _silu_and_mul(fp8_linear_emulated(xe, w13[e], w13_scale[e]))
+        return fp8_linear_emulated(h, w2[e], w2_scale[e])
+
+    return _expert_loop(x, topk_weights, topk_ids, w13.shape[0], mlp)
+
+
+def experts_auto(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert path for ``x``'s device (:envvar:`RLSERVE_MOE_BACKEND` overrides): on CUDA the
+    fused-MoE Triton kernel (:func:`rlserve.layers.moe_kernels.experts_triton`; no host sync, CUDA
+    graphs capture it), ``grouped_mm`` PyTorch's grouped GEMM (bf16, sm90), ``loop`` one GEMM pair
+    per expert (a host sync per layer: no CUDA graphs); on CPU the loop. fp8 weights (with their
+    scales) take the Triton kernel on CUDA and :func:`experts_fp8_emulated` elsewhere.
+
+    Raises:
+        ValueError: an unknown ``RLSERVE_MOE_BACKEND``.
+    """
+    backend = envs.RLSERVE_MOE_BACKEND
+    if backend not in (None, "triton", "grouped_mm", "loop"):
+        raise ValueError(f"RLSERVE_MOE_BACKEND must be 'triton', 'grouped_mm' or 'loop', got {backend!r}")
+    triton_ok = moe_kernels.triton_runs_on(x.device.type)
+    if backend is None:
+        backend = "triton" if x.is_cuda and triton_ok else "loop"
+    if w13_scale is not None:  # fp8: the Triton kernel where it runs, else the emulation
+        if backend != "loop" and triton_ok:
+            return moe_kernels.experts_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return experts_fp8_emulated(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if backend == "grouped_mm" and x.is_cuda:
+        return moe_kernels.experts_grouped_mm(x, w13, w2, topk_weights, topk_ids)
+    if backend == "triton" and triton_ok:
+        return moe_kernels.experts_triton(x, w13, w2, topk_weights, topk_ids)
+    return experts_grouped(x, w13, w2, topk_weights, topk_ids)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -150,7 +203,8 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 layer_id: int, params_dtype: torch.dtype | None = None, reduce_results: bool = True):
+                 layer_id: int, params_dtype: torch.dtype | None = None, reduce_results: bool = True,
+                 quant_config=None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         if intermediate_size % self.tp_size:
@@ -162,14 +216,23 @@ class FusedMoE(nn.Module):
         self.i_part = intermediate_size // self.tp_size
         self.layer_id, self.reduce_results = layer_id, reduce_results
         dtype = params_dtype or torch.get_default_dtype()
-        self.w13_weight = Parameter(torch.empty(num_experts, 2 * self.i_part, hidden_size, dtype=dtype),
+        # online fp8 (``--quantization fp8``): fp8 weights, one float32 scale per (expert, output row)
+        self.fp8 = getattr(quant_config, "name", None) == "fp8"
+        wdtype = FP8_DTYPE if self.fp8 else dtype
+        self.w13_weight = Parameter(torch.empty(num_experts, 2 * self.i_part, hidden_size, dtype=wdtype),
                                     requires_grad=False)
-        self.w2_weight = Parameter(torch.empty(num_experts, hidden_size, self.i_part, dtype=dtype),
+        self.w2_weight = Parameter(torch.empty(num_experts, hidden_size, self.i_part, dtype=wdtype),
                                    requires_grad=False)
+        self.w13_weight_scale = self.w2_weight_scale = None
+        if self.fp8:
+            self.w13_weight_scale = Parameter(torch.ones(num_experts, 2 * self.i_part, dtype=torch.float32),
+                                              requires_grad=False)
+            self.w2_weight_scale = Parameter(torch.ones(num_experts, hidden_size, dtype=torch.float32),
+                                             requires_grad=False)
         self.capture: RoutedExpertsCapture | None = None
-        # the expert computation, :func:`experts_grouped`'s contract: the seam where a GPU grouped
-        # GEMM kernel goes (tested against :func:`experts_reference`, tests/gpu/test_moe_gpu.py)
-        self.experts_fn = experts_grouped
+        # the expert computation, :func:`experts_grouped`'s contract plus the fp8 scales
+        # (:func:`experts_auto`: the Triton kernel on CUDA, the loop on CPU)
+        self.experts_fn = experts_auto
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -177,7 +240,11 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize)
         if self.capture is not None:
             self.capture.record(self.layer_id, ids)
-        out = self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids)
+        if self.fp8:
+            out = self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids,
+                                  self.w13_weight_scale, self.w2_weight_scale)
+        else:
+            out = self.experts_fn(x, self.w13_weight, self.w2_weight, weights, ids)
         if self.reduce_results and self.tp_size > 1:
             out = tp_all_reduce(out)
         return out
@@ -223,27 +290,37 @@ class FusedMoE(nn.Module):
             raise ValueError(f"experts.{'' if expert is None else f'{expert}.'}{proj}: shape {list(shape)} != "
                              f"expected {list(full)}")
         if shape == tuple(dst.shape):
-            dst.copy_(loaded)
+            local = loaded
+        else:
+            p, r = self.i_part, self.tp_rank
+            if expert is None and proj == "gate_up_proj":  # [E, 2I, H]: this rank's gate rows, then its up rows
+                I = self.intermediate_size
+                local = torch.cat([loaded[:, r * p:(r + 1) * p], loaded[:, I + r * p:I + (r + 1) * p]], dim=1)
+            else:
+                local = loaded.narrow(dim, r * p, p)
+        if not self.fp8:
+            dst.copy_(local)
             return
-        p, r = self.i_part, self.tp_rank
-        if expert is None and proj == "gate_up_proj":  # [E, 2I, H]: this rank's gate rows, then its up rows
-            I = self.intermediate_size
-            dst[:, :p].copy_(loaded[:, r * p:(r + 1) * p])
-            dst[:, p:].copy_(loaded[:, I + r * p:I + (r + 1) * p])
-            return
-        dst.copy_(loaded.narrow(dim, r * p, p))
+        # rows are the output channels of w13 and w2 alike: quantize this rank's rows (as fp8.py's
+        # row-parallel rule: the down projection's scales are over this rank's columns)
+        q, scale = quantize_per_row(local.to(dst.device))
+        dst.copy_(q)
+        self._scale_target(expert, proj).copy_(scale.squeeze(-1))
+
+    def _scale_target(self, expert: int | None, proj: str) -> torch.Tensor:
+        """The fp8 scales of the rows :meth:`_target` names (``[..rows]`` float32 view)."""
+        p, s13, s2 = self.i_part, self.w13_weight_scale.data, self.w2_weight_scale.data
+        if expert is None:
+            return s13 if proj == "gate_up_proj" else s2
+        return {"gate_proj": s13[expert, :p], "up_proj": s13[expert, p:]}.get(proj, s2[expert])
 
     def export_expert(self, expert: int | None, proj: str) -> torch.Tensor:
         """The full Hugging Face tensor of one expert projection, rebuilt from the fused weights
         (this rank's part when TP > 1; the caller gathers along the intermediate dim)."""
-        p = self.i_part
-        if expert is None:
-            return self.w13_weight.data if proj == "gate_up_proj" else self.w2_weight.data
-        if proj == "gate_proj":
-            return self.w13_weight.data[expert, :p]
-        if proj == "up_proj":
-            return self.w13_weight.data[expert, p:]
-        return self.w2_weight.data[expert]
+        view = self._target(expert, proj)[0]
+        if self.fp8:  # float32 ``q * scale`` (as Fp8LinearMethod.dequantized_weight)
+            return dequantize_per_row(view, self._scale_target(expert, proj))
+        return view
 
     def checkpoint_names(self) -> list[tuple[int, str]]:
         """``(expert, projection)`` of every per-expert tensor, in checkpoint order."""
@@ -262,7 +339,7 @@ class FusedMoE(nn.Module):
         dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
         items = [(f"{mod_name}.{e}.{proj}.weight", lambda e=e, proj=proj: full(self.export_expert(e, proj), dims[proj]))
                  for e, proj in self.checkpoint_names()]
-        w13, w2 = self.w13_weight.data, self.w2_weight.data
+        w13, w2 = self.export_expert(None, "gate_up_proj"), self.export_expert(None, "down_proj")
         items.append((f"{mod_name}.gate_up_proj",
                       lambda: torch.cat([full(w13[:, :p], 1), full(w13[:, p:], 1)], dim=1)))
         items.append((f"{mod_name}.down_proj", lambda: full(w2, 2)))

@@ -62,7 +62,8 @@ class SparseMoeBlock(nn.Module):
         H, E = config.hidden_size, num_experts(config)
         self.gate = ReplicatedLinear(H, E, bias=False, prefix=f"{prefix}.gate")  # router: never quantized
         self.experts = FusedMoE(E, config.num_experts_per_tok, H, config.moe_intermediate_size,
-                                renormalize=bool(getattr(config, "norm_topk_prob", False)), layer_id=layer_id)
+                                renormalize=bool(getattr(config, "norm_topk_prob", False)), layer_id=layer_id,
+                                quant_config=quant_config)
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
             self.shared_expert = LlamaMLP(H, shared_size, config.hidden_act, quant_config=quant_config,

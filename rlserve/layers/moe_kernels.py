@@ -1,0 +1,251 @@
+"""Mixture-of-experts on a GPU: token permutation and grouped GEMMs over the routed tokens.
+
+Two implementations of :func:`rlserve.layers.moe.experts_grouped`'s contract
+``(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]``,
+both free of host synchronisation and of data-dependent allocation sizes, so the decode CUDA
+graphs capture them:
+
+- :func:`experts_triton` (the default on CUDA): vLLM's fused-MoE design. :func:`moe_align`
+  sorts the ``N = T * K`` (token, slot) pairs by expert and pads each expert's run to a multiple
+  of ``BLOCK_M`` (padding entries hold ``N``, an invalid pair id); one Triton launch per GEMM
+  walks the blocks (each block has one expert: ``expert_ids[block]``), gathers its rows of the
+  activations, multiplies by that expert's weight tile and scatters the rows back to pair order.
+  ``gate_up`` -> SiLU-and-mul -> ``down`` (the routing weight applied in the ``down`` epilogue);
+  the ``K`` rows of a token are then summed (``[T, K, H].sum(1)``, float32 accumulation inside
+  ``torch.sum``, K-slot order). The padded length is at most
+  ``N + min(N, E) * (BLOCK_M - 1)`` (at most ``min(N, E)`` experts get tokens, each padded by
+  fewer than ``BLOCK_M`` entries): the grid is sized by that bound and blocks past
+  ``num_tokens_post_padded`` (read on the device) return at once.
+- :func:`experts_grouped_mm`: the same permutation, then ``torch._grouped_mm`` (PyTorch's
+  grouped GEMM, CUTLASS on sm90; bf16 only, every dimension's byte stride 16-aligned) over
+  the expert-sorted rows with the per-expert end offsets. Kept as the measured alternative
+  (BENCHMARKS.md, MoE).
+
+fp8 (``--quantization fp8``, :mod:`rlserve.layers.fp8`'s scheme): the weights are
+``float8_e4m3fn`` with one float32 scale per (expert, output row) (``w13_scale [E, 2I]``,
+``w2_scale [E, H]``); activations are quantized per row at each GEMM
+(:func:`rlserve.layers.fp8.quantize_per_row`), the Triton kernel multiplies the fp8 tiles on the
+tensor cores and scales the float32 accumulator by ``a_scale[row] * w_scale[col]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlserve.layers.fp8 import FP8_DTYPE, quantize_per_row
+
+try:  # noqa: SIM105
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without Triton
+    triton = None
+
+
+# ---- permutation -------------------------------------------------------------------------
+
+def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the padded sorted length (module docstring): ``N + min(N, E) * (BLOCK_M - 1)``."""
+    return num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Args:
+        topk_ids: ``[T, K]`` integer expert ids in ``[0, E)``.
+
+    Returns:
+        ``(sorted_ids [P] int32, expert_ids [ceil(P / block_m)] int32, num_post_padded [1] int32,
+        offsets [E] int32)`` with ``P = max_padded(T * K, E, block_m)``: ``sorted_ids`` lists pair
+        ids ``t * K + k`` (ascending within an expert, experts ascending), padding entries ``T * K``;
+        block ``b`` belongs to expert ``expert_ids[b]`` (blocks past ``num_post_padded`` hold
+        ``E - 1`` and are skipped by the kernel); ``offsets[e]`` is the end of expert ``e``'s
+        rows in the UNPADDED expert-sorted order (``torch._grouped_mm``'s ``offs``).
+        Only fixed-size device ops (no host sync), so it runs inside CUDA graphs.
+    """
+    N = topk_ids.numel()
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.sort(flat, stable=True).indices  # pair ids by expert
+    sorted_e = flat.index_select(0, order)
+    rank = torch.arange(N, device=dev) - (ends - counts).index_select(0, sorted_e)
+    dest = (padded_ends - padded).index_select(0, sorted_e) + rank
+    P = max_padded(N, num_experts, block_m)
+    sorted_ids = torch.full((P,), N, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, P, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_ends, starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_ends[-1:].to(torch.int32), ends.to(torch.int32)
+
+
+# ---- Triton kernel -------------------------------------------------------------------------
+
+if triton is not None:
+    @triton.jit
+    def _fused_moe_kernel(
+        A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+        N, K, EM, num_valid,
+        stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
+        TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
+        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """``C[pair, n] = sum_k A[pair // TOP_K, k] * B[e, n, k]`` for the pairs of one sorted block
+        (expert ``e``) and one ``BLOCK_N`` tile of output columns; times ``A_SCALE[pair // TOP_K]``,
+        ``B_SCALE[e, n]``, ``TOPK_W[pair]`` when asked; float32 accumulator."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(EM, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        if pid_m * BLOCK_M >= tl.load(NUM_POST):
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(SORTED_IDS + offs_m).to(tl.int64)
+        mask_m = pair < num_valid
+        e = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        row = pair // TOP_K
+        a_ptrs = A + row[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = B + e * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            mask_k = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if A_SCALED:
+            acc = acc * tl.load(A_SCALE + row, mask=mask_m, other=0.0)[:, None]
+        if B_SCALED:
+            acc = acc * tl.load(B_SCALE + e * stride_se + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+        if MUL_WEIGHT:
+            acc = acc * tl.load(TOPK_W + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = C + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by regime; see :func:`kernel_config`
+CONFIGS = {
+    "small": (16, 64, 128, 1, 4, 4),
+    "large": (64, 128, 64, 8, 4, 3),
+}
+
+
+def kernel_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
+    """vLLM's default rule: ``BLOCK_M = 16`` tiles while the pairs per expert are few
+    (``N <= 4 E``: decode up to batch ``4 E / K``), else 64-row tiles (prefill, large batches)."""
+    return CONFIGS["small" if num_pairs <= 4 * num_experts else "large"]
+
+
+def _launch(a, w, c, a_scale, w_scale, topk_w, sorted_ids, expert_ids, num_post, top_k, mul_weight, cfg):
+    BM, BN, BK, GM, warps, stages = cfg
+    N, K = w.shape[1], w.shape[2]
+    EM = sorted_ids.shape[0]
+    grid = (triton.cdiv(EM, BM) * triton.cdiv(N, BN),)
+    ieee = a.dtype == torch.float32
+    dummy = c  # unused pointer arguments (constexpr flags keep them unread)
+    _fused_moe_kernel[grid](
+        a, w, c, a_scale if a_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+        topk_w if topk_w is not None else dummy, sorted_ids, expert_ids, num_post,
+        N, K, EM, c.shape[0],
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        w_scale.stride(0) if w_scale is not None else 0, w_scale.stride(1) if w_scale is not None else 0,
+        TOP_K=top_k, MUL_WEIGHT=mul_weight, A_SCALED=a_scale is not None, B_SCALED=w_scale is not None,
+        IEEE=ieee, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, num_warps=warps, num_stages=stages,
+    )
+
+
+def _silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    if gu.is_cuda:
+        from rlserve.layers.fused_ops import silu_and_mul
+
+        return silu_and_mul(gu)
+    d = gu.shape[-1] // 2
+    return torch.nn.functional.silu(gu[..., :d]) * gu[..., d:]
+
+
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                   config: tuple | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum with the fused-MoE Triton kernel (module docstring).
+
+    Args:
+        x: ``[T, H]`` float32 / float16 / bfloat16. w13: ``[E, 2I, H]``; w2: ``[E, H, I]``: ``x``'s
+            dtype, or float8_e4m3fn with ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32
+            (then the activations are quantized per row too).
+        topk_weights: ``[T, K]``; topk_ids: ``[T, K]`` in ``[0, E)``.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` (default
+            :func:`kernel_config`).
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype.
+    """
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    K = topk_ids.shape[1]
+    N = T * K
+    if T == 0:
+        return torch.zeros_like(x)
+    cfg = config or kernel_config(N, E)
+    sorted_ids, expert_ids, num_post, _ = moe_align(topk_ids, E, cfg[0])
+    fp8 = w13.dtype == FP8_DTYPE
+    a, a_scale = quantize_per_row(x) if fp8 else (x, None)
+    gu = torch.empty(N, I2, dtype=x.dtype, device=x.device)
+    _launch(a, w13, gu, a_scale, w13_scale, None, sorted_ids, expert_ids, num_post, K, False, cfg)
+    h = _silu_and_mul(gu)
+    h, h_scale = quantize_per_row(h) if fp8 else (h, None)
+    y = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    _launch(h, w2, y, h_scale, w2_scale, topk_weights.reshape(-1), sorted_ids, expert_ids, num_post, 1, True, cfg)
+    return y.view(T, K, H).sum(1)
+
+
+def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same sum with ``torch._grouped_mm`` (bf16 on sm90; see the module docstring):
+    rows gathered in expert order, two grouped GEMMs (``offs`` = per-expert row ends), SiLU-and-
+    mul between, weighted, scattered back to pair order and summed over the K slots.
+
+    Raises:
+        RuntimeError: from ``torch._grouped_mm`` on an unsupported device / dtype / alignment."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    order = torch.sort(flat, stable=True).indices
+    xs = x.index_select(0, order // K)
+    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(_silu_and_mul(gu), w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
+    out = torch.empty_like(y)
+    out.index_copy_(0, order, y)
+    return out.view(T, K, H).sum(1)
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether :func:`experts_triton` can run on a device type (Triton installed; ``cuda``, or any
+    device under ``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return False
+    import os
+
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
