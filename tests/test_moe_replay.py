@@ -64,6 +64,28 @@ def test_offline_ids_equal_hf_router_topk(arch, tiny_model):
     assert outs[0].outputs[0].routed_experts.shape == (len(PROMPTS[0]) + 5, 2, 2)
 
 
+def test_replay_through_decode_graph_path_equals_hf(tiny_model):
+    """Decode steps through the CUDA-graph path (``DecodeCUDAGraphs`` emulates replay on CPU:
+    static buffers, batches padded to the captured sizes 1, 2, 4): the rows of padded batches
+    come from the capture's reserved buffer (``RoutedExpertsCapture.replayed``) and still equal
+    HF's router top-k; greedy tokens equal the eager engine's. Fails on the old main (no
+    ``after_graph_replay``: the recorder found the padded batch's rows or none)."""
+    path = tiny_model("qwen3_moe")
+    prompts = PROMPTS + [[9, 8, 7, 6, 5]]  # 3 sequences: padded to the captured size 4
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    eager = LLM(path, dtype="float32", device="cpu", enable_return_routed_experts=True).generate(prompts, params)
+    llm = LLM(path, dtype="float32", device="cpu", enable_return_routed_experts=True, max_num_seqs=4)
+    runner = llm.engine.executor.runner
+    runner.use_cuda_graphs = True
+    outs = llm.generate(prompts, params)
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.sizes == [1, 2, 4]
+    assert runner.cuda_graphs.num_replays > 0
+    for out, ref in zip(outs, eager):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        _check(path, out)
+        np.testing.assert_array_equal(out.outputs[0].routed_experts, ref.outputs[0].routed_experts)
+
+
 def test_dense_layers_zero_prompt_start_and_off_by_default(moe_path):
     llm = LLM(moe_path, dtype="float32", device="cpu", enable_return_routed_experts=True, block_size=4)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, min_tokens=5))[0]

@@ -91,7 +91,8 @@ class RoutedExpertsRecorder:
 
         Raises:
             RuntimeError: the model captured no routing for this step (a forward path that
-                bypasses the capture, e.g. a CUDA graph: replay turns graphs off).
+                bypasses the capture; a CUDA graph replay reports its rows through
+                ``RoutedExpertsCapture.replayed``).
         """
         buf = self.capture.take()
         T = len(step.positions)

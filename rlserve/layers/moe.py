@@ -159,14 +159,50 @@ class RoutedExpertsCapture:
     :meth:`begin` (called by the model at the start of each forward) makes ``buffer`` a zeroed
     ``[T, num_layers, top_k]`` int32 tensor on ``device``; each MoE layer writes its top-k ids
     into ``buffer[:, layer_id]``; layers without experts (``mlp_only_layers``,
-    ``decoder_sparse_step``) stay 0, as in vLLM. ``num_layers`` is the decoder's layer count."""
+    ``decoder_sparse_step``) stay 0, as in vLLM. ``num_layers`` is the decoder's layer count.
 
-    def __init__(self, num_layers: int, top_k: int, num_experts: int):
+    CUDA graphs: steps of at most ``reserve_rows`` tokens (the engine sets ``max_num_seqs``, the
+    largest decode graph) write into the first rows of one ``[reserve_rows, num_layers, top_k]``
+    buffer allocated at the first :meth:`begin` and never replaced, so a captured decode graph
+    writes there at every replay; after a replay of ``B`` rows the runner calls
+    :meth:`replayed` (``buffer`` = the first ``B`` rows). Larger (prefill) steps get a buffer of
+    their own."""
+
+    def __init__(self, num_layers: int, top_k: int, num_experts: int, reserve_rows: int = 0):
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.reserve_rows = reserve_rows
         self.buffer: torch.Tensor | None = None
+        self._static: torch.Tensor | None = None
 
     def begin(self, num_tokens: int, device) -> None:
+        """Start a forward of ``num_tokens`` rows (see the class docstring).
+
+        Raises:
+            RuntimeError: a CUDA graph capture of more than ``reserve_rows`` rows (the graph
+                would write a buffer the engine never reads).
+        """
+        if self._static is None and self.reserve_rows:
+            self._static = torch.zeros(self.reserve_rows, self.num_layers, self.top_k, dtype=torch.int32,
+                                       device=device)
+        if self._static is not None and num_tokens <= self._static.shape[0] and self._static.device == torch.device(device):
+            self.buffer = self._static[:num_tokens]
+            self.buffer.zero_()
+            return
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"routed-experts capture: a CUDA graph of {num_tokens} rows exceeds the reserved "
+                               f"{self.reserve_rows}")
         self.buffer = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32, device=device)
+
+    def replayed(self, num_rows: int) -> None:
+        """A CUDA graph wrote the routing of ``num_rows`` real rows (padding rows follow) into
+        the reserved buffer.
+
+        Raises:
+            RuntimeError: no reserved buffer (graphs were captured without one)."""
+        if self._static is None or num_rows > self._static.shape[0]:
+            raise RuntimeError(f"routed-experts capture: a CUDA graph replay of {num_rows} rows without a reserved "
+                               f"buffer of that size ({self.reserve_rows} rows)")
+        self.buffer = self._static[:num_rows]
 
     def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Write one layer's ``[T, top_k]`` ids (nothing before :meth:`begin`).

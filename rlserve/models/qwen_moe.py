@@ -170,18 +170,26 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return (super().required_checkpoint_names() - set(spec)) | per_expert
 
     # ---- routed-experts replay --------------------------------------------------------
-    def enable_routed_experts_capture(self) -> RoutedExpertsCapture:
+    def enable_routed_experts_capture(self, reserve_rows: int = 0) -> RoutedExpertsCapture:
         """Make every forward record the routed expert ids (``[T, num_hidden_layers, top_k]``
-        int32, see :class:`RoutedExpertsCapture`); returns the capture (the same one when
-        called again)."""
+        int32, see :class:`RoutedExpertsCapture`; ``reserve_rows``: the largest decode CUDA graph's
+        batch); returns the capture (the same one when called again)."""
         cap = self.model.capture
         if cap is None:
             cfg = self.config
-            cap = RoutedExpertsCapture(cfg.num_hidden_layers, cfg.num_experts_per_tok, num_experts(cfg))
+            cap = RoutedExpertsCapture(cfg.num_hidden_layers, cfg.num_experts_per_tok, num_experts(cfg),
+                                       reserve_rows=reserve_rows)
             self.model.capture = cap
             for m in self._experts().values():
                 m.capture = cap
         return cap
+
+
+    def after_graph_replay(self, num_rows: int) -> None:
+        """Called by the model runner after a decode CUDA graph ran ``num_rows`` real rows: the
+        routed-experts capture (if on) points at the rows the graph wrote."""
+        if self.model.capture is not None:
+            self.model.capture.replayed(num_rows)
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):

@@ -115,7 +115,8 @@ class LLMEngine(EngineStep):
             # prompts otherwise decodes in lock-step; BENCHMARKS.md, "Time to first token");
             # CPU: prefill steps first (one costs many decode steps there: little to stagger)
             config.max_consecutive_prefill_steps = 1 if torch.device(executor.device).type == "cuda" else 0
-        capture = self._routed_experts_capture(executor) if config.enable_return_routed_experts else None
+        capture = self._routed_experts_capture(executor, config.max_num_seqs) \
+            if config.enable_return_routed_experts else None
         num_blocks = executor.determine_num_blocks()
         executor.init_kv_cache(num_blocks)
         if capture is not None:
@@ -164,9 +165,10 @@ class LLMEngine(EngineStep):
         )
 
     @staticmethod
-    def _routed_experts_capture(executor):
+    def _routed_experts_capture(executor, max_num_seqs: int):
         """The rank-0 model's routed-experts capture, switched on (replay; the router is
-        replicated, so rank 0 sees every token's routing).
+        replicated, so rank 0 sees every token's routing), with a buffer of ``max_num_seqs``
+        rows for the decode CUDA graphs.
 
         Raises:
             InvalidRequestError: the model has no routed experts.
@@ -176,7 +178,7 @@ class LLMEngine(EngineStep):
             archs = getattr(executor.hf_config, "architectures", None)
             raise InvalidRequestError(f"enable_return_routed_experts needs a mixture-of-experts model; {archs} has "
                                       "no routed experts")
-        return enable()
+        return enable(reserve_rows=max_num_seqs)
 
     # ---- properties -------------------------------------------------------------------
     @property

@@ -162,9 +162,6 @@ class ModelRunner:
         cfg = self.config
         if cfg is None or self.device.type != "cuda" or cfg.enforce_eager:
             return False
-        if getattr(cfg, "enable_return_routed_experts", False):
-            logger.info("CUDA graphs off: routed-experts replay captures the routing in eager steps only")
-            return False
         if get_attention_backend() not in GRAPH_SAFE_BACKENDS:
             logger.info("CUDA graphs off: attention backend %r is not graph-safe", get_attention_backend())
             return False
@@ -254,7 +251,11 @@ class ModelRunner:
             return None
         if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
             return None
-        return self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
+        hidden = self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
+        replayed = getattr(self.model, "after_graph_replay", None)  # MoE: routed-experts capture rows
+        if replayed is not None:
+            replayed(B)
+        return hidden
 
     def allocate_kv_cache(self, num_blocks: int, alloc=None) -> None:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
