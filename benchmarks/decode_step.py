@@ -17,7 +17,8 @@ tokens, this measures:
   measurement before 2026-12-01).
 - the HBM floor: ``(weight bytes + KV bytes read) / copy bandwidth``, where weight bytes
   are every parameter read once per step (a tied embedding counts once, as the LM head;
-  an untied input embedding is not counted -- only ``B`` rows of it are read), KV bytes
+  an untied input embedding is not counted -- only ``B`` rows of it are read; of an MoE
+  layer only the experts ``B`` tokens are expected to touch, :func:`weight_bytes`), KV bytes
   are ``B x context x layers x 2 x kv_heads x head_dim x itemsize``, and the bandwidth is
   that of a device-to-device ``copy_`` of a 2 GiB buffer measured in the same run,
   counting bytes read plus bytes written.
@@ -129,12 +130,23 @@ def wall_time(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def weight_bytes(model) -> int:
-    """Bytes of parameters read in one decode step (see the module docstring)."""
+def weight_bytes(model, batch: int | None = None) -> int:
+    """Bytes of parameters read in one decode step (see the module docstring). Mixture-of-experts
+    layers (:class:`rlserve.layers.moe.FusedMoE`) count the experts a batch of ``batch`` tokens is
+    expected to touch under uniform top-k routing, ``E * (1 - (1 - K / E) ** batch)`` (each token
+    picks K distinct experts of E), times one expert's bytes (all experts when ``batch`` is None)."""
+    from rlserve.layers.moe import FusedMoE
+
     seen, total = set(), 0
     tied = getattr(model, "tie_word_embeddings", False)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     skip = set() if tied or embed is None else {id(p) for p in embed.parameters()}
+    for m in model.modules():
+        if isinstance(m, FusedMoE) and batch is not None:
+            params = [p for p in m.parameters(recurse=False)]
+            skip |= {id(p) for p in params}
+            used = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
+            total += int(sum(p.numel() * p.element_size() for p in params) / m.num_experts * used)
     for p in model.parameters():
         if id(p) in seen or id(p) in skip:
             continue
@@ -169,7 +181,6 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     layers = len(runner.attn_layers)
     hkv, hd = runner.attn_layers[0].num_kv_heads, runner.attn_layers[0].head_dim
     item = torch.tensor([], dtype=eng.dtype).element_size()
-    wbytes = weight_bytes(model)
     rows = []
     g = torch.Generator().manual_seed(0)
     for B in batches:
@@ -180,6 +191,7 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
             logits_indices=list(range(B)), is_prefill=False,
         )
         kv_bytes = B * ctx * layers * 2 * hkv * hd * item
+        wbytes = weight_bytes(model, B)
         floor = (wbytes + kv_bytes) / bw
         row = {"shape": shape, "batch": B, "context": ctx, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
                "floor_ms": floor * 1e3}

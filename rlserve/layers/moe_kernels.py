@@ -30,15 +30,24 @@ tensor cores and scales the float32 accumulator by ``a_scale[row] * w_scale[col]
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from rlserve.layers.fp8 import FP8_DTYPE, quantize_per_row
 
-try:  # noqa: SIM105
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU installs without Triton
-    triton = None
+_K: list = []
+
+
+def _kernels():
+    """:mod:`rlserve.layers.moe_triton_kernels`, imported at the first launch (importing Triton
+    at rlserve's import would fix its interpreter mode before a CPU test can choose it)."""
+    if not _K:
+        from rlserve.layers import moe_triton_kernels
+
+        _K.append(moe_triton_kernels)
+    return _K[0]
 
 
 # ---- permutation -------------------------------------------------------------------------
@@ -86,60 +95,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 # ---- Triton kernel -------------------------------------------------------------------------
 
-if triton is not None:
-    @triton.jit
-    def _fused_moe_kernel(
-        A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
-        N, K, EM, num_valid,
-        stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
-        TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
-        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        """``C[pair, n] = sum_k A[pair // TOP_K, k] * B[e, n, k]`` for the pairs of one sorted block
-        (expert ``e``) and one ``BLOCK_N`` tile of output columns; times ``A_SCALE[pair // TOP_K]``,
-        ``B_SCALE[e, n]``, ``TOPK_W[pair]`` when asked; float32 accumulator."""
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(EM, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
-        if pid_m * BLOCK_M >= tl.load(NUM_POST):
-            return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(SORTED_IDS + offs_m).to(tl.int64)
-        mask_m = pair < num_valid
-        e = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        row = pair // TOP_K
-        a_ptrs = A + row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = B + e * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            mask_k = offs_k < K - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        if A_SCALED:
-            acc = acc * tl.load(A_SCALE + row, mask=mask_m, other=0.0)[:, None]
-        if B_SCALED:
-            acc = acc * tl.load(B_SCALE + e * stride_se + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
-        if MUL_WEIGHT:
-            acc = acc * tl.load(TOPK_W + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-        c_ptrs = C + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by regime; see :func:`kernel_config`
 CONFIGS = {
     "small": (16, 64, 128, 1, 4, 4),
@@ -157,10 +112,10 @@ def _launch(a, w, c, a_scale, w_scale, topk_w, sorted_ids, expert_ids, num_post,
     BM, BN, BK, GM, warps, stages = cfg
     N, K = w.shape[1], w.shape[2]
     EM = sorted_ids.shape[0]
-    grid = (triton.cdiv(EM, BM) * triton.cdiv(N, BN),)
+    grid = (-(-EM // BM) * -(-N // BN),)
     ieee = a.dtype == torch.float32
     dummy = c  # unused pointer arguments (constexpr flags keep them unread)
-    _fused_moe_kernel[grid](
+    _kernels().fused_moe_kernel[grid](
         a, w, c, a_scale if a_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         topk_w if topk_w is not None else dummy, sorted_ids, expert_ids, num_post,
         N, K, EM, c.shape[0],
@@ -243,9 +198,7 @@ def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
 def triton_runs_on(device_type: str) -> bool:
     """Whether :func:`experts_triton` can run on a device type (Triton installed; ``cuda``, or any
-    device under ``TRITON_INTERPRET=1``)."""
-    if triton is None:
+    device under ``TRITON_INTERPRET=1``). Does not import Triton."""
+    if importlib.util.find_spec("triton") is None:
         return False
-    import os
-
     return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

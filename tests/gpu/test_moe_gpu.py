@@ -1,10 +1,15 @@
-"""Mixture-of-experts on a CUDA GPU: the expert path (today :func:`rlserve.layers.moe.experts_grouped`,
-one GEMM pair per expert; the grouped-GEMM kernel of the next round must pass the same checks)
-against the dense float32 reference :func:`rlserve.layers.moe.experts_reference`, and a tiny
-Qwen3-MoE served on the GPU in float32 against Hugging Face (greedy tokens and routed-experts
-replay ids).
+"""Mixture-of-experts on a CUDA GPU.
 
-Not run in this session (no device time): written to the CPU tests' contracts.
+- The expert paths (:mod:`rlserve.layers.moe_kernels`: the fused-MoE Triton kernel and
+  ``torch._grouped_mm``; the per-expert loop) against the dense float32 reference
+  :func:`rlserve.layers.moe.experts_reference` at Qwen3-30B-A3B's expert shape; the permutation's
+  padding bound; the kernel captured in a CUDA graph and replayed on new routing.
+- fp8 experts: the kernel equals the fp8 emulation (the same function) and its error against
+  bf16 is reported (``$RLSERVE_GPU_REPORT/moe.json``).
+- A tiny Qwen3-MoE served on the GPU: float32 greedy tokens and routed-experts replay ids ==
+  Hugging Face's with decode CUDA graphs on; bf16 graphs == eager (tokens and replay ids); fp8.
+- Expert weight sync over CUDA IPC (per-expert Hugging Face names and transformers 5's fused
+  names, in place and staged): the served greedy tokens equal the trainer's model.
 """
 
 from __future__ import annotations
@@ -15,10 +20,20 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from rlserve.layers.moe import experts_grouped, experts_reference, route  # noqa: E402
+from rlserve.layers import moe_kernels as mk  # noqa: E402
+from rlserve.layers.fp8 import quantize_per_row  # noqa: E402
+from rlserve.layers.moe import experts_fp8_emulated, experts_grouped, experts_reference, route  # noqa: E402
+from tests.gpu.report import gpu_report  # noqa: E402
 
 # Qwen3-30B-A3B's expert shape (128 experts, top-8, hidden 2048, moe_intermediate 768)
 E, K, H, I = 128, 8, 2048, 768
+PATHS = {"triton": mk.experts_triton, "grouped_mm": mk.experts_grouped_mm, "loop": experts_grouped}
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="torch._grouped_mm needs sm90")
+
+
+def _report(key, value):
+    gpu_report("moe", key, value)
 
 
 def _operands(T: int, dtype: torch.dtype, seed: int = 0):
@@ -30,48 +45,194 @@ def _operands(T: int, dtype: torch.dtype, seed: int = 0):
     return x, w13, w2, weights.to(dtype), ids
 
 
-@pytest.mark.parametrize("T", [1, 7, 256])
-def test_float32_experts_equal_reference(T):
-    """float32 with TF32 off: the same sums in another order; ``atol 1e-4`` on outputs of
-    magnitude ~1 (2048- and 768-term float32 dot products, ~1e-6 relative each)."""
+@pytest.fixture
+def no_tf32():
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        x, w13, w2, weights, ids = _operands(T, torch.float32)
-        got = experts_grouped(x, w13, w2, weights, ids)
-        ref = experts_reference(x, w13, w2, weights, ids)
-        assert got.dtype == torch.float32 and got.shape == (T, H)
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.mark.parametrize("T", [1, 7, 256])
+@pytest.mark.parametrize("path", ["triton", "loop"])
+def test_float32_experts_equal_reference(T, path, no_tf32):
+    """float32 (the kernel's dots in IEEE float32, TF32 off for the reference): the same sums in
+    another order; ``atol 1e-4`` on outputs of magnitude ~1 (2048- and 768-term float32 dot
+    products, ~1e-6 relative each)."""
+    x, w13, w2, weights, ids = _operands(T, torch.float32)
+    got = PATHS[path](x, w13, w2, weights, ids)
+    ref = experts_reference(x, w13, w2, weights, ids)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("T", [1, 64, 512])
-def test_bf16_experts_near_float32_reference(T):
+@pytest.mark.parametrize("path", ["triton", pytest.param("grouped_mm", marks=needs_sm90), "loop"])
+def test_bf16_experts_near_float32_reference(T, path):
     """bf16 operands against the float32 reference of the same (bf16-rounded) operands:
     relative Frobenius error below 1e-2 -- bf16's unit roundoff is 2^-8 = 3.9e-3 and the path
     rounds twice (the SiLU-gated intermediate and the output), with float32 accumulation."""
     x, w13, w2, weights, ids = _operands(T, torch.bfloat16)
-    got = experts_grouped(x, w13, w2, weights, ids)
+    got = PATHS[path](x, w13, w2, weights, ids)
     ref = experts_reference(x, w13, w2, weights, ids)
     assert got.dtype == torch.bfloat16
-    err = (got.float() - ref).norm() / ref.norm()
-    assert err < 1e-2, float(err)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    _report(f"bf16_rel_err[{path},T={T}]", err)
+    assert err < 1e-2, err
 
 
-def test_tiny_qwen3_moe_on_gpu_equals_hf(tiny_model):
-    """float32 engine on the GPU: greedy tokens == HF's (CPU float32), and with replay on the
-    routed ids == HF's router top-k for every forwarded token."""
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_pads_each_expert_within_the_bound(block_m):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for T in (1, 3, 300):
+        ids = route(torch.randn(T, E, device="cuda", generator=g), K, True)[1]
+        sorted_ids, expert_ids, num_post, offs = mk.moe_align(ids, E, block_m)
+        N = T * K
+        assert sorted_ids.shape[0] == mk.max_padded(N, E, block_m) == N + min(N, E) * (block_m - 1)
+        s, ex, n = sorted_ids.cpu(), expert_ids.cpu(), int(num_post.item())
+        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
+        assert n == int(((counts + block_m - 1) // block_m * block_m).sum()) and n <= s.shape[0]
+        assert torch.equal(offs.cpu(), torch.cumsum(counts, 0).to(torch.int32))
+        valid = s[:n][s[:n] < N]
+        assert sorted(valid.tolist()) == list(range(N))  # every pair exactly once
+        assert (s[n:] == N).all()
+        flat = ids.reshape(-1).cpu()
+        for b in range(n // block_m):  # each block's pairs belong to its expert
+            blk = s[b * block_m:(b + 1) * block_m]
+            blk = blk[blk < N]
+            assert len(blk) and (flat[blk.long()] == ex[b]).all()
+
+
+def test_triton_experts_replay_in_a_cuda_graph():
+    """Captured once, replayed on new activations and routing: bit-equal to eager launches
+    (the same kernels on the same shapes; no host sync inside, or the capture raises)."""
+    T = 64
+    x, w13, w2, weights, ids = _operands(T, torch.bfloat16, seed=1)
+    sx, sw, si = x.clone(), weights.clone(), ids.clone()
+    mk.experts_triton(sx, w13, w2, sw, si)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mk.experts_triton(sx, w13, w2, sw, si)
+    for seed in (5, 6):
+        x2, _, _, w2_, ids2 = _operands(T, torch.bfloat16, seed=seed)
+        sx.copy_(x2)
+        sw.copy_(w2_)
+        si.copy_(ids2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, mk.experts_triton(x2, w13, w2, w2_, ids2))
+
+
+@pytest.mark.parametrize("T", [1, 256])
+def test_fp8_experts_equal_emulation_and_error_vs_bf16(T):
+    """fp8 weights (per (expert, row) scales) and per-row fp8 activations on the tensor cores:
+    equal to :func:`experts_fp8_emulated` (float32 products of the same fp8 values; the bf16
+    roundings of the intermediate and of the per-expert terms differ in order, so within 1e-2
+    relative: a few bf16 roundings of 2^-8 each). The error against the bf16 experts' float32
+    reference is reported; below 0.08 (fp8 e4m3's half-ulp is 2^-5..2^-4 relative, on both
+    operands of two chained GEMMs: ~5% expected for Gaussian operands)."""
+    x, w13, w2, weights, ids = _operands(T, torch.bfloat16, seed=2)
+    q13, s13 = quantize_per_row(w13)
+    q2, s2 = quantize_per_row(w2)
+    s13, s2 = s13.squeeze(-1), s2.squeeze(-1)
+    got = mk.experts_triton(x, q13, q2, weights, ids, s13, s2)
+    emu = experts_fp8_emulated(x, q13, q2, weights, ids, s13, s2)
+    ref = experts_reference(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16
+    vs_emu = ((got.float() - emu.float()).norm() / emu.float().norm()).item()
+    vs_bf16 = ((got.float() - ref).norm() / ref.norm()).item()
+    _report(f"fp8_rel_err_vs_emulation[T={T}]", vs_emu)
+    _report(f"fp8_rel_err_vs_bf16_reference[T={T}]", vs_bf16)
+    assert vs_emu < 1e-2, vs_emu
+    assert vs_bf16 < 0.08, vs_bf16
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7], [9, 8, 7, 6, 5, 4, 3]]
+
+
+def test_tiny_qwen3_moe_on_gpu_equals_hf_with_graphs(tiny_model):
+    """float32 engine on the GPU with decode CUDA graphs (and replay on): greedy tokens == HF's
+    (CPU float32), and the routed ids == HF's router top-k for every forwarded token."""
     from rlserve.engine.llm import LLM
     from rlserve.engine.sampling_params import SamplingParams
     from tests.test_engine import hf_greedy
     from tests.test_moe_replay import hf_routed
 
     path = tiny_model("qwen3_moe")
-    prompts = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
-    llm = LLM(path, dtype="float32", device="cuda", enable_return_routed_experts=True)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 12)
+    llm = LLM(path, dtype="float32", device="cuda", enable_return_routed_experts=True, max_num_seqs=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
+    runner = llm.engine.executor.runner
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays >= 10
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 12)
     for o in outs:
         full = o.prompt_token_ids + o.outputs[0].token_ids
         np.testing.assert_array_equal(o.outputs[0].routed_experts.astype(np.int64), hf_routed(path, full[:-1]))
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_graphs_equal_eager_with_replay(tiny_model, quantization):
+    """Decode CUDA graphs give the eager engine's greedy tokens and routed ids: float32 with
+    batch 3 padded to the captured 4; fp8 experts + dense layers (bf16 activations) with batch 4
+    (no padding: bf16 GEMMs of 3 and 4 rows may round differently). fp8: the expert weights are
+    fp8 and the greedy agreement with bf16 is reported."""
+    from rlserve.engine.llm import LLM
+    from rlserve.engine.sampling_params import SamplingParams
+
+    path = tiny_model("qwen3_moe")
+    prompts = PROMPTS + [[11, 12, 13]] if quantization else PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    kw = dict(dtype="bfloat16" if quantization else "float32", device="cuda", enable_return_routed_experts=True,
+              max_num_seqs=8, quantization=quantization)
+    graphed = LLM(path, **kw)
+    g = graphed.generate(prompts, params)
+    runner = graphed.engine.executor.runner
+    assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays >= 14
+    if quantization:
+        experts = graphed.engine.model.model.layers[0].mlp.experts
+        assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight_scale.dtype == torch.float32
+    del graphed
+    e = LLM(path, enforce_eager=True, **kw).generate(prompts, params)
+    for a, b in zip(g, e):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+    if quantization:
+        ref = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=8).generate(prompts, params)
+        toks = [(x, y) for a, b in zip(g, ref) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids)]
+        _report("tiny_qwen3_moe_greedy_agreement_fp8_vs_bf16", sum(x == y for x, y in toks) / len(toks))
+
+
+# ---- expert weight sync over CUDA IPC ------------------------------------------------------------
+
+@pytest.mark.parametrize("names,staging", [("per_expert", "none"), ("fused", "device"), ("per_expert", "host")])
+def test_ipc_expert_sync_greedy_equals_trainer(tiny_model, names, staging):
+    """A trainer's Qwen2-MoE (routed + shared experts, float32 on the GPU) synced over CUDA IPC
+    into a server started from dummy weights: greedy tokens == the trainer's model's, and
+    ``/weight_checker`` matches under both namings."""
+    from rlserve.transfer import (HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource, TensorListSource,
+                                  WeightTransferTrainerFactory, hf_state_checksums)
+    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
+    from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
+    from tests.test_moe_sync import per_expert
+
+    path = tiny_model("qwen2_moe")
+    hf = load_hf(path, "cuda:0", torch.float32)
+    src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
+    with serve(path, "ipc", dtype="float32", staging=staging) as srv:
+        before = generate(srv.url).json()["completion_ids"]
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=4 << 10, timeout_s=60),
+            client=client, source=src)
+        fin = eng.send_weights()
+        assert fin["full"], fin
+        got = generate(srv.url).json()["completion_ids"]
+        ref = [hf_greedy(hf, p) for p in SYNC_PROMPTS]
+        assert got == ref and got != before
+        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+            mine = hf_state_checksums(named, torch.float32)
+            rep = client.weight_checker(compare=mine)["compare"]
+            assert rep["match"] and rep["compared"] == len(mine), rep
+        eng.shutdown()

@@ -1,0 +1,60 @@
+"""The fused-MoE Triton kernel (vLLM's design; the launch, permutation and the tile
+configurations are in :mod:`rlserve.layers.moe_kernels`). Imported on first use only."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fused_moe_kernel(
+    A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+    N, K, EM, num_valid,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
+    TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """``C[pair, n] = sum_k A[pair // TOP_K, k] * B[e, n, k]`` for the pairs of one sorted block
+    (expert ``e``) and one ``BLOCK_N`` tile of output columns; times ``A_SCALE[pair // TOP_K]``,
+    ``B_SCALE[e, n]``, ``TOPK_W[pair]`` when asked; float32 accumulator."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    if pid_m * BLOCK_M >= tl.load(NUM_POST):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SORTED_IDS + offs_m).to(tl.int64)
+    mask_m = pair < num_valid
+    e = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    row = pair // TOP_K
+    a_ptrs = A + row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + e * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if A_SCALED:
+        acc = acc * tl.load(A_SCALE + row, mask=mask_m, other=0.0)[:, None]
+    if B_SCALED:
+        acc = acc * tl.load(B_SCALE + e * stride_se + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(TOPK_W + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = C + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
