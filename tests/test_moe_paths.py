@@ -36,8 +36,9 @@ def test_moe_align_pads_every_expert_run_within_the_bound(block_m, n_tok):
     sorted_ids, expert_ids, num_post, offs = mk.moe_align(ids, E, block_m)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     padded = (counts + block_m - 1) // block_m * block_m
-    assert sorted_ids.shape == (N + min(N, E) * (block_m - 1),) and sorted_ids.dtype == torch.int32
-    assert expert_ids.shape == (-(-sorted_ids.shape[0] // block_m),)
+    bound = N + min(N, E) * (block_m - 1)  # every expert with tokens padded by < block_m
+    assert sorted_ids.shape == (-(-bound // block_m) * block_m,) and sorted_ids.dtype == torch.int32
+    assert expert_ids.shape == (sorted_ids.shape[0] // block_m,)
     assert int(num_post) == int(padded.sum()) <= sorted_ids.shape[0]
     assert offs.tolist() == torch.cumsum(counts, 0).tolist()
     n = int(num_post)

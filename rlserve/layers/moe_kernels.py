@@ -53,8 +53,10 @@ def _kernels():
 # ---- permutation -------------------------------------------------------------------------
 
 def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of the padded sorted length (module docstring): ``N + min(N, E) * (BLOCK_M - 1)``."""
-    return num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    """Upper bound of the padded sorted length (module docstring), ``N + min(N, E) * (BLOCK_M - 1)``,
+    rounded up to a multiple of ``BLOCK_M`` (the kernel reads whole blocks)."""
+    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return -(-bound // block_m) * block_m
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -65,7 +67,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
         topk_ids: ``[T, K]`` integer expert ids in ``[0, E)``.
 
     Returns:
-        ``(sorted_ids [P] int32, expert_ids [ceil(P / block_m)] int32, num_post_padded [1] int32,
+        ``(sorted_ids [P] int32, expert_ids [P / block_m] int32, num_post_padded [1] int32,
         offsets [E] int32)`` with ``P = max_padded(T * K, E, block_m)``: ``sorted_ids`` lists pair
         ids ``t * K + k`` (ascending within an expert, experts ascending), padding entries ``T * K``;
         block ``b`` belongs to expert ``expert_ids[b]`` (blocks past ``num_post_padded`` hold

@@ -88,7 +88,8 @@ def test_moe_align_pads_each_expert_within_the_bound(block_m):
         ids = route(torch.randn(T, E, device="cuda", generator=g), K, True)[1]
         sorted_ids, expert_ids, num_post, offs = mk.moe_align(ids, E, block_m)
         N = T * K
-        assert sorted_ids.shape[0] == mk.max_padded(N, E, block_m) == N + min(N, E) * (block_m - 1)
+        bound = N + min(N, E) * (block_m - 1)  # every expert with tokens padded by < block_m
+        assert sorted_ids.shape[0] == mk.max_padded(N, E, block_m) == -(-bound // block_m) * block_m
         s, ex, n = sorted_ids.cpu(), expert_ids.cpu(), int(num_post.item())
         counts = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
         assert n == int(((counts + block_m - 1) // block_m * block_m).sum()) and n <= s.shape[0]
