@@ -163,7 +163,8 @@ def test_tiny_qwen3_moe_on_gpu_equals_hf_with_graphs(tiny_model):
     from tests.test_moe_replay import hf_routed
 
     path = tiny_model("qwen3_moe")
-    llm = LLM(path, dtype="float32", device="cuda", enable_return_routed_experts=True, max_num_seqs=8)
+    llm = LLM(path, dtype="float32", device="cuda", enable_return_routed_experts=True, max_num_seqs=8,
+              num_kv_blocks=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
     runner = llm.engine.executor.runner
     assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays >= 10
@@ -186,7 +187,7 @@ def test_graphs_equal_eager_with_replay(tiny_model, quantization):
     prompts = PROMPTS + [[11, 12, 13]] if quantization else PROMPTS
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     kw = dict(dtype="bfloat16" if quantization else "float32", device="cuda", enable_return_routed_experts=True,
-              max_num_seqs=8, quantization=quantization)
+              max_num_seqs=8, quantization=quantization, num_kv_blocks=256)
     graphed = LLM(path, **kw)
     g = graphed.generate(prompts, params)
     runner = graphed.engine.executor.runner
@@ -200,7 +201,7 @@ def test_graphs_equal_eager_with_replay(tiny_model, quantization):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
     if quantization:
-        ref = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=8).generate(prompts, params)
+        ref = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=8, num_kv_blocks=256).generate(prompts, params)
         toks = [(x, y) for a, b in zip(g, ref) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids)]
         _report("tiny_qwen3_moe_greedy_agreement_fp8_vs_bf16", sum(x == y for x, y in toks) / len(toks))
 
