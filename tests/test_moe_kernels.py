@@ -45,6 +45,18 @@ def test_triton_experts_equal_reference(T, dtype, config):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_triton_align_contract(T, block_m):
+    """The two-kernel permutation meets :func:`moe_align_torch`'s contract (pairs of an expert
+    in any order); 128 experts / top-8 exercises the histogram's padded bins."""
+    from tests.test_moe_paths import check_alignment
+
+    for n_exp, k in ((E, K), (128, 8)):
+        ids = route(torch.randn(T, n_exp, generator=torch.Generator().manual_seed(T)), k, True)[1]
+        check_alignment(ids, n_exp, block_m, mk.moe_align_triton(ids, n_exp, block_m))
+
+
 def test_triton_fp8_equals_emulation():
     """fp8 weights and per-row fp8 activations: the kernel's float32 products of the same fp8
     values equal :func:`experts_fp8_emulated` up to float32 summation order (``atol 1e-5``)."""

@@ -28,30 +28,40 @@ def _operands(seed=0, dtype=torch.float32, T=T):
     return x, w13, w2, weights.to(dtype), ids
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16])
-@pytest.mark.parametrize("n_tok", [1, 3, 40])
-def test_moe_align_pads_every_expert_run_within_the_bound(block_m, n_tok):
-    ids = _operands(seed=n_tok, T=n_tok)[4]
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, result) -> None:
+    """``result`` of a ``moe_align`` for ``ids [T, K]``: padded length within the bound, every pair
+    exactly once, each expert's run holding its pairs then padding, blocks labelled."""
+    sorted_ids, expert_ids, num_post, offs = (t.cpu() for t in result)
     N = ids.numel()
-    sorted_ids, expert_ids, num_post, offs = mk.moe_align(ids, E, block_m)
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
-    bound = N + min(N, E) * (block_m - 1)  # every expert with tokens padded by < block_m
+    bound = N + min(N, num_experts) * (block_m - 1)  # every expert with tokens padded by < block_m
     assert sorted_ids.shape == (-(-bound // block_m) * block_m,) and sorted_ids.dtype == torch.int32
     assert expert_ids.shape == (sorted_ids.shape[0] // block_m,)
     assert int(num_post) == int(padded.sum()) <= sorted_ids.shape[0]
     assert offs.tolist() == torch.cumsum(counts, 0).tolist()
     n = int(num_post)
     assert sorted(x for x in sorted_ids[:n].tolist() if x < N) == list(range(N)) and (sorted_ids[n:] == N).all()
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).cpu()
     start = 0
-    for e in range(E):  # expert e's run: its pairs ascending, then padding, every block labelled e
+    for e in range(num_experts):  # expert e's run: its pairs, then padding, every block labelled e
         run = sorted_ids[start:start + int(padded[e])]
-        real = run[run < N]
-        assert real.tolist() == sorted(real.tolist()) and len(real) == int(counts[e])
-        assert (flat[real.long()] == e).all() and (run[len(real):] == N).all()
+        real = run[:int(counts[e])]
+        assert (real < N).all() and (flat[real.long()] == e).all() and (run[len(real):] == N).all()
         assert (expert_ids[start // block_m:(start + int(padded[e])) // block_m] == e).all()
         start += int(padded[e])
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("n_tok", [1, 3, 40])
+def test_moe_align_pads_every_expert_run_within_the_bound(block_m, n_tok):
+    ids = _operands(seed=n_tok, T=n_tok)[4]
+    result = mk.moe_align_torch(ids, E, block_m)
+    check_alignment(ids, E, block_m, result)
+    flat = ids.reshape(-1)
+    real = result[0][result[0] < ids.numel()].long()
+    # the torch version keeps each expert's pairs ascending (experts ascending too)
+    assert real.tolist() == sorted(real.tolist(), key=lambda i: (int(flat[i]), i))
 
 
 def test_grouped_mm_path_equals_reference():

@@ -61,7 +61,42 @@ def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+    """Sort the (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``:
+    two Triton launches where Triton runs (:func:`moe_align_triton`; pairs of one expert in any
+    order), else :func:`moe_align_torch` (ascending). Same contract as :func:`moe_align_torch`."""
+    if triton_runs_on(topk_ids.device.type):
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_align_torch`'s result from two kernels (one program counting, padding and
+    labelling blocks; one placing the pairs with atomic cursors) instead of about twelve small
+    launches: at decode batch 1 those launches cost more than the expert GEMMs
+    (BENCHMARKS.md, MoE). The order of the pairs within one expert's run is arbitrary."""
+    N = topk_ids.numel()
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    P = max_padded(N, num_experts, block_m)
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    k = _kernels()
+    e_pad = 1 << num_experts.bit_length()  # >= E + 1: the last bin takes masked lanes
+    k.moe_align_counts_kernel[(1,)](flat, cursor, offs, expert_ids, num_post, sorted_ids, N, num_experts, P,
+                                    E_PAD=e_pad, BLOCK_M=block_m, CHUNK=1024, MB_CHUNK=max(16, 4096 // e_pad),
+                                    num_warps=4)
+    k.moe_align_scatter_kernel[(-(-N // 1024),)](flat, cursor, sorted_ids, N, BLOCK=1024, num_warps=4)
+    return sorted_ids, expert_ids, num_post, offs
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``
+    (PyTorch ops).
 
     Args:
         topk_ids: ``[T, K]`` integer expert ids in ``[0, E)``.

@@ -58,3 +58,46 @@ def fused_moe_kernel(
         acc = acc * tl.load(TOPK_W + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     c_ptrs = C + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_align_counts_kernel(
+    IDS, CURSOR, OFFS, EXPERT_IDS, NUM_POST, SORTED_IDS, N, E, P,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, MB_CHUNK: tl.constexpr,
+):
+    """One program: per-expert counts of the ``N`` pair ids (``tl.histogram``; ``E_PAD >= E + 1``
+    bins, masked lanes land in the last one), each padded to a multiple of ``BLOCK_M``; writes
+    ``CURSOR[e]`` (padded start of expert ``e``'s run), ``OFFS[e]`` (unpadded end),
+    ``NUM_POST`` (padded total), ``EXPERT_IDS[b]`` for each of the ``P / BLOCK_M`` blocks and
+    fills ``SORTED_IDS[:P]`` with ``N`` (padding)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, N, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(IDS + offs, mask=offs < N, other=E_PAD - 1).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD)
+    e = tl.arange(0, E_PAD)
+    counts = tl.where(e < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(CURSOR + e, ends - padded, mask=e < E)
+    tl.store(OFFS + e, tl.cumsum(counts, 0), mask=e < E)
+    tl.store(NUM_POST, tl.sum(padded, 0))
+    for b0 in range(0, P // BLOCK_M, MB_CHUNK):
+        b = b0 + tl.arange(0, MB_CHUNK)
+        past = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < E)
+        expert = tl.minimum(tl.sum(past.to(tl.int32), 1), E - 1)
+        tl.store(EXPERT_IDS + b, expert, mask=b < P // BLOCK_M)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < P)
+
+
+@triton.jit
+def moe_align_scatter_kernel(IDS, CURSOR, SORTED_IDS, N, BLOCK: tl.constexpr):
+    """Each pair takes the next slot of its expert's run (``atomic_add`` on ``CURSOR``): the
+    order within an expert's run is arbitrary (each row's GEMM result does not depend on it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    ids = tl.load(IDS + offs, mask=mask, other=0)
+    pos = tl.atomic_add(CURSOR + ids, 1, mask=mask)
+    tl.store(SORTED_IDS + pos, offs.to(tl.int32), mask=mask)

@@ -83,25 +83,14 @@ def test_bf16_experts_near_float32_reference(T, path):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_moe_align_pads_each_expert_within_the_bound(block_m):
+    """The Triton permutation on the GPU (atomic cursors) meets the contract of
+    :func:`tests.test_moe_paths.check_alignment`."""
+    from tests.test_moe_paths import check_alignment
+
     g = torch.Generator(device="cuda").manual_seed(3)
-    for T in (1, 3, 300):
+    for T in (1, 3, 300, 4096):
         ids = route(torch.randn(T, E, device="cuda", generator=g), K, True)[1]
-        sorted_ids, expert_ids, num_post, offs = mk.moe_align(ids, E, block_m)
-        N = T * K
-        bound = N + min(N, E) * (block_m - 1)  # every expert with tokens padded by < block_m
-        assert sorted_ids.shape[0] == mk.max_padded(N, E, block_m) == -(-bound // block_m) * block_m
-        s, ex, n = sorted_ids.cpu(), expert_ids.cpu(), int(num_post.item())
-        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
-        assert n == int(((counts + block_m - 1) // block_m * block_m).sum()) and n <= s.shape[0]
-        assert torch.equal(offs.cpu(), torch.cumsum(counts, 0).to(torch.int32))
-        valid = s[:n][s[:n] < N]
-        assert sorted(valid.tolist()) == list(range(N))  # every pair exactly once
-        assert (s[n:] == N).all()
-        flat = ids.reshape(-1).cpu()
-        for b in range(n // block_m):  # each block's pairs belong to its expert
-            blk = s[b * block_m:(b + 1) * block_m]
-            blk = blk[blk < N]
-            assert len(blk) and (flat[blk.long()] == ex[b]).all()
+        check_alignment(ids, E, block_m, mk.moe_align(ids, E, block_m))
 
 
 def test_triton_experts_replay_in_a_cuda_graph():
