@@ -57,6 +57,23 @@ def test_triton_align_contract(T, block_m):
         check_alignment(ids, n_exp, block_m, mk.moe_align_triton(ids, n_exp, block_m))
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("n_exp,k", [(8, 2), (60, 4), (128, 8)])
+def test_topk_softmax_equals_route(n_exp, k, renormalize):
+    """The fused routing kernel: the same ids as ``torch.topk`` of the float32 softmax (random
+    logits: no ties) and weights within 1e-6 (float32 exp / sum in another order; weights <= 1)."""
+    from rlserve.layers.moe import route_torch
+
+    logits = torch.randn(7, n_exp, generator=torch.Generator().manual_seed(n_exp))
+    w, ids = mk.topk_softmax(logits, k, renormalize)
+    rw, rids = route_torch(logits, k, renormalize)
+    assert ids.dtype == torch.int64 and torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+    w16 = mk.topk_softmax(logits.half(), k, renormalize)[0]
+    assert w16.dtype == torch.float16  # one float16 rounding of the float32 weight (unit roundoff 2^-11)
+    torch.testing.assert_close(w16, route_torch(logits.half(), k, renormalize)[0], atol=1e-3, rtol=2**-10)
+
+
 def test_triton_fp8_equals_emulation():
     """fp8 weights and per-row fp8 activations: the kernel's float32 products of the same fp8
     values equal :func:`experts_fp8_emulated` up to float32 summation order (``atol 1e-5``)."""

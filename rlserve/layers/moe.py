@@ -43,8 +43,17 @@ from rlserve.loader.weight_utils import check_float
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``router_logits [T, E]`` -> ``(topk_weights [T, K] in the logits' dtype, topk_ids [T, K]
-    int64)``: softmax in float32, ``torch.topk`` (largest first), renormalized to sum 1 when
-    ``renormalize``."""
+    int64)``: softmax in float32, top-k (largest first), renormalized to sum 1 when
+    ``renormalize``. On CUDA one Triton launch (:func:`rlserve.layers.moe_kernels.topk_softmax`),
+    elsewhere :func:`route_torch`."""
+    if router_logits.is_cuda and moe_kernels.triton_runs_on("cuda"):
+        return moe_kernels.topk_softmax(router_logits, top_k, renormalize)
+    return route_torch(router_logits, top_k, renormalize)
+
+
+def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` with PyTorch ops (Hugging Face's ``Qwen3MoeTopKRouter``): ``torch.softmax``
+    in float32, ``torch.topk``, ``weights / weights.sum()``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

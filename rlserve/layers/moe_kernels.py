@@ -50,6 +50,24 @@ def _kernels():
     return _K[0]
 
 
+# ---- routing ---------------------------------------------------------------------------------
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rlserve.layers.moe.route` in one Triton launch (one program per token): softmax in
+    float32, top-k (largest first), optional renormalization; ``(weights [T, K] in the logits'
+    dtype, ids [T, K] int64)``."""
+    T, E = router_logits.shape
+    weights = torch.empty(T, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        _kernels().topk_softmax_kernel[(T,)](
+            router_logits, weights, ids, E, router_logits.stride(0), K=top_k,
+            K_PAD=1 << max(top_k - 1, 0).bit_length(), E_PAD=1 << max(E - 1, 0).bit_length(), RENORM=renormalize,
+            num_warps=1 if E <= 256 else 4,
+        )
+    return weights, ids
+
+
 # ---- permutation -------------------------------------------------------------------------
 
 def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:

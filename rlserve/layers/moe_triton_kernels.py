@@ -101,3 +101,29 @@ def moe_align_scatter_kernel(IDS, CURSOR, SORTED_IDS, N, BLOCK: tl.constexpr):
     ids = tl.load(IDS + offs, mask=mask, other=0)
     pos = tl.atomic_add(CURSOR + ids, 1, mask=mask)
     tl.store(SORTED_IDS + pos, offs.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def topk_softmax_kernel(LOGITS, W, IDS, E, stride_l, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        RENORM: tl.constexpr):
+    """One token per program: softmax of its ``E`` router logits in float32, the ``K`` largest
+    probabilities (largest first; ties to the lower expert id), optionally renormalized to sum 1;
+    weights stored in ``W``'s dtype, ids as int64."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    x = tl.load(LOGITS + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(e < E, p / tl.sum(p, 0), -1.0)
+    kk = tl.arange(0, K_PAD)
+    wv = tl.zeros((K_PAD,), dtype=tl.float32)
+    iv = tl.zeros((K_PAD,), dtype=tl.int64)
+    for k in tl.static_range(K):
+        best = tl.max(p, 0)
+        idx = tl.argmax(p, 0, tie_break_left=True)
+        wv = tl.where(kk == k, best, wv)
+        iv = tl.where(kk == k, idx.to(tl.int64), iv)
+        p = tl.where(e == idx, -1.0, p)
+    if RENORM:
+        wv = wv / tl.sum(wv, 0)
+    tl.store(W + t * K + kk, wv.to(W.dtype.element_ty), mask=kk < K)
+    tl.store(IDS + t * K + kk, iv, mask=kk < K)
