@@ -12,14 +12,21 @@ are summed with one all-reduce).
 
 Routing (:func:`route`, Hugging Face's ``Qwen3MoeTopKRouter``): softmax over the router logits
 in float32, top-k, optionally renormalized to sum 1 (``norm_topk_prob``), cast back to the
-logits' dtype. Expert computation, two implementations with the same contract
-``(x [T, H], w13, w2, topk_weights [T, K], topk_ids [T, K]) -> [T, H]``:
+logits' dtype (one Triton launch on CUDA). Expert computation, implementations with the same
+contract ``(x [T, H], w13, w2, topk_weights [T, K], topk_ids [T, K]) -> [T, H]``, picked by
+:func:`experts_auto`:
 
-- :func:`experts_grouped` (the CPU path, used everywhere this round): tokens sorted by expert,
-  one GEMM pair per expert over the tokens routed to it; experts summed per token in ascending
-  expert order, as Hugging Face's eager ``Qwen3MoeExperts`` does.
+- :func:`rlserve.layers.moe_kernels.experts_triton` (CUDA): the fused-MoE Triton kernel, no host
+  sync (captured in the decode CUDA graphs); fp8 weights too.
+- :func:`experts_grouped` (CPU): tokens sorted by expert, one GEMM pair per expert over the
+  tokens routed to it; experts summed per token in ascending expert order, as Hugging Face's
+  eager ``Qwen3MoeExperts`` does. :func:`experts_fp8_emulated`: the same with fp8 weights.
 - :func:`experts_reference`: every expert on every token, masked by the routing (dense, O(E);
-  a float32 reference to test a GPU grouped-GEMM kernel against).
+  the float32 reference the kernels are tested against).
+
+Online fp8 (``--quantization fp8``): ``w13_weight`` / ``w2_weight`` are float8_e4m3fn with
+``w13_weight_scale [E, 2 * I_p]`` / ``w2_weight_scale [E, H]`` float32, one scale per (expert,
+output row), :mod:`rlserve.layers.fp8`'s scheme; every load re-quantizes the rows it writes.
 
 Routed-experts capture (vLLM's ``--enable-return-routed-experts``): a layer given a
 :class:`RoutedExpertsCapture` writes its ``topk_ids`` into the capture's step buffer at its
