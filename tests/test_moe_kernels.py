@@ -20,12 +20,9 @@ E, K, H, I = 8, 2, 40, 48  # H and I not multiples of the tiles: masked K / N ta
 
 
 def _operands(T, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
-    weights, ids = route(torch.randn(T, E, generator=g), K, True)
-    return x, w13, w2, weights.to(dtype), ids
+    from tests.test_moe_paths import make_operands
+
+    return make_operands(T, E, K, H, I, dtype, seed)
 
 
 @pytest.mark.parametrize("config", [None, (16, 16, 16, 1, 4, 1), (16, 32, 32, 2, 4, 1)])

@@ -19,13 +19,19 @@ from rlserve.layers.moe import FusedMoE, experts_auto, experts_fp8_emulated, exp
 T, E, K, H, I = 9, 16, 4, 48, 32
 
 
-def _operands(seed=0, dtype=torch.float32, T=T):
+def make_operands(T, E, K, H, I, dtype=torch.float32, seed=0):
+    """``(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, K], ids [T, K])``: Gaussian
+    activations, weights scaled by 1/sqrt(fan-in) (outputs ~1), routing of Gaussian logits."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
     weights, ids = route(torch.randn(T, E, generator=g), K, True)
     return x, w13, w2, weights.to(dtype), ids
+
+
+def _operands(seed=0, dtype=torch.float32, T=T):
+    return make_operands(T, E, K, H, I, dtype, seed)
 
 
 def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, result) -> None:

@@ -47,15 +47,23 @@ def _operands(T: int, dtype: torch.dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_routing_equals_torch(dtype):
-    """:func:`route` on CUDA (one Triton launch) against :func:`route_torch`: the same ids for
-    2048 tokens of random logits (no ties) and weights within one rounding of the dtype."""
+    """:func:`route` on CUDA (one Triton launch) against :func:`route_torch` for 2048 tokens of
+    random logits: float32 (no ties) the same ids; bfloat16 logits tie often (8-bit mantissa),
+    and the two break ties differently, so there the chosen probabilities must be equal rank by
+    rank. Weights within one rounding of the dtype. (Round 2 on the H100 ran the bf16 case with
+    exact id equality and failed on ties; this form was not re-run on the GPU.)"""
     from rlserve.layers.moe import route_torch
 
     logits = torch.randn(2048, E, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).to(dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     for renorm in (True, False):
         w, ids = route(logits, K, renorm)
         rw, rids = route_torch(logits, K, renorm)
-        assert torch.equal(ids, rids) and w.dtype == dtype
+        assert w.dtype == dtype and ids.dtype == torch.int64
+        if dtype == torch.float32:
+            assert torch.equal(ids, rids)
+        else:
+            assert torch.equal(probs.gather(1, ids), probs.gather(1, rids))
         tol = {torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype]
         torch.testing.assert_close(w.float(), rw.float(), atol=tol, rtol=tol)
 
