@@ -186,9 +186,13 @@ def test_tool_choice_needs_the_flags(flags, choice, msg):
     assert check_tools(ChatCompletionRequest(messages=MSGS, tools=TOOLS, tool_choice="none"), cfg) == "none"
 
 
-def test_reasoning_parser_needs_think_tokens():
+def test_parsers_need_their_tokens_at_startup():
     with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: .*'<think>'"):
         ChatOutputConfig(None, "deepseek_r1", False, build_tokenizer())
+    with pytest.raises(ValueError, match=r"--tool-call-parser llama3_json: .*'<\|python_tag\|>'"):
+        ChatOutputConfig("llama3_json", None, True, build_tokenizer())
+    with pytest.raises(ValueError, match="--tool-call-parser nope: unknown"):
+        ChatOutputConfig("nope", None, True, build_tokenizer())
 
 
 def test_multi_turn_renders_tool_calls_and_results(server):

@@ -1,6 +1,6 @@
 """rlserve's tool-call and reasoning parsers against vLLM 0.32's own, on fixed outputs
-(:data:`tests.tool_parse_cases.CASES`: hermes auto / required / named / none, qwen3 and
-deepseek_r1 reasoning, both together, outputs cut mid-call): the whole-output parse (reasoning,
+(:data:`tests.tool_parse_cases.CASES`: hermes auto / required / named / none, llama3_json,
+qwen3 and deepseek_r1 reasoning, both together, outputs cut mid-call): the whole-output parse (reasoning,
 content, tool calls, reasoning-token count) and every stream delta, token by token, must be
 exactly vLLM's (tool-call ids checked for vLLM's form, then masked: they are random).
 
@@ -39,17 +39,24 @@ def _diff(want: list, got: list) -> list[str]:
     out = []
     for i, (w, g) in enumerate(zip(want, got)):
         if w["full"] != g["full"]:
-            out.append(f"case {i} ({CASES[i]['text'][:40]!r}) whole: vLLM {w['full']} rlserve {g['full']}")
+            out.append(f"case {i} whole: vLLM {w['full']} rlserve {g['full']}")
         for k, (a, b) in enumerate(zip(w["deltas"], g["deltas"])):
             if a != b:
                 out.append(f"case {i} delta {k}: vLLM {a} rlserve {b}")
     return out
 
 
+LLAMA = [i for i, c in enumerate(CASES) if c["tool_parser"] == "llama3_json"]
+
+
+def _check(key, picked: list[int]) -> None:
+    got = rlserve_answers(tool_tokenizer(), [CASES[i] for i in picked])
+    assert _diff([key[i] for i in picked], got) == []
+
+
 def test_parsers_answer_as_vllm(key):
     assert len(key) == len(CASES)
-    got = rlserve_answers(tool_tokenizer())
-    assert _diff(key, got) == []
+    _check(key, [i for i in range(len(CASES)) if i not in LLAMA])
     # the key is not trivial: calls, reasoning and content are all in it
     assert key[0]["full"] == {"reasoning": None, "content": "Hi there ", "reasoning_tokens": None, "tool_calls": [
         {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}]}
@@ -57,6 +64,12 @@ def test_parsers_answer_as_vllm(key):
     first = next(d for d in key[0]["deltas"] if d and d.get("tool_calls"))
     assert first["tool_calls"][0] == {"id": "<id>", "type": "function", "index": 0,
                                       "function": {"name": "get_weather"}}
+
+
+def test_llama3_json_answers_as_vllm(key):
+    pytest.importorskip("partial_json_parser")  # a dependency of rlserve (pyproject.toml)
+    _check(key, LLAMA)
+    assert [c["name"] for c in key[LLAMA[1]]["full"]["tool_calls"]] == ["get_weather", "get_time"]
 
 
 @needs_vllm
@@ -74,9 +87,13 @@ import json, sys
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag, limit_to_single_tool_call
 out = []
-for tools, choice, parallel in json.load(sys.stdin):
+from vllm.tool_parsers.structural_tag_registry import resolve_tool_strictness
+from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+for fmt, tools, choice, parallel in json.load(sys.stdin):
     r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
-    tag = get_model_structural_tag("hermes", r.tools, r.tool_choice, reasoning=False)
+    # DelegatingParser._apply_structural_tag: parallel_tool_calls false raises the level to FUNCTION
+    level = ToolStrictLevel.FUNCTION if parallel is False else ToolStrictLevel.AUTO
+    tag = get_model_structural_tag(fmt, r.tools, r.tool_choice, reasoning=False, strict_level=level)
     if tag is not None and parallel is False:
         limit_to_single_tool_call(tag)
     out.append(None if tag is None else tag.model_dump(mode="json"))
@@ -84,8 +101,9 @@ json.dump(out, sys.stdout)
 '''
 
 _STRICT = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
-TAG_CASES = [(TOOLS, "required", None), (TOOLS, NAMED, None), (TOOLS, "required", False), (TOOLS, "auto", None),
-             ([_STRICT], "required", None)]
+TAG_CASES = [(fmt, *c) for fmt in ("hermes", "llama") for c in [
+    (TOOLS, "required", None), (TOOLS, NAMED, None), (TOOLS, "required", False), (TOOLS, "auto", None),
+    ([_STRICT], "required", None), (TOOLS, "auto", False), ([_STRICT, TOOLS[1]], "auto", None)]]
 
 
 def _subset(ours, theirs) -> bool:
@@ -105,13 +123,13 @@ def test_forcing_grammar_is_vllms_structural_tag():
                        timeout=600, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
     theirs = json.loads(r.stdout)
-    for (tools, choice, parallel), want in zip(TAG_CASES, theirs):
-        ours = structural_tag("hermes", tools, choice, parallel)
-        assert (ours is None) == (want is None), (choice, parallel)
-        assert ours is None or _subset(ours, want), (choice, parallel, ours, want)
-    # the strict tool's arguments follow its schema; the others are any JSON
+    for (fmt, tools, choice, parallel), want in zip(TAG_CASES, theirs):
+        ours = structural_tag(fmt, tools, choice, parallel)
+        assert (ours is None) == (want is None), (fmt, choice, parallel)
+        assert ours is None or _subset(ours, want), (fmt, choice, parallel, ours, want)
+    # the strict tool's arguments follow its schema; the others are any JSON; auto is free
     assert theirs[4]["format"]["tags"][0]["content"]["json_schema"] == WEATHER["function"]["parameters"]
-    assert theirs[0]["format"]["tags"][0]["content"]["json_schema"] is True
+    assert theirs[0]["format"]["tags"][0]["content"]["json_schema"] is True and theirs[3] is None
 
 
 def test_forcing_grammar_compiles_and_accepts_the_call():

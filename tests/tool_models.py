@@ -1,12 +1,12 @@
 """A tiny Qwen3-style tool-calling checkpoint, offline: the tiny tokenizer of
 :mod:`tests.tiny_models` plus Qwen3's added (non-special) tokens ``<think>``, ``</think>``,
-``<tool_call>``, ``</tool_call>`` (ids 336..339) and a chat template that renders ``tools``,
+``<tool_call>``, ``</tool_call>`` (ids 336..339), Llama 3's ``<|python_tag|>`` (340) and a chat template that renders ``tools``,
 an assistant message's ``tool_calls`` / ``reasoning_content`` and ``tool`` messages the way
 Qwen3's own template does (tools in ``<tools></tools>`` in the system turn (Qwen's instructions around them left out), each call as
 ``<tool_call>\\n{"name": .., "arguments": ..}\\n</tool_call>``, tool results wrapped in
 ``<tool_response>`` inside a user turn).
 
-Usage: ``make_tool_model(path)`` (a random-init qwen3 of vocabulary 340 with that tokenizer)
+Usage: ``make_tool_model(path)`` (a random-init qwen3 of vocabulary 341 with that tokenizer)
 or ``make_tool_tokenizer(path)`` (the tokenizer files only)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tests.tiny_models import build_tokenizer, make_tiny_model
 
-ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-THINK_ID, THINK_END_ID, TOOL_CALL_ID, TOOL_CALL_END_ID = 336, 337, 338, 339
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>"]
+THINK_ID, THINK_END_ID, TOOL_CALL_ID, TOOL_CALL_END_ID, PYTHON_TAG_ID = 336, 337, 338, 339, 340
 
 QWEN3_STYLE_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
@@ -55,7 +55,7 @@ def tool_tokenizer():
 
     tok = copy.deepcopy(build_tokenizer())
     tok.add_tokens(ADDED, special_tokens=False)
-    assert tok.convert_tokens_to_ids(ADDED) == [THINK_ID, THINK_END_ID, TOOL_CALL_ID, TOOL_CALL_END_ID]
+    assert tok.convert_tokens_to_ids(ADDED) == [THINK_ID, THINK_END_ID, TOOL_CALL_ID, TOOL_CALL_END_ID, PYTHON_TAG_ID]
     tok.chat_template = QWEN3_STYLE_TEMPLATE
     return tok
 
@@ -68,7 +68,7 @@ def make_tool_tokenizer(path) -> str:
 
 
 def make_tool_model(path) -> str:
-    """A random-init tiny qwen3 (vocabulary 340, 1024 positions: the tiny byte-level tokenizer
+    """A random-init tiny qwen3 (vocabulary 341, 1024 positions: the tiny byte-level tokenizer
     makes a prompt with tools several hundred tokens long) with :func:`tool_tokenizer`; returns ``str(path)``."""
     make_tiny_model("qwen3", path, vocab_size=len(ADDED) + 336, max_position_embeddings=1024)
     make_tool_tokenizer(path)

@@ -62,6 +62,14 @@ CASES = [
     _case("<think>x</think>y<think>z</think>w", reasoning_parser="deepseek_r1"),
     _case("Sure. " + CALL, "hermes", "qwen3", kwargs={"enable_thinking": False},
           prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    # llama3_json
+    _case('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "llama3_json"),
+    _case('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}; '
+          '{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3_json"),
+    _case('Hello, no call here', "llama3_json"),
+    _case('Text first {"name": "get_time", "parameters": {"zone": "CET"}}', "llama3_json"),
+    _case('{"name": "get_weather", "parameters": {"city": "Par', "llama3_json"),
+    _case('{"nom": "x"}', "llama3_json"),
 ]
 
 

@@ -29,8 +29,8 @@ class ChatOutputConfig:
             counting reasoning tokens).
 
     Raises:
-        ValueError: an unknown parser name, or a reasoning parser whose tokens the vocabulary
-            lacks.
+        ValueError: an unknown parser name, a parser whose tokens the vocabulary lacks, or
+            one whose library is not installed.
     """
 
     def __init__(self, tool_parser: str | None, reasoning_parser: str | None, enable_auto_tools: bool, tokenizer):
@@ -39,11 +39,13 @@ class ChatOutputConfig:
         self.enable_auto_tools = bool(enable_auto_tools)
         self.tokenizer = tokenizer
         self.vocab = vocab = tokenizer.get_vocab()
-        if self.reasoning_cls is not None:
-            try:
-                self.reasoning_cls(vocab, {})  # raises now, not per request
-            except ValueError as e:
-                raise ValueError(f"--reasoning-parser {reasoning_parser}: {e}") from None
+        for flag, name, make in (("--reasoning-parser", reasoning_parser, lambda: self.reasoning_cls(vocab, {})),
+                                 ("--tool-call-parser", tool_parser, lambda: self.tool_cls(vocab, []))):
+            try:  # raises now, at startup, not per request
+                if name:
+                    make()
+            except (ValueError, ImportError) as e:
+                raise ValueError(f"{flag} {name}: {e}") from None
 
     @property
     def active(self) -> bool:

@@ -65,17 +65,21 @@ def check_tools(body, outputs: ChatOutputConfig) -> str | dict | None:
 
 
 def forced_spec(body, outputs: ChatOutputConfig, tool_choice) -> dict | None:
-    """The ``structured_outputs`` object forcing ``required`` / a named call (None: nothing to
-    force): the parser's call format as a grammar (its structural tag, as vLLM 0.32 forces
-    them). It replaces the request's own ``structured_outputs`` / ``response_format``, as in
-    vLLM.
+    """The ``structured_outputs`` object forcing ``required`` / a named call, or an ``auto``
+    call's format where vLLM constrains it (None: nothing to force): the parser's call format as
+    a grammar (its structural tag, :func:`~rlserve.server.tool_parsers.structural.structural_tag`).
+    A forced call replaces the request's own ``structured_outputs`` / ``response_format``, as in
+    vLLM; under ``auto`` the request's own constraint is kept.
 
     Raises:
         APIError 400: the tools cannot be forced (e.g. a ``parameters`` that is no schema).
     """
     cls = outputs.tool_cls
-    if cls is None or cls.structural_tag is None or tool_choice in (None, "none", "auto"):
+    if cls is None or cls.structural_tag is None or tool_choice in (None, "none"):
         return None
+    if tool_choice == "auto" and (body.structured_outputs is not None or
+                                  (body.response_format is not None and body.response_format.type != "text")):
+        return None  # vLLM combines the two (an OR); rlserve keeps the request's own constraint
     try:
         grammar = structural_grammar(cls.structural_tag, body.tools, tool_choice, body.parallel_tool_calls)
         return None if grammar is None else {"grammar": grammar}

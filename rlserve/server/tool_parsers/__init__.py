@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from rlserve.server.tool_parsers.base import registry_class
 from rlserve.server.tool_parsers.hermes import HermesToolParser
+from rlserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type] = {
     "hermes": HermesToolParser,
     "qwen3_json": HermesToolParser,  # vLLM aliases Qwen's JSON tool calls to hermes
+    "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,  # vLLM's alias
 }
 
 

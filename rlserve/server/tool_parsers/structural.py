@@ -26,25 +26,61 @@ def _hermes_tags(tools: list[dict]) -> list[dict]:
     return tags
 
 
+_LISTS = ("triggered_tags", "tags_with_separator", "token_triggered_tags")
+
+
+def _single_call(node) -> None:
+    """vLLM's ``limit_to_single_tool_call``: every call list in the tag stops after one call."""
+    if isinstance(node, dict):
+        if node.get("type") in _LISTS:
+            node["stop_after_first"] = True
+        for v in node.values():
+            _single_call(v)
+    elif isinstance(node, list):
+        for v in node:
+            _single_call(v)
+
+
 def structural_tag(fmt: str, tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> dict | None:
-    """vLLM's structural tag (xgrammar's JSON form) forcing ``tool_choice`` in format ``fmt``;
-    None for ``auto`` / ``none``.
+    """vLLM's structural tag (xgrammar's JSON form) forcing ``tool_choice`` in format ``fmt``:
+    ``required`` / named always; ``auto`` when a tool is ``"strict": true`` or with
+    ``parallel_tool_calls: false`` (calls, once started, follow the format; at most one: vLLM's
+    rule); else None. ``hermes`` is built here as vLLM builds it; the other formats
+    (``llama``, ``qwen_3_coder``) are xgrammar's builtin model tags, as vLLM takes them.
 
     Raises:
-        ValueError: an unknown ``fmt``.
+        ValueError: xgrammar has no such format.
     """
-    if fmt != "hermes":
-        raise ValueError(f"no structural tag for tool-call format {fmt!r}")
-    if isinstance(tool_choice, dict):
-        name = tool_choice["function"]["name"]
-        tools = [t for t in tools if t.get("function", {}).get("name") == name]
-        single = True
-    elif tool_choice == "required":
-        single = parallel_tool_calls is False
-    else:
+    single = parallel_tool_calls is False
+    any_strict = any(t.get("function", {}).get("strict") is True for t in tools)
+    if tool_choice == "auto" and not (single or any_strict) or tool_choice in (None, "none"):
         return None
-    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": _hermes_tags(tools),
-                                                 "separator": "", "at_least_one": True, "stop_after_first": single}}
+    if fmt == "hermes":
+        if isinstance(tool_choice, dict):
+            name = tool_choice["function"]["name"]
+            tools = [t for t in tools if t.get("function", {}).get("name") == name]
+            fmt_ = {"type": "tags_with_separator", "tags": _hermes_tags(tools), "separator": "", "at_least_one": True,
+                    "stop_after_first": True}
+        elif tool_choice == "required":
+            fmt_ = {"type": "tags_with_separator", "tags": _hermes_tags(tools), "separator": "", "at_least_one": True,
+                    "stop_after_first": False}
+        else:
+            fmt_ = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": _hermes_tags(tools),
+                    "at_least_one": False, "stop_after_first": False}
+        tag = {"type": "structural_tag", "format": fmt_}
+    else:
+        import xgrammar
+
+        strict = [{"type": "function", "function": dict(t["function"], strict=t["function"].get("strict") is True)}
+                  for t in tools]
+        try:
+            tag = xgrammar.get_model_structural_tag(fmt, tools=strict, tool_choice=tool_choice,
+                                                    reasoning=False).model_dump(mode="json")
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"no structural tag for tool-call format {fmt!r}: {e}") from None
+    if single:
+        _single_call(tag)
+    return tag
 
 
 def structural_grammar(fmt: str, tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> str | None:
