@@ -353,6 +353,9 @@ def test_unknown_fields_400_or_ignored_and_logged(srv, caplog):
     err = post(srv, "/v1/completions", body, 400)["error"]
     assert err["code"] == "unknown_field" and err["param"] == "frobnicate" and "--allow-unknown-fields" in err[
         "message"]
+    resp = {"input": "hi", "max_output_tokens": 2, "frobnicate": 1}
+    err = post(srv, "/v1/responses", resp, 400)["error"]
+    assert err["code"] == "unknown_field" and err["param"] == "frobnicate", err
     settings = srv.app.state.rlserve.settings
     settings.allow_unknown_fields = True
     try:
@@ -360,12 +363,14 @@ def test_unknown_fields_400_or_ignored_and_logged(srv, caplog):
             out = post(srv, "/v1/completions", body)
             chat = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2, "frobnicate": 1})
+            assert post(srv, "/v1/responses", resp)["status"] == "incomplete"
         assert out["choices"][0]["text"] == _cmpl(srv, prompt="hi", max_tokens=2, ignore_eos=False)["choices"][0][
             "text"]
         assert chat["choices"]
         lines = [r.getMessage() for r in caplog.records if r.name == "rlserve.server.requests"]
         assert lines == ["completions request: ignored unknown fields frobnicate, zork (--allow-unknown-fields)",
-                         "chat request: ignored unknown field frobnicate (--allow-unknown-fields)"], lines
+                         "chat request: ignored unknown field frobnicate (--allow-unknown-fields)",
+                         "responses request: ignored unknown field frobnicate (--allow-unknown-fields)"], lines
         # a default-only field at another value is still refused
         post(srv, "/v1/completions", dict(body, use_beam_search=True), 400)
     finally:

@@ -216,7 +216,7 @@ def register(subparsers) -> None:
                         "replace its weights (default: on when env VLLM_SERVER_DEV_MODE=1 (what `trl vllm-serve` "
                         "sets), else off). --admin-key, when given, still applies")
     s.add_argument("--allow-unknown-fields", action="store_true",
-                   help="serve completions / chat requests that carry fields rlserve does not know, ignoring "
+                   help="serve completions / chat / responses requests with fields rlserve does not know, ignoring "
                         "them with one log line per request naming them (vLLM's behaviour); default: a 400 "
                         "naming the field (fields that change nothing, e.g. user, metadata, store, are always "
                         "accepted)")

@@ -226,7 +226,10 @@ class ResponsesRequest(SamplerFields, ChatTemplateFields):
     :func:`rlserve.server.responses_routes.input_messages`. The fields from ``store`` on are
     OpenAI's features rlserve does not have: accepted only at the value that asks for nothing
     (absent, null, false, empty, ``"auto"`` / ``"none"`` / ``"disabled"`` where that is the
-    no-op), else a 400 naming the field (:func:`rlserve.server.responses_routes.refuse_unsupported`)."""
+    no-op), else a 400 naming the field (:func:`rlserve.server.responses_routes.refuse_unsupported`).
+    Undeclared fields: as completions' (:func:`rlserve.server.request_fields.check_extra_fields`)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]

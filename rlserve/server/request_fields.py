@@ -1,5 +1,5 @@
-"""Request fields of ``/v1/completions`` and ``/v1/chat/completions`` that rlserve has no model
-field for: OpenAI's and vLLM 0.32's fields that change nothing rlserve generates (accepted,
+"""Request fields of ``/v1/completions`` and ``/v1/chat/completions`` (``/v1/responses``: unknown
+ones only) that rlserve has no model field for: OpenAI's and vLLM 0.32's fields that change nothing rlserve generates (accepted,
 ignored), vLLM's fields accepted only at the value that asks for nothing (else a 400 that says
 why), and everything else (unknown: a 400 ``unknown_field`` naming it, or, with
 ``--allow-unknown-fields``, vLLM's ignore-and-log: one log line per request naming the fields).
@@ -80,7 +80,8 @@ def check_extra_fields(body, route: str, allow_unknown: bool) -> list[str]:
 
     Args:
         body: the parsed request (a pydantic model with ``extra="allow"``).
-        route: ``"completions"`` or ``"chat"`` (which lists apply; also named in the log line).
+        route: ``"completions"``, ``"chat"`` (which lists apply) or ``"responses"`` (no list: its
+            model declares OpenAI's fields itself); also named in the log line.
         allow_unknown: ``--allow-unknown-fields``: ignore unknown fields, logging one line.
     Returns:
         the unknown fields that were ignored (empty unless ``allow_unknown``).
@@ -95,6 +96,9 @@ def check_extra_fields(body, route: str, allow_unknown: bool) -> list[str]:
     chat = route == "chat"
     unknown = []
     for name, value in extra.items():
+        if route == "responses":  # its model declares OpenAI's no-op fields itself: the rest is unknown
+            unknown.append(name)
+            continue
         if name in NOOP_FIELDS or (chat and name in CHAT_NOOP_FIELDS):
             continue
         rule = DEFAULT_ONLY_FIELDS.get(name) or (CHAT_DEFAULT_ONLY_FIELDS.get(name) if chat else None)

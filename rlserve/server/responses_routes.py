@@ -55,6 +55,7 @@ from rlserve.server.errors import APIError, exception_to_error
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected, weight_versions
 from rlserve.server.openai_stream import merge_generators, sse_event
 from rlserve.server.protocol import ChatMessage, ResponsesRequest
+from rlserve.server.request_fields import check_extra_fields
 from rlserve.server.state import ServerState
 
 #: the roles of an input message item
@@ -218,6 +219,7 @@ def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
         model = state.check_model(body.model)
         state.check_available()
         refuse_unsupported(body)
+        check_extra_fields(body, "responses", state.settings.allow_unknown_fields)
         messages, continue_final = input_messages(body)
         structured = await _text_format(state, body)
         template_args = body.chat_template_args()

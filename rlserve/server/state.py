@@ -49,8 +49,8 @@ class ServerSettings:
             (``--insecure-control-routes``, default on with env ``VLLM_SERVER_DEV_MODE=1``: vLLM's
             dev mode, which `trl vllm-serve` sets); ``admin_key``, when set, still applies.
         lora_modules: ``[(name, path)]`` LoRA adapters loaded at startup (``--lora-modules``).
-        allow_unknown_fields: ``--allow-unknown-fields``: completions / chat requests with
-            fields rlserve does not know are served, the fields ignored and named in one log
+        allow_unknown_fields: ``--allow-unknown-fields``: completions / chat / responses requests
+            with fields rlserve does not know are served, the fields ignored and named in one log
             line (vLLM's behaviour), instead of a 400 (:mod:`rlserve.server.request_fields`).
         tool_call_parser / reasoning_parser / enable_auto_tool_choice: vLLM's flags of those
             names (:mod:`rlserve.server.chat_output`).
