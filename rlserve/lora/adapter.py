@@ -68,6 +68,17 @@ def _config(path: str):
         cfg = LoraConfig.from_pretrained(path)
     except (TypeError, ValueError) as e:
         raise LoRAAdapterError(f"{CONFIG_FILE} of {path} is not a valid LoraConfig: {e}") from None
+    return check_lora_config(cfg, f"LoRA adapter {path}")
+
+
+def check_lora_config(cfg, where: str):
+    """``cfg`` (PEFT's ``LoraConfig``) if rlserve can serve it, for a file's adapter and for the
+    trainer SDK's adapter-only sync (:class:`rlserve.transfer.sdk.lora_source.LoRASource`).
+
+    Raises:
+        LoRAAdapterError: DoRA, a bias, ``modules_to_save``, per-module rank / alpha patterns,
+            ``target_parameters``, ``fan_in_fan_out``, ``lora_bias`` (``where`` starts the message).
+    """
     refused = [(bool(cfg.use_dora), "use_dora=true (DoRA)"), (cfg.bias != "none", f"bias={cfg.bias!r}"),
                (bool(cfg.modules_to_save), f"modules_to_save={cfg.modules_to_save}"),
                (bool(getattr(cfg, "rank_pattern", None)), "a rank_pattern"),
@@ -77,7 +88,7 @@ def _config(path: str):
                (bool(getattr(cfg, "lora_bias", False)), "lora_bias=true")]
     for bad, what in refused:
         if bad:
-            raise LoRAAdapterError(f"LoRA adapter {path}: {what} is not supported (only lora_A / lora_B factors of "
+            raise LoRAAdapterError(f"{where}: {what} is not supported (only lora_A / lora_B factors of "
                                    "one rank on the decoder's linear layers)")
     return cfg
 
@@ -111,7 +122,7 @@ def read_adapter(path: str, targets: dict[str, tuple[int, int]], max_lora_rank: 
     if rank < 1 or rank > max_lora_rank:
         raise LoRAAdapterError(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}" if rank > 0
                                else f"LoRA rank must be >= 1, got {rank}")
-    scaling = float(cfg.lora_alpha) / (math.sqrt(rank) if cfg.use_rslora else rank)
+    scaling = lora_scaling(cfg.lora_alpha, rank, bool(cfg.use_rslora))
     wfile = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(wfile):
         raise LoRAAdapterError(f"LoRA adapter {path} has no {WEIGHTS_FILE} (only safetensors adapters are read)")
@@ -132,20 +143,42 @@ def read_adapter(path: str, targets: dict[str, tuple[int, int]], max_lora_rank: 
             raise LoRAAdapterError(f"LoRA adapter {path}: {key!r} targets {module!r}, which is not a LoRA-capable "
                                    "linear layer of this model (supported: q/k/v/o_proj, gate/up/down_proj)")
         parts.setdefault(module, {})[m.group("ab")] = t
+    return adapter_from_parts(parts, rank, scaling, targets, dtype, device, f"LoRA adapter {path}")
+
+
+def lora_scaling(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """PEFT's ``scaling``: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+    return float(lora_alpha) / (math.sqrt(rank) if use_rslora else rank)
+
+
+def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
+                       targets: dict[str, tuple[int, int]], dtype: torch.dtype, device,
+                       where: str) -> LoRAAdapter:
+    """A :class:`LoRAAdapter` from ``{hf_module: {"A": [r, in], "B": [out, r]}}`` (a file's
+    tensors, or an adapter-only weight sync's received ones: :mod:`rlserve.lora.sync`).
+    ``scaling`` is folded into ``B`` in float32, then both are cast to ``dtype`` on ``device``.
+    ``where`` starts the error messages.
+
+    Raises:
+        LoRAAdapterError: no factor, a module not in ``targets``, a factor without its partner,
+            shapes other than ``(rank, in)`` / ``(out, rank)``, non-float or non-finite values.
+    """
     if not parts:
-        raise LoRAAdapterError(f"LoRA adapter {path} holds no lora_A / lora_B tensors")
+        raise LoRAAdapterError(f"{where} holds no lora_A / lora_B tensors")
     weights = {}
     for module, ab in parts.items():
+        if module not in targets:
+            raise LoRAAdapterError(f"{where}: {module!r} is not a LoRA-capable linear layer of this model")
         if set(ab) != {"A", "B"}:
-            raise LoRAAdapterError(f"LoRA adapter {path}: {module} has no lora_{({'A', 'B'} - set(ab)).pop()}")
+            raise LoRAAdapterError(f"{where}: {module} has no lora_{({'A', 'B'} - set(ab)).pop()}")
         out_f, in_f = targets[module]
         a, b = ab["A"], ab["B"]
         if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
-            raise LoRAAdapterError(f"LoRA adapter {path}: {module} has lora_A {tuple(a.shape)} and lora_B "
+            raise LoRAAdapterError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                    f"{tuple(b.shape)}; expected {(rank, in_f)} and {(out_f, rank)} (r={rank})")
         if not (a.is_floating_point() and b.is_floating_point()) or not (torch.isfinite(a).all()
                                                                          and torch.isfinite(b).all()):
-            raise LoRAAdapterError(f"LoRA adapter {path}: {module} has non-finite or non-float factors")
+            raise LoRAAdapterError(f"{where}: {module} has non-finite or non-float factors")
         weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
                            (b.to(torch.float32) * scaling).to(device=device, dtype=dtype).contiguous())
     return LoRAAdapter(rank, scaling, weights)

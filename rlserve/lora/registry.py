@@ -28,13 +28,15 @@ OPS = "rlserve.lora.engine_ops"
 @dataclass
 class LoRARecord:
     """One loaded adapter: ``name`` (what requests put in ``model``), ``lora_int_id`` (the engines'
-    id), ``path``, ``rank``, ``bytes`` (its factors, per replica) and ``created`` (unix seconds)."""
+    id), ``path`` (empty for a synced adapter), ``rank``, ``bytes`` (its factors, per replica), ``version``
+    (a synced adapter's label, :mod:`rlserve.lora.sync`; empty for a file) and ``created`` (unix seconds)."""
 
     name: str
     lora_int_id: int
     path: str
     rank: int
     bytes: int
+    version: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -76,29 +78,61 @@ class LoRARegistry:
         """
         if not name or not path:
             raise LoRAAdapterError("Both 'lora_name' and 'lora_path' must be provided.")
-        if name in self.base_names:
-            raise LoRAAdapterError(f"The lora adapter '{name}' conflicts with a served base model.")
+        return await self._add(name, load_inplace, path, None, f"{OPS}:load_lora", path, name)
+
+    async def add_synced(self, name: str, rank: int, scaling: float, load_inplace: bool = True,
+                         version: str | None = None, timeout_s: float = 60.0) -> LoRARecord:
+        """An adapter-only weight sync's finish (:mod:`rlserve.lora.sync`): the factors every
+        replica's worker staged become a new adapter (a new id) named ``name``, labelled
+        ``version`` (default: the name's previous label + 1, from "1"). Same checks and rollback
+        as :meth:`load`. Raises what it raises."""
+        if not name:
+            raise LoRAAdapterError("an adapter-only weight update needs a lora_name")
+        old = self.adapters.get(name)
+        if version is None:
+            prev = old.version if old is not None else "0"
+            version = str(int(prev) + 1) if prev.isdigit() else "1"
+        return await self._add(name, load_inplace, "", version, "rlserve.lora.sync:commit_synced", int(rank),
+                               float(scaling), float(timeout_s))
+
+    async def _add(self, name: str, load_inplace: bool, path: str, version: str | None, target: str,
+                   *args) -> LoRARecord:
+        """Register ``name`` under a new id once ``target(core, id, *args)`` made every replica
+        hold it; a failure on one replica unloads it from the others."""
         async with self._lock:
+            self.check_add(name, load_inplace)
             old = self.adapters.get(name)
-            if old is not None and not load_inplace:
-                raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                       "adapter in place, set 'load_inplace' to True.")
-            if old is None and len(self.adapters) >= self.max_loras:
-                raise LoRAAdapterError(f"{len(self.adapters)} LoRA adapters are loaded, the most --max-loras "
-                                       f"{self.max_loras} allows: unload one first "
-                                       f"({', '.join(sorted(self.adapters))}), or restart with a larger --max-loras")
             adapter_id = next(self._ids)
             try:
-                infos = await self.aengine.call_engines(f"{OPS}:load_lora", adapter_id, path, name)
+                infos = await self.aengine.call_engines(target, adapter_id, *args)
             except BaseException:
                 await self._drop(adapter_id)  # replicas that loaded it
                 raise
             info = infos[0] if infos else {}
-            rec = LoRARecord(name, adapter_id, path, int(info.get("rank", 0)), int(info.get("bytes", 0)))
+            rec = LoRARecord(name, adapter_id, path, int(info.get("rank", 0)), int(info.get("bytes", 0)),
+                             version=version or "")
             self.adapters[name] = rec
             if old is not None:
                 await self._drop(old.lora_int_id)
             return rec
+
+    def check_add(self, name: str, load_inplace: bool) -> None:
+        """Whether ``name`` may be added now (also asked before an adapter-only sync moves a byte).
+
+        Raises:
+            LoRAAdapterError (400): a base model's name, a name already loaded without
+                ``load_inplace``, ``max_loras`` adapters loaded.
+        """
+        if name in self.base_names:
+            raise LoRAAdapterError(f"The lora adapter '{name}' conflicts with a served base model.")
+        old = self.adapters.get(name)
+        if old is not None and not load_inplace:
+            raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                   "adapter in place, set 'load_inplace' to True.")
+        if old is None and len(self.adapters) >= self.max_loras:
+            raise LoRAAdapterError(f"{len(self.adapters)} LoRA adapters are loaded, the most --max-loras "
+                                   f"{self.max_loras} allows: unload one first "
+                                   f"({', '.join(sorted(self.adapters))}), or restart with a larger --max-loras")
 
     async def unload(self, name: str) -> LoRARecord:
         """Stop serving ``name``: new requests naming it get 404; requests already running on it

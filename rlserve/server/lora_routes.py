@@ -55,6 +55,9 @@ def make_lora_registry(state: ServerState) -> LoRARegistry:
     cfg = state.aengine.config
     state.lora = LoRARegistry(state.aengine, list(state.settings.served_model_names) + [state.settings.model],
                               cfg.max_loras, cfg.max_lora_rank)
+    manager = getattr(state, "weight_manager", None)
+    if manager is not None and hasattr(manager, "lora"):
+        manager.lora = state.lora  # adapter-only weight syncs (rlserve.lora.sync) register here
     return state.lora
 
 

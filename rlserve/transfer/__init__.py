@@ -12,10 +12,10 @@ Layout (``README.md`` here has the full map)::
                vllm_store / vllm_ipc (vLLM's rendezvous and IPC formats)
     backends/  data planes: group (TransferGroup: gloo / NCCL), nccl_lib (ctypes NCCL),
                vllm_group (vLLM's NCCL wire)
-    server/    the server process: manager (+ manager_update / manager_info / manager_trl, session),
+    server/    the server process: manager (+ manager_update / manager_info / manager_trl / manager_lora, session),
                receiver (+ receiver_ipc), worker_ext (+ worker_load), engine_calls, liveness,
                tcp_peer, direct, copy_plan, checksums
-    sdk/       the trainer process: trainer (factory), client, sources, init_info, engine,
+    sdk/       the trainer process: trainer (factory), client, sources (+ lora_source), init_info, engine,
                ipc_engine, sender, trl
     errors, host_ops, multi_tensor: shared by both sides
 """
@@ -30,6 +30,7 @@ _LAZY = {
     "NonFiniteWeightsError": "rlserve.transfer.errors",
     "ModuleSource": "rlserve.transfer.sdk.trainer",
     "TensorListSource": "rlserve.transfer.sdk.trainer",
+    "LoRASource": "rlserve.transfer.sdk.trainer",
     "TrainerInitInfo": "rlserve.transfer.sdk.trainer",
     "GlooTrainerInitInfo": "rlserve.transfer.sdk.trainer",
     "NCCLTrainerInitInfo": "rlserve.transfer.sdk.trainer",

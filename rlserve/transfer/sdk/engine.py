@@ -86,7 +86,8 @@ class TrainerWeightTransferEngine:
             names=[m[0] for m in meta], dtype_names=[dtype_to_name(m[1]) for m in meta],
             shapes=[list(m[2]) for m in meta], packed=self.init_info.packed,
             packed_buffer_size_bytes=self.init_info.packed_buffer_size_bytes,
-            packed_num_buffers=self.init_info.packed_num_buffers, partial=partial)
+            packed_num_buffers=self.init_info.packed_num_buffers, partial=partial,
+            lora=getattr(self.source, "lora", None))  # an adapter-only update (sdk/lora_source.py)
         info.validate()
         return info
 

@@ -55,6 +55,7 @@ from rlserve.transfer.sdk.init_info import (  # noqa: F401
 )
 from rlserve.transfer.sdk.ipc_engine import IPCTrainerEngine
 from rlserve.transfer.sdk.sources import ModuleSource, TensorListSource, hf_name  # noqa: F401
+from rlserve.transfer.sdk.lora_source import LoRASource  # noqa: F401
 
 
 class FollowerTrainerEngine(TrainerWeightTransferEngine):

@@ -63,6 +63,7 @@ from rlserve.transfer.wire.protocol import BACKENDS, DEFAULT_TIMEOUT_S, InitInfo
 from rlserve.transfer.wire.header import LayoutMismatchError
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError
 from rlserve.transfer.server.manager_info import InfoRoutes
+from rlserve.transfer.server.manager_lora import LoRASyncRoutes
 from rlserve.transfer.server.manager_trl import TRLRoutes
 from rlserve.transfer.server.manager_update import UpdateRoutes
 from rlserve.transfer.server.session import _Session
@@ -126,7 +127,7 @@ def check_transfer_config(transfer_config: dict | None, staging: str = "none", d
     return cfg
 
 
-class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
+class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes):
     """The server's weight-sync control plane.
 
     Args:
@@ -497,13 +498,13 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes):
         logger.error("weight update failed: %s", msg)
         if teardown:
             await self._teardown_group()
-        elif self.staging != "none":
+        elif self._staging_of(session) != "none":
             try:
                 await self._rpc("discard")
             except Exception:  # noqa: BLE001
                 pass
         if session is not None:
-            if self.staging == "none" and (session.applied or session.in_doubt):
+            if self._staging_of(session) == "none" and (session.applied or session.in_doubt):
                 await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
                                              "generation resumes once a full weight update lands")
             await self._end_session(session)

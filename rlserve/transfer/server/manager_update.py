@@ -9,6 +9,7 @@ import time
 
 from rlserve.errors import NoTransferEngineError, StaleSessionError, WeightUpdateError, WeightUpdateStateError
 from rlserve.loader.weight_utils import expand_expert_names
+from rlserve.lora.sync import check_pairs
 from rlserve.transfer import errors as terr
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
@@ -180,7 +181,7 @@ class UpdateRoutes:
             WeightUpdateStateError: (HTTP 409) the action is refused.
         """
         s = self._session
-        if s is None or self.staging != "none" or s.commit_in_engine:
+        if s is None or self._staging_of(s) != "none" or s.commit_in_engine:
             return
         if action in ("resume", "pause:wait"):
             what = "/resume" if action == "resume" else "/pause?mode=wait (it drains requests by running them)"
@@ -191,20 +192,23 @@ class UpdateRoutes:
         s.auto_paused = False
 
     async def _start_update(self, update_info: dict | None, pause: bool = True) -> dict:
-        declared = None
+        declared = lora = None
         if update_info:
             declared = UpdateInfo.from_dict(update_info).resolved(self._init)
-            spec, req = await self._model_spec()
-            validate_against_spec(declared, spec, req, tied=self._tied)
+            if declared.lora is not None:  # adapter-only (rlserve.lora.sync): its factors, staged
+                lora = await self._lora_fields(declared.lora)
+                check_pairs(declared.names)
+            spec, req = await self._spec_for(lora)
+            validate_against_spec(declared, spec, req, tied=None if lora else self._tied)
             declared.checksums = None
             declared.ipc_handles = None
-        if self.sleep_mode is not None:  # 409 into weights a level-1 sleep holds; level 2: mapped first
+        if self.sleep_mode is not None and lora is None:  # 409 into weights a level-1 sleep holds
             await self.sleep_mode.before_weight_sync()
         auto = False
-        if self.staging == "none" and pause and not self.aengine.is_paused():
+        if self.staging == "none" and lora is None and pause and not self.aengine.is_paused():
             await self.aengine.pause(mode="keep")
             auto = True
-        self._session = _Session(declared=declared, auto_paused=auto)
+        self._session = _Session(declared=declared, auto_paused=auto, lora=lora)
         self._arm_watchdog()
         return {"status": "started", "staging": self.staging, "paused_by_server": auto,
                 "declared_tensors": None if declared is None else len(declared.names)}
@@ -247,13 +251,19 @@ class UpdateRoutes:
                     raise WeightUpdateError(f"update_info.ipc_handles_ref {info.ipc_handles_ref!r} is unknown to this "
                                             "server: send names, dtype_names, shapes and ipc_handles with it")
                 info.names, info.dtype_names, info.shapes = meta["names"], meta["dtype_names"], meta["shapes"]
-            spec, req = await self._model_spec()
+            if info.lora is not None and s.lora is None:
+                if s.received or s.declared is not None or s.trl:
+                    raise WeightUpdateError("update_info.lora comes with the session's first update_weights or its "
+                                            "start_weight_update declaration")
+                s.lora = await self._lora_fields(info.lora)  # (pairs checked at finish)
+            spec, req = await self._spec_for(s.lora)
             if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]):
                 # (the same tensors with the same coverage rule were validated when the ref was given)
                 validate_against_spec(info, spec, req,
                                       allowed_names=None if s.declared is None else set(s.declared.names),
                                       already_received=frozenset() if s.trl else s.received,
-                                      check_coverage=s.declared is None, tied=self._tied)
+                                      check_coverage=s.declared is None and s.lora is None,
+                                      tied=None if s.lora else self._tied)
             check_transport_fields(info, self._init.backend, self._ipc_refs)
         except WeightUpdateError as e:
             # The trainer may already be broadcasting (it calls update_weights concurrently with
@@ -273,8 +283,9 @@ class UpdateRoutes:
             # in place: assume the parameters change from here on until every worker's op was
             # seen to end without writing (an error before that, e.g. a poll that timed out,
             # counts as a changed model)
-            s.in_doubt = self.staging == "none"
-            results = await self._run_op("start_receive", [wire, self.staging, self.direct_receive, self.check_finite],
+            staging = self._staging_of(s)
+            s.in_doubt = staging == "none"
+            results = await self._run_op("start_receive", [wire, staging, self.direct_receive, self.check_finite],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except terr.NonFiniteWeightsError as e:
             if not s.trl:
@@ -298,12 +309,12 @@ class UpdateRoutes:
         s.bytes += nbytes
         s.seconds += secs
         s.calls += 1
-        if self.staging == "none" and info.names:
+        if self._staging_of(s) == "none" and info.names:
             s.applied = True
         first = results[0] if results and isinstance(results[0], dict) else {}
         replayed = int(first.get("replayed_loads", 0))
         out = {"status": "ok", "tensors": len(info.names), "bytes": nbytes, "seconds": round(secs, 6),
-               "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self.staging != "none",
+               "gbps": round(nbytes / secs / 1e9, 4) if secs > 0 else None, "staged": self._staging_of(s) != "none",
                "replayed_loads": replayed, "validate_seconds": round(t0 - t_in, 6),
                "worker_seconds": round(float(first.get("seconds", 0.0)), 6),
                "worker_op_seconds": round(float(first.get("op_seconds", 0.0)), 6)}
@@ -347,6 +358,8 @@ class UpdateRoutes:
                 err = WeightUpdateError(self._incomplete_message(s, missing))
                 await self._fail(s, err, teardown=False)
                 raise err
+        if s.lora is not None:
+            return await self._finish_lora(s, weight_version)
         _spec, req = await self._model_spec()
         paused_here = False
         pause_t0 = None
@@ -408,7 +421,7 @@ class UpdateRoutes:
         """What ``finish_weight_update`` of a declared update that did not fully arrive did."""
         head = (f"finish_weight_update: {len(missing)} of the {len(s.declared.names)} declared tensors never "
                 f"arrived (e.g. {missing[:3]})")
-        if self.staging != "none":
+        if self._staging_of(s) != "none":
             return f"{head}; nothing was committed: the staged tensors were dropped and the old weights keep serving"
         if s.applied:
             return (f"{head}; the {len(s.received)} that arrived were loaded in place, so the model is part old, "
@@ -456,7 +469,8 @@ class UpdateRoutes:
         weight_version = check_weight_version(weight_version)  # before anything starts
         self.aengine.weights.check_label(weight_version)
         update_info = translate_update_info(update_info)
-        in_engine = self._commits_in_engine()
+        # (an adapter-only update is staged and committed as a new adapter: never in the receive)
+        in_engine = self._commits_in_engine() and not (isinstance(update_info, dict) and update_info.get("lora"))
         await self.start_update(None, pause=not in_engine)
         s = self._session
         if s is not None and in_engine:  # the engine stamps the label the front chose

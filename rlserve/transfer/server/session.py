@@ -58,3 +58,6 @@ class _Session:
     commit_in_engine: bool = False
     commit_version: str | None = None  # the version asked for (None: the current one + 1)
     committed_version: str | None = None  # set by that command once it committed
+    # an adapter-only update (rlserve.lora.sync): its checked update_info.lora; staged whatever
+    # --weight-staging says, committed as a new adapter version
+    lora: dict | None = None

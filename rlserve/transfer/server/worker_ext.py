@@ -142,7 +142,9 @@ def abort_init(worker) -> None:
 def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: bool = True,
                   check_finite: bool = True, inline: bool = False) -> str:
     """Start receiving one update (background). ``update_info`` is resolved (``packed*`` set)
-    and validated by the manager. ``staging``: "none" (load in place), "device" or "host".
+    and validated by the manager. ``staging``: "none" (load in place), "device" or "host", or
+    "lora" (an adapter-only update's factors: staged on the device as received, committed by
+    :func:`rlserve.lora.sync.commit_worker`).
     ``inline``: receive on the calling (engine) thread instead (see :func:`start_wait`).
     ``direct``: allow receiving straight into the parameters (:mod:`rlserve.transfer.server.direct`).
     ``check_finite``: refuse tensors holding NaN / inf (:mod:`rlserve.transfer.finite`), tested
@@ -187,10 +189,10 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
                     _load(worker, pairs)
                 op.applied += 1
                 return sums
-        else:
-            dtype = _stage_dtype(worker)
+        else:  # "lora": an adapter's factors (rlserve.lora.sync), on the device in the wire dtype
+            dtype = _stage_dtype(worker) if staging != "lora" else None
             pin = staging == "host" and torch.cuda.is_available()
-            dev = worker.device if staging == "device" else torch.device("cpu")
+            dev = worker.device if staging in ("device", "lora") else torch.device("cpu")
 
             def sink(pairs):
                 sums = _stage(st, pairs, dtype, dev, pin, want_sums, check_finite)

@@ -29,7 +29,8 @@ CUDA IPC handles whose arguments are themselves JSON, see :mod:`rlserve.transfer
      "checksums_after_data": false,      # gloo / NCCL packed: the checksums follow the last bucket
      "partial": false,                   # true: a subset of the parameters is fine
      "ipc_handles": [{...}, ...],        # ipc backend only: one handle per bucket (or tensor)
-     "ipc_handles_ref": "a1b2..."}       # ipc, unpacked: name of this handle list (reuse it later)
+     "ipc_handles_ref": "a1b2...",       # ipc, unpacked: name of this handle list (reuse it later)
+     "lora": {"lora_name": ..., "r": 16, "lora_alpha": 32}}  # adapter-only update (rlserve.lora.sync)
 
 Validation raises :class:`rlserve.errors.WeightUpdateError` (HTTP 400) naming the field.
 """
@@ -300,6 +301,9 @@ class UpdateInfo:
             stream waits on it, so the trainer never waits for its own GPU work before calling.
         device_checksums: compare against the ref's checksum tensor (read on the GPU after the
             event) instead of ``checksums``.
+        lora: an adapter-only update (rlserve extension): ``{"lora_name", "r", "lora_alpha",
+            "use_rslora", "load_inplace", "version"}``; the tensors are the adapter's
+            ``<module>.lora_A.weight`` / ``.lora_B.weight`` factors (:mod:`rlserve.lora.sync`).
     """
 
     names: list[str] = field(default_factory=list)
@@ -317,6 +321,7 @@ class UpdateInfo:
     ipc_checksums_handle: dict | None = None
     ipc_event_handle: str | None = None
     device_checksums: bool = False
+    lora: dict | None = None
 
     # vLLM sends these; accepted and checked / ignored.
     _IGNORED = ("is_checkpoint_format", "trainer_args")
@@ -390,6 +395,8 @@ class UpdateInfo:
             raise WeightUpdateError("update_info.ipc_checksums_handle must be an object")
         if self.ipc_event_handle is not None and not isinstance(self.ipc_event_handle, str):
             raise WeightUpdateError("update_info.ipc_event_handle must be a base64 string")
+        if self.lora is not None and not isinstance(self.lora, dict):
+            raise WeightUpdateError("update_info.lora must be an object or null")
         if self.device_checksums and (self.ipc_handles_ref is None or self.checksums is not None):
             raise WeightUpdateError("update_info.device_checksums needs an ipc_handles_ref and no checksums list")
 

@@ -1,0 +1,209 @@
+"""Adapter-only weight sync (rlserve.lora.sync) over gloo on CPU: a trainer's PEFT model sends its
+LoRA factors through the trainer SDK (``LoRASource``) into a running server; the served adapter's
+outputs then equal the trainer's PEFT merged model (float32 greedy tokens, logprobs within 1e-4),
+every sync is a new version with its own prefix-cache entries, and a refused or broken sync leaves
+the served adapter as it was."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from rlserve.server.launch import free_port
+from tests.lora_adapters import ALL_TARGETS, hf_greedy_logprobs, merged_model
+from tests.transfer_harness import InProcessServer
+
+#: float32 logprobs of two implementations of the same float32 model (HF eager vs rlserve's
+#: kernels) differ by summation order only: ~1e-6 seen; 1e-4 is tests/test_lora.py's bound
+LOGPROB_TOL = 1e-4
+NEW_TOKENS = 6
+
+
+def _peft(base: str, r: int, seed: int, alpha: int = 16):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=ALL_TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    peft_model = get_peft_model(model, cfg)
+    _train_step(peft_model, seed, 0.3, set_=True)
+    return peft_model
+
+
+def _train_step(peft_model, seed: int, scale: float, set_: bool = False) -> None:
+    """A stand-in for an optimizer step: every factor += (or =) scale x N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                noise = torch.randn(p.shape, generator=g) * scale
+                p.copy_(noise) if set_ else p.add_(noise)
+
+
+def _reference(peft_model, base: str, tmp_path, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """The trainer's model now: PEFT's merged model of its current factors."""
+    d = tmp_path / f"ref-{id(peft_model)}-{torch.randint(1 << 30, ()).item()}"
+    peft_model.save_pretrained(str(d))
+    return hf_greedy_logprobs(merged_model(base, str(d)), prompt, NEW_TOKENS)
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                                  "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                  "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    return ch["token_ids"], ch["logprobs"]["token_logprobs"]
+
+
+def _assert_same(got, want):
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1])) < LOGPROB_TOL
+
+
+def _engine(srv, source):
+    from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, WeightTransferTrainerFactory
+
+    return WeightTransferTrainerFactory.trainer_init(
+        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+        client=HTTPWeightSyncClient(srv.url), source=source)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def prompt(base):
+    # 40 tokens: two full KV blocks (16 tokens each) that the prefix cache could share
+    return list(range(5, 45))
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_adapter_sync_serves_the_trainers_adapter(base, prompt, tmp_path, staging):
+    from rlserve.transfer import LoRASource
+
+    trainer = _peft(base, r=8, seed=1)
+    with InProcessServer(base, staging=staging, load_format="auto", enable_lora=True, max_loras=2,
+                         max_lora_rank=16, enable_prefix_caching=True) as srv:
+        engine = _engine(srv, LoRASource(trainer, "policy"))
+        try:
+            base_out = _complete(srv.url, base, prompt)
+            fin = engine.send_weights()
+            assert fin["lora_name"] == "policy" and fin["lora_version"] == "1"
+            # bytes moved: the factors (float32) and nothing else -- 256-byte slot alignment at most
+            factor_bytes = sum(p.numel() * 4 for n, p in trainer.named_parameters() if "lora_" in n)
+            n_factors = sum(1 for n, _ in trainer.named_parameters() if "lora_" in n)
+            assert factor_bytes <= fin["bytes"] <= factor_bytes + 256 * n_factors
+            assert fin["adapter_bytes"] == factor_bytes  # held in the model's float32, scaling folded in
+            first = _reference(trainer, base, tmp_path, prompt)
+            _assert_same(_complete(srv.url, "policy", prompt), first)
+            # a training step, a second sync: a new version and a new id, the trainer's outputs again,
+            # though the same prompt's KV of version 1 sits in the prefix cache
+            _train_step(trainer, seed=2, scale=0.2)
+            fin2 = engine.send_weights()
+            assert fin2["lora_version"] == "2" and fin2["lora_int_id"] != fin["lora_int_id"]
+            second = _reference(trainer, base, tmp_path, prompt)
+            assert second[0] != first[0]  # the step changed the greedy tokens (else the test shows little)
+            _assert_same(_complete(srv.url, "policy", prompt), second)
+            _assert_same(_complete(srv.url, "policy", prompt), second)  # and from its own cache entries
+            assert _complete(srv.url, base, prompt) == base_out  # the base model never changed
+            models = [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]]
+            assert models == [base, "policy"]
+            held = httpx.get(f"{srv.url}/server_info").json()["lora_adapters"]
+            assert [(a["name"], a["version"], a["rank"]) for a in held] == [("policy", "2", 8)]
+            # the base weights' version did not move
+            assert httpx.get(f"{srv.url}/weight_info").json()["weight_version"] == "0"
+        finally:
+            engine.shutdown()
+
+
+def test_prefix_cache_entries_are_per_adapter_version(base, prompt, tmp_path):
+    """The prefix cache is keyed by the adapter's id; every sync gets a new id. Version 2's first
+    request computes its prompt (no cached token), its second reuses version 2's own blocks."""
+    from rlserve.transfer import LoRASource
+
+    trainer = _peft(base, r=8, seed=3)
+    with InProcessServer(base, load_format="auto", enable_lora=True, max_lora_rank=8,
+                         enable_prefix_caching=True) as srv:
+        engine = _engine(srv, LoRASource(trainer, "policy"))
+        try:
+            engine.send_weights()
+            _complete(srv.url, "policy", prompt)
+            hits0 = _prefix_hits(srv)
+            _complete(srv.url, "policy", prompt)
+            assert _prefix_hits(srv) - hits0 == 32  # version 1 reuses its own two blocks
+            _train_step(trainer, seed=4, scale=0.2)
+            engine.send_weights()
+            hits1 = _prefix_hits(srv)
+            _assert_same(_complete(srv.url, "policy", prompt), _reference(trainer, base, tmp_path, prompt))
+            assert _prefix_hits(srv) == hits1  # none of version 1's blocks
+            _complete(srv.url, "policy", prompt)
+            assert _prefix_hits(srv) - hits1 == 32
+        finally:
+            engine.shutdown()
+
+
+def _prefix_hits(srv) -> int:
+    """Prompt tokens served from the prefix cache so far (``/metrics``)."""
+    text = httpx.get(f"{srv.url}/metrics").text
+    line = [ln for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_hits_total")]
+    assert line, "no vllm:prefix_cache_hits_total in /metrics"
+    return int(float(line[0].split()[-1]))
+
+
+def test_refused_syncs_change_nothing(base, prompt, tmp_path):
+    """Refused before a byte moves (400): a rank above --max-lora-rank, a base model's name, a
+    name loaded without load_inplace. Refused after the data (400 non_finite_weights): a NaN.
+    The served adapter keeps its outputs through all of them."""
+    from rlserve.transfer import LoRASource, WeightSyncHTTPError
+
+    trainer = _peft(base, r=8, seed=5)
+    with InProcessServer(base, load_format="auto", enable_lora=True, max_loras=1, max_lora_rank=8) as srv:
+        engine = _engine(srv, LoRASource(trainer, "policy"))
+        try:
+            engine.send_weights()
+            want = _reference(trainer, base, tmp_path, prompt)
+            _assert_same(_complete(srv.url, "policy", prompt), want)
+            cases = [(LoRASource(_peft(base, r=16, seed=6), "policy"), 400, "greater than max_lora_rank 8"),
+                     (LoRASource(_peft(base, r=8, seed=6), base), 400, "conflicts with a served base model"),
+                     (LoRASource(_peft(base, r=8, seed=6), "policy", load_inplace=False), 400, "already been loaded"),
+                     (LoRASource(_peft(base, r=8, seed=6), "other"), 400, "--max-loras 1")]
+            for source, status, words in cases:
+                engine.source = source
+                with pytest.raises(WeightSyncHTTPError) as ei:
+                    engine.send_weights()
+                assert ei.value.status_code == status and words in ei.value.message, ei.value.message
+                _assert_same(_complete(srv.url, "policy", prompt), want)
+            bad = _peft(base, r=8, seed=7)
+            with torch.no_grad():
+                next(p for n, p in bad.named_parameters() if "lora_B" in n)[0, 0] = float("nan")
+            engine.source = LoRASource(bad, "policy")
+            with pytest.raises(WeightSyncHTTPError) as ei:
+                engine.send_weights()
+            assert ei.value.status_code == 400 and "non_finite" in (ei.value.code or ""), ei.value.message
+            _assert_same(_complete(srv.url, "policy", prompt), want)
+            held = httpx.get(f"{srv.url}/server_info").json()["lora_adapters"]
+            assert [(a["name"], a["version"]) for a in held] == [("policy", "1")]
+            # the group is usable again: a good sync lands as version 2
+            engine.source = LoRASource(trainer, "policy")
+            _train_step(trainer, seed=8, scale=0.2)
+            assert engine.send_weights()["lora_version"] == "2"
+            _assert_same(_complete(srv.url, "policy", prompt), _reference(trainer, base, tmp_path, prompt))
+        finally:
+            engine.shutdown()
+
+
+def test_adapter_sync_needs_enable_lora(base):
+    from rlserve.transfer import LoRASource, WeightSyncHTTPError
+
+    with InProcessServer(base, load_format="auto") as srv:
+        engine = _engine(srv, LoRASource(_peft(base, r=8, seed=9), "policy"))
+        try:
+            with pytest.raises(WeightSyncHTTPError) as ei:
+                engine.send_weights()
+            assert ei.value.status_code == 400 and "--enable-lora" in ei.value.message
+        finally:
+            engine.shutdown()
