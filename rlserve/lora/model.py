@@ -14,8 +14,13 @@ while the hooks are there.
 
 Adapters are held by integer id (the API server's ``lora_int_id``, unique per load: a reloaded
 adapter gets a new id, so its KV-cache prefix hashes differ, :mod:`rlserve.engine.core.block_manager`).
-Limits of this first round: tensor parallel size 1; steps with adapters run without the CPU fast
-decode layer, CPU micro-batches and CUDA graphs.
+On CUDA (Triton importable) the model runs the kernel path (:mod:`rlserve.lora.triton_ops`): each
+adapter gets a slot in every layer's slot buffers (``max_loras + 1`` slots: one more than the
+served adapters, for a version still finishing its requests while its successor serves), the
+hooks stay registered (they do nothing while no step with adapters runs) and decode steps with
+adapters replay CUDA graphs of their own (:meth:`static_step`, :meth:`fill_static`: the segment
+tensors are static buffers). Limits: tensor parallel size 1; on the CPU, steps with adapters run
+without the fast decode layer and CPU micro-batches.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 
 from rlserve.errors import LoRAAdapterError
 from rlserve.lora.adapter import LoRAAdapter, read_adapter
-from rlserve.lora.layers import LoRABatch, LoRALinear, apply_lora
+from rlserve.lora.layers import LoRABatch, LoRALinear, apply_lora, segments
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +49,15 @@ class LoRAModel:
         model: the built model (``checkpoint_spec()``, ``packed_modules_mapping``).
         max_lora_rank: ``--max-lora-rank``.
         dtype / device: the model's; adapters are kept in them.
+        max_loras: ``--max-loras`` (kernel path: ``max_loras + 1`` slots).
+        kernel: use the Triton kernels (default: on CUDA when Triton imports).
 
     Raises:
         LoRAAdapterError: a tensor-parallel model (not supported yet) or no decoder linear found.
     """
 
-    def __init__(self, model: nn.Module, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, max_lora_rank: int, dtype: torch.dtype, device: torch.device,
+                 max_loras: int = 1, kernel: bool | None = None):
         from rlserve.layers.linear import LinearBase
 
         self.max_lora_rank = int(max_lora_rank)
@@ -86,19 +94,29 @@ class LoRAModel:
             self._linears.append((mod, lin))
         if not self.layers:
             raise LoRAAdapterError(f"{type(model).__name__} has no decoder linear layer LoRA can target")
+        self.kernel = _triton_ok() if kernel is None and self.device.type == "cuda" else bool(kernel)
+        self.num_slots = int(max_loras) + 1
+        self.slot_of: dict[int, int] = {}  # kernel path: adapter id -> slot
+        self._static: torch.Tensor | None = None  # kernel path: a CUDA graph's segment buffers
+        if self.kernel:
+            for mod, lin in self._linears:
+                lin.use_slots(self.num_slots, self.max_lora_rank, dtype, self.device)
+                mod.register_forward_hook(self._hook(lin))  # permanent: graphs capture the kernels
 
     @classmethod
-    def install(cls, model: nn.Module, max_lora_rank: int, dtype: torch.dtype, device) -> "LoRAModel":
+    def install(cls, model: nn.Module, max_lora_rank: int, dtype: torch.dtype, device, max_loras: int = 1,
+                kernel: bool | None = None) -> "LoRAModel":
         """Build the state, hook ``model``'s linears and attach it as ``model.rlserve_lora``."""
-        lora = cls(model, max_lora_rank, dtype, device)
+        lora = cls(model, max_lora_rank, dtype, device, max_loras, kernel)
         object.__setattr__(model, ATTR, lora)
-        logger.info("LoRA: %d linear layers can take adapters (max rank %d)", len(lora.layers), lora.max_lora_rank)
+        logger.info("LoRA: %d linear layers can take adapters (max rank %d, %s)", len(lora.layers),
+                    lora.max_lora_rank, f"Triton kernels, {lora.num_slots} slots" if lora.kernel else "dense grouping")
         return lora
 
     def _hook(self, lin: LoRALinear):
         def hook(module, args, out):
             batch = self.current
-            if batch is None or not lin.adapters:
+            if batch is None or (not lin.adapters and not batch.static):
                 return None
             return apply_lora(lin, args[0], out, batch)
 
@@ -114,8 +132,15 @@ class LoRAModel:
         info ``{"rank", "modules", "bytes", "path"}``."""
         if adapter_id < 1 or adapter_id in self.adapters:
             raise LoRAAdapterError(f"LoRA adapter id {adapter_id} is invalid or already loaded")
+        slot = -1
+        if self.kernel:
+            free = sorted(set(range(self.num_slots)) - set(self.slot_of.values()))
+            if not free:
+                raise LoRAAdapterError(f"all {self.num_slots} LoRA slots hold adapters that requests still run on "
+                                       "(unloaded ones finish their requests first): retry shortly")
+            slot = self.slot_of[adapter_id] = free[0]
         for lin in self.layers:
-            lin.add(adapter_id, adapter.weights)
+            lin.add(adapter_id, adapter.weights, slot)
         info = {"rank": adapter.rank, "modules": len(adapter.weights), "bytes": adapter.nbytes, "path": path}
         self.adapters[adapter_id] = info
         return info
@@ -130,14 +155,16 @@ class LoRAModel:
             lin.remove(adapter_id)
         self.adapters.pop(adapter_id, None)
         self.retired.discard(adapter_id)
+        self.slot_of.pop(adapter_id, None)  # its slot's contents are overwritten by the next add
 
     # ---- steps ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, seq_adapters: list[int] | None, query_lens: list[int]):
         """The forward pass inside runs sequence ``i`` (``query_lens[i]`` rows) under adapter
         ``seq_adapters[i]`` (0 or ``None`` for all: the base model)."""
-        self.current = None if not seq_adapters else LoRABatch.build(seq_adapters, query_lens, self.device)
-        if self.current is not None:
+        self.current = None if not seq_adapters else LoRABatch.build(
+            seq_adapters, query_lens, self.device, self.slot_of if self.kernel else None)
+        if self.current is not None and not self.kernel:
             self._handles = [mod.register_forward_hook(self._hook(lin)) for mod, lin in self._linears if lin.adapters]
             self._forget_fast_layer_checks()
         try:
@@ -150,6 +177,37 @@ class LoRAModel:
                 self._handles = []
                 self._forget_fast_layer_checks()
 
+    # ---- CUDA graphs (kernel path) ----------------------------------------------------------
+    def prepare_static(self, max_bs: int) -> None:
+        """Allocate the static segment buffers of decode graphs up to ``max_bs`` rows (all
+        segments empty)."""
+        if self._static is None or self._static.numel() < max_bs + 2 * self.num_slots + 1:
+            self._static = torch.zeros(max_bs + 2 * self.num_slots + 1, dtype=torch.int32, device=self.device)
+            self._static[max_bs + self.num_slots + 1:].fill_(-1)
+
+    @contextlib.contextmanager
+    def static_step(self, bs: int):
+        """The forward inside (a decode graph's capture, or its CPU emulation) runs every layer's
+        kernels on the static segment buffers (:meth:`prepare_static`) of a ``bs``-row batch;
+        :meth:`fill_static` sets them before each replay."""
+        n = self._static.numel() - 2 * self.num_slots - 1
+        st = self._static
+        prev = self.current
+        self.current = LoRABatch(None, [], st[:n], st[n:n + self.num_slots + 1], st[n + self.num_slots + 1:],
+                                 bs, static=True)
+        try:
+            yield self.current
+        finally:
+            self.current = prev
+
+    def fill_static(self, seq_adapters: list[int]) -> None:
+        """Write a decode step's segments (one row per sequence, ``seq_adapters[i]`` its adapter
+        id, 0 = base) into the static buffers a captured graph reads."""
+        rows, seg_start, seg_slot = segments(seq_adapters, [1] * len(seq_adapters), self.slot_of, self.num_slots)
+        n = self._static.numel() - 2 * self.num_slots - 1
+        host = torch.tensor(rows + [0] * (n - len(rows)) + seg_start + seg_slot, dtype=torch.int32)
+        self._static.copy_(host)  # pageable source: the copy has read it when this returns
+
     def _forget_fast_layer_checks(self) -> None:
         """Drop every layer's cached fast-path check (it looks at the hooks, which just changed)."""
         for m in self._modules:
@@ -159,3 +217,13 @@ class LoRAModel:
 def lora_of(model) -> LoRAModel | None:
     """The model's :class:`LoRAModel`, or None without ``--enable-lora``."""
     return getattr(model, ATTR, None)
+
+
+def _triton_ok() -> bool:
+    """Whether the Triton kernels can be built here (Triton importable)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - the device image has it
+        logger.warning("LoRA: Triton is not installed; adapters run as dense grouped products")
+        return False
+    return True

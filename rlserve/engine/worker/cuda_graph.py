@@ -87,6 +87,9 @@ class DecodeCUDAGraphs:
         max_model_len: context length bound (tokens); fixes the block-table width
             ``ceil(max_model_len / block_size)`` and the attention split plan.
         sizes: batch sizes to capture (default :func:`capture_sizes`).
+        lora: a :class:`rlserve.lora.model.LoRAModel` on the kernel path: these graphs run decode
+            steps with adapters (its kernels read static segment buffers that :meth:`run` fills
+            from ``lora_ids``); ``None``: base-model graphs.
 
     On a CPU device nothing is captured: :meth:`run` executes the same static-buffer
     forward eagerly. That is only for testing the padding and input derivation without a
@@ -101,8 +104,10 @@ class DecodeCUDAGraphs:
         max_num_seqs: int,
         max_model_len: int,
         sizes: list[int] | None = None,
+        lora=None,
     ):
         self.model = model
+        self.lora = lora
         self.device = device
         self.block_size = block_size
         self.max_model_len = int(max_model_len)
@@ -126,6 +131,8 @@ class DecodeCUDAGraphs:
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
         self._copy_done = None if self.emulate else torch.cuda.Event()
         self._copy_pending = False
+        if lora is not None:
+            lora.prepare_static(mb)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -151,7 +158,10 @@ class DecodeCUDAGraphs:
             query_start_loc_cpu=list(range(bs + 1)),
             seq_lens_cpu=[self.max_model_len] * bs,
         )
-        return self.model(self.input_ids[:bs].long(), pos, meta)
+        if self.lora is None:
+            return self.model(self.input_ids[:bs].long(), pos, meta)
+        with self.lora.static_step(bs):
+            return self.model(self.input_ids[:bs].long(), pos, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -189,7 +199,7 @@ class DecodeCUDAGraphs:
         raise ValueError(f"batch of {num_seqs} exceeds the largest captured size {self.max_bs}")
 
     def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]],
-            ids_from: tuple | None = None) -> torch.Tensor:
+            ids_from: tuple | None = None, lora_ids: list[int] | None = None) -> torch.Tensor:
         """Replay the graph for a decode batch.
 
         Args:
@@ -198,6 +208,7 @@ class DecodeCUDAGraphs:
                 instead (``StepInput.input_ids_from``; ``input_ids`` holds placeholders).
             seq_lens: ``B`` context lengths including that token (``<= max_model_len``).
             block_tables: ``B`` block-id lists, each covering its ``seq_lens`` entry.
+            lora_ids: LoRA graphs: each sequence's adapter id (0: base).
 
         Returns:
             hidden states ``[B, hidden]`` (a view into the graph's output; valid until the
@@ -224,6 +235,8 @@ class DecodeCUDAGraphs:
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if ids_from is not None:  # stream-ordered after the staging copy, before the replay
             self.input_ids[:B].copy_(gather_rows(*ids_from))
+        if self.lora is not None:
+            self.lora.fill_static(lora_ids or [0] * B)
         if self.emulate:
             self.num_replays += 1
             with torch.inference_mode():

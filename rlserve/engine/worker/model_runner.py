@@ -64,8 +64,9 @@ class StepInput:
             decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
             Only for in-process workers (a device tensor is not picklable across processes).
         lora_ids: per sequence its LoRA adapter id (0: base model), or None when every sequence
-            runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CUDA
-            graphs and CPU micro-batches (the adapter of a row is known for the whole step only).
+            runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CPU
+            micro-batches; on the kernel path (CUDA) its decode steps replay CUDA graphs of their
+            own (``lora_graphs``), on the dense CPU path it runs eagerly.
     """
 
     input_ids: list[int]
@@ -111,6 +112,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs = None  # DecodeCUDAGraphs once captured
+        self.lora_graphs = None  # DecodeCUDAGraphs of decode steps with LoRA adapters (kernel path)
         self._graphs_failed = False
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
         # samplers widen what they read)
@@ -177,9 +179,11 @@ class ModelRunner:
         hf = getattr(self.model, "config", None)
         return int(min(getattr(hf, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN), _MAX_DEFAULT_MODEL_LEN))
 
-    def capture_cuda_graphs(self) -> None:
+    def capture_cuda_graphs(self, lora=None) -> None:
         """Capture the decode graphs now (otherwise done at the first decode step). Call
-        inside the worker's TP context, after the KV cache is allocated."""
+        inside the worker's TP context, after the KV cache is allocated. ``lora`` (a
+        :class:`~rlserve.lora.model.LoRAModel` on the kernel path): the graphs of decode steps
+        with adapters instead (``lora_graphs``, captured at the first such step)."""
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         extra = getattr(self.config, "extra", None) or {}
@@ -189,10 +193,14 @@ class ModelRunner:
         if sizes:
             sizes = sorted({min(int(x), self.config.max_num_seqs) for x in sizes if int(x) > 0})
         graphs = DecodeCUDAGraphs(
-            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None
+            self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None,
+            lora=lora,
         )
         graphs.capture()
-        self.cuda_graphs = graphs
+        if lora is None:
+            self.cuda_graphs = graphs
+        else:
+            self.lora_graphs = graphs
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -226,32 +234,38 @@ class ModelRunner:
         logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
         return dt
 
-    def _try_capture(self) -> bool:
-        """Capture the decode CUDA graphs; on any failure log it, decode eagerly from now on
-        (``_graphs_failed``) and return False: a capture failure never takes the engine down."""
+    def _try_capture(self, lora=None) -> bool:
+        """Capture the decode CUDA graphs (``lora``: those of steps with adapters); on any failure
+        log it, decode eagerly from now on (``_graphs_failed``) and return False: a capture
+        failure never takes the engine down."""
         try:
-            self.capture_cuda_graphs()
+            self.capture_cuda_graphs(lora)
             return True
         except Exception:
             logger.exception("CUDA graph capture failed; decoding eagerly from now on")
             self._graphs_failed = True
-            self.cuda_graphs = None
+            self.cuda_graphs = self.lora_graphs = None
             return False
 
-    def _decode_with_graph(self, step: StepInput) -> torch.Tensor | None:
+    def _decode_with_graph(self, step: StepInput, lora=None) -> torch.Tensor | None:
         """Hidden states of a decode step replayed from a CUDA graph, or None when this step
-        cannot use one (graphs off, batch too large, context past the captured bound)."""
+        cannot use one (graphs off, batch too large, context past the captured bound).
+        ``lora``: the step has adapters (kernel path): the LoRA graphs."""
         if not self.use_cuda_graphs or step.is_prefill or self._graphs_failed:
             return None
         B = len(step.input_ids)
         if len(step.query_lens) != B or any(q != 1 for q in step.query_lens):
             return None
-        if self.cuda_graphs is None and not self._try_capture():
-            torch.cuda.synchronize(self.device)
+        graphs = self.cuda_graphs if lora is None else self.lora_graphs
+        if graphs is None:
+            if not self._try_capture(lora):
+                torch.cuda.synchronize(self.device)
+                return None
+            graphs = self.cuda_graphs if lora is None else self.lora_graphs
+        if not graphs.can_run(B, max(step.seq_lens)):
             return None
-        if not self.cuda_graphs.can_run(B, max(step.seq_lens)):
-            return None
-        hidden = self.cuda_graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from)
+        hidden = graphs.run(step.input_ids, step.seq_lens, step.block_tables, ids_from=step.input_ids_from,
+                            lora_ids=step.lora_ids if lora is not None else None)
         replayed = getattr(self.model, "after_graph_replay", None)  # MoE: routed-experts capture rows
         if replayed is not None:
             replayed(B)
@@ -272,7 +286,7 @@ class ModelRunner:
             v = alloc(shape, self.dtype)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
-        self.cuda_graphs = None  # graphs captured the old cache tensors
+        self.cuda_graphs = self.lora_graphs = None  # graphs captured the old cache tensors
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
         return AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
@@ -291,7 +305,8 @@ class ModelRunner:
             with cpu_microbatch.active(self.microbatches):
                 return self._execute(step)
         with lora.step(step.lora_ids, step.query_lens), cpu_microbatch.active(None):
-            return self._execute(step, graphs=False)
+            # kernel path: decode steps replay graphs of their own; dense grouping runs eagerly
+            return self._execute(step, graphs=lora.kernel, lora=lora)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.compute_logits`` of ``hidden`` ``[N, hidden]``, its rows split into the
@@ -300,9 +315,9 @@ class ModelRunner:
         out = cpu_microbatch.split(lambda a, b: fn(hidden[a:b], **self._logits_kw), [1.0] * hidden.shape[0])
         return fn(hidden, **self._logits_kw) if out is None else out
 
-    def _execute(self, step: StepInput, graphs: bool = True) -> torch.Tensor:
+    def _execute(self, step: StepInput, graphs: bool = True, lora=None) -> torch.Tensor:
         logits = self._logits
-        hidden = self._decode_with_graph(step) if graphs else None
+        hidden = self._decode_with_graph(step, lora) if graphs else None
         if hidden is not None:
             B = hidden.shape[0]
             idx = step.logits_indices

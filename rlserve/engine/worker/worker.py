@@ -75,7 +75,7 @@ class Worker:
             if getattr(config, "enable_lora", False):
                 from rlserve.lora.model import LoRAModel
 
-                LoRAModel.install(self.model, config.max_lora_rank, self.dtype, self.device)
+                LoRAModel.install(self.model, config.max_lora_rank, self.dtype, self.device, config.max_loras)
         self.sleep = None  # sleep mode's memory regions (rlserve.engine.worker.sleep_memory)
         if config.enable_sleep_mode:
             from rlserve.engine.worker.sleep_memory import WorkerSleep
