@@ -153,11 +153,12 @@ def lora_scaling(lora_alpha: float, rank: int, use_rslora: bool = False) -> floa
 
 def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
                        targets: dict[str, tuple[int, int]], dtype: torch.dtype, device,
-                       where: str) -> LoRAAdapter:
+                       where: str, check_finite: bool = True) -> LoRAAdapter:
     """A :class:`LoRAAdapter` from ``{hf_module: {"A": [r, in], "B": [out, r]}}`` (a file's
     tensors, or an adapter-only weight sync's received ones: :mod:`rlserve.lora.sync`).
     ``scaling`` is folded into ``B`` in float32, then both are cast to ``dtype`` on ``device``.
-    ``where`` starts the error messages.
+    ``where`` starts the error messages. ``check_finite=False``: the caller tested the values
+    already (an adapter-only sync's receive does, in its checksum pass).
 
     Raises:
         LoRAAdapterError: no factor, a module not in ``targets``, a factor without its partner,
@@ -176,8 +177,8 @@ def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, sca
         if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
             raise LoRAAdapterError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                    f"{tuple(b.shape)}; expected {(rank, in_f)} and {(out_f, rank)} (r={rank})")
-        if not (a.is_floating_point() and b.is_floating_point()) or not (torch.isfinite(a).all()
-                                                                         and torch.isfinite(b).all()):
+        if not (a.is_floating_point() and b.is_floating_point()) or check_finite and not (
+                torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"{where}: {module} has non-finite or non-float factors")
         weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
                            (b.to(torch.float32) * scaling).to(device=device, dtype=dtype).contiguous())

@@ -154,8 +154,9 @@ def commit_worker(worker, adapter_id: int, rank: int, scaling: float) -> dict:
             raise LoRAAdapterError(f"adapter sync: staged tensor {name!r} is not a lora_A / lora_B factor")
         parts.setdefault(m.group("module"), {})[m.group("ab")] = t
     st.staging = {}
+    # (NaN / inf were tested in the receive's checksum pass, unless --no-weight-check-finite)
     adapter = adapter_from_parts(parts, int(rank), float(scaling), lora.targets, lora.dtype, lora.device,
-                                 "synced LoRA adapter")
+                                 "synced LoRA adapter", check_finite=False)
     return lora.add(int(adapter_id), adapter, path="")
 
 

@@ -27,6 +27,7 @@ def _case(T, K, sizes, maxr, slots, dtype, seed):
     a = (torch.randn(slots, len(sizes) * maxr, K, generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(slots, N, maxr, generator=g).to(dtype)
     row_slot = torch.randint(-1, slots, (T,), generator=g).tolist()
+    row_slot[0] = T % slots  # at least one row on an adapter
     rows, seg_start, seg_slot = segments([s + 1 for s in row_slot], [1] * T, {s + 1: s for s in range(slots)})
     y0 = torch.randn(T, N, generator=g).to(dtype)
     ref = y0.double().clone()

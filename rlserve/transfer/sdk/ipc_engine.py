@@ -164,7 +164,8 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
             if fast["ref"] is not None:
                 try:
                     fin = call(UpdateInfo(packed=False, partial=partial, ipc_handles_ref=fast["ref"],
-                                          device_checksums=fast["sums"] is not None))
+                                          device_checksums=fast["sums"] is not None,
+                                          lora=getattr(self.source, "lora", None)))
                 except WeightSyncHTTPError as e:
                     if e.status_code != 400 or "ipc_handles_ref" not in e.message:
                         raise
@@ -182,7 +183,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     partial=partial, ipc_handles=[self._handle(t, persistent) for t in tensors], ipc_handles_ref=ref,
                     ipc_checksums_handle=None if fast["sums"] is None else export_handle(fast["sums"]),
                     ipc_event_handle=base64.b64encode(fast["event"].ipc_handle()).decode("ascii"),
-                    device_checksums=fast["sums"] is not None)
+                    device_checksums=fast["sums"] is not None, lora=info.lora)
                 fin = call(reg)
                 fast["ref"] = ref
         except WeightSyncHTTPError as e:

@@ -73,14 +73,17 @@ class LoRASource:
         """``[(wire name, dtype on the wire, shape)]`` in send order."""
         return [(n, self.dtype or p.dtype, tuple(p.shape)) for n, p in self._params()]
 
+    @property
+    def module(self):
+        """The PEFT model: the ipc engine exports its parameters' storages once (a LoRASource
+        without ``dtype`` sends the factors themselves: one ``/sync_weights`` call per sync)."""
+        return self.model
+
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(wire name, contiguous tensor)`` in :meth:`metadata` order. CUDA factors are copied
-        (megabytes): an ipc sync then exports fresh memory, never a training parameter's storage
-        (torch keeps per-storage IPC bookkeeping for those)."""
+        """``(wire name, contiguous tensor)`` in :meth:`metadata` order: the parameters
+        themselves, or their casts to ``dtype``."""
         for name, p in self._params():
             t = p.detach()
             if self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(self.dtype)
-            elif t.is_cuda:
-                t = t.clone()
             yield name, t.contiguous()

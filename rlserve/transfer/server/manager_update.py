@@ -257,8 +257,10 @@ class UpdateRoutes:
                                             "start_weight_update declaration")
                 s.lora = await self._lora_fields(info.lora)  # (pairs checked at finish)
             spec, req = await self._spec_for(s.lora)
-            if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]):
-                # (the same tensors with the same coverage rule were validated when the ref was given)
+            if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]
+                    and s.lora is None):
+                # (the same tensors with the same coverage rule were validated when the ref was given;
+                # an adapter's are checked again: its rank may differ)
                 validate_against_spec(info, spec, req,
                                       allowed_names=None if s.declared is None else set(s.declared.names),
                                       already_received=frozenset() if s.trl else s.received,
@@ -470,8 +472,9 @@ class UpdateRoutes:
         self.aengine.weights.check_label(weight_version)
         update_info = translate_update_info(update_info)
         # (an adapter-only update is staged and committed as a new adapter: never in the receive)
-        in_engine = self._commits_in_engine() and not (isinstance(update_info, dict) and update_info.get("lora"))
-        await self.start_update(None, pause=not in_engine)
+        lora = isinstance(update_info, dict) and update_info.get("lora") is not None
+        in_engine = self._commits_in_engine() and not lora
+        await self.start_update(None, pause=not in_engine and not lora)  # an adapter never pauses
         s = self._session
         if s is not None and in_engine:  # the engine stamps the label the front chose
             s.commit_in_engine = True
