@@ -37,25 +37,31 @@ MAX_SLICES = 3
 
 
 @triton.jit
+def _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
+    """This program's segment (grid axis 0) and row tile (axis 1): ``(slot, idle, rows [BLOCK_M]
+    int64, row mask)``; ``idle``: an empty segment (slot -1) or a tile past its end."""
+    g = tl.program_id(0)
+    slot = tl.load(seg_slot_ptr + g)
+    end = tl.load(seg_start_ptr + g + 1)
+    m0 = tl.load(seg_start_ptr + g) + tl.program_id(1) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return slot, (slot < 0) | (m0 >= end), rows, m_mask
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
                    K, R, stride_xm, stride_as, stride_ar, stride_tm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    ATOMIC: tl.constexpr, IEEE: tl.constexpr):
-    g = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    slot, idle, rows, m_mask = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M)
+    if idle:
+        return
     pid_rk = tl.program_id(2)
     n_r = tl.cdiv(R, BLOCK_R)
     pid_r = pid_rk % n_r
     pid_k = pid_rk // n_r
-    slot = tl.load(seg_slot_ptr + g)
-    start = tl.load(seg_start_ptr + g)
-    end = tl.load(seg_start_ptr + g + 1)
-    m0 = start + pid_m * BLOCK_M
-    if (slot < 0) | (m0 >= end):
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -85,19 +91,10 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
                    N, MAXR, off1, off2, stride_tm, stride_bs, stride_bn, stride_ym,
                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    g = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    slot = tl.load(seg_slot_ptr + g)
-    start = tl.load(seg_start_ptr + g)
-    end = tl.load(seg_start_ptr + g + 1)
-    m0 = start + pid_m * BLOCK_M
-    if (slot < 0) | (m0 >= end):
+    slot, idle, rows, m_mask = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M)
+    if idle:
         return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    n0 = pid_n * BLOCK_N
+    n0 = tl.program_id(2) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + slot.to(tl.int64) * stride_bs

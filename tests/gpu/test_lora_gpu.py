@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tests.lora_adapters import hf_greedy_logprobs, make_adapter, merged_model
+from tests.test_lora_sync import NEW_TOKENS, _complete as _served
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-NEW = 6
+NEW = NEW_TOKENS
 #: float32 on both sides (IEEE products in the LoRA kernels, rlserve's float32 GEMMs vs HF's):
 #: summation order only; tests/test_lora.py's bound on logprobs
 LP_ATOL = 1e-4
@@ -126,17 +127,6 @@ def _peft_cuda(base, r, seed):
             if "lora_" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return peft_model.cuda()
-
-
-def _served(url, model, prompt):
-    import httpx
-
-    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": NEW,
-                                                  "temperature": 0, "ignore_eos": True, "logprobs": 0,
-                                                  "return_token_ids": True}, timeout=120)
-    assert r.status_code == 200, r.text
-    ch = r.json()["choices"][0]
-    return ch["token_ids"], ch["logprobs"]["token_logprobs"]
 
 
 def _sync_and_check(srv, init_info, base, tmp_path):
