@@ -75,7 +75,7 @@ def _run(base, paths, **kw):
     from rlserve.lora.model import lora_of
 
     llm = LLM(base, dtype="float32", device="cuda", enable_lora=True, max_loras=3, max_lora_rank=16,
-              max_num_seqs=16, kv_cache_bytes=64 << 20, **kw)  # a small cache: two engines in turn
+              max_num_seqs=16, num_kv_blocks=64, **kw)  # a small cache: two engines in turn
     lora = lora_of(llm.engine.model)
     assert lora.kernel
     for i, p in paths.items():
