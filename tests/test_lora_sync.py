@@ -207,3 +207,28 @@ def test_adapter_sync_needs_enable_lora(base):
             assert ei.value.status_code == 400 and "--enable-lora" in ei.value.message
         finally:
             engine.shutdown()
+
+
+def test_adapter_sync_reaches_every_data_parallel_replica(base, prompt, tmp_path):
+    """-dp 2: one gloo group of the trainer and both replicas' workers; the sync commits the new
+    adapter on both (one engine command each) before finish answers, so requests spread over the
+    replicas all get the trainer's outputs."""
+    import concurrent.futures
+
+    from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, LoRASource, WeightTransferTrainerFactory
+
+    trainer = _peft(base, r=8, seed=11)
+    with InProcessServer(base, load_format="auto", enable_lora=True, max_lora_rank=8, data_parallel_size=2) as srv:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=60),
+            client=HTTPWeightSyncClient(srv.url), source=LoRASource(trainer, "policy"))
+        try:
+            fin = engine.send_weights()
+            assert fin["lora_version"] == "1"
+            want = _reference(trainer, base, tmp_path, prompt)
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda _: _complete(srv.url, "policy", prompt), range(4)))
+            for g in got:
+                _assert_same(g, want)
+        finally:
+            engine.shutdown()
