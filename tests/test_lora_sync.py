@@ -232,3 +232,61 @@ def test_adapter_sync_reaches_every_data_parallel_replica(base, prompt, tmp_path
                 _assert_same(g, want)
         finally:
             engine.shutdown()
+
+
+def test_undeclared_adapter_update_takes_lora_from_update_weights(base, prompt, tmp_path):
+    """A trainer that declares nothing at start_weight_update (vLLM's style; the ipc one-call
+    /sync_weights path is the same on the server) sends ``lora`` with update_weights: the session
+    becomes an adapter-only one there, validated before the receive, and finish commits it. A
+    second undeclared sync that sends only lora_A factors is refused at finish (a module without
+    its B) and changes nothing served."""
+    from rlserve.transfer import LoRASource, WeightSyncHTTPError
+
+    trainer = _peft(base, r=8, seed=13)
+    with InProcessServer(base, load_format="auto", enable_lora=True, max_lora_rank=8) as srv:
+        engine = _engine(srv, LoRASource(trainer, "policy"))
+        real_start = engine.client.start_weight_update
+        engine.client.start_weight_update = lambda update_info=None: real_start(None)
+        try:
+            fin = engine.send_weights()
+            assert fin["lora_name"] == "policy" and fin["lora_version"] == "1"
+            want = _reference(trainer, base, tmp_path, prompt)
+            _assert_same(_complete(srv.url, "policy", prompt), want)
+            only_a = LoRASource(_peft(base, r=8, seed=14), "policy")
+            params = only_a._params
+            only_a._params = lambda: [(n, p) for n, p in params() if ".lora_A." in n]
+            engine.source = only_a
+            with pytest.raises(WeightSyncHTTPError) as ei:
+                engine.send_weights()
+            assert ei.value.status_code == 400 and "without lora_B" in ei.value.message, ei.value.message
+            _assert_same(_complete(srv.url, "policy", prompt), want)
+        finally:
+            engine.shutdown()
+
+
+def test_lora_fields_and_pairs_are_checked():
+    from rlserve.errors import WeightUpdateError
+    from rlserve.lora.sync import check_pairs, lora_fields, update_spec
+
+    ok = lora_fields({"lora_name": "p", "r": 8, "lora_alpha": 16}, max_lora_rank=16)
+    assert ok == {"lora_name": "p", "r": 8, "lora_alpha": 16.0, "use_rslora": False, "load_inplace": True,
+                  "version": None}
+    assert lora_fields({"lora_name": "p", "r": 8, "lora_alpha": 1, "version": 7})["version"] == "7"
+    bad = [({"lora_name": "p", "r": 32, "lora_alpha": 1}, "greater than max_lora_rank 16"),
+           ({"lora_name": "p", "r": True, "lora_alpha": 1}, "r must be an integer"),
+           ({"lora_name": "", "r": 8, "lora_alpha": 1}, "lora_name must be"),
+           ({"lora_name": "p", "r": 8, "lora_alpha": float("nan")}, "finite number"),
+           ({"lora_name": "p", "r": 8, "lora_alpha": 1, "use_rslora": "yes"}, "use_rslora must be true or false"),
+           ({"lora_name": "p", "r": 8, "lora_alpha": 1, "version": True}, "version must be"),
+           ({"lora_name": "p", "r": 8, "lora_alpha": 1, "dropout": 0.1}, "unknown key(s) ['dropout']"),
+           ([], "must be an object")]
+    for raw, words in bad:
+        with pytest.raises(WeightUpdateError) as ei:
+            lora_fields(raw, max_lora_rank=16)
+        assert words in str(ei.value), (raw, str(ei.value))
+    assert update_spec({"m.q_proj": (12, 8)}, 4) == {"m.q_proj.lora_A.weight": (4, 8), "m.q_proj.lora_B.weight": (12, 4)}
+    check_pairs(["m.q_proj.lora_A.weight", "m.q_proj.lora_B.weight"])
+    with pytest.raises(WeightUpdateError, match="m.v_proj has lora_B without lora_A"):
+        check_pairs(["m.q_proj.lora_A.weight", "m.q_proj.lora_B.weight", "m.v_proj.lora_B.weight"])
+    with pytest.raises(WeightUpdateError, match="needs lora_A / lora_B factors"):
+        check_pairs([])

@@ -117,8 +117,9 @@ def check_pairs(names: list[str]) -> None:
     lone = [(mod, ab) for mod, ab in seen.items() if ab != {"A", "B"}]
     if lone:
         mod, ab = lone[0]
-        raise WeightUpdateError(f"update_info rejected, no weights were changed: {mod} has lora_{ab.pop()} "
-                                f"without lora_{({'A', 'B'} - ab).pop()} ({len(lone)} module(s) with one factor)")
+        have, missing = next(iter(ab)), next(iter({"A", "B"} - ab))
+        raise WeightUpdateError(f"update_info rejected, no weights were changed: {mod} has lora_{have} "
+                                f"without lora_{missing} ({len(lone)} module(s) with one factor)")
 
 
 # ---------------------------------------------------------------- engine side
