@@ -1,6 +1,6 @@
 """rlserve's tool-call and reasoning parsers against vLLM 0.32's own, on fixed outputs
 (:data:`tests.tool_parse_cases.CASES`: hermes auto / required / named / none, llama3_json,
-qwen3 and deepseek_r1 reasoning, both together, outputs cut mid-call): the whole-output parse (reasoning,
+qwen3_xml, qwen3 and deepseek_r1 reasoning, reasoning and tools together, outputs cut mid-call): the whole-output parse (reasoning,
 content, tool calls, reasoning-token count) and every stream delta, token by token, must be
 exactly vLLM's (tool-call ids checked for vLLM's form, then masked: they are random).
 
@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from tests.tool_models import make_tool_tokenizer, tool_tokenizer
-from tests.tool_parse_cases import CASES, NAMED, TOOLS, WEATHER, rlserve_answers, vllm_cases
+from tests.tool_parse_cases import CASES, NAMED, TOOLS, WEATHER, XML, XML2, rlserve_answers, vllm_cases
 from tests.vllm_python import vllm_python
 
 KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_tool_parse_key.json")
@@ -47,6 +47,7 @@ def _diff(want: list, got: list) -> list[str]:
 
 
 LLAMA = [i for i, c in enumerate(CASES) if c["tool_parser"] == "llama3_json"]
+XML_CASES = [i for i, c in enumerate(CASES) if c["tool_parser"] == "qwen3_xml"]
 
 
 def _check(key, picked: list[int]) -> None:
@@ -70,6 +71,16 @@ def test_llama3_json_answers_as_vllm(key):
     pytest.importorskip("partial_json_parser")  # a dependency of rlserve (pyproject.toml)
     _check(key, LLAMA)
     assert [c["name"] for c in key[LLAMA[1]]["full"]["tool_calls"]] == ["get_weather", "get_time"]
+
+
+def test_qwen3_xml_typed_arguments_as_vllm(key):
+    # in the comparison above; here what vLLM makes of <parameter=days>3</parameter> (an integer by
+    # the tool's schema) and of content around two calls (stripped)
+    assert key[XML_CASES[1]]["full"] == {"reasoning": None, "content": "Let me check.", "reasoning_tokens": None,
+                                         "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+                                                        {"name": "get_time", "arguments": '{"zone": "CET"}'}]}
+    assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in key[XML_CASES[0]]["deltas"]
+                   if d and d.get("tool_calls")) == '{"city": "Paris", "days": 3}'
 
 
 @needs_vllm
@@ -101,7 +112,7 @@ json.dump(out, sys.stdout)
 '''
 
 _STRICT = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
-TAG_CASES = [(fmt, *c) for fmt in ("hermes", "llama") for c in [
+TAG_CASES = [(fmt, *c) for fmt in ("hermes", "llama", "qwen_3_coder") for c in [
     (TOOLS, "required", None), (TOOLS, NAMED, None), (TOOLS, "required", False), (TOOLS, "auto", None),
     ([_STRICT], "required", None), (TOOLS, "auto", False), ([_STRICT, TOOLS[1]], "auto", None)]]
 
@@ -154,3 +165,6 @@ def test_forcing_grammar_compiles_and_accepts_the_call():
     single = compiler.compile_grammar(structural_grammar("hermes", TOOLS, "required", False))
     assert accepts(single, other) and not accepts(single, call + other)
     assert structural_grammar("hermes", TOOLS, "auto", None) is None
+    # qwen3_xml's format (xgrammar's builtin qwen_3_coder tag): the XML call of the named tool
+    xml = compiler.compile_grammar(structural_grammar("qwen_3_coder", TOOLS, NAMED, None))
+    assert accepts(xml, XML) and not accepts(xml, XML2) and not accepts(xml, call)

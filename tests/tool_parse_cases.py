@@ -19,6 +19,9 @@ TOOLS = [WEATHER, TIME]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+XML = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n'
+       '</parameter>\n</function>\n</tool_call>')
+XML2 = '<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>'
 
 
 def _case(text, tool_parser=None, reasoning_parser=None, tool_choice="auto", tools=TOOLS, kwargs=None,
@@ -70,6 +73,18 @@ CASES = [
     _case('Text first {"name": "get_time", "parameters": {"zone": "CET"}}', "llama3_json"),
     _case('{"name": "get_weather", "parameters": {"city": "Par', "llama3_json"),
     _case('{"nom": "x"}', "llama3_json"),
+    # qwen3_xml (qwen3_coder)
+    _case(XML, "qwen3_xml"),
+    _case("Let me check. " + XML + "\n" + XML2, "qwen3_xml"),
+    _case(XML[:60], "qwen3_xml"),
+    _case("plain < text, no call", "qwen3_xml"),
+    _case("Hi " + XML, "qwen3_xml", tool_choice="none"),
+    _case('<tool_call>\n<function=get_time>\n<parameter=zone>\n"CET"\n</parameter>\n</function>', "qwen3_xml"),
+    _case("<think>\nhmm\n</think>\n\n" + XML, "qwen3_xml", "qwen3"),
+    _case("<think>\nhmm\n</think>\n\nSure. " + XML, "qwen3_xml", "qwen3"),
+    _case("Sure. " + XML, "qwen3_xml", "qwen3", kwargs={"enable_thinking": False},
+          prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    _case("hmm</think>\n\nSure. " + XML, "qwen3_xml", "deepseek_r1"),
 ]
 
 

@@ -92,7 +92,11 @@ class ChatOutputParser:
         self.required = tool_choice == "required"
         self.tools_streamed = False
         # stream state (vLLM's StreamState)
-        self._engine_based = (self.reasoning is None or hasattr(self.reasoning, "_feed")) and self.tools is None
+        # vLLM's Parser._engine_based: every parser set is engine-based (qwen3 / qwen3_xml)
+        self._engine_based = (self.reasoning is None or self.reasoning.engine_based) and \
+            (self.tools is None or self.tools.engine_based)
+        if self.tools is not None and tool_choice == "none" and self.tools.engine_based:
+            self.tools.suppress = True  # the engine still takes the call markup out of the content
         self._reasoning_ended = False
         self._prompt_checked = False
         self._tool_text_started = False
@@ -105,8 +109,10 @@ class ChatOutputParser:
         Every parser here forces ``required`` / named calls in its own format (a structural
         tag), so those are parsed as ``auto`` (vLLM's ``supports_required_and_named=False``)."""
         tp = self.tools
-        if tp is None or self.tool_choice == "none":
+        if tp is None:
             return [], content
+        if self.tool_choice == "none":
+            return [], (tp.extract(content or "")[2] if self._engine_based else content)
         if not self.cfg.enable_auto_tools:
             return [], content
         called, calls, rest = tp.extract(content if content is not None else "")
@@ -114,7 +120,7 @@ class ChatOutputParser:
             return calls, (None if rest is not None and rest.strip() == "" else rest)
         if (self.required or self.named is not None) and (content is None or not content.strip()):
             return [], None
-        return None, content
+        return None, ((rest or None) if self._engine_based else content)
 
     def parse(self, text: str) -> tuple[str | None, str | None, list | None]:
         """vLLM's ``Parser.parse`` of a whole output: ``(reasoning, content, [(name, arguments)]
@@ -160,7 +166,7 @@ class ChatOutputParser:
     # ---- streams -------------------------------------------------------------------------------
     def _tool_delta(self, prev_text, cur_text, delta_text, prev_ids, cur_ids, delta_ids) -> dict | None:
         tp = self.tools
-        if self.tool_choice == "none":
+        if self.tool_choice == "none" and not self._engine_based:
             return make_delta(content=delta_text) if delta_text else None
         return tp.stream(prev_text, cur_text, delta_text, prev_ids, cur_ids, delta_ids)
 
@@ -222,7 +228,8 @@ class ChatOutputParser:
 
     def _finish(self, out: dict | None) -> dict | None:
         """The last delta: a tool call's parsed-but-unsent arguments appended (vLLM's
-        ``finalize_generation``), held reasoning text flushed."""
+        ``finalize_generation``), then what engine-based parsers still hold (vLLM's
+        ``_flush_engine_parsers``): held reasoning text, an open call's end."""
         if self.tools is not None and out and out.get("tool_calls") and "function" in out["tool_calls"][-1]:
             fn = out["tool_calls"][-1]["function"]
             fn["arguments"] = (fn.get("arguments") or "") + self.tools.remaining_args()
@@ -231,6 +238,16 @@ class ChatOutputParser:
             if held:
                 out = out if out is not None else {}
                 out["reasoning"] = (out.get("reasoning") or "") + held
+        if self.tools is not None and self.tools.engine_based:
+            flush = self.tools.finish()
+            if flush is not None:
+                if out is None:
+                    out = flush
+                else:
+                    if flush.get("content"):
+                        out["content"] = (out.get("content") or "") + flush["content"]
+                    if flush.get("tool_calls"):
+                        out["tool_calls"] = (out.get("tool_calls") or []) + flush["tool_calls"]
         return out
 
     def finish_reason(self, finish_reason: str | None) -> str | None:

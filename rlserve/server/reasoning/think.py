@@ -30,6 +30,8 @@ class ThinkReasoningParser:
         ValueError: ``<think>`` or ``</think>`` is not one token of the vocabulary.
     """
 
+    engine_based = False  # vLLM's engine_based_streaming (Qwen3's parser engine: True)
+
     def __init__(self, vocab: dict[str, int], chat_template_kwargs: dict | None = None):
         self.start_id, self.end_id = vocab.get(THINK), vocab.get(END_THINK)
         if self.start_id is None or self.end_id is None:
@@ -107,6 +109,8 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     """Qwen3's reasoning (see the module docstring): a text state machine over ``<think>``,
     ``</think>`` and ``<tool_call>``; streamed, a possible marker prefix at the end of a delta
     is held back until the next delta decides it."""
+
+    engine_based = True
 
     def __init__(self, vocab, chat_template_kwargs=None):
         super().__init__(vocab, chat_template_kwargs)

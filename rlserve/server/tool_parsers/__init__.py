@@ -7,12 +7,15 @@ from __future__ import annotations
 from rlserve.server.tool_parsers.base import registry_class
 from rlserve.server.tool_parsers.hermes import HermesToolParser
 from rlserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from rlserve.server.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
 TOOL_PARSERS: dict[str, type] = {
     "hermes": HermesToolParser,
     "qwen3_json": HermesToolParser,  # vLLM aliases Qwen's JSON tool calls to hermes
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,  # vLLM's alias
+    "qwen3_xml": Qwen3XmlToolParser,
+    "qwen3_coder": Qwen3XmlToolParser,  # vLLM's alias
 }
 
 

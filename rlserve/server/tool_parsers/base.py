@@ -87,6 +87,8 @@ class ToolParser:
     """
 
     skip_special_tokens: bool | None = None
+    engine_based = False  # vLLM's engine_based_streaming: fed deltas only, flushed at the end (finish)
+    suppress = False  # engine-based, tool_choice none: calls are taken out of the content, not returned
     structural_tag: str | None = None  # the format that forces required / named calls (structural.py)
 
     def __init__(self, vocab: dict[str, int], tools: list[dict] | None = None):
