@@ -96,11 +96,12 @@ def check_transfer_config(transfer_config: dict | None, staging: str = "none", d
     Returns a copy of the config.
 
     Args:
-        device: the engine's device type (``"cpu"``, ``"cuda"``), when known: nccl and ipc
-            need CUDA.
+        device: the engine's device type (``"cpu"``, ``"cuda"``), when known: ipc needs CUDA
+            (refused); nccl too, but ``trl vllm-serve`` passes it on any machine, so on the CPU
+            it is a warning (generation works).
 
     Raises:
-        ValueError: an unknown key, a backend not in ``BACKENDS`` or not for ``device``, a
+        ValueError: an unknown key, a backend not in ``BACKENDS`` (or ipc on the CPU), a
             staging mode not in ``STAGING_MODES``, ``direct_receive`` / ``trainer_liveness``
             not a boolean, an init_info default (``timeout_s``, ``packed*``) that
             ``/init_weight_transfer_engine`` would refuse (the same check, its message).
@@ -116,9 +117,12 @@ def check_transfer_config(transfer_config: dict | None, staging: str = "none", d
     for key in ("direct_receive", "trainer_liveness"):
         if not isinstance(cfg.get(key, True), bool):
             raise ValueError(f"weight transfer config: {key} must be true or false, got {cfg[key]!r}")
-    if device == "cpu" and cfg.get("backend") in ("nccl", "ipc"):
-        raise ValueError(f"weight transfer backend {cfg['backend']!r} moves CUDA tensors; this server runs on "
-                         "--device cpu: use {\"backend\": \"gloo\"}")
+    if device == "cpu" and cfg.get("backend") == "ipc":
+        raise ValueError("weight transfer backend 'ipc' shares CUDA memory; this server runs on --device cpu: use "
+                         "{\"backend\": \"gloo\"}")
+    if device == "cpu" and cfg.get("backend") == "nccl":  # `trl vllm-serve` always passes it: serving still works
+        logger.warning("weight transfer backend 'nccl' on --device cpu: generation works, a weight sync cannot "
+                       "(NCCL needs CUDA); use {\"backend\": \"gloo\"} to sync weights on the CPU")
     defaults = {k: v for k, v in cfg.items() if k in _INIT_DEFAULT_KEYS}
     try:  # a placeholder peer: only the defaults are under test
         InitInfo.from_dict({"backend": "gloo", "master_port": 1, **defaults})
