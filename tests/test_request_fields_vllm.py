@@ -49,14 +49,14 @@ VLLM_032 = {
 #: vLLM 0.32 request fields rlserve has no model field for, with vLLM's defaults (``repr``)
 VLLM_032_FIELDS = {
     "completion": {"use_beam_search": "False", "watermarking": "None", "length_penalty": "1.0",
-                   "spaces_between_special_tokens": "True", "truncation_side": "None", "allowed_token_ids": "None",
+                   "spaces_between_special_tokens": "True", "truncation_side": "None",
                    "logprob_token_ids": "None", "bad_words": "PydanticUndefined", "prompt_embeds": "None",
                    "priority": "0", "request_id": "PydanticUndefined",
                    "session_id": "None", "return_token_offsets": "False", "mm_payload": "'tensors'",
                    "return_mm_kwargs": "None", "cache_salt": "None", "kv_transfer_params": "None",
                    "ec_transfer_params": "None", "vllm_xargs": "None", "repetition_detection": "None",
                    "thinking_token_budget": "None"},
-    "chat": {"reasoning_effort": "None", "prompt_logprobs": "None", "documents": "None", "media_io_kwargs": "None",
+    "chat": {"reasoning_effort": "None", "documents": "None", "media_io_kwargs": "None",
              "mm_processor_kwargs": "None", "return_prompt_text": "None"},
 }
 #: OpenAI's create-body fields that vLLM 0.32 has no field for (it ignores them as extras)
@@ -161,6 +161,30 @@ def test_logit_bias_sampler_cpu():
     assert Sampler(set(), 50)(logits[:1], meta).token_ids.tolist() == [49]
 
 
+def test_allowed_token_ids_sampler_cpu():
+    """Only the allowed ids are drawn (greedy: the best of them); raw logprobs are the model's,
+    processed ones renormalised over the allowed ids (vLLM: the mask comes after raw logprobs)."""
+    from rlserve.engine.core import fused_sampling
+    from rlserve.engine.core.sampler import Sampler, SamplingMetadata
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    allowed = [3, 11, 40]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed), SamplingParams(temperature=0)]
+    meta = SamplingMetadata(params, [[1]] * 2, [[]] * 2)
+    assert not fused_sampling.eligible(logits, params, meta.output_token_ids, 50)
+    best = allowed[int(logits[0, allowed].argmax())]
+    raw = Sampler(set(), 50)(logits, meta)
+    assert raw.token_ids.tolist() == [best, int(logits[1].argmax())]
+    assert raw.logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[best].item(), abs=1e-6)
+    processed = Sampler(set(), 50, logprobs_mode="processed_logprobs")(logits, meta)
+    assert processed.logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0, allowed], -1).max().item(),
+                                                         abs=1e-6)
+    from rlserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_logit_bias_clipped_as_vllm(vllm):
     p = SamplingParams(logit_bias={"5": 250.0, "7": -300, "9": 1.5})
     assert {str(k): v for k, v in p.logit_bias.items()} == vllm["logit_bias"]
@@ -212,6 +236,35 @@ def test_logit_bias_offline_vocab_check(tiny_model):
         llm.generate(["hi"], SamplingParams(logit_bias={10 ** 6: 1.0}))
     out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={"9": 100}))
     assert list(out[0].outputs[0].token_ids) == [9, 9, 9]
+
+
+def test_allowed_token_ids_served(srv):
+    """vLLM's allowed_token_ids: the tokens drawn are among them, and are the ones a -100 bias
+    on every other id gives (the same argmax). Fails on the old main (400 unknown field)."""
+    allowed = [42, 77, 130]
+    vocab = srv.app.state.rlserve.vocab_size
+    got = _cmpl(srv, max_tokens=5, allowed_token_ids=allowed, return_token_ids=True)["choices"][0]["token_ids"]
+    ref = _cmpl(srv, max_tokens=5, return_token_ids=True,
+                logit_bias={str(t): -100 for t in range(vocab) if t not in allowed})["choices"][0]["token_ids"]
+    assert set(got) <= set(allowed) and got == ref
+    chat = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                              "allowed_token_ids": [99], "ignore_eos": True, "return_token_ids": True})
+    assert chat["choices"][0]["token_ids"] == [99, 99, 99]
+    for bad in ([], [vocab], [-1]):
+        err = post(srv, "/v1/completions", {"prompt": "hi", "allowed_token_ids": bad}, 400)["error"]
+        assert err["param"].startswith("allowed_token_ids"), err
+
+
+def test_chat_prompt_logprobs(srv):
+    """vLLM's chat prompt_logprobs: the rendered prompt's, as completions gives them for its ids;
+    refused with stream (vLLM too). Fails on the old main (400 unknown field)."""
+    msgs = [{"role": "user", "content": "hi there"}]
+    chat = post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "prompt_logprobs": 1})
+    ids = post(srv, "/tokenize", {"messages": msgs})["tokens"]
+    ref = _cmpl(srv, prompt=ids, max_tokens=1, prompt_logprobs=1)["choices"][0]["prompt_logprobs"]
+    assert chat["prompt_logprobs"] == ref and len(ref) == len(ids)
+    err = post(srv, "/v1/chat/completions", {"messages": msgs, "prompt_logprobs": 1, "stream": True}, 400)["error"]
+    assert err["param"] == "prompt_logprobs" and "stream" in err["message"]
 
 
 # ---- 2. best_of, echo ----------------------------------------------------------------------
@@ -337,7 +390,7 @@ def test_noop_fields_accepted(srv):
 @pytest.mark.parametrize("path,field,value,fragment", [
     ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/chat/completions", "use_beam_search", True, "beam search is not implemented"),
-    ("/v1/completions", "allowed_token_ids", [1, 2], "logit_bias"),
+    ("/v1/completions", "bad_words", ["x"], "logit_bias"),
     ("/v1/completions", "truncation_side", "right", "last tokens"),
     ("/v1/chat/completions", "reasoning_effort", "high", "chat_template_kwargs"),
     ("/v1/completions", "priority", 1, "priority"),

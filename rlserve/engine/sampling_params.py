@@ -141,6 +141,9 @@ class SamplingParams:
             penalties: vLLM's ``LogitBiasLogitsProcessor``); each bias clipped to [-100, 100]
             as vLLM's ``SamplingParams.from_optional`` does; ids checked against the vocabulary
             by the engine. Raw logprobs do not see it (vLLM's rule); processed ones do.
+        allowed_token_ids: vLLM's: only these token ids may be drawn (every other logit is
+            ``-inf`` before the bias and penalties, as vLLM's ``allowed_token_ids_mask``); a
+            non-empty list, ids checked against the vocabulary by the engine; None: any.
     """
 
     n: int = 1
@@ -166,6 +169,7 @@ class SamplingParams:
     lora_int_id: int = 0
     routed_experts_prompt_start: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.logit_bias is not None:
@@ -227,5 +231,9 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 0:
             bad(f"lora_int_id must be an integer >= 0, got {self.lora_int_id!r}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            bad(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {self.allowed_token_ids!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")

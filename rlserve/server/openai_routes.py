@@ -3,12 +3,12 @@
 
 Extensions beyond OpenAI's schema (vLLM's names where vLLM has them):
 
-* request: ``logit_bias`` (OpenAI's), ``echo`` (completions: with ``max_tokens: 0`` the prompt
+* request: ``logit_bias`` (OpenAI's), ``allowed_token_ids``, ``echo`` (completions: with ``max_tokens: 0`` the prompt
   alone, for prompt-only scoring; chat: vLLM's), ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``return_token_ids``, ``return_tokens_as_token_ids``,
   ``skip_special_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
   ``structured_outputs`` (``json`` / ``regex`` / ``choice`` / ``grammar`` / ``json_object``;
-  OpenAI's ``response_format`` too), ``add_special_tokens``; completions: ``prompt_logprobs``;
+  OpenAI's ``response_format`` too), ``add_special_tokens``, ``prompt_logprobs`` (chat: not with stream);
   chat: ``chat_template``, ``chat_template_kwargs``, ``tools`` / ``tool_choice`` /
   ``parallel_tool_calls`` (rendered into the prompt by the template; with
   ``--tool-call-parser`` the calls are parsed out of the answer and ``required`` / named ones
@@ -107,7 +107,22 @@ def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_l
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
         routed_experts_prompt_start=body.routed_experts_prompt_start, logit_bias=_logit_bias(state, body),
-        **body.sampler_args())
+        allowed_token_ids=_allowed_token_ids(state, body), **body.sampler_args())
+
+
+def _allowed_token_ids(state: ServerState, body) -> list[int] | None:
+    """vLLM's ``allowed_token_ids`` (None: any token). Raises APIError 400 (param
+    ``allowed_token_ids``): an empty list, an id outside ``[0, vocab_size)`` (vLLM refuses both)."""
+    ids = body.allowed_token_ids
+    if ids is None:
+        return None
+    if not ids:
+        raise APIError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise APIError(400, f"allowed_token_ids: token ids out of the vocabulary [0, {state.vocab_size}): {bad[:5]}",
+                       param="allowed_token_ids", code="invalid_token_id")
+    return list(ids)
 
 
 def _logit_bias(state: ServerState, body) -> dict[int, float] | None:
@@ -280,9 +295,12 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             len(ids), body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         k = top_k if body.logprobs else None
-        # vLLM: echo asks for the prompt's logprobs with top_logprobs' top-k (vLLM's default 0: the
-        # prompt tokens' own), answered as the response's prompt_logprobs
-        plp_k = (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
+        # the response's prompt_logprobs: vLLM's prompt_logprobs, else with echo top_logprobs' top-k
+        # (vLLM's default 0: the prompt tokens' own)
+        if body.prompt_logprobs is not None and body.stream and (body.prompt_logprobs > 0 or body.prompt_logprobs == -1):
+            raise APIError(400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+        plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs") if body.prompt_logprobs is not None \
+            else (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
         params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         if outputs.skip_special_tokens(body.tools, tool_choice) is not None:

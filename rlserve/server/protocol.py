@@ -110,6 +110,7 @@ class _SamplingFields(_RouterFields, SamplerFields):
     # vLLM extensions
     return_token_ids: bool = False
     logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None  # vLLM's: only these ids may be drawn
     user: Optional[str] = None
     return_tokens_as_token_ids: bool = False
     structured_outputs: Optional[StructuredOutputs] = None
@@ -197,6 +198,8 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     include_reasoning: bool = True  # false (with --reasoning-parser): no reasoning, logprobs or token ids
     add_special_tokens: bool = False
     echo: bool = False
+    # vLLM's: the answer's prompt_logprobs (not with stream); with echo it defaults to top_logprobs
+    prompt_logprobs: Optional[int] = None
     # the SGLang router's (see _RouterFields): either value does nothing (vLLM has no such fields)
     separate_reasoning: bool = True
     stream_reasoning: bool = True

@@ -50,7 +50,6 @@ DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
     "spaces_between_special_tokens": ((True, None), "special tokens are always detokenized with spaces between "
                                                     "them here (vLLM's default)"),
     "truncation_side": ((None, "left"), "truncate_prompt_tokens keeps the last tokens (left truncation) only"),
-    "allowed_token_ids": ((None,), "allowed_token_ids is not implemented: give the other ids a logit_bias of -100"),
     "logprob_token_ids": ((None, []), "logprob_token_ids is not implemented: ask for logprobs / top_logprobs"),
     "bad_words": ((None, []), "bad_words is not implemented: give their token ids a logit_bias of -100"),
     "prompt_embeds": ((None,), "prompt embeddings are not accepted: send text or token ids"),
@@ -64,8 +63,6 @@ CHAT_DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
     "documents": ((None, []), "documents are not rendered into the prompt here: put them in the messages"),
     "reasoning_effort": ((None,), "reasoning_effort is not implemented: pass it in chat_template_kwargs "
                                   "if the template reads it"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is not implemented on chat: use /v1/completions with the "
-                                 "rendered prompt"),
     "return_prompt_text": ((None, False), "return_prompt_text is not implemented"),
 }
 

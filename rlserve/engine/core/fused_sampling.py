@@ -4,7 +4,7 @@ The general :class:`rlserve.engine.core.sampler.Sampler` makes ~8 passes over th
 float32 logits (log-softmax, a copy, temperature, softmax, the exponential draw, clamp,
 division, argmax): at batch 256 and a 151,936-token vocabulary that is ~2.4 GB of traffic
 and a dozen launches per step. When no row needs anything but temperature (no penalties,
-no ``logit_bias``, no ``min_tokens`` still active, no top-k / top-p / min-p, no top logprobs), a token is
+no ``logit_bias`` / ``allowed_token_ids``, no ``min_tokens`` still active, no top-k / top-p / min-p, no top logprobs), a token is
 ``argmax(logits / T + Gumbel noise)`` (Gumbel-max, the same distribution as the sampler's
 exponential race ``argmax(probs / Exp(1))``; ``T = 0``: plain argmax, the first index on
 ties) and its raw logprob is ``logit - logsumexp(logits)``; both come out of one read of
@@ -64,7 +64,7 @@ def eligible(logits: torch.Tensor, params: list, output_token_ids: list[list[int
     if bi_mode.enabled():  # --batch-invariant: every batch through the general sampler
         return False
     for p, out in zip(params, output_token_ids):
-        if p.logprobs or p.logit_bias or (p.min_tokens and len(out) < p.min_tokens):
+        if p.logprobs or p.logit_bias or p.allowed_token_ids or (p.min_tokens and len(out) < p.min_tokens):
             return False
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             return False

@@ -238,7 +238,7 @@ class LLMEngine(EngineStep):
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (prompt or
-                ``logit_bias``), prompt plus
+                ``logit_bias``, ``allowed_token_ids``), prompt plus
                 ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
             ModelSleepingError: the engine is asleep (sleep mode).
         """
@@ -265,9 +265,10 @@ class LLMEngine(EngineStep):
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
                 f"and max_tokens asks for {params.max_tokens} more"
             )
-        bad = [t for t in (params.logit_bias or ()) if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias: token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in (getattr(params, name) or ()) if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         for k in (params.logprobs, params.prompt_logprobs):
             if k is not None and 0 <= self.config.max_logprobs < k:  # max_logprobs -1: no limit
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")

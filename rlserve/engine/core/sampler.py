@@ -3,7 +3,8 @@
 The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` of v0 and
 ``vllm/v1/sample/sampler.py``), applied row-wise to a ``[B, V]`` float32 logits tensor:
 
-1. **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
+1. **allowed_token_ids** — rows with the list get ``-inf`` everywhere else (vLLM's
+   ``allowed_token_ids_mask``, applied first); **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
    and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``); **logit_bias**
    — ``l[t] += bias[t]`` (OpenAI's field; vLLM's ``LogitBiasLogitsProcessor``, applied with
    min_tokens before the penalties, so greedy rows see it too).
@@ -143,6 +144,32 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, eos_token_ids
         r = to_device(rows, torch.long, logits.device)
         t = to_device(toks, torch.long, logits.device)
         logits[r, t] = float("-inf")
+    return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: ``-inf`` at every token outside ``params[i].allowed_token_ids`` in the rows
+    that have the list (``[B, V]`` float32; ids ``>= V`` are skipped: the engine refuses them).
+    One host-to-device copy of the (row, id) pairs and of the row flags."""
+    B, V = logits.shape
+    rows: list[int] = []
+    toks: list[int] = []
+    flagged = [False] * B
+    for i, p in enumerate(meta.params):
+        if p.allowed_token_ids:
+            flagged[i] = True
+            for t in p.allowed_token_ids:
+                if 0 <= t < V:
+                    rows.append(i)
+                    toks.append(t)
+    if not any(flagged):
+        return logits
+    allowed = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+    if rows:
+        idx = to_device([rows, toks], torch.long, logits.device)
+        allowed[idx[0], idx[1]] = True
+    row = to_device(flagged, torch.bool, logits.device).unsqueeze(1)
+    logits.masked_fill_(row & ~allowed, float("-inf"))
     return logits
 
 
@@ -324,6 +351,7 @@ class Sampler:
         x = self._trim(logits).clone()
         V = x.shape[1]
         device = x.device
+        apply_allowed_token_ids(x, meta)
         apply_min_tokens(x, meta, self.eos_token_ids)
         apply_logit_bias(x, meta)
         apply_penalties(x, meta)
