@@ -59,7 +59,8 @@ ROWS = [("completed / failed", None, None), ("duration (s)", "duration", 1), ("r
         ("mean TTFT (ms)", "mean_ttft_ms", 1), ("median TTFT (ms)", "median_ttft_ms", 1),
         ("p99 TTFT (ms)", "p99_ttft_ms", 1), ("mean TPOT (ms)", "mean_tpot_ms", 1),
         ("median TPOT (ms)", "median_tpot_ms", 1), ("p99 TPOT (ms)", "p99_tpot_ms", 1),
-        ("mean ITL (ms)", "mean_itl_ms", 1), ("p99 ITL (ms)", "p99_itl_ms", 1), ("mean E2EL (ms)", "mean_e2el_ms", 1)]
+        ("mean ITL (ms)", "mean_itl_ms", 1), ("median ITL (ms)", "median_itl_ms", 1), ("p99 ITL (ms)", "p99_itl_ms", 1),
+        ("mean E2EL (ms)", "mean_e2el_ms", 1), ("peak output tok/s", "max_output_tokens_per_s", 1)]
 
 
 def prepare_model(args) -> str:
@@ -119,13 +120,48 @@ def run_bench(args, url: str, model: str, bench_args: list[str], name: str, out_
 
 
 def start_server(args, model: str, words: list[str], common: list[str]):
+    """``vllm serve`` (``words`` start with ``vllm``) or ``rlserve serve``. rlserve's words may
+    hold ``@K=V`` (environment variable ``K`` for that server) and ``@tree=DIR`` (run the rlserve of
+    another checkout, e.g. the baseline commit's ``git archive``: the server and its engine cores
+    start in ``DIR``, whose ``rlserve`` comes first on ``sys.path``)."""
     if words[:1] == ["vllm"]:
         from benchmarks.vllm_serve import VLLMServer
 
         return VLLMServer(model, common + words[1:], args.vllm_pythonpath, python=args.vllm_python).start()
     from rlserve.server.testing import ServerProcess
 
-    return ServerProcess(model, *common, *words, startup_timeout_s=1800).start()
+    env = dict(w[1:].split("=", 1) for w in words if w.startswith("@"))
+    words = [w for w in words if not w.startswith("@")]
+    launcher = tree_launcher(env.pop("tree", None))
+    return ServerProcess(model, *common, *words, startup_timeout_s=1800, env=env or None, launcher=launcher).start()
+
+
+def tree_launcher(tree: str | None) -> tuple[str, ...]:
+    """``ServerProcess``'s launcher for the rlserve of checkout ``tree`` (None: this one): the
+    server starts in ``tree`` with it first on ``sys.path``, and so do its engine-core processes
+    (``python -m`` puts the working directory first)."""
+    if tree is None:
+        return ("-m", "rlserve")
+    tree = os.path.abspath(tree)
+    return ("-c", f"import os, sys; os.chdir({tree!r}); sys.path.insert(0, {tree!r}); "
+                  "from rlserve.cli import main; sys.exit(main())")
+
+
+def with_concurrency(bench_args: list[str], c: int | None) -> list[str]:
+    """``bench_args`` with ``--max-concurrency c`` (replacing one given; ``None``: unchanged)."""
+    if c is None:
+        return bench_args
+    out, i = [], 0
+    while i < len(bench_args):
+        if bench_args[i] == "--max-concurrency":
+            i += 2
+            continue
+        if bench_args[i].startswith("--max-concurrency="):
+            i += 1
+            continue
+        out.append(bench_args[i])
+        i += 1
+    return out + ["--max-concurrency", str(c)]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -161,6 +197,9 @@ def main(argv=None) -> int:
                    "benchmarks/vllm_bench_serve.py, vLLM's server as PY -m vllm.entrypoints.openai.api_server")
     p.add_argument("--bench-timeout", type=float, default=3600, help="seconds per benchmark run (default 3600)")
     p.add_argument("--json", help="write every config's vLLM result (and the commands) here")
+    p.add_argument("--concurrency", type=int, nargs="+",
+                   help="run the benchmark once per value against each server (--max-concurrency), in order; "
+                        "a config's word @conc=A,B sets its own")
     args = p.parse_args(argv)
     model = prepare_model(args)
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -170,12 +209,23 @@ def main(argv=None) -> int:
     for cfg in args.configs:
         name, _, flags = cfg.partition("=")
         words = flags.split()
+        conc = [w for w in words if w.startswith("@conc=")]  # this server's own --concurrency
+        words = [w for w in words if not w.startswith("@conc=")]
         srv = start_server(args, model, words, common)
         try:
-            result = run_bench(args, srv.url, model, bench_args, name, out_dir)
+            for c in ([int(x) for x in conc[-1][6:].split(",")] if conc else args.concurrency or [None]):
+                label = name if c is None else f"{name}@c{c}"
+                try:
+                    result = run_bench(args, srv.url, model, with_concurrency(bench_args, c), label, out_dir)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
+                    print(f"vllm_bench: {label}: {e}", file=sys.stderr, flush=True)
+                    continue
+                rows.append({"config": label, "flags": flags, "max_concurrency": c, "result": result})
+                if args.json:  # what is done so far survives a run cut short
+                    with open(args.json, "w") as f:
+                        json.dump({"rows": rows}, f, indent=2)
         finally:
             srv.stop()
-        rows.append({"config": name, "flags": flags, "result": result})
     print_table(rows)
     if len(rows) == 2 and rows[1]["result"].get("output_throughput"):
         a, b = rows

@@ -521,6 +521,9 @@ async def _serve(app, args, sock) -> int:
         logger.info("ready: %s", url)
 
     task = asyncio.create_task(announce())
+    from rlserve.gc_heap import freeze_startup_heap
+
+    freeze_startup_heap("API server")  # full collections skip the start-up heap from here on
     await server.serve(sockets=[sock])
     task.cancel()
     if server.stopped_for == signal.SIGINT:

@@ -11,6 +11,8 @@ import contextlib
 import json
 from typing import Any, AsyncIterator
 
+import msgspec
+
 from rlserve.server.errors import exception_to_error
 from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -18,9 +20,18 @@ from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def sse(obj) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
+    """One server-sent event carrying ``obj`` as compact JSON (UTF-8 text, as vLLM's pydantic
+    dumps it). Encoded by msgspec: 3-5x cheaper than ``json.dumps`` per chunk, which counts at
+    one chunk per token per stream; what msgspec cannot encode (a lone surrogate) goes through
+    ``json.dumps`` (``\\u`` escapes)."""
+    try:
+        return "data: " + _JSON.encode(obj).decode() + "\n\n"
+    except (msgspec.EncodeError, TypeError, UnicodeError):
+        return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

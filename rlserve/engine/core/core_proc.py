@@ -323,6 +323,9 @@ def main(argv=None) -> int:
         out.close(linger=2000)
         ctx.term()
         return 1
+    from rlserve.gc_heap import freeze_startup_heap
+
+    freeze_startup_heap(f"engine-core process {args.dp_index}")  # the model's objects: never collected
     out.send(enc.encode(proto.CoreReady(info)))
     server = CoreServer(core, inp, out, args.parent_pid)
     try:

@@ -339,11 +339,16 @@ class AsyncEngine(PauseControl, WeightsControl):
             put(req, e)
 
     def _deliver(self, items) -> None:
-        """Delivering thread → event loops: one ``call_soon_threadsafe`` per loop."""
+        """Delivering thread → event loops: one ``call_soon_threadsafe`` per loop (put at once
+        where the caller runs on that loop: the engine-core replicas' outputs are handled there)."""
         by_loop: dict = {}
         for req, item in items:
             by_loop.setdefault(req.loop, []).append((req, item))
+        here = asyncio._get_running_loop()
         for loop, batch in by_loop.items():
+            if loop is here:
+                put_all(batch)
+                continue
             try:
                 loop.call_soon_threadsafe(put_all, batch)
             except RuntimeError:  # the loop is closed: nobody is listening

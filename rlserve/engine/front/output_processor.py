@@ -112,7 +112,9 @@ class OutputProcessor:
         self._states.clear()
 
     def process(self, deltas, reqs: Mapping[str, Any]):
-        """Apply one message's deltas.
+        """Apply deltas: one message's, or several messages' in the core's order (a request
+        may then have one delta per step; it still gets one output, built once after its last
+        delta: what a consumer that fell behind needs, at a fraction of the work).
 
         Args:
             deltas: :class:`~rlserve.engine.core_protocol.RequestDelta` s, in the core's order.
@@ -126,35 +128,43 @@ class OutputProcessor:
             indices)`` of samples the core must stop, and request ids the core must abort
             (finished here before there, or failed here).
         """
-        outputs, errors, stops, aborts = [], [], [], []
+        errors, stops, aborts = [], [], []
+        ready: dict[str, tuple] = {}  # request id -> (state, its last delta, finished): outputs to build
+        ended: set[str] = set()  # finished or failed in this call: later deltas of theirs are dropped
         for d in deltas:
             rid = d.request_id
             req = reqs.get(rid)
-            if req is None:
+            if req is None or rid in ended:
                 self._states.pop(rid, None)
                 continue
             try:
-                out, stopped = self._apply(rid, req, d)
+                st, finished, stopped = self._apply(rid, req, d)
             except Exception as e:  # noqa: BLE001 - this request only
                 logger.exception("processing the outputs of request %s failed", rid)
                 self._states.pop(rid, None)
+                ready.pop(rid, None)
+                ended.add(rid)
                 errors.append((rid, EngineStepError(
                     f"processing the outputs of request {rid} failed: {type(e).__name__}: {e}")))
                 if not d.finished:
                     aborts.append(rid)
                 continue
-            if out is None:
+            if not (st.stream or finished):
                 continue
-            outputs.append(out)
-            if out.finished:
+            ready[rid] = (st, d, finished)
+            if finished:
                 self._states.pop(rid, None)
+                ended.add(rid)
                 if not d.finished:
                     aborts.append(rid)  # done here (stop strings) before the core knew
             elif stopped:
                 stops.append((rid, stopped))
+        outputs = [self._output(rid, st, d, finished) for rid, (st, d, finished) in ready.items()]
         return outputs, errors, stops, aborts
 
     def _apply(self, rid: str, req, d):
+        """Add one delta to its request's state. Returns ``(state, finished, indices of
+        samples a stop string finished here)``."""
         st = self._states.get(rid)
         if st is None:
             if d.start is None:
@@ -174,10 +184,7 @@ class OutputProcessor:
                 if s.finish_reason is None:  # the core ended the request without a reason for it
                     s.finish_reason = "abort"
                     s.detok.finish()
-        finished = all(s.finish_reason is not None for s in st.samples)
-        if not (st.stream or finished):
-            return None, stopped
-        return self._output(rid, st, d, finished), stopped
+        return st, all(s.finish_reason is not None for s in st.samples), stopped
 
     def _extend(self, st: _State, s: _Sample, sd) -> bool:
         """Add one sample's new tokens. Returns True when a stop string finished it here."""

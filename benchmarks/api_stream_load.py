@@ -1,0 +1,327 @@
+"""How many streamed events the API process carries: a real ``rlserve serve`` (FastAPI routes, SSE
+chunks, the front's output processor and detokenizer, uvicorn) over a FAKE engine core that makes
+a token for every running request each ``--step-ms`` (``benchmarks/api_stream_fake.py``: the
+GPU's pace without a GPU), driven by ``--clients`` streaming HTTP clients in a closed loop
+(``vllm bench serve --max-concurrency``'s shape: ``--num-prompts`` requests in all, each client
+sends the next one when its stream ends).
+
+The clients are raw asyncio sockets in a process of their own (no HTTP library: per event they
+only timestamp a read and count its ``data:`` lines), so nearly all the CPU they take is the
+kernel's. Per request: time to the first event (TTFT), the gaps between events (ITL, as ``vllm
+bench serve`` computes it: an event that arrives in the same read as the one before has a gap of
+0), events per request (``--max-tokens`` means one event per token: no merging). With
+``ignore_eos`` every request makes exactly ``--max-tokens`` tokens, so output tok/s needs no
+parsing.
+
+Usage (CPU, from the repository root)::
+
+    python benchmarks/api_stream_load.py --clients 256 --num-prompts 768 --step-ms 10 \\
+        --configs "main=@tree=.base" "new=" --json out.json [--profile DIR]
+
+``--configs NAME=FLAGS``: one server per entry, one after the other, ``FLAGS`` added to
+``rlserve serve``'s (everything after ``--`` goes to every server); a flag ``@K=V`` sets the
+environment variable ``K`` for that server instead, ``@tree=DIR`` runs the rlserve of checkout
+``DIR`` (a baseline's ``git archive``; ``benchmarks/vllm_bench.py``'s ``tree_launcher``).
+``--profile DIR``: ``py-spy record`` (if on ``PATH`` or beside this Python) samples the server's
+processes during the run and writes collapsed stacks (``DIR/<name>.txt``) and the top self-time
+frames into the JSON. Each run also reports the API process's CPU seconds per token and per event
+(``/proc``), which the machine's load moves least.
+
+Every number is wall-clock seconds (printed as ms) or events/tokens per second; on the shared
+2-core machine they move with the load, so compare configs of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE = "benchmarks.api_stream_fake"  # imported by the engine-core process (PYTHONPATH: the repository)
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    """Linear-interpolated percentile (``p`` in [0, 100]); None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class _Stream(asyncio.Protocol):
+    """One streamed request on its own connection (``Connection: close``): read timestamps and
+    how many ``data:`` events each read held."""
+
+    def __init__(self, request: bytes, done: asyncio.Future):
+        self.request, self.done = request, done
+        self.reads: list[tuple[float, int]] = []
+        self.t0 = 0.0
+        self.status = None
+        self.tail = b""
+        self.head = b""
+
+    def connection_made(self, transport):
+        self.t0 = time.perf_counter()
+        transport.write(self.request)
+
+    def data_received(self, data: bytes):
+        now = time.perf_counter()
+        if self.status is None:
+            self.head += data
+            if b"\r\n" not in self.head:
+                return
+            self.status = int(self.head.split(b" ", 2)[1])
+            data = self.head
+        buf = self.tail + data
+        n = buf.count(b"\ndata: ") + (1 if buf.startswith(b"data: ") else 0)
+        n -= buf.count(b"data: [DONE]")
+        self.tail = buf[-8:]
+        if n:
+            self.reads.append((now, n))
+
+    def connection_lost(self, exc):
+        if not self.done.done():
+            self.done.set_result(exc)
+
+
+def _request_bytes(host: str, port: int, path: str, body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nConnection: close\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+
+
+async def _drive(host: str, port: int, endpoint: str, model: str, clients: int, num_prompts: int, prompt_len: int,
+                 max_tokens: int, vocab: tuple[int, int], seed: int) -> dict:
+    import random
+
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    todo = collections.deque(range(num_prompts))
+    results = []
+
+    def body(i: int) -> tuple[str, dict]:
+        ids = [rng.randint(*vocab) for _ in range(prompt_len)]
+        common = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True}
+        if endpoint == "chat":
+            return "/v1/chat/completions", dict(common, messages=[{"role": "user", "content": " ".join(
+                str(t) for t in ids[: prompt_len // 2])}])
+        return "/v1/completions", dict(common, prompt=ids)
+
+    async def client():
+        while todo:
+            i = todo.popleft()
+            path, b = body(i)
+            done = loop.create_future()
+            proto = _Stream(_request_bytes(host, port, path, b), done)
+            await loop.create_connection(lambda: proto, host, port)
+            await done
+            results.append({"status": proto.status, "t0": proto.t0, "reads": proto.reads})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return {"t0": t0, "t1": time.perf_counter(), "results": results}
+
+
+def _client_main(args: tuple, queue) -> None:
+    queue.put(asyncio.run(_drive(*args)))
+
+
+def summarize(run: dict, max_tokens: int) -> dict:
+    """Throughput and latency of one run (ms for times)."""
+    res = run["results"]
+    ok = [r for r in res if r["status"] == 200 and r["reads"]]
+    ttft, itl, events, worst = [], [], [], []
+    for r in ok:
+        reads = r["reads"]
+        ttft.append(reads[0][0] - r["t0"])
+        n_ev = sum(n for _, n in reads)
+        events.append(n_ev)
+        prev = reads[0][0]
+        gaps = [0.0] * (reads[0][1] - 1)
+        for t, n in reads[1:]:
+            gaps.append(t - prev)
+            gaps.extend([0.0] * (n - 1))
+            prev = t
+        itl.extend(gaps)
+        worst.append(max(gaps) if gaps else 0.0)
+    dur = run["t1"] - run["t0"]
+    # per-second event counts over the run (vllm bench serve's "peak output tokens/s" counts events)
+    buckets: collections.Counter = collections.Counter()
+    for r in ok:
+        for t, n in r["reads"]:
+            buckets[int(t - run["t0"])] += n
+    ms = lambda x: None if x is None else round(1e3 * x, 2)  # noqa: E731
+    total_events = sum(events)
+    return {
+        "completed": len(ok), "failed": len(res) - len(ok), "duration_s": round(dur, 3),
+        "output_tok_s": round(len(ok) * max_tokens / dur, 1), "events_s": round(total_events / dur, 1),
+        "peak_events_per_s": max(buckets.values()) if buckets else 0,
+        "tokens_per_event": round(len(ok) * max_tokens / total_events, 2) if total_events else None,
+        "mean_ttft_ms": ms(sum(ttft) / len(ttft)) if ttft else None, "median_ttft_ms": ms(percentile(ttft, 50)),
+        "p99_ttft_ms": ms(percentile(ttft, 99)), "median_itl_ms": ms(percentile(itl, 50)),
+        "mean_itl_ms": ms(sum(itl) / len(itl)) if itl else None, "p99_itl_ms": ms(percentile(itl, 99)),
+        "max_gap_ms_p50": ms(percentile(worst, 50)), "max_gap_ms_p99": ms(percentile(worst, 99)),
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (``/proc``; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _py_spy() -> str | None:
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return exe if os.path.exists(exe) else None
+
+
+def top_self(collapsed: str, n: int = 25) -> list[tuple[str, float]]:
+    """Top ``n`` frames by self samples (share of all samples) from py-spy's collapsed stacks."""
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, k = line.rpartition(" ")
+        if not stack or not k.isdigit():
+            continue
+        total += int(k)
+        counts[stack.split(";")[-1]] += int(k)
+    return [(f, round(c / total, 4)) for f, c in counts.most_common(n)] if total else []
+
+
+def run_config(name: str, flags: list[str], args, model: str) -> dict:
+    from benchmarks.vllm_bench import tree_launcher
+    from rlserve.server.testing import ServerProcess
+
+    env = {"RLSERVE_ENGINE_CORE_INIT": f"{FAKE}:install", "API_STREAM_FAKE_STEP_MS": str(args.step_ms),
+           "API_STREAM_FAKE_PREFILL_TOKENS": str(args.prefill_tokens), "API_STREAM_FAKE_MAX_SEQS": str(args.clients),
+           "API_STREAM_FAKE_TOKEN_HI": str(args.token_hi),
+           "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
+    env.update(kv.split("=", 1) for kv in args.env)
+    env.update(f[1:].split("=", 1) for f in flags if f.startswith("@"))  # a config's own environment
+    flags = [f for f in flags if not f.startswith("@")]
+    tree = env.pop("tree", None)  # another checkout's rlserve; its engine core imports the fake from here
+    srv = ServerProcess(model, "--max-num-seqs", str(args.clients), "--max-model-len", str(args.max_model_len),
+                        "--disable-access-log", *flags, env=env, launcher=tree_launcher(tree))
+    srv.start()
+    spy = None
+    try:
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        # warm-up: a few requests so the first real ones do not pay imports
+        wp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, 4, 8, 32, 8,
+                                                      (3, args.token_hi), 1), queue))
+        wp.start()
+        queue.get(timeout=120)
+        wp.join()
+        if args.profile:
+            exe = _py_spy()
+            os.makedirs(args.profile, exist_ok=True)
+            if exe is None:
+                print("api_stream_load: py-spy not found; no profile", file=sys.stderr)
+            else:
+                spy = subprocess.Popen([exe, "record", "--pid", str(srv.pid), "--subprocesses", "--threads",
+                                        "--rate", "200", "--format", "raw", "--nonblocking",
+                                        "-o", os.path.join(args.profile, f"{name}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, args.clients,
+                                                      args.num_prompts, args.prompt_len, args.max_tokens,
+                                                      (3, args.token_hi), args.seed), queue))
+        cpu0 = cpu_seconds(srv.pid)
+        cp.start()
+        run = queue.get(timeout=args.timeout)
+        cpu = cpu_seconds(srv.pid) - cpu0
+        cp.join()
+    finally:
+        if spy is not None:
+            spy.send_signal(2)
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+        srv.stop()
+        print(f"{name}: server log {srv.log_path}", file=sys.stderr)
+    out = {"config": name, "flags": flags, **summarize(run, args.max_tokens)}
+    # the API process's CPU per event and per token: what the load on the machine moves least
+    out["api_cpu_s"] = round(cpu, 2)
+    out["api_cpu_us_per_token"] = round(1e6 * cpu / (out["completed"] * args.max_tokens), 1) if out["completed"] else None
+    out["api_cpu_us_per_event"] = round(1e6 * cpu / (out["events_s"] * out["duration_s"]), 1) if out["events_s"] else None
+    if spy is not None and os.path.exists(os.path.join(args.profile, f"{name}.txt")):
+        with open(os.path.join(args.profile, f"{name}.txt")) as f:
+            out["top_self"] = top_self(f.read())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=768)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the fake engine's step period")
+    ap.add_argument("--prefill-tokens", type=int, default=16384, help="prompt tokens the fake admits per step")
+    ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--token-hi", type=int, default=300, help="largest token id drawn (prompts and outputs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--model", help="a model directory (default: the tests' tiny Qwen3)")
+    ap.add_argument("--configs", nargs="+", default=["default="], help="NAME=FLAGS, one server each")
+    ap.add_argument("--profile", help="directory for py-spy's collapsed stacks")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--env", nargs="*", default=[], help="K=V set for the server (and its engine core)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = ap.parse_args(argv)
+    model = args.model
+    if model is None:
+        from tests.tiny_models import make_tiny_model
+
+        model = make_tiny_model("qwen3", os.path.join(tempfile.gettempdir(), "rlserve_api_stream_tiny"),
+                                max_position_embeddings=4096)
+    rows = []
+    for spec in args.configs:
+        name, _, flags = spec.partition("=")
+        rows.append(run_config(name, flags.split() + extra, args, model))
+        r = rows[-1]
+        print(f"{name}: {r['completed']} ok / {r['failed']} failed, {r['output_tok_s']} tok/s, "
+              f"{r['events_s']} events/s (peak {r['peak_events_per_s']}/s, {r['tokens_per_event']} tok/event), "
+              f"TTFT mean/p99 {r['mean_ttft_ms']}/{r['p99_ttft_ms']} ms, ITL median/p99 "
+              f"{r['median_itl_ms']}/{r['p99_itl_ms']} ms, worst gap per request p50/p99 "
+              f"{r['max_gap_ms_p50']}/{r['max_gap_ms_p99']} ms; API process CPU {r['api_cpu_s']} s = "
+              f"{r['api_cpu_us_per_token']} us/token, {r['api_cpu_us_per_event']} us/event", flush=True)
+        for f, share in r.get("top_self", [])[:15]:
+            print(f"    {share:7.2%}  {f}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+                "loadavg": os.getloadavg(), "argv": sys.argv[1:], "cpus": os.cpu_count()}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "runs": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
