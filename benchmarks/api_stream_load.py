@@ -48,19 +48,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.serve_load import percentile  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE = "benchmarks.api_stream_fake"  # imported by the engine-core process (PYTHONPATH: the repository)
-
-
-def percentile(xs: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile (``p`` in [0, 100]); None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class _Stream(asyncio.Protocol):
@@ -213,7 +204,8 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
 
     env = {"RLSERVE_ENGINE_CORE_INIT": f"{FAKE}:install", "API_STREAM_FAKE_STEP_MS": str(args.step_ms),
            "API_STREAM_FAKE_PREFILL_TOKENS": str(args.prefill_tokens), "API_STREAM_FAKE_MAX_SEQS": str(args.clients),
-           "API_STREAM_FAKE_TOKEN_HI": str(args.token_hi),
+           "API_STREAM_FAKE_TOKEN_LO": str(args.output_tokens[0] if args.output_tokens else 3),
+           "API_STREAM_FAKE_TOKEN_HI": str(args.output_tokens[1] if args.output_tokens else args.token_hi),
            "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)}
     env.update(kv.split("=", 1) for kv in args.env)
     env.update(f[1:].split("=", 1) for f in flags if f.startswith("@"))  # a config's own environment
@@ -283,6 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--token-hi", type=int, default=300, help="largest token id drawn (prompts and outputs)")
+    ap.add_argument("--output-tokens", type=int, nargs=2, metavar=("LO", "HI"),
+                    help="the fake engine's output ids (default 3 .. --token-hi); e.g. 1000 151000: ids the tiny "
+                         "tokenizer does not know, as a dummy-weight Qwen3 makes them (no text)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--model", help="a model directory (default: the tests' tiny Qwen3)")

@@ -211,3 +211,23 @@ def test_min_tokens_defers_stop_strings(tok):
     # Without min_tokens the first occurrence stops.
     d, _, match = stream(tok, ids, stop=["end"])
     assert d.output_text == "the "
+
+
+@pytest.mark.parametrize("make", ["bytelevel", "metaspace"])
+def test_ids_that_decode_to_nothing_leave_the_window(tok, make):
+    """Ids the tokenizer does not know (a dummy-weight model's, beyond a small vocabulary) and
+    skipped special tokens, among real ones: the text is ``tokenizer.decode`` exactly, multi-byte
+    characters split around them included, and the decode window stays short (it grew by one id a
+    step: every step decoded the whole run of them)."""
+    t = tok if make == "bytelevel" else _sentencepiece_style_tokenizer()
+    unknown = [len(t) + 1000 + k for k in range(40)]
+    special = [t.eos_token_id]
+    words = t.encode("héllo 世界 the fox", add_special_tokens=False)
+    ids = unknown[:20] + words[:3] + special + unknown[20:] + words[3:] + special + unknown
+    d, deltas, match = stream(t, ids, t.encode("Say:", add_special_tokens=False))
+    want = t.decode(words, skip_special_tokens=True)
+    assert match is None and "".join(deltas) == d.output_text
+    assert d.output_text.strip() == want.strip() and "\ufffd" not in d.output_text
+    # the window (ids decoded at every step) ends at the last text: before, it held the 41 after it
+    window = d._ids[d._prefix_offset:]
+    assert len(window) <= 4 and not set(unknown) & set(window), window
