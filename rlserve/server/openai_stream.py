@@ -25,9 +25,9 @@ _JSON = msgspec.json.Encoder()
 
 def sse(obj) -> str:
     """One server-sent event carrying ``obj`` as compact JSON (UTF-8 text, as vLLM's pydantic
-    dumps it). Encoded by msgspec: 3-5x cheaper than ``json.dumps`` per chunk, which counts at
-    one chunk per token per stream; what msgspec cannot encode (a lone surrogate) goes through
-    ``json.dumps`` (``\\u`` escapes)."""
+    dumps it). Encoded by msgspec: 1.0 us for a completions chunk against 8.7 us with
+    ``json.dumps`` (CPU machine), at one chunk per token per stream; what msgspec cannot encode
+    (a lone surrogate) goes through ``json.dumps`` (``\\u`` escapes)."""
     try:
         return "data: " + _JSON.encode(obj).decode() + "\n\n"
     except (msgspec.EncodeError, TypeError, UnicodeError):
