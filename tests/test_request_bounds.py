@@ -161,23 +161,45 @@ def test_oversized_constraints_are_a_400_before_compiling(srv):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
 
 
-def test_constraint_over_its_compile_time_is_a_400(srv, monkeypatch):
+def test_constraint_over_its_compile_time_is_a_400_and_stops_compiling(srv, monkeypatch):
     """A constraint within the size bound whose compile overruns COMPILE_TIMEOUT_S (lowered to
-    0.5 s here; compiles slowed by 3 s) is a 400 ``constraint_timeout`` after the bound, not an
-    answer after the compile; the server goes on serving meanwhile."""
+    0.5 s here; the fuzz's regex bomb ``(a|b)*`` x 2000 compiles for 30 s and more) is a 400
+    ``constraint_timeout`` after the bound, and its compile stops: it ran in a template worker,
+    which is killed (P33: it ran on a thread of the API process, which cannot be stopped, and
+    burned one of the two cores for ~33 s after the answer in the fuzz run). Fails before: the
+    compile ran in the API process. Then a good constraint is served (a fresh worker)."""
+    from rlserve.engine.core import structured
     from rlserve.server import state as state_mod
 
     monkeypatch.setattr(state_mod, "COMPILE_TIMEOUT_S", 0.5)
-    _slow_compiles(monkeypatch, 3.0)
+    in_api = []
+    real = structured.GrammarCompiler.compile
+    monkeypatch.setattr(structured.GrammarCompiler, "compile", lambda self, spec: in_api.append(spec) or real(self, spec))
+    state = srv.app.state.rlserve
+    # the pool's workers, started by an earlier chat request or this one
+    assert _chat(srv).status_code == 200
+    before = {w.proc.pid: w for w in list(state.template_workers()._idle.queue)}
     t0 = time.monotonic()
-    r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                   json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]{3}x"}})
+    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                   json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "(a|b)*" * 2000}})
     took = time.monotonic() - t0
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "constraint_timeout", r.text
     assert err["param"] == "structured_outputs" and "within 0.5 s" in err["message"], err
-    assert took < 3.0, took
+    assert took < 30.0, took  # the bound plus a worker's start on a loaded machine
+    assert in_api == []  # nothing compiled in the API process
+    killed = [w for w in before.values() if w.proc.poll() is not None]
+    after = {w.proc.pid for w in list(state.template_workers()._idle.queue)}
+    assert len(killed) == 1 or len(before) < template_pool.POOL_SIZE, (before, after)
     assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+    monkeypatch.setattr(state_mod, "COMPILE_TIMEOUT_S", 60.0)
+    ok = httpx.post(srv.url + "/v1/completions", timeout=120,
+                    json={"prompt": "hi", "max_tokens": 5, "structured_outputs": {"regex": "(yes|no)"}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
+    bad = httpx.post(srv.url + "/v1/completions", timeout=120,
+                     json={"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "(unclosed"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs", bad.text
+    assert "structured_outputs.regex is not valid" in bad.json()["error"]["message"], bad.text
 
 
 def test_engine_compiles_constraints_beside_its_steps(tiny_model, monkeypatch):

@@ -97,6 +97,11 @@ def finite(x: float | None, floor: float = -9999.0) -> float | None:
     return x
 
 
+def _constraint_timeout(param: str) -> APIError:
+    return APIError(400, f"{param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; send a smaller one",
+                    param=param, code="constraint_timeout")
+
+
 class ServerState:
     """Shared state of one server (attached to ``app.state.rlserve``)."""
 
@@ -384,15 +389,33 @@ class ServerState:
         try:
             spec = structured_from_request(spec_obj)
             check_constraint(spec, param)
-            compiling = asyncio.ensure_future(asyncio.to_thread(self.grammar_compiler().compile, spec))
-            await asyncio.wait_for(asyncio.shield(compiling), COMPILE_TIMEOUT_S)
+            if not await self._compile_in_worker(spec, param):
+                compiling = asyncio.ensure_future(asyncio.to_thread(self.grammar_compiler().compile, spec))
+                await asyncio.wait_for(asyncio.shield(compiling), COMPILE_TIMEOUT_S)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=param) from None
         except asyncio.TimeoutError:
             compiling.cancel()  # not needed: a compile queued behind others never starts (one running ends alone)
-            raise APIError(400, f"{param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; send a "
-                                "smaller one", param=param, code="constraint_timeout") from None
+            raise _constraint_timeout(param) from None
         return spec
+
+    async def _compile_in_worker(self, spec, param: str) -> bool:
+        """The API's compile of a constraint in a template worker, killed when it overruns
+        :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (:meth:`TemplateWorkers.compile
+        <rlserve.server.template_pool.TemplateWorkers.compile>`), where the engine runs in its
+        own process (in thread mode the API's compile fills the engine's cache, so it stays
+        here). Returns False where it did not run. Raises APIError 400 (invalid, timeout)."""
+        from rlserve.server.template_pool import TemplateError
+
+        if getattr(getattr(self.aengine, "engine", None), "grammar_compiler", None) is not None or \
+                self.tokenizer is None or (workers := await asyncio.to_thread(self.template_workers)) is None:
+            return False
+        eos = list(getattr(self.aengine, "eos_token_ids", ()) or ())
+        try:
+            await asyncio.to_thread(workers.compile, spec, self.vocab_size, eos, COMPILE_TIMEOUT_S)
+        except TemplateError as e:
+            raise (_constraint_timeout(param) if e.kind == "timeout" else APIError(400, str(e), param=param)) from None
+        return True
 
     def grammar_compiler(self):
         """The structured-output compiler: the engine's own when it runs in this process (one

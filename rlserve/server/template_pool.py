@@ -17,6 +17,13 @@ render runs in a child process of its own (its own GIL), which is killed when it
   ``max_model_len`` can hold, :func:`rlserve.server.limits.max_prompt_chars`) is refused in the
   worker, before it is sent.
 
+The same workers compile structured-output constraints for the API's check (:meth:`TemplateWorkers.
+compile`, xgrammar over the worker's tokenizer; the engine core compiles accepted ones again in
+its own process): a constraint whose compile overruns :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S`
+is a 400 and its worker is killed, where a thread of the API process would have gone on
+compiling it (xgrammar cannot be stopped; a regex bomb burned one of two cores for 33 s after
+its 400 in the issue-33 fuzz run, slowing every other request).
+
 Each overrun is a 400 naming the template's field; the worker is replaced. The pool holds
 :data:`POOL_SIZE` workers, started on first use (about 1 s each: the tokenizer is sent pickled
 by the server and loaded there), so a request keeps a free worker while another one's template
@@ -124,6 +131,7 @@ class _Worker:
         cmd = [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s))]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self.ready = False
+        self.grammar_ready = False  # its constraint compiler was made
         try:
             _write_frame(self.proc.stdin.fileno(), tokenizer_pickle)
         except OSError:
@@ -164,6 +172,32 @@ class _Worker:
         if "text" in reply:
             return reply["text"]
         raise TemplateError(reply.get("kind", "error"), reply.get("message", "unknown error"))
+
+    def compile(self, spec: dict, vocab_size: int, eos_token_ids: list[int], timeout_s: float) -> None:
+        """Compile the constraint ``spec`` (:class:`~rlserve.engine.sampling_params.
+        StructuredOutputsParams`' fields) with xgrammar; the worker's compiler (its tokenizer
+        read by xgrammar) is made first, under :data:`START_TIMEOUT_S`. Returns when it
+        compiled. Raises TemplateError: ``"error"`` (invalid, or xgrammar missing: the message
+        says why), ``"timeout"`` (the worker is then killed), ``"died"``."""
+        if not self.grammar_ready:
+            self._call({"op": "grammar_init", "vocab_size": int(vocab_size), "eos": [int(t) for t in eos_token_ids]},
+                       START_TIMEOUT_S, "making the constraint compiler")
+            self.grammar_ready = True
+        self._call({"op": "compile", "spec": spec}, timeout_s, "compiling the constraint")
+
+    def _call(self, request: dict, timeout_s: float, what: str) -> dict:
+        try:
+            _write_frame(self.proc.stdin.fileno(), json.dumps(request).encode())
+            reply = json.loads(_read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s))
+        except TimeoutError:
+            self.kill()
+            raise TemplateError("timeout", f"{what} did not finish within {timeout_s:g} s") from None
+        except (EOFError, OSError):
+            self.kill()
+            raise TemplateError("died", f"the worker process ended while {what}") from None
+        if "message" in reply:
+            raise TemplateError(reply.get("kind", "error"), reply["message"])
+        return reply
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -237,15 +271,29 @@ class TemplateWorkers:
             TemplateError: the template raised, overran its time, memory or output bound.
             RuntimeError: no worker could start.
         """
+        return self._on_worker(lambda w: w.render(messages, kwargs, self.timeout_s))
+
+    def _on_worker(self, fn):
+        """``fn(worker)`` on a free, started worker (one that could not start is killed:
+        RuntimeError); the worker goes back to the pool (or is replaced) after."""
         worker = self._acquire()
         try:
             worker.wait_ready()
-            return worker.render(messages, kwargs, self.timeout_s)
+            return fn(worker)
         except RuntimeError:
             worker.kill()
             raise
         finally:
             self._release(worker)
+
+    def compile(self, spec, vocab_size: int, eos_token_ids: list[int], timeout_s: float) -> None:
+        """Compile a structured-output constraint (a :class:`~rlserve.engine.sampling_params.
+        StructuredOutputsParams`) in a worker (:meth:`_Worker.compile`; blocks this thread up to
+        ``timeout_s`` plus a free worker's wait). Raises TemplateError, RuntimeError (no worker
+        could start)."""
+        fields = {"json": spec.json, "regex": spec.regex, "grammar": spec.grammar, "json_object": spec.json_object,
+                  "choice": None if spec.choice is None else list(spec.choice)}
+        self._on_worker(lambda w: w.compile(fields, vocab_size, eos_token_ids, timeout_s))
 
     def close(self) -> None:
         """Stop every idle worker (busy ones are stopped when they come back)."""
@@ -287,11 +335,16 @@ def _worker_main(max_chars: int, timeout_s: float) -> int:
     bound_memory = sys.platform.startswith("linux")
     alarm_s = int(timeout_s) + 2  # the server kills it first; this is for a server that is gone
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    grammar = None
     while True:
         try:
             request = json.loads(_read_frame(rfd))
         except EOFError:
             return 0
+        if request.get("op") in ("grammar_init", "compile"):
+            grammar, reply = _grammar_op(tokenizer, grammar, request)
+            _write_frame(wfd, json.dumps(reply).encode())
+            continue
         signal.alarm(alarm_s)
         try:
             if bound_memory:
@@ -310,6 +363,33 @@ def _worker_main(max_chars: int, timeout_s: float) -> int:
         payload = json.dumps(reply).encode()
         signal.alarm(0)
         _write_frame(wfd, payload)
+
+
+def _grammar_op(tokenizer, grammar, request: dict):
+    """A worker's constraint request: ``grammar_init`` makes the xgrammar compiler, ``compile``
+    compiles ``spec`` with it. Returns (the compiler, the reply: ``{"ok": true}`` or
+    ``{"kind": "error", "message"}``). No alarm and no memory bound: the server's time bound
+    kills the worker (the alarm of a render is for a server that is gone; a compile only reads)."""
+    import resource
+
+    try:
+        if sys.platform.startswith("linux"):  # a render's address-space bound does not apply
+            _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        from rlserve.engine.core.structured import GrammarCompiler
+        from rlserve.engine.sampling_params import StructuredOutputsParams
+
+        if request["op"] == "grammar_init":
+            grammar = GrammarCompiler(tokenizer, request["vocab_size"], request["eos"])
+            grammar._get_compiler()
+        else:
+            grammar.compile(StructuredOutputsParams(**request["spec"]))
+        return grammar, {"ok": True}
+    except BaseException as e:  # noqa: BLE001 - InvalidRequestError (bad constraint, no xgrammar), ...
+        from rlserve.errors import InvalidRequestError
+
+        return grammar, {"kind": "error", "message": str(e) if isinstance(e, InvalidRequestError)
+                         else f"{type(e).__name__}: {e}"[:2000]}
 
 
 if __name__ == "__main__":
