@@ -111,7 +111,8 @@ VARIABLES: dict[str, Var] = {
                                      "else triton where Triton runs, else torch)"),
     "RLSERVE_MOE_BACKEND": Var("str | None", None, _str,
                                "mixture-of-experts expert path: 'triton' (fused-MoE kernel; default on CUDA), "
-                               "'grouped_mm' (torch._grouped_mm, bf16 on sm90) or 'loop' (one GEMM pair per "
+                               "'grouped_mm' (torch._grouped_mm: bf16 on sm90, PyTorch's fallback elsewhere) or "
+                               "'loop' (one GEMM pair per "
                                "expert; default on CPU)"),
     "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "

@@ -88,6 +88,10 @@ def test_backend_switch(monkeypatch):
     ref = experts_grouped(x, w13, w2, weights, ids)
     monkeypatch.setenv("RLSERVE_MOE_BACKEND", "loop")
     assert torch.equal(experts_auto(x, w13, w2, weights, ids), ref)
+    monkeypatch.delenv("RLSERVE_MOE_BACKEND")
+    assert torch.equal(experts_auto(x, w13, w2, weights, ids), ref)  # the CPU default: the loop
+    monkeypatch.setenv("RLSERVE_MOE_BACKEND", "grouped_mm")  # PyTorch's CPU fallback of the op
+    assert torch.equal(experts_auto(x, w13, w2, weights, ids), mk.experts_grouped_mm(x, w13, w2, weights, ids))
     monkeypatch.setenv("RLSERVE_MOE_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="RLSERVE_MOE_BACKEND must be 'triton', 'grouped_mm' or 'loop'"):
         experts_auto(x, w13, w2, weights, ids)

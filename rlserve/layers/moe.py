@@ -132,8 +132,9 @@ def experts_auto(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The expert path for ``x``'s device (:envvar:`RLSERVE_MOE_BACKEND` overrides): on CUDA the
     fused-MoE Triton kernel (:func:`rlserve.layers.moe_kernels.experts_triton`; no host sync, CUDA
-    graphs capture it), ``grouped_mm`` PyTorch's grouped GEMM (bf16, sm90), ``loop`` one GEMM pair
-    per expert (a host sync per layer: no CUDA graphs); on CPU the loop. fp8 weights (with their
+    graphs capture it), ``grouped_mm`` PyTorch's grouped GEMM (bf16 on sm90; PyTorch's fallback
+    elsewhere, CPU included), ``loop`` one GEMM pair per expert (a host sync per layer: no CUDA
+    graphs); on CPU the loop (``grouped_mm`` measured no faster there in a whole decode step). fp8 weights (with their
     scales) take the Triton kernel on CUDA and :func:`experts_fp8_emulated` elsewhere.
 
     Raises:
@@ -149,7 +150,7 @@ def experts_auto(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
         if backend != "loop" and triton_ok:
             return moe_kernels.experts_triton(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
         return experts_fp8_emulated(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    if backend == "grouped_mm" and x.is_cuda:
+    if backend == "grouped_mm":
         return moe_kernels.experts_grouped_mm(x, w13, w2, topk_weights, topk_ids)
     if backend == "triton" and triton_ok:
         return moe_kernels.experts_triton(x, w13, w2, topk_weights, topk_ids)
@@ -200,7 +201,8 @@ class RoutedExpertsCapture:
         if self._static is None and self.reserve_rows:
             self._static = torch.zeros(self.reserve_rows, self.num_layers, self.top_k, dtype=torch.int32,
                                        device=device)
-        if self._static is not None and num_tokens <= self._static.shape[0] and self._static.device == torch.device(device):
+        static = self._static
+        if static is not None and num_tokens <= static.shape[0] and static.device == torch.device(device):
             self.buffer = self._static[:num_tokens]
             self.buffer.zero_()
             return
