@@ -14,12 +14,15 @@ graphs capture them:
   the ``K`` rows of a token are then summed (``[T, K, H].sum(1)``, float32 accumulation inside
   ``torch.sum``, K-slot order). The padded length is at most
   ``N + min(N, E) * (BLOCK_M - 1)`` (at most ``min(N, E)`` experts get tokens, each padded by
-  fewer than ``BLOCK_M`` entries): the grid is sized by that bound and blocks past
-  ``num_tokens_post_padded`` (read on the device) return at once.
-- :func:`experts_grouped_mm`: the same permutation, then ``torch._grouped_mm`` (PyTorch's
-  grouped GEMM, CUTLASS on sm90; bf16 only, every dimension's byte stride 16-aligned) over
-  the expert-sorted rows with the per-expert end offsets. Kept as the measured alternative
-  (BENCHMARKS.md, MoE).
+  fewer than ``BLOCK_M`` entries), rounded up to a multiple of ``BLOCK_M``: the grid is sized by
+  that bound and blocks past ``num_tokens_post_padded`` (read on the device) return at once. On
+  the GPU the permutation is two Triton launches (:func:`moe_align_triton`) and the routing one
+  (:func:`topk_softmax`): at decode batch 1 a dozen small PyTorch launches cost more than the
+  expert GEMMs (BENCHMARKS.md, MoE).
+- :func:`experts_grouped_mm`: the pairs sorted by expert with ``torch.sort``, then
+  ``torch._grouped_mm`` (PyTorch's grouped GEMM: CUTLASS on sm90 for bf16 with 16-byte aligned
+  strides, a fallback elsewhere) over the expert-sorted rows with the per-expert end offsets.
+  Kept as the measured alternative (``RLSERVE_MOE_BACKEND=grouped_mm``; BENCHMARKS.md, MoE).
 
 fp8 (``--quantization fp8``, :mod:`rlserve.layers.fp8`'s scheme): the weights are
 ``float8_e4m3fn`` with one float32 scale per (expert, output row) (``w13_scale [E, 2I]``,
