@@ -486,40 +486,45 @@ class ServerState:
     def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0, as_ids: bool = False) -> dict:
         """OpenAI completions ``logprobs`` object for ``token_ids``; ``logprobs[i]`` is
         ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token). ``as_ids``:
-        tokens and ``top_logprobs`` keys are ``"token_id:<id>"`` (``text_offset`` still counts
-        characters of the text)."""
+        tokens and ``top_logprobs`` keys are ``"token_id:<id>"``, and ``text_offset`` counts the
+        characters of those labels, as vLLM 0.32's ``_create_completion_logprobs`` does (each
+        offset is the previous one plus the previous ``tokens`` entry's length)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = text_offset0
         for tid, d in zip(token_ids, logprobs or []):
-            s = self.token_text(tid)
-            tokens.append(self.token_label(tid, as_ids))
+            label = self.token_label(tid, as_ids)
+            tokens.append(label)
             offsets.append(pos)
-            pos += len(s)
+            pos += len(label)
             if d is None:
                 token_lps.append(None)
                 tops.append(None)
                 continue
             token_lps.append(finite(d.get(tid)))
-            top = {}
-            for t, lp in sorted(d.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_label(t, as_ids), finite(lp))
+            top = {}  # vLLM's order: the sampled token first, then the top-k by descending logprob
+            for t, lp in sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1])):
+                top[self.token_label(t, as_ids)] = finite(lp)  # a repeated label: first place, last value
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
     def chat_logprobs(self, token_ids, logprobs, top_k: int, as_ids: bool = False) -> dict:
         """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
-        ``as_ids``: every ``token`` is ``"token_id:<id>"`` (``bytes`` stay the token's text)."""
+        ``as_ids``: every ``token`` is ``"token_id:<id>"``; as in vLLM 0.32's
+        ``_create_chat_logprobs``, an entry's ``bytes`` stay its token's text (UTF-8) while a
+        ``top_logprobs`` item's ``bytes`` are those of its ``token``, the label. ``top_logprobs``
+        are vLLM's first ``top_k`` of the sampled token followed by the top-k by descending
+        logprob: a sampled token outside the top-k comes first and pushes the k-th out."""
         content = []
         for tid, d in zip(token_ids, logprobs or []):
             d = d or {}
-            top = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
+            top = sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1]))[:top_k]  # vLLM's order, see above
             content.append({
                 "token": self.token_label(tid, as_ids),
                 "logprob": finite(d.get(tid, float("-inf"))),
                 "bytes": list(self.token_text(tid).encode("utf-8")),
                 "top_logprobs": [
-                    {"token": self.token_label(t, as_ids), "logprob": finite(lp),
-                     "bytes": list(self.token_text(t).encode("utf-8"))}
+                    {"token": (label := self.token_label(t, as_ids)), "logprob": finite(lp),
+                     "bytes": list(label.encode("utf-8"))}
                     for t, lp in top
                 ],
             })
@@ -528,8 +533,13 @@ class ServerState:
     def prompt_logprobs_json(self, prompt_ids, plps, ranks, as_ids: bool = False):
         """vLLM's ``prompt_logprobs``: per prompt position ``None`` (the first) or
         ``{"<id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the
-        top-k. Ranks are 1-based over the whole vocabulary: the prompt token's from the engine,
-        the others' their place in the top-k."""
+        top-k, in vLLM 0.32's order (``vllm/logprobs.py``'s ``append_logprobs_for_next_position``):
+        the prompt token first, then the top-k by descending logprob. Ranks are 1-based over the
+        whole vocabulary: the prompt token's from the engine, the others' their place in the
+        top-k. ``decoded_token`` is the token's text even with ``as_ids``
+        (``return_tokens_as_token_ids`` relabels only ``logprobs``, as in vLLM); ``-inf`` is
+        -9999.0 (vLLM's ``clamp_prompt_logprobs``)."""
+        del as_ids  # vLLM keeps the text here (see above)
         if plps is None:
             return None
         out = []
@@ -539,11 +549,13 @@ class ServerState:
                 continue
             target = prompt_ids[pos] if pos < len(prompt_ids) else None
             entry = {}
+            if target in d:
+                entry[str(target)] = None  # its place: first
             for place, (t, lp) in enumerate(sorted(d.items(), key=lambda kv: -kv[1]), start=1):
                 rank = place
                 if t == target and ranks is not None and pos < len(ranks) and ranks[pos] is not None:
                     rank = int(ranks[pos])
-                entry[str(t)] = {"logprob": finite(lp), "rank": rank, "decoded_token": self.token_label(t, as_ids)}
+                entry[str(t)] = {"logprob": finite(lp), "rank": rank, "decoded_token": self.token_text(t)}
             out.append(entry)
         return out
 

@@ -1,0 +1,100 @@
+"""Run in a Python that has vLLM (``tests/vllm_python.py``): prints, as JSON, what vLLM 0.32's own
+code builds for the inputs below, for ``tests/test_vllm_shapes.py`` to compare with rlserve's
+answers and with its literal copy of them.
+
+- ``logprobs``: completions ``logprobs``, chat ``logprobs`` and ``prompt_logprobs`` as vLLM's
+  serving code builds them (``OpenAIServingCompletion._create_completion_logprobs``,
+  ``OpenAIServingChat._create_chat_logprobs``, ``vllm/logprobs.py``'s
+  ``append_logprobs_for_next_position`` + ``clamp_prompt_logprobs``, dumped as the API router
+  dumps a response), with and without ``return_tokens_as_token_ids``, over a 7-token vocabulary.
+- ``metrics``: per series of ``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` that
+  rlserve serves, its type, label names and histogram buckets (the logger built for a
+  ``max_model_len`` of :data:`MAX_MODEL_LEN` on a stub ``VllmConfig``).
+
+The module itself imports no vLLM: the tests read its inputs without one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+#: the fake tokenizer's vocabulary: id -> text
+VOCAB = ["a", " b", "\u00e9", "<s>", "cc", "d", "ee"]
+
+#: generated tokens, per step vLLM's sampler order: ([sampled, top-1 .. top-k] ids, their logprobs, sampled's rank)
+SAMPLE_STEPS = [([1, 4, 1], [-1.0, -0.5, -1.0], 2),
+                ([5, 2, 4], [-2.5, -0.3, -0.9], 4),
+                ([2, 2, 6], [-0.1, -0.1, -math.inf], 1)]
+TOP_K = 2
+
+#: a prompt and, per position after the first, ([prompt token, top-1 .. top-k], logprobs, prompt token's rank)
+PROMPT_IDS = [3, 0, 1, 5]
+PROMPT_STEPS = [([0, 4, 2], [-1.5, -0.2, -0.7], 3),
+                ([1, 1, 6], [-0.05, -0.05, -3.0], 1),
+                ([5, 0, 2], [-math.inf, -0.4, -1.2], 7)]
+
+MAX_MODEL_LEN = 2048
+
+#: the vLLM series rlserve serves (name as registered, without a counter's ``_total``)
+METRICS = ["vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+           "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total",
+           "vllm:prompt_tokens_cached", "vllm:cache_config_info", "vllm:engine_sleep_state",
+           "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:num_requests_running",
+           "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens",
+           "vllm:request_success", "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+           "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+           "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
+           "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
+
+
+class FakeTokenizer:
+    """Decodes ids by :data:`VOCAB` (what both sides' logprob builders call)."""
+
+    def decode(self, ids, **_kw) -> str:
+        ids = [ids] if isinstance(ids, int) else ids
+        return "".join(VOCAB[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [VOCAB[i] for i in ids]
+
+
+def _vllm_logprobs() -> dict:
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import append_logprobs_for_next_position
+
+    tok = FakeTokenizer()
+
+    def steps(rows):
+        out: list = []
+        for ids, lps, rank in rows:
+            append_logprobs_for_next_position(out, ids, lps, [VOCAB[i] for i in ids], rank, TOP_K)
+        return out
+
+    class Serving:  # the two builders' ``self``: only these attributes are read
+        _get_decoded_token = staticmethod(OpenAIServingCompletion._get_decoded_token)
+        _get_top_logprobs = OpenAIServingChat._get_top_logprobs
+        return_tokens_as_token_ids = False
+
+    sampled = [ids[0] for ids, _, _ in SAMPLE_STEPS]
+    result = {}
+    for as_ids in (False, True):
+        comp = OpenAIServingCompletion._create_completion_logprobs(
+            Serving(), sampled, steps(SAMPLE_STEPS), TOP_K, tok, initial_text_offset=3, return_as_token_id=as_ids)
+        chat = OpenAIServingChat._create_chat_logprobs(Serving(), sampled, steps(SAMPLE_STEPS), tok, TOP_K,
+                                                       return_as_token_id=as_ids)
+        plps = clamp_prompt_logprobs([None] + steps(PROMPT_STEPS))
+        choice = CompletionResponseChoice(index=0, text="", prompt_logprobs=plps)
+        result[f"as_ids={as_ids}"] = {
+            "completion": comp.model_dump(),
+            "chat": chat.model_dump(),
+            "prompt_logprobs": json.loads(json.dumps(choice.model_dump()["prompt_logprobs"])),
+        }
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps({"logprobs": _vllm_logprobs()}))
