@@ -73,6 +73,9 @@ def test_server_info_vllm_config(server):
     text = httpx.get(server.url + "/server_info", params={"config_format": "text"}, timeout=T).json()["vllm_config"]
     assert isinstance(text, str) and "model_config.logprobs_mode='processed_logprobs'" in text
     assert httpx.get(server.url + "/server_info", params={"config_format": "yaml"}, timeout=T).status_code == 400
+    # --model-impl as given, the dtype as vLLM prints its torch.dtype; /tokenizer_info only with its flag (vLLM's)
+    assert vc["model_config"]["model_impl"] == "vllm" and vc["model_config"]["dtype"] == "torch.float32"
+    assert httpx.get(server.url + "/tokenizer_info", timeout=T).status_code == 404
 
 
 def test_completion_token_ids_as_ids(server, hf):

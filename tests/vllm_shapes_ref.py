@@ -7,9 +7,11 @@ answers and with its literal copy of them.
   ``OpenAIServingChat._create_chat_logprobs``, ``vllm/logprobs.py``'s
   ``append_logprobs_for_next_position`` + ``clamp_prompt_logprobs``, dumped as the API router
   dumps a response), with and without ``return_tokens_as_token_ids``, over a 7-token vocabulary.
-- ``metrics``: per series of ``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` that
-  rlserve serves, its type, label names and histogram buckets (the logger built for a
-  ``max_model_len`` of :data:`MAX_MODEL_LEN` on a stub ``VllmConfig``).
+- ``generation_defaults``: the default sampling parameters vLLM takes from a model's
+  ``generation_config.json`` (:data:`GENERATION_CONFIG`) under ``--generation-config`` auto,
+  vllm and a directory (``ModelConfig.get_diff_sampling_param``).
+- ``tokenizer_info`` (with arguments ``TOKENIZER_DIR CHAT_TEMPLATE``): vLLM's ``/tokenizer_info``
+  answer for that tokenizer and ``--chat-template``.
 
 The module itself imports no vLLM: the tests read its inputs without one.
 """
@@ -33,6 +35,10 @@ PROMPT_IDS = [3, 0, 1, 5]
 PROMPT_STEPS = [([0, 4, 2], [-1.5, -0.2, -0.7], 3),
                 ([1, 1, 6], [-0.05, -0.05, -3.0], 1),
                 ([5, 0, 2], [-math.inf, -0.4, -1.2], 7)]
+
+#: a model's generation_config.json: sampling values vLLM takes as defaults, and ones it leaves
+GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True,
+                     "repetition_penalty": 1.0, "min_p": 0.05, "bos_token_id": 1, "eos_token_id": 2}
 
 MAX_MODEL_LEN = 2048
 
@@ -96,5 +102,51 @@ def _vllm_logprobs() -> dict:
     return result
 
 
+def write_generation_config(directory: str) -> str:
+    """Write :data:`GENERATION_CONFIG` as ``directory/generation_config.json``; returns ``directory``."""
+    import os
+
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump(GENERATION_CONFIG, f)
+    return directory
+
+
+def _vllm_generation_defaults() -> dict:
+    """``ModelConfig.get_diff_sampling_param`` for ``--generation-config auto`` / ``vllm`` /
+    a directory, on :data:`GENERATION_CONFIG` (read by vLLM's ``try_get_generation_config``)."""
+    import tempfile
+
+    from vllm.config.model import ModelConfig
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        write_generation_config(d)
+        for source in ("auto", "vllm", "dir"):
+            class Stub:  # the ModelConfig attributes get_diff_sampling_param reads
+                generation_config = source
+                override_generation_config: dict = {}
+
+                def try_get_generation_config(self):
+                    return try_get_generation_config(d, trust_remote_code=False).to_diff_dict()
+
+            out[source] = ModelConfig.get_diff_sampling_param(Stub())
+    return out
+
+
+def _vllm_tokenizer_info(tokenizer_dir: str, chat_template: str) -> dict:
+    """vLLM's ``TokenizerInfo(tokenizer, chat_template).to_dict()`` (``GET /tokenizer_info``) for
+    the Hugging Face tokenizer of ``tokenizer_dir`` as vLLM loads it."""
+    from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo
+    from vllm.tokenizers.hf import CachedHfTokenizer
+
+    return TokenizerInfo(CachedHfTokenizer.from_pretrained(tokenizer_dir), chat_template).to_dict()
+
+
 if __name__ == "__main__":
-    print(json.dumps({"logprobs": _vllm_logprobs()}))
+    import sys
+
+    out = {"logprobs": _vllm_logprobs(), "generation_defaults": _vllm_generation_defaults()}
+    if len(sys.argv) == 3:  # TOKENIZER_DIR CHAT_TEMPLATE
+        out["tokenizer_info"] = _vllm_tokenizer_info(sys.argv[1], sys.argv[2])
+    print(json.dumps(out))

@@ -52,10 +52,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    """The subcommand ``name``'s parser (``parser`` itself when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args, unknown: list[str]) -> None:
+    """Exit 2 with the subcommand's usage, naming the unrecognized arguments and, for each flag,
+    the closest flags the subcommand has (difflib, cutoff 0.6)."""
+    import difflib
+
+    sub = _subparser(parser, getattr(args, "command", None))
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("-"):
+            near = difflib.get_close_matches(flag, flags, n=3, cutoff=0.6)
+            if near:
+                hints.append(f"{flag}: did you mean {' or '.join(near)}?")
+    message = "unrecognized arguments: " + " ".join(unknown)
+    sub.error(message + ("\n" + "\n".join(hints) if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlserve`` script and ``python -m rlserve``. Returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parser, args, unknown)  # exits 2
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -14,7 +14,8 @@ import sys
 from rlserve import envs
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_tool_args, tool_settings
-from rlserve.cli.vllm_compat import add_vllm_compat_args, check_vllm_compat_args
+from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_defaults,
+                                     load_chat_template)
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -361,6 +362,8 @@ def run(args) -> int:
             check_transfer_config(args.weight_transfer_config, args.weight_staging,
                                   device=resolve_device(args.device).type)
         model_path = _resolve_model(model_arg)
+        chat_template = load_chat_template(args.chat_template)
+        sampling_defaults = generation_defaults(args.generation_config, model_path)
         config = engine_config_from_args(args, model_path)
         _check_device(config)
         _check_cpu_environment(config)
@@ -391,8 +394,11 @@ def run(args) -> int:
         weight_staging=args.weight_staging, weight_check_finite=args.weight_check_finite,
         max_request_body_bytes=args.max_request_body_bytes,
         max_request_sequences=args.max_request_sequences, insecure_control_routes=args.insecure_control_routes,
-        lora_modules=list(args.lora_modules or []),
-        allow_unknown_fields=args.allow_unknown_fields, **tool_settings(args),
+        allow_unknown_fields=args.allow_unknown_fields,
+        lora_modules=list(args.lora_modules or []), chat_template=chat_template,
+        sampling_defaults=sampling_defaults, enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len, enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        model_impl=args.model_impl, generation_config=args.generation_config, **tool_settings(args),
     )
     if settings.admin_key is None and not is_loopback(args.host):
         if settings.insecure_control_routes:

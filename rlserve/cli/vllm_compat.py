@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -45,6 +46,64 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
                         "CUDA graphs off")
     g.add_argument("--speculative-config", default=None,
                    help="refused when given: rlserve has no speculative decoding")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the chat template for /v1/chat/completions, /tokenize and /v1/responses in place of the "
+                        "tokenizer's: a file's path, else the Jinja template itself (as vLLM reads it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters of a request that does not set them, as vLLM applies them: "
+                        "auto: the model's generation_config.json (temperature, top_p, top_k, min_p, "
+                        "repetition/presence/frequency penalties, max_new_tokens as max_tokens); vllm: neutral "
+                        "defaults; DIR: that directory's generation_config.json")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request (id, sampling parameters, prompt length; prompt ids at --log-level "
+                        "debug) and its end (finish reasons, tokens)")
+    g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template, as vLLM's)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted (removed in vLLM 0.32): requests are not logged unless --enable-log-requests")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --enable-log-requests: prompt ids logged at most (default: all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted: rlserve logs no periodic stats (GET /metrics has them)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="accepted: rlserve schedules prefill and decode steps apart and runs a prompt longer than "
+                        "--max-num-batched-tokens alone in one step (outputs are the same either way)")
+    g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
+                   help="accepted (removed in vLLM 0.32): a preempted request is recomputed, never swapped out")
+    g.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
+                   help="accepted (removed in vLLM 0.32): CUDA graphs capture decode steps, whatever the length")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="only 1: rlserve splits a model across GPUs by tensor parallelism (--tensor-parallel-size)")
+    g.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
+                   help="auto / hf: the Hugging Face tokenizer (fast when the checkpoint has tokenizer.json); "
+                        "slow, mistral and custom modes are refused")
+    g.add_argument("--structured-outputs-config", type=_json_or_none, default=None, metavar="JSON",
+                   help='backend auto or xgrammar (rlserve\'s), e.g. \'{"backend": "xgrammar"}\'; other backends and '
+                        "options are refused")
+    g.add_argument("--compilation-config", "-cc", type=_json_or_none, default=None, metavar="JSON",
+                   help="accepted: rlserve compiles nothing with torch.compile; its cudagraph_capture_sizes is used "
+                        "as --cudagraph-capture-sizes, cudagraph_mode NONE as --enforce-eager")
+    g.add_argument("--optimization-level", "-O", default=None, metavar="LEVEL",
+                   help="accepted (-O0 .. -O3): rlserve compiles nothing; CUDA graphs follow --enforce-eager")
+
+
+def _json_or_none(value: str):
+    """A flag's JSON object value (vLLM's config flags); refused with argparse's message otherwise."""
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return obj
+
+
+#: --structured-outputs-config keys and the values that change nothing here
+_STRUCTURED_OK = {"backend": ("auto", "xgrammar"), "disable_any_whitespace": (False,),
+                  "disable_additional_properties": (False,), "reasoning_parser": ("",),
+                  "reasoning_parser_plugin": ("",), "enable_in_reasoning": (False,)}
+#: vLLM's --tokenizer-mode values rlserve serves as they are
+_TOKENIZER_MODES = ("auto", "hf")
 
 
 def check_vllm_compat_args(args) -> str | None:
@@ -75,4 +134,109 @@ def check_vllm_compat_args(args) -> str | None:
                        args.revision)
     if args.trust_remote_code:
         logger.warning("--trust-remote-code does not apply: rlserve runs no code from the checkpoint")
+    return _check_serve_flags(args)
+
+
+def _check_serve_flags(args) -> str | None:
+    """The ``vllm serve`` flags of issue 38 item 5: refusals (returned) and no-op warnings."""
+    if args.pipeline_parallel_size != 1:
+        return (f"--pipeline-parallel-size {args.pipeline_parallel_size}: rlserve has no pipeline parallelism; "
+                "split the model across GPUs with --tensor-parallel-size instead")
+    if args.tokenizer_mode not in _TOKENIZER_MODES:
+        return (f"--tokenizer-mode {args.tokenizer_mode}: not supported; rlserve uses the checkpoint's Hugging Face "
+                "tokenizer (--tokenizer-mode auto or hf)")
+    for key, value in (args.structured_outputs_config or {}).items():
+        if key not in _STRUCTURED_OK:
+            return f"--structured-outputs-config: unknown key {key!r} (vLLM's: {', '.join(_STRUCTURED_OK)})"
+        if value not in _STRUCTURED_OK[key]:
+            return (f"--structured-outputs-config {key}={value!r}: not supported; rlserve's structured outputs use "
+                    f"xgrammar with vLLM's defaults ({key}: {_STRUCTURED_OK[key][0]!r})")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        return f"--max-log-len must be >= 0, got {args.max_log_len}"
+    level = args.optimization_level
+    if level is not None and level not in ("0", "1", "2", "3"):
+        return f"-O / --optimization-level {level}: expected 0, 1, 2 or 3"
+    cc = args.compilation_config or {}
+    sizes = cc.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 1 for n in sizes):
+            return f"--compilation-config cudagraph_capture_sizes: expected positive integers, got {sizes!r}"
+        if args.cudagraph_capture_sizes is None:
+            args.cudagraph_capture_sizes = list(sizes)
+    if str(cc.get("cudagraph_mode", "")).upper() == "NONE":
+        args.enforce_eager = True
+    noops = [
+        (args.disable_log_requests, "--disable-log-requests: requests are not logged unless --enable-log-requests"),
+        (args.disable_log_stats, "--disable-log-stats: rlserve logs no periodic stats (GET /metrics has them)"),
+        (args.enable_chunked_prefill is not None, "--(no-)enable-chunked-prefill: rlserve schedules prefill and "
+                                                  "decode steps apart, a prompt longer than --max-num-batched-tokens "
+                                                  "alone in one step"),
+        (args.swap_space is not None, "--swap-space: a preempted request is recomputed, never swapped to CPU"),
+        (args.max_seq_len_to_capture is not None, "--max-seq-len-to-capture: CUDA graphs capture decode steps of "
+                                                  "any length"),
+        (level is not None or bool(set(cc) - {"cudagraph_capture_sizes", "cudagraph_mode"}),
+         "-O / --compilation-config: rlserve compiles nothing with torch.compile (only cudagraph_capture_sizes "
+         "and cudagraph_mode NONE are used)"),
+    ]
+    for given, why in noops:
+        if given:
+            logger.warning("%s does not apply: %s", why.split(":", 1)[0], why.split(":", 1)[1].strip())
     return None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template as vLLM 0.32 reads it (``vllm/renderers/chat_utils.py``'s
+    ``_load_chat_template``): the file's text when ``value`` opens as a file; else, when it
+    holds one of ``{``, ``}`` or a newline, ``value`` itself is the template.
+
+    Raises:
+        ValueError: ``value`` looks like a path (none of those characters) but cannot be read.
+    """
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it could not be read "
+                             f"({e.strerror or e}); pass a file or the Jinja template itself") from None
+        return value
+
+
+#: the sampling fields vLLM 0.32 takes from a generation config (``ModelConfig.get_diff_sampling_param``)
+GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                     "min_p", "max_new_tokens")
+
+
+def generation_defaults(source: str, model_path: str) -> dict:
+    """The default sampling parameters of ``--generation-config source`` as vLLM 0.32 computes
+    them (``ModelConfig.get_diff_sampling_param``): ``vllm``: none; ``auto``: the model
+    directory's ``generation_config.json``; else the directory ``source``'s. Only the values that
+    differ from transformers' ``GenerationConfig`` defaults (``to_diff_dict``) among
+    :data:`GENERATION_FIELDS`, ``max_new_tokens`` renamed ``max_tokens``; ``{}`` when there is no
+    file. Logs vLLM's warning line when the defaults change.
+
+    Raises:
+        ValueError: ``source`` is a directory path that does not exist.
+    """
+    if source == "vllm":
+        return {}
+    where = model_path if source == "auto" else source
+    if source != "auto" and not os.path.isdir(source):
+        raise ValueError(f"--generation-config {source!r}: expected auto, vllm or a directory holding "
+                         "generation_config.json")
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(where).to_diff_dict()
+    except OSError:  # no generation_config.json (vLLM then derives one from config.json: no sampling values)
+        return {}
+    out = {k: config[k] for k in GENERATION_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    if out:
+        logger.warning("Default sampling parameters have been overridden by %s: `%s`. If this is not intended, "
+                       "relaunch with `--generation-config vllm`.",
+                       "the model's `generation_config.json`" if source == "auto" else source, out)
+    return out

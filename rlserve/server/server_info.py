@@ -30,6 +30,11 @@ def _dtype_name(state: ServerState) -> str:
     return str(dt).replace("torch.", "") if dt is not None else str(state.aengine.config.dtype)
 
 
+def _torch_dtype_name(state: ServerState) -> str:
+    """The dtype as vLLM's ``/server_info`` prints its ``torch.dtype`` (``str()``: ``torch.float32``)."""
+    return f"torch.{_dtype_name(state)}"
+
+
 def _lora_config(state: ServerState) -> dict | None:
     """vLLM's ``lora_config`` (None without ``--enable-lora``: TRL's capability probe, which reads
     ``max_lora_rank`` and ``max_loras``). ``max_cpu_loras`` equals ``max_loras``: every loaded
@@ -50,7 +55,7 @@ def vllm_config(state: ServerState) -> dict:
             "model": state.settings.model,
             "tokenizer": cfg.tokenizer or cfg.model,
             "served_model_name": state.model_name,
-            "dtype": _dtype_name(state),
+            "dtype": _torch_dtype_name(state),
             "max_model_len": state.max_model_len,
             "max_logprobs": state.max_logprobs,
             "logprobs_mode": getattr(cfg, "logprobs_mode", "raw_logprobs"),
@@ -62,8 +67,11 @@ def vllm_config(state: ServerState) -> dict:
             "trust_remote_code": False,
             "revision": None,
             "runner_type": "generate",
-            "model_impl": "auto",
+            "model_impl": state.settings.model_impl,
             "vocab_size": state.vocab_size,
+            "tokenizer_mode": "auto",
+            "generation_config": state.settings.generation_config,
+            "override_generation_config": {},
         },
         "cache_config": {
             "block_size": cfg.block_size,
@@ -82,6 +90,7 @@ def vllm_config(state: ServerState) -> dict:
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "max_model_len": state.max_model_len,
+            "enable_chunked_prefill": False,
         },
         "device_config": {"device": str(getattr(eng, "device", cfg.device))},
         "load_config": {"load_format": cfg.load_format},

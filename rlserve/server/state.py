@@ -54,6 +54,14 @@ class ServerSettings:
             line (vLLM's behaviour), instead of a 400 (:mod:`rlserve.server.request_fields`).
         tool_call_parser / reasoning_parser / enable_auto_tool_choice: vLLM's flags of those
             names (:mod:`rlserve.server.chat_output`).
+        chat_template: ``--chat-template``'s template text (None: the tokenizer's).
+        sampling_defaults: a request's sampling defaults from ``--generation-config``
+            (``{field: value}``, ``max_tokens`` among them; {}: vLLM's neutral ones).
+        enable_log_requests / max_log_len: log each request (``--enable-log-requests``), its
+            prompt ids at most ``max_log_len`` (None: all) at debug level.
+        enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
+        model_impl / generation_config: ``--model-impl`` / ``--generation-config`` as given
+            (``/server_info`` reports them).
     """
 
     model: str
@@ -73,6 +81,13 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    chat_template: str | None = None
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    enable_tokenizer_info_endpoint: bool = False
+    model_impl: str = "auto"
+    generation_config: str = "auto"
 
 
 def is_loopback(host: str) -> bool:
@@ -102,6 +117,16 @@ def _constraint_timeout(param: str) -> APIError:
                     param=param, code="constraint_timeout")
 
 
+def log_request(request_id: str, prompt_ids: list[int], params, max_log_len: int | None) -> None:
+    """``--enable-log-requests``' line per request, as vLLM 0.32's ``RequestLogger`` writes it
+    (INFO: id and sampling parameters; DEBUG: the prompt ids, at most ``max_log_len``)."""
+    logger.info("Received request %s: params: %s, num_prompt_tokens: %d, lora_request: %s.", request_id, params,
+                len(prompt_ids), getattr(params, "lora_int_id", None) or None)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("Request %s details: prompt_token_ids: %s.", request_id,
+                     prompt_ids if max_log_len is None else prompt_ids[:max_log_len])
+
+
 class ServerState:
     """Shared state of one server (attached to ``app.state.rlserve``)."""
 
@@ -111,6 +136,8 @@ class ServerState:
         self.metrics = metrics
         engine = aengine.engine
         self.tokenizer = engine.tokenizer
+        if settings.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = settings.chat_template  # --chat-template (before the template workers copy it)
         self.vocab_size = int(engine.vocab_size)
         self.max_model_len = int(engine.max_model_len)
         self.max_logprobs = int(getattr(aengine.config, "max_logprobs", 20))
@@ -309,8 +336,9 @@ class ServerState:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                                 f"has {n_prompt} tokens (at least one must be left for the output).",
                            param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return self.max_model_len - n_prompt
+        if max_tokens is None:  # the rest of the context, at most --generation-config's max_new_tokens
+            default = self.settings.sampling_defaults.get("max_tokens")
+            return self.max_model_len - n_prompt if default is None else min(int(default), self.max_model_len - n_prompt)
         if max_tokens < 1:
             raise APIError(400, f"{param or 'max_tokens'} must be >= 1, got {max_tokens}", param=param)
         if n_prompt + max_tokens > self.max_model_len:
@@ -452,6 +480,7 @@ class ServerState:
         names = names or {}
         defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                         presence_penalty=0.0, frequency_penalty=0.0)
+        defaults.update((k, v) for k, v in self.settings.sampling_defaults.items() if k in defaults)
         args = {k: (defaults[k] if v is None and k in defaults else v) for k, v in kw.items()}
         try:
             self.limits.check_sampling(args)
@@ -566,6 +595,8 @@ class ServerState:
         ``stream=False`` yields only the final output."""
         t0 = time.monotonic()
         last = None
+        if self.settings.enable_log_requests:
+            log_request(request_id, prompt_ids, params, self.settings.max_log_len)
         try:
             async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream):
                 last = out
@@ -577,6 +608,9 @@ class ServerState:
             # a request whose client went away (or that failed) counts as aborted
             reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
             end = time.monotonic()
+            if self.settings.enable_log_requests:
+                logger.info("Finished request %s: finish_reasons: %s, output tokens: %s, %.3f s", request_id, reasons,
+                            [len(c.token_ids) for c in last.outputs] if last is not None else [], end - t0)
             self.metrics.record_request(
                 endpoint, reasons, len(prompt_ids), sum(len(c.token_ids) for c in last.outputs) if last else 0,
                 end - t0, ttft, decode_s=(end - first) if first is not None else None,

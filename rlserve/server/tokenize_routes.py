@@ -10,7 +10,9 @@ encoding runs on the server's tokenizer thread (:meth:`~rlserve.server.state.Ser
 not on the event loop: a long prompt does not hold up the process's other requests.
 
 ``/tokenize`` answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``
-only with ``return_token_strs: true``, else null); ``/detokenize`` answers ``{"prompt"}``.
+only with ``return_token_strs: true``, else null); ``/detokenize`` answers ``{"prompt"}``;
+``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``, as in vLLM) the tokenizer's
+configuration (:func:`tokenizer_info_json`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,41 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
                            code="invalid_token_id")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    if state.settings.enable_tokenizer_info_endpoint:
+        @router.get("/tokenizer_info")
+        async def tokenizer_info():
+            return tokenizer_info_json(state.tokenizer, state.settings.chat_template)
+
     return router
+
+
+def tokenizer_info_json(tokenizer, chat_template: str | None) -> dict:
+    """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``) as vLLM 0.32's
+    ``TokenizerInfo.to_dict`` builds it (``vllm/entrypoints/serve/tokenize/serving.py``): the
+    tokenizer's ``init_kwargs`` (its ``tokenizer_config.json``) less ``vocab_file`` /
+    ``merges_file``, an added token as its text, plus ``tokenizer_class`` (the Hugging Face
+    class's name; vLLM's shows the name of its caching wrapper of that class) and
+    ``chat_template`` when ``--chat-template`` gave one. A value JSON cannot carry is given
+    as its ``str``."""
+    def plain(obj):
+        if hasattr(obj, "content"):
+            return obj.content
+        if isinstance(obj, dict):
+            return {str(k): plain(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [plain(v) for v in obj]
+        if obj is None or isinstance(obj, (str, int, float, bool)):
+            return obj
+        return str(obj)
+
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    config.pop("vocab_file", None)
+    config.pop("merges_file", None)
+    config = plain(config)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest, rendered: str | None) -> dict:
