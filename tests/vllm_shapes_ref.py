@@ -10,6 +10,8 @@ answers and with its literal copy of them.
 - ``generation_defaults``: the default sampling parameters vLLM takes from a model's
   ``generation_config.json`` (:data:`GENERATION_CONFIG`) under ``--generation-config`` auto,
   vllm and a directory (``ModelConfig.get_diff_sampling_param``).
+- ``metrics`` (with arguments ``metrics MODEL_DIR``): per series of :data:`METRICS`, its type,
+  help, label names and histogram buckets as vLLM's ``PrometheusStatLogger`` registers them.
 - ``tokenizer_info`` (with arguments ``TOKENIZER_DIR CHAT_TEMPLATE``): vLLM's ``/tokenizer_info``
   answer for that tokenizer and ``--chat-template``.
 
@@ -40,12 +42,13 @@ PROMPT_STEPS = [([0, 4, 2], [-1.5, -0.2, -0.7], 3),
 GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True,
                      "repetition_penalty": 1.0, "min_p": 0.05, "bos_token_id": 1, "eos_token_id": 2}
 
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 128
 
-#: the vLLM series rlserve serves (name as registered, without a counter's ``_total``)
+#: the vLLM series rlserve serves (name as prometheus-client reports it: a counter without ``_total``;
+#: ``vllm:cache_config_info`` apart, its labels being the cache configuration)
 METRICS = ["vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
            "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total",
-           "vllm:prompt_tokens_cached", "vllm:cache_config_info", "vllm:engine_sleep_state",
+           "vllm:prompt_tokens_cached", "vllm:engine_sleep_state",
            "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:num_requests_running",
            "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens",
            "vllm:request_success", "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -143,9 +146,39 @@ def _vllm_tokenizer_info(tokenizer_dir: str, chat_template: str) -> dict:
     return TokenizerInfo(CachedHfTokenizer.from_pretrained(tokenizer_dir), chat_template).to_dict()
 
 
+def _vllm_metrics(model_dir: str) -> dict:
+    """``{name: {"type", "help", "labels", "buckets"}}`` of the series in :data:`METRICS` as vLLM's
+    ``PrometheusStatLogger`` registers them for ``model_dir`` (one engine, ``max_model_len``
+    :data:`MAX_MODEL_LEN`); ``labels`` sorted, without ``le``; ``buckets`` the finite bounds."""
+    import prometheus_client
+
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    config = VllmConfig(model_config=ModelConfig(model=model_dir, tokenizer=model_dir, max_model_len=MAX_MODEL_LEN))
+    PrometheusStatLogger(config, engine_indexes=[0]).log_engine_initialized()
+    return series_of(prometheus_client.REGISTRY.collect(), METRICS + ["vllm:cache_config_info"])
+
+
+def series_of(families, names) -> dict:
+    """``{name: {"type", "help", "labels", "buckets"}}`` of the metric families named in ``names``
+    (a counter by its name without ``_total``, as prometheus-client reports it)."""
+    out = {}
+    for fam in families:
+        if fam.name not in names:
+            continue
+        labels = sorted({k for smp in fam.samples for k in smp.labels} - {"le"})
+        buckets = sorted({float(smp.labels["le"]) for smp in fam.samples if "le" in smp.labels} - {float("inf")})
+        out[fam.name] = {"type": fam.type, "help": fam.documentation, "labels": labels, "buckets": buckets}
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:2] == ["metrics"]:  # metrics MODEL_DIR
+        print(json.dumps({"metrics": _vllm_metrics(sys.argv[2])}))
+        sys.exit(0)
     out = {"logprobs": _vllm_logprobs(), "generation_defaults": _vllm_generation_defaults()}
     if len(sys.argv) == 3:  # TOKENIZER_DIR CHAT_TEMPLATE
         out["tokenizer_info"] = _vllm_tokenizer_info(sys.argv[1], sys.argv[2])

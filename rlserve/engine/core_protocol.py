@@ -190,6 +190,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
             produced its newest token).
         first_token_time: ``time.monotonic()`` seconds of its first sampled token, or None.
         start: with the request's first delta only.
+        scheduled_time: ``time.monotonic()`` seconds of its first prefill step, or None.
     """
 
     request_id: str
@@ -198,6 +199,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     weight_versions: list[str]
     first_token_time: Union[float, None] = None
     start: Union[RequestStart, None] = None
+    scheduled_time: Union[float, None] = None
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

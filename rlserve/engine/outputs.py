@@ -56,6 +56,8 @@ class RequestOutput:
         weight_versions: every weight version seen while the request ran, in order.
         arrival_time: when the request arrived (``time.monotonic()`` seconds; set by the async front).
         first_token_time: when its first token was sampled (same clock), None before.
+        scheduled_time: when the engine first scheduled it (its first prefill step; same clock),
+            None before (vLLM's ``scheduled_ts``: queue time = scheduled - arrival).
     """
 
     request_id: str
@@ -69,3 +71,4 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     arrival_time: float | None = None
     first_token_time: float | None = None
+    scheduled_time: float | None = None

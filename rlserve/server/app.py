@@ -56,7 +56,7 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     Returns:
         the FastAPI app; ``app.state.rlserve`` is the :class:`ServerState`.
     """
-    metrics = ServerMetrics(settings.served_model_names[0])
+    metrics = ServerMetrics(settings.served_model_names[0], int(aengine.engine.max_model_len))
     state = ServerState(aengine, settings, metrics)
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     app.state.rlserve = state

@@ -11,14 +11,9 @@ live), ``kv_cache_usage_perc`` (0..1), ``is_paused``, ``weight_version_info``
 (info: ``version``) and ``weight_version`` (the version as a number when it is one, else
 -1), ``prefix_cache_hit_tokens_total``/``prefix_cache_query_tokens_total``.
 
-vLLM's names too (prefix ``vllm:``, label ``model_name``), so vLLM dashboards work unchanged:
-``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (gauges),
-``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``,
-``num_preemptions_total``, ``prefix_cache_queries_total``, ``prefix_cache_hits_total``
-(counters, tokens; and ``rlserve_engine_steps_total``, forward steps), ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
-``inter_token_latency_seconds``, ``request_time_per_output_token_seconds``,
-``request_prompt_tokens``, ``request_generation_tokens`` (histograms). Inter-token latency is
-measured per request as (last token - first token) / (tokens - 1) and observed once per gap.
+vLLM's names too (prefix ``vllm:``, labels ``model_name`` and ``engine``), so vLLM dashboards
+work unchanged: :mod:`rlserve.server.vllm_metrics` (with ``rlserve_engine_steps_total``, forward
+steps, and the process collector's ``process_*``).
 
 Weight sync (prefix ``rlserve_``): ``weight_sync_duration_seconds{backend,mode}`` (histogram,
 start to commit of each successful update, ``mode`` the staging: none | device | host),
@@ -39,50 +34,16 @@ from __future__ import annotations
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-import bisect
-import threading
-
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported)
+
+from rlserve.server.vllm_metrics import VllmMetrics
 
 prometheus_client.disable_created_metrics()  # no *_created series: they double the output
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-# vLLM's buckets for inter-token latency / time per output token (seconds)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0)
-
-
-class _WeightedHistogram:
-    """A one-label-set histogram whose ``observe(value, count)`` adds ``count`` observations of
-    ``value`` in O(log buckets) (``count`` inter-token gaps of one request at its mean gap)."""
-
-    def __init__(self, name: str, doc: str, model_name: str, buckets: tuple):
-        self.name, self.doc, self.model_name = name, doc, model_name
-        self.bounds = list(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, count: int = 1) -> None:
-        i = bisect.bisect_left(self.bounds, value)
-        with self._lock:
-            self.counts[i] += count
-            self.sum += value * count
-
-    def collect(self):
-        with self._lock:
-            cum, acc = [], 0
-            for bound, c in zip(self.bounds + [float("inf")], self.counts):
-                acc += c
-                cum.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
-            total = self.sum
-        fam = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
-        fam.add_metric([self.model_name], cum, sum_value=total)
-        yield fam
 
 
 class _SnapshotCounters:
@@ -103,7 +64,7 @@ class _SnapshotCounters:
 class ServerMetrics:
     """All metrics of one server. Recording methods take seconds and token counts."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 8192):
         self.registry = CollectorRegistry()
         r = self.registry
         lbl = ["model_name"]
@@ -151,39 +112,11 @@ class ServerMetrics:
         self.version_info = Info("rlserve_weight_version", "Weight version being served.", registry=r)
         self.version_num = Gauge("rlserve_weight_version_number",
                                  "Weight version as a number (-1 when it is not numeric).", lbl, registry=r)
-        # vLLM's names
-        self.v_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lbl,
-                               registry=r)
-        self.v_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lbl,
-                               registry=r)
-        self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lbl, registry=r)
-        self.v_prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r)
-        self.v_gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lbl, registry=r)
-        self.v_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                 lbl + ["finished_reason"], registry=r)
-        self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                                lbl, buckets=_TTFT_BUCKETS, registry=r)
-        self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                               lbl, buckets=_LATENCY_BUCKETS, registry=r)
-        self.v_itl = _WeightedHistogram("vllm:inter_token_latency_seconds",
-                                        "Histogram of inter-token latency in seconds.", model_name, _ITL_BUCKETS)
-        r.register(self.v_itl)
-        self.v_tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                                "Histogram of time_per_output_token_seconds per request.", lbl, buckets=_ITL_BUCKETS,
-                                registry=r)
-        self.v_req_prompt = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lbl,
-                                      buckets=_TOKEN_BUCKETS, registry=r)
-        self.v_req_gen = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", lbl,
-                                   buckets=_TOKEN_BUCKETS, registry=r)
-        self.v_engine_counters = _SnapshotCounters(model_name, {
-            "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemptions from the engine."),
-            "prefix_cache_query_tokens": ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
-                                                                       "queried tokens."),
-            "prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-                                                                  "tokens."),
+        self.vllm = VllmMetrics(r, model_name, max_model_len)  # vLLM's names
+        self.engine_counters = _SnapshotCounters(model_name, {
             "steps": ("rlserve_engine_steps", "Forward steps run by the engines (frozen while paused in keep mode)."),
         })
-        r.register(self.v_engine_counters)
+        r.register(self.engine_counters)
         # weight sync
         sync = lbl + ["backend", "mode"]
         self.sync_seconds = Histogram("rlserve_weight_sync_duration_seconds",
@@ -200,10 +133,13 @@ class ServerMetrics:
 
     def record_request(self, endpoint: str, finish_reasons: list, prompt_tokens: int, generation_tokens: int,
                        e2e_s: float | None, ttft_s: float | None, decode_s: float | None = None,
-                       sample_tokens: list[int] | None = None) -> None:
+                       sample_tokens: list[int] | None = None, n: int | None = None, max_tokens: int | None = None,
+                       timing: tuple | None = None) -> None:
         """One finished request (all its samples): token counts, latencies in seconds
         (``decode_s``: first token to last token and ``sample_tokens``: tokens per sample, for
-        inter-token latency)."""
+        inter-token latency), its ``n`` and ``max_tokens`` parameters, and ``timing``:
+        ``(arrival, scheduled, first_token, last_token)`` ``time.monotonic()`` seconds (None where
+        unknown; vLLM's request phases)."""
         m = self.model_name
         self.requests.labels(m, endpoint).inc()
         for fr in finish_reasons:
@@ -214,21 +150,8 @@ class ServerMetrics:
             self.e2e.labels(m).observe(e2e_s)
         if ttft_s is not None:
             self.ttft.labels(m).observe(ttft_s)
-        self.v_prompt.labels(m).inc(prompt_tokens)
-        self.v_gen.labels(m).inc(generation_tokens)
-        self.v_req_prompt.labels(m).observe(prompt_tokens)
-        self.v_req_gen.labels(m).observe(generation_tokens)
-        for fr in finish_reasons:
-            self.v_success.labels(m, fr or "abort").inc()
-        if e2e_s is not None:
-            self.v_e2e.labels(m).observe(e2e_s)
-        if ttft_s is not None:
-            self.v_ttft.labels(m).observe(ttft_s)
-        longest = max(sample_tokens) if sample_tokens else 0
-        if decode_s is not None and longest > 1 and decode_s >= 0:
-            per_token = decode_s / (longest - 1)  # the samples of one request advance together
-            self.v_tpot.labels(m).observe(per_token)
-            self.v_itl.observe(per_token, sum(max(k - 1, 0) for k in sample_tokens))
+        self.vllm.record_request(finish_reasons, prompt_tokens, generation_tokens, e2e_s, ttft_s, decode_s,
+                                 sample_tokens, n=n, max_tokens=max_tokens, timing=timing)
 
     def record_weight_sync(self, entry: dict) -> None:
         """One recorded weight update (``WeightTransferManager.last_update``'s dict: ``ok``,
@@ -271,10 +194,10 @@ class ServerMetrics:
         self.paused.labels(m).set(1 if aengine.is_paused() else 0)
         self.prefix_hits.labels(m).set(stats.get("prefix_cache_hit_tokens", 0))
         self.prefix_queries.labels(m).set(stats.get("prefix_cache_query_tokens", 0))
-        self.v_running.labels(m).set(stats.get("num_running", 0))
-        self.v_waiting.labels(m).set(stats.get("num_waiting", 0) + stats.get("num_held", 0))
-        self.v_kv.labels(m).set(stats.get("kv_cache_usage", 0.0))
-        self.v_engine_counters.values = stats
+        self.vllm.refresh(stats, sleep)
+        if stats.get("num_kv_blocks"):
+            self.vllm.set_cache_config(cache_config_info(aengine.config, stats))
+        self.engine_counters.values = stats
         paused = float(getattr(aengine, "paused_seconds", 0.0))
         if paused > self._paused_seen:
             self.paused_seconds.labels(m).inc(paused - self._paused_seen)
@@ -286,3 +209,16 @@ class ServerMetrics:
         except ValueError:
             self.version_num.labels(m).set(-1)
         return generate_latest(self.registry)
+
+
+def cache_config_info(config, stats: dict) -> dict:
+    """``vllm:cache_config_info``'s labels: the fields of vLLM's ``CacheConfig`` that rlserve
+    has, as vLLM renders them (``str()``): ``num_gpu_blocks`` the KV-cache blocks of one replica
+    (``stats["num_kv_blocks"]`` summed over ``num_replicas``), ``num_cpu_blocks`` "None" (no CPU
+    swap space)."""
+    replicas = max(int(stats.get("num_replicas", 1) or 1), 1)
+    return {"block_size": str(config.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "num_gpu_blocks": str(int(stats["num_kv_blocks"]) // replicas),
+            "num_gpu_blocks_override": str(config.num_kv_blocks), "num_cpu_blocks": "None"}

@@ -614,4 +614,6 @@ class ServerState:
             self.metrics.record_request(
                 endpoint, reasons, len(prompt_ids), sum(len(c.token_ids) for c in last.outputs) if last else 0,
                 end - t0, ttft, decode_s=(end - first) if first is not None else None,
-                sample_tokens=[len(c.token_ids) for c in last.outputs] if last is not None else None)
+                sample_tokens=[len(c.token_ids) for c in last.outputs] if last is not None else None,
+                n=params.n, max_tokens=params.max_tokens,
+                timing=(arrival, getattr(last, "scheduled_time", None), first, end))

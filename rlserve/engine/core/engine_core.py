@@ -243,7 +243,8 @@ class EngineCore:
             req.started = True
         if not req.versions:
             req.versions.append(self.weight_version)
-        return proto.RequestDelta(rid, samples, finished, list(req.versions), req.first_token_time, start)
+        return proto.RequestDelta(rid, samples, finished, list(req.versions), req.first_token_time, start,
+                                  req.live.extra.get("scheduled_time"))
 
     def stop_samples(self, request_id: str, indices) -> list:
         """Delta mode: finish samples ``indices`` of a request (a stop string matched in the API

@@ -11,6 +11,8 @@ rules and build the cumulative outputs (:meth:`EngineStep._finish_step`). The ov
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlserve.engine.worker.model_runner import StepInput
@@ -19,6 +21,19 @@ from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata, compute
 from rlserve.engine.core.scheduler import ScheduledBatch
 from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.h2d import to_device
+
+#: vLLM 0.32's ``vllm:iteration_tokens_total`` buckets (``vllm/v1/metrics/buckets.py``'s
+#: ``ITERATION_TOKENS_BUCKETS``): tokens per engine step
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def count_iteration_tokens(counters: dict, n: int) -> None:
+    """Count one engine step of ``n`` tokens into ``counters`` (the engine's stats, numbers
+    summed over replicas): ``iteration_tokens_le_<bound>`` for the smallest bound >= ``n``
+    (``iteration_tokens_le_inf`` above them all), ``iteration_tokens_sum`` and ``_count``."""
+    bound = next((b for b in ITERATION_TOKENS_BUCKETS if n <= b), "inf")
+    for key, add in ((f"iteration_tokens_le_{bound}", 1), ("iteration_tokens_sum", n), ("iteration_tokens_count", 1)):
+        counters[key] = counters.get(key, 0) + add
 
 
 def _lora_ids(config, seqs) -> list[int] | None:
@@ -119,7 +134,11 @@ class EngineStep:
         if self.routed_experts is not None:
             self.routed_experts.record_step(step)
         self.stats_counters["steps"] += 1
+        count_iteration_tokens(self.stats_counters, len(step.input_ids))
         if batch.is_prefill:
+            now = time.monotonic()
+            for seq in batch.seqs:  # the first prefill step of a request: vLLM's scheduled_ts
+                self.requests[seq.request_id].extra.setdefault("scheduled_time", now)
             self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
         else:
             self.stats_counters["decode_tokens"] += len(step.input_ids)
@@ -243,4 +262,5 @@ class EngineStep:
             prompt_logprob_ranks=req.extra.get("prompt_logprob_ranks"),
             outputs=outs,
             finished=req.finished,
+            scheduled_time=req.extra.get("scheduled_time"),
         )

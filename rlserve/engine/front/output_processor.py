@@ -233,4 +233,5 @@ class OutputProcessor:
             weight_versions=versions,
             arrival_time=st.arrival_time,
             first_token_time=d.first_token_time,
+            scheduled_time=d.scheduled_time,
         )
