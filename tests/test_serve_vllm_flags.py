@@ -12,11 +12,8 @@ defaults are checked against vLLM 0.32's own ``ModelConfig.get_diff_sampling_par
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import re
-import subprocess
 
 import httpx
 import pytest
@@ -26,7 +23,7 @@ from rlserve.cli import serve as serve_cli
 from rlserve.cli.vllm_compat import check_vllm_compat_args, generation_defaults, load_chat_template
 from rlserve.server.testing import ServerProcess
 from tests import vllm_shapes_ref as ref
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm_script
 
 T = 60.0
 
@@ -47,9 +44,12 @@ NOOPS = {
     ("--no-enable-chunked-prefill",): "--(no-)enable-chunked-prefill does not apply",
     ("--swap-space", "4"): "--swap-space does not apply",
     ("--max-seq-len-to-capture", "8192"): "--max-seq-len-to-capture does not apply",
-    ("-O3",): "-O / --compilation-config does not apply",
-    ("-O", "0"): "-O / --compilation-config does not apply",
-    ("--compilation-config", '{"mode": 3}'): "-O / --compilation-config does not apply",
+    ("-O3",): "-O / --optimization-level does not apply",
+    ("-O", "0"): "-O / --optimization-level does not apply",
+    ("--compilation-config", '{"mode": 3}'): "--compilation-config does not apply",
+    ("--enable-scale-out",): "--enable-scale-out does not apply",
+    ("--revision", "main"): "--revision does not apply",
+    ("--trust-remote-code",): "--trust-remote-code does not apply",
 }
 
 
@@ -131,13 +131,8 @@ def test_chat_template_file_or_template(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_generation_defaults():
-    exe = vllm_python()
-    if exe is None:
-        return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_shapes_ref.py")
-    r = subprocess.run([exe, script], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])["generation_defaults"]
+    out = run_vllm_script("vllm_shapes_ref.py")
+    return None if out is None else out["generation_defaults"]
 
 
 def test_generation_defaults_literal_is_vllm_032s(vllm_generation_defaults):
@@ -177,14 +172,9 @@ def _vllm_tokenizer_info(model_dir: str) -> dict:
     """vLLM's /tokenizer_info for ``model_dir``'s tokenizer and TEMPLATE: from the installed vLLM
     (checked equal to the literal copy), else :data:`VLLM_032_TOKENIZER_INFO`."""
     want = dict(VLLM_032_TOKENIZER_INFO, name_or_path=model_dir)
-    exe = vllm_python()
-    if exe is not None:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_shapes_ref.py")
-        r = subprocess.run([exe, script, model_dir, TEMPLATE], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        installed = json.loads(r.stdout.strip().splitlines()[-1])["tokenizer_info"]
-        assert installed == want
-        return installed
+    out = run_vllm_script("vllm_shapes_ref.py", model_dir, TEMPLATE)
+    if out is not None:
+        assert out["tokenizer_info"] == want
     return want
 
 
@@ -237,7 +227,7 @@ def test_server_applies_the_flags(server):
     # one warning line per flag that changes nothing here, none for the others
     for why in ("--disable-log-requests does not apply", "--disable-log-stats does not apply",
                 "--(no-)enable-chunked-prefill does not apply", "--swap-space does not apply",
-                "--max-seq-len-to-capture does not apply", "-O / --compilation-config does not apply",
+                "--max-seq-len-to-capture does not apply", "-O / --optimization-level does not apply",
                 "--model-impl transformers does not apply"):
         assert log.count(why) == 1, why
     assert "--pipeline-parallel-size" not in log and "--tokenizer-mode" not in log

@@ -11,8 +11,6 @@ cache hits), sleep state, cache configuration, process metrics.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 
 import httpx
@@ -22,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlserve.server.vllm_metrics import VllmMetrics
 from tests import vllm_shapes_ref as ref
 from tests.transfer_harness import InProcessServer
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm_script
 
 T = 60.0
 NAMES = ref.METRICS + ["vllm:cache_config_info"]
@@ -99,13 +97,8 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def installed(model_dir):
-    exe = vllm_python()
-    if exe is None:
-        return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_shapes_ref.py")
-    r = subprocess.run([exe, script, "metrics", model_dir], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])["metrics"]
+    out = run_vllm_script("vllm_shapes_ref.py", "metrics", model_dir)
+    return None if out is None else out["metrics"]
 
 
 @pytest.fixture(scope="module")

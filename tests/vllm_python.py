@@ -5,8 +5,10 @@ this interpreter when it can import vllm; None otherwise (the tests that need it
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 
 
@@ -16,3 +18,16 @@ def vllm_python() -> str | None:
     if exe:
         return exe if shutil.which(exe) or os.path.exists(exe) else None
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def run_vllm_script(script: str, *args: str) -> dict | None:
+    """Run ``tests/<script>`` with ``args`` in the Python that has vLLM and return the JSON object
+    its last output line holds; None without such a Python. Fails the test (AssertionError with
+    the script's stderr) when the script does."""
+    exe = vllm_python()
+    if exe is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    r = subprocess.run([exe, path, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

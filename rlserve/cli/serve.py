@@ -15,7 +15,7 @@ from rlserve import envs
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_defaults,
-                                     load_chat_template)
+                                     json_object, load_chat_template)
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -86,13 +86,7 @@ def _positive_float(value: str) -> float:
 
 
 def _json_object(value: str) -> dict:
-    try:
-        obj = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"backend\": \"nccl\"}}', got {value!r}")
-    return obj
+    return json_object(value, '{"backend": "nccl"}')
 
 
 def _one_line_error(parser: argparse.ArgumentParser):

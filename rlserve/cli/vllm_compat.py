@@ -77,25 +77,63 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
                    help="auto / hf: the Hugging Face tokenizer (fast when the checkpoint has tokenizer.json); "
                         "slow, mistral and custom modes are refused")
-    g.add_argument("--structured-outputs-config", type=_json_or_none, default=None, metavar="JSON",
+    g.add_argument("--structured-outputs-config", type=json_object, default=None, metavar="JSON",
                    help='backend auto or xgrammar (rlserve\'s), e.g. \'{"backend": "xgrammar"}\'; other backends and '
                         "options are refused")
-    g.add_argument("--compilation-config", "-cc", type=_json_or_none, default=None, metavar="JSON",
+    g.add_argument("--compilation-config", "-cc", type=json_object, default=None, metavar="JSON",
                    help="accepted: rlserve compiles nothing with torch.compile; its cudagraph_capture_sizes is used "
                         "as --cudagraph-capture-sizes, cudagraph_mode NONE as --enforce-eager")
     g.add_argument("--optimization-level", "-O", default=None, metavar="LEVEL",
                    help="accepted (-O0 .. -O3): rlserve compiles nothing; CUDA graphs follow --enforce-eager")
 
 
-def _json_or_none(value: str):
-    """A flag's JSON object value (vLLM's config flags); refused with argparse's message otherwise."""
+def json_object(value: str, example: str = '{"key": "value"}') -> dict:
+    """An argparse type: a flag's JSON object value (vLLM's config flags), else argparse's error
+    naming ``example``."""
     try:
         obj = json.loads(value)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
     if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{example}', got {value!r}")
     return obj
+
+
+#: flags accepted with one warning line where they change nothing here: ``{flag: why}`` (the line
+#: is "FLAG does not apply: WHY"; docs/vllm-flags.md's table is made from this)
+NOOP_FLAGS: dict[str, str] = {
+    "--enable-scale-out": "rlserve serves no /v1/chat/completions/render or /inference/v1/generate (multimodal "
+                          "prompts)",
+    "--revision": "rlserve serves the local model directory as it is",
+    "--trust-remote-code": "rlserve runs no code from the checkpoint",
+    "--disable-log-requests": "requests are not logged unless --enable-log-requests (vLLM 0.32 removed this flag)",
+    "--disable-log-stats": "rlserve logs no periodic stats (GET /metrics has them)",
+    "--enable-chunked-prefill": "rlserve schedules prefill and decode steps apart, a prompt longer than "
+                                "--max-num-batched-tokens alone in one step",
+    "--swap-space": "a preempted request is recomputed, never swapped to CPU (vLLM 0.32 removed this flag)",
+    "--max-seq-len-to-capture": "CUDA graphs capture decode steps of any length (vLLM 0.32 removed this flag)",
+    "--optimization-level": "rlserve compiles nothing with torch.compile; CUDA graphs follow --enforce-eager",
+    "--compilation-config": "rlserve compiles nothing with torch.compile (its cudagraph_capture_sizes and "
+                            "cudagraph_mode NONE are used)",
+}
+#: flags of which only some values are served, the others refused with a message: ``{flag: which}``
+LIMITED_FLAGS: dict[str, str] = {
+    "--kv-cache-dtype": "`auto` only (the KV cache is kept in the model's dtype)",
+    "--model-impl": "`auto`, `vllm`; `transformers` with one warning line (rlserve's own implementation runs); "
+                    "`terratorch` refused",
+    "--distributed-executor-backend": "`mp`, `uni` (local worker processes); `ray`, `external_launcher` refused",
+    "--speculative-config": "refused when given (no speculative decoding)",
+    "--pipeline-parallel-size": "1 only (split a model by `--tensor-parallel-size`)",
+    "--tokenizer-mode": "`auto`, `hf`; `slow`, `mistral`, `custom`, ... refused",
+    "--structured-outputs-config": "backend `auto` / `xgrammar` with vLLM's default options; others refused",
+    "--quantization": "`fp8` (online W8A8) only",
+    "--max-lora-rank": "vLLM's values 1, 8, 16, 32, 64, 128, 256, 320, 512",
+}
+
+
+def _noop(flag: str, shown: str | None = None) -> None:
+    """The one warning line of a no-op flag (:data:`NOOP_FLAGS`); ``shown``: the flag as given."""
+    logger.warning("%s does not apply: %s", shown or flag, NOOP_FLAGS[flag])
 
 
 #: --structured-outputs-config keys and the values that change nothing here
@@ -126,14 +164,6 @@ def check_vllm_compat_args(args) -> str | None:
     if args.model_impl == "transformers":
         logger.warning("--model-impl transformers does not apply: rlserve runs its own model implementation "
                        "(same weights and outputs)")
-    if args.enable_scale_out:
-        logger.warning("--enable-scale-out does not apply: rlserve serves no /v1/chat/completions/render or "
-                       "/inference/v1/generate (multimodal prompts)")
-    if args.revision is not None:
-        logger.warning("--revision %s does not apply: rlserve serves the local model directory as it is",
-                       args.revision)
-    if args.trust_remote_code:
-        logger.warning("--trust-remote-code does not apply: rlserve runs no code from the checkpoint")
     return _check_serve_flags(args)
 
 
@@ -165,22 +195,18 @@ def _check_serve_flags(args) -> str | None:
             args.cudagraph_capture_sizes = list(sizes)
     if str(cc.get("cudagraph_mode", "")).upper() == "NONE":
         args.enforce_eager = True
-    noops = [
-        (args.disable_log_requests, "--disable-log-requests: requests are not logged unless --enable-log-requests"),
-        (args.disable_log_stats, "--disable-log-stats: rlserve logs no periodic stats (GET /metrics has them)"),
-        (args.enable_chunked_prefill is not None, "--(no-)enable-chunked-prefill: rlserve schedules prefill and "
-                                                  "decode steps apart, a prompt longer than --max-num-batched-tokens "
-                                                  "alone in one step"),
-        (args.swap_space is not None, "--swap-space: a preempted request is recomputed, never swapped to CPU"),
-        (args.max_seq_len_to_capture is not None, "--max-seq-len-to-capture: CUDA graphs capture decode steps of "
-                                                  "any length"),
-        (level is not None or bool(set(cc) - {"cudagraph_capture_sizes", "cudagraph_mode"}),
-         "-O / --compilation-config: rlserve compiles nothing with torch.compile (only cudagraph_capture_sizes "
-         "and cudagraph_mode NONE are used)"),
-    ]
-    for given, why in noops:
-        if given:
-            logger.warning("%s does not apply: %s", why.split(":", 1)[0], why.split(":", 1)[1].strip())
+    given = {
+        "--enable-scale-out": args.enable_scale_out, "--revision": args.revision is not None,
+        "--trust-remote-code": args.trust_remote_code, "--disable-log-requests": args.disable_log_requests,
+        "--disable-log-stats": args.disable_log_stats, "--enable-chunked-prefill": args.enable_chunked_prefill is not None,
+        "--swap-space": args.swap_space is not None, "--max-seq-len-to-capture": args.max_seq_len_to_capture is not None,
+        "--optimization-level": level is not None,
+        "--compilation-config": bool(set(cc) - {"cudagraph_capture_sizes", "cudagraph_mode"}),
+    }
+    for flag, on in given.items():
+        if on:
+            _noop(flag, {"--enable-chunked-prefill": "--(no-)enable-chunked-prefill",
+                         "--optimization-level": "-O / --optimization-level"}.get(flag))
     return None
 
 
