@@ -113,7 +113,7 @@ def test_unknown_flag_gets_serve_usage_and_did_you_mean(capsys):
         cli_main(["serve", "m", "--enable-prefix-cachng", "--gpu-memory-utilisation", "0.5"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: rlserve serve ")
+    assert err.startswith("usage: rlserve serve [MODEL] [FLAGS ...] (`rlserve serve --help` lists every flag)\n")
     assert "rlserve serve: error: unrecognized arguments: --enable-prefix-cachng --gpu-memory-utilisation 0.5" in err
     assert "--enable-prefix-cachng: did you mean --enable-prefix-caching" in err
     assert "--gpu-memory-utilisation: did you mean --gpu-memory-utilization?" in err

@@ -24,11 +24,13 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (pip in
 T = 60.0
 TOL = 2e-4
 
-#: what TRL 1.16's build_command passes after the model (port 0 and a max-model-len added)
+#: what TRL 1.16's build_command passes after the model (port 0 and a max-model-len added), but for
+#: the weight-transfer backend: TRL's nccl is refused on a CPU server (``check_transfer_config``), gloo
+#: is the CPU one
 TRL_FLAGS = ["--host", "127.0.0.1", "--tensor-parallel-size", "1", "--data-parallel-size", "1",
              "--gpu-memory-utilization", "0.9", "--dtype", "auto", "--kv-cache-dtype", "auto", "--model-impl", "vllm",
              "--uvicorn-log-level", "info", "--max-model-len", "128", "--enable-scale-out",
-             "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs",
+             "--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode", "processed_logprobs",
              "--max-logprobs", "-1"]
 
 
@@ -65,10 +67,10 @@ def post(server, path, body, status=200):
 def test_server_info_vllm_config(server):
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}, timeout=T).json()
     vc = info["vllm_config"]
-    assert vc["weight_transfer_config"] == {"backend": "nccl"}
+    assert vc["weight_transfer_config"] == {"backend": "gloo"}
     assert vc["model_config"]["logprobs_mode"] == "processed_logprobs" and vc["model_config"]["max_logprobs"] == -1
     assert vc["parallel_config"]["data_parallel_size"] == 1 and vc["cache_config"]["cache_dtype"] == "auto"
-    assert info["weight_transfer_config"] == {"backend": "nccl"}  # rlserve's flat fields stay
+    assert info["weight_transfer_config"] == {"backend": "gloo"}  # rlserve's flat fields stay
     assert httpx.get(server.url + "/server_info", timeout=T).json()["vllm_config"] == vc
     text = httpx.get(server.url + "/server_info", params={"config_format": "text"}, timeout=T).json()["vllm_config"]
     assert isinstance(text, str) and "model_config.logprobs_mode='processed_logprobs'" in text

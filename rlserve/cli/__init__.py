@@ -61,8 +61,9 @@ def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.Ar
 
 
 def _unrecognized(parser: argparse.ArgumentParser, args, unknown: list[str]) -> None:
-    """Exit 2 with the subcommand's usage, naming the unrecognized arguments and, for each flag,
-    the closest flags the subcommand has (difflib, cutoff 0.6)."""
+    """Exit 2 with the subcommand's usage (one line: its full usage lists ~80 flags), naming the
+    unrecognized arguments and, for each flag, the closest flags the subcommand has (difflib,
+    cutoff 0.6)."""
     import difflib
 
     sub = _subparser(parser, getattr(args, "command", None))
@@ -74,8 +75,10 @@ def _unrecognized(parser: argparse.ArgumentParser, args, unknown: list[str]) -> 
             near = difflib.get_close_matches(flag, flags, n=3, cutoff=0.6)
             if near:
                 hints.append(f"{flag}: did you mean {' or '.join(near)}?")
-    message = "unrecognized arguments: " + " ".join(unknown)
-    sub.error(message + ("\n" + "\n".join(hints) if hints else ""))
+    usage = f"usage: {sub.prog} [MODEL] [FLAGS ...] (`{sub.prog} --help` lists every flag)" if sub is not parser \
+        else sub.format_usage().rstrip("\n")
+    lines = [usage, f"{sub.prog}: error: unrecognized arguments: {' '.join(unknown)}", *hints]
+    sub.exit(2, "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
