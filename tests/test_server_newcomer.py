@@ -212,15 +212,15 @@ def test_prompt_text_is_encoded_off_the_event_loop(server, monkeypatch, route, b
     the tokenizer a while), the API process still answers: the encode is not on its event loop.
     The request then succeeds (``/tokenize``: with the tokenizer's own ids)."""
     tok = server.app.state.rlserve.tokenizer
-    real = tok.encode
+    real = type(tok).encode  # (the class's: the tokenizer threads encode with copies of their own)
     entered, release = threading.Event(), threading.Event()
 
-    def held_encode(text, **kw):
+    def held_encode(self, text, **kw):
         entered.set()
         release.wait(TIMEOUT)
-        return real(text, **kw)
+        return real(self, text, **kw)
 
-    monkeypatch.setattr(tok, "encode", held_encode)
+    monkeypatch.setattr(type(tok), "encode", held_encode)
     box: dict = {}
     caller = threading.Thread(target=lambda: box.setdefault("r", httpx.post(server.url + route, json=body,
                                                                             timeout=TIMEOUT)))
@@ -238,7 +238,7 @@ def test_prompt_text_is_encoded_off_the_event_loop(server, monkeypatch, route, b
     r = box["r"]
     assert r.status_code == 200, r.text
     if route == "/tokenize":
-        assert r.json()["tokens"] == real("Hello world")
+        assert r.json()["tokens"] == real(tok, "Hello world")
 
 
 def _metric(text: str, name: str, default: float | None = None, **labels) -> float:
