@@ -219,3 +219,40 @@ def test_switch_from_flag_env_and_config(monkeypatch, smollm_wide):
 def test_cpu_mode_needs_float32(smollm_wide):
     with pytest.raises(ValueError, match="--batch-invariant on CPU needs --dtype float32, got torch.bfloat16"):
         LLM(smollm_wide, dtype="bfloat16", device="cpu", batch_invariant=True)
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+
+def test_server_with_vllm_env_switch_matches_the_reference_while_busy(smollm_wide):
+    """``rlserve serve`` (engine-core process) with ``VLLM_BATCH_INVARIANT=1``: a completion's
+    logprobs (``logprobs: 0``) are the same alone and while 8 other requests share its steps,
+    and equal :func:`reference_logprobs` of prompt + completion bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from rlserve.server.testing import ServerProcess
+
+    rng = random.Random(6)
+    target = _prompt(rng, 40, 41)
+    others = [_prompt(rng) for _ in range(8)]
+
+    def complete(url, ids, n):
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": smollm_wide, "prompt": ids, "max_tokens": n, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["token_ids"], torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
+
+    with ServerProcess(smollm_wide, "--port", "0", "--dtype", "float32", "--device", "cpu",
+                       env={"VLLM_BATCH_INVARIANT": "1"}) as srv:
+        alone = complete(srv.url, target, 12)
+        with ThreadPoolExecutor(9) as pool:
+            futs = [pool.submit(complete, srv.url, p, 30) for p in others]
+            busy = pool.submit(complete, srv.url, target, 12).result()
+            [f.result() for f in futs]
+    _assert_same(busy, alone)
+    ref = reference_logprobs(smollm_wide, target + alone[0])
+    assert torch.equal(ref[-len(alone[0]):], alone[1])
