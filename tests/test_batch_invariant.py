@@ -216,6 +216,17 @@ def test_switch_from_flag_env_and_config(monkeypatch, smollm_wide):
     assert bi_mode.from_config(cfg) is False
 
 
+def test_uncovered_features_are_refused(tmp_path_factory, smollm_wide):
+    with pytest.raises(ValueError, match=r"--batch-invariant does not cover --enable-lora yet"):
+        LLM(smollm_wide, dtype="float32", device="cpu", batch_invariant=True, enable_lora=True)
+    moe = make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("bi_moe"))
+    with pytest.raises(ValueError, match="does not cover a mixture-of-experts model yet"):
+        LLM(moe, dtype="float32", device="cpu", batch_invariant=True)
+    cfg = type("C", (), {"quantization": "fp8", "tensor_parallel_size": 2})()
+    with pytest.raises(ValueError, match="does not cover --quantization fp8, --tensor-parallel-size 2 yet"):
+        bi_mode.check_config_supported(cfg)
+
+
 def test_cpu_mode_needs_float32(smollm_wide):
     with pytest.raises(ValueError, match="--batch-invariant on CPU needs --dtype float32, got torch.bfloat16"):
         LLM(smollm_wide, dtype="bfloat16", device="cpu", batch_invariant=True)

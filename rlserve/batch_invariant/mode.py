@@ -31,6 +31,25 @@ def from_config(config) -> bool:
     return bool(getattr(config, "batch_invariant", False)) or bool(envs.VLLM_BATCH_INVARIANT)
 
 
+def check_config_supported(config, hf_config=None) -> None:
+    """Raise ``ValueError`` naming what an engine with ``config`` (and the model's Hugging Face
+    config ``hf_config``) runs that the mode does not cover: fp8 quantization, LoRA adapters,
+    tensor parallelism > 1 (the all-reduce's summation order follows the message size, hence the
+    batch), mixture-of-experts layers (``num_experts`` in the model config). Their GEMMs and
+    reductions do not go through the batch-invariant forms, so the mode would not hold."""
+    bad = []
+    if getattr(config, "quantization", None):
+        bad.append(f"--quantization {config.quantization}")
+    if getattr(config, "enable_lora", False):
+        bad.append("--enable-lora")
+    if getattr(config, "tensor_parallel_size", 1) > 1:
+        bad.append(f"--tensor-parallel-size {config.tensor_parallel_size}")
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None):
+        bad.append("a mixture-of-experts model")
+    if bad:
+        raise ValueError("--batch-invariant does not cover " + ", ".join(bad) + " yet (docs/batch_invariant.md)")
+
+
 class active:
     """``with active(on): ...`` runs the block in mode ``on`` and restores the previous one."""
 

@@ -121,6 +121,8 @@ class ModelRunner:
                            else {})
         # --batch-invariant (rlserve.batch_invariant): set again before every step (execute)
         self.batch_invariant = bi_mode.from_config(config)
+        if self.batch_invariant:
+            bi_mode.check_config_supported(config, getattr(model, "config", None))
         if self.batch_invariant and device.type == "cpu":
             bi_cpu.check_engine_supported(dtype)
         bi_mode.set_enabled(self.batch_invariant)
