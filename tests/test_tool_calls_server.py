@@ -214,6 +214,11 @@ def test_multi_turn_renders_tool_calls_and_results(server):
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00\nCET"},
         {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}]
     tok = tool_tokenizer()
-    want = tok.apply_chat_template(want_msgs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    # vLLM hands the template each tool as its pydantic dump: a missing description is null
+    tools = [{"type": "function", "function": {"name": t["function"]["name"],
+                                               "description": t["function"].get("description"),
+                                               "parameters": t["function"]["parameters"]}} for t in TOOLS]
+    want = tok.apply_chat_template(want_msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '"description": null' in want
     assert '{"name": "get_time", "arguments":{"zone": "CET"}}' in want and "12:00\nCET" in want
     assert r.json()["tokens"] == tok.encode(want, add_special_tokens=False)

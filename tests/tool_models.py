@@ -69,7 +69,8 @@ def make_tool_tokenizer(path) -> str:
 
 def make_tool_model(path) -> str:
     """A random-init tiny qwen3 (vocabulary 341, 1024 positions: the tiny byte-level tokenizer
-    makes a prompt with tools several hundred tokens long) with :func:`tool_tokenizer`; returns ``str(path)``."""
-    make_tiny_model("qwen3", path, vocab_size=len(ADDED) + 336, max_position_embeddings=1024)
+    makes a prompt with tools several hundred tokens long; head_dim 32: vLLM's CPU attention
+    has no kernel for the tiny models' 16) with :func:`tool_tokenizer`; returns ``str(path)``."""
+    make_tiny_model("qwen3", path, vocab_size=len(ADDED) + 336, max_position_embeddings=1024, head_dim=32)
     make_tool_tokenizer(path)
     return str(path)

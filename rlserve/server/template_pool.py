@@ -64,17 +64,35 @@ class TemplateError(Exception):
         self.kind = kind
 
 
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict", "defer_loading")
+
+
+def template_tool(tool):
+    """A request's tool as vLLM 0.32 hands it to the template (its pydantic dump): ``{"type",
+    "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}}``, the
+    missing ``description`` / ``parameters`` null, other keys dropped, a tool-level
+    ``defer_loading`` moved into the function. A tool that is not such an object is passed as
+    it is."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    fn = dict(tool["function"])
+    if tool.get("defer_loading") is not None and fn.get("defer_loading") is None:
+        fn["defer_loading"] = tool["defer_loading"]
+    out = {k: fn.get(k) for k in _FUNCTION_KEYS if k in ("name", "description", "parameters") or fn.get(k) is not None}
+    return {"type": tool.get("type", "function"), "function": out}
+
+
 def template_call_kwargs(add_generation_prompt: bool = True, continue_final_message: bool = False,
                          chat_template: str | None = None, chat_template_kwargs: dict | None = None,
                          tools: list | None = None) -> dict:
     """The keyword arguments of ``tokenizer.apply_chat_template`` (besides the messages and
     ``tokenize=False``) for vLLM's request fields: ``add_generation_prompt`` is ignored, as in
-    vLLM, when ``continue_final_message`` is set."""
+    vLLM, when ``continue_final_message`` is set; ``tools`` as :func:`template_tool` makes them."""
     kwargs = dict(chat_template_kwargs or {})
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools:
-        kwargs["tools"] = tools
+        kwargs["tools"] = [template_tool(t) for t in tools]
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     kwargs["add_generation_prompt"] = add_generation_prompt and not continue_final_message
