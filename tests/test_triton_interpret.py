@@ -158,6 +158,10 @@ def test_engine_triton_backend_with_emulated_graphs_matches_torch(tiny_model, re
     ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)
 
     monkeypatch.setenv("RLSERVE_ATTENTION_BACKEND", "triton")
+    # one micro-batch: Triton's interpreter keeps the launch grid in one global (set_grid_dim), so
+    # two CPU micro-batch threads launching kernels at once corrupt each other's grid
+    # ("y >= grid_dim[1]"); a compiled GPU launch has no such state
+    monkeypatch.setenv("RLSERVE_CPU_MICROBATCHES", "1")
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=4)
     assert get_attention_backend() == "triton"
     runner = llm.engine.executor.runner
