@@ -69,6 +69,10 @@ CASES = {
                      "weight transfer config: packed_num_buffers must be >= 1, got 0"),
     "unknown device": (["--device", "bogus"], "argument --device: expected auto, cpu, cuda or cuda:N, got 'bogus'"),
     "int flag": (["--max-engine-restarts", "-1"], "argument --max-engine-restarts: must be an integer >= 0, got '-1'"),
+    # a new user's `rlserve serve default --reasoning-parser qwen3` loaded the engine, then ended in
+    # a 26-line traceback (exit 1): the tiny llama's vocabulary has no <think> tokens either
+    "reasoning parser without its tokens": (["--reasoning-parser", "qwen3"],
+                                            "--reasoning-parser qwen3: Qwen3ReasoningParser: the tokenizer has no "),
 }
 
 

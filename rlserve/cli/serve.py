@@ -13,7 +13,7 @@ import sys
 
 from rlserve import envs
 from rlserve.cli._help import HelpFormatter
-from rlserve.cli.tool_flags import add_tool_args, check_tool_args, tool_settings
+from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_defaults,
                                      json_object, load_chat_template)
 
@@ -359,6 +359,7 @@ def run(args) -> int:
         chat_template = load_chat_template(args.chat_template)
         sampling_defaults = generation_defaults(args.generation_config, model_path)
         config = engine_config_from_args(args, model_path)
+        check_parsers_fit_tokenizer(args, args.tokenizer or model_path)
         _check_device(config)
         _check_cpu_environment(config)
         sock = _bind(args.host, args.port)
