@@ -38,7 +38,8 @@ class ChatOutputConfig:
         self.reasoning_cls = reasoning_parser_class(reasoning_parser) if reasoning_parser else None
         self.enable_auto_tools = bool(enable_auto_tools)
         self.tokenizer = tokenizer
-        self.vocab = vocab = tokenizer.get_vocab()
+        # the parsers' marker lookups need the vocabulary; without a parser it is never read
+        self.vocab = vocab = tokenizer.get_vocab() if (tool_parser or reasoning_parser) else {}
         for flag, name, make in (("--reasoning-parser", reasoning_parser, lambda: self.reasoning_cls(vocab, {})),
                                  ("--tool-call-parser", tool_parser, lambda: self.tool_cls(vocab, []))):
             try:  # raises now, at startup, not per request
