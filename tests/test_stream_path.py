@@ -140,3 +140,43 @@ def test_sse_encoding():
     assert "é 世界" in s and '"logprobs":null' in s  # UTF-8 text, compact separators
     lone = sse({"text": "a\ud800b"})  # msgspec refuses a lone surrogate: json.dumps escapes it
     assert lone == 'data: {"text":"a\\ud800b"}\n\n'
+
+
+class _Frame:
+    def __init__(self, raw: bytes):
+        self.buffer = memoryview(raw)
+
+
+def test_frames_that_arrive_while_the_loop_handles_outputs_wait_for_their_own_callback():
+    """The event loop's output callback handles the frames waiting when it starts and returns:
+    frames the reader receives meanwhile get a callback of their own, queued behind the streams
+    the first one woke. On the old code the callback looped while frames kept coming (an engine
+    that steps faster than the loop handles its outputs kept the loop there, and no stream wrote
+    meanwhile: issue 37's seconds-long gaps), handling all 4 frames below in one call."""
+    from rlserve.engine.front.core_client import CoreProcReplica
+
+    enc = proto.output_encoder()
+    step = [enc.encode(proto.CoreOutputs(deltas=[_delta("r", [k])])) for k in range(4)]
+    rep = object.__new__(CoreProcReplica)  # no engine-core process: only the frame handling
+    rep.index, rep._dec = 0, proto.output_decoder()
+    rep._pending, rep._handle_lock, rep._scheduled_on = __import__("collections").deque(), threading.Lock(), None
+    handled, scheduled = [], []
+
+    def handle_outputs(msgs):  # a step's outputs; meanwhile the reader receives the next step
+        handled.append([m.deltas[0].samples[0].token_ids[0] for m in msgs])
+        if len(handled) < len(step):
+            rep._pending.append(_Frame(step[len(handled)]))
+            scheduled.append(rep._scheduled_on)  # None: the reader schedules a callback for it
+
+    rep._handle_outputs = handle_outputs
+    rep._pending.append(_Frame(step[0]))
+
+    async def on_loop():
+        rep._handle_pending()
+        return [list(h) for h in handled], len(rep._pending)
+
+    first, left = asyncio.run(asyncio.wait_for(on_loop(), T))
+    assert first == [[0]] and left == 1 and scheduled == [None]
+    # the reader's own call (no loop running: start-up, exit) still handles everything
+    rep._handle_pending()
+    assert handled == [[0], [1], [2], [3]] and not rep._pending

@@ -19,6 +19,7 @@ pending calls fail the same way, and the replica reads as not alive (``/health``
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import itertools
@@ -371,14 +372,20 @@ class CoreProcReplica(Replica):
 
     def _handle_pending(self) -> None:
         """Handle the frames received so far, in order (the event loop's callback, or the
-        reader's own call; one at a time: ``_handle_lock``)."""
+        reader's own call; one at a time: ``_handle_lock``).
+
+        On the event loop only the frames waiting when the callback starts are handled: frames
+        that arrive meanwhile get a callback of their own (the reader schedules one once
+        ``_scheduled_on`` is cleared), queued behind the streams this one wakes. Handling them
+        here too (as before) kept the loop in this callback for as long as the core sent steps
+        faster than they were handled, and no stream wrote a byte meanwhile: at 256 streams,
+        gaps of hundreds of ms between a stream's chunks (issue 37's p99 inter-token latency)."""
         self._scheduled_on = None
+        on_loop = asyncio._get_running_loop() is not None
         with self._handle_lock:
             while self._pending:
                 try:
-                    msgs = []
-                    while self._pending:
-                        msgs.append(self._dec.decode(self._pending.popleft().buffer))
+                    msgs = [self._dec.decode(self._pending.popleft().buffer) for _ in range(len(self._pending))]
                     i = 0
                     while i < len(msgs):  # consecutive steps' outputs together: one output per request
                         j = i
@@ -394,6 +401,8 @@ class CoreProcReplica(Replica):
                     logger.exception("engine replica %d: handling an engine-core message failed", self.index)
                     with contextlib.suppress(OSError):
                         self.proc.kill()  # the reader sees it exit and ends its requests (503)
+                if on_loop:
+                    break  # the rest has its own callback (above)
 
     def _handle_outputs(self, msgs) -> None:
         """``CoreOutputs`` of consecutive steps (one, unless the loop fell behind), in order."""
