@@ -5,6 +5,7 @@ build them with random weights. Numbers are the published configs of each model.
 from __future__ import annotations
 
 import os
+import re
 
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -72,15 +73,25 @@ def _first_layers(cfg, n: int):
 SHAPES["qwen3-30b-a3b-24l"] = lambda: _first_layers(SHAPES["qwen3-30b-a3b"](), 24)
 
 
+def _cut(name: str):
+    """``qwen3-30b-a3b-<N>l``: the model's first N (1..48) layers, any N (the device scripts
+    size the shape to the GPU); None for other names."""
+    m = re.fullmatch(r"qwen3-30b-a3b-(\d+)l", name)
+    if m is None or not 1 <= int(m.group(1)) <= 48:
+        return None
+    return lambda: _first_layers(SHAPES["qwen3-30b-a3b"](), int(m.group(1)))
+
+
 def shape_config(name: str):
-    """The ``transformers`` config of a named shape.
+    """The ``transformers`` config of a named shape (or ``qwen3-30b-a3b-<N>l``, N in 1..48).
 
     Raises:
         KeyError: unknown shape (the message lists the known ones).
     """
-    if name not in SHAPES:
-        raise KeyError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
-    return SHAPES[name]()
+    build = SHAPES.get(name) or _cut(name)
+    if build is None:
+        raise KeyError(f"unknown shape {name!r}; known: {sorted(SHAPES)} and qwen3-30b-a3b-<N>l (N in 1..48)")
+    return build()
 
 
 def save_shape(name: str, root: str) -> str:

@@ -16,6 +16,8 @@ CPU, gloo (unless ``--cpu off``):
 GPU, one device (when CUDA is present and ``--gpu`` is not ``off``):
   - ``ipc-packed``   SDK over CUDA IPC, packed buckets (a pack copy + the server's load copy)
   - ``ipc-unpacked`` SDK over CUDA IPC, per-tensor handles (the server's load copy only)
+  - MoE shapes with ``--gpu-expert-names both``: ``ipc-packed`` once more with the experts under
+    their per-expert names (``experts.{e}.gate_proj.weight`` ...: E x 3 tensors per layer)
   - ``d2d-copy``     ceiling: one device-to-device ``copy_`` of the same number of bytes
 GPU, two devices, NCCL (``--nccl auto``: when there are >= 2 GPUs; once per ``--nccl-shape``):
 server on ``cuda:0`` (bfloat16), trainer (this process) on ``cuda:1``, NVLink multicast off in
@@ -63,6 +65,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.model_shapes import save_shape, shape_config  # noqa: E402
 from rlserve.demo import NCCL_SAFE_ENV  # noqa: E402
+from rlserve.loader.weight_utils import parse_expert_name, split_fused_experts  # noqa: E402
 from rlserve.server.launch import free_port  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
@@ -77,7 +80,8 @@ from rlserve.transfer.sdk.trl import TRLWeightSyncClient  # noqa: E402
 
 
 def model_tensors(shape: str, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:
-    """Random tensors with the HF names / shapes of ``shape`` (tied head skipped)."""
+    """Random tensors with the HF names / shapes of ``shape`` (tied head skipped); on ``"meta"``
+    shapes only."""
     from transformers import AutoModelForCausalLM
 
     from rlserve.transfer import ModuleSource
@@ -86,10 +90,11 @@ def model_tensors(shape: str, dtype: torch.dtype, device: str) -> list[tuple[str
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     out = []
-    g = torch.Generator(device=device).manual_seed(0)
+    g = None if device == "meta" else torch.Generator(device=device).manual_seed(0)
     for name, _dt, shp in ModuleSource(meta).metadata():
         t = torch.empty(shp, dtype=dtype, device=device)
-        t.normal_(0.0, 0.02, generator=g)
+        if g is not None:  # "meta": shapes and byte counts only
+            t.normal_(0.0, 0.02, generator=g)
         out.append((name, t))
     return out
 
@@ -299,38 +304,52 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
     print(f"[cpu] raw broadcast: {raw:.3f} s")
 
 
-def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
-    dev = "cuda:0"
-    shape = args.gpu_shape
-    named = model_tensors(shape, torch.bfloat16, dev)
-    total = nbytes(named)
-    n_params = sum(t.numel() for _, t in named)
-    print(f"[gpu] {shape}: {n_params / 1e9:.2f} B parameters, {total / 1e9:.3f} GB bfloat16")
-    model_dir = save_shape(shape, work)
-    with serve(model_dir, tok, "ipc", "cuda:0", "bfloat16") as srv:
-        for mode, checksums in (("ipc-packed", True), ("ipc-unpacked", True), ("ipc-unpacked", False)):
-            r = sdk_sync(srv.url, named, IPCTrainerInitInfo(packed=mode == "ipc-packed",
-                                                            packed_buffer_size_bytes=args.bucket_mb << 20,
-                                                            checksums=checksums, timeout_s=600, device=dev),
-                         args.repeats)
-            label = mode + ("" if checksums else " (no checksums)")
-            add(rows, "gpu", shape, "ipc", label, total, r)
-            print(f"[gpu] {label}: {r['sync_s']:.4f} s/sync")
-    del named
+def d2d_copy(total: int, repeats: int, dev: str) -> dict:
+    """The ceiling: median seconds of one device-to-device ``copy_`` of ``total`` bytes (one
+    warm-up copy first); both buffers are freed before it returns."""
     src = torch.empty(total, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     times = []
-    for i in range(args.repeats + 1):
+    for i in range(repeats + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         dst.copy_(src)
         torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
-    c = statistics.median(times)
-    add(rows, "gpu", shape, "cuda", "d2d-copy", total, {"sync_s": c, "transfer_s": c, "all_sync_s": times})
-    print(f"[gpu] d2d copy: {c:.4f} s")
     del src, dst
+    torch.cuda.empty_cache()
+    c = statistics.median(times)
+    return {"sync_s": c, "transfer_s": c, "all_sync_s": times}
+
+
+def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
+    """The copy ceiling first (its two buffers are gone before the trainer's tensors exist), then
+    the IPC syncs into a served copy of the shape: the GPU holds the trainer's and the server's."""
+    dev = "cuda:0"
+    shape = args.gpu_shape
+    named = model_tensors(shape, torch.bfloat16, "meta")
+    total = nbytes(named)
+    n_params = sum(t.numel() for _, t in named)
+    print(f"[gpu] {shape}: {n_params / 1e9:.2f} B parameters, {total / 1e9:.3f} GB bfloat16")
+    attempt(rows, "gpu", shape, "cuda", "d2d-copy", total, lambda: d2d_copy(total, args.repeats, dev), "[gpu]")
+    named = model_tensors(shape, torch.bfloat16, dev)
+    model_dir = save_shape(shape, work)
+    with serve(model_dir, tok, "ipc", "cuda:0", "bfloat16") as srv:
+        modes = [("ipc-packed", True, named)]
+        if args.gpu_expert_names == "both" and any(parse_expert_name(n) for n, _ in named):
+            # a trainer's per-expert names (views of the same bytes): the server scatters them
+            # into its fused [E, ...] expert tensors
+            modes.append(("ipc-packed", True, split_fused_experts(named)))
+        modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
+        for mode, checksums, tensors in modes:
+            info = IPCTrainerInitInfo(packed=mode == "ipc-packed", packed_buffer_size_bytes=args.bucket_mb << 20,
+                                      checksums=checksums, timeout_s=600, device=dev)
+            label = mode + ("" if checksums else " (no checksums)")
+            label += f" ({len(tensors)} per-expert tensors)" if tensors is not named else ""
+            attempt(rows, "gpu", shape, "ipc", label, total,
+                    lambda info=info, tensors=tensors: sdk_sync(srv.url, tensors, info, args.repeats), "[gpu]")
+    del named, modes  # the split views hold the trainer's bytes too
     torch.cuda.empty_cache()
 
 
@@ -423,6 +442,10 @@ def main(argv=None) -> int:
                    help="CUDA IPC on one GPU (auto: when CUDA is present)")
     p.add_argument("--nccl", choices=["auto", "on", "off"], default="auto",
                    help="NCCL, server on cuda:0 and trainer on cuda:1 (auto: when there are >= 2 GPUs)")
+    p.add_argument("--gpu-expert-names", choices=["fused", "both"], default="fused",
+                   help="MoE shapes, CUDA IPC: the trainer sends transformers 5's fused expert tensors; 'both': "
+                        "also one packed sync of the same bytes under the per-expert names (experts.{e}.gate_proj"
+                        ".weight ...)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

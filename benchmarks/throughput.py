@@ -63,7 +63,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     llm = LLM(
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
         max_model_len=_max_model_len(args), enforce_eager=args.enforce_eager,
-        max_num_seqs=args.max_num_seqs, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, seed=args.seed, **_memory_kwargs(args),
         **({"enable_return_routed_experts": True} if args.enable_return_routed_experts else {}),
     )
     _sync(args.device)
@@ -72,6 +72,9 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     gen = lambda ps, sps: [len(o.outputs[0].token_ids) for o in llm.generate(ps, sps)]  # noqa: E731
     res = _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
     res["async_scheduling"] = getattr(llm.engine, "_overlap", None) is not None
+    bm = getattr(llm.engine, "block_manager", None)
+    if bm is not None:
+        res["kv_cache_tokens"] = bm.num_blocks * llm.engine.config.block_size
     # the extra runs below get other prompt tokens (same lengths): a repeat would hit the prefix cache
     fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
     if args.phases:
@@ -87,6 +90,12 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         res["kernels_workload"] = profile_kernels(lambda: gen(fresh(4), params), "whole workload",
                                                   args.kernel_profile)
     return res
+
+
+def _memory_kwargs(args) -> dict:
+    """``gpu_memory_utilization`` for both engines when ``--gpu-memory-utilization`` is given
+    (each engine's default otherwise: 0.9 for both)."""
+    return {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
 
 
 def _phases(engine, fn, args) -> dict:
@@ -224,10 +233,14 @@ def run_vllm_child(path: str, prompts, out_lens, args) -> dict:
     llm = LLM(
         model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True, seed=args.seed,
         max_model_len=_max_model_len(args), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        **_memory_kwargs(args),
         **({"enable_return_routed_experts": True} if args.enable_return_routed_experts else {}),
     )
     startup = time.perf_counter() - t0
     import vllm
+
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    kv_tokens = (cache.num_gpu_blocks or 0) * cache.block_size if cache is not None else None
 
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
 
@@ -236,8 +249,11 @@ def run_vllm_child(path: str, prompts, out_lens, args) -> dict:
         return [len(o.outputs[0].token_ids) for o in outs]
 
     # vLLM's generate returns finished outputs: nothing is left running on the device
-    return _timed(f"vllm-{vllm.__version__}", startup, gen, prompts, out_lens, params, SamplingParams, args,
-                  sync=lambda: None)
+    res = _timed(f"vllm-{vllm.__version__}", startup, gen, prompts, out_lens, params, SamplingParams, args,
+                 sync=lambda: None)
+    if kv_tokens:  # the engine core's KV blocks (vLLM's cache_config.num_gpu_blocks) x block size
+        res["kv_cache_tokens"] = kv_tokens
+    return res
 
 
 def run_vllm(args, argv: list[str]) -> dict | None:
@@ -319,6 +335,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"))
     ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="both engines' gpu_memory_utilization (weights + KV cache; default: each engine's 0.9)")
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="MoE shapes: routed-experts replay on (rlserve, and vLLM where its version has it)")
     ap.add_argument("--seed", type=int, default=0)
@@ -370,10 +388,11 @@ def main(argv=None) -> None:
     for r in results:
         b1 = f"  batch-1 {r['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in r else ""
         st = f"  startup {r['startup_s']:.1f} s" if "startup_s" in r else ""
+        st += f"  KV {r['kv_cache_tokens']} tokens" if "kv_cache_tokens" in r else ""
         print(f"  {r['engine']:12s} {r['output_tokens']:8d} tok  {r['seconds']:8.2f} s  {r['tokens_per_s']:10.1f} tok/s"
               f"{st}{b1}")
-    base = results[0] if results and results[0]["engine"] == "rlserve" else None
-    for r in results[1:] if base else []:
+    base = next((r for r in results if r["engine"] == "rlserve"), None)
+    for r in [r for r in results if r is not base] if base else []:
         line = f"  rlserve / {r['engine']}: {base['tokens_per_s'] / r['tokens_per_s']:.2f}x throughput"
         if "batch1_ms_per_token" in r and "batch1_ms_per_token" in base:
             line += f", batch-1 ms/token {base['batch1_ms_per_token'] / r['batch1_ms_per_token']:.2f}x of theirs"

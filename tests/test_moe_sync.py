@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from rlserve.loader.weight_utils import parse_expert_name
+from rlserve.loader.weight_utils import split_fused_experts
 from rlserve.transfer import ModuleSource, TensorListSource, WeightSyncHTTPError, hf_state_checksums
 from tests.transfer_harness import InProcessServer, load_hf
 from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, scramble, server_greedy, trainer, \
@@ -26,22 +26,28 @@ BUCKET = 4 << 10
 
 def per_expert(hf) -> list[tuple[str, torch.Tensor]]:
     """The trainer's tensors with transformers 5's fused experts split into the per-expert names
-    (``gate_up_proj [E, 2I, H]`` -> ``experts.{e}.gate_proj.weight [I, H]`` + ``up_proj``;
-    ``down_proj [E, H, I]`` -> ``experts.{e}.down_proj.weight [H, I]``)."""
-    out = []
-    for name, t in ModuleSource(hf).named_tensors():
-        parsed = parse_expert_name(name)
-        if parsed is None:
-            out.append((name, t))
-            continue
-        prefix, _, proj = parsed
-        for e in range(t.shape[0]):
-            if proj == "gate_up_proj":
-                gate, up = t[e].chunk(2, dim=0)
-                out += [(f"{prefix}.{e}.gate_proj.weight", gate.clone()), (f"{prefix}.{e}.up_proj.weight", up.clone())]
-            else:
-                out.append((f"{prefix}.{e}.down_proj.weight", t[e].clone()))
-    return out
+    (:func:`split_fused_experts`; cloned: each name its own storage, as a trainer's per-expert
+    parameters are)."""
+    return [(n, t.clone()) for n, t in split_fused_experts(ModuleSource(hf).named_tensors())]
+
+
+def test_split_fused_experts_names_and_values():
+    """Each fused expert tensor becomes E per-expert tensors with the checkpoint names, in
+    order, equal to the fused rows; other tensors pass through."""
+    E, I, H = 3, 4, 5
+    gu, down, norm = torch.randn(E, 2 * I, H), torch.randn(E, H, I), torch.randn(H)
+    out = split_fused_experts([("m.layers.0.mlp.experts.gate_up_proj", gu), ("m.norm.weight", norm),
+                               ("m.layers.0.mlp.experts.down_proj", down)])
+    names = [n for n, _ in out]
+    assert names[:2] == ["m.layers.0.mlp.experts.0.gate_proj.weight", "m.layers.0.mlp.experts.0.up_proj.weight"]
+    assert names[2 * E] == "m.norm.weight" and len(out) == 3 * E + 1
+    d = dict(out)
+    for e in range(E):
+        assert torch.equal(d[f"m.layers.0.mlp.experts.{e}.gate_proj.weight"], gu[e, :I])
+        assert torch.equal(d[f"m.layers.0.mlp.experts.{e}.up_proj.weight"], gu[e, I:])
+        assert torch.equal(d[f"m.layers.0.mlp.experts.{e}.down_proj.weight"], down[e])
+        assert d[f"m.layers.0.mlp.experts.{e}.up_proj.weight"].is_contiguous()
+    assert d["m.norm.weight"] is norm
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,29 @@ def parse_expert_name(name: str) -> tuple[str, int | None, str] | None:
     return None
 
 
+def split_fused_experts(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with transformers 5's fused expert tensors split into the per-expert Hugging Face
+    names that checkpoints and most trainers use: ``...experts.gate_up_proj [E, 2I, H]`` ->
+    ``...experts.{e}.gate_proj.weight [I, H]`` + ``up_proj.weight [I, H]`` (the first / second
+    half of rows); ``...experts.down_proj [E, H, I]`` -> ``...experts.{e}.down_proj.weight [H, I]``.
+    The pieces are views of the fused tensor (no copy; each is contiguous); other tensors pass
+    unchanged, in order."""
+    out = []
+    for name, t in named:
+        parsed = parse_expert_name(name)
+        if parsed is None or parsed[1] is not None:
+            out.append((name, t))
+            continue
+        prefix, _, proj = parsed
+        for e in range(t.shape[0]):
+            if proj == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+            else:
+                out.append((f"{prefix}.{e}.down_proj.weight", t[e]))
+    return out
+
+
 def expand_expert_names(names: Iterable[str], spec: dict[str, tuple[int, ...]]) -> set[str]:
     """``names`` plus, for each fused expert name among them (``...experts.gate_up_proj`` /
     ``...experts.down_proj``, a key of ``spec`` whose first dim is the expert count), the
