@@ -10,6 +10,8 @@
   Hugging Face's with decode CUDA graphs on; bf16 graphs == eager (tokens and replay ids); fp8.
 - Expert weight sync over CUDA IPC (per-expert Hugging Face names and transformers 5's fused
   names, in place and staged): the served greedy tokens equal the trainer's model.
+- Expert weight sync over NCCL (trainer on GPU 1; skipped with one GPU) and over the one-GPU
+  emulation of the NCCL group (``gloo-cuda``), packed buckets smaller than one expert tensor.
 """
 
 from __future__ import annotations
@@ -239,6 +241,49 @@ def test_ipc_expert_sync_greedy_equals_trainer(tiny_model, names, staging):
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
             init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=4 << 10, timeout_s=60),
+            client=client, source=src)
+        fin = eng.send_weights()
+        assert fin["full"], fin
+        got = generate(srv.url).json()["completion_ids"]
+        ref = [hf_greedy(hf, p) for p in SYNC_PROMPTS]
+        assert got == ref and got != before
+        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+            mine = hf_state_checksums(named, torch.float32)
+            rep = client.weight_checker(compare=mine)["compare"]
+            assert rep["match"] and rep["compared"] == len(mine), rep
+        eng.shutdown()
+
+
+# ---- expert weight sync over NCCL ----------------------------------------------------------------
+# the transport fixture of the NCCL sync tests: real NCCL with the trainer on GPU 1 (skipped with one
+# GPU: "NCCL needs two GPUs"), and "gloo-cuda" on one GPU (the "nccl" group built as gloo over CUDA
+# tensors, tests/gpu/nccl_over_gloo.py: everything above the backend runs as over NCCL)
+from tests.gpu.test_transfer_gpu_nccl import transport  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("names", ["per_expert", "fused"])
+def test_nccl_expert_sync_greedy_equals_trainer(tiny_model, transport, names):  # noqa: F811
+    """A trainer's Qwen2-MoE (float32) synced over the NCCL data plane in packed buckets smaller
+    than one expert tensor (per-expert names) or one per tensor (fused names, unpacked) into a
+    server started from dummy weights: greedy tokens == the trainer model's, ``/weight_checker``
+    matches under both namings."""
+    from rlserve.transfer import (HTTPWeightSyncClient, ModuleSource, NCCLTrainerInitInfo, TensorListSource,
+                                  WeightTransferTrainerFactory, hf_state_checksums)
+    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
+    from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
+    from tests.test_moe_sync import per_expert
+    from tests.transfer_harness import free_port
+
+    path = tiny_model("qwen2_moe")
+    hf = load_hf(path, transport.trainer_device, torch.float32)
+    src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
+    with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0", launcher=transport.launcher) as srv:
+        before = generate(srv.url).json()["completion_ids"]
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+                                          packed=names == "per_expert", packed_buffer_size_bytes=4 << 10,
+                                          timeout_s=60),
             client=client, source=src)
         fin = eng.send_weights()
         assert fin["full"], fin

@@ -1,7 +1,9 @@
 """Tensor parallelism over NCCL on two GPUs (skipped with fewer).
 
 - float32, CUDA graphs off and on: TP=2 greedy tokens == TP=1 on one GPU == Hugging Face,
-  including SmolLM2's uneven 9-head / 3-KV-head split, logprobs within 1e-3.
+  including SmolLM2's uneven 9-head / 3-KV-head split and the mixture-of-experts models (each
+  expert's intermediate dim split over the ranks, the fused-MoE kernel on each), logprobs within 1e-3.
+- routed-experts replay with TP=2 and decode graphs: the ids equal TP=1's.
 - fp8 (``_scaled_mm``) with TP=2: runs, and its greedy agreement with TP=1 fp8 is reported
   (the two differ only in all-reduce summation order, so agreement must be high but need not be
   exact).
@@ -37,8 +39,9 @@ def _run(path, params, **kw):
             llm.engine.executor.shutdown()
 
 
-@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("smollm", SMOLLM_9_HEADS), ("opt", {})],
-                         ids=["qwen3", "smollm_9h_3kv", "opt"])
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("smollm", SMOLLM_9_HEADS), ("opt", {}), ("qwen3_moe", {}),
+                                            ("qwen2_moe", {})],
+                         ids=["qwen3", "smollm_9h_3kv", "opt", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_tp2_nccl_float32_equals_tp1_and_hf(arch, overrides, eager, tiny_model):
     path = tiny_model(arch, **overrides)
@@ -66,3 +69,17 @@ def test_tp2_fp8_runs_and_agrees_with_tp1_fp8(tiny_model):
     print(f"[tp2-fp8] greedy agreement TP2 vs TP1 (fp8, bf16): {same}/{total} = {same / total:.1%}")
     assert all(len(a) == NEW for a in tokens(out2))
     assert same / total >= 0.8
+
+
+def test_tp2_moe_replay_equals_tp1(tiny_model):
+    """Qwen3-MoE, float32, decode CUDA graphs, ``enable_return_routed_experts``: TP=2's greedy
+    tokens and routed-expert ids (rank 0's replicated router) equal TP=1's on one GPU."""
+    path = tiny_model("qwen3_moe")
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    out2 = _run(path, params, dtype="float32", tensor_parallel_size=2, device_ids=[0, 1],
+                enable_return_routed_experts=True)
+    out1 = _run(path, params, dtype="float32", enable_return_routed_experts=True)
+    assert tokens(out2) == tokens(out1)
+    for a, b in zip(out2, out1):
+        ra, rb = a.outputs[0].routed_experts, b.outputs[0].routed_experts
+        assert ra is not None and ra.shape == rb.shape and (ra == rb).all()
