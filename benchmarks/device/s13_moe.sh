@@ -86,7 +86,7 @@ EOF
 
 # ---- b) GPU tests (skip on CPU: the dry run checks they collect and skip)
 t=$(slot 120 75)
-RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" $PY -m pytest -q -p no:cacheprovider -rfEs \
+RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" $PY -m pytest -v -p no:cacheprovider -rfEs \
   tests/gpu/test_moe_gpu.py > "$OUT_DIR/tests_moe_gpu.log" 2>&1
 say "b) tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_moe_gpu.log")"
 
