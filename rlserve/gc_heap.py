@@ -9,7 +9,17 @@ ran every second or so: 250-940 ms each in the API process, 9.3 s of 18 s of a 2
 streaming run (``benchmarks/api_stream_load.py`` on the 2-core CPU machine), each a gap in every
 stream and in every step of the engine-core process. :func:`freeze_startup_heap` moves what is
 alive after start-up into the permanent generation (``gc.freeze``), which collections skip; what
-the serving loop allocates is still collected as before."""
+the serving loop allocates is still collected as before.
+
+What the serving loop keeps alive is still traversed by every full collection: at 256 streams the
+API process holds 50-100k container objects (each stream's request, generators, tasks, protocol
+and output state), and with CPython's default thresholds ``(700, 10, 10)`` a full collection ran
+every ~0.7 s, 90-130 ms each on the loaded CPU machine (the issue-37 harness with a ``gc.callbacks``
+probe), a gap in every stream each time: at a chunk every 10-20 ms per stream that is several
+percent of all inter-token gaps, i.e. the p99. After freezing, the third threshold is raised to
+:data:`FULL_COLLECTION_EVERY` (full collections that much rarer, each no longer: young objects are
+still collected by generations 0 and 1 as before; only reference cycles that live long enough to
+reach generation 2 wait longer to be freed)."""
 
 from __future__ import annotations
 
@@ -19,14 +29,22 @@ import time
 
 logger = logging.getLogger(__name__)
 
+#: generation-1 collections between two full collections once the start-up heap is frozen
+#: (CPython's default: 10); see the module docstring
+FULL_COLLECTION_EVERY = 100
+
 
 def freeze_startup_heap(what: str) -> int:
     """Collect once, then ``gc.freeze()`` everything alive (``what``: the process, for the log).
-    Call once start-up is done (model, tokenizer, app built), just before serving. Returns the
-    number of objects frozen (``gc.get_freeze_count()``)."""
+    Call once start-up is done (model, tokenizer, app built), just before serving. Also raises
+    the full-collection threshold to at least :data:`FULL_COLLECTION_EVERY`. Returns the number
+    of objects frozen (``gc.get_freeze_count()``)."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
+    g0, g1, g2 = gc.get_threshold()
+    if g0 > 0:  # 0: collection disabled by the user (gc.set_threshold(0)); leave it so
+        gc.set_threshold(g0, g1, max(g2, FULL_COLLECTION_EVERY))
     n = gc.get_freeze_count()
     logger.debug("%s: %d start-up objects frozen out of garbage collection (%.0f ms)", what, n,
                  1e3 * (time.perf_counter() - t0))

@@ -122,15 +122,16 @@ def test_core_outputs_are_handled_on_the_event_loop(tiny_model, monkeypatch):
 def test_freeze_startup_heap_moves_the_live_objects_out_of_collection():
     """In a fresh interpreter (freezing here would keep this test run's garbage forever)."""
     code = ("import gc, json; from rlserve.gc_heap import freeze_startup_heap; "
-            "import rlserve.server.openai_stream; before = len(gc.get_objects()); "
+            "import rlserve.server.openai_stream; before = len(gc.get_objects()); t = gc.get_threshold(); "
             "n = freeze_startup_heap('test'); print(json.dumps([before, n, gc.get_freeze_count(), "
-            "len(gc.get_objects())]))")
+            "len(gc.get_objects()), t, gc.get_threshold()]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=T, check=True)
-    before, n, count, after = json.loads(out.stdout.strip().splitlines()[-1])
+    before, n, count, after, default, thresholds = json.loads(out.stdout.strip().splitlines()[-1])
     assert n == count > 0
     assert n >= before // 2  # the imported modules' objects (tens of thousands): most of what was alive
     assert after < 100  # what the collector still traverses: almost nothing
-
+    # full collections FULL_COLLECTION_EVERY generation-1 collections apart (CPython's default: 10)
+    assert thresholds == default[:2] + [max(default[2], 100)] and default[2] < 100
 
 def test_sse_encoding():
     obj = {"id": "x", "choices": [{"text": "é 世界 \u2028", "logprobs": None, "n": -9999.0}]}
