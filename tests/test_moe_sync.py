@@ -139,3 +139,55 @@ def test_trl_protocol_fused_names(moe, server):
     c.close_communicator()
     info = httpx.get(server.url + "/weight_info").json()
     assert info["state"] == "uninitialized" and info["last_update"]["ok"] and info["last_update"]["full"], info
+
+
+def test_fsdp2_trainer_experts(moe, server, tmp_path):
+    """A 2-rank FSDP2 trainer of the Qwen2-MoE (DTensor parameters: transformers 5's fused
+    ``[E, ...]`` expert tensors sharded over the ranks on the expert dim; buckets of 64 KiB, half a
+    fused ``gate_up_proj``): every rank gathers (``full_tensor``), rank 0 sends; the server then
+    holds the unsharded model's weights under both namings and greedy-decodes as it does."""
+    import subprocess
+    import sys
+
+    from tests.test_transfer_e2e import FSDP_TRAINER, ROOT
+    from tests.transfer_harness import free_port, load_hf
+
+    path, _ = moe
+    want = load_hf(path, seed=3)  # what FSDP_TRAINER loads
+    scramble(server.url, path)
+    v0 = version(server.url)
+    script = tmp_path / "fsdp_trainer.py"
+    script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path, url=server.url))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert f"0 DONE {bumped(v0)}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    for named in (per_expert(want), list(ModuleSource(want).named_tensors())):
+        mine = hf_state_checksums(named, torch.float32)
+        rep = httpx.post(server.url + "/weight_checker", json={"compare": mine}, timeout=60).json()["compare"]
+        assert rep["match"] and rep["compared"] == len(mine), rep
+    assert server_greedy(server.url).json()["completion_ids"] == [hf_greedy(want, p) for p in PROMPT_IDS]
+
+
+def test_sync_into_tp2_server(moe):
+    """A tensor-parallel server (TP=2, two CPU ranks over gloo): every rank receives the full
+    per-expert tensors (packed buckets smaller than one expert tensor) and keeps its half of each
+    expert's intermediate dim (w13 rows, w2 columns); the shared expert likewise. Greedy tokens
+    then equal the trainer's and ``/weight_checker`` (the shards gathered back) matches."""
+    from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, WeightTransferTrainerFactory
+    from tests.transfer_harness import free_port
+
+    path, hf = moe
+    with InProcessServer(path, max_model_len=128, tensor_parallel_size=2) as srv:
+        assert httpx.get(srv.url + "/get_world_size").json()["world_size"] == 2
+        before = server_greedy(srv.url).json()["completion_ids"]
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=60,
+                                          packed_buffer_size_bytes=BUCKET),
+            client=HTTPWeightSyncClient(srv.url, timeout_s=120), source=TensorListSource(per_expert(hf)))
+        assert eng.send_weights()["full"] is True
+        after = server_greedy(srv.url).json()["completion_ids"]
+        assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
+        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+            mine = hf_state_checksums(named, torch.float32)
+            rep = eng.client.weight_checker(compare=mine)["compare"]
+            assert rep["match"] and rep["compared"] == len(mine), rep
+        eng.shutdown()
