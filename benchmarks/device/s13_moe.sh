@@ -9,6 +9,7 @@
 #   c) benchmarks/sync.py: CUDA IPC sync of the 30B-A3B shape vs the device-copy floor of the same
 #      bytes; the trainer's copy + the server's copy must fit, so the most layers that do (48 on an
 #      H200, ~28 on an H100); fused names, once per-expert names.
+#   d) whatever time is left: tests/gpu/test_vllm_wire_gpu.py -k qwen3_moe (vLLM's IPC trainer, MoE).
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only when VLLM_PYTHONPATH
 # is set: a CPU vLLM's site dir).
 set -u
@@ -108,6 +109,15 @@ else
     --repeats 2 --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "c) sync rc=$? ($t s limit), qwen3-30b-a3b-${NL}l"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
+fi
+# ---- d) with what is left: vLLM 0.24's own IPC trainer engine syncs a tiny Qwen3-MoE (fused expert
+# names) into rlserve serve
+if [ "$(left)" -gt 60 ]; then
+  t=$(slot 200 5)
+  RLSERVE_VLLM_PYTHONPATH=/tmp/vsite RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" \
+    $PY -m pytest -v -p no:cacheprovider -rfEs tests/gpu/test_vllm_wire_gpu.py -k qwen3_moe \
+    > "$OUT_DIR/tests_vllm_wire_moe.log" 2>&1
+  say "d) vLLM wire MoE tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_vllm_wire_moe.log")"
 fi
 [ "$DRY_RUN" = 1 ] && $PY - "qwen3-30b-a3b-${NL}l" <<'EOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
 import sys

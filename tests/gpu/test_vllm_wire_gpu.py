@@ -151,19 +151,22 @@ def _check_synced(srv, path, device, tag):
 
 
 @needs_vllm
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_vllm_ipc_trainer_syncs_qwen3(tiny_model, tmp_path, packed):
+def test_vllm_ipc_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch):
     """vLLM's IPC trainer engine (``ipc_handles_pickled`` over HTTP) into an ipc server on the same
     GPU: the server's checksums equal the trainer's, greedy equals the trainer's model, the dummy
-    weights' tokens differed."""
-    path = tiny_model("qwen3")
+    weights' tokens differed. ``qwen3_moe``: the trainer's ``named_parameters()`` carry
+    transformers 5's fused expert tensors (``mlp.experts.gate_up_proj [8, 64, 64]``, 128 KiB: the
+    packed buffer's size), landed in the server's fused layout."""
+    path = tiny_model(arch)
     with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:
         before = generate(srv.url).json()["completion_ids"]
         out = _run_trainer(tmp_path, "ipc", path, srv.url, packed, "cuda:0")
         if "skip" in out:
             pytest.skip(out["skip"])
-        _report(f"vllm_ipc_trainer[packed={packed}]", out)
-        _check_synced(srv, path, "cuda:0", f"ipc_packed={packed}")
+        _report(f"vllm_ipc_trainer[{arch},packed={packed}]", out)
+        _check_synced(srv, path, "cuda:0", f"ipc_{arch}_packed={packed}")
         assert generate(srv.url).json()["completion_ids"] != before
 
 
