@@ -6,8 +6,9 @@
   padding bound; the kernel captured in a CUDA graph and replayed on new routing.
 - fp8 experts: the kernel equals the fp8 emulation (the same function) and its error against
   bf16 is reported (``$RLSERVE_GPU_REPORT/moe.json``).
-- A tiny Qwen3-MoE served on the GPU: float32 greedy tokens and routed-experts replay ids ==
-  Hugging Face's with decode CUDA graphs on; bf16 graphs == eager (tokens and replay ids); fp8.
+- A tiny Qwen3-MoE and Qwen2-MoE served on the GPU: float32 greedy tokens, logprobs (1e-4) and
+  routed-experts replay ids == Hugging Face's with decode CUDA graphs on; bf16 graphs == eager
+  (tokens and replay ids); fp8.
 - Expert weight sync over CUDA IPC (per-expert Hugging Face names and transformers 5's fused
   names, in place and staged): the served greedy tokens equal the trainer's model.
 - Expert weight sync over NCCL (trainer on GPU 1; skipped with one GPU) and over the one-GPU
@@ -168,24 +169,50 @@ def test_fp8_experts_equal_emulation_and_error_vs_bf16(T):
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7], [9, 8, 7, 6, 5, 4, 3]]
 
 
-def test_tiny_qwen3_moe_on_gpu_equals_hf_with_graphs(tiny_model):
+#: float32 on both sides (the kernel's dots in IEEE float32, rlserve's float32 GEMMs vs HF's on the
+#: CPU): summation order only; tests/test_lora.py's bound on logprobs
+LP_ATOL = 1e-4
+
+
+def _hf_token_logprobs(path, prompt, tokens):
+    """HF float32 (CPU) log-probabilities of ``tokens`` after ``prompt``, teacher-forced in one
+    forward: ``log_softmax(logits[len(prompt) - 1 + i])[tokens[i]]``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tiny_qwen3_moe_on_gpu_equals_hf_with_graphs(tiny_model, arch):
     """float32 engine on the GPU with decode CUDA graphs (and replay on): greedy tokens == HF's
-    (CPU float32), and the routed ids == HF's router top-k for every forwarded token."""
+    (CPU float32), each sampled token's logprob within ``LP_ATOL`` of HF's, and the routed ids ==
+    HF's router top-k for every forwarded token. ``qwen2_moe``: top-k not renormalized, plus the
+    shared expert behind its sigmoid gate."""
     from rlserve.engine.llm import LLM
     from rlserve.engine.sampling_params import SamplingParams
     from tests.test_engine import hf_greedy
     from tests.test_moe_replay import hf_routed
 
-    path = tiny_model("qwen3_moe")
+    path = tiny_model(arch)
     llm = LLM(path, dtype="float32", device="cuda", enable_return_routed_experts=True, max_num_seqs=8,
               num_kv_blocks=256)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=0))
     runner = llm.engine.executor.runner
     assert runner.cuda_graphs is not None and runner.cuda_graphs.num_replays >= 10
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 12)
+    worst = 0.0
     for o in outs:
+        toks = list(o.outputs[0].token_ids)
+        got = torch.tensor([lp[t] for lp, t in zip(o.outputs[0].logprobs, toks)], dtype=torch.float32)
+        want = _hf_token_logprobs(path, list(o.prompt_token_ids), toks)
+        worst = max(worst, float((got - want).abs().max()))
         full = o.prompt_token_ids + o.outputs[0].token_ids
         np.testing.assert_array_equal(o.outputs[0].routed_experts.astype(np.int64), hf_routed(path, full[:-1]))
+    _report(f"tiny_{arch}_max_logprob_diff_vs_hf", worst)
+    assert worst < LP_ATOL
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
