@@ -80,3 +80,44 @@ def test_without_the_mode_the_split_plan_follows_the_batch():
     """The control: with the mode off a decode row's split count (hence its bits) depends on
     the batch size; the mode pins it to one split."""
     assert ta.plan_num_splits(1, 2, 512, torch.device("cpu")) > ta.plan_num_splits(64, 2, 512, torch.device("cpu"))
+
+
+def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
+    """With the mode on, a seeded temperature row (the fused sampler's kind) gets the same
+    token and logprob alone, among rows the fused sampler takes, and among rows it does not
+    (top-p, logprobs): a mixed batch is split by row (rlserve/engine/core/sample_split.py).
+    (Without the mode a mixed batch moves every row to the general sampler, another draw.)"""
+    from rlserve.engine.core import fused_sampling
+    from rlserve.engine.core.sampler import Sampler, SamplingMetadata
+    from rlserve.engine.sampling_params import SamplingParams
+    from rlserve.layers import fused_ops
+
+    prev = fused_ops.set_fused_kernels(True, on_cpu=True)
+    monkeypatch.setattr(fused_sampling, "_BLOCK", 16)  # the interpreter stays fast
+    try:
+        V = 120
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randn(6, V, generator=g) * 2
+        target = SamplingParams(temperature=0.8, seed=11)
+        others = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.0, logprobs=3),
+                  SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.0, seed=2),
+                  SamplingParams(temperature=0.0)]
+        sampler = Sampler(set(), V)
+
+        def run(params, rows):
+            meta = SamplingMetadata(params=params, prompt_token_ids=[[1]] * len(params),
+                                    output_token_ids=[[4, 5]] * len(params))
+            return sampler(logits[rows], meta)
+
+        with bi_mode.active(True):
+            alone = run([target], [0])
+            fused_mix = run([target, others[2], others[3]], [0, 3, 4])
+            mixed = run([target] + others, [0, 1, 2, 3, 4, 5])
+        for out in (fused_mix, mixed):
+            assert out.token_ids[0] == alone.token_ids[0]
+            assert torch.equal(out.logprobs[0], alone.logprobs[0])
+        assert mixed.topk_token_ids.shape == (6, 3)
+        assert mixed.topk_token_ids[2].tolist() == logits[2].topk(3).indices.tolist()  # the general rows' top-3
+        assert mixed.token_ids[5] == logits[5].argmax()
+    finally:
+        fused_ops.set_fused_kernels(*prev)

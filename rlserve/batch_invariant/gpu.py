@@ -1,8 +1,14 @@
 """Batch-invariant CUDA forms (Triton), used when the mode is on.
 
 - GEMM (:func:`linear`): cuBLAS picks its kernel, tiling and split-K by the row count M, so a
-  row's bits change with the batch (``benchmarks/batch_invariant.py probe --device cuda``).
-  Here one Triton kernel computes every ``x [M, K] @ W[N, K].T`` with a tile shape and a
+  row's bits change with the batch (``benchmarks/batch_invariant.py probe --device cuda``; on
+  the H100, rows of a bf16 3072 x 1024 GEMM differed from M = 1 at M = 255 and 300). On Hopper
+  and newer with torch >= 2.10 the only batch dependence of cuBLAS is split-K (vLLM's finding,
+  ``vllm/model_executor/layers/batch_invariant.py``), which torch can forbid:
+  ``allow_bf16_reduced_precision_reduction = (False, False)`` (no reduced-precision reduction,
+  no split-K). There :data:`GEMM` ``"auto"`` runs ``F.linear`` with that setting for the call
+  (:func:`no_split_k`); elsewhere, or with ``GEMM = "triton"``, one Triton kernel computes
+  every ``x [M, K] @ W[N, K].T`` with a tile shape and a
   K-reduction order chosen from (N, K, dtype) only (:func:`config`): each output tile sums K
   in ``BLOCK_K`` steps from 0 upwards with ``tl.dot`` into a float32 accumulator, no split-K,
   the bias added in float32, one rounding to the output dtype. A row's value depends on its
@@ -37,6 +43,50 @@ except ImportError:  # pragma: no cover - CPU-only installs
 def available() -> bool:
     """Whether :func:`linear` can run (Triton importable)."""
     return HAS_TRITON
+
+
+#: which batch-invariant GEMM :func:`linear` runs on CUDA: "auto" (cuBLAS without split-K where
+#: :func:`cublas_invariant` says so, else Triton), "triton" or "cublas" (tests, A/B runs)
+GEMM = ["auto"]
+_CUBLAS_OK: dict[int, bool] = {}
+
+
+def cublas_invariant(device: torch.device) -> bool:
+    """Whether cuBLAS without split-K is batch-invariant on ``device``: compute capability 9.0 or
+    newer (Hopper, Blackwell) and a torch that takes the ``(reduced precision, split-K)`` pair
+    (2.10 or newer); checked on the H100 by tests/gpu/test_batch_invariant_gpu.py."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CUBLAS_OK:
+        ok = torch.cuda.get_device_capability(idx)[0] >= 9
+        if ok:
+            prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+            try:
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+            except (TypeError, ValueError, RuntimeError):  # an older torch: a bool only
+                ok = False
+            finally:
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
+        _CUBLAS_OK[idx] = ok
+    return _CUBLAS_OK[idx]
+
+
+class no_split_k:
+    """``with no_split_k(): ...``: cuBLAS may neither reduce in reduced precision nor split K
+    (bf16 and fp16 GEMMs), restored after; torch >= 2.10."""
+
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.prev = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+        m.allow_bf16_reduced_precision_reduction = (False, False)
+        m.allow_fp16_reduced_precision_reduction = (False, False)
+        return self
+
+    def __exit__(self, *exc):
+        m = torch.backends.cuda.matmul
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.prev
+        return False
 
 
 def config(N: int, K: int, dtype: torch.dtype) -> dict:
@@ -104,7 +154,9 @@ if HAS_TRITON:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with a reduction order fixed per (N, K, dtype): ``x [..., K]``
+    """``F.linear(x, weight, bias)`` whose rows do not depend on M: cuBLAS without split-K
+    (16-bit inputs where :func:`cublas_invariant`, see :data:`GEMM`), else the Triton kernel
+    with a reduction order fixed per (N, K, dtype): ``x [..., K]``
     and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on one CUDA device (or CPU under
     ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in ``x.dtype``. float32 uses
     IEEE products (no TF32).
@@ -116,6 +168,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
     if weight.dtype != x.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    if x.dtype != torch.float32 and (GEMM[0] == "cublas" or (GEMM[0] == "auto" and cublas_invariant(x.device))):
+        with no_split_k():
+            return torch.nn.functional.linear(x, weight, bias)
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])
     M, K = a.shape

@@ -40,8 +40,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=T
 SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=16, logprobs=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("gemm", ["auto", "triton"])
 @pytest.mark.parametrize("K,N", [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048)])
-def test_triton_gemm_rows_do_not_depend_on_m(K, N):
+def test_gemm_rows_do_not_depend_on_m(K, N, gemm, monkeypatch):
+    """Both forms: "auto" (cuBLAS without split-K on Hopper with torch >= 2.10) and Triton."""
+    monkeypatch.setitem(bi_gpu.GEMM, 0, gemm)
+    if gemm == "auto":
+        assert bi_gpu.cublas_invariant(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     g = torch.Generator(device="cuda").manual_seed(K + N)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -52,7 +57,8 @@ def test_triton_gemm_rows_do_not_depend_on_m(K, N):
     torch.testing.assert_close(one, torch.nn.functional.linear(x, w), rtol=2 ** -6, atol=2 ** -6 * K ** 0.5)
     cublas_one = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(300)])
     differ = [m for m in (2, 16, 64, 255, 300) if not torch.equal(torch.nn.functional.linear(x[:m], w), cublas_one[:m])]
-    write_report(f"batch_invariant_cublas_{K}x{N}", {"cublas_rows_differ_from_m1_at": differ})
+    if gemm == "triton":
+        write_report(f"batch_invariant_cublas_{K}x{N}", {"cublas_rows_differ_from_m1_at": differ})
     print(f"cuBLAS {K}x{N}: rows differ from M=1 at M in {differ}")
 
 

@@ -33,7 +33,6 @@ import random
 import torch
 
 from rlserve import envs
-from rlserve.batch_invariant import mode as bi_mode
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
@@ -57,20 +56,30 @@ def set_fused_sampler(on: bool) -> bool:
     return prev
 
 
+def runs_on(logits: torch.Tensor) -> bool:
+    """Whether :func:`sample` runs on these logits: switched on, and Triton runs on their device."""
+    return _ENABLED[0] and fused_ops.triton_enabled(logits)
+
+
 def eligible(logits: torch.Tensor, params: list, output_token_ids: list[list[int]], vocab_size: int) -> bool:
     """Whether every row can be sampled by :func:`sample` (see the module docstring)."""
-    if not (_ENABLED[0] and fused_ops.triton_enabled(logits)) or logits.shape[0] != len(params):
+    if not runs_on(logits) or logits.shape[0] != len(params):
         return False
-    if bi_mode.enabled():  # --batch-invariant: every batch through the general sampler
+    return all(eligible_rows(params, output_token_ids, vocab_size))
+
+
+def eligible_rows(params: list, output_token_ids: list[list[int]], vocab_size: int) -> list[bool]:
+    """Per row, whether its own parameters let :func:`sample` take it (the device and the
+    switch are :func:`eligible`'s)."""
+    return [_row_ok(p, out, vocab_size) for p, out in zip(params, output_token_ids)]
+
+
+def _row_ok(p, out: list[int], vocab_size: int) -> bool:
+    if p.logprobs or p.logit_bias or p.allowed_token_ids or (p.min_tokens and len(out) < p.min_tokens):
         return False
-    for p, out in zip(params, output_token_ids):
-        if p.logprobs or p.logit_bias or p.allowed_token_ids or (p.min_tokens and len(out) < p.min_tokens):
-            return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            return False
-        if not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0):
-            return False
-    return True
+    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        return False
+    return p.greedy or not (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
 
 
 def sample(logits: torch.Tensor, params: list, output_token_ids: list[list[int]], vocab_size: int,

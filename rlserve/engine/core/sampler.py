@@ -61,7 +61,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlserve.batch_invariant import mode as bi_mode
 from rlserve.engine.core import fused_sampling
+from rlserve.engine.core.sample_split import split_sample
 from rlserve.h2d import to_device
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 
@@ -386,8 +388,12 @@ class Sampler:
             :class:`SamplerOutput` on the logits' device (no host sync here).
         """
         params = meta.params
-        if (self.logprobs_mode == "raw_logprobs" and not (meta.grammars and any(g is not None for g in meta.grammars))
-                and fused_sampling.eligible(logits, params, meta.output_token_ids, self.vocab_size)):
+        fused_ok = self.logprobs_mode == "raw_logprobs" and not (meta.grammars and any(g is not None for g in meta.grammars))
+        if fused_ok and bi_mode.enabled() and len(params) > 1 and fused_sampling.runs_on(logits):
+            rows = fused_sampling.eligible_rows(params, meta.output_token_ids, self.vocab_size)
+            if any(rows) and not all(rows):  # --batch-invariant: each row's path by its own params
+                return SamplerOutput(*split_sample(self, logits, meta, rows))
+        if fused_ok and fused_sampling.eligible(logits, params, meta.output_token_ids, self.vocab_size):
             # temperature / greedy only: one pass over the logits on the GPU
             tok, lp = fused_sampling.sample(logits, params, meta.output_token_ids, self.vocab_size, self._fused_rng)
             return SamplerOutput(tok, lp, torch.empty(len(params), 0, dtype=torch.long, device=tok.device),
