@@ -14,7 +14,8 @@ import torch
 
 import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
 
-for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.layers.triton_attention",
+for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.batch_invariant.query_tiles",
+              "rlserve.layers.triton_attention",
               "rlserve.batch_invariant.gpu"):
     if _name in sys.modules:  # built without the interpreter: rebuild
         importlib.reload(sys.modules[_name])
@@ -47,16 +48,25 @@ def test_config_depends_on_n_k_and_dtype_only():
     assert "M" not in str(bi_gpu.config.__code__.co_varnames[:bi_gpu.config.__code__.co_argcount])
 
 
-def test_attention_of_a_token_is_the_same_in_every_kind_of_step():
+@pytest.mark.parametrize("form", ["tiles", "per_query"])
+@pytest.mark.parametrize("H", [4, 6])
+def test_attention_of_a_token_is_the_same_in_every_kind_of_step(form, H, monkeypatch):
     """A prompt in one prefill, in two chunks (the second over the cached first), next to
     another prompt, and each of its tokens as a decode step alone or among other decode rows:
-    the same bits with the mode on (and the torch reference's values up to float32 rounding)."""
-    H, Hkv, D, bs, n = 4, 2, 16, 4, 37
+    the same bits with the mode on (and the torch reference's values up to float32 rounding).
+    Both prefill forms (rlserve/batch_invariant/query_tiles.py: 8 query tokens per program for
+    2 heads per KV head, 5 for 3, so tiles end inside the prompt and its chunks)."""
+    from rlserve.batch_invariant import query_tiles
+
+    monkeypatch.setattr(query_tiles, "FORM", [form])
+    Hkv, D, bs, n = 2, 16, 4, 37
     q, kc, vc, meta = make_paged_case([n], [n], H, Hkv, D, bs, torch.float32, spare_blocks=12)
     table = meta.block_tables[0].tolist()
     others = [10 + i for i in range(3)]  # spare blocks: a neighbour's context
     with bi_mode.active(True):
         whole = ta.triton_paged_attention(q, kc, vc, meta, 0.25)
+        tiled = [k for k in meta.backend_cache if isinstance(k, tuple) and k[0] == "bi_query_tiles"]
+        assert tiled == ([("bi_query_tiles", 16 // (H // Hkv))] if form == "tiles" else [])
         a = ta.triton_paged_attention(q[:11], kc, vc, AttentionMetadata.build([11], [11], [table], bs), 0.25)
         b = ta.triton_paged_attention(q[11:], kc, vc, AttentionMetadata.build([n - 11], [n], [table], bs), 0.25)
         two = ta.triton_paged_attention(torch.cat([q[:5], q]), kc, vc,

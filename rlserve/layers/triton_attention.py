@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from rlserve.batch_invariant import mode as bi_mode
+from rlserve.batch_invariant import mode as bi_mode, query_tiles as bi_tiles
 from rlserve.batch_invariant.per_query import per_query_meta
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
 
@@ -217,9 +217,10 @@ def triton_paged_attention(
     if not (q.is_cuda or interpreter_enabled()):
         return torch_paged_attention(q, k_cache, v_cache, meta, scale)
     _check_cache(k_cache, v_cache)
-    if bi_mode.enabled():  # --batch-invariant: one KV split; prefill query tokens as decode rows
+    bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles"
+    if bi_mode.enabled():  # --batch-invariant: one KV split; prefill tokens as decode rows
         num_splits = 1
-        if meta.max_query_len > 1:
+        if meta.max_query_len > 1 and not bi_prefill:
             meta = per_query_meta(meta)
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
@@ -236,6 +237,9 @@ def triton_paged_attention(
     qk_scale = float(scale) * _LOG2E
     prec = _dot_precision(q.dtype)
     bt = meta.block_tables
+    if bi_prefill:  # the decode kernel's rows, several query tokens per program
+        return bi_tiles.tiled_attention(q, k_cache, v_cache, meta, qk_scale, _pow2(G), D_PAD, DECODE_BLOCK_N,
+                                        DECODE_NUM_WARPS, prec)
     if meta.max_query_len == 1:
         B = T
         S = num_splits or plan_num_splits(B, Hkv, meta.max_seq_len, q.device)

@@ -44,7 +44,7 @@ SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=16, logprobs=0, igno
 @pytest.mark.parametrize("K,N", [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048)])
 def test_gemm_rows_do_not_depend_on_m(K, N, gemm, monkeypatch):
     """Both forms: "auto" (cuBLAS without split-K on Hopper with torch >= 2.10) and Triton."""
-    monkeypatch.setitem(bi_gpu.GEMM, 0, gemm)
+    monkeypatch.setattr(bi_gpu, "GEMM", [gemm])
     if gemm == "auto":
         assert bi_gpu.cublas_invariant(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     g = torch.Generator(device="cuda").manual_seed(K + N)
