@@ -4,15 +4,20 @@
 half of ``gpu.py``): for GEMM shapes ``[M, K] x [K, N]``, is row ``i`` of ``X @ W`` bitwise
 ``X[i:i+1] @ W`` for every row count M? For each way of computing it (CPU: MKL ``F.linear``,
 oneDNN on the plain weight, oneDNN on the pre-packed weight, the mode's ``linear``; CUDA:
-cuBLAS ``F.linear`` and the mode's Triton GEMM) it prints the row counts whose rows differ
-from the one-row result.
+cuBLAS ``F.linear``, cuBLAS / cuBLASLt with split-K forbidden, the Triton GEMM) it prints
+the row counts whose rows differ from the one-row result (``CUBLASLT_WORKSPACE_SIZE`` and
+``CUBLAS_WORKSPACE_CONFIG`` are cuBLAS's own variables: set them before the run to try those).
 
-``cost``: an offline workload with the mode off and on, alternating fresh processes (A, B, A,
-B, ...) so the machine's load hits both alike, dummy weights of a real model's shape
+``cost``: an offline workload with the mode off and on (``--modes``: also variants of the
+mode's GEMM and prefill attention), alternating fresh processes (A, B, A, B, ...) so the
+machine's load hits both alike, dummy weights of a real model's shape
 (``benchmarks/model_shapes.py``): ``--num-prompts`` random prompts of ``--input-len`` tokens
 (+-50%), ``--output-len`` tokens each (+-50%), ``ignore_eos``, temperature 0.8 seeded, all
 submitted at once. Reports output tokens per wall second, CPU seconds (the engine's process),
-and whether the on-mode runs gave the same tokens every time.
+whether the on-mode runs gave the same tokens every time, and whether the first prompt run
+alone afterwards gives bitwise its tokens and logprobs in the batch (off: the control).
+``--profile-dir``: a second, profiled pass of the off and on runs (torch profiler: top kernels
+by device time, or CPU ops on CPU).
 
 Usage:
     python benchmarks/batch_invariant.py probe [--device cuda]
@@ -37,9 +42,13 @@ a = json.loads(os.environ["BI_ARGS"])
 rng = random.Random(0)
 def around(n):
     return max(1, rng.randint(n // 2, n + n // 2))
-prompts = [[rng.randrange(100, 30000) for _ in range(around(a["input_len"]))] for _ in range(a["num_prompts"])]
+hi = min(30000, a.get("vocab", 30000))
+prompts = [[rng.randrange(min(100, hi // 2), hi) for _ in range(around(a["input_len"]))] for _ in range(a["num_prompts"])]
 params = [SamplingParams(temperature=0.8, seed=i, max_tokens=around(a["output_len"]), ignore_eos=True, logprobs=0)
           for i in range(a["num_prompts"])]
+from rlserve.batch_invariant import gpu as bi_gpu, query_tiles as bi_tiles
+bi_gpu.GEMM[0] = a.get("gemm") or "auto"
+bi_tiles.FORM[0] = a.get("attn") or "tiles"
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], load_format="dummy", skip_tokenizer_init=True,
           batch_invariant=a["batch_invariant"], max_num_seqs=a["max_num_seqs"], **a["extra_kw"])
 llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=4))
@@ -52,12 +61,33 @@ if a["device"] != "cpu":
     torch.cuda.synchronize()
 c1, w1 = time.process_time(), time.perf_counter()
 ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+def tl(o):
+    return [o.outputs[0].token_ids, [d[t] for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]
 h = hashlib.sha256()
 for o in outs:
-    h.update(json.dumps([o.outputs[0].token_ids, [d[t] for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]).encode())
-print("BI " + json.dumps({"batch_invariant": a["batch_invariant"], "load": round(load, 2), "tokens": ntok,
-                          "wall_s": round(w1 - w0, 3), "cpu_s": round(c1 - c0, 2),
-                          "tok_per_s": round(ntok / (w1 - w0), 1), "digest": h.hexdigest()[:16]}), flush=True)
+    h.update(json.dumps(tl(o)).encode())
+res = {"batch_invariant": a["batch_invariant"], "gemm": bi_gpu.GEMM[0], "attn": bi_tiles.FORM[0],
+       "load": round(load, 2), "tokens": ntok, "wall_s": round(w1 - w0, 3), "cpu_s": round(c1 - c0, 2),
+       "tok_per_s": round(ntok / (w1 - w0), 1), "digest": h.hexdigest()[:16]}
+if a.get("check_alone"):  # prompts[0] alone: bitwise its output in the batch? (the mode's promise)
+    res["alone_equal_in_batch"] = tl(llm.generate([prompts[0]], [params[0]])[0]) == tl(outs[0])
+print("BI " + json.dumps(res), flush=True)
+if a.get("profile"):  # a per-kernel profile of the same workload (a second pass, profiled)
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a["device"] != "cpu" else [])
+    with profile(activities=acts) as prof:
+        llm.generate(prompts, params)
+        if a["device"] != "cpu":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if a["device"] != "cpu" else "self_cpu_time_total"
+    ka = prof.key_averages()
+    with open(a["profile"] + ".txt", "w") as f:
+        f.write(ka.table(sort_by=key, row_limit=40, max_name_column_width=90))
+    rows = sorted(({"name": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)} for e in ka),
+                  key=lambda r: -r["self_us"])
+    total = sum(r["self_us"] for r in rows)
+    with open(a["profile"] + ".json", "w") as f:
+        json.dump({"sort": key, "kernels_total_us": round(total, 1), "top": rows[:40]}, f, indent=1)
 """
 
 
@@ -71,7 +101,10 @@ def probe(args) -> None:
     dev = torch.device(args.device)
     torch.manual_seed(0)
     rows = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 128, 129, 256, 257, 513, 1024, 2100]
-    for K, N in ((576, 192), (1536, 576), (576, 49152 // 4), (4096, 1024), (1024, 3072), (3072, 1024)):
+    shapes = [(576, 192), (1536, 576), (576, 49152 // 4), (4096, 1024), (1024, 3072), (3072, 1024)]
+    if dev.type == "cuda":  # Qwen3-8B's q/k/v, gate/up, down, LM head
+        shapes += [(4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936)]
+    for K, N in shapes:
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         w = torch.randn(N, K, device=dev, dtype=dtype)
         x = torch.randn(max(rows), K, device=dev, dtype=dtype)
@@ -82,53 +115,118 @@ def probe(args) -> None:
             ways["onednn_packed"] = lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, None, "none", [], "")
             ways["batch_invariant"] = lambda v: ops.linear(v, w, packed)
         else:
-            ways["batch_invariant"] = lambda v: ops.linear(v, w)
+            from rlserve.batch_invariant import gpu
+
+            def nosplit(lt):
+                def fn(v):
+                    with gpu.no_split_k(lt):
+                        return F.linear(v, w)
+                return fn
+
+            def triton_gemm(v):
+                gpu.GEMM[0], prev = "triton", gpu.GEMM[0]
+                try:
+                    return gpu.linear(v, w)
+                finally:
+                    gpu.GEMM[0] = prev
+
+            ways["cublas_no_split_k"] = nosplit(False)
+            ways["cublaslt_no_split_k"] = nosplit(True)
+            ways["triton"] = triton_gemm
         for name, fn in ways.items():
             one = torch.cat([fn(x[i:i + 1]) for i in range(0, max(rows), 97)])
             bad = [m for m in rows[1:] if not torch.equal(fn(x[:m])[::97], one[:len(range(0, m, 97))])]
             print(f"K={K} N={N} {name}: rows differ from M=1 at M in {bad}", flush=True)
 
 
+def parse_modes(spec: str) -> list[dict]:
+    """``"off,on,on:gemm=triton,on:attn=per_query"`` -> one dict per run in a round: ``on``
+    (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``) and ``attn``
+    (``rlserve.batch_invariant.query_tiles.FORM``), None = the default.
+
+    Raises:
+        ValueError: a run that is not ``off`` / ``on`` or a key other than gemm / attn."""
+    out = []
+    for item in spec.split(","):
+        head, *kvs = item.strip().split(":")
+        if head not in ("off", "on"):
+            raise ValueError(f"mode {item!r}: starts with off or on")
+        m = {"on": head == "on", "gemm": None, "attn": None}
+        for kv in kvs:
+            k, _, v = kv.partition("=")
+            if k not in ("gemm", "attn") or not v:
+                raise ValueError(f"mode {item!r}: gemm=... or attn=...")
+            m[k] = v
+        m["label"] = item.strip()
+        out.append(m)
+    return out
+
+
 def cost(args) -> None:
-    from benchmarks.model_shapes import save_shape
+    from benchmarks.model_shapes import save_shape, shape_config
 
     root = tempfile.mkdtemp(prefix="bi_shape_")
     model = save_shape(args.shape, root)
+    vocab = shape_config(args.shape).vocab_size
     extra_kw = json.loads(args.engine_kw) if args.engine_kw else {}
-    digests: dict[bool, set] = {False: set(), True: set()}
-    results: dict[bool, list] = {False: [], True: []}
+    modes = parse_modes(args.modes)
+    digests: dict[str, set] = {m["label"]: set() for m in modes}
+    results: dict[str, list] = {m["label"]: [] for m in modes}
     for rep in range(args.reps):
-        for on in (False, True):
-            a = dict(model=model, dtype=args.dtype, device=args.device, batch_invariant=on, num_prompts=args.num_prompts,
-                     input_len=args.input_len, output_len=args.output_len, max_num_seqs=args.max_num_seqs,
-                     extra_kw=extra_kw)
+        for m in modes:
+            prof = None
+            if args.profile_dir and rep == 0 and m["label"] in ("off", "on"):
+                os.makedirs(args.profile_dir, exist_ok=True)
+                prof = os.path.join(args.profile_dir, f"profile-{args.shape}-{m['label']}")
+            a = dict(model=model, dtype=args.dtype, device=args.device, batch_invariant=m["on"],
+                     num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                     max_num_seqs=args.max_num_seqs, extra_kw=extra_kw, gemm=m["gemm"], attn=m["attn"],
+                     check_alone=rep == 0, profile=prof, vocab=vocab)
             env = dict(os.environ, BI_ARGS=json.dumps(a), PYTHONPATH=os.getcwd())
-            r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
+            try:
+                r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                                   timeout=args.run_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"run {m['label']} timed out after {args.run_timeout} s", flush=True)
+                continue
             line = next((ln[3:] for ln in r.stdout.splitlines() if ln.startswith("BI ")), None)
             if line is None:
-                print(f"run failed (exit {r.returncode}): {r.stderr[-3000:]}", flush=True)
+                print(f"run {m['label']} failed (exit {r.returncode}): {r.stderr[-3000:]}", flush=True)
                 continue
             res = json.loads(line)
-            res.update(rep=rep, shape=args.shape, device=args.device, dtype=args.dtype)
+            res.update(mode=m["label"], rep=rep, shape=args.shape, device=args.device, dtype=args.dtype,
+                       num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
             print(json.dumps(res), flush=True)
-            digests[on].add(res["digest"])
-            results[on].append(res)
+            digests[m["label"]].add(res["digest"])
+            results[m["label"]].append(res)
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(res) + "\n")
-    if results[False] and results[True]:
-        def median(xs):
-            xs = sorted(xs)
-            return xs[len(xs) // 2]
+    if not results.get("off"):
+        return
 
-        wall = {on: median([r["wall_s"] for r in results[on]]) for on in (False, True)}
-        cpu = {on: median([r["cpu_s"] for r in results[on]]) for on in (False, True)}
-        summary = {"shape": args.shape, "device": args.device, "median_wall_s_off": wall[False],
-                   "median_wall_s_on": wall[True], "wall_cost_pct": round((wall[True] / wall[False] - 1) * 100, 1),
-                   "median_cpu_s_off": cpu[False], "median_cpu_s_on": cpu[True],
-                   "cpu_cost_pct": round((cpu[True] / cpu[False] - 1) * 100, 1),
-                   "on_runs_identical": len(digests[True]) == 1}
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2]
+
+    off_wall = median([r["wall_s"] for r in results["off"]])
+    off_cpu = median([r["cpu_s"] for r in results["off"]])
+    for label, rs in results.items():
+        if label == "off" or not rs:
+            continue
+        wall, cpu = median([r["wall_s"] for r in rs]), median([r["cpu_s"] for r in rs])
+        summary = {"shape": args.shape, "device": args.device, "mode": label, "median_wall_s_off": off_wall,
+                   "median_wall_s_on": wall, "wall_cost_pct": round((wall / off_wall - 1) * 100, 1),
+                   "median_cpu_s_off": off_cpu, "median_cpu_s_on": cpu,
+                   "cpu_cost_pct": round((cpu / off_cpu - 1) * 100, 1),
+                   "on_runs_identical": len(digests[label]) == 1,
+                   "alone_equal_in_batch": [r.get("alone_equal_in_batch") for r in rs if "alone_equal_in_batch" in r],
+                   "off_alone_equal_in_batch": [r.get("alone_equal_in_batch") for r in results["off"]
+                                                if "alone_equal_in_batch" in r]}
         print("SUMMARY " + json.dumps(summary), flush=True)
+        print(f"COST {args.shape} {label}: {wall} s vs off {off_wall} s = {summary['wall_cost_pct']:+}% wall, "
+              f"alone = in batch: on {summary['alone_equal_in_batch']}, off {summary['off_alone_equal_in_batch']}",
+              flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(summary) + "\n")
@@ -149,6 +247,11 @@ def main() -> None:
     c.add_argument("--max-num-seqs", type=int, default=256)
     c.add_argument("--reps", type=int, default=2)
     c.add_argument("--engine-kw", default=None, help="JSON of more LLM(...) keyword arguments")
+    c.add_argument("--modes", default="off,on",
+                   help="runs of a round, e.g. off,on,on:gemm=triton,on:attn=per_query (parse_modes)")
+    c.add_argument("--profile-dir", default=None,
+                   help="profile the off and on runs of the first round (torch profiler, top kernels) here")
+    c.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
     c.add_argument("--json", default=None, help="append one JSON line per run here")
     args = ap.parse_args()
     probe(args) if args.cmd == "probe" else cost(args)

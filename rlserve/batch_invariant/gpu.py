@@ -17,12 +17,12 @@
   reuse), as Thinking Machines' ``batch_invariant_ops`` matmul does; the walk changes which
   program computes a tile, not how.
 - Attention: :mod:`rlserve.layers.triton_attention` runs its decode kernel with one KV split
-  (the split count otherwise follows the batch size) and every prefill query token as a decode
-  row over its own context (:func:`rlserve.batch_invariant.per_query.per_query_meta`), so a
-  token's attention is the same in a prompt, a prefix-cache hit and a decode step, eager or
-  replayed from a CUDA graph.
-- Sampling: the one-pass fused sampler is not used (its logprob and draw differ from the
-  general sampler's, and which one a batch takes depends on its other rows).
+  (the split count otherwise follows the batch size), and the query tokens of steps with
+  prefills through :mod:`rlserve.batch_invariant.query_tiles` (the decode kernel's operations,
+  several tokens of one sequence per program), so a token's attention is the same in a prompt,
+  a prefix-cache hit and a decode step, eager or replayed from a CUDA graph.
+- Sampling: each row by its own parameters (:mod:`rlserve.engine.core.sample_split`): the
+  one-pass fused sampler for the rows it takes, the general one for the others.
 - RMSNorm, SiLU-mul, q/k norm + rotary (Triton, :mod:`rlserve.layers.fused_ops`): one row
   (token) per program with a block size from the hidden size only: unchanged.
 """
@@ -45,8 +45,10 @@ def available() -> bool:
     return HAS_TRITON
 
 
-#: which batch-invariant GEMM :func:`linear` runs on CUDA: "auto" (cuBLAS without split-K where
-#: :func:`cublas_invariant` says so, else Triton), "triton" or "cublas" (tests, A/B runs)
+#: which batch-invariant GEMM :func:`linear` runs on CUDA: "auto" ("cublaslt" where
+#: :func:`cublas_invariant` says so, else "triton"), "cublaslt" (cuBLASLt preferred, split-K and
+#: reduced-precision reduction forbidden: vLLM's Hopper setting), "cublas" (the same flags, torch's
+#: default library choice) or "triton" (tests, A/B runs: ``benchmarks/batch_invariant.py --gemm``)
 GEMM = ["auto"]
 _CUBLAS_OK: dict[int, bool] = {}
 
@@ -73,19 +75,28 @@ def cublas_invariant(device: torch.device) -> bool:
 
 
 class no_split_k:
-    """``with no_split_k(): ...``: cuBLAS may neither reduce in reduced precision nor split K
-    (bf16 and fp16 GEMMs), restored after; torch >= 2.10."""
+    """``with no_split_k(lt): ...``: cuBLAS may neither reduce in reduced precision nor split K
+    (bf16 and fp16 GEMMs; torch >= 2.10), and with ``lt`` torch prefers cuBLASLt (whose
+    heuristic takes the split-K ban as a reduction-scheme mask); restored after."""
+
+    def __init__(self, lt: bool = True):
+        self.lt = lt
 
     def __enter__(self):
         m = torch.backends.cuda.matmul
         self.prev = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
         m.allow_bf16_reduced_precision_reduction = (False, False)
         m.allow_fp16_reduced_precision_reduction = (False, False)
+        if self.lt:
+            self.prev_lib = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         return self
 
     def __exit__(self, *exc):
         m = torch.backends.cuda.matmul
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.prev
+        if self.lt:
+            torch.backends.cuda.preferred_blas_library(self.prev_lib)
         return False
 
 
@@ -168,8 +179,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
     if weight.dtype != x.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
-    if x.dtype != torch.float32 and (GEMM[0] == "cublas" or (GEMM[0] == "auto" and cublas_invariant(x.device))):
-        with no_split_k():
+    form = GEMM[0]
+    if form == "auto":
+        form = "cublaslt" if cublas_invariant(x.device) else "triton"
+    if x.dtype != torch.float32 and form in ("cublaslt", "cublas"):
+        with no_split_k(form == "cublaslt"):
             return torch.nn.functional.linear(x, weight, bias)
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])

@@ -31,35 +31,66 @@ def path(tiny_model):
     return tiny_model("qwen3", **WIDE)
 
 
-@pytest.fixture(scope="module")
-def llm(path):
-    return LLM(path, **KW)
+@pytest.fixture(scope="module", params=["auto", "triton"])
+def llm(request, path):
+    """The engine with each batch-invariant GEMM form (``auto``: cuBLASLt without split-K on
+    Hopper; ``triton``): the switch is read at every call, graphs are captured under it."""
+    prev = bi_gpu.GEMM[0]
+    bi_gpu.GEMM[0] = request.param
+    try:
+        yield LLM(path, **KW)
+    finally:
+        bi_gpu.GEMM[0] = prev
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=16, logprobs=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("gemm", ["auto", "triton"])
-@pytest.mark.parametrize("K,N", [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048)])
+@pytest.mark.parametrize("gemm", ["cublaslt", "cublas", "triton"])
+@pytest.mark.parametrize("K,N", [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048), (4096, 6144), (12288, 4096),
+                                 (4096, 151936)])
 def test_gemm_rows_do_not_depend_on_m(K, N, gemm, monkeypatch):
-    """Both forms: "auto" (cuBLAS without split-K on Hopper with torch >= 2.10) and Triton."""
+    """Each form: a row's bits at M = 1 equal those at M = 2 .. 2048 (decode batches up to 256,
+    prefill chunks beyond). Shapes of Qwen3-0.6B (1024 x 3072, 3072 x 1024) and Qwen3-8B (q/k/v
+    4096 x 6144, down 12288 x 4096, LM head 4096 x 151936)."""
     monkeypatch.setattr(bi_gpu, "GEMM", [gemm])
-    if gemm == "auto":
-        assert bi_gpu.cublas_invariant(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     g = torch.Generator(device="cuda").manual_seed(K + N)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    one = torch.cat([bi_gpu.linear(x[i:i + 1], w) for i in range(300)])
-    for m in (2, 3, 16, 17, 64, 65, 128, 255, 300):
-        assert torch.equal(bi_gpu.linear(x[:m], w), one[:m]), m
+    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    one = torch.cat([bi_gpu.linear(x[i:i + 1], w) for i in range(40)])
+    differ = [m for m in (2, 3, 16, 17, 64, 65, 128, 255, 256, 300, 512, 1024, 2048)
+              if not torch.equal(bi_gpu.linear(x[:m], w)[:40], one[:min(m, 40)])]
+    cublas_one = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(40)])
+    plain = [m for m in (2, 16, 64, 255, 300, 2048)
+             if not torch.equal(torch.nn.functional.linear(x[:m], w)[:40], cublas_one[:min(m, 40)])]
+    write_report(f"batch_invariant_gemm_{gemm}_{K}x{N}", {"rows_differ_from_m1_at": differ,
+                                                          "plain_cublas_rows_differ_from_m1_at": plain})
+    print(f"GEMM {gemm} {K}x{N}: rows differ from M=1 at M in {differ} (plain cuBLAS: {plain})")
+    assert differ == []
     # bf16 output of float32 sums: within 2 bf16 ulps (2**-7 relative) of cuBLAS
-    torch.testing.assert_close(one, torch.nn.functional.linear(x, w), rtol=2 ** -6, atol=2 ** -6 * K ** 0.5)
-    cublas_one = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(300)])
-    differ = [m for m in (2, 16, 64, 255, 300) if not torch.equal(torch.nn.functional.linear(x[:m], w), cublas_one[:m])]
-    if gemm == "triton":
-        write_report(f"batch_invariant_cublas_{K}x{N}", {"cublas_rows_differ_from_m1_at": differ})
-    print(f"cuBLAS {K}x{N}: rows differ from M=1 at M in {differ}")
+    torch.testing.assert_close(one, cublas_one, rtol=2 ** -6, atol=2 ** -6 * K ** 0.5)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b"])
+def test_real_shape_alone_equals_it_among_neighbours(shape, tmp_path):
+    """A real model's shape (dummy weights, vocabulary 151,936: the LM head GEMM, the sampler's
+    log-softmax and the fused sampler at full width), graphs on: a greedy and a seeded request
+    alone = among 15 and 127 random neighbours (batch 16 and 128, graph sizes 8 / 64 / 256 padded)."""
+    from benchmarks.model_shapes import save_shape
+
+    model = save_shape(shape, str(tmp_path))
+    big = LLM(model, load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
+              batch_invariant=True, max_num_seqs=256, num_kv_blocks=6144, extra={"cuda_graph_sizes": [1, 8, 64, 256]})
+    rng = random.Random(3)
+    target = random_prompt(rng, 200, 201)
+
+    def neighbour(r, i):
+        return SamplingParams(temperature=r.choice([0.0, 0.8]), seed=i, max_tokens=r.randrange(2, 24), logprobs=0,
+                              ignore_eos=True)
+
+    for params in (GREEDY, SEEDED):
+        check_among_neighbours(big, target, params, neighbour, (15, 127), rng, hi=300)
 
 
 def test_request_alone_equals_it_among_1_to_255_neighbours(llm):
@@ -98,3 +129,4 @@ def test_reference_logprobs_equal_the_servers(path, llm):
     stats = mismatch(served, [g[-len(s):] for g, s in zip(got, served)])
     write_report("batch_invariant_reference_gpu", stats)
     assert stats["bitwise_equal"] and stats["kl"] == 0.0 and stats["max_abs_diff"] == 0.0, stats
+
