@@ -40,6 +40,7 @@ else
   KW06='{"extra": {"cuda_graph_sizes": [1, 32, 128]}}'; KW8='{"extra": {"cuda_graph_sizes": [1, 32, 64]}}'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT_DIR/gpu.txt" 2>&1
 fi
+git log -1 --format="tree %h %cd" >> "$OUT_DIR/gpu.txt" 2>/dev/null
 say "device: $(head -1 "$OUT_DIR/gpu.txt"); torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1)"
 
 # 1. bitwise tests (on CPU they skip: the dry run runs the interpreter's forms instead)
