@@ -225,6 +225,10 @@ def test_uncovered_features_are_refused(tmp_path_factory, smollm_wide):
     cfg = type("C", (), {"quantization": "fp8", "tensor_parallel_size": 2})()
     with pytest.raises(ValueError, match="does not cover --quantization fp8, --tensor-parallel-size 2 yet"):
         bi_mode.check_config_supported(cfg)
+    cfg = type("C", (), {"kv_cache_dtype": "fp8_e4m3"})()
+    with pytest.raises(ValueError, match="does not cover --kv-cache-dtype fp8_e4m3 yet"):
+        bi_mode.check_config_supported(cfg)
+    bi_mode.check_config_supported(type("C", (), {"kv_cache_dtype": "auto"})())  # the model's dtype: covered
 
 
 def test_cpu_mode_needs_float32(smollm_wide):

@@ -33,13 +33,17 @@ def from_config(config) -> bool:
 
 def check_config_supported(config, hf_config=None) -> None:
     """Raise ``ValueError`` naming what an engine with ``config`` (and the model's Hugging Face
-    config ``hf_config``) runs that the mode does not cover: fp8 quantization, LoRA adapters,
+    config ``hf_config``) runs that the mode does not cover: fp8 quantization, an fp8 KV cache
+    (``--kv-cache-dtype``), LoRA adapters,
     tensor parallelism > 1 (the all-reduce's summation order follows the message size, hence the
     batch), mixture-of-experts layers (``num_experts`` in the model config). Their GEMMs and
     reductions do not go through the batch-invariant forms, so the mode would not hold."""
     bad = []
     if getattr(config, "quantization", None):
         bad.append(f"--quantization {config.quantization}")
+    kv = getattr(config, "kv_cache_dtype", None)
+    if kv not in (None, "auto"):  # the batch-invariant prefill kernel reads a cache of the model dtype
+        bad.append(f"--kv-cache-dtype {kv}")
     if getattr(config, "enable_lora", False):
         bad.append("--enable-lora")
     if getattr(config, "tensor_parallel_size", 1) > 1:
