@@ -13,7 +13,8 @@
 #   2. cost, Qwen3-0.6B: 128 prompts x 256 in (+-50%) / 128 out, off and on, then a profiled pass of each
 #      (torch profiler, top kernels) -> cost-0.6b.jsonl, profiles/
 #   3. cost, Qwen3-8B: 64 prompts x 256 / 128, off and on -> cost-8b.jsonl
-#   4. cost, Qwen3-0.6B, the mode's variants: GEMM triton, prefill attention per_query -> cost-0.6b-variants.jsonl
+#   4. cost, Qwen3-0.6B, the mode's variants (GEMM triton, prefill attention per_query; baseline: step 2's off
+#      run) -> cost-0.6b-variants.jsonl
 #   5. the GEMM probe with vLLM's cuBLAS workspace variables (CUBLASLT_WORKSPACE_SIZE=1) -> probe-ws.log
 # Every cost run reports whether its first prompt run alone gives bitwise its tokens/logprobs in the batch.
 set -u
@@ -75,11 +76,11 @@ timeout -k 5 "$(left 80)" $PY benchmarks/batch_invariant.py cost --shape $S8 --d
 say "cost $S8 rc=$?"; summ "$OUT_DIR/cost-8b.log"
 gpu_clean
 
-# 4. the mode's variants on 0.6B (the off run again as this step's own baseline)
+# 4. the mode's variants on 0.6B (baseline: step 2's off run, same machine a minute earlier)
 timeout -k 5 "$(left 70)" $PY benchmarks/batch_invariant.py cost --shape $S06 --device $DEV --dtype $DT $N06 \
-    --reps 1 --modes off,on:gemm=triton,on:attn=per_query --engine-kw "$KW06" --run-timeout 30 \
+    --reps 1 --modes on:gemm=triton,on:attn=per_query --engine-kw "$KW06" --run-timeout 35 \
     --json "$OUT_DIR/cost-0.6b-variants.jsonl" > "$OUT_DIR/cost-0.6b-variants.log" 2>&1
-say "variants rc=$?"; summ "$OUT_DIR/cost-0.6b-variants.log"
+say "variants rc=$?"; grep -h '^{' "$OUT_DIR/cost-0.6b-variants.log" | cut -c1-220 | sed 's/^/    /'
 gpu_clean
 
 # 5. GEMM probe with vLLM's workspace variables (a fresh process: cuBLAS reads them at its start)
