@@ -75,8 +75,9 @@ def test_gemm_rows_do_not_depend_on_m(K, N, gemm, monkeypatch):
 @pytest.mark.parametrize("shape", ["qwen3-0.6b"])
 def test_real_shape_alone_equals_it_among_neighbours(shape, tmp_path):
     """A real model's shape (dummy weights, vocabulary 151,936: the LM head GEMM, the sampler's
-    log-softmax and the fused sampler at full width), graphs on: a greedy and a seeded request
-    alone = among 15 and 127 random neighbours (batch 16 and 128, graph sizes 8 / 64 / 256 padded)."""
+    log-softmax, the fused and the general sampler at full width, batches split between them),
+    graphs on: a greedy, a seeded and a seeded top-p request alone = among 15 and 127 random
+    neighbours (batch 16 and 128, graph sizes 8 / 64 / 256 padded)."""
     from benchmarks.model_shapes import save_shape
 
     model = save_shape(shape, str(tmp_path))
@@ -86,10 +87,11 @@ def test_real_shape_alone_equals_it_among_neighbours(shape, tmp_path):
     target = random_prompt(rng, 200, 201)
 
     def neighbour(r, i):
-        return SamplingParams(temperature=r.choice([0.0, 0.8]), seed=i, max_tokens=r.randrange(2, 24), logprobs=0,
-                              ignore_eos=True)
+        return SamplingParams(temperature=r.choice([0.0, 0.8]), top_p=r.choice([1.0, 1.0, 0.9]), seed=i,
+                              max_tokens=r.randrange(2, 24), logprobs=0, ignore_eos=True)
 
-    for params in (GREEDY, SEEDED):
+    top_p = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, logprobs=0, ignore_eos=True)
+    for params in (GREEDY, SEEDED, top_p):  # the fused sampler's rows and a general sampler's row
         check_among_neighbours(big, target, params, neighbour, (15, 127), rng, hi=300)
 
 
