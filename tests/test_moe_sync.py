@@ -31,6 +31,15 @@ def per_expert(hf) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.clone()) for n, t in split_fused_experts(ModuleSource(hf).named_tensors())]
 
 
+def assert_checker_matches(url: str, hf) -> None:
+    """``/weight_checker`` of the server at ``url`` matches ``hf``'s tensors (float32 checksums)
+    under both namings: per expert and transformers 5's fused."""
+    for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
+        mine = hf_state_checksums(named, torch.float32)
+        rep = httpx.post(url + "/weight_checker", json={"compare": mine}, timeout=120).json()["compare"]
+        assert rep["match"] and rep["compared"] == len(mine), rep
+
+
 def test_split_fused_experts_names_and_values():
     """Each fused expert tensor becomes E per-expert tensors with the checkpoint names, in
     order, equal to the fused rows; other tensors pass through."""
@@ -93,11 +102,7 @@ def test_sync_equals_trainer(moe, servers, names, staging):
     assert fin["weight_version"] == bumped(v0) and fin["full"] is True
     after = server_greedy(srv.url).json()["completion_ids"]
     assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
-    # the server's tensors equal the trainer's, under either naming
-    for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
-        mine = hf_state_checksums(named, torch.float32)
-        rep = eng.client.weight_checker(compare=mine)["compare"]
-        assert rep["match"] and rep["compared"] == len(mine), rep
+    assert_checker_matches(srv.url, hf)  # the server's tensors equal the trainer's, under either naming
     eng.shutdown()
 
 
@@ -160,10 +165,7 @@ def test_fsdp2_trainer_experts(moe, server, tmp_path):
     script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path, url=server.url))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert f"0 DONE {bumped(v0)}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
-    for named in (per_expert(want), list(ModuleSource(want).named_tensors())):
-        mine = hf_state_checksums(named, torch.float32)
-        rep = httpx.post(server.url + "/weight_checker", json={"compare": mine}, timeout=60).json()["compare"]
-        assert rep["match"] and rep["compared"] == len(mine), rep
+    assert_checker_matches(server.url, want)
     assert server_greedy(server.url).json()["completion_ids"] == [hf_greedy(want, p) for p in PROMPT_IDS]
 
 
@@ -186,8 +188,5 @@ def test_sync_into_tp2_server(moe):
         assert eng.send_weights()["full"] is True
         after = server_greedy(srv.url).json()["completion_ids"]
         assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
-        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
-            mine = hf_state_checksums(named, torch.float32)
-            rep = eng.client.weight_checker(compare=mine)["compare"]
-            assert rep["match"] and rep["compared"] == len(mine), rep
+        assert_checker_matches(srv.url, hf)
         eng.shutdown()

@@ -254,31 +254,37 @@ def test_ipc_expert_sync_greedy_equals_trainer(tiny_model, names, staging):
     """A trainer's Qwen2-MoE (routed + shared experts, float32 on the GPU) synced over CUDA IPC
     into a server started from dummy weights: greedy tokens == the trainer's model's, and
     ``/weight_checker`` matches under both namings."""
-    from rlserve.transfer import (HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource, TensorListSource,
-                                  WeightTransferTrainerFactory, hf_state_checksums)
-    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
-    from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
+    from rlserve.transfer import IPCTrainerInitInfo, ModuleSource, TensorListSource
+    from tests.gpu.transfer_gpu_common import load_hf, serve
     from tests.test_moe_sync import per_expert
 
     path = tiny_model("qwen2_moe")
     hf = load_hf(path, "cuda:0", torch.float32)
     src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
     with serve(path, "ipc", dtype="float32", staging=staging) as srv:
-        before = generate(srv.url).json()["completion_ids"]
-        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
-        eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=4 << 10, timeout_s=60),
-            client=client, source=src)
-        fin = eng.send_weights()
-        assert fin["full"], fin
-        got = generate(srv.url).json()["completion_ids"]
-        ref = [hf_greedy(hf, p) for p in SYNC_PROMPTS]
-        assert got == ref and got != before
-        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
-            mine = hf_state_checksums(named, torch.float32)
-            rep = client.weight_checker(compare=mine)["compare"]
-            assert rep["match"] and rep["compared"] == len(mine), rep
-        eng.shutdown()
+        _sync_and_check(srv.url, hf, src, IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=4 << 10,
+                                                             timeout_s=60))
+
+
+def _sync_and_check(url, hf, src, init_info):
+    """One sync of ``src`` (``hf``'s tensors) into the server at ``url`` with ``init_info``: a full
+    update; the greedy tokens then equal ``hf``'s (and differ from before) and ``/weight_checker``
+    matches under both namings."""
+    from rlserve.transfer import HTTPWeightSyncClient, WeightTransferTrainerFactory
+    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
+    from tests.gpu.transfer_gpu_common import generate, hf_greedy
+    from tests.test_moe_sync import assert_checker_matches
+
+    before = generate(url).json()["completion_ids"]
+    client = HTTPWeightSyncClient(url, timeout_s=120)
+    eng = WeightTransferTrainerFactory.trainer_init(init_info=init_info, client=client, source=src)
+    fin = eng.send_weights()
+    assert fin["full"], fin
+    got = generate(url).json()["completion_ids"]
+    ref = [hf_greedy(hf, p) for p in SYNC_PROMPTS]
+    assert got == ref and got != before
+    assert_checker_matches(url, hf)
+    eng.shutdown()
 
 
 # ---- expert weight sync over NCCL ----------------------------------------------------------------
@@ -294,10 +300,8 @@ def test_nccl_expert_sync_greedy_equals_trainer(tiny_model, transport, names):  
     than one expert tensor (per-expert names) or one per tensor (fused names, unpacked) into a
     server started from dummy weights: greedy tokens == the trainer model's, ``/weight_checker``
     matches under both namings."""
-    from rlserve.transfer import (HTTPWeightSyncClient, ModuleSource, NCCLTrainerInitInfo, TensorListSource,
-                                  WeightTransferTrainerFactory, hf_state_checksums)
-    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
-    from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
+    from rlserve.transfer import ModuleSource, NCCLTrainerInitInfo, TensorListSource
+    from tests.gpu.transfer_gpu_common import load_hf, serve
     from tests.test_moe_sync import per_expert
     from tests.transfer_harness import free_port
 
@@ -305,20 +309,6 @@ def test_nccl_expert_sync_greedy_equals_trainer(tiny_model, transport, names):  
     hf = load_hf(path, transport.trainer_device, torch.float32)
     src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
     with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0", launcher=transport.launcher) as srv:
-        before = generate(srv.url).json()["completion_ids"]
-        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
-        eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
-                                          packed=names == "per_expert", packed_buffer_size_bytes=4 << 10,
-                                          timeout_s=60),
-            client=client, source=src)
-        fin = eng.send_weights()
-        assert fin["full"], fin
-        got = generate(srv.url).json()["completion_ids"]
-        ref = [hf_greedy(hf, p) for p in SYNC_PROMPTS]
-        assert got == ref and got != before
-        for named in (per_expert(hf), list(ModuleSource(hf).named_tensors())):
-            mine = hf_state_checksums(named, torch.float32)
-            rep = client.weight_checker(compare=mine)["compare"]
-            assert rep["match"] and rep["compared"] == len(mine), rep
-        eng.shutdown()
+        _sync_and_check(srv.url, hf, src, NCCLTrainerInitInfo(
+            master_port=free_port(), world_size=2, device=transport.trainer_device, packed=names == "per_expert",
+            packed_buffer_size_bytes=4 << 10, timeout_s=60))
