@@ -86,7 +86,7 @@ json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
 EOF
 
 # ---- b) GPU tests (skip on CPU: the dry run checks they collect and skip)
-t=$(slot 120 75)
+t=$(slot 100 70)
 RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" $PY -m pytest -v -p no:cacheprovider -rfEs \
   tests/gpu/test_moe_gpu.py > "$OUT_DIR/tests_moe_gpu.log" 2>&1
 say "b) tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_moe_gpu.log")"
@@ -106,7 +106,7 @@ else
   [ "$NL" -gt 48 ] && NL=48
   t=$(slot 200 5)
   timeout -k 5 "$t" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "qwen3-30b-a3b-${NL}l" \
-    --repeats 2 --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
+    --repeats 1 --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "c) sync rc=$? ($t s limit), qwen3-30b-a3b-${NL}l"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
 fi
