@@ -172,12 +172,14 @@ def test_vllm_ipc_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch):
 
 @needs_vllm
 @needs_2
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_vllm_nccl_trainer_syncs_qwen3(tiny_model, tmp_path, packed):
+def test_vllm_nccl_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch):
     """vLLM's NCCL trainer engine on GPU 1 (rank 0, hosting its StatelessProcessGroup store)
-    into an NCCL server on GPU 0 (vLLM's wire: no layout header, raw buckets, no checksums)."""
-    path = tiny_model("qwen3")
+    into an NCCL server on GPU 0 (vLLM's wire: no layout header, raw buckets, no checksums);
+    ``qwen3_moe``: fused expert tensors of 128 KiB, larger than the 64 KiB buckets."""
+    path = tiny_model(arch)
     with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0") as srv:
         out = _run_trainer(tmp_path, "nccl", path, srv.url, packed, "cuda:1", free_port())
-        _report(f"vllm_nccl_trainer[packed={packed}]", out)
-        _check_synced(srv, path, "cuda:0", f"nccl_packed={packed}")
+        _report(f"vllm_nccl_trainer[{arch},packed={packed}]", out)
+        _check_synced(srv, path, "cuda:0", f"nccl_{arch}_packed={packed}")
