@@ -190,3 +190,38 @@ def test_sync_into_tp2_server(moe):
         assert after == [hf_greedy(hf, p) for p in PROMPT_IDS] and after != before
         assert_checker_matches(srv.url, hf)
         eng.shutdown()
+
+
+@pytest.mark.parametrize("staging", ["none", "device"])
+def test_checksum_after_the_data_never_half_updates(moe, servers, staging, monkeypatch):
+    """A packed per-expert update (buckets smaller than one expert tensor, other values than the
+    served ones) whose second bucket checksum, sent after the data, is off by one fails with 500.
+    Staged, the server keeps what it had (checksums, version, greedy tokens); in place it answers
+    503 until a full update lands. The next full update gives the trainer's weights."""
+    from tests.transfer_harness import wrong_second_bucket_sum
+
+    path, hf = moe
+    srv = servers(staging)
+    eng = trainer(srv.url, TensorListSource(per_expert(hf)), packed_buffer_size_bytes=BUCKET)
+    eng.send_weights()
+    good, v0 = checksums(srv.url), version(srv.url)
+    expected = server_greedy(srv.url).json()["completion_ids"]
+    eng.shutdown()
+    other = trainer(srv.url, TensorListSource([(n, 1.5 * t) for n, t in per_expert(hf)]),
+                    packed_buffer_size_bytes=BUCKET)
+    calls = wrong_second_bucket_sum(monkeypatch)
+    with pytest.raises(WeightSyncHTTPError) as ei:
+        other.send_weights()
+    assert ei.value.status_code == 500 and "after the data" in str(ei.value), str(ei.value)
+    assert len(calls) >= 2 and version(srv.url) == v0
+    r = server_greedy(srv.url)
+    if staging == "none":
+        assert r.status_code == 503 and "full weight update" in r.json()["error"]["message"]
+    else:
+        assert r.json()["completion_ids"] == expected and checksums(srv.url) == good
+    other.shutdown()
+    monkeypatch.undo()
+    eng = trainer(srv.url, TensorListSource(per_expert(hf)), packed_buffer_size_bytes=BUCKET)
+    eng.send_weights()
+    assert checksums(srv.url) == good and server_greedy(srv.url).json()["completion_ids"] == expected
+    eng.shutdown()
