@@ -33,7 +33,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "cpu (dry run)" > "$OUT_DIR/gpu.txt"
   timeout 600 $PY benchmarks/vllm_bench.py --shape tiny-llama --vllm-python "$VPY" --max-model-len 256 \
       --max-num-seqs 16 --bench-timeout 300 --concurrency 8 4 \
-      --configs "rlserve=--disable-access-log" --json "$OUT_DIR/vllm_bench.json" \
+      --configs "rlserve=--disable-access-log" "rlserve-si2=@conc=8 --disable-access-log --stream-interval 2" --json "$OUT_DIR/vllm_bench.json" \
       -- --backend vllm --dataset-name random --random-input-len 32 --random-output-len 8 --num-prompts 16 \
       --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
   rc=$?
@@ -48,11 +48,14 @@ echo "$GPU" > "$OUT_DIR/gpu.txt"
 say "gpu: $GPU"
 [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
 
-# rlserve: c256 then c64 (~45 s each with the client's start); vLLM: start ~85 s, c256 ~50 s, c64 ~70 s.
-# Whole step bounded at 370 s (budget 400 s); the JSON is rewritten after every benchmark run.
+# rlserve: c256 then c64 (~45 s each with the client's start); vLLM: start ~85 s, c256 ~50 s, c64 ~70 s;
+# last, if time is left, rlserve with vLLM's --stream-interval 2 at c256 (half the SSE chunks: whether the
+# one-process client or the server's per-chunk work bounds the p99 ITL). Whole step bounded at 370 s
+# (budget 400 s); the JSON is rewritten after every benchmark run.
 timeout -k 5 370 $PY benchmarks/vllm_bench.py --shape qwen3-0.6b --bench-timeout 150 \
     --configs "rlserve=@conc=256,64 --dtype bfloat16 --disable-access-log" \
               "vllm=@conc=256,64 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log" \
+              "rlserve-si2=@conc=256 --dtype bfloat16 --disable-access-log --stream-interval 2" \
     --json "$OUT_DIR/vllm_bench.json" \
     -- --backend vllm --dataset-name random --random-input-len 512 --random-output-len 256 --num-prompts 768 \
     --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
