@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlserve.errors import InvalidRequestError
+from rlserve.layers.kv_quant import KV_CACHE_DTYPES
 
 _DTYPES = {
     "float32": torch.float32,
@@ -85,6 +86,12 @@ class EngineConfig:
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
         gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        kv_cache_dtype: the KV cache's dtype, vLLM's ``--kv-cache-dtype``: "auto" (the model's),
+            "fp8" (= "fp8_e4m3"), "fp8_e4m3" or "fp8_e5m2": one byte per element, so twice the
+            blocks of a bf16 cache in the same memory (:mod:`rlserve.layers.kv_quant`).
+        calculate_kv_scales: with an fp8 cache, set each layer's ``k_scale`` / ``v_scale`` from the
+            first batch (vLLM's ``--calculate-kv-scales``); otherwise they are 1.0. No effect with
+            "auto" (no scales).
         enforce_eager: no CUDA graphs.
         seed: global seed (dummy weights, unseeded sampling).
         tensor_parallel_size / data_parallel_size: parallelism.
@@ -135,6 +142,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enforce_eager: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -171,6 +180,9 @@ class EngineConfig:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise InvalidRequestError("parallel sizes must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (vLLM's "
+                                      f"values), got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise InvalidRequestError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_logprobs < -1:

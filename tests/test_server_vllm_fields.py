@@ -308,7 +308,7 @@ def test_tokenize_detokenize(server, hf):
         assert (err["param"], err["code"]) == (param, code), (path, body, err)
 
 
-@pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "fp8"), ("--speculative-config", '{"method": "ngram"}'),
+@pytest.mark.parametrize("flag,value", [("--kv-cache-dtype", "int8"), ("--speculative-config", '{"method": "ngram"}'),
                                         ("--distributed-executor-backend", "ray")])
 def test_flags_rlserve_cannot_honour(model_dir, flag, value):
     out = subprocess.run([sys.executable, "-m", "rlserve", "serve", model_dir, flag, value], capture_output=True,

@@ -177,6 +177,8 @@ def engine_config_from_args(args, model_path: str):
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         enable_return_routed_experts=getattr(args, "enable_return_routed_experts", False),
         batch_invariant=getattr(args, "batch_invariant", False),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        calculate_kv_scales=getattr(args, "calculate_kv_scales", False),
         extra={"cuda_graph_sizes": list(args.cudagraph_capture_sizes)} if getattr(
             args, "cudagraph_capture_sizes", None) else {},
     )

@@ -2,9 +2,9 @@
 vllm-serve``'s among them) start rlserve unchanged.
 
 Each flag is implemented where it means something for rlserve (``--logprobs-mode``,
-``--max-logprobs -1``, ``--uvicorn-log-level``, ``--kv-cache-dtype auto``); where it does not
+``--max-logprobs -1``, ``--uvicorn-log-level``, ``--kv-cache-dtype``); where it does not
 apply, the server logs one warning line saying so and goes on; a value rlserve cannot honour
-(an fp8 KV cache, a speculative config, Ray) stops the server with a message naming the flag.
+(a speculative config, Ray) stops the server with a message naming the flag.
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                    help="what logprobs hold: raw_* = the model's distribution; processed_* = after penalties, "
                         "temperature, top-k/top-p/min-p (what an importance ratio needs)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="only 'auto' (the KV cache is kept in the model's dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's dtype: auto = the model's; fp8 (= fp8_e4m3) / fp8_e5m2: one byte per "
+                        "element, twice the blocks in the same memory, per-layer k/v scales (1.0 unless "
+                        "--calculate-kv-scales)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with an fp8 KV cache: each layer's k_scale / v_scale from the first batch (max|k| / 200, "
+                        "max|v| / 100, vLLM's constants) instead of 1.0")
     g.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers", "terratorch"],
                    help="rlserve always runs its own model implementations (auto / vllm)")
     g.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
@@ -118,7 +123,8 @@ NOOP_FLAGS: dict[str, str] = {
 }
 #: flags of which only some values are served, the others refused with a message: ``{flag: which}``
 LIMITED_FLAGS: dict[str, str] = {
-    "--kv-cache-dtype": "`auto` only (the KV cache is kept in the model's dtype)",
+    "--kv-cache-dtype": "`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`; fp8 with `--batch-invariant` on "
+                        "CPU refused",
     "--model-impl": "`auto`, `vllm`; `transformers` with one warning line (rlserve's own implementation runs); "
                     "`terratorch` refused",
     "--distributed-executor-backend": "`mp`, `uni` (local worker processes); `ray`, `external_launcher` refused",
@@ -147,9 +153,8 @@ _TOKENIZER_MODES = ("auto", "hf")
 def check_vllm_compat_args(args) -> str | None:
     """Log a warning per flag that does not apply; return an error message for a value rlserve
     cannot honour (the caller exits with it), else None."""
-    if args.kv_cache_dtype != "auto":
-        return (f"--kv-cache-dtype {args.kv_cache_dtype}: rlserve keeps the KV cache in the model's dtype; "
-                "only 'auto' is supported")
+    if args.calculate_kv_scales and args.kv_cache_dtype == "auto":
+        logger.warning("--calculate-kv-scales does not apply: --kv-cache-dtype auto keeps no scales")
     if args.speculative_config not in (None, "", "null", "{}"):
         try:
             json.loads(args.speculative_config)

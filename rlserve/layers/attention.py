@@ -2,9 +2,10 @@
 the pure-PyTorch backend (CPU, reference, and fallback on GPU).
 
 The KV cache of one layer is two tensors ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (dtype = the model dtype), bound
-onto each :class:`Attention` module by the model runner (``module.k_cache``,
-``module.v_cache``). A token at position ``p`` of a sequence lives in block
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (dtype = the model dtype, or an fp8 type
+with ``--kv-cache-dtype fp8``: then with per-layer ``k_scale`` / ``v_scale``, see
+:mod:`rlserve.layers.kv_quant`), bound onto each :class:`Attention` module by the model runner
+(``module.k_cache``, ``module.v_cache``). A token at position ``p`` of a sequence lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``; its flat *slot* is
 ``block_id * block_size + offset``.
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.h2d import to_device
+from rlserve.layers import kv_quant
 
 
 @dataclass
@@ -159,17 +161,24 @@ class AttentionMetadata:
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter this step's keys/values into the paged cache.
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; an fp8 cache
+            stores ``saturate(x / scale)`` (:mod:`rlserve.layers.kv_quant`).
         slot_mapping: ``[T]`` int64; entries < 0 are skipped.
+        k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (None: 1.0).
     """
-    kc = k_cache.view(-1, *k_cache.shape[2:])
-    vc = v_cache.view(-1, *v_cache.shape[2:])
+    if kv_quant.is_fp8(k_cache.dtype):
+        one = torch.ones(1, dtype=torch.float32, device=k.device)
+        k = kv_quant.quantize(k, k_scale if k_scale is not None else one, k_cache.dtype).view(torch.uint8)
+        v = kv_quant.quantize(v, v_scale if v_scale is not None else one, v_cache.dtype).view(torch.uint8)
+    kc = kv_quant.as_bytes(k_cache).view(-1, *k_cache.shape[2:])
+    vc = kv_quant.as_bytes(v_cache).view(-1, *v_cache.shape[2:])
     valid = slot_mapping >= 0
     if bool(valid.all()):
         kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
@@ -178,6 +187,13 @@ def write_kv_cache(
         idx = slot_mapping[valid]
         kc.index_copy_(0, idx, k[valid].to(kc.dtype))
         vc.index_copy_(0, idx, v[valid].to(vc.dtype))
+
+
+def _to_compute(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V rows in the compute ``dtype``: fp8 rows dequantized (``x * scale``)."""
+    if kv_quant.is_fp8(x.dtype):
+        return kv_quant.dequantize(x, scale if scale is not None else torch.ones(1, device=x.device), dtype)
+    return x.to(dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -193,6 +209,8 @@ def torch_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention in plain PyTorch (causal, grouped-query).
 
@@ -212,6 +230,8 @@ def torch_paged_attention(
             this step's K/V).
         meta: the step's metadata.
         scale: softmax scale (usually ``head_dim ** -0.5``).
+        k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (:mod:`rlserve.layers.kv_quant`):
+            its rows are dequantized to ``q.dtype`` (``fp8 * scale``) before the products.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q.dtype``.
@@ -237,8 +257,10 @@ def torch_paged_attention(
         bt, mask, S = cache
         # index_select on whole blocks (a memcpy per block) measured ~1.7x faster on CPU than
         # advanced indexing of [B, n_blocks] followed by a slice
-        k_ctx = k_cache.index_select(0, bt).view(B, S, Hkv, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-        v_ctx = v_cache.index_select(0, bt).view(B, S, Hkv, D).transpose(1, 2).to(q.dtype)
+        k_sel = kv_quant.as_bytes(k_cache).index_select(0, bt).view(k_cache.dtype)
+        v_sel = kv_quant.as_bytes(v_cache).index_select(0, bt).view(v_cache.dtype)
+        k_ctx = _to_compute(k_sel.view(B, S, Hkv, D).transpose(1, 2), k_scale, q.dtype)  # [B, Hkv, S, D]
+        v_ctx = _to_compute(v_sel.view(B, S, Hkv, D).transpose(1, 2), v_scale, q.dtype)
         out = F.scaled_dot_product_attention(q.view(B, 1, H, D).transpose(1, 2), k_ctx, v_ctx, attn_mask=mask,
                                              scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(T, H, D)
@@ -256,8 +278,9 @@ def torch_paged_attention(
     for i, s_len in enumerate(meta.seq_lens_cpu):
         qi = q[qsl[i] : qsl[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         q_len = qi.shape[2]
-        ki = _gather_context(k_cache, meta.block_tables[i], s_len).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-        vi = _gather_context(v_cache, meta.block_tables[i], s_len).transpose(0, 1).to(q.dtype)
+        ki = _to_compute(_gather_context(k_cache, meta.block_tables[i], s_len).transpose(0, 1), k_scale,
+                         q.dtype)  # [Hkv, S, D]
+        vi = _to_compute(_gather_context(v_cache, meta.block_tables[i], s_len).transpose(0, 1), v_scale, q.dtype)
         if expand:
             ki, vi = ki.repeat_interleave(rep, dim=0), vi.repeat_interleave(rep, dim=0)
         ki, vi = ki.unsqueeze(0), vi.unsqueeze(0)
@@ -272,9 +295,10 @@ def torch_paged_attention(
     return torch.cat(outs, dim=0)
 
 
-# name -> fn(q, k_cache, v_cache, meta, scale) -> out. GPU backends register here.
+# name -> fn(q, k_cache, v_cache, meta, scale[, k_scale=, v_scale=]) -> out (the scale keywords
+# only for an fp8 cache). GPU backends register here.
 ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_paged_attention}
-# name -> fn(k, v, k_cache, v_cache, slot_mapping) -> None: a backend's own KV-cache writer
+# name -> fn(k, v, k_cache, v_cache, slot_mapping[, k_scale=, v_scale=]) -> None: a backend's own KV-cache writer
 # (e.g. a fused, sync-free kernel usable inside CUDA graphs); backends without an entry use
 # write_kv_cache.
 KV_CACHE_WRITERS: dict[str, Callable[..., None]] = {}
@@ -319,6 +343,18 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # an fp8 cache's float32 [1] scales (None: the cache holds the model dtype), bound with
+        # the cache; calculate_kv_scales: set them from the next forward's K/V, then clear it
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.calculate_kv_scales = False
+
+    def kv_scale_kwargs(self) -> dict:
+        """The backends' ``k_scale`` / ``v_scale`` keywords: empty for a cache in the model dtype
+        (so a backend without fp8 support is called as before)."""
+        if self.k_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Args: q ``[T, num_heads*head_dim]``, k/v ``[T, num_kv_heads*head_dim]``.
@@ -334,8 +370,12 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         backend = _active_backend[0]
-        KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = ATTENTION_BACKENDS[backend](q, self.k_cache, self.v_cache, meta, self.scale)
+        if self.calculate_kv_scales and self.k_scale is not None:
+            kv_quant.set_scales_from(k, v, self.k_scale, self.v_scale)
+            self.calculate_kv_scales = False
+        kw = self.kv_scale_kwargs()
+        KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kw)
+        out = ATTENTION_BACKENDS[backend](q, self.k_cache, self.v_cache, meta, self.scale, **kw)
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -351,5 +391,5 @@ class Attention(nn.Module):
             raise RuntimeError("Attention has no KV cache bound; the model runner must bind one")
         T = q.shape[0]
         out = ATTENTION_BACKENDS[_active_backend[0]](q.view(T, self.num_heads, self.head_dim), self.k_cache,
-                                                     self.v_cache, meta, self.scale)
+                                                     self.v_cache, meta, self.scale, **self.kv_scale_kwargs())
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rlserve.layers.triton_attention_kernels import _to_cache
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -98,11 +100,11 @@ def _rope_cos_sin(COS, SIN, pos, d, rot_mask, ROT: tl.constexpr, dt: tl.constexp
 
 @triton.jit(do_not_specialize=["T"])
 def _qkv_norm_rope_write_kernel(
-    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT,
+    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_t, stride_qo, stride_cs,
     NUM_HEADS, NUM_KV_HEADS, eps, T,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
-    TOKENS: tl.constexpr,
+    TOKENS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """Program ``(i, j)``: tokens ``[i*TOKENS, (i+1)*TOKENS)`` (those below ``T``); query head
     ``j < NUM_HEADS`` -> ``Q_OUT``; otherwise KV head ``j - NUM_HEADS``: its k (normed,
@@ -129,18 +131,18 @@ def _qkv_norm_rope_write_kernel(
                     y = _norm_rope_head(k_src, KW, cos, sin, d, partner, sign, d_mask, rot_mask, eps,
                                         HEAD_DIM, QK_NORM)
                     dst = slot * stride_cs + kvh * HEAD_DIM + d
-                    tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=d_mask)
+                    tl.store(KC + dst, _to_cache(y, K_SCALE, FP8_MAX, KC.dtype.element_ty), mask=d_mask)
                     v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM + d, mask=d_mask, other=0.0)
-                    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=d_mask)
+                    tl.store(VC + dst, _to_cache(v, V_SCALE, FP8_MAX, VC.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _qkv_norm_rope_write_heads_kernel(
-    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT,
+    QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_t, stride_qo, stride_cs,
     NUM_HEADS, NUM_KV_HEADS, eps, T,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
-    HEADS: tl.constexpr,
+    HEADS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """Program ``(t, g)``: heads ``[g*HEADS, (g+1)*HEADS)`` of token ``t``, counting the
     ``NUM_HEADS`` query heads first and the ``NUM_KV_HEADS`` key heads after them (their order
@@ -169,10 +171,10 @@ def _qkv_norm_rope_write_heads_kernel(
         tl.store(Q_OUT + t * stride_qo + h * HEAD_DIM + d, y.to(Q_OUT.dtype.element_ty), mask=d_mask & ok & is_q)
         kv = d_mask & ok & (h >= NUM_HEADS) & slot_ok
         dst = kv_dst + (h - NUM_HEADS) * HEAD_DIM
-        tl.store(KC + dst, y.to(KC.dtype.element_ty), mask=kv)
+        tl.store(KC + dst, _to_cache(y, K_SCALE, FP8_MAX, KC.dtype.element_ty), mask=kv)
         # value head kvh sits at (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM = (h + NUM_KV_HEADS) * HEAD_DIM
         v = tl.load(row + (h + NUM_KV_HEADS) * HEAD_DIM + d, mask=kv, other=0.0)
-        tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=kv)
+        tl.store(VC + dst, _to_cache(v, V_SCALE, FP8_MAX, VC.dtype.element_ty), mask=kv)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ import importlib.util
 import torch
 
 from rlserve import envs
+from rlserve.layers import kv_quant
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _ENABLED = [envs.RLSERVE_FUSED_KERNELS]
@@ -205,6 +206,8 @@ def qkv_norm_rope_write(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-head q/k RMSNorm (when weights are given), rotary embedding (``rotate_half``
     style) and the paged KV-cache write, in one kernel.
@@ -220,13 +223,20 @@ def qkv_norm_rope_write(
         slot_mapping: ``[T]`` int64 flat slots; rows with ``slot < 0`` write nothing.
         q_weight, k_weight: ``[head_dim]`` RMSNorm weights (Qwen3), or None for no norm.
         eps: the norm's epsilon.
+        k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (Triton only; None: 1.0): it
+            stores ``saturate(x / scale)`` (:mod:`rlserve.layers.kv_quant`).
 
     Returns:
         ``[T, num_heads * head_dim]`` normed and rotated queries, in ``qkv.dtype``. The
         normed, rotated keys and the values are in the cache.
+
+    Raises:
+        ValueError: an fp8 cache on the CPU kernels (they write float32 only).
     """
     cpu = _cpu(qkv)
     if cpu is not None:
+        if k_cache.dtype != torch.float32:
+            raise ValueError(f"the CPU qkv_norm_rope_write writes a float32 cache, not {k_cache.dtype}")
         return cpu.qkv_norm_rope_write(qkv, positions, cos_cache, sin_cache, num_heads, num_kv_heads, head_dim,
                                        k_cache, v_cache, slot_mapping, q_weight, k_weight, eps)
     T = qkv.shape[0]
@@ -251,10 +261,10 @@ def qkv_norm_rope_write(
     kernel[grid](
         qkv, positions, cos_cache, sin_cache,
         q_weight if norm else qkv, k_weight if norm else qkv,
-        q, k_cache, v_cache, slot_mapping,
+        q, k_cache, v_cache, slot_mapping, *kv_quant.kernel_scales(k_cache, k_scale, v_scale, slot_mapping),
         qkv.stride(0), q.stride(0), k_cache.stride(1),
         num_heads, num_kv_heads, float(eps), T,
         HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, **per_program,
-        num_warps=1,
+        FP8_MAX=kv_quant.fp8_max(k_cache), num_warps=1,
     )
     return q

@@ -29,6 +29,12 @@ contract in :mod:`rlserve.layers.attention`):
   (context longer than the query) alike, since all K/V, the new tokens' included, are
   read from the cache after :func:`triton_write_kv_cache` stored them.
 
+fp8 KV cache (``--kv-cache-dtype fp8``, :mod:`rlserve.layers.kv_quant`): the writer stores
+``saturate(x / scale)``; decode and prefill load one byte per element, cast it to the query
+dtype in registers (exact: every e4m3 / e5m2 value is a bf16 / fp16 value), fold ``k_scale``
+into the softmax scale and multiply the output by ``v_scale``. The grid and the launch
+arguments do not change, so the CUDA graphs capture it as they do a bf16 cache.
+
 Numerics: ``q·k`` and ``p·v`` accumulate in float32; float32 inputs use IEEE float32
 products (``input_precision="ieee"``, never TF32), so float32 results match the
 reference :func:`rlserve.layers.attention.torch_paged_attention` to ~1e-6. bf16/fp16
@@ -48,6 +54,7 @@ import torch
 
 from rlserve.batch_invariant import mode as bi_mode, query_tiles as bi_tiles
 from rlserve.batch_invariant.per_query import per_query_meta
+from rlserve.layers import kv_quant
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
 
 try:  # Triton is optional: CPU-only installs do not have it.
@@ -157,20 +164,22 @@ def decode_order(meta: AttentionMetadata) -> torch.Tensor:
 
 
 def triton_write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter K/V rows into the paged cache (drop-in for ``write_kv_cache``, no host sync).
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]`` any float dtype (last dim contiguous).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous;
-            values are cast to the cache dtype.
+            values are cast to the cache dtype; an fp8 cache stores ``saturate(x / scale)``.
         slot_mapping: ``[T]`` int64 flat slots; ``< 0`` rows are skipped.
+        k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (None: 1.0).
     """
     if not (k.is_cuda or interpreter_enabled()):
         from rlserve.layers.attention import write_kv_cache
 
-        return write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T = k.shape[0]
     if T == 0:
         return
@@ -183,10 +192,12 @@ def triton_write_kv_cache(
         k, v = k.contiguous(), v.contiguous()
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     n = Hkv * D
+    ks, vs = kv_quant.kernel_scales(k_cache, k_scale, v_scale, slot_mapping)
     _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1),
-        HEAD_DIM=D, N=n, BLOCK=triton.next_power_of_2(n), num_warps=4 if n >= 1024 else 1,
+        HEAD_DIM=D, N=n, BLOCK=triton.next_power_of_2(n), FP8_MAX=kv_quant.fp8_max(k_cache),
+        num_warps=4 if n >= 1024 else 1,
     )
 
 
@@ -197,6 +208,8 @@ def triton_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal grouped-query attention (drop-in for ``torch_paged_attention``).
 
@@ -210,14 +223,21 @@ def triton_paged_attention(
             path can be captured in a CUDA graph.
         scale: softmax scale.
         num_splits: force the decode split count (tests); default :func:`plan_num_splits`.
+        k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (None: 1.0): the kernels read
+            fp8 K/V and dequantize in registers (:mod:`rlserve.layers.kv_quant`).
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q.dtype``.
     """
     if not (q.is_cuda or interpreter_enabled()):
-        return torch_paged_attention(q, k_cache, v_cache, meta, scale)
+        kw = {"k_scale": k_scale, "v_scale": v_scale} if kv_quant.is_fp8(k_cache.dtype) else {}
+        return torch_paged_attention(q, k_cache, v_cache, meta, scale, **kw)
     _check_cache(k_cache, v_cache)
-    bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles"
+    kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
+    # an fp8 cache: the batch-invariant prefill runs the decode kernel per token (its "per_query"
+    # form), which dequantizes; the query-tile kernel reads the model dtype only
+    bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles" and not kv_fp8
+    ks, vs = kv_quant.kernel_scales(k_cache, k_scale, v_scale, meta.seq_lens)
     if bi_mode.enabled():  # --batch-invariant: one KV split; prefill tokens as decode rows
         num_splits = 1
         if meta.max_query_len > 1 and not bi_prefill:
@@ -251,7 +271,7 @@ def triton_paged_attention(
         order = decode_order(meta) if B > 1 else None
         _decode_kernel[(Hkv, B, S)](
             q, k_cache, v_cache, bt, meta.seq_lens, order if order is not None else meta.seq_lens, out, part_o,
-            part_lse,
+            part_lse, ks, vs,
             qk_scale,
             q.stride(0), q.stride(1),
             k_cache.stride(1), k_cache.stride(2),
@@ -259,7 +279,7 @@ def triton_paged_attention(
             out.stride(0), out.stride(1),
             NUM_HEADS=H, GROUP=G, GROUP_PAD=_pow2(G), HEAD_DIM=D, D_PAD=D_PAD,
             PAGE=page, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1, DOT_PRECISION=prec,
-            ORDERED=order is not None, num_warps=DECODE_NUM_WARPS,
+            ORDERED=order is not None, KV_FP8=kv_fp8, num_warps=DECODE_NUM_WARPS,
         )
         if S > 1:
             _decode_reduce_kernel[(B, H)](
@@ -276,14 +296,14 @@ def triton_paged_attention(
         block_n = min(block_n, 32 if D_PAD > 64 else 64)
     grid = (triton.cdiv(meta.max_query_len, block_m), B, H)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, bt, meta.seq_lens, meta.query_start_loc, out,
+        q, k_cache, v_cache, bt, meta.seq_lens, meta.query_start_loc, out, ks, vs,
         qk_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         bt.stride(0),
         out.stride(0), out.stride(1),
         GROUP=G, HEAD_DIM=D, D_PAD=D_PAD,
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=prec,
+        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=prec, KV_FP8=kv_fp8,
         num_warps=4 if D_PAD * block_m <= 64 * 64 else 8, num_stages=2,
     )
     return out

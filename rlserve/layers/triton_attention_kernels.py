@@ -9,13 +9,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _to_cache(x, SCALE, FP8_MAX: tl.constexpr, dt: tl.constexpr):
+    """``x`` as the cache stores it in ``dt``: a plain cast, or for an fp8 cache (``FP8_MAX`` > 0,
+    its largest finite value) ``saturate(x / scale)`` in float32 (scale read from ``SCALE``), as
+    :func:`rlserve.layers.kv_quant.quantize`."""
+    if FP8_MAX > 0:
+        y = tl.clamp(x.to(tl.float32) / tl.load(SCALE), -FP8_MAX, FP8_MAX)
+        return y.to(dt)
+    else:
+        return x.to(dt)
+
+
+@triton.jit
 def _write_kv_kernel(
-    K, V, KC, VC, SLOT,
+    K, V, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    HEAD_DIM: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """One program per token: copy its ``num_kv_heads * head_dim`` K and V values to
-    ``cache[slot]`` (cache viewed as ``[num_slots, num_kv_heads * head_dim]``)."""
+    ``cache[slot]`` (cache viewed as ``[num_slots, num_kv_heads * head_dim]``); an fp8 cache
+    (``FP8_MAX`` > 0) stores them quantized with ``K_SCALE`` / ``V_SCALE`` (:func:`_to_cache`)."""
     t = tl.program_id(0)
     slot = tl.load(SLOT + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -28,14 +41,14 @@ def _write_kv_kernel(
     k = tl.load(K + t64 * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(V + t64 * stride_vt + h * stride_vh + d, mask=mask)
     dst = slot * stride_cs + offs
-    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
-    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+    tl.store(KC + dst, _to_cache(k, K_SCALE, FP8_MAX, KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, _to_cache(v, V_SCALE, FP8_MAX, VC.dtype.element_ty), mask=mask)
 
 # stride_bt (the block-table width) and NUM_SPLITS change from step to step outside CUDA
 # graphs: not specialised, so one compilation serves every step (see fused_kernels)
 @triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"])
 def _decode_kernel(
-    Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE,
+    Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE, K_SCALE, V_SCALE,
     qk_scale,  # softmax scale x log2(e)
     stride_qt, stride_qh,
     stride_cs, stride_ch,  # cache: slot stride, kv-head stride (head_dim stride is 1)
@@ -45,14 +58,19 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
-    (``i`` itself when not ``ORDERED``) x one split of its context."""
+    (``i`` itself when not ``ORDERED``) x one split of its context. ``KV_FP8``: the cache holds
+    fp8, cast to the query dtype in registers; ``k_scale`` joins ``qk_scale`` and ``v_scale``
+    multiplies the output (both exact: dequantization is ``fp8 * scale``, linear in the dots)."""
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     if ORDERED:
         b = tl.load(ORDER + b)
     split = tl.program_id(2)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(K_SCALE)
     seq_len = tl.load(SEQ_LENS + b)
     # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -93,6 +111,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         tl.store(
@@ -167,7 +187,7 @@ def _prefill_tile(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    Q, KC, VC, BT, SEQ_LENS, QSL, OUT,
+    Q, KC, VC, BT, SEQ_LENS, QSL, OUT, K_SCALE, V_SCALE,
     qk_scale,
     stride_qt, stride_qh,
     stride_cs, stride_ch,
@@ -176,10 +196,14 @@ def _prefill_kernel(
     GROUP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """Program ``(m_tile, b, head)``: BLOCK_M query rows of one head of sequence b."""
+    """Program ``(m_tile, b, head)``: BLOCK_M query rows of one head of sequence b. ``KV_FP8``:
+    an fp8 cache, as in :func:`_decode_kernel` (``k_scale`` into ``qk_scale``, ``v_scale`` onto
+    the output)."""
     mt = tl.program_id(0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(K_SCALE)
     b = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -224,6 +248,8 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(V_SCALE)
     tl.store(
         OUT + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
         o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],

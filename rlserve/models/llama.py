@@ -88,14 +88,19 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if fused_ops.fused_enabled(qkv) and self.attn.k_cache is not None:
+        attn = self.attn
+        # an fp8 cache: the Triton kernel quantizes (the CPU one writes float32 only); a layer
+        # that is to compute its KV scales sees its K/V in Attention.forward first
+        fp8 = attn.k_scale is not None
+        if (fused_ops.fused_enabled(qkv) and attn.k_cache is not None
+                and not (fp8 and (attn.calculate_kv_scales or not fused_ops.triton_enabled(qkv)))):
             # q/k norm, rotary and the KV-cache write in one kernel; attention reads K/V from the cache
             rope = self.rotary_emb
             q = fused_ops.qkv_norm_rope_write(
                 qkv, positions, rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
+                attn.k_cache, attn.v_cache, meta.slot_mapping,
                 self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-                self.q_norm.eps if self.qk_norm else 0.0,
+                self.q_norm.eps if self.qk_norm else 0.0, **attn.kv_scale_kwargs(),
             )
             return self.o_proj(self.attn.forward_cached(q, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

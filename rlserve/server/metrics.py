@@ -217,7 +217,7 @@ def cache_config_info(config, stats: dict) -> dict:
     (``stats["num_kv_blocks"]`` summed over ``num_replicas``), ``num_cpu_blocks`` "None" (no CPU
     swap space)."""
     replicas = max(int(stats.get("num_replicas", 1) or 1), 1)
-    return {"block_size": str(config.block_size), "cache_dtype": "auto",
+    return {"block_size": str(config.block_size), "cache_dtype": str(getattr(config, "kv_cache_dtype", "auto")),
             "enable_prefix_caching": str(bool(config.enable_prefix_caching)),
             "gpu_memory_utilization": str(config.gpu_memory_utilization),
             "num_gpu_blocks": str(int(stats["num_kv_blocks"]) // replicas),

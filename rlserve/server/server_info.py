@@ -4,8 +4,8 @@ TRL's ``VLLMClient.get_server_info()`` returns ``vllm_config`` and reads
 ``weight_transfer_config`` (None = no weight sync) and ``model_config.logprobs_mode`` (GRPO's
 importance-sampling check); TRL's async trainers read ``lora_config`` and
 ``parallel_config.data_parallel_size``. Field names and value sets are vLLM's; values are
-rlserve's (e.g. ``cache_config.cache_dtype`` is always "auto": the KV cache has the model's
-dtype).
+rlserve's (e.g. ``cache_config.cache_dtype`` is ``--kv-cache-dtype`` as given: "auto" or an fp8
+name).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def vllm_config(state: ServerState) -> dict:
         "cache_config": {
             "block_size": cfg.block_size,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
-            "cache_dtype": "auto",
+            "cache_dtype": getattr(cfg, "kv_cache_dtype", "auto"),
+            "calculate_kv_scales": bool(getattr(cfg, "calculate_kv_scales", False)),
             "enable_prefix_caching": cfg.enable_prefix_caching,
         },
         "parallel_config": {

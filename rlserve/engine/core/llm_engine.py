@@ -118,6 +118,8 @@ class LLMEngine(EngineStep):
         capture = self._routed_experts_capture(executor, config.max_num_seqs) \
             if config.enable_return_routed_experts else None
         num_blocks = executor.determine_num_blocks()
+        logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
+                    config.kv_cache_dtype)
         executor.init_kv_cache(num_blocks)
         if capture is not None:
             from rlserve.engine.routed_experts import RoutedExpertsRecorder

@@ -38,6 +38,7 @@ from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.h2d import gather_rows, to_device
+from rlserve.layers import kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora.model import lora_of
 
@@ -82,7 +83,7 @@ class StepInput:
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers of this rank: 2 (K and V) x layers x
-    block_size x kv_heads x head_dim x itemsize."""
+    block_size x kv_heads x head_dim x itemsize (``dtype``: the cache's, 1 byte for fp8)."""
     total = 0
     for m in model.modules():
         if isinstance(m, Attention):
@@ -109,6 +110,8 @@ class ModelRunner:
         self.block_size = block_size
         self.config = config
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        # the KV cache's dtype (--kv-cache-dtype: the model's, or fp8 with per-layer scales)
+        self.kv_cache_dtype = kv_quant.cache_dtype(getattr(config, "kv_cache_dtype", "auto") or "auto", dtype)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs = None  # DecodeCUDAGraphs once captured
@@ -125,6 +128,9 @@ class ModelRunner:
             bi_mode.check_config_supported(config, getattr(model, "config", None))
         if self.batch_invariant and device.type == "cpu":
             bi_cpu.check_engine_supported(dtype)
+            if kv_quant.is_fp8(self.kv_cache_dtype):
+                raise ValueError("--batch-invariant on CPU takes --kv-cache-dtype auto only (its attention kernel "
+                                 f"reads a float32 cache), got {config.kv_cache_dtype!r}")
         bi_mode.set_enabled(self.batch_invariant)
         self._select_backend()
         if self.batch_invariant and device.type == "cuda" and get_attention_backend() != "triton":
@@ -282,13 +288,29 @@ class ModelRunner:
         if alloc is None:
             def alloc(shape, dtype):
                 return torch.zeros(shape, dtype=dtype, device=self.device)
+        fp8 = kv_quant.is_fp8(self.kv_cache_dtype)
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            k = alloc(shape, self.dtype)
-            v = alloc(shape, self.dtype)
+            k = alloc(shape, self.kv_cache_dtype)
+            v = alloc(shape, self.kv_cache_dtype)
             layer.k_cache, layer.v_cache = k, v
+            if not fp8:
+                layer.k_scale = layer.v_scale = None
+            elif layer.k_scale is None or layer.k_scale.device != k.device:  # kept over a re-allocation
+                layer.k_scale, layer.v_scale = kv_quant.new_scales(k.device)
             self.kv_caches.append((k, v))
         self.cuda_graphs = self.lora_graphs = None  # graphs captured the old cache tensors
+
+    def arm_kv_scale_calculation(self) -> bool:
+        """``--calculate-kv-scales``: every layer of an fp8 cache sets its ``k_scale`` /
+        ``v_scale`` from the next forward's K/V (:func:`rlserve.layers.kv_quant.set_scales_from`;
+        called after the warm-up, so the first real batch, a prefill, decides). Returns whether
+        anything was armed (False for a cache in the model dtype)."""
+        if not kv_quant.is_fp8(self.kv_cache_dtype):
+            return False
+        for layer in self.attn_layers:
+            layer.calculate_kv_scales = True
+        return True
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
         return AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)

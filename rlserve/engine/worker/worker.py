@@ -92,7 +92,7 @@ class Worker:
 
     # ---- KV cache sizing -------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self.model, self.config.block_size, self.runner.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks this rank can hold.
@@ -150,6 +150,8 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks, alloc=alloc)
         with self.tp():
             self.warm_up_seconds = self.runner.warm_up()
+        if getattr(self.config, "calculate_kv_scales", False):
+            self.runner.arm_kv_scale_calculation()
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, step: StepInput) -> torch.Tensor:
