@@ -173,6 +173,7 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
         max_model_len=ctx + extra_steps + 16, max_num_seqs=max_b, block_size=bs,
         num_kv_blocks=max_b * per_seq + 8, max_num_batched_tokens=max(8192, ctx + extra_steps + 16),
         enable_prefix_caching=False, enforce_eager=args.enforce_eager, extra={"cuda_graph_sizes": batches},
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     build_s = time.perf_counter() - t0
     eng = llm.engine
@@ -180,7 +181,7 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     model = eng.model
     layers = len(runner.attn_layers)
     hkv, hd = runner.attn_layers[0].num_kv_heads, runner.attn_layers[0].head_dim
-    item = torch.tensor([], dtype=eng.dtype).element_size()
+    item = torch.tensor([], dtype=runner.kv_cache_dtype).element_size()  # KV bytes per element (fp8: 1)
     rows = []
     g = torch.Generator().manual_seed(0)
     for B in batches:
@@ -193,7 +194,8 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
         kv_bytes = B * ctx * layers * 2 * hkv * hd * item
         wbytes = weight_bytes(model, B)
         floor = (wbytes + kv_bytes) / bw
-        row = {"shape": shape, "batch": B, "context": ctx, "weight_bytes": wbytes, "kv_bytes": kv_bytes,
+        row = {"shape": shape, "batch": B, "context": ctx, "kv_cache_dtype": args.kv_cache_dtype,
+               "weight_bytes": wbytes, "kv_bytes": kv_bytes,
                "floor_ms": floor * 1e3}
         graphs_on = runner.use_cuda_graphs  # what the engine chose (False on CPU / enforce_eager)
         for mode in ("graph", "eager"):
@@ -421,6 +423,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", default="1,64,256", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=1024, help="tokens in each sequence's context")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",

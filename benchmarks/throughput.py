@@ -94,8 +94,12 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
 
 def _memory_kwargs(args) -> dict:
     """``gpu_memory_utilization`` for both engines when ``--gpu-memory-utilization`` is given
-    (each engine's default otherwise: 0.9 for both)."""
-    return {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    (each engine's default otherwise: 0.9 for both), and ``kv_cache_dtype`` when
+    ``--kv-cache-dtype`` is not ``auto`` (both engines take vLLM's values)."""
+    kw = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
+    return kw
 
 
 def _phases(engine, fn, args) -> dict:
@@ -335,6 +339,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"))
     ap.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="both engines' KV cache dtype (vLLM's values: auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="both engines' gpu_memory_utilization (weights + KV cache; default: each engine's 0.9)")
     ap.add_argument("--enable-return-routed-experts", action="store_true",

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Issue 37, fp8 KV cache (--kv-cache-dtype fp8), on one GPU inside a 200 s budget, most important first:
+#   a) benchmarks/decode_step.py, Qwen3-0.6B shape (dummy bf16), one batch-256 decode step at a long
+#      context (4096 tokens on a card of >= 100 GiB, else 2048): bf16 KV vs fp8 KV, each its own
+#      process; graph-replayed forward time and the HBM floor (weights + K/V bytes at each dtype).
+#   b) benchmarks/throughput.py --shape qwen3-0.6b, long prompts (768..1280 tokens, outputs the
+#      same), --kv-cache-dtype fp8 for rlserve then vLLM 0.24.0 (/tmp/vsite), each its own process,
+#      each engine's default gpu_memory_utilization (0.9); the KV tokens each got.
+#   c) tests/gpu/test_gpu_kv_fp8.py (writer bytes = torch's on the hardware conversion, fused
+#      write, decode/prefill on fp8 vs the float64 reference, engine graphs = eager, fp8 vs fp32).
+#   d) benchmarks/kv_fp8_error.py: logprobs of the same tokens, fp8 / fp8_e5m2 cache vs bf16 cache
+#      (random HF-style weights, Qwen3-0.6B shape), greedy agreement, blocks per dtype.
+# DRY_RUN=1: every Python step once on the CPU with tiny shapes (vLLM only when VLLM_PYTHONPATH is
+# set: a CPU vLLM's site dir).
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT_DIR:=/tmp/s13_fp8kv_out}"; mkdir -p "$OUT_DIR"
+DRY_RUN=${DRY_RUN:-0}
+BUDGET=${BUDGET:-200}
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+# seconds for a step: at most $1, and leave $2 for the steps after it
+slot() { local l; l=$(( $(left) - $2 )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
+say() { echo "[s13_fp8kv +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT_DIR/summary.txt"; }
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+
+if [ "$DRY_RUN" = 1 ]; then
+  CARD="cpu (dry run)"; MEM_MIB=0
+else
+  CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
+fi
+say "card: $CARD, $MEM_MIB MiB; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "$CARD, $MEM_MIB MiB" > "$OUT_DIR/card.txt"
+
+# ---- a) batch-256 long-context decode step, bf16 vs fp8 KV
+if [ "$DRY_RUN" = 1 ]; then
+  DS_ARGS=(--device cpu --shape tiny-llama --batch 4 --context 64 --iters 2)
+elif [ "$MEM_MIB" -ge 102400 ]; then
+  DS_ARGS=(--shape qwen3-0.6b --batch 256 --context 4096 --iters 10)
+else
+  DS_ARGS=(--shape qwen3-0.6b --batch 256 --context 2048 --iters 10)
+fi
+for kv in auto fp8; do
+  t=$(slot 25 150)
+  timeout -k 5 "$t" $PY benchmarks/decode_step.py "${DS_ARGS[@]}" --kv-cache-dtype "$kv" \
+    --json "$OUT_DIR/decode_step_$kv.json" > "$OUT_DIR/decode_step_$kv.log" 2>&1
+  say "a) decode_step kv=$kv rc=$? ($t s limit): $(grep -E '^\{"shape"' "$OUT_DIR/decode_step_$kv.log" | tail -1)"
+done
+$PY - "$OUT_DIR" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
+import json, os, sys
+out = sys.argv[1]
+rows = {}
+for kv in ("auto", "fp8"):
+    p = os.path.join(out, f"decode_step_{kv}.json")
+    if os.path.exists(p):
+        for r in json.load(open(p))["models"]:
+            rows[kv] = r
+for kv, r in rows.items():
+    t = r.get("graph_ms", r["eager_ms"])
+    print(f"a) kv={kv}: B={r['batch']} ctx={r['context']} step {t:.3f} ms, floor {r['floor_ms']:.3f} ms "
+          f"({r['x_floor']:.2f}x), KV {r['kv_bytes'] / 1e9:.2f} GB, weights {r['weight_bytes'] / 1e9:.2f} GB")
+if len(rows) == 2:
+    a, f = rows["auto"], rows["fp8"]
+    ta, tf = a.get("graph_ms", a["eager_ms"]), f.get("graph_ms", f["eager_ms"])
+    print(f"a) fp8 / bf16 KV decode step: {tf / ta:.3f}x time ({ta / tf:.2f}x faster)")
+PYEOF
+
+# ---- b) offline workload, long prompts, --kv-cache-dtype fp8: rlserve, then vLLM
+if [ "$DRY_RUN" = 1 ]; then
+  SHAPE=tiny-llama
+  TP_ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4)
+  VLLM_ARGS=(--vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
+else
+  SHAPE=qwen3-0.6b
+  TP_ARGS=(--device cuda --num-seqs 256 --min-len 768 --max-len 1280)
+  VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
+fi
+t=$(slot 35 110)
+timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine rlserve --no-hf "${TP_ARGS[@]}" \
+  --kv-cache-dtype fp8 --json "$OUT_DIR/throughput_rlserve.json" > "$OUT_DIR/throughput_rlserve.log" 2>&1
+say "b) rlserve fp8 rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
+if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_PYTHONPATH:-}" ]; then
+  say "b) vllm skipped (dry run without VLLM_PYTHONPATH)"
+else
+  t=$(slot 115 20)
+  ( [ -f /tmp/vsite/env.sh ] && source /tmp/vsite/env.sh
+    timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine vllm --no-hf "${TP_ARGS[@]}" \
+      "${VLLM_ARGS[@]}" --kv-cache-dtype fp8 --json "$OUT_DIR/throughput_vllm.json" ) \
+    > "$OUT_DIR/throughput_vllm.log" 2>&1
+  say "b) vllm fp8 rc=$? ($t s limit): $(grep -E '^  vllm' "$OUT_DIR/throughput_vllm.log" | tr -s ' ')"
+  say "b) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory|kv_cache_dtype|fp8' "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
+fi
+$PY - "$OUT_DIR" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
+import json, os, sys
+out = sys.argv[1]
+res = {}
+for e in ("rlserve", "vllm"):
+    p = os.path.join(out, f"throughput_{e}.json")
+    if os.path.exists(p):
+        res[e] = json.load(open(p))["results"][0]
+for name, x in res.items():
+    print(f"b) {name} fp8 KV: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s, {x['output_tokens']} tokens), "
+          f"startup {x.get('startup_s', 0):.1f} s, KV {x.get('kv_cache_tokens')} tokens")
+if len(res) == 2:
+    print(f"b) rlserve / vLLM (both fp8 KV): {res['rlserve']['tokens_per_s'] / res['vllm']['tokens_per_s']:.3f}x")
+json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
+PYEOF
+
+# ---- c) GPU tests (skip on CPU: the dry run checks they collect and skip)
+t=$(slot 45 15)
+RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" $PY -m pytest -v -p no:cacheprovider -rfEs \
+  tests/gpu/test_gpu_kv_fp8.py > "$OUT_DIR/tests_kv_fp8_gpu.log" 2>&1
+say "c) tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_kv_fp8_gpu.log")"
+
+# ---- d) error against the bf16 cache: logprobs of the same tokens
+if [ "$DRY_RUN" = 1 ]; then
+  ERR_ARGS=(--shape tiny-llama --device cpu --num-prompts 2 --min-len 8 --max-len 16 --gen 4)
+else
+  ERR_ARGS=(--shape qwen3-0.6b --num-prompts 16 --min-len 512 --max-len 2048 --gen 64)
+fi
+t=$(slot 60 0)
+timeout -k 5 "$t" $PY benchmarks/kv_fp8_error.py "${ERR_ARGS[@]}" --json "$OUT_DIR/kv_fp8_error.json" \
+  > "$OUT_DIR/kv_fp8_error.log" 2>&1
+say "d) error rc=$? ($t s limit)"
+grep -E ' vs auto: ' "$OUT_DIR/kv_fp8_error.log" | sed 's/^/d) /' | tee -a "$OUT_DIR/summary.txt"
+say "done"
+exit 0
