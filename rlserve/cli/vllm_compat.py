@@ -123,8 +123,8 @@ NOOP_FLAGS: dict[str, str] = {
 }
 #: flags of which only some values are served, the others refused with a message: ``{flag: which}``
 LIMITED_FLAGS: dict[str, str] = {
-    "--kv-cache-dtype": "`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`; fp8 with `--batch-invariant` on "
-                        "CPU refused",
+    "--kv-cache-dtype": "`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3`, `fp8_e5m2`; fp8 with "
+                        "`--batch-invariant` refused",
     "--model-impl": "`auto`, `vllm`; `transformers` with one warning line (rlserve's own implementation runs); "
                     "`terratorch` refused",
     "--distributed-executor-backend": "`mp`, `uni` (local worker processes); `ray`, `external_launcher` refused",

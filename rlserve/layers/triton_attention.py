@@ -233,10 +233,8 @@ def triton_paged_attention(
         kw = {"k_scale": k_scale, "v_scale": v_scale} if kv_quant.is_fp8(k_cache.dtype) else {}
         return torch_paged_attention(q, k_cache, v_cache, meta, scale, **kw)
     _check_cache(k_cache, v_cache)
+    bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles"
     kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
-    # an fp8 cache: the batch-invariant prefill runs the decode kernel per token (its "per_query"
-    # form), which dequantizes; the query-tile kernel reads the model dtype only
-    bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles" and not kv_fp8
     ks, vs = kv_quant.kernel_scales(k_cache, k_scale, v_scale, meta.seq_lens)
     if bi_mode.enabled():  # --batch-invariant: one KV split; prefill tokens as decode rows
         num_splits = 1

@@ -128,9 +128,6 @@ class ModelRunner:
             bi_mode.check_config_supported(config, getattr(model, "config", None))
         if self.batch_invariant and device.type == "cpu":
             bi_cpu.check_engine_supported(dtype)
-            if kv_quant.is_fp8(self.kv_cache_dtype):
-                raise ValueError("--batch-invariant on CPU takes --kv-cache-dtype auto only (its attention kernel "
-                                 f"reads a float32 cache), got {config.kv_cache_dtype!r}")
         bi_mode.set_enabled(self.batch_invariant)
         self._select_backend()
         if self.batch_invariant and device.type == "cuda" and get_attention_backend() != "triton":
