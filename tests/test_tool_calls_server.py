@@ -39,8 +39,11 @@ MSGS = [{"role": "user", "content": "weather?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel"))
+    # enable_in_reasoning: constraints apply from the first token, so structured_outputs can pin a
+    # whole answer, reasoning included (the default waits for </think>: tests/test_vllm_tool_calls.py)
     with ServerProcess(model, "--device", "cpu", "--max-model-len", "1024", "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as srv:
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                       "--structured-outputs-config", '{"enable_in_reasoning": true}') as srv:
         yield srv
 
 
@@ -159,6 +162,34 @@ def test_reasoning_split_and_counted(server):
     chunks = _stream(server, hidden)
     assert all(ch["choices"][0].get("token_ids") is None and ch["choices"][0]["logprobs"] is None for ch in chunks)
     assert _merge(chunks)[0] == {"content": "\n\nhello", "reasoning": None, "tool_calls": []}
+
+
+@pytest.mark.parametrize("case", ["thinking", "thinking_off", "include_reasoning_false", "in_reasoning", "deepseek"])
+def test_constraint_waits_for_the_reasoning_end(case):
+    """vLLM's gate, API side (``ChatOutputConfig.reasoning_gate``): under a reasoning parser a
+    constraint gets the ids that end the reasoning (qwen3: after ``</think>``, or with
+    ``<tool_call>``), unless the prompt already ended it (thinking off), ``include_reasoning`` is
+    false or ``enable_in_reasoning`` is set; the engine side is tests/test_sampler_modes.py."""
+    from rlserve.engine.sampling_params import StructuredOutputsParams
+    from tests.tool_models import THINK_END_ID, TOOL_CALL_ID
+
+    tok = tool_tokenizer()
+    spec = StructuredOutputsParams(regex="a")
+    cfg = ChatOutputConfig("hermes", "deepseek_r1" if case == "deepseek" else "qwen3", True, tok,
+                           structured_in_reasoning=case == "in_reasoning")
+    kwargs = {"enable_thinking": False} if case == "thinking_off" else None
+    prompt = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, **(kwargs or {}))
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+    gated = cfg.reasoning_gate(spec, prompt, kwargs, include_reasoning=case != "include_reasoning_false")
+    assert gated.regex == "a"
+    if case == "thinking":
+        assert (gated.reasoning_end_ids, gated.reasoning_implicit_end_ids) == ((THINK_END_ID,), (TOOL_CALL_ID,))
+    elif case == "deepseek":
+        assert (gated.reasoning_end_ids, gated.reasoning_implicit_end_ids) == ((THINK_END_ID,), ())
+    else:
+        assert gated is spec  # constrained from the first token
+    assert cfg.reasoning_gate(None, prompt, kwargs) is None
+    assert ChatOutputConfig("hermes", None, True, tok).reasoning_gate(spec, prompt, None) is spec
 
 
 def test_vllms_refusals(server):

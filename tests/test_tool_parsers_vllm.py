@@ -19,8 +19,9 @@ import sys
 
 import pytest
 
-from tests.tool_models import make_tool_tokenizer, tool_tokenizer
-from tests.tool_parse_cases import CASES, NAMED, TOOLS, WEATHER, XML, XML2, rlserve_answers, vllm_cases
+from tests.tool_models import make_mistral_tool_tokenizer, make_tool_tokenizer, mistral_tool_tokenizer, tool_tokenizer
+from tests.tool_parse_cases import (CASES, MISTRAL_CASES, NAMED, TOOLS, WEATHER, XML, XML2, rlserve_answers,
+                                    vllm_cases)
 from tests.vllm_python import vllm_python
 
 KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_tool_parse_key.json")
@@ -81,6 +82,71 @@ def test_qwen3_xml_typed_arguments_as_vllm(key):
                                                         {"name": "get_time", "arguments": '{"zone": "CET"}'}]}
     assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in key[XML_CASES[0]]["deltas"]
                    if d and d.get("tool_calls")) == '{"city": "Paris", "days": 3}'
+
+
+MISTRAL_KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_mistral_parse_key.json")
+
+
+def test_mistral_answers_as_vllm():
+    """``--tool-call-parser mistral`` (pre-v11: a Hugging Face tokenizer with ``[TOOL_CALLS]``)
+    on :data:`tests.tool_parse_cases.MISTRAL_CASES`: the whole-output parse and every delta as
+    vLLM's ``MistralToolParser`` (the key ``tests/data/vllm_mistral_parse_key.json``)."""
+    with open(MISTRAL_KEY) as f:
+        key = json.load(f)
+    assert len(key) == len(MISTRAL_CASES)
+    assert _diff(key, rlserve_answers(mistral_tool_tokenizer(), MISTRAL_CASES)) == []
+    # the key is not trivial: content before the calls, two calls, text after the array streamed
+    assert key[0]["full"] == {"reasoning": None, "content": "Hi there ", "reasoning_tokens": None, "tool_calls": [
+        {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}]}
+    assert [c["name"] for c in key[2]["full"]["tool_calls"]] == ["get_weather", "get_time"]
+    assert "".join(d.get("content", "") for d in key[2]["deltas"] if d) == " and after"
+    assert key[0]["deltas"][-1] == {} and key[11]["full"]["tool_calls"][0]["name"] == "get_weather"
+
+
+def test_mistral_forced_schema_is_vllms():
+    """``required`` / named with the mistral parser: the JSON schema of a bare call array,
+    vLLM's ``_build_guided_schema_pre_v11`` (named: at most one item); none for auto."""
+    from rlserve.server.tool_parsers.mistral import MistralToolParser
+
+    named = MistralToolParser.forced_schema(TOOLS, NAMED)
+    assert named == {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "object", "anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_weather"]},
+                                          "arguments": WEATHER["function"]["parameters"]},
+         "required": ["name", "arguments"]}]}}
+    required = MistralToolParser.forced_schema(TOOLS, "required")
+    assert "maxItems" not in required and len(required["items"]["anyOf"]) == 2
+    assert required["items"]["anyOf"][1]["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
+    assert MistralToolParser.forced_schema(TOOLS, "auto") is None
+    if VLLM_PY is not None:
+        r = subprocess.run([VLLM_PY, "-c", _VLLM_MISTRAL_SCHEMA], input=json.dumps(TOOLS), capture_output=True,
+                           text=True, timeout=600, cwd="/")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout) == [named, required]
+
+
+_VLLM_MISTRAL_SCHEMA = r'''
+import json, sys
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.parser.mistral import MistralParser
+tools = json.load(sys.stdin)
+out = []
+for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
+    out.append(MistralParser._build_guided_schema_pre_v11(None, r))
+json.dump(out, sys.stdout)
+'''
+
+
+@needs_vllm
+def test_mistral_key_is_vllms_answer(tmp_path):
+    with open(MISTRAL_KEY) as f:
+        key = json.load(f)
+    tok = make_mistral_tool_tokenizer(tmp_path / "tok")
+    script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
+    r = subprocess.run([VLLM_PY, script, tok], input=json.dumps(vllm_cases(mistral_tool_tokenizer(), MISTRAL_CASES)),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _diff(key, json.loads(r.stdout)) == []
 
 
 @needs_vllm
@@ -168,3 +234,27 @@ def test_forcing_grammar_compiles_and_accepts_the_call():
     # qwen3_xml's format (xgrammar's builtin qwen_3_coder tag): the XML call of the named tool
     xml = compiler.compile_grammar(structural_grammar("qwen_3_coder", TOOLS, NAMED, None))
     assert accepts(xml, XML) and not accepts(xml, XML2) and not accepts(xml, call)
+
+
+def test_auto_with_the_requests_constraint_is_calls_or_it():
+    """``tool_choice: auto`` with the request's own constraint, as vLLM 0.32's
+    ``_apply_structural_tag``: a strict tool makes the grammar calls (as ``required``) OR the
+    constraint; without one, no tool grammar (the constraint alone applies)."""
+    xgr = pytest.importorskip("xgrammar")
+    from rlserve.engine.sampling_params import StructuredOutputsParams
+    from rlserve.server.tool_parsers.structural import structural_grammar
+
+    tok = tool_tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    own = StructuredOutputsParams(regex="[ab]+")
+    assert structural_grammar("hermes", TOOLS, "auto", None, own) is None  # no strict tool
+    strict = [dict(TOOLS[0], function=dict(TOOLS[0]["function"], strict=True)), TOOLS[1]]
+    either = compiler.compile_grammar(structural_grammar("hermes", strict, "auto", None, own))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(either)
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False)) and \
+            m.accept_token(tok.eos_token_id)
+
+    assert accepts(call) and accepts("abba") and not accepts("plain text") and not accepts(call + "ab")

@@ -74,3 +74,26 @@ def make_tool_model(path) -> str:
     make_tiny_model("qwen3", path, vocab_size=len(ADDED) + 336, max_position_embeddings=1024, head_dim=32)
     make_tool_tokenizer(path)
     return str(path)
+
+
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+MISTRAL_TOOL_CALLS_ID = 336
+
+
+def mistral_tool_tokenizer():
+    """The tiny tokenizer (a copy) with Mistral's ``[TOOL_CALLS]`` as an added special token
+    (id 336) and no ``[ARGS]``: what vLLM's ``mistral`` tool parser takes for a pre-v11 Hugging
+    Face tokenizer (calls as ``[TOOL_CALLS][{"name": .., "arguments": {..}}, ...]``)."""
+    import copy
+
+    tok = copy.deepcopy(build_tokenizer())
+    tok.add_tokens([MISTRAL_TOOL_CALLS], special_tokens=True)
+    assert tok.convert_tokens_to_ids(MISTRAL_TOOL_CALLS) == MISTRAL_TOOL_CALLS_ID
+    return tok
+
+
+def make_mistral_tool_tokenizer(path) -> str:
+    """Write :func:`mistral_tool_tokenizer` to ``path``; returns ``str(path)``."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    mistral_tool_tokenizer().save_pretrained(path)
+    return str(path)

@@ -88,6 +88,27 @@ CASES = [
 ]
 
 
+# mistral (pre-v11: a Hugging Face tokenizer with [TOOL_CALLS], tests.tool_models.mistral_tool_tokenizer)
+MCALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
+MISTRAL_CASES = [_case(text, "mistral", tool_choice=choice, prompt="[INST] hi [/INST]") for text, choice in [
+    ("Hi there " + MCALL, "auto"),
+    (MCALL, "auto"),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": '
+     '{"zone": {"tz": ["CET", 1, -2.5e1, true, null]}}}] and after', "auto"),
+    ('[TOOL_CALLS]{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"} tail', "auto"),  # bare, string args
+    ('[TOOL_CALLS] [{"arguments": {"zone": "CET"}, "name": "get_time"}]', "auto"),  # arguments first
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par', "auto"),  # cut by max_tokens
+    ('[TOOL_CALLS][{"name": "get_weather"', "auto"),
+    ("[TOOL_CALLS]not json at all", "auto"),
+    ('[TOOL_CALLS][{"nom": 1}]', "auto"),
+    ("no call here, [just] {text}", "auto"),
+    ("Hi " + MCALL, "none"),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "required"),  # forced: a bare array
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', NAMED),
+    ("   ", "required"),
+]]
+
+
 def rlserve_answers(tokenizer, cases=CASES, enable_auto_tools=True) -> list[dict]:
     """rlserve's parse of each case, in the form of ``tests/vllm_parser_key.py``'s results
     (``full``: the whole output's reasoning / content / tool calls; ``deltas``: the stream
@@ -117,14 +138,17 @@ def rlserve_answers(tokenizer, cases=CASES, enable_auto_tools=True) -> list[dict
 
 
 def scrub_ids(obj):
-    """``obj`` with every tool-call ``id`` checked (vLLM's ``chatcmpl-tool-`` + 16 hex) and
-    replaced by ``"<id>"``."""
+    """``obj`` with every tool-call ``id`` checked and replaced: vLLM's ``chatcmpl-tool-`` + 16
+    hex by ``"<id>"``, Mistral's 9 letters and digits by ``"<mistral-id>"``."""
     if isinstance(obj, dict):
         res = {}
         for k, v in obj.items():
             if k == "id" and isinstance(v, str):
-                assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", v), v
-                v = "<id>"
+                if re.fullmatch(r"[A-Za-z0-9]{9}", v):
+                    v = "<mistral-id>"
+                else:
+                    assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", v), v
+                    v = "<id>"
             res[k] = scrub_ids(v)
         return res
     if isinstance(obj, list):

@@ -55,4 +55,5 @@ def check_parsers_fit_tokenizer(args, tokenizer_path: str) -> None:
 def tool_settings(args) -> dict:
     """The :class:`~rlserve.server.state.ServerSettings` fields of these flags."""
     return {"tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
-            "enable_auto_tool_choice": args.enable_auto_tool_choice}
+            "enable_auto_tool_choice": args.enable_auto_tool_choice,
+            "structured_in_reasoning": bool((args.structured_outputs_config or {}).get("enable_in_reasoning"))}

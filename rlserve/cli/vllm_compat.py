@@ -83,8 +83,8 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
                    help="auto / hf: the Hugging Face tokenizer (fast when the checkpoint has tokenizer.json); "
                         "slow, mistral and custom modes are refused")
     g.add_argument("--structured-outputs-config", type=json_object, default=None, metavar="JSON",
-                   help='backend auto or xgrammar (rlserve\'s), e.g. \'{"backend": "xgrammar"}\'; other backends and '
-                        "options are refused")
+                   help='backend auto or xgrammar (rlserve\'s), e.g. \'{"backend": "xgrammar"}\'; enable_in_reasoning '
+                        "true: constraints apply in the reasoning too; other backends and options are refused")
     g.add_argument("--compilation-config", "-cc", type=json_object, default=None, metavar="JSON",
                    help="accepted: rlserve compiles nothing with torch.compile; its cudagraph_capture_sizes is used "
                         "as --cudagraph-capture-sizes, cudagraph_mode NONE as --enforce-eager")
@@ -131,7 +131,8 @@ LIMITED_FLAGS: dict[str, str] = {
     "--speculative-config": "refused when given (no speculative decoding)",
     "--pipeline-parallel-size": "1 only (split a model by `--tensor-parallel-size`)",
     "--tokenizer-mode": "`auto`, `hf`; `slow`, `mistral`, `custom`, ... refused",
-    "--structured-outputs-config": "backend `auto` / `xgrammar` with vLLM's default options; others refused",
+    "--structured-outputs-config": "backend `auto` / `xgrammar` with vLLM's default options, and `enable_in_reasoning`; "
+                                   "others refused",
     "--quantization": "`fp8` (online W8A8) only",
     "--max-lora-rank": "vLLM's values 1, 8, 16, 32, 64, 128, 256, 320, 512",
 }
@@ -145,7 +146,7 @@ def _noop(flag: str, shown: str | None = None) -> None:
 #: --structured-outputs-config keys and the values that change nothing here
 _STRUCTURED_OK = {"backend": ("auto", "xgrammar"), "disable_any_whitespace": (False,),
                   "disable_additional_properties": (False,), "reasoning_parser": ("",),
-                  "reasoning_parser_plugin": ("",), "enable_in_reasoning": (False,)}
+                  "reasoning_parser_plugin": ("",), "enable_in_reasoning": (False, True)}
 #: vLLM's --tokenizer-mode values rlserve serves as they are
 _TOKENIZER_MODES = ("auto", "hf")
 

@@ -38,6 +38,12 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF (GBNF) grammar whose root rule the output matches.
         json_object: any JSON object.
+        reasoning_end_ids: token ids that end the model's reasoning: while any of these or of
+            ``reasoning_implicit_end_ids`` is set, the constraint waits (unconstrained tokens)
+            until one of them is generated; after one of these it starts with the next token
+            (vLLM's ``--reasoning-parser`` gate: ``</think>``). Empty: from the first token.
+        reasoning_implicit_end_ids: ids that end the reasoning and are the constraint's first
+            token (Qwen3's ``<tool_call>``, vLLM's implicit end).
 
     Enforced by :mod:`rlserve.engine.core.structured` as a mask on the logits; the output ends
     (finish reason ``stop``) with the EOS token once the constraint is complete.
@@ -48,10 +54,14 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning_end_ids: tuple[int, ...] = ()
+    reasoning_implicit_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
+        for k in ("reasoning_end_ids", "reasoning_implicit_end_ids"):
+            object.__setattr__(self, k, tuple(int(t) for t in getattr(self, k) or ()))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         if self.json_object:
             given.append("json_object")

@@ -13,6 +13,8 @@ token-in/token-out training.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlserve.server.reasoning import reasoning_parser_class
 from rlserve.server.tool_parsers import tool_parser_class
 from rlserve.server.tool_parsers.base import delta as make_delta, make_tool_call_id
@@ -27,13 +29,17 @@ class ChatOutputConfig:
         enable_auto_tools: ``--enable-auto-tool-choice`` (parse calls with ``tool_choice`` auto).
         tokenizer: the model's Hugging Face tokenizer (its vocabulary; each token's text for
             counting reasoning tokens).
+        structured_in_reasoning: constraints apply in the reasoning too (vLLM's
+            ``--structured-outputs-config`` ``enable_in_reasoning``; :meth:`reasoning_gate`).
 
     Raises:
         ValueError: an unknown parser name, a parser whose tokens the vocabulary lacks, or
             one whose library is not installed.
     """
 
-    def __init__(self, tool_parser: str | None, reasoning_parser: str | None, enable_auto_tools: bool, tokenizer):
+    def __init__(self, tool_parser: str | None, reasoning_parser: str | None, enable_auto_tools: bool, tokenizer,
+                 structured_in_reasoning: bool = False):
+        self.structured_in_reasoning = bool(structured_in_reasoning)
         self.tool_cls = tool_parser_class(tool_parser) if tool_parser else None
         self.reasoning_cls = reasoning_parser_class(reasoning_parser) if reasoning_parser else None
         self.enable_auto_tools = bool(enable_auto_tools)
@@ -70,6 +76,24 @@ class ChatOutputConfig:
             return None
         return self.tool_cls.skip_special_tokens
 
+    def reasoning_gate(self, spec, prompt_ids: list[int], chat_template_kwargs: dict | None,
+                       include_reasoning: bool = True):
+        """``spec`` (a :class:`~rlserve.engine.sampling_params.StructuredOutputsParams` or None)
+        with vLLM's reasoning gate: under ``--reasoning-parser``, a constraint (a forced tool
+        call, a ``response_format``, ``structured_outputs``) applies only once the reasoning has
+        ended, so the model thinks freely first (vLLM's ``StructuredOutputManager``). Unchanged
+        when no reasoning parser is set, when the prompt already ends the reasoning (thinking
+        off: ``</think>`` in the prompt; the parser's ``is_reasoning_end``) or with
+        ``include_reasoning: false`` (vLLM constrains from the first token then), or with
+        ``enable_in_reasoning``."""
+        if spec is None or self.reasoning_cls is None or not include_reasoning or self.structured_in_reasoning:
+            return spec
+        rp = self.reasoning_cls(self.vocab, chat_template_kwargs)
+        if rp.is_reasoning_end(list(prompt_ids)):
+            return spec
+        explicit, implicit = rp.gate_ids()
+        return dataclasses.replace(spec, reasoning_end_ids=explicit, reasoning_implicit_end_ids=implicit)
+
     def parser(self, tools: list[dict] | None, tool_choice, chat_template_kwargs: dict | None,
                include_reasoning: bool = True) -> "ChatOutputParser":
         """A fresh parser for one choice of one request (``include_reasoning``: vLLM's request
@@ -89,6 +113,8 @@ class ChatOutputParser:
         self._kwargs = chat_template_kwargs
         self.reasoning = cfg.reasoning_cls(cfg.vocab, chat_template_kwargs) if cfg.reasoning_cls else None
         self.tools = cfg.tool_cls(cfg.vocab, tools) if cfg.tool_cls else None
+        if self.tools is not None:
+            self.tools.tool_choice = tool_choice
         self.named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
         self.required = tool_choice == "required"
         self.tools_streamed = False
@@ -156,7 +182,8 @@ class ChatOutputParser:
             calls = []
         else:
             auto_called = bool(calls)
-        tool_calls = [{"id": make_tool_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+        make_id = self.tools.make_id if self.tools is not None else make_tool_call_id
+        tool_calls = [{"id": make_id(), "type": "function", "function": {"name": n, "arguments": a}}
                       for n, a in (calls or [])]
         if auto_called or (self.required and finish_reason == "stop"):
             finish_reason = "tool_calls"

@@ -64,24 +64,27 @@ def check_tools(body, outputs: ChatOutputConfig) -> str | dict | None:
     return choice
 
 
-def forced_spec(body, outputs: ChatOutputConfig, tool_choice) -> dict | None:
+def forced_spec(body, outputs: ChatOutputConfig, tool_choice, own=None) -> dict | None:
     """The ``structured_outputs`` object forcing ``required`` / a named call, or an ``auto``
     call's format where vLLM constrains it (None: nothing to force): the parser's call format as
     a grammar (its structural tag, :func:`~rlserve.server.tool_parsers.structural.structural_tag`).
-    A forced call replaces the request's own ``structured_outputs`` / ``response_format``, as in
-    vLLM; under ``auto`` the request's own constraint is kept.
+    A forced call replaces the request's own constraint ``own`` (its ``structured_outputs`` /
+    ``response_format``), as in vLLM; under ``auto`` with ``own``, the output is calls or what
+    ``own`` asks for where a tool is strict, else ``own`` alone (None here), as vLLM's
+    ``_apply_structural_tag`` (:func:`~rlserve.server.tool_parsers.structural.auto_or_output`).
 
     Raises:
         APIError 400: the tools cannot be forced (e.g. a ``parameters`` that is no schema).
     """
     cls = outputs.tool_cls
-    if cls is None or cls.structural_tag is None or tool_choice in (None, "none"):
+    if cls is None or tool_choice in (None, "none"):
         return None
-    if tool_choice == "auto" and (body.structured_outputs is not None or
-                                  (body.response_format is not None and body.response_format.type != "text")):
-        return None  # vLLM combines the two (an OR); rlserve keeps the request's own constraint
+    if cls.structural_tag is None:  # mistral: a JSON schema forces required / named, unless the request has its
+        # own structured_outputs (vLLM keeps it then) or a response_format it replaces
+        schema = cls.forced_schema(body.tools, tool_choice)
+        return None if schema is None or body.structured_outputs is not None else {"json": schema}
     try:
-        grammar = structural_grammar(cls.structural_tag, body.tools, tool_choice, body.parallel_tool_calls)
+        grammar = structural_grammar(cls.structural_tag, body.tools, tool_choice, body.parallel_tool_calls, own)
         return None if grammar is None else {"grammar": grammar}
     except ImportError:
         raise APIError(400, "tool_choice \"required\" / named needs the xgrammar package on the server: "

@@ -168,7 +168,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
     """The /v1 routes, behind ``dependencies`` (the API-key check)."""
     router = APIRouter(dependencies=dependencies)
     st = state.settings
-    outputs = ChatOutputConfig(st.tool_call_parser, st.reasoning_parser, st.enable_auto_tool_choice, state.tokenizer)
+    outputs = ChatOutputConfig(st.tool_call_parser, st.reasoning_parser, st.enable_auto_tool_choice, state.tokenizer,
+                               structured_in_reasoning=st.structured_in_reasoning)
 
     @router.get("/v1/models")
     async def list_models():
@@ -216,7 +217,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             prompt_lps = plp_k
             if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
                 prompt_lps = lp_k
-            params = _common_params(state, body, max_tokens, lp_k, prompt_lps, structured)
+            params = _common_params(state, body, max_tokens, lp_k, prompt_lps,
+                                    outputs.reasoning_gate(structured, ids, None))
             params.lora_int_id = lora_id
             text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
             items.append((text, ids, params))
@@ -285,7 +287,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top_k = state.check_logprobs(body.top_logprobs, "top_logprobs") or 0
         structured = await state.structured_outputs(body)
-        forced = forced_spec(body, outputs, tool_choice)
+        forced = forced_spec(body, outputs, tool_choice, structured)
         if forced is not None:
             structured = await state.compile_structured(forced, "tool_choice")
         ids = await state.tokenize_chat(body.messages, body.chat_template_args(), "messages", body.add_special_tokens)
@@ -301,6 +303,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs")
         plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs") if body.prompt_logprobs is not None \
             else (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
+        structured = outputs.reasoning_gate(structured, ids, body.chat_template_kwargs, body.include_reasoning)
         params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         if outputs.skip_special_tokens(body.tools, tool_choice) is not None:

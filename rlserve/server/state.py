@@ -54,6 +54,9 @@ class ServerSettings:
             line (vLLM's behaviour), instead of a 400 (:mod:`rlserve.server.request_fields`).
         tool_call_parser / reasoning_parser / enable_auto_tool_choice: vLLM's flags of those
             names (:mod:`rlserve.server.chat_output`).
+        structured_in_reasoning: ``--structured-outputs-config '{"enable_in_reasoning": true}'``:
+            constraints apply from the first token, in the reasoning too (vLLM's option; by
+            default they wait for the reasoning's end under ``--reasoning-parser``).
         chat_template: ``--chat-template``'s template text (None: the tokenizer's).
         sampling_defaults: a request's sampling defaults from ``--generation-config``
             (``{field: value}``, ``max_tokens`` among them; {}: vLLM's neutral ones).
@@ -81,6 +84,7 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    structured_in_reasoning: bool = False
     chat_template: str | None = None
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     enable_log_requests: bool = False

@@ -125,7 +125,7 @@ class GrammarCompiler:
         """A fresh matcher for one sequence (``compiled``: ``spec``'s compiled grammar, when the
         caller has it; else :meth:`compile`, a cache hit after the first)."""
         return GrammarState(_xgrammar().GrammarMatcher(compiled if compiled is not None else self.compile(spec)),
-                            self.vocab_size)
+                            self.vocab_size, spec.reasoning_end_ids, spec.reasoning_implicit_end_ids)
 
 
 class PendingGrammars:
@@ -178,29 +178,49 @@ def xgrammar_reason(exc: BaseException) -> str:
 
 
 class GrammarState:
-    """The constraint's state for one sequence (an xgrammar ``GrammarMatcher``).
+    """The constraint's state for one sequence (an xgrammar ``GrammarMatcher``), with vLLM's
+    reasoning gate: given ``end_ids`` / ``implicit_end_ids``
+    (:class:`~rlserve.engine.sampling_params.StructuredOutputsParams`' ``reasoning_*``), the
+    constraint waits while the model reasons (:attr:`waiting`: no mask, nothing fed) and starts
+    after an ``end_ids`` token (``</think>``) or with an ``implicit_end_ids`` token, as vLLM's
+    ``StructuredOutputManager`` does under ``--reasoning-parser``.
 
     Attributes:
         vocab_size: logits columns the mask covers.
+        waiting: the reasoning has not ended yet (the constraint is not applied).
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, end_ids=(), implicit_end_ids=()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self._end_ids = frozenset(end_ids)
+        self._implicit_end_ids = frozenset(implicit_end_ids)
+        self.waiting = bool(self._end_ids or self._implicit_end_ids)
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (``int32 [B, ceil(V/32)]``, CPU)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the allowed next tokens into ``bitmask[row]`` (``int32 [B, ceil(V/32)]``, CPU;
+        left as it is, all allowed, while :attr:`waiting`)."""
+        if not self.waiting:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the constraint does not allow it (then the
-        state is unchanged)."""
-        return bool(self.matcher.accept_token(int(token_id)))
+        state is unchanged). While :attr:`waiting`: True, and a reasoning-end id opens the
+        constraint (an implicit one is its first token, fed to it)."""
+        token_id = int(token_id)
+        if self.waiting:
+            if token_id in self._end_ids:
+                self.waiting = False
+                return True
+            if token_id not in self._implicit_end_ids:
+                return True
+            self.waiting = False
+        return bool(self.matcher.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:
         """The constraint is complete and its end (an EOS id) was accepted."""
-        return bool(self.matcher.is_terminated())
+        return not self.waiting and bool(self.matcher.is_terminated())
 
 
 def apply_grammar_masks(logits: torch.Tensor, states: list) -> torch.Tensor:
@@ -208,11 +228,12 @@ def apply_grammar_masks(logits: torch.Tensor, states: list) -> torch.Tensor:
 
     Args:
         logits: ``[B, V]`` float32 (any device).
-        states: ``B`` entries, a :class:`GrammarState` or None (unconstrained row).
+        states: ``B`` entries, a :class:`GrammarState` or None (unconstrained row, as a
+            state still :attr:`~GrammarState.waiting` for the reasoning to end).
     Returns:
         ``logits``. One host-to-device copy of the packed mask (``B x ceil(V/32)`` int32).
     """
-    rows = [i for i, s in enumerate(states) if s is not None]
+    rows = [i for i, s in enumerate(states) if s is not None and not s.waiting]
     if not rows:
         return logits
     B, V = logits.shape

@@ -71,6 +71,11 @@ class ThinkReasoningParser:
                 return True
         return False
 
+    def gate_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(ids after which, ids with which)`` a structured-output constraint starts when the
+        reasoning ends (vLLM's engine gate): after ``</think>``."""
+        return (self.end_id,), ()
+
     def ends_in(self, delta_ids: list[int]) -> bool:
         """Whether this delta's tokens end the reasoning."""
         return self.end_id in delta_ids
@@ -183,6 +188,11 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
             if t in self._boundaries:
                 break
         return not self.thinking
+
+    def gate_ids(self):
+        """After ``</think>``; with ``<tool_call>`` (an implicit end: vLLM's parser engine
+        constrains from that token, which the call's grammar starts with)."""
+        return (self.end_id,), tuple(sorted(self.end_ids - {self.end_id}))
 
     def ends_in(self, delta_ids):
         return self._ended

@@ -7,6 +7,7 @@ from __future__ import annotations
 from rlserve.server.tool_parsers.base import registry_class
 from rlserve.server.tool_parsers.hermes import HermesToolParser
 from rlserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from rlserve.server.tool_parsers.mistral import MistralToolParser
 from rlserve.server.tool_parsers.qwen3_xml import Qwen3XmlToolParser
 
 TOOL_PARSERS: dict[str, type] = {
@@ -16,6 +17,7 @@ TOOL_PARSERS: dict[str, type] = {
     "llama4_json": Llama3JsonToolParser,  # vLLM's alias
     "qwen3_xml": Qwen3XmlToolParser,
     "qwen3_coder": Qwen3XmlToolParser,  # vLLM's alias
+    "mistral": MistralToolParser,  # the pre-v11 [TOOL_CALLS][{...}] format of a Hugging Face tokenizer
 }
 
 

@@ -83,10 +83,13 @@ class ToolParser:
     ``skip_special_tokens``: what the
     parser needs the request's ``skip_special_tokens`` to be while tools are on (None: as asked).
     ``structural_tag``: the name of the call format that forces ``required`` / named calls
-    (:mod:`rlserve.server.tool_parsers.structural`); those are parsed as ``auto``.
+    (:mod:`rlserve.server.tool_parsers.structural`); those are parsed as ``auto``. A parser
+    without one may force them with a JSON schema instead (:meth:`forced_schema`).
     """
 
     skip_special_tokens: bool | None = None
+    make_id = staticmethod(make_tool_call_id)  # a new call's id (vLLM's form for this parser)
+    tool_choice = None  # the request's, set by the chat layer (rlserve.server.chat_output)
     engine_based = False  # vLLM's engine_based_streaming: fed deltas only, flushed at the end (finish)
     suppress = False  # engine-based, tool_choice none: calls are taken out of the content, not returned
     structural_tag: str | None = None  # the format that forces required / named calls (structural.py)
@@ -98,6 +101,12 @@ class ToolParser:
         self.streamed_args_for_tool: list[str] = []
         self.current_tool_id = -1
         self.current_tool_name_sent = False
+
+    @staticmethod
+    def forced_schema(tools: list[dict], tool_choice) -> dict | None:
+        """The JSON schema that forces ``tool_choice`` (required / named) where the parser has
+        no :attr:`structural_tag` (None: nothing forced)."""
+        return None
 
     def extract(self, text: str) -> tuple[bool, list[tuple[str, str]], str | None]:
         """Tool calls in a whole output: ``(tools_called, [(name, arguments JSON)], content)``;

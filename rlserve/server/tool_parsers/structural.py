@@ -83,14 +83,44 @@ def structural_tag(fmt: str, tools: list[dict], tool_choice, parallel_tool_calls
     return tag
 
 
-def structural_grammar(fmt: str, tools: list[dict], tool_choice, parallel_tool_calls: bool | None) -> str | None:
-    """:func:`structural_tag` as the EBNF grammar xgrammar compiles it to (None: no constraint).
+def output_format(spec) -> dict:
+    """A request's own constraint (a :class:`~rlserve.engine.sampling_params.StructuredOutputsParams`)
+    as an xgrammar structural-tag format (vLLM's ``structured_outputs_to_format``)."""
+    if spec.json_object:
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if spec.json is not None:
+        return {"type": "json_schema", "json_schema": json.loads(spec.json)}
+    if spec.regex is not None:
+        return {"type": "regex", "pattern": spec.regex}
+    if spec.choice is not None:
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec.choice]}
+    return {"type": "grammar", "grammar": spec.grammar}
+
+
+def auto_or_output(fmt: str, tools: list[dict], parallel_tool_calls: bool | None, spec) -> dict | None:
+    """``tool_choice: auto`` with the request's own constraint ``spec``, as vLLM 0.32's
+    ``DelegatingParser._apply_structural_tag``: when a tool is ``"strict": true``, the output is
+    either calls in the parser's format (forced as for ``required``) or what ``spec`` asks for
+    (an xgrammar ``or``); otherwise None (``spec`` alone applies: the calls are not constrained)."""
+    if not any(t.get("function", {}).get("strict") is True for t in tools):
+        return None
+    tag = structural_tag(fmt, tools, "required", parallel_tool_calls)
+    return {"type": "structural_tag", "format": {"type": "or", "elements": [tag["format"], output_format(spec)]}}
+
+
+def structural_grammar(fmt: str, tools: list[dict], tool_choice, parallel_tool_calls: bool | None,
+                       own=None) -> str | None:
+    """:func:`structural_tag` as the EBNF grammar xgrammar compiles it to (None: no constraint);
+    ``own``: the request's own constraint under ``auto`` (:func:`auto_or_output`).
 
     Raises:
         ValueError: xgrammar refuses the tag (e.g. a tool's ``parameters`` is not a schema).
         ImportError: xgrammar is not installed.
     """
-    tag = structural_tag(fmt, tools, tool_choice, parallel_tool_calls)
+    if tool_choice == "auto" and own is not None:
+        tag = auto_or_output(fmt, tools, parallel_tool_calls, own)
+    else:
+        tag = structural_tag(fmt, tools, tool_choice, parallel_tool_calls)
     if tag is None:
         return None
     import xgrammar
