@@ -22,6 +22,8 @@ Usage (CPU, from the repository root)::
 ``rlserve serve``'s (everything after ``--`` goes to every server); a flag ``@K=V`` sets the
 environment variable ``K`` for that server instead, ``@tree=DIR`` runs the rlserve of checkout
 ``DIR`` (a baseline's ``git archive``; ``benchmarks/vllm_bench.py``'s ``tree_launcher``).
+``--probe``: every full GC collection and every event-loop callback over ``--probe-slow-ms`` in
+the server's processes during the run, summed per process (``benchmarks/api_stream_probe.py``).
 ``--profile DIR``: ``py-spy record`` (if on ``PATH`` or beside this Python) samples the server's
 processes during the run and writes collapsed stacks (``DIR/<name>.txt``) and the top self-time
 frames into the JSON. Each run also reports the API process's CPU seconds per token and per event
@@ -210,6 +212,14 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
     env.update(kv.split("=", 1) for kv in args.env)
     env.update(f[1:].split("=", 1) for f in flags if f.startswith("@"))  # a config's own environment
     flags = [f for f in flags if not f.startswith("@")]
+    probe_dir = None
+    if args.probe:  # stall probe (benchmarks/api_stream_probe.py) in the server's processes
+        from benchmarks import api_stream_probe
+
+        probe_dir = tempfile.mkdtemp(prefix=f"api-stream-probe-{name}-")
+        env["PYTHONPATH"] = os.pathsep.join((api_stream_probe.site_dir(probe_dir), env["PYTHONPATH"]))
+        env[api_stream_probe.ENV_DIR] = probe_dir
+        env[api_stream_probe.ENV_SLOW_MS] = str(args.probe_slow_ms)
     tree = env.pop("tree", None)  # another checkout's rlserve; its engine core imports the fake from here
     srv = ServerProcess(model, "--max-num-seqs", str(args.clients), "--max-model-len", str(args.max_model_len),
                         "--disable-access-log", *flags, env=env, launcher=tree_launcher(tree))
@@ -238,10 +248,10 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         cp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, args.clients,
                                                       args.num_prompts, args.prompt_len, args.max_tokens,
                                                       (3, args.token_hi), args.seed), queue))
-        cpu0 = cpu_seconds(srv.pid)
+        cpu0, wall0 = cpu_seconds(srv.pid), time.time()
         cp.start()
         run = queue.get(timeout=args.timeout)
-        cpu = cpu_seconds(srv.pid) - cpu0
+        cpu, wall1 = cpu_seconds(srv.pid) - cpu0, time.time()
         cp.join()
     finally:
         if spy is not None:
@@ -257,6 +267,11 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
     out["api_cpu_s"] = round(cpu, 2)
     out["api_cpu_us_per_token"] = round(1e6 * cpu / (out["completed"] * args.max_tokens), 1) if out["completed"] else None
     out["api_cpu_us_per_event"] = round(1e6 * cpu / (out["events_s"] * out["duration_s"]), 1) if out["events_s"] else None
+    if probe_dir is not None:
+        from benchmarks.api_stream_probe import summarize as probe_summary
+
+        out["probe"] = probe_summary(probe_dir, wall0, wall1)
+        shutil.rmtree(probe_dir, ignore_errors=True)
     if spy is not None and os.path.exists(os.path.join(args.profile, f"{name}.txt")):
         with open(os.path.join(args.profile, f"{name}.txt")) as f:
             out["top_self"] = top_self(f.read())
@@ -283,6 +298,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a model directory (default: the tests' tiny Qwen3)")
     ap.add_argument("--configs", nargs="+", default=["default="], help="NAME=FLAGS, one server each")
     ap.add_argument("--profile", help="directory for py-spy's collapsed stacks")
+    ap.add_argument("--probe", action="store_true",
+                    help="record full GC collections and event-loop callbacks over --probe-slow-ms in the "
+                         "server's processes during the run (benchmarks/api_stream_probe.py)")
+    ap.add_argument("--probe-slow-ms", type=float, default=20.0)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--env", nargs="*", default=[], help="K=V set for the server (and its engine core)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -308,6 +327,11 @@ def main(argv=None) -> int:
               f"{r['median_itl_ms']}/{r['p99_itl_ms']} ms, worst gap per request p50/p99 "
               f"{r['max_gap_ms_p50']}/{r['max_gap_ms_p99']} ms; API process CPU {r['api_cpu_s']} s = "
               f"{r['api_cpu_us_per_token']} us/token, {r['api_cpu_us_per_event']} us/event", flush=True)
+        for label, p in sorted(r.get("probe", {}).items()):
+            g, sl = p["gc2"], p["slow"]
+            print(f"    probe {label}: {g['n']} full GCs ({g['total_ms']} ms, max {g['max_ms']}); {sl['n']} callbacks "
+                  f"over {args.probe_slow_ms} ms ({sl['total_ms']} ms, max {sl['max_ms']}): "
+                  + ", ".join(f"{n} x{k} {t} ms" for n, k, t, _ in sl.get("top", [])))
         for f, share in r.get("top_self", [])[:15]:
             print(f"    {share:7.2%}  {f}")
     if args.json:

@@ -181,3 +181,29 @@ def test_frames_that_arrive_while_the_loop_handles_outputs_wait_for_their_own_ca
     # the reader's own call (no loop running: start-up, exit) still handles everything
     rep._handle_pending()
     assert handled == [[0], [1], [2], [3]] and not rep._pending
+
+
+def test_stall_probe_records_full_collections_and_slow_callbacks(tmp_path):
+    """benchmarks/api_stream_probe.py (api_stream_load --probe), installed by its sitecustomize
+    in a fresh interpreter: a 60 ms callback and one gc.collect() on an event loop are recorded."""
+    import os
+    import time
+
+    from benchmarks import api_stream_probe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import asyncio, gc, time\n"
+            "def stall(): time.sleep(0.06)\n"
+            "async def main():\n"
+            "    loop = asyncio.get_running_loop(); loop.call_soon(stall)\n"
+            "    await asyncio.sleep(0.1); gc.collect()\n"
+            "asyncio.run(main())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((api_stream_probe.site_dir(str(tmp_path)), root)),
+               **{api_stream_probe.ENV_DIR: str(tmp_path), api_stream_probe.ENV_SLOW_MS: "20"})
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=T, check=True)
+    got = api_stream_probe.summarize(str(tmp_path), t0 - 1, time.time() + 1)
+    api = got["api"]
+    assert api["gc2"]["n"] >= 1  # the gc.collect() (and the one of the interpreter's exit)
+    stall = [row for row in api["slow"]["top"] if row[0] == "stall"]
+    assert len(stall) == 1 and stall[0][1] == 1 and stall[0][3] >= 55  # [name, count, total ms, max ms]: the 60 ms sleep

@@ -1,0 +1,121 @@
+"""Event-loop stall probe for ``benchmarks/api_stream_load.py --probe`` (issue 37): what holds a
+server process's thread so long that no stream writes meanwhile.
+
+Installed at interpreter start in every process of the server (``sitecustomize`` in a directory
+put first on the server's ``PYTHONPATH``, see :func:`site_dir`), it records, as lines of
+``<unix time s> <kind> <ms> <name>`` in ``<dir>/<pid>.txt``:
+
+* ``gc2``: every full (generation-2) garbage collection, its duration (``gc.callbacks``);
+* ``slow``: every asyncio callback or task step that ran longer than ``slow_ms`` (default 20 ms),
+  named by its callback (and the task's coroutine): ``asyncio.events.Handle._run`` is wrapped,
+  which costs ~0.5 us per callback, so compare probed runs with probed runs only.
+
+Each file's first line names the process: ``api`` or ``core`` (``sys.argv[0]`` once the program
+runs). :func:`summarize` reads them back for a time window (the measured run).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+
+ENV_DIR = "API_STREAM_PROBE_DIR"
+ENV_SLOW_MS = "API_STREAM_PROBE_SLOW_MS"
+
+
+def _label() -> str:
+    return "core" if "core_proc" in " ".join(sys.argv) else "api"
+
+
+def install() -> None:
+    """Start recording into ``$API_STREAM_PROBE_DIR`` (no-op when unset)."""
+    out_dir = os.environ.get(ENV_DIR)
+    if not out_dir:
+        return
+    import asyncio.events
+    import gc
+
+    slow_s = float(os.environ.get(ENV_SLOW_MS, "20")) / 1e3
+    f = open(os.path.join(out_dir, f"{os.getpid()}.txt"), "a", buffering=1)  # noqa: SIM115 - lives with the process
+    named = []
+    gc_start = [0.0]
+
+    def write(kind: str, seconds: float, name: str) -> None:
+        if not named:
+            named.append(True)
+            f.write(f"0 process 0 {_label()}\n")
+        f.write(f"{time.time():.3f} {kind} {1e3 * seconds:.2f} {name}\n")
+
+    def on_gc(phase, info):
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            write("gc2", time.perf_counter() - gc_start[0], f"collected={info.get('collected')}")
+
+    gc.callbacks.append(on_gc)
+    run = asyncio.events.Handle._run
+
+    def timed_run(self):
+        t = time.perf_counter()
+        run(self)
+        d = time.perf_counter() - t
+        if d > slow_s:
+            cb = self._callback
+            name = getattr(cb, "__qualname__", None) or type(cb).__name__
+            task = getattr(cb, "__self__", None)
+            if task is not None and hasattr(task, "get_coro"):
+                name += ":" + getattr(task.get_coro(), "__qualname__", "?")
+            write("slow", d, name.replace(" ", "_"))
+
+    asyncio.events.Handle._run = timed_run
+
+
+def site_dir(root: str) -> str:
+    """A directory holding a ``sitecustomize.py`` that calls :func:`install`; put it first on the
+    server's ``PYTHONPATH`` (with the repository after it) and set ``API_STREAM_PROBE_DIR``."""
+    d = os.path.join(root, "site")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+        f.write("try:\n    from benchmarks.api_stream_probe import install\n    install()\n"
+                "except Exception as e:  # a broken probe must not stop the server\n"
+                "    import sys; print('api_stream_probe:', e, file=sys.stderr)\n")
+    return d
+
+
+def summarize(out_dir: str, t0: float, t1: float, top: int = 5) -> dict:
+    """Per process label (``api``, ``core``) the records between unix times ``t0`` and ``t1``:
+    ``{"gc2": {"n", "total_ms", "max_ms"}, "slow": {"n", "total_ms", "max_ms", "top": [[name, n,
+    total_ms, max_ms], ...]}}`` (``top``: the names with the most stalled time)."""
+    out: dict = {}
+    for fn in sorted(os.listdir(out_dir)):
+        if not fn.endswith(".txt"):
+            continue
+        label, rows = "?", []
+        with open(os.path.join(out_dir, fn)) as f:
+            for line in f:
+                parts = line.split(" ", 3)
+                if len(parts) != 4:
+                    continue
+                if parts[1] == "process":
+                    label = parts[3].strip()
+                elif t0 <= float(parts[0]) <= t1:
+                    rows.append((parts[1], float(parts[2]), parts[3].strip()))
+        dst = out.setdefault(label, {})
+        for kind in ("gc2", "slow"):
+            ms = [r[1] for r in rows if r[0] == kind]
+            s = dst.setdefault(kind, {"n": 0, "total_ms": 0.0, "max_ms": 0.0})
+            s["n"] += len(ms)
+            s["total_ms"] = round(s["total_ms"] + sum(ms), 1)
+            s["max_ms"] = max(s["max_ms"], max(ms, default=0.0))
+        by_name: dict = collections.defaultdict(list)
+        for kind, ms, name in rows:
+            if kind == "slow":
+                by_name[name].append(ms)
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        dst["slow"].setdefault("top", []).extend(
+            [name, len(v), round(sum(v), 1), round(max(v), 1)] for name, v in ranked)
+    return out
