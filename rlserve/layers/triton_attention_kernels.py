@@ -12,10 +12,11 @@ import triton.language as tl
 def _to_cache(x, SCALE, FP8_MAX: tl.constexpr, dt: tl.constexpr):
     """``x`` as the cache stores it in ``dt``: a plain cast, or for an fp8 cache (``FP8_MAX`` > 0,
     its largest finite value) ``saturate(x / scale)`` in float32 (scale read from ``SCALE``), as
-    :func:`rlserve.layers.kv_quant.quantize`."""
+    :func:`rlserve.layers.kv_quant.quantize`: a correctly rounded division (``div_rn``; Triton's
+    ``/`` is the approximate one), so the stored bytes are torch's."""
     if FP8_MAX > 0:
-        y = tl.clamp(x.to(tl.float32) / tl.load(SCALE), -FP8_MAX, FP8_MAX)
-        return y.to(dt)
+        y = tl.clamp(tl.div_rn(x.to(tl.float32), tl.load(SCALE)), -FP8_MAX, FP8_MAX)
+        return y.to(dt, fp_downcast_rounding="rtne")
     else:
         return x.to(dt)
 

@@ -100,7 +100,8 @@ def test_engine_fp8_graphs_equal_eager_and_close_to_float32(tiny_model):
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for la, lb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert la == pytest.approx(lb, abs=1e-5)  # same kernels; float32 rounding of the graph's padding
+            # same kernels; the graphs plan their KV splits for max_model_len (float32 rounding)
+            assert la == pytest.approx(lb, abs=1e-4)
     full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, a)]
     tf = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     ref = LLM(path, **kw).generate(full, tf)
