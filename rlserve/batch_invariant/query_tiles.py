@@ -80,10 +80,11 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        """Program ``(kv_head, tile)``: rows ``r < QT * GROUP`` of the query block are token
-        ``r // GROUP`` of the tile, head ``kv_head * GROUP + r % GROUP``."""
-        kvh = tl.program_id(0)
-        t = tl.program_id(1)
+        """Program ``(tile, kv_head)``: rows ``r < QT * GROUP`` of the query block are token
+        ``r // GROUP`` of the tile, head ``kv_head * GROUP + r % GROUP`` (tiles on the first grid
+        axis: its limit is 2**31 - 1, the second's 65,535)."""
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
         b = tl.load(TILES + t * 4)
         row0 = tl.load(TILES + t * 4 + 1)
         n_q = tl.load(TILES + t * 4 + 2)
@@ -157,7 +158,7 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles = query_tiles(meta, qt)
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     bt = meta.block_tables
-    _query_tile_kernel[(Hkv, tiles.shape[0])](
+    _query_tile_kernel[(tiles.shape[0], Hkv)](
         q, k_cache, v_cache, bt, tiles, out,
         qk_scale,
         q.stride(0), q.stride(1),
