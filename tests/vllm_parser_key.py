@@ -15,6 +15,13 @@ parser per stream), then:
   decode of the ids before it), each result as vLLM serializes it into a chunk
   (``model_dump(exclude_unset=True)``; ``None`` where vLLM sends no delta), tool-call ids
   replaced by ``"<id>"`` (random) after checking their form (``chatcmpl-tool-`` + 16 hex).
+
+Run with no argument, it reads one JSON object of jobs instead (one vLLM import for all of
+``tests/test_tool_parsers_vllm.py``'s questions): ``{"parse": [[TOKENIZER, CASES], ...], "tags":
+[[FORMAT, TOOLS, TOOL_CHOICE, PARALLEL], ...], "mistral_schema": TOOLS}`` and prints ``{"parse":
+[RESULTS, ...], "tags": [vLLM's structural tag (xgrammar's JSON) or None, ...], "mistral_schema":
+[named, required]}`` (the forcing tags as ``DelegatingParser._apply_structural_tag`` builds them;
+the mistral parser's guided schemas of ``_build_guided_schema_pre_v11``).
 """
 
 from __future__ import annotations
@@ -27,15 +34,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.tool_parse_cases import scrub_ids  # noqa: E402
 
 
-def main() -> None:
+def parse_results(tokenizer_path: str, cases: list[dict]) -> list[dict]:
+    """vLLM's ``full`` / ``deltas`` answers to ``cases`` (the module docstring) with the tokenizer
+    at ``tokenizer_path``."""
     from transformers import AutoTokenizer
 
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser.parser_manager import ParserManager
 
-    tok = AutoTokenizer.from_pretrained(sys.argv[1])
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
     results = []
-    for case in json.load(sys.stdin):
+    for case in cases:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         if case.get("tools"):
             body["tools"] = case["tools"]
@@ -66,7 +75,50 @@ def main() -> None:
             prev = cur
             deltas.append(None if d is None else scrub_ids(d.model_dump(exclude_unset=True)))
         results.append({"full": full, "deltas": deltas})
-    json.dump(results, sys.stdout)
+    return results
+
+
+def structural_tags(cases: list) -> list:
+    """vLLM's forcing structural tag of each ``[format, tools, tool_choice, parallel_tool_calls]``."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag, limit_to_single_tool_call
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    out = []
+    for fmt, tools, choice, parallel in cases:
+        r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+                                  tool_choice=choice)
+        # DelegatingParser._apply_structural_tag: parallel_tool_calls false raises the level to FUNCTION
+        level = ToolStrictLevel.FUNCTION if parallel is False else ToolStrictLevel.AUTO
+        tag = get_model_structural_tag(fmt, r.tools, r.tool_choice, reasoning=False, strict_level=level)
+        if tag is not None and parallel is False:
+            limit_to_single_tool_call(tag)
+        out.append(None if tag is None else tag.model_dump(mode="json"))
+    return out
+
+
+def mistral_schemas(tools: list) -> list:
+    """The mistral parser's guided schemas for a named (``get_weather``) and a required choice."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.mistral import MistralParser
+
+    out = []
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
+                                  tool_choice=choice)
+        out.append(MistralParser._build_guided_schema_pre_v11(None, r))
+    return out
+
+
+def main() -> None:
+    jobs = json.load(sys.stdin)
+    if len(sys.argv) > 1:
+        json.dump(parse_results(sys.argv[1], jobs), sys.stdout)
+        return
+    json.dump({"parse": [parse_results(tok, cases) for tok, cases in jobs.get("parse", [])],
+               "tags": structural_tags(jobs.get("tags", [])),
+               "mistral_schema": mistral_schemas(jobs["mistral_schema"]) if "mistral_schema" in jobs else None},
+              sys.stdout)
 
 
 if __name__ == "__main__":
