@@ -83,8 +83,12 @@ if a.get("profile"):  # a per-kernel profile of the same workload (a second pass
     ka = prof.key_averages()
     with open(a["profile"] + ".txt", "w") as f:
         f.write(ka.table(sort_by=key, row_limit=40, max_name_column_width=90))
-    rows = sorted(({"name": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1)} for e in ka),
-                  key=lambda r: -r["self_us"])
+    rows = sorted(({"name": e.key, "calls": e.count, "self_us": round(getattr(e, key), 1),
+                    "kernel": str(e.device_type) != "DeviceType.CPU"} for e in ka), key=lambda r: -r["self_us"])
+    # on CUDA the device events (kernels, copies) alone: a CPU op's self device time repeats its kernels'
+    kern = [r for r in rows if r["kernel"]]
+    if a["device"] != "cpu" and kern:
+        rows = kern
     total = sum(r["self_us"] for r in rows)
     with open(a["profile"] + ".json", "w") as f:
         json.dump({"sort": key, "kernels_total_us": round(total, 1), "top": rows[:40]}, f, indent=1)
