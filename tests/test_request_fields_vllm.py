@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from rlserve.engine.sampling_params import SamplingParams
+from tests.tiny_models import build_tokenizer
 from tests.transfer_harness import InProcessServer
 from tests.vllm_python import vllm_python
 
@@ -391,14 +392,44 @@ def test_noop_fields_accepted(srv):
     ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/chat/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/completions", "bad_words", ["x"], "logit_bias"),
-    ("/v1/completions", "truncation_side", "right", "last tokens"),
-    ("/v1/chat/completions", "reasoning_effort", "high", "chat_template_kwargs"),
-    ("/v1/completions", "priority", 1, "priority"),
+    ("/v1/completions", "logprob_token_ids", [1], "logprobs"),
+    ("/v1/chat/completions", "return_prompt_text", True, "return_prompt_text"),
+    ("/v1/completions", "thinking_token_budget", 8, "thinking_token_budget"),
 ])
 def test_default_only_fields_refused_with_reason(srv, path, field, value, fragment):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     err = post(srv, path, dict(body, max_tokens=2, **{field: value}), 400)["error"]
     assert err["param"] == field and err["code"] == "unsupported_value" and fragment in err["message"], err
+
+
+def test_priority_truncation_side_reasoning_effort_documents(srv):
+    """Accepted as vLLM 0.32 takes them (checked against vLLM's own answers in
+    tests/test_vllm_answers_fields.py): ``priority`` ignored (FCFS), ``return_token_offsets``
+    ignored (render routes only), ``truncation_side: right`` keeps the first tokens,
+    ``reasoning_effort`` / ``documents`` reach the chat template (``reasoning_effort`` also as
+    ``enable_thinking`` unless ``chat_template_kwargs`` sets it). Fail on the old main (400)."""
+    ref = _cmpl(srv)["choices"][0]["text"]
+    assert _cmpl(srv, priority=7, return_token_offsets=True)["choices"][0]["text"] == ref
+    full = _cmpl(srv, return_token_ids=True)["choices"][0]["prompt_token_ids"]
+    for side, want in (("right", full[:2]), ("left", full[-2:]), (None, full[-2:])):
+        got = _cmpl(srv, return_token_ids=True, truncate_prompt_tokens=2, truncation_side=side)
+        assert got["choices"][0]["prompt_token_ids"] == want
+    template = ("{{ reasoning_effort }}|{{ enable_thinking }}|{{ documents[0]['text'] if documents else '-' }}|"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = build_tokenizer()
+
+    def prompt(**kw):
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=1, chat_template=template,
+                    return_token_ids=True, **kw)
+        return tok.decode(post(srv, "/v1/chat/completions", body)["prompt_token_ids"])
+
+    assert prompt() == "||-|hi"
+    assert prompt(reasoning_effort="none", documents=[{"title": "t", "text": "doc"}]) == "none|False|doc|hi"
+    assert prompt(reasoning_effort="high") == "high|True|-|hi"
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == "high|False|-|hi"
+    err = post(srv, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
+                                                  reasoning_effort="huge"), 400)["error"]
+    assert "reasoning_effort" in err["message"] or err["param"] == "reasoning_effort", err
 
 
 def test_unknown_fields_400_or_ignored_and_logged(srv, caplog):

@@ -119,6 +119,17 @@ CASES = {
     "noop_and_unknown_fields": ("/v1/completions", dict(
         GREEDY, prompt="Hello", max_tokens=4, user="u", metadata={"k": "v"}, store=False, service_tier="auto",
         cache_salt="s", priority=0, use_beam_search=False, request_id="r-1", frobnicate={"x": 1})),
+    # 4. fields vLLM 0.32 takes that rlserve refused before
+    "priority": ("/v1/completions", dict(GREEDY, prompt="Hello", max_tokens=3, priority=5, return_token_offsets=True)),
+    "truncation_side_right": ("/v1/completions", dict(GREEDY, prompt="Hello world, the capital", max_tokens=3,
+                                                      truncate_prompt_tokens=3, truncation_side="right",
+                                                      return_token_ids=True)),
+    "reasoning_effort_none": ("/v1/chat/completions", dict(GREEDY, messages=USER, max_tokens=4, reasoning_effort="none",
+                                                           return_token_ids=True)),
+    "reasoning_effort_kwargs_win": ("/v1/chat/completions", dict(CHAT, messages=USER, max_tokens=4,
+                                                                 reasoning_effort="high", return_token_ids=True)),
+    "documents": ("/v1/chat/completions", dict(CHAT, messages=USER, max_tokens=3, return_token_ids=True,
+                                               documents=[{"title": "t", "text": "some text"}])),
     "noop_chat_fields": ("/v1/chat/completions", dict(CHAT, messages=USER, max_tokens=3, parallel_tool_calls=True,
                                                       include_reasoning=True, metadata={"k": "v"}, zork=1)),
 }

@@ -153,3 +153,16 @@ def test_completion_constraint_waits_for_the_reasoning_as_vllms(servers):
         ids, finish = got[1]
         if bias:
             assert ids[0] == int(THINK_END) and len(ids) == 6 and finish == "stop"  # </think>, 4 letters, EOS
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_cut_off_call_equals_vllms(servers, choice):
+    """A call cut by ``max_tokens`` (forced, thinking off; ``auto`` with a strict tool and
+    ``parallel_tool_calls: false``, which vLLM also constrains): content ("" / null), calls,
+    finish reason and ids as vLLM's, streamed and not (issue 38 item 5)."""
+    body = {"messages": MSGS, "tools": STRICT_TOOLS, "tool_choice": choice, "parallel_tool_calls": False,
+            "max_tokens": 12, "temperature": 0, "return_token_ids": True, "chat_template_kwargs": NO_THINK}
+    ours, theirs = _both(servers, body)
+    assert _answer(ours) == _answer(theirs) and _answer(theirs)["finish"] == "length"
+    s_ours, s_theirs = _both(servers, body, stream=True)
+    assert _merge(s_ours) == _merge(s_theirs)

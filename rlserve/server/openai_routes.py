@@ -212,7 +212,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         all_ids = await state.tokenize_many(prompts, ["prompt"] * len(prompts), body.add_special_tokens)
         for p, ids in zip(prompts, all_ids):
             if body.truncate_prompt_tokens is not None:
-                ids = state.truncate(ids, body.truncate_prompt_tokens)
+                ids = state.truncate(ids, body.truncate_prompt_tokens, side=body.truncation_side)
             max_tokens = state.check_length(len(ids), 1 if echo0 else body.max_tokens)
             prompt_lps = plp_k
             if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
@@ -292,7 +292,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             structured = await state.compile_structured(forced, "tool_choice")
         ids = await state.tokenize_chat(body.messages, body.chat_template_args(), "messages", body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:
-            ids = state.truncate(ids, body.truncate_prompt_tokens)
+            ids = state.truncate(ids, body.truncate_prompt_tokens, side=body.truncation_side)
         max_tokens = state.check_length(
             len(ids), body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
@@ -303,12 +303,12 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             raise APIError(400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs")
         plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs") if body.prompt_logprobs is not None \
             else (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
-        structured = outputs.reasoning_gate(structured, ids, body.chat_template_kwargs, body.include_reasoning)
+        structured = outputs.reasoning_gate(structured, ids, body.template_kwargs(), body.include_reasoning)
         params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         if outputs.skip_special_tokens(body.tools, tool_choice) is not None:
             params.skip_special_tokens = outputs.skip_special_tokens(body.tools, tool_choice)
-        parsers = [outputs.parser(body.tools, tool_choice, body.chat_template_kwargs, body.include_reasoning)
+        parsers = [outputs.parser(body.tools, tool_choice, body.template_kwargs(), body.include_reasoning)
                    for _ in range(body.n)] \
             if outputs.active else None
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

@@ -116,6 +116,8 @@ class _SamplingFields(_RouterFields, SamplerFields):
     structured_outputs: Optional[StructuredOutputs] = None
     response_format: Optional[ResponseFormat] = None
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's: which end truncate_prompt_tokens cuts ("left", the default: keep the last tokens; "right": the first)
+    truncation_side: Optional[Literal["left", "right"]] = None
     # vLLM's: new tokens per streamed chunk at least; raises the server's --stream-interval
     stream_interval: Optional[int] = Field(default=None, ge=1)
     # vLLM's: leave the routing of the first N prompt tokens out of routed_experts (replay on)
@@ -203,6 +205,24 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     # the SGLang router's (see _RouterFields): either value does nothing (vLLM has no such fields)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # vLLM's: handed to the chat template (reasoning_effort also sets enable_thinking: see template_kwargs)
+    documents: Optional[list[dict[str, str]]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """The chat template's extra keyword arguments as vLLM 0.32 builds them
+        (``build_chat_params``): ``chat_template_kwargs``, overridden by ``documents`` and
+        ``reasoning_effort`` when given, and ``enable_thinking`` = ``reasoning_effort != "none"``
+        unless the request's kwargs set it. The reasoning parser reads the same (thinking on/off)."""
+        extra = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        user = self.chat_template_kwargs or {}
+        if self.reasoning_effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = self.reasoning_effort != "none"
+        extra = {k: v for k, v in extra.items() if v is not None}
+        return dict(user, **extra) if extra else self.chat_template_kwargs
+
+    def chat_template_args(self) -> dict[str, Any]:
+        return dict(super().chat_template_args(), chat_template_kwargs=self.template_kwargs())
 
 
 class ResponsesTextFormat(_Body):

@@ -34,6 +34,9 @@ NOOP_FIELDS: dict[str, str] = {
     "vllm_xargs": "vLLM's extra arguments for custom logits processors (none here)",
     "length_penalty": "vLLM's beam-search length penalty (only read by beam search)",
     "mm_payload": "vLLM's multimodal payload format (text models only here)",
+    "priority": "vLLM's scheduling priority: its default FCFS scheduler ignores it too (rlserve schedules first "
+                "come, first served)",
+    "return_token_offsets": "vLLM's token offsets of the /render endpoints (generation routes ignore it, as vLLM's)",
     "return_mm_kwargs": "vLLM's multimodal kwargs in the answer (text models only here)",
 }
 #: chat only, accepted with any value and ignored (on completions they are unknown, as in vLLM)
@@ -49,20 +52,14 @@ DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
     "watermarking": ((False, None), "output watermarking is not implemented"),
     "spaces_between_special_tokens": ((True, None), "special tokens are always detokenized with spaces between "
                                                     "them here (vLLM's default)"),
-    "truncation_side": ((None, "left"), "truncate_prompt_tokens keeps the last tokens (left truncation) only"),
     "logprob_token_ids": ((None, []), "logprob_token_ids is not implemented: ask for logprobs / top_logprobs"),
     "bad_words": ((None, []), "bad_words is not implemented: give their token ids a logit_bias of -100"),
     "prompt_embeds": ((None,), "prompt embeddings are not accepted: send text or token ids"),
-    "priority": ((0, None), "priority scheduling is not implemented (first come, first served)"),
-    "return_token_offsets": ((False, None), "return_token_offsets is not implemented"),
     "repetition_detection": ((None,), "repetition_detection is not implemented"),
     "thinking_token_budget": ((None,), "thinking_token_budget is not implemented"),
 }
 #: chat only, as :data:`DEFAULT_ONLY_FIELDS`
 CHAT_DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
-    "documents": ((None, []), "documents are not rendered into the prompt here: put them in the messages"),
-    "reasoning_effort": ((None,), "reasoning_effort is not implemented: pass it in chat_template_kwargs "
-                                  "if the template reads it"),
     "return_prompt_text": ((None, False), "return_prompt_text is not implemented"),
 }
 

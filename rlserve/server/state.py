@@ -366,16 +366,18 @@ class ServerState:
                            param=param)
         return k
 
-    def truncate(self, ids: list[int], k: int | None, param: str = "truncate_prompt_tokens") -> list[int]:
-        """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` prompt tokens (``-1``: the last
-        ``max_model_len``). Raises APIError 400 for ``k`` < -1 or 0."""
+    def truncate(self, ids: list[int], k: int | None, param: str = "truncate_prompt_tokens",
+                 side: str | None = None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the last ``k`` prompt tokens (``-1``:
+        ``max_model_len``), the first ``k`` with ``side`` ``"right"`` (vLLM's ``truncation_side``).
+        Raises APIError 400 for ``k`` < -1 or 0."""
         if k is None:
             return ids
         if k == -1:
             k = self.max_model_len
         if k < 1:
             raise APIError(400, f"{param} must be >= 1, or -1 for max_model_len; got {k}", param=param)
-        return ids[-k:]
+        return ids[:k] if side == "right" else ids[-k:]
 
     async def structured_outputs(self, body, param: str = "structured_outputs"):
         """The request's output constraint as :class:`StructuredOutputsParams` (from vLLM's
