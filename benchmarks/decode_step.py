@@ -423,7 +423,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", default="1,64,256", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=1024, help="tokens in each sequence's context")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the KV cache's dtype (auto, fp8, fp8_e4m3, fp8_e5m2); comma-separated: each in turn")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",
@@ -475,12 +476,15 @@ def main(argv=None) -> dict:
         result["gemms"] = bench_gemms(args, args.shape.split(","))
     if not args.no_models:
         with tempfile.TemporaryDirectory() as root:
+            kvs = args.kv_cache_dtype.split(",")
             for shape in args.shape.split(","):
-                result["models"].extend(bench_shape(shape, args, bw, root))
-        print(f"\n{'shape':14s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
+                for args.kv_cache_dtype in kvs:  # one engine per KV dtype, one after the other
+                    result["models"].extend(bench_shape(shape, args, bw, root))
+            args.kv_cache_dtype = ",".join(kvs)
+        print(f"\n{'shape':14s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
               f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s}")
         for r in result["models"]:
-            print(f"{r['shape']:14s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
+            print(f"{r['shape']:14s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
                   f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
                   f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
                   f"{r.get('engine_step_ms', float('nan')):9.3f}")

@@ -1,7 +1,8 @@
 """Error of the fp8 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``) against the model-dtype
 cache, on rlserve's engine: the logprobs of the same tokens, and greedy agreement.
 
-One random checkpoint of a model shape (``benchmarks/model_shapes.py``; weights drawn like a
+A real checkpoint (``--model``, prompts: this repository's docs as English text), or one random
+checkpoint of a model shape (``benchmarks/model_shapes.py``; weights drawn like a
 Hugging Face initialisation, normal(0, 0.02) with RMSNorm weights 1, the same in every engine:
 ``load_format="dummy"``'s +-1e-3 would leave the attention near uniform and the error
 meaningless), the same prompts (random ids, lengths in ``[--min-len, --max-len]``) through an
@@ -14,7 +15,7 @@ engine per ``--kv-cache-dtype`` value, one after the other in this process:
   the ``auto`` engine's, and the mean number of tokens before the first difference;
 - the KV blocks each engine got for the same ``--gpu-memory-utilization``.
 
-Random weights are not a trained model: the numbers say how the cache's rounding propagates
+With ``--shape``, random weights are not a trained model: the numbers say how the cache's rounding propagates
 through a network of this shape, not how a trained Qwen3 answers. e4m3's rounding is at most
 2^-4 relative per element, e5m2's 2^-3.
 
@@ -50,17 +51,38 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
 
 
+def text_prompts(model: str, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """``n`` windows of English text (this repository's README and docs pages, tokenized by
+    ``model``'s tokenizer), lengths drawn in ``[min_len, max_len]``."""
+    from transformers import AutoTokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = [os.path.join(root, "README.md")] + sorted(
+        os.path.join(root, "docs", f) for f in os.listdir(os.path.join(root, "docs")) if f.endswith(".md"))
+    ids = AutoTokenizer.from_pretrained(model)("\n".join(open(p, encoding="utf-8").read() for p in docs))["input_ids"]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        start = int(torch.randint(0, max(1, len(ids) - length), (1,), generator=g))
+        out.append(ids[start:start + length])
+    return out
+
+
 def run(path: str, kv: str, prompts, args) -> dict:
     from rlserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
+    real = args.model is not None
+    llm = LLM(path, dtype=args.dtype, device=args.device, load_format="auto" if real else "dummy",
+              skip_tokenizer_init=True,
               max_model_len=args.max_len + args.gen + 8, max_num_seqs=max(len(prompts), 1),
               kv_cache_dtype=kv, enable_prefix_caching=False,
               **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.device.startswith("cuda") else {}))
-    init_weights(llm.engine.executor.runner.model, args.seed)
-    from rlserve.loader.model_loader import process_weights_after_loading
+    if not real:
+        init_weights(llm.engine.executor.runner.model, args.seed)
+        from rlserve.loader.model_loader import process_weights_after_loading
 
-    process_weights_after_loading(llm.engine.executor.runner.model)  # CPU: the packed weight copies
+        process_weights_after_loading(llm.engine.executor.runner.model)  # CPU: the packed weight copies
     t0 = time.perf_counter()
     tf = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     gen = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True))
@@ -96,6 +118,8 @@ def compare(ref: dict, other: dict) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--model", default=None, help="a real checkpoint directory instead of --shape (its weights; "
+                                                  "prompts: this repository's docs, tokenized)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma-separated --kv-cache-dtype values; the "
@@ -109,13 +133,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    vocab = shape_config(args.shape).vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    lens = torch.randint(args.min_len, args.max_len + 1, (args.num_prompts,), generator=g).tolist()
-    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lens]
+    if args.model:
+        prompts = text_prompts(args.model, args.num_prompts, args.min_len, args.max_len, args.seed)
+        args.shape = os.path.basename(os.path.normpath(args.model))
+    else:
+        vocab = shape_config(args.shape).vocab_size
+        g = torch.Generator().manual_seed(args.seed)
+        lens = torch.randint(args.min_len, args.max_len + 1, (args.num_prompts,), generator=g).tolist()
+        prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lens]
     runs = []
     with tempfile.TemporaryDirectory() as root:
-        path = save_shape(args.shape, root)
+        path = args.model or save_shape(args.shape, root)
         for kv in args.kv.split(","):
             runs.append(run(path, kv, prompts, args))
             print(f"{kv}: {runs[-1]['num_blocks']} blocks of {runs[-1]['block_size']} tokens, "
