@@ -11,6 +11,8 @@ still inflate it). Prints the machine's load average with every figure.
   fallback (index_select of blocks + SDPA), and the gather + SDPA code it replaced.
 - step: the whole model's decode step (``Worker.execute``) on the real SmolLM2-135M-Instruct
   weights at ``--batch`` sequences, for each ``--threads`` value.
+- ``--ab-team N``: instead, the decode step with the CPU team in use and not, alternating
+  step by step (N steps each), wall and CPU ms; one JSON line per batch size.
 - ``--ab-fast-layer N``: instead, the decode step with :mod:`rlserve.models.llama_cpu`'s fast
   path off and on, alternating step by step (N steps each, one thread), after checking that
   the two give bit-equal logits; prints one JSON line per batch size.
@@ -19,6 +21,7 @@ Usage:
     python benchmarks/cpu_decode_step.py                       # batch 64, threads 1 and 2
     python benchmarks/cpu_decode_step.py --batch 1 --threads 1 --skip-attention
     python benchmarks/cpu_decode_step.py --ab-fast-layer 100 --batch 1 4 16 64
+    python benchmarks/cpu_decode_step.py --ab-team 30 --batch 1 16 32 64
 """
 
 from __future__ import annotations
@@ -151,6 +154,44 @@ def bench_fast_layer_ab(w, batch: int, steps: int) -> None:
                       "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
 
 
+def bench_team_ab(w, batch: int, steps: int) -> None:
+    """One JSON line: wall and CPU ms per decode step (``Worker.execute``) with the CPU team
+    (:mod:`rlserve.layers.cpu_gemm`) in use and not (the previous default: micro-batches of rows
+    from 16 rows, oneDNN's packed copies), alternating step by step (which goes first
+    alternates too); medians, and the median of the paired wall differences. Logits of the two
+    are compared (same argmax per row; max |diff|)."""
+    import json
+
+    from rlserve.layers import cpu_gemm
+
+    size = cpu_gemm.size()
+    step = _decode_step(batch)
+    logits = {}
+    for on in (False, True):
+        cpu_gemm.start(size if on else 1)
+        logits[on] = w.execute(step).clone()
+    res: dict = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
+    load0 = os.getloadavg()[0]
+    for i in range(steps):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            cpu_gemm.start(size if on else 1)
+            c0, w0 = time.process_time(), time.perf_counter()
+            w.execute(step)
+            k = "on" if on else "off"
+            res[k].append(1e3 * (time.perf_counter() - w0))
+            res[k + "_cpu"].append(1e3 * (time.process_time() - c0))
+    cpu_gemm.start(size)
+    diffs = sorted(a - b for a, b in zip(res["off"], res["on"]))
+    med = {k: round(statistics.median(v), 2) for k, v in res.items()}
+    print(json.dumps({"batch": batch, "steps_each": steps, "team_size": size,
+                      "same_argmax": torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)),
+                      "logits_max_abs_diff": float((logits[False] - logits[True]).abs().max()),
+                      "wall_off_median_ms": med["off"], "wall_on_median_ms": med["on"],
+                      "cpu_off_median_ms": med["off_cpu"], "cpu_on_median_ms": med["on_cpu"],
+                      "paired_wall_diff_median_ms": round(diffs[len(diffs) // 2], 2),
+                      "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
+
+
 def bench_step(batch: int, threads: int, reps: int) -> None:
     w = _worker(threads)
     step = _decode_step(batch)
@@ -171,11 +212,18 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[64])
     p.add_argument("--ab-fast-layer", type=int, default=0, metavar="STEPS",
                    help="A/B of the llama_cpu fast path (off/on alternating, STEPS each) at every --batch")
+    p.add_argument("--ab-team", type=int, default=0, metavar="STEPS",
+                   help="A/B of the CPU team (rlserve.layers.cpu_gemm) on/off, alternating, STEPS each, at every --batch")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-step", action="store_true")
     args = p.parse_args(argv)
+    if args.ab_team:
+        w = _worker(1)
+        for b in args.batch:
+            bench_team_ab(w, b, args.ab_team)
+        return 0
     if args.ab_fast_layer:
         w = _worker(1)
         for b in args.batch:

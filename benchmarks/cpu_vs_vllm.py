@@ -11,6 +11,11 @@ Workloads (issue 22):
 - throughput: ``--num-requests`` (64) ``/v1/completions`` sent at once, random token-id
   prompts of 64-256 tokens, ``max_tokens`` 64-256, ``ignore_eos``, greedy; output tokens /
   wall time from the first send to the last answer. The same prompts for both servers.
+- closed loop (``--closed-concurrency`` N > 0, issue 37: 16): N clients, each sending
+  ``--closed-requests-per-client`` (3) non-streamed requests one after the other (prompt
+  ``--closed-len`` IN random ids, ``max_tokens`` OUT, default 128 / 128, ``ignore_eos``, greedy);
+  output tokens / wall time from the first send to the last answer, and the median request
+  latency.
 - inter-token latency at concurrency 1: ``--itl-requests`` streamed requests one after the
   other (prompt ``--itl-prompt-len`` random ids, ``--itl-max-tokens`` tokens); the gaps
   between consecutive streamed chunks, median and mean over all requests.
@@ -35,6 +40,10 @@ Usage:
     python benchmarks/cpu_vs_vllm.py --only rlserve --rlserve-env RLSERVE_CPU_THREADS=2
     python benchmarks/cpu_vs_vllm.py --vllm-url http://127.0.0.1:8000 --vllm-pid 1234 --kv-cache-gib 2
     python benchmarks/cpu_vs_vllm.py ... --autogroup-nice -10   # both servers ahead of other sessions' work
+    # issue 37: closed loop of 16 and single stream beside vLLM default and vLLM on both cores
+    # (vllm-b: started by hand with VLLM_CPU_OMP_THREADS_BIND=0-1), old main as rlserve-b:
+    python benchmarks/cpu_vs_vllm.py --vllm-url URL --vllm-pid PID --vllm-b-url URL2 --vllm-b-pid PID2 \
+        --closed-concurrency 16 --rounds 3 --rlserve-env PYTHONPATH=$PWD --rlserve-b-env PYTHONPATH=OLD_TREE
 """
 
 from __future__ import annotations
@@ -182,6 +191,37 @@ async def _throughput(srv: Server, work) -> dict:
     return {"tokens": sum(toks), "seconds": dt, "tok_per_s": sum(toks) / dt}
 
 
+async def _closed_loop(srv: Server, concurrency: int, per_client: int, prompt_len: int, max_tokens: int,
+                       seed: int) -> dict:
+    """``concurrency`` clients, each sending ``per_client`` requests one after the other (a new
+    request as soon as its previous one answered): output tok/s over the whole run and the
+    median request latency (ms)."""
+    rng = random.Random(seed)
+    prompts = [[[rng.randrange(3, VOCAB) for _ in range(prompt_len)] for _ in range(per_client)]
+               for _ in range(concurrency)]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    lat: list[float] = []
+    async with httpx.AsyncClient(base_url=srv.url, timeout=3600, limits=limits) as client:
+        async def loop(mine):
+            toks = 0
+            for prompt in mine:
+                body = {"model": srv.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True}
+                t = time.perf_counter()
+                r = await client.post("/v1/completions", json=body)
+                r.raise_for_status()
+                lat.append(time.perf_counter() - t)
+                toks += r.json()["usage"]["completion_tokens"]
+            return toks
+
+        t0 = time.perf_counter()
+        toks = await asyncio.gather(*(loop(m) for m in prompts))
+        dt = time.perf_counter() - t0
+    lat.sort()
+    return {"closed_tokens": sum(toks), "closed_seconds": dt, "closed_tok_per_s": sum(toks) / dt,
+            "closed_latency_median_ms": 1e3 * lat[len(lat) // 2]}
+
+
 async def _itl(srv: Server, n: int, prompt_len: int, max_tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
     gaps, ttfts = [], []
@@ -218,6 +258,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"),
                    help="max_tokens range of the throughput requests (a shorter run on a busy machine)")
+    p.add_argument("--skip-burst", action="store_true", help="leave out the --num-requests burst")
+    p.add_argument("--closed-concurrency", type=int, default=0, metavar="N",
+                   help="also run the closed loop of N clients (issue 37: 16)")
+    p.add_argument("--closed-requests-per-client", type=int, default=3)
+    p.add_argument("--closed-len", type=int, nargs=2, default=[128, 128], metavar=("IN", "OUT"))
     p.add_argument("--itl-requests", type=int, default=3)
     p.add_argument("--itl-prompt-len", type=int, default=128)
     p.add_argument("--itl-max-tokens", type=int, default=64)
@@ -235,6 +280,12 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-url", default=None,
                    help="use a vLLM server already running here instead of starting one (not stopped at the end)")
     p.add_argument("--vllm-pid", type=int, default=None, help="that server's pid (for its CPU time)")
+    p.add_argument("--vllm-env", action="append", default=[], metavar="K=V",
+                   help="extra environment of the vLLM server started here (e.g. VLLM_CPU_OMP_THREADS_BIND=0-1)")
+    p.add_argument("--vllm-b-url", default=None,
+                   help="a second vLLM server already running here ('vllm-b', e.g. one started with "
+                        "VLLM_CPU_OMP_THREADS_BIND=0-1), measured in the same alternation")
+    p.add_argument("--vllm-b-pid", type=int, default=None, help="that server's pid (for its CPU time)")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--json", default=None, help="write every run here")
     p.add_argument("--autogroup-nice", type=int, default=None, metavar="N",
@@ -273,12 +324,15 @@ def main(argv=None) -> int:
             servers["vllm"] = Server.attach("vllm", args.vllm_url, args.vllm_pid)
         elif "vllm" in want:
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
+            env.update(kv.split("=", 1) for kv in args.vllm_env)
             env.pop("PYTHONPATH", None)
             port = _free_port()
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                    "float32", "--port", str(port), "--disable-uvicorn-access-log"]
             servers["vllm"] = Server("vllm", cmd, env, port, logdir)
             servers["vllm"].wait_ready(args.startup_timeout)
+        if args.vllm_b_url:
+            servers["vllm-b"] = Server.attach("vllm-b", args.vllm_b_url, args.vllm_b_pid)
         if args.autogroup_nice is not None:
             for s in servers.values():
                 set_autogroup_nice(s.pid, args.autogroup_nice)
@@ -296,12 +350,15 @@ def main(argv=None) -> int:
                 s = servers[name]
                 before = _load()
                 cpu0 = tree_cpu_seconds(s.pid) if s.pid else None
-                res = asyncio.run(_throughput(s, work[rnd]))
-                if cpu0 is not None:
+                res = {} if args.skip_burst else asyncio.run(_throughput(s, work[rnd]))
+                if cpu0 is not None and not args.skip_burst:
                     cpu1 = tree_cpu_seconds(s.pid)
                     res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
                     res["tok_per_server_cpu_s"] = res["tokens"] / max(res["server_cpu_s"], 1e-9)
+                if args.closed_concurrency > 0:
+                    res.update(asyncio.run(_closed_loop(s, args.closed_concurrency, args.closed_requests_per_client,
+                                                        *args.closed_len, args.seed + 104729 * (rnd + 1))))
                 if not args.skip_itl:
                     res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
                                                 args.seed + rnd)))
@@ -313,8 +370,13 @@ def main(argv=None) -> int:
                 cpu = "" if cpu0 is None else (f", server CPU {res['server_cpu_s']:.1f} s: " + ", ".join(
                     f"{k.split()[1]} {v:.1f}" for k, v in sorted(res["server_cpu_s_by_process"].items(),
                                                                  key=lambda kv: -kv[1]) if v >= 1.0))
-                print(f"round {rnd} {name:8s}: {res['tok_per_s']:.1f} tok/s ({res['tokens']} tok in "
-                      f"{res['seconds']:.1f} s{cpu}){itl}; load {before} -> {res['load_after']}", flush=True)
+                burst = "" if args.skip_burst else (f"burst {res['tok_per_s']:.1f} tok/s ({res['tokens']} tok in "
+                                                    f"{res['seconds']:.1f} s{cpu}); ")
+                closed = "" if args.closed_concurrency <= 0 else (
+                    f"closed loop x{args.closed_concurrency} {res['closed_tok_per_s']:.1f} tok/s (latency median "
+                    f"{res['closed_latency_median_ms']:.0f} ms); ")
+                print(f"round {rnd} {name:8s}: {burst}{closed}{itl.lstrip(', ')}; load {before} -> {res['load_after']}",
+                      flush=True)
         if args.json:
             meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
                     "startup_s": {k: s.startup_s for k, s in servers.items()}, "args": vars(args)}

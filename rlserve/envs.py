@@ -141,6 +141,12 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CPU_MICROBATCH_MIN_ROWS": Var("int | None", None, _integer,
                                            "fewest token rows a CPU step needs to be split (default 16, "
                                            "rlserve.engine.cpu.cpu_microbatch.MIN_ROWS; at least 2 apply)"),
+    "RLSERVE_CPU_TEAM": Var("int >= 1 | None", None, _positive,
+                            "threads of the CPU team that shares a step's linears and decode attention "
+                            "(extra['cpu_team'] first; default: usable CPUs per engine rank when >= 2; 1: off)"),
+    "RLSERVE_CPU_TEAM_SPIN_US": Var("int >= 0 | None", None, _non_negative,
+                                    "microseconds a CPU team worker spins for the next operation before it sleeps "
+                                    "(default 200)"),
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),

@@ -12,7 +12,18 @@ import torch
 
 from rlserve.engine.cpu import cpu_microbatch as mbm
 from rlserve.engine.cpu.cpu_microbatch import CPUMicroBatches
+from rlserve.layers import cpu_gemm
 from rlserve.layers.attention import AttentionMetadata
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_team():
+    """Micro-batches alone: steps of up to cpu_gemm.MAX_ROWS rows run whole on a CPU team (an
+    engine built earlier in this process may have started one)."""
+    prev = cpu_gemm.size()
+    cpu_gemm.start(1)
+    yield
+    cpu_gemm.start(prev)
 
 
 def test_plan_balances_contiguous_ranges_by_cost():
@@ -228,7 +239,7 @@ def test_prefix_hits_in_the_same_step_stay_correct(tiny_model):
 def _generate(path, microbatches: int, prompts, params):
     from rlserve import LLM
 
-    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_microbatches": microbatches})
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_microbatches": microbatches, "cpu_team": 1})
     runner = llm.engine.executor.runner
     if runner.microbatches is not None:  # split every step, whatever else runs on the machine
         runner.microbatches.min_rows = 2

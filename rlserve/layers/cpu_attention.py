@@ -106,5 +106,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     bt = block_tables.to(torch.int32).contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    rc = call(fn, q, k_cache, v_cache, bt, sl, out, H, Hkv, D, scale, torch.get_num_threads())
+    from rlserve.layers import cpu_gemm
+
+    if cpu_gemm.active() and torch.get_num_threads() == 1:  # sequences over the CPU team (same kernel)
+        rc = cpu_gemm.paged_decode_call(q, k_cache, v_cache, bt, sl, out, H, Hkv, D, scale)
+    else:
+        rc = call(fn, q, k_cache, v_cache, bt, sl, out, H, Hkv, D, scale, torch.get_num_threads())
     return out if rc == 0 else None

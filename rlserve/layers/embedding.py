@@ -17,6 +17,7 @@ from torch.nn import Parameter
 
 from rlserve.batch_invariant import mode as bi_mode, ops as bi_ops
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.layers import cpu_gemm
 from rlserve.layers.cpu_linear import cpu_linear, packed_linear
 from rlserve.layers.linear import UnquantizedLinearMethod
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
@@ -128,6 +129,8 @@ class VocabParallelEmbedding(nn.Module):
             logits = bi_ops.linear(hidden, self.weight, UnquantizedLinearMethod.packed_weight(self), bias)
         elif hidden.device.type != "cpu":
             logits = F.linear(hidden, self.weight, bias)
+        elif cpu_gemm.team_weight(self) is not None and cpu_gemm.takes(hidden):  # decode rows: CPU team
+            logits = cpu_gemm.linear(hidden, cpu_gemm.team_weight(self), self.weight.shape[0], bias)
         else:  # the packed copy exists after serve_as_lm_head + a load; else oneDNN on the plain weight
             packed = UnquantizedLinearMethod.packed_weight(self)
             logits = packed_linear(hidden, self.weight, packed, bias, fallback=cpu_linear)

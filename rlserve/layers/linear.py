@@ -44,6 +44,7 @@ from torch.nn import Parameter
 from rlserve.batch_invariant import mode as bi_mode, ops as bi_ops
 from rlserve.distributed.head_partition import attention_head_partition, divide
 from rlserve.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather_last_dim, tp_all_reduce
+from rlserve.layers import cpu_gemm
 from rlserve.layers.cpu_linear import pack_weight, packed_linear
 from rlserve.loader.weight_utils import check_float, default_weight_loader, set_weight_attrs
 
@@ -108,13 +109,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = self.packed_weight(layer)
         if bi_mode.enabled():  # --batch-invariant: a row's bits never depend on the other rows
             return bi_ops.linear(x, layer.weight, packed, bias)
+        team = cpu_gemm.team_weight(layer)
+        if team is not None and cpu_gemm.takes(x):  # decode-sized: on the CPU team's cores
+            return cpu_gemm.linear(x, team, layer.weight.shape[0], bias)
         if packed is not None:
             return packed_linear(x, layer.weight, packed, bias)
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer):
-        """(Re)build the CPU packed copy of ``layer.weight`` (``None`` off CPU/float32)."""
+        """(Re)build the CPU packed copies of ``layer.weight`` (``None`` off CPU/float32): oneDNN's
+        and, when a CPU team runs (:mod:`rlserve.layers.cpu_gemm`), the team's."""
         layer.__dict__["_cpu_packed_weight"] = pack_weight(layer.weight.data)
+        cpu_gemm.build_team_weight(layer, layer.weight.data)
 
 
 class LinearBase(nn.Module):

@@ -27,6 +27,11 @@ unquantized linears with a packed copy (re-read every call, since weight updates
 float32 contiguous norm weights, no module hooks. A layer whose attention kernel refuses the
 shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.forward_cached`.
 ``RLSERVE_CPU_FAST_LAYER=0`` turns the fast path off (A/B runs).
+
+With a CPU team in the process (:mod:`rlserve.layers.cpu_gemm`) and at most
+:data:`rlserve.layers.cpu_gemm.MAX_ROWS` rows, the linears run on the team's packed copies and
+the attention on the team (one sequence per chunk; the same per-sequence kernel, same bits),
+the whole step on the calling thread with the team's workers (no micro-batches).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 from rlserve import envs
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
-from rlserve.layers import cpu_attention, cpu_fused, fused_ops
+from rlserve.layers import cpu_attention, cpu_fused, cpu_gemm, fused_ops
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend, \
     torch_paged_attention
@@ -64,11 +69,12 @@ class StepContext:
     bt: torch.Tensor
     sl: torch.Tensor
     nthreads: int
+    team: bool = False  # linears and attention on the CPU team (rlserve.layers.cpu_gemm)
 
     def rows(self, a: int, b: int) -> "StepContext":
         """The context of rows ``a:b`` of this step (views, no copies)."""
         return StepContext(self.lib, self.attn_fn, self.pos[a:b], self.slots[a:b], self.bt[a:b], self.sl[a:b],
-                           self.nthreads)
+                           self.nthreads, self.team)
 
 
 def set_enabled(on: bool) -> bool:
@@ -129,7 +135,7 @@ def step_context(layers, hidden: torch.Tensor, positions: torch.Tensor, meta: At
         return None
     return StepContext(cpu_fused._lib(), cpu_attention._load(), positions.to(torch.int64).contiguous(),
                        meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
-                       meta.seq_lens.to(torch.int32).contiguous(), torch.get_num_threads())
+                       meta.seq_lens.to(torch.int32).contiguous(), torch.get_num_threads(), cpu_gemm.takes(hidden))
 
 
 # Relative cost of a row's linears and of one context token's attention, for balancing
@@ -198,6 +204,18 @@ def _norm(ctx: StepContext, norm, x: torch.Tensor, residual: torch.Tensor | None
     return out, res_out
 
 
+def _team_packs(attn, mlp):
+    """``((team copy, out features), ...)`` of the layer's qkv, o, gate_up and down projections,
+    or None when one has no team copy (built at load only while a team runs)."""
+    out = []
+    for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        w = cpu_gemm.team_weight(lin)
+        if w is None:
+            return None
+        out.append((w, lin.weight.shape[0]))
+    return out
+
+
 def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torch.Tensor,
                   residual: torch.Tensor | None, meta: AttentionMetadata):
     """``LlamaDecoderLayer.forward(positions, hidden, residual, meta)`` for a step that
@@ -216,7 +234,13 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
                                                                and kc.dtype == torch.float32 and vc.dtype == kc.dtype):
         return layer(positions, hidden, residual, meta)
     hidden = hidden.contiguous()
-    if bi_mode.enabled():  # --batch-invariant: one row runs as two (rlserve.batch_invariant.cpu)
+    team = ctx.team and _team_packs(a, m)
+    if team:  # decode-sized step on the CPU team: its packed copies (rlserve.layers.cpu_gemm)
+        packs = team
+
+        def lin(x, p, b, *_):
+            return cpu_gemm.linear(x, p[0], p[1], b)
+    elif bi_mode.enabled():  # --batch-invariant: one row runs as two (rlserve.batch_invariant.cpu)
         def lin(x, p, b, *_):
             return bi_cpu.packed_linear(x, p, b)
     else:
@@ -231,7 +255,10 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     cpu_fused.qkv_rope_write_rows(ctx.lib, qkv, ctx.pos, rope.cos_cache, rope.sin_cache, qkn[0], qkn[1], q, kc, vc,
                                   ctx.slots, H, Hkv, D, qkn[2], ctx.nthreads)
     o = torch.empty((T, H * D), dtype=torch.float32)
-    rc = cpu_attention.call(ctx.attn_fn, q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale, ctx.nthreads)
+    if team:
+        rc = cpu_gemm.paged_decode_call(q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale)
+    else:
+        rc = cpu_attention.call(ctx.attn_fn, q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale, ctx.nthreads)
     if rc != 0:
         o = attn.forward_cached(q, meta)
     hidden = lin(o, packs[1], o_l.bias, "none", [], "")

@@ -71,6 +71,14 @@ MAX_BACKOFF = 64  # ... doubling up to this many (~32 decode steps: model and LM
 _local = threading.local()
 
 
+def _team_rows() -> int:
+    """Steps of at most this many rows run whole: the CPU team shares them over the cores
+    (:mod:`rlserve.layers.cpu_gemm`, 0 when no team runs)."""
+    from rlserve.layers import cpu_gemm
+
+    return cpu_gemm.MAX_ROWS if cpu_gemm.active() else 0
+
+
 def microbatch_count(config=None, threads: int = 1, ranks: int | None = None) -> int:
     """How many micro-batches a CPU engine splits its decode steps into (module docstring).
 
@@ -258,7 +266,8 @@ class CPUMicroBatches:
     def plan(self, costs: Sequence[float], rows: int | None = None) -> list[tuple[int, int]] | None:
         """Contiguous item ranges ``[(0, k1), (k1, k2), ...]`` of about equal total cost, one
         per micro-batch, or ``None``: run the step whole (one micro-batch configured, fewer
-        than ``min_rows`` rows or 2 items, backing off after a losing split).
+        than ``min_rows`` rows or 2 items, few enough rows for the CPU team, backing off after a
+        losing split).
 
         Args:
             costs: one non-negative estimate per item (a row, or a sequence of rows; any unit,
@@ -266,7 +275,8 @@ class CPUMicroBatches:
             rows: the step's token rows (default: one per item).
         """
         n = len(costs)
-        if self.count < 2 or n < 2 or (n if rows is None else rows) < self.min_rows:
+        rows = n if rows is None else rows
+        if self.count < 2 or n < 2 or rows < self.min_rows or rows <= _team_rows():
             return None
         if self._skip > 0:
             self._skip -= 1

@@ -121,6 +121,29 @@ def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
     return max(1, (cpus - reserved) // max(1, ranks))
 
 
+def engine_team_size(config=None, ranks: int | None = None, threads: int = 1) -> int:
+    """The size of the CPU team (:mod:`rlserve.layers.cpu_gemm`) a CPU engine starts; 1 means
+    no team. First match wins: ``config.extra["cpu_team"]``, ``RLSERVE_CPU_TEAM``, 1 when the
+    engine runs ``threads`` > 1 torch threads (OpenMP shares the work then), else the usable
+    CPUs divided among the engine ranks (``ranks``, default TP x DP of ``config``) when that
+    leaves at least 2, else 1.
+
+    Raises:
+        ValueError: an ``extra["cpu_team"]`` that is not an integer >= 1.
+    """
+    extra = getattr(config, "extra", None) or {}
+    if extra.get("cpu_team") is not None:
+        return int_at_least(extra["cpu_team"], 'extra["cpu_team"]', 1)
+    if envs.RLSERVE_CPU_TEAM is not None:
+        return envs.RLSERVE_CPU_TEAM
+    if threads > 1:  # torch's own threads asked for: OpenMP does the sharing
+        return 1
+    if ranks is None:
+        ranks = engine_ranks(config)
+    n = usable_cpus() // max(1, ranks)
+    return n if n >= 2 else 1
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]``. Raises ValueError on anything else."""
     cpus: list[int] = []
@@ -197,13 +220,17 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
 def configure_engine_threads(config=None, ranks: int | None = None, bind: bool | None = None) -> int:
     """Set torch's intra-op threads for the engine running in the calling thread (CPU
     engines only: call it from the thread that will run the forward passes, before the
-    first one) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
+    first one), start the CPU team (:mod:`rlserve.layers.cpu_gemm`: it must run before the
+    model loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
     process), pin that thread to as many CPUs (:func:`bind_engine_thread`). Returns the
     thread count set."""
     n = engine_cpu_threads(config, ranks)
     cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s", n, usable_cpus(),
-                f"bound to CPUs {cpus}" if cpus else "not bound")
+    from rlserve.layers import cpu_gemm
+
+    team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
+    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for decode-sized "
+                "linears and attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team)
     return n

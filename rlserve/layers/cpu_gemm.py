@@ -1,0 +1,168 @@
+"""The CPU team: float32 linears and decode attention shared by the engine's cores without
+OpenMP barriers (the C code in ``csrc/cpu_team.c``; see its header for the scheme).
+
+A CPU engine on a 2-core machine runs its forward pass on one torch thread
+(:mod:`rlserve.engine.cpu.cpu_threads`): OpenMP's second thread ends every parallel region at a
+barrier that waits for it, and the step stalls whenever something else preempts it. The team
+is the calling thread plus ``size - 1`` persistent C worker threads; each operation is cut
+into chunks (32-column panels of a linear's output, sequences of a decode attention) that
+whichever thread comes first claims, so a preempted worker only ever delays a chunk it has
+already started, and the caller does the rest. A decode step's linears then read half of the
+weights on each of 2 cores.
+
+Linears run on a copy of the weight packed in panels of 16 output columns (:func:`pack`,
+``[ceil(N / 32), K, 32]``, rebuilt by ``process_weights_after_loading`` after every weight load, as the oneDNN copy of
+:mod:`rlserve.layers.cpu_linear` it replaces). Each output element is one sequential float32
+fused multiply-add chain over the input features, bias last: bit-equal whatever the row count,
+the other rows of the call, the chunking or the thread (batch-invariant), and equal to
+``F.linear`` up to summation order.
+
+Team size: :func:`rlserve.engine.cpu.cpu_threads.engine_team_size` (the usable CPUs per engine
+rank; ``RLSERVE_CPU_TEAM=1`` turns it off: the previous oneDNN / micro-batch path).
+Workers spin ``RLSERVE_CPU_TEAM_SPIN_US`` (default 200) microseconds after an operation
+before they sleep: a decode step's next operation follows within tens of microseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from rlserve import envs
+from rlserve.layers.cpu_build import load_library
+
+logger = logging.getLogger(__name__)
+
+PANEL = 32  # output columns per packed panel (csrc/cpu_team.c: PW)
+DEFAULT_SPIN_US = 200
+# Steps of at most this many token rows run their linears on the team (column panels over the
+# cores); larger ones keep oneDNN's packed copy, split by rows into micro-batches
+# (rlserve.engine.cpu.cpu_microbatch): there each core's rows amortize the weight read and
+# oneDNN's register tiles are faster than this kernel's (one core, CPU time, 512 rows: 1.2-1.9x).
+MAX_ROWS = 32
+
+_lock = threading.Lock()
+_state: dict = {}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _lib():
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                lib = load_library("cpu_team.c")
+                if lib is not None:
+                    lib.rlserve_team_start.argtypes = [ctypes.c_int, ctypes.c_int]
+                    lib.rlserve_team_start.restype = ctypes.c_int
+                    lib.rlserve_team_size.argtypes = []
+                    lib.rlserve_team_size.restype = ctypes.c_int
+                    lib.rlserve_gemm_f32.argtypes = [_P] * 4 + [_I] * 6
+                    lib.rlserve_gemm_f32.restype = ctypes.c_int
+                    lib.rlserve_team_paged_decode_f32.argtypes = [_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+                    lib.rlserve_team_paged_decode_f32.restype = ctypes.c_int
+                _state["lib"] = lib
+    return _state["lib"]
+
+
+def start(size: int) -> int:
+    """Start the team's ``size - 1`` worker threads in this process (once; a later call with a
+    larger size adds workers) and use it from now on; ``size`` 1 stops using it (its threads
+    stay, asleep). The engine built last in a process decides. Returns the team size in use,
+    1 where the library is missing or packed linears are off (``RLSERVE_CPU_PACKED_LINEAR=0``)."""
+    lib = _lib() if size >= 2 else None
+    if lib is None or not envs.RLSERVE_CPU_PACKED_LINEAR:
+        _state["size"] = 1
+        return 1
+    spin = envs.RLSERVE_CPU_TEAM_SPIN_US
+    n = lib.rlserve_team_start(size - 1, DEFAULT_SPIN_US if spin is None else spin)
+    _state["started"] = True
+    _state["size"] = n
+    return n
+
+
+def size() -> int:
+    """The running team's size (1: no team started in this process)."""
+    return _state.get("size", 1)
+
+
+def active() -> bool:
+    """Whether a team of 2 or more runs in this process (linears and attention use it)."""
+    return size() >= 2
+
+
+def available() -> bool:
+    """Whether the kernels load and packed linears are on (``RLSERVE_CPU_PACKED_LINEAR``)."""
+    return envs.RLSERVE_CPU_PACKED_LINEAR and _lib() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [N, K]`` (float32, CPU) -> ``[ceil(N / 32), K, 32]`` panels (zero rows pad N),
+    or ``None`` where the kernels do not apply (another dtype or device, not 2-D, no library).
+    The copy does not follow later writes to ``weight``: pack again after every load."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available()):
+        return None
+    N, K = weight.shape
+    P = -(-N // PANEL)
+    w = weight.detach()
+    if P * PANEL != N:
+        w = torch.cat([w, w.new_zeros(P * PANEL - N, K)])
+    return w.reshape(P, PANEL, K).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` -> ``[M, n_out]`` float32 on the team, ``packed`` = :func:`pack` of
+    ``W [n_out, K]``. ``x`` float32 CPU with unit column stride (any row stride); ``bias`` ``[n_out]``
+    contiguous float32 or ``None``; ``out``: a contiguous ``[M, n_out]`` float32 to write, or None.
+
+    Raises:
+        ValueError: shapes that do not match ``packed``.
+    """
+    M, K = x.shape
+    P, Kp, _ = packed.shape
+    if Kp != K or not (P - 1) * PANEL < n_out <= P * PANEL:
+        raise ValueError(f"cpu_gemm.linear: x {tuple(x.shape)} does not match packed {tuple(packed.shape)} / {n_out}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((M, n_out), dtype=torch.float32)
+    _lib().rlserve_gemm_f32(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), M, n_out, K, x.stride(0), out.stride(0), 0)
+    return out
+
+
+def paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                      scale: float) -> int:
+    """:func:`rlserve.layers.cpu_attention.call`'s kernel with one sequence per team chunk;
+    same arguments (no ``nthreads``), layouts and return code (unchecked, as there)."""
+    return _lib().rlserve_team_paged_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), q.shape[0], num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
+        float(scale))
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether a linear of ``x`` runs on the team: a team runs in this process, ``x`` is a 2-D
+    float32 CPU tensor of 1..:data:`MAX_ROWS` rows, and ``--batch-invariant`` is off (that mode
+    keeps its own kernels)."""
+    if _state.get("size", 1) < 2 or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+        return False
+    from rlserve.batch_invariant import mode as bi_mode
+
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not bi_mode.enabled()
+
+
+def team_weight(layer) -> torch.Tensor | None:
+    """``layer``'s packed copy for the team (:func:`pack`), or ``None`` (no team at load time)."""
+    return layer.__dict__.get("_cpu_team_weight")
+
+
+def build_team_weight(layer, weight: torch.Tensor) -> None:
+    """(Re)build ``layer``'s team copy of ``weight`` after a load: :func:`pack` when a team
+    runs in this process, else none (nothing kept)."""
+    layer.__dict__["_cpu_team_weight"] = pack(weight) if active() else None

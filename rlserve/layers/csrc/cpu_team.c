@@ -1,0 +1,336 @@
+/* A CPU "team" for one engine: the calling thread plus persistent worker threads that share
+ * one operation's independent chunks (output-column panels of a linear, sequences of a decode
+ * attention) through an atomic ticket, with no barrier that waits for a thread that has not
+ * started.
+ *
+ * Why not OpenMP threads: every OpenMP parallel region ends at a barrier that waits for every
+ * team thread, so on a 2-core machine where anything else wants a core, a preempted thread
+ * stalls the whole step (rlserve/engine/cpu/cpu_threads.py: 2 threads up to 6x slower under
+ * load). Here a chunk is claimed by whichever thread gets to it first: a worker that was
+ * preempted before claiming anything costs nothing (the caller runs every chunk itself, at
+ * one-thread speed), and the caller waits only for chunks a worker has already started.
+ * A decode step on 2 cores then reads half of the weights on each core (a micro-batch of
+ * rows reads all of them on each core: rlserve/engine/cpu/cpu_microbatch.py).
+ *
+ * Entry points (ctypes, rlserve/layers/cpu_gemm.py):
+ *   rlserve_team_start(workers, spin_us)   start `workers` worker threads (idempotent)
+ *   rlserve_team_size()                    1 + running workers
+ *   rlserve_gemm_f32(...)                  out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w packed
+ *   rlserve_team_paged_decode_f32(...)     paged_decode.c's kernel, sequences over the team
+ *
+ * Packed weight layout: panels of 32 output columns, wp[p][k][j] = w[32 p + j][k] (float32,
+ * N padded with zero rows to a multiple of 32): a panel is one contiguous K x 128-byte stream.
+ * Each output element is one sequential sum over k of fused multiply-adds (acc = fma(x, w,
+ * acc), k = 0..K-1, bias added last): its bits do not depend on M, on which rows share a call,
+ * on the chunking or on the thread that computed it (batch-invariant by construction).
+ *
+ * Workers spin for `spin_us` microseconds after their last chunk (the next operation of a
+ * step follows within tens of microseconds), then sleep on a futex until the next one.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <sys/syscall.h>
+
+#include "paged_decode.c"
+
+#define MAX_WORKERS 63
+
+typedef void (*chunk_fn)(const void *ctx, int64_t chunk);
+
+static struct {
+    _Atomic uint64_t ticket;  /* generation << 32 | next chunk to claim */
+    _Atomic int64_t done;     /* chunks finished in the current generation */
+    _Atomic uint32_t gen;     /* futex word: bumped for every job */
+    _Atomic int sleepers;
+    _Atomic int busy;         /* one job at a time; a second caller runs its chunks alone */
+    chunk_fn fn;
+    const void *ctx;
+    int64_t nchunks;
+    int workers;
+    int64_t spin_ns;
+    pthread_mutex_t start_lock;
+} T = {.start_lock = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Claim and run chunks of generation `g` until none is left (or a newer job started). */
+static void run_chunks(uint32_t g, chunk_fn fn, const void *ctx, int64_t n) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&T.ticket, memory_order_acquire);
+        for (;;) {
+            if ((uint32_t)(t >> 32) != g || (int64_t)(t & 0xffffffffu) >= n) return;
+            if (atomic_compare_exchange_weak_explicit(&T.ticket, &t, t + 1, memory_order_acq_rel,
+                                                      memory_order_acquire))
+                break;
+        }
+        fn(ctx, (int64_t)(t & 0xffffffffu));
+        atomic_fetch_add_explicit(&T.done, 1, memory_order_release);
+    }
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    uint32_t seen = atomic_load(&T.gen);
+    for (;;) {
+        int64_t t0 = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&T.gen, memory_order_acquire) == seen) {
+            cpu_relax();
+            if (++spins % 64 == 0 && now_ns() - t0 > T.spin_ns) {
+                atomic_fetch_add(&T.sleepers, 1);
+                if (atomic_load(&T.gen) == seen)
+                    syscall(SYS_futex, (uint32_t *)&T.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&T.sleepers, 1);
+                t0 = now_ns();
+            }
+        }
+        seen = atomic_load_explicit(&T.gen, memory_order_acquire);
+        /* the job's fields were written before gen (release); a newer job than `seen` makes
+           run_chunks return at once (the ticket carries the generation) */
+        chunk_fn fn = T.fn;
+        const void *ctx = T.ctx;
+        int64_t n = T.nchunks;
+        run_chunks(seen, fn, ctx, n);
+    }
+    return NULL;
+}
+
+static void after_fork_child(void) {
+    T.workers = 0;  /* the child has no worker threads: it starts its own when asked */
+    atomic_store(&T.busy, 0);
+    atomic_store(&T.sleepers, 0);
+}
+
+int rlserve_team_start(int workers, int spin_us) {
+    if (workers < 0) workers = 0;
+    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
+    pthread_mutex_lock(&T.start_lock);
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, after_fork_child);
+        atfork = 1;
+    }
+    T.spin_ns = (int64_t)(spin_us < 0 ? 0 : spin_us) * 1000;
+    while (T.workers < workers) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&th, &attr, worker_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        T.workers++;
+    }
+    int n = T.workers;
+    pthread_mutex_unlock(&T.start_lock);
+    return 1 + n;
+}
+
+int rlserve_team_size(void) { return 1 + T.workers; }
+
+/* fn(ctx, c) for c in [0, n): on the team when it is free, else all on the calling thread. */
+static void team_run(chunk_fn fn, const void *ctx, int64_t n) {
+    int expect = 0;
+    if (n <= 1 || T.workers == 0 || !atomic_compare_exchange_strong(&T.busy, &expect, 1)) {
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);
+        return;
+    }
+    T.fn = fn;
+    T.ctx = ctx;
+    T.nchunks = n;
+    atomic_store_explicit(&T.done, 0, memory_order_relaxed);
+    uint32_t g = atomic_load(&T.gen) + 1;
+    atomic_store_explicit(&T.ticket, (uint64_t)g << 32, memory_order_release);
+    atomic_store(&T.gen, g); /* seq_cst: ordered before the sleepers check below */
+    if (atomic_load(&T.sleepers) > 0)
+        syscall(SYS_futex, (uint32_t *)&T.gen, FUTEX_WAKE_PRIVATE, MAX_WORKERS, NULL, NULL, 0);
+    run_chunks(g, fn, ctx, n);
+    /* only chunks a worker already claimed are left: wait for them */
+    int64_t spins = 0;
+    while (atomic_load_explicit(&T.done, memory_order_acquire) < n) {
+        cpu_relax();
+        if (++spins > 2000) sched_yield(); /* the worker may share this core: let it finish */
+    }
+    atomic_store_explicit(&T.busy, 0, memory_order_release);
+}
+
+/* ---- linear on packed panels -------------------------------------------------------- */
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+
+/* a * w + acc with one rounding per lane (the build keeps contraction off elsewhere) */
+static inline __attribute__((always_inline)) vf16 fma16(float a, vf16 w, vf16 acc) {
+#if defined(__AVX512F__)
+    return (vf16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)w, (__m512)acc);
+#elif defined(__FMA__)
+    typedef float vf8 __attribute__((vector_size(32)));
+    const __m256 s = _mm256_set1_ps(a);
+    vf8 lo = (vf8)_mm256_fmadd_ps(s, (__m256)(vf8){w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]},
+                                  (__m256)(vf8){acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]});
+    vf8 hi = (vf8)_mm256_fmadd_ps(s, (__m256)(vf8){w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]},
+                                  (__m256)(vf8){acc[8], acc[9], acc[10], acc[11], acc[12], acc[13], acc[14], acc[15]});
+    return (vf16){lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+#else
+    for (int j = 0; j < 16; j++) acc[j] = fmaf(a, w[j], acc[j]);
+    return acc;
+#endif
+}
+
+/* register tile: up to MAX_MB rows x one 32-column panel (2 vectors of 16) of accumulators
+   (24 of AVX-512's 32 registers; AVX2 holds a 16-vector in 2 of its 16: 2 x 2 x 2 = 8 there) */
+#if defined(__AVX512F__)
+#define MAX_MB 12
+#else
+#define MAX_MB 2
+#endif
+#define PW 32 /* panel width: output columns per packed panel */
+
+/* MB rows x one panel: xt holds the rows' inputs transposed (xt[k][m]), wp the panel
+   ([K][32]), out the first row's first column; ncols (<= 32) columns are stored. */
+static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t K, float *out,
+                                                       int64_t ldo, int ncols, const float *bias, const int MB) {
+    vf16 acc[MAX_MB][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = (vf16){0};
+    for (int64_t k = 0; k < K; k++) {
+        const vf16 w0 = *(const vf16u *)(wp + PW * k), w1 = *(const vf16u *)(wp + PW * k + 16);
+        for (int m = 0; m < MB; m++) {
+            const float a = xt[k * MB + m];
+            acc[m][0] = fma16(a, w0, acc[m][0]);
+            acc[m][1] = fma16(a, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int j = 0; j < 2; j++) {
+            vf16 v = acc[m][j];
+            float *o = out + m * ldo + 16 * j;
+            const int n = ncols - 16 * j;
+            if (n >= 16) {
+                if (bias) v += *(const vf16u *)(bias + 16 * j);
+                *(vf16u *)o = v;
+            } else {
+                for (int c = 0; c < n; c++) o[c] = bias ? v[c] + bias[16 * j + c] : v[c];
+            }
+        }
+}
+
+static __thread float *xt_buf;  /* per thread: a row block's inputs, transposed */
+static __thread int64_t xt_cap;
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float *out;
+    int64_t M, N, K, ldx, ldo, panels, panels_per_chunk;
+} gemm_ctx;
+
+#define T1(mb) case mb: tile(xt, wp, K, om, c->ldo, ncols, b, mb); break;
+
+static void gemm_chunk(const void *vctx, int64_t chunk) {
+    const gemm_ctx *c = (const gemm_ctx *)vctx;
+    const int64_t p0 = chunk * c->panels_per_chunk;
+    int64_t p1 = p0 + c->panels_per_chunk;
+    if (p1 > c->panels) p1 = c->panels;
+    const int64_t K = c->K;
+    if (xt_cap < (int64_t)MAX_MB * K) {
+        free(xt_buf);
+        xt_buf = (float *)malloc(sizeof(float) * MAX_MB * K);
+        if (!xt_buf) abort(); /* out of memory for a few KB: nothing sensible is left */
+        xt_cap = (int64_t)MAX_MB * K;
+    }
+    float *xt = xt_buf;
+    for (int64_t m0 = 0; m0 < c->M; m0 += MAX_MB) { /* the chunk's panels stay in L2 over the row blocks */
+        const int mb = (int)(c->M - m0 < MAX_MB ? c->M - m0 : MAX_MB);
+        const float *xm = c->x + m0 * c->ldx;
+        for (int64_t k = 0; k < K; k++)
+            for (int m = 0; m < mb; m++) xt[k * mb + m] = xm[m * c->ldx + k];
+        for (int64_t p = p0; p < p1; p++) {
+            const float *wp = c->wp + p * K * PW;
+            float *om = c->out + m0 * c->ldo + PW * p;
+            const int ncols = (int)(c->N - PW * p < PW ? c->N - PW * p : PW);
+            const float *b = c->bias ? c->bias + PW * p : NULL;
+            switch (mb) {
+                T1(1) T1(2)
+#if MAX_MB > 2
+                T1(3) T1(4) T1(5) T1(6) T1(7) T1(8) T1(9) T1(10) T1(11) T1(12)
+#endif
+            }
+        }
+    }
+}
+
+/* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w^T (+ bias[N]), w packed as above
+ * (ceil(N / 32) panels). `chunks`: how many pieces the panels are cut into for the team
+ * (<= 0: about 8 per team thread). Returns 0, or 1 for sizes it does not take. */
+int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *out, int64_t M, int64_t N,
+                     int64_t K, int64_t ldx, int64_t ldo, int64_t chunks) {
+    if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return 1;
+    if (M == 0) return 0;
+    const int64_t panels = (N + PW - 1) / PW;
+    if (chunks <= 0) { /* about 8 per team thread, and few enough panels per chunk to stay in L2 */
+        chunks = 8 * (int64_t)rlserve_team_size();
+        const int64_t l2_panels = (512 * 1024) / (K * 4 * PW) > 0 ? (512 * 1024) / (K * 4 * PW) : 1;
+        if ((panels + l2_panels - 1) / l2_panels > chunks) chunks = (panels + l2_panels - 1) / l2_panels;
+    }
+    if (chunks > panels) chunks = panels;
+    gemm_ctx c = {x, wp, bias, out, M, N, K, ldx, ldo, panels, (panels + chunks - 1) / chunks};
+    team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk);
+    return 0;
+}
+
+/* ---- paged decode attention over the team -------------------------------------------- */
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    float *out;
+    int H, Hkv, D, block_size, max_blocks;
+    float scale;
+} attn_ctx;
+
+static void attn_chunk(const void *vctx, int64_t b) {
+    const attn_ctx *a = (const attn_ctx *)vctx;
+#if defined(__AVX512F__)
+    if (a->D % 16 == 0) {
+        one_task16(a->q, a->k_cache, a->v_cache, a->block_tables, a->seq_lens, a->out, (int)b, a->H, a->Hkv, a->D,
+                   a->block_size, a->max_blocks, a->scale);
+        return;
+    }
+#endif
+    one_task(a->q, a->k_cache, a->v_cache, a->block_tables, a->seq_lens, a->out, (int)b, a->H, a->Hkv, a->D,
+             a->block_size, a->max_blocks, a->scale);
+}
+
+/* rlserve_paged_decode_f32's arguments and checks (paged_decode.c), one sequence per chunk on
+ * the team instead of OpenMP threads. */
+int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                                  const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
+                                  int Hkv, int D, int block_size, int max_blocks, float scale) {
+    if (Hkv <= 0 || H % Hkv || H > MAX_H || H * D > MAX_HD || D % 8 || D > MAX_D || block_size > MAX_BS || block_size < 1)
+        return 1;
+    for (int b = 0; b < B; b++)
+        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return 2;
+    attn_ctx a = {q, k_cache, v_cache, block_tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale};
+    team_run(attn_chunk, &a, B);
+    return 0;
+}

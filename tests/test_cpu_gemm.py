@@ -1,0 +1,139 @@
+"""The CPU team (rlserve/layers/cpu_gemm.py, csrc/cpu_team.c): its linear is float32-exact up to
+summation order, and its bits depend on nothing but the row and the weight (row count, other rows,
+team on or off, concurrent callers); its attention is the paged kernel's, bit for bit; an engine
+with the team gives the greedy tokens of one without and really uses it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlserve.layers import cpu_attention, cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU team cannot be built")
+
+
+@pytest.fixture
+def team():
+    """A team of 2 in use for the test (restored after)."""
+    prev = cpu_gemm.size()
+    assert cpu_gemm.start(2) == 2
+    yield
+    cpu_gemm.start(prev)
+
+
+def _case(n_out, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_out, k, generator=g) * 0.05, torch.randn(n_out, generator=g)
+
+
+@pytest.mark.parametrize("n_out,k", [(960, 576), (576, 1536), (37, 5), (100, 64)])
+def test_linear_is_exact_up_to_summation_order(team, n_out, k):
+    w, b = _case(n_out, k)
+    packed = cpu_gemm.pack(w)
+    assert packed.shape == (-(-n_out // 32), k, 32)
+    for m in (1, 5, 13, 40):
+        x = torch.randn(m, k)
+        for bias in (None, b):
+            got = cpu_gemm.linear(x, packed, n_out, bias)
+            ref = (x.double() @ w.double().T + (0 if bias is None else bias.double()))
+            # recursive float32 summation of k products (fused): |error| <= k 2^-24 sum |x||w|
+            # (Higham, gamma_k), plus the bias add's half ulp of the result
+            bound = k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 2.0 ** -24 * ref.abs()
+            assert got.shape == (m, n_out) and got.dtype == torch.float32
+            assert ((got.double() - ref).abs() <= bound + 1e-30).all()
+
+
+def test_linear_bits_depend_only_on_the_row(team):
+    """Batch-invariant by construction: a row alone, inside any batch, in a strided view, with
+    the team on or off, and while another thread uses the team: the same bits."""
+    w, b = _case(960, 576, seed=1)
+    packed = cpu_gemm.pack(w)
+    x = torch.randn(40, 576)
+    full = cpu_gemm.linear(x, packed, 960, b)
+    for i in (0, 7, 39):
+        assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, 960, b), full[i:i + 1])
+    assert torch.equal(cpu_gemm.linear(x[3:16], packed, 960, b), full[3:16])
+    wide = torch.randn(40, 700)
+    wide[:, 50:626] = x
+    assert torch.equal(cpu_gemm.linear(wide[:, 50:626], packed, 960, b), full)  # row stride 700
+    cpu_gemm.start(1)
+    assert torch.equal(cpu_gemm.linear(x, packed, 960, b), full)  # every chunk on the caller
+    cpu_gemm.start(2)
+    results = [None] * 4
+
+    def call(i):
+        for _ in range(20):
+            results[i] = cpu_gemm.linear(x, packed, 960, b)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(r, full) for r in results)  # a busy team runs a caller's chunks inline
+
+
+def test_linear_refuses_a_mismatched_weight(team):
+    packed = cpu_gemm.pack(torch.randn(64, 16))
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_gemm.linear(torch.randn(2, 17), packed, 64)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_gemm.linear(torch.randn(2, 16), packed, 100)
+
+
+def test_attention_on_the_team_is_the_kernel_bit_for_bit(team):
+    """One sequence per chunk through the same per-sequence code as the OpenMP entry point."""
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, D, bs, nb = 11, 9, 3, 64, 16, 96
+    kc, vc = torch.randn(nb, bs, Hkv, D, generator=g), torch.randn(nb, bs, Hkv, D, generator=g)
+    lens = torch.randint(1, 8 * bs, (B,), generator=g, dtype=torch.int32)
+    bt = torch.randperm(nb, generator=g).to(torch.int32)[: B * 8].reshape(B, 8).contiguous()
+    q = torch.randn(B, H, D, generator=g)
+    ref, got = torch.empty_like(q), torch.empty_like(q)
+    fn = cpu_attention._load()
+    assert fn is not None
+    assert cpu_attention.call(fn, q, kc, vc, bt, lens, ref, H, Hkv, D, 0.125, 1) == 0
+    assert cpu_gemm.paged_decode_call(q, kc, vc, bt, lens, got, H, Hkv, D, 0.125) == 0
+    assert torch.equal(got, ref)
+    assert cpu_gemm.paged_decode_call(q, kc, vc, bt, lens + 10_000, got, H, Hkv, D, 0.125) == 2  # past the table
+
+
+def test_team_size_rule(monkeypatch):
+    from rlserve import envs
+    from rlserve.config import EngineConfig
+    from rlserve.engine.cpu import cpu_threads
+
+    monkeypatch.setattr(envs, "RLSERVE_CPU_TEAM", None)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    cfg = EngineConfig(model="x", device="cpu")
+    assert cpu_threads.engine_team_size(cfg) == 2
+    assert cpu_threads.engine_team_size(cfg, threads=2) == 1  # torch's OpenMP threads share the work instead
+    assert cpu_threads.engine_team_size(cfg, ranks=2) == 1
+    monkeypatch.setattr(envs, "RLSERVE_CPU_TEAM", 1)
+    assert cpu_threads.engine_team_size(cfg) == 1
+    cfg.extra["cpu_team"] = 3
+    assert cpu_threads.engine_team_size(cfg) == 3
+    cfg.extra["cpu_team"] = 0
+    with pytest.raises(ValueError):
+        cpu_threads.engine_team_size(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, monkeypatch):
+    from rlserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    prompts = [f"Team prompt {i}" + " more" * i for i in range(6)]
+    path = tiny_model(arch)
+    ref = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 1}).generate(prompts, params)
+    calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+    assert cpu_gemm.size() == 2
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert calls and max(calls) <= cpu_gemm.MAX_ROWS  # decode steps (6 rows) and their LM head used the team
