@@ -137,3 +137,28 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert calls and max(calls) <= cpu_gemm.MAX_ROWS  # decode steps (6 rows) and their LM head used the team
+
+
+def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monkeypatch):
+    """A team step that got fewer busy cores than MIN_CORES (here: any step, MIN_CORES huge)
+    makes the next ones run inline on the calling thread, backing off 4, 8, ... steps; tokens
+    unchanged (the same kernel and bits either way)."""
+    from rlserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    prompts = [f"Guard {i}" for i in range(3)]
+    path = tiny_model("llama")
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+    ref = llm.generate(prompts, params)
+    monkeypatch.setattr(cpu_gemm, "MIN_CORES", 1e9)
+    monkeypatch.setitem(cpu_gemm._guard, "skip", 0)
+    monkeypatch.setitem(cpu_gemm._guard, "backoff", cpu_gemm.MIN_BACKOFF)
+    before = cpu_gemm.guard_stats()
+    got = llm.generate(prompts, params)
+    after = cpu_gemm.guard_stats()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    # 11 decode steps: measured, 4 inline, measured, 6 of 8 inline
+    assert after["lost"] - before["lost"] == after["steps"] - before["steps"] == 2
+    assert after["inline"] - before["inline"] == 9
+    cpu_gemm._lib().rlserve_team_set_inline(0)
+    monkeypatch.setitem(cpu_gemm._guard, "skip", 0)

@@ -25,9 +25,11 @@ before they sleep: a decode step's next operation follows within tens of microse
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
+import time
 
 import torch
 
@@ -43,6 +45,14 @@ DEFAULT_SPIN_US = 200
 # (rlserve.engine.cpu.cpu_microbatch): there each core's rows amortize the weight read and
 # oneDNN's register tiles are faster than this kernel's (one core, CPU time, 512 rows: 1.2-1.9x).
 MAX_ROWS = 32
+# Contention guard (step_guard): a team step that averaged fewer busy cores than this (the
+# calling thread's and the workers' CPU time over its wall time; ~2 on an idle 2-core machine,
+# the spinning worker included) lost: another program held a core, and under the kernel's
+# per-session fair share (autogroup) the team's threads then only split one share between them.
+# The next `backoff` steps run inline on the calling thread (no spinning, no waiting on a
+# preempted worker's chunk), backoff doubling on repeated losses, as the micro-batches' guard.
+MIN_CORES = 1.3
+MIN_BACKOFF, MAX_BACKOFF = 4, 64
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -64,6 +74,10 @@ def _lib():
                     lib.rlserve_gemm_f32.restype = ctypes.c_int
                     lib.rlserve_team_paged_decode_f32.argtypes = [_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
                     lib.rlserve_team_paged_decode_f32.restype = ctypes.c_int
+                    lib.rlserve_team_set_inline.argtypes = [ctypes.c_int]
+                    lib.rlserve_team_set_inline.restype = None
+                    lib.rlserve_team_worker_cpu_ns.argtypes = []
+                    lib.rlserve_team_worker_cpu_ns.restype = ctypes.c_int64
                 _state["lib"] = lib
     return _state["lib"]
 
@@ -130,8 +144,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
         x = x.contiguous()
     if out is None:
         out = torch.empty((M, n_out), dtype=torch.float32)
-    _lib().rlserve_gemm_f32(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+    rc = _lib().rlserve_gemm_f32(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                             out.data_ptr(), M, n_out, K, x.stride(0), out.stride(0), 0)
+    if rc != 0:
+        raise MemoryError(f"cpu_gemm.linear: no memory for the {M} x {K} input transpose") if rc == 2 else \
+            ValueError(f"cpu_gemm.linear: sizes refused: x {tuple(x.shape)}, out {tuple(out.shape)}")
     return out
 
 
@@ -166,3 +183,39 @@ def build_team_weight(layer, weight: torch.Tensor) -> None:
     """(Re)build ``layer``'s team copy of ``weight`` after a load: :func:`pack` when a team
     runs in this process, else none (nothing kept)."""
     layer.__dict__["_cpu_team_weight"] = pack(weight) if active() else None
+
+
+_guard = {"skip": 0, "backoff": MIN_BACKOFF, "steps": 0, "lost": 0, "inline": 0}
+
+
+def guard_stats() -> dict:
+    """The contention guard's counts: ``steps`` measured, ``lost`` among them, ``inline`` steps
+    run on the calling thread while backing off."""
+    return {k: _guard[k] for k in ("steps", "lost", "inline")}
+
+
+@contextlib.contextmanager
+def step_guard():
+    """Run one team step under the contention guard (see :data:`MIN_CORES`). A losing step
+    switches the team to inline (every operation on the calling thread, the LM head and any
+    other team call included) for the next ``backoff`` guarded steps; otherwise the step's wall
+    time and the team's CPU time are measured."""
+    lib = _lib()
+    if _guard["skip"] > 0:
+        _guard["skip"] -= 1
+        _guard["inline"] += 1
+        yield
+        return
+    lib.rlserve_team_set_inline(0)
+    w0, c0, k0 = time.perf_counter(), time.thread_time(), lib.rlserve_team_worker_cpu_ns()
+    yield
+    wall = time.perf_counter() - w0
+    cpu = time.thread_time() - c0 + 1e-9 * (lib.rlserve_team_worker_cpu_ns() - k0)
+    _guard["steps"] += 1
+    if cpu < MIN_CORES * wall:
+        _guard["lost"] += 1
+        _guard["skip"] = _guard["backoff"]
+        _guard["backoff"] = min(2 * _guard["backoff"], MAX_BACKOFF)
+        lib.rlserve_team_set_inline(1)
+    else:
+        _guard["backoff"] = MIN_BACKOFF

@@ -188,6 +188,9 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
                                    hidden.shape[0], veto=meta.writes_shared_block)
         if out is not None:
             return out
+    if ctx is not None and ctx.team:
+        with cpu_gemm.step_guard():  # inline on this thread while another program holds a core
+            return stack(ctx, positions, hidden, meta)
     return stack(ctx, positions, hidden, meta)
 
 

@@ -58,6 +58,8 @@ static struct {
     const void *ctx;
     int64_t nchunks;
     int workers;
+    _Atomic int inline_only;  /* set by the caller's contention guard: run every chunk inline */
+    pthread_t threads[MAX_WORKERS];
     int64_t spin_ns;
     pthread_mutex_t start_lock;
 } T = {.start_lock = PTHREAD_MUTEX_INITIALIZER};
@@ -140,7 +142,7 @@ int rlserve_team_start(int workers, int spin_us) {
         int rc = pthread_create(&th, &attr, worker_main, NULL);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
-        T.workers++;
+        T.threads[T.workers++] = th;
     }
     int n = T.workers;
     pthread_mutex_unlock(&T.start_lock);
@@ -149,10 +151,26 @@ int rlserve_team_start(int workers, int spin_us) {
 
 int rlserve_team_size(void) { return 1 + T.workers; }
 
+/* 1: every operation runs on the calling thread alone (workers asleep) until set back to 0 */
+void rlserve_team_set_inline(int on) { atomic_store(&T.inline_only, on ? 1 : 0); }
+
+/* CPU time the workers used so far, nanoseconds (their thread CPU clocks) */
+int64_t rlserve_team_worker_cpu_ns(void) {
+    int64_t total = 0;
+    for (int i = 0; i < T.workers; i++) {
+        clockid_t cid;
+        struct timespec ts;
+        if (pthread_getcpuclockid(T.threads[i], &cid) == 0 && clock_gettime(cid, &ts) == 0)
+            total += (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    }
+    return total;
+}
+
 /* fn(ctx, c) for c in [0, n): on the team when it is free, else all on the calling thread. */
 static void team_run(chunk_fn fn, const void *ctx, int64_t n) {
     int expect = 0;
-    if (n <= 1 || T.workers == 0 || !atomic_compare_exchange_strong(&T.busy, &expect, 1)) {
+    if (n <= 1 || T.workers == 0 || atomic_load_explicit(&T.inline_only, memory_order_relaxed) ||
+        !atomic_compare_exchange_strong(&T.busy, &expect, 1)) {
         for (int64_t c = 0; c < n; c++) fn(ctx, c);
         return;
     }
@@ -205,6 +223,8 @@ static inline __attribute__((always_inline)) vf16 fma16(float a, vf16 w, vf16 ac
 #else
 #define MAX_MB 2
 #endif
+#define PF_DIST 16
+#define PF_LOC 3
 #define PW 32 /* panel width: output columns per packed panel */
 
 /* MB rows x one panel: xt holds the rows' inputs transposed (xt[k][m]), wp the panel
@@ -214,6 +234,10 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
     vf16 acc[MAX_MB][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = (vf16){0};
     for (int64_t k = 0; k < K; k++) {
+        if (PF_DIST > 0) { /* the panel's stream, PF_DIST rows of 128 bytes ahead (past its end: harmless) */
+            __builtin_prefetch(wp + PW * (k + PF_DIST), 0, PF_LOC);
+            __builtin_prefetch(wp + PW * (k + PF_DIST) + 16, 0, PF_LOC);
+        }
         const vf16 w0 = *(const vf16u *)(wp + PW * k), w1 = *(const vf16u *)(wp + PW * k + 16);
         for (int m = 0; m < MB; m++) {
             const float a = xt[k * MB + m];
@@ -235,16 +259,16 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
         }
 }
 
-static __thread float *xt_buf;  /* per thread: a row block's inputs, transposed */
+static __thread float *xt_buf;  /* per calling thread: the inputs, transposed by row block */
 static __thread int64_t xt_cap;
 
 typedef struct {
-    const float *x, *wp, *bias;
+    const float *xt, *wp, *bias;  /* xt: row block r (rows m0..m0+mb) at xt + m0 * K, as [K][mb] */
     float *out;
-    int64_t M, N, K, ldx, ldo, panels, panels_per_chunk;
+    int64_t M, N, K, ldo, panels, panels_per_chunk, mb;
 } gemm_ctx;
 
-#define T1(mb) case mb: tile(xt, wp, K, om, c->ldo, ncols, b, mb); break;
+#define T1(n) case n: tile(xt, wp, K, om, c->ldo, ncols, b, n); break;
 
 static void gemm_chunk(const void *vctx, int64_t chunk) {
     const gemm_ctx *c = (const gemm_ctx *)vctx;
@@ -252,23 +276,14 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     int64_t p1 = p0 + c->panels_per_chunk;
     if (p1 > c->panels) p1 = c->panels;
     const int64_t K = c->K;
-    if (xt_cap < (int64_t)MAX_MB * K) {
-        free(xt_buf);
-        xt_buf = (float *)malloc(sizeof(float) * MAX_MB * K);
-        if (!xt_buf) abort(); /* out of memory for a few KB: nothing sensible is left */
-        xt_cap = (int64_t)MAX_MB * K;
-    }
-    float *xt = xt_buf;
-    for (int64_t m0 = 0; m0 < c->M; m0 += MAX_MB) { /* the chunk's panels stay in L2 over the row blocks */
-        const int mb = (int)(c->M - m0 < MAX_MB ? c->M - m0 : MAX_MB);
-        const float *xm = c->x + m0 * c->ldx;
-        for (int64_t k = 0; k < K; k++)
-            for (int m = 0; m < mb; m++) xt[k * mb + m] = xm[m * c->ldx + k];
-        for (int64_t p = p0; p < p1; p++) {
-            const float *wp = c->wp + p * K * PW;
+    for (int64_t p = p0; p < p1; p++) { /* a panel is read from memory once, then from L1/L2 */
+        const float *wp = c->wp + p * K * PW;
+        const int ncols = (int)(c->N - PW * p < PW ? c->N - PW * p : PW);
+        const float *b = c->bias ? c->bias + PW * p : NULL;
+        for (int64_t m0 = 0; m0 < c->M; m0 += c->mb) {
+            const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
+            const float *xt = c->xt + m0 * K;
             float *om = c->out + m0 * c->ldo + PW * p;
-            const int ncols = (int)(c->N - PW * p < PW ? c->N - PW * p : PW);
-            const float *b = c->bias ? c->bias + PW * p : NULL;
             switch (mb) {
                 T1(1) T1(2)
 #if MAX_MB > 2
@@ -281,7 +296,8 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w^T (+ bias[N]), w packed as above
  * (ceil(N / 32) panels). `chunks`: how many pieces the panels are cut into for the team
- * (<= 0: about 8 per team thread). Returns 0, or 1 for sizes it does not take. */
+ * (<= 0: about 8 per team thread). Returns 0, 1 for sizes it does not take, 2 when the
+ * M x K transpose buffer cannot be allocated. */
 int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *out, int64_t M, int64_t N,
                      int64_t K, int64_t ldx, int64_t ldo, int64_t chunks) {
     if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return 1;
@@ -293,7 +309,26 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
         if ((panels + l2_panels - 1) / l2_panels > chunks) chunks = (panels + l2_panels - 1) / l2_panels;
     }
     if (chunks > panels) chunks = panels;
-    gemm_ctx c = {x, wp, bias, out, M, N, K, ldx, ldo, panels, (panels + chunks - 1) / chunks};
+    /* rows in balanced blocks of at most MAX_MB (16 rows: 8 + 8), each transposed once */
+    const int64_t nblocks = (M + MAX_MB - 1) / MAX_MB, mb = (M + nblocks - 1) / nblocks;
+    if (xt_cap < M * K) {
+        free(xt_buf);
+        xt_buf = (float *)malloc(sizeof(float) * M * K);
+        if (!xt_buf) {
+            xt_cap = 0;
+            return 2;
+        }
+        xt_cap = M * K;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t n = M - m0 < mb ? M - m0 : mb;
+        float *xt = xt_buf + m0 * K;
+        for (int64_t m = 0; m < n; m++) {
+            const float *xr = x + (m0 + m) * ldx;
+            for (int64_t k = 0; k < K; k++) xt[k * n + m] = xr[k];
+        }
+    }
+    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb};
     team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk);
     return 0;
 }
