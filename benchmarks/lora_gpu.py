@@ -110,7 +110,40 @@ def _build(engine: str, path: str, rank: int, args):
     from rlserve import LLM, SamplingParams
     from rlserve.lora.request import LoRARequest
 
-    return LLM(path, device=args.device, **common), LoRARequest, SamplingParams, lambda p: p, "rlserve"
+    # the same memory share as vLLM's (and room for the merged case's copy of the base weights)
+    extra = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.device.startswith("cuda") else {}
+    return LLM(path, device=args.device, **common, **extra), LoRARequest, SamplingParams, lambda p: p, "rlserve"
+
+
+def _merged_case(lora, run, args, deadline: float) -> dict:
+    """rlserve's one-adapter fast path (:mod:`rlserve.lora.merge`, off by default on CUDA) switched
+    on in the same engine: case ``one`` again with adapter 1 merged into the weights (the base
+    CUDA graphs), and the wall of one restore and one merge (synchronized)."""
+    from rlserve.lora.merge import MergedAdapter, mergeable
+
+    if lora.merge is None:
+        if not mergeable(lora._linears):
+            return {}
+        lora.merge = MergedAdapter(lora)
+    cuda = args.device.startswith("cuda")
+    run("one", args.max_tokens)  # merges after a few steps, then replays the base graphs
+    walls = []
+    for _ in range(args.reps):
+        if time.perf_counter() > deadline:
+            break
+        full, one = run("one", args.max_tokens), run("one", 1)
+        walls.append(args.batch * (args.max_tokens - 1) / max(full - one, 1e-9))
+    times = {}
+    for what, fn in (("restore_s", lora.merge.restore), ("merge_s", lambda: lora.merge._merge(1))):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times[what] = round(time.perf_counter() - t, 4)
+    return {"one_merged_tok_s": round(statistics.median(walls), 1) if walls else None,
+            "one_merged_tok_s_all": [round(x, 1) for x in walls], "merges": lora.merge.merges, **times}
 
 
 def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadline: float) -> dict:
@@ -126,8 +159,8 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
     cases = {"base": None, "one": [reqs[0]] * args.batch, "four": [reqs[i % 4] for i in range(args.batch)]}
     cuda = args.device.startswith("cuda")
 
-    def run(case, n):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    def run(case, n, logprobs=None):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -135,15 +168,19 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
         if cuda:
             torch.cuda.synchronize()
         assert all(len(o.outputs[0].token_ids) == n for o in outs), case
-        first[case] = [list(o.outputs[0].token_ids) for o in outs[:4]]
+        first[case] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs[:4]]
         return time.perf_counter() - t
 
+    def first_lps(case):  # the first 4 prompts' logprob of their first token
+        return [getattr(lps[0][ids[0]], "logprob", lps[0][ids[0]]) for ids, lps in first[case]]
+
     first: dict[str, list] = {}
-    tokens = {}
+    tokens, lps = {}, {}
     for case in cases:  # warm-up: kernel compiles, graph captures, adapter loads
         run(case, args.max_tokens)
-        tokens[case] = first[case]
-        run(case, 1)
+        tokens[case] = [ids for ids, _ in first[case]]
+        run(case, 1, logprobs=0)
+        lps[case] = first_lps(case)
     warm_s = time.perf_counter() - t0 - startup_s
     walls: dict[str, list] = {c: [] for c in cases}
     for _ in range(args.reps):
@@ -157,15 +194,20 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
            "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "decode_tok_s": med, "vs_base": {c: round(v / med["base"], 3) for c, v in med.items() if "base" in med},
            "decode_tok_s_all": {c: [round(x, 1) for x in v] for c, v in walls.items()},
-           # a check that the adapters act: greedy tokens of the first 4 prompts equal to the base model's
-           "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four")}}
+           # checks that the adapters act: greedy tokens of the first 4 prompts equal to the base model's
+           # (dummy weights can leave the argmax alone), largest change of their first token's logprob
+           "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four")},
+           "first_logprob_change": {c: max(abs(a - b) for a, b in zip(lps[c], lps["base"])) for c in ("one", "four")}}
     if engine == "rlserve":
         from rlserve.lora.model import lora_of
 
         graphs = llm.engine.executor.runner.lora_graphs
-        out["kernel_path"] = lora_of(llm.engine.model).kernel
+        lora = lora_of(llm.engine.model)
+        out["kernel_path"] = lora.kernel
         out["lora_graph_replays"] = graphs.num_replays if graphs is not None else 0
         del graphs
+        out.update(_merged_case(lora, run, args, deadline))
+        del lora
     del llm
     gc.collect()
     if cuda:
@@ -249,7 +291,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's (on a CPU: the fraction of host memory it reserves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                   help="both engines' (vLLM on a CPU: the fraction of host memory it reserves)")
     p.add_argument("--parts", nargs="+", default=["decode", "sync"])
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     p.add_argument("--out", default=None)

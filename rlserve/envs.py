@@ -126,6 +126,10 @@ VARIABLES: dict[str, Var] = {
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
+    # ---- LoRA
+    "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
+                              "the one-adapter fast path (rlserve.lora.merge): 'auto' (on for CPU models, off on "
+                              "CUDA), '1' on, '0' off"),
     # ---- CPU engine
     "RLSERVE_CPU_THREADS": Var("int >= 1 | None", None, _positive,
                                "torch intra-op threads per CPU engine rank (before OMP_NUM_THREADS; default: usable "

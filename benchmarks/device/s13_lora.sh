@@ -3,7 +3,8 @@
 #   1. tests/gpu/test_lora_gpu.py (Triton kernels vs float64; engine kernel path = PEFT merged, graphs = eager;
 #      adapter-only sync over CUDA IPC)
 #   2. Qwen3-8B shape, bf16, offline decode tok/s, base vs 1 vs 4 adapters of rank 64 then 16:
-#      rlserve (both ranks), then vLLM 0.24.0 (/tmp/vsite) rank 64 on the same PEFT adapters on disk
+#      rlserve (both ranks; also 1 adapter merged: rlserve.lora.merge switched on), then vLLM 0.24.0
+#      (/tmp/vsite) rank 64 on the same PEFT adapters on disk
 #   3. adapter-only sync (one /sync_weights call per version, IPC) vs a full sync: time and bytes
 #   4. vLLM rank 16 with what is left
 # Workload (both engines alike): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos,
@@ -24,17 +25,17 @@ if [ "$DRY_RUN" = 1 ]; then
   export PYTHONPATH=$PWD
   VLLM_ENV=(env VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH="$PWD" /work/vvenv/bin/python)
   COMMON=(--shape smollm2-135m --device cpu --dtype float32 --batch 4 --prompt-len 8 --max-tokens 8 --reps 1)
-  VLLM_UTIL=0.3
+  UTIL=0.3
   echo "card: cpu (DRY_RUN)" | tee "$OUT_DIR/card.txt"
 else
   PY=python3
   export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}
   VLLM_ENV=(bash -c 'source /tmp/vsite/env.sh && exec env PYTHONPATH=/tmp/vsite VLLM_WORKER_MULTIPROC_METHOD=spawn python3 "$@"' vllm)
   COMMON=(--shape qwen3-8b --device cuda --dtype bfloat16 --batch 32 --prompt-len 128 --max-tokens 64 --reps 3)
-  VLLM_UTIL=0.85
+  UTIL=0.6  # both engines; leaves room for the merged case's copy of the base weights
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT_DIR/card.txt"
 fi
-COMMON+=(--model-dir "$WORK/model" --adapter-root "$WORK/adapters")
+COMMON+=(--model-dir "$WORK/model" --adapter-root "$WORK/adapters" --gpu-memory-utilization $UTIL)
 
 # seconds a step may take: its cap, never past the budget's end (15 s kept for the cleanup)
 SCALE=1; [ "$DRY_RUN" = 1 ] && SCALE=8  # the 2-core CPU machine runs every step slower
@@ -57,14 +58,14 @@ step() {  # step NAME CAP CMD...: runs CMD under timeout, log in $OUT_DIR/NAME.l
 }
 
 step tests-gpu-lora 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -rA
-step rlserve-decode 75 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
+step rlserve-decode 90 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
   --out "$OUT_DIR/lora-rlserve.json"
 step vllm-decode-r64 120 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 64 \
-  --parts decode --gpu-memory-utilization $VLLM_UTIL --out "$OUT_DIR/lora-vllm-r64.json"
+  --parts decode --out "$OUT_DIR/lora-vllm-r64.json"
 step rlserve-sync 60 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 64 --parts sync --reps 3 \
   --out "$OUT_DIR/lora-sync.json"
 step vllm-decode-r16 120 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
-  --parts decode --gpu-memory-utilization $VLLM_UTIL --out "$OUT_DIR/lora-vllm-r16.json"
+  --parts decode --out "$OUT_DIR/lora-vllm-r16.json"
 
 # one table of what came back
 $PY - "$OUT_DIR" <<'EOF' | tee "$OUT_DIR/summary.txt"
@@ -77,7 +78,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "lora-*.json"))):
         continue
     for d in r.get("decode", []):
         print(f"{d['engine']:>14} r{d['rank']:<3} tok/s {d['decode_tok_s']} vs base {d['vs_base']} "
-              f"start {d['startup_s']} s same-as-base {d['same_tokens_as_base']}")
+              f"start {d['startup_s']} s same-as-base {d['same_tokens_as_base']} lp change {d['first_logprob_change']} "
+              f"merged {d.get('one_merged_tok_s')} (merge {d.get('merge_s')} s, restore {d.get('restore_s')} s)")
     for k, v in (r.get("sync") or {}).items():
         if isinstance(v, dict):
             print(f"sync {k}: median {v['median_s']} s first {v['first_s']} s bytes {v['bytes']}")

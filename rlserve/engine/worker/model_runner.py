@@ -322,6 +322,8 @@ class ModelRunner:
         """
         bi_mode.set_enabled(self.batch_invariant)
         lora = lora_of(self.model)
+        if lora is not None and lora.merge is not None and lora.merge.prepare(step.lora_ids):
+            lora = None  # the step's one adapter is merged into the weights: the base path
         if lora is None or not step.lora_ids:
             with cpu_microbatch.active(self.microbatches):
                 return self._execute(step)

@@ -12,6 +12,7 @@ from rlserve.config import EngineConfig, resolve_device, resolve_dtype
 from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from rlserve.lora.model import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
 
 logger = logging.getLogger(__name__)
@@ -162,11 +163,20 @@ class Worker:
 
     def call(self, target: str, *args, **kwargs):
         """Run ``function(self, *args, **kwargs)`` for the ``"module:function"`` target,
-        inside this worker's TP context."""
+        inside this worker's TP context, on the base weights (an adapter merged by the LoRA
+        fast path is taken out first: :mod:`rlserve.lora.merge`)."""
+        self._unmerge_lora()
         with self.tp():
             return resolve_rpc_target(target)(self, *args, **kwargs)
 
     def load_weights(self, weights) -> set[str]:
-        """``model.load_weights`` inside this worker's TP context (each rank keeps its shard)."""
+        """``model.load_weights`` inside this worker's TP context (each rank keeps its shard),
+        into the base weights (as :meth:`call`)."""
+        self._unmerge_lora()
         with self.tp():
             return self.model.load_weights(weights)
+
+    def _unmerge_lora(self) -> None:
+        lora = lora_of(self.model)
+        if lora is not None and lora.merge is not None:
+            lora.merge.restore()

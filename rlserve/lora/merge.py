@@ -1,0 +1,154 @@
+"""The one-adapter fast path: when every sequence of the steps runs on one adapter, that adapter
+is merged into the base weights and the steps run as the base model (its CUDA graphs, the CPU
+fast decode layer and micro-batches), with no per-token LoRA cost.
+
+Policy (:meth:`MergedAdapter.prepare`, called by the model runner before each step):
+
+- a step whose sequences all run on adapter ``X`` (no base-model row): after ``after_steps``
+  such steps in a row (a burst of mixed steps never merges), ``X`` is merged: every linear ``X``
+  targets gets ``W += B' A`` (``B'`` with PEFT's scaling folded; the product in float32, added
+  to ``W`` in float32 and rounded once to ``W``'s dtype, as PEFT's ``merge_and_unload``);
+  then the step runs on the base path;
+- any other step (base rows, another adapter, several adapters) while ``X`` is merged first puts
+  the base weights back: they are copied from a copy taken at the merge (``W`` itself, never
+  ``W - B' A``: subtracting would not give the base bits back), and the copy is dropped;
+- every worker call (weight syncs, checksums, sleep, adapter loads: :meth:`rlserve.engine.worker.
+  worker.Worker.call` and ``load_weights``) first puts the base weights back, so nothing outside a
+  step ever sees or overwrites merged weights, and a later merge copies the weights as they are
+  then (a synced base model included).
+
+Each merge or restore also rebuilds the layer's derived state (``quant_method.
+process_weights_after_loading``: the CPU packed copy) as a weight load does. Cost: one copy of
+the targeted linears' weights while an adapter is merged, per merge ``sum(out x in x r)``
+multiply-adds and that copy, per restore a copy back; an RL run serves one adapter version at a time, so it pays
+one restore and one merge per version. Prefix-cache entries stay keyed by the adapter's
+``lora_int_id``: KV computed merged or not differs only by rounding.
+
+Only layers whose ``quant_method`` is the unquantized one are merged; a model with any other
+(fp8) never merges (:func:`mergeable`). ``RLSERVE_LORA_MERGE`` (``rlserve/envs.py``) switches
+the path: ``auto`` (default: on the CPU, where it measured faster, ``benchmarks/lora_cpu.py``;
+off on CUDA, not measured there yet and costing a copy of the weights in GPU memory), ``1``, ``0``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: steps in a row all on one adapter before it is merged (a few: mixed batches while a new
+#: adapter version takes over do not merge and restore every other step)
+AFTER_STEPS = 4
+
+
+def mergeable(linears) -> bool:
+    """Whether every ``(module, LoRALinear)`` pair's module has an unquantized, floating weight."""
+    from rlserve.layers.linear import UnquantizedLinearMethod
+
+    return all(isinstance(getattr(mod, "quant_method", None), UnquantizedLinearMethod)
+               and mod.weight.dtype.is_floating_point for mod, _ in linears)
+
+
+def enabled(device: torch.device) -> bool:
+    """``RLSERVE_LORA_MERGE``'s answer for a model on ``device``.
+
+    Raises:
+        ValueError: a value other than ``auto``, ``0``, ``1``.
+    """
+    from rlserve import envs
+
+    setting = envs.RLSERVE_LORA_MERGE
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"RLSERVE_LORA_MERGE must be 'auto', '0' or '1', got {setting!r}")
+    return setting == "1" or (setting == "auto" and device.type == "cpu")
+
+
+class MergedAdapter:
+    """Merge state of one model replica (module docstring).
+
+    Args:
+        lora: the replica's :class:`rlserve.lora.model.LoRAModel` (its ``_linears``,
+            ``slot_of`` on the kernel path).
+        after_steps: :data:`AFTER_STEPS`.
+
+    Attributes:
+        merged: the adapter id merged into the weights now, 0 for none.
+        merges / restores: counts since start (tests and logs).
+    """
+
+    def __init__(self, lora, after_steps: int = AFTER_STEPS):
+        self.lora = lora
+        self.after_steps = int(after_steps)
+        self.merged = 0
+        self.merges = self.restores = 0
+        self._streak = (0, 0)  # (adapter id, steps in a row all on it)
+        self._base: dict[nn.Module, torch.Tensor] = {}  # module -> its base weight while merged
+
+    def prepare(self, seq_adapters: list[int] | None) -> bool:
+        """Set the weights for a step whose sequence ``i`` runs on ``seq_adapters[i]`` (0 or
+        ``None`` for all: the base model). Returns True when the step must run as the base model
+        because its one adapter is (now) merged."""
+        ids = set(seq_adapters or ())
+        one = next(iter(ids)) if len(ids) == 1 else 0
+        if not one:
+            self._streak = (0, 0)
+            self.restore()
+            return False
+        if one == self.merged:
+            return True
+        n = self._streak[1] + 1 if self._streak[0] == one else 1
+        self._streak = (one, n)
+        if n < self.after_steps:
+            self.restore()
+            return False
+        self.restore()
+        self._merge(one)
+        return True
+
+    @torch.no_grad()
+    def _merge(self, adapter_id: int) -> None:
+        for mod, lin in self.lora._linears:
+            delta = self._delta(lin, adapter_id)
+            if delta is None:
+                continue
+            w = mod.weight.data
+            self._base[mod] = w.clone()
+            w.copy_((w.float() + delta).to(w.dtype))
+            self._after_write(mod)
+        self.merged = adapter_id
+        self.merges += 1
+        logger.debug("LoRA: adapter %d merged into the weights", adapter_id)
+
+    def _delta(self, lin, adapter_id: int) -> torch.Tensor | None:
+        """``[out, in]`` float32: the adapter's ``B' A`` over the layer's slices, or None when it
+        does not target the layer."""
+        held = lin.adapters.get(adapter_id)
+        if held is None:
+            return None
+        if lin.a_stack is None:  # dense path: (A_cat [sum r, in], B_cat [out, sum r])
+            a_cat, b_cat = held
+            return b_cat.float() @ a_cat.float()
+        a, b, r = lin.a_stack[held].float(), lin.b_stack[held].float(), lin.max_rank
+        delta = torch.empty((lin.out_features, lin.in_features), dtype=torch.float32, device=a.device)
+        for i, (_, offset, size) in enumerate(lin.slices):
+            torch.matmul(b[offset:offset + size], a[i * r:(i + 1) * r], out=delta[offset:offset + size])
+        return delta
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the base weights back (nothing to do when no adapter is merged)."""
+        if not self.merged:
+            return
+        for mod, base in self._base.items():
+            mod.weight.data.copy_(base)
+            self._after_write(mod)
+        self._base = {}
+        self.merged = 0
+        self.restores += 1
+
+    @staticmethod
+    def _after_write(mod: nn.Module) -> None:
+        mod.quant_method.process_weights_after_loading(mod)

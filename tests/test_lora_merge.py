@@ -1,0 +1,132 @@
+"""The one-adapter LoRA fast path (rlserve.lora.merge) on the CPU engine: steps all on one adapter
+run with it merged into the weights and still give PEFT's merged model's tokens and logprobs;
+any other step, and any worker call, puts the base weights back bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.lora.merge import AFTER_STEPS
+from rlserve.lora.model import lora_of
+from tests.lora_adapters import hf_greedy_logprobs, make_adapter, merged_model
+
+NEW_TOKENS = 12  # > AFTER_STEPS: the adapter is merged part way through the decode
+#: float32 on both sides; the merged weights are rounded once to float32 as PEFT's are
+#: (tests/test_lora.py's bound against PEFT's merged model)
+LP_ATOL = 1e-4
+PROMPTS = [[5, 9, 13, 17, 21, 3], [7, 7, 8, 30, 2, 11, 12], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    base = tiny_model("llama")
+    d = tmp_path_factory.mktemp("lora-merge")
+    return base, {1: make_adapter(base, d / "a1", seed=1, r=8, alpha=16),
+                  2: make_adapter(base, d / "a2", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"])}
+
+
+def _llm(base, monkeypatch, setting):
+    monkeypatch.setenv("RLSERVE_LORA_MERGE", setting)
+    return LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4,
+               enable_prefix_caching=False)
+
+
+def _gen(llm, ids):
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, lora_int_id=a)
+              for a in ids]
+    outs = llm.generate(PROMPTS[:len(ids)], params)
+    return [(list(o.outputs[0].token_ids), [o.outputs[0].logprobs[i][t] for i, t in enumerate(o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def _weights(llm) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in llm.engine.model.named_parameters()}
+
+
+def _check(got, base, adapter, prompt):
+    want_ids, want_lps = hf_greedy_logprobs(merged_model(base, adapter), prompt, NEW_TOKENS)
+    assert got[0] == want_ids
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want_lps), atol=LP_ATOL, rtol=0)
+
+
+def test_one_adapter_merges_and_matches_peft(setup, monkeypatch):
+    base, paths = setup
+    llm = _llm(base, monkeypatch, "1")
+    lora = lora_of(llm.engine.model)
+    for i, p in paths.items():
+        lora.load(i, p)
+    before = _weights(llm)
+    base_out = _gen(llm, [0, 0])
+    assert lora.merge.merges == 0
+    outs = _gen(llm, [1, 1, 1])  # every sequence on adapter 1: merged after AFTER_STEPS steps
+    assert lora.merge.merges == 1 and lora.merge.merged == 1
+    for out, prompt in zip(outs, PROMPTS):
+        _check(out, base, paths[1], prompt)
+    # the merged weights are W + B'A: not the base ones while merged
+    assert any(not torch.equal(p, before[n]) for n, p in llm.engine.model.named_parameters())
+    # a step on the base model puts the base weights back, bit for bit
+    assert _gen(llm, [0, 0]) == base_out
+    assert lora.merge.merged == 0 and lora.merge.restores == 1
+    assert all(torch.equal(p, before[n]) for n, p in llm.engine.model.named_parameters())
+    # another adapter after the first: restored, then merged in its turn
+    outs = _gen(llm, [2, 2])
+    assert lora.merge.merged == 2 and lora.merge.merges == 2
+    for out, prompt in zip(outs, PROMPTS):
+        _check(out, base, paths[2], prompt)
+    # a mixed batch never merges
+    mixed = _gen(llm, [1, 0, 2])
+    assert lora.merge.merged == 0 and lora.merge.merges == 2
+    for out, a, prompt in zip(mixed, [1, 0, 2], PROMPTS):
+        _check(out, base, paths.get(a), prompt)
+
+
+def test_worker_call_sees_base_weights_and_merge_off_is_unchanged(setup, monkeypatch):
+    base, paths = setup
+    llm = _llm(base, monkeypatch, "1")
+    lora = lora_of(llm.engine.model)
+    lora.load(1, paths[1])
+    before = _weights(llm)
+    merged = _gen(llm, [1, 1])
+    assert lora.merge.merged == 1
+    # any worker call (a weight sync, checksums, sleep) first takes the adapter out
+    sums = llm.engine.collective_rpc("tests.test_lora_merge:_weight_sums")[0]
+    assert sums == {n: float(t.double().sum()) for n, t in before.items()}
+    assert lora.merge.merged == 0
+    # the same requests without the fast path: the same tokens (logprobs: summation order only)
+    off = _llm(base, monkeypatch, "0")
+    lora_off = lora_of(off.engine.model)
+    assert lora_off.merge is None
+    lora_off.load(1, paths[1])
+    for (m_ids, m_lps), (o_ids, o_lps) in zip(merged, _gen(off, [1, 1])):
+        assert m_ids == o_ids
+        torch.testing.assert_close(torch.tensor(m_lps), torch.tensor(o_lps), atol=LP_ATOL, rtol=0)
+
+
+def _weight_sums(worker) -> dict[str, float]:
+    """An rpc target: every parameter's float64 sum as the worker sees it."""
+    return {n: float(p.detach().double().sum()) for n, p in worker.model.named_parameters()}
+
+
+def test_policy_waits_for_steps_in_a_row(setup, monkeypatch):
+    from rlserve.lora.merge import MergedAdapter
+
+    base, paths = setup
+    llm = _llm(base, monkeypatch, "1")
+    lora = lora_of(llm.engine.model)
+    lora.load(1, paths[1])
+    m = MergedAdapter(lora)
+    for _ in range(AFTER_STEPS - 1):
+        assert m.prepare([1, 1]) is False
+    assert m.prepare([1, 0]) is False  # a base row resets the count
+    assert [m.prepare([1]) for _ in range(AFTER_STEPS)] == [False] * (AFTER_STEPS - 1) + [True]
+    assert m.merged == 1 and m.prepare(None) is False and m.merged == 0
+    m.restore()  # nothing merged: nothing to do
+    assert m.restores == 1
+
+
+def test_bad_setting_is_refused(setup, monkeypatch):
+    base, _ = setup
+    with pytest.raises(ValueError, match="RLSERVE_LORA_MERGE"):
+        _llm(base, monkeypatch, "yes")
