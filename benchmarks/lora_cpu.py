@@ -36,7 +36,7 @@ model, adapters, case, n, plen, mt, rank = sys.argv[1], json.loads(sys.argv[2]),
 torch.set_num_threads(1)
 kw = dict(enable_lora=True, max_loras=4, max_lora_rank=max(16, rank)) if case != "base" else {}
 llm = LLM(model, device="cpu", dtype="float32", load_format="dummy", skip_tokenizer_init=True, seed=0, **kw)
-if case in ("one", "mixed"):
+if case in ("one", "one-unmerged", "mixed"):
     from rlserve.lora.model import lora_of
     for i, p in enumerate(adapters, 1):
         lora_of(llm.engine.model).load(i, p)

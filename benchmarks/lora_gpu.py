@@ -60,17 +60,18 @@ def _dims(cfg: dict) -> dict[str, tuple[str, int, int]]:
             "down_proj": ("mlp", i, h)}
 
 
-def write_adapters(model_dir: str, rank: int, root: str, n: int = 4, device: str = "cpu") -> list[str]:
+def write_adapters(model_dir: str, rank: int, root: str, n: int = 4, device: str = "cpu", b_scale: float = 0.01,
+                   name: str = "a") -> list[str]:
     """``n`` PEFT adapter directories of ``rank`` for the model at ``model_dir`` under
-    ``root/r{rank}/a{k}`` (k = 1..n), written once (a ``DONE`` file marks them): bfloat16
-    ``lora_A [r, in]`` ~ N(0, 1/in), ``lora_B [out, r]`` ~ N(0, 1e-4), drawn on ``device`` (a CPU
+    ``root/r{rank}/{name}{k}`` (k = 1..n), written once (a ``DONE`` file marks them): bfloat16
+    ``lora_A [r, in]`` ~ N(0, 1/in), ``lora_B [out, r]`` ~ N(0, b_scale^2), drawn on ``device`` (a CPU
     draws the 8B shape's 0.9 G numbers too slowly) from seed ``1000 rank + k``. Returns the directories."""
     from safetensors.torch import save_file
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     dims = _dims(cfg)
-    paths = [os.path.join(root, f"r{rank}", f"a{k}") for k in range(1, n + 1)]
+    paths = [os.path.join(root, f"r{rank}", f"{name}{k}") for k in range(1, n + 1)]
     for k, path in enumerate(paths, 1):
         if os.path.exists(os.path.join(path, "DONE")):
             continue
@@ -82,7 +83,7 @@ def write_adapters(model_dir: str, rank: int, root: str, n: int = 4, device: str
                 parent, fin, fout = dims[mod]
                 key = f"base_model.model.model.layers.{layer}.{parent}.{mod}"
                 a = torch.randn(rank, fin, generator=g, device=device) / fin ** 0.5
-                b = torch.randn(fout, rank, generator=g, device=device) * 0.01
+                b = torch.randn(fout, rank, generator=g, device=device) * b_scale
                 tensors[f"{key}.lora_A.weight"] = a.bfloat16().cpu()
                 tensors[f"{key}.lora_B.weight"] = b.bfloat16().cpu()
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
@@ -146,12 +147,24 @@ def _merged_case(lora, run, args, deadline: float) -> dict:
             "one_merged_tok_s_all": [round(x, 1) for x in walls], "merges": lora.merge.merges, **times}
 
 
+def _big_adapter_check(LoRARequest, path: str, rank: int, cases: dict, run, first_lps, base_lps, args) -> float:
+    """vLLM's dummy weights (uniform +-1e-3, norms included) leave the logits ~1e-5, where the timed
+    adapters' effect is below float32's resolution: one adapter with factors 10^4 x larger shows that
+    vLLM applies them (the largest change of the first 4 prompts' first-token logprob vs the base)."""
+    big = write_adapters(path, rank, os.path.join(path, "adapters-check"), n=1, device=args.device, b_scale=100.0,
+                         name="big")[0]
+    cases["big"] = [LoRARequest(f"r{rank}-big", 99, big)] * args.batch
+    run("big", 1, logprobs=0)
+    return max(abs(a - b) for a, b in zip(first_lps("big"), base_lps))
+
+
 def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadline: float) -> dict:
     """Decode tok/s of the ``base`` / ``one`` / ``four`` cases on one engine at ``max_lora_rank``
     = ``rank`` (module docstring)."""
     t0 = time.perf_counter()
     llm, LoRARequest, SamplingParams, wrap, version = _build(engine, path, rank, args)
     startup_s = time.perf_counter() - t0
+    print(json.dumps({"engine": version, "rank": rank, "startup_s": round(startup_s, 1)}), flush=True)
     reqs = [LoRARequest(f"r{rank}-a{k}", k, p) for k, p in enumerate(adapters, 1)]
     V = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -189,6 +202,8 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
                 break
             full, one = run(case, args.max_tokens), run(case, 1)
             walls[case].append(args.batch * (args.max_tokens - 1) / max(full - one, 1e-9))
+            # progress in the log: a run killed by its time limit still shows what it measured
+            print(json.dumps({"rank": rank, "case": case, "decode_tok_s": round(walls[case][-1], 1)}), flush=True)
     med = {c: round(statistics.median(v), 1) for c, v in walls.items() if v}
     out = {"engine": version, "rank": rank, "startup_s": round(startup_s, 1), "warmup_s": round(warm_s, 1),
            "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -198,6 +213,9 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
            # (dummy weights can leave the argmax alone), largest change of their first token's logprob
            "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four")},
            "first_logprob_change": {c: max(abs(a - b) for a, b in zip(lps[c], lps["base"])) for c in ("one", "four")}}
+    if engine == "vllm":
+        out["big_adapter_logprob_change"] = _big_adapter_check(LoRARequest, path, rank, cases, run, first_lps,
+                                                               lps["base"], args)
     if engine == "rlserve":
         from rlserve.lora.model import lora_of
 

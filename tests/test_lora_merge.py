@@ -12,7 +12,7 @@ from rlserve.lora.merge import AFTER_STEPS
 from rlserve.lora.model import lora_of
 from tests.lora_adapters import hf_greedy_logprobs, make_adapter, merged_model
 
-NEW_TOKENS = 12  # > AFTER_STEPS: the adapter is merged part way through the decode
+NEW_TOKENS = AFTER_STEPS + 6  # the adapter is merged part way through the decode
 #: float32 on both sides; the merged weights are rounded once to float32 as PEFT's are
 #: (tests/test_lora.py's bound against PEFT's merged model)
 LP_ATOL = 1e-4

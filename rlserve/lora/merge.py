@@ -39,9 +39,11 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: steps in a row all on one adapter before it is merged (a few: mixed batches while a new
-#: adapter version takes over do not merge and restore every other step)
-AFTER_STEPS = 4
+#: steps in a row all on one adapter before it is merged: mixed batches while a new adapter version
+#: takes over must not merge and restore every other step, and a merge costs about what some tens
+#: of decode steps do on a CPU (SmolLM2-135M's shape, rank 16/64: merge 1.8 s, restore 0.8-1.4 s on
+#: a loaded 2-core machine, benchmarks/lora_gpu.py --device cpu)
+AFTER_STEPS = 16
 
 
 def mergeable(linears) -> bool:

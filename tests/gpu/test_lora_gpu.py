@@ -183,3 +183,36 @@ def test_adapter_sync_over_nccl(adapters, tmp_path):
                                                      device="cuda:1"), base, tmp_path)
         finally:
             torch.cuda.set_device(0)
+
+
+def _merged_matches_peft(base, paths, device, monkeypatch):
+    """The one-adapter fast path (RLSERVE_LORA_MERGE=1) on ``device``, float32: two prompts all on
+    adapter 1 long enough to merge part way; tokens and logprobs = PEFT's merged model."""
+    from rlserve import LLM, SamplingParams
+    from rlserve.lora.merge import AFTER_STEPS
+    from rlserve.lora.model import lora_of
+
+    monkeypatch.setenv("RLSERVE_LORA_MERGE", "1")
+    n = AFTER_STEPS + 6
+    llm = LLM(base, dtype="float32", device=device, enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_num_seqs=4, num_kv_blocks=64)
+    lora = lora_of(llm.engine.model)
+    lora.load(1, paths[1])
+    prompts = [[5, 9, 13, 17, 21, 3], [7, 7, 8, 30, 2, 11, 12]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0,
+                                                lora_int_id=1))
+    assert lora.merge.merges == 1 and lora.merge.merged == 1
+    ref = merged_model(base, paths[1])
+    for p, o in zip(prompts, outs):
+        want_ids, want_lps = hf_greedy_logprobs(ref, p, n)
+        c = o.outputs[0]
+        assert list(c.token_ids) == want_ids
+        torch.testing.assert_close(torch.tensor([c.logprobs[i][t] for i, t in enumerate(c.token_ids)]),
+                                   torch.tensor(want_lps), atol=LP_ATOL, rtol=0)
+    del llm, lora
+
+
+def test_merged_fast_path_matches_peft(adapters, monkeypatch):
+    base, paths = adapters
+    _merged_matches_peft(base, paths, "cuda", monkeypatch)
+    torch.cuda.empty_cache()
