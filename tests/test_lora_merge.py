@@ -130,3 +130,25 @@ def test_bad_setting_is_refused(setup, monkeypatch):
     base, _ = setup
     with pytest.raises(ValueError, match="RLSERVE_LORA_MERGE"):
         _llm(base, monkeypatch, "yes")
+
+
+def test_kernel_path_delta_equals_dense_path_delta():
+    """The merge's ``B' A`` read from the kernel path's slot buffers (CUDA) equals the dense path's
+    (CPU), for a packed q/k/v layer with an adapter on two of its three slices, rank below the max."""
+    from rlserve.lora.layers import LoRALinear
+    from rlserve.lora.merge import MergedAdapter
+
+    g = torch.Generator().manual_seed(0)
+    slices = [("l.q_proj", 0, 8), ("l.k_proj", 8, 4), ("l.v_proj", 12, 4)]
+    weights = {m: (torch.randn(3, 16, generator=g), torch.randn(n, 3, generator=g)) for m, _, n in slices
+               if m != "l.k_proj"}
+    dense, slots = LoRALinear(slices, 16), LoRALinear(slices, 16)
+    slots.use_slots(2, 8, torch.float32, "cpu")
+    dense.add(5, weights)
+    slots.add(5, weights, slot=1)
+    want = torch.zeros(16, 16)
+    want[0:8] = weights["l.q_proj"][1] @ weights["l.q_proj"][0]
+    want[12:16] = weights["l.v_proj"][1] @ weights["l.v_proj"][0]
+    for lin in (dense, slots):  # float32 sums of 3 products (padding zeros add exactly): rounding only
+        torch.testing.assert_close(MergedAdapter._delta(None, lin, 5), want, rtol=1e-6, atol=1e-6)
+        assert MergedAdapter._delta(None, lin, 6) is None
