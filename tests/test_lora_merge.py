@@ -33,6 +33,16 @@ def _llm(base, monkeypatch, setting):
                enable_prefix_caching=False)
 
 
+def _loaded(base, paths, monkeypatch, setting, ids=(1,)):
+    """An engine (``RLSERVE_LORA_MERGE=setting``) holding ``paths[i]`` under id ``i`` for ``ids``,
+    and its LoRAModel."""
+    llm = _llm(base, monkeypatch, setting)
+    lora = lora_of(llm.engine.model)
+    for i in ids:
+        lora.load(i, paths[i])
+    return llm, lora
+
+
 def _gen(llm, ids):
     params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, lora_int_id=a)
               for a in ids]
@@ -53,10 +63,7 @@ def _check(got, base, adapter, prompt):
 
 def test_one_adapter_merges_and_matches_peft(setup, monkeypatch):
     base, paths = setup
-    llm = _llm(base, monkeypatch, "1")
-    lora = lora_of(llm.engine.model)
-    for i, p in paths.items():
-        lora.load(i, p)
+    llm, lora = _loaded(base, paths, monkeypatch, "1", ids=(1, 2))
     before = _weights(llm)
     base_out = _gen(llm, [0, 0])
     assert lora.merge.merges == 0
@@ -84,9 +91,7 @@ def test_one_adapter_merges_and_matches_peft(setup, monkeypatch):
 
 def test_worker_call_sees_base_weights_and_merge_off_is_unchanged(setup, monkeypatch):
     base, paths = setup
-    llm = _llm(base, monkeypatch, "1")
-    lora = lora_of(llm.engine.model)
-    lora.load(1, paths[1])
+    llm, lora = _loaded(base, paths, monkeypatch, "1")
     before = _weights(llm)
     merged = _gen(llm, [1, 1])
     assert lora.merge.merged == 1
@@ -95,10 +100,8 @@ def test_worker_call_sees_base_weights_and_merge_off_is_unchanged(setup, monkeyp
     assert sums == {n: float(t.double().sum()) for n, t in before.items()}
     assert lora.merge.merged == 0
     # the same requests without the fast path: the same tokens (logprobs: summation order only)
-    off = _llm(base, monkeypatch, "0")
-    lora_off = lora_of(off.engine.model)
+    off, lora_off = _loaded(base, paths, monkeypatch, "0")
     assert lora_off.merge is None
-    lora_off.load(1, paths[1])
     for (m_ids, m_lps), (o_ids, o_lps) in zip(merged, _gen(off, [1, 1])):
         assert m_ids == o_ids
         torch.testing.assert_close(torch.tensor(m_lps), torch.tensor(o_lps), atol=LP_ATOL, rtol=0)
@@ -113,9 +116,7 @@ def test_policy_waits_for_steps_in_a_row(setup, monkeypatch):
     from rlserve.lora.merge import MergedAdapter
 
     base, paths = setup
-    llm = _llm(base, monkeypatch, "1")
-    lora = lora_of(llm.engine.model)
-    lora.load(1, paths[1])
+    _, lora = _loaded(base, paths, monkeypatch, "1")
     m = MergedAdapter(lora)
     for _ in range(AFTER_STEPS - 1):
         assert m.prepare([1, 1]) is False
