@@ -177,6 +177,6 @@ class Worker:
             return self.model.load_weights(weights)
 
     def _unmerge_lora(self) -> None:
-        lora = lora_of(self.model)
+        lora = lora_of(getattr(self, "model", None))
         if lora is not None and lora.merge is not None:
             lora.merge.restore()
