@@ -73,8 +73,9 @@ def run(path: str, kv: str, prompts, args) -> dict:
     from rlserve import LLM, SamplingParams
 
     real = args.model is not None
+    kv, _, calc = kv.partition(":")  # "fp8:calc": --calculate-kv-scales
     llm = LLM(path, dtype=args.dtype, device=args.device, load_format="auto" if real else "dummy",
-              skip_tokenizer_init=True,
+              skip_tokenizer_init=True, calculate_kv_scales=calc == "calc",
               max_model_len=args.max_len + args.gen + 8, max_num_seqs=max(len(prompts), 1),
               kv_cache_dtype=kv, enable_prefix_caching=False,
               **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.device.startswith("cuda") else {}))
@@ -87,7 +88,7 @@ def run(path: str, kv: str, prompts, args) -> dict:
     tf = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     gen = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True))
     res = {
-        "kv_cache_dtype": kv, "num_blocks": llm.engine.executor.runner.num_blocks,
+        "kv_cache_dtype": kv + (":calc" if calc == "calc" else ""), "num_blocks": llm.engine.executor.runner.num_blocks,
         "block_size": llm.engine.config.block_size, "bytes_per_block": llm.engine.executor.bytes_per_block(),
         "seconds": time.perf_counter() - t0,
         "prompt_logprobs": [[next(iter(d.values())) for d in o.prompt_logprobs[1:]] for o in tf],
@@ -122,8 +123,9 @@ def main(argv=None) -> dict:
                                                   "prompts: this repository's docs, tokenized)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma-separated --kv-cache-dtype values; the "
-                                                            "first is the reference")
+    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma-separated --kv-cache-dtype values, ':calc' "
+                                                            "added for --calculate-kv-scales (fp8:calc); the first "
+                                                            "is the reference")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=2048)
