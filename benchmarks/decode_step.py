@@ -424,7 +424,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=1024, help="tokens in each sequence's context")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto",
-                    help="the KV cache's dtype (auto, fp8, fp8_e4m3, fp8_e5m2); comma-separated: each in turn")
+                    help="the KV cache's dtype (auto, fp8, fp8_e4m3, fp8_e5m2); comma-separated: each in turn in "
+                         "this process (a cache of most of the GPU is not handed back in between: then one process "
+                         "each)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",

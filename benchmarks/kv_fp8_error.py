@@ -101,6 +101,30 @@ def run(path: str, kv: str, prompts, args) -> dict:
     return res
 
 
+def run_vllm(path: str, kv: str, prompts, args) -> dict:
+    """The same through vLLM's ``LLM`` (``--engine vllm``; run with vLLM's Python): its own fp8 KV
+    cache (scales 1.0; ``:calc`` entries are not supported there)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype=args.dtype, kv_cache_dtype=kv, enable_prefix_caching=False, seed=args.seed,
+              max_model_len=args.max_len + args.gen + 8, max_num_seqs=max(len(prompts), 1),
+              skip_tokenizer_init=True, gpu_memory_utilization=args.gpu_memory_utilization)
+    t0 = time.perf_counter()
+    ps = [{"prompt_token_ids": p} for p in prompts]
+    tf = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    gen = llm.generate(ps, SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True), use_tqdm=False)
+    cache = llm.llm_engine.vllm_config.cache_config
+    res = {
+        "kv_cache_dtype": kv, "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size, "bytes_per_block": 1,
+        "seconds": time.perf_counter() - t0,
+        "prompt_logprobs": [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(tf, prompts)],
+        "greedy": [list(o.outputs[0].token_ids) for o in gen],
+    }
+    del llm
+    gc.collect()
+    return res
+
+
 def compare(ref: dict, other: dict) -> dict:
     diffs = [abs(a - b) for pa, pb in zip(ref["prompt_logprobs"], other["prompt_logprobs"]) for a, b in zip(pa, pb)]
     same = [ga == gb for ga, gb in zip(ref["greedy"], other["greedy"])]
@@ -126,11 +150,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma-separated --kv-cache-dtype values, ':calc' "
                                                             "added for --calculate-kv-scales (fp8:calc); the first "
                                                             "is the reference")
+    ap.add_argument("--engine", default="rlserve", choices=["rlserve", "vllm"],
+                    help="vllm: vLLM's LLM (run this script with vLLM's Python)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help="rlserve on CUDA; vLLM everywhere (on CPU vLLM reserves this fraction of the host memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -147,18 +174,18 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as root:
         path = args.model or save_shape(args.shape, root)
         for kv in args.kv.split(","):
-            runs.append(run(path, kv, prompts, args))
+            runs.append((run_vllm if args.engine == "vllm" else run)(path, kv, prompts, args))
             print(f"{kv}: {runs[-1]['num_blocks']} blocks of {runs[-1]['block_size']} tokens, "
                   f"{runs[-1]['seconds']:.1f} s", flush=True)
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     rows = [compare(runs[0], r) for r in runs[1:]]
     for r in rows:
-        print(f"{args.shape} {card} {r['kv_cache_dtype']} vs {runs[0]['kv_cache_dtype']}: logprob max |diff| "
+        print(f"{args.engine} {args.shape} {card} {r['kv_cache_dtype']} vs {runs[0]['kv_cache_dtype']}: logprob max |diff| "
               f"{r['logprob_max_abs_diff']:.4f}, mean {r['logprob_mean_abs_diff']:.5f} nats over "
               f"{r['tokens_compared']} tokens; greedy identical {r['greedy_identical_fraction']:.2f}, "
               f"{r['greedy_mean_tokens_before_first_diff']:.1f} tokens before the first diff (of {args.gen}); "
               f"blocks x{r['blocks_vs_ref']:.2f} (bytes per block x{r['bytes_per_block_vs_ref']:.2f})", flush=True)
-    out = {"args": vars(args), "card": card, "rows": rows,
+    out = {"args": vars(args), "engine": args.engine, "card": card, "rows": rows,
            "blocks": {r["kv_cache_dtype"]: r["num_blocks"] for r in runs}}
     if args.json:
         with open(args.json, "w") as f:
