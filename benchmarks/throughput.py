@@ -60,6 +60,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     from rlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    mem = _probe_kv_sizing(args)
     llm = LLM(
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
         max_model_len=_max_model_len(args), enforce_eager=args.enforce_eager,
@@ -68,6 +69,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     )
     _sync(args.device)
     startup = time.perf_counter() - t0
+    mem = mem()
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     gen = lambda ps, sps: [len(o.outputs[0].token_ids) for o in llm.generate(ps, sps)]  # noqa: E731
     res = _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
@@ -75,6 +77,8 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     bm = getattr(llm.engine, "block_manager", None)
     if bm is not None:
         res["kv_cache_tokens"] = bm.num_blocks * llm.engine.config.block_size
+    if mem:
+        res["memory_at_kv_sizing"] = mem
     # the extra runs below get other prompt tokens (same lengths): a repeat would hit the prefix cache
     fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
     if args.phases:
@@ -90,6 +94,41 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         res["kernels_workload"] = profile_kernels(lambda: gen(fresh(4), params), "whole workload",
                                                   args.kernel_profile)
     return res
+
+
+def _probe_kv_sizing(args):
+    """On CUDA, watch the in-process worker's KV sizing (``Worker.determine_num_blocks``) of the
+    engine built next: returns ``done() -> dict`` (GiB: the device's total, in use by every
+    process, PyTorch's allocated and reserved bytes, the worker's activation estimate, at the
+    moment it sizes the cache; and the blocks it chose), which also restores the method. Where the
+    KV budget goes; {} on CPU."""
+    if not args.device.startswith("cuda"):
+        return lambda: {}
+    from rlserve.engine.worker.worker import Worker
+
+    orig, seen = Worker.determine_num_blocks, {}
+
+    def probe(self):
+        free, total = torch.cuda.mem_get_info(self.device)
+        gib = 1 << 30
+        seen.update(total_gib=total / gib, used_gib=(total - free) / gib,
+                    torch_allocated_gib=torch.cuda.memory_allocated(self.device) / gib,
+                    torch_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
+                    activation_estimate_gib=self._activation_estimate() / gib,
+                    gpu_memory_utilization=self.config.gpu_memory_utilization)
+        seen["kv_blocks"] = orig(self)
+        return seen["kv_blocks"]
+
+    Worker.determine_num_blocks = probe
+
+    def done() -> dict:
+        Worker.determine_num_blocks = orig
+        if seen:
+            print("rlserve KV sizing:", {k: round(v, 3) if isinstance(v, float) else v for k, v in seen.items()},
+                  flush=True)
+        return dict(seen)
+
+    return done
 
 
 def _memory_kwargs(args) -> dict:
