@@ -111,7 +111,7 @@ def main() -> None:
                                       str(args.rank)], capture_output=True, text=True,
                                      env=dict(env, RLSERVE_LORA_MERGE="0" if case == "one-unmerged" else "auto"))
                 if out.returncode != 0:
-                    sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
+                    sys.exit(f"case {case} failed (exit status {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
                 results[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
         load = os.getloadavg()[0]
         print(f"{args.shape}, rank {args.rank}, {args.num_prompts} prompts x {args.prompt_len} tokens, "

@@ -116,8 +116,14 @@ def test_policy_waits_for_steps_in_a_row(setup, monkeypatch):
     from rlserve.lora.merge import MergedAdapter
 
     base, paths = setup
-    _, lora = _loaded(base, paths, monkeypatch, "1")
+    llm, lora = _loaded(base, paths, monkeypatch, "1")
     m = MergedAdapter(lora)
+    # what the CUDA KV-cache sizing leaves free: a copy of every decoder linear's weight + the
+    # largest float32 B'A (tiny llama: qkv_proj, o_proj, gate_up_proj, down_proj per layer)
+    ws = [p for n, p in llm.engine.model.named_parameters() if n.endswith(("qkv_proj.weight", "o_proj.weight",
+                                                                    "gate_up_proj.weight", "down_proj.weight"))]
+    assert len(ws) == 4 * 2
+    assert m.reserve_bytes() == sum(4 * w.numel() for w in ws) + 4 * max(w.numel() for w in ws)
     for _ in range(AFTER_STEPS - 1):
         assert m.prepare([1, 1]) is False
     assert m.prepare([1, 0]) is False  # a base row resets the count

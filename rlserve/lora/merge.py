@@ -19,15 +19,17 @@ Policy (:meth:`MergedAdapter.prepare`, called by the model runner before each st
 
 Each merge or restore also rebuilds the layer's derived state (``quant_method.
 process_weights_after_loading``: the CPU packed copy) as a weight load does. Cost: one copy of
-the targeted linears' weights while an adapter is merged, per merge ``sum(out x in x r)``
+the targeted linears' weights while an adapter is merged (on CUDA the worker's KV-cache sizing
+leaves room for it, :meth:`MergedAdapter.reserve_bytes`), per merge ``sum(out x in x r)``
 multiply-adds and that copy, per restore a copy back; an RL run serves one adapter version at a time, so it pays
 one restore and one merge per version. Prefix-cache entries stay keyed by the adapter's
 ``lora_int_id``: KV computed merged or not differs only by rounding.
 
 Only layers whose ``quant_method`` is the unquantized one are merged; a model with any other
 (fp8) never merges (:func:`mergeable`). ``RLSERVE_LORA_MERGE`` (``rlserve/envs.py``) switches
-the path: ``auto`` (default: on the CPU, where it measured faster, ``benchmarks/lora_cpu.py``;
-off on CUDA, not measured there yet and costing a copy of the weights in GPU memory), ``1``, ``0``.
+the path: ``auto`` (default: on the CPU; off on CUDA, where it measured +23-28% decode with one
+adapter on Qwen3-8B (BENCHMARKS.md) but takes the room of a copy of the weights from the KV cache),
+``1``, ``0``.
 """
 
 from __future__ import annotations
@@ -110,6 +112,13 @@ class MergedAdapter:
         self._merge(one)
         return True
 
+    def reserve_bytes(self) -> int:
+        """Memory a merge may hold at once, for the worker's KV-cache sizing on CUDA: the copies of
+        every LoRA-capable linear's weight (an adapter may target them all) and the largest
+        layer's float32 ``B' A``."""
+        weights = [mod.weight for mod, _ in self.lora._linears]
+        return sum(w.numel() * w.element_size() for w in weights) + 4 * max(w.numel() for w in weights)
+
     @torch.no_grad()
     def _merge(self, adapter_id: int) -> None:
         for mod, lin in self.lora._linears:
@@ -118,7 +127,7 @@ class MergedAdapter:
                 continue
             w = mod.weight.data
             self._base[mod] = w.clone()
-            w.copy_((w.float() + delta).to(w.dtype))
+            w.copy_(delta.add_(w))  # float32 sum, one rounding to w's dtype; no other temporary
             self._after_write(mod)
         self.merged = adapter_id
         self.merges += 1

@@ -101,7 +101,8 @@ class Worker:
         ``config.num_kv_blocks`` wins; on CPU ``config.kv_cache_bytes`` (default 512 MiB, at most
         ``max_num_seqs`` sequences of ``max_model_len`` tokens);
         on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
-        the weights and minus 512 MiB of activation headroom.
+        the weights, minus 512 MiB of activation headroom and, with the LoRA one-adapter fast path
+        on, the memory a merge holds (:meth:`rlserve.lora.merge.MergedAdapter.reserve_bytes`).
         """
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -111,6 +112,9 @@ class Worker:
             used = total - free
             budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_HEADROOM_BYTES
             budget -= self._activation_estimate()
+            lora = lora_of(self.model)
+            if lora is not None and lora.merge is not None:
+                budget -= lora.merge.reserve_bytes()
         else:
             budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
         n = budget // per_block
