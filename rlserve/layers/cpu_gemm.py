@@ -41,10 +41,12 @@ logger = logging.getLogger(__name__)
 PANEL = 32  # output columns per packed panel (csrc/cpu_team.c: PW)
 DEFAULT_SPIN_US = 200
 # Steps of at most this many token rows run their linears on the team (column panels over the
-# cores); larger ones keep oneDNN's packed copy, split by rows into micro-batches
-# (rlserve.engine.cpu.cpu_microbatch): there each core's rows amortize the weight read and
-# oneDNN's register tiles are faster than this kernel's (one core, CPU time, 512 rows: 1.2-1.9x).
-MAX_ROWS = 32
+# cores: every step up to the CPU's default --max-num-batched-tokens); larger ones keep oneDNN's
+# packed copy, split by rows into micro-batches (rlserve.engine.cpu.cpu_microbatch). One thread,
+# CPU time, SmolLM2's 30 layers + head from memory (2026-12-06, load 13-38): this kernel / oneDNN
+# 46 / 71 ms at 1 row, 70 / 83 at 16, 93 / 106 at 32, 166 / 172 at 64, 260 / 250 at 128, 533 /
+# 509 at 256, 1,065 / 1,546 at 512.
+MAX_ROWS = 1024
 # Contention guard (step_guard): a team step that averaged fewer busy cores than this (the
 # calling thread's and the workers' CPU time over its wall time; ~2 on an idle 2-core machine,
 # the spinning worker included) lost: another program held a core, and under the kernel's

@@ -188,7 +188,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
                                    hidden.shape[0], veto=meta.writes_shared_block)
         if out is not None:
             return out
-    if ctx is not None and ctx.team:
+    if (ctx is not None and ctx.team) or (ctx is None and cpu_gemm.takes(hidden)):
         with cpu_gemm.step_guard():  # inline on this thread while another program holds a core
             return stack(ctx, positions, hidden, meta)
     return stack(ctx, positions, hidden, meta)

@@ -231,6 +231,6 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     from rlserve.layers import cpu_gemm
 
     team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
-    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for decode-sized "
-                "linears and attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team)
+    logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for linears and "
+                "decode attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team)
     return n
