@@ -78,7 +78,7 @@ def _load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def set_autogroup_nice(pid: int | None, nice: int) -> None:
+def set_autogroup_nice(pid: int | None, nice: int, quiet: bool = False) -> None:
     """Give the scheduler autogroup (session) of ``pid`` and of each live descendant the nice
     value ``nice`` (``/proc/PID/autogroup``; Linux with ``CONFIG_SCHED_AUTOGROUP``): rlserve's
     engine-core processes and vLLM's workers run in sessions of their own. Prints what it did."""
@@ -88,9 +88,11 @@ def set_autogroup_nice(pid: int | None, nice: int) -> None:
             with open(f"/proc/{p}/autogroup", "w") as f:
                 f.write(str(nice))
             with open(f"/proc/{p}/autogroup") as f:
-                print(f"{name}: {f.read().strip()}", flush=True)
+                if not quiet:
+                    print(f"{name}: {f.read().strip()}", flush=True)
         except OSError as e:
-            print(f"{name}: autogroup nice not set ({e})", flush=True)
+            if not quiet:
+                print(f"{name}: autogroup nice not set ({e})", flush=True)
 
 
 def tree_cpu_seconds(pid: int) -> dict[str, float]:
@@ -141,9 +143,13 @@ class Server:
         srv.model_id = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         return srv
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, nice: int | None = None) -> None:
+        """Wait for ``/v1/models``; with ``nice``, keep setting the autogroup nice of the server's
+        process tree while it starts (its engine processes appear during the start-up)."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
+            if nice is not None and self.pid:
+                set_autogroup_nice(self.pid, nice, quiet=True)
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}:\n"
                                    + open(self.log).read()[-3000:])
@@ -319,7 +325,7 @@ def main(argv=None) -> int:
                    "--port", str(port), "--kv-cache-bytes", str(args.kv_cache_gib << 30), "--disable-access-log",
                    *args.rlserve_arg, *extra_args]
             servers[name] = Server(name, cmd, env, port, logdir)
-            servers[name].wait_ready(args.startup_timeout)  # one at a time: start-up times stay apart
+            servers[name].wait_ready(args.startup_timeout, args.autogroup_nice)  # one at a time: start-ups apart
         if "vllm" in want and args.vllm_url:
             servers["vllm"] = Server.attach("vllm", args.vllm_url, args.vllm_pid)
         elif "vllm" in want:
@@ -330,7 +336,7 @@ def main(argv=None) -> int:
             cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                    "float32", "--port", str(port), "--disable-uvicorn-access-log"]
             servers["vllm"] = Server("vllm", cmd, env, port, logdir)
-            servers["vllm"].wait_ready(args.startup_timeout)
+            servers["vllm"].wait_ready(args.startup_timeout, args.autogroup_nice)
         if args.vllm_b_url:
             servers["vllm-b"] = Server.attach("vllm-b", args.vllm_b_url, args.vllm_b_pid)
         if args.autogroup_nice is not None:
@@ -351,14 +357,15 @@ def main(argv=None) -> int:
                 before = _load()
                 cpu0 = tree_cpu_seconds(s.pid) if s.pid else None
                 res = {} if args.skip_burst else asyncio.run(_throughput(s, work[rnd]))
-                if cpu0 is not None and not args.skip_burst:
-                    cpu1 = tree_cpu_seconds(s.pid)
-                    res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
-                    res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
-                    res["tok_per_server_cpu_s"] = res["tokens"] / max(res["server_cpu_s"], 1e-9)
                 if args.closed_concurrency > 0:
                     res.update(asyncio.run(_closed_loop(s, args.closed_concurrency, args.closed_requests_per_client,
                                                         *args.closed_len, args.seed + 104729 * (rnd + 1))))
+                if cpu0 is not None:  # the burst's and the closed loop's
+                    cpu1 = tree_cpu_seconds(s.pid)
+                    res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+                    res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
+                    toks = res.get("tokens", 0) + res.get("closed_tokens", 0)
+                    res["tok_per_server_cpu_s"] = toks / max(res["server_cpu_s"], 1e-9)
                 if not args.skip_itl:
                     res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
                                                 args.seed + rnd)))
@@ -371,11 +378,11 @@ def main(argv=None) -> int:
                     f"{k.split()[1]} {v:.1f}" for k, v in sorted(res["server_cpu_s_by_process"].items(),
                                                                  key=lambda kv: -kv[1]) if v >= 1.0))
                 burst = "" if args.skip_burst else (f"burst {res['tok_per_s']:.1f} tok/s ({res['tokens']} tok in "
-                                                    f"{res['seconds']:.1f} s{cpu}); ")
+                                                    f"{res['seconds']:.1f} s); ")
                 closed = "" if args.closed_concurrency <= 0 else (
                     f"closed loop x{args.closed_concurrency} {res['closed_tok_per_s']:.1f} tok/s (latency median "
                     f"{res['closed_latency_median_ms']:.0f} ms); ")
-                print(f"round {rnd} {name:8s}: {burst}{closed}{itl.lstrip(', ')}; load {before} -> {res['load_after']}",
+                print(f"round {rnd} {name:8s}: {burst}{closed}{itl.lstrip(', ')}{cpu}; load {before} -> {res['load_after']}",
                       flush=True)
         if args.json:
             meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
