@@ -9,6 +9,18 @@ import torch.nn.functional as F
 from rlserve.layers import cpu_linear as cl
 
 
+@pytest.fixture(autouse=True)
+def _no_cpu_team():
+    """oneDNN's packed copies: with a CPU team running (an engine built earlier in this process
+    may have started one) a layer keeps the team's copy instead (rlserve/layers/cpu_gemm.py)."""
+    from rlserve.layers import cpu_gemm
+
+    prev = cpu_gemm.size()
+    cpu_gemm.start(1)
+    yield
+    cpu_gemm.start(prev)
+
+
 @pytest.mark.parametrize("n,bias,transposed", [(1, False, False), (7, True, False), (64, False, True)])
 def test_cpu_linear_matches_f_linear(n, bias, transposed):
     g = torch.Generator().manual_seed(n)

@@ -117,10 +117,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer):
-        """(Re)build the CPU packed copies of ``layer.weight`` (``None`` off CPU/float32): oneDNN's
-        and, when a CPU team runs (:mod:`rlserve.layers.cpu_gemm`), the team's."""
-        layer.__dict__["_cpu_packed_weight"] = pack_weight(layer.weight.data)
+        """(Re)build the CPU packed copy of ``layer.weight`` (``None`` off CPU/float32): the CPU
+        team's when one runs (:mod:`rlserve.layers.cpu_gemm`), else oneDNN's."""
         cpu_gemm.build_team_weight(layer, layer.weight.data)
+        # with a team copy, the oneDNN one would serve only steps above cpu_gemm.MAX_ROWS rows
+        # (MKL does those): not kept, unless --batch-invariant (its kernels use it) is on
+        team = cpu_gemm.team_weight(layer) is not None and not bi_mode.enabled()
+        layer.__dict__["_cpu_packed_weight"] = None if team else pack_weight(layer.weight.data)
 
 
 class LinearBase(nn.Module):

@@ -229,17 +229,19 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     TypeError with a C++ backtrace, ~5% of a batch-1 step; hence the ``is None`` test.)"""
     a, m = layer.self_attn, layer.mlp
     qkv_l, o_l, gu_l, down_l = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
-    packed = UnquantizedLinearMethod.packed_weight
-    packs = (packed(qkv_l), packed(o_l), packed(gu_l), packed(down_l))
+    team = ctx.team and _team_packs(a, m)
+    if team:  # a step on the CPU team: its packed copies (rlserve.layers.cpu_gemm)
+        packs = team
+    else:
+        packed = UnquantizedLinearMethod.packed_weight
+        packs = (packed(qkv_l), packed(o_l), packed(gu_l), packed(down_l))
     attn = a.attn
     kc, vc = attn.k_cache, attn.v_cache
     if _linear is None or any(p is None for p in packs) or kc is None or not (kc.is_contiguous() and vc.is_contiguous()
                                                                and kc.dtype == torch.float32 and vc.dtype == kc.dtype):
         return layer(positions, hidden, residual, meta)
     hidden = hidden.contiguous()
-    team = ctx.team and _team_packs(a, m)
-    if team:  # decode-sized step on the CPU team: its packed copies (rlserve.layers.cpu_gemm)
-        packs = team
+    if team:
 
         def lin(x, p, b, *_):
             return cpu_gemm.linear(x, p[0], p[1], b)
