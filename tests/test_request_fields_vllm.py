@@ -391,7 +391,6 @@ def test_noop_fields_accepted(srv):
 @pytest.mark.parametrize("path,field,value,fragment", [
     ("/v1/completions", "use_beam_search", True, "beam search is not implemented"),
     ("/v1/chat/completions", "use_beam_search", True, "beam search is not implemented"),
-    ("/v1/completions", "bad_words", ["x"], "logit_bias"),
     ("/v1/completions", "logprob_token_ids", [1], "logprobs"),
     ("/v1/chat/completions", "return_prompt_text", True, "return_prompt_text"),
     ("/v1/completions", "thinking_token_budget", 8, "thinking_token_budget"),
@@ -430,6 +429,29 @@ def test_priority_truncation_side_reasoning_effort_documents(srv):
     err = post(srv, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
                                                   reasoning_effort="huge"), 400)["error"]
     assert "reasoning_effort" in err["message"] or err["param"] == "reasoning_effort", err
+
+
+def bad_word_at(tok, ids: list[int], n: int) -> int:
+    """The first position of ``ids`` whose next ``n`` tokens decode to a word vLLM's rule
+    tokenizes back to exactly them (no leading space: ``bad_words`` are left-stripped)."""
+    for i in range(len(ids) - n + 1):
+        w = tok.decode(ids[i:i + n])
+        if w and w == w.lstrip() and tok.encode(w, add_special_tokens=False) == ids[i:i + n]:
+            return i
+    pytest.fail(f"no {n}-token word in {ids}")
+
+
+def test_bad_words_served(srv):
+    """``bad_words``: a word of the greedy answer (two tokens) is not generated again there; a
+    word that tokenizes to nothing is vLLM's 400 (live comparison with vLLM:
+    tests/test_vllm_answers_fields.py::test_bad_words_equal_vllm)."""
+    free = _cmpl(srv, max_tokens=8, return_token_ids=True)["choices"][0]["token_ids"]
+    tok = build_tokenizer()
+    i = bad_word_at(tok, free, 2)
+    got = _cmpl(srv, max_tokens=8, return_token_ids=True, bad_words=[tok.decode(free[i:i + 2])])["choices"][0]
+    assert got["token_ids"][:i] == free[:i] and got["token_ids"][i:i + 2] != free[i:i + 2]
+    err = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "bad_words": [""]}, 400)["error"]
+    assert err["param"] == "bad_words" and "at least one token" in err["message"]
 
 
 def test_unknown_fields_400_or_ignored_and_logged(srv, caplog):
@@ -488,3 +510,22 @@ def test_offline_llm_default_resolves_as_serve(tiny_model, monkeypatch):
     with pytest.raises(UnknownModelError, match="does not download from the Hugging Face Hub"):
         LLM("SomeOrg/some-model-not-here")
     assert len(asked) == 1  # the unknown name did not reach the default model's build
+
+
+def test_logprob_token_texts_of_split_characters_as_vllm():
+    """vLLM 0.32's ``_correct_decoded_token`` (``ServerState.token_text_after``): a token that is
+    the first byte of a character has the text ``""`` in logprobs, the token that completes it
+    the whole character (decoded after up to 4 earlier ids), any other token its own text. Live
+    check: tests/test_vllm_answers_fields.py's utf8_* cases. Fails on the old main (U+FFFD)."""
+    from types import SimpleNamespace
+
+    from rlserve.server.state import ServerState
+
+    tok = build_tokenizer()
+    ids = tok.encode("a\u00e9\u4e16", add_special_tokens=False)
+    assert tok.decode(ids[1:2]) == "\ufffd"  # é is split into byte tokens here
+    st = SimpleNamespace(tokenizer=tok, token_text=lambda i: tok.decode([i]))
+    texts = [ServerState.token_text_after(st, t, ids[max(0, i - 4):i]) for i, t in enumerate(ids)]
+    assert "".join(texts) == "a\u00e9\u4e16" and texts[0] == "a" and texts[1] == ""
+    assert all(t in ("", "a", "\u00e9", "\u4e16") for t in texts)
+    assert ServerState.token_text_after(st, ids[1], []) == ""  # no context: never completes

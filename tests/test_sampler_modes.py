@@ -171,6 +171,21 @@ def test_grammar_state_ends_with_eos(compiler):
     assert st.accept(EOS_ID) and st.is_terminated
 
 
+def test_bad_words_ban_the_last_token_after_the_rest():
+    """vLLM's ``apply_bad_words``: a one-token word is always banned; a longer one's last token
+    only right after the rest of it; ids beyond the logits are skipped."""
+    from rlserve.engine.core.sampler import SamplingMetadata, apply_bad_words
+
+    p = SamplingParams(bad_words_token_ids=[[3], [5, 6, 7], [1, 99]])
+    for past, banned in (([], {3}), ([5, 6], {3, 7}), ([6], {3}), ([5, 6, 1], {3})):
+        meta = SamplingMetadata(params=[p, SamplingParams()], prompt_token_ids=[[0], [0]],
+                                output_token_ids=[past, past])
+        x = apply_bad_words(torch.zeros(2, 10), meta)
+        assert set(torch.isinf(x[0]).nonzero().flatten().tolist()) == banned and not torch.isinf(x[1]).any()
+    with pytest.raises(Exception, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[[]])
+
+
 @pytest.mark.parametrize("first", ["end", "implicit"])
 def test_grammar_state_waits_for_the_reasoning_end(compiler, first):
     """vLLM's ``--reasoning-parser`` gate: with ``reasoning_end_ids`` the constraint is not

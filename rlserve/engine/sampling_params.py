@@ -154,6 +154,11 @@ class SamplingParams:
         allowed_token_ids: vLLM's: only these token ids may be drawn (every other logit is
             ``-inf`` before the bias and penalties, as vLLM's ``allowed_token_ids_mask``); a
             non-empty list, ids checked against the vocabulary by the engine; None: any.
+        bad_words_token_ids: vLLM's ``bad_words`` as token-id sequences (the API tokenizes the
+            words: :func:`rlserve.server.request_fields.bad_words_token_ids`): at each step, a
+            sequence's last id is banned (``-inf``) when the output so far ends with the rest of
+            it (after ``allowed_token_ids``, before the bias and penalties: vLLM's
+            ``apply_bad_words``). Ids outside the vocabulary are never drawn anyway.
     """
 
     n: int = 1
@@ -180,6 +185,7 @@ class SamplingParams:
     routed_experts_prompt_start: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.logit_bias is not None:
@@ -235,6 +241,10 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.bad_words_token_ids is not None and not all(
+                isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w)
+                for w in self.bad_words_token_ids):
+            bad("bad_words_token_ids must be lists of token ids (integers >= 0), none empty")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):

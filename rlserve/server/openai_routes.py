@@ -47,7 +47,7 @@ from rlserve.server.openai_answers import answer_usage, chat_answer_role, chat_c
     completion_choice, completion_response
 from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.request_fields import check_extra_fields
+from rlserve.server.request_fields import bad_words_token_ids, check_extra_fields
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
 
@@ -107,7 +107,9 @@ def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_l
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
         routed_experts_prompt_start=body.routed_experts_prompt_start, logit_bias=_logit_bias(state, body),
-        allowed_token_ids=_allowed_token_ids(state, body), **body.sampler_args())
+        allowed_token_ids=_allowed_token_ids(state, body),
+        bad_words_token_ids=bad_words_token_ids(state.tokenizer, body.bad_words, state.vocab_size) if body.bad_words
+        else None, **body.sampler_args())
 
 
 def _allowed_token_ids(state: ServerState, body) -> list[int] | None:
@@ -259,7 +261,8 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                     plps = list(out.prompt_logprobs or [None] * len(ids))
                     text = prompt_text(i) + ("" if echo0 else text)
                     lp_ids, lp_vals = (list(ids), plps) if echo0 else (list(ids) + lp_ids, plps + lp_vals)
-                lp = state.completion_logprobs(lp_ids, lp_vals, as_ids=as_ids) if body.logprobs is not None else None
+                lp = state.completion_logprobs(lp_ids, lp_vals, as_ids=as_ids, n_prompt=len(ids) if body.echo else 0) \
+                    if body.logprobs is not None else None
                 plp = (state.prompt_logprobs_json(ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
                                                   as_ids) if params.prompt_logprobs is not None else None)
                 ret = body.return_token_ids

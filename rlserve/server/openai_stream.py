@@ -173,7 +173,9 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         plps = out.prompt_logprobs or [None] * len(ids)
                         lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
                     lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0),
-                                                   as_ids=body.return_tokens_as_token_ids)
+                                                   as_ids=body.return_tokens_as_token_ids,
+                                                   before=list(c.token_ids[:k0]),
+                                                   n_prompt=len(ids) if first and body.echo else 0)
                     if lp["tokens"]:
                         text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_text[idx] = len(c.text)
@@ -289,7 +291,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                         reasoning_tokens = (reasoning_tokens or 0) + parsers[i].reasoning_tokens(c.token_ids)
                 choice = {"index": i, "delta": delta,
                           "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
-                                                          top_k, body.return_tokens_as_token_ids)
+                                                          top_k, body.return_tokens_as_token_ids, c.token_ids[:k0])
                           if body.logprobs and not hide else None,
                           "finish_reason": finish}
                 if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only

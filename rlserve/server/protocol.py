@@ -111,6 +111,7 @@ class _SamplingFields(_RouterFields, SamplerFields):
     return_token_ids: bool = False
     logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[list[TokenId]] = None  # vLLM's: only these ids may be drawn
+    bad_words: Optional[list[str]] = None  # vLLM's: never generate these words (request_fields.bad_words_token_ids)
     user: Optional[str] = None
     return_tokens_as_token_ids: bool = False
     structured_outputs: Optional[StructuredOutputs] = None

@@ -53,7 +53,6 @@ DEFAULT_ONLY_FIELDS: dict[str, tuple[tuple, str]] = {
     "spaces_between_special_tokens": ((True, None), "special tokens are always detokenized with spaces between "
                                                     "them here (vLLM's default)"),
     "logprob_token_ids": ((None, []), "logprob_token_ids is not implemented: ask for logprobs / top_logprobs"),
-    "bad_words": ((None, []), "bad_words is not implemented: give their token ids a logit_bias of -100"),
     "prompt_embeds": ((None,), "prompt embeddings are not accepted: send text or token ids"),
     "repetition_detection": ((None,), "repetition_detection is not implemented"),
     "thinking_token_budget": ((None,), "thinking_token_budget is not implemented"),
@@ -111,3 +110,42 @@ def check_extra_fields(body, route: str, allow_unknown: bool) -> list[str]:
         logger.warning("%s request: ignored unknown field%s %s (--allow-unknown-fields)", route,
                        "s" if len(unknown) > 1 else "", ", ".join(sorted(unknown)))
     return unknown
+
+
+#: vLLM's VLLM_MAX_NUM_BAD_WORDS default: token sequences one request's ``bad_words`` may make
+MAX_BAD_WORD_SEQUENCES = 128
+
+
+def bad_words_token_ids(tokenizer, words: list[str] | None, vocab_size: int) -> list[list[int]] | None:
+    """vLLM's ``bad_words`` as the token sequences it bans (``SamplingParams.update_from_tokenizer``):
+    each word (left-stripped) tokenized without special tokens, and with a leading space when
+    that gives another first token and as many tokens (so the word is banned at the start and
+    in the middle of the text); duplicate words once. None for none.
+
+    Raises:
+        APIError 400 (param ``bad_words``, vLLM's messages): a word that tokenizes to nothing,
+            more than :data:`MAX_BAD_WORD_SEQUENCES` sequences, ids outside the vocabulary.
+    """
+    if not words:
+        return None
+    if tokenizer is None:
+        raise APIError(400, "bad_words needs the server's tokenizer (it runs with --skip-tokenizer-init)",
+                       param="bad_words")
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        for prefix in ("", " "):
+            ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                if not prefix:
+                    raise APIError(400, "bad_words entries must tokenize to at least one token.", param="bad_words")
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+                if len(out) > MAX_BAD_WORD_SEQUENCES:
+                    raise APIError(400, f"Too many bad words after tokenization: {len(out)}. The max number is "
+                                        f"{MAX_BAD_WORD_SEQUENCES}.", param="bad_words")
+    bad = [t for ids in out for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"The model vocabulary size is {vocab_size}, but the following tokens were specified as "
+                            f"bad: {bad}.", param="bad_words")
+    return out

@@ -513,21 +513,66 @@ class ServerState:
                 self._token_text[token_id] = s
         return s
 
-    def token_label(self, token_id: int, as_ids: bool = False) -> str:
-        """How a token is named in logprobs: its text, or ``"token_id:<id>"`` with vLLM's
-        ``return_tokens_as_token_ids`` (unambiguous where several ids decode alike)."""
-        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+    def token_text_after(self, token_id: int, context) -> str:
+        """The text of ``token_id`` in logprobs as vLLM 0.32 gives it
+        (``LogprobsProcessor._correct_decoded_token``): its own text, unless that ends in
+        U+FFFD (a byte of a multi-byte character); then decoded after the last 1..4 ids of
+        ``context`` (the sampled ids before it) until the character completes: the text past
+        the context's own complete text, or ``""`` when it never completes."""
+        s = self.token_text(token_id)
+        if not s.endswith("\ufffd"):
+            return s
+        ctx = list(context)[-4:]
+        for n in range(1, len(ctx) + 1):
+            c = ctx[-n:]
+            full = self.tokenizer.decode(c + [token_id])
+            if full.endswith("\ufffd"):
+                continue
+            clean = len(c)
+            while clean > 0 and self.token_text(c[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = self.tokenizer.decode(c[:clean]) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0
+            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+                common += 1
+            return full[common:]
+        return ""
 
-    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0, as_ids: bool = False) -> dict:
+    def token_label(self, token_id: int, as_ids: bool = False, context=None) -> str:
+        """How a token is named in logprobs: its text (vLLM's, after ``context``:
+        :meth:`token_text_after`), or ``"token_id:<id>"`` with vLLM's
+        ``return_tokens_as_token_ids`` (unambiguous where several ids decode alike)."""
+        if as_ids:
+            return f"token_id:{token_id}"
+        return self.token_text(token_id) if context is None else self.token_text_after(token_id, context)
+
+    @staticmethod
+    def _context(ids: list[int], i: int, before=(), n_prompt: int = 0) -> list[int]:
+        """The sampled ids before position ``i`` that vLLM decodes a logprob token after: the
+        prompt's from its second token for a prompt position (``i < n_prompt``), else
+        ``before`` (the output's earlier ids) and the output's ids up to ``i``."""
+        if i < n_prompt:
+            return ids[max(1, i - 4):i]
+        return (list(before) + ids[n_prompt:i])[-4:]
+
+    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0, as_ids: bool = False,
+                            before=(), n_prompt: int = 0) -> dict:
         """OpenAI completions ``logprobs`` object for ``token_ids``; ``logprobs[i]`` is
         ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token). ``as_ids``:
         tokens and ``top_logprobs`` keys are ``"token_id:<id>"``, and ``text_offset`` counts the
         characters of those labels, as vLLM 0.32's ``_create_completion_logprobs`` does (each
-        offset is the previous one plus the previous ``tokens`` entry's length)."""
+        offset is the previous one plus the previous ``tokens`` entry's length). Token texts
+        as vLLM's after their context (:meth:`token_text_after`): ``before``, the output's ids
+        before ``token_ids`` (a stream's earlier chunks); ``n_prompt``: the first this many are
+        the echoed prompt's."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = text_offset0
-        for tid, d in zip(token_ids, logprobs or []):
-            label = self.token_label(tid, as_ids)
+        token_ids = list(token_ids)
+        for i, (tid, d) in enumerate(zip(token_ids, logprobs or [])):
+            ctx = self._context(token_ids, i, before, n_prompt)
+            label = self.token_label(tid, as_ids, ctx)
             tokens.append(label)
             offsets.append(pos)
             pos += len(label)
@@ -538,27 +583,31 @@ class ServerState:
             token_lps.append(finite(d.get(tid)))
             top = {}  # vLLM's order: the sampled token first, then the top-k by descending logprob
             for t, lp in sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1])):
-                top[self.token_label(t, as_ids)] = finite(lp)  # a repeated label: first place, last value
+                top[self.token_label(t, as_ids, ctx)] = finite(lp)  # a repeated label: first place, last value
             tops.append(top)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
-    def chat_logprobs(self, token_ids, logprobs, top_k: int, as_ids: bool = False) -> dict:
+    def chat_logprobs(self, token_ids, logprobs, top_k: int, as_ids: bool = False, before=()) -> dict:
         """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
         ``as_ids``: every ``token`` is ``"token_id:<id>"``; as in vLLM 0.32's
         ``_create_chat_logprobs``, an entry's ``bytes`` stay its token's text (UTF-8) while a
         ``top_logprobs`` item's ``bytes`` are those of its ``token``, the label. ``top_logprobs``
         are vLLM's first ``top_k`` of the sampled token followed by the top-k by descending
-        logprob: a sampled token outside the top-k comes first and pushes the k-th out."""
+        logprob: a sampled token outside the top-k comes first and pushes the k-th out. Token
+        texts as vLLM's after their context (:meth:`token_text_after`; ``before``: the output's
+        ids before ``token_ids``)."""
         content = []
-        for tid, d in zip(token_ids, logprobs or []):
+        token_ids = list(token_ids)
+        for i, (tid, d) in enumerate(zip(token_ids, logprobs or [])):
             d = d or {}
+            ctx = self._context(token_ids, i, before)
             top = sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1]))[:top_k]  # vLLM's order, see above
             content.append({
-                "token": self.token_label(tid, as_ids),
+                "token": self.token_label(tid, as_ids, ctx),
                 "logprob": finite(d.get(tid, float("-inf"))),
-                "bytes": list(self.token_text(tid).encode("utf-8")),
+                "bytes": list(self.token_text_after(tid, ctx).encode("utf-8")),
                 "top_logprobs": [
-                    {"token": (label := self.token_label(t, as_ids)), "logprob": finite(lp),
+                    {"token": (label := self.token_label(t, as_ids, ctx)), "logprob": finite(lp),
                      "bytes": list(label.encode("utf-8"))}
                     for t, lp in top
                 ],
@@ -590,7 +639,8 @@ class ServerState:
                 rank = place
                 if t == target and ranks is not None and pos < len(ranks) and ranks[pos] is not None:
                     rank = int(ranks[pos])
-                entry[str(t)] = {"logprob": finite(lp), "rank": rank, "decoded_token": self.token_text(t)}
+                entry[str(t)] = {"logprob": finite(lp), "rank": rank,
+                                 "decoded_token": self.token_text_after(t, prompt_ids[max(1, pos - 4):pos])}
             out.append(entry)
         return out
 

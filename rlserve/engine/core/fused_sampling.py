@@ -75,7 +75,8 @@ def eligible_rows(params: list, output_token_ids: list[list[int]], vocab_size: i
 
 
 def _row_ok(p, out: list[int], vocab_size: int) -> bool:
-    if p.logprobs or p.logit_bias or p.allowed_token_ids or (p.min_tokens and len(out) < p.min_tokens):
+    if p.logprobs or p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or \
+            (p.min_tokens and len(out) < p.min_tokens):
         return False
     if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         return False

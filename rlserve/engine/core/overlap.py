@@ -80,7 +80,7 @@ def overlappable(seqs) -> bool:
     for s in seqs:
         p = s.params
         if s.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
-                or p.presence_penalty != 0.0:
+                or p.presence_penalty != 0.0 or p.bad_words_token_ids:
             return False
     return True
 

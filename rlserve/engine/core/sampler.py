@@ -4,7 +4,8 @@ The processing pipeline follows vLLM (``vllm/model_executor/layers/sampler.py`` 
 ``vllm/v1/sample/sampler.py``), applied row-wise to a ``[B, V]`` float32 logits tensor:
 
 1. **allowed_token_ids** — rows with the list get ``-inf`` everywhere else (vLLM's
-   ``allowed_token_ids_mask``, applied first); **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
+   ``allowed_token_ids_mask``, applied first); **bad_words** — a banned sequence's last id
+   gets ``-inf`` when the output ends with the rest of it (vLLM's ``apply_bad_words``); **min_tokens** — while ``len(output) < min_tokens`` the EOS ids (unless ``ignore_eos``)
    and ``stop_token_ids`` get ``-inf`` (vLLM's ``MinTokensLogitsProcessor``); **logit_bias**
    — ``l[t] += bias[t]`` (OpenAI's field; vLLM's ``LogitBiasLogitsProcessor``, applied with
    min_tokens before the penalties, so greedy rows see it too).
@@ -172,6 +173,27 @@ def apply_allowed_token_ids(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         allowed[idx[0], idx[1]] = True
     row = to_device(flagged, torch.bool, logits.device).unsqueeze(1)
     logits.masked_fill_(row & ~allowed, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """In place: ``-inf`` at the last id of each of ``params[i].bad_words_token_ids`` whose
+    other ids end the row's output so far (vLLM's ``apply_bad_words``: a one-token word is
+    always banned; ``[B, V]`` float32, ids ``>= V`` skipped). One host-to-device copy of the
+    (row, id) pairs."""
+    V = logits.shape[1]
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, p in enumerate(meta.params):
+        past = meta.output_token_ids[i]
+        for word in p.bad_words_token_ids or ():
+            k = len(word) - 1
+            if k <= len(past) and (k == 0 or past[-k:] == word[:-1]) and word[-1] < V:
+                rows.append(i)
+                toks.append(word[-1])
+    if rows:
+        idx = to_device([rows, toks], torch.long, logits.device)
+        logits[idx[0], idx[1]] = float("-inf")
     return logits
 
 
@@ -354,6 +376,7 @@ class Sampler:
         V = x.shape[1]
         device = x.device
         apply_allowed_token_ids(x, meta)
+        apply_bad_words(x, meta)
         apply_min_tokens(x, meta, self.eos_token_ids)
         apply_logit_bias(x, meta)
         apply_penalties(x, meta)
