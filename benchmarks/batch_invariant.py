@@ -4,7 +4,7 @@
 half of ``gpu.py``): for GEMM shapes ``[M, K] x [K, N]``, is row ``i`` of ``X @ W`` bitwise
 ``X[i:i+1] @ W`` for every row count M? For each way of computing it (CPU: MKL ``F.linear``,
 oneDNN on the plain weight, oneDNN on the pre-packed weight, the mode's ``linear``; CUDA:
-cuBLAS ``F.linear``, cuBLAS / cuBLASLt with split-K forbidden, the Triton GEMM) it prints
+cuBLAS ``F.linear``, cuBLASLt with split-K forbidden, the Triton GEMM) it prints
 the row counts whose rows differ from the one-row result (``CUBLASLT_WORKSPACE_SIZE`` and
 ``CUBLAS_WORKSPACE_CONFIG`` are cuBLAS's own variables: set them before the run to try those).
 
@@ -47,7 +47,7 @@ prompts = [[rng.randrange(min(100, hi // 2), hi) for _ in range(around(a["input_
 params = [SamplingParams(temperature=0.8, seed=i, max_tokens=around(a["output_len"]), ignore_eos=True, logprobs=0)
           for i in range(a["num_prompts"])]
 from rlserve.batch_invariant import gpu as bi_gpu, query_tiles as bi_tiles
-bi_gpu.GEMM[0] = a.get("gemm") or "auto"
+bi_gpu.GEMM[0] = a.get("gemm") or bi_gpu.GEMM[0]
 bi_tiles.FORM[0] = a.get("attn") or "tiles"
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], load_format="dummy", skip_tokenizer_init=True,
           batch_invariant=a["batch_invariant"], max_num_seqs=a["max_num_seqs"], **a["extra_kw"])
@@ -121,11 +121,9 @@ def probe(args) -> None:
         else:
             from rlserve.batch_invariant import gpu
 
-            def nosplit(lt):
-                def fn(v):
-                    with gpu.no_split_k(lt):
-                        return F.linear(v, w)
-                return fn
+            def nosplit(v):
+                with gpu.no_split_k():
+                    return F.linear(v, w)
 
             def triton_gemm(v):
                 gpu.GEMM[0], prev = "triton", gpu.GEMM[0]
@@ -134,8 +132,7 @@ def probe(args) -> None:
                 finally:
                     gpu.GEMM[0] = prev
 
-            ways["cublas_no_split_k"] = nosplit(False)
-            ways["cublaslt_no_split_k"] = nosplit(True)
+            ways["cublaslt_no_split_k"] = nosplit
             ways["triton"] = triton_gemm
         for name, fn in ways.items():
             one = torch.cat([fn(x[i:i + 1]) for i in range(0, max(rows), 97)])

@@ -96,7 +96,9 @@ def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
     """With the mode on, a seeded temperature row (the fused sampler's kind) gets the same
     token and logprob alone, among rows the fused sampler takes, and among rows it does not
     (top-p, logprobs): a mixed batch is split by row (rlserve/engine/core/sample_split.py).
-    (Without the mode a mixed batch moves every row to the general sampler, another draw.)"""
+    (Without the mode a mixed batch moves every row to the general sampler, another draw.)
+    Every row's logprob is bitwise ``log_softmax`` of its logits, whichever sampler drew it
+    (the fused sampler's own chunked log-sum-exp differed by an ulp on the H100)."""
     from rlserve.engine.core import fused_sampling
     from rlserve.engine.core.sampler import Sampler, SamplingMetadata
     from rlserve.engine.sampling_params import SamplingParams
@@ -104,6 +106,8 @@ def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
 
     prev = fused_ops.set_fused_kernels(True, on_cpu=True)
     monkeypatch.setattr(fused_sampling, "_BLOCK", 16)  # the interpreter stays fast
+    # few programs per call: without the mode the chunk count would follow the batch (8 at B=1, 2 at B=6)
+    monkeypatch.setattr(fused_sampling, "_TARGET_PROGRAMS", 8)
     try:
         V = 120
         g = torch.Generator().manual_seed(3)
@@ -126,6 +130,11 @@ def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
         for out in (fused_mix, mixed):
             assert out.token_ids[0] == alone.token_ids[0]
             assert torch.equal(out.logprobs[0], alone.logprobs[0])
+        # every row's logprob is log_softmax's (the general sampler's, the trainer-side reference's)
+        lsm = torch.log_softmax(logits, dim=-1)
+        for out, rows in ((alone, [0]), (fused_mix, [0, 3, 4]), (mixed, [0, 1, 2, 3, 4, 5])):
+            want = lsm[rows].gather(1, out.token_ids.view(-1, 1)).squeeze(1)
+            assert torch.equal(out.logprobs, want), (out.logprobs - want).abs().max()
         assert mixed.topk_token_ids.shape == (6, 3)
         assert mixed.topk_token_ids[2].tolist() == logits[2].topk(3).indices.tolist()  # the general rows' top-3
         assert mixed.token_ids[5] == logits[5].argmax()

@@ -2,17 +2,17 @@
 
 - GEMM (:func:`linear`): cuBLAS picks its kernel, tiling and split-K by the row count M, so a
   row's bits change with the batch (``benchmarks/batch_invariant.py probe --device cuda``; on
-  the H100, rows of a bf16 3072 x 1024 GEMM differed from M = 1 at M = 255 and 300). On Hopper
-  and newer with torch >= 2.10 the only batch dependence of cuBLAS is split-K (vLLM's finding,
-  ``vllm/model_executor/layers/batch_invariant.py``), which torch can forbid:
-  ``allow_bf16_reduced_precision_reduction = (False, False)`` (no reduced-precision reduction,
-  no split-K). There :data:`GEMM` ``"auto"`` runs ``F.linear`` with that setting for the call
-  (:func:`no_split_k`); elsewhere, or with ``GEMM = "triton"``, one Triton kernel computes
-  every ``x [M, K] @ W[N, K].T`` with a tile shape and a
+  the H100, rows of a bf16 3072 x 1024 GEMM differed from M = 1 at M = 255, 300 and 2048). vLLM
+  runs cuBLASLt with split-K forbidden on Hopper (``allow_bf16_reduced_precision_reduction =
+  (False, False)``); measured on the H100 (torch 2.11, session 13) that is not M-invariant
+  either: the rows of that 3072 x 1024 GEMM differ between M = 1 and every M >= 2 tried
+  (:func:`no_split_k`, kept as :data:`GEMM` ``"cublaslt"`` for A/B runs). So one Triton kernel
+  computes every ``x [M, K] @ W[N, K].T`` with a tile shape and a
   K-reduction order chosen from (N, K, dtype) only (:func:`config`): each output tile sums K
   in ``BLOCK_K`` steps from 0 upwards with ``tl.dot`` into a float32 accumulator, no split-K,
   the bias added in float32, one rounding to the output dtype. A row's value depends on its
-  own inputs and that fixed order only, never on M or its place in the batch. Persistent:
+  own inputs and that fixed order only, never on M or its place in the batch (the H100: rows
+  equal for M = 1..2048 on seven Qwen3-0.6B / 8B shapes). Persistent:
   ``min(tiles, SMs)`` programs walk the tiles (grouped by ``GROUP_M`` rows of tiles for L2
   reuse), as Thinking Machines' ``batch_invariant_ops`` matmul does; the walk changes which
   program computes a tile, not how.
@@ -22,7 +22,8 @@
   several tokens of one sequence per program), so a token's attention is the same in a prompt,
   a prefix-cache hit and a decode step, eager or replayed from a CUDA graph.
 - Sampling: each row by its own parameters (:mod:`rlserve.engine.core.sample_split`): the
-  one-pass fused sampler for the rows it takes, the general one for the others.
+  one-pass fused sampler for the rows it takes (vocabulary chunks fixed by V), the general one
+  for the others; every row's logprob from ``log_softmax`` as the general sampler's.
 - RMSNorm, SiLU-mul, q/k norm + rotary (Triton, :mod:`rlserve.layers.fused_ops`): one row
   (token) per program with a block size from the hidden size only: unchanged.
 """
@@ -45,58 +46,30 @@ def available() -> bool:
     return HAS_TRITON
 
 
-#: which batch-invariant GEMM :func:`linear` runs on CUDA: "auto" ("cublaslt" where
-#: :func:`cublas_invariant` says so, else "triton"), "cublaslt" (cuBLASLt preferred, split-K and
-#: reduced-precision reduction forbidden: vLLM's Hopper setting), "cublas" (the same flags, torch's
-#: default library choice) or "triton" (tests, A/B runs: ``benchmarks/batch_invariant.py --gemm``)
-GEMM = ["auto"]
-_CUBLAS_OK: dict[int, bool] = {}
-
-
-def cublas_invariant(device: torch.device) -> bool:
-    """Whether cuBLAS without split-K is batch-invariant on ``device``: compute capability 9.0 or
-    newer (Hopper, Blackwell) and a torch that takes the ``(reduced precision, split-K)`` pair
-    (2.10 or newer); checked on the H100 by tests/gpu/test_batch_invariant_gpu.py."""
-    if device.type != "cuda":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CUBLAS_OK:
-        ok = torch.cuda.get_device_capability(idx)[0] >= 9
-        if ok:
-            prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-            try:
-                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
-            except (TypeError, ValueError, RuntimeError):  # an older torch: a bool only
-                ok = False
-            finally:
-                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
-        _CUBLAS_OK[idx] = ok
-    return _CUBLAS_OK[idx]
+#: which batch-invariant GEMM :func:`linear` runs on CUDA: "triton" (the mode's), or "cublaslt"
+#: (cuBLASLt with split-K and reduced-precision reduction forbidden, vLLM's Hopper setting: NOT
+#: M-invariant on the H100, see the module docstring; A/B runs: ``benchmarks/batch_invariant.py``)
+GEMM = ["triton"]
 
 
 class no_split_k:
-    """``with no_split_k(lt): ...``: cuBLAS may neither reduce in reduced precision nor split K
-    (bf16 and fp16 GEMMs; torch >= 2.10), and with ``lt`` torch prefers cuBLASLt (whose
-    heuristic takes the split-K ban as a reduction-scheme mask); restored after."""
-
-    def __init__(self, lt: bool = True):
-        self.lt = lt
+    """``with no_split_k(): ...``: torch prefers cuBLASLt and cuBLAS(Lt) may neither reduce in
+    reduced precision nor split K (bf16 and fp16 GEMMs; torch >= 2.10: plain cuBLAS refuses
+    ``allow_splitk=False`` with a ``RuntimeError``), restored after."""
 
     def __enter__(self):
         m = torch.backends.cuda.matmul
         self.prev = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+        self.prev_lib = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
         m.allow_bf16_reduced_precision_reduction = (False, False)
         m.allow_fp16_reduced_precision_reduction = (False, False)
-        if self.lt:
-            self.prev_lib = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
         return self
 
     def __exit__(self, *exc):
         m = torch.backends.cuda.matmul
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.prev
-        if self.lt:
-            torch.backends.cuda.preferred_blas_library(self.prev_lib)
+        torch.backends.cuda.preferred_blas_library(self.prev_lib)
         return False
 
 
@@ -165,9 +138,9 @@ if HAS_TRITON:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose rows do not depend on M: cuBLAS without split-K
-    (16-bit inputs where :func:`cublas_invariant`, see :data:`GEMM`), else the Triton kernel
-    with a reduction order fixed per (N, K, dtype): ``x [..., K]``
+    """``F.linear(x, weight, bias)`` whose rows do not depend on M: the Triton kernel with a
+    reduction order fixed per (N, K, dtype) (or, with :data:`GEMM` ``"cublaslt"`` and 16-bit
+    inputs, cuBLASLt without split-K: not M-invariant, A/B runs only): ``x [..., K]``
     and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on one CUDA device (or CPU under
     ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in ``x.dtype``. float32 uses
     IEEE products (no TF32).
@@ -179,11 +152,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
     if weight.dtype != x.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
-    form = GEMM[0]
-    if form == "auto":
-        form = "cublaslt" if cublas_invariant(x.device) else "triton"
-    if x.dtype != torch.float32 and form in ("cublaslt", "cublas"):
-        with no_split_k(form == "cublaslt"):
+    if GEMM[0] == "cublaslt" and x.dtype != torch.float32:
+        with no_split_k():
             return torch.nn.functional.linear(x, weight, bias)
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1])

@@ -64,7 +64,7 @@ import torch
 
 from rlserve.batch_invariant import mode as bi_mode
 from rlserve.engine.core import fused_sampling
-from rlserve.engine.core.sample_split import split_sample
+from rlserve.engine.core.sample_split import raw_logprob_of, split_sample
 from rlserve.h2d import to_device
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 
@@ -419,6 +419,8 @@ class Sampler:
         if fused_ok and fused_sampling.eligible(logits, params, meta.output_token_ids, self.vocab_size):
             # temperature / greedy only: one pass over the logits on the GPU
             tok, lp = fused_sampling.sample(logits, params, meta.output_token_ids, self.vocab_size, self._fused_rng)
+            if bi_mode.enabled():  # --batch-invariant: the general sampler's (the reference's) logprob
+                lp = raw_logprob_of(self._trim(logits), tok)
             return SamplerOutput(tok, lp, torch.empty(len(params), 0, dtype=torch.long, device=tok.device),
                                  lp.new_empty(len(params), 0))
         raw = self._trim(logits)
