@@ -76,13 +76,13 @@ class VLLMServer(ServerSubprocess):
 
     def spawn(self) -> "VLLMServer":
         """Start the process and return at once (:meth:`wait` for it to be healthy): lets a
-        caller start another server while vLLM loads. Sets :attr:`url`."""
+        caller start another server while vLLM loads. :attr:`url` is set once it is healthy."""
         port = free_port()
         cmd = self.command(port)
         print(f"starting: {' '.join(cmd)} (PYTHONPATH={'' if self.python else self.pythonpath}; log {self.log_path})",
               flush=True)
         self._spawn(cmd)
-        self.url = f"http://127.0.0.1:{port}"
+        self._starting_url = f"http://127.0.0.1:{port}"
         return self
 
     def wait(self) -> "VLLMServer":
@@ -90,11 +90,12 @@ class VLLMServer(ServerSubprocess):
         ``startup_timeout_s``); on failure it is stopped and RuntimeError raised (the log's tail
         in the message)."""
         try:
-            wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, what="vllm serve", poll_s=0.5,
-                         error=RuntimeError)
+            wait_healthy(self.proc, self._starting_url, self.startup_timeout_s, self.log_tail, what="vllm serve",
+                         poll_s=0.5, error=RuntimeError)
         except BaseException:
             self.stop()
             raise
+        self.url = self._starting_url
         return self
 
     def stop(self, grace_s: float = 30.0) -> int | None:
