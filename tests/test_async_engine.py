@@ -194,6 +194,28 @@ def test_unavailable_and_weight_versions(fake):
     assert seen[-1].weight_versions == ["0", "7"]
 
 
+def test_every_replica_stamps_the_fronts_label_after_an_incomplete_in_engine_commit_and_a_restore(fake):
+    """A sync committed inside an engine command stamps its new label in that engine
+    (``rlserve.transfer.server.engine_calls.worker_rpc``: the one-call ipc path). When the
+    front's weight state says the weights are still lost (an incomplete refill), that label
+    never went live; once valid again through ``set_unavailable(None)`` (``WeightState.restore``)
+    every replica (DP 2 here) must stamp the front's label, not the engine's stale one. Fails
+    without the re-stamp: replica 0 kept answering "6"."""
+    aeng, _engines = fake(dp=2)
+    cores = [r.core for r in aeng._replicas]
+    aeng.lose_weights("a level-2 sleep discarded the weights")
+    cores[0].weight_version = "6"  # what worker_rpc's commit does in the engine command
+    assert not aeng.commit_weights("6", {"embed"}, {"embed", "head"})  # incomplete: still lost
+    aeng.set_unavailable(None)
+    assert aeng.weight_version == "0"
+    assert [c.weight_version for c in cores] == ["0", "0"]
+
+    async def main():
+        return await asyncio.gather(*(_run(aeng, [i * 10], max_tokens=3) for i in range(4)))
+
+    assert {o.weight_version for o in run(main())} == {"0"}
+
+
 def test_pause_abort_holds_new_requests(fake):
     aeng, _ = fake()
 

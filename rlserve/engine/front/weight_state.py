@@ -187,8 +187,12 @@ class WeightsControl:
         whether the weights are valid now."""
         was_valid = self.weights.valid
         valid = self.weights.commit(version, names, required)
+        # valid or not, every replica stamps the front's label from here on: a commit made inside
+        # an engine command (``engine_calls.worker_rpc``) already stamped its new label in that
+        # engine, which an incomplete refill of lost weights (a label that never went live) must
+        # not keep for when the weights are valid again
+        self._stamp()
         if valid:
-            self._stamp()
             if not was_valid:
                 self._lift_quarantine()
                 logger.info("weights complete again (version %s): generation available", version)
@@ -220,6 +224,7 @@ class WeightsControl:
             self.weights.lose(reason, MODEL_UNAVAILABLE)
             return
         self.weights.restore()
+        self._stamp()  # the label every replica stamps is the front's (an engine may hold another)
         self._lift_quarantine()
 
     def _lift_quarantine(self) -> None:
