@@ -8,9 +8,9 @@ server, starts one update of deterministic random weights and dies at ``phase``:
 ``before_header``             SIGKILL right before the first broadcast (the SDK's layout header;
                               TRL: the first tensor, after its ``/update_named_param/`` answered)
 ``first_bucket``              the first bucket / tensor is cut in half on the wire (see below)
-``between_buckets``           SIGKILL after the first bucket / tensor was handed to the kernel,
-                              before the second one is broadcast (TRL: before the second
-                              ``/update_named_param/``, the first tensor's broadcast completed)
+``between_buckets``           SIGKILL once the server reports the first bucket / tensor loaded
+                              (``/weight_info``), before the second one is broadcast (TRL: before
+                              the second ``/update_named_param/``)
 ``last_bucket``               the last bucket / tensor is cut in half on the wire
 ``checksums``                 the bucket checksums sent after the data (packed gloo) are cut in half
 ``finish``                    SIGKILL once every byte was received (``update_weights`` answered),
@@ -109,6 +109,32 @@ def _die(conn, what: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _die_once_loaded(conn, spec: dict) -> None:
+    """``between_buckets``: SIGKILL once the server reports the first bucket / tensor loaded (or
+    staged) on every worker (``/weight_info``'s ``session.buckets_done``). A sent bucket is not
+    a loaded one: on a loaded machine the server could notice the death (its liveness watch)
+    and abort the receive before it had read the bucket already in its socket, and nothing
+    was written (an honest "unchanged" where the cell means "a bucket landed, then the
+    trainer died"; the sleep matrix's level-2 failure of 2026-12-06). The server loads a
+    received bucket without waiting for the next one, so this wait ends; after 60 s the
+    process dies reporting that it never did (the parent's AssertionError)."""
+    import httpx
+
+    t0, deadline = time.time(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            info = httpx.get(spec["url"] + "/weight_info", timeout=10).json()
+        except httpx.HTTPError:
+            info = {}
+        last = info.get("last_update") or {}
+        # (or the update failed meanwhile -- a receive timeout -- after it had loaded one)
+        if (info.get("session") or {}).get("buckets_done", 0) >= 1 or \
+                (last.get("time", 0) >= t0 and last.get("buckets_done", 0) >= 1):
+            _die(conn, spec["phase"])
+        time.sleep(0.01)
+    _die(conn, "error: the server never reported the first bucket loaded")
+
+
 def _group_hooks(conn, spec: dict, at: int | None) -> None:
     """gloo / NCCL: act at the trainer's broadcast number ``at`` (see the module docstring).
     ``spec["cut"]``: cut the message in half (gloo's TCP transport, also under the one-GPU NCCL
@@ -126,6 +152,8 @@ def _group_hooks(conn, spec: dict, at: int | None) -> None:
             if phase in ("before_header", "between_buckets"):
                 for w in calls:
                     self.wait(w, what="an earlier broadcast")  # handed to the transport: it arrives
+                if phase == "between_buckets":
+                    _die_once_loaded(conn, spec)
                 _die(conn, phase)
             if not spec["cut"]:
                 real(self, tensor, src)  # queued on the GPU: NCCL may be sending it when we die
@@ -244,7 +272,7 @@ def _child(conn, spec: dict) -> None:
         def update_named_param(self, *a, **k):
             named_calls.append(1)
             if len(named_calls) == 2:
-                _die(conn, phase)
+                _die_once_loaded(conn, spec)
             return real_named(self, *a, **k)
         HTTPWeightSyncClient.update_named_param = update_named_param
     else:

@@ -18,7 +18,9 @@ cell's first full sync puts it back into a known state, so what an earlier cell 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import time
 
 import httpx
 import pytest
@@ -38,6 +40,34 @@ BUCKET = 16 << 10  # several buckets for the tiny llama: a failure after the fir
 #: sets apart (theirs differ by > 1e-1)
 LOGPROB_ATOL = 1e-4
 T = 120.0
+
+
+HERE = "tests.test_sleep_weights_matrix"  # this module as the engine-core process imports it
+#: how late a starved server worker reaches its first bucket's receive (seconds): more than the
+#: server takes to notice a dead trainer (its liveness watch, ~1 s)
+LATE_S = 3.0
+
+
+def starve_next_first_bucket(core) -> None:
+    """Engine call (runs where the engine is): the next wait for a first bucket (``"bucket 1/"``)
+    starts :data:`LATE_S` seconds late, as on a machine where the receiving thread got no CPU;
+    if the update is aborted meanwhile (the trainer's death noticed), it gives up as the real
+    wait does, with nothing read. The bytes the trainer sent stay unread in the socket."""
+    from rlserve.transfer.backends.group import TransferGroup
+
+    real = TransferGroup.wait
+
+    def wait(self, work, what="broadcast", *a, **k):
+        if what.startswith("bucket 1/"):
+            TransferGroup.wait = real
+            deadline = time.monotonic() + LATE_S
+            while time.monotonic() < deadline and not self.abort_event.is_set():
+                time.sleep(0.01)
+            if self.abort_event.is_set():
+                raise self._aborted(what)
+        return real(self, work, what, *a, **k)
+
+    TransferGroup.wait = wait
 
 
 def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -141,7 +171,9 @@ class Rig:
 
     def killed_sync(self) -> None:
         """A trainer process of other weights SIGKILLed after its first bucket, before the second."""
-        spawn_killed_trainer(self.url, free_port(), 2.0, "sdk", "between_buckets", self.meta, seed=3,
+        # (timeout_s 30 as the other trainers: gloo's 2 s connect / receive timeouts failed this
+        # harness under load; the death is noticed by the server's liveness watch, not a timeout)
+        spawn_killed_trainer(self.url, free_port(), 30.0, "sdk", "between_buckets", self.meta, seed=3,
                              bucket_bytes=BUCKET)
         wait_given_up(self.url, 30)
 
@@ -264,3 +296,24 @@ def test_level2_refill_in_two_partial_syncs_is_served_at_the_second(rig):
     # the first sync's label never named served weights, so the second takes it (automatic)
     assert v_a != v1 and v2 == v1
     assert rig.served() == f"200 {v2}"
+
+
+@pytest.mark.slow
+def test_level2_trainer_killed_after_its_first_bucket_on_a_starved_server_is_503(rig):
+    """The race behind test_sleep_matrix[2]'s failures under load 11+ ("200 0" where 503
+    ``model_unavailable`` was due): the killed trainer died once its first bucket was *sent*;
+    a server whose receiving thread was slow noticed the death first, aborted the receive with
+    nothing read, and the wake reloaded the checkpoint (served honestly as "0", but not the
+    cell the matrix means: a bucket landed, then the trainer died). The killed trainer now dies
+    only once ``/weight_info`` reports that bucket loaded (``session.buckets_done``), so on a
+    starved server (its first-bucket receive :data:`LATE_S` s late) the cell is still 503.
+    Fails with the old harness (sent, then SIGKILL): "200 0"."""
+    v_a = rig.sync(rig.a)
+    assert rig.served() == f"200 {v_a}"
+    _post(rig.url, "/sleep", level=2)
+    asyncio.run(rig.srv.aengine.call_engines(f"{HERE}:starve_next_first_bucket"))
+    rig.killed_sync()
+    info = httpx.get(rig.url + "/weight_info", timeout=T).json()
+    assert "bucket 2/" in info["last_update"]["error"], info["last_update"]  # bucket 1 was in
+    _post(rig.url, "/wake_up")
+    assert rig.served() == "503 model_unavailable"

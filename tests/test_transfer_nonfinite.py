@@ -80,9 +80,14 @@ def test_nonfinite_sync_refused_naming_the_tensor(llama, shared, staging, packed
         info = httpx.get(srv.url + "/weight_info").json()
         assert info["weight_version"] == v and info["num_failures"] == failures + 1
         assert not info["last_update"]["ok"] and "non-finite" in info["last_update"]["error"]
+        # the class is named once (it was "NonFiniteWeightsError: update_weights failed on a
+        # server worker: NonFiniteWeightsError: non-finite ...")
+        assert info["last_update"]["error"].count("NonFiniteWeightsError") == 1, info["last_update"]
+        assert "NonFiniteWeightsError" not in ei.value.message, ei.value.message  # the 400's code says it
         r = server_greedy(srv.url)
         if staging == "none":  # the buckets before TARGET's were loaded: never serve that mix
             assert r.status_code == 503 and repr(TARGET) in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["message"].count("NonFiniteWeightsError") == 1, r.text
             assert httpx.get(srv.url + "/health").status_code == 503
         else:  # the old weights serve, bit for bit
             assert r.status_code == 200 and r.json()["completion_ids"] == want
@@ -243,3 +248,21 @@ def test_flag_parses():
     p = build_parser()
     assert p.parse_args(["serve", "m"]).weight_check_finite is True
     assert p.parse_args(["serve", "m", "--no-weight-check-finite"]).weight_check_finite is False
+
+
+def test_a_worker_error_is_named_once():
+    """The manager raises a worker's error as its rlserve class: the message names the class
+    once (the class itself, or a class it does not map to in the text)."""
+    from rlserve.transfer.errors import WeightTransferFailedError
+    from rlserve.transfer.finite import refusal
+    from rlserve.transfer.server.manager import WeightTransferManager
+
+    why = refusal([TARGET])
+    bad = {"done": True, "ok": False, "error_type": "NonFiniteWeightsError", "error": why}
+    with pytest.raises(NonFiniteWeightsError) as ei:
+        WeightTransferManager._poll_results([bad], "update_weights", None)
+    assert str(ei.value) == f"update_weights failed on a server worker: {why}"
+    other = {"done": True, "ok": False, "error_type": "RuntimeError", "error": "CUDA error: out of memory"}
+    with pytest.raises(WeightTransferFailedError) as ei:
+        WeightTransferManager._poll_results([other], "update_weights", None)
+    assert str(ei.value) == "update_weights failed on a server worker: RuntimeError: CUDA error: out of memory"

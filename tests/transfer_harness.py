@@ -133,6 +133,23 @@ _KILL_TRAINER = textwrap.dedent("""
         print(f"KILLING {{KILL_AT}} {{time.time():.6f}}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def wait_first_bucket_done(url):
+        # /weight_info's session.buckets_done: bucket 0 loaded / staged on every server worker
+        import httpx
+        t0, deadline = time.time(), time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                info = httpx.get(url + "/weight_info", timeout=10).json()
+            except httpx.HTTPError:
+                info = {{}}
+            last = info.get("last_update") or {{}}
+            if (info.get("session") or {{}}).get("buckets_done", 0) or \
+                    (last.get("time", 0) >= t0 and last.get("buckets_done", 0)):  # (failed since, after one)
+                return
+            time.sleep(0.01)
+        print("NOT KILLED: the server never reported bucket 0 loaded", flush=True)
+        sys.exit(3)
+
     # broadcasts of the update: 0 the layout header, 1 bucket 0, 2 bucket 1, ...
     works = []
     real_broadcast = TransferGroup.broadcast
@@ -142,7 +159,10 @@ _KILL_TRAINER = textwrap.dedent("""
                 w.wait()   # the server has what came before: it now waits for the next bucket
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # (NCCL: wait() only orders the stream)
-            time.sleep(0.3)
+            if KILL_AT == "first_bucket":
+                time.sleep(0.3)
+            else:  # sent is not loaded: the server may abort a receive whose bytes it has not read
+                wait_first_bucket_done({url!r})
             die()
         w = real_broadcast(self, tensor, src)
         works.append(w)
@@ -168,7 +188,8 @@ _KILL_TRAINER = textwrap.dedent("""
 #: Where :func:`kill_trainer_script` SIGKILLs the trainer (the server's view): ``after_start``
 #: (start_weight_update answered, update_weights never sent), ``first_bucket`` (the layout
 #: header arrived, the server waits inside the first bucket's receive), ``between_buckets``
-#: (bucket 0 arrived and was loaded / staged, the server waits for bucket 1), ``after_update``
+#: (bucket 0 arrived and was loaded / staged -- the trainer waits until ``/weight_info`` says so --,
+#: the server waits for bucket 1), ``after_update``
 #: (update_weights answered, finish_weight_update never sent).
 KILL_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 

@@ -347,14 +347,20 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes)
             # still write: only an op seen ended on every worker without a write is proven clean
             if any(r.get("applied") or r.get("touched") for r in results):
                 session.applied = True
+            if results:
+                session.buckets_done = min(int(r.get("applied") or 0) + int(r.get("staged") or 0) for r in results)
             if all(r.get("done") for r in results):
                 session.in_doubt = False
         failed = [r for r in results if r.get("done") and not r.get("ok")]
         if failed:
             failed.sort(key=lambda r: r.get("error_type") in ("TransferAbortedError", "WeightTransferFailedError"))
             r = failed[0]
-            cls = _ERRORS.get(r.get("error_type"), terr.WeightTransferFailedError)
-            raise cls(f"{what} failed on a server worker: {r.get('error_type')}: {r.get('error')}")
+            kind = r.get("error_type")
+            cls = _ERRORS.get(kind, terr.WeightTransferFailedError)
+            # the worker's class is named once: by the class raised here, or (another class,
+            # e.g. a RuntimeError raised as WeightTransferFailedError) in the message
+            detail = r.get("error") if kind == cls.__name__ else f"{kind}: {r.get('error')}"
+            raise cls(f"{what} failed on a server worker: {detail}")
         if all(r.get("done") for r in results):
             return [r.get("result") for r in results]
         return None
@@ -513,6 +519,7 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes)
                                              "generation resumes once a full weight update lands")
             await self._end_session(session)
         self._record(ok=False, error=msg, staging=self.staging, backend=self._init.backend if self._init else self.backend,
+                     **({"buckets_done": session.buckets_done} if session is not None else {}),
                      **({"protocol": "trl"} if session is not None and session.trl else {}))
 
     def _arm_watchdog(self) -> None:

@@ -41,6 +41,7 @@ class InfoRoutes:
             "world_size": self.num_workers + 1,
             "init_info": None if self._init is None else {k: v for k, v in self._init.to_dict().items()},
             "session": None if s is None else {"received_tensors": len(s.received), "calls": s.calls,
+                                               "buckets_done": s.buckets_done,
                                                "declared_tensors": None if s.declared is None else len(s.declared.names),
                                                "paused_by_server": s.auto_paused},
             "unavailable": getattr(self.aengine, "unavailable_reason", None),

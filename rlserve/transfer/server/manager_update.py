@@ -287,6 +287,7 @@ class UpdateRoutes:
             # counts as a changed model)
             staging = self._staging_of(s)
             s.in_doubt = staging == "none"
+            s.buckets_done = 0
             results = await self._run_op("start_receive", [wire, staging, self.direct_receive, self.check_finite],
                                          self._init.timeout_s * (n_steps + 2) + 30, "update_weights", session=s)
         except terr.NonFiniteWeightsError as e:

@@ -52,6 +52,10 @@ class _Session:
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
+    # buckets (per tensor: tensors) of the running or last ``update_weights`` call that every
+    # worker has loaded in place or staged, as last polled (the minimum over the workers);
+    # ``/weight_info``'s ``session.buckets_done``: how far a receive got
+    buckets_done: int = 0
     ipc_refs: set = field(default_factory=set)  # ipc_handles_ref names used in this session
     # one-call ipc update in place on one replica (see WeightTransferManager._commits_in_engine):
     # the receive, the prefix-cache reset and the new version are one engine-thread command
