@@ -147,3 +147,41 @@ def test_slow_loris_connections_are_closed(tiny_model):
             s.sendall(b"GET /health HTTP/1.1\r\n")  # the second head never ends
             took = _recv_until_closed(s, b"X", bound_s=30)
         assert took is not None and took < 20, took
+
+
+def test_a_parser_flag_loads_the_tokenizer_once(tmp_path, monkeypatch, capsys):
+    """``--reasoning-parser`` checks the parser against the tokenizer before any engine starts
+    (tool_flags.check_parsers_fit_tokenizer); the server then uses that tokenizer instead of
+    loading it a second time (~0.5 s of start-up). The real engine starts (engine-core process)
+    and is stopped; the loads in this (the API) process are counted. Was 2 on the old code."""
+    import transformers
+
+    from rlserve.engine.front import async_engine
+    from tests.tool_models import make_tool_model
+
+    model = make_tool_model(tmp_path / "m")
+    real_load, loads, made = transformers.AutoTokenizer.from_pretrained, [], []
+
+    def counted(*a, **k):
+        loads.append(a[0] if a else k.get("pretrained_model_name_or_path"))
+        made.append(real_load(*a, **k))
+        return made[-1]
+
+    real_engine, seen = async_engine.AsyncEngine, {}
+
+    def start_then_stop(*a, **k):
+        eng = real_engine(*a, **k)
+        seen["tokenizer"] = eng.engine.tokenizer
+        eng.shutdown()
+        raise RuntimeError("started and stopped")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    monkeypatch.setattr(async_engine, "AsyncEngine", start_then_stop)
+    from rlserve.cli import main
+
+    rc = main(["serve", model, "--port", "0", "--device", "cpu", "--reasoning-parser", "qwen3",
+               "--engine-mode", "process"])
+    out = capsys.readouterr()
+    assert rc == 1 and "started and stopped" in out.err, out.err
+    assert loads == [model], loads
+    assert seen["tokenizer"] is made[0]  # the API process's tokenizer is the checked one

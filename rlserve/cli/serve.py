@@ -361,7 +361,7 @@ def run(args) -> int:
         chat_template = load_chat_template(args.chat_template)
         sampling_defaults = generation_defaults(args.generation_config, model_path)
         config = engine_config_from_args(args, model_path)
-        check_parsers_fit_tokenizer(args, args.tokenizer or model_path)
+        tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)
         sock = _bind(args.host, args.port)
@@ -380,7 +380,8 @@ def run(args) -> int:
                               hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None,
                               stream_interval=args.stream_interval, max_engine_restarts=args.max_engine_restarts,
                               engine_restart_window_s=args.engine_restart_window,
-                              serve_checkpoint_after_restart=args.serve_checkpoint_after_restart)
+                              serve_checkpoint_after_restart=args.serve_checkpoint_after_restart,
+                              tokenizer=tokenizer)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         sock.close()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)

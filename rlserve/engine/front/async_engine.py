@@ -75,12 +75,16 @@ class AsyncEngine(PauseControl, WeightsControl):
             mode: an engine-core process that dies is restarted, at most ``max_engine_restarts``
             times within ``engine_restart_window_s`` seconds (0: never, the default here;
             ``rlserve serve``: 3 in 60 s); see :mod:`rlserve.engine.front.core_restart`.
+        tokenizer: process mode: the tokenizer of ``config.tokenizer or config.model``, already
+            loaded in this process (``rlserve serve``'s parser check), used instead of loading
+            it again; None loads it.
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
                  start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
                  engine_mode: str | None = None, stream_interval: int = 1, max_engine_restarts: int = 0,
-                 engine_restart_window_s: float = 60.0, serve_checkpoint_after_restart: bool = False):
+                 engine_restart_window_s: float = 60.0, serve_checkpoint_after_restart: bool = False,
+                 tokenizer=None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -112,7 +116,7 @@ class AsyncEngine(PauseControl, WeightsControl):
 
             self.restarter = CoreRestarter(self, max_engine_restarts, engine_restart_window_s,
                                            serve_checkpoint_after_restart, start_timeout_s)
-        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version)
+        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version, tokenizer)
         error = None
         try:
             for r in self._replicas:

@@ -38,12 +38,16 @@ class TokenizerOnce:
     returns the tokenizer (None with ``skip_tokenizer_init``) and raises what loading raises;
     :meth:`prefetch` starts loading it on a thread, so that it loads while the engine-core
     processes start instead of after (importing transformers and loading SmolLM2's tokenizer
-    took ~4 s on the loaded 2-core machine)."""
+    took ~4 s on the loaded 2-core machine). ``tokenizer``: one already loaded in this process
+    from ``config.tokenizer or config.model`` (``rlserve serve``'s parser check loads it), used
+    instead of loading it again."""
 
-    def __init__(self, config):
+    def __init__(self, config, tokenizer=None):
         self.config = config
         self._tok = None
         self._loaded = False
+        if tokenizer is not None and not getattr(config, "skip_tokenizer_init", False):
+            self._tok, self._loaded = tokenizer, True
         self._lock = threading.Lock()
         self._prefetching = False
 
@@ -72,7 +76,7 @@ class TokenizerOnce:
             return self._tok
 
 
-def build_replicas(front, config, engine_mode: str, engine_factory, weight_version: str) -> list:
+def build_replicas(front, config, engine_mode: str, engine_factory, weight_version: str, tokenizer=None) -> list:
     """The replicas of ``front`` (an AsyncEngine), not started: one per ``data_parallel_size``.
 
     Args:
@@ -83,6 +87,8 @@ def build_replicas(front, config, engine_mode: str, engine_factory, weight_versi
             engine built by ``engine_factory(cfg, dp_index)``, default ``LLMEngine``) or
             ``"process"`` (:class:`~rlserve.engine.front.core_client.CoreProcReplica`).
         weight_version: the version stamped on outputs at first.
+        tokenizer: process mode: the API process's tokenizer, already loaded (:class:`TokenizerOnce`);
+            None loads it. (Thread mode: the engine loads its own.)
 
     Raises:
         ValueError: see :func:`replica_config`.
@@ -102,5 +108,5 @@ def build_replicas(front, config, engine_mode: str, engine_factory, weight_versi
                 for i, cfg in enumerate(cfgs)]
     from rlserve.engine.front.core_client import CoreProcReplica
 
-    tokenizer = TokenizerOnce(config)
-    return [CoreProcReplica(front, i, cfg, weight_version, tokenizer) for i, cfg in enumerate(cfgs)]
+    loader = TokenizerOnce(config, tokenizer)
+    return [CoreProcReplica(front, i, cfg, weight_version, loader) for i, cfg in enumerate(cfgs)]
