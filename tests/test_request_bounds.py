@@ -53,6 +53,47 @@ def _with_canary(srv, fn):
     return box["r"], worst, count
 
 
+def test_workers_start_with_the_server_niced_and_warm_and_a_constraint_compiles_once(srv):
+    """(First in this module: the shared server's pool is as its start left it.) The template /
+    constraint workers start with the server, niced, and warm before any request: tokenizer
+    loaded and xgrammar's compiler made (the fuzz run's first constrained request waited for
+    that: several seconds, importing torch). A constrained request then starts no worker; the
+    same constraint again is not compiled in a worker again (the engine core compiles it once
+    and keeps it). Fails on the old code: no worker existed before the first request."""
+    pytest.importorskip("xgrammar")
+    import os
+
+    state = srv.app.state.rlserve
+    workers = state._templates
+    assert workers, "no template workers were made at start-up"
+    deadline = time.monotonic() + 300  # two workers importing torch + xgrammar, niced, on a loaded machine
+    while (workers._idle.qsize() < template_pool.POOL_SIZE or workers.warming) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    warm = list(workers._idle.queue)
+    assert len(warm) == template_pool.POOL_SIZE and workers.warming == 0, (len(warm), workers.warming)
+    assert all(w.ready and w.grammar_ready for w in warm)
+    want_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + template_pool.WORKER_NICE)
+    assert [os.getpriority(os.PRIO_PROCESS, w.proc.pid) for w in warm] == [want_nice] * len(warm)
+    started = list(workers.pids)
+    compiles = []
+    real = template_pool._Worker.compile
+
+    def counted(self, spec, *a):
+        compiles.append(spec["regex"])
+        return real(self, spec, *a)
+
+    template_pool._Worker.compile = counted
+    try:
+        for _ in range(2):
+            r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                           json={"prompt": "hi", "max_tokens": 5, "structured_outputs": {"regex": "(yes|no)"}})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    finally:
+        template_pool._Worker.compile = real
+    assert compiles == ["(yes|no)"]  # once, for the first request
+    assert workers.pids == started  # no worker started for a request
+
+
 def test_cpu_bound_template_is_a_400_and_does_not_stop_the_loop(srv):
     """Fails on the code before the template workers: the render held the GIL ~30 s (the canary
     waited as long) and then answered 200."""

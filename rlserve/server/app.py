@@ -22,6 +22,7 @@ Route protection:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import Depends, FastAPI
@@ -78,6 +79,11 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app.include_router(sleep_public)
     app.include_router(sleep_admin, responses=error_answers(ADMIN_ERRORS))
     connect_weight_manager(state)
+
+    async def start_template_workers():  # warm before the first request needs one
+        await asyncio.to_thread(state.start_template_workers)
+
+    app.router.on_startup.append(start_template_workers)
     if getattr(aengine.config, "enable_lora", False):
         mount_lora_routes(app, state, admin_deps)
     return app

@@ -5,6 +5,7 @@ parameters, logprob formatting)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import ipaddress
@@ -94,6 +95,11 @@ class ServerSettings:
     generation_config: str = "auto"
 
 
+#: constraints remembered as compiled within the bound (as many as an engine core's compiler
+#: keeps compiled: ``rlserve.engine.core.structured._CACHE_SIZE``)
+CONSTRAINTS_KEPT = 256
+
+
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (what only this machine can reach)."""
     if host in ("localhost", "ip6-localhost"):
@@ -158,6 +164,9 @@ class ServerState:
         self.tokenizer_threads = TokenizerThreads(self.tokenizer)
         self._templates = None  # TemplateWorkers, made on first use (False: render in this process)
         self._templates_lock = threading.Lock()
+        # constraint_key()s of the constraints a worker compiled within the bound (most recent
+        # last): the same constraint again is not compiled in a worker again
+        self._constraints_ok: collections.OrderedDict = collections.OrderedDict()
 
     @property
     def model_name(self) -> str:
@@ -190,13 +199,28 @@ class ServerState:
             if self._templates is None:
                 from rlserve.server.template_pool import TemplateWorkers
 
+                # constraints compile in the workers where the engine runs in another process
+                grammar = None if self._engine_compiles_here() else \
+                    (self.vocab_size, list(getattr(self.aengine, "eos_token_ids", ()) or ()))
                 try:
-                    self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars)
+                    self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars, grammar=grammar)
                 except Exception as e:  # noqa: BLE001 - pickling errors come in many types
                     logger.warning("chat templates render in the server process, without a time bound: the "
                                    "tokenizer cannot be sent to a worker process (%s: %s)", type(e).__name__, e)
                     self._templates = False
         return self._templates or None
+
+    def start_template_workers(self) -> None:
+        """Start the template / constraint workers now (the server's start-up, off the event
+        loop): they warm in the background, so that no request waits for a worker's start
+        (:mod:`rlserve.server.template_pool`). Without a tokenizer: nothing."""
+        if self.tokenizer is not None and (workers := self.template_workers()) is not None:
+            workers.start()
+
+    def _engine_compiles_here(self) -> bool:
+        """The engine runs in this process (thread mode) with its constraint compiler: the API's
+        compile fills its cache, so constraints do not compile in a worker."""
+        return getattr(getattr(self.aengine, "engine", None), "grammar_compiler", None) is not None
 
     async def render_chat(self, messages: list, template_args: dict, param: str = "messages") -> str:
         """A conversation's prompt text through the chat template, rendered in a template worker
@@ -441,14 +465,28 @@ class ServerState:
         here). Returns False where it did not run. Raises APIError 400 (invalid, timeout)."""
         from rlserve.server.template_pool import TemplateError
 
-        if getattr(getattr(self.aengine, "engine", None), "grammar_compiler", None) is not None or \
+        if self._engine_compiles_here() or \
                 self.tokenizer is None or (workers := await asyncio.to_thread(self.template_workers)) is None:
             return False
+        from rlserve.engine.core.structured import constraint_key
+
+        key = constraint_key(spec)
+        if key in self._constraints_ok:  # compiled in a worker before: the engine core has it cached
+            self._constraints_ok.move_to_end(key)
+            return True
         eos = list(getattr(self.aengine, "eos_token_ids", ()) or ())
         try:
             await asyncio.to_thread(workers.compile, spec, self.vocab_size, eos, COMPILE_TIMEOUT_S)
         except TemplateError as e:
             raise (_constraint_timeout(param) if e.kind == "timeout" else APIError(400, str(e), param=param)) from None
+        except RuntimeError as e:  # no worker could start (as render_chat): compiled here from now on
+            logger.warning("structured-output constraints compile in the server process from now on: %s", e)
+            self._templates = False
+            workers.close()
+            return False
+        self._constraints_ok[key] = None
+        while len(self._constraints_ok) > CONSTRAINTS_KEPT:
+            self._constraints_ok.popitem(last=False)
         return True
 
     def grammar_compiler(self):

@@ -25,14 +25,21 @@ compiling it (xgrammar cannot be stopped; a regex bomb burned one of two cores f
 its 400 in the issue-33 fuzz run, slowing every other request).
 
 Each overrun is a 400 naming the template's field; the worker is replaced. The pool holds
-:data:`POOL_SIZE` workers, started on first use (about 1 s each: the tokenizer is sent pickled
-by the server and loaded there), so a request keeps a free worker while another one's template
-runs to its bound. The wire between them is length-prefixed JSON; the server never unpickles
-what a worker sends.
+:data:`POOL_SIZE` workers, so a request keeps a free worker while another one's template
+runs to its bound. The server starts them when it starts (:meth:`TemplateWorkers.start`) and
+each one is warmed off every request's path before it joins the pool: its tokenizer (sent
+pickled by the server) loaded and, where constraints compile here, its xgrammar compiler made
+(importing xgrammar imports torch: 4-10 s of CPU on a loaded 2-core machine, which the first
+constrained request used to wait for); a replacement for a killed worker warms the same way
+while the others serve. Workers run at :data:`WORKER_NICE` (``os.nice``): a bomb compiling to
+its bound, or a worker warming, takes CPU the server process and the engine core do not need
+(the issue-33 canary beside a regex bomb took 7.9 s once on 2 cores). The wire between them
+is length-prefixed JSON; the server never unpickles what a worker sends.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -50,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 RENDER_TIMEOUT_S = 5.0  # a real template renders in milliseconds; a 100,000-message chat in < 1 s
 POOL_SIZE = 2
+#: added to a worker's niceness (Linux: a nice-10 process gets ~1/9 of a core a nice-0 one wants)
+WORKER_NICE = 10
 START_TIMEOUT_S = 120.0  # a worker's start (import + tokenizer) on a loaded 2-core machine
 _HEADER = struct.Struct(">I")
 
@@ -197,11 +206,16 @@ class _Worker:
         read by xgrammar) is made first, under :data:`START_TIMEOUT_S`. Returns when it
         compiled. Raises TemplateError: ``"error"`` (invalid, or xgrammar missing: the message
         says why), ``"timeout"`` (the worker is then killed), ``"died"``."""
+        self.init_grammar(vocab_size, eos_token_ids)
+        self._call({"op": "compile", "spec": spec}, timeout_s, "compiling the constraint")
+
+    def init_grammar(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        """Make the worker's constraint compiler (once; under :data:`START_TIMEOUT_S`). Raises
+        TemplateError (xgrammar missing: ``"error"``)."""
         if not self.grammar_ready:
             self._call({"op": "grammar_init", "vocab_size": int(vocab_size), "eos": [int(t) for t in eos_token_ids]},
                        START_TIMEOUT_S, "making the constraint compiler")
             self.grammar_ready = True
-        self._call({"op": "compile", "spec": spec}, timeout_s, "compiling the constraint")
 
     def _call(self, request: dict, timeout_s: float, what: str) -> dict:
         try:
@@ -237,21 +251,66 @@ class TemplateWorkers:
         max_chars: the longest rendered prompt accepted (characters).
         timeout_s: the bound on one render (seconds).
         size: the number of worker processes.
+        grammar: ``(vocab_size, eos_token_ids)`` where constraints compile in the workers: each
+            worker's compiler is made while it warms (when xgrammar is installed); None: not.
 
     Raises:
         TypeError / pickle.PicklingError: the tokenizer cannot be sent to a process (the caller
             then renders in-process).
     """
 
-    def __init__(self, tokenizer, max_chars: int, timeout_s: float = RENDER_TIMEOUT_S, size: int = POOL_SIZE):
+    def __init__(self, tokenizer, max_chars: int, timeout_s: float = RENDER_TIMEOUT_S, size: int = POOL_SIZE,
+                 grammar: tuple[int, list[int]] | None = None):
         self._pickle = pickle.dumps(tokenizer)
         self.max_chars = int(max_chars)
         self.timeout_s = float(timeout_s)
         self.size = int(size)
+        self.grammar = grammar
         self._idle: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._started = 0
         self._closed = False
+        self.warming = 0  # workers starting in the background (not in the pool yet)
+        self.pids: list[int] = []  # every worker process started, in order
+
+    def start(self) -> None:
+        """Start the workers not started yet, now; each joins the pool once warm (see the module
+        docstring). Returns at once."""
+        with self._lock:
+            n, self._started = self.size - self._started, self.size
+        for _ in range(n):
+            self._spawn_warm()
+
+    def _new_worker(self) -> _Worker:
+        w = _Worker(self._pickle, self.max_chars, self.timeout_s)
+        self.pids.append(w.proc.pid)
+        return w
+
+    def _spawn_warm(self) -> None:
+        """A new worker, warmed on a thread of its own, then put in the pool (also one that failed
+        to start: the request that takes it gets the RuntimeError, as before)."""
+        with self._lock:
+            self.warming += 1
+        try:
+            w = self._new_worker()
+        except BaseException:
+            with self._lock:
+                self.warming -= 1
+                self._started -= 1
+            raise
+        threading.Thread(target=self._warm, args=(w,), name="rlserve-template-warm", daemon=True).start()
+
+    def _warm(self, w: _Worker) -> None:
+        try:
+            w.wait_ready()
+            if self.grammar is not None and importlib.util.find_spec("xgrammar") is not None:
+                w.init_grammar(*self.grammar)
+        except (RuntimeError, TemplateError) as e:  # a compile makes it again and reports why
+            logger.warning("a template worker did not warm: %s", e)
+        finally:
+            with self._lock:
+                self.warming -= 1
+            self._release(w)
 
     def _acquire(self) -> _Worker:
         with self._lock:
@@ -261,25 +320,27 @@ class TemplateWorkers:
                 return self._idle.get_nowait()
             except queue.Empty:
                 pass
-            if self._started < self.size:
+            if self._started < self.size:  # (not started by start(): on first use)
                 self._started += 1
                 try:
-                    return _Worker(self._pickle, self.max_chars, self.timeout_s)
+                    return self._new_worker()
                 except BaseException:
                     self._started -= 1
                     raise
         return self._idle.get()
 
     def _release(self, worker: _Worker) -> None:
-        """Back to the pool, or replaced by a new worker (starting now) when it died."""
+        """Back to the pool, or (dead) replaced by a new worker that warms in the background."""
         with self._lock:
             if self._closed:
                 worker.kill()
                 return
-            if not worker.alive():
-                worker.kill()
-                worker = _Worker(self._pickle, self.max_chars, self.timeout_s)
-        self._idle.put(worker)
+            alive = worker.alive() or not worker.ready  # (one that never started: its taker reports it)
+        if alive:
+            self._idle.put(worker)
+            return
+        worker.kill()
+        self._spawn_warm()
 
     def render(self, messages: list[dict], kwargs: dict) -> str:
         """``apply_chat_template(messages, tokenize=False, **kwargs)`` in a worker (blocks this
@@ -342,6 +403,10 @@ def _worker_main(max_chars: int, timeout_s: float) -> int:
     until stdin closes. Requests and answers are length-prefixed JSON."""
     rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
+    try:
+        os.nice(WORKER_NICE)  # before the imports and the tokenizer: its start is work the server can wait for
+    except OSError:
+        pass
     try:
         tokenizer = pickle.loads(_read_frame(rfd))
     except EOFError:

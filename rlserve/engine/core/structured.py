@@ -19,6 +19,7 @@ needed): xgrammar's bitmask is ``int32 [B, ceil(V / 32)]``, bit ``j`` of word ``
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import re
 import threading
@@ -41,6 +42,13 @@ def _xgrammar():
             "structured_outputs needs the xgrammar package on the server: pip install 'rlserve[structured]'"
         ) from None
     return xgrammar
+
+
+def constraint_key(spec: StructuredOutputsParams) -> str:
+    """A constraint's identity, 64 hex characters (sha256 of its fields): what compiles to the
+    same grammar has the same key."""
+    fields = [spec.kind, spec.json, spec.regex, None if spec.choice is None else list(spec.choice), spec.grammar]
+    return hashlib.sha256(json.dumps(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _regex_escape(s: str) -> str:
