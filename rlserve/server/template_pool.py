@@ -270,8 +270,13 @@ class TemplateWorkers:
         self._lock = threading.Lock()
         self._started = 0
         self._closed = False
-        self.warming = 0  # workers starting in the background (not in the pool yet)
+        self._warming: set = set()  # workers starting in the background (not in the pool yet)
         self.pids: list[int] = []  # every worker process started, in order
+
+    @property
+    def warming(self) -> int:
+        """Workers warming in the background (not in the pool yet)."""
+        return len(self._warming)
 
     def start(self) -> None:
         """Start the workers not started yet, now; each joins the pool once warm (see the module
@@ -289,15 +294,14 @@ class TemplateWorkers:
     def _spawn_warm(self) -> None:
         """A new worker, warmed on a thread of its own, then put in the pool (also one that failed
         to start: the request that takes it gets the RuntimeError, as before)."""
-        with self._lock:
-            self.warming += 1
         try:
             w = self._new_worker()
         except BaseException:
             with self._lock:
-                self.warming -= 1
                 self._started -= 1
             raise
+        with self._lock:
+            self._warming.add(w)
         threading.Thread(target=self._warm, args=(w,), name="rlserve-template-warm", daemon=True).start()
 
     def _warm(self, w: _Worker) -> None:
@@ -309,7 +313,7 @@ class TemplateWorkers:
             logger.warning("a template worker did not warm: %s", e)
         finally:
             with self._lock:
-                self.warming -= 1
+                self._warming.discard(w)
             self._release(w)
 
     def _acquire(self) -> _Worker:
@@ -375,9 +379,14 @@ class TemplateWorkers:
         self._on_worker(lambda w: w.compile(fields, vocab_size, eos_token_ids, timeout_s))
 
     def close(self) -> None:
-        """Stop every idle worker (busy ones are stopped when they come back)."""
+        """Stop every idle or warming worker (busy ones are stopped when they come back): none
+        outlives a server that exits right after (``rlserve serve`` ends by ``os._exit``)."""
         with self._lock:
             self._closed = True
+            warming = list(self._warming)
+        for w in warming:
+            if w.proc.poll() is None:
+                w.proc.kill()  # its warm thread sees it end and reaps it
         while True:
             try:
                 self._idle.get_nowait().kill()
