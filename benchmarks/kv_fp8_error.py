@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -174,7 +176,10 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as root:
         path = args.model or save_shape(args.shape, root)
         for kv in args.kv.split(","):
-            runs.append((run_vllm if args.engine == "vllm" else run)(path, kv, prompts, args))
+            fn = run_vllm if args.engine == "vllm" else run
+            # each engine in a process of its own: its memory is given back before the next starts
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                runs.append(pool.submit(fn, path, kv, prompts, args).result())
             print(f"{kv}: {runs[-1]['num_blocks']} blocks of {runs[-1]['block_size']} tokens, "
                   f"{runs[-1]['seconds']:.1f} s", flush=True)
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
