@@ -10,7 +10,10 @@ put first on the server's ``PYTHONPATH``, see :func:`site_dir`), it records, as 
   named by its callback (and the task's coroutine): ``asyncio.events.Handle._run`` is wrapped,
   which costs ~0.5 us per callback, so compare probed runs with probed runs only.
 
-Each file's first line names the process: ``api`` or ``core`` (``sys.argv[0]`` once the program
+With ``API_STREAM_PROBE_SPLIT=1`` the API process also sums the time of the engine-output
+callback's parts (:func:`_time_parts`, ``<dir>/<pid>.split``). (A sampler of the main thread's
+stack from another thread crashed CPython 3.11 with SIGSEGV: not used.) Each ``.txt`` file's first
+line names the process: ``api`` or ``core`` (``sys.argv[0]`` once the program
 runs). :func:`summarize` reads them back for a time window (the measured run).
 """
 
@@ -23,10 +26,13 @@ import time
 
 ENV_DIR = "API_STREAM_PROBE_DIR"
 ENV_SLOW_MS = "API_STREAM_PROBE_SLOW_MS"
+ENV_SPLIT = "API_STREAM_PROBE_SPLIT"
 
 
 def _label() -> str:
-    return "core" if "core_proc" in " ".join(sys.argv) else "api"
+    """``core`` for an engine-core process (``-m rlserve.engine.core.core_proc --input ...``;
+    at interpreter start ``sys.argv`` is ``['-m', '--input', ...]``), else ``api``."""
+    return "core" if "core_proc" in " ".join(sys.argv) or "--input" in sys.argv else "api"
 
 
 def install() -> None:
@@ -72,6 +78,62 @@ def install() -> None:
             write("slow", d, name.replace(" ", "_"))
 
     asyncio.events.Handle._run = timed_run
+    if os.environ.get(ENV_SPLIT) == "1" and "serve" in sys.argv[:3]:  # rlserve serve, not its engine core
+        _time_parts(os.path.join(out_dir, f"{os.getpid()}.split"))
+
+
+#: (module, class or None, function): the parts of the engine-output callback timed by ENV_SPLIT
+SPLIT = [("rlserve.engine.front.core_client", "CoreProcReplica", "_handle_pending"),
+         ("rlserve.engine.front.output_processor", "OutputProcessor", "process"),
+         ("rlserve.engine.front.output_processor", "OutputProcessor", "_output"),
+         ("rlserve.engine.detokenizer", "IncrementalDetokenizer", "add_tokens"),
+         ("rlserve.engine.front.replica", "Replica", "route"),
+         ("rlserve.server.openai_stream", None, "sse")]
+
+
+def _time_parts(path: str) -> None:
+    """Wrap each function of :data:`SPLIT` to sum its calls and seconds (~0.3 us a call), and
+    rewrite ``path`` (JSON: name -> [calls, seconds]) at most once a second, from a wrapped call.
+    Only the API process (``rlserve serve``); the modules are imported here, at start-up."""
+    import functools
+    import importlib
+    import inspect
+    import json
+
+    sums: dict = {}
+    last = [time.monotonic()]
+
+    def wrap(name, fn):
+        acc = sums.setdefault(name, [0, 0.0])
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[0] += 1
+                acc[1] += time.perf_counter() - t
+                if time.monotonic() - last[0] > 1.0:
+                    last[0] = time.monotonic()
+                    try:
+                        with open(path + ".tmp", "w") as f:
+                            json.dump({"time": time.time(), "sums": sums}, f)
+                        os.replace(path + ".tmp", path)
+                    except OSError:
+                        pass
+        return timed
+
+    for mod_name, cls_name, fn_name in SPLIT:
+        try:
+            mod = importlib.import_module(mod_name)
+            owner = getattr(mod, cls_name) if cls_name else mod
+            timed = wrap(f"{cls_name or mod_name}.{fn_name}", getattr(owner, fn_name))
+            if isinstance(inspect.getattr_static(owner, fn_name), staticmethod):
+                timed = staticmethod(timed)
+            setattr(owner, fn_name, timed)
+        except Exception as e:  # noqa: BLE001 - a moved function: the others are still timed
+            print(f"api_stream_probe: cannot time {mod_name}.{fn_name}: {e}", file=sys.stderr)
 
 
 def site_dir(root: str) -> str:

