@@ -8,9 +8,9 @@ reported: CPU seconds and wall seconds per output token of one ``generate`` call
 token-id prompts of ``--prompt-len`` tokens, ``--max-tokens`` new tokens each, greedy, ``ignore_eos``).
 
 Cases: ``base`` (no ``--enable-lora``), ``lora-off`` (``--enable-lora``, every request on the base
-model), ``one`` (every request on one adapter: the one-adapter fast path merges it after a few
-steps, :mod:`rlserve.lora.merge`; the merge is in the timed call), ``one-unmerged`` (the same with
-``RLSERVE_LORA_MERGE=0``: the per-token LoRA path), ``mixed`` (requests spread over the base model and
+model), ``one`` (every request on one adapter, ``RLSERVE_LORA_MERGE=1``: the one-adapter fast path merges it
+after 16 steps, :mod:`rlserve.lora.merge`; the merge is in the timed call), ``one-unmerged`` (the same
+with ``RLSERVE_LORA_MERGE=0``: the per-token LoRA path), ``mixed`` (requests spread over the base model and
 four adapters).
 
 Usage:
@@ -109,7 +109,7 @@ def main() -> None:
                 out = subprocess.run([sys.executable, "-c", _CHILD, model, json.dumps(adapters), case,
                                       str(args.num_prompts), str(args.prompt_len), str(args.max_tokens),
                                       str(args.rank)], capture_output=True, text=True,
-                                     env=dict(env, RLSERVE_LORA_MERGE="0" if case == "one-unmerged" else "auto"))
+                                     env=dict(env, RLSERVE_LORA_MERGE="0" if case == "one-unmerged" else "1"))
                 if out.returncode != 0:
                     sys.exit(f"case {case} failed (exit status {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
                 results[case].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -127,9 +127,8 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
     # ---- LoRA
-    "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
-                              "the one-adapter fast path (rlserve.lora.merge): 'auto' (on for CPU models, off on "
-                              "CUDA), '1' on, '0' off"),
+    "RLSERVE_LORA_MERGE": Var("str", "0", _str,
+                              "'1': the one-adapter LoRA fast path (rlserve.lora.merge); '0' (default) off"),
     # ---- CPU engine
     "RLSERVE_CPU_THREADS": Var("int >= 1 | None", None, _positive,
                                "torch intra-op threads per CPU engine rank (before OMP_NUM_THREADS; default: usable "
