@@ -11,8 +11,8 @@ path, the reference for every rule here):
   string, else serialized, ``{}`` when missing). No call found: the JSON text is the content.
   ``tool_choice`` required / named: the output is a bare JSON array (forced by
   :meth:`MistralToolParser.forced_schema`), read without the marker. ``none``: all content.
-* streamed: vLLM's state machine over ijson's events (:mod:`~rlserve.server.tool_parsers.json_events`),
-  each delta split at the JSON punctuation the state waits for: a call's name when its string
+* streamed: vLLM's state machine over the events of `ijson <https://pypi.org/project/ijson/>`_'s
+  ``parse_coro`` (the library and coroutine vLLM streams through), each delta split at the JSON punctuation the state waits for: a call's name when its string
   closes, its arguments as the raw text of the object as it comes, text after the array as
   content, an empty delta where the array ends; a delta whose JSON is malformed sends nothing.
 * tool-call ids are Mistral's: 9 random letters and digits.
@@ -28,7 +28,6 @@ import re
 import string
 
 from rlserve.server.tool_parsers.base import ToolParser
-from rlserve.server.tool_parsers.json_events import JsonEvents
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ALNUM = string.ascii_letters + string.digits
@@ -100,10 +99,18 @@ class MistralToolParser(ToolParser):
         if ARGS in vocab:
             raise ValueError(f"the tokenizer has {ARGS!r}: Mistral's v11+ call format (name{ARGS}{{...}}) is not "
                              "implemented here, only the pre-v11 [TOOL_CALLS][{...}] one")
+        # imported here, not at the top: the parser registry imports this module at every server start
+        import ijson
+
         self.bot_id = vocab[BOT]
         self.state = WAIT_START
         self.started = False
-        self._events = JsonEvents()
+        # ijson's incremental parser: each ``send(bytes)`` appends the ``(prefix, event, value)`` events
+        # that piece completed to ``self._events``; malformed JSON raises ijson.JSONError, at that
+        # send and at every later one
+        self._events = ijson.sendable_list()
+        self._json = ijson.parse_coro(self._events)
+        self._json_error = ijson.JSONError
         self._bare = False
         self._name: str | None = None
         self._string_args: str | None = None
@@ -166,11 +173,25 @@ class MistralToolParser(ToolParser):
             return {"content": delta_text}
         try:
             out = self._stream(delta_text, delta_ids)
-        except ValueError:  # vLLM: a delta whose JSON does not parse sends nothing
+        except self._json_error:  # vLLM: a delta whose JSON does not parse sends nothing
             return None
         if out is not None and self.suppress:
             out.pop("tool_calls", None)
         return out
+
+    def _feed(self, piece: str) -> None:
+        """Sends ``piece`` to ijson and runs the state machine over the events it completed,
+        those before a JSON error too (vLLM's coroutine target sees them as they come).
+
+        Raises:
+            ijson.JSONError: the JSON is malformed (in this piece or an earlier one).
+        """
+        try:
+            self._json.send(piece.encode("utf-8"))
+        finally:
+            events = list(self._events)
+            del self._events[:]
+            self._on_events(events)
 
     def _on_events(self, events) -> None:
         """vLLM's ``update_stream_state_pre_v11_tokenizer`` over ijson's events."""
@@ -214,7 +235,7 @@ class MistralToolParser(ToolParser):
                 content, delta_text = delta_text, ""
             else:
                 piece, delta_text = _split(delta_text, _SPLIT.get(self.state))
-                self._on_events(self._events.feed(piece))
+                self._feed(piece)
             if self._new_tool:
                 self._new_tool = False
                 if modified:
