@@ -133,7 +133,7 @@ def _probe_kv_sizing(args):
 
 def _memory_kwargs(args) -> dict:
     """``gpu_memory_utilization`` for both engines when ``--gpu-memory-utilization`` is given
-    (each engine's default otherwise: rlserve 0.9; vLLM 0.24's offline ``LLM`` printed 0.92 on an
+    (each engine's default otherwise: 0.92 for both, vLLM 0.24's offline ``LLM`` printed 0.92 on an
     H100, 2026-12-06), and ``kv_cache_dtype`` when
     ``--kv-cache-dtype`` is not ``auto`` (both engines take vLLM's values)."""
     kw = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
@@ -383,7 +383,7 @@ def main(argv=None) -> None:
                     help="both engines' KV cache dtype (vLLM's values: auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="both engines' gpu_memory_utilization (weights + KV cache; default: each engine's own, "
-                         "rlserve 0.9, vLLM 0.24 0.92)")
+                         "0.92 for both rlserve and vLLM 0.24)")
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="MoE shapes: routed-experts replay on (rlserve, and vLLM where its version has it)")
     ap.add_argument("--seed", type=int, default=0)

@@ -84,7 +84,8 @@ class EngineConfig:
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
-        gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV).
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV); default
+            0.92, vLLM's (``vllm/config/cache.py``, 0.24 and 0.32).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         kv_cache_dtype: the KV cache's dtype, vLLM's ``--kv-cache-dtype``: "auto" (the model's),
             "fp8" (= "fp8_e4m3"), "fp8_e4m3" or "fp8_e5m2": one byte per element, so twice the
@@ -140,7 +141,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False

@@ -196,3 +196,34 @@ def test_qwen3_30b_a3b_shape_on_meta():
     required = ours.required_checkpoint_names()
     assert sum(".experts." in k for k in required) == 48 * 128 * 3
     assert ours.model.layers[0].mlp.experts.w13_weight.shape == (128, 2 * 768, 2048)
+
+
+def test_qwen3_30b_a3b_shape_holds_one_rotary_cache():
+    """The non-parameter buffers of the real Qwen3-30B-A3B shape (meta device) are ONE shared
+    rotary cos/sin table: 2 x 40,960 positions x 128 x float32 = 40 MiB. Each of the 48 layers
+    held its own before (1.875 GiB that the KV cache did not get: session 13's H100 run held
+    58.75 GiB at KV sizing for 56.88 GiB of weights)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from model_shapes import shape_config
+
+    from rlserve.loader.model_loader import build_model
+
+    cfg = shape_config("qwen3-30b-a3b")
+    ours = build_model(cfg, "meta", torch.bfloat16)
+    layers = ours.model.layers
+    assert all(layer.self_attn.rotary_emb.cos_cache is layers[0].self_attn.rotary_emb.cos_cache for layer in layers)
+    assert all(layer.self_attn.rotary_emb.sin_cache is layers[0].self_attn.rotary_emb.sin_cache for layer in layers)
+    table = cfg.max_position_embeddings * 128 * 4
+    assert table == 20 * 2**20
+    assert sum(b.numel() * b.element_size() for b in ours.buffers()) == 2 * table
+    # on another device: a table of its own, shared by the layers there, with HF's values
+    from rlserve.layers.rotary import get_rope
+
+    with torch.device("cpu"):
+        a, b = get_rope(128, cfg.max_position_embeddings, cfg), get_rope(128, cfg.max_position_embeddings, cfg)
+    assert a.cos_cache is b.cos_cache and a.cos_cache.device.type == "cpu" and a.cos_cache.dtype == torch.float32
+    theta = cfg.rope_parameters["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    assert torch.equal(a.cos_cache[7, :64], torch.cos(7.0 * inv)) and torch.equal(a.sin_cache[7, 64:], torch.sin(7.0 * inv))

@@ -108,8 +108,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dummy = random weights of the right shapes")
     g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output; default: the model's max_position_embeddings, at most "
                         "8192)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + KV cache")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
+                   help="fraction of GPU memory for weights + KV cache (vLLM's default, 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: max(8192, max-model-len) on CUDA, "
                         "1024 on CPU; a longer prompt runs alone)")

@@ -4,11 +4,15 @@ Supported ``rope_type``: ``default``, ``linear`` and ``llama3``; the frequencies
 computed exactly as ``transformers.modeling_rope_utils`` does, in float32, and kept in a
 ``[max_position, rotary_dim]`` cos/sin cache (float32, a non-persistent buffer, so it is
 never part of a checkpoint; HF's ``rotary_emb.inv_freq`` tensors are skipped by the models).
+Every layer built with the same settings on the same device shares ONE cache (as vLLM's
+``get_rope`` cache): per layer, a 40,960-position cache of head dim 128 is 40 MiB, x 48 layers
+of Qwen3-30B-A3B = 1.875 GiB that the KV cache did not get (BENCHMARKS.md, MoE).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -78,6 +82,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+#: (rotary_dim, max_position, settings, device) -> weak references to the shared (cos, sin)
+_CACHES: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _cos_sin_cache(rotary_dim: int, max_position: int, params: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[max_position, rotary_dim]`` float32 cos and sin tables on the current default
+    device (``build_model``'s ``with torch.device(...)``), shared by every caller with the same
+    arguments while any module still holds them (weak references: a freed model frees them).
+    Read-only by contract: nothing writes into a rotary cache."""
+    device = torch.empty(0).device
+    key = (rotary_dim, max_position, repr(sorted(params.items())), str(device))
+    refs = _CACHES.get(key)
+    if refs is not None:
+        cos, sin = refs[0](), refs[1]()
+        if cos is not None and sin is not None:
+            return cos, sin
+    inv_freq = compute_inv_freq(rotary_dim, params)
+    t = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
+    freqs = torch.outer(t, inv_freq.to(t.device))
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+    cos, sin = emb.cos(), emb.sin()
+    for k in [k for k, (c, s) in _CACHES.items() if c() is None or s() is None]:
+        del _CACHES[k]  # tables of freed models
+    _CACHES[key] = (weakref.ref(cos), weakref.ref(sin))
+    return cos, sin
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat query/key tensors.
 
@@ -101,12 +132,9 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.rope_type = params["rope_type"]
-        inv_freq = compute_inv_freq(rotary_dim, params)
-        t = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        cos, sin = _cos_sin_cache(rotary_dim, max_position, params)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
