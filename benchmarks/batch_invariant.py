@@ -19,9 +19,17 @@ alone afterwards gives bitwise its tokens and logprobs in the batch (off: the co
 ``--profile-dir``: a second, profiled pass of the off and on runs (torch profiler: top kernels
 by device time, or CPU ops on CPU).
 
+``gemm`` (CUDA): where the mode's GEMM time goes, per linear layer of a model shape and row
+count M (decode batches 1 / 64 / 256, a prefill chunk): cuBLAS ``F.linear`` (the mode off), the
+mode's Triton GEMM with session 13's fixed tile per (N, K) (``triton``) and with the tile by M
+(``triton_m``, the default), ``--all-tiles``: every tile of ``rlserve.batch_invariant.gpu.TILES``
+forced; ``triton.testing.do_bench`` medians (us), and per M the sum over one forward step
+(each layer's time x its count), the mode's time over cuBLAS's.
+
 Usage:
     python benchmarks/batch_invariant.py probe [--device cuda]
     python benchmarks/batch_invariant.py cost --shape smollm2-135m --device cpu --reps 2 --json out.jsonl
+    python benchmarks/batch_invariant.py gemm --shapes qwen3-0.6b,qwen3-8b --ms 1,64,256,4096 --json out.jsonl
 """
 
 from __future__ import annotations
@@ -125,19 +133,91 @@ def probe(args) -> None:
                 with gpu.no_split_k():
                     return F.linear(v, w)
 
-            def triton_gemm(v):
-                gpu.GEMM[0], prev = "triton", gpu.GEMM[0]
-                try:
-                    return gpu.linear(v, w)
-                finally:
-                    gpu.GEMM[0] = prev
-
             ways["cublaslt_no_split_k"] = nosplit
-            ways["triton"] = triton_gemm
+            for g in ("triton", "triton_m"):
+                ways[g] = lambda v, g=g: _with_gemm(g, gpu.linear, v, w)
         for name, fn in ways.items():
             one = torch.cat([fn(x[i:i + 1]) for i in range(0, max(rows), 97)])
             bad = [m for m in rows[1:] if not torch.equal(fn(x[:m])[::97], one[:len(range(0, m, 97))])]
             print(f"K={K} N={N} {name}: rows differ from M=1 at M in {bad}", flush=True)
+
+
+def _with_gemm(name: str, fn, *args, **kw):
+    """``fn(*args, **kw)`` with ``rlserve.batch_invariant.gpu.GEMM`` set to ``name``, restored after."""
+    from rlserve.batch_invariant import gpu
+
+    gpu.GEMM[0], prev = name, gpu.GEMM[0]
+    try:
+        return fn(*args, **kw)
+    finally:
+        gpu.GEMM[0] = prev
+
+
+def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
+    """``(name, K, N, count per forward step)`` of a dense model shape's linear layers (q/k/v
+    fused, gate/up fused, the LM head once), from ``benchmarks/model_shapes.py``."""
+    from benchmarks.model_shapes import shape_config
+
+    c = shape_config(shape)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    L, H = c.num_hidden_layers, c.hidden_size
+    return [("qkv", H, (c.num_attention_heads + 2 * c.num_key_value_heads) * hd, L),
+            ("o", c.num_attention_heads * hd, H, L), ("gate_up", H, 2 * c.intermediate_size, L),
+            ("down", c.intermediate_size, H, L), ("lm_head", H, c.vocab_size, 1)]
+
+
+def gemm_table(args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from rlserve.batch_invariant import gpu
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        def bench(fn):
+            return 1000 * do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    else:  # the dry run: the interpreter, one call timed
+        import time
+
+        def bench(fn):
+            t = time.perf_counter()
+            fn()
+            return 1e6 * (time.perf_counter() - t)
+    ms = [int(m) for m in args.ms.split(",")]
+    for shape in args.shapes.split(","):
+        layers = linear_shapes(shape)
+        for M in ms:
+            step: dict[str, float] = {}
+            for name, K, N, count in layers:
+                g = torch.Generator(device=dev).manual_seed(K + N)
+                w = torch.randn(N, K, device=dev, dtype=dtype, generator=g)
+                x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+                ways = {"cublas": lambda: F.linear(x, w),
+                        "triton": lambda: _with_gemm("triton", gpu.linear, x, w),
+                        "triton_m": lambda: _with_gemm("triton_m", gpu.linear, x, w)}
+                if args.all_tiles and dtype != torch.float32:
+                    for t in gpu.TILES:
+                        ways[f"{t[0]}x{t[1]}"] = lambda t=t: gpu.linear(x, w, tile_shape=t)
+                us = {k: round(bench(fn), 1) for k, fn in ways.items()}
+                picked = gpu.tile(M, N, K, dtype, gpu._num_sms(dev))
+                row = {"shape": shape, "layer": name, "M": M, "K": K, "N": N, "count": count, "us": us,
+                       "triton_m_tile": f"{picked['BLOCK_M']}x{picked['BLOCK_N']}",
+                       "gb_per_s_cublas": round(2 * N * K / us["cublas"] / 1e3, 1) if us["cublas"] else None}
+                print("GEMM " + json.dumps(row), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                for k, v in us.items():
+                    step[k] = step.get(k, 0.0) + v * count
+            tot = {k: round(v, 1) for k, v in step.items()}
+            print(f"STEP {shape} M={M}: GEMM us per forward step " + ", ".join(
+                f"{k} {v} ({(v / tot['cublas'] - 1) * 100:+.1f}%)" for k, v in tot.items()), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"shape": shape, "M": M, "step_gemm_us": tot}) + "\n")
 
 
 def parse_modes(spec: str) -> list[dict]:
@@ -254,8 +334,16 @@ def main() -> None:
                    help="profile the off and on runs of the first round (torch profiler, top kernels) here")
     c.add_argument("--run-timeout", type=float, default=900, help="seconds one run may take")
     c.add_argument("--json", default=None, help="append one JSON line per run here")
+    gm = sub.add_parser("gemm")
+    gm.add_argument("--device", default="cuda")
+    gm.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
+    gm.add_argument("--ms", default="1,64,256,4096", help="row counts M")
+    gm.add_argument("--all-tiles", action="store_true", help="also every tile of gpu.TILES, forced")
+    gm.add_argument("--warmup-ms", type=float, default=5)
+    gm.add_argument("--rep-ms", type=float, default=20)
+    gm.add_argument("--json", default=None, help="append one JSON line per (layer, M) and per step here")
     args = ap.parse_args()
-    probe(args) if args.cmd == "probe" else cost(args)
+    {"probe": probe, "cost": cost, "gemm": gemm_table}[args.cmd](args)
 
 
 if __name__ == "__main__":

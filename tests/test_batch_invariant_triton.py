@@ -48,6 +48,45 @@ def test_config_depends_on_n_k_and_dtype_only():
     assert "M" not in str(bi_gpu.config.__code__.co_varnames[:bi_gpu.config.__code__.co_argcount])
 
 
+def test_every_tile_reduces_k_the_same_way():
+    """The tile follows M, the reduction order must not (gpu.py's docstring): every tile of
+    TILES has BLOCK_K 64 and 4 warps per 64 rows (one warpgroup per wgmma m64 step)."""
+    assert bi_gpu.TILES[:2] == ((128, 128, 8, 3), (64, 128, 4, 4))  # session 13's fixed tiles first
+    for bm, bn, warps, stages in bi_gpu.TILES:
+        assert bm % 64 == 0 and warps == 4 * bm // 64 and bn % 16 == 0 and stages >= 2
+    assert bi_gpu.BLOCK_K == 64 and bi_gpu.config(4096, 4096, torch.bfloat16)["BLOCK_K"] == 64
+
+
+@pytest.mark.parametrize("M,N,want", [
+    (8192, 1024, (128, 128)),   # a prefill: the largest tile (64 x 8 = 512 tiles)
+    (128, 151936, (128, 128)),  # the LM head in decode: 1,187 tiles already
+    (1, 151936, (128, 128)),
+    (64, 4096, (64, 32)),       # Qwen3-8B's o_proj at batch 64: 128 tiles (64 x 128 gave 32)
+    (128, 4096, (64, 64)),      # Qwen3-0.6B's q/k/v at batch 128: 2 x 64 = 128 tiles
+    (1, 1024, (64, 16)),        # nothing reaches 99: the most tiles (64)
+    (256, 24576, (128, 128)),   # 2 x 192
+])
+def test_tile_fills_the_sms_from_the_largest(M, N, want):
+    """132 SMs (the H100 / H200): the first tile whose count reaches 99 (3/4 of them)."""
+    got = bi_gpu.tile(M, N, 4096, torch.bfloat16, 132)
+    assert (got["BLOCK_M"], got["BLOCK_N"]) == want
+    assert got["BLOCK_K"] == 64 and got["num_warps"] == 4 * want[0] // 64
+    assert bi_gpu.tile(M, N, 4096, torch.float32, 132) == bi_gpu.config(N, 4096, torch.float32)
+
+
+@pytest.mark.parametrize("shape", bi_gpu.TILES)
+def test_every_tile_computes_the_product(shape):
+    """Each tile shape of the kernel (masks at the M, N and K edges: 70 x 100 x 200 is no multiple
+    of any tile), forced with ``tile_shape``, float32 in the interpreter: the product within
+    float32 rounding of torch's (IEEE products, 200 terms: 1e-5); the bias added once."""
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(100, 200, generator=g), torch.randn(100, generator=g), torch.randn(70, 200, generator=g)
+    got = bi_gpu.linear(x, w, b, tile_shape=shape)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="is not one of"):
+        bi_gpu.linear(x, w, b, tile_shape=(32, 32, 4, 2))
+
+
 @pytest.mark.parametrize("form", ["tiles", "per_query"])
 @pytest.mark.parametrize("H", [4, 6])
 def test_attention_of_a_token_is_the_same_in_every_kind_of_step(form, H, monkeypatch):

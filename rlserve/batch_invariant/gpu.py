@@ -7,15 +7,22 @@
   (False, False)``); measured on the H100 (torch 2.11, session 13) that is not M-invariant
   either: the rows of that 3072 x 1024 GEMM differ between M = 1 and every M >= 2 tried
   (:func:`no_split_k`, kept as :data:`GEMM` ``"cublaslt"`` for A/B runs). So one Triton kernel
-  computes every ``x [M, K] @ W[N, K].T`` with a tile shape and a
-  K-reduction order chosen from (N, K, dtype) only (:func:`config`): each output tile sums K
-  in ``BLOCK_K`` steps from 0 upwards with ``tl.dot`` into a float32 accumulator, no split-K,
-  the bias added in float32, one rounding to the output dtype. A row's value depends on its
-  own inputs and that fixed order only, never on M or its place in the batch (the H100: rows
-  equal for M = 1..2048 on seven Qwen3-0.6B / 8B shapes). Persistent:
-  ``min(tiles, SMs)`` programs walk the tiles (grouped by ``GROUP_M`` rows of tiles for L2
-  reuse), as Thinking Machines' ``batch_invariant_ops`` matmul does; the walk changes which
-  program computes a tile, not how.
+  computes every ``x [M, K] @ W[N, K].T``: each output tile sums K in ``BLOCK_K`` = 64 steps
+  from 0 upwards with ``tl.dot`` into a float32 accumulator, no split-K, the bias added in
+  float32, one rounding to the output dtype. A row's value depends on its own inputs and that
+  order only. Persistent: ``min(tiles, SMs)`` programs walk the tiles (grouped by ``GROUP_M``
+  rows of tiles for L2 reuse), as Thinking Machines' ``batch_invariant_ops`` matmul does.
+- The tile shape (:data:`GEMM` ``"triton_m"``, the default; :func:`tile`): a fixed tile per
+  (N, K) (``"triton"``, session 13's, :func:`config`) left most SMs idle in decode steps (Qwen3-8B's
+  o_proj / down_proj at M = 64: 32 tiles of 64 x 128 on 132 SMs; +40.6% for the whole mode). Now
+  the tile follows M from :data:`TILES` (the largest whose tile count fills ~3/4 of the SMs):
+  128 x 128 for prefills, down to 64 x 16 for small decode batches. Every tile of :data:`TILES` has
+  ``BLOCK_K`` = 64 and ``BLOCK_M`` a multiple of 64 with 4 warps per 64 rows, so every output
+  element is reduced by the same sequence of Hopper ``wgmma m64nNk16`` steps (K 0..15, 16..31, ...
+  into the same float32 accumulator); only the instruction's N (the columns computed side by
+  side) changes with the tile. That the bits do not depend on it is a property of the hardware,
+  checked on the GPU (``tests/gpu/test_batch_invariant_gpu.py``: every tile of :data:`TILES` gives
+  the same bits on seven shapes, rows at M = 1..2048 equal), not derived.
 - Attention: :mod:`rlserve.layers.triton_attention` runs its decode kernel with one KV split
   (the split count otherwise follows the batch size), and the query tokens of steps with
   prefills through :mod:`rlserve.batch_invariant.query_tiles` (the decode kernel's operations,
@@ -46,10 +53,19 @@ def available() -> bool:
     return HAS_TRITON
 
 
-#: which batch-invariant GEMM :func:`linear` runs on CUDA: "triton" (the mode's), or "cublaslt"
-#: (cuBLASLt with split-K and reduced-precision reduction forbidden, vLLM's Hopper setting: NOT
-#: M-invariant on the H100, see the module docstring; A/B runs: ``benchmarks/batch_invariant.py``)
-GEMM = ["triton"]
+#: which batch-invariant GEMM :func:`linear` runs on CUDA: "triton_m" (the mode's: the Triton
+#: kernel, tile by :func:`tile`), "triton" (the Triton kernel, one tile per (N, K): :func:`config`,
+#: session 13's), or "cublaslt" (cuBLASLt with split-K and reduced-precision reduction forbidden,
+#: vLLM's Hopper setting: NOT M-invariant on the H100, see the module docstring). A/B runs:
+#: ``benchmarks/batch_invariant.py cost --modes on:gemm=...``
+GEMMS = ("triton_m", "triton", "cublaslt")
+GEMM = ["triton_m"]
+
+#: the 16-bit tile shapes of ``"triton_m"``, largest first: ``(BLOCK_M, BLOCK_N, num_warps,
+#: num_stages)``, all with ``BLOCK_K`` = 64 and 4 warps per 64 rows (one Hopper warpgroup per
+#: ``wgmma m64nNk16``; see the module docstring). The first two are session 13's fixed tiles.
+TILES = ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4), (64, 32, 4, 5), (64, 16, 4, 6))
+BLOCK_K = 64
 
 
 class no_split_k:
@@ -74,15 +90,29 @@ class no_split_k:
 
 
 def config(N: int, K: int, dtype: torch.dtype) -> dict:
-    """The kernel's tile shape for a GEMM of ``N`` outputs and depth ``K`` in ``dtype``: a pure
-    function of (N, K, dtype), never of M (that is the invariance). 16-bit inputs: 64 x 128 x
-    64 tiles (128 x 128 for N >= 8192, the LM head and wide MLPs); float32 (tests, the
-    interpreter): 32 x 32 x 32."""
+    """``"triton"``'s tile shape for a GEMM of ``N`` outputs and depth ``K`` in ``dtype``: a pure
+    function of (N, K, dtype), never of M. 16-bit inputs: 64 x 128 x 64 tiles (128 x 128 for
+    N >= 8192, the LM head and wide MLPs); float32 (tests, the interpreter): 32 x 32 x 32."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
-    if N >= 8192:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    bm, bn, warps, stages = TILES[0] if N >= 8192 else TILES[1]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+def tile(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
+    """``"triton_m"``'s tile shape for ``[M, K] @ [K, N]`` in ``dtype`` on a GPU of ``sms``
+    multiprocessors: the first of :data:`TILES` whose tile count ``ceil(M / BLOCK_M) x
+    ceil(N / BLOCK_N)`` reaches 3/4 of ``sms`` (one wave that leaves few SMs idle), else the last
+    (the most tiles). The choice follows M; the reduction order does not (``BLOCK_K`` = 64 for
+    every tile: see the module docstring). float32 (tests, the interpreter): :func:`config`'s
+    fixed 32 x 32 x 32 (IEEE products, summed per element in K order whatever the tile)."""
+    if dtype == torch.float32:
+        return config(N, K, dtype)
+    want = max(1, sms * 3 // 4)
+    for bm, bn, warps, stages in TILES:
+        if -(-M // bm) * -(-N // bn) >= want:
+            break
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
 
 
 _SMS: dict[int, int] = {}
@@ -137,16 +167,19 @@ if HAS_TRITON:
                      acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose rows do not depend on M: the Triton kernel with a
-    reduction order fixed per (N, K, dtype) (or, with :data:`GEMM` ``"cublaslt"`` and 16-bit
-    inputs, cuBLASLt without split-K: not M-invariant, A/B runs only): ``x [..., K]``
-    and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on one CUDA device (or CPU under
-    ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in ``x.dtype``. float32 uses
-    IEEE products (no TF32).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tile_shape: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose rows do not depend on M: the Triton kernel, K reduced in
+    a fixed order, its tile by :data:`GEMM` (``"triton_m"``: :func:`tile`; ``"triton"``:
+    :func:`config`; ``"cublaslt"`` with 16-bit inputs: cuBLASLt without split-K, not M-invariant,
+    A/B runs only): ``x [..., K]`` and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on
+    one CUDA device (or CPU under ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in
+    ``x.dtype``. float32 uses IEEE products (no TF32). ``tile_shape``: one of :data:`TILES`
+    instead (tests and benchmarks; 16-bit inputs).
 
     Raises:
-        ValueError: dtypes differ, or ``weight`` is not 2-D with ``K`` columns.
+        ValueError: dtypes differ, ``weight`` is not 2-D with ``K`` columns, or ``tile_shape`` is
+            not one of :data:`TILES`.
     """
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
@@ -162,7 +195,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(*lead, N)
-    cfg = dict(config(N, K, x.dtype))
+    if tile_shape is not None:
+        if tuple(tile_shape) not in TILES:
+            raise ValueError(f"tile_shape {tile_shape} is not one of {TILES}")
+        bm, bn, warps, stages = tile_shape
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
+    elif GEMM[0] == "triton":
+        cfg = dict(config(N, K, x.dtype))
+    else:
+        cfg = tile(M, N, K, x.dtype, _num_sms(x.device))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     programs = min(tiles, _num_sms(x.device))

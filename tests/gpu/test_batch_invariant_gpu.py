@@ -40,11 +40,36 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=T
 SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=16, logprobs=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("K,N", [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048), (4096, 6144), (12288, 4096),
-                                 (4096, 151936)])
+SHAPES = [(1024, 3072), (3072, 1024), (1024, 8192), (256, 2048), (4096, 6144), (12288, 4096), (4096, 151936)]
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_gemm_bits_do_not_depend_on_the_tile(K, N):
+    """The mode's GEMM picks its tile by M from ``gpu.TILES`` (``tile``): every tile must give
+    every element the same bits (the same BLOCK_K = 64 and wgmma m64 steps, only the instruction's
+    N differs: a hardware property, checked here on 300 rows, M and N edges included), and
+    ``tile`` must pick different tiles across M (else the rows test below proves less)."""
+    g = torch.Generator(device="cuda").manual_seed(K * N)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    outs = {t: bi_gpu.linear(x, w, b, tile_shape=t) for t in bi_gpu.TILES}
+    first = outs[bi_gpu.TILES[0]]
+    differ = [t for t, o in outs.items() if not torch.equal(o.view(torch.int16), first.view(torch.int16))]
+    picked = {(c["BLOCK_M"], c["BLOCK_N"]) for m in (1, 64, 256, 2048)
+              for c in [bi_gpu.tile(m, N, K, torch.bfloat16, bi_gpu._num_sms(x.device))]}
+    write_report(f"batch_invariant_tiles_{K}x{N}", {"tiles_differing_from_128x128": differ,
+                                                    "tiles_picked_m_1_64_256_2048": sorted(picked)})
+    print(f"GEMM {K}x{N}: tiles whose bits differ from 128x128: {differ}; picked for M = 1/64/256/2048: "
+          f"{sorted(picked)}")
+    assert differ == []
+    assert len(picked) >= 2 or N >= 8192
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
 def test_gemm_rows_do_not_depend_on_m(K, N):
-    """The mode's GEMM: a row's bits at M = 1 equal those at M = 2 .. 2048 (decode batches up to
-    256, prefill chunks beyond). Shapes of Qwen3-0.6B (1024 x 3072, 3072 x 1024) and Qwen3-8B
+    """The mode's GEMM (the tile by M): a row's bits at M = 1 equal those at M = 2 .. 2048 (decode
+    batches up to 256, prefill chunks beyond; tiles from 64 x 16 to 128 x 128). Shapes of Qwen3-0.6B (1024 x 3072, 3072 x 1024) and Qwen3-8B
     (q/k/v 4096 x 6144, down 12288 x 4096, LM head 4096 x 151936). Reported, not asserted: where
     plain cuBLAS and cuBLASLt without split-K (vLLM's Hopper setting) are not M-invariant (the
     H100, session 13: cuBLASLt's 3072 x 1024 rows differed between M = 1 and every M >= 2)."""
