@@ -126,6 +126,10 @@ VARIABLES: dict[str, Var] = {
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
+    "RLSERVE_DECODE_GEMV": Var("bool", False, _one,
+                               "'1': batch-1 decode steps run the Llama-family linears as one Triton GEMV each, "
+                               "with the add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py); "
+                               "read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "0", _str,
                               "'1': the one-adapter LoRA fast path (rlserve.lora.merge); '0' (default) off"),

@@ -20,7 +20,7 @@ from torch import nn
 
 from rlserve.distributed.head_partition import attention_head_partition_sizes
 from rlserve.errors import UnsupportedArchitectureError
-from rlserve.layers import fused_ops
+from rlserve.layers import fused_ops, gemv
 from rlserve.layers.activation import SiluAndMul
 from rlserve.layers.attention import Attention, AttentionMetadata
 from rlserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -86,8 +86,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), meta, self.o_proj)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, o_proj) -> torch.Tensor:
+        """The layer after ``qkv_proj``: ``qkv [T, q_size + 2 * kv_size]`` -> ``o_proj(attention) [T, hidden]``
+        (``o_proj``: the module, or the batch-1 GEMV of :mod:`rlserve.layers.gemv`)."""
+        T = qkv.shape[0]
         attn = self.attn
         # an fp8 cache: the Triton kernel quantizes (the CPU one writes float32 only); a layer
         # that is to compute its KV scales sees its K/V in Attention.forward first
@@ -102,14 +106,14 @@ class LlamaAttention(nn.Module):
                 self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 0.0, **attn.kv_scale_kwargs(),
             )
-            return self.o_proj(self.attn.forward_cached(q, meta))
+            return o_proj(self.attn.forward_cached(q, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim)).reshape(T, self.q_size)
             k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)).reshape(T, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out)
+        return o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,6 +131,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
+        a, m = self.self_attn, self.mlp
+        if (gemv.takes(hidden, a.qkv_proj, a.o_proj) and gemv.norm_ok(self.input_layernorm, hidden)
+                and gemv.no_hooks(self, a)):  # batch-1 decode: the linears as GEMVs, norms / SiLU folded in
+            qkv, residual = gemv.norm_linear(hidden, residual, self.input_layernorm, a.qkv_proj)
+            hidden = a.attend(positions, qkv, meta, lambda x: gemv.linear(x, a.o_proj))
+            if (type(m) is LlamaMLP and gemv.takes(hidden, m.gate_up_proj, m.down_proj)
+                    and gemv.norm_ok(self.post_attention_layernorm, hidden) and gemv.no_hooks(m, m.act_fn)):
+                gate_up, residual = gemv.norm_linear(hidden, residual, self.post_attention_layernorm, m.gate_up_proj)
+                return gemv.silu_mul_linear(gate_up, m.down_proj), residual
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return m(hidden), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

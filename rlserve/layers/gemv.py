@@ -1,0 +1,152 @@
+"""Batch-1 decode GEMV (Triton) with the preceding elementwise op folded into it.
+
+At batch 1 a decode step is one matrix-vector product per linear layer, and on a Qwen3-0.6B
+step each of them is small (4-13 MB of bf16 weights: 1-3 us of HBM time on an H100/H200), so
+the launches and the dependent small kernels between them set the step time, not bytes
+(``benchmarks/decode_step.py``: 1.34 ms per graph-replayed step against a 0.31 ms HBM floor on
+an H200, issue 37). Here one kernel does what took two:
+
+- :func:`norm_linear` -- ``W @ rmsnorm(x + residual)`` (the decoder layer's fused add + RMSNorm
+  before ``qkv_proj`` / ``gate_up_proj``): every program reduces ``sum((x + r)^2)`` over the
+  ``K`` (hidden size) values itself, so no separate norm kernel; program 0 stores ``x + r``
+  (the next residual).
+- :func:`silu_mul_linear` -- ``W @ (silu(gate) * up)`` (``down_proj`` reads ``gate_up_proj``'s
+  output; no SiLU-and-mul kernel).
+- :func:`linear` -- the plain GEMV (``o_proj``).
+
+Rounding: the folded op's output is rounded to the model dtype where the unfused ops round
+(:mod:`rlserve.layers.fused_ops`: residual sum, norm, times the weight; SiLU, times up), so the
+GEMV sees the same input vector (up to the order of the norm's float32 mean); the dot product
+accumulates in float32 in its own order (cuBLAS's differs: bf16 results may differ by one
+rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``.
+
+When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` (default off until measured on a GPU; :func:`set_enabled`) and the
+fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
+row, ``--batch-invariant`` off (its own kernels keep their bitwise contract), and every linear
+unquantized (:class:`~rlserve.layers.linear.UnquantizedLinearMethod`), tensor-parallel size 1,
+contiguous, in the input's dtype, with no forward hooks (LoRA registers hooks: the module path
+then runs). The decision is per call, on static facts, so a CUDA graph captured at batch 1 holds
+what an eager batch-1 step runs (graphs = eager).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlserve import envs
+from rlserve.batch_invariant import mode as bi_mode
+from rlserve.layers import fused_ops
+from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+from rlserve.layers.norm import RMSNorm
+
+_ENABLED = [envs.RLSERVE_DECODE_GEMV]
+_K: list = []  # the kernel module, once imported
+# rows per program: the largest power of two up to _MAX_BLOCK_N that leaves at least
+# _PROGRAMS_PER_SM programs per SM (more programs in flight hide the HBM latency of each)
+_MAX_BLOCK_N = 16
+_PROGRAMS_PER_SM = 4
+_BLOCK_K = 1024  # columns per unrolled chunk (K up to a few thousand: one to a dozen chunks)
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the batch-1 GEMV path on or off for this process (A/B runs, tests); returns the
+    previous setting. CUDA graphs captured before the switch keep what they captured."""
+    prev = _ENABLED[0]
+    _ENABLED[0] = bool(on)
+    return prev
+
+
+def enabled() -> bool:
+    """The process-wide switch (``RLSERVE_DECODE_GEMV``, :func:`set_enabled`)."""
+    return _ENABLED[0]
+
+
+def no_hooks(*mods: nn.Module) -> bool:
+    """None of ``mods`` has a forward (pre-)hook (a hook would be skipped by a direct kernel call)."""
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
+def _linear_ok(lin: nn.Module, x: torch.Tensor) -> bool:
+    w = getattr(lin, "weight", None)
+    return (type(getattr(lin, "quant_method", None)) is UnquantizedLinearMethod
+            and getattr(lin, "tp_size", 1) == 1 and w is not None and w.dtype == x.dtype and w.dim() == 2
+            and w.stride(1) == 1 and not (isinstance(lin, ColumnParallelLinear) and lin.gather_output)
+            and (lin.bias is None or lin.bias.dtype == x.dtype) and no_hooks(lin))
+
+
+def takes(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether the GEMV kernel runs ``x [1, K]`` through each of ``linears`` (module docstring)."""
+    return (_ENABLED[0] and x.dim() == 2 and x.shape[0] == 1 and fused_ops.triton_enabled(x)
+            and not bi_mode.enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(_linear_ok(lin, x) for lin in linears))
+
+
+def _kernels():
+    if not _K:
+        from rlserve.layers import gemv_kernels
+
+        _K.append(gemv_kernels)
+    return _K[0]
+
+
+def block_n(N: int, device: torch.device) -> int:
+    """Output rows per program for ``N`` rows (see ``_MAX_BLOCK_N``)."""
+    from rlserve.layers.triton_attention import num_sms
+
+    want = _PROGRAMS_PER_SM * num_sms(device)
+    b = _MAX_BLOCK_N
+    while b > 1 and -(-N // b) < want:
+        b //= 2
+    return b
+
+
+def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            out_dtype: torch.dtype | None = None):
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"GEMV: weight {tuple(weight.shape)} does not take {K} input features")
+    out = torch.empty((1, N), dtype=out_dtype or x.dtype, device=x.device)
+    res_out = torch.empty((1, K), dtype=x.dtype, device=x.device) if residual is not None else out
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    bn = block_n(N, x.device)
+    _kernels()._gemv_kernel[(-(-N // bn),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        weight, bias if bias is not None else weight, out, res_out,
+        N, weight.stride(0), float(eps),
+        K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=bn, BLOCK_K=min(_BLOCK_K, fused_ops._next_pow2(K)), num_warps=4,
+    )
+    return out, res_out
+
+
+def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
+    """``lin(x)`` for ``x [1, K]`` (``K = lin.weight.shape[1]``) -> ``[1, N]`` in ``x.dtype``,
+    bias included. Precondition: :func:`takes` ``(x, lin)``."""
+    return _launch(0, x, x.shape[-1], lin.weight, lin.bias)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, lin: nn.Module):
+    """``(lin(norm(x + residual)), x + residual)`` for ``x [1, K]``; without a residual
+    ``(lin(norm(x)), x)``. ``norm``: an :class:`~rlserve.layers.norm.RMSNorm` of size ``K``
+    (its ``weight`` ``[K]``, ``eps``). Precondition: :func:`takes` ``(x, lin)``."""
+    K = x.shape[-1]
+    out, res = _launch(1, x, K, lin.weight, lin.bias, residual=residual, norm_weight=norm.weight, eps=norm.eps)
+    return out, (res if residual is not None else x)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, lin: nn.Module) -> torch.Tensor:
+    """``lin(silu(gate_up[:, :d]) * gate_up[:, d:])`` for ``gate_up [1, 2d]`` -> ``[1, N]``.
+    Precondition: :func:`takes` ``(gate_up, lin)``."""
+    return _launch(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
+
+
+def norm_ok(norm: nn.Module, x: torch.Tensor) -> bool:
+    """``norm`` is an RMSNorm over ``x``'s last dim in ``x``'s dtype, without hooks."""
+    w = norm.weight if isinstance(norm, RMSNorm) else None
+    return (w is not None and w.shape == (x.shape[-1],) and w.dtype == x.dtype
+            and w.is_contiguous() and no_hooks(norm))

@@ -1,0 +1,67 @@
+"""The Triton kernel behind :mod:`rlserve.layers.gemv` (imported on first use; see that module for
+what it computes, how it rounds and when it runs)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prologue_chunk(X, R, NW, offs, m, rstd, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                    dt: tl.constexpr):
+    """Columns ``offs`` of the GEMV's input vector, float32, rounded as the unfused ops round."""
+    if PROLOGUE == 1:  # RMSNorm((x + r)) * w, HF order: sum rounded, norm rounded, product rounded
+        h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        h = (h * rstd).to(dt).to(tl.float32)
+        x = (tl.load(NW + offs, mask=m, other=0.0).to(tl.float32) * h).to(dt).to(tl.float32)
+    elif PROLOGUE == 2:  # silu(gate) rounded, times up, rounded; X = [gate (K) | up (K)]
+        g = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(X + K + offs, mask=m, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        x = (s * u).to(dt).to(tl.float32)
+    else:
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(
+    X, R, NW, W, B, OUT, RES_OUT,
+    N, stride_w, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program ``p``: output rows ``[p*BLOCK_N, (p+1)*BLOCK_N)`` of ``W [N, K] @ x``, the whole
+    ``K`` in ``cdiv(K, BLOCK_K)`` unrolled chunks (``K`` is a compile-time constant, so the
+    loads of every chunk can be in flight at once); float32 accumulation. ``PROLOGUE == 1``
+    first reduces ``sum((x + r)^2)`` over ``K`` (every program, from L2: ``K`` values); program 0
+    also stores ``x + r`` to ``RES_OUT``."""
+    dt = X.dtype.element_ty  # the model dtype (OUT may be float32: logits)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rstd = 0.0
+    if PROLOGUE == 1:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            m = offs < K
+            h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_RES:
+                h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+                tl.store(RES_OUT + offs, h, mask=m & ((offs * 0 + pid) == 0))  # program 0 only
+                h = h.to(tl.float32)
+            ss += h * h
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        m = offs < K
+        x = _prologue_chunk(X, R, NW, offs, m, rstd, K, PROLOGUE, HAS_RES, dt)
+        w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :], mask=rmask[:, None] & m[None, :],
+                    other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(OUT + rows, acc.to(OUT.dtype.element_ty), mask=rmask)

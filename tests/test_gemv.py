@@ -1,0 +1,136 @@
+"""The batch-1 decode GEMV of ``rlserve.layers.gemv`` on CPU, through Triton's interpreter, against
+the unfused ops it replaces (fused add + RMSNorm then ``F.linear``; SiLU-and-mul then ``F.linear``;
+``F.linear``), and whole tiny Qwen3 / Llama models at batch 1 with and without it.
+
+Tolerances: the folded op rounds where the unfused op rounds, so the GEMV's input vector equals
+the reference's up to the order of the norm's float32 mean (one unit in the last place of that
+vector at most); the dot product then sums ``K`` float32 products in another order than PyTorch's
+GEMM. float32: |diff| <= 1e-5 x sum_k |w_k x_k| (a few float32 roundings of every partial sum,
+K <= 1024 terms: K x 2^-24 ~ 6e-5 is the worst-case bound; 1e-5 leaves room for typical
+cancellation only, and is 100x above the differences seen); float16 (the interpreter has no
+bfloat16): the output is rounded once to float16, so 2 units of 2^-10 relative (one rounding
+each side) plus the float32 bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
+from rlserve.layers import fused_ops, gemv  # noqa: E402
+from rlserve.layers.activation import SiluAndMul  # noqa: E402
+from rlserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear  # noqa: E402
+from rlserve.layers.norm import RMSNorm  # noqa: E402
+
+
+@pytest.fixture
+def gemv_on_cpu():
+    prev = fused_ops.set_fused_kernels(True, on_cpu=True)
+    prev_g = gemv.set_enabled(True)
+    yield
+    gemv.set_enabled(prev_g)
+    fused_ops.set_fused_kernels(*prev)
+
+
+def _lin(cls, K, N, dtype, g, bias=False):
+    lin = (MergedColumnParallelLinear(K, [N], bias=bias, params_dtype=dtype) if cls == "col"
+           else RowParallelLinear(K, N, bias=bias, params_dtype=dtype))
+    lin.weight.data.copy_(torch.randn(N, K, generator=g) / K ** 0.5)
+    if bias:
+        lin.bias.data.copy_(torch.randn(N, generator=g))
+    return lin
+
+
+def assert_gemv_close(got, ref, w, x, dtype):
+    """|got - ref| <= 1e-5 x (|W| @ |x|) (+ 2 float16 units of |ref| in float16), see the module docstring."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    scale = (w.float().abs() @ x.float().abs().reshape(-1, 1)).reshape(ref.shape)
+    tol = 1e-5 * scale + (2 * 2.0 ** -10 * ref.float().abs() if dtype == torch.float16 else 0)
+    err = (got.float() - ref.float()).abs()
+    assert (err <= tol).all(), (err - tol).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K,N,bias", [(64, 200, False), (96, 37, True), (1536, 24, False)])
+def test_linear(dtype, K, N, bias, gemv_on_cpu):
+    g = torch.Generator().manual_seed(K + N)
+    lin = _lin("row", K, N, dtype, g, bias)
+    x = torch.randn(1, K, generator=g).to(dtype)
+    assert gemv.takes(x, lin)
+    ref = F.linear(x, lin.weight, lin.bias)
+    assert_gemv_close(gemv.linear(x, lin), ref, lin.weight, x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K,N,with_res", [(64, 96, True), (96, 50, False), (1280, 40, True)])
+def test_norm_linear(dtype, K, N, with_res, gemv_on_cpu):
+    g = torch.Generator().manual_seed(K * N)
+    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g))
+    lin = _lin("col", K, N, dtype, g)
+    x = (3 * torch.randn(1, K, generator=g)).to(dtype)
+    r = torch.randn(1, K, generator=g).to(dtype) if with_res else None
+    assert gemv.takes(x, lin) and gemv.norm_ok(norm, x)
+    if with_res:
+        normed, ref_res = norm(x, r)  # the fused add + RMSNorm kernel the GEMV replaces
+    else:
+        normed, ref_res = norm(x), x
+    out, res = gemv.norm_linear(x, r, norm, lin)
+    assert torch.equal(res, ref_res)  # x + r rounded exactly as the unfused add
+    assert_gemv_close(out, F.linear(normed, lin.weight), lin.weight, normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d,N", [(80, 64), (1100, 30)])
+def test_silu_mul_linear(dtype, d, N, gemv_on_cpu):
+    g = torch.Generator().manual_seed(d)
+    lin = _lin("row", d, N, dtype, g)
+    gu = (3 * torch.randn(1, 2 * d, generator=g)).to(dtype)
+    act = SiluAndMul()(gu)
+    assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight), lin.weight, act, dtype)
+
+
+def test_takes_only_batch_one_unhooked_unquantized(gemv_on_cpu):
+    g = torch.Generator().manual_seed(0)
+    lin = _lin("row", 32, 16, torch.float32, g)
+    x = torch.randn(1, 32)
+    assert gemv.takes(x, lin)
+    assert not gemv.takes(torch.randn(2, 32), lin)  # batch 2: the GEMM
+    assert not gemv.takes(x.half(), lin)  # dtype mismatch
+    h = lin.register_forward_hook(lambda *a: None)  # LoRA's hooks: the module path
+    assert not gemv.takes(x, lin)
+    h.remove()
+    gemv.set_enabled(False)
+    assert not gemv.takes(x, lin)
+    gemv.set_enabled(True)
+    fused_ops.set_fused_kernels(True, on_cpu=False)  # a CPU tensor without the interpreter asked for
+    assert not gemv.takes(x, lin)
+    assert gemv.block_n(4096, x.device) == 16 and gemv.block_n(20, x.device) == 1  # 4 SMs x 4 programs
+
+
+def test_whole_model_batch_one_equals_unfused(tiny_model, gemv_on_cpu, monkeypatch):
+    """Tiny Qwen3 (q/k norm, tied embeddings) and Llama, float32, one prompt (every decode step
+    at batch 1): greedy tokens equal and logprobs within 1e-4 nats with the GEMV against the
+    fused-kernel path without it; the GEMV ran (3 kernels a layer per decode step)."""
+    from rlserve import LLM, SamplingParams
+
+    calls = {"n": 0}
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **kw: calls.__setitem__("n", calls["n"] + 1) or launch(*a, **kw))
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logprobs=3)
+    for arch in ("qwen3", "llama"):
+        path = tiny_model(arch)
+        gemv.set_enabled(False)
+        ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(["The capital of France is"], params)
+        assert calls["n"] == 0
+        gemv.set_enabled(True)
+        got = LLM(path, dtype="float32", device="cpu", block_size=4).generate(["The capital of France is"], params)
+        assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        for da, db in zip(got[0].outputs[0].logprobs, ref[0].outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            for t in db:
+                assert abs(da[t] - db[t]) < 1e-4
+        assert calls["n"] > 0
+        calls["n"] = 0
