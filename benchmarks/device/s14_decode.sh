@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 14, issue 37 (Qwen3-0.6B: batch-1 <= 1.0 ms/token; offline within 1.15x of its HBM floor),
+# rlserve only, budget 80 s, most important first:
+#   a) decode_step.py, Qwen3-0.6B shape, batch 1, context 1024: the batch-1 GEMV path off / on
+#      (--decode-gemv 0,1: one engine each in this process, RLSERVE_DECODE_GEMV's switch): graph ms,
+#      eager ms, engine-step ms, HBM floor, and the forward's GPU kernel tables (--profile)
+#   b) tests/gpu/test_gemv_gpu.py, the kernel tests (each folded form vs the unfused ops, bf16 /
+#      fp16 / fp32 at the 0.6B shapes, bf16 at the 8B ones), then the engine test if time is left
+#   c) throughput.py, Qwen3-0.6B shape, the offline workload (256 seqs, 100..1024) with --floor:
+#      the workload's own HBM floor (weights + KV read per step over the timed run's steps) and
+#      time / floor
+# DRY_RUN=1: every Python step once on the CPU with tiny shapes.
+NAME=s14_decode BUDGET=${BUDGET:-80}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [ "$DRY_RUN" = 1 ]; then
+  DS=(--device cpu --shape tiny-llama --context 64 --iters 2 --engine-steps 2)
+  TP=(--device cpu --shape smollm2-135m --num-seqs 4 --min-len 8 --max-len 16)
+  TESTS=(tests/test_gemv.py)
+else
+  DS=(--shape qwen3-0.6b --context 1024 --iters 50 --engine-steps 50 --profile)
+  TP=(--device cuda --shape qwen3-0.6b)
+  TESTS=(tests/gpu/test_gemv_gpu.py)
+fi
+bounded 34 $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1 \
+  --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
+say "a) rc=$? $(grep -A3 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
+bounded 18 $PY -m pytest -q -p no:cacheprovider -x -k "not engine" "${TESTS[@]}" > "$OUT_DIR/pytest_kernels.log" 2>&1
+say "b) kernels rc=$? $(tail -1 "$OUT_DIR/pytest_kernels.log")"
+bounded 26 $PY benchmarks/throughput.py "${TP[@]}" --engine rlserve --no-hf --floor \
+  --json "$OUT_DIR/throughput_06b_floor.json" > "$OUT_DIR/throughput_06b_floor.log" 2>&1
+say "c) rc=$? $(grep -E '^  rlserve ' "$OUT_DIR/throughput_06b_floor.log" | tr -s ' ')"
+if [ "$(left)" -ge 15 ]; then
+  bounded 30 $PY -m pytest -q -p no:cacheprovider -x -k engine "${TESTS[@]}" > "$OUT_DIR/pytest_engine.log" 2>&1
+  say "b2) engine rc=$? $(tail -1 "$OUT_DIR/pytest_engine.log")"
+fi
+gpu_cleanup
+say done
+exit 0

@@ -1,0 +1,143 @@
+"""The batch-1 decode GEMV (``rlserve.layers.gemv``) compiled on a CUDA GPU.
+
+- bf16 / fp16 / fp32 at the Qwen3-0.6B and Qwen3-8B layer shapes: each folded form against the
+  unfused ops it replaces (fused add + RMSNorm then ``F.linear``, SiLU-and-mul then ``F.linear``,
+  ``F.linear``) on the same GPU. The residual sum is equal; the GEMV's output is within
+  ``tol = 2 ulp(dtype) x |ref| + 1e-5 x (|W| @ |x|)``: the output is rounded once on each side
+  (one unit each), the float32 dot products differ in summation order (cuBLAS's split vs one
+  program's chunks: K <= 12,288 terms, 1e-5 of the absolute sum is ~100x what float32 reordering
+  gives at these sizes), and the folded norm may move one input element by one unit, which the
+  absolute-sum term covers.
+- the engine at batch 1 (one prompt) in float32 with CUDA graphs: greedy tokens and logprobs with
+  the GEMV equal those without it (1e-3 nats); bf16 with the GEMV: CUDA graphs equal eager
+  bitwise (the same kernels replayed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from rlserve.layers import fused_ops, gemv  # noqa: E402
+from rlserve.layers.activation import SiluAndMul  # noqa: E402
+from rlserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear  # noqa: E402
+from rlserve.layers.norm import RMSNorm  # noqa: E402
+
+DEV = torch.device("cuda")
+EPS_OF = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (K, N) of qkv_proj, o_proj, gate_up_proj, down_proj: Qwen3-0.6B, then Qwen3-8B
+SHAPES_06B = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]
+SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
+
+
+@pytest.fixture
+def gemv_switch():
+    prev = fused_ops.set_fused_kernels(True)
+    prev_g = gemv.set_enabled(True)
+    yield gemv.set_enabled
+    gemv.set_enabled(prev_g)
+    fused_ops.set_fused_kernels(*prev)
+
+
+def _lin(K, N, dtype, g, col=True):
+    lin = (MergedColumnParallelLinear(K, [N], bias=False, params_dtype=dtype) if col
+           else RowParallelLinear(K, N, bias=False, params_dtype=dtype)).to(DEV)
+    lin.weight.data.copy_(torch.randn(N, K, generator=g, device=DEV) / K ** 0.5)
+    return lin
+
+
+def assert_gemv_close(got, ref, w, x, dtype):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    scale = (w.float().abs() @ x.float().abs().reshape(-1, 1)).reshape(ref.shape)
+    tol = 2 * EPS_OF[dtype] * ref.float().abs() + 1e-5 * scale
+    err = (got.float() - ref.float()).abs()
+    bad = err > tol
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} beyond tolerance; max excess {(err - tol).max()}"
+
+
+# every dtype at the 0.6B shapes, bf16 at the 8B ones (each (K, dtype, prologue) compiles once)
+CASES = [(d, K, N) for d in DTYPES for K, N in SHAPES_06B] + [(torch.bfloat16, K, N) for K, N in SHAPES_8B]
+
+
+@pytest.mark.parametrize("dtype,K,N", CASES)
+def test_linear(dtype, K, N, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K + N)
+    lin = _lin(K, N, dtype, g, col=False)
+    x = torch.randn(1, K, generator=g, device=DEV).to(dtype)
+    assert gemv.takes(x, lin)
+    assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight), lin.weight, x, dtype)
+
+
+@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[0], SHAPES_06B[2], SHAPES_8B[2])])
+@pytest.mark.parametrize("with_res", [True, False])
+def test_norm_linear(dtype, K, N, with_res, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K * 3 + N)
+    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype).to(DEV)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g, device=DEV))
+    lin = _lin(K, N, dtype, g)
+    x = (3 * torch.randn(1, K, generator=g, device=DEV)).to(dtype)
+    r = torch.randn(1, K, generator=g, device=DEV).to(dtype) if with_res else None
+    assert gemv.takes(x, lin) and gemv.norm_ok(norm, x)
+    normed, ref_res = norm(x, r) if with_res else (norm(x), x)
+    out, res = gemv.norm_linear(x, r, norm, lin)
+    assert torch.equal(res, ref_res)
+    assert_gemv_close(out, F.linear(normed, lin.weight), lin.weight, normed, dtype)
+
+
+@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[3], SHAPES_8B[3])])
+def test_silu_mul_linear(dtype, K, N, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K)
+    lin = _lin(K, N, dtype, g, col=False)  # down_proj: K = d
+    gu = (3 * torch.randn(1, 2 * K, generator=g, device=DEV)).to(dtype)
+    act = SiluAndMul()(gu)
+    assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight), lin.weight, act, dtype)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_engine_batch_one_gemv_equals_without_and_graphs_equal_eager(arch, tiny_model, gemv_switch):
+    from rlserve import LLM, SamplingParams
+
+    from tests.gpu.test_gpu_engine import KW, PROMPTS
+
+    path = tiny_model(arch)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=3)
+    calls = {"n": 0}
+    launch = gemv._launch
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return launch(*a, **kw)
+
+    gemv._launch = counted
+    try:
+        runs = {}
+        for on in (False, True):
+            gemv_switch(on)
+            llm = LLM(path, dtype="float32", **KW)
+            assert llm.engine.executor.runner.cuda_graphs is not None
+            runs[on] = llm.generate(PROMPTS[:1], params)
+            del llm
+            torch.cuda.empty_cache()
+        assert calls["n"] > 0  # captured (graph) and eager warm-up launches both count
+        a, b = runs[True][0].outputs[0], runs[False][0].outputs[0]
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs):
+            for t in db:
+                assert abs(da[t] - db[t]) < 1e-3
+        gemv_switch(True)
+        outs = []
+        for eager in (False, True):
+            llm = LLM(path, dtype="bfloat16", enforce_eager=eager, **KW)
+            outs.append(llm.generate(PROMPTS[:1], params)[0].outputs[0])
+            del llm
+            torch.cuda.empty_cache()
+        assert outs[0].token_ids == outs[1].token_ids
+        for da, db in zip(outs[0].logprobs, outs[1].logprobs):  # bf16 logits: one rounding ~0.04 nats at |logit| ~10
+            for t in db:
+                assert abs(da[t] - db[t]) < 0.05
+    finally:
+        gemv._launch = launch
