@@ -92,6 +92,29 @@ def test_silu_mul_linear(dtype, d, N, gemv_on_cpu):
     assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight), lin.weight, act, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K", [96, 80])
+def test_several_chunks(dtype, K, gemv_on_cpu, monkeypatch):
+    """32-column chunks (K = 96: three whole chunks; K = 80: the third one masked), as K > 4096
+    runs on a GPU (Qwen3-8B's down_proj: three chunks of 4096): all three forms."""
+    monkeypatch.setattr(gemv, "_MAX_BLOCK_K", 32)
+    assert gemv.tile(40, K, torch.device("cpu"))[1] == 32
+    g = torch.Generator().manual_seed(K)
+    lin = _lin("row", K, 40, dtype, g, bias=True)
+    x = (3 * torch.randn(1, K, generator=g)).to(dtype)
+    assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight, lin.bias), lin.weight, x, dtype)
+    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g))
+    r = torch.randn(1, K, generator=g).to(dtype)
+    normed, ref_res = norm(x, r)
+    out, res = gemv.norm_linear(x, r, norm, lin)
+    assert torch.equal(res, ref_res)
+    assert_gemv_close(out, F.linear(normed, lin.weight, lin.bias), lin.weight, normed, dtype)
+    gu = torch.cat([x, (2 * torch.randn(1, K, generator=g)).to(dtype)], dim=1)
+    act = SiluAndMul()(gu)
+    assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight, lin.bias), lin.weight, act, dtype)
+
+
 def test_takes_only_batch_one_unhooked_unquantized(gemv_on_cpu):
     g = torch.Generator().manual_seed(0)
     lin = _lin("row", 32, 16, torch.float32, g)
@@ -107,7 +130,11 @@ def test_takes_only_batch_one_unhooked_unquantized(gemv_on_cpu):
     gemv.set_enabled(True)
     fused_ops.set_fused_kernels(True, on_cpu=False)  # a CPU tensor without the interpreter asked for
     assert not gemv.takes(x, lin)
-    assert gemv.block_n(4096, x.device) == 16 and gemv.block_n(20, x.device) == 1  # 4 SMs x 4 programs
+    # the interpreter counts 4 SMs: >= 16 programs; tiles of <= 16384 elements
+    assert gemv.tile(4096, 1024, x.device) == (16, 1024, 8)
+    assert gemv.tile(20, 64, x.device) == (1, 64, 4)
+    assert gemv.tile(4096, 12288, x.device) == (4, 4096, 8)
+    assert gemv.tile(1024, 3072, x.device) == (4, 4096, 8)
 
 
 def test_whole_model_batch_one_equals_unfused(tiny_model, gemv_on_cpu, monkeypatch):

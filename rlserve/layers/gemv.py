@@ -18,7 +18,8 @@ Rounding: the folded op's output is rounded to the model dtype where the unfused
 (:mod:`rlserve.layers.fused_ops`: residual sum, norm, times the weight; SiLU, times up), so the
 GEMV sees the same input vector (up to the order of the norm's float32 mean); the dot product
 accumulates in float32 in its own order (cuBLAS's differs: bf16 results may differ by one
-rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``.
+rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``
+(:func:`tile`).
 
 When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` (default off until measured on a GPU; :func:`set_enabled`) and the
 fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
@@ -42,11 +43,14 @@ from rlserve.layers.norm import RMSNorm
 
 _ENABLED = [envs.RLSERVE_DECODE_GEMV]
 _K: list = []  # the kernel module, once imported
-# rows per program: the largest power of two up to _MAX_BLOCK_N that leaves at least
-# _PROGRAMS_PER_SM programs per SM (more programs in flight hide the HBM latency of each)
+# Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
+# _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
+# the largest power of two up to _MAX_BLOCK_N whose tile holds at most _MAX_TILE elements and that
+# leaves at least _PROGRAMS_PER_SM programs per SM (many loads in flight hide HBM latency).
 _MAX_BLOCK_N = 16
+_MAX_BLOCK_K = 4096
+_MAX_TILE = 16384  # elements of W per chunk (4 warps up to 4096, else 8: <= 64 values a thread)
 _PROGRAMS_PER_SM = 4
-_BLOCK_K = 1024  # columns per unrolled chunk (K up to a few thousand: one to a dozen chunks)
 
 
 def set_enabled(on: bool) -> bool:
@@ -90,15 +94,16 @@ def _kernels():
     return _K[0]
 
 
-def block_n(N: int, device: torch.device) -> int:
-    """Output rows per program for ``N`` rows (see ``_MAX_BLOCK_N``)."""
+def tile(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for ``W [N, K]`` (see ``_MAX_BLOCK_N`` above)."""
     from rlserve.layers.triton_attention import num_sms
 
+    bk = min(_MAX_BLOCK_K, fused_ops._next_pow2(K))
     want = _PROGRAMS_PER_SM * num_sms(device)
-    b = _MAX_BLOCK_N
-    while b > 1 and -(-N // b) < want:
-        b //= 2
-    return b
+    bn = _MAX_BLOCK_N
+    while bn > 1 and (-(-N // bn) < want or bn * bk > _MAX_TILE):
+        bn //= 2
+    return bn, bk, 4 if bn * bk <= 4096 else 8
 
 
 def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -113,13 +118,13 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
     res_out = torch.empty((1, K), dtype=x.dtype, device=x.device) if residual is not None else out
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    bn = block_n(N, x.device)
+    bn, bk, warps = tile(N, K, x.device)
     _kernels()._gemv_kernel[(-(-N // bn),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         weight, bias if bias is not None else weight, out, res_out,
         N, weight.stride(0), float(eps),
         K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=min(_BLOCK_K, fused_ops._next_pow2(K)), num_warps=4,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
     )
     return out, res_out
 

@@ -33,14 +33,17 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program ``p``: output rows ``[p*BLOCK_N, (p+1)*BLOCK_N)`` of ``W [N, K] @ x``, the whole
-    ``K`` in ``cdiv(K, BLOCK_K)`` unrolled chunks (``K`` is a compile-time constant, so the
-    loads of every chunk can be in flight at once); float32 accumulation. ``PROLOGUE == 1``
-    first reduces ``sum((x + r)^2)`` over ``K`` (every program, from L2: ``K`` values); program 0
-    also stores ``x + r`` to ``RES_OUT``."""
+    ``K`` in ``cdiv(K, BLOCK_K)`` unrolled chunks (``K`` is a compile-time constant); float32
+    accumulation. The first chunk's weights are loaded before anything else, so their HBM
+    latency overlaps the prologue (``PROLOGUE == 1`` first reduces ``sum((x + r)^2)`` over ``K``
+    in every program, from L2; program 0 also stores ``x + r`` to ``RES_OUT``)."""
     dt = X.dtype.element_ty  # the model dtype (OUT may be float32: logits)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_w
+    offs0 = tl.arange(0, BLOCK_K)
+    w0 = tl.load(w_rows + offs0[None, :], mask=rmask[:, None] & (offs0 < K)[None, :], other=0.0)
     rstd = 0.0
     if PROLOGUE == 1:
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -58,9 +61,11 @@ def _gemv_kernel(
     for k0 in tl.static_range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         m = offs < K
+        if k0 == 0:
+            w = w0
+        else:
+            w = tl.load(w_rows + offs[None, :], mask=rmask[:, None] & m[None, :], other=0.0)
         x = _prologue_chunk(X, R, NW, offs, m, rstd, K, PROLOGUE, HAS_RES, dt)
-        w = tl.load(W + rows[:, None].to(tl.int64) * stride_w + offs[None, :], mask=rmask[:, None] & m[None, :],
-                    other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
