@@ -428,8 +428,8 @@ def main(argv=None) -> dict:
                          "this process (a cache of most of the GPU is not handed back in between: then one process "
                          "each)")
     ap.add_argument("--decode-gemv", default=None,
-                    help="comma-separated 0/1: one engine each with the batch-1 GEMV path off / on "
-                         "(rlserve.layers.gemv; default: RLSERVE_DECODE_GEMV)")
+                    help="comma-separated 0 / 1 / pdl: one engine each with the batch-1 GEMV path off / on / on with "
+                         "programmatic dependent launch (rlserve.layers.gemv; default: RLSERVE_DECODE_GEMV)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",
@@ -484,20 +484,27 @@ def main(argv=None) -> dict:
             kvs = args.kv_cache_dtype.split(",")
             from rlserve.layers import gemv
 
-            gemvs = [None] if args.decode_gemv is None else [v == "1" for v in args.decode_gemv.split(",")]
+            gemvs = [None] if args.decode_gemv is None else args.decode_gemv.split(",")
             for shape in args.shape.split(","):
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
                     if on is not None:  # before the engine is built: its CUDA graphs capture the choice
-                        gemv.set_enabled(on)
-                    rows = bench_shape(shape, args, bw, root)
+                        gemv.set_enabled(on != "0")
+                        gemv.set_pdl(on == "pdl")
+                    try:
+                        rows = bench_shape(shape, args, bw, root)
+                    except Exception as e:  # noqa: BLE001 -- one variant's failure must not lose the others
+                        if on is None:
+                            raise
+                        print(f"  [{shape}] decode_gemv={on}: {type(e).__name__}: {e}", flush=True)
+                        continue
                     for r in rows:
-                        r["decode_gemv"] = gemv.enabled()
+                        r["decode_gemv"] = ("pdl" if gemv.pdl_requested() else "1") if gemv.enabled() else "0"
                     result["models"].extend(rows)
             args.kv_cache_dtype = ",".join(kvs)
         print(f"\n{'shape':14s} {'gemv':>4s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
               f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s}")
         for r in result["models"]:
-            print(f"{r['shape']:14s} {int(r['decode_gemv']):4d} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
+            print(f"{r['shape']:14s} {r['decode_gemv']:>4s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
                   f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
                   f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
                   f"{r.get('engine_step_ms', float('nan')):9.3f}")

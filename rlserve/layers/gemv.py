@@ -42,6 +42,8 @@ from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from rlserve.layers.norm import RMSNorm
 
 _ENABLED = [envs.RLSERVE_DECODE_GEMV]
+_PDL = [False]  # programmatic dependent launch on sm_90+ (set_pdl); off until measured on a GPU
+_PDL_OK: dict[int, bool] = {}  # device index -> compute capability >= 9
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
 # _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
@@ -59,6 +61,29 @@ def set_enabled(on: bool) -> bool:
     prev = _ENABLED[0]
     _ENABLED[0] = bool(on)
     return prev
+
+
+def set_pdl(on: bool) -> bool:
+    """Launch the GEMVs with programmatic dependent launch where the GPU has it (sm_90+): a GEMV
+    loads its first weights while the kernel before it finishes (see ``_gemv_kernel``). Returns
+    the previous setting; graphs captured before keep what they captured."""
+    prev = _PDL[0]
+    _PDL[0] = bool(on)
+    return prev
+
+
+def pdl_requested() -> bool:
+    """The :func:`set_pdl` switch (whether a GPU has PDL is checked per launch)."""
+    return _PDL[0]
+
+
+def _pdl(device: torch.device) -> bool:
+    if not _PDL[0] or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_OK:
+        _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL_OK[idx]
 
 
 def enabled() -> bool:
@@ -119,12 +144,13 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     bn, bk, warps = tile(N, K, x.device)
+    pdl = _pdl(x.device)
     _kernels()._gemv_kernel[(-(-N // bn),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         weight, bias if bias is not None else weight, out, res_out,
         N, weight.stride(0), float(eps),
         K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out, res_out
 

@@ -30,13 +30,18 @@ def _gemv_kernel(
     X, R, NW, W, B, OUT, RES_OUT,
     N, stride_w, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program ``p``: output rows ``[p*BLOCK_N, (p+1)*BLOCK_N)`` of ``W [N, K] @ x``, the whole
     ``K`` in ``cdiv(K, BLOCK_K)`` unrolled chunks (``K`` is a compile-time constant); float32
     accumulation. The first chunk's weights are loaded before anything else, so their HBM
     latency overlaps the prologue (``PROLOGUE == 1`` first reduces ``sum((x + r)^2)`` over ``K``
-    in every program, from L2; program 0 also stores ``x + r`` to ``RES_OUT``)."""
+    in every program, from L2; program 0 also stores ``x + r`` to ``RES_OUT``).
+
+    ``PDL`` (launched with programmatic dependent launch, sm_90+): the weights are read before
+    ``gdc_wait`` (nothing writes them during a step), every input after it, nothing is written
+    before it; ``gdc_launch_dependents`` right after the first weight load lets the next kernel
+    (the next GEMV, also ``PDL``) start loading its weights while this one runs."""
     dt = X.dtype.element_ty  # the model dtype (OUT may be float32: logits)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,6 +49,9 @@ def _gemv_kernel(
     w_rows = W + rows[:, None].to(tl.int64) * stride_w
     offs0 = tl.arange(0, BLOCK_K)
     w0 = tl.load(w_rows + offs0[None, :], mask=rmask[:, None] & (offs0 < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, r) are complete and visible
     rstd = 0.0
     if PROLOGUE == 1:
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)

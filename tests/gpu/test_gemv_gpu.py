@@ -1,6 +1,6 @@
 """The batch-1 decode GEMV (``rlserve.layers.gemv``) compiled on a CUDA GPU.
 
-- bf16 / fp16 / fp32 at the Qwen3-0.6B and Qwen3-8B layer shapes: each folded form against the
+- bf16 at the Qwen3-0.6B and Qwen3-8B layer shapes, fp32 at the 0.6B ones, fp16 at qkv_proj's: each folded form against the
   unfused ops it replaces (fused add + RMSNorm then ``F.linear``, SiLU-and-mul then ``F.linear``,
   ``F.linear``) on the same GPU. The residual sum is equal; the GEMV's output is within
   ``tol = 2 ulp(dtype) x |ref| + 1e-5 x (|W| @ |x|)``: the output is rounded once on each side
@@ -8,6 +8,8 @@
   program's chunks: K <= 12,288 terms, 1e-5 of the absolute sum is ~100x what float32 reordering
   gives at these sizes), and the folded norm may move one input element by one unit, which the
   absolute-sum term covers.
+- programmatic dependent launch (``gemv.set_pdl``): a chain of GEMVs in a CUDA graph equals plain
+  launches bitwise.
 - the engine at batch 1 (one prompt) in float32 with CUDA graphs: greedy tokens and logprobs with
   the GEMV equal those without it (1e-3 nats); bf16 with the GEMV: CUDA graphs equal eager
   bitwise (the same kernels replayed).
@@ -28,7 +30,6 @@ from rlserve.layers.norm import RMSNorm  # noqa: E402
 
 DEV = torch.device("cuda")
 EPS_OF = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (K, N) of qkv_proj, o_proj, gate_up_proj, down_proj: Qwen3-0.6B, then Qwen3-8B
 SHAPES_06B = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]
 SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
@@ -59,42 +60,61 @@ def assert_gemv_close(got, ref, w, x, dtype):
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} beyond tolerance; max excess {(err - tol).max()}"
 
 
-# every dtype at the 0.6B shapes, bf16 at the 8B ones (each (K, dtype, prologue) compiles once)
-CASES = [(d, K, N) for d in DTYPES for K, N in SHAPES_06B] + [(torch.bfloat16, K, N) for K, N in SHAPES_8B]
+# bf16 at the 0.6B and 8B shapes, fp32 at the 0.6B ones, fp16 at qkv_proj's (each (K, dtype,
+# prologue) compiles once: a short list keeps the device window's run short)
+CASES = ([(torch.bfloat16, K, N) for K, N in SHAPES_06B + SHAPES_8B] + [(torch.float32, K, N) for K, N in SHAPES_06B]
+         + [(torch.float16, *SHAPES_06B[0])])
 
 
-@pytest.mark.parametrize("dtype,K,N", CASES)
-def test_linear(dtype, K, N, gemv_switch):
-    g = torch.Generator(device=DEV).manual_seed(K + N)
-    lin = _lin(K, N, dtype, g, col=False)
-    x = torch.randn(1, K, generator=g, device=DEV).to(dtype)
-    assert gemv.takes(x, lin)
-    assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight), lin.weight, x, dtype)
+# the PDL chain and the engine test first: the device window's run may cut the list short
+def _chain(x, r, layers):
+    """A decoder-like chain of the three forms; each kernel reads what the one before wrote."""
+    for norm1, qkv, o, norm2, gate_up, down in layers:
+        h, r = gemv.norm_linear(x, r, norm1, qkv)
+        h = gemv.linear(h, o)
+        gu, r = gemv.norm_linear(h, r, norm2, gate_up)
+        x = gemv.silu_mul_linear(gu, down)
+    return x, r
 
 
-@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[0], SHAPES_06B[2], SHAPES_8B[2])])
-@pytest.mark.parametrize("with_res", [True, False])
-def test_norm_linear(dtype, K, N, with_res, gemv_switch):
-    g = torch.Generator(device=DEV).manual_seed(K * 3 + N)
-    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype).to(DEV)
-    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g, device=DEV))
-    lin = _lin(K, N, dtype, g)
-    x = (3 * torch.randn(1, K, generator=g, device=DEV)).to(dtype)
-    r = torch.randn(1, K, generator=g, device=DEV).to(dtype) if with_res else None
-    assert gemv.takes(x, lin) and gemv.norm_ok(norm, x)
-    normed, ref_res = norm(x, r) if with_res else (norm(x), x)
-    out, res = gemv.norm_linear(x, r, norm, lin)
-    assert torch.equal(res, ref_res)
-    assert_gemv_close(out, F.linear(normed, lin.weight), lin.weight, normed, dtype)
-
-
-@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[3], SHAPES_8B[3])])
-def test_silu_mul_linear(dtype, K, N, gemv_switch):
-    g = torch.Generator(device=DEV).manual_seed(K)
-    lin = _lin(K, N, dtype, g, col=False)  # down_proj: K = d
-    gu = (3 * torch.randn(1, 2 * K, generator=g, device=DEV)).to(dtype)
-    act = SiluAndMul()(gu)
-    assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight), lin.weight, act, dtype)
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(gemv_switch):
+    """8 layers of Qwen3-0.6B-shaped GEMVs (qkv 1024->4096, o 4096->1024, gate_up 1024->6144,
+    down 3072->1024), captured in one CUDA graph with programmatic dependent launch and replayed
+    50 times on fresh inputs: bitwise the outputs of plain launches of the same kernels (PDL
+    changes when a kernel starts, never what it computes; a kernel reading its input before the
+    previous one finished would differ)."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    dt = torch.bfloat16
+    layers = []
+    for _ in range(8):
+        n1, n2 = (RMSNorm(1024, eps=1e-6, params_dtype=dt).to(DEV) for _ in range(2))
+        for n in (n1, n2):
+            n.weight.data.copy_(1 + 0.1 * torch.randn(1024, generator=g, device=DEV))
+        layers.append((n1, _lin(1024, 4096, dt, g), _lin(4096, 1024, dt, g, col=False), n2,
+                       _lin(1024, 6144, dt, g), _lin(3072, 1024, dt, g, col=False)))
+    x_in = torch.empty(1, 1024, dtype=dt, device=DEV)
+    r_in = torch.empty(1, 1024, dtype=dt, device=DEV)
+    prev = gemv.set_pdl(True)
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            _chain(x_in, r_in, layers)  # compile the PDL variants outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(x_in, r_in, layers)
+    finally:
+        gemv.set_pdl(prev)
+    for i in range(50):
+        x_in.copy_(torch.randn(1, 1024, generator=g, device=DEV))
+        r_in.copy_(torch.randn(1, 1024, generator=g, device=DEV))
+        graph.replay()
+        ref = _chain(x_in, r_in, layers)  # plain launches (PDL off)
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), f"replay {i}"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -141,3 +161,37 @@ def test_engine_batch_one_gemv_equals_without_and_graphs_equal_eager(arch, tiny_
                 assert abs(da[t] - db[t]) < 0.05
     finally:
         gemv._launch = launch
+
+
+@pytest.mark.parametrize("dtype,K,N", CASES)
+def test_linear(dtype, K, N, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K + N)
+    lin = _lin(K, N, dtype, g, col=False)
+    x = torch.randn(1, K, generator=g, device=DEV).to(dtype)
+    assert gemv.takes(x, lin)
+    assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight), lin.weight, x, dtype)
+
+
+@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[0], SHAPES_06B[2], SHAPES_8B[2])])
+@pytest.mark.parametrize("with_res", [True, False])
+def test_norm_linear(dtype, K, N, with_res, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K * 3 + N)
+    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype).to(DEV)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g, device=DEV))
+    lin = _lin(K, N, dtype, g)
+    x = (3 * torch.randn(1, K, generator=g, device=DEV)).to(dtype)
+    r = torch.randn(1, K, generator=g, device=DEV).to(dtype) if with_res else None
+    assert gemv.takes(x, lin) and gemv.norm_ok(norm, x)
+    normed, ref_res = norm(x, r) if with_res else (norm(x), x)
+    out, res = gemv.norm_linear(x, r, norm, lin)
+    assert torch.equal(res, ref_res)
+    assert_gemv_close(out, F.linear(normed, lin.weight), lin.weight, normed, dtype)
+
+
+@pytest.mark.parametrize("dtype,K,N", [c for c in CASES if c[1:] in (SHAPES_06B[3], SHAPES_8B[3])])
+def test_silu_mul_linear(dtype, K, N, gemv_switch):
+    g = torch.Generator(device=DEV).manual_seed(K)
+    lin = _lin(K, N, dtype, g, col=False)  # down_proj: K = d
+    gu = (3 * torch.randn(1, 2 * K, generator=g, device=DEV)).to(dtype)
+    act = SiluAndMul()(gu)
+    assert_gemv_close(gemv.silu_mul_linear(gu, lin), F.linear(act, lin.weight), lin.weight, act, dtype)
