@@ -83,18 +83,22 @@ def prepare_model(args) -> str:
     return model
 
 
-def bench_command(args) -> tuple[list[str], dict]:
-    """``vllm bench serve`` (or the runner with ``--vllm-python``) and its environment."""
+def bench_command(args, runner: bool = False) -> tuple[list[str], dict]:
+    """``vllm bench serve`` and its environment; the runner ``benchmarks/vllm_bench_serve.py``
+    (the same program) with ``--vllm-python``, or with ``runner`` (``--one-client``: its own flags),
+    run by this Python with vLLM's site directory as ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
     if args.vllm_python:
         return [args.vllm_python, os.path.join(HERE, "vllm_bench_serve.py")], env
-    exe = os.path.join(args.vllm_pythonpath, "bin", "vllm")
-    if not os.path.exists(exe):
-        exe = shutil.which("vllm") or "vllm"
     env["PYTHONPATH"] = args.vllm_pythonpath
     env["PATH"] = os.path.join(args.vllm_pythonpath, "bin") + os.pathsep + env.get("PATH", "")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if runner:
+        return [sys.executable, os.path.join(HERE, "vllm_bench_serve.py")], env
+    exe = os.path.join(args.vllm_pythonpath, "bin", "vllm")
+    if not os.path.exists(exe):
+        exe = shutil.which("vllm") or "vllm"
     return [exe, "bench", "serve"], env
 
 
@@ -117,6 +121,68 @@ def run_bench(args, url: str, model: str, bench_args: list[str], name: str, out_
     result["bench_wall_s"] = time.monotonic() - t0
     result["warnings"] = [line for line in log.splitlines() if line.startswith("WARNING")]
     return result
+
+
+def one_client(args, model: str, name: str, words: list[str], common: list[str], concs: list,
+               bench_args: list[str], out_dir: str, on_row) -> None:
+    """``--one-client``: one benchmark process for all of a server's runs, started before the
+    server (vLLM's import, ~10 s, overlaps the server's start-up; it reads the URL from a file
+    written here once the server is up) and running each concurrency of ``concs`` in turn
+    (``benchmarks/vllm_bench_serve.py --concurrencies``). The same benchmark as :func:`run_bench`'s,
+    less one import per run. ``on_row(label, c, result)`` is called as each run's result JSON
+    appears (complete: it parses), so a run cut short keeps the runs done."""
+    cmd, env = bench_command(args, runner=True)
+    url_file = os.path.join(out_dir, f"{name}.url")
+    base = bench_args if concs == [None] else without_concurrency(bench_args)
+    cmd = [*cmd, "--url-file", url_file, "--wait-for-server", str(args.bench_timeout), *base, "--model", model,
+           "--tokenizer", model, "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json"]
+    labels = [(name, None)] if concs == [None] else [(f"{name}@c{c}", c) for c in concs]
+    if concs != [None]:
+        cmd += ["--concurrencies", ",".join(str(c) for c in concs)]
+    print("+ " + " ".join(cmd), flush=True)
+    log_path = os.path.join(out_dir, f"{name}.client.log")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        client = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            srv = start_server(args, model, words, common)
+        except Exception as e:  # noqa: BLE001 - the next server still runs
+            print(f"vllm_bench: {name}: the server did not start: {e}", file=sys.stderr, flush=True)
+            return
+        try:
+            with open(url_file + ".tmp", "w") as f:
+                f.write(srv.url)
+            os.replace(url_file + ".tmp", url_file)
+            deadline = time.monotonic() + args.bench_timeout * len(labels)
+            while labels and time.monotonic() < deadline:
+                exited = client.poll() is not None
+                label, c = labels[0]
+                try:
+                    with open(os.path.join(out_dir, f"{label}.json")) as f:
+                        result = json.load(f)
+                except (OSError, ValueError):  # not there yet, or being written
+                    if exited:
+                        break
+                    time.sleep(0.5)
+                    continue
+                result["client_wall_s"] = time.monotonic() - t0  # since the client started (import included)
+                on_row(label, c, result)
+                labels.pop(0)
+        finally:
+            srv.stop()
+    finally:
+        if client.poll() is None:
+            client.kill()
+        client.wait()
+        with open(log_path) as f:
+            log = f.read()
+        for part in log.split("============ Serving Benchmark Result")[1:]:
+            print("============ Serving Benchmark Result" + part.split("\n==================================================")[0],
+                  flush=True)
+        if labels:
+            print(f"vllm_bench: {name}: no result for {[x for x, _ in labels]} (client rc {client.returncode}):\n"
+                  f"{log[-4000:]}", file=sys.stderr, flush=True)
 
 
 def start_server(args, model: str, words: list[str], common: list[str]):
@@ -147,21 +213,24 @@ def tree_launcher(tree: str | None) -> tuple[str, ...]:
                   "from rlserve.cli import main; sys.exit(main())")
 
 
-def with_concurrency(bench_args: list[str], c: int | None) -> list[str]:
-    """``bench_args`` with ``--max-concurrency c`` (replacing one given; ``None``: unchanged)."""
-    if c is None:
-        return bench_args
+def without_concurrency(bench_args: list[str]) -> list[str]:
+    """``bench_args`` less any ``--max-concurrency`` flag."""
     out, i = [], 0
     while i < len(bench_args):
         if bench_args[i] == "--max-concurrency":
             i += 2
             continue
-        if bench_args[i].startswith("--max-concurrency="):
-            i += 1
-            continue
-        out.append(bench_args[i])
+        if not bench_args[i].startswith("--max-concurrency="):
+            out.append(bench_args[i])
         i += 1
-    return out + ["--max-concurrency", str(c)]
+    return out
+
+
+def with_concurrency(bench_args: list[str], c: int | None) -> list[str]:
+    """``bench_args`` with ``--max-concurrency c`` (replacing one given; ``None``: unchanged)."""
+    if c is None:
+        return bench_args
+    return without_concurrency(bench_args) + ["--max-concurrency", str(c)]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -200,6 +269,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+",
                    help="run the benchmark once per value against each server (--max-concurrency), in order; "
                         "a config's word @conc=A,B sets its own")
+    p.add_argument("--one-client", action="store_true",
+                   help="one benchmark process per server, started with it, running all its concurrencies "
+                        "(see one_client: saves vLLM's import per run)")
     args = p.parse_args(argv)
     model = prepare_model(args)
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
@@ -211,23 +283,31 @@ def main(argv=None) -> int:
         words = flags.split()
         conc = [w for w in words if w.startswith("@conc=")]  # this server's own --concurrency
         words = [w for w in words if not w.startswith("@conc=")]
+        concs = [int(x) for x in conc[-1][6:].split(",")] if conc else args.concurrency or [None]
+
+        def on_row(label, c, result):
+            rows.append({"config": label, "flags": flags, "max_concurrency": c, "result": result})
+            if args.json:  # what is done so far survives a run cut short
+                with open(args.json, "w") as f:
+                    json.dump({"rows": rows}, f, indent=2)
+
+        if args.one_client:
+            one_client(args, model, name, words, common, concs, bench_args, out_dir, on_row)
+            continue
         try:
             srv = start_server(args, model, words, common)
         except Exception as e:  # noqa: BLE001 - the next server still runs (one device call for all)
             print(f"vllm_bench: {name}: the server did not start: {e}", file=sys.stderr, flush=True)
             continue
         try:
-            for c in ([int(x) for x in conc[-1][6:].split(",")] if conc else args.concurrency or [None]):
+            for c in concs:
                 label = name if c is None else f"{name}@c{c}"
                 try:
                     result = run_bench(args, srv.url, model, with_concurrency(bench_args, c), label, out_dir)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other runs still count
                     print(f"vllm_bench: {label}: {e}", file=sys.stderr, flush=True)
                     continue
-                rows.append({"config": label, "flags": flags, "max_concurrency": c, "result": result})
-                if args.json:  # what is done so far survives a run cut short
-                    with open(args.json, "w") as f:
-                        json.dump({"rows": rows}, f, indent=2)
+                on_row(label, c, result)
         finally:
             srv.stop()
     print_table(rows)

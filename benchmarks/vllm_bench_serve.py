@@ -15,10 +15,15 @@ Usage (from a Python with vLLM; this file imports nothing of rlserve)::
         --model MODEL_DIR --dataset-name random --random-input-len 128 --random-output-len 32 \
         --num-prompts 16 --save-result --result-dir out/
 
-``--wait-for-server SECONDS`` (this script's only flag, taken out before vLLM's parser sees the
+``--wait-for-server SECONDS`` (this script's own flags are taken out before vLLM's parser sees the
 rest) first waits, after vLLM is imported, until ``GET <--base-url>/health`` answers 200: the
-import (tens of seconds on a small CPU) then overlaps the server's start-up. Exit status 3 if the
-server is not healthy in time; otherwise vLLM's own.
+import (tens of seconds on a small CPU, ~10 s on the GPU machine) then overlaps the server's
+start-up. ``--url-file PATH``: the base URL is read from ``PATH`` once it exists (written by
+``benchmarks/vllm_bench.py --one-client`` when the server is up; a server on ``--port 0`` has no URL
+before). ``--concurrencies A,B,...``: run the benchmark once per value, in order, in this one process
+(``--max-concurrency`` set to it, the result file ``<stem>@c<value>.json`` after
+``--result-filename``): the import is paid once per server, not once per run. Exit status 3 if
+the server is not healthy (or the URL file not there) in time; otherwise vLLM's own.
 """
 
 from __future__ import annotations
@@ -60,14 +65,51 @@ def wait_healthy(base_url: str, timeout_s: float) -> bool:
     return False
 
 
+def wait_url_file(path: str, timeout_s: float) -> str | None:
+    """The base URL written to ``path`` (polled every 0.2 s until it exists and is not empty, at
+    most ``timeout_s``); None if it did not come."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                url = f.read().strip()
+            if url:
+                return url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return None
+
+
+def runs(argv: list[str], concurrencies: str | None) -> list[list[str]]:
+    """The argument lists of the runs: ``argv`` itself, or with ``concurrencies`` (``"A,B"``) one
+    list per value, ``--max-concurrency`` and ``--result-filename <stem>@c<value>.json`` appended
+    (argparse keeps the last of a repeated flag)."""
+    if not concurrencies:
+        return [argv]
+    name, _ = pop_flag(list(argv), "--result-filename")
+    stem = (name or "result.json").rsplit(".json", 1)[0]
+    return [argv + ["--max-concurrency", c, "--result-filename", f"{stem}@c{c}.json"]
+            for c in concurrencies.split(",") if c.strip()]
+
+
 def main(argv: list[str]) -> int:
     wait_s, argv = pop_flag(argv, "--wait-for-server")
+    url_file, argv = pop_flag(argv, "--url-file")
+    concurrencies, argv = pop_flag(argv, "--concurrencies")
     from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve", description=BenchmarkServingSubcommand.help)
     BenchmarkServingSubcommand.add_cli_args(parser)
-    args = parser.parse_args(argv)
+    if url_file is not None:
+        url = wait_url_file(url_file, float(wait_s or 3600))
+        if url is None:
+            print(f"vllm_bench_serve: no URL in {url_file} within {wait_s} s", file=sys.stderr)
+            return 3
+        argv = argv + ["--base-url", url]
+    all_args = [parser.parse_args(a) for a in runs(argv, concurrencies)]
+    args = all_args[0]
     try:  # what the vllm CLI does before running a subcommand (vLLM >= 0.11)
         from vllm.logger import configure_logging_from_args
     except ImportError:
@@ -79,7 +121,9 @@ def main(argv: list[str]) -> int:
         if not wait_healthy(base, float(wait_s)):
             print(f"vllm_bench_serve: {base}/health not OK within {wait_s} s", file=sys.stderr)
             return 3
-    BenchmarkServingSubcommand.cmd(args)
+    for a in all_args:
+        print(f"vllm_bench_serve: run with --max-concurrency {a.max_concurrency}", flush=True)
+        BenchmarkServingSubcommand.cmd(a)
     return 0
 
 

