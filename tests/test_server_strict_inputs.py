@@ -145,7 +145,7 @@ def test_unexpected_exception_is_a_logged_500_without_internals(srv, caplog, mon
     def broken(*a, **k):
         raise TypeError("secret internal detail")
 
-    monkeypatch.setattr(state, "tokenize", broken)
+    monkeypatch.setattr(state, "tokenize_many", broken)  # the completions route's prompt step
     with caplog.at_level(logging.ERROR, logger="rlserve.server.errors"):
         err = _error(_post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 2}), 500)
     assert err["code"] == "internal_error" and "secret" not in err["message"], err

@@ -23,6 +23,7 @@ from rlserve.server.errors import APIError
 from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
     RequestLimits, check_constraint, max_prompt_chars
 from rlserve.server.text_check import check_text
+from rlserve.server import tokenizer_threads
 from rlserve.server.tokenizer_threads import TokenizerThreads
 
 
@@ -181,15 +182,42 @@ class ServerState:
         return await self.tokenizer_threads.run(fn, *args, chars=chars)
 
     async def tokenize_many(self, prompts: list, params: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """:meth:`tokenize` of each prompt (``params[i]`` names prompt ``i`` in errors), on the
-        tokenizer thread (:meth:`off_loop`) when one of them is text; token-id prompts are only
-        checked, here. Raises what :meth:`tokenize` raises."""
+        """:meth:`tokenize` of each prompt (``params[i]`` names prompt ``i`` in errors): short
+        text (under ``LONG_TEXT_CHARS`` characters in all) is checked here and encoded in the
+        tokenizer threads' micro-batch (:meth:`TokenizerThreads.encode_many`: with the texts of
+        every other request waiting there, in parallel), longer text checked and encoded on the
+        long-text thread; token-id prompts are only checked, here. Raises what
+        :meth:`tokenize` raises, for the first prompt (in order) that fails."""
         def run():
             return [self.tokenize(p, q, add_special_tokens=add_special_tokens) for p, q in zip(prompts, params)]
 
-        if any(isinstance(p, str) for p in prompts):
-            return await self.off_loop(run, chars=sum(len(p) for p in prompts if isinstance(p, str)))
-        return run()
+        if not any(isinstance(p, str) for p in prompts):
+            return run()
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        if chars >= tokenizer_threads.LONG_TEXT_CHARS:  # checked and encoded on the long-text thread, alone
+            return await self.off_loop(run, chars=chars)
+        out: list = [None] * len(prompts)
+        texts: list[int] = []  # indices of the text prompts before the first that fails its checks
+        failed = None
+        for i, (p, q) in enumerate(zip(prompts, params)):
+            try:
+                if isinstance(p, str):
+                    self.check_prompt_text(p, q)
+                    texts.append(i)
+                else:
+                    out[i] = self.tokenize(p, q)
+            except APIError as e:
+                failed = e
+                break
+        if texts:
+            encoded = await self.tokenizer_threads.encode_many([prompts[i] for i in texts], add_special_tokens)
+            for i, ids in zip(texts, encoded):
+                if not ids:  # before a later prompt's error: the order of tokenize's checks
+                    raise APIError(400, "prompt tokenizes to no tokens", param=params[i])
+                out[i] = ids
+        if failed is not None:
+            raise failed
+        return out
 
     def template_workers(self):
         """The chat-template worker pool (:class:`~rlserve.server.template_pool.TemplateWorkers`,
@@ -353,6 +381,14 @@ class ServerState:
         check_text(text, param)
         self.limits.check_prompt_chars(text, param, self.max_model_len)  # before tokenizing
         return list(self.tokenizer_threads.current().encode(text, add_special_tokens=add_special_tokens))
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        """The checks of a text prompt before it is encoded (:meth:`tokenize`'s): not empty,
+        then :meth:`encode_text`'s. Raises APIError 400 naming ``param``."""
+        if text == "":
+            raise APIError(400, "prompt must not be empty", param=param)
+        check_text(text, param)
+        self.limits.check_prompt_chars(text, param, self.max_model_len)
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).

@@ -1,0 +1,145 @@
+"""The tokenizer threads' micro-batch (:meth:`TokenizerThreads.encode_many`, issue 37's p99 time to
+the first token): the texts of every request waiting for the short-text thread are encoded by one
+batched call of a fast tokenizer (in parallel on the machine's cores), with the same ids as one
+``encode`` per text; a text the tokenizer refuses fails only its own request; a tokenizer that is
+not a fast one encodes text by text; the completion routes' prompts go through it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from rlserve.server.tokenizer_threads import TokenizerThreads
+from tests.tiny_models import build_tokenizer
+from tests.transfer_harness import InProcessServer
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    path = tiny_model("llama")
+    with InProcessServer(path) as s:
+        s.model_path = path
+        yield s
+
+
+class _Spy:
+    """A tokenizer that records its calls (``calls``: ("batch", n texts) / ("one", 1)) and raises
+    for any text containing ``BAD``, batched or not."""
+
+    is_fast = True
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls = []
+
+    def __call__(self, texts, add_special_tokens=True):
+        self.calls.append(("batch", len(texts)))
+        if any("BAD" in t for t in texts):
+            raise ValueError("a bad text in the batch")
+        return self.tok(texts, add_special_tokens=add_special_tokens)
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append(("one", 1))
+        if "BAD" in text:
+            raise ValueError("bad text")
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def _burst(tt: TokenizerThreads, requests: list[list[str]], flags: list[bool]):
+    """Run ``encode_many`` for each request while the short-text thread is held, so that all of
+    them wait there together (no timing: the thread is released once every one is queued)."""
+    gate = threading.Event()
+    held = asyncio.ensure_future(tt.run(gate.wait))  # the short-text thread is busy until the gate opens
+    tasks = [asyncio.ensure_future(tt.encode_many(texts, flag)) for texts, flag in zip(requests, flags)]
+    while len(tt._batch) < len(requests):
+        await asyncio.sleep(0)
+    gate.set()
+    await held
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_waiting_requests_are_encoded_in_one_batch_with_the_same_ids():
+    tok = build_tokenizer()
+    tt = TokenizerThreads(tok)
+    spy = tt._copies[False] = _Spy(build_tokenizer())  # the short-text thread's own tokenizer
+    requests = [[f"hello world {i} " * (i + 1)] for i in range(20)] + [["ab cd", "é😀 x\n\n"], ["a" * 3000]]
+    flags = [i % 2 == 0 for i in range(len(requests))]
+    got = asyncio.run(_burst(tt, requests, flags))
+    want = [[tok.encode(t, add_special_tokens=f) for t in texts] for texts, f in zip(requests, flags)]
+    assert got == want
+    # one call per add_special_tokens value for all 22 requests' 23 texts, no text-by-text encode
+    assert sorted(spy.calls) == [("batch", 11), ("batch", 12)], spy.calls
+    assert tt._batch == [] and not tt._batch_queued
+
+
+def test_a_bad_text_fails_only_its_request():
+    tt = TokenizerThreads(build_tokenizer())
+    spy = tt._copies[False] = _Spy(build_tokenizer())
+    requests = [["one"], ["two BAD"], ["three", "four"]]
+    got = asyncio.run(_burst(tt, requests, [True] * 3))
+    tok = build_tokenizer()
+    assert got[0] == [tok.encode("one")] and got[2] == [tok.encode("three"), tok.encode("four")]
+    assert isinstance(got[1], ValueError) and str(got[1]) == "bad text"
+    assert spy.calls[0] == ("batch", 4) and spy.calls[1:] == [("one", 1)] * 4  # the batch, then text by text
+    # the thread goes on serving: a later request is encoded
+    assert asyncio.run(tt.encode_many(["five"], True)) == [tok.encode("five")]
+
+
+def test_a_tokenizer_that_is_not_fast_encodes_text_by_text():
+    class Plain:
+        def __init__(self):
+            self.seen = []
+
+        def encode(self, text, add_special_tokens=True):
+            self.seen.append(text)
+            return [len(text), int(add_special_tokens)]
+
+    tt = TokenizerThreads(Plain())
+    plain = tt._copies[False] = Plain()
+    got = asyncio.run(_burst(tt, [["a", "bb"], ["ccc"]], [True, False]))
+    assert got == [[[1, 1], [2, 1]], [[3, 0]]]
+    assert sorted(plain.seen) == ["a", "bb", "ccc"]
+
+
+def test_long_texts_go_to_the_long_text_thread(monkeypatch):
+    from rlserve.server import tokenizer_threads
+
+    monkeypatch.setattr(tokenizer_threads, "LONG_TEXT_CHARS", 100)
+    tok = build_tokenizer()
+    tt = TokenizerThreads(tok)
+    names = []
+    real = tt._encode_each
+
+    def spy(texts, flag):
+        names.append(threading.current_thread().name.rsplit("_", 1)[0])
+        return real(texts, flag)
+
+    tt._encode_each = spy
+    text = "ab " * 50
+    assert asyncio.run(tt.encode_many([text], True)) == [tok.encode(text)]
+    assert names == ["rlserve-tokenizer-long"]
+
+
+def test_completions_burst_prompt_tokens(srv):
+    """``n`` concurrent text completions (a burst, as a benchmark's first wave) each get their own
+    prompt's ids: the usage's prompt_tokens and the echoed ids are the tokenizer's for that
+    prompt."""
+    n = 24
+    tok = build_tokenizer()
+    prompts = [f"hello {'world ' * (i + 1)}{i}" for i in range(n)]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={
+                "model": srv.model_path, "prompt": p, "max_tokens": 1, "return_token_ids": True}) for p in prompts])
+
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * n, [r.text for r in rs if r.status_code != 200][:2]
+    for p, r in zip(prompts, rs):
+        body = r.json()
+        want = tok.encode(p)
+        assert body["usage"]["prompt_tokens"] == len(want)
+        assert body["choices"][0]["prompt_token_ids"] == want
