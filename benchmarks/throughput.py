@@ -5,7 +5,9 @@ output lengths in ``[--min-len, --max-len]``, random token ids, ``ignore_eos``, 
 0.6, fixed seed, random weights of a named model shape (``benchmarks/model_shapes.py``).
 Each engine also reports its startup time (construction: weights, KV cache, kernel
 compilation, CUDA graphs); ``--floor`` (rlserve) the workload's own HBM floor (weights + KV
-read per step, summed over its steps, :class:`_FloorRecorder`, recorded during the timed run) and time / floor; with ``--batch1-tokens N``, batch-1 decode latency: one
+read per step, summed over the timed run's steps) and roofline (per step the larger of bytes /
+bandwidth and FLOPs / matmul rate), :class:`workload_floor.FloorRecorder`, and time / each; with
+``--batch1-tokens N``, batch-1 decode latency: one
 ``--batch1-prompt-len``-token prompt, N greedy tokens, wall time / N (ms per token).
 
 ``--engine`` picks the engines (comma-separated, in order): ``rlserve``; ``vllm`` (vLLM's
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_shapes import save_shape, shape_config  # noqa: E402
+from workload_floor import FloorRecorder  # noqa: E402
 
 
 def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int):
@@ -73,7 +76,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     startup = time.perf_counter() - t0
     mem = mem()
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    rec = _FloorRecorder(llm.engine) if args.floor else None
+    rec = FloorRecorder(llm.engine) if args.floor else None
 
     def gen(ps, sps):  # the timed workload (``prompts`` itself) runs under the floor's recorder
         with rec if rec is not None and ps is prompts else contextlib.nullcontext():
@@ -88,10 +91,11 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         res["memory_at_kv_sizing"] = mem
     # the extra runs below get other prompt tokens (same lengths): a repeat would hit the prefix cache
     fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
+    if rec is not None:
+        print(f"rlserve timed: {res['output_tokens']} tokens in {res['seconds']:.3f} s", flush=True)
+        res["floor"] = rec.result(res["seconds"], args.device, args.dtype)
     if args.phases:
         res["phases"] = _phases(llm.engine, lambda: gen(fresh(1), params), args)
-    if rec is not None:
-        res["floor"] = rec.result(res["seconds"], args)
     if args.profile:
         _profile(lambda: gen(fresh(2), params), args)
     if args.kernel_profile and args.device.startswith("cuda"):
@@ -229,64 +233,6 @@ def _phases(engine, fn, args) -> dict:
             ov._InFlight.wait = wait0
     print("phases:", {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()}, flush=True)
     return acc
-
-
-class _FloorRecorder:
-    """The workload's own HBM floor (issue 37): while entered (the timed run), records every
-    launched step and sums the bytes it must read at least: every weight once
-    (``decode_step.weight_bytes``: the LM head once; of an MoE layer the experts that many tokens
-    are expected to touch) plus the KV of every token each sequence attends to (``len(seq)``:
-    context + this step's tokens; ``layers x 2 x kv_heads x head_dim x itemsize`` bytes a token).
-    :meth:`result` divides by the device-to-device copy bandwidth measured then
-    (``decode_step.measure_copy_bandwidth``: read + write bytes / s). Prefill steps are
-    compute-bound, so their part is a loose bound, reported apart. Recording costs the host a sum
-    over the batch's sequences per step (~10-20 us at 256), off the GPU's path under overlap."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        runner = engine.executor.runner
-        layer = runner.attn_layers[0]
-        item = torch.tensor([], dtype=runner.kv_cache_dtype).element_size()
-        self.kv_tok = len(runner.attn_layers) * 2 * layer.num_kv_heads * layer.head_dim * item
-        self.wb: dict[int, int] = {}
-        self.acc = {f"{k}_{v}": 0 for k in ("prefill", "decode") for v in ("steps", "weight_bytes", "kv_bytes")}
-        self.launch0 = None
-
-    def __enter__(self):
-        from decode_step import weight_bytes
-
-        eng, acc, launch0 = self.engine, self.acc, self.engine._launch
-        self.launch0 = launch0
-
-        def launch(batch, *a, **kw):
-            n = batch.num_tokens
-            if n not in self.wb:
-                self.wb[n] = weight_bytes(eng.model, n)
-            kind = "prefill" if batch.is_prefill else "decode"
-            acc[f"{kind}_steps"] += 1
-            acc[f"{kind}_weight_bytes"] += self.wb[n]
-            acc[f"{kind}_kv_bytes"] += self.kv_tok * sum(len(s) for s in batch.seqs)
-            return launch0(batch, *a, **kw)
-
-        eng._launch = launch
-        return self
-
-    def __exit__(self, *exc):
-        self.engine._launch = self.launch0
-
-    def result(self, timed_s: float, args) -> dict:
-        """The sums, ``floor_s`` (prefill + decode), ``x_floor`` = ``timed_s`` / floor."""
-        from decode_step import measure_copy_bandwidth
-
-        acc = dict(self.acc)
-        bw = measure_copy_bandwidth(torch.device(args.device))
-        for kind in ("prefill", "decode"):
-            acc[f"{kind}_floor_s"] = (acc[f"{kind}_weight_bytes"] + acc[f"{kind}_kv_bytes"]) / bw
-        acc.update(copy_bandwidth_TBps=bw / 1e12, kv_bytes_per_token=self.kv_tok,
-                   floor_s=acc["prefill_floor_s"] + acc["decode_floor_s"])
-        acc["x_floor"] = timed_s / acc["floor_s"]
-        print("floor:", {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()}, flush=True)
-        return acc
 
 
 def _profile(fn, args) -> None:
@@ -507,7 +453,8 @@ def main(argv=None) -> None:
         st = f"  startup {r['startup_s']:.1f} s" if "startup_s" in r else ""
         st += f"  KV {r['kv_cache_tokens']} tokens" if "kv_cache_tokens" in r else ""
         fl = r.get("floor")
-        fl = f"  HBM floor {fl['floor_s']:.2f} s (decode {fl['decode_floor_s']:.2f}), {fl['x_floor']:.2f}x" if fl else ""
+        fl = (f"  HBM floor {fl['floor_s']:.2f} s (decode {fl['decode_floor_s']:.2f}), {fl['x_floor']:.2f}x; "
+              f"roofline {fl['roofline_s']:.2f} s, {fl['x_roofline']:.2f}x") if fl else ""
         print(f"  {r['engine']:12s} {r['output_tokens']:8d} tok  {r['seconds']:8.2f} s  {r['tokens_per_s']:10.1f} tok/s"
               f"{st}{b1}{fl}")
     base = next((r for r in results if r["engine"] == "rlserve"), None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 14, issue 37 (Qwen3-0.6B: batch-1 <= 1.0 ms/token; offline within 1.15x of its HBM floor),
 # rlserve only, budget 80 s, most important first:
-#   b) (first: 24 s) tests/gpu/test_gemv_gpu.py: each folded form vs the unfused ops (bf16 at the 0.6B
+#   b) (first: 22 s) tests/gpu/test_gemv_gpu.py: each folded form vs the unfused ops (bf16 at the 0.6B
 #      and 8B shapes, fp32 / fp16 at 0.6B ones), a PDL chain in a CUDA graph = plain launches bitwise,
 #      the qwen3 engine at batch 1 with / without the GEMV and graphs = eager
 #   a) decode_step.py, Qwen3-0.6B shape, batch 1, context 1024: the batch-1 GEMV path off / on / on
@@ -9,7 +9,7 @@
 #      graph ms, eager ms, engine-step ms, HBM floor, and the forward's GPU kernel tables (--profile)
 #   c) throughput.py, Qwen3-0.6B shape, the offline workload (256 seqs, 100..1024) with --floor:
 #      the workload's own HBM floor (weights + KV read per step over the timed run's steps) and
-#      time / floor
+#      roofline (per step bytes or FLOPs), time / each; then --phases (GPU prefill / decode time)
 # DRY_RUN=1: every Python step once on the CPU with tiny shapes.
 NAME=s14_decode BUDGET=${BUDGET:-80}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -23,14 +23,14 @@ else
   TESTS=(tests/gpu/test_gemv_gpu.py)
 fi
 # b) first: its compilations (bf16 at the 0.6B shapes) are in Triton's cache for a)
-bounded 24 $PY -m pytest -q -p no:cacheprovider -k "not llama" "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
+bounded 22 $PY -m pytest -q -p no:cacheprovider -k "not llama" "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
 say "b) tests rc=$? $(tail -1 "$OUT_DIR/pytest_gemv.log")"
-bounded 36 $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl \
+bounded 34 $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl \
   --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
 say "a) rc=$? $(grep -A4 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
-bounded 20 $PY benchmarks/throughput.py "${TP[@]}" --engine rlserve --no-hf --floor \
+bounded 22 $PY benchmarks/throughput.py "${TP[@]}" --engine rlserve --no-hf --floor --phases \
   --json "$OUT_DIR/throughput_06b_floor.json" > "$OUT_DIR/throughput_06b_floor.log" 2>&1
-say "c) rc=$? $(grep -E '^  rlserve ' "$OUT_DIR/throughput_06b_floor.log" | tr -s ' ')"
+say "c) rc=$? $(grep -E '^rlserve timed|^  rlserve ' "$OUT_DIR/throughput_06b_floor.log" | tr -s ' ' | tr '\n' '|')"
 gpu_cleanup
 say done
 exit 0
