@@ -17,12 +17,21 @@ niceness: on a shared machine, a stand-in for a heavier load without adding any.
 
     python benchmarks/startup_stop.py --reps 3 --checkout /path/to/baseline --checkout .
     python benchmarks/startup_stop.py --reps 5 --in-flight 4 --group --model ~/.cache/rlserve/SmolLM2-135M-Instruct
+
+On a GPU (``--device cuda``), ``--shape qwen3-8b`` serves that shape of ``benchmarks/model_shapes.py`` with
+dummy weights and the tests' tiny tokenizer; ``--show-start-log`` prints the server's INFO lines up to
+ready with the second of each (where the start-up goes), ``--greedy-tokens N`` reports N greedy tokens of a
+fixed prompt (equal across start-ups of the same weights), ``--json`` writes every run:
+
+    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/startup_stop.py --reps 1 --device cuda --shape qwen3-8b \
+        --show-start-log --greedy-tokens 16 --json cold.json -- --max-model-len 2056
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import signal
@@ -68,8 +77,8 @@ def one(checkout: str, model: str, args) -> dict:
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.path.abspath(checkout))
-    cmd = [sys.executable, "-m", "rlserve", "serve", model, "--port", "0", "--device", "cpu", "--log-level", "debug",
-           "--disable-access-log", "--engine-mode", args.engine_mode, "--data-parallel-size", str(args.dp),
+    cmd = [sys.executable, "-m", "rlserve", "serve", model, "--port", "0", "--device", args.device, "--log-level",
+           "debug", "--disable-access-log", "--engine-mode", args.engine_mode, "--data-parallel-size", str(args.dp),
            *(["--load-format", "dummy"] if args.model is None else []), *args.server_args]
     if args.nice:
         cmd = ["nice", "-n", str(args.nice), *cmd]
@@ -87,8 +96,15 @@ def one(checkout: str, model: str, args) -> dict:
                 raise RuntimeError(f"server did not start:\n{text[-3000:]}")
             time.sleep(0.02)
         ready = time.monotonic() - t0
+        t_ready = time.time()
         url = m.group(1)
         pids = httpx.get(url + "/server_info", timeout=30).json().get("engine_core_pids") or []
+        tokens = None
+        if args.greedy_tokens:  # a fixed prompt's greedy ids: equal across start-ups of the same weights
+            r = httpx.post(url + "/v1/completions", timeout=300, json={
+                "prompt": [5 + 7 * i % 300 for i in range(32)], "max_tokens": args.greedy_tokens,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
+            tokens = r["choices"][0].get("token_ids")
         started = threading.Semaphore(0)
 
         def stream():
@@ -125,6 +141,7 @@ def one(checkout: str, model: str, args) -> dict:
     text = open(log).read()
     os.remove(log)
     st = _stamps(text)
+    start_log = _start_timeline(text, t_ready - ready) if args.show_start_log else []
     if args.show_stop_log:  # the server's log from the signal on
         i = text.find("stopping: ")
         print(text[text.rfind("\n", 0, i) + 1:] if i >= 0 else text[-3000:])
@@ -137,7 +154,23 @@ def one(checkout: str, model: str, args) -> dict:
     phases["exit"] = t_end - prev
     phases["core killed"] = "did not exit" in text  # (debug line of core_client.CoreProcReplica.join)
     return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode, "phases": phases,
-            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0]}
+            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens,
+            "start_log": start_log}
+
+
+def _start_timeline(text: str, t_start: float) -> list[tuple[float, str]]:
+    """``(seconds since the process started, line)`` of the server's INFO lines up to "serving" (the
+    start-up's phases: API set-up, engine-core process, weights, KV cache, warm-up, graphs, ready)."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO (.*)", line)
+        if m:
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t_start
+            out.append((round(t, 3), m.group(2)[:200]))
+        if _READY.search(line):
+            out.append((None, line[:200]))
+            break
+    return out
 
 
 def main() -> int:
@@ -145,6 +178,15 @@ def main() -> int:
     ap.add_argument("--checkout", action="append", default=None, help="repository root to run (repeatable)")
     ap.add_argument("--reps", type=int, default=3, help="runs per checkout (interleaved)")
     ap.add_argument("--model", default=None, help="model directory (default: the tiny Llama, dummy weights)")
+    ap.add_argument("--shape", default=None,
+                    help="instead of --model: a shape of benchmarks/model_shapes.py (dummy weights) with the tests' "
+                         "tiny tokenizer")
+    ap.add_argument("--device", default="cpu", help="the server's --device")
+    ap.add_argument("--greedy-tokens", type=int, default=0,
+                    help="after ready, generate this many greedy tokens of a fixed prompt (reported)")
+    ap.add_argument("--show-start-log", action="store_true",
+                    help="print the server's INFO lines up to ready, with the second of each")
+    ap.add_argument("--json", help="write every run's results here")
     ap.add_argument("--engine-mode", default="process", choices=["process", "thread"])
     ap.add_argument("--dp", type=int, default=1, help="--data-parallel-size")
     ap.add_argument("--in-flight", type=int, default=0, help="streamed requests generating at the signal")
@@ -158,20 +200,37 @@ def main() -> int:
     ap.add_argument("server_args", nargs="*", help="more `rlserve serve` flags (after --)")
     args = ap.parse_args()
     checkouts = args.checkout or ["."]
-    model = args.model or make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve-bench-tiny-llama"))
+    if args.shape:
+        from benchmarks.model_shapes import save_shape
+        from tests.tiny_models import build_tokenizer
+
+        model = save_shape(args.shape, tempfile.mkdtemp())
+        build_tokenizer().save_pretrained(model)
+    else:
+        model = args.model or make_tiny_model("llama", os.path.join(tempfile.gettempdir(),
+                                                                    "rlserve-bench-tiny-llama"))
+    dummy = args.model is None
     res: dict[str, list] = {c: [] for c in checkouts}
     for _ in range(args.reps):
         for c in checkouts:
             r = one(c, model, args)
             res[c].append(r)
             ph = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["phases"].items())
+            for t, line in r["start_log"]:
+                print(f"  {'' if t is None else f'+{t:6.2f}s'} {line}")
             print(f"{c}: ready {r['ready_s']:.1f}s (load {r['load_s']:.1f}s), stop {r['stop_s']:.3f}s [{ph}], "
-                  f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}", flush=True)
+                  f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}"
+                  + (f", tokens {r['tokens']}" if r["tokens"] is not None else ""), flush=True)
     for c, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("ready_s", "load_s", "stop_s")}
         print(f"median {c}: ready {med['ready_s']:.1f}s, loading->engine ready {med['load_s']:.1f}s, "
               f"SIG{args.signal}->exit {med['stop_s']:.3f}s (max {max(r['stop_s'] for r in rs):.3f}s, "
               f"{len(rs)} runs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "shape": args.shape, "model": None if dummy else model,
+                       "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+                       "triton_precompile": os.environ.get("RLSERVE_TRITON_PRECOMPILE"), "runs": res}, f, indent=1)
     return 0
 
 

@@ -121,6 +121,10 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _one,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
                                  "the graphs then hold the NCCL all-reduce)"),
+    "RLSERVE_TRITON_PRECOMPILE": Var("bool", True, _flag,
+                                     "'0': the CUDA warm-up compiles its Triton kernels one by one in the engine's "
+                                     "thread (default: what Triton's cache lacks compiles first in parallel "
+                                     "processes)"),
     "RLSERVE_FUSED_KERNELS": Var("bool", True, _flag,
                                  "'0': PyTorch instead of the fused Triton kernels (add+RMSNorm, SiLU-mul, "
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from transformers import AutoTokenizer
 
+from rlserve import envs
 from rlserve.config import EngineConfig
 from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +26,7 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.engine.core.scheduler import Scheduler
 from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.engine.core.structured import PendingGrammars
+from rlserve.engine.worker import triton_precompile
 from rlserve.errors import InvalidRequestError
 from rlserve.lora.engine_ops import check_request_adapter
 
@@ -120,7 +122,15 @@ class LLMEngine(EngineStep):
         num_blocks = executor.determine_num_blocks()
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+        sampler_warm_up = self._sampler_warm_up(executor)
+        # a cold start: the sampler's kernels compile in other processes during the model's warm-up
+        compiling = (None if sampler_warm_up is None or not envs.RLSERVE_TRITON_PRECOMPILE else
+                     triton_precompile.precompile(sampler_warm_up, executor.device, max_workers=4, wait=False))
         executor.init_kv_cache(num_blocks)
+        if compiling is not None:
+            compiling.wait()
+        if sampler_warm_up is not None:
+            sampler_warm_up()  # compile now, not in the first step
         if capture is not None:
             from rlserve.engine.routed_experts import RoutedExpertsRecorder
 
@@ -131,12 +141,6 @@ class LLMEngine(EngineStep):
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
-        if torch.device(executor.device).type == "cuda":
-            from rlserve.engine.core import fused_sampling
-
-            # compile now, not in the first step; the logits come in the model dtype
-            dtypes = (torch.float32,) + ((executor.dtype,) if executor.dtype.is_floating_point else ())
-            fused_sampling.warm_up(executor.device, self.vocab_size, dtypes)
         self._overlap = None  # overlapped decode (rlserve.engine.core.overlap)
         if want_async_scheduling(config, executor):
             from rlserve.engine.core.overlap import OverlapScheduler
@@ -165,6 +169,16 @@ class LLMEngine(EngineStep):
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _sampler_warm_up(self, executor):
+        """On CUDA, the one-pass sampler's warm-up (``fused_sampling.warm_up`` over logits in float32 and
+        the model dtype, the dtype they come in) as a callable; None elsewhere."""
+        if torch.device(executor.device).type != "cuda":
+            return None
+        from rlserve.engine.core import fused_sampling
+
+        dtypes = (torch.float32,) + ((executor.dtype,) if executor.dtype.is_floating_point else ())
+        return lambda: fused_sampling.warm_up(executor.device, self.vocab_size, dtypes)
 
     @staticmethod
     def _routed_experts_capture(executor, max_num_seqs: int):

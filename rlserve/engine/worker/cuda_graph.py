@@ -163,6 +163,12 @@ class DecodeCUDAGraphs:
         with self.lora.static_step(bs):
             return self.model(self.input_ids[:bs].long(), pos, meta)
 
+    def forward_eager(self, bs: int) -> torch.Tensor:
+        """The captured computation for ``bs`` padded rows (``bs`` one of :attr:`sizes`), run
+        eagerly on whatever the static buffers hold (zeros before any :meth:`run`: padding rows,
+        no KV write): a warm-up's forward. Returns hidden states ``[bs, hidden]``."""
+        return self._forward(bs)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size (largest first, one shared memory pool). The static

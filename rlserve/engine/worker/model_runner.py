@@ -91,6 +91,15 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
     return total
 
 
+def precompile_safe(model: nn.Module) -> bool:
+    """Whether the warm-up may run once with Triton's launches skipped
+    (:mod:`rlserve.engine.worker.triton_precompile`): not for a model with expert routing, whose
+    skipped kernels' (uninitialized) outputs are expert indices that torch ops then index with."""
+    from rlserve.layers.moe import FusedMoE
+
+    return not any(isinstance(m, FusedMoE) for m in model.modules())
+
+
 class ModelRunner:
     """Runs the model for one TP rank.
 
@@ -117,6 +126,7 @@ class ModelRunner:
         self.cuda_graphs = None  # DecodeCUDAGraphs once captured
         self.lora_graphs = None  # DecodeCUDAGraphs of decode steps with LoRA adapters (kernel path)
         self._graphs_failed = False
+        self.precompile_stats = None  # rlserve.engine.worker.triton_precompile's stats of the warm-up
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
         # samplers widen what they read)
         fn = getattr(model, "compute_logits", None)
@@ -191,21 +201,26 @@ class ModelRunner:
         with adapters instead (``lora_graphs``, captured at the first such step)."""
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        graphs = self._new_graphs(lora)
+        graphs.capture()
+        if lora is None:
+            self.cuda_graphs = graphs
+        else:
+            self.lora_graphs = graphs
+
+    def _new_graphs(self, lora=None) -> DecodeCUDAGraphs:
+        """Uncaptured decode graphs for the configured batch sizes (``config.extra["cuda_graph_sizes"]``
+        or ``RLSERVE_CUDA_GRAPH_SIZES``, capped at ``max_num_seqs``; else the default ladder)."""
         extra = getattr(self.config, "extra", None) or {}
         sizes = extra.get("cuda_graph_sizes") or envs.RLSERVE_CUDA_GRAPH_SIZES
         if isinstance(sizes, str):
             sizes = [int(x) for x in sizes.split(",") if x.strip()]
         if sizes:
             sizes = sorted({min(int(x), self.config.max_num_seqs) for x in sizes if int(x) > 0})
-        graphs = DecodeCUDAGraphs(
+        return DecodeCUDAGraphs(
             self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None,
             lora=lora,
         )
-        graphs.capture()
-        if lora is None:
-            self.cuda_graphs = graphs
-        else:
-            self.lora_graphs = graphs
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -213,8 +228,12 @@ class ModelRunner:
         capped at ``max_model_len``) that write nothing (every slot -1) so the prefill kernels
         are compiled (the fused q/k-norm + rotary kernel has a variant for long batches), then
         capture the decode CUDA graphs (when they are on), which compiles the decode kernels.
-        Returns the seconds spent. A capture failure is logged and leaves graphs off, as at a
-        lazy capture.
+        First, unless ``RLSERVE_TRITON_PRECOMPILE=0`` or the model routes tokens to experts, the
+        same forwards run once with Triton's compilations recorded instead of done, and what
+        Triton's on-disk cache lacks compiles in parallel processes
+        (:mod:`rlserve.engine.worker.triton_precompile`): a cold start compiles in parallel
+        what it compiled one kernel after the other. Returns the seconds spent. A capture
+        failure is logged and leaves graphs off, as at a lazy capture.
 
         Raises:
             RuntimeError: no KV cache allocated yet.
@@ -225,19 +244,35 @@ class ModelRunner:
             return 0.0
         bi_mode.set_enabled(self.batch_invariant)
         t0 = time.perf_counter()
+        capture = self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed
+        if envs.RLSERVE_TRITON_PRECOMPILE and precompile_safe(self.model):
+            from rlserve.engine.worker import triton_precompile
+
+            self.precompile_stats = triton_precompile.precompile(lambda: self._warm_forwards(capture), self.device)
+            torch.cuda.synchronize(self.device)
+        self._warm_forwards(False)
+        if capture:
+            self._try_capture()
+        torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
+        return dt
+
+    def _warm_forwards(self, graph_sizes: bool) -> None:
+        """The warm-up's eager forwards: a 16- and a 1024-token prefill writing nothing, each with
+        its last row's logits; ``graph_sizes``: also the decode forward of every CUDA-graph batch
+        size (padding rows: context 0, no KV write) with every row's logits, as a capture runs it."""
         for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
             meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
                                            self.device)
             meta.slot_mapping.fill_(-1)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             pos = torch.arange(n, dtype=torch.long, device=self.device)
-            self.model.compute_logits(self.model(ids, pos, meta)[-1:])
-        if self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed:
-            self._try_capture()
-        torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
-        return dt
+            self.model.compute_logits(self.model(ids, pos, meta)[-1:], **self._logits_kw)
+        if graph_sizes:
+            graphs = self._new_graphs()
+            for bs in reversed(graphs.sizes):
+                self.model.compute_logits(graphs.forward_eager(bs), **self._logits_kw)
 
     def _try_capture(self, lora=None) -> bool:
         """Capture the decode CUDA graphs (``lora``: those of steps with adapters); on any failure
