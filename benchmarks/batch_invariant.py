@@ -54,8 +54,9 @@ hi = min(30000, a.get("vocab", 30000))
 prompts = [[rng.randrange(min(100, hi // 2), hi) for _ in range(around(a["input_len"]))] for _ in range(a["num_prompts"])]
 params = [SamplingParams(temperature=0.8, seed=i, max_tokens=around(a["output_len"]), ignore_eos=True, logprobs=0)
           for i in range(a["num_prompts"])]
-from rlserve.batch_invariant import gpu as bi_gpu, query_tiles as bi_tiles
-bi_gpu.GEMM[0] = a.get("gemm") or bi_gpu.GEMM[0]
+from rlserve.batch_invariant import cpu as bi_cpu, gpu as bi_gpu, query_tiles as bi_tiles
+bi_gemm = bi_cpu.GEMM if a["device"] == "cpu" else bi_gpu.GEMM  # CPU: fma / onednn; CUDA: triton_m / triton / cublaslt
+bi_gemm[0] = a.get("gemm") or bi_gemm[0]
 bi_tiles.FORM[0] = a.get("attn") or "tiles"
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], load_format="dummy", skip_tokenizer_init=True,
           batch_invariant=a["batch_invariant"], max_num_seqs=a["max_num_seqs"], **a["extra_kw"])
@@ -74,7 +75,7 @@ def tl(o):
 h = hashlib.sha256()
 for o in outs:
     h.update(json.dumps(tl(o)).encode())
-res = {"batch_invariant": a["batch_invariant"], "gemm": bi_gpu.GEMM[0], "attn": bi_tiles.FORM[0],
+res = {"batch_invariant": a["batch_invariant"], "gemm": bi_gemm[0], "attn": bi_tiles.FORM[0],
        "load": round(load, 2), "tokens": ntok, "wall_s": round(w1 - w0, 3), "cpu_s": round(c1 - c0, 2),
        "tok_per_s": round(ntok / (w1 - w0), 1), "digest": h.hexdigest()[:16]}
 if a.get("check_alone"):  # prompts[0] alone: bitwise its output in the batch? (the mode's promise)
@@ -222,7 +223,7 @@ def gemm_table(args) -> None:
 
 def parse_modes(spec: str) -> list[dict]:
     """``"off,on,on:gemm=triton,on:attn=per_query"`` -> one dict per run in a round: ``on``
-    (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``) and ``attn``
+    (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``, on CPU ``cpu.GEMM``) and ``attn``
     (``rlserve.batch_invariant.query_tiles.FORM``), None = the default.
 
     Raises:

@@ -19,7 +19,7 @@ from rlserve.batch_invariant import BatchInvariantReference, cpu as bi_cpu, mism
     reference_logprobs
 from rlserve.engine.llm import LLM
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.layers import cpu_attention
+from rlserve.layers import cpu_attention, cpu_gemm
 from rlserve.layers.attention import AttentionMetadata
 from rlserve.layers.cpu_linear import pack_weight
 from tests.batch_invariant_cases import assert_same as _assert_same, check_among_neighbours, random_prompt as _prompt, \
@@ -54,17 +54,19 @@ def test_linear_rows_do_not_depend_on_the_row_count(K, N):
     w = torch.randn(N, K, generator=gen)
     b = torch.randn(N, generator=gen)
     x = torch.randn(300, K, generator=gen)
-    packed = pack_weight(w)
-    assert packed is not None
-    for fn in (lambda v: bi_cpu.linear(v, w, packed, b), lambda v: bi_cpu.linear(v, w, None, b)):
+    packed, fma = pack_weight(w), cpu_gemm.pack(w)
+    assert packed is not None and fma is not None
+    for fn in (lambda v: bi_cpu.linear(v, w, packed, b, fma=fma), lambda v: bi_cpu.linear(v, w, packed, b),
+               lambda v: bi_cpu.linear(v, w, None, b)):
         one = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
         for m in (2, 3, 16, 17, 64, 65, 300):
             assert torch.equal(fn(x[:m]), one[:m]), m
         for s, m in ((5, 7), (31, 33), (100, 1)):  # another place in the batch
             assert torch.equal(fn(x[s:s + m]), one[s:s + m])
     # the packed and tiled forms both compute F.linear (up to summation order)
-    torch.testing.assert_close(bi_cpu.linear(x, w, packed, b), torch.nn.functional.linear(x, w, b),
-                               rtol=1e-4, atol=1e-4)  # float32 sums of K <= 2048 terms of N(0, 1) products
+    for f in (fma, None):  # the FMA-chain, packed and tiled forms all compute F.linear (up to summation order)
+        torch.testing.assert_close(bi_cpu.linear(x, w, packed, b, fma=f), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-4, atol=1e-4)  # float32 sums of K <= 2048 terms of N(0, 1) products
 
 
 def test_prefill_attention_equals_each_token_decoded_alone_and_chunked():
@@ -271,3 +273,26 @@ def test_server_with_vllm_env_switch_matches_the_reference_while_busy(smollm_wid
     _assert_same(busy, alone)
     ref = reference_logprobs(smollm_wide, target + alone[0])
     assert torch.equal(ref[-len(alone[0]):], alone[1])
+
+
+def test_mode_runs_the_cpu_team_and_its_kernel(monkeypatch, smollm_wide, llm):
+    """Session 14: the mode no longer forces a team of 1 (the team's FMA-chain GEMM is
+    batch-invariant by construction: one sequential chain over K per element), and every linear
+    of a mode engine runs that kernel, whatever the row count (here 300 rows, above none of the
+    caps that apply without the mode: same bits as the rows one at a time)."""
+    from rlserve import envs
+    from rlserve.config import EngineConfig
+    from rlserve.engine.cpu import cpu_threads
+
+    monkeypatch.setattr(envs, "RLSERVE_CPU_TEAM", None)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    assert cpu_threads.engine_team_size(EngineConfig(model="x", device="cpu", batch_invariant=True)) == 2
+    lin = llm.engine.model.model.layers[0].mlp.down_proj
+    x = torch.randn(300, lin.weight.shape[1], generator=torch.Generator().manual_seed(9))
+    with bi_mode.active(True):
+        got = lin.quant_method.apply(lin, x)
+        one = torch.cat([lin.quant_method.apply(lin, x[i:i + 1]) for i in range(0, 300, 37)])
+    fma = bi_cpu.fma_weight(lin)
+    assert fma is not None
+    assert torch.equal(got, cpu_gemm.linear(x, fma, lin.weight.shape[0]))
+    assert torch.equal(got[::37], one)

@@ -4,7 +4,16 @@ Where a CPU step's results depended on the batch (checked by experiment on the 2
 machine, Zen 5, AVX-512, torch 2.13 / oneDNN, 2026-12-06; ``x[i:i+1] @ W`` against
 ``(X @ W)[i]``, 1 and 2 threads, ``benchmarks/batch_invariant.py probe``):
 
-- GEMMs. MKL's ``F.linear`` and oneDNN on a plain weight give a row different bits for every
+- GEMMs, first choice (session 14): the CPU team's kernel (:mod:`rlserve.layers.cpu_gemm`,
+  ``csrc/cpu_team.c``): every output element is one sequential float32 FMA chain over K, bias
+  last, so its bits depend on nothing but its own row and the weight, whatever M, the chunking
+  or the thread (batch-invariant by construction, whatever the row count: the mode runs it for
+  every M, also above ``cpu_gemm.MAX_ROWS``). It runs on the engine's team when one runs (2
+  cores share a decode step's weight reads; before, the mode ran without the team, one core
+  per micro-batch) and on the calling thread alone otherwise (the trainer-side reference): the
+  same bits. Its packed copy: :func:`fma_weight`. The forms below serve where that C kernel
+  does not build.
+- GEMMs without it. MKL's ``F.linear`` and oneDNN on a plain weight give a row different bits for every
   row count M >= 2 than for M = 1. oneDNN on the pre-packed weight
   (:func:`rlserve.layers.cpu_linear.pack_weight`) gives every row the same bits for every
   M >= 2 tried (2..2,100; K, N from 100 x 37 to 4,096 x 1,024 and 576 x 49,152), with 1 or 2
@@ -33,10 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from rlserve.batch_invariant.per_query import per_query_tables
-from rlserve.layers import cpu_attention
+from rlserve.layers import cpu_attention, cpu_gemm
 
 #: rows per tile of the unpacked fallback GEMM (:func:`tiled_linear`)
 TILE_ROWS = 16
+
+#: which GEMM the mode runs on CPU: "fma" (the CPU team's FMA-chain kernel where it builds,
+#: :func:`fma_weight`) or "onednn" (session 13's: oneDNN's packed copy, one row as two, else
+#: :func:`tiled_linear`; A/B runs: ``benchmarks/batch_invariant.py cost --modes on:gemm=onednn``)
+GEMM = ["fma"]
 
 _linear_pointwise = (torch.ops.mkldnn._linear_pointwise.default
                      if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
@@ -64,15 +78,39 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.cat(outs)[:M]
 
 
+def fma_weight(layer) -> torch.Tensor | None:
+    """The FMA-chain kernel's packed copy (:func:`rlserve.layers.cpu_gemm.pack`) of
+    ``layer.weight`` ``[N, K]``: the CPU team's copy when one runs in this process, else one
+    packed here at the first call and kept in ``layer.__dict__["_bi_fma_weight"]`` (float32
+    ``[ceil(N / 32), K, 32]``, one more copy of the weight; ``process_weights_after_loading``
+    drops it, so a weight load repacks). ``None`` where the kernel does not apply (not float32
+    CPU, no C compiler) or :data:`GEMM` is not ``"fma"``."""
+    if GEMM[0] != "fma":
+        return None
+    w = cpu_gemm.team_weight(layer)
+    if w is not None:
+        return w
+    w = layer.__dict__.get("_bi_fma_weight")
+    if w is None:
+        w = cpu_gemm.pack(layer.weight.data)
+        if w is not None:
+            layer.__dict__["_bi_fma_weight"] = w
+    return w
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, fma: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``F.linear(x, weight, bias)`` on CPU: ``x [..., K]`` -> ``[..., N]``;
-    :func:`packed_linear` on a float32 packed copy, else :func:`tiled_linear`."""
+    the FMA-chain kernel on ``fma`` (:func:`fma_weight`) for float32, else
+    :func:`packed_linear` on a float32 oneDNN packed copy, else :func:`tiled_linear`."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return F.linear(x, weight, bias)
-    if (packed is not None and _linear_pointwise is not None and x2.dtype == torch.float32
+    if (fma is not None and x2.dtype == torch.float32
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))):
+        out = cpu_gemm.linear(x2, fma, weight.shape[0], bias)
+    elif (packed is not None and _linear_pointwise is not None and x2.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32)):
         out = packed_linear(x2, packed, bias)
     else:

@@ -10,14 +10,16 @@ from rlserve.batch_invariant import cpu, gpu
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, layer=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``) whose
     rows do not depend on the other rows: CPU :func:`rlserve.batch_invariant.cpu.linear`
-    (``packed``: the layer's oneDNN packed copy or None), CUDA
-    :func:`rlserve.batch_invariant.gpu.linear` (Triton, a reduction order fixed per (N, K));
+    (``packed``: the layer's oneDNN packed copy or None; ``layer``: the module owning
+    ``weight``, whose FMA-chain copy :func:`rlserve.batch_invariant.cpu.fma_weight` runs first),
+    CUDA :func:`rlserve.batch_invariant.gpu.linear` (Triton, a K order fixed for every M);
     other devices, or CUDA without Triton, ``F.linear`` (not covered)."""
     if x.device.type == "cpu":
-        return cpu.linear(x, weight, packed, bias)
+        fma = cpu.fma_weight(layer) if layer is not None and x.dtype == torch.float32 else None
+        return cpu.linear(x, weight, packed, bias, fma=fma)
     if x.is_cuda and gpu.available() and x.dtype == weight.dtype:
         return gpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -126,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
             a view past a padded vocabulary when not float32).
         """
         if bi_mode.enabled():  # --batch-invariant (rlserve.batch_invariant)
-            logits = bi_ops.linear(hidden, self.weight, UnquantizedLinearMethod.packed_weight(self), bias)
+            logits = bi_ops.linear(hidden, self.weight, UnquantizedLinearMethod.packed_weight(self), bias, layer=self)
         elif hidden.device.type != "cpu":
             logits = F.linear(hidden, self.weight, bias)
         elif cpu_gemm.team_weight(self) is not None and cpu_gemm.takes(hidden):  # decode rows: CPU team

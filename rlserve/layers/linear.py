@@ -108,7 +108,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x, bias=None):
         packed = self.packed_weight(layer)
         if bi_mode.enabled():  # --batch-invariant: a row's bits never depend on the other rows
-            return bi_ops.linear(x, layer.weight, packed, bias)
+            return bi_ops.linear(x, layer.weight, packed, bias, layer=layer)
         team = cpu_gemm.team_weight(layer)
         if team is not None and cpu_gemm.takes(x):  # decode-sized: on the CPU team's cores
             return cpu_gemm.linear(x, team, layer.weight.shape[0], bias)
@@ -120,9 +120,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
         """(Re)build the CPU packed copy of ``layer.weight`` (``None`` off CPU/float32): the CPU
         team's when one runs (:mod:`rlserve.layers.cpu_gemm`), else oneDNN's."""
         cpu_gemm.build_team_weight(layer, layer.weight.data)
+        layer.__dict__.pop("_bi_fma_weight", None)  # --batch-invariant's copy: repacked at its next use
         # with a team copy, the oneDNN one would serve only steps above cpu_gemm.MAX_ROWS rows
-        # (MKL does those): not kept, unless --batch-invariant (its kernels use it) is on
-        team = cpu_gemm.team_weight(layer) is not None and not bi_mode.enabled()
+        # (MKL does those): not kept (--batch-invariant runs the team's kernel for every M)
+        team = cpu_gemm.team_weight(layer) is not None
         layer.__dict__["_cpu_packed_weight"] = None if team else pack_weight(layer.weight.data)
 
 

@@ -31,7 +31,9 @@ shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.fo
 With a CPU team in the process (:mod:`rlserve.layers.cpu_gemm`) and at most
 :data:`rlserve.layers.cpu_gemm.MAX_ROWS` rows, the linears run on the team's packed copies and
 the attention on the team (one sequence per chunk; the same per-sequence kernel, same bits),
-the whole step on the calling thread with the team's workers (no micro-batches).
+the whole step on the calling thread with the team's workers (no micro-batches). With
+``--batch-invariant`` the linears run the team's kernel at every row count (on the team when
+one runs, else on this thread: :func:`rlserve.batch_invariant.cpu.fma_weight`).
 """
 
 from __future__ import annotations
@@ -219,6 +221,19 @@ def _team_packs(attn, mlp):
     return out
 
 
+def _fma_packs(lins):
+    """``((FMA-chain copy, out features), ...)`` of ``lins`` for --batch-invariant
+    (:func:`rlserve.batch_invariant.cpu.fma_weight`: the team's copies, or the mode's own), or
+    None when the kernel does not apply."""
+    out = []
+    for lin in lins:
+        w = bi_cpu.fma_weight(lin)
+        if w is None:
+            return None
+        out.append((w, lin.weight.shape[0]))
+    return out
+
+
 def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torch.Tensor,
                   residual: torch.Tensor | None, meta: AttentionMetadata):
     """``LlamaDecoderLayer.forward(positions, hidden, residual, meta)`` for a step that
@@ -230,8 +245,9 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
     a, m = layer.self_attn, layer.mlp
     qkv_l, o_l, gu_l, down_l = a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
     team = ctx.team and _team_packs(a, m)
-    if team:  # a step on the CPU team: its packed copies (rlserve.layers.cpu_gemm)
-        packs = team
+    fma = team or (bi_mode.enabled() and _fma_packs((qkv_l, o_l, gu_l, down_l)))
+    if fma:  # a step on the CPU team, or --batch-invariant: the team's FMA-chain kernel (rlserve.layers.cpu_gemm)
+        packs = fma
     else:
         packed = UnquantizedLinearMethod.packed_weight
         packs = (packed(qkv_l), packed(o_l), packed(gu_l), packed(down_l))
@@ -241,11 +257,11 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
                                                                and kc.dtype == torch.float32 and vc.dtype == kc.dtype):
         return layer(positions, hidden, residual, meta)
     hidden = hidden.contiguous()
-    if team:
+    if fma:
 
         def lin(x, p, b, *_):
             return cpu_gemm.linear(x, p[0], p[1], b)
-    elif bi_mode.enabled():  # --batch-invariant: one row runs as two (rlserve.batch_invariant.cpu)
+    elif bi_mode.enabled():  # --batch-invariant without the C kernel: one row runs as two (rlserve.batch_invariant.cpu)
         def lin(x, p, b, *_):
             return bi_cpu.packed_linear(x, p, b)
     else:

@@ -124,8 +124,7 @@ def engine_cpu_threads(config=None, ranks: int | None = None) -> int:
 def engine_team_size(config=None, ranks: int | None = None, threads: int = 1) -> int:
     """The size of the CPU team (:mod:`rlserve.layers.cpu_gemm`) a CPU engine starts; 1 means
     no team. First match wins: ``config.extra["cpu_team"]``, ``RLSERVE_CPU_TEAM``, 1 when the
-    engine runs ``threads`` > 1 torch threads (OpenMP shares the work then) or in
-    ``--batch-invariant`` mode, else the usable
+    engine runs ``threads`` > 1 torch threads (OpenMP shares the work then), else the usable
     CPUs divided among the engine ranks (``ranks``, default TP x DP of ``config``) when that
     leaves at least 2, else 1.
 
@@ -138,10 +137,6 @@ def engine_team_size(config=None, ranks: int | None = None, threads: int = 1) ->
     if envs.RLSERVE_CPU_TEAM is not None:
         return envs.RLSERVE_CPU_TEAM
     if threads > 1:  # torch's own threads asked for: OpenMP does the sharing
-        return 1
-    from rlserve.batch_invariant import mode as bi_mode
-
-    if bi_mode.from_config(config):  # --batch-invariant keeps its own kernels (and oneDNN's copies)
         return 1
     if ranks is None:
         ranks = engine_ranks(config)
