@@ -26,7 +26,7 @@ fi
 say "device: $CARD; main $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 if [ "$DEV" = cuda ]; then
-  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 48 $PY -m pytest -q -p no:cacheprovider -rA \
+  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 55 $PY -m pytest -q -p no:cacheprovider -rA \
       tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
 else
   bounded 600 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py -k "tile or gemm" \
@@ -46,7 +46,7 @@ cost() {  # cost LABEL SHAPE NARGS KW SECONDS
 cost 8b $S8 "$N8" "$KW8" 44
 cost 0.6b $S06 "$N06" "$KW06" 38
 
-ALL=""; [ "$(left)" -ge 30 ] && ALL="--all-tiles"
+ALL=""; [ "$(left)" -ge 28 ] && ALL="--all-tiles"
 if [ "$DEV" = cuda ]; then
   bounded 40 $PY benchmarks/batch_invariant.py gemm --device cuda --shapes qwen3-8b,qwen3-0.6b --ms 1,64,256,2048 \
       $ALL --json "$OUT_DIR/gemm.jsonl" > "$OUT_DIR/gemm.log" 2>&1
