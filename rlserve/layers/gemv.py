@@ -52,7 +52,7 @@ _K: list = []  # the kernel module, once imported
 _MAX_BLOCK_N = 16
 _MAX_BLOCK_K = 4096
 _MAX_TILE = 16384  # elements of W per chunk (4 warps up to 4096, else 8: <= 64 values a thread)
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 2  # every program also reads x (and r) from L2: 1 / BLOCK_N of its bytes
 
 
 def set_enabled(on: bool) -> bool:
@@ -150,7 +150,8 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
         weight, bias if bias is not None else weight, out, res_out,
         N, weight.stride(0), float(eps),
         K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        BLOCK_N=bn, BLOCK_K=bk, NORM_ONE_CHUNK=prologue == 1 and K <= bk, PDL=pdl, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, res_out
 

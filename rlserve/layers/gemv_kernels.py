@@ -30,13 +30,14 @@ def _gemv_kernel(
     X, R, NW, W, B, OUT, RES_OUT,
     N, stride_w, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ONE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program ``p``: output rows ``[p*BLOCK_N, (p+1)*BLOCK_N)`` of ``W [N, K] @ x``, the whole
     ``K`` in ``cdiv(K, BLOCK_K)`` unrolled chunks (``K`` is a compile-time constant); float32
     accumulation. The first chunk's weights are loaded before anything else, so their HBM
-    latency overlaps the prologue (``PROLOGUE == 1`` first reduces ``sum((x + r)^2)`` over ``K``
-    in every program, from L2; program 0 also stores ``x + r`` to ``RES_OUT``).
+    latency overlaps the prologue (``PROLOGUE == 1``: every program reduces ``sum((x + r)^2)``
+    over ``K`` itself, from L2 -- in registers when ``K`` is one chunk, else in a first pass;
+    program 0 also stores ``x + r`` to ``RES_OUT``).
 
     ``PDL`` (launched with programmatic dependent launch, sm_90+): the weights are read before
     ``gdc_wait`` (nothing writes them during a step), every input after it, nothing is written
@@ -52,29 +53,41 @@ def _gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, r) are complete and visible
-    rstd = 0.0
-    if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if NORM_ONE_CHUNK:  # PROLOGUE == 1 and K <= BLOCK_K: x + r read once, kept in registers
+        m0 = offs0 < K
+        h = tl.load(X + offs0, mask=m0, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = (h + tl.load(R + offs0, mask=m0, other=0.0).to(tl.float32)).to(dt)
+            tl.store(RES_OUT + offs0, h, mask=m0 & ((offs0 * 0 + pid) == 0))  # program 0 only
+            h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+        h = (h * rstd).to(dt).to(tl.float32)
+        x = (tl.load(NW + offs0, mask=m0, other=0.0).to(tl.float32) * h).to(dt).to(tl.float32)
+        acc += tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
+    else:
+        rstd = 0.0
+        if PROLOGUE == 1:  # several chunks: sum((x + r)^2) first, then the chunks again
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                m = offs < K
+                h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+                    tl.store(RES_OUT + offs, h, mask=m & ((offs * 0 + pid) == 0))  # program 0 only
+                    h = h.to(tl.float32)
+                ss += h * h
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         for k0 in tl.static_range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             m = offs < K
-            h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-            if HAS_RES:
-                h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-                tl.store(RES_OUT + offs, h, mask=m & ((offs * 0 + pid) == 0))  # program 0 only
-                h = h.to(tl.float32)
-            ss += h * h
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        m = offs < K
-        if k0 == 0:
-            w = w0
-        else:
-            w = tl.load(w_rows + offs[None, :], mask=rmask[:, None] & m[None, :], other=0.0)
-        x = _prologue_chunk(X, R, NW, offs, m, rstd, K, PROLOGUE, HAS_RES, dt)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if k0 == 0:
+                w = w0
+            else:
+                w = tl.load(w_rows + offs[None, :], mask=rmask[:, None] & m[None, :], other=0.0)
+            x = _prologue_chunk(X, R, NW, offs, m, rstd, K, PROLOGUE, HAS_RES, dt)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(OUT + rows, acc.to(OUT.dtype.element_ty), mask=rmask)
