@@ -342,6 +342,8 @@ def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
             # into its fused [E, ...] expert tensors
             modes.append(("ipc-packed", True, split_fused_experts(named)))
         modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
+        if args.gpu_quick:  # the per-tensor cost first (a time-bounded device window), no unchecked row
+            modes = modes[1:2] + modes[:1] + modes[2:3] if len(modes) == 4 else modes[:2]
         for mode, checksums, tensors in modes:
             info = IPCTrainerInitInfo(packed=mode == "ipc-packed", packed_buffer_size_bytes=args.bucket_mb << 20,
                                       checksums=checksums, timeout_s=600, device=dev)
@@ -446,6 +448,9 @@ def main(argv=None) -> int:
                    help="MoE shapes, CUDA IPC: the trainer sends transformers 5's fused expert tensors; 'both': "
                         "also one packed sync of the same bytes under the per-expert names (experts.{e}.gate_proj"
                         ".weight ...)")
+    p.add_argument("--gpu-quick", action="store_true",
+                   help="CUDA IPC: the per-expert packed sync first (with --gpu-expert-names both), then packed "
+                        "and unpacked with checksums; no unchecked row")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -159,3 +159,72 @@ def test_device_bucket_scan_logic(align, monkeypatch):
     assert int(total) == checksum(buf)
     assert bad_names(bad) == ["t2", "t4"]
     assert bool(built and built[0] is not None) == (align == 256)  # one launch where the layout allows
+
+
+def test_device_bucket_scan_of_a_layout_is_built_once_and_moved_to_each_address(monkeypatch):
+    """A packed CUDA IPC bucket is mapped at a new address at every update: the scan's chunk
+    table is built once per layout and moved to the bucket's address (MultiTensorSum.relocated,
+    one add), not rebuilt per slot. The moved scan reads the NEW bytes: a NaN put into another
+    slot of the second bucket is found there, and the sum is the second bucket's."""
+    from functools import partial
+
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.server import finite_scan
+    from rlserve.transfer.server.finite_scan import bucket_units, bad_names
+
+    built = []
+    real = partial(MultiTensorSum.build.__func__, MultiTensorSum, _allow_cpu=True, chunk_words=5)
+    monkeypatch.setattr(MultiTensorSum, "build", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    monkeypatch.setattr(finite_scan, "_scan_ops", type(finite_scan._scan_ops)())
+    tensors = [finite_extremes(torch.float32, 41), with_bad(torch.bfloat16, float("nan"), 3, 57),
+               finite_extremes(torch.float16, 29)]
+    (b,) = plan_buckets(["a", "b", "c"], [t.dtype for t in tensors], [t.shape for t in tensors], 1 << 20)
+    first = torch.zeros(b.nbytes + 512, dtype=torch.uint8)[512:]
+    pack(first, b, tensors)
+    total, bad = finite_scan._device_scan(first, bucket_units(b), want_sum=True)
+    assert int(total) == checksum(first) and bad_names(bad) == ["b"] and len(built) == 1
+    tensors[1] = finite_extremes(torch.bfloat16, 57)
+    tensors[2] = with_bad(torch.float16, float("inf"), 7, 29)
+    second = torch.zeros(b.nbytes, dtype=torch.uint8)
+    pack(second, b, tensors)
+    assert second.data_ptr() != first.data_ptr()
+    total, bad = finite_scan._device_scan(second, bucket_units(b), want_sum=True)
+    assert int(total) == checksum(second) != checksum(first)
+    assert bad_names(bad) == ["c"] and len(built) == 1  # moved, not built again
+
+
+def test_one_launch_pack_equals_pack_at_every_new_buffer(monkeypatch):
+    """The CUDA IPC packed sender's one-launch pack (rlserve.transfer.wire.pack_device), through
+    the interpreter: the bytes of a fresh buffer at a new address (stale bytes in the padding)
+    equal pack()'s, the returned sum is the bucket's checksum, the op is built once per layout
+    and source addresses; a source outside the fixed storages, or of a size that is not a
+    multiple of 8 bytes, is left to pack()."""
+    from functools import partial
+
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.wire.pack_device import DevicePacker
+
+    built = []
+    real = partial(MultiTensorSum.build.__func__, MultiTensorSum, chunk_words=5)
+    monkeypatch.setattr(MultiTensorSum, "build", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    params = [finite_extremes(torch.bfloat16, 36).reshape(4, 9), finite_extremes(torch.float32, 50),
+              torch.arange(12, dtype=torch.int64)]
+    fixed = {t.untyped_storage().data_ptr() for t in params}
+    (b,) = plan_buckets(["x", "y", "z"], [t.dtype for t in params], [t.shape for t in params], 1 << 20)
+    want = torch.zeros(b.nbytes, dtype=torch.uint8)
+    pack(want, b, params)
+    packer = DevicePacker(_allow_cpu=True)
+    for _ in range(2):
+        buf = torch.full((b.nbytes + 64,), 0xAB, dtype=torch.uint8)  # stale bytes everywhere
+        total = packer.pack(buf, b, params, fixed)
+        assert torch.equal(buf[: b.nbytes], want) and int(total) == checksum(want)
+    assert len(built) == 1
+    params[1].mul_(2)  # same addresses, new values: the cached op copies the new bytes
+    pack(want, b, params)
+    total = packer.pack(torch.empty(b.nbytes, dtype=torch.uint8), b, params, fixed)
+    assert int(total) == checksum(want) and len(built) == 1
+    assert packer.pack(torch.empty(b.nbytes, dtype=torch.uint8), b, params[:2] + [params[2].clone()], fixed) is None
+    odd = [torch.ones(3, dtype=torch.float16), torch.ones(4)]
+    (ob,) = plan_buckets(["o", "p"], [t.dtype for t in odd], [t.shape for t in odd], 1 << 20)
+    fixed_odd = {t.untyped_storage().data_ptr() for t in odd}
+    assert packer.pack(torch.empty(ob.nbytes, dtype=torch.uint8), ob, odd, fixed_odd) is None

@@ -24,6 +24,7 @@ whole int64 word of a tensor (sizes not a multiple of 8) are added on the host s
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Iterable, Sequence
 
@@ -177,6 +178,25 @@ class MultiTensorSum:
         table = (mk(src_ptrs), mk(dst_ptrs), mk(words), mk(owner))
         masks = (mk(lanes) if lanes else mk([[0, 0, 0]])) if check_finite else None
         return cls(srcs, dsts, table, tails, masks, dts if check_finite else None)
+
+    def relocated(self, delta: int, keep: torch.Tensor | None = None, dst_delta: int = 0) -> "MultiTensorSum | None":
+        """The same op reading every source ``delta`` bytes away (and, with ``dst_delta``, writing
+        every destination that far away): the same bytes at another address (a packed bucket the
+        server maps anew at each update, :mod:`rlserve.transfer.server.bucket_plan`; a trainer's
+        fresh pack buffer, :mod:`rlserve.transfer.wire.pack_device`); one int64 add on the device
+        per table, no per-tensor work. The returned op holds ``keep`` (the memory it uses now),
+        not the old sources / destinations. ``None`` when the op has tails (a source of a size
+        that is not a multiple of 8 bytes: its tail is a view of the old memory)."""
+        if self._tails:
+            return None
+        new = copy.copy(self)
+        new._src_ptrs = self._src_ptrs + delta if delta else self._src_ptrs
+        if dst_delta and self._dsts is not None:
+            new._dst_ptrs = self._dst_ptrs + dst_delta
+            new._dsts = []
+        new._srcs = [] if keep is None else [keep]
+        new.bad = None
+        return new
 
     def run(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the kernel on the current stream (asynchronous); returns the per-source ``s64sum``

@@ -266,6 +266,37 @@ def test_ipc_expert_sync_greedy_equals_trainer(tiny_model, names, staging):
                                                              timeout_s=60))
 
 
+def test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address(tiny_model):
+    """Packed CUDA IPC is one call per bucket, each bucket mapped at a new address: the first
+    sync records each bucket's load, the second (changed weights) replays it at the new address
+    (rlserve/transfer/server/bucket_plan.py; before, every bucket was recorded again at every
+    sync: ~0.12 ms per tensor) and the server then generates the trainer's greedy tokens."""
+    from rlserve.transfer import HTTPWeightSyncClient, IPCTrainerInitInfo, TensorListSource, \
+        WeightTransferTrainerFactory
+    from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
+    from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
+    from tests.test_moe_sync import per_expert
+
+    path = tiny_model("qwen2_moe")
+    hf = load_hf(path, "cuda:0", torch.float32)
+    src = TensorListSource(per_expert(hf))  # views of hf's parameters
+    with serve(path, "ipc", dtype="float32") as srv:
+        client = HTTPWeightSyncClient(srv.url, timeout_s=120)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=16 << 10, timeout_s=60),
+            client=client, source=src)
+        eng.send_weights()
+        assert eng.last_stats["buckets"] > 4 and eng.last_stats["server"]["replayed_loads"] == 0
+        g = torch.Generator(device="cuda:0").manual_seed(5)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(torch.randn(p.shape, generator=g, device=p.device) * 0.05)
+        fin = eng.send_weights()
+        assert fin["full"] and eng.last_stats["server"]["replayed_loads"] == 1, eng.last_stats
+        assert generate(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in SYNC_PROMPTS]
+        eng.shutdown()
+
+
 def _sync_and_check(url, hf, src, init_info):
     """One sync of ``src`` (``hf``'s tensors) into the server at ``url`` with ``init_info``: a full
     update; the greedy tokens then equal ``hf``'s (and differ from before) and ``/weight_checker``

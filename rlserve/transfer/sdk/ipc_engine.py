@@ -12,7 +12,9 @@ from typing import Callable
 
 import torch
 
+from rlserve.transfer.host_ops import wrap64
 from rlserve.transfer.multi_tensor import tensor_checksums
+from rlserve.transfer.wire.pack_device import DevicePacker
 from rlserve.transfer.wire.packing import checksum, max_bucket_bytes, plan_buckets
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.sdk.client import WeightSyncHTTPError
@@ -62,8 +64,10 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         self._exported: dict[tuple, tuple[torch.Tensor, dict]] = {}
         self._batch_ref: tuple[tuple, str] | None = None  # (batch key, ipc_handles_ref the server holds)
         self._fast: dict | None = None  # the one-call path's registration (see _send_one_call)
+        self._packer = DevicePacker()  # packed: one-launch packs of the parameters' buckets
 
     def _teardown(self) -> None:
+        self._packer = DevicePacker()
         self._exported = {}
         self._batch_ref = None
         self._fast = None
@@ -245,6 +249,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         it = iter(self.source.named_tensors())
         total = 0
         persistent = self._persistent_storages() if not info.packed else set()
+        fixed = self._persistent_storages() if info.packed else set()
         batch: list[tuple] = []  # (slot, tensor) of persistent tensors: one call at the end
         phases: dict[str, float] = {}
 
@@ -272,8 +277,16 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 keep: list = []
                 if info.packed:
                     buf = bufs[bi % nbuf]
-                    pack(buf, b, take_bucket_tensors(it, b))
-                    checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None
+                    tensors = take_bucket_tensors(it, b)
+                    # the trainer's own parameters: one launch per bucket, the checksum in the same
+                    # pass (rlserve.transfer.wire.pack_device); else slot by slot
+                    summed = self._packer.pack(buf, b, tensors, fixed)
+                    if summed is None:
+                        pack(buf, b, tensors)
+                        checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None
+                    else:
+                        checksums = [wrap64(int(summed.item()))] if ii.checksums else None
+                    del tensors
                     submit(bi, b.slots, [export_handle(buf)], checksums, [buf])
                     total += b.nbytes
                     continue

@@ -10,6 +10,8 @@ bucket's sum and each slot's test are separate reductions.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -18,6 +20,12 @@ from rlserve.transfer.errors import NonFiniteWeightsError
 from rlserve.transfer.finite import Scan, checked, refusal, torch_nonfinite
 from rlserve.transfer.host_ops import host_scan_spans
 from rlserve.transfer.wire.packing import checksum, checksum_tensor
+
+#: Chunk tables of device scans kept, by bucket layout (least recently used go); each is a few
+#: small device tensors
+MAX_SCAN_OPS = 1024
+_scan_ops: OrderedDict = OrderedDict()
+_scan_ops_lock = threading.Lock()
 
 #: ``(name, byte offset, bytes, dtype)`` of one tensor inside a received byte buffer
 Unit = tuple[str, int, int, torch.dtype]
@@ -62,8 +70,23 @@ def _device_scan(u8: torch.Tensor, units: list[Unit], want_sum: bool):
     ends = starts[1:] + [u8.numel()]
     op = None
     if starts and starts[0] == 0 and all(a % 8 == 0 for a in starts):
-        op = MultiTensorSum.build([u8[a:b] for a, b in zip(starts, ends)], check_finite=True,
-                                  check_dtypes=[d if checked(d) else None for *_, d in units])
+        # the chunk table of this layout, built once and moved to u8's address (a packed CUDA
+        # IPC bucket is mapped at a new address at every update: building it per bucket cost
+        # Python per slot)
+        key = (u8.numel(), str(u8.device), tuple((o, d) for _, o, _, d in units))
+        with _scan_ops_lock:
+            tmpl = _scan_ops.get(key)
+            if tmpl is not None:
+                _scan_ops.move_to_end(key)
+        if tmpl is None:
+            built = MultiTensorSum.build([u8[a:b] for a, b in zip(starts, ends)], check_finite=True,
+                                         check_dtypes=[d if checked(d) else None for *_, d in units])
+            tmpl = (built.relocated(-u8.data_ptr()) if built is not None else None) or False
+            with _scan_ops_lock:
+                _scan_ops[key] = tmpl
+                while len(_scan_ops) > MAX_SCAN_OPS:
+                    _scan_ops.popitem(last=False)
+        op = tmpl.relocated(u8.data_ptr(), keep=u8) if tmpl is not False else None
     if op is not None:
         sums = op.run()
         return (sums.sum() if want_sum else None), (op.bad, names)

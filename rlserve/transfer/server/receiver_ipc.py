@@ -17,7 +17,8 @@ from rlserve.transfer.server.copy_plan import FixedPairs
 from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan_result
 from rlserve.transfer.errors import ChecksumMismatchError, WeightTransferFailedError
 from rlserve.transfer.multi_tensor import tensor_checksums
-from rlserve.transfer.wire.packing import plan_buckets, unpack
+from rlserve.transfer.server.bucket_plan import BucketPairs
+from rlserve.transfer.wire.packing import plan_buckets
 from rlserve.transfer.wire.header import expected_checksum_count
 from rlserve.transfer.wire.protocol import UpdateInfo
 
@@ -247,7 +248,9 @@ class IpcReceive:
                                         f"needs a 1-D uint8 buffer of {b.nbytes} bytes")
             buf = mapped[: b.nbytes]
             self._verify(buf, info.checksums, i, what, units=bucket_units(b))
-            pairs = list(unpack(buf, b))
+            # unpacked only when the worker records the bucket's load (bucket_plan: replayed at
+            # this buffer's address otherwise)
+            pairs = BucketPairs(buf, b)
             if buf.device != self.device:
                 pairs = [(n_, t.to(self.device)) for n_, t in pairs]
             sink(pairs)

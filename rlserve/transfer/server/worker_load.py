@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from rlserve.transfer.server.bucket_plan import BucketPairs, BucketPlan
 from rlserve.transfer.server.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.server.direct import DirectLayout, build_direct_layout, update_key
 from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError
@@ -54,6 +55,8 @@ def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple, 
     ``want_sums``: a replay copies and checksums the sources in one pass where it can (and
     with ``check_finite`` tests them for NaN / inf in it). Returns ``(replayed, its Scan or
     None, the plan or None)``."""
+    if isinstance(pairs, BucketPairs) and not want_sums:
+        return _load_bucket(worker, st, pairs, params_sig)
     key = (plan_key(pairs), params_sig)
     st.plans_used.add(key)
     if key in st.plans:
@@ -67,6 +70,27 @@ def _load_replayable(worker, st: WorkerTransferState, pairs, params_sig: tuple, 
         logger.info("weight load not replayable (%s): load_weights runs on every update", why)
     st.plans[key] = plan
     return False, None, plan
+
+
+def _load_bucket(worker, st: WorkerTransferState, pairs: BucketPairs, params_sig: tuple
+                 ) -> tuple[bool, None, CopyPlan | None]:
+    """:func:`_load_replayable` for a packed bucket at an address of its own (CUDA IPC packed):
+    the plan is keyed on the bucket's layout and replayed at the bucket's address
+    (:mod:`rlserve.transfer.server.bucket_plan`); the first bucket of a layout is recorded."""
+    plan = st.bucket_plan(pairs.layout_key, params_sig)
+    if plan is not None:
+        plan.replay(pairs.buf)
+        return True, None, None
+    if st.bucket_plan_known(pairs.layout_key, params_sig):  # recorded before: not replayable
+        _load(worker, list(pairs))
+        return False, None, None
+    recorded, why = record_load(lambda p: _load(worker, p), list(pairs))
+    bplan = BucketPlan.from_plan(recorded, pairs.buf) if recorded is not None else None
+    if bplan is None:
+        logger.info("packed bucket load not replayable at another address (%s): load_weights runs on every "
+                    "update", why or "a source outside the bucket")
+    st.set_bucket_plan(pairs.layout_key, params_sig, bplan)
+    return False, None, recorded
 
 
 def _direct_key(worker, info: UpdateInfo, staging: str, allowed: bool) -> tuple | None:
@@ -213,3 +237,4 @@ def _stage_dtype(worker) -> torch.dtype | None:
         if p.is_floating_point() and p.dtype != dt:
             return None
     return dt
+

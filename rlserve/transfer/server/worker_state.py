@@ -8,13 +8,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 
+from rlserve.transfer.server.bucket_plan import BucketPlan
 from rlserve.transfer.server.copy_plan import CopyPlan
 from rlserve.transfer.server.direct import DirectLayout
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.protocol import InitInfo
+
+
+#: Packed-bucket plans kept per worker (:meth:`WorkerTransferState.set_bucket_plan`): a plan holds
+#: views of the parameters and a small chunk table, no received memory; Qwen3-30B-A3B in 256 MiB
+#: buckets is ~230 layouts.
+MAX_BUCKET_PLANS = 4096
 
 
 class _Op:
@@ -46,6 +54,10 @@ class WorkerTransferState:
         self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
+        # packed buckets at new addresses (CUDA IPC packed, one call per bucket): layout -> plan
+        # (None: not replayable), all for the parameters of bucket_plans_sig; kept across calls
+        self.bucket_plans: OrderedDict[tuple, BucketPlan | None] = OrderedDict()
+        self.bucket_plans_sig: tuple | None = None
         self.direct: DirectLayout | None = None  # CPU, packed gloo: parameters laid out like the buckets
         self.direct_tried: tuple | None = None  # (update key, params signature) of the last attempt
         self.lock = threading.Lock()
@@ -54,6 +66,31 @@ class WorkerTransferState:
         """Keep only the plans the last update used (bounds what they keep alive)."""
         self.plans = {k: v for k, v in self.plans.items() if k in self.plans_used}
         self.plans_used = set()
+
+    def _bucket_plans_for(self, params_sig: tuple) -> OrderedDict:
+        if self.bucket_plans_sig != params_sig:  # the parameters moved: the plans wrote to the old ones
+            self.bucket_plans = OrderedDict()
+            self.bucket_plans_sig = params_sig
+        return self.bucket_plans
+
+    def bucket_plan(self, layout_key: tuple, params_sig: tuple) -> BucketPlan | None:
+        """The replayable plan of a packed bucket layout for these parameters, or ``None``."""
+        plans = self._bucket_plans_for(params_sig)
+        plan = plans.get(layout_key)
+        if plan is not None:
+            plans.move_to_end(layout_key)
+        return plan
+
+    def bucket_plan_known(self, layout_key: tuple, params_sig: tuple) -> bool:
+        """Whether this layout was recorded for these parameters (its plan may be ``None``)."""
+        return layout_key in self._bucket_plans_for(params_sig)
+
+    def set_bucket_plan(self, layout_key: tuple, params_sig: tuple, plan: BucketPlan | None) -> None:
+        """Remember a layout's plan; at most :data:`MAX_BUCKET_PLANS` (least recently used go)."""
+        plans = self._bucket_plans_for(params_sig)
+        plans[layout_key] = plan
+        while len(plans) > MAX_BUCKET_PLANS:
+            plans.popitem(last=False)
 
     def close(self) -> None:
         if self.receiver is not None:
@@ -66,6 +103,7 @@ class WorkerTransferState:
         self.stage_op = None
         self.plans = {}
         self.plans_used = set()
+        self.bucket_plans, self.bucket_plans_sig = OrderedDict(), None
         # self.direct / direct_tried stay: they describe where the parameters are, which a new
         # transfer engine does not change
         old = self.pool
