@@ -228,3 +228,31 @@ def test_one_launch_pack_equals_pack_at_every_new_buffer(monkeypatch):
     (ob,) = plan_buckets(["o", "p"], [t.dtype for t in odd], [t.shape for t in odd], 1 << 20)
     fixed_odd = {t.untyped_storage().data_ptr() for t in odd}
     assert packer.pack(torch.empty(ob.nbytes, dtype=torch.uint8), ob, odd, fixed_odd) is None
+
+
+def test_bucket_plan_one_launch_replay_reads_the_new_address(tiny_model, monkeypatch):
+    """The CUDA branch of a packed bucket's replay (rlserve.transfer.server.bucket_plan): the
+    recorded copies as one MultiTensorSum launch whose source table is moved to the next bucket's
+    address; run through the interpreter on the CPU. After the replay from a bucket at another
+    address holding other values, the model holds exactly those values."""
+    from rlserve.transfer.server import bucket_plan
+    from rlserve.transfer.server.bucket_plan import BucketPairs, BucketPlan
+    from rlserve.transfer.server.checksums import export_plan
+    from rlserve.transfer.server.copy_plan import record_load
+    from tests.test_models import _load
+
+    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
+    model, _ = _load(tiny_model("qwen3_moe"))
+    items, _ = export_plan(model)
+    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
+    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+    first = torch.zeros(b.nbytes, dtype=torch.uint8)
+    pack(first, b, [t for _, t in named])
+    recorded, why = record_load(model.load_weights, list(BucketPairs(first, b)))
+    bp = BucketPlan.from_plan(recorded, first)
+    assert why is None and bp._op is not None and not bp._slow  # every copy in the one launch
+    second = torch.zeros(b.nbytes + 1024, dtype=torch.uint8)[512:]
+    pack(second, b, [t + 1 for _, t in named])
+    bp.replay(second)
+    got = {n: f() for n, f in export_plan(model)[0]}
+    assert all(torch.equal(got[n], t + 1) for n, t in named)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35 (MoE), session 14, one GPU, budget 240 s, most important first:
+# Issue 35 (MoE), session 14, one GPU, budget 230 s, most important first:
 #   a) benchmarks/throughput.py, Qwen3-30B-A3B shape (48 layers, 61 GB, dummy bf16), the offline
 #      workload (256 prompts of 100..1024 tokens, as many output tokens), rlserve then vLLM 0.24.0
 #      (its Triton fused-MoE, /tmp/vsite), one process each, same GPU and workload, each at ITS OWN
@@ -10,9 +10,12 @@
 #      names, then unpacked) of the first layers of the shape against the device-copy floor of the
 #      same bytes (packed buckets now replay a recorded load at each new address:
 #      rlserve/transfer/server/bucket_plan.py; s13: 0.12 ms per tensor).
+#   c) with what is left: tests/gpu/test_moe_gpu.py::test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address
+#      (~15 s, server --enforce-eager: the GPU check of the new packed IPC path, IPCTrainerEngine's
+#      default; its one-launch replay also runs on the CPU through Triton's interpreter).
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH
 # set to a CPU vLLM's site dir; the sync through gloo).
-NAME=s14_moe BUDGET=${BUDGET:-240}; source "$(dirname "$0")/lib.sh"
+NAME=s14_moe BUDGET=${BUDGET:-230}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$DRY_RUN" = 1 ]; then
   SHAPE=small-qwen3-moe; MEM_MIB=0
@@ -72,12 +75,19 @@ if [ "$DRY_RUN" = 1 ]; then
     --json "$OUT_DIR/moe_sync_cpu.json" > "$OUT_DIR/moe_sync_cpu.log" 2>&1
   say "b) moe_sync_cpu rc=$?: $(tail -1 "$OUT_DIR/moe_sync_cpu.log")"
 else
-  # 6 layers: 8.7 GB (1.2463 GB a layer + 1.2447 GB embedding and head), ~2,300 per-expert tensors
-  bounded 60 $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape qwen3-30b-a3b-6l \
+  # 2 layers: 3.7 GB (1.2463 GB a layer + 1.2447 GB embedding and head), 768 per-expert tensors
+  bounded 60 $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape qwen3-30b-a3b-2l \
     --repeats 1 --gpu-expert-names both --gpu-quick --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
-  say "b) sync rc=$?, qwen3-30b-a3b-6l: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
+  say "b) sync rc=$?, qwen3-30b-a3b-2l: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
 fi
+gpu_cleanup
+# ---- c) the GPU test of the packed IPC replay (a tiny Qwen2-MoE: the second sync of changed weights
+# replays every bucket at its new address and the server then generates the trainer's greedy tokens)
+bounded 35 $PY -m pytest -v -p no:cacheprovider -rfEs \
+  "tests/gpu/test_moe_gpu.py::test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address" \
+  > "$OUT_DIR/test_ipc_replay.log" 2>&1
+say "c) test rc=$?: $(tail -1 "$OUT_DIR/test_ipc_replay.log")"
 gpu_cleanup
 say "done"
 exit 0

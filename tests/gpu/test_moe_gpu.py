@@ -280,7 +280,7 @@ def test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address(tiny_mode
     path = tiny_model("qwen2_moe")
     hf = load_hf(path, "cuda:0", torch.float32)
     src = TensorListSource(per_expert(hf))  # views of hf's parameters
-    with serve(path, "ipc", dtype="float32") as srv:
+    with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:  # (eager: a shorter start)
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
             init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=16 << 10, timeout_s=60),

@@ -29,6 +29,11 @@ from rlserve.transfer.server.copy_plan import CopyPlan, _byte_span
 from rlserve.transfer.wire.packing import unpack
 
 
+#: Tests only: build the one-launch copy for CPU tensors too (Triton's interpreter), to run the
+#: CUDA branch of :meth:`BucketPlan.replay` on a CPU machine.
+_ONE_LAUNCH_ON_CPU = False
+
+
 class BucketPairs(Sequence):
     """The ``(name, view)`` pairs of one packed bucket in ``buf`` (1-D uint8), unpacked on first
     use only: a replayed :class:`BucketPlan` never needs the per-tensor views."""
@@ -101,10 +106,10 @@ class BucketPlan:
         if any(r is None for r in fast_src) or any(r is None for _, r in slow):
             return None
         op = None
-        if fast_d and fast_d[0].is_cuda:
+        if fast_d and (fast_d[0].is_cuda or _ONE_LAUNCH_ON_CPU):
             from rlserve.transfer.multi_tensor import MultiTensorSum
 
-            built = MultiTensorSum.build(list(fast_s), list(fast_d))
+            built = MultiTensorSum.build(list(fast_s), list(fast_d), _allow_cpu=_ONE_LAUNCH_ON_CPU)
             op = built.relocated(-base) if built is not None else None
         return cls(list(plan._fills), list(fast_d), fast_src, slow, op, buf.numel())
 
