@@ -6,10 +6,12 @@
 #       in parallel processes); the server's INFO lines with their second (where the start-up goes); 16 greedy
 #       tokens of a fixed prompt
 #   A2) the same, warm (A1's cache): a second start on one machine; its tokens must equal A1's
-#   B)  throughput.py --shape qwen3-8b --engine rlserve,vllm --batch1-tokens 128 (the nano-vllm offline workload
-#       + batch-1; rlserve's in-process LLM() start-up warm; vLLM's start-up is ~90 s of this step)
+#   B)  throughput.py --shape qwen3-8b --engine rlserve,vllm --batch1-tokens 128 --floor (the nano-vllm offline
+#       workload + batch-1; rlserve's in-process LLM() start-up warm; the workload's own HBM floor / roofline
+#       for rlserve; vLLM's start-up is ~90-110 s of this step)
+#   D)  decode_step.py 8B batch 1 with the batch-1 GEMV off / on (--decode-gemv 0,1: decode14's kernels at the
+#       8B shape) vs the HBM floor, if time is left
 #   C)  A1 with RLSERVE_TRITON_PRECOMPILE=0 (a cold start compiling one kernel after the other), if time is left
-#   D)  decode_step.py 8B batch 1 and 256 vs the HBM floor, if time is left
 # DRY_RUN=1: tiny shapes on the CPU, rlserve only.
 NAME=s14_speed8b BUDGET=${BUDGET:-190}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
@@ -17,10 +19,11 @@ TC_ON=/tmp/s14_speed8b_triton_on; TC_OFF=/tmp/s14_speed8b_triton_off
 rm -rf "$TC_ON" "$TC_OFF"; mkdir -p "$TC_ON" "$TC_OFF"
 if [ "$DRY_RUN" = 1 ]; then
   S8=tiny-llama; DEV=cpu; ENG=rlserve; SRV=(-- --max-model-len 256 --max-num-seqs 8); LA=(150 150 150)
-  TP=(--device cpu --num-seqs 8 --min-len 8 --max-len 24 --max-num-seqs 8 --batch1-tokens 8); DS=(--device cpu)
+  DS=(--device cpu --context 64)
+  TP=(--device cpu --num-seqs 8 --min-len 8 --max-len 24 --max-num-seqs 8 --batch1-tokens 8)
 else
   S8=qwen3-8b; DEV=cuda; ENG=rlserve,vllm; SRV=(-- --max-model-len 2056); TP=(--device cuda --batch1-tokens 128); DS=()
-  LA=(50 30 45)  # seconds for A1 (cold), A2 (warm), C (cold, serial compiles)
+  LA=(32 25 45)  # seconds for A1 (cold), A2 (warm), C (cold, serial compiles): B needs ~150 s
 fi
 serve_start() {  # LABEL LIMIT: one `rlserve serve` start -> ready -> 16 greedy tokens -> SIGINT
   bounded "$2" $PY benchmarks/startup_stop.py --reps 1 --device $DEV --shape $S8 --show-start-log --greedy-tokens 16 \
@@ -33,22 +36,23 @@ serve_start() {  # LABEL LIMIT: one `rlserve serve` start -> ready -> 16 greedy 
 TRITON_CACHE_DIR=$TC_ON RLSERVE_TRITON_PRECOMPILE=1 serve_start A1_cold_precompile ${LA[0]}
 TRITON_CACHE_DIR=$TC_ON RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}
 
-TRITON_CACHE_DIR=$TC_ON bounded 145 $PY benchmarks/throughput.py --shape $S8 --engine $ENG --no-hf "${TP[@]}" \
+TRITON_CACHE_DIR=$TC_ON bounded 170 $PY benchmarks/throughput.py --shape $S8 --engine $ENG --no-hf "${TP[@]}" --floor \
   --json "$OUT_DIR/throughput_8b.json" > "$OUT_DIR/throughput_8b.log" 2>&1
 say "B) rc=$? $(grep -E '^  (rlserve|vllm) ' "$OUT_DIR/throughput_8b.log" | tr -s ' ' | tr '\n' '|')"
 gpu_cleanup
 
-if [ "$(left)" -ge 30 ]; then
+if [ "$(left)" -ge 35 ]; then
+  TRITON_CACHE_DIR=$TC_ON bounded 45 $PY benchmarks/decode_step.py "${DS[@]}" --shape $S8 --batch 1 --iters 20 \
+    --decode-gemv 0,1 --json "$OUT_DIR/decode_8b_b1.json" > "$OUT_DIR/decode_8b_b1.log" 2>&1
+  say "D) rc=$? $(grep -A3 '^shape ' "$OUT_DIR/decode_8b_b1.log" | tr -s ' ' | tr '\n' '|')"
+  gpu_cleanup
+else
+  say "D) skipped: $(left) s left"
+fi
+if [ "$(left)" -ge 35 ]; then
   TRITON_CACHE_DIR=$TC_OFF RLSERVE_TRITON_PRECOMPILE=0 serve_start C_cold_serial ${LA[2]}
 else
   say "C) skipped: $(left) s left"
-fi
-if [ "$(left)" -ge 40 ]; then
-  TRITON_CACHE_DIR=$TC_ON bounded 60 $PY benchmarks/decode_step.py "${DS[@]}" --shape $S8 --batch 1,256 --iters 10 \
-    --engine-steps 10 --json "$OUT_DIR/decode_8b.json" > "$OUT_DIR/decode_8b.log" 2>&1
-  say "D) rc=$? $(grep -iE 'floor' "$OUT_DIR/decode_8b.log" | head -4 | tr -s ' ' | tr '\n' '|')"
-else
-  say "D) skipped: $(left) s left"
 fi
 $PY - "$OUT_DIR" <<'PYEOF' | tee -a "$OUT_DIR/summary.txt"
 import json, os, sys
