@@ -1,7 +1,7 @@
 """The batch-1 decode GEMV (``rlserve.layers.gemv``) compiled on a CUDA GPU.
 
-- bf16 at the Qwen3-0.6B and Qwen3-8B layer shapes, fp32 at the 0.6B ones, fp16 at qkv_proj's: each folded form against the
-  unfused ops it replaces (fused add + RMSNorm then ``F.linear``, SiLU-and-mul then ``F.linear``,
+- bf16 at the Qwen3-0.6B and Qwen3-8B layer shapes, fp32 at the 0.6B ones, fp16 at qkv_proj's:
+  each folded form against the unfused ops it replaces (fused add + RMSNorm then ``F.linear``, SiLU-and-mul then ``F.linear``,
   ``F.linear``) on the same GPU. The residual sum is equal; the GEMV's output is within
   ``tol = 2 ulp(dtype) x |ref| + 1e-5 x (|W| @ |x|)``: the output is rounded once on each side
   (one unit each), the float32 dot products differ in summation order (cuBLAS's split vs one
@@ -10,9 +10,10 @@
   absolute-sum term covers.
 - programmatic dependent launch (``gemv.set_pdl``): a chain of GEMVs in a CUDA graph equals plain
   launches bitwise.
-- the engine at batch 1 (one prompt) in float32 with CUDA graphs: greedy tokens and logprobs with
-  the GEMV equal those without it (1e-3 nats); bf16 with the GEMV: CUDA graphs equal eager
-  bitwise (the same kernels replayed).
+- the engine at batch 1 (one prompt) in float32: greedy tokens with the GEMV equal those without
+  it and logprobs within 1e-3 nats (float32 sums in another order, over 24 steps); with the GEMV,
+  CUDA graphs equal eager (tokens, logprobs within 1e-4: the same kernels, the attention's split
+  plan may differ).
 """
 
 from __future__ import annotations
@@ -135,30 +136,20 @@ def test_engine_batch_one_gemv_equals_without_and_graphs_equal_eager(arch, tiny_
     gemv._launch = counted
     try:
         runs = {}
-        for on in (False, True):
+        for on, eager in ((False, False), (True, False), (True, True)):
             gemv_switch(on)
-            llm = LLM(path, dtype="float32", **KW)
-            assert llm.engine.executor.runner.cuda_graphs is not None
-            runs[on] = llm.generate(PROMPTS[:1], params)
+            llm = LLM(path, dtype="float32", enforce_eager=eager, **KW)
+            assert (llm.engine.executor.runner.cuda_graphs is None) == eager
+            runs[on, eager] = llm.generate(PROMPTS[:1], params)[0].outputs[0]
             del llm
             torch.cuda.empty_cache()
-        assert calls["n"] > 0  # captured (graph) and eager warm-up launches both count
-        a, b = runs[True][0].outputs[0], runs[False][0].outputs[0]
-        assert a.token_ids == b.token_ids
-        for da, db in zip(a.logprobs, b.logprobs):
-            for t in db:
-                assert abs(da[t] - db[t]) < 1e-3
-        gemv_switch(True)
-        outs = []
-        for eager in (False, True):
-            llm = LLM(path, dtype="bfloat16", enforce_eager=eager, **KW)
-            outs.append(llm.generate(PROMPTS[:1], params)[0].outputs[0])
-            del llm
-            torch.cuda.empty_cache()
-        assert outs[0].token_ids == outs[1].token_ids
-        for da, db in zip(outs[0].logprobs, outs[1].logprobs):  # bf16 logits: one rounding ~0.04 nats at |logit| ~10
-            for t in db:
-                assert abs(da[t] - db[t]) < 0.05
+        assert calls["n"] > 0
+        on, off, on_eager = runs[True, False], runs[False, False], runs[True, True]
+        for got, base, tol in ((on, off, 1e-3), (on_eager, on, 1e-4)):  # GEMV on vs off; graphs vs eager
+            assert got.token_ids == base.token_ids
+            for da, db in zip(got.logprobs, base.logprobs):
+                for t in db:
+                    assert abs(da[t] - db[t]) < tol
     finally:
         gemv._launch = launch
 
