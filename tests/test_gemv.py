@@ -53,7 +53,7 @@ def assert_gemv_close(got, ref, w, x, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("K,N,bias", [(64, 200, False), (96, 37, True), (1536, 24, False)])
+@pytest.mark.parametrize("K,N,bias", [(64, 200, False), (96, 37, True), (1536, 24, False), (64, 5, True)])  # N=5: 1 row a program
 def test_linear(dtype, K, N, bias, gemv_on_cpu):
     g = torch.Generator().manual_seed(K + N)
     lin = _lin("row", K, N, dtype, g, bias)
