@@ -26,7 +26,7 @@ def _prologue_chunk(X, R, NW, offs, m, rstd, K: tl.constexpr, PROLOGUE: tl.const
 
 
 @triton.jit
-def _gemv_kernel(
+def _gemv_body(
     X, R, NW, W, B, OUT, RES_OUT,
     N, stride_w, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -91,3 +91,29 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(OUT + rows, acc.to(OUT.dtype.element_ty), mask=rmask)
+
+
+# One kernel per prologue (0: plain, 1: add + RMSNorm, 2: SiLU-and-mul), so that kernel tables
+# (benchmarks/kernel_table.py) time them apart.
+@triton.jit
+def _gemv_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ONE_CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
+    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 0, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
+               NORM_ONE_CHUNK, PDL)
+
+
+@triton.jit
+def _gemv_norm_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NORM_ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 1, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
+               NORM_ONE_CHUNK, PDL)
+
+
+@triton.jit
+def _gemv_silu_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NORM_ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 2, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
+               NORM_ONE_CHUNK, PDL)
