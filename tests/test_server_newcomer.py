@@ -213,14 +213,18 @@ def test_prompt_text_is_encoded_off_the_event_loop(server, monkeypatch, route, b
     The request then succeeds (``/tokenize``: with the tokenizer's own ids)."""
     tok = server.app.state.rlserve.tokenizer
     real = type(tok).encode  # (the class's: the tokenizer threads encode with copies of their own)
+    real_call = type(tok).__call__  # the completion routes' micro-batches: tok(texts)
     entered, release = threading.Event(), threading.Event()
 
-    def held_encode(self, text, **kw):
-        entered.set()
-        release.wait(TIMEOUT)
-        return real(self, text, **kw)
+    def held(fn):
+        def run(self, text, **kw):
+            entered.set()
+            release.wait(TIMEOUT)
+            return fn(self, text, **kw)
+        return run
 
-    monkeypatch.setattr(type(tok), "encode", held_encode)
+    monkeypatch.setattr(type(tok), "encode", held(real))
+    monkeypatch.setattr(type(tok), "__call__", held(real_call))
     box: dict = {}
     caller = threading.Thread(target=lambda: box.setdefault("r", httpx.post(server.url + route, json=body,
                                                                             timeout=TIMEOUT)))

@@ -34,6 +34,15 @@ def sse(obj) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
+def sse_bytes(obj) -> bytes:
+    """:func:`sse` as UTF-8 bytes, for the per-token chunks of a stream: msgspec's bytes go out as
+    they are (no decode to ``str`` and encode again by the response); the same fallback."""
+    try:
+        return b"data: " + _JSON.encode(obj) + b"\n\n"
+    except (msgspec.EncodeError, TypeError, UnicodeError):
+        return sse(obj).encode()
+
+
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -108,8 +117,9 @@ class _Chunks:
         self.base, self.include, self.continuous, self.chat = base, usage[0], usage[1], chat
         self.fingerprint = system_fingerprint(state)
 
-    def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> str:
-        """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's)."""
+    def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> bytes:
+        """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's), as
+        bytes (:func:`sse_bytes`)."""
         ch = dict(self.base, choices=[choice])
         if self.continuous:
             ch["usage"] = usage_json(prompt_tokens, completion_tokens)
@@ -118,19 +128,19 @@ class _Chunks:
         if not self.include and choice["finish_reason"] is not None:
             ch["system_fingerprint"] = self.fingerprint
         ch.update(extra)
-        return sse(ch)
+        return sse_bytes(ch)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> bytes:
         """The last chunk of a stream with ``include_usage``: no choices, the request's usage
         (with ``completion_tokens_details.reasoning_tokens`` when counted)."""
         u = usage_json(prompt_tokens, completion_tokens)
         if reasoning_tokens is not None:
             u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return sse(dict(self.base, choices=[], usage=u, system_fingerprint=self.fingerprint))
+        return sse_bytes(dict(self.base, choices=[], usage=u, system_fingerprint=self.fingerprint))
 
 
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
-                             usage: tuple[bool, bool], prompt_text, gens) -> AsyncIterator[str]:
+                             usage: tuple[bool, bool], prompt_text, gens) -> AsyncIterator[str | bytes]:
     """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
     tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`_Chunks`). A choice's
     keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
@@ -146,9 +156,11 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     text_offset: dict[int, int] = {}
     chunks = _Chunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
                      chat=False)
-    agen = merge_generators(gens)
+    single = len(gens) == 1  # the common case: the request's generator itself, one async hop less per chunk
+    agen = gens[0] if single else merge_generators(gens)
     try:
-        async for i, out in agen:
+        async for x in agen:
+            i, out = (0, x) if single else x
             _, ids, params = items[i]
             for c in out.outputs:
                 idx = i * n + c.index
@@ -219,7 +231,7 @@ def _parsed_delta(parser, body, delta_text, delta_ids, prompt_ids, finish):
 
 
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model,
-                      usage: tuple[bool, bool], gen, top_k: int = 0, parsers: list | None = None) -> AsyncIterator[str]:
+                      usage: tuple[bool, bool], gen, top_k: int = 0, parsers: list | None = None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a chat stream: a role chunk per choice first, then a chunk per choice per
     engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
     :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
@@ -256,10 +268,10 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                               "finish_reason": None, "weight_version": version}, len(ids), 0,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
-    agen = merge_generators([gen])
+    agen = gen  # one generator: no merging (one async hop less per chunk)
     sent_role = False
     try:
-        async for _, out in agen:
+        async for out in agen:
             if not sent_role:
                 sent_role = True
                 for ch in role_chunks(getattr(out, "weight_version", None)):
