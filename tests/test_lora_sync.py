@@ -290,3 +290,67 @@ def test_lora_fields_and_pairs_are_checked():
         check_pairs(["m.q_proj.lora_A.weight", "m.q_proj.lora_B.weight", "m.v_proj.lora_B.weight"])
     with pytest.raises(WeightUpdateError, match="needs lora_A / lora_B factors"):
         check_pairs([])
+
+
+_SLICES = [[("l.q_proj", 0, 12), ("l.k_proj", 12, 4), ("l.v_proj", 16, 4)], [("l.o_proj", 0, 16)]]
+
+
+@pytest.mark.parametrize("model_dtype,wire_dtype,rank,targets", [
+    (torch.float32, torch.float32, 8, "all"), (torch.bfloat16, torch.float32, 8, "all"),
+    (torch.bfloat16, torch.float32, 3, "all"), (torch.bfloat16, torch.bfloat16, 8, "all"), (torch.float16, torch.float32, 3, "some"),
+    (torch.float32, torch.float32, 5, "some")])
+def test_batched_slot_commit_equals_module_by_module(model_dtype, wire_dtype, rank, targets):
+    """The kernel path's batched commit (rlserve.lora.slots) writes the slot buffers bit for bit as
+    adapter_from_parts + LoRALinear.add do -- scaling folded in float32 and rounded once, short ranks
+    and untargeted slices zeroed over a slot a previous adapter filled -- and leaves the other slot alone."""
+    from rlserve.lora.adapter import adapter_from_parts
+    from rlserve.lora.layers import LoRALinear
+    from rlserve.lora.slots import slot_plan, slots_ok, write_slots
+
+    g = torch.Generator().manual_seed(rank)
+
+    def layers():
+        out = []
+        for slices, fin in zip(_SLICES, (16, 20)):
+            lin = LoRALinear(slices, fin)
+            lin.use_slots(2, 8, model_dtype, "cpu")
+            out.append(lin)
+        return out
+
+    ref, new = layers(), layers()
+    for a, b in zip(ref, new):  # a previous adapter's values in both slots
+        fill = torch.Generator().manual_seed(7)
+        for x, y in ((a.a_stack, b.a_stack), (a.b_stack, b.b_stack)):
+            x.copy_(torch.randn(x.shape, generator=fill))
+            y.copy_(x)
+    modules = [(m, fin, n) for slices, fin in zip(_SLICES, (16, 20)) for m, _, n in slices
+               if targets == "all" or m in ("l.q_proj", "l.v_proj")]
+    parts = {m: {"A": torch.randn(rank, fin, generator=g).to(wire_dtype),
+                 "B": torch.randn(n, rank, generator=g)} for m, fin, n in modules}  # PEFT's B: float32
+    tmap = {m: (n, fin) for m, fin, n in modules}
+    scaling = 16 / rank  # PEFT's lora_alpha / r: not a power of two for r = 3, 5 (rounding shows)
+    adapter = adapter_from_parts({m: dict(ab) for m, ab in parts.items()}, rank, scaling, tmap, model_dtype, "cpu",
+                                 "test")
+    for lin in ref:
+        lin.add(9, adapter.weights, slot=1)
+    assert slots_ok(parts, model_dtype, torch.device("cpu"))
+    plan = slot_plan(new, parts, 1)
+    write_slots(plan, scaling)
+    for a, b in zip(ref, new):
+        assert torch.equal(a.a_stack, b.a_stack) and torch.equal(a.b_stack, b.b_stack)
+    assert [t for _, t in plan.layers] == [True, targets == "all"]
+    assert (len(plan.zero) > 0) == (rank < 8 or targets != "all")
+
+
+def test_batched_slot_commit_refuses_what_it_would_round_twice():
+    from rlserve.lora.slots import slots_ok
+
+    cpu = torch.device("cpu")
+    low = {"m": {"A": torch.zeros(2, 2, dtype=torch.bfloat16), "B": torch.zeros(2, 2, dtype=torch.bfloat16)}}
+    assert not slots_ok(low, torch.bfloat16, cpu)  # a bf16 B scaled in place rounds otherwise on a CPU
+    low["m"]["B"] = torch.zeros(2, 2)
+    assert slots_ok(low, torch.bfloat16, cpu)  # a bf16 A is only copied
+    assert not slots_ok(low, torch.float16, cpu)
+    assert not slots_ok({"m": {"A": torch.zeros(2, 2, dtype=torch.float64), "B": torch.zeros(2, 2)}},
+                        torch.float32, cpu)
+    assert not slots_ok({"m": {"A": torch.zeros(2, 2), "B": torch.zeros(2, 2)}}, torch.float64, cpu)

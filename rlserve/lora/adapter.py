@@ -164,9 +164,20 @@ def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, sca
         LoRAAdapterError: no factor, a module not in ``targets``, a factor without its partner,
             shapes other than ``(rank, in)`` / ``(out, rank)``, non-float or non-finite values.
     """
+    check_parts(parts, rank, targets, where, check_finite)
+    weights = {}
+    for module, ab in parts.items():
+        a, b = ab["A"], ab["B"]
+        weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
+                           (b.to(torch.float32) * scaling).to(device=device, dtype=dtype).contiguous())
+    return LoRAAdapter(rank, scaling, weights)
+
+
+def check_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, targets: dict[str, tuple[int, int]],
+                where: str, check_finite: bool = True) -> None:
+    """:func:`adapter_from_parts`' checks of ``parts`` (see there); raises LoRAAdapterError."""
     if not parts:
         raise LoRAAdapterError(f"{where} holds no lora_A / lora_B tensors")
-    weights = {}
     for module, ab in parts.items():
         if module not in targets:
             raise LoRAAdapterError(f"{where}: {module!r} is not a LoRA-capable linear layer of this model")
@@ -180,6 +191,3 @@ def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, sca
         if not (a.is_floating_point() and b.is_floating_point()) or check_finite and not (
                 torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"{where}: {module} has non-finite or non-float factors")
-        weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
-                           (b.to(torch.float32) * scaling).to(device=device, dtype=dtype).contiguous())
-    return LoRAAdapter(rank, scaling, weights)

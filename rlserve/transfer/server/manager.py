@@ -290,7 +290,11 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes)
         # the op. Running engines are polled between steps without blocking. A session that
         # commits in the engine holds the engine thread for the whole command anyway.
         commit = session is not None and session.commit_in_engine
-        block = _POLL_BLOCK_S if (commit or self.aengine.is_paused()) else 0.0
+        # an adapter's ipc receive (megabytes, no peer to wait for) runs inline on the engine
+        # thread as well: its end is seen in the answer of the call that starts it
+        lora_ipc = session is not None and session.lora is not None and self._init is not None \
+            and self._init.backend == "ipc" and start_fn == "start_receive"
+        block = _POLL_BLOCK_S if (commit or lora_ipc or self.aengine.is_paused()) else 0.0
         try:
             if block:
                 results, committed = await self._rpc_commit(

@@ -53,7 +53,10 @@ class LoRASyncRoutes:
         LoRA-capable layer (none required: an adapter may target a subset)."""
         if lora is None:
             return await self._model_spec()
-        return update_spec(self._lora_spec["targets"], lora["r"]), set()
+        spec = self._lora_spec.setdefault("by_rank", {}).get(lora["r"])
+        if spec is None:  # (504 names for Qwen3-8B: built once per rank)
+            spec = self._lora_spec["by_rank"][lora["r"]] = update_spec(self._lora_spec["targets"], lora["r"])
+        return spec, set()
 
     async def _finish_lora(self, s: _Session, weight_version: str | None) -> dict:
         """``finish_weight_update`` of an adapter-only session: every replica turns its staged

@@ -258,9 +258,9 @@ class UpdateRoutes:
                 s.lora = await self._lora_fields(info.lora)  # (pairs checked at finish)
             spec, req = await self._spec_for(s.lora)
             if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]
-                    and s.lora is None):
+                    and (s.lora or {}).get("r") == meta.get("lora_rank")):
                 # (the same tensors with the same coverage rule were validated when the ref was given;
-                # an adapter's are checked again: its rank may differ)
+                # an adapter's again when its rank differs from the registration's)
                 validate_against_spec(info, spec, req,
                                       allowed_names=None if s.declared is None else set(s.declared.names),
                                       already_received=frozenset() if s.trl else s.received,
@@ -308,7 +308,8 @@ class UpdateRoutes:
         if info.ipc_handles_ref is not None:
             s.ipc_refs.add(info.ipc_handles_ref)
             self._ipc_refs[info.ipc_handles_ref] = meta or {
-                "names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "partial": info.partial}
+                "names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "partial": info.partial,
+                "lora_rank": None if s.lora is None else s.lora["r"]}
         s.bytes += nbytes
         s.seconds += secs
         s.calls += 1
