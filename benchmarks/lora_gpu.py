@@ -116,16 +116,17 @@ def _build(engine: str, path: str, rank: int, args):
     return LLM(path, device=args.device, **common, **extra), LoRARequest, SamplingParams, lambda p: p, "rlserve"
 
 
-def _merged_case(lora, run, args, deadline: float) -> dict:
-    """rlserve's one-adapter fast path (:mod:`rlserve.lora.merge`, off by default on CUDA) switched
-    on in the same engine: case ``one`` again with adapter 1 merged into the weights (the base
+def _merged_case(lora, run, args, deadline: float, default=None) -> dict:
+    """rlserve's one-adapter fast path (:mod:`rlserve.lora.merge`) switched on in the same engine:
+    ``default``, the engine's own (``RLSERVE_LORA_MERGE=auto`` kept it: the KV cache could spare
+    the copy), else a new one; case ``one`` again with adapter 1 merged into the weights (the base
     CUDA graphs), and the wall of one restore and one merge (synchronized)."""
     from rlserve.lora.merge import MergedAdapter, mergeable
 
     if lora.merge is None:
-        if not mergeable(lora._linears):
+        if default is None and not mergeable(lora._linears):
             return {}
-        lora.merge = MergedAdapter(lora)
+        lora.merge = default or MergedAdapter(lora)
     cuda = args.device.startswith("cuda")
     run("one", args.max_tokens)  # merges after a few steps, then replays the base graphs
     walls = []
@@ -164,12 +165,18 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
     t0 = time.perf_counter()
     llm, LoRARequest, SamplingParams, wrap, version = _build(engine, path, rank, args)
     startup_s = time.perf_counter() - t0
+    merge_default = None
+    if engine == "rlserve":  # the per-row cases run without the fast path; _merged_case puts it back
+        from rlserve.lora.model import lora_of
+
+        merge_default, lora_of(llm.engine.model).merge = lora_of(llm.engine.model).merge, None
     print(json.dumps({"engine": version, "rank": rank, "startup_s": round(startup_s, 1)}), flush=True)
     reqs = [LoRARequest(f"r{rank}-a{k}", k, p) for k, p in enumerate(adapters, 1)]
     V = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = [wrap(torch.randint(10, V - 1, (args.prompt_len,), generator=g).tolist()) for _ in range(args.batch)]
     cases = {"base": None, "one": [reqs[0]] * args.batch, "four": [reqs[i % 4] for i in range(args.batch)]}
+    cases = {c: v for c, v in cases.items() if c in ("base", "one") or c in args.cases}
     cuda = args.device.startswith("cuda")
 
     def run(case, n, logprobs=None):
@@ -211,8 +218,9 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
            "decode_tok_s_all": {c: [round(x, 1) for x in v] for c, v in walls.items()},
            # checks that the adapters act: greedy tokens of the first 4 prompts equal to the base model's
            # (dummy weights can leave the argmax alone), largest change of their first token's logprob
-           "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four")},
-           "first_logprob_change": {c: max(abs(a - b) for a, b in zip(lps[c], lps["base"])) for c in ("one", "four")}}
+           "same_tokens_as_base": {c: tokens[c] == tokens["base"] for c in ("one", "four") if c in cases},
+           "first_logprob_change": {c: max(abs(a - b) for a, b in zip(lps[c], lps["base"])) for c in ("one", "four")
+                                    if c in cases}}
     if engine == "vllm":
         out["big_adapter_logprob_change"] = _big_adapter_check(LoRARequest, path, rank, cases, run, first_lps,
                                                                lps["base"], args)
@@ -224,7 +232,9 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
         out["kernel_path"] = lora.kernel
         out["lora_graph_replays"] = graphs.num_replays if graphs is not None else 0
         del graphs
-        out.update(_merged_case(lora, run, args, deadline))
+        # RLSERVE_LORA_MERGE=auto (the default) kept the fast path: the merged case is the default
+        out["merge_on_by_default"] = merge_default is not None
+        out.update(_merged_case(lora, run, args, deadline, merge_default))
         del lora
     del llm
     gc.collect()
@@ -273,9 +283,14 @@ def sync(path: str, args, deadline: float) -> dict:
                 t = time.perf_counter()
                 fin = eng.send_weights()
                 walls.append(time.perf_counter() - t)
+            upd = fin.get("update") or {}
             res = {"first_s": round(walls[0], 4), "median_s": round(statistics.median(walls[1:] or walls), 4),
                    "all_s": [round(w, 4) for w in walls], "bytes": int(fin.get("bytes", 0)),
-                   "answer": {k: fin.get(k) for k in ("weight_version", "lora_version", "tensors", "adapter_bytes")}}
+                   "answer": {k: fin.get(k) for k in ("weight_version", "lora_version", "tensors", "adapter_bytes")},
+                   # the last sync's server phases (seconds): start / update / finish of /sync_weights, the
+                   # update's validation and worker receive phases
+                   "server_phases_s": {"sync": fin.get("sync_phases_s"), "validate": upd.get("validate_seconds"),
+                                       "worker": upd.get("worker_phases_s"), "worker_op": upd.get("worker_op_seconds")}}
             print(label, json.dumps(res), flush=True)
             return res
 
@@ -312,6 +327,7 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                    help="both engines' (vLLM on a CPU: the fraction of host memory it reserves)")
     p.add_argument("--parts", nargs="+", default=["decode", "sync"])
+    p.add_argument("--cases", nargs="+", default=["base", "one", "four"], help="decode cases (base and one always run)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -135,8 +135,9 @@ VARIABLES: dict[str, Var] = {
                                "with the add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py); "
                                "read at import"),
     # ---- LoRA
-    "RLSERVE_LORA_MERGE": Var("str", "0", _str,
-                              "'1': the one-adapter LoRA fast path (rlserve.lora.merge); '0' (default) off"),
+    "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
+                              "the one-adapter LoRA fast path (rlserve.lora.merge): 'auto' (default: on CUDA when the "
+                              "KV cache can spare a copy of the weights), '1' on, '0' off"),
     # ---- CPU engine
     "RLSERVE_CPU_THREADS": Var("int >= 1 | None", None, _positive,
                                "torch intra-op threads per CPU engine rank (before OMP_NUM_THREADS; default: usable "

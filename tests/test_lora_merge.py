@@ -159,3 +159,56 @@ def test_kernel_path_delta_equals_dense_path_delta():
     for lin in (dense, slots):  # float32 sums of 3 products (padding zeros add exactly): rounding only
         torch.testing.assert_close(MergedAdapter._delta(None, lin, 5), want, rtol=1e-6, atol=1e-6)
         assert MergedAdapter._delta(None, lin, 6) is None
+
+
+class _FakeLoRA:
+    """What kv_budget / MergedAdapter.reserve_bytes read of a LoRAModel: ``_linears``, ``merge``."""
+
+    def __init__(self, auto: bool):
+        from rlserve.lora.merge import MergedAdapter
+
+        self._linears = [(torch.nn.Linear(64, 32, bias=False), None), (torch.nn.Linear(32, 64, bias=False), None)]
+        self.merge = MergedAdapter(self, auto=auto)
+
+
+def test_auto_keeps_the_fast_path_only_where_the_kv_cache_can_spare_the_copy(monkeypatch, caplog):
+    """RLSERVE_LORA_MERGE=auto (the default): on CUDA the copy of the weights is set aside only when the
+    KV cache left still holds max_num_seqs x max_model_len; otherwise the path is dropped and the KV
+    cache keeps the memory. Off a GPU auto is off; 1 always sets the memory aside. Each decision is logged."""
+    from rlserve.lora.merge import kv_budget, policy
+
+    monkeypatch.delenv("RLSERVE_LORA_MERGE", raising=False)
+    assert policy(torch.device("cpu")) == "off" and policy(torch.device("cuda", 0)) == "auto"
+    monkeypatch.setenv("RLSERVE_LORA_MERGE", "1")
+    assert policy(torch.device("cpu")) == "on"
+    monkeypatch.setenv("RLSERVE_LORA_MERGE", "0")
+    assert policy(torch.device("cuda")) == "off"
+    reserve = 2 * 64 * 32 * 4 + 4 * 64 * 32  # both weight copies (float32) + the largest float32 B'A
+    per_block = 1000
+    caplog.set_level("INFO", logger="rlserve.lora.merge")
+    fits = _FakeLoRA(auto=True)
+    assert fits.merge.reserve_bytes() == reserve
+    # 10 blocks needed: 10,000 bytes + the copy fit exactly into the budget
+    assert kv_budget(fits, reserve + 10 * per_block, per_block, blocks_needed=10) == 10 * per_block
+    assert fits.merge is not None and "fast path on (RLSERVE_LORA_MERGE=auto)" in caplog.text
+    short = _FakeLoRA(auto=True)
+    assert kv_budget(short, reserve + 10 * per_block, per_block, blocks_needed=11) == reserve + 10 * per_block
+    assert short.merge is None and "fast path off (RLSERVE_LORA_MERGE=auto)" in caplog.text
+    unbounded = _FakeLoRA(auto=True)
+    assert kv_budget(unbounded, 10**12, per_block, blocks_needed=None) == 10**12 and unbounded.merge is None
+    forced = _FakeLoRA(auto=False)
+    assert kv_budget(forced, reserve + 5 * per_block, per_block, blocks_needed=11) == 5 * per_block
+    assert forced.merge is not None
+
+
+def test_merge_and_restore_are_logged_once_at_info(setup, monkeypatch, caplog):
+    base, paths = setup
+    llm, lora = _loaded(base, paths, monkeypatch, "1")
+    caplog.set_level("DEBUG", logger="rlserve.lora.merge")
+    for _ in range(2):
+        _gen(llm, [1, 1])  # merged part way
+        _gen(llm, [0])  # restored
+    assert lora.merge.merges == 2 and lora.merge.restores == 2
+    info = [r.getMessage() for r in caplog.records if r.name == "rlserve.lora.merge" and r.levelname == "INFO"]
+    assert len(info) == 2, info
+    assert "merged into the base weights" in info[0] and "taken out of the base weights" in info[1]

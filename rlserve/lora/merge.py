@@ -56,18 +56,62 @@ def mergeable(linears) -> bool:
                and mod.weight.dtype.is_floating_point for mod, _ in linears)
 
 
-def enabled(device: torch.device) -> bool:
-    """``RLSERVE_LORA_MERGE``'s answer for a model on ``device``.
+def policy(device: torch.device) -> str:
+    """``RLSERVE_LORA_MERGE``'s answer for a model on ``device``: ``"on"`` (``1``), ``"off"``
+    (``0``; ``auto`` off CUDA: on a CPU it has not measured faster) or ``"auto"`` (CUDA: on when
+    the KV cache can spare the copy, decided by :func:`kv_budget`).
 
     Raises:
-        ValueError: a value other than ``0``, ``1``.
+        ValueError: a value other than ``auto``, ``0``, ``1``.
     """
     from rlserve import envs
 
     setting = envs.RLSERVE_LORA_MERGE
-    if setting not in ("0", "1"):
-        raise ValueError(f"RLSERVE_LORA_MERGE must be '0' or '1', got {setting!r}")
-    return setting == "1"
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"RLSERVE_LORA_MERGE must be 'auto', '0' or '1', got {setting!r}")
+    if setting == "auto":
+        return "auto" if torch.device(device).type == "cuda" else "off"
+    return "on" if setting == "1" else "off"
+
+
+def kv_budget(lora, budget: int, per_block: int, blocks_needed: int | None) -> int:
+    """The KV cache's byte budget once the fast path's memory is set aside, deciding ``auto``.
+
+    Args:
+        lora: the replica's :class:`rlserve.lora.model.LoRAModel` (its ``merge``: ``None`` when
+            the path is off; set to ``None`` here when ``auto`` decides off).
+        budget: bytes the KV cache would get without the fast path.
+        per_block: bytes of one KV block.
+        blocks_needed: the most blocks the server can ever use at once (``max_num_seqs`` full
+            sequences of ``max_model_len`` tokens), ``None`` when unbounded.
+
+    ``auto`` keeps the path only when the KV cache left after the copy
+    (:meth:`MergedAdapter.reserve_bytes`) still holds ``blocks_needed``: then the copy costs no
+    request its place (the blocks beyond would never all be used), and the path is free speed
+    (+28% decode with one adapter on Qwen3-8B, BENCHMARKS.md). Otherwise the KV cache keeps the
+    memory: a smaller cache would cap the batch, which costs more than the path gains when
+    requests queue. ``on`` (``RLSERVE_LORA_MERGE=1``) always sets the memory aside. The decision
+    is logged (info).
+    """
+    m = lora.merge
+    if m is None:
+        return budget
+    reserve = m.reserve_bytes()
+    if not m.auto:
+        logger.info("LoRA one-adapter fast path on (RLSERVE_LORA_MERGE=1): %.2f GiB set aside from the KV cache",
+                    reserve / 2**30)
+        return budget - reserve
+    left = (budget - reserve) // per_block if per_block > 0 else 0
+    if blocks_needed is not None and left >= blocks_needed:
+        logger.info("LoRA one-adapter fast path on (RLSERVE_LORA_MERGE=auto): the KV cache keeps %d blocks, more "
+                    "than max_num_seqs x max_model_len need (%d), beside the base weights' copy (%.2f GiB)",
+                    left, blocks_needed, reserve / 2**30)
+        return budget - reserve
+    lora.merge = None
+    logger.info("LoRA one-adapter fast path off (RLSERVE_LORA_MERGE=auto): a copy of the base weights (%.2f GiB) "
+                "would leave the KV cache %d blocks, fewer than max_num_seqs x max_model_len need (%s); "
+                "RLSERVE_LORA_MERGE=1 takes the memory anyway", reserve / 2**30, max(left, 0), blocks_needed)
+    return budget
 
 
 class MergedAdapter:
@@ -83,9 +127,10 @@ class MergedAdapter:
         merges / restores: counts since start (tests and logs).
     """
 
-    def __init__(self, lora, after_steps: int = AFTER_STEPS):
+    def __init__(self, lora, after_steps: int = AFTER_STEPS, auto: bool = False):
         self.lora = lora
         self.after_steps = int(after_steps)
+        self.auto = bool(auto)  # RLSERVE_LORA_MERGE=auto: kept or dropped by kv_budget
         self.merged = 0
         self.merges = self.restores = 0
         self._streak = (0, 0)  # (adapter id, steps in a row all on it)
@@ -131,7 +176,10 @@ class MergedAdapter:
             self._after_write(mod)
         self.merged = adapter_id
         self.merges += 1
-        logger.debug("LoRA: adapter %d merged into the weights", adapter_id)
+        # taken / left: info the first time each (an RL run merges once per adapter version)
+        (logger.info if self.merges == 1 else logger.debug)(
+            "LoRA: every sequence ran on adapter %d for %d steps: merged into the base weights, steps run as the "
+            "base model (the one-adapter fast path; later merges are logged at debug)", adapter_id, self.after_steps)
 
     def _delta(self, lin, adapter_id: int) -> torch.Tensor | None:
         """``[out, in]`` float32: the adapter's ``B' A`` over the layer's slices, or None when it
@@ -157,8 +205,12 @@ class MergedAdapter:
             mod.weight.data.copy_(base)
             self._after_write(mod)
         self._base = {}
+        left = self.merged
         self.merged = 0
         self.restores += 1
+        (logger.info if self.restores == 1 else logger.debug)(
+            "LoRA: adapter %d taken out of the base weights (a step with the base model or another adapter, or a "
+            "worker call): the per-row LoRA path runs until one adapter has the steps again (later: debug)", left)
 
     @staticmethod
     def _after_write(mod: nn.Module) -> None:

@@ -36,7 +36,7 @@ from rlserve.errors import LoRAAdapterError
 from rlserve.lora.adapter import LoRAAdapter, read_adapter
 from rlserve.lora.layers import LoRABatch, LoRALinear, apply_lora, segments
 from rlserve.lora.merge import MergedAdapter, mergeable
-from rlserve.lora.merge import enabled as merge_enabled
+from rlserve.lora.merge import policy as merge_policy
 from rlserve.lora.slots import slots_ok
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,9 @@ class LoRAModel:
         self.slot_of: dict[int, int] = {}  # kernel path: adapter id -> slot
         self._static: torch.Tensor | None = None  # kernel path: a CUDA graph's segment buffers
         # the one-adapter fast path (rlserve.lora.merge), or None
-        self.merge = MergedAdapter(self) if merge_enabled(self.device) and mergeable(self._linears) else None
+        merge = merge_policy(self.device)
+        self.merge = MergedAdapter(self, auto=merge == "auto") \
+            if merge != "off" and mergeable(self._linears) else None
         if self.kernel:
             for mod, lin in self._linears:
                 lin.use_slots(self.num_slots, self.max_lora_rank, dtype, self.device)

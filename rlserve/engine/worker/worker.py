@@ -102,9 +102,13 @@ class Worker:
         ``max_num_seqs`` sequences of ``max_model_len`` tokens);
         on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
         the weights, minus 512 MiB of activation headroom and, with the LoRA one-adapter fast path
-        on, the memory a merge holds (:meth:`rlserve.lora.merge.MergedAdapter.reserve_bytes`).
+        on, the memory a merge holds (:func:`rlserve.lora.merge.kv_budget`, which also decides
+        ``RLSERVE_LORA_MERGE=auto``).
         """
         if self.config.num_kv_blocks is not None:
+            lora = lora_of(self.model)
+            if lora is not None and lora.merge is not None and lora.merge.auto:
+                lora.merge = None  # (auto: the memory left beside a set KV size is not known)
             return self.config.num_kv_blocks
         per_block = self.bytes_per_block()
         if self.device.type == "cuda":
@@ -114,7 +118,11 @@ class Worker:
             budget -= self._activation_estimate()
             lora = lora_of(self.model)
             if lora is not None and lora.merge is not None:
-                budget -= lora.merge.reserve_bytes()
+                from rlserve.lora.merge import kv_budget
+
+                bs, mml = self.config.block_size, self.config.max_model_len
+                budget = kv_budget(lora, budget, per_block,
+                                   self.config.max_num_seqs * -(-int(mml) // bs) if mml else None)
         else:
             budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
         n = budget // per_block
