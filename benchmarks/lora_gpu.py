@@ -243,7 +243,9 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
     print(json.dumps(out), flush=True)
     return out
 
-def sync(path: str, args, deadline: float) -> dict:
+def sync(path: str, args, deadline: float, out: dict | None = None, save=lambda: None) -> dict:
+    """Full vs adapter-only IPC (gloo on a CPU) syncs (module docstring) into ``out`` (returned),
+    ``save()`` after each kind: a run cut by its time limit keeps what it measured."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -260,13 +262,22 @@ def sync(path: str, args, deadline: float) -> dict:
     extra = ["--num-kv-blocks", "64"] if backend == "ipc" else []
     srv = ServerProcess(path, "--tokenizer", tok, "--device", args.device, "--dtype", args.dtype, "--load-format", "dummy",
                         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
-                        "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max(args.ranks)),
+                        "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max(args.sync_ranks)),
                         "--weight-transfer-config", json.dumps({"backend": backend}), *extra, startup_timeout_s=400)
-    out: dict = {"backend": backend}
-    with srv:
-        dt = getattr(torch, args.dtype)
+    out = {} if out is None else out
+    out["backend"] = backend
+
+    def build_hf():
         with torch.device(args.device):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dt)
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, args.dtype))
+
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    building = pool.submit(build_hf)  # the trainer's model while the server starts
+    with srv:
+        hf = building.result()
+        pool.shutdown()
         hf.eval()
 
         def init(source):
@@ -294,18 +305,19 @@ def sync(path: str, args, deadline: float) -> dict:
             print(label, json.dumps(res), flush=True)
             return res
 
-        eng = init(ModuleSource(hf))
-        out["full"] = timed(eng, "full")
-        eng.shutdown()
-        for rank in args.ranks:
+        def record(key, eng, label):
+            out[key] = timed(eng, label)
+            save()
+            eng.shutdown()
+
+        record("full", init(ModuleSource(hf)), "full")
+        for rank in args.sync_ranks:
             if time.perf_counter() > deadline:
                 break
             peft = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                  "up_proj", "down_proj"]))
-            eng = init(LoRASource(peft, "policy"))
-            out[f"lora_r{rank}"] = timed(eng, f"lora r{rank}")
-            eng.shutdown()
+            record(f"lora_r{rank}", init(LoRASource(peft, "policy")), f"lora r{rank}")
             hf = peft.unload()
     return out
 
@@ -327,10 +339,12 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                    help="both engines' (vLLM on a CPU: the fraction of host memory it reserves)")
     p.add_argument("--parts", nargs="+", default=["decode", "sync"])
+    p.add_argument("--sync-ranks", type=int, nargs="+", default=None, help="ranks of the sync part (default: --ranks)")
     p.add_argument("--cases", nargs="+", default=["base", "one", "four"], help="decode cases (base and one always run)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new measurements after this")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.sync_ranks = args.sync_ranks or args.ranks
     deadline = time.perf_counter() + args.budget_s
     path = os.path.join(args.model_dir or tempfile.mkdtemp(prefix="lora-gpu-"), args.shape)
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -357,7 +371,8 @@ def main() -> int:
             res["decode"].append(decode(args.engine, path, rank, adapters[rank], args, deadline))
             save()
     if "sync" in args.parts and args.engine == "rlserve" and time.perf_counter() < deadline:
-        res["sync"] = sync(path, args, deadline)
+        res["sync"] = {}
+        sync(path, args, deadline, res["sync"], save)
     save()
     print(json.dumps(res, indent=1))
     return 0

@@ -195,3 +195,18 @@ def test_fast_decode_layer_is_kept_for_base_steps(setup):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], [_params(0), _params(0)])] == \
         [o.outputs[0].token_ids for o in base_out]
     assert all(layer.__dict__.get("_cpu_fast_ok") for layer in layers)
+
+
+def test_lora_config_is_checked_at_start():
+    """--enable-lora with tensor parallelism is refused before anything loads (TP > 1 with adapters is
+    not built: the slot buffers and kernels hold whole layers; the NCCL adapter sync's test,
+    tests/gpu/test_lora_gpu.py::test_adapter_sync_over_nccl, skips on one GPU); so are ranks that are
+    not vLLM's and no adapter slots."""
+    from rlserve.config import EngineConfig
+    from rlserve.errors import InvalidRequestError
+
+    for kw, words in (({"enable_lora": True, "tensor_parallel_size": 2}, "needs --tensor-parallel-size 1"),
+                      ({"enable_lora": True, "max_lora_rank": 48}, "max_lora_rank must be one of"),
+                      ({"enable_lora": True, "max_loras": 0}, "max_loras must be >= 1")):
+        with pytest.raises(InvalidRequestError, match=words):
+            EngineConfig(model="unused", **kw)

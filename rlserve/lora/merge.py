@@ -27,9 +27,11 @@ one restore and one merge per version. Prefix-cache entries stay keyed by the ad
 
 Only layers whose ``quant_method`` is the unquantized one are merged; a model with any other
 (fp8) never merges (:func:`mergeable`). ``RLSERVE_LORA_MERGE`` (``rlserve/envs.py``) switches
-the path: ``1`` on, ``0`` (default) off: on CUDA it measured +23-28% decode with one adapter on
-Qwen3-8B (BENCHMARKS.md) but takes the room of a copy of the weights from the KV cache; on a CPU a
-short A/B (64 tokens, the merge included, a loaded machine) did not show it faster.
+the path: ``auto`` (default) on CUDA where the KV cache can spare the copy (:func:`kv_budget`: it
+still holds ``max_num_seqs`` full-length sequences), ``1`` on, ``0`` off. On CUDA it measured
++23-28% decode with one adapter on Qwen3-8B (BENCHMARKS.md) but takes the room of a copy of the
+weights, which would cap the batch of a server whose KV cache is the limit; on a CPU a short A/B
+(64 tokens, the merge included, a loaded machine) did not show it faster (``auto``: off).
 """
 
 from __future__ import annotations
