@@ -133,3 +133,13 @@ print(json.dumps({"stats": st, "precompile": res, "recorders": len(tp._RECORDERS
     assert r["precompile"] is None  # logged, not raised: the real warm-up compiles as before
     assert r["recorders"] == 0
     assert r["compiles"] is True
+
+
+def test_the_recording_pass_runs_one_graph_size_per_specialization_class():
+    from rlserve.engine.worker.cuda_graph import capture_sizes, specialization_representatives
+
+    # classes: == 1, and the power-of-two factor capped at 16 (Triton's "equal to 1" / "divisible by 16")
+    assert specialization_representatives(capture_sizes(256)) == [256, 8, 4, 2, 1]
+    assert specialization_representatives([1, 64, 256]) == [256, 1]
+    assert specialization_representatives([3, 5, 24, 40, 48]) == [48, 40, 5]
+    assert specialization_representatives([1]) == [1]

@@ -55,6 +55,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def specialization_representatives(sizes: list[int]) -> list[int]:
+    """One batch size per class of sizes that Triton may compile apart, the largest of each: Triton
+    specializes an integer argument by whether it equals 1 and whether it is divisible by 16, so a
+    size's class is ``(size == 1, its power-of-two factor capped at 16)`` (which also decides those
+    properties for ``size * k`` of a power-of-two ``k``). E.g. the default ladder 1, 2, 4, 8, 16,
+    32, ..., 256 -> [256, 8, 4, 2, 1]. Kernel choices that follow the size's magnitude (split or
+    not) are covered by the largest and the smallest sizes only: anything this misses compiles
+    where it is first launched, as before."""
+    best: dict[tuple[bool, int], int] = {}
+    for s in sizes:
+        key = (s == 1, min((s & -s), 16))
+        best[key] = max(best.get(key, 0), s)
+    return sorted(best.values(), reverse=True)
+
+
 def decode_positions_and_slots(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from torch import nn
 from rlserve import envs
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
-from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
+from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_representatives
 from rlserve.h2d import gather_rows, to_device
 from rlserve.layers import kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
@@ -260,8 +260,10 @@ class ModelRunner:
 
     def _warm_forwards(self, graph_sizes: bool) -> None:
         """The warm-up's eager forwards: a 16- and a 1024-token prefill writing nothing, each with
-        its last row's logits; ``graph_sizes``: also the decode forward of every CUDA-graph batch
-        size (padding rows: context 0, no KV write) with every row's logits, as a capture runs it."""
+        its last row's logits; ``graph_sizes``: also the decode forward (padding rows: context 0,
+        no KV write) with every row's logits, as a capture runs it, of one CUDA-graph batch size per
+        class Triton may compile apart (:func:`specialization_representatives`; the recording pass
+        of :meth:`warm_up`, which only needs each specialization once)."""
         for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
             meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
                                            self.device)
@@ -271,7 +273,7 @@ class ModelRunner:
             self.model.compute_logits(self.model(ids, pos, meta)[-1:], **self._logits_kw)
         if graph_sizes:
             graphs = self._new_graphs()
-            for bs in reversed(graphs.sizes):
+            for bs in specialization_representatives(graphs.sizes):
                 self.model.compute_logits(graphs.forward_eager(bs), **self._logits_kw)
 
     def _try_capture(self, lora=None) -> bool:
