@@ -73,6 +73,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_SERVERS: list[subprocess.Popen] = []  # servers started, for the SIGTERM handler
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the server's whole session (API, engine-core, template workers)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _on_sigterm(signum, frame):
+    """A time limit's SIGTERM (e.g. ``timeout``): take the servers still running down with us, so
+    none keeps holding the device after this script is gone."""
+    for p in _SERVERS:
+        if p.poll() is None:
+            _kill_group(p)
+    sys.exit(128 + signum)
+
+
 def one(checkout: str, model: str, args) -> dict:
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
@@ -86,13 +106,14 @@ def one(checkout: str, model: str, args) -> dict:
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=os.path.abspath(checkout),
                              start_new_session=True)
+        _SERVERS.append(p)
         while True:
             text = open(log).read()
             m = _READY.search(text)
             if m:
                 break
             if p.poll() is not None or time.monotonic() - t0 > 900:
-                p.kill()
+                _kill_group(p)
                 raise RuntimeError(f"server did not start:\n{text[-3000:]}")
             time.sleep(0.02)
         ready = time.monotonic() - t0
@@ -199,6 +220,7 @@ def main() -> int:
     ap.add_argument("--show-stop-log", action="store_true", help="print the server's log from the signal on")
     ap.add_argument("server_args", nargs="*", help="more `rlserve serve` flags (after --)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     checkouts = args.checkout or ["."]
     if args.shape:
         from benchmarks.model_shapes import save_shape

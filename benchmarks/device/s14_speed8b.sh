@@ -38,7 +38,10 @@ TRITON_CACHE_DIR=$TC_ON RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}
 
 TRITON_CACHE_DIR=$TC_ON bounded 170 $PY benchmarks/throughput.py --shape $S8 --engine $ENG --no-hf "${TP[@]}" --floor \
   --json "$OUT_DIR/throughput_8b.json" > "$OUT_DIR/throughput_8b.log" 2>&1
-say "B) rc=$? $(grep -E '^  (rlserve|vllm) ' "$OUT_DIR/throughput_8b.log" | tr -s ' ' | tr '\n' '|')"
+rc=$?; B=$(grep -E '^  (rlserve|vllm) ' "$OUT_DIR/throughput_8b.log" | tr -s ' ' | tr '\n' '|')
+# cut before its table: the per-engine lines printed as each engine finished
+[ -n "$B" ] || B=$(grep -E '^(rlserve|vllm): ' "$OUT_DIR/throughput_8b.log" | cut -c1-600 | tr '\n' '|')
+say "B) rc=$rc $B"
 gpu_cleanup
 
 if [ "$(left)" -ge 35 ]; then
