@@ -82,14 +82,19 @@ def test_second_sync_replays_every_bucket_at_its_new_address(moe):
     assert len(st.bucket_plans) == len(plan)
 
 
-def test_a_bucket_plan_holds_no_reference_to_its_bucket(moe):
+def _one_bucket(moe, seed: int):
+    """A fresh model, per-expert trainer tensors of ``seed`` and ONE bucket packed with them."""
     model, _ = _load(moe)
-    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
-    named = _trainer(model, 3)
+    named = _trainer(model, seed)
     b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
     buf = torch.empty(b.nbytes, dtype=torch.uint8)
     pack(buf, b, [t for _, t in named])
-    recorded, why = record_load(lambda p: worker.model.load_weights(p), list(BucketPairs(buf, b)))
+    return model, named, b, buf
+
+
+def test_a_bucket_plan_holds_no_reference_to_its_bucket(moe):
+    model, named, b, buf = _one_bucket(moe, 3)
+    recorded, why = record_load(model.load_weights, list(BucketPairs(buf, b)))
     assert why is None
     bp = BucketPlan.from_plan(recorded, buf)
     assert bp is not None and len(bp) == len(recorded) >= len(named)
@@ -107,13 +112,8 @@ def test_a_bucket_plan_holds_no_reference_to_its_bucket(moe):
 
 
 def test_a_source_outside_the_bucket_is_not_replayable(moe):
-    model, _ = _load(moe)
-    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
-    named = _trainer(model, 4)
-    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
-    buf = torch.empty(b.nbytes, dtype=torch.uint8)
-    pack(buf, b, [t for _, t in named])
+    model, named, b, buf = _one_bucket(moe, 4)
     pairs = list(BucketPairs(buf, b))
     pairs[0] = (pairs[0][0], pairs[0][1].clone())  # e.g. a misaligned slot that unpack copied
-    recorded, why = record_load(lambda p: worker.model.load_weights(p), pairs)
+    recorded, why = record_load(model.load_weights, pairs)
     assert why is None and BucketPlan.from_plan(recorded, buf) is None

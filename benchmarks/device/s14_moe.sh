@@ -48,23 +48,7 @@ else
     | sed 's/.*\] //' | tr '\n' ' ')"
 fi
 gpu_cleanup
-$PY - "$OUT_DIR" "$CARD" <<'EOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import json, os, sys
-out, card = sys.argv[1], sys.argv[2]
-res = {}
-for e in ("rlserve", "vllm"):
-    p = os.path.join(out, f"throughput_{e}.json")
-    if os.path.exists(p):
-        res[e] = json.load(open(p))["results"][0]
-for name, x in res.items():
-    print(f"a) {name}: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s), startup {x.get('startup_s', 0):.1f} s, "
-          f"KV {x.get('kv_cache_tokens')} tokens")
-r, v = res.get("rlserve"), res.get("vllm")
-if r and v:
-    print(f"a) rlserve / vLLM: {r['tokens_per_s'] / v['tokens_per_s']:.3f}x offline (target >= 1.0, goal 1.3), "
-          f"KV tokens {r.get('kv_cache_tokens')} / {v.get('kv_cache_tokens')}")
-json.dump({"card": card, **res}, open(os.path.join(out, "throughput.json"), "w"), indent=1)
-EOF
+$PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 
 # ---- b) CUDA IPC sync vs the copy floor, the first layers of the shape (whatever time is left)
 if [ "$DRY_RUN" = 1 ]; then

@@ -1,0 +1,36 @@
+"""Summarise the ``throughput_<engine>.json`` files a device script wrote (benchmarks/throughput.py
+``--json``): one line per engine, the rlserve / vLLM ratio, and ``throughput.json`` with both.
+
+    python3 benchmarks/device/throughput_summary.py OUT_DIR CARD [LABEL]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    out, card = argv[0], argv[1]
+    label = argv[2] if len(argv) > 2 else "a)"
+    res = {}
+    for e in ("rlserve", "vllm"):
+        p = os.path.join(out, f"throughput_{e}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                res[e] = json.load(f)["results"][0]
+    for name, x in res.items():
+        print(f"{label} {name}: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s, {x['output_tokens']} tokens), "
+              f"startup {x.get('startup_s', 0):.1f} s, KV {x.get('kv_cache_tokens')} tokens")
+    r, v = res.get("rlserve"), res.get("vllm")
+    if r and v:
+        print(f"{label} rlserve / vLLM: {r['tokens_per_s'] / v['tokens_per_s']:.3f}x, KV tokens "
+              f"{r.get('kv_cache_tokens')} / {v.get('kv_cache_tokens')}")
+    with open(os.path.join(out, "throughput.json"), "w") as f:
+        json.dump({"card": card, **res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
