@@ -3,8 +3,10 @@
 #   NAME=s14_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
 # It cds to the repository root and defines:
 #   OUT_DIR (default /tmp/${NAME}_out, created), DRY_RUN (0/1), T0, PY (python3), CARD (nvidia-smi's
-#   "name, memory.total", or "cpu (dry run)"; also written to $OUT_DIR/card.txt)
+#   "name, memory.total", or "cpu (dry run)"; also written to $OUT_DIR/card.txt), MEM_MIB (the card's
+#   memory in MiB, 0 in a dry run: for sizes that depend on the card)
 #   left            seconds of BUDGET left
+#   slot MAX KEEP   seconds for a step: at most MAX, leaving KEEP for the steps after it (at least 5)
 #   say MSG...      a timestamped line to stdout and $OUT_DIR/summary.txt
 #   bounded S CMD.. run CMD under `timeout -k 5 S` (S clipped to what is left minus 3 s; skipped, rc 124,
 #                   when fewer than 5 s are left); returns CMD's status
@@ -12,6 +14,12 @@
 #   stop_bg PID     kill the process group of PID (TERM, then KILL after 5 s)
 #   wait_http URL S poll URL until it answers 200 or S seconds pass; returns 0 when up
 #   gpu_cleanup     kill -9 every process nvidia-smi still lists on the GPU
+#   throughput_pair TAG RCAP RKEEP VCAP VKEEP ARGS... [--vllm VLLM_ARGS...]
+#                   benchmarks/throughput.py --engine rlserve --no-hf ARGS (under `slot RCAP RKEEP`), then
+#                   --engine vllm ARGS VLLM_ARGS (under `slot VCAP VKEEP`, /tmp/vsite/env.sh sourced in a
+#                   subshell; skipped in a dry run without VLLM_PYTHONPATH), each its own process: logs and JSON
+#                   $OUT_DIR/throughput_{rlserve,vllm}.*, a summary line each ("TAG) ...") and rlserve / vLLM,
+#                   both results in $OUT_DIR/throughput.json
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${NAME:?set NAME before sourcing lib.sh}"
@@ -30,6 +38,7 @@ bounded() {
   if [ "$s" -lt 5 ]; then say "skipped (budget): $*"; return 124; fi
   timeout -k 5 "$s" "$@"
 }
+slot() { local l; l=$(( $(left) - $2 )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
 start_bg() { local log=$1; shift; setsid "$@" > "$log" 2>&1 & echo $!; }
 stop_bg() {
   local pid=$1
@@ -53,9 +62,52 @@ gpu_cleanup() {
   command -v nvidia-smi >/dev/null || return 0
   for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
 }
+throughput_pair() {
+  local tag=$1 rcap=$2 rkeep=$3 vcap=$4 vkeep=$5 t; shift 5
+  local args=() vargs=()
+  while [ $# -gt 0 ] && [ "$1" != --vllm ]; do args+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && vargs=("$@")
+  t=$(slot "$rcap" "$rkeep")
+  timeout -k 5 "$t" $PY benchmarks/throughput.py --engine rlserve --no-hf "${args[@]}" \
+    --json "$OUT_DIR/throughput_rlserve.json" > "$OUT_DIR/throughput_rlserve.log" 2>&1
+  say "$tag) rlserve rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
+  if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_PYTHONPATH:-}" ]; then
+    say "$tag) vllm skipped (dry run without VLLM_PYTHONPATH)"
+  else
+    t=$(slot "$vcap" "$vkeep")
+    # vLLM's own environment only in this subshell (env.sh: offline, no flashinfer sampler); the child
+    # that runs vLLM gets PYTHONPATH=/tmp/vsite alone (throughput.run_vllm)
+    ( [ -f /tmp/vsite/env.sh ] && source /tmp/vsite/env.sh
+      timeout -k 5 "$t" $PY benchmarks/throughput.py --engine vllm --no-hf "${args[@]}" "${vargs[@]}" \
+        --json "$OUT_DIR/throughput_vllm.json" ) > "$OUT_DIR/throughput_vllm.log" 2>&1
+    say "$tag) vllm rc=$? ($t s limit): $(grep -E '^  vllm' "$OUT_DIR/throughput_vllm.log" | tr -s ' ')"
+    say "$tag) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory|kv_cache_dtype' \
+      "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
+  fi
+  $PY - "$OUT_DIR" "$tag" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
+import json, os, sys
+out, tag = sys.argv[1], sys.argv[2]
+res = {}
+for e in ("rlserve", "vllm"):
+    p = os.path.join(out, f"throughput_{e}.json")
+    if os.path.exists(p):
+        res[e] = json.load(open(p))["results"][0]
+for name, x in res.items():
+    b1 = f", batch-1 {x['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in x else ""
+    print(f"{tag}) {name}: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s, {x['output_tokens']} tokens){b1}, "
+          f"startup {x.get('startup_s', 0):.1f} s, KV {x.get('kv_cache_tokens')} tokens")
+r, v = res.get("rlserve"), res.get("vllm")
+if r and v:
+    b1 = (f"; batch-1 time {r['batch1_ms_per_token'] / v['batch1_ms_per_token']:.3f}x of vLLM's"
+          if "batch1_ms_per_token" in r and "batch1_ms_per_token" in v else "")
+    print(f"{tag}) rlserve / vLLM: {r['tokens_per_s'] / v['tokens_per_s']:.3f}x offline{b1}")
+json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
+PYEOF
+}
 if [ "$DRY_RUN" = 1 ] || ! command -v nvidia-smi >/dev/null; then
-  CARD="cpu (dry run)"
+  CARD="cpu (dry run)"; MEM_MIB=0
 else
   CARD=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
+  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
 fi
 echo "$CARD" > "$OUT_DIR/card.txt"

@@ -17,49 +17,58 @@
 #      run) -> cost-0.6b-variants.jsonl
 #   5. the GEMM probe with vLLM's cuBLAS workspace variables (CUBLASLT_WORKSPACE_SIZE=1) -> probe-ws.log
 # Every cost run reports whether its first prompt run alone gives bitwise its tokens/logprobs in the batch.
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_bi}"
+# PART=b: the second, short call (s13_bi_b.sh, budget 112 s): steps 1-3 only, with its own bounds.
+NAME=${NAME:-s13_bi} BUDGET=${BUDGET:-${BI_BUDGET:-228}}; source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT_DIR/reports" "$OUT_DIR/profiles"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-END=$(( T0 + ${BI_BUDGET:-228} ))
-say() { echo "[s13_bi +$(( $(date +%s) - T0 ))s] $*"; }
-left() { local l=$(( END - $(date +%s) )); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-summ() { grep -h '^COST' "$1" | sed 's/^/    /'; }
-gpu_clean() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done; }
-
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  DEV=cpu; DT=float32; S06=tiny-llama; S8=tiny-llama
+PART=${PART:-a}
+X=1  # part b's step bounds x X (a loaded 2-core CPU needs far longer than the GPU)
+if [ "$DRY_RUN" = 1 ]; then
+  DEV=cpu; DT=float32; S06=tiny-llama; S8=tiny-llama; [ "$PART" = b ] && X=10
   N06="--num-prompts 6 --input-len 24 --output-len 4 --max-num-seqs 8"; N8=$N06; KW06='{}'; KW8='{}'
-  echo "cpu (dry run)" > "$OUT_DIR/gpu.txt"
 else
   DEV=cuda; DT=bfloat16; S06=qwen3-0.6b; S8=qwen3-8b
   N06="--num-prompts 128 --input-len 256 --output-len 128 --max-num-seqs 128"
   N8="--num-prompts 64 --input-len 256 --output-len 128 --max-num-seqs 64"
   KW06='{"extra": {"cuda_graph_sizes": [1, 32, 128]}}'; KW8='{"extra": {"cuda_graph_sizes": [1, 32, 64]}}'
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT_DIR/gpu.txt" 2>&1
 fi
-git log -1 --format="tree %h %cd" >> "$OUT_DIR/gpu.txt" 2>/dev/null
-say "device: $(head -1 "$OUT_DIR/gpu.txt"); torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1)"
+say "device: $CARD; tree $(git log -1 --format='%h %cd' 2>/dev/null); torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1)"
+summ() { grep -h '^COST' "$1" | sed 's/^/    /'; }
+# cost CAP RUN_TIMEOUT SHAPE "NARGS" KW OUT [ARGS...]: benchmarks/batch_invariant.py cost, off and on, -> OUT.jsonl/.log
+cost() {
+  local cap=$1 rt=$2 shape=$3 n=$4 kw=$5 out=$6; shift 6
+  # shellcheck disable=SC2086  # $n: the workload's flags
+  bounded "$cap" $PY benchmarks/batch_invariant.py cost --shape "$shape" --device $DEV --dtype $DT $n --reps 1 \
+      --engine-kw "$kw" --run-timeout "$rt" --json "$OUT_DIR/$out.jsonl" "$@" > "$OUT_DIR/$out.log" 2>&1
+}
 
 # 1. bitwise tests (on CPU they skip: the dry run runs the interpreter's forms instead)
 if [ "$DEV" = cuda ]; then
-  RLSERVE_GPU_REPORT="$OUT_DIR/reports" timeout -k 5 "$(left 80)" $PY -m pytest -q -p no:cacheprovider -rA \
-      tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
-else
-  timeout -k 5 "$(left 200)" $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py \
+  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded "$([ "$PART" = b ] && echo 40 || echo 80)" $PY -m pytest -q \
+      -p no:cacheprovider -rA tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
+elif [ "$PART" = b ]; then
+  bounded 300 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py -k sampling \
       > "$OUT_DIR/pytest.log" 2>&1
+else
+  bounded 200 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py > "$OUT_DIR/pytest.log" 2>&1
 fi
 say "tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest.log")"
-grep -E "^(PASSED|FAILED|ERROR)|GEMM .* rows differ" "$OUT_DIR/pytest.log" | sed 's/^/    /' | head -60
-gpu_clean
+grep -E "^(PASSED|FAILED|ERROR)|^E  .*Error|GEMM .* rows differ" "$OUT_DIR/pytest.log" | sed 's/^/    /' | head -60
+gpu_cleanup
+
+if [ "$PART" = b ]; then
+  # 2-3. cost, 0.6B then 8B, off and on (no profiles)
+  cost $((38 * X)) $((30 * X)) $S06 "$N06" "$KW06" cost-0.6b --modes off,on
+  say "cost $S06 rc=$?"; summ "$OUT_DIR/cost-0.6b.log"
+  gpu_cleanup
+  cost $((42 * X)) $((30 * X)) $S8 "$N8" "$KW8" cost-8b --modes off,on
+  say "cost $S8 rc=$?"; summ "$OUT_DIR/cost-8b.log"; grep -h '^run ' "$OUT_DIR"/cost-*.log | head -4
+  gpu_cleanup
+  say "done"
+  exit 0
+fi
 
 # 2. cost, 0.6B, off and on + a profiled pass of each
-timeout -k 5 "$(left 80)" $PY benchmarks/batch_invariant.py cost --shape $S06 --device $DEV --dtype $DT $N06 \
-    --reps 1 --modes off,on --engine-kw "$KW06" --run-timeout 55 --profile-dir "$OUT_DIR/profiles" \
-    --json "$OUT_DIR/cost-0.6b.jsonl" > "$OUT_DIR/cost-0.6b.log" 2>&1
+cost 80 55 $S06 "$N06" "$KW06" cost-0.6b --modes off,on --profile-dir "$OUT_DIR/profiles"
 say "cost $S06 rc=$?"; summ "$OUT_DIR/cost-0.6b.log"
 for m in off on; do
   f="$OUT_DIR/profiles/profile-$S06-$m.json"
@@ -67,28 +76,24 @@ for m in off on; do
 import json; d = json.load(open('$f')); t = d['kernels_total_us']
 print('    profile $m: total %.1f ms;' % (t / 1e3), '; '.join('%s %.1f ms' % (r['name'][:48], r['self_us'] / 1e3) for r in d['top'][:6]))"
 done
-gpu_clean
+gpu_cleanup
 
 # 3. cost, 8B, off and on
-timeout -k 5 "$(left 80)" $PY benchmarks/batch_invariant.py cost --shape $S8 --device $DEV --dtype $DT $N8 \
-    --reps 1 --modes off,on --engine-kw "$KW8" --run-timeout 45 --json "$OUT_DIR/cost-8b.jsonl" \
-    > "$OUT_DIR/cost-8b.log" 2>&1
+cost 80 45 $S8 "$N8" "$KW8" cost-8b --modes off,on
 say "cost $S8 rc=$?"; summ "$OUT_DIR/cost-8b.log"
-gpu_clean
+gpu_cleanup
 
 # 4. the mode's variants on 0.6B (baseline: step 2's off run, same machine a minute earlier)
-timeout -k 5 "$(left 70)" $PY benchmarks/batch_invariant.py cost --shape $S06 --device $DEV --dtype $DT $N06 \
-    --reps 1 --modes on:gemm=triton,on:attn=per_query --engine-kw "$KW06" --run-timeout 35 \
-    --json "$OUT_DIR/cost-0.6b-variants.jsonl" > "$OUT_DIR/cost-0.6b-variants.log" 2>&1
+cost 70 35 $S06 "$N06" "$KW06" cost-0.6b-variants --modes on:gemm=triton,on:attn=per_query
 say "variants rc=$?"; grep -h '^{' "$OUT_DIR/cost-0.6b-variants.log" | cut -c1-220 | sed 's/^/    /'
-gpu_clean
+gpu_cleanup
 
 # 5. GEMM probe with vLLM's workspace variables (a fresh process: cuBLAS reads them at its start)
-if [ "$(left 30)" -gt 8 ]; then
-  CUBLASLT_WORKSPACE_SIZE=1 CUBLAS_WORKSPACE_CONFIG=:16:8 timeout -k 5 "$(left 30)" $PY benchmarks/batch_invariant.py \
+if [ "$(left)" -gt 11 ]; then
+  CUBLASLT_WORKSPACE_SIZE=1 CUBLAS_WORKSPACE_CONFIG=:16:8 bounded 30 $PY benchmarks/batch_invariant.py \
       probe --device $DEV > "$OUT_DIR/probe-ws.log" 2>&1
   say "probe (workspace 1 KiB) rc=$?"; grep -v "rows differ from M=1 at M in \[\]" "$OUT_DIR/probe-ws.log" | tail -n 20
 fi
-gpu_clean
+gpu_cleanup
 say "done"
 exit 0

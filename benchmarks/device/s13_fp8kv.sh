@@ -15,27 +15,8 @@
 #      measured on the CPU (SmolLM2-135M-Instruct, BENCHMARKS.md).
 # DRY_RUN=1: every Python step once on the CPU with tiny shapes (vLLM only when VLLM_PYTHONPATH is
 # set: a CPU vLLM's site dir).
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_fp8kv_out}"; mkdir -p "$OUT_DIR"
-DRY_RUN=${DRY_RUN:-0}
-BUDGET=${BUDGET:-200}
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-# seconds for a step: at most $1, and leave $2 for the steps after it
-slot() { local l; l=$(( $(left) - $2 )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
-say() { echo "[s13_fp8kv +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT_DIR/summary.txt"; }
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-
-if [ "$DRY_RUN" = 1 ]; then
-  CARD="cpu (dry run)"; MEM_MIB=0
-else
-  CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
-fi
-say "card: $CARD, $MEM_MIB MiB; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-echo "$CARD, $MEM_MIB MiB" > "$OUT_DIR/card.txt"
+NAME=s13_fp8kv BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 # ---- a) batch-256 long-context decode step, bf16 vs fp8 KV
 if [ "$DRY_RUN" = 1 ]; then
@@ -83,38 +64,9 @@ else
   TP_ARGS=(--device cuda --num-seqs 256 --min-len 768 --max-len 1280)
   VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
 fi
-# the 2026-12-06 window gave it 28 s: not enough for a cold start (Triton compiles the fp8 kernel
+# rlserve: the 2026-12-06 window gave it 28 s, not enough for a cold start (Triton compiles the fp8 kernel
 # variants, the graph ladder is captured) plus the run
-t=$(slot 45 110)
-timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine rlserve --no-hf "${TP_ARGS[@]}" \
-  --kv-cache-dtype fp8 --json "$OUT_DIR/throughput_rlserve.json" > "$OUT_DIR/throughput_rlserve.log" 2>&1
-say "b) rlserve fp8 rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
-if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_PYTHONPATH:-}" ]; then
-  say "b) vllm skipped (dry run without VLLM_PYTHONPATH)"
-else
-  t=$(slot 100 15)
-  ( [ -f /tmp/vsite/env.sh ] && source /tmp/vsite/env.sh
-    timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine vllm --no-hf "${TP_ARGS[@]}" \
-      "${VLLM_ARGS[@]}" --kv-cache-dtype fp8 --json "$OUT_DIR/throughput_vllm.json" ) \
-    > "$OUT_DIR/throughput_vllm.log" 2>&1
-  say "b) vllm fp8 rc=$? ($t s limit): $(grep -E '^  vllm' "$OUT_DIR/throughput_vllm.log" | tr -s ' ')"
-  say "b) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory|kv_cache_dtype|fp8' "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
-fi
-$PY - "$OUT_DIR" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import json, os, sys
-out = sys.argv[1]
-res = {}
-for e in ("rlserve", "vllm"):
-    p = os.path.join(out, f"throughput_{e}.json")
-    if os.path.exists(p):
-        res[e] = json.load(open(p))["results"][0]
-for name, x in res.items():
-    print(f"b) {name} fp8 KV: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s, {x['output_tokens']} tokens), "
-          f"startup {x.get('startup_s', 0):.1f} s, KV {x.get('kv_cache_tokens')} tokens")
-if len(res) == 2:
-    print(f"b) rlserve / vLLM (both fp8 KV): {res['rlserve']['tokens_per_s'] / res['vllm']['tokens_per_s']:.3f}x")
-json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
-PYEOF
+throughput_pair b 45 110 100 15 --shape "$SHAPE" "${TP_ARGS[@]}" --kv-cache-dtype fp8 --vllm "${VLLM_ARGS[@]}"
 
 # ---- c) GPU tests (skip on CPU: the dry run checks they collect and skip)
 t=$(slot 45 0)

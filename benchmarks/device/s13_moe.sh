@@ -12,27 +12,8 @@
 #   d) whatever time is left: tests/gpu/test_vllm_wire_gpu.py -k qwen3_moe (vLLM's IPC trainer, MoE).
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only when VLLM_PYTHONPATH
 # is set: a CPU vLLM's site dir).
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_moe_out}"; mkdir -p "$OUT_DIR"
-DRY_RUN=${DRY_RUN:-0}
-BUDGET=${BUDGET:-420}
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-# seconds for a step: at most $1, and leave $2 for the steps after it
-slot() { local l; l=$(( $(left) - $2 )); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo "$l"; }
-say() { echo "[s13_moe +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT_DIR/summary.txt"; }
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-
-if [ "$DRY_RUN" = 1 ]; then
-  CARD="cpu (dry run)"; MEM_MIB=0
-else
-  CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
-fi
-say "card: $CARD, $MEM_MIB MiB; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-echo "$CARD, $MEM_MIB MiB" > "$OUT_DIR/card.txt"
+NAME=s13_moe BUDGET=${BUDGET:-420}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 # ---- a) offline workload + batch-1: rlserve, then vLLM (each its own process, so the GPU is empty
 # for the next one; the 61 GB model cannot be held twice)
@@ -50,40 +31,7 @@ else
   VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
 fi
 say "a) shape $SHAPE"
-t=$(slot 130 270)
-timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine rlserve --no-hf "${TP_ARGS[@]}" \
-  --json "$OUT_DIR/throughput_rlserve.json" > "$OUT_DIR/throughput_rlserve.log" 2>&1
-say "a) rlserve rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
-if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_PYTHONPATH:-}" ]; then
-  say "a) vllm skipped (dry run without VLLM_PYTHONPATH)"
-else
-  t=$(slot 260 110)
-  # vLLM's own environment only in this subshell (env.sh: offline, no flashinfer sampler); the child
-  # that runs vLLM gets PYTHONPATH=/tmp/vsite alone (throughput.run_vllm)
-  ( [ -f /tmp/vsite/env.sh ] && source /tmp/vsite/env.sh
-    timeout -k 5 "$t" $PY benchmarks/throughput.py --shape "$SHAPE" --engine vllm --no-hf "${TP_ARGS[@]}" \
-      "${VLLM_ARGS[@]}" --json "$OUT_DIR/throughput_vllm.json" ) > "$OUT_DIR/throughput_vllm.log" 2>&1
-  say "a) vllm rc=$? ($t s limit): $(grep -E '^  vllm' "$OUT_DIR/throughput_vllm.log" | tr -s ' ')"
-  say "a) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory' "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | tr '\n' ' ')"
-fi
-$PY - "$OUT_DIR" <<'EOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import json, os, sys
-out = sys.argv[1]
-res = {}
-for e in ("rlserve", "vllm"):
-    p = os.path.join(out, f"throughput_{e}.json")
-    if os.path.exists(p):
-        res[e] = json.load(open(p))["results"][0]
-r, v = res.get("rlserve"), res.get("vllm")
-for name, x in res.items():
-    print(f"a) {name}: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s), batch-1 "
-          f"{x.get('batch1_ms_per_token', float('nan')):.3f} ms/token, startup {x.get('startup_s', 0):.1f} s, "
-          f"KV {x.get('kv_cache_tokens')} tokens")
-if r and v:
-    print(f"a) rlserve / vLLM: {r['tokens_per_s'] / v['tokens_per_s']:.3f}x offline (target >= 1.0, goal 1.3); "
-          f"batch-1 time {r['batch1_ms_per_token'] / v['batch1_ms_per_token']:.3f}x of vLLM's (target <= 1.0)")
-json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
-EOF
+throughput_pair a 130 270 260 110 --shape "$SHAPE" "${TP_ARGS[@]}" --vllm "${VLLM_ARGS[@]}"
 
 # ---- b) GPU tests (skip on CPU: the dry run checks they collect and skip)
 t=$(slot 100 70)

@@ -7,26 +7,14 @@
 #   b) with what is left: the GPU test the first call's timeout cut
 #      (test_nccl_expert_sync_greedy_equals_trainer[gloo-cuda-fused]).
 # DRY_RUN=1: the same steps on the CPU with a tiny MoE shape.
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_moe_b_out}"; mkdir -p "$OUT_DIR"
-DRY_RUN=${DRY_RUN:-0}
-BUDGET=${BUDGET:-120}
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-say() { echo "[s13_moe_b +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT_DIR/summary.txt"; }
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
+NAME=s13_moe_b BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 if [ "$DRY_RUN" = 1 ]; then
-  CARD="cpu (dry run)"
   ARGS=(--shape small-qwen3-moe --device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4)
 else
-  CARD=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
   ARGS=(--shape qwen3-30b-a3b --device cuda --gpu-memory-utilization 0.93)
 fi
 say "card: $CARD"
-echo "$CARD" > "$OUT_DIR/card.txt"
-timeout -k 5 85 $PY benchmarks/throughput.py --engine rlserve --no-hf "${ARGS[@]}" \
+bounded 85 $PY benchmarks/throughput.py --engine rlserve --no-hf "${ARGS[@]}" \
   --json "$OUT_DIR/throughput_rlserve_093.json" > "$OUT_DIR/throughput_rlserve_093.log" 2>&1
 say "a) rlserve rc=$?: $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve_093.log" | tr -s ' ')"
 say "a) $(grep -E '^rlserve KV sizing' "$OUT_DIR/throughput_rlserve_093.log")"

