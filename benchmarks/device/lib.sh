@@ -19,7 +19,7 @@
 #                   --engine vllm ARGS VLLM_ARGS (under `slot VCAP VKEEP`, /tmp/vsite/env.sh sourced in a
 #                   subshell; skipped in a dry run without VLLM_PYTHONPATH), each its own process: logs and JSON
 #                   $OUT_DIR/throughput_{rlserve,vllm}.*, a summary line each ("TAG) ...") and rlserve / vLLM,
-#                   both results in $OUT_DIR/throughput.json
+#                   both results in $OUT_DIR/throughput.json (benchmarks/device/throughput_summary.py)
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${NAME:?set NAME before sourcing lib.sh}"
@@ -84,25 +84,7 @@ throughput_pair() {
     say "$tag) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory|kv_cache_dtype' \
       "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
   fi
-  $PY - "$OUT_DIR" "$tag" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import json, os, sys
-out, tag = sys.argv[1], sys.argv[2]
-res = {}
-for e in ("rlserve", "vllm"):
-    p = os.path.join(out, f"throughput_{e}.json")
-    if os.path.exists(p):
-        res[e] = json.load(open(p))["results"][0]
-for name, x in res.items():
-    b1 = f", batch-1 {x['batch1_ms_per_token']:.3f} ms/token" if "batch1_ms_per_token" in x else ""
-    print(f"{tag}) {name}: {x['tokens_per_s']:.1f} tok/s ({x['seconds']:.2f} s, {x['output_tokens']} tokens){b1}, "
-          f"startup {x.get('startup_s', 0):.1f} s, KV {x.get('kv_cache_tokens')} tokens")
-r, v = res.get("rlserve"), res.get("vllm")
-if r and v:
-    b1 = (f"; batch-1 time {r['batch1_ms_per_token'] / v['batch1_ms_per_token']:.3f}x of vLLM's"
-          if "batch1_ms_per_token" in r and "batch1_ms_per_token" in v else "")
-    print(f"{tag}) rlserve / vLLM: {r['tokens_per_s'] / v['tokens_per_s']:.3f}x offline{b1}")
-json.dump(res, open(os.path.join(out, "throughput.json"), "w"), indent=1)
-PYEOF
+  $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "$tag)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 }
 if [ "$DRY_RUN" = 1 ] || ! command -v nvidia-smi >/dev/null; then
   CARD="cpu (dry run)"; MEM_MIB=0
