@@ -197,8 +197,8 @@ def test_one_launch_pack_equals_pack_at_every_new_buffer(monkeypatch):
     """The CUDA IPC packed sender's one-launch pack (rlserve.transfer.wire.pack_device), through
     the interpreter: the bytes of a fresh buffer at a new address (stale bytes in the padding)
     equal pack()'s, the returned sum is the bucket's checksum, the op is built once per layout
-    and source addresses; a source outside the fixed storages, or of a size that is not a
-    multiple of 8 bytes, is left to pack()."""
+    and source addresses (a source at a new address: built again, reads it); a source of a size
+    that is not a multiple of 8 bytes is left to pack()."""
     from functools import partial
 
     from rlserve.transfer.multi_tensor import MultiTensorSum
@@ -209,25 +209,27 @@ def test_one_launch_pack_equals_pack_at_every_new_buffer(monkeypatch):
     monkeypatch.setattr(MultiTensorSum, "build", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     params = [finite_extremes(torch.bfloat16, 36).reshape(4, 9), finite_extremes(torch.float32, 50),
               torch.arange(12, dtype=torch.int64)]
-    fixed = {t.untyped_storage().data_ptr() for t in params}
     (b,) = plan_buckets(["x", "y", "z"], [t.dtype for t in params], [t.shape for t in params], 1 << 20)
     want = torch.zeros(b.nbytes, dtype=torch.uint8)
     pack(want, b, params)
     packer = DevicePacker(_allow_cpu=True)
     for _ in range(2):
         buf = torch.full((b.nbytes + 64,), 0xAB, dtype=torch.uint8)  # stale bytes everywhere
-        total = packer.pack(buf, b, params, fixed)
+        total = packer.pack(buf, b, params)
         assert torch.equal(buf[: b.nbytes], want) and int(total) == checksum(want)
     assert len(built) == 1
     params[1].mul_(2)  # same addresses, new values: the cached op copies the new bytes
     pack(want, b, params)
-    total = packer.pack(torch.empty(b.nbytes, dtype=torch.uint8), b, params, fixed)
+    total = packer.pack(torch.empty(b.nbytes, dtype=torch.uint8), b, params)
     assert int(total) == checksum(want) and len(built) == 1
-    assert packer.pack(torch.empty(b.nbytes, dtype=torch.uint8), b, params[:2] + [params[2].clone()], fixed) is None
+    moved = params[:2] + [params[2] + 5]  # a tensor made for this sync: another address
+    pack(want, b, moved)
+    buf = torch.empty(b.nbytes, dtype=torch.uint8)
+    total = packer.pack(buf, b, moved)
+    assert torch.equal(buf, want) and int(total) == checksum(want) and len(built) == 2
     odd = [torch.ones(3, dtype=torch.float16), torch.ones(4)]
     (ob,) = plan_buckets(["o", "p"], [t.dtype for t in odd], [t.shape for t in odd], 1 << 20)
-    fixed_odd = {t.untyped_storage().data_ptr() for t in odd}
-    assert packer.pack(torch.empty(ob.nbytes, dtype=torch.uint8), ob, odd, fixed_odd) is None
+    assert packer.pack(torch.empty(ob.nbytes, dtype=torch.uint8), ob, odd) is None
 
 
 def test_bucket_plan_one_launch_replay_reads_the_new_address(tiny_model, monkeypatch):

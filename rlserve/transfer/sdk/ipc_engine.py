@@ -249,7 +249,6 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         it = iter(self.source.named_tensors())
         total = 0
         persistent = self._persistent_storages() if not info.packed else set()
-        fixed = self._persistent_storages() if info.packed else set()
         batch: list[tuple] = []  # (slot, tensor) of persistent tensors: one call at the end
         phases: dict[str, float] = {}
 
@@ -278,9 +277,9 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                 if info.packed:
                     buf = bufs[bi % nbuf]
                     tensors = take_bucket_tensors(it, b)
-                    # the trainer's own parameters: one launch per bucket, the checksum in the same
-                    # pass (rlserve.transfer.wire.pack_device); else slot by slot
-                    summed = self._packer.pack(buf, b, tensors, fixed)
+                    # one launch per bucket, the checksum in the same pass, cached per layout and
+                    # source addresses (rlserve.transfer.wire.pack_device); else slot by slot
+                    summed = self._packer.pack(buf, b, tensors)
                     if summed is None:
                         pack(buf, b, tensors)
                         checksums = [checksum(buf[: b.nbytes])] if ii.checksums else None

@@ -1,4 +1,4 @@
-"""Packing a bucket of a trainer's fixed CUDA tensors in one launch (the CUDA IPC packed sender).
+"""Packing a bucket of a trainer's CUDA tensors in one launch (the CUDA IPC packed sender).
 
 :func:`rlserve.transfer.wire.packing.pack` copies slot by slot: per tensor a slice, a byte view,
 a ``copy_`` launch and a ``zero_`` of the padding after it, ~15 us of Python and launches each;
@@ -9,11 +9,11 @@ is 24 ms (BENCHMARKS.md, MoE). Then the bucket's checksum read every byte once m
 :class:`~rlserve.transfer.multi_tensor.MultiTensorSum` that copies every slot and zero-fills
 every padding gap (from a zero block) in ONE launch and sums the bytes it wrote in the same pass;
 the buffer is a fresh allocation per sync, so the op's destination table is moved to it with one
-device add (:meth:`~rlserve.transfer.multi_tensor.MultiTensorSum.relocated`). Only for sources in
-memory that stays where it is across syncs (the trainer's parameters: the caller says which) --
-a tensor made for this sync (a cast, an FSDP gather) would leave a stale address in the cache --
-and where the op can run (contiguous, 8-byte aligned, slot sizes a multiple of 8 bytes);
-otherwise the caller packs as before.
+device add (:meth:`~rlserve.transfer.multi_tensor.MultiTensorSum.relocated`). The key holds every
+source's address, so a cached op always reads the tensors the caller holds now (a tensor made for
+this sync, a cast or an FSDP gather, at a new address is a new key: built once more, like
+:func:`pack`); the op keeps no reference to them. Only where the op can run (contiguous, 8-byte
+aligned, slot sizes a multiple of 8 bytes); otherwise the caller packs as before.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ MAX_OPS = 4096
 
 
 class DevicePacker:
-    """One-launch packs of fixed CUDA tensors into fresh bucket buffers (module docstring)."""
+    """One-launch packs of CUDA tensors into fresh bucket buffers (module docstring)."""
 
     def __init__(self, _allow_cpu: bool = False):
         self._allow_cpu = _allow_cpu  # tests: CPU tensors through Triton's interpreter
         self._ops: OrderedDict[tuple, object] = OrderedDict()
         self._zeros: dict[torch.device, torch.Tensor] = {}
 
-    def pack(self, buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor],
-             fixed_storages: set[int]) -> torch.Tensor | None:
+    def pack(self, buf: torch.Tensor, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Queue the copy of ``tensors`` (one per slot) into ``buf[:bucket.nbytes]``, padding
         zeroed, on the current stream; returns the bucket's ``s64sum`` checksum as a 0-dim int64
         device tensor (equal to ``checksum_tensor(buf[:bucket.nbytes])``), or ``None`` when this
@@ -46,15 +45,13 @@ class DevicePacker:
 
         Args:
             buf: 1-D uint8 CUDA buffer of at least ``bucket.nbytes`` bytes, 8-byte aligned.
-            tensors: the slots' tensors (dtypes and shapes checked by the caller).
-            fixed_storages: ``untyped_storage().data_ptr()`` of the memory that stays in place
-                across syncs; a bucket with any other tensor is not cached.
+            tensors: the slots' tensors (dtypes and shapes checked by the caller), alive until
+                the copy has run (it is queued on the current stream).
         """
         if not (buf.is_cuda or self._allow_cpu) or buf.data_ptr() % 8 or buf.numel() < bucket.nbytes:
             return None
         for t in tensors:
-            if t.device != buf.device or not t.is_contiguous() \
-                    or t.untyped_storage().data_ptr() not in fixed_storages:
+            if t.device != buf.device or not t.is_contiguous():
                 return None
         key = (buf.device, bucket.nbytes, tuple((s.offset, s.nbytes) for s in bucket.slots),
                tuple(t.data_ptr() for t in tensors))
