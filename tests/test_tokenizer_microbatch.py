@@ -65,6 +65,7 @@ def test_waiting_requests_are_encoded_in_one_batch_with_the_same_ids():
     tok = build_tokenizer()
     tt = TokenizerThreads(tok)
     spy = tt._copies[False] = _Spy(build_tokenizer())  # the short-text thread's own tokenizer
+    tt.batch_texts = 100
     requests = [[f"hello world {i} " * (i + 1)] for i in range(20)] + [["ab cd", "é😀 x\n\n"], ["a" * 3000]]
     flags = [i % 2 == 0 for i in range(len(requests))]
     got = asyncio.run(_burst(tt, requests, flags))
@@ -75,9 +76,26 @@ def test_waiting_requests_are_encoded_in_one_batch_with_the_same_ids():
     assert tt._batch == [] and not tt._batch_queued
 
 
+def test_batches_hold_whole_requests_up_to_batch_texts():
+    """At most ``batch_texts`` texts a call (twice the cores by default), whole requests only:
+    one with more texts than that goes alone; the waiting order is kept."""
+    from rlserve.server.tokenizer_threads import _cores
+
+    tok = build_tokenizer()
+    tt = TokenizerThreads(tok)
+    assert tt.batch_texts == 2 * _cores() >= 2
+    spy = tt._copies[False] = _Spy(build_tokenizer())
+    tt.batch_texts = 4
+    requests = [[f"t{i}"] for i in range(5)] + [["x", "y", "z"], [f"u{i}" for i in range(5)], ["last"]]
+    got = asyncio.run(_burst(tt, requests, [True] * len(requests)))
+    assert got == [[tok.encode(t) for t in texts] for texts in requests]
+    assert spy.calls == [("batch", 4), ("batch", 4), ("batch", 5), ("batch", 1)], spy.calls
+
+
 def test_a_bad_text_fails_only_its_request():
     tt = TokenizerThreads(build_tokenizer())
     spy = tt._copies[False] = _Spy(build_tokenizer())
+    tt.batch_texts = 100  # one batch whatever the machine's cores
     requests = [["one"], ["two BAD"], ["three", "four"]]
     got = asyncio.run(_burst(tt, requests, [True] * 3))
     tok = build_tokenizer()
