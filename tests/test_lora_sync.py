@@ -354,3 +354,42 @@ def test_batched_slot_commit_refuses_what_it_would_round_twice():
     assert not slots_ok({"m": {"A": torch.zeros(2, 2, dtype=torch.float64), "B": torch.zeros(2, 2)}},
                         torch.float32, cpu)
     assert not slots_ok({"m": {"A": torch.zeros(2, 2), "B": torch.zeros(2, 2)}}, torch.float64, cpu)
+
+
+def _stage_factors(worker, rank: int, seed: int) -> int:
+    """An rpc target: random factors of every LoRA-capable module, as an adapter sync's receive
+    leaves them in the worker's staging dict. Returns how many."""
+    from rlserve.lora.model import lora_of
+    from rlserve.transfer.server.worker_ext import _state
+
+    g = torch.Generator().manual_seed(seed)
+    st = _state(worker)
+    for module, (out_f, in_f) in lora_of(worker.model).targets.items():
+        st.staging[f"{module}.lora_A.weight"] = torch.randn(rank, in_f, generator=g)
+        st.staging[f"{module}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
+    return len(st.staging)
+
+
+def test_a_synced_version_takes_the_slot_of_a_finished_retired_one(base):
+    """Kernel path (slot buffers: --max-loras 1 gives two slots): version 1 was unloaded while requests
+    still ran on it (retired), they finished since; version 3's commit frees it first and takes its slot.
+    The old commit did not sweep: 'all 2 LoRA slots hold adapters', and every retry failed alike."""
+    from types import SimpleNamespace
+
+    from rlserve import LLM
+    from rlserve.lora.engine_ops import unload_lora
+    from rlserve.lora.model import LoRAModel
+    from rlserve.lora.sync import commit_synced
+
+    llm = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    lora = LoRAModel.install(llm.engine.model, 8, torch.float32, "cpu", max_loras=1, kernel=True)
+    core = SimpleNamespace(engine=llm.engine)
+    for version in (1, 2):
+        assert llm.engine.collective_rpc("tests.test_lora_sync:_stage_factors", 4, version)[0] > 0
+        assert commit_synced(core, version, 4, 2.0, 30.0)["rank"] == 4
+    lora.retired.add(1)  # unloaded while a request ran on it (unload_lora keeps it then)
+    assert sorted(lora.slot_of.items()) == [(1, 0), (2, 1)]
+    llm.engine.collective_rpc("tests.test_lora_sync:_stage_factors", 4, 3)
+    assert commit_synced(core, 3, 4, 2.0, 30.0)["rank"] == 4
+    assert sorted(lora.slot_of.items()) == [(2, 1), (3, 0)] and 1 not in lora.adapters
+    assert unload_lora(core, 2) is True and sorted(lora.slot_of) == [3]

@@ -26,7 +26,8 @@ def _in_use(engine) -> set[int]:
     return {getattr(r.params, "lora_int_id", 0) for r in engine.requests.values() if not r.finished}
 
 
-def _sweep(engine, lora: LoRAModel) -> None:
+def sweep(engine, lora: LoRAModel) -> None:
+    """Free the retired adapters no unfinished request of ``engine`` runs on any more."""
     used = _in_use(engine)
     for adapter_id in [a for a in lora.retired if a not in used]:
         lora.remove(adapter_id)
@@ -37,7 +38,7 @@ def load_lora(core, adapter_id: int, path: str, name: str) -> dict:
     bytes, path). Raises LoRAAdapterError / LoRAAdapterNotFoundError (nothing loaded)."""
     engine = core.engine
     lora = _lora(engine)
-    _sweep(engine, lora)
+    sweep(engine, lora)
     return lora.load(int(adapter_id), str(path), name=str(name))
 
 
@@ -51,7 +52,7 @@ def unload_lora(core, adapter_id: int) -> bool:
     if adapter_id not in lora.adapters:
         return True
     lora.retired.add(adapter_id)
-    _sweep(engine, lora)
+    sweep(engine, lora)
     return adapter_id not in lora.adapters
 
 

@@ -166,7 +166,14 @@ def commit_worker(worker, adapter_id: int, rank: int, scaling: float) -> dict:
 
 
 def commit_synced(core, adapter_id: int, rank: int, scaling: float, timeout_s: float) -> dict:
-    """Engine call: :func:`commit_worker` on this replica's worker(s); its answer."""
+    """Engine call: :func:`commit_worker` on this replica's worker(s); its answer. Adapters
+    unloaded earlier whose last requests have finished since are freed first (as a file load
+    does): their slots are what the new version takes (with ``--max-loras 1`` there are two)."""
+    from rlserve.lora.engine_ops import sweep
+
+    lora = lora_of(core.engine.model)
+    if lora is not None:
+        sweep(core.engine, lora)
     res = core.engine.collective_rpc(f"{__name__}:commit_worker", adapter_id, rank, scaling, timeout_s=timeout_s)
     return res[0] if res else {}
 
