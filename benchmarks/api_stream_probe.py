@@ -181,3 +181,17 @@ def summarize(out_dir: str, t0: float, t1: float, top: int = 5) -> dict:
         dst["slow"].setdefault("top", []).extend(
             [name, len(v), round(sum(v), 1), round(max(v), 1)] for name, v in ranked)
     return out
+
+
+def split_lines(out_dir: str) -> list[str]:
+    """One line per API process of ``out_dir``'s split timers (``<pid>.split``, ``API_STREAM_PROBE_SPLIT=1``):
+    each timed part's calls and seconds."""
+    import glob
+    import json
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.split"))):
+        with open(path) as f:
+            sums = json.load(f)["sums"]
+        out.append(os.path.basename(path) + ": " + ", ".join(f"{k} {n} calls {t:.2f} s" for k, (n, t) in sums.items()))
+    return out

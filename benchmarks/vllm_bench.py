@@ -233,6 +233,25 @@ def with_concurrency(bench_args: list[str], c: int | None) -> list[str]:
     return without_concurrency(bench_args) + ["--max-concurrency", str(c)]
 
 
+def summary_lines(path: str) -> list[str]:
+    """One line per run of a ``--json`` file (the device scripts' summaries): completed requests,
+    output tok/s, TTFT mean / p99, ITL median / p99, peak output tok/s, the client's wall time
+    (``--one-client``)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"no results in {path}: {e}"]
+    out = []
+    for r in rows:
+        x = r["result"]
+        out.append(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
+                   f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
+                   f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s"
+                   + (f", client {x['client_wall_s']:.0f} s" if "client_wall_s" in x else ""))
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     names = [r["config"] for r in rows]
     print("\n| metric | " + " | ".join(names) + " |")

@@ -41,18 +41,8 @@ bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs 
     --json "$OUT_DIR/vllm_bench.json" \
     -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
 say "vllm_bench rc=$?"
-$PY - "$OUT_DIR/vllm_bench.json" <<'EOF' | tee -a "$OUT_DIR/summary.txt" || true
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["rows"]
-except Exception as e:  # noqa: BLE001
-    print("no results:", e); sys.exit(0)
-for r in rows:
-    x = r["result"]
-    print(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
-          f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
-          f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s, client {x.get('client_wall_s', 0):.0f} s")
-EOF
+$PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
+    "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
 # if time is left (~40 s): rlserve at c256 again with the stall probe and the output callback's split timers
 # (benchmarks/api_stream_probe.py; its figures are the diagnosis, not the result: ~0.5 us per callback)
 if [ "$(left)" -gt 45 ]; then
@@ -62,14 +52,11 @@ if [ "$(left)" -gt 45 ]; then
       --configs "rlserve-split=@PYTHONPATH=$PROBE_SITE:${PYTHONPATH:-$PWD} @API_STREAM_PROBE_DIR=$PROBE @API_STREAM_PROBE_SLOW_MS=10 @API_STREAM_PROBE_SPLIT=1 $PFLAGS --disable-access-log" \
       -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench_probe.log" 2>&1
   say "probe run rc=$?"
-  $PY - "$PROBE" <<'EOF2' 2>&1 | tee -a "$OUT_DIR/summary.txt" || true
-import glob, json, os, sys
-from benchmarks.api_stream_probe import summarize
-print("probe:", json.dumps(summarize(sys.argv[1], 0, 1e12))[:1500])
-for path in glob.glob(os.path.join(sys.argv[1], "*.split")):  # seconds per part of the output callback
-    sums = json.load(open(path))["sums"]
-    print(os.path.basename(path) + ": " + ", ".join(f"{k} {n} calls {t:.2f} s" for k, (n, t) in sums.items()))
-EOF2
+  $PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
+      "$OUT_DIR/vllm_bench_probe.json" | tee -a "$OUT_DIR/summary.txt"
+  $PY -c "import json, sys; from benchmarks.api_stream_probe import split_lines, summarize
+print('probe:', json.dumps(summarize(sys.argv[1], 0, 1e12))[:1500]); print('\n'.join(split_lines(sys.argv[1])))" \
+      "$PROBE" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 fi
 keep_logs
 gpu_cleanup
