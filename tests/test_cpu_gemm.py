@@ -56,6 +56,9 @@ def test_linear_bits_depend_only_on_the_row(team):
     for i in (0, 7, 39):
         assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, 960, b), full[i:i + 1])
     assert torch.equal(cpu_gemm.linear(x[3:16], packed, 960, b), full[3:16])
+    # 2-3 row blocks run k-piece by k-piece (csrc/cpu_team.c: KC), 4 blocks one pass each
+    for a, z in ((0, 24), (4, 29), (0, 36), (1, 38)):
+        assert torch.equal(cpu_gemm.linear(x[a:z], packed, 960, b), full[a:z])
     wide = torch.randn(40, 700)
     wide[:, 50:626] = x
     assert torch.equal(cpu_gemm.linear(wide[:, 50:626], packed, 960, b), full)  # row stride 700

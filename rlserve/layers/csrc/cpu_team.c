@@ -225,18 +225,42 @@ static inline __attribute__((always_inline)) vf16 fma16(float a, vf16 w, vf16 ac
 #endif
 #define PF_DIST 16
 #define PF_LOC 3
+/* Tiles of 2 or more rows also prefetch PF_L2 panel rows ahead into L2: their loop takes
+   longer per panel row than one row's, and PF_DIST rows ahead into L1 alone came too late to
+   hide the memory latency. SmolLM2-135M's 30 layers' linears + LM head, one thread, CPU ms
+   (2026-12-06, Xeon, load 9-10; with KC's pieces below): 4 / 8 / 16 rows 48-53 / 53-56 /
+   64-67 -> 43-48 / 48-49 / 57-58 (PF_L2 48: 48-52 / 50 / 57-58; 64 or 96 no better). One
+   row: no gain (38 -> 40 ms with it), so not there. */
+#define PF_L2 32
 #define PW 32 /* panel width: output columns per packed panel */
 
-/* MB rows x one panel: xt holds the rows' inputs transposed (xt[k][m]), wp the panel
-   ([K][32]), out the first row's first column; ncols (<= 32) columns are stored. */
-static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t K, float *out,
-                                                       int64_t ldo, int ncols, const float *bias, const int MB) {
+/* MB rows x one panel over k in [0, kn): xt holds the rows' inputs transposed (xt[k][m]) from
+   the first k of the piece on, wp the panel's rows from there ([kn][32]). The accumulators
+   start at zero (acc_in NULL) or at acc_in's [MB][32] values (the piece before: a longer sum
+   cut in k-pieces, the same fused multiply-adds in the same order, so the same bits); they end
+   in acc_out ([MB][32]) or, when acc_out is NULL (the last piece), + bias in the ncols (<= 32)
+   stored columns of out (the first row's first column; row stride ldo). pf, pf2: prefetch
+   distances in panel rows into L1 and L2 (0: none). */
+static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t kn,
+                                                       const float *acc_in, float *acc_out, float *out,
+                                                       int64_t ldo, int ncols, const float *bias, const int64_t pf,
+                                                       const int64_t pf2, const int MB) {
     vf16 acc[MAX_MB][2];
-    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = (vf16){0};
-    for (int64_t k = 0; k < K; k++) {
-        if (PF_DIST > 0) { /* the panel's stream, PF_DIST rows of 128 bytes ahead (past its end: harmless) */
-            __builtin_prefetch(wp + PW * (k + PF_DIST), 0, PF_LOC);
-            __builtin_prefetch(wp + PW * (k + PF_DIST) + 16, 0, PF_LOC);
+    if (acc_in)
+        for (int m = 0; m < MB; m++) {
+            acc[m][0] = *(const vf16u *)(acc_in + PW * m);
+            acc[m][1] = *(const vf16u *)(acc_in + PW * m + 16);
+        }
+    else
+        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = (vf16){0};
+    for (int64_t k = 0; k < kn; k++) {
+        if (pf > 0) { /* the panel's stream, pf rows of 128 bytes ahead (past its end: harmless) */
+            __builtin_prefetch(wp + PW * (k + pf), 0, PF_LOC);
+            __builtin_prefetch(wp + PW * (k + pf) + 16, 0, PF_LOC);
+        }
+        if (pf2 > 0) { /* and pf2 rows ahead into L2 */
+            __builtin_prefetch(wp + PW * (k + pf2), 0, 2);
+            __builtin_prefetch(wp + PW * (k + pf2) + 16, 0, 2);
         }
         const vf16 w0 = *(const vf16u *)(wp + PW * k), w1 = *(const vf16u *)(wp + PW * k + 16);
         for (int m = 0; m < MB; m++) {
@@ -244,6 +268,13 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
             acc[m][0] = fma16(a, w0, acc[m][0]);
             acc[m][1] = fma16(a, w1, acc[m][1]);
         }
+    }
+    if (acc_out) {
+        for (int m = 0; m < MB; m++) {
+            *(vf16u *)(acc_out + PW * m) = acc[m][0];
+            *(vf16u *)(acc_out + PW * m + 16) = acc[m][1];
+        }
+        return;
     }
     for (int m = 0; m < MB; m++)
         for (int j = 0; j < 2; j++) {
@@ -268,7 +299,26 @@ typedef struct {
     int64_t M, N, K, ldo, panels, panels_per_chunk, mb;
 } gemm_ctx;
 
-#define T1(n) case n: tile(xt, wp, K, om, c->ldo, ncols, b, n); break;
+#define T1(n, PF, PF2) case n: tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n); break;
+#define TILES(PF, PF2) switch (mb) { T1(1, PF, PF2) T1(2, PF, PF2) TILES_MORE(PF, PF2) }
+#if MAX_MB > 2
+#define TILES_MORE(PF, PF2) T1(3, PF, PF2) T1(4, PF, PF2) T1(5, PF, PF2) T1(6, PF, PF2) T1(7, PF, PF2) \
+    T1(8, PF, PF2) T1(9, PF, PF2) T1(10, PF, PF2) T1(11, PF, PF2) T1(12, PF, PF2)
+#else
+#define TILES_MORE(PF, PF2)
+#endif
+
+/* Rows of a call in 2..KCHUNK_MAX_BLOCKS blocks share each panel k-piece by k-piece: every
+   block runs its sums over the piece's KC panel rows (4 KiB, in L1) before the next piece,
+   so the panel streams from memory once per call, not once per block, and the second block
+   prefetches the next piece while it computes. The accumulators wait in a buffer between
+   pieces: the same fused multiply-adds in the same order as one pass (the same bits).
+   SmolLM2-135M's 30 layers' linears + LM head, one thread, CPU time (2026-12-06, Xeon, load
+   8-14): 16 rows 64-69 -> 58-64 ms, 32 rows 84-88 -> 76-80 ms; with 128-row pieces or without
+   the second block's prefetch no faster than one pass per block. Compute-bound calls (many
+   blocks) keep one pass per block: pieces measured ~10% slower at 128 rows. */
+#define KC 32
+#define KCHUNK_MAX_BLOCKS 3
 
 static void gemm_chunk(const void *vctx, int64_t chunk) {
     const gemm_ctx *c = (const gemm_ctx *)vctx;
@@ -276,19 +326,41 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     int64_t p1 = p0 + c->panels_per_chunk;
     if (p1 > c->panels) p1 = c->panels;
     const int64_t K = c->K;
+    const int64_t nblocks = (c->M + c->mb - 1) / c->mb;
+    const int pieces = nblocks > 1 && nblocks <= KCHUNK_MAX_BLOCKS && K > KC;
+    float accbuf[KCHUNK_MAX_BLOCKS * MAX_MB * PW] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; p++) { /* a panel is read from memory once, then from L1/L2 */
-        const float *wp = c->wp + p * K * PW;
         const int ncols = (int)(c->N - PW * p < PW ? c->N - PW * p : PW);
         const float *b = c->bias ? c->bias + PW * p : NULL;
-        for (int64_t m0 = 0; m0 < c->M; m0 += c->mb) {
-            const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
-            const float *xt = c->xt + m0 * K;
-            float *om = c->out + m0 * c->ldo + PW * p;
-            switch (mb) {
-                T1(1) T1(2)
-#if MAX_MB > 2
-                T1(3) T1(4) T1(5) T1(6) T1(7) T1(8) T1(9) T1(10) T1(11) T1(12)
-#endif
+        if (!pieces) {
+            const float *wp = c->wp + p * K * PW, *ai = NULL;
+            float *ao = NULL;
+            const int64_t kn = K;
+            for (int64_t m0 = 0; m0 < c->M; m0 += c->mb) {
+                const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
+                const float *xt = c->xt + m0 * K;
+                float *om = c->out + m0 * c->ldo + PW * p;
+                TILES(PF_DIST, PF_L2)
+            }
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kn = K - k0 < KC ? K - k0 : KC;
+            const float *wp = c->wp + p * K * PW + k0 * PW;
+            for (int64_t m0 = 0, bi = 0; m0 < c->M; m0 += c->mb, bi++) {
+                const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
+                const float *xt = c->xt + m0 * K + k0 * mb;
+                float *om = c->out + m0 * c->ldo + PW * p;
+                float *acc = accbuf + bi * MAX_MB * PW;
+                const float *ai = k0 > 0 ? acc : NULL;
+                float *ao = k0 + kn < K ? acc : NULL;
+                if (bi == 0) { /* streams the piece from memory */
+                    TILES(PF_DIST, PF_L2)
+                } else if (bi == 1) { /* fetches the next piece (past the panel: the next panel's start) */
+                    TILES(KC, 0)
+                } else {
+                    TILES(0, 0)
+                }
             }
         }
     }
