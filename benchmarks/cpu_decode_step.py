@@ -164,23 +164,24 @@ def bench_team_ab(w, batch: int, steps: int) -> None:
 
     from rlserve.layers import cpu_gemm
 
-    size = cpu_gemm.size()
+    team = w.runner.cpu_team or cpu_gemm.current()  # the engine's (made current around every step)
+    size = team.size
     step = _decode_step(batch)
     logits = {}
     for on in (False, True):
-        cpu_gemm.start(size if on else 1)
+        team.size = size if on else 1
         logits[on] = w.execute(step).clone()
     res: dict = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
     load0 = os.getloadavg()[0]
     for i in range(steps):
         for on in ((False, True) if i % 2 == 0 else (True, False)):
-            cpu_gemm.start(size if on else 1)
+            team.size = size if on else 1
             c0, w0 = time.process_time(), time.perf_counter()
             w.execute(step)
             k = "on" if on else "off"
             res[k].append(1e3 * (time.perf_counter() - w0))
             res[k + "_cpu"].append(1e3 * (time.process_time() - c0))
-    cpu_gemm.start(size)
+    team.size = size
     diffs = sorted(a - b for a, b in zip(res["off"], res["on"]))
     med = {k: round(statistics.median(v), 2) for k, v in res.items()}
     print(json.dumps({"batch": batch, "steps_each": steps, "team_size": size,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler:
 def team():
     """A team of 2 in use for the test (restored after)."""
     prev = cpu_gemm.size()
-    assert cpu_gemm.start(2) == 2
+    assert cpu_gemm.start(2).size == 2
     yield
     cpu_gemm.start(prev)
 
@@ -142,26 +142,67 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
     assert 6 in calls and max(calls) > 6  # decode steps (6 rows), their LM head and the prefill used the team
 
 
-def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monkeypatch):
+def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monkeypatch, caplog):
     """A team step that got fewer busy cores than MIN_CORES (here: any step, MIN_CORES huge)
     makes the next ones run inline on the calling thread, backing off 4, 8, ... steps; tokens
-    unchanged (the same kernel and bits either way)."""
+    unchanged (the same kernel and bits either way). The first fallback is logged at info,
+    once per engine."""
+    import logging
+
     from rlserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     prompts = [f"Guard {i}" for i in range(3)]
     path = tiny_model("llama")
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+    team = llm.engine.executor.runner.cpu_team
+    assert team.size == 2
     ref = llm.generate(prompts, params)
     monkeypatch.setattr(cpu_gemm, "MIN_CORES", 1e9)
-    monkeypatch.setitem(cpu_gemm._guard, "skip", 0)
-    monkeypatch.setitem(cpu_gemm._guard, "backoff", cpu_gemm.MIN_BACKOFF)
-    before = cpu_gemm.guard_stats()
-    got = llm.generate(prompts, params)
-    after = cpu_gemm.guard_stats()
+    team.skip, team.backoff, team.logged = 0, cpu_gemm.MIN_BACKOFF, False
+    inline_calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear",
+                        lambda x, *a, **k: inline_calls.append(cpu_gemm.current().threads_now()) or real(x, *a, **k))
+    before = cpu_gemm.guard_stats(team)
+    with caplog.at_level(logging.INFO, logger="rlserve.layers.cpu_gemm"):
+        got = llm.generate(prompts, params)
+        got2 = llm.generate(prompts, params)
+    after = cpu_gemm.guard_stats(team)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    # the prefill step and 11 decode steps: measured, 4 inline, measured, 6 of 8 inline
-    assert after["lost"] - before["lost"] == after["steps"] - before["steps"] == 2
-    assert after["inline"] - before["inline"] == 10
-    cpu_gemm._lib().rlserve_team_set_inline(0)
-    monkeypatch.setitem(cpu_gemm._guard, "skip", 0)
+    assert [o.outputs[0].token_ids for o in got2] == [o.outputs[0].token_ids for o in ref]
+    # per call: the prefill step and 11 decode steps; first call measured, 4 inline, measured,
+    # 6 of 8 inline; second call 2 of 8 inline, measured, 9 of 16 inline
+    assert after["lost"] - before["lost"] == after["steps"] - before["steps"] == 3
+    assert after["inline"] - before["inline"] == 21
+    assert set(inline_calls) == {1, 2}  # inline steps ran their linears on the calling thread alone
+    logged = [r for r in caplog.records if "CPU team: a step got" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.INFO  # once, though 3 steps lost
+
+
+def test_team_state_is_per_engine(tiny_model, monkeypatch):
+    """Two engines in one process: each keeps its own team size and guard (the one built last
+    does not decide for the other), and each gives the tokens of a team-less engine."""
+    from rlserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    prompts = [f"Per engine {i}" for i in range(4)]
+    path = tiny_model("llama")
+    two = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+    one = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 1})  # built last
+    t2, t1 = two.engine.executor.runner.cpu_team, one.engine.executor.runner.cpu_team
+    assert (t2.size, t1.size) == (2, 1) and t2 is not t1
+    sizes = {}
+    real = cpu_gemm.linear
+
+    def spy(x, *a, **k):
+        sizes.setdefault(id(cpu_gemm.current()), set()).add(cpu_gemm.current().threads_now())
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(cpu_gemm, "linear", spy)
+    got2 = two.generate(prompts, params)
+    got1 = one.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got2] == [o.outputs[0].token_ids for o in got1]
+    assert id(t2) in sizes and id(t1) not in sizes  # the team-less engine never calls the team's linear
+    assert 2 in sizes[id(t2)]  # the engine built first still ran on 2 threads
+    assert t1.steps == t1.lost == 0 and t2.steps > 0  # guards: the team-less engine measured nothing

@@ -18,7 +18,11 @@ the other rows of the call, the chunking or the thread (batch-invariant), and eq
 ``F.linear`` up to summation order.
 
 Team size: :func:`rlserve.engine.cpu.cpu_threads.engine_team_size` (the usable CPUs per engine
-rank; ``RLSERVE_CPU_TEAM=1`` turns it off: the previous oneDNN / micro-batch path).
+rank; ``RLSERVE_CPU_TEAM=1`` turns it off: the previous oneDNN / micro-batch path). The worker
+threads are the process's; the size and the contention guard are each engine's own
+(:class:`Team`): an engine's worker makes its team current around every step (:func:`use`), and
+each C call passes how many threads it may use, so two engines in one process (offline ``LLM``
+objects, tests) do not share a size or a back-off.
 Workers spin ``RLSERVE_CPU_TEAM_SPIN_US`` (default 200) microseconds after an operation
 before they sleep: a decode step's next operation follows within tens of microseconds.
 """
@@ -72,42 +76,84 @@ def _lib():
                     lib.rlserve_team_start.restype = ctypes.c_int
                     lib.rlserve_team_size.argtypes = []
                     lib.rlserve_team_size.restype = ctypes.c_int
-                    lib.rlserve_gemm_f32.argtypes = [_P] * 4 + [_I] * 6
+                    lib.rlserve_gemm_f32.argtypes = [_P] * 4 + [_I] * 6 + [ctypes.c_int]
                     lib.rlserve_gemm_f32.restype = ctypes.c_int
-                    lib.rlserve_team_paged_decode_f32.argtypes = [_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+                    lib.rlserve_team_paged_decode_f32.argtypes = ([_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+                                                                  + [ctypes.c_int])
                     lib.rlserve_team_paged_decode_f32.restype = ctypes.c_int
-                    lib.rlserve_team_set_inline.argtypes = [ctypes.c_int]
-                    lib.rlserve_team_set_inline.restype = None
                     lib.rlserve_team_worker_cpu_ns.argtypes = []
                     lib.rlserve_team_worker_cpu_ns.restype = ctypes.c_int64
                 _state["lib"] = lib
     return _state["lib"]
 
 
-def start(size: int) -> int:
-    """Start the team's ``size - 1`` worker threads in this process (once; a later call with a
-    larger size adds workers) and use it from now on; ``size`` 1 stops using it (its threads
-    stay, asleep). The engine built last in a process decides. Returns the team size in use,
-    1 where the library is missing or packed linears are off (``RLSERVE_CPU_PACKED_LINEAR=0``)."""
+class Team:
+    """One engine's use of the process's CPU team: its ``size`` (threads per operation, 1: no
+    team) and its contention guard's state (see :data:`MIN_CORES`)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.skip = 0  # guarded steps left to run inline
+        self.backoff = MIN_BACKOFF
+        self.steps = self.lost = self.inline = 0
+        self.logged = False  # the first fallback is logged (info), later ones counted only
+        self.skip_active = False  # set for the length of a backed-off (inline) step
+
+    def threads_now(self) -> int:
+        """Threads a team call may use now: 1 while the guard backs off, else ``size``."""
+        return 1 if self.skip_active else self.size
+
+
+_NO_TEAM = Team(1)
+_local = threading.local()
+
+
+def start(size: int) -> Team:
+    """Start the process's ``size - 1`` worker threads (once; a later call with a larger size
+    adds workers) and return a new :class:`Team` of that size, made current in the calling
+    thread and the process default (for threads that never :func:`use` one: the engine built
+    last); ``size`` 1 gives a team of 1 (the workers stay, asleep). The size is 1 where the
+    library is missing or packed linears are off (``RLSERVE_CPU_PACKED_LINEAR=0``)."""
     lib = _lib() if size >= 2 else None
     if lib is None or not envs.RLSERVE_CPU_PACKED_LINEAR:
-        _state["size"] = 1
-        return 1
-    spin = envs.RLSERVE_CPU_TEAM_SPIN_US
-    n = lib.rlserve_team_start(size - 1, DEFAULT_SPIN_US if spin is None else spin)
-    _state["started"] = True
-    _state["size"] = n
-    return n
+        n = 1
+    else:
+        spin = envs.RLSERVE_CPU_TEAM_SPIN_US
+        n = min(size, lib.rlserve_team_start(size - 1, DEFAULT_SPIN_US if spin is None else spin))
+    team = Team(n)
+    _state["default"] = team
+    _local.team = team
+    return team
+
+
+def current() -> Team:
+    """The calling thread's team (:func:`use`, else the one :func:`start` made there), else the
+    process default (the last started), else a team of 1."""
+    return getattr(_local, "team", None) or _state.get("default") or _NO_TEAM
+
+
+@contextlib.contextmanager
+def use(team: Team | None):
+    """Make ``team`` current in this thread for the block (``None``: leave it as it is)."""
+    if team is None:
+        yield
+        return
+    prev = getattr(_local, "team", None)
+    _local.team = team
+    try:
+        yield
+    finally:
+        _local.team = prev
 
 
 def size() -> int:
-    """The running team's size (1: no team started in this process)."""
-    return _state.get("size", 1)
+    """The current team's size (1: no team)."""
+    return current().size
 
 
 def active() -> bool:
-    """Whether a team of 2 or more runs in this process (linears and attention use it)."""
-    return size() >= 2
+    """Whether the current team has 2 or more threads (linears and attention use it)."""
+    return current().size >= 2
 
 
 def available() -> bool:
@@ -134,6 +180,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
     """``x [M, K] @ W.T + bias`` -> ``[M, n_out]`` float32 on the team, ``packed`` = :func:`pack` of
     ``W [n_out, K]``. ``x`` float32 CPU with unit column stride (any row stride); ``bias`` ``[n_out]``
     contiguous float32 or ``None``; ``out``: a contiguous ``[M, n_out]`` float32 to write, or None.
+    Runs on the current team's threads (:func:`current`; the calling thread alone while its guard
+    backs off); the bits do not depend on it.
 
     Raises:
         ValueError: shapes that do not match ``packed``.
@@ -147,7 +195,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
     if out is None:
         out = torch.empty((M, n_out), dtype=torch.float32)
     rc = _lib().rlserve_gemm_f32(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                            out.data_ptr(), M, n_out, K, x.stride(0), out.stride(0), 0)
+                                 out.data_ptr(), M, n_out, K, x.stride(0), out.stride(0), 0, current().threads_now())
     if rc != 0:
         raise MemoryError(f"cpu_gemm.linear: no memory for the {M} x {K} input transpose") if rc == 2 else \
             ValueError(f"cpu_gemm.linear: sizes refused: x {tuple(x.shape)}, out {tuple(out.shape)}")
@@ -158,18 +206,19 @@ def paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                       scale: float) -> int:
     """:func:`rlserve.layers.cpu_attention.call`'s kernel with one sequence per team chunk;
-    same arguments (no ``nthreads``), layouts and return code (unchecked, as there)."""
+    same arguments (no ``nthreads``: the current team's threads), layouts and return code
+    (unchecked, as there)."""
     return _lib().rlserve_team_paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), q.shape[0], num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
-        float(scale))
+        float(scale), current().threads_now())
 
 
 def takes(x: torch.Tensor) -> bool:
     """Whether a linear of ``x`` runs on the team: a team runs in this process, ``x`` is a 2-D
     float32 CPU tensor of 1..:data:`MAX_ROWS` rows, and ``--batch-invariant`` is off (that mode
     keeps its own kernels)."""
-    if _state.get("size", 1) < 2 or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+    if current().size < 2 or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
         return False
     from rlserve.batch_invariant import mode as bi_mode
 
@@ -182,42 +231,54 @@ def team_weight(layer) -> torch.Tensor | None:
 
 
 def build_team_weight(layer, weight: torch.Tensor) -> None:
-    """(Re)build ``layer``'s team copy of ``weight`` after a load: :func:`pack` when a team
-    runs in this process, else none (nothing kept)."""
-    layer.__dict__["_cpu_team_weight"] = pack(weight) if active() else None
+    """(Re)build ``layer``'s team copy of ``weight`` after a load: :func:`pack` when the layer's
+    first load ran under a team of 2 or more (:func:`active` then: the engine being built),
+    else none (nothing kept). Later loads (weight syncs, from whatever thread) follow the first."""
+    on = layer.__dict__.get("_cpu_team_on")
+    if on is None:
+        on = layer.__dict__["_cpu_team_on"] = active()
+    layer.__dict__["_cpu_team_weight"] = pack(weight) if on else None
 
 
-_guard = {"skip": 0, "backoff": MIN_BACKOFF, "steps": 0, "lost": 0, "inline": 0}
-
-
-def guard_stats() -> dict:
-    """The contention guard's counts: ``steps`` measured, ``lost`` among them, ``inline`` steps
-    run on the calling thread while backing off."""
-    return {k: _guard[k] for k in ("steps", "lost", "inline")}
+def guard_stats(team: Team | None = None) -> dict:
+    """The contention guard's counts of ``team`` (default: the current one): ``steps``
+    measured, ``lost`` among them, ``inline`` steps run on the calling thread while backing off."""
+    t = team or current()
+    return {"steps": t.steps, "lost": t.lost, "inline": t.inline}
 
 
 @contextlib.contextmanager
 def step_guard():
-    """Run one team step under the contention guard (see :data:`MIN_CORES`). A losing step
-    switches the team to inline (every operation on the calling thread, the LM head and any
-    other team call included) for the next ``backoff`` guarded steps; otherwise the step's wall
-    time and the team's CPU time are measured."""
-    lib = _lib()
-    if _guard["skip"] > 0:
-        _guard["skip"] -= 1
-        _guard["inline"] += 1
-        yield
+    """Run one step of the current team (:func:`current`) under its contention guard (see
+    :data:`MIN_CORES`). A losing step makes the next ``backoff`` guarded steps of this team run
+    inline (every team operation on the calling thread, the LM head included); otherwise the
+    step's wall time and the team's CPU time are measured. The team's first fallback is logged
+    at info (later ones only counted: :func:`guard_stats`)."""
+    team = current()
+    if team.skip > 0:
+        team.skip -= 1
+        team.inline += 1
+        team.skip_active = True
+        try:
+            yield
+        finally:
+            team.skip_active = False
         return
-    lib.rlserve_team_set_inline(0)
+    lib = _lib()
     w0, c0, k0 = time.perf_counter(), time.thread_time(), lib.rlserve_team_worker_cpu_ns()
     yield
     wall = time.perf_counter() - w0
     cpu = time.thread_time() - c0 + 1e-9 * (lib.rlserve_team_worker_cpu_ns() - k0)
-    _guard["steps"] += 1
+    team.steps += 1
     if cpu < MIN_CORES * wall:
-        _guard["lost"] += 1
-        _guard["skip"] = _guard["backoff"]
-        _guard["backoff"] = min(2 * _guard["backoff"], MAX_BACKOFF)
-        lib.rlserve_team_set_inline(1)
+        team.lost += 1
+        team.skip = team.backoff
+        if not team.logged:
+            team.logged = True
+            logger.info("CPU team: a step got %.2f cores (%.1f ms CPU over %.1f ms; < %.2f: another program holds a "
+                        "core): the next %d steps run on the engine thread alone, backing off up to %d steps on "
+                        "each further loss (logged once; counts: cpu_gemm.guard_stats)", cpu / max(wall, 1e-9),
+                        1e3 * cpu, 1e3 * wall, MIN_CORES, team.backoff, MAX_BACKOFF)
+        team.backoff = min(2 * team.backoff, MAX_BACKOFF)
     else:
-        _guard["backoff"] = MIN_BACKOFF
+        team.backoff = MIN_BACKOFF

@@ -220,8 +220,9 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
 def configure_engine_threads(config=None, ranks: int | None = None, bind: bool | None = None) -> int:
     """Set torch's intra-op threads for the engine running in the calling thread (CPU
     engines only: call it from the thread that will run the forward passes, before the
-    first one), start the CPU team (:mod:`rlserve.layers.cpu_gemm`: it must run before the
-    model loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
+    first one), start the engine's CPU team (:mod:`rlserve.layers.cpu_gemm`: current in this
+    thread from now on, :func:`rlserve.layers.cpu_gemm.current`; it must start before the model
+    loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
     process), pin that thread to as many CPUs (:func:`bind_engine_thread`). Returns the
     thread count set."""
     n = engine_cpu_threads(config, ranks)
@@ -232,5 +233,5 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
 
     team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
     logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for linears and "
-                "decode attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team)
+                "decode attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team.size)
     return n

@@ -38,7 +38,7 @@ from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_representatives
 from rlserve.h2d import gather_rows, to_device
-from rlserve.layers import kv_quant
+from rlserve.layers import cpu_gemm, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora.model import lora_of
 
@@ -146,6 +146,7 @@ class ModelRunner:
         self.use_cuda_graphs = self._want_cuda_graphs()
         # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
         self.microbatches = None
+        self.cpu_team = None  # the engine's CPU team (rlserve.layers.cpu_gemm), set by the worker
         if device.type == "cpu":
             n = cpu_microbatch.microbatch_count(config, torch.get_num_threads())
             if n > 1:
@@ -362,9 +363,9 @@ class ModelRunner:
         if lora is not None and lora.merge is not None and lora.merge.prepare(step.lora_ids):
             lora = None  # the step's one adapter is merged into the weights: the base path
         if lora is None or not step.lora_ids:
-            with cpu_microbatch.active(self.microbatches):
+            with cpu_microbatch.active(self.microbatches), cpu_gemm.use(self.cpu_team):
                 return self._execute(step)
-        with lora.step(step.lora_ids, step.query_lens), cpu_microbatch.active(None):
+        with lora.step(step.lora_ids, step.query_lens), cpu_microbatch.active(None), cpu_gemm.use(self.cpu_team):
             # kernel path: decode steps replay graphs of their own; dense grouping runs eagerly
             return self._execute(step, graphs=lora.kernel, lora=lora)
 

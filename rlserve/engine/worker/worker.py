@@ -65,7 +65,10 @@ class Worker:
             from rlserve.engine.cpu.cpu_malloc import tune_malloc
             from rlserve.engine.cpu.cpu_threads import configure_engine_threads
 
+            from rlserve.layers import cpu_gemm
+
             configure_engine_threads(config)  # this thread runs the forward passes
+            cpu_team = cpu_gemm.current()  # this engine's (the runner makes it current for every step)
             tune_malloc()  # keep freed step tensors instead of faulting them in again
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
@@ -83,6 +86,8 @@ class Worker:
 
             self.sleep = WorkerSleep(self)  # on CUDA: the parameters move into a VMM arena now
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config=config)
+        if self.device.type == "cpu":
+            self.runner.cpu_team = cpu_team
 
     #: ``execute`` accepts ``StepInput.input_ids_from`` (device tensors: in-process only).
     supports_device_input_ids = True

@@ -17,6 +17,9 @@
  *   rlserve_team_size()                    1 + running workers
  *   rlserve_gemm_f32(...)                  out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w packed
  *   rlserve_team_paged_decode_f32(...)     paged_decode.c's kernel, sequences over the team
+ * The worker threads are the process's; each call says how many threads of the team it may
+ * use (`team`: the caller + team - 1 workers; 1 runs every chunk on the calling thread), so
+ * that engines in one process keep team sizes (and contention guards) of their own.
  *
  * Packed weight layout: panels of 32 output columns, wp[p][k][j] = w[32 p + j][k] (float32,
  * N padded with zero rows to a multiple of 32): a panel is one contiguous K x 128-byte stream.
@@ -58,7 +61,7 @@ static struct {
     const void *ctx;
     int64_t nchunks;
     int workers;
-    _Atomic int inline_only;  /* set by the caller's contention guard: run every chunk inline */
+    int job_workers;          /* workers with index < job_workers take part in the current job */
     pthread_t threads[MAX_WORKERS];
     int64_t spin_ns;
     pthread_mutex_t start_lock;
@@ -92,7 +95,7 @@ static void run_chunks(uint32_t g, chunk_fn fn, const void *ctx, int64_t n) {
 }
 
 static void *worker_main(void *arg) {
-    (void)arg;
+    const int index = (int)(intptr_t)arg;
     uint32_t seen = atomic_load(&T.gen);
     for (;;) {
         int64_t t0 = now_ns();
@@ -113,7 +116,7 @@ static void *worker_main(void *arg) {
         chunk_fn fn = T.fn;
         const void *ctx = T.ctx;
         int64_t n = T.nchunks;
-        run_chunks(seen, fn, ctx, n);
+        if (index < T.job_workers) run_chunks(seen, fn, ctx, n);
     }
     return NULL;
 }
@@ -139,7 +142,7 @@ int rlserve_team_start(int workers, int spin_us) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&th, &attr, worker_main, NULL);
+        int rc = pthread_create(&th, &attr, worker_main, (void *)(intptr_t)T.workers);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
         T.threads[T.workers++] = th;
@@ -150,9 +153,6 @@ int rlserve_team_start(int workers, int spin_us) {
 }
 
 int rlserve_team_size(void) { return 1 + T.workers; }
-
-/* 1: every operation runs on the calling thread alone (workers asleep) until set back to 0 */
-void rlserve_team_set_inline(int on) { atomic_store(&T.inline_only, on ? 1 : 0); }
 
 /* CPU time the workers used so far, nanoseconds (their thread CPU clocks) */
 int64_t rlserve_team_worker_cpu_ns(void) {
@@ -166,17 +166,18 @@ int64_t rlserve_team_worker_cpu_ns(void) {
     return total;
 }
 
-/* fn(ctx, c) for c in [0, n): on the team when it is free, else all on the calling thread. */
-static void team_run(chunk_fn fn, const void *ctx, int64_t n) {
+/* fn(ctx, c) for c in [0, n): on the caller and team - 1 workers when the team is free, else
+   (or with team <= 1) all on the calling thread. */
+static void team_run(chunk_fn fn, const void *ctx, int64_t n, int team) {
     int expect = 0;
-    if (n <= 1 || T.workers == 0 || atomic_load_explicit(&T.inline_only, memory_order_relaxed) ||
-        !atomic_compare_exchange_strong(&T.busy, &expect, 1)) {
+    if (n <= 1 || team <= 1 || T.workers == 0 || !atomic_compare_exchange_strong(&T.busy, &expect, 1)) {
         for (int64_t c = 0; c < n; c++) fn(ctx, c);
         return;
     }
     T.fn = fn;
     T.ctx = ctx;
     T.nchunks = n;
+    T.job_workers = team - 1;
     atomic_store_explicit(&T.done, 0, memory_order_relaxed);
     uint32_t g = atomic_load(&T.gen) + 1;
     atomic_store_explicit(&T.ticket, (uint64_t)g << 32, memory_order_release);
@@ -368,15 +369,17 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
 
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w^T (+ bias[N]), w packed as above
  * (ceil(N / 32) panels). `chunks`: how many pieces the panels are cut into for the team
- * (<= 0: about 8 per team thread). Returns 0, 1 for sizes it does not take, 2 when the
- * M x K transpose buffer cannot be allocated. */
+ * (<= 0: about 8 per team thread); `team`: threads to use (the caller + team - 1 workers; 1:
+ * the calling thread alone). Returns 0, 1 for sizes it does not take, 2 when the M x K
+ * transpose buffer cannot be allocated. */
 int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *out, int64_t M, int64_t N,
-                     int64_t K, int64_t ldx, int64_t ldo, int64_t chunks) {
+                     int64_t K, int64_t ldx, int64_t ldo, int64_t chunks, int team) {
     if (M < 0 || N <= 0 || K <= 0 || ldx < K || ldo < N) return 1;
     if (M == 0) return 0;
+    if (team > 1 + T.workers) team = 1 + T.workers;
     const int64_t panels = (N + PW - 1) / PW;
     if (chunks <= 0) { /* about 8 per team thread, and few enough panels per chunk to stay in L2 */
-        chunks = 8 * (int64_t)rlserve_team_size();
+        chunks = 8 * (int64_t)(team > 1 ? team : 1);
         const int64_t l2_panels = (512 * 1024) / (K * 4 * PW) > 0 ? (512 * 1024) / (K * 4 * PW) : 1;
         if ((panels + l2_panels - 1) / l2_panels > chunks) chunks = (panels + l2_panels - 1) / l2_panels;
     }
@@ -401,7 +404,7 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
         }
     }
     gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb};
-    team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk);
+    team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
     return 0;
 }
 
@@ -429,15 +432,15 @@ static void attn_chunk(const void *vctx, int64_t b) {
 }
 
 /* rlserve_paged_decode_f32's arguments and checks (paged_decode.c), one sequence per chunk on
- * the team instead of OpenMP threads. */
+ * `team` threads (as rlserve_gemm_f32's) instead of OpenMP threads. */
 int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                                   const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
-                                  int Hkv, int D, int block_size, int max_blocks, float scale) {
+                                  int Hkv, int D, int block_size, int max_blocks, float scale, int team) {
     if (Hkv <= 0 || H % Hkv || H > MAX_H || H * D > MAX_HD || D % 8 || D > MAX_D || block_size > MAX_BS || block_size < 1)
         return 1;
     for (int b = 0; b < B; b++)
         if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return 2;
     attn_ctx a = {q, k_cache, v_cache, block_tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale};
-    team_run(attn_chunk, &a, B);
+    team_run(attn_chunk, &a, B, team);
     return 0;
 }
