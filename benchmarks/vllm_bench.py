@@ -134,7 +134,8 @@ def one_client(args, model: str, name: str, words: list[str], common: list[str],
     cmd, env = bench_command(args, runner=True)
     url_file = os.path.join(out_dir, f"{name}.url")
     base = bench_args if concs == [None] else without_concurrency(bench_args)
-    cmd = [*cmd, "--url-file", url_file, "--wait-for-server", str(args.bench_timeout), *base, "--model", model,
+    # the URL comes once the server is up (vLLM: ~75-100 s on the H100); a server that fails kills the client
+    cmd = [*cmd, "--url-file", url_file, "--wait-for-server", "3600", *base, "--model", model,
            "--tokenizer", model, "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json"]
     labels = [(name, None)] if concs == [None] else [(f"{name}@c{c}", c) for c in concs]
     if concs != [None]:
@@ -170,6 +171,8 @@ def one_client(args, model: str, name: str, words: list[str], common: list[str],
                 on_row(label, c, result)
                 labels.pop(0)
         finally:
+            if client.poll() is None:  # first: it is quick, the server's stop may not be (vLLM: up to 30 s)
+                client.kill()
             srv.stop()
     finally:
         if client.poll() is None:
@@ -264,7 +267,16 @@ def print_table(rows: list[dict]) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (a ``timeout`` that bounds this script) unwinds like an exception, so that the
+    servers and clients started here are stopped by their ``finally`` blocks."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_args = DEFAULT_BENCH
     if "--" in argv:
