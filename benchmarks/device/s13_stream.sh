@@ -35,8 +35,7 @@ if [ "$DRY_RUN" = 1 ]; then
   rc=$?
   say "dry run: vllm_bench rc=$rc; $(grep -c '"config"' "$OUT_DIR/vllm_bench.json" 2>/dev/null || echo 0) rows"
   tail -n 25 "$OUT_DIR/vllm_bench.log"
-  $PY -c "import json; from benchmarks.api_stream_probe import summarize; print(json.dumps(summarize('$PROBE', 0, 1e12)))" \
-      > "$OUT_DIR/probe.json" 2>&1; say "probe: $(head -c 600 "$OUT_DIR/probe.json")"
+  $PY benchmarks/device/vllm_bench_summary.py "$OUT_DIR/vllm_bench.json" --probe "$PROBE" | tee -a "$OUT_DIR/summary.txt"
   keep_logs
   exit 0
 fi
@@ -58,20 +57,7 @@ timeout -k 5 370 $PY benchmarks/vllm_bench.py --shape qwen3-0.6b --bench-timeout
     --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
 rc=$?
 say "vllm_bench rc=$rc"
-$PY - "$OUT_DIR/vllm_bench.json" <<'EOF' || true
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["rows"]
-except Exception as e:  # noqa: BLE001
-    print("no results:", e); sys.exit(0)
-for r in rows:
-    x = r["result"]
-    print(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
-          f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/"
-          f"{x['p99_itl_ms']:.1f} ms, peak {x.get('max_output_tokens_per_s', 0):,.0f}/s")
-EOF
-$PY -c "import json; from benchmarks.api_stream_probe import summarize; print(json.dumps(summarize('$PROBE', 0, 1e12)))" \
-    > "$OUT_DIR/probe.json" 2>&1 && say "probe: $(head -c 1500 "$OUT_DIR/probe.json")"
+$PY benchmarks/device/vllm_bench_summary.py "$OUT_DIR/vllm_bench.json" --probe "$PROBE" | tee -a "$OUT_DIR/summary.txt"
 keep_logs
 gpu_cleanup
 say "done"

@@ -25,20 +25,7 @@ timeout -k 5 $LIMIT $PY benchmarks/vllm_bench.py "${SHAPE[@]}" --bench-timeout $
     --json "$OUT_DIR/vllm_bench.json" \
     -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
 say "vllm_bench rc=$?"
-$PY - "$OUT_DIR/vllm_bench.json" "$PROBE" <<'PYEOF' || true
-import collections, glob, json, os, sys
-try:
-    rows = json.load(open(sys.argv[1]))["rows"]
-except Exception as e:  # noqa: BLE001
-    rows = []; print("no results:", e)
-for r in rows:
-    x = r["result"]
-    print(f"{r['config']}: {x['completed']} ok, {x['output_throughput']:,.0f} tok/s, TTFT mean/p99 "
-          f"{x['mean_ttft_ms']:.0f}/{x['p99_ttft_ms']:.0f} ms, ITL median/p99 {x['median_itl_ms']:.1f}/{x['p99_itl_ms']:.1f} ms")
-for path in glob.glob(os.path.join(sys.argv[2], "*.split")):  # seconds per part of the output callback
-    sums = json.load(open(path))["sums"]
-    print(os.path.basename(path) + ": " + ", ".join(f"{k} {n} calls {t:.2f} s" for k, (n, t) in sums.items()))
-PYEOF
+$PY benchmarks/device/vllm_bench_summary.py "$OUT_DIR/vllm_bench.json" --probe "$PROBE" | tee -a "$OUT_DIR/summary.txt"
 for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$PROBE_SITE/sitecustomize.py" 2>/dev/null); do
   tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
 done
