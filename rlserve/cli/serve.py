@@ -350,6 +350,11 @@ def run(args) -> int:
     if args.weight_transfer_config is not None and "backend" not in args.weight_transfer_config:
         print("rlserve serve: error: --weight-transfer-config needs a \"backend\" (nccl | gloo | ipc)", file=sys.stderr)
         return 2
+    prestart = (args.engine_mode or envs.RLSERVE_ENGINE_MODE) == "process"
+    if prestart:  # the engine-core processes import the engine while this one imports and checks its part
+        from rlserve.engine.front.core_client import discard_prestarted, prestart_cores
+
+        prestart_cores(max(1, int(getattr(args, "data_parallel_size", 1) or 1)))
     try:
         if args.weight_transfer_config is not None:
             from rlserve.config import resolve_device
@@ -366,6 +371,8 @@ def run(args) -> int:
         _check_cpu_environment(config)
         sock = _bind(args.host, args.port)
     except (RLServeError, ValueError, OSError) as e:
+        if prestart:
+            discard_prestarted()
         print(f"rlserve serve: error: {e}", file=sys.stderr)
         return 2
 
@@ -384,6 +391,8 @@ def run(args) -> int:
                               tokenizer=tokenizer)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         sock.close()
+        if prestart:
+            discard_prestarted()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(

@@ -339,8 +339,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def prestarted_main() -> int:
+    """``core_proc --prestarted``: started before the API process knows this replica's arguments
+    (:func:`rlserve.engine.front.core_client.prestart_cores`): import the engine now, then read the
+    arguments (a JSON list of :func:`main`'s argv) from stdin and run :func:`main`; stdin's end
+    before them: exit 0 (the server did not start)."""
+    import json
+
+    import torch  # noqa: F401 -- the point: these imports overlap the API process's own
+    import zmq  # noqa: F401
+
+    from rlserve.engine.core import engine_core, llm_engine  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    return main(json.loads(line))
+
+
 if __name__ == "__main__":
-    rc = main()
+    rc = prestarted_main() if sys.argv[1:] == ["--prestarted"] else main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # no interpreter teardown: the engine is shut down, its memory goes with the process

@@ -95,6 +95,60 @@ class _Spawner:
 
 _SPAWNER = _Spawner()
 
+#: replica index -> an engine-core process started before its arguments were known (:func:`prestart_cores`)
+_PRESTARTED: dict[int, subprocess.Popen] = {}
+
+
+def prestart_cores(count: int) -> None:
+    """Start ``count`` engine-core processes now (replicas ``0..count-1``), before this process knows their
+    arguments: each imports the engine (torch, transformers, the model code: seconds) while this process
+    still imports and checks its own, then waits for its arguments on stdin, which
+    :meth:`CoreProcReplica.start` writes (``rlserve serve`` calls this first; a replica that finds none starts
+    its process then, as before). Unused ones are killed at exit (:func:`discard_prestarted`) and exit by
+    themselves at their stdin's end."""
+    import atexit
+
+    for i in range(count):
+        if i in _PRESTARTED:
+            continue
+        try:
+            _PRESTARTED[i] = _SPAWNER.popen([sys.executable, "-m", "rlserve.engine.core.core_proc", "--prestarted"],
+                                            start_new_session=True, stdin=subprocess.PIPE)
+        except OSError:
+            logger.debug("could not prestart engine-core process %d", i, exc_info=True)
+            return
+    atexit.register(discard_prestarted)
+
+
+def discard_prestarted() -> None:
+    """Kill the prestarted engine-core processes no replica took (a start that failed before them)."""
+    while _PRESTARTED:
+        _, p = _PRESTARTED.popitem()
+        with contextlib.suppress(OSError):
+            p.kill()
+            p.wait(5)
+
+
+def _take_prestarted(index: int, cmd: list[str]) -> subprocess.Popen | None:
+    """Replica ``index``'s prestarted process, handed ``cmd``'s arguments (after ``-m module``), or None."""
+    import json
+
+    p = _PRESTARTED.pop(index, None)
+    if p is None:
+        return None
+    try:
+        if p.poll() is not None:
+            raise OSError(f"exited with {p.returncode}")
+        p.stdin.write((json.dumps(cmd[3:]) + "\n").encode())
+        p.stdin.close()
+    except (OSError, ValueError):
+        logger.debug("prestarted engine-core process %d not usable", index, exc_info=True)
+        with contextlib.suppress(OSError):
+            p.kill()
+            p.wait(5)
+        return None
+    return p
+
 
 def _exit_text(rc: int | None) -> str:
     if rc is None:
@@ -204,7 +258,8 @@ class CoreProcReplica(Replica):
                "--output", f"ipc://{self._dir}/out", "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
                "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
                "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
-        self.proc = _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = (_take_prestarted(self.index, cmd)
+                     or _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
         prefetch = getattr(self._tokenizer_loader, "prefetch", None)
         if prefetch is not None:  # the tokenizer loads here while the core starts
             prefetch()
