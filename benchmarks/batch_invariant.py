@@ -223,21 +223,22 @@ def gemm_table(args) -> None:
 
 def parse_modes(spec: str) -> list[dict]:
     """``"off,on,on:gemm=triton,on:attn=per_query"`` -> one dict per run in a round: ``on``
-    (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``, on CPU ``cpu.GEMM``) and ``attn``
-    (``rlserve.batch_invariant.query_tiles.FORM``), None = the default.
+    (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``, on CPU ``cpu.GEMM``), ``attn``
+    (``rlserve.batch_invariant.query_tiles.FORM``) and ``team`` (CPU: the engine's team size,
+    ``extra["cpu_team"]``; ``on:gemm=onednn:team=1`` is session 13's CPU mode), None = the default.
 
     Raises:
-        ValueError: a run that is not ``off`` / ``on`` or a key other than gemm / attn."""
+        ValueError: a run that is not ``off`` / ``on`` or a key other than gemm / attn / team."""
     out = []
     for item in spec.split(","):
         head, *kvs = item.strip().split(":")
         if head not in ("off", "on"):
             raise ValueError(f"mode {item!r}: starts with off or on")
-        m = {"on": head == "on", "gemm": None, "attn": None}
+        m = {"on": head == "on", "gemm": None, "attn": None, "team": None}
         for kv in kvs:
             k, _, v = kv.partition("=")
-            if k not in ("gemm", "attn") or not v:
-                raise ValueError(f"mode {item!r}: gemm=... or attn=...")
+            if k not in ("gemm", "attn", "team") or not v or (k == "team" and not v.isdigit()):
+                raise ValueError(f"mode {item!r}: gemm=..., attn=... or team=<int>")
             m[k] = v
         m["label"] = item.strip()
         out.append(m)
@@ -260,9 +261,12 @@ def cost(args) -> None:
             if args.profile_dir and rep == 0 and m["label"] in ("off", "on"):
                 os.makedirs(args.profile_dir, exist_ok=True)
                 prof = os.path.join(args.profile_dir, f"profile-{args.shape}-{m['label']}")
+            kw = dict(extra_kw)
+            if m["team"]:
+                kw["extra"] = {**kw.get("extra", {}), "cpu_team": int(m["team"])}
             a = dict(model=model, dtype=args.dtype, device=args.device, batch_invariant=m["on"],
                      num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                     max_num_seqs=args.max_num_seqs, extra_kw=extra_kw, gemm=m["gemm"], attn=m["attn"],
+                     max_num_seqs=args.max_num_seqs, extra_kw=kw, gemm=m["gemm"], attn=m["attn"],
                      check_alone=rep == 0, profile=prof, vocab=vocab)
             env = dict(os.environ, BI_ARGS=json.dumps(a), PYTHONPATH=os.getcwd())
             try:
