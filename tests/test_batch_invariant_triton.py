@@ -179,3 +179,33 @@ def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
         assert mixed.token_ids[5] == logits[5].argmax()
     finally:
         fused_ops.set_fused_kernels(*prev)
+
+
+def test_a_tile_that_fails_to_launch_is_skipped(monkeypatch):
+    """A tile the device's Triton cannot compile (its launch raises) is marked broken and the
+    next tile of TILES serves, then and from now on; an error on every tile is raised (not
+    hidden). The launch is faked: the interpreter has no bf16 dot."""
+    monkeypatch.setattr(bi_gpu, "BROKEN", set())
+    monkeypatch.setattr(bi_gpu, "_num_sms", lambda device: 132)
+    launched = []
+
+    def fake_launch(a, w, out, bias, cfg):
+        t = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+        launched.append(t)
+        if t == (64, 16, 4, 6) or fail_all[0]:
+            raise RuntimeError(f"cannot compile {t}")
+        out.copy_(torch.nn.functional.linear(a.float(), w.float()).to(out.dtype))
+
+    fail_all = [False]
+    monkeypatch.setattr(bi_gpu, "_launch", fake_launch)
+    x, w = torch.randn(1, 64).bfloat16(), torch.randn(1024, 64).bfloat16()  # M = 1, N = 1024: 64 x 16 first
+    got = bi_gpu.linear(x, w)
+    assert launched == [(64, 16, 4, 6), (64, 32, 4, 5)] and bi_gpu.BROKEN == {(64, 16, 4, 6)}
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()).bfloat16())
+    launched.clear()
+    bi_gpu.linear(x, w)
+    assert launched == [(64, 32, 4, 5)]  # skipped from now on
+    fail_all[0] = True
+    with pytest.raises(RuntimeError, match="cannot compile"):
+        bi_gpu.linear(x, w)
+    assert len(bi_gpu.BROKEN) == len(bi_gpu.TILES) - 1  # the last one's error is raised, not swallowed

@@ -37,7 +37,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -66,6 +70,9 @@ GEMM = ["triton_m"]
 #: ``wgmma m64nNk16``; see the module docstring). The first two are session 13's fixed tiles.
 TILES = ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4), (64, 32, 4, 5), (64, 16, 4, 6))
 BLOCK_K = 64
+#: tiles of :data:`TILES` whose first launch failed in this process (a Triton / GPU that cannot
+#: compile them): :func:`tile` skips them (logged once; the bits are the same for every tile)
+BROKEN: set = set()
 
 
 class no_split_k:
@@ -103,13 +110,13 @@ def tile(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     """``"triton_m"``'s tile shape for ``[M, K] @ [K, N]`` in ``dtype`` on a GPU of ``sms``
     multiprocessors: the first of :data:`TILES` whose tile count ``ceil(M / BLOCK_M) x
     ceil(N / BLOCK_N)`` reaches 3/4 of ``sms`` (one wave that leaves few SMs idle), else the last
-    (the most tiles). The choice follows M; the reduction order does not (``BLOCK_K`` = 64 for
+    (the most tiles); tiles in :data:`BROKEN` are skipped. The choice follows M; the reduction order does not (``BLOCK_K`` = 64 for
     every tile: see the module docstring). float32 (tests, the interpreter): :func:`config`'s
     fixed 32 x 32 x 32 (IEEE products, summed per element in K order whatever the tile)."""
     if dtype == torch.float32:
         return config(N, K, dtype)
     want = max(1, sms * 3 // 4)
-    for bm, bn, warps, stages in TILES:
+    for bm, bn, warps, stages in [t for t in TILES if t not in BROKEN] or TILES[:1]:
         if -(-M // bm) * -(-N // bn) >= want:
             break
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
@@ -203,13 +210,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     elif GEMM[0] == "triton":
         cfg = dict(config(N, K, x.dtype))
     else:
-        cfg = tile(M, N, K, x.dtype, _num_sms(x.device))
+        while True:
+            cfg = tile(M, N, K, x.dtype, _num_sms(x.device))
+            t = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+            try:
+                _launch(a, weight, out, bias, cfg)
+                return out.reshape(*lead, N)
+            except Exception:  # noqa: BLE001 - a tile this Triton / GPU cannot compile: the next one
+                if x.dtype == torch.float32 or t in BROKEN or len(BROKEN) + 1 >= len(TILES):
+                    raise
+                BROKEN.add(t)
+                logger.warning("batch-invariant GEMM: tile %s failed to launch, skipped from now on", t,
+                               exc_info=True)
+    _launch(a, weight, out, bias, cfg)
+    return out.reshape(*lead, N)
+
+
+def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> None:
+    """One launch of the kernel: ``out [M, N] = a [M, K] @ weight[N, K].T (+ bias)`` with tile
+    ``cfg`` (:func:`tile` / :func:`config`'s dict)."""
+    cfg = dict(cfg)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    (M, K), N = a.shape, weight.shape[0]
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    programs = min(tiles, _num_sms(x.device))
+    programs = min(tiles, _num_sms(a.device))
     _bi_matmul_kernel[(programs,)](
         a, weight, out, bias if bias is not None else out, M, N, K,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), programs,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
         num_warps=warps, num_stages=stages, **cfg)
-    return out.reshape(*lead, N)
