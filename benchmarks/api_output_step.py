@@ -1,0 +1,95 @@
+"""CPU time of the API process's per-step output work, in-process and without a server (issue 37):
+the engine-output callback's decoding of a core message and
+:meth:`~rlserve.engine.front.output_processor.OutputProcessor.process` (detokenization, outputs) for
+``--requests`` streamed requests that each gain one token a step, as at ``vllm bench serve``'s
+concurrency 256.
+
+Output ids come from ``--ids LO HI``: the default 1000 .. 151000 are ids the tests' tiny tokenizer
+(336 tokens) does not know, what a dummy-weight Qwen3 samples in the GPU benchmarks; ``3 300`` are
+ordinary tokens. Prompts: ``--prompt-len`` random ordinary tokens. The figure is
+``time.process_time()`` (this process's CPU seconds, which the machine's load moves least) per
+request and step, best of ``--repeats``, after the start-up heap is frozen out of garbage collection
+(``rlserve.gc_heap.freeze_startup_heap``, as ``rlserve serve`` does: without it the full collections
+over torch's and transformers' objects are most of the figure).
+
+Compare two checkouts by running each one's copy (``PYTHONPATH=TREE python TREE/benchmarks/api_output_step.py``)::
+
+    python benchmarks/api_output_step.py --requests 256 --steps 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: int) -> float:
+    """CPU seconds per request-step of decoding ``steps`` core messages of ``requests`` deltas and
+    processing them (one output per request per step)."""
+    from rlserve.engine import core_protocol as proto
+    from rlserve.engine.front.output_processor import OutputProcessor
+    from rlserve.engine.sampling_params import SamplingParams
+    from tests.tiny_models import build_tokenizer
+
+    rng = random.Random(seed)
+    tok = build_tokenizer()
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    reqs = {f"r{i}": SimpleNamespace(prompt=None, params=params, stream=True, arrival_time=0.0)
+            for i in range(requests)}
+    prompts = {rid: [rng.randrange(3, 300) for _ in range(prompt_len)] for rid in reqs}
+    enc = proto.output_encoder()
+    frames = []
+    for k in range(steps):
+        deltas = [proto.RequestDelta(rid, [proto.SampleDelta(0, [rng.randrange(*ids)], [-1.0])], finished=False, weight_versions=["0"],
+                                     first_token_time=1.0,
+                                     start=proto.RequestStart(prompts[rid]) if k == 0 else None)
+                  for rid in reqs]
+        frames.append(enc.encode(proto.CoreOutputs(deltas=deltas)))
+    dec = proto.output_decoder()
+    op = OutputProcessor(tok)
+    from rlserve.gc_heap import freeze_startup_heap
+
+    freeze_startup_heap("api_output_step")  # as rlserve serve does before serving
+    t0 = time.process_time()
+    n = 0
+    for raw in frames:
+        msg = dec.decode(raw)
+        outputs, errors, _stops, _aborts = op.process(msg.deltas, reqs)
+        assert not errors and len(outputs) == requests
+        n += len(outputs)
+    return (time.process_time() - t0) / n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--ids", type=int, nargs=2, default=(1000, 151000), metavar=("LO", "HI"))
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    runs = [run(args.requests, args.steps, tuple(args.ids), args.prompt_len, args.seed + r) for r in range(args.repeats)]
+    best = min(runs)
+    import rlserve
+
+    res = {"us_per_request_step": round(best * 1e6, 2), "runs_us": [round(x * 1e6, 2) for x in runs],
+           "requests": args.requests, "steps": args.steps, "ids": list(args.ids), "rlserve": os.path.dirname(rlserve.__file__),
+           "load": os.getloadavg()[0]}
+    print(json.dumps(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
