@@ -215,14 +215,12 @@ def paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether a linear of ``x`` runs on the team: a team runs in this process, ``x`` is a 2-D
-    float32 CPU tensor of 1..:data:`MAX_ROWS` rows, and ``--batch-invariant`` is off (that mode
-    keeps its own kernels)."""
+    """Whether a linear of ``x`` runs on the team: a team runs in this process and ``x`` is a 2-D
+    float32 CPU tensor of 1..:data:`MAX_ROWS` rows. (``--batch-invariant`` runs this kernel at every
+    row count: its layers ask :mod:`rlserve.batch_invariant` first.)"""
     if current().size < 2 or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
         return False
-    from rlserve.batch_invariant import mode as bi_mode
-
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not bi_mode.enabled()
+    return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def team_weight(layer) -> torch.Tensor | None:
