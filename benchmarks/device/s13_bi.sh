@@ -21,16 +21,9 @@
 NAME=${NAME:-s13_bi} BUDGET=${BUDGET:-${BI_BUDGET:-228}}; source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT_DIR/reports" "$OUT_DIR/profiles"
 PART=${PART:-a}
+source benchmarks/device/bi_shapes.sh  # (lib.sh cd-ed to the repository root)
 X=1  # part b's step bounds x X (a loaded 2-core CPU needs far longer than the GPU)
-if [ "$DRY_RUN" = 1 ]; then
-  DEV=cpu; DT=float32; S06=tiny-llama; S8=tiny-llama; [ "$PART" = b ] && X=10
-  N06="--num-prompts 6 --input-len 24 --output-len 4 --max-num-seqs 8"; N8=$N06; KW06='{}'; KW8='{}'
-else
-  DEV=cuda; DT=bfloat16; S06=qwen3-0.6b; S8=qwen3-8b
-  N06="--num-prompts 128 --input-len 256 --output-len 128 --max-num-seqs 128"
-  N8="--num-prompts 64 --input-len 256 --output-len 128 --max-num-seqs 64"
-  KW06='{"extra": {"cuda_graph_sizes": [1, 32, 128]}}'; KW8='{"extra": {"cuda_graph_sizes": [1, 32, 64]}}'
-fi
+[ "$DRY_RUN" = 1 ] && [ "$PART" = b ] && X=10
 say "device: $CARD; tree $(git log -1 --format='%h %cd' 2>/dev/null); torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)' 2>&1)"
 summ() { grep -h '^COST' "$1" | sed 's/^/    /'; }
 # cost CAP RUN_TIMEOUT SHAPE "NARGS" KW OUT [ARGS...]: benchmarks/batch_invariant.py cost, off and on, -> OUT.jsonl/.log
