@@ -222,9 +222,13 @@ def precompile(fn, device, max_workers: int = MAX_WORKERS, wait: bool = True):
 
     Returns:
         ``wait``: the stats (also logged) once the children are done; else the running
-        :class:`Compiling`. None when anything failed (logged; the caller's real warm-up then
-        compiles as before).
+        :class:`Compiling`. None without Triton, or when anything failed (logged; the caller's real
+        warm-up then compiles as before).
     """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:  # nothing to compile (the torch attention backend)
+        return None
     try:
         from triton.backends.compiler import GPUTarget
         from triton.runtime.driver import driver
