@@ -12,6 +12,7 @@
 # Last, if >45 s of the budget are left: rlserve at c256 once more under the stall probe with the output
 # callback's split timers ($OUT_DIR/probe, vllm_bench_probe.*).
 #
+# vLLM runs c64 first: under a budget cut to ~170 s its c256 run (the longer one: ~35 s) is the one left out.
 # Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each run),
 # $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt, the servers' log tails; one summary line per step on stdout.
 NAME=s14_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
@@ -33,7 +34,7 @@ else
   [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm rows will fail"
   ARGS=(--shape qwen3-0.6b --bench-timeout 90)
   CONFIGS=("rlserve=@conc=256,64 --dtype bfloat16 --disable-access-log"
-           "vllm=@conc=256,64 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
+           "vllm=@conc=64,256 vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 8 ))
   PFLAGS="@conc=256 --dtype bfloat16"
 fi
