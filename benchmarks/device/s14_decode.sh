@@ -16,18 +16,29 @@
 NAME=s14_decode BUDGET=${BUDGET:-80}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$DRY_RUN" = 1 ]; then
-  DS=(--device cpu --shape tiny-llama --context 64 --iters 2 --engine-steps 2)
+  DS=(--device cpu --shape tiny-llama --context 64 --iters 2 --engine-steps 2); PROF=()
   TP=(--device cpu --shape smollm2-135m --num-seqs 4 --min-len 8 --max-len 16); B1=(--batch1-tokens 8 --batch1-prompt-len 16)
   TESTS=(tests/test_gemv.py)
 else
-  DS=(--shape qwen3-0.6b --context 1024 --iters 50 --engine-steps 50 --profile)
+  DS=(--shape qwen3-0.6b --context 1024 --iters 50 --engine-steps 50); PROF=(--profile)
   TP=(--device cuda --shape qwen3-0.6b); B1=(--batch1-tokens 1024)
   TESTS=(tests/gpu/test_gemv_gpu.py)
+fi
+if [ "$BUDGET" -lt 60 ]; then  # a cut budget: a) without kernel tables, then c); b) only if time is left
+  bounded 26 $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl \
+    --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
+  say "a) rc=$? $(grep -A4 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
+  RLSERVE_DECODE_GEMV=1 bounded 22 $PY benchmarks/throughput.py "${TP[@]}" "${B1[@]}" --engine rlserve --no-hf --floor \
+    --json "$OUT_DIR/throughput_06b_floor.json" > "$OUT_DIR/throughput_06b_floor.log" 2>&1
+  say "c) rc=$? $(grep -E '^rlserve timed|^  rlserve ' "$OUT_DIR/throughput_06b_floor.log" | tr -s ' ' | tr '\n' '|')"
+  bounded 30 $PY -m pytest -q -p no:cacheprovider -k "not llama" "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
+  say "b) tests rc=$? $(tail -1 "$OUT_DIR/pytest_gemv.log")"
+  gpu_cleanup; say done; exit 0
 fi
 # b) first: its compilations (bf16 at the 0.6B shapes) are in Triton's cache for a)
 bounded 18 $PY -m pytest -q -p no:cacheprovider -k "not llama" "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
 say "b) tests rc=$? $(tail -1 "$OUT_DIR/pytest_gemv.log")"
-bounded 30 $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl \
+bounded 30 $PY benchmarks/decode_step.py "${DS[@]}" "${PROF[@]}" --batch 1 --decode-gemv 0,1,pdl \
   --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
 say "a) rc=$? $(grep -A4 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
 RLSERVE_DECODE_GEMV=1 bounded 22 $PY benchmarks/throughput.py "${TP[@]}" "${B1[@]}" --engine rlserve --no-hf --floor \
