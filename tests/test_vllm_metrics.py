@@ -202,3 +202,19 @@ def test_sleep_state_is_vllms():
     assert states() == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
     m.refresh({}, {"is_sleeping": False, "level": 0})
     assert states() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+
+
+def test_scheduled_time_is_stamped_before_the_prefill_forward(model_dir):
+    """vLLM's scheduled_ts is taken when the request is scheduled, so request_prefill_time
+    (scheduled -> first token) holds the prefill step's forward pass and request_queue_time
+    does not. The request's scheduled_time must not be later than the start of that step's
+    forward (it was stamped after it: the queue phase held the prefill, prefill ~0)."""
+    from rlserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    starts = []
+    real = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda step, *a, **k: starts.append(time.monotonic()) or real(step, *a, **k)
+    out = llm.generate(["stamped before the forward"], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert out.scheduled_time is not None and starts
+    assert out.scheduled_time <= starts[0]  # the first (prefill) step's forward began after it
