@@ -384,11 +384,11 @@ def main(argv=None) -> int:
                     f"{res['closed_latency_median_ms']:.0f} ms); ")
                 print(f"round {rnd} {name:8s}: {burst}{closed}{itl.lstrip(', ')}{cpu}; load {before} -> {res['load_after']}",
                       flush=True)
-        if args.json:
-            meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
-                    "startup_s": {k: s.startup_s for k, s in servers.items()}, "args": vars(args)}
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "runs": runs}, f, indent=1)
+                if args.json:  # after every run: a server killed later (OOM) leaves the runs so far
+                    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": model,
+                            "startup_s": {k: s.startup_s for k, s in servers.items()}, "args": vars(args)}
+                    with open(args.json, "w") as f:
+                        json.dump({"meta": meta, "runs": runs}, f, indent=1)
     finally:
         for s in servers.values():
             s.stop()
