@@ -4,7 +4,8 @@ shapes they touch (item 4: ``/server_info``'s ``model_impl`` and ``dtype``, ``/t
 Each flag is implemented (``--chat-template``, ``--generation-config``, ``--enable-log-requests``,
 ``--enable-tokenizer-info-endpoint``, ``--compilation-config``'s CUDA-graph keys), accepted with
 one warning line where it changes nothing here, or refused with a message that says why. An
-unknown flag gets ``rlserve serve``'s usage and a "did you mean". ``--generation-config``'s
+unknown flag gets ``rlserve serve``'s usage and a "did you mean"; a ``vllm serve`` flag rlserve
+lacks, one line naming it as vLLM's. ``--generation-config``'s
 defaults are checked against vLLM 0.32's own ``ModelConfig.get_diff_sampling_param`` run by
 ``$RLSERVE_VLLM_PYTHON`` (``tests/vllm_shapes_ref.py``), else against a literal copy of its answer.
 """
@@ -117,6 +118,33 @@ def test_unknown_flag_gets_serve_usage_and_did_you_mean(capsys):
     assert "rlserve serve: error: unrecognized arguments: --enable-prefix-cachng --gpu-memory-utilisation 0.5" in err
     assert "--enable-prefix-cachng: did you mean --enable-prefix-caching" in err
     assert "--gpu-memory-utilisation: did you mean --gpu-memory-utilization?" in err
+
+
+def test_vllm_flag_rlserve_lacks_is_one_line_naming_it(capsys):
+    """A ``vllm serve`` flag rlserve does not implement: one error line naming it as vLLM's, with
+    the reason and docs/limits.md for ``--api-server-count`` (its value not echoed as an unknown
+    argument), docs/vllm-flags.md for the others; beside a typo, the usage form with both hints.
+    Fails on the old code: "unrecognized arguments: --api-server-count 4" and no hint."""
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "m", "--api-server-count", "4"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "rlserve serve: error: --api-server-count is a `vllm serve` flag that rlserve serve does not implement: one "
+        "API process serves every request (several API processes over one engine core are not implemented; "
+        "docs/limits.md)\n")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "m", "--grpc", "--api-server-count=2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("rlserve serve: error: --grpc is a `vllm serve` flag that rlserve serve does not implement: "
+                      "docs/vllm-flags.md lists the flags it has")
+    assert len(err) == 2 and err[1].startswith("rlserve serve: error: --api-server-count is a `vllm serve` flag")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "m", "--grpc", "--enable-prefix-cachng"])
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: rlserve serve") and len(err) == 4, err
+    assert err[1] == "rlserve serve: error: unrecognized arguments: --grpc --enable-prefix-cachng"
+    assert err[2].startswith("--grpc is a `vllm serve` flag") and err[3].startswith("--enable-prefix-cachng: did you mean")
 
 
 def test_chat_template_file_or_template(tmp_path):

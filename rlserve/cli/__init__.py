@@ -61,20 +61,28 @@ def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.Ar
 
 
 def _unrecognized(parser: argparse.ArgumentParser, args, unknown: list[str]) -> None:
-    """Exit 2 with the subcommand's usage (one line: its full usage lists ~80 flags), naming the
-    unrecognized arguments and, for each flag, the closest flags the subcommand has (difflib,
-    cutoff 0.6)."""
+    """Exit 2 naming the unrecognized arguments. Where each flag among them is a ``vllm serve``
+    0.32 flag (:mod:`rlserve.cli.vllm_flags`), one line per flag says so (and why it is refused,
+    e.g. ``--api-server-count``); else the subcommand's usage (one line: its full usage lists ~80
+    flags), the error and, per flag, the closest flags the subcommand has (difflib, cutoff 0.6) or
+    the vLLM line."""
     import difflib
+
+    from rlserve.cli.vllm_flags import refused_hint
 
     sub = _subparser(parser, getattr(args, "command", None))
     flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    named = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")]
+    vllm = {flag: refused_hint(flag) for flag in named if sub is not parser}
+    if named and all(vllm.values()):  # only vLLM flags (and their values): nothing else to say
+        sub.exit(2, "".join(f"{sub.prog}: error: {vllm[flag]}\n" for flag in dict.fromkeys(named)))
     hints = []
-    for arg in unknown:
-        flag = arg.split("=", 1)[0]
-        if flag.startswith("-"):
-            near = difflib.get_close_matches(flag, flags, n=3, cutoff=0.6)
-            if near:
-                hints.append(f"{flag}: did you mean {' or '.join(near)}?")
+    for flag in named:
+        near = difflib.get_close_matches(flag, flags, n=3, cutoff=0.6)
+        if vllm.get(flag):
+            hints.append(vllm[flag])
+        elif near:
+            hints.append(f"{flag}: did you mean {' or '.join(near)}?")
     usage = f"usage: {sub.prog} [MODEL] [FLAGS ...] (`{sub.prog} --help` lists every flag)" if sub is not parser \
         else sub.format_usage().rstrip("\n")
     lines = [usage, f"{sub.prog}: error: unrecognized arguments: {' '.join(unknown)}", *hints]
