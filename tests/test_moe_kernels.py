@@ -25,7 +25,7 @@ def _operands(T, dtype, seed=0):
     return make_operands(T, E, K, H, I, dtype, seed)
 
 
-@pytest.mark.parametrize("config", [None, (16, 16, 16, 1, 4, 1), (16, 32, 32, 2, 4, 1), mk.CONFIGS["prefill"]])
+@pytest.mark.parametrize("config", [None, (16, 16, 16, 1, 4, 1), (16, 32, 32, 2, 4, 1)])
 @pytest.mark.parametrize("T", [1, 5, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_experts_equal_reference(T, dtype, config):
@@ -103,15 +103,3 @@ def test_engine_with_triton_experts_equals_loop(tiny_model, monkeypatch):
     monkeypatch.setenv("RLSERVE_MOE_BACKEND", "triton")
     got = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
     assert calls and got == ref
-
-
-def test_kernel_config_regimes():
-    """16-row tiles up to 4 pairs per expert, 64-row tiles up to 64, then the 128-row prefill
-    tiles (16-bit and fp8 activations; float32 keeps 64-row tiles: shared memory)."""
-    assert mk.kernel_config(512, 128) == mk.CONFIGS["small"]  # 64 tokens of top-8 of 128
-    assert mk.kernel_config(513, 128) == mk.CONFIGS["large"]
-    assert mk.kernel_config(8192, 128, torch.bfloat16) == mk.CONFIGS["large"]  # 1,024 tokens
-    assert mk.kernel_config(8200, 128, torch.bfloat16) == mk.CONFIGS["prefill"]
-    assert mk.kernel_config(65536, 128, torch.float32) == mk.CONFIGS["large"]
-    assert mk.CONFIGS["prefill"][0] == 128 and mk.CONFIGS["prefill"][4] == 8
-

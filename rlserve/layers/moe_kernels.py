@@ -169,23 +169,13 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 CONFIGS = {
     "small": (16, 64, 128, 1, 4, 4),
     "large": (64, 128, 64, 8, 4, 3),
-    "prefill": (128, 128, 64, 8, 8, 3),
 }
 
 
-def kernel_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None = None
-                  ) -> tuple[int, int, int, int, int, int]:
-    """``BLOCK_M = 16`` tiles while the pairs per expert are few (``N <= 4 E``: decode up to batch
-    ``4 E / K``), 64-row tiles up to 64 pairs per expert, then (prefill: >= 1,024 tokens of
-    Qwen3-30B-A3B's top-8 of 128) 128-row tiles on 8 warps, vLLM 0.24's default from 512 tokens
-    (``get_default_config``): 4.6% faster than the 64-row tiles at 2,048 tokens in the H100 tile
-    sweep (BENCHMARKS.md, MoE, M1). float32 activations (the IEEE path, tests) keep the 64-row
-    tiles (a 3-stage 128 x 128 float32 pipeline would not fit in shared memory)."""
-    if num_pairs <= 4 * num_experts:
-        return CONFIGS["small"]
-    if num_pairs > 64 * num_experts and dtype != torch.float32:
-        return CONFIGS["prefill"]
-    return CONFIGS["large"]
+def kernel_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
+    """vLLM's default rule: ``BLOCK_M = 16`` tiles while the pairs per expert are few
+    (``N <= 4 E``: decode up to batch ``4 E / K``), else 64-row tiles (prefill, large batches)."""
+    return CONFIGS["small" if num_pairs <= 4 * num_experts else "large"]
 
 
 def _launch(a, w, c, a_scale, w_scale, topk_w, sorted_ids, expert_ids, num_post, top_k, mul_weight, cfg):
@@ -237,7 +227,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     N = T * K
     if T == 0:
         return torch.zeros_like(x)
-    cfg = config or kernel_config(N, E, x.dtype)
+    cfg = config or kernel_config(N, E)
     sorted_ids, expert_ids, num_post, _ = moe_align(topk_ids, E, cfg[0])
     fp8 = w13.dtype == FP8_DTYPE
     a, a_scale = quantize_per_row(x) if fp8 else (x, None)
