@@ -42,18 +42,12 @@ def test_triton_experts_equal_reference(T, dtype, config):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("fill", ["kernel", "full"])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("T", [1, 3, 40])
-def test_triton_align_contract(T, block_m, fill, monkeypatch):
+def test_triton_align_contract(T, block_m):
     """The two-kernel permutation meets :func:`moe_align_torch`'s contract (pairs of an expert
-    in any order); 128 experts / top-8 exercises the histogram's padded bins. ``fill``: the
-    padding filled by the counting kernel (decode sizes) or by a ``torch.full`` launch (prefill
-    sizes, here forced with ``FILL_IN_KERNEL = 0``)."""
+    in any order); 128 experts / top-8 exercises the histogram's padded bins."""
     from tests.test_moe_paths import check_alignment
-
-    if fill == "full":
-        monkeypatch.setattr(mk, "FILL_IN_KERNEL", 0)
 
     for n_exp, k in ((E, K), (128, 8)):
         ids = route(torch.randn(T, n_exp, generator=torch.Generator().manual_seed(T)), k, True)[1]

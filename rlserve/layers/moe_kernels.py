@@ -90,29 +90,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return moe_align_torch(topk_ids, num_experts, block_m)
 
 
-#: Sorted-id entries at most that the one-program counting kernel fills itself (decode sizes);
-#: more are filled by a parallel ``torch.full`` launch
-FILL_IN_KERNEL = 16384
-
-
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_align_torch`'s result from two kernels (one program counting, padding and
-    labelling blocks -- and filling the padding entries up to :data:`FILL_IN_KERNEL`, else a
-    ``torch.full`` does; one placing the pairs with atomic cursors) instead of about twelve small
+    labelling blocks; one placing the pairs with atomic cursors) instead of about twelve small
     launches: at decode batch 1 those launches cost more than the expert GEMMs
     (BENCHMARKS.md, MoE). The order of the pairs within one expert's run is arbitrary."""
     N = topk_ids.numel()
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
     P = max_padded(N, num_experts, block_m)
-    # padding entries hold N: filled by the counting kernel (one program) up to FILL_IN_KERNEL
-    # entries, else by a parallel fill launch (~74k entries at a prefill of 8,192 tokens: the
-    # one-program fill made the counting kernel ~125 us there, H100, s14 window 1's profile);
-    # decode steps keep one launch fewer
-    fill_in_kernel = P <= FILL_IN_KERNEL
-    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev) if fill_in_kernel else \
-        torch.full((P,), N, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(P // block_m, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
@@ -121,7 +109,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     e_pad = 1 << num_experts.bit_length()  # >= E + 1: the last bin takes masked lanes
     k.moe_align_counts_kernel[(1,)](flat, cursor, offs, expert_ids, num_post, sorted_ids, N, num_experts, P,
                                     E_PAD=e_pad, BLOCK_M=block_m, CHUNK=1024, MB_CHUNK=max(16, 4096 // e_pad),
-                                    FILL=fill_in_kernel, num_warps=4)
+                                    num_warps=4)
     k.moe_align_scatter_kernel[(-(-N // 1024),)](flat, cursor, sorted_ids, N, BLOCK=1024, num_warps=4)
     return sorted_ids, expert_ids, num_post, offs
 

@@ -63,13 +63,13 @@ def fused_moe_kernel(
 @triton.jit
 def moe_align_counts_kernel(
     IDS, CURSOR, OFFS, EXPERT_IDS, NUM_POST, SORTED_IDS, N, E, P,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, MB_CHUNK: tl.constexpr, FILL: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, MB_CHUNK: tl.constexpr,
 ):
     """One program: per-expert counts of the ``N`` pair ids (``tl.histogram``; ``E_PAD >= E + 1``
     bins, masked lanes land in the last one), each padded to a multiple of ``BLOCK_M``; writes
     ``CURSOR[e]`` (padded start of expert ``e``'s run), ``OFFS[e]`` (unpadded end),
-    ``NUM_POST`` (padded total), ``EXPERT_IDS[b]`` for each of the ``P / BLOCK_M`` blocks and,
-    with ``FILL``, ``SORTED_IDS[:P]`` = ``N`` (padding; else the caller filled it)."""
+    ``NUM_POST`` (padded total), ``EXPERT_IDS[b]`` for each of the ``P / BLOCK_M`` blocks and
+    fills ``SORTED_IDS[:P]`` with ``N`` (padding)."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, N, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -87,10 +87,9 @@ def moe_align_counts_kernel(
         past = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < E)
         expert = tl.minimum(tl.sum(past.to(tl.int32), 1), E - 1)
         tl.store(EXPERT_IDS + b, expert, mask=b < P // BLOCK_M)
-    if FILL:
-        for p0 in range(0, P, CHUNK):
-            p = p0 + tl.arange(0, CHUNK)
-            tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < P)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < P)
 
 
 @triton.jit
