@@ -65,6 +65,13 @@ def _integer(name: str, raw: str) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _gemv_mode(name: str, raw: str) -> str:
+    """``"0"``, ``"1"`` or ``"pdl"``; anything else is a ValueError naming the variable."""
+    if raw not in ("0", "1", "pdl"):
+        raise ValueError(f"{name} must be 0, 1 or pdl, not {raw!r}")
+    return raw
+
+
 def _zero_one(name: str, raw: str) -> bool | None:
     """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
     return {"1": True, "0": False}.get(raw)
@@ -130,9 +137,10 @@ VARIABLES: dict[str, Var] = {
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
-    "RLSERVE_DECODE_GEMV": Var("bool", False, _one,
+    "RLSERVE_DECODE_GEMV": Var("str", "0", _gemv_mode,
                                "'1': batch-1 decode steps run the Llama-family linears as one Triton GEMV each, "
                                "with the add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py); "
+                               "'pdl': the same, launched with programmatic dependent launch on sm_90+; '0' off; "
                                "read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,

@@ -161,3 +161,17 @@ def test_whole_model_batch_one_equals_unfused(tiny_model, gemv_on_cpu, monkeypat
                 assert abs(da[t] - db[t]) < 1e-4
         assert calls["n"] > 0
         calls["n"] = 0
+
+
+def test_env_switch_values(monkeypatch):
+    """RLSERVE_DECODE_GEMV: 0 (default), 1, pdl; anything else raises naming the variable."""
+    from rlserve import envs
+
+    monkeypatch.delenv("RLSERVE_DECODE_GEMV", raising=False)
+    assert envs.read("RLSERVE_DECODE_GEMV") == "0"
+    for raw in ("0", "1", "pdl"):
+        monkeypatch.setenv("RLSERVE_DECODE_GEMV", raw)
+        assert envs.read("RLSERVE_DECODE_GEMV") == raw
+    monkeypatch.setenv("RLSERVE_DECODE_GEMV", "on")
+    with pytest.raises(ValueError, match="RLSERVE_DECODE_GEMV"):
+        envs.read("RLSERVE_DECODE_GEMV")

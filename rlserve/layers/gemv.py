@@ -21,7 +21,8 @@ accumulates in float32 in its own order (cuBLAS's differs: bf16 results may diff
 rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``
 (:func:`tile`).
 
-When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` (default off until measured on a GPU; :func:`set_enabled`) and the
+When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` ``1`` or ``pdl`` (default ``0``, off until its
+GPU tests have run; :func:`set_enabled`, :func:`set_pdl`) and the
 fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
 row, ``--batch-invariant`` off (its own kernels keep their bitwise contract), and every linear
 unquantized (:class:`~rlserve.layers.linear.UnquantizedLinearMethod`), tensor-parallel size 1,
@@ -41,8 +42,8 @@ from rlserve.layers import fused_ops
 from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from rlserve.layers.norm import RMSNorm
 
-_ENABLED = [envs.RLSERVE_DECODE_GEMV]
-_PDL = [False]  # programmatic dependent launch on sm_90+ (set_pdl); off until measured on a GPU
+_ENABLED = [envs.RLSERVE_DECODE_GEMV != "0"]
+_PDL = [envs.RLSERVE_DECODE_GEMV == "pdl"]  # programmatic dependent launch on sm_90+ (set_pdl)
 _PDL_OK: dict[int, bool] = {}  # device index -> compute capability >= 9
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
