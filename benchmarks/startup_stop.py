@@ -93,10 +93,19 @@ def _on_sigterm(signum, frame):
     sys.exit(128 + signum)
 
 
+def server_env(checkout: str, environ) -> dict:
+    """The server's environment: ``environ`` with ``checkout`` first on ``PYTHONPATH`` and the caller's
+    entries kept after it (a machine whose dependencies live on ``PYTHONPATH``, as the GPU machine's
+    ``/tmp/site``, needs them: without them ``rlserve serve`` died at its first import, window 2 of
+    2026-12-06)."""
+    path = [os.path.abspath(checkout)] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(path))
+
+
 def one(checkout: str, model: str, args) -> dict:
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.path.abspath(checkout))
+    env = server_env(checkout, os.environ)
     cmd = [sys.executable, "-m", "rlserve", "serve", model, "--port", "0", "--device", args.device, "--log-level",
            "debug", "--disable-access-log", "--engine-mode", args.engine_mode, "--data-parallel-size", str(args.dp),
            *(["--load-format", "dummy"] if args.model is None else []), *args.server_args]
