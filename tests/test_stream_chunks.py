@@ -14,17 +14,9 @@ import httpx
 import pytest
 
 from rlserve.server.openai_stream import sse, sse_bytes
-from tests.transfer_harness import InProcessServer
+from tests.test_tokenizer_microbatch import srv  # noqa: F401 - the same module-scoped tiny server fixture
 
 T = 120.0  # bound on every wait (seconds)
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    path = tiny_model("llama")
-    with InProcessServer(path) as s:
-        s.model_path = path
-        yield s
 
 
 def test_sse_bytes_is_sse_encoded():
