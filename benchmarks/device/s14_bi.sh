@@ -13,16 +13,9 @@
 NAME=s14_bi BUDGET=${BUDGET:-140}
 source "$(dirname "$0")/lib.sh"
 mkdir -p "$OUT_DIR/reports"
+source benchmarks/device/bi_shapes.sh  # DEV, DT, S06, S8, N06, N8, KW06, KW8 (lib.sh cd-ed to the repository root)
 X=1  # step bounds x X (a loaded 2-core CPU needs far longer than the GPU)
-if [ "$DRY_RUN" = 1 ]; then
-  X=10; BUDGET=1500; DEV=cpu; DT=float32; S06=tiny-llama; S8=tiny-llama
-  N06="--num-prompts 6 --input-len 24 --output-len 4 --max-num-seqs 8"; N8=$N06; KW06='{}'; KW8='{}'
-else
-  DEV=cuda; DT=bfloat16; S06=qwen3-0.6b; S8=qwen3-8b
-  N06="--num-prompts 128 --input-len 256 --output-len 128 --max-num-seqs 128"
-  N8="--num-prompts 64 --input-len 256 --output-len 128 --max-num-seqs 64"
-  KW06='{"extra": {"cuda_graph_sizes": [1, 32, 128]}}'; KW8='{"extra": {"cuda_graph_sizes": [1, 32, 64]}}'
-fi
+[ "$DRY_RUN" = 1 ] && X=10 && BUDGET=1500
 say "device: $CARD; main $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 # under 130 s of budget: only the tile test (every tile of gpu.TILES gives the same bits on seven shapes); the cost
