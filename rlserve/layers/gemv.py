@@ -66,7 +66,7 @@ def set_enabled(on: bool) -> bool:
 
 def set_pdl(on: bool) -> bool:
     """Launch the GEMVs with programmatic dependent launch where the GPU has it (sm_90+): a GEMV
-    loads its first weights while the kernel before it finishes (see ``gemv_kernels._gemv_body``). Returns
+    loads its first weights while the kernel before it finishes (see ``gemv_kernels._gemv_kernel``). Returns
     the previous setting; graphs captured before keep what they captured."""
     prev = _PDL[0]
     _PDL[0] = bool(on)
@@ -146,13 +146,11 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
         residual = residual.contiguous()
     bn, bk, warps = tile(N, K, x.device)
     pdl = _pdl(x.device)
-    k = _kernels()
-    kernel = (k._gemv_kernel, k._gemv_norm_kernel, k._gemv_silu_kernel)[prologue]
-    kernel[(-(-N // bn),)](
+    _kernels()._gemv_kernel[(-(-N // bn),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         weight, bias if bias is not None else weight, out, res_out,
         N, weight.stride(0), float(eps),
-        K=K, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=bn, BLOCK_K=bk, NORM_ONE_CHUNK=prologue == 1 and K <= bk, PDL=pdl, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )

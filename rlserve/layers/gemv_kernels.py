@@ -26,7 +26,19 @@ def _prologue_chunk(X, R, NW, offs, m, rstd, K: tl.constexpr, PROLOGUE: tl.const
 
 
 @triton.jit
-def _gemv_body(
+def _residual_sum(X, R, RES_OUT, offs, m, pid, HAS_RES: tl.constexpr, dt: tl.constexpr):
+    """``x + r`` at ``offs`` rounded to the model dtype (``x`` without a residual), as float32;
+    program 0 stores it to ``RES_OUT`` (the next residual)."""
+    h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+        tl.store(RES_OUT + offs, h, mask=m & ((offs * 0 + pid) == 0))  # program 0 only
+        h = h.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _gemv_kernel(
     X, R, NW, W, B, OUT, RES_OUT,
     N, stride_w, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -56,11 +68,7 @@ def _gemv_body(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if NORM_ONE_CHUNK:  # PROLOGUE == 1 and K <= BLOCK_K: x + r read once, kept in registers
         m0 = offs0 < K
-        h = tl.load(X + offs0, mask=m0, other=0.0).to(tl.float32)
-        if HAS_RES:
-            h = (h + tl.load(R + offs0, mask=m0, other=0.0).to(tl.float32)).to(dt)
-            tl.store(RES_OUT + offs0, h, mask=m0 & ((offs0 * 0 + pid) == 0))  # program 0 only
-            h = h.to(tl.float32)
+        h = _residual_sum(X, R, RES_OUT, offs0, m0, pid, HAS_RES, dt)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
         h = (h * rstd).to(dt).to(tl.float32)
         x = (tl.load(NW + offs0, mask=m0, other=0.0).to(tl.float32) * h).to(dt).to(tl.float32)
@@ -71,12 +79,7 @@ def _gemv_body(
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):
                 offs = k0 + tl.arange(0, BLOCK_K)
-                m = offs < K
-                h = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    h = (h + tl.load(R + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-                    tl.store(RES_OUT + offs, h, mask=m & ((offs * 0 + pid) == 0))  # program 0 only
-                    h = h.to(tl.float32)
+                h = _residual_sum(X, R, RES_OUT, offs, offs < K, pid, HAS_RES, dt)
                 ss += h * h
             rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
         for k0 in tl.static_range(0, K, BLOCK_K):
@@ -91,29 +94,3 @@ def _gemv_body(
     if HAS_BIAS:
         acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(OUT + rows, acc.to(OUT.dtype.element_ty), mask=rmask)
-
-
-# One kernel per prologue (0: plain, 1: add + RMSNorm, 2: SiLU-and-mul), so that kernel tables
-# (benchmarks/kernel_table.py) time them apart.
-@triton.jit
-def _gemv_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_ONE_CHUNK: tl.constexpr,
-                 PDL: tl.constexpr):
-    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 0, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
-               NORM_ONE_CHUNK, PDL)
-
-
-@triton.jit
-def _gemv_norm_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM_ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 1, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
-               NORM_ONE_CHUNK, PDL)
-
-
-@triton.jit
-def _gemv_silu_kernel(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM_ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    _gemv_body(X, R, NW, W, B, OUT, RES_OUT, N, stride_w, eps, K, 2, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
-               NORM_ONE_CHUNK, PDL)
