@@ -155,7 +155,11 @@ class RequestLimits:
             if len(ids) > MAX_STOP_TOKEN_IDS:
                 raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
                                param="stop_token_ids")
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            not_int = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+            if not_int:
+                raise APIError(400, f"stop_token_ids: token ids must be integers, got {not_int[:5]}",
+                               param="stop_token_ids", code="invalid_token_id")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise APIError(400, f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                                param="stop_token_ids", code="invalid_token_id")
