@@ -103,6 +103,20 @@ def test_prefill_attention_equals_each_token_decoded_alone_and_chunked():
 # ---- the engine --------------------------------------------------------------------------------
 
 
+def test_the_mode_says_it_is_on_in_the_log(tmp_path, caplog):
+    """A user who starts the server with --batch-invariant finds it in the log (a new user looked for it)."""
+    path = make_tiny_model("smollm", tmp_path / "m")
+    with caplog.at_level("INFO", logger="rlserve.engine.worker.model_runner"):
+        LLM(path, dtype="float32", device="cpu", batch_invariant=True, max_num_seqs=4)
+    on = [r.getMessage() for r in caplog.records if "batch-invariant mode on (cpu)" in r.getMessage()]
+    assert len(on) == 1, [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="rlserve.engine.worker.model_runner"):
+        LLM(path, dtype="float32", device="cpu", max_num_seqs=4)
+    assert not [r for r in caplog.records if "batch-invariant mode on" in r.getMessage()]
+
+
+
 def test_greedy_request_alone_equals_it_among_random_neighbours(llm):
     rng = random.Random(1)
     check_among_neighbours(llm, _prompt(rng, 30, 31), GREEDY, lambda r, i: SamplingParams(

@@ -143,6 +143,9 @@ class ModelRunner:
         if self.batch_invariant and device.type == "cuda" and get_attention_backend() != "triton":
             raise ValueError("--batch-invariant on CUDA needs the triton attention backend (Triton installed, "
                              f"RLSERVE_ATTENTION_BACKEND unset or 'triton'), got {get_attention_backend()!r}")
+        if self.batch_invariant:
+            logger.info("batch-invariant mode on (%s): a request's tokens and logprobs do not depend on the rest "
+                        "of the batch (docs/batch_invariant.md)", device.type)
         self.use_cuda_graphs = self._want_cuda_graphs()
         # CPU: steps (sequences) and the LM head (rows) split into micro-batches on threads
         self.microbatches = None
