@@ -155,14 +155,24 @@ class RequestLimits:
             if len(ids) > MAX_STOP_TOKEN_IDS:
                 raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
                                param="stop_token_ids")
-            not_int = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
-            if not_int:
-                raise APIError(400, f"stop_token_ids: token ids must be integers, got {not_int[:5]}",
-                               param="stop_token_ids", code="invalid_token_id")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                               param="stop_token_ids", code="invalid_token_id")
+            check_token_ids(ids, self.vocab_size, "stop_token_ids", param="stop_token_ids")
+
+
+def check_token_ids(ids, vocab_size: int, what: str, param: str) -> None:
+    """Every id of ``ids`` is an int (not a bool) in ``[0, vocab_size)``.
+
+    Raises:
+        APIError 400 ``invalid_token_id``: "{what} must be integers, got [...]" for
+        non-int entries, else "{what} out of the vocabulary [0, V): [...]" (the first 5 named).
+    """
+    not_int = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+    if not_int:
+        raise APIError(400, f"{what} must be integers, got {not_int[:5]}", param=param,
+                       code="invalid_token_id")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{what} out of the vocabulary [0, {vocab_size}): {bad[:5]}", param=param,
+                       code="invalid_token_id")
 
 
 class BodySizeLimit:

@@ -21,7 +21,7 @@ from rlserve.errors import InvalidRequestError
 from rlserve.server.chat_render import chat_message_dicts, render_chat, template_error
 from rlserve.server.errors import APIError
 from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
-    RequestLimits, check_constraint, max_prompt_chars
+    RequestLimits, check_constraint, check_token_ids, max_prompt_chars
 from rlserve.server.text_check import check_text
 from rlserve.server import tokenizer_threads
 from rlserve.server.tokenizer_threads import TokenizerThreads
@@ -362,10 +362,7 @@ class ServerState:
         ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt must not be empty", param=param)
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}", param=param,
-                           code="invalid_token_id")
+        check_token_ids(ids, self.vocab_size, "token ids", param=param)
         return ids
 
     def encode_text(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
