@@ -16,8 +16,9 @@ CPU, gloo (unless ``--cpu off``):
 GPU, one device (when CUDA is present and ``--gpu`` is not ``off``):
   - ``ipc-packed``   SDK over CUDA IPC, packed buckets (a pack copy + the server's load copy)
   - ``ipc-unpacked`` SDK over CUDA IPC, per-tensor handles (the server's load copy only)
-  - MoE shapes with ``--gpu-expert-names both``: ``ipc-packed`` once more with the experts under
-    their per-expert names (``experts.{e}.gate_proj.weight`` ...: E x 3 tensors per layer)
+  - MoE shapes with ``--gpu-expert-names both``: ``ipc-packed`` and ``ipc-unpacked`` once more with
+    the experts under their per-expert names (``experts.{e}.gate_proj.weight`` ...: E x 3 tensors
+    per layer, views of the fused tensors)
   - ``d2d-copy``     ceiling: one device-to-device ``copy_`` of the same number of bytes
 GPU, two devices, NCCL (``--nccl auto``: when there are >= 2 GPUs; once per ``--nccl-shape``):
 server on ``cuda:0`` (bfloat16), trainer (this process) on ``cuda:1``, NVLink multicast off in
@@ -136,6 +137,8 @@ def sdk_sync(url: str, named, init_info, repeats: int) -> dict:
     try:
         eng.send_weights()  # warm-up
         r = timed_syncs(eng, repeats)
+        r["last_stats"] = eng.last_stats  # phases of the last sync (trainer and server side)
+        print("[phases] " + json.dumps(eng.last_stats, default=str))
     except BaseException:
         with contextlib.suppress(Exception):  # keep the first error; the server goes next anyway
             eng._teardown()
@@ -323,6 +326,25 @@ def d2d_copy(total: int, repeats: int, dev: str) -> dict:
     return {"sync_s": c, "transfer_s": c, "all_sync_s": times}
 
 
+def gpu_modes(args, named) -> list[tuple[str, bool, list, int]]:
+    """The CUDA IPC rows ``(mode, checksums, tensors, bucket MiB)`` of :func:`bench_gpu` (see the
+    module docstring and ``--gpu-quick``)."""
+    modes = [("ipc-packed", True, named)]
+    if args.gpu_expert_names == "both" and any(parse_expert_name(n) for n, _ in named):
+        # a trainer's per-expert names (views of the same bytes): the server scatters them
+        # into its fused [E, ...] expert tensors
+        modes.append(("ipc-packed", True, split_fused_experts(named)))
+        modes.append(("ipc-unpacked", True, modes[-1][2]))
+    modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
+    if args.gpu_quick:  # unpacked (IPC's default) first (a time-bounded device window), no unchecked row
+        modes = [m for m in modes if m[0] == "ipc-unpacked" and m[1]][::-1] + \
+            [m for m in modes if m[0] == "ipc-packed"]
+    modes = [(m, c, t, args.bucket_mb) for m, c, t in modes]
+    if args.gpu_packed_bucket_mb:  # packed, fused names, other buckets: the per-call cost
+        modes.append(("ipc-packed", True, named, args.gpu_packed_bucket_mb))
+    return modes
+
+
 def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
     """The copy ceiling first (its two buffers are gone before the trainer's tensors exist), then
     the IPC syncs into a served copy of the shape: the GPU holds the trainer's and the server's."""
@@ -336,19 +358,13 @@ def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
     named = model_tensors(shape, torch.bfloat16, dev)
     model_dir = save_shape(shape, work)
     with serve(model_dir, tok, "ipc", "cuda:0", "bfloat16") as srv:
-        modes = [("ipc-packed", True, named)]
-        if args.gpu_expert_names == "both" and any(parse_expert_name(n) for n, _ in named):
-            # a trainer's per-expert names (views of the same bytes): the server scatters them
-            # into its fused [E, ...] expert tensors
-            modes.append(("ipc-packed", True, split_fused_experts(named)))
-        modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
-        if args.gpu_quick:  # the per-tensor cost first (a time-bounded device window), no unchecked row
-            modes = modes[1:2] + modes[:1] + modes[2:3] if len(modes) == 4 else modes[:2]
-        for mode, checksums, tensors in modes:
-            info = IPCTrainerInitInfo(packed=mode == "ipc-packed", packed_buffer_size_bytes=args.bucket_mb << 20,
+        modes = gpu_modes(args, named)
+        for mode, checksums, tensors, mb in modes:
+            info = IPCTrainerInitInfo(packed=mode == "ipc-packed", packed_buffer_size_bytes=mb << 20,
                                       checksums=checksums, timeout_s=600, device=dev)
             label = mode + ("" if checksums else " (no checksums)")
             label += f" ({len(tensors)} per-expert tensors)" if tensors is not named else ""
+            label += f" ({mb} MiB buckets)" if mode == "ipc-packed" and mb != args.bucket_mb else ""
             attempt(rows, "gpu", shape, "ipc", label, total,
                     lambda info=info, tensors=tensors: sdk_sync(srv.url, tensors, info, args.repeats), "[gpu]")
     del named, modes  # the split views hold the trainer's bytes too
@@ -449,8 +465,10 @@ def main(argv=None) -> int:
                         "also one packed sync of the same bytes under the per-expert names (experts.{e}.gate_proj"
                         ".weight ...)")
     p.add_argument("--gpu-quick", action="store_true",
-                   help="CUDA IPC: the per-expert packed sync first (with --gpu-expert-names both), then packed "
-                        "and unpacked with checksums; no unchecked row")
+                   help="CUDA IPC: unpacked first (fused names, then per-expert with --gpu-expert-names both), then "
+                        "packed, all with checksums; no unchecked row")
+    p.add_argument("--gpu-packed-bucket-mb", type=int, default=0,
+                   help="CUDA IPC: one more packed sync (fused names) with buckets of this many MiB (0: none)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -479,7 +497,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "num_gpus": n_gpus,
-                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}, f, indent=2)
+                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}, f, indent=2,
+                      default=str)
     return 1 if any(r.get("error") for r in rows) else 0
 
 

@@ -270,16 +270,24 @@ def test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address(tiny_mode
     """Packed CUDA IPC is one call per bucket, each bucket mapped at a new address: the first
     sync records each bucket's load, the second (changed weights) replays it at the new address
     (rlserve/transfer/server/bucket_plan.py; before, every bucket was recorded again at every
-    sync: ~0.12 ms per tensor) and the server then generates the trainer's greedy tokens."""
-    from rlserve.transfer import HTTPWeightSyncClient, IPCTrainerInitInfo, TensorListSource, \
+    sync: ~0.12 ms per tensor) and the server then holds the trainer's tensors (``/weight_checker``)
+    and generates the trainer's greedy tokens, at the second sync and at a third.
+
+    The trainer's per-expert tensors are its own (cloned) storages, updated IN PLACE between syncs
+    (an optimizer step: same addresses, so the trainer's cached one-launch pack is reused too).
+    Session 15's first window ran this test with the noise added to ``hf``'s parameters only: the
+    clones kept the first values, the second sync sent them again, and the served tokens (correctly
+    those of the sent weights) differed from ``hf``'s -- a test bug, not a wrong replay."""
+    from rlserve.loader.weight_utils import split_fused_experts
+    from rlserve.transfer import HTTPWeightSyncClient, IPCTrainerInitInfo, ModuleSource, TensorListSource, \
         WeightTransferTrainerFactory
     from tests.gpu.transfer_gpu_common import PROMPTS as SYNC_PROMPTS
     from tests.gpu.transfer_gpu_common import generate, hf_greedy, load_hf, serve
-    from tests.test_moe_sync import per_expert
+    from tests.test_moe_sync import assert_checker_matches, per_expert
 
     path = tiny_model("qwen2_moe")
     hf = load_hf(path, "cuda:0", torch.float32)
-    src = TensorListSource(per_expert(hf))  # views of hf's parameters
+    src = TensorListSource(per_expert(hf))  # clones of hf's tensors (each name its own storage)
     with serve(path, "ipc", "--enforce-eager", dtype="float32") as srv:  # (eager: a shorter start)
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
@@ -288,12 +296,31 @@ def test_ipc_packed_second_sync_replays_each_bucket_at_its_new_address(tiny_mode
         eng.send_weights()
         assert eng.last_stats["buckets"] > 4 and eng.last_stats["server"]["replayed_loads"] == 0
         g = torch.Generator(device="cuda:0").manual_seed(5)
+        for step in range(2):
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device=p.device) * 0.05)
+                new = dict(split_fused_experts(ModuleSource(hf).named_tensors()))
+                for name, t in src.items:  # the trainer's step, in place
+                    t.copy_(new[name])
+            fin = eng.send_weights()
+            assert fin["full"] and eng.last_stats["server"]["replayed_loads"] == 1, (step, eng.last_stats)
+            assert_checker_matches(srv.url, hf)  # what the server LOADED == the trainer's tensors
+            assert generate(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in SYNC_PROMPTS], step
+        eng.shutdown()
+        # without checksums the trainer never waits for its pack before the call: the server's
+        # stream must wait on the IPC event of each bucket's handle (torch's rebuild)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=16 << 10, timeout_s=60,
+                                         checksums=False), client=client, source=src)
         with torch.no_grad():
             for p in hf.parameters():
-                p.add_(torch.randn(p.shape, generator=g, device=p.device) * 0.05)
-        fin = eng.send_weights()
-        assert fin["full"] and eng.last_stats["server"]["replayed_loads"] == 1, eng.last_stats
-        assert generate(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in SYNC_PROMPTS]
+                p.mul_(-1.0)
+            new = dict(split_fused_experts(ModuleSource(hf).named_tensors()))
+            for name, t in src.items:
+                t.copy_(new[name])
+        eng.send_weights()
+        assert_checker_matches(srv.url, hf)
         eng.shutdown()
 
 

@@ -29,12 +29,13 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
     The update is cut by the bucket plan (calls are sequential: the server answers once it has
     read the memory):
 
-    - packed (default): one ``update_weights`` call per bucket; the bucket is packed into one of
-      ``packed_num_buffers`` CUDA buffers and the call carries that buffer's IPC handle; packing
-      bucket ``i+1`` overlaps the server's copy of bucket ``i``. Trainer memory: the buffers. GPU
-      traffic: the trainer's pack copy plus the server's load copy.
-    - unpacked: one handle per tensor; the server reads the trainer's tensors in place: one copy
-      in all (the server's). The module's own parameters (exported once per session) travel in
+    - packed (``IPCTrainerInitInfo(packed=True)``, not the default): one ``update_weights`` call
+      per bucket; the bucket is packed into one of ``packed_num_buffers`` CUDA buffers and the
+      call carries that buffer's IPC handle; packing bucket ``i+1`` overlaps the server's copy of
+      bucket ``i``. Trainer memory: the buffers. GPU traffic: the trainer's pack copy plus the
+      server's load copy.
+    - unpacked (the default): one handle per tensor; the server reads the trainer's tensors in
+      place: one copy in all (the server's). The module's own parameters (exported once per session) travel in
       a single call for the whole update, which the server loads by replaying a recorded copy
       plan (:mod:`rlserve.transfer.server.copy_plan`); tensors the source creates (dtype casts, FSDP
       gathers) go bucket by bucket and stay alive until their call returned
