@@ -206,3 +206,37 @@ def test_team_state_is_per_engine(tiny_model, monkeypatch):
     assert id(t2) in sizes and id(t1) not in sizes  # the team-less engine never calls the team's linear
     assert 2 in sizes[id(t2)]  # the engine built first still ran on 2 threads
     assert t1.steps == t1.lost == 0 and t2.steps > 0  # guards: the team-less engine measured nothing
+
+
+def test_a_late_worker_runs_no_chunk_of_the_next_job(team):
+    """A worker that wakes for a job its caller already finished alone, while that caller is
+    between publishing its next job and opening that job's ticket (``rlserve_team_test_pause_us``:
+    a caller preempted there), must claim nothing: before the fix it read the next job's chunk
+    count against the finished job's still-open ticket, ran the next job's chunks under the old
+    generation and counted them in ``done``, so ``done`` ended above the job's chunk count (the
+    caller could return while a worker still wrote into its output). The chunk count of the
+    second job: 16 panels of 32 columns, cut in 8 chunks per team thread = 16 chunks."""
+    import ctypes
+    import time
+
+    lib = cpu_gemm._lib()
+    lib.rlserve_team_test_pause_us.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.rlserve_team_test_done.restype = ctypes.c_int64
+    small_w, big_w = torch.randn(64, 8), torch.randn(16 * 32, 8)
+    small, big = cpu_gemm.pack(small_w), cpu_gemm.pack(big_w)
+    x = torch.randn(1, 8)
+    try:
+        dones = []
+        for _ in range(4):
+            lib.rlserve_team_test_pause_us(0, 10_000)  # the worker reads a job 10 ms after it sees it
+            cpu_gemm.linear(x, small, 64)  # 2 chunks: both done by the caller meanwhile
+            lib.rlserve_team_test_pause_us(40_000, 10_000)  # the worker reads while the caller waits
+            got = cpu_gemm.linear(x, big, 16 * 32)
+            lib.rlserve_team_test_pause_us(0, 0)
+            time.sleep(0.03)  # a stray chunk would have been counted by now
+            dones.append(lib.rlserve_team_test_done())
+            torch.testing.assert_close(got, x @ big_w.T, rtol=0, atol=1e-5)
+    finally:
+        lib.rlserve_team_test_pause_us(0, 0)
+        lib.rlserve_team_start(0, cpu_gemm.DEFAULT_SPIN_US)
+    assert dones == [16] * 4

@@ -57,11 +57,16 @@ static struct {
     _Atomic uint32_t gen;     /* futex word: bumped for every job */
     _Atomic int sleepers;
     _Atomic int busy;         /* one job at a time; a second caller runs its chunks alone */
-    chunk_fn fn;
-    const void *ctx;
-    int64_t nchunks;
+    /* the current job, published by team_run: fn, ctx, job_workers first (relaxed), then
+       nchunks (release); a worker reads nchunks first (acquire), then the others */
+    _Atomic(chunk_fn) fn;
+    _Atomic(const void *) ctx;
+    _Atomic int64_t nchunks;
     int workers;
-    int job_workers;          /* workers with index < job_workers take part in the current job */
+    _Atomic int job_workers;  /* workers with index < job_workers take part in the current job */
+    int64_t test_pause_ns[2]; /* tests only (rlserve_team_test_pause_us): team_run sleeps [0] between
+                                 publishing a job and opening its ticket, a worker [1] between seeing
+                                 a new generation and reading the job */
     pthread_t threads[MAX_WORKERS];
     int64_t spin_ns;
     pthread_mutex_t start_lock;
@@ -77,6 +82,11 @@ static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void sleep_ns(int64_t ns) {
+    struct timespec ts = {ns / 1000000000, ns % 1000000000};
+    nanosleep(&ts, NULL);
 }
 
 /* Claim and run chunks of generation `g` until none is left (or a newer job started). */
@@ -111,12 +121,21 @@ static void *worker_main(void *arg) {
             }
         }
         seen = atomic_load_explicit(&T.gen, memory_order_acquire);
-        /* the job's fields were written before gen (release); a newer job than `seen` makes
-           run_chunks return at once (the ticket carries the generation) */
-        chunk_fn fn = T.fn;
-        const void *ctx = T.ctx;
-        int64_t n = T.nchunks;
-        if (index < T.job_workers) run_chunks(seen, fn, ctx, n);
+        if (T.test_pause_ns[1] > 0) sleep_ns(T.test_pause_ns[1]);
+        /* The job's fields may already be the NEXT job's (this worker woke late: the caller ran
+           every chunk of `seen` itself, returned, and is publishing another job, whose ticket is
+           not open yet). That is harmless because the caller closed `seen`'s ticket at its end
+           (low half all ones, before it released `busy`) and publishes nchunks with release
+           after that: a worker that reads the new nchunks also sees the closed ticket, so
+           run_chunks(seen, ...) claims nothing. Before this, a late worker read the next job's
+           nchunks against the old, open-ended ticket (old job, next chunk = its count) and ran
+           that job's chunks while its caller was still between publishing and opening it,
+           counting them in `done`: the caller then returned while a worker still wrote its
+           output (found in review; tests/test_cpu_gemm.py::test_a_late_worker_runs_no_chunk_of_the_next_job). */
+        int64_t n = atomic_load_explicit(&T.nchunks, memory_order_acquire);
+        chunk_fn fn = atomic_load_explicit(&T.fn, memory_order_relaxed);
+        const void *ctx = atomic_load_explicit(&T.ctx, memory_order_relaxed);
+        if (index < atomic_load_explicit(&T.job_workers, memory_order_relaxed)) run_chunks(seen, fn, ctx, n);
     }
     return NULL;
 }
@@ -174,11 +193,12 @@ static void team_run(chunk_fn fn, const void *ctx, int64_t n, int team) {
         for (int64_t c = 0; c < n; c++) fn(ctx, c);
         return;
     }
-    T.fn = fn;
-    T.ctx = ctx;
-    T.nchunks = n;
-    T.job_workers = team - 1;
+    atomic_store_explicit(&T.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&T.ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&T.job_workers, team - 1, memory_order_relaxed);
+    atomic_store_explicit(&T.nchunks, n, memory_order_release);
     atomic_store_explicit(&T.done, 0, memory_order_relaxed);
+    if (T.test_pause_ns[0] > 0) sleep_ns(T.test_pause_ns[0]);
     uint32_t g = atomic_load(&T.gen) + 1;
     atomic_store_explicit(&T.ticket, (uint64_t)g << 32, memory_order_release);
     atomic_store(&T.gen, g); /* seq_cst: ordered before the sleepers check below */
@@ -191,8 +211,20 @@ static void team_run(chunk_fn fn, const void *ctx, int64_t n, int team) {
         cpu_relax();
         if (++spins > 2000) sched_yield(); /* the worker may share this core: let it finish */
     }
+    /* close the ticket (no chunk of generation g can be claimed whatever count a late worker
+       read; see worker_main) before the next job may be published */
+    atomic_store_explicit(&T.ticket, ((uint64_t)g << 32) | 0xffffffffu, memory_order_relaxed);
     atomic_store_explicit(&T.busy, 0, memory_order_release);
 }
+
+/* Tests only: team_run sleeps `caller_us` microseconds between publishing a job and opening its
+   ticket (a caller preempted there), a worker `worker_us` between seeing a new job and reading it
+   (a worker preempted there), 0 for none; and the finished-chunk count of the last job. */
+void rlserve_team_test_pause_us(int caller_us, int worker_us) {
+    T.test_pause_ns[0] = (int64_t)(caller_us < 0 ? 0 : caller_us) * 1000;
+    T.test_pause_ns[1] = (int64_t)(worker_us < 0 ? 0 : worker_us) * 1000;
+}
+int64_t rlserve_team_test_done(void) { return atomic_load(&T.done); }
 
 /* ---- linear on packed panels -------------------------------------------------------- */
 
