@@ -113,3 +113,25 @@ def test_shapes_the_kernel_does_not_take_fall_back():
                                dense_decode_reference(q, kc, vc, meta, 0.3), atol=2e-6, rtol=2e-5)
     qb, kb, vb, mb = make_paged_case([1], [20], 4, 2, 16, 16, torch.bfloat16)
     assert cpu_attention.paged_decode(qb, kb, vb, mb.block_tables, mb.seq_lens, 0.25) is None
+
+
+def test_a_changed_included_source_rebuilds_the_library(tmp_path, monkeypatch):
+    """The build cache's key covers the files a source includes (cpu_team.c includes
+    paged_decode.c): a change to the included file gives a new build, not the cached old one
+    (before: the key hashed the including file alone, and the old library kept being loaded)."""
+    from rlserve.layers import cpu_build
+
+    if cpu_build._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_build, "CSRC", tmp_path)
+    monkeypatch.setattr(cpu_build, "_libs", {})
+    monkeypatch.setenv("RLSERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "inc.c").write_text("static int value(void) { return 1; }\n")
+    (tmp_path / "top.c").write_text('#include "inc.c"\nint rlserve_test_value(void) { return value(); }\n')
+    first = load_library("top.c")
+    assert first is not None and first.rlserve_test_value() == 1
+    (tmp_path / "inc.c").write_text("static int value(void) { return 2; }\n")
+    monkeypatch.setattr(cpu_build, "_libs", {})
+    second = load_library("top.c")
+    assert second is not None and second.rlserve_test_value() == 2
+    assert first._name != second._name

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -71,6 +72,19 @@ def _build(cc: str, src_path: Path, flags: list[str], out: Path) -> None:
     raise RuntimeError("; ".join(errors))
 
 
+def _source_bytes(src_path: Path, seen: frozenset = frozenset()) -> bytes:
+    """``src_path``'s bytes followed by those of every file it ``#include "..."`` s from its own
+    folder (recursively): what the build's output depends on, for the cache key. (cpu_team.c
+    includes paged_decode.c: a changed paged_decode.c kept serving the old cpu_team build.)"""
+    src = src_path.read_bytes()
+    out = [src]
+    for name in re.findall(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', src, flags=re.M):
+        dep = src_path.parent / name.decode()
+        if dep.is_file() and dep not in seen:
+            out.append(_source_bytes(dep, seen | {src_path}))
+    return b"\0".join(out)
+
+
 def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The shared library built from ``csrc/<source>`` (building it on first use), or
     ``None`` when it cannot be built or loaded on this machine (logged once).
@@ -92,7 +106,7 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
                 raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
             src_path = CSRC / source
             flags = [*BASE_FLAGS, *extra_flags]
-            src = src_path.read_bytes()
+            src = _source_bytes(src_path)
             digest = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), cc.encode(),
                                                 _cpu_signature().encode()])).hexdigest()[:20]
             from rlserve.download import default_cache_root
