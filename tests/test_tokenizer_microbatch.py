@@ -161,3 +161,30 @@ def test_completions_burst_prompt_tokens(srv):
         want = tok.encode(p)
         assert body["usage"]["prompt_tokens"] == len(want)
         assert body["choices"][0]["prompt_token_ids"] == want
+
+
+def test_a_thread_without_a_tokenizer_fails_its_requests_instead_of_hanging():
+    """The short-text thread makes its own copy of the tokenizer on its first call; a tokenizer
+    that cannot be copied failed that call outside the per-batch error handling, so the queued
+    requests (and every later one: the batch stayed marked as queued) waited for ever. Now each
+    gets the copy's error, and a later request too (5 s only catches a hang)."""
+
+    class NoCopy:
+        is_fast = False
+
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)]
+
+        def __deepcopy__(self, memo):
+            raise TypeError("this tokenizer cannot be copied")
+
+    async def main():
+        tt = TokenizerThreads(NoCopy())
+        got = await asyncio.wait_for(asyncio.gather(tt.encode_many(["a"], True), tt.encode_many(["bb"], True),
+                                                    return_exceptions=True), 5)
+        later = await asyncio.wait_for(asyncio.gather(tt.encode_many(["ccc"], True), return_exceptions=True), 5)
+        return got + later
+
+    got = asyncio.run(main())
+    assert [type(e) for e in got] == [TypeError] * 3, got
+    assert all(str(e) == "this tokenizer cannot be copied" for e in got)

@@ -112,7 +112,12 @@ class TokenizerThreads:
             self._batch.append((texts, bool(add_special_tokens), fut, loop))
             start, self._batch_queued = not self._batch_queued, True
         if start:
-            self._executor(False).submit(self._encode_batches)
+            try:
+                self._executor(False).submit(self._encode_batches)
+            except BaseException as e:  # noqa: BLE001 - no thread to run it: every waiting request fails
+                with self._lock:
+                    batch, self._batch, self._batch_queued = self._batch, [], False
+                _deliver([(f, lp, None, e) for _texts, _flag, f, lp in batch])
         return await fut
 
     def _encode_each(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -121,9 +126,16 @@ class TokenizerThreads:
 
     def _encode_batches(self) -> None:
         """Short-text thread: encode whatever waits, until nothing does (:meth:`_encode_batch`);
-        results go back to each request's loop, one callback per loop and batch."""
-        tok = self.current()
-        batched = bool(getattr(tok, "is_fast", False)) and callable(tok)
+        results go back to each request's loop, one callback per loop and batch. Where the thread
+        has no tokenizer (its copy could not be made: ``copy.deepcopy`` raised), every waiting
+        request gets that error (before, the exception ended this call with ``_batch_queued``
+        still set: that request and every later one waited for ever)."""
+        failure = None
+        try:
+            tok = self.current()
+            batched = bool(getattr(tok, "is_fast", False)) and callable(tok)
+        except BaseException as e:  # noqa: BLE001 - delivered to each waiting request below
+            failure, tok, batched = e, None, False
         while True:
             with self._lock:
                 n, k = 0, 0  # whole requests, up to batch_texts texts (one request's may be more)
@@ -135,17 +147,12 @@ class TokenizerThreads:
                     self._batch_queued = False
                     return
             try:
+                if failure is not None:
+                    raise failure
                 results = self._encode_batch(tok, batched, batch)
             except BaseException as e:  # noqa: BLE001 - no request may wait for ever
                 results = [(fut, loop, None, e) for _texts, _flag, fut, loop in batch]
-            done: dict = {}  # loop -> [(future, ids or None, exception or None)]
-            for fut, loop, ids, exc in results:
-                done.setdefault(loop, []).append((fut, ids, exc))
-            for loop, items in done.items():
-                try:
-                    loop.call_soon_threadsafe(_resolve, items)
-                except RuntimeError:  # the loop is closed: nobody waits
-                    pass
+            _deliver(results)
 
     def _encode_batch(self, tok, batched: bool, batch: list) -> list:
         """``[(future, loop, ids per text or None, exception or None)]`` of ``batch``: one
@@ -180,6 +187,19 @@ def _cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def _deliver(results) -> None:
+    """Hand ``[(future, loop, ids or None, exception or None)]`` to each future's event loop, one
+    callback per loop (:func:`_resolve`); a closed loop has nobody waiting."""
+    done: dict = {}  # loop -> [(future, ids or None, exception or None)]
+    for fut, loop, ids, exc in results:
+        done.setdefault(loop, []).append((fut, ids, exc))
+    for loop, items in done.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, items)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
 
 
 def _resolve(items) -> None:
