@@ -110,7 +110,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     k.moe_align_counts_kernel[(1,)](flat, cursor, offs, expert_ids, num_post, sorted_ids, N, num_experts, P,
                                     E_PAD=e_pad, BLOCK_M=block_m, CHUNK=1024, MB_CHUNK=max(16, 4096 // e_pad),
                                     num_warps=4)
-    k.moe_align_scatter_kernel[(-(-N // 1024),)](flat, cursor, sorted_ids, N, BLOCK=1024, num_warps=4)
+    k.moe_align_scatter_kernel[(-(-N // 1024),)](flat, cursor, sorted_ids, N, P, BLOCK=1024, num_warps=4)
     return sorted_ids, expert_ids, num_post, offs
 
 
@@ -159,11 +159,67 @@ CONFIGS = {
     "large": (64, 128, 64, 8, 4, 3),
 }
 
+#: Tuned tables on sm90 for bf16 / fp16 experts, keyed by ``(E, I)`` (experts, per-expert
+#: intermediate size on this rank): ``((max tokens, config), ...)``, the last bound None (no bound).
+#: ``(128, 768)`` (Qwen3-30B-A3B) is vLLM 0.24's tuned table for that shape on the H200
+#: (``fused_moe/configs/E=128,N=768,device_name=NVIDIA_H200.json``; vLLM ships none for the H100,
+#: where it falls back to the default rule above), coarsened from its 18 batch keys to five tile
+#: classes so the warm-up compiles 5 x 2 GEMM kernels: tokens <= 32 keep the default 16-row tile
+#: (vLLM's keys 8 and 24 differ from it only in ``num_stages``), <= 192 its keys 96/128, <= 384 its
+#: key 256, <= 768 its key 512, above that its keys 1536..3072 (1024 and 4096: ``GROUP_M`` 16).
+#: The bounds sit between vLLM's keys, as vLLM picks the key nearest the batch's token count.
+TUNED_SM90 = {
+    (128, 768): (
+        (32, (16, 64, 128, 1, 4, 4)),
+        (192, (16, 128, 128, 1, 4, 2)),
+        (384, (32, 256, 128, 16, 4, 2)),
+        (768, (64, 128, 64, 1, 4, 3)),
+        (None, (128, 256, 64, 1, 8, 4)),
+    ),
+}
+
+
+def config_table(num_experts: int, inter: int, top_k: int, tuned: bool) -> tuple[tuple[int | None, tuple], ...]:
+    """The tile classes of one expert shape: ``((max pairs, config), ...)`` ascending, the last
+    bound None. ``tuned``: :data:`TUNED_SM90`'s table when it has ``(num_experts, inter)`` (its token
+    bounds times ``top_k``), else vLLM's default rule (:func:`kernel_config`)."""
+    table = TUNED_SM90.get((num_experts, inter)) if tuned else None
+    if table is not None:
+        return tuple((None if b is None else b * top_k, cfg) for b, cfg in table)
+    return ((4 * num_experts, CONFIGS["small"]), (None, CONFIGS["large"]))
+
+
+def pick(table, num_pairs: int) -> tuple[int, int, int, int, int, int]:
+    """The config of the first class of ``table`` (:func:`config_table`) whose bound holds ``num_pairs``."""
+    for bound, cfg in table:
+        if bound is None or num_pairs <= bound:
+            return cfg
+    raise ValueError("a config table ends with an unbounded class")
+
 
 def kernel_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
     """vLLM's default rule: ``BLOCK_M = 16`` tiles while the pairs per expert are few
     (``N <= 4 E``: decode up to batch ``4 E / K``), else 64-row tiles (prefill, large batches)."""
     return CONFIGS["small" if num_pairs <= 4 * num_experts else "large"]
+
+
+_SM90: dict = {}
+
+
+def tuned_device(device: torch.device, wdtype: torch.dtype) -> bool:
+    """Whether :data:`TUNED_SM90` applies: a CUDA device of compute capability 9.x (the H100 / H200:
+    the tables' largest tiles take 192 KiB of shared memory) and bf16 / fp16 weights (not fp8)."""
+    if device.type != "cuda" or wdtype not in (torch.bfloat16, torch.float16):
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM90:
+        _SM90[idx] = torch.cuda.get_device_capability(idx)[0] == 9
+    return _SM90[idx]
+
+
+def layer_table(w13: torch.Tensor, top_k: int) -> tuple[tuple[int | None, tuple], ...]:
+    """:func:`config_table` of the experts ``w13 [E, 2I, H]`` on their device."""
+    return config_table(w13.shape[0], w13.shape[1] // 2, top_k, tuned_device(w13.device, w13.dtype))
 
 
 def _launch(a, w, c, a_scale, w_scale, topk_w, sorted_ids, expert_ids, num_post, top_k, mul_weight, cfg):
@@ -203,8 +259,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             dtype, or float8_e4m3fn with ``w13_scale [E, 2I]`` / ``w2_scale [E, H]`` float32
             (then the activations are quantized per row too).
         topk_weights: ``[T, K]``; topk_ids: ``[T, K]`` in ``[0, E)``.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` (default
-            :func:`kernel_config`).
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)`` (default: the
+            class of ``T * K`` pairs in :func:`layer_table`).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
@@ -215,7 +271,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     N = T * K
     if T == 0:
         return torch.zeros_like(x)
-    cfg = config or kernel_config(N, E)
+    cfg = config or pick(layer_table(w13, K), N)
     sorted_ids, expert_ids, num_post, _ = moe_align(topk_ids, E, cfg[0])
     fp8 = w13.dtype == FP8_DTYPE
     a, a_scale = quantize_per_row(x) if fp8 else (x, None)
@@ -252,6 +308,51 @@ def experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     out = torch.empty_like(y)
     out.index_copy_(0, order, y)
     return out.view(T, K, H).sum(1)
+
+
+# ---- warm-up -------------------------------------------------------------------------------
+
+def warm_up(moe_layers, act_dtype: torch.dtype) -> list[tuple]:
+    """Launch every fused-MoE kernel specialization the serving path can pick, once: for each
+    distinct expert shape among ``moe_layers`` (:class:`rlserve.layers.moe.FusedMoE` modules),
+    the routing kernel and, per tile class of :func:`layer_table`, the permutation and both GEMMs
+    (and SiLU-and-mul) with that class's config, on a batch of the class's smallest token count
+    (whatever the count, the kernels compile the same: the batch-sized integers are not
+    specialized, :mod:`rlserve.layers.moe_triton_kernels`). After it no batch size compiles a
+    MoE kernel again (``tests/test_moe_warmup.py`` counts them on the CPU).
+
+    Safe under :func:`rlserve.engine.worker.triton_precompile.record` (skipped launches leave
+    outputs uninitialized): the routing ids and weights fed to the experts are built by torch, not
+    by the routing kernel, and the scatter kernel ignores slots outside the padded length.
+
+    Args:
+        moe_layers: the FusedMoE modules (``w13_weight [E, 2I, H]``, ``w2_weight``, fp8 scales,
+            ``top_k``, ``renormalize``); act_dtype: the activations' dtype (the model's).
+
+    Returns:
+        ``(E, 2I, H, weight dtype, top_k, config, tokens)`` of each launch, in launch order.
+    """
+    seen, done = set(), []
+    for m in moe_layers:
+        w13, w2 = m.w13_weight, m.w2_weight
+        E, I2, H = w13.shape
+        K = m.top_k
+        key = (E, I2, H, w13.dtype, K, bool(m.renormalize), w13.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        dev = w13.device
+        topk_softmax(torch.zeros(1, E, dtype=act_dtype, device=dev), K, m.renormalize)
+        lo = 0
+        for bound, cfg in layer_table(w13, K):
+            T = lo // K + 1  # the smallest token count of the class (pairs in (lo, bound])
+            ids = (torch.arange(T * K, device=dev) % E).view(T, K)
+            weights = torch.full((T, K), 1.0 / K, dtype=act_dtype, device=dev)
+            x = torch.zeros(T, H, dtype=act_dtype, device=dev)
+            experts_triton(x, w13, w2, weights, ids, m.w13_weight_scale, m.w2_weight_scale, config=cfg)
+            done.append((E, I2, H, w13.dtype, K, cfg, T))
+            lo = bound if bound is not None else lo
+    return done
 
 
 def triton_runs_on(device_type: str) -> bool:

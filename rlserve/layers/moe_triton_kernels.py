@@ -1,5 +1,12 @@
 """The fused-MoE Triton kernel (vLLM's design; the launch, permutation and the tile
-configurations are in :mod:`rlserve.layers.moe_kernels`). Imported on first use only."""
+configurations are in :mod:`rlserve.layers.moe_kernels`). Imported on first use only.
+
+The integer arguments that follow the batch (the pair count, the padded length) are in each
+kernel's ``do_not_specialize``: Triton would otherwise compile a kernel again for each class of
+``(value == 1, value % 16 == 0)``, so an odd token count after the warm-up's even ones compiled
+in the middle of serving (BENCHMARKS.md, MoE, session 14 window 2). They only bound loops and
+masks, so the specialization bought nothing. What is left to compile is one kernel per tile
+configuration, GEMM (gate/up or down) and dtype: :func:`rlserve.layers.moe_kernels.warm_up`."""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["EM", "num_valid"])
 def fused_moe_kernel(
     A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
     N, K, EM, num_valid,
@@ -60,7 +67,7 @@ def fused_moe_kernel(
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "P"])
 def moe_align_counts_kernel(
     IDS, CURSOR, OFFS, EXPERT_IDS, NUM_POST, SORTED_IDS, N, E, P,
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, MB_CHUNK: tl.constexpr,
@@ -92,15 +99,18 @@ def moe_align_counts_kernel(
         tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < P)
 
 
-@triton.jit
-def moe_align_scatter_kernel(IDS, CURSOR, SORTED_IDS, N, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "P"])
+def moe_align_scatter_kernel(IDS, CURSOR, SORTED_IDS, N, P, BLOCK: tl.constexpr):
     """Each pair takes the next slot of its expert's run (``atomic_add`` on ``CURSOR``): the
-    order within an expert's run is arbitrary (each row's GEMM result does not depend on it)."""
+    order within an expert's run is arbitrary (each row's GEMM result does not depend on it).
+    Slots outside ``[0, P)`` are not written: never with real counts, but the warm-up's recording
+    pass (:func:`rlserve.layers.moe_kernels.warm_up`) may launch this kernel after skipping the
+    counts kernel, with ``CURSOR`` uninitialized."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     ids = tl.load(IDS + offs, mask=mask, other=0)
     pos = tl.atomic_add(CURSOR + ids, 1, mask=mask)
-    tl.store(SORTED_IDS + pos, offs.to(tl.int32), mask=mask)
+    tl.store(SORTED_IDS + pos, offs.to(tl.int32), mask=mask & (pos >= 0) & (pos < P))
 
 
 @triton.jit

@@ -127,6 +127,7 @@ class ModelRunner:
         self.lora_graphs = None  # DecodeCUDAGraphs of decode steps with LoRA adapters (kernel path)
         self._graphs_failed = False
         self.precompile_stats = None  # rlserve.engine.worker.triton_precompile's stats of the warm-up
+        self.moe_precompile_stats = None  # the same for the fused-MoE kernels (moe_warm_up)
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
         # samplers widen what they read)
         fn = getattr(model, "compute_logits", None)
@@ -232,6 +233,7 @@ class ModelRunner:
         capped at ``max_model_len``) that write nothing (every slot -1) so the prefill kernels
         are compiled (the fused q/k-norm + rotary kernel has a variant for long batches), then
         capture the decode CUDA graphs (when they are on), which compiles the decode kernels.
+        A model with routed experts first compiles every fused-MoE specialization (:meth:`moe_warm_up`).
         First, unless ``RLSERVE_TRITON_PRECOMPILE=0`` or the model routes tokens to experts, the
         same forwards run once with Triton's compilations recorded instead of done, and what
         Triton's on-disk cache lacks compiles in parallel processes
@@ -254,6 +256,7 @@ class ModelRunner:
 
             self.precompile_stats = triton_precompile.precompile(lambda: self._warm_forwards(capture), self.device)
             torch.cuda.synchronize(self.device)
+        self.moe_warm_up()
         self._warm_forwards(False)
         if capture:
             self._try_capture()
@@ -261,6 +264,30 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
         return dt
+
+    def moe_warm_up(self) -> list[tuple] | None:
+        """CUDA, a model with routed experts on the Triton path: compile every fused-MoE kernel
+        specialization the dispatcher can pick (:func:`rlserve.layers.moe_kernels.warm_up`: each
+        tile class of each expert shape, both GEMMs, routing, permutation), first in parallel child
+        processes (:func:`rlserve.engine.worker.triton_precompile.precompile`, unless
+        ``RLSERVE_TRITON_PRECOMPILE=0``), then once here, loading them from Triton's disk cache. Without
+        it, a batch of a tile class the 16- and 1,024-token prefills and the graph sizes miss compiled
+        in the middle of serving. Returns the launches (None when there is nothing to warm)."""
+        from rlserve.layers import moe_kernels
+        from rlserve.layers.moe import FusedMoE
+
+        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        backend = envs.RLSERVE_MOE_BACKEND
+        if (not layers or self.device.type != "cuda" or not moe_kernels.triton_runs_on("cuda")
+                or (backend not in (None, "triton") and not any(m.fp8 for m in layers))):
+            return None
+        if envs.RLSERVE_TRITON_PRECOMPILE:
+            from rlserve.engine.worker import triton_precompile
+
+            self.moe_precompile_stats = triton_precompile.precompile(
+                lambda: moe_kernels.warm_up(layers, self.dtype), self.device)
+            torch.cuda.synchronize(self.device)
+        return moe_kernels.warm_up(layers, self.dtype)
 
     def _warm_forwards(self, graph_sizes: bool) -> None:
         """The warm-up's eager forwards: a 16- and a 1024-token prefill writing nothing, each with
