@@ -52,6 +52,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every configuration of SWEEP")
+    ap.add_argument("--tuned", action="store_true",
+                    help="also time the sm90 tuned table's config (moe_kernels.TUNED_SM90) where it differs from "
+                         "vLLM's default rule ('triton'), and report its largest difference from 'triton''s output")
+    ap.add_argument("--triton-only", action="store_true", help="leave out grouped_mm, the loop and fp8")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     E, K, H, I = args.experts, args.top_k, args.hidden, args.inter
@@ -78,14 +82,23 @@ def main(argv=None) -> dict:
                  (lambda c=c: mk.experts_triton(x, w13, w2, tw, ti, config=c))
                  for c in ([mk.kernel_config(T * K, E)] + ([c for c in SWEEP if c != mk.kernel_config(T * K, E)]
                                                            if args.sweep else []))}
-        if cap >= (9, 0):
-            paths["grouped_mm"] = lambda: mk.experts_grouped_mm(x, w13, w2, tw, ti)
-        paths["loop"] = lambda: experts_grouped(x, w13, w2, tw, ti)
-        paths["triton_fp8"] = lambda: mk.experts_triton(x, q13, q2, tw, ti, s13, s2)
+        tuned = mk.pick(mk.config_table(E, I, K, tuned=True), T * K)
+        if args.tuned and tuned != mk.kernel_config(T * K, E):
+            paths[f"triton_tuned{tuned}"] = lambda c=tuned: mk.experts_triton(x, w13, w2, tw, ti, config=c)
+        if not args.triton_only:
+            if cap >= (9, 0):
+                paths["grouped_mm"] = lambda: mk.experts_grouped_mm(x, w13, w2, tw, ti)
+            paths["loop"] = lambda: experts_grouped(x, w13, w2, tw, ti)
+            paths["triton_fp8"] = lambda: mk.experts_triton(x, q13, q2, tw, ti, s13, s2)
+        base_out = None
         for name, fn in paths.items():
             row = {"T": T, "path": name, "experts_used": used,
                    "floor_us": (floor_fp8 if "fp8" in name else floor_bf16) * 1e6}
             try:
+                if name.startswith("triton") and "fp8" not in name:  # same bf16 sums, other tiles
+                    out_now = fn().float()
+                    base_out = out_now if base_out is None else base_out
+                    row["max_abs_diff_vs_triton"] = (out_now - base_out).abs().max().item()
                 row["eager_us"] = cuda_time(fn, iters=args.iters) * 1e6
                 if name != "loop":
                     row["graph_us"] = graph_time(fn, iters=args.iters) * 1e6

@@ -151,3 +151,27 @@ def test_tuned_table_picks():
     assert mk.pick(d, 4 * E) == mk.CONFIGS["small"] and mk.pick(d, 4 * E + 1) == mk.CONFIGS["large"]
     # another shape (e.g. I split over 2 TP ranks): the default rule even where tuned tables apply
     assert mk.config_table(E, I // 2, K, tuned=True) == d
+
+
+def test_tuned_table_that_fails_falls_back_to_the_default_rule(recording, monkeypatch):
+    """A tuned tile that does not compile on this card (e.g. out of shared memory) costs a warning,
+    not the engine: the shape goes back to vLLM's default rule, warmed instead, and serving picks it."""
+    rec = recording(tuned=True)
+    monkeypatch.setattr(mk, "_TUNED_OFF", set())
+    real = mk.experts_triton
+
+    def fails_on_big_tiles(*a, config=None, **kw):
+        if config is not None and config[0] == 128:
+            raise RuntimeError("out of resources: shared memory")
+        return real(*a, config=config, **kw)
+
+    monkeypatch.setattr(mk, "experts_triton", fails_on_big_tiles)
+    layer = _layer()
+    launches = mk.warm_up([layer], torch.bfloat16)
+    default = mk.config_table(E, I, K, tuned=False)
+    assert [c[5] for c in launches[-2:]] == [cfg for _, cfg in default]
+    assert mk.layer_table(layer.w13_weight, K) == default
+    warmed = set(rec.keys)
+    monkeypatch.setattr(mk, "experts_triton", real)
+    _serve(layer, WORKLOAD)
+    assert rec.keys - warmed == set()

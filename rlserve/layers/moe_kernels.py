@@ -34,6 +34,7 @@ tensor cores and scales the float32 accumulator by ``a_scale[row] * w_scale[col]
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from rlserve.layers.fp8 import FP8_DTYPE, quantize_per_row
 
 _K: list = []
+logger = logging.getLogger(__name__)
 
 
 def _kernels():
@@ -217,9 +219,14 @@ def tuned_device(device: torch.device, wdtype: torch.dtype) -> bool:
     return _SM90[idx]
 
 
+#: expert shapes ``(E, I)`` whose tuned table failed to compile or launch here (:func:`warm_up`)
+_TUNED_OFF: set = set()
+
+
 def layer_table(w13: torch.Tensor, top_k: int) -> tuple[tuple[int | None, tuple], ...]:
     """:func:`config_table` of the experts ``w13 [E, 2I, H]`` on their device."""
-    return config_table(w13.shape[0], w13.shape[1] // 2, top_k, tuned_device(w13.device, w13.dtype))
+    shape = (w13.shape[0], w13.shape[1] // 2)
+    return config_table(*shape, top_k, shape not in _TUNED_OFF and tuned_device(w13.device, w13.dtype))
 
 
 def _launch(a, w, c, a_scale, w_scale, topk_w, sorted_ids, expert_ids, num_post, top_k, mul_weight, cfg):
@@ -341,17 +348,34 @@ def warm_up(moe_layers, act_dtype: torch.dtype) -> list[tuple]:
         if key in seen:
             continue
         seen.add(key)
-        dev = w13.device
-        topk_softmax(torch.zeros(1, E, dtype=act_dtype, device=dev), K, m.renormalize)
-        lo = 0
-        for bound, cfg in layer_table(w13, K):
-            T = lo // K + 1  # the smallest token count of the class (pairs in (lo, bound])
-            ids = (torch.arange(T * K, device=dev) % E).view(T, K)
-            weights = torch.full((T, K), 1.0 / K, dtype=act_dtype, device=dev)
-            x = torch.zeros(T, H, dtype=act_dtype, device=dev)
-            experts_triton(x, w13, w2, weights, ids, m.w13_weight_scale, m.w2_weight_scale, config=cfg)
-            done.append((E, I2, H, w13.dtype, K, cfg, T))
-            lo = bound if bound is not None else lo
+        topk_softmax(torch.zeros(1, E, dtype=act_dtype, device=w13.device), K, m.renormalize)
+        table = layer_table(w13, K)
+        try:
+            done += _warm_table(m, table, act_dtype)
+        except Exception:  # noqa: BLE001 -- e.g. a tuned tile out of shared memory on this card
+            if table == config_table(E, I2 // 2, K, tuned=False):
+                raise
+            logger.warning("fused-MoE tuned configs for E=%d, I=%d failed here; vLLM's default rule instead",
+                           E, I2 // 2, exc_info=True)
+            _TUNED_OFF.add((E, I2 // 2))
+            done += _warm_table(m, layer_table(w13, K), act_dtype)
+    return done
+
+
+def _warm_table(m, table, act_dtype: torch.dtype) -> list[tuple]:
+    """:func:`warm_up`'s launches of one layer's tile classes."""
+    w13, w2, K, done, lo = m.w13_weight, m.w2_weight, m.top_k, [], 0
+    E, I2, H = w13.shape
+    for bound, cfg in table:
+        T = lo // K + 1  # the smallest token count of the class (pairs in (lo, bound])
+        ids = (torch.arange(T * K, device=w13.device) % E).view(T, K)
+        weights = torch.full((T, K), 1.0 / K, dtype=act_dtype, device=w13.device)
+        x = torch.zeros(T, H, dtype=act_dtype, device=w13.device)
+        experts_triton(x, w13, w2, weights, ids, m.w13_weight_scale, m.w2_weight_scale, config=cfg)
+        if w13.is_cuda:
+            torch.cuda.synchronize(w13.device)  # a launch failure surfaces here, inside the try
+        done.append((E, I2, H, w13.dtype, K, cfg, T))
+        lo = bound if bound is not None else lo
     return done
 
 

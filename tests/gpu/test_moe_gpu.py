@@ -119,6 +119,47 @@ def test_moe_align_pads_each_expert_within_the_bound(block_m):
         check_alignment(ids, E, block_m, mk.moe_align(ids, E, block_m))
 
 
+@needs_sm90
+@pytest.mark.parametrize("cls", range(len(mk.TUNED_SM90[(E, I)])))
+def test_tuned_table_configs_near_float32_reference(cls):
+    """Each tile class of the sm90 tuned table (:data:`rlserve.layers.moe_kernels.TUNED_SM90`,
+    vLLM's H200 configs for this shape) on a batch of its largest token count (the last class: 2,048
+    tokens), bf16 against the float32 reference: the 1e-2 bound of
+    :func:`test_bf16_experts_near_float32_reference` (same roundings, other tiles)."""
+    bound, cfg = mk.TUNED_SM90[(E, I)][cls]
+    T = bound or 2048
+    x, w13, w2, weights, ids = _operands(T, torch.bfloat16, seed=cls)
+    assert mk.pick(mk.layer_table(w13, K), T * K) == cfg  # the serving path picks it on this card
+    got = mk.experts_triton(x, w13, w2, weights, ids, config=cfg)
+    ref = experts_reference(x, w13, w2, weights, ids)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    _report(f"bf16_rel_err[tuned{cfg},T={T}]", err)
+    assert err < 1e-2, err
+
+
+def test_no_fused_moe_compile_after_warm_up():
+    """After :func:`rlserve.layers.moe_kernels.warm_up`, batches of mixed sizes (odd and even, every
+    tile class) compile nothing: Triton's compile hook (:func:`rlserve.engine.worker.triton_precompile.record`)
+    sees no uncompiled specialization."""
+    from types import SimpleNamespace
+
+    from rlserve.engine.worker import triton_precompile
+
+    _, w13, w2, _, _ = _operands(1, torch.bfloat16, seed=9)
+    layer = SimpleNamespace(w13_weight=w13, w2_weight=w2, w13_weight_scale=None, w2_weight_scale=None, top_k=K,
+                            renormalize=True, fp8=False)
+    assert len(mk.warm_up([layer], torch.bfloat16)) == len(mk.layer_table(w13, K))
+    g = torch.Generator(device="cuda").manual_seed(10)
+
+    def serve():
+        for T in (1, 3, 17, 33, 63, 65, 191, 255, 257, 385, 513, 769, 1001, 2048, 3001):
+            weights, ids = route(torch.randn(T, E, device="cuda", generator=g).to(torch.bfloat16), K, True)
+            mk.experts_triton(torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16), w13, w2, weights, ids)
+
+    assert triton_precompile.record(serve) == []
+    torch.cuda.synchronize()
+
+
 def test_triton_experts_replay_in_a_cuda_graph():
     """Captured once, replayed on new activations and routing: bit-equal to eager launches
     (the same kernels on the same shapes; no host sync inside, or the capture raises)."""
