@@ -41,6 +41,8 @@ import logging
 
 import torch
 
+from rlserve.batch_invariant import gemm_table
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -123,6 +125,15 @@ def tile(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
 
 
 _SMS: dict[int, int] = {}
+_NAMES: dict[int, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of ``device`` (cached): the key of ``gemm_table.TABLES``."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NAMES:
+        _NAMES[idx] = torch.cuda.get_device_name(idx)
+    return _NAMES[idx]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -139,10 +150,13 @@ if HAS_TRITON:
     @triton.jit
     def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
                           stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
-                          num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                          num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
         """``c[M, N] = a[M, K] @ w[N, K].T (+ bias[N])``: persistent programs over output tiles;
-        each tile reduces K from 0 upwards in BLOCK_K steps (the fixed order)."""
+        each tile reduces K from 0 upwards in BLOCK_K steps (the fixed order). Rows / columns past
+        M / N load row / column 0 instead (unmasked loads; never stored), K is masked only when
+        ``EVEN_K`` is False (K not a multiple of BLOCK_K)."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -156,18 +170,25 @@ if HAS_TRITON:
             pid_n = (tile % in_group) // group_m
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+            offs_wn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+            w_ptrs = w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
-                            mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
-                w = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                            mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    w = tl.load(w_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
                 if IEEE:
                     acc = tl.dot(a, w, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, w, acc)
+                a_ptrs += BLOCK_K * stride_ak
+                w_ptrs += BLOCK_K * stride_wk
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
@@ -175,18 +196,19 @@ if HAS_TRITON:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile_shape: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           tile_shape: tuple[int, int, int, int] | None = None, cfg: gemm_table.Cfg | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose rows do not depend on M: the Triton kernel, K reduced in
-    a fixed order, its tile by :data:`GEMM` (``"triton_m"``: :func:`tile`; ``"triton"``:
+    a fixed order, its launch by :data:`GEMM` (``"triton_m"``: this GPU's table in
+    :mod:`rlserve.batch_invariant.gemm_table` where it has one, else :func:`tile`; ``"triton"``:
     :func:`config`; ``"cublaslt"`` with 16-bit inputs: cuBLASLt without split-K, not M-invariant,
     A/B runs only): ``x [..., K]`` and ``weight [N, K]`` of one dtype (bf16 / fp16 / float32) on
     one CUDA device (or CPU under ``TRITON_INTERPRET=1``), ``bias [N]`` or None -> ``[..., N]`` in
-    ``x.dtype``. float32 uses IEEE products (no TF32). ``tile_shape``: one of :data:`TILES`
-    instead (tests and benchmarks; 16-bit inputs).
+    ``x.dtype``. float32 uses IEEE products (no TF32). ``tile_shape`` (one of :data:`TILES`) or
+    ``cfg`` (one of ``gemm_table.CANDIDATES``) instead: tests and benchmarks.
 
     Raises:
-        ValueError: dtypes differ, ``weight`` is not 2-D with ``K`` columns, or ``tile_shape`` is
-            not one of :data:`TILES`.
+        ValueError: dtypes differ, ``weight`` is not 2-D with ``K`` columns, ``tile_shape`` is
+            not one of :data:`TILES` or ``cfg`` not one of ``gemm_table.CANDIDATES``.
     """
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of {x.shape[-1]} features")
@@ -202,19 +224,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(*lead, N)
+    if cfg is not None:
+        if tuple(cfg) not in gemm_table.CANDIDATES:
+            raise ValueError(f"cfg {tuple(cfg)} is not one of gemm_table.CANDIDATES")
+        _launch(a, weight, out, bias, _as_dict(gemm_table.Cfg(*cfg)))
+        return out.reshape(*lead, N)
     if tile_shape is not None:
         if tuple(tile_shape) not in TILES:
             raise ValueError(f"tile_shape {tile_shape} is not one of {TILES}")
         bm, bn, warps, stages = tile_shape
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
+        cfg_d = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=warps, num_stages=stages)
     elif GEMM[0] == "triton":
-        cfg = dict(config(N, K, x.dtype))
+        cfg_d = dict(config(N, K, x.dtype))
     else:
+        tuned = None
+        if x.dtype != torch.float32 and x.device.type == "cuda":
+            tuned = gemm_table.pick(M, N, K, _device_name(x.device))
+        if tuned is not None:
+            _launch(a, weight, out, bias, _as_dict(tuned))
+            return out.reshape(*lead, N)
         while True:
-            cfg = tile(M, N, K, x.dtype, _num_sms(x.device))
-            t = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+            cfg_d = tile(M, N, K, x.dtype, _num_sms(x.device))
+            t = (cfg_d["BLOCK_M"], cfg_d["BLOCK_N"], cfg_d["num_warps"], cfg_d["num_stages"])
             try:
-                _launch(a, weight, out, bias, cfg)
+                _launch(a, weight, out, bias, cfg_d)
                 return out.reshape(*lead, N)
             except Exception:  # noqa: BLE001 - a tile this Triton / GPU cannot compile: the next one
                 if x.dtype == torch.float32 or t in BROKEN or len(BROKEN) + 1 >= len(TILES):
@@ -222,20 +255,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 BROKEN.add(t)
                 logger.warning("batch-invariant GEMM: tile %s failed to launch, skipped from now on", t,
                                exc_info=True)
-    _launch(a, weight, out, bias, cfg)
+    _launch(a, weight, out, bias, cfg_d)
     return out.reshape(*lead, N)
+
+
+def _as_dict(c: gemm_table.Cfg) -> dict:
+    return dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, GROUP_M=8, num_warps=c.num_warps,
+                num_stages=c.num_stages, waves=c.waves)
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> None:
     """One launch of the kernel: ``out [M, N] = a [M, K] @ weight[N, K].T (+ bias)`` with tile
-    ``cfg`` (:func:`tile` / :func:`config`'s dict)."""
+    ``cfg`` (:func:`tile` / :func:`config`'s dict; ``waves``: programs = ``min(tiles, waves x
+    SMs)``, 0 = one per tile; default 1)."""
     cfg = dict(cfg)
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    warps, stages, waves = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("waves", 1)
     (M, K), N = a.shape, weight.shape[0]
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    programs = min(tiles, _num_sms(a.device))
+    programs = tiles if waves == 0 else min(tiles, waves * _num_sms(a.device))
     _bi_matmul_kernel[(programs,)](
         a, weight, out, bias if bias is not None else out, M, N, K,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), programs,
-        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+        HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, EVEN_K=K % cfg["BLOCK_K"] == 0,
         num_warps=warps, num_stages=stages, **cfg)
