@@ -58,6 +58,9 @@ from rlserve.batch_invariant import cpu as bi_cpu, gpu as bi_gpu, query_tiles as
 bi_gemm = bi_cpu.GEMM if a["device"] == "cpu" else bi_gpu.GEMM  # CPU: fma / onednn; CUDA: triton_m / triton / cublaslt
 bi_gemm[0] = a.get("gemm") or bi_gemm[0]
 bi_tiles.FORM[0] = a.get("attn") or "tiles"
+if a.get("table"):  # a GEMM table (benchmarks/bi_gemm_sweep.py --table-out) for this GPU
+    from rlserve.batch_invariant import gemm_table
+    gemm_table.use(torch.cuda.get_device_name() if a["device"] != "cpu" else "cpu", a["table"])
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], load_format="dummy", skip_tokenizer_init=True,
           batch_invariant=a["batch_invariant"], max_num_seqs=a["max_num_seqs"], **a["extra_kw"])
 llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(temperature=0, max_tokens=4))
@@ -75,7 +78,7 @@ def tl(o):
 h = hashlib.sha256()
 for o in outs:
     h.update(json.dumps(tl(o)).encode())
-res = {"batch_invariant": a["batch_invariant"], "gemm": bi_gemm[0], "attn": bi_tiles.FORM[0],
+res = {"batch_invariant": a["batch_invariant"], "gemm": bi_gemm[0], "attn": bi_tiles.FORM[0], "table": a.get("table"),
        "load": round(load, 2), "tokens": ntok, "wall_s": round(w1 - w0, 3), "cpu_s": round(c1 - c0, 2),
        "tok_per_s": round(ntok / (w1 - w0), 1), "digest": h.hexdigest()[:16]}
 if a.get("check_alone"):  # prompts[0] alone: bitwise its output in the batch? (the mode's promise)
@@ -225,20 +228,21 @@ def parse_modes(spec: str) -> list[dict]:
     """``"off,on,on:gemm=triton,on:attn=per_query"`` -> one dict per run in a round: ``on``
     (the mode), ``gemm`` (``rlserve.batch_invariant.gpu.GEMM``, on CPU ``cpu.GEMM``), ``attn``
     (``rlserve.batch_invariant.query_tiles.FORM``) and ``team`` (CPU: the engine's team size,
-    ``extra["cpu_team"]``; ``on:gemm=onednn:team=1`` is session 13's CPU mode), None = the default.
+    ``extra["cpu_team"]``; ``on:gemm=onednn:team=1`` is session 13's CPU mode) and ``table`` (CUDA:
+    a GEMM table's JSON, ``benchmarks/bi_gemm_sweep.py --table-out``, for this GPU), None = the default.
 
     Raises:
-        ValueError: a run that is not ``off`` / ``on`` or a key other than gemm / attn / team."""
+        ValueError: a run that is not ``off`` / ``on`` or a key other than gemm / attn / team / table."""
     out = []
     for item in spec.split(","):
         head, *kvs = item.strip().split(":")
         if head not in ("off", "on"):
             raise ValueError(f"mode {item!r}: starts with off or on")
-        m = {"on": head == "on", "gemm": None, "attn": None, "team": None}
+        m = {"on": head == "on", "gemm": None, "attn": None, "team": None, "table": None}
         for kv in kvs:
             k, _, v = kv.partition("=")
-            if k not in ("gemm", "attn", "team") or not v or (k == "team" and not v.isdigit()):
-                raise ValueError(f"mode {item!r}: gemm=..., attn=... or team=<int>")
+            if k not in ("gemm", "attn", "team", "table") or not v or (k == "team" and not v.isdigit()):
+                raise ValueError(f"mode {item!r}: gemm=..., attn=..., table=PATH or team=<int>")
             m[k] = v
         m["label"] = item.strip()
         out.append(m)
@@ -266,7 +270,7 @@ def cost(args) -> None:
                 kw["extra"] = {**kw.get("extra", {}), "cpu_team": int(m["team"])}
             a = dict(model=model, dtype=args.dtype, device=args.device, batch_invariant=m["on"],
                      num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                     max_num_seqs=args.max_num_seqs, extra_kw=kw, gemm=m["gemm"], attn=m["attn"],
+                     max_num_seqs=args.max_num_seqs, extra_kw=kw, gemm=m["gemm"], attn=m["attn"], table=m["table"],
                      check_alone=rep == 0, profile=prof, vocab=vocab)
             env = dict(os.environ, BI_ARGS=json.dumps(a), PYTHONPATH=os.getcwd())
             try:

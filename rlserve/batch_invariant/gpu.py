@@ -23,6 +23,12 @@
   side) changes with the tile. That the bits do not depend on it is a property of the hardware,
   checked on the GPU (``tests/gpu/test_batch_invariant_gpu.py``: every tile of :data:`TILES` gives
   the same bits on seven shapes, rows at M = 1..2048 equal), not derived.
+- Per-device tables (:mod:`rlserve.batch_invariant.gemm_table`, session 15): where this GPU has a
+  table (``gemm_tuned.TUNED`` by device name, or ``gemm_table.use``), the launch for (N, K, M) is
+  the table's, one of ``gemm_table.CANDIDATES`` (BLOCK_K 64 / 128, tiles up to 128 x 256, stages,
+  programs per SM), each checked on the device to give the reference launch's bits; the kernel's
+  loads are unmasked (rows / columns past M / N read row / column 0 and are never stored; K is
+  masked only when BLOCK_K does not divide it).
 - Attention: :mod:`rlserve.layers.triton_attention` runs its decode kernel with one KV split
   (the split count otherwise follows the batch size), and the query tokens of steps with
   prefills through :mod:`rlserve.batch_invariant.query_tiles` (the decode kernel's operations,
@@ -147,7 +153,8 @@ def _num_sms(device: torch.device) -> int:
 
 if HAS_TRITON:
 
-    @triton.jit
+    # M and the program count vary from call to call: not specialized (== 1, % 16), one compile
+    @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
                           stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
                           num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,

@@ -66,6 +66,27 @@ def test_gemm_bits_do_not_depend_on_the_tile(K, N):
     assert len(picked) >= 2 or N >= 8192
 
 
+@pytest.mark.parametrize("K,N", SHAPES + [(200, 100)])
+def test_gemm_every_candidate_gives_the_reference_bits(K, N):
+    """A GEMM table (rlserve/batch_invariant/gemm_table.py) may pick any of ``CANDIDATES`` by M:
+    each (BLOCK_K 64 / 128, 4 / 8 warps, 3..6 stages, tiles 64 x 16 .. 128 x 256, one program
+    per SM / two / one per tile) must give every element the bits of ``REFERENCE`` (300 rows:
+    M and N edges; K of 256 .. 12288 without bias, as Qwen3's layers (the kernels the sweep and
+    the model compile), and K = 200 with a bias: the masked K loop)."""
+    from rlserve.batch_invariant import gemm_table
+
+    g = torch.Generator(device="cuda").manual_seed(K * N + 1)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g) if K == 200 else None
+    x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = bi_gpu.linear(x, w, b, cfg=gemm_table.REFERENCE).view(torch.int16)
+    differ = [tuple(c) for c in gemm_table.CANDIDATES
+              if not torch.equal(bi_gpu.linear(x, w, b, cfg=c).view(torch.int16), ref)]
+    write_report(f"batch_invariant_candidates_{K}x{N}", {"candidates_differing_from_reference": differ})
+    print(f"GEMM {K}x{N}: candidates whose bits differ from the reference: {differ}")
+    assert differ == []
+
+
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_gemm_rows_do_not_depend_on_m(K, N):
     """The mode's GEMM (the tile by M): a row's bits at M = 1 equal those at M = 2 .. 2048 (decode
