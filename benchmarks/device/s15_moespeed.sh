@@ -8,10 +8,10 @@
 #      the warm-up (should be none from the MoE kernels). New since window 1: every fused-MoE tile class
 #      compiled in the warm-up (in parallel children), the batch-sized ints unspecialized, vLLM's H200
 #      tuned configs (coarsened) on sm90.
+#   c) tests/gpu/test_moe_gpu.py (kernel tests only): the tuned configs against the float32 reference, no
+#      compile after warm_up, the bf16 / float32 kernel tests, the permutation, the graph replay.
 #   b) benchmarks/moe_kernels.py --tuned --triton-only: one MoE layer, vLLM's default rule against the
 #      tuned table per batch (GPU us from CUDA graphs) and their largest output difference.
-#   c) tests/gpu/test_moe_gpu.py: the tuned configs against the float32 reference, no compile after
-#      warm_up, the bf16 / float32 kernel tests, the graph replay, the tiny models = HF with graphs.
 # DRY_RUN=1: a) with a tiny Qwen3-MoE on the CPU, b) --help only (CUDA-only benchmark), c) collection only.
 NAME=s15_moespeed BUDGET=${BUDGET:-110}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -44,12 +44,22 @@ print(f"a) Triton specialization misses: {sum(before.values())} up to the warm-u
 PYEOF
 gpu_cleanup
 
+# ---- c) GPU tests of the changed kernels
+SEL="tuned_table or no_fused_moe_compile or bf16_experts_near and triton or float32_experts_equal and triton or replay_in_a_cuda_graph or moe_align"
+if [ "$DRY_RUN" = 1 ]; then
+  bounded 60 $PY -m pytest -q -p no:cacheprovider --collect-only tests/gpu/test_moe_gpu.py -k "$SEL" > "$OUT_DIR/tests.log" 2>&1
+else
+  bounded "$(slot 30 14)" $PY -m pytest -v -p no:cacheprovider -rfEs tests/gpu/test_moe_gpu.py -k "$SEL" > "$OUT_DIR/tests.log" 2>&1
+fi
+say "c) tests rc=$?: $(tail -1 "$OUT_DIR/tests.log")"
+grep -E 'PASSED|FAILED|ERROR' "$OUT_DIR/tests.log" | sed 's/^/c) /' | head -40 >> "$OUT_DIR/summary.txt"
+gpu_cleanup
 # ---- b) one MoE layer: vLLM's default rule vs the tuned table (same fresh cache: compiles outside the timing)
 if [ "$DRY_RUN" = 1 ]; then
   bounded 30 $PY benchmarks/moe_kernels.py --help > "$OUT_DIR/moe_kernels.log" 2>&1
   say "b) moe_kernels --help rc=$? (CUDA only)"
 else
-  bounded "$(slot 22 10)" $PY benchmarks/moe_kernels.py --tokens 1,24,128,256,512,1024,4096 --tuned --triton-only \
+  bounded "$(slot 30 2)" $PY benchmarks/moe_kernels.py --tokens 24,128,256,1024,4096 --tuned --triton-only \
     --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
   say "b) moe_kernels rc=$?"
   grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
@@ -61,16 +71,6 @@ for l in sys.stdin:
 fi
 gpu_cleanup
 
-# ---- c) GPU tests of the changed kernels
-SEL="tuned_table or no_fused_moe_compile or bf16_experts_near and triton or float32_experts_equal and triton or replay_in_a_cuda_graph or moe_align or tiny_qwen3_moe_on_gpu"
-if [ "$DRY_RUN" = 1 ]; then
-  bounded 60 $PY -m pytest -q -p no:cacheprovider --collect-only tests/gpu/test_moe_gpu.py -k "$SEL" > "$OUT_DIR/tests.log" 2>&1
-else
-  bounded "$(slot 40 2)" $PY -m pytest -v -p no:cacheprovider -rfEs tests/gpu/test_moe_gpu.py -k "$SEL" > "$OUT_DIR/tests.log" 2>&1
-fi
-say "c) tests rc=$?: $(tail -1 "$OUT_DIR/tests.log")"
-grep -E 'PASSED|FAILED|ERROR' "$OUT_DIR/tests.log" | sed 's/^/c) /' | head -40 >> "$OUT_DIR/summary.txt"
-gpu_cleanup
 rm -rf "$TRITON_CACHE_DIR"
 say "done"
 exit 0
