@@ -175,3 +175,13 @@ def test_tuned_table_that_fails_falls_back_to_the_default_rule(recording, monkey
     monkeypatch.setattr(mk, "experts_triton", real)
     _serve(layer, WORKLOAD)
     assert rec.keys - warmed == set()
+
+
+def test_tuned_configs_switch_off(monkeypatch):
+    """``RLSERVE_MOE_TUNED_CONFIGS=0`` (A/B runs) turns the tuned table off before any device query
+    (so this runs without a GPU); fp8 experts and non-CUDA devices never take it."""
+    monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "0")
+    assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is False
+    monkeypatch.delenv("RLSERVE_MOE_TUNED_CONFIGS")
+    assert mk.tuned_device(torch.device("cpu"), torch.bfloat16) is False
+    assert mk.tuned_device(torch.device("cuda", 0), torch.float8_e4m3fn) is False

@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from rlserve import envs
 from rlserve.layers.fp8 import FP8_DTYPE, quantize_per_row
 
 _K: list = []
@@ -209,9 +210,9 @@ _SM90: dict = {}
 
 
 def tuned_device(device: torch.device, wdtype: torch.dtype) -> bool:
-    """Whether :data:`TUNED_SM90` applies: a CUDA device of compute capability 9.x (the H100 / H200:
+    """Whether :data:`TUNED_SM90` applies (unless ``RLSERVE_MOE_TUNED_CONFIGS=0``): a CUDA device of compute capability 9.x (the H100 / H200:
     the tables' largest tiles take 192 KiB of shared memory) and bf16 / fp16 weights (not fp8)."""
-    if device.type != "cuda" or wdtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda" or wdtype not in (torch.bfloat16, torch.float16) or not envs.RLSERVE_MOE_TUNED_CONFIGS:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM90:
