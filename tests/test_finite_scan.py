@@ -258,3 +258,84 @@ def test_bucket_plan_one_launch_replay_reads_the_new_address(tiny_model, monkeyp
     bp.replay(second)
     got = {n: f() for n, f in export_plan(model)[0]}
     assert all(torch.equal(got[n], t + 1) for n, t in named)
+
+
+def test_a_wrong_one_launch_replay_is_caught_and_loaded_again(tiny_model, monkeypatch, caplog):
+    """A packed bucket plan's first replay is checked against the bucket's bytes
+    (BucketPlan.mismatch, from views rebuilt at the recorded offsets: independent of the
+    one-launch op's relocated pointer table). A table that reads the wrong address -- here two
+    copies' source pointers swapped, as a relocation bug on the GPU would -- is caught: the
+    bucket is loaded with load_weights at once (the model holds exactly the trainer's values),
+    the error is logged, the layout is not replayed again. Through the interpreter on the CPU.
+    Fails on the code before the check (the model kept the swapped tensors)."""
+    from types import SimpleNamespace
+
+    from rlserve.transfer.server import bucket_plan
+    from rlserve.transfer.server.bucket_plan import BucketPairs
+    from rlserve.transfer.server.checksums import export_plan
+    from rlserve.transfer.server.worker_load import _load_replayable, _params_signature
+    from rlserve.transfer.server.worker_state import WorkerTransferState
+    from tests.test_models import _load
+
+    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
+    model, _ = _load(tiny_model("qwen3_moe"))
+    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
+    st, sig = WorkerTransferState(), _params_signature(worker)
+    items, _ = export_plan(model)
+    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
+    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+
+    def sync(values):
+        buf = torch.zeros(b.nbytes + 1024, dtype=torch.uint8)[512:]  # a new address each time
+        pack(buf, b, values)
+        return _load_replayable(worker, st, BucketPairs(buf, b), sig)[0], buf
+
+    assert sync([t for _, t in named])[0] is False  # recorded
+    (key, bp), = st.bucket_plans.items()
+    words = bp._op._words.tolist()
+    i, j = next((i, j) for i in range(len(words)) for j in range(i + 1, len(words)) if words[i] == words[j])
+    ptrs = bp._op._src_ptrs
+    ptrs[[i, j]] = ptrs[[j, i]].clone()  # two same-size chunks read each other's bytes
+    second = [t + 1 for _, t in named]
+    with caplog.at_level("ERROR", logger="rlserve.transfer.server.worker_load"):
+        replayed, _buf = sync(second)
+    assert replayed is False and "differs from its bytes" in caplog.text
+    got = {n: f() for n, f in export_plan(model)[0]}
+    assert all(torch.equal(got[n], t) for (n, _), t in zip(named, second))
+    assert st.bucket_plans[key] is None
+    third = [t * 3 for _, t in named]
+    assert sync(third)[0] is False  # load_weights from now on
+    got = {n: f() for n, f in export_plan(model)[0]}
+    assert all(torch.equal(got[n], t) for (n, _), t in zip(named, third))
+
+
+def test_a_correct_one_launch_replay_is_checked_once(tiny_model, monkeypatch):
+    """The check runs on a plan's first replay only (then ``verified``): the next replays are
+    the one launch alone."""
+    from types import SimpleNamespace
+
+    from rlserve.transfer.server import bucket_plan
+    from rlserve.transfer.server.bucket_plan import BucketPairs, BucketPlan
+    from rlserve.transfer.server.checksums import export_plan
+    from rlserve.transfer.server.worker_load import _load_replayable, _params_signature
+    from rlserve.transfer.server.worker_state import WorkerTransferState
+    from tests.test_models import _load
+
+    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
+    checked = []
+    real = BucketPlan.mismatch
+    monkeypatch.setattr(BucketPlan, "mismatch", lambda self, buf: checked.append(1) or real(self, buf))
+    model, _ = _load(tiny_model("qwen3_moe"))
+    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
+    st, sig = WorkerTransferState(), _params_signature(worker)
+    items, _ = export_plan(model)
+    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
+    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+    flags = []
+    for k in range(4):
+        buf = torch.zeros(b.nbytes + 1024, dtype=torch.uint8)[512:]
+        pack(buf, b, [t + k for _, t in named])
+        flags.append(_load_replayable(worker, st, BucketPairs(buf, b), sig)[0])
+        got = {n: f() for n, f in export_plan(model)[0]}
+        assert all(torch.equal(got[n], t + k) for n, t in named), k
+    assert flags == [False, True, True, True] and len(checked) == 1

@@ -54,9 +54,16 @@ def test_bucket_plan_replay_on_cuda_reads_each_new_address(tiny_model):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the receiver's side stream
             bp.replay(buf)
+            assert bp.mismatch(buf) is None, k  # the worker's check of a first replay (CUDA: checksums)
         stream.synchronize()
         got = {n: f() for n, f in export_plan(model)[0]}
         assert all(torch.equal(got[n], v) for (n, _), v in zip(named, vals)), k
+    # a pointer table that reads the wrong address (two same-size chunks swapped) is caught
+    words = bp._op._words.tolist()
+    i, j = next((i, j) for i in range(len(words)) for j in range(i + 1, len(words)) if words[i] == words[j])
+    bp._op._src_ptrs[[i, j]] = bp._op._src_ptrs[[j, i]].clone()
+    bp.replay(first)
+    assert "checksums differ" in (bp.mismatch(first) or "")
 
 
 def test_device_packer_on_cuda_equals_pack_at_fresh_buffers():

@@ -15,6 +15,12 @@ contiguous copies are one :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`
 source table is moved by one device add (:meth:`~rlserve.transfer.multi_tensor.MultiTensorSum.relocated`);
 elsewhere (and for strided or casting copies) each source view is rebuilt at its offset. The
 plan holds no reference to the bucket it was recorded from (that memory is the trainer's).
+
+A plan's first replay is checked (:meth:`BucketPlan.mismatch`, called by the worker): every
+destination must then hold its source's bytes in the new bucket. One that does not (a
+relocation or ordering bug, or a load whose copies overlap) is never replayed again, and that
+bucket is loaded with ``load_weights`` right away, so a wrong replay cannot reach the served
+weights unnoticed (it is logged as an error).
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ def _view_at(buf: torch.Tensor, off: int, dtype: torch.dtype, size, stride) -> t
     return torch.empty(0, dtype=dtype, device=buf.device).set_(st, byte // dtype.itemsize, size, stride)
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (NaN payloads included)."""
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 class BucketPlan:
     """A :class:`~rlserve.transfer.server.copy_plan.CopyPlan` with its sources as byte offsets
     into the bucket (see the module docstring). Build with :meth:`from_plan`."""
@@ -86,6 +97,8 @@ class BucketPlan:
         self._slow = slow  # (dst, (byte offset, dtype, size, stride)): strided / casting copies
         self._op = op  # CUDA: the fast copies as one launch, sources at offsets from address 0
         self.nbytes = nbytes
+        #: whether a replay was checked (:meth:`mismatch`); the worker checks the first one
+        self.verified = False
 
     @classmethod
     def from_plan(cls, plan: CopyPlan, buf: torch.Tensor) -> "BucketPlan | None":
@@ -134,6 +147,38 @@ class BucketPlan:
                 torch._foreach_copy_(self._fast_d, srcs)
         for dst, r in self._slow:
             dst.copy_(_view_at(buf, *r))
+
+    def mismatch(self, buf: torch.Tensor) -> str | None:
+        """After :meth:`replay` from ``buf`` (queued on the current stream): ``None`` when every
+        destination holds exactly its source's bytes in ``buf`` (a cast copy: the source cast to
+        the destination's dtype, as ``copy_`` does), else a description of the first that does
+        not. One host sync. On CUDA the same-dtype copies are compared as per-tensor ``s64sum``
+        checksums of destination and source (two one-launch passes,
+        :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`); elsewhere with ``torch.equal``.
+        A destination written by two copies (overlapping) reads as a mismatch: the caller then
+        loads without the plan, which is correct, only slower."""
+        srcs = [_view_at(buf, *r) for r in self._fast_src]
+        sums = None
+        if self._fast_d and self._fast_d[0].is_cuda:
+            from rlserve.transfer.multi_tensor import MultiTensorSum
+
+            a, b = MultiTensorSum.build(self._fast_d), MultiTensorSum.build(srcs)
+            if a is not None and b is not None:
+                sums = (a.run(), b.run())
+        if sums is not None:
+            bad = (sums[0] != sums[1]).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                return f"copy {i + 1}/{len(srcs)} of {list(srcs[i].shape)} {srcs[i].dtype} (checksums differ)"
+        else:
+            for i, (d, s) in enumerate(zip(self._fast_d, srcs)):
+                if not _same_bytes(d, s):
+                    return f"copy {i + 1}/{len(srcs)} of {list(s.shape)} {s.dtype}"
+        for j, (dst, r) in enumerate(self._slow):
+            src = _view_at(buf, *r)
+            if not _same_bytes(dst, src.to(dst.dtype)):
+                return f"strided / cast copy {j + 1}/{len(self._slow)} of {list(src.shape)} {src.dtype}"
+        return None
 
     def __len__(self) -> int:
         return len(self._fast_d) + len(self._slow)

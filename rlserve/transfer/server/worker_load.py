@@ -80,6 +80,15 @@ def _load_bucket(worker, st: WorkerTransferState, pairs: BucketPairs, params_sig
     plan = st.bucket_plan(pairs.layout_key, params_sig)
     if plan is not None:
         plan.replay(pairs.buf)
+        if not plan.verified:  # a plan's first replay is checked (bucket_plan's module docstring)
+            why = plan.mismatch(pairs.buf)
+            if why is not None:
+                logger.error("a packed bucket's replayed load differs from its bytes (%s): this layout is loaded "
+                             "with load_weights from now on", why)
+                st.set_bucket_plan(pairs.layout_key, params_sig, None)
+                _load(worker, list(pairs))
+                return False, None, None
+            plan.verified = True
         return True, None, None
     if st.bucket_plan_known(pairs.layout_key, params_sig):  # recorded before: not replayable
         _load(worker, list(pairs))
