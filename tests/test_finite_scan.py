@@ -260,6 +260,27 @@ def test_bucket_plan_one_launch_replay_reads_the_new_address(tiny_model, monkeyp
     assert all(torch.equal(got[n], t + 1) for n, t in named)
 
 
+def _worker_and_bucket(tiny_model, monkeypatch):
+    """A tiny Qwen3-MoE as a CPU worker whose packed bucket plans take the one-launch (CUDA)
+    replay through the interpreter, its transfer state and parameter signature, per-expert
+    trainer tensors and the one bucket that holds them: ``(model, worker, st, sig, named, b)``."""
+    from types import SimpleNamespace
+
+    from rlserve.transfer.server import bucket_plan
+    from rlserve.transfer.server.checksums import export_plan
+    from rlserve.transfer.server.worker_load import _params_signature
+    from rlserve.transfer.server.worker_state import WorkerTransferState
+    from tests.test_models import _load
+
+    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
+    model, _ = _load(tiny_model("qwen3_moe"))
+    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
+    items, _ = export_plan(model)
+    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
+    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+    return model, worker, WorkerTransferState(), _params_signature(worker), named, b
+
+
 def test_a_wrong_one_launch_replay_is_caught_and_loaded_again(tiny_model, monkeypatch, caplog):
     """A packed bucket plan's first replay is checked against the bucket's bytes
     (BucketPlan.mismatch, from views rebuilt at the recorded offsets: independent of the
@@ -268,22 +289,11 @@ def test_a_wrong_one_launch_replay_is_caught_and_loaded_again(tiny_model, monkey
     bucket is loaded with load_weights at once (the model holds exactly the trainer's values),
     the error is logged, the layout is not replayed again. Through the interpreter on the CPU.
     Fails on the code before the check (the model kept the swapped tensors)."""
-    from types import SimpleNamespace
-
-    from rlserve.transfer.server import bucket_plan
     from rlserve.transfer.server.bucket_plan import BucketPairs
     from rlserve.transfer.server.checksums import export_plan
-    from rlserve.transfer.server.worker_load import _load_replayable, _params_signature
-    from rlserve.transfer.server.worker_state import WorkerTransferState
-    from tests.test_models import _load
+    from rlserve.transfer.server.worker_load import _load_replayable
 
-    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
-    model, _ = _load(tiny_model("qwen3_moe"))
-    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
-    st, sig = WorkerTransferState(), _params_signature(worker)
-    items, _ = export_plan(model)
-    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
-    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+    model, worker, st, sig, named, b = _worker_and_bucket(tiny_model, monkeypatch)
 
     def sync(values):
         buf = torch.zeros(b.nbytes + 1024, dtype=torch.uint8)[512:]  # a new address each time
@@ -312,25 +322,14 @@ def test_a_wrong_one_launch_replay_is_caught_and_loaded_again(tiny_model, monkey
 def test_a_correct_one_launch_replay_is_checked_once(tiny_model, monkeypatch):
     """The check runs on a plan's first replay only (then ``verified``): the next replays are
     the one launch alone."""
-    from types import SimpleNamespace
-
-    from rlserve.transfer.server import bucket_plan
     from rlserve.transfer.server.bucket_plan import BucketPairs, BucketPlan
     from rlserve.transfer.server.checksums import export_plan
-    from rlserve.transfer.server.worker_load import _load_replayable, _params_signature
-    from rlserve.transfer.server.worker_state import WorkerTransferState
-    from tests.test_models import _load
+    from rlserve.transfer.server.worker_load import _load_replayable
 
-    monkeypatch.setattr(bucket_plan, "_ONE_LAUNCH_ON_CPU", True)
     checked = []
     real = BucketPlan.mismatch
     monkeypatch.setattr(BucketPlan, "mismatch", lambda self, buf: checked.append(1) or real(self, buf))
-    model, _ = _load(tiny_model("qwen3_moe"))
-    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
-    st, sig = WorkerTransferState(), _params_signature(worker)
-    items, _ = export_plan(model)
-    named = [(n, torch.randn(f().shape)) for n, f in items if ".experts." in n and n.endswith(".weight")]
-    b = plan_buckets([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named], 1 << 30)[0]
+    model, worker, st, sig, named, b = _worker_and_bucket(tiny_model, monkeypatch)
     flags = []
     for k in range(4):
         buf = torch.zeros(b.nbytes + 1024, dtype=torch.uint8)[512:]
