@@ -81,6 +81,12 @@ class EngineConfig:
             steps, so alternating staggers little; not measured as a default there). rlserve's
             own knob: vLLM mixes every running request's decode token into its prefill steps
             instead (:mod:`rlserve.engine.core.scheduler` says why the bound exists).
+        max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
+            running (``--max-prefill-tokens-while-decoding``; capped at ``max_num_batched_tokens``;
+            a longer prompt still runs alone). None (default): the budget shrinks with the running
+            sequences, from ``max_num_batched_tokens`` to 2048 at ``max_num_seqs``
+            (:meth:`rlserve.engine.core.scheduler.Scheduler.prefill_budget`); set it to
+            ``max_num_batched_tokens`` for the policy before session 15.
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
@@ -138,6 +144,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_consecutive_prefill_steps: int | None = None
+    max_prefill_tokens_while_decoding: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -175,6 +182,9 @@ class EngineConfig:
         if self.max_consecutive_prefill_steps is not None and self.max_consecutive_prefill_steps < 0:
             raise InvalidRequestError("max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                                       f"got {self.max_consecutive_prefill_steps}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise InvalidRequestError("max_prefill_tokens_while_decoding must be >= 1, "
+                                      f"got {self.max_prefill_tokens_while_decoding}")
         if self.block_size < 1:
             raise InvalidRequestError("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -121,3 +121,86 @@ def test_engine_default_is_no_bound_on_cpu(tiny_model):
     assert cfg.max_consecutive_prefill_steps is None  # resolved by the engine, per device
     eng = LLMEngine(cfg)
     assert cfg.max_consecutive_prefill_steps == 0 and eng.scheduler.max_consecutive_prefill_steps == 0
+
+
+# --- the prefill budget while sequences decode (issue 37, session 15) ---
+
+def _budget_scheduler(**kw) -> Scheduler:
+    """16 tokens a step (four 4-token prompts) with nothing running, 8 sequences at most."""
+    return Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=16,
+                     **kw)
+
+
+def test_default_prefill_budget_shrinks_with_the_running_sequences():
+    sch = _budget_scheduler(decoding_prefill_floor=4)
+    for s in _seqs(8):
+        sch.add(s)
+    # running 0: 16 tokens; 4: 16 * 4 // 8 = 8; 6: 16 * 2 // 8 = 4; 7: 16 * 1 // 8 = 2 -> the floor, 4
+    assert _run(sch, 8) == [
+        ("P", ["r0", "r1", "r2", "r3"]), ("D", ["r0", "r1", "r2", "r3"]),
+        ("P", ["r4", "r5"]), ("D", ["r0", "r1", "r2", "r3", "r4", "r5"]),
+        ("P", ["r6"]), ("D", ["r0", "r1", "r2", "r3", "r4", "r5", "r6"]),
+        ("P", ["r7"]), ("D", [f"r{i}" for i in range(8)]),
+    ]
+
+
+def test_default_floor_is_vllms_itl_value_and_never_above_max_num_batched_tokens():
+    from rlserve.engine.core.scheduler import DECODING_PREFILL_FLOOR
+
+    assert DECODING_PREFILL_FLOOR == 2048
+    sch = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=8192)
+    assert sch.prefill_budget() == 8192  # nothing running
+    sch.running = _seqs(240)
+    assert sch.prefill_budget() == 2048  # 8192 * 16 // 256 = 512 -> the floor
+    sch.running = _seqs(128)
+    assert sch.prefill_budget() == 4096
+    small = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=1024)  # the CPU default
+    small.running = _seqs(240)
+    assert small.prefill_budget() == 1024
+
+
+def test_fixed_prefill_budget_while_decoding():
+    sch = _budget_scheduler(max_prefill_tokens_while_decoding=4)
+    for s in _seqs(6):
+        sch.add(s)
+    assert [ids for _, ids in _run(sch, 6)] == [["r0", "r1", "r2", "r3"], ["r0", "r1", "r2", "r3"],
+                                              ["r4"], ["r0", "r1", "r2", "r3", "r4"], ["r5"],
+                                              ["r0", "r1", "r2", "r3", "r4", "r5"]]
+    # = max_num_batched_tokens: the policy before session 15 (four prompts a step while others decode)
+    old = _budget_scheduler(max_prefill_tokens_while_decoding=16)
+    for s in _seqs(8):
+        old.add(s)
+    assert [ids for _, ids in _run(old, 3)][2] == ["r4", "r5", "r6", "r7"]
+
+
+def test_a_prompt_longer_than_the_budget_runs_alone():
+    from rlserve.engine.core.sequence import Sequence
+
+    sch = _budget_scheduler(max_prefill_tokens_while_decoding=4)
+    sch.add(_seqs(1)[0])
+    _run(sch, 2)
+    long_seq = Sequence("long", 0, list(range(100, 112)), SamplingParams(max_tokens=100), 4)
+    sch.add(long_seq)
+    sch.add(Sequence("short", 0, [7, 8], SamplingParams(max_tokens=100), 4))
+    assert _run(sch, 3) == [("P", ["long"]), ("D", ["r0", "long"]), ("P", ["short"])]
+
+
+def test_bad_prefill_budget_is_refused():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1"):
+        Scheduler(BlockManager(4, 4), 4, 8, max_prefill_tokens_while_decoding=0)
+    with pytest.raises(InvalidRequestError, match="max_prefill_tokens_while_decoding must be >= 1"):
+        EngineConfig("unused", max_prefill_tokens_while_decoding=0)
+
+
+def test_engine_and_cli_pass_the_budget(tiny_model):
+    from rlserve.cli.serve import engine_config_from_args
+    from rlserve.engine.core.llm_engine import LLMEngine
+    from rlserve.cli import build_parser
+
+    eng = LLMEngine(EngineConfig(tiny_model("llama"), dtype="float32", device="cpu",
+                                 max_prefill_tokens_while_decoding=32))
+    assert eng.scheduler.max_prefill_tokens_while_decoding == 32
+    args = build_parser().parse_args(["serve", "m", "--max-prefill-tokens-while-decoding", "512"])
+    assert engine_config_from_args(args, "m").max_prefill_tokens_while_decoding == 512
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--max-prefill-tokens-while-decoding", "0"])

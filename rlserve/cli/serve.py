@@ -117,6 +117,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill steps in a row at most while requests are decoding, then a decode step (0: no "
                         "bound: new requests always first; default: 1 on CUDA, 0 on CPU). rlserve's own flag: "
                         "vLLM mixes decodes into its prefill steps instead")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=_positive_int, default=None, metavar="N",
+                   help="tokens of a prefill step at most while requests are decoding (a prefill step stalls "
+                        "every running stream; a longer prompt runs alone). Default: from "
+                        "--max-num-batched-tokens with none running down to 2048 with --max-num-seqs running. "
+                        "rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
                         "--gpu-memory-utilization)")
@@ -165,7 +170,9 @@ def engine_config_from_args(args, model_path: str):
         model=model_path, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", None), block_size=args.block_size,
+        max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", None),
+        max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,

@@ -137,7 +137,8 @@ class LLMEngine(EngineStep):
             self.routed_experts = RoutedExpertsRecorder(capture, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_consecutive_prefill_steps)
+                                   config.max_consecutive_prefill_steps,
+                                   config.max_prefill_tokens_while_decoding)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)

@@ -23,6 +23,16 @@ apart, finish one step apart, and their successors arrive spread out. Measured o
 (``benchmarks/serve_load.py``, 256 streaming clients, 512-token prompts, 256 tokens out,
 SmolLM2-135M shape): mean TTFT 923 -> 700 ms, output 18,154 -> 19,882 tok/s; a burst of 256
 requests of random lengths 30,078 -> 30,830 tok/s (BENCHMARKS.md, "Time to first token").
+
+A prefill step stalls every running stream for its whole length (its tokens arrive one decode step
+plus one prefill step apart), so while sequences decode a prefill step takes fewer tokens than
+``max_num_batched_tokens``: :meth:`Scheduler.prefill_budget` (``--max-prefill-tokens-while-decoding``;
+default: the budget shrinks linearly with the running sequences, from ``max_num_batched_tokens`` with
+none running to :data:`DECODING_PREFILL_FLOOR` with ``max_num_seqs`` running). vLLM bounds the same
+stall with ``--max-num-batched-tokens``, which its decode tokens share with chunked prefill; its docs
+name 2048 as the value for better inter-token latency. Issue 37 (session 15): with 8192-token prefill
+steps between decode steps of 240 streams, ``vllm bench serve`` at concurrency 256 measured p99
+inter-token latency 45.6 ms against median 12.0 ms (H100, Qwen3-0.6B shape; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -32,6 +42,11 @@ from dataclasses import dataclass
 
 from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.core.sequence import Sequence, SequenceStatus
+
+DECODING_PREFILL_FLOOR = 2048
+"""Tokens of a prefill step at least while ``max_num_seqs`` sequences decode (the default rule of
+:meth:`Scheduler.prefill_budget`): vLLM's default ``--max-num-batched-tokens`` for ``vllm serve`` on
+GPUs under 70 GB, and the value its tuning guide gives for better inter-token latency."""
 
 
 @dataclass
@@ -62,16 +77,27 @@ class Scheduler:
         this still runs alone).
     max_consecutive_prefill_steps: prefill steps in a row at most while sequences are running
         (then a decode step); 0: no bound (prefill steps first whenever something can start).
+    max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
+        running (capped at ``max_num_batched_tokens``); None: the default rule of
+        :meth:`prefill_budget`. A single prompt longer than the budget still runs alone.
+    decoding_prefill_floor: the default rule's budget with ``max_num_seqs`` sequences running
+        (:data:`DECODING_PREFILL_FLOOR`; tests pass small values).
 
 Raises:
-    ValueError: ``max_consecutive_prefill_steps`` below 0.
+    ValueError: ``max_consecutive_prefill_steps`` below 0, ``max_prefill_tokens_while_decoding``
+        below 1.
 """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_consecutive_prefill_steps: int = 1):
+                 max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None,
+                 decoding_prefill_floor: int = DECODING_PREFILL_FLOOR):
         if max_consecutive_prefill_steps < 0:
             raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                              f"got {max_consecutive_prefill_steps}")
+        if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.decoding_prefill_floor = decoding_prefill_floor
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,6 +110,24 @@ Raises:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def prefill_budget(self) -> int:
+        """Tokens the next prefill step may take, in tokens.
+
+        ``max_num_batched_tokens`` with no sequence running; while ``R`` run,
+        ``max_prefill_tokens_while_decoding`` when set, else
+        ``max(decoding_prefill_floor, max_num_batched_tokens * (max_num_seqs - R) // max_num_seqs)``
+        (a prefill step stalls the ``R`` running streams: the more of them, the shorter it gets);
+        never more than ``max_num_batched_tokens``.
+        """
+        running = len(self.running)
+        if not running:
+            return self.max_num_batched_tokens
+        if self.max_prefill_tokens_while_decoding is not None:
+            return min(self.max_num_batched_tokens, self.max_prefill_tokens_while_decoding)
+        free = max(0, self.max_num_seqs - running)
+        return min(self.max_num_batched_tokens,
+                   max(self.decoding_prefill_floor, self.max_num_batched_tokens * free // self.max_num_seqs))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -98,10 +142,11 @@ Raises:
         tokens = 0
         limit = self.max_consecutive_prefill_steps
         decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
+        budget = self.prefill_budget()
         while not decode_due and self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq)
-            if prefill and tokens + need > self.max_num_batched_tokens:
+            if prefill and tokens + need > budget:
                 break
             if not self.block_manager.can_allocate(seq):
                 if not self.running and not prefill and seq.num_blocks_needed > self.block_manager.num_blocks:
