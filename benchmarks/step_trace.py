@@ -136,11 +136,13 @@ def segments(rows: list, min_steps: int = 50) -> list[list]:
     return [seg for seg in out if len(seg) >= min_steps]
 
 
-def summary_lines(out_dir: str, label: str = "") -> list[str]:
-    """Readable lines of :func:`summarize`, one block per run (:func:`segments`) of ``out_dir``."""
+def summary_lines(out_dir: str, label: str = "", min_steps: int = 50) -> list[str]:
+    """Readable lines of :func:`summarize`, one block per run (:func:`segments`) of ``out_dir``, each
+    labelled with its length, steps and most sequences running at once (which run it was)."""
     lines = []
-    for i, seg in enumerate(segments(read_steps(out_dir))):
-        lines += _lines(summarize(seg), f"{label}run {i} ({seg[-1][0] - seg[0][0]:.1f} s) ")
+    for i, seg in enumerate(segments(read_steps(out_dir), min_steps)):
+        head = f"{label}run {i} ({seg[-1][0] - seg[0][0]:.1f} s, {len(seg)} steps, max running {max(r[4] for r in seg)}) "
+        lines += _lines(summarize(seg), head)
     return lines
 
 

@@ -37,11 +37,11 @@ if [ "$DRY_RUN" = 1 ]; then
   ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
         --max-num-seqs 16 --bench-timeout 300)
   C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 64 --disable-access-log"; OLD=64; FIXED=32
-  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=280
+  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=280; MIN_STEPS=5
 else
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
   C2="@conc=256,64"; C1="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log"; OLD=8192; FIXED=2048
-  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 10 ))
+  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 10 )); MIN_STEPS=50
 fi
 CONFIGS=("new=$C2 $(trace new) $FLAGS"
          "old=$C1 $(trace old) $FLAGS --max-prefill-tokens-while-decoding $OLD"
@@ -55,8 +55,8 @@ gpu_cleanup
 $PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
     "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
 for c in new old fixed; do
-  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2])))" \
-      "$OUT_DIR/steps_$c" "$c " 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
+      "$OUT_DIR/steps_$c" "$c " "$MIN_STEPS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 done
 say "done"
 exit 0
