@@ -136,15 +136,16 @@ def _time_parts(path: str) -> None:
             print(f"api_stream_probe: cannot time {mod_name}.{fn_name}: {e}", file=sys.stderr)
 
 
-def site_dir(root: str) -> str:
-    """A directory holding a ``sitecustomize.py`` that calls :func:`install`; put it first on the
-    server's ``PYTHONPATH`` (with the repository after it) and set ``API_STREAM_PROBE_DIR``."""
+def site_dir(root: str, module: str = "benchmarks.api_stream_probe") -> str:
+    """A directory holding a ``sitecustomize.py`` that calls ``module``'s ``install()`` (this one's
+    :func:`install` by default); put it first on the server's ``PYTHONPATH`` (with the repository
+    after it) and set ``API_STREAM_PROBE_DIR`` (or ``module``'s variable)."""
     d = os.path.join(root, "site")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "sitecustomize.py"), "w") as f:
-        f.write("try:\n    from benchmarks.api_stream_probe import install\n    install()\n"
+        f.write(f"try:\n    from {module} import install\n    install()\n"
                 "except Exception as e:  # a broken probe must not stop the server\n"
-                "    import sys; print('api_stream_probe:', e, file=sys.stderr)\n")
+                f"    import sys; print('{module}:', e, file=sys.stderr)\n")
     return d
 
 

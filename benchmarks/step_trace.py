@@ -52,13 +52,9 @@ def install() -> None:
 def site_dir(root: str) -> str:
     """A directory holding a ``sitecustomize.py`` that calls :func:`install`; put it first on the
     server's ``PYTHONPATH`` (the repository after it) and set ``STEP_TRACE_DIR``."""
-    d = os.path.join(root, "site")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "sitecustomize.py"), "w") as f:
-        f.write("try:\n    from benchmarks.step_trace import install\n    install()\n"
-                "except Exception as e:  # a broken trace must not stop the server\n"
-                "    import sys; print('step_trace:', e, file=sys.stderr)\n")
-    return d
+    from benchmarks.api_stream_probe import site_dir as probe_site_dir
+
+    return probe_site_dir(root, "benchmarks.step_trace")
 
 
 def read_steps(out_dir: str) -> list[tuple[float, str, int, int, int]]:
