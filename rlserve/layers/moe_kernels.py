@@ -95,8 +95,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`moe_align_torch`'s result from two kernels (one program counting, padding and
-    labelling blocks; one placing the pairs with atomic cursors) instead of about twelve small
+    """:func:`moe_align_torch`'s result from two kernels (one counting, padding and labelling
+    blocks, its programs each a slice of the blocks; one placing the pairs with atomic cursors) instead of about twelve small
     launches: at decode batch 1 those launches cost more than the expert GEMMs
     (BENCHMARKS.md, MoE). The order of the pairs within one expert's run is arbitrary."""
     N = topk_ids.numel()
@@ -110,9 +110,10 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     k = _kernels()
     e_pad = 1 << num_experts.bit_length()  # >= E + 1: the last bin takes masked lanes
-    k.moe_align_counts_kernel[(1,)](flat, cursor, offs, expert_ids, num_post, sorted_ids, N, num_experts, P,
-                                    E_PAD=e_pad, BLOCK_M=block_m, CHUNK=1024, MB_CHUNK=max(16, 4096 // e_pad),
-                                    num_warps=4)
+    mb_chunk = max(16, 4096 // e_pad)  # blocks per program (a [mb_chunk, e_pad] compare each)
+    k.moe_align_counts_kernel[(-(-(P // block_m) // mb_chunk),)](
+        flat, cursor, offs, expert_ids, num_post, sorted_ids, N, num_experts, P,
+        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=1024, MB_CHUNK=mb_chunk, num_warps=4)
     k.moe_align_scatter_kernel[(-(-N // 1024),)](flat, cursor, sorted_ids, N, P, BLOCK=1024, num_warps=4)
     return sorted_ids, expert_ids, num_post, offs
 

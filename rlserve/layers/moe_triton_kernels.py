@@ -72,11 +72,15 @@ def moe_align_counts_kernel(
     IDS, CURSOR, OFFS, EXPERT_IDS, NUM_POST, SORTED_IDS, N, E, P,
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, MB_CHUNK: tl.constexpr,
 ):
-    """One program: per-expert counts of the ``N`` pair ids (``tl.histogram``; ``E_PAD >= E + 1``
-    bins, masked lanes land in the last one), each padded to a multiple of ``BLOCK_M``; writes
-    ``CURSOR[e]`` (padded start of expert ``e``'s run), ``OFFS[e]`` (unpadded end),
-    ``NUM_POST`` (padded total), ``EXPERT_IDS[b]`` for each of the ``P / BLOCK_M`` blocks and
-    fills ``SORTED_IDS[:P]`` with ``N`` (padding)."""
+    """Program ``pid`` of ``ceil(P / BLOCK_M / MB_CHUNK)``: per-expert counts of the ``N`` pair ids
+    (``tl.histogram``; ``E_PAD >= E + 1`` bins, masked lanes land in the last one; every program
+    counts them all, the ids are read from L2 after the first), each padded to a multiple of
+    ``BLOCK_M``; program 0 writes ``CURSOR[e]`` (padded start of expert ``e``'s run), ``OFFS[e]``
+    (unpadded end) and ``NUM_POST`` (padded total); each program writes ``EXPERT_IDS[b]`` for its
+    ``MB_CHUNK`` blocks and fills their ``MB_CHUNK * BLOCK_M`` entries of ``SORTED_IDS[:P]`` with
+    ``N`` (padding). One program did it all before: 9.75 us a launch at decode sizes on the H100,
+    2% of the 48-layer offline workload (BENCHMARKS.md, MoE), its loops serial."""
+    pid = tl.program_id(0)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, N, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -86,17 +90,19 @@ def moe_align_counts_kernel(
     counts = tl.where(e < E, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(CURSOR + e, ends - padded, mask=e < E)
-    tl.store(OFFS + e, tl.cumsum(counts, 0), mask=e < E)
-    tl.store(NUM_POST, tl.sum(padded, 0))
-    for b0 in range(0, P // BLOCK_M, MB_CHUNK):
-        b = b0 + tl.arange(0, MB_CHUNK)
-        past = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < E)
-        expert = tl.minimum(tl.sum(past.to(tl.int32), 1), E - 1)
-        tl.store(EXPERT_IDS + b, expert, mask=b < P // BLOCK_M)
-    for p0 in range(0, P, CHUNK):
+    if pid == 0:
+        tl.store(CURSOR + e, ends - padded, mask=e < E)
+        tl.store(OFFS + e, tl.cumsum(counts, 0), mask=e < E)
+        tl.store(NUM_POST, tl.sum(padded, 0))
+    b = pid * MB_CHUNK + tl.arange(0, MB_CHUNK)
+    past = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < E)
+    expert = tl.minimum(tl.sum(past.to(tl.int32), 1), E - 1)
+    tl.store(EXPERT_IDS + b, expert, mask=b < P // BLOCK_M)
+    lo = pid * MB_CHUNK * BLOCK_M
+    hi = tl.minimum(lo + MB_CHUNK * BLOCK_M, P)
+    for p0 in range(lo, hi, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < P)
+        tl.store(SORTED_IDS + p, tl.zeros((CHUNK,), dtype=tl.int32) + N, mask=p < hi)
 
 
 @triton.jit(do_not_specialize=["N", "P"])
