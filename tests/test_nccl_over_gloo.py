@@ -94,3 +94,35 @@ def test_order_is_abortable_under_the_emulation(clean_env):
     # (the deadline, 60 s, would raise TransferTimeoutError)
     with pytest.raises(TransferAbortedError, match="bucket 1/3 aborted: the trainer is gone"):
         g.order(_Pending(), what="bucket 1/3")
+
+
+class _Failed:
+    """A completed work handle whose ``wait`` raises the backend's error ``msg``."""
+
+    def __init__(self, msg: str):
+        self.msg = msg
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self):
+        raise RuntimeError(self.msg)
+
+
+def test_wait_maps_the_backends_own_timeout_to_504_and_other_errors_to_500():
+    """gloo's recv deadline firing inside ``work.wait()`` is a timeout (TransferTimeoutError: HTTP 504), not a
+    failure (500): the message is gloo's own (torch 2.x, gloo/transport/tcp/pair.cc); a closed peer stays a 500."""
+    import torch
+
+    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
+
+    g = TransferGroup("gloo", "127.0.0.1", 1, 1, 2, timeout_s=60, device=torch.device("cpu"))
+    gloo_timeout = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 60000ms for recv "
+                    "operation to complete")
+    with pytest.raises(TransferTimeoutError, match="bucket 2/3 timed out in the gloo backend"):
+        g.wait(_Failed(gloo_timeout), what="bucket 2/3")
+    closed = "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:1234"
+    with pytest.raises(WeightTransferFailedError, match="bucket 2/3 failed") as err:
+        g.wait(_Failed(closed), what="bucket 2/3")
+    assert not isinstance(err.value, TransferTimeoutError)

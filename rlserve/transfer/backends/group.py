@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 STORE_PREFIX = "rlserve/weight_transfer"
 
 
+def _is_timeout(e: BaseException) -> bool:
+    """Whether a backend's exception is its own deadline firing (gloo: "Timed out waiting 1000ms for recv
+    operation"; c10d's store: "... timeout ..."), i.e. an HTTP 504 (TransferTimeoutError), not a failure (500)."""
+    msg = str(e).lower()
+    return isinstance(e, TimeoutError) or "timed out" in msg or "timeout" in msg
+
+
 class TransferGroup:
     """One rank's handle on the transfer group.
 
@@ -93,7 +100,7 @@ class TransferGroup:
             if isinstance(e, WeightUpdateError):
                 raise
             msg = str(e)
-            if "timed out" in msg.lower() or "timeout" in msg.lower() or isinstance(e, TimeoutError):
+            if _is_timeout(e):
                 raise TransferTimeoutError(
                     f"transfer group rendezvous at {master_address}:{master_port} (rank {rank}/{world_size}, "
                     f"{backend}) did not complete within {timeout_s:.0f} s: {msg}") from e
@@ -193,6 +200,9 @@ class TransferGroup:
         try:
             work.wait()
         except Exception as e:  # gloo: peer closed / timed out; nccl: comm error
+            if _is_timeout(e):  # gloo's own recv deadline ("Timed out waiting ... for recv"): HTTP 504, not 500
+                raise TransferTimeoutError(f"{what} timed out in the {self.backend} backend (rank {self.rank}/"
+                                           f"{self.world_size}): {e}") from e
             raise WeightTransferFailedError(f"{what} failed (rank {self.rank}/{self.world_size}, "
                                             f"{self.backend}): {e}") from e
 
