@@ -242,16 +242,17 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         plan = plan_buckets(info.names, dtypes, info.shapes, info.packed_buffer_size_bytes)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
         bufs = []
+        phases: dict[str, float] = {}
         if info.packed and plan:
             # fresh buffers per sync: torch's IPC bookkeeping on a shared block is freed with it
             size = max_bucket_bytes(plan)
             bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(nbuf)]
+            phases["alloc"] = time.perf_counter() - t0
         futs: dict[int, tuple[cf.Future, list]] = {}
         it = iter(self.source.named_tensors())
         total = 0
         persistent = self._persistent_storages() if not info.packed else set()
         batch: list[tuple] = []  # (slot, tensor) of persistent tensors: one call at the end
-        phases: dict[str, float] = {}
 
         def submit(key: int, slots, handles, checksums, keep) -> None:
             sub = UpdateInfo(
@@ -264,8 +265,10 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
         answers: dict[int, dict] = {}
 
         def wait(bi: int) -> None:
+            t_a = time.perf_counter()
             fut, _keep = futs.pop(bi)
             answers[bi] = fut.result(timeout=ii.timeout_s + 30)
+            phases["wait_answers"] = phases.get("wait_answers", 0.0) + time.perf_counter() - t_a
 
         try:
             for bi, b in enumerate(plan):
@@ -280,6 +283,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     tensors = take_bucket_tensors(it, b)
                     # one launch per bucket, the checksum in the same pass, cached per layout and
                     # source addresses (rlserve.transfer.wire.pack_device); else slot by slot
+                    t_p = time.perf_counter()
                     summed = self._packer.pack(buf, b, tensors)
                     if summed is None:
                         pack(buf, b, tensors)
@@ -287,6 +291,7 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     else:
                         checksums = [wrap64(int(summed.item()))] if ii.checksums else None
                     del tensors
+                    phases["pack"] = phases.get("pack", 0.0) + time.perf_counter() - t_p
                     submit(bi, b.slots, [export_handle(buf)], checksums, [buf])
                     total += b.nbytes
                     continue
@@ -330,6 +335,8 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
             for bi in sorted(futs):
                 wait(bi)
             phases["wait_calls"] = time.perf_counter() - t_w
+            if info.packed:  # where the calls' time went on the server, summed over the buckets
+                phases.update(_server_sums(answers.values()))
         finally:
             for f, _keep in futs.values():  # never free memory the server may still read
                 try:
@@ -338,3 +345,17 @@ class IPCTrainerEngine(TrainerWeightTransferEngine):
                     pass
         return {"bytes": total, "buckets": len(plan), "seconds": time.perf_counter() - t0, "ipc_phases_s": phases,
                 "server": answers[max(answers)] if answers else {}}
+
+
+def _server_sums(answers) -> dict[str, float]:
+    """Seconds of ``update_weights`` answers summed: ``server_call`` (the manager's time in the
+    workers), ``server_validate``, ``server_worker`` and each ``server_worker_<phase>`` of the
+    first worker (:meth:`rlserve.transfer.server.manager_update` answers)."""
+    out: dict[str, float] = {}
+    for a in answers:
+        for k, name in (("seconds", "server_call"), ("validate_seconds", "server_validate"),
+                        ("worker_seconds", "server_worker")):
+            out[name] = out.get(name, 0.0) + float(a.get(k) or 0.0)
+        for k, v in (a.get("worker_phases_s") or {}).items():
+            out[f"server_worker_{k}"] = out.get(f"server_worker_{k}", 0.0) + float(v)
+    return out

@@ -239,7 +239,11 @@ class IpcReceive:
             return {"bytes": total, "buckets": 1 if n else 0, "tensors": n, "checksums_fused": fused,
                     "phases_s": {"map": t_map - t0, "load_queued": t_load - t_map, "checksum": t_ck - t_load,
                                  "device_sync": t_end - t_ck}}
+        t0 = time.perf_counter()
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+        ph = dict.fromkeys(("plan", "map", "verify", "load_queued", "device_sync", "unmap"), 0.0)
+        tm = time.perf_counter()
+        ph["plan"] = tm - t0
         for i, (b, handle) in enumerate(zip(plan, info.ipc_handles)):
             what = f"ipc bucket {i + 1}/{len(plan)}"
             mapped = self._map(handle, what)
@@ -247,16 +251,26 @@ class IpcReceive:
                 raise WeightUpdateError(f"{what}: the handle maps {mapped.dtype} {list(mapped.shape)}, the plan "
                                         f"needs a 1-D uint8 buffer of {b.nbytes} bytes")
             buf = mapped[: b.nbytes]
+            tm, t_prev = time.perf_counter(), tm
+            ph["map"] += tm - t_prev
             self._verify(buf, info.checksums, i, what, units=bucket_units(b))
+            tm, t_prev = time.perf_counter(), tm
+            ph["verify"] += tm - t_prev
             # unpacked only when the worker records the bucket's load (bucket_plan: replayed at
             # this buffer's address otherwise)
             pairs = BucketPairs(buf, b)
             if buf.device != self.device:
                 pairs = [(n_, t.to(self.device)) for n_, t in pairs]
             sink(pairs)
+            tm, t_prev = time.perf_counter(), tm
+            ph["load_queued"] += tm - t_prev
             self._ipc_done_reading(buf.device)
-            del buf, mapped, pairs
+            tm, t_prev = time.perf_counter(), tm
+            ph["device_sync"] += tm - t_prev
+            del buf, mapped, pairs  # (the last reference: torch closes the IPC mapping here)
+            tm, t_prev = time.perf_counter(), tm
+            ph["unmap"] += tm - t_prev
             total += b.nbytes
             if on_bucket is not None:
                 on_bucket(i)
-        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
+        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names), "phases_s": ph}
