@@ -83,9 +83,8 @@ class EngineConfig:
             instead (:mod:`rlserve.engine.core.scheduler` says why the bound exists).
         max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
             running (``--max-prefill-tokens-while-decoding``; capped at ``max_num_batched_tokens``;
-            a longer prompt still runs alone). None (default): the budget shrinks with the running
-            sequences, from ``max_num_batched_tokens`` to 2048 at ``max_num_seqs``
-            (:meth:`rlserve.engine.core.scheduler.Scheduler.prefill_budget`); set it to
+            a longer prompt still runs alone). None (default): 2048
+            (:data:`rlserve.engine.core.scheduler.DECODING_PREFILL_TOKENS`); set it to
             ``max_num_batched_tokens`` for the policy before session 15.
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).

