@@ -32,7 +32,7 @@ plus one prefill step apart), so while sequences decode a prefill step takes at 
 names 2048 for better inter-token latency. Issue 37 (session 15): with 8192-token prefill steps
 between decode steps of 240 streams, ``vllm bench serve`` at concurrency 256 measured p99 inter-token
 latency 45.6 ms against median 12.0 ms (H100, Qwen3-0.6B shape; BENCHMARKS.md). A budget that
-shrinks only as the running sequences approach ``max_num_seqs`` (commit 15fc6ab) was worse at
+shrinks only as the running sequences approach ``max_num_seqs`` (commit 400a92e) was worse at
 concurrency 64 in ``benchmarks/stream_schedule_sim.py`` (p99 gap 16.1 ms against 7.8 with 2048:
 a p99 sits among the stalled gaps as soon as more than 1% of the gaps are stalled, so the stall's
 length decides it, not how many streams it hits).
