@@ -97,18 +97,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", nargs="+", default=["old", "default", "4096", "1024"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[256, 64])
-    p.add_argument("--num-prompts", type=int, default=768)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--num-kv-blocks", type=int, default=41190, help="window 1's H100 cache")
-    p.add_argument("--turnaround-ms", type=float, default=1.0)
-    p.add_argument("--decode-fixed-ms", type=float, default=1.4)
-    p.add_argument("--hbm-gbps", type=float, default=3000.0)
-    p.add_argument("--kv-bytes-per-token", type=int, default=114688)
-    p.add_argument("--prefill-fixed-ms", type=float, default=0.5)
-    p.add_argument("--prefill-us-per-token", type=float, default=2.1)
+    # the workload, the engine's limits (--num-kv-blocks: window 1's H100 cache) and the step-time model
+    for flag, default in (("num-prompts", 768), ("prompt-len", 512), ("output-len", 256), ("max-num-seqs", 256),
+                          ("max-num-batched-tokens", 8192), ("num-kv-blocks", 41190), ("turnaround-ms", 1.0),
+                          ("decode-fixed-ms", 1.4), ("hbm-gbps", 3000.0), ("kv-bytes-per-token", 114688),
+                          ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1)):
+        p.add_argument(f"--{flag}", type=type(default), default=default)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
     rows = [simulate(args, b, c) for c in args.concurrency for b in args.budgets]

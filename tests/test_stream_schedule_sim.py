@@ -1,0 +1,31 @@
+"""benchmarks/stream_schedule_sim.py: the closed-loop workload through the real scheduler gives the
+step-time model's exact numbers on a workload small enough to work out by hand."""
+
+import argparse
+
+from benchmarks.stream_schedule_sim import simulate
+
+
+def _args(**kw):
+    base = dict(num_prompts=1, prompt_len=10, output_len=3, max_num_seqs=4, max_num_batched_tokens=64,
+                num_kv_blocks=16, turnaround_ms=1.0, decode_fixed_ms=1.0, hbm_gbps=1.0, kv_bytes_per_token=0,
+                prefill_fixed_ms=0.5, prefill_us_per_token=100.0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_one_request_by_hand():
+    # prefill 0.5 + 10 x 0.1 = 1.5 ms (TTFT), then two decode steps of 1.0 ms: 3 tokens in 3.5 ms
+    r = simulate(_args(), "old", 1)
+    assert r["ttft_mean_ms"] == 2 and r["wall_s"] == 0.004  # 1.5 and 3.5 ms, rounded
+    assert (r["gap_p50_ms"], r["gap_max_ms"]) == (1.0, 1.0)
+    assert r["output_tok_s"] == round(3 / 3.5e-3)
+
+
+def test_a_prefill_between_decode_steps_stalls_the_running_stream():
+    # two clients; the second prompt (30 tokens, 3.5 ms) is prefilled while the first decodes: one of the
+    # first stream's gaps is prefill + decode = 4.5 ms; budget 8 does not split a prompt (it runs alone)
+    args = _args(num_prompts=2, prompt_len=30, output_len=4, max_num_batched_tokens=30)  # one prompt a step
+    for budget in ("old", "8"):
+        r = simulate(args, budget, 2)
+        assert r["gap_max_ms"] == 4.5 and r["gap_p50_ms"] == 1.0
