@@ -158,12 +158,14 @@ if HAS_TRITON:
     def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
                           stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
                           num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """``c[M, N] = a[M, K] @ w[N, K].T (+ bias[N])``: persistent programs over output tiles;
         each tile reduces K from 0 upwards in BLOCK_K steps (the fixed order). Rows / columns past
         M / N load row / column 0 instead (unmasked loads; never stored), K is masked only when
-        ``EVEN_K`` is False (K not a multiple of BLOCK_K)."""
+        ``EVEN_K`` is False (K not a multiple of BLOCK_K). ``SWAP_AB``: each tile computed as
+        ``(w_tile @ a_tile.T).T`` (the weight rows are the MMA's M, the tokens its N: a decode
+        batch of BLOCK_M = 16 tokens fills an MMA of N = 16 instead of 64 rows of padding)."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -180,22 +182,41 @@ if HAS_TRITON:
             offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
             offs_wn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
-            w_ptrs = w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    w = tl.load(w_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
-                a_ptrs += BLOCK_K * stride_ak
-                w_ptrs += BLOCK_K * stride_wk
+            if SWAP_AB:
+                a_ptrs = a_ptr + offs_am[None, :] * stride_am + offs_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_M]
+                w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+                acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
+                        w = tl.load(w_ptrs)
+                    else:
+                        a = tl.load(a_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                        w = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    if IEEE:
+                        acc_t = tl.dot(w, a, acc_t, input_precision="ieee")
+                    else:
+                        acc_t = tl.dot(w, a, acc_t)
+                    a_ptrs += BLOCK_K * stride_ak
+                    w_ptrs += BLOCK_K * stride_wk
+                acc = tl.trans(acc_t)
+            else:
+                a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+                w_ptrs = w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
+                        w = tl.load(w_ptrs)
+                    else:
+                        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                        w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                    if IEEE:
+                        acc = tl.dot(a, w, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, w, acc)
+                    a_ptrs += BLOCK_K * stride_ak
+                    w_ptrs += BLOCK_K * stride_wk
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
@@ -232,7 +253,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return out.reshape(*lead, N)
     if cfg is not None:
-        if tuple(cfg) not in gemm_table.CANDIDATES:
+        if len(cfg) not in (6, 7) or gemm_table.Cfg(*cfg) not in gemm_table.CANDIDATES:
             raise ValueError(f"cfg {tuple(cfg)} is not one of gemm_table.CANDIDATES")
         _launch(a, weight, out, bias, _as_dict(gemm_table.Cfg(*cfg)))
         return out.reshape(*lead, N)
@@ -247,9 +268,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         tuned = None
         if x.dtype != torch.float32 and x.device.type == "cuda":
             tuned = gemm_table.pick(M, N, K, _device_name(x.device))
-        if tuned is not None:
-            _launch(a, weight, out, bias, _as_dict(tuned))
-            return out.reshape(*lead, N)
+        if tuned is not None and tuned not in gemm_table.BROKEN:
+            try:
+                _launch(a, weight, out, bias, _as_dict(tuned))
+                return out.reshape(*lead, N)
+            except Exception:  # noqa: BLE001 - a configuration this Triton / GPU cannot compile: tile()'s
+                gemm_table.BROKEN.add(tuned)
+                logger.warning("batch-invariant GEMM: table configuration %s failed to launch, tile() from now "
+                               "on (the same bits)", tuple(tuned), exc_info=True)
         while True:
             cfg_d = tile(M, N, K, x.dtype, _num_sms(x.device))
             t = (cfg_d["BLOCK_M"], cfg_d["BLOCK_N"], cfg_d["num_warps"], cfg_d["num_stages"])
@@ -268,7 +294,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _as_dict(c: gemm_table.Cfg) -> dict:
     return dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, GROUP_M=8, num_warps=c.num_warps,
-                num_stages=c.num_stages, waves=c.waves)
+                num_stages=c.num_stages, waves=c.waves, SWAP_AB=bool(c.swap))
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> None:
@@ -277,6 +303,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torc
     SMs)``, 0 = one per tile; default 1)."""
     cfg = dict(cfg)
     warps, stages, waves = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("waves", 1)
+    cfg.setdefault("SWAP_AB", False)
     (M, K), N = a.shape, weight.shape[0]
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     programs = tiles if waves == 0 else min(tiles, waves * _num_sms(a.device))
