@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rlserve.batch_invariant import gemm_table
 from rlserve.batch_invariant.gemm_table import REFERENCE, Cfg
@@ -54,3 +55,21 @@ def test_committed_tables_are_checked_at_import():
 
     for name, table in TUNED.items():
         assert gemm_table.check(table)
+
+
+def test_warm_up_launches_cover_every_pick_for_m_up_to_the_step_budget(monkeypatch):
+    """gpu.launches (what the model runner's warm-up launches once each, so no GEMM kernel
+    compiles mid-serving): each distinct configuration the table or gpu.tile picks for M = 1 .. max_m,
+    once per (N, K) even when several layers share it."""
+    from rlserve.batch_invariant import gpu
+
+    monkeypatch.setattr(gemm_table, "TABLES", {})
+    small, big = Cfg(64, 32, 64, 4, 5, 0), Cfg(128, 256, 64, 8, 3, 1)
+    gemm_table.use("GPU X", {"4096x12288": [[64, list(small)], [2048, list(big)]]})
+    got = gpu.launches([(4096, 12288), (4096, 12288), (1024, 3072)], "GPU X", 132, 8192)
+    assert got[:2] == [(4096, 12288, "cfg", small), (4096, 12288, "cfg", big)]
+    want_tiles = {(1024, 3072, "tile", tuple(t[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")))
+                  for t in (gpu.tile(m, 1024, 3072, torch.bfloat16, 132) for m in range(1, 8193))}
+    assert set(got[2:]) == want_tiles and len(got[2:]) == len(want_tiles) >= 3
+    monkeypatch.setattr(gemm_table, "BROKEN", {big})  # a config that failed to launch: tile()'s instead
+    assert (4096, 12288, "cfg", big) not in gpu.launches([(4096, 12288)], "GPU X", 132, 8192)

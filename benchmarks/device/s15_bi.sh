@@ -3,7 +3,8 @@
 # from configurations checked bit for bit against the reference (rlserve/batch_invariant/gemm_table.py; window 1
 # of this session: Qwen3-8B +29.0% with the tile by M, its GEMMs +25.7% at M = 1 .. +75.4% at M = 2048).
 #   0. compile every candidate tile in 8 processes side by side (Triton's disk cache; the steps below reuse it)
-#   1. tests/gpu/test_batch_invariant_gpu.py -k candidate: every candidate's bits = the reference's on 8 shapes
+#   1. tests/gpu/test_batch_invariant_gpu.py -k "candidate or rows": every candidate's bits = the reference's on 8
+#      shapes; rows at M = 1 = at M = 2..2048 (the default launch: this card's table if committed, else the tile by M)
 #      -> pytest.log, reports/
 #   2. sweep Qwen3-8B: per layer and M (64, 8192, 32, 1, 2048, 256, 128: the cost run's first) every candidate
 #      timed and its bits compared with the reference's; the fastest equal one per (layer, M) -> sweep-8b.*,
@@ -31,14 +32,14 @@ wait
 say "warm: $(cat "$OUT_DIR"/warm-*.log | grep -c '^warm ') of $WN processes done"; grep -h Error "$OUT_DIR"/warm-*.log | head -3
 
 sweep() {  # sweep LABEL SHAPE SECONDS
-  bounded "$(( $3 * X ))" $PY benchmarks/bi_gemm_sweep.py --device $DEV --shapes "$2" --ms $MS --max-candidates $MAXC --lm-head-max-m 64 \
+  bounded "$(( $3 * X ))" $PY benchmarks/bi_gemm_sweep.py --device $DEV --shapes "$2" --ms $MS --max-candidates $MAXC \
       --json "$OUT_DIR/sweep-$1.jsonl" --table-out "$OUT_DIR/tuned-$1.json" > "$OUT_DIR/sweep-$1.log" 2>&1
   say "sweep $2 rc=$?"; grep -h '^STEP' "$OUT_DIR/sweep-$1.log" | sed 's/^/    /'
   grep -h '"differ": \[\[' "$OUT_DIR/sweep-$1.log" | head -3 | cut -c1-300 | sed 's/^/    DIFFER /'
   gpu_cleanup
 }
 if [ "$DEV" = cuda ]; then
-  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 16 $PY -m pytest -q -p no:cacheprovider -rA -k candidate \
+  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 20 $PY -m pytest -q -p no:cacheprovider -rA -k "candidate or rows" \
       tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
 else
   bounded 600 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py -k candidate \

@@ -312,3 +312,57 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torc
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), programs,
         HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, EVEN_K=K % cfg["BLOCK_K"] == 0,
         num_warps=warps, num_stages=stages, **cfg)
+
+
+def launches(shapes, device_name: str, sms: int, max_m: int) -> list[tuple]:
+    """The distinct launches the mode's GEMM (``"triton_m"``) makes for linear layers of
+    ``shapes`` (``(N, K)`` pairs) at every row count M = 1 .. ``max_m`` on a GPU named
+    ``device_name`` with ``sms`` multiprocessors (16-bit inputs): ``(N, K, "cfg", Cfg)`` where
+    the GPU's table names one (``gemm_table.pick``), ``(N, K, "tile", (BLOCK_M, BLOCK_N,
+    num_warps, num_stages))`` where :func:`tile` picks. A pure function (what :func:`warm_up`
+    launches)."""
+    out: list[tuple] = []
+    for N, K in dict.fromkeys(shapes):
+        seen = set()
+        for M in range(1, max_m + 1):
+            c = gemm_table.pick(M, N, K, device_name)
+            if c is not None and c not in gemm_table.BROKEN:
+                key = (N, K, "cfg", c)
+            else:
+                t = tile(M, N, K, torch.bfloat16, sms)
+                key = (N, K, "tile", (t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"]))
+            if key not in seen:
+                seen.add(key)
+                out.append(key)
+    return out
+
+
+def warm_up(model: torch.nn.Module, max_m: int) -> list[tuple]:
+    """Launch, once each with one row, every GEMM configuration the mode can pick for the 16-bit
+    CUDA linear layers of ``model`` (rlserve's ``LinearBase`` and ``ParallelLMHead`` modules, with
+    their own weights and biases) at row counts 1 .. ``max_m`` (:func:`launches`), so that none
+    compiles (or loads from Triton's disk cache) in the middle of serving: the kernel is not
+    specialized on M, so one launch per configuration covers every M. The model runner calls it
+    in its warm-up when the mode is on (its recording pass compiles them in parallel). Returns
+    the launches."""
+    from rlserve.layers.embedding import ParallelLMHead
+    from rlserve.layers.linear import LinearBase
+
+    layers = {}
+    for mod in model.modules():
+        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+        if (isinstance(mod, (LinearBase, ParallelLMHead)) and isinstance(w, torch.Tensor) and w.dim() == 2
+                and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16)):
+            b = b if isinstance(b, torch.Tensor) else None
+            layers.setdefault((w.shape[0], w.shape[1], b is not None), (w, b))
+    done = []
+    for (N, K, _), (w, b) in layers.items():
+        x = torch.zeros(1, K, dtype=w.dtype, device=w.device)
+        for _, _, kind, c in launches([(N, K)], _device_name(w.device), _num_sms(w.device), max_m):
+            try:
+                linear(x, w, b, **({"cfg": c} if kind == "cfg" else {"tile_shape": c}))
+            except Exception:  # noqa: BLE001 - linear() falls back from it at its first real call
+                logger.warning("batch-invariant GEMM warm-up: %s %s for %dx%d failed", kind, tuple(c), N, K,
+                               exc_info=True)
+            done.append((N, K, kind, c))
+    return done

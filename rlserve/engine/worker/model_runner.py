@@ -192,6 +192,12 @@ class ModelRunner:
             return False
         return True
 
+    def _max_batched_tokens(self) -> int:
+        """Tokens of one forward step at most: the config's ``max_num_batched_tokens`` (the engine
+        resolves it before the warm-up), else its CUDA default ``max(8192, max_model_len)``."""
+        n = getattr(self.config, "max_num_batched_tokens", None) if self.config is not None else None
+        return int(n or max(8192, self._max_model_len()))
+
     def _max_model_len(self) -> int:
         cfg = self.config
         if cfg is not None and cfg.max_model_len:
@@ -306,6 +312,10 @@ class ModelRunner:
             graphs = self._new_graphs()
             for bs in specialization_representatives(graphs.sizes):
                 self.model.compute_logits(graphs.forward_eager(bs), **self._logits_kw)
+        if self.batch_invariant and self.device.type == "cuda":  # every GEMM launch the mode can pick
+            from rlserve.batch_invariant import gpu as bi_gpu
+
+            bi_gpu.warm_up(self.model, self._max_batched_tokens())
 
     def _try_capture(self, lora=None) -> bool:
         """Capture the decode CUDA graphs (``lora``: those of steps with adapters); on any failure
