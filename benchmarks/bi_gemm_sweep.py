@@ -52,7 +52,7 @@ def warm(args) -> None:
     i, n = (int(v) for v in args.warm.split("/"))
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    shapes = {(tuple(c[:5]), c.swap): c for c in gemm_table.CANDIDATES}
+    shapes = {(tuple(c[:5]), c.swap, c.tma): c for c in gemm_table.CANDIDATES}
     for c in list(shapes.values())[i::n]:
         for K, N, bias in ((256, 256, False), (200, 100, True)):
             w = torch.randn(N, K, device=dev, dtype=dtype)
@@ -141,7 +141,7 @@ def main() -> None:
                     if not (fits(c, M) or c == gemm_table.REFERENCE):
                         continue
                     tiles = -(-M // c.BLOCK_M) * -(-N // c.BLOCK_N)
-                    launch = (tuple(c[:5]), c.swap, tiles if c.waves == 0 else min(tiles, c.waves * sms))
+                    launch = (tuple(c[:5]), c.swap, c.tma, tiles if c.waves == 0 else min(tiles, c.waves * sms))
                     if launch in seen:
                         continue
                     seen.add(launch)

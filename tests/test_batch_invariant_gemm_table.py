@@ -15,13 +15,14 @@ from rlserve.batch_invariant.gemm_table import REFERENCE, Cfg
 
 def test_candidates_reduce_k_in_wgmma_k16_steps_and_include_the_reference():
     assert REFERENCE in gemm_table.CANDIDATES
-    assert len(set(gemm_table.CANDIDATES)) == len(gemm_table.CANDIDATES) == (15 + 6) * 3
+    assert len(set(gemm_table.CANDIDATES)) == len(gemm_table.CANDIDATES) == (15 + 6 + 6) * 3
     for c in gemm_table.CANDIDATES:
         # the MMA's M (BLOCK_M, or BLOCK_N swapped) a multiple of the wgmma m64, one or two warpgroups (8
         # warps on 64 rows split N), BLOCK_K a multiple of its k16; smem of the stages within 196 KiB
         mma_m, mma_n = (c.BLOCK_N, c.BLOCK_M) if c.swap else (c.BLOCK_M, c.BLOCK_N)
         assert mma_m % 64 == 0 and c.num_warps in (4, 8) and mma_n % 16 == 0
-        assert c.BLOCK_K in (64, 128) and c.waves in (0, 1, 2) and c.swap in (0, 1)
+        assert c.BLOCK_K in (64, 128) and c.waves in (0, 1, 2) and c.swap in (0, 1) and c.tma in (0, 1)
+        assert not (c.tma and (c.swap or c.BLOCK_K != 64))  # TMA: 128-byte rows of the swizzle
         assert c.num_stages * (c.BLOCK_M + c.BLOCK_N) * c.BLOCK_K * 2 <= 196 * 1024, c
 
 

@@ -211,19 +211,20 @@ def test_a_tile_that_fails_to_launch_is_skipped(monkeypatch):
     assert len(bi_gpu.BROKEN) == len(bi_gpu.TILES) - 1  # the last one's error is raised, not swallowed
 
 
-@pytest.mark.parametrize("i", range(len(gemm_table._SHAPES) + len(gemm_table._SWAPPED)))
+@pytest.mark.parametrize("i", range(len(gemm_table._SHAPES) + len(gemm_table._SWAPPED) + len(gemm_table._TMA)))
 def test_every_candidate_computes_the_product(i):
     """Each launch configuration a GEMM table may name (gemm_table.CANDIDATES: BLOCK_K 64 / 128,
-    one program per SM, two, or one per tile, the swapped form), float32 in the interpreter, K = 200 (no multiple of
+    one program per SM, two, or one per tile, the swapped form, TMA loads), float32 in the interpreter, K = 200 (no multiple of
     BLOCK_K: the masked K loop) and K = 256 (the unmasked one), 70 x 100 (M and N edges): the
     product within float32 rounding of torch's (IEEE products, two orders of K sums of terms of
     about unit size: each within K x 2**-24 of exact, so K x 2**-23 apart at most)."""
     g = torch.Generator().manual_seed(i)
     for K in (200, 256):
         w, b, x = torch.randn(100, K, generator=g), torch.randn(100, generator=g), torch.randn(70, K, generator=g)
-        n = len(gemm_table._SHAPES)
-        shape, swap = (gemm_table._SHAPES[i], 0) if i < n else (gemm_table._SWAPPED[i - n], 1)
-        cfg = gemm_table.Cfg(*shape, gemm_table.WAVES[i % len(gemm_table.WAVES)], swap)
+        n, n2 = len(gemm_table._SHAPES), len(gemm_table._SHAPES) + len(gemm_table._SWAPPED)
+        shape, swap, tma = ((gemm_table._SHAPES[i], 0, 0) if i < n else (gemm_table._SWAPPED[i - n], 1, 0) if i < n2
+                            else (gemm_table._TMA[i - n2], 0, 1))
+        cfg = gemm_table.Cfg(*shape, gemm_table.WAVES[i % len(gemm_table.WAVES)], swap, tma)
         got = bi_gpu.linear(x, w, b, cfg=cfg)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=K * 2 ** -23)
     with pytest.raises(ValueError, match="is not one of gemm_table.CANDIDATES"):

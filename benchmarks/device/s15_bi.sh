@@ -2,7 +2,7 @@
 # Issue 39, session 15 (budget 100 s, rlserve only): the batch-invariant GEMM's launch picked per layer shape and M
 # from configurations checked bit for bit against the reference (rlserve/batch_invariant/gemm_table.py; window 1
 # of this session: Qwen3-8B +29.0% with the tile by M, its GEMMs +25.7% at M = 1 .. +75.4% at M = 2048).
-#   0. compile every candidate tile in 8 processes side by side (Triton's disk cache; the steps below reuse it)
+#   0. compile every candidate tile in 12 processes side by side (Triton's disk cache; the steps below reuse it)
 #   1. tests/gpu/test_batch_invariant_gpu.py -k "candidate or rows": every candidate's bits = the reference's on 8
 #      shapes; rows at M = 1 = at M = 2..2048 (the default launch: this card's table if committed, else the tile by M)
 #      -> pytest.log, reports/
@@ -23,10 +23,10 @@ if [ "$DRY_RUN" = 1 ]; then
 fi
 say "device: $CARD; main $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
-WN=8; [ "$DRY_RUN" = 1 ] && WN=2
+WN=12; [ "$DRY_RUN" = 1 ] && WN=2
 for i in $(seq 0 $(( WN - 1 ))); do
   [ "$DRY_RUN" = 1 ] && [ "$i" -gt 0 ] && break  # a loaded 2-core CPU: one warm process, 1/2 of the tiles
-  bounded $(( 18 * X )) $PY benchmarks/bi_gemm_sweep.py --device $DEV --warm "$i/$WN" > "$OUT_DIR/warm-$i.log" 2>&1 &
+  bounded $(( 20 * X )) $PY benchmarks/bi_gemm_sweep.py --device $DEV --warm "$i/$WN" > "$OUT_DIR/warm-$i.log" 2>&1 &
 done
 wait
 say "warm: $(cat "$OUT_DIR"/warm-*.log | grep -c '^warm ') of $WN processes done"; grep -h Error "$OUT_DIR"/warm-*.log | head -3

@@ -1,11 +1,13 @@
 """The batch-invariant GEMM's launch configurations and the per-device table that picks one by M.
 
 A configuration (:class:`Cfg`) is ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, waves,
-swap)`` of :func:`rlserve.batch_invariant.gpu.linear`'s Triton kernel; ``waves`` is the launch
+swap, tma)`` of :func:`rlserve.batch_invariant.gpu.linear`'s Triton kernel; ``waves`` is the launch
 (programs = ``min(tiles, waves x SMs)``, 0 = one program per output tile); ``swap`` = 1 computes
 each tile as ``(w_tile @ a_tile.T).T`` (the weight rows are the MMA's M: 16 tokens of a decode
 batch need no 64-row padding; the same products, whether the MMA sums them in the same order in
-that role is what the bit check below decides). Every configuration of
+that role is what the bit check below decides); ``tma`` = 1 loads the tiles through TMA
+descriptors (:mod:`rlserve.batch_invariant.gemm_tma`; the pointer kernel where a GEMM's strides
+do not allow it). Every configuration of
 :data:`CANDIDATES` reduces K the same way: each output element is one float32 accumulator fed
 by Hopper ``wgmma ...k16`` steps over K = 0..15, 16..31, ... in order (BLOCK_K = 64 or 128 is 4
 or 8 such steps per loop iteration, the same sequence); BLOCK_M / BLOCK_N / warps / stages /
@@ -40,6 +42,7 @@ class Cfg(NamedTuple):
     num_stages: int
     waves: int  # programs = min(tiles, waves x SMs); 0: one program per tile
     swap: int = 0  # 1: each tile as (w_tile @ a_tile.T).T: the tokens are the MMA's N (decode batches)
+    tma: int = 0  # 1: tiles loaded through TMA descriptors (rlserve.batch_invariant.gemm_tma)
 
 
 #: session 13's prefill tile, persistent, one program per SM: what every candidate is compared with
@@ -55,10 +58,14 @@ _SHAPES = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); smem <= 196 K
 #: multiple of 64, 4 warps per 64)
 _SWAPPED = ((16, 64, 64, 4, 6), (16, 128, 64, 4, 4), (16, 128, 64, 4, 6), (16, 256, 64, 8, 4), (32, 128, 64, 4, 4),
             (64, 128, 64, 4, 4))
+#: the TMA form (``tma`` = 1, :mod:`rlserve.batch_invariant.gemm_tma`): BLOCK_K 64 (128-byte rows, the TMA swizzle)
+_TMA = ((64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4))
 #: launches the sweep tries for each tile shape of ``_SHAPES`` (no recompilation between them)
 WAVES = (1, 2, 0)
 #: every configuration a table may name (16-bit inputs)
-CANDIDATES = tuple(Cfg(*s, w) for s in _SHAPES for w in WAVES) + tuple(Cfg(*s, w, 1) for s in _SWAPPED for w in WAVES)
+CANDIDATES = (tuple(Cfg(*s, w) for s in _SHAPES for w in WAVES) + tuple(Cfg(*s, w, 1) for s in _SWAPPED for w in WAVES)
+              + tuple(Cfg(*s, w, 0, 1) for s in _TMA for w in WAVES))
 _SET = frozenset(CANDIDATES)
 
 #: configurations whose launch failed in this process (a Triton / GPU that cannot compile them):
@@ -70,7 +77,7 @@ TABLES: dict[str, dict[str, list[tuple[int, Cfg]]]] = {}
 
 
 def check(table: dict) -> dict[str, list[tuple[int, Cfg]]]:
-    """``{"NxK": [[M, [6 or 7 ints]], ...]}`` (JSON's form) -> the same with :class:`Cfg` entries,
+    """``{"NxK": [[M, [6 to 8 ints]], ...]}`` (JSON's form) -> the same with :class:`Cfg` entries,
     sorted by M.
 
     Raises:
@@ -83,7 +90,7 @@ def check(table: dict) -> dict[str, list[tuple[int, Cfg]]]:
             raise ValueError(f"GEMM table key {key!r}: want 'NxK'")
         entries = []
         for m, cfg in rows:
-            c = Cfg(*[int(v) for v in cfg]) if len(cfg) in (6, 7) else None
+            c = Cfg(*[int(v) for v in cfg]) if len(cfg) in (6, 7, 8) else None
             if int(m) < 1 or c not in _SET:
                 raise ValueError(f"GEMM table {key} M={m}: {tuple(cfg)} is not one of gemm_table.CANDIDATES")
             entries.append((int(m), c))

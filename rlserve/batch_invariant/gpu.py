@@ -47,7 +47,7 @@ import logging
 
 import torch
 
-from rlserve.batch_invariant import gemm_table
+from rlserve.batch_invariant import gemm_table, gemm_tma
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return out.reshape(*lead, N)
     if cfg is not None:
-        if len(cfg) not in (6, 7) or gemm_table.Cfg(*cfg) not in gemm_table.CANDIDATES:
+        if len(cfg) not in (6, 7, 8) or gemm_table.Cfg(*cfg) not in gemm_table.CANDIDATES:
             raise ValueError(f"cfg {tuple(cfg)} is not one of gemm_table.CANDIDATES")
         _launch(a, weight, out, bias, _as_dict(gemm_table.Cfg(*cfg)))
         return out.reshape(*lead, N)
@@ -294,19 +294,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _as_dict(c: gemm_table.Cfg) -> dict:
     return dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, GROUP_M=8, num_warps=c.num_warps,
-                num_stages=c.num_stages, waves=c.waves, SWAP_AB=bool(c.swap))
+                num_stages=c.num_stages, waves=c.waves, SWAP_AB=bool(c.swap), TMA=bool(c.tma))
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> None:
     """One launch of the kernel: ``out [M, N] = a [M, K] @ weight[N, K].T (+ bias)`` with tile
     ``cfg`` (:func:`tile` / :func:`config`'s dict; ``waves``: programs = ``min(tiles, waves x
-    SMs)``, 0 = one per tile; default 1)."""
+    SMs)``, 0 = one per tile; default 1; ``TMA``: through :mod:`rlserve.batch_invariant.gemm_tma`
+    where its ``usable`` says so, else this kernel with the same tile)."""
     cfg = dict(cfg)
     warps, stages, waves = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("waves", 1)
     cfg.setdefault("SWAP_AB", False)
     (M, K), N = a.shape, weight.shape[0]
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     programs = tiles if waves == 0 else min(tiles, waves * _num_sms(a.device))
+    if cfg.pop("TMA", False) and gemm_tma.usable(a, weight):
+        gemm_tma.launch(a, weight, out, bias, dict(cfg, num_warps=warps, num_stages=stages), programs)
+        return
     _bi_matmul_kernel[(programs,)](
         a, weight, out, bias if bias is not None else out, M, N, K,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), programs,
