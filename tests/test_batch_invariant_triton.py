@@ -15,7 +15,7 @@ import torch
 import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
 
 for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.batch_invariant.query_tiles",
-              "rlserve.layers.triton_attention",
+              "rlserve.layers.triton_attention", "rlserve.batch_invariant.gemm_tma",
               "rlserve.batch_invariant.gpu"):
     if _name in sys.modules:  # built without the interpreter: rebuild
         importlib.reload(sys.modules[_name])

@@ -16,11 +16,27 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    HAS_TRITON = False
+try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     HAS_TMA = True
 except ImportError:  # pragma: no cover - CPU-only installs, older Triton
     HAS_TMA = False
+
+if HAS_TRITON:
+
+    @triton.jit
+    def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+        """Output tile ``tile`` of a ``num_m`` x ``num_n`` grid -> ``(pid_m, pid_n)``, grouped by
+        ``GROUP_M`` rows of tiles (neighbouring programs share weight columns in L2)."""
+        in_group = GROUP_M * num_n
+        first_m = (tile // in_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
 
 
 def usable(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,14 +62,8 @@ if HAS_TMA:
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        tiles = num_m * num_n
-        in_group = GROUP_M * num_n
-        for tile in range(pid, tiles, num_programs):
-            group = tile // in_group
-            first_m = group * GROUP_M
-            group_m = tl.minimum(num_m - first_m, GROUP_M)
-            pid_m = first_m + (tile % in_group) % group_m
-            pid_n = (tile % in_group) // group_m
+        for tile in range(pid, num_m * num_n, num_programs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 a = a_desc.load([pid_m * BLOCK_M, k0])

@@ -55,6 +55,8 @@ try:
     import triton
     import triton.language as tl
 
+    from rlserve.batch_invariant.gemm_tma import tile_coords
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - CPU-only installs
     HAS_TRITON = False
@@ -153,6 +155,28 @@ def _num_sms(device: torch.device) -> int:
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _dot_k(p_ptrs, q_ptrs, p_step, q_step, K, acc, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        """``acc += p @ q`` over K from 0 upwards in BLOCK_K steps (the fixed order): ``p_ptrs``
+        a [*, BLOCK_K] block of pointers, ``q_ptrs`` a [BLOCK_K, *] one, advanced by ``p_step`` /
+        ``q_step`` per step; K masked only when not ``EVEN_K``."""
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                p = tl.load(p_ptrs)
+                q = tl.load(q_ptrs)
+            else:
+                p = tl.load(p_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                q = tl.load(q_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if IEEE:
+                acc = tl.dot(p, q, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p, q, acc)
+            p_ptrs += p_step
+            q_ptrs += q_step
+        return acc
+
     # M and the program count vary from call to call: not specialized (== 1, % 16), one compile
     @triton.jit(do_not_specialize=["M", "num_programs"])
     def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
@@ -169,54 +193,24 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        tiles = num_m * num_n
-        in_group = GROUP_M * num_n
-        for tile in range(pid, tiles, num_programs):
-            group = tile // in_group
-            first_m = group * GROUP_M
-            group_m = tl.minimum(num_m - first_m, GROUP_M)
-            pid_m = first_m + (tile % in_group) % group_m
-            pid_n = (tile % in_group) // group_m
+        for tile in range(pid, num_m * num_n, num_programs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
             offs_wn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             if SWAP_AB:
-                a_ptrs = a_ptr + offs_am[None, :] * stride_am + offs_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_M]
-                w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
-                acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs)
-                        w = tl.load(w_ptrs)
-                    else:
-                        a = tl.load(a_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-                        w = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    if IEEE:
-                        acc_t = tl.dot(w, a, acc_t, input_precision="ieee")
-                    else:
-                        acc_t = tl.dot(w, a, acc_t)
-                    a_ptrs += BLOCK_K * stride_ak
-                    w_ptrs += BLOCK_K * stride_wk
+                acc_t = _dot_k(w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk,  # [BLOCK_N, BLOCK_K]
+                               a_ptr + offs_am[None, :] * stride_am + offs_k[:, None] * stride_ak,  # [BLOCK_K, BLOCK_M]
+                               BLOCK_K * stride_wk, BLOCK_K * stride_ak, K,
+                               tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), EVEN_K, IEEE, BLOCK_K)
                 acc = tl.trans(acc_t)
             else:
-                a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-                w_ptrs = w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs)
-                        w = tl.load(w_ptrs)
-                    else:
-                        a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                        w = tl.load(w_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-                    if IEEE:
-                        acc = tl.dot(a, w, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, w, acc)
-                    a_ptrs += BLOCK_K * stride_ak
-                    w_ptrs += BLOCK_K * stride_wk
+                acc = _dot_k(a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,  # [BLOCK_M, BLOCK_K]
+                             w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk,  # [BLOCK_K, BLOCK_N]
+                             BLOCK_K * stride_ak, BLOCK_K * stride_wk, K,
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), EVEN_K, IEEE, BLOCK_K)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
@@ -341,26 +335,19 @@ def launches(shapes, device_name: str, sms: int, max_m: int) -> list[tuple]:
     return out
 
 
-def warm_up(model: torch.nn.Module, max_m: int) -> list[tuple]:
-    """Launch, once each with one row, every GEMM configuration the mode can pick for the 16-bit
-    CUDA linear layers of ``model`` (rlserve's ``LinearBase`` and ``ParallelLMHead`` modules, with
-    their own weights and biases) at row counts 1 .. ``max_m`` (:func:`launches`), so that none
-    compiles (or loads from Triton's disk cache) in the middle of serving: the kernel is not
-    specialized on M, so one launch per configuration covers every M. The model runner calls it
-    in its warm-up when the mode is on (its recording pass compiles them in parallel). Returns
-    the launches."""
-    from rlserve.layers.embedding import ParallelLMHead
-    from rlserve.layers.linear import LinearBase
-
-    layers = {}
-    for mod in model.modules():
-        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
-        if (isinstance(mod, (LinearBase, ParallelLMHead)) and isinstance(w, torch.Tensor) and w.dim() == 2
-                and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16)):
-            b = b if isinstance(b, torch.Tensor) else None
-            layers.setdefault((w.shape[0], w.shape[1], b is not None), (w, b))
+def warm_up(layers, max_m: int) -> list[tuple]:
+    """Launch, once each with one row, every GEMM configuration the mode can pick for the linear
+    layers ``layers`` (``(weight [N, K], bias [N] or None)`` pairs; the 16-bit CUDA ones count) at
+    row counts 1 .. ``max_m`` (:func:`launches`), so that none compiles (or loads from Triton's
+    disk cache) in the middle of serving: the kernel is not specialized on M, so one launch per
+    configuration covers every M. The model runner calls it in its warm-up when the mode is on
+    (its recording pass compiles them in parallel). Returns the launches."""
+    shapes = {}
+    for w, b in layers:
+        if w.dim() == 2 and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
+            shapes.setdefault((w.shape[0], w.shape[1], b is not None), (w, b))
     done = []
-    for (N, K, _), (w, b) in layers.items():
+    for (N, K, _), (w, b) in shapes.items():
         x = torch.zeros(1, K, dtype=w.dtype, device=w.device)
         for _, _, kind, c in launches([(N, K)], _device_name(w.device), _num_sms(w.device), max_m):
             try:

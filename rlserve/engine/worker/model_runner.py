@@ -314,8 +314,14 @@ class ModelRunner:
                 self.model.compute_logits(graphs.forward_eager(bs), **self._logits_kw)
         if self.batch_invariant and self.device.type == "cuda":  # every GEMM launch the mode can pick
             from rlserve.batch_invariant import gpu as bi_gpu
+            from rlserve.layers.embedding import ParallelLMHead
+            from rlserve.layers.linear import LinearBase
 
-            bi_gpu.warm_up(self.model, self._max_batched_tokens())
+            layers = [(m.weight, m.bias if isinstance(getattr(m, "bias", None), torch.Tensor) else None)
+                      for m in self.model.modules()
+                      if isinstance(m, (LinearBase, ParallelLMHead)) and isinstance(getattr(m, "weight", None),
+                                                                                    torch.Tensor)]
+            bi_gpu.warm_up(layers, self._max_batched_tokens())
 
     def _try_capture(self, lora=None) -> bool:
         """Capture the decode CUDA graphs (``lora``: those of steps with adapters); on any failure
