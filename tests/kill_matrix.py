@@ -232,12 +232,23 @@ def verdict(url: str, good: Good) -> str:
     return "unchanged"
 
 
+#: the server's ``timeout_s`` for TRL configurations (seconds). TRL's ``init_communicator``
+#: carries no timeout, so the server's config bounds the whole TRL session: the good sync's and
+#: the killed trainer's waits between calls. The killed trainer's own 2 s abandoned its session
+#: before its first tensor on a loaded machine (load 14, 2026-12-06: "no /update_named_param/
+#: call for 2 s after the update started"; the cell then never reached ``between_buckets``).
+#: The TRL cells' deaths (between tensors, before ``reset_prefix_cache``) are noticed by the
+#: liveness watch (~1 s), not by this bound.
+TRL_SERVER_TIMEOUT_S = 30.0
+
+
 def cpu_server(path: str, cfg: Config, timeout_s: float, liveness: bool = True):
     """The default server of :func:`run_config`: in this process, CPU, float32 (``liveness``:
-    ``trainer_liveness`` in its config)."""
-    # timeout_s in the server's config too: TRL's init_communicator carries none
+    ``trainer_liveness`` in its config). ``timeout_s`` goes into the server's config too (the SDK
+    trainers send their own); TRL configurations get :data:`TRL_SERVER_TIMEOUT_S` there."""
+    server_timeout_s = max(timeout_s, TRL_SERVER_TIMEOUT_S) if cfg.protocol == "trl" and liveness else timeout_s
     return InProcessServer(path, transfer_config={"backend": cfg.backend, "direct_receive": cfg.direct,
-                                                  "timeout_s": timeout_s, "trainer_liveness": liveness},
+                                                  "timeout_s": server_timeout_s, "trainer_liveness": liveness},
                            staging=cfg.staging)
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rlserve.server import template_pool
-from tests.transfer_harness import InProcessServer
+from tests.transfer_harness import InProcessServer, wait_pool_warm
 
 # 3 ** 40,000,000 is one C call that holds the GIL: ~3 s for 3 ** 10**7 on this 2-core machine,
 # Karatsuba's n^1.585 gives ~25-35 s for 4x the exponent; rendered on a thread of the server
@@ -66,9 +66,7 @@ def test_workers_start_with_the_server_niced_and_warm_and_a_constraint_compiles_
     state = srv.app.state.rlserve
     workers = state._templates
     assert workers, "no template workers were made at start-up"
-    deadline = time.monotonic() + 300  # two workers importing torch + xgrammar, niced, on a loaded machine
-    while (workers._idle.qsize() < template_pool.POOL_SIZE or workers.warming) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    srv.wait_templates_warm()
     warm = list(workers._idle.queue)
     assert len(warm) == template_pool.POOL_SIZE and workers.warming == 0, (len(warm), workers.warming)
     assert all(w.ready and w.grammar_ready for w in warm)
@@ -92,6 +90,39 @@ def test_workers_start_with_the_server_niced_and_warm_and_a_constraint_compiles_
         template_pool._Worker.compile = real
     assert compiles == ["(yes|no)"]  # once, for the first request
     assert workers.pids == started  # no worker started for a request
+
+
+def test_start_workers_warm_unniced_then_lower_their_priority_and_replacements_warm_niced():
+    """The workers made at start warm at the server's priority (a niced warm-up took 37 s+ on a
+    busy machine, and the first constrained request waited for it) and are niced before their
+    first render; a replacement for a killed worker (what a bomb causes) is niced from its
+    start. Fails on the old code: a warm worker was already niced before any request."""
+    import os
+
+    from tests.tiny_models import build_tokenizer
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    niced = min(19, base + template_pool.WORKER_NICE)
+    pool = template_pool.TemplateWorkers(build_tokenizer(), max_chars=10_000, size=1)
+    try:
+        pool.start()
+        wait_pool_warm(pool)
+        (w,) = list(pool._idle.queue)
+        assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) == base
+        kwargs = template_pool.template_call_kwargs()
+        text = pool.render([{"role": "user", "content": "hi"}], kwargs)
+        assert "hi" in text
+        assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) == niced
+        w.proc.kill()
+        with pytest.raises(template_pool.TemplateError) as ei:
+            pool.render([{"role": "user", "content": "hi"}], kwargs)
+        assert ei.value.kind == "died"
+        wait_pool_warm(pool)
+        (r,) = list(pool._idle.queue)
+        assert r is not w and os.getpriority(os.PRIO_PROCESS, r.proc.pid) == niced
+        assert pool.render([{"role": "user", "content": "hi"}], kwargs) == text
+    finally:
+        pool.close()
 
 
 def test_cpu_bound_template_is_a_400_and_does_not_stop_the_loop(srv):

@@ -93,6 +93,7 @@ def test_literal_copy_equals_installed_vllm(vllm):
 @pytest.fixture(scope="module")
 def srv(tiny_model):
     with InProcessServer(tiny_model("llama")) as s:
+        s.wait_templates_warm()  # the constrained requests' workers: a start on a busy machine is no hang
         yield s
 
 

@@ -14,7 +14,7 @@ import pytest
 from rlserve.server.testing import ServerProcess
 
 N = 16
-T = 240.0  # bound on every scenario (seconds): a hang, not a speed limit
+T = 240.0  # bound on every scenario and every wait in it (seconds): a hang, not a speed limit
 FINISHED = "rlserve_sequences_finished_total"
 
 
@@ -53,7 +53,7 @@ async def _stream(client: httpx.AsyncClient, i: int, max_tokens: int, progress: 
     return ids, finish
 
 
-async def _until(cond, timeout_s: float = 30.0, what: str = "condition"):
+async def _until(cond, timeout_s: float = T, what: str = "condition"):
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while not cond():
@@ -67,7 +67,7 @@ async def _metric(client, name: str) -> float:
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
-async def _until_metric(client, name: str, value: float, timeout_s: float = 60.0):
+async def _until_metric(client, name: str, value: float, timeout_s: float = T):
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while await _metric(client, name) != value:
@@ -80,7 +80,8 @@ async def _until_accepted(client, n: int, finished_before: float | None = None):
     """Wait until the server has accepted ``n`` requests: the live count (engines + held), plus,
     with ``finished_before`` (``rlserve_sequences_finished_total`` before they were sent), those
     that already finished -- short requests can end before the last one is accepted."""
-    for _ in range(3000):
+    end = asyncio.get_running_loop().time() + T
+    while asyncio.get_running_loop().time() < end:
         done = 0.0 if finished_before is None else await _metric(client, FINISHED) - finished_before
         if await _metric(client, "rlserve_num_requests_unfinished") + done >= n:
             return
@@ -102,13 +103,13 @@ async def _held_then_resumed(client):
     assert not held.done(), "a request sent while paused must be held"
     assert (await client.get("/is_paused")).json()["is_paused"] is True
     assert (await client.post("/resume")).status_code == 200
-    choice = await asyncio.wait_for(held, 30)
+    choice = await asyncio.wait_for(held, T)
     assert choice["finish_reason"] == "length"
 
 
 def _run(coro_fn, url):
     async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=T) as client:
             return await coro_fn(client)
 
     return asyncio.run(asyncio.wait_for(main(), T))
@@ -129,7 +130,7 @@ def test_pause_abort(server):
         await _until(lambda: len(progress) >= 1, what="a first token")
         r = await client.post("/pause", params={"mode": "abort"})
         assert r.status_code == 200, r.text
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), T)
         # whatever the machine's speed: those that finished before the pause have all their
         # tokens, every other one was aborted mid-way (and 4 run at a time: most were)
         finished = await _finished_by(client, "length") - length_before
@@ -151,7 +152,7 @@ def test_pause_wait(server):
         metrics = (await client.get("/metrics")).text  # pause returned: the engines are drained
         assert [ln.split()[-1] for ln in metrics.splitlines() if ln.startswith("rlserve_num_requests_running")] \
             == ["0.0"]
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), T)
         assert all(f == "length" and len(ids) == 40 for ids, f in results)
         await _held_then_resumed(client)
 
@@ -176,7 +177,7 @@ def test_pause_keep_equals_unpaused(server):
         await asyncio.sleep(0.5)
         assert await _metric(client, "rlserve_engine_steps_total") == steps, "a step ran while paused (keep)"
         await _held_then_resumed(client)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), T)
         assert [ids for ids, _ in results] == [ids for ids, _ in ref]
         assert all(f == "length" for _, f in results)
 
@@ -194,7 +195,7 @@ def test_failed_pause_is_undone(server):
         assert r.status_code == 504 and "undone" in r.json()["error"]["message"], r.text
         assert (await client.get("/is_paused")).json() == {"is_paused": False, "mode": None}
         assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
-        ids, finish = await asyncio.wait_for(task, 60)
+        ids, finish = await asyncio.wait_for(task, T)
         assert finish == "length" and len(ids) == 240
 
     _run(scenario, server.url)
@@ -208,7 +209,7 @@ def test_abort_requests_route_and_metrics(server):
         await _until_accepted(client, 8, finished_before=before)
         r = await client.post("/abort_requests")
         assert r.status_code == 200, r.text
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), T)
         # those that finished first (a slow client) are not counted; every other one was aborted
         assert sum(f == "abort" for _, f in results) == r.json()["aborted"] >= 1
         assert all(f == "abort" or (f == "length" and len(ids) == 240) for ids, f in results)
@@ -241,9 +242,8 @@ def test_client_disconnect_aborts(server):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break  # leave after the first chunk: the connection is closed
-        for _ in range(100):
-            if aborted((await client.get("/metrics")).text) - before >= 2:
-                break
+        end = asyncio.get_running_loop().time() + T
+        while aborted((await client.get("/metrics")).text) - before < 2 and asyncio.get_running_loop().time() < end:
             await asyncio.sleep(0.1)
         assert aborted((await client.get("/metrics")).text) - before == 2
         assert (await _complete(client, [1, 2, 3]))["finish_reason"] == "length"
@@ -268,7 +268,7 @@ def test_abort_requests_by_response_id(server):
                 for c in obj["choices"]:
                     finish = c["finish_reason"] or finish
         assert finish == "abort"
-        ids, f = await asyncio.wait_for(other, 30)  # the other request is untouched
+        ids, f = await asyncio.wait_for(other, T)  # the other request is untouched
         assert f == "length" and len(ids) == 30
 
     _run(scenario, server.url)

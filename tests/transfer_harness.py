@@ -60,6 +60,15 @@ class InProcessServer:
             time.sleep(0.05)
         raise RuntimeError("in-process server did not start")
 
+    def wait_templates_warm(self, timeout_s: float = 300.0) -> None:
+        """Wait until the server's chat-template / constraint workers are all warm and idle
+        (:mod:`rlserve.server.template_pool`): a test's first constrained request then does not
+        wait for a worker's start (importing torch + xgrammar: seconds of CPU, far more on a busy
+        machine). ``timeout_s`` only catches a hang. Raises AssertionError after it."""
+        pool = self.app.state.rlserve._templates
+        assert pool, "the server made no template workers"
+        wait_pool_warm(pool, timeout_s)
+
     def close(self):
         self._server.should_exit = True
         self._thread.join(10)
@@ -71,6 +80,16 @@ class InProcessServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_pool_warm(pool, timeout_s: float = 300.0) -> None:
+    """Wait until every worker of ``pool`` (a :class:`~rlserve.server.template_pool.TemplateWorkers`)
+    is warm and idle; AssertionError after ``timeout_s`` (a hang bound)."""
+    deadline = time.monotonic() + timeout_s
+    while pool._idle.qsize() < pool.size or pool.warming:
+        assert time.monotonic() < deadline, f"template workers not warm after {timeout_s} s: " \
+                                            f"{pool._idle.qsize()} idle, {pool.warming} warming"
+        time.sleep(0.02)
 
 
 def wait_for_state(url: str, state: str, timeout_s: float = 60.0) -> None:

@@ -32,9 +32,15 @@ pickled by the server) loaded and, where constraints compile here, its xgrammar 
 (importing xgrammar imports torch: 4-10 s of CPU on a loaded 2-core machine, which the first
 constrained request used to wait for); a replacement for a killed worker warms the same way
 while the others serve. Workers run at :data:`WORKER_NICE` (``os.nice``): a bomb compiling to
-its bound, or a worker warming, takes CPU the server process and the engine core do not need
-(the issue-33 canary beside a regex bomb took 7.9 s once on 2 cores). The wire between them
-is length-prefixed JSON; the server never unpickles what a worker sends.
+its bound takes CPU the server process and the engine core do not need (the issue-33 canary
+beside a regex bomb took 7.9 s once on 2 cores). The workers made at the server's start warm at
+the server's own priority and lower theirs once warm (before their first render or compile: no
+request's work runs un-niced): that warm-up is the server's start-up work, and a nice-10
+process gets ~1/9 of the CPU a nice-0 one does, so on a busy machine a niced warm-up took
+37 s+ (a 2-core machine at load ~30, 2026-12-06) and the first constrained request waited for
+it. A replacement for a killed worker (one a request's bomb killed) warms niced, as before, so
+that bombs cannot buy un-niced CPU. The wire between them is length-prefixed JSON; the server
+never unpickles what a worker sends.
 """
 
 from __future__ import annotations
@@ -154,8 +160,11 @@ def _read_frame(fd: int, deadline: float | None = None) -> bytes:
 class _Worker:
     """One worker process and its pipes (used by one thread at a time)."""
 
-    def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float):
-        cmd = [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s))]
+    def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float, warm_niced: bool = True):
+        """``warm_niced``: the process lowers its priority (:data:`WORKER_NICE`) at once; else only
+        once warm (after its constraint compiler is made, or before its first render or compile)."""
+        cmd = [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s)),
+               "1" if warm_niced else "0"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self.ready = False
         self.grammar_ready = False  # its constraint compiler was made
@@ -284,18 +293,19 @@ class TemplateWorkers:
         with self._lock:
             n, self._started = self.size - self._started, self.size
         for _ in range(n):
-            self._spawn_warm()
+            self._spawn_warm(warm_niced=False)
 
-    def _new_worker(self) -> _Worker:
-        w = _Worker(self._pickle, self.max_chars, self.timeout_s)
+    def _new_worker(self, warm_niced: bool = False) -> _Worker:
+        w = _Worker(self._pickle, self.max_chars, self.timeout_s, warm_niced)
         self.pids.append(w.proc.pid)
         return w
 
-    def _spawn_warm(self) -> None:
+    def _spawn_warm(self, warm_niced: bool = True) -> None:
         """A new worker, warmed on a thread of its own, then put in the pool (also one that failed
-        to start: the request that takes it gets the RuntimeError, as before)."""
+        to start: the request that takes it gets the RuntimeError, as before). ``warm_niced``: see
+        :class:`_Worker` (false only for the workers of the server's start)."""
         try:
-            w = self._new_worker()
+            w = self._new_worker(warm_niced)
         except BaseException:
             with self._lock:
                 self._started -= 1
@@ -407,15 +417,22 @@ def _set_memory_bound(max_chars: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _worker_main(max_chars: int, timeout_s: float) -> int:
-    """Read the pickled tokenizer (trusted: the server sent it), then answer render requests
-    until stdin closes. Requests and answers are length-prefixed JSON."""
-    rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
+def _lower_priority() -> None:
     try:
-        os.nice(WORKER_NICE)  # before the imports and the tokenizer: its start is work the server can wait for
+        os.nice(WORKER_NICE)
     except OSError:
         pass
+
+
+def _worker_main(max_chars: int, timeout_s: float, warm_niced: bool = True) -> int:
+    """Read the pickled tokenizer (trusted: the server sent it), then answer render requests
+    until stdin closes. Requests and answers are length-prefixed JSON. ``warm_niced``: lower the
+    priority at once, else once warm (module docstring)."""
+    rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
+    niced = warm_niced
+    if niced:
+        _lower_priority()  # before the imports and the tokenizer
     try:
         tokenizer = pickle.loads(_read_frame(rfd))
     except EOFError:
@@ -433,9 +450,15 @@ def _worker_main(max_chars: int, timeout_s: float) -> int:
             request = json.loads(_read_frame(rfd))
         except EOFError:
             return 0
+        if not niced and request.get("op") != "grammar_init":
+            _lower_priority()  # a request's own work: never at the server's priority
+            niced = True
         if request.get("op") in ("grammar_init", "compile"):
             grammar, reply = _grammar_op(tokenizer, grammar, request)
             _write_frame(wfd, json.dumps(reply).encode())
+            if not niced:  # warm: the compiler is made
+                _lower_priority()
+                niced = True
             continue
         signal.alarm(alarm_s)
         try:
@@ -485,4 +508,4 @@ def _grammar_op(tokenizer, grammar, request: dict):
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(int(sys.argv[1]), float(sys.argv[2])))
+    sys.exit(_worker_main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:4] != ["0"]))
