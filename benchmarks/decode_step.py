@@ -15,6 +15,9 @@ tokens, this measures:
   outputs are built for finished requests only); ``--engine-outputs all`` builds a
   cumulative output for every request every step, as for streamed requests (the
   measurement before 2026-12-01).
+- ``batch-1`` (``--batch1-tokens N``, batch 1): a 128-token prompt decoding N greedy tokens
+  through ``LLM.generate`` (ms per token, as ``throughput.py --batch1-tokens``), with the GPU
+  span of each step and the gap between steps (``batch1_latency.py``).
 - the HBM floor: ``(weight bytes + KV bytes read) / copy bandwidth``, where weight bytes
   are every parameter read once per step (a tied embedding counts once, as the LM head;
   an untied input embedding is not counted -- only ``B`` rows of it are read; of an MoE
@@ -167,11 +170,13 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
     bs = 16
     extra_steps = args.iters + 8 + (args.engine_steps + 16 if args.engine_steps else 0)
     per_seq = -(-(ctx + extra_steps) // bs)
+    b1_len = args.batch1_prompt_len + args.batch1_tokens + 32 if args.batch1_tokens and 1 in batches else 0
     t0 = time.perf_counter()
     llm = LLM(
         path, dtype=args.dtype, device=args.device, load_format="dummy", skip_tokenizer_init=True,
-        max_model_len=ctx + extra_steps + 16, max_num_seqs=max_b, block_size=bs,
-        num_kv_blocks=max_b * per_seq + 8, max_num_batched_tokens=max(8192, ctx + extra_steps + 16),
+        max_model_len=max(ctx + extra_steps + 16, b1_len), max_num_seqs=max_b, block_size=bs,
+        num_kv_blocks=max_b * per_seq + 8 + -(-b1_len // bs),
+        max_num_batched_tokens=max(8192, ctx + extra_steps + 16, b1_len),
         enable_prefix_caching=False, enforce_eager=args.enforce_eager, extra={"cuda_graph_sizes": batches},
         kv_cache_dtype=args.kv_cache_dtype,
     )
@@ -212,6 +217,10 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
             profile_step(runner, step, graphs_on, shape, B)
         if args.engine_steps:
             row["engine_step_ms"] = engine_step_ms(eng, B, ctx, cfg.vocab_size, args, SamplingParams) * 1e3
+        if B == 1 and args.batch1_tokens:  # end to end through LLM.generate, and its host-side gap
+            from batch1_latency import measure
+
+            row.update(measure(llm, cfg.vocab_size, args.batch1_tokens, args.batch1_prompt_len))
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     if runner.cuda_graphs is not None:
@@ -240,6 +249,32 @@ def profile_step(runner, step, graphs_on: bool, shape: str, B: int, top: int = 3
     runner.use_cuda_graphs = graphs_on
 
 
+def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
+    """``x [1, K]`` times ``w [N, K]``: microseconds a launch, ``chain`` launches replayed from one
+    CUDA graph (the launch gap between kernels included, as in a decode step): ``F.linear``
+    (cuBLAS), the batch-1 GEMV (:mod:`rlserve.layers.gemv`) with plain launches and with PDL."""
+    from rlserve.layers import gemv
+
+    K = x.shape[1]
+
+    def run(f):
+        def fn():
+            for _ in range(chain):
+                f()
+        return graph_time(fn, iters=iters) / chain * 1e6
+
+    out = {"chain_cublas_us": run(lambda: torch.nn.functional.linear(x, w))}
+    for tag, on in (("chain_gemv_us", False), ("chain_gemv_pdl_us", True)):
+        if on and gemv.pdl_unavailable(x.device) is not None:
+            continue
+        prev = gemv.set_pdl(on)
+        try:
+            out[tag] = run(lambda: gemv._launch(0, x, K, w, None))
+        finally:
+            gemv.set_pdl(prev)
+    return out
+
+
 def bench_gemms(args, shapes: list[str]) -> list[dict]:
     """GPU time of each decoder linear (and the LM head) of ``shapes`` as ``F.linear`` on a
     bf16 weight (cuBLAS), replayed from a CUDA graph, for M = ``--gemm-rows`` rows: TB/s of
@@ -266,6 +301,8 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
                 t = graph_time(lambda: F.linear(x, w), iters=args.iters)
                 r = {"shape": shape, "linear": name, "M": M, "K": K, "N": N, "us": t * 1e6,
                      "weight_TBps": N * K * 2 / t / 1e12, "TFLOPs": 2 * M * N * K / t / 1e12}
+                if M == 1 and name != "lm_head":
+                    r.update(gemv_vs_cublas(x, w, args.iters))
                 out.append(r)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del w
@@ -432,6 +469,11 @@ def main(argv=None) -> dict:
                          "programmatic dependent launch (rlserve.layers.gemv; default: RLSERVE_DECODE_GEMV)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
+    ap.add_argument("--batch1-tokens", type=int, default=0,
+                    help="with batch 1: also time a --batch1-prompt-len-token prompt decoding this many greedy tokens "
+                         "through LLM.generate (throughput.py's batch-1 ms/token) and its host-side gap "
+                         "(batch1_latency.py)")
+    ap.add_argument("--batch1-prompt-len", type=int, default=128)
     ap.add_argument("--engine-outputs", choices=("finished", "all"), default="finished",
                     help="engine steps build outputs for finished requests only (offline / non-streamed) or all")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -444,7 +486,8 @@ def main(argv=None) -> dict:
                     help="with --profile / --profile-engine: the batch sizes to profile (default: the largest)")
     ap.add_argument("--profile-engine", action="store_true",
                     help="with --engine-steps: kernel table of 5 engine steps (forward, LM head, sampler)")
-    ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows")
+    ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows (at 1 row also "
+                         "the batch-1 GEMV, plain and PDL, against cuBLAS in chains of 10 launches)")
     ap.add_argument("--gemm-rows", default="1,16,64,128,256,8192")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
     ap.add_argument("--json", help="write all results here")
@@ -453,6 +496,8 @@ def main(argv=None) -> dict:
     args.batch = [int(x) for x in args.batch.split(",")]
     args.profile_batches = [int(x) for x in args.profile_batches.split(",")] if args.profile_batches else None
     args.kernel_contexts = [int(x) for x in (args.kernel_contexts or str(args.context)).split(",")]
+    from rlserve.layers import gemv
+
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("decode_step.py needs a CUDA GPU (or --device cpu for a smoke test)")
@@ -469,6 +514,8 @@ def main(argv=None) -> dict:
         "fused_kernels": os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0",
         "fused_sampler": os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0",
         "engine_outputs": args.engine_outputs,
+        "cuda_driver": gemv.cuda_driver_version() if dev.type == "cuda" else None,
+        "pdl_unavailable": gemv.pdl_unavailable(dev),  # None: the GEMVs' PDL runs on this device
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
     bw = measure_copy_bandwidth(dev)
@@ -482,8 +529,6 @@ def main(argv=None) -> dict:
     if not args.no_models:
         with tempfile.TemporaryDirectory() as root:
             kvs = args.kv_cache_dtype.split(",")
-            from rlserve.layers import gemv
-
             gemvs = [None] if args.decode_gemv is None else args.decode_gemv.split(",")
             for shape in args.shape.split(","):
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
@@ -502,12 +547,13 @@ def main(argv=None) -> dict:
                     result["models"].extend(rows)
             args.kv_cache_dtype = ",".join(kvs)
         print(f"\n{'shape':14s} {'gemv':>4s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
-              f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s}")
+              f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s} {'b1 ms/tok':>9s} {'b1 gpu':>7s} {'b1 gap':>7s}")
         for r in result["models"]:
             print(f"{r['shape']:14s} {r['decode_gemv']:>4s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
                   f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
                   f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
-                  f"{r.get('engine_step_ms', float('nan')):9.3f}")
+                  f"{r.get('engine_step_ms', float('nan')):9.3f} {r.get('batch1_ms_per_token', float('nan')):9.3f} "
+                  f"{r.get('gpu_ms_per_step') or float('nan'):7.3f} {r.get('gap_ms') or float('nan'):7.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

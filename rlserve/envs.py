@@ -140,10 +140,11 @@ VARIABLES: dict[str, Var] = {
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
-    "RLSERVE_DECODE_GEMV": Var("str", "0", _gemv_mode,
-                               "'1': batch-1 decode steps run the Llama-family linears as one Triton GEMV each, "
-                               "with the add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py); "
-                               "'pdl': the same, launched with programmatic dependent launch on sm_90+; '0' off; "
+    "RLSERVE_DECODE_GEMV": Var("str", "pdl", _gemv_mode,
+                               "'pdl' (default): batch-1 decode steps run the Llama-family linears as one Triton "
+                               "GEMV each, with the add+RMSNorm / SiLU-and-mul before them folded in "
+                               "(rlserve/layers/gemv.py), launched with programmatic dependent launch where the GPU, "
+                               "driver and Triton have it (else plainly); '1': the GEMVs, plain launches; '0' off; "
                                "read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,

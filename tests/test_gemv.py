@@ -164,14 +164,77 @@ def test_whole_model_batch_one_equals_unfused(tiny_model, gemv_on_cpu, monkeypat
 
 
 def test_env_switch_values(monkeypatch):
-    """RLSERVE_DECODE_GEMV: 0 (default), 1, pdl; anything else raises naming the variable."""
+    """RLSERVE_DECODE_GEMV: pdl (default), 1, 0; anything else raises naming the variable."""
     from rlserve import envs
 
     monkeypatch.delenv("RLSERVE_DECODE_GEMV", raising=False)
-    assert envs.read("RLSERVE_DECODE_GEMV") == "0"
+    assert envs.read("RLSERVE_DECODE_GEMV") == "pdl"
     for raw in ("0", "1", "pdl"):
         monkeypatch.setenv("RLSERVE_DECODE_GEMV", raw)
         assert envs.read("RLSERVE_DECODE_GEMV") == raw
     monkeypatch.setenv("RLSERVE_DECODE_GEMV", "on")
     with pytest.raises(ValueError, match="RLSERVE_DECODE_GEMV"):
         envs.read("RLSERVE_DECODE_GEMV")
+
+
+def test_pdl_is_not_claimed_off_cuda():
+    """PDL needs a CUDA device: on CPU the reason says so and the launch is plain."""
+    dev = torch.device("cpu")
+    assert gemv.pdl_unavailable(dev) == "not a CUDA device (cpu)"
+    prev = gemv.set_pdl(True)
+    try:
+        assert not gemv._pdl(dev)
+        assert gemv.mode() in ("1", "pdl", "0")
+    finally:
+        gemv.set_pdl(prev)
+
+
+def test_mode_names_the_switches():
+    prev_e, prev_p = gemv.set_enabled(True), gemv.set_pdl(True)
+    try:
+        assert gemv.mode() == "pdl"
+        gemv.set_pdl(False)
+        assert gemv.mode() == "1"
+        gemv.set_enabled(False)
+        assert gemv.mode() == "0"
+    finally:
+        gemv.set_enabled(prev_e)
+        gemv.set_pdl(prev_p)
+
+
+def test_a_failing_pdl_launch_falls_back_to_plain_launches(monkeypatch, gemv_on_cpu):
+    """Where the first PDL launch raises (an old driver or Triton), the GEMV launches plainly -- the
+    same result as without PDL -- and never tries PDL on that device again."""
+    real = gemv._kernels()
+    tries = {"pdl": 0, "plain": 0}
+
+    class Launch:
+        def __init__(self, grid):
+            self.grid = grid
+
+        def __call__(self, *a, PDL, **kw):
+            if PDL:
+                tries["pdl"] += 1
+                raise RuntimeError("launch_pdl is not supported")
+            tries["plain"] += 1
+            return real._gemv_kernel[self.grid](*a, PDL=False, **kw)
+
+    class Kernels:
+        class _gemv_kernel:
+            def __class_getitem__(cls, grid):
+                return Launch(grid)
+
+    monkeypatch.setattr(gemv, "_kernels", lambda: Kernels)
+    monkeypatch.setitem(gemv._PDL_WHY, ("cpu", None), None)  # as if this device had PDL
+    prev = gemv.set_pdl(True)
+    try:
+        g = torch.Generator().manual_seed(7)
+        lin = _lin("row", 64, 40, torch.float32, g)
+        x = torch.randn(1, 64, generator=g)
+        for _ in range(2):
+            assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight), lin.weight, x, torch.float32)
+        assert tries == {"pdl": 1, "plain": 2}
+        assert gemv.pdl_unavailable(torch.device("cpu")).startswith(
+            "the first PDL launch failed: RuntimeError: launch_pdl is not supported")
+    finally:
+        gemv.set_pdl(prev)

@@ -21,17 +21,27 @@ accumulates in float32 in its own order (cuBLAS's differs: bf16 results may diff
 rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``
 (:func:`tile`).
 
-When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` ``1`` or ``pdl`` (default ``0``, off until its
-GPU tests have run; :func:`set_enabled`, :func:`set_pdl`) and the
+When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` ``pdl`` (the default) or ``1``, not ``0``
+(:func:`set_enabled`, :func:`set_pdl`), and the
 fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
 row, ``--batch-invariant`` off (its own kernels keep their bitwise contract), and every linear
 unquantized (:class:`~rlserve.layers.linear.UnquantizedLinearMethod`), tensor-parallel size 1,
 contiguous, in the input's dtype, with no forward hooks (LoRA registers hooks: the module path
 then runs). The decision is per call, on static facts, so a CUDA graph captured at batch 1 holds
 what an eager batch-1 step runs (graphs = eager).
+
+Programmatic dependent launch (``pdl``, :func:`pdl_unavailable`) needs an NVIDIA GPU of compute
+capability 9.0 or later (Hopper: the ``griddepcontrol`` instructions), a CUDA driver of 12.3 or
+later (12030: kernels launched with the programmatic-serialization attribute keep it when a CUDA
+graph captures them) and a Triton whose CUDA backend takes ``launch_pdl`` and has the
+``gdc_wait`` / ``gdc_launch_dependents`` ops; where any is missing (or the first PDL launch
+raises), the GEMVs launch plainly -- the same arithmetic -- and the reason is logged once.
 """
 
 from __future__ import annotations
+
+import ctypes
+import logging
 
 import torch
 from torch import nn
@@ -43,8 +53,11 @@ from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from rlserve.layers.norm import RMSNorm
 
 _ENABLED = [envs.RLSERVE_DECODE_GEMV != "0"]
-_PDL = [envs.RLSERVE_DECODE_GEMV == "pdl"]  # programmatic dependent launch on sm_90+ (set_pdl)
-_PDL_OK: dict[int, bool] = {}  # device index -> compute capability >= 9
+_PDL = [envs.RLSERVE_DECODE_GEMV == "pdl"]  # programmatic dependent launch where it runs (set_pdl)
+_PDL_WHY: dict[tuple, str | None] = {}  # (device type, index) -> why PDL cannot run there (None: it can)
+_DRIVER: list = []  # the CUDA driver's version (cuDriverGetVersion), once read
+_PDL_MIN_DRIVER = 12030  # CUDA 12.3: stream capture keeps a launch's programmatic dependency
+logger = logging.getLogger(__name__)
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
 # _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
@@ -78,13 +91,81 @@ def pdl_requested() -> bool:
     return _PDL[0]
 
 
-def _pdl(device: torch.device) -> bool:
-    if not _PDL[0] or device.type != "cuda":
+def mode() -> str:
+    """``"0"``, ``"1"`` or ``"pdl"``: what :func:`set_enabled` / :func:`set_pdl` (or
+    ``RLSERVE_DECODE_GEMV``) asked for; whether PDL runs on a device is :func:`pdl_unavailable`."""
+    return ("pdl" if _PDL[0] else "1") if _ENABLED[0] else "0"
+
+
+def cuda_driver_version() -> int | None:
+    """The CUDA driver's version as ``cuDriverGetVersion`` gives it (``1000 * major + 10 * minor``:
+    12030 is 12.3), or None where ``libcuda`` cannot be asked (no NVIDIA driver, ROCm)."""
+    if not _DRIVER:
+        v = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            out = ctypes.c_int(0)
+            if lib.cuDriverGetVersion(ctypes.byref(out)) == 0:
+                v = out.value
+        except (OSError, AttributeError):
+            pass
+        _DRIVER.append(v)
+    return _DRIVER[0]
+
+
+def _triton_pdl() -> bool:
+    """Triton's CUDA backend takes ``launch_pdl`` and has the GDC ops."""
+    try:
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _PDL_OK:
-        _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _PDL_OK[idx]
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
+
+
+def _key(device: torch.device) -> tuple:
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
+def pdl_unavailable(device: torch.device) -> str | None:
+    """Why the GEMVs cannot use programmatic dependent launch on ``device`` (module docstring:
+    card, driver, Triton; or the error of a first launch that failed), or None when they can.
+    Checked once per device; independent of :func:`set_pdl`."""
+    key = _key(device)
+    if key not in _PDL_WHY:
+        why = None
+        if device.type != "cuda":
+            why = f"not a CUDA device ({device.type})"
+        elif torch.version.hip is not None:
+            why = "ROCm build (PDL is CUDA's)"
+        else:
+            cc = torch.cuda.get_device_capability(key[1])
+            drv = cuda_driver_version()
+            if cc[0] < 9:
+                why = f"compute capability {cc[0]}.{cc[1]} < 9.0"
+            elif drv is not None and drv < _PDL_MIN_DRIVER:
+                why = f"CUDA driver {drv // 1000}.{drv % 1000 // 10} < 12.3"
+            elif not _triton_pdl():
+                why = "this Triton has no launch_pdl / gdc ops"
+            if why is not None and _PDL[0]:
+                logger.info("batch-1 GEMV: programmatic dependent launch unavailable (%s); plain launches", why)
+        _PDL_WHY[key] = why
+    return _PDL_WHY[key]
+
+
+def _pdl(device: torch.device) -> bool:
+    return _PDL[0] and pdl_unavailable(device) is None
+
+
+def _pdl_failed(device: torch.device, e: Exception) -> None:
+    """A PDL launch raised: no PDL on ``device`` from now on (logged once)."""
+    why = f"the first PDL launch failed: {type(e).__name__}: {e}"
+    _PDL_WHY[_key(device)] = why
+    logger.warning("batch-1 GEMV: %s; plain launches from now on", why)
 
 
 def enabled() -> bool:
@@ -146,14 +227,20 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
         residual = residual.contiguous()
     bn, bk, warps = tile(N, K, x.device)
     pdl = _pdl(x.device)
-    _kernels()._gemv_kernel[(-(-N // bn),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        weight, bias if bias is not None else weight, out, res_out,
-        N, weight.stride(0), float(eps),
-        K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=bk, NORM_ONE_CHUNK=prologue == 1 and K <= bk, PDL=pdl, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+            weight, bias if bias is not None else weight, out, res_out, N, weight.stride(0), float(eps))
+    meta = dict(K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                BLOCK_N=bn, BLOCK_K=bk, NORM_ONE_CHUNK=prologue == 1 and K <= bk, num_warps=warps)
+    kernel = _kernels()._gemv_kernel[(-(-N // bn),)]
+    if pdl:
+        try:
+            kernel(*args, **meta, PDL=True, launch_pdl=True)
+            return out, res_out
+        except Exception as e:  # noqa: BLE001 -- any compile / launch failure: the plain kernel instead
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # a failed launch inside a capture leaves it invalid: the caller's error
+            _pdl_failed(x.device, e)
+    kernel(*args, **meta, PDL=False)
     return out, res_out
 
 

@@ -1,0 +1,88 @@
+"""Batch-1 decode latency end to end, and where its time goes (issue 37's ``ms/token`` measure).
+
+:func:`measure` runs one ``prompt_len``-token prompt for ``n`` greedy tokens through
+``LLM.generate`` (``LLMEngine.generate_blocking``: the offline loop, overlapped decode as
+configured) and reports wall time / ``n`` -- the same measure as ``throughput.py
+--batch1-tokens`` -- then the same request once more with light instruments
+(:func:`_split`): per engine step the host's wall time and, on CUDA, the GPU span of its launch
+(a CUDA event before the step's inputs are built and one after its sampler: forward, LM head,
+sampling). ``gpu_ms_per_step`` is that span's mean over the decode steps; ``gap_ms`` = wall per
+token - GPU span per step is time the GPU sat idle between two steps (the host-side gap).
+Used by ``decode_step.py --batch1-tokens`` (one engine per ``--decode-gemv`` mode, in one process).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _split(engine, run, dev: torch.device) -> dict:
+    """Run ``run()`` with every ``engine.step`` timed on the host and (CUDA) every ``engine._launch``
+    bracketed by CUDA events. Returns ms: ``step_ms_median``, ``gpu_ms_per_step`` (decode
+    launches' mean GPU span, None on CPU), and ``steps``."""
+    walls: list[float] = []
+    events: list[tuple] = []
+    step0, launch0 = engine.step, engine._launch
+
+    def step(*a, **kw):
+        t0 = time.perf_counter()
+        out = step0(*a, **kw)
+        walls.append(time.perf_counter() - t0)
+        return out
+
+    def launch(batch, *a, **kw):
+        if dev.type != "cuda" or batch.is_prefill:
+            return launch0(batch, *a, **kw)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = launch0(batch, *a, **kw)
+        e1.record()
+        events.append((e0, e1))
+        return out
+
+    engine.step, engine._launch = step, launch
+    try:
+        run()
+        _sync(dev)
+    finally:
+        engine.step, engine._launch = step0, launch0
+    gpu = [e0.elapsed_time(e1) for e0, e1 in events]
+    return {"steps": len(walls), "step_ms_median": statistics.median(walls) * 1e3 if walls else None,
+            "gpu_ms_per_step": statistics.fmean(gpu) if gpu else None}
+
+
+def measure(llm, vocab: int, n: int, prompt_len: int = 128, seed: int = 0) -> dict:
+    """Batch-1 greedy decode of ``n`` tokens after a ``prompt_len``-token random prompt (ids in
+    ``[0, vocab)``, seeded) through ``llm`` (:class:`rlserve.LLM`, built with room for
+    ``prompt_len + n`` tokens). Returns ``{"batch1_ms_per_token", "step_ms_median",
+    "gpu_ms_per_step", "gap_ms", "steps"}`` (ms; the GPU fields None on CPU)."""
+    from rlserve import SamplingParams
+
+    eng = llm.engine
+    dev = eng.device
+    rng = random.Random(seed)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+    llm.generate([prompt], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)])  # warm-up
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], [sp])
+    _sync(dev)
+    ms = (time.perf_counter() - t0) / n * 1e3
+    got = len(out[0].outputs[0].token_ids)
+    if got != n:
+        raise RuntimeError(f"batch-1 run produced {got} tokens, asked for {n}")
+    res = {"batch1_ms_per_token": ms}
+    res.update(_split(eng, lambda: llm.generate([prompt], [sp]), dev))
+    g = res["gpu_ms_per_step"]
+    res["gap_ms"] = ms - g if g is not None else None
+    return res
