@@ -6,8 +6,10 @@ configured) and reports wall time / ``n`` -- the same measure as ``throughput.py
 --batch1-tokens`` -- then the same request once more with light instruments
 (:func:`_split`): per engine step the host's wall time and, on CUDA, the GPU span of its launch
 (a CUDA event before the step's inputs are built and one after its sampler: forward, LM head,
-sampling). ``gpu_ms_per_step`` is that span's mean over the decode steps; ``gap_ms`` = wall per
-token - GPU span per step is time the GPU sat idle between two steps (the host-side gap).
+sampling), the host time of each launch and of each wait for an overlapped step's tokens.
+``gpu_ms_per_step`` is that span's mean over the decode steps; ``gap_ms`` = wall per token - GPU
+span per step is time the GPU sat idle between two steps (the host-side gap); ``wait_ms`` near 0
+says the host, not the GPU, set the pace.
 Used by ``decode_step.py --batch1-tokens`` (one engine per ``--decode-gemv`` mode, in one process).
 """
 
@@ -26,12 +28,19 @@ def _sync(dev: torch.device) -> None:
 
 
 def _split(engine, run, dev: torch.device) -> dict:
-    """Run ``run()`` with every ``engine.step`` timed on the host and (CUDA) every ``engine._launch``
-    bracketed by CUDA events. Returns ms: ``step_ms_median``, ``gpu_ms_per_step`` (decode
-    launches' mean GPU span, None on CPU), and ``steps``."""
+    """Run ``run()`` with every ``engine.step`` timed on the host, the host time of every decode
+    ``engine._launch`` (inputs, graph replay, LM head and sampler launches) and of every wait for an
+    overlapped step's tokens (``overlap._InFlight.wait``: the host idle, the GPU the bottleneck),
+    and (CUDA) every decode launch bracketed by CUDA events. Returns ms per step: ``step_ms_median``,
+    ``launch_host_ms``, ``wait_ms`` (means over the decode steps / waits), ``gpu_ms_per_step``
+    (decode launches' mean GPU span, None on CPU), and ``steps``."""
+    from rlserve.engine.core import overlap
+
     walls: list[float] = []
+    launches: list[float] = []
+    waits: list[float] = []
     events: list[tuple] = []
-    step0, launch0 = engine.step, engine._launch
+    step0, launch0, wait0 = engine.step, engine._launch, overlap._InFlight.wait
 
     def step(*a, **kw):
         t0 = time.perf_counter()
@@ -40,23 +49,36 @@ def _split(engine, run, dev: torch.device) -> dict:
         return out
 
     def launch(batch, *a, **kw):
-        if dev.type != "cuda" or batch.is_prefill:
+        if batch.is_prefill:
             return launch0(batch, *a, **kw)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = launch0(batch, *a, **kw)
-        e1.record()
-        events.append((e0, e1))
+        t0 = time.perf_counter()
+        if dev.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = launch0(batch, *a, **kw)
+            e1.record()
+            events.append((e0, e1))
+        else:
+            out = launch0(batch, *a, **kw)
+        launches.append(time.perf_counter() - t0)
         return out
 
-    engine.step, engine._launch = step, launch
+    def wait(self):
+        t0 = time.perf_counter()
+        out = wait0(self)
+        waits.append(time.perf_counter() - t0)
+        return out
+
+    engine.step, engine._launch, overlap._InFlight.wait = step, launch, wait
     try:
         run()
         _sync(dev)
     finally:
-        engine.step, engine._launch = step0, launch0
+        engine.step, engine._launch, overlap._InFlight.wait = step0, launch0, wait0
     gpu = [e0.elapsed_time(e1) for e0, e1 in events]
+    ms = lambda xs: statistics.fmean(xs) * 1e3 if xs else None  # noqa: E731
     return {"steps": len(walls), "step_ms_median": statistics.median(walls) * 1e3 if walls else None,
+            "launch_host_ms": ms(launches), "wait_ms": ms(waits),
             "gpu_ms_per_step": statistics.fmean(gpu) if gpu else None}
 
 

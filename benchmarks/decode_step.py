@@ -253,7 +253,7 @@ def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
     """``x [1, K]`` times ``w [N, K]``: microseconds a launch, ``chain`` launches replayed from one
     CUDA graph (the launch gap between kernels included, as in a decode step): ``F.linear``
     (cuBLAS), the batch-1 GEMV (:mod:`rlserve.layers.gemv`) with plain launches and with PDL."""
-    from rlserve.layers import gemv
+    from rlserve.layers import gemv, pdl
 
     K = x.shape[1]
 
@@ -265,7 +265,7 @@ def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
 
     out = {"chain_cublas_us": run(lambda: torch.nn.functional.linear(x, w))}
     for tag, on in (("chain_gemv_us", False), ("chain_gemv_pdl_us", True)):
-        if on and gemv.pdl_unavailable(x.device) is not None:
+        if on and pdl.unavailable(x.device) is not None:
             continue
         prev = gemv.set_pdl(on)
         try:
@@ -465,8 +465,9 @@ def main(argv=None) -> dict:
                          "this process (a cache of most of the GPU is not handed back in between: then one process "
                          "each)")
     ap.add_argument("--decode-gemv", default=None,
-                    help="comma-separated 0 / 1 / pdl: one engine each with the batch-1 GEMV path off / on / on with "
-                         "programmatic dependent launch (rlserve.layers.gemv; default: RLSERVE_DECODE_GEMV)")
+                    help="comma-separated 0 / 1 / pdlg / pdl: one engine each with the batch-1 GEMV path off / on / on "
+                         "with programmatic dependent launch for the GEMVs only / for the kernels between them too "
+                         "(rlserve.layers.gemv, rlserve.layers.pdl; default: RLSERVE_DECODE_GEMV)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--batch1-tokens", type=int, default=0,
@@ -496,7 +497,7 @@ def main(argv=None) -> dict:
     args.batch = [int(x) for x in args.batch.split(",")]
     args.profile_batches = [int(x) for x in args.profile_batches.split(",")] if args.profile_batches else None
     args.kernel_contexts = [int(x) for x in (args.kernel_contexts or str(args.context)).split(",")]
-    from rlserve.layers import gemv
+    from rlserve.layers import gemv, pdl
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -514,8 +515,8 @@ def main(argv=None) -> dict:
         "fused_kernels": os.environ.get("RLSERVE_FUSED_KERNELS", "1") != "0",
         "fused_sampler": os.environ.get("RLSERVE_FUSED_SAMPLER", "1") != "0",
         "engine_outputs": args.engine_outputs,
-        "cuda_driver": gemv.cuda_driver_version() if dev.type == "cuda" else None,
-        "pdl_unavailable": gemv.pdl_unavailable(dev),  # None: the GEMVs' PDL runs on this device
+        "cuda_driver": pdl.cuda_driver_version() if dev.type == "cuda" else None,
+        "pdl_unavailable": pdl.unavailable(dev),  # None: the GEMVs' PDL runs on this device
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
     bw = measure_copy_bandwidth(dev)
@@ -534,7 +535,8 @@ def main(argv=None) -> dict:
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
                     if on is not None:  # before the engine is built: its CUDA graphs capture the choice
                         gemv.set_enabled(on != "0")
-                        gemv.set_pdl(on == "pdl")
+                        gemv.set_pdl(on in ("pdl", "pdlg"))
+                        pdl.set_neighbours(on != "pdlg")
                     try:
                         rows = bench_shape(shape, args, bw, root)
                     except Exception as e:  # noqa: BLE001 -- one variant's failure must not lose the others
@@ -543,17 +545,18 @@ def main(argv=None) -> dict:
                         print(f"  [{shape}] decode_gemv={on}: {type(e).__name__}: {e}", flush=True)
                         continue
                     for r in rows:
-                        r["decode_gemv"] = ("pdl" if gemv.pdl_requested() else "1") if gemv.enabled() else "0"
+                        r["decode_gemv"] = on if on is not None else gemv.mode()
                     result["models"].extend(rows)
             args.kv_cache_dtype = ",".join(kvs)
-        print(f"\n{'shape':14s} {'gemv':>4s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
-              f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s} {'b1 ms/tok':>9s} {'b1 gpu':>7s} {'b1 gap':>7s}")
+        print(f"\n{'shape':14s} {'gemv':>5s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
+              f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s} {'b1 ms/tok':>9s} {'b1 gpu':>7s} {'b1 gap':>7s} {'launch':>7s} {'wait':>7s}")
         for r in result["models"]:
-            print(f"{r['shape']:14s} {r['decode_gemv']:>4s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
+            print(f"{r['shape']:14s} {r['decode_gemv']:>5s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
                   f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
                   f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
                   f"{r.get('engine_step_ms', float('nan')):9.3f} {r.get('batch1_ms_per_token', float('nan')):9.3f} "
-                  f"{r.get('gpu_ms_per_step') or float('nan'):7.3f} {r.get('gap_ms') or float('nan'):7.3f}")
+                  f"{r.get('gpu_ms_per_step') or float('nan'):7.3f} {r.get('gap_ms') or float('nan'):7.3f} "
+                  f"{r.get('launch_host_ms') or float('nan'):7.3f} {r.get('wait_ms') or float('nan'):7.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

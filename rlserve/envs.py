@@ -143,8 +143,9 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_DECODE_GEMV": Var("str", "pdl", _gemv_mode,
                                "'pdl' (default): batch-1 decode steps run the Llama-family linears as one Triton "
                                "GEMV each, with the add+RMSNorm / SiLU-and-mul before them folded in "
-                               "(rlserve/layers/gemv.py), launched with programmatic dependent launch where the GPU, "
-                               "driver and Triton have it (else plainly); '1': the GEMVs, plain launches; '0' off; "
+                               "(rlserve/layers/gemv.py), they and the attention kernels between them launched with "
+                               "programmatic dependent launch where the GPU, driver and Triton have it (else plainly; "
+                               "rlserve/layers/pdl.py); '1': the GEMVs, plain launches; '0' off; "
                                "read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,

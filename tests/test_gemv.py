@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
-from rlserve.layers import fused_ops, gemv  # noqa: E402
+from rlserve.layers import fused_ops, gemv, pdl  # noqa: E402
 from rlserve.layers.activation import SiluAndMul  # noqa: E402
 from rlserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear  # noqa: E402
 from rlserve.layers.norm import RMSNorm  # noqa: E402
@@ -178,15 +178,15 @@ def test_env_switch_values(monkeypatch):
 
 
 def test_pdl_is_not_claimed_off_cuda():
-    """PDL needs a CUDA device: on CPU the reason says so and the launch is plain."""
+    """PDL needs a CUDA device: on CPU the reason says so, and nothing launches with it."""
     dev = torch.device("cpu")
-    assert gemv.pdl_unavailable(dev) == "not a CUDA device (cpu)"
-    prev = gemv.set_pdl(True)
+    assert pdl.unavailable(dev) == "not a CUDA device (cpu)"
+    prev = pdl.set_requested(True)
     try:
-        assert not gemv._pdl(dev)
-        assert gemv.mode() in ("1", "pdl", "0")
+        assert not pdl.on(dev)
+        assert not pdl.neighbours(torch.zeros(1, 4), 1)
     finally:
-        gemv.set_pdl(prev)
+        pdl.set_requested(prev)
 
 
 def test_mode_names_the_switches():
@@ -225,7 +225,7 @@ def test_a_failing_pdl_launch_falls_back_to_plain_launches(monkeypatch, gemv_on_
                 return Launch(grid)
 
     monkeypatch.setattr(gemv, "_kernels", lambda: Kernels)
-    monkeypatch.setitem(gemv._PDL_WHY, ("cpu", None), None)  # as if this device had PDL
+    monkeypatch.setitem(pdl._WHY, ("cpu", None), None)  # as if this device had PDL
     prev = gemv.set_pdl(True)
     try:
         g = torch.Generator().manual_seed(7)
@@ -234,7 +234,7 @@ def test_a_failing_pdl_launch_falls_back_to_plain_launches(monkeypatch, gemv_on_
         for _ in range(2):
             assert_gemv_close(gemv.linear(x, lin), F.linear(x, lin.weight), lin.weight, x, torch.float32)
         assert tries == {"pdl": 1, "plain": 2}
-        assert gemv.pdl_unavailable(torch.device("cpu")).startswith(
+        assert pdl.unavailable(torch.device("cpu")).startswith(
             "the first PDL launch failed: RuntimeError: launch_pdl is not supported")
     finally:
         gemv.set_pdl(prev)

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Session 15, issue 37 (Qwen3-0.6B: batch-1 <= 1.0 ms/token end to end, the batch-1 GEMV on by default),
 # rlserve only, budget 90 s, most important first:
-#   b) tests/gpu/test_gemv_gpu.py, all of it (46 s: window 1 cut it at 18 s after 19 of ~31 tests,
-#      every (K, dtype, prologue) compiles once): each folded form vs the unfused ops, a PDL chain in a
-#      CUDA graph = plain launches bitwise, the qwen3 and llama engines at batch 1 with / without the
-#      GEMV and graphs = eager
-#   a) decode_step.py (its first line: Triton, the CUDA driver and gemv.pdl_unavailable -- None: PDL
-#      runs, else why not), Qwen3-0.6B shape, batch 1, context 1024, --decode-gemv 0,1,pdl (one engine each
-#      in this process): graph / engine-step ms and, new, --batch1-tokens 1024: a 128-token prompt
-#      decoding 1024 greedy tokens through LLM.generate (issue 37's ms/token) with the GPU span per step
-#      and the host-side gap between steps (benchmarks/batch1_latency.py), each mode in the same run
+#   b) tests/gpu/test_gemv_gpu.py, all of it (48 s: window 1 cut it at 18 s after 19 of ~31 tests,
+#      every (K, dtype, prologue) compiles once): a PDL chain of GEMVs in a CUDA graph = plain launches
+#      bitwise, a tiny Qwen3 engine at batch 1 with PDL = without bitwise, the qwen3 and llama engines at
+#      batch 1 with / without the GEMV and graphs = eager, each folded form vs the unfused ops
+#   a) decode_step.py (its first line: Triton, the CUDA driver and pdl_unavailable -- None: PDL runs,
+#      else why not), Qwen3-0.6B shape, batch 1, context 1024, --decode-gemv 0,1,pdlg,pdl (one engine
+#      each in this process; pdlg: PDL on the GEMVs only; pdl, the default: also the attention and
+#      q-k-norm-rope kernels): graph / engine-step ms and, new, --batch1-tokens 1024: a 128-token prompt
+#      decoding 1024 greedy tokens through LLM.generate (issue 37's ms/token) with the GPU span per
+#      step, the host's launch and wait times and the gap between steps (benchmarks/batch1_latency.py)
 #   d) decode_step.py --gemms at 1 row, Qwen3-0.6B and -8B linears: cuBLAS vs the GEMV plain / PDL, chains of 10
 #      launches in a CUDA graph (us a launch): whether the default GEMV also wins at the 8B's sizes
 #   c) throughput.py, Qwen3-0.6B shape, RLSERVE_DECODE_GEMV unset (the default): the offline workload
@@ -24,16 +25,16 @@ if [ "$DRY_RUN" = 1 ]; then
   TESTS=(tests/test_gemv.py -k "pdl or mode or env")  # the CPU interpreter: a quick subset
   CAP=(120 120 120 0)  # a loaded 2-core CPU: run with BUDGET=400
 else
-  DS=(--shape qwen3-0.6b --context 1024 --iters 30 --engine-steps 30 --batch1-tokens 1024)
+  DS=(--shape qwen3-0.6b --context 1024 --iters 20 --engine-steps 20 --batch1-tokens 1024)
   TP=(--device cuda --shape qwen3-0.6b); B1=(--batch1-tokens 1024)
   TESTS=(tests/gpu/test_gemv_gpu.py)
-  CAP=(46 26 24 10)  # seconds: b), a), c), d)
+  CAP=(48 28 24 8)  # seconds: b), a), c), d); c) last: it gets what is left
 fi
 bounded "${CAP[0]}" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
 say "b) tests rc=$? $(tail -1 "$OUT_DIR/pytest_gemv.log")"
-bounded "$(slot "${CAP[1]}" 10)" $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl \
+bounded "$(slot "${CAP[1]}" 10)" $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdlg,pdl \
   --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
-say "a) rc=$? $(grep -A4 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
+say "a) rc=$? $(grep -A5 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
 say "a) $(grep -m1 '"pdl_unavailable"' "$OUT_DIR/decode_06b_b1.log" | grep -oE '"(triton|cuda_driver|pdl_unavailable)": [^,]*' | tr '\n' ' ')"
 if [ "$DRY_RUN" != 1 ]; then  # d) CUDA only
   bounded "$(slot "${CAP[3]}" 12)" $PY benchmarks/decode_step.py --shape qwen3-0.6b,qwen3-8b --gemms --gemm-rows 1 \

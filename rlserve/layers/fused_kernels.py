@@ -104,13 +104,18 @@ def _qkv_norm_rope_write_kernel(
     stride_t, stride_qo, stride_cs,
     NUM_HEADS, NUM_KV_HEADS, eps, T,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
-    TOKENS: tl.constexpr, FP8_MAX: tl.constexpr,
+    TOKENS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(i, j)``: tokens ``[i*TOKENS, (i+1)*TOKENS)`` (those below ``T``); query head
     ``j < NUM_HEADS`` -> ``Q_OUT``; otherwise KV head ``j - NUM_HEADS``: its k (normed,
     rotated) and v go to ``cache[slot]`` (skipped for ``slot < 0``). Several tokens per program
     on long (prefill) batches: one program per token and head was bound by the programs' own
-    cost (an 8192-token prefill step: 114 us per layer, ~1 TB/s)."""
+    cost (an 8192-token prefill step: 114 us per layer, ~1 TB/s). ``PDL``: launched with
+    programmatic dependent launch (:mod:`rlserve.layers.pdl`): wait for the kernel before, then
+    let the next one launch; nothing is read before the wait."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     j = tl.program_id(1)
     d, d_mask, rot_mask, partner, sign = _rope_lanes(HEAD_DIM, D_PAD, ROT)
     for i in tl.static_range(TOKENS):
@@ -142,7 +147,7 @@ def _qkv_norm_rope_write_heads_kernel(
     stride_t, stride_qo, stride_cs,
     NUM_HEADS, NUM_KV_HEADS, eps, T,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, QK_NORM: tl.constexpr,
-    HEADS: tl.constexpr, FP8_MAX: tl.constexpr,
+    HEADS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(t, g)``: heads ``[g*HEADS, (g+1)*HEADS)`` of token ``t``, counting the
     ``NUM_HEADS`` query heads first and the ``NUM_KV_HEADS`` key heads after them (their order
@@ -152,7 +157,11 @@ def _qkv_norm_rope_write_heads_kernel(
     reductions: bit-identical results); which heads exist, which are queries and whether the
     slot is valid are masks, not branches, so the heads' loads are independent. Decode batches:
     one program per token and head ran ~10,000 one-warp programs per Qwen3-8B layer at batch
-    256 (8.2 us per call on an H200, 2026-12-02), bound by each program's dependent loads."""
+    256 (8.2 us per call on an H200, 2026-12-02), bound by each program's dependent loads.
+    ``PDL``: as ``_qkv_norm_rope_write_kernel``'s."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     d, d_mask, rot_mask, partner, sign = _rope_lanes(HEAD_DIM, D_PAD, ROT)
     pos = tl.load(POS + t).to(tl.int64)

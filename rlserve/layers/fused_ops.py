@@ -39,7 +39,7 @@ import importlib.util
 import torch
 
 from rlserve import envs
-from rlserve.layers import kv_quant
+from rlserve.layers import kv_quant, pdl
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _ENABLED = [envs.RLSERVE_FUSED_KERNELS]
@@ -258,13 +258,10 @@ def qkv_norm_rope_write(
         tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
         kernel = _kernels()._qkv_norm_rope_write_kernel
         grid, per_program = (-(-T // tokens), n_heads), {"TOKENS": tokens}
-    kernel[grid](
-        qkv, positions, cos_cache, sin_cache,
-        q_weight if norm else qkv, k_weight if norm else qkv,
-        q, k_cache, v_cache, slot_mapping, *kv_quant.kernel_scales(k_cache, k_scale, v_scale, slot_mapping),
-        qkv.stride(0), q.stride(0), k_cache.stride(1),
-        num_heads, num_kv_heads, float(eps), T,
-        HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, **per_program,
-        FP8_MAX=kv_quant.fp8_max(k_cache), num_warps=1,
-    )
+    args = (qkv, positions, cos_cache, sin_cache, q_weight if norm else qkv, k_weight if norm else qkv,
+            q, k_cache, v_cache, slot_mapping, *kv_quant.kernel_scales(k_cache, k_scale, v_scale, slot_mapping),
+            qkv.stride(0), q.stride(0), k_cache.stride(1), num_heads, num_kv_heads, float(eps), T)
+    meta = dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), ROT=rot, QK_NORM=norm, **per_program,
+                FP8_MAX=kv_quant.fp8_max(k_cache), num_warps=1)
+    pdl.launch(kernel, grid, args, meta, qkv.device, pdl.neighbours(qkv, T))  # PDL: one decode row
     return q

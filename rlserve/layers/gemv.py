@@ -30,34 +30,22 @@ contiguous, in the input's dtype, with no forward hooks (LoRA registers hooks: t
 then runs). The decision is per call, on static facts, so a CUDA graph captured at batch 1 holds
 what an eager batch-1 step runs (graphs = eager).
 
-Programmatic dependent launch (``pdl``, :func:`pdl_unavailable`) needs an NVIDIA GPU of compute
-capability 9.0 or later (Hopper: the ``griddepcontrol`` instructions), a CUDA driver of 12.3 or
-later (12030: kernels launched with the programmatic-serialization attribute keep it when a CUDA
-graph captures them) and a Triton whose CUDA backend takes ``launch_pdl`` and has the
-``gdc_wait`` / ``gdc_launch_dependents`` ops; where any is missing (or the first PDL launch
-raises), the GEMVs launch plainly -- the same arithmetic -- and the reason is logged once.
+Programmatic dependent launch (``pdl``): :mod:`rlserve.layers.pdl` (what it needs from the card,
+driver and Triton; where it is missing the GEMVs launch plainly, the same arithmetic).
 """
 
 from __future__ import annotations
-
-import ctypes
-import logging
 
 import torch
 from torch import nn
 
 from rlserve import envs
 from rlserve.batch_invariant import mode as bi_mode
-from rlserve.layers import fused_ops
+from rlserve.layers import fused_ops, pdl
 from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from rlserve.layers.norm import RMSNorm
 
 _ENABLED = [envs.RLSERVE_DECODE_GEMV != "0"]
-_PDL = [envs.RLSERVE_DECODE_GEMV == "pdl"]  # programmatic dependent launch where it runs (set_pdl)
-_PDL_WHY: dict[tuple, str | None] = {}  # (device type, index) -> why PDL cannot run there (None: it can)
-_DRIVER: list = []  # the CUDA driver's version (cuDriverGetVersion), once read
-_PDL_MIN_DRIVER = 12030  # CUDA 12.3: stream capture keeps a launch's programmatic dependency
-logger = logging.getLogger(__name__)
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
 # _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
@@ -78,94 +66,22 @@ def set_enabled(on: bool) -> bool:
 
 
 def set_pdl(on: bool) -> bool:
-    """Launch the GEMVs with programmatic dependent launch where the GPU has it (sm_90+): a GEMV
-    loads its first weights while the kernel before it finishes (see ``gemv_kernels._gemv_kernel``). Returns
-    the previous setting; graphs captured before keep what they captured."""
-    prev = _PDL[0]
-    _PDL[0] = bool(on)
-    return prev
+    """Launch the GEMVs (and the batch-1 decode kernels between them) with programmatic dependent
+    launch where it runs (:func:`rlserve.layers.pdl.unavailable`): a GEMV loads its first weights
+    while the kernel before it finishes (see ``gemv_kernels._gemv_kernel``). Returns the previous
+    setting; graphs captured before keep what they captured."""
+    return pdl.set_requested(on)
 
 
 def pdl_requested() -> bool:
     """The :func:`set_pdl` switch (whether a GPU has PDL is checked per launch)."""
-    return _PDL[0]
+    return pdl.requested()
 
 
 def mode() -> str:
     """``"0"``, ``"1"`` or ``"pdl"``: what :func:`set_enabled` / :func:`set_pdl` (or
-    ``RLSERVE_DECODE_GEMV``) asked for; whether PDL runs on a device is :func:`pdl_unavailable`."""
-    return ("pdl" if _PDL[0] else "1") if _ENABLED[0] else "0"
-
-
-def cuda_driver_version() -> int | None:
-    """The CUDA driver's version as ``cuDriverGetVersion`` gives it (``1000 * major + 10 * minor``:
-    12030 is 12.3), or None where ``libcuda`` cannot be asked (no NVIDIA driver, ROCm)."""
-    if not _DRIVER:
-        v = None
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            out = ctypes.c_int(0)
-            if lib.cuDriverGetVersion(ctypes.byref(out)) == 0:
-                v = out.value
-        except (OSError, AttributeError):
-            pass
-        _DRIVER.append(v)
-    return _DRIVER[0]
-
-
-def _triton_pdl() -> bool:
-    """Triton's CUDA backend takes ``launch_pdl`` and has the GDC ops."""
-    try:
-        import triton.language as tl
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-            and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
-
-
-def _key(device: torch.device) -> tuple:
-    if device.type == "cuda" and device.index is None:
-        return ("cuda", torch.cuda.current_device())
-    return (device.type, device.index)
-
-
-def pdl_unavailable(device: torch.device) -> str | None:
-    """Why the GEMVs cannot use programmatic dependent launch on ``device`` (module docstring:
-    card, driver, Triton; or the error of a first launch that failed), or None when they can.
-    Checked once per device; independent of :func:`set_pdl`."""
-    key = _key(device)
-    if key not in _PDL_WHY:
-        why = None
-        if device.type != "cuda":
-            why = f"not a CUDA device ({device.type})"
-        elif torch.version.hip is not None:
-            why = "ROCm build (PDL is CUDA's)"
-        else:
-            cc = torch.cuda.get_device_capability(key[1])
-            drv = cuda_driver_version()
-            if cc[0] < 9:
-                why = f"compute capability {cc[0]}.{cc[1]} < 9.0"
-            elif drv is not None and drv < _PDL_MIN_DRIVER:
-                why = f"CUDA driver {drv // 1000}.{drv % 1000 // 10} < 12.3"
-            elif not _triton_pdl():
-                why = "this Triton has no launch_pdl / gdc ops"
-            if why is not None and _PDL[0]:
-                logger.info("batch-1 GEMV: programmatic dependent launch unavailable (%s); plain launches", why)
-        _PDL_WHY[key] = why
-    return _PDL_WHY[key]
-
-
-def _pdl(device: torch.device) -> bool:
-    return _PDL[0] and pdl_unavailable(device) is None
-
-
-def _pdl_failed(device: torch.device, e: Exception) -> None:
-    """A PDL launch raised: no PDL on ``device`` from now on (logged once)."""
-    why = f"the first PDL launch failed: {type(e).__name__}: {e}"
-    _PDL_WHY[_key(device)] = why
-    logger.warning("batch-1 GEMV: %s; plain launches from now on", why)
+    ``RLSERVE_DECODE_GEMV``) asked for; whether PDL runs on a device is :func:`rlserve.layers.pdl.unavailable`."""
+    return ("pdl" if pdl.requested() else "1") if _ENABLED[0] else "0"
 
 
 def enabled() -> bool:
@@ -226,21 +142,11 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     bn, bk, warps = tile(N, K, x.device)
-    pdl = _pdl(x.device)
     args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
             weight, bias if bias is not None else weight, out, res_out, N, weight.stride(0), float(eps))
     meta = dict(K=K, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                 BLOCK_N=bn, BLOCK_K=bk, NORM_ONE_CHUNK=prologue == 1 and K <= bk, num_warps=warps)
-    kernel = _kernels()._gemv_kernel[(-(-N // bn),)]
-    if pdl:
-        try:
-            kernel(*args, **meta, PDL=True, launch_pdl=True)
-            return out, res_out
-        except Exception as e:  # noqa: BLE001 -- any compile / launch failure: the plain kernel instead
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise  # a failed launch inside a capture leaves it invalid: the caller's error
-            _pdl_failed(x.device, e)
-    kernel(*args, **meta, PDL=False)
+    pdl.launch(_kernels()._gemv_kernel, (-(-N // bn),), args, meta, x.device, pdl.on(x.device))
     return out, res_out
 
 

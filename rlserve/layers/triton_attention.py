@@ -54,7 +54,7 @@ import torch
 
 from rlserve.batch_invariant import mode as bi_mode, query_tiles as bi_tiles
 from rlserve.batch_invariant.per_query import per_query_meta
-from rlserve.layers import kv_quant
+from rlserve.layers import kv_quant, pdl
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
 
 try:  # Triton is optional: CPU-only installs do not have it.
@@ -267,7 +267,8 @@ def triton_paged_attention(
         else:
             part_o = part_lse = out  # unused
         order = decode_order(meta) if B > 1 else None
-        _decode_kernel[(Hkv, B, S)](
+        use_pdl = pdl.neighbours(q, B)  # one decode row: launched with PDL (rlserve.layers.pdl)
+        pdl.launch(_decode_kernel, (Hkv, B, S), (
             q, k_cache, v_cache, bt, meta.seq_lens, order if order is not None else meta.seq_lens, out, part_o,
             part_lse, ks, vs,
             qk_scale,
@@ -275,16 +276,15 @@ def triton_paged_attention(
             k_cache.stride(1), k_cache.stride(2),
             bt.stride(0),
             out.stride(0), out.stride(1),
+        ), dict(
             NUM_HEADS=H, GROUP=G, GROUP_PAD=_pow2(G), HEAD_DIM=D, D_PAD=D_PAD,
             PAGE=page, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1, DOT_PRECISION=prec,
             ORDERED=order is not None, KV_FP8=kv_fp8, num_warps=DECODE_NUM_WARPS,
-        )
+        ), q.device, use_pdl)
         if S > 1:
-            _decode_reduce_kernel[(B, H)](
-                part_o, part_lse, out, out.stride(0), out.stride(1),
-                NUM_HEADS=H, HEAD_DIM=D, D_PAD=D_PAD, NUM_SPLITS=S, S_PAD=triton.next_power_of_2(S),
-                num_warps=4,
-            )
+            pdl.launch(_decode_reduce_kernel, (B, H), (part_o, part_lse, out, out.stride(0), out.stride(1)), dict(
+                NUM_HEADS=H, HEAD_DIM=D, D_PAD=D_PAD, NUM_SPLITS=S, S_PAD=triton.next_power_of_2(S), num_warps=4,
+            ), q.device, use_pdl)
         return out
     B = meta.seq_lens.shape[0]
     block_m = PREFILL_BLOCK_M

@@ -59,12 +59,17 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
     (``i`` itself when not ``ORDERED``) x one split of its context. ``KV_FP8``: the cache holds
     fp8, cast to the query dtype in registers; ``k_scale`` joins ``qk_scale`` and ``v_scale``
-    multiplies the output (both exact: dequantization is ``fp8 * scale``, linear in the dots)."""
+    multiplies the output (both exact: dequantization is ``fp8 * scale``, linear in the dots).
+    ``PDL``: launched with programmatic dependent launch (:mod:`rlserve.layers.pdl`): wait for the
+    kernel before, then let the next one launch; nothing is read before the wait."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     if ORDERED:
@@ -132,10 +137,14 @@ def _decode_reduce_kernel(
     PART_O, PART_LSE, OUT,
     stride_ot, stride_oh,
     NUM_HEADS, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS, S_PAD: tl.constexpr,
+    NUM_SPLITS, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(b, head)``: merge the splits, ``o = sum_s 2^(lse_s - M) o_s / sum_s
-    2^(lse_s - M)``; a row whose splits are all empty (context 0, graph padding) gets 0."""
+    2^(lse_s - M)``; a row whose splits are all empty (context 0, graph padding) gets 0.
+    ``PDL``: as ``_decode_kernel``'s."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)

@@ -8,8 +8,9 @@
   program's chunks: K <= 12,288 terms, 1e-5 of the absolute sum is ~100x what float32 reordering
   gives at these sizes), and the folded norm may move one input element by one unit, which the
   absolute-sum term covers.
-- programmatic dependent launch (``gemv.set_pdl``): a chain of GEMVs in a CUDA graph equals plain
-  launches bitwise.
+- programmatic dependent launch (``gemv.set_pdl``, :mod:`rlserve.layers.pdl`): a chain of GEMVs in a
+  CUDA graph equals plain launches bitwise; so does a tiny Qwen3 engine at batch 1 (the GEMVs and the
+  attention / q-k-norm-rope kernels between them with PDL).
 - the engine at batch 1 (one prompt) in float32: greedy tokens with the GEMV equal those without
   it and logprobs within 1e-3 nats (float32 sums in another order, over 24 steps); with the GEMV,
   CUDA graphs equal eager (tokens, logprobs within 1e-4: the same kernels, the attention's split
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from rlserve.layers import fused_ops, gemv  # noqa: E402
+from rlserve.layers import fused_ops, gemv, pdl  # noqa: E402
 from rlserve.layers.activation import SiluAndMul  # noqa: E402
 from rlserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear  # noqa: E402
 from rlserve.layers.norm import RMSNorm  # noqa: E402
@@ -116,6 +117,47 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(gemv_switch):
         ref = _chain(x_in, r_in, layers)  # plain launches (PDL off)
         torch.cuda.synchronize()
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), f"replay {i}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and pdl.unavailable(DEV) is not None,
+                    reason="programmatic dependent launch unavailable here (rlserve.layers.pdl)")
+def test_engine_batch_one_pdl_equals_plain_launches_bitwise(tiny_model, gemv_switch):
+    """A tiny Qwen3 in bf16 at batch 1, CUDA graphs, the GEMVs on: with programmatic dependent
+    launch (the GEMVs, the q/k-norm + rotary + KV-write kernel, decode attention and its split
+    reduce) the greedy tokens and logprobs equal those of plain launches bitwise (PDL changes when
+    a kernel starts, never what it computes: a kernel reading before the one before it finished
+    would differ); every one of those kernels was launched with PDL."""
+    from rlserve import LLM, SamplingParams
+
+    from tests.gpu.test_gpu_engine import KW, PROMPTS
+
+    path = tiny_model("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32, logprobs=3)
+    used = set()
+    launch = pdl.launch
+
+    def spy(kernel, grid, args, meta, device, use):
+        if use:
+            used.add(getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?"))
+        return launch(kernel, grid, args, meta, device, use)
+
+    pdl.launch = spy
+    prev = pdl.set_requested(True)
+    try:
+        runs = {}
+        for on in (False, True):
+            pdl.set_requested(on)
+            llm = LLM(path, dtype="bfloat16", **KW)
+            assert llm.engine.executor.runner.cuda_graphs is not None
+            runs[on] = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+            del llm
+            torch.cuda.empty_cache()
+    finally:
+        pdl.launch = launch
+        pdl.set_requested(prev)
+    assert {"_gemv_kernel", "_decode_kernel"} <= used and any(n.startswith("_qkv_norm_rope_write") for n in used), used
+    assert runs[True].token_ids == runs[False].token_ids
+    assert runs[True].logprobs == runs[False].logprobs
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
