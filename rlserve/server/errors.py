@@ -49,6 +49,7 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
+    507: "insufficient_storage_error",
 }
 
 #: the ``code`` of an error whose raiser gave none (by HTTP status)

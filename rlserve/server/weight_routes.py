@@ -52,7 +52,7 @@ from rlserve.errors import (
 )
 from rlserve.engine.front.weight_state import WeightVersionInUseError
 from rlserve.server.errors import error_body
-from rlserve.transfer.errors import TransferTimeoutError, WeightTransferFailedError
+from rlserve.transfer.errors import DeviceOutOfMemoryError, TransferTimeoutError, WeightTransferFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 503, "wake_up_out_of_memory"
     if isinstance(exc, WeightVersionInUseError):
         return 409, exc.code
+    if isinstance(exc, DeviceOutOfMemoryError):  # before the coded 400s: an OOM is not the caller's input
+        return 507, exc.code
     if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):
         return 400, exc.code  # e.g. UnsafePickleError: "unsafe_pickle"
     if isinstance(exc, NoTransferEngineError):

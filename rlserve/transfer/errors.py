@@ -14,6 +14,8 @@ class                           HTTP   meaning
                                        timeout
 ``NonFiniteWeightsError``       400    a synced tensor holds NaN / inf (code
                                        ``non_finite_weights``)
+``DeviceOutOfMemoryError``      507    the server's device had no room for the update
+                                       (code ``weight_update_out_of_memory``)
 ``ModelUnavailableError``       503    (rlserve.errors) generation refused after a
                                        failed in-place update
 ==============================  =====  ==========================================
@@ -53,3 +55,15 @@ class NonFiniteWeightsError(WeightTransferFailedError):
     complete good update lands)."""
 
     code = "non_finite_weights"
+
+
+class DeviceOutOfMemoryError(WeightTransferFailedError):
+    """The server's device had no room for a weight update (HTTP 507, code
+    ``weight_update_out_of_memory``): refused before a byte moved when the worker's room check
+    saw that the staging copy would not fit (``--weight-staging device``, adapter-only syncs:
+    :func:`rlserve.transfer.server.worker_load.check_staging_room`), else an allocation that
+    failed mid-update (``torch.OutOfMemoryError`` on a worker). Like every failed transfer the
+    group is torn down; staged, the served weights are unchanged; in place, once anything was
+    written, generation answers 503 until a complete update lands."""
+
+    code = "weight_update_out_of_memory"

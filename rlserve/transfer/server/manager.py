@@ -87,6 +87,8 @@ _ERRORS = {
     "TransferTimeoutError": terr.TransferTimeoutError,
     "TransferAbortedError": terr.TransferAbortedError,
     "WeightTransferFailedError": terr.WeightTransferFailedError,
+    "DeviceOutOfMemoryError": terr.DeviceOutOfMemoryError,  # 507: the worker's room check refused it
+    "OutOfMemoryError": terr.DeviceOutOfMemoryError,  # 507: torch.OutOfMemoryError (an allocation mid-update)
 }
 
 

@@ -56,6 +56,7 @@ from rlserve.transfer.server.worker_load import (
     _receive_direct,
     _stage,
     _stage_dtype,
+    check_staging_room,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
             dtype = _stage_dtype(worker) if staging != "lora" else None
             pin = staging == "host" and torch.cuda.is_available()
             dev = worker.device if staging in ("device", "lora") else torch.device("cpu")
+            check_staging_room(st, info, dtype, dev)  # 507 before a byte moves when the copy cannot fit
 
             def sink(pairs):
                 sums = _stage(st, pairs, dtype, dev, pin, want_sums, check_finite)

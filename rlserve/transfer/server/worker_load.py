@@ -12,7 +12,7 @@ import torch
 from rlserve.transfer.server.bucket_plan import BucketPairs, BucketPlan
 from rlserve.transfer.server.copy_plan import CopyPlan, plan_key, record_load, source_tensors
 from rlserve.transfer.server.direct import DirectLayout, build_direct_layout, update_key
-from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError
+from rlserve.transfer.errors import ChecksumMismatchError, DeviceOutOfMemoryError, NonFiniteWeightsError
 from rlserve.transfer.finite import Scan
 from rlserve.transfer.host_ops import host_copy_many, host_copy_scan, host_copyable
 from rlserve.transfer.wire.protocol import UpdateInfo
@@ -183,6 +183,50 @@ def _receive_direct(worker, st: WorkerTransferState, receiver: WeightReceiver, i
     except BaseException:
         _abandon_direct(worker, st, layout)
         raise
+
+
+def device_room_bytes(dev: torch.device) -> int | None:
+    """Bytes a new allocation on ``dev`` can take: the driver's free memory plus what torch's caching
+    allocator holds unallocated there, less the engine's activation headroom
+    (``rlserve.engine.worker.worker._GPU_HEADROOM_BYTES``: generation goes on beside a staged
+    receive). ``None`` off CUDA (no check)."""
+    if dev.type != "cuda":
+        return None
+    from rlserve.engine.worker.worker import _GPU_HEADROOM_BYTES
+
+    free, _total = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev) - _GPU_HEADROOM_BYTES
+
+
+def check_staging_room(st: WorkerTransferState, info: UpdateInfo, dtype: torch.dtype | None,
+                       dev: torch.device) -> None:
+    """Refuse an update call whose staging tensors would not fit on ``dev``, before a byte moves.
+
+    Needed: ``numel x itemsize`` (in :func:`_stage`'s dtype: ``dtype`` for float tensors when given,
+    else the wire's) of each tensor of ``info`` that holds no staging buffer of that shape, dtype
+    and device yet (buffers are reused across syncs); room: :func:`device_room_bytes`.
+
+    Raises:
+        DeviceOutOfMemoryError: needed > room (HTTP 507 ``weight_update_out_of_memory``; nothing
+            was staged, the served weights are unchanged).
+    """
+    room = device_room_bytes(dev)
+    if room is None or not info.names:
+        return
+    need = 0
+    for name, wire, shape in zip(info.names, info.dtypes(), info.shapes):
+        dt = dtype if (dtype is not None and wire.is_floating_point) else wire
+        buf = st.staging_bufs.get(name)
+        if buf is None or list(buf.shape) != list(shape) or buf.dtype != dt or buf.device != dev:
+            n = 1
+            for x in shape:
+                n *= int(x)
+            need += n * dt.itemsize
+    if need > room:
+        raise DeviceOutOfMemoryError(
+            f"staging this update on {dev} needs {need / 2**30:.2f} GiB, {max(room, 0) / 2**30:.2f} GiB is free "
+            "beside the served weights, the KV cache and the activation headroom; nothing was received and the "
+            "served weights are unchanged (use --weight-staging host or none, or a lower --gpu-memory-utilization)")
 
 
 def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch.device, pin: bool,
