@@ -22,7 +22,9 @@ and ``--enable-lora``, a trainer process holding the HF model and PEFT adapters 
 bytes of ``engine.send_weights()`` (one ``/sync_weights`` call per version) for the full model
 (``ModuleSource``, bfloat16) and for PEFT adapters of each rank (``LoRASource``, float32 factors, as PEFT
 keeps them), ``--reps + 1`` syncs each (the first of each kind also exports handles; the median of the
-rest is reported).
+rest is reported). On a GPU run it in a process of its own, on an empty card (``benchmarks/device/s15_lora.sh``):
+after ``--parts decode`` in the same process, s14's window found ~46 GiB still held there and the server's
+full sync ran out of memory.
 
 Usage (GPU; ``benchmarks/device/s13_lora.sh`` runs the steps):
     python benchmarks/lora_gpu.py --shape qwen3-8b --ranks 16 64 --out lora-rlserve.json
@@ -240,8 +242,19 @@ def decode(engine: str, path: str, rank: int, adapters: list[str], args, deadlin
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+        # whether the deleted engine gave its share of the card back (s14's sync step, run in the
+        # decode's process, ran out of memory beside ~46 GiB this process still held)
+        out["cuda_after_delete_gib"] = _cuda_memory()
     print(json.dumps(out), flush=True)
     return out
+
+def _cuda_memory() -> dict:
+    """GiB: this process's allocated / reserved CUDA memory (torch's caching allocator) and the card's
+    used memory (every process, ``torch.cuda.mem_get_info``)."""
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated": round(torch.cuda.memory_allocated() / 2**30, 2),
+            "reserved": round(torch.cuda.memory_reserved() / 2**30, 2), "card_used": round((total - free) / 2**30, 2)}
+
 
 def sync(path: str, args, deadline: float, out: dict | None = None, save=lambda: None) -> dict:
     """Full vs adapter-only IPC (gloo on a CPU) syncs (module docstring) into ``out`` (returned),
@@ -266,6 +279,8 @@ def sync(path: str, args, deadline: float, out: dict | None = None, save=lambda:
                         "--weight-transfer-config", json.dumps({"backend": backend}), *extra, startup_timeout_s=400)
     out = {} if out is None else out
     out["backend"] = backend
+    if backend == "ipc":  # the card should be empty here: the server and the trainer need ~2 x the weights
+        out["cuda_before_gib"] = _cuda_memory()
 
     def build_hf():
         with torch.device(args.device):
