@@ -41,6 +41,17 @@ def _greedy(url) -> list:
     return r.json()["completion_ids"]
 
 
+def _synced(srv, hf) -> tuple[dict, list]:
+    """One full sync of ``hf`` into ``srv`` (trainer shut down after): the served checksums and the
+    greedy tokens it must serve (``hf``'s)."""
+    good = trainer(srv.url, hf)
+    good.send_weights()
+    good.shutdown()
+    want = [hf_greedy(hf, p) for p in PROMPT_IDS]
+    assert _greedy(srv.url) == want
+    return checksums(srv.url), want
+
+
 def _assert_507(ei, *words):
     e = ei.value
     assert e.status_code == 507 and e.code == "weight_update_out_of_memory", (e.status_code, e.code, str(e))
@@ -67,11 +78,7 @@ def test_staged_sync_out_of_memory_mid_update_keeps_the_served_model(llama, serv
     serve its greedy tokens; the next sync lands."""
     path, hf = llama
     srv = server("device")
-    good = trainer(srv.url, hf)
-    good.send_weights()
-    good.shutdown()
-    before, want = checksums(srv.url), [hf_greedy(hf, p) for p in PROMPT_IDS]
-    assert _greedy(srv.url) == want
+    before, want = _synced(srv, hf)
     failures0 = httpx.get(srv.url + "/weight_info").json()["num_failures"]
     other = load_hf(path, scale=0.5, seed=7)
     calls = _fail_on_call(monkeypatch, worker_ext, "_stage", 2)
@@ -114,10 +121,7 @@ def test_a_staging_copy_that_cannot_fit_is_refused_before_a_byte_moves(llama, se
     unchanged and serving; with room the same trainer syncs."""
     path, hf = llama
     srv = server("device")
-    good = trainer(srv.url, hf)
-    good.send_weights()
-    good.shutdown()
-    before, want = checksums(srv.url), [hf_greedy(hf, p) for p in PROMPT_IDS]
+    before, want = _synced(srv, hf)
     monkeypatch.setattr(worker_load, "device_room_bytes", lambda dev: 1000)
     staged = _fail_on_call(monkeypatch, worker_ext, "_stage", 10**9)  # counts only
     other = load_hf(path, scale=0.5, seed=7)

@@ -17,29 +17,9 @@
 NAME=s14_lora BUDGET=${BUDGET:-150}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
 WORK=$(mktemp -d /tmp/s14lora.XXXXXX)
-if [ "$DRY_RUN" = 1 ]; then
-  PY=/work/venv/bin/python; export PYTHONPATH=$PWD
-  VLLM_ENV=(env VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH="$PWD" /work/vvenv/bin/python)
-  COMMON=(--shape smollm2-135m --device cpu --dtype float32 --batch 4 --prompt-len 8 --max-tokens 8)
-  UTIL=0.3; SCALE=10  # the 2-core CPU machine runs every step slower
-else
-  export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}
-  VLLM_ENV=(bash -c 'source /tmp/vsite/env.sh && exec env PYTHONPATH=/tmp/vsite VLLM_WORKER_MULTIPROC_METHOD=spawn python3 "$@"' vllm)
-  COMMON=(--shape qwen3-8b --device cuda --dtype bfloat16 --batch 32 --prompt-len 128 --max-tokens 64)
-  UTIL=0.6; SCALE=1  # both engines (as s13)
-fi
-COMMON+=(--model-dir "$WORK/model" --adapter-root "$WORK/adapters" --gpu-memory-utilization $UTIL)
-summary() {  # summary JSON: one line of what came back
-  $PY - "$1" <<'PYEOF' 2>&1 | tail -1
-import json, sys
-r = json.load(open(sys.argv[1]))
-out = [f"{d['engine']} r{d['rank']} tok/s {d['decode_tok_s']} merged {d.get('one_merged_tok_s')} on by default "
-       f"{d.get('merge_on_by_default')} big-adapter lp change {d.get('big_adapter_logprob_change')}" for d in r.get("decode", [])]
-out += [f"{k} median {v['median_s']} s first {v['first_s']} s {v['bytes']} B" for k, v in (r.get("sync") or {}).items()
-        if isinstance(v, dict)]
-print(" | ".join(out))
-PYEOF
-}
+source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON (lib.sh cd-ed to the repository root)
+if [ "$DRY_RUN" = 1 ]; then SCALE=10; else SCALE=1; fi  # the 2-core CPU runs every step slower
+summary() { $PY benchmarks/device/lora_summary.py "$1" 2>&1 | tail -1; }  # one line of a result JSON
 
 bounded $(( 36 * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --sync-ranks 64 16 \
   --parts decode sync --reps 2 --out "$OUT_DIR/lora-rlserve.json" > "$OUT_DIR/rlserve.log" 2>&1
