@@ -3,14 +3,14 @@
 # from configurations checked bit for bit against the reference (rlserve/batch_invariant/gemm_table.py; window 1
 # of this session: Qwen3-8B +29.0% with the tile by M, its GEMMs +25.7% at M = 1 .. +75.4% at M = 2048).
 #   0. compile every candidate tile in 12 processes side by side (Triton's disk cache; the steps below reuse it)
-#   1. tests/gpu/test_batch_invariant_gpu.py -k "candidate or rows": every candidate's bits = the reference's on 8
-#      shapes; rows at M = 1 = at M = 2..2048 (the default launch: this card's table if committed, else the tile by M)
-#      -> pytest.log, reports/
-#   2. sweep Qwen3-8B: per layer and M (64, 8192, 32, 1, 2048, 256, 128: the cost run's first) every candidate
+#   1. sweep Qwen3-8B: per layer and M (64, 8192, 32, 1, 2048, 256, 128: the cost run's first) every candidate
 #      timed and its bits compared with the reference's; the fastest equal one per (layer, M) -> sweep-8b.*,
 #      tuned-8b.json (the table, rewritten after each row: a cut sweep leaves the rows it did)
-#   3. cost Qwen3-8B, 64 x 256 / 128: mode off vs on with tuned-8b.json (same run; + first prompt alone = in
+#   2. cost Qwen3-8B, 64 x 256 / 128: mode off vs on with tuned-8b.json (same run; + first prompt alone = in
 #      batch) -> cost-8b.*
+#   3. with the time left: tests/gpu/test_batch_invariant_gpu.py -k "candidate or rows": every candidate's bits =
+#      the reference's on 8 shapes (the sweep checked each one it timed on the 8B shapes already); rows at M = 1 =
+#      at M = 2..2048 (the default launch) -> pytest.log, reports/
 #   4. with the time left: the same sweep for Qwen3-0.6B -> sweep-0.6b.*, tuned-0.6b.json
 #   OUT_DIR=/tmp/x bash benchmarks/device/s15_bi.sh ;  DRY_RUN=1 ... (CPU: tiny shapes, the interpreter)
 NAME=s15_bi BUDGET=${BUDGET:-100}
@@ -38,18 +38,8 @@ sweep() {  # sweep LABEL SHAPE SECONDS
   grep -h '"differ": \[\[' "$OUT_DIR/sweep-$1.log" | head -3 | cut -c1-300 | sed 's/^/    DIFFER /'
   gpu_cleanup
 }
-if [ "$DEV" = cuda ]; then
-  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 20 $PY -m pytest -q -p no:cacheprovider -rA -k "candidate or rows" \
-      tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
-else
-  bounded 600 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py -k candidate \
-      tests/test_batch_invariant_gemm_table.py > "$OUT_DIR/pytest.log" 2>&1
-fi
-say "tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest.log")"
-grep -E "^(FAILED|ERROR)|^E  .*Error|GEMM .* candidates" "$OUT_DIR/pytest.log" | sed 's/^/    /' | head -12
-gpu_cleanup
 
-sweep 8b $S8 30
+sweep 8b $S8 28
 
 MODES=off,on
 [ -s "$OUT_DIR/tuned-8b.json" ] && MODES="off,on:table=$OUT_DIR/tuned-8b.json"
@@ -57,6 +47,17 @@ bounded "$(( 44 * X ))" $PY benchmarks/batch_invariant.py cost --shape $S8 --dev
     --reps 1 --modes "$MODES" --engine-kw "$KW8" --run-timeout $(( 30 * X )) --json "$OUT_DIR/cost-8b.jsonl" \
     > "$OUT_DIR/cost-8b.log" 2>&1
 say "cost $S8 ($MODES) rc=$?"; grep -h '^COST' "$OUT_DIR/cost-8b.log" | sed 's/^/    /'; grep -h '^run ' "$OUT_DIR/cost-8b.log" | head -2
+gpu_cleanup
+
+if [ "$DEV" = cuda ]; then
+  RLSERVE_GPU_REPORT="$OUT_DIR/reports" bounded 25 $PY -m pytest -q -p no:cacheprovider -rA -k "candidate or rows" \
+      tests/gpu/test_batch_invariant_gpu.py > "$OUT_DIR/pytest.log" 2>&1
+else
+  bounded 600 $PY -m pytest -q -p no:cacheprovider tests/test_batch_invariant_triton.py -k candidate \
+      tests/test_batch_invariant_gemm_table.py > "$OUT_DIR/pytest.log" 2>&1
+fi
+say "tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest.log")"
+grep -E "^(FAILED|ERROR)|^E  .*Error|GEMM .* candidates" "$OUT_DIR/pytest.log" | sed 's/^/    /' | head -12
 gpu_cleanup
 
 
