@@ -56,7 +56,9 @@ def simulate(args, budget: str, concurrency: int) -> dict:
         nonlocal sent
         rid = f"r{sent}"
         ids = [(sent * 7919 + j) % 50000 + 1 for j in range(args.prompt_len)]  # distinct: no prefix hits
-        sch.add(Sequence(rid, 0, ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True), 16))
+        seq = Sequence(rid, 0, ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True), 16)
+        seq.streamed = True  # vllm bench serve streams (EngineCore.add marks these)
+        sch.add(seq)
         arrive[rid] = at
         sent += 1
 

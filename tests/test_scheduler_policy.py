@@ -125,6 +125,12 @@ def test_engine_default_is_no_bound_on_cpu(tiny_model):
 
 # --- the prefill budget while sequences decode (issue 37, session 15) ---
 
+def _streamed(seqs):
+    for s in seqs:
+        s.streamed = True  # as EngineCore.add marks a streamed request's sequences
+    return seqs
+
+
 def _budget_scheduler(**kw) -> Scheduler:
     """16 tokens a step (four 4-token prompts) with nothing running, 8 sequences at most."""
     return Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=16,
@@ -137,12 +143,16 @@ def test_default_prefill_budget_while_decoding_is_2048_at_most_max_num_batched_t
     assert DECODING_PREFILL_TOKENS == 2048
     sch = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=8192)
     assert sch.prefill_budget() == 8192  # nothing running
-    sch.running = _seqs(1)
+    sch.running = _streamed(_seqs(1))
     assert sch.prefill_budget() == 2048
-    sch.running = _seqs(240)
+    sch.running = _streamed(_seqs(240))
+    assert sch.prefill_budget() == 2048
+    sch.running = _seqs(240)  # none streamed (the offline LLM, plain completions): no stall to bound
+    assert sch.prefill_budget() == 8192
+    sch.running = _seqs(239) + _streamed(_seqs(1))
     assert sch.prefill_budget() == 2048
     small = Scheduler(BlockManager(64, 4), max_num_seqs=256, max_num_batched_tokens=1024)  # the CPU default
-    small.running = _seqs(240)
+    small.running = _streamed(_seqs(240))
     assert small.prefill_budget() == 1024
 
 
@@ -153,7 +163,7 @@ def test_default_burst_of_512_token_prompts_while_one_decodes():
 
     sch = Scheduler(BlockManager(4096, 16, enable_prefix_caching=False), max_num_seqs=256,
                     max_num_batched_tokens=8192)
-    seqs = [Sequence(f"r{i}", 0, [1 + i] * 512, SamplingParams(max_tokens=100), 16) for i in range(17)]
+    seqs = _streamed([Sequence(f"r{i}", 0, [1 + i] * 512, SamplingParams(max_tokens=100), 16) for i in range(17)])
     sch.add(seqs[0])
     _run(sch, 1)
     for s in seqs[1:]:
@@ -164,14 +174,14 @@ def test_default_burst_of_512_token_prompts_while_one_decodes():
 
 def test_fixed_prefill_budget_while_decoding():
     sch = _budget_scheduler(max_prefill_tokens_while_decoding=4)
-    for s in _seqs(6):
+    for s in _streamed(_seqs(6)):
         sch.add(s)
     assert [ids for _, ids in _run(sch, 6)] == [["r0", "r1", "r2", "r3"], ["r0", "r1", "r2", "r3"],
                                               ["r4"], ["r0", "r1", "r2", "r3", "r4"], ["r5"],
                                               ["r0", "r1", "r2", "r3", "r4", "r5"]]
     # = max_num_batched_tokens: the policy before session 15 (four prompts a step while others decode)
     old = _budget_scheduler(max_prefill_tokens_while_decoding=16)
-    for s in _seqs(8):
+    for s in _streamed(_seqs(8)):
         old.add(s)
     assert [ids for _, ids in _run(old, 3)][2] == ["r4", "r5", "r6", "r7"]
 
@@ -180,10 +190,9 @@ def test_a_prompt_longer_than_the_budget_runs_alone():
     from rlserve.engine.core.sequence import Sequence
 
     sch = _budget_scheduler(max_prefill_tokens_while_decoding=4)
-    sch.add(_seqs(1)[0])
+    sch.add(_streamed(_seqs(1))[0])
     _run(sch, 2)
-    long_seq = Sequence("long", 0, list(range(100, 112)), SamplingParams(max_tokens=100), 4)
-    sch.add(long_seq)
+    sch.add(Sequence("long", 0, list(range(100, 112)), SamplingParams(max_tokens=100), 4))
     sch.add(Sequence("short", 0, [7, 8], SamplingParams(max_tokens=100), 4))
     assert _run(sch, 3) == [("P", ["long"]), ("D", ["r0", "long"]), ("P", ["short"])]
 
@@ -207,3 +216,14 @@ def test_engine_and_cli_pass_the_budget(tiny_model):
     assert engine_config_from_args(args, "m").max_prefill_tokens_while_decoding == 512
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--max-prefill-tokens-while-decoding", "0"])
+
+
+def test_engine_core_marks_a_streamed_requests_sequences(tiny_model):
+    from rlserve.engine.core.engine_core import EngineCore
+    from rlserve.engine.core.llm_engine import LLMEngine
+
+    core = EngineCore(LLMEngine(EngineConfig(tiny_model("llama"), dtype="float32", device="cpu")), 0, 0)
+    core.add("s", [3, 4, 5], SamplingParams(max_tokens=2, n=2), stream=True)
+    core.add("p", [3, 4, 5], SamplingParams(max_tokens=2), stream=False)
+    assert [q.streamed for q in core.engine.requests["s"].seqs] == [True, True]
+    assert [q.streamed for q in core.engine.requests["p"].seqs] == [False]

