@@ -81,9 +81,9 @@ class EngineConfig:
             steps, so alternating staggers little; not measured as a default there). rlserve's
             own knob: vLLM mixes every running request's decode token into its prefill steps
             instead (:mod:`rlserve.engine.core.scheduler` says why the bound exists).
-        max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
-            running (``--max-prefill-tokens-while-decoding``; capped at ``max_num_batched_tokens``;
-            a longer prompt still runs alone). None (default): 2048
+        max_prefill_tokens_while_decoding: tokens of a prefill step at most while a streamed
+            request decodes (``--max-prefill-tokens-while-decoding``; capped at
+            ``max_num_batched_tokens``; a longer prompt still runs alone). None (default): 2048
             (:data:`rlserve.engine.core.scheduler.DECODING_PREFILL_TOKENS`); set it to
             ``max_num_batched_tokens`` for the policy before session 15.
         block_size: tokens per KV-cache block.

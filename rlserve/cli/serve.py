@@ -118,8 +118,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bound: new requests always first; default: 1 on CUDA, 0 on CPU). rlserve's own flag: "
                         "vLLM mixes decodes into its prefill steps instead")
     g.add_argument("--max-prefill-tokens-while-decoding", type=_positive_int, default=None, metavar="N",
-                   help="tokens of a prefill step at most while requests are decoding (a prefill step stalls "
-                        "every running stream; a longer prompt runs alone; at most --max-num-batched-tokens). Default: "
+                   help="tokens of a prefill step at most while streamed requests are decoding (a prefill step "
+                        "stalls every running stream; a longer prompt runs alone; at most --max-num-batched-tokens). Default: "
                         "2048. rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "

@@ -35,7 +35,9 @@ latency 45.6 ms against median 12.0 ms (H100, Qwen3-0.6B shape; BENCHMARKS.md). 
 shrinks only as the running sequences approach ``max_num_seqs`` (commit 400a92e) was worse at
 concurrency 64 in ``benchmarks/stream_schedule_sim.py`` (p99 gap 16.1 ms against 7.8 with 2048:
 a p99 sits among the stalled gaps as soon as more than 1% of the gaps are stalled, so the stall's
-length decides it, not how many streams it hits).
+length decides it, not how many streams it hits). Non-streamed requests (the offline ``LLM``, plain
+completions: the rollout case) see no gaps, only the total time, so while only they run prefill steps
+take up to ``max_num_batched_tokens`` (2048 cost an offline-like burst 1.3% in the same model).
 """
 
 from __future__ import annotations
