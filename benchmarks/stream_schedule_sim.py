@@ -20,12 +20,15 @@ Step-time model (ms; defaults for the Qwen3-0.6B shape on one H100, bf16):
   (``benchmarks/step_trace.py`` measures it on the device).
 
     python benchmarks/stream_schedule_sim.py --budgets old default 4096 1024 --concurrency 256 64
+    python benchmarks/stream_schedule_sim.py --budgets old default --concurrency 256 --num-prompts 256 \
+        --random-lens 100 1024   # the offline workload, had its sequences streamed
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 
 from rlserve.engine.core.block_manager import BlockManager
@@ -51,12 +54,17 @@ def simulate(args, budget: str, concurrency: int) -> dict:
     gaps: list[float] = []
     ttft: list[float] = []
     pending: list[float] = [0.0] * concurrency  # times at which a client sends its next prompt
+    rng = random.Random(0)
+    total_out = 0
 
     def submit(at: float) -> None:
-        nonlocal sent
+        nonlocal sent, total_out
         rid = f"r{sent}"
-        ids = [(sent * 7919 + j) % 50000 + 1 for j in range(args.prompt_len)]  # distinct: no prefix hits
-        seq = Sequence(rid, 0, ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True), 16)
+        plen, olen = ((rng.randint(*args.random_lens), rng.randint(*args.random_lens)) if args.random_lens
+                      else (args.prompt_len, args.output_len))
+        total_out += olen
+        ids = [(sent * 7919 + j) % 50000 + 1 for j in range(plen)]  # distinct: no prefix hits
+        seq = Sequence(rid, 0, ids, SamplingParams(max_tokens=olen, ignore_eos=True), 16)
         seq.streamed = True  # vllm bench serve streams (EngineCore.add marks these)
         sch.add(seq)
         arrive[rid] = at
@@ -82,14 +90,14 @@ def simulate(args, budget: str, concurrency: int) -> dict:
             rid = s.request_id
             (gaps.append(now - last[rid]) if rid in last else ttft.append(now - arrive[rid]))
             last[rid] = now
-            if s.num_output_tokens >= args.output_len:
+            if s.num_output_tokens >= s.params.max_tokens:
                 finished.append(s)
         for s in finished:
             sch.finish(s)
             done += 1
             pending.append(now + args.turnaround_ms)
     return {"budget": budget, "concurrency": concurrency,
-            "output_tok_s": round(args.num_prompts * args.output_len / now * 1e3), "wall_s": round(now / 1e3, 3),
+            "output_tok_s": round(total_out / now * 1e3), "wall_s": round(now / 1e3, 3),
             "gap_p50_ms": round(_pct(gaps, 0.5), 1), "gap_p99_ms": round(_pct(gaps, 0.99), 1),
             "gap_max_ms": round(max(gaps), 1), "ttft_mean_ms": round(statistics.mean(ttft)),
             "ttft_p99_ms": round(_pct(ttft, 0.99))}
@@ -105,6 +113,10 @@ def main() -> None:
                           ("decode-fixed-ms", 1.4), ("hbm-gbps", 3000.0), ("kv-bytes-per-token", 114688),
                           ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1)):
         p.add_argument(f"--{flag}", type=type(default), default=default)
+    p.add_argument("--random-lens", nargs=2, type=int, default=None, metavar=("LO", "HI"),
+                   help="prompt and output lengths uniform in [LO, HI] (seeded) instead of --prompt-len / "
+                        "--output-len; the offline nano-vllm workload: --concurrency 256 --num-prompts 256 "
+                        "--random-lens 100 1024")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
     rows = [simulate(args, b, c) for c in args.concurrency for b in args.budgets]

@@ -8,7 +8,7 @@ from benchmarks.stream_schedule_sim import simulate
 
 def _args(**kw):
     base = dict(num_prompts=1, prompt_len=10, output_len=3, max_num_seqs=4, max_num_batched_tokens=64,
-                num_kv_blocks=16, turnaround_ms=1.0, decode_fixed_ms=1.0, hbm_gbps=1.0, kv_bytes_per_token=0,
+                num_kv_blocks=16, turnaround_ms=1.0, random_lens=None, decode_fixed_ms=1.0, hbm_gbps=1.0, kv_bytes_per_token=0,
                 prefill_fixed_ms=0.5, prefill_us_per_token=100.0)
     base.update(kw)
     return argparse.Namespace(**base)

@@ -37,7 +37,8 @@ concurrency 64 in ``benchmarks/stream_schedule_sim.py`` (p99 gap 16.1 ms against
 a p99 sits among the stalled gaps as soon as more than 1% of the gaps are stalled, so the stall's
 length decides it, not how many streams it hits). Non-streamed requests (the offline ``LLM``, plain
 completions: the rollout case) see no gaps, only the total time, so while only they run prefill steps
-take up to ``max_num_batched_tokens`` (2048 cost an offline-like burst 1.3% in the same model).
+take up to ``max_num_batched_tokens`` (2048 would cost the offline nano-vllm workload 1.3% of its
+output rate in the same model: ``stream_schedule_sim.py --random-lens 100 1024``).
 """
 
 from __future__ import annotations
