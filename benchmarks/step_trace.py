@@ -91,8 +91,9 @@ def summarize(rows: list[tuple[float, str, int, int, int]]) -> dict:
     Returns ``{"steps": {kind bucket: {n, p50, p90, max, tokens}}, "decode_gaps": {bucket: {n, p50,
     p90, p99, max, streams}}}``: ``steps`` by kind and the step's tokens (the interval to the next
     step); ``decode_gaps``: intervals between consecutive decode steps, by the prefill tokens scheduled
-    between them (``streams``: the decode sequences that waited out those gaps, summed: each is one
-    inter-token gap of a stream, before the API process adds its own delay).
+    between them (``streams``: the earlier decode step's sequences, summed: each is one inter-token
+    gap of a stream, before the API process adds its own delay; a gap across a wave whose sequences
+    all finished is counted too, though no stream waited it out).
     """
     steps: dict = {}
     gaps: dict = {}
