@@ -84,6 +84,12 @@ def test_nonfinite_sync_refused_naming_the_tensor(llama, shared, staging, packed
         # server worker: NonFiniteWeightsError: non-finite ...")
         assert info["last_update"]["error"].count("NonFiniteWeightsError") == 1, info["last_update"]
         assert "NonFiniteWeightsError" not in ei.value.message, ei.value.message  # the 400's code says it
+        # the trainer reads what the refusal did to the served model (a new user read "not committed" as
+        # "the old weights keep serving", which holds only for a staged update)
+        if staging == "none":
+            assert "503 model_unavailable until a full weight update lands" in ei.value.message, ei.value.message
+        else:
+            assert "the served weights are unchanged (staged update)" in ei.value.message, ei.value.message
         r = server_greedy(srv.url)
         if staging == "none":  # the buckets before TARGET's were loaded: never serve that mix
             assert r.status_code == 503 and repr(TARGET) in r.json()["error"]["message"], r.text

@@ -133,6 +133,13 @@ def check_transfer_config(transfer_config: dict | None, staging: str = "none", d
     return cfg
 
 
+def _amend(err: BaseException, note: str) -> None:
+    """Append ``note`` (what the failure did to the served model) to ``err``'s message, which the
+    caller re-raises to the trainer (HTTP error body); ``err`` unchanged if its first arg is not a string."""
+    if err.args and isinstance(err.args[0], str) and note not in err.args[0]:
+        err.args = (err.args[0] + note,) + err.args[1:]
+
+
 class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes):
     """The server's weight-sync control plane.
 
@@ -520,7 +527,12 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes)
             except Exception:  # noqa: BLE001
                 pass
         if session is not None:
-            if self._staging_of(session) == "none" and (session.applied or session.in_doubt):
+            if self._staging_of(session) != "none":
+                _amend(err, "; the served weights are unchanged (staged update)")
+            elif session.applied or session.in_doubt:
+                _amend(err, "; in place (--weight-staging none) parameters had already changed, so generation "
+                            "answers 503 model_unavailable until a full weight update lands (--weight-staging host "
+                            "or device keeps the old weights serving when an update is refused)")
                 await self._mark_unavailable(f"a weight update failed after it had changed some parameters ({msg}); "
                                              "generation resumes once a full weight update lands")
             await self._end_session(session)
