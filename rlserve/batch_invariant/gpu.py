@@ -197,8 +197,9 @@ if HAS_TRITON:
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-            offs_wn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+            # int64 row offsets: M x K, N x K and M x N may pass 2**31 (14,135 logits rows of a 151,936 vocabulary)
+            offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M).to(tl.int64)
+            offs_wn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N).to(tl.int64)
             offs_k = tl.arange(0, BLOCK_K)
             if SWAP_AB:
                 acc_t = _dot_k(w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk,  # [BLOCK_N, BLOCK_K]
@@ -213,7 +214,7 @@ if HAS_TRITON:
                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), EVEN_K, IEEE, BLOCK_K)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn,
                      acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 

@@ -98,6 +98,22 @@ def test_gemm_every_candidate_gives_the_reference_bits(K, N):
                 if (c[0], c[1], c[3], c[4]) in bi_gpu.TILES and c[2] == 64 and not c[6] and not c[7]]
 
 
+def test_gemm_output_beyond_int32_offsets():
+    """An output of more than 2**31 elements (14,200 logits rows of a 151,936 vocabulary, as
+    prompt_logprobs of a 14k-token prompt): its last rows are those of the same rows alone (the
+    store's row offset ``m x N`` in int64; in int32 it wrapped and wrote out of bounds). K = 64
+    keeps the inputs small; the output is 4.3 GB of bf16."""
+    M, K, N = 14200, 64, 151936
+    assert M * N > 2 ** 31
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = bi_gpu.linear(x, w)
+    tail = bi_gpu.linear(x[-3:].clone(), w)
+    assert torch.equal(out[-3:].view(torch.int16), tail.view(torch.int16))
+    del out
+
+
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_gemm_rows_do_not_depend_on_m(K, N):
     """The mode's GEMM (the tile by M): a row's bits at M = 1 equal those at M = 2 .. 2048 (decode
