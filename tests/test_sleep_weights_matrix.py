@@ -132,10 +132,12 @@ class Rig:
         self.base: Ref = self.ckpt  # what the server serves when awake and valid
 
     def trainer(self, source):
+        # timeout_s T: gloo's 30 s send timeout failed a good sync's bucket 9/12 on a machine at
+        # load 30 (session 14); no cell waits on it (deaths: the liveness watch; bad sums: at once)
         return WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=T,
                                           packed_buffer_size_bytes=BUCKET),
-            client=HTTPWeightSyncClient(self.url, timeout_s=60), source=source)
+            client=HTTPWeightSyncClient(self.url, timeout_s=2 * T), source=source)
 
     def sync(self, ref: Ref, partial: bool = False, asleep2: bool = False) -> str:
         """A full sync of ``ref`` (or, ``partial``, of its layer-0 parameters). Records what the
@@ -167,7 +169,7 @@ class Rig:
         finally:
             monkeypatch.undo()
             eng.shutdown()
-        wait_given_up(self.url, 30)
+        wait_given_up(self.url, T)
 
     def killed_sync(self) -> None:
         """A trainer process of other weights SIGKILLed after its first bucket, before the second."""
@@ -175,7 +177,7 @@ class Rig:
         # harness under load; the death is noticed by the server's liveness watch, not a timeout)
         spawn_killed_trainer(self.url, free_port(), 30.0, "sdk", "between_buckets", self.meta, seed=3,
                              bucket_bytes=BUCKET)
-        wait_given_up(self.url, 30)
+        wait_given_up(self.url, T)
 
     def served(self) -> str:
         """``"503 <code>"``, or ``"200 <version>"`` after checking that the server serves exactly
