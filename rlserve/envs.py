@@ -109,6 +109,10 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
                              "default of --log-level of an engine-core process started by hand (python -m "
                              "rlserve.engine.core.core_proc); the server passes its own --log-level to the cores it starts"),
+    "RLSERVE_TEMPLATE_WORKERS_AT_START": Var("bool", True, _flag,
+                                             "'0': the chat-template / constraint workers start at their first use, "
+                                             "not with the server (the test suite's servers: most render no "
+                                             "template; ~4 s of CPU per server start)"),
     "RLSERVE_ENGINE_CORE_INIT": Var("str | None", None, _str,
                                     "'module:function' an engine-core process calls before it builds its "
                                     "engine (test hooks: fault injection, fakes)"),

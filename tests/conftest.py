@@ -1,7 +1,15 @@
 """Shared fixtures: tiny random-init checkpoints, built once per test session; the weight-sync
 tests' shared in-process servers."""
 
+import os
+
 import pytest
+
+# the suite's ~100 servers start their chat-template / constraint workers at first use, not at
+# start (~4 s of CPU per server start: two workers importing torch + xgrammar); the tests of the
+# start-up warm-up ask for it (InProcessServer(warm_templates=True)). Inherited by `rlserve serve`
+# subprocesses; a run may set it to 1.
+os.environ.setdefault("RLSERVE_TEMPLATE_WORKERS_AT_START", "0")
 
 from tests.tiny_models import make_tiny_model
 

@@ -17,8 +17,8 @@ def test_fuzz_slice_no_5xx_no_engine_death(tiny_model, tmp_path):
     model = tiny_model("llama")
     quick_bombs = [c for c in bombs(model) if "'x' * 10**9" in repr(c[3]) or "c99999" in repr(c[3])][:3]
     cases = typed(model)[::50] + surrogates(model)[::2] + trl(model)[::2] + quick_bombs[:2]
-    with InProcessServer(model, transfer_config={"backend": "gloo"}) as srv:
-        srv.wait_templates_warm()  # the constrained cases' workers: a start on a busy machine is no hang
+    # the constrained cases' workers warm before the pass (their start on a busy machine is no hang)
+    with InProcessServer(model, transfer_config={"backend": "gloo"}, warm_templates=True) as srv:
         r = issue33_pass(srv, model, cases, {}, timeout=60, log_prefix=str(tmp_path / "server"), baseline_s=0,
                          max_restarts=0, server_pid=os.getpid())
     assert r["sent"] == len(cases), r

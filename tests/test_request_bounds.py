@@ -27,7 +27,7 @@ MEMORY_BOMB = "{{ 'x' * 10**9 }}"  # 1 GB in one C call
 
 @pytest.fixture(scope="module")
 def srv(tiny_model):
-    with InProcessServer(tiny_model("llama")) as s:
+    with InProcessServer(tiny_model("llama"), warm_templates=True) as s:  # as rlserve serve starts them
         yield s
 
 

@@ -92,8 +92,8 @@ def test_literal_copy_equals_installed_vllm(vllm):
 
 @pytest.fixture(scope="module")
 def srv(tiny_model):
-    with InProcessServer(tiny_model("llama")) as s:
-        s.wait_templates_warm()  # the constrained requests' workers: a start on a busy machine is no hang
+    # the constrained requests' workers warm first (their start on a busy machine is no hang)
+    with InProcessServer(tiny_model("llama"), warm_templates=True) as s:
         yield s
 
 

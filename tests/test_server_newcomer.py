@@ -19,7 +19,7 @@ from rlserve.transfer import HTTPWeightSyncClient, WeightSyncHTTPError
 from tests.transfer_harness import InProcessServer, wrong_second_bucket_sum
 from tests.transfer_sync import llama, trainer  # noqa: F401 (llama: a fixture)
 
-TIMEOUT = 60.0
+TIMEOUT = 120.0  # a hang bound: a chat request on a busy machine may wait for its worker's start
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ uvicorn in a thread) and greedy-generation helpers. Not a test module."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 import threading
 import time
@@ -22,12 +23,16 @@ class InProcessServer:
         staging: ``--weight-staging``.
         check_finite: ``--weight-check-finite``.
         engine_mode: ``AsyncEngine``'s (default: its own, the engine-core process).
+        warm_templates: start the chat-template / constraint workers with the server, as
+            ``rlserve serve`` does, and return once they are warm (:meth:`wait_templates_warm`);
+            else (the suite's default, ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` in
+            ``tests/conftest.py``) they start at their first use.
         engine_kwargs: extra ``EngineConfig`` fields.
     """
 
     def __init__(self, model: str, transfer_config: dict | None = None, staging: str = "none",
                  admin_key: str | None = None, engine_mode: str | None = None, check_finite: bool = True,
-                 **engine_kwargs):
+                 warm_templates: bool = False, **engine_kwargs):
         from rlserve.config import EngineConfig
         from rlserve.engine.front.async_engine import AsyncEngine
         from rlserve.server.app import build_app
@@ -49,8 +54,22 @@ class InProcessServer:
 
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
+        key, before = "RLSERVE_TEMPLATE_WORKERS_AT_START", os.environ.get("RLSERVE_TEMPLATE_WORKERS_AT_START")
+        if warm_templates:
+            os.environ[key] = "1"  # read by the app's start-up, which has run once /health answers
+        try:
+            self._thread.start()
+            self._wait_started()
+        finally:
+            if warm_templates and before is None:
+                del os.environ[key]
+            elif warm_templates:
+                os.environ[key] = before
+        if warm_templates:
+            self.wait_templates_warm()
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + 120  # a hang bound (a start takes ~2-15 s, longer on a busy machine)
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:

@@ -241,7 +241,12 @@ class ServerState:
     def start_template_workers(self) -> None:
         """Start the template / constraint workers now (the server's start-up, off the event
         loop): they warm in the background, so that no request waits for a worker's start
-        (:mod:`rlserve.server.template_pool`). Without a tokenizer: nothing."""
+        (:mod:`rlserve.server.template_pool`). Without a tokenizer, or with
+        ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` (they start at their first use): nothing."""
+        from rlserve import envs
+
+        if not envs.RLSERVE_TEMPLATE_WORKERS_AT_START:
+            return
         if self.tokenizer is not None and (workers := self.template_workers()) is not None:
             workers.start()
 
