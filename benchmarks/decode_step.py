@@ -465,9 +465,10 @@ def main(argv=None) -> dict:
                          "this process (a cache of most of the GPU is not handed back in between: then one process "
                          "each)")
     ap.add_argument("--decode-gemv", default=None,
-                    help="comma-separated 0 / 1 / pdlg / pdl: one engine each with the batch-1 GEMV path off / on / on "
-                         "with programmatic dependent launch for the GEMVs only / for the kernels between them too "
-                         "(rlserve.layers.gemv, rlserve.layers.pdl; default: RLSERVE_DECODE_GEMV)")
+                    help="comma-separated 0 / 1 / pdl / pdla / auto: one engine each with the batch-1 GEMV path off / "
+                         "on / on with programmatic dependent launch for the GEMVs / for the attention kernels between "
+                         "them too / as pdl for linears of at most 8M weights (rlserve.layers.gemv, "
+                         "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--batch1-tokens", type=int, default=0,
@@ -534,9 +535,9 @@ def main(argv=None) -> dict:
             for shape in args.shape.split(","):
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
                     if on is not None:  # before the engine is built: its CUDA graphs capture the choice
-                        gemv.set_enabled(on != "0")
-                        gemv.set_pdl(on in ("pdl", "pdlg"))
-                        pdl.set_neighbours(on != "pdlg")
+                        gemv.set_enabled("auto" if on == "auto" else on != "0")
+                        gemv.set_pdl(on in ("pdl", "pdla", "auto"))
+                        pdl.set_neighbours(on == "pdla")
                     try:
                         rows = bench_shape(shape, args, bw, root)
                     except Exception as e:  # noqa: BLE001 -- one variant's failure must not lose the others

@@ -66,9 +66,9 @@ def _integer(name: str, raw: str) -> int:
 
 
 def _gemv_mode(name: str, raw: str) -> str:
-    """``"0"``, ``"1"`` or ``"pdl"``; anything else is a ValueError naming the variable."""
-    if raw not in ("0", "1", "pdl"):
-        raise ValueError(f"{name} must be 0, 1 or pdl, not {raw!r}")
+    """``"auto"``, ``"0"``, ``"1"`` or ``"pdl"``; anything else is a ValueError naming the variable."""
+    if raw not in ("auto", "0", "1", "pdl"):
+        raise ValueError(f"{name} must be auto, 0, 1 or pdl, not {raw!r}")
     return raw
 
 
@@ -144,13 +144,13 @@ VARIABLES: dict[str, Var] = {
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
-    "RLSERVE_DECODE_GEMV": Var("str", "pdl", _gemv_mode,
-                               "'pdl' (default): batch-1 decode steps run the Llama-family linears as one Triton "
-                               "GEMV each, with the add+RMSNorm / SiLU-and-mul before them folded in "
-                               "(rlserve/layers/gemv.py), they and the attention kernels between them launched with "
-                               "programmatic dependent launch where the GPU, driver and Triton have it (else plainly; "
-                               "rlserve/layers/pdl.py); '1': the GEMVs, plain launches; '0' off; "
-                               "read at import"),
+    "RLSERVE_DECODE_GEMV": Var("str", "auto", _gemv_mode,
+                               "'auto' (default): batch-1 decode steps run the Llama-family linears of at most 8M "
+                               "weights (the sizes measured faster than cuBLAS) as one Triton GEMV each, with the "
+                               "add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py), launched "
+                               "with programmatic dependent launch where the GPU, driver and Triton have it (else "
+                               "plainly; rlserve/layers/pdl.py); 'pdl': the same for every size; '1': every size, "
+                               "plain launches; '0' off; read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
                               "the one-adapter LoRA fast path (rlserve.lora.merge): 'auto' (default: on CUDA when the "

@@ -164,12 +164,12 @@ def test_whole_model_batch_one_equals_unfused(tiny_model, gemv_on_cpu, monkeypat
 
 
 def test_env_switch_values(monkeypatch):
-    """RLSERVE_DECODE_GEMV: pdl (default), 1, 0; anything else raises naming the variable."""
+    """RLSERVE_DECODE_GEMV: auto (default), pdl, 1, 0; anything else raises naming the variable."""
     from rlserve import envs
 
     monkeypatch.delenv("RLSERVE_DECODE_GEMV", raising=False)
-    assert envs.read("RLSERVE_DECODE_GEMV") == "pdl"
-    for raw in ("0", "1", "pdl"):
+    assert envs.read("RLSERVE_DECODE_GEMV") == "auto"
+    for raw in ("0", "1", "pdl", "auto"):
         monkeypatch.setenv("RLSERVE_DECODE_GEMV", raw)
         assert envs.read("RLSERVE_DECODE_GEMV") == raw
     monkeypatch.setenv("RLSERVE_DECODE_GEMV", "on")
@@ -181,6 +181,7 @@ def test_pdl_is_not_claimed_off_cuda():
     """PDL needs a CUDA device: on CPU the reason says so, and nothing launches with it."""
     dev = torch.device("cpu")
     assert pdl.unavailable(dev) == "not a CUDA device (cpu)"
+    assert pdl.set_neighbours(False) is False  # the attention kernels' PDL is off by default (not run on a GPU)
     prev = pdl.set_requested(True)
     try:
         assert not pdl.on(dev)
@@ -190,8 +191,10 @@ def test_pdl_is_not_claimed_off_cuda():
 
 
 def test_mode_names_the_switches():
-    prev_e, prev_p = gemv.set_enabled(True), gemv.set_pdl(True)
+    prev_e, prev_p = gemv.set_enabled("auto"), gemv.set_pdl(True)
     try:
+        assert gemv.mode() == "auto" and gemv.enabled()
+        assert gemv.set_enabled(True) == "auto"  # the previous setting, to restore
         assert gemv.mode() == "pdl"
         gemv.set_pdl(False)
         assert gemv.mode() == "1"
@@ -238,3 +241,19 @@ def test_a_failing_pdl_launch_falls_back_to_plain_launches(monkeypatch, gemv_on_
             "the first PDL launch failed: RuntimeError: launch_pdl is not supported")
     finally:
         gemv.set_pdl(prev)
+
+
+def test_auto_takes_only_the_measured_sizes(monkeypatch, gemv_on_cpu):
+    """RLSERVE_DECODE_GEMV=auto (the default) runs the GEMV only where every linear of the call has
+    at most _AUTO_MAX_ELEMENTS weights (the sizes measured faster than cuBLAS); 1 / pdl: every size."""
+    g = torch.Generator().manual_seed(3)
+    small, big = _lin("row", 64, 40, torch.float32, g), _lin("row", 64, 41, torch.float32, g)
+    x = torch.randn(1, 64, generator=g)
+    monkeypatch.setattr(gemv, "_AUTO_MAX_ELEMENTS", 64 * 40)
+    prev = gemv.set_enabled("auto")
+    try:
+        assert gemv.takes(x, small) and not gemv.takes(x, big) and not gemv.takes(x, small, big)
+        gemv.set_enabled(True)
+        assert gemv.takes(x, small, big)
+    finally:
+        gemv.set_enabled(prev)

@@ -3,12 +3,12 @@
 # rlserve only, budget 90 s, most important first:
 #   b) tests/gpu/test_gemv_gpu.py, all of it (48 s: window 1 cut it at 18 s after 19 of ~31 tests,
 #      every (K, dtype, prologue) compiles once): a PDL chain of GEMVs in a CUDA graph = plain launches
-#      bitwise, a tiny Qwen3 engine at batch 1 with PDL = without bitwise, the qwen3 and llama engines at
+#      bitwise, a tiny Qwen3 engine at batch 1 with PDL everywhere (set_neighbours) = without bitwise, the qwen3 and llama engines at
 #      batch 1 with / without the GEMV and graphs = eager, each folded form vs the unfused ops
 #   a) decode_step.py (its first line: Triton, the CUDA driver and pdl_unavailable -- None: PDL runs,
-#      else why not), Qwen3-0.6B shape, batch 1, context 1024, --decode-gemv 0,1,pdlg,pdl (one engine
-#      each in this process; pdlg: PDL on the GEMVs only; pdl, the default: also the attention and
-#      q-k-norm-rope kernels): graph / engine-step ms and, new, --batch1-tokens 1024: a 128-token prompt
+#      else why not), Qwen3-0.6B shape, batch 1, context 1024, --decode-gemv 0,1,pdl,pdla (one engine
+#      each in this process; pdl, the default: PDL on the GEMVs; pdla: also on the attention and
+#      q-k-norm-rope kernels, pdl.set_neighbours): graph / engine-step ms and, new, --batch1-tokens 1024: a 128-token prompt
 #      decoding 1024 greedy tokens through LLM.generate (issue 37's ms/token) with the GPU span per
 #      step, the host's launch and wait times and the gap between steps (benchmarks/batch1_latency.py)
 #   d) decode_step.py --gemms at 1 row, Qwen3-0.6B and -8B linears: cuBLAS vs the GEMV plain / PDL, chains of 10
@@ -32,7 +32,7 @@ else
 fi
 bounded "${CAP[0]}" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_gemv.log" 2>&1
 say "b) tests rc=$? $(tail -1 "$OUT_DIR/pytest_gemv.log")"
-bounded "$(slot "${CAP[1]}" 10)" $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdlg,pdl \
+bounded "$(slot "${CAP[1]}" 10)" $PY benchmarks/decode_step.py "${DS[@]}" --batch 1 --decode-gemv 0,1,pdl,pdla \
   --json "$OUT_DIR/decode_06b_b1.json" > "$OUT_DIR/decode_06b_b1.log" 2>&1
 say "a) rc=$? $(grep -A5 '^shape ' "$OUT_DIR/decode_06b_b1.log" | tr -s ' ' | tr '\n' '|')"
 say "a) $(grep -m1 '"pdl_unavailable"' "$OUT_DIR/decode_06b_b1.log" | grep -oE '"(triton|cuda_driver|pdl_unavailable)": [^,]*' | tr '\n' ' ')"

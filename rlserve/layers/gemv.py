@@ -21,8 +21,9 @@ accumulates in float32 in its own order (cuBLAS's differs: bf16 results may diff
 rounding of the output). One program per ``BLOCK_N`` output rows reads its rows' whole ``K``
 (:func:`tile`).
 
-When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` ``pdl`` (the default) or ``1``, not ``0``
-(:func:`set_enabled`, :func:`set_pdl`), and the
+When it runs (:func:`takes`): ``RLSERVE_DECODE_GEMV`` ``auto`` (the default: only linears of at
+most ``_AUTO_MAX_ELEMENTS`` weights, the sizes measured faster than cuBLAS), ``pdl`` or ``1`` (every
+size), not ``0`` (:func:`set_enabled`, :func:`set_pdl`), and the
 fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
 row, ``--batch-invariant`` off (its own kernels keep their bitwise contract), and every linear
 unquantized (:class:`~rlserve.layers.linear.UnquantizedLinearMethod`), tensor-parallel size 1,
@@ -45,7 +46,11 @@ from rlserve.layers import fused_ops, pdl
 from rlserve.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from rlserve.layers.norm import RMSNorm
 
-_ENABLED = [envs.RLSERVE_DECODE_GEMV != "0"]
+# False, True (every size) or "auto" (linears of at most _AUTO_MAX_ELEMENTS weights)
+_ENABLED: list = [{"0": False, "auto": "auto"}.get(envs.RLSERVE_DECODE_GEMV, True)]
+# "auto": the largest weight measured faster than cuBLAS is Qwen3-0.6B's gate_up_proj (6144 x 1024
+# = 6.3M, H100, BENCHMARKS.md D3/D4); Qwen3-1.7B's (25M) and -8B's (25-100M) are not measured
+_AUTO_MAX_ELEMENTS = 1 << 23
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
 # _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
@@ -57,19 +62,21 @@ _MAX_TILE = 16384  # elements of W per chunk (4 warps up to 4096, else 8: <= 64 
 _PROGRAMS_PER_SM = 2  # every program also reads x (and r) from L2: 1 / BLOCK_N of its bytes
 
 
-def set_enabled(on: bool) -> bool:
-    """Switch the batch-1 GEMV path on or off for this process (A/B runs, tests); returns the
-    previous setting. CUDA graphs captured before the switch keep what they captured."""
+def set_enabled(on: bool | str) -> bool | str:
+    """Switch the batch-1 GEMV path on (every size), ``"auto"`` (linears of at most
+    ``_AUTO_MAX_ELEMENTS`` weights) or off for this process (A/B runs, tests); returns the previous
+    setting (pass it back to restore). CUDA graphs captured before the switch keep what they captured."""
     prev = _ENABLED[0]
-    _ENABLED[0] = bool(on)
+    _ENABLED[0] = on if on == "auto" else bool(on)
     return prev
 
 
 def set_pdl(on: bool) -> bool:
-    """Launch the GEMVs (and the batch-1 decode kernels between them) with programmatic dependent
-    launch where it runs (:func:`rlserve.layers.pdl.unavailable`): a GEMV loads its first weights
-    while the kernel before it finishes (see ``gemv_kernels._gemv_kernel``). Returns the previous
-    setting; graphs captured before keep what they captured."""
+    """Launch the GEMVs (and, :func:`rlserve.layers.pdl.set_neighbours`, the batch-1 decode kernels
+    between them) with programmatic dependent launch where it runs
+    (:func:`rlserve.layers.pdl.unavailable`): a GEMV loads its first weights while the kernel before
+    it finishes (see ``gemv_kernels._gemv_kernel``). Returns the previous setting; graphs captured
+    before keep what they captured."""
     return pdl.set_requested(on)
 
 
@@ -79,14 +86,17 @@ def pdl_requested() -> bool:
 
 
 def mode() -> str:
-    """``"0"``, ``"1"`` or ``"pdl"``: what :func:`set_enabled` / :func:`set_pdl` (or
-    ``RLSERVE_DECODE_GEMV``) asked for; whether PDL runs on a device is :func:`rlserve.layers.pdl.unavailable`."""
-    return ("pdl" if pdl.requested() else "1") if _ENABLED[0] else "0"
+    """``"0"``, ``"auto"``, ``"1"`` or ``"pdl"``: what :func:`set_enabled` / :func:`set_pdl` (or
+    ``RLSERVE_DECODE_GEMV``) asked for (``"auto"``: whatever :func:`set_pdl` says); whether PDL runs
+    on a device is :func:`rlserve.layers.pdl.unavailable`."""
+    if not _ENABLED[0]:
+        return "0"
+    return "auto" if _ENABLED[0] == "auto" else "pdl" if pdl.requested() else "1"
 
 
 def enabled() -> bool:
-    """The process-wide switch (``RLSERVE_DECODE_GEMV``, :func:`set_enabled`)."""
-    return _ENABLED[0]
+    """The process-wide switch (``RLSERVE_DECODE_GEMV``, :func:`set_enabled`): on for some sizes."""
+    return bool(_ENABLED[0])
 
 
 def no_hooks(*mods: nn.Module) -> bool:
@@ -98,6 +108,7 @@ def _linear_ok(lin: nn.Module, x: torch.Tensor) -> bool:
     w = getattr(lin, "weight", None)
     return (type(getattr(lin, "quant_method", None)) is UnquantizedLinearMethod
             and getattr(lin, "tp_size", 1) == 1 and w is not None and w.dtype == x.dtype and w.dim() == 2
+            and (_ENABLED[0] != "auto" or w.numel() <= _AUTO_MAX_ELEMENTS)
             and w.stride(1) == 1 and not (isinstance(lin, ColumnParallelLinear) and lin.gather_output)
             and (lin.bias is None or lin.bias.dtype == x.dtype) and no_hooks(lin))
 

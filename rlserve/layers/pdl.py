@@ -9,11 +9,12 @@ before that. In a batch-1 decode step the kernels are small (1-5 us) and back to
 launch gap between two of them is a large share of each; PDL hides it.
 
 Who uses it: the batch-1 GEMVs (:mod:`rlserve.layers.gemv`: each loads its first weights, which
-nothing writes during a step, then triggers its dependents, then waits) and, at one decode row,
-the kernels between them (:func:`neighbours`: the q/k-norm + rotary + KV-write kernel, decode
-attention and its split reduce: each waits first, then triggers; nothing is read before the
-wait, so their order is the plain one -- transitively too: a kernel completes only after its own
-wait returned, so everything before it in the stream has completed).
+nothing writes during a step, then triggers its dependents, then waits) and, switched on with
+:func:`set_neighbours` (off by default: written in session 15 and not yet run on a GPU), at one
+decode row the kernels between them (:func:`neighbours`: the q/k-norm + rotary + KV-write kernel,
+decode attention and its split reduce: each waits first, then triggers; nothing is read before
+the wait, so their order is the plain one -- transitively too: a kernel completes only after its
+own wait returned, so everything before it in the stream has completed).
 
 What it needs (:func:`unavailable`): an NVIDIA GPU of compute capability 9.0 or later, a CUDA
 driver of 12.3 or later (12030: a CUDA graph that captures such launches keeps their
@@ -21,8 +22,8 @@ programmatic edges), a Triton whose CUDA backend takes ``launch_pdl`` and has th
 ROCm build. Where one is missing, or the first PDL launch raises (:func:`failed`), the kernels
 launch plainly -- the same arithmetic -- and the reason is logged once.
 
-The switch: ``RLSERVE_DECODE_GEMV=pdl`` (the default; ``1`` and ``0`` leave PDL off), read at
-import; :func:`set_requested` (tests, A/B runs). CUDA graphs keep what they captured.
+The switch: ``RLSERVE_DECODE_GEMV`` ``auto`` (the default) or ``pdl`` (``1`` and ``0`` leave PDL off),
+read at import; :func:`set_requested` (tests, A/B runs). CUDA graphs keep what they captured.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 
 from rlserve import envs
 
-_REQUESTED = [envs.RLSERVE_DECODE_GEMV == "pdl"]
-_NEIGHBOURS = [True]  # the attention / q-k-norm-rope kernels too (set_neighbours: A/B runs)
+_REQUESTED = [envs.RLSERVE_DECODE_GEMV in ("pdl", "auto")]
+_NEIGHBOURS = [False]  # the attention / q-k-norm-rope kernels too (set_neighbours: off until measured)
 _WHY: dict[tuple, str | None] = {}  # (device type, index) -> why PDL cannot run there (None: it can)
 _DRIVER: list = []  # the CUDA driver's version (cuDriverGetVersion), once read
 MIN_DRIVER = 12030  # CUDA 12.3: stream capture keeps a launch's programmatic dependency
@@ -55,7 +56,8 @@ def requested() -> bool:
 
 def set_neighbours(on: bool) -> bool:
     """Whether the kernels between the GEMVs (:func:`neighbours`) launch with PDL as well when it
-    is requested (default True); returns the previous setting."""
+    is requested (default False: not yet run on a GPU; ``decode_step.py --decode-gemv pdla`` and
+    ``tests/gpu/test_gemv_gpu.py`` switch it on); returns the previous setting."""
     prev = _NEIGHBOURS[0]
     _NEIGHBOURS[0] = bool(on)
     return prev

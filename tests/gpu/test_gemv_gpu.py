@@ -123,8 +123,8 @@ def test_pdl_chain_in_a_cuda_graph_equals_plain_launches(gemv_switch):
                     reason="programmatic dependent launch unavailable here (rlserve.layers.pdl)")
 def test_engine_batch_one_pdl_equals_plain_launches_bitwise(tiny_model, gemv_switch):
     """A tiny Qwen3 in bf16 at batch 1, CUDA graphs, the GEMVs on: with programmatic dependent
-    launch (the GEMVs, the q/k-norm + rotary + KV-write kernel, decode attention and its split
-    reduce) the greedy tokens and logprobs equal those of plain launches bitwise (PDL changes when
+    launch (the GEMVs and, ``pdl.set_neighbours``, the q/k-norm + rotary + KV-write kernel, decode
+    attention and its split reduce) the greedy tokens and logprobs equal those of plain launches bitwise (PDL changes when
     a kernel starts, never what it computes: a kernel reading before the one before it finished
     would differ); every one of those kernels was launched with PDL."""
     from rlserve import LLM, SamplingParams
@@ -142,7 +142,7 @@ def test_engine_batch_one_pdl_equals_plain_launches_bitwise(tiny_model, gemv_swi
         return launch(kernel, grid, args, meta, device, use)
 
     pdl.launch = spy
-    prev = pdl.set_requested(True)
+    prev, prev_n = pdl.set_requested(True), pdl.set_neighbours(True)
     try:
         runs = {}
         for on in (False, True):
@@ -155,6 +155,7 @@ def test_engine_batch_one_pdl_equals_plain_launches_bitwise(tiny_model, gemv_swi
     finally:
         pdl.launch = launch
         pdl.set_requested(prev)
+        pdl.set_neighbours(prev_n)
     assert {"_gemv_kernel", "_decode_kernel"} <= used and any(n.startswith("_qkv_norm_rope_write") for n in used), used
     assert runs[True].token_ids == runs[False].token_ids
     assert runs[True].logprobs == runs[False].logprobs
