@@ -42,6 +42,17 @@ def test_triton_experts_equal_reference(T, dtype, config):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
+@pytest.mark.parametrize("config", sorted({c for _, c in mk.TUNED_SM90[(128, 768)]}))
+def test_triton_experts_tuned_tiles_equal_reference(config):
+    """The tuned table's tiles (up to 128 x 256, K steps of 64 / 128) over this small shape: every
+    block mostly padding rows, N and K tails masked; float32 with the 1e-5 bound above. The
+    interpreter ignores ``num_warps`` / ``num_stages``: those run on a GPU only
+    (``tests/gpu/test_moe_gpu.py::test_tuned_table_configs_near_float32_reference``)."""
+    x, w13, w2, weights, ids = _operands(20, torch.float32, seed=3)
+    got = mk.experts_triton(x, w13, w2, weights, ids, config=config)
+    torch.testing.assert_close(got, experts_reference(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("T", [1, 3, 40])
 def test_triton_align_contract(T, block_m):

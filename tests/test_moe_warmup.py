@@ -177,11 +177,14 @@ def test_tuned_table_that_fails_falls_back_to_the_default_rule(recording, monkey
     assert rec.keys - warmed == set()
 
 
-def test_tuned_configs_switch_off(monkeypatch):
-    """``RLSERVE_MOE_TUNED_CONFIGS=0`` (A/B runs) turns the tuned table off before any device query
-    (so this runs without a GPU); fp8 experts and non-CUDA devices never take it."""
+def test_tuned_configs_switch(monkeypatch):
+    """The tuned table is off unless ``RLSERVE_MOE_TUNED_CONFIGS=1`` (unmeasured on a GPU), decided
+    before any device query (so this runs without a GPU); fp8 experts and non-CUDA devices never
+    take it, switched on or not."""
+    monkeypatch.delenv("RLSERVE_MOE_TUNED_CONFIGS", raising=False)
+    assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is False
     monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "0")
     assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is False
-    monkeypatch.delenv("RLSERVE_MOE_TUNED_CONFIGS")
+    monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "1")
     assert mk.tuned_device(torch.device("cpu"), torch.bfloat16) is False
     assert mk.tuned_device(torch.device("cuda", 0), torch.float8_e4m3fn) is False

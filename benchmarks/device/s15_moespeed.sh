@@ -6,8 +6,9 @@
 #      count_compiles.py: every Triton specialization miss is logged ([jit] lines), with the warm-up's
 #      log (the MoE precompile's counts, the warm-up's seconds); the summary counts the misses after
 #      the warm-up (should be none from the MoE kernels). New since window 1: every fused-MoE tile class
-#      compiled in the warm-up (in parallel children), the batch-sized ints unspecialized, vLLM's H200
-#      tuned configs (coarsened) on sm90.
+#      compiled in the warm-up (in parallel children), the batch-sized ints unspecialized, the
+#      permutation's count kernel on several programs. Tiles: vLLM's default rule (the tuned table is off
+#      by default; MOE_TUNED=1 bash ... runs this step with RLSERVE_MOE_TUNED_CONFIGS=1 instead).
 #   c) tests/gpu/test_moe_gpu.py (kernel tests only): the tuned configs against the float32 reference, no
 #      compile after warm_up, the bf16 / float32 kernel tests, the permutation, the graph replay.
 #   b) benchmarks/moe_kernels.py --tuned --triton-only: one MoE layer, vLLM's default rule against the
@@ -22,10 +23,10 @@ else
   ARGS=(--device cuda)
 fi
 export TRITON_CACHE_DIR; TRITON_CACHE_DIR=$(mktemp -d /tmp/triton_fresh.XXXXXX)
-say "a) shape $SHAPE, fresh TRITON_CACHE_DIR $TRITON_CACHE_DIR"
+say "a) shape $SHAPE, fresh TRITON_CACHE_DIR $TRITON_CACHE_DIR, RLSERVE_MOE_TUNED_CONFIGS=${MOE_TUNED:-0}"
 
 # ---- a) the offline workload, fresh Triton cache
-bounded "$(slot 80 27)" $PY benchmarks/device/count_compiles.py benchmarks/throughput.py --shape "$SHAPE" \
+RLSERVE_MOE_TUNED_CONFIGS=${MOE_TUNED:-0} bounded "$(slot 80 27)" $PY benchmarks/device/count_compiles.py benchmarks/throughput.py --shape "$SHAPE" \
   --engine rlserve --no-hf "${ARGS[@]}" --json "$OUT_DIR/throughput_rlserve.json" > "$OUT_DIR/throughput_rlserve.log" 2>&1
 say "a) rlserve rc=$?: $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
 say "a) $(grep -E '^rlserve KV sizing' "$OUT_DIR/throughput_rlserve.log")"

@@ -172,6 +172,7 @@ CONFIGS = {
 #: (vLLM's keys 8 and 24 differ from it only in ``num_stages``), <= 192 its keys 96/128, <= 384 its
 #: key 256, <= 768 its key 512, above that its keys 1536..3072 (1024 and 4096: ``GROUP_M`` 16).
 #: The bounds sit between vLLM's keys, as vLLM picks the key nearest the batch's token count.
+#: Used only with ``RLSERVE_MOE_TUNED_CONFIGS=1`` (:func:`tuned_device`): not measured on a GPU yet.
 TUNED_SM90 = {
     (128, 768): (
         (32, (16, 64, 128, 1, 4, 4)),
@@ -211,7 +212,8 @@ _SM90: dict = {}
 
 
 def tuned_device(device: torch.device, wdtype: torch.dtype) -> bool:
-    """Whether :data:`TUNED_SM90` applies (unless ``RLSERVE_MOE_TUNED_CONFIGS=0``): a CUDA device of compute capability 9.x (the H100 / H200:
+    """Whether :data:`TUNED_SM90` applies (``RLSERVE_MOE_TUNED_CONFIGS=1``; off by default until a GPU
+    measures it, BENCHMARKS.md, MoE): a CUDA device of compute capability 9.x (the H100 / H200:
     the tables' largest tiles take 192 KiB of shared memory) and bf16 / fp16 weights (not fp8)."""
     if device.type != "cuda" or wdtype not in (torch.bfloat16, torch.float16) or not envs.RLSERVE_MOE_TUNED_CONFIGS:
         return False

@@ -121,11 +121,12 @@ def test_moe_align_pads_each_expert_within_the_bound(block_m):
 
 @needs_sm90
 @pytest.mark.parametrize("cls", range(len(mk.TUNED_SM90[(E, I)])))
-def test_tuned_table_configs_near_float32_reference(cls):
+def test_tuned_table_configs_near_float32_reference(cls, monkeypatch):
     """Each tile class of the sm90 tuned table (:data:`rlserve.layers.moe_kernels.TUNED_SM90`,
     vLLM's H200 configs for this shape) on a batch of its largest token count (the last class: 2,048
     tokens), bf16 against the float32 reference: the 1e-2 bound of
     :func:`test_bf16_experts_near_float32_reference` (same roundings, other tiles)."""
+    monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "1")
     bound, cfg = mk.TUNED_SM90[(E, I)][cls]
     T = bound or 2048
     x, w13, w2, weights, ids = _operands(T, torch.bfloat16, seed=cls)
