@@ -11,6 +11,13 @@ sampling), the host time of each launch and of each wait for an overlapped step'
 span per step is time the GPU sat idle between two steps (the host-side gap); ``wait_ms`` near 0
 says the host, not the GPU, set the pace.
 Used by ``decode_step.py --batch1-tokens`` (one engine per ``--decode-gemv`` mode, in one process).
+:func:`host_only` (``--host-only``): the same loop with the decode forward replaced by cached logits,
+the host's own time per token (what runs between two graph replays), with ``--profile N`` its top
+functions.
+
+Usage:
+    python benchmarks/batch1_latency.py --shape qwen3-0.6b                       # on the GPU
+    python benchmarks/batch1_latency.py --shape tiny-llama --device cpu --host-only --profile 20
 """
 
 from __future__ import annotations
@@ -108,3 +115,82 @@ def measure(llm, vocab: int, n: int, prompt_len: int = 128, seed: int = 0) -> di
     g = res["gpu_ms_per_step"]
     res["gap_ms"] = ms - g if g is not None else None
     return res
+
+
+def host_only(llm, vocab: int, n: int, prompt_len: int = 128, top: int = 0) -> dict:
+    """The host's share of a batch-1 decode step: ``n`` greedy tokens as in :func:`measure`, with
+    every decode step's forward replaced by the logits of the first one (no model work: what is
+    left is what runs between two graph replays -- scheduling, the step's inputs, sampling,
+    appending the token, the stop checks). Returns ``{"host_ms_per_token"}``; ``top`` > 0 prints
+    cProfile's top functions by own time."""
+    from rlserve import SamplingParams
+
+    eng = llm.engine
+    rng = random.Random(0)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+    llm.generate([prompt], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)])
+    ex0, cached = eng.executor.execute, []
+
+    def execute(step):
+        if step.is_prefill:
+            return ex0(step)
+        if not cached:
+            cached.append(ex0(step))
+        return cached[0]
+
+    eng.executor.execute = execute
+    try:
+        llm.generate([prompt], [sp])  # warm
+        t0 = time.perf_counter()
+        llm.generate([prompt], [sp])
+        res = {"host_ms_per_token": (time.perf_counter() - t0) / n * 1e3}
+        if top:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate([prompt], [sp])
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    finally:
+        eng.executor.execute = ex0
+    return res
+
+
+def main(argv=None) -> dict:
+    """``python benchmarks/batch1_latency.py --shape tiny-llama --device cpu --host-only --profile 20``"""
+    import argparse
+    import json
+    import os
+    import sys
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from model_shapes import save_shape, shape_config
+
+    from rlserve import LLM
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--host-only", action="store_true", help="also the host's share (host_only)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="with --host-only: cProfile's top N")
+    args = ap.parse_args(argv)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"  # the model dtype each engine serves
+    with tempfile.TemporaryDirectory() as root:
+        llm = LLM(save_shape(args.shape, root), device=args.device, dtype=dtype, load_format="dummy",
+                  skip_tokenizer_init=True, max_model_len=args.prompt_len + args.tokens + 32)
+        vocab = shape_config(args.shape).vocab_size
+        res = {"shape": args.shape, "device": args.device, **measure(llm, vocab, args.tokens, args.prompt_len)}
+        if args.host_only:
+            res.update(host_only(llm, vocab, args.tokens, args.prompt_len, args.profile))
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
+    return res
+
+
+if __name__ == "__main__":
+    main()
