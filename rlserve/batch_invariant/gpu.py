@@ -156,18 +156,25 @@ def _num_sms(device: torch.device) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _dot_k(p_ptrs, q_ptrs, p_step, q_step, K, acc, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+    def _dot_k(p_ptrs, q_ptrs, p_step, q_step, K, acc, p_rows, EVEN_K: tl.constexpr, MASK_P: tl.constexpr,
+               IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
         """``acc += p @ q`` over K from 0 upwards in BLOCK_K steps (the fixed order): ``p_ptrs``
         a [*, BLOCK_K] block of pointers, ``q_ptrs`` a [BLOCK_K, *] one, advanced by ``p_step`` /
-        ``q_step`` per step; K masked only when not ``EVEN_K``."""
+        ``q_step`` per step; K masked only when not ``EVEN_K``; ``MASK_P``: rows of ``p`` where
+        ``p_rows`` ([*, 1] bool) is False read as 0 instead of being loaded."""
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                p = tl.load(p_ptrs)
+                if MASK_P:
+                    p = tl.load(p_ptrs, mask=p_rows, other=0.0)
+                else:
+                    p = tl.load(p_ptrs)
                 q = tl.load(q_ptrs)
             else:
-                p = tl.load(p_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                if MASK_P:
+                    p = tl.load(p_ptrs, mask=p_rows & (offs_k[None, :] < K - k0), other=0.0)
+                else:
+                    p = tl.load(p_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 q = tl.load(q_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
             if IEEE:
                 acc = tl.dot(p, q, acc, input_precision="ieee")
@@ -182,14 +189,17 @@ if HAS_TRITON:
     def _bi_matmul_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, M, N, K,
                           stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,
                           num_programs, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                          SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                          SWAP_AB: tl.constexpr, MASK_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """``c[M, N] = a[M, K] @ w[N, K].T (+ bias[N])``: persistent programs over output tiles;
         each tile reduces K from 0 upwards in BLOCK_K steps (the fixed order). Rows / columns past
         M / N load row / column 0 instead (unmasked loads; never stored), K is masked only when
         ``EVEN_K`` is False (K not a multiple of BLOCK_K). ``SWAP_AB``: each tile computed as
         ``(w_tile @ a_tile.T).T`` (the weight rows are the MMA's M, the tokens its N: a decode
-        batch of BLOCK_M = 16 tokens fills an MMA of N = 16 instead of 64 rows of padding)."""
+        batch of BLOCK_M = 16 tokens fills an MMA of N = 16 instead of 64 rows of padding).
+        ``MASK_M`` (not swapped): rows past M are masked (read as 0, no load issued) instead of
+        re-reading row 0: session 14's loads, faster for its 64-row tiles at a few rows (the tile
+        by M's path; the table's configurations were measured without it)."""
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -205,13 +215,15 @@ if HAS_TRITON:
                 acc_t = _dot_k(w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk,  # [BLOCK_N, BLOCK_K]
                                a_ptr + offs_am[None, :] * stride_am + offs_k[:, None] * stride_ak,  # [BLOCK_K, BLOCK_M]
                                BLOCK_K * stride_wk, BLOCK_K * stride_ak, K,
-                               tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), EVEN_K, IEEE, BLOCK_K)
+                               tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), offs_wn[:, None] >= 0,
+                               EVEN_K, False, IEEE, BLOCK_K)
                 acc = tl.trans(acc_t)
             else:
                 acc = _dot_k(a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak,  # [BLOCK_M, BLOCK_K]
                              w_ptr + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk,  # [BLOCK_K, BLOCK_N]
                              BLOCK_K * stride_ak, BLOCK_K * stride_wk, K,
-                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), EVEN_K, IEEE, BLOCK_K)
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), offs_m[:, None] < M,
+                             EVEN_K, MASK_M, IEEE, BLOCK_K)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn,
@@ -289,7 +301,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _as_dict(c: gemm_table.Cfg) -> dict:
     return dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, GROUP_M=8, num_warps=c.num_warps,
-                num_stages=c.num_stages, waves=c.waves, SWAP_AB=bool(c.swap), TMA=bool(c.tma))
+                num_stages=c.num_stages, waves=c.waves, SWAP_AB=bool(c.swap), TMA=bool(c.tma), MASK_M=False)
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: dict) -> None:
@@ -300,6 +312,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torc
     cfg = dict(cfg)
     warps, stages, waves = cfg.pop("num_warps"), cfg.pop("num_stages"), cfg.pop("waves", 1)
     cfg.setdefault("SWAP_AB", False)
+    cfg.setdefault("MASK_M", True)  # tile() / config() / tile_shape: session 14's masked rows
     (M, K), N = a.shape, weight.shape[0]
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     programs = tiles if waves == 0 else min(tiles, waves * _num_sms(a.device))
