@@ -32,13 +32,6 @@ say "tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest.log")"
 grep -E "^(FAILED|ERROR)|^E  .*Error|GEMM .* (rows|tiles)" "$OUT_DIR/pytest.log" | sed 's/^/    /' | head -24
 gpu_cleanup
 
-cost() {  # cost LABEL SHAPE NARGS KW SECONDS
-  bounded "$(( $5 * X ))" $PY benchmarks/batch_invariant.py cost --shape "$2" --device $DEV --dtype $DT $3 \
-      --reps 1 --modes off,on --engine-kw "$4" --run-timeout $(( 30 * X )) --json "$OUT_DIR/cost-$1.jsonl" \
-      > "$OUT_DIR/cost-$1.log" 2>&1
-  say "cost $2 rc=$?"; grep -h '^COST' "$OUT_DIR/cost-$1.log" | sed 's/^/    /'; grep -h '^run ' "$OUT_DIR/cost-$1.log" | head -2
-  gpu_cleanup
-}
 cost 8b $S8 "$N8" "$KW8" 44
 cost 0.6b $S06 "$N06" "$KW06" 38
 

@@ -15,13 +15,6 @@ say "device: $CARD; main $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 $PY -c "from rlserve.batch_invariant.gemm_tuned import TUNED; print('committed GEMM tables:', {k: len(v) for k, v in TUNED.items()})" \
     2>&1 | tee -a "$OUT_DIR/summary.txt"
 
-cost() {  # cost LABEL SHAPE NARGS KW SECONDS
-  bounded "$(( $5 * X ))" $PY benchmarks/batch_invariant.py cost --shape "$2" --device $DEV --dtype $DT $3 \
-      --reps 1 --modes off,on --engine-kw "$4" --run-timeout $(( 30 * X )) --json "$OUT_DIR/cost-$1.jsonl" \
-      > "$OUT_DIR/cost-$1.log" 2>&1
-  say "cost $2 rc=$?"; grep -h '^COST' "$OUT_DIR/cost-$1.log" | sed 's/^/    /'; grep -h '^run ' "$OUT_DIR/cost-$1.log" | head -2
-  gpu_cleanup
-}
 cost 8b $S8 "$N8" "$KW8" 44
 cost 0.6b $S06 "$N06" "$KW06" 38
 
