@@ -122,6 +122,9 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
         assert "SIGKILL" in health.json()["reason"] and f"version {v1}" in health.json()["reason"]
         msg = _error(_generate(url), "weights_lost")
         assert "restarted" in msg
+        # one story: the core died, was restarted, the weights died with it (it said "cannot generate until it
+        # is restarted; it was restarted ..." -- a new user's finding)
+        assert "until it is restarted" not in msg and "until it is restarted" not in health.json()["reason"], msg
         info = httpx.get(url + "/weight_info", timeout=T).json()
         assert info["unavailable_code"] == "weights_lost" and info["state"] == "uninitialized", info
         assert httpx.get(url + "/server_info", timeout=T).json()["engine_restarts"]["restarts"] == 1

@@ -240,6 +240,7 @@ class CoreProcReplica(Replica):
         self._scheduled_on = None  # the event loop a _handle_pending callback is on its way to
         self._handle_lock = threading.Lock()
         self.death: str | None = None  # why the core is gone, once it is
+        self.exit_cause: str | None = None  # the same without what it means for serving (a restart's message)
         #: set when the core has said it is exiting (left its loop after Shutdown; only the
         #: process's end remains)
         self.exiting = threading.Event()
@@ -501,8 +502,9 @@ class CoreProcReplica(Replica):
         if self._closing:
             self.death = f"engine replica {self.index} was shut down"
         else:
-            self.death = (f"the engine-core process of replica {self.index} (pid {self.proc.pid}) "
-                          f"{_exit_text(rc)}; the server cannot generate until it is restarted")
+            self.exit_cause = (f"the engine-core process of replica {self.index} (pid {self.proc.pid}) "
+                               f"{_exit_text(rc)}")
+            self.death = f"{self.exit_cause}; the server cannot generate until it is restarted"
             logger.error("%s", self.death)
         self.fail_routed(self._dead())
         if self._outputs is not None:

@@ -192,6 +192,7 @@ class CoreRestarter:
             logger.warning("serving the checkpoint after the restart, as version %s (--serve-checkpoint-after-restart)",
                            w.checkpoint_version)
             return
-        aeng.lose_weights(f"{old.death}; it was restarted and the trained weights (version {w.version}) died with it: "
+        cause = getattr(old, "exit_cause", None) or old.death  # not "... cannot generate until it is restarted"
+        aeng.lose_weights(f"{cause}; it was restarted and the trained weights (version {w.version}) died with it: "
                           "generation answers 503 until a complete weight sync (or start the server with "
                           "--serve-checkpoint-after-restart to serve the checkpoint instead)", WEIGHTS_LOST)
