@@ -6,6 +6,7 @@ staging copies, and the post-load hook (fp8 scales). Called by
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -198,6 +199,20 @@ def device_room_bytes(dev: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev) - _GPU_HEADROOM_BYTES
 
 
+def _staging_dtype(wire: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """A staged tensor's dtype: ``dtype`` (:func:`_stage_dtype`) for float tensors when given, else the wire's."""
+    return dtype if (dtype is not None and wire.is_floating_point) else wire
+
+
+def _reusable_staging(st: WorkerTransferState, name: str, shape, dt: torch.dtype,
+                      dev: torch.device) -> torch.Tensor | None:
+    """``name``'s staging buffer of an earlier update when it has this shape, dtype and device (reused), else None."""
+    buf = st.staging_bufs.get(name)
+    if buf is None or list(buf.shape) != list(shape) or buf.dtype != dt or buf.device != dev:
+        return None
+    return buf
+
+
 def check_staging_room(st: WorkerTransferState, info: UpdateInfo, dtype: torch.dtype | None,
                        dev: torch.device) -> None:
     """Refuse an update call whose staging tensors would not fit on ``dev``, before a byte moves.
@@ -215,13 +230,9 @@ def check_staging_room(st: WorkerTransferState, info: UpdateInfo, dtype: torch.d
         return
     need = 0
     for name, wire, shape in zip(info.names, info.dtypes(), info.shapes):
-        dt = dtype if (dtype is not None and wire.is_floating_point) else wire
-        buf = st.staging_bufs.get(name)
-        if buf is None or list(buf.shape) != list(shape) or buf.dtype != dt or buf.device != dev:
-            n = 1
-            for x in shape:
-                n *= int(x)
-            need += n * dt.itemsize
+        dt = _staging_dtype(wire, dtype)
+        if _reusable_staging(st, name, shape, dt, dev) is None:
+            need += math.prod(int(x) for x in shape) * dt.itemsize
     if need > room:
         raise DeviceOutOfMemoryError(
             f"staging this update on {dev} needs {need / 2**30:.2f} GiB, {max(room, 0) / 2**30:.2f} GiB is free "
@@ -237,9 +248,9 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
     :class:`~rlserve.transfer.finite.Scan` is returned. Else one ``copy_`` per tensor (``None``)."""
     dsts = []
     for name, t in pairs:
-        dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        dst = st.staging_bufs.get(name)
-        if dst is None or dst.shape != t.shape or dst.dtype != dt or dst.device != dev:
+        dt = _staging_dtype(t.dtype, dtype)
+        dst = _reusable_staging(st, name, t.shape, dt, dev)
+        if dst is None:
             dst = st.staging_bufs[name] = torch.empty(t.shape, dtype=dt, device=dev, pin_memory=pin)
         st.staging[name] = dst
         dsts.append(dst)
