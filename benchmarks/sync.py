@@ -336,11 +336,13 @@ def gpu_modes(args, named) -> list[tuple[str, bool, list, int]]:
         modes.append(("ipc-packed", True, split_fused_experts(named)))
         modes.append(("ipc-unpacked", True, modes[-1][2]))
     modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
-    if args.gpu_quick:  # unpacked (IPC's default) first (a time-bounded device window), no unchecked row
-        modes = [m for m in modes if m[0] == "ipc-unpacked" and m[1]][::-1] + \
-            [m for m in modes if m[0] == "ipc-packed"]
+    unpacked = [m for m in modes if m[0] == "ipc-unpacked" and m[1]][::-1]  # fused names first
+    if args.gpu_unpacked_only:
+        modes = unpacked
+    elif args.gpu_quick:  # unpacked (IPC's default) first (a time-bounded device window), no unchecked row
+        modes = unpacked + [m for m in modes if m[0] == "ipc-packed"]
     modes = [(m, c, t, args.bucket_mb) for m, c, t in modes]
-    if args.gpu_packed_bucket_mb:  # packed, fused names, other buckets: the per-call cost
+    if args.gpu_packed_bucket_mb and not args.gpu_unpacked_only:  # packed, fused names, other buckets
         modes.append(("ipc-packed", True, named, args.gpu_packed_bucket_mb))
     return modes
 
@@ -467,6 +469,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-quick", action="store_true",
                    help="CUDA IPC: unpacked first (fused names, then per-expert with --gpu-expert-names both), then "
                         "packed, all with checksums; no unchecked row")
+    p.add_argument("--gpu-unpacked-only", action="store_true",
+                   help="CUDA IPC: only the unpacked syncs with checksums (IPC's default; fused names, then "
+                        "per-expert with --gpu-expert-names both): the full 61 GB MoE shape on one card")
     p.add_argument("--gpu-packed-bucket-mb", type=int, default=0,
                    help="CUDA IPC: one more packed sync (fused names) with buckets of this many MiB (0: none)")
     p.add_argument("--json", default=None, help="write the rows here")

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 35 (MoE on one GPU), session 16, budget 300 s, most important first:
+#   a) benchmarks/throughput.py, Qwen3-30B-A3B shape (48 layers, 61 GB, dummy bf16), the offline workload
+#      (256 prompts of 100..1024 tokens) AND batch-1 decode (128-token prompt, 256 greedy tokens, ms/token),
+#      rlserve then vLLM 0.24.0 with its MoE kernels (/tmp/vsite), one process each, same card, each at
+#      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
+#      (default below: what session 16's first window settled, see BENCHMARKS.md). Falls back to the
+#      24-layer shape on a card under 75 GiB. vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
+#   b) benchmarks/sync.py, CUDA IPC unpacked (IPC's default; fused names, then the trainer's per-expert
+#      names) against the device-copy floor of the same bytes: the FULL 61 GB shape on a card with
+#      >= 130 GiB (H200: trainer copy + server copy = 122 GB), else the first 28 layers (36.1 GB, s13's
+#      subset on the H100).
+#   c) with what is left (>= 35 s): benchmarks/moe_kernels.py --tuned --triton-only: one MoE layer, vLLM's
+#      default tile rule vs the tuned table per batch (GPU us from CUDA graphs).
+# DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH set
+# to a CPU vLLM's site dir; the sync through gloo; moe_kernels --help: CUDA only).
+NAME=s16_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
+MOE_TUNED=${MOE_TUNED:-0}
+say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED"
+if [ "$DRY_RUN" = 1 ]; then
+  SHAPE=small-qwen3-moe
+  ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4 --batch1-tokens 4 --batch1-prompt-len 8)
+  VLLM_ARGS=(--gpu-memory-utilization 0.1 --vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
+else
+  SHAPE=qwen3-30b-a3b; [ "$MEM_MIB" -lt 76800 ] && SHAPE=qwen3-30b-a3b-24l
+  ARGS=(--device cuda --batch1-tokens 256)
+  VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
+fi
+say "a) shape $SHAPE"
+gpu_cleanup
+
+# ---- a) offline + batch-1, rlserve (<= 85 s; s15: 54 s) then vLLM (<= 185 s; s15: 151 s), 40 s kept for b)
+export RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
+throughput_pair a 85 210 185 40 --shape "$SHAPE" "${ARGS[@]}" --vllm "${VLLM_ARGS[@]}"
+unset RLSERVE_MOE_TUNED_CONFIGS
+gpu_cleanup
+
+# ---- b) CUDA IPC sync vs the device-copy floor
+if [ "$DRY_RUN" = 1 ]; then
+  bounded 200 $PY benchmarks/sync.py --cpu-shape small-qwen3-moe --gpu off --nccl off --repeats 1 \
+    --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
+  say "b) sync (cpu, gloo; dry run) rc=$?: $(grep -c '| gloo |' "$OUT_DIR/sync.log") rows"
+else
+  SYNC_SHAPE=qwen3-30b-a3b-28l; [ "$MEM_MIB" -ge 133120 ] && SYNC_SHAPE=qwen3-30b-a3b
+  bounded "$(slot 90 0)" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
+    --repeats 3 --gpu-unpacked-only --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
+  say "b) sync rc=$?, $SYNC_SHAPE: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
+  grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
+fi
+gpu_cleanup
+
+# ---- c) one MoE layer: default tile rule vs the tuned table (only with >= 35 s left)
+if [ "$DRY_RUN" = 1 ]; then
+  bounded 30 $PY benchmarks/moe_kernels.py --help > "$OUT_DIR/moe_kernels.log" 2>&1
+  say "c) moe_kernels --help rc=$? (CUDA only)"
+elif [ "$(left)" -ge 35 ]; then
+  bounded "$(slot 40 0)" $PY benchmarks/moe_kernels.py --tokens 1,24,128,256,1024,4096 --tuned --triton-only \
+    --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
+  say "c) moe_kernels rc=$?"
+  grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print(f\"c) T={r['T']:5d} {r['path']:40s} graph {r.get('graph_us', 0):8.1f} us  floor {r['floor_us']:7.1f}  \"
+          f\"diff {r.get('max_abs_diff_vs_triton', '-')} {r.get('error', '')}\")" | tee -a "$OUT_DIR/summary.txt"
+else
+  say "c) skipped: $(left) s left"
+fi
+gpu_cleanup
+say "done"
+exit 0
