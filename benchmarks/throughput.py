@@ -76,7 +76,7 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     startup = time.perf_counter() - t0
     mem = mem()
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    rec = FloorRecorder(llm.engine) if args.floor else None
+    rec = FloorRecorder(llm.engine) if args.floor or args.step_trace else None
 
     def gen(ps, sps):  # the timed workload (``prompts`` itself) runs under the floor's recorder
         with rec if rec is not None and ps is prompts else contextlib.nullcontext():
@@ -94,6 +94,11 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     if rec is not None:
         print(f"rlserve timed: {res['output_tokens']} tokens in {res['seconds']:.3f} s", flush=True)
         res["floor"] = rec.result(res["seconds"], args.device, args.dtype)
+        _print_steps(res["floor"])
+        if args.step_trace:
+            from workload_floor import write_trace
+
+            write_trace(rec.trace, args.step_trace)
     if args.phases:
         res["phases"] = _phases(llm.engine, lambda: gen(fresh(1), params), args)
     if args.profile:
@@ -107,6 +112,19 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
         res["kernels_workload"] = profile_kernels(lambda: gen(fresh(4), params), "whole workload",
                                                   args.kernel_profile)
     return res
+
+
+def _print_steps(floor: dict) -> None:
+    """One line per step class of the floor's step summary (``workload_floor.summarize_steps``)."""
+    st = floor.get("steps")
+    if not st:
+        return
+    print(f"serial floor {st['serial_floor_s']:.2f} s (weights-or-GEMMs + attention per step, in sequence), "
+          f"time / serial floor {floor['x_serial_floor']:.2f}x", flush=True)
+    for name, b in [("prefill", st["P"]), *((f"decode {k}", v) for k, v in st["D"].items())]:
+        x = f"{b['x_serial_floor']:.2f}x" if b["x_serial_floor"] else "-"
+        print(f"  steps {name:12s} {b['steps']:5d}  {b['seconds']:7.3f} s  tokens {b['tokens']:7d}  "
+              f"padded rows {b['padded_rows']:6d}  serial floor {b['serial_floor_s']:7.3f} s  {x}", flush=True)
 
 
 def _probe_kv_sizing(args):
@@ -406,6 +424,9 @@ def main(argv=None) -> None:
     ap.add_argument("--floor", action="store_true",
                     help="rlserve: record the timed run's steps; the workload's HBM floor "
                          "(weights + KV read per step, summed) and time / floor")
+    ap.add_argument("--step-trace", metavar="PATH",
+                    help="rlserve, with --floor: write the timed run's steps as JSON lines (kind, tokens, sequences, "
+                         "rows incl. CUDA-graph padding, bytes, FLOPs, launch time)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="rlserve: run the workload once more under cProfile and print its top N functions")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",

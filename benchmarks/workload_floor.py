@@ -34,6 +34,10 @@ class FloorRecorder:
         self.wb: dict[int, int] = {}
         self.acc = {f"{k}_{v}": 0 for k in ("prefill", "decode") for v in ("steps", "weight_bytes", "kv_bytes", "flops")}
         self.steps: list[tuple[int, int]] = []  # (bytes, FLOPs) of each step
+        # the step trace: one dict a step (:data:`TRACE_KEYS`), see :func:`summarize_steps`
+        self.trace: list[dict] = []
+        runner = engine.executor.runner
+        self._graphs = lambda: getattr(runner, "cuda_graphs", None)
         self.launch0 = None
 
     def __enter__(self):
@@ -55,12 +59,17 @@ class FloorRecorder:
                     pairs += c * new + new * (new + 1) // 2
             else:
                 pairs = attended
-            flops = 2 * self.tok_params * n + 2 * self.head_params * len(batch.seqs) + self.pair_flops * pairs
+            linear = 2 * self.tok_params * n + 2 * self.head_params * len(batch.seqs)
+            flops = linear + self.pair_flops * pairs
             acc[f"{kind}_steps"] += 1
             acc[f"{kind}_weight_bytes"] += self.wb[n]
             acc[f"{kind}_kv_bytes"] += self.kv_tok * attended
             acc[f"{kind}_flops"] += flops
             self.steps.append((self.wb[n] + self.kv_tok * attended, flops))
+            self.trace.append(dict(t=time.perf_counter(), kind="P" if batch.is_prefill else "D", tokens=n,
+                                   seqs=len(batch.seqs), rows=self._rows(batch), weight_bytes=self.wb[n],
+                                   kv_bytes=self.kv_tok * attended, linear_flops=linear,
+                                   attn_flops=self.pair_flops * pairs))
             return launch0(batch, *a, **kw)
 
         eng._launch = launch
@@ -68,6 +77,17 @@ class FloorRecorder:
 
     def __exit__(self, *exc):
         self.engine._launch = self.launch0
+        if self.trace:
+            self.trace.append(dict(t=time.perf_counter(), kind="end"))
+
+    def _rows(self, batch) -> int:
+        """Rows the step computes: a decode step that replays a CUDA graph computes the graph's
+        batch size (the padded rows included); any other step its tokens."""
+        g = self._graphs()
+        n = batch.num_tokens
+        if batch.is_prefill or g is None or not g.can_run(n, max(len(s) for s in batch.seqs)):
+            return n
+        return g.padded_size(n)
 
     def result(self, timed_s: float, device: str, dtype: str) -> dict:
         """The sums; ``floor_s`` (prefill + decode bytes / bandwidth) and ``x_floor`` = ``timed_s``
@@ -86,8 +106,72 @@ class FloorRecorder:
                    roofline_s=sum(max(b / bw, f / peak) for b, f in self.steps))
         acc["x_floor"] = timed_s / acc["floor_s"]
         acc["x_roofline"] = timed_s / acc["roofline_s"]
+        if self.trace:
+            acc["steps"] = summarize_steps(self.trace, bw, peak)
+            acc["serial_floor_s"] = acc["steps"]["serial_floor_s"]
+            acc["x_serial_floor"] = timed_s / acc["serial_floor_s"]
         print("floor:", {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()}, flush=True)
         return acc
+
+
+#: decode batch-size buckets of :func:`summarize_steps` (upper bounds, inclusive)
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 192, 256, 1 << 30)
+
+
+def summarize_steps(trace: list[dict], bw: float, peak: float) -> dict:
+    """Where a recorded run's steps went (the step trace of :class:`FloorRecorder`).
+
+    ``trace``: one dict a launched step (``t`` perf_counter seconds at its launch, ``kind`` "P" /
+    "D", ``tokens``, ``seqs``, ``rows`` computed incl. a CUDA graph's padded rows,
+    ``weight_bytes``, ``kv_bytes``, ``linear_flops``, ``attn_flops``), then ``{"kind": "end"}`` at
+    the run's end. A step's time is the interval from its launch to the next launch (overlapped
+    decode launches step N+1 while step N runs, so this is the step's share of the pipeline).
+    ``bw``: copy bandwidth in bytes/s, ``peak``: matmul FLOP/s (both measured in the same run).
+
+    Returns per kind and per decode batch bucket (:data:`BATCH_BUCKETS`): steps, seconds, rows,
+    padded rows, and the *serial floor* in seconds: per step ``max(weight bytes / bw, linear
+    FLOPs / peak) + max(KV bytes / bw, attention FLOPs / peak)`` -- the weights-and-GEMMs kernels
+    and the attention kernels one after the other at their own bound (what an engine that runs
+    them in sequence, as rlserve and vLLM do, can reach at most); ``serial_floor_s`` its sum."""
+    steps = [s for s in trace if s["kind"] != "end"]
+    ends = [s["t"] for s in trace[1:]]
+    out = {"P": _bucket(), "D": {}}
+    total = 0.0
+    for s, t1 in zip(steps, ends, strict=False):
+        serial = (max(s["weight_bytes"] / bw, s["linear_flops"] / peak)
+                  + max(s["kv_bytes"] / bw, s["attn_flops"] / peak))
+        total += serial
+        if s["kind"] == "P":
+            b = out["P"]
+        else:
+            key = next(f"<={u}" if u < 1 << 30 else "more" for u in BATCH_BUCKETS if s["seqs"] <= u)
+            b = out["D"].setdefault(key, _bucket())
+        b["steps"] += 1
+        b["seconds"] += t1 - s["t"]
+        b["tokens"] += s["tokens"]
+        b["rows"] += s["rows"]
+        b["padded_rows"] += s["rows"] - s["tokens"]
+        b["serial_floor_s"] += serial
+    for b in [out["P"], *out["D"].values()]:
+        b["x_serial_floor"] = b["seconds"] / b["serial_floor_s"] if b["serial_floor_s"] else None
+    out["D"] = dict(sorted(out["D"].items(), key=lambda kv: BATCH_BUCKETS.index(
+        int(kv[0][2:]) if kv[0] != "more" else 1 << 30)))
+    out["serial_floor_s"] = total
+    return out
+
+
+def _bucket() -> dict:
+    return {"steps": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "padded_rows": 0, "serial_floor_s": 0.0}
+
+
+def write_trace(trace: list[dict], path: str) -> None:
+    """The step trace as JSON lines (one step a line, times relative to the first launch)."""
+    import json
+
+    t0 = trace[0]["t"] if trace else 0.0
+    with open(path, "w") as f:
+        for s in trace:
+            f.write(json.dumps({**s, "t": round(s["t"] - t0, 6)}) + "\n")
 
 
 def flop_params(model) -> tuple[int, int]:
