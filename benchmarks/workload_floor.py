@@ -215,3 +215,74 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 8192, iters:
         a @ b
     sync()
     return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+
+
+def estimate_serial_floor(shape: str, bw: float, peak: float, num_seqs: int = 256, min_len: int = 100,
+                          max_len: int = 1024, seed: int = 0, itemsize: int = 2) -> dict:
+    """The serial floor of ``throughput.py``'s offline workload for a dense shape of
+    ``benchmarks/model_shapes.py`` without running it (the same formula as :func:`summarize_steps`,
+    on an idealised schedule: every prompt prefilled first, then decode step ``t = 1 ..`` runs every
+    sequence whose output length exceeds ``t``, attending to its prompt + ``t`` tokens).
+
+    ``bw``: copy bandwidth in bytes/s, ``peak``: matmul FLOP/s the GEMMs reach (at the power cap
+    for a batch-256 8B step: ~640 TFLOPS on an H100, gate_up's rate in BENCHMARKS.md D2).
+    Weights: every linear of a layer (q / k / v / o, gate / up / down) and the LM head, ``itemsize``
+    bytes each (norms are < 0.01% and left out). Returns seconds: ``prefill_s`` (GEMMs + causal
+    attention FLOPs), ``decode_s`` and its parts (steps bound by the weights' read, steps bound by
+    GEMM FLOPs, KV reads), ``total_s``. Raises ValueError for a mixture-of-experts shape."""
+    from model_shapes import shape_config
+    from throughput import make_workload
+
+    c = shape_config(shape)
+    if getattr(c, "num_experts", 0):
+        raise ValueError(f"{shape}: dense shapes only (expert reads depend on routing)")
+    h, layers = c.hidden_size, c.num_hidden_layers
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    tok = layers * (h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size)  # weights a token multiplies
+    head = c.vocab_size * h
+    weights = (tok + head) * itemsize
+    kv_tok = layers * 2 * kv * itemsize
+    pair = 4 * layers * q  # FLOPs of one (query, key) pair: QK^T and PV over every query head
+    prompts, outs = make_workload(num_seqs, min_len, max_len, c.vocab_size, seed)
+    plen = [len(p) for p in prompts]
+    prefill = (2 * tok * sum(plen) + 2 * head * num_seqs + pair * sum(n * (n + 1) // 2 for n in plen)) / peak
+    w_s = g_s = kv_s = 0.0
+    for t in range(1, max(outs)):
+        live = [i for i, o in enumerate(outs) if o > t]
+        w, g = weights / bw, 2 * (tok + head) * len(live) / peak
+        w_s += w if w > g else 0.0
+        g_s += g if g >= w else 0.0
+        kv_s += max(kv_tok * sum(plen[i] + t for i in live) / bw, pair * sum(plen[i] + t for i in live) / peak)
+    dec = w_s + g_s + kv_s
+    return {"shape": shape, "bw_TBps": bw / 1e12, "peak_TFLOPs": peak / 1e12, "weight_bytes": weights,
+            "kv_bytes_per_token": kv_tok, "prefill_s": prefill, "decode_s": dec, "decode_weights_bound_s": w_s,
+            "decode_gemm_bound_s": g_s, "decode_kv_s": kv_s, "total_s": prefill + dec}
+
+
+def main(argv=None) -> None:
+    """``python benchmarks/workload_floor.py --shape qwen3-8b --bw-tbps 4.24 --tflops 640``: print
+    :func:`estimate_serial_floor` (JSON)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=estimate_serial_floor.__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--bw-tbps", type=float, required=True, help="copy bandwidth, TB/s (read + write)")
+    ap.add_argument("--tflops", type=float, required=True, help="the GEMMs' bf16 rate, TFLOP/s")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    res = estimate_serial_floor(a.shape, a.bw_tbps * 1e12, a.tflops * 1e12, a.num_seqs, a.min_len, a.max_len,
+                                a.seed)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

@@ -57,3 +57,20 @@ def test_trace_file_is_one_json_line_a_step_relative_to_the_first_launch(tmp_pat
     assert [x["kind"] for x in lines] == ["P", "D", "D", "end"]
     assert [x["t"] for x in lines] == pytest.approx([0.0, 0.010, 0.015, 0.022])
     assert lines[1]["rows"] - lines[1]["tokens"] == 8
+
+
+def test_estimate_counts_every_linear_and_the_lm_head():
+    """The estimate's weight bytes = the HF model's parameters (meta build) less the input embedding and the
+    RMSNorm weights (2 a layer + the final one), 2 bytes each."""
+    from model_shapes import num_params, shape_config
+    from workload_floor import estimate_serial_floor
+
+    c = shape_config("tiny-llama")
+    est = estimate_serial_floor("tiny-llama", 1e12, 1e15, num_seqs=2, min_len=4, max_len=8)
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    assert est["weight_bytes"] == 2 * (num_params("tiny-llama") - c.vocab_size * c.hidden_size - norms)
+    assert est["kv_bytes_per_token"] == c.num_hidden_layers * 2 * c.num_key_value_heads * 16 * 2  # head_dim 16
+    assert est["total_s"] == pytest.approx(est["prefill_s"] + est["decode_weights_bound_s"]
+                                           + est["decode_gemm_bound_s"] + est["decode_kv_s"])
+    with pytest.raises(ValueError, match="dense shapes only"):
+        estimate_serial_floor("small-qwen3-moe", 1e12, 1e15)
