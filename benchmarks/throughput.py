@@ -93,8 +93,15 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
     if rec is not None:
         print(f"rlserve timed: {res['output_tokens']} tokens in {res['seconds']:.3f} s", flush=True)
-        res["floor"] = rec.result(res["seconds"], args.device, args.dtype)
-        _print_steps(res["floor"])
+        try:  # its bandwidth probe allocates 4 GiB beside the cache: a failure must not lose the run
+            res["floor"] = rec.result(res["seconds"], args.device, args.dtype)
+        except torch.OutOfMemoryError as e:
+            res["floor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["floor_sums"] = dict(rec.acc)  # the recorded bytes and FLOPs, without the probes' rates
+            print(f"floor: not measured ({res['floor_error']})", flush=True)
+            torch.cuda.empty_cache()
+        else:
+            _print_steps(res["floor"])
         if args.step_trace:
             from workload_floor import write_trace
 

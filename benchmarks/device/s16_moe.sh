@@ -19,11 +19,11 @@ MOE_TUNED=${MOE_TUNED:-0}
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED"
 if [ "$DRY_RUN" = 1 ]; then
   SHAPE=small-qwen3-moe
-  ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4 --batch1-tokens 4 --batch1-prompt-len 8)
+  ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4 --batch1-tokens 4 --batch1-prompt-len 8 --floor)
   VLLM_ARGS=(--gpu-memory-utilization 0.1 --vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
 else
   SHAPE=qwen3-30b-a3b; [ "$MEM_MIB" -lt 76800 ] && SHAPE=qwen3-30b-a3b-24l
-  ARGS=(--device cuda --batch1-tokens 256)
+  ARGS=(--device cuda --batch1-tokens 256 --floor)
   VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
 fi
 say "a) shape $SHAPE"
