@@ -5,7 +5,8 @@
 #      rlserve then vLLM 0.24.0 with its MoE kernels (/tmp/vsite), one process each, same card, each at
 #      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
 #      (default below: what session 16's first window settled, see BENCHMARKS.md). Falls back to the
-#      24-layer shape on a card under 75 GiB. vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
+#      24-layer shape on a card under 75 GiB. rlserve with --floor (the HBM floor + roofline of its own steps:
+#      how far 1.3x vLLM is from what the bytes allow) and its step trace (step_trace_rlserve.jsonl). vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
 #   b) benchmarks/sync.py, CUDA IPC unpacked (IPC's default; fused names, then the trainer's per-expert
 #      names) against the device-copy floor of the same bytes: the FULL 61 GB shape on a card with
 #      >= 130 GiB (H200: trainer copy + server copy = 122 GB), else the first 28 layers (36.1 GB, s13's
@@ -31,7 +32,7 @@ gpu_cleanup
 
 # ---- a) offline + batch-1, rlserve (<= 85 s; s15: 54 s) then vLLM (<= 185 s; s15: 151 s), 40 s kept for b)
 export RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
-throughput_pair a 85 210 185 40 --shape "$SHAPE" "${ARGS[@]}" --vllm "${VLLM_ARGS[@]}"
+throughput_pair a 85 210 185 40 --shape "$SHAPE" "${ARGS[@]}" --step-trace "$OUT_DIR/step_trace_rlserve.jsonl" --vllm "${VLLM_ARGS[@]}"
 unset RLSERVE_MOE_TUNED_CONFIGS
 gpu_cleanup
 
