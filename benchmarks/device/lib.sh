@@ -20,6 +20,9 @@
 #                   subshell; skipped in a dry run without VLLM_PYTHONPATH), each its own process: logs and JSON
 #                   $OUT_DIR/throughput_{rlserve,vllm}.*, a summary line each ("TAG) ...") and rlserve / vLLM,
 #                   both results in $OUT_DIR/throughput.json (benchmarks/device/throughput_summary.py)
+#   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
+#                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
+#                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${NAME:?set NAME before sourcing lib.sh}"
@@ -85,6 +88,13 @@ throughput_pair() {
       "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
   fi
   $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "$tag)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+}
+serve_start() {
+  bounded "$2" $PY benchmarks/startup_stop.py --reps 1 --device "$DEV" --shape "$S8" --show-start-log \
+    --greedy-tokens 16 --json "$OUT_DIR/serve_$1.json" "${SRV[@]}" > "$OUT_DIR/serve_$1.log" 2>&1
+  local rc=$?
+  say "$1) rc=$rc $(grep -E '^\.: ready' "$OUT_DIR/serve_$1.log" | cut -c1-400)"
+  gpu_cleanup
 }
 if [ "$DRY_RUN" = 1 ] || ! command -v nvidia-smi >/dev/null; then
   CARD="cpu (dry run)"; MEM_MIB=0

@@ -25,13 +25,6 @@ else
   S8=qwen3-8b; DEV=cuda; ENG=rlserve,vllm; SRV=(-- --max-model-len 2056); TP=(--device cuda --batch1-tokens 128); DS=()
   LA=(32 25 45)  # seconds for A1 (cold), A2 (warm), C (cold, serial compiles): B needs ~150 s
 fi
-serve_start() {  # LABEL LIMIT: one `rlserve serve` start -> ready -> 16 greedy tokens -> SIGINT
-  bounded "$2" $PY benchmarks/startup_stop.py --reps 1 --device $DEV --shape $S8 --show-start-log --greedy-tokens 16 \
-    --json "$OUT_DIR/serve_$1.json" "${SRV[@]}" > "$OUT_DIR/serve_$1.log" 2>&1
-  local rc=$?
-  say "$1) rc=$rc $(grep -E '^\.: ready' "$OUT_DIR/serve_$1.log" | cut -c1-400)"
-  gpu_cleanup
-}
 
 TRITON_CACHE_DIR=$TC_ON RLSERVE_TRITON_PRECOMPILE=1 serve_start A1_cold_precompile ${LA[0]}
 TRITON_CACHE_DIR=$TC_ON RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}

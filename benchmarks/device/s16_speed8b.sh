@@ -51,13 +51,6 @@ grep -E '^serial floor|^  steps ' "$OUT_DIR/throughput_rlserve.log" | tee -a "$O
 gpu_cleanup
 $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "R+V)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 
-serve_start() {  # LABEL LIMIT: one `rlserve serve` start -> ready -> 16 greedy tokens -> SIGINT
-  bounded "$2" $PY benchmarks/startup_stop.py --reps 1 --device $DEV --shape $S8 --show-start-log --greedy-tokens 16 \
-    --json "$OUT_DIR/serve_$1.json" "${SRV[@]}" > "$OUT_DIR/serve_$1.log" 2>&1
-  local rc=$?
-  say "$1) rc=$rc $(grep -E '^\.: ready' "$OUT_DIR/serve_$1.log" | cut -c1-400)"
-  gpu_cleanup
-}
 TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A1_cold ${LA[0]}
 TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}
 $PY - "$OUT_DIR" <<'PYEOF' | tee -a "$OUT_DIR/summary.txt"
