@@ -69,6 +69,51 @@ def test_trl_generation_kwargs_are_typed(srv, kwargs, param, says):
     _still_serving(srv)
 
 
+#: (field, a value of the wrong type, a value out of range): TRL 1.16's VLLMClient sends its
+#: generation_kwargs as /v1/completions fields, so one bad value must read the same in both places
+#: (vLLM 0.32 answers code 400 for either kind on /v1/completions: tests/vllm_request_facts.py-style
+#: probe of its CompletionRequest + create_error_response, run in session 16)
+BAD_VALUES = [("temperature", "hot", -1), ("top_k", 2.5, -7), ("seed", "x", 2 ** 64), ("n", 1.5, 0)]
+
+
+@pytest.mark.parametrize("field,wrong_type,out_of_range", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_generation_kwargs_codes_match_the_top_level(srv, field, wrong_type, out_of_range):
+    """A value of the wrong type is ``invalid_value`` whether it comes as a /v1/completions field
+    (pydantic) or in /generate/'s generation_kwargs (the core's schema; it was ``invalid_request``,
+    a non-dict generation_kwargs ``invalid_value``); one out of range ``invalid_request`` in both."""
+    for value, code in ((wrong_type, "invalid_value"), (out_of_range, "invalid_request")):
+        top = _error(_post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, field: value}))
+        kw = _error(_post(srv, "/generate/", {**GREEDY, "generation_kwargs": {field: value}}))
+        assert (top["param"], kw["param"]) == (field, f"generation_kwargs.{field}"), (top, kw)
+        assert (top["code"], kw["code"]) == (code, code), (value, top, kw)
+    assert _error(_post(srv, "/generate/", {**GREEDY, "generation_kwargs": [1]}))["code"] == "invalid_value"
+    unknown = _error(_post(srv, "/generate/", {**GREEDY, "generation_kwargs": {"temprature": 1}}))
+    assert (unknown["param"], unknown["code"]) == ("generation_kwargs.temprature", "unknown_field"), unknown
+    top = _error(_post(srv, "/v1/completions", {"prompt": [5, 6], "temprature": 1}))
+    assert (top["param"], top["code"]) == ("temprature", "unknown_field"), top
+    _still_serving(srv)
+
+
+def test_trl_generate_logprobs_is_0_or_null(srv):
+    """TRL's /generate/ answers the sampled token's logprob (``logprobs`` 0, its default) or none
+    (null); any other value was accepted and answered the same one logprob per token (top-k
+    silently dropped): now a 400 naming the field, in the body or in generation_kwargs."""
+    one = _post(srv, "/generate/", {**GREEDY, "logprobs": 0}).json()
+    ref = _post(srv, "/v1/completions", {"prompt": PROMPT[0], "max_tokens": 6, "temperature": 0.0,
+                                         "logprobs": 0}).json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert one["completion_ids"] == srv.greedy and len(one["logprobs"][0]) == 6
+    assert one["logprobs"][0] == pytest.approx(ref, abs=1e-6)  # the same engine and request: float32 equal
+    assert _post(srv, "/generate/", {**GREEDY, "logprobs": None}).json()["logprobs"] is None
+    off = _post(srv, "/generate/", {**GREEDY, "generation_kwargs": {"logprobs": None}}).json()
+    assert off["logprobs"] is None and off["completion_ids"] == srv.greedy
+    for bad in (2, -1, 20, "3", True):
+        err = _error(_post(srv, "/generate/", {**GREEDY, "logprobs": bad}))
+        assert err["param"] == "logprobs" and "must be 0" in err["message"], (bad, err)
+    err = _error(_post(srv, "/generate/", {**GREEDY, "generation_kwargs": {"logprobs": 3}}))
+    assert err["param"] == "generation_kwargs.logprobs" and "must be 0" in err["message"], err
+    _still_serving(srv)
+
+
 def test_wire_limits_on_openai_routes(srv):
     """An integer MessagePack cannot carry is a 400 naming it (it was a 500 from the core client)."""
     err = _error(_post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "seed": 2 ** 64}))

@@ -188,3 +188,41 @@ def test_a_thread_without_a_tokenizer_fails_its_requests_instead_of_hanging():
     got = asyncio.run(main())
     assert [type(e) for e in got] == [TypeError] * 3, got
     assert all(str(e) == "this tokenizer cannot be copied" for e in got)
+
+
+def _tokenizer_threads(exclude=()) -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("rlserve-tokenizer") and t not in exclude]
+
+
+def test_close_joins_both_threads_and_refuses_later_work(monkeypatch):
+    from rlserve.server import tokenizer_threads
+
+    monkeypatch.setattr(tokenizer_threads, "LONG_TEXT_CHARS", 100)
+    before = _tokenizer_threads()
+    tok = build_tokenizer()
+    tt = TokenizerThreads(tok)
+    assert asyncio.run(tt.encode_many(["ab", "ab " * 50], True)) == [tok.encode("ab"), tok.encode("ab " * 50)]
+    assert asyncio.run(tt.encode_many(["cd"], False)) == [tok.encode("cd", add_special_tokens=False)]
+    assert sorted(t.name.rsplit("_", 1)[0] for t in _tokenizer_threads(before)) == \
+        ["rlserve-tokenizer", "rlserve-tokenizer-long"]
+    tt.close()
+    assert _tokenizer_threads(before) == []  # joined: shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="stopping"):
+        asyncio.run(tt.encode_many(["ab"], True))
+    with pytest.raises(RuntimeError, match="stopping"):
+        asyncio.run(tt.run(len, "x"))
+
+
+def test_server_stop_ends_its_tokenizer_threads(tiny_model, monkeypatch):
+    """A server's stop (``ServerState.close``, as ``rlserve serve``'s) ends its two tokenizer
+    threads; they used to outlive it (two threads per server started in the process)."""
+    from rlserve.server import tokenizer_threads
+
+    monkeypatch.setattr(tokenizer_threads, "LONG_TEXT_CHARS", 100)
+    before = _tokenizer_threads()
+    with InProcessServer(tiny_model("llama")) as s:
+        for prompt in ("hello", "hello " * 40):  # the short-text thread, then the long-text one
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert len(_tokenizer_threads(before)) == 2
+    assert _tokenizer_threads(before) == []

@@ -280,14 +280,18 @@ class InvalidParamsError(InvalidRequestError):
             ``"structured_outputs.choice.2"``), or None when no single field is to blame.
         message: the whole message; it starts with ``field`` when there is one
             (``"top_k: expected int, got float (2.5)"``, ``"top_p must be in (0, 1], got 5.0"``).
+        code: the HTTP error's ``code``: ``"invalid_value"`` for a value of the wrong type (what
+            pydantic's type errors answer for the same field given at a route's top level),
+            ``"invalid_request"`` for one out of range.
     """
 
-    def __init__(self, field: str | None, message: str):
+    def __init__(self, field: str | None, message: str, code: str = "invalid_request"):
         if field and not message.startswith(field):
             message = f"{field}: {message}"
         super().__init__(message)
         self.field = field
         self.message = message
+        self.code = code
 
     def renamed(self, name: str) -> str:
         """The message with the field called ``name`` (how the request named it, e.g.
@@ -391,6 +395,7 @@ def params_from_fields(fields: dict[str, Any]) -> SamplingParams:
             msg = msg.replace("`", "").replace("Expected", "expected", 1)
             if got is not None and _unwireable(got, "") is None:
                 msg += f" ({msgspec.json.encode(got).decode()[:80]})"
+            raise InvalidParamsError(path, msg, code="invalid_value") from None
         raise InvalidParamsError(path, msg) from None
     try:
         msgspec.msgpack.encode(params)

@@ -117,7 +117,7 @@ class SamplingParams:
         n: completions per prompt (>= 1).
         temperature: 0 means greedy; must be >= 0.
         top_p: nucleus probability mass in (0, 1].
-        top_k: keep the k most likely tokens; 0 or -1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables; below -1 is refused (as vLLM).
         min_p: drop tokens whose probability is below ``min_p`` x the top probability; [0, 1].
         repetition_penalty: > 0; 1 disables (CTRL paper's rule: divide positive logits,
             multiply negative ones, for tokens seen in prompt or output).
@@ -194,7 +194,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:  # -1 = 0 = off, as in vLLM; below -1 refused
             self.top_k = 0
         self.validate()
 
@@ -219,6 +219,8 @@ class SamplingParams:
         # reads them): non-finite values are refused here, not left to sample garbage.
         if self.temperature is None or not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:  # vLLM 0.32's message
+            bad(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:

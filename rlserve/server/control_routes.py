@@ -153,6 +153,16 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     return router
 
 
+def _check_trl_logprobs(k, param: str) -> None:
+    """TRL's ``/generate/`` answers the sampled token's logprob per token (``logprobs`` 0, what
+    TRL's server fixed) or none (null): any other value is a 400 naming ``param``, not a top-k
+    silently dropped (top-k logprobs: ``/v1/completions``, which TRL 1.16's VLLMClient uses).
+    ``k`` is the request's value after pydantic's lax parsing (``"0"`` reads as 0)."""
+    if k is not None and (isinstance(k, bool) or k != 0):
+        raise APIError(400, f"{param} must be 0 (the sampled token's logprob, TRL's /generate/ protocol) or null "
+                            f"(none), got {k!r}; top-k logprobs: POST /v1/completions with logprobs k", param=param)
+
+
 def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
     """TRL ``vllm-serve``'s ``POST /generate/`` (behind the API-key check)."""
     router = APIRouter(dependencies=dependencies)
@@ -174,11 +184,13 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         unknown = sorted(set(extra) - _SAMPLING_FIELDS)
         if unknown:
             raise APIError(400, f"unknown generation_kwargs {unknown}; allowed: {sorted(_SAMPLING_FIELDS)}",
-                           param="generation_kwargs")
-        lp_k = state.check_logprobs(body.logprobs, "logprobs")
+                           param=f"generation_kwargs.{unknown[0]}", code="unknown_field")
+        _check_trl_logprobs(body.logprobs, "logprobs")
+        if "logprobs" in extra:
+            _check_trl_logprobs(extra["logprobs"], "generation_kwargs.logprobs")
         fields = dict(n=body.n, repetition_penalty=body.repetition_penalty, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, max_tokens=body.max_tokens,
-                      logprobs=lp_k, structured_outputs=await state.structured_outputs(body))
+                      logprobs=body.logprobs, structured_outputs=await state.structured_outputs(body))
         fields.update(extra)
         names = {k: f"generation_kwargs.{k}" for k in extra}
         params = state.sampling_params(names, **fields)  # every value typed and in range, before any work
@@ -201,7 +213,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         for out in finals:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_ids.append(list(c.token_ids))
-                if body.logprobs is not None:
+                if params.logprobs is not None:
                     logprobs.append([finite(d.get(t)) if d else None for t, d in zip(c.token_ids, c.logprobs or [])])
         versions = []
         for out in finals:
@@ -211,7 +223,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         answer = {
             "prompt_ids": [list(ids) for ids, _ in items],
             "completion_ids": completion_ids,
-            "logprobs": logprobs if body.logprobs is not None else None,
+            "logprobs": logprobs if params.logprobs is not None else None,
             "weight_version": versions[-1] if versions else state.aengine.weight_version,
             "weight_versions": versions,
         }

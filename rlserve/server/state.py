@@ -307,9 +307,10 @@ class ServerState:
                                                      add_special_tokens=add_special_tokens), chars=len(prompt))
 
     def close(self) -> None:
-        """Stop the chat-template workers (the server's stop)."""
+        """Stop the chat-template workers and the tokenizer threads (the server's stop)."""
         if self._templates:
             self._templates.close()
+        self.tokenizer_threads.close()
 
     # ---- checks -----------------------------------------------------------------------
     def check_available(self) -> None:
@@ -574,10 +575,10 @@ class ServerState:
             return params_from_fields(args)
         except InvalidParamsError as e:
             if e.field is None:
-                raise APIError(400, str(e)) from None
+                raise APIError(400, str(e), code=e.code) from None
             top = e.field.split(".", 1)[0]
             param = names.get(top, top) + e.field[len(top):]
-            raise APIError(400, e.renamed(param), param=param) from None
+            raise APIError(400, e.renamed(param), param=param, code=e.code) from None
 
     # ---- token text -------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:

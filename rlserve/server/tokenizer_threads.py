@@ -60,9 +60,28 @@ class TokenizerThreads:
         #: wait for all 64.
         self.batch_texts = 2 * _cores()
         self._batch_queued = False  # a _encode_batches call is queued or running on it
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop both threads (the server's stop): work not started is cancelled, an encode in
+        progress is finished (the Rust tokenizer cannot be interrupted: at most the longest
+        prompt's encode, seconds) and the threads are joined. A later call raises RuntimeError.
+        Before this, the threads outlived every server stop of their process (a test or an
+        embedding program that starts and stops servers collected two threads per server)."""
+        with self._lock:
+            self._closed = True
+            pools, self._short, self._long = [p for p in (self._short, self._long) if p is not None], None, None
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # texts whose batch call was cancelled: their requests fail, none waits
+            batch, self._batch, self._batch_queued = self._batch, [], False
+        stopped = RuntimeError("the server is stopping: its tokenizer threads are stopped")
+        _deliver([(f, lp, None, stopped) for _texts, _flag, f, lp in batch])
 
     def _executor(self, long: bool) -> ThreadPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the server is stopping: its tokenizer threads are stopped")
             if long:
                 if self._long is None:
                     self._long = ThreadPoolExecutor(1, thread_name_prefix="rlserve-tokenizer-long",
