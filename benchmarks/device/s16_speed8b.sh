@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Session 16, issue 37 (speed16, budget 240 s): the Qwen3-8B shape offline against vLLM 0.24.0 in the same run,
-# where rlserve's time goes step by step, and the start-up to ready of both.
-#   V)  throughput.py --shape qwen3-8b --engine vllm (the nano-vllm offline workload: 256 sequences, 100..1024
-#       in / out; vLLM's LLM() start-up = its start-up to ready, torch.compile + graphs, cold caches on a fresh
-#       machine; its KV cache tokens), first: its ~90-110 s start-up is most of the budget
-#   R)  the same workload, rlserve, --floor --step-trace: the workload's HBM floor / roofline and the serial
-#       floor (per step max(weights, GEMM FLOPs) + KV bytes, in sequence), every step (prefill / decode,
-#       sequences, rows incl. CUDA-graph padding, launch time) as JSON lines, steps per class and their time;
-#       rlserve's in-process LLM() start-up with a warm Triton cache; its KV cache tokens
+# where rlserve's time goes step by step, and the start-up to ready of both. In this order:
 #   A1) `rlserve serve` (dummy 8B, tiny tokenizer) process start -> ready with a cold Triton cache (fresh
 #       TRITON_CACHE_DIR, RLSERVE_TRITON_PRECOMPILE=1, the default), the server's INFO lines with their second
 #       (where the start-up goes), 16 greedy tokens of a fixed prompt
-#   A2) the same, warm (A1's cache): tokens must equal A1's
+#   R)  throughput.py --shape qwen3-8b --engine rlserve (the nano-vllm offline workload: 256 sequences, 100..1024
+#       in / out) --floor --step-trace: the workload's HBM floor / roofline and the serial floor (per step
+#       max(weights, GEMM FLOPs) + KV bytes, in sequence), every step (prefill / decode, sequences, rows incl.
+#       CUDA-graph padding, launch time) as JSON lines, steps per class and their time; rlserve's in-process
+#       LLM() start-up with A1's (warm) Triton cache; its KV cache tokens
+#   V)  the same workload, vLLM 0.24 (/tmp/vsite, its own process): its LLM() start-up to ready (torch.compile +
+#       graphs, cold caches on a fresh machine: ~90-110 s, most of the budget), tok/s, KV cache tokens
+#   A2) A1 again, warm (A1's cache), if 25 s are left: tokens must equal A1's
 # DRY_RUN=1: tiny shapes on the CPU, rlserve only (vLLM only with VLLM_PYTHONPATH set).
 NAME=s16_speed8b BUDGET=${BUDGET:-240}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
@@ -24,14 +24,25 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   S8=qwen3-8b; DEV=cuda; SRV=(-- --max-model-len 2056); LA=(40 25)
   TP=(--shape $S8 --device cuda)
-  VCAP=135; RCAP=60  # vLLM: ~90-110 s start-up + ~15 s workload; rlserve: ~5 s start-up + ~17 s + floor
+  VCAP=150; RCAP=60  # vLLM: ~90-110 s start-up + ~18 s workload; rlserve: ~5 s start-up + ~18 s + floor
 fi
 
-# V) vLLM first, its own process and environment (lib.sh's throughput_pair runs rlserve first: not here)
+TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A1_cold ${LA[0]}
+
+# R) rlserve, same workload, with the floor and the step trace
+t=$(slot $RCAP 120)
+TRITON_CACHE_DIR=$TC timeout -k 5 "$t" $PY benchmarks/throughput.py --engine rlserve --no-hf "${TP[@]}" --floor \
+  --step-trace "$OUT_DIR/steps_rlserve.jsonl" --json "$OUT_DIR/throughput_rlserve.json" \
+  > "$OUT_DIR/throughput_rlserve.log" 2>&1
+say "R) rlserve rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
+grep -E '^serial floor|^  steps ' "$OUT_DIR/throughput_rlserve.log" | tee -a "$OUT_DIR/summary.txt"
+gpu_cleanup
+
+# V) vLLM, its own process and environment
 if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_PYTHONPATH:-}" ]; then
   say "V) vllm skipped (dry run without VLLM_PYTHONPATH)"
 else
-  t=$(slot $VCAP 95)
+  t=$(slot $VCAP ${LA[1]})
   ( [ -f /tmp/vsite/env.sh ] && source /tmp/vsite/env.sh
     timeout -k 5 "$t" $PY benchmarks/throughput.py --engine vllm --no-hf "${TP[@]}" \
       --json "$OUT_DIR/throughput_vllm.json" ) > "$OUT_DIR/throughput_vllm.log" 2>&1
@@ -40,19 +51,13 @@ else
     "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -3 | tr '\n' ' ')"
   gpu_cleanup
 fi
-
-# R) rlserve, same workload, with the floor and the step trace
-t=$(slot $RCAP $(( LA[0] + LA[1] - 10 )))
-timeout -k 5 "$t" $PY benchmarks/throughput.py --engine rlserve --no-hf "${TP[@]}" --floor \
-  --step-trace "$OUT_DIR/steps_rlserve.jsonl" --json "$OUT_DIR/throughput_rlserve.json" \
-  > "$OUT_DIR/throughput_rlserve.log" 2>&1
-say "R) rlserve rc=$? ($t s limit): $(grep -E '^  rlserve ' "$OUT_DIR/throughput_rlserve.log" | tr -s ' ')"
-grep -E '^serial floor|^  steps ' "$OUT_DIR/throughput_rlserve.log" | tee -a "$OUT_DIR/summary.txt"
-gpu_cleanup
 $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "R+V)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 
-TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A1_cold ${LA[0]}
-TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}
+if [ "$(left)" -ge $(( LA[1] )) ]; then
+  TRITON_CACHE_DIR=$TC RLSERVE_TRITON_PRECOMPILE=1 serve_start A2_warm ${LA[1]}
+else
+  say "A2) skipped: $(left) s left"
+fi
 $PY - "$OUT_DIR" <<'PYEOF' | tee -a "$OUT_DIR/summary.txt"
 import json, os, sys
 d = sys.argv[1]
