@@ -32,8 +32,9 @@ def _reference(x, a_stack, b_stack, offsets, sizes, maxr, row_slot, y0):
     return y
 
 
+@pytest.mark.parametrize("split", [None, 3])
 @pytest.mark.parametrize("sizes,maxr,K", [((40, 8, 8), 8, 48), ((24,), 16, 20), ((33, 31), 4, 70)])
-def test_shrink_expand_match_per_row_reference(sizes, maxr, K):
+def test_shrink_expand_match_per_row_reference(sizes, maxr, K, split):
     g = torch.Generator().manual_seed(sum(sizes) + K)
     slots, T = 3, 29
     N = sum(sizes)
@@ -47,7 +48,10 @@ def test_shrink_expand_match_per_row_reference(sizes, maxr, K):
     longest = max(e - s for s, e in zip(seg_start, seg_start[1:]))
     y0 = torch.randn(T, N, generator=g)
     y = y0.clone()
-    t = lora_shrink(x, a, *meta, longest)
+    t = lora_shrink(x, a, *meta, longest, split=split)
+    # split-K (K = 70: parts of 64 + 6 columns; 48 / 20 fit one 64-wide block: one part): one
+    # plane per part, each written for every segment row; the expand sums them
+    assert t.shape == ((2 if split and K > 64 else 1), T, len(sizes) * maxr)
     lora_expand(t, b, y, offsets, *meta, longest)
     torch.testing.assert_close(y, _reference(x, a, b, offsets, sizes, maxr, row_slot, y0), atol=ATOL, rtol=0)
     # a static grid (one segment per slot, empty ones -1, max_rows = T) gives the same
@@ -55,7 +59,7 @@ def test_shrink_expand_match_per_row_reference(sizes, maxr, K):
                                          num_slots=slots + 1)
     meta = [torch.tensor(v, dtype=torch.int32) for v in (rows, seg_start, seg_slot)]
     y2 = y0.clone()
-    lora_expand(lora_shrink(x, a, *meta, T), b, y2, offsets, *meta, T)
+    lora_expand(lora_shrink(x, a, *meta, T, split=split), b, y2, offsets, *meta, T)
     torch.testing.assert_close(y2, y, atol=ATOL, rtol=0)
 
 

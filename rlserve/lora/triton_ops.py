@@ -15,10 +15,18 @@ are in no segment. Every launch's grid is ``(G, cdiv(max_rows, BLOCK_M), ...)``:
 buffers and ``max_rows`` = the graph's batch size it is fixed, so a CUDA graph captures it
 (programs past their segment's end return at once).
 
-- :func:`lora_shrink`: ``t[rows, :] = x[rows] @ A_stack[slot]^T`` (float32 ``[T, S * max_rank]``;
-  split over ``in`` with atomic adds when the grid alone would leave the GPU idle);
-- :func:`lora_expand`: ``y[rows, offset_s : offset_s + size_s] += t[rows, s-th rank block] @
-  B_stack[slot, offset_s : ...]^T``, slice by slice (no block-diagonal zeros are multiplied).
+- :func:`lora_shrink`: ``t[:, rows, :]`` = partial sums of ``x[rows] @ A_stack[slot]^T`` (float32
+  ``[split, T, S * max_rank]``): split over ``in`` into ``split`` parts when the grid alone would
+  leave the GPU idle (decode), each part stored in its own plane: no zero-fill launch, no atomics
+  (session 15's version zeroed ``t`` in a launch of its own and added the parts atomically: three
+  launches per layer instead of two, and float32 sums in a run-dependent order);
+- :func:`lora_expand`: ``y[rows, offset_s : offset_s + size_s] += (sum of t's planes)[rows, s-th rank
+  block] @ B_stack[slot, offset_s : ...]^T``, slice by slice (no block-diagonal zeros are multiplied).
+
+All slices of a packed layer (q/k/v, gate/up) share one shrink and one expand launch, and one
+step's segments serve every layer: two launches per LoRA-capable linear per step, whatever the
+mix of adapters (vLLM's punica ``lora_shrink`` / ``lora_expand`` with stacked slices do the same
+work in as many launches).
 
 float32 operands use IEEE products (``input_precision="ieee"``, not TF32), so a float32 model
 matches a float32 reference to rounding; bfloat16 / float16 operands accumulate in float32.
@@ -52,9 +60,9 @@ def _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
-                   K, R, stride_xm, stride_as, stride_ar, stride_tm, k_per_split,
+                   K, R, stride_xm, stride_as, stride_ar, stride_ts, stride_tm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ATOMIC: tl.constexpr, IEEE: tl.constexpr):
+                   IEEE: tl.constexpr):
     slot, idle, rows, m_mask = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M)
     if idle:
         return
@@ -78,17 +86,13 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
             acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
         else:
             acc += tl.dot(xt, tl.trans(at))
-    t_ptrs = t_ptr + rows[:, None] * stride_tm + offs_r[None, :]
-    mask = m_mask[:, None] & r_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(t_ptrs, acc, mask=mask)
-    else:
-        tl.store(t_ptrs, acc, mask=mask)
+    t_ptrs = t_ptr + pid_k.to(tl.int64) * stride_ts + rows[:, None] * stride_tm + offs_r[None, :]
+    tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
-                   N, MAXR, off1, off2, stride_tm, stride_bs, stride_bn, stride_ym,
+                   N, MAXR, off1, off2, n_split, stride_ts, stride_tm, stride_bs, stride_bn, stride_ym,
                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
     slot, idle, rows, m_mask = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M)
@@ -107,8 +111,11 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
             for r0 in range(0, MAXR, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_mask = offs_r < MAXR
-                tt = tl.load(t_ptr + rows[:, None] * stride_tm + (s * MAXR + offs_r)[None, :],
-                             mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+                t_ptrs = t_ptr + rows[:, None] * stride_tm + (s * MAXR + offs_r)[None, :]
+                t_mask = m_mask[:, None] & r_mask[None, :]
+                tt = tl.load(t_ptrs, mask=t_mask, other=0.0)
+                for p in range(1, n_split):  # the shrink's split-K planes, summed in a fixed order
+                    tt += tl.load(t_ptrs + p * stride_ts, mask=t_mask, other=0.0)
                 bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                              mask=cols[:, None] & r_mask[None, :], other=0.0)
                 if IEEE:
@@ -126,15 +133,20 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, rows: torch.Tensor, seg_start: torch.Tensor,
-                seg_slot: torch.Tensor, max_rows: int) -> torch.Tensor:
-    """``t [T, R]`` float32 with ``t[i] = x[i] @ A_stack[slot(i)]^T`` for every row ``i`` in a
-    segment (other rows 0).
+                seg_slot: torch.Tensor, max_rows: int, split: int | None = None) -> torch.Tensor:
+    """``t [split, T, R]`` float32 whose planes sum to ``x[i] @ A_stack[slot(i)]^T`` for every row
+    ``i`` in a segment (rows in no segment are left unwritten: :func:`lora_expand` never reads
+    them). ``split`` (>= 1) is chosen here: the reduction over ``K`` is cut into that many parts
+    when segments x row tiles x rank tiles are fewer than the GPU's SMs (decode), part ``p`` stored
+    in plane ``p``.
 
     Args:
         x: ``[T, K]`` the layer's input (row stride free, last dim contiguous).
         a_stack: ``[slots, R, K]`` contiguous, ``x``'s dtype.
         rows / seg_start / seg_slot: the step's segments (module docstring), int32, ``x``'s device.
         max_rows: an upper bound of any segment's row count (the grid's second dimension).
+        split: cut the reduction into this many parts (at most, see above) instead of the
+            SM-count rule (tests: the interpreter has no SMs).
     """
     T, K = x.shape
     R = a_stack.shape[1]
@@ -144,27 +156,30 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, rows: torch.Tensor, seg_
     n_m = triton.cdiv(max(1, max_rows), BLOCK_M)
     n_r = triton.cdiv(R, block_r)
     # split the reduction when segments x row tiles x rank tiles leave most SMs idle (decode)
-    split = 1
-    if x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        while G * n_m * n_r * split < sms and K // (split * 2) >= 256:
-            split *= 2
+    if split is None:
+        split = 1
+        if x.is_cuda:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            while G * n_m * n_r * split < sms and K // (split * 2) >= 256:
+                split *= 2
     k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    t = torch.zeros((T, R), dtype=torch.float32, device=x.device)
+    split = triton.cdiv(K, k_per)  # no empty part
+    t = torch.empty((split, T, R), dtype=torch.float32, device=x.device)
     _shrink_kernel[(G, n_m, n_r * split)](
         x, a_stack, t, rows, seg_start, seg_slot, K, R, x.stride(0), a_stack.stride(0), a_stack.stride(1),
-        t.stride(0), k_per, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
+        t.stride(0), t.stride(1), k_per, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32)
     return t
 
 
 def lora_expand(t: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: tuple[int, ...],
                 rows: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor, max_rows: int) -> torch.Tensor:
-    """``y[i, offset_s : offset_s + size_s] += t[i, s * max_rank : (s + 1) * max_rank] @
-    B_stack[slot(i), offset_s : ..., :]^T`` for every row ``i`` in a segment; in place, returns ``y``.
+    """``y[i, offset_s : offset_s + size_s] += u[i, s * max_rank : (s + 1) * max_rank] @
+    B_stack[slot(i), offset_s : ..., :]^T`` for every row ``i`` in a segment, ``u = t.sum(0)`` (the
+    planes added in order inside the kernel); in place, returns ``y``.
 
     Args:
-        t: ``[T, S * max_rank]`` float32 (:func:`lora_shrink`).
+        t: ``[split, T, S * max_rank]`` float32 (:func:`lora_shrink`).
         b_stack: ``[slots, N, max_rank]`` contiguous.
         y: ``[T, N]`` the base layer's output (last dim contiguous).
         slice_offsets: the slices' first output columns (``(0,)``, ``(0, q, q + k)``, ...).
@@ -180,7 +195,8 @@ def lora_expand(t: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_o
     block_r = _pow2(maxr, 16, 64)
     n_m = triton.cdiv(max(1, max_rows), BLOCK_M)
     _expand_kernel[(G, n_m, triton.cdiv(N, block_n))](
-        t, b_stack, y, rows, seg_start, seg_slot, N, maxr, off1, off2, t.stride(0), b_stack.stride(0),
+        t, b_stack, y, rows, seg_start, seg_slot, N, maxr, off1, off2, t.shape[0], t.stride(0), t.stride(1),
+        b_stack.stride(0),
         b_stack.stride(1), y.stride(0), NUM_SLICES=S, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
         IEEE=b_stack.dtype == torch.float32)
     return y
