@@ -110,3 +110,33 @@ def test_engine_on_kernel_path_matches_peft_merged(kernel_llm, graphs):
         seen.add((tuple(o.prompt_token_ids), tuple(c.token_ids)))
     assert len(seen) >= 6  # the adapters change the outputs
     runner.use_cuda_graphs = False
+
+
+def test_batch_one_decode_takes_the_gemv_unless_an_adapter_runs(kernel_llm, monkeypatch):
+    """The kernel path's LoRA hooks are permanent (graphs capture them); between steps with
+    adapters they are idle, so a batch-1 decode on the base model takes the GEMV
+    (rlserve.layers.gemv) as without --enable-lora (before session 16 it never did), and one on an
+    adapter does not (the GEMV would skip the hook): both equal PEFT's (merged) model."""
+    from rlserve import SamplingParams
+    from rlserve.layers import fused_ops, gemv
+
+    base, paths, llm = kernel_llm
+    calls = {"n": 0}
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **kw: calls.__setitem__("n", calls["n"] + 1) or launch(*a, **kw))
+    prev, prev_g = fused_ops.set_fused_kernels(True, on_cpu=True), gemv.set_enabled(True)
+    try:
+        prompt = [5, 9, 13, 17, 21, 3]
+        for a in (0, 1):
+            calls["n"] = 0
+            out = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0,
+                                                         lora_int_id=a)])[0].outputs[0]
+            # 3 GEMV launches per layer per batch-1 decode step (qkv, o, gate_up + down fused)
+            assert (calls["n"] > 0) == (a == 0), (a, calls["n"])
+            want_ids, want_lps = hf_greedy_logprobs(merged_model(base, paths.get(a)), prompt, 4)
+            assert list(out.token_ids) == want_ids
+            got = [out.logprobs[i][t] for i, t in enumerate(out.token_ids)]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want_lps), atol=ATOL, rtol=0)
+    finally:
+        gemv.set_enabled(prev_g)
+        fused_ops.set_fused_kernels(*prev)

@@ -27,9 +27,12 @@ size), not ``0`` (:func:`set_enabled`, :func:`set_pdl`), and the
 fused kernels on a Triton device (:func:`rlserve.layers.fused_ops.triton_enabled`), exactly one
 row, ``--batch-invariant`` off (its own kernels keep their bitwise contract), and every linear
 unquantized (:class:`~rlserve.layers.linear.UnquantizedLinearMethod`), tensor-parallel size 1,
-contiguous, in the input's dtype, with no forward hooks (LoRA registers hooks: the module path
-then runs). The decision is per call, on static facts, so a CUDA graph captured at batch 1 holds
-what an eager batch-1 step runs (graphs = eager).
+contiguous, in the input's dtype, with no forward hook that would run (a direct kernel call
+skips hooks; LoRA's hooks, :mod:`rlserve.lora.model`, count only during a step with adapters: a
+batch-1 step on the base model or on a merged adapter takes the GEMV with ``--enable-lora`` too).
+The decision is per call, on static facts and on whether the step runs adapters, so a CUDA graph
+captured at batch 1 holds what an eager batch-1 step of its kind runs (graphs = eager; the LoRA
+decode graphs are captured inside a step with adapters).
 
 Programmatic dependent launch (``pdl``): :mod:`rlserve.layers.pdl` (what it needs from the card,
 driver and Triton; where it is missing the GEMVs launch plainly, the same arithmetic).
@@ -99,9 +102,17 @@ def enabled() -> bool:
     return bool(_ENABLED[0])
 
 
+def _runs(hook) -> bool:
+    """Whether a forward hook does anything now: not when it carries an ``idle()`` that says so
+    (LoRA's permanent hooks between steps with adapters, :meth:`rlserve.lora.model.LoRAModel._hook`)."""
+    idle = getattr(hook, "idle", None)
+    return idle is None or not idle()
+
+
 def no_hooks(*mods: nn.Module) -> bool:
-    """None of ``mods`` has a forward (pre-)hook (a hook would be skipped by a direct kernel call)."""
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+    """None of ``mods`` has a forward pre-hook or a forward hook that runs now (:func:`_runs`): a
+    direct kernel call would skip it."""
+    return not any(m._forward_pre_hooks or any(_runs(h) for h in m._forward_hooks.values()) for m in mods)
 
 
 def _linear_ok(lin: nn.Module, x: torch.Tensor) -> bool:

@@ -127,6 +127,9 @@ class LoRAModel:
                 return None
             return apply_lora(lin, args[0], out, batch)
 
+        # no step with adapters runs: the hook does nothing, so a direct kernel call that skips
+        # hooks (the batch-1 GEMV, rlserve.layers.gemv.no_hooks) may take the layer
+        hook.idle = lambda: self.current is None
         return hook
 
     # ---- adapters ------------------------------------------------------------------------
