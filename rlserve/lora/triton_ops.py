@@ -62,7 +62,7 @@ def _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
                    K, R, stride_xm, stride_as, stride_ar, stride_ts, stride_tm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   ATOMIC: tl.constexpr, IEEE: tl.constexpr):
     slot, idle, rows, m_mask = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M)
     if idle:
         return
@@ -86,8 +86,11 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
             acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
         else:
             acc += tl.dot(xt, tl.trans(at))
-    t_ptrs = t_ptr + pid_k.to(tl.int64) * stride_ts + rows[:, None] * stride_tm + offs_r[None, :]
-    tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+    if ATOMIC:  # session 15's form (one zeroed plane), kept for benchmarks/lora_kernels.py's A/B
+        tl.atomic_add(t_ptr + rows[:, None] * stride_tm + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :])
+    else:
+        t_ptrs = t_ptr + pid_k.to(tl.int64) * stride_ts + rows[:, None] * stride_tm + offs_r[None, :]
+        tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -133,7 +136,8 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, rows: torch.Tensor, seg_start: torch.Tensor,
-                seg_slot: torch.Tensor, max_rows: int, split: int | None = None) -> torch.Tensor:
+                seg_slot: torch.Tensor, max_rows: int, split: int | None = None,
+                atomic: bool = False) -> torch.Tensor:
     """``t [split, T, R]`` float32 whose planes sum to ``x[i] @ A_stack[slot(i)]^T`` for every row
     ``i`` in a segment (rows in no segment are left unwritten: :func:`lora_expand` never reads
     them). ``split`` (>= 1) is chosen here: the reduction over ``K`` is cut into that many parts
@@ -147,6 +151,8 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, rows: torch.Tensor, seg_
         max_rows: an upper bound of any segment's row count (the grid's second dimension).
         split: cut the reduction into this many parts (at most, see above) instead of the
             SM-count rule (tests: the interpreter has no SMs).
+        atomic: session 15's form instead, for an A/B (``benchmarks/lora_kernels.py``): ``t [1,
+            T, R]`` zero-filled by a launch of its own, the parts added into it atomically.
     """
     T, K = x.shape
     R = a_stack.shape[1]
@@ -164,11 +170,11 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, rows: torch.Tensor, seg_
                 split *= 2
     k_per = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_per)  # no empty part
-    t = torch.empty((split, T, R), dtype=torch.float32, device=x.device)
+    t = (torch.zeros if atomic else torch.empty)((1 if atomic else split, T, R), dtype=torch.float32, device=x.device)
     _shrink_kernel[(G, n_m, n_r * split)](
         x, a_stack, t, rows, seg_start, seg_slot, K, R, x.stride(0), a_stack.stride(0), a_stack.stride(1),
         t.stride(0), t.stride(1), k_per, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32)
+        ATOMIC=atomic and split > 1, IEEE=x.dtype == torch.float32)
     return t
 
 

