@@ -1,8 +1,9 @@
 """The batched LoRA kernels (rlserve.lora.triton_ops) on CPU through Triton's interpreter: the
 shrink / expand pair against a float32 per-row reference (slices, several slots, base rows,
-unsorted rows, split-K), and the engine on the kernel path -- eager and with emulated decode CUDA
-graphs whose segment tensors are static buffers -- against PEFT's merged model for the base model
-and three adapters in one batch. Skipped where tests/triton_interp.py says (CUDA present: the
+unsorted rows, split-K planes and session 15's atomic form), the engine on the kernel path --
+eager and with emulated decode CUDA graphs whose segment tensors are static buffers -- against
+PEFT's merged model for the base model and three adapters in one batch, and a batch-1 decode
+taking the GEMV unless an adapter runs. Skipped where tests/triton_interp.py says (CUDA present: the
 compiled kernels run in tests/gpu/test_lora_gpu.py)."""
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def test_shrink_expand_match_per_row_reference(sizes, maxr, K, split):
     assert t.shape == ((2 if split and K > 64 else 1), T, len(sizes) * maxr)
     lora_expand(t, b, y, offsets, *meta, longest)
     torch.testing.assert_close(y, _reference(x, a, b, offsets, sizes, maxr, row_slot, y0), atol=ATOL, rtol=0)
+    # session 15's form (benchmarks/lora_kernels.py's A/B): one zeroed plane, the parts added atomically
+    t_atomic = lora_shrink(x, a, *meta, longest, split=split, atomic=True)
+    assert t_atomic.shape[0] == 1
+    seg_rows = meta[0].long()
+    torch.testing.assert_close(t_atomic[0, seg_rows], t.sum(0)[seg_rows], atol=ATOL, rtol=0)
     # a static grid (one segment per slot, empty ones -1, max_rows = T) gives the same
     rows, seg_start, seg_slot = segments([s + 1 for s in row_slot], [1] * T, {s + 1: s for s in range(slots)},
                                          num_slots=slots + 1)
