@@ -2,14 +2,17 @@
 # Session 16, issue 36 (LoRA), one GPU, budget 300 s. Every GPU step runs ALONE, one process after the other
 # (s15_lora.sh's rule: never beside vLLM, never the sync beside another engine):
 #   a) benchmarks/lora_kernels.py --parts ab: the LoRA kernels of one decode step of Qwen3-8B's 36 layers
-#      (batch 32, 1 and 4 adapters, rank 16 and 64) in CUDA graphs, in one process: the base GEMMs alone,
+#      (batch 32, 1 and 4 adapters, rank 16; rank 64 after e) if time is left) in CUDA graphs, in one
+#      process: the base GEMMs alone,
 #      + today's kernels (split-K planes, 2 launches per linear), + session 15's (zero-fill + atomic
 #      split-K, 3 launches per linear); us per step
-#   b) tests/gpu/test_lora_gpu.py (the kernels vs float64, the engine = PEFT merged with graphs = eager,
-#      the merged path; not the sync tests) and tests/gpu/test_gemv_gpu.py: the kernels changed this session
-#   c) rlserve offline decode, ranks $RANKS (base / one / four / merged by default), as s15's step a)
-#   d) vLLM 0.24.0 (/tmp/vsite) rank $VLLM_RANK, the same adapters (start-up ~100 s)
-#   e) the adapter-only sync over IPC vs a full sync (SYNC=1; its own process), as s15's step b)
+#   b) rlserve offline decode, ranks $RANKS (base / one / four / merged by default), as s15's step a)
+#   c) vLLM 0.24.0 (/tmp/vsite) rank $VLLM_RANK, the same adapters (start-up ~100-130 s: everything left
+#      but the tests' 50 s; the steps after it get what it leaves)
+#   d) tests/gpu/test_lora_gpu.py -k "not sync" (the kernels vs float64, the engine = PEFT merged with
+#      graphs = eager, the merged path): the kernels changed this session
+#   e) the adapter-only sync over IPC vs a full sync (SYNC=1; its own process), as s15's step b), when
+#      45 s are left
 #   f) benchmarks/lora_kernels.py --parts profile (rank 16): the decode step's kernels per step, base vs
 #      one adapter (torch.profiler), with whatever time is left
 # VLLM_RANK / RANKS / SYNC: set below from what the first window (s15_lora.sh, /work/gpu-results/s16/w1/)
@@ -56,38 +59,45 @@ print(" | ".join(f"r{a['rank']} x{a['adapters']}: us/step {a['us_per_step']} lor
 PYEOF
 }
 
-between "a) kernel A/B"
-for r in 16 64; do
-  bounded $(( 25 * SCALE )) "${AB[@]}" --rank $r --adapters 1 4 --out "$OUT_DIR/lora-kernels-ab-r$r.json" \
-    > "$OUT_DIR/lora-kernels-ab-r$r.log" 2>&1
-  say "a) r$r rc=$? $(ab_line "$OUT_DIR/lora-kernels-ab-r$r.json")"
-done
+ab_step() {  # a) at rank $1 under a cap of $2 s
+  bounded $(( $2 * SCALE )) "${AB[@]}" --rank $1 --adapters 1 4 --out "$OUT_DIR/lora-kernels-ab-r$1.json" \
+    > "$OUT_DIR/lora-kernels-ab-r$1.log" 2>&1
+  say "a) r$1 rc=$? $(ab_line "$OUT_DIR/lora-kernels-ab-r$1.json")"
+}
+between "a) kernel A/B r16"
+ab_step 16 35
 
-between "b) tests"
-bounded $(( 60 * SCALE )) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_gemv_gpu.py \
-  -k "not sync" -rA > "$OUT_DIR/tests-gpu-lora.log" 2>&1
-say "b) tests: $(tail -n 1 "$OUT_DIR/tests-gpu-lora.log" | cut -c1-200)"
-
-between "c) rlserve decode"
-bounded $(( (20 + 18 * $(echo $RANKS | wc -w)) * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks $RANKS \
-  --parts decode --reps 2 --budget-s $(( (8 + 18 * $(echo $RANKS | wc -w)) * SCALE )) \
+between "b) rlserve decode"
+NR=$(echo $RANKS | wc -w)
+bounded $(( (20 + 18 * NR) * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks $RANKS \
+  --parts decode --reps 2 --budget-s $(( (8 + 18 * NR) * SCALE )) \
   --out "$OUT_DIR/lora-rlserve.json" > "$OUT_DIR/rlserve-decode.log" 2>&1
-say "c) rlserve decode rc=$? $(summary "$OUT_DIR/lora-rlserve.json")"
+say "b) rlserve decode rc=$? $(summary "$OUT_DIR/lora-rlserve.json")"
 
-between "d) vllm r$VLLM_RANK"
-VCAP=$(( $(left) - (SYNC == 1 ? 45 : 10) * SCALE ))
+between "c) vllm r$VLLM_RANK"
+VCAP=$(( $(left) - 50 * SCALE ))  # the tests keep 45 s; the sync, rank-64 A/B and profile get what vLLM leaves
 bounded $VCAP "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VLLM_RANK --parts decode \
   --reps 2 --out "$OUT_DIR/lora-vllm-r$VLLM_RANK.json" > "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" 2>&1
-say "d) vllm r$VLLM_RANK rc=$? ($VCAP s cap) $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
-say "d) vllm start-up: $(grep -E 'torch.compile takes|Graph capturing finished|init engine' \
+say "c) vllm r$VLLM_RANK rc=$? ($VCAP s cap) $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
+say "c) vllm start-up: $(grep -E 'torch.compile takes|Graph capturing finished|init engine' \
   "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" | sed 's/.*\] //' | tr '\n' ' ' | cut -c1-300)"
 
-if [ "$SYNC" = 1 ]; then
+between "d) tests"
+bounded $(( 45 * SCALE )) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -k "not sync" -rA \
+  > "$OUT_DIR/tests-gpu-lora.log" 2>&1
+say "d) tests: $(tail -n 1 "$OUT_DIR/tests-gpu-lora.log" | cut -c1-200)"
+
+if [ "$SYNC" = 1 ] && [ "$(left)" -gt $(( 45 * SCALE )) ]; then
   between "e) rlserve sync"
   bounded $(( 40 * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --sync-ranks 64 16 --parts sync \
     --reps 3 --budget-s $(( 30 * SCALE )) --out "$OUT_DIR/lora-sync.json" > "$OUT_DIR/rlserve-sync.log" 2>&1
   rc=$?; say "e) rlserve sync rc=$rc $(summary "$OUT_DIR/lora-sync.json")"
   [ $rc = 0 ] || say "e) $(grep -E 'Error|error' "$OUT_DIR/rlserve-sync.log" | tail -1 | cut -c1-300)"
+fi
+
+if [ "$(left)" -gt $(( 30 * SCALE )) ]; then
+  between "a) kernel A/B r64"
+  ab_step 64 25
 fi
 
 if [ "$(left)" -gt $(( 40 * SCALE )) ]; then
