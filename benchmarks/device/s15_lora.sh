@@ -31,22 +31,6 @@ say "card: $CARD"
 WORK=$(mktemp -d /tmp/s15lora.XXXXXX)
 source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON (lib.sh cd-ed to the repository root)
 if [ "$DRY_RUN" = 1 ]; then SCALE=8; VLLM_MIN=${VLLM_MIN:-60}; else SCALE=1; VLLM_MIN=150; fi  # the 2-core CPU runs every step slower
-summary() { $PY benchmarks/device/lora_summary.py "$1" 2>&1 | tail -1; }  # one line of a result JSON
-gpu_used() {  # the card's used memory before a step (every step should start on an empty card)
-  [ "$DRY_RUN" = 1 ] && { echo "cpu"; return; }
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -1
-}
-card_settled() {  # wait (at most 15 s) until the card's used memory is below 2 GiB: a killed or exiting
-  # process may free its memory some time after it is gone (s15 window 1: vLLM found the card full)
-  [ "$DRY_RUN" = 1 ] && return 0
-  local t=$(date +%s) u
-  while [ $(( $(date +%s) - t )) -lt 15 ]; do
-    u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' ')
-    [ "${u:-0}" -lt 2048 ] && return 0
-    sleep 0.5
-  done
-}
-between() { gpu_cleanup; card_settled; say "  card memory used before $1: $(gpu_used)"; }
 
 between "a) rlserve decode"
 bounded $(( 35 * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" --ranks 16 --parts decode --reps 2 \

@@ -25,7 +25,7 @@ NAME=s16_lora BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
 VLLM_RANK=${VLLM_RANK:-16} RANKS=${RANKS:-16} SYNC=${SYNC:-1}
 say "card: $CARD; vLLM rank $VLLM_RANK, rlserve ranks $RANKS, sync $SYNC"
 WORK=$(mktemp -d /tmp/s16lora.XXXXXX)
-source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON (lib.sh cd-ed to the repository root)
+source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON, summary, between (lib.sh cd-ed to the repository root)
 if [ "$DRY_RUN" = 1 ]; then
   SCALE=8
   AB=(env TRITON_INTERPRET=1 $PY benchmarks/lora_kernels.py --device cpu --dtype float32 --dims 64 96 32 --layers 2
@@ -36,21 +36,6 @@ else
   AB=($PY benchmarks/lora_kernels.py)
   PROF=(--shape qwen3-8b --batch 32 --steps 16)
 fi
-summary() { $PY benchmarks/device/lora_summary.py "$1" 2>&1 | tail -1; }
-gpu_used() {
-  [ "$DRY_RUN" = 1 ] && { echo "cpu"; return; }
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -1
-}
-card_settled() {  # at most 15 s for the card's used memory to fall below 2 GiB (s15_lora.sh)
-  [ "$DRY_RUN" = 1 ] && return 0
-  local t=$(date +%s) u
-  while [ $(( $(date +%s) - t )) -lt 15 ]; do
-    u=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' ')
-    [ "${u:-0}" -lt 2048 ] && return 0
-    sleep 0.5
-  done
-}
-between() { gpu_cleanup; card_settled; say "  card memory used before $1: $(gpu_used)"; }
 ab_line() { $PY - "$1" <<'PYEOF' 2>&1 | tail -1
 import json, sys
 r = json.load(open(sys.argv[1]))
