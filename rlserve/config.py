@@ -71,9 +71,10 @@ class EngineConfig:
         max_model_len: context length in tokens (prompt + output); default: the model's
             ``max_position_embeddings`` capped at 8192.
         max_num_seqs: sequences in one batch at most.
-        max_num_batched_tokens: tokens in one forward step at most (default
-            ``max(8192, max_model_len)`` on CUDA, vLLM's server default; 1024 on CPU, where a
-            prompt longer than that runs alone in its prefill step).
+        max_num_batched_tokens: tokens in one forward step at most (default 8192 on CUDA,
+            vLLM's server default (``max(8192, max_model_len)`` without chunked prefill); 1024 on
+            CPU). A prompt longer than that is prefilled in chunks over several steps (without
+            chunked prefill: alone in one step).
         max_consecutive_prefill_steps: prefill steps in a row at most while sequences are
             running, then a decode step (1: they alternate while requests wait; 0: no bound,
             prefill steps first whenever a request can start). Default: 1 on CUDA (measured:
@@ -86,6 +87,11 @@ class EngineConfig:
             ``max_num_batched_tokens``; a longer prompt still runs alone). None (default): 2048
             (:data:`rlserve.engine.core.scheduler.DECODING_PREFILL_TOKENS`); set it to
             ``max_num_batched_tokens`` for the policy before session 15.
+        enable_chunked_prefill: split a prompt's prefill over steps in chunks of at most a
+            step's token budget (vLLM's ``--enable-chunked-prefill``, on by default as in vLLM V1;
+            :mod:`rlserve.engine.core.scheduler`).
+        long_prefill_token_threshold: with chunked prefill, tokens of one prompt's chunk at most
+            (vLLM's ``--long-prefill-token-threshold``); 0 (default): the step's budget.
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
@@ -144,6 +150,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_consecutive_prefill_steps: int | None = None
     max_prefill_tokens_while_decoding: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -184,6 +192,9 @@ class EngineConfig:
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise InvalidRequestError("max_prefill_tokens_while_decoding must be >= 1, "
                                       f"got {self.max_prefill_tokens_while_decoding}")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidRequestError("long_prefill_token_threshold must be >= 0 (0: no bound), "
+                                      f"got {self.long_prefill_token_threshold}")
         if self.block_size < 1:
             raise InvalidRequestError("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

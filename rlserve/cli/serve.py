@@ -111,15 +111,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="fraction of GPU memory for weights + KV cache (vLLM's default, 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: max(8192, max-model-len) on CUDA, "
-                        "1024 on CPU; a longer prompt runs alone)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: 8192 on CUDA, "
+                        "1024 on CPU; a longer prompt is prefilled in chunks, or alone in one step with "
+                        "--no-enable-chunked-prefill, whose CUDA default is max(8192, max-model-len))")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="with chunked prefill: tokens of one prompt's chunk at most (0, the default: the step's "
+                        "budget); vLLM's flag")
     g.add_argument("--max-consecutive-prefill-steps", type=int, default=None, metavar="N",
                    help="prefill steps in a row at most while requests are decoding, then a decode step (0: no "
                         "bound: new requests always first; default: 1 on CUDA, 0 on CPU). rlserve's own flag: "
                         "vLLM mixes decodes into its prefill steps instead")
     g.add_argument("--max-prefill-tokens-while-decoding", type=_positive_int, default=None, metavar="N",
                    help="tokens of a prefill step at most while streamed requests are decoding (a prefill step "
-                        "stalls every running stream; a longer prompt runs alone; at most --max-num-batched-tokens). Default: "
+                        "stalls every running stream; a longer prompt is prefilled in chunks of this size, or runs alone "
+                        "with --no-enable-chunked-prefill; at most --max-num-batched-tokens). Default: "
                         "2048. rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
@@ -171,6 +176,8 @@ def engine_config_from_args(args, model_path: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", None),
         max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
+        enable_chunked_prefill=getattr(args, "enable_chunked_prefill", None) is not False,
+        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0) or 0,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,

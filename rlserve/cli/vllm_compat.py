@@ -71,8 +71,9 @@ def add_vllm_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", action="store_true",
                    help="accepted: rlserve logs no periodic stats (GET /metrics has them)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="accepted: rlserve schedules prefill and decode steps apart and runs a prompt longer than "
-                        "--max-num-batched-tokens alone in one step (outputs are the same either way)")
+                   help="split a prompt's prefill over steps in chunks of at most the step's token budget "
+                        "(default: on, as vLLM; off: a prompt longer than --max-num-batched-tokens runs alone in "
+                        "one step); chunks run in prefill steps of their own, between decode steps")
     g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
                    help="accepted (removed in vLLM 0.32): a preempted request is recomputed, never swapped out")
     g.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
@@ -113,8 +114,6 @@ NOOP_FLAGS: dict[str, str] = {
     "--trust-remote-code": "rlserve runs no code from the checkpoint",
     "--disable-log-requests": "requests are not logged unless --enable-log-requests (vLLM 0.32 removed this flag)",
     "--disable-log-stats": "rlserve logs no periodic stats (GET /metrics has them)",
-    "--enable-chunked-prefill": "rlserve schedules prefill and decode steps apart, a prompt longer than "
-                                "--max-num-batched-tokens alone in one step",
     "--swap-space": "a preempted request is recomputed, never swapped to CPU (vLLM 0.32 removed this flag)",
     "--max-seq-len-to-capture": "CUDA graphs capture decode steps of any length (vLLM 0.32 removed this flag)",
     "--optimization-level": "rlserve compiles nothing with torch.compile; CUDA graphs follow --enforce-eager",
@@ -204,15 +203,14 @@ def _check_serve_flags(args) -> str | None:
     given = {
         "--enable-scale-out": args.enable_scale_out, "--revision": args.revision is not None,
         "--trust-remote-code": args.trust_remote_code, "--disable-log-requests": args.disable_log_requests,
-        "--disable-log-stats": args.disable_log_stats, "--enable-chunked-prefill": args.enable_chunked_prefill is not None,
+        "--disable-log-stats": args.disable_log_stats,
         "--swap-space": args.swap_space is not None, "--max-seq-len-to-capture": args.max_seq_len_to_capture is not None,
         "--optimization-level": level is not None,
         "--compilation-config": bool(set(cc) - {"cudagraph_capture_sizes", "cudagraph_mode"}),
     }
     for flag, on in given.items():
         if on:
-            _noop(flag, {"--enable-chunked-prefill": "--(no-)enable-chunked-prefill",
-                         "--optimization-level": "-O / --optimization-level"}.get(flag))
+            _noop(flag, {"--optimization-level": "-O / --optimization-level"}.get(flag))
     return None
 
 

@@ -108,11 +108,14 @@ class BlockManager:
         """Whether all of ``seq``'s tokens fit, counting no prefix hits (conservative)."""
         return seq.num_blocks_needed <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, allow_prefix_hit: bool = True) -> None:
+    def allocate(self, seq: Sequence, allow_prefix_hit: bool = True, register: bool = True) -> None:
         """Give ``seq`` blocks for all its current tokens, reusing cached full blocks.
 
         Sets ``seq.block_table`` and ``seq.num_cached_tokens``. At most the full blocks among
         the first ``len(seq) - 1`` tokens can hit, so every prefill computes >= 1 token.
+        ``register``: the new full blocks enter the prefix cache now (their KV is computed in
+        the step that allocated them); False (chunked prefill: a later chunk computes them) leaves
+        them to :meth:`register_full_blocks` once their chunk is scheduled.
 
         Raises:
             RuntimeError: if the blocks do not fit (call :meth:`can_allocate` first).
@@ -144,7 +147,7 @@ class BlockManager:
                     miss = True
             if block is None:
                 block = self._take_free_block()
-                if full:
+                if full and register:
                     self._register(block, h, chunk)
             seq.block_table.append(block.block_id)
             prev = h

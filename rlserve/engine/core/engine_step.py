@@ -17,7 +17,7 @@ import torch
 
 from rlserve.engine.worker.model_runner import StepInput
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
-from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata, ranked_logprob_dicts
 from rlserve.engine.core.scheduler import ScheduledBatch
 from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.h2d import to_device
@@ -34,6 +34,14 @@ def count_iteration_tokens(counters: dict, n: int) -> None:
     bound = next((b for b in ITERATION_TOKENS_BUCKETS if n <= b), "inf")
     for key, add in ((f"iteration_tokens_le_{bound}", 1), ("iteration_tokens_sum", n), ("iteration_tokens_count", 1)):
         counters[key] = counters.get(key, 0) + add
+
+
+def _empty_output(device) -> SamplerOutput:
+    """The sampler's output for a step that samples no row (every sequence in it is an
+    unfinished chunk of a chunked prefill)."""
+    ids = torch.empty(0, dtype=torch.long, device=device)
+    lps = torch.empty(0, dtype=torch.float32, device=device)
+    return SamplerOutput(ids, lps, ids.view(0, 0), lps.view(0, 0))
 
 
 def _lora_ids(config, seqs) -> list[int] | None:
@@ -64,40 +72,64 @@ class EngineStep:
         if self._overlap is not None:
             self._overlap.drain()
 
-    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple[Sequence, int, int]]]:
-        """Flatten a batch. Returns the step and, per sequence wanting prompt logprobs,
-        ``(seq, first_row, n_rows)`` into the logits."""
+    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, list[tuple], list[int] | None]:
+        """Flatten a batch. Returns the step; per sequence wanting prompt logprobs from this
+        step's tokens ``(seq, first_row, n_rows, first_position, final)`` (rows into the logits,
+        row ``r`` predicting prompt token ``first_position + r - first_row + 1``; ``final``: the
+        prompt's last chunk); and the logits rows to sample from, one per sequence of
+        ``batch.sampled`` in order (None: every row, the common case)."""
         if not batch.is_prefill:  # one token per sequence: the common step, kept lean
             seqs = batch.seqs
             slens = [len(s) for s in seqs]
             B = len(seqs)
             step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
                              [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(self.config, seqs))
-            return step, []
+            return step, [], None
         input_ids: list[int] = []
         positions: list[int] = []
-        qlens, slens, tables, logit_rows = [], [], [], []
-        prompt_rows: list[tuple[Sequence, int, int]] = []
-        for seq in batch.seqs:
-            n = len(seq)
-            start = seq.num_cached_tokens if batch.is_prefill else n - 1
-            toks = seq.all_token_ids[start:] if batch.is_prefill else [seq.last_token_id]
+        qlens, slens, tables, logit_rows, sample_rows = [], [], [], [], []
+        prompt_rows: list[tuple] = []
+        for i, seq in enumerate(batch.seqs):
+            start, end = batch.span(i)
             base = len(input_ids)
-            input_ids.extend(toks)
-            positions.extend(range(start, n))
-            qlens.append(n - start)
-            slens.append(n)
+            input_ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            qlens.append(end - start)
+            slens.append(end)
             tables.append(seq.block_table)
             req = self.requests[seq.request_id]
-            if batch.is_prefill and seq.params.prompt_logprobs is not None and not req.prompt_logprobs_done and seq.index == 0:
+            if seq.params.prompt_logprobs is not None and not req.prompt_logprobs_done and seq.index == 0:
                 # rows predicting prompt tokens 1..P-1 come from positions 0..P-2
                 p = seq.num_prompt_tokens
-                prompt_rows.append((seq, len(logit_rows), p - 1))
-                logit_rows.extend(range(base, base + p - 1))
-            logit_rows.append(base + len(toks) - 1)
+                count = max(0, min(end, p - 1) - start)
+                prompt_rows.append((seq, len(logit_rows), count, start, end >= p))
+                logit_rows.extend(range(base, base + count))
+            if end == len(seq):
+                sample_rows.append(len(logit_rows))
+            logit_rows.append(base + end - start - 1)
         step = StepInput(input_ids, positions, qlens, slens, tables, logit_rows, batch.is_prefill,
                          lora_ids=_lora_ids(self.config, batch.seqs))
-        return step, prompt_rows
+        return step, prompt_rows, (None if len(sample_rows) == len(logit_rows) else sample_rows)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple]) -> None:
+        """Prompt logprobs from this step's rows (``_build_step``'s ``prompt_rows``); a prompt
+        prefilled in chunks collects its rows' entries chunk by chunk, and its request gets them
+        with the last chunk (vLLM's format: ``compute_prompt_logprobs``)."""
+        for seq, first, count, start, final in prompt_rows:
+            req = self.requests[seq.request_id]
+            if start == 0:  # a prompt's first chunk (again, after a preemption): no hits with prompt logprobs
+                req.extra["prompt_logprob_parts"] = ([None], [None])
+            parts = req.extra["prompt_logprob_parts"]
+            if count:
+                dicts, ranks = ranked_logprob_dicts(logits[first : first + count],
+                                                    seq.prompt_token_ids[start + 1 : start + 1 + count],
+                                                    seq.params.prompt_logprobs, self.config.logprobs_mode)
+                parts[0].extend(dicts)
+                parts[1].extend(ranks)
+            if final:
+                req.prompt_logprobs, req.extra["prompt_logprob_ranks"] = parts
+                del req.extra["prompt_logprob_parts"]
+                req.prompt_logprobs_done = True
 
     #: ``step`` takes ``outputs_for`` and sets ``last_step_request_ids`` (the async engine asks).
     supports_output_filter = True
@@ -122,13 +154,13 @@ class EngineStep:
             outs = self._overlap.step(outputs_for)
         else:
             batch = self.scheduler.schedule()
-            outs = [] if batch is None else self._finish_step(batch.seqs, self._launch(batch), outputs_for)
+            outs = [] if batch is None else self._finish_step(batch.sampled, self._launch(batch), outputs_for)
         return failed + outs if failed else outs
 
     def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> SamplerOutput:
         """Run ``batch``'s forward pass and sampler; the tokens stay on the device. Prompt
         logprobs are computed here. ``ids_from``: ``StepInput.input_ids_from``."""
-        step, prompt_rows = self._build_step(batch)
+        step, prompt_rows, sample_rows = self._build_step(batch)
         step.input_ids_from = ids_from
         if batch.is_prefill:  # before the forward pass, as vLLM's scheduled_ts: the prefill
             now = time.monotonic()  # phase (scheduled -> first token) holds the forward
@@ -143,27 +175,19 @@ class EngineStep:
             self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
         else:
             self.stats_counters["decode_tokens"] += len(step.input_ids)
-        for seq, first, count in prompt_rows:
-            req = self.requests[seq.request_id]
-            req.prompt_logprobs, req.extra["prompt_logprob_ranks"] = compute_prompt_logprobs(
-                logits[first : first + count], seq.prompt_token_ids, seq.params.prompt_logprobs,
-                mode=self.config.logprobs_mode, with_ranks=True,
-            )
-            req.prompt_logprobs_done = True
         if prompt_rows:
-            last_rows = []
-            pr = {first: count for _, first, count in prompt_rows}
-            r = 0
-            for _ in batch.seqs:
-                r += pr.get(r, 0)
-                last_rows.append(r)
-                r += 1
-            logits = logits[to_device(last_rows, torch.long, logits.device)]
+            self._prompt_logprobs(logits, prompt_rows)
+        seqs = batch.seqs
+        if sample_rows is not None:
+            seqs = batch.sampled
+            if not seqs:  # only unfinished chunks of prompts: nothing to sample
+                return _empty_output(logits.device)
+            logits = logits[to_device(sample_rows, torch.long, logits.device)]
         meta = SamplingMetadata(
-            params=[s.params for s in batch.seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in batch.seqs],
-            output_token_ids=[s.output_token_ids for s in batch.seqs],
-            grammars=[s.grammar for s in batch.seqs] if any(s.grammar is not None for s in batch.seqs) else None,
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            grammars=[s.grammar for s in seqs] if any(s.grammar is not None for s in seqs) else None,
         )
         return self.sampler(logits, meta)
 

@@ -103,8 +103,9 @@ class LLMEngine(EngineStep):
         if config.max_num_batched_tokens is None:
             if torch.device(executor.device).type == "cuda":
                 # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
-                # runs eagerly: hundreds of kernel launches from Python each)
-                config.max_num_batched_tokens = max(8192, self.max_model_len)
+                # runs eagerly: hundreds of kernel launches from Python each); without chunked
+                # prefill the longest prompt must fit one step
+                config.max_num_batched_tokens = 8192 if config.enable_chunked_prefill else max(8192, self.max_model_len)
             else:
                 # CPU: prefill steps of ~1024 tokens keep the linears' activations in cache
                 # (a longer prompt still runs alone). SmolLM2-135M's 30 layers, one thread,
@@ -138,7 +139,8 @@ class LLMEngine(EngineStep):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_consecutive_prefill_steps,
-                                   config.max_prefill_tokens_while_decoding)
+                                   config.max_prefill_tokens_while_decoding, config.enable_chunked_prefill,
+                                   config.long_prefill_token_threshold)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
@@ -215,7 +217,7 @@ class LLMEngine(EngineStep):
         """Counters and gauges: running, waiting, KV usage, prefix-cache hits, ..."""
         return {
             **self.stats_counters,
-            "num_running": len(self.scheduler.running),
+            "num_running": self.scheduler.num_running,
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": self.block_manager.usage(),
             "num_kv_blocks": self.block_manager.num_blocks,

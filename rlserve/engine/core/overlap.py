@@ -98,11 +98,11 @@ class OverlapScheduler:
         ids_from = None
         if prev is not None:
             ids_from = (prev.out.token_ids, [prev.row[s] for s in batch.seqs])
-        index = [len(s.output_token_ids) for s in batch.seqs]
+        seqs = batch.sampled  # a chunk that does not end its prompt samples nothing
+        index = [len(s.output_token_ids) for s in seqs]
         out = self.engine._launch(batch, ids_from)
         host, done = _copy_to_host(out)
-        return _InFlight(list(batch.seqs), out, host, done, index, {s: i for i, s in enumerate(batch.seqs)},
-                         batch.is_prefill)
+        return _InFlight(list(seqs), out, host, done, index, {s: i for i, s in enumerate(seqs)}, batch.is_prefill)
 
     @staticmethod
     def _launchable(follow, cur: _InFlight) -> bool:
@@ -141,7 +141,7 @@ class OverlapScheduler:
             cur = self._launch(batch, None)
         follow = None
         # prompts waiting: the next step is most likely their prefill, launchable at once
-        if eng.scheduler.waiting or overlappable(cur.seqs):
+        if eng.scheduler.waiting or eng.scheduler.prefilling or overlappable(cur.seqs):
             follow = self._schedule_next(cur)
             if follow is not None and self._launchable(follow, cur):
                 self.inflight = self._launch(follow, None if follow.is_prefill else cur)

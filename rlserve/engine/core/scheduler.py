@@ -61,52 +61,86 @@ class ScheduledBatch:
 
     Attributes:
         seqs: sequences in batch order.
-        is_prefill: prefill step (each sequence computes ``len(seq) - num_cached_tokens``
-            tokens) or decode step (one token each).
+        is_prefill: prefill step (sequence ``i`` computes tokens ``starts[i]:ends[i]``) or decode
+            step (one token each).
+        starts / ends: prefill only: per sequence the first and one-past-the-last position
+            computed in this step. None: ``num_cached_tokens`` to ``len(seq)`` (the whole rest of
+            the prompt). A sequence with ``ends[i] < len(seq)`` is a chunk of a longer prefill
+            (chunked prefill): it samples no token in this step.
     """
 
     seqs: list[Sequence]
     is_prefill: bool
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Positions ``[start, end)`` sequence ``i`` computes in this step."""
+        seq = self.seqs[i]
+        if not self.is_prefill:
+            return len(seq) - 1, len(seq)
+        if self.starts is None:
+            return seq.num_cached_tokens, len(seq)
+        return self.starts[i], self.ends[i]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that sample a token in this step (all but unfinished prefill chunks)."""
+        if self.ends is None:
+            return self.seqs
+        return [s for s, e in zip(self.seqs, self.ends) if e == len(s)]
 
     @property
     def num_tokens(self) -> int:
         if not self.is_prefill:
             return len(self.seqs)
-        return sum(len(s) - s.num_cached_tokens for s in self.seqs)
+        return sum(e - b for b, e in map(self.span, range(len(self.seqs))))
 
 
 class Scheduler:
     """Args:
     block_manager: the KV block allocator.
     max_num_seqs: sequences per step at most.
-    max_num_batched_tokens: tokens per prefill step at most (a single prompt longer than
-        this still runs alone).
+    max_num_batched_tokens: tokens per prefill step at most (without chunked prefill a single
+        prompt longer than this still runs alone).
     max_consecutive_prefill_steps: prefill steps in a row at most while sequences are running
         (then a decode step); 0: no bound (prefill steps first whenever something can start).
     max_prefill_tokens_while_decoding: tokens of a prefill step at most while sequences are
         running (capped at ``max_num_batched_tokens``); None: :data:`DECODING_PREFILL_TOKENS`.
-        A single prompt longer than the budget still runs alone.
+        Without chunked prefill a single prompt longer than the budget still runs alone.
+    enable_chunked_prefill: split a prompt's prefill over steps in chunks of at most the step's
+        budget (:meth:`prefill_budget`; vLLM's ``--enable-chunked-prefill``).
+    long_prefill_token_threshold: with chunked prefill, tokens of one sequence's chunk at most
+        (vLLM's ``--long-prefill-token-threshold``); 0: no bound beyond the step's budget.
 
 Raises:
     ValueError: ``max_consecutive_prefill_steps`` below 0, ``max_prefill_tokens_while_decoding``
-        below 1.
+        below 1, ``long_prefill_token_threshold`` below 0.
 """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None):
+                 max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None,
+                 enable_chunked_prefill: bool = False, long_prefill_token_threshold: int = 0):
         if max_consecutive_prefill_steps < 0:
             raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                              f"got {max_consecutive_prefill_steps}")
         if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no bound), got {long_prefill_token_threshold}")
         self.max_prefill_tokens_while_decoding = (DECODING_PREFILL_TOKENS if max_prefill_tokens_while_decoding is None
                                                   else max_prefill_tokens_while_decoding)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_consecutive_prefill_steps = max_consecutive_prefill_steps
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # chunked prefill: sequences part-way through their prefill, oldest first; they hold the
+        # KV blocks of their whole prompt and are in neither ``waiting`` nor ``running``
+        self.prefilling: list[Sequence] = []
         self.num_preemptions = 0
         self.prefill_steps_in_a_row = 0  # prefill steps since the last decode step
 
@@ -126,7 +160,12 @@ Raises:
         return self.max_num_batched_tokens
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV blocks: decoding or part-way through a chunked prefill."""
+        return len(self.running) + len(self.prefilling)
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch; None when there is nothing to run.
@@ -134,35 +173,119 @@ Raises:
         Raises:
             RuntimeError: if a single sequence cannot fit in the whole KV cache.
         """
-        prefill: list[Sequence] = []
-        tokens = 0
+        if self.prefilling:
+            self._restart_stale_prefills()
         limit = self.max_consecutive_prefill_steps
         decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
-        budget = self.prefill_budget() if self.waiting and not decode_due else 0
-        while not decode_due and self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
+        if not decode_due and (self.waiting or self.prefilling):
+            batch = self._schedule_chunks() if self.enable_chunked_prefill else self._schedule_prefill()
+            if batch is not None:
+                self.prefill_steps_in_a_row += 1
+                return batch
+        self.prefill_steps_in_a_row = 0
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        """Whole prompts (chunked prefill off): FIFO while they fit the budget; a prompt longer
+        than the budget runs alone."""
+        prefill: list[Sequence] = []
+        tokens = 0
+        budget = self.prefill_budget()
+        while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = len(seq)
-            if prefill and tokens + need > budget:
+            if prefill and tokens + len(seq) > budget:
                 break
-            if not self.block_manager.can_allocate(seq):
-                if not self.running and not prefill and seq.num_blocks_needed > self.block_manager.num_blocks:
-                    raise RuntimeError(
-                        f"sequence of {len(seq)} tokens needs {seq.num_blocks_needed} KV blocks; the cache has "
-                        f"{self.block_manager.num_blocks}"
-                    )
+            if not self._allocate_head(seq, first=not prefill):
                 break
-            self.waiting.popleft()
-            allow_hit = not (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0)
-            self.block_manager.allocate(seq, allow_prefix_hit=allow_hit)
-            seq.status = SequenceStatus.RUNNING
             tokens += len(seq) - seq.num_cached_tokens
             prefill.append(seq)
-        if prefill:
-            self.running.extend(prefill)
-            self.prefill_steps_in_a_row += 1
-            return ScheduledBatch(prefill, is_prefill=True)
-        self.prefill_steps_in_a_row = 0
+        if not prefill:
+            return None
+        self.running.extend(prefill)
+        return ScheduledBatch(prefill, is_prefill=True)
 
+    def _chunk_end(self, start: int, seq: Sequence, room: int) -> int:
+        """End of the chunk of ``seq`` from ``start`` in a step with ``room`` tokens left."""
+        n = min(len(seq) - start, room)
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return start + n
+
+    def _schedule_chunks(self) -> ScheduledBatch | None:
+        """Chunked prefill: first the next chunk of each partial prefill (oldest first), then
+        waiting sequences FIFO, each taking ``min(rest of its prompt, tokens left in the step's
+        budget)``; a sequence whose chunk ends before its prompt does stays in ``prefilling``.
+        The blocks of the whole prompt are allocated at its first chunk; full blocks enter the
+        prefix cache as their chunk is scheduled (a later step, which reads them, runs after it)."""
+        budget = self.prefill_budget()
+        bm = self.block_manager
+        seqs, starts, ends = [], [], []
+        tokens = 0
+        still: list[Sequence] = []
+        for seq in self.prefilling:
+            if tokens >= budget:
+                still.append(seq)
+                continue
+            start = seq.num_computed_tokens
+            end = self._chunk_end(start, seq, budget - tokens)
+            seq.num_computed_tokens = end
+            bm.register_full_blocks(seq)
+            seqs.append(seq), starts.append(start), ends.append(end)
+            tokens += end - start
+            if end < len(seq):
+                still.append(seq)
+            else:
+                self.running.append(seq)
+        self.prefilling = still
+        while self.waiting and tokens < budget and self.num_running < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._allocate_head(seq, first=not seqs, register=False):
+                break
+            start = seq.num_cached_tokens
+            end = self._chunk_end(start, seq, budget - tokens)
+            seq.num_computed_tokens = end
+            bm.register_full_blocks(seq)
+            seqs.append(seq), starts.append(start), ends.append(end)
+            tokens += end - start
+            (self.prefilling if end < len(seq) else self.running).append(seq)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, True, starts, ends)
+
+    def _allocate_head(self, seq: Sequence, first: bool, register: bool = True) -> bool:
+        """Allocate the blocks of ``waiting[0]`` (``seq``) and pop it; False when they do not fit.
+
+        Raises:
+            RuntimeError: ``first`` and nothing runs, and ``seq`` needs more blocks than the cache has.
+        """
+        if not self.block_manager.can_allocate(seq):
+            if first and not self.running and not self.prefilling \
+                    and seq.num_blocks_needed > self.block_manager.num_blocks:
+                raise RuntimeError(
+                    f"sequence of {len(seq)} tokens needs {seq.num_blocks_needed} KV blocks; the cache has "
+                    f"{self.block_manager.num_blocks}"
+                )
+            return False
+        self.waiting.popleft()
+        allow_hit = not (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0)
+        self.block_manager.allocate(seq, allow_prefix_hit=allow_hit, register=register)
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _restart_stale_prefills(self) -> None:
+        """A partial prefill allocated before the last prefix-cache reset (every weight update
+        resets it) starts over: its prompt is computed under one weight version, never half under
+        the old weights and half under the new ones."""
+        epoch = self.block_manager.epoch
+        stale = [s for s in self.prefilling if s.cache_epoch != epoch]
+        if stale:
+            self.prefilling = [s for s in self.prefilling if s.cache_epoch == epoch]
+            for seq in reversed(stale):  # back to the head of the queue in their order
+                self._preempt(seq)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        """One token for every running sequence; when a KV block is missing, partial prefills
+        are preempted first (newest first), then the most recently started running sequences."""
         decode: list[Sequence] = []
         queue = self.running
         bm = self.block_manager
@@ -171,7 +294,9 @@ Raises:
             seq = queue[i]
             i += 1
             while not bm.reserve_decode_slot(seq):
-                if end > i:
+                if self.prefilling:
+                    self._preempt(self.prefilling.pop())
+                elif end > i:
                     end -= 1
                     self._preempt(queue[end])
                 else:
@@ -194,12 +319,15 @@ Raises:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Mark ``seq`` finished and release its blocks (running or waiting)."""
+        """Mark ``seq`` finished and release its blocks (running, part-way through its prefill,
+        or waiting)."""
         if seq.status == SequenceStatus.RUNNING:
             self.block_manager.register_full_blocks(seq)
             self.block_manager.free(seq)
             if seq in self.running:
                 self.running.remove(seq)
+            elif seq in self.prefilling:
+                self.prefilling.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             try:
                 self.waiting.remove(seq)
