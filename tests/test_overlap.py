@@ -78,17 +78,23 @@ def test_abort_between_overlapped_steps(tiny_model):
     assert [done["r0"].outputs[0].token_ids, done["r2"].outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("limit", [0, 1])
-def test_overlap_prefill_steps_and_admissions(tiny_model, limit):
-    # prompts prefilled over several steps (8 tokens per step at most) and, with 3 sequences at
-    # most, admitted while others decode: prefill steps are launched before the step in flight
-    # is read, and every token equals the plain loop's; limit: max_consecutive_prefill_steps
+def test_overlap_prefill_steps_and_admissions(tiny_model, limit, chunked):
+    # prompts prefilled over several steps (8 tokens per step at most; with chunked prefill a
+    # longer prompt in chunks, a chunk step launched while the previous chunk is in flight) and,
+    # with 3 sequences at most, admitted while others decode: prefill steps are launched before
+    # the step in flight is read, and every token equals the plain loop's; limit:
+    # max_consecutive_prefill_steps
     path = tiny_model("qwen3")
-    kw = dict(max_num_batched_tokens=8, max_num_seqs=3, max_consecutive_prefill_steps=limit)
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=3, max_consecutive_prefill_steps=limit,
+              enable_chunked_prefill=chunked)
     _, ref = _run(path, False, **kw)
     llm, got = _run(path, True, **kw)
     _same(got, ref)
     assert not llm.engine.requests and llm.engine.block_manager.usage() == 0
+    if chunked:  # the schedule below is the one of whole prompts
+        return
 
     eng = llm.engine
     for i, p in enumerate(PROMPTS):

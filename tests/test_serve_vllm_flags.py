@@ -41,8 +41,6 @@ VLLM_032_GENERATION_DEFAULTS = {
 NOOPS = {
     ("--disable-log-requests",): "--disable-log-requests does not apply",
     ("--disable-log-stats",): "--disable-log-stats does not apply",
-    ("--enable-chunked-prefill",): "--(no-)enable-chunked-prefill does not apply",
-    ("--no-enable-chunked-prefill",): "--(no-)enable-chunked-prefill does not apply",
     ("--swap-space", "4"): "--swap-space does not apply",
     ("--max-seq-len-to-capture", "8192"): "--max-seq-len-to-capture does not apply",
     ("-O3",): "-O / --optimization-level does not apply",
@@ -256,9 +254,10 @@ def test_server_applies_the_flags(server):
     assert re.search(r"Finished request \S+: finish_reasons: \['length'\], output tokens: \[7\]", log)
     # one warning line per flag that changes nothing here, none for the others
     for why in ("--disable-log-requests does not apply", "--disable-log-stats does not apply",
-                "--(no-)enable-chunked-prefill does not apply", "--swap-space does not apply",
+                "--swap-space does not apply",
                 "--max-seq-len-to-capture does not apply", "-O / --optimization-level does not apply",
                 "--model-impl transformers does not apply"):
         assert log.count(why) == 1, why
     assert "--pipeline-parallel-size" not in log and "--tokenizer-mode" not in log
+    assert "enable-chunked-prefill" not in log  # a real flag since session 16, no warning
     assert log.count("Default sampling parameters have been overridden by " + server.gen_dir) == 1

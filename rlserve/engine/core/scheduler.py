@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next forward step.
 
 Policy: a step is either a *prefill* step (waiting sequences, FIFO, as many as fit in
-``max_num_seqs``, ``max_num_batched_tokens`` and the free KV blocks) or a *decode* step over
-every running sequence. A prefill step goes first when something can start, except that at
+``max_num_seqs``, ``max_num_batched_tokens`` and the free KV blocks; with chunked prefill, first
+the next chunk of every partially prefilled sequence) or a *decode* step over every running
+sequence. A prefill step goes first when something can start, except that at
 most ``max_consecutive_prefill_steps`` prefill steps run in a row while sequences are
 running: then a decode step comes (1, the engine's default on CUDA: prefill and decode
 steps alternate while requests wait; 0, its default on CPU: no bound; ``EngineConfig``). When a decode step lacks a KV block, the most recently started sequence is
@@ -39,6 +40,22 @@ length decides it, not how many streams it hits). Non-streamed requests (the off
 completions: the rollout case) see no gaps, only the total time, so while only they run prefill steps
 take up to ``max_num_batched_tokens`` (2048 would cost the offline nano-vllm workload 1.3% of its
 output rate in the same model: ``stream_schedule_sim.py --random-lens 100 1024``).
+
+Chunked prefill (``enable_chunked_prefill``, vLLM's ``--enable-chunked-prefill``, on by default in
+``EngineConfig``): a prompt longer than the step's budget is prefilled over several prefill steps,
+each taking ``min(rest of the prompt, tokens left in the budget)`` (at most
+``long_prefill_token_threshold`` per sequence when set), so a 32k prompt runs with an 8192 budget
+and a stream waits for one chunk at a time instead of the whole prompt. The computed part of the
+prompt is read like a prefix-cache hit (its KV is in its blocks; the attention takes queries past
+position 0, ``AttentionMetadata``); the prompt's blocks are all allocated at its first chunk, its
+full blocks enter the prefix cache as their chunk is scheduled (a later request that hits them runs
+in a later step, or in the same step after the chunk's K/V are written). A step either decodes or
+prefills, as before: decode steps replay CUDA graphs captured for pure decode batches, and a step
+mixing decode tokens into a chunk (vLLM's way) would run every decode eagerly (hundreds of kernel
+launches from Python per step, what the graphs exist to avoid; not measured here); alternating chunk steps and decode steps
+(``max_consecutive_prefill_steps``) bounds the stall by the chunk. A partial prefill is preempted
+first when a decode step lacks a block, and one allocated before a prefix-cache reset (every weight
+update resets it) restarts, so no prompt mixes two weight versions.
 """
 
 from __future__ import annotations
