@@ -235,39 +235,35 @@ Raises:
         The blocks of the whole prompt are allocated at its first chunk; full blocks enter the
         prefix cache as their chunk is scheduled (a later step, which reads them, runs after it)."""
         budget = self.prefill_budget()
-        bm = self.block_manager
-        seqs, starts, ends = [], [], []
+        out: tuple[list, list, list] = ([], [], [])  # sequences, starts, ends
         tokens = 0
-        still: list[Sequence] = []
-        for seq in self.prefilling:
+        partial, self.prefilling = self.prefilling, []
+        for seq in partial:
             if tokens >= budget:
-                still.append(seq)
-                continue
-            start = seq.num_computed_tokens
-            end = self._chunk_end(start, seq, budget - tokens)
-            seq.num_computed_tokens = end
-            bm.register_full_blocks(seq)
-            seqs.append(seq), starts.append(start), ends.append(end)
-            tokens += end - start
-            if end < len(seq):
-                still.append(seq)
+                self.prefilling.append(seq)
             else:
-                self.running.append(seq)
-        self.prefilling = still
+                tokens += self._add_chunk(seq, seq.num_computed_tokens, budget - tokens, out)
         while self.waiting and tokens < budget and self.num_running < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._allocate_head(seq, first=not seqs, register=False):
+            if not self._allocate_head(seq, first=not out[0], register=False):
                 break
-            start = seq.num_cached_tokens
-            end = self._chunk_end(start, seq, budget - tokens)
-            seq.num_computed_tokens = end
-            bm.register_full_blocks(seq)
-            seqs.append(seq), starts.append(start), ends.append(end)
-            tokens += end - start
-            (self.prefilling if end < len(seq) else self.running).append(seq)
+            tokens += self._add_chunk(seq, seq.num_cached_tokens, budget - tokens, out)
+        seqs, starts, ends = out
         if not seqs:
             return None
         return ScheduledBatch(seqs, True, starts, ends)
+
+    def _add_chunk(self, seq: Sequence, start: int, room: int, out: tuple[list, list, list]) -> int:
+        """Put ``seq``'s chunk from ``start`` (at most ``room`` tokens) into ``out`` (sequences,
+        starts, ends), register its full blocks in the prefix cache and file ``seq`` under
+        ``prefilling`` (its prompt goes on) or ``running``. Returns the chunk's tokens."""
+        end = self._chunk_end(start, seq, room)
+        seq.num_computed_tokens = end
+        self.block_manager.register_full_blocks(seq)
+        for lst, x in zip(out, (seq, start, end)):
+            lst.append(x)
+        (self.prefilling if end < len(seq) else self.running).append(seq)
+        return end - start
 
     def _allocate_head(self, seq: Sequence, first: bool, register: bool = True) -> bool:
         """Allocate the blocks of ``waiting[0]`` (``seq``) and pop it; False when they do not fit.
