@@ -14,6 +14,10 @@
 #   stop_bg PID     kill the process group of PID (TERM, then KILL after 5 s)
 #   wait_http URL S poll URL until it answers 200 or S seconds pass; returns 0 when up
 #   gpu_cleanup     kill -9 every process nvidia-smi still lists on the GPU
+#   keep_logs       copy the last 300 lines of every rlserve / vLLM server log in /tmp newer than this script's
+#                   start ($OUT_DIR/start, touched here) into $OUT_DIR (a failed start says why there)
+#   trace CONFIG    benchmarks/vllm_bench.py server words that run config CONFIG with the engine step trace
+#                   (benchmarks/step_trace.py) into $OUT_DIR/steps_CONFIG
 #   throughput_pair TAG RCAP RKEEP VCAP VKEEP ARGS... [--vllm VLLM_ARGS...]
 #                   benchmarks/throughput.py --engine rlserve --no-hf ARGS (under `slot RCAP RKEEP`), then
 #                   --engine vllm ARGS VLLM_ARGS (under `slot VCAP VKEEP`, /tmp/vsite/env.sh sourced in a
@@ -60,6 +64,18 @@ PYEOF
     sleep 1
   done
   return 1
+}
+touch "$OUT_DIR/start"
+keep_logs() {
+  for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
+    tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
+  done
+}
+trace() {  # the step trace's site first on PYTHONPATH, its directory
+  local d=$OUT_DIR/steps_$1 site
+  mkdir -p "$d"
+  site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
+  echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
 }
 gpu_cleanup() {
   command -v nvidia-smi >/dev/null || return 0

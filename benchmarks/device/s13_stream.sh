@@ -12,12 +12,6 @@
 # Results: $OUT_DIR/vllm_bench.json (vLLM's result JSON per server and concurrency, written after each
 # run), $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt; one summary line per step on stdout.
 NAME=s13_stream BUDGET=${BUDGET:-400}; source "$(dirname "$0")/lib.sh"
-keep_logs() {  # the tails of this run's server logs (a failed start says why there)
-  for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
-    tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
-  done
-}
-touch "$OUT_DIR/start"
 PROBE=$OUT_DIR/probe
 PROBE_SITE=$($PY -c "from benchmarks.api_stream_probe import site_dir; print(site_dir('$PROBE'))")
 

