@@ -18,6 +18,11 @@
 #                   start ($OUT_DIR/start, touched here) into $OUT_DIR (a failed start says why there)
 #   trace CONFIG    benchmarks/vllm_bench.py server words that run config CONFIG with the engine step trace
 #                   (benchmarks/step_trace.py) into $OUT_DIR/steps_CONFIG
+#   stream_bench LIMIT MIN_STEPS CONFIG...  benchmarks/vllm_bench.py --one-client over the caller's arrays ARGS
+#                   (vllm_bench's own flags), CONFIGS (its --configs) and BENCH (`vllm bench serve` random-dataset
+#                   flags; --ignore-eos --temperature 0 added) under `bounded LIMIT`, into $OUT_DIR/vllm_bench.{json,log};
+#                   then keep_logs, gpu_cleanup, one summary line per run and the step-trace summaries of each
+#                   CONFIG name (runs of MIN_STEPS steps at least)
 #   throughput_pair TAG RCAP RKEEP VCAP VKEEP ARGS... [--vllm VLLM_ARGS...]
 #                   benchmarks/throughput.py --engine rlserve --no-hf ARGS (under `slot RCAP RKEEP`), then
 #                   --engine vllm ARGS VLLM_ARGS (under `slot VCAP VKEEP`, /tmp/vsite/env.sh sourced in a
@@ -76,6 +81,21 @@ trace() {  # the step trace's site first on PYTHONPATH, its directory
   mkdir -p "$d"
   site=$($PY -c "from benchmarks.step_trace import site_dir; print(site_dir('$d'))")
   echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
+}
+stream_bench() {
+  local limit=$1 min=$2 c; shift 2
+  bounded "$limit" $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
+      --json "$OUT_DIR/vllm_bench.json" \
+      -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
+  say "vllm_bench rc=$? (limit $limit s)"
+  keep_logs
+  gpu_cleanup
+  $PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
+      "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
+  for c in "$@"; do
+    $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
+        "$OUT_DIR/steps_$c" "$c " "$min" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  done
 }
 gpu_cleanup() {
   command -v nvidia-smi >/dev/null || return 0

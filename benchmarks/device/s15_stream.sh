@@ -35,17 +35,6 @@ fi
 CONFIGS=("new=$C2 $(trace new) $FLAGS"
          "old=$C1 $(trace old) $FLAGS --max-prefill-tokens-while-decoding $OLD"
          "mid=$C1 $(trace mid) $FLAGS --max-prefill-tokens-while-decoding $MID")
-bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
-    --json "$OUT_DIR/vllm_bench.json" \
-    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
-say "vllm_bench rc=$? (limit $LIMIT s)"
-keep_logs
-gpu_cleanup
-$PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
-    "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
-for c in new old mid; do
-  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
-      "$OUT_DIR/steps_$c" "$c " "$MIN_STEPS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
-done
+stream_bench "$LIMIT" "$MIN_STEPS" new old mid
 say "done"
 exit 0

@@ -36,17 +36,6 @@ else
 fi
 CONFIGS=("on=$CONC $(trace on) $FLAGS"
          "off=$CONC $(trace off) $FLAGS --no-enable-chunked-prefill")
-bounded $LIMIT $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
-    --json "$OUT_DIR/vllm_bench.json" \
-    -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
-say "vllm_bench rc=$? (limit $LIMIT s)"
-keep_logs
-gpu_cleanup
-$PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
-    "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
-for c in on off; do
-  $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
-      "$OUT_DIR/steps_$c" "$c " "$MIN_STEPS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
-done
+stream_bench "$LIMIT" "$MIN_STEPS" on off
 say "done"
 exit 0
