@@ -319,7 +319,7 @@ def engine_step_ms(eng, B, ctx, vocab, args, SamplingParams) -> float:
         prompt = torch.randint(0, vocab, (ctx - 1,), generator=g).tolist()
         eng.add_request(f"b{B}-{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
     # prefill everything, then a few warm decode steps
-    while eng.scheduler.waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+    while eng.scheduler.waiting or eng.scheduler.prefilling or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
         eng.step()
     for _ in range(3):
         eng.step()

@@ -84,7 +84,7 @@ def bench_engine(args) -> None:
         for i in range(B):
             prompt = torch.randint(0, vocab, (ctx - 1,), generator=g).tolist()
             eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n_steps))
-        while eng.scheduler.waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        while eng.scheduler.waiting or eng.scheduler.prefilling or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
             eng.step()
         for _ in range(3):
             eng.step()
