@@ -34,6 +34,15 @@ from the share of the machine it got.
 A vLLM server started by hand (its start-up compiles the model with inductor: 5-20 minutes
 here) can be reused across runs with ``--vllm-url`` (and ``--vllm-pid`` for its CPU time).
 
+``--issue37`` is issue 37's CPU comparison as one command: rlserve, vLLM CPU as started by
+default and a second vLLM with ``VLLM_CPU_OMP_THREADS_BIND=0-1`` (``vllm-b``: its OpenMP
+threads on both cores; ``--vllm-b-env`` starts it here, ``--vllm-b-url`` attaches one), 3
+rounds of the closed loop of 16 clients x 1 request of 128 / 128 tokens and 3 single streams,
+server order alternating; at the end a summary of the ratios per round (rlserve / each vLLM:
+closed-loop tok/s, single-stream ITL and TTFT medians). vLLM's start-up recompiles the model
+when its compile cache (``~/.cache/vllm/torch_compile_cache``) misses: ~4-6 minutes each here
+under load, ~1 minute with the cache warm; the rounds themselves take ~3-4 minutes.
+
 Usage:
     python benchmarks/cpu_vs_vllm.py                                  # 2 rounds, both servers
     python benchmarks/cpu_vs_vllm.py --vllm-python /work/venv-vllm/bin/python --rounds 3 --json out.json
@@ -44,6 +53,8 @@ Usage:
     # (vllm-b: started by hand with VLLM_CPU_OMP_THREADS_BIND=0-1), old main as rlserve-b:
     python benchmarks/cpu_vs_vllm.py --vllm-url URL --vllm-pid PID --vllm-b-url URL2 --vllm-b-pid PID2 \
         --closed-concurrency 16 --rounds 3 --rlserve-env PYTHONPATH=$PWD --rlserve-b-env PYTHONPATH=OLD_TREE
+    # issue 37's comparison in one command (both vLLMs started here, ~5 min with a warm vLLM compile cache):
+    python benchmarks/cpu_vs_vllm.py --issue37 --vllm-python /work/vvenv/bin/python --json out.json
 """
 
 from __future__ import annotations
@@ -250,6 +261,41 @@ async def _itl(srv: Server, n: int, prompt_len: int, max_tokens: int, seed: int)
             "ttft_median_ms": 1e3 * sorted(ttfts)[len(ttfts) // 2], "chunks": len(gaps) + n}
 
 
+def _start_vllm(name: str, args, model: str, extra_env: list[str], logdir: str) -> Server:
+    """Start vLLM's OpenAI server from ``--vllm-python`` (float32, ``VLLM_CPU_KVCACHE_SPACE`` =
+    ``--kv-cache-gib``, ``--max-model-len`` = ``--vllm-max-model-len``, ``extra_env`` ``K=V``
+    on top); not waited for (:meth:`Server.wait_ready`)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
+    env.update(kv.split("=", 1) for kv in extra_env)
+    env.pop("PYTHONPATH", None)
+    port = _free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+           "--max-model-len", str(args.vllm_max_model_len), "--port", str(port), "--disable-uvicorn-access-log"]
+    return Server(name, cmd, env, port, logdir)
+
+
+def summarize(runs: list[dict]) -> list[str]:
+    """Per round, rlserve's closed-loop tok/s, ITL and TTFT medians over each other server's
+    in the same round (``x`` > 1: rlserve faster for tok/s; < 1: rlserve lower for ITL/TTFT),
+    one line per (round, peer); runs without a field are left out of that ratio."""
+    lines = []
+    for rnd in sorted({r["round"] for r in runs}):
+        by = {r["server"]: r for r in runs if r["round"] == rnd}
+        me = by.get("rlserve")
+        if me is None:
+            continue
+        for peer, r in by.items():
+            if peer == "rlserve":
+                continue
+            parts = []
+            for key, label in (("closed_tok_per_s", "closed tok/s"), ("tok_per_s", "burst tok/s"),
+                               ("itl_median_ms", "ITL"), ("ttft_median_ms", "TTFT")):
+                if key in me and key in r:
+                    parts.append(f"{label} {me[key]:.1f} vs {r[key]:.1f} ({me[key] / r[key]:.2f}x)")
+            lines.append(f"round {rnd} rlserve / {peer}: " + "; ".join(parts))
+    return lines
+
+
 def _vllm_importable(python: str) -> bool:
     r = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
     return r.returncode == 0
@@ -292,6 +338,16 @@ def main(argv=None) -> int:
                    help="a second vLLM server already running here ('vllm-b', e.g. one started with "
                         "VLLM_CPU_OMP_THREADS_BIND=0-1), measured in the same alternation")
     p.add_argument("--vllm-b-pid", type=int, default=None, help="that server's pid (for its CPU time)")
+    p.add_argument("--vllm-b-env", action="append", default=None, metavar="K=V",
+                   help="start a second vLLM ('vllm-b') here with these extra env vars (e.g. "
+                        "VLLM_CPU_OMP_THREADS_BIND=0-1), measured in the same alternation")
+    p.add_argument("--vllm-max-model-len", type=int, default=2048,
+                   help="--max-model-len of the vLLM servers started here (SmolLM2's 8192 would need a larger "
+                        "KV-cache space; the workloads stay under 512 tokens)")
+    p.add_argument("--issue37", action="store_true",
+                   help="issue 37's CPU comparison: --skip-burst --closed-concurrency 16 --closed-requests-per-client 1 "
+                        "--rounds 3 --kv-cache-gib 1 and a vllm-b started with VLLM_CPU_OMP_THREADS_BIND=0-1 "
+                        "(flags given explicitly win)")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--json", default=None, help="write every run here")
     p.add_argument("--autogroup-nice", type=int, default=None, metavar="N",
@@ -299,6 +355,15 @@ def main(argv=None) -> int:
                         "the kernel shares CPU between sessions before nice values count, so other "
                         "sessions' work on a shared machine takes less from both servers alike")
     args = p.parse_args(argv)
+    if args.issue37:
+        given = set(a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:]))
+        preset = {"skip_burst": True, "closed_concurrency": 16, "closed_requests_per_client": 1, "rounds": 3,
+                  "kv_cache_gib": 1}
+        for k, v in preset.items():
+            if "--" + k.replace("_", "-") not in given:
+                setattr(args, k, v)
+        if args.vllm_b_env is None and args.vllm_b_url is None:
+            args.vllm_b_env = ["VLLM_CPU_OMP_THREADS_BIND=0-1"]
 
     from rlserve.download import ensure_default_model
 
@@ -313,6 +378,7 @@ def main(argv=None) -> int:
             return 0
     logdir = tempfile.mkdtemp(prefix="rlserve-bench-")
     servers: dict[str, Server] = {}
+    runs: list[dict] = []
     try:
         variants = {"rlserve": ([], [])} if "rlserve" in want else {}
         if "rlserve" in want and args.rlserve_b_env is not None:
@@ -329,16 +395,14 @@ def main(argv=None) -> int:
         if "vllm" in want and args.vllm_url:
             servers["vllm"] = Server.attach("vllm", args.vllm_url, args.vllm_pid)
         elif "vllm" in want:
-            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
-            env.update(kv.split("=", 1) for kv in args.vllm_env)
-            env.pop("PYTHONPATH", None)
-            port = _free_port()
-            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
-                   "float32", "--port", str(port), "--disable-uvicorn-access-log"]
-            servers["vllm"] = Server("vllm", cmd, env, port, logdir)
-            servers["vllm"].wait_ready(args.startup_timeout, args.autogroup_nice)
-        if args.vllm_b_url:
+            servers["vllm"] = _start_vllm("vllm", args, model, args.vllm_env, logdir)
+        if "vllm" in want and args.vllm_b_url:
             servers["vllm-b"] = Server.attach("vllm-b", args.vllm_b_url, args.vllm_b_pid)
+        elif "vllm" in want and args.vllm_b_env is not None:
+            servers["vllm-b"] = _start_vllm("vllm-b", args, model, args.vllm_b_env, logdir)
+        for name in ("vllm", "vllm-b"):  # the two vLLMs start side by side (each compiles for minutes)
+            if name in servers and servers[name].proc is not None:
+                servers[name].wait_ready(args.startup_timeout, args.autogroup_nice)
         if args.autogroup_nice is not None:
             for s in servers.values():
                 set_autogroup_nice(s.pid, args.autogroup_nice)
@@ -349,7 +413,6 @@ def main(argv=None) -> int:
         # new prompts every round (a repeated prompt would hit the prefix caches); the same
         # prompts for both servers within a round
         work = [make_workload(args.num_requests, args.seed + 7919 * r, tuple(args.output_len)) for r in range(args.rounds)]
-        runs = []
         order = list(servers)
         for rnd in range(args.rounds):
             for name in (order if rnd % 2 == 0 else order[::-1]):
@@ -392,6 +455,8 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+    for line in summarize(runs):
+        print(line, flush=True)
     shutil.rmtree(logdir, ignore_errors=True)
     return 0
 

@@ -14,15 +14,24 @@ from rlserve.models import llama_cpu
 
 @pytest.fixture
 def fast_calls(monkeypatch):
-    """Counts :func:`llama_cpu.layer_forward` calls; restores the on/off switch afterwards."""
+    """Counts the layers that took the fast path: :func:`llama_cpu.layer_forward` calls, and every
+    layer of a :func:`llama_cpu.stack_forward` call that ran (a team step's whole stack in one C
+    call); restores the on/off switch afterwards."""
     calls = []
-    real = llama_cpu.layer_forward
+    real, real_stack = llama_cpu.layer_forward, llama_cpu.stack_forward
 
     def counting(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
+    def counting_stack(ctx, layers, hidden):
+        out = real_stack(ctx, layers, hidden)
+        if out is not None:
+            calls.extend(layers)
+        return out
+
     monkeypatch.setattr(llama_cpu, "layer_forward", counting)
+    monkeypatch.setattr(llama_cpu, "stack_forward", counting_stack)
     prev = llama_cpu.set_enabled(True)
     yield calls
     llama_cpu.set_enabled(prev)
@@ -116,3 +125,37 @@ def test_fast_path_after_sleep_and_weight_sync(tiny_model, tmp_path, fast_calls)
     ref_ids, ref_lps, n_ref = run(LLM(new, dtype="float32", device="cpu", block_size=4))
     assert n_ref == 0
     assert ids2 == ref_ids and lps2 == ref_lps  # bit-equal, not close
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_team_stack_in_one_call_equals_layer_by_layer(arch, tiny_model, monkeypatch):
+    """On a team of 2, a decode step's layers in one C call (:func:`llama_cpu.stack_forward`:
+    q/k norms for qwen3, biases for qwen2) give the same greedy tokens and logprobs, bit for bit,
+    as the same engine's layers called one by one, and every decode step took it."""
+    from rlserve import LLM, SamplingParams
+    from rlserve.layers import cpu_gemm
+
+    used = []
+    real = llama_cpu.stack_forward
+
+    def recording(*args):
+        out = real(*args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama_cpu, "stack_forward", recording)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
+    prompts = ["The capital of France is", "Hello world", "One two three four five six seven"]
+    path = tiny_model(arch)
+    runs = {}
+    for on in (False, True):
+        prev = llama_cpu.set_stack_enabled(on)
+        try:
+            llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+            assert cpu_gemm.size() == 2
+            runs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        finally:
+            llama_cpu.set_stack_enabled(prev)
+    assert used and all(used)  # on: every team decode step ran the stack in C (off: never called)
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert [o.logprobs for o in runs[True]] == [o.logprobs for o in runs[False]]  # bit-equal, not close

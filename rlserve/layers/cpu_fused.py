@@ -45,6 +45,17 @@ def _lib():
     return _state["lib"]
 
 
+def kernel_table() -> int:
+    """The address of a C array of this library's three entry points (RMSNorm, SiLU-and-mul,
+    q/k-norm + rotary + KV write, in that order) for C callers (``csrc/cpu_stack.c``); the
+    array lives as long as the process. Only where :func:`available`."""
+    if "table" not in _state:
+        lib = _lib()
+        table = (ctypes.c_void_p * 3)(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in _SIGS))
+        _state["table"] = (table, ctypes.addressof(table))
+    return _state["table"][1]
+
+
 def available() -> bool:
     """True when the kernels are enabled (``RLSERVE_CPU_FUSED`` is not ``0``) and load."""
     return envs.RLSERVE_CPU_FUSED and _lib() is not None

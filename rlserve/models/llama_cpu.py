@@ -54,6 +54,7 @@ from rlserve.layers.cpu_linear import packed_rows
 from rlserve.layers.linear import ColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
 
 _ENABLED = [envs.RLSERVE_CPU_FAST_LAYER]
+_STACK = [True]  # stack_forward on team decode steps (set_stack_enabled)
 
 
 @dataclass
@@ -192,8 +193,80 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
             return out
     if (ctx is not None and ctx.team) or (ctx is None and cpu_gemm.takes(hidden)):
         with cpu_gemm.step_guard():  # inline on this thread while another program holds a core
+            out = _STACK[0] and ctx is not None and ctx.team and stack_forward(ctx, layers, hidden)
+            if out:
+                return norm(*out)[0]
             return stack(ctx, positions, hidden, meta)
     return stack(ctx, positions, hidden, meta)
+
+
+def set_stack_enabled(on: bool) -> bool:
+    """Switch :func:`stack_forward` (the whole layer stack in one C call) on or off for this
+    process (A/B runs, tests); returns the previous setting."""
+    prev = _STACK[0]
+    _STACK[0] = bool(on)
+    return prev
+
+
+def _stack_static(layers):
+    """``(ints [L, 6] int64, flts [L, 4] float32)`` of ``csrc/cpu_stack.c`` for ``layers`` (sizes,
+    epsilons, the attention scale: fixed once the model is built), cached on the first layer."""
+    cached = layers[0].__dict__.get("_cpu_stack_static")
+    if cached is not None and cached[0] == len(layers):
+        return cached[1], cached[2]
+    ints, flts = [], []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        ints.append([a.qkv_proj.weight.shape[0], m.gate_up_proj.weight.shape[0], a.num_heads, a.num_kv_heads,
+                     a.head_dim, a.rotary_emb.cos_cache.shape[-1]])
+        flts.append([layer.input_layernorm.eps, layer.post_attention_layernorm.eps,
+                     a.q_norm.eps if a.qk_norm else 0.0, a.attn.scale])
+    out = (torch.tensor(ints, dtype=torch.int64), torch.tensor(flts, dtype=torch.float32))
+    layers[0].__dict__["_cpu_stack_static"] = (len(layers), *out)
+    return out
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def stack_forward(ctx: StepContext, layers, hidden: torch.Tensor):
+    """Every decoder layer of a team decode step (:func:`step_context` gave ``ctx`` with
+    ``ctx.team``) in one C call (``csrc/cpu_stack.c``: the kernels :func:`layer_forward` calls, in
+    its order, with its arguments, so the same bits): ``hidden`` ``[T, hidden]`` embeddings ->
+    ``(last layer's MLP output, residual)``, each ``[T, hidden]`` float32, for the final norm;
+    ``None`` where :func:`layer_forward` would not run the team's kernels on every layer (a
+    linear without a team copy, a KV cache that is not contiguous float32) or the attention
+    kernel refuses the step (the layers then run one by one).
+
+    Raises:
+        MemoryError: the C code could not allocate its work rows.
+    """
+    if _linear is None or not len(layers):
+        return None
+    ptrs = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        packs = _team_packs(a, m)
+        kc, vc = a.attn.k_cache, a.attn.v_cache
+        if packs is None or kc is None or not (kc.is_contiguous() and vc.is_contiguous() and kc.dtype == torch.float32
+                                               and vc.dtype == torch.float32):
+            return None
+        rope = a.rotary_emb
+        cos_sin = (rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr())
+        ptrs.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                     a.q_norm.weight.data_ptr() if a.qk_norm else 0, a.k_norm.weight.data_ptr() if a.qk_norm else 0,
+                     packs[0][0].data_ptr(), _ptr(a.qkv_proj.bias), packs[1][0].data_ptr(), _ptr(a.o_proj.bias),
+                     packs[2][0].data_ptr(), _ptr(m.gate_up_proj.bias), packs[3][0].data_ptr(),
+                     _ptr(m.down_proj.bias), kc.data_ptr(), vc.data_ptr(), *cos_sin])
+    ints, flts = _stack_static(layers)
+    hidden = hidden.contiguous()
+    h, res = torch.empty(hidden.shape, dtype=torch.float32), torch.empty(hidden.shape, dtype=torch.float32)
+    rc = cpu_gemm.decode_stack_call(cpu_fused.kernel_table(), torch.tensor(ptrs, dtype=torch.int64), ints, flts,
+                                    hidden, h, res, ctx.pos, ctx.slots, ctx.bt, ctx.sl, kc.shape[1], ctx.nthreads)
+    if rc == 2:
+        raise MemoryError("llama_cpu.stack_forward: no memory for the step's work rows")
+    return (h, res) if rc == 0 else None
 
 
 _linear = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None

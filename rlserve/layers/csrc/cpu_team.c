@@ -476,3 +476,7 @@ int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const fl
     team_run(attn_chunk, &a, B, team);
     return 0;
 }
+
+/* ---- a decode step's decoder layers in one call --------------------------------------- */
+
+#include "cpu_stack.c"
