@@ -31,7 +31,10 @@ shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.fo
 With a CPU team in the process (:mod:`rlserve.layers.cpu_gemm`) and at most
 :data:`rlserve.layers.cpu_gemm.MAX_ROWS` rows, the linears run on the team's packed copies and
 the attention on the team (one sequence per chunk; the same per-sequence kernel, same bits),
-the whole step on the calling thread with the team's workers (no micro-batches). With
+the whole step on the calling thread with the team's workers (no micro-batches), and the whole
+layer stack runs in one C call (:func:`stack_forward`, ``csrc/cpu_stack.c``: the same kernels in
+the same order, so the same bits, without ~270 Python -> C calls per step; batch 1 / 16 decode
+step 58.9 / 137.8 -> 48.5 / 121.1 ms of CPU, BENCHMARKS.md, issue 37, s16). With
 ``--batch-invariant`` the linears run the team's kernel at every row count (on the team when
 one runs, else on this thread: :func:`rlserve.batch_invariant.cpu.fma_weight`).
 """
