@@ -11,8 +11,8 @@
 #      names) against the device-copy floor of the same bytes: the FULL 61 GB shape on a card with
 #      >= 130 GiB (H200: trainer copy + server copy = 122 GB), else the first 28 layers (36.1 GB, s13's
 #      subset on the H100).
-#   c) with what is left (>= 35 s): benchmarks/moe_kernels.py --tuned --triton-only: one MoE layer, vLLM's
-#      default tile rule vs the tuned table per batch (GPU us from CUDA graphs).
+#   c) with what is left (>= 30 s; on a card under 130 GiB before b): benchmarks/moe_kernels.py --tuned
+#      --triton-only: one MoE layer, the default tile rule vs the tuned table per batch (GPU us, CUDA graphs).
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH set
 # to a CPU vLLM's site dir; the sync through gloo; moe_kernels --help: CUDA only).
 NAME=s16_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
@@ -37,25 +37,28 @@ unset RLSERVE_MOE_TUNED_CONFIGS
 gpu_cleanup
 
 # ---- b) CUDA IPC sync vs the device-copy floor
+step_b() {
 if [ "$DRY_RUN" = 1 ]; then
   bounded 200 $PY benchmarks/sync.py --cpu-shape small-qwen3-moe --gpu off --nccl off --repeats 1 \
     --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "b) sync (cpu, gloo; dry run) rc=$?: $(grep -c '| gloo |' "$OUT_DIR/sync.log") rows"
 else
   SYNC_SHAPE=qwen3-30b-a3b-28l; [ "$MEM_MIB" -ge 133120 ] && SYNC_SHAPE=qwen3-30b-a3b
-  bounded "$(slot 90 0)" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
+  bounded "$(slot 90 "$1")" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
     --repeats 3 --gpu-unpacked-only --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "b) sync rc=$?, $SYNC_SHAPE: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
 fi
 gpu_cleanup
+}
 
-# ---- c) one MoE layer: default tile rule vs the tuned table (only with >= 35 s left)
+# ---- c) one MoE layer: default tile rule vs the tuned table (only with >= 30 s left)
+step_c() {
 if [ "$DRY_RUN" = 1 ]; then
-  bounded 30 $PY benchmarks/moe_kernels.py --help > "$OUT_DIR/moe_kernels.log" 2>&1
+  bounded 90 $PY benchmarks/moe_kernels.py --help > "$OUT_DIR/moe_kernels.log" 2>&1
   say "c) moe_kernels --help rc=$? (CUDA only)"
-elif [ "$(left)" -ge 35 ]; then
-  bounded "$(slot 40 0)" $PY benchmarks/moe_kernels.py --tokens 1,24,128,256,1024,4096 --tuned --triton-only \
+elif [ "$(( $(left) - $1 ))" -ge 30 ]; then
+  bounded "$(slot 45 "$1")" $PY benchmarks/moe_kernels.py --tokens 1,64,128,256,8192 --tuned --triton-only \
     --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
   say "c) moe_kernels rc=$?"
   grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
@@ -68,5 +71,10 @@ else
   say "c) skipped: $(left) s left"
 fi
 gpu_cleanup
+}
+
+# the full 61 GB sync is new on a >= 130 GiB card: b first there; on an H100 the 28-layer sync repeats s13's
+# subset, so the tile A/B goes first
+if [ "$MEM_MIB" -ge 133120 ]; then step_b 0; step_c 0; else step_c 35; step_b 0; fi
 say "done"
 exit 0
