@@ -127,7 +127,12 @@ class LLMEngine(EngineStep):
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up
         compiling = (None if sampler_warm_up is None or not envs.RLSERVE_TRITON_PRECOMPILE else
                      triton_precompile.precompile(sampler_warm_up, executor.device, max_workers=4, wait=False))
-        executor.init_kv_cache(num_blocks)
+        try:
+            executor.init_kv_cache(num_blocks)
+        except BaseException:  # a failed start: the compiling children end with it, not after it
+            if compiling is not None:
+                compiling.kill()
+            raise
         if compiling is not None:
             compiling.wait()
         if sampler_warm_up is not None:

@@ -174,6 +174,19 @@ class Compiling:
         return st
 
 
+    def kill(self) -> None:
+        """Kill and reap every child still running (a start that failed while they compiled: they
+        used to run on, orphaned, until their share was compiled); their shares count as failed.
+        Idempotent; :meth:`wait` after it returns at once."""
+        procs, self._procs = self._procs, []
+        for p, share, err in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            err.close()
+            self.stats["failed"] += len(share)
+
+
 def compile_specs(specs: list[dict], target, max_workers: int = MAX_WORKERS) -> Compiling:
     """Start compiling ``specs`` (from :func:`record`) into Triton's on-disk cache in child processes.
 
@@ -203,18 +216,26 @@ def compile_specs(specs: list[dict], target, max_workers: int = MAX_WORKERS) -> 
     n = min(max_workers, len(todo), max(1, os.cpu_count() or 1))
     stats = {"recorded": len(specs), "cached": cached, "compiled": 0, "failed": 0, "workers": n, "seconds": 0.0}
     payload = {"path": [p for p in sys.path if p], "target": [target.backend, target.arch, target.warp_size]}
-    procs = []
-    for i in range(n):
-        share = todo[i::n]  # round robin: each kernel's variants spread over the children
-        err = tempfile.TemporaryFile()
-        p = subprocess.Popen([sys.executable, "-c", "from rlserve.engine.worker.triton_precompile import "
-                              "_child_main; _child_main()"],
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
-                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(payload["path"])))
-        p.stdin.write(json.dumps(dict(payload, specs=share)).encode())
-        p.stdin.close()
-        procs.append((p, share, err))
-    return Compiling(stats, procs, t0)
+    running = Compiling(stats, [], t0)
+    try:
+        for i in range(n):
+            share = todo[i::n]  # round robin: each kernel's variants spread over the children
+            err = tempfile.TemporaryFile()
+            try:
+                p = subprocess.Popen([sys.executable, "-c", "from rlserve.engine.worker.triton_precompile import "
+                                      "_child_main; _child_main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                     env=dict(os.environ, PYTHONPATH=os.pathsep.join(payload["path"])))
+            except BaseException:
+                err.close()
+                raise
+            running._procs.append((p, share, err))
+            p.stdin.write(json.dumps(dict(payload, specs=share)).encode())
+            p.stdin.close()
+    except BaseException:  # the children started so far do not outlive the failure
+        running.kill()
+        raise
+    return running
 
 
 def precompile(fn, device, max_workers: int = MAX_WORKERS, wait: bool = True):
