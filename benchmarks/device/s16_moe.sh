@@ -3,8 +3,8 @@
 #   a) benchmarks/throughput.py, Qwen3-30B-A3B shape (48 layers, 61 GB, dummy bf16), the offline workload
 #      (256 prompts of 100..1024 tokens) AND batch-1 decode (128-token prompt, 256 greedy tokens, ms/token),
 #      rlserve then vLLM 0.24.0 with its MoE kernels (/tmp/vsite), one process each, same card, each at
-#      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
-#      (default below: what session 16's first window settled, see BENCHMARKS.md). Falls back to the
+#      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED,
+#      by default what vLLM runs on the card (H200: its tuned table = TUNED_SM90; else the default rule). Falls back to the
 #      24-layer shape on a card under 75 GiB. rlserve with --floor (the HBM floor + roofline of its own steps:
 #      how far 1.3x vLLM is from what the bytes allow) and its step trace (step_trace_rlserve.jsonl). vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
 #   b) benchmarks/sync.py, CUDA IPC unpacked (IPC's default; fused names, then the trainer's per-expert
@@ -16,7 +16,9 @@
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH set
 # to a CPU vLLM's site dir; the sync through gloo; moe_kernels --help: CUDA only).
 NAME=s16_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
-MOE_TUNED=${MOE_TUNED:-0}
+# the tiles vLLM itself runs on this card: its tuned table on the H200 (E=128,N=768,device_name=NVIDIA_H200.json,
+# TUNED_SM90 is it coarsened), its default rule on the H100 (vLLM ships no H100 table for this shape)
+case "$CARD" in *H200*) MOE_TUNED=${MOE_TUNED:-1} ;; *) MOE_TUNED=${MOE_TUNED:-0} ;; esac
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED"
 if [ "$DRY_RUN" = 1 ]; then
   SHAPE=small-qwen3-moe
