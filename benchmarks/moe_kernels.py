@@ -43,6 +43,18 @@ SWEEP = [
 ]
 
 
+def vllm024_default(tokens: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
+    """vLLM 0.24.0's default fused-MoE tiles for bf16 / fp16 experts without a tuned table
+    (``fused_moe.get_default_config``, its general branch; ``M`` = the batch's tokens), as
+    ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``: what vLLM ran on the H100 for
+    Qwen3-30B-A3B (it ships no H100 table for E=128, N=768). rlserve's default rule
+    (:func:`rlserve.layers.moe_kernels.kernel_config`) is an older vLLM's two classes."""
+    M = tokens
+    bm = 16 if M <= 32 else 32 if M <= 96 else 64 if M <= 512 else 128
+    return (bm, 64 if M <= 64 else 128, 128 if M <= 64 else 64, 16 if M // max(num_experts, 1) > 128 else 1,
+            4 if M <= 128 else 8, 4 if M <= 32 else 3)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,64,256,2048")
@@ -55,6 +67,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tuned", action="store_true",
                     help="also time the sm90 tuned table's config (moe_kernels.TUNED_SM90) where it differs from "
                          "vLLM's default rule ('triton'), and report its largest difference from 'triton''s output")
+    ap.add_argument("--vllm-default", action="store_true",
+                    help="also time vLLM 0.24's default rule's config (vllm024_default) where it differs")
     ap.add_argument("--triton-only", action="store_true", help="leave out grouped_mm, the loop and fp8")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -85,6 +99,9 @@ def main(argv=None) -> dict:
         tuned = mk.pick(mk.config_table(E, I, K, tuned=True), T * K)
         if args.tuned and tuned != mk.kernel_config(T * K, E):
             paths[f"triton_tuned{tuned}"] = lambda c=tuned: mk.experts_triton(x, w13, w2, tw, ti, config=c)
+        vd = vllm024_default(T, E)
+        if args.vllm_default and vd != mk.kernel_config(T * K, E) and not (args.tuned and vd == tuned):
+            paths[f"triton_vllm024{vd}"] = lambda c=vd: mk.experts_triton(x, w13, w2, tw, ti, config=c)
         if not args.triton_only:
             if cap >= (9, 0):
                 paths["grouped_mm"] = lambda: mk.experts_grouped_mm(x, w13, w2, tw, ti)

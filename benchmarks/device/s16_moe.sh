@@ -12,7 +12,8 @@
 #      >= 130 GiB (H200: trainer copy + server copy = 122 GB), else the first 28 layers (36.1 GB, s13's
 #      subset on the H100).
 #   c) with what is left (>= 30 s; on a card under 130 GiB before b): benchmarks/moe_kernels.py --tuned
-#      --triton-only: one MoE layer, the default tile rule vs the tuned table per batch (GPU us, CUDA graphs).
+#      --vllm-default --triton-only: one MoE layer, rlserve's default tile rule vs the tuned table vs vLLM 0.24's
+#      default rule (vllm024_default) per batch (decode ~100 tokens; an 8192-token prefill; GPU us, CUDA graphs).
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH set
 # to a CPU vLLM's site dir; the sync through gloo; moe_kernels --help: CUDA only).
 NAME=s16_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
@@ -60,7 +61,7 @@ if [ "$DRY_RUN" = 1 ]; then
   bounded 90 $PY benchmarks/moe_kernels.py --help > "$OUT_DIR/moe_kernels.log" 2>&1
   say "c) moe_kernels --help rc=$? (CUDA only)"
 elif [ "$(( $(left) - $1 ))" -ge 30 ]; then
-  bounded "$(slot 45 "$1")" $PY benchmarks/moe_kernels.py --tokens 1,64,128,256,8192 --tuned --triton-only \
+  bounded "$(slot 45 "$1")" $PY benchmarks/moe_kernels.py --tokens 96,128,256,8192 --tuned --vllm-default --triton-only \
     --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
   say "c) moe_kernels rc=$?"
   grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
