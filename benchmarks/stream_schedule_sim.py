@@ -22,6 +22,12 @@ Step-time model (ms; defaults for the Qwen3-0.6B shape on one H100, bf16):
     python benchmarks/stream_schedule_sim.py --budgets old default 4096 1024 --concurrency 256 64
     python benchmarks/stream_schedule_sim.py --budgets old default --concurrency 256 --num-prompts 256 \
         --random-lens 100 1024   # the offline workload, had its sequences streamed
+    python benchmarks/stream_schedule_sim.py --budgets default --chunked off on --concurrency 64 \
+        --num-prompts 256 --prompt-lens 205 3891 --output-len 128
+        # s16_chunk.sh's long-prompt mix: a prompt longer than the budget runs whole, or in chunks
+
+``--chunked on`` runs the scheduler with chunked prefill (``enable_chunked_prefill``): only the
+sequences whose prompt ends in a step get a token from it (``ScheduledBatch.sampled``).
 """
 
 from __future__ import annotations
@@ -42,12 +48,13 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def simulate(args, budget: str, concurrency: int) -> dict:
+def simulate(args, budget: str, concurrency: int, chunked: bool = False) -> dict:
     """One closed-loop run; ``budget``: ``old`` (= max_num_batched_tokens), ``default`` (the scheduler's
-    default) or a token count. Returns output tok/s, wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms."""
+    default) or a token count; ``chunked``: chunked prefill. Returns output tok/s, wall s, inter-token gap
+    p50/p99/max ms, TTFT mean/p99 ms."""
     fixed = None if budget == "default" else (args.max_num_batched_tokens if budget == "old" else int(budget))
     sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens, 1,
-                    max_prefill_tokens_while_decoding=fixed)
+                    max_prefill_tokens_while_decoding=fixed, enable_chunked_prefill=chunked)
     now, sent, done = 0.0, 0, 0
     arrive: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -61,7 +68,8 @@ def simulate(args, budget: str, concurrency: int) -> dict:
         nonlocal sent, total_out
         rid = f"r{sent}"
         plen, olen = ((rng.randint(*args.random_lens), rng.randint(*args.random_lens)) if args.random_lens
-                      else (args.prompt_len, args.output_len))
+                      else (rng.randint(*args.prompt_lens) if getattr(args, "prompt_lens", None) else args.prompt_len,
+                            args.output_len))
         total_out += olen
         ids = [(sent * 7919 + j) % 50000 + 1 for j in range(plen)]  # distinct: no prefix hits
         seq = Sequence(rid, 0, ids, SamplingParams(max_tokens=olen, ignore_eos=True), 16)
@@ -84,7 +92,7 @@ def simulate(args, budget: str, concurrency: int) -> dict:
             kv = sum(len(s) for s in batch.seqs) * args.kv_bytes_per_token
             now += args.decode_fixed_ms + kv / (args.hbm_gbps * 1e6)
         finished = []
-        for s in batch.seqs:
+        for s in batch.sampled:
             s.num_computed_tokens = len(s)
             s.output_token_ids.append(1)
             rid = s.request_id
@@ -96,7 +104,7 @@ def simulate(args, budget: str, concurrency: int) -> dict:
             sch.finish(s)
             done += 1
             pending.append(now + args.turnaround_ms)
-    return {"budget": budget, "concurrency": concurrency,
+    return {"budget": budget, "concurrency": concurrency, "chunked": chunked,
             "output_tok_s": round(total_out / now * 1e3), "wall_s": round(now / 1e3, 3),
             "gap_p50_ms": round(_pct(gaps, 0.5), 1), "gap_p99_ms": round(_pct(gaps, 0.99), 1),
             "gap_max_ms": round(max(gaps), 1), "ttft_mean_ms": round(statistics.mean(ttft)),
@@ -117,11 +125,16 @@ def main() -> None:
                    help="prompt and output lengths uniform in [LO, HI] (seeded) instead of --prompt-len / "
                         "--output-len; the offline nano-vllm workload: --concurrency 256 --num-prompts 256 "
                         "--random-lens 100 1024")
+    p.add_argument("--prompt-lens", nargs=2, type=int, default=None, metavar=("LO", "HI"),
+                   help="prompt lengths uniform in [LO, HI] (seeded), --output-len tokens out")
+    p.add_argument("--chunked", nargs="+", choices=["off", "on"], default=["off"],
+                   help="chunked prefill off (the default here) and/or on: one run each")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
-    rows = [simulate(args, b, c) for c in args.concurrency for b in args.budgets]
+    rows = [simulate(args, b, c, ch == "on") for c in args.concurrency for b in args.budgets for ch in args.chunked]
     for r in rows:
-        print(f"c{r['concurrency']} budget {r['budget']:>5}: {r['output_tok_s']:,} tok/s, gap p50/p99/max "
+        print(f"c{r['concurrency']} budget {r['budget']:>5}{' chunked' if r['chunked'] else ''}: "
+              f"{r['output_tok_s']:,} tok/s, gap p50/p99/max "
               f"{r['gap_p50_ms']}/{r['gap_p99_ms']}/{r['gap_max_ms']} ms, TTFT mean/p99 {r['ttft_mean_ms']}/"
               f"{r['ttft_p99_ms']} ms")
     if args.json:

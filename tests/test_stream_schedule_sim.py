@@ -29,3 +29,14 @@ def test_a_prefill_between_decode_steps_stalls_the_running_stream():
     for budget in ("old", "8"):
         r = simulate(args, budget, 2)
         assert r["gap_max_ms"] == 4.5 and r["gap_p50_ms"] == 1.0
+
+
+def test_chunked_prefill_bounds_the_stall_by_the_chunk():
+    # the same two clients with chunked prefill and an 8-token budget while a stream decodes: the second
+    # prompt runs in chunks of 8, 8, 8 (1.3 ms each, one between two decode steps: gaps of 2.3 ms), then, the
+    # first stream done at 9.1 ms, its last 6 with nothing running (1.1 ms: its first token at 10.2 ms)
+    args = _args(num_prompts=2, prompt_len=30, output_len=4, max_num_batched_tokens=30)
+    r = simulate(args, "8", 2, chunked=True)
+    assert (r["gap_max_ms"], r["gap_p50_ms"]) == (2.3, 1.0)
+    assert r["ttft_mean_ms"] == round((3.5 + 10.2) / 2)
+    assert simulate(args, "8", 2)["gap_max_ms"] == 4.5  # unchunked: the whole prompt at once
