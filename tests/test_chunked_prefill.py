@@ -6,6 +6,7 @@ sizes that do not divide the prompts, boundaries inside a KV block and on one; w
 hits; abort and preemption of a partial prefill; prompt logprobs, routed experts and LoRA across
 chunks; a weight update between two chunks (the prompt restarts under the new weights)."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -299,3 +300,32 @@ def test_flags_config_and_server_info():
         sc = vllm_config(state)["scheduler_config"]
         assert sc["enable_chunked_prefill"] is on and sc["max_num_batched_tokens"] == 64
         assert sc["long_prefill_token_threshold"] == 8
+
+
+# ---- the HTTP server: echo across chunks, server_info --------------------------------------------
+
+def test_server_echo_logprobs_across_chunks(path, unchunked):
+    """``/v1/completions`` with ``echo`` and ``logprobs`` (prompt logprobs under the hood), plain and
+    streamed, on a server whose steps take 8 tokens (the prompt in chunks): the unchunked engine's
+    tokens and prompt logprobs; ``/server_info`` says chunked prefill is on."""
+    import httpx
+
+    from tests.transfer_harness import InProcessServer
+
+    prompt = "Once upon a time there was a tiny model that read long prompts in chunks of eight tokens"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    with InProcessServer(path, load_format="auto", max_num_batched_tokens=8) as srv:
+        sc = httpx.get(srv.url + "/server_info", params={"config_format": "json"}, timeout=60).json()[
+            "vllm_config"]["scheduler_config"]
+        assert sc["enable_chunked_prefill"] is True and sc["max_num_batched_tokens"] == 8
+        got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        with httpx.stream("POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    (want,) = unchunked.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2))
+    ids = want.prompt_token_ids
+    assert len(ids) > 3 * 8  # several chunks
+    assert got["text"] == "".join(c["choices"][0]["text"] for c in chunks) == prompt + want.outputs[0].text
+    lps = got["logprobs"]["token_logprobs"]
+    assert len(lps) == len(ids) + 4 and lps[0] is None
+    np.testing.assert_allclose(lps[1:len(ids)], [want.prompt_logprobs[i][t] for i, t in enumerate(ids) if i],
+                               atol=LP_ATOL, rtol=0)
