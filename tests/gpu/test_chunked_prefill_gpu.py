@@ -65,7 +65,7 @@ def test_chunked_with_prefix_hits_and_decodes_between_chunks(tiny_model):
     a short request decodes while a long prompt is prefilled chunk by chunk."""
     path = tiny_model("qwen3")
     prompts = _prompts(1)
-    llm = LLM(path, enable_chunked_prefill=True, max_num_batched_tokens=40, **KW)
+    llm = LLM(path, enable_chunked_prefill=True, max_num_batched_tokens=40, max_consecutive_prefill_steps=1, **KW)
     ref = LLM(path, enable_chunked_prefill=False, max_num_batched_tokens=1024, enforce_eager=True, **KW)
     want, want_lp = _run(ref, prompts, 24)
     first, _ = _run(llm, prompts, 24)
@@ -78,7 +78,7 @@ def test_chunked_with_prefix_hits_and_decodes_between_chunks(tiny_model):
     eng.add_request("short", prompts[3], _greedy(40))
     for _ in range(3):
         eng.step()
-    eng.add_request("long", [11] * 5 + prompts[4] * 2, _greedy(8))
+    eng.add_request("long", [11] * 5 + prompts[4], _greedy(8))  # 205 tokens: 6 chunks (the model takes 256)
     done, kinds = {}, []
     real = eng.executor.execute
     eng.executor.execute = lambda step: kinds.append("P" if step.is_prefill else "D") or real(step)
@@ -88,5 +88,5 @@ def test_chunked_with_prefix_hits_and_decodes_between_chunks(tiny_model):
                 done[o.request_id] = o.outputs[0].token_ids
     eng.executor.execute = real
     assert "".join(kinds).startswith("PDPDPD")  # chunks and decode steps alternate (CUDA default)
-    exp = ref.generate([prompts[3], [11] * 5 + prompts[4] * 2], [_greedy(40), _greedy(8)])
+    exp = ref.generate([prompts[3], [11] * 5 + prompts[4]], [_greedy(40), _greedy(8)])
     assert [done["short"], done["long"]] == [o.outputs[0].token_ids for o in exp]
