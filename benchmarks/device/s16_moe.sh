@@ -4,8 +4,8 @@
 #   a) benchmarks/throughput.py, Qwen3-30B-A3B shape (48 layers, 61 GB, dummy bf16), the offline workload
 #      (256 prompts of 100..1024 tokens) AND batch-1 decode (128-token prompt, 512 greedy tokens, ms/token),
 #      rlserve then vLLM 0.24.0 with its MoE kernels (/tmp/vsite), one process each, same card, each at
-#      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED,
-#      by default what vLLM runs on the card (H200: its tuned table = TUNED_SM90; else the default rule). Falls back to the
+#      its own default gpu_memory_utilization. rlserve's fused-MoE tiles: RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
+#      (default 1: the tuned table, the faster in window 1; vLLM runs its H200 table on an H200, else its default rule). Falls back to the
 #      24-layer shape on a card under 75 GiB. rlserve with --floor (the HBM floor + roofline of its own steps:
 #      how far 1.3x vLLM is from what the bytes allow) and its step trace (step_trace_rlserve.jsonl). vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
 #   b) benchmarks/sync.py, CUDA IPC unpacked (IPC's default; fused names, then the trainer's per-expert
@@ -18,9 +18,10 @@
 # DRY_RUN=1: every Python step once on the CPU with a tiny MoE shape (vLLM only with VLLM_PYTHONPATH set
 # to a CPU vLLM's site dir; the sync through gloo; moe_kernels --help: CUDA only).
 NAME=s16_moe BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
-# the tiles vLLM itself runs on this card: its tuned table on the H200 (E=128,N=768,device_name=NVIDIA_H200.json,
-# TUNED_SM90 is it coarsened), its default rule on the H100 (vLLM ships no H100 table for this shape)
-case "$CARD" in *H200*) MOE_TUNED=${MOE_TUNED:-1} ;; *) MOE_TUNED=${MOE_TUNED:-0} ;; esac
+# rlserve's best tiles: the tuned table (vLLM's H200 table for this shape, coarsened: TUNED_SM90), faster than the
+# default rule on the H100 at every batch of session 16's first window (moespeed b: 433.5 vs 453.5 us a layer
+# at 128 tokens ... 895.1 vs 1100.5 at 4096; equal at 24); MOE_TUNED=0 for the default rule
+MOE_TUNED=${MOE_TUNED:-1}
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED"
 # BUDGET >= 280: the offline workload + batch-1 (both engines); below (the lead's second window: 150 s), batch-1
 # alone: a 4-sequence workload (100..128 tokens) stands in for the offline one (its tok/s means nothing)
