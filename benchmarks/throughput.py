@@ -93,6 +93,10 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     fresh = lambda k: [[(t + k) % llm.engine.vocab_size for t in p] for p in prompts]  # noqa: E731
     if rec is not None:
         print(f"rlserve timed: {res['output_tokens']} tokens in {res['seconds']:.3f} s", flush=True)
+        if args.step_trace:  # before the floor's probes: a run cut by its time bound keeps the trace
+            from workload_floor import write_trace
+
+            write_trace(rec.trace, args.step_trace)
         try:  # its bandwidth probe allocates 4 GiB beside the cache: a failure must not lose the run
             res["floor"] = rec.result(res["seconds"], args.device, args.dtype)
         except torch.OutOfMemoryError as e:
@@ -102,10 +106,6 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
             torch.cuda.empty_cache()
         else:
             _print_steps(res["floor"])
-        if args.step_trace:
-            from workload_floor import write_trace
-
-            write_trace(rec.trace, args.step_trace)
     if args.phases:
         res["phases"] = _phases(llm.engine, lambda: gen(fresh(1), params), args)
     if args.profile:
