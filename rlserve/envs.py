@@ -125,10 +125,10 @@ VARIABLES: dict[str, Var] = {
                                "'grouped_mm' (torch._grouped_mm: bf16 on sm90, PyTorch's fallback elsewhere) or "
                                "'loop' (one GEMM pair per "
                                "expert; default on CPU)"),
-    "RLSERVE_MOE_TUNED_CONFIGS": Var("bool", False, _one,
-                                     "'1': the fused-MoE kernel takes the tuned table of "
-                                     "rlserve.layers.moe_kernels.TUNED_SM90 for its shapes on sm90 (not measured on a "
-                                     "GPU yet; default: vLLM's default tile rule everywhere)"),
+    "RLSERVE_MOE_TUNED_CONFIGS": Var("bool", True, _flag,
+                                     "'0': the fused-MoE kernel takes the default tile rule everywhere; on (default): "
+                                     "the tuned table rlserve.layers.moe_kernels.TUNED_SM90 for its shapes on sm90 "
+                                     "(bf16 / fp16 experts), measured faster on an H100 (BENCHMARKS.md, MoE)"),
     "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "

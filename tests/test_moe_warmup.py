@@ -178,11 +178,16 @@ def test_tuned_table_that_fails_falls_back_to_the_default_rule(recording, monkey
 
 
 def test_tuned_configs_switch(monkeypatch):
-    """The tuned table is off unless ``RLSERVE_MOE_TUNED_CONFIGS=1`` (unmeasured on a GPU), decided
-    before any device query (so this runs without a GPU); fp8 experts and non-CUDA devices never
-    take it, switched on or not."""
+    """The tuned table is on by default on sm90 (measured faster on an H100, session 16) and off with
+    ``RLSERVE_MOE_TUNED_CONFIGS=0``, decided before any device query (so this runs without a GPU:
+    the capability cache stands in for the device); other capabilities, fp8 experts and non-CUDA
+    devices never take it, switched on or not."""
     monkeypatch.delenv("RLSERVE_MOE_TUNED_CONFIGS", raising=False)
+    monkeypatch.setitem(mk._SM90, 0, True)
+    assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is True
+    monkeypatch.setitem(mk._SM90, 0, False)  # e.g. an A100 (sm80): the default rule
     assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is False
+    monkeypatch.setitem(mk._SM90, 0, True)
     monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "0")
     assert mk.tuned_device(torch.device("cuda", 0), torch.bfloat16) is False
     monkeypatch.setenv("RLSERVE_MOE_TUNED_CONFIGS", "1")

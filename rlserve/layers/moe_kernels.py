@@ -172,7 +172,9 @@ CONFIGS = {
 #: (vLLM's keys 8 and 24 differ from it only in ``num_stages``), <= 192 its keys 96/128, <= 384 its
 #: key 256, <= 768 its key 512, above that its keys 1536..3072 (1024 and 4096: ``GROUP_M`` 16).
 #: The bounds sit between vLLM's keys, as vLLM picks the key nearest the batch's token count.
-#: Used only with ``RLSERVE_MOE_TUNED_CONFIGS=1`` (:func:`tuned_device`): not measured on a GPU yet.
+#: Used by default on sm90 (:func:`tuned_device`; ``RLSERVE_MOE_TUNED_CONFIGS=0``: the default rule): on an
+#: H100 (session 16, first window, ``benchmarks/moe_kernels.py --tuned``) one layer took 433.5 / 452.3 / 533.5 /
+#: 895.1 us at 128 / 256 / 1024 / 4096 tokens against the default rule's 453.5 / 466.6 / 538.7 / 1100.5.
 TUNED_SM90 = {
     (128, 768): (
         (32, (16, 64, 128, 1, 4, 4)),
@@ -187,7 +189,7 @@ TUNED_SM90 = {
 def config_table(num_experts: int, inter: int, top_k: int, tuned: bool) -> tuple[tuple[int | None, tuple], ...]:
     """The tile classes of one expert shape: ``((max pairs, config), ...)`` ascending, the last
     bound None. ``tuned``: :data:`TUNED_SM90`'s table when it has ``(num_experts, inter)`` (its token
-    bounds times ``top_k``), else vLLM's default rule (:func:`kernel_config`)."""
+    bounds times ``top_k``), else the default rule (:func:`kernel_config`)."""
     table = TUNED_SM90.get((num_experts, inter)) if tuned else None
     if table is not None:
         return tuple((None if b is None else b * top_k, cfg) for b, cfg in table)
@@ -203,8 +205,9 @@ def pick(table, num_pairs: int) -> tuple[int, int, int, int, int, int]:
 
 
 def kernel_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
-    """vLLM's default rule: ``BLOCK_M = 16`` tiles while the pairs per expert are few
-    (``N <= 4 E``: decode up to batch ``4 E / K``), else 64-row tiles (prefill, large batches)."""
+    """The default rule (an earlier vLLM's; vLLM 0.24's has six classes by tokens, timed beside it by
+    ``benchmarks/moe_kernels.py --vllm-default``): ``BLOCK_M = 16`` tiles while the pairs per expert
+    are few (``N <= 4 E``: decode up to batch ``4 E / K``), else 64-row tiles (prefill, large batches)."""
     return CONFIGS["small" if num_pairs <= 4 * num_experts else "large"]
 
 
@@ -212,9 +215,9 @@ _SM90: dict = {}
 
 
 def tuned_device(device: torch.device, wdtype: torch.dtype) -> bool:
-    """Whether :data:`TUNED_SM90` applies (``RLSERVE_MOE_TUNED_CONFIGS=1``; off by default until a GPU
-    measures it, BENCHMARKS.md, MoE): a CUDA device of compute capability 9.x (the H100 / H200:
-    the tables' largest tiles take 192 KiB of shared memory) and bf16 / fp16 weights (not fp8)."""
+    """Whether :data:`TUNED_SM90` applies (on unless ``RLSERVE_MOE_TUNED_CONFIGS=0``; measured faster
+    than the default rule on an H100, BENCHMARKS.md, MoE): a CUDA device of compute capability 9.x (the
+    H100 / H200: the tables' largest tiles take 192 KiB of shared memory) and bf16 / fp16 weights (not fp8)."""
     if device.type != "cuda" or wdtype not in (torch.bfloat16, torch.float16) or not envs.RLSERVE_MOE_TUNED_CONFIGS:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
