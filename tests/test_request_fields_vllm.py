@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 
 import httpx
 import pytest
@@ -30,7 +29,7 @@ import torch
 from rlserve.engine.sampling_params import SamplingParams
 from tests.tiny_models import build_tokenizer
 from tests.transfer_harness import InProcessServer
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm, vllm_python
 
 T = 60.0
 SCHEMA = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "integer"}},
@@ -69,7 +68,7 @@ def _installed_facts() -> dict | None:
     if exe is None:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_request_facts.py")
-    r = subprocess.run([exe, script], capture_output=True, text=True, timeout=600, cwd=os.path.dirname(script))
+    r = run_vllm([script], cwd=os.path.dirname(script))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

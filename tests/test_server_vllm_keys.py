@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 
 import httpx
 import pytest
 
 from rlserve.server.server_info import system_fingerprint
 from tests.transfer_harness import InProcessServer
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm, vllm_python
 
 T = 60.0
 RLSERVE_KEYS = {"weight_version", "weight_versions"}  # rlserve's own, on choices and answers
@@ -107,7 +106,7 @@ def _installed_vllm_keys() -> dict | None:
     if exe is None:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_answer_keys.py")
-    r = subprocess.run([exe, script], capture_output=True, text=True, timeout=600)
+    r = run_vllm([script])
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

