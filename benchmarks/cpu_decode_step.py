@@ -16,12 +16,15 @@ still inflate it). Prints the machine's load average with every figure.
 - ``--ab-fast-layer N``: instead, the decode step with :mod:`rlserve.models.llama_cpu`'s fast
   path off and on, alternating step by step (N steps each, one thread), after checking that
   the two give bit-equal logits; prints one JSON line per batch size.
+- ``--ab-stack N``: the same for ``llama_cpu.stack_forward`` (a team step's layers in one C
+  call) off and on, the team in use.
 
 Usage:
     python benchmarks/cpu_decode_step.py                       # batch 64, threads 1 and 2
     python benchmarks/cpu_decode_step.py --batch 1 --threads 1 --skip-attention
     python benchmarks/cpu_decode_step.py --ab-fast-layer 100 --batch 1 4 16 64
     python benchmarks/cpu_decode_step.py --ab-team 30 --batch 1 16 32 64
+    python benchmarks/cpu_decode_step.py --ab-stack 30 --batch 1 16
 """
 
 from __future__ import annotations
@@ -121,35 +124,41 @@ def _decode_step(batch: int):
                      list(range(batch)), False)
 
 
-def bench_fast_layer_ab(w, batch: int, steps: int) -> None:
-    """One JSON line: CPU ms per decode step (``time.thread_time``) with the fast path of
-    :mod:`rlserve.models.llama_cpu` off and on, alternating step by step (which goes first
-    alternates too), medians, means and the median of the paired differences."""
+def bench_switch_ab(w, batch: int, steps: int, switch, name: str) -> None:
+    """One JSON line: ms per decode step with ``switch(False)`` / ``switch(True)`` (a setter that
+    returns the previous setting, e.g. :func:`rlserve.models.llama_cpu.set_enabled`), alternating
+    step by step (which goes first alternates too): medians of the calling thread's CPU
+    (``time.thread_time``), the process's CPU (``time.process_time``: team workers included) and
+    wall time, and the median of the paired thread-CPU differences, after checking that the two
+    give bit-equal logits."""
     import json
-
-    from rlserve.models import llama_cpu
 
     step = _decode_step(batch)
     logits = {}
     for on in (False, True):
-        llama_cpu.set_enabled(on)
+        switch(on)
         logits[on] = w.execute(step).clone()
     for _ in range(3):
         w.execute(step)
-    res: dict = {"off": [], "on": []}
+    res: dict = {k: [] for k in ("off", "on", "off_proc", "on_proc", "off_wall", "on_wall")}
     load0 = os.getloadavg()[0]
     for i in range(steps):
         for on in ((False, True) if i % 2 == 0 else (True, False)):
-            llama_cpu.set_enabled(on)
-            c0 = time.thread_time()
+            switch(on)
+            k = "on" if on else "off"
+            c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
             w.execute(step)
-            res["on" if on else "off"].append(1e3 * (time.thread_time() - c0))
-    llama_cpu.set_enabled(True)
+            res[k].append(1e3 * (time.thread_time() - c0))
+            res[k + "_proc"].append(1e3 * (time.process_time() - p0))
+            res[k + "_wall"].append(1e3 * (time.perf_counter() - w0))
+    switch(True)
     diffs = sorted(a - b for a, b in zip(res["off"], res["on"]))
-    print(json.dumps({"batch": batch, "steps_each": steps, "logits_bit_equal": torch.equal(logits[False], logits[True]),
+    print(json.dumps({"ab": name, "batch": batch, "steps_each": steps,
+                      "logits_bit_equal": torch.equal(logits[False], logits[True]),
                       "off_median_ms": round(statistics.median(res["off"]), 2),
                       "on_median_ms": round(statistics.median(res["on"]), 2),
                       "off_mean_ms": round(statistics.mean(res["off"]), 2), "on_mean_ms": round(statistics.mean(res["on"]), 2),
+                      **{f"{k}_median_ms": round(statistics.median(v), 2) for k, v in res.items() if "_" in k},
                       "paired_diff_median_ms": round(diffs[len(diffs) // 2], 2),
                       "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
 
@@ -213,6 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[64])
     p.add_argument("--ab-fast-layer", type=int, default=0, metavar="STEPS",
                    help="A/B of the llama_cpu fast path (off/on alternating, STEPS each) at every --batch")
+    p.add_argument("--ab-stack", type=int, default=0, metavar="STEPS",
+                   help="A/B of llama_cpu.stack_forward (a team step's layers in one C call) off/on, alternating, "
+                        "STEPS each, at every --batch")
     p.add_argument("--ab-team", type=int, default=0, metavar="STEPS",
                    help="A/B of the CPU team (rlserve.layers.cpu_gemm) on/off, alternating, STEPS each, at every --batch")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -225,10 +237,14 @@ def main(argv=None) -> int:
         for b in args.batch:
             bench_team_ab(w, b, args.ab_team)
         return 0
-    if args.ab_fast_layer:
+    if args.ab_fast_layer or args.ab_stack:
+        from rlserve.models import llama_cpu
+
         w = _worker(1)
+        switch, name = ((llama_cpu.set_enabled, "fast_layer") if args.ab_fast_layer else
+                        (llama_cpu.set_stack_enabled, "stack"))
         for b in args.batch:
-            bench_fast_layer_ab(w, b, args.ab_fast_layer)
+            bench_switch_ab(w, b, args.ab_fast_layer or args.ab_stack, switch, name)
         return 0
     for batch in args.batch:
         if not args.skip_attention:
