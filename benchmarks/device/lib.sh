@@ -14,6 +14,8 @@
 #   stop_bg PID     kill the process group of PID (TERM, then KILL after 5 s)
 #   wait_http URL S poll URL until it answers 200 or S seconds pass; returns 0 when up
 #   gpu_cleanup     kill -9 every process nvidia-smi still lists on the GPU
+#   moe_kernel_rows TAG LOG  one summary line per row of benchmarks/moe_kernels.py's LOG (its JSON lines), to
+#                   stdout and $OUT_DIR/summary.txt
 #   keep_logs       copy the last 300 lines of every rlserve / vLLM server log in /tmp newer than this script's
 #                   start ($OUT_DIR/start, touched here) into $OUT_DIR (a failed start says why there)
 #   trace CONFIG    benchmarks/vllm_bench.py server words that run config CONFIG with the engine step trace
@@ -100,6 +102,14 @@ stream_bench() {
 gpu_cleanup() {
   command -v nvidia-smi >/dev/null || return 0
   for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+}
+moe_kernel_rows() {
+  grep -E '^\{' "$2" | $PY -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print(f\"$1) T={r['T']:5d} {r['path']:40s} graph {r.get('graph_us', 0):8.1f} us  floor {r['floor_us']:7.1f}  \"
+          f\"diff {r.get('max_abs_diff_vs_triton', '-')} {r.get('error', '')}\")" | tee -a "$OUT_DIR/summary.txt"
 }
 throughput_pair() {
   local tag=$1 rcap=$2 rkeep=$3 vcap=$4 vkeep=$5 t; shift 5

@@ -63,12 +63,7 @@ else
   bounded "$(slot 30 2)" $PY benchmarks/moe_kernels.py --tokens 24,128,256,1024,4096 --tuned --triton-only \
     --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
   say "b) moe_kernels rc=$?"
-  grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
-import json, sys
-for l in sys.stdin:
-    r = json.loads(l)
-    print(f\"b) T={r['T']:5d} {r['path']:40s} graph {r.get('graph_us', 0):8.1f} us  floor {r['floor_us']:7.1f}  \"
-          f\"diff {r.get('max_abs_diff_vs_triton', '-')} {r.get('error', '')}\")" | tee -a "$OUT_DIR/summary.txt"
+  moe_kernel_rows b "$OUT_DIR/moe_kernels.log"
 fi
 gpu_cleanup
 

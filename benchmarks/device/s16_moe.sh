@@ -79,12 +79,7 @@ elif [ "$(( $(left) - $1 ))" -ge 30 ]; then
   bounded "$(slot 45 "$1")" $PY benchmarks/moe_kernels.py --tokens 96,128,256,8192 --tuned --vllm-default --triton-only \
     --iters 10 --json "$OUT_DIR/moe_kernels.json" > "$OUT_DIR/moe_kernels.log" 2>&1
   say "c) moe_kernels rc=$?"
-  grep -E '^\{' "$OUT_DIR/moe_kernels.log" | $PY -c "
-import json, sys
-for l in sys.stdin:
-    r = json.loads(l)
-    print(f\"c) T={r['T']:5d} {r['path']:40s} graph {r.get('graph_us', 0):8.1f} us  floor {r['floor_us']:7.1f}  \"
-          f\"diff {r.get('max_abs_diff_vs_triton', '-')} {r.get('error', '')}\")" | tee -a "$OUT_DIR/summary.txt"
+  moe_kernel_rows c "$OUT_DIR/moe_kernels.log"
 else
   say "c) skipped: $(left) s left"
 fi
