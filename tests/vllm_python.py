@@ -8,12 +8,15 @@ for a fresh vLLM import."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
 import queue
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,9 +60,12 @@ class _Runner:
         from rlserve.server.launch import parent_death_signal
 
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_runner.py")
-        self.proc = subprocess.Popen([exe, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                     preexec_fn=parent_death_signal())
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen([exe, script, "--fd", str(theirs.fileno())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True, preexec_fn=parent_death_signal(),
+                                     pass_fds=(theirs.fileno(),))
+        theirs.close()
         self.lines: queue.Queue = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put, True), daemon=True).start()
@@ -86,13 +92,16 @@ class _Runner:
                                  f"{''.join(self.err)[-3000:]}")
         return json.loads(line)
 
-    def run(self, request: dict, timeout_s: float) -> dict:
+    def run(self, request: dict, timeout_s: float, fds: list[int] = ()) -> dict:
+        """Send ``request`` (and ``fds`` on the socket, for a detached one); its answer."""
         with self.lock:
             if not self.ready:
                 assert self._reply(timeout_s) == {"ready": True}
                 self.ready = True
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
+            if fds:
+                socket.send_fds(self.sock, [b"f"], list(fds))
             return self._reply(timeout_s)
 
     def stop(self) -> None:
@@ -112,14 +121,8 @@ class _Runner:
 _RUNNERS: dict = {}  # python -> its _Runner
 
 
-def run_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, input: str | None = None,
-             timeout: float = 600) -> subprocess.CompletedProcess:
-    """``subprocess.run([python with vLLM, *argv], cwd=cwd, env=env, input=input, capture_output=True,
-    text=True, timeout=timeout)``, run in a fork of one warm process that imported vLLM once per
-    session (``tests/vllm_runner.py``; ``argv`` is a script's path and its arguments, or ``["-c",
-    code, ...]``). Requires :func:`vllm_python`. Raises ``subprocess.TimeoutExpired`` after
-    ``timeout`` seconds (a hang bound; the runner is then stopped) and AssertionError when the
-    runner itself dies (its stderr)."""
+def _request(argv, cwd, env, timeout: float, fds: list[int] = (), **extra) -> tuple[str, dict]:
+    """(python, the runner's answer) for ``argv`` run as :func:`run_vllm` describes."""
     exe = vllm_python()
     assert exe is not None, "no Python with vLLM (RLSERVE_VLLM_PYTHON)"
     env = dict(os.environ if env is None else env)
@@ -128,6 +131,63 @@ def run_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, i
             atexit.register(lambda: [r.stop() for r in _RUNNERS.values()])
         _RUNNERS[exe] = _Runner(exe)
     request = {"argv": [os.fspath(a) for a in argv], "cwd": os.path.abspath(cwd or os.getcwd()), "env": env,
-               "sys_path": [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], "stdin": input}
-    a = _RUNNERS[exe].run(request, timeout)
-    return subprocess.CompletedProcess([exe, *request["argv"]], a["rc"], a["stdout"], a["stderr"])
+               "sys_path": [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], **extra}
+    return exe, _RUNNERS[exe].run(request, timeout, fds)
+
+
+class VllmChild:
+    """A script of the Python with vLLM that runs while the test talks to it (:func:`start_vllm`):
+    ``subprocess.Popen``'s ``stdin`` / ``stdout`` (text pipes), ``pid``, ``poll()``, ``wait(timeout)``
+    and ``kill()``; its stderr is this process's."""
+
+    def __init__(self, argv, cwd, env, timeout: float):
+        in_r, self_in = os.pipe()
+        self_out, out_w = os.pipe()
+        self._rc_r, rc_w = os.pipe()
+        try:
+            _, a = _request(argv, cwd, env, timeout, [in_r, out_w, 2, rc_w], detach=True)
+        finally:
+            for f in (in_r, out_w, rc_w):
+                os.close(f)
+        self.pid = a["pid"]
+        self.stdin = open(self_in, "w")
+        self.stdout = open(self_out)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once it ended (-9 when killed before it wrote one), else None."""
+        if self.returncode is None and select.select([self._rc_r], [], [], 0)[0]:
+            text = os.read(self._rc_r, 64).decode()
+            self.returncode = int(text) if text else -signal.SIGKILL
+            os.close(self._rc_r)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        if self.returncode is None and not select.select([self._rc_r], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def start_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, timeout: float = 600) -> VllmChild:
+    """``subprocess.Popen([python with vLLM, *argv], stdin=PIPE, stdout=PIPE, text=True, cwd=cwd,
+    env=env)``, forked from the session's warm vLLM process as :func:`run_vllm` does; the child
+    is in the runner's process group (killed with it at this process's exit)."""
+    return VllmChild(argv, cwd, env, timeout)
+
+
+def run_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, input: str | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run([python with vLLM, *argv], cwd=cwd, env=env, input=input, capture_output=True,
+    text=True, timeout=timeout)``, run in a fork of one warm process that imported vLLM once per
+    session (``tests/vllm_runner.py``; ``argv`` is a script's path and its arguments, or ``["-c",
+    code, ...]``). Requires :func:`vllm_python`. Raises ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds (a hang bound; the runner is then stopped) and AssertionError when the
+    runner itself dies (its stderr)."""
+    exe, a = _request(argv, cwd, env, timeout, stdin=input)
+    return subprocess.CompletedProcess([exe, *map(os.fspath, argv)], a["rc"], a["stdout"], a["stderr"])

@@ -10,13 +10,18 @@ its answer ``{"rc", "stdout", "stderr"}`` -- what ``subprocess.run([python, *arg
 env=env, input=stdin)`` would give, the script running as ``__main__`` in a forked child with
 ``sys.argv``, ``sys.path`` (``sys_path`` first, as ``PYTHONPATH`` would put it, then the script's
 folder first of all as ``python script.py`` does), the working folder, environment and file
-descriptors 0/1/2 of such a process. It exits at its stdin's end. No test imports this module."""
+descriptors 0/1/2 of such a process. A request with ``"detach": true`` (a script the test talks
+to while it runs: ``subprocess.Popen``'s use) comes with four file descriptors on the socket of
+``--fd N`` (its stdin, stdout, stderr and a pipe its exit code is written to) and is answered
+``{"pid"}`` at once. It exits at its stdin's end. No test imports this module."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
+import socket
 import sys
 import tempfile
 import traceback
@@ -32,17 +37,19 @@ PRELOAD = [
 ]
 
 
-def _child(req: dict, out_path: str, err_path: str, in_path: str) -> None:
-    """The forked child: become ``python *argv`` and run it; never returns."""
+def _child(req: dict, fds: list[int], rc_fd: int | None = None) -> None:
+    """The forked child: file descriptors 0, 1, 2 from ``fds``, then become ``python *argv`` and
+    run it; writes its exit code to ``rc_fd`` (when given) and exits; never returns."""
     code = 1
     try:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        for fd, path, mode in ((0, in_path, os.O_RDONLY), (1, out_path, os.O_WRONLY), (2, err_path, os.O_WRONLY)):
-            f = os.open(path, mode)
+        for fd, f in enumerate(fds):
             os.dup2(f, fd)
             os.close(f)
+        if _SOCK is not None:
+            _SOCK.close()
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
         sys.stderr = open(2, "w", closefd=False)
@@ -67,7 +74,21 @@ def _child(req: dict, out_path: str, err_path: str, in_path: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        if rc_fd is not None:
+            os.write(rc_fd, str(code).encode())
         os._exit(code)
+
+
+def _detach(req: dict) -> dict:
+    """Fork a child whose stdin, stdout, stderr and exit-code pipe are the four file descriptors
+    the test sent over the socket (:class:`tests.vllm_python.VllmChild`); answer its pid at once."""
+    _, fds, _, _ = socket.recv_fds(_SOCK, 16, 4)
+    pid = os.fork()
+    if pid == 0:
+        _child(req, fds[:3], fds[3])
+    for f in fds:
+        os.close(f)
+    return {"pid": pid}
 
 
 def _run(req: dict) -> dict:
@@ -80,23 +101,35 @@ def _run(req: dict) -> dict:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(req, out_path, err_path, in_path)
+            _child(req, [os.open(in_path, os.O_RDONLY), os.open(out_path, os.O_WRONLY), os.open(err_path, os.O_WRONLY)])
         _, status = os.waitpid(pid, 0)
         rc = os.waitstatus_to_exitcode(status)
         with open(out_path) as f, open(err_path) as g:
             return {"rc": rc, "stdout": f.read(), "stderr": g.read()}
 
 
+#: the socket the test sends a detached child's file descriptors on (``--fd N``), or None
+_SOCK: socket.socket | None = None
+
+
 def main() -> int:
     import importlib
+
+    global _SOCK
+    if sys.argv[1:2] == ["--fd"]:
+        _SOCK = socket.socket(fileno=int(sys.argv[2]))
 
     for name in PRELOAD:
         importlib.import_module(name)
     out = sys.stdout
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in sys.stdin:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # reap the detached children that ended
+                pass
         if line.strip():
-            print(json.dumps(_run(json.loads(line))), file=out, flush=True)
+            req = json.loads(line)
+            print(json.dumps(_detach(req) if req.get("detach") else _run(req)), file=out, flush=True)
     return 0
 
 
