@@ -26,6 +26,10 @@ say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?'); RLS
 # BUDGET >= 280: the offline workload + batch-1 (both engines); below (the lead's second window: 150 s), batch-1
 # alone: a 4-sequence workload (100..128 tokens) stands in for the offline one (its tok/s means nothing)
 FULL=0; [ "$BUDGET" -ge 280 ] && FULL=1
+# on a >= 130 GiB card (H200) the full 61 GB sync (b) is the measurement no earlier window could make: it runs
+# first, with up to 150 s (its own budget: the offline pair keeps BUDGET - 150 s)
+BIG=0; [ "$DRY_RUN" != 1 ] && [ "$MEM_MIB" -ge 133120 ] && BIG=1
+[ "$BIG" = 1 ] && FULL=$([ "$BUDGET" -ge 430 ] && echo 1 || echo 0)
 if [ "$DRY_RUN" = 1 ]; then
   SHAPE=small-qwen3-moe
   ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4 --batch1-tokens 4 --batch1-prompt-len 8)
@@ -44,6 +48,7 @@ gpu_cleanup
 
 # ---- a) rlserve then vLLM, each its own process. FULL: rlserve <= 85 s (s15: 54 s), vLLM <= 185 s (s15: 151 s),
 # 40 s kept for b). Batch-1 only: rlserve <= 40 s (load + warm-up ~20 s), vLLM <= 125 s (start-up ~90 s)
+step_a() {
 export RLSERVE_MOE_TUNED_CONFIGS=$MOE_TUNED
 if [ "$FULL" = 1 ]; then
   throughput_pair a 85 210 185 40 --shape "$SHAPE" "${ARGS[@]}" --vllm "${VLLM_ARGS[@]}"
@@ -53,6 +58,7 @@ else
 fi
 unset RLSERVE_MOE_TUNED_CONFIGS
 gpu_cleanup
+}
 
 # ---- b) CUDA IPC sync vs the device-copy floor
 step_b() {
@@ -62,7 +68,7 @@ if [ "$DRY_RUN" = 1 ]; then
   say "b) sync (cpu, gloo; dry run) rc=$?: $(grep -c '| gloo |' "$OUT_DIR/sync.log") rows"
 else
   SYNC_SHAPE=qwen3-30b-a3b-28l; [ "$MEM_MIB" -ge 133120 ] && SYNC_SHAPE=qwen3-30b-a3b
-  bounded "$(slot 90 "$1")" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
+  bounded "$(slot $([ "$BIG" = 1 ] && echo 150 || echo 90) "$1")" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
     --repeats 3 --gpu-unpacked-only --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "b) sync rc=$?, $SYNC_SHAPE: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
@@ -88,6 +94,9 @@ gpu_cleanup
 
 # the full 61 GB sync is new on a >= 130 GiB card: b first there; on an H100 the 28-layer sync repeats s13's
 # subset, so the tile A/B goes first
-if [ "$MEM_MIB" -ge 133120 ]; then step_b 0; step_c 0; else step_c 35; step_b 0; fi
+# MOE_STEPS (default abc) picks the steps, e.g. MOE_STEPS=ac when b ran in an earlier call
+MOE_STEPS=${MOE_STEPS:-abc}
+run_step() { case "$MOE_STEPS" in *"$1"*) "step_$1" "${@:2}";; *) say "$1) not in MOE_STEPS=$MOE_STEPS";; esac; }
+if [ "$BIG" = 1 ]; then run_step b 0; run_step a; run_step c 0; else run_step a; run_step c 35; run_step b 0; fi
 say "done"
 exit 0
