@@ -275,6 +275,33 @@ def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
     return out
 
 
+def rows_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
+    """``x [M, K]`` (2 <= M <= 64) times ``w [N, K]``: microseconds a launch, ``chain`` launches replayed
+    from one CUDA graph, of ``F.linear`` (cuBLAS, its split-K reduce kernel included) and the small-batch
+    GEMM (:func:`rlserve.layers.gemv._launch_rows`; with PDL where the card has it), the GEMM's weight
+    TB/s, its tile plan and its largest difference from cuBLAS."""
+    from rlserve.layers import gemv, pdl
+
+    M, K = x.shape
+    N = w.shape[0]
+
+    def run(f):
+        def fn():
+            for _ in range(chain):
+                f()
+        return graph_time(fn, iters=iters) / chain * 1e6
+
+    prev = gemv.set_pdl(pdl.unavailable(x.device) is None)
+    try:
+        us = run(lambda: gemv._launch_rows(0, x, K, w, None))
+        diff = (gemv._launch_rows(0, x, K, w, None).float() - torch.nn.functional.linear(x, w).float()).abs().max()
+    finally:
+        gemv.set_pdl(prev)
+    return {"chain_cublas_us": run(lambda: torch.nn.functional.linear(x, w)), "chain_rows_us": us,
+            "rows_TBps": N * K * w.element_size() / us / 1e6, "rows_tile": list(gemv.rows_tile(M, N, K, x.device)),
+            "rows_max_abs_diff": float(diff)}
+
+
 def bench_gemms(args, shapes: list[str]) -> list[dict]:
     """GPU time of each decoder linear (and the LM head) of ``shapes`` as ``F.linear`` on a
     bf16 weight (cuBLAS), replayed from a CUDA graph, for M = ``--gemm-rows`` rows: TB/s of
@@ -303,6 +330,8 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
                      "weight_TBps": N * K * 2 / t / 1e12, "TFLOPs": 2 * M * N * K / t / 1e12}
                 if M == 1 and name != "lm_head":
                     r.update(gemv_vs_cublas(x, w, args.iters))
+                if 2 <= M <= 64 and name != "lm_head":
+                    r.update(rows_vs_cublas(x, w, args.iters))
                 out.append(r)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del w
@@ -468,7 +497,8 @@ def main(argv=None) -> dict:
                     help="comma-separated 0 / 1 / pdl / pdla / auto: one engine each with the batch-1 GEMV path off / "
                          "on / on with programmatic dependent launch for the GEMVs / for the attention kernels between "
                          "them too / as pdl for linears of at most 8M weights (rlserve.layers.gemv, "
-                         "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV)")
+                         "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV); MODE:N also runs steps of "
+                         "2..N rows through the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS=N; MODE alone: 0)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--batch1-tokens", type=int, default=0,
@@ -535,9 +565,11 @@ def main(argv=None) -> dict:
             for shape in args.shape.split(","):
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
                     if on is not None:  # before the engine is built: its CUDA graphs capture the choice
-                        gemv.set_enabled("auto" if on == "auto" else on != "0")
-                        gemv.set_pdl(on in ("pdl", "pdla", "auto"))
-                        pdl.set_neighbours(on == "pdla")
+                        mode, _, n_rows = on.partition(":")
+                        gemv.set_enabled("auto" if mode == "auto" else mode != "0")
+                        gemv.set_pdl(mode in ("pdl", "pdla", "auto"))
+                        pdl.set_neighbours(mode == "pdla")
+                        gemv.set_rows(int(n_rows or 0))
                     try:
                         rows = bench_shape(shape, args, bw, root)
                     except Exception as e:  # noqa: BLE001 -- one variant's failure must not lose the others
@@ -549,10 +581,10 @@ def main(argv=None) -> dict:
                         r["decode_gemv"] = on if on is not None else gemv.mode()
                     result["models"].extend(rows)
             args.kv_cache_dtype = ",".join(kvs)
-        print(f"\n{'shape':14s} {'gemv':>5s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
+        print(f"\n{'shape':14s} {'gemv':>7s} {'kv':>8s} {'B':>4s} {'ctx':>5s} {'floor ms':>9s} {'graph ms':>9s} {'eager ms':>9s} "
               f"{'graph x':>8s} {'x floor':>8s} {'engine ms':>9s} {'b1 ms/tok':>9s} {'b1 gpu':>7s} {'b1 gap':>7s} {'launch':>7s} {'wait':>7s}")
         for r in result["models"]:
-            print(f"{r['shape']:14s} {r['decode_gemv']:>5s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
+            print(f"{r['shape']:14s} {r['decode_gemv']:>7s} {r['kv_cache_dtype']:>8s} {r['batch']:4d} {r['context']:5d} {r['floor_ms']:9.3f} "
                   f"{r.get('graph_ms', float('nan')):9.3f} {r['eager_ms']:9.3f} "
                   f"{(r['graph_speedup'] or float('nan')):8.2f} {r['x_floor']:8.2f} "
                   f"{r.get('engine_step_ms', float('nan')):9.3f} {r.get('batch1_ms_per_token', float('nan')):9.3f} "

@@ -72,6 +72,14 @@ def _gemv_mode(name: str, raw: str) -> str:
     return raw
 
 
+def _gemm_rows(name: str, raw: str) -> int:
+    """An integer 0..64 (rlserve.layers.gemv.MAX_ROWS); anything else is a ValueError naming the variable."""
+    n = _integer(name, raw)
+    if not 0 <= n <= 64:
+        raise ValueError(f"{name} must be in 0..64, got {raw!r}")
+    return n
+
+
 def _zero_one(name: str, raw: str) -> bool | None:
     """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
     return {"1": True, "0": False}.get(raw)
@@ -152,6 +160,11 @@ VARIABLES: dict[str, Var] = {
                                "with programmatic dependent launch where the GPU, driver and Triton have it (else "
                                "plainly; rlserve/layers/pdl.py); 'pdl': the same for every size; '1': every size, "
                                "plain launches; '0' off; read at import"),
+    "RLSERVE_DECODE_GEMM_ROWS": Var("int 0..64", 0, _gemm_rows,
+                                    "steps of 2..N rows run the Llama-family linears of every size as one Triton "
+                                    "small-batch GEMM each (split-K reduced in the same kernel, SiLU-and-mul folded "
+                                    "into down_proj; rlserve/layers/gemm_rows_kernels.py) instead of cuBLAS; 0 or 1 "
+                                    "(default 0): none; needs RLSERVE_DECODE_GEMV != 0; read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
                               "the one-adapter LoRA fast path (rlserve.lora.merge): 'auto' (default: on CUDA when the "

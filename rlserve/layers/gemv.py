@@ -63,6 +63,18 @@ _MAX_BLOCK_N = 16
 _MAX_BLOCK_K = 4096
 _MAX_TILE = 16384  # elements of W per chunk (4 warps up to 4096, else 8: <= 64 values a thread)
 _PROGRAMS_PER_SM = 2  # every program also reads x (and r) from L2: 1 / BLOCK_N of its bytes
+# Small batches (2..RLSERVE_DECODE_GEMM_ROWS rows, gemm_rows_kernels): the most rows the switch allows, the
+# row tiles (a step of M rows takes the smallest that holds M; 16, 32 and 64 are CUDA-graph capture sizes,
+# so a padded graph batch has the tile of the eager batch it stands for: graphs = eager), the weight tile
+# and the programs wanted in flight (K is split until the grid has them).
+_ROWS = [envs.RLSERVE_DECODE_GEMM_ROWS]
+MAX_ROWS = 64
+_ROW_TILES = (16, 32, 64)
+_ROWS_BLOCK_N = 64
+_ROWS_BLOCK_K = 128
+_ROWS_PROGRAMS_PER_SM = 2
+_CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
+_CNT_SIZE = 1024
 
 
 def set_enabled(on: bool | str) -> bool | str:
@@ -81,6 +93,17 @@ def set_pdl(on: bool) -> bool:
     it finishes (see ``gemv_kernels._gemv_kernel``). Returns the previous setting; graphs captured
     before keep what they captured."""
     return pdl.set_requested(on)
+
+
+def set_rows(n: int) -> int:
+    """Run steps of 2..``n`` rows (``n <= MAX_ROWS``; 0 or 1: none) through the small-batch GEMM
+    (module docstring); returns the previous setting. CUDA graphs captured before keep what they
+    captured."""
+    if not 0 <= int(n) <= MAX_ROWS:
+        raise ValueError(f"GEMM rows must be in 0..{MAX_ROWS}, got {n}")
+    prev = _ROWS[0]
+    _ROWS[0] = int(n)
+    return prev
 
 
 def pdl_requested() -> bool:
@@ -115,20 +138,24 @@ def no_hooks(*mods: nn.Module) -> bool:
     return not any(m._forward_pre_hooks or any(_runs(h) for h in m._forward_hooks.values()) for m in mods)
 
 
-def _linear_ok(lin: nn.Module, x: torch.Tensor) -> bool:
+def _linear_ok(lin: nn.Module, x: torch.Tensor, any_size: bool) -> bool:
     w = getattr(lin, "weight", None)
     return (type(getattr(lin, "quant_method", None)) is UnquantizedLinearMethod
             and getattr(lin, "tp_size", 1) == 1 and w is not None and w.dtype == x.dtype and w.dim() == 2
-            and (_ENABLED[0] != "auto" or w.numel() <= _AUTO_MAX_ELEMENTS)
+            and (any_size or _ENABLED[0] != "auto" or w.numel() <= _AUTO_MAX_ELEMENTS)
             and w.stride(1) == 1 and not (isinstance(lin, ColumnParallelLinear) and lin.gather_output)
             and (lin.bias is None or lin.bias.dtype == x.dtype) and no_hooks(lin))
 
 
 def takes(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether the GEMV kernel runs ``x [1, K]`` through each of ``linears`` (module docstring)."""
-    return (_ENABLED[0] and x.dim() == 2 and x.shape[0] == 1 and fused_ops.triton_enabled(x)
+    """Whether the GEMV kernel runs ``x [1, K]`` (or the small-batch GEMM ``x [M, K]``, ``2 <= M <=``
+    :func:`set_rows`'s ``n``, every linear size) through each of ``linears`` (module docstring)."""
+    if not (_ENABLED[0] and x.dim() == 2):
+        return False
+    m = x.shape[0]
+    return ((m == 1 or 2 <= m <= _ROWS[0]) and fused_ops.triton_enabled(x)
             and not bi_mode.enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(_linear_ok(lin, x) for lin in linears))
+            and all(_linear_ok(lin, x, m > 1) for lin in linears))
 
 
 def _kernels():
@@ -172,24 +199,91 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
     return out, res_out
 
 
+def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, K_PER)`` of the small-batch GEMM for ``x [M, K] @ W[N, K].T``:
+    the smallest row tile of ``_ROW_TILES`` that holds ``M``; ``BLOCK_N`` x ``BLOCK_K`` weight tiles
+    (smaller where ``N`` / ``K`` are); ``K`` split into ``SPLIT`` ranges of ``K_PER`` columns (a multiple
+    of ``BLOCK_K``) until the grid has ``_ROWS_PROGRAMS_PER_SM`` programs per SM or every range is one
+    ``BLOCK_K`` chunk. Everything but ``BLOCK_M`` depends on ``(N, K)`` only, so a row's arithmetic does
+    not depend on how many rows share the step within one row tile.
+
+    Raises:
+        ValueError: ``M`` above the largest row tile."""
+    from rlserve.layers.triton_attention import num_sms
+
+    bm = next((t for t in _ROW_TILES if M <= t), None)
+    if bm is None:
+        raise ValueError(f"small-batch GEMM: {M} rows > {_ROW_TILES[-1]}")
+    bn = min(_ROWS_BLOCK_N, max(16, fused_ops._next_pow2(N)))
+    bk = min(_ROWS_BLOCK_K, max(16, fused_ops._next_pow2(K)))
+    tiles = -(-N // bn)
+    chunks = -(-K // bk)
+    split = max(1, min(chunks, (_ROWS_PROGRAMS_PER_SM * num_sms(device)) // tiles))
+    k_per = -(-chunks // split) * bk
+    return bm, bn, bk, -(-K // k_per), k_per
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _CNT:
+        _CNT[key] = torch.zeros(_CNT_SIZE, dtype=torch.int32, device=device)
+    if n > _CNT_SIZE:
+        raise ValueError(f"small-batch GEMM: {n} split tiles > {_CNT_SIZE} counters")
+    return _CNT[key]
+
+
+def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``x [M, K]`` (``prologue`` 2: ``x [M, 2K]`` = gate | up) through ``weight [N, K]`` -> ``[M, N]``
+    in ``x.dtype`` with the small-batch GEMM (``gemm_rows_kernels``)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, N = x.shape[0], weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"GEMM: weight {tuple(weight.shape)} does not take {K} input features")
+    from rlserve.layers import gemm_rows_kernels
+
+    bm, bn, bk, split, k_per = rows_tile(M, N, K, x.device)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    tiles = -(-N // bn)
+    ws = torch.empty((split, bm, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, tiles) if split > 1 else out
+    args = (x, weight, bias if bias is not None else weight, out, ws, cnt, M, N, x.stride(0), out.stride(0),
+            weight.stride(0))
+    meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+    pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
+    return out
+
+
 def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
-    """``lin(x)`` for ``x [1, K]`` (``K = lin.weight.shape[1]``) -> ``[1, N]`` in ``x.dtype``,
+    """``lin(x)`` for ``x [M, K]`` (``K = lin.weight.shape[1]``) -> ``[M, N]`` in ``x.dtype``,
     bias included. Precondition: :func:`takes` ``(x, lin)``."""
+    if x.shape[0] > 1:
+        return _launch_rows(0, x, x.shape[-1], lin.weight, lin.bias)
     return _launch(0, x, x.shape[-1], lin.weight, lin.bias)[0]
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, lin: nn.Module):
-    """``(lin(norm(x + residual)), x + residual)`` for ``x [1, K]``; without a residual
+    """``(lin(norm(x + residual)), x + residual)`` for ``x [M, K]``; without a residual
     ``(lin(norm(x)), x)``. ``norm``: an :class:`~rlserve.layers.norm.RMSNorm` of size ``K``
-    (its ``weight`` ``[K]``, ``eps``). Precondition: :func:`takes` ``(x, lin)``."""
+    (its ``weight`` ``[K]``, ``eps``). One row: one kernel; more rows: the fused add + RMSNorm
+    kernel, then the small-batch GEMM (each of its programs would otherwise re-read every row's
+    whole ``x + r`` for the norm). Precondition: :func:`takes` ``(x, lin)``."""
+    if x.shape[0] > 1:
+        if residual is None:
+            return _launch_rows(0, norm(x), x.shape[-1], lin.weight, lin.bias), x
+        h, residual = norm(x, residual)
+        return _launch_rows(0, h, x.shape[-1], lin.weight, lin.bias), residual
     K = x.shape[-1]
     out, res = _launch(1, x, K, lin.weight, lin.bias, residual=residual, norm_weight=norm.weight, eps=norm.eps)
     return out, (res if residual is not None else x)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, lin: nn.Module) -> torch.Tensor:
-    """``lin(silu(gate_up[:, :d]) * gate_up[:, d:])`` for ``gate_up [1, 2d]`` -> ``[1, N]``.
+    """``lin(silu(gate_up[:, :d]) * gate_up[:, d:])`` for ``gate_up [M, 2d]`` -> ``[M, N]``.
     Precondition: :func:`takes` ``(gate_up, lin)``."""
+    if gate_up.shape[0] > 1:
+        return _launch_rows(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)
     return _launch(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
 
 
