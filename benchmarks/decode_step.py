@@ -249,6 +249,14 @@ def profile_step(runner, step, graphs_on: bool, shape: str, B: int, top: int = 3
     runner.use_cuda_graphs = graphs_on
 
 
+def chain_us(f, iters: int, chain: int) -> float:
+    """Microseconds a call of ``f`` (a kernel launch): ``chain`` calls replayed from one CUDA graph."""
+    def fn():
+        for _ in range(chain):
+            f()
+    return graph_time(fn, iters=iters) / chain * 1e6
+
+
 def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
     """``x [1, K]`` times ``w [N, K]``: microseconds a launch, ``chain`` launches replayed from one
     CUDA graph (the launch gap between kernels included, as in a decode step): ``F.linear``
@@ -258,10 +266,7 @@ def gemv_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
     K = x.shape[1]
 
     def run(f):
-        def fn():
-            for _ in range(chain):
-                f()
-        return graph_time(fn, iters=iters) / chain * 1e6
+        return chain_us(f, iters, chain)
 
     out = {"chain_cublas_us": run(lambda: torch.nn.functional.linear(x, w))}
     for tag, on in (("chain_gemv_us", False), ("chain_gemv_pdl_us", True)):
@@ -286,10 +291,7 @@ def rows_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
     N = w.shape[0]
 
     def run(f):
-        def fn():
-            for _ in range(chain):
-                f()
-        return graph_time(fn, iters=iters) / chain * 1e6
+        return chain_us(f, iters, chain)
 
     prev = gemv.set_pdl(pdl.unavailable(x.device) is None)
     try:
