@@ -304,6 +304,27 @@ def rows_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
             "rows_max_abs_diff": float(diff)}
 
 
+ROWS_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 3), (64, 256, 3), (64, 64, 6)]  # (BLOCK_N, BLOCK_K, stages)
+
+
+def rows_sweep(x, w, iters: int) -> list[dict]:
+    """The small-batch GEMM's us a launch (chains of 10 from a CUDA graph) for each ``ROWS_SWEEP`` tile
+    (``rlserve.layers.gemv``'s ``_ROWS_BLOCK_N`` / ``_ROWS_BLOCK_K`` / ``_ROWS_STAGES`` set in turn)."""
+    from rlserve.layers import gemv
+
+    saved = gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES
+    out = []
+    try:
+        for bn, bk, st in ROWS_SWEEP:
+            gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES = bn, bk, st
+            us = chain_us(lambda: gemv._launch_rows(0, x, x.shape[1], w, None), iters, 10)
+            out.append({"tile": [bn, bk, st], "split": gemv.rows_tile(x.shape[0], w.shape[0], x.shape[1], x.device)[3],
+                        "us": round(us, 2), "TBps": round(w.numel() * w.element_size() / us / 1e6, 3)})
+    finally:
+        gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES = saved
+    return out
+
+
 def bench_gemms(args, shapes: list[str]) -> list[dict]:
     """GPU time of each decoder linear (and the LM head) of ``shapes`` as ``F.linear`` on a
     bf16 weight (cuBLAS), replayed from a CUDA graph, for M = ``--gemm-rows`` rows: TB/s of
@@ -334,6 +355,8 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
                     r.update(gemv_vs_cublas(x, w, args.iters))
                 if 2 <= M <= 64 and name != "lm_head":
                     r.update(rows_vs_cublas(x, w, args.iters))
+                    if M in args.rows_sweep:
+                        r["rows_sweep"] = rows_sweep(x, w, args.iters)
                 out.append(r)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del w
@@ -523,11 +546,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows (at 1 row also "
                          "the batch-1 GEMV, plain and PDL, against cuBLAS in chains of 10 launches)")
     ap.add_argument("--gemm-rows", default="1,16,64,128,256,8192")
+    ap.add_argument("--rows-sweep", default="", help="with --gemms: comma-separated row counts (of --gemm-rows, 2..64) "
+                    "at which each linear also times the small-batch GEMM's tiles of ROWS_SWEEP")
     ap.add_argument("--no-models", action="store_true", help="skip the model decode-step part")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only smoke-tests this script")
     args = ap.parse_args(argv)
     args.batch = [int(x) for x in args.batch.split(",")]
+    args.rows_sweep = [int(x) for x in args.rows_sweep.split(",") if x]
     args.profile_batches = [int(x) for x in args.profile_batches.split(",")] if args.profile_batches else None
     args.kernel_contexts = [int(x) for x in (args.kernel_contexts or str(args.context)).split(",")]
     from rlserve.layers import gemv, pdl

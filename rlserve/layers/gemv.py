@@ -73,6 +73,7 @@ _ROW_TILES = (16, 32, 64)
 _ROWS_BLOCK_N = 64
 _ROWS_BLOCK_K = 128
 _ROWS_PROGRAMS_PER_SM = 2
+_ROWS_STAGES = 4  # software-pipeline depth of the weight loads (64x128 bf16: 16 KiB a stage)
 _CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
 _CNT_SIZE = 1024
 
@@ -250,7 +251,7 @@ def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, b
     args = (x, weight, bias if bias is not None else weight, out, ws, cnt, M, N, x.stride(0), out.stride(0),
             weight.stride(0))
     meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4)
+                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_ROWS_STAGES)
     pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
     return out
 
