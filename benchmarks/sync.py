@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -80,9 +81,19 @@ from rlserve.transfer import (  # noqa: E402
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient  # noqa: E402
 
 
-def model_tensors(shape: str, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:
+_LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def model_tensors(shape: str, dtype: torch.dtype, device: str,
+                  layer_pool: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Random tensors with the HF names / shapes of ``shape`` (tied head skipped); on ``"meta"``
-    shapes only."""
+    shapes only.
+
+    ``layer_pool``: every decoder layer's names map to ONE set of layer tensors (the first layer's,
+    the same tensor objects), so the trainer holds one layer + embeddings instead of the whole model
+    -- the way an FSDP trainer gathers one layer at a time into reused buffers. The server still
+    receives (and copies) every layer's bytes: the sync moves the whole model. This is what lets the
+    61 GB Qwen3-30B-A3B shape sync on an 80 GB card (server 61 GB + trainer ~2.5 GB)."""
     from transformers import AutoModelForCausalLM
 
     from rlserve.transfer import ModuleSource
@@ -91,17 +102,28 @@ def model_tensors(shape: str, dtype: torch.dtype, device: str) -> list[tuple[str
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     out = []
+    pool: dict[str, torch.Tensor] = {}
     g = None if device == "meta" else torch.Generator(device=device).manual_seed(0)
     for name, _dt, shp in ModuleSource(meta).metadata():
-        t = torch.empty(shp, dtype=dtype, device=device)
-        if g is not None:  # "meta": shapes and byte counts only
-            t.normal_(0.0, 0.02, generator=g)
+        key = _LAYER.sub(".layers.*.", name) if layer_pool else name
+        t = pool.get(key)
+        if t is None:
+            t = torch.empty(shp, dtype=dtype, device=device)
+            if g is not None:  # "meta": shapes and byte counts only
+                t.normal_(0.0, 0.02, generator=g)
+            if layer_pool:
+                pool[key] = t
         out.append((name, t))
     return out
 
 
 def nbytes(named) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
+
+
+def nbytes_unique(named) -> int:
+    """Bytes of the distinct tensors (``layer_pool`` reuses one layer's tensors for every layer)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in named}.values())
 
 
 def tokenizer_dir(root: str) -> str:
@@ -308,15 +330,22 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
 
 
 def d2d_copy(total: int, repeats: int, dev: str) -> dict:
-    """The ceiling: median seconds of one device-to-device ``copy_`` of ``total`` bytes (one
-    warm-up copy first); both buffers are freed before it returns."""
-    src = torch.empty(total, dtype=torch.uint8, device=dev)
+    """The ceiling: median seconds of device-to-device ``copy_`` of ``total`` bytes (one warm-up
+    first); both buffers are freed before it returns. When two copies of ``total`` do not fit in
+    40% of the free memory each (the 61 GB MoE shape on an 80 GB card), the same bytes are copied
+    as back-to-back copies of one smaller pair of buffers (>= 1 GB each: a copy that size already
+    runs at the card's copy bandwidth)."""
+    free = torch.cuda.mem_get_info(torch.device(dev))[0]
+    chunk = min(total, max(1 << 30, int(free * 0.4)))
+    src = torch.empty(chunk, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
+    sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
     times = []
     for i in range(repeats + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for n in sizes:
+            dst[:n].copy_(src[:n])
         torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
@@ -357,7 +386,8 @@ def bench_gpu(args, work: str, tok: str, rows: list[dict]) -> None:
     n_params = sum(t.numel() for _, t in named)
     print(f"[gpu] {shape}: {n_params / 1e9:.2f} B parameters, {total / 1e9:.3f} GB bfloat16")
     attempt(rows, "gpu", shape, "cuda", "d2d-copy", total, lambda: d2d_copy(total, args.repeats, dev), "[gpu]")
-    named = model_tensors(shape, torch.bfloat16, dev)
+    named = model_tensors(shape, torch.bfloat16, dev, layer_pool=args.gpu_trainer == "layer-pool")
+    print(f"[gpu] trainer {args.gpu_trainer}: {nbytes_unique(named) / 1e9:.3f} GB of its own tensors")
     model_dir = save_shape(shape, work)
     with serve(model_dir, tok, "ipc", "cuda:0", "bfloat16") as srv:
         modes = gpu_modes(args, named)
@@ -472,6 +502,10 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-unpacked-only", action="store_true",
                    help="CUDA IPC: only the unpacked syncs with checksums (IPC's default; fused names, then "
                         "per-expert with --gpu-expert-names both): the full 61 GB MoE shape on one card")
+    p.add_argument("--gpu-trainer", choices=["full", "layer-pool"], default="full",
+                   help="CUDA IPC: 'full': the trainer holds the whole model; 'layer-pool': one layer's tensors "
+                        "serve every layer's names (an FSDP-style trainer gathering a layer at a time), so a model "
+                        "of more than half the card syncs on one card; the server receives every layer's bytes")
     p.add_argument("--gpu-packed-bucket-mb", type=int, default=0,
                    help="CUDA IPC: one more packed sync (fused names) with buckets of this many MiB (0: none)")
     p.add_argument("--json", default=None, help="write the rows here")

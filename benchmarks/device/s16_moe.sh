@@ -9,9 +9,9 @@
 #      24-layer shape on a card under 75 GiB. rlserve with --floor (the HBM floor + roofline of its own steps:
 #      how far 1.3x vLLM is from what the bytes allow) and its step trace (step_trace_rlserve.jsonl). vLLM's start-up is ~90 s (torch.compile + graphs): ~155 s.
 #   b) benchmarks/sync.py, CUDA IPC unpacked (IPC's default; fused names, then the trainer's per-expert
-#      names) against the device-copy floor of the same bytes: the FULL 61 GB shape on a card with
-#      >= 130 GiB (H200: trainer copy + server copy = 122 GB), else the first 28 layers (36.1 GB, s13's
-#      subset on the H100).
+#      names) against the device-copy floor of the same bytes: the FULL 61 GB shape; on a card with
+#      >= 130 GiB (H200) the trainer holds a whole copy (122 GB on the card), else one layer's tensors serve
+#      every layer's names (--gpu-trainer layer-pool; the server still receives all 61 GB).
 #   c) with what is left (>= 30 s; on a card under 130 GiB before b): benchmarks/moe_kernels.py --tuned
 #      --vllm-default --triton-only: one MoE layer, rlserve's default tile rule vs the tuned table vs vLLM 0.24's
 #      default rule (vllm024_default) per batch (decode ~100 tokens; an 8192-token prefill; GPU us, CUDA graphs).
@@ -67,10 +67,13 @@ if [ "$DRY_RUN" = 1 ]; then
     --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
   say "b) sync (cpu, gloo; dry run) rc=$?: $(grep -c '| gloo |' "$OUT_DIR/sync.log") rows"
 else
-  SYNC_SHAPE=qwen3-30b-a3b-28l; [ "$MEM_MIB" -ge 133120 ] && SYNC_SHAPE=qwen3-30b-a3b
-  bounded "$(slot $([ "$BIG" = 1 ] && echo 150 || echo 90) "$1")" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape "$SYNC_SHAPE" \
-    --repeats 3 --gpu-unpacked-only --gpu-expert-names both --json "$OUT_DIR/sync.json" > "$OUT_DIR/sync.log" 2>&1
-  say "b) sync rc=$?, $SYNC_SHAPE: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
+  # the full 61 GB shape on every card: on one under 130 GiB the trainer holds one layer's tensors for every
+  # layer's names (sync.py --gpu-trainer layer-pool: an FSDP-style gather; the server still receives all 61 GB)
+  TRAINER=full; [ "$BIG" = 1 ] || TRAINER=layer-pool
+  bounded "$(slot 150 "$1")" $PY benchmarks/sync.py --cpu off --gpu on --nccl off --gpu-shape qwen3-30b-a3b \
+    --gpu-trainer $TRAINER --repeats 3 --gpu-unpacked-only --gpu-expert-names both --json "$OUT_DIR/sync.json" \
+    > "$OUT_DIR/sync.log" 2>&1
+  say "b) sync rc=$?, qwen3-30b-a3b, trainer $TRAINER: $(grep -E '^\[gpu\] ' "$OUT_DIR/sync.log" | tr '\n' '|')"
   grep -E '^\| (ipc|cuda) ' "$OUT_DIR/sync.log" | tee -a "$OUT_DIR/summary.txt"
 fi
 gpu_cleanup
