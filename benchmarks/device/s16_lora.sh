@@ -62,14 +62,18 @@ bounded $(( (20 + 18 * NR) * SCALE )) $PY benchmarks/lora_gpu.py "${COMMON[@]}" 
   --out "$OUT_DIR/lora-rlserve.json" > "$OUT_DIR/rlserve-decode.log" 2>&1
 say "b) rlserve decode rc=$? $(summary "$OUT_DIR/lora-rlserve.json")"
 
+# VLLM_RANK may list ranks ("64 16"): one vLLM process per rank (a second LLM in one process may not get the
+# first one's memory back), each only with >= 150 s left
+for VR in $VLLM_RANK; do
 if [ "$(left)" -gt $(( 150 * SCALE )) ]; then
-  between "c) vllm r$VLLM_RANK"
-  bounded $(( $(left) - 5 )) "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VLLM_RANK \
-    --parts decode --reps 2 --out "$OUT_DIR/lora-vllm-r$VLLM_RANK.json" > "$OUT_DIR/vllm-decode-r$VLLM_RANK.log" 2>&1
-  say "c) vllm r$VLLM_RANK rc=$? $(summary "$OUT_DIR/lora-vllm-r$VLLM_RANK.json")"
+  between "c) vllm r$VR"
+  bounded $(( $(left) - 5 )) "${VLLM_ENV[@]}" benchmarks/lora_gpu.py "${COMMON[@]}" --engine vllm --ranks $VR \
+    --parts decode --reps 2 --out "$OUT_DIR/lora-vllm-r$VR.json" > "$OUT_DIR/vllm-decode-r$VR.log" 2>&1
+  say "c) vllm r$VR rc=$? $(summary "$OUT_DIR/lora-vllm-r$VR.json")"
 else
-  say "c) vllm r$VLLM_RANK not run: $(left) s left (needs 150)"
+  say "c) vllm r$VR not run: $(left) s left (needs 150)"
 fi
+done
 
 if [ "$SYNC" = 1 ] && [ "$(left)" -gt $(( 45 * SCALE )) ]; then
   between "e) rlserve sync"
