@@ -126,6 +126,49 @@ def test_bad_adapters_are_refused(setup, tmp_path):
     assert lora.adapters == held  # nothing was loaded by the refused calls
 
 
+
+def _variant(src: str, dst, cfg: dict | None = None, raw_cfg: bytes | None = None, factor: float | None = None) -> str:
+    """A copy of the adapter directory ``src`` at ``dst`` with config keys ``cfg`` replaced (or the
+    config file's bytes ``raw_cfg``), and the first ``lora_B`` filled with ``factor``."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst)
+    tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+    if factor is not None:
+        tensors[next(k for k in sorted(tensors) if "lora_B" in k)].fill_(factor)
+    save_file(tensors, os.path.join(dst, "adapter_model.safetensors"))
+    c = json.load(open(os.path.join(src, "adapter_config.json")))
+    c.update(cfg or {})
+    with open(os.path.join(dst, "adapter_config.json"), "wb") as f:
+        f.write(raw_cfg if raw_cfg is not None else json.dumps(c).encode())
+    return str(dst)
+
+
+def test_malformed_configs_and_overflowing_factors_are_refused(setup, tmp_path):
+    """PEFT's LoraConfig keeps whatever the JSON holds: a rank or lora_alpha of the wrong type
+    raised ValueError / TypeError inside the engine (HTTP 500), and a finite lora_alpha or factor
+    whose fold ``B * lora_alpha / r`` overflows float32 was served (every logprob NaN). Fails on
+    the old code (r "abc" raised ValueError; lora_alpha 1e308 and a 3e38 factor were loaded)."""
+    _, adapters, llm = setup["llama"]  # a1: r 8, alpha 16 (scaling 2), float32
+    lora = lora_of(llm.engine.model)
+    held = dict(lora.adapters)
+    cases = [({"r": "abc"}, None, None, "r must be an integer, got 'abc'"),
+             ({"r": None}, None, None, "r must be an integer, got None"),
+             ({"r": 8.5}, None, None, "r must be an integer, got 8.5"),
+             ({"r": True}, None, None, "r must be an integer, got True"),
+             ({"lora_alpha": "x"}, None, None, "lora_alpha must be a finite number, got 'x'"),
+             ({"lora_alpha": float("nan")}, None, None, "lora_alpha must be a finite number, got nan"),
+             ({"lora_alpha": 1e308}, None, None, "once scaled by 1.25e\\+307 and served in torch.float32"),
+             # 3e38 is a finite float32; times the scaling 2 it is not
+             ({}, None, 3e38, "magnitude 6e\\+38 once scaled by 2 and served in torch.float32"),
+             ({}, b'{"peft_type": "LORA", "r": 8, "x": "\xff"}', None, "is not valid JSON")]
+    for i, (cfg, raw, factor, words) in enumerate(cases):
+        path = _variant(adapters[1], tmp_path / f"v{i}", cfg, raw, factor)
+        with pytest.raises(LoRAAdapterError, match=words):
+            lora.load(60 + i, path)
+    assert lora.adapters == held
+
+
 def test_offline_lora_request(setup):
     """vLLM's offline ``generate(..., lora_request=LoRARequest(name, id, path))``: the adapter is read
     at its id's first use; a list picks one per prompt (None: the base model)."""

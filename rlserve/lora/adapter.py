@@ -59,7 +59,7 @@ def _config(path: str):
     with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
         try:
             raw = json.load(f)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
             raise LoRAAdapterError(f"{CONFIG_FILE} of {path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{path} is not a LoRA adapter (peft_type {raw.get('peft_type')!r}, expected 'LORA')"
@@ -68,6 +68,12 @@ def _config(path: str):
         cfg = LoraConfig.from_pretrained(path)
     except (TypeError, ValueError) as e:
         raise LoRAAdapterError(f"{CONFIG_FILE} of {path} is not a valid LoraConfig: {e}") from None
+    # PEFT keeps whatever JSON held: r "8", null or 8.5 and lora_alpha "x", NaN or inf reach here
+    if isinstance(cfg.r, bool) or not isinstance(cfg.r, int):
+        raise LoRAAdapterError(f"LoRA adapter {path}: r must be an integer, got {cfg.r!r}")
+    alpha = cfg.lora_alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAAdapterError(f"LoRA adapter {path}: lora_alpha must be a finite number, got {alpha!r}")
     return check_lora_config(cfg, f"LoRA adapter {path}")
 
 
@@ -165,6 +171,7 @@ def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, sca
             shapes other than ``(rank, in)`` / ``(out, rank)``, non-float or non-finite values.
     """
     check_parts(parts, rank, targets, where, check_finite)
+    check_fold(parts, scaling, dtype, where)
     weights = {}
     for module, ab in parts.items():
         a, b = ab["A"], ab["B"]
@@ -191,3 +198,36 @@ def check_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, targets: d
         if not (a.is_floating_point() and b.is_floating_point()) or check_finite and not (
                 torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"{where}: {module} has non-finite or non-float factors")
+
+
+#: :func:`check_fold`'s margin below the served dtype's largest finite value: covers the float32
+#: multiply's rounding (relative 2**-24) and the cast's round-to-nearest (2**-8 for bfloat16)
+FOLD_MARGIN = 2.0 ** -7
+
+
+def check_fold(parts: dict[str, dict[str, torch.Tensor]], scaling: float, dtype: torch.dtype, where: str) -> None:
+    """Whether the served factors stay finite: every ``A`` cast to ``dtype`` and every ``B`` times
+    ``scaling`` (folded in float32, then cast) within ``dtype``'s finite range (less
+    :data:`FOLD_MARGIN`). Finite inputs can still overflow here (``lora_alpha`` 1e30, a factor
+    of 1e5 served in float16), and a NaN (``--no-weight-check-finite``) fails it too. One
+    ``torch._foreach_norm`` (max-abs) per dtype and device, one host read each.
+
+    Raises:
+        LoRAAdapterError: ``scaling`` not finite, or a factor that would leave the range (named).
+    """
+    if not math.isfinite(scaling):
+        raise LoRAAdapterError(f"{where}: the LoRA scaling (lora_alpha / r) is {scaling}, not a finite number")
+    top = torch.finfo(dtype).max * (1.0 - FOLD_MARGIN)
+    groups: dict[tuple, list[tuple[str, str, torch.Tensor]]] = {}
+    for module, ab in parts.items():
+        for k in ("A", "B"):
+            groups.setdefault((ab[k].dtype, ab[k].device), []).append((module, k, ab[k]))
+    for items in groups.values():
+        norms = torch.stack(torch._foreach_norm([t for _, _, t in items], ord=math.inf)).double().tolist()
+        for (module, k, _), amax in zip(items, norms):
+            served = amax * abs(scaling) if k == "B" else amax
+            if not served <= top:  # NaN fails too
+                raise LoRAAdapterError(
+                    f"{where}: {module}'s lora_{k} would hold values of magnitude {served:.3g} once "
+                    f"{'scaled by ' + format(scaling, '.3g') + ' and ' if k == 'B' else ''}served in {dtype} "
+                    f"(its largest finite value: {torch.finfo(dtype).max:.3g})")

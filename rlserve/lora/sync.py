@@ -36,7 +36,7 @@ import re
 import torch
 
 from rlserve.errors import LoRAAdapterError, WeightUpdateError
-from rlserve.lora.adapter import adapter_from_parts, check_parts, lora_scaling
+from rlserve.lora.adapter import adapter_from_parts, check_fold, check_parts, lora_scaling
 from rlserve.lora.model import lora_of
 
 #: a factor's name on the wire: ``<hf_module>.lora_A.weight`` / ``.lora_B.weight``
@@ -157,6 +157,7 @@ def commit_worker(worker, adapter_id: int, rank: int, scaling: float) -> dict:
     st.staging = {}
     # (NaN / inf were tested in the receive's checksum pass, unless --no-weight-check-finite)
     check_parts(parts, int(rank), lora.targets, "synced LoRA adapter", check_finite=False)
+    check_fold(parts, float(scaling), lora.dtype, "synced LoRA adapter")  # lora_alpha 1e30 overflows B
     info = lora.add_staged(int(adapter_id), parts, int(rank), float(scaling))  # kernel path: a few launches
     if info is not None:
         return info
