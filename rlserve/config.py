@@ -186,6 +186,9 @@ class EngineConfig:
             raise InvalidRequestError(f"load_format must be auto, safetensors, pt or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            # (0 scheduled no prefill step ever: every request waited forever)
+            raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_consecutive_prefill_steps is not None and self.max_consecutive_prefill_steps < 0:
             raise InvalidRequestError("max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                                       f"got {self.max_consecutive_prefill_steps}")

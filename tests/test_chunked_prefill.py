@@ -111,6 +111,9 @@ def test_scheduler_fills_the_budget_and_bounds_a_chunk_by_the_threshold():
     assert spans == [[("a", 0, 3), ("b", 0, 2), ("c", 0, 3)], [("a", 3, 6), ("c", 3, 6)], [("a", 6, 7), ("c", 6, 9)]]
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
         Scheduler(BlockManager(4, 4), 4, 8, long_prefill_token_threshold=-1)
+    for bad in (0, -5):  # 0 scheduled no prefill step ever (every request hung); fails on the old code
+        with pytest.raises(ValueError, match=f"max_num_batched_tokens must be >= 1, got {bad}"):
+            Scheduler(BlockManager(4, 4), 4, bad, enable_chunked_prefill=True)
 
 
 def test_prefix_cache_offers_only_computed_chunks():
@@ -292,6 +295,8 @@ def test_flags_config_and_server_info():
     assert cfg.enable_chunked_prefill is False and cfg.long_prefill_token_threshold == 256
     with pytest.raises(InvalidRequestError, match="long_prefill_token_threshold must be >= 0"):
         EngineConfig("m", long_prefill_token_threshold=-1)
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens must be >= 1, got 0"):
+        EngineConfig("m", max_num_batched_tokens=0)  # --max-num-batched-tokens 0: a server whose requests hung
     for on in (True, False):
         c = EngineConfig("m", enable_chunked_prefill=on, max_num_batched_tokens=64, long_prefill_token_threshold=8)
         state = SimpleNamespace(aengine=SimpleNamespace(config=c, engine=None), settings=SimpleNamespace(

@@ -138,6 +138,8 @@ Raises:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None,
                  enable_chunked_prefill: bool = False, long_prefill_token_threshold: int = 0):
+        if max_num_batched_tokens < 1:  # chunked prefill with 0 would schedule no prefill, ever
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_consecutive_prefill_steps < 0:
             raise ValueError(f"max_consecutive_prefill_steps must be >= 0 (0: no bound), "
                              f"got {max_consecutive_prefill_steps}")
