@@ -156,7 +156,8 @@ def _prefix_hits(srv) -> int:
 
 def test_refused_syncs_change_nothing(base, prompt, tmp_path):
     """Refused before a byte moves (400): a rank above --max-lora-rank, a base model's name, a
-    name loaded without load_inplace. Refused after the data (400 non_finite_weights): a NaN.
+    name loaded without load_inplace. Refused after the data (400 non_finite_weights): a NaN;
+    (400) factors that overflow once scaled.
     The served adapter keeps its outputs through all of them."""
     from rlserve.transfer import LoRASource, WeightSyncHTTPError
 
@@ -184,6 +185,14 @@ def test_refused_syncs_change_nothing(base, prompt, tmp_path):
             with pytest.raises(WeightSyncHTTPError) as ei:
                 engine.send_weights()
             assert ei.value.status_code == 400 and "non_finite" in (ei.value.code or ""), ei.value.message
+            _assert_same(_complete(srv.url, "policy", prompt), want)
+            # finite factors and a finite lora_alpha whose fold B x lora_alpha / r overflows float32
+            # (scaling 1.25e307): refused at the commit, nothing served changes (the old code
+            # served it: every logprob NaN)
+            engine.source = LoRASource(_peft(base, r=8, seed=7, alpha=1e308), "policy")
+            with pytest.raises(WeightSyncHTTPError) as ei:
+                engine.send_weights()
+            assert ei.value.status_code == 400 and "once scaled by 1.25e+307" in ei.value.message, ei.value.message
             _assert_same(_complete(srv.url, "policy", prompt), want)
             held = httpx.get(f"{srv.url}/server_info").json()["lora_adapters"]
             assert [(a["name"], a["version"]) for a in held] == [("policy", "1")]

@@ -42,6 +42,7 @@ from pydantic import BaseModel, StrictInt, StrictStr
 
 from rlserve.errors import (
     EngineDeadError,
+    LoRAAdapterError,
     ModelUnavailableError,
     NoTransferEngineError,
     SleepMemoryError,
@@ -66,6 +67,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 409, exc.code
     if isinstance(exc, DeviceOutOfMemoryError):  # before the coded 400s: an OOM is not the caller's input
         return 507, exc.code
+    if isinstance(exc, LoRAAdapterError):  # an adapter-only update's commit refused the factors (rlserve.lora)
+        return 400, "weight_update_refused"
     if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):
         return 400, exc.code  # e.g. UnsafePickleError: "unsafe_pickle"
     if isinstance(exc, NoTransferEngineError):
@@ -94,7 +97,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     if status >= 500 and not isinstance(exc, (WeightUpdateError, TimeoutError, EngineDeadError)):
         logger.error("weight route failed", exc_info=exc)
     msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError, SleepStateError,
-                                       SleepMemoryError, EngineDeadError)) \
+                                       SleepMemoryError, EngineDeadError, LoRAAdapterError)) \
         else f"{type(exc).__name__}: {exc}"
     return JSONResponse(error_body(status, msg, None, code), status_code=status)
 
