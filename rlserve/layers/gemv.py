@@ -73,7 +73,7 @@ _ROW_TILES = (16, 32, 64)
 _ROWS_BLOCK_N = 64
 _ROWS_BLOCK_K = 128
 _ROWS_PROGRAMS_PER_SM = 2
-_ROWS_STAGES = 4  # software-pipeline depth of the weight loads (64x128 bf16: 16 KiB a stage)
+_ROWS_STAGES = 4  # software-pipeline depth of the weight loads (64x128 bf16: 16 KiB a stage; 3 for 64 rows)
 _CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
 _CNT_SIZE = 1024
 
@@ -203,7 +203,7 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
 def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, K_PER)`` of the small-batch GEMM for ``x [M, K] @ W[N, K].T``:
     the smallest row tile of ``_ROW_TILES`` that holds ``M``; ``BLOCK_N`` x ``BLOCK_K`` weight tiles
-    (smaller where ``N`` / ``K`` are); ``K`` split into ``SPLIT`` ranges of ``K_PER`` columns (a multiple
+    (``BLOCK_N`` doubled for the 64-row tile; smaller where ``N`` / ``K`` are); ``K`` split into ``SPLIT`` ranges of ``K_PER`` columns (a multiple
     of ``BLOCK_K``) until the grid has ``_ROWS_PROGRAMS_PER_SM`` programs per SM or every range is one
     ``BLOCK_K`` chunk. Everything but ``BLOCK_M`` depends on ``(N, K)`` only, so a row's arithmetic does
     not depend on how many rows share the step within one row tile.
@@ -215,7 +215,8 @@ def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, i
     bm = next((t for t in _ROW_TILES if M <= t), None)
     if bm is None:
         raise ValueError(f"small-batch GEMM: {M} rows > {_ROW_TILES[-1]}")
-    bn = min(_ROWS_BLOCK_N, max(16, fused_ops._next_pow2(N)))
+    # 64 rows: twice the columns (every program reads its rows' x from L2: M / BLOCK_N of the weight bytes)
+    bn = min(_ROWS_BLOCK_N * (2 if bm > 32 else 1), max(16, fused_ops._next_pow2(N)))
     bk = min(_ROWS_BLOCK_K, max(16, fused_ops._next_pow2(K)))
     tiles = -(-N // bn)
     chunks = -(-K // bk)
@@ -251,7 +252,8 @@ def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, b
     args = (x, weight, bias if bias is not None else weight, out, ws, cnt, M, N, x.stride(0), out.stride(0),
             weight.stride(0))
     meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=_ROWS_STAGES)
+                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4,
+                num_stages=_ROWS_STAGES if bm <= 32 else 3)  # 64 x 128 rows+weights: 48 KiB a stage
     pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
     return out
 
