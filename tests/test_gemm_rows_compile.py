@@ -1,0 +1,64 @@
+"""The small-batch decode GEMM (``rlserve.layers.gemm_rows_kernels``) compiled ahead of time for an H100
+(sm_90) by Triton's CUDA backend on this machine, no GPU needed: what the interpreter cannot show.
+
+- the weight loads are software-pipelined (``cp.async``, several stages of shared memory): a kernel that
+  streams weights with one load in flight per program leaves HBM bandwidth unused, which is the whole
+  point of the kernel (this is what the runtime's specialization of 16-byte aligned pointers and strides
+  gives, so the same attributes are passed here);
+- the split-K ticket is one acquire-release atomic at GPU scope after a CTA barrier (every thread's
+  partial stored before the ticket is taken), and the counter reset a GPU-scope exchange.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("the interpreter's @jit functions cannot be compiled", allow_module_level=True)
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - an old Triton
+    pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
+
+from rlserve.layers import gemm_rows_kernels  # noqa: E402
+
+ARGS = ["X", "W", "B", "OUT", "WS", "CNT", "M", "N", "stride_x", "stride_o", "stride_w"]
+CONST = ["K", "K_PER", "PROLOGUE", "HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT", "IEEE", "PDL"]
+
+
+def _compile(K, K_PER, PROLOGUE, BM, BN, BK, SPLIT, stages):
+    sig = dict(zip(ARGS, ["*bf16"] * 4 + ["*fp32", "*i32"] + ["i32"] * 5))
+    sig.update({c: "constexpr" for c in CONST})
+    const = dict(K=K, K_PER=K_PER, PROLOGUE=PROLOGUE, HAS_BIAS=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                 SPLIT=SPLIT, IEEE=False, PDL=False)
+    # what the launcher's specialization sees: 16-byte aligned pointers, N and strides multiples of 16 (M is
+    # not specialized)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)}
+    try:
+        return triton.compile(ASTSource(gemm_rows_kernels._gemm_rows_kernel, sig, const, attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton wheel
+        if "ptxas" in str(e):
+            pytest.skip(f"Triton's CUDA backend cannot run here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("case", [
+    # Qwen3-8B o_proj at 16 rows (K split in 4), down_proj with SiLU-and-mul at 64 rows (split in 8)
+    dict(K=4096, K_PER=1024, PROLOGUE=0, BM=16, BN=64, BK=128, SPLIT=4, stages=4, stage_bytes=(16 + 64) * 128 * 2),
+    dict(K=12288, K_PER=1536, PROLOGUE=2, BM=64, BN=128, BK=128, SPLIT=8, stages=3,
+         stage_bytes=(64 + 128) * 128 * 2),
+])
+def test_pipelined_and_split_k_ticket_for_sm90(case):
+    stage_bytes = case.pop("stage_bytes")
+    k = _compile(**case)
+    assert "async_copy_global_to_local" in k.asm["ttgir"]  # cp.async: loads in flight across iterations
+    assert k.metadata.shared >= 2 * stage_bytes, k.metadata.shared  # at least two stages of x + W tiles
+    ptx = k.asm["ptx"]
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "bar.sync" in ptx[:atom]  # the CTA barrier before the ticket
+    assert "atom.global.gpu.relaxed.exch" in ptx[atom:]  # the reset after the reduction
