@@ -92,6 +92,10 @@ class EngineConfig:
             :mod:`rlserve.engine.core.scheduler`).
         long_prefill_token_threshold: with chunked prefill, tokens of one prompt's chunk at most
             (vLLM's ``--long-prefill-token-threshold``); 0 (default): the step's budget.
+        mixed_prefill_decode: a prefill step while requests decode also carries every running
+            request's decode token (vLLM's mixed steps; ``--mixed-prefill-decode``): the streams
+            wait one eager step instead of a prefill step plus a decode step. Off (default): prefill
+            and CUDA-graph decode steps stay apart (:mod:`rlserve.engine.core.scheduler`).
         block_size: tokens per KV-cache block.
         num_kv_blocks: force the KV-cache size in blocks (tests use it to force preemption).
         kv_cache_bytes: KV-cache size in bytes on CPU (default 512 MiB).
@@ -152,6 +156,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    mixed_prefill_decode: bool = False
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None

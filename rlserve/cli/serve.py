@@ -126,6 +126,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stalls every running stream; a longer prompt is prefilled in chunks of this size, or runs alone "
                         "with --no-enable-chunked-prefill; at most --max-num-batched-tokens). Default: "
                         "2048. rlserve's own flag: vLLM's decodes share --max-num-batched-tokens with its prefill chunks")
+    g.add_argument("--mixed-prefill-decode", action=argparse.BooleanOptionalAction, default=False,
+                   help="a prefill step while requests decode also decodes every running request (vLLM's mixed "
+                        "steps; its decode tokens count against the step's prefill budget): a stream waits one "
+                        "eager step instead of a prefill step plus a decode step. rlserve's own flag (vLLM always "
+                        "mixes); default off")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the KV-cache size in blocks (default: from --kv-cache-bytes or "
                         "--gpu-memory-utilization)")
@@ -178,6 +183,7 @@ def engine_config_from_args(args, model_path: str):
         max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
         enable_chunked_prefill=getattr(args, "enable_chunked_prefill", None) is not False,
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0) or 0,
+        mixed_prefill_decode=bool(getattr(args, "mixed_prefill_decode", False)),
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,

@@ -164,15 +164,16 @@ class EngineStep:
         step.input_ids_from = ids_from
         if batch.is_prefill:  # before the forward pass, as vLLM's scheduled_ts: the prefill
             now = time.monotonic()  # phase (scheduled -> first token) holds the forward
-            for seq in batch.seqs:  # the first prefill step of a request
+            for seq in batch.seqs[batch.num_decodes:]:  # the first prefill step of a request
                 self.requests[seq.request_id].extra.setdefault("scheduled_time", now)
         logits = self.executor.execute(step)
         if self.routed_experts is not None:
             self.routed_experts.record_step(step)
         self.stats_counters["steps"] += 1
         count_iteration_tokens(self.stats_counters, len(step.input_ids))
-        if batch.is_prefill:
-            self.stats_counters["prefill_tokens_computed"] += len(step.input_ids)
+        if batch.is_prefill:  # a mixed step's first num_decodes rows decode
+            self.stats_counters["prefill_tokens_computed"] += len(step.input_ids) - batch.num_decodes
+            self.stats_counters["decode_tokens"] += batch.num_decodes
         else:
             self.stats_counters["decode_tokens"] += len(step.input_ids)
         if prompt_rows:

@@ -145,7 +145,7 @@ class LLMEngine(EngineStep):
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_consecutive_prefill_steps,
                                    config.max_prefill_tokens_while_decoding, config.enable_chunked_prefill,
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, config.mixed_prefill_decode)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)

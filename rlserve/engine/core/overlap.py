@@ -96,8 +96,12 @@ class OverlapScheduler:
 
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
         ids_from = None
-        if prev is not None:
+        if prev is not None and not batch.is_prefill:
             ids_from = (prev.out.token_ids, [prev.row[s] for s in batch.seqs])
+        elif prev is not None and batch.num_decodes:  # mixed: its decode rows (flat row i) from prev
+            where = [i for i, s in enumerate(batch.seqs[:batch.num_decodes]) if s in prev.row]
+            if where:
+                ids_from = (prev.out.token_ids, [prev.row[batch.seqs[i]] for i in where], where)
         seqs = batch.sampled  # a chunk that does not end its prompt samples nothing
         index = [len(s.output_token_ids) for s in seqs]
         out = self.engine._launch(batch, ids_from)
@@ -108,10 +112,11 @@ class OverlapScheduler:
     def _launchable(follow, cur: _InFlight) -> bool:
         """Whether ``follow`` can run before ``cur``'s tokens are read: a prefill (its inputs
         are on the host), or a decode of ``cur``'s own sequences whose sampling ignores output
-        values (their ids come from ``cur``'s device tensor)."""
-        if follow.is_prefill:
-            return True
+        values (their ids come from ``cur``'s device tensor); a mixed step when its decode rows
+        of ``cur``'s sequences are such."""
         row = cur.row
+        if follow.is_prefill:  # a mixed step's decode rows: as a decode step's, for those in cur
+            return overlappable([s for s in follow.seqs[:follow.num_decodes] if s in row])
         return overlappable(follow.seqs) and all(s in row for s in follow.seqs)
 
     def _schedule_next(self, cur: _InFlight):
@@ -144,14 +149,17 @@ class OverlapScheduler:
         if eng.scheduler.waiting or eng.scheduler.prefilling or overlappable(cur.seqs):
             follow = self._schedule_next(cur)
             if follow is not None and self._launchable(follow, cur):
-                self.inflight = self._launch(follow, None if follow.is_prefill else cur)
+                self.inflight = self._launch(follow, cur)
                 follow = None
         outs += eng._finish_step(cur.seqs, cur.wait(), outputs_for, cur.token_index)
         if follow is not None:  # scheduled on placeholders but not launchable early: its ids are real now
-            live = [s for s in follow.seqs if not s.is_finished]  # some may have stopped at cur's tokens
-            if live:
-                batch = ScheduledBatch(live, is_prefill=follow.is_prefill)
-                outs += eng._finish_step(live, eng._launch(batch), outputs_for)
+            keep = [i for i, s in enumerate(follow.seqs) if not s.is_finished]  # some stopped at cur's tokens
+            if keep:
+                batch = ScheduledBatch([follow.seqs[i] for i in keep], follow.is_prefill)
+                if follow.starts is not None:  # a mixed step (or chunks): its spans, less the stopped rows
+                    batch.starts, batch.ends = [follow.starts[i] for i in keep], [follow.ends[i] for i in keep]
+                    batch.num_decodes = sum(i < follow.num_decodes for i in keep)
+                outs += eng._finish_step(batch.sampled, eng._launch(batch), outputs_for)
         return outs
 
     def drain(self) -> None:

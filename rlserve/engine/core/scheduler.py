@@ -90,6 +90,7 @@ class ScheduledBatch:
     is_prefill: bool
     starts: list[int] | None = None
     ends: list[int] | None = None
+    num_decodes: int = 0
 
     def span(self, i: int) -> tuple[int, int]:
         """Positions ``[start, end)`` sequence ``i`` computes in this step."""
@@ -129,6 +130,9 @@ class Scheduler:
         budget (:meth:`prefill_budget`; vLLM's ``--enable-chunked-prefill``).
     long_prefill_token_threshold: with chunked prefill, tokens of one sequence's chunk at most
         (vLLM's ``--long-prefill-token-threshold``); 0: no bound beyond the step's budget.
+    mixed_prefill_decode: a prefill step while sequences run also decodes every running sequence
+        (vLLM's mixed steps: :meth:`_schedule_mixed`); its decode tokens count against the step's
+        prefill budget.
 
 Raises:
     ValueError: ``max_consecutive_prefill_steps`` below 0, ``max_prefill_tokens_while_decoding``
@@ -137,7 +141,8 @@ Raises:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_consecutive_prefill_steps: int = 1, max_prefill_tokens_while_decoding: int | None = None,
-                 enable_chunked_prefill: bool = False, long_prefill_token_threshold: int = 0):
+                 enable_chunked_prefill: bool = False, long_prefill_token_threshold: int = 0,
+                 mixed_prefill_decode: bool = False):
         if max_num_batched_tokens < 1:  # chunked prefill with 0 would schedule no prefill, ever
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_consecutive_prefill_steps < 0:
@@ -155,6 +160,7 @@ Raises:
         self.max_consecutive_prefill_steps = max_consecutive_prefill_steps
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.mixed_prefill_decode = mixed_prefill_decode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # chunked prefill: sequences part-way through their prefill, oldest first; they hold the
@@ -197,19 +203,45 @@ Raises:
         limit = self.max_consecutive_prefill_steps
         decode_due = bool(self.running) and limit > 0 and self.prefill_steps_in_a_row >= limit
         if not decode_due and (self.waiting or self.prefilling):
-            batch = self._schedule_chunks() if self.enable_chunked_prefill else self._schedule_prefill()
+            if self.mixed_prefill_decode and self.running:
+                batch = self._schedule_mixed()
+                if not batch.is_prefill:  # nothing could start: a plain decode step (or None)
+                    self.prefill_steps_in_a_row = 0
+                    return batch if batch.seqs else None
+            else:
+                batch = self._schedule_chunks() if self.enable_chunked_prefill else self._schedule_prefill()
             if batch is not None:
                 self.prefill_steps_in_a_row += 1
                 return batch
         self.prefill_steps_in_a_row = 0
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        """Whole prompts (chunked prefill off): FIFO while they fit the budget; a prompt longer
-        than the budget runs alone."""
+    def _schedule_mixed(self) -> ScheduledBatch:
+        """A mixed step: one decode token for every running sequence (as :meth:`_schedule_decode`,
+        preempting when a block is missing), then prefill work as :meth:`_schedule_chunks` /
+        :meth:`_schedule_prefill` in what is left of :meth:`prefill_budget` after the decode tokens
+        (vLLM's scheduler: decodes and chunks share ``--max-num-batched-tokens``). When no prefill
+        work fits, the decode part alone (``is_prefill`` False; no sequences when nothing runs)."""
+        decode = self._schedule_decode()
+        decodes = [] if decode is None else decode.seqs
+        room = self.prefill_budget() - len(decodes)
+        part = None
+        if room > 0:
+            part = self._schedule_chunks(room) if self.enable_chunked_prefill else self._schedule_prefill(room)
+        if part is None:
+            return ScheduledBatch(decodes, is_prefill=False)
+        seqs = part.seqs
+        starts = [s.num_cached_tokens for s in seqs] if part.starts is None else part.starts
+        ends = [len(s) for s in seqs] if part.ends is None else part.ends
+        return ScheduledBatch(decodes + seqs, True, [len(s) - 1 for s in decodes] + starts,
+                              [len(s) for s in decodes] + ends, num_decodes=len(decodes))
+
+    def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
+        """Whole prompts (chunked prefill off): FIFO while they fit the budget
+        (:meth:`prefill_budget` unless given); a prompt longer than the budget runs alone."""
         prefill: list[Sequence] = []
         tokens = 0
-        budget = self.prefill_budget()
+        budget = self.prefill_budget() if budget is None else budget
         while self.waiting and len(self.running) + len(prefill) < self.max_num_seqs:
             seq = self.waiting[0]
             if prefill and tokens + len(seq) > budget:
@@ -230,13 +262,14 @@ Raises:
             n = min(n, self.long_prefill_token_threshold)
         return start + n
 
-    def _schedule_chunks(self) -> ScheduledBatch | None:
+    def _schedule_chunks(self, budget: int | None = None) -> ScheduledBatch | None:
         """Chunked prefill: first the next chunk of each partial prefill (oldest first), then
         waiting sequences FIFO, each taking ``min(rest of its prompt, tokens left in the step's
-        budget)``; a sequence whose chunk ends before its prompt does stays in ``prefilling``.
+        budget)`` (:meth:`prefill_budget` unless given); a sequence whose chunk ends before its
+        prompt does stays in ``prefilling``.
         The blocks of the whole prompt are allocated at its first chunk; full blocks enter the
         prefix cache as their chunk is scheduled (a later step, which reads them, runs after it)."""
-        budget = self.prefill_budget()
+        budget = self.prefill_budget() if budget is None else budget
         out: tuple[list, list, list] = ([], [], [])  # sequences, starts, ends
         tokens = 0
         partial, self.prefilling = self.prefilling, []

@@ -63,6 +63,8 @@ class StepInput:
         input_ids_from: optional ``(tokens, rows)``: take the input ids from ``tokens[rows]``,
             a device tensor of an earlier step's sampled tokens (the engine's overlapped
             decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
+            ``(tokens, rows, where)`` (a mixed prefill + decode step): only the flat rows
+            ``where`` take ``tokens[rows]``, the others keep ``input_ids``.
             Only for in-process workers (a device tensor is not picklable across processes).
         lora_ids: per sequence its LoRA adapter id (0: base model), or None when every sequence
             runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CPU
@@ -432,8 +434,12 @@ class ModelRunner:
                 return logits(hidden)
             rows = to_device(idx, torch.long, self.device)
             return logits(hidden.index_select(0, rows))
-        if step.input_ids_from is not None:
-            input_ids = gather_rows(*step.input_ids_from).to(self.device)
+        ids_from = step.input_ids_from
+        if ids_from is not None and len(ids_from) == 3:  # mixed step: some rows from the device
+            input_ids = to_device(step.input_ids, torch.long, self.device)
+            input_ids[to_device(ids_from[2], torch.long, self.device)] = gather_rows(ids_from[0], ids_from[1])
+        elif ids_from is not None:
+            input_ids = gather_rows(*ids_from).to(self.device)
         else:
             input_ids = to_device(step.input_ids, torch.long, self.device)
         positions = to_device(step.positions, torch.long, self.device)
