@@ -28,6 +28,23 @@ Step-time model (ms; defaults for the Qwen3-0.6B shape on one H100, bf16):
 
 ``--chunked on`` runs the scheduler with chunked prefill (``enable_chunked_prefill``): only the
 sequences whose prompt ends in a step get a token from it (``ScheduledBatch.sampled``).
+
+``--mixed on`` (session 17) runs it with mixed steps (``mixed_prefill_decode``): a prefill step while
+sequences run also decodes each of them (one token each, counted in the step's budget). A mixed step
+is an eager prefill step: ``--prefill-fixed-ms`` + (its prefill and decode tokens) x
+``--prefill-us-per-token`` + its decode rows' KV bytes / ``--hbm-gbps`` (their attention reads the
+same KV as a decode step does). ``--prefill-launch-ms`` (default 0: off) is the host's time to launch
+an eager step, which the GPU's work overlaps: a prefill or mixed step then takes
+``max(launch, the sum above)``. Session 16's window-1 step trace (2048-token steps p50 12.0 ms,
+8192-token steps 16.4 ms) fits both ``--prefill-fixed-ms 10.7 --prefill-us-per-token 0.74`` (the launches
+add to the work: a mixed step pays its decode rows' KV reads on top) and ``--prefill-launch-ms 11.5
+--prefill-fixed-ms 0.5 --prefill-us-per-token 1.94`` (the work hides under the launches up to ~5,700
+tokens): they differ on mixed steps, which the device run decides:
+
+    python benchmarks/stream_schedule_sim.py --budgets default --chunked on --mixed off on \
+        --concurrency 256 64 --prefill-fixed-ms 10.7 --prefill-us-per-token 0.74
+    python benchmarks/stream_schedule_sim.py --budgets default --chunked on --mixed off on \
+        --concurrency 256 64 --prefill-launch-ms 11.5 --prefill-fixed-ms 0.5 --prefill-us-per-token 1.94
 """
 
 from __future__ import annotations
@@ -48,13 +65,26 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def simulate(args, budget: str, concurrency: int, chunked: bool = False) -> dict:
+def step_ms(args, batch) -> float:
+    """The model's time of one step (ms): a decode step, or a prefill step whose ``num_decodes`` decode
+    rows (a mixed step) add their tokens and their KV reads (see the module docstring)."""
+    dec = batch.seqs[:batch.num_decodes] if batch.is_prefill else batch.seqs
+    kv_ms = sum(len(s) for s in dec) * args.kv_bytes_per_token / (args.hbm_gbps * 1e6)
+    if batch.is_prefill:
+        work = args.prefill_fixed_ms + batch.num_tokens * args.prefill_us_per_token / 1e3 + kv_ms
+        return max(getattr(args, "prefill_launch_ms", 0.0), work)
+    return args.decode_fixed_ms + kv_ms
+
+
+def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: bool = False) -> dict:
     """One closed-loop run; ``budget``: ``old`` (= max_num_batched_tokens), ``default`` (the scheduler's
-    default) or a token count; ``chunked``: chunked prefill. Returns output tok/s, wall s, inter-token gap
-    p50/p99/max ms, TTFT mean/p99 ms."""
+    default) or a token count; ``chunked``: chunked prefill; ``mixed``: mixed steps. Returns output tok/s,
+    wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms, and the steps by kind."""
     fixed = None if budget == "default" else (args.max_num_batched_tokens if budget == "old" else int(budget))
     sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens, 1,
-                    max_prefill_tokens_while_decoding=fixed, enable_chunked_prefill=chunked)
+                    max_prefill_tokens_while_decoding=fixed, enable_chunked_prefill=chunked,
+                    mixed_prefill_decode=mixed)
+    kinds = {"decode": 0, "prefill": 0, "mixed": 0}
     now, sent, done = 0.0, 0, 0
     arrive: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -86,11 +116,8 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False) -> dict
         if batch is None:
             now = min(pending)
             continue
-        if batch.is_prefill:
-            now += args.prefill_fixed_ms + batch.num_tokens * args.prefill_us_per_token / 1e3
-        else:
-            kv = sum(len(s) for s in batch.seqs) * args.kv_bytes_per_token
-            now += args.decode_fixed_ms + kv / (args.hbm_gbps * 1e6)
+        now += step_ms(args, batch)
+        kinds["mixed" if batch.num_decodes else "prefill" if batch.is_prefill else "decode"] += 1
         finished = []
         for s in batch.sampled:
             s.num_computed_tokens = len(s)
@@ -104,7 +131,7 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False) -> dict
             sch.finish(s)
             done += 1
             pending.append(now + args.turnaround_ms)
-    return {"budget": budget, "concurrency": concurrency, "chunked": chunked,
+    return {"budget": budget, "concurrency": concurrency, "chunked": chunked, "mixed": mixed, "steps": kinds,
             "output_tok_s": round(total_out / now * 1e3), "wall_s": round(now / 1e3, 3),
             "gap_p50_ms": round(_pct(gaps, 0.5), 1), "gap_p99_ms": round(_pct(gaps, 0.99), 1),
             "gap_max_ms": round(max(gaps), 1), "ttft_mean_ms": round(statistics.mean(ttft)),
@@ -119,7 +146,7 @@ def main() -> None:
     for flag, default in (("num-prompts", 768), ("prompt-len", 512), ("output-len", 256), ("max-num-seqs", 256),
                           ("max-num-batched-tokens", 8192), ("num-kv-blocks", 41190), ("turnaround-ms", 1.0),
                           ("decode-fixed-ms", 1.4), ("hbm-gbps", 3000.0), ("kv-bytes-per-token", 114688),
-                          ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1)):
+                          ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1), ("prefill-launch-ms", 0.0)):
         p.add_argument(f"--{flag}", type=type(default), default=default)
     p.add_argument("--random-lens", nargs=2, type=int, default=None, metavar=("LO", "HI"),
                    help="prompt and output lengths uniform in [LO, HI] (seeded) instead of --prompt-len / "
@@ -129,14 +156,18 @@ def main() -> None:
                    help="prompt lengths uniform in [LO, HI] (seeded), --output-len tokens out")
     p.add_argument("--chunked", nargs="+", choices=["off", "on"], default=["off"],
                    help="chunked prefill off (the default here) and/or on: one run each")
+    p.add_argument("--mixed", nargs="+", choices=["off", "on"], default=["off"],
+                   help="mixed steps (decodes in every prefill step) off (the default here) and/or on")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
-    rows = [simulate(args, b, c, ch == "on") for c in args.concurrency for b in args.budgets for ch in args.chunked]
+    rows = [simulate(args, b, c, ch == "on", m == "on") for c in args.concurrency for b in args.budgets
+            for ch in args.chunked for m in args.mixed]
     for r in rows:
-        print(f"c{r['concurrency']} budget {r['budget']:>5}{' chunked' if r['chunked'] else ''}: "
+        print(f"c{r['concurrency']} budget {r['budget']:>5}{' chunked' if r['chunked'] else ''}"
+              f"{' mixed' if r['mixed'] else ''}: "
               f"{r['output_tok_s']:,} tok/s, gap p50/p99/max "
               f"{r['gap_p50_ms']}/{r['gap_p99_ms']}/{r['gap_max_ms']} ms, TTFT mean/p99 {r['ttft_mean_ms']}/"
-              f"{r['ttft_p99_ms']} ms")
+              f"{r['ttft_p99_ms']} ms; steps {r['steps']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

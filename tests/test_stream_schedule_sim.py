@@ -40,3 +40,14 @@ def test_chunked_prefill_bounds_the_stall_by_the_chunk():
     assert (r["gap_max_ms"], r["gap_p50_ms"]) == (2.3, 1.0)
     assert r["ttft_mean_ms"] == round((3.5 + 10.2) / 2)
     assert simulate(args, "8", 2)["gap_max_ms"] == 4.5  # unchunked: the whole prompt at once
+
+
+def test_a_mixed_step_stalls_the_stream_once():
+    # the same two clients with mixed steps: the second prompt is prefilled in a step that also decodes the
+    # first stream (31 tokens: 0.5 + 3.1 = 3.6 ms), so the stalled gap is that one step, not prefill + decode
+    args = _args(num_prompts=2, prompt_len=30, output_len=4, max_num_batched_tokens=30)
+    r = simulate(args, "old", 2, mixed=True)
+    assert (r["gap_max_ms"], r["gap_p50_ms"]) == (3.6, 1.0) and r["steps"]["mixed"] == 1
+    # a host launch time that the GPU's work hides under: the mixed step takes the launch time
+    r = simulate(argparse.Namespace(**{**vars(args), "prefill_launch_ms": 5.0}), "old", 2, mixed=True)
+    assert r["gap_max_ms"] == 5.0
