@@ -5,7 +5,8 @@ on the server's ``PYTHONPATH``, see :func:`site_dir`; ``STEP_TRACE_DIR`` names t
 it wraps :meth:`rlserve.engine.core.scheduler.Scheduler.schedule` and writes one line per scheduled
 step to ``<dir>/<pid>.steps``: ``<unix time s> <P|D> <tokens> <sequences> <running>`` (``P``: a
 prefill step and its prompt tokens to compute; ``D``: a decode step, one token per sequence;
-``running``: sequences running after the step was scheduled). Cost: one line write per step (~2 us;
+``running``: sequences running after the step was scheduled; ``M``: a mixed step,
+``--mixed-prefill-decode``: its prefill tokens and its decode rows). Cost: one line write per step (~2 us;
 a batch-256 decode step takes ~7 ms on an H100), nothing in the API process.
 
 :func:`summarize` reads the lines back: a step's time is the interval to the next schedule call (with
@@ -42,8 +43,9 @@ def install() -> None:
     def traced(self):
         batch = schedule(self)
         if batch is not None:
-            kind = "P" if batch.is_prefill else "D"
-            f.write(f"{time.time():.6f} {kind} {batch.num_tokens} {len(batch.seqs)} {len(self.running)}\n")
+            n, d = batch.num_tokens, getattr(batch, "num_decodes", 0)
+            kind, n, seqs = ("M", n - d, d) if d else ("P" if batch.is_prefill else "D", n, len(batch.seqs))
+            f.write(f"{time.time():.6f} {kind} {n} {seqs} {len(self.running)}\n")
         return batch
 
     Scheduler.schedule = traced
@@ -90,8 +92,9 @@ def summarize(rows: list[tuple[float, str, int, int, int]]) -> dict:
 
     Returns ``{"steps": {kind bucket: {n, p50, p90, max, tokens}}, "decode_gaps": {bucket: {n, p50,
     p90, p99, max, streams}}}``: ``steps`` by kind and the step's tokens (the interval to the next
-    step); ``decode_gaps``: intervals between consecutive decode steps, by the prefill tokens scheduled
-    between them (``streams``: the earlier decode step's sequences, summed: each is one inter-token
+    step); ``decode_gaps``: intervals between consecutive decode steps (a mixed step ``M`` is one), by
+    the prefill tokens scheduled from the earlier one (a mixed step's own included: the interval holds
+    it) to the later (``streams``: the earlier decode step's sequences, summed: each is one inter-token
     gap of a stream, before the API process adds its own delay; a gap across a wave whose sequences
     all finished is counted too, though no stream waited it out).
     """
@@ -108,7 +111,7 @@ def summarize(rows: list[tuple[float, str, int, int, int]]) -> dict:
             continue
         if last_decode is not None and t - last_decode[0] <= IDLE_S:
             gaps.setdefault(_bucket(between), []).append((1e3 * (t - last_decode[0]), last_decode[1]))
-        last_decode, between = (t, seqs), 0
+        last_decode, between = (t, seqs), (tokens if kind == "M" else 0)
     out_steps = {k: {"n": len(v), "p50": round(_pct([x for x, _ in v], 0.5), 2),
                      "p90": round(_pct([x for x, _ in v], 0.9), 2), "max": round(max(x for x, _ in v), 2),
                      "tokens": sum(n for _, n in v)} for k, v in sorted(steps.items())}

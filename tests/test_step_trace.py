@@ -44,3 +44,14 @@ def test_installed_in_an_engine_core_process_only(tmp_path):
         assert len([f for f in os.listdir(tmp_path) if f.endswith(".steps")]) == n_files
     rows = step_trace.read_steps(str(tmp_path))
     assert [r[1:] for r in rows] == [("P", 3, 1, 1)]
+
+
+def test_a_mixed_step_ends_one_decode_gap_and_holds_the_next():
+    # D (10 ms) M 1792 + 256 decodes (15 ms) D (10 ms) D: the gap from M to the next D holds M's prefill
+    rows = [(0.000, "D", 256, 256, 256), (0.010, "M", 1792, 256, 259), (0.025, "D", 259, 259, 259),
+            (0.035, "D", 259, 259, 259)]
+    s = step_trace.summarize(rows)
+    assert s["steps"]["M 1025-2048"] == {"n": 1, "p50": 15.0, "p90": 15.0, "max": 15.0, "tokens": 1792}
+    gaps = s["decode_gaps"]
+    assert gaps["0"]["n"] == 2 and gaps["0"]["max"] == 10.0 and gaps["0"]["streams"] == 256 + 259
+    assert gaps["1025-2048"] == {"n": 1, "p50": 15.0, "p90": 15.0, "p99": 15.0, "max": 15.0, "streams": 256}

@@ -22,7 +22,8 @@
 #                   (benchmarks/step_trace.py) into $OUT_DIR/steps_CONFIG
 #   stream_bench LIMIT MIN_STEPS CONFIG...  benchmarks/vllm_bench.py --one-client over the caller's arrays ARGS
 #                   (vllm_bench's own flags), CONFIGS (its --configs) and BENCH (`vllm bench serve` random-dataset
-#                   flags; --ignore-eos --temperature 0 added) under `bounded LIMIT`, into $OUT_DIR/vllm_bench.{json,log};
+#                   flags; --ignore-eos --temperature 0 added) under `bounded LIMIT`, into $OUT_DIR/$STEM.{json,log}
+#                   (STEM: default vllm_bench; set it to keep an earlier call's files);
 #                   then keep_logs, gpu_cleanup, one summary line per run and the step-trace summaries of each
 #                   CONFIG name (runs of MIN_STEPS steps at least)
 #   throughput_pair TAG RCAP RKEEP VCAP VKEEP ARGS... [--vllm VLLM_ARGS...]
@@ -85,15 +86,15 @@ trace() {  # the step trace's site first on PYTHONPATH, its directory
   echo "@PYTHONPATH=$site:${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$d"
 }
 stream_bench() {
-  local limit=$1 min=$2 c; shift 2
+  local limit=$1 min=$2 c stem=${STEM:-vllm_bench}; shift 2
   bounded "$limit" $PY benchmarks/vllm_bench.py "${ARGS[@]}" --one-client --configs "${CONFIGS[@]}" \
-      --json "$OUT_DIR/vllm_bench.json" \
-      -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/vllm_bench.log" 2>&1
-  say "vllm_bench rc=$? (limit $limit s)"
+      --json "$OUT_DIR/$stem.json" \
+      -- --backend vllm --dataset-name random "${BENCH[@]}" --ignore-eos --temperature 0 > "$OUT_DIR/$stem.log" 2>&1
+  say "$stem rc=$? (limit $limit s)"
   keep_logs
   gpu_cleanup
   $PY -c "import sys; from benchmarks.vllm_bench import summary_lines; print('\n'.join(summary_lines(sys.argv[1])))" \
-      "$OUT_DIR/vllm_bench.json" | tee -a "$OUT_DIR/summary.txt"
+      "$OUT_DIR/$stem.json" | tee -a "$OUT_DIR/summary.txt"
   for c in "$@"; do
     $PY -c "import sys; from benchmarks.step_trace import summary_lines; print('\n'.join(summary_lines(sys.argv[1], sys.argv[2], int(sys.argv[3]))))" \
         "$OUT_DIR/steps_$c" "$c " "$min" 2>&1 | tee -a "$OUT_DIR/summary.txt"
