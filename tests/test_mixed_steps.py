@@ -189,3 +189,26 @@ def test_flag_and_config():
     assert engine_config_from_args(build_parser().parse_args(["serve", "m"]), "m").mixed_prefill_decode is False
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "m", "--mixed-prefill-decode"]), "m")
     assert cfg.mixed_prefill_decode is True
+
+
+def test_attention_runs_a_mixed_steps_decode_rows_apart():
+    """Leading one-token rows (a mixed step's decodes) go to the backend's decode path, the rest to its
+    prefill path; the output equals one varlen call over all rows (float32: within 1e-5, the two CPU
+    paths' rounding of the same softmax over the same keys)."""
+    from rlserve.layers.attention import Attention, AttentionMetadata, torch_paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    att = Attention(4, 8, 8 ** -0.5, 2)
+    att.k_cache, att.v_cache = (torch.randn(16, 4, 2, 8, generator=g) for _ in range(2))
+    qlens, slens = [1, 1, 5, 1], [9, 3, 7, 12]
+    meta = AttentionMetadata.build(qlens, slens, [[0, 1, 2], [3], [4, 5], [6, 7, 8]], 4)
+    d, dec, pre = meta.decode_split()
+    assert d == 2 and dec.max_query_len == 1 and pre.query_start_loc_cpu == [0, 5, 6] and pre.seq_lens_cpu == [7, 12]
+    assert meta.decode_split() is meta.backend_cache["decode_split"]  # one scan per step
+    q = torch.randn(8, 4 * 8, generator=g)
+    want = torch_paged_attention(q.view(8, 4, 8), att.k_cache, att.v_cache,
+                                 AttentionMetadata.build(qlens, slens, [[0, 1, 2], [3], [4, 5], [6, 7, 8]], 4), att.scale)
+    got = att._attend(q.view(8, 4, 8), meta, {})
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for ql in ([5, 1], [1, 1]):  # no leading decode row; a pure decode step
+        assert AttentionMetadata.build(ql, [6, 6], [[0, 1], [2, 3]], 4).decode_split() is None

@@ -110,6 +110,26 @@ class AttentionMetadata:
             seq_lens_cpu=seq_lens_cpu,
         )
 
+    def decode_split(self) -> "tuple[int, AttentionMetadata, AttentionMetadata] | None":
+        """A mixed step's split (``--mixed-prefill-decode``: its decode rows come first): ``(d,
+        metadata of sequences 0:d, of d:)`` where the first ``d`` sequences have one query token
+        each and a later one more; None when no sequence leads with one token or every one has one
+        (a pure decode step). The decode rows then run in the backend's decode kernel (for the
+        Triton backend: flash-decoding with grouped-query packing, which reads each KV head once
+        per group; the varlen prefill kernel would give each of them a ``BLOCK_M``-row tile per
+        query head). Cached in ``backend_cache`` (one scan per step, sub-metadata shared by the layers)."""
+        if self.max_query_len == 1:
+            return None
+        cached = self.backend_cache.get("decode_split", False)
+        if cached is not False:
+            return cached
+        qsl, d = self.query_start_loc_cpu, 0
+        while qsl[d + 1] - qsl[d] == 1:  # stops before num_seqs: max_query_len > 1
+            d += 1
+        split = (d, self.sequences(0, d), self.sequences(d, self.num_seqs)) if d else None
+        self.backend_cache["decode_split"] = split
+        return split
+
     @staticmethod
     def build(
         query_lens: list[int],
@@ -375,8 +395,18 @@ class Attention(nn.Module):
             self.calculate_kv_scales = False
         kw = self.kv_scale_kwargs()
         KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kw)
-        out = ATTENTION_BACKENDS[backend](q, self.k_cache, self.v_cache, meta, self.scale, **kw)
-        return out.reshape(T, self.num_heads * self.head_dim)
+        return self._attend(q, meta, kw).reshape(T, self.num_heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, kw: dict) -> torch.Tensor:
+        """The active backend over this step's cache: ``[T, heads, head_dim]``; a mixed step's
+        leading decode rows and its prefill rows in two calls (:meth:`AttentionMetadata.decode_split`)."""
+        fn = ATTENTION_BACKENDS[_active_backend[0]]
+        split = meta.decode_split()
+        if split is None:
+            return fn(q, self.k_cache, self.v_cache, meta, self.scale, **kw)
+        d, dec, pre = split  # d decode rows: the first d query tokens
+        return torch.cat((fn(q[:d], self.k_cache, self.v_cache, dec, self.scale, **kw),
+                          fn(q[d:], self.k_cache, self.v_cache, pre, self.scale, **kw)))
 
     def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention when this step's K/V are already in the cache (a fused kernel wrote
@@ -390,6 +420,5 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention has no KV cache bound; the model runner must bind one")
         T = q.shape[0]
-        out = ATTENTION_BACKENDS[_active_backend[0]](q.view(T, self.num_heads, self.head_dim), self.k_cache,
-                                                     self.v_cache, meta, self.scale, **self.kv_scale_kwargs())
+        out = self._attend(q.view(T, self.num_heads, self.head_dim), meta, self.kv_scale_kwargs())
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -18,7 +18,9 @@ launches step N+1 first and processes step N while N+1 runs:
 
 Prefill steps overlap the same way: while prompts wait, the next step is a prefill of other
 sequences, whose inputs are all on the host, so it is launched before the step in flight is
-read (the prefill phase of a large batch is otherwise one host sync per step).
+read (the prefill phase of a large batch is otherwise one host sync per step). A mixed step
+(``--mixed-prefill-decode``) too: its decode rows of the step in flight take their input ids on
+the device (``StepInput.input_ids_from`` with the flat rows to fill), under the decode rule below.
 
 Block frees while a step is in flight are safe: every later write to a freed block comes from
 a step launched later on the same stream. A decode step is launched early only when every

@@ -49,11 +49,20 @@ and a stream waits for one chunk at a time instead of the whole prompt. The comp
 prompt is read like a prefix-cache hit (its KV is in its blocks; the attention takes queries past
 position 0, ``AttentionMetadata``); the prompt's blocks are all allocated at its first chunk, its
 full blocks enter the prefix cache as their chunk is scheduled (a later request that hits them runs
-in a later step, or in the same step after the chunk's K/V are written). A step either decodes or
-prefills, as before: decode steps replay CUDA graphs captured for pure decode batches, and a step
-mixing decode tokens into a chunk (vLLM's way) would run every decode eagerly (hundreds of kernel
-launches from Python per step, what the graphs exist to avoid; not measured here); alternating chunk steps and decode steps
-(``max_consecutive_prefill_steps``) bounds the stall by the chunk. A partial prefill is preempted
+in a later step, or in the same step after the chunk's K/V are written). By default a step either
+decodes or prefills, as before: decode steps replay CUDA graphs captured for pure decode batches;
+alternating chunk steps and decode steps (``max_consecutive_prefill_steps``) bounds the stall by the
+chunk, and a stream's gap across a chunk is one prefill step plus one decode step.
+
+Mixed steps (``mixed_prefill_decode``, ``--mixed-prefill-decode``, off by default; session 17): a
+prefill step while sequences run also decodes every running sequence (:meth:`Scheduler._schedule_mixed`;
+vLLM's way, its decode tokens counted in the step's budget), so the gap is the one eager step. The
+decode rows run in the prefill path (eager: hundreds of kernel launches from Python, ~10 ms for
+Qwen3-0.6B on an H100, s16's step trace) with their whole KV read by the varlen attention as a
+prefix-cache hit's; the pure decode steps between mixed ones (``max_consecutive_prefill_steps``) keep
+their graphs. ``benchmarks/stream_schedule_sim.py --mixed off on`` models both: the c256 p99 gap
+20.5 -> 18.8 ms if an eager step's launch cost adds to its GPU work, 19.8 -> 11.5 ms if the work hides
+under the launches (both fit s16's trace; BENCHMARKS.md, "HTTP serving", s17). A partial prefill is preempted
 first when a decode step lacks a block, and one allocated before a prefix-cache reset (every weight
 update resets it) restarts, so no prompt mixes two weight versions.
 """
