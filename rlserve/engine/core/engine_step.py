@@ -85,11 +85,18 @@ class EngineStep:
             step = StepInput([s.last_token_id for s in seqs], [n - 1 for n in slens], [1] * B, slens,
                              [s.block_table for s in seqs], list(range(B)), False, lora_ids=_lora_ids(self.config, seqs))
             return step, [], None
-        input_ids: list[int] = []
-        positions: list[int] = []
-        qlens, slens, tables, logit_rows, sample_rows = [], [], [], [], []
+        # a mixed step's decode rows first: one token each (its last; ``all_token_ids`` would copy
+        # the whole sequence), always sampled, never prompt logprobs (their prompts are done)
+        nd = batch.num_decodes
+        dec = batch.seqs[:nd]
+        input_ids: list[int] = [s.last_token_id for s in dec]
+        slens = [len(s) for s in dec]
+        positions: list[int] = [n - 1 for n in slens]
+        qlens, tables = [1] * nd, [s.block_table for s in dec]
+        logit_rows, sample_rows = list(range(nd)), list(range(nd))
         prompt_rows: list[tuple] = []
-        for i, seq in enumerate(batch.seqs):
+        for i in range(nd, len(batch.seqs)):
+            seq = batch.seqs[i]
             start, end = batch.span(i)
             base = len(input_ids)
             input_ids.extend(seq.all_token_ids[start:end])
