@@ -161,12 +161,17 @@ class EngineStep:
             outs = self._overlap.step(outputs_for)
         else:
             batch = self.scheduler.schedule()
-            outs = [] if batch is None else self._finish_step(batch.sampled, self._launch(batch), outputs_for)
+            outs = [] if batch is None else self._finish_step(*self._launch(batch), outputs_for)
         return failed + outs if failed else outs
 
-    def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> SamplerOutput:
+    def _launch(self, batch: ScheduledBatch, ids_from: tuple | None = None) -> tuple[list[Sequence], SamplerOutput]:
         """Run ``batch``'s forward pass and sampler; the tokens stay on the device. Prompt
-        logprobs are computed here. ``ids_from``: ``StepInput.input_ids_from``."""
+        logprobs are computed here. ``ids_from``: ``StepInput.input_ids_from``.
+
+        Returns:
+            the sequences that sampled a token, in the output's row order (``batch.seqs``, or
+            ``batch.sampled`` when a chunk that does not end its prompt samples nothing: the one
+            place that decides it, for the plain and the overlapped step), and the output."""
         step, prompt_rows, sample_rows = self._build_step(batch)
         step.input_ids_from = ids_from
         if batch.is_prefill:  # before the forward pass, as vLLM's scheduled_ts: the prefill
@@ -189,7 +194,7 @@ class EngineStep:
         if sample_rows is not None:
             seqs = batch.sampled
             if not seqs:  # only unfinished chunks of prompts: nothing to sample
-                return _empty_output(logits.device)
+                return seqs, _empty_output(logits.device)
             logits = logits[to_device(sample_rows, torch.long, logits.device)]
         meta = SamplingMetadata(
             params=[s.params for s in seqs],
@@ -197,7 +202,7 @@ class EngineStep:
             output_token_ids=[s.output_token_ids for s in seqs],
             grammars=[s.grammar for s in seqs] if any(s.grammar is not None for s in seqs) else None,
         )
-        return self.sampler(logits, meta)
+        return seqs, self.sampler(logits, meta)
 
     def _finish_step(self, seqs: list[Sequence], out: SamplerOutput, outputs_for, token_index=None) -> list[RequestOutput]:
         """Read a launched step's tokens (the host sync), append them, finish sequences and

@@ -104,9 +104,8 @@ class OverlapScheduler:
             where = [i for i, s in enumerate(batch.seqs[:batch.num_decodes]) if s in prev.row]
             if where:
                 ids_from = (prev.out.token_ids, [prev.row[batch.seqs[i]] for i in where], where)
-        seqs = batch.sampled  # a chunk that does not end its prompt samples nothing
+        seqs, out = self.engine._launch(batch, ids_from)  # (a chunk that does not end its prompt samples nothing)
         index = [len(s.output_token_ids) for s in seqs]
-        out = self.engine._launch(batch, ids_from)
         host, done = _copy_to_host(out)
         return _InFlight(list(seqs), out, host, done, index, {s: i for i, s in enumerate(seqs)}, batch.is_prefill)
 
@@ -144,7 +143,7 @@ class OverlapScheduler:
             if batch is None:
                 return outs
             if not batch.is_prefill and not overlappable(batch.seqs):
-                return outs + eng._finish_step(batch.seqs, eng._launch(batch), outputs_for)
+                return outs + eng._finish_step(*eng._launch(batch), outputs_for)
             cur = self._launch(batch, None)
         follow = None
         # prompts waiting: the next step is most likely their prefill, launchable at once
@@ -161,7 +160,7 @@ class OverlapScheduler:
                 if follow.starts is not None:  # a mixed step (or chunks): its spans, less the stopped rows
                     batch.starts, batch.ends = [follow.starts[i] for i in keep], [follow.ends[i] for i in keep]
                     batch.num_decodes = sum(i < follow.num_decodes for i in keep)
-                outs += eng._finish_step(batch.sampled, eng._launch(batch), outputs_for)
+                outs += eng._finish_step(*eng._launch(batch), outputs_for)
         return outs
 
     def drain(self) -> None:
