@@ -124,6 +124,59 @@ def test_start_workers_warm_unniced_then_lower_their_priority_and_replacements_w
         pool.close()
 
 
+def _blocked_reading_stdin(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in ``read(0, ...)`` (``/proc/PID/syscall``: the
+    syscall number, then its first argument, the fd)."""
+    import platform
+
+    nr = {"x86_64": 0, "aarch64": 63}[platform.machine()]
+    with open(f"/proc/{pid}/syscall") as f:
+        return f.read().split()[:2] == [str(nr), "0x0"]
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc/PID/syscall")
+def test_worker_ignores_sigint_from_its_start_up_on(tmp_path):
+    """Ctrl-C at the terminal reaches every process of the server's group: a worker still reading
+    its tokenizer (start-up), or idle between requests, printed a KeyboardInterrupt traceback and
+    died. Now it ignores SIGINT (the server ends it). Fails on the old code (a traceback, exit 1
+    before ready)."""
+    import os
+    import pickle
+    import signal
+    import subprocess
+
+    from tests.tiny_models import build_tokenizer
+
+    err = open(tmp_path / "stderr", "w+")
+    p = subprocess.Popen(template_pool.worker_command(10_000, 5.0, True), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=err)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not _blocked_reading_stdin(p.pid):  # its start-up reached the tokenizer's read
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        template_pool._write_frame(p.stdin.fileno(), pickle.dumps(build_tokenizer()))
+        assert json.loads(template_pool._read_frame(p.stdout.fileno(), time.monotonic() + HANG_S)) == {"ready": True}
+        while not _blocked_reading_stdin(p.pid):  # idle: waiting for a request
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        request = {"messages": [{"role": "user", "content": "hi"}], "kwargs": template_pool.template_call_kwargs()}
+        template_pool._write_frame(p.stdin.fileno(), json.dumps(request).encode())
+        reply = json.loads(template_pool._read_frame(p.stdout.fileno(), time.monotonic() + HANG_S))
+        assert "hi" in reply["text"]
+        p.stdin.close()  # how the server ends an idle worker
+        assert p.wait(HANG_S) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err.seek(0)
+    text = err.read()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+
+
 def test_cpu_bound_template_is_a_400_and_does_not_stop_the_loop(srv, monkeypatch):
     """A /health sent after the bomb went to its worker is answered while the bomb's request still
     waits for the worker (states, no time bound: the request's thread is held at its read until the

@@ -157,15 +157,20 @@ def _read_frame(fd: int, deadline: float | None = None) -> bytes:
     return _read_exact(fd, size, deadline)
 
 
+def worker_command(max_chars: int, timeout_s: float, warm_niced: bool) -> list[str]:
+    """The argv of one worker process (:func:`_worker_main`)."""
+    return [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s)),
+            "1" if warm_niced else "0"]
+
+
 class _Worker:
     """One worker process and its pipes (used by one thread at a time)."""
 
     def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float, warm_niced: bool = True):
         """``warm_niced``: the process lowers its priority (:data:`WORKER_NICE`) at once; else only
         once warm (after its constraint compiler is made, or before its first render or compile)."""
-        cmd = [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s)),
-               "1" if warm_niced else "0"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self.proc = subprocess.Popen(worker_command(max_chars, timeout_s, warm_niced), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, close_fds=True)
         self.ready = False
         self.grammar_ready = False  # its constraint compiler was made
         try:
@@ -428,6 +433,10 @@ def _worker_main(max_chars: int, timeout_s: float, warm_niced: bool = True) -> i
     """Read the pickled tokenizer (trusted: the server sent it), then answer render requests
     until stdin closes. Requests and answers are length-prefixed JSON. ``warm_niced``: lower the
     priority at once, else once warm (module docstring)."""
+    # a Ctrl-C at the terminal reaches the server's whole process group, these workers too: the
+    # server ends them itself (stdin closed, or killed), so a worker ignores SIGINT instead of
+    # printing a KeyboardInterrupt traceback from wherever it was (its tokenizer's imports at start-up)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
     niced = warm_niced
