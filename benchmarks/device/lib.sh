@@ -131,8 +131,10 @@ throughput_pair() {
       timeout -k 5 "$t" $PY benchmarks/throughput.py --engine vllm --no-hf "${args[@]}" "${vargs[@]}" \
         --json "$OUT_DIR/throughput_vllm.json" ) > "$OUT_DIR/throughput_vllm.log" 2>&1
     say "$tag) vllm rc=$? ($t s limit): $(grep -E '^  vllm' "$OUT_DIR/throughput_vllm.log" | tr -s ' ')"
-    say "$tag) vllm KV: $(grep -E 'GPU KV cache size|Available KV cache memory|kv_cache_dtype' \
-      "$OUT_DIR/throughput_vllm.log" | sed 's/.*\] //' | head -4 | tr '\n' ' ')"
+    # the KV lines, and kv_cache_dtype's value alone (it sits in vLLM's one-line engine config)
+    say "$tag) vllm KV: $( { grep -E 'GPU KV cache size|Available KV cache memory' "$OUT_DIR/throughput_vllm.log" \
+      | sed 's/.*\] //' | head -2; grep -oE 'kv_cache_dtype=[A-Za-z0-9_]+' "$OUT_DIR/throughput_vllm.log" \
+      | head -1; } | tr '\n' ' ')"
   fi
   $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "$tag)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 }
