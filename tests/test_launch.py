@@ -92,3 +92,130 @@ def test_a_killed_pytest_leaves_no_server_behind(tiny_model, tmp_path):
             except OSError:
                 pass
         log.close()
+
+
+# ---- the start's time bound: a starved start is not a hang (session 16's "not healthy within 180 s")
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_start_clock_waits_for_a_starved_start_and_ends_a_spin_or_a_stall():
+    """StartClock with a fake clock and CPU reading (seconds): a start past its 100 s timeout
+    that keeps getting a little CPU goes on; one whose processes used 25 CPU-s (STARVED_SHARE of
+    the timeout) ends; one that used no CPU for STALL_S ends; MAX_STRETCH ends any. The old
+    wait ended every one at 100 s."""
+    from rlserve.server import launch
+
+    clock, cpu = _Clock(), {"s": 0.0}
+    starved = launch.StartClock(1, 100.0, cpu=lambda pid: cpu["s"], clock=clock)
+    for t in range(0, 700, 2):  # 0.02 of a core: 14 CPU-s by 700 s (a 13 CPU-s start gets done)
+        clock.t, cpu["s"] = float(t), 0.02 * t
+        assert starved.expired() is None, t
+    clock.t, cpu["s"] = 0.0, 0.0
+    spin = launch.StartClock(1, 100.0, cpu=lambda pid: cpu["s"], clock=clock)
+    clock.t, cpu["s"] = 100.0, 24.9
+    assert spin.expired() is None  # not past the timeout yet
+    clock.t, cpu["s"] = 101.0, 25.0
+    assert "used 25.0 s of CPU: not a starved start" in spin.expired()
+    clock.t, cpu["s"] = 0.0, 3.0
+    stall = launch.StartClock(1, 100.0, cpu=lambda pid: cpu["s"], clock=clock)
+    for t in range(101, 101 + int(launch.STALL_S)):
+        clock.t = float(t)
+        assert stall.expired() is None, t
+    clock.t = 101.0 + launch.STALL_S
+    assert "used no CPU for 60 s: hung" in stall.expired()
+    clock.t, cpu["s"] = 0.0, 0.0
+    capped = launch.StartClock(1, 100.0, cpu=lambda pid: cpu["s"], clock=clock)
+    clock.t, cpu["s"] = 1000.5, 1.0
+    assert "nor within 1000 s" in capped.expired()
+    clock.t = 0.0
+    no_proc = launch.StartClock(1, 100.0, cpu=lambda pid: None, clock=clock)
+    clock.t = 100.5
+    assert no_proc.expired() == "within 100 s"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="/proc")
+def test_tree_cpu_seconds_counts_the_descendants(tmp_path):
+    """A child that ran a CPU-burning grandchild to its end (reaped: its parent's cutime) and
+    a live grandchild that burns CPU: the tree's CPU covers both."""
+    from rlserve.server.launch import tree_cpu_seconds
+
+    burn = "import os\nx = 0\nfor i in range(10**7): x += i\nprint(sum(os.times()[:2]), flush=True)"
+    code = ("import subprocess, sys, time\n"
+            f"r = subprocess.run([sys.executable, '-c', {burn!r}], capture_output=True, text=True)\n"
+            "open(sys.argv[1], 'w').write(r.stdout)\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {burn!r} + '\\nimport time\\ntime.sleep(600)'], "
+            "stdout=open(sys.argv[2], 'w'))\n"
+            "time.sleep(600)\n")
+    done, live = tmp_path / "done", tmp_path / "live"
+    p = subprocess.Popen([sys.executable, "-c", code, str(done), str(live)])
+    try:
+        deadline = time.monotonic() + 300  # a hang bound only
+        while not (live.exists() and live.read_text().strip()):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        reaped, running = float(done.read_text()), float(live.read_text())
+        # each burner's own count (os.times, its user + system) is in the tree's, within a clock tick each
+        assert tree_cpu_seconds(p.pid) >= reaped + running - 2 / os.sysconf("SC_CLK_TCK")
+    finally:
+        for q in _descendants(p.pid):
+            os.kill(q, signal.SIGKILL)
+        p.kill()
+        p.wait()
+
+
+
+SLOW_SERVER = textwrap.dedent("""
+    import http.server, sys, time
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < float(sys.argv[2]):  # a start that gets little CPU: ~1% of a core
+        sum(range(2000))
+        time.sleep(0.05)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(srv.server_address[1]))
+    import os
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    srv.serve_forever()
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="/proc")
+def test_wait_healthy_waits_past_its_timeout_for_a_starved_start_and_ends_a_spin(tmp_path):
+    """A server process that uses ~1% of a core and answers /health 6 s after it started, waited
+    for with a 3 s timeout: healthy (the old wait raised at 3 s: fails on the old code). A
+    process that spins and never answers: ends once it used STARVED_SHARE x 1 s of CPU."""
+    from rlserve.server.launch import ServerStartError, wait_healthy
+
+    port_file = tmp_path / "port"
+
+    def url():
+        return f"http://127.0.0.1:{port_file.read_text()}" if port_file.exists() else None
+
+    p = subprocess.Popen([sys.executable, "-c", SLOW_SERVER, str(port_file), "6"])
+    try:
+        waited = wait_healthy(p, url, 3.0, lambda: "", poll_s=0.1)
+        assert waited > 3.0 and port_file.exists()
+    finally:
+        p.kill()
+        p.wait()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with pytest.raises(ServerStartError, match="not a starved start"):
+            wait_healthy(spin, lambda: None, 1.0, lambda: "", poll_s=0.1)
+    finally:
+        spin.kill()
+        spin.wait()

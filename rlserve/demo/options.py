@@ -38,7 +38,8 @@ def add_demo_arguments(ap, backend: bool = True, only: Sequence[str] | None = No
         help="file for the server's output, kept ('-' = this terminal; default: a new "
              "rlserve-demo-server-*.log in the temporary directory)")
     add("startup_timeout", "--startup-timeout", type=float, default=600.0,
-        help="seconds to wait for the server's /health")
+        help="seconds to wait for the server's /health (longer while a busy machine starves the "
+             "server of CPU: up to 10x)")
     add("allow_mismatch", "--allow-mismatch", action="store_true",
         help="report completions that differ from the trainer's, but exit 0")
     add("tie_tolerance", "--tie-tolerance", type=float, default=None,

@@ -9,6 +9,7 @@ shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.Demo
   (not SIGKILL) lets the server stop its own children (engine-core processes, TP followers) as
   on a normal stop.
 - :func:`wait_healthy` waits for ``GET /health`` (bounded; fails at once if the process exits).
+  Past its timeout it keeps waiting while the server is only starved of CPU (:class:`StartClock`).
 - :func:`stop_group` ends the server's whole process group: SIGTERM, SIGKILL after a grace.
 - :class:`ServerSubprocess`: the object around them that ``ServerProcess``, ``DemoServer`` and
   ``VLLMServer`` are (environment, log file, ``log_tail``, start-and-wait, ``stop``, ``with``).
@@ -88,6 +89,86 @@ def spawn_server(cmd: Sequence[str], log_path: str | None, env: dict | None = No
     return proc, log
 
 
+#: a start that ran past its timeout fails once its processes used this share of one core over
+#: the timeout (``rlserve serve`` of a tiny model on the CPU: ~13 CPU-s to healthy; at load 40-60
+#: on 2 cores a process gets ~0.04 of a core, ~330 s wall for those 13 s: session 16's
+#: "not healthy within 180 s" failures, with an empty log, were starved starts, not hangs)
+STARVED_SHARE = 0.25
+#: seconds without any CPU used by the server's processes, past the timeout: a hang that sleeps
+STALL_S = 60.0
+#: the wait never runs past ``timeout_s`` times this (seconds)
+MAX_STRETCH = 10.0
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its descendants (children they reaped
+    included), from ``/proc/*/stat``; None without ``/proc`` or when ``pid`` is gone."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        kids.setdefault(int(fields[1]), []).append(int(d))
+        cpu[int(d)] = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    if pid not in cpu:
+        return None
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo.extend(kids.get(p, ()))
+    return total
+
+
+class StartClock:
+    """When a server's start has failed for time (:func:`wait_healthy`). Before ``timeout_s``
+    wall seconds: never. After it (reading the CPU its process tree used, at most once a second):
+    when that CPU reached :data:`STARVED_SHARE` x ``timeout_s`` (the start had its share of the
+    machine: a spin or a start far slower than it should be), when it used no CPU for
+    :data:`STALL_S` seconds (a hang that sleeps), or at :data:`MAX_STRETCH` x ``timeout_s``.
+    Without ``/proc``: at ``timeout_s``. ``cpu`` and ``clock`` are injectable for tests."""
+
+    def __init__(self, pid: int, timeout_s: float, cpu: Callable[[int], float | None] = tree_cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pid, self.timeout_s, self.cpu, self.clock = pid, float(timeout_s), cpu, clock
+        self.t0 = clock()
+        self._seen: tuple[float, float] | None = None  # (CPU seconds, when they last grew)
+        self._next_read = 0.0
+
+    def expired(self) -> str | None:
+        """None while the wait goes on, else why it ends (for the error message)."""
+        now = self.clock()
+        wall = now - self.t0
+        if wall <= self.timeout_s:
+            return None
+        late = f"within {self.timeout_s:.0f} s"
+        if wall > self.timeout_s * MAX_STRETCH:
+            return f"{late} (nor within {wall:.0f} s of a starved start)"
+        if now < self._next_read:
+            return None
+        self._next_read = now + 1.0
+        used = self.cpu(self.pid)
+        if used is None:
+            return late
+        if self._seen is None or used > self._seen[0]:
+            self._seen = (used, now)
+        if used >= STARVED_SHARE * self.timeout_s:
+            return f"{late} ({wall:.0f} s; its processes used {used:.1f} s of CPU: not a starved start)"
+        if now - self._seen[1] >= STALL_S:
+            return f"{late} ({wall:.0f} s; its processes used no CPU for {STALL_S:.0f} s: hung)"
+        return None
+
+
 def wait_healthy(proc: subprocess.Popen, url: str | Callable[[], str | None], timeout_s: float,
                  log_tail: Callable[[], str], what: str = "the server", poll_s: float = 0.1,
                  error: type[Exception] = ServerStartError) -> float:
@@ -96,17 +177,18 @@ def wait_healthy(proc: subprocess.Popen, url: str | Callable[[], str | None], ti
     Args:
         url: the base URL, or a function giving it once known (``None`` until then: e.g. read
             from the server's ready line when it bound port 0).
-        timeout_s: the bound on the whole wait (seconds).
+        timeout_s: the bound on the wait (seconds) on a machine that gives the server its share
+            of CPU; a starved start gets longer (:class:`StartClock`).
         log_tail: gives the end of the server's log, for the error messages.
         error: the exception class raised (the caller's own ``ServerStartError``).
 
     Raises:
-        error: as soon as the process exits, or when ``timeout_s`` passed.
+        error: as soon as the process exits, or when :class:`StartClock` says the start failed.
     """
     import httpx
 
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
+    clock = StartClock(proc.pid, timeout_s)
     while True:
         rc = proc.poll()
         if rc is not None:
@@ -118,8 +200,9 @@ def wait_healthy(proc: subprocess.Popen, url: str | Callable[[], str | None], ti
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
-        if time.monotonic() > deadline:
-            raise error(f"{what} was not healthy within {timeout_s:.0f} s; its log ends with:\n{log_tail()}")
+        why = clock.expired()
+        if why is not None:
+            raise error(f"{what} was not healthy {why}; its log ends with:\n{log_tail()}")
         time.sleep(poll_s)
 
 
