@@ -19,10 +19,15 @@
 NAME=s17_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s)"
 # 1) GPU tests (skipped without CUDA: the dry run checks they collect); at most 30 s
+# (under BUDGET 100 the benchmark pair takes it all: the interpreter tests cover the kernels, tests/test_mixed_steps_triton.py)
 TESTS=(tests/gpu/test_mixed_steps_gpu.py); [ "$BUDGET" -ge 300 ] && TESTS+=(tests/gpu/test_overlap_gpu.py)
-bounded $(slot 30 55) $PY -m pytest -q -x -rA -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_gpu.log" 2>&1
-say "gpu tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest_gpu.log")"
-gpu_cleanup
+if [ "$BUDGET" -ge 100 ]; then
+  bounded $(slot 30 55) $PY -m pytest -q -x -rA -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_gpu.log" 2>&1
+  say "gpu tests rc=$?: $(tail -n 1 "$OUT_DIR/pytest_gpu.log")"
+  gpu_cleanup
+else
+  say "gpu tests skipped: BUDGET $BUDGET < 100"
+fi
 # 2) rlserve mixed vs split at c256
 if [ "$DRY_RUN" = 1 ]; then
   # a tiny model, 24 prompts 300 -> 16, a 256-token step budget with 128 while streams decode: prompts arrive
