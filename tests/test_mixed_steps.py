@@ -212,3 +212,18 @@ def test_attention_runs_a_mixed_steps_decode_rows_apart():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     for ql in ([5, 1], [1, 1]):  # no leading decode row; a pure decode step
         assert AttentionMetadata.build(ql, [6, 6], [[0, 1], [2, 3]], 4).decode_split() is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])  # True: the constrained row makes the step wait for the read
+def test_structured_output_row_in_mixed_steps(path, overlap):
+    from rlserve.engine.sampling_params import StructuredOutputsParams
+
+    forced = SamplingParams(temperature=0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex="hello world, hello there"))
+    prompts = [_prompts(8, [6])[0]] + _prompts(9, [40, 33])
+    params = [forced, _greedy(), _greedy()]
+    want, _ = _staggered(_llm(path, False), prompts, params)
+    got, n_mixed = _staggered(_llm(path, True, extra={"async_scheduling": overlap}), prompts, params)
+    assert n_mixed > 0
+    assert got[0].outputs[0].text == want[0].outputs[0].text == "hello world, hello there"
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
