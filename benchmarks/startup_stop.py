@@ -129,12 +129,14 @@ def one(checkout: str, model: str, args) -> dict:
         t_ready = time.time()
         url = m.group(1)
         pids = httpx.get(url + "/server_info", timeout=30).json().get("engine_core_pids") or []
-        tokens = None
+        tokens, first_s = None, None
         if args.greedy_tokens:  # a fixed prompt's greedy ids: equal across start-ups of the same weights
+            t_first = time.monotonic()  # the first request's seconds: a kernel compiled in it would show
             r = httpx.post(url + "/v1/completions", timeout=300, json={
                 "prompt": [5 + 7 * i % 300 for i in range(32)], "max_tokens": args.greedy_tokens,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}).json()
             tokens = r["choices"][0].get("token_ids")
+            first_s = time.monotonic() - t_first
         started = threading.Semaphore(0)
 
         def stream():
@@ -184,7 +186,7 @@ def one(checkout: str, model: str, args) -> dict:
     phases["exit"] = t_end - prev
     phases["core killed"] = "did not exit" in text  # (debug line of core_client.CoreProcReplica.join)
     return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode, "phases": phases,
-            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens,
+            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens, "first_request_s": first_s,
             "start_log": start_log}
 
 
@@ -251,7 +253,8 @@ def main() -> int:
                 print(f"  {'' if t is None else f'+{t:6.2f}s'} {line}")
             print(f"{c}: ready {r['ready_s']:.1f}s (load {r['load_s']:.1f}s), stop {r['stop_s']:.3f}s [{ph}], "
                   f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}"
-                  + (f", tokens {r['tokens']}" if r["tokens"] is not None else ""), flush=True)
+                  + (f", first request {r['first_request_s']:.3f}s, tokens {r['tokens']}" if r["tokens"] is not None
+                     else ""), flush=True)
     for c, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("ready_s", "load_s", "stop_s")}
         print(f"median {c}: ready {med['ready_s']:.1f}s, loading->engine ready {med['load_s']:.1f}s, "

@@ -373,7 +373,7 @@ def run(args) -> int:
     if prestart:  # the engine-core processes import the engine while this one imports and checks its part
         from rlserve.engine.front.core_client import discard_prestarted, prestart_cores
 
-        prestart_cores(max(1, int(getattr(args, "data_parallel_size", 1) or 1)))
+        prestart_cores(max(1, int(getattr(args, "data_parallel_size", 1) or 1)), args.device)
     try:
         if args.weight_transfer_config is not None:
             from rlserve.config import resolve_device
@@ -399,6 +399,10 @@ def run(args) -> int:
     from rlserve.server.app import build_app
     from rlserve.server.state import ServerSettings, is_loopback
 
+    from rlserve.startup_log import Phases, log_phase, process_age
+
+    log_phase(logger, "API process: imports, flags and checks", process_age())
+    phases = Phases(logger)
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
                 config.data_parallel_size, config.dtype, config.device)
     try:
@@ -438,10 +442,12 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
+    phases.mark("engine start -> ready (API process waiting)")
     rc, resignal, app = 1, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(aengine, settings)
+        phases.mark("API app build")
         rc = asyncio.run(_serve(app, args, sock))
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
         rc = 130
@@ -551,9 +557,11 @@ async def _serve(app, args, sock) -> int:
         print(f"rlserve: serving {st.settings.model!r} as {st.model_name!r} on {url} "
               f"(OpenAI API at {url}/v1, weight version {st.aengine.weight_version})", flush=True)
         logger.info("ready: %s", url)
+        log_phase(logger, "rlserve serve: process start -> ready", process_age())
 
     task = asyncio.create_task(announce())
     from rlserve.gc_heap import freeze_startup_heap
+    from rlserve.startup_log import log_phase, process_age
 
     freeze_startup_heap("API server")  # full collections skip the start-up heap from here on
     await server.serve(sockets=[sock])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import logging
 import os
 import signal
@@ -258,7 +259,10 @@ class CoreServer:
             core.shutdown()
 
 
-def main(argv=None) -> int:
+def main(argv=None, prestarted: tuple[float, float] | None = None) -> int:
+    """The engine-core process (see the module docstring). ``prestarted``: ``(seconds of imports,
+    seconds then waited for the arguments)`` of a :func:`prestarted_main` start (logged)."""
+    t_main = time.perf_counter()
     ap = argparse.ArgumentParser(description="rlserve engine-core process (started by the API server)")
     ap.add_argument("--input", required=True, help="ZMQ address of the API's input socket")
     ap.add_argument("--output", required=True, help="ZMQ address of the API's output socket")
@@ -273,6 +277,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s [engine-core {args.dp_index}] %(name)s: %(message)s",
                         stream=sys.stderr)
+    from rlserve.startup_log import log_phase
+
+    if prestarted is not None:
+        log_phase(logger, "engine-core imports (prestarted)", prestarted[0],
+                  f"then {prestarted[1]:.2f} s waiting for the API process's arguments")
 
     import zmq
 
@@ -325,8 +334,11 @@ def main(argv=None) -> int:
         return 1
     from rlserve.gc_heap import freeze_startup_heap
 
-    freeze_startup_heap(f"engine-core process {args.dp_index}")  # the model's objects: never collected
     out.send(enc.encode(proto.CoreReady(info)))
+    log_phase(logger, "engine-core process: arguments -> ready", time.perf_counter() - t_main)
+    # after CoreReady: this collection (~0.3 s) overlaps the API process's own app build and heap
+    # freeze, which come before its first request; a message meanwhile waits in the socket
+    freeze_startup_heap(f"engine-core process {args.dp_index}")  # the model's objects: never collected
     server = CoreServer(core, inp, out, args.parent_pid)
     try:
         server.run()
@@ -346,19 +358,58 @@ def prestarted_main() -> int:
     before them: exit 0 (the server did not start)."""
     import json
 
-    import torch  # noqa: F401 -- the point: these imports overlap the API process's own
-    import zmq  # noqa: F401
-
-    from rlserve.engine.core import engine_core, llm_engine  # noqa: F401
-
+    t0 = time.perf_counter()
+    warm_up_imports(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    t1 = time.perf_counter()
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    return main(json.loads(line))
+    return main(json.loads(line), prestarted=(t1 - t0, time.perf_counter() - t1))
+
+
+#: Hugging Face config modules a prestarted core imports: ``AutoConfig`` imports the model's on its first
+#: call, and transformers 5's pull in its weight-conversion code and ``torch.distributed.tensor`` (shared by
+#: every architecture: 3.0 s of a 3.5 s ``AutoConfig.from_pretrained`` on the 2-core CPU machine,
+#: 2026-12-06, after ``import transformers``); the architecture's own module is small
+_CONFIG_MODULES = ("transformers.models.qwen3.configuration_qwen3", "transformers.models.llama.configuration_llama")
+
+
+def warm_up_imports(device: str) -> None:
+    """What a prestarted core does before its arguments come (none of it depends on them): import the
+    engine (torch, transformers, the worker, model runner, loader, layers) and, where ``device`` (the
+    server's ``--device``) may be a GPU: load the CUDA driver (no context: the device is not chosen yet;
+    ``torch.cuda.init`` makes none) and Triton's one-time hash of its own sources (``triton_key``, the
+    first part of every kernel's cache key: 0.35 s on the H100 machine in session 14's profile, 1.5 s on
+    the 2-core CPU machine). A failure here is left for the real start to meet and report."""
+    import torch
+    import zmq  # noqa: F401
+
+    from rlserve.engine.core import engine_core, llm_engine  # noqa: F401
+    from rlserve.engine.worker import worker  # noqa: F401
+    from rlserve.models import registry  # noqa: F401
+
+    for name in _CONFIG_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - another transformers version: AutoConfig imports what it needs
+            pass
+    if device.startswith("cpu"):
+        return
+    try:
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.init()
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:  # Triton before 3.5 kept it in the compiler
+            from triton.compiler.compiler import triton_key
+        triton_key()
+    except Exception:  # noqa: BLE001 - e.g. no Triton, or an older one without triton_key
+        logger.debug("prestarted engine core: CUDA / Triton warm-up skipped", exc_info=True)
 
 
 if __name__ == "__main__":
-    rc = prestarted_main() if sys.argv[1:] == ["--prestarted"] else main()
+    rc = prestarted_main() if sys.argv[1:2] == ["--prestarted"] else main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # no interpreter teardown: the engine is shut down, its memory goes with the process

@@ -28,6 +28,7 @@ from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.engine.core.structured import PendingGrammars
 from rlserve.engine.worker import triton_precompile
 from rlserve.errors import InvalidRequestError
+from rlserve.startup_log import Phases, log_phase
 from rlserve.lora.engine_ops import check_request_adapter
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class LLMEngine(EngineStep):
     """
 
     def __init__(self, config: EngineConfig, executor=None, dp_index: int = 0):
+        phases = Phases(logger)
+        t_init = phases.t
         self.config = config
         if executor is None:
             if config.tensor_parallel_size > 1:
@@ -90,7 +93,9 @@ class LLMEngine(EngineStep):
                 executor = Worker(config, dp_index=dp_index)
         self.executor = executor
         self.hf_config = executor.hf_config
+        phases.mark("engine executor (model loaded)")
         self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        phases.mark("engine tokenizer")
         self.vocab_size = int(self.hf_config.vocab_size)
         max_pos = getattr(self.hf_config, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN)
         if config.max_model_len is None:
@@ -123,6 +128,7 @@ class LLMEngine(EngineStep):
         num_blocks = executor.determine_num_blocks()
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+        phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up
         compiling = (None if sampler_warm_up is None or not envs.RLSERVE_TRITON_PRECOMPILE else
@@ -133,10 +139,13 @@ class LLMEngine(EngineStep):
             if compiling is not None:
                 compiling.kill()
             raise
+        phases.mark("KV cache allocation + model warm-up")
         if compiling is not None:
             compiling.wait()
+            phases.mark("waiting for the sampler's kernel compilation")
         if sampler_warm_up is not None:
             sampler_warm_up()  # compile now, not in the first step
+            phases.mark("sampler warm-up")
         if capture is not None:
             from rlserve.engine.routed_experts import RoutedExpertsRecorder
 
@@ -177,6 +186,7 @@ class LLMEngine(EngineStep):
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
         )
+        log_phase(logger, "engine init (model, tokenizer, KV cache, warm-up)", time.perf_counter() - t_init)
 
     def _sampler_warm_up(self, executor):
         """On CUDA, the one-pass sampler's warm-up (``fused_sampling.warm_up`` over logits in float32 and

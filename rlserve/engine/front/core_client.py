@@ -99,20 +99,22 @@ _SPAWNER = _Spawner()
 _PRESTARTED: dict[int, subprocess.Popen] = {}
 
 
-def prestart_cores(count: int) -> None:
+def prestart_cores(count: int, device: str = "auto") -> None:
     """Start ``count`` engine-core processes now (replicas ``0..count-1``), before this process knows their
     arguments: each imports the engine (torch, transformers, the model code: seconds) while this process
     still imports and checks its own, then waits for its arguments on stdin, which
     :meth:`CoreProcReplica.start` writes (``rlserve serve`` calls this first; a replica that finds none starts
     its process then, as before). Unused ones are killed at exit (:func:`discard_prestarted`) and exit by
-    themselves at their stdin's end."""
+    themselves at their stdin's end. ``device``: the server's ``--device`` (``cpu``: the cores skip the CUDA
+    and Triton part of :func:`rlserve.engine.core.core_proc.warm_up_imports`)."""
     import atexit
 
     for i in range(count):
         if i in _PRESTARTED:
             continue
         try:
-            _PRESTARTED[i] = _SPAWNER.popen([sys.executable, "-m", "rlserve.engine.core.core_proc", "--prestarted"],
+            _PRESTARTED[i] = _SPAWNER.popen([sys.executable, "-m", "rlserve.engine.core.core_proc", "--prestarted",
+                                             device],
                                             start_new_session=True, stdin=subprocess.PIPE)
         except OSError:
             logger.debug("could not prestart engine-core process %d", i, exc_info=True)

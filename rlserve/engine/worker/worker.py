@@ -49,7 +49,9 @@ class Worker:
         self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1, dp_index: int = 0, device=None, tp_group=None
     ):
         from rlserve.loader import load_model
+        from rlserve.startup_log import Phases
 
+        phases = Phases(logger)
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -61,6 +63,8 @@ class Worker:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            torch.cuda.synchronize(self.device)  # the CUDA context exists from here: its own line below
+            phases.mark(f"CUDA init ({self.device})")
         if self.device.type == "cpu":
             from rlserve.engine.cpu.cpu_malloc import tune_malloc
             from rlserve.engine.cpu.cpu_threads import configure_engine_threads
@@ -71,11 +75,15 @@ class Worker:
             cpu_team = cpu_gemm.current()  # this engine's (the runner makes it current for every step)
             tune_malloc()  # keep freed step tensors instead of faulting them in again
         self.hf_config = AutoConfig.from_pretrained(config.model)
+        phases.mark("model config (AutoConfig)")
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.extension_state: dict = {}
         torch.manual_seed(config.seed)
         with self.tp():
             self.model = load_model(config, self.hf_config, self.device, self.dtype)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the dummy weights' kernels included
+            phases.mark("model build + weights", f"load format {config.load_format}, {self.dtype}")
             if getattr(config, "enable_lora", False):
                 from rlserve.lora.model import LoRAModel
 
