@@ -48,3 +48,46 @@ def want_async_scheduling(config: EngineConfig, executor) -> bool:
     if envs.RLSERVE_ASYNC_SCHEDULING is not None:
         return envs.RLSERVE_ASYNC_SCHEDULING
     return torch.device(executor.device).type == "cuda"
+
+
+def start_sampler_precompile(config: EngineConfig):
+    """A cold start's compilation of the one-pass sampler's Triton kernels
+    (:func:`rlserve.engine.core.fused_sampling.warm_up`), started in child processes
+    (:func:`rlserve.engine.worker.triton_precompile.precompile`, ``wait=False``) *before* the model is
+    built, so that it runs beside the weights' load, the KV cache sizing and the model's own warm-up
+    instead of from the KV cache sizing on: its 4 kernels took 6.3 s on an empty Triton cache (H100,
+    session 16), longer than the model's warm-up beside them. Needs only the model's Hugging Face config
+    (vocabulary size, dtype) and the device: one GPU (TP = 1), ``RLSERVE_TRITON_PRECOMPILE`` on.
+
+    Returns:
+        the running ``Compiling`` (``kill()`` it if the start fails), or None: not that case, nothing
+        to compile, or anything failed here (logged at debug level: the engine then compiles them
+        after the KV cache sizing, as before, and reports the real error itself).
+    """
+    if config.tensor_parallel_size != 1 or not envs.RLSERVE_TRITON_PRECOMPILE:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        from rlserve.config import resolve_device, resolve_dtype
+
+        device = resolve_device(config.device)
+        if device.type != "cuda":
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # (the worker sets the same device next)
+        hf_config = AutoConfig.from_pretrained(config.model)
+        dtype = resolve_dtype(config.dtype, device, hf_config)
+        from rlserve.engine.core import fused_sampling
+        from rlserve.engine.worker import triton_precompile
+
+        dtypes = (torch.float32,) + ((dtype,) if dtype.is_floating_point else ())
+        vocab = int(hf_config.vocab_size)
+        return triton_precompile.precompile(lambda: fused_sampling.warm_up(device, vocab, dtypes), device,
+                                            max_workers=4, wait=False)
+    except Exception:  # noqa: BLE001 -- see Returns
+        import logging
+
+        logging.getLogger(__name__).debug("early sampler precompile not started", exc_info=True)
+        return None

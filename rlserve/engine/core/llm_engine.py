@@ -18,7 +18,7 @@ from rlserve import envs
 from rlserve.config import EngineConfig
 from rlserve.engine.core.block_manager import BlockManager
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.core.engine_setup import eos_token_ids, want_async_scheduling
+from rlserve.engine.core.engine_setup import eos_token_ids, start_sampler_precompile, want_async_scheduling
 from rlserve.engine.core.engine_step import EngineStep
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.core.sampler import Sampler
@@ -82,6 +82,68 @@ class LLMEngine(EngineStep):
         phases = Phases(logger)
         t_init = phases.t
         self.config = config
+        # a cold start: the sampler's kernels compile in other processes from here on (one GPU)
+        compiling = [start_sampler_precompile(config) if executor is None else None]
+        try:
+            num_blocks, capture, sampler_warm_up = self._load(config, executor, dp_index, phases, compiling)
+        except BaseException:  # a failed start: the compiling children end with it, not after it
+            if compiling[0] is not None:
+                compiling[0].kill()
+            raise
+        compiling, executor = compiling[0], self.executor
+        phases.mark("KV cache allocation + model warm-up")
+        if compiling is not None:
+            compiling.wait()
+            phases.mark("waiting for the sampler's kernel compilation")
+        if sampler_warm_up is not None:
+            sampler_warm_up()  # compile now, not in the first step
+            phases.mark("sampler warm-up")
+        if capture is not None:
+            from rlserve.engine.routed_experts import RoutedExpertsRecorder
+
+            self.routed_experts = RoutedExpertsRecorder(capture, num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_consecutive_prefill_steps,
+                                   config.max_prefill_tokens_while_decoding, config.enable_chunked_prefill,
+                                   config.long_prefill_token_threshold, config.mixed_prefill_decode)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
+                               logprobs_mode=config.logprobs_mode)
+        self._overlap = None  # overlapped decode (rlserve.engine.core.overlap)
+        if want_async_scheduling(config, executor):
+            from rlserve.engine.core.overlap import OverlapScheduler
+
+            self._overlap = OverlapScheduler(self)
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammars = PendingGrammars()  # requests whose constraint compiles beside the steps
+        # False: no text here (the engine-core process: the API process detokenizes, matches stop
+        # strings and calls finish_sequences); each sequence then keeps its sampled tokens'
+        # logprobs (Sequence.sampled_logprobs). Set before the first request.
+        self.detokenize = True
+        self.requests: dict[str, Request] = {}
+        self.sleep_mode = None  # rlserve.engine.core.sleep_mode.EngineSleep with enable_sleep_mode
+        if config.enable_sleep_mode:
+            from rlserve.engine.core.sleep_mode import EngineSleep
+
+            self.sleep_mode = EngineSleep(self)
+        self.stats_counters = {
+            "prefill_tokens_computed": 0,
+            "decode_tokens": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+        }
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
+        )
+        log_phase(logger, "engine init (model, tokenizer, KV cache, warm-up)", time.perf_counter() - t_init)
+
+    def _load(self, config: EngineConfig, executor, dp_index: int, phases, compiling: list):
+        """:meth:`__init__`'s part that can fail: the executor (model), tokenizer, limits, KV cache and
+        warm-up. ``compiling``: ``[the sampler's Compiling or None]``, set here when it starts here (TP).
+        Returns ``(num_blocks, routed-experts capture or None, the sampler's warm-up or None)``."""
         if executor is None:
             if config.tensor_parallel_size > 1:
                 from rlserve.engine.worker.tp_executor import TPExecutor
@@ -131,62 +193,11 @@ class LLMEngine(EngineStep):
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up
-        compiling = (None if sampler_warm_up is None or not envs.RLSERVE_TRITON_PRECOMPILE else
-                     triton_precompile.precompile(sampler_warm_up, executor.device, max_workers=4, wait=False))
-        try:
-            executor.init_kv_cache(num_blocks)
-        except BaseException:  # a failed start: the compiling children end with it, not after it
-            if compiling is not None:
-                compiling.kill()
-            raise
-        phases.mark("KV cache allocation + model warm-up")
-        if compiling is not None:
-            compiling.wait()
-            phases.mark("waiting for the sampler's kernel compilation")
-        if sampler_warm_up is not None:
-            sampler_warm_up()  # compile now, not in the first step
-            phases.mark("sampler warm-up")
-        if capture is not None:
-            from rlserve.engine.routed_experts import RoutedExpertsRecorder
-
-            self.routed_experts = RoutedExpertsRecorder(capture, num_blocks, config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_consecutive_prefill_steps,
-                                   config.max_prefill_tokens_while_decoding, config.enable_chunked_prefill,
-                                   config.long_prefill_token_threshold, config.mixed_prefill_decode)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
-        self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
-                               logprobs_mode=config.logprobs_mode)
-        self._overlap = None  # overlapped decode (rlserve.engine.core.overlap)
-        if want_async_scheduling(config, executor):
-            from rlserve.engine.core.overlap import OverlapScheduler
-
-            self._overlap = OverlapScheduler(self)
-        self._grammar_compiler = None  # built on the first structured-output request
-        self._grammars = PendingGrammars()  # requests whose constraint compiles beside the steps
-        # False: no text here (the engine-core process: the API process detokenizes, matches stop
-        # strings and calls finish_sequences); each sequence then keeps its sampled tokens'
-        # logprobs (Sequence.sampled_logprobs). Set before the first request.
-        self.detokenize = True
-        self.requests: dict[str, Request] = {}
-        self.sleep_mode = None  # rlserve.engine.core.sleep_mode.EngineSleep with enable_sleep_mode
-        if config.enable_sleep_mode:
-            from rlserve.engine.core.sleep_mode import EngineSleep
-
-            self.sleep_mode = EngineSleep(self)
-        self.stats_counters = {
-            "prefill_tokens_computed": 0,
-            "decode_tokens": 0,
-            "prompt_tokens": 0,
-            "generation_tokens": 0,
-            "steps": 0,
-        }
-        logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-            config.model, executor.device, executor.dtype, num_blocks, config.block_size, self.max_model_len,
-        )
-        log_phase(logger, "engine init (model, tokenizer, KV cache, warm-up)", time.perf_counter() - t_init)
+        # (started above already for one GPU; TP: from here)
+        if compiling[0] is None and sampler_warm_up is not None and envs.RLSERVE_TRITON_PRECOMPILE:
+            compiling[0] = triton_precompile.precompile(sampler_warm_up, executor.device, max_workers=4, wait=False)
+        executor.init_kv_cache(num_blocks)
+        return num_blocks, capture, sampler_warm_up
 
     def _sampler_warm_up(self, executor):
         """On CUDA, the one-pass sampler's warm-up (``fused_sampling.warm_up`` over logits in float32 and
