@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlserve.errors import InvalidRequestError
-from rlserve.layers.kv_quant import KV_CACHE_DTYPES
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype name -> torch's attribute. No torch import here: `rlserve serve`'s API process builds its
+# EngineConfig and hands it to the engine-core process before it imports torch (start-up, issue 37)
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -27,6 +30,8 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` → ``cuda`` when available, else ``cpu``; anything else is passed to torch."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -41,6 +46,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config=None
     Raises:
         InvalidRequestError: for an unknown name.
     """
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -48,13 +55,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config=None
             return torch.float32
         ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
         if isinstance(ckpt, str):
-            ckpt = _DTYPES.get(ckpt)
+            ckpt = getattr(torch, _DTYPES[ckpt]) if ckpt in _DTYPES else None
         if ckpt in (torch.bfloat16, torch.float16):
             return ckpt
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 @dataclass
@@ -209,7 +216,9 @@ class EngineConfig:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise InvalidRequestError("parallel sizes must be >= 1")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype != "auto":  # (kv_quant imports torch: only for the other values)
+            from rlserve.layers.kv_quant import KV_CACHE_DTYPES
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (vLLM's "
                                       f"values), got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):

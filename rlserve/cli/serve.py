@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import importlib
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import threading
 
 from rlserve import envs
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
-from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_defaults,
-                                     json_object, load_chat_template)
+from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
+                                     generation_defaults, json_object, load_chat_template)
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -302,7 +305,7 @@ def _check_cpu_environment(config) -> None:
     """
     from rlserve.config import resolve_device
 
-    if resolve_device(config.device).type != "cpu":
+    if config.device.startswith("cuda") or resolve_device(config.device).type != "cpu":  # (cuda: no torch import)
         return
     from rlserve.engine.cpu import cpu_microbatch, cpu_threads
 
@@ -310,14 +313,51 @@ def _check_cpu_environment(config) -> None:
     cpu_microbatch.check_environment(config)
 
 
+def _beside(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread started now: start-up work that runs beside the engine's start;
+    the future's ``result()`` gives its value or raises its exception."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="rlserve-start-beside", daemon=True).start()
+    return fut
+
+
+def _driver_device_count() -> int | None:
+    """CUDA devices the driver sees (``cuInit`` + ``cuDeviceGetCount`` of ``libcuda.so.1`` through ctypes,
+    ``CUDA_VISIBLE_DEVICES`` honoured), without importing torch (1.5-2.5 s that delayed the engine-core
+    process's arguments); None without the library or when a call fails."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
+            return None
+        return n.value
+    except (OSError, AttributeError):
+        return None
+
+
 def _check_device(config) -> None:
     """A CUDA device asked for (``--device cuda[:N]``) must exist, found here rather than by the
-    engine after the model loaded. Raises ValueError."""
+    engine after the model loaded. Raises ValueError. (``auto`` takes what there is: nothing to check.)
+    Where the driver already sees the device (:func:`_driver_device_count`), torch is not imported here (a
+    CPU-only torch on a GPU machine then fails in the engine's start: exit 1, not 2)."""
+    m = re.fullmatch(r"cuda(?::(\d+))?", config.device)
+    if m is None:
+        return
+    n = _driver_device_count()
+    if n is not None and n > int(m.group(1) or 0):
+        return
     from rlserve.config import resolve_device
 
     device = resolve_device(config.device)
-    if device.type != "cuda":
-        return
     import torch
 
     if not torch.cuda.is_available():
@@ -383,7 +423,7 @@ def run(args) -> int:
                                   device=resolve_device(args.device).type)
         model_path = _resolve_model(model_arg)
         chat_template = load_chat_template(args.chat_template)
-        sampling_defaults = generation_defaults(args.generation_config, model_path)
+        generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
@@ -396,12 +436,13 @@ def run(args) -> int:
         return 2
 
     from rlserve.engine.front.async_engine import AsyncEngine
-    from rlserve.server.app import build_app
-    from rlserve.server.state import ServerSettings, is_loopback
-
     from rlserve.startup_log import Phases, log_phase, process_age
 
-    log_phase(logger, "API process: imports, flags and checks", process_age())
+    # the engine-core processes get their arguments first (AsyncEngine below); this process's heavier
+    # part (torch, FastAPI, the routes; transformers for generation_config.json) loads beside their start
+    app_module = _beside(importlib.import_module, "rlserve.server.app")
+    sampling = _beside(generation_defaults, args.generation_config, model_path)
+    log_phase(logger, "API process: flags and checks", process_age())
     phases = Phases(logger)
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
                 config.data_parallel_size, config.dtype, config.device)
@@ -418,6 +459,19 @@ def run(args) -> int:
             discard_prestarted()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1
+    phases.mark("engine start -> ready (API process waiting)")
+    try:
+        build_app = app_module.result().build_app
+        sampling_defaults = sampling.result()
+    except BaseException as e:  # noqa: BLE001 -- the same ends as before the engine started
+        sock.close()
+        aengine.shutdown(timeout_s=5.0)
+        if isinstance(e, (RLServeError, ValueError, OSError)):
+            print(f"rlserve serve: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    from rlserve.server.state import ServerSettings, is_loopback
+
     settings = ServerSettings(
         model=model_arg, served_model_names=args.served_model_name or [model_arg], host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, weight_transfer_config=args.weight_transfer_config,
@@ -442,7 +496,6 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
-    phases.mark("engine start -> ready (API process waiting)")
     rc, resignal, app = 1, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:

@@ -239,6 +239,22 @@ GENERATION_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalt
                      "min_p", "max_new_tokens")
 
 
+def generation_config_dir(source: str, model_path: str) -> str | None:
+    """Where ``--generation-config source`` reads ``generation_config.json``: None for ``vllm``, the model
+    directory for ``auto``, else ``source`` (checked here, without transformers: ``rlserve serve`` reads
+    the file itself beside the engine's start).
+
+    Raises:
+        ValueError: ``source`` is a directory path that does not exist.
+    """
+    if source == "vllm":
+        return None
+    if source != "auto" and not os.path.isdir(source):
+        raise ValueError(f"--generation-config {source!r}: expected auto, vllm or a directory holding "
+                         "generation_config.json")
+    return model_path if source == "auto" else source
+
+
 def generation_defaults(source: str, model_path: str) -> dict:
     """The default sampling parameters of ``--generation-config source`` as vLLM 0.32 computes
     them (``ModelConfig.get_diff_sampling_param``): ``vllm``: none; ``auto``: the model
@@ -250,12 +266,9 @@ def generation_defaults(source: str, model_path: str) -> dict:
     Raises:
         ValueError: ``source`` is a directory path that does not exist.
     """
-    if source == "vllm":
+    where = generation_config_dir(source, model_path)
+    if where is None:
         return {}
-    where = model_path if source == "auto" else source
-    if source != "auto" and not os.path.isdir(source):
-        raise ValueError(f"--generation-config {source!r}: expected auto, vllm or a directory holding "
-                         "generation_config.json")
     from transformers import GenerationConfig
 
     try:
