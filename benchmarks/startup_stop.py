@@ -251,7 +251,7 @@ def main() -> int:
             ph = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["phases"].items())
             for t, line in r["start_log"]:
                 print(f"  {'' if t is None else f'+{t:6.2f}s'} {line}")
-            print(f"{c}: ready {r['ready_s']:.1f}s (load {r['load_s']:.1f}s), stop {r['stop_s']:.3f}s [{ph}], "
+            print(f"{c}: ready {r['ready_s']:.2f}s (load {r['load_s']:.2f}s), stop {r['stop_s']:.3f}s [{ph}], "
                   f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}"
                   + (f", first request {r['first_request_s']:.3f}s, tokens {r['tokens']}" if r["tokens"] is not None
                      else ""), flush=True)

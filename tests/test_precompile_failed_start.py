@@ -98,3 +98,53 @@ def test_kill_is_idempotent_and_wait_after_it_returns():
     assert child.poll() is not None and running.stats["failed"] == 2
     t0 = time.monotonic()
     assert running.wait(T)["compiled"] == 0 and time.monotonic() - t0 < T
+
+
+@pytest.mark.parametrize("failure", ["model build", "max_model_len"])
+def test_a_failed_start_reaps_the_early_sampler_precompile(tiny_model, monkeypatch, failure):
+    """On one GPU the sampler's precompile starts before the model is built
+    (``engine_setup.start_sampler_precompile``, stood in for here: a real child); a start that then
+    fails -- in the model's build, or at a check after it (``max_model_len`` beyond the model's) --
+    kills and reaps it, and the engine raises the start's own error."""
+    from rlserve.config import EngineConfig
+    from rlserve.engine.core import llm_engine
+    from rlserve.engine.worker.worker import Worker
+    from rlserve.errors import InvalidRequestError
+
+    children = []
+
+    def early(config):
+        children.append(_sleeper())
+        return tp.Compiling({"recorded": 1, "cached": 0, "compiled": 0, "failed": 0, "workers": 1, "seconds": 0.0},
+                            [(children[-1], [{}], tempfile.TemporaryFile())], time.perf_counter())
+
+    monkeypatch.setattr(llm_engine, "start_sampler_precompile", early)
+    if failure == "model build":
+        def no_model(self, *a, **k):
+            raise RuntimeError("forced: the model does not build")
+
+        monkeypatch.setattr(Worker, "__init__", no_model)
+    config = EngineConfig(model=tiny_model("llama"), device="cpu", dtype="float32", load_format="dummy",
+                          max_model_len=128 if failure == "model build" else 1 << 20, kv_cache_bytes=16 << 20)
+    with pytest.raises(RuntimeError if failure == "model build" else InvalidRequestError,
+                       match="forced" if failure == "model build" else "max_position_embeddings"):
+        llm_engine.LLMEngine(config)
+    (child,) = children
+    assert child.poll() is not None, "the early precompile child outlived the failed engine start"
+
+
+def test_early_sampler_precompile_only_for_one_gpu(monkeypatch):
+    """``start_sampler_precompile`` starts nothing (None, no Triton touched) on the CPU, under tensor
+    parallelism, or with ``RLSERVE_TRITON_PRECOMPILE=0``: there the engine starts it after the KV
+    cache sizing, as before."""
+    from rlserve.config import EngineConfig
+    from rlserve.engine.core.engine_setup import start_sampler_precompile
+
+    calls = []
+    monkeypatch.setattr(tp, "precompile", lambda *a, **k: calls.append(a))
+    monkeypatch.setenv("RLSERVE_TRITON_PRECOMPILE", "1")
+    assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cpu")) is None
+    assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cuda", tensor_parallel_size=2)) is None
+    monkeypatch.setenv("RLSERVE_TRITON_PRECOMPILE", "0")
+    assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cuda")) is None
+    assert calls == []

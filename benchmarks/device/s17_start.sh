@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Session 17, issue 37 (start17; budget $BUDGET, 120 s by default): `rlserve serve` of the dummy Qwen3-8B shape
-# (tiny tokenizer, --max-model-len 2056), process start -> ready (benchmarks/startup_stop.py --reps 1
-# --show-start-log --greedy-tokens 16), with the start-up phase log ("start-up: ... took X s" lines of the API
-# and engine-core processes, rlserve/startup_log.py). Target: <= 15 s (session 16: 19.94 s cold).
-#   C) cold Triton cache (a fresh TRITON_CACHE_DIR each, RLSERVE_TRITON_PRECOMPILE=1): baseline, then this tree
-#   W) warm: the same directories again (each tree its own cold run's), this tree, then the baseline
-#   then, while 30 s are left: W again (second warm pair)
+# (tiny tokenizer, --max-model-len 2056), process start -> ready (benchmarks/startup_stop.py --show-start-log
+# --greedy-tokens 16: also the first request's seconds), with the start-up phase log ("start-up: ... took X s"
+# lines of the API and engine-core processes, rlserve/startup_log.py). Target: <= 15 s (session 16: 19.94 s cold).
+#   C) cold Triton cache (a fresh TRITON_CACHE_DIR each, RLSERVE_TRITON_PRECOMPILE=1): the baseline, then this tree
+#   W) warm: this tree's cold-run cache (the kernels' sources are the same in both trees), interleaved in one
+#      startup_stop.py call: this tree, baseline, this tree, baseline (as many as the budget lets finish)
 # The baseline is this tree with session 17's start-up patch taken out again (s17_start_base.patch, applied in
 # reverse to a copy in /tmp; `git apply -R`, else `patch -R`); where that fails, this tree alone.
-# Every run's log: $OUT_DIR/serve_LABEL.{log,json}; summary.txt: ready, loading->engine ready, the phase lines.
+# Every run's log: $OUT_DIR/serve_{C_base,C_new,W}.log; summary.txt: ready, first request, the phase lines.
 # DRY_RUN=1: the tests' tiny Llama on the CPU (every step once).
 NAME=s17_start BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$DRY_RUN" = 1 ]; then
-  SHAPE=tiny-llama; DEV=cpu; SRV=(-- --max-model-len 256 --max-num-seqs 8); NEED=(60 30)
+  SHAPE=tiny-llama; DEV=cpu; SRV=(-- --max-model-len 256 --max-num-seqs 8); NEED=(60)
 else
-  SHAPE=qwen3-8b; DEV=cuda; SRV=(-- --max-model-len 2056); NEED=(45 30)
+  SHAPE=qwen3-8b; DEV=cuda; SRV=(-- --max-model-len 2056); NEED=(45)
 fi
 NEW=$PWD
 BASE=/tmp/s17_start_base
@@ -32,39 +32,25 @@ fi
 TC=/tmp/s17_start_triton
 rm -rf "$TC"; mkdir -p "$TC/new" "$TC/base"
 
-one() {  # LABEL TREE TRITON_DIR LIMIT
-  local label=$1 tree=$2 tdir=$3 limit=$4
-  if [ "$(left)" -lt "$limit" ]; then say "$label) skipped: $(left) s left"; return; fi
+serve() {  # LABEL TRITON_DIR LIMIT REPS TREE...
+  local label=$1 tdir=$2 limit=$3 reps=$4 tree co=(); shift 4
+  for tree in "$@"; do co+=(--checkout "$tree"); done
+  if [ "$(left)" -lt 20 ]; then say "$label) skipped: $(left) s left"; return; fi
   TRITON_CACHE_DIR=$tdir RLSERVE_TRITON_PRECOMPILE=1 bounded "$limit" $PY "$NEW/benchmarks/startup_stop.py" \
-    --reps 1 --device "$DEV" --shape "$SHAPE" --show-start-log --greedy-tokens 16 --checkout "$tree" \
+    --reps "$reps" --device "$DEV" --shape "$SHAPE" --show-start-log --greedy-tokens 16 "${co[@]}" \
     --json "$OUT_DIR/serve_$label.json" "${SRV[@]}" > "$OUT_DIR/serve_$label.log" 2>&1
-  local rc=$?
-  say "$label) rc=$rc $(grep -E ': ready [0-9.]+s' "$OUT_DIR/serve_$label.log" | cut -c1-160 | sed "s|$tree|tree|")"
-  grep -E 'start-up: ' "$OUT_DIR/serve_$label.log" | sed -E 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' \
-    | tee -a "$OUT_DIR/summary.txt"
+  say "$label) rc=$? ($limit s limit)"
+  # one line per run: which tree, ready, first request; then that run's phase lines
+  sed -E -e "s|^$NEW: |new: |" -e "s|^${BASE:-/nonexistent}: |base: |" "$OUT_DIR/serve_$label.log" \
+    | grep -E '^(new|base): ready|start-up: ' \
+    | sed -E -e 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' -e 's/, stop .*first request/, first request/' \
+    | cut -c1-200 | tee -a "$OUT_DIR/summary.txt"
   gpu_cleanup
 }
 
-[ -n "$BASE" ] && one C_base "$BASE" "$TC/base" "${NEED[0]}"
-one C_new "$NEW" "$TC/new" "${NEED[0]}"
-one W_new "$NEW" "$TC/new" "${NEED[1]}"
-[ -n "$BASE" ] && one W_base "$BASE" "$TC/base" "${NEED[1]}"
-one W2_new "$NEW" "$TC/new" "${NEED[1]}"
-[ -n "$BASE" ] && one W2_base "$BASE" "$TC/base" "${NEED[1]}"
-
-$PY - "$OUT_DIR" <<'PYEOF' | tee -a "$OUT_DIR/summary.txt"
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "serve_*.json"))):
-    try:
-        d = json.load(open(f))
-        (tree, runs), = d["runs"].items()
-        r = runs[0]
-    except Exception as e:  # noqa: BLE001 -- cut or failed: its log says why
-        print(f"{os.path.basename(f)}: none ({type(e).__name__})")
-        continue
-    print(f"{os.path.basename(f)[6:-5]:8s} ready {r['ready_s']:6.2f} s, loading->engine ready {r['load_s']:6.2f} s, "
-          f"first request (16 tokens) {r.get('first_request_s') or float('nan'):.3f} s, tokens {r['tokens']}")
-PYEOF
+if [ -n "$BASE" ]; then serve C_base "$TC/base" "${NEED[0]}" 1 "$BASE"; fi
+serve C_new "$TC/new" "${NEED[0]}" 1 "$NEW"
+if [ -n "$BASE" ]; then serve W "$TC/new" $(( $(left) - 8 )) 2 "$NEW" "$BASE"; else serve W "$TC/new" $(( $(left) - 8 )) 2 "$NEW"; fi
 keep_logs
 rm -rf "$TC" /tmp/s17_start_base
 say done

@@ -1,0 +1,93 @@
+"""Start-up order of ``rlserve serve`` (issue 37: Qwen3-8B start-up to ready): the engine-core process gets its
+arguments before the API process imports torch (its ~2 s import on the GPU machine used to delay the core's
+whole start), and the phase lines of :mod:`rlserve.startup_log`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from rlserve.startup_log import Phases, process_age
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = 120  # bound on every subprocess (seconds): only catches a hang
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
+                          text=True, timeout=T, cwd=REPO)
+
+
+def test_process_age_counts_from_the_process_start():
+    """A process that slept 0.5 s before asking is at least 0.5 s old, and no older than the time since its
+    parent started it (+ 0.02 s: the kernel's start time is in 10 ms ticks, CLOCK_BOOTTIME's reading too)."""
+    t0 = time.monotonic()
+    out = _run("import time; time.sleep(0.5); from rlserve.startup_log import process_age; print(process_age())")
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    age = float(out.stdout)
+    assert 0.5 <= age <= elapsed + 0.02, (age, elapsed)
+    assert 0 < process_age()  # this process (pytest) as well
+
+
+def test_phases_log_one_line_per_mark(caplog):
+    log = logging.getLogger("rlserve.test_startup_order")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        phases = Phases(log)
+        time.sleep(0.05)
+        first = phases.mark("first", "detail")
+        second = phases.mark("second")
+    assert first >= 0.05 and 0 <= second < first
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith(f"start-up: first took {first:.2f} s (detail; process age ")
+    assert lines[1].startswith(f"start-up: second took {second:.2f} s (process age ")
+
+
+def test_engine_config_does_not_import_torch():
+    """What the API process builds before it hands the engine-core process its arguments: the config (also
+    JSON-encoded as sent), without torch (fails on the code before: ``rlserve.config`` imported torch)."""
+    out = _run("""
+        import sys
+        import msgspec
+        from rlserve.config import EngineConfig
+        c = EngineConfig(model="m", device="cuda", dtype="bfloat16", max_model_len=2056)
+        wire = msgspec.json.encode(c)
+        print("torch" in sys.modules, msgspec.json.decode(wire, type=EngineConfig) == c)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"], out.stdout
+
+
+def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path):
+    """``rlserve serve --device cuda`` (the driver's device count stood in for: this machine may have no GPU):
+    when the prestarted engine-core process is handed its arguments, the API process's main thread has not
+    imported torch (it loads beside the engine's start). Fails on the code before (torch was imported by
+    the config, the device check and the app's import first). The check stops the process there."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    out = _run("""
+        import os, sys
+        import rlserve.cli.serve as serve
+        from rlserve.engine.front import core_client
+
+        serve._driver_device_count = lambda: 1
+
+        def take(index, cmd):
+            print("torch imported:", "torch" in sys.modules, "config sent:", "--config" in cmd, flush=True)
+            core_client.discard_prestarted()
+            os._exit(0)
+
+        core_client._take_prestarted = take
+        from rlserve.cli import main
+        main(["serve", sys.argv[1], "--device", "cuda", "--port", "0", "--load-format", "dummy"])
+        print("not reached")
+    """, str(model))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "torch imported: False config sent: True", out.stdout + out.stderr[-3000:]
