@@ -13,7 +13,7 @@
 NAME=s17_start BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$DRY_RUN" = 1 ]; then
-  SHAPE=tiny-llama; DEV=cpu; SRV=(-- --max-model-len 256 --max-num-seqs 8); NEED=(60)
+  SHAPE=tiny-llama; DEV=cpu; SRV=(-- --max-model-len 256 --max-num-seqs 8); NEED=(100)
 else
   SHAPE=qwen3-8b; DEV=cuda; SRV=(-- --max-model-len 2056); NEED=(45)
 fi

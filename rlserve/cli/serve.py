@@ -329,17 +329,12 @@ def _beside(fn, *args) -> concurrent.futures.Future:
 
 
 def _import_app():
-    """``rlserve.server.app`` and uvicorn imported (beside the engine's start), then this process's heap so far frozen
-    out of the garbage collector (:func:`rlserve.gc_heap.freeze_startup_heap`): the freeze just before
-    serving then only collects what came after, instead of the whole heap (~0.4 s on the CPU machine)."""
+    """``rlserve.server.app`` and what serving it imports (uvicorn), beside the engine's start."""
     import uvicorn  # noqa: F401 -- (what _serve imports)
 
-    from rlserve.gc_heap import freeze_startup_heap
     from rlserve.server import http_protocol, state  # noqa: F401
 
-    module = importlib.import_module("rlserve.server.app")
-    freeze_startup_heap("API server imports")
-    return module
+    return importlib.import_module("rlserve.server.app")
 
 
 def _driver_device_count() -> int | None:
