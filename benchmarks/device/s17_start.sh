@@ -3,9 +3,11 @@
 # (tiny tokenizer, --max-model-len 2056), process start -> ready (benchmarks/startup_stop.py --show-start-log
 # --greedy-tokens 16: also the first request's seconds), with the start-up phase log ("start-up: ... took X s"
 # lines of the API and engine-core processes, rlserve/startup_log.py). Target: <= 15 s (session 16: 19.94 s cold).
-#   C) cold Triton cache (a fresh TRITON_CACHE_DIR each, RLSERVE_TRITON_PRECOMPILE=1): the baseline, then this tree
-#   W) warm: this tree's cold-run cache (the kernels' sources are the same in both trees), interleaved in one
-#      startup_stop.py call: this tree, baseline, this tree, baseline (as many as the budget lets finish)
+# In this order (the budget may be cut: each step takes what is left, the later ones are skipped):
+#   C_new) cold Triton cache (a fresh TRITON_CACHE_DIR, RLSERVE_TRITON_PRECOMPILE=1), this tree
+#   W) warm: C_new's cache (the kernels' sources are the same in both trees), interleaved in one startup_stop.py
+#      call: this tree, baseline, this tree, baseline (as many as finish; 35 s kept for C_base at >= 100 s budget)
+#   C_base) cold, the baseline (its own fresh cache), if 35 s are left
 # The baseline is this tree with session 17's start-up patch taken out again (s17_start_base.patch, applied in
 # reverse to a copy in /tmp; `git apply -R`, else `patch -R`); where that fails, this tree alone.
 # Every run's log: $OUT_DIR/serve_{C_base,C_new,W}.log; summary.txt: ready, first request, the phase lines.
@@ -48,9 +50,12 @@ serve() {  # LABEL TRITON_DIR LIMIT REPS TREE...
   gpu_cleanup
 }
 
-if [ -n "$BASE" ]; then serve C_base "$TC/base" "${NEED[0]}" 1 "$BASE"; fi
 serve C_new "$TC/new" "${NEED[0]}" 1 "$NEW"
-if [ -n "$BASE" ]; then serve W "$TC/new" $(( $(left) - 8 )) 2 "$NEW" "$BASE"; else serve W "$TC/new" $(( $(left) - 8 )) 2 "$NEW"; fi
+keep=0; [ -n "$BASE" ] && [ "$BUDGET" -ge 100 ] && keep=35
+if [ -n "$BASE" ]; then serve W "$TC/new" $(( $(left) - 5 - keep )) 2 "$NEW" "$BASE"
+else serve W "$TC/new" $(( $(left) - 5 )) 2 "$NEW"; fi
+if [ -n "$BASE" ] && [ "$(left)" -ge 35 ]; then serve C_base "$TC/base" $(( $(left) - 3 )) 1 "$BASE"
+else say "C_base) skipped: $(left) s left"; fi
 keep_logs
 rm -rf "$TC" /tmp/s17_start_base
 say done
