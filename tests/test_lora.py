@@ -127,15 +127,19 @@ def test_bad_adapters_are_refused(setup, tmp_path):
 
 
 
-def _variant(src: str, dst, cfg: dict | None = None, raw_cfg: bytes | None = None, factor: float | None = None) -> str:
+def _variant(src: str, dst, cfg: dict | None = None, raw_cfg: bytes | None = None, factor: float | None = None,
+             dtype: torch.dtype | None = None) -> str:
     """A copy of the adapter directory ``src`` at ``dst`` with config keys ``cfg`` replaced (or the
-    config file's bytes ``raw_cfg``), and the first ``lora_B`` filled with ``factor``."""
+    config file's bytes ``raw_cfg``), the first ``lora_B`` filled with ``factor``, every tensor
+    cast to ``dtype``."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(dst)
     tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
     if factor is not None:
         tensors[next(k for k in sorted(tensors) if "lora_B" in k)].fill_(factor)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, os.path.join(dst, "adapter_model.safetensors"))
     c = json.load(open(os.path.join(src, "adapter_config.json")))
     c.update(cfg or {})
@@ -147,8 +151,9 @@ def _variant(src: str, dst, cfg: dict | None = None, raw_cfg: bytes | None = Non
 def test_malformed_configs_and_overflowing_factors_are_refused(setup, tmp_path):
     """PEFT's LoraConfig keeps whatever the JSON holds: a rank or lora_alpha of the wrong type
     raised ValueError / TypeError inside the engine (HTTP 500), and a finite lora_alpha or factor
-    whose fold ``B * lora_alpha / r`` overflows float32 was served (every logprob NaN). Fails on
-    the old code (r "abc" raised ValueError; lora_alpha 1e308 and a 3e38 factor were loaded)."""
+    whose fold ``B * lora_alpha / r`` overflows float32 was served (every logprob NaN); float8
+    factors raised NotImplementedError. Fails on the old code (r "abc" raised ValueError;
+    lora_alpha 1e308 and a 3e38 factor were loaded)."""
     _, adapters, llm = setup["llama"]  # a1: r 8, alpha 16 (scaling 2), float32
     lora = lora_of(llm.engine.model)
     held = dict(lora.adapters)
@@ -166,6 +171,11 @@ def test_malformed_configs_and_overflowing_factors_are_refused(setup, tmp_path):
         path = _variant(adapters[1], tmp_path / f"v{i}", cfg, raw, factor)
         with pytest.raises(LoRAAdapterError, match=words):
             lora.load(60 + i, path)
+    # float8 factors: isfinite has no float8 kernel on the CPU (NotImplementedError, an HTTP 500)
+    for i, dtype in enumerate((torch.float8_e4m3fn, torch.int32)):
+        path = _variant(adapters[1], tmp_path / f"d{i}", dtype=dtype)
+        with pytest.raises(LoRAAdapterError, match=f"lora_A of {dtype} and lora_B of {dtype}; factors must be one of"):
+            lora.load(80 + i, path)
     assert lora.adapters == held
 
 

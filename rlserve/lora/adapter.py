@@ -27,6 +27,8 @@ from rlserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+#: the dtypes a factor may arrive in (a file's tensors, an adapter-only sync's wire)
+FACTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # "base_model.model.<module>.lora_A.weight" (PEFT's saved name; the adapter name is stripped)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
@@ -168,7 +170,8 @@ def adapter_from_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, sca
 
     Raises:
         LoRAAdapterError: no factor, a module not in ``targets``, a factor without its partner,
-            shapes other than ``(rank, in)`` / ``(out, rank)``, non-float or non-finite values.
+            shapes other than ``(rank, in)`` / ``(out, rank)``, a dtype not in :data:`FACTOR_DTYPES`,
+            non-finite values.
     """
     check_parts(parts, rank, targets, where, check_finite)
     check_fold(parts, scaling, dtype, where)
@@ -195,9 +198,11 @@ def check_parts(parts: dict[str, dict[str, torch.Tensor]], rank: int, targets: d
         if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
             raise LoRAAdapterError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                    f"{tuple(b.shape)}; expected {(rank, in_f)} and {(out_f, rank)} (r={rank})")
-        if not (a.is_floating_point() and b.is_floating_point()) or check_finite and not (
-                torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoRAAdapterError(f"{where}: {module} has non-finite or non-float factors")
+        if a.dtype not in FACTOR_DTYPES or b.dtype not in FACTOR_DTYPES:  # (float8: no isfinite / norm on CPU)
+            raise LoRAAdapterError(f"{where}: {module} has lora_A of {a.dtype} and lora_B of {b.dtype}; factors "
+                                   f"must be one of {', '.join(str(d) for d in FACTOR_DTYPES)}")
+        if check_finite and not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"{where}: {module} has non-finite factors (NaN or inf)")
 
 
 #: :func:`check_fold`'s margin below the served dtype's largest finite value: covers the float32
