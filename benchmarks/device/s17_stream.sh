@@ -7,8 +7,10 @@
 #      tests/gpu/test_overlap_gpu.py only when BUDGET >= 300 (vLLM's start needs the time)
 #   2) vLLM 0.24.0's `vllm bench serve` (/tmp/vsite's client, benchmarks/vllm_bench.py --one-client), 768 random
 #      prompts 512 in / 256 out, ignore_eos, greedy, streamed, Qwen3-0.6B shape, dummy bf16 weights, concurrency
-#      256, against two rlserve servers in this call: mixed, then split; each with the engine step trace
-#      (benchmarks/step_trace.py: M = mixed steps)
+#      256, against two rlserve servers in this call: mixed, then split, both with --no-enable-chunked-prefill
+#      (the lead's window 1 of session 17 measured chunk steps 1.6-2x slower than whole-prompt prefill steps,
+#      w1/chunk: whole 512-token prompts, 3 or 4 a step, not chunks at the 2048 budget's edges); each with the
+#      engine step trace (benchmarks/step_trace.py: M = mixed steps)
 #   3) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 105 s are left (its cold start ~75 s,
 #      its c256 run ~30 s), else rlserve mixed / split at concurrency 64 when >= 55 s are left
 #
@@ -34,12 +36,13 @@ if [ "$DRY_RUN" = 1 ]; then
   # while others decode, so the mixed server runs mixed steps (the step trace's M lines)
   ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
         --max-num-seqs 16 --bench-timeout 300)
-  C="@conc=8"; C64="@conc=4"; FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log"
+  C="@conc=8"; C64="@conc=4"
+  FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
   BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); LIMIT=300; MIN_STEPS=5
 else
   [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm row will fail"
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  C="@conc=256"; C64="@conc=64"; FLAGS="--dtype bfloat16 --disable-access-log"
+  C="@conc=256"; C64="@conc=64"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
   # two servers and runs take ~50 s (s16 w1: ~25 s each); leave vLLM its ~105 s when the budget has them
   LIMIT=$(( $(left) >= 167 ? 60 : $(left) - 5 ))
