@@ -200,6 +200,7 @@ def bench_shape(shape: str, args, bw: float, root: str) -> list[dict]:
         wbytes = weight_bytes(model, B)
         floor = (wbytes + kv_bytes) / bw
         row = {"shape": shape, "batch": B, "context": ctx, "kv_cache_dtype": args.kv_cache_dtype,
+               "fp8_operand": args.fp8_label if args.kv_cache_dtype != "auto" else None,
                "weight_bytes": wbytes, "kv_bytes": kv_bytes,
                "floor_ms": floor * 1e3}
         graphs_on = runner.use_cuda_graphs  # what the engine chose (False on CPU / enforce_eager)
@@ -524,6 +525,9 @@ def main(argv=None) -> dict:
                          "them too / as pdl for linears of at most 8M weights (rlserve.layers.gemv, "
                          "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV); MODE:N also runs steps of "
                          "2..N rows through the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS=N; MODE alone: 0)")
+    ap.add_argument("--fp8-operand", default=None,
+                    help="an fp8 cache's dot operands: bf16 / f16 / bits (rlserve.layers.triton_attention.FP8_OPERAND; "
+                         "default: that module's); optionally :N for DECODE_BLOCK_N_FP8, e.g. f16:128")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")
     ap.add_argument("--batch1-tokens", type=int, default=0,
@@ -578,6 +582,21 @@ def main(argv=None) -> dict:
         "pdl_unavailable": pdl.unavailable(dev),  # None: the GEMVs' PDL runs on this device
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
+    if args.fp8_operand:  # before any engine is built: its CUDA graphs capture the kernel variant
+        from rlserve.layers import triton_attention as ta
+
+        mode, _, bn = args.fp8_operand.partition(":")
+        ta.fp8_operand_mode(torch.bfloat16, torch.float8_e4m3fn, mode)  # ValueError for an unknown mode
+        ta.FP8_OPERAND = mode
+        if bn:
+            ta.DECODE_BLOCK_N_FP8 = int(bn)
+    try:
+        from rlserve.layers import triton_attention as ta
+
+        info["fp8_operand"] = f"{ta.FP8_OPERAND}:{ta.DECODE_BLOCK_N_FP8}"
+    except ImportError:  # no triton
+        info["fp8_operand"] = None
+    args.fp8_label = info["fp8_operand"]
     bw = measure_copy_bandwidth(dev)
     info["copy_bandwidth_TBps"] = bw / 1e12
     print(json.dumps(info), flush=True)

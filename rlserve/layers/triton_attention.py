@@ -30,9 +30,10 @@ contract in :mod:`rlserve.layers.attention`):
   read from the cache after :func:`triton_write_kv_cache` stored them.
 
 fp8 KV cache (``--kv-cache-dtype fp8``, :mod:`rlserve.layers.kv_quant`): the writer stores
-``saturate(x / scale)``; decode and prefill load one byte per element, cast it to the query
-dtype in registers (exact: every e4m3 / e5m2 value is a bf16 / fp16 value), fold ``k_scale``
-into the softmax scale and multiply the output by ``v_scale``. The grid and the launch
+``saturate(x / scale)``; decode and prefill load one byte per element, turn it into a float16
+dot operand in registers (:data:`FP8_OPERAND`; exact: every e4m3 / e5m2 value is a float16
+value; bf16 / fp16 queries go to float16 for the dots, float32 ones keep float32), fold
+``k_scale`` into the softmax scale and multiply the output by ``v_scale``. The grid and the launch
 arguments do not change, so the CUDA graphs capture it as they do a bf16 cache.
 
 Numerics: ``q·k`` and ``p·v`` accumulate in float32; float32 inputs use IEEE float32
@@ -83,6 +84,18 @@ PREFILL_BLOCK_N = 64
 # real batch) leave SMs idle at the end of a step unless there are a few programs per SM
 # to balance over (4 against 2 and 8: BENCHMARKS.md, issue 16; the A/B switches of this plan
 # and of the longest-context-first order went with that verdict).
+# fp8 cache: how the kernels turn a K/V byte into a dot operand (``KV_CVT``,
+# triton_attention_kernels._kv_operand): "bf16" casts to the query dtype (sessions 13-16: on sm90
+# Triton converts e4m3 -> bf16 as cvt.rn.f16x2.e4m3x2 then two cvt.bf16.f16, 3 conversion
+# instructions per pair, the conversion unit then outruns HBM: s14's fp8 step at 1.63x its floor);
+# "f16" casts to float16 (1 instruction per pair; q and p go to float16, which holds every bf16
+# value of its range exactly and p in [0, 1] to 2^-11); "bits" builds e4m3's float16 bits with
+# integer instructions (e5m2 takes "f16": its float16 is its byte << 8 already). Chosen by
+# benchmarks/kv_fp8_kernels.py (BENCHMARKS.md, fp8 KV cache); the others stay for that benchmark.
+FP8_OPERAND = "f16"
+FP8_OPERAND_MODES = ("bf16", "f16", "bits")
+# tokens per K/V tile of the decode kernel on an fp8 cache (a 16-byte load holds 16 fp8 values)
+DECODE_BLOCK_N_FP8 = 64
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
@@ -143,6 +156,26 @@ if HAS_TRITON:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fp8_operand_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype, mode: str | None = None) -> int:
+    """The kernels' ``KV_CVT`` for queries in ``q_dtype`` on a cache of ``cache_dtype`` under
+    :data:`FP8_OPERAND` (or ``mode``): 0 (cast to the query dtype) for a model-dtype cache, for
+    float32 queries (their dots stay IEEE float32) and for ``"bf16"``; 1 for ``"f16"`` and for
+    ``"bits"`` on e5m2; 2 for ``"bits"`` on e4m3 (3 in Triton's interpreter, which cannot run
+    inline assembly: the same values by Triton integer ops).
+
+    Raises:
+        ValueError: ``mode`` not one of :data:`FP8_OPERAND_MODES`.
+    """
+    mode = FP8_OPERAND if mode is None else mode
+    if mode not in FP8_OPERAND_MODES:
+        raise ValueError(f"fp8 operand mode must be one of {FP8_OPERAND_MODES}, got {mode!r}")
+    if not kv_quant.is_fp8(cache_dtype) or q_dtype == torch.float32 or mode == "bf16":
+        return 0
+    if mode == "f16" or cache_dtype != torch.float8_e4m3fn:
+        return 1
+    return 3 if interpreter_enabled() else 2
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -235,6 +268,7 @@ def triton_paged_attention(
     _check_cache(k_cache, v_cache)
     bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles"
     kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
+    kv_cvt = fp8_operand_mode(q.dtype, k_cache.dtype)
     ks, vs = kv_quant.kernel_scales(k_cache, k_scale, v_scale, meta.seq_lens)
     if bi_mode.enabled():  # --batch-invariant: one KV split; prefill tokens as decode rows
         num_splits = 1
@@ -278,8 +312,9 @@ def triton_paged_attention(
             out.stride(0), out.stride(1),
         ), dict(
             NUM_HEADS=H, GROUP=G, GROUP_PAD=_pow2(G), HEAD_DIM=D, D_PAD=D_PAD,
-            PAGE=page, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1, DOT_PRECISION=prec,
-            ORDERED=order is not None, KV_FP8=kv_fp8, num_warps=DECODE_NUM_WARPS,
+            PAGE=page, BLOCK_N=DECODE_BLOCK_N_FP8 if kv_fp8 else DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1,
+            DOT_PRECISION=prec, ORDERED=order is not None, KV_FP8=kv_fp8, KV_CVT=kv_cvt,
+            num_warps=DECODE_NUM_WARPS,
         ), q.device, use_pdl)
         if S > 1:
             pdl.launch(_decode_reduce_kernel, (B, H), (part_o, part_lse, out, out.stride(0), out.stride(1)), dict(
@@ -301,7 +336,7 @@ def triton_paged_attention(
         bt.stride(0),
         out.stride(0), out.stride(1),
         GROUP=G, HEAD_DIM=D, D_PAD=D_PAD,
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=prec, KV_FP8=kv_fp8,
+        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=prec, KV_FP8=kv_fp8, KV_CVT=kv_cvt,
         num_warps=4 if D_PAD * block_m <= 64 * 64 else 8, num_stages=2,
     )
     return out

@@ -21,6 +21,56 @@ def _to_cache(x, SCALE, FP8_MAX: tl.constexpr, dt: tl.constexpr):
         return x.to(dt)
 
 
+# e4m3 -> float16 bits, four bytes per 32-bit register: prmt moves bytes 0, 1 (2, 3) to the high
+# byte of each half (``b << 8``); then ``(h & 0x8000) | ((h >> 1) & 0x3f80)`` puts the sign at bit
+# 15 and the 4 exponent + 3 mantissa bits at bits 7..13: the float16 of value ``e4m3 x 2^-8``
+# (subnormals included: an e4m3 subnormal lands on a float16 subnormal, exact). 4 integer
+# instructions per 2 values, against Triton's ``cvt.rn.f16x2.e4m3x2`` (+ 2 x ``cvt.bf16.f16``
+# for a bf16 target) on the conversion unit.
+_E4M3_F16_BITS_ASM = """{
+.reg .b32 a0, a1, t0, t1;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+shr.b32 t0, a0, 1;
+shr.b32 t1, a1, 1;
+and.b32 t0, t0, 0x3f803f80;
+and.b32 t1, t1, 0x3f803f80;
+lop3.b32 $0, a0, 0x80008000, t0, 0xea;
+lop3.b32 $1, a1, 0x80008000, t1, 0xea;
+}"""
+
+
+@triton.jit
+def _kv_operand(x, q, KV_CVT: tl.constexpr):
+    """A K/V tile ``x`` as read from the cache, as the dots' operand. ``KV_CVT`` (see
+    ``triton_attention.fp8_operand_mode``): 0 cast to ``q``'s dtype (a model-dtype cache, or fp8
+    cast to bf16: ``cvt.rn.f16x2.e4m3x2`` + 2 ``cvt.bf16.f16`` per pair on sm90); 1 cast to
+    float16 (``q`` is float16 then; 1 conversion per pair); 2 e4m3 bytes -> float16 bits by
+    integer instructions (:data:`_E4M3_F16_BITS_ASM`), value ``x * 2^-8`` (the caller folds
+    2^8 into its scales); 3 the same bits by Triton integer ops (the interpreter's stand-in for 2,
+    which it cannot run)."""
+    if KV_CVT == 2:
+        return tl.inline_asm_elementwise(_E4M3_F16_BITS_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=True, pack=4)
+    elif KV_CVT == 3:
+        h = x.to(tl.uint8, bitcast=True).to(tl.uint32) << 8
+        bits = (h & 0x8000) | ((h >> 1) & 0x3F80)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        return x.to(q.dtype)
+
+
+@triton.jit
+def _fp8_query(q, KV_CVT: tl.constexpr):
+    """The query tile in the dots' dtype: float16 for ``KV_CVT`` >= 1 (clamped to float16's
+    largest finite value; a bf16 value in float16's normal range converts exactly), else as
+    loaded."""
+    if KV_CVT >= 1:
+        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        return q
+
+
 @triton.jit
 def _write_kv_kernel(
     K, V, KC, VC, SLOT, K_SCALE, V_SCALE,
@@ -59,12 +109,13 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr = False, KV_CVT: tl.constexpr = 0,
 ):
     """Program ``(kv_head, i, split)``: GROUP query heads of sequence ``b = ORDER[i]``
     (``i`` itself when not ``ORDERED``) x one split of its context. ``KV_FP8``: the cache holds
-    fp8, cast to the query dtype in registers; ``k_scale`` joins ``qk_scale`` and ``v_scale``
-    multiplies the output (both exact: dequantization is ``fp8 * scale``, linear in the dots).
+    fp8, turned into dot operands in registers as ``KV_CVT`` says (:func:`_kv_operand`);
+    ``k_scale`` joins ``qk_scale`` and ``v_scale`` multiplies the output (both exact:
+    dequantization is ``fp8 * scale``, linear in the dots; ``KV_CVT`` 2 / 3 fold their 2^8 there).
     ``PDL``: launched with programmatic dependent launch (:mod:`rlserve.layers.pdl`): wait for the
     kernel before, then let the next one launch; nothing is read before the wait."""
     if PDL:
@@ -77,6 +128,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(K_SCALE)
+        if KV_CVT >= 2:
+            qk_scale = qk_scale * 256.0
     seq_len = tl.load(SEQ_LENS + b)
     # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -93,6 +146,7 @@ def _decode_kernel(
         Q + b64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    q = _fp8_query(q, KV_CVT)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -104,14 +158,14 @@ def _decode_kernel(
         blk = tl.load(BT + b64 * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         slot = blk * PAGE + offs_n % PAGE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -119,6 +173,8 @@ def _decode_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(V_SCALE)
+        if KV_CVT >= 2:
+            o = o * 256.0
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         tl.store(
@@ -168,6 +224,7 @@ def _decode_reduce_kernel(
 def _prefill_tile(
     q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_CVT: tl.constexpr,
 ):
     """One BLOCK_N-key step of the online softmax for a query tile (FlashAttention-2's
     inner loop). ``MASKED``: apply the causal / length masks (diagonal tiles only)."""
@@ -180,8 +237,8 @@ def _prefill_tile(
         blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :]
     slot = blk * PAGE + offs_n % PAGE
-    k = tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(keep, s, float("-inf"))
@@ -191,7 +248,7 @@ def _prefill_tile(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+    v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -206,14 +263,16 @@ def _prefill_kernel(
     GROUP,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_CVT: tl.constexpr = 0,
 ):
-    """Program ``(m_tile, b, head)``: BLOCK_M query rows of one head of sequence b. ``KV_FP8``:
-    an fp8 cache, as in :func:`_decode_kernel` (``k_scale`` into ``qk_scale``, ``v_scale`` onto
-    the output)."""
+    """Program ``(m_tile, b, head)``: BLOCK_M query rows of one head of sequence b. ``KV_FP8``,
+    ``KV_CVT``: an fp8 cache, as in :func:`_decode_kernel` (``k_scale`` into ``qk_scale``,
+    ``v_scale`` onto the output)."""
     mt = tl.program_id(0)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(K_SCALE)
+        if KV_CVT >= 2:
+            qk_scale = qk_scale * 256.0
     b = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -231,6 +290,7 @@ def _prefill_kernel(
         Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    q = _fp8_query(q, KV_CVT)
     q_pos = ctx + offs_m
     # causal bound for this tile; a tile past the query's end does no work
     end = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
@@ -247,19 +307,21 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
             q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
-            PAGE, BLOCK_N, False, DOT_PRECISION,
+            PAGE, BLOCK_N, False, DOT_PRECISION, KV_CVT,
         )
     # the diagonal band: causal and length masks
     for n0 in range(full_end, end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
             q, KC, VC, bt_row, kv_off, n0, end, q_pos, d_mask, m_i, l_i, acc, qk_scale, stride_cs,
-            PAGE, BLOCK_N, True, DOT_PRECISION,
+            PAGE, BLOCK_N, True, DOT_PRECISION, KV_CVT,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(V_SCALE)
+        if KV_CVT >= 2:
+            o = o * 256.0
     tl.store(
         OUT + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
         o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],

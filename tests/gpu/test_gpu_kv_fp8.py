@@ -6,7 +6,9 @@
 - the fused q/k-norm + rotary + write kernel stores its keys / values within one fp8 rounding
   (2^-4 relative for e4m3) of what it stores into a bf16 cache;
 - decode and prefill on an fp8 cache against the float64 torch reference reading the same
-  cache (tolerances: test_gpu_attention's bf16 ones, 2e-2);
+  cache (tolerances: test_gpu_attention's bf16 ones, 2e-2), under each way the kernels turn a
+  byte into a dot operand (``triton_attention.FP8_OPERAND``); the inline assembly of ``"bits"``
+  gives float16 ``value x 2^-8`` for every e4m3 byte;
 - the engine, tiny Qwen3 in float32: fp8 with CUDA graphs gives the same tokens and logprobs as
   fp8 eager (the graphs replay the same kernels), and the logprobs of the same tokens are within
   e4m3's bound of the float32 cache's (tests/test_kv_fp8.py states it).
@@ -27,7 +29,11 @@ from rlserve import LLM, SamplingParams  # noqa: E402
 from rlserve.layers import fused_ops, kv_quant  # noqa: E402
 from rlserve.layers.attention import torch_paged_attention, write_kv_cache  # noqa: E402
 from rlserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from rlserve.layers.triton_attention_kernels import _kv_operand  # noqa: E402
 from tests.attention_cases import make_paged_case  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 DEV = torch.device("cuda")
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -77,9 +83,31 @@ def test_fused_write_within_one_fp8_rounding(tokens):
         assert ((back - ref).abs() <= (2.0 ** -4 + 2.0 ** -8) * ref.abs() + 2.0 ** -9 * s).all()
 
 
+@triton.jit
+def _operand_kernel(X, Y, N: tl.constexpr, KV_CVT: tl.constexpr):
+    offs = tl.arange(0, N)
+    q = tl.zeros([N], dtype=tl.float16)
+    tl.store(Y + offs, _kv_operand(tl.load(X + offs), q, KV_CVT))
+
+
+@pytest.mark.parametrize("kv_cvt,factor", [(1, 1.0), (2, 2.0 ** -8), (3, 2.0 ** -8)])
+def test_e4m3_operands_exact_for_every_byte(kv_cvt, factor):
+    """Every e4m3 byte as a float16 operand: the cast (1) gives its value, the inline assembly (2)
+    and its Triton twin (3) ``value x 2^-8`` (exact: normals and subnormals; the NaN bytes 0x7f /
+    0xff are never written by the saturating writer)."""
+    x = torch.arange(256, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+    y = torch.zeros(256, dtype=torch.float16, device=DEV)
+    _operand_kernel[(1,)](x, y, N=256, KV_CVT=kv_cvt)
+    keep = (torch.arange(256, device=DEV) & 0x7F) != 0x7F
+    assert torch.equal(y.float()[keep], x.float()[keep] * factor)
+    assert torch.equal(torch.signbit(y[keep]), torch.signbit(x.float()[keep]))
+
+
+@pytest.mark.parametrize("mode", ta.FP8_OPERAND_MODES)
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("query_lens,seq_lens", [([1] * 6, [1, 17, 300, 2048, 64, 1000]), ([30, 1, 200], [30, 77, 900])])
-def test_attention_on_fp8_cache_matches_reference(cache_dtype, query_lens, seq_lens):
+def test_attention_on_fp8_cache_matches_reference(cache_dtype, query_lens, seq_lens, mode, monkeypatch):
+    monkeypatch.setattr(ta, "FP8_OPERAND", mode)
     q, kc, vc, meta = make_paged_case(query_lens, seq_lens, 16, 8, 128, 16, torch.bfloat16, DEV, seed=3)
     ks, vs = torch.tensor([0.05], device=DEV), torch.tensor([0.02], device=DEV)
     kc8 = kv_quant.quantize(kc.float() * 4, ks, cache_dtype)
