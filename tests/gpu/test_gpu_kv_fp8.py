@@ -6,9 +6,10 @@
 - the fused q/k-norm + rotary + write kernel stores its keys / values within one fp8 rounding
   (2^-4 relative for e4m3) of what it stores into a bf16 cache;
 - decode and prefill on an fp8 cache against the float64 torch reference reading the same
-  cache (tolerances: test_gpu_attention's bf16 ones, 2e-2), under each way the kernels turn a
-  byte into a dot operand (``triton_attention.FP8_OPERAND``); the inline assembly of ``"bits"``
-  gives float16 ``value x 2^-8`` for every e4m3 byte;
+  cache (tolerances: test_gpu_attention's bf16 ones, 2e-2), with the bytes turned into float16
+  dot operands by a cast (``"f16"``) and by integer instructions (``"bits"``,
+  ``triton_attention.FP8_OPERAND``); the inline assembly gives float16 ``value x 2^-8`` for every
+  e4m3 byte;
 - the engine, tiny Qwen3 in float32: fp8 with CUDA graphs gives the same tokens and logprobs as
   fp8 eager (the graphs replay the same kernels), and the logprobs of the same tokens are within
   e4m3's bound of the float32 cache's (tests/test_kv_fp8.py states it).
@@ -103,7 +104,7 @@ def test_e4m3_operands_exact_for_every_byte(kv_cvt, factor):
     assert torch.equal(torch.signbit(y[keep]), torch.signbit(x.float()[keep]))
 
 
-@pytest.mark.parametrize("mode", ta.FP8_OPERAND_MODES)
+@pytest.mark.parametrize("mode", ["f16", "bits"])  # "bf16", the kernel of sessions 13-16: 9 passed in s14
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("query_lens,seq_lens", [([1] * 6, [1, 17, 300, 2048, 64, 1000]), ([30, 1, 200], [30, 77, 900])])
 def test_attention_on_fp8_cache_matches_reference(cache_dtype, query_lens, seq_lens, mode, monkeypatch):
