@@ -28,9 +28,9 @@ if [ "$DRY_RUN" = 1 ]; then
   KK_ARGS=(--device cpu --batch 3 --context 40 --block-n 16,32 --prefill-prompts 2 --prefill-len 20 --iters 1)
   DS_ARGS=(--device cpu --shape tiny-llama --batch 4 --context 64 --iters 2)
   KK_ENV=(env TRITON_INTERPRET=1)
-  KCAP=150 DCAP=90  # the interpreter and a loaded CPU
+  KCAP=150 DCAP=90 ECAP=120  # the interpreter and a loaded CPU
 else
-  KCAP=30 DCAP=22
+  KCAP=30 DCAP=22 ECAP=40
   CTX=2048; [ "$MEM_MIB" -ge 133120 ] && CTX=4096
   KK_ARGS=(--batch 256 --context "$CTX" --block-n 64,128 --iters 20)
   DS_ARGS=(--shape qwen3-0.6b --batch 256 --context "$CTX" --iters 10)
@@ -86,7 +86,7 @@ else
   ERR_ARGS=(--shape qwen3-0.6b --kv auto,fp8 --num-prompts 8 --min-len 512 --max-len 2048 --gen 32)
 fi
 if [ "$(left)" -ge 20 ] || [ "$DRY_RUN" = 1 ]; then
-  t=$(slot 40 0)
+  t=$(slot "$ECAP" 0)
   timeout -k 5 "$t" $PY benchmarks/kv_fp8_error.py "${ERR_ARGS[@]}" --json "$OUT_DIR/kv_fp8_error.json" \
     > "$OUT_DIR/kv_fp8_error.log" 2>&1
   say "d) error rc=$? ($t s limit)"
