@@ -32,6 +32,10 @@
 #                   subshell; skipped in a dry run without VLLM_PYTHONPATH), each its own process: logs and JSON
 #                   $OUT_DIR/throughput_{rlserve,vllm}.*, a summary line each ("TAG) ...") and rlserve / vLLM,
 #                   both results in $OUT_DIR/throughput.json (benchmarks/device/throughput_summary.py)
+#   k2_args         sets SHAPE, TP_ARGS and VLLM_ARGS to BENCHMARKS.md's K2 offline workload (Qwen3-0.6B shape, 256
+#                   seqs, prompts and outputs 768..1280 tokens; vLLM from /tmp/vsite), tiny on the CPU in a dry run
+#   kv_fp8_error TAG CAP  benchmarks/kv_fp8_error.py (BENCHMARKS.md's K3: fp8 vs bf16 cache, random Qwen3-0.6B shape;
+#                   tiny on the CPU in a dry run) under `slot CAP 0`: $OUT_DIR/kv_fp8_error.{json,log}, summary lines
 #   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
 #                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
 #                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
@@ -137,6 +141,26 @@ throughput_pair() {
       | head -1; } | tr '\n' ' ')"
   fi
   $PY benchmarks/device/throughput_summary.py "$OUT_DIR" "$CARD" "$tag)" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+}
+k2_args() {
+  if [ "$DRY_RUN" = 1 ]; then
+    SHAPE=tiny-llama
+    TP_ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4)
+    VLLM_ARGS=(--vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
+  else
+    SHAPE=qwen3-0.6b
+    TP_ARGS=(--device cuda --num-seqs 256 --min-len 768 --max-len 1280)
+    VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
+  fi
+}
+kv_fp8_error() {
+  local t err=(--shape qwen3-0.6b --kv auto,fp8 --num-prompts 8 --min-len 512 --max-len 2048 --gen 32)
+  [ "$DRY_RUN" = 1 ] && err=(--shape tiny-llama --device cpu --num-prompts 2 --min-len 8 --max-len 16 --gen 4)
+  t=$(slot "$2" 0)
+  timeout -k 5 "$t" $PY benchmarks/kv_fp8_error.py "${err[@]}" --json "$OUT_DIR/kv_fp8_error.json" \
+    > "$OUT_DIR/kv_fp8_error.log" 2>&1
+  say "$1) error rc=$? ($t s limit)"
+  grep -E ' vs auto: ' "$OUT_DIR/kv_fp8_error.log" | sed "s/^/$1) /" | tee -a "$OUT_DIR/summary.txt"
 }
 serve_start() {
   bounded "$2" $PY benchmarks/startup_stop.py --reps 1 --device "$DEV" --shape "$S8" --show-start-log \

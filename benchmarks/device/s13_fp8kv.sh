@@ -35,35 +35,10 @@ for kv in auto fp8; do
   say "a) decode_step kv=$kv rc=$? ($t s limit)"
   grep -E '^\{"shape"' "$OUT_DIR/decode_step_$kv.log" | tee -a "$OUT_DIR/summary.txt"
 done
-$PY - "$OUT_DIR" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import json, os, sys
-out = sys.argv[1]
-rows = {}  # the JSON rows the script prints as it goes (its --json file comes only at the end)
-for kv in ("auto", "fp8"):
-    p = os.path.join(out, f"decode_step_{kv}.log")
-    for line in open(p) if os.path.exists(p) else []:
-        if line.startswith('{"shape"'):
-            rows[kv] = json.loads(line)
-for kv, r in rows.items():
-    t = r.get("graph_ms", r["eager_ms"])
-    print(f"a) kv={kv}: B={r['batch']} ctx={r['context']} step {t:.3f} ms, floor {r['floor_ms']:.3f} ms "
-          f"({r['x_floor']:.2f}x), KV {r['kv_bytes'] / 1e9:.2f} GB, weights {r['weight_bytes'] / 1e9:.2f} GB")
-if len(rows) == 2:
-    a, f = rows["auto"], rows["fp8"]
-    ta, tf = a.get("graph_ms", a["eager_ms"]), f.get("graph_ms", f["eager_ms"])
-    print(f"a) fp8 / bf16 KV decode step: {tf / ta:.3f}x time ({ta / tf:.2f}x faster)")
-PYEOF
+$PY benchmarks/device/decode_step_summary.py "$OUT_DIR" "a)" auto fp8 2>&1 | tee -a "$OUT_DIR/summary.txt"
 
 # ---- b) offline workload, long prompts, --kv-cache-dtype fp8: rlserve, then vLLM
-if [ "$DRY_RUN" = 1 ]; then
-  SHAPE=tiny-llama
-  TP_ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4)
-  VLLM_ARGS=(--vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
-else
-  SHAPE=qwen3-0.6b
-  TP_ARGS=(--device cuda --num-seqs 256 --min-len 768 --max-len 1280)
-  VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
-fi
+k2_args
 # rlserve: the 2026-12-06 window gave it 28 s, not enough for a cold start (Triton compiles the fp8 kernel
 # variants, the graph ladder is captured) plus the run
 throughput_pair b 45 110 100 15 --shape "$SHAPE" "${TP_ARGS[@]}" --kv-cache-dtype fp8 --vllm "${VLLM_ARGS[@]}"
@@ -75,17 +50,8 @@ RLSERVE_GPU_REPORT="$OUT_DIR/gpu_report" timeout -k 5 "$t" $PY -m pytest -v -p n
 say "c) tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_kv_fp8_gpu.log")"
 
 # ---- d) error against the bf16 cache: logprobs of the same tokens
-if [ "$DRY_RUN" = 1 ]; then
-  ERR_ARGS=(--shape tiny-llama --device cpu --num-prompts 2 --min-len 8 --max-len 16 --gen 4)
-else
-  ERR_ARGS=(--shape qwen3-0.6b --kv auto,fp8 --num-prompts 8 --min-len 512 --max-len 2048 --gen 32)
-fi
 if [ "$(left)" -ge 30 ] || [ "$DRY_RUN" = 1 ]; then
-  t=$(slot 60 0)
-  timeout -k 5 "$t" $PY benchmarks/kv_fp8_error.py "${ERR_ARGS[@]}" --json "$OUT_DIR/kv_fp8_error.json" \
-    > "$OUT_DIR/kv_fp8_error.log" 2>&1
-  say "d) error rc=$? ($t s limit)"
-  grep -E ' vs auto: ' "$OUT_DIR/kv_fp8_error.log" | sed 's/^/d) /' | tee -a "$OUT_DIR/summary.txt"
+  kv_fp8_error d 60
 else
   say "d) error skipped: $(left) s left"
 fi

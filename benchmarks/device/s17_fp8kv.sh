@@ -59,15 +59,7 @@ say "b) tests rc=$? ($t s limit): $(tail -1 "$OUT_DIR/tests_kv_fp8_gpu.log")"
 grep -E '^(FAILED|ERROR)' "$OUT_DIR/tests_kv_fp8_gpu.log" | head -8 | sed 's/^/b) /' | tee -a "$OUT_DIR/summary.txt"
 
 # ---- c) offline workload K2, --kv-cache-dtype fp8: rlserve, then vLLM
-if [ "$DRY_RUN" = 1 ]; then
-  SHAPE=tiny-llama
-  TP_ARGS=(--device cpu --num-seqs 4 --min-len 8 --max-len 16 --max-num-seqs 4)
-  VLLM_ARGS=(--vllm-pythonpath "${VLLM_PYTHONPATH:-/nonexistent}")
-else
-  SHAPE=qwen3-0.6b
-  TP_ARGS=(--device cuda --num-seqs 256 --min-len 768 --max-len 1280)
-  VLLM_ARGS=(--vllm-pythonpath /tmp/vsite)
-fi
+k2_args
 throughput_pair c 35 108 130 0 --shape "$SHAPE" "${TP_ARGS[@]}" --kv-cache-dtype fp8 --vllm "${VLLM_ARGS[@]}"
 gpu_cleanup
 
@@ -80,17 +72,8 @@ for run in "auto --kv-cache-dtype auto" "fp8old --kv-cache-dtype fp8 --fp8-opera
   fi
 done
 $PY benchmarks/device/decode_step_summary.py "$OUT_DIR" "d)" auto fp8 fp8old 2>&1 | tee -a "$OUT_DIR/summary.txt"
-if [ "$DRY_RUN" = 1 ]; then
-  ERR_ARGS=(--shape tiny-llama --device cpu --num-prompts 2 --min-len 8 --max-len 16 --gen 4)
-else
-  ERR_ARGS=(--shape qwen3-0.6b --kv auto,fp8 --num-prompts 8 --min-len 512 --max-len 2048 --gen 32)
-fi
 if [ "$(left)" -ge 20 ] || [ "$DRY_RUN" = 1 ]; then
-  t=$(slot "$ECAP" 0)
-  timeout -k 5 "$t" $PY benchmarks/kv_fp8_error.py "${ERR_ARGS[@]}" --json "$OUT_DIR/kv_fp8_error.json" \
-    > "$OUT_DIR/kv_fp8_error.log" 2>&1
-  say "d) error rc=$? ($t s limit)"
-  grep -E ' vs auto: ' "$OUT_DIR/kv_fp8_error.log" | sed 's/^/d) /' | tee -a "$OUT_DIR/summary.txt"
+  kv_fp8_error d "$ECAP"
 else
   say "d) error skipped: $(left) s left"
 fi
