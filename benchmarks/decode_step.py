@@ -526,7 +526,7 @@ def main(argv=None) -> dict:
                          "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV); MODE:N also runs steps of "
                          "2..N rows through the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS=N; MODE alone: 0)")
     ap.add_argument("--fp8-operand", default=None,
-                    help="an fp8 cache's dot operands: bf16 / f16 / bits (rlserve.layers.triton_attention.FP8_OPERAND; "
+                    help="an fp8 cache's dot operands: bf16 / f16 / asm (rlserve.layers.triton_attention.FP8_OPERAND; "
                          "default: that module's); optionally :N for DECODE_BLOCK_N_FP8, e.g. f16:128")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--engine-steps", type=int, default=0, help="also time this many full engine steps")

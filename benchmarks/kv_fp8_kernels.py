@@ -5,9 +5,10 @@ out in a shuffled order), ``--batch`` sequences of ``--context`` tokens each, bf
 
 - decode (``triton_paged_attention`` with one query per sequence, the engine's split plan), timed
   as a CUDA-graph replay (median of ``--iters``): the bf16 cache (the kernel's default tiles),
-  then the fp8 e4m3 cache under each ``--modes`` (``triton_attention.FP8_OPERAND``: ``bf16`` the
-  kernel of sessions 13-16, ``f16``, ``bits``) x ``--block-n`` (``DECODE_BLOCK_N_FP8``) x
-  ``--warps`` (``DECODE_NUM_WARPS``). Each row: microseconds, the K/V bytes read over the time
+  then the fp8 e4m3 cache under each of ``--configs`` ``MODE:BLOCK_N:WARPS:STAGES``
+  (``triton_attention.FP8_OPERAND``: ``bf16`` the kernel of sessions 13-16, ``f16``, ``asm``;
+  ``DECODE_BLOCK_N_FP8``, ``DECODE_NUM_WARPS``, ``DECODE_NUM_STAGES_FP8``, 0 = Triton's default),
+  in that order (the first ``bf16`` row is the reference of ``max_diff_vs_bf16_mode``). Each row: microseconds, the K/V bytes read over the time
   (TB/s), the floor ``K/V bytes / copy bandwidth`` (a 2 GiB device copy measured in the same run,
   read + write bytes) and time / floor, and the largest |difference| from the bf16 cache's output
   and from the ``bf16`` mode's (the fp8 rounding itself, and what the operand mode adds);
@@ -56,10 +57,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--modes", default="bf16,f16,bits", help="FP8_OPERAND values (the first is the reference of "
-                    "max_diff_vs_bf16_mode when it is bf16)")
-    ap.add_argument("--block-n", default="64,128", help="DECODE_BLOCK_N_FP8 values")
-    ap.add_argument("--warps", default="4", help="DECODE_NUM_WARPS values for the fp8 rows")
+    ap.add_argument("--configs", default="bf16:64:4:0,asm:128:4:0,asm:64:4:0,f16:64:4:0,f16:128:4:0,asm:128:8:0,"
+                    "asm:128:4:1,asm:256:8:0", help="fp8 decode rows, MODE:BLOCK_N:WARPS:STAGES each")
+    ap.add_argument("--modes", default="bf16,f16,asm", help="the prefill rows' FP8_OPERAND values")
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
@@ -87,11 +87,13 @@ def main(argv=None) -> dict:
     meta = AttentionMetadata.build([1] * B, [ctx] * B, tables, PAGE, dev)
     q = torch.randn(B, H, D, generator=g, device=dev, dtype=torch.bfloat16)
     timer = graph_time if gpu else (lambda fn, iters: wall_time(fn, warmup=1, iters=iters))
-    base = (ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8, ta.DECODE_NUM_WARPS)
+    knobs = ("FP8_OPERAND", "DECODE_BLOCK_N_FP8", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES_FP8")
+    base = {k: getattr(ta, k) for k in knobs}
 
-    def row(kind, mode, bn, nw, cache, itemsize, ref_bf16, ref_mode):
+    def row(kind, mode, bn, nw, st, cache, itemsize, ref_bf16, ref_mode):
         kv_bytes = B * ctx * HKV * D * 2 * itemsize
-        r = {"kind": kind, "mode": mode, "block_n": bn, "warps": nw, "splits": ta.plan_num_splits(B, HKV, ctx, dev)}
+        r = {"kind": kind, "mode": mode, "block_n": bn, "warps": nw, "stages": st,
+             "splits": ta.plan_num_splits(B, HKV, ctx, dev)}
         try:
             res = ta.triton_paged_attention(q, cache[0], cache[1], meta, D**-0.5)
             t = timer(lambda: ta.triton_paged_attention(q, cache[0], cache[1], meta, D**-0.5), iters=args.iters)
@@ -110,16 +112,18 @@ def main(argv=None) -> dict:
         return res
 
     try:
-        ref = row("bf16 cache", None, ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, (kc, vc), 2, None, None)
+        ref = row("bf16 cache", None, ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, 0, (kc, vc), 2, None, None)
         ref_mode = None
-        for mode in args.modes.split(","):
-            for bn in (int(x) for x in args.block_n.split(",")):
-                for nw in (int(x) for x in args.warps.split(",")):
-                    ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8, ta.DECODE_NUM_WARPS = mode, bn, nw
-                    res = row("fp8 cache", mode, bn, nw, (k8, v8), 1, ref, ref_mode)
-                    if mode == "bf16" and ref_mode is None:
-                        ref_mode = res
-        ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8, ta.DECODE_NUM_WARPS = base
+        for cfg in args.configs.split(","):
+            mode, bn, nw, st = cfg.split(":")
+            bn, nw, st = int(bn), int(nw), int(st)
+            ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8, ta.DECODE_NUM_WARPS = mode, bn, nw
+            ta.DECODE_NUM_STAGES_FP8 = st or None
+            res = row("fp8 cache", mode, bn, nw, st, (k8, v8), 1, ref, ref_mode)
+            if mode == "bf16" and ref_mode is None:
+                ref_mode = res
+        for k, v in base.items():
+            setattr(ta, k, v)
         del kc, vc, k8, v8, ref, ref_mode
         if gpu:
             torch.cuda.empty_cache()
@@ -144,7 +148,8 @@ def main(argv=None) -> dict:
                   flush=True)
             out["prefill"].append(r)
     finally:
-        ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8, ta.DECODE_NUM_WARPS = base
+        for k, v in base.items():
+            setattr(ta, k, v)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

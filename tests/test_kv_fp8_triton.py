@@ -27,7 +27,6 @@ from rlserve.layers import fused_ops, kv_quant  # noqa: E402
 from rlserve.layers import triton_attention as ta  # noqa: E402
 from rlserve.layers.attention import torch_paged_attention, write_kv_cache  # noqa: E402
 from rlserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from rlserve.layers.triton_attention_kernels import _kv_operand  # noqa: E402
 from tests.attention_cases import make_paged_case  # noqa: E402
 
 import triton  # noqa: E402  (after tests.triton_interp set TRITON_INTERPRET=1)
@@ -163,57 +162,36 @@ def test_fused_qkv_write_quantizes_like_the_torch_writer(tokens, monkeypatch):
         fused_ops.set_fused_kernels(*prev)
 
 
-@triton.jit
-def _operand_kernel(X, Y, N: tl.constexpr, KV_CVT: tl.constexpr):
-    offs = tl.arange(0, N)
-    q = tl.zeros([N], dtype=tl.float16)
-    tl.store(Y + offs, _kv_operand(tl.load(X + offs), q, KV_CVT))
-
-
-def test_e4m3_float16_bits_are_the_value_over_256():
-    """``KV_CVT`` 3 (the interpreter's stand-in for the inline assembly of ``"bits"``, the same
-    integer recipe) on every e4m3 byte: float16 ``value x 2^-8``, exactly (normals and the 7
-    subnormals; the two NaN bytes 0x7f / 0xff are not written by the saturating writer)."""
-    x = torch.arange(256, dtype=torch.uint8).view(E4M3)
-    y = torch.zeros(256, dtype=torch.float16)
-    _operand_kernel[(1,)](x, y, N=256, KV_CVT=3)
-    keep = (torch.arange(256) & 0x7F) != 0x7F
-    want = x.float()[keep] / 256
-    assert torch.equal(y.float()[keep], want)
-    assert torch.equal(torch.signbit(y[keep]), torch.signbit(x.float()[keep]))  # -0 stays -0
-
-
 def test_fp8_operand_mode_picks_the_kernel_variant(monkeypatch):
     bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     assert ta.fp8_operand_mode(bf, bf) == 0  # model-dtype cache: a plain cast
-    assert ta.fp8_operand_mode(f32, E4M3, "bits") == 0  # float32 queries keep IEEE float32 dots
+    assert ta.fp8_operand_mode(f32, E4M3, "asm") == 0  # float32 queries keep IEEE float32 dots
     assert ta.fp8_operand_mode(bf, E4M3, "bf16") == 0
     assert ta.fp8_operand_mode(bf, E4M3, "f16") == 1
-    assert ta.fp8_operand_mode(f16, E5M2, "bits") == 1  # e5m2's float16 is its byte << 8
-    assert ta.fp8_operand_mode(bf, E4M3, "bits") == 3  # the interpreter: Triton integer ops
-    monkeypatch.setattr(ta, "FP8_OPERAND", "bits")
-    assert ta.fp8_operand_mode(bf, E4M3) == 3
+    assert ta.fp8_operand_mode(f16, E5M2, "asm") == 1  # the interpreter cannot run inline assembly
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: False)
+    assert ta.fp8_operand_mode(bf, E4M3, "asm") == 2
+    assert ta.fp8_operand_mode(f16, E5M2, "asm") == 3
+    monkeypatch.setattr(ta, "FP8_OPERAND", "f16")
+    assert ta.fp8_operand_mode(bf, E4M3) == 1
     with pytest.raises(ValueError, match="fp8 operand mode"):
         ta.fp8_operand_mode(bf, E4M3, "int8")
 
 
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("query_lens,seq_lens,splits", [([1, 1, 1], [5, 40, 17], 3), ([7, 1, 12], [7, 9, 30], None)])
-def test_bf16_queries_float16_operands_match_float64(cache_dtype, query_lens, seq_lens, splits, monkeypatch):
-    """bf16 queries on an fp8 cache, K/V as float16 operands (``"f16"``, ``"bits"``), decode (split)
-    and prefill, against the float64 reference reading the same cache. Tolerance: the output's bf16
-    rounding (half an ulp, 2^-9 relative; rtol 2^-8) plus p rounded to float16 before p.v (2^-11 x
-    max|v| ~ 10 here: 5e-3; atol 1e-2). ``"bits"`` (value x 2^-8, 2^8 folded into the scales: exact
-    powers of two) gives the same bits as ``"f16"``."""
+def test_bf16_queries_float16_operands_match_float64(cache_dtype, query_lens, seq_lens, splits):
+    """bf16 queries on an fp8 cache, K/V as float16 operands (the default), decode (split) and
+    prefill, against the float64 reference reading the same cache. Tolerance: the output's bf16
+    rounding, a whole ulp (2^-7 relative: the interpreter's float32 -> bf16 store truncates, where
+    the GPU rounds to nearest) plus p rounded to float16 before p.v (2^-11 x max|v| ~ 10 here:
+    5e-3; atol 1e-2)."""
     q, kc, vc, ks, vs, meta = fp8_case(query_lens, seq_lens, 4, 2, 16, 4, torch.bfloat16, cache_dtype, seed=4)
+    assert ta.fp8_operand_mode(q.dtype, kc.dtype) == 1
     ref = torch_paged_attention(q.double(), kc, vc, meta, 0.25, k_scale=ks.double(), v_scale=vs.double())
-    outs = {}
-    for mode in ("f16", "bits"):
-        monkeypatch.setattr(ta, "FP8_OPERAND", mode)
-        outs[mode] = ta.triton_paged_attention(q, kc, vc, meta, 0.25, num_splits=splits, k_scale=ks, v_scale=vs)
-        assert outs[mode].dtype == torch.bfloat16
-        torch.testing.assert_close(outs[mode].double(), ref, atol=1e-2, rtol=2**-7)
-    assert torch.equal(outs["f16"], outs["bits"])
+    out = ta.triton_paged_attention(q, kc, vc, meta, 0.25, num_splits=splits, k_scale=ks, v_scale=vs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2**-7)
 
 
 def test_float16_operands_clamp_queries_past_float16_range():
@@ -224,3 +202,35 @@ def test_float16_operands_clamp_queries_past_float16_range():
     assert ta.fp8_operand_mode(q.dtype, kc.dtype) == 1
     out = ta.triton_paged_attention(q, kc, vc, meta, 0.25, k_scale=ks, v_scale=vs)
     assert torch.isfinite(out.float()).all()
+
+
+def test_asm_compile_failure_falls_back_to_f16(monkeypatch):
+    """``FP8_OPERAND = "asm"`` whose kernels do not compile (a Triton / GPU without the inline
+    assembly): the call is repeated with ``"f16"``, which stays for the process; other errors
+    propagate."""
+    class CompilationError(Exception):  # triton.compiler.errors.CompilationError's name
+        pass
+
+    calls = []
+
+    def fake(q, kc, vc, meta, scale, *rest):
+        calls.append(ta.FP8_OPERAND)
+        if ta.FP8_OPERAND == "asm":
+            raise CompilationError("at 10:4: inline asm")
+        return q + 1
+
+    monkeypatch.setattr(ta, "paged_attention", fake)
+    monkeypatch.setattr(ta, "FP8_OPERAND", "asm")
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: False)
+    q, kc = torch.zeros(1, 2, 4, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 4, dtype=E4M3)
+    assert torch.equal(ta.triton_paged_attention(q, kc, kc, None, 1.0), q + 1)
+    assert calls == ["asm", "f16"] and ta.FP8_OPERAND == "f16"
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(ta, "paged_attention", broken)
+    monkeypatch.setattr(ta, "FP8_OPERAND", "asm")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ta.triton_paged_attention(q, kc, kc, None, 1.0)
+    assert ta.FP8_OPERAND == "asm"

@@ -3,15 +3,16 @@
 # inside a 200 s budget (session 17), most important first:
 #   a) benchmarks/kv_fp8_kernels.py: one Qwen3-0.6B attention layer, batch 256 at a long context (4096 tokens on
 #      a card of >= 130 GiB, else 2048), CUDA-graph replays: the bf16 cache, then the fp8 cache under each way
-#      the kernel turns a byte into a dot operand (FP8_OPERAND bf16 = the kernel of sessions 13-16, f16 = the
-#      new default, bits = e4m3 -> float16 bits by inline asm) x DECODE_BLOCK_N_FP8 64 / 128, against the
-#      K/V bytes' floor; then prefill of 8 x 1024-token prompts per mode.
+#      the kernel turns a byte into a dot operand (FP8_OPERAND bf16 = the kernel of sessions 13-16, f16 = cast to
+#      float16, asm = the new default: V converted by inline asm before shared memory) x tiles (kv_fp8_kernels.py's
+#      --configs default, the default config first), against the K/V bytes' floor; then prefill of 8 x 1024-token
+#      prompts per mode.
 #      Then benchmarks/decode_step.py, the whole decode step (graph-replayed forward) at the same batch and
 #      context with the fp8 cache (the default operands); its bf16-cache twin comes in d) (s13 / s14 measured it:
 #      1.07-1.10x its floor), so that vLLM's ~105 s fit (s13: 68 s start-up + 13 s run + imports).
 #   b) tests/gpu/test_gpu_kv_fp8.py but its engine test (float32 model: float32 queries keep the float32 dots,
 #      nothing it runs changed; 15 s): writer bytes, every e4m3 byte through each operand path, decode /
-#      prefill on fp8 vs the float64 reference under the f16 and bits modes.
+#      prefill on fp8 vs the float64 reference under the f16 and asm modes.
 #   c) benchmarks/throughput.py K2 (Qwen3-0.6B shape, 256 seqs, prompts and outputs 768..1280 tokens)
 #      --kv-cache-dtype fp8: rlserve, then vLLM 0.24.0 (/tmp/vsite; its cold start took 68 s on 2026-12-06),
 #      each its own process; the rest of the budget is vLLM's.
@@ -25,14 +26,15 @@ say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 # ---- a) kernels: bf16 cache vs fp8 operand modes x tiles, then the whole decode step per KV dtype
 if [ "$DRY_RUN" = 1 ]; then
-  KK_ARGS=(--device cpu --batch 3 --context 40 --block-n 16,32 --prefill-prompts 2 --prefill-len 20 --iters 1)
+  KK_ARGS=(--device cpu --batch 3 --context 40 --configs bf16:16:4:0,asm:32:4:0,f16:32:4:1 --prefill-prompts 2
+           --prefill-len 20 --iters 1)
   DS_ARGS=(--device cpu --shape tiny-llama --batch 4 --context 64 --iters 2)
   KK_ENV=(env TRITON_INTERPRET=1)
   KCAP=150 DCAP=90 ECAP=120  # the interpreter and a loaded CPU
 else
   KCAP=30 DCAP=22 ECAP=40
   CTX=2048; [ "$MEM_MIB" -ge 133120 ] && CTX=4096
-  KK_ARGS=(--batch 256 --context "$CTX" --block-n 64,128 --iters 20)
+  KK_ARGS=(--batch 256 --context "$CTX" --iters 20)
   DS_ARGS=(--shape qwen3-0.6b --batch 256 --context "$CTX" --iters 10)
   KK_ENV=(env)
 fi

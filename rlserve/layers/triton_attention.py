@@ -48,6 +48,7 @@ kernels' are imported), which runs the kernels on CPU with numpy -- what the CPU
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -57,6 +58,8 @@ from rlserve.batch_invariant import mode as bi_mode, query_tiles as bi_tiles
 from rlserve.batch_invariant.per_query import per_query_meta
 from rlserve.layers import kv_quant, pdl
 from rlserve.layers.attention import AttentionMetadata, torch_paged_attention
+
+logger = logging.getLogger(__name__)
 
 try:  # Triton is optional: CPU-only installs do not have it.
     import triton
@@ -85,17 +88,21 @@ PREFILL_BLOCK_N = 64
 # to balance over (4 against 2 and 8: BENCHMARKS.md, issue 16; the A/B switches of this plan
 # and of the longest-context-first order went with that verdict).
 # fp8 cache: how the kernels turn a K/V byte into a dot operand (``KV_CVT``,
-# triton_attention_kernels._kv_operand): "bf16" casts to the query dtype (sessions 13-16: on sm90
-# Triton converts e4m3 -> bf16 as cvt.rn.f16x2.e4m3x2 then two cvt.bf16.f16, 3 conversion
-# instructions per pair, the conversion unit then outruns HBM: s14's fp8 step at 1.63x its floor);
-# "f16" casts to float16 (1 instruction per pair; q and p go to float16, which holds every bf16
-# value of its range exactly and p in [0, 1] to 2^-11); "bits" builds e4m3's float16 bits with
-# integer instructions (e5m2 takes "f16": its float16 is its byte << 8 already). Chosen by
-# benchmarks/kv_fp8_kernels.py (BENCHMARKS.md, fp8 KV cache); the others stay for that benchmark.
-FP8_OPERAND = "f16"
-FP8_OPERAND_MODES = ("bf16", "f16", "bits")
+# triton_attention_kernels._kv_operand). "bf16": cast to the query dtype (sessions 13-16; on sm90 Triton
+# converts e4m3 -> bf16 as cvt.rn.f16x2.e4m3x2 then two cvt.bf16.f16 (F2F, a slow pipe) per pair, and
+# reads V's fp8 tile from shared memory a byte at a time: s14's fp8 step at 1.63x its floor).
+# "f16": cast to float16 (q and p go to float16, which holds every bf16 value of its range exactly and
+# p in [0, 1] to 2^-11): one conversion per pair, V still read bytewise. "asm": as f16, V converted by
+# inline assembly before shared memory (read back with ldmatrix.trans). The sm_90 instruction counts
+# (tests/test_kv_fp8_compile.py) chose "asm" and 128-token tiles: 162 SASS instructions per KB of K/V
+# a warp against 336 for "f16" at 64 tokens (the bf16 cache: 122); benchmarks/kv_fp8_kernels.py times
+# them on the GPU (BENCHMARKS.md, fp8 KV cache).
+FP8_OPERAND = "asm"
+FP8_OPERAND_MODES = ("bf16", "f16", "asm")
 # tokens per K/V tile of the decode kernel on an fp8 cache (a 16-byte load holds 16 fp8 values)
-DECODE_BLOCK_N_FP8 = 64
+DECODE_BLOCK_N_FP8 = 128
+# software-pipelining stages of the decode kernel on an fp8 cache (None: Triton's default, 3)
+DECODE_NUM_STAGES_FP8: int | None = None
 _PROGRAMS_PER_SM = 4
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
@@ -161,9 +168,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def fp8_operand_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype, mode: str | None = None) -> int:
     """The kernels' ``KV_CVT`` for queries in ``q_dtype`` on a cache of ``cache_dtype`` under
     :data:`FP8_OPERAND` (or ``mode``): 0 (cast to the query dtype) for a model-dtype cache, for
-    float32 queries (their dots stay IEEE float32) and for ``"bf16"``; 1 for ``"f16"`` and for
-    ``"bits"`` on e5m2; 2 for ``"bits"`` on e4m3 (3 in Triton's interpreter, which cannot run
-    inline assembly: the same values by Triton integer ops).
+    float32 queries (their dots stay IEEE float32) and for ``"bf16"``; 1 for ``"f16"``, and for
+    ``"asm"`` in Triton's interpreter (it cannot run inline assembly; the values are the same);
+    2 / 3 for ``"asm"`` on e4m3 / e5m2.
 
     Raises:
         ValueError: ``mode`` not one of :data:`FP8_OPERAND_MODES`.
@@ -173,9 +180,9 @@ def fp8_operand_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype, mode: str |
         raise ValueError(f"fp8 operand mode must be one of {FP8_OPERAND_MODES}, got {mode!r}")
     if not kv_quant.is_fp8(cache_dtype) or q_dtype == torch.float32 or mode == "bf16":
         return 0
-    if mode == "f16" or cache_dtype != torch.float8_e4m3fn:
+    if mode == "f16" or interpreter_enabled():
         return 1
-    return 3 if interpreter_enabled() else 2
+    return 2 if cache_dtype == torch.float8_e4m3fn else 3
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -234,7 +241,26 @@ def triton_write_kv_cache(
     )
 
 
-def triton_paged_attention(
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`paged_attention`, with one fallback: when the kernels of ``FP8_OPERAND = "asm"`` (inline
+    assembly) fail to compile on this Triton / GPU, a warning is logged, :data:`FP8_OPERAND`
+    becomes ``"f16"`` for the process (the same values, Triton's own conversion) and the call is
+    repeated. Any other error propagates."""
+    try:
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale)
+    except Exception as e:
+        global FP8_OPERAND
+        if fp8_operand_mode(q.dtype, k_cache.dtype) < 2 or type(e).__name__ != "CompilationError":
+            raise
+        logger.warning("fp8 KV cache: the inline-assembly V conversion did not compile (%s); using Triton's "
+                       "float16 cast (FP8_OPERAND='f16')", str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        FP8_OPERAND = "f16"
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale)
+
+
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -315,6 +341,7 @@ def triton_paged_attention(
             PAGE=page, BLOCK_N=DECODE_BLOCK_N_FP8 if kv_fp8 else DECODE_BLOCK_N, NUM_SPLITS=S, SPLIT=S > 1,
             DOT_PRECISION=prec, ORDERED=order is not None, KV_FP8=kv_fp8, KV_CVT=kv_cvt,
             num_warps=DECODE_NUM_WARPS,
+            **({"num_stages": DECODE_NUM_STAGES_FP8} if kv_fp8 and DECODE_NUM_STAGES_FP8 else {}),
         ), q.device, use_pdl)
         if S > 1:
             pdl.launch(_decode_reduce_kernel, (B, H), (part_o, part_lse, out, out.stride(0), out.stride(1)), dict(

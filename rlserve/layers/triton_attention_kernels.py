@@ -21,41 +21,42 @@ def _to_cache(x, SCALE, FP8_MAX: tl.constexpr, dt: tl.constexpr):
         return x.to(dt)
 
 
-# e4m3 -> float16 bits, four bytes per 32-bit register: prmt moves bytes 0, 1 (2, 3) to the high
-# byte of each half (``b << 8``); then ``(h & 0x8000) | ((h >> 1) & 0x3f80)`` puts the sign at bit
-# 15 and the 4 exponent + 3 mantissa bits at bits 7..13: the float16 of value ``e4m3 x 2^-8``
-# (subnormals included: an e4m3 subnormal lands on a float16 subnormal, exact). 4 integer
-# instructions per 2 values, against Triton's ``cvt.rn.f16x2.e4m3x2`` (+ 2 x ``cvt.bf16.f16``
-# for a bf16 target) on the conversion unit.
-_E4M3_F16_BITS_ASM = """{
-.reg .b32 a0, a1, t0, t1;
-prmt.b32 a0, 0, $2, 0x5140;
-prmt.b32 a1, 0, $2, 0x7362;
-shr.b32 t0, a0, 1;
-shr.b32 t1, a1, 1;
-and.b32 t0, t0, 0x3f803f80;
-and.b32 t1, t1, 0x3f803f80;
-lop3.b32 $0, a0, 0x80008000, t0, 0xea;
-lop3.b32 $1, a1, 0x80008000, t1, 0xea;
-}"""
+# fp8 -> float16, four values a 32-bit register, as inline assembly that Triton treats as having side
+# effects (is_pure=False): its layout passes then cannot move the conversion past the shared-memory
+# round trip into the dot-operand layout, where an fp8 tile that has to be transposed (V: the p.v dot
+# wants consecutive tokens per thread) is read one byte per instruction (``ld.shared.u8``, 128 a thread
+# for a 128 x 128 tile) and repacked; converted first, V goes through shared memory as float16 and is
+# read with ``ldmatrix.trans`` like a bf16 cache (sm_90 SASS of both: tests/test_kv_fp8_compile.py).
+# e4m3: the hardware conversion (cvt.rn.f16x2.e4m3x2, 2 values an instruction); e5m2: its float16 is
+# its byte in the high half (prmt).
+_E4M3_F16_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+_E5M2_F16_ASM = tl.constexpr("""{
+prmt.b32 $0, 0, $2, 0x5140;
+prmt.b32 $1, 0, $2, 0x7362;
+}""")
 
 
 @triton.jit
-def _kv_operand(x, q, KV_CVT: tl.constexpr):
-    """A K/V tile ``x`` as read from the cache, as the dots' operand. ``KV_CVT`` (see
-    ``triton_attention.fp8_operand_mode``): 0 cast to ``q``'s dtype (a model-dtype cache, or fp8
-    cast to bf16: ``cvt.rn.f16x2.e4m3x2`` + 2 ``cvt.bf16.f16`` per pair on sm90); 1 cast to
-    float16 (``q`` is float16 then; 1 conversion per pair); 2 e4m3 bytes -> float16 bits by
-    integer instructions (:data:`_E4M3_F16_BITS_ASM`), value ``x * 2^-8`` (the caller folds
-    2^8 into its scales); 3 the same bits by Triton integer ops (the interpreter's stand-in for 2,
-    which it cannot run)."""
-    if KV_CVT == 2:
-        return tl.inline_asm_elementwise(_E4M3_F16_BITS_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                         dtype=tl.float16, is_pure=True, pack=4)
-    elif KV_CVT == 3:
-        h = x.to(tl.uint8, bitcast=True).to(tl.uint32) << 8
-        bits = (h & 0x8000) | ((h >> 1) & 0x3F80)
-        return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+def _kv_operand(x, q, KV_CVT: tl.constexpr, IS_V: tl.constexpr):
+    """A K (``IS_V`` False) or V tile ``x`` as read from the cache, as the dots' operand.
+    ``KV_CVT`` (``triton_attention.fp8_operand_mode``): 0 cast to ``q``'s dtype (a model-dtype
+    cache, or fp8 cast to bf16: ``cvt.rn.f16x2.e4m3x2`` + 2 ``cvt.bf16.f16`` per pair on sm90);
+    1 cast to float16 (``q`` is float16 then); 2 / 3 (e4m3 / e5m2) K cast to float16, V converted
+    by :data:`_E4M3_F16_ASM` / :data:`_E5M2_F16_ASM` before it reaches shared memory. Every fp8
+    value is a float16 value: all exact."""
+    if KV_CVT == 2 and IS_V:
+        return tl.inline_asm_elementwise(_E4M3_F16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=4)
+    elif KV_CVT == 3 and IS_V:
+        return tl.inline_asm_elementwise(_E5M2_F16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=4)
+    elif KV_CVT >= 1:
+        return x.to(tl.float16)
     else:
         return x.to(q.dtype)
 
@@ -115,7 +116,7 @@ def _decode_kernel(
     (``i`` itself when not ``ORDERED``) x one split of its context. ``KV_FP8``: the cache holds
     fp8, turned into dot operands in registers as ``KV_CVT`` says (:func:`_kv_operand`);
     ``k_scale`` joins ``qk_scale`` and ``v_scale`` multiplies the output (both exact:
-    dequantization is ``fp8 * scale``, linear in the dots; ``KV_CVT`` 2 / 3 fold their 2^8 there).
+    dequantization is ``fp8 * scale``, linear in the dots).
     ``PDL``: launched with programmatic dependent launch (:mod:`rlserve.layers.pdl`): wait for the
     kernel before, then let the next one launch; nothing is read before the wait."""
     if PDL:
@@ -128,8 +129,6 @@ def _decode_kernel(
     split = tl.program_id(2)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(K_SCALE)
-        if KV_CVT >= 2:
-            qk_scale = qk_scale * 256.0
     seq_len = tl.load(SEQ_LENS + b)
     # tokens per split, a multiple of BLOCK_N so tiles never straddle splits
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -158,14 +157,14 @@ def _decode_kernel(
         blk = tl.load(BT + b64 * stride_bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         slot = blk * PAGE + offs_n % PAGE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+        k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT, False)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+        v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT, True)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -173,8 +172,6 @@ def _decode_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(V_SCALE)
-        if KV_CVT >= 2:
-            o = o * 256.0
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         tl.store(
@@ -237,7 +234,7 @@ def _prefill_tile(
         blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :]
     slot = blk * PAGE + offs_n % PAGE
-    k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+    k = _kv_operand(tl.load(KC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT, False)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         keep = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -248,7 +245,7 @@ def _prefill_tile(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT)
+    v = _kv_operand(tl.load(VC + slot[:, None] * stride_cs + kv_off, mask=kv_mask, other=0.0), q, KV_CVT, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -271,8 +268,6 @@ def _prefill_kernel(
     mt = tl.program_id(0)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(K_SCALE)
-        if KV_CVT >= 2:
-            qk_scale = qk_scale * 256.0
     b = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -320,8 +315,6 @@ def _prefill_kernel(
     o = acc / l_safe[:, None]
     if KV_FP8:
         o = o * tl.load(V_SCALE)
-        if KV_CVT >= 2:
-            o = o * 256.0
     tl.store(
         OUT + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
         o.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
