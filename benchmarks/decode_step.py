@@ -582,18 +582,10 @@ def main(argv=None) -> dict:
         "pdl_unavailable": pdl.unavailable(dev),  # None: the GEMVs' PDL runs on this device
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
     }
-    if args.fp8_operand:  # before any engine is built: its CUDA graphs capture the kernel variant
+    try:  # before any engine is built: its CUDA graphs capture the kernel variant
         from rlserve.layers import triton_attention as ta
 
-        mode, _, bn = args.fp8_operand.partition(":")
-        ta.fp8_operand_mode(torch.bfloat16, torch.float8_e4m3fn, mode)  # ValueError for an unknown mode
-        ta.FP8_OPERAND = mode
-        if bn:
-            ta.DECODE_BLOCK_N_FP8 = int(bn)
-    try:
-        from rlserve.layers import triton_attention as ta
-
-        info["fp8_operand"] = f"{ta.FP8_OPERAND}:{ta.DECODE_BLOCK_N_FP8}"
+        info["fp8_operand"] = ta.set_fp8_operand(args.fp8_operand or ta.FP8_OPERAND)
     except ImportError:  # no triton
         info["fp8_operand"] = None
     args.fp8_label = info["fp8_operand"]

@@ -64,6 +64,10 @@ def _max_model_len(args) -> int:
 def run_rlserve(path: str, prompts, out_lens, args) -> dict:
     from rlserve import LLM, SamplingParams
 
+    if args.fp8_operand:  # before the engine: its CUDA graphs capture the kernel variant
+        from rlserve.layers import triton_attention as ta
+
+        print(f"  rlserve fp8 operands: {ta.set_fp8_operand(args.fp8_operand)}", flush=True)
     t0 = time.perf_counter()
     mem = _probe_kv_sizing(args)
     llm = LLM(
@@ -419,6 +423,9 @@ def main(argv=None) -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="both engines' KV cache dtype (vLLM's values: auto, fp8, fp8_e4m3, fp8_e5m2)")
+    ap.add_argument("--fp8-operand", default=None, metavar="MODE[:BLOCK_N]",
+                    help="rlserve on an fp8 KV cache: the attention kernels' dot operands, bf16 / f16 / asm, and the "
+                         "decode tile (rlserve.layers.triton_attention.set_fp8_operand; default: that module's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="both engines' gpu_memory_utilization (weights + KV cache; default: each engine's own, "
                          "0.92 for both rlserve and vLLM 0.24)")

@@ -178,14 +178,29 @@ def test_fp8_operand_mode_picks_the_kernel_variant(monkeypatch):
         ta.fp8_operand_mode(bf, E4M3, "int8")
 
 
+def test_set_fp8_operand_parses_mode_and_tile(monkeypatch):
+    monkeypatch.setattr(ta, "FP8_OPERAND", ta.FP8_OPERAND)
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N_FP8", ta.DECODE_BLOCK_N_FP8)
+    assert ta.set_fp8_operand("asm:128") == "asm:128"
+    assert (ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8) == ("asm", 128)
+    assert ta.set_fp8_operand("f16") == "f16:128"  # the tile stays
+    for bad in ("int8", "asm:96", "asm:8"):
+        with pytest.raises(ValueError):
+            ta.set_fp8_operand(bad)
+    assert (ta.FP8_OPERAND, ta.DECODE_BLOCK_N_FP8) == ("f16", 128)  # a refused spec changes nothing
+
+
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("query_lens,seq_lens,splits", [([1, 1, 1], [5, 40, 17], 3), ([7, 1, 12], [7, 9, 30], None)])
-def test_bf16_queries_float16_operands_match_float64(cache_dtype, query_lens, seq_lens, splits):
-    """bf16 queries on an fp8 cache, K/V as float16 operands (the default), decode (split) and
-    prefill, against the float64 reference reading the same cache. Tolerance: the output's bf16
+@pytest.mark.parametrize("mode", ["f16", "asm"])
+def test_bf16_queries_float16_operands_match_float64(cache_dtype, query_lens, seq_lens, splits, mode, monkeypatch):
+    """bf16 queries on an fp8 cache, K/V as float16 operands (``"asm"`` runs as ``"f16"`` in the
+    interpreter: the same values; its assembly is checked compiled, tests/test_kv_fp8_compile.py, and
+    on the GPU), decode (split) and prefill, against the float64 reference reading the same cache. Tolerance: the output's bf16
     rounding, a whole ulp (2^-7 relative: the interpreter's float32 -> bf16 store truncates, where
     the GPU rounds to nearest) plus p rounded to float16 before p.v (2^-11 x max|v| ~ 10 here:
     5e-3; atol 1e-2)."""
+    monkeypatch.setattr(ta, "FP8_OPERAND", mode)
     q, kc, vc, ks, vs, meta = fp8_case(query_lens, seq_lens, 4, 2, 16, 4, torch.bfloat16, cache_dtype, seed=4)
     assert ta.fp8_operand_mode(q.dtype, kc.dtype) == 1
     ref = torch_paged_attention(q.double(), kc, vc, meta, 0.25, k_scale=ks.double(), v_scale=vs.double())
@@ -194,9 +209,10 @@ def test_bf16_queries_float16_operands_match_float64(cache_dtype, query_lens, se
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2**-7)
 
 
-def test_float16_operands_clamp_queries_past_float16_range():
+def test_float16_operands_clamp_queries_past_float16_range(monkeypatch):
     """A bf16 query element past float16's largest finite value (65504) is clamped there, not
     turned into inf (inf x 0 would give NaN scores); the output stays finite."""
+    monkeypatch.setattr(ta, "FP8_OPERAND", "f16")
     q, kc, vc, ks, vs, meta = fp8_case([1, 1], [9, 20], 4, 2, 16, 4, torch.bfloat16, E4M3, seed=6)
     q[0, 0, 0] = 1e6
     assert ta.fp8_operand_mode(q.dtype, kc.dtype) == 1

@@ -88,19 +88,19 @@ PREFILL_BLOCK_N = 64
 # to balance over (4 against 2 and 8: BENCHMARKS.md, issue 16; the A/B switches of this plan
 # and of the longest-context-first order went with that verdict).
 # fp8 cache: how the kernels turn a K/V byte into a dot operand (``KV_CVT``,
-# triton_attention_kernels._kv_operand). "bf16": cast to the query dtype (sessions 13-16; on sm90 Triton
-# converts e4m3 -> bf16 as cvt.rn.f16x2.e4m3x2 then two cvt.bf16.f16 (F2F, a slow pipe) per pair, and
-# reads V's fp8 tile from shared memory a byte at a time: s14's fp8 step at 1.63x its floor).
-# "f16": cast to float16 (q and p go to float16, which holds every bf16 value of its range exactly and
-# p in [0, 1] to 2^-11): one conversion per pair, V still read bytewise. "asm": as f16, V converted by
-# inline assembly before shared memory (read back with ldmatrix.trans). The sm_90 instruction counts
-# (tests/test_kv_fp8_compile.py) chose "asm" and 128-token tiles: 162 SASS instructions per KB of K/V
-# a warp against 336 for "f16" at 64 tokens (the bf16 cache: 122); benchmarks/kv_fp8_kernels.py times
-# them on the GPU (BENCHMARKS.md, fp8 KV cache).
-FP8_OPERAND = "asm"
+# triton_attention_kernels._kv_operand). "bf16": cast to the query dtype (the default, the kernel of
+# sessions 13-16; on sm90 Triton converts e4m3 -> bf16 as cvt.rn.f16x2.e4m3x2 then two cvt.bf16.f16
+# (F2F, a quarter-rate pipe) per pair, and reads V's fp8 tile from shared memory a byte at a time: s14's
+# fp8 step at 1.63x its floor). "f16": cast to float16 (q and p go to float16, which holds every bf16
+# value of its range exactly and p in [0, 1] to 2^-11): one conversion per pair, V still read bytewise.
+# "asm": as f16, V converted by inline assembly before shared memory (read back with ldmatrix.trans).
+# sm_90 SASS per KB of K/V a warp issues (BENCHMARKS.md K6): bf16 cache 122, "bf16" 376, "f16" 336 (64-token
+# tiles), "asm" 160 with 128-token tiles. "asm" changes the rounding (p to float16), so it stays off until
+# measured on a GPU (benchmarks/kv_fp8_kernels.py; decode_step.py / throughput.py --fp8-operand asm:128).
+FP8_OPERAND = "bf16"
 FP8_OPERAND_MODES = ("bf16", "f16", "asm")
 # tokens per K/V tile of the decode kernel on an fp8 cache (a 16-byte load holds 16 fp8 values)
-DECODE_BLOCK_N_FP8 = 128
+DECODE_BLOCK_N_FP8 = 64
 # software-pipelining stages of the decode kernel on an fp8 cache (None: Triton's default, 3)
 DECODE_NUM_STAGES_FP8: int | None = None
 _PROGRAMS_PER_SM = 4
@@ -183,6 +183,26 @@ def fp8_operand_mode(q_dtype: torch.dtype, cache_dtype: torch.dtype, mode: str |
     if mode == "f16" or interpreter_enabled():
         return 1
     return 2 if cache_dtype == torch.float8_e4m3fn else 3
+
+
+def set_fp8_operand(spec: str) -> str:
+    """Set :data:`FP8_OPERAND` (and :data:`DECODE_BLOCK_N_FP8`) from ``"MODE[:BLOCK_N]"`` (the
+    benchmarks' ``--fp8-operand``), before an engine is built (its CUDA graphs capture the kernel
+    variant). Returns the setting as ``"MODE:BLOCK_N"``.
+
+    Raises:
+        ValueError: an unknown mode, or a BLOCK_N that is not a power of two >= 16.
+    """
+    global FP8_OPERAND, DECODE_BLOCK_N_FP8
+    mode, _, bn = spec.partition(":")
+    fp8_operand_mode(torch.bfloat16, torch.float8_e4m3fn, mode)  # ValueError for an unknown mode
+    if bn:
+        n = int(bn)
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"BLOCK_N must be a power of two >= 16, got {bn!r}")
+        DECODE_BLOCK_N_FP8 = n
+    FP8_OPERAND = mode
+    return f"{FP8_OPERAND}:{DECODE_BLOCK_N_FP8}"
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
