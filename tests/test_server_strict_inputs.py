@@ -193,3 +193,17 @@ def test_chat_template_fields_are_defined_once():
                 "chat_template_kwargs": None, "tools": None}
     assert ChatCompletionRequest(messages=msgs).chat_template_args() == defaults
     assert TokenizeRequest(messages=msgs).chat_template_args() == defaults
+
+
+def test_trl_generate_truncates_prompts_as_vllm(srv):
+    """TRL's /generate/ passes truncate_prompt_tokens to vLLM's SamplingParams: k keeps the last
+    k tokens, -1 means max_model_len, 0 and values below -1 are refused. rlserve's route cut only
+    for k > 0 and silently ignored 0 and -5 (fails on the old code: 200)."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    body = {"prompts": [prompt], "max_tokens": 1, "temperature": 0}
+    for k, kept in ((3, prompt[-3:]), (-1, prompt)):
+        r = _post(srv, "/generate/", dict(body, truncate_prompt_tokens=k))
+        assert r.status_code == 200 and r.json()["prompt_ids"] == [kept], r.text
+    for k in (0, -5):
+        err = _error(_post(srv, "/generate/", dict(body, truncate_prompt_tokens=k)), 400)
+        assert err["param"] == "truncate_prompt_tokens" and f"got {k}" in err["message"], err

@@ -198,8 +198,7 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         items = []
         all_ids = await state.tokenize_many(prompts, [f"prompts.{i}" for i in range(len(prompts))])
         for ids in all_ids:
-            if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
-                ids = ids[-body.truncate_prompt_tokens:]
+            ids = state.truncate(ids, body.truncate_prompt_tokens)  # vLLM's rule (-1: max_model_len; 0, < -1: 400)
             max_tokens = state.check_length(len(ids), params.max_tokens, param=names.get("max_tokens", "max_tokens"))
             items.append((ids, dataclasses.replace(params, max_tokens=max_tokens)))  # (checked: an int in range)
         rid = f"trl-{uuid.uuid4().hex[:24]}"
