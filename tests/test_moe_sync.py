@@ -16,7 +16,7 @@ import torch
 
 from rlserve.loader.weight_utils import split_fused_experts
 from rlserve.transfer import ModuleSource, TensorListSource, WeightSyncHTTPError, hf_state_checksums
-from tests.transfer_harness import InProcessServer, load_hf
+from tests.transfer_harness import InProcessServer, load_hf, run_script
 from tests.transfer_sync import PROMPT_IDS, bumped, checksums, hf_greedy, scramble, server_greedy, trainer, \
     trl_synced, version
 
@@ -151,7 +151,6 @@ def test_fsdp2_trainer_experts(moe, server, tmp_path):
     ``[E, ...]`` expert tensors sharded over the ranks on the expert dim; buckets of 64 KiB, half a
     fused ``gate_up_proj``): every rank gathers (``full_tensor``), rank 0 sends; the server then
     holds the unsharded model's weights under both namings and greedy-decodes as it does."""
-    import subprocess
     import sys
 
     from tests.test_transfer_e2e import FSDP_TRAINER, ROOT
@@ -163,7 +162,7 @@ def test_fsdp2_trainer_experts(moe, server, tmp_path):
     v0 = version(server.url)
     script = tmp_path / "fsdp_trainer.py"
     script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path, url=server.url))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = run_script([sys.executable, str(script)], 300, cwd=ROOT)  # starved: longer
     assert f"0 DONE {bumped(v0)}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
     assert_checker_matches(server.url, want)
     assert server_greedy(server.url).json()["completion_ids"] == [hf_greedy(want, p) for p in PROMPT_IDS]

@@ -293,3 +293,37 @@ def wrong_second_bucket_sum(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(sender, "pack_checksummed", wrong_second_sum)
     return calls
+
+
+def run_script(argv: list[str], timeout_s: float, cwd: str | None = None):
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)`` whose bound
+    is :class:`rlserve.server.launch.StartClock`'s: past ``timeout_s`` it goes on while a busy
+    machine only starves the script's processes of CPU (an FSDP trainer's two ranks import torch
+    and transformers: tens of CPU seconds, minutes of wall time at load 40-60 on 2 cores), and
+    ends a spin or a stall. The script runs in a process group of its own, killed whole at the
+    bound. Returns a ``CompletedProcess``; raises AssertionError (with the output's tails) at
+    the bound."""
+    import signal
+    import subprocess
+    import tempfile
+
+    from rlserve.server.launch import StartClock
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(argv, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
+        clock = StartClock(p.pid, timeout_s)
+        try:
+            while p.poll() is None:
+                why = clock.expired()
+                if why is not None:
+                    out.seek(0)
+                    err.seek(0)
+                    raise AssertionError(f"{argv[-1]} did not finish {why}: {out.read()[-2000:]} {err.read()[-3000:]}")
+                time.sleep(0.1)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, p.returncode, out.read(), err.read())
