@@ -11,19 +11,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    pytest.skip("the interpreter's @jit functions cannot be compiled", allow_module_level=True)
-triton = pytest.importorskip("triton")
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:  # pragma: no cover - an old Triton
-    pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
-
+from tests.triton_aot import compile_sm90  # noqa: E402  (skips this module where it cannot run)
 from rlserve.layers import gemm_rows_kernels  # noqa: E402
 
 ARGS = ["X", "W", "B", "OUT", "WS", "CNT", "M", "N", "stride_x", "stride_o", "stride_w"]
@@ -37,14 +27,7 @@ def _compile(K, K_PER, PROLOGUE, BM, BN, BK, SPLIT, stages):
                  SPLIT=SPLIT, IEEE=False, PDL=False)
     # what the launcher's specialization sees: 16-byte aligned pointers, N and strides multiples of 16 (M is
     # not specialized)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)}
-    try:
-        return triton.compile(ASTSource(gemm_rows_kernels._gemm_rows_kernel, sig, const, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton wheel
-        if "ptxas" in str(e):
-            pytest.skip(f"Triton's CUDA backend cannot run here: {e}")
-        raise
+    return compile_sm90(gemm_rows_kernels._gemm_rows_kernel, sig, const, {0, 1, 2, 3, 4, 5, 7, 8, 9, 10}, 4, stages)
 
 
 @pytest.mark.parametrize("case", [

@@ -12,38 +12,21 @@ time). The same attributes as the runtime's specialization (16-byte aligned poin
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    pytest.skip("the interpreter's @jit functions cannot be compiled", allow_module_level=True)
-triton = pytest.importorskip("triton")
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:  # pragma: no cover - an old Triton
-    pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
-
+from tests.triton_aot import compile_sm90  # noqa: E402  (skips this module where it cannot run)
 from rlserve.layers import triton_attention_kernels as kern  # noqa: E402
 
 ALIGNED = {"Q", "KC", "VC", "BT", "SEQ_LENS", "ORDER", "QSL", "OUT", "PART_O", "PART_LSE", "stride_qt", "stride_qh",
            "stride_cs", "stride_ch", "stride_ot", "stride_oh"}
 
 
-def _compile(fn, args: list[tuple[str, str]], const: dict, warps: int, stages: int):
+def _compile(fn, args: list[tuple[str, str]], const: dict, warps: int, stages: int) -> str:
     sig = dict(args)
     sig.update({c: "constexpr" for c in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in ALIGNED}
-    try:
-        k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages})
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton wheel
-        if "ptxas" in str(e):
-            pytest.skip(f"Triton's CUDA backend cannot run here: {e}")
-        raise
-    return k.asm["ptx"]
+    return compile_sm90(fn, sig, const, {i for i, name in enumerate(sig) if name in ALIGNED}, warps, stages).asm["ptx"]
 
 
 def decode_ptx(kv: str, kv_cvt: int, block_n: int = 128) -> str:
