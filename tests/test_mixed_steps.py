@@ -227,3 +227,12 @@ def test_structured_output_row_in_mixed_steps(path, overlap):
     assert n_mixed > 0
     assert got[0].outputs[0].text == want[0].outputs[0].text == "hello world, hello there"
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
+def test_block_tokens_are_slices_of_the_sequence():
+    """``Sequence.block_tokens`` (prompt / output slices, O(block_size)) equals the whole sequence's
+    slice for every block: inside the prompt, across the prompt's end, inside the output, the last partial one."""
+    s = _seq("a", 10, bs=4)
+    s.output_token_ids.extend([900, 901, 902, 903, 904, 905, 906])
+    assert [s.block_tokens(i) for i in range(5)] == [s.all_token_ids[i * 4 : i * 4 + 4] for i in range(5)]
+    assert s.block_tokens(2) == [13, 14, 900, 901] and s.block_tokens(4) == [906]

