@@ -115,10 +115,8 @@ class CopyPlan:
         from rlserve.transfer.multi_tensor import MultiTensorSum
 
         op = None
-        fast_d, fast_s = self._fast
-        by_src = {(s.data_ptr(), s.numel(), s.dtype): (d, s) for d, s in zip(fast_d, fast_s)}
-        if len(by_src) == len(fast_d) == len(sources) and all(k in by_src for k in key):
-            pairs = [by_src[k] for k in key]
+        pairs = _pairs_by_source(self._fast, key)
+        if pairs is not None:
             if all(host_copyable(d, s) for d, s in pairs):
                 op = pairs
             else:
@@ -135,6 +133,32 @@ class CopyPlan:
 
     def __len__(self) -> int:
         return len(self._fast[0]) + len(self._slow)
+
+
+def _pairs_by_source(fast: tuple[list, list], key: tuple) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fast ``(dst, src)`` copies ordered like the sources whose :func:`_sum_key` is ``key``:
+    the ``k``-th source with a given (address, numel, dtype) takes the ``k``-th copy that reads
+    exactly those bytes. Sources may alias (a trainer that gathers every layer into one reused
+    set of buffers hands the same memory under every layer's names, each copied to its own
+    parameter): the aliases hold the same bytes, so whichever copy a source is matched with, its
+    sum and non-finite test are its own. ``None`` unless every fast copy is matched to exactly
+    one source and every source to one copy."""
+    fast_d, fast_s = fast
+    if len(fast_d) != len(key):
+        return None
+    by_src: dict[tuple, list] = {}
+    for d, s in zip(fast_d, fast_s):
+        by_src.setdefault((s.data_ptr(), s.numel(), s.dtype), []).append((d, s))
+    pairs = []
+    taken: dict[tuple, int] = {}
+    for k in key:
+        i = taken.get(k, 0)
+        got = by_src.get(k)
+        if got is None or i >= len(got):
+            return None
+        taken[k] = i + 1
+        pairs.append(got[i])
+    return pairs
 
 
 class _Recorder(TorchDispatchMode):

@@ -1,0 +1,127 @@
+"""The MoE in-place CUDA IPC load gets the one-pass copy + checksum + non-finite test that the
+dense load gets (rlserve/transfer/server/copy_plan.py ``_pairs_by_source``), also when the
+trainer's tensors alias: a trainer that gathers every layer into one reused set of buffers
+(``benchmarks/sync.py --gpu-trainer layer-pool``, FSDP-style) hands the same memory under every
+layer's names. Before, any aliasing source made the replay give up the fused pass and the
+receiver read every source again (checksums, then one NaN test per tensor: 18,867 launches for
+Qwen3-30B-A3B's per-expert names, 20x the copy floor on an H100).
+
+On the CPU (float32 tiny Qwen3-MoE, the host copy-and-scan of the same plan), fused and
+per-expert names: the replay returns one exact ``s64sum`` per source, a flipped byte in one expert
+tensor changes exactly the sums of the names that hold it, and a NaN there is flagged for exactly
+those names.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlserve.loader.weight_utils import split_fused_experts
+from rlserve.transfer.server.copy_plan import FixedPairs
+from rlserve.transfer.server.worker_load import _load_replayable, _params_signature
+from rlserve.transfer.server.worker_state import WorkerTransferState
+from rlserve.transfer.wire.packing import tensor_checksum
+from tests.test_models import _load
+
+_LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def _trainer(model, seed: int, layer_pool: bool, per_expert: bool) -> list[tuple[str, torch.Tensor]]:
+    """Hugging Face tensors of ``model``'s shapes (fused expert names, or per-expert views of them),
+    values of ``seed``; ``layer_pool``: every layer's names map to the first layer's tensor objects."""
+    from rlserve.transfer.server.checksums import export_plan
+
+    items, _ = export_plan(model)
+    g = torch.Generator().manual_seed(seed)
+    pool: dict[str, torch.Tensor] = {}
+    named = []
+    for n, f in items:
+        if ".experts." in n and not n.endswith(("gate_up_proj", "down_proj")):
+            continue  # the fused names only (the per-expert ones are views of them, below)
+        key = _LAYER.sub(".layers.*.", n) if layer_pool else n
+        t = pool.get(key)
+        if t is None:
+            t = pool[key] = torch.randn(f().shape, generator=g)
+        named.append((n, t))
+    return split_fused_experts(named) if per_expert else named
+
+
+def _replay_scan(arch_path: str, layer_pool: bool, per_expert: bool, mutate=None):
+    """Record the load of a trainer's tensors, then replay it with the fused scan asked for (as the
+    ipc receive does); ``mutate(pairs)`` changes the trainer's memory before the replay. Returns
+    ``(pairs, scan, model)``."""
+    model, _ = _load(arch_path)
+    worker = SimpleNamespace(model=model, device=torch.device("cpu"))
+    st = WorkerTransferState()
+    pairs = FixedPairs(_trainer(model, 1, layer_pool, per_expert))
+    sig = _params_signature(worker)
+    replayed, scan, plan = _load_replayable(worker, st, pairs, sig, want_sums=True, check_finite=True)
+    assert not replayed and scan is None and plan is not None  # recorded (a plan: replayable)
+    if mutate is not None:
+        mutate(pairs)
+    replayed, scan, _ = _load_replayable(worker, st, pairs, sig, want_sums=True, check_finite=True)
+    assert replayed
+    return pairs, scan, model
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused-names", "per-expert-names"])
+@pytest.mark.parametrize("layer_pool", [False, True], ids=["own-tensors", "layer-pool"])
+def test_moe_replay_returns_fused_sums(tiny_model, layer_pool, per_expert):
+    pairs, scan, model = _replay_scan(tiny_model("qwen3_moe"), layer_pool, per_expert)
+    assert scan is not None and scan.sums is not None  # the fused pass ran (None on the old code with aliasing)
+    assert scan.sums.tolist() == [tensor_checksum(t) for _, t in pairs]
+    assert scan.bad is not None and not any(scan.bad.tolist())
+    if layer_pool:  # the aliasing is real: fewer distinct tensors than names
+        assert len({t.data_ptr() for _, t in pairs}) < len(pairs)
+    if per_expert:
+        assert sum(".experts.0." in n for n, _ in pairs) == 3 * model.config.num_hidden_layers
+    # every layer's parameters hold what its names sent (aliases: the same bytes in each layer)
+    w13 = model.model.layers[1].mlp.experts.w13_weight.data
+    named = dict(pairs)
+    if per_expert:
+        src = named["model.layers.1.mlp.experts.2.gate_proj.weight"]
+        assert torch.equal(w13[2, : src.shape[0]], src)
+    else:
+        assert torch.equal(w13, named["model.layers.1.mlp.experts.gate_up_proj"])
+
+
+def test_dense_replay_returns_fused_sums_with_aliasing(tiny_model):
+    """The same for a dense model (what the dense path already had without aliasing)."""
+    pairs, scan, _ = _replay_scan(tiny_model("qwen3"), True, False)
+    assert scan is not None and scan.sums.tolist() == [tensor_checksum(t) for _, t in pairs]
+
+
+@pytest.mark.parametrize("layer_pool", [False, True], ids=["own-tensors", "layer-pool"])
+def test_a_flipped_expert_byte_changes_exactly_its_names_sums(tiny_model, layer_pool):
+    """The receiver compares these sums with the trainer's: a byte that changed between the
+    trainer's checksum and the server's read shows in the sums of exactly the names holding it."""
+    model, _ = _load(tiny_model("qwen3_moe"))
+    expected = None
+    target = "model.layers.0.mlp.experts.1.up_proj.weight"
+
+    def flip(pairs):
+        nonlocal expected
+        expected = [tensor_checksum(t) for _, t in pairs]
+        t = dict(pairs)[target]
+        t.view(torch.int32).view(-1)[5] ^= 1 << 9  # one bit of one element
+    pairs, scan, model = _replay_scan(tiny_model("qwen3_moe"), layer_pool, True, flip)
+    got = scan.sums.tolist()
+    differ = [n for (n, _), a, b in zip(pairs, got, expected) if a != b]
+    held = [n for n, t in pairs if t.data_ptr() == dict(pairs)[target].data_ptr()]
+    assert differ == held and target in held
+    assert len(held) == (model.config.num_hidden_layers if layer_pool else 1)
+    assert got == [tensor_checksum(t) for _, t in pairs]  # and what was read is what was summed
+
+
+def test_a_nan_in_one_expert_is_flagged_in_the_same_pass(tiny_model):
+    target = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+    def poison(pairs):
+        dict(pairs)[target].view(-1)[7] = float("nan")
+    pairs, scan, _ = _replay_scan(tiny_model("qwen3_moe"), False, True, poison)
+    flagged = [n for (n, _), f in zip(pairs, scan.bad.tolist()) if f]
+    assert flagged == [target]
