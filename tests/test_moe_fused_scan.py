@@ -125,3 +125,24 @@ def test_a_nan_in_one_expert_is_flagged_in_the_same_pass(tiny_model):
     pairs, scan, _ = _replay_scan(tiny_model("qwen3_moe"), False, True, poison)
     flagged = [n for (n, _), f in zip(pairs, scan.bad.tolist()) if f]
     assert flagged == [target]
+
+
+def test_receiver_scan_of_unfused_sources_sums_and_flags_each_tensor():
+    """Where the sink's load did not sum (a TP shard, a cast), the ipc receive reads the sources
+    once more for every checksum and NaN test together (receiver_ipc._scan_sources; on the CPU
+    its per-tensor fallback): exact sums, the poisoned tensor flagged, aliases included."""
+    from rlserve.transfer.server.receiver_ipc import _IpcSet, _scan_sources
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, 7, generator=g), torch.randn(64, generator=g).to(torch.bfloat16)
+    pairs = FixedPairs([("a", a), ("b", b), ("a_again", a)])
+    st = _IpcSet([], [a, b, a], ["a", "b", "a_again"], ["float32", "bfloat16", "float32"],
+                 [[5, 7], [64], [5, 7]], pairs=pairs)
+    sums, bad = _scan_sources(st, pairs, check=True)
+    assert sums.tolist() == [tensor_checksum(t) for t in (a, b, a)]
+    assert bad.tolist() == [False, False, False]
+    b[9] = float("inf")
+    sums, bad = _scan_sources(st, pairs, check=True)
+    assert bad.tolist() == [False, True, False] and sums[1].item() == tensor_checksum(b)
+    sums, bad = _scan_sources(st, pairs, check=False)
+    assert bad is None and sums.tolist() == [tensor_checksum(t) for t in (a, b, a)]

@@ -38,6 +38,8 @@ from rlserve.transfer.wire.packing import as_bytes, checksum_tensor, checksum_va
 CHUNK_WORDS = 1 << 20
 #: Words each program moves per loop iteration.
 BLOCK_WORDS = 2048
+#: Warps per program (with BLOCK_WORDS: 8 int64 words, four 16-byte loads, per thread per iteration).
+NUM_WARPS = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -217,7 +219,7 @@ class MultiTensorSum:
             pbad = torch.empty(nchunks if check else 1, dtype=torch.int64, device=self.device)
             _kernel()[(nchunks,)](self._src_ptrs, self._dst_ptrs, self._words, partial,
                                   self._masks if check else partial, pbad, COPY=self._dsts is not None,
-                                  CHECK=check, BLOCK=BLOCK_WORDS, num_warps=8)
+                                  CHECK=check, BLOCK=BLOCK_WORDS, num_warps=NUM_WARPS)
             out.index_add_(0, self._owner, partial)
             if check:
                 self.bad.index_add_(0, self._owner, pbad)

@@ -45,6 +45,29 @@ class _IpcSet:
     event: object = None  # the trainer's interprocess torch.cuda.Event
     pairs: FixedPairs | None = None  # (name, tensor) of the load, once known to be on the worker's device
     nbytes: int = 0
+    scan_op: tuple | None = None  # (check_finite, MultiTensorSum over the sources or None): _scan_sources
+
+
+def _scan_sources(st: _IpcSet, pairs, check: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(int64 [n] s64sum checksums, non-finite flags [n] or None)`` of the sources of ``pairs``
+    (on their device), read once: one :class:`~rlserve.transfer.multi_tensor.MultiTensorSum`
+    launch where it runs (its chunk table kept on ``st`` for a set on the worker's device:
+    18,867 per-expert tensors are not tabled again per update), else ``tensor_checksums`` and,
+    with ``check``, one :func:`torch_nonfinite` per tensor."""
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+
+    srcs = [t for _, t in pairs]
+    op = None
+    if st.pairs is not None and st.scan_op is not None and st.scan_op[0] == check:
+        op = st.scan_op[1]
+    elif srcs and srcs[0].is_cuda:
+        op = MultiTensorSum.build(srcs, check_finite=check)
+        if st.pairs is not None:
+            st.scan_op = (check, op)
+    if op is not None:
+        return op.run(), (op.bad if check else None)
+    sums = torch.tensor(tensor_checksums(srcs), dtype=torch.int64)
+    return sums, (torch.stack([torch_nonfinite(t) for t in srcs]) if check else None)
 
 
 class IpcReceive:
@@ -212,11 +235,18 @@ class IpcReceive:
                            [(name, t if t.device == self.device else t.to(self.device)) for name, t in pairs])
                 t_load = time.perf_counter()
                 sums, nonfinite = scan_result(ret, info.names)
-                if info.checksums is not None or info.device_checksums:
-                    fused = sums is not None
+                want_ck = info.checksums is not None or info.device_checksums
+                fused = sums is not None
+                if (want_ck and sums is None) or (self.check_finite and nonfinite is None):
+                    # the sink's load read them without summing (a TP shard, a cast, a load that
+                    # is not replayable): one more read of the sources, every sum and test in it
+                    got, bad = _scan_sources(st, pairs, self.check_finite and nonfinite is None)
+                    sums = sums if sums is not None else got
+                    nonfinite = nonfinite if nonfinite is not None or bad is None else (bad, list(info.names))
+                if want_ck:
                     # expected: the trainer's checksum tensor (read on the GPU after its event) or
                     # the announced list; compared as int64 tensors where the expected sums live, one sync
-                    got = sums if fused else torch.tensor(tensor_checksums([t for _, t in pairs]), dtype=torch.int64)
+                    got = sums
                     exp = st.sums if info.device_checksums else torch.tensor(info.checksums, dtype=torch.int64)
                     got = got.to(exp.device)
                     bad = (got != exp).nonzero()
@@ -226,9 +256,8 @@ class IpcReceive:
                         raise ChecksumMismatchError(
                             f"ipc tensor {info.names[i]!r} ({i + 1}/{n}): checksum {got} != announced {exp} "
                             "(the trainer's memory changed while the server read it?); the update is refused")
-                if self.check_finite:  # NaN / inf: from the fused pass, else one more read of the sources
-                    raise_if_bad(nonfinite if nonfinite is not None else
-                                 (torch.stack([torch_nonfinite(t) for _, t in pairs]), list(info.names)), "ipc update")
+                if self.check_finite:  # NaN / inf: from the fused pass, else from _scan_sources
+                    raise_if_bad(nonfinite, "ipc update")
                 t_ck = time.perf_counter()
                 for d in devs:
                     self._ipc_done_reading(d)
