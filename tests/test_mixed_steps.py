@@ -67,7 +67,8 @@ def test_scheduler_mixed_whole_prompts_and_a_full_budget():
 
 
 def _llm(path, mixed, **kw):
-    kw = {"block_size": 8, "max_num_batched_tokens": 12, "max_consecutive_prefill_steps": 1, **kw}
+    kw = {"block_size": 8, "max_num_batched_tokens": 12, "max_consecutive_prefill_steps": 1,
+          "enable_chunked_prefill": True, **kw}
     return LLM(path, dtype="float32", device="cpu", mixed_prefill_decode=mixed, **kw)
 
 

@@ -62,10 +62,10 @@ def _staggered(llm, prompts, n=24):
 def test_mixed_equals_unmixed_eager_and_hf(tiny_model, budget=64):  # 64: the long prompts in chunks next to decodes
     path = tiny_model("qwen3")
     prompts = _prompts()
-    ref = LLM(path, max_num_batched_tokens=budget, enforce_eager=True, **KW)
+    ref = LLM(path, max_num_batched_tokens=budget, enforce_eager=True, enable_chunked_prefill=True, **KW)
     want, want_lp, _, _ = _staggered(ref, prompts)
     del ref
-    llm = LLM(path, max_num_batched_tokens=budget, mixed_prefill_decode=True, **KW)
+    llm = LLM(path, max_num_batched_tokens=budget, mixed_prefill_decode=True, enable_chunked_prefill=True, **KW)
     assert get_attention_backend() == "triton" and llm.engine.executor.runner.use_cuda_graphs
     assert llm.engine._overlap is not None
     got, got_lp, kinds, graphs = _staggered(llm, prompts)
