@@ -367,7 +367,7 @@ def gpu_modes(args, named) -> list[tuple[str, bool, list, int]]:
     modes += [("ipc-unpacked", True, named), ("ipc-unpacked", False, named)]
     unpacked = [m for m in modes if m[0] == "ipc-unpacked" and m[1]][::-1]  # fused names first
     if args.gpu_unpacked_only:
-        modes = unpacked
+        modes = unpacked + ([("ipc-unpacked", False, named)] if args.gpu_unchecked else [])
     elif args.gpu_quick:  # unpacked (IPC's default) first (a time-bounded device window), no unchecked row
         modes = unpacked + [m for m in modes if m[0] == "ipc-packed"]
     modes = [(m, c, t, args.bucket_mb) for m, c, t in modes]
@@ -502,6 +502,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-unpacked-only", action="store_true",
                    help="CUDA IPC: only the unpacked syncs with checksums (IPC's default; fused names, then "
                         "per-expert with --gpu-expert-names both): the full 61 GB MoE shape on one card")
+    p.add_argument("--gpu-unchecked", action="store_true",
+                   help="with --gpu-unpacked-only: then one unpacked row (fused names) with checksums off (the "
+                        "trainer's checksum pass is a read of every byte: what the server's copy alone costs)")
     p.add_argument("--gpu-trainer", choices=["full", "layer-pool"], default="full",
                    help="CUDA IPC: 'full': the trainer holds the whole model; 'layer-pool': one layer's tensors "
                         "serve every layer's names (an FSDP-style trainer gathering a layer at a time), so a model "
