@@ -328,6 +328,16 @@ def _beside(fn, *args) -> concurrent.futures.Future:
     return fut
 
 
+def _now(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` run now, as a done future (:func:`_beside`'s interface)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        fut.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - delivered to the caller
+        fut.set_exception(e)
+    return fut
+
+
 def _import_app():
     """``rlserve.server.app`` and what serving it imports (uvicorn), beside the engine's start."""
     import uvicorn  # noqa: F401 -- (what _serve imports)
@@ -447,10 +457,13 @@ def run(args) -> int:
     from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.startup_log import Phases, log_phase, process_age
 
-    # the engine-core processes get their arguments first (AsyncEngine below); this process's heavier
-    # part (torch, FastAPI, the routes; transformers for generation_config.json) loads beside their start
-    app_module = _beside(_import_app)
-    sampling = _beside(generation_defaults, args.generation_config, model_path)
+    # on a GPU, the engine-core processes get their arguments first (AsyncEngine below) and this process's
+    # heavier part (torch, FastAPI, the routes; transformers for generation_config.json) loads on threads
+    # beside their start (16 cores of the GPU machine to spare); on the CPU (and with --device auto) before
+    # it, as before: there the two processes share the cores the engine's own start needs
+    now_or_beside = _beside if config.device.startswith("cuda") else _now
+    app_module = now_or_beside(_import_app)
+    sampling = now_or_beside(generation_defaults, args.generation_config, model_path)
     log_phase(logger, "API process: flags and checks", process_age())
     phases = Phases(logger)
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
