@@ -296,8 +296,8 @@ def rows_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
 
     prev = gemv.set_pdl(pdl.unavailable(x.device) is None)
     try:
-        us = run(lambda: gemv._launch_rows(0, x, K, w, None))
-        diff = (gemv._launch_rows(0, x, K, w, None).float() - torch.nn.functional.linear(x, w).float()).abs().max()
+        us = run(lambda: gemv._launch_rows(0, x, K, w, None)[0])
+        diff = (gemv._launch_rows(0, x, K, w, None)[0].float() - torch.nn.functional.linear(x, w).float()).abs().max()
     finally:
         gemv.set_pdl(prev)
     return {"chain_cublas_us": run(lambda: torch.nn.functional.linear(x, w)), "chain_rows_us": us,
@@ -318,7 +318,7 @@ def rows_sweep(x, w, iters: int) -> list[dict]:
     try:
         for bn, bk, st in ROWS_SWEEP:
             gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES = bn, bk, st
-            us = chain_us(lambda: gemv._launch_rows(0, x, x.shape[1], w, None), iters, 10)
+            us = chain_us(lambda: gemv._launch_rows(0, x, x.shape[1], w, None)[0], iters, 10)
             out.append({"tile": [bn, bk, st], "split": gemv.rows_tile(x.shape[0], w.shape[0], x.shape[1], x.device)[3],
                         "us": round(us, 2), "TBps": round(w.numel() * w.element_size() / us / 1e6, 3)})
     finally:

@@ -163,7 +163,8 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_DECODE_GEMM_ROWS": Var("int 0..64", 0, _gemm_rows,
                                     "steps of 2..N rows run the Llama-family linears of every size as one Triton "
                                     "small-batch GEMM each (split-K reduced in the same kernel, SiLU-and-mul folded "
-                                    "into down_proj; rlserve/layers/gemm_rows_kernels.py) instead of cuBLAS; 0 or 1 "
+                                    "into down_proj, add + RMSNorm into qkv_proj / gate_up_proj; "
+                                    "rlserve/layers/gemm_rows_kernels.py) instead of cuBLAS; 0 or 1 "
                                     "(default 0): none; needs RLSERVE_DECODE_GEMV != 0; read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,

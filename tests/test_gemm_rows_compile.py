@@ -16,25 +16,29 @@ import pytest
 from tests.triton_aot import compile_sm90  # noqa: E402  (skips this module where it cannot run)
 from rlserve.layers import gemm_rows_kernels  # noqa: E402
 
-ARGS = ["X", "W", "B", "OUT", "WS", "CNT", "M", "N", "stride_x", "stride_o", "stride_w"]
-CONST = ["K", "K_PER", "PROLOGUE", "HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT", "IEEE", "PDL"]
+ARGS = ["X", "R", "NW", "W", "B", "OUT", "RES_OUT", "WS", "WSS", "CNT", "M", "N", "stride_x", "stride_r", "stride_o",
+        "stride_ro", "stride_w", "eps"]
+CONST = ["K", "K_PER", "PROLOGUE", "HAS_RES", "HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT", "IEEE", "PDL"]
 
 
 def _compile(K, K_PER, PROLOGUE, BM, BN, BK, SPLIT, stages):
-    sig = dict(zip(ARGS, ["*bf16"] * 4 + ["*fp32", "*i32"] + ["i32"] * 5))
+    sig = dict(zip(ARGS, ["*bf16"] * 7 + ["*fp32", "*fp32", "*i32"] + ["i32"] * 7 + ["fp32"]))
     sig.update({c: "constexpr" for c in CONST})
-    const = dict(K=K, K_PER=K_PER, PROLOGUE=PROLOGUE, HAS_BIAS=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                 SPLIT=SPLIT, IEEE=False, PDL=False)
+    const = dict(K=K, K_PER=K_PER, PROLOGUE=PROLOGUE, HAS_RES=PROLOGUE == 1, HAS_BIAS=False, BLOCK_M=BM,
+                 BLOCK_N=BN, BLOCK_K=BK, SPLIT=SPLIT, IEEE=False, PDL=False)
     # what the launcher's specialization sees: 16-byte aligned pointers, N and strides multiples of 16 (M is
     # not specialized)
-    return compile_sm90(gemm_rows_kernels._gemm_rows_kernel, sig, const, {0, 1, 2, 3, 4, 5, 7, 8, 9, 10}, 4, stages)
+    return compile_sm90(gemm_rows_kernels._gemm_rows_kernel, sig, const, {*range(10), 11, 12, 13, 14, 15, 16}, 4,
+                        stages)
 
 
 @pytest.mark.parametrize("case", [
-    # Qwen3-8B o_proj at 16 rows (K split in 4), down_proj with SiLU-and-mul at 64 rows (split in 8)
+    # Qwen3-8B o_proj at 16 rows (K split in 4), down_proj with SiLU-and-mul at 64 rows (split in 8),
+    # qkv_proj with the add + RMSNorm at 16 rows (split in 2)
     dict(K=4096, K_PER=1024, PROLOGUE=0, BM=16, BN=64, BK=128, SPLIT=4, stages=4, stage_bytes=(16 + 64) * 128 * 2),
     dict(K=12288, K_PER=1536, PROLOGUE=2, BM=64, BN=128, BK=128, SPLIT=8, stages=3,
          stage_bytes=(64 + 128) * 128 * 2),
+    dict(K=4096, K_PER=2048, PROLOGUE=1, BM=16, BN=64, BK=128, SPLIT=2, stages=4, stage_bytes=64 * 128 * 2),
 ])
 def test_pipelined_and_split_k_ticket_for_sm90(case):
     stage_bytes = case.pop("stage_bytes")

@@ -34,6 +34,14 @@ The decision is per call, on static facts and on whether the step runs adapters,
 captured at batch 1 holds what an eager batch-1 step of its kind runs (graphs = eager; the LoRA
 decode graphs are captured inside a step with adapters).
 
+Small batches (``RLSERVE_DECODE_GEMM_ROWS=N``, :func:`set_rows`, default off): a step of 2..N rows
+(N <= 64) takes the same three forms through one tensor-core GEMM kernel each
+(:mod:`rlserve.layers.gemm_rows_kernels`: weights streamed in pipelined tiles, ``K`` split where the
+column tiles alone leave SMs idle and reduced in the same launch; the norm's per-row scale applied after
+the dot products), for linears of every size; the other conditions as above. A row's arithmetic depends
+on the row tile (16, 32 or 64 rows, :func:`rows_tile`) and ``(N, K)`` only: a CUDA graph padded to a
+capture size computes its real rows as the eager step does.
+
 Programmatic dependent launch (``pdl``): :mod:`rlserve.layers.pdl` (what it needs from the card,
 driver and Triton; where it is missing the GEMVs launch plainly, the same arithmetic).
 """
@@ -234,11 +242,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _CNT[key]
 
 
-def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None):
-    """``x [M, K]`` (``prologue`` 2: ``x [M, 2K]`` = gate | up) through ``weight [N, K]`` -> ``[M, N]``
-    in ``x.dtype`` with the small-batch GEMM (``gemm_rows_kernels``)."""
+def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+    """``x [M, K]`` (``prologue`` 2: ``x [M, 2K]`` = gate | up; 1: ``rmsnorm(x + residual) * norm_weight``)
+    through ``weight [N, K]`` -> ``([M, N]`` in ``x.dtype``, ``x + residual [M, K]`` or None) with the
+    small-batch GEMM (``gemm_rows_kernels``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     M, N = x.shape[0], weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"GEMM: weight {tuple(weight.shape)} does not take {K} input features")
@@ -246,38 +258,41 @@ def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, b
 
     bm, bn, bk, split, k_per = rows_tile(M, N, K, x.device)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((M, K), dtype=x.dtype, device=x.device) if residual is not None else None
     tiles = -(-N // bn)
     ws = torch.empty((split, bm, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    wss = torch.empty((tiles, split, bm), dtype=torch.float32, device=x.device) if split > 1 and prologue == 1 else out
     cnt = _counters(x.device, tiles) if split > 1 else out
-    args = (x, weight, bias if bias is not None else weight, out, ws, cnt, M, N, x.stride(0), out.stride(0),
-            weight.stride(0))
-    meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4,
+    r = residual if residual is not None else x
+    args = (x, r, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, out,
+            res_out if res_out is not None else out, ws, wss, cnt, M, N, x.stride(0), r.stride(0), out.stride(0),
+            res_out.stride(0) if res_out is not None else 0, weight.stride(0), float(eps))
+    meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4,
                 num_stages=_ROWS_STAGES if bm <= 32 else 3)  # 64 x 128 rows+weights: 48 KiB a stage
     pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
-    return out
+    return out, res_out
 
 
 def linear(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     """``lin(x)`` for ``x [M, K]`` (``K = lin.weight.shape[1]``) -> ``[M, N]`` in ``x.dtype``,
     bias included. Precondition: :func:`takes` ``(x, lin)``."""
     if x.shape[0] > 1:
-        return _launch_rows(0, x, x.shape[-1], lin.weight, lin.bias)
+        return _launch_rows(0, x, x.shape[-1], lin.weight, lin.bias)[0]
     return _launch(0, x, x.shape[-1], lin.weight, lin.bias)[0]
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, lin: nn.Module):
     """``(lin(norm(x + residual)), x + residual)`` for ``x [M, K]``; without a residual
     ``(lin(norm(x)), x)``. ``norm``: an :class:`~rlserve.layers.norm.RMSNorm` of size ``K``
-    (its ``weight`` ``[K]``, ``eps``). One row: one kernel; more rows: the fused add + RMSNorm
-    kernel, then the small-batch GEMM (each of its programs would otherwise re-read every row's
-    whole ``x + r`` for the norm). Precondition: :func:`takes` ``(x, lin)``."""
-    if x.shape[0] > 1:
-        if residual is None:
-            return _launch_rows(0, norm(x), x.shape[-1], lin.weight, lin.bias), x
-        h, residual = norm(x, residual)
-        return _launch_rows(0, h, x.shape[-1], lin.weight, lin.bias), residual
+    (its ``weight`` ``[K]``, ``eps``). One kernel: the batch-1 GEMV, or for more rows the small-batch
+    GEMM with the norm's scaling applied after the dot products (``gemm_rows_kernels``' docstring).
+    Precondition: :func:`takes` ``(x, lin)``."""
     K = x.shape[-1]
+    if x.shape[0] > 1:
+        out, res = _launch_rows(1, x, K, lin.weight, lin.bias, residual=residual, norm_weight=norm.weight,
+                                eps=norm.eps)
+        return out, (res if residual is not None else x)
     out, res = _launch(1, x, K, lin.weight, lin.bias, residual=residual, norm_weight=norm.weight, eps=norm.eps)
     return out, (res if residual is not None else x)
 
@@ -286,7 +301,7 @@ def silu_mul_linear(gate_up: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     """``lin(silu(gate_up[:, :d]) * gate_up[:, d:])`` for ``gate_up [M, 2d]`` -> ``[M, N]``.
     Precondition: :func:`takes` ``(gate_up, lin)``."""
     if gate_up.shape[0] > 1:
-        return _launch_rows(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)
+        return _launch_rows(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
     return _launch(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
 
 

@@ -2,7 +2,9 @@
 2..64 rows) compiled on a CUDA GPU.
 
 - bf16 at the Qwen3-0.6B and Qwen3-8B linear shapes at 5, 16 and 64 rows (every row tile; K split where
-  the shape asks for it), plain and with SiLU-and-mul folded in, against ``F.linear`` (cuBLAS) on the same
+  the shape asks for it), plain, with SiLU-and-mul folded in (down_proj) and with the add + RMSNorm folded
+  in (qkv / gate_up: the residual equal, each input element within one bf16 rounding of the unfused
+  norm's, 2 eps of the absolute sum more), against ``F.linear`` (cuBLAS) on the same
   GPU within ``tol = 2 ulp(dtype) x |ref| + 1e-5 x (|x| @ |W|.T)`` (the output rounded once on each side;
   float32 sums of K <= 12,288 products in another order: 1e-5 of the absolute sum is ~100x the
   reordering error at these sizes).
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from rlserve.layers import fused_ops, gemv, pdl  # noqa: E402
+from rlserve.layers.norm import RMSNorm  # noqa: E402
 
 DEV = torch.device("cuda")
 EPS_OF = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -41,9 +44,9 @@ def rows_switch():
     fused_ops.set_fused_kernels(*prev)
 
 
-def assert_close(got, ref, x, w, dtype):
+def assert_close(got, ref, x, w, dtype, extra=0.0):
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    tol = 2 * EPS_OF[dtype] * ref.float().abs() + 1e-5 * (x.float().abs() @ w.float().abs().T)
+    tol = 2 * EPS_OF[dtype] * ref.float().abs() + (1e-5 + extra) * (x.float().abs() @ w.float().abs().T)
     err = (got.float() - ref.float()).abs()
     bad = err > tol
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} beyond tolerance; max excess {(err - tol).max()}"
@@ -68,8 +71,8 @@ def test_split_k_chain_in_a_cuda_graph_equals_eager(rows_switch):
 
     def chain(x):
         for _ in range(2):
-            h = gemv._launch_rows(0, x, 4096, ws[0], None)
-            x = gemv._launch_rows(2, torch.cat([h, h, h, h, h, h], dim=1), 12288, ws[1], None)
+            h = gemv._launch_rows(0, x, 4096, ws[0], None)[0]
+            x = gemv._launch_rows(2, torch.cat([h, h, h, h, h, h], dim=1), 12288, ws[1], None)[0]
         return x
 
     prev = gemv.set_pdl(pdl.unavailable(DEV) is None)
@@ -124,10 +127,20 @@ def test_rows_bf16_against_cublas(K, N, rows_switch):
     w = (torch.randn(N, K, generator=g, device=DEV) / K ** 0.5).to(dt)
     for M in (5, 16, 64):
         x = torch.randn(M, K, generator=g, device=DEV).to(dt)
-        assert_close(gemv._launch_rows(0, x, K, w, None), F.linear(x, w), x, w, dt)
+        assert_close(gemv._launch_rows(0, x, K, w, None)[0], F.linear(x, w), x, w, dt)
+        if (K, N) in ((1024, 4096), (4096, 6144), (4096, 24576)):  # qkv / gate_up: add + RMSNorm folded in
+            norm = RMSNorm(K, eps=1e-6, params_dtype=dt).to(DEV)
+            norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g, device=DEV))
+            h = (3 * torch.randn(M, K, generator=g, device=DEV)).to(dt)
+            r = torch.randn(M, K, generator=g, device=DEV).to(dt)
+            normed, ref_res = norm(h, r)
+            out, res = gemv._launch_rows(1, h, K, w, None, residual=r, norm_weight=norm.weight, eps=norm.eps)
+            assert torch.equal(res, ref_res)
+            # each input element may be one bf16 rounding away from the unfused norm's (test_gemm_rows.py)
+            assert_close(out, F.linear(normed, w), normed, w, dt, extra=2 * EPS_OF[dt])
         if (K, N) in ((3072, 1024), (12288, 4096)):  # down_proj: SiLU-and-mul folded in
             gu = (3 * torch.randn(M, 2 * K, generator=g, device=DEV)).to(dt)
             act = F.silu(gu[:, :K]) * gu[:, K:]  # bf16 ops: rounded as SiluAndMul's reference
-            assert_close(gemv._launch_rows(2, gu, K, w, None), F.linear(act, w), act, w, dt)
+            assert_close(gemv._launch_rows(2, gu, K, w, None)[0], F.linear(act, w), act, w, dt)
         torch.cuda.synchronize()
         assert _zero()
