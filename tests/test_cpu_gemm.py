@@ -144,9 +144,9 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
 
 def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monkeypatch, caplog):
     """A team step that got fewer busy cores than MIN_CORES (here: any step, MIN_CORES huge)
-    makes the next ones run inline on the calling thread, backing off 4, 8, ... steps; tokens
-    unchanged (the same kernel and bits either way). The first fallback is logged at info,
-    once per engine."""
+    makes the next ones of its kind run inline on the calling thread, backing off 4, 8,
+    ... steps, decode steps and the rest (the prefills) apart; tokens unchanged (the same kernel
+    and bits either way). The first fallback is logged at info, once per engine."""
     import logging
 
     from rlserve import LLM, SamplingParams
@@ -159,11 +159,13 @@ def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monk
     assert team.size == 2
     ref = llm.generate(prompts, params)
     monkeypatch.setattr(cpu_gemm, "MIN_CORES", 1e9)
-    team.skip, team.backoff, team.logged = 0, cpu_gemm.MIN_BACKOFF, False
-    inline_calls = []
-    real = cpu_gemm.linear
-    monkeypatch.setattr(cpu_gemm, "linear",
-                        lambda x, *a, **k: inline_calls.append(cpu_gemm.current().threads_now()) or real(x, *a, **k))
+    for g in team.guards.values():
+        g.skip, g.backoff = 0, cpu_gemm.MIN_BACKOFF
+    team.logged = False
+    inline_calls = []  # threads of each team call: linears (prefill, LM head) and decode stacks
+    for name in ("linear", "decode_stack_call"):
+        monkeypatch.setattr(cpu_gemm, name, lambda *a, _real=getattr(cpu_gemm, name), **k: inline_calls.append(
+            cpu_gemm.current().threads_now()) or _real(*a, **k))
     before = cpu_gemm.guard_stats(team)
     with caplog.at_level(logging.INFO, logger="rlserve.layers.cpu_gemm"):
         got = llm.generate(prompts, params)
@@ -171,13 +173,46 @@ def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monk
     after = cpu_gemm.guard_stats(team)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert [o.outputs[0].token_ids for o in got2] == [o.outputs[0].token_ids for o in ref]
-    # per call: the prefill step and 11 decode steps; first call measured, 4 inline, measured,
-    # 6 of 8 inline; second call 2 of 8 inline, measured, 9 of 16 inline
-    assert after["lost"] - before["lost"] == after["steps"] - before["steps"] == 3
-    assert after["inline"] - before["inline"] == 21
-    assert set(inline_calls) == {1, 2}  # inline steps ran their linears on the calling thread alone
-    logged = [r for r in caplog.records if "CPU team: a step got" in r.getMessage()]
-    assert len(logged) == 1 and logged[0].levelno == logging.INFO  # once, though 3 steps lost
+    # per call: the prefill step ("other") and 11 decode steps. First call: the prefill measured
+    # (prefills back off 4 steps of any kind, over by the fourth decode step); decode measured,
+    # 4 inline, measured, 5 of 8 inline. Second call: the prefill measured (back-off 8); decode
+    # 3 of 8 inline, measured, 7 of 16 inline
+    assert after["lost"] - before["lost"] == after["steps"] - before["steps"] == 5
+    assert after["inline"] - before["inline"] == 19
+    assert set(inline_calls) == {1, 2}  # inline steps ran their team calls on the calling thread alone
+    logged = [r for r in caplog.records if "CPU team: a step (" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.INFO  # once, though 5 steps lost
+
+
+def test_guard_kinds_back_off_apart(team, monkeypatch):
+    """A losing decode step sends the next decode steps inline, not the next prefill ("other")
+    step, and the reverse: each kind backs off on its own losses (a single stream's batch-1
+    decode step losing used to send its next prefill inline). A prefill's back-off runs out
+    in steps of any kind (decode steps count), a decode step's in decode steps only."""
+    monkeypatch.setattr(cpu_gemm, "MIN_CORES", 1e9)  # every measured step loses
+    t = cpu_gemm.current()
+    for kind, other in (("decode", "other"), ("other", "decode")):
+        for g in t.guards.values():
+            g.skip, g.backoff = 0, cpu_gemm.MIN_BACKOFF
+        with cpu_gemm.step_guard(kind):
+            assert t.threads_now() == 2  # measured, on the team
+        assert t.guards[kind].skip == cpu_gemm.MIN_BACKOFF and t.guards[other].skip == 0
+        with cpu_gemm.step_guard(other):
+            assert t.threads_now() == 2  # the other kind still runs on the team
+        with cpu_gemm.step_guard(kind):
+            assert t.threads_now() == 1  # this kind backs off: inline
+    # "other" lost last (back-off 4; the decode step and the inline prefill above spent 2): 2
+    # decode steps (inline: decode lost too) use up the rest, and the next prefill runs on the team
+    assert t.guards["other"].skip == cpu_gemm.MIN_BACKOFF - 2
+    for _ in range(cpu_gemm.MIN_BACKOFF - 2):
+        with cpu_gemm.step_guard("decode"):
+            assert t.threads_now() == 1
+    assert t.guards["other"].skip == 0 and t.guards["decode"].skip > 0
+    with cpu_gemm.step_guard("other"):
+        assert t.threads_now() == 2
+    with pytest.raises(KeyError):
+        with cpu_gemm.step_guard("prefill"):
+            pass
 
 
 def test_team_state_is_per_engine(tiny_model, monkeypatch):

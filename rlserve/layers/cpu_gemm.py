@@ -55,8 +55,9 @@ MAX_ROWS = 1024
 # calling thread's and the workers' CPU time over its wall time; ~2 on an idle 2-core machine,
 # the spinning worker included) lost: another program held a core, and under the kernel's
 # per-session fair share (autogroup) the team's threads then only split one share between them.
-# The next `backoff` steps run inline on the calling thread (no spinning, no waiting on a
-# preempted worker's chunk), backoff doubling on repeated losses, as the micro-batches' guard.
+# The next `backoff` steps of its kind (GUARD_KINDS) run inline on the calling thread (no
+# spinning, no waiting on a preempted worker's chunk), backoff doubling on repeated losses, as
+# the micro-batches' guard.
 MIN_CORES = 1.3
 MIN_BACKOFF, MAX_BACKOFF = 4, 64
 
@@ -90,14 +91,37 @@ def _lib():
     return _state["lib"]
 
 
+class _Backoff:
+    """The contention guard's state for one kind of step: ``skip`` guarded steps left to run
+    inline, ``backoff`` the next loss's ``skip``; with ``every_step`` the skip counts down on
+    every guarded step of the team, whatever its kind."""
+
+    def __init__(self, every_step: bool = False):
+        self.skip = 0
+        self.backoff = MIN_BACKOFF
+        self.every_step = every_step
+
+
+# Kinds of guarded step, each backing off on its own losses only (step_guard): "decode", a pure
+# decode step on the fast path (llama_cpu.stack_forward: the team runs nearly all of it), and
+# "other", a prefill or mixed step on the module path (the team runs its linears; attention and
+# norms run on the calling thread), whose back-off counts down on every guarded step (a
+# single stream's next prefill comes 60+ decode steps later; a prefill loss on an idle machine
+# is a passing disturbance). Before s17 one state served both: a prefill's loss sent the next
+# decode steps inline, a decode step's loss the next prefill. Quiet machine emulated (the
+# servers' and the client's threads SCHED_FIFO, 2026-12-06 s17, SmolLM2-135M): a batch-1
+# decode step 22.9 ms on the team against 40.5 inline, a 128-token prefill 173 against 257.
+GUARD_KINDS = ("decode", "other")
+
+
 class Team:
     """One engine's use of the process's CPU team: its ``size`` (threads per operation, 1: no
-    team) and its contention guard's state (see :data:`MIN_CORES`)."""
+    team) and its contention guard's state (see :data:`MIN_CORES`), per kind of step
+    (:data:`GUARD_KINDS`)."""
 
     def __init__(self, size: int):
         self.size = size
-        self.skip = 0  # guarded steps left to run inline
-        self.backoff = MIN_BACKOFF
+        self.guards = {k: _Backoff(every_step=k == "other") for k in GUARD_KINDS}
         self.steps = self.lost = self.inline = 0
         self.logged = False  # the first fallback is logged (info), later ones counted only
         self.skip_active = False  # set for the length of a backed-off (inline) step
@@ -266,15 +290,25 @@ def guard_stats(team: Team | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def step_guard():
+def step_guard(kind: str = "decode"):
     """Run one step of the current team (:func:`current`) under its contention guard (see
-    :data:`MIN_CORES`). A losing step makes the next ``backoff`` guarded steps of this team run
-    inline (every team operation on the calling thread, the LM head included); otherwise the
-    step's wall time and the team's CPU time are measured. The team's first fallback is logged
-    at info (later ones only counted: :func:`guard_stats`)."""
+    :data:`MIN_CORES`) for steps of ``kind`` (one of :data:`GUARD_KINDS`). A losing step makes
+    this team's steps of that kind run inline for its next ``backoff`` guarded steps of that kind
+    ("other": of any kind) (every team operation on the calling thread, the LM head included);
+    otherwise the step's wall time and the team's CPU
+    time are measured. The team's first fallback is logged at info (later ones only counted:
+    :func:`guard_stats`).
+
+    Raises:
+        KeyError: an unknown ``kind``.
+    """
     team = current()
-    if team.skip > 0:
-        team.skip -= 1
+    g = team.guards[kind]
+    for h in team.guards.values():
+        if h is not g and h.every_step and h.skip > 0:
+            h.skip -= 1
+    if g.skip > 0:
+        g.skip -= 1
         team.inline += 1
         team.skip_active = True
         try:
@@ -290,13 +324,13 @@ def step_guard():
     team.steps += 1
     if cpu < MIN_CORES * wall:
         team.lost += 1
-        team.skip = team.backoff
+        g.skip = g.backoff
         if not team.logged:
             team.logged = True
-            logger.info("CPU team: a step got %.2f cores (%.1f ms CPU over %.1f ms; < %.2f: another program holds a "
-                        "core): the next %d steps run on the engine thread alone, backing off up to %d steps on "
-                        "each further loss (logged once; counts: cpu_gemm.guard_stats)", cpu / max(wall, 1e-9),
-                        1e3 * cpu, 1e3 * wall, MIN_CORES, team.backoff, MAX_BACKOFF)
-        team.backoff = min(2 * team.backoff, MAX_BACKOFF)
+            logger.info("CPU team: a step (%s) got %.2f cores (%.1f ms CPU over %.1f ms; < %.2f: another program holds a "
+                        "core): the next %d such steps run on the engine thread alone, backing off up to %d steps on "
+                        "each further loss (logged once; counts: cpu_gemm.guard_stats)", kind, cpu / max(wall, 1e-9),
+                        1e3 * cpu, 1e3 * wall, MIN_CORES, g.backoff, MAX_BACKOFF)
+        g.backoff = min(2 * g.backoff, MAX_BACKOFF)
     else:
-        team.backoff = MIN_BACKOFF
+        g.backoff = MIN_BACKOFF

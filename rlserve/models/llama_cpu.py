@@ -195,7 +195,9 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
         if out is not None:
             return out
     if (ctx is not None and ctx.team) or (ctx is None and cpu_gemm.takes(hidden)):
-        with cpu_gemm.step_guard():  # inline on this thread while another program holds a core
+        # inline on this thread while another program holds a core (pure decode steps and the
+        # rest back off apart: cpu_gemm.GUARD_KINDS)
+        with cpu_gemm.step_guard("decode" if ctx is not None else "other"):
             out = _STACK[0] and ctx is not None and ctx.team and stack_forward(ctx, layers, hidden)
             if out:
                 return norm(*out)[0]
