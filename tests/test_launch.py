@@ -170,24 +170,18 @@ def test_tree_cpu_seconds_counts_the_descendants(tmp_path):
 
 
 SLOW_SERVER = textwrap.dedent("""
-    import http.server, sys, time
+    import functools, http.server, os, sys, time
     t0 = time.monotonic()
     while time.monotonic() - t0 < float(sys.argv[2]):  # a start that gets little CPU: ~1% of a core
         sum(range(2000))
         time.sleep(0.05)
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    os.makedirs(sys.argv[1] + ".d")
+    with open(sys.argv[1] + ".d/health", "w") as f:  # GET /health: 200 (a static file)
+        f.write("ok")
+    srv = http.server.HTTPServer(("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler,
+                                                                     directory=sys.argv[1] + ".d"))
     with open(sys.argv[1] + ".tmp", "w") as f:
         f.write(str(srv.server_address[1]))
-    import os
     os.rename(sys.argv[1] + ".tmp", sys.argv[1])
     srv.serve_forever()
 """)
