@@ -95,8 +95,11 @@ class EngineConfig:
             (:data:`rlserve.engine.core.scheduler.DECODING_PREFILL_TOKENS`); set it to
             ``max_num_batched_tokens`` for the policy before session 15.
         enable_chunked_prefill: split a prompt's prefill over steps in chunks of at most a
-            step's token budget (vLLM's ``--enable-chunked-prefill``, on by default as in vLLM V1;
-            :mod:`rlserve.engine.core.scheduler`).
+            step's token budget (vLLM's ``--enable-chunked-prefill``; :mod:`rlserve.engine.core.scheduler`).
+            Off by default since session 17 (on in vLLM V1): measured slower on an H100 in session 17's
+            window 1 (chunked 3,365 tok/s, mean TTFT 349 ms, p99 ITL 44.5 ms against 4,522 / 263 / 35.1
+            unchunked; BENCHMARKS.md, "HTTP serving"); off, a prompt longer than the step's budget runs
+            alone in one step (on CUDA ``max_num_batched_tokens`` then defaults to max(8192, max_model_len)).
         long_prefill_token_threshold: with chunked prefill, tokens of one prompt's chunk at most
             (vLLM's ``--long-prefill-token-threshold``); 0 (default): the step's budget.
         mixed_prefill_decode: a prefill step while requests decode also carries every running
@@ -161,7 +164,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_consecutive_prefill_steps: int | None = None
     max_prefill_tokens_while_decoding: int | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = False
     long_prefill_token_threshold: int = 0
     mixed_prefill_decode: bool = False
     block_size: int = 16

@@ -233,7 +233,7 @@ def test_routed_experts_across_chunks(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5)
     ref = LLM(moe, dtype="float32", device="cpu", enable_return_routed_experts=True, enable_chunked_prefill=False)
     llm = LLM(moe, dtype="float32", device="cpu", enable_return_routed_experts=True, max_num_batched_tokens=10,
-              block_size=4)
+              block_size=4, enable_chunked_prefill=True)
     for g, w in zip(llm.generate(prompts, params), ref.generate(prompts, params)):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_array_equal(g.outputs[0].routed_experts, w.outputs[0].routed_experts)
@@ -287,9 +287,11 @@ def test_flags_config_and_server_info():
     from rlserve.cli.serve import engine_config_from_args
     from rlserve.server.server_info import vllm_config
 
-    assert EngineConfig("m").enable_chunked_prefill is True
+    assert EngineConfig("m").enable_chunked_prefill is False  # off by default since session 17 (config.py says why)
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "m"]), "m")
-    assert cfg.enable_chunked_prefill is True and cfg.long_prefill_token_threshold == 0
+    assert cfg.enable_chunked_prefill is False and cfg.long_prefill_token_threshold == 0
+    assert engine_config_from_args(build_parser().parse_args(["serve", "m", "--enable-chunked-prefill"]),
+                                   "m").enable_chunked_prefill is True
     cfg = engine_config_from_args(build_parser().parse_args(
         ["serve", "m", "--no-enable-chunked-prefill", "--long-prefill-token-threshold", "256"]), "m")
     assert cfg.enable_chunked_prefill is False and cfg.long_prefill_token_threshold == 256
@@ -319,7 +321,7 @@ def test_server_echo_logprobs_across_chunks(path, unchunked):
 
     prompt = "Once upon a time there was a tiny model that read long prompts in chunks of eight tokens"
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
-    with InProcessServer(path, load_format="auto", max_num_batched_tokens=8) as srv:
+    with InProcessServer(path, load_format="auto", max_num_batched_tokens=8, enable_chunked_prefill=True) as srv:
         sc = httpx.get(srv.url + "/server_info", params={"config_format": "json"}, timeout=60).json()[
             "vllm_config"]["scheduler_config"]
         assert sc["enable_chunked_prefill"] is True and sc["max_num_batched_tokens"] == 8

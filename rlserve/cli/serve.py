@@ -114,9 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="fraction of GPU memory for weights + KV cache (vLLM's default, 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default: 8192 on CUDA, "
-                        "1024 on CPU; a longer prompt is prefilled in chunks, or alone in one step with "
-                        "--no-enable-chunked-prefill, whose CUDA default is max(8192, max-model-len))")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward step at most (default on CUDA: max(8192, max-model-len), 8192 "
+                        "with --enable-chunked-prefill; 1024 on CPU; a longer prompt runs alone in one step, or in "
+                        "chunks with --enable-chunked-prefill)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
                    help="with chunked prefill: tokens of one prompt's chunk at most (0, the default: the step's "
                         "budget); vLLM's flag")
@@ -184,7 +184,7 @@ def engine_config_from_args(args, model_path: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_consecutive_prefill_steps=getattr(args, "max_consecutive_prefill_steps", None),
         max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", None),
-        enable_chunked_prefill=getattr(args, "enable_chunked_prefill", None) is not False,
+        enable_chunked_prefill=getattr(args, "enable_chunked_prefill", None) is True,
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0) or 0,
         mixed_prefill_decode=bool(getattr(args, "mixed_prefill_decode", False)),
         block_size=args.block_size,

@@ -41,8 +41,8 @@ completions: the rollout case) see no gaps, only the total time, so while only t
 take up to ``max_num_batched_tokens`` (2048 would cost the offline nano-vllm workload 1.3% of its
 output rate in the same model: ``stream_schedule_sim.py --random-lens 100 1024``).
 
-Chunked prefill (``enable_chunked_prefill``, vLLM's ``--enable-chunked-prefill``, on by default in
-``EngineConfig``): a prompt longer than the step's budget is prefilled over several prefill steps,
+Chunked prefill (``enable_chunked_prefill``, vLLM's ``--enable-chunked-prefill``; off by default in
+``EngineConfig`` since session 17, measured slower on an H100: BENCHMARKS.md, "HTTP serving"): a prompt longer than the step's budget is prefilled over several prefill steps,
 each taking ``min(rest of the prompt, tokens left in the budget)`` (at most
 ``long_prefill_token_threshold`` per sequence when set), so a 32k prompt runs with an 8192 budget
 and a stream waits for one chunk at a time instead of the whole prompt. The computed part of the
