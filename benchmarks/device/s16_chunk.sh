@@ -37,7 +37,7 @@ fi
 if [ "$(left)" -lt 60 ]; then  # two servers and two runs need ~60 s at least: the GPU tests came first
   say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0
 fi
-CONFIGS=("on=$CONC $(trace on) $FLAGS"
+CONFIGS=("on=$CONC $(trace on) $FLAGS --enable-chunked-prefill"
          "off=$CONC $(trace off) $FLAGS --no-enable-chunked-prefill")
 stream_bench "$LIMIT" "$MIN_STEPS" on off
 say "done"
