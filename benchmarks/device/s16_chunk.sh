@@ -3,7 +3,7 @@
 # (float32 greedy tokens and logprobs chunked == unchunked == HF, Triton attention, CUDA-graph decode, overlapped
 # scheduling), then vLLM 0.24.0's `vllm bench serve` (/tmp/vsite's client, benchmarks/vllm_bench.py --one-client)
 # on a mix with long prompts against two rlserve servers of this one call, Qwen3-0.6B shape, dummy bf16 weights:
-#   on:  chunked prefill (the default), --max-num-batched-tokens 8192: a prompt's prefill runs in chunks of at most
+#   on:  --enable-chunked-prefill (the default until session 17), --max-num-batched-tokens 8192: a prompt's prefill runs in chunks of at most
 #        2048 tokens while streams decode (--max-prefill-tokens-while-decoding's default)
 #   off: --no-enable-chunked-prefill, --max-num-batched-tokens 8192: a prompt longer than 2048 runs whole, alone,
 #        in one prefill step while streams wait (the policy before session 16)
