@@ -24,37 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import os
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+from benchmarks.decode_step import cuda_time  # noqa: E402
 
 from rlserve.transfer import multi_tensor as mt  # noqa: E402
 from rlserve.transfer.wire.packing import tensor_checksum  # noqa: E402
-
-
-def _time(fn, repeats: int, dev: torch.device) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up (CUDA events; wall clock on the CPU)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return out
 
 
 def main() -> None:
@@ -88,16 +69,16 @@ def main() -> None:
     card = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)"
     rows = []
 
-    def row(label, times, **kw):
-        s = statistics.median(times)
+    def row(label, fn, **kw):
+        s = cuda_time(fn, warmup=1, iters=args.repeats)  # median (CUDA events; wall clock on the CPU)
         r = {"label": label, "bytes": nbytes, "tensors": len(srcs), "s": s, "gbps": nbytes / s / 1e9,
-             "all_s": times, "card": card, **kw}
+             "card": card, **kw}
         rows.append(r)
         floor = rows[0]["s"]
         print(f"{label:44s} {len(srcs):6d} tensors {nbytes / 1e9:7.3f} GB {s * 1e3:9.3f} ms {r['gbps']:8.1f} GB/s "
               f"{s / floor:5.2f}x floor", flush=True)
 
-    row("copy_ (floor)", _time(lambda: flat_dst.copy_(flat_src), args.repeats, dev))
+    row("copy_ (floor)", lambda: flat_dst.copy_(flat_src))
     allow = dev.type == "cpu"
     expect = [tensor_checksum(t) for t in srcs[:4]]
     defaults = (mt.BLOCK_WORDS, mt.NUM_WARPS)
@@ -109,11 +90,11 @@ def main() -> None:
             op = mt.MultiTensorSum.build(srcs, dsts, chunk_words=chunk, _allow_cpu=allow, check_finite=True)
             sums = op.run()
             ok = sums[:4].tolist() == expect and not op.bad.any().item()
-            row(f"mts copy+sum+check {chunk}/{block}/{warps}", _time(op.run, args.repeats, dev), exact=ok)
+            row(f"mts copy+sum+check {chunk}/{block}/{warps}", op.run, exact=ok)
             if k == 0:
                 mt.BLOCK_WORDS, mt.NUM_WARPS = defaults
                 op = mt.MultiTensorSum.build(srcs, dsts, chunk_words=chunk, _allow_cpu=allow)
-                row("mts copy+sum (defaults)", _time(op.run, args.repeats, dev))
+                row("mts copy+sum (defaults)", op.run)
         except Exception as e:  # noqa: BLE001 - a variant that does not compile: a row that says so
             print(f"mts {v}: failed: {type(e).__name__}: {e}", flush=True)
             rows.append({"label": f"mts {v}", "error": f"{type(e).__name__}: {e}"})
