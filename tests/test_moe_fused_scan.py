@@ -146,3 +146,38 @@ def test_receiver_scan_of_unfused_sources_sums_and_flags_each_tensor():
     assert bad.tolist() == [False, True, False] and sums[1].item() == tensor_checksum(b)
     sums, bad = _scan_sources(st, pairs, check=False)
     assert bad is None and sums.tolist() == [tensor_checksum(t) for t in (a, b, a)]
+
+
+def test_staged_per_expert_updates_reuse_their_buffers_and_commit_pairs(tiny_model):
+    """Staged (``--weight-staging device``) with the same mapped tensors each update (a FixedPairs,
+    as the ipc receive hands its set): the second stage reuses the buffers without per-tensor work,
+    each commit loads exactly the newly staged values (the second through the previous commit's
+    FixedPairs: a replay), and a discard drops every cached reference to the buffers."""
+    from rlserve.transfer.server import worker_ext
+    from rlserve.transfer.server.worker_load import _stage
+
+    model, _ = _load(tiny_model("qwen3_moe"))
+    worker = SimpleNamespace(model=model, device=torch.device("cpu"), extension_state={})
+    st = worker_ext._state(worker)
+    pairs = FixedPairs(_trainer(model, 4, False, True))
+    cpu = torch.device("cpu")
+    for rnd in range(3):
+        for _, t in pairs:
+            t.normal_(generator=torch.Generator().manual_seed(rnd))
+        _stage(st, pairs, None, cpu, False, want_sums=False)
+        dsts = st.stage_fixed[5]
+        assert all(st.staging[n] is d for (n, _), d in zip(pairs, dsts))
+        out = worker_ext.commit(worker)
+        assert out["names"] == len(pairs) and out["replayed"] == (rnd > 0)
+        assert st.commit_pairs is not None and (rnd == 0 or st.commit_pairs[2] is first)
+        first = st.commit_pairs[2]
+        got = model.model.layers[1].mlp.experts.w2_weight.data[5]
+        assert torch.equal(got, dict(pairs)["model.layers.1.mlp.experts.5.down_proj.weight"])
+        if rnd == 0:
+            kept = dsts
+        else:
+            assert all(a is b for a, b in zip(kept, dsts))  # the same staging buffers
+    worker_ext.discard(worker)
+    assert st.stage_fixed is None and st.commit_pairs is None and not st.staging_bufs
+    _stage(st, pairs, None, cpu, False, want_sums=False)  # fresh buffers after a discard
+    assert not any(a is b for a, b in zip(kept, st.stage_fixed[5]))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
+import operator
 import threading
 import time
 import traceback
@@ -45,6 +46,7 @@ import torch
 from rlserve.transfer.errors import TransferAbortedError
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo
 from rlserve.transfer.server.receiver import WeightReceiver
+from rlserve.transfer.server.copy_plan import FixedPairs
 from rlserve.transfer.server.worker_state import WorkerTransferState, _Op
 from rlserve.transfer.server.worker_load import (
     _build_direct,
@@ -296,9 +298,9 @@ def commit(worker) -> dict:
     if not staged:
         return {"names": 0}
     t0 = time.perf_counter()
-    pairs = list(staged.items())
+    pairs = _commit_pairs(st, staged)
     replayed = False
-    if all(st.staging_bufs.get(n) is t for n, t in pairs):
+    if all(map(operator.is_, map(st.staging_bufs.get, staged), staged.values())):
         replayed, _, _ = _load_replayable(worker, st, pairs, _params_signature(worker))  # reused staging: a plan
         st.drop_unused_plans()
     else:
@@ -315,6 +317,19 @@ def commit(worker) -> dict:
             "phases_s": {"load": t_load - t0, "post_load": t_post - t_load, "device_sync": t_end - t_post}}
 
 
+def _commit_pairs(st: WorkerTransferState, staged: dict) -> list:
+    """``staged``'s ``(name, tensor)`` pairs; the :class:`FixedPairs` of the previous commit when
+    they are the same names and tensor objects (the reused staging buffers): its plan key is not
+    computed again (18,867 per-expert names: ~0.3 s of Python on a loaded 2-core host)."""
+    names, ids = list(staged), list(map(id, staged.values()))
+    c = st.commit_pairs
+    if c is not None and c[0] == names and c[1] == ids:
+        return c[2]
+    pairs = FixedPairs(staged.items())
+    st.commit_pairs = (names, ids, pairs)
+    return pairs
+
+
 def end_session(worker) -> None:
     """End of an update session: the receiver drops IPC mappings the session did not use."""
     st = _state(worker)
@@ -327,7 +342,7 @@ def discard(worker) -> None:
     st = _state(worker)
     st.staging = {}
     st.staging_bufs = {}
-    st.stage_op = None
+    st.stage_op = st.stage_fixed = st.commit_pairs = None
 
 
 def shutdown_transfer(worker) -> None:

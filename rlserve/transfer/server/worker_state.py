@@ -52,6 +52,10 @@ class WorkerTransferState:
         self.staging: dict[str, torch.Tensor] = {}
         self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
         self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
+        # worker_load._stage's last FixedPairs call: (pairs, dtype, device, pin, names, dsts, fused-op key or None)
+        self.stage_fixed: tuple | None = None
+        # worker_ext.commit's last staged set as FixedPairs (its plan key computed once): (names, ids, pairs)
+        self.commit_pairs: tuple | None = None
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
         # packed buckets at new addresses (CUDA IPC packed, one call per bucket): layout -> plan
@@ -101,6 +105,7 @@ class WorkerTransferState:
         self.staging = {}
         self.staging_bufs = {}
         self.stage_op = None
+        self.stage_fixed = self.commit_pairs = None
         self.plans = {}
         self.plans_used = set()
         self.bucket_plans, self.bucket_plans_sig = OrderedDict(), None
