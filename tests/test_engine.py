@@ -201,7 +201,7 @@ def test_abort(llms):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_cpu_prefill_budget_default_and_long_prompt(tiny_model, chunked):
     """On CPU a prefill step takes at most 1024 tokens by default (several prompts split over
-    steps); a prompt longer than that is prefilled in chunks (chunked prefill, the default) or
+    steps); a prompt longer than that is prefilled in chunks (``enable_chunked_prefill=True``; off by default since session 17) or
     runs alone in one step (``enable_chunked_prefill=False``), with HF's greedy tokens either way."""
     path = tiny_model("llama", max_position_embeddings=2048)
     llm = LLM(path, dtype="float32", device="cpu", enable_chunked_prefill=chunked)

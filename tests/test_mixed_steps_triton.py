@@ -7,17 +7,12 @@ within 1e-4 (float32: the bound ``tests/test_triton_interpret.py`` holds between
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
-import tests.triton_interp  # noqa: F401  (skips this module, or sets TRITON_INTERPRET=1 first)
+import tests.triton_interp  # (skips this module, or sets TRITON_INTERPRET=1 first)
 
-for _name in ("rlserve.layers.triton_attention_kernels", "rlserve.layers.triton_attention"):
-    if _name in sys.modules:  # built without the interpreter: rebuild (the kernels first)
-        importlib.reload(sys.modules[_name])
+tests.triton_interp.rebuild("rlserve.layers.triton_attention_kernels", "rlserve.layers.triton_attention")
 from rlserve.layers import triton_attention as ta  # noqa: E402
 from rlserve.layers.attention import (  # noqa: E402
     ATTENTION_BACKENDS,

@@ -47,3 +47,13 @@ def _patch_interpreter_for_numpy2() -> None:
 
 
 _patch_interpreter_for_numpy2()
+
+
+def rebuild(*names: str) -> None:
+    """Reload the modules ``names`` (in order: kernels first) that were imported before
+    ``TRITON_INTERPRET=1`` was set, so their ``@triton.jit`` functions are the interpreter's."""
+    import importlib
+
+    for name in names:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
