@@ -148,6 +148,11 @@ VARIABLES: dict[str, Var] = {
                                      "'0': the CUDA warm-up compiles its Triton kernels one by one in the engine's "
                                      "thread (default: what Triton's cache lacks compiles first in parallel "
                                      "processes)"),
+    "RLSERVE_GPU_START_OVERLAP": Var("bool", False, _flag,
+                                     "'1': GPU start-up overlap (issue 37, not yet measured on a GPU): the API "
+                                     "process's imports on threads beside the engine's start with --device cuda, the "
+                                     "prestarted engine core's CUDA driver load + Triton source hash, the sampler's "
+                                     "cold-cache compilation before the model is built (default: off)"),
     "RLSERVE_FUSED_KERNELS": Var("bool", True, _flag,
                                  "'0': PyTorch instead of the fused Triton kernels (add+RMSNorm, SiLU-mul, "
                                  "q/k-norm+rotary+KV write) and the C kernels on CPU; read at import"),

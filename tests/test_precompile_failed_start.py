@@ -134,8 +134,8 @@ def test_a_failed_start_reaps_the_early_sampler_precompile(tiny_model, monkeypat
 
 
 def test_early_sampler_precompile_only_for_one_gpu(monkeypatch):
-    """``start_sampler_precompile`` starts nothing (None, no Triton touched) on the CPU, under tensor
-    parallelism, or with ``RLSERVE_TRITON_PRECOMPILE=0``: there the engine starts it after the KV
+    """``start_sampler_precompile`` starts nothing (None, no Triton touched) without
+    ``RLSERVE_GPU_START_OVERLAP=1``, on the CPU, under tensor parallelism, or with ``RLSERVE_TRITON_PRECOMPILE=0``: there the engine starts it after the KV
     cache sizing, as before."""
     from rlserve.config import EngineConfig
     from rlserve.engine.core.engine_setup import start_sampler_precompile
@@ -143,6 +143,9 @@ def test_early_sampler_precompile_only_for_one_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(tp, "precompile", lambda *a, **k: calls.append(a))
     monkeypatch.setenv("RLSERVE_TRITON_PRECOMPILE", "1")
+    monkeypatch.setenv("RLSERVE_GPU_START_OVERLAP", "0")  # the default: off until measured on a GPU
+    assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cuda")) is None
+    monkeypatch.setenv("RLSERVE_GPU_START_OVERLAP", "1")
     assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cpu")) is None
     assert start_sampler_precompile(EngineConfig(model="/nonexistent", device="cuda", tensor_parallel_size=2)) is None
     monkeypatch.setenv("RLSERVE_TRITON_PRECOMPILE", "0")

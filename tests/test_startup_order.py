@@ -11,14 +11,16 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from rlserve.startup_log import Phases, process_age
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 120  # bound on every subprocess (seconds): only catches a hang
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _run(code: str, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_vars)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
                           text=True, timeout=T, cwd=REPO)
 
@@ -64,11 +66,13 @@ def test_engine_config_does_not_import_torch():
     assert out.stdout.split() == ["False", "True"], out.stdout
 
 
-def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path):
-    """``rlserve serve --device cuda`` (the driver's device count stood in for: this machine may have no GPU):
-    when the prestarted engine-core process is handed its arguments, the API process's main thread has not
-    imported torch (it loads beside the engine's start). Fails on the code before (torch was imported by
-    the config, the device check and the app's import first). The check stops the process there."""
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path, overlap):
+    """``rlserve serve --device cuda`` (the driver's device count stood in for: this machine may have no GPU)
+    with ``RLSERVE_GPU_START_OVERLAP=1``: when the prestarted engine-core process is handed its arguments, the
+    API process's main thread has not imported torch (it loads beside the engine's start). Fails on the code
+    before (torch was imported by the config, the device check and the app's import first). Off (the
+    default until measured on a GPU): imported before, as before. The check stops the process there."""
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
@@ -88,6 +92,7 @@ def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path):
         from rlserve.cli import main
         main(["serve", sys.argv[1], "--device", "cuda", "--port", "0", "--load-format", "dummy"])
         print("not reached")
-    """, str(model))
+    """, str(model), RLSERVE_GPU_START_OVERLAP=overlap)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "torch imported: False config sent: True", out.stdout + out.stderr[-3000:]
+    want = f"torch imported: {overlap == '0'} config sent: True"
+    assert out.stdout.strip().splitlines()[-1] == want, out.stdout + out.stderr[-3000:]

@@ -20,6 +20,7 @@ else
   SHAPE=qwen3-8b; DEV=cuda; SRV=(-- --max-model-len 2056); NEED=(45)
 fi
 NEW=$PWD
+export RLSERVE_GPU_START_OVERLAP=1  # this tree's GPU start-up overlap (default off until measured; the baseline lacks it)
 BASE=/tmp/s17_start_base
 rm -rf "$BASE"; mkdir -p "$BASE"
 cp -r rlserve tests benchmarks "$BASE"/ 2>/dev/null

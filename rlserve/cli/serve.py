@@ -457,11 +457,11 @@ def run(args) -> int:
     from rlserve.engine.front.async_engine import AsyncEngine
     from rlserve.startup_log import Phases, log_phase, process_age
 
-    # on a GPU, the engine-core processes get their arguments first (AsyncEngine below) and this process's
+    # on a GPU with RLSERVE_GPU_START_OVERLAP=1, the engine-core processes get their arguments first (AsyncEngine below) and this process's
     # heavier part (torch, FastAPI, the routes; transformers for generation_config.json) loads on threads
     # beside their start (16 cores of the GPU machine to spare); on the CPU (and with --device auto) before
     # it, as before: there the two processes share the cores the engine's own start needs
-    now_or_beside = _beside if config.device.startswith("cuda") else _now
+    now_or_beside = _beside if config.device.startswith("cuda") and envs.RLSERVE_GPU_START_OVERLAP else _now
     app_module = now_or_beside(_import_app)
     sampling = now_or_beside(generation_defaults, args.generation_config, model_path)
     log_phase(logger, "API process: flags and checks", process_age())

@@ -377,7 +377,7 @@ _CONFIG_MODULES = ("transformers.models.qwen3.configuration_qwen3", "transformer
 def warm_up_imports(device: str) -> None:
     """What a prestarted core does before its arguments come (none of it depends on them): import the
     engine (torch, transformers, the worker, model runner, loader, layers) and, where ``device`` (the
-    server's ``--device``) may be a GPU: load the CUDA driver (no context: the device is not chosen yet;
+    server's ``--device``) may be a GPU and ``RLSERVE_GPU_START_OVERLAP=1``: load the CUDA driver (no context: the device is not chosen yet;
     ``torch.cuda.init`` makes none) and Triton's one-time hash of its own sources (``triton_key``, the
     first part of every kernel's cache key: 0.35 s on the H100 machine in session 14's profile, 1.5 s on
     the 2-core CPU machine). A failure here is left for the real start to meet and report."""
@@ -393,7 +393,7 @@ def warm_up_imports(device: str) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - another transformers version: AutoConfig imports what it needs
             pass
-    if device.startswith("cpu"):
+    if device.startswith("cpu") or not envs.RLSERVE_GPU_START_OVERLAP:
         return
     try:
         if not torch.cuda.is_available():

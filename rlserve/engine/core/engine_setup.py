@@ -57,14 +57,16 @@ def start_sampler_precompile(config: EngineConfig):
     built, so that it runs beside the weights' load, the KV cache sizing and the model's own warm-up
     instead of from the KV cache sizing on: its 4 kernels took 6.3 s on an empty Triton cache (H100,
     session 16), longer than the model's warm-up beside them. Needs only the model's Hugging Face config
-    (vocabulary size, dtype) and the device: one GPU (TP = 1), ``RLSERVE_TRITON_PRECOMPILE`` on.
+    (vocabulary size, dtype) and the device: one GPU (TP = 1), ``RLSERVE_TRITON_PRECOMPILE`` on, and
+    ``RLSERVE_GPU_START_OVERLAP=1`` (off by default until measured on a GPU).
 
     Returns:
         the running ``Compiling`` (``kill()`` it if the start fails), or None: not that case, nothing
         to compile, or anything failed here (logged at debug level: the engine then compiles them
         after the KV cache sizing, as before, and reports the real error itself).
     """
-    if config.tensor_parallel_size != 1 or not envs.RLSERVE_TRITON_PRECOMPILE:
+    if (config.tensor_parallel_size != 1 or not envs.RLSERVE_TRITON_PRECOMPILE
+            or not envs.RLSERVE_GPU_START_OVERLAP):
         return None
     try:
         from transformers import AutoConfig
