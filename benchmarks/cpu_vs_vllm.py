@@ -76,6 +76,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rlserve.server.launch import tree_cpu_by_process as tree_cpu_seconds  # noqa: E402  (per process, by "<pid> <name>")
+
 VOCAB = 49152  # SmolLM2's vocabulary
 
 
@@ -104,32 +106,6 @@ def set_autogroup_nice(pid: int | None, nice: int, quiet: bool = False) -> None:
         except OSError as e:
             if not quiet:
                 print(f"{name}: autogroup nice not set ({e})", flush=True)
-
-
-def tree_cpu_seconds(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of process ``pid`` and each live descendant, by
-    ``"<pid> <name>"`` (from ``/proc/<pid>/stat``; children already exited and reaped count
-    through their parent's ``cutime``/``cstime``). Empty where ``/proc`` is missing."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats, children = {}, {}
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
-        except OSError:
-            continue
-        fields = rest.split()
-        stats[int(d)] = (head.split("(", 1)[1], sum(int(x) for x in fields[11:15]))  # utime stime cutime cstime
-        children.setdefault(int(fields[1]), []).append(int(d))
-    out, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            out[f"{p} {stats[p][0]}"] = stats[p][1] / tick
-        todo += children.get(p, [])
-    return out
 
 
 class Server:

@@ -100,34 +100,42 @@ STALL_S = 60.0
 MAX_STRETCH = 10.0
 
 
-def tree_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` and its descendants (children they reaped
-    included), from ``/proc/*/stat``; None without ``/proc`` or when ``pid`` is gone."""
+def tree_cpu_by_process(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of process ``pid`` and each live descendant, by ``"<pid> <name>"``
+    (from ``/proc/*/stat``; children already exited and reaped count through their parent's
+    ``cutime`` / ``cstime``). Empty without ``/proc`` or when ``pid`` is gone."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     kids: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
+    stats: dict[int, tuple[str, float]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
-        return None
+        return {}
     for d in names:
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+                head, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            stats[int(d)] = (head.split("(", 1)[1], sum(int(x) for x in fields[11:15]) / tick)  # utime stime cutime cstime
+            kids.setdefault(int(fields[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
             continue  # ended meanwhile
-        kids.setdefault(int(fields[1]), []).append(int(d))
-        cpu[int(d)] = sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
-    if pid not in cpu:
-        return None
-    total, todo = 0.0, [pid]
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += cpu.get(p, 0.0)
+        if p in stats:
+            out[f"{p} {stats[p][0]}"] = stats[p][1]
         todo.extend(kids.get(p, ()))
-    return total
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its descendants (children they reaped
+    included; :func:`tree_cpu_by_process` summed); None without ``/proc`` or when ``pid`` is gone."""
+    per = tree_cpu_by_process(pid)
+    return sum(per.values()) if per else None
 
 
 class StartClock:
