@@ -57,9 +57,9 @@ chunk, and a stream's gap across a chunk is one prefill step plus one decode ste
 Mixed steps (``mixed_prefill_decode``, ``--mixed-prefill-decode``, off by default; session 17): a
 prefill step while sequences run also decodes every running sequence (:meth:`Scheduler._schedule_mixed`;
 vLLM's way, its decode tokens counted in the step's budget), so the gap is the one eager step. The
-decode rows run in the prefill path (eager: hundreds of kernel launches from Python, ~10 ms for
-Qwen3-0.6B on an H100, s16's step trace) with their whole KV read by the varlen attention as a
-prefix-cache hit's; the pure decode steps between mixed ones (``max_consecutive_prefill_steps``) keep
+decode rows run in the eager prefill path (hundreds of kernel launches from Python, ~10 ms for
+Qwen3-0.6B on an H100, s16's step trace); their attention runs in the backend's decode kernel
+(``AttentionMetadata.decode_split``), the prompt rows' in the varlen one; the pure decode steps between mixed ones (``max_consecutive_prefill_steps``) keep
 their graphs. ``benchmarks/stream_schedule_sim.py --mixed off on`` models both: the c256 p99 gap
 20.5 -> 18.8 ms if an eager step's launch cost adds to its GPU work, 19.8 -> 11.5 ms if the work hides
 under the launches (both fit s16's trace; BENCHMARKS.md, "HTTP serving", s17). A partial prefill is preempted
@@ -214,9 +214,9 @@ Raises:
         if not decode_due and (self.waiting or self.prefilling):
             if self.mixed_prefill_decode and self.running:
                 batch = self._schedule_mixed()
-                if not batch.is_prefill:  # nothing could start: a plain decode step (or None)
+                if batch is None or not batch.is_prefill:  # nothing could start: a plain decode step (or None)
                     self.prefill_steps_in_a_row = 0
-                    return batch if batch.seqs else None
+                    return batch
             else:
                 batch = self._schedule_chunks() if self.enable_chunked_prefill else self._schedule_prefill()
             if batch is not None:
@@ -225,12 +225,12 @@ Raises:
         self.prefill_steps_in_a_row = 0
         return self._schedule_decode()
 
-    def _schedule_mixed(self) -> ScheduledBatch:
+    def _schedule_mixed(self) -> ScheduledBatch | None:
         """A mixed step: one decode token for every running sequence (as :meth:`_schedule_decode`,
         preempting when a block is missing), then prefill work as :meth:`_schedule_chunks` /
         :meth:`_schedule_prefill` in what is left of :meth:`prefill_budget` after the decode tokens
         (vLLM's scheduler: decodes and chunks share ``--max-num-batched-tokens``). When no prefill
-        work fits, the decode part alone (``is_prefill`` False; no sequences when nothing runs)."""
+        work fits, :meth:`_schedule_decode`'s batch alone (``is_prefill`` False; None when nothing runs)."""
         decode = self._schedule_decode()
         decodes = [] if decode is None else decode.seqs
         room = self.prefill_budget() - len(decodes)
@@ -238,7 +238,7 @@ Raises:
         if room > 0:
             part = self._schedule_chunks(room) if self.enable_chunked_prefill else self._schedule_prefill(room)
         if part is None:
-            return ScheduledBatch(decodes, is_prefill=False)
+            return decode
         seqs = part.seqs
         starts = [s.num_cached_tokens for s in seqs] if part.starts is None else part.starts
         ends = [len(s) for s in seqs] if part.ends is None else part.ends
