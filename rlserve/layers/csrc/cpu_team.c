@@ -228,34 +228,51 @@ int64_t rlserve_team_test_done(void) { return atomic_load(&T.done); }
 
 /* ---- linear on packed panels -------------------------------------------------------- */
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4)));
-
-/* a * w + acc with one rounding per lane (the build keeps contraction off elsewhere) */
-static inline __attribute__((always_inline)) vf16 fma16(float a, vf16 w, vf16 acc) {
+/* One vector register of float32 lanes (VL of them) and a * w + acc with one rounding per lane
+   (the build keeps contraction off elsewhere). A 32-column panel row is NVP = 32 / VL vectors:
+   2 with AVX-512, 4 with AVX2 + FMA, 8 in the portable fallback. */
 #if defined(__AVX512F__)
-    return (vf16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)w, (__m512)acc);
-#elif defined(__FMA__)
-    typedef float vf8 __attribute__((vector_size(32)));
-    const __m256 s = _mm256_set1_ps(a);
-    vf8 lo = (vf8)_mm256_fmadd_ps(s, (__m256)(vf8){w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]},
-                                  (__m256)(vf8){acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]});
-    vf8 hi = (vf8)_mm256_fmadd_ps(s, (__m256)(vf8){w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]},
-                                  (__m256)(vf8){acc[8], acc[9], acc[10], acc[11], acc[12], acc[13], acc[14], acc[15]});
-    return (vf16){lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
-#else
-    for (int j = 0; j < 16; j++) acc[j] = fmaf(a, w[j], acc[j]);
-    return acc;
-#endif
+#define VL 16
+typedef float vreg __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) vreg vfma(float a, vreg w, vreg acc) {
+    return (vreg)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)w, (__m512)acc);
 }
+#elif defined(__FMA__) && defined(__AVX__)
+#define VL 8
+typedef float vreg __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) vreg vfma(float a, vreg w, vreg acc) {
+    return (vreg)_mm256_fmadd_ps(_mm256_set1_ps(a), (__m256)w, (__m256)acc);
+}
+#else
+#define VL 4
+typedef float vreg __attribute__((vector_size(16)));
+static inline __attribute__((always_inline)) vreg vfma(float a, vreg w, vreg acc) {
+    for (int j = 0; j < VL; j++) acc[j] = fmaf(a, w[j], acc[j]);
+    return acc;
+}
+#endif
+typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
+#define PW 32 /* panel width: output columns per packed panel */
+#define NVP (PW / VL)
 
-/* register tile: up to MAX_MB rows x one 32-column panel (2 vectors of 16) of accumulators
-   (24 of AVX-512's 32 registers; AVX2 holds a 16-vector in 2 of its 16: 2 x 2 x 2 = 8 there) */
+/* Register tile: MB rows (up to MAX_MB) x NV vectors of columns, at most ACC_REGS accumulators:
+   AVX-512 24 of its 32 registers (12 rows x the whole panel); AVX2 12 of its 16 (the other 3:
+   2 weight vectors and the row's broadcast), so 1-3 rows x the whole panel (4 vectors) or 4-6
+   rows x half of it (2 vectors), the half-panel tile run twice per panel. Before s18 the AVX2
+   build ran the AVX-512 tile's 16-lane vectors through 8-lane halves rebuilt element by element
+   and at most 2 rows: 4-6 GFLOP/s of one core (AMD EPYC Zen 3, 2026-12-06 s18) where torch.mm got
+   13-73. NV_FOR(MB): the tile's vectors per row. */
 #if defined(__AVX512F__)
 #define MAX_MB 12
+#define ACC_REGS 24
+#elif VL == 8
+#define MAX_MB 6
+#define ACC_REGS 12
 #else
 #define MAX_MB 2
+#define ACC_REGS 16
 #endif
+#define NV_FOR(MB) ((MB) * NVP <= ACC_REGS ? NVP : (MB) * (NVP / 2) <= ACC_REGS ? NVP / 2 : 1)
 #define PF_DIST 16
 #define PF_LOC 3
 /* Tiles of 2 or more rows also prefetch PF_L2 panel rows ahead into L2: their loop takes
@@ -265,60 +282,54 @@ static inline __attribute__((always_inline)) vf16 fma16(float a, vf16 w, vf16 ac
    64-67 -> 43-48 / 48-49 / 57-58 (PF_L2 48: 48-52 / 50 / 57-58; 64 or 96 no better). One
    row: no gain (38 -> 40 ms with it), so not there. */
 #define PF_L2 32
-#define PW 32 /* panel width: output columns per packed panel */
 
-/* MB rows x one panel over k in [0, kn): xt holds the rows' inputs transposed (xt[k][m]) from
-   the first k of the piece on, wp the panel's rows from there ([kn][32]). The accumulators
-   start at zero (acc_in NULL) or at acc_in's [MB][32] values (the piece before: a longer sum
-   cut in k-pieces, the same fused multiply-adds in the same order, so the same bits); they end
-   in acc_out ([MB][32]) or, when acc_out is NULL (the last piece), + bias in the ncols (<= 32)
-   stored columns of out (the first row's first column; row stride ldo). pf, pf2: prefetch
-   distances in panel rows into L1 and L2 (0: none). */
+/* MB rows x NV vectors of one panel's columns from column h on, over k in [0, kn): xt holds the
+   rows' inputs transposed (xt[k][m]) from the first k of the piece on, wp the panel's rows from
+   there ([kn][32]). The accumulators start at zero (acc_in NULL) or at acc_in's [MB][32] values
+   (the piece before: a longer sum cut in k-pieces, the same fused multiply-adds in the same
+   order, so the same bits); they end in acc_out ([MB][32]) or, when acc_out is NULL (the last
+   piece), + bias in the panel's stored columns among them (ncols <= 32 stored in all; out: the
+   first row's panel column 0, row stride ldo). pf, pf2: prefetch distances in panel rows into
+   L1 and L2 (0: none), of the cache lines this tile reads. */
 static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t kn,
                                                        const float *acc_in, float *acc_out, float *out,
                                                        int64_t ldo, int ncols, const float *bias, const int64_t pf,
-                                                       const int64_t pf2, const int MB) {
-    vf16 acc[MAX_MB][2];
+                                                       const int64_t pf2, const int MB, const int NV, const int h) {
+    vreg acc[MAX_MB][NVP];
     if (acc_in)
-        for (int m = 0; m < MB; m++) {
-            acc[m][0] = *(const vf16u *)(acc_in + PW * m);
-            acc[m][1] = *(const vf16u *)(acc_in + PW * m + 16);
-        }
+        for (int m = 0; m < MB; m++)
+            for (int j = 0; j < NV; j++) acc[m][j] = *(const vregu *)(acc_in + PW * m + h + VL * j);
     else
-        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = (vf16){0};
+        for (int m = 0; m < MB; m++)
+            for (int j = 0; j < NV; j++) acc[m][j] = (vreg){0};
     for (int64_t k = 0; k < kn; k++) {
-        if (pf > 0) { /* the panel's stream, pf rows of 128 bytes ahead (past its end: harmless) */
-            __builtin_prefetch(wp + PW * (k + pf), 0, PF_LOC);
-            __builtin_prefetch(wp + PW * (k + pf) + 16, 0, PF_LOC);
+        /* the panel's stream, pf (pf2) rows of 128 bytes ahead (past its end: harmless) */
+        for (int l = 0; l < (NV * VL * 4 + 63) / 64; l++) {
+            if (pf > 0) __builtin_prefetch(wp + PW * (k + pf) + h + 16 * l, 0, PF_LOC);
+            if (pf2 > 0) __builtin_prefetch(wp + PW * (k + pf2) + h + 16 * l, 0, 2);
         }
-        if (pf2 > 0) { /* and pf2 rows ahead into L2 */
-            __builtin_prefetch(wp + PW * (k + pf2), 0, 2);
-            __builtin_prefetch(wp + PW * (k + pf2) + 16, 0, 2);
-        }
-        const vf16 w0 = *(const vf16u *)(wp + PW * k), w1 = *(const vf16u *)(wp + PW * k + 16);
+        vreg w[NVP];
+        for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + PW * k + h + VL * j);
         for (int m = 0; m < MB; m++) {
             const float a = xt[k * MB + m];
-            acc[m][0] = fma16(a, w0, acc[m][0]);
-            acc[m][1] = fma16(a, w1, acc[m][1]);
+            for (int j = 0; j < NV; j++) acc[m][j] = vfma(a, w[j], acc[m][j]);
         }
     }
     if (acc_out) {
-        for (int m = 0; m < MB; m++) {
-            *(vf16u *)(acc_out + PW * m) = acc[m][0];
-            *(vf16u *)(acc_out + PW * m + 16) = acc[m][1];
-        }
+        for (int m = 0; m < MB; m++)
+            for (int j = 0; j < NV; j++) *(vregu *)(acc_out + PW * m + h + VL * j) = acc[m][j];
         return;
     }
     for (int m = 0; m < MB; m++)
-        for (int j = 0; j < 2; j++) {
-            vf16 v = acc[m][j];
-            float *o = out + m * ldo + 16 * j;
-            const int n = ncols - 16 * j;
-            if (n >= 16) {
-                if (bias) v += *(const vf16u *)(bias + 16 * j);
-                *(vf16u *)o = v;
+        for (int j = 0; j < NV; j++) {
+            vreg v = acc[m][j];
+            const int c0 = h + VL * j, n = ncols - c0;
+            float *o = out + m * ldo + c0;
+            if (n >= VL) {
+                if (bias) v += *(const vregu *)(bias + c0);
+                *(vregu *)o = v;
             } else {
-                for (int c = 0; c < n; c++) o[c] = bias ? v[c] + bias[16 * j + c] : v[c];
+                for (int c = 0; c < n; c++) o[c] = bias ? v[c] + bias[c0 + c] : v[c];
             }
         }
 }
@@ -332,11 +343,18 @@ typedef struct {
     int64_t M, N, K, ldo, panels, panels_per_chunk, mb;
 } gemm_ctx;
 
-#define T1(n, PF, PF2) case n: tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n); break;
+/* an MB-row block over the whole panel: PW / (NV_FOR(MB) * VL) tiles side by side */
+#define T1(n, PF, PF2)                                                                                           \
+    case n:                                                                                                      \
+        for (int h = 0; h < PW; h += NV_FOR(n) * VL)                                                             \
+            tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h);               \
+        break;
 #define TILES(PF, PF2) switch (mb) { T1(1, PF, PF2) T1(2, PF, PF2) TILES_MORE(PF, PF2) }
-#if MAX_MB > 2
+#if MAX_MB == 12
 #define TILES_MORE(PF, PF2) T1(3, PF, PF2) T1(4, PF, PF2) T1(5, PF, PF2) T1(6, PF, PF2) T1(7, PF, PF2) \
     T1(8, PF, PF2) T1(9, PF, PF2) T1(10, PF, PF2) T1(11, PF, PF2) T1(12, PF, PF2)
+#elif MAX_MB == 6
+#define TILES_MORE(PF, PF2) T1(3, PF, PF2) T1(4, PF, PF2) T1(5, PF, PF2) T1(6, PF, PF2)
 #else
 #define TILES_MORE(PF, PF2)
 #endif
@@ -416,7 +434,7 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
         if ((panels + l2_panels - 1) / l2_panels > chunks) chunks = (panels + l2_panels - 1) / l2_panels;
     }
     if (chunks > panels) chunks = panels;
-    /* rows in balanced blocks of at most MAX_MB (16 rows: 8 + 8), each transposed once */
+    /* rows in balanced blocks of at most MAX_MB (AVX-512, 16 rows: 8 + 8), each transposed once */
     const int64_t nblocks = (M + MAX_MB - 1) / MAX_MB, mb = (M + nblocks - 1) / nblocks;
     if (xt_cap < M * K) {
         free(xt_buf);
