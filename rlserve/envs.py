@@ -113,6 +113,12 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_ASYNC_SCHEDULING": Var("bool | None", None, _zero_one,
                                     "'0' / '1': overlapped decode off / on when neither --[no-]async-scheduling "
                                     "nor extra['async_scheduling'] says (else: on for CUDA with TP=1)"),
+    "RLSERVE_OVERLAP_AFTER_PREFILL": Var("bool", True, _flag,
+                                         "'0': under overlapped scheduling a decode step is launched before the step "
+                                         "in flight is read only when every sequence in it was in that step (the "
+                                         "session-17 rule: the decode step after a prefill step waits for the "
+                                         "prefill's tokens); on (default): also when its other sequences' last "
+                                         "tokens are on the host (rlserve/engine/core/overlap.py)"),
     # ---- engine-core process
     "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
                              "default of --log-level of an engine-core process started by hand (python -m "

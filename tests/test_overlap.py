@@ -56,6 +56,19 @@ def test_overlap_with_preemption(tiny_model):
     _same(got, ref)
 
 
+def abort_then_finish(eng, rid) -> dict:
+    """Abort ``rid`` (its output says so, without a placeholder), then step to the end; the other
+    requests' final outputs by request id."""
+    (out,) = eng.abort_request(rid)
+    assert out.outputs[0].finish_reason == "abort" and -1 not in out.outputs[0].token_ids
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
 def test_abort_between_overlapped_steps(tiny_model):
     path = tiny_model("llama")
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"async_scheduling": True})
@@ -65,13 +78,7 @@ def test_abort_between_overlapped_steps(tiny_model):
     for _ in range(4):
         eng.step()
     assert eng._overlap.inflight is not None  # a step is in flight between calls
-    (out,) = eng.abort_request("r1")
-    assert out.outputs[0].finish_reason == "abort" and -1 not in out.outputs[0].token_ids
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
+    done = abort_then_finish(eng, "r1")
     assert sorted(done) == ["r0", "r2"]
     ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(
         [PROMPTS[0], PROMPTS[2]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

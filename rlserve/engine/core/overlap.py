@@ -22,12 +22,24 @@ read (the prefill phase of a large batch is otherwise one host sync per step). A
 (``--mixed-prefill-decode``) too: its decode rows of the step in flight take their input ids on
 the device (``StepInput.input_ids_from`` with the flat rows to fill), under the decode rule below.
 
+A decode step after a prefill step of new prompts holds the running sequences (their last token
+on the host: they were not in the prefill step) and the new ones (their first token on the
+device, in the prefill's sampler output): it is launched early too, its rows of the step in flight
+filled on the device (``(tokens, rows, where)``), the others from the host. Only one step is ever
+in flight, so a sequence not in it has no placeholder. Before session 18 (issue 37) a decode step
+was launched early only when *every* sequence in it was in the step in flight, so every prefill
+step while sequences ran was followed by an unoverlapped decode step (``RLSERVE_OVERLAP_AFTER_PREFILL=0``
+keeps that rule, for measuring). Which batch runs next does not change, only when it is launched:
+tokens are the plain loop's.
+
 Block frees while a step is in flight are safe: every later write to a freed block comes from
-a step launched later on the same stream. A decode step is launched early only when every
-sequence in it was in the step in flight, every sequence's sampling ignores its output's
-*values* (no repetition / frequency / presence penalty, no structured output) and the
-executor takes device-side input ids (in-process workers); a prefill step whenever it is the
-next step. Otherwise the step runs as before, after the step in flight was read. On by default
+a step launched later on the same stream. A decode step (or a mixed step's decode rows) is
+launched early only when every sequence in it that was in the step in flight samples
+independently of its output's *values* (no repetition / frequency / presence penalty, no bad
+words, no structured output: those read the placeholder; a sequence that was not in the step in
+flight has its real tokens and may use them), and the executor takes device-side input ids
+(in-process workers); a prefill step whenever it is the next step. Otherwise the step runs as
+before, after the step in flight was read. On by default
 for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
 :func:`rlserve.engine.core.engine_setup.want_async_scheduling` says how it is decided; off with
 ``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
@@ -42,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlserve import envs
 from rlserve.engine.core.scheduler import ScheduledBatch
 
 PLACEHOLDER = -1  # a sampled token not yet read back; never reaches an output
@@ -77,6 +90,25 @@ def _copy_to_host(out):
     return host, done
 
 
+def _ids_from(batch, prev: _InFlight | None) -> tuple | None:
+    """``StepInput.input_ids_from`` of ``batch`` launched while ``prev`` is in flight: its decode
+    rows (every row of a decode step, the first ``num_decodes`` of a mixed one) whose sequence
+    was in ``prev`` take their id from ``prev``'s sampled tokens, ``(tokens, rows)`` when that is
+    every row of a decode step, else ``(tokens, rows, where)`` with the flat rows ``where``; None
+    when no row is such (the others' last tokens are on the host)."""
+    if prev is None:
+        return None
+    dec = batch.seqs[:batch.num_decodes] if batch.is_prefill else batch.seqs
+    row = prev.row
+    where = [i for i, s in enumerate(dec) if s in row]
+    if not where:
+        return None
+    rows = [row[dec[i]] for i in where]
+    if not batch.is_prefill and len(where) == len(dec):
+        return prev.out.token_ids, rows
+    return prev.out.token_ids, rows, where
+
+
 def overlappable(seqs) -> bool:
     """Whether a decode batch's sampling is independent of its output token values."""
     for s in seqs:
@@ -95,30 +127,29 @@ class OverlapScheduler:
         self.engine = engine
         self.inflight: _InFlight | None = None
         self.pending: list = []
+        self.after_prefill = envs.RLSERVE_OVERLAP_AFTER_PREFILL
+        #: steps scheduled while a step was in flight: launched before it was read ("early"; of
+        #: them "early_host_rows": decode steps with rows whose ids came from the host) or after
+        #: ("after_read": not launchable early)
+        self.counts = {"early": 0, "early_host_rows": 0, "after_read": 0}
 
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
-        ids_from = None
-        if prev is not None and not batch.is_prefill:
-            ids_from = (prev.out.token_ids, [prev.row[s] for s in batch.seqs])
-        elif prev is not None and batch.num_decodes:  # mixed: its decode rows (flat row i) from prev
-            where = [i for i, s in enumerate(batch.seqs[:batch.num_decodes]) if s in prev.row]
-            if where:
-                ids_from = (prev.out.token_ids, [prev.row[batch.seqs[i]] for i in where], where)
-        seqs, out = self.engine._launch(batch, ids_from)  # (a chunk that does not end its prompt samples nothing)
+        seqs, out = self.engine._launch(batch, _ids_from(batch, prev))  # (a chunk that does not end its prompt samples nothing)
         index = [len(s.output_token_ids) for s in seqs]
         host, done = _copy_to_host(out)
         return _InFlight(list(seqs), out, host, done, index, {s: i for i, s in enumerate(seqs)}, batch.is_prefill)
 
-    @staticmethod
-    def _launchable(follow, cur: _InFlight) -> bool:
-        """Whether ``follow`` can run before ``cur``'s tokens are read: a prefill (its inputs
-        are on the host), or a decode of ``cur``'s own sequences whose sampling ignores output
-        values (their ids come from ``cur``'s device tensor); a mixed step when its decode rows
-        of ``cur``'s sequences are such."""
+    def _launchable(self, follow, cur: _InFlight) -> bool:
+        """Whether ``follow`` can run before ``cur``'s tokens are read: its decode rows (a decode
+        step's sequences, a mixed step's first ``num_decodes``) of ``cur``'s sequences sample
+        independently of output values (their ids come from ``cur``'s device tensor, their output
+        lists end in a placeholder); its other rows' inputs are on the host. Without
+        ``RLSERVE_OVERLAP_AFTER_PREFILL`` a decode step only when all its sequences were in ``cur``."""
         row = cur.row
-        if follow.is_prefill:  # a mixed step's decode rows: as a decode step's, for those in cur
-            return overlappable([s for s in follow.seqs[:follow.num_decodes] if s in row])
-        return overlappable(follow.seqs) and all(s in row for s in follow.seqs)
+        dec = follow.seqs[:follow.num_decodes] if follow.is_prefill else follow.seqs
+        if not self.after_prefill and not follow.is_prefill and not all(s in row for s in dec):
+            return False
+        return overlappable([s for s in dec if s in row])
 
     def _schedule_next(self, cur: _InFlight):
         """Placeholders for ``cur``'s tokens, then the scheduler's next batch."""
@@ -151,10 +182,14 @@ class OverlapScheduler:
             follow = self._schedule_next(cur)
             if follow is not None and self._launchable(follow, cur):
                 self.inflight = self._launch(follow, cur)
+                self.counts["early"] += 1
+                if not follow.is_prefill and not all(s in cur.row for s in follow.seqs):
+                    self.counts["early_host_rows"] += 1
                 follow = None
         outs += eng._finish_step(cur.seqs, cur.wait(), outputs_for, cur.token_index)
         if follow is not None:  # scheduled on placeholders but not launchable early: its ids are real now
             keep = [i for i, s in enumerate(follow.seqs) if not s.is_finished]  # some stopped at cur's tokens
+            self.counts["after_read"] += 1
             if keep:
                 batch = ScheduledBatch([follow.seqs[i] for i in keep], follow.is_prefill)
                 if follow.starts is not None:  # a mixed step (or chunks): its spans, less the stopped rows

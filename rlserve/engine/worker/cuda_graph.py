@@ -39,7 +39,7 @@ import time
 import torch
 from torch import nn
 
-from rlserve.h2d import gather_rows
+from rlserve.h2d import gather_rows, to_device
 from rlserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,8 @@ class DecodeCUDAGraphs:
         Args:
             input_ids: ``B`` token ids (the last token of each sequence).
             ids_from: optional ``(tokens, rows)``: the ids are ``tokens[rows]`` on the device
-                instead (``StepInput.input_ids_from``; ``input_ids`` holds placeholders).
+                instead (``StepInput.input_ids_from``; ``input_ids`` holds placeholders);
+                ``(tokens, rows, where)``: only rows ``where`` take ``tokens[rows]``.
             seq_lens: ``B`` context lengths including that token (``<= max_model_len``).
             block_tables: ``B`` block-id lists, each covering its ``seq_lens`` entry.
             lora_ids: LoRA graphs: each sequence's adapter id (0: base).
@@ -254,7 +255,10 @@ class DecodeCUDAGraphs:
             bt_np[i, :k] = row
         n = 2 * self.max_bs + bs * self.max_blocks
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
-        if ids_from is not None:  # stream-ordered after the staging copy, before the replay
+        if ids_from is not None and len(ids_from) == 3:  # some rows from the host, the rest from the device
+            where = to_device(ids_from[2], torch.long, self.device)
+            self.input_ids.index_copy_(0, where, gather_rows(ids_from[0], ids_from[1]).to(self.input_ids.dtype))
+        elif ids_from is not None:  # stream-ordered after the staging copy, before the replay
             self.input_ids[:B].copy_(gather_rows(*ids_from))
         if self.lora is not None:
             self.lora.fill_static(lora_ids or [0] * B)
