@@ -38,8 +38,10 @@ launched early only when every sequence in it that was in the step in flight sam
 independently of its output's *values* (no repetition / frequency / presence penalty, no bad
 words, no structured output: those read the placeholder; a sequence that was not in the step in
 flight has its real tokens and may use them), and the executor takes device-side input ids
-(in-process workers); a prefill step whenever it is the next step. Otherwise the step runs as
-before, after the step in flight was read. On by default
+(in-process workers); a prefill step whenever it is the next step. Otherwise the step is
+launched after the step in flight was read, and stays in flight until the next ``step()``: prompts
+waiting then go out before it is read (a step whose sampling reads output values, with no prompt
+waiting, is read at once: there is nothing to overlap it with). On by default
 for a CUDA engine with in-process workers (``EngineConfig.async_scheduling``, vLLM's name;
 :func:`rlserve.engine.core.engine_setup.want_async_scheduling` says how it is decided; off with
 ``--no-async-scheduling`` or ``RLSERVE_ASYNC_SCHEDULING=0``); anything that changes the engine
@@ -173,11 +175,10 @@ class OverlapScheduler:
             batch = eng.scheduler.schedule()
             if batch is None:
                 return outs
-            if not batch.is_prefill and not overlappable(batch.seqs):
-                return outs + eng._finish_step(*eng._launch(batch), outputs_for)
             cur = self._launch(batch, None)
         follow = None
-        # prompts waiting: the next step is most likely their prefill, launchable at once
+        # prompts waiting: the next step is most likely their prefill, launchable at once (else,
+        # a step of sequences whose sampling reads output values is read first: nothing to overlap)
         if eng.scheduler.waiting or eng.scheduler.prefilling or overlappable(cur.seqs):
             follow = self._schedule_next(cur)
             if follow is not None and self._launchable(follow, cur):
@@ -195,7 +196,8 @@ class OverlapScheduler:
                 if follow.starts is not None:  # a mixed step (or chunks): its spans, less the stopped rows
                     batch.starts, batch.ends = [follow.starts[i] for i in keep], [follow.ends[i] for i in keep]
                     batch.num_decodes = sum(i < follow.num_decodes for i in keep)
-                outs += eng._finish_step(*eng._launch(batch), outputs_for)
+                # in flight until the next step(): prompts waiting then go out before it is read
+                self.inflight = self._launch(batch, None)
         return outs
 
     def drain(self) -> None:

@@ -63,8 +63,9 @@ class StepInput:
         input_ids_from: optional ``(tokens, rows)``: take the input ids from ``tokens[rows]``,
             a device tensor of an earlier step's sampled tokens (the engine's overlapped
             decode: the ids are not on the host yet); ``input_ids`` then holds placeholders.
-            ``(tokens, rows, where)`` (a mixed prefill + decode step): only the flat rows
-            ``where`` take ``tokens[rows]``, the others keep ``input_ids``.
+            ``(tokens, rows, where)`` (a mixed prefill + decode step, or a decode step whose other
+            rows' ids are on the host): only the flat rows ``where`` take ``tokens[rows]``, the
+            others keep ``input_ids``.
             Only for in-process workers (a device tensor is not picklable across processes).
         lora_ids: per sequence its LoRA adapter id (0: base model), or None when every sequence
             runs on the base model (:mod:`rlserve.lora`). A step with adapters runs without CPU
