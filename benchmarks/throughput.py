@@ -88,6 +88,8 @@ def run_rlserve(path: str, prompts, out_lens, args) -> dict:
 
     res = _timed("rlserve", startup, gen, prompts, out_lens, params, SamplingParams, args)
     res["async_scheduling"] = getattr(llm.engine, "_overlap", None) is not None
+    if res["async_scheduling"]:  # launches before / after the read of the step in flight (warm-up included)
+        res["overlap_counts"] = dict(llm.engine._overlap.counts)
     bm = getattr(llm.engine, "block_manager", None)
     if bm is not None:
         res["kv_cache_tokens"] = bm.num_blocks * llm.engine.config.block_size

@@ -102,10 +102,14 @@ def _ids_from(batch, prev: _InFlight | None) -> tuple | None:
         return None
     dec = batch.seqs[:batch.num_decodes] if batch.is_prefill else batch.seqs
     row = prev.row
-    where = [i for i, s in enumerate(dec) if s in row]
+    where, rows = [], []
+    for i, s in enumerate(dec):
+        r = row.get(s)
+        if r is not None:
+            where.append(i)
+            rows.append(r)
     if not where:
         return None
-    rows = [row[dec[i]] for i in where]
     if not batch.is_prefill and len(where) == len(dec):
         return prev.out.token_ids, rows
     return prev.out.token_ids, rows, where
@@ -136,7 +140,10 @@ class OverlapScheduler:
         self.counts = {"early": 0, "early_host_rows": 0, "after_read": 0}
 
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
-        seqs, out = self.engine._launch(batch, _ids_from(batch, prev))  # (a chunk that does not end its prompt samples nothing)
+        ids = _ids_from(batch, prev)
+        if prev is not None and not batch.is_prefill and (ids is None or len(ids) == 3):
+            self.counts["early_host_rows"] += 1
+        seqs, out = self.engine._launch(batch, ids)  # (a chunk that does not end its prompt samples nothing)
         index = [len(s.output_token_ids) for s in seqs]
         host, done = _copy_to_host(out)
         return _InFlight(list(seqs), out, host, done, index, {s: i for i, s in enumerate(seqs)}, batch.is_prefill)
@@ -184,8 +191,6 @@ class OverlapScheduler:
             if follow is not None and self._launchable(follow, cur):
                 self.inflight = self._launch(follow, cur)
                 self.counts["early"] += 1
-                if not follow.is_prefill and not all(s in cur.row for s in follow.seqs):
-                    self.counts["early_host_rows"] += 1
                 follow = None
         outs += eng._finish_step(cur.seqs, cur.wait(), outputs_for, cur.token_index)
         if follow is not None:  # scheduled on placeholders but not launchable early: its ids are real now
