@@ -165,7 +165,7 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_FUSED_SAMPLER": Var("bool", True, _flag,
                                  "'0': the general sampler for every batch (no one-pass Triton sampler); read at import"),
     "RLSERVE_DECODE_GEMV": Var("str", "auto", _gemv_mode,
-                               "'auto' (default): batch-1 decode steps run the Llama-family linears of at most 8M "
+                               "'auto' (default): batch-1 decode steps run the Llama-family linears of at most 128M "
                                "weights (the sizes measured faster than cuBLAS) as one Triton GEMV each, with the "
                                "add+RMSNorm / SiLU-and-mul before them folded in (rlserve/layers/gemv.py), launched "
                                "with programmatic dependent launch where the GPU, driver and Triton have it (else "

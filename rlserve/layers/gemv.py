@@ -59,9 +59,11 @@ from rlserve.layers.norm import RMSNorm
 
 # False, True (every size) or "auto" (linears of at most _AUTO_MAX_ELEMENTS weights)
 _ENABLED: list = [{"0": False, "auto": "auto"}.get(envs.RLSERVE_DECODE_GEMV, True)]
-# "auto": the largest weight measured faster than cuBLAS is Qwen3-0.6B's gate_up_proj (6144 x 1024
-# = 6.3M, H100, BENCHMARKS.md D3/D4); Qwen3-1.7B's (25M) and -8B's (25-100M) are not measured
-_AUTO_MAX_ELEMENTS = 1 << 23
+# "auto": the largest weight measured faster than cuBLAS is Qwen3-8B's gate_up_proj (24576 x 4096
+# = 100.7M: 66.7 vs 68.6 us; qkv 19.0 vs 21.1, o 7.8 vs 11.3, down 33.6 vs 38.4; the batch-1 graph step
+# 6.04 vs 6.36 ms, 1.20x vs 1.26x its HBM floor; H100, session 18, BENCHMARKS.md D5); Qwen3-0.6B's
+# (<= 6.3M) since session 14 (D3/D4). Larger linears are not measured: they keep cuBLAS
+_AUTO_MAX_ELEMENTS = 1 << 27
 _K: list = []  # the kernel module, once imported
 # Tiles: a program reads BLOCK_N whole rows of W, in chunks of BLOCK_K = min(next_pow2(K),
 # _MAX_BLOCK_K) columns (one chunk up to K = 4096: Qwen3-0.6B's and -8B's hidden sizes). BLOCK_N:
