@@ -16,6 +16,11 @@ if [ -d .whl ] && [ ! -f /tmp/site/.rlserve-wheels ]; then
     && touch /tmp/site/.rlserve-wheels || echo "run_window: wheel install failed" | tee -a "$OUT/summary.txt"
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the GPU image lacks rlserve's non-torch dependencies: fetch them with
+#   ../shared/tools/device-wheels.sh uvloop httptools msgspec partial-json-parser ijson pyzmq
+# (session 18's first window lost two scripts to a .whl without msgspec); say so at once, not per script
+python3 -c "import fastapi, uvicorn, pydantic, msgspec, zmq, partial_json_parser, ijson" 2>&1 | tail -n 1 \
+  | sed 's/^/run_window: missing dependency: /' | tee -a "$OUT/summary.txt"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 fi
