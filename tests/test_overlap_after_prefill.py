@@ -83,9 +83,21 @@ def test_penalties_stop_strings_and_seeds_while_prompts_arrive(path, monkeypatch
     params[5] = SamplingParams(temperature=0, max_tokens=10, stop=[text[len(text) // 2:len(text) // 2 + 3]])
     ref, _ = _staggered(_llm(path, False, True, monkeypatch), PROMPTS, params)
     llm = _llm(path, True, True, monkeypatch)
+    ov, early = llm.engine._overlap, []
+    real_launch = ov._launch
+
+    def launch(batch, prev):  # the penalty rows of decode steps launched before the read
+        if prev is not None and not batch.is_prefill:
+            early.append([s.request_id for s in batch.seqs if s.params.repetition_penalty != 1.0
+                          or s.params.frequency_penalty or s.params.presence_penalty])
+            assert not any(s in prev.row for s in batch.seqs if s.request_id in early[-1])
+        return real_launch(batch, prev)
+
+    monkeypatch.setattr(ov, "_launch", launch)
     got, _ = _staggered(llm, PROMPTS, params)
     _same(got, ref)
-    counts = llm.engine._overlap.counts
+    assert any(early)  # a penalty row from the host in a decode step launched after a prefill step
+    counts = ov.counts
     assert counts["early_host_rows"] > 0 and counts["after_read"] > 0
     assert [ref[i].outputs[0].finish_reason for i in (3, 5)] == ["stop", "stop"]
     assert len(ref[3].outputs[0].token_ids) == 5 and len(ref[5].outputs[0].token_ids) < 10
