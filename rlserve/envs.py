@@ -212,6 +212,10 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CPU_FAST_LAYER": Var("bool", True, _flag,
                                   "'0': Llama decoder layers through the module path instead of the direct kernel "
                                   "calls of rlserve.models.llama_cpu; read at import"),
+    "RLSERVE_CPU_STACK_PREFILL": Var("bool", True, _flag,
+                                     "'0': CPU steps with prefills through the modules (gather + SDPA attention) "
+                                     "instead of the direct kernels / one C call on the CPU team "
+                                     "(rlserve.models.llama_cpu._prefill_tables)"),
     # ---- weight sync
     "RLSERVE_HOST_THREADS": Var("int | None (below 1 reads as 1)", None, _clamped_to_one,
                                 "threads for host copies and checksums (default: a quarter of the usable CPUs, 1-4)"),

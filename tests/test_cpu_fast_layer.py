@@ -38,11 +38,14 @@ def fast_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_fast_decode_equals_module_path(arch, tiny_model, fast_calls):
+def test_fast_decode_equals_module_path(arch, tiny_model, fast_calls, monkeypatch):
     """Greedy tokens and logprobs of a whole tiny model (prefill, prefix-cache hit, decode)
-    are identical with the fast path on and off; on, every decode step's layers take it."""
+    are identical with the fast path on and off; on, every decode step's layers take it.
+    (Prefills through the modules in both: ``RLSERVE_CPU_STACK_PREFILL=0``; the direct prefill's
+    attention sums in another order, test_team_prefill_direct_kernels_match_module_path.)"""
     from rlserve import LLM, SamplingParams
 
+    monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", "0")
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
     prompts = ["The capital of France is", "Hello world", "The capital of France is a"]
     path = tiny_model(arch)
@@ -64,18 +67,33 @@ def _decode_meta(batch: int) -> AttentionMetadata:
     return AttentionMetadata.build([1] * batch, [5] * batch, [[i] * 2 for i in range(batch)], 4)
 
 
-def test_step_context_only_for_cpu_float32_decode(tiny_model):
+def test_step_context_only_for_cpu_float32_decode(tiny_model, monkeypatch):
+    """Decode steps get a context; steps with prefills only on a CPU team (every query token as a
+    one-token sequence over its own context) with ``RLSERVE_CPU_STACK_PREFILL`` on."""
     from rlserve import LLM
+    from rlserve.layers import cpu_gemm
 
-    llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", block_size=4)
+    llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
     llm.generate(["warm up"])  # binds the KV cache
     model = llm.engine.model.model
     layers = model.layers
     h = torch.zeros(2, model.embed_tokens.weight.shape[1])
     pos = torch.tensor([4, 4])
-    assert llama_cpu.step_context(layers, h, pos, _decode_meta(2)) is not None
+    ctx = llama_cpu.step_context(layers, h, pos, _decode_meta(2))
+    assert ctx is not None and not ctx.prefill
     prefill = AttentionMetadata.build([2, 1], [5, 5], [[0, 1], [2, 3]], 4)
-    assert llama_cpu.step_context(layers, torch.zeros(3, h.shape[1]), torch.tensor([3, 4, 4]), prefill) is None
+    h3, pos3 = torch.zeros(3, h.shape[1]), torch.tensor([3, 4, 4])
+    with cpu_gemm.use(cpu_gemm.Team(2)):
+        ctx = llama_cpu.step_context(layers, h3, pos3, prefill)
+        assert ctx is not None and ctx.prefill and ctx.team
+        assert ctx.sl.tolist() == [4, 5, 5] and ctx.bt.tolist() == [[0, 1], [0, 1], [2, 3]]
+        monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", "0")
+        assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
+        monkeypatch.delenv("RLSERVE_CPU_STACK_PREFILL")
+        monkeypatch.setattr(llama_cpu, "STACK_PREFILL_MAX_CTX", 13)  # the step's keys: 4 + 5 + 5
+        assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
+    with cpu_gemm.use(cpu_gemm.Team(1)):  # no team: prefills through the modules
+        assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
     assert llama_cpu.step_context(layers, h.double(), pos, _decode_meta(2)) is None
     prev = llama_cpu.set_enabled(False)
     try:
@@ -90,15 +108,17 @@ def test_step_context_only_for_cpu_float32_decode(tiny_model):
 
 
 
-def test_fast_path_after_sleep_and_weight_sync(tiny_model, tmp_path, fast_calls):
+def test_fast_path_after_sleep_and_weight_sync(tiny_model, tmp_path, fast_calls, monkeypatch):
     """``_layer_ok`` is cached per layer at the first decode step: after a level-1 sleep/wake
     the fast path serves exactly what it served before, and after a level-2 sleep refilled by
     a weight sync (new packed copies) it serves the new weights bit-equal to a fresh module-path
-    engine on them; decode steps take the fast path throughout."""
+    engine on them; decode steps take the fast path throughout (prefills through the modules:
+    ``RLSERVE_CPU_STACK_PREFILL=0``, for the bit-equality)."""
     from rlserve import LLM, SamplingParams
     from rlserve.loader import iterate_checkpoint
     from tests.tiny_models import make_tiny_model
 
+    monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", "0")
     old, new = tiny_model("llama"), make_tiny_model("llama", tmp_path / "new", seed=1)
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
     prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
@@ -159,3 +179,41 @@ def test_team_stack_in_one_call_equals_layer_by_layer(arch, tiny_model, monkeypa
     assert used and all(used)  # on: every team decode step ran the stack in C (off: never called)
     assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
     assert [o.logprobs for o in runs[True]] == [o.logprobs for o in runs[False]]  # bit-equal, not close
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_team_prefill_direct_kernels_match_module_path(arch, tiny_model, monkeypatch):
+    """On a team of 2, steps with prefills (a fresh prompt, a prefix-cache hit, chunks of a long
+    prompt beside decode rows) run the direct kernels in one C call (every query token through
+    the paged decode kernel over its own context): the same greedy tokens as the module path
+    (``RLSERVE_CPU_STACK_PREFILL=0``: gather + SDPA), logprobs within 2e-5, and every prefill
+    step took the stack."""
+    from rlserve import LLM, SamplingParams
+
+    seen = []
+    real = llama_cpu.stack_forward
+
+    def recording(ctx, layers, hidden):
+        out = real(ctx, layers, hidden)
+        seen.append((ctx.prefill, out is not None))
+        return out
+
+    monkeypatch.setattr(llama_cpu, "stack_forward", recording)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
+    long = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
+    prompts = ["The capital of France is", "Hello world", "The capital of France is a", long]
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", on)
+        seen.clear()
+        llm = LLM(tiny_model(arch), dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2},
+                  max_num_batched_tokens=8, enable_chunked_prefill=True)
+        runs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        prefills = [ran for pre, ran in seen if pre]
+        assert (len(prefills) > 0 and all(prefills)) if on == "1" else prefills == []
+    for a, b in zip(runs["1"], runs["0"]):
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            assert max(abs(da[k] - db[k]) for k in da) < 2e-5
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlserve.layers import cpu_attention, cpu_gemm
+from rlserve.models import llama_cpu
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU team cannot be built")
 
@@ -135,6 +136,9 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
     calls = []
     real = cpu_gemm.linear
     monkeypatch.setattr(cpu_gemm, "linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    real_stack = llama_cpu.stack_forward  # a step's layers in one C call: the team's kernels there
+    monkeypatch.setattr(llama_cpu, "stack_forward", lambda ctx, layers, h: calls.append(h.shape[0])
+                        or real_stack(ctx, layers, h))
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
     assert cpu_gemm.size() == 2
     got = llm.generate(prompts, params)

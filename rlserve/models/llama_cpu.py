@@ -48,6 +48,7 @@ from torch import nn
 
 from rlserve import envs
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
+from rlserve.batch_invariant.per_query import per_query_tables
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.layers import cpu_attention, cpu_fused, cpu_gemm, fused_ops
 from rlserve.layers.activation import SiluAndMul
@@ -76,11 +77,12 @@ class StepContext:
     sl: torch.Tensor
     nthreads: int
     team: bool = False  # linears and attention on the CPU team (rlserve.layers.cpu_gemm)
+    prefill: bool = False  # a step with prefills: bt / sl per query token (_prefill_tables)
 
     def rows(self, a: int, b: int) -> "StepContext":
         """The context of rows ``a:b`` of this step (views, no copies)."""
         return StepContext(self.lib, self.attn_fn, self.pos[a:b], self.slots[a:b], self.bt[a:b], self.sl[a:b],
-                           self.nthreads, self.team)
+                           self.nthreads, self.team, self.prefill)
 
 
 def set_enabled(on: bool) -> bool:
@@ -124,14 +126,50 @@ def _layer_ok(layer: nn.Module) -> bool:
     return ok
 
 
+def _prefill_tables(meta: AttentionMetadata, T: int):
+    """``(block_tables [T, max_blocks] int32, context lengths [T] int32)``: every query token of a
+    step with prefills as a one-token sequence over its own context (position + 1), for the
+    paged decode kernel (:func:`rlserve.batch_invariant.per_query.per_query_tables`), or ``None``
+    where the step's attention is too long for it (:data:`STACK_PREFILL_MAX_CTX`) or the knob
+    ``RLSERVE_CPU_STACK_PREFILL`` is off."""
+    if not envs.RLSERVE_CPU_STACK_PREFILL or T > cpu_gemm.MAX_ROWS:
+        return None
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    # sum over query tokens of their context lengths: the keys the per-query kernel reads
+    work = sum(q * s - q * (q - 1) // 2 for q, s in ((qsl[b + 1] - qsl[b], s) for b, s in enumerate(lens)))
+    if work > STACK_PREFILL_MAX_CTX:
+        return None
+    return per_query_tables(meta)
+
+
+# Steps with prefills take the direct kernels (and, on the team, stack_forward) while the sum of
+# their query tokens' context lengths is at most this (a 512-token prompt from scratch): each
+# query token runs the paged decode kernel over its own context, which reads every key once per
+# query token instead of once per block of queries. One layer of SmolLM2-135M (9 heads, 3 KV
+# heads), one thread, CPU ms against the module path's gather + repeat + SDPA (flash) (AMD EPYC
+# Zen 3, load 6-8, 2026-12-07 s18): 128 / 256 / 512 / 1,024 tokens 1.3-1.4 / 8.0 / 20.6 / 101 vs
+# 1.0-1.1 / 6.0 / 14.6 / 37: up to 1.4x the CPU but on both cores of the team, not the calling
+# thread alone; 2.7x at 1,024.
+STACK_PREFILL_MAX_CTX = 512 * 513 // 2
+
+
 def step_context(layers, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
     """A :class:`StepContext` when this step can take :func:`layer_forward` (see the module
-    docstring), else ``None``. ``hidden``: the embeddings ``[T, hidden]``."""
-    if not _ENABLED[0] or meta.max_query_len != 1 or hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+    docstring), else ``None``. ``hidden``: the embeddings ``[T, hidden]``. A step with prefills
+    only on the CPU team (:func:`_prefill_tables`: every query token as a one-token sequence)."""
+    if not _ENABLED[0] or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or hidden.dim() != 2:
         return None
     T = hidden.shape[0]
-    lo, hi = packed_rows()
-    if T == 0 or not lo <= T <= hi or hidden.dim() != 2 or T != meta.num_seqs:
+    team = cpu_gemm.takes(hidden)
+    lo, hi = (1, cpu_gemm.MAX_ROWS) if team else packed_rows()  # the team's kernel at any row count it takes
+    if T == 0 or not lo <= T <= hi:
+        return None
+    tables = None
+    if meta.max_query_len != 1:
+        tables = _prefill_tables(meta, T) if team else None
+        if tables is None:
+            return None
+    elif T != meta.num_seqs:
         return None
     if not fused_ops.fused_enabled(hidden) or fused_ops.triton_enabled(hidden) or not cpu_fused.available():
         return None
@@ -139,9 +177,10 @@ def step_context(layers, hidden: torch.Tensor, positions: torch.Tensor, meta: At
         return None
     if not all(_layer_ok(layer) for layer in layers):
         return None
+    bt, sl = tables if tables is not None else (meta.block_tables, meta.seq_lens)
     return StepContext(cpu_fused._lib(), cpu_attention._load(), positions.to(torch.int64).contiguous(),
-                       meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.to(torch.int32).contiguous(),
-                       meta.seq_lens.to(torch.int32).contiguous(), torch.get_num_threads(), cpu_gemm.takes(hidden))
+                       meta.slot_mapping.to(torch.int64).contiguous(), bt.to(torch.int32).contiguous(),
+                       sl.to(torch.int32).contiguous(), torch.get_num_threads(), team, tables is not None)
 
 
 # Relative cost of a row's linears and of one context token's attention, for balancing
@@ -197,7 +236,7 @@ def forward_layers(ctx: StepContext | None, layers, norm, positions: torch.Tenso
     if (ctx is not None and ctx.team) or (ctx is None and cpu_gemm.takes(hidden)):
         # inline on this thread while another program holds a core (pure decode steps and the
         # rest back off apart: cpu_gemm.GUARD_KINDS)
-        with cpu_gemm.step_guard("decode" if ctx is not None else "other"):
+        with cpu_gemm.step_guard("decode" if ctx is not None and not ctx.prefill else "other"):
             out = _STACK[0] and ctx is not None and ctx.team and stack_forward(ctx, layers, hidden)
             if out:
                 return norm(*out)[0]
