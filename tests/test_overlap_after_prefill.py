@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
+from rlserve.engine.sampling_params import StructuredOutputsParams
 from tests.test_chunked_prefill import LP_ATOL, _greedy, _prompts, _tokens_lps
 from tests.test_engine import hf_greedy
 from tests.test_mixed_steps import _staggered
@@ -102,6 +103,32 @@ def test_penalties_stop_strings_and_seeds_while_prompts_arrive(path, monkeypatch
     assert [ref[i].outputs[0].finish_reason for i in (3, 5)] == ["stop", "stop"]
     assert len(ref[3].outputs[0].token_ids) == 5 and len(ref[5].outputs[0].token_ids) < 10
     assert llm.engine._overlap.inflight is None and llm.engine.block_manager.usage() == 0
+
+
+def test_structured_output_row_while_prompts_arrive(path, monkeypatch):
+    # a regex-forced row decodes while greedy prompts arrive: the decode steps after their prefill
+    # steps hold it as a host row (its grammar state is current: launched early); a decode step
+    # after a decode step of it waits for the read (its grammar must accept the token first)
+    forced = SamplingParams(temperature=0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex="hello world, hello there"))
+    prompts = [_prompts(8, [6])[0]] + _prompts(9, [17, 12, 9])
+    params = [forced, _greedy(), _greedy(), _greedy()]
+    want, _ = _staggered(_llm(path, False, True, monkeypatch), prompts, params)
+    llm = _llm(path, True, True, monkeypatch)
+    ov, host_forced = llm.engine._overlap, []
+    real_launch = ov._launch
+
+    def launch(batch, prev):
+        if prev is not None and not batch.is_prefill:
+            host_forced.extend(s for s in batch.seqs if s.grammar is not None and s not in prev.row)
+        return real_launch(batch, prev)
+
+    monkeypatch.setattr(ov, "_launch", launch)
+    got, _ = _staggered(llm, prompts, params)
+    assert got[0].outputs[0].text == want[0].outputs[0].text == "hello world, hello there"
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert host_forced  # the forced row from the host in decode steps launched after prefill steps
+    assert ov.inflight is None and llm.engine.block_manager.usage() == 0
 
 
 @pytest.mark.parametrize("victim", ["r0", "r2"])  # a host row / the device row of the step in flight
