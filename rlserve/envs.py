@@ -147,6 +147,10 @@ VARIABLES: dict[str, Var] = {
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "
                                     "max_num_seqs)"),
+    "RLSERVE_PREFILL_CUDA_GRAPHS": Var("str | None", None, _str,
+                                       "prefill / mixed steps as piecewise CUDA graphs (issue 37, not yet measured on "
+                                       "a GPU): '1' for the default token buckets, or comma-separated buckets, e.g. "
+                                       "'512,2048,8192' (default: off, every prefill step eager)"),
     "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _one,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
                                  "the graphs then hold the NCCL all-reduce)"),

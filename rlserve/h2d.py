@@ -11,7 +11,21 @@ a fresh pinned staging tensor per copy is safe to let go right away.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+#: flat int lists at least this long go through numpy (``np.array`` of a list of Python ints converts
+#: ~3x faster than ``torch.tensor``: a prefill's token ids, positions and KV slots, thousands a step)
+_NUMPY_MIN = 64
+_NP_INT = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _host_tensor(data, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)`` on the host (same values, same errors for ints out of range)."""
+    if type(data) is list and len(data) >= _NUMPY_MIN and dtype in _NP_INT and type(data[0]) is int:
+        return torch.from_numpy(np.array(data, dtype=_NP_INT[dtype]))
+    return torch.tensor(data, dtype=dtype)
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -29,13 +43,10 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
     if device.type != "cuda":
         if isinstance(data, torch.Tensor):
             return data.to(device=device, dtype=dtype)
-        return torch.tensor(data, dtype=dtype, device=device)
-    if isinstance(data, torch.Tensor):
-        host = data.to(dtype=dtype)
-        if not host.is_pinned():
-            host = host.pin_memory()
-    else:
-        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+        return _host_tensor(data, dtype).to(device)
+    host = data.to(dtype=dtype) if isinstance(data, torch.Tensor) else _host_tensor(data, dtype)
+    if not host.is_pinned():
+        host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 

@@ -160,8 +160,16 @@ class AttentionMetadata:
                 raise ValueError(f"query length {q} must be in [1, seq_len={s}]")
             if len(bt) * block_size < s:
                 raise ValueError(f"block table of {len(bt)} blocks cannot hold {s} tokens")
-            for pos in range(s - q, s):
+            if q == 1:  # a decode row
+                pos = s - 1
                 slots.append(bt[pos // block_size] * block_size + pos % block_size)
+            else:  # a block's slots are consecutive: one range per block (a prefill's 0.2 us a token in Python)
+                pos = s - q
+                while pos < s:
+                    end = min(s, (pos // block_size + 1) * block_size)
+                    base = bt[pos // block_size] * block_size - (pos // block_size) * block_size
+                    slots.extend(range(base + pos, base + end))
+                    pos = end
             qsl.append(qsl[-1] + q)
         max_blocks = max(max((len(bt) for bt in block_tables), default=0), 1)
         # one tensor from a padded nested list (a per-row torch.tensor costs ~2 us x batch)

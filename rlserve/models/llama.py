@@ -88,25 +88,33 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden), meta, self.o_proj)
 
+    def fused_write_ok(self, qkv: torch.Tensor) -> bool:
+        """Whether :meth:`norm_rope_write` runs for ``qkv`` (fused kernels on for it, a cache bound). Not
+        for an fp8 cache on the CPU kernels (they write float32 only), nor for a layer that is to compute
+        its KV scales (it sees its K/V in ``Attention.forward`` first)."""
+        attn = self.attn
+        fp8 = attn.k_scale is not None
+        return (fused_ops.fused_enabled(qkv) and attn.k_cache is not None
+                and not (fp8 and (attn.calculate_kv_scales or not fused_ops.triton_enabled(qkv))))
+
+    def norm_rope_write(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q/k norm, rotary and the KV-cache write of ``qkv [T, q_size + 2 * kv_size]`` in one kernel
+        (:func:`rlserve.layers.fused_ops.qkv_norm_rope_write`, slots ``meta.slot_mapping``); returns the
+        rotated queries ``[T, q_size]``. Only where :meth:`fused_write_ok`."""
+        attn, rope = self.attn, self.rotary_emb
+        return fused_ops.qkv_norm_rope_write(
+            qkv, positions, rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            attn.k_cache, attn.v_cache, meta.slot_mapping,
+            self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 0.0, **attn.kv_scale_kwargs(),
+        )
+
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, o_proj) -> torch.Tensor:
         """The layer after ``qkv_proj``: ``qkv [T, q_size + 2 * kv_size]`` -> ``o_proj(attention) [T, hidden]``
         (``o_proj``: the module, or the batch-1 GEMV of :mod:`rlserve.layers.gemv`)."""
         T = qkv.shape[0]
-        attn = self.attn
-        # an fp8 cache: the Triton kernel quantizes (the CPU one writes float32 only); a layer
-        # that is to compute its KV scales sees its K/V in Attention.forward first
-        fp8 = attn.k_scale is not None
-        if (fused_ops.fused_enabled(qkv) and attn.k_cache is not None
-                and not (fp8 and (attn.calculate_kv_scales or not fused_ops.triton_enabled(qkv)))):
-            # q/k norm, rotary and the KV-cache write in one kernel; attention reads K/V from the cache
-            rope = self.rotary_emb
-            q = fused_ops.qkv_norm_rope_write(
-                qkv, positions, rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
-                attn.k_cache, attn.v_cache, meta.slot_mapping,
-                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-                self.q_norm.eps if self.qk_norm else 0.0, **attn.kv_scale_kwargs(),
-            )
-            return o_proj(self.attn.forward_cached(q, meta))
+        if self.fused_write_ok(qkv):  # attention reads K/V from the cache the fused kernel wrote
+            return o_proj(self.attn.forward_cached(self.norm_rope_write(positions, qkv, meta), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim)).reshape(T, self.q_size)

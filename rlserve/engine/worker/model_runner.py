@@ -17,6 +17,10 @@ graphs (:mod:`rlserve.engine.worker.cuda_graph`):
   is re-allocated), for the batch sizes of :func:`rlserve.engine.worker.cuda_graph.capture_sizes` or those listed in
   ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
   a batch larger than the largest captured size runs eagerly.
+- prefill / mixed steps as piecewise CUDA graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``, off by default until
+  measured on a GPU; :mod:`rlserve.engine.worker.prefill_graphs`): everything but attention replayed
+  from graphs of token buckets, for dense Llama-family models on one GPU with CUDA graphs on; captured
+  at the warm-up (lazily at the first prefill step after the cache is re-allocated).
 
 On CPU the runner makes the step's micro-batches current (:mod:`rlserve.engine.cpu.cpu_microbatch`:
 two on a 2-core machine): the model splits its sequences between them, the runner the LM
@@ -37,6 +41,7 @@ from rlserve import envs
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_representatives
+from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.h2d import gather_rows, to_device
 from rlserve.layers import cpu_gemm, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
@@ -129,6 +134,8 @@ class ModelRunner:
         self.cuda_graphs = None  # DecodeCUDAGraphs once captured
         self.lora_graphs = None  # DecodeCUDAGraphs of decode steps with LoRA adapters (kernel path)
         self._graphs_failed = False
+        self.prefill_graphs = None  # prefill_graphs.PrefillCUDAGraphs once captured
+        self._prefill_graphs_off: str | None = None  # why prefill steps stay eager (set once decided)
         self.precompile_stats = None  # rlserve.engine.worker.triton_precompile's stats of the warm-up
         self.moe_precompile_stats = None  # the same for the fused-MoE kernels (moe_warm_up)
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
@@ -269,6 +276,7 @@ class ModelRunner:
         self._warm_forwards(False)
         if capture:
             self._try_capture()
+        self._prefill_graphs_ready()
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         logger.info("warm-up (kernel compilation, CUDA graph capture) took %.2fs", dt)
@@ -339,6 +347,54 @@ class ModelRunner:
             self.cuda_graphs = self.lora_graphs = None
             return False
 
+    def _prefill_graph_sizes(self) -> list[int]:
+        """Token buckets of the piecewise prefill graphs (``config.extra["prefill_cuda_graph_sizes"]`` or
+        ``RLSERVE_PREFILL_CUDA_GRAPHS``; empty: off), capped at the step's token bound.
+
+        Raises:
+            ValueError: a bucket that is not a positive integer."""
+        extra = getattr(self.config, "extra", None) or {}
+        spec = extra.get("prefill_cuda_graph_sizes") or envs.RLSERVE_PREFILL_CUDA_GRAPHS
+        if isinstance(spec, (list, tuple)):
+            spec = ",".join(str(x) for x in spec)
+        return pg.parse_sizes(spec, self._max_batched_tokens())
+
+    def _prefill_graphs_ready(self) -> bool:
+        """Whether prefill steps may replay piecewise graphs, capturing them first when needed; the
+        first time it says no, the reason is logged. A capture failure is logged and leaves them off."""
+        if self.prefill_graphs is not None:
+            return True
+        if self._prefill_graphs_off is not None:
+            return False
+        sizes = self._prefill_graph_sizes()
+        why = pg.why_off(self, sizes)
+        if why is None:
+            try:
+                graphs = pg.PrefillCUDAGraphs(self.model, self.device, sizes)
+                graphs.capture()
+                self.prefill_graphs = graphs
+                return True
+            except Exception:
+                logger.exception("prefill CUDA graph capture failed; prefill steps run eagerly")
+                why = "capture failed"
+        if why != "no KV cache yet":
+            self._prefill_graphs_off = why
+            if sizes:
+                logger.info("prefill piecewise CUDA graphs off: %s", why)
+        return False
+
+    def _prefill_with_graph(self, step: StepInput, input_ids, positions, meta) -> torch.Tensor | None:
+        """Hidden states of a prefill / mixed step from the piecewise graphs, or None when this step runs
+        eagerly (graphs off, more tokens than the largest bucket, a layer computing its fp8 KV scales)."""
+        if not step.is_prefill or self._prefill_graphs_off is not None or step.lora_ids:
+            return None
+        if self.prefill_graphs is None and not self._prefill_graphs_ready():
+            return None
+        graphs = self.prefill_graphs
+        if graphs.bucket_for(len(step.input_ids)) is None or any(a.calculate_kv_scales for a in self.attn_layers):
+            return None
+        return graphs.run(input_ids, positions, meta)
+
     def _decode_with_graph(self, step: StepInput, lora=None) -> torch.Tensor | None:
         """Hidden states of a decode step replayed from a CUDA graph, or None when this step
         cannot use one (graphs off, batch too large, context past the captured bound).
@@ -384,6 +440,7 @@ class ModelRunner:
                 layer.k_scale, layer.v_scale = kv_quant.new_scales(k.device)
             self.kv_caches.append((k, v))
         self.cuda_graphs = self.lora_graphs = None  # graphs captured the old cache tensors
+        self.prefill_graphs = None
 
     def arm_kv_scale_calculation(self) -> bool:
         """``--calculate-kv-scales``: every layer of an fp8 cache sets its ``k_scale`` /
@@ -445,6 +502,8 @@ class ModelRunner:
             input_ids = to_device(step.input_ids, torch.long, self.device)
         positions = to_device(step.positions, torch.long, self.device)
         meta = self.build_metadata(step)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._prefill_with_graph(step, input_ids, positions, meta) if graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta)
         idx = to_device(step.logits_indices, torch.long, self.device)
         return logits(hidden.index_select(0, idx))

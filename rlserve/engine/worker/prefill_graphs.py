@@ -1,0 +1,247 @@
+"""Piecewise CUDA graphs for prefill and mixed steps (vLLM's piecewise mode; issue 37).
+
+An eager prefill step of Qwen3-0.6B launches 9 kernels a layer (``benchmarks/kernel_count.py
+--prefill``: two add + RMSNorm, four GEMMs, the q/k-norm + rotary + KV-write kernel, SiLU-and-mul,
+attention; no host sync), ~250 a step, each behind Python: the H100 traces of sessions 16-17 fit
+such a step as ~10.7 ms + 0.74 us a token, most of it the host launching a step whose GPU work
+(~4 ms for 2048 tokens) is shorter. Here everything but attention is replayed from CUDA graphs:
+
+- token buckets (``RLSERVE_PREFILL_CUDA_GRAPHS``: ``1`` for :data:`DEFAULT_SIZES`, or a list), capped
+  at the step's token bound; a step of ``T`` tokens replays the smallest bucket ``Tb >= T``, rows
+  ``T..Tb`` padding (token ids and positions left from earlier steps, KV slot -1: the fused KV write
+  skips them; every op outside attention is row-wise, so they never reach a real row);
+- per bucket ``L + 1`` graphs for ``L`` layers, all captured into one memory pool: piece 0 is the
+  embedding, layer 0's input norm, its QKV projection and the fused q/k-norm + rotary + KV write
+  (:meth:`rlserve.models.llama.LlamaAttention.norm_rope_write`); piece ``i`` is layer ``i - 1``'s
+  ``o_proj``, post-attention norm and MLP, then layer ``i``'s input norm, QKV and KV write; piece
+  ``L`` ends with the final norm. The same modules in the same order as ``LlamaDecoderLayer.forward``
+  (its ``T > 1`` branch);
+- between pieces the layer's attention runs eagerly (``Attention.forward_cached`` with the step's
+  real metadata: prefill kernel, a mixed step's decode rows in the decode kernel) on the first
+  ``T`` rows of the bucket's static query buffer, its output copied into the static buffer the next
+  piece reads. A step launches ``L + 1`` graph replays and ``L`` attention calls instead of ~9 ``L``
+  kernels.
+
+What the graphs bake in (as the decode graphs, :mod:`rlserve.engine.worker.cuda_graph`): parameter
+storage (weight updates copy in place), the KV-cache tensors (the runner drops these graphs when it
+re-allocates the cache), the fused kernels' choices for ``Tb`` rows. Which models: dense Llama-family
+decoders (:func:`supported`) on one GPU, unquantized linears, no LoRA, not ``--batch-invariant``;
+the runner checks per step (:meth:`ModelRunner._prefill_with_graph`). Without CUDA (tests) the pieces
+run as plain calls on the static buffers (``emulate``): the padding and buffer plumbing, not the capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from rlserve.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+#: token buckets of ``RLSERVE_PREFILL_CUDA_GRAPHS=1`` (vLLM's default compile sizes are powers of two too)
+DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def parse_sizes(spec: str | None, max_tokens: int) -> list[int]:
+    """The buckets of an ``RLSERVE_PREFILL_CUDA_GRAPHS`` value: ``None`` / ``""`` / ``"0"``: none (off);
+    ``"1"``: :data:`DEFAULT_SIZES`; else the comma-separated counts. Capped at ``max_tokens`` (which is
+    added when a bucket was above it), sorted, unique.
+
+    Raises:
+        ValueError: a count that is not a positive integer."""
+    if not spec or spec.strip() == "0":
+        return []
+    if spec.strip() == "1":
+        sizes = list(DEFAULT_SIZES)
+    else:
+        sizes = []
+        for x in spec.split(","):
+            if x.strip():
+                try:
+                    n = int(x)
+                except ValueError:
+                    n = 0
+                if n < 1:
+                    raise ValueError(f"RLSERVE_PREFILL_CUDA_GRAPHS: token counts must be positive integers, got {x!r}")
+                sizes.append(n)
+    return sorted({min(n, max_tokens) for n in sizes})
+
+
+def supported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run piecewise (None: it can): a Llama-family model whose layers are plain
+    ``LlamaDecoderLayer`` with a dense ``LlamaMLP``, unquantized linears on one rank, no module hooks."""
+    from rlserve.layers.linear import UnquantizedLinearMethod
+    from rlserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+    if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
+        return f"{type(model).__name__} is not a dense Llama-family model"
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if type(layer) is not LlamaDecoderLayer or type(m) is not LlamaMLP:
+            return "a layer that is not a dense LlamaDecoderLayer"
+        lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        if any(type(lin.quant_method) is not UnquantizedLinearMethod or lin.tp_size != 1 for lin in lins):
+            return "quantized or tensor-parallel linears"
+        mods = (layer, a, m, a.attn, a.rotary_emb, m.act_fn, layer.input_layernorm, layer.post_attention_layernorm,
+                *lins)
+        if any(x._forward_hooks or x._forward_pre_hooks for x in mods):
+            return "module hooks"
+    return None
+
+
+def why_off(runner, sizes: list[int]) -> str | None:
+    """Why a :class:`~rlserve.engine.worker.model_runner.ModelRunner` runs its prefill steps eagerly
+    (None: it may capture piecewise graphs of ``sizes``): no buckets, CUDA graphs off (``enforce_eager``,
+    a backend or TP size without them; ``config.extra["prefill_cuda_graphs_emulate"]``, for tests, stands
+    in for them off CUDA), ``--batch-invariant``, LoRA, no KV cache yet, fused kernels off, a model
+    :func:`supported` refuses."""
+    from rlserve.layers import fused_ops
+
+    cfg = runner.config
+    emulate = bool((getattr(cfg, "extra", None) or {}).get("prefill_cuda_graphs_emulate"))
+    if not sizes:
+        return "off (RLSERVE_PREFILL_CUDA_GRAPHS unset)"
+    if not (runner.use_cuda_graphs or (emulate and cfg is not None and not cfg.enforce_eager)):
+        return "CUDA graphs are off"
+    if runner.batch_invariant:
+        return "--batch-invariant"
+    if getattr(cfg, "enable_lora", False):
+        return "LoRA adapters"
+    if not runner.kv_caches:
+        return "no KV cache yet"
+    if not fused_ops.fused_enabled(torch.empty(0, dtype=runner.dtype, device=runner.device)):
+        return "fused kernels off"
+    return supported(runner.model)
+
+
+class _Bucket:
+    """Static buffers, pieces and graphs of one token bucket of ``size`` rows."""
+
+    def __init__(self, size: int, model: nn.Module, device: torch.device, dtype: torch.dtype):
+        a = model.model.layers[0].self_attn
+        self.size = size
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slots = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.q = torch.zeros(size, a.q_size, dtype=dtype, device=device)  # the attention's input
+        self.attn = torch.zeros(size, a.q_size, dtype=dtype, device=device)  # the attention's output
+        # the metadata the pieces see: only slot_mapping is read there (the fused KV write)
+        self.meta = AttentionMetadata(self.slots, torch.zeros(2, dtype=torch.int32, device=device),
+                                      torch.zeros(1, dtype=torch.int32, device=device),
+                                      torch.zeros(1, 1, dtype=torch.int32, device=device), size, size, 1, [0, size],
+                                      [size])
+        self.graphs: list = []
+        self.hidden: torch.Tensor | None = None  # the last piece's output [size, hidden]
+
+
+class PrefillCUDAGraphs:
+    """Piecewise graphs of one model for token buckets ``sizes`` (see the module docstring).
+
+    Args:
+        model: a model :func:`supported` accepts, its KV caches bound.
+        device: its device; not CUDA: ``emulate`` (pieces run as calls, nothing captured).
+        sizes: token buckets (``parse_sizes``).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, sizes: list[int]):
+        self.model = model
+        self.device = device
+        self.sizes = sorted(sizes)
+        self.emulate = device.type != "cuda"
+        dtype = model.model.embed_tokens.weight.dtype
+        self.buckets = {s: _Bucket(s, model, device, dtype) for s in self.sizes}
+        self.captured = False
+        self.capture_seconds = 0.0
+        self._pool = None
+        self._state: dict = {}  # emulate: the residual handed from one piece to the next
+
+    def bucket_for(self, T: int) -> int | None:
+        """The smallest bucket holding ``T`` tokens, or None (larger than every bucket)."""
+        return next((s for s in self.sizes if s >= T), None)
+
+    # ---- the pieces: LlamaDecoderLayer.forward's T > 1 branch, cut at each attention
+    def _piece(self, b: _Bucket, i: int, state: dict) -> None:
+        """Piece ``i`` of bucket ``b`` (see the module docstring): reads ``state["residual"]`` (the
+        residual stream, from piece ``i - 1``) and ``b.attn``; writes ``b.q`` (pieces ``< L``) or
+        ``b.hidden`` (piece ``L``) and ``state["residual"]``."""
+        model = self.model.model
+        layers = model.layers
+        L = len(layers)
+        if i == 0:
+            h = model.embed_tokens(b.input_ids)
+            residual = h
+            h = layers[0].input_layernorm(h)
+        else:
+            prev = layers[i - 1]
+            h = prev.self_attn.o_proj(b.attn)
+            h, residual = prev.post_attention_layernorm(h, state["residual"])
+            h = prev.mlp(h)
+            if i == L:
+                b.hidden = model.norm(h, residual)[0]
+                state["residual"] = None
+                return
+            h, residual = layers[i].input_layernorm(h, residual)
+        a = layers[i].self_attn
+        b.q.copy_(a.norm_rope_write(b.positions, a.qkv_proj(h), b.meta))
+        state["residual"] = residual
+
+    def capture(self) -> None:
+        """Capture every bucket's pieces, largest bucket first, into one memory pool (on CUDA; a no-op
+        when emulating). Each piece runs once eagerly first (Triton compiles outside the capture)."""
+        t0 = time.perf_counter()
+        if not self.emulate:
+            self._pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for size in reversed(self.sizes):
+                    self._capture_bucket(self.buckets[size])
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+        self.captured = True
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("prefill piecewise CUDA graphs: %d buckets %s, %d pieces each, captured in %.2fs",
+                    len(self.sizes), self.sizes, len(self.model.model.layers) + 1, self.capture_seconds)
+
+    def _capture_bucket(self, b: _Bucket) -> None:
+        L = len(self.model.model.layers)
+        state: dict = {}
+        for i in range(L + 1):  # warm (compile), then capture, each piece with its input residual live
+            warm = dict(state)
+            self._piece(b, i, warm)
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=self._pool)
+            try:
+                self._piece(b, i, state)
+            finally:
+                g.capture_end()
+            b.graphs.append(g)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a step of ``T = len(input_ids)`` tokens (``T`` at most the
+        largest bucket): the inputs copied into the bucket's static buffers, the pieces replayed, the
+        attention of each layer run eagerly with ``meta`` (the step's real metadata) between them.
+        The result is a view of the bucket's output, valid until the next step."""
+        T = input_ids.shape[0]
+        b = self.buckets[self.bucket_for(T)]
+        b.input_ids[:T].copy_(input_ids)
+        b.positions[:T].copy_(positions)
+        b.slots[:T].copy_(meta.slot_mapping)
+        if T < b.size:
+            b.slots[T:].fill_(-1)
+        layers = self.model.model.layers
+        state = self._state
+        for i in range(len(layers) + 1):
+            if self.emulate:
+                self._piece(b, i, state)
+            else:
+                b.graphs[i].replay()
+            if i < len(layers):
+                attn = layers[i].self_attn.attn
+                b.attn[:T].copy_(attn.forward_cached(b.q[:T], meta))
+        return b.hidden[:T]

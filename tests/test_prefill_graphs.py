@@ -1,0 +1,99 @@
+"""Piecewise prefill graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``, :mod:`rlserve.engine.worker.prefill_graphs`)
+on CPU: the pieces run as plain calls on the buckets' static buffers (``emulate``; the capture itself
+needs a GPU: ``benchmarks/device/s18_prefill.sh``), which checks the cut of the layer stack, the padding
+rows and the buffer plumbing. Greedy tokens equal Hugging Face float32 and the eager engine's, logprobs
+within tests/test_engine.py's 1e-4, for whole prompts, chunks, prefix hits and mixed steps; steps past
+the largest bucket run eagerly."""
+
+import pytest
+import torch
+
+from rlserve import LLM
+from rlserve.engine.worker import prefill_graphs as pg
+from tests.test_chunked_prefill import LP_ATOL, _greedy, _prompts, _tokens_lps
+from tests.test_engine import hf_greedy
+
+SIZES = [16, 40]
+
+
+def test_parse_sizes():
+    assert pg.parse_sizes(None, 8192) == [] and pg.parse_sizes("0", 8192) == [] and pg.parse_sizes("", 64) == []
+    assert pg.parse_sizes("1", 8192) == list(pg.DEFAULT_SIZES)
+    assert pg.parse_sizes("1", 1000) == [256, 512, 1000]
+    assert pg.parse_sizes("2048, 512,512", 4096) == [512, 2048]
+    with pytest.raises(ValueError, match="RLSERVE_PREFILL_CUDA_GRAPHS"):
+        pg.parse_sizes("512,x", 4096)
+    with pytest.raises(ValueError):
+        pg.parse_sizes("-4", 4096)
+
+
+def _llm(path, graphs: bool, **kw):
+    extra = {"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True} if graphs else {}
+    kw = {"block_size": 8, "max_num_batched_tokens": 64, **kw}
+    return LLM(path, dtype="float32", device="cpu", extra=extra, **kw)
+
+
+def _count_runs(monkeypatch) -> list:
+    """Record the token count of each step the piecewise graphs run."""
+    seen = []
+    real = pg.PrefillCUDAGraphs.run
+
+    def run(self, input_ids, positions, meta):
+        seen.append(input_ids.shape[0])
+        return real(self, input_ids, positions, meta)
+
+    monkeypatch.setattr(pg.PrefillCUDAGraphs, "run", run)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model):
+    return tiny_model("qwen3")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_greedy_equals_hf_and_eager(qwen3, chunked, monkeypatch):
+    prompts = _prompts(0, [30, 5, 14, 45])  # unchunked: steps of 35 (bucket 40), 14 (16), 45 (eager)
+    kw = {"enable_chunked_prefill": chunked, "max_num_batched_tokens": 48 if not chunked else 20}
+    want, want_lps = _tokens_lps(_llm(qwen3, False, **kw).generate(prompts, _greedy()))
+    llm = _llm(qwen3, True, **kw)
+    seen = _count_runs(monkeypatch)
+    got, got_lps = _tokens_lps(llm.generate(prompts, _greedy()))
+    runner = llm.engine.executor.runner
+    assert runner.prefill_graphs is not None and runner.prefill_graphs.sizes == ([16, 40] if not chunked else [16, 20])
+    assert seen and all(n <= 40 for n in seen)  # capped at the step's token bound
+    if not chunked:
+        assert sorted(seen) == [14, 35]
+    assert got == want == hf_greedy(qwen3, prompts, 8)
+    torch.testing.assert_close(torch.tensor(sum(got_lps, [])), torch.tensor(sum(want_lps, [])), atol=LP_ATOL, rtol=0)
+
+
+def test_mixed_steps_and_prefix_hits(qwen3, monkeypatch):
+    from tests.test_mixed_steps import _staggered
+
+    prompts = _prompts(2, [30, 9, 23, 30])
+    prompts[3] = prompts[0][:24] + prompts[3][24:]  # a prefix hit of 3 blocks
+    kw = dict(mixed_prefill_decode=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
+              max_consecutive_prefill_steps=1)
+    want, _ = _staggered(_llm(qwen3, False, **kw), prompts, _greedy())
+    llm = _llm(qwen3, True, **kw)
+    seen = _count_runs(monkeypatch)
+    got, n_mixed = _staggered(llm, prompts, _greedy())
+    assert n_mixed > 0 and seen
+    assert llm.engine.stats["prefix_cache_hit_tokens"] > 0
+    g, g_lps = _tokens_lps(got)
+    w, w_lps = _tokens_lps(want)
+    assert g == w == hf_greedy(qwen3, prompts, 8)
+    torch.testing.assert_close(torch.tensor(sum(g_lps, [])), torch.tensor(sum(w_lps, [])), atol=LP_ATOL, rtol=0)
+
+
+def test_off_where_not_supported(tiny_model):
+    moe = LLM(tiny_model("qwen3_moe"), dtype="float32", device="cpu", block_size=8,
+              extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
+    moe.generate([[5, 6, 7]], _greedy(2))
+    runner = moe.engine.executor.runner
+    assert runner.prefill_graphs is None and "not a dense" in runner._prefill_graphs_off
+    eager = LLM(tiny_model("qwen3"), dtype="float32", device="cpu", block_size=8, enforce_eager=True,
+                extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
+    eager.generate([[5, 6, 7]], _greedy(2))
+    assert eager.engine.executor.runner._prefill_graphs_off == "CUDA graphs are off"
