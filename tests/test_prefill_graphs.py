@@ -33,7 +33,7 @@ def _llm(path, graphs: bool, **kw):
     return LLM(path, dtype="float32", device="cpu", extra=extra, **kw)
 
 
-def _count_runs(monkeypatch) -> list:
+def count_runs(monkeypatch) -> list:
     """Record the token count of each step the piecewise graphs run."""
     seen = []
     real = pg.PrefillCUDAGraphs.run
@@ -57,7 +57,7 @@ def test_greedy_equals_hf_and_eager(qwen3, chunked, monkeypatch):
     kw = {"enable_chunked_prefill": chunked, "max_num_batched_tokens": 48 if not chunked else 20}
     want, want_lps = _tokens_lps(_llm(qwen3, False, **kw).generate(prompts, _greedy()))
     llm = _llm(qwen3, True, **kw)
-    seen = _count_runs(monkeypatch)
+    seen = count_runs(monkeypatch)
     got, got_lps = _tokens_lps(llm.generate(prompts, _greedy()))
     runner = llm.engine.executor.runner
     assert runner.prefill_graphs is not None and runner.prefill_graphs.sizes == ([16, 40] if not chunked else [16, 20])
@@ -77,7 +77,7 @@ def test_mixed_steps_and_prefix_hits(qwen3, monkeypatch):
               max_consecutive_prefill_steps=1)
     want, _ = _staggered(_llm(qwen3, False, **kw), prompts, _greedy())
     llm = _llm(qwen3, True, **kw)
-    seen = _count_runs(monkeypatch)
+    seen = count_runs(monkeypatch)
     got, n_mixed = _staggered(llm, prompts, _greedy())
     assert n_mixed > 0 and seen
     assert llm.engine.stats["prefix_cache_hit_tokens"] > 0

@@ -13,9 +13,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from rlserve import LLM  # noqa: E402
-from rlserve.engine.worker import prefill_graphs as pg  # noqa: E402
 from tests.gpu.test_gpu_engine import hf_greedy  # noqa: E402
 from tests.gpu.test_mixed_steps_gpu import KW, _prompts, _staggered  # noqa: E402
+from tests.test_prefill_graphs import count_runs  # noqa: E402
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -24,14 +24,7 @@ def test_prefill_graphs_equal_eager_and_hf(tiny_model, monkeypatch, mixed, budge
     prompts = _prompts()
     kw = dict(max_num_batched_tokens=budget, enable_chunked_prefill=True, mixed_prefill_decode=mixed, **KW)
     want, want_lp, _, _ = _staggered(LLM(path, **kw), prompts)
-    seen = []
-    real = pg.PrefillCUDAGraphs.run
-
-    def run(self, input_ids, positions, meta):
-        seen.append(input_ids.shape[0])
-        return real(self, input_ids, positions, meta)
-
-    monkeypatch.setattr(pg.PrefillCUDAGraphs, "run", run)
+    seen = count_runs(monkeypatch)
     llm = LLM(path, extra={"prefill_cuda_graph_sizes": "16,48"}, **kw)
     graphs = llm.engine.executor.runner.prefill_graphs
     assert graphs is not None and graphs.captured and graphs.sizes == [16, 48]
