@@ -331,6 +331,7 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
     bf16 weight (cuBLAS), replayed from a CUDA graph, for M = ``--gemm-rows`` rows: TB/s of
     weight bytes and TFLOP/s, against the decode step's share of such GEMMs."""
     import torch.nn.functional as F
+    from rows_forms import rows_forms
 
     rows_list = [int(x) for x in args.gemm_rows.split(",")]
     out = []
@@ -356,6 +357,7 @@ def bench_gemms(args, shapes: list[str]) -> list[dict]:
                     r.update(gemv_vs_cublas(x, w, args.iters))
                 if 2 <= M <= 64 and name != "lm_head":
                     r.update(rows_vs_cublas(x, w, args.iters))
+                    r.update(rows_forms(name, M, w, args.iters, chain_us))  # the model's form, cold weights
                     if M in args.rows_sweep:
                         r["rows_sweep"] = rows_sweep(x, w, args.iters)
                 out.append(r)
@@ -524,7 +526,8 @@ def main(argv=None) -> dict:
                          "on / on with programmatic dependent launch for the GEMVs / for the attention kernels between "
                          "them too / as pdl for linears of at most 8M weights (rlserve.layers.gemv, "
                          "rlserve.layers.pdl.set_neighbours; default: RLSERVE_DECODE_GEMV); MODE:N also runs steps of "
-                         "2..N rows through the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS=N; MODE alone: 0)")
+                         "2..N rows through the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS=N; MODE alone: 0), MODE:Nf with "
+                         "the add + RMSNorm / SiLU-and-mul folded into it (RLSERVE_DECODE_GEMM_ROWS_FOLD=1)")
     ap.add_argument("--fp8-operand", default=None,
                     help="an fp8 cache's dot operands: bf16 / f16 / asm (rlserve.layers.triton_attention.FP8_OPERAND; "
                          "default: that module's); optionally :N for DECODE_BLOCK_N_FP8, e.g. f16:128")
@@ -548,7 +551,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-engine", action="store_true",
                     help="with --engine-steps: kernel table of 5 engine steps (forward, LM head, sampler)")
     ap.add_argument("--gemms", action="store_true", help="cuBLAS time of each linear of --shape at --gemm-rows rows (at 1 row also "
-                         "the batch-1 GEMV, plain and PDL, against cuBLAS in chains of 10 launches)")
+                         "the batch-1 GEMV, plain and PDL, against cuBLAS in chains of 10 launches; at 2..64 the "
+                         "small-batch GEMM, and each linear in the model's form with cold weights: rows_forms.py)")
     ap.add_argument("--gemm-rows", default="1,16,64,128,256,8192")
     ap.add_argument("--rows-sweep", default="", help="with --gemms: comma-separated row counts (of --gemm-rows, 2..64) "
                     "at which each linear also times the small-batch GEMM's tiles of ROWS_SWEEP")
@@ -605,6 +609,8 @@ def main(argv=None) -> dict:
                 for args.kv_cache_dtype, on in itertools.product(kvs, gemvs):  # one engine each, in turn
                     if on is not None:  # before the engine is built: its CUDA graphs capture the choice
                         mode, _, n_rows = on.partition(":")
+                        gemv.set_rows_fold(n_rows.endswith("f"))  # N f: the norm / SiLU folded into the GEMM
+                        n_rows = n_rows.rstrip("f")
                         gemv.set_enabled("auto" if mode == "auto" else mode != "0")
                         gemv.set_pdl(mode in ("pdl", "pdla", "auto"))
                         pdl.set_neighbours(mode == "pdla")

@@ -177,10 +177,16 @@ VARIABLES: dict[str, Var] = {
                                "plain launches; '0' off; read at import"),
     "RLSERVE_DECODE_GEMM_ROWS": Var("int 0..64", 0, _gemm_rows,
                                     "steps of 2..N rows run the Llama-family linears of every size as one Triton "
-                                    "small-batch GEMM each (split-K reduced in the same kernel, SiLU-and-mul folded "
-                                    "into down_proj, add + RMSNorm into qkv_proj / gate_up_proj; "
+                                    "small-batch GEMM each (split-K reduced in the same kernel; the add + RMSNorm / "
+                                    "SiLU-and-mul before them one fused kernel each, or folded in: "
+                                    "RLSERVE_DECODE_GEMM_ROWS_FOLD; "
                                     "rlserve/layers/gemm_rows_kernels.py) instead of cuBLAS; 0 or 1 "
                                     "(default 0): none; needs RLSERVE_DECODE_GEMV != 0; read at import"),
+    "RLSERVE_DECODE_GEMM_ROWS_FOLD": Var("bool", False, _flag,
+                                         "'1': the small-batch GEMM (RLSERVE_DECODE_GEMM_ROWS) folds the add + RMSNorm "
+                                         "into qkv_proj / gate_up_proj and SiLU-and-mul into down_proj (each program "
+                                         "redoes its K range of them for its column tile); '0' (default): one fused "
+                                         "norm / SiLU-and-mul kernel before the plain GEMM; read at import"),
     # ---- LoRA
     "RLSERVE_LORA_MERGE": Var("str", "auto", _str,
                               "the one-adapter LoRA fast path (rlserve.lora.merge): 'auto' (default: on CUDA when the "

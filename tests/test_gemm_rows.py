@@ -25,7 +25,9 @@ from rlserve.layers.norm import RMSNorm  # noqa: E402
 def rows_on_cpu():
     prev = fused_ops.set_fused_kernels(True, on_cpu=True)
     prev_g, prev_r = gemv.set_enabled(True), gemv.set_rows(64)
+    prev_f = gemv.set_rows_fold(True)  # the kernel's folded prologues (the default runs them as their own kernels)
     yield
+    gemv.set_rows_fold(prev_f)
     gemv.set_rows(prev_r)
     gemv.set_enabled(prev_g)
     fused_ops.set_fused_kernels(*prev)
@@ -132,6 +134,37 @@ def test_norm_linear_rows(dtype, M, K, N, with_res, rows_on_cpu):
     assert _counters_zero()
 
 
+def test_unfolded_default_is_the_fused_kernel_then_the_plain_gemm(rows_on_cpu, monkeypatch):
+    """``RLSERVE_DECODE_GEMM_ROWS_FOLD`` off (the default): the add + RMSNorm and SiLU-and-mul run as their
+    own fused kernels and the GEMM without a prologue: bitwise ``linear`` of the unfused op's output, the
+    residual the unfused add's, one GEMM launch each, with prologue 0."""
+    from rlserve.layers import fused_ops
+
+    launched = []
+    launch = gemv._launch_rows
+    monkeypatch.setattr(gemv, "_launch_rows", lambda p, *a, **kw: launched.append(p) or launch(p, *a, **kw))
+    assert gemv.set_rows_fold(False) is True
+    g = torch.Generator().manual_seed(3)
+    K, N, M = 300, 150, 5
+    dtype = torch.float16
+    norm = RMSNorm(K, eps=1e-6, params_dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(K, generator=g))
+    lin = _lin(K, N, dtype, g)
+    x, r = (3 * torch.randn(M, K, generator=g)).to(dtype), torch.randn(M, K, generator=g).to(dtype)
+    h, ref_res = fused_ops.rms_norm(x, norm.weight, norm.eps, r)
+    out, res = gemv.norm_linear(x, r, norm, lin)
+    assert torch.equal(res, ref_res) and torch.equal(out, gemv.linear(h, lin))
+    out, res = gemv.norm_linear(x, None, norm, lin)
+    assert res is x and torch.equal(out, gemv.linear(fused_ops.rms_norm(x, norm.weight, norm.eps), lin))
+    gu = (3 * torch.randn(M, 2 * K, generator=g)).to(dtype)
+    assert torch.equal(gemv.silu_mul_linear(gu, lin), gemv.linear(fused_ops.silu_and_mul(gu), lin))
+    assert launched == [0] * 6  # each call once, its reference once: no folded prologue
+    gemv.set_rows_fold(True)
+    gemv.norm_linear(x, r, norm, lin)
+    gemv.silu_mul_linear(gu, lin)
+    assert launched[6:] == [1, 2]
+
+
 def test_takes_rows_only_when_switched_on(rows_on_cpu, monkeypatch):
     g = torch.Generator().manual_seed(0)
     lin = _lin(32, 16, torch.float32, g)
@@ -165,6 +198,10 @@ def test_env_values(monkeypatch):
         monkeypatch.setenv("RLSERVE_DECODE_GEMM_ROWS", bad)
         with pytest.raises(ValueError, match="RLSERVE_DECODE_GEMM_ROWS"):
             envs.read("RLSERVE_DECODE_GEMM_ROWS")
+    monkeypatch.delenv("RLSERVE_DECODE_GEMM_ROWS_FOLD", raising=False)
+    assert envs.read("RLSERVE_DECODE_GEMM_ROWS_FOLD") is False
+    monkeypatch.setenv("RLSERVE_DECODE_GEMM_ROWS_FOLD", "1")
+    assert envs.read("RLSERVE_DECODE_GEMM_ROWS_FOLD") is True
 
 
 def test_whole_model_batch_three_equals_unfused(tiny_model, rows_on_cpu, monkeypatch):
@@ -172,7 +209,8 @@ def test_whole_model_batch_three_equals_unfused(tiny_model, rows_on_cpu, monkeyp
     (decode steps of 3 rows): greedy tokens equal and logprobs within 1e-4 nats (float32 sums in
     another order over 4 steps) with the small-batch GEMM against cuBLAS-path F.linear; the GEMM ran
     3 times a layer per decode step (qkv_proj, o_proj, down_proj with SiLU-and-mul; gate_up_proj too:
-    4 launches)."""
+    4 launches). Qwen3 with the folded prologues, Llama with the default (norm and SiLU-and-mul their own
+    kernels before the plain GEMM)."""
     from rlserve import LLM, SamplingParams
 
     calls = {"n": 0}
@@ -181,7 +219,8 @@ def test_whole_model_batch_three_equals_unfused(tiny_model, rows_on_cpu, monkeyp
                         lambda *a, **kw: calls.__setitem__("n", calls["n"] + 1) or launch(*a, **kw))
     prompts = ["The capital of France is", "One two three", "Hello"]
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logprobs=3)
-    for arch in ("qwen3", "llama"):
+    for arch, fold in (("qwen3", True), ("llama", False)):
+        gemv.set_rows_fold(fold)
         path = tiny_model(arch)
         gemv.set_rows(0)
         ref = LLM(path, dtype="float32", device="cpu", block_size=4).generate(prompts, params)

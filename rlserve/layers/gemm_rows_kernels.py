@@ -53,7 +53,11 @@ def _rows_input(X, R, NW, RES_OUT, rows, offs, mm, km, stride_x, stride_r, strid
                      mask=m & ((offs[None, :] * 0 + pn) == 0))
             h = hd.to(tl.float32)
         ss = tl.sum(h * h, axis=1)
-        x = (tl.load(NW + offs, mask=km, other=0.0).to(tl.float32)[None, :] * h).to(dt)
+        # the norm weight as a [BLOCK_M, BLOCK_K] tile (rows broadcast): 16-byte vectors a thread, so it is
+        # software-pipelined with the other tiles (a [BLOCK_K] load is 2 bytes a thread: no cp.async, an
+        # L2 round trip and a CTA barrier every K step, on the loop's critical path)
+        nw = tl.load(NW + (rows[:, None] * 0 + offs[None, :]), mask=m, other=0.0)
+        x = (nw.to(tl.float32) * h).to(dt)
     else:
         x = tl.load(base, mask=m, other=0.0)
     return x, ss

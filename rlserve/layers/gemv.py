@@ -37,8 +37,10 @@ decode graphs are captured inside a step with adapters).
 Small batches (``RLSERVE_DECODE_GEMM_ROWS=N``, :func:`set_rows`, default off): a step of 2..N rows
 (N <= 64) takes the same three forms through one tensor-core GEMM kernel each
 (:mod:`rlserve.layers.gemm_rows_kernels`: weights streamed in pipelined tiles, ``K`` split where the
-column tiles alone leave SMs idle and reduced in the same launch; the norm's per-row scale applied after
-the dot products), for linears of every size; the other conditions as above. A row's arithmetic depends
+column tiles alone leave SMs idle and reduced in the same launch), for linears of every size; the other
+conditions as above. The add + RMSNorm / SiLU-and-mul run as their own fused kernel before the plain GEMM
+(:func:`set_rows_fold` / ``RLSERVE_DECODE_GEMM_ROWS_FOLD=1``: folded into the GEMM's input loads, the
+norm's per-row scale applied after the dot products; ``_ROWS_FOLD`` says why that is not the default). A row's arithmetic depends
 on the row tile (16, 32 or 64 rows, :func:`rows_tile`) and ``(N, K)`` only: a CUDA graph padded to a
 capture size computes its real rows as the eager step does.
 
@@ -83,6 +85,13 @@ _ROW_TILES = (16, 32, 64)
 _ROWS_BLOCK_N = 64
 _ROWS_BLOCK_K = 128
 _ROWS_PROGRAMS_PER_SM = 2
+# the folded prologues (add + RMSNorm into qkv / gate_up, SiLU-and-mul into down; RLSERVE_DECODE_GEMM_ROWS_FOLD):
+# off by default. Each of the GEMM's programs redoes its K range of the prologue for its own column tile
+# (N / BLOCK_N times over: 64 for Qwen3-8B's down_proj), which at 16 rows costs more issue slots than the
+# tile's dot products (sm_90 SASS of the K loop, Triton 3.6: 145 instructions plain, 346 with the norm,
+# 1067 with SiLU-and-mul); the 8B step with them measured 13.7 ms against cuBLAS's 7.3 (H100, session 18).
+# Off: one fused norm / SiLU-and-mul kernel (fused_ops) before the plain GEMM.
+_ROWS_FOLD = [envs.RLSERVE_DECODE_GEMM_ROWS_FOLD]
 _ROWS_STAGES = 4  # software-pipeline depth of the weight loads (64x128 bf16: 16 KiB a stage; 3 for 64 rows)
 _CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
 _CNT_SIZE = 1024
@@ -114,6 +123,15 @@ def set_rows(n: int) -> int:
         raise ValueError(f"GEMM rows must be in 0..{MAX_ROWS}, got {n}")
     prev = _ROWS[0]
     _ROWS[0] = int(n)
+    return prev
+
+
+def set_rows_fold(on: bool) -> bool:
+    """Fold the add + RMSNorm / SiLU-and-mul into the small-batch GEMM's input loads (``True``) or run
+    them as one fused kernel before the plain GEMM (``False``, the default: ``_ROWS_FOLD``'s note);
+    returns the previous setting. CUDA graphs captured before keep what they captured."""
+    prev = _ROWS_FOLD[0]
+    _ROWS_FOLD[0] = bool(on)
     return prev
 
 
@@ -291,6 +309,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
     GEMM with the norm's scaling applied after the dot products (``gemm_rows_kernels``' docstring).
     Precondition: :func:`takes` ``(x, lin)``."""
     K = x.shape[-1]
+    if x.shape[0] > 1 and not _ROWS_FOLD[0]:  # the fused norm kernel, then the plain GEMM
+        h, res = fused_ops.rms_norm(x, norm.weight, norm.eps, residual) if residual is not None else (
+            fused_ops.rms_norm(x, norm.weight, norm.eps), x)
+        return _launch_rows(0, h, K, lin.weight, lin.bias)[0], res
     if x.shape[0] > 1:
         out, res = _launch_rows(1, x, K, lin.weight, lin.bias, residual=residual, norm_weight=norm.weight,
                                 eps=norm.eps)
@@ -302,6 +324,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
 def silu_mul_linear(gate_up: torch.Tensor, lin: nn.Module) -> torch.Tensor:
     """``lin(silu(gate_up[:, :d]) * gate_up[:, d:])`` for ``gate_up [M, 2d]`` -> ``[M, N]``.
     Precondition: :func:`takes` ``(gate_up, lin)``."""
+    if gate_up.shape[0] > 1 and not _ROWS_FOLD[0]:
+        return _launch_rows(0, fused_ops.silu_and_mul(gate_up), gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
     if gate_up.shape[0] > 1:
         return _launch_rows(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
     return _launch(2, gate_up, gate_up.shape[-1] // 2, lin.weight, lin.bias)[0]
