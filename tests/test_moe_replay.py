@@ -191,6 +191,7 @@ def test_http_completions_chat_and_trl(server, moe_path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "routed_experts_prompt_start"
     r = httpx.post(server.url + "/v1/completions", json=dict(body, routed_experts_prompt_start=99), timeout=60)
     assert r.status_code == 400 and "routed_experts_prompt_start" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "routed_experts_prompt_start", r.text
 
     chat = _post(server, "/v1/chat/completions", {
         "model": moe_path, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5,

@@ -207,3 +207,18 @@ def test_trl_generate_truncates_prompts_as_vllm(srv):
     for k in (0, -5):
         err = _error(_post(srv, "/generate/", dict(body, truncate_prompt_tokens=k)), 400)
         assert err["param"] == "truncate_prompt_tokens" and f"got {k}" in err["message"], err
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}),
+    ("/v1/chat/completions", CHAT),
+])
+def test_routed_experts_prompt_start_beyond_the_prompt_names_the_field(srv, route, body):
+    """A start past the prompt's last token is a 400 that names the field (it came from the
+    engine's own check with param null: fails on the old code). 0 and the prompt length pass."""
+    err = _error(_post(srv, route, dict(body, routed_experts_prompt_start=10_000)), 400)
+    assert err["param"] == "routed_experts_prompt_start", err
+    assert "got 10000" in err["message"] and "prompt length" in err["message"], err
+    if route == "/v1/completions":
+        assert _post(srv, route, dict(body, routed_experts_prompt_start=3)).status_code == 200
+

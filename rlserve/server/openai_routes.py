@@ -102,7 +102,14 @@ def weight_versions(outs) -> tuple[str | None, list[str]]:
     return (versions[-1] if versions else None), versions
 
 
-def _common_params(state: ServerState, body, max_tokens: int, logprobs, prompt_logprobs=None, structured=None):
+def _common_params(state: ServerState, body, n_prompt: int, max_tokens: int, logprobs, prompt_logprobs=None,
+                   structured=None):
+    """The request's SamplingParams (``n_prompt``: its prompt's token count). Raises APIError 400
+    (param ``routed_experts_prompt_start``) for a start beyond the prompt: the engine's own check
+    would answer the same 400 without naming the field."""
+    if body.routed_experts_prompt_start > n_prompt:
+        raise APIError(400, f"routed_experts_prompt_start must be between 0 and the prompt length {n_prompt}, got "
+                            f"{body.routed_experts_prompt_start}", param="routed_experts_prompt_start")
     return state.sampling_params(
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
@@ -219,7 +226,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             prompt_lps = plp_k
             if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
                 prompt_lps = lp_k
-            params = _common_params(state, body, max_tokens, lp_k, prompt_lps,
+            params = _common_params(state, body, len(ids), max_tokens, lp_k, prompt_lps,
                                     outputs.reasoning_gate(structured, ids, None))
             params.lora_int_id = lora_id
             text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
@@ -307,7 +314,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         plp_k = state.check_logprobs(body.prompt_logprobs, "prompt_logprobs") if body.prompt_logprobs is not None \
             else (state.check_logprobs(body.top_logprobs, "top_logprobs") or 0) if body.echo else None
         structured = outputs.reasoning_gate(structured, ids, body.template_kwargs(), body.include_reasoning)
-        params = _common_params(state, body, max_tokens, k, prompt_logprobs=plp_k, structured=structured)
+        params = _common_params(state, body, len(ids), max_tokens, k, prompt_logprobs=plp_k, structured=structured)
         params.lora_int_id = state.lora_int_id(body.model)
         if outputs.skip_special_tokens(body.tools, tool_choice) is not None:
             params.skip_special_tokens = outputs.skip_special_tokens(body.tools, tool_choice)
