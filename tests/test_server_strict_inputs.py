@@ -222,3 +222,15 @@ def test_routed_experts_prompt_start_beyond_the_prompt_names_the_field(srv, rout
     if route == "/v1/completions":
         assert _post(srv, route, dict(body, routed_experts_prompt_start=3)).status_code == 200
 
+
+@pytest.mark.parametrize("field", ["prompt_ids", "prompts"])
+def test_trl_generate_errors_name_the_field_the_prompts_came_in(srv, field):
+    """/generate/ takes token-id prompts as ``prompt_ids`` or ``prompts``: an error in the second
+    prompt names ``<field>.1`` (pydantic's name for that element), not always ``prompts.1`` (fails
+    on the old code for prompt_ids); a prompt that fills the context names its element too."""
+    err = _error(_post(srv, "/generate/", {field: [[5, 6], [7, 10 ** 9]], "max_tokens": 2}), 400)
+    assert err["param"] == f"{field}.1", err
+    err = _error(_post(srv, "/generate/", {field: [[5, 6], [5] * 500], "max_tokens": 2}), 400)
+    assert err["param"] == f"{field}.1" and err["code"] == "context_length_exceeded", err
+    err = _error(_post(srv, "/generate/", {field: [], "max_tokens": 2}), 400)
+    assert err["param"] == field, err

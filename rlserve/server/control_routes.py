@@ -177,9 +177,11 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         state.check_available()
         if body.images:
             raise APIError(400, "images are not supported", param="images")
+        # errors name the field the prompts came in (pydantic's own name prompt_ids' elements prompt_ids.N)
+        key = "prompt_ids" if body.prompt_ids is not None else "prompts"
         prompts = body.prompt_ids if body.prompt_ids is not None else body.prompts
         if not prompts:
-            raise APIError(400, "prompts (or prompt_ids) must be a non-empty list", param="prompts")
+            raise APIError(400, "prompts (or prompt_ids) must be a non-empty list", param=key)
         extra = dict(body.generation_kwargs or {})
         unknown = sorted(set(extra) - _SAMPLING_FIELDS)
         if unknown:
@@ -194,12 +196,13 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
         fields.update(extra)
         names = {k: f"generation_kwargs.{k}" for k in extra}
         params = state.sampling_params(names, **fields)  # every value typed and in range, before any work
-        state.limits.check_sequences(len(prompts), params.n, param="prompts")
+        state.limits.check_sequences(len(prompts), params.n, param=key)
         items = []
-        all_ids = await state.tokenize_many(prompts, [f"prompts.{i}" for i in range(len(prompts))])
-        for ids in all_ids:
+        all_ids = await state.tokenize_many(prompts, [f"{key}.{i}" for i in range(len(prompts))])
+        for i, ids in enumerate(all_ids):
             ids = state.truncate(ids, body.truncate_prompt_tokens)  # vLLM's rule (-1: max_model_len; 0, < -1: 400)
-            max_tokens = state.check_length(len(ids), params.max_tokens, param=names.get("max_tokens", "max_tokens"))
+            max_tokens = state.check_length(len(ids), params.max_tokens, param=names.get("max_tokens", "max_tokens"),
+                                            prompt_param=f"{key}.{i}")
             items.append((ids, dataclasses.replace(params, max_tokens=max_tokens)))  # (checked: an int in range)
         rid = f"trl-{uuid.uuid4().hex[:24]}"
         gens = [state.generate(ids, params, f"{rid}-{i}", "trl_generate", stream=False)

@@ -393,16 +393,18 @@ class ServerState:
         check_text(text, param)
         self.limits.check_prompt_chars(text, param, self.max_model_len)
 
-    def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens") -> int:
+    def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
+                     prompt_param: str = "prompt") -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).
 
         Raises:
-            APIError 400: the prompt leaves no room, or prompt + max_tokens > max_model_len.
+            APIError 400: the prompt leaves no room (param ``prompt_param``), or prompt +
+                max_tokens > max_model_len (param ``param``).
         """
         if n_prompt >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                                 f"has {n_prompt} tokens (at least one must be left for the output).",
-                           param="prompt", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:  # the rest of the context, at most --generation-config's max_new_tokens
             default = self.settings.sampling_defaults.get("max_tokens")
             return self.max_model_len - n_prompt if default is None else min(int(default), self.max_model_len - n_prompt)
