@@ -246,9 +246,8 @@ class IpcReceive:
                 if want_ck:
                     # expected: the trainer's checksum tensor (read on the GPU after its event) or
                     # the announced list; compared as int64 tensors where the expected sums live, one sync
-                    got = sums
                     exp = st.sums if info.device_checksums else torch.tensor(info.checksums, dtype=torch.int64)
-                    got = got.to(exp.device)
+                    got = sums.to(exp.device)
                     bad = (got != exp).nonzero()
                     if bad.numel():
                         i = int(bad[0, 0])
