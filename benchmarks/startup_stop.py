@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
+from rlserve.server.launch import pid_alive  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:\[engine-core \d+\] )?\S+: "
@@ -63,14 +64,6 @@ def _stamps(text: str) -> dict[str, float]:
         if m:
             out[key] = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 _SERVERS: list[subprocess.Popen] = []  # servers started, for the SIGTERM handler
@@ -186,7 +179,7 @@ def one(checkout: str, model: str, args) -> dict:
     phases["exit"] = t_end - prev
     phases["core killed"] = "did not exit" in text  # (debug line of core_client.CoreProcReplica.join)
     return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode, "phases": phases,
-            "orphans": [q for q in pids if _alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens, "first_request_s": first_s,
+            "orphans": [q for q in pids if pid_alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens, "first_request_s": first_s,
             "start_log": start_log}
 
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from rlserve.engine.front.core_client import _exit_text
+from rlserve.server.launch import pid_alive
 from rlserve.server.testing import ServerProcess
 
 T = 60.0  # bound on every wait in this module (seconds)
@@ -42,18 +43,9 @@ def slow_exit():
     os._exit = _exit
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie has already freed its memory)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -89,7 +81,7 @@ def test_engine_process_killed_mid_generation(tiny_model):
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["engine_mode"] == "process"
         (core_pid,) = info["engine_core_pids"]
-        assert core_pid != srv.proc.pid and _alive(core_pid)
+        assert core_pid != srv.proc.pid and pid_alive(core_pid)
 
         async def scenario():
             body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
@@ -149,7 +141,7 @@ def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
     srv = _server(tiny_model, "--data-parallel-size", "2", "--log-level", "debug").start()
     try:
         pids = httpx.get(srv.url + "/server_info", timeout=10).json()["engine_core_pids"]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
 
         async def in_flight_then_signal():
             body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}
@@ -175,7 +167,7 @@ def test_server_stops_within_2s_of_a_signal(tiny_model, sig):
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server did not exit within {STOP_BOUND_S} s of {sig.name} (load average "
                         f"{os.getloadavg()[0]:.1f}):\n{srv.log_tail()}")
-        assert all(not _alive(p) for p in pids), "engine-core processes outlived the server"
+        assert all(not pid_alive(p) for p in pids), "engine-core processes outlived the server"
         assert srv.proc.returncode == (130 if sig == signal.SIGINT else -sig), srv.log_tail()
         left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"rlserve-core-{srv.proc.pid}-")]
         assert left == [], f"the server's engine-core socket directories are left: {left}\n{srv.log_tail()}"
@@ -210,7 +202,7 @@ def test_exiting_core_is_waited_for_not_killed(tiny_model, monkeypatch):
     finally:
         aeng.shutdown(timeout_s=T)
     assert rep.proc.returncode == 0, f"the core {_exit_text(rep.proc.returncode)}"
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 #: a stand-in for a pytest (or any program) that runs an AsyncEngine in process mode: it builds
@@ -258,7 +250,7 @@ def test_core_outlives_the_thread_that_started_it_not_its_killed_process(tiny_mo
         assert line.startswith("CORE"), f"the parent did not report its core (exit {proc.poll()})"
         _, core_pid, n_tokens, alive = line.split()
         core_pid = int(core_pid)
-        assert n_tokens == "2" and alive == "True" and _alive(core_pid)
+        assert n_tokens == "2" and alive == "True" and pid_alive(core_pid)
         proc.kill()
         proc.wait(T)
         assert _wait_gone(core_pid, T), "the engine-core process outlived its killed parent"
@@ -288,7 +280,7 @@ def _descendants(pid: int) -> dict[int, str]:
             except OSError:
                 continue
             todo.append(child)
-    return {p: cmd for p, cmd in found.items() if _alive(p)}
+    return {p: cmd for p, cmd in found.items() if pid_alive(p)}
 
 
 def test_sigkilled_server_leaves_no_process_behind(tiny_model):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -13,7 +12,7 @@ from typing import Iterator, Sequence
 
 from rlserve.demo.common import ServerStartError
 from rlserve.demo.layout import Layout
-from rlserve.server.launch import ServerSubprocess, wait_healthy
+from rlserve.server.launch import ServerSubprocess, pid_alive, wait_healthy  # noqa: F401 (pid_alive: rlserve.demo's)
 
 
 def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1",
@@ -62,21 +61,6 @@ class DemoServer(ServerSubprocess):
         assert self.proc is not None, "start() first"
         return wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, poll_s=poll_s,
                             what=f"the server (log {self.log_path})", error=ServerStartError)
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 @contextlib.contextmanager
