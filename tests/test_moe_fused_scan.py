@@ -165,12 +165,12 @@ def test_staged_per_expert_updates_reuse_their_buffers_and_commit_pairs(tiny_mod
         for _, t in pairs:
             t.normal_(generator=torch.Generator().manual_seed(rnd))
         _stage(st, pairs, None, cpu, False, want_sums=False)
-        dsts = st.stage_fixed[5]
+        dsts = st.stage_fixed.dsts
         assert all(st.staging[n] is d for (n, _), d in zip(pairs, dsts))
         out = worker_ext.commit(worker)
         assert out["names"] == len(pairs) and out["replayed"] == (rnd > 0)
-        assert st.commit_pairs is not None and (rnd == 0 or st.commit_pairs[2] is first)
-        first = st.commit_pairs[2]
+        assert st.commit_pairs is not None and (rnd == 0 or st.commit_pairs.pairs is first)
+        first = st.commit_pairs.pairs
         got = model.model.layers[1].mlp.experts.w2_weight.data[5]
         assert torch.equal(got, dict(pairs)["model.layers.1.mlp.experts.5.down_proj.weight"])
         if rnd == 0:
@@ -180,4 +180,4 @@ def test_staged_per_expert_updates_reuse_their_buffers_and_commit_pairs(tiny_mod
     worker_ext.discard(worker)
     assert st.stage_fixed is None and st.commit_pairs is None and not st.staging_bufs
     _stage(st, pairs, None, cpu, False, want_sums=False)  # fresh buffers after a discard
-    assert not any(a is b for a, b in zip(kept, st.stage_fixed[5]))
+    assert not any(a is b for a, b in zip(kept, st.stage_fixed.dsts))

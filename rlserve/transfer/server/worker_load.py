@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 
 import torch
 
@@ -20,7 +19,7 @@ from rlserve.transfer.host_ops import host_copy_many, host_copy_scan, host_copya
 from rlserve.transfer.wire.protocol import UpdateInfo
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.header import LayoutMismatchError
-from rlserve.transfer.server.worker_state import WorkerTransferState, _Op
+from rlserve.transfer.server.worker_state import StageCall, WorkerTransferState, _Op
 
 logger = logging.getLogger(__name__)
 
@@ -248,12 +247,10 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
     test): a Triton launch on CUDA, numpy pieces on the host; its
     :class:`~rlserve.transfer.finite.Scan` is returned. Else one ``copy_`` per tensor (``None``)."""
     c = st.stage_fixed
-    if isinstance(pairs, FixedPairs) and c is not None and c[0] is pairs and c[1:4] == (dtype, dev, pin) and \
-            all(map(operator.is_, map(st.staging_bufs.get, c[4]), c[5])):
+    if isinstance(pairs, FixedPairs) and c is not None and c.matches(pairs, dtype, dev, pin, st.staging_bufs):
         # the same mapped tensors into the same staging buffers as last time: no per-tensor Python
-        # (18,867 per-expert names: ~30-100 ms of it per update on a loaded 2-core host)
-        dsts, key = c[5], c[6]
-        st.staging.update(zip(c[4], dsts))
+        dsts, key = c.dsts, c.fused_key
+        st.staging.update(zip(c.names, dsts))
     else:
         dsts = []
         for name, t in pairs:
@@ -266,7 +263,7 @@ def _stage(st: WorkerTransferState, pairs, dtype: torch.dtype | None, dev: torch
         key = None
         if all(d.dtype == t.dtype and d.is_cuda for d, (_, t) in zip(dsts, pairs)):
             key = tuple((t.data_ptr(), d.data_ptr(), t.numel(), t.dtype) for d, (_, t) in zip(dsts, pairs))
-        st.stage_fixed = (pairs, dtype, dev, pin, [n for n, _ in pairs], dsts, key) \
+        st.stage_fixed = StageCall(pairs, dtype, dev, pin, [n for n, _ in pairs], dsts, key) \
             if isinstance(pairs, FixedPairs) else None
     if want_sums and key is not None:
         from rlserve.transfer.multi_tensor import MultiTensorSum

@@ -6,6 +6,8 @@ filled by :mod:`rlserve.transfer.server.worker_load` (the loads)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -13,7 +15,7 @@ from collections import OrderedDict
 import torch
 
 from rlserve.transfer.server.bucket_plan import BucketPlan
-from rlserve.transfer.server.copy_plan import CopyPlan
+from rlserve.transfer.server.copy_plan import CopyPlan, FixedPairs
 from rlserve.transfer.server.direct import DirectLayout
 from rlserve.transfer.server.receiver import WeightReceiver
 from rlserve.transfer.wire.protocol import InitInfo
@@ -23,6 +25,44 @@ from rlserve.transfer.wire.protocol import InitInfo
 #: views of the parameters and a small chunk table, no received memory; Qwen3-30B-A3B in 256 MiB
 #: buckets is ~230 layouts.
 MAX_BUCKET_PLANS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCall:
+    """:func:`rlserve.transfer.server.worker_load._stage`'s last call with a :class:`FixedPairs`
+    (one receive's set of mapped tensors): the same pairs into the same staging buffers again skip
+    the per-tensor Python (18,867 per-expert names: ~30-100 ms of it per update on a loaded 2-core
+    host)."""
+
+    sources: FixedPairs  # the (name, source tensor) pairs staged, matched by identity
+    dtype: torch.dtype | None  # the staging dtype asked (None: each source's own)
+    device: torch.device
+    pin: bool
+    names: list[str]  # the pairs' names, in order
+    dsts: list[torch.Tensor]  # their staging buffers, in the same order
+    fused_key: tuple | None  # the fused copy + checksum's key (source / buffer pointers, numels, dtypes); None: none
+
+    def matches(self, pairs, dtype: torch.dtype | None, device: torch.device, pin: bool, bufs: dict) -> bool:
+        """Whether staging ``pairs`` now would be this call again: the same pairs object, dtype,
+        device and pinning, and ``bufs`` (``staging_bufs``) still holds the same buffers."""
+        return (self.sources is pairs and (self.dtype, self.device, self.pin) == (dtype, device, pin)
+                and all(map(operator.is_, map(bufs.get, self.names), self.dsts)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitPairs:
+    """:func:`rlserve.transfer.server.worker_ext.commit`'s last staged dict as a :class:`FixedPairs`
+    (its copy-plan key is computed once). Not the same cache as :class:`StageCall`: the staged
+    dict is the union of every ``_stage`` call of the update (one per bucket), with any sources
+    (reused staging buffers are the same objects whatever filled them)."""
+
+    names: list[str]  # the staged names, in order
+    ids: list[int]  # id() of each staged tensor
+    pairs: FixedPairs
+
+    def matches(self, staged: dict) -> bool:
+        """Whether ``staged`` holds the same names, in order, bound to the same tensor objects."""
+        return self.names == list(staged) and self.ids == list(map(id, staged.values()))
 
 
 class _Op:
@@ -52,10 +92,8 @@ class WorkerTransferState:
         self.staging: dict[str, torch.Tensor] = {}
         self.staging_bufs: dict[str, torch.Tensor] = {}  # reused by the next staged update
         self.stage_op: tuple | None = None  # (key, fused copy + checksum into staging_bufs) of the last update
-        # worker_load._stage's last FixedPairs call: (pairs, dtype, device, pin, names, dsts, fused-op key or None)
-        self.stage_fixed: tuple | None = None
-        # worker_ext.commit's last staged set as FixedPairs (its plan key computed once): (names, ids, pairs)
-        self.commit_pairs: tuple | None = None
+        self.stage_fixed: StageCall | None = None  # worker_load._stage's last FixedPairs call
+        self.commit_pairs: CommitPairs | None = None  # worker_ext.commit's last staged dict
         self.plans: dict[tuple, CopyPlan | None] = {}  # copy_plan key -> plan (None: not replayable)
         self.plans_used: set[tuple] = set()
         # packed buckets at new addresses (CUDA IPC packed, one call per bucket): layout -> plan
