@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from rlserve.server.launch import pid_alive  # noqa: E402
+from rlserve.proc_state import pid_alive  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:\[engine-core \d+\] )?\S+: "

@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
 import pytest
 
-from rlserve.engine.front.core_client import _exit_text
-from rlserve.server.launch import pid_alive
+from rlserve.proc_state import exit_text, pid_alive
 from rlserve.server.testing import ServerProcess
 
 T = 60.0  # bound on every wait in this module (seconds)
@@ -121,6 +121,46 @@ def test_engine_process_killed_mid_generation(tiny_model):
         assert srv.proc.poll() is None  # the API process keeps answering
 
 
+def test_health_is_503_the_moment_the_core_is_killed(tiny_model, monkeypatch):
+    """``kill -9`` of the engine-core process: the very next ``/health`` answers 503 (it asks the
+    kernel: the SIGKILL is pending, or the exit has begun or ended), though the API's reader
+    thread, which notices the process's end and flips the replica's flag, has not run yet: it is
+    held here until that answer came (on the old code /health answered 200 until it ran: ~0.5 s
+    after a kill in session 17). Once it ran: still 503 ``dead``, a request 503 ``engine_dead``."""
+    from rlserve.engine.front import core_client
+    from tests.transfer_harness import InProcessServer
+
+    release = threading.Event()
+    real_on_exit = core_client.CoreProcReplica._on_exit
+    noticed = threading.Event()
+
+    def held_on_exit(self):
+        if not self._closing:
+            release.wait(T)
+        real_on_exit(self)
+        noticed.set()
+
+    monkeypatch.setattr(core_client.CoreProcReplica, "_on_exit", held_on_exit)
+    with InProcessServer(tiny_model("llama"), engine_mode="process") as srv:
+        try:
+            assert httpx.get(srv.url + "/health", timeout=T).status_code == 200
+            (core_pid,) = httpx.get(srv.url + "/server_info", timeout=T).json()["engine_core_pids"]
+            os.kill(core_pid, signal.SIGKILL)
+            first = httpx.get(srv.url + "/health", timeout=T)
+            assert srv.aengine.is_alive()  # the reader has not said so: the answer came from the kernel
+        finally:
+            release.set()
+        assert first.status_code == 503, first.text
+        assert first.json()["status"] == "dead" and "SIGKILL" in first.json()["reason"], first.text
+        assert f"pid {core_pid}" in first.json()["reason"], first.text
+        assert noticed.wait(T) and not srv.aengine.is_alive()
+        after = httpx.get(srv.url + "/health", timeout=T)
+        assert after.status_code == 503 and after.json()["status"] == "dead", after.text
+        assert "SIGKILL" in after.json()["reason"], after.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=T)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+
+
 #: The bound on a server's stop: the issue's (2 s). What this configuration (DP=2, tiny model, a
 #: stream in flight, the process group signalled) measured with benchmarks/startup_stop.py on the
 #: shared 2-core machine: 0.37-0.43 s at load 4-5; a SmolLM2 server with a 6000-token prefill in
@@ -201,7 +241,7 @@ def test_exiting_core_is_waited_for_not_killed(tiny_model, monkeypatch):
         assert rep.exiting.wait(T), "the core did not say it was exiting"
     finally:
         aeng.shutdown(timeout_s=T)
-    assert rep.proc.returncode == 0, f"the core {_exit_text(rep.proc.returncode)}"
+    assert rep.proc.returncode == 0, f"the core {exit_text(rep.proc.returncode)}"
     assert not pid_alive(pid)
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from rlserve.server.launch import pid_alive
+from rlserve.proc_state import pid_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -213,22 +213,3 @@ def test_wait_healthy_waits_past_its_timeout_for_a_starved_start_and_ends_a_spin
     finally:
         spin.kill()
         spin.wait()
-
-
-def test_pid_alive_says_false_for_a_zombie_and_a_reaped_process():
-    """The one /proc state reader (rlserve.demo and benchmarks/startup_stop.py import it): a
-    running child is alive, the same child killed but not reaped (a zombie: its memory is freed)
-    is not, nor once reaped."""
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert pid_alive(p.pid)
-        p.kill()
-        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # it has ended; left unreaped: a zombie
-        assert not pid_alive(p.pid)
-    finally:
-        p.kill()
-        p.wait()
-    assert not pid_alive(p.pid)
-    import rlserve.demo
-
-    assert rlserve.demo.pid_alive is pid_alive

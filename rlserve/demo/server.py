@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 
 from rlserve.demo.common import ServerStartError
 from rlserve.demo.layout import Layout
-from rlserve.server.launch import ServerSubprocess, pid_alive, wait_healthy  # noqa: F401 (pid_alive: rlserve.demo's)
+from rlserve.proc_state import pid_alive  # noqa: F401 (rlserve.demo exports it)
+from rlserve.server.launch import ServerSubprocess, wait_healthy
 
 
 def serve_command(model: str, layout: Layout, port: int, host: str = "127.0.0.1",

@@ -35,12 +35,16 @@ def make_public_router(state: ServerState) -> APIRouter:
 
     async def health():
         aeng = state.aengine
-        if not aeng.is_alive():
+        # an engine-core process killed a moment ago: the kernel knows now (a pending SIGKILL, an
+        # exit begun or done), the reader thread that flips is_alive() a little later
+        ended = getattr(aeng, "ended_now", lambda: None)() if aeng.is_alive() else None
+        if ended is not None or not aeng.is_alive():
             # 503 as vLLM's /health for an engine that cannot serve; "restarting" while the
             # engine core comes back (--max-engine-restarts), "dead" once it will not
-            reason = aeng.dead_reason() if hasattr(aeng, "dead_reason") else None
-            status = "restarting" if getattr(aeng, "is_restarting", lambda: False)() else "dead"
-            return JSONResponse({"status": status, "reason": reason or "the engine is not running"}, status_code=503)
+            reason = ended or (aeng.dead_reason() if hasattr(aeng, "dead_reason") else None)
+            restarting = getattr(aeng, "will_restart" if ended is not None else "is_restarting", lambda: False)()
+            return JSONResponse({"status": "restarting" if restarting else "dead",
+                                 "reason": reason or "the engine is not running"}, status_code=503)
         # asleep: 200 (healthy, just asleep; a level-2 sleep's weights count as lost until the wake)
         if aeng.unavailable_reason is not None and not (hasattr(aeng, "is_sleeping") and aeng.is_sleeping()):
             return JSONResponse({"status": "unavailable", "reason": aeng.unavailable_reason,

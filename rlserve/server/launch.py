@@ -28,22 +28,6 @@ import time
 from typing import Callable, Sequence
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (``/proc/PID/stat``'s state field; without
-    ``/proc``: while it exists)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 class ServerStartError(RuntimeError):
     """The server exited, or was not healthy in time (the message has its log's tail)."""
 

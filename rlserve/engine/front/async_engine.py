@@ -186,6 +186,23 @@ class AsyncEngine(PauseControl, WeightsControl):
         """True while every replica runs (its thread, or its engine-core process)."""
         return self._closed is None and all(r.alive for r in self._replicas)
 
+    def ended_now(self) -> str | None:
+        """Why a replica that still reads as alive cannot serve, from the kernel now (its
+        engine-core process killed, exiting or exited; its reader thread says so a moment
+        later); ``None`` when none. ``/health`` asks this (one ``/proc`` read per replica); the
+        request path keeps :meth:`is_alive`'s flags."""
+        for r in self._replicas:
+            ended = getattr(r, "ended_now", None)
+            why = ended() if ended is not None and r.alive else None
+            if why is not None:
+                return why
+        return None
+
+    def will_restart(self) -> bool:
+        """Whether a replica that dies now is restarted (the server is open, restarts are on
+        and the restarter has not given up)."""
+        return self._closed is None and self.restarter is not None and self.restarter.gave_up is None
+
     def is_restarting(self) -> bool:
         """True while a dead replica's engine core is being (or about to be) restarted: the
         server is open, restarts are on and the restarter has not given up (``/health`` says

@@ -42,6 +42,7 @@ from rlserve.engine import core_protocol as proto
 from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.front.replica import EngineView, Replica, failed_future
 from rlserve.errors import EngineDeadError, InvalidRequestError
+from rlserve.proc_state import child_ended, exit_text
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +151,6 @@ def _take_prestarted(index: int, cmd: list[str]) -> subprocess.Popen | None:
             p.wait(5)
         return None
     return p
-
-
-def _exit_text(rc: int | None) -> str:
-    if rc is None:
-        return "is gone"
-    if rc < 0:
-        try:
-            return f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"was killed by signal {-rc}"
-    return f"exited with code {rc}"
 
 
 SOCKET_DIR_PREFIX = "rlserve-core-"
@@ -283,7 +273,7 @@ class CoreProcReplica(Replica):
                     raise proto.rebuild_error(msg.error)
                 continue
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine-core process of replica {self.index} {_exit_text(self.proc.returncode)} "
+                raise RuntimeError(f"engine-core process of replica {self.index} {exit_text(self.proc.returncode)} "
                                    "before it was ready (its log is above)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine replica {self.index} did not start in {timeout_s}s")
@@ -505,7 +495,7 @@ class CoreProcReplica(Replica):
             self.death = f"engine replica {self.index} was shut down"
         else:
             self.exit_cause = (f"the engine-core process of replica {self.index} (pid {self.proc.pid}) "
-                               f"{_exit_text(rc)}")
+                               f"{exit_text(rc)}")
             self.death = f"{self.exit_cause}; the server cannot generate until it is restarted"
             logger.error("%s", self.death)
         self.fail_routed(self._dead())
@@ -514,6 +504,20 @@ class CoreProcReplica(Replica):
         self._fail_calls()
         if not self._closing:
             self.front._replica_died(self)
+
+    def ended_now(self) -> str | None:
+        """Why the core's process cannot serve, read from the kernel now: killed (a SIGKILL
+        pending), exiting, or exited, though the reader thread (woken by the process's end, then
+        needing the GIL) has not said so yet; ``None`` while it runs. One ``/proc`` read (plus a
+        non-reaping ``waitid`` once it has ended): for ``/health``, not the request path."""
+        if not self.alive:
+            return self.death or f"engine replica {self.index} is not running"
+        proc = self.proc
+        if proc is None:
+            return None
+        # reaped by the reader already (its Popen.poll): the status is there, the process is not
+        why = exit_text(proc.returncode) if proc.returncode is not None else child_ended(proc.pid)
+        return None if why is None else f"the engine-core process of replica {self.index} (pid {proc.pid}) {why}"
 
     def _dead(self) -> EngineDeadError:
         return EngineDeadError(self.death or f"engine replica {self.index} is not running")
