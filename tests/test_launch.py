@@ -213,3 +213,38 @@ def test_wait_healthy_waits_past_its_timeout_for_a_starved_start_and_ends_a_spin
     finally:
         spin.kill()
         spin.wait()
+
+
+def _core_children() -> list[int]:
+    """Live engine-core processes that are children of this process."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"rlserve.engine.core.core_proc" in cmd and pid_alive(int(d)):
+            out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_in_process_server_fails_at_once_when_its_uvicorn_thread_ends(tiny_model, monkeypatch):
+    """tests/transfer_harness.InProcessServer waits for /health by wait_healthy's rule
+    (StartClock) and fails at once when the server is dead: here its uvicorn thread ends at
+    once (its port is taken). The old wait polled a fixed 120 s, then said only "did not start"
+    (fails on the old code: the message). No engine-core process is left behind."""
+    import socket
+
+    from tests import transfer_harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(transfer_harness, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="uvicorn thread ended before /health answered"):
+            transfer_harness.InProcessServer(tiny_model("llama"), engine_mode="process")
+    assert not _core_children()

@@ -11,7 +11,7 @@ import time
 import httpx
 import torch
 
-from rlserve.server.launch import free_port
+from rlserve.server.launch import StartClock, free_port, tree_cpu_seconds
 
 
 class InProcessServer:
@@ -60,6 +60,9 @@ class InProcessServer:
         try:
             self._thread.start()
             self._wait_started()
+        except BaseException:  # nothing left running: the engine-core process, the app's workers
+            self.close()
+            raise
         finally:
             if warm_templates and before is None:
                 del os.environ[key]
@@ -68,16 +71,37 @@ class InProcessServer:
         if warm_templates:
             self.wait_templates_warm()
 
-    def _wait_started(self) -> None:
-        deadline = time.monotonic() + 120  # a hang bound (a start takes ~2-15 s, longer on a busy machine)
-        while time.monotonic() < deadline:
+    def _wait_started(self, timeout_s: float = 120.0) -> None:
+        """Wait until ``/health`` answers 200: :func:`rlserve.server.launch.wait_healthy`'s rule
+        (:class:`~rlserve.server.launch.StartClock`: past ``timeout_s`` it waits on while this
+        process's tree is starved of CPU, counting only the CPU used since the wait began). A
+        dead server fails at once: its uvicorn thread ended (a port it could not bind), or its
+        engine died.
+
+        Raises:
+            RuntimeError: dead, or not healthy when the clock says the start failed."""
+        base = tree_cpu_seconds(os.getpid()) or 0.0
+
+        def cpu_since(pid: int) -> float | None:
+            now = tree_cpu_seconds(pid)
+            return None if now is None else now - base
+
+        clock = StartClock(os.getpid(), timeout_s, cpu=cpu_since)
+        while True:
+            if not self._thread.is_alive():
+                raise RuntimeError("in-process server: its uvicorn thread ended before /health answered (its log "
+                                   "is above: a port it could not bind?)")
+            if not self.aengine.is_alive():
+                raise RuntimeError(f"in-process server: its engine is not running: {self.aengine.dead_reason()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
+            why = clock.expired()
+            if why is not None:
+                raise RuntimeError(f"in-process server was not healthy {why}")
             time.sleep(0.05)
-        raise RuntimeError("in-process server did not start")
 
     def wait_templates_warm(self, timeout_s: float = 300.0) -> None:
         """Wait until the server's chat-template / constraint workers are all warm and idle
