@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 from torch import nn
@@ -141,11 +142,18 @@ class _ArenaRegion:
             torch.cuda.synchronize(self.arena.device)
 
     def offload(self) -> None:
-        if self.backup is None or self.backup.numel() < self.used:
+        t0 = time.perf_counter()
+        fresh = self.backup is None or self.backup.numel() < self.used
+        if fresh:  # the first sleep: a host buffer, page-locked (its every page touched once)
             self.drop_backup()
             self.backup = _host_buffer(self.used, pinned=self.arena.device.type == "cuda")
+        t1 = time.perf_counter()
         self.backup[: self.used].copy_(self.arena.view(0, self.used), non_blocking=True)
-        self.discard()
+        self._sync()
+        t2 = time.perf_counter()
+        self.arena.unmap()
+        logger.info("sleep: %.1f MiB offloaded: host buffer %.3f s%s, copy %.3f s, unmap %.3f s", self.used / 2**20,
+                    t1 - t0, " (new)" if fresh else "", t2 - t1, time.perf_counter() - t2)
 
     def discard(self) -> None:
         self._sync()  # nothing still reads or writes the pages
