@@ -273,6 +273,12 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
 #define ACC_REGS 16
 #endif
 #define NV_FOR(MB) ((MB) * NVP <= ACC_REGS ? NVP : (MB) * (NVP / 2) <= ACC_REGS ? NVP / 2 : 1)
+/* X_DIRECT: tiles read their rows' inputs in place (x[m][k], row stride ldx) instead of from a
+   copy transposed by row block (xt[k][m]) that the calling thread writes before every call,
+   alone, while the workers wait: 4.4% of a 128-token prefill's CPU on the AVX2 machine (perf,
+   2026-12-07 s18), and the broadcast loads cost the same from either layout. The AVX-512 build
+   keeps the copy (measured there; its 12-row tiles read 12 rows' streams in place). */
+#define X_DIRECT (VL == 8)
 #define PF_DIST 16
 #define PF_LOC 3
 /* Tiles of 2 or more rows also prefetch PF_L2 panel rows ahead into L2: their loop takes
@@ -284,7 +290,8 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
 #define PF_L2 32
 
 /* MB rows x NV vectors of one panel's columns from column h on, over k in [0, kn): xt holds the
-   rows' inputs transposed (xt[k][m]) from the first k of the piece on, wp the panel's rows from
+   rows' inputs transposed (xt[k][m]) from the first k of the piece on (X_DIRECT: xt[m][k], row
+   stride ldx, from the first k of the piece on), wp the panel's rows from
    there ([kn][32]). The accumulators start at zero (acc_in NULL) or at acc_in's [MB][32] values
    (the piece before: a longer sum cut in k-pieces, the same fused multiply-adds in the same
    order, so the same bits); they end in acc_out ([MB][32]) or, when acc_out is NULL (the last
@@ -294,7 +301,8 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
 static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t kn,
                                                        const float *acc_in, float *acc_out, float *out,
                                                        int64_t ldo, int ncols, const float *bias, const int64_t pf,
-                                                       const int64_t pf2, const int MB, const int NV, const int h) {
+                                                       const int64_t pf2, const int MB, const int NV, const int h,
+                                                       const int64_t ldx) {
     vreg acc[MAX_MB][NVP];
     if (acc_in)
         for (int m = 0; m < MB; m++)
@@ -311,7 +319,7 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
         vreg w[NVP];
         for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + PW * k + h + VL * j);
         for (int m = 0; m < MB; m++) {
-            const float a = xt[k * MB + m];
+            const float a = X_DIRECT ? xt[m * ldx + k] : xt[k * MB + m];
             for (int j = 0; j < NV; j++) acc[m][j] = vfma(a, w[j], acc[m][j]);
         }
     }
@@ -338,16 +346,17 @@ static __thread float *xt_buf;  /* per calling thread: the inputs, transposed by
 static __thread int64_t xt_cap;
 
 typedef struct {
-    const float *xt, *wp, *bias;  /* xt: row block r (rows m0..m0+mb) at xt + m0 * K, as [K][mb] */
+    const float *xt, *wp, *bias;  /* xt: row block r (rows m0..m0+mb) at xt + m0 * K, as [K][mb];
+                                     X_DIRECT: x itself, row m at xt + m * ldx */
     float *out;
-    int64_t M, N, K, ldo, panels, panels_per_chunk, mb;
+    int64_t M, N, K, ldo, panels, panels_per_chunk, mb, ldx;
 } gemm_ctx;
 
 /* an MB-row block over the whole panel: PW / (NV_FOR(MB) * VL) tiles side by side */
 #define T1(n, PF, PF2)                                                                                           \
     case n:                                                                                                      \
         for (int h = 0; h < PW; h += NV_FOR(n) * VL)                                                             \
-            tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h);               \
+            tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h, c->ldx);       \
         break;
 #define TILES(PF, PF2) switch (mb) { T1(1, PF, PF2) T1(2, PF, PF2) TILES_MORE(PF, PF2) }
 #if MAX_MB == 12
@@ -389,7 +398,7 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
             const int64_t kn = K;
             for (int64_t m0 = 0; m0 < c->M; m0 += c->mb) {
                 const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
-                const float *xt = c->xt + m0 * K;
+                const float *xt = X_DIRECT ? c->xt + m0 * c->ldx : c->xt + m0 * K;
                 float *om = c->out + m0 * c->ldo + PW * p;
                 TILES(PF_DIST, PF_L2)
             }
@@ -400,7 +409,7 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
             const float *wp = c->wp + p * K * PW + k0 * PW;
             for (int64_t m0 = 0, bi = 0; m0 < c->M; m0 += c->mb, bi++) {
                 const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
-                const float *xt = c->xt + m0 * K + k0 * mb;
+                const float *xt = X_DIRECT ? c->xt + m0 * c->ldx + k0 : c->xt + m0 * K + k0 * mb;
                 float *om = c->out + m0 * c->ldo + PW * p;
                 float *acc = accbuf + bi * MAX_MB * PW;
                 const float *ai = k0 > 0 ? acc : NULL;
@@ -417,6 +426,12 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     }
 }
 
+/* From this many rows on a linear's chunks are single panels: 16 chunks of 2 teams' threads cut
+   the 18 panels of SmolLM2's o and down projections (30 of qkv) into 9 chunks of 2 (15), so one
+   thread ran 5 of the 9 while the other waited: ~11% of those linears' wall time at 128 rows,
+   where a panel is 2.4-6.3 MFLOP (30-80 us of a core). */
+#define ONE_PANEL_ROWS 32
+
 /* out[M, N] (row stride ldo) = x[M, K] (row stride ldx) @ w^T (+ bias[N]), w packed as above
  * (ceil(N / 32) panels). `chunks`: how many pieces the panels are cut into for the team
  * (<= 0: about 8 per team thread); `team`: threads to use (the caller + team - 1 workers; 1:
@@ -428,14 +443,22 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
     if (M == 0) return 0;
     if (team > 1 + T.workers) team = 1 + T.workers;
     const int64_t panels = (N + PW - 1) / PW;
-    if (chunks <= 0) { /* about 8 per team thread, and few enough panels per chunk to stay in L2 */
+    if (chunks <= 0 && M >= ONE_PANEL_ROWS) { /* a panel's rows are a chunk's worth of work */
+        chunks = panels;
+    } else if (chunks <= 0) { /* about 8 per team thread, and few enough panels per chunk to stay in L2 */
         chunks = 8 * (int64_t)(team > 1 ? team : 1);
         const int64_t l2_panels = (512 * 1024) / (K * 4 * PW) > 0 ? (512 * 1024) / (K * 4 * PW) : 1;
         if ((panels + l2_panels - 1) / l2_panels > chunks) chunks = (panels + l2_panels - 1) / l2_panels;
     }
     if (chunks > panels) chunks = panels;
-    /* rows in balanced blocks of at most MAX_MB (AVX-512, 16 rows: 8 + 8), each transposed once */
+    /* rows in balanced blocks of at most MAX_MB (AVX-512, 16 rows: 8 + 8), each transposed once
+       (X_DIRECT: read in place) */
     const int64_t nblocks = (M + MAX_MB - 1) / MAX_MB, mb = (M + nblocks - 1) / nblocks;
+    if (X_DIRECT) {
+        gemm_ctx c = {x, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb, ldx};
+        team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
+        return 0;
+    }
     if (xt_cap < M * K) {
         free(xt_buf);
         xt_buf = (float *)malloc(sizeof(float) * M * K);
@@ -453,7 +476,7 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
             for (int64_t k = 0; k < K; k++) xt[k * n + m] = xr[k];
         }
     }
-    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb};
+    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb, K};
     team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
     return 0;
 }
