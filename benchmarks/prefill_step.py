@@ -214,7 +214,9 @@ def main(argv=None) -> list[dict]:
     passes = [p.strip() for p in args.prefill_graphs.split(",") if p.strip()]
     if not set(passes) <= {"off", "on"}:
         raise SystemExit(f"--prefill-graphs takes off / on, got {args.prefill_graphs!r}")
-    extra = {"prefill_cuda_graph_sizes": args.buckets} if "on" in passes else {}
+    extra = {"cuda_graph_sizes": [8]}  # decode graphs: one small size (the engine steps decode nothing)
+    if "on" in passes:
+        extra["prefill_cuda_graph_sizes"] = args.buckets
     if "on" in passes and dev.type != "cuda":
         extra["prefill_cuda_graphs_emulate"] = True  # smoke runs: the pieces as calls
     max_n = max(tokens)
