@@ -149,23 +149,28 @@ def test_fast_path_after_sleep_and_weight_sync(tiny_model, tmp_path, fast_calls,
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_team_stack_in_one_call_equals_layer_by_layer(arch, tiny_model, monkeypatch):
-    """On a team of 2, a decode step's layers in one C call (:func:`llama_cpu.stack_forward`:
-    q/k norms for qwen3, biases for qwen2) give the same greedy tokens and logprobs, bit for bit,
-    as the same engine's layers called one by one, and every decode step took it."""
+    """On a team of 2, a step's layers in one C call (:func:`llama_cpu.stack_forward`: q/k norms
+    for qwen3, biases for qwen2) give the same greedy tokens and logprobs, bit for bit, as the
+    same engine's layers called one by one, and every step took it (decode steps, and prefills of
+    fewer and of more than 32 rows: from 32 rows the per-row kernels run on the team by blocks)."""
     from rlserve import LLM, SamplingParams
     from rlserve.layers import cpu_gemm
 
     used = []
     real = llama_cpu.stack_forward
 
+    rows = []
+
     def recording(*args):
         out = real(*args)
         used.append(out is not None)
+        rows.append(args[2].shape[0])
         return out
 
     monkeypatch.setattr(llama_cpu, "stack_forward", recording)
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=3)
-    prompts = ["The capital of France is", "Hello world", "One two three four five six seven"]
+    prompts = ["The capital of France is", "Hello world", "One two three four five six seven",
+               "The quick brown fox jumps over the lazy dog, " * 4]
     path = tiny_model(arch)
     runs = {}
     for on in (False, True):
@@ -176,7 +181,8 @@ def test_team_stack_in_one_call_equals_layer_by_layer(arch, tiny_model, monkeypa
             runs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
         finally:
             llama_cpu.set_stack_enabled(prev)
-    assert used and all(used)  # on: every team decode step ran the stack in C (off: never called)
+    assert used and all(used)  # on: every team step ran the stack in C (off: never called)
+    assert max(rows) >= 32
     assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
     assert [o.logprobs for o in runs[True]] == [o.logprobs for o in runs[False]]  # bit-equal, not close
 
