@@ -305,24 +305,28 @@ def rows_vs_cublas(x, w, iters: int, chain: int = 10) -> dict:
             "rows_max_abs_diff": float(diff)}
 
 
-ROWS_SWEEP = [(32, 128, 4), (64, 128, 4), (128, 128, 3), (64, 256, 3), (64, 64, 6)]  # (BLOCK_N, BLOCK_K, stages)
+# (BLOCK_N, BLOCK_K, stages) of the 16-row (also 32) and 64-row tiles; the first of each is the default before
+# session 18 (gemv._ROWS_TILE now)
+ROWS_SWEEP = {16: [(32, 128, 4), (64, 128, 4), (128, 128, 3), (64, 256, 3), (64, 64, 6)],
+              64: [(128, 128, 3), (128, 64, 4), (128, 128, 2), (64, 128, 3), (64, 64, 6)]}
 
 
 def rows_sweep(x, w, iters: int) -> list[dict]:
-    """The small-batch GEMM's us a launch (chains of 10 from a CUDA graph) for each ``ROWS_SWEEP`` tile
-    (``rlserve.layers.gemv``'s ``_ROWS_BLOCK_N`` / ``_ROWS_BLOCK_K`` / ``_ROWS_STAGES`` set in turn)."""
+    """The small-batch GEMM's us a launch (chains of 10 from a CUDA graph) for each ``ROWS_SWEEP`` tile of
+    ``x``'s row tile (``rlserve.layers.gemv._ROWS_TILE`` of that row tile set in turn)."""
     from rlserve.layers import gemv
 
-    saved = gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES
+    bm = gemv.rows_tile(x.shape[0], w.shape[0], x.shape[1], x.device)[0]
+    saved = gemv._ROWS_TILE[bm]
     out = []
     try:
-        for bn, bk, st in ROWS_SWEEP:
-            gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES = bn, bk, st
+        for bn, bk, st in ROWS_SWEEP[64 if bm == 64 else 16]:
+            gemv._ROWS_TILE[bm] = (bn, bk, st)
             us = chain_us(lambda: gemv._launch_rows(0, x, x.shape[1], w, None)[0], iters, 10)
             out.append({"tile": [bn, bk, st], "split": gemv.rows_tile(x.shape[0], w.shape[0], x.shape[1], x.device)[3],
                         "us": round(us, 2), "TBps": round(w.numel() * w.element_size() / us / 1e6, 3)})
     finally:
-        gemv._ROWS_BLOCK_N, gemv._ROWS_BLOCK_K, gemv._ROWS_STAGES = saved
+        gemv._ROWS_TILE[bm] = saved
     return out
 
 

@@ -36,8 +36,8 @@ def _compile(K, K_PER, PROLOGUE, BM, BN, BK, SPLIT, stages):
     # Qwen3-8B o_proj at 16 rows (K split in 4), down_proj with SiLU-and-mul at 64 rows (split in 8),
     # qkv_proj with the add + RMSNorm at 16 rows (split in 2)
     dict(K=4096, K_PER=1024, PROLOGUE=0, BM=16, BN=64, BK=128, SPLIT=4, stages=4, stage_bytes=(16 + 64) * 128 * 2),
-    dict(K=12288, K_PER=1536, PROLOGUE=2, BM=64, BN=128, BK=128, SPLIT=8, stages=3,
-         stage_bytes=(64 + 128) * 128 * 2),
+    dict(K=12288, K_PER=1536, PROLOGUE=2, BM=64, BN=128, BK=64, SPLIT=8, stages=4,
+         stage_bytes=(64 + 128) * 64 * 2),
     dict(K=4096, K_PER=2048, PROLOGUE=1, BM=16, BN=64, BK=128, SPLIT=2, stages=4, stage_bytes=64 * 128 * 2),
 ])
 def test_pipelined_and_split_k_ticket_for_sm90(case):
@@ -49,6 +49,18 @@ def test_pipelined_and_split_k_ticket_for_sm90(case):
     atom = ptx.index("atom.global.gpu.acq_rel.add")
     assert "bar.sync" in ptx[:atom]  # the CTA barrier before the ticket
     assert "atom.global.gpu.relaxed.exch" in ptx[atom:]  # the reset after the reduction
+
+
+@pytest.mark.parametrize("bm", [16, 32, 64])
+def test_row_tiles_leave_room_for_the_programs_the_split_plan_wants(bm):
+    """The plan splits K until ``_ROWS_PROGRAMS_PER_SM`` programs an SM: each row tile's shared memory
+    (``gemv._ROWS_TILE``, plain form, bf16) lets that many share an SM's 228 KB (1 KB each reserved), so
+    they run as one wave. The 64-row tile of session 17 (128 x 128, 3 stages: 144 KB) held one."""
+    from rlserve.layers import gemv
+
+    bn, bk, stages = gemv._ROWS_TILE[bm]
+    k = _compile(K=4096, K_PER=512, PROLOGUE=0, BM=bm, BN=bn, BK=bk, SPLIT=8, stages=stages)
+    assert gemv._ROWS_PROGRAMS_PER_SM * (k.metadata.shared + 1024) <= 228 * 1024, k.metadata.shared
 
 
 def _k_loop(ttgir: str) -> str:

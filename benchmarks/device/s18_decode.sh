@@ -6,7 +6,9 @@
 # and redone by each of the N / 64 column tiles: 1067 instructions a K step with SiLU-and-mul, 346 with the norm
 # (plus a synchronous 2-byte norm-weight load + CTA barrier), 145 plain. The standalone benchmark timed only the
 # plain form. Now (default, RLSERVE_DECODE_GEMM_ROWS_FOLD=0) the norm / SiLU-and-mul run as their own fused
-# kernel before the plain GEMM; =1 keeps the fold (norm weight now pipelined). Budget 90 s, most important first:
+# kernel before the plain GEMM; =1 keeps the fold (norm weight now pipelined). Also the 64-row tile: 128 x 128 x 3
+# stages took 144 KB of shared memory (one program an SM, the split plan's two a SM ran as two waves); now
+# 128 x 64 x 4 stages (96 KB). Budget 90 s, most important first:
 #   a) decode_step.py Qwen3-8B, batch 1 / 16 / 64, context 1024: auto (cuBLAS at 16 / 64) vs pdl:64 (the GEMM,
 #      unfolded: the new default) vs pdl:64f (folded), graph / eager ms vs the HBM floor; kernel tables of 5
 #      steps at batch 16 (with PDL a GEMM's time in the table includes its wait for the kernel before it)
@@ -14,6 +16,8 @@
 #      model's form with cold weights (benchmarks/rows_forms.py: cuBLAS / GEMM unfolded / GEMM folded)
 #   c) Qwen3-0.6B, batch 16 / 64: auto vs pdl:64
 #   d) (BUDGET >= 130) tests/gpu/test_gemm_rows_gpu.py at the 8B shapes
+#   e) (BUDGET >= 160, what is left) the 8B linears at 64 rows over decode_step's ROWS_SWEEP[64] tiles (the first:
+#      session 17's 128 x 128 x 3)
 # DRY_RUN=1 BUDGET=120: a), c) on the CPU with a tiny shape (no Triton path there), the CPU tests of the switch.
 NAME=s18_decode BUDGET=${BUDGET:-90}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -39,16 +43,7 @@ if [ "$DRY_RUN" != 1 ]; then  # b) CUDA only (CUDA graphs)
   bounded "$(slot "${CAP[1]}" 12)" $PY benchmarks/decode_step.py --shape qwen3-8b --gemms --gemm-rows 16,64 \
     --no-models --iters 10 --json "$OUT_DIR/gemms.json" > "$OUT_DIR/gemms.log" 2>&1
   say "b) rc=$?"
-  grep -E '^\{"shape' "$OUT_DIR/gemms.log" | $PY -c "
-import json, sys
-for l in sys.stdin:
-    r = json.loads(l)
-    if 'chain_rows_us' not in r:
-        continue
-    f = ' '.join(f'{k[5:-3]} {r[k]:7.2f}' for k in ('cold_cublas_us', 'cold_rows_us', 'cold_rows_fold_us') if k in r)
-    print(f\"b) {r['linear']:8s} M={r['M']:3d} warm plain: cublas {r['chain_cublas_us']:7.2f} rows {r['chain_rows_us']:7.2f} | \"
-          f\"cold {r.get('form', '?')} x{r.get('cold_copies', '?')}: {f} us\")
-" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  $PY benchmarks/device/rows_summary.py forms < "$OUT_DIR/gemms.log" 2>&1 | tee -a "$OUT_DIR/summary.txt"
   gpu_cleanup
 fi
 bounded "$(slot "${CAP[2]}" 3)" $PY benchmarks/decode_step.py "${D06[@]}" --decode-gemv auto,pdl:64 \
@@ -59,6 +54,13 @@ if [ "$DRY_RUN" = 1 ] || [ "$BUDGET" -ge 130 ]; then
   bounded "$(slot "${CAP[3]}" 0)" $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" > "$OUT_DIR/pytest_rows.log" 2>&1
   say "d) tests rc=$? $(tail -1 "$OUT_DIR/pytest_rows.log")"
   grep -E "^(FAILED|ERROR)" "$OUT_DIR/pytest_rows.log" | head -5 | while read -r l; do say "d) $l"; done
+  gpu_cleanup
+fi
+if [ "$DRY_RUN" != 1 ] && [ "$BUDGET" -ge 160 ]; then
+  bounded "$(( $(left) - 3 ))" $PY benchmarks/decode_step.py --shape qwen3-8b --gemms --gemm-rows 64 --rows-sweep 64 \
+    --no-models --iters 10 --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.log" 2>&1
+  say "e) rc=$?"
+  $PY benchmarks/device/rows_summary.py sweep < "$OUT_DIR/sweep.log" 2>&1 | tee -a "$OUT_DIR/summary.txt"
   gpu_cleanup
 fi
 say done

@@ -82,8 +82,13 @@ _PROGRAMS_PER_SM = 2  # every program also reads x (and r) from L2: 1 / BLOCK_N 
 _ROWS = [envs.RLSERVE_DECODE_GEMM_ROWS]
 MAX_ROWS = 64
 _ROW_TILES = (16, 32, 64)
-_ROWS_BLOCK_N = 64
-_ROWS_BLOCK_K = 128
+# (BLOCK_N, BLOCK_K, num_stages) of each row tile: shared memory = stages x (BLOCK_M + BLOCK_N) x BLOCK_K x 2
+# bytes (bf16; sm_90 AOT compile, Triton 3.6), and _ROWS_PROGRAMS_PER_SM of them must fit an SM's 228 KB.
+# 16 / 32 rows: 64 x 128 weight tiles, 4 stages (60 / 72 KB: 3 programs an SM fit). 64 rows: 128 columns
+# (every program reads its rows' x from L2: M / BLOCK_N of the weight bytes) x 64, 4 stages (96 KB: 2 fit).
+# Until session 18 the 64-row tile was 128 x 128 x 3 stages: 144 KB, one program an SM, so the split plan's
+# two programs an SM ran as two waves of 4-7 K steps each (8B at 64 rows: o_proj 25.7 us vs cuBLAS's 9.5).
+_ROWS_TILE = {16: (64, 128, 4), 32: (64, 128, 4), 64: (128, 64, 4)}
 _ROWS_PROGRAMS_PER_SM = 2
 # the folded prologues (add + RMSNorm into qkv / gate_up, SiLU-and-mul into down; RLSERVE_DECODE_GEMM_ROWS_FOLD):
 # off by default. Each of the GEMM's programs redoes its K range of the prologue for its own column tile
@@ -92,7 +97,6 @@ _ROWS_PROGRAMS_PER_SM = 2
 # 1067 with SiLU-and-mul); the 8B step with them measured 13.7 ms against cuBLAS's 7.3 (H100, session 18).
 # Off: one fused norm / SiLU-and-mul kernel (fused_ops) before the plain GEMM.
 _ROWS_FOLD = [envs.RLSERVE_DECODE_GEMM_ROWS_FOLD]
-_ROWS_STAGES = 4  # software-pipeline depth of the weight loads (64x128 bf16: 16 KiB a stage; 3 for 64 rows)
 _CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
 _CNT_SIZE = 1024
 
@@ -231,7 +235,7 @@ def _launch(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, bias: 
 def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, K_PER)`` of the small-batch GEMM for ``x [M, K] @ W[N, K].T``:
     the smallest row tile of ``_ROW_TILES`` that holds ``M``; ``BLOCK_N`` x ``BLOCK_K`` weight tiles
-    (``BLOCK_N`` doubled for the 64-row tile; smaller where ``N`` / ``K`` are); ``K`` split into ``SPLIT`` ranges of ``K_PER`` columns (a multiple
+    (``_ROWS_TILE`` of the row tile; smaller where ``N`` / ``K`` are); ``K`` split into ``SPLIT`` ranges of ``K_PER`` columns (a multiple
     of ``BLOCK_K``) until the grid has ``_ROWS_PROGRAMS_PER_SM`` programs per SM or every range is one
     ``BLOCK_K`` chunk. Everything but ``BLOCK_M`` depends on ``(N, K)`` only, so a row's arithmetic does
     not depend on how many rows share the step within one row tile.
@@ -243,9 +247,9 @@ def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, i
     bm = next((t for t in _ROW_TILES if M <= t), None)
     if bm is None:
         raise ValueError(f"small-batch GEMM: {M} rows > {_ROW_TILES[-1]}")
-    # 64 rows: twice the columns (every program reads its rows' x from L2: M / BLOCK_N of the weight bytes)
-    bn = min(_ROWS_BLOCK_N * (2 if bm > 32 else 1), max(16, fused_ops._next_pow2(N)))
-    bk = min(_ROWS_BLOCK_K, max(16, fused_ops._next_pow2(K)))
+    bn, bk, _ = _ROWS_TILE[bm]
+    bn = min(bn, max(16, fused_ops._next_pow2(N)))
+    bk = min(bk, max(16, fused_ops._next_pow2(K)))
     tiles = -(-N // bn)
     chunks = -(-K // bk)
     split = max(1, min(chunks, (_ROWS_PROGRAMS_PER_SM * num_sms(device)) // tiles))
@@ -289,7 +293,7 @@ def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, b
             res_out.stride(0) if res_out is not None else 0, weight.stride(0), float(eps))
     meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4,
-                num_stages=_ROWS_STAGES if bm <= 32 else 3)  # 64 x 128 rows+weights: 48 KiB a stage
+                num_stages=_ROWS_TILE[bm][2])
     pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
     return out, res_out
 
