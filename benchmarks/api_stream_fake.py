@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 class _Seq:
     __slots__ = ("index", "output_token_ids", "sampled_logprobs", "logprobs", "finish_reason", "stop_reason",
-                 "params", "routed_experts")
+                 "params", "routed_experts", "streamed")
 
     def __init__(self, index: int, params):
         self.index = index
@@ -42,6 +42,7 @@ class _Seq:
         self.finish_reason = None
         self.stop_reason = None
         self.routed_experts = None
+        self.streamed = False  # (EngineCore.add marks a streamed request's sequences, as Sequence.streamed)
 
 
 class _Req:

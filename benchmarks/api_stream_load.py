@@ -67,6 +67,7 @@ class _Stream(asyncio.Protocol):
         self.status = None
         self.tail = b""
         self.head = b""
+        self.errors = 0  # 'data: {"error": ...}' events (a stream that failed after its 200)
 
     def connection_made(self, transport):
         self.t0 = time.perf_counter()
@@ -83,6 +84,7 @@ class _Stream(asyncio.Protocol):
         buf = self.tail + data
         n = buf.count(b"\ndata: ") + (1 if buf.startswith(b"data: ") else 0)
         n -= buf.count(b"data: [DONE]")
+        self.errors += buf.count(b'data: {"error"')
         self.tail = buf[-8:]
         if n:
             self.reads.append((now, n))
@@ -123,7 +125,7 @@ async def _drive(host: str, port: int, endpoint: str, model: str, clients: int, 
             proto = _Stream(_request_bytes(host, port, path, b), done)
             await loop.create_connection(lambda: proto, host, port)
             await done
-            results.append({"status": proto.status, "t0": proto.t0, "reads": proto.reads})
+            results.append({"status": proto.status, "t0": proto.t0, "reads": proto.reads, "errors": proto.errors})
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -137,7 +139,7 @@ def _client_main(args: tuple, queue) -> None:
 def summarize(run: dict, max_tokens: int) -> dict:
     """Throughput and latency of one run (ms for times)."""
     res = run["results"]
-    ok = [r for r in res if r["status"] == 200 and r["reads"]]
+    ok = [r for r in res if r["status"] == 200 and r["reads"] and not r.get("errors")]
     ttft, itl, events, worst = [], [], [], []
     for r in ok:
         reads = r["reads"]

@@ -72,6 +72,13 @@ def _gemv_mode(name: str, raw: str) -> str:
     return raw
 
 
+def _http_impl(name: str, raw: str) -> str:
+    """``"auto"``, ``"h11"`` or ``"uvloop-h11"``; anything else is a ValueError naming the variable."""
+    if raw not in ("auto", "h11", "uvloop-h11"):
+        raise ValueError(f"{name} must be auto, h11 or uvloop-h11, not {raw!r}")
+    return raw
+
+
 def _gemm_rows(name: str, raw: str) -> int:
     """An integer 0..64 (rlserve.layers.gemv.MAX_ROWS); anything else is a ValueError naming the variable."""
     n = _integer(name, raw)
@@ -119,6 +126,11 @@ VARIABLES: dict[str, Var] = {
                                          "session-17 rule: the decode step after a prefill step waits for the "
                                          "prefill's tokens); on (default): also when its other sequences' last "
                                          "tokens are on the host (rlserve/engine/core/overlap.py)"),
+    "RLSERVE_HTTP_IMPL": Var("str", "auto", _http_impl,
+                             "the API process's HTTP stack: 'auto' (default) uvloop's event loop and httptools' "
+                             "parser where installed (vLLM's uvicorn[standard]), else the stdlib loop and h11; "
+                             "'h11': the stdlib loop + h11 (before session 18); 'uvloop-h11': uvloop + h11 "
+                             "(rlserve.server.http_protocol)"),
     # ---- engine-core process
     "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
                              "default of --log-level of an engine-core process started by hand (python -m "

@@ -122,11 +122,27 @@ def _recv_until_closed(sock: socket.socket, trickle: bytes, bound_s: float) -> f
     return None
 
 
-def test_slow_loris_connections_are_closed(tiny_model):
+def _stack_env(impl: str) -> tuple[dict, str]:
+    """The server's environment for RLSERVE_HTTP_IMPL=``impl`` and the stack its log names
+    (``auto`` is uvloop + httptools: skipped where either is not installed)."""
+    if impl == "auto":
+        pytest.importorskip("uvloop")
+        pytest.importorskip("httptools")
+        return {"RLSERVE_HTTP_IMPL": "auto"}, "uvloop+httptools"
+    return {"RLSERVE_HTTP_IMPL": impl}, "asyncio+h11"
+
+
+@pytest.mark.parametrize("impl", ["h11", "auto"])
+def test_slow_loris_connections_are_closed(tiny_model, impl):
     """--http-header-timeout 2: a connection that trickles header bytes (the old code kept it
     open for ever), or sends nothing, is closed after ~2 s; a request whose head arrived in
-    time is answered, and its keep-alive connection has the same bound for the next head."""
-    with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2") as srv:
+    time is answered, and its keep-alive connection has the same bound for the next head. The
+    same on both HTTP stacks (h11; uvloop + httptools, session 18's default), and more than
+    16 KiB of a head that does not end is a 400 on both (h11's limit; httptools has none of its
+    own: the old parser's bound must hold on the new one)."""
+    env, stack = _stack_env(impl)
+    with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2", env=env) as srv:
+        assert f"HTTP: uvicorn on {stack}" in srv.log_tail(1_000_000)
         port = int(srv.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -147,6 +163,46 @@ def test_slow_loris_connections_are_closed(tiny_model):
             s.sendall(b"GET /health HTTP/1.1\r\n")  # the second head never ends
             took = _recv_until_closed(s, b"X", bound_s=30)
         assert took is not None and took < 20, took
+        with socket.create_connection(("127.0.0.1", port)) as s:  # two pipelined heads: both answered
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                      b"Connection: close\r\n\r\n")
+            assert _read_all(s).count(b"HTTP/1.1 200") == 2
+        for head in (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000,  # never ends
+                     b"GET /health?" + b"q" * 20_000):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(head)
+                assert _read_all(s).startswith(b"HTTP/1.1 400")  # and closed (_read_all returned)
+        with httpx.Client(base_url=srv.url, timeout=30) as client:  # still serving
+            assert client.get("/health", headers={"X-Ok": "a" * 8_000}).status_code == 200
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (30 s bound)."""
+    sock.settimeout(30)
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_http_impl_setting(monkeypatch, capsys, tiny_model):
+    """RLSERVE_HTTP_IMPL picks the stack (h11: the stdlib loop + h11); another value is one
+    error line and exit 2 before the engine starts."""
+    from rlserve.server.http_protocol import http_stack
+
+    assert http_stack("h11").name == "asyncio+h11"
+    assert http_stack("h11").protocol(3.0).header_timeout_s == 3.0
+    with pytest.raises(ValueError, match="RLSERVE_HTTP_IMPL must be auto, h11 or uvloop-h11, not 'fast'"):
+        http_stack("fast")
+    monkeypatch.setenv("RLSERVE_HTTP_IMPL", "fast")
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"))
+    assert rc == 2 and "rlserve serve: error: RLSERVE_HTTP_IMPL must be auto, h11 or uvloop-h11, not 'fast'" in out, out
 
 
 def test_a_parser_flag_loads_the_tokenizer_once(tmp_path, monkeypatch, capsys):

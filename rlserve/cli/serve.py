@@ -19,6 +19,7 @@ from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
                                      generation_defaults, json_object, load_chat_template)
+from rlserve.server.http_protocol import http_stack
 
 logger = logging.getLogger("rlserve.serve")
 
@@ -447,6 +448,7 @@ def run(args) -> int:
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)
+        stack = http_stack()  # (RLSERVE_HTTP_IMPL)
         sock = _bind(args.host, args.port)
     except (RLServeError, ValueError, OSError) as e:
         if prestart:
@@ -523,8 +525,8 @@ def run(args) -> int:
     try:
         app = build_app(aengine, settings)
         phases.mark("API app build")
-        rc = asyncio.run(_serve(app, args, sock))
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run re-raises it
+        rc = stack.run(_serve(app, args, sock, stack))
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run (uvloop.run) re-raises it
         rc = 130
     except _Terminated:  # SIGTERM: uvicorn has shut down and re-raised it (see _raise_terminated)
         rc, resignal = 128 + signal.SIGTERM, signal.SIGTERM
@@ -589,14 +591,13 @@ def _exit_now(rc: int, resignal: int | None = None) -> None:
         os._exit(rc)
 
 
-async def _serve(app, args, sock) -> int:
+async def _serve(app, args, sock, stack) -> int:
     import uvicorn
-
-    from rlserve.server.http_protocol import bounded_h11_protocol
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             access_log=not args.disable_access_log, timeout_graceful_shutdown=1,
-                            timeout_keep_alive=30, http=bounded_h11_protocol(args.http_header_timeout))
+                            timeout_keep_alive=30, http=stack.protocol(args.http_header_timeout))
+    logger.info("HTTP: uvicorn on %s", stack.name)
     loop = asyncio.get_running_loop()
     aengine = app.state.rlserve.aengine
 
@@ -642,7 +643,7 @@ async def _serve(app, args, sock) -> int:
     await server.serve(sockets=[sock])
     task.cancel()
     if server.stopped_for == signal.SIGINT:
-        # uvicorn re-raises the SIGINT it stopped for; asyncio.run turns it into a
+        # uvicorn re-raises the SIGINT it stopped for; asyncio.run (and uvloop.run) turns it into a
         # KeyboardInterrupt by cancelling this task, unless the task has already returned by
         # then (a race seen on a loaded machine: exit status 0 instead of 130)
         return 130
