@@ -222,6 +222,7 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         env["PYTHONPATH"] = os.pathsep.join((api_stream_probe.site_dir(probe_dir), env["PYTHONPATH"]))
         env[api_stream_probe.ENV_DIR] = probe_dir
         env[api_stream_probe.ENV_SLOW_MS] = str(args.probe_slow_ms)
+        env.setdefault("RLSERVE_HTTP_IMPL", "h11")  # the probe times the stdlib loop's callbacks (not uvloop's)
     tree = env.pop("tree", None)  # another checkout's rlserve; its engine core imports the fake from here
     srv = ServerProcess(model, "--max-num-seqs", str(args.clients), "--max-model-len", str(args.max_model_len),
                         "--disable-access-log", *flags, env=env, launcher=tree_launcher(tree))

@@ -8,7 +8,9 @@ put first on the server's ``PYTHONPATH``, see :func:`site_dir`), it records, as 
 * ``gc2``: every full (generation-2) garbage collection, its duration (``gc.callbacks``);
 * ``slow``: every asyncio callback or task step that ran longer than ``slow_ms`` (default 20 ms),
   named by its callback (and the task's coroutine): ``asyncio.events.Handle._run`` is wrapped,
-  which costs ~0.5 us per callback, so compare probed runs with probed runs only.
+  which costs ~0.5 us per callback, so compare probed runs with probed runs only. Only the stdlib
+  loop's callbacks: uvloop's handles are C (``api_stream_load --probe`` runs its servers with
+  ``RLSERVE_HTTP_IMPL=h11`` unless a config sets it).
 
 With ``API_STREAM_PROBE_SPLIT=1`` the API process also sums the time of the engine-output
 callback's parts (:func:`_time_parts`, ``<dir>/<pid>.split``). (A sampler of the main thread's
