@@ -97,3 +97,20 @@ def test_off_where_not_supported(tiny_model):
                 extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
     eager.generate([[5, 6, 7]], _greedy(2))
     assert eager.engine.executor.runner._prefill_graphs_off == "CUDA graphs are off"
+
+
+def test_attention_out_buffer_equals_a_fresh_result():
+    """``Attention.forward_cached(..., out=)`` (the piecewise graphs' static buffer) writes the same values it
+    returns without ``out``, for a whole step and a mixed step's two calls (the torch backend copies)."""
+    from rlserve.layers.attention import Attention
+    from tests.attention_cases import make_paged_case
+
+    for qlens, slens in (([5, 3], [9, 3]), ([1, 1, 6], [7, 12, 6])):
+        q, kc, vc, meta = make_paged_case(qlens, slens, 4, 2, 8, 4, torch.float32)
+        att = Attention(4, 8, 8 ** -0.5, 2)
+        att.k_cache, att.v_cache = kc, vc
+        T = q.shape[0]
+        want = att.forward_cached(q.reshape(T, 32), meta)
+        out = torch.full((T, 32), float("nan"))
+        got = att.forward_cached(q.reshape(T, 32), meta, out=out)
+        assert got is out and torch.equal(out, want)

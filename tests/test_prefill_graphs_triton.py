@@ -56,3 +56,27 @@ def test_engine_prefill_graphs_with_triton_match_torch_eager(tiny_model, restore
         for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for t in db:
                 assert abs(da[t] - db[t]) < 1e-4
+
+
+def test_triton_attention_writes_into_out(restore):
+    """The Triton backend takes ``out=`` (``OUT_BACKENDS``): a mixed step's decode and prefill rows written into
+    their halves of one buffer, equal to the ``cat`` of two fresh results; a wrong ``out`` is refused."""
+    import torch
+
+    from rlserve.layers import triton_attention as ta
+    from rlserve.layers.attention import OUT_BACKENDS, Attention
+    from tests.attention_cases import make_paged_case
+
+    assert ta.register() and "triton" in OUT_BACKENDS
+    set_attention_backend("triton")
+    q, kc, vc, meta = make_paged_case([1, 1, 6, 3], [9, 17, 14, 3], 4, 2, 16, 4, torch.float32)
+    att = Attention(4, 16, 16 ** -0.5, 2)
+    att.k_cache, att.v_cache = kc, vc
+    T = q.shape[0]
+    want = torch.cat([ta.triton_paged_attention(q[:2], kc, vc, meta.sequences(0, 2), att.scale),
+                      ta.triton_paged_attention(q[2:], kc, vc, meta.sequences(2, 4), att.scale)]).reshape(T, 64)
+    out = torch.full((T, 64), float("nan"))
+    assert att.forward_cached(q.reshape(T, 64), meta, out=out) is out
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="out must be"):
+        ta.paged_attention(q, kc, vc, meta, att.scale, out=torch.empty(T, 4, 8))

@@ -337,6 +337,10 @@ ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_pag
 # (e.g. a fused, sync-free kernel usable inside CUDA graphs); backends without an entry use
 # write_kv_cache.
 KV_CACHE_WRITERS: dict[str, Callable[..., None]] = {}
+# backends whose function also takes ``out=``: a ``[T, num_heads, head_dim]`` tensor of ``q``'s dtype (unit
+# last stride) that the result is written into and returned (one kernel fewer than a copy; a mixed step's two
+# calls write their halves of one output, no ``cat``)
+OUT_BACKENDS: set[str] = set()
 _active_backend = ["torch"]
 
 
@@ -412,22 +416,40 @@ class Attention(nn.Module):
         KV_CACHE_WRITERS.get(backend, write_kv_cache)(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kw)
         return self._attend(q, meta, kw).reshape(T, self.num_heads * self.head_dim)
 
-    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, kw: dict) -> torch.Tensor:
-        """The active backend over this step's cache: ``[T, heads, head_dim]``; a mixed step's
-        leading decode rows and its prefill rows in two calls (:meth:`AttentionMetadata.decode_split`)."""
-        fn = ATTENTION_BACKENDS[_active_backend[0]]
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, kw: dict,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The active backend over this step's cache: ``[T, heads, head_dim]`` (written into ``out`` when
+        given, a tensor of that shape and ``q``'s dtype); a mixed step's leading decode rows and its prefill
+        rows in two calls (:meth:`AttentionMetadata.decode_split`), into one output where the backend takes
+        ``out`` (:data:`OUT_BACKENDS`)."""
+        name = _active_backend[0]
+        fn = ATTENTION_BACKENDS[name]
+        takes_out = name in OUT_BACKENDS
         split = meta.decode_split()
         if split is None:
-            return fn(q, self.k_cache, self.v_cache, meta, self.scale, **kw)
-        d, dec, pre = split  # d decode rows: the first d query tokens
-        return torch.cat((fn(q[:d], self.k_cache, self.v_cache, dec, self.scale, **kw),
-                          fn(q[d:], self.k_cache, self.v_cache, pre, self.scale, **kw)))
+            parts = [(q, meta, out)]
+        else:
+            d, dec, pre = split  # d decode rows: the first d query tokens
+            if out is None and not takes_out:
+                return torch.cat((fn(q[:d], self.k_cache, self.v_cache, dec, self.scale, **kw),
+                                  fn(q[d:], self.k_cache, self.v_cache, pre, self.scale, **kw)))
+            if out is None:
+                out = torch.empty_like(q)
+            parts = [(q[:d], dec, out[:d]), (q[d:], pre, out[d:])]
+        for qi, mi, oi in parts:
+            res = fn(qi, self.k_cache, self.v_cache, mi, self.scale, **kw, **({"out": oi} if takes_out else {}))
+            if oi is None:
+                return res
+            if res is not oi:
+                oi.copy_(res)
+        return out
 
-    def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_cached(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention when this step's K/V are already in the cache (a fused kernel wrote
         them, e.g. :func:`rlserve.layers.fused_ops.qkv_norm_rope_write`).
 
-        Args: q ``[T, num_heads*head_dim]``. Returns ``[T, num_heads*head_dim]``.
+        Args: q ``[T, num_heads*head_dim]``; ``out``: optional, a contiguous tensor of that shape and dtype
+        the result is written into. Returns ``[T, num_heads*head_dim]`` (``out`` when given).
 
         Raises:
             RuntimeError: if no KV cache was bound.
@@ -435,5 +457,6 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("Attention has no KV cache bound; the model runner must bind one")
         T = q.shape[0]
-        out = self._attend(q.view(T, self.num_heads, self.head_dim), meta, self.kv_scale_kwargs())
-        return out.reshape(T, self.num_heads * self.head_dim)
+        o3 = out.view(T, self.num_heads, self.head_dim) if out is not None else None
+        res = self._attend(q.view(T, self.num_heads, self.head_dim), meta, self.kv_scale_kwargs(), o3)
+        return out if out is not None else res.reshape(T, self.num_heads * self.head_dim)

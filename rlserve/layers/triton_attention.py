@@ -263,13 +263,13 @@ def triton_write_kv_cache(
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`paged_attention`, with one fallback: when the kernels of ``FP8_OPERAND = "asm"`` (inline
     assembly) fail to compile on this Triton / GPU, a warning is logged, :data:`FP8_OPERAND`
     becomes ``"f16"`` for the process (the same values, Triton's own conversion) and the call is
     repeated. Any other error propagates."""
     try:
-        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale, out)
     except Exception as e:
         global FP8_OPERAND
         if fp8_operand_mode(q.dtype, k_cache.dtype) < 2 or type(e).__name__ != "CompilationError":
@@ -277,7 +277,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         logger.warning("fp8 KV cache: the inline-assembly V conversion did not compile (%s); using Triton's "
                        "float16 cast (FP8_OPERAND='f16')", str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
         FP8_OPERAND = "f16"
-        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, num_splits, k_scale, v_scale, out)
 
 
 def paged_attention(
@@ -289,6 +289,7 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal grouped-query attention (drop-in for ``torch_paged_attention``).
 
@@ -304,13 +305,22 @@ def paged_attention(
         num_splits: force the decode split count (tests); default :func:`plan_num_splits`.
         k_scale, v_scale: float32 ``[1]`` scales of an fp8 cache (None: 1.0): the kernels read
             fp8 K/V and dequantize in registers (:mod:`rlserve.layers.kv_quant`).
+        out: optional ``[T, num_heads, head_dim]`` tensor of ``q.dtype`` with a unit last stride to write
+            the result into (the batch-invariant prefill returns a tensor of its own instead).
 
     Returns:
-        ``[T, num_heads, head_dim]`` in ``q.dtype``.
+        ``[T, num_heads, head_dim]`` in ``q.dtype`` (``out`` when given, but see ``out``).
+
+    Raises:
+        ValueError: an ``out`` of another shape or dtype, or without a unit last stride.
     """
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if not (q.is_cuda or interpreter_enabled()):
         kw = {"k_scale": k_scale, "v_scale": v_scale} if kv_quant.is_fp8(k_cache.dtype) else {}
-        return torch_paged_attention(q, k_cache, v_cache, meta, scale, **kw)
+        res = torch_paged_attention(q, k_cache, v_cache, meta, scale, **kw)
+        return res if out is None else out.copy_(res)
     _check_cache(k_cache, v_cache)
     bi_prefill = bi_mode.enabled() and meta.max_query_len > 1 and bi_tiles.FORM[0] == "tiles"
     kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
@@ -327,7 +337,8 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     G = H // Hkv
-    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     D_PAD = _pow2(D)
@@ -397,6 +408,7 @@ def register() -> bool:
     from rlserve.layers import attention
 
     attention.ATTENTION_BACKENDS["triton"] = triton_paged_attention
+    getattr(attention, "OUT_BACKENDS", set()).add("triton")
     writers = getattr(attention, "KV_CACHE_WRITERS", None)
     if writers is not None:
         writers["triton"] = triton_write_kv_cache

@@ -18,8 +18,8 @@ such a step as ~10.7 ms + 0.74 us a token, most of it the host launching a step 
   (its ``T > 1`` branch);
 - between pieces the layer's attention runs eagerly (``Attention.forward_cached`` with the step's
   real metadata: prefill kernel, a mixed step's decode rows in the decode kernel) on the first
-  ``T`` rows of the bucket's static query buffer, its output copied into the static buffer the next
-  piece reads. A step launches ``L + 1`` graph replays and ``L`` attention calls instead of ~9 ``L``
+  ``T`` rows of the bucket's static query buffer, its output written into the static buffer the next
+  piece reads (``out=``). A step launches ``L + 1`` graph replays and ``L`` attention calls instead of ~9 ``L``
   kernels.
 
 What the graphs bake in (as the decode graphs, :mod:`rlserve.engine.worker.cuda_graph`): parameter
@@ -242,6 +242,5 @@ class PrefillCUDAGraphs:
             else:
                 b.graphs[i].replay()
             if i < len(layers):
-                attn = layers[i].self_attn.attn
-                b.attn[:T].copy_(attn.forward_cached(b.q[:T], meta))
+                layers[i].self_attn.attn.forward_cached(b.q[:T], meta, out=b.attn[:T])
         return b.hidden[:T]
