@@ -93,9 +93,10 @@ _ROWS_PROGRAMS_PER_SM = 2
 # the folded prologues (add + RMSNorm into qkv / gate_up, SiLU-and-mul into down; RLSERVE_DECODE_GEMM_ROWS_FOLD):
 # off by default. Each of the GEMM's programs redoes its K range of the prologue for its own column tile
 # (N / BLOCK_N times over: 64 for Qwen3-8B's down_proj), which at 16 rows costs more issue slots than the
-# tile's dot products (sm_90 SASS of the K loop, Triton 3.6: 145 instructions plain, 346 with the norm,
-# 1067 with SiLU-and-mul); the 8B step with them measured 13.7 ms against cuBLAS's 7.3 (H100, session 18).
-# Off: one fused norm / SiLU-and-mul kernel (fused_ops) before the plain GEMM.
+# tile's dot products (sm_90 SASS of the K loop, Triton 3.6, benchmarks/rows_sass.py: 145 instructions
+# plain, ~300 with the norm, 1067 with SiLU-and-mul: the 4 warps each hold the whole input tile in the MMA's
+# operand layout); the 8B step with them measured 13.7 ms against cuBLAS's 7.3 (H100, session 18, BENCHMARKS
+# D5). Off: one fused norm / SiLU-and-mul kernel (fused_ops) before the plain GEMM.
 _ROWS_FOLD = [envs.RLSERVE_DECODE_GEMM_ROWS_FOLD]
 _CNT: dict = {}  # device -> int32 tile counters of the split-K reduction (zero between launches)
 _CNT_SIZE = 1024
@@ -257,6 +258,14 @@ def rows_tile(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, i
     return bm, bn, bk, -(-K // k_per), k_per
 
 
+def rows_stages(bm: int, prologue: int) -> int:
+    """Software-pipeline stages of the small-batch GEMM's ``bm``-row tile with ``prologue`` (0 plain, 1 the
+    folded add + RMSNorm, 2 the folded SiLU-and-mul): ``_ROWS_TILE``'s, one fewer with the folded norm, whose
+    residual and norm-weight tiles take a buffer a stage too (sm_90, 16 rows: 84 KB at 4 stages, two programs
+    an SM, so Qwen3-8B's 384 gate_up programs took 1.45 waves; 56 KB at 3; 64 rows: 136 / 96 KB)."""
+    return _ROWS_TILE[bm][2] - (prologue == 1)
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, device.index)
     if key not in _CNT:
@@ -293,7 +302,7 @@ def _launch_rows(prologue: int, x: torch.Tensor, K: int, weight: torch.Tensor, b
             res_out.stride(0) if res_out is not None else 0, weight.stride(0), float(eps))
     meta = dict(K=K, K_PER=k_per, PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, num_warps=4,
-                num_stages=_ROWS_TILE[bm][2])
+                num_stages=rows_stages(bm, prologue))
     pdl.launch(gemm_rows_kernels._gemm_rows_kernel, (tiles, split, 1), args, meta, x.device, pdl.on(x.device))
     return out, res_out
 
