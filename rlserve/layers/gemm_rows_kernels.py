@@ -2,6 +2,11 @@
 at 2..``RLSERVE_DECODE_GEMM_ROWS`` rows (imported on first use; :mod:`rlserve.layers.gemv` says when it runs
 and how it rounds).
 
+The prologues run only with ``RLSERVE_DECODE_GEMM_ROWS_FOLD=1`` (:func:`rlserve.layers.gemv.set_rows_fold`);
+by default the norm / SiLU-and-mul are their own fused kernel and this one runs ``PROLOGUE == 0``: each
+program redoes its ``K`` range of a prologue for its own column tile, in the MMA's operand layout where
+every warp holds the whole input tile (``benchmarks/rows_sass.py``; BENCHMARKS.md D5).
+
 ``PROLOGUE == 1`` folds the decoder layer's add + RMSNorm in: ``y = W @ (w_norm * rmsnorm(x + r))`` is
 ``rstd * (W @ (w_norm * h))`` with ``h = x + r`` (``rstd`` a per-row scalar), so each program multiplies
 ``w_norm * h`` of its own ``K`` range, sums ``h^2`` over it on the side, and the ``rstd`` scaling waits
