@@ -19,10 +19,12 @@ whole layer stack (this path or the modules), split into micro-batches of sequen
 several threads where the step's :mod:`rlserve.engine.cpu.cpu_microbatch` says so.
 
 When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
-modules): a pure decode step (one token per sequence) on float32 CPU tensors, the fused C
-kernels and the paged decode kernel available and switched on, the ``torch`` attention
-backend, a row count that runs on the packed linear copy (:func:`rlserve.layers.cpu_linear.
-packed_rows`), and per layer (:func:`_layer_ok`, checked once): tensor parallel size 1,
+modules): a pure decode step (one token per sequence), or on the CPU team a step with prefills
+whose attention is short enough (:func:`_prefill_tables`: every query token then runs the paged
+decode kernel over its own context; ``RLSERVE_CPU_STACK_PREFILL``), on float32 CPU tensors, the
+fused C kernels and the paged decode kernel available and switched on, the ``torch`` attention
+backend, a row count that runs on the team (:func:`rlserve.layers.cpu_gemm.takes`) or else on
+the packed linear copy (:func:`rlserve.layers.cpu_linear.packed_rows`), and per layer (:func:`_layer_ok`, checked once): tensor parallel size 1,
 unquantized linears with a packed copy (re-read every call, since weight updates rebuild it),
 float32 contiguous norm weights, no module hooks. A layer whose attention kernel refuses the
 shapes (non-zero return code) takes :meth:`rlserve.layers.attention.Attention.forward_cached`.
