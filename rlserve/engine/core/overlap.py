@@ -29,8 +29,8 @@ filled on the device (``(tokens, rows, where)``), the others from the host. Only
 in flight, so a sequence not in it has no placeholder. Before session 18 (issue 37) a decode step
 was launched early only when *every* sequence in it was in the step in flight, so every prefill
 step while sequences ran was followed by an unoverlapped decode step (``RLSERVE_OVERLAP_AFTER_PREFILL=0``
-keeps that rule, for measuring). Which batch runs next does not change, only when it is launched:
-tokens are the plain loop's.
+keeps that rule, for measuring; the gain is not yet measured on a GPU: ``benchmarks/device/s18_overlap.sh``).
+Which batch runs next does not change, only when it is launched: tokens are the plain loop's.
 
 Block frees while a step is in flight are safe: every later write to a freed block comes from
 a step launched later on the same stream. A decode step (or a mixed step's decode rows) is
