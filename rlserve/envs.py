@@ -120,12 +120,13 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_ASYNC_SCHEDULING": Var("bool | None", None, _zero_one,
                                     "'0' / '1': overlapped decode off / on when neither --[no-]async-scheduling "
                                     "nor extra['async_scheduling'] says (else: on for CUDA with TP=1)"),
-    "RLSERVE_OVERLAP_AFTER_PREFILL": Var("bool", True, _flag,
-                                         "'0': under overlapped scheduling a decode step is launched before the step "
-                                         "in flight is read only when every sequence in it was in that step (the "
-                                         "session-17 rule: the decode step after a prefill step waits for the "
-                                         "prefill's tokens); on (default): also when its other sequences' last "
-                                         "tokens are on the host (rlserve/engine/core/overlap.py)"),
+    "RLSERVE_OVERLAP_AFTER_PREFILL": Var("bool", False, _flag,
+                                         "'1': under overlapped scheduling a decode step is also launched before the "
+                                         "step in flight is read when its other sequences' last tokens are on the "
+                                         "host (the decode step after a prefill step; rlserve/engine/core/overlap.py); "
+                                         "off (default until its GPU tests and speed are measured: "
+                                         "benchmarks/device/s18_overlap.sh): only when every sequence in it was in "
+                                         "that step (the session-17 rule)"),
     "RLSERVE_HTTP_IMPL": Var("str", "auto", _http_impl,
                              "the API process's HTTP stack: 'auto' (default) uvloop's event loop and httptools' "
                              "parser where installed (vLLM's uvicorn[standard]), else the stdlib loop and h11; "

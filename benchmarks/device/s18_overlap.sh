@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 18, issue 37 (overlap18): the overlapped loop launches the decode step after a prefill step before the
-# prefill's tokens are read (rlserve/engine/core/overlap.py; RLSERVE_OVERLAP_AFTER_PREFILL, default on; 0: the
+# prefill's tokens are read (rlserve/engine/core/overlap.py; RLSERVE_OVERLAP_AFTER_PREFILL, default off; 1: the new rule, 0: the
 # session-17 rule, where that decode step waited for the read). Budget 120 s, most important first:
 #   a) the offline Qwen3-0.6B workload (BENCHMARKS "Offline workload vs its own HBM floor": 256 sequences, prompts
 #      and outputs 100..1024) with --floor --step-trace, old rule (RLSERVE_OVERLAP_AFTER_PREFILL=0) then new, each

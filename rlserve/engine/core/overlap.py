@@ -22,14 +22,15 @@ read (the prefill phase of a large batch is otherwise one host sync per step). A
 (``--mixed-prefill-decode``) too: its decode rows of the step in flight take their input ids on
 the device (``StepInput.input_ids_from`` with the flat rows to fill), under the decode rule below.
 
-A decode step after a prefill step of new prompts holds the running sequences (their last token
+With ``RLSERVE_OVERLAP_AFTER_PREFILL=1`` (off by default until its GPU tests and speed are measured),
+a decode step after a prefill step of new prompts holds the running sequences (their last token
 on the host: they were not in the prefill step) and the new ones (their first token on the
 device, in the prefill's sampler output): it is launched early too, its rows of the step in flight
 filled on the device (``(tokens, rows, where)``), the others from the host. Only one step is ever
 in flight, so a sequence not in it has no placeholder. Before session 18 (issue 37) a decode step
 was launched early only when *every* sequence in it was in the step in flight, so every prefill
-step while sequences ran was followed by an unoverlapped decode step (``RLSERVE_OVERLAP_AFTER_PREFILL=0``
-keeps that rule, for measuring; the gain is not yet measured on a GPU: ``benchmarks/device/s18_overlap.sh``).
+step while sequences ran was followed by an unoverlapped decode step (the default still keeps that
+rule: the gain and the GPU tests are not yet run on a GPU, ``benchmarks/device/s18_overlap.sh``).
 Which batch runs next does not change, only when it is launched: tokens are the plain loop's.
 
 Block frees while a step is in flight are safe: every later write to a freed block comes from
