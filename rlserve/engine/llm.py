@@ -8,6 +8,26 @@ from rlserve.config import EngineConfig
 from rlserve.engine.core.llm_engine import LLMEngine
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
+from rlserve.errors import InvalidRequestError
+
+#: vLLM's prompt dicts: ``TextPrompt`` {"prompt": str} and ``TokensPrompt`` {"prompt_token_ids": list[int]}
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _from_prompt_dict(p, i: int):
+    """A vLLM ``TextPrompt`` / ``TokensPrompt`` dict -> its text or token ids; anything else as it is.
+
+    Raises:
+        InvalidRequestError: a dict with neither key, both, or another key (multi-modal data, cache salt...:
+            not served), naming the prompt's index.
+    """
+    if not isinstance(p, dict):
+        return p
+    keys = set(p)
+    if len(keys & set(_PROMPT_KEYS)) != 1 or keys - set(_PROMPT_KEYS):
+        raise InvalidRequestError(f"prompts[{i}]: a prompt dict takes exactly one of 'prompt' (text) or "
+                                  f"'prompt_token_ids' (vLLM's TextPrompt / TokensPrompt), got keys {sorted(keys)}")
+    return p["prompt"] if "prompt" in p else p["prompt_token_ids"]
 
 
 class LLM:
@@ -45,7 +65,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request=None,
@@ -53,7 +73,8 @@ class LLM:
         """Generate completions for every prompt, batched by the engine.
 
         Args:
-            prompts: one prompt or a list; each is text or a list of token ids.
+            prompts: one prompt or a list; each is text, a list of token ids, or vLLM's prompt dict
+                (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``).
             sampling_params: one for all prompts, or one per prompt.
             lora_request: vLLM's: a :class:`rlserve.lora.request.LoRARequest` for all prompts, a
                 list (one per prompt, None = the base model), or None (engine built with
@@ -66,8 +87,9 @@ class LLM:
             InvalidRequestError: on bad prompts or parameters (nothing is queued then);
                 LoRAAdapterError (a subclass) for an adapter that cannot be served.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_from_prompt_dict(p, i) for i, p in enumerate(prompts)]
         sampling_params = sampling_params or SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
