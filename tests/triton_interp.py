@@ -49,6 +49,38 @@ def _patch_interpreter_for_numpy2() -> None:
 _patch_interpreter_for_numpy2()
 
 
+def _patch_interpreter_dot() -> None:
+    """Triton's interpreter runs ``tl.dot`` as ``np.matmul``, whose summation order over K depends on the
+    operands' shapes through the BLAS kernel NumPy picks (OpenBLAS's Haswell kernels on an AMD EPYC: a tile of
+    33 rows and one of 1 row summed the same K terms in different orders, so the batch-invariance tests'
+    bit-equality failed there and passed on an AVX-512 Xeon). A GPU's dot sums each output's K terms in one
+    order fixed by the kernel's tiles, not by the other rows. Here every output element is the sequential
+    float sum over k = 0..K-1 of its products (a reduction over a non-contiguous axis: NumPy adds the K
+    slices in order), so a row's bits depend on its own inputs and K only, on every machine."""
+    import numpy as np
+    import triton.runtime.interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    orig = getattr(builder, "create_dot", None)
+    if orig is None or getattr(orig, "_rlserve_patched", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+        dt = d.data.dtype
+        prod = a_data.astype(dt)[..., :, :, None] * b_data.astype(dt)[..., None, :, :]  # [..., M, K, N]
+        return ti.TensorHandle(np.add.reduce(prod, axis=-2, dtype=dt) + d.data, d.dtype.scalar)
+
+    create_dot._rlserve_patched = True
+    builder.create_dot = create_dot
+
+
+_patch_interpreter_dot()
+
+
 def rebuild(*names: str) -> None:
     """Reload the modules ``names`` (in order: kernels first) that were imported before
     ``TRITON_INTERPRET=1`` was set, so their ``@triton.jit`` functions are the interpreter's."""
