@@ -58,3 +58,11 @@ def gather_rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return tokens[:n].long()
     idx = to_device(rows, torch.long, tokens.device)
     return tokens.index_select(0, idx).long()
+
+
+def fill_rows(dst: torch.Tensor, tokens: torch.Tensor, rows: list[int], where: list[int]) -> torch.Tensor:
+    """``dst[where] = tokens[rows]`` in place without a host sync (``dst`` 1-D on ``tokens``' device;
+    ``where`` and ``rows`` staged with :func:`to_device`); returns ``dst``. The input ids of a step
+    whose rows ``where`` come from an earlier step's sampled tokens, the others from the host."""
+    idx = to_device(where, torch.long, dst.device)
+    return dst.index_copy_(0, idx, gather_rows(tokens, rows).to(dst.dtype))

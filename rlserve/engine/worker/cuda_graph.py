@@ -39,7 +39,7 @@ import time
 import torch
 from torch import nn
 
-from rlserve.h2d import gather_rows, to_device
+from rlserve.h2d import fill_rows, gather_rows
 from rlserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -256,8 +256,7 @@ class DecodeCUDAGraphs:
         n = 2 * self.max_bs + bs * self.max_blocks
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if ids_from is not None and len(ids_from) == 3:  # some rows from the host, the rest from the device
-            where = to_device(ids_from[2], torch.long, self.device)
-            self.input_ids.index_copy_(0, where, gather_rows(ids_from[0], ids_from[1]).to(self.input_ids.dtype))
+            fill_rows(self.input_ids, *ids_from)
         elif ids_from is not None:  # stream-ordered after the staging copy, before the replay
             self.input_ids[:B].copy_(gather_rows(*ids_from))
         if self.lora is not None:

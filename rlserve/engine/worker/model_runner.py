@@ -42,7 +42,7 @@ from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_representatives
 from rlserve.engine.worker import prefill_graphs as pg
-from rlserve.h2d import gather_rows, to_device
+from rlserve.h2d import fill_rows, gather_rows, to_device
 from rlserve.layers import cpu_gemm, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora.model import lora_of
@@ -494,8 +494,7 @@ class ModelRunner:
             return logits(hidden.index_select(0, rows))
         ids_from = step.input_ids_from
         if ids_from is not None and len(ids_from) == 3:  # mixed step: some rows from the device
-            input_ids = to_device(step.input_ids, torch.long, self.device)
-            input_ids[to_device(ids_from[2], torch.long, self.device)] = gather_rows(ids_from[0], ids_from[1])
+            input_ids = fill_rows(to_device(step.input_ids, torch.long, self.device), *ids_from)
         elif ids_from is not None:
             input_ids = gather_rows(*ids_from).to(self.device)
         else:
