@@ -72,7 +72,7 @@ def _gemv_mode(name: str, raw: str) -> str:
     return raw
 
 
-def _http_impl(name: str, raw: str) -> str:
+def http_impl(name: str, raw: str) -> str:
     """``"auto"``, ``"h11"`` or ``"uvloop-h11"``; anything else is a ValueError naming the variable."""
     if raw not in ("auto", "h11", "uvloop-h11"):
         raise ValueError(f"{name} must be auto, h11 or uvloop-h11, not {raw!r}")
@@ -127,7 +127,7 @@ VARIABLES: dict[str, Var] = {
                                          "off (default until its GPU tests and speed are measured: "
                                          "benchmarks/device/s18_overlap.sh): only when every sequence in it was in "
                                          "that step (the session-17 rule)"),
-    "RLSERVE_HTTP_IMPL": Var("str", "auto", _http_impl,
+    "RLSERVE_HTTP_IMPL": Var("str", "auto", http_impl,
                              "the API process's HTTP stack: 'auto' (default) uvloop's event loop and httptools' "
                              "parser where installed (vLLM's uvicorn[standard]), else the stdlib loop and h11; "
                              "'h11': the stdlib loop + h11 (before session 18); 'uvloop-h11': uvloop + h11 "

@@ -163,12 +163,10 @@ def http_stack(impl: str | None = None) -> HttpStack:
         ValueError: another ``impl``, or ``uvloop-h11`` without uvloop."""
     import asyncio
 
-    if impl is None:
-        from rlserve import envs
+    from rlserve import envs
 
-        impl = envs.RLSERVE_HTTP_IMPL
-    if impl not in ("auto", "h11", "uvloop-h11"):
-        raise ValueError(f"RLSERVE_HTTP_IMPL must be auto, h11 or uvloop-h11, not {impl!r}")
+    # the variable's own parser checks an explicit value too (one list of the stacks)
+    impl = envs.RLSERVE_HTTP_IMPL if impl is None else envs.http_impl("RLSERVE_HTTP_IMPL", impl)
     fast_loop = _importable("uvloop", "run") if impl != "h11" else False  # (uvloop.run: 0.18+)
     if impl == "uvloop-h11" and not fast_loop:
         raise ValueError("RLSERVE_HTTP_IMPL=uvloop-h11: uvloop is not installed (pip install uvloop)")
