@@ -214,7 +214,9 @@ class PrefillCUDAGraphs:
             warm = dict(state)
             self._piece(b, i, warm)
             g = torch.cuda.CUDAGraph()
-            g.capture_begin(pool=self._pool)
+            # thread_local, as the decode graphs' capture: other engine threads (data-parallel replicas)
+            # may keep running
+            g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 self._piece(b, i, state)
             finally:
