@@ -259,24 +259,30 @@ def test_lora_requests_across_chunks(path, tmp_path):
                                atol=LP_ATOL, rtol=0)
 
 
-def test_weight_update_between_two_chunks_restarts_the_prompt(path, tiny_model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_weight_update_between_two_chunks_restarts_the_prompt(path, tiny_model, overlap):
     """A prompt is never computed half under the old weights and half under the new: a partial
     prefill allocated before the update (every update resets the prefix cache) starts over, so its
-    answer is the new model's (HF's greedy tokens of the new checkpoint)."""
+    answer is the new model's (HF's greedy tokens of the new checkpoint). Under both loops: the
+    overlapped one (``async_scheduling``) runs a chunk ahead, so one ``step()`` has computed one
+    chunk (plain) or two (overlapped: the second launched before the first was read); either way
+    the prompt is partial when the update comes, and the whole of it runs again after."""
     other = tiny_model("llama", seed=1)
-    llm = _llm(path, 12)
+    llm = _llm(path, 12, async_scheduling=overlap)
     eng = llm.engine
+    assert (eng._overlap is not None) is overlap
+    sizes = _prefill_sizes(llm)
     prompt = _prompts(7, [40])[0]
     eng.add_request("r", prompt, _greedy())
     eng.step()
-    assert eng.scheduler.prefilling and eng.scheduler.prefilling[0].num_computed_tokens == 12
-    sizes = _prefill_sizes(llm)
+    done = eng.scheduler.prefilling[0].num_computed_tokens if eng.scheduler.prefilling else None
+    assert done == (24 if overlap else 12) and sizes == [12] * (done // 12)  # partial: 40 tokens in all
     eng.load_weights(load_file(f"{other}/model.safetensors").items())
     out = None
     while eng.has_unfinished_requests():
         for o in eng.step():
             out = o
-    assert sizes == [12, 12, 12, 4]  # the whole prompt again, not its last 28 tokens
+    assert sizes[done // 12:] == [12, 12, 12, 4]  # the whole prompt again, not its last 40 - done tokens
     assert out.outputs[0].token_ids == hf_greedy(other, [prompt], 8)[0]
 
 
