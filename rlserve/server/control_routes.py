@@ -37,8 +37,10 @@ def make_public_router(state: ServerState) -> APIRouter:
         aeng = state.aengine
         # an engine-core process killed a moment ago: the kernel knows now (a pending SIGKILL, an
         # exit begun or done), the reader thread that flips is_alive() a little later
-        ended = getattr(aeng, "ended_now", lambda: None)() if aeng.is_alive() else None
-        if ended is not None or not aeng.is_alive():
+        # (is_alive read once: one answer from one reading of the replicas' flags)
+        alive = aeng.is_alive()
+        ended = getattr(aeng, "ended_now", lambda: None)() if alive else None
+        if ended is not None or not alive:
             # 503 as vLLM's /health for an engine that cannot serve; "restarting" while the
             # engine core comes back (--max-engine-restarts), "dead" once it will not
             reason = ended or (aeng.dead_reason() if hasattr(aeng, "dead_reason") else None)
