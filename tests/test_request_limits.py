@@ -6,6 +6,8 @@ can hold is refused before it is tokenized, and a body over --max-request-body-b
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -93,6 +95,8 @@ def test_body_over_the_limit_is_413_before_parsing(server):
                    timeout=TIMEOUT)
     assert r.status_code == 413, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+    # encoded as every other error (the routes' JSONResponse: compact, no spaces); it had ", " and ": "
+    assert r.content == json.dumps(r.json(), ensure_ascii=False, separators=(",", ":")).encode(), r.content
 
     def chunks():  # no Content-Length: counted as it arrives
         yield b'{"prompt": "'

@@ -44,8 +44,11 @@ def _error(r, status):
 ])
 def test_lone_surrogate_is_a_clear_400(srv, caplog, route, body, param):
     with caplog.at_level(logging.ERROR):
-        err = _error(_post(srv, route, body), 400)
+        r = _post(srv, route, body)
+        err = _error(r, 400)
     assert err["code"] == "invalid_text" and err["param"].startswith(param), err
+    # encoded as every other error (the routes' JSONResponse: compact, no spaces); it had ", " and ": "
+    assert r.content == json.dumps(r.json(), ensure_ascii=False, separators=(",", ":")).encode(), r.content
     assert "lone UTF-16 surrogate (U+D800) at character 1" in err["message"], err
     assert "TypeError" not in err["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # no traceback logged

@@ -138,6 +138,18 @@ def _error_response(status: int, message: str, param=None, code=None, type: str 
 error_response = _error_response
 
 
+async def send_error(send, status: int, message: str, param=None, code=None,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer an ASGI request from a middleware in front of the app (no route, no ``Request``) with
+    :func:`error_body`, encoded as every route's error is (``JSONResponse``'s compact JSON), plus
+    ``headers`` (raw ASGI pairs, e.g. ``(b"connection", b"close")``)."""
+    body = JSONResponse(error_body(status, message, param, code)).body
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def exception_to_error(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request onto an :class:`APIError`."""
     from rlserve.errors import EngineDeadError, EngineStepError

@@ -23,11 +23,10 @@ by :meth:`rlserve.server.state.ServerState.check_length`).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlserve.server.errors import APIError, error_body
+from rlserve.server.errors import APIError, send_error
 
 #: Default largest request body (bytes): 64 MiB holds a batch of ~8M token ids as JSON.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -194,13 +193,9 @@ class BodySizeLimit:
     async def _refuse(self, send, size: str) -> None:
         if self.on_error is not None:
             self.on_error(413)
-        body = json.dumps(error_body(413, f"the request body ({size}) is larger than the limit of {self.max_bytes} "
-                                          "bytes (rlserve serve --max-request-body-bytes)",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"the request body ({size}) is larger than the limit of {self.max_bytes} "
+                                    "bytes (rlserve serve --max-request-body-bytes)",
+                         code="request_too_large", headers=((b"connection", b"close"),))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -14,7 +14,7 @@ import asyncio
 import json
 import re
 
-from rlserve.server.errors import APIError, error_body
+from rlserve.server.errors import APIError, send_error
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: bytes of a JSON body that may decode to a surrogate: the escape of one (``\\uD800``-``\\uDFFF``;
@@ -138,8 +138,4 @@ class LoneSurrogateCheck:
     async def _refuse(self, send, param: str, text: str, at: int) -> None:
         if self.on_error is not None:
             self.on_error(400)
-        body = json.dumps(error_body(400, surrogate_message(param, text, at), param=param,
-                                     code="invalid_text")).encode()
-        await send({"type": "http.response.start", "status": 400,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 400, surrogate_message(param, text, at), param=param, code="invalid_text")
