@@ -36,6 +36,30 @@ def int_at_least(value, what: str, low: int) -> int:
     return n
 
 
+def positive_int_list(name: str, value) -> list[int]:
+    """``value`` (a comma-separated string such as ``"1,64,256"``, or a list) as a list of integers
+    >= 1, in its order; blanks around items and empty items of a string are ignored. One parser for
+    every such list (``RLSERVE_CUDA_GRAPH_SIZES``, ``RLSERVE_PREFILL_CUDA_GRAPHS``, the same lists
+    given in ``EngineConfig.extra``).
+
+    Raises:
+        ValueError: an item that is not an integer >= 1, or no item (the message names ``name``)."""
+    items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
+    if not items:
+        raise ValueError(f"{name} must be a comma-separated list of integers >= 1, got {value!r}")
+    return [int_at_least(x, f"{name}: every item", 1) for x in items]
+
+
+def _prefill_graphs(name: str, raw: str) -> str | list[int] | None:
+    """``"0"``: None (off); ``"1"``: ``"1"`` (the default buckets,
+    ``rlserve.engine.worker.prefill_graphs.DEFAULT_SIZES``); else :func:`positive_int_list`."""
+    if raw.strip() == "0":
+        return None
+    if raw.strip() == "1":
+        return "1"
+    return positive_int_list(name, raw)
+
+
 def _str(name: str, raw: str) -> str:
     return raw
 
@@ -156,11 +180,11 @@ VARIABLES: dict[str, Var] = {
                                      "'0': the fused-MoE kernel takes the default tile rule everywhere; on (default): "
                                      "the tuned table rlserve.layers.moe_kernels.TUNED_SM90 for its shapes on sm90 "
                                      "(bf16 / fp16 experts), measured faster on an H100 (BENCHMARKS.md, MoE)"),
-    "RLSERVE_CUDA_GRAPH_SIZES": Var("str | None", None, _str,
+    "RLSERVE_CUDA_GRAPH_SIZES": Var("list[int] | None", None, positive_int_list,
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "
                                     "max_num_seqs)"),
-    "RLSERVE_PREFILL_CUDA_GRAPHS": Var("str | None", None, _str,
+    "RLSERVE_PREFILL_CUDA_GRAPHS": Var("'1' | list[int] | None", None, _prefill_graphs,
                                        "prefill / mixed steps as piecewise CUDA graphs (issue 37, not yet measured on "
                                        "a GPU): '1' for the default token buckets, or comma-separated buckets, e.g. "
                                        "'512,2048,8192' (default: off, every prefill step eager)"),

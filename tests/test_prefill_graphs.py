@@ -25,6 +25,35 @@ def test_parse_sizes():
         pg.parse_sizes("512,x", 4096)
     with pytest.raises(ValueError):
         pg.parse_sizes("-4", 4096)
+    assert pg.parse_sizes([40, 16], 32) == [16, 32]  # (the list form of extra["prefill_cuda_graph_sizes"])
+    with pytest.raises(ValueError, match=r"^extra\['prefill_cuda_graph_sizes'\]: every item must be an integer >= 1"):
+        pg.parse_sizes([16, 0], 64, "extra['prefill_cuda_graph_sizes']")
+
+
+@pytest.mark.parametrize("name", ["RLSERVE_CUDA_GRAPH_SIZES", "RLSERVE_PREFILL_CUDA_GRAPHS"])
+@pytest.mark.parametrize("bad", ["64,0", "1,-8", "abc", "16,x", ",", "2.5"])
+def test_graph_size_lists_refuse_bad_items_naming_the_variable(monkeypatch, name, bad):
+    """Both comma lists go through one parser (rlserve.envs.positive_int_list): a bad item is a
+    ValueError naming the variable at the read, as for every other variable. The decode sizes'
+    read dropped items below 1 silently ("64,0" read as 64) and failed later on others (int()'s
+    message, no variable named); the prefill buckets' was only checked when the graphs were built."""
+    from rlserve import envs
+
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"^{name}") as e:
+        envs.read(name)
+    assert repr(bad.split(",")[-1].strip() or bad) in str(e.value) or "list of integers" in str(e.value), str(e.value)
+
+
+def test_graph_size_lists_read(monkeypatch):
+    from rlserve import envs
+
+    monkeypatch.setenv("RLSERVE_CUDA_GRAPH_SIZES", "1, 64,256,")
+    assert envs.RLSERVE_CUDA_GRAPH_SIZES == [1, 64, 256]
+    for raw, value in (("1", "1"), ("0", None), ("512, 2048", [512, 2048])):
+        monkeypatch.setenv("RLSERVE_PREFILL_CUDA_GRAPHS", raw)
+        assert envs.RLSERVE_PREFILL_CUDA_GRAPHS == value
+        assert pg.parse_sizes(envs.RLSERVE_PREFILL_CUDA_GRAPHS, 1024) == pg.parse_sizes(raw, 1024)
 
 
 def _llm(path, graphs: bool, **kw):

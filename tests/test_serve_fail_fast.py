@@ -93,6 +93,16 @@ def test_bad_setting_is_one_line_exit_2_before_the_engine(tiny_model, monkeypatc
     assert "Traceback" not in out and "engine was started" not in out, out
 
 
+@pytest.mark.parametrize("name", ["RLSERVE_CUDA_GRAPH_SIZES", "RLSERVE_PREFILL_CUDA_GRAPHS"])
+def test_bad_graph_size_list_is_one_line_exit_2(tiny_model, monkeypatch, capsys, name):
+    """A bad item of either comma list (one parser, rlserve.envs.positive_int_list) is refused
+    before the engine starts, naming the variable (the decode sizes' old read dropped "0")."""
+    monkeypatch.setenv(name, "64,0")
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"))
+    assert rc == 2, out
+    assert out.strip() == f"rlserve serve: error: {name}: every item must be an integer >= 1, got '0'", out
+
+
 def test_port_in_use_is_one_line_exit_2(tiny_model, monkeypatch, capsys, port_in_use):
     rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--port", str(port_in_use))
     assert rc == 2, out

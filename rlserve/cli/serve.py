@@ -448,6 +448,8 @@ def run(args) -> int:
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)
+        for name in ("RLSERVE_CUDA_GRAPH_SIZES", "RLSERVE_PREFILL_CUDA_GRAPHS"):  # read by the engine's warm-up
+            envs.read(name)
         stack = http_stack()  # (RLSERVE_HTTP_IMPL)
         sock = _bind(args.host, args.port)
     except (RLServeError, ValueError, OSError) as e:

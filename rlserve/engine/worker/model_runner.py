@@ -231,13 +231,15 @@ class ModelRunner:
 
     def _new_graphs(self, lora=None) -> DecodeCUDAGraphs:
         """Uncaptured decode graphs for the configured batch sizes (``config.extra["cuda_graph_sizes"]``
-        or ``RLSERVE_CUDA_GRAPH_SIZES``, capped at ``max_num_seqs``; else the default ladder)."""
+        or ``RLSERVE_CUDA_GRAPH_SIZES``, capped at ``max_num_seqs``; else the default ladder).
+
+        Raises:
+            ValueError: a size that is not an integer >= 1 (:func:`rlserve.envs.positive_int_list`)."""
         extra = getattr(self.config, "extra", None) or {}
-        sizes = extra.get("cuda_graph_sizes") or envs.RLSERVE_CUDA_GRAPH_SIZES
-        if isinstance(sizes, str):
-            sizes = [int(x) for x in sizes.split(",") if x.strip()]
+        sizes = extra.get("cuda_graph_sizes")
+        sizes = envs.positive_int_list("extra['cuda_graph_sizes']", sizes) if sizes else envs.RLSERVE_CUDA_GRAPH_SIZES
         if sizes:
-            sizes = sorted({min(int(x), self.config.max_num_seqs) for x in sizes if int(x) > 0})
+            sizes = sorted({min(x, self.config.max_num_seqs) for x in sizes})
         return DecodeCUDAGraphs(
             self.model, self.device, self.block_size, self.config.max_num_seqs, self._max_model_len(), sizes=sizes or None,
             lora=lora,
@@ -354,10 +356,10 @@ class ModelRunner:
         Raises:
             ValueError: a bucket that is not a positive integer."""
         extra = getattr(self.config, "extra", None) or {}
-        spec = extra.get("prefill_cuda_graph_sizes") or envs.RLSERVE_PREFILL_CUDA_GRAPHS
-        if isinstance(spec, (list, tuple)):
-            spec = ",".join(str(x) for x in spec)
-        return pg.parse_sizes(spec, self._max_batched_tokens())
+        if extra.get("prefill_cuda_graph_sizes"):
+            return pg.parse_sizes(extra["prefill_cuda_graph_sizes"], self._max_batched_tokens(),
+                                  "extra['prefill_cuda_graph_sizes']")
+        return pg.parse_sizes(envs.RLSERVE_PREFILL_CUDA_GRAPHS, self._max_batched_tokens())
 
     def _prefill_graphs_ready(self) -> bool:
         """Whether prefill steps may replay piecewise graphs, capturing them first when needed; the

@@ -38,6 +38,7 @@ import time
 import torch
 from torch import nn
 
+from rlserve import envs
 from rlserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -46,28 +47,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
-def parse_sizes(spec: str | None, max_tokens: int) -> list[int]:
-    """The buckets of an ``RLSERVE_PREFILL_CUDA_GRAPHS`` value: ``None`` / ``""`` / ``"0"``: none (off);
-    ``"1"``: :data:`DEFAULT_SIZES`; else the comma-separated counts. Capped at ``max_tokens`` (which is
-    added when a bucket was above it), sorted, unique.
+def parse_sizes(spec, max_tokens: int, what: str = "RLSERVE_PREFILL_CUDA_GRAPHS") -> list[int]:
+    """The buckets of an ``RLSERVE_PREFILL_CUDA_GRAPHS`` value (``what``: where it was set, for errors):
+    ``None`` / ``""`` / ``"0"`` / ``[]``: none (off); ``"1"``: :data:`DEFAULT_SIZES`; else the counts, a
+    list or a comma-separated string (:func:`rlserve.envs.positive_int_list`). Capped at ``max_tokens``
+    (which is added when a bucket was above it), sorted, unique.
 
     Raises:
-        ValueError: a count that is not a positive integer."""
-    if not spec or spec.strip() == "0":
+        ValueError: a count that is not a positive integer (the message names ``what``)."""
+    if not spec or (isinstance(spec, str) and spec.strip() == "0"):
         return []
-    if spec.strip() == "1":
+    if isinstance(spec, str) and spec.strip() == "1":
         sizes = list(DEFAULT_SIZES)
     else:
-        sizes = []
-        for x in spec.split(","):
-            if x.strip():
-                try:
-                    n = int(x)
-                except ValueError:
-                    n = 0
-                if n < 1:
-                    raise ValueError(f"RLSERVE_PREFILL_CUDA_GRAPHS: token counts must be positive integers, got {x!r}")
-                sizes.append(n)
+        sizes = envs.positive_int_list(what, spec)
     return sorted({min(n, max_tokens) for n in sizes})
 
 
