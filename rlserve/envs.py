@@ -111,6 +111,11 @@ def _gemm_rows(name: str, raw: str) -> int:
     return n
 
 
+def _one_or_true(name: str, raw: str) -> bool:
+    """``"1"`` or ``"true"`` (any case, blanks around) is True, anything else False (vLLM's reading)."""
+    return raw.strip().lower() in ("1", "true")
+
+
 def _zero_one(name: str, raw: str) -> bool | None:
     """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
     return {"1": True, "0": False}.get(raw)
@@ -281,6 +286,9 @@ VARIABLES: dict[str, Var] = {
 VLLM_VARIABLES: dict[str, Var] = {
     "VLLM_BATCH_INVARIANT": Var("bool", False, _one,
                                 "'1': the batch-invariant mode, as --batch-invariant (rlserve.batch_invariant)"),
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": Var("bool", False, _one_or_true,
+                                         "'1' / 'true': a --max-model-len above the length the checkpoint's "
+                                         "config.json allows is served, with vLLM's warning (rlserve.model_len)"),
 }
 
 

@@ -71,6 +71,17 @@ CASES = {
     "int flag": (["--max-engine-restarts", "-1"], "argument --max-engine-restarts: must be an integer >= 0, got '-1'"),
     # a new user's `rlserve serve default --reasoning-parser qwen3` loaded the engine, then ended in
     # a 26-line traceback (exit 1): the tiny llama's vocabulary has no <think> tokens either
+    # session 18: `--max-model-len 99999999` loaded the model, then ended in a traceback (exit 1);
+    # now checked against config.json first, with vLLM's message (rlserve.model_len)
+    "max-model-len above the model's": (["--max-model-len", "99999999"],
+                                        "User-specified max_model_len (99999999) is greater than the derived "
+                                        "max_model_len (max_position_embeddings=256 or model_max_length=None in "
+                                        "model's config.json). To allow overriding this maximum, set the env var "
+                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."),
+    "max-model-len 0": (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1, got '0'"),
+    "max-model-len negative": (["--max-model-len", "-5"], "argument --max-model-len: must be an integer >= 1, got '-5'"),
+    "max-model-len not an integer": (["--max-model-len", "1.5"],
+                                     "argument --max-model-len: must be an integer >= 1, got '1.5'"),
     "reasoning parser without its tokens": (["--reasoning-parser", "qwen3"],
                                             "--reasoning-parser qwen3: Qwen3ReasoningParser: the tokenizer has no "),
 }
@@ -101,6 +112,15 @@ def test_bad_graph_size_list_is_one_line_exit_2(tiny_model, monkeypatch, capsys,
     rc, out = _serve(monkeypatch, capsys, tiny_model("llama"))
     assert rc == 2, out
     assert out.strip() == f"rlserve serve: error: {name}: every item must be an integer >= 1, got '0'", out
+
+
+def test_long_max_model_len_escape(tiny_model, monkeypatch, capsys, caplog):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's escape): the length past the model's is let through to
+    the engine's start (here a stand-in that refuses: exit 1), with vLLM's warning."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--max-model-len", "99999999")
+    assert rc == 1 and "engine was started" in out, out
+    assert "must be used with extreme caution" in caplog.text
 
 
 def test_port_in_use_is_one_line_exit_2(tiny_model, monkeypatch, capsys, port_in_use):

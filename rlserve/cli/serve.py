@@ -19,6 +19,7 @@ from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
                                      generation_defaults, json_object, load_chat_template)
+from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
 logger = logging.getLogger("rlserve.serve")
@@ -110,8 +111,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy = random weights of the right shapes")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length in tokens (prompt + output; default: the model's max_position_embeddings, at most "
-                        "8192)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length in tokens (prompt + output; default: the model's max_position_embeddings "
+                        "(times a linear RoPE scaling factor), at most 8192; above that length an error unless "
+                        "env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as in vLLM)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="fraction of GPU memory for weights + KV cache (vLLM's default, 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")
@@ -445,6 +448,7 @@ def run(args) -> int:
         chat_template = load_chat_template(args.chat_template)
         generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
+        check_checkpoint_max_model_len(config.max_model_len, model_path)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)

@@ -152,11 +152,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(head_dim: int, max_position: int, config) -> RotaryEmbedding:
-    """Build the :class:`RotaryEmbedding` described by a HF ``config``.
+    """Build the :class:`RotaryEmbedding` described by a HF ``config``; its table covers
+    ``max_position`` positions, times the ``factor`` of ``linear`` scaling (the context length
+    :func:`rlserve.model_len.derived_max_model_len` allows).
 
     Raises:
         UnsupportedArchitectureError: unsupported rope type.
     """
     params = rope_parameters(config)
     rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0) or 1.0))
+    if params["rope_type"] == "linear":  # positions up to factor x max_position (vLLM's linear scaling table)
+        max_position = int(max_position * float(params["factor"]))
     return RotaryEmbedding(head_dim, rotary_dim, max_position, params)

@@ -26,11 +26,11 @@ from rlserve.engine.core.sequence import Request
 from rlserve.engine.core.structured import PendingGrammars
 from rlserve.engine.worker import triton_precompile
 from rlserve.errors import InvalidRequestError
+from rlserve.model_len import verify_max_model_len
 from rlserve.startup_log import Phases, log_phase
 
 logger = logging.getLogger(__name__)
 
-_MAX_DEFAULT_MODEL_LEN = 8192
 _CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
 
 
@@ -129,13 +129,7 @@ class LLMEngine(EngineStep, RequestAdmission):
         self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         phases.mark("engine tokenizer")
         self.vocab_size = int(self.hf_config.vocab_size)
-        max_pos = getattr(self.hf_config, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN)
-        if config.max_model_len is None:
-            config.max_model_len = min(max_pos, _MAX_DEFAULT_MODEL_LEN)
-        elif config.max_model_len > max_pos:
-            raise InvalidRequestError(
-                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
-            )
+        config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
         self.max_model_len = config.max_model_len
         if config.max_num_batched_tokens is None:
             if torch.device(executor.device).type == "cuda":

@@ -46,13 +46,13 @@ from rlserve.h2d import fill_rows, gather_rows, to_device
 from rlserve.layers import cpu_gemm, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora.model import lora_of
+from rlserve.model_len import verify_max_model_len
 
 logger = logging.getLogger(__name__)
 
 # Backends whose KV write and decode attention can be captured in a CUDA graph.
 GRAPH_SAFE_BACKENDS = {"triton"}
 # Default context bound when neither the config nor the model says (the engine's own cap).
-_MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
@@ -212,8 +212,7 @@ class ModelRunner:
         cfg = self.config
         if cfg is not None and cfg.max_model_len:
             return int(cfg.max_model_len)
-        hf = getattr(self.model, "config", None)
-        return int(min(getattr(hf, "max_position_embeddings", _MAX_DEFAULT_MODEL_LEN), _MAX_DEFAULT_MODEL_LEN))
+        return verify_max_model_len(None, getattr(self.model, "config", None))
 
     def capture_cuda_graphs(self, lora=None) -> None:
         """Capture the decode graphs now (otherwise done at the first decode step). Call
