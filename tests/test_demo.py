@@ -285,3 +285,56 @@ def test_sigterm_becomes_system_exit():
             time.sleep(5)
     assert e.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None) or callable(signal.getsignal(signal.SIGTERM))
+
+
+def _demo_cli(monkeypatch, capsys, *flags: str) -> tuple[int, str]:
+    """``rlserve demo FLAGS`` in this process with a run_demo that must not be reached: the exit
+    status (argparse's too) and the output."""
+    from rlserve.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("the demo was started")
+
+    monkeypatch.setattr(demo, "run_demo", no_run)
+    capsys.readouterr()
+    try:
+        rc = main(["demo", *flags])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+@pytest.mark.parametrize("backend,message", [
+    ("nccl", "rlserve demo: error: --backend nccl needs 2 CUDA GPUs (the server's TP=1 and one of its own for the "
+             "trainer) and this machine has none; use --backend gloo (server and trainer on the CPU)"),
+    ("ipc", "rlserve demo: error: --backend ipc needs 1 CUDA GPU (the trainer shares GPU 0 with the server) and "
+            "this machine has none; use --backend gloo (server and trainer on the CPU)"),
+])
+def test_demo_gpu_backend_without_gpus_is_one_line_exit_2(monkeypatch, capsys, backend, message):
+    """Session 18: `rlserve demo --backend nccl|ipc` on a CPU-only machine exited 1 from inside the run
+    (a traceback in its report); now one line saying what the backend needs, exit 2, nothing started."""
+    monkeypatch.setattr("rlserve.demo.layout.cuda_device_count", lambda: 0)
+    rc, out = _demo_cli(monkeypatch, capsys, "--backend", backend)
+    assert rc == 2 and out.strip() == message, out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "abc"], "argument --port: must be a TCP port in [0, 65535] (0: a free one), got 'abc'"),
+    (["--port", "70000"], "argument --port: must be a TCP port in [0, 65535] (0: a free one), got '70000'"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
+    (["-tp", "0"], "argument --tensor-parallel-size/-tp: must be an integer >= 1, got '0'"),
+    (["--startup-timeout", "-5"], "argument --startup-timeout: must be a number of seconds > 0, got '-5'"),
+    (["--startup-timeout", "nan"], "argument --startup-timeout: must be a number of seconds > 0, got 'nan'"),
+    (["--tie-tolerance", "-1"], "argument --tie-tolerance: must be a number >= 0, got '-1'"),
+    (["--tie-tolerance", "inf"], "argument --tie-tolerance: must be a number >= 0, got 'inf'"),
+    (["--server-args", '"--enforce-eager'], "argument --server-args: not shell words (No closing quotation)"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+])
+def test_demo_bad_flag_exits_2_naming_it(monkeypatch, capsys, flags, message):
+    """Every demo flag with a bad value: argparse's message naming the flag, exit 2, nothing started
+    (the old types let --port 70000, -tp 0, a negative timeout or tolerance and an unclosed quote in
+    --server-args through to the run: exit 1, the last one with a traceback)."""
+    rc, out = _demo_cli(monkeypatch, capsys, "--backend", "gloo", *flags)
+    assert rc == 2 and f"rlserve demo: error: {message}" in out, out
+    assert "Traceback" not in out

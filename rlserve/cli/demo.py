@@ -27,10 +27,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from rlserve.demo import DemoError, demo_options, run_demo
+    """Exit status 2 with one line for a setting the machine cannot run (``--backend nccl`` / ``ipc``
+    without GPUs, a TP larger than the GPUs), before anything starts; else :func:`run_demo`'s."""
+    from rlserve.demo import DemoError, choose_layout, demo_options, run_demo
 
     try:
         opts = demo_options(args)
+        choose_layout(opts.backend, opts.tensor_parallel_size, opts.num_gpus, opts.dtype)
     except DemoError as e:
         print(f"rlserve demo: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,8 @@ import sys
 import threading
 
 from rlserve import envs
+from rlserve.cli._arg_types import non_negative_int as _non_negative_int, port as _port
+from rlserve.cli._arg_types import positive_int as _positive_int, positive_seconds as _positive_float
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
@@ -30,21 +32,6 @@ def _device_ids(value: str) -> list[int]:
         return [int(x) for x in value.replace(" ", "").split(",") if x != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {value!r}") from None
-
-
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum`` (:func:`rlserve.envs.int_at_least`; argparse
-    names the flag before the message)."""
-    def parse(value: str) -> int:
-        try:
-            return envs.int_at_least(value, "the value", minimum)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}") from None
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
 
 
 def _device(value: str) -> str:
@@ -68,26 +55,6 @@ def _lora_module(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, path
-
-
-def _port(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0: a free one), got {value!r}")
-    return n
-
-
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = 0.0
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
-    return x
 
 
 def _json_object(value: str) -> dict:

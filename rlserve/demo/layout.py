@@ -65,7 +65,10 @@ def choose_layout(backend: str = "auto", tensor_parallel_size: int = 1, num_gpus
     if backend == "gloo":
         return Layout("gloo", "cpu", None, "cpu", dtype or "float32", tp)
     if n == 0:
-        raise DemoError(f"backend {backend} needs a CUDA GPU and this machine has none (use gloo)")
+        need = (f"{tp + 1} CUDA GPUs (the server's TP={tp} and one of its own for the trainer)" if backend == "nccl"
+                else f"{tp} CUDA GPU{'s' if tp > 1 else ''} (the trainer shares GPU 0 with the server)")
+        raise DemoError(f"--backend {backend} needs {need} and this machine has none; use --backend gloo "
+                        "(server and trainer on the CPU)")
     if tp > n:
         raise DemoError(f"TP={tp} needs {tp} GPUs; this machine has {n}")
     server_ids = list(range(tp))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from rlserve.cli._arg_types import non_negative_number, port, positive_int, positive_seconds, shell_words
 from rlserve.demo.common import BACKENDS, DEFAULT_MAX_TOKENS, PROMPTS, DemoError
 from rlserve.demo.trainer import TrainerInit
 
@@ -22,9 +23,9 @@ def add_demo_arguments(ap, backend: bool = True, only: Sequence[str] | None = No
     if backend:
         add("backend", "--backend", default="auto", choices=BACKENDS,
             help="weight-sync data plane (auto: gloo without GPUs, nccl with a spare GPU for the trainer, else ipc)")
-    add("port", "--port", type=int, default=0, help="server port (0 = a free one)")
-    add("max_tokens", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per completion")
-    add("tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int, default=1,
+    add("port", "--port", type=port, default=0, help="server port (0 = a free one)")
+    add("max_tokens", "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="tokens per completion")
+    add("tensor_parallel_size", "--tensor-parallel-size", "-tp", type=positive_int, default=1,
         help="the server's TP (GPUs 0..TP-1)")
     add("quantization", "--quantization", "-q", default=None, choices=["fp8"],
         help="server-side online quantization (completions may then differ from the trainer's; default: none)")
@@ -32,17 +33,17 @@ def add_demo_arguments(ap, backend: bool = True, only: Sequence[str] | None = No
         help="server and trainer dtype (default: float32 on CPU, bfloat16 on GPU)")
     add("prompts", "--prompt", action="append", default=None,
         help=f"a prompt (repeatable; default: the {len(PROMPTS)} prompts of vLLM's RLHF example)")
-    add("server_args", "--server-args", default="",
+    add("server_args", "--server-args", type=shell_words, default="",
         help="extra `rlserve serve` flags, one string, e.g. \"--enforce-eager --max-num-seqs 8\"")
     add("server_log", "--server-log", default=None,
         help="file for the server's output, kept ('-' = this terminal; default: a new "
              "rlserve-demo-server-*.log in the temporary directory)")
-    add("startup_timeout", "--startup-timeout", type=float, default=600.0,
+    add("startup_timeout", "--startup-timeout", type=positive_seconds, default=600.0,
         help="seconds to wait for the server's /health (longer while a busy machine starves the "
              "server of CPU: up to 10x)")
     add("allow_mismatch", "--allow-mismatch", action="store_true",
         help="report completions that differ from the trainer's, but exit 0")
-    add("tie_tolerance", "--tie-tolerance", type=float, default=None,
+    add("tie_tolerance", "--tie-tolerance", type=non_negative_number, default=None,
         help="a completion may first differ from the trainer's where the trainer's two candidate tokens are "
              "within this many nats (default: 0 = exact in float32, 0.5 in 16-bit dtypes)")
     add("cache_dir", "--cache-dir", default=None, help="cache root of the default model (see `rlserve download`)")
