@@ -143,3 +143,36 @@ def test_attention_out_buffer_equals_a_fresh_result():
         out = torch.full((T, 32), float("nan"))
         got = att.forward_cached(q.reshape(T, 32), meta, out=out)
         assert got is out and torch.equal(out, want)
+
+
+def test_kv_sizing_reserves_the_prefill_graphs(qwen3, tiny_model, monkeypatch):
+    """Session 18: the prefill graphs' buffers and pool (~300 MB for Qwen3-0.6B at 8,192 tokens) were
+    allocated after the KV cache was sized, so --gpu-memory-utilization did not count them. The GPU
+    sizing (Worker.determine_num_blocks, here on the emulated path with the CUDA memory numbers faked)
+    now leaves pg.reserve_bytes free: that many fewer blocks than without the graphs; the static
+    buffers part of it is exactly what the buckets hold once built; nothing where the graphs stay off."""
+    llm_on, llm_off = _llm(qwen3, True), _llm(qwen3, False)
+    w_on, w_off = llm_on.engine.executor, llm_off.engine.executor
+    reserve = pg.reserve_bytes(w_on.runner)
+    assert reserve > 0 and pg.reserve_bytes(w_off.runner) == 0
+    a = llm_on.engine.executor.model.model.layers[0].self_attn
+    hidden, inter = 64, 128  # the tiny qwen3 (tests/tiny_models.py)
+    assert reserve == (sum(pg.bucket_buffer_bytes(s, a.q_size, 4) for s in SIZES) + sum(SIZES) * hidden * 4
+                       + 40 * 4 * (6 * hidden + 3 * inter + 2 * a.q_size + 2 * a.kv_size))
+    llm_on.generate([[5] * 30], _greedy(2))  # builds the buckets
+    graphs = w_on.runner.prefill_graphs
+    held = sum(t.nbytes for b in graphs.buckets.values()
+               for t in (b.input_ids, b.positions, b.slots, b.q, b.attn, b.meta.query_start_loc, b.meta.seq_lens,
+                         b.meta.block_tables))
+    assert held == sum(pg.bucket_buffer_bytes(s, a.q_size, 4) for s in SIZES)
+    total = 8 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (1 << 30), total))
+    blocks = {}
+    for name, w in (("on", w_on), ("off", w_off)):
+        monkeypatch.setattr(w, "device", torch.device("cuda", 0))
+        blocks[name] = w.determine_num_blocks()
+    per_block = w_on.bytes_per_block()
+    assert blocks["off"] - blocks["on"] in (reserve // per_block, reserve // per_block + 1), (blocks, reserve, per_block)
+    moe = LLM(tiny_model("qwen3_moe"), dtype="float32", device="cpu", block_size=8,
+              extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
+    assert pg.reserve_bytes(moe.engine.executor.runner) == 0  # (not supported: never captured)

@@ -86,12 +86,13 @@ def supported(model: nn.Module) -> str | None:
     return None
 
 
-def why_off(runner, sizes: list[int]) -> str | None:
+def why_off(runner, sizes: list[int], kv_cache: bool = True) -> str | None:
     """Why a :class:`~rlserve.engine.worker.model_runner.ModelRunner` runs its prefill steps eagerly
     (None: it may capture piecewise graphs of ``sizes``): no buckets, CUDA graphs off (``enforce_eager``,
     a backend or TP size without them; ``config.extra["prefill_cuda_graphs_emulate"]``, for tests, stands
     in for them off CUDA), ``--batch-invariant``, LoRA, no KV cache yet, fused kernels off, a model
-    :func:`supported` refuses."""
+    :func:`supported` refuses. ``kv_cache=False``: whether they will be captured once the KV cache
+    is there (the KV sizing's question, :func:`reserve_bytes`)."""
     from rlserve.layers import fused_ops
 
     cfg = runner.config
@@ -104,11 +105,49 @@ def why_off(runner, sizes: list[int]) -> str | None:
         return "--batch-invariant"
     if getattr(cfg, "enable_lora", False):
         return "LoRA adapters"
-    if not runner.kv_caches:
+    if kv_cache and not runner.kv_caches:
         return "no KV cache yet"
     if not fused_ops.fused_enabled(torch.empty(0, dtype=runner.dtype, device=runner.device)):
         return "fused kernels off"
     return supported(runner.model)
+
+
+def bucket_buffer_bytes(size: int, q_size: int, itemsize: int) -> int:
+    """Bytes of one :class:`_Bucket`'s static buffers: token ids, positions and KV slots (int64), the
+    attention's input and output ``[size, q_size]`` in the model dtype, and the metadata's 16 bytes."""
+    return size * (3 * 8 + 2 * q_size * itemsize) + 16
+
+
+def reserve_bytes(runner) -> int:
+    """Device bytes the prefill graphs of a :class:`~rlserve.engine.worker.model_runner.ModelRunner`
+    will hold once captured (after the KV cache), which the KV sizing leaves free
+    (``Worker.determine_num_blocks``); 0 when they will stay off (:func:`why_off` without its KV-cache
+    check). An upper bound computed from the tensors, not a measurement (the capture needs a GPU):
+
+    - every bucket's static buffers (:func:`bucket_buffer_bytes`; exactly what :class:`_Bucket` holds);
+    - every bucket's output ``[size, hidden]``, kept in the graph pool;
+    - the pool's working set at the largest bucket ``Tb``: every tensor one piece makes, as if all were
+      alive at once -- ``o_proj``'s output, the post-attention norm's output and residual, gate_up
+      ``[Tb, 2 x intermediate]``, SiLU-and-mul ``[Tb, intermediate]``, ``down_proj``'s output, the input
+      norm's output and residual, qkv ``[Tb, q_size + 2 x kv_size]``, the rotated queries ``[Tb, q_size]``
+      (the smaller buckets, captured after it, reuse its memory).
+
+    Qwen3-0.6B in bfloat16 with ``RLSERVE_PREFILL_CUDA_GRAPHS=1`` (buckets 256..8192, 16,128 rows):
+    126 MiB of buffers + 32 MiB of outputs + 336 MiB of working set = 494 MiB (session 18's estimate
+    of what the capture takes: ~300 MB; ``benchmarks/device/s19_fix19.sh`` measures it on a GPU)."""
+    sizes = runner._prefill_graph_sizes()
+    if why_off(runner, sizes, kv_cache=False) is not None:
+        return 0
+    model = runner.model
+    a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    hidden = model.model.embed_tokens.weight.shape[-1]
+    inter = m.down_proj.input_size
+    item = model.model.embed_tokens.weight.element_size()
+    buffers = sum(bucket_buffer_bytes(s, a.q_size, item) for s in sizes)
+    outputs = sum(sizes) * hidden * item
+    tb = max(sizes)
+    working = tb * item * (6 * hidden + 3 * inter + 2 * a.q_size + 2 * a.kv_size)
+    return int(buffers + outputs + working)
 
 
 class _Bucket:

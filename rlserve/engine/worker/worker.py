@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from rlserve.config import EngineConfig, resolve_device, resolve_dtype
 from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import get_attention_backend
+from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from rlserve.lora.model import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
@@ -116,7 +117,8 @@ class Worker:
         on GPU, ``gpu_memory_utilization`` x total memory minus what is in use after loading
         the weights, minus 512 MiB of activation headroom and, with the LoRA one-adapter fast path
         on, the memory a merge holds (:func:`rlserve.lora.merge.kv_budget`, which also decides
-        ``RLSERVE_LORA_MERGE=auto``).
+        ``RLSERVE_LORA_MERGE=auto``), and with the prefill CUDA graphs on, what they will hold once
+        captured after the cache (:func:`rlserve.engine.worker.prefill_graphs.reserve_bytes`).
         """
         if self.config.num_kv_blocks is not None:
             lora = lora_of(self.model)
@@ -129,6 +131,7 @@ class Worker:
             used = total - free
             budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_HEADROOM_BYTES
             budget -= self._activation_estimate()
+            budget -= pg.reserve_bytes(self.runner)  # (the decode graphs reserve nothing: a few MiB)
             lora = lora_of(self.model)
             if lora is not None and lora.merge is not None:
                 from rlserve.lora.merge import kv_budget
