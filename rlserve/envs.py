@@ -268,6 +268,10 @@ VARIABLES: dict[str, Var] = {
                                      "'0': CPU steps with prefills through the modules (gather + SDPA attention) "
                                      "instead of the direct kernels / one C call on the CPU team "
                                      "(rlserve.models.llama_cpu._prefill_tables)"),
+    "RLSERVE_CPU_PREFILL_TILES": Var("bool", True, _flag,
+                                     "'0': the attention of those direct prefill steps by one paged decode query per "
+                                     "prompt token instead of causal query tiles (csrc/paged_prefill.c), and only up "
+                                     "to llama_cpu.STACK_PREFILL_MAX_CTX context tokens in all"),
     # ---- weight sync
     "RLSERVE_HOST_THREADS": Var("int | None (below 1 reads as 1)", None, _clamped_to_one,
                                 "threads for host copies and checksums (default: a quarter of the usable CPUs, 1-4)"),

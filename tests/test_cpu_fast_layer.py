@@ -91,6 +91,8 @@ def test_step_context_only_for_cpu_float32_decode(tiny_model, monkeypatch):
         assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
         monkeypatch.delenv("RLSERVE_CPU_STACK_PREFILL")
         monkeypatch.setattr(llama_cpu, "STACK_PREFILL_MAX_CTX", 13)  # the step's keys: 4 + 5 + 5
+        assert llama_cpu.step_context(layers, h3, pos3, prefill) is not None  # no limit for query tiles
+        monkeypatch.setenv("RLSERVE_CPU_PREFILL_TILES", "0")  # one decode query per token: limited
         assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
     with cpu_gemm.use(cpu_gemm.Team(1)):  # no team: prefills through the modules
         assert llama_cpu.step_context(layers, h3, pos3, prefill) is None
@@ -190,8 +192,9 @@ def test_team_stack_in_one_call_equals_layer_by_layer(arch, tiny_model, monkeypa
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_team_prefill_direct_kernels_match_module_path(arch, tiny_model, monkeypatch):
     """On a team of 2, steps with prefills (a fresh prompt, a prefix-cache hit, chunks of a long
-    prompt beside decode rows) run the direct kernels in one C call (every query token through
-    the paged decode kernel over its own context): the same greedy tokens as the module path
+    prompt beside decode rows) run the direct kernels in one C call (the attention by causal query
+    tiles, and with ``RLSERVE_CPU_PREFILL_TILES=0`` every query token through the paged decode
+    kernel over its own context): the same greedy tokens as the module path
     (``RLSERVE_CPU_STACK_PREFILL=0``: gather + SDPA), logprobs within 2e-5, and every prefill
     step took the stack."""
     from rlserve import LLM, SamplingParams
@@ -209,17 +212,19 @@ def test_team_prefill_direct_kernels_match_module_path(arch, tiny_model, monkeyp
     long = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
     prompts = ["The capital of France is", "Hello world", "The capital of France is a", long]
     runs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", on)
+    for on in ("0", "1", "per-query"):
+        monkeypatch.setenv("RLSERVE_CPU_STACK_PREFILL", "0" if on == "0" else "1")
+        monkeypatch.setenv("RLSERVE_CPU_PREFILL_TILES", "0" if on == "per-query" else "1")
         seen.clear()
         llm = LLM(tiny_model(arch), dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2},
                   max_num_batched_tokens=8, enable_chunked_prefill=True)
         runs[on] = [o.outputs[0] for o in llm.generate(prompts, params)]
         prefills = [ran for pre, ran in seen if pre]
-        assert (len(prefills) > 0 and all(prefills)) if on == "1" else prefills == []
-    for a, b in zip(runs["1"], runs["0"]):
-        assert a.token_ids == b.token_ids
-        for da, db in zip(a.logprobs, b.logprobs):
-            assert da.keys() == db.keys()
-            assert max(abs(da[k] - db[k]) for k in da) < 2e-5
+        assert (len(prefills) > 0 and all(prefills)) if on != "0" else prefills == []
+    for direct in ("1", "per-query"):
+        for a, b in zip(runs[direct], runs["0"]):
+            assert a.token_ids == b.token_ids
+            for da, db in zip(a.logprobs, b.logprobs):
+                assert da.keys() == db.keys()
+                assert max(abs(da[k] - db[k]) for k in da) < 2e-5
 

@@ -79,13 +79,13 @@ def _lib():
                     lib.rlserve_team_size.restype = ctypes.c_int
                     lib.rlserve_gemm_f32.argtypes = [_P] * 4 + [_I] * 6 + [ctypes.c_int]
                     lib.rlserve_gemm_f32.restype = ctypes.c_int
-                    lib.rlserve_team_paged_decode_f32.argtypes = ([_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
-                                                                  + [ctypes.c_int])
-                    lib.rlserve_team_paged_decode_f32.restype = ctypes.c_int
+                    for name in ("rlserve_team_paged_decode_f32", "rlserve_team_paged_prefill_f32"):
+                        getattr(lib, name).argtypes = [_P] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+                        getattr(lib, name).restype = ctypes.c_int
                     lib.rlserve_team_worker_cpu_ns.argtypes = []
                     lib.rlserve_team_worker_cpu_ns.restype = ctypes.c_int64
                     lib.rlserve_team_decode_stack_f32.argtypes = ([_P] * 4 + [ctypes.c_int] + [_P] * 3 + [_I] * 2
-                                                                  + [_P] * 4 + [ctypes.c_int] * 4)
+                                                                  + [_P] * 4 + [ctypes.c_int] * 5)
                     lib.rlserve_team_decode_stack_f32.restype = ctypes.c_int
                 _state["lib"] = lib
     return _state["lib"]
@@ -231,11 +231,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor
 
 def paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                      scale: float) -> int:
+                      scale: float, prefill: bool = False) -> int:
     """:func:`rlserve.layers.cpu_attention.call`'s kernel with one sequence per team chunk;
     same arguments (no ``nthreads``: the current team's threads), layouts and return code
-    (unchecked, as there)."""
-    return _lib().rlserve_team_paged_decode_f32(
+    (unchecked, as there). ``prefill``: rows as per-query tables of prompt tokens
+    (:func:`rlserve.batch_invariant.per_query.per_query_tables`), computed by causal query tiles
+    (``csrc/paged_prefill.c``; not the decode kernel's bits; 3: no memory for the tile list)."""
+    fn = _lib().rlserve_team_paged_prefill_f32 if prefill else _lib().rlserve_team_paged_decode_f32
+    return fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), q.shape[0], num_heads, num_kv_heads, head_dim, k_cache.shape[1], block_tables.shape[1],
         float(scale), current().threads_now())
@@ -243,19 +246,21 @@ def paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def decode_stack_call(fns: int, ptrs: torch.Tensor, ints: torch.Tensor, flts: torch.Tensor, x: torch.Tensor,
                       hidden_out: torch.Tensor, res_out: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, nthreads: int) -> int:
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, nthreads: int,
+                      prefill: bool = False) -> int:
     """A decode step's decoder layers in one C call on the current team (``csrc/cpu_stack.c``,
     whose header gives the layouts): ``fns`` the address of 3 function pointers (cpu_fused.c's
     RMSNorm, SiLU-and-mul, q/k-norm + rotary + KV write); ``ptrs`` ``[L, 16]`` int64 addresses,
     ``ints`` ``[L, 6]`` int64, ``flts`` ``[L, 4]`` float32 per layer; ``x``, ``hidden_out``,
     ``res_out`` ``[T, hidden]`` contiguous float32; ``pos``, ``slots`` ``[T]`` int64;
-    ``block_tables`` ``[T, max_blocks]``, ``seq_lens`` ``[T]`` int32, all contiguous. Returns the C
+    ``block_tables`` ``[T, max_blocks]``, ``seq_lens`` ``[T]`` int32, all contiguous; ``prefill``: the
+    attention by causal query tiles (:func:`paged_decode_call`'s ``prefill``). Returns the C
     code: 0 done, 1 shapes the attention kernel does not take (nothing computed), 2 no memory.
     Unchecked beyond that, as the kernels' other callers: wrong layouts read out of bounds."""
     return _lib().rlserve_team_decode_stack_f32(
         fns, ptrs.data_ptr(), ints.data_ptr(), flts.data_ptr(), ptrs.shape[0], x.data_ptr(), hidden_out.data_ptr(),
         res_out.data_ptr(), x.shape[0], x.shape[1], pos.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-        seq_lens.data_ptr(), block_size, block_tables.shape[1], nthreads, current().threads_now())
+        seq_lens.data_ptr(), block_size, block_tables.shape[1], nthreads, current().threads_now(), int(prefill))
 
 
 def takes(x: torch.Tensor) -> bool:

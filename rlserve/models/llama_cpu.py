@@ -20,8 +20,8 @@ several threads where the step's :mod:`rlserve.engine.cpu.cpu_microbatch` says s
 
 When it applies (:func:`step_context` returns ``None`` otherwise and the model runs its
 modules): a pure decode step (one token per sequence), or on the CPU team a step with prefills
-whose attention is short enough (:func:`_prefill_tables`: every query token then runs the paged
-decode kernel over its own context; ``RLSERVE_CPU_STACK_PREFILL``), on float32 CPU tensors, the
+(:func:`_prefill_tables`: every query token a row over its own context, the attention by causal
+query tiles, ``csrc/paged_prefill.c``; ``RLSERVE_CPU_STACK_PREFILL``), on float32 CPU tensors, the
 fused C kernels and the paged decode kernel available and switched on, the ``torch`` attention
 backend, a row count that runs on the team (:func:`rlserve.layers.cpu_gemm.takes`) or else on
 the packed linear copy (:func:`rlserve.layers.cpu_linear.packed_rows`), and per layer (:func:`_layer_ok`, checked once): tensor parallel size 1,
@@ -128,23 +128,34 @@ def _layer_ok(layer: nn.Module) -> bool:
     return ok
 
 
+def _prefill_tiles() -> bool:
+    """Whether a direct step with prefills runs its attention by causal query tiles
+    (``csrc/paged_prefill.c``, ``RLSERVE_CPU_PREFILL_TILES``) rather than one paged decode query
+    per prompt token: not under ``--batch-invariant``, where a prompt token's attention must be
+    a decoded token's, bit for bit."""
+    return envs.RLSERVE_CPU_PREFILL_TILES and not bi_mode.enabled()
+
+
 def _prefill_tables(meta: AttentionMetadata, T: int):
     """``(block_tables [T, max_blocks] int32, context lengths [T] int32)``: every query token of a
     step with prefills as a one-token sequence over its own context (position + 1), for the
-    paged decode kernel (:func:`rlserve.batch_invariant.per_query.per_query_tables`), or ``None``
-    where the step's attention is too long for it (:data:`STACK_PREFILL_MAX_CTX`) or the knob
-    ``RLSERVE_CPU_STACK_PREFILL`` is off."""
+    paged kernels (:func:`rlserve.batch_invariant.per_query.per_query_tables`), or ``None``
+    where the knob ``RLSERVE_CPU_STACK_PREFILL`` is off, the step has more than
+    :data:`rlserve.layers.cpu_gemm.MAX_ROWS` rows, or (without query tiles: :func:`_prefill_tiles`)
+    its attention is too long for one decode query per token (:data:`STACK_PREFILL_MAX_CTX`)."""
     if not envs.RLSERVE_CPU_STACK_PREFILL or T > cpu_gemm.MAX_ROWS:
         return None
-    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    # sum over query tokens of their context lengths: the keys the per-query kernel reads
-    work = sum(q * s - q * (q - 1) // 2 for q, s in ((qsl[b + 1] - qsl[b], s) for b, s in enumerate(lens)))
-    if work > STACK_PREFILL_MAX_CTX:
-        return None
+    if not _prefill_tiles():
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        # sum over query tokens of their context lengths: the keys the per-query kernel reads
+        work = sum(q * s - q * (q - 1) // 2 for q, s in ((qsl[b + 1] - qsl[b], s) for b, s in enumerate(lens)))
+        if work > STACK_PREFILL_MAX_CTX:
+            return None
     return per_query_tables(meta)
 
 
-# Steps with prefills take the direct kernels (and, on the team, stack_forward) while the sum of
+# Without query tiles (RLSERVE_CPU_PREFILL_TILES=0, --batch-invariant), steps with prefills take
+# the direct kernels (and, on the team, stack_forward) while the sum of
 # their query tokens' context lengths is at most this (a 512-token prompt from scratch): each
 # query token runs the paged decode kernel over its own context, which reads every key once per
 # query token instead of once per block of queries. One layer of SmolLM2-135M (9 heads, 3 KV
@@ -309,7 +320,8 @@ def stack_forward(ctx: StepContext, layers, hidden: torch.Tensor):
     hidden = hidden.contiguous()
     h, res = torch.empty(hidden.shape, dtype=torch.float32), torch.empty(hidden.shape, dtype=torch.float32)
     rc = cpu_gemm.decode_stack_call(cpu_fused.kernel_table(), torch.tensor(ptrs, dtype=torch.int64), ints, flts,
-                                    hidden, h, res, ctx.pos, ctx.slots, ctx.bt, ctx.sl, kc.shape[1], ctx.nthreads)
+                                    hidden, h, res, ctx.pos, ctx.slots, ctx.bt, ctx.sl, kc.shape[1], ctx.nthreads,
+                                    prefill=ctx.prefill and _prefill_tiles())
     if rc == 2:
         raise MemoryError("llama_cpu.stack_forward: no memory for the step's work rows")
     return (h, res) if rc == 0 else None
@@ -396,7 +408,8 @@ def layer_forward(ctx: StepContext, layer, positions: torch.Tensor, hidden: torc
                                   ctx.slots, H, Hkv, D, qkn[2], ctx.nthreads)
     o = torch.empty((T, H * D), dtype=torch.float32)
     if team:
-        rc = cpu_gemm.paged_decode_call(q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale)
+        rc = cpu_gemm.paged_decode_call(q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale,
+                                        prefill=ctx.prefill and _prefill_tiles())
     else:
         rc = cpu_attention.call(ctx.attn_fn, q, kc, vc, ctx.bt, ctx.sl, o, H, Hkv, D, attn.scale, ctx.nthreads)
     if rc != 0:

@@ -15,7 +15,9 @@
  * see the enum; ints[l * STACK_INTS + i] and flts[l * STACK_FLTS + i] likewise. Packed weights
  * as rlserve_gemm_f32's; caches as paged_decode.c's; cos/sin caches [max_pos, rot].
  * On return hidden_out holds the last layer's MLP output and res_out its residual (the model's
- * final norm takes both). Returns 0; 1 (nothing computed) for shapes the attention kernel does
+ * final norm takes both). `prefill` nonzero: the attention of rows that continue a prompt runs
+ * paged_prefill.c's query tiles (rlserve_team_paged_prefill_f32) instead of one decode query per
+ * row. Returns 0; 1 (nothing computed) for shapes the attention kernel does
  * not take or a context length outside the block table (the caller runs the layers one by one,
  * whose attention falls back); 2 when a work buffer cannot be allocated.
  */
@@ -86,7 +88,7 @@ int rlserve_team_decode_stack_f32(void *const *fns, void *const *ptrs, const int
                                   int L, const float *x, float *hidden_out, float *res_out, int64_t T,
                                   int64_t hidden, const int64_t *pos, const int64_t *slots,
                                   const int32_t *block_tables, const int32_t *seq_lens, int block_size,
-                                  int max_blocks, int nthreads, int team) {
+                                  int max_blocks, int nthreads, int team, int prefill) {
     const norm_fn norm = (norm_fn)fns[0];
     const silu_fn silu = (silu_fn)fns[1];
     const rope_fn rope = (rope_fn)fns[2];
@@ -134,8 +136,10 @@ int rlserve_team_decode_stack_f32(void *const *fns, void *const *ptrs, const int
                        .slots = slots, .T = T, .H = H, .Hkv = Hkv, .D = D, .rot = in[SI_ROT], .sx = qkv_n,
                        .eps = fl[SF_QK_EPS]};
         rows_run(&rj, nthreads, team);
-        rc = rlserve_team_paged_decode_f32(q, p[SP_KC], p[SP_VC], block_tables, seq_lens, o, (int)T, (int)H,
-                                           (int)Hkv, (int)D, block_size, max_blocks, fl[SF_SCALE], team);
+        rc = (prefill ? rlserve_team_paged_prefill_f32 : rlserve_team_paged_decode_f32)(
+            q, p[SP_KC], p[SP_VC], block_tables, seq_lens, o, (int)T, (int)H, (int)Hkv, (int)D, block_size, max_blocks,
+            fl[SF_SCALE], team);
+        if (rc == 3) return 2;
         if (rc) return 1;
         rc = rlserve_gemm_f32(o, p[SP_O], p[SP_O_B], hidden_out, T, hidden, H * D, H * D, hidden, 0, team);
         if (rc) return rc;

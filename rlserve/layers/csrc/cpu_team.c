@@ -17,6 +17,7 @@
  *   rlserve_team_size()                    1 + running workers
  *   rlserve_gemm_f32(...)                  out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w packed
  *   rlserve_team_paged_decode_f32(...)     paged_decode.c's kernel, sequences over the team
+ *   rlserve_team_paged_prefill_f32(...)    paged_prefill.c's causal query tiles over the team
  * The worker threads are the process's; each call says how many threads of the team it may
  * use (`team`: the caller + team - 1 workers; 1 runs every chunk on the calling thread), so
  * that engines in one process keep team sizes (and contention guards) of their own.
@@ -517,6 +518,8 @@ int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const fl
     team_run(attn_chunk, &a, B, team);
     return 0;
 }
+
+#include "paged_prefill.c"
 
 /* ---- a decode step's decoder layers in one call --------------------------------------- */
 
