@@ -45,12 +45,15 @@ logger = logging.getLogger(__name__)
 PANEL = 32  # output columns per packed panel (csrc/cpu_team.c: PW)
 DEFAULT_SPIN_US = 200
 # Steps of at most this many token rows run their linears on the team (column panels over the
-# cores: every step up to the CPU's default --max-num-batched-tokens); larger ones keep oneDNN's
-# packed copy, split by rows into micro-batches (rlserve.engine.cpu.cpu_microbatch). One thread,
+# cores: every step up to twice the CPU's default --max-num-batched-tokens, a 2,048-token prompt
+# that runs alone in one step included); larger ones run MKL's linears, split into micro-batches
+# of whole sequences (rlserve.engine.cpu.cpu_microbatch: one sequence's step on one thread). One thread,
 # CPU time, SmolLM2's 30 layers + head from memory (2026-12-06, load 13-38): this kernel / oneDNN
 # 46 / 71 ms at 1 row, 70 / 83 at 16, 93 / 106 at 32, 166 / 172 at 64, 260 / 250 at 128, 533 /
-# 509 at 256, 1,065 / 1,546 at 512.
-MAX_ROWS = 1024
+# 509 at 256, 1,065 / 1,546 at 512. 1,024 until session 19: a 2,048-token prompt's prefill step
+# (SmolLM2-135M, AMD EPYC Zen 3, SCHED_FIFO, load 21-35) took 9.4 s wall on one core that way,
+# 4.6 s on the team with the prefill's query tiles (BENCHMARKS.md, issue 37, s19).
+MAX_ROWS = 2048
 # Contention guard (step_guard): a team step that averaged fewer busy cores than this (the
 # calling thread's and the workers' CPU time over its wall time; ~2 on an idle 2-core machine,
 # the spinning worker included) lost: another program held a core, and under the kernel's
