@@ -14,17 +14,7 @@ from rlserve.batch_invariant.per_query import per_query_tables
 from rlserve.layers import cpu_gemm
 from tests.attention_cases import make_paged_case
 from tests.test_cpu_attention import dense_decode_reference
-
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU team cannot be built")
-
-
-@pytest.fixture
-def team():
-    """A team of 2 in use for the test (restored after)."""
-    prev = cpu_gemm.size()
-    assert cpu_gemm.start(2).size == 2
-    yield
-    cpu_gemm.start(prev)
+from tests.test_cpu_gemm import pytestmark, team  # noqa: F401 - the skip rule and the team-of-2 fixture
 
 
 def _rows_reference(q, kc, vc, bt, sl, scale):

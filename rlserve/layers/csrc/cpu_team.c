@@ -510,10 +510,8 @@ static void attn_chunk(const void *vctx, int64_t b) {
 int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                                   const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
                                   int Hkv, int D, int block_size, int max_blocks, float scale, int team) {
-    if (Hkv <= 0 || H % Hkv || H > MAX_H || H * D > MAX_HD || D % 8 || D > MAX_D || block_size > MAX_BS || block_size < 1)
-        return 1;
-    for (int b = 0; b < B; b++)
-        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return 2;
+    const int rc = attn_check(seq_lens, B, H, Hkv, D, block_size, max_blocks);
+    if (rc) return rc;
     attn_ctx a = {q, k_cache, v_cache, block_tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale};
     team_run(attn_chunk, &a, B, team);
     return 0;

@@ -284,13 +284,21 @@ static void one_task16(const float *q, const float *k_cache, const float *v_cach
 }
 #endif
 
-int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
-                             int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads) {
+/* The entry points' checks: 0 ok; 1 shapes this kernel does not take; 2 a context length outside
+ * 1..max_blocks * block_size. */
+static int attn_check(const int32_t *seq_lens, int B, int H, int Hkv, int D, int block_size, int max_blocks) {
     if (Hkv <= 0 || H % Hkv || H > MAX_H || H * D > MAX_HD || D % 8 || D > MAX_D || block_size > MAX_BS || block_size < 1)
         return 1;
     for (int b = 0; b < B; b++)
         if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return 2;
+    return 0;
+}
+
+int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
+                             int Hkv, int D, int block_size, int max_blocks, float scale, int num_threads) {
+    const int rc = attn_check(seq_lens, B, H, Hkv, D, block_size, max_blocks);
+    if (rc) return rc;
     const int tasks = B;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && tasks > 1)

@@ -227,10 +227,8 @@ static void pf_chunk(const void *vctx, int64_t c) {
 int rlserve_team_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache,
                                    const int32_t *block_tables, const int32_t *seq_lens, float *out, int B, int H,
                                    int Hkv, int D, int block_size, int max_blocks, float scale, int team) {
-    if (Hkv <= 0 || H % Hkv || H > MAX_H || H * D > MAX_HD || D % 8 || D > MAX_D || block_size > MAX_BS || block_size < 1)
-        return 1;
-    for (int b = 0; b < B; b++)
-        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * block_size) return 2;
+    const int rc = attn_check(seq_lens, B, H, Hkv, D, block_size, max_blocks);
+    if (rc) return rc;
     const int G = H / Hkv;
     const int rows = G > PF_QV ? 1 : (PF_QV / G < PF_ROWS ? PF_QV / G : PF_ROWS);
     if (pf_cap < (int64_t)B * Hkv) {
