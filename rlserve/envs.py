@@ -161,6 +161,10 @@ VARIABLES: dict[str, Var] = {
                              "parser where installed (vLLM's uvicorn[standard]), else the stdlib loop and h11; "
                              "'h11': the stdlib loop + h11 (before session 18); 'uvloop-h11': uvloop + h11 "
                              "(rlserve.server.http_protocol)"),
+    "RLSERVE_SSE_TEMPLATES": Var("bool", True, _flag,
+                                 "'0': every streamed chunk is a dict encoded whole (before session 19; A/B); "
+                                 "default: a stream's usual chunks are byte templates with only their text, ids "
+                                 "and weight version spliced in, same bytes (rlserve.server.sse_template)"),
     # ---- engine-core process
     "RLSERVE_LOG_LEVEL": Var("str", "info", _str,
                              "default of --log-level of an engine-core process started by hand (python -m "

@@ -35,7 +35,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rlserve.server.chat_output import ChatOutputConfig
 from rlserve.server.chat_tools import check_tools, forced_spec
@@ -45,7 +45,7 @@ from rlserve.engine.sampling_params import clip_logit_bias
 from rlserve.errors import InvalidRequestError
 from rlserve.server.openai_answers import answer_usage, chat_answer_role, chat_choice, chat_echo, chat_response, \
     completion_choice, completion_response
-from rlserve.server.openai_stream import merge_generators, stream_chat, stream_completions, usage_options
+from rlserve.server.openai_stream import SSEResponse, merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.request_fields import bad_words_token_ids, check_extra_fields
 from rlserve.server.server_info import system_fingerprint
@@ -248,7 +248,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
                     for i, (_, ids, params) in enumerate(items)]
 
         if body.stream:
-            return StreamingResponse(
+            return SSEResponse(
                 stream_completions(state, body, items, rid, created, model, n, usage_options(body.stream_options),
                                    prompt_text, gens(True)),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -325,7 +325,7 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         created = int(time.time())
         gen = state.generate(ids, params, rid, "chat", stream=body.stream)
         if body.stream:
-            return StreamingResponse(
+            return SSEResponse(
                 stream_chat(state, body, ids, rid, created, model, usage_options(body.stream_options), gen, top_k,
                             parsers),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -12,11 +12,14 @@ import json
 from typing import Any, AsyncIterator
 
 import msgspec
+from starlette.responses import StreamingResponse
 
+from rlserve import envs
 from rlserve.server.errors import exception_to_error
 from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.server_info import system_fingerprint
+from rlserve.server.sse_template import ChunkTemplate
 from rlserve.server.state import ServerState
 
 
@@ -44,6 +47,38 @@ def sse_bytes(obj) -> bytes:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class LastChunk(bytes):
+    """A stream's last body bytes (its ``[DONE]`` event and what came with it): :class:`SSEResponse`
+    sends them with ``more_body: False``, so the transfer-encoding's end goes out in the same write."""
+
+
+class SSEResponse(StreamingResponse):
+    """Starlette's ``StreamingResponse`` (the same headers, disconnect watch and chunks), except that
+    a :class:`LastChunk` ends the body in its own message: one socket write per request less than an
+    empty closing message after it."""
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        more = True
+        async for chunk in self.body_iterator:
+            if not isinstance(chunk, bytes | memoryview):
+                chunk = chunk.encode(self.charset)
+            more = type(chunk) is not LastChunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _joined(chunks: list) -> bytes:
+    """The chunks of one engine output as one body message: one socket write (issue 37)."""
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _last(chunks: list) -> LastChunk:
+    """``chunks`` (bytes or str) and the ``[DONE]`` event, as the stream's :class:`LastChunk`."""
+    return LastChunk(b"".join(c if isinstance(c, bytes) else c.encode() for c in chunks) + SSE_DONE.encode())
 
 
 def sse_event(obj: dict) -> str:
@@ -116,10 +151,27 @@ class _Chunks:
     def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool):
         self.base, self.include, self.continuous, self.chat = base, usage[0], usage[1], chat
         self.fingerprint = system_fingerprint(state)
+        # byte templates of a choice's middle chunks (not with per-chunk usage: it counts tokens)
+        self.templates: dict | None = {} if envs.RLSERVE_SSE_TEMPLATES and not self.continuous else None
 
     def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> bytes:
         """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's), as
         bytes (:func:`sse_bytes`)."""
+        return sse_bytes(self.obj(choice, prompt_tokens, completion_tokens, **extra))
+
+    def templated(self, key, render, values: dict) -> bytes | None:
+        """The chunk ``self.chunk(render(values), 0, 0)`` through the byte template ``key`` (built on
+        first use from ``render`` with sentinels: :class:`~rlserve.server.sse_template.ChunkTemplate`);
+        None when templates are off or cannot take it (the caller encodes it the general way)."""
+        if self.templates is None:
+            return None
+        t = self.templates.get(key, False)
+        if t is False:
+            t = self.templates[key] = ChunkTemplate.build(lambda v: self.obj(render(v), 0, 0), tuple(values))
+        return None if t is None else t.fill(values)
+
+    def obj(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> dict:
+        """The chunk object of :meth:`chunk`, before encoding."""
         ch = dict(self.base, choices=[choice])
         if self.continuous:
             ch["usage"] = usage_json(prompt_tokens, completion_tokens)
@@ -128,7 +180,7 @@ class _Chunks:
         if not self.include and choice["finish_reason"] is not None:
             ch["system_fingerprint"] = self.fingerprint
         ch.update(extra)
-        return sse_bytes(ch)
+        return ch
 
     def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> bytes:
         """The last chunk of a stream with ``include_usage``: no choices, the request's usage
@@ -158,16 +210,33 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                      chat=False)
     single = len(gens) == 1  # the common case: the request's generator itself, one async hop less per chunk
     agen = gens[0] if single else merge_generators(gens)
+    rti = body.return_token_ids
+    # a choice's middle chunks (not its first or last) through a byte template: issue 37's per-token path
+    plain = body.logprobs is None and not body.echo
+    pending: list = []  # the chunks of one engine output: one write
     try:
         async for x in agen:
             i, out = (0, x) if single else x
             _, ids, params = items[i]
+            version = getattr(out, "weight_version", None)
             for c in out.outputs:
                 idx = i * n + c.index
                 if idx in done:
                     continue
                 first = idx not in sent_toks
                 t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
+                if plain and not first and c.finish_reason is None:
+                    nt = len(c.token_ids)
+                    if nt == k0 and len(c.text) <= t0:
+                        continue
+                    b = chunks.templated(idx, lambda v, idx=idx: _text_choice(
+                        idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]),
+                        {"text": c.text[t0:], "token_ids": c.token_ids[k0:], "weight_version": version} if rti
+                        else {"text": c.text[t0:], "weight_version": version})
+                    if b is not None:
+                        sent_text[idx], sent_toks[idx] = len(c.text), nt
+                        pending.append(b)
+                        continue
                 delta_text = c.text[t0:]
                 delta_ids = list(c.token_ids[k0:])
                 if not delta_text and not delta_ids and c.finish_reason is None and not first:
@@ -192,27 +261,34 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_text[idx] = len(c.text)
                 sent_toks[idx] = len(c.token_ids)
-                choice = {"index": idx, "text": prefix + delta_text, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                          # vLLM: the first chunk of an echo carries the prompt's ids too
-                          "prompt_token_ids": list(ids) if (body.return_token_ids or body.echo) and first else None,
-                          "token_ids": delta_ids if body.return_token_ids else None,
-                          "weight_version": getattr(out, "weight_version", None)}
+                # vLLM: the first chunk of an echo carries the prompt's ids too
+                choice = _text_choice(idx, prefix + delta_text, lp, c.finish_reason, c.stop_reason,
+                                      list(ids) if (rti or body.echo) and first else None,
+                                      delta_ids if rti else None, version)
                 if first and body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = state.prompt_logprobs_json(
                         ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
                         body.return_tokens_as_token_ids)
                 if c.finish_reason is not None:
                     done.add(idx)
-                yield chunks.chunk(choice, len(ids), sent_toks[idx])
+                pending.append(chunks.chunk(choice, len(ids), sent_toks[idx]))
+            if pending and not (single and out.finished):  # a finished request's last chunks go with [DONE]
+                yield _joined(pending)
+                pending = []
         if usage[0]:
-            yield chunks.usage(sum(len(it[1]) for it in items), sum(sent_toks.values()))
+            pending.append(chunks.usage(sum(len(it[1]) for it in items), sum(sent_toks.values())))
     except Exception as e:  # noqa: BLE001 - reported in-stream; the status line is already sent
         err = exception_to_error(e)
-        yield sse(err.body())
+        pending.append(sse(err.body()))
     finally:
         await agen.aclose()
-    yield SSE_DONE
+    yield _last(pending)
+
+
+def _text_choice(idx, text, lp, finish, stop, prompt_ids, token_ids, version) -> dict:
+    """A completions chunk's choice, its keys in vLLM's order (:func:`stream_completions`)."""
+    return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop,
+            "prompt_token_ids": prompt_ids, "token_ids": token_ids, "weight_version": version}
 
 
 def _parsed_delta(parser, body, delta_text, delta_ids, prompt_ids, finish):
@@ -269,23 +345,35 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
     agen = gen  # one generator: no merging (one async hop less per chunk)
+    rti = body.return_token_ids and not hide
+    plain = parsers is None and not body.logprobs  # middle chunks through a byte template (issue 37)
     sent_role = False
+    pending: list = []  # the chunks of one engine output: one write
     try:
         async for out in agen:
+            version = getattr(out, "weight_version", None)
             if not sent_role:
                 sent_role = True
-                for ch in role_chunks(getattr(out, "weight_version", None)):
-                    yield ch
+                pending.extend(role_chunks(version))
                 echo = chat_echo(body)
                 for i in range(n) if echo else ():  # vLLM: the echoed message, one chunk per choice
-                    yield chunks.chunk({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None,
-                                        "weight_version": getattr(out, "weight_version", None)}, len(ids), 0)
+                    pending.append(chunks.chunk({"index": i, "delta": {"content": echo}, "logprobs": None,
+                                                 "finish_reason": None, "weight_version": version}, len(ids), 0))
             for c in out.outputs:
                 i = c.index
                 if i in done:
                     continue
-                delta_text = c.text[sent_text[i]:]
                 k0 = sent_toks[i]
+                if plain and c.finish_reason is None and len(c.text) > sent_text[i]:
+                    b = chunks.templated(i, lambda v, i=i: _chat_choice(
+                        i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]),
+                        {"content": c.text[sent_text[i]:], "token_ids": c.token_ids[k0:], "weight_version": version}
+                        if rti else {"content": c.text[sent_text[i]:], "weight_version": version})
+                    if b is not None:
+                        sent_text[i], sent_toks[i] = len(c.text), len(c.token_ids)
+                        pending.append(b)
+                        continue
+                delta_text = c.text[sent_text[i]:]
                 delta_ids = list(c.token_ids[k0:])
                 if not delta_text and c.finish_reason is None:
                     # no text yet (a character split over tokens, a held stop-string prefix): its
@@ -301,24 +389,33 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                         continue
                     if finish is not None and parsers[i].cfg.reasoning_cls is not None:
                         reasoning_tokens = (reasoning_tokens or 0) + parsers[i].reasoning_tokens(c.token_ids)
-                choice = {"index": i, "delta": delta,
-                          "logprobs": state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
-                                                          top_k, body.return_tokens_as_token_ids, c.token_ids[:k0])
-                          if body.logprobs and not hide else None,
-                          "finish_reason": finish}
-                if c.finish_reason is not None:  # as vLLM: stop_reason goes with the finish_reason only
-                    choice["stop_reason"] = c.stop_reason
+                if c.finish_reason is not None:
                     done.add(i)
-                choice["token_ids"] = delta_ids if body.return_token_ids and not hide else None
-                choice["weight_version"] = getattr(out, "weight_version", None)
-                yield chunks.chunk(choice, len(ids), sent_toks[i])
+                choice = _chat_choice(i, delta, state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
+                                                                    top_k, body.return_tokens_as_token_ids,
+                                                                    c.token_ids[:k0])
+                                      if body.logprobs and not hide else None,
+                                      finish, delta_ids if rti else None, version,
+                                      # as vLLM: stop_reason goes with the finish_reason only
+                                      **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
+                pending.append(chunks.chunk(choice, len(ids), sent_toks[i]))
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+            elif pending:  # a finished request's last chunks go with [DONE]
+                yield _joined(pending)
+                pending = []
         if usage[0]:
-            yield chunks.usage(len(ids), completion_tokens, reasoning_tokens)
+            pending.append(chunks.usage(len(ids), completion_tokens, reasoning_tokens))
     except Exception as e:  # noqa: BLE001
         err = exception_to_error(e)
-        yield sse(err.body())
+        pending.append(sse(err.body()))
     finally:
         await agen.aclose()
-    yield SSE_DONE
+    yield _last(pending)
+
+
+def _chat_choice(i, delta, logprobs, finish, token_ids, version, **stop) -> dict:
+    """A chat chunk's choice, its keys in vLLM's order (``stop``: ``stop_reason`` on a choice's last
+    chunk only), plus rlserve's ``weight_version`` (:func:`stream_chat`)."""
+    return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **stop,
+            "token_ids": token_ids, "weight_version": version}

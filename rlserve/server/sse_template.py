@@ -1,0 +1,82 @@
+"""Byte templates of a stream's SSE chunks (issue 37): most chunks of a stream differ only in a few
+fields (a completions chunk in its ``text``, a chat chunk in its ``delta.content``, both in
+``weight_version`` and, with ``return_token_ids``, ``token_ids``), so a stream encodes its usual
+chunk once, with a sentinel in each such field, and later chunks are the template's constant byte
+pieces with only those fields' JSON spliced in: no per-chunk dict of the whole chunk, no encoding of
+its constant keys.
+
+Byte-equal to the general encoder (:func:`rlserve.server.openai_stream.sse_bytes` of the same
+chunk) by construction: the template IS the general encoder's output with sentinels, a field's
+JSON (msgspec's) does not depend on where in the object it sits, and a value msgspec cannot encode
+(a lone surrogate, where the general encoder falls back to ``json.dumps`` for the whole chunk) makes
+:meth:`ChunkTemplate.fill` return None, so the caller builds that chunk the general way.
+``RLSERVE_SSE_TEMPLATES=0`` turns the templates off (:func:`rlserve.envs.sse_templates`: A/B)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+import msgspec
+
+_JSON = msgspec.json.Encoder()
+_TAG = uuid.uuid4().hex[:12]  # per process: a client cannot put a sentinel into a model name or id
+
+
+def sentinel(name: str) -> str:
+    """The placeholder string of field ``name`` (ASCII letters, digits and ``@``: JSON-encoded as
+    itself between quotes)."""
+    return f"@rlserve-{name}-{_TAG}@"
+
+
+class ChunkTemplate:
+    """One kind of chunk as constant byte pieces around its ``fields``' values.
+
+    Args:
+        pieces: ``len(fields) + 1`` byte strings.
+        fields: the field names, in the order their values appear in the chunk.
+    """
+
+    __slots__ = ("pieces", "fields")
+
+    def __init__(self, pieces: list[bytes], fields: list[str]):
+        self.pieces, self.fields = pieces, fields
+
+    @classmethod
+    def build(cls, render: Callable[[dict], object], names: tuple[str, ...]) -> "ChunkTemplate | None":
+        """The template of ``render(values)`` (the chunk object, a dict, as the general encoder gets
+        it; ``values``: name -> that field's sentinel), encoded ``b"data: " + JSON + b"\\n\\n"``. None
+        when a sentinel is not found exactly once or msgspec cannot encode the rest (the chunk
+        then always takes the general encoder)."""
+        try:
+            raw = b"data: " + _JSON.encode(render({n: sentinel(n) for n in names})) + b"\n\n"
+        except (msgspec.EncodeError, TypeError, UnicodeError):
+            return None
+        cuts = []
+        for n in names:
+            token = b'"' + sentinel(n).encode() + b'"'
+            at = raw.find(token)
+            if at < 0 or raw.find(token, at + 1) >= 0:
+                return None
+            cuts.append((at, len(token), n))
+        cuts.sort()
+        pieces, fields, pos = [], [], 0
+        for at, size, n in cuts:
+            pieces.append(raw[pos:at])
+            fields.append(n)
+            pos = at + size
+        pieces.append(raw[pos:])
+        return cls(pieces, fields)
+
+    def fill(self, values: dict) -> bytes | None:
+        """The chunk with ``values`` (name -> value) in its fields; None when msgspec cannot encode
+        one of them (the caller encodes that chunk the general way)."""
+        p = self.pieces
+        out = [p[0]]
+        try:
+            for k, n in enumerate(self.fields):
+                out.append(_JSON.encode(values[n]))
+                out.append(p[k + 1])
+        except (msgspec.EncodeError, TypeError, UnicodeError):
+            return None
+        return b"".join(out)
