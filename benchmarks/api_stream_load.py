@@ -26,7 +26,9 @@ environment variable ``K`` for that server instead, ``@tree=DIR`` runs the rlser
 the server's processes during the run, summed per process (``benchmarks/api_stream_probe.py``).
 ``--profile DIR``: ``py-spy record`` (if on ``PATH`` or beside this Python) samples the server's
 processes during the run and writes collapsed stacks (``DIR/<name>.txt``) and the top self-time
-frames into the JSON. Each run also reports the API process's CPU seconds per token and per event
+frames into the JSON. ``--strace DIR``: ``strace -c -f`` counts the API process's system calls (all its
+threads, not the engine core's) during the run (``DIR/<name>.txt``), per event into the JSON (issue
+37: one ``write`` / ``sendto`` per stream and event is the floor). Each run also reports the API process's CPU seconds per token and per event
 (``/proc``), which the machine's load moves least.
 
 Every number is wall-clock seconds (printed as ms) or events/tokens per second; on the shared
@@ -202,6 +204,17 @@ def top_self(collapsed: str, n: int = 25) -> list[tuple[str, float]]:
     return [(f, round(c / total, 4)) for f, c in counts.most_common(n)] if total else []
 
 
+def strace_counts(summary: str) -> dict[str, int]:
+    """Calls per system call from ``strace -c``'s table (``% time  seconds  usecs/call  calls  [errors]
+    syscall`` rows; the ``total`` row left out)."""
+    counts = {}
+    for line in summary.splitlines():
+        cols = line.split()
+        if len(cols) in (5, 6) and cols[-1] != "total" and cols[3].isdigit():
+            counts[cols[-1]] = int(cols[3])
+    return counts
+
+
 def run_config(name: str, flags: list[str], args, model: str) -> dict:
     from benchmarks.vllm_bench import tree_launcher
     from rlserve.server.testing import ServerProcess
@@ -227,7 +240,7 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
     srv = ServerProcess(model, "--max-num-seqs", str(args.clients), "--max-model-len", str(args.max_model_len),
                         "--disable-access-log", *flags, env=env, launcher=tree_launcher(tree))
     srv.start()
-    spy = None
+    spy = trace = None
     try:
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
         ctx = multiprocessing.get_context("spawn")
@@ -248,6 +261,12 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
                                         "--rate", "200", "--format", "raw", "--nonblocking",
                                         "-o", os.path.join(args.profile, f"{name}.txt")],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.strace:
+            os.makedirs(args.strace, exist_ok=True)
+            trace = subprocess.Popen(["strace", "-c", "-f", "-p", str(srv.pid), "-o",
+                                      os.path.join(args.strace, f"{name}.txt")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached to every thread before the clients start
         cp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, args.clients,
                                                       args.num_prompts, args.prompt_len, args.max_tokens,
                                                       (3, args.token_hi), args.seed), queue))
@@ -257,12 +276,14 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         cpu, wall1 = cpu_seconds(srv.pid) - cpu0, time.time()
         cp.join()
     finally:
-        if spy is not None:
-            spy.send_signal(2)
+        for tool in (spy, trace):
+            if tool is None:
+                continue
+            tool.send_signal(2)
             try:
-                spy.wait(30)
+                tool.wait(30)
             except subprocess.TimeoutExpired:
-                spy.kill()
+                tool.kill()
         srv.stop()
         print(f"{name}: server log {srv.log_path}", file=sys.stderr)
     out = {"config": name, "flags": flags, **summarize(run, args.max_tokens)}
@@ -275,6 +296,13 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
 
         out["probe"] = probe_summary(probe_dir, wall0, wall1)
         shutil.rmtree(probe_dir, ignore_errors=True)
+    events = out["events_s"] * out["duration_s"]
+    if trace is not None and os.path.exists(os.path.join(args.strace, f"{name}.txt")) and events:
+        with open(os.path.join(args.strace, f"{name}.txt")) as f:
+            counts = strace_counts(f.read())
+        out["syscalls_per_event"] = round(sum(counts.values()) / events, 2)
+        out["syscalls_per_event_by_name"] = {k: round(v / events, 3) for k, v in
+                                             sorted(counts.items(), key=lambda kv: -kv[1])[:12]}
     if spy is not None and os.path.exists(os.path.join(args.profile, f"{name}.txt")):
         with open(os.path.join(args.profile, f"{name}.txt")) as f:
             out["top_self"] = top_self(f.read())
@@ -301,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="a model directory (default: the tests' tiny Qwen3)")
     ap.add_argument("--configs", nargs="+", default=["default="], help="NAME=FLAGS, one server each")
     ap.add_argument("--profile", help="directory for py-spy's collapsed stacks")
+    ap.add_argument("--strace", help="directory for strace -c's counts of the API process's system calls")
     ap.add_argument("--probe", action="store_true",
                     help="record full GC collections and event-loop callbacks over --probe-slow-ms in the "
                          "server's processes during the run (benchmarks/api_stream_probe.py)")
@@ -330,6 +359,8 @@ def main(argv=None) -> int:
               f"{r['median_itl_ms']}/{r['p99_itl_ms']} ms, worst gap per request p50/p99 "
               f"{r['max_gap_ms_p50']}/{r['max_gap_ms_p99']} ms; API process CPU {r['api_cpu_s']} s = "
               f"{r['api_cpu_us_per_token']} us/token, {r['api_cpu_us_per_event']} us/event", flush=True)
+        if "syscalls_per_event" in r:
+            print(f"    system calls per event {r['syscalls_per_event']}: {r['syscalls_per_event_by_name']}", flush=True)
         for label, p in sorted(r.get("probe", {}).items()):
             g, sl = p["gc2"], p["slow"]
             print(f"    probe {label}: {g['n']} full GCs ({g['total_ms']} ms, max {g['max_ms']}); {sl['n']} callbacks "

@@ -207,3 +207,27 @@ def test_stall_probe_records_full_collections_and_slow_callbacks(tmp_path):
     assert api["gc2"]["n"] >= 1  # the gc.collect() (and the one of the interpreter's exit)
     stall = [row for row in api["slow"]["top"] if row[0] == "stall"]
     assert len(stall) == 1 and stall[0][1] == 1 and stall[0][3] >= 55  # [name, count, total ms, max ms]: the 60 ms sleep
+
+
+def test_wakeup_is_an_event_for_one_consumer():
+    from rlserve.engine.front.front_request import Wakeup
+
+    async def main():
+        w = Wakeup(asyncio.get_running_loop())
+        w.set()
+        assert w.is_set() and w.future().done() and await w.wait()  # set first: no wait
+        w.clear()
+        fut = w.future()
+        assert not fut.done() and not w.is_set()
+        asyncio.get_running_loop().call_later(0.01, w.set)
+        await fut
+        assert w.is_set()
+        w.clear()
+        with pytest.raises(asyncio.TimeoutError):  # a timed-out wait (the held path's wait_for) ...
+            await asyncio.wait_for(w.wait(), 0.01)
+        waiter = asyncio.ensure_future(w.wait())  # ... leaves a later wait working
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        w.set()
+        assert await asyncio.wait_for(waiter, T) is True
+    asyncio.run(main())

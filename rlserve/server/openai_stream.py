@@ -159,15 +159,14 @@ class _Chunks:
         bytes (:func:`sse_bytes`)."""
         return sse_bytes(self.obj(choice, prompt_tokens, completion_tokens, **extra))
 
-    def templated(self, key, render, values: dict) -> bytes | None:
-        """The chunk ``self.chunk(render(values), 0, 0)`` through the byte template ``key`` (built on
-        first use from ``render`` with sentinels: :class:`~rlserve.server.sse_template.ChunkTemplate`);
-        None when templates are off or cannot take it (the caller encodes it the general way)."""
-        if self.templates is None:
-            return None
+    def templated(self, key, render, names: tuple[str, ...], values: tuple) -> bytes | None:
+        """The chunk ``self.chunk(render(dict(zip(names, values))), 0, 0)`` through the byte template
+        ``key`` (built on first use from ``render`` with sentinels:
+        :class:`~rlserve.server.sse_template.ChunkTemplate`); None when it cannot take it (the caller
+        encodes it the general way). Only with :attr:`templates` on (not None)."""
         t = self.templates.get(key, False)
         if t is False:
-            t = self.templates[key] = ChunkTemplate.build(lambda v: self.obj(render(v), 0, 0), tuple(values))
+            t = self.templates[key] = ChunkTemplate.build(lambda v: self.obj(render(v), 0, 0), names)
         return None if t is None else t.fill(values)
 
     def obj(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> dict:
@@ -212,7 +211,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     agen = gens[0] if single else merge_generators(gens)
     rti = body.return_token_ids
     # a choice's middle chunks (not its first or last) through a byte template: issue 37's per-token path
-    plain = body.logprobs is None and not body.echo
+    plain = chunks.templates is not None and body.logprobs is None and not body.echo
+    names = ("text", "weight_version", "token_ids") if rti else ("text", "weight_version")
     pending: list = []  # the chunks of one engine output: one write
     try:
         async for x in agen:
@@ -230,9 +230,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                     if nt == k0 and len(c.text) <= t0:
                         continue
                     b = chunks.templated(idx, lambda v, idx=idx: _text_choice(
-                        idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]),
-                        {"text": c.text[t0:], "token_ids": c.token_ids[k0:], "weight_version": version} if rti
-                        else {"text": c.text[t0:], "weight_version": version})
+                        idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]), names,
+                        (c.text[t0:], version, c.token_ids[k0:]) if rti else (c.text[t0:], version))
                     if b is not None:
                         sent_text[idx], sent_toks[idx] = len(c.text), nt
                         pending.append(b)
@@ -346,7 +345,9 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
 
     agen = gen  # one generator: no merging (one async hop less per chunk)
     rti = body.return_token_ids and not hide
-    plain = parsers is None and not body.logprobs  # middle chunks through a byte template (issue 37)
+    # middle chunks through a byte template (issue 37)
+    plain = chunks.templates is not None and parsers is None and not body.logprobs
+    names = ("content", "weight_version", "token_ids") if rti else ("content", "weight_version")
     sent_role = False
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -366,9 +367,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                 k0 = sent_toks[i]
                 if plain and c.finish_reason is None and len(c.text) > sent_text[i]:
                     b = chunks.templated(i, lambda v, i=i: _chat_choice(
-                        i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]),
-                        {"content": c.text[sent_text[i]:], "token_ids": c.token_ids[k0:], "weight_version": version}
-                        if rti else {"content": c.text[sent_text[i]:], "weight_version": version})
+                        i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]), names,
+                        (c.text[sent_text[i]:], version, c.token_ids[k0:]) if rti else (c.text[sent_text[i]:], version))
                     if b is not None:
                         sent_text[i], sent_toks[i] = len(c.text), len(c.token_ids)
                         pending.append(b)

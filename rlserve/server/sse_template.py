@@ -33,14 +33,14 @@ class ChunkTemplate:
     """One kind of chunk as constant byte pieces around its ``fields``' values.
 
     Args:
-        pieces: ``len(fields) + 1`` byte strings.
-        fields: the field names, in the order their values appear in the chunk.
+        pieces: ``len(order) + 1`` byte strings.
+        order: for each gap between two pieces, the index of its value in :meth:`fill`'s ``values``.
     """
 
-    __slots__ = ("pieces", "fields")
+    __slots__ = ("pieces", "order")
 
-    def __init__(self, pieces: list[bytes], fields: list[str]):
-        self.pieces, self.fields = pieces, fields
+    def __init__(self, pieces: list[bytes], order: list[int]):
+        self.pieces, self.order = pieces, order
 
     @classmethod
     def build(cls, render: Callable[[dict], object], names: tuple[str, ...]) -> "ChunkTemplate | None":
@@ -53,29 +53,29 @@ class ChunkTemplate:
         except (msgspec.EncodeError, TypeError, UnicodeError):
             return None
         cuts = []
-        for n in names:
+        for k, n in enumerate(names):
             token = b'"' + sentinel(n).encode() + b'"'
             at = raw.find(token)
             if at < 0 or raw.find(token, at + 1) >= 0:
                 return None
-            cuts.append((at, len(token), n))
+            cuts.append((at, len(token), k))
         cuts.sort()
-        pieces, fields, pos = [], [], 0
-        for at, size, n in cuts:
+        pieces, order, pos = [], [], 0
+        for at, size, k in cuts:
             pieces.append(raw[pos:at])
-            fields.append(n)
+            order.append(k)
             pos = at + size
         pieces.append(raw[pos:])
-        return cls(pieces, fields)
+        return cls(pieces, order)
 
-    def fill(self, values: dict) -> bytes | None:
-        """The chunk with ``values`` (name -> value) in its fields; None when msgspec cannot encode
-        one of them (the caller encodes that chunk the general way)."""
+    def fill(self, values: tuple) -> bytes | None:
+        """The chunk with ``values`` (in :meth:`build`'s ``names`` order) in its fields; None when
+        msgspec cannot encode one of them (the caller encodes that chunk the general way)."""
         p = self.pieces
         out = [p[0]]
         try:
-            for k, n in enumerate(self.fields):
-                out.append(_JSON.encode(values[n]))
+            for k, j in enumerate(self.order):
+                out.append(_JSON.encode(values[j]))
                 out.append(p[k + 1])
         except (msgspec.EncodeError, TypeError, UnicodeError):
             return None

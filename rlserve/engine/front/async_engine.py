@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Callable
 
 from rlserve import envs
 from rlserve.engine.front.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
-from rlserve.engine.front.front_request import FrontRequest, mark_delivered, put, put_all, stamped_abort, wait_all
+from rlserve.engine.front.front_request import FrontRequest, Wakeup, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.front.replica_setup import build_replicas
 from rlserve.engine.front.weight_state import WeightsControl, WeightState
 from rlserve.errors import EngineDeadError, ModelUnavailableError
@@ -310,7 +310,7 @@ class AsyncEngine(PauseControl, WeightsControl):
 
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = FrontRequest(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Event(), time.monotonic(),
+        req = FrontRequest(request_id, prompt, params, self.loop, Wakeup(self.loop), time.monotonic(),
                            stream=stream,
                            interval=max(self.stream_interval, getattr(params, "stream_interval", None) or 1))
         self._requests[request_id] = req
@@ -323,8 +323,8 @@ class AsyncEngine(PauseControl, WeightsControl):
             while True:
                 if req.replica is None and self.hold_timeout_s is not None:  # held (or failed to submit)
                     await self._wait_held(req)
-                else:
-                    await req.event.wait()
+                elif not req.event.is_set():
+                    await req.event.future()
                 req.event.clear()
                 item, req.slot = req.slot, None
                 if item is None:

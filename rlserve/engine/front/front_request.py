@@ -21,6 +21,46 @@ from typing import Any
 from rlserve.engine.core.engine_core import abort_output
 
 
+class Wakeup:
+    """``asyncio.Event``'s ``set`` / ``clear`` / ``is_set`` / ``wait`` for one consumer on a known loop
+    (a request's stream), plus :meth:`future`: the consumer awaits a bare future of ``loop``, made
+    only when it has to wait. What it saves per streamed output against an ``Event`` (issue 37): the
+    running-loop look-up (on CPython 3.11 a ``getpid`` system call: 1.5 a streamed event at 256
+    streams, strace), the waiters' deque and a coroutine frame. Event-loop side only, as ``Event``."""
+
+    __slots__ = ("loop", "_set", "_fut")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self._set, self._fut = loop, False, None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            fut = self._fut
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    def future(self) -> asyncio.Future:
+        """A future done once :meth:`set` is called (already done when set)."""
+        fut = self._fut
+        if fut is None or fut.done():
+            fut = self._fut = self.loop.create_future()
+            if self._set:
+                fut.set_result(None)
+        return fut
+
+    async def wait(self) -> bool:
+        if not self._set:
+            await self.future()
+        return True
+
+
 @dataclasses.dataclass(eq=False)
 class FrontRequest:
     """Front-side state of one request (event-loop side, plus the replica's delivering thread)."""
@@ -29,7 +69,7 @@ class FrontRequest:
     prompt: Any
     params: Any
     loop: asyncio.AbstractEventLoop
-    event: asyncio.Event  # set when ``slot`` holds something new
+    event: Wakeup  # set when ``slot`` holds something new
     arrival_time: float  # time.monotonic() seconds
     stream: bool = True  # deliver every step's output (else only the final one)
     slot: Any = None  # newest undelivered output, or the exception that ended the request
