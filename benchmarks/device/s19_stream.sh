@@ -66,7 +66,8 @@ say "stacks (on, off): $(stacks)"
 if [ "$(left)" -ge 70 ] || [ "$DRY_RUN" = 1 ]; then
   touch "$OUT_DIR/start"
   CONFIGS=("off2=$C $(server_words off2 RLSERVE_SSE_TEMPLATES=0) $FLAGS" "on2=$C $(server_words on2) $FLAGS")
-  STEM=vllm_bench_b stream_bench $(( $(left) >= 130 ? 62 : $(left) - 4 )) "$MIN_STEPS" off2 on2
+  [ "$DRY_RUN" = 1 ] && L2=$LIMIT || L2=$(( $(left) >= 130 ? 62 : $(left) - 4 ))
+  STEM=vllm_bench_b stream_bench "$L2" "$MIN_STEPS" off2 on2
   say "stacks (off2, on2): $(stacks)"
 else
   say "second round skipped: $(left) s left (< 70)"
