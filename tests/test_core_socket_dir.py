@@ -1,4 +1,4 @@
-"""rlserve.engine.front.core_client.socket_dir: the engine cores' ZMQ socket directories are named
+"""rlserve.engine.front.core_spawn.socket_dir: the engine cores' ZMQ socket directories are named
 after the creating process, and the ones a killed server left behind are removed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from rlserve.engine.front.core_client import SOCKET_DIR_PREFIX, socket_dir
+from rlserve.engine.front.core_spawn import SOCKET_DIR_PREFIX, socket_dir
 
 
 def test_socket_dirs_of_dead_processes_are_removed(tmp_path):

@@ -274,7 +274,7 @@ threading.Event().wait()
 def test_core_outlives_the_thread_that_started_it_not_its_killed_process(tiny_model):
     """A core asks the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), and Linux means
     the parent *thread*: cores are therefore started from a thread that lives as long as the
-    process (core_client._Spawner). An AsyncEngine built on a thread that ended still serves;
+    process (core_spawn._Spawner). An AsyncEngine built on a thread that ended still serves;
     SIGKILL its process (a killed pytest, or a killed ``rlserve serve``: the same code path) and
     the core goes too, nothing orphaned."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -79,16 +79,16 @@ def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path, ove
     out = _run("""
         import os, sys
         import rlserve.cli.serve as serve
-        from rlserve.engine.front import core_client
+        from rlserve.engine.front import core_spawn
 
         serve._driver_device_count = lambda: 1
 
         def take(index, cmd):
             print("torch imported:", "torch" in sys.modules, "config sent:", "--config" in cmd, flush=True)
-            core_client.discard_prestarted()
+            core_spawn.discard_prestarted()
             os._exit(0)
 
-        core_client._take_prestarted = take
+        core_spawn.take_prestarted = take
         from rlserve.cli import main
         main(["serve", sys.argv[1], "--device", "cuda", "--port", "0", "--load-format", "dummy"])
         print("not reached")

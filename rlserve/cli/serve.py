@@ -401,7 +401,7 @@ def run(args) -> int:
         return 2
     prestart = (args.engine_mode or envs.RLSERVE_ENGINE_MODE) == "process"
     if prestart:  # the engine-core processes import the engine while this one imports and checks its part
-        from rlserve.engine.front.core_client import discard_prestarted, prestart_cores
+        from rlserve.engine.front.core_spawn import discard_prestarted, prestart_cores
 
         prestart_cores(max(1, int(getattr(args, "data_parallel_size", 1) or 1)), args.device)
     try:

@@ -7,7 +7,7 @@ stops, utility calls), then runs one step and sends that step's token deltas as 
 (no text: the API process detokenizes, see :mod:`rlserve.engine.front.output_processor`). Idle or frozen (a
 keep-pause), it blocks on the input socket. It never outlives the API process: the kernel
 kills it when its parent dies (``PR_SET_PDEATHSIG``: the API process starts every core from one
-thread that lives as long as it does, ``core_client._Spawner``, because the kernel means the
+thread that lives as long as it does, ``core_spawn._Spawner``, because the kernel means the
 parent *thread*), and it also checks its parent id every loop. SIGINT is ignored (a Ctrl-C reaches the API process, which stops the cores); SIGTERM
 stops it cleanly. Once out of its loop it sends :class:`~rlserve.engine.core_protocol.CoreExiting`
 and ends with ``os._exit`` (no interpreter teardown).
@@ -353,7 +353,7 @@ def main(argv=None, prestarted: tuple[float, float] | None = None) -> int:
 
 def prestarted_main() -> int:
     """``core_proc --prestarted``: started before the API process knows this replica's arguments
-    (:func:`rlserve.engine.front.core_client.prestart_cores`): import the engine now, then read the
+    (:func:`rlserve.engine.front.core_spawn.prestart_cores`): import the engine now, then read the
     arguments (a JSON list of :func:`main`'s argv) from stdin and run :func:`main`; stdin's end
     before them: exit 0 (the server did not start)."""
     import json

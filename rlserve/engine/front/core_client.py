@@ -4,8 +4,9 @@ The API process binds two ZMQ sockets per replica on local ``ipc://`` paths -- i
 API → core) and output (``PULL``, core → API) -- and starts ``python -m
 rlserve.engine.core.core_proc`` in a session of its own (a Ctrl-C to the server's process group
 reaches only the API process, which stops its cores; killing the core's group also takes its
-TP workers). The engine's step loop, scheduler, KV cache and model runner live there, off this
-process's GIL. Messages: :mod:`rlserve.engine.core_protocol`.
+TP workers; :mod:`rlserve.engine.front.core_spawn` starts it, or hands a prestarted one its
+arguments, and makes the sockets' directory). The engine's step loop, scheduler, KV cache and
+model runner live there, off this process's GIL. Messages: :mod:`rlserve.engine.core_protocol`.
 
 A reader thread here receives each step's token deltas as one message, decodes it, turns the
 deltas into cumulative outputs with text (:class:`~rlserve.engine.front.output_processor.OutputProcessor`:
@@ -31,7 +32,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -39,6 +39,7 @@ import msgspec
 import zmq
 
 from rlserve.engine import core_protocol as proto
+from rlserve.engine.front import core_spawn
 from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.front.replica import EngineView, Replica, failed_future
 from rlserve.errors import EngineDeadError, InvalidRequestError
@@ -58,137 +59,6 @@ logger = logging.getLogger(__name__)
 _KILL_AFTER_S = 0.25
 
 
-class _Spawner:
-    """Starts the engine-core processes from one daemon thread that lives as long as this
-    process. A core asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG`` in
-    :func:`rlserve.engine.core.core_proc.die_with_parent`), and Linux counts the *thread* that forked
-    it as that parent: a core started from a thread that then ended (an ``AsyncEngine`` built in
-    a worker thread) was SIGKILLed at once. Started from here, it dies with the process only."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._queue = None
-        self._pid = None  # the process the thread runs in (a forked child needs its own)
-
-    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
-        """``subprocess.Popen(cmd, **kw)`` on the spawner thread; raises what it raises."""
-        import queue
-
-        with self._lock:
-            if self._pid != os.getpid():
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._run, args=(self._queue,), name="rlserve-core-spawner",
-                                 daemon=True).start()
-            q = self._queue
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        q.put((fut, cmd, kw))
-        return fut.result()
-
-    @staticmethod
-    def _run(q) -> None:
-        while True:
-            fut, cmd, kw = q.get()
-            try:
-                fut.set_result(subprocess.Popen(cmd, **kw))
-            except BaseException as e:  # noqa: BLE001 - delivered to the caller
-                fut.set_exception(e)
-
-
-_SPAWNER = _Spawner()
-
-#: replica index -> an engine-core process started before its arguments were known (:func:`prestart_cores`)
-_PRESTARTED: dict[int, subprocess.Popen] = {}
-
-
-def prestart_cores(count: int, device: str = "auto") -> None:
-    """Start ``count`` engine-core processes now (replicas ``0..count-1``), before this process knows their
-    arguments: each imports the engine (torch, transformers, the model code: seconds) while this process
-    still imports and checks its own, then waits for its arguments on stdin, which
-    :meth:`CoreProcReplica.start` writes (``rlserve serve`` calls this first; a replica that finds none starts
-    its process then, as before). Unused ones are killed at exit (:func:`discard_prestarted`) and exit by
-    themselves at their stdin's end. ``device``: the server's ``--device`` (``cpu``: the cores skip the CUDA
-    and Triton part of :func:`rlserve.engine.core.core_proc.warm_up_imports`)."""
-    import atexit
-
-    for i in range(count):
-        if i in _PRESTARTED:
-            continue
-        try:
-            _PRESTARTED[i] = _SPAWNER.popen([sys.executable, "-m", "rlserve.engine.core.core_proc", "--prestarted",
-                                             device],
-                                            start_new_session=True, stdin=subprocess.PIPE)
-        except OSError:
-            logger.debug("could not prestart engine-core process %d", i, exc_info=True)
-            return
-    atexit.register(discard_prestarted)
-
-
-def discard_prestarted() -> None:
-    """Kill the prestarted engine-core processes no replica took (a start that failed before them)."""
-    while _PRESTARTED:
-        _, p = _PRESTARTED.popitem()
-        with contextlib.suppress(OSError):
-            p.kill()
-            p.wait(5)
-
-
-def _take_prestarted(index: int, cmd: list[str]) -> subprocess.Popen | None:
-    """Replica ``index``'s prestarted process, handed ``cmd``'s arguments (after ``-m module``), or None."""
-    import json
-
-    p = _PRESTARTED.pop(index, None)
-    if p is None:
-        return None
-    try:
-        if p.poll() is not None:
-            raise OSError(f"exited with {p.returncode}")
-        p.stdin.write((json.dumps(cmd[3:]) + "\n").encode())
-        p.stdin.close()
-    except (OSError, ValueError):
-        logger.debug("prestarted engine-core process %d not usable", index, exc_info=True)
-        with contextlib.suppress(OSError):
-            p.kill()
-            p.wait(5)
-        return None
-    return p
-
-
-SOCKET_DIR_PREFIX = "rlserve-core-"
-
-
-def socket_dir(root: str | None = None) -> str:
-    """A new directory for one core's two ZMQ ``ipc://`` sockets, ``<tmp>/rlserve-core-<pid>-XXXX``
-    after this process. Removes first the ones whose creating process is gone: a SIGKILLed
-    server cannot remove its own (its core is SIGKILLed too, by ``PR_SET_PDEATHSIG``), and 638
-    of them had piled up in a CI machine's ``/tmp`` from killed test runs. Directories without a
-    pid (older layout), of other users, or of live processes are left alone.
-
-    Args:
-        root: where (default ``tempfile.gettempdir()``).
-    """
-    root = root or tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0] if name.startswith(SOCKET_DIR_PREFIX) else ""
-            if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
-                continue
-            path = os.path.join(root, name)
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_uid == os.getuid():
-                    shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 class CoreProcReplica(Replica):
     """One engine replica in an engine-core process.
 
@@ -206,7 +76,7 @@ class CoreProcReplica(Replica):
         self.config = config
         self._version = weight_version
         self._tokenizer_loader = tokenizer_loader
-        self._dir = socket_dir()
+        self._dir = core_spawn.socket_dir()
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
@@ -251,8 +121,8 @@ class CoreProcReplica(Replica):
                "--output", f"ipc://{self._dir}/out", "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
                "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
                "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
-        self.proc = (_take_prestarted(self.index, cmd)
-                     or _SPAWNER.popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
+        self.proc = (core_spawn.take_prestarted(self.index, cmd)
+                     or core_spawn.spawn(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
         prefetch = getattr(self._tokenizer_loader, "prefetch", None)
         if prefetch is not None:  # the tokenizer loads here while the core starts
             prefetch()
