@@ -123,6 +123,47 @@ def test_nonfinite_direct_receive_in_place(llama384, shared):
         assert r.status_code == 200 and r.json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
 
 
+def test_refused_push_then_new_group_logs_no_held_port(llama384, shared, caplog):
+    """A refused NaN push breaks the group (the server tears it down), but every operation of
+    it completed, so nothing holds the trainer's store port: the next ``send_weights`` joins a
+    new group on the same port without the "still holds port" warning (session 18's demo
+    logged "may still hold port" after every refused push)."""
+    import logging
+
+    path, hf = llama384
+    with shared(path) as srv:
+        eng = trainer(srv.url, hf)
+        eng.send_weights()
+        port = eng.init_info.master_port
+        eng.source = poisoned(hf, NAN)
+        with pytest.raises(WeightsRefusedNonFiniteError):
+            eng.send_weights()
+        eng.source = ModuleSource(hf)
+        with caplog.at_level(logging.INFO, logger="rlserve.transfer.sdk.engine"):
+            eng.send_weights()
+        assert not [r for r in caplog.records if "hold" in r.getMessage() and "port" in r.getMessage()], \
+            [r.getMessage() for r in caplog.records]
+        assert eng.init_info.master_port == port
+        assert server_greedy(srv.url).status_code == 200
+        eng.shutdown()
+
+
+def test_port_in_use_sees_only_a_listening_socket():
+    """``_port_in_use``: True while a socket listens on the port, False once it closed."""
+    import socket
+
+    from rlserve.transfer.sdk.init_info import _port_in_use
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    assert _port_in_use(port) is True
+    s.close()
+    assert _port_in_use(port) is False
+
+
 @pytest.mark.parametrize("staging", ["none", "device"])
 def test_nonfinite_over_trls_routes(llama, shared, staging):
     """TRL's protocol (``/update_named_param/`` per tensor, committed at ``/reset_prefix_cache/``):

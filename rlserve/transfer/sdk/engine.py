@@ -26,7 +26,7 @@ from rlserve.transfer.multi_tensor import tensor_checksums
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.sdk.sender import send_packed, send_unpacked
 from rlserve.transfer.sdk.client import HTTPWeightSyncClient, WeightSyncConflictError
-from rlserve.transfer.sdk.init_info import TrainerInitInfo, _free_port
+from rlserve.transfer.sdk.init_info import TrainerInitInfo, _free_port, _port_in_use
 from rlserve.transfer.sdk.sources import TensorListSource
 
 logger = logging.getLogger(__name__)
@@ -248,13 +248,13 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
 
     def _connect(self) -> None:
         ii = self.init_info
-        if not ii.master_port or self._port_busy:
-            if self._port_busy:
-                logger.warning("the previous transfer group may still hold port %s (a broken transfer: an "
-                               "operation can stay pending until its timeout); re-initialising on a fresh port",
-                               ii.master_port)
+        if self._port_busy and ii.master_port and _port_in_use(ii.master_port):
+            logger.warning("the previous transfer group still holds port %s (a broken transfer: an operation "
+                           "can stay pending until its timeout); re-initialising on a fresh port", ii.master_port)
+            ii.master_port = 0
+        if not ii.master_port:
             ii.master_port = _free_port()
-            self._port_busy = False
+        self._port_busy = False
         server_init = ii.to_server_init_info()
         server_init["session"] = uuid.uuid4().hex
         self.client.session = None  # the init itself, and a failed one, carry no session
@@ -295,8 +295,9 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         if self.group is not None:
             self.group.destroy(wait_s=5.0)  # free the store's port for a re-init
             # after a broken transfer the old store can outlive the teardown (a pending gloo
-            # operation, or an exception's traceback, still holds the process group): never
-            # rebind its port
+            # operation, or an exception's traceback, still holds the process group): the next
+            # _connect checks whether its port is still bound (a refused update, whose
+            # operations all completed, leaves it free: the same port is used again)
             self._port_busy = self._broken or not self.group.torn_down
         self.group = None
 

@@ -98,3 +98,26 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether a socket still listens on TCP ``port`` (any address, IPv4 or IPv6): a bind with
+    ``SO_REUSEADDR`` (as the ``TCPStore`` binds) fails. Connections left in ``TIME_WAIT`` by a
+    closed store do not count (that bind succeeds, as the store's own would)."""
+    import errno
+    import socket
+
+    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 sockets exist but no IPv6 address is configured
+                return True
+    return False
