@@ -71,8 +71,8 @@ class EngineSleep:
         self.state: dict[str, str | None] = {t: None for t in TAGS}
         self.level = 0
         self.needs_weights = False
-        self.stats = {"sleeps": 0, "wake_ups": 0, "reloads": 0, "last_sleep_bytes": 0, "last_sleep_s": None,
-                      "last_wake_up_s": None, "last_reload_s": None}
+        self.stats = {"sleeps": 0, "wake_ups": 0, "reloads": 0, "last_sleep_bytes": 0, "last_sleep_copied_bytes": 0,
+                      "last_sleep_s": None, "last_wake_up_s": None, "last_reload_s": None}
         sizes = engine.collective_rpc(_MEM + "worker_region_bytes")
         self.region_bytes = {t: sum(int(s[t]) for s in sizes) for t in TAGS}  # over TP ranks
         # CUDA: a sleeping region's pages go back to the driver; CPU: they stay allocated
@@ -107,7 +107,9 @@ class EngineSleep:
         ``bytes_discarded`` (bytes of the sleeping regions: their contents are gone from the
         device, offloaded or dropped), ``bytes_released`` (of those, the bytes given back to
         the driver now: all of them on CUDA, 0 on the CPU, where the memory stays allocated),
-        counters and the last times in seconds."""
+        counters, ``last_sleep_copied_bytes`` (bytes the last sleep copied to host memory: a
+        level-1 sleep's weights on CUDA; 0 on the CPU, whose weights are only set aside) and the
+        last times in seconds."""
         asleep = sum(self.region_bytes[t] for t in TAGS if self.state[t])
         return {"is_sleeping": self.is_sleeping(), "level": self.level, "needs_weights": self.needs_weights,
                 "tags": {t: self.state[t] or "awake" for t in TAGS}, "bytes": dict(self.region_bytes),
@@ -130,13 +132,16 @@ class EngineSleep:
                                   code="requests_in_flight")
         self.engine.reset_prefix_cache()
         t0 = time.perf_counter()
-        released = sum(int(x) for x in self.engine.collective_rpc(_MEM + "worker_sleep", level))
+        res = self.engine.collective_rpc(_MEM + "worker_sleep", level)
+        released = sum(int(r["released"]) for r in res)
+        copied = sum(int(r["copied"]) for r in res)
         self.state = {WEIGHTS: "offloaded" if level == 1 else "discarded", KV_CACHE: "discarded"}
         self.level = level
         self.needs_weights = level == 2
         self.stats.update(sleeps=self.stats["sleeps"] + 1, last_sleep_bytes=released,
-                          last_sleep_s=time.perf_counter() - t0)
-        logger.info("sleep level %d: %.1f MiB released in %.3f s", level, released / 2**20, self.stats["last_sleep_s"])
+                          last_sleep_copied_bytes=copied, last_sleep_s=time.perf_counter() - t0)
+        logger.info("sleep level %d: %.1f MiB released, %.1f MiB copied to host memory in %.3f s", level,
+                    released / 2**20, copied / 2**20, self.stats["last_sleep_s"])
         return self.info()
 
     def wake_up(self, tags=None, weights_refilled: bool = False) -> dict:

@@ -96,8 +96,10 @@ class AsyncSleep:
         """JSON-ready: ``is_sleeping``, ``level``, ``tags`` (per tag ``awake`` / ``offloaded``
         / ``discarded``), ``bytes`` (device bytes of each region, all replicas and TP ranks),
         ``bytes_discarded`` (bytes of the sleeping regions) and ``bytes_released`` (of those,
-        given back to the driver: 0 on the CPU), ``sleeps`` / ``wake_ups`` / ``reloads`` counts and
-        the last ``sleep`` / ``wake_up`` times in seconds (server side, pause included)."""
+        given back to the driver: 0 on the CPU), ``sleeps`` / ``wake_ups`` / ``reloads`` counts,
+        ``last_sleep_copied_bytes`` (what the last sleep copied to host memory: level-1 weights on
+        CUDA, 0 on the CPU) and the last ``sleep`` / ``wake_up`` times in seconds (server side,
+        pause included)."""
         reps = self.replicas
         return {
             "is_sleeping": self.is_sleeping(), "level": self.level,
@@ -105,7 +107,8 @@ class AsyncSleep:
             "bytes": {t: sum(int(r["bytes"][t]) for r in reps) for t in TAGS},
             "bytes_discarded": sum(int(r["bytes_discarded"]) for r in reps),
             "bytes_released": sum(int(r["bytes_released"]) for r in reps),
-            "reloads": sum(int(r["reloads"]) for r in reps), **self.totals,
+            "reloads": sum(int(r["reloads"]) for r in reps),
+            "last_sleep_copied_bytes": sum(int(r.get("last_sleep_copied_bytes", 0)) for r in reps), **self.totals,
         }
 
     async def refresh(self) -> dict:
