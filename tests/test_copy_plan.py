@@ -132,3 +132,25 @@ def test_replay_through_narrowed_source_views():
     src.add_(100)
     plan.replay()
     assert torch.equal(dst, src[2:4])
+
+
+def test_recording_does_not_import_torch_dynamo():
+    """torch wraps a ``TorchDispatchMode``'s ``__torch_dispatch__`` in ``_disable_dynamo``, which
+    imports ``torch._dynamo`` at its first call: the first weight sync's first recorded load paid
+    ~2 s of CPU for it on the 2-core machine. The recorder opts out (nothing compiles inside it);
+    a fresh interpreter records a load, replays it, and has still not imported torch._dynamo."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from rlserve.transfer.server.copy_plan import record_load\n"
+        "dst = torch.zeros(6, 4); src = torch.arange(24.).reshape(6, 4)\n"
+        "plan, why = record_load(lambda pairs: dst[1:].copy_(pairs[0][1][1:]), [('w', src)])\n"
+        "assert plan is not None, why\n"
+        "src.mul_(2); plan.replay()\n"
+        "assert torch.equal(dst[1:], src[1:]) and not dst[0].any()\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "no dynamo", out.stdout
