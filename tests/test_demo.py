@@ -78,6 +78,13 @@ def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
     assert res.sync.bytes > 0 and res.sync.buckets >= 1 and res.sync.send_s > 0 and res.sync.kind == "cold"
     assert res.warm_sync.kind == "warm" and res.warm_sync.bytes == res.sync.bytes and res.warm_sync.init_s == 0
     assert "cold sync time" in out and "warm sync time" in out and "before sync (dummy weights)" in out
+    # every phase of the cold sync is printed, the server's included (session 18: ~4 s of the
+    # first sync were outside the data plane and reported nowhere)
+    assert "[sync]   trainer_init: group " in out and " | init_call " in out, out
+    assert out.count("[sync]   send_weights: metadata ") == 2, out
+    cold = out[out.index("cold sync ("): out.index("warm sync (")]
+    assert "[sync]   server: receive " in cold and "load " in cold and "update_weights " in cold, cold
+    assert "[sync]   server: " in out[out.index("warm sync ("):], out
     assert "OK: all 4" in out
     assert f"its log is kept at {tmp_path / 'server.log'}" in out and (tmp_path / "server.log").stat().st_size > 0
     assert res.server_pid is not None and _wait_gone(res.server_pid), "server still running after the demo"

@@ -4,6 +4,7 @@ test_transfer_manager_direct.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,6 +89,41 @@ def test_layout_moves_parameters_and_receives_into_them():
         assert not lo <= p.data_ptr() < hi and torch.equal(p, now[n]) and id(p) == ids[n]
     layout.flat.fill_(7)
     assert all(torch.equal(p, now[n]) for n, p in model.named_parameters())
+
+
+def test_layout_adopts_the_buffer_the_update_was_received_into(monkeypatch):
+    """The first update received bucket after bucket into one flat buffer (the receiver's
+    ``targets``): that buffer becomes the layout, the parameters re-pointed into it, no byte
+    copied; a buffer the pairs do not lie in at their stream offsets is refused, nothing moved."""
+    import rlserve.transfer.server.direct as direct
+
+    model = Fused()
+    named, plan = _stream()
+    by_name = dict(named)
+    sizes = [b.nbytes for b in plan]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    loads, base = [], 0
+    for b in plan:
+        view = flat[base: base + b.nbytes]
+        pack(view, b, [by_name[s.name] for s in b.slots])
+        pairs = list(unpack(view, b))
+        cp, why = record_load(model.load, pairs)
+        loads.append((pairs, cp.copies()))
+        base += b.nbytes
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    key = update_key([n for n, _ in named], ["float32"] * 3, [t.shape for _, t in named], 200)
+    elsewhere = torch.empty_like(flat)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    layout, why = build_direct_layout(list(model.parameters()), plan, loads, key, flat=elsewhere)
+    assert layout is None and "not laid out like the update" in why
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    monkeypatch.setattr(direct, "host_copy_many", lambda *a, **k: pytest.fail("the layout copied bytes"))
+    layout, why = build_direct_layout(list(model.parameters()), plan, loads, key, flat=flat)
+    assert why is None and layout.flat.data_ptr() == flat.data_ptr() and layout.bases == [0, 256, 768]
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel()
+    for n, p in model.named_parameters():
+        assert lo <= p.data_ptr() < hi and torch.equal(p, before[n])
+    assert torch.equal(model.qk, torch.cat([by_name["q"], by_name["k"]])) and torch.equal(model.n, by_name["n"])
 
 
 def _assert_refused(model, reason: str, **stream_kw) -> None:

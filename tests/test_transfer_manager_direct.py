@@ -32,8 +32,14 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, shared, monkeypatc
     checksums equal the trainer's after each; a wrong checksum sent after the data fails the
     update (503 until a full one lands), and the next full update is direct again."""
 
+    import rlserve.transfer.server.direct as direct
+
+    copied = []  # the layout's own copies (the first update is received into the layout's buffer: none)
+    real_copy = direct.host_copy_many
+    monkeypatch.setattr(direct, "host_copy_many", lambda pairs, *a, **k: (copied.append(len(pairs)),
+                                                                          real_copy(pairs, *a, **k)))
     path, hf = llama384
-    with shared(path, fresh=True) as srv:  # no layout yet: its first update takes the buffers
+    with shared(path, fresh=True) as srv:  # no layout yet: its first update lays the parameters out
         eng = trainer(srv.url, hf)
         g = torch.Generator().manual_seed(0)
         base = {n: p.detach().clone() for n, p in hf.named_parameters()}
@@ -44,6 +50,9 @@ def test_direct_receive_matches_hf_and_fails_safely(llama384, shared, monkeypatc
             assert eng.send_weights()["weight_version"] == str(v)
             stats = eng.last_stats["server"]
             assert stats["direct_receive"] is (v > 1), stats
+            assert copied == [], copied
+            if v == 1:  # received into the flat buffer that became the layout: no round-robin buffers
+                assert stats["worker_phases_s"]["receive_load"] > 0, stats
             if v > 1:
                 assert stats["replayed_loads"] == 0  # no load copy at all
             expected = [hf_greedy(hf, p) for p in PROMPT_IDS]

@@ -113,6 +113,7 @@ class SyncReport:
     weight_version: str | None
     stats: dict = field(default_factory=dict)
     kind: str = "cold"
+    init_stats: dict = field(default_factory=dict)  # the engine's init_stats (the cold sync's handshake)
 
     @property
     def sync_s(self) -> float:
@@ -135,8 +136,40 @@ class SyncReport:
             f"bucket(s), weight version -> {self.weight_version}",
             f"[sync]   {init}pause {self.pause_s:.2f}s | send_weights {self.send_s:.2f}s{xfer} | "
             f"resume {self.resume_s:.2f}s",
+            *phase_lines(self.stats, self.init_stats if self.kind == "cold" else None),
             f"[sync]   {self.kind} sync time {self.sync_s:.2f}s (generation paused), {self.gbps:.2f} GB/s end to end",
         ]
+
+
+#: the server's update phases (``update_weights``' ``worker_phases_s``) the demo prints, in order
+_SERVER_PHASES = (("receive_buffers", "buffers"), ("receive_header", "header"), ("receive_wait", "wait"),
+                  ("receive_load", "load"), ("receive_checksum", "checksum"),
+                  ("op_direct_layout", "lay out for direct receive"), ("op_post_load", "post-load repack"))
+
+
+def phase_lines(stats: dict, init_stats: dict | None = None) -> list[str]:
+    """Where one ``send_weights`` went (seconds), from the SDK's :attr:`last_stats`: its own phases
+    (``phases_s``) and the server's (``server.worker_phases_s``, the worker's receive in
+    ``worker_seconds``); with ``init_stats`` (:attr:`init_stats` of the engine: a cold sync) the
+    handshake's too. Empty when the stats have none of them (e.g. ipc's one-call sync)."""
+    out = []
+    if init_stats and init_stats.get("phases_s"):
+        ph, srv = init_stats["phases_s"], init_stats.get("server") or {}
+        parts = [f"{k} {ph[k]:.2f}s" for k in ("group", "init_call") if ph.get(k) is not None]
+        if srv.get("seconds") is not None:
+            parts.append(f"server {srv['seconds']:.2f}s")
+        out.append("[sync]   trainer_init: " + " | ".join(parts))
+    ph = stats.get("phases_s") or {}
+    if ph:
+        out.append("[sync]   send_weights: " + " | ".join(f"{k} {v:.2f}s" for k, v in ph.items()))
+    srv = stats.get("server") or {}
+    wph = srv.get("worker_phases_s") or {}
+    if srv.get("worker_seconds") is not None and wph:
+        parts = [f"{label} {wph[k]:.2f}s" for k, label in _SERVER_PHASES if k in wph]
+        what = "direct receive" if srv.get("direct_receive") else "receive"
+        out.append(f"[sync]   server: {what} {srv['worker_seconds']:.2f}s, update_weights {srv.get('seconds', 0):.2f}s"
+                   + (" (" + " | ".join(parts) + ")" if parts else ""))
+    return out
 
 
 def make_init_info(layout: Layout, world_size: int, **kw):
@@ -213,7 +246,8 @@ def sync_weights(base_url: str, model, layout: Layout, admin_key: str | None = N
             st = dict(engine.last_stats)
             reports.append(SyncReport(layout.backend, init_s if i == 0 else 0.0, t2 - t1, t3 - t2, t4 - t3,
                                       int(st.get("bytes") or 0), int(st.get("buckets") or 0), st.get("seconds"),
-                                      fin.get("weight_version"), st, kind=kind))
+                                      fin.get("weight_version"), st, kind=kind,
+                                      init_stats=dict(getattr(engine, "init_stats", None) or {}) if i == 0 else {}))
     except BaseException:
         cold_bar.close()
         with contextlib.suppress(Exception):

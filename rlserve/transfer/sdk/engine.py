@@ -43,7 +43,11 @@ class TrainerWeightTransferEngine:
         last_stats: ``{"bytes", "buckets", "seconds", "gbps", "phases_s", ...}`` of the last
             ``send_weights``; ``phases_s`` (seconds): ``metadata``, ``checksum_pass`` (gloo / NCCL:
             the per-tensor checksums before the data), ``start_call``, ``send`` (data + the
-            ``update_weights`` call(s)), ``finish_call``.
+            ``update_weights`` call(s)), ``finish_call``; ``server``: the ``update_weights``
+            answer (``worker_seconds``, ``worker_phases_s``: the server's own phases).
+        init_stats: the last init handshake (gloo / NCCL): ``{"seconds", "phases_s": {"group":
+            seconds until this side's process group was up (the rendezvous), "init_call": until
+            the server answered /init_weight_transfer_engine}, "server": that answer}``.
     """
 
     def __init__(self, init_info: TrainerInitInfo, client: HTTPWeightSyncClient | None, source):
@@ -51,6 +55,7 @@ class TrainerWeightTransferEngine:
         self.client = client
         self.source = source
         self.last_stats: dict = {}
+        self.init_stats: dict = {}
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-weight-sync-http")
         self._closed = False
 
@@ -265,6 +270,10 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         grp = _run_in_daemon_thread("rlserve-transfer-rendezvous", TransferGroup.create, ii.backend,
                                     ii.master_address, ii.master_port, 0, ii.world_size, ii.timeout_s,
                                     self.device, session=server_init["session"])
+        t0 = time.perf_counter()
+        ends: dict[str, float] = {}
+        http.add_done_callback(lambda _f: ends.setdefault("init_call", time.perf_counter() - t0))
+        grp.add_done_callback(lambda _f: ends.setdefault("group", time.perf_counter() - t0))
         try:
             done, _ = cf.wait([http, grp], timeout=ii.timeout_s + 60, return_when=cf.FIRST_EXCEPTION)
             if http.done() and http.exception() is not None:
@@ -277,8 +286,11 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
                     raise e from grp.exception()
                 raise grp.exception()
             self.group = grp.result(timeout=ii.timeout_s + 60)
-            http.result(timeout=ii.timeout_s + 60)
+            ans = http.result(timeout=ii.timeout_s + 60)
             self.client.session = server_init["session"]
+            self.init_stats = {"seconds": time.perf_counter() - t0,
+                               "phases_s": {"group": ends.get("group"), "init_call": ends.get("init_call")},
+                               "server": ans if isinstance(ans, dict) else {}}
         except BaseException:
             def _cleanup(f=grp):
                 try:

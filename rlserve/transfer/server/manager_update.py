@@ -96,10 +96,11 @@ class UpdateRoutes:
         finally:
             self._busy = None
         ranks = [r.get("rank") for r in results if isinstance(r, dict)]
+        secs = time.perf_counter() - t0
         logger.info("weight transfer engine ready: %s, world size %d, worker ranks %s (%.2f s)",
-                    info.backend, info.world_size, ranks, time.perf_counter() - t0)
+                    info.backend, info.world_size, ranks, secs)
         return {"status": "ok", "backend": info.backend, "world_size": info.world_size, "worker_ranks": ranks,
-                "staging": self.staging}
+                "staging": self.staging, "seconds": round(secs, 6)}
 
     async def _preempt(self, why: str) -> None:
         """Abort a running update (workers fail fast) and wait for its failure path."""

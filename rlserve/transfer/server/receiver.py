@@ -58,6 +58,7 @@ import torch
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import ChecksumMismatchError, TransferAbortedError
 from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.server.phases import Phases
 from rlserve.transfer.wire.packing import (
     HEADER_BYTES,
     HEADER_WORDS,
@@ -79,6 +80,16 @@ from rlserve.transfer.server.finite_scan import bucket_units, raise_if_bad, scan
 from rlserve.transfer.host_ops import wrap64
 
 logger = logging.getLogger(__name__)
+
+def _host_views(plan: list, target: Callable[[int], torch.Tensor], what: str) -> list[torch.Tensor]:
+    """``target(i)`` for every bucket ``i`` of ``plan``, each checked to be ``uint8 [nbytes]``
+    contiguous host memory. Raises WeightUpdateError (nothing posted yet)."""
+    views = [target(i) for i in range(len(plan))]
+    for b, v in zip(plan, views):
+        if v.dtype != torch.uint8 or v.device.type != "cpu" or v.numel() != b.nbytes or not v.is_contiguous():
+            raise WeightUpdateError(f"{what}: bucket {b.index} needs {b.nbytes} contiguous host bytes")
+    return views
+
 
 class WeightReceiver(IpcReceive):
     """One server worker's end of the transfer.
@@ -179,7 +190,8 @@ class WeightReceiver(IpcReceive):
 
     def receive(self, info: UpdateInfo, sink: Sink, on_bucket: Callable[[int], None] | None = None,
                 direct: Callable[[int], torch.Tensor] | None = None,
-                before_write: Callable[[], None] | None = None) -> dict:
+                before_write: Callable[[], None] | None = None,
+                targets: Callable[[int], torch.Tensor] | None = None) -> dict:
         """Receive every tensor of ``info`` (resolved: ``packed*`` set) and feed ``sink``.
 
         Args:
@@ -196,8 +208,19 @@ class WeightReceiver(IpcReceive):
             before_write: with ``direct``: called once, right before the first receive is posted
                 into ``direct``'s memory (after the layout header matched); from then on a
                 failure may leave any part of that memory overwritten.
+            targets: packed gloo only: ``targets(i)``, the ``uint8 [nbytes]`` host memory bucket
+                ``i`` is received into instead of the round-robin receive buffers (each bucket
+                its own; ``sink`` is called as usual). The worker passes the views of a fresh
+                flat buffer laid out like the stream at the update a direct layout is built
+                from, which then becomes that layout without a copy
+                (:func:`~rlserve.transfer.server.direct.build_direct_layout`'s ``flat``).
         Returns:
-            ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int, "direct": bool}``.
+            ``{"bytes": int, "seconds": float, "buckets": int, "tensors": int, "direct": bool}``;
+            packed gloo / NCCL also ``"phases_s"``: seconds summed over the buckets in
+            ``receive_buffers`` (getting the receive buffers: allocated at the first update),
+            ``receive_header``, ``receive_wait`` (for the data and the checksums after it),
+            ``receive_load`` (``sink``: the load, recorded at the first update, replayed later)
+            and ``receive_checksum``.
         Raises:
             LayoutMismatchError: gloo / NCCL: the trainer's layout header (its first message)
                 differs from ``info``'s, or there is none; raised before any bucket / tensor
@@ -214,7 +237,7 @@ class WeightReceiver(IpcReceive):
             elif self.init.backend == "ipc":
                 out = self._receive_ipc(info, sink, on_bucket)
             elif info.packed:
-                out = self._receive_packed(info, sink, on_bucket)
+                out = self._receive_packed(info, sink, on_bucket, targets)
             else:
                 out = self._receive_unpacked(info, sink, on_bucket)
             if self._stream is not None:
@@ -344,20 +367,29 @@ class WeightReceiver(IpcReceive):
         if hook is not None:
             hook()
 
-    def _receive_packed(self, info: UpdateInfo, sink: Sink, on_bucket) -> dict:
+    def _receive_packed(self, info: UpdateInfo, sink: Sink, on_bucket, targets=None) -> dict:
         g = self._group()
         src = self.init.src_rank
         plan = self._plan(info)
         nbuf = max(1, min(info.packed_num_buffers, len(plan)))
-        bufs = self._bufs.get(nbuf, max_bucket_bytes(plan), self.wire_device()) if plan else []
+        t0 = time.perf_counter()
+        if targets is not None:
+            if self.wire_device().type != "cpu":
+                raise WeightUpdateError("receive targets are host memory: packed gloo only")
+            views = _host_views(plan, targets, "receive target")
+        else:
+            bufs = self._bufs.get(nbuf, max_bucket_bytes(plan), self.wire_device()) if plan else []
+            views = [bufs[i % nbuf][: b.nbytes] for i, b in enumerate(plan)]
+        ph = Phases(receive_buffers=time.perf_counter() - t0)  # new buffers at the first update
         # before any bucket receive is posted (a longer message than the buffer aborts gloo)
-        self._receive_header(g, src, info, plan, bufs[0] if bufs else None)
+        with ph("receive_header"):  # (with targets: into scratch memory of its own, untouched but its head)
+            self._receive_header(g, src, info, plan, None if targets is not None or not bufs else bufs[0])
         works: dict[int, object] = {}
 
         def post(i: int) -> None:
             b = plan[i]
             if b.nbytes:
-                works[i] = g.broadcast(bufs[i % nbuf][: b.nbytes], src)
+                works[i] = g.broadcast(views[i], src)
 
         for i in range(min(nbuf, len(plan))):
             post(i)
@@ -370,18 +402,22 @@ class WeightReceiver(IpcReceive):
             if i in works:
                 # NCCL: stream-ordered, the host runs ahead (deadline applied at the end);
                 # gloo: the host waits. A transport error: the group is broken, raise now.
-                g.order(works.pop(i), what=what)
-            buf = bufs[i % nbuf][: b.nbytes] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
+                with ph("receive_wait"):
+                    g.order(works.pop(i), what=what)
+            buf = views[i] if b.nbytes else torch.empty(0, dtype=torch.uint8, device=self.wire_device())
             if failure is None:
                 try:
                     if not after:
-                        self._verify(buf, info.checksums, i, what, deferred, bucket_units(b))
+                        with ph("receive_checksum"):
+                            self._verify(buf, info.checksums, i, what, deferred, bucket_units(b))
                     pairs = list(unpack(buf, b))
                     if buf.device != self.device:
                         pairs = [(n, t.to(self.device)) for n, t in pairs]
-                    ret = sink(pairs)
+                    with ph("receive_load"):  # load_weights (recorded at the first update) or its replay
+                        ret = sink(pairs)
                     if after:  # compared at the end, with the sums the trainer sends after the data
-                        got, bad = self._bucket_sum(buf, b, pairs, ret)
+                        with ph("receive_checksum"):
+                            got, bad = self._bucket_sum(buf, b, pairs, ret)
                         deferred.append((got, i, what, buf.numel(), bad))
                     if on_bucket is not None:
                         on_bucket(i)
@@ -391,13 +427,14 @@ class WeightReceiver(IpcReceive):
             total += b.nbytes
             if i + nbuf < len(plan):
                 post(i + nbuf)  # after the sink copied out of this buffer (stream-ordered on CUDA)
-        expected = self._receive_checksums(g, src, len(plan)) if after else info.checksums
-        self._finish_stream(g, "receiving the update")
-        self._after_update(g)
+        with ph("receive_wait"):
+            expected = self._receive_checksums(g, src, len(plan)) if after else info.checksums
+            self._finish_stream(g, "receiving the update")
+            self._after_update(g)
         if failure is not None:
             raise failure
         self._check_deferred(deferred, expected, after)
-        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names)}
+        return {"bytes": total, "buckets": len(plan), "tensors": len(info.names), "phases_s": dict(ph)}
 
     def _receive_direct(self, info: UpdateInfo, target: Callable[[int], torch.Tensor], on_bucket,
                         before_write: Callable[[], None] | None = None) -> dict:
@@ -409,12 +446,11 @@ class WeightReceiver(IpcReceive):
         g = self._group()
         src = self.init.src_rank
         plan = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
-        views = [target(i) for i in range(len(plan))]
-        for b, v in zip(plan, views):
-            if v.dtype != torch.uint8 or v.device.type != "cpu" or v.numel() != b.nbytes or not v.is_contiguous():
-                raise WeightUpdateError(f"direct receive: bucket {b.index} needs {b.nbytes} contiguous host bytes")
+        views = _host_views(plan, target, "direct receive")
+        ph = Phases()
         # into scratch memory, never the parameters; nothing is posted into them before it matched
-        self._receive_header(g, src, info, plan)
+        with ph("receive_header"):
+            self._receive_header(g, src, info, plan)
         if before_write is not None:
             before_write()
         works = {i: g.broadcast(v, src) for i, v in enumerate(views) if v.numel()}
@@ -423,15 +459,19 @@ class WeightReceiver(IpcReceive):
         for i, v in enumerate(views):
             what = f"bucket {i + 1}/{len(plan)}"
             if i in works:
-                g.order(works.pop(i), what=what)
+                with ph("receive_wait"):
+                    g.order(works.pop(i), what=what)
             if after or self.check_finite:
-                got, bad = scan(v, bucket_units(plan[i]), after, self.check_finite)
+                with ph("receive_checksum"):
+                    got, bad = scan(v, bucket_units(plan[i]), after, self.check_finite)
                 deferred.append((got, i, what, v.numel(), bad))
             if on_bucket is not None:
                 on_bucket(i)
-        expected = self._receive_checksums(g, src, len(plan)) if after else None
+        with ph("receive_wait"):
+            expected = self._receive_checksums(g, src, len(plan)) if after else None
         self._check_deferred(deferred, expected, after)
-        return {"bytes": sum(b.nbytes for b in plan), "buckets": len(plan), "tensors": len(info.names), "direct": True}
+        return {"bytes": sum(b.nbytes for b in plan), "buckets": len(plan), "tensors": len(info.names), "direct": True,
+                "phases_s": dict(ph)}
 
     def _finish_stream(self, g: TransferGroup, what: str) -> None:
         """CUDA: wait (with the group's deadline) for everything queued on the receive stream."""

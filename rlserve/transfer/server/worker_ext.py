@@ -58,7 +58,9 @@ from rlserve.transfer.server.worker_load import (
     _receive_direct,
     _stage,
     _stage_dtype,
+    bucket_views,
     check_staging_room,
+    direct_receive_buffer,
 )
 
 logger = logging.getLogger(__name__)
@@ -202,18 +204,21 @@ def start_receive(worker, op_id: str, update_info: dict, staging: str, direct: b
                 sums = _stage(st, pairs, dtype, dev, pin, want_sums, check_finite)
                 op.staged += 1
                 return sums
+        # the update a direct layout is built from: received into the layout's future buffer
+        flat = direct_receive_buffer(worker, st, info, dkey, params_sig) if layout is None else None
         t_rx = time.perf_counter()
         if layout is not None:
             stats = _receive_direct(worker, st, receiver, info, layout, op)
         else:
             try:
-                stats = receiver.receive(info, sink)
+                stats = receiver.receive(info, sink, targets=None if flat is None else bucket_views(flat, info))
             finally:
                 if staging == "none":
                     st.drop_unused_plans()
         t_post = time.perf_counter()
         if dkey is not None and layout is None and loads:
-            _build_direct(worker, st, info, dkey, loads)
+            _build_direct(worker, st, info, dkey, loads, flat)
+        flat = None  # (a layout that was not built frees it)
         t_built = time.perf_counter()
         if staging == "none" and info.names:
             _post_load(worker)

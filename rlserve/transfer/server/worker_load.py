@@ -113,11 +113,41 @@ def _direct_key(worker, info: UpdateInfo, staging: str, allowed: bool) -> tuple 
     return update_key(info.names, info.dtype_names, info.shapes, info.packed_buffer_size_bytes)
 
 
-def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple, loads: list) -> None:
+def direct_receive_buffer(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple | None,
+                          params_sig: tuple) -> torch.Tensor | None:
+    """The update :func:`_build_direct` will try to lay the parameters out for (``key`` set, no
+    layout yet, not tried for these parameters): a fresh ``uint8 [stream bytes]`` host buffer to
+    receive it into, bucket after bucket (the receiver's ``targets``), which then becomes the
+    layout with no copy. ``None`` otherwise (the round-robin receive buffers)."""
+    if key is None or st.direct is not None or st.direct_tried == (key, params_sig) or \
+            (st.init is not None and st.init.wire == "vllm"):  # (vLLM's wire: its own bucket plan)
+        return None
+    from rlserve.transfer.wire.packing import plan_buckets
+
+    buckets = plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)
+    if not buckets:
+        return None
+    if st.receiver is not None:
+        st.receiver.release_buffers()  # not used by this update; a failed layout allocates them again
+    return torch.empty(sum(b.nbytes for b in buckets), dtype=torch.uint8)
+
+
+def bucket_views(flat: torch.Tensor, info: UpdateInfo):
+    """``targets(i)`` for the receiver: bucket ``i``'s bytes of ``flat`` (buckets back to back)."""
+    from rlserve.transfer.wire.packing import plan_buckets
+
+    sizes = [b.nbytes for b in plan_buckets(info.names, info.dtypes(), info.shapes, info.packed_buffer_size_bytes)]
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
+    return lambda i: flat[bases[i]: bases[i] + sizes[i]]
+
+
+def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple, loads: list,
+                  flat: torch.Tensor | None = None) -> None:
     """After an in-place update that recorded a copy plan for every bucket: move the parameters
     into the bucket layout (:func:`~rlserve.transfer.server.direct.build_direct_layout`) so that the
-    next identical update is received into them. The old plans wrote to the old storages: they
-    are dropped (the memory goes with them).
+    next identical update is received into them; ``flat``: the buffer this update was received
+    into (:func:`direct_receive_buffer`), adopted as the layout without a copy. The old plans
+    wrote to the old storages: they are dropped (the memory goes with them).
 
     A layout that still holds the parameters is not given up for an update of fewer bytes (a
     partial update between full ones): that update keeps the buffered path, and the full
@@ -135,7 +165,7 @@ def _build_direct(worker, st: WorkerTransferState, info: UpdateInfo, key: tuple,
         logger.info("an update of %d buckets keeps the receive buffers: the parameters stay laid out for "
                     "the larger update they were laid out for", len(buckets))
         return
-    layout, why = build_direct_layout(_param_list(worker), buckets, loads, key)
+    layout, why = build_direct_layout(_param_list(worker), buckets, loads, key, flat=flat)
     if layout is None:
         logger.info("packed updates keep the receive buffers and the load copy: %s", why)
         st.direct = None
