@@ -281,3 +281,26 @@ def test_a_late_worker_runs_no_chunk_of_the_next_job(team):
         lib.rlserve_team_test_pause_us(0, 0)
         lib.rlserve_team_start(0, cpu_gemm.DEFAULT_SPIN_US)
     assert dones == [16] * 4
+
+
+@pytest.mark.parametrize("n_out", [64, 70, 5])
+def test_repack_in_place_equals_a_fresh_pack(n_out):
+    """``pack(w, out=earlier)`` (a weight sync's repack) writes the earlier pack's memory and gives
+    the same bits as a fresh pack, zero padding rows included; an ``out`` of another shape is
+    ignored. The repack before this allocated fresh memory for every linear at every sync."""
+    if not cpu_gemm.available():
+        pytest.skip("the CPU team kernels are not built here")
+    g = torch.Generator().manual_seed(n_out)
+    first = cpu_gemm.pack(torch.randn(n_out, 48, generator=g))
+    w = torch.randn(n_out, 48, generator=g)
+    ptr = first.data_ptr()
+    again = cpu_gemm.pack(w, out=first)
+    assert again.data_ptr() == ptr and torch.equal(again, cpu_gemm.pack(w))
+    other = torch.zeros(first.shape[0] + 1, 48, cpu_gemm.PANEL)  # another weight's shape
+    assert cpu_gemm.pack(w, out=other).data_ptr() != other.data_ptr() and not other.any()
+    layer = torch.nn.Module()
+    layer.__dict__["_cpu_team_on"] = True
+    cpu_gemm.build_team_weight(layer, w)
+    kept = cpu_gemm.team_weight(layer).data_ptr()
+    cpu_gemm.build_team_weight(layer, w * 2)
+    assert cpu_gemm.team_weight(layer).data_ptr() == kept and torch.equal(cpu_gemm.team_weight(layer), cpu_gemm.pack(w * 2))

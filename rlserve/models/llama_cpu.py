@@ -105,7 +105,8 @@ def _layer_ok(layer: nn.Module) -> bool:
     Nothing after model build changes them: a weight sync (every path ends in
     ``load_weights`` + ``process_weights_after_loading``) copies into the parameters in place,
     and sleep mode (:mod:`rlserve.engine.worker.sleep_memory`) copies in place or re-points
-    ``param.data`` to a contiguous view of the same dtype and shape, so module types, quant
+    ``param.data`` to a contiguous view of the same dtype and shape (a CPU level-1 sleep points
+    it at a NaN broadcast while asleep, when no step runs, and back at the same tensor), so module types, quant
     methods, TP size, dtypes and contiguity stay as checked (tests/test_cpu_fast_layer.py
     checks sleep levels 1 and 2 and a sync). The packed weight copies, which each load
     rebuilds, are not cached here: :func:`layer_forward` reads them per call. Not seen: forward
