@@ -20,8 +20,13 @@ row's logits against ``modules``: max |diff| and whether the argmax agrees.
 The model: ``--model`` (default rlserve's cached SmolLM2-135M-Instruct), float32. Run it under
 ``chrt -f 10`` (root) to emulate an idle machine on a shared one, as BENCHMARKS.md's CPU rows do.
 
+``--layer``: instead, one layer's attention alone (SmolLM2-135M's 9 query / 3 KV heads of 64, blocks of
+16, random q / K / V): CPU ms per call on the calling thread (team of 1) of the query tiles, the
+per-query decode kernel (up to 1,024 tokens) and ``torch_paged_attention`` (gather + SDPA), medians.
+
 Usage:
     python benchmarks/cpu_prefill_ab.py --tokens 128 512 2048 --rounds 5
+    python benchmarks/cpu_prefill_ab.py --layer --tokens 128 512 2048 --rounds 7
     python benchmarks/cpu_prefill_ab.py --tokens 2048 --chunk 1024 --rounds 3
 """
 
@@ -32,9 +37,12 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PATHS = {"modules": {"RLSERVE_CPU_STACK_PREFILL": "0", "RLSERVE_CPU_PREFILL_TILES": "1"},
          "per-query": {"RLSERVE_CPU_STACK_PREFILL": "1", "RLSERVE_CPU_PREFILL_TILES": "0"},
@@ -86,6 +94,38 @@ def _prefill(w, steps) -> torch.Tensor:
     return logits
 
 
+def bench_layer(tokens: list[int], rounds: int) -> None:
+    """One JSON line per length: one layer's prefill attention by kernel (module docstring)."""
+    from rlserve.batch_invariant.per_query import per_query_tables
+    from rlserve.layers import cpu_gemm
+    from rlserve.layers.attention import torch_paged_attention
+    from tests.attention_cases import make_paged_case
+
+    torch.set_num_threads(1)
+    cpu_gemm.start(1)
+    H, Hkv, D = 9, 3, 64
+    for n in tokens:
+        q, kc, vc, meta = make_paged_case([n], [n], H, Hkv, D, BLOCK, torch.float32)
+        bt, sl = per_query_tables(meta)
+        out = torch.empty_like(q)
+        fns = {"tiles": lambda: cpu_gemm.paged_decode_call(q, kc, vc, bt, sl, out, H, Hkv, D, 0.125, prefill=True),
+               "per-query": lambda: cpu_gemm.paged_decode_call(q, kc, vc, bt, sl, out, H, Hkv, D, 0.125),
+               "gather+sdpa": lambda: torch_paged_attention(q, kc, vc, meta, 0.125)}
+        if n > 1024:
+            fns.pop("per-query")
+        res = {k: [] for k in fns}
+        for f in fns.values():
+            f()
+        for _ in range(rounds):
+            for k, f in fns.items():
+                c0 = time.thread_time()
+                f()
+                res[k].append(1e3 * (time.thread_time() - c0))
+        print(json.dumps({"layer_tokens": n, **{f"{k}_cpu_median_ms": round(statistics.median(v), 2)
+                                                for k, v in res.items()}, "load": round(os.getloadavg()[0], 2)}),
+              flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
@@ -96,8 +136,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-guard", action="store_true",
                    help="cpu_gemm.MIN_CORES = 0: no contention guard (a lost step would send the next path's "
                         "steps inline: this measures the kernels, not the guard)")
+    p.add_argument("--layer", action="store_true", help="one layer's attention by kernel instead (docstring)")
     p.add_argument("--json", default=None, help="append the lines to this file too")
     a = p.parse_args(argv)
+    if a.layer:
+        bench_layer(a.tokens, a.rounds)
+        return 0
     from rlserve.layers import cpu_gemm
 
     max_rows = cpu_gemm.MAX_ROWS

@@ -76,6 +76,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cpu_rt_stream import process_tree, set_realtime  # noqa: E402
 from rlserve.server.launch import tree_cpu_by_process as tree_cpu_seconds  # noqa: E402  (per process, by "<pid> <name>")
 
 VOCAB = 49152  # SmolLM2's vocabulary
@@ -326,6 +327,10 @@ def main(argv=None) -> int:
                         "(flags given explicitly win)")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--json", default=None, help="write every run here")
+    p.add_argument("--rt-fifo", action="store_true",
+                   help="run each server's runs with its threads and this client's at SCHED_FIFO priority 1 "
+                        "(root; back to SCHED_OTHER after): an idle 2-core machine emulated on a shared one, "
+                        "as benchmarks/cpu_rt_stream.py does for single streams")
     p.add_argument("--autogroup-nice", type=int, default=None, metavar="N",
                    help="set every server's scheduler autogroup nice to N (Linux, e.g. -10; root for < 0): "
                         "the kernel shares CPU between sessions before nice values count, so other "
@@ -394,20 +399,26 @@ def main(argv=None) -> int:
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 s = servers[name]
                 before = _load()
-                cpu0 = tree_cpu_seconds(s.pid) if s.pid else None
-                res = {} if args.skip_burst else asyncio.run(_throughput(s, work[rnd]))
-                if args.closed_concurrency > 0:
-                    res.update(asyncio.run(_closed_loop(s, args.closed_concurrency, args.closed_requests_per_client,
-                                                        *args.closed_len, args.seed + 104729 * (rnd + 1))))
-                if cpu0 is not None:  # the burst's and the closed loop's
-                    cpu1 = tree_cpu_seconds(s.pid)
-                    res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
-                    res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
-                    toks = res.get("tokens", 0) + res.get("closed_tokens", 0)
-                    res["tok_per_server_cpu_s"] = toks / max(res["server_cpu_s"], 1e-9)
-                if not args.skip_itl:
-                    res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
-                                                args.seed + rnd)))
+                # --rt-fifo: this server's threads and this client's at SCHED_FIFO 1 for its run
+                rt = process_tree(s.pid) + [os.getpid()] if args.rt_fifo and s.pid else []
+                set_realtime(rt, True)
+                try:
+                    cpu0 = tree_cpu_seconds(s.pid) if s.pid else None
+                    res = {} if args.skip_burst else asyncio.run(_throughput(s, work[rnd]))
+                    if args.closed_concurrency > 0:
+                        res.update(asyncio.run(_closed_loop(s, args.closed_concurrency, args.closed_requests_per_client,
+                                                            *args.closed_len, args.seed + 104729 * (rnd + 1))))
+                    if cpu0 is not None:  # the burst's and the closed loop's
+                        cpu1 = tree_cpu_seconds(s.pid)
+                        res["server_cpu_s_by_process"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+                        res["server_cpu_s"] = sum(res["server_cpu_s_by_process"].values())
+                        toks = res.get("tokens", 0) + res.get("closed_tokens", 0)
+                        res["tok_per_server_cpu_s"] = toks / max(res["server_cpu_s"], 1e-9)
+                    if not args.skip_itl:
+                        res.update(asyncio.run(_itl(s, args.itl_requests, args.itl_prompt_len, args.itl_max_tokens,
+                                                    args.seed + rnd)))
+                finally:
+                    set_realtime(rt, False)
                 res.update(server=name, round=rnd, load_before=before, load_after=_load(),
                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
                 runs.append(res)
