@@ -159,15 +159,16 @@ class _Chunks:
         bytes (:func:`sse_bytes`)."""
         return sse_bytes(self.obj(choice, prompt_tokens, completion_tokens, **extra))
 
-    def templated(self, key, render, names: tuple[str, ...], values: tuple) -> bytes | None:
-        """The chunk ``self.chunk(render(dict(zip(names, values))), 0, 0)`` through the byte template
-        ``key`` (built on first use from ``render`` with sentinels:
-        :class:`~rlserve.server.sse_template.ChunkTemplate`); None when it cannot take it (the caller
-        encodes it the general way). Only with :attr:`templates` on (not None)."""
+    def template(self, key, render, names: tuple[str, ...]) -> ChunkTemplate | None:
+        """The byte template ``key`` of the chunks ``self.chunk(render(fields), 0, 0)`` (``fields``:
+        ``names`` -> values), built on its first use with sentinels
+        (:class:`~rlserve.server.sse_template.ChunkTemplate`; its ``fill(values)`` takes the values in
+        ``names``' order); None when none can be made (those chunks go the general way). Only with
+        :attr:`templates` on (not None)."""
         t = self.templates.get(key, False)
         if t is False:
             t = self.templates[key] = ChunkTemplate.build(lambda v: self.obj(render(v), 0, 0), names)
-        return None if t is None else t.fill(values)
+        return t
 
     def obj(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> dict:
         """The chunk object of :meth:`chunk`, before encoding."""
@@ -213,6 +214,7 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     # a choice's middle chunks (not its first or last) through a byte template: issue 37's per-token path
     plain = chunks.templates is not None and body.logprobs is None and not body.echo
     names = ("text", "weight_version", "token_ids") if rti else ("text", "weight_version")
+    tmpls = chunks.templates
     pending: list = []  # the chunks of one engine output: one write
     try:
         async for x in agen:
@@ -229,9 +231,12 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                     nt = len(c.token_ids)
                     if nt == k0 and len(c.text) <= t0:
                         continue
-                    b = chunks.templated(idx, lambda v, idx=idx: _text_choice(
-                        idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]), names,
-                        (c.text[t0:], version, c.token_ids[k0:]) if rti else (c.text[t0:], version))
+                    t = tmpls.get(idx, False)
+                    if t is False:
+                        t = chunks.template(idx, lambda v, idx=idx: _text_choice(
+                            idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]), names)
+                    b = None if t is None else t.fill((c.text[t0:], version, c.token_ids[k0:]) if rti
+                                                      else (c.text[t0:], version))
                     if b is not None:
                         sent_text[idx], sent_toks[idx] = len(c.text), nt
                         pending.append(b)
@@ -348,6 +353,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     # middle chunks through a byte template (issue 37)
     plain = chunks.templates is not None and parsers is None and not body.logprobs
     names = ("content", "weight_version", "token_ids") if rti else ("content", "weight_version")
+    tmpls = chunks.templates
     sent_role = False
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -366,9 +372,12 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     continue
                 k0 = sent_toks[i]
                 if plain and c.finish_reason is None and len(c.text) > sent_text[i]:
-                    b = chunks.templated(i, lambda v, i=i: _chat_choice(
-                        i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]), names,
-                        (c.text[sent_text[i]:], version, c.token_ids[k0:]) if rti else (c.text[sent_text[i]:], version))
+                    t = tmpls.get(i, False)
+                    if t is False:
+                        t = chunks.template(i, lambda v, i=i: _chat_choice(
+                            i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]), names)
+                    b = None if t is None else t.fill((c.text[sent_text[i]:], version, c.token_ids[k0:]) if rti
+                                                      else (c.text[sent_text[i]:], version))
                     if b is not None:
                         sent_text[i], sent_toks[i] = len(c.text), len(c.token_ids)
                         pending.append(b)

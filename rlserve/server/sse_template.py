@@ -71,11 +71,14 @@ class ChunkTemplate:
     def fill(self, values: tuple) -> bytes | None:
         """The chunk with ``values`` (in :meth:`build`'s ``names`` order) in its fields; None when
         msgspec cannot encode one of them (the caller encodes that chunk the general way)."""
-        p = self.pieces
-        out = [p[0]]
+        p, enc = self.pieces, _JSON.encode
         try:
+            if len(p) == 3:  # text and weight version: the usual chunk, unrolled
+                i, j = self.order
+                return b"".join((p[0], enc(values[i]), p[1], enc(values[j]), p[2]))
+            out = [p[0]]
             for k, j in enumerate(self.order):
-                out.append(_JSON.encode(values[j]))
+                out.append(enc(values[j]))
                 out.append(p[k + 1])
         except (msgspec.EncodeError, TypeError, UnicodeError):
             return None
