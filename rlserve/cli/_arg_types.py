@@ -35,26 +35,25 @@ def port(value: str) -> int:
     return n
 
 
-def positive_seconds(value: str) -> float:
-    """A finite number of seconds > 0."""
+def _number(value: str, ok, what: str) -> float:
+    """``value`` as a float for which ``ok(x)`` holds (NaN never does), else the error saying ``what``."""
     try:
         x = float(value)
     except ValueError:
-        x = 0.0
-    if not x > 0 or x == math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
+        x = math.nan
+    if not ok(x):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
     return x
+
+
+def positive_seconds(value: str) -> float:
+    """A finite number of seconds > 0."""
+    return _number(value, lambda x: 0 < x < math.inf, "a number of seconds > 0")
 
 
 def non_negative_number(value: str) -> float:
     """A finite number >= 0."""
-    try:
-        x = float(value)
-    except ValueError:
-        x = -1.0
-    if not (0 <= x < math.inf):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r}")
-    return x
+    return _number(value, lambda x: 0 <= x < math.inf, "a number >= 0")
 
 
 def shell_words(value: str) -> str:
