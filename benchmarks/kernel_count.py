@@ -1,6 +1,7 @@
 """Kernels a decoder layer launches in one decode step, counted on the CPU (no GPU): the CUDA code path of
 the Llama-family forward (fused Triton kernels on, run by Triton's interpreter) on a tiny Qwen3 shape, with
-and without the small-batch GEMM (``RLSERVE_DECODE_GEMM_ROWS``, :mod:`rlserve.layers.gemm_rows_kernels`)
+and without the small-batch GEMM (``RLSERVE_DECODE_GEMM_ROWS``, :mod:`rlserve.layers.gemm_rows_kernels`; its
+norm / SiLU-and-mul prologues as their own kernels, the default, or folded in: ``RLSERVE_DECODE_GEMM_ROWS_FOLD=1``)
 and the batch-1 GEMV (``RLSERVE_DECODE_GEMV``).
 
 What counts as a kernel: every Triton launch (by kernel name), and every ATen op that is not a view or an
@@ -261,22 +262,27 @@ def main(argv=None) -> dict:
     fused_ops.set_fused_kernels(True, on_cpu=True)  # the CUDA path's kernels, through the interpreter
     counter = Counter()
     _patch_triton_launches(counter)
-    modes = {"cuBLAS (GEMV off)": (False, 0), "GEMV b1 + cuBLAS (old default)": (True, 0),
-             "GEMV b1 + GEMM 2..64 (new)": (True, 64)}
+    # (GEMV on, GEMM rows, GEMM prologues folded): the small-batch GEMM as RLSERVE_DECODE_GEMM_ROWS=64 runs it
+    # (RLSERVE_DECODE_GEMM_ROWS_FOLD=0, the default since session 18: one fused norm / SiLU-and-mul kernel
+    # before each plain GEMM) and with the prologues folded in (=1)
+    modes = {"cuBLAS (GEMV off)": (False, 0, False), "GEMV b1 + cuBLAS (default)": (True, 0, False),
+             "GEMV b1 + GEMM 2..64 (ROWS=64)": (True, 64, False),
+             "GEMV b1 + GEMM 2..64 folded (FOLD=1)": (True, 64, True)}
     out = []
     batches = [int(b) for b in args.batch.split(",")]
     with tempfile.TemporaryDirectory() as root:
         llms = {n: build(tiny_qwen3(root, n), max(batches)) for n in (2, 4)}
         for B in batches:
-            for label, (on, rows) in modes.items():
+            for label, (on, rows, fold) in modes.items():
                 gemv.set_enabled(on)  # decided per call: no CUDA graphs on the CPU
                 gemv.set_rows(rows)
+                gemv.set_rows_fold(fold)
                 c2, c4 = (step_counts(llms[n], B, counter) for n in (2, 4))
                 layer = {k: (c4[k] - c2[k]) / 2 for k in set(c4) | set(c2) if c4[k] != c2[k]}
                 row = {"batch": B, "mode": label, "kernels_per_layer": sum(layer.values()),
                        "per_layer": dict(sorted(layer.items()))}
                 out.append(row)
-                print(f"B={B:3d} {label:32s} {row['kernels_per_layer']:5.1f} a layer: "
+                print(f"B={B:3d} {label:36s} {row['kernels_per_layer']:5.1f} a layer: "
                       + ", ".join(f"{k.split('::')[1]} {v:g}" for k, v in row["per_layer"].items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:

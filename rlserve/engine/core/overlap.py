@@ -1,8 +1,11 @@
 """Overlapped decode: schedule and launch step N+1 before reading step N's tokens.
 
 In the plain loop the GPU waits while the host reads a step's tokens, appends them, checks
-stop conditions, schedules and builds the next step (2-3 ms per step at batch 256 on an
-H200 host, ``benchmarks/sampler_step.py``). Here, in steady decode, :meth:`OverlapScheduler.step`
+stop conditions, schedules and builds the next step: 0.6-1.0 ms of host CPU per step with 256
+sequences in every decode step (``benchmarks/host_step.py --min-len 200 --max-len 200``: forward
+and sampler stubbed, best of 3; 636-984 us a step in four runs, plain and overlapped loops, on a
+2-core AMD EPYC at load ~6, 2026-12-07; session 18 measured 0.6-0.9 ms on it; BENCHMARKS.md,
+"Engine host overhead", E3). Here, in steady decode, :meth:`OverlapScheduler.step`
 launches step N+1 first and processes step N while N+1 runs:
 
 1. every sequence of step N gets a placeholder token, so lengths, block slots, positions and
