@@ -94,6 +94,29 @@ def _check_weight_update(state: ServerState, action: str) -> None:
         raise APIError(409, str(e), code="weight_update_in_progress") from None
 
 
+async def operator_pause(state: ServerState, mode: str, clear_cache: bool = False,
+                         timeout: Optional[float] = None) -> None:
+    """``POST /pause``'s work: the pause, checked against an open in-place weight update under the
+    pause lock (409 for ``wait``; nothing can open or end an update between the check and the
+    pause). Raises APIError (400 bad mode, 409, 504 ``timeout`` seconds passed: the pause undone)."""
+    if mode not in ("abort", "wait", "keep"):
+        raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
+    try:
+        await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout,
+                                  check=lambda: _check_weight_update(state, f"pause:{mode}"))
+    except asyncio.TimeoutError:
+        now = (f"generation stays paused by the earlier pause (mode={state.aengine.pause_mode})"
+               if state.aengine.is_paused() else "it was undone: generation continues")
+        raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; {now}",
+                       code="timeout") from None
+
+
+async def operator_resume(state: ServerState) -> None:
+    """``POST /resume``'s work, checked under the pause lock: 409 (APIError) while an in-place
+    weight update is open -- that update's end resumes generation then."""
+    await state.aengine.resume(check=lambda: _check_weight_update(state, "resume"))
+
+
 def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     """Generation control, behind ``dependencies`` (the admin check)."""
     router = APIRouter(dependencies=dependencies)
@@ -106,23 +129,13 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
         effect. 400 for an unknown mode; 504 when ``timeout`` seconds pass first: the pause
         is undone (generation resumes, or stays under an earlier pause), ``/is_paused`` says
         which."""
-        if mode not in ("abort", "wait", "keep"):
-            raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
-        _check_weight_update(state, f"pause:{mode}")
-        try:
-            await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout)
-        except asyncio.TimeoutError:
-            now = (f"generation stays paused by the earlier pause (mode={state.aengine.pause_mode})"
-                   if state.aengine.is_paused() else "it was undone: generation continues")
-            raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; {now}",
-                           code="timeout") from None
+        await operator_pause(state, mode, clear_cache, timeout)
         return {"status": "paused", "mode": mode, "clear_cache": clear_cache}
 
     @router.post("/resume")
     async def resume():
         """Resume generation. 409 while an in-place weight update is open (it resumes at its end)."""
-        _check_weight_update(state, "resume")
-        await state.aengine.resume()
+        await operator_resume(state)
         return {"status": "resumed"}
 
     @router.post("/reset_prefix_cache")

@@ -60,7 +60,14 @@ class PauseControl:
     def pause_mode(self) -> str | None:
         return self._pause_mode if self._paused else None
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = False, timeout_s: float | None = None) -> None:
+    #: ``fn() -> bool`` set by the weight-sync manager (``rlserve.transfer.server.manager``), asked
+    #: under the pause lock by :meth:`resume`: True while an open in-place weight update needs the
+    #: replicas frozen; the resume is then left to that update's end (sleep mode's wake, whose
+    #: resume would otherwise run generation on partly loaded weights)
+    resume_deferral = None
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = False, timeout_s: float | None = None,
+                    check=None) -> None:
         """Stop generation. New requests are held until :meth:`resume`.
 
         Args:
@@ -72,26 +79,48 @@ class PauseControl:
                 fails (timeout, cancellation, an engine error) is undone: generation resumes
                 (held requests start) when it was running before, or stays under the earlier
                 pause otherwise; requests that an ``abort`` pause already ended stay ended.
+            check: ``fn()`` called under the pause lock before anything changes; what it raises
+                refuses the pause (an operator's pause checked against an open weight update:
+                nothing can open or end one between the check and the pause).
 
         Raises:
-            ValueError: unknown mode. TimeoutError: see ``timeout_s``.
+            ValueError: unknown mode. TimeoutError: see ``timeout_s``. What ``check`` raises.
         """
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         async with self._get_pause_lock():
-            before = self._pause_mode if self._paused else None
-            if not self._paused:
-                self._paused_since = time.monotonic()
-            self._paused = True
-            self._pause_mode = mode
-            try:
-                await self._pause_locked(mode, clear_cache, timeout_s)
-            except BaseException:
-                # a pause that did not take effect (timeout, cancelled, an engine error) must not
-                # leave generation paused with nobody to resume it: back to the state before it
-                await self._restore_pause(before)
-                raise
+            if check is not None:
+                check()
+            await self._pause_in_lock(mode, clear_cache, timeout_s)
         logger.info("generation paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+
+    async def pause_unless_paused(self, mode: str, then) -> bool:
+        """Under the pause lock: pause with ``mode`` unless generation is paused already, then
+        ``then(paused_here)`` -- a weight update opening its session, so that no :meth:`resume`
+        (an operator's, a wake's) can come between the pause it relies on and the session that
+        makes such a resume wait for it. Returns ``paused_here``."""
+        async with self._get_pause_lock():
+            paused_here = not self._paused
+            if paused_here:
+                await self._pause_in_lock(mode, False, None)
+            then(paused_here)
+        if paused_here:
+            logger.info("generation paused (mode=%s, clear_cache=False)", mode)
+        return paused_here
+
+    async def _pause_in_lock(self, mode: str, clear_cache: bool, timeout_s: float | None) -> None:
+        before = self._pause_mode if self._paused else None
+        if not self._paused:
+            self._paused_since = time.monotonic()
+        self._paused = True
+        self._pause_mode = mode
+        try:
+            await self._pause_locked(mode, clear_cache, timeout_s)
+        except BaseException:
+            # a pause that did not take effect (timeout, cancelled, an engine error) must not
+            # leave generation paused with nobody to resume it: back to the state before it
+            await self._restore_pause(before)
+            raise
 
     async def _restore_pause(self, before: str | None) -> None:
         """Undo a failed :meth:`pause` (pause lock held): resume when generation was running
@@ -124,11 +153,24 @@ class PauseControl:
         if clear_cache:
             await self.reset_prefix_cache()
 
-    async def resume(self) -> None:
-        """Continue generation: unfreeze replicas and submit the held requests."""
+    async def resume(self, check=None) -> bool:
+        """Continue generation: unfreeze replicas and submit the held requests. Returns False
+        when :attr:`resume_deferral` left the resume to an open in-place weight update's end
+        (generation stays paused until then), True otherwise.
+
+        Args:
+            check: ``fn()`` called under the pause lock first; what it raises refuses the resume
+                (an operator's ``/resume`` during an in-place weight update: 409).
+        """
         async with self._get_pause_lock():
+            if check is not None:
+                check()
+            if self.resume_deferral is not None and self.resume_deferral():
+                logger.info("resume deferred: an in-place weight update is open; generation resumes at its end")
+                return False
             n = await self._resume_locked()
         logger.info("generation resumed (%d held request(s) submitted)", n)
+        return True
 
     async def _resume_locked(self) -> int:
         await wait_all([r.set_frozen(False) for r in self._replicas])

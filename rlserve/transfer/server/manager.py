@@ -206,6 +206,8 @@ class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes)
         self._trl_error: BaseException | None = None
         self._trl_init_error: BaseException | None = None  # the last failed TRL init's (close: a no-op)
         self._trl_pending = 0  # update_named_param calls queued or running
+        if hasattr(aengine, "resume_deferral"):  # a resume during an in-place update waits for its end
+            aengine.resume_deferral = self.defer_resume
         restarter = getattr(aengine, "restarter", None)  # rlserve.engine.front.core_restart
         if restarter is not None:
             restarter.listeners.append(self.on_engine_restart)

@@ -176,21 +176,41 @@ class UpdateRoutes:
         Generation must not run until that update finished: ``/resume`` and ``/pause?mode=wait``
         (which drains the frozen requests by stepping them) are refused. ``abort`` and ``keep``
         pauses are taken, and an explicit pause then outlives the update (its end no longer
-        resumes; the operator resumes). Staged updates never pause, so nothing is refused there.
+        resumes; the operator resumes). A staged update is checked the same way only while its
+        finish loads the staged copy under a pause (several replicas, or generation paused already).
 
         Raises:
             WeightUpdateStateError: (HTTP 409) the action is refused.
         """
         s = self._session
-        if s is None or self._staging_of(s) != "none" or s.commit_in_engine:
+        if s is None or not self._holds_generation(s):
             return
         if action in ("resume", "pause:wait"):
             what = "/resume" if action == "resume" else "/pause?mode=wait (it drains requests by running them)"
+            if action == "resume":
+                s.auto_paused = True  # the operator wants generation back: the update's end resumes it
+            where = "in place (committing staged weights)" if s.committing else "in place"
             raise WeightUpdateStateError(
-                f"{what} refused: a weight update is in progress in place, and generation would run on partly "
+                f"{what} refused: a weight update is in progress {where}, and generation would run on partly "
                 "loaded weights; it resumes when the update finishes or fails "
                 "(/finish_weight_update, /shutdown_weight_transfer_engine)")
         s.auto_paused = False
+
+    def defer_resume(self) -> bool:
+        """``AsyncEngine.resume_deferral`` (asked under the pause lock): True while an open
+        in-place update needs generation frozen; its end then resumes (``auto_paused``). A
+        resume that comes from sleep mode's wake lands here; an operator's ``/resume`` is
+        refused first (:meth:`operator_generation_control`)."""
+        s = self._session
+        if s is None or not self._holds_generation(s):
+            return False
+        s.auto_paused = True
+        return True
+
+    def _holds_generation(self, s) -> bool:
+        """Whether session ``s`` needs generation frozen now: an in-place update (not the one-call
+        engine command), or a staged one loading its staged copy under a pause."""
+        return (self._staging_of(s) == "none" and not s.commit_in_engine) or s.committing
 
     async def _start_update(self, update_info: dict | None, pause: bool = True) -> dict:
         declared = lora = None
@@ -205,11 +225,16 @@ class UpdateRoutes:
             declared.ipc_handles = None
         if self.sleep_mode is not None and lora is None:  # 409 into weights a level-1 sleep holds
             await self.sleep_mode.before_weight_sync()
-        auto = False
-        if self.staging == "none" and lora is None and pause and not self.aengine.is_paused():
-            await self.aengine.pause(mode="keep")
-            auto = True
-        self._session = _Session(declared=declared, auto_paused=auto, lora=lora)
+        def open_session(auto: bool) -> None:
+            self._session = _Session(declared=declared, auto_paused=auto, lora=lora)
+
+        if self.staging == "none" and lora is None and pause:
+            # the pause and the session under one hold of the pause lock: a /resume (or a wake)
+            # that comes after the pause sees the session (409, or left to its end)
+            auto = await self.aengine.pause_unless_paused("keep", open_session)
+        else:
+            open_session(False)
+            auto = False
         self._arm_watchdog()
         return {"status": "started", "staging": self.staging, "paused_by_server": auto,
                 "declared_tensors": None if declared is None else len(declared.names)}
@@ -378,11 +403,17 @@ class UpdateRoutes:
         in_engine = staged and len(self.aengine.engines) == 1 and not self.aengine.is_paused()
         try:
             if staged:
-                if not in_engine and not self.aengine.is_paused():
+                if not in_engine:
+                    # under the pause lock: an operator's wait-pause ends its draining first, and a
+                    # /resume from here on is refused (409) or left to the end, so no step runs on
+                    # the new weights under the old version
                     pause_t0 = time.perf_counter()
-                    await self.aengine.pause(mode="keep")
-                    paused_here = True
-                    phases["pause_s"] = time.perf_counter() - pause_t0
+                    paused_here = await self.aengine.pause_unless_paused(
+                        "keep", lambda _: setattr(s, "committing", True))
+                    if paused_here:
+                        phases["pause_s"] = time.perf_counter() - pause_t0
+                    else:
+                        pause_t0 = None
                 t_c = time.perf_counter()
                 workers = await self._commit_staged(version if in_engine else None)
                 phases["commit_in_engine_thread_s" if in_engine else "commit_s"] = time.perf_counter() - t_c
@@ -402,10 +433,12 @@ class UpdateRoutes:
             # syncs since have written every required parameter
             valid = self.aengine.commit_weights(version, written, req)
         except BaseException as e:
+            s.committing = False
             await self._fail(s, e, teardown=False)
             if paused_here:
                 await self.aengine.resume()
             raise
+        s.committing = False
         if paused_here:
             await self.aengine.resume()
             phases["paused_s"] = time.perf_counter() - pause_t0

@@ -60,6 +60,9 @@ class _Session:
     # one-call ipc update in place on one replica (see WeightTransferManager._commits_in_engine):
     # the receive, the prefix-cache reset and the new version are one engine-thread command
     commit_in_engine: bool = False
+    # a staged update loading its staged copy under a pause (not one engine command): generation
+    # must stay frozen until the new version is stamped, as during an in-place update
+    committing: bool = False
     commit_version: str | None = None  # the version asked for (None: the current one + 1)
     committed_version: str | None = None  # set by that command once it committed
     # an adapter-only update (rlserve.lora.sync): its checked update_info.lora; staged whatever
