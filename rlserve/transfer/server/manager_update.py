@@ -14,6 +14,7 @@ from rlserve.transfer import errors as terr
 from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
+from rlserve.transfer.server.address import check_master_address
 from rlserve.transfer.server.session import _Session, check_weight_version
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class UpdateRoutes:
             check_group_size(info.world_size, n, info.rank_offset, info.shared_group)
         if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
             raise WeightUpdateError("the ipc backend needs a CUDA server")
+        if info.master_port and info.nccl_unique_id_b64 is None:  # a store to reach: 400 now for a bad address
+            await check_master_address(info.master_address, info.master_port)
         # a pending init (a trainer that never joined, or is still joining) is cancelled: the
         # newer init wins, as a new init also wins over an update in progress
         await self._preempt("a new init_weight_transfer_engine")
