@@ -200,3 +200,33 @@ def test_a_request_whose_outputs_cannot_be_processed_fails_alone():
     ((rid, exc),) = errors
     assert rid == "bad" and "cannot decode token 99" in str(exc) and type(exc).__name__ == "EngineStepError"
     assert aborts == ["bad"] and len(proc) == 1
+
+
+def test_output_fields_land_in_their_places():
+    """``OutputProcessor._output`` builds its dataclasses positionally: every field where its name says."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rlserve.engine.front.output_processor import OutputProcessor
+    from rlserve.engine.outputs import CompletionOutput, RequestOutput
+
+    sample = SimpleNamespace(detok=SimpleNamespace(visible_text="txt"), token_ids=[7, 8], cumulative_logprob=-1.5,
+                             logprobs=[{7: -1.0}, {8: -0.5}], finish_reason="stop", stop_reason="x",
+                             routed=SimpleNamespace(result=lambda rows: ("routed", rows)))
+    st = SimpleNamespace(prompt="p", prompt_token_ids=[1, 2, 3], prompt_logprobs=[None, {2: -0.1}, {3: -0.2}],
+                         prompt_logprob_ranks=[None, 1, 2], samples=[sample], arrival_time=10.0, routed_start=1)
+    d = SimpleNamespace(weight_versions=["v1", "v2"], first_token_time=11.0, scheduled_time=10.5)
+    out = OutputProcessor._output("rid", st, d, True)
+    assert [f.name for f in dataclasses.fields(RequestOutput)] == [
+        "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "weight_version",
+        "weight_versions", "prompt_logprob_ranks", "arrival_time", "first_token_time", "scheduled_time"]
+    assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "routed_experts", "finish_reason", "stop_reason"]
+    assert (out.request_id, out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.finished, out.weight_version,
+            out.weight_versions, out.prompt_logprob_ranks, out.arrival_time, out.first_token_time,
+            out.scheduled_time) == ("rid", "p", [1, 2, 3], st.prompt_logprobs, True, "v2", ["v1", "v2"], [None, 1, 2],
+                                    10.0, 11.0, 10.5)
+    (c,) = out.outputs
+    assert (c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.routed_experts, c.finish_reason,
+            c.stop_reason) == (0, "txt", [7, 8], -1.5, [{7: -1.0}, {8: -0.5}], ("routed", 3 - 1 + 2 - 1), "stop", "x")
+    assert c.token_ids is not sample.token_ids and c.logprobs is not sample.logprobs  # snapshots

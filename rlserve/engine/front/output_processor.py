@@ -214,24 +214,18 @@ class OutputProcessor:
 
     @staticmethod
     def _output(rid: str, st: _State, d, finished: bool) -> RequestOutput:
+        """The request's cumulative output. Positional arguments, in the dataclasses' field order
+        (``rlserve/engine/outputs.py``): 2.7 against 6.5 us with keywords for one sample (2-core
+        Xeon, loaded), once per streamed request and step (issue 37)."""
         versions = list(d.weight_versions)
-        return RequestOutput(
-            request_id=rid,
-            prompt=st.prompt,
-            prompt_token_ids=st.prompt_token_ids,
-            prompt_logprobs=st.prompt_logprobs,
-            prompt_logprob_ranks=st.prompt_logprob_ranks,
-            outputs=[CompletionOutput(index=i, text=s.detok.visible_text, token_ids=list(s.token_ids),
-                                      cumulative_logprob=s.cumulative_logprob,
-                                      logprobs=None if s.logprobs is None else list(s.logprobs),
-                                      routed_experts=None if s.finish_reason is None else s.routed.result(
-                                          len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
-                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                     for i, s in enumerate(st.samples)],
-            finished=finished,
-            weight_version=versions[-1] if versions else None,
-            weight_versions=versions,
-            arrival_time=st.arrival_time,
-            first_token_time=d.first_token_time,
-            scheduled_time=d.scheduled_time,
-        )
+        outs = [CompletionOutput(i, s.detok.visible_text, list(s.token_ids), s.cumulative_logprob,
+                                 None if s.logprobs is None else list(s.logprobs),
+                                 None if s.finish_reason is None else s.routed.result(
+                                     len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
+                                 s.finish_reason, s.stop_reason)
+                for i, s in enumerate(st.samples)]
+        # request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, weight_version,
+        # weight_versions, prompt_logprob_ranks, arrival_time, first_token_time, scheduled_time
+        return RequestOutput(rid, st.prompt, st.prompt_token_ids, st.prompt_logprobs, outs, finished,
+                             versions[-1] if versions else None, versions, st.prompt_logprob_ranks,
+                             st.arrival_time, d.first_token_time, d.scheduled_time)
