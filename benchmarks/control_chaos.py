@@ -10,6 +10,7 @@ idle gauges. Exit status 1 when any problem was seen.
 
     python benchmarks/control_chaos.py none 60            # staging, seconds
     python benchmarks/control_chaos.py host 40 pause_abort,pause_wait,pause_keep   # only these ops
+    python benchmarks/control_chaos.py host 40 all 2   # all ops, two engine replicas
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from tests.transfer_harness import InProcessServer, free_port, greedy_continuati
 
 staging = sys.argv[1] if len(sys.argv) > 1 else "none"
 DUR = float(sys.argv[2]) if len(sys.argv) > 2 else 60
-ops_allowed = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+ops_allowed = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] != "all" else None
+DP = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # engine replicas (--data-parallel-size)
 path = make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve-chaos-llama384"), vocab_size=384)
 W = {"A": load_hf(path, seed=1), "B": load_hf(path, scale=0.5, seed=2)}
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
@@ -87,7 +89,7 @@ def trainer_loop(srv):
         try:
             if eng is None:
                 eng = WeightTransferTrainerFactory.trainer_init(
-                    init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+                    init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=DP + 1, timeout_s=30,
                                                   packed_buffer_size_bytes=64 << 10),
                     client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(W[w]))
             eng.source = ModuleSource(W[w])
@@ -146,7 +148,7 @@ def chaos_loop(srv, seed):
         if dt > 60: problems.append(f"chaos {op} took {dt:.1f}s")
         r = r2 = None
 
-with InProcessServer(path, staging=staging, enable_sleep_mode=True) as srv:
+with InProcessServer(path, staging=staging, enable_sleep_mode=True, data_parallel_size=DP) as srv:
     ths = [threading.Thread(target=gen_loop, args=(srv, i)) for i in range(2)]
     ths.append(threading.Thread(target=trainer_loop, args=(srv,)))
     ths.append(threading.Thread(target=chaos_loop, args=(srv, 1)))
@@ -161,7 +163,7 @@ with InProcessServer(path, staging=staging, enable_sleep_mode=True) as srv:
     c.post(srv.url + "/wake_up"); c.post(srv.url + "/resume")
     print("health", c.get(srv.url + "/health").status_code, c.get(srv.url + "/health").text)
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30, packed_buffer_size_bytes=64 << 10),
+        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=DP + 1, timeout_s=30, packed_buffer_size_bytes=64 << 10),
         client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(W["A"]))
     fin = eng.send_weights(weight_version="final-A"); eng.shutdown()
     r = c.post(srv.url + "/generate/", json={"prompt_ids": PROMPTS, "max_tokens": N, "temperature": 0, "generation_kwargs": {"ignore_eos": True}}).json()
