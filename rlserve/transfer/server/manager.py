@@ -62,6 +62,7 @@ from rlserve.transfer.server.tcp_peer import StoreConnectionLiveness
 from rlserve.transfer.wire.protocol import BACKENDS, DEFAULT_TIMEOUT_S, InitInfo
 from rlserve.transfer.wire.header import LayoutMismatchError
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError
+from rlserve.transfer.server.manager_control import GenerationControl
 from rlserve.transfer.server.manager_info import InfoRoutes
 from rlserve.transfer.server.manager_lora import LoRASyncRoutes
 from rlserve.transfer.server.manager_trl import TRLRoutes
@@ -140,7 +141,7 @@ def _amend(err: BaseException, note: str) -> None:
         err.args = (err.args[0] + note,) + err.args[1:]
 
 
-class WeightTransferManager(UpdateRoutes, InfoRoutes, TRLRoutes, LoRASyncRoutes):
+class WeightTransferManager(UpdateRoutes, GenerationControl, InfoRoutes, TRLRoutes, LoRASyncRoutes):
     """The server's weight-sync control plane.
 
     Args:
