@@ -292,7 +292,7 @@ def test_weight_version_labels_are_unique(llama, shared):
     """Issue 33 item 4: an explicit label already used (the checkpoint's, the current one) is a
     409 ``weight_version_in_use`` naming it, with nothing changed (the session stays open: the
     trainer finishes it under another label); automatic versions move past every numeric label
-    seen (after "7000" and "6000", "7001", not "6001"). Fails on the code before: both accepted."""
+    seen (after n+7000 and n+6000, n+7001, not n+6001). Fails on the code before: both accepted."""
     path, hf = llama
     with shared(path) as srv:
         scramble(srv.url, path)
@@ -310,11 +310,15 @@ def test_weight_version_labels_are_unique(llama, shared):
             assert fin["weight_version"] == bumped(v0) and fin["weights_valid"] is True
             assert checksums(srv.url) == mine and server_greedy(srv.url).json()["weight_version"] == bumped(v0)
             v0 = fin["weight_version"]
-        assert eng.send_weights(weight_version="7000")["weight_version"] == "7000"
-        assert eng.send_weights(weight_version="6000")["weight_version"] == "6000"
-        assert httpx.get(srv.url + "/weight_info").json()["next_weight_version"] == "7001"
-        assert eng.send_weights()["weight_version"] == "7001"
-        assert server_greedy(srv.url).json()["weight_version"] == "7001"
-        r = httpx.post(srv.url + "/finish_weight_update", json={"weight_version": "6000"})
+        # above every numeric label this shared server has seen (another module's test may have left
+        # a 201-digit one): n + 7000, then n + 6000, and the next automatic label is n + 7001
+        n = int(httpx.get(srv.url + "/weight_info").json()["next_weight_version"])
+        hi, lo = str(n + 7000), str(n + 6000)
+        assert eng.send_weights(weight_version=hi)["weight_version"] == hi
+        assert eng.send_weights(weight_version=lo)["weight_version"] == lo
+        assert httpx.get(srv.url + "/weight_info").json()["next_weight_version"] == str(n + 7001)
+        assert eng.send_weights()["weight_version"] == str(n + 7001)
+        assert server_greedy(srv.url).json()["weight_version"] == str(n + 7001)
+        r = httpx.post(srv.url + "/finish_weight_update", json={"weight_version": lo})
         assert r.status_code == 409  # no session: out of order, before any label check
         eng.shutdown()
