@@ -149,13 +149,13 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_ASYNC_SCHEDULING": Var("bool | None", None, _zero_one,
                                     "'0' / '1': overlapped decode off / on when neither --[no-]async-scheduling "
                                     "nor extra['async_scheduling'] says (else: on for CUDA with TP=1)"),
-    "RLSERVE_OVERLAP_AFTER_PREFILL": Var("bool", False, _flag,
-                                         "'1': under overlapped scheduling a decode step is also launched before the "
-                                         "step in flight is read when its other sequences' last tokens are on the "
-                                         "host (the decode step after a prefill step; rlserve/engine/core/overlap.py); "
-                                         "off (default until its GPU tests and speed are measured: "
-                                         "benchmarks/device/s18_overlap.sh): only when every sequence in it was in "
-                                         "that step (the session-17 rule)"),
+    "RLSERVE_OVERLAP_AFTER_PREFILL": Var("bool", True, _flag,
+                                         "'1' (default since session 19: its GPU tests pass, H100 offline run 0.1-0.4% "
+                                         "faster, BENCHMARKS.md 'Offline workload vs its own HBM floor'): under "
+                                         "overlapped scheduling a decode step is also launched before the step in "
+                                         "flight is read when its other sequences' last tokens are on the host (the "
+                                         "decode step after a prefill step; rlserve/engine/core/overlap.py); '0': "
+                                         "only when every sequence in it was in that step (the session-17 rule)"),
     "RLSERVE_HTTP_IMPL": Var("str", "auto", http_impl,
                              "the API process's HTTP stack: 'auto' (default) uvloop's event loop and httptools' "
                              "parser where installed (vLLM's uvicorn[standard]), else the stdlib loop and h11; "
