@@ -22,6 +22,8 @@ _DTYPES = {
     "fp16": "float16",
     "half": "float16",
 }
+#: the names ``--dtype`` / ``EngineConfig.dtype`` accept besides "auto"
+DTYPE_NAMES = tuple(_DTYPES)
 
 
 #: the ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)

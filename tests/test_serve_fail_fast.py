@@ -82,6 +82,9 @@ CASES = {
     "max-model-len negative": (["--max-model-len", "-5"], "argument --max-model-len: must be an integer >= 1, got '-5'"),
     "max-model-len not an integer": (["--max-model-len", "1.5"],
                                      "argument --max-model-len: must be an integer >= 1, got '1.5'"),
+    # session 19's new user: `--dtype fp64` exited 1 from the engine's start with a traceback (vLLM's
+    # --dtype has fixed choices: argparse refuses the rest)
+    "dtype not one of the names": (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
     "reasoning parser without its tokens": (["--reasoning-parser", "qwen3"],
                                             "--reasoning-parser qwen3: Qwen3ReasoningParser: the tokenizer has no "),
 }
@@ -112,6 +115,18 @@ def test_bad_graph_size_list_is_one_line_exit_2(tiny_model, monkeypatch, capsys,
     rc, out = _serve(monkeypatch, capsys, tiny_model("llama"))
     assert rc == 2, out
     assert out.strip() == f"rlserve serve: error: {name}: every item must be an integer >= 1, got '0'", out
+
+
+def test_enable_lora_without_peft_is_one_line_exit_2(tiny_model, monkeypatch, capsys):
+    """Session 19's new user: `--enable-lora` after the plain install (no PEFT) started, and every
+    `/v1/load_lora_adapter` then answered 500 (ModuleNotFoundError: peft). Now refused at start."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--enable-lora")
+    assert rc == 2, out
+    assert out.strip() == "rlserve serve: error: --enable-lora needs the peft package: pip install 'rlserve[lora]'", out
 
 
 def test_long_max_model_len_escape(tiny_model, monkeypatch, capsys, caplog):

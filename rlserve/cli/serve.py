@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -21,6 +21,7 @@ from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
                                      generation_defaults, json_object, load_chat_template)
+from rlserve.config import DTYPE_NAMES
 from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
@@ -73,8 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags (vLLM's names), shared with other subcommands that start an engine."""
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, "
-                                                   "the checkpoint's 16-bit dtype on GPU)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], metavar="DTYPE",
+                   help="auto | float32 | bfloat16 | float16 (also vLLM's half / float and fp32 / bf16 / fp16; "
+                        "auto: float32 on CPU, the checkpoint's 16-bit dtype on GPU)")
     g.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy = random weights of the right shapes")
@@ -393,6 +395,9 @@ def run(args) -> int:
     problem = check_vllm_compat_args(args) or check_tool_args(args)
     if problem is None and args.lora_modules and not args.enable_lora:
         problem = "--lora-modules needs --enable-lora"
+    if problem is None and args.enable_lora and importlib.util.find_spec("peft") is None:
+        # (rlserve.lora.adapter reads adapter_config.json with PEFT: every adapter load would be a 500)
+        problem = "--enable-lora needs the peft package: pip install 'rlserve[lora]'"
     if problem is not None:
         print(f"rlserve serve: error: {problem}", file=sys.stderr)
         return 2

@@ -149,9 +149,10 @@ class Worker:
             bs = self.config.block_size
             n = min(n, self.config.max_num_seqs * -(-int(self.config.max_model_len) // bs))
         if n < 1:
+            fix = ("raise --kv-cache-bytes to at least one block" if self.device.type == "cpu"
+                   else "raise --gpu-memory-utilization or lower --max-model-len")
             raise RuntimeError(
-                f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); "
-                "raise gpu_memory_utilization or lower max_model_len"
+                f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); {fix}"
             )
         return int(n)
 
