@@ -11,7 +11,6 @@ import contextlib
 import json
 from typing import Any, AsyncIterator
 
-import msgspec
 from starlette.responses import StreamingResponse
 
 from rlserve import envs
@@ -19,11 +18,8 @@ from rlserve.server.errors import exception_to_error
 from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.server_info import system_fingerprint
-from rlserve.server.sse_template import ChunkTemplate
+from rlserve.server.sse_template import ENCODE_ERRORS, ChunkTemplate, encode_json, sse_data_bytes
 from rlserve.server.state import ServerState
-
-
-_JSON = msgspec.json.Encoder()
 
 
 def sse(obj) -> str:
@@ -32,8 +28,8 @@ def sse(obj) -> str:
     ``json.dumps`` (CPU machine), at one chunk per token per stream; what msgspec cannot encode
     (a lone surrogate) goes through ``json.dumps`` (``\\u`` escapes)."""
     try:
-        return "data: " + _JSON.encode(obj).decode() + "\n\n"
-    except (msgspec.EncodeError, TypeError, UnicodeError):
+        return "data: " + encode_json(obj).decode() + "\n\n"
+    except ENCODE_ERRORS:
         return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
@@ -41,8 +37,8 @@ def sse_bytes(obj) -> bytes:
     """:func:`sse` as UTF-8 bytes, for the per-token chunks of a stream: msgspec's bytes go out as
     they are (no decode to ``str`` and encode again by the response); the same fallback."""
     try:
-        return b"data: " + _JSON.encode(obj) + b"\n\n"
-    except (msgspec.EncodeError, TypeError, UnicodeError):
+        return sse_data_bytes(obj)
+    except ENCODE_ERRORS:
         return sse(obj).encode()
 
 

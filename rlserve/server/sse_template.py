@@ -20,7 +20,21 @@ from typing import Callable
 import msgspec
 
 _JSON = msgspec.json.Encoder()
+#: what msgspec raises for a value it cannot encode (a lone surrogate): the general encoder's fallback
+ENCODE_ERRORS = (msgspec.EncodeError, TypeError, UnicodeError)
 _TAG = uuid.uuid4().hex[:12]  # per process: a client cannot put a sentinel into a model name or id
+
+
+def encode_json(obj) -> bytes:
+    """``obj`` as compact JSON (msgspec), the one encoder of streamed chunks and their templates.
+    Raises one of :data:`ENCODE_ERRORS` for what msgspec cannot encode."""
+    return _JSON.encode(obj)
+
+
+def sse_data_bytes(obj) -> bytes:
+    """One server-sent event carrying ``obj``: ``b"data: " + JSON + b"\\n\\n"`` (:func:`encode_json`;
+    raises as it does)."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 def sentinel(name: str) -> str:
@@ -49,8 +63,8 @@ class ChunkTemplate:
         when a sentinel is not found exactly once or msgspec cannot encode the rest (the chunk
         then always takes the general encoder)."""
         try:
-            raw = b"data: " + _JSON.encode(render({n: sentinel(n) for n in names})) + b"\n\n"
-        except (msgspec.EncodeError, TypeError, UnicodeError):
+            raw = sse_data_bytes(render({n: sentinel(n) for n in names}))
+        except ENCODE_ERRORS:
             return None
         cuts = []
         for k, n in enumerate(names):
@@ -80,6 +94,6 @@ class ChunkTemplate:
             for k, j in enumerate(self.order):
                 out.append(enc(values[j]))
                 out.append(p[k + 1])
-        except (msgspec.EncodeError, TypeError, UnicodeError):
+        except ENCODE_ERRORS:
             return None
         return b"".join(out)
