@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/device/run_window.sh NAME:BUDGET_S [NAME:BUDGET_S ...]
 #
-# runs benchmarks/device/s19_NAME.sh (else s18_, s17_, s16_, s15_, s14_, s13_NAME.sh) with OUT_DIR=/tmp/win/NAME (a fresh folder) under `timeout BUDGET_S`,
+# runs the newest benchmarks/device/sNN_NAME.sh (s20_, else s19_ ... s13_) with OUT_DIR=/tmp/win/NAME (a fresh folder) under `timeout BUDGET_S`,
 # then kills whatever GPU process it left, and tars the folder into $OUT/NAME.tgz (the device tool returns at
 # most 8 files per call: one tarball per script). rlserve's wheels (.whl, from ../shared/tools/device-wheels.sh)
 # are installed into /tmp/site once per machine; /tmp survives between back-to-back calls on a warm machine.
@@ -30,13 +30,11 @@ for spec in "$@"; do
   export OUT_DIR=/tmp/win/$name
   rm -rf "$OUT_DIR"; mkdir -p "$OUT_DIR"
   t0=$(date +%s)
-  script=benchmarks/device/s19_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s18_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s17_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s16_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s15_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s14_$name.sh
-  [ -f "$script" ] || script=benchmarks/device/s13_$name.sh
+  script=
+  for s in 20 19 18 17 16 15 14 13; do  # the newest session's script of that name
+    [ -f "benchmarks/device/s${s}_$name.sh" ] && { script=benchmarks/device/s${s}_$name.sh; break; }
+  done
+  [ -n "$script" ] || { echo "$name: no benchmarks/device/s*_$name.sh" | tee -a "$OUT/summary.txt"; continue; }
   BUDGET=$budget timeout -k 10 "$budget" bash "$script" > "$OUT_DIR/stdout.log" 2>&1
   rc=$?
   pkill -9 -f 'vllm serve|-m rlserve serve|vllm.entrypoints|EngineCore' 2>/dev/null
