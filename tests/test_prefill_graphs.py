@@ -56,10 +56,14 @@ def test_graph_size_lists_read(monkeypatch):
         assert pg.parse_sizes(envs.RLSERVE_PREFILL_CUDA_GRAPHS, 1024) == pg.parse_sizes(raw, 1024)
 
 
-def _llm(path, graphs: bool, **kw):
-    extra = {"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True} if graphs else {}
-    kw = {"block_size": 8, "max_num_batched_tokens": 64, **kw}
-    return LLM(path, dtype="float32", device="cpu", extra=extra, **kw)
+def _llm(path, graphs: bool, device: str = "cpu", **kw):
+    """float32 engine on ``device``; ``graphs``: piecewise prefill graphs of :data:`SIZES` (emulated on the
+    CPU, captured on CUDA). Block size 8 on the CPU, 16 on CUDA (the Triton kernels' smallest)."""
+    extra = {"prefill_cuda_graph_sizes": SIZES} if graphs else {}
+    if graphs and device == "cpu":
+        extra["prefill_cuda_graphs_emulate"] = True
+    kw = {"block_size": 8 if device == "cpu" else 16, "max_num_batched_tokens": 64, **kw}
+    return LLM(path, dtype="float32", device=device, extra=extra, **kw)
 
 
 def count_runs(monkeypatch) -> list:
@@ -80,40 +84,53 @@ def qwen3(tiny_model):
     return tiny_model("qwen3")
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_greedy_equals_hf_and_eager(qwen3, chunked, monkeypatch):
-    prompts = _prompts(0, [30, 5, 14, 45])  # unchunked: steps of 35 (bucket 40), 14 (16), 45 (eager)
+def check_greedy_equals_hf_and_eager(path, chunked, monkeypatch, device="cpu"):
+    """Whole prompts (unchunked: steps of 35 tokens, bucket 40; 14, bucket 16; 45, past every bucket:
+    eager) or 20-token chunks replay the graphs; greedy tokens equal the eager engine's and HF's, logprobs
+    within :data:`LP_ATOL`. Also run on CUDA by tests/gpu/test_prefill_graphs_gpu.py."""
+    prompts = _prompts(0, [30, 5, 14, 45])
     kw = {"enable_chunked_prefill": chunked, "max_num_batched_tokens": 48 if not chunked else 20}
-    want, want_lps = _tokens_lps(_llm(qwen3, False, **kw).generate(prompts, _greedy()))
-    llm = _llm(qwen3, True, **kw)
+    want, want_lps = _tokens_lps(_llm(path, False, device, **kw).generate(prompts, _greedy()))
+    llm = _llm(path, True, device, **kw)
     seen = count_runs(monkeypatch)
     got, got_lps = _tokens_lps(llm.generate(prompts, _greedy()))
     runner = llm.engine.executor.runner
     assert runner.prefill_graphs is not None and runner.prefill_graphs.sizes == ([16, 40] if not chunked else [16, 20])
     assert seen and all(n <= 40 for n in seen)  # capped at the step's token bound
     if not chunked:
-        assert sorted(seen) == [14, 35]
-    assert got == want == hf_greedy(qwen3, prompts, 8)
+        assert sorted(seen) == [14, 35]  # the 45-token step ran eagerly
+    assert got == want == hf_greedy(path, prompts, 8)
     torch.testing.assert_close(torch.tensor(sum(got_lps, [])), torch.tensor(sum(want_lps, [])), atol=LP_ATOL, rtol=0)
 
 
-def test_mixed_steps_and_prefix_hits(qwen3, monkeypatch):
+def check_mixed_steps_and_prefix_hits(path, monkeypatch, device="cpu"):
+    """Requests arriving one a step while others decode: mixed steps and a prefix-cache hit replay the graphs;
+    the same equalities as :func:`check_greedy_equals_hf_and_eager`."""
     from tests.test_mixed_steps import _staggered
 
     prompts = _prompts(2, [30, 9, 23, 30])
-    prompts[3] = prompts[0][:24] + prompts[3][24:]  # a prefix hit of 3 blocks
+    prompts[3] = prompts[0][:24] + prompts[3][24:]  # a prefix hit of 3 blocks of 8 (1 of 16 on CUDA)
     kw = dict(mixed_prefill_decode=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
               max_consecutive_prefill_steps=1)
-    want, _ = _staggered(_llm(qwen3, False, **kw), prompts, _greedy())
-    llm = _llm(qwen3, True, **kw)
+    want, _ = _staggered(_llm(path, False, device, **kw), prompts, _greedy())
+    llm = _llm(path, True, device, **kw)
     seen = count_runs(monkeypatch)
     got, n_mixed = _staggered(llm, prompts, _greedy())
     assert n_mixed > 0 and seen
     assert llm.engine.stats["prefix_cache_hit_tokens"] > 0
     g, g_lps = _tokens_lps(got)
     w, w_lps = _tokens_lps(want)
-    assert g == w == hf_greedy(qwen3, prompts, 8)
+    assert g == w == hf_greedy(path, prompts, 8)
     torch.testing.assert_close(torch.tensor(sum(g_lps, [])), torch.tensor(sum(w_lps, [])), atol=LP_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_greedy_equals_hf_and_eager(qwen3, chunked, monkeypatch):
+    check_greedy_equals_hf_and_eager(qwen3, chunked, monkeypatch)
+
+
+def test_mixed_steps_and_prefix_hits(qwen3, monkeypatch):
+    check_mixed_steps_and_prefix_hits(qwen3, monkeypatch)
 
 
 def test_off_where_not_supported(tiny_model):

@@ -3,11 +3,13 @@ on a GPU (tests/gpu/test_prefill_graphs_gpu.py failed in session 19 with no run)
 ModelRunner._prefill_with_graph, each condition that sends it eager, then runs the same staggered schedule."""
 import sys
 import collections
+import os
 
 import torch
 
 sys.path.insert(0, ".")
-from rlserve import LLM  # noqa: E402
+import rlserve  # noqa: E402
+LLM = getattr(rlserve, "LLM_PROBE", None) or rlserve.LLM
 from rlserve.engine.worker import model_runner as mr  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from tests.gpu.test_mixed_steps_gpu import KW, _prompts, _staggered  # noqa: E402
@@ -39,8 +41,8 @@ def probe(self, step, input_ids, positions, meta):
 mr.ModelRunner._prefill_with_graph = probe
 for mixed in (False, True):
     log.clear()
-    kw = dict(max_num_batched_tokens=64, enable_chunked_prefill=True, mixed_prefill_decode=mixed, **KW)
-    llm = LLM(path, extra={"prefill_cuda_graph_sizes": "16,48"}, **kw)
+    kw = dict(max_num_batched_tokens=int(os.environ.get("PG_BUDGET", 64)), enable_chunked_prefill=True, mixed_prefill_decode=mixed, **KW)
+    llm = LLM(path, extra={"prefill_cuda_graph_sizes": os.environ.get("PG_SIZES", "16,48")}, **kw)
     r = llm.engine.executor.runner
     print("mixed", mixed, "captured", r.prefill_graphs is not None, "off", r._prefill_graphs_off,
           "use_cuda_graphs", r.use_cuda_graphs, flush=True)
