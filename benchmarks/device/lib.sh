@@ -36,6 +36,14 @@
 #                   seqs, prompts and outputs 768..1280 tokens; vLLM from /tmp/vsite), tiny on the CPU in a dry run
 #   kv_fp8_error TAG CAP  benchmarks/kv_fp8_error.py (BENCHMARKS.md's K3: fp8 vs bf16 cache, random Qwen3-0.6B shape;
 #                   tiny on the CPU in a dry run) under `slot CAP 0`: $OUT_DIR/kv_fp8_error.{json,log}, summary lines
+#   http_site       HTTP_SITE: a folder of links to /tmp/vsite's uvloop + httptools when $PY cannot import them (the
+#                   servers' RLSERVE_HTTP_IMPL=auto stack; empty when .whl has them), with a line saying which
+#   server_words CONFIG [ENV=V]  trace CONFIG's words with HTTP_SITE first on PYTHONPATH, plus the config's own @ENV=V
+#   server_stacks   the HTTP stack each rlserve server since $OUT_DIR/start named in its log, oldest first
+#   stream_workload CONC  issue 37's streaming workload for stream_bench at concurrency CONC (e.g. 256 or 256,64):
+#                   sets ARGS, C (@conc=CONC), FLAGS (rlserve's flags: bf16, no access log, chunked prefill off),
+#                   VFLAGS (vLLM's), BENCH (768 prompts 512 -> 256), MIN_STEPS; Qwen3-0.6B shape on the GPU, tiny-llama
+#                   on the CPU in a dry run (300 -> 16 tokens, 24 prompts, @conc=8, budgets 256 / 128 tokens)
 #   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
 #                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
 #                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
@@ -168,6 +176,45 @@ serve_start() {
   local rc=$?
   say "$1) rc=$rc $(grep -E '^\.: ready' "$OUT_DIR/serve_$1.log" | cut -c1-400)"
   gpu_cleanup
+}
+http_site() {
+  HTTP_SITE=""
+  $PY -c "import uvloop, httptools" 2>/dev/null && return 0
+  HTTP_SITE=$OUT_DIR/http_site; mkdir -p "$HTTP_SITE"
+  for m in uvloop httptools; do [ -d "/tmp/vsite/$m" ] && ln -sfn "/tmp/vsite/$m" "$HTTP_SITE/$m"; done
+  PYTHONPATH=$HTTP_SITE:${PYTHONPATH:-} $PY -c "import uvloop, httptools" 2>/dev/null \
+    && say "uvloop + httptools from /tmp/vsite (not in .whl)" \
+    || say "WARNING: uvloop / httptools do not import: the servers run asyncio+h11"
+}
+server_words() {
+  local words
+  words=$(trace "$1")
+  [ -n "${HTTP_SITE:-}" ] && words=${words/@PYTHONPATH=/@PYTHONPATH=$HTTP_SITE:}
+  echo "$words${2:+ @$2}"
+}
+server_stacks() {
+  local f logs
+  logs=$(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null)
+  [ -z "$logs" ] && return 0
+  for f in $(ls -tr $logs); do
+    grep -h -m1 "HTTP: uvicorn on" "$f" | sed 's/.*HTTP: uvicorn on //' | tr '\n' ' '
+  done
+}
+stream_workload() {
+  if [ "$DRY_RUN" = 1 ]; then
+    ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
+          --max-num-seqs 16 --bench-timeout 300)
+    C="@conc=8"
+    FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
+    VFLAGS="--max-model-len 1024 --max-num-seqs 16"
+    BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); MIN_STEPS=5
+  else
+    [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the client will fail"
+    ARGS=(--shape qwen3-0.6b --bench-timeout 60)
+    C="@conc=$1"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
+    VFLAGS="--dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log"
+    BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
+  fi
 }
 if [ "$DRY_RUN" = 1 ] || ! command -v nvidia-smi >/dev/null; then
   CARD="cpu (dry run)"; MEM_MIB=0

@@ -20,41 +20,11 @@
 # Results: $OUT_DIR/vllm_bench{,_b,_vllm}.{json,log}, steps_*/, card.txt, the servers' log tails; summary on stdout.
 NAME=s19_stream BUDGET=${BUDGET:-240}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null)"
-HTTP_SITE=""
-if ! $PY -c "import uvloop, httptools" 2>/dev/null; then
-  HTTP_SITE=$OUT_DIR/http_site; mkdir -p "$HTTP_SITE"
-  for m in uvloop httptools; do [ -d "/tmp/vsite/$m" ] && ln -sfn "/tmp/vsite/$m" "$HTTP_SITE/$m"; done
-  PYTHONPATH=$HTTP_SITE:${PYTHONPATH:-} $PY -c "import uvloop, httptools" 2>/dev/null \
-    && say "uvloop + httptools from /tmp/vsite (not in .whl)" \
-    || say "WARNING: uvloop / httptools do not import: the servers run asyncio+h11"
-fi
-server_words() {  # CONFIG [ENV=V]: the trace's site, the HTTP site, the config's own environment
-  local words
-  words=$(trace "$1")
-  [ -n "$HTTP_SITE" ] && words=${words/@PYTHONPATH=/@PYTHONPATH=$HTTP_SITE:}
-  echo "$words${2:+ @$2}"
-}
-stacks() {  # the stack each server since $OUT_DIR/start named in its log, oldest first
-  local f logs
-  logs=$(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null)
-  [ -z "$logs" ] && return 0
-  for f in $(ls -tr $logs); do
-    grep -h -m1 "HTTP: uvicorn on" "$f" | sed 's/.*HTTP: uvicorn on //' | tr '\n' ' '
-  done
-}
+http_site
+stream_workload 256
 if [ "$DRY_RUN" = 1 ]; then
-  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
-        --max-num-seqs 16 --bench-timeout 300)
-  C="@conc=8"
-  FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
-  VFLAGS="--max-model-len 1024 --max-num-seqs 16"
-  BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); LIMIT=300; MIN_STEPS=5
+  LIMIT=300
 else
-  [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the client will fail"
-  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  C="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
-  VFLAGS="--dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log"
-  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
   LIMIT=$(( $(left) >= 130 ? 62 : $(left) - 5 ))  # two servers and runs: ~50 s (s16 w1: ~25 s each)
 fi
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
@@ -72,14 +42,14 @@ else
 # 1) templates on (the default), then off
 CONFIGS=("on=$C $(server_words on) $FLAGS" "off=$C $(server_words off RLSERVE_SSE_TEMPLATES=0) $FLAGS")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" on off
-say "stacks (on, off): $(stacks)"
+say "stacks (on, off): $(server_stacks)"
 # 2) the other order
 if [ "$(left)" -ge 70 ] || [ "$DRY_RUN" = 1 ]; then
   touch "$OUT_DIR/start"
   CONFIGS=("off2=$C $(server_words off2 RLSERVE_SSE_TEMPLATES=0) $FLAGS" "on2=$C $(server_words on2) $FLAGS")
   [ "$DRY_RUN" = 1 ] && L2=$LIMIT || L2=$(( $(left) >= 130 ? 62 : $(left) - 4 ))
   STEM=vllm_bench_b stream_bench "$L2" "$MIN_STEPS" off2 on2
-  say "stacks (off2, on2): $(stacks)"
+  say "stacks (off2, on2): $(server_stacks)"
 else
   say "second round skipped: $(left) s left (< 70)"
 fi
