@@ -45,6 +45,19 @@ tokens): they differ on mixed steps, which the device run decides:
         --concurrency 256 64 --prefill-fixed-ms 10.7 --prefill-us-per-token 0.74
     python benchmarks/stream_schedule_sim.py --budgets default --chunked on --mixed off on \
         --concurrency 256 64 --prefill-launch-ms 11.5 --prefill-fixed-ms 0.5 --prefill-us-per-token 1.94
+
+``--graphs on`` (session 20) models piecewise prefill CUDA graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``, off by
+default): a prefill step of T tokens replays the smallest bucket of ``--graph-buckets`` >= T and takes
+``--graph-step-ms`` at that bucket (session 19's H100 engine steps, ``benchmarks/results/s19_w1/prefill``: 16 /
+512 / 2,048 / 8,192 tokens 2.79 / 2.94 / 8.51 / 26.37 ms; linear in tokens between); a mixed step takes
+``max(--graph-mixed-host-ms, that + its decode rows' KV reads)`` (6.5 ms: the same run's 16 tokens + 64 decode
+rows, host 6.06 ms; its attention runs eagerly between the pieces); a step above the largest bucket is eager.
+``--fit s19`` sets the eager step to the same run's numbers (:data:`FITS`). ``--prefill-extra-ms`` adds to
+every prefill / mixed step what a server's step costs beyond the microbenchmark (s16 w1's server trace: 2,048-token
+steps p50 18.4 ms against 12.7 here: 5.7). The session-20 matrix (BENCHMARKS.md, "HTTP serving")::
+
+    python benchmarks/stream_schedule_sim.py --fit s19 --budgets 512 1024 2048 --concurrency 256 64 \
+        --graphs off on --mixed off on --chunked off on
 """
 
 from __future__ import annotations
@@ -65,21 +78,50 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def step_ms(args, batch) -> float:
+def graph_ms(args, tokens: int) -> float | None:
+    """A piecewise-graph prefill step's time (ms) for ``tokens`` rows: the smallest bucket of
+    ``--graph-buckets`` >= tokens, its time interpolated linearly in tokens between the measured points of
+    ``--graph-step-ms`` (flat below the first); None above the largest bucket (the engine runs it eagerly)."""
+    buckets = [b for b in args.graph_buckets if b >= tokens]
+    if not buckets:
+        return None
+    tb = min(buckets)
+    pts = sorted(args.graph_step_ms.items())
+    if tb <= pts[0][0]:
+        return pts[0][1]
+    for (t0, m0), (t1, m1) in zip(pts, pts[1:]):
+        if tb <= t1:
+            return m0 + (m1 - m0) * (tb - t0) / (t1 - t0)
+    (t0, m0), (t1, m1) = pts[-2], pts[-1]
+    return m1 + (m1 - m0) * (tb - t1) / (t1 - t0)
+
+
+def step_ms(args, batch, graphs: bool = False) -> float:
     """The model's time of one step (ms): a decode step, or a prefill step whose ``num_decodes`` decode
-    rows (a mixed step) add their tokens and their KV reads (see the module docstring)."""
+    rows (a mixed step) add their tokens and their KV reads (see the module docstring). ``graphs``:
+    piecewise prefill graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``): a prefill step of T tokens takes
+    :func:`graph_ms`, a mixed one ``max(--graph-mixed-host-ms, graph_ms + its decode rows' KV reads)``;
+    a step above the largest bucket is eager. Every prefill or mixed step adds ``--prefill-extra-ms``."""
     dec = batch.seqs[:batch.num_decodes] if batch.is_prefill else batch.seqs
     kv_ms = sum(len(s) for s in dec) * args.kv_bytes_per_token / (args.hbm_gbps * 1e6)
-    if batch.is_prefill:
-        work = args.prefill_fixed_ms + batch.num_tokens * args.prefill_us_per_token / 1e3 + kv_ms
-        return max(getattr(args, "prefill_launch_ms", 0.0), work)
-    return args.decode_fixed_ms + kv_ms
+    if not batch.is_prefill:
+        return args.decode_fixed_ms + kv_ms
+    extra = getattr(args, "prefill_extra_ms", 0.0)
+    g = graph_ms(args, batch.num_tokens) if graphs else None
+    if g is not None:
+        return extra + (max(args.graph_mixed_host_ms, g + kv_ms) if batch.num_decodes else g)
+    work = args.prefill_fixed_ms + batch.num_tokens * args.prefill_us_per_token / 1e3 + kv_ms
+    launch = getattr(args, "prefill_launch_ms", 0.0)
+    if batch.num_decodes:
+        launch += getattr(args, "mixed_launch_ms", 0.0)
+    return extra + max(launch, work)
 
 
-def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: bool = False) -> dict:
+def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: bool = False,
+             graphs: bool = False) -> dict:
     """One closed-loop run; ``budget``: ``old`` (= max_num_batched_tokens), ``default`` (the scheduler's
-    default) or a token count; ``chunked``: chunked prefill; ``mixed``: mixed steps. Returns output tok/s,
-    wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms, and the steps by kind."""
+    default) or a token count; ``chunked``: chunked prefill; ``mixed``: mixed steps; ``graphs``: piecewise
+    prefill graphs (:func:`step_ms`). Returns output tok/s, wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms, and the steps by kind."""
     fixed = None if budget == "default" else (args.max_num_batched_tokens if budget == "old" else int(budget))
     sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens, 1,
                     max_prefill_tokens_while_decoding=fixed, enable_chunked_prefill=chunked,
@@ -90,6 +132,7 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: 
     last: dict[str, float] = {}
     gaps: list[float] = []
     ttft: list[float] = []
+    pre_ms: list[float] = []  # prefill and mixed steps' times
     pending: list[float] = [0.0] * concurrency  # times at which a client sends its next prompt
     rng = random.Random(0)
     total_out = 0
@@ -116,7 +159,10 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: 
         if batch is None:
             now = min(pending)
             continue
-        now += step_ms(args, batch)
+        dt = step_ms(args, batch, graphs)
+        now += dt
+        if batch.is_prefill:
+            pre_ms.append(dt)
         kinds["mixed" if batch.num_decodes else "prefill" if batch.is_prefill else "decode"] += 1
         finished = []
         for s in batch.sampled:
@@ -131,11 +177,24 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: 
             sch.finish(s)
             done += 1
             pending.append(now + args.turnaround_ms)
-    return {"budget": budget, "concurrency": concurrency, "chunked": chunked, "mixed": mixed, "steps": kinds,
+    return {"budget": budget, "concurrency": concurrency, "chunked": chunked, "mixed": mixed, "graphs": graphs,
+            "steps": kinds, "prefill_step_p50_ms": round(_pct(pre_ms, 0.5), 1) if pre_ms else None,
             "output_tok_s": round(total_out / now * 1e3), "wall_s": round(now / 1e3, 3),
             "gap_p50_ms": round(_pct(gaps, 0.5), 1), "gap_p99_ms": round(_pct(gaps, 0.99), 1),
             "gap_max_ms": round(max(gaps), 1), "ttft_mean_ms": round(statistics.mean(ttft)),
             "ttft_p99_ms": round(_pct(ttft, 0.99))}
+
+
+#: ``--fit s19``: the eager step fitted to session 19's H100 engine steps (``benchmarks/results/s19_w1/prefill``,
+#: Qwen3-0.6B shape, bf16): 16 / 512 / 2,048 / 8,192 tokens 12.07 / 12.18 / 12.68 / 26.13 ms, i.e. 12.1 ms of
+#: launches hiding 2.3 ms + 2.9 us a token of GPU work; 64 decode rows (context 1,024) add ~5.3 ms of host
+#: work to an eager step (wall 10.30 -> 15.65, 11.62 -> 16.94 ms)
+FITS = {"s19": {"prefill_launch_ms": 12.1, "prefill_fixed_ms": 2.3, "prefill_us_per_token": 2.9,
+                "mixed_launch_ms": 5.3}}
+
+
+def _ms_table(text: str) -> dict[int, float]:
+    return {int(k): float(v) for k, v in (kv.split(":") for kv in text.split(","))}
 
 
 def main() -> None:
@@ -146,32 +205,41 @@ def main() -> None:
     for flag, default in (("num-prompts", 768), ("prompt-len", 512), ("output-len", 256), ("max-num-seqs", 256),
                           ("max-num-batched-tokens", 8192), ("num-kv-blocks", 41190), ("turnaround-ms", 1.0),
                           ("decode-fixed-ms", 1.4), ("hbm-gbps", 3000.0), ("kv-bytes-per-token", 114688),
-                          ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1), ("prefill-launch-ms", 0.0)):
+                          ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1), ("prefill-launch-ms", 0.0),
+                          ("mixed-launch-ms", 0.0), ("prefill-extra-ms", 0.0), ("graph-mixed-host-ms", 6.5)):
         p.add_argument(f"--{flag}", type=type(default), default=default)
+    p.add_argument("--fit", choices=sorted(FITS), default=None,
+                   help="set the eager prefill step's flags to a named fit (FITS: s19 = session 19's H100 steps)")
+    p.add_argument("--graph-buckets", type=lambda t: [int(x) for x in t.split(",")],
+                   default=[256, 512, 1024, 2048, 4096, 8192], help="piecewise graphs' token buckets")
+    p.add_argument("--graph-step-ms", type=_ms_table, default=_ms_table("256:2.79,512:2.94,2048:8.51,8192:26.37"),
+                   help="BUCKET:MS,...: a graph prefill step's time by bucket (s19 w1's engine steps of 16, 512, "
+                        "2,048 and 8,192 tokens), interpolated between")
     p.add_argument("--random-lens", nargs=2, type=int, default=None, metavar=("LO", "HI"),
                    help="prompt and output lengths uniform in [LO, HI] (seeded) instead of --prompt-len / "
                         "--output-len; the offline nano-vllm workload: --concurrency 256 --num-prompts 256 "
                         "--random-lens 100 1024")
     p.add_argument("--prompt-lens", nargs=2, type=int, default=None, metavar=("LO", "HI"),
                    help="prompt lengths uniform in [LO, HI] (seeded), --output-len tokens out")
-    p.add_argument("--chunked", nargs="+", choices=["off", "on"], default=["off"],
-                   help="chunked prefill off (the default here) and/or on: one run each")
-    p.add_argument("--mixed", nargs="+", choices=["off", "on"], default=["off"],
-                   help="mixed steps (decodes in every prefill step) off (the default here) and/or on")
+    for flag, what in (("chunked", "chunked prefill"), ("mixed", "mixed steps (decodes in every prefill step)"),
+                       ("graphs", "piecewise prefill graphs")):
+        p.add_argument(f"--{flag}", nargs="+", choices=["off", "on"], default=["off"],
+                       help=f"{what} off (the default here) and/or on: one run each")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
-    rows = [simulate(args, b, c, ch == "on", m == "on") for c in args.concurrency for b in args.budgets
-            for ch in args.chunked for m in args.mixed]
+    for k, v in FITS.get(args.fit, {}).items():
+        setattr(args, k, v)
+    rows = [simulate(args, b, c, ch == "on", m == "on", g == "on") for c in args.concurrency for b in args.budgets
+            for ch in args.chunked for m in args.mixed for g in args.graphs]
     for r in rows:
         print(f"c{r['concurrency']} budget {r['budget']:>5}{' chunked' if r['chunked'] else ''}"
-              f"{' mixed' if r['mixed'] else ''}: "
+              f"{' mixed' if r['mixed'] else ''}{' graphs' if r['graphs'] else ''}: "
               f"{r['output_tok_s']:,} tok/s, gap p50/p99/max "
               f"{r['gap_p50_ms']}/{r['gap_p99_ms']}/{r['gap_max_ms']} ms, TTFT mean/p99 {r['ttft_mean_ms']}/"
-              f"{r['ttft_p99_ms']} ms; steps {r['steps']}")
+              f"{r['ttft_p99_ms']} ms; prefill step p50 {r['prefill_step_p50_ms']} ms; steps {r['steps']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

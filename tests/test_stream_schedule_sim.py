@@ -51,3 +51,37 @@ def test_a_mixed_step_stalls_the_stream_once():
     # a host launch time that the GPU's work hides under: the mixed step takes the launch time
     r = simulate(argparse.Namespace(**{**vars(args), "prefill_launch_ms": 5.0}), "old", 2, mixed=True)
     assert r["gap_max_ms"] == 5.0
+
+
+def _graph_args(**kw):
+    return _args(graph_buckets=[256, 512, 2048], graph_step_ms={256: 2.0, 2048: 9.0}, graph_mixed_host_ms=4.0, **kw)
+
+
+def test_graph_step_time_rounds_up_to_a_bucket_and_interpolates():
+    from benchmarks.stream_schedule_sim import graph_ms
+
+    args = _graph_args()
+    assert graph_ms(args, 1) == 2.0 and graph_ms(args, 256) == 2.0  # flat below the first measured point
+    assert graph_ms(args, 257) == 2.0 + 7.0 * 256 / 1792  # bucket 512, between 256 and 2048
+    assert graph_ms(args, 2048) == 9.0 and graph_ms(args, 2049) is None  # above the largest bucket: eager
+
+
+def test_prefill_graphs_replace_the_eager_prefill_step():
+    # one request, its 10-token prompt in bucket 256 (2.0 ms instead of the eager 0.5 + 10 x 0.1 = 1.5 ms),
+    # then two decode steps of 1.0 ms; a 3,000-token prompt is above every bucket: eager (0.5 + 300 ms)
+    r = simulate(_graph_args(), "old", 1, graphs=True)
+    assert r["ttft_mean_ms"] == 2 and r["wall_s"] == 0.004 and r["prefill_step_p50_ms"] == 2.0
+    args = _graph_args(prompt_len=3000, max_num_batched_tokens=4096, num_kv_blocks=256)
+    assert simulate(args, "old", 1, graphs=True)["prefill_step_p50_ms"] == 300.5
+
+
+def test_a_mixed_graph_step_takes_its_host_time_or_its_work():
+    # the two clients of the mixed test above, graphs on: prefill of the first (2.0 ms), one decode step
+    # (the first stream at 32 tokens), then the mixed step (33 tokens, bucket 256: 2.0 ms) takes
+    # max(graph_mixed_host_ms 4.0, 2.0 + its decode row's KV reads, 0 here) = 4.0 ms
+    args = _graph_args(num_prompts=2, prompt_len=30, output_len=4, max_num_batched_tokens=30)
+    r = simulate(args, "old", 2, mixed=True, graphs=True)
+    assert r["gap_max_ms"] == 4.0 and r["steps"]["mixed"] == 1
+    # at 100 KB a token and 1 GB/s the row's 32 tokens of context read 3.2 ms: 2.0 + 3.2 = 5.2 ms > the host's 4.0
+    r = simulate(argparse.Namespace(**{**vars(args), "kv_bytes_per_token": 100_000}), "old", 2, mixed=True, graphs=True)
+    assert r["steps"]["mixed"] == 1 and r["prefill_step_p50_ms"] == 5.2  # (its decode steps read the KV too)
