@@ -37,7 +37,7 @@ if [ -n "${STREAM_ARMS:-}" ]; then
     CONFIGS+=("$a=$C $(server_words "$a" "${!e:-}") $FLAGS ${!f:-}")
   done
   STEM=vllm_bench stream_bench "$(( $(left) >= 100 + 40 * $(wc -w <<< "$STREAM_ARMS") ? 40 * $(wc -w <<< "$STREAM_ARMS") : $(left) - 5 ))" "$MIN_STEPS" $STREAM_ARMS
-  say "stacks ($STREAM_ARMS): $(stacks)"
+  say "stacks ($STREAM_ARMS): $(server_stacks)"
 else
 # 1) templates on (the default), then off
 CONFIGS=("on=$C $(server_words on) $FLAGS" "off=$C $(server_words off RLSERVE_SSE_TEMPLATES=0) $FLAGS")
