@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -166,3 +167,47 @@ def test_load_reaches_every_replica(files):
         asyncio.run(run())
     finally:
         aengine.shutdown()
+
+
+def _held(srv) -> float:
+    m = httpx.get(f"{srv.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines() if line.startswith("rlserve_num_requests_held{"))
+
+
+def test_request_resolved_before_a_reload_runs_on_the_new_adapter(server, files):
+    """A request whose route read adapter a1's id, but which reaches the engine only after a1
+    was reloaded in place (or unloaded), runs on a1's current id (or is a 404 model_not_found),
+    not a 400 'adapter id N is not loaded on this engine'. Made deterministic with a pause: the
+    request is held (its id read) while the reload runs, then resume submits it. Before, both
+    answered 400 invalid_request (adv20; a stream got the error in-stream): TRL's async trainers
+    reload the policy adapter in place while rollouts run."""
+    base, ad = files
+    for name in ("a1", "a2"):
+        _unload(server, name)
+    assert _load(server, "a1", ad["a1"]).status_code == 200
+    want = _ids(_complete(server, "a1", return_token_ids=True))
+
+    def held_request(change):
+        assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                fut = pool.submit(_complete, server, "a1", return_token_ids=True)
+                for _ in range(600):  # the request is held: its adapter id is read
+                    if _held(server) >= 1:
+                        break
+                    fut.exception(timeout=0.1) if fut.done() else None
+                    time.sleep(0.1)
+                assert _held(server) >= 1
+                r = change()
+                assert r.status_code == 200, r.text
+            finally:
+                assert httpx.post(f"{server.url}/resume", timeout=60).status_code == 200
+            return fut.result(timeout=120)
+
+    r = held_request(lambda: _load(server, "a1", ad["a1"], load_inplace=True))
+    assert _ids(r) == want
+    r = held_request(lambda: _load(server, "a1", ad["a2"], load_inplace=True))  # a1 now serves a2's file
+    assert r.status_code == 200, r.text
+    assert _ids(r) != want
+    r = held_request(lambda: _unload(server, "a1"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text

@@ -10,12 +10,16 @@ vLLM's behaviour hurts RL training:
   keyed by the id (:func:`rlserve.engine.core.block_manager.prefix_root`), so a request never reuses
   KV computed under other adapter weights (vLLM keys it by name, vllm#42125);
 - ``max_loras`` bounds the adapters loaded at once: a load beyond it is refused (400) instead of
-  silently evicting the oldest one.
+  silently evicting the oldest one;
+- a request whose route read an adapter's id before a reload (in place, or unload + load) reached
+  the engines runs on the name's current id (:meth:`LoRARegistry.current_id`, asked when the
+  request is submitted: :attr:`AsyncEngine.lora_resolver`), not on an id the engines dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -23,6 +27,9 @@ from dataclasses import dataclass, field
 from rlserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
 
 OPS = "rlserve.lora.engine_ops"
+#: ids whose names :meth:`LoRARegistry.current_id` remembers (the newest; one per load: a
+#: request's id read before that many later loads is answered as unloaded)
+NAMES_KEPT = 4096
 
 
 @dataclass
@@ -57,12 +64,24 @@ class LoRARegistry:
         self.max_lora_rank = int(max_lora_rank)
         self.adapters: dict[str, LoRARecord] = {}
         self._ids = itertools.count(1)
+        self._names: collections.OrderedDict[int, str] = collections.OrderedDict()  # id -> name, every load
         self._lock = asyncio.Lock()  # one load / unload at a time: the capacity check holds
 
     def lora_int_id(self, model: str | None) -> int:
         """The id of the adapter named ``model``; 0 for anything else (the base model)."""
         rec = self.adapters.get(model) if model else None
         return rec.lora_int_id if rec is not None else 0
+
+    def current_id(self, adapter_id: int) -> int | None:
+        """The id a request that read ``adapter_id`` runs on now: ``adapter_id`` while its name
+        still maps to it, the name's new id after a reload (``load_inplace``, or unload then
+        load), ``None`` when the name is not loaded any more (or ``adapter_id`` was never issued)."""
+        rec = self.adapters.get(self.name_of(adapter_id))
+        return rec.lora_int_id if rec is not None else None
+
+    def name_of(self, adapter_id: int) -> str:
+        """The name ``adapter_id`` was loaded under ("" if unknown)."""
+        return self._names.get(adapter_id, "")
 
     async def load(self, name: str, path: str, load_inplace: bool = False) -> LoRARecord:
         """Load the PEFT adapter at ``path`` (read by every engine replica) as ``name``.
@@ -112,6 +131,9 @@ class LoRARegistry:
             rec = LoRARecord(name, adapter_id, path, int(info.get("rank", 0)), int(info.get("bytes", 0)),
                              version=version or "")
             self.adapters[name] = rec
+            self._names[adapter_id] = name
+            while len(self._names) > NAMES_KEPT:
+                self._names.popitem(last=False)
             if old is not None:
                 await self._drop(old.lora_int_id)
             return rec

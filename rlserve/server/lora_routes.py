@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlserve.errors import LoRAAdapterError
 from rlserve.lora.registry import LoRARegistry
+from rlserve.server.errors import APIError
 from rlserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,22 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def make_lora_registry(state: ServerState) -> LoRARegistry:
-    """The server's :class:`LoRARegistry`, attached as ``state.lora``."""
+    """The server's :class:`LoRARegistry`, attached as ``state.lora``; its ids are resolved again
+    when a request is submitted (``aengine.lora_resolver``: a reload between the route and the
+    engine runs it on the new id; an unload makes it a 404 ``model_not_found``)."""
     cfg = state.aengine.config
     state.lora = LoRARegistry(state.aengine, list(state.settings.served_model_names) + [state.settings.model],
                               cfg.max_loras, cfg.max_lora_rank)
+    registry = state.lora
+
+    def resolve(adapter_id: int) -> int:
+        current = registry.current_id(adapter_id)
+        if current is None:  # unloaded after the route read its id: as if it had been gone then
+            raise APIError(404, f"The model `{registry.name_of(adapter_id)}` does not exist (its LoRA adapter was "
+                           "unloaded before the request started).", param="model", code="model_not_found")
+        return current
+
+    state.aengine.lora_resolver = resolve
     manager = getattr(state, "weight_manager", None)
     if manager is not None and hasattr(manager, "lora"):
         manager.lora = state.lora  # adapter-only weight syncs (rlserve.lora.sync) register here

@@ -106,6 +106,8 @@ class AsyncEngine(PauseControl, WeightsControl):
         self._paused_since: float | None = None  # time.monotonic() of the pause in force
         self._paused_total_s = 0.0  # seconds paused before it
         self._held: list[FrontRequest] = []
+        # the API's LoRA ids read again at submission: old id -> current id, raises if gone (lora_routes)
+        self.lora_resolver: Callable[[int], int] | None = None
         self._requests: dict[str, FrontRequest] = {}
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
@@ -344,6 +346,12 @@ class AsyncEngine(PauseControl, WeightsControl):
                 self._abort_req(req)
 
     def _submit(self, req: FrontRequest) -> None:
+        if self.lora_resolver is not None and getattr(req.params, "lora_int_id", 0):
+            try:
+                req.params.lora_int_id = self.lora_resolver(req.params.lora_int_id)
+            except Exception as e:  # noqa: BLE001 - the adapter was unloaded: this request's answer
+                put(req, e)
+                return
         with self._lock:
             replica = min((r for r in self._replicas if r.alive), key=lambda r: r.load, default=None)
             if replica is not None:
