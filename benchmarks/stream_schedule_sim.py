@@ -123,7 +123,8 @@ def simulate(args, budget: str, concurrency: int, chunked: bool = False, mixed: 
     default) or a token count; ``chunked``: chunked prefill; ``mixed``: mixed steps; ``graphs``: piecewise
     prefill graphs (:func:`step_ms`). Returns output tok/s, wall s, inter-token gap p50/p99/max ms, TTFT mean/p99 ms, and the steps by kind."""
     fixed = None if budget == "default" else (args.max_num_batched_tokens if budget == "old" else int(budget))
-    sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens, 1,
+    sch = Scheduler(BlockManager(args.num_kv_blocks, 16), args.max_num_seqs, args.max_num_batched_tokens,
+                    getattr(args, "max_consecutive_prefill_steps", 1),
                     max_prefill_tokens_while_decoding=fixed, enable_chunked_prefill=chunked,
                     mixed_prefill_decode=mixed)
     kinds = {"decode": 0, "prefill": 0, "mixed": 0}
@@ -206,7 +207,8 @@ def main() -> None:
                           ("max-num-batched-tokens", 8192), ("num-kv-blocks", 41190), ("turnaround-ms", 1.0),
                           ("decode-fixed-ms", 1.4), ("hbm-gbps", 3000.0), ("kv-bytes-per-token", 114688),
                           ("prefill-fixed-ms", 0.5), ("prefill-us-per-token", 2.1), ("prefill-launch-ms", 0.0),
-                          ("mixed-launch-ms", 0.0), ("prefill-extra-ms", 0.0), ("graph-mixed-host-ms", 6.5)):
+                          ("mixed-launch-ms", 0.0), ("prefill-extra-ms", 0.0), ("graph-mixed-host-ms", 6.5),
+                          ("max-consecutive-prefill-steps", 1)):
         p.add_argument(f"--{flag}", type=type(default), default=default)
     p.add_argument("--fit", choices=sorted(FITS), default=None,
                    help="set the eager prefill step's flags to a named fit (FITS: s19 = session 19's H100 steps)")
