@@ -52,9 +52,10 @@ default): a prefill step of T tokens replays the smallest bucket of ``--graph-bu
 512 / 2,048 / 8,192 tokens 2.79 / 2.94 / 8.51 / 26.37 ms; linear in tokens between); a mixed step takes
 ``max(--graph-mixed-host-ms, that + its decode rows' KV reads)`` (6.5 ms: the same run's 16 tokens + 64 decode
 rows, host 6.06 ms; its attention runs eagerly between the pieces); a step above the largest bucket is eager.
-``--fit s19`` sets the eager step to the same run's numbers (:data:`FITS`). ``--prefill-extra-ms`` adds to
-every prefill / mixed step what a server's step costs beyond the microbenchmark (s16 w1's server trace: 2,048-token
-steps p50 18.4 ms against 12.7 here: 5.7). The session-20 matrix (BENCHMARKS.md, "HTTP serving")::
+``--fit s19`` sets the eager step to the same run's numbers (:data:`FITS`); s16 w1's server trace agrees at the
+median (1,025-2,048-token prefill steps p50 12.0 ms, decode steps at c256 6.8 ms) but has a tail (prefill p90 17.1
+ms). ``--prefill-extra-ms`` adds to every prefill / mixed step what a server's step may cost beyond the
+microbenchmark (session 20's sensitivity run: 5.7 ms). The session-20 matrix (BENCHMARKS.md, "HTTP serving")::
 
     python benchmarks/stream_schedule_sim.py --fit s19 --budgets 512 1024 2048 --concurrency 256 64 \
         --graphs off on --mixed off on --chunked off on
