@@ -206,7 +206,7 @@ stream_workload() {
           --max-num-seqs 16 --bench-timeout 300)
     C="@conc=8"
     FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
-    VFLAGS="--max-model-len 1024 --max-num-seqs 16"
+    VFLAGS="--max-model-len 1024 --max-num-seqs 16 --gpu-memory-utilization 0.1"  # vLLM CPU: the share of host memory it takes
     BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); MIN_STEPS=5
   else
     [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the client will fail"
