@@ -123,6 +123,7 @@ def one(checkout: str, model: str, args) -> dict:
         url = m.group(1)
         pids = httpx.get(url + "/server_info", timeout=30).json().get("engine_core_pids") or []
         tokens, first_s = None, None
+        chats = [_chat_seconds(url) for _ in range(args.chats)]  # right after ready, one after another
         if args.greedy_tokens:  # a fixed prompt's greedy ids: equal across start-ups of the same weights
             t_first = time.monotonic()  # the first request's seconds: a kernel compiled in it would show
             r = httpx.post(url + "/v1/completions", timeout=300, json={
@@ -180,7 +181,16 @@ def one(checkout: str, model: str, args) -> dict:
     phases["core killed"] = "did not exit" in text  # (debug line of core_client.CoreProcReplica.join)
     return {"ready_s": ready, "load_s": load, "stop_s": stop, "rc": p.returncode, "phases": phases,
             "orphans": [q for q in pids if pid_alive(q)], "load_avg": os.getloadavg()[0], "tokens": tokens, "first_request_s": first_s,
-            "start_log": start_log}
+            "start_log": start_log, "chats_s": chats, "did_not_warm": text.count("did not warm")}
+
+
+def _chat_seconds(url: str) -> float:
+    """Seconds one 1-token chat completion took (its template rendered in a worker process)."""
+    t = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 1})
+    r.raise_for_status()
+    return time.monotonic() - t
 
 
 def _start_timeline(text: str, t_start: float) -> list[tuple[float, str]]:
@@ -209,6 +219,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="the server's --device")
     ap.add_argument("--greedy-tokens", type=int, default=0,
                     help="after ready, generate this many greedy tokens of a fixed prompt (reported)")
+    ap.add_argument("--chats", type=int, default=0,
+                    help="after ready, time this many 1-token chat completions, one after another (the first one "
+                         "waited for the chat-template workers' warm-up before session 20)")
     ap.add_argument("--show-start-log", action="store_true",
                     help="print the server's INFO lines up to ready, with the second of each")
     ap.add_argument("--json", help="write every run's results here")
@@ -247,7 +260,9 @@ def main() -> int:
             print(f"{c}: ready {r['ready_s']:.2f}s (load {r['load_s']:.2f}s), stop {r['stop_s']:.3f}s [{ph}], "
                   f"rc {r['rc']}, orphans {r['orphans']}, load avg {r['load_avg']:.1f}"
                   + (f", first request {r['first_request_s']:.3f}s, tokens {r['tokens']}" if r["tokens"] is not None
-                     else ""), flush=True)
+                     else "")
+                  + (f", chats {' '.join(f'{s:.2f}' for s in r['chats_s'])} s" if r["chats_s"] else "")
+                  + f", 'did not warm' lines {r['did_not_warm']}", flush=True)
     for c, rs in res.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("ready_s", "load_s", "stop_s")}
         print(f"median {c}: ready {med['ready_s']:.1f}s, loading->engine ready {med['load_s']:.1f}s, "

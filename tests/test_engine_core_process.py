@@ -334,8 +334,8 @@ def test_sigkilled_server_leaves_no_process_behind(tiny_model):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
         kids = _descendants(srv.proc.pid)
-        kinds = sorted({k for cmd in kids.values() for k in ("core_proc", "template_pool", "spawn_main") if k in cmd})
-        assert kinds == ["core_proc", "spawn_main", "template_pool"], kids
+        kinds = sorted({k for cmd in kids.values() for k in ("core_proc", "template_worker", "spawn_main") if k in cmd})
+        assert kinds == ["core_proc", "spawn_main", "template_worker"], kids
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(T)
         left = {p: cmd for p, cmd in kids.items() if not _wait_gone(p, T)}

@@ -52,6 +52,15 @@ def _with_canary(srv, fn):
     return box["r"], count
 
 
+def test_server_is_healthy_only_once_its_template_workers_are_warm(srv):
+    """(First in this module.) The server's start-up waits for its chat-template / constraint
+    workers to warm before /health answers 200 (and before ``rlserve serve`` logs ``ready``): a
+    chat request right after needs no worker's start. Fails on the old code: the workers warmed in
+    the background after the start-up (the first chat request after ``ready`` waited 9-24 s for
+    them on the 2-core machine)."""
+    assert srv.templates_at_health == (template_pool.POOL_SIZE, 0)
+
+
 def test_workers_start_with_the_server_niced_and_warm_and_a_constraint_compiles_once(srv):
     """(First in this module: the shared server's pool is as its start left it.) The template /
     constraint workers start with the server, niced, and warm before any request: tokenizer
@@ -432,3 +441,37 @@ def test_long_text_is_encoded_on_its_own_thread(srv, monkeypatch):
     assert not any(mine for _thread, mine, _n in seen), seen
     assert ("rlserve-tokenizer-long", False, len(long_text)) in seen, seen
     assert long.json()["tokens"] == real(state.tokenizer, long_text, add_special_tokens=True)
+
+
+def test_prestarted_workers_are_taken_and_a_stop_while_warming_logs_no_warning(caplog, monkeypatch):
+    """``rlserve serve`` prestarts its template workers as its engine starts
+    (:func:`template_pool.prestart_workers`): the pool's start takes them (no new process) and
+    they render. A pool closed while its workers warm (Ctrl-C during the start-up) logs no "did
+    not warm" warning: the old code logged one per worker on every early stop."""
+    import logging
+    import sys
+
+    from tests.tiny_models import build_tokenizer
+
+    template_pool.prestart_workers(1)
+    (pre,) = template_pool._PRESTARTED
+    pool = template_pool.TemplateWorkers(build_tokenizer(), max_chars=10_000, size=1)
+    try:
+        pool.start()
+        assert pool.pids == [pre.pid] and template_pool._PRESTARTED == []
+        assert pool.wait_warm(HANG_S)
+        assert "hi" in pool.render([{"role": "user", "content": "hi"}], template_pool.template_call_kwargs())
+    finally:
+        pool.close()
+    # workers that never get ready (a process that only sleeps): closed while warming, for sure
+    monkeypatch.setattr(template_pool, "worker_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(600)"])
+    pool = template_pool.TemplateWorkers(build_tokenizer(), max_chars=10_000, size=2)
+    with caplog.at_level(logging.WARNING, logger=template_pool.__name__):
+        pool.start()
+        assert pool.warming == 2
+        pool.close()
+        deadline = time.monotonic() + HANG_S
+        while pool.warming:  # the warm threads see their workers end
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert not [r for r in caplog.records if "did not warm" in r.getMessage()], caplog.text

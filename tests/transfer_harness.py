@@ -69,6 +69,9 @@ class InProcessServer:
             elif warm_templates:
                 os.environ[key] = before
         if warm_templates:
+            pool = self.app.state.rlserve._templates
+            #: (idle workers, warming workers) when /health first answered 200
+            self.templates_at_health = (pool._idle.qsize(), pool.warming) if pool else None
             self.wait_templates_warm()
 
     def _wait_started(self, timeout_s: float = 120.0) -> None:

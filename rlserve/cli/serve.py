@@ -448,6 +448,11 @@ def run(args) -> int:
     phases = Phases(logger)
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,
                 config.data_parallel_size, config.dtype, config.device)
+    template_workers = envs.RLSERVE_TEMPLATE_WORKERS_AT_START and not config.skip_tokenizer_init
+    if template_workers:  # they import while this process waits for the engine (rlserve.server.template_worker)
+        from rlserve.server.template_pool import discard_prestarted as discard_templates, prestart_workers
+
+        prestart_workers(grammar=prestart and importlib.util.find_spec("xgrammar") is not None)
     try:
         aengine = AsyncEngine(config, weight_version=args.weight_version, engine_mode=args.engine_mode,
                               hold_timeout_s=args.pause_hold_timeout if args.pause_hold_timeout > 0 else None,
@@ -459,6 +464,8 @@ def run(args) -> int:
         sock.close()
         if prestart:
             discard_prestarted()
+        if template_workers:
+            discard_templates()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
         return 1
     phases.mark("engine start -> ready (API process waiting)")
@@ -468,6 +475,8 @@ def run(args) -> int:
     except BaseException as e:  # noqa: BLE001 -- the same ends as before the engine started
         sock.close()
         aengine.shutdown(timeout_s=5.0)
+        if template_workers:
+            discard_templates()
         if isinstance(e, (RLServeError, ValueError, OSError)):
             print(f"rlserve serve: error: {e}", file=sys.stderr)
             return 2

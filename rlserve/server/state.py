@@ -233,6 +233,9 @@ class ServerState:
                 try:
                     self._templates = TemplateWorkers(self.tokenizer, self.limits.max_prompt_chars, grammar=grammar)
                 except Exception as e:  # noqa: BLE001 - pickling errors come in many types
+                    from rlserve.server.template_pool import discard_prestarted
+
+                    discard_prestarted()
                     logger.warning("chat templates render in the server process, without a time bound: the "
                                    "tokenizer cannot be sent to a worker process (%s: %s)", type(e).__name__, e)
                     self._templates = False
@@ -240,15 +243,27 @@ class ServerState:
 
     def start_template_workers(self) -> None:
         """Start the template / constraint workers now (the server's start-up, off the event
-        loop): they warm in the background, so that no request waits for a worker's start
-        (:mod:`rlserve.server.template_pool`). Without a tokenizer, or with
-        ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` (they start at their first use): nothing."""
+        loop; those ``rlserve serve`` prestarted beside its engine's start are taken first) and
+        wait until they are warm, so that the server says it is ready only when a chat request
+        needs no worker's start (:mod:`rlserve.server.template_pool`; the first chat request after
+        ``ready`` waited 24 s for it at load 8 before, BENCHMARKS.md). The wait ends early when
+        the engine stops (Ctrl-C during the start-up); a worker still warming after
+        :data:`~rlserve.server.template_pool.START_TIMEOUT_S` is logged and the server serves.
+        Without a tokenizer, or with ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` (they start at
+        their first use): nothing."""
         from rlserve import envs
 
         if not envs.RLSERVE_TEMPLATE_WORKERS_AT_START:
             return
         if self.tokenizer is not None and (workers := self.template_workers()) is not None:
+            from rlserve.startup_log import log_phase
+
+            t = time.perf_counter()
             workers.start()
+            if not workers.wait_warm(stop=lambda: not self.aengine.is_alive()) and self.aengine.is_alive():
+                logger.warning("%d chat-template worker(s) still warming after the start-up's wait: the first "
+                               "chat requests wait for them", workers.warming)
+            log_phase(logger, "chat-template workers warm (wait after the app build)", time.perf_counter() - t)
 
     def _engine_compiles_here(self) -> bool:
         """The engine runs in this process (thread mode) with its constraint compiler: the API's

@@ -26,7 +26,11 @@ its 400 in the issue-33 fuzz run, slowing every other request).
 
 Each overrun is a 400 naming the template's field; the worker is replaced. The pool holds
 :data:`POOL_SIZE` workers, so a request keeps a free worker while another one's template
-runs to its bound. The server starts them when it starts (:meth:`TemplateWorkers.start`) and
+runs to its bound. ``rlserve serve`` starts their processes as its engine starts
+(:func:`prestart_workers`: they import their modules while the server waits for the engine), the
+server's start-up hands them the tokenizer (:meth:`TemplateWorkers.start`) and waits until they
+are warm (:meth:`TemplateWorkers.wait_warm`) before it says it is ready; the worker process itself
+is :mod:`rlserve.server.template_worker`. The server starts them when it starts and
 each one is warmed off every request's path before it joins the pool: its tokenizer (sent
 pickled by the server) loaded and, where constraints compile here, its xgrammar compiler made
 (importing xgrammar imports torch: 4-10 s of CPU on a loaded 2-core machine, which the first
@@ -158,22 +162,56 @@ def _read_frame(fd: int, deadline: float | None = None) -> bytes:
 
 
 def worker_command(max_chars: int, timeout_s: float, warm_niced: bool) -> list[str]:
-    """The argv of one worker process (:func:`_worker_main`)."""
-    return [sys.executable, "-m", "rlserve.server.template_pool", str(int(max_chars)), repr(float(timeout_s)),
+    """The argv of one worker process (:mod:`rlserve.server.template_worker`)."""
+    return [sys.executable, "-m", "rlserve.server.template_worker", str(int(max_chars)), repr(float(timeout_s)),
             "1" if warm_niced else "0"]
+
+
+_PRESTARTED: list[subprocess.Popen] = []  # prestart_workers()'s processes no pool has taken yet
+
+
+def prestart_workers(count: int = POOL_SIZE, grammar: bool = False) -> None:
+    """Start ``count`` worker processes now, before the server knows their settings (``rlserve
+    serve`` calls this as its engine starts: they import transformers' tokenizer modules, Jinja and,
+    with ``grammar``, xgrammar while the server process only waits; see
+    :mod:`rlserve.server.template_worker`). :meth:`TemplateWorkers.start` takes them; those never
+    taken exit at the server's exit (their stdin ends) or :func:`discard_prestarted`."""
+    for _ in range(count - len(_PRESTARTED)):
+        try:
+            _PRESTARTED.append(subprocess.Popen(
+                [sys.executable, "-m", "rlserve.server.template_worker", "prestart", "1" if grammar else "0"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True))
+        except OSError:
+            logger.debug("could not prestart a template worker", exc_info=True)
+            return
+
+
+def discard_prestarted() -> None:
+    """Kill the prestarted workers no pool took (a start that failed after :func:`prestart_workers`)."""
+    while _PRESTARTED:
+        p = _PRESTARTED.pop()
+        p.kill()
+        p.wait()
+        for f in (p.stdin, p.stdout):
+            f.close()
 
 
 class _Worker:
     """One worker process and its pipes (used by one thread at a time)."""
 
-    def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float, warm_niced: bool = True):
+    def __init__(self, tokenizer_pickle: bytes, max_chars: int, timeout_s: float, warm_niced: bool = True,
+                 prestarted: subprocess.Popen | None = None):
         """``warm_niced``: the process lowers its priority (:data:`WORKER_NICE`) at once; else only
-        once warm (after its constraint compiler is made, or before its first render or compile)."""
-        self.proc = subprocess.Popen(worker_command(max_chars, timeout_s, warm_niced), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True)
+        once warm (after its constraint compiler is made, or before its first render or compile).
+        ``prestarted``: a process of :func:`prestart_workers` to use (it warms un-niced)."""
+        self.proc = prestarted or subprocess.Popen(worker_command(max_chars, timeout_s, warm_niced),
+                                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self.ready = False
         self.grammar_ready = False  # its constraint compiler was made
         try:
+            if prestarted is not None:
+                _write_frame(self.proc.stdin.fileno(), json.dumps({"max_chars": int(max_chars),
+                                                                    "timeout_s": float(timeout_s)}).encode())
             _write_frame(self.proc.stdin.fileno(), tokenizer_pickle)
         except OSError:
             pass  # it died at once: found by the ready wait
@@ -300,8 +338,22 @@ class TemplateWorkers:
         for _ in range(n):
             self._spawn_warm(warm_niced=False)
 
+    def wait_warm(self, timeout_s: float = START_TIMEOUT_S, stop=None) -> bool:
+        """Block until every started worker is warm (none warming): what the server's start waits
+        for before it says it is ready. Returns False when ``timeout_s`` passed first, or
+        ``stop()`` (polled every 50 ms; e.g. the server stops) became true, or the pool closed."""
+        deadline = time.monotonic() + timeout_s
+        while self._warming:
+            if self._closed or (stop is not None and stop()) or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _new_worker(self, warm_niced: bool = False) -> _Worker:
-        w = _Worker(self._pickle, self.max_chars, self.timeout_s, warm_niced)
+        """A worker: one of :func:`prestart_workers` when one is left and ``warm_niced`` is false
+        (the server's start), else a new process."""
+        prestarted = None if warm_niced or not _PRESTARTED else _PRESTARTED.pop(0)
+        w = _Worker(self._pickle, self.max_chars, self.timeout_s, warm_niced, prestarted)
         self.pids.append(w.proc.pid)
         return w
 
@@ -325,7 +377,8 @@ class TemplateWorkers:
             if self.grammar is not None and importlib.util.find_spec("xgrammar") is not None:
                 w.init_grammar(*self.grammar)
         except (RuntimeError, TemplateError) as e:  # a compile makes it again and reports why
-            logger.warning("a template worker did not warm: %s", e)
+            if not self._closed:  # (close() kills warming workers: the server's stop, not a failure)
+                logger.warning("a template worker did not warm: %s", e)
         finally:
             with self._lock:
                 self._warming.discard(w)
@@ -407,114 +460,3 @@ class TemplateWorkers:
                 self._idle.get_nowait().kill()
             except queue.Empty:
                 return
-
-
-# ---- the worker process ------------------------------------------------------------------
-def _set_memory_bound(max_chars: int) -> None:
-    import resource
-
-    with open("/proc/self/statm") as f:
-        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    limit = size + memory_headroom(max_chars)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
-def _lower_priority() -> None:
-    try:
-        os.nice(WORKER_NICE)
-    except OSError:
-        pass
-
-
-def _worker_main(max_chars: int, timeout_s: float, warm_niced: bool = True) -> int:
-    """Read the pickled tokenizer (trusted: the server sent it), then answer render requests
-    until stdin closes. Requests and answers are length-prefixed JSON. ``warm_niced``: lower the
-    priority at once, else once warm (module docstring)."""
-    # a Ctrl-C at the terminal reaches the server's whole process group, these workers too: the
-    # server ends them itself (stdin closed, or killed), so a worker ignores SIGINT instead of
-    # printing a KeyboardInterrupt traceback from wherever it was (its tokenizer's imports at start-up)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rfd, wfd = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
-    niced = warm_niced
-    if niced:
-        _lower_priority()  # before the imports and the tokenizer
-    try:
-        tokenizer = pickle.loads(_read_frame(rfd))
-    except EOFError:
-        return 0
-    except Exception as e:  # noqa: BLE001 - reported to the server
-        _write_frame(wfd, json.dumps({"ready": False, "message": f"{type(e).__name__}: {e}"}).encode())
-        return 1
-    _write_frame(wfd, b'{"ready": true}')
-    bound_memory = sys.platform.startswith("linux")
-    alarm_s = int(timeout_s) + 2  # the server kills it first; this is for a server that is gone
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    grammar = None
-    while True:
-        try:
-            request = json.loads(_read_frame(rfd))
-        except EOFError:
-            return 0
-        if not niced and request.get("op") != "grammar_init":
-            _lower_priority()  # a request's own work: never at the server's priority
-            niced = True
-        if request.get("op") in ("grammar_init", "compile"):
-            grammar, reply = _grammar_op(tokenizer, grammar, request)
-            _write_frame(wfd, json.dumps(reply).encode())
-            if not niced:  # warm: the compiler is made
-                _lower_priority()
-                niced = True
-            continue
-        signal.alarm(alarm_s)
-        try:
-            if bound_memory:
-                _set_memory_bound(max_chars)
-            text = apply_chat_template(tokenizer, request["messages"], request["kwargs"])
-            if not isinstance(text, str):
-                raise TypeError(f"the template gave {type(text).__name__}, not text")
-            if len(text) > max_chars:
-                reply = {"kind": "too_long", "message": f"the rendered prompt has {len(text)} characters, more than "
-                                                        f"the {max_chars} that fit in the model's context"}
-            else:
-                reply = {"text": text}
-        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, the template's own errors
-            reply = {"kind": "error", "message": f"{type(e).__name__}: {e}"[:2000]}
-        text = None
-        payload = json.dumps(reply).encode()
-        signal.alarm(0)
-        _write_frame(wfd, payload)
-
-
-def _grammar_op(tokenizer, grammar, request: dict):
-    """A worker's constraint request: ``grammar_init`` makes the xgrammar compiler, ``compile``
-    compiles ``spec`` with it. Returns (the compiler, the reply: ``{"ok": true}`` or
-    ``{"kind": "error", "message"}``). No alarm and no memory bound: the server's time bound
-    kills the worker (the alarm of a render is for a server that is gone; a compile only reads)."""
-    import resource
-
-    try:
-        if sys.platform.startswith("linux"):  # a render's address-space bound does not apply
-            _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-        from rlserve.engine.core.structured import GrammarCompiler
-        from rlserve.engine.sampling_params import StructuredOutputsParams
-
-        if request["op"] == "grammar_init":
-            grammar = GrammarCompiler(tokenizer, request["vocab_size"], request["eos"])
-            grammar._get_compiler()
-        else:
-            grammar.compile(StructuredOutputsParams(**request["spec"]))
-        return grammar, {"ok": True}
-    except BaseException as e:  # noqa: BLE001 - InvalidRequestError (bad constraint, no xgrammar), ...
-        from rlserve.errors import InvalidRequestError
-
-        return grammar, {"kind": "error", "message": str(e) if isinstance(e, InvalidRequestError)
-                         else f"{type(e).__name__}: {e}"[:2000]}
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:4] != ["0"]))
