@@ -161,12 +161,21 @@ def resolve_model(
     give :func:`ensure_default_model`'s directory. Anything else raises
     :class:`UnknownModelError`: rlserve does not download from the Hub at run time.
     """
+    local = check_model_arg(name_or_path)
+    return local if local is not None else ensure_default_model(cache_dir=cache_dir, progress=progress)
+
+
+def check_model_arg(name_or_path: str | os.PathLike) -> str | None:
+    """The check of :func:`resolve_model`, without building the default model: the local
+    directory (as :func:`resolve_model` returns it), or None for a name of the default model.
+    Raises :class:`UnknownModelError` (one line naming the path) for anything else (``rlserve
+    demo`` checks its ``--model`` with it before it starts anything: exit status 2, as ``serve``)."""
     raw = os.fspath(name_or_path)
     expanded = os.path.expanduser(raw)
     if os.path.isdir(expanded) and os.path.isfile(os.path.join(expanded, "config.json")):
         return expanded if expanded != raw else raw
     if raw.strip().lower() in {a.lower() for a in DEFAULT_MODEL_ALIASES}:
-        return ensure_default_model(cache_dir=cache_dir, progress=progress)
+        return None
     hint = (
         "Pass a local Hugging Face model directory (what `save_pretrained` writes: "
         "config.json + *.safetensors + tokenizer files), or 'default' for the built-in "

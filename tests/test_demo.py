@@ -345,3 +345,13 @@ def test_demo_bad_flag_exits_2_naming_it(monkeypatch, capsys, flags, message):
     rc, out = _demo_cli(monkeypatch, capsys, "--backend", "gloo", *flags)
     assert rc == 2 and f"rlserve demo: error: {message}" in out, out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("model", ["/nonexistent", __file__])
+def test_demo_unknown_model_exits_2_naming_it(monkeypatch, capsys, model):
+    """`rlserve demo --model /nonexistent` (or a file): one line naming the path, exit 2, nothing
+    started, as `rlserve serve`. The old code ran the demo and failed inside it: exit 1."""
+    monkeypatch.setattr("rlserve.demo.run_demo", lambda opts: pytest.fail("the demo started"))
+    rc, out = _demo_cli(monkeypatch, capsys, "--backend", "gloo", "--model", model)
+    assert rc == 2, out
+    assert out.startswith(f"rlserve demo: error: ") and repr(model) in out and out.count("\n") == 1, out

@@ -28,13 +28,17 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Exit status 2 with one line for a setting the machine cannot run (``--backend nccl`` / ``ipc``
-    without GPUs, a TP larger than the GPUs), before anything starts; else :func:`run_demo`'s."""
+    without GPUs, a TP larger than the GPUs) or a ``--model`` that is no local model directory nor
+    the default model's name (as ``rlserve serve``), before anything starts; else :func:`run_demo`'s."""
+    from rlserve.default_model import UnknownModelError
     from rlserve.demo import DemoError, choose_layout, demo_options, run_demo
+    from rlserve.download import check_model_arg
 
     try:
         opts = demo_options(args)
         choose_layout(opts.backend, opts.tensor_parallel_size, opts.num_gpus, opts.dtype)
-    except DemoError as e:
+        check_model_arg(opts.model)
+    except (DemoError, UnknownModelError) as e:
         print(f"rlserve demo: error: {e}", file=sys.stderr)
         return 2
     return run_demo(opts).exit_code
