@@ -124,19 +124,16 @@ def verify_max_model_len(max_model_len: int | None, hf) -> int:
     return int(max_model_len)
 
 
-def check_checkpoint_max_model_len(max_model_len: int | None, model_dir: str) -> None:
+def check_checkpoint_max_model_len(max_model_len: int | None, model_dir: str) -> int | None:
     """:func:`verify_max_model_len` on ``model_dir/config.json`` (``rlserve serve``'s check before any
-    engine starts); nothing when the directory has no readable ``config.json`` (the engine's load
-    says why).
+    engine starts): the ``max_model_len`` the engine will run with (None given: the default); None
+    when the directory has no readable ``config.json`` (the engine's load says why).
 
     Raises:
         InvalidRequestError: as :func:`verify_max_model_len`."""
-    if max_model_len is None:
-        return
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return
-    if isinstance(cfg, dict):
-        verify_max_model_len(max_model_len, cfg)
+        return None
+    return verify_max_model_len(max_model_len, cfg) if isinstance(cfg, dict) else None

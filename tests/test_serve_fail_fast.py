@@ -85,6 +85,12 @@ CASES = {
     # session 19's new user: `--dtype fp64` exited 1 from the engine's start with a traceback (vLLM's
     # --dtype has fixed choices: argparse refuses the rest)
     "dtype not one of the names": (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    # session 19: `--kv-cache-bytes 10` failed at the engine's start (exit 1); the tiny llama's block:
+    # 2 (K, V) x 2 layers x 16 tokens x 2 KV heads x 16 (head_dim) x 4 bytes (float32 on the CPU)
+    "kv-cache-bytes below one block": (["--kv-cache-bytes", "10"],
+                                       "--kv-cache-bytes 10 holds no KV-cache block: one block of 16 tokens takes "
+                                       "8192 bytes for this model; one sequence of --max-model-len 256 tokens needs "
+                                       "131072 bytes"),
     "reasoning parser without its tokens": (["--reasoning-parser", "qwen3"],
                                             "--reasoning-parser qwen3: Qwen3ReasoningParser: the tokenizer has no "),
 }

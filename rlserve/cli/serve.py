@@ -22,6 +22,7 @@ from rlserve.cli.tool_flags import add_tool_args, check_parsers_fit_tokenizer, c
 from rlserve.cli.vllm_compat import (add_vllm_compat_args, check_vllm_compat_args, generation_config_dir,
                                      generation_defaults, json_object, load_chat_template)
 from rlserve.config import DTYPE_NAMES
+from rlserve.kv_size import check_kv_cache_bytes
 from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
@@ -420,7 +421,10 @@ def run(args) -> int:
         chat_template = load_chat_template(args.chat_template)
         generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
-        check_checkpoint_max_model_len(config.max_model_len, model_path)
+        max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
+        if config.num_kv_blocks is None and not config.device.startswith("cuda"):  # (the GPU sizes its own)
+            check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size, max_model_len, config.dtype,
+                                 config.kv_cache_dtype, config.tensor_parallel_size)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)

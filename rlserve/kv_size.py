@@ -1,0 +1,68 @@
+"""``--kv-cache-bytes`` checked before any engine starts (``rlserve serve``): the bytes of one KV
+block and of one ``max_model_len`` sequence, from the checkpoint's ``config.json`` (no torch import:
+the API process hands its config to the engine-core process before it imports torch).
+
+The size is :func:`rlserve.engine.worker.model_runner.kv_cache_bytes_per_block`'s, on one TP rank:
+2 (K and V) x layers x ``block_size`` x the rank's KV heads x ``head_dim`` x the cache's bytes per
+value (``--kv-cache-dtype`` fp8: 1; else the model's dtype on the CPU: ``--dtype``, ``auto`` is
+float32 there, :func:`rlserve.config.resolve_dtype`). Every attention layer of the model families
+rlserve serves (Llama, Qwen2/3, Qwen-MoE, OPT) holds a cache of this shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rlserve.errors import InvalidRequestError
+
+_ITEM_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
+
+
+def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                       tensor_parallel_size: int = 1) -> int | None:
+    """Bytes one KV block of ``block_size`` tokens takes on one CPU rank, from a ``config.json``
+    dict; None when ``cfg`` lacks the layer or head counts (the engine's start then checks)."""
+    from rlserve.distributed.head_partition import attention_head_partition_sizes
+
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    layers, q = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    if not (isinstance(layers, int) and isinstance(q, int) and layers > 0 and q > 0):
+        return None
+    kv = text.get("num_key_value_heads") or q
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // q
+    if not (isinstance(kv, int) and isinstance(head_dim, int) and head_dim > 0):
+        return None
+    try:
+        kv_rank = max(k for _q, k in attention_head_partition_sizes(q, kv, max(1, tensor_parallel_size)))
+    except ValueError:  # (a head count TP cannot split: the engine's start says so)
+        return None
+    item = 1 if kv_cache_dtype.startswith("fp8") else _ITEM_BYTES.get(dtype, 4)  # auto on the CPU: float32
+    return 2 * layers * block_size * kv_rank * head_dim * item
+
+
+def check_kv_cache_bytes(kv_cache_bytes: int | None, model_dir: str, block_size: int, max_model_len: int | None,
+                         dtype: str = "auto", kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> None:
+    """``rlserve serve``'s check of ``--kv-cache-bytes`` (CPU) before any engine starts: nothing when
+    it is unset or ``model_dir/config.json`` is unreadable or lacks the counts.
+
+    Raises:
+        InvalidRequestError: it holds no block (one line naming the flag, the bytes of one block,
+            and of one sequence of ``max_model_len`` tokens when known: the smallest useful value)."""
+    if kv_cache_bytes is None:
+        return
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    per_block = kv_bytes_per_block(cfg, block_size, dtype, kv_cache_dtype, tensor_parallel_size) \
+        if isinstance(cfg, dict) else None
+    if per_block is None or kv_cache_bytes >= per_block:
+        return
+    longest = ""
+    if max_model_len:
+        blocks = -(-int(max_model_len) // block_size)
+        longest = f"; one sequence of --max-model-len {max_model_len} tokens needs {blocks * per_block} bytes"
+    raise InvalidRequestError(f"--kv-cache-bytes {kv_cache_bytes} holds no KV-cache block: one block of {block_size} "
+                              f"tokens takes {per_block} bytes for this model{longest}")
