@@ -57,12 +57,12 @@ import uuid
 from rlserve.errors import ModelUnavailableError, WeightUpdateError, WeightUpdateStateError
 from rlserve.transfer import errors as terr
 from rlserve.transfer.server.engine_calls import TARGET as _ENGINE
-from rlserve.transfer.server.liveness import PeerLiveness, StoreLiveness
-from rlserve.transfer.server.tcp_peer import StoreConnectionLiveness
+from rlserve.transfer.server.liveness import PeerLiveness
 from rlserve.transfer.wire.protocol import BACKENDS, DEFAULT_TIMEOUT_S, InitInfo
 from rlserve.transfer.wire.header import LayoutMismatchError
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError
 from rlserve.transfer.server.manager_control import GenerationControl
+from rlserve.transfer.server.manager_group import GroupRoutes
 from rlserve.transfer.server.manager_info import InfoRoutes
 from rlserve.transfer.server.manager_lora import LoRASyncRoutes
 from rlserve.transfer.server.manager_trl import TRLRoutes
@@ -141,7 +141,7 @@ def _amend(err: BaseException, note: str) -> None:
         err.args = (err.args[0] + note,) + err.args[1:]
 
 
-class WeightTransferManager(UpdateRoutes, GenerationControl, InfoRoutes, TRLRoutes, LoRASyncRoutes):
+class WeightTransferManager(GroupRoutes, UpdateRoutes, GenerationControl, InfoRoutes, TRLRoutes, LoRASyncRoutes):
     """The server's weight-sync control plane.
 
     Args:
@@ -396,96 +396,6 @@ class WeightTransferManager(UpdateRoutes, GenerationControl, InfoRoutes, TRLRout
                 continue
             await asyncio.sleep(sleep)
             sleep = min(sleep * 2, self.poll_interval_s)
-
-    async def _teardown_group(self) -> None:
-        """Abort and leave the group on every worker; never raises."""
-        self._stop_liveness()
-        self._init = None
-        self._ipc_refs = {}
-        for fn in ("abort", "shutdown_transfer"):
-            try:
-                await self._rpc(fn, timeout_s=min(self.rpc_timeout_s, 30.0))
-            except Exception as e:  # noqa: BLE001
-                logger.warning("weight transfer teardown (%s) failed: %s", fn, e)
-
-    async def on_engine_restart(self, index: int) -> None:
-        """An engine-core process died and its replacement is about to serve: the transfer
-        group (which held the dead core's workers) is left, an open update fails (its trainer
-        gets 409 ``no_transfer_engine`` on its next call, and re-initialises)."""
-        logger.warning("engine replica %d restarted: leaving the weight transfer group", index)
-        await self._preempt(f"the engine-core process of replica {index} died")
-        await self._leave_group(f"the engine-core process of replica {index} died during the update")
-
-    # ------------------------------------------------------------------ trainer liveness
-    #: Seconds between two looks at the liveness watch (on the event loop; a look is a few
-    #: attribute reads).
-    LIVENESS_POLL_S = 0.05
-
-    def _stop_liveness(self) -> None:
-        if self._liveness is not None:
-            self._liveness.stop()
-        self._liveness = None
-
-    def _new_liveness(self, info: InitInfo) -> StoreLiveness | None:
-        """A watch on the trainer's TCPStore, or ``None`` where the trainer hosts none: TRL's
-        layout (``rank_offset`` 0: server worker 0 hosts it) and ipc without ``master_port``
-        (the SDK's ipc engine hosts one and sends its port; other ipc clients do not)."""
-        if not self.trainer_liveness or info.rank_offset == 0 or not info.master_port:
-            return None
-        return StoreLiveness(info.master_address, info.master_port)
-
-    async def _server_store_liveness(self, info: InitInfo) -> StoreConnectionLiveness | None:
-        """TRL's layout (worker 0 hosts the store): a watch on the trainer's connections to it,
-        started (:mod:`rlserve.transfer.server.tcp_peer`); ``None`` for other layouts or when
-        liveness is off."""
-        if not self.trainer_liveness or info.rank_offset != 0 or info.backend == "ipc" or not info.master_port:
-            return None
-        res = await self._rpc("store_endpoints", info.master_port)
-        watch = StoreConnectionLiveness(info.master_port, [tuple(e) for r in res for e in r])
-        watch.start()
-        return watch
-
-    def _watch_liveness(self, watch: PeerLiveness | None) -> None:
-        """Make ``watch`` (started) the current one and poll it until it is replaced / stopped."""
-        self._stop_liveness()
-        if watch is None:
-            return
-        self._liveness = watch
-        self._liveness_task = asyncio.get_running_loop().create_task(self._poll_liveness(watch))
-
-    async def _poll_liveness(self, watch: PeerLiveness) -> None:
-        while self._liveness is watch:
-            reason = watch.gone()
-            if reason is not None:
-                try:
-                    await self._trainer_gone(watch, reason)
-                except Exception:  # noqa: BLE001 - a background task: log, never raise into the loop
-                    logger.exception("handling the trainer's death failed")
-                return
-            await asyncio.sleep(self.LIVENESS_POLL_S)
-
-    async def _trainer_gone(self, watch: PeerLiveness, reason: str) -> None:
-        """The trainer died: fail the open update exactly as a broken transfer fails (a running
-        receive is aborted: its error names ``reason``; in place with something loaded, 503
-        until a full update; staged, the old weights stay; the pause is released) and leave the
-        group. With no update open, the group is only torn down (the next init starts afresh)."""
-        why = f"the trainer is gone: {reason}"
-        if self._busy == "init":
-            return  # a newer init is replacing the group (and stopped this watch)
-        if self._busy in ("update", "trl"):
-            logger.error("%s; aborting the weight update in progress", why)
-        await self._preempt(why)  # a running call ends through its own failure path
-        if self._liveness is not watch or self._busy is not None:
-            return  # that failure path (or a newer init / shutdown) tore the group down
-        self._busy = "teardown"  # a new init (the trainer restarted) waits for this to end
-        try:
-            if self._session is not None:
-                await self._fail(self._session, terr.TrainerGoneError(why))
-            else:
-                logger.warning("%s; leaving the transfer group (no update was open)", why)
-                await self._teardown_group()
-        finally:
-            self._busy = None
 
     async def _mark_unavailable(self, reason: str) -> None:
         """Generation answers 503 with ``reason`` until a full update lands, and the requests in

@@ -1,9 +1,8 @@
-"""The manager's vLLM-style update routes (``/init_weight_transfer_engine`` ...
-``/finish_weight_update``, ``/sync_weights``, shutdown)."""
+"""The manager's vLLM-style update routes (``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, ``/sync_weights``)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -11,120 +10,18 @@ from rlserve.errors import NoTransferEngineError, StaleSessionError, WeightUpdat
 from rlserve.loader.weight_utils import expand_expert_names
 from rlserve.lora.sync import check_pairs
 from rlserve.transfer import errors as terr
-from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, check_group_size, validate_against_spec
+from rlserve.transfer.wire.protocol import UpdateInfo, validate_against_spec
 from rlserve.transfer.wire.header import check_transport_fields, expected_checksum_count
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
-from rlserve.transfer.server.address import check_master_address
 from rlserve.transfer.server.session import _Session, check_weight_version
 
 logger = logging.getLogger(__name__)
 
 
 class UpdateRoutes:
-    """vLLM's weight-sync routes: init, start / update / finish, the one-call ``sync_weights``,
-    shutdown. Mixed into :class:`~rlserve.transfer.server.manager.WeightTransferManager`
+    """vLLM's weight-sync routes: start / update / finish and the one-call ``sync_weights`` (init and
+    shutdown: :class:`~rlserve.transfer.server.manager_group.GroupRoutes`). Mixed into :class:`~rlserve.transfer.server.manager.WeightTransferManager`
     (its state and helpers live there)."""
-
-    # ================================================================== vLLM-style API
-    async def init_engine(self, init_info: dict) -> dict:
-        """``POST /init_weight_transfer_engine``: every worker joins the transfer group (the
-        trainer joins concurrently). Replaces a previous group; an update in progress is
-        abandoned. Returns once all workers joined, at most ``timeout_s`` (+30) seconds.
-
-        Raises:
-            WeightUpdateError (400): bad init_info, wrong backend / world size.
-            WeightUpdateStateError (409): another init is running.
-            TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
-        """
-        merged = self._init_defaults()
-        if not isinstance(init_info, dict):
-            raise WeightUpdateError("init_info must be a JSON object")
-        merged.update(init_info)
-        if "backend" not in init_info:
-            # vLLM's trainers never name a backend (the server's config does); rlserve's SDK always
-            # does. On NCCL such a trainer speaks vLLM's wire (rlserve.transfer.backends.vllm_group).
-            merged["backend"] = self.backend or "gloo"
-            if merged["backend"] == "nccl":
-                merged.setdefault("wire", "vllm")
-        info = InitInfo.from_dict(merged)
-        if self.backend is not None and info.backend != self.backend:
-            raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
-                                    f"(--weight-transfer-config), the trainer asked for {info.backend!r}")
-        n = self.num_workers
-        if info.backend == "ipc":
-            info.world_size = n + 1  # no group: the field is meaningless
-        else:  # shared_group / rank_offset > 1: several servers share it (rlserve.transfer.sdk.fanout)
-            check_group_size(info.world_size, n, info.rank_offset, info.shared_group)
-        if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
-            raise WeightUpdateError("the ipc backend needs a CUDA server")
-        if info.master_port and info.nccl_unique_id_b64 is None:  # a store to reach: 400 now for a bad address
-            await check_master_address(info.master_address, info.master_port)
-        # a pending init (a trainer that never joined, or is still joining) is cancelled: the
-        # newer init wins, as a new init also wins over an update in progress
-        await self._preempt("a new init_weight_transfer_engine")
-        if self._busy is not None:
-            raise WeightUpdateStateError(f"init_weight_transfer_engine: a {self._busy} call is still running")
-        if self._session is not None:
-            await self._fail(self._session, WeightUpdateStateError("superseded by a new init_weight_transfer_engine"))
-        self._busy = "init"
-        t0 = time.perf_counter()
-        self._stop_liveness()  # the previous trainer's watch: its group is being replaced
-        watch = self._new_liveness(info)
-        try:
-            if watch is not None and info.backend == "ipc":
-                # the SDK's ipc engine hosts a store for its liveness only, up before this call
-                watch.start()
-                if not await asyncio.to_thread(watch.wait_connected, min(10.0, info.timeout_s)):
-                    raise WeightUpdateError(
-                        f"init_info.master_port: no TCPStore answers at {info.master_address}:{info.master_port} "
-                        "(ipc: the trainer's liveness store; send master_port 0 for none)")
-            results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
-                                         "init_weight_transfer_engine")
-            await self._model_spec()
-            self._init = info
-            self._ipc_refs = {}  # the workers' receivers are new
-            if watch is None:
-                watch = await self._server_store_liveness(info)
-            elif info.backend != "ipc":
-                watch.start()  # the rendezvous went through the trainer's store: it is up
-            self._watch_liveness(watch)
-        except BaseException as e:
-            if watch is not None:
-                watch.stop()
-            await self._teardown_group()
-            why, self._init_cancelled = self._init_cancelled, None
-            if why is not None:
-                raise WeightUpdateStateError(f"init_weight_transfer_engine cancelled by {why}") from e
-            raise
-        finally:
-            self._busy = None
-        ranks = [r.get("rank") for r in results if isinstance(r, dict)]
-        secs = time.perf_counter() - t0
-        logger.info("weight transfer engine ready: %s, world size %d, worker ranks %s (%.2f s)",
-                    info.backend, info.world_size, ranks, secs)
-        return {"status": "ok", "backend": info.backend, "world_size": info.world_size, "worker_ranks": ranks,
-                "staging": self.staging, "seconds": round(secs, 6)}
-
-    async def _preempt(self, why: str) -> None:
-        """Abort a running update (workers fail fast) and wait for its failure path."""
-        if self._busy is None:
-            return
-        if self._busy == "init":
-            logger.warning("cancelling the pending rendezvous: %s", why)
-            self._init_cancelled = why
-            try:
-                await self._rpc("abort_init", timeout_s=10.0)
-            except Exception:  # noqa: BLE001
-                pass
-        if self._busy == "update":
-            logger.warning("aborting the weight update in progress: %s", why)
-            try:
-                await self._rpc("abort", why, timeout_s=10.0)
-            except Exception:  # noqa: BLE001
-                pass
-        deadline = time.monotonic() + self._timeout() + 30
-        while self._busy is not None and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
 
     async def start_update(self, update_info: dict | None = None, pause: bool = True) -> dict:
         """``POST /start_weight_update``: open an update session.
@@ -488,18 +385,3 @@ class UpdateRoutes:
         fin["sync_phases_s"] = {"start": round(t1 - t0, 6), "update": round(t2 - t1, 6),
                                 "finish": round(time.perf_counter() - t2, 6)}
         return fin
-
-    async def shutdown_engine(self) -> dict:
-        """``POST /shutdown_weight_transfer_engine``: leave the group (an update in progress is
-        abandoned: its failure path runs). Serving continues."""
-        await self._preempt("shutdown_weight_transfer_engine")
-        await self._leave_group("the transfer engine was shut down during an update")
-        return {"status": "ok"}
-
-    async def _leave_group(self, session_error: str) -> None:
-        """Leave the transfer group; an open session fails with ``session_error`` first (its
-        pause is released; in place with something loaded, 503 until a full update). The caller
-        has preempted a running call (:meth:`_preempt`)."""
-        if self._session is not None:
-            await self._fail(self._session, WeightUpdateStateError(session_error))
-        await self._teardown_group()
