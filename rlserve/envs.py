@@ -116,6 +116,11 @@ def _one_or_true(name: str, raw: str) -> bool:
     return raw.strip().lower() in ("1", "true")
 
 
+def _one_stripped(name: str, raw: str) -> bool:
+    """``"1"`` (blanks around allowed) is True, anything else False (vLLM's ``VLLM_SERVER_DEV_MODE``)."""
+    return raw.strip() == "1"
+
+
 def _zero_one(name: str, raw: str) -> bool | None:
     """``"1"`` True, ``"0"`` False, anything else None (the caller's own default)."""
     return {"1": True, "0": False}.get(raw)
@@ -297,6 +302,11 @@ VLLM_VARIABLES: dict[str, Var] = {
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": Var("bool", False, _one_or_true,
                                          "'1' / 'true': a --max-model-len above the length the checkpoint's "
                                          "config.json allows is served, with vLLM's warning (rlserve.model_len)"),
+    "VLLM_SERVER_DEV_MODE": Var("bool", False, _one_stripped,
+                                "'1': default of --insecure-control-routes (the control routes without a key on a "
+                                "non-loopback --host, as vLLM's dev mode; what `trl vllm-serve` sets)"),
+    "VLLM_NCCL_SO_PATH": Var("str | None", None, _str,
+                             "the NCCL library to load when RLSERVE_NCCL_SO_PATH is unset (before torch's own copy)"),
 }
 
 

@@ -9,10 +9,15 @@
   packages above it are not counted as imported, since a package ``__init__`` that exports
   lazily (``rlserve``, ``rlserve.transfer``) would otherwise close a circle with every module
   below it.
-- no module but ``rlserve/envs.py`` reads an ``RLSERVE_*`` environment variable: no
+- no module but ``rlserve/envs.py`` reads an ``RLSERVE_*`` or ``VLLM_*`` environment variable: no
   ``os.environ.get / [] / in / pop / setdefault`` or ``os.getenv`` with such a name, written
   out or held in a module-level constant. Setting one (``env["RLSERVE_X"] = ...``,
-  ``os.environ[...] = ...`` for a child process) is a write and allowed.
+  ``os.environ[...] = ...`` for a child process) is a write and allowed. Every other variable a
+  module reads by name is listed in ``docs/environment.md``'s "Other variables rlserve reads".
+- ``docs/environment.md`` has one row per variable of ``rlserve/envs.py``, with the registry's
+  default and its "read at import".
+- no module of ``rlserve/`` is longer than :data:`MAX_LINES` lines (the project's "small files,
+  one job each").
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "RLSERVE_"
+#: the variables only rlserve/envs.py reads: rlserve's own and the vLLM ones it honours (envs.VLLM_VARIABLES)
+PREFIXES = (PREFIX, "VLLM_")
+#: the longest a module of rlserve/ may be (lines): the brief's "<= ~500"
+MAX_LINES = 500
 
 
 def _modules(root: Path, package: str = "rlserve") -> dict[str, Path]:
@@ -134,16 +143,16 @@ def _str_constants(tree: ast.Module) -> dict[str, str]:
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             for t in node.targets:
-                if isinstance(t, ast.Name) and node.value.value.startswith(PREFIX):
+                if isinstance(t, ast.Name) and node.value.value.startswith(PREFIXES):
                     out[t.id] = node.value.value
     return out
 
 
 def _names_variable(node: ast.AST | None, constants: dict[str, str]) -> bool:
-    """Whether the expression is (or starts) an ``RLSERVE_*`` name: a literal, an f-string or
+    """Whether the expression is (or starts) an ``RLSERVE_*`` / ``VLLM_*`` name: a literal, an f-string or
     ``+`` starting with one, or a name / attribute bound to one at some module's top level."""
     if isinstance(node, ast.Constant):
-        return isinstance(node.value, str) and node.value.startswith(PREFIX)
+        return isinstance(node.value, str) and node.value.startswith(PREFIXES)
     if isinstance(node, ast.JoinedStr):
         return bool(node.values) and _names_variable(node.values[0], constants)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
@@ -161,9 +170,10 @@ def _is_environ(node: ast.AST) -> bool:
         isinstance(node, ast.Name) and node.id == "environ")
 
 
-def env_reads(source: str, constants: dict[str, str]) -> list[int]:
-    """Lines of ``source`` that read an ``RLSERVE_*`` environment variable."""
-    lines = []
+def env_keys(source: str) -> list[tuple[int, ast.AST]]:
+    """``(line, key expression)`` of every environment read in ``source``: ``os.environ.get / pop /
+    setdefault``, ``os.getenv`` / ``getenv``, ``os.environ[key]`` as a value, ``key in os.environ``."""
+    out = []
     for node in ast.walk(ast.parse(source)):
         key = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
@@ -178,9 +188,14 @@ def env_reads(source: str, constants: dict[str, str]) -> list[int]:
             key = node.slice
         elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
             key = node.left
-        if key is not None and _names_variable(key, constants):
-            lines.append(node.lineno)
-    return lines
+        if key is not None:
+            out.append((node.lineno, key))
+    return out
+
+
+def env_reads(source: str, constants: dict[str, str]) -> list[int]:
+    """Lines of ``source`` that read an ``RLSERVE_*`` / ``VLLM_*`` environment variable."""
+    return [line for line, key in env_keys(source) if _names_variable(key, constants)]
 
 
 def test_only_the_registry_reads_rlserve_variables():
@@ -191,7 +206,26 @@ def test_only_the_registry_reads_rlserve_variables():
         constants.update(_str_constants(tree))
     offenders = {m: env_reads(mods[m].read_text(), constants) for m in mods if m != "rlserve.envs"}
     offenders = {m: lines for m, lines in offenders.items() if lines}
-    assert not offenders, f"RLSERVE_* read outside rlserve/envs.py (module: lines): {offenders}"
+    assert not offenders, f"RLSERVE_* / VLLM_* read outside rlserve/envs.py (module: lines): {offenders}"
+
+
+def test_every_other_variable_read_is_on_the_environment_page():
+    """A module of rlserve/ that reads another program's variable by name (``OMP_NUM_THREADS``, ``CC``...)
+    is listed in docs/environment.md's "Other variables rlserve reads", so that page names every variable
+    that changes what rlserve does."""
+    page = (ROOT / "docs" / "environment.md").read_text()
+    other = page.split("## Other variables rlserve reads", 1)[1]
+    listed = set(re.findall(r"`([A-Z][A-Z0-9_]+)(?:=[^`]*)?`", other))
+    read = {}
+    for mod, path in _modules(ROOT).items():
+        if mod == "rlserve.envs":
+            continue
+        for line, key in env_keys(path.read_text()):
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                read.setdefault(key.value, f"{mod}:{line}")
+    assert {"OMP_NUM_THREADS", "CC", "XDG_CACHE_HOME"} <= set(read)  # the walk found them (2026-12-07)
+    missing = {name: where for name, where in read.items() if name not in listed}
+    assert not missing, f"read in rlserve/ but not on docs/environment.md's 'Other variables' list: {missing}"
 
 
 def test_env_read_check_tells_reads_from_writes():
@@ -224,9 +258,9 @@ def test_every_variable_used_is_declared_and_every_declared_one_is_used():
     for p in _modules(ROOT).values():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "envs":
-                if node.attr.startswith(PREFIX):
+                if node.attr.startswith(PREFIXES):
                     used.add(node.attr)
-    assert used == set(envs.VARIABLES)
+    assert used == set(envs.VARIABLES) | set(envs.VLLM_VARIABLES)
 
 
 def test_registry_reads_at_access_and_names_the_variable_in_errors(monkeypatch):
@@ -254,17 +288,63 @@ def test_registry_reads_at_access_and_names_the_variable_in_errors(monkeypatch):
     assert not hasattr(envs, "RLSERVE_SKINNY_GEMM_MAX_M")
 
 
+def _page_rows() -> dict[str, tuple[str, str]]:
+    """``{variable: (type cell, default cell)}`` of docs/environment.md's tables above "Tests and
+    benchmarks" (the package's variables: rlserve's own and vLLM's it honours)."""
+    page = (ROOT / "docs" / "environment.md").read_text().split("## Tests and benchmarks")[0]
+    cell = r"((?:[^|\\]|\\.)*)"  # a cell: no bare '|' (an escaped one, \|, is part of it)
+    rows = re.findall(rf"^\| `((?:RLSERVE|VLLM)_[A-Z0-9_]+)` \|{cell}\|{cell}\|", page, re.M)
+    out = {name: (typ.strip(), default.strip()) for name, typ, default in rows}
+    assert len(out) == len(rows), "a variable has two rows"
+    return out
+
+
 def test_environment_page_lists_exactly_the_declared_variables():
     """``docs/environment.md``'s tables above "Tests and benchmarks" (the variables of the package)
     have one row per variable of ``rlserve/envs.py``."""
-    import re
-
     from rlserve import envs
 
-    page = (ROOT / "docs" / "environment.md").read_text().split("## Tests and benchmarks")[0]
-    rows = re.findall(r"^\| `(RLSERVE_[A-Z0-9_]+)` \|", page, re.M)
-    assert len(rows) == len(set(rows))
-    assert set(rows) == set(envs.VARIABLES)
+    assert set(_page_rows()) == set(envs.VARIABLES) | set(envs.VLLM_VARIABLES)
+
+
+def page_default_matches(default, cell: str) -> bool:
+    """Whether a docs default ``cell`` states the registry's ``default``: ``True`` "on...", ``False``
+    "off..." or `` `0` ``, a string or an integer written first in backquotes (or a bare integer). A
+    ``None`` or empty default (the value is decided where it is used: a flag, the machine) must not read
+    as a fixed switch state or be blank."""
+    if default is True:
+        return cell.startswith("on")
+    if default is False:
+        return cell.startswith("off") or cell == "`0`"
+    if default is None or default == "":
+        return bool(cell) and not re.fullmatch(r"on|`1`", cell)
+    if isinstance(default, int):
+        return re.match(rf"`?{default}\b`?", cell) is not None
+    return cell.startswith(f"`{default}`")
+
+
+def test_environment_page_states_each_default_and_read_at_import():
+    """Every row's default column states the default ``rlserve/envs.py`` declares (:func:`page_default_matches`),
+    and a variable's type column says "read at import" exactly when its declaration's meaning does."""
+    from rlserve import envs
+
+    rows = _page_rows()
+    declared = {**envs.VARIABLES, **envs.VLLM_VARIABLES}
+    wrong = {n: (v.default, rows[n][1]) for n, v in declared.items() if not page_default_matches(v.default, rows[n][1])}
+    assert not wrong, f"docs/environment.md's default differs from rlserve/envs.py's (variable: (envs, page)): {wrong}"
+    at_import = {n for n, v in declared.items() if "read at import" in v.meaning}
+    assert len(at_import) >= 6  # the six of 2026-12-07 (fused kernels, sampler, GEMV, GEMM rows and fold, CPU layer)
+    assert {n for n, (typ, _) in rows.items() if "read at import" in typ} == at_import
+
+
+def test_default_check_tells_a_stated_default_from_another():
+    assert page_default_matches(True, "on (since session 19)") and not page_default_matches(True, "off")
+    assert page_default_matches(False, "off") and page_default_matches(False, "`0`")
+    assert not page_default_matches(False, "on")
+    assert page_default_matches("auto", "`auto`") and not page_default_matches("auto", "`nobind`")
+    assert page_default_matches(0, "`0`") and not page_default_matches(0, "`16`")
+    assert page_default_matches(None, "unset (no key)") and not page_default_matches(None, "on")
+    assert not page_default_matches(None, "")
 
 
 def test_readme_test_command_runs_every_triton_interpreter_module():
@@ -282,3 +362,16 @@ def test_readme_test_command_runs_every_triton_interpreter_module():
     assert users <= named, f"not named in the README's test command: {sorted(users - named)}"
     for name in named:
         assert (ROOT / name).is_file(), name
+
+
+#: modules over MAX_LINES still waiting for their split, with their length when this was written: they may
+#: shrink, not grow; a module leaves this list once it is split
+LONG_MODULES: dict[str, int] = {}
+
+
+def test_no_module_is_over_the_line_limit():
+    lengths = {m: len(p.read_text().splitlines()) for m, p in _modules(ROOT).items()}
+    assert len(lengths) > 100
+    over = {m: n for m, n in lengths.items() if n > max(MAX_LINES, LONG_MODULES.get(m, 0))}
+    assert not over, f"modules over {MAX_LINES} lines (split them along one job each): {over}"
+    assert all(lengths.get(m, 0) > MAX_LINES for m in LONG_MODULES), "a listed module is short now: drop it"

@@ -22,7 +22,8 @@ from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
 from rlserve.server.server_info import _world_size, server_info
 from rlserve.server.sleep_routes import sleep_info
 from rlserve.server.weight_routes import error_response
-from rlserve.server.state import ServerState, finite
+from rlserve.server.logprob_json import finite
+from rlserve.server.state import ServerState
 
 #: what TRL's ``generation_kwargs`` may set: vLLM's SamplingParams fields (``lora_int_id`` is the
 #: server's, from the request's model name; ``structured_outputs`` comes as guided_decoding_regex)

@@ -1,6 +1,7 @@
 """What every route needs: the async engine, settings, metrics, and the request checks
 shared by the OpenAI and TRL routes (prompt tokenization and length checks, sampling
-parameters, logprob formatting)."""
+parameters; the constraint check: :mod:`rlserve.server.structured_check`; logprob formatting:
+:mod:`rlserve.server.logprob_json`)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import dataclasses
 import functools
 import ipaddress
 import logging
-import math
 import threading
 import time
 from typing import Any, AsyncIterator
 
 from rlserve.engine.core_protocol import InvalidParamsError, params_from_fields
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.errors import InvalidRequestError
 from rlserve.server.chat_render import chat_message_dicts, render_chat, template_error
 from rlserve.server.errors import APIError
-from rlserve.server.limits import COMPILE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, \
-    RequestLimits, check_constraint, check_token_ids, max_prompt_chars
+from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES, RequestLimits, \
+    check_token_ids, max_prompt_chars
+from rlserve.server.logprob_json import LogprobJSON
+from rlserve.server.structured_check import StructuredChecks
 from rlserve.server.text_check import check_text
 from rlserve.server import tokenizer_threads
 from rlserve.server.tokenizer_threads import TokenizerThreads
@@ -96,11 +97,6 @@ class ServerSettings:
     generation_config: str = "auto"
 
 
-#: constraints remembered as compiled within the bound (as many as an engine core's compiler
-#: keeps compiled: ``rlserve.engine.core.structured._CACHE_SIZE``)
-CONSTRAINTS_KEPT = 256
-
-
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (what only this machine can reach)."""
     if host in ("localhost", "ip6-localhost"):
@@ -109,23 +105,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def finite(x: float | None, floor: float = -9999.0) -> float | None:
-    """JSON-safe float: -inf → ``floor``, NaN → None."""
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x):
-        return None
-    if math.isinf(x):
-        return floor if x < 0 else 9999.0
-    return x
-
-
-def _constraint_timeout(param: str) -> APIError:
-    return APIError(400, f"{param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; send a smaller one",
-                    param=param, code="constraint_timeout")
 
 
 def log_request(request_id: str, prompt_ids: list[int], params, max_log_len: int | None) -> None:
@@ -138,7 +117,7 @@ def log_request(request_id: str, prompt_ids: list[int], params, max_log_len: int
                      prompt_ids if max_log_len is None else prompt_ids[:max_log_len])
 
 
-class ServerState:
+class ServerState(StructuredChecks, LogprobJSON):
     """Shared state of one server (attached to ``app.state.rlserve``)."""
 
     def __init__(self, aengine, settings: ServerSettings, metrics):
@@ -459,108 +438,6 @@ class ServerState:
             raise APIError(400, f"{param} must be >= 1, or -1 for max_model_len; got {k}", param=param)
         return ids[:k] if side == "right" else ids[-k:]
 
-    async def structured_outputs(self, body, param: str = "structured_outputs"):
-        """The request's output constraint as :class:`StructuredOutputsParams` (from vLLM's
-        ``structured_outputs``, OpenAI's ``response_format``, or TRL's ``guided_decoding_regex``),
-        compiled once here (off the event loop) so that a bad regex / schema / grammar is a 400
-        naming the field before anything is queued. None: unconstrained."""
-        spec_obj = None
-        so = getattr(body, "structured_outputs", None)
-        if so is not None:
-            spec_obj = so.model_dump(by_alias=True, exclude_none=True)
-        rf = getattr(body, "response_format", None)
-        if rf is not None and rf.type != "text":
-            if spec_obj is not None:
-                raise APIError(400, "give structured_outputs or response_format, not both", param="response_format")
-            param = "response_format"
-            if rf.type == "json_object":
-                spec_obj = {"json_object": True}
-            else:
-                schema = rf.json_schema.schema_ if rf.json_schema is not None else None
-                if schema is None:
-                    raise APIError(400, "response_format json_schema needs json_schema.schema",
-                                   param="response_format.json_schema")
-                spec_obj = {"json": schema}
-        regex = getattr(body, "guided_decoding_regex", None)
-        if regex is not None:
-            param = "guided_decoding_regex"
-            spec_obj = {"regex": regex}
-        if spec_obj is None:
-            return None
-        return await self.compile_structured(spec_obj, param)
-
-    async def compile_structured(self, spec_obj: dict, param: str):
-        """vLLM's ``structured_outputs`` object (``{"json": schema}``, ``{"regex": ...}``, ...) as a
-        compiled-once :class:`StructuredOutputsParams` (compiled off the event loop).
-
-        Raises:
-            APIError 400 naming ``param``: a bad regex / schema / grammar, one over the size
-            bound (``constraint_too_large``) or one that did not compile within
-            :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (``constraint_timeout``).
-        """
-        from rlserve.engine.core.structured import structured_from_request
-
-        try:
-            spec = structured_from_request(spec_obj)
-            check_constraint(spec, param)
-            if not await self._compile_in_worker(spec, param):
-                compiling = asyncio.ensure_future(asyncio.to_thread(self.grammar_compiler().compile, spec))
-                await asyncio.wait_for(asyncio.shield(compiling), COMPILE_TIMEOUT_S)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param=param) from None
-        except asyncio.TimeoutError:
-            compiling.cancel()  # not needed: a compile queued behind others never starts (one running ends alone)
-            raise _constraint_timeout(param) from None
-        return spec
-
-    async def _compile_in_worker(self, spec, param: str) -> bool:
-        """The API's compile of a constraint in a template worker, killed when it overruns
-        :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (:meth:`TemplateWorkers.compile
-        <rlserve.server.template_pool.TemplateWorkers.compile>`), where the engine runs in its
-        own process (in thread mode the API's compile fills the engine's cache, so it stays
-        here). Returns False where it did not run. Raises APIError 400 (invalid, timeout)."""
-        from rlserve.server.template_pool import TemplateError
-
-        if self._engine_compiles_here() or \
-                self.tokenizer is None or (workers := await asyncio.to_thread(self.template_workers)) is None:
-            return False
-        from rlserve.engine.core.structured import constraint_key
-
-        key = constraint_key(spec)
-        if key in self._constraints_ok:  # compiled in a worker before: the engine core has it cached
-            self._constraints_ok.move_to_end(key)
-            return True
-        eos = list(getattr(self.aengine, "eos_token_ids", ()) or ())
-        try:
-            await asyncio.to_thread(workers.compile, spec, self.vocab_size, eos, COMPILE_TIMEOUT_S)
-        except TemplateError as e:
-            raise (_constraint_timeout(param) if e.kind == "timeout" else APIError(400, str(e), param=param)) from None
-        except RuntimeError as e:  # no worker could start (as render_chat): compiled here from now on
-            logger.warning("structured-output constraints compile in the server process from now on: %s", e)
-            self._templates = False
-            workers.close()
-            return False
-        self._constraints_ok[key] = None
-        while len(self._constraints_ok) > CONSTRAINTS_KEPT:
-            self._constraints_ok.popitem(last=False)
-        return True
-
-    def grammar_compiler(self):
-        """The structured-output compiler: the engine's own when it runs in this process (one
-        cache: the engine's compile of the same constraint is then a hit), else one over this
-        process's tokenizer. Raises InvalidRequestError without a tokenizer or xgrammar."""
-        engine_compiler = getattr(getattr(self.aengine, "engine", None), "grammar_compiler", None)
-        if engine_compiler is not None:
-            return engine_compiler()
-        if self._grammar_compiler is None:
-            from rlserve.engine.core.structured import GrammarCompiler
-
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured outputs need a tokenizer")
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                     getattr(self.aengine, "eos_token_ids", ()) or ())
-        return self._grammar_compiler
-
     def sampling_params(self, names: dict[str, str] | None = None, **kw) -> SamplingParams:
         """Build the request's SamplingParams, the one place every generation route does:
         ``None`` values take the defaults; the size bounds of ``rlserve.server.limits`` (n,
@@ -596,147 +473,6 @@ class ServerState:
             top = e.field.split(".", 1)[0]
             param = names.get(top, top) + e.field[len(top):]
             raise APIError(400, e.renamed(param), param=param, code=e.code) from None
-
-    # ---- token text -------------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (cached)."""
-        s = self._token_text.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id])
-            if len(self._token_text) < 1_000_000:
-                self._token_text[token_id] = s
-        return s
-
-    def token_text_after(self, token_id: int, context) -> str:
-        """The text of ``token_id`` in logprobs as vLLM 0.32 gives it
-        (``LogprobsProcessor._correct_decoded_token``): its own text, unless that ends in
-        U+FFFD (a byte of a multi-byte character); then decoded after the last 1..4 ids of
-        ``context`` (the sampled ids before it) until the character completes: the text past
-        the context's own complete text, or ``""`` when it never completes."""
-        s = self.token_text(token_id)
-        if not s.endswith("\ufffd"):
-            return s
-        ctx = list(context)[-4:]
-        for n in range(1, len(ctx) + 1):
-            c = ctx[-n:]
-            full = self.tokenizer.decode(c + [token_id])
-            if full.endswith("\ufffd"):
-                continue
-            clean = len(c)
-            while clean > 0 and self.token_text(c[clean - 1]).endswith("\ufffd"):
-                clean -= 1
-            prefix = self.tokenizer.decode(c[:clean]) if clean else ""
-            if full.startswith(prefix):
-                return full[len(prefix):]
-            common = 0
-            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
-                common += 1
-            return full[common:]
-        return ""
-
-    def token_label(self, token_id: int, as_ids: bool = False, context=None) -> str:
-        """How a token is named in logprobs: its text (vLLM's, after ``context``:
-        :meth:`token_text_after`), or ``"token_id:<id>"`` with vLLM's
-        ``return_tokens_as_token_ids`` (unambiguous where several ids decode alike)."""
-        if as_ids:
-            return f"token_id:{token_id}"
-        return self.token_text(token_id) if context is None else self.token_text_after(token_id, context)
-
-    @staticmethod
-    def _context(ids: list[int], i: int, before=(), n_prompt: int = 0) -> list[int]:
-        """The sampled ids before position ``i`` that vLLM decodes a logprob token after: the
-        prompt's from its second token for a prompt position (``i < n_prompt``), else
-        ``before`` (the output's earlier ids) and the output's ids up to ``i``."""
-        if i < n_prompt:
-            return ids[max(1, i - 4):i]
-        return (list(before) + ids[n_prompt:i])[-4:]
-
-    def completion_logprobs(self, token_ids, logprobs, text_offset0: int = 0, as_ids: bool = False,
-                            before=(), n_prompt: int = 0) -> dict:
-        """OpenAI completions ``logprobs`` object for ``token_ids``; ``logprobs[i]`` is
-        ``{token_id: logprob}`` (sampled + top-k) or None (first prompt token). ``as_ids``:
-        tokens and ``top_logprobs`` keys are ``"token_id:<id>"``, and ``text_offset`` counts the
-        characters of those labels, as vLLM 0.32's ``_create_completion_logprobs`` does (each
-        offset is the previous one plus the previous ``tokens`` entry's length). Token texts
-        as vLLM's after their context (:meth:`token_text_after`): ``before``, the output's ids
-        before ``token_ids`` (a stream's earlier chunks); ``n_prompt``: the first this many are
-        the echoed prompt's."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = text_offset0
-        token_ids = list(token_ids)
-        for i, (tid, d) in enumerate(zip(token_ids, logprobs or [])):
-            ctx = self._context(token_ids, i, before, n_prompt)
-            label = self.token_label(tid, as_ids, ctx)
-            tokens.append(label)
-            offsets.append(pos)
-            pos += len(label)
-            if d is None:
-                token_lps.append(None)
-                tops.append(None)
-                continue
-            token_lps.append(finite(d.get(tid)))
-            top = {}  # vLLM's order: the sampled token first, then the top-k by descending logprob
-            for t, lp in sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1])):
-                top[self.token_label(t, as_ids, ctx)] = finite(lp)  # a repeated label: first place, last value
-            tops.append(top)
-        return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
-
-    def chat_logprobs(self, token_ids, logprobs, top_k: int, as_ids: bool = False, before=()) -> dict:
-        """OpenAI chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
-        ``as_ids``: every ``token`` is ``"token_id:<id>"``; as in vLLM 0.32's
-        ``_create_chat_logprobs``, an entry's ``bytes`` stay its token's text (UTF-8) while a
-        ``top_logprobs`` item's ``bytes`` are those of its ``token``, the label. ``top_logprobs``
-        are vLLM's first ``top_k`` of the sampled token followed by the top-k by descending
-        logprob: a sampled token outside the top-k comes first and pushes the k-th out. Token
-        texts as vLLM's after their context (:meth:`token_text_after`; ``before``: the output's
-        ids before ``token_ids``)."""
-        content = []
-        token_ids = list(token_ids)
-        for i, (tid, d) in enumerate(zip(token_ids, logprobs or [])):
-            d = d or {}
-            ctx = self._context(token_ids, i, before)
-            top = sorted(d.items(), key=lambda kv: (kv[0] != tid, -kv[1]))[:top_k]  # vLLM's order, see above
-            content.append({
-                "token": self.token_label(tid, as_ids, ctx),
-                "logprob": finite(d.get(tid, float("-inf"))),
-                "bytes": list(self.token_text_after(tid, ctx).encode("utf-8")),
-                "top_logprobs": [
-                    {"token": (label := self.token_label(t, as_ids, ctx)), "logprob": finite(lp),
-                     "bytes": list(label.encode("utf-8"))}
-                    for t, lp in top
-                ],
-            })
-        return {"content": content}
-
-    def prompt_logprobs_json(self, prompt_ids, plps, ranks, as_ids: bool = False):
-        """vLLM's ``prompt_logprobs``: per prompt position ``None`` (the first) or
-        ``{"<id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the
-        top-k, in vLLM 0.32's order (``vllm/logprobs.py``'s ``append_logprobs_for_next_position``):
-        the prompt token first, then the top-k by descending logprob. Ranks are 1-based over the
-        whole vocabulary: the prompt token's from the engine, the others' their place in the
-        top-k. ``decoded_token`` is the token's text even with ``as_ids``
-        (``return_tokens_as_token_ids`` relabels only ``logprobs``, as in vLLM); ``-inf`` is
-        -9999.0 (vLLM's ``clamp_prompt_logprobs``)."""
-        del as_ids  # vLLM keeps the text here (see above)
-        if plps is None:
-            return None
-        out = []
-        for pos, d in enumerate(plps):
-            if d is None:
-                out.append(None)
-                continue
-            target = prompt_ids[pos] if pos < len(prompt_ids) else None
-            entry = {}
-            if target in d:
-                entry[str(target)] = None  # its place: first
-            for place, (t, lp) in enumerate(sorted(d.items(), key=lambda kv: -kv[1]), start=1):
-                rank = place
-                if t == target and ranks is not None and pos < len(ranks) and ranks[pos] is not None:
-                    rank = int(ranks[pos])
-                entry[str(t)] = {"logprob": finite(lp), "rank": rank,
-                                 "decoded_token": self.token_text_after(t, prompt_ids[max(1, pos - 4):pos])}
-            out.append(entry)
-        return out
 
     # ---- generation with metrics --------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from rlserve.engine.worker.model_runner import StepInput
+from rlserve.engine.worker.step_input import StepInput
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
-from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata, ranked_logprob_dicts
+from rlserve.engine.core.prompt_logprobs import ranked_logprob_dicts
+from rlserve.engine.core.sampler import SamplerOutput, SamplingMetadata
 from rlserve.engine.core.scheduler import ScheduledBatch
 from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.h2d import to_device

@@ -17,7 +17,7 @@ import torch
 
 from rlserve.config import EngineConfig, resolve_device
 from rlserve.distributed.group import StandaloneGroup, get_open_port
-from rlserve.engine.worker.model_runner import StepInput
+from rlserve.engine.worker.step_input import StepInput
 from rlserve.engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ _lib: "NcclLibrary | None" = None
 
 
 def _candidates() -> list[str]:
-    out = [p for p in (envs.RLSERVE_NCCL_SO_PATH, os.environ.get("VLLM_NCCL_SO_PATH")) if p]
+    out = [p for p in (envs.RLSERVE_NCCL_SO_PATH, envs.VLLM_NCCL_SO_PATH) if p]
     out.append("libnccl.so.2")
     for mod in ("nvidia.nccl",):
         try:
