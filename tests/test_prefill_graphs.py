@@ -5,6 +5,8 @@ rows and the buffer plumbing. Greedy tokens equal Hugging Face float32 and the e
 within tests/test_engine.py's 1e-4, for whole prompts, chunks, prefix hits and mixed steps; steps past
 the largest bucket run eagerly."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -162,6 +164,35 @@ def test_attention_out_buffer_equals_a_fresh_result():
         assert got is out and torch.equal(out, want)
 
 
+def _allocated_bytes(bucket) -> int:
+    """Bytes of every distinct storage behind a tensor the bucket (or its metadata) holds, but its output
+    ``hidden`` (the graph pool's, counted apart in reserve_bytes): what it really allocated, found by
+    walking its attributes, so a buffer added outside pg.bucket_buffers is counted too."""
+    seen = {}
+    for obj in (bucket, bucket.meta):
+        for name, v in vars(obj).items():
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                if isinstance(t, torch.Tensor) and name != "hidden":
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_bucket_buffer_bytes_is_what_a_bucket_allocates():
+    """pg.bucket_buffer_bytes (the KV sizing's estimate) equals the bytes an emulated bucket really holds, in
+    float32 and bfloat16; the buffers start as the pieces expect (padding slots -1, the rest 0). A bucket
+    reads only the first layer's q_size of its model."""
+    q_size = 48
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(q_size=q_size))]))
+    for dtype in (torch.float32, torch.bfloat16):
+        for size in (1, 16, 40):
+            b = pg._Bucket(size, model, torch.device("cpu"), dtype)
+            assert _allocated_bytes(b) == pg.bucket_buffer_bytes(size, q_size, dtype)
+            assert pg.bucket_buffer_bytes(size, q_size, dtype) == size * (3 * 8 + 2 * q_size * dtype.itemsize) + 16
+            assert b.q.dtype == b.attn.dtype == dtype and b.q.shape == b.attn.shape == (size, q_size)
+            assert b.slots.tolist() == [-1] * size and b.input_ids.tolist() == b.positions.tolist() == [0] * size
+            assert b.meta.slot_mapping is b.slots and b.meta.query_start_loc.tolist() == [0, 0]
+
+
 def test_kv_sizing_reserves_the_prefill_graphs(qwen3, tiny_model, monkeypatch):
     """Session 18: the prefill graphs' buffers and pool (~300 MB for Qwen3-0.6B at 8,192 tokens) were
     allocated after the KV cache was sized, so --gpu-memory-utilization did not count them. The GPU
@@ -174,14 +205,13 @@ def test_kv_sizing_reserves_the_prefill_graphs(qwen3, tiny_model, monkeypatch):
     assert reserve > 0 and pg.reserve_bytes(w_off.runner) == 0
     a = llm_on.engine.executor.model.model.layers[0].self_attn
     hidden, inter = 64, 128  # the tiny qwen3 (tests/tiny_models.py)
-    assert reserve == (sum(pg.bucket_buffer_bytes(s, a.q_size, 4) for s in SIZES) + sum(SIZES) * hidden * 4
+    assert reserve == (sum(pg.bucket_buffer_bytes(s, a.q_size, torch.float32) for s in SIZES) + sum(SIZES) * hidden * 4
                        + 40 * 4 * (6 * hidden + 3 * inter + 2 * a.q_size + 2 * a.kv_size))
     llm_on.generate([[5] * 30], _greedy(2))  # builds the buckets
     graphs = w_on.runner.prefill_graphs
-    held = sum(t.nbytes for b in graphs.buckets.values()
-               for t in (b.input_ids, b.positions, b.slots, b.q, b.attn, b.meta.query_start_loc, b.meta.seq_lens,
-                         b.meta.block_tables))
-    assert held == sum(pg.bucket_buffer_bytes(s, a.q_size, 4) for s in SIZES)
+    assert sorted(graphs.buckets) == SIZES
+    for size, b in graphs.buckets.items():
+        assert _allocated_bytes(b) == pg.bucket_buffer_bytes(size, a.q_size, torch.float32)
     total = 8 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (1 << 30), total))
     blocks = {}

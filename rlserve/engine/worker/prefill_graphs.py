@@ -33,6 +33,7 @@ run as plain calls on the static buffers (``emulate``): the padding and buffer p
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -112,10 +113,24 @@ def why_off(runner, sizes: list[int], kv_cache: bool = True) -> str | None:
     return supported(runner.model)
 
 
-def bucket_buffer_bytes(size: int, q_size: int, itemsize: int) -> int:
-    """Bytes of one :class:`_Bucket`'s static buffers: token ids, positions and KV slots (int64), the
-    attention's input and output ``[size, q_size]`` in the model dtype, and the metadata's 16 bytes."""
-    return size * (3 * 8 + 2 * q_size * itemsize) + 16
+def bucket_buffers(size: int, q_size: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    """The static buffers of one :class:`_Bucket` of ``size`` rows, ``{name: (shape, dtype, fill)}``: what
+    the bucket allocates and what :func:`bucket_buffer_bytes` counts (one description, so the two cannot
+    drift). Token ids, positions and KV slots ``[size]`` int64 (slots -1: the fused KV write skips padding
+    rows); the attention's input ``q`` and output ``attn`` ``[size, q_size]`` in the model's ``dtype``; the
+    pieces' :class:`AttentionMetadata`'s ``query_start_loc`` int32 ``[2]``, ``seq_lens`` int32 ``[1]`` and
+    ``block_tables`` int32 ``[1, 1]`` (only its ``slot_mapping``, the slots, is read in a piece)."""
+    return {"input_ids": ((size,), torch.long, 0), "positions": ((size,), torch.long, 0),
+            "slots": ((size,), torch.long, -1),
+            "q": ((size, q_size), dtype, 0), "attn": ((size, q_size), dtype, 0),
+            "query_start_loc": ((2,), torch.int32, 0), "seq_lens": ((1,), torch.int32, 0),
+            "block_tables": ((1, 1), torch.int32, 0)}
+
+
+def bucket_buffer_bytes(size: int, q_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one :class:`_Bucket`'s static buffers (:func:`bucket_buffers`): for ``q_size`` 2048 in
+    bfloat16, ``size * (3 * 8 + 2 * 2048 * 2) + 16``."""
+    return sum(math.prod(shape) * dt.itemsize for shape, dt, _ in bucket_buffers(size, q_size, dtype).values())
 
 
 def reserve_bytes(runner) -> int:
@@ -124,7 +139,7 @@ def reserve_bytes(runner) -> int:
     (``Worker.determine_num_blocks``); 0 when they will stay off (:func:`why_off` without its KV-cache
     check). An upper bound computed from the tensors, not a measurement (the capture needs a GPU):
 
-    - every bucket's static buffers (:func:`bucket_buffer_bytes`; exactly what :class:`_Bucket` holds);
+    - every bucket's static buffers (:func:`bucket_buffer_bytes`: what :class:`_Bucket` allocates, :func:`bucket_buffers`);
     - every bucket's output ``[size, hidden]``, kept in the graph pool;
     - the pool's working set at the largest bucket ``Tb``: every tensor one piece makes, as if all were
       alive at once -- ``o_proj``'s output, the post-attention norm's output and residual, gate_up
@@ -142,8 +157,9 @@ def reserve_bytes(runner) -> int:
     a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
     hidden = model.model.embed_tokens.weight.shape[-1]
     inter = m.down_proj.input_size
-    item = model.model.embed_tokens.weight.element_size()
-    buffers = sum(bucket_buffer_bytes(s, a.q_size, item) for s in sizes)
+    dtype = model.model.embed_tokens.weight.dtype
+    item = dtype.itemsize
+    buffers = sum(bucket_buffer_bytes(s, a.q_size, dtype) for s in sizes)
     outputs = sum(sizes) * hidden * item
     tb = max(sizes)
     working = tb * item * (6 * hidden + 3 * inter + 2 * a.q_size + 2 * a.kv_size)
@@ -156,16 +172,16 @@ class _Bucket:
     def __init__(self, size: int, model: nn.Module, device: torch.device, dtype: torch.dtype):
         a = model.model.layers[0].self_attn
         self.size = size
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slots = torch.full((size,), -1, dtype=torch.long, device=device)
-        self.q = torch.zeros(size, a.q_size, dtype=dtype, device=device)  # the attention's input
-        self.attn = torch.zeros(size, a.q_size, dtype=dtype, device=device)  # the attention's output
+        #: every static buffer, by its :func:`bucket_buffers` name
+        self.buffers = {name: torch.full(shape, fill, dtype=dt, device=device)
+                        for name, (shape, dt, fill) in bucket_buffers(size, a.q_size, dtype).items()}
+        bufs = self.buffers
+        self.input_ids, self.positions, self.slots = bufs["input_ids"], bufs["positions"], bufs["slots"]
+        self.q = bufs["q"]  # the attention's input
+        self.attn = bufs["attn"]  # the attention's output
         # the metadata the pieces see: only slot_mapping is read there (the fused KV write)
-        self.meta = AttentionMetadata(self.slots, torch.zeros(2, dtype=torch.int32, device=device),
-                                      torch.zeros(1, dtype=torch.int32, device=device),
-                                      torch.zeros(1, 1, dtype=torch.int32, device=device), size, size, 1, [0, size],
-                                      [size])
+        self.meta = AttentionMetadata(self.slots, bufs["query_start_loc"], bufs["seq_lens"], bufs["block_tables"],
+                                      size, size, 1, [0, size], [size])
         self.graphs: list = []
         self.hidden: torch.Tensor | None = None  # the last piece's output [size, hidden]
 
