@@ -239,8 +239,9 @@ d = os.getenv("RLSERVE_D", "1")
 e = environ.get(ENV)
 f = mod.ENV in os.environ
 g = getenv(f"RLSERVE_{name}")
+h = os.environ.get("VLLM_SERVER_DEV_MODE", "")
 """
-    assert env_reads(reads, constants) == [3, 4, 5, 6, 7, 8, 9]
+    assert env_reads(reads, constants) == [3, 4, 5, 6, 7, 8, 9, 10]
     writes = """import os
 env = dict(os.environ)
 env["RLSERVE_A"] = "1"
