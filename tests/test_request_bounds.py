@@ -332,9 +332,9 @@ def test_constraint_over_its_compile_time_is_a_400_and_stops_compiling(srv, monk
     burned one of the two cores for ~33 s after the answer in the fuzz run). Fails before: the
     compile ran in the API process. Then a good constraint is served (a fresh worker)."""
     from rlserve.engine.core import structured
-    from rlserve.server import state as state_mod
+    from rlserve.server import structured_check
 
-    monkeypatch.setattr(state_mod, "COMPILE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(structured_check, "COMPILE_TIMEOUT_S", 0.5)
     in_api = []
     real = structured.GrammarCompiler.compile
     monkeypatch.setattr(structured.GrammarCompiler, "compile", lambda self, spec: in_api.append(spec) or real(self, spec))
@@ -355,7 +355,7 @@ def test_constraint_over_its_compile_time_is_a_400_and_stops_compiling(srv, monk
     after = {w.proc.pid for w in list(state.template_workers()._idle.queue)}
     assert len(killed) == 1 or len(before) < template_pool.POOL_SIZE, (before, after)
     assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
-    monkeypatch.setattr(state_mod, "COMPILE_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(structured_check, "COMPILE_TIMEOUT_S", 60.0)
     ok = httpx.post(srv.url + "/v1/completions", timeout=120,
                     json={"prompt": "hi", "max_tokens": 5, "structured_outputs": {"regex": "(yes|no)"}})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
