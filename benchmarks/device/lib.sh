@@ -44,6 +44,10 @@
 #                   sets ARGS, C (@conc=CONC), FLAGS (rlserve's flags: bf16, no access log, chunked prefill off),
 #                   VFLAGS (vLLM's), BENCH (768 prompts 512 -> 256), MIN_STEPS; Qwen3-0.6B shape on the GPU, tiny-llama
 #                   on the CPU in a dry run (300 -> 16 tokens, 24 prompts, @conc=8, budgets 256 / 128 tokens)
+#   stream_limit CAP KEEP  LIMIT, the seconds of a first stream_bench pair: 300 in a dry run, else CAP when at least
+#                   KEEP s are left (the steps after it keep theirs), else what is left minus 5
+#   vllm_stream     vLLM's own server (VFLAGS) on stream_workload's workload and client: stream_bench into
+#                   $OUT_DIR/vllm_bench_vllm.*, limited to what is left minus 4 s
 #   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
 #                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
 #                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
@@ -199,6 +203,13 @@ server_stacks() {
   for f in $(ls -tr $logs); do
     grep -h -m1 "HTTP: uvicorn on" "$f" | sed 's/.*HTTP: uvicorn on //' | tr '\n' ' '
   done
+}
+stream_limit() {
+  if [ "$DRY_RUN" = 1 ]; then LIMIT=300; else LIMIT=$(( $(left) >= $2 ? $1 : $(left) - 5 )); fi
+}
+vllm_stream() {
+  CONFIGS=("vllm=$C vllm $VFLAGS")
+  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
 }
 stream_workload() {
   if [ "$DRY_RUN" = 1 ]; then

@@ -35,22 +35,9 @@ else
   say "gpu tests skipped: BUDGET $BUDGET < 100"
 fi
 # 2) rlserve mixed vs split at c256
-if [ "$DRY_RUN" = 1 ]; then
-  # a tiny model, 24 prompts 300 -> 16, a 256-token step budget with 128 while streams decode: prompts arrive
-  # while others decode, so the mixed server runs mixed steps (the step trace's M lines)
-  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
-        --max-num-seqs 16 --bench-timeout 300)
-  C="@conc=8"; C64="@conc=4"
-  FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
-  BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); LIMIT=300; MIN_STEPS=5
-else
-  [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the vllm row will fail"
-  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  C="@conc=256"; C64="@conc=64"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
-  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
-  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave step 3 its ~60 s when the budget has them
-  LIMIT=$(( $(left) >= 125 ? 60 : $(left) - 5 ))
-fi
+stream_workload 256  # (a dry run: 24 prompts 300 -> 16 at c8, a 256-token budget with 128 while streams decode:
+                     # prompts arrive while others decode, so the mixed server runs mixed steps, the trace's M lines)
+stream_limit 60 125  # two servers and runs: ~50 s (s16 w1: ~25 s each); leave step 3 its ~60 s
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 CONFIGS=("mixed=$C $(trace mixed) $FLAGS --mixed-prefill-decode"
          "split=$C $(trace split) $FLAGS")
@@ -73,10 +60,8 @@ else
 fi
 # 4) vLLM at c256 (the c256 workload, the same client) if its cold start fits
 if [ "$DRY_RUN" != 1 ] && [ "$(left)" -ge 105 ]; then
-  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768)
-  CONFIGS=("vllm=$C vllm --dtype bfloat16 --attention-backend FLASH_ATTN --disable-uvicorn-access-log")
-  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
+  stream_workload 256  # (step 3 changed ARGS and BENCH)
+  vllm_stream
 else
   say "vLLM skipped: $(left) s left (< 105 s for its start and run, or a dry run)"
 fi

@@ -21,17 +21,7 @@
 # servers' log tails; summary lines on stdout.
 NAME=s18_stream BUDGET=${BUDGET:-200}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null)"
-# uvloop + httptools for the auto servers: the run's own PYTHONPATH, else links into /tmp/vsite's copies
-HTTP_SITE=""
-if ! $PY -c "import uvloop, httptools" 2>/dev/null; then
-  HTTP_SITE=$OUT_DIR/http_site; mkdir -p "$HTTP_SITE"
-  for m in uvloop httptools; do [ -d "/tmp/vsite/$m" ] && ln -sfn "/tmp/vsite/$m" "$HTTP_SITE/$m"; done
-  if PYTHONPATH=$HTTP_SITE:${PYTHONPATH:-} $PY -c "import uvloop, httptools" 2>/dev/null; then
-    say "uvloop + httptools from /tmp/vsite (not in .whl)"
-  else
-    say "WARNING: uvloop / httptools do not import (.whl lacks them, /tmp/vsite too): auto runs asyncio+h11"
-  fi
-fi
+http_site  # uvloop + httptools for the auto servers: the run's own PYTHONPATH, else links into /tmp/vsite's copies
 say "stack modules: $(PYTHONPATH=${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-} $PY -c "
 import importlib
 for m in ('uvloop', 'httptools', 'h11', 'uvicorn'):
@@ -39,45 +29,21 @@ for m in ('uvloop', 'httptools', 'h11', 'uvicorn'):
         print(m, importlib.import_module(m).__version__, end='; ')
     except Exception as e:
         print(m, 'missing', type(e).__name__, end='; ')" 2>&1)"
-server_words() {  # CONFIG IMPL: the trace's site, the HTTP site, RLSERVE_HTTP_IMPL
-  local words
-  words=$(trace "$1")
-  [ -n "$HTTP_SITE" ] && words=${words/@PYTHONPATH=/@PYTHONPATH=$HTTP_SITE:}
-  echo "$words @RLSERVE_HTTP_IMPL=$2"
-}
-stacks() {  # the stack each server since $OUT_DIR/start named in its log, oldest server first
-  local f
-  for f in $(ls -tr $(find /tmp -maxdepth 1 -name 'rlserve-server-*.log' -newer "$OUT_DIR/start" 2>/dev/null) 2>/dev/null); do
-    grep -h -m1 "HTTP: uvicorn on" "$f" | sed 's/.*HTTP: uvicorn on //' | tr '\n' ' '
-  done
-}
-if [ "$DRY_RUN" = 1 ]; then
-  ARGS=(--shape tiny-llama --vllm-python "${RLSERVE_VLLM_PYTHON:-/work/vvenv/bin/python}" --max-model-len 1024
-        --max-num-seqs 16 --bench-timeout 300)
-  C="@conc=8"
-  FLAGS="--max-num-batched-tokens 256 --max-prefill-tokens-while-decoding 128 --disable-access-log --no-enable-chunked-prefill"
-  BENCH=(--random-input-len 300 --random-output-len 16 --num-prompts 24); LIMIT=300; MIN_STEPS=5
-else
-  [ -f /tmp/vsite/env.sh ] || say "WARNING: /tmp/vsite/env.sh missing (vLLM not installed): the client will fail"
-  ARGS=(--shape qwen3-0.6b --bench-timeout 60)
-  C="@conc=256"; FLAGS="--dtype bfloat16 --disable-access-log --no-enable-chunked-prefill"
-  BENCH=(--random-input-len 512 --random-output-len 256 --num-prompts 768); MIN_STEPS=50
-  # two servers and runs take ~50 s (s16 w1: ~25 s each); leave step 2 its ~65 s when the budget has them
-  LIMIT=$(( $(left) >= 130 ? 62 : $(left) - 5 ))
-fi
+stream_workload 256
+stream_limit 62 130  # two servers and runs: ~50 s (s16 w1: ~25 s each); leave step 2 its ~65 s
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 # 1) split steps: auto (uvloop + httptools) then h11
-CONFIGS=("auto=$C $(server_words auto auto) $FLAGS"
-         "h11=$C $(server_words h11 h11) $FLAGS")
+CONFIGS=("auto=$C $(server_words auto RLSERVE_HTTP_IMPL=auto) $FLAGS"
+         "h11=$C $(server_words h11 RLSERVE_HTTP_IMPL=h11) $FLAGS")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" auto h11
-say "stacks (auto, h11): $(stacks)"
+say "stacks (auto, h11): $(server_stacks)"
 # 2) the same pair with mixed steps
 if [ "$(left)" -ge 70 ] || [ "$DRY_RUN" = 1 ]; then
   touch "$OUT_DIR/start"
-  CONFIGS=("automixed=$C $(server_words automixed auto) $FLAGS --mixed-prefill-decode"
-           "h11mixed=$C $(server_words h11mixed h11) $FLAGS --mixed-prefill-decode")
+  CONFIGS=("automixed=$C $(server_words automixed RLSERVE_HTTP_IMPL=auto) $FLAGS --mixed-prefill-decode"
+           "h11mixed=$C $(server_words h11mixed RLSERVE_HTTP_IMPL=h11) $FLAGS --mixed-prefill-decode")
   STEM=vllm_bench_mixed stream_bench $(( $(left) - 4 )) "$MIN_STEPS" automixed h11mixed
-  say "stacks (automixed, h11mixed): $(stacks)"
+  say "stacks (automixed, h11mixed): $(server_stacks)"
 else
   say "mixed pair skipped: $(left) s left (< 70)"
 fi

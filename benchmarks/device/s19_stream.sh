@@ -22,11 +22,7 @@ NAME=s19_stream BUDGET=${BUDGET:-240}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null)"
 http_site
 stream_workload 256
-if [ "$DRY_RUN" = 1 ]; then
-  LIMIT=300
-else
-  LIMIT=$(( $(left) >= 130 ? 62 : $(left) - 5 ))  # two servers and runs: ~50 s (s16 w1: ~25 s each)
-fi
+stream_limit 62 130  # two servers and runs: ~50 s (s16 w1: ~25 s each); leave the second round its time
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 if [ -n "${STREAM_ARMS:-}" ]; then
   # other arms instead of the templates A/B (session 20's s20_pgstream.sh): STREAM_ARMS="a b ...", each arm's
@@ -56,8 +52,7 @@ fi
 fi
 # 3) vLLM's server, same workload and client
 if [ "$(left)" -ge 100 ] || { [ "$DRY_RUN" = 1 ] && [ -n "${VLLM_DRY:-}" ]; }; then
-  CONFIGS=("vllm=$C vllm $VFLAGS")
-  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
+  vllm_stream
 else
   say "vLLM's server skipped: $(left) s left (< 100; its s15 w1 c256 figures: 8,225 tok/s, ITL p99 42.4 ms)"
 fi

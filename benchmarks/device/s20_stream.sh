@@ -58,8 +58,7 @@ else
 fi
 # 3) vLLM's server, same workload and client
 if [ "$(left)" -ge 110 ] || { [ "$DRY_RUN" = 1 ] && [ -n "${VLLM_DRY:-}" ]; }; then
-  CONFIGS=("vllm=$C vllm $VFLAGS")
-  STEM=vllm_bench_vllm stream_bench $(( $(left) - 4 )) "$MIN_STEPS"
+  vllm_stream
 else
   say "vLLM's server skipped: $(left) s left (< 110; its s15 w1 figures: c256 8,225 tok/s, TTFT 1,563 / 3,934 ms, ITL p99 42.4 ms; c64 9,851 tok/s, 113 / 203 ms, 748.3 ms)"
 fi
