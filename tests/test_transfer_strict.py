@@ -15,7 +15,7 @@ from rlserve.transfer import GlooTrainerInitInfo, TensorListSource, WeightSyncHT
 from rlserve.transfer.sdk import engine as sdk
 from rlserve.transfer.errors import WeightTransferFailedError
 from rlserve.transfer.wire.packing import BucketBuffers
-from rlserve.transfer.wire.protocol import MIN_TIMEOUT_S, InitInfo
+from rlserve.transfer.wire.protocol import MIN_TIMEOUT_S, WIRE_INT_MAX, InitInfo, UpdateInfo
 from tests.transfer_sync import checksums, llama, server_greedy, trainer  # noqa: F401 (fixture)
 from tests.transfer_harness import InProcessServer, free_port
 
@@ -89,6 +89,24 @@ def test_timeout_s_floor():
         with pytest.raises(WeightUpdateError, match=f"from {MIN_TIMEOUT_S:g}.*bounds the rendezvous"):
             InitInfo.from_dict({**base, "timeout_s": bad})
     assert InitInfo.from_dict({**base, "timeout_s": MIN_TIMEOUT_S}).timeout_s == MIN_TIMEOUT_S
+
+
+def test_ints_beyond_the_engine_wire_are_refused():
+    """An int the engine-core wire (MessagePack: at most 2**64 - 1) cannot carry is a 400 naming
+    its field. Before (adv20), update_info.packed_buffer_size_bytes 2**70 passed start_weight_update
+    and /update_weights answered 500 OverflowError and tore the transfer group down;
+    init_info.packed_buffer_size_bytes 2**64 answered 500 the same way; a shape of 2**70 passed too."""
+    base = {"backend": "gloo", "master_port": 1234, "world_size": 2}
+    for big in (WIRE_INT_MAX + 1, 2**64, 2**70):
+        with pytest.raises(WeightUpdateError, match="init_info.packed_buffer_size_bytes must be <="):
+            InitInfo.from_dict({**base, "packed_buffer_size_bytes": big})
+        upd = {"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[4]]}
+        with pytest.raises(WeightUpdateError, match="update_info.packed_buffer_size_bytes must be <="):
+            UpdateInfo.from_dict({**upd, "packed_buffer_size_bytes": big})
+        with pytest.raises(WeightUpdateError, match=r"update_info.shapes\[0\]"):
+            UpdateInfo.from_dict({**upd, "shapes": [[big]]})
+    assert InitInfo.from_dict({**base, "packed_buffer_size_bytes": WIRE_INT_MAX}).packed_buffer_size_bytes == WIRE_INT_MAX
+    assert UpdateInfo.from_dict({"names": ["a.weight"], "dtype_names": ["float32"], "shapes": [[WIRE_INT_MAX]]}).shapes
 
 
 def _send_first_tensors(eng, k: int):

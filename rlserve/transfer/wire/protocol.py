@@ -48,6 +48,9 @@ from rlserve.errors import WeightUpdateError
 from rlserve.loader.weight_utils import expand_expert_names
 
 BACKENDS = ("gloo", "nccl", "ipc")
+#: The largest int a size or shape field may hold: int64's, what torch shapes and the engine-core
+#: wire carry (MessagePack stops at 2**64 - 1; a larger one failed there with a 500 OverflowError).
+WIRE_INT_MAX = (1 << 63) - 1
 _REF_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 #: Default bucket size in bytes (1 GiB), vLLM's default.
@@ -246,7 +249,7 @@ class InitInfo:
         if self.shared_group and self.rank_offset == 0:
             raise WeightUpdateError("init_info.shared_group needs the trainer on rank 0 (rank_offset >= 1)")
         _check_bool("init_info.packed", self.packed)
-        _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
+        _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1, WIRE_INT_MAX)
         _check_int("init_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not math.isfinite(self.timeout_s) or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
@@ -356,15 +359,17 @@ class UpdateInfo:
                 raise WeightUpdateError(f"update_info.names: {name!r} appears twice")
             seen.add(name)
         for i, s in enumerate(self.shapes):
-            if not isinstance(s, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in s):
-                raise WeightUpdateError(f"update_info.shapes[{i}] ({self.names[i]}) must be a list of non-negative ints, got {s!r}")
+            if not isinstance(s, (list, tuple)) or \
+                    any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= WIRE_INT_MAX for x in s):
+                raise WeightUpdateError(f"update_info.shapes[{i}] ({self.names[i]}) must be a list of ints from 0 to "
+                                        f"{WIRE_INT_MAX}, got {s!r}")
         self.shapes = [list(s) for s in self.shapes]
         for dn in self.dtype_names:
             dtype_from_name(dn)
         if self.packed is not None:
             _check_bool("update_info.packed", self.packed)
         if self.packed_buffer_size_bytes is not None:
-            _check_int("update_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
+            _check_int("update_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1, WIRE_INT_MAX)
         if self.packed_num_buffers is not None:
             _check_int("update_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
         _check_bool("update_info.partial", self.partial)
