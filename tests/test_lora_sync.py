@@ -402,3 +402,28 @@ def test_a_synced_version_takes_the_slot_of_a_finished_retired_one(base):
     assert commit_synced(core, 3, 4, 2.0, 30.0)["rank"] == 4
     assert sorted(lora.slot_of.items()) == [(2, 1), (3, 0)] and 1 not in lora.adapters
     assert unload_lora(core, 2) is True and sorted(lora.slot_of) == [3]
+
+
+def test_adapter_fields_beyond_the_engine_wire_are_not_a_500(base, prompt, tmp_path):
+    """``update_info.lora.version`` an int above 2**64 (valid JSON; an int label is accepted and
+    read as its digits): before (adv20) the raw dict crossed the engine-core wire and
+    /update_weights answered 500 OverflowError (the undeclared path) and tore the group down. Now
+    the checked fields travel: the sync lands under that label, declared at start or not."""
+    from rlserve.transfer import LoRASource
+
+    trainer = _peft(base, r=8, seed=21)
+    with InProcessServer(base, load_format="auto", enable_lora=True, max_lora_rank=8) as srv:
+        engine = _engine(srv, LoRASource(trainer, "policy"))
+        real_start = engine.client.start_weight_update
+        try:
+            for k, declared in enumerate((True, False)):
+                engine.client.start_weight_update = real_start if declared else \
+                    (lambda update_info=None: real_start(None))
+                source = LoRASource(trainer, "policy")
+                source.lora["version"] = 2**70 + k
+                engine.source = source
+                fin = engine.send_weights()
+                assert fin["lora_version"] == str(2**70 + k), fin
+                _assert_same(_complete(srv.url, "policy", prompt), _reference(trainer, base, tmp_path, prompt))
+        finally:
+            engine.shutdown()

@@ -74,7 +74,7 @@ class UpdateRoutes:
         if update_info:
             declared = UpdateInfo.from_dict(update_info).resolved(self._init)
             if declared.lora is not None:  # adapter-only (rlserve.lora.sync): its factors, staged
-                lora = await self._lora_fields(declared.lora)
+                lora = declared.lora = await self._lora_fields(declared.lora)
                 check_pairs(declared.names)
             spec, req = await self._spec_for(lora)
             validate_against_spec(declared, spec, req, tied=None if lora else self._tied)
@@ -139,6 +139,7 @@ class UpdateRoutes:
                     raise WeightUpdateError("update_info.lora comes with the session's first update_weights or its "
                                             "start_weight_update declaration")
                 s.lora = await self._lora_fields(info.lora)  # (pairs checked at finish)
+            info.lora = s.lora  # the checked fields travel (a raw int > 2**64 broke the engine wire: 500)
             spec, req = await self._spec_for(s.lora)
             if not (meta is not None and s.declared is None and not s.received and info.partial == meta["partial"]
                     and (s.lora or {}).get("r") == meta.get("lora_rank")):
