@@ -12,10 +12,11 @@ The rule is vLLM 0.32's ``_get_and_verify_max_len`` (``vllm/config/model.py``) w
   :data:`PRESCALED_ROPE_TYPES`);
 - a requested length above it is refused (vLLM's ``ValueError`` message, here
   :class:`~rlserve.errors.InvalidRequestError`) unless it is at most the config's own
-  ``model_max_length`` or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set (then vLLM's warning: positions
-  past the derived length are past the RoPE table or the learned position table, and what a step
-  with them computes is undefined, as in vLLM). Not read, as vLLM reads it: the tokenizer's
-  ``model_max_length`` (rlserve never did).
+  ``model_max_length`` or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set (then vLLM's warning). With the
+  escape, the RoPE tables grow to ``max_model_len`` rows (:func:`rlserve.layers.rotary.cover_positions`:
+  vLLM's table stops at ``max_position_embeddings`` and its kernels read past it, undefined); a
+  learned position table (OPT) cannot grow, so the engine's start refuses such a length. Not read,
+  as vLLM reads it: the tokenizer's ``model_max_length`` (rlserve never did).
 
 Read from the JSON (``config.json``, no torch or transformers import) by ``rlserve serve`` before
 any engine starts, and from the loaded HF config by the engine (the same function on either).
@@ -97,9 +98,12 @@ def derived_max_model_len(hf) -> tuple[float, str | None]:
     return length, key
 
 
-def verify_max_model_len(max_model_len: int | None, hf) -> int:
+def verify_max_model_len(max_model_len: int | None, hf, warn: bool = True) -> int:
     """The ``max_model_len`` to run with: ``None`` gives the derived length (:func:`derived_max_model_len`)
     at most :data:`MAX_DEFAULT_MODEL_LEN`; a given one is checked against it.
+
+    ``warn``: log vLLM's warning when the escape lets a longer length through (False: a second
+    reading of the same settings, the model loader's).
 
     Raises:
         InvalidRequestError: below 1, or above the derived length (vLLM's message, one line) while
@@ -117,7 +121,8 @@ def verify_max_model_len(max_model_len: int | None, hf) -> int:
             msg = (f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
                    f"({key}={shown} or model_max_length={model_max_length} in model's config.json).")
             if envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
-                logger.warning("%s %s", msg, _WARNING)
+                if warn:  # (warn=False: a second reading of the same settings, the model loader's)
+                    logger.warning("%s %s", msg, _WARNING)
             else:
                 raise InvalidRequestError(f"{msg} To allow overriding this maximum, set the env var "
                                           f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {_WARNING}")

@@ -95,3 +95,34 @@ def test_linear_rope_scaling_serves_factor_times_the_positions(tiny_model):
     prompt = [5 + (i * 7) % 300 for i in range(400)]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4))
     assert out[0].outputs[0].token_ids == hf_greedy(path, [prompt], 4)[0]
+
+
+def test_long_max_model_len_escape_computes_rope_past_the_table(tiny_model, monkeypatch):
+    """``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` with ``max_model_len`` 512 on a 256-position RoPE model:
+    the RoPE table grows to 512 rows (RoPE is defined at every position), so a 400-token prompt
+    gives Hugging Face's greedy tokens (HF computes cos / sin from the positions). The old table had
+    256 rows and the CPU kernels read past its end (a 200 with undefined tokens, session 19)."""
+    from rlserve import LLM, SamplingParams
+    from rlserve.layers.rotary import RotaryEmbedding
+    from tests.test_engine import hf_greedy
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    path = tiny_model("llama")
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=512)
+    ropes = [m for m in llm.engine.executor.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and {tuple(m.cos_cache.shape) for m in ropes} == {(512, 16)}
+    prompt = [5 + (i * 7) % 300 for i in range(400)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4))
+    assert out[0].outputs[0].token_ids == hf_greedy(path, [prompt], 4)[0]
+
+
+def test_long_max_model_len_escape_refuses_past_a_learned_position_table(tiny_model, monkeypatch):
+    """OPT's positions are a learned table (256 rows here): nothing can compute row 300, so the
+    escape cannot raise it: the engine's start refuses, naming the table and the longest length
+    (the old code started, and a long prompt read past the table)."""
+    from rlserve import LLM
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with pytest.raises(ValueError, match=r"max_model_len 512 is past the model's learned position table \(256 "
+                                         r"positions: OPTLearnedPositionalEmbedding\).* --max-model-len 256 or less"):
+        LLM(tiny_model("opt"), device="cpu", dtype="float32", max_model_len=512)

@@ -132,9 +132,22 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.rope_type = params["rope_type"]
+        self.params = dict(params)
         cos, sin = _cos_sin_cache(rotary_dim, max_position, params)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+
+    def cover(self, positions: int) -> None:
+        """Grow the table to ``positions`` rows when it has fewer (on its own device; shared as
+        :func:`_cos_sin_cache` shares). RoPE is defined at every position (cos / sin of position x
+        frequency, the same formula for rows past the config's length), so a ``max_model_len``
+        past the model's (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``) reads computed rows, where the
+        kernels (CPU C, Triton) would read past the end of the table."""
+        if positions <= self.max_position:
+            return
+        with torch.device(self.cos_cache.device):
+            self.cos_cache, self.sin_cache = _cos_sin_cache(self.rotary_dim, positions, self.params)
+        self.max_position = positions
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -164,3 +177,20 @@ def get_rope(head_dim: int, max_position: int, config) -> RotaryEmbedding:
     if params["rope_type"] == "linear":  # positions up to factor x max_position (vLLM's linear scaling table)
         max_position = int(max_position * float(params["factor"]))
     return RotaryEmbedding(head_dim, rotary_dim, max_position, params)
+
+
+def cover_positions(model: nn.Module, positions: int) -> None:
+    """Make ``model``'s position tables cover positions ``[0, positions)`` (``max_model_len``):
+    every :class:`RotaryEmbedding` grows (:meth:`RotaryEmbedding.cover`); a module with a table
+    that cannot grow (learned absolute positions, OPT's: its ``position_limit``) refuses.
+
+    Raises:
+        ValueError: a learned position table shorter than ``positions`` (the message names both)."""
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cover(positions)
+        limit = getattr(m, "position_limit", None)
+        if limit is not None and limit < positions:
+            raise ValueError(f"max_model_len {positions} is past the model's learned position table ({limit} "
+                             f"positions: {type(m).__name__}); a learned table cannot be extended, so "
+                             f"VLLM_ALLOW_LONG_MAX_MODEL_LEN cannot raise it: use --max-model-len {limit} or less")

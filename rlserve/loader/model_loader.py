@@ -121,13 +121,21 @@ def load_model(config, hf_config, device: torch.device | str, dtype: torch.dtype
         UnsupportedArchitectureError: unknown architecture.
         FileNotFoundError: no checkpoint files.
         KeyError / ValueError: a checkpoint tensor the model does not know / of the wrong shape.
-        ValueError: the checkpoint lacks required tensors (all missing names are listed).
+        ValueError: the checkpoint lacks required tensors (all missing names are listed); a
+            ``max_model_len`` past a learned position table (:func:`rlserve.layers.rotary.cover_positions`:
+            RoPE tables grow to ``max_model_len`` instead).
+        InvalidRequestError: ``max_model_len`` past the model's without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``
+            (:func:`rlserve.model_len.verify_max_model_len`).
     """
+    from rlserve.layers.rotary import cover_positions
+    from rlserve.model_len import verify_max_model_len
+
     if quant_config is None and getattr(config, "quantization", None):
         from rlserve.layers.fp8 import get_quant_config
 
         quant_config = get_quant_config(config.quantization)
     model = build_model(hf_config, device, dtype, quant_config)
+    cover_positions(model, verify_max_model_len(getattr(config, "max_model_len", None), hf_config, warn=False))
     fill_weights(model, config)
     return model
 

@@ -35,6 +35,11 @@ class OPTLearnedPositionalEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_positions + self.offset, embedding_dim), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
+    @property
+    def position_limit(self) -> int:
+        """The positions the table holds (:func:`rlserve.layers.rotary.cover_positions` refuses more)."""
+        return self.weight.shape[0] - self.offset
+
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions [T] int64`` -> ``[T, hidden]``."""
         return nn.functional.embedding(positions + self.offset, self.weight)
