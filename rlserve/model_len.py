@@ -15,8 +15,10 @@ The rule is vLLM 0.32's ``_get_and_verify_max_len`` (``vllm/config/model.py``) w
   ``model_max_length`` or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set (then vLLM's warning). With the
   escape, the RoPE tables grow to ``max_model_len`` rows (:func:`rlserve.layers.rotary.cover_positions`:
   vLLM's table stops at ``max_position_embeddings`` and its kernels read past it, undefined); a
-  learned position table (OPT) cannot grow, so the engine's start refuses such a length. Not read,
-  as vLLM reads it: the tokenizer's ``model_max_length`` (rlserve never did).
+  learned position table (OPT) cannot grow, so the engine's start refuses such a length.
+- the tokenizer's ``model_max_length`` (``tokenizer_config.json``) is not read: vLLM 0.32 reads it
+  only for pooling models with absolute position embeddings (``ModelConfig.get_and_verify_max_len``),
+  and rlserve serves generative models only.
 
 Read from the JSON (``config.json``, no torch or transformers import) by ``rlserve serve`` before
 any engine starts, and from the loaded HF config by the engine (the same function on either).
