@@ -475,3 +475,22 @@ def test_prestarted_workers_are_taken_and_a_stop_while_warming_logs_no_warning(c
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert not [r for r in caplog.records if "did not warm" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("field,body", [
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("structured_outputs", {"structured_outputs": {"regex": "(yes|no)"}}),
+])
+def test_constraint_without_xgrammar_names_the_field_sent(srv, monkeypatch, field, body):
+    """Without xgrammar (here: not importable in the server's process, ``sys.modules`` entry None), a
+    constrained request is a 400 whose message names the field the request used and the extra to
+    install. The old message said "structured_outputs needs ..." for a ``response_format`` too (the
+    compiler's word for it; session 19), and here the old code compiled it in a worker process."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    r = httpx.post(srv.url + "/v1/completions", timeout=HANG_S, json={"prompt": "hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field
+    assert err["message"] == f"{field} needs the xgrammar package on the server: pip install 'rlserve[structured]'"

@@ -87,7 +87,8 @@ def forced_spec(body, outputs: ChatOutputConfig, tool_choice, own=None) -> dict 
         grammar = structural_grammar(cls.structural_tag, body.tools, tool_choice, body.parallel_tool_calls, own)
         return None if grammar is None else {"grammar": grammar}
     except ImportError:
-        raise APIError(400, "tool_choice \"required\" / named needs the xgrammar package on the server: "
-                            "pip install 'rlserve[structured]'", param="tool_choice") from None
+        from rlserve.engine.core.structured import needs_xgrammar
+
+        raise APIError(400, needs_xgrammar('tool_choice "required" / named'), param="tool_choice") from None
     except ValueError as e:
         raise APIError(400, str(e), param="tools") from None

@@ -64,12 +64,15 @@ class StructuredChecks:
         compiled-once :class:`StructuredOutputsParams` (compiled off the event loop).
 
         Raises:
-            APIError 400 naming ``param``: a bad regex / schema / grammar, one over the size
+            APIError 400 naming ``param``: xgrammar is not installed (the message names ``param``'s
+            field and the extra to install), a bad regex / schema / grammar, one over the size
             bound (``constraint_too_large``) or one that did not compile within
             :data:`~rlserve.server.limits.COMPILE_TIMEOUT_S` (``constraint_timeout``).
         """
-        from rlserve.engine.core.structured import structured_from_request
+        from rlserve.engine.core.structured import needs_xgrammar, structured_from_request, xgrammar_installed
 
+        if not xgrammar_installed():  # (the field the request used, not the compiler's own word for it)
+            raise APIError(400, needs_xgrammar(param), param=param)
         try:
             spec = structured_from_request(spec_obj)
             check_constraint(spec, param)

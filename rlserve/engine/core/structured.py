@@ -34,13 +34,25 @@ from rlserve.errors import InvalidRequestError
 _CACHE_SIZE = 256  # compiled grammars kept per compiler (a JSON schema's is a few hundred kB at most)
 
 
+def needs_xgrammar(field: str) -> str:
+    """The message of a request whose ``field`` (what it sent: ``structured_outputs``,
+    ``response_format``, ``guided_decoding_regex``, ``tool_choice`` ...) needs xgrammar where it is
+    not installed: names the field and the extra that brings it."""
+    return f"{field} needs the xgrammar package on the server: pip install 'rlserve[structured]'"
+
+
+def xgrammar_installed() -> bool:
+    """Whether xgrammar can be found (``importlib.util.find_spec``; not imported: it imports torch)."""
+    import importlib.util
+
+    return importlib.util.find_spec("xgrammar") is not None
+
+
 def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise InvalidRequestError(
-            "structured_outputs needs the xgrammar package on the server: pip install 'rlserve[structured]'"
-        ) from None
+        raise InvalidRequestError(needs_xgrammar("structured_outputs")) from None
     return xgrammar
 
 
