@@ -239,6 +239,18 @@ def test_bad_input(server, name, path, body, status, param):
     assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_lora_route_without_enable_lora_says_how_to_turn_it_on(server, path):
+    """A server started without --enable-lora has no LoRA routes (vLLM 0.32 without
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING has none either: a 404): the OpenAI-style 404 says to start
+    with --enable-lora. The old message was only "no route POST PATH" (session 19)."""
+    r = httpx.post(server.url + path, json={"lora_name": "a", "lora_path": "/x"}, timeout=TIMEOUT)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["message"] == (f"no route POST {path} (LoRA adapters are off: start the server with --enable-lora; "
+                              "pip install 'rlserve[lora]')") and err["code"] == "not_found", err
+
+
 def test_openai_client_errors_and_still_serving(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=100000)

@@ -129,6 +129,10 @@ WEIGHT_TRANSFER_PATHS = frozenset({
     "/update_named_param", "/close_communicator",
 })
 
+#: vLLM's LoRA routes, served with --enable-lora (vLLM 0.32: with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1;
+#: without it its server has no such route either: a 404)
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
 
 def _error_response(status: int, message: str, param=None, code=None, type: str | None = None,
                     headers: dict | None = None) -> JSONResponse:
@@ -297,6 +301,8 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
             if request.url.path.rstrip("/") in WEIGHT_TRANSFER_PATHS:
                 detail += (" (weight transfer is off: start the server with --weight-transfer-config "
                            "'{\"backend\": \"gloo\"}' (or nccl / ipc))")
+            elif request.url.path.rstrip("/") in LORA_PATHS:
+                detail += " (LoRA adapters are off: start the server with --enable-lora; pip install 'rlserve[lora]')"
         return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
