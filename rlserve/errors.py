@@ -73,6 +73,11 @@ class SleepMemoryError(RLServeError):
     asleep and a later wake_up may succeed. HTTP 503, error code ``wake_up_out_of_memory``."""
 
 
+class MissingExtraError(RLServeError, ImportError):
+    """A setting needs a package of one of rlserve's optional extras that is not installed; the
+    message names the setting and the ``pip install`` that brings it."""
+
+
 class LoRAAdapterError(InvalidRequestError):
     """A LoRA adapter that cannot be served (unsupported config, wrong shapes, a rank above
     ``--max-lora-rank``, too many adapters loaded) or a LoRA route called out of order. HTTP 400."""

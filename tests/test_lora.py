@@ -263,3 +263,19 @@ def test_lora_config_is_checked_at_start():
                       ({"enable_lora": True, "max_loras": 0}, "max_loras must be >= 1")):
         with pytest.raises(InvalidRequestError, match=words):
             EngineConfig(model="unused", **kw)
+
+
+def test_llm_enable_lora_without_peft_fails_at_construction(tiny_model, monkeypatch):
+    """``LLM(path, enable_lora=True)`` without PEFT: one ImportError naming the extra, before any
+    engine starts (the check ``rlserve serve --enable-lora`` makes: rlserve.lora.require_peft). The
+    old code built the engine and failed at the first adapter load (ModuleNotFoundError: peft)."""
+    import importlib.util
+
+    from rlserve.engine import llm as llm_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda *a, **k: pytest.fail("the engine was started"))
+    with pytest.raises(ImportError) as ei:
+        llm_module.LLM(tiny_model("llama"), device="cpu", enable_lora=True)
+    assert str(ei.value) == "enable_lora=True needs the peft package: pip install 'rlserve[lora]'"

@@ -163,9 +163,14 @@ def run(args) -> int:
     problem = check_vllm_compat_args(args) or check_tool_args(args)
     if problem is None and args.lora_modules and not args.enable_lora:
         problem = "--lora-modules needs --enable-lora"
-    if problem is None and args.enable_lora and importlib.util.find_spec("peft") is None:
-        # (rlserve.lora.adapter reads adapter_config.json with PEFT: every adapter load would be a 500)
-        problem = "--enable-lora needs the peft package: pip install 'rlserve[lora]'"
+    if problem is None and args.enable_lora:  # (else every adapter load would be a 500)
+        from rlserve.errors import MissingExtraError
+        from rlserve.lora import require_peft
+
+        try:
+            require_peft("--enable-lora")
+        except MissingExtraError as e:
+            problem = str(e)
     if problem is not None:
         print(f"rlserve serve: error: {problem}", file=sys.stderr)
         return 2

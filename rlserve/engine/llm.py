@@ -52,7 +52,13 @@ class LLM:
             UnknownModelError: ``model`` is neither an existing path nor the default model's name
                 (:func:`rlserve.download.resolve_model`'s message says what to pass).
             ModelDownloadError: the default model could not be fetched or built.
+            MissingExtraError: (an ImportError) ``enable_lora=True`` without PEFT installed
+                (:func:`rlserve.lora.require_peft`: the message names ``pip install 'rlserve[lora]'``).
         """
+        if kwargs.get("enable_lora"):
+            from rlserve.lora import require_peft
+
+            require_peft("enable_lora=True")
         if not os.path.exists(os.path.expanduser(os.fspath(model))):  # "default", or a name serve refuses too
             from rlserve.download import resolve_model
 
