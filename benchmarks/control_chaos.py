@@ -11,6 +11,8 @@ idle gauges. Exit status 1 when any problem was seen.
     python benchmarks/control_chaos.py none 60            # staging, seconds
     python benchmarks/control_chaos.py host 40 pause_abort,pause_wait,pause_keep   # only these ops
     python benchmarks/control_chaos.py host 40 all 2   # all ops, two engine replicas
+    python benchmarks/control_chaos.py none 60 all 1 3 # three chaos threads at once: sleep / wake /
+                                                       # pause / resume of one overlap another's
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ staging = sys.argv[1] if len(sys.argv) > 1 else "none"
 DUR = float(sys.argv[2]) if len(sys.argv) > 2 else 60
 ops_allowed = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] != "all" else None
 DP = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # engine replicas (--data-parallel-size)
+CHAOS = int(sys.argv[5]) if len(sys.argv) > 5 else 1  # chaos threads calling control routes at once
 path = make_tiny_model("llama", os.path.join(tempfile.gettempdir(), "rlserve-chaos-llama384"), vocab_size=384)
 W = {"A": load_hf(path, seed=1), "B": load_hf(path, scale=0.5, seed=2)}
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
@@ -151,7 +154,7 @@ def chaos_loop(srv, seed):
 with InProcessServer(path, staging=staging, enable_sleep_mode=True, data_parallel_size=DP) as srv:
     ths = [threading.Thread(target=gen_loop, args=(srv, i)) for i in range(2)]
     ths.append(threading.Thread(target=trainer_loop, args=(srv,)))
-    ths.append(threading.Thread(target=chaos_loop, args=(srv, 1)))
+    ths += [threading.Thread(target=chaos_loop, args=(srv, 1 + k)) for k in range(CHAOS)]
     for t in ths: t.start()
     time.sleep(DUR)
     stop.set()
