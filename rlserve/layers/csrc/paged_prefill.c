@@ -1,6 +1,7 @@
 /* Causal prefill attention for CPU, float32, over the paged KV cache, on the CPU team (included
- * by cpu_team.c after paged_decode.c, whose v8 type, MAX_* limits and one_task it uses; entry
- * point rlserve_team_paged_prefill_f32, called by rlserve/layers/cpu_gemm.py and cpu_stack.c).
+ * by cpu_team.c after paged_decode.c, whose v8 type, vector helpers (fma8, exp8), MAX_* limits and
+ * one_task it uses; entry point rlserve_team_paged_prefill_f32, called by rlserve/layers/cpu_gemm.py
+ * and cpu_stack.c).
  *
  * Arguments and layouts are paged_decode.c's per-query form (rlserve/batch_invariant/per_query.py:
  * every query token a row with its sequence's block table and its own context length, position
@@ -33,46 +34,6 @@
 #define PF_ROWS 32 /* query rows per tile at most */
 #define PF_QV 96   /* query vectors (rows x query heads of one KV head) per tile at most */
 #define PF_KC 16   /* keys per chunk (scores, softmax step) */
-
-typedef int32_t i8v __attribute__((vector_size(32)));
-
-static inline v8 bcast8(float a) {
-    v8 r = {a, a, a, a, a, a, a, a};
-    return r;
-}
-
-/* a * b + c with one rounding per lane (cpu_team.c builds with contraction off: -std=c11), the
- * same bits with AVX2 + FMA, with AVX-512 (the same 8-lane instruction) and in the portable
- * fallback (fmaf per lane) */
-static inline __attribute__((always_inline)) v8 fma8(v8 a, v8 b, v8 c) {
-#if defined(__FMA__) && defined(__AVX__)
-    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    for (int j = 0; j < 8; j++) c[j] = fmaf(a[j], b[j], c[j]);
-    return c;
-#endif
-}
-
-static inline v8 sel8(i8v m, v8 a, v8 b) { return (v8)(((i8v)a & m) | ((i8v)b & ~m)); }
-
-/* e^x for x <= 0 (clamped at -87.3: e^-87.3 ~ 1e-38), relative error ~1e-7: paged_decode.c's
- * exp16 (Cody-Waite reduction, degree-7 Taylor polynomial) on 8 lanes. exp8(0) = 1 exactly. */
-static inline v8 exp8(v8 x) {
-    x = sel8(x < bcast8(-87.3f), bcast8(-87.3f), x);
-    v8 n = x * 1.44269504088896341f;
-    n = (n + 12582912.f) - 12582912.f; /* round to nearest */
-    v8 f = fma8(n, bcast8(-0.693359375f), x);
-    f = fma8(n, bcast8(2.12194440e-4f), f);
-    v8 p = fma8(f, bcast8(1.f / 5040), bcast8(1.f / 720));
-    p = fma8(p, f, bcast8(1.f / 120));
-    p = fma8(p, f, bcast8(1.f / 24));
-    p = fma8(p, f, bcast8(1.f / 6));
-    p = fma8(p, f, bcast8(0.5f));
-    p = fma8(p, f, bcast8(1.f));
-    p = fma8(p, f, bcast8(1.f));
-    i8v e = (__builtin_convertvector(n, i8v) + 127) << 23;
-    return p * (v8)e;
-}
 
 /* One tile: rows 0..n-1 of q / out / sl (pointers at the tile's first row), KV head g, bt the
  * block table of its last row (the longest context).
