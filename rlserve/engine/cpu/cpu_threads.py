@@ -223,8 +223,9 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     first one), start the engine's CPU team (:mod:`rlserve.layers.cpu_gemm`: current in this
     thread from now on, :func:`rlserve.layers.cpu_gemm.current`; it must start before the model
     loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
-    process), pin that thread to as many CPUs (:func:`bind_engine_thread`). Returns the
-    thread count set."""
+    process), pin that thread to as many CPUs (:func:`bind_engine_thread`), or, where that
+    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on, the team's threads one per CPU
+    (:func:`rlserve.layers.cpu_gemm.bind`). Returns the thread count set."""
     n = engine_cpu_threads(config, ranks)
     cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
@@ -232,6 +233,10 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     from rlserve.layers import cpu_gemm
 
     team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
+    pinned = cpu_gemm.bind(team) if envs.RLSERVE_CPU_TEAM_BIND and not cpus and (
+        _bind_allowed if bind is None else bind) else []
     logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for linears and "
-                "decode attention", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team.size)
+                "decode attention%s", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team.size,
+                f", pinned (RLSERVE_CPU_TEAM_BIND): engine thread on CPU {pinned[0]} in team steps, workers on "
+                f"{pinned[1:]}" if pinned else "")
     return n

@@ -15,6 +15,7 @@
  * Entry points (ctypes, rlserve/layers/cpu_gemm.py):
  *   rlserve_team_start(workers, spin_us)   start `workers` worker threads (idempotent)
  *   rlserve_team_size()                    1 + running workers
+ *   rlserve_team_pin_workers(cpus, n)      pin worker i to CPU cpus[i] (RLSERVE_CPU_TEAM_BIND)
  *   rlserve_gemm_f32(...)                  out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w packed
  *   rlserve_team_paged_decode_f32(...)     paged_decode.c's kernel, sequences over the team
  *   rlserve_team_paged_prefill_f32(...)    paged_prefill.c's causal query tiles over the team
@@ -173,6 +174,26 @@ int rlserve_team_start(int workers, int spin_us) {
 }
 
 int rlserve_team_size(void) { return 1 + T.workers; }
+
+/* Pin worker i (i < n, i < the running workers) to CPU cpus[i]; cpus[i] < 0 leaves worker i free
+   (the calling thread's CPU mask). Returns how many workers were pinned or freed (a
+   failing pthread_setaffinity_np, e.g. a CPU outside the cgroup, is skipped). */
+int rlserve_team_pin_workers(const int *cpus, int n) {
+    int done = 0;
+    cpu_set_t all;
+    if (sched_getaffinity(0, sizeof all, &all) != 0) CPU_ZERO(&all);
+    for (int i = 0; i < n && i < T.workers; i++) {
+        cpu_set_t set;
+        if (cpus[i] >= 0) {
+            CPU_ZERO(&set);
+            CPU_SET(cpus[i], &set);
+        } else {
+            set = all;
+        }
+        if (pthread_setaffinity_np(T.threads[i], sizeof set, &set) == 0) done++;
+    }
+    return done;
+}
 
 /* CPU time the workers used so far, nanoseconds (their thread CPU clocks) */
 int64_t rlserve_team_worker_cpu_ns(void) {

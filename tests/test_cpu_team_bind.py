@@ -1,0 +1,91 @@
+"""``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`): the team's worker pinned to the
+lowest CPU for good, the engine thread to the highest for the length of each team step only
+(inline steps and everything between steps keep the thread's whole mask); off by default."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+
+from rlserve.config import EngineConfig
+from rlserve.engine.cpu import cpu_threads
+from rlserve.layers import cpu_gemm
+
+pytestmark = [
+    pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU team cannot be built"),
+    pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                       reason="needs 2 usable CPUs and sched_setaffinity"),
+]
+
+
+def _allowed(tid: int) -> set[int]:
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return set(cpu_threads.parse_cpu_list(line.split(":", 1)[1].strip()))
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def _threads_pinned_to(cpu: int) -> int:
+    me = threading.get_native_id()
+    return sum(1 for t in os.listdir("/proc/self/task") if int(t) != me and _allowed(int(t)) == {cpu})
+
+
+def _free_workers():
+    n = cpu_gemm._lib().rlserve_team_size() - 1
+    cpu_gemm._lib().rlserve_team_pin_workers((ctypes.c_int * n)(*([-1] * n)), n)
+
+
+@pytest.fixture
+def team2():
+    prev, mask = cpu_gemm.size(), set(os.sched_getaffinity(0))
+    team = cpu_gemm.start(2)
+    yield team
+    _free_workers()
+    os.sched_setaffinity(0, mask)
+    cpu_gemm.start(prev)
+
+
+def test_bind_pins_the_worker_for_good_and_the_engine_thread_in_team_steps(team2):
+    mask = sorted(os.sched_getaffinity(0))
+    before = _threads_pinned_to(mask[0])
+    assert cpu_gemm.bind(cpu_gemm.Team(1)) == []  # a team of 1: nothing to pin
+    assert cpu_gemm.bind(team2) == [mask[-1], mask[0]]
+    assert _threads_pinned_to(mask[0]) == before + 1  # the worker
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(96, 64, generator=g)
+    with cpu_gemm.step_guard("decode"):
+        assert os.sched_getaffinity(0) == {mask[-1]}
+        out = cpu_gemm.linear(x, cpu_gemm.pack(w), 96)  # the team runs while pinned
+    assert os.sched_getaffinity(0) == set(mask)  # restored after the step
+    torch.testing.assert_close(out, x @ w.T, atol=1e-5, rtol=1e-5)
+    team2.guards["other"].skip = 1  # a step the guard runs inline: the engine thread stays free
+    with cpu_gemm.step_guard("other"):
+        assert os.sched_getaffinity(0) == set(mask)
+    with pytest.raises(RuntimeError, match="boom"):  # an error in the step still restores the mask
+        with cpu_gemm.step_guard("decode"):
+            raise RuntimeError("boom")
+    assert os.sched_getaffinity(0) == set(mask)
+    _free_workers()
+    assert _threads_pinned_to(mask[0]) == before
+
+
+def test_configure_engine_threads_binds_only_when_asked_and_allowed(team2, monkeypatch):
+    monkeypatch.setenv("RLSERVE_CPU_THREADS", "1")
+    monkeypatch.delenv("RLSERVE_CPU_TEAM", raising=False)
+    monkeypatch.delenv("RLSERVE_CPU_OMP_THREADS_BIND", raising=False)
+    old = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("RLSERVE_CPU_TEAM_BIND", raising=False)
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().size == 2 and cpu_gemm.current().bind is None  # off by default
+        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "1")
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=False)
+        assert cpu_gemm.current().bind is None  # not an engine-core process: never pinned
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().bind == (max(os.sched_getaffinity(0)), tuple(sorted(os.sched_getaffinity(0))))
+    finally:
+        torch.set_num_threads(old)
