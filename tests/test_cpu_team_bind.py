@@ -1,6 +1,7 @@
-"""``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`): the team's worker pinned to the
-lowest CPU for good, the engine thread to the highest for the length of each team step only
-(inline steps and everything between steps keep the thread's whole mask); off by default."""
+"""``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`, on by default in engine-core
+processes): the team's worker pinned to its CPU for good, the engine thread to its own for the
+length of each team step only (inline steps and everything between steps keep the thread's whole
+mask), on CPUs that no other rlserve engine on the machine holds."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def team2():
 def test_bind_pins_the_worker_for_good_and_the_engine_thread_in_team_steps(team2):
     mask = sorted(os.sched_getaffinity(0))
     before = _threads_pinned_to(mask[0])
-    assert cpu_gemm.bind(cpu_gemm.Team(1)) == []  # a team of 1: nothing to pin
-    assert cpu_gemm.bind(team2) == [mask[-1], mask[0]]
+    assert cpu_gemm.bind(cpu_gemm.Team(1), [mask[-1], mask[0]]) == []  # a team of 1: nothing to pin
+    assert cpu_gemm.bind(team2, [mask[-1]]) == []  # fewer CPUs than threads
+    assert cpu_gemm.bind(team2, [mask[-1], mask[0]]) == [mask[-1], mask[0]]
     assert _threads_pinned_to(mask[0]) == before + 1  # the worker
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 64, generator=g), torch.randn(96, 64, generator=g)
@@ -73,19 +75,31 @@ def test_bind_pins_the_worker_for_good_and_the_engine_thread_in_team_steps(team2
     assert _threads_pinned_to(mask[0]) == before
 
 
-def test_configure_engine_threads_binds_only_when_asked_and_allowed(team2, monkeypatch):
+def test_configure_engine_threads_binds_where_allowed_on_claimed_cpus(team2, monkeypatch, tmp_path):
+    """On by default in an engine-core process (``bind``), never elsewhere, off with ``0``, and only
+    on CPUs this process could claim (another engine holding one: nothing pinned)."""
     monkeypatch.setenv("RLSERVE_CPU_THREADS", "1")
     monkeypatch.delenv("RLSERVE_CPU_TEAM", raising=False)
     monkeypatch.delenv("RLSERVE_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("RLSERVE_CPU_TEAM_BIND", raising=False)
+    monkeypatch.setattr(cpu_threads, "_held_locks", [])
+    monkeypatch.setattr(cpu_threads.tempfile, "gettempdir", lambda: str(tmp_path))  # this test's lock files
+    mask = tuple(sorted(os.sched_getaffinity(0)))
     old = torch.get_num_threads()
     try:
-        monkeypatch.delenv("RLSERVE_CPU_TEAM_BIND", raising=False)
-        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
-        assert cpu_gemm.current().size == 2 and cpu_gemm.current().bind is None  # off by default
-        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "1")
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=False)
-        assert cpu_gemm.current().bind is None  # not an engine-core process: never pinned
+        assert cpu_gemm.current().size == 2 and cpu_gemm.current().bind is None  # not an engine-core process
+        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "0")
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
-        assert cpu_gemm.current().bind == (max(os.sched_getaffinity(0)), tuple(sorted(os.sched_getaffinity(0))))
+        assert cpu_gemm.current().bind is None  # turned off
+        monkeypatch.delenv("RLSERVE_CPU_TEAM_BIND")
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().bind == (mask[-1], mask)  # the default: the highest CPU for the engine thread
+        assert len(cpu_threads._held_locks) == cpu_gemm.current().size  # one lock file per CPU claimed
+        # a second engine on the machine (here: the same lock files, held) pins nothing
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().bind is None
     finally:
         torch.set_num_threads(old)
+        for f in cpu_threads._held_locks:
+            f.close()

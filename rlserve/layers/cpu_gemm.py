@@ -168,30 +168,27 @@ def _set_affinity(cpus) -> bool:
         return False
 
 
-def bind(team: Team) -> list[int]:
-    """Pin ``team``'s threads one per CPU (``RLSERVE_CPU_TEAM_BIND``, engine-core processes only:
-    :func:`rlserve.engine.cpu.cpu_threads.configure_engine_threads`): worker i to the i-th lowest
-    CPU of the calling thread's affinity mask, for good, and the calling (engine) thread to the
-    highest for the length of each team step (:func:`step_guard`; steps the guard runs inline,
-    and whatever the thread does between steps, stay free, as do threads it starts then).
-    Unpinned, the worker ran or waited on the engine thread's core in 35 of 46 samples of a closed
-    loop (2026-12-07 s20, the 2-core AMD EPYC at load ~29, autogroup nice -10): the team then
-    shares one core and the guard sends the next steps inline. The workers are the process's: every engine of the
-    process shares them. Returns the CPUs ``[engine thread, worker 0, ...]``, ``[]`` where
-    nothing was pinned (a team of 1, fewer usable CPUs than the team's threads, no library, no
-    ``sched_setaffinity``, a refused pin)."""
+def bind(team: Team, cpus: list[int]) -> list[int]:
+    """Pin ``team``'s threads one per CPU of ``cpus`` (``RLSERVE_CPU_TEAM_BIND``, engine-core
+    processes only, on CPUs no other rlserve engine of the machine holds:
+    :func:`rlserve.engine.cpu.cpu_threads.configure_engine_threads`): worker i to ``cpus[i + 1]``
+    for good, and the calling (engine) thread to ``cpus[0]`` for the length of each team step
+    (:func:`step_guard`; steps the guard runs inline, and whatever the thread does between steps,
+    keep its whole mask, as do threads it starts then). Unpinned, the worker ran or waited on the
+    engine thread's core in 35 of 46 samples of a closed loop (2026-12-07 s20, the 2-core AMD EPYC
+    at load ~29, autogroup nice -10): the team then shares one core and the guard sends the next
+    steps inline. The workers are the process's: every engine of the process shares them. Returns
+    the CPUs ``[engine thread, worker 0, ...]``, ``[]`` where nothing was pinned (a team of 1,
+    fewer ``cpus`` than the team's threads, no library, no ``sched_setaffinity``, a refused pin)."""
     lib = _lib()
-    if team.size < 2 or lib is None or not hasattr(os, "sched_setaffinity"):
+    if team.size < 2 or lib is None or len(cpus) < team.size or not hasattr(os, "sched_setaffinity"):
         return []
-    mask = sorted(os.sched_getaffinity(0))
-    if len(mask) < team.size:
-        return []
-    workers = mask[: team.size - 1]
+    workers = [int(c) for c in cpus[1:team.size]]
     if lib.rlserve_team_pin_workers((ctypes.c_int * len(workers))(*workers), len(workers)) != len(workers):
         lib.rlserve_team_pin_workers((ctypes.c_int * len(workers))(*([-1] * len(workers))), len(workers))
         return []
-    team.bind = (mask[-1], tuple(mask))
-    return [mask[-1], *workers]
+    team.bind = (int(cpus[0]), tuple(sorted(os.sched_getaffinity(0))))
+    return [int(cpus[0]), *workers]
 
 
 def current() -> Team:

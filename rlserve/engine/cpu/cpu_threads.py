@@ -41,7 +41,10 @@ pinned thread cannot move off a core that something else is using, and the sched
 an unpinned busy thread on its core anyway. Pinning is available, off by default
 (:func:`bind_engine_thread`, ``RLSERVE_CPU_OMP_THREADS_BIND``): measured beside vLLM's pinned
 worker on the shared 2-core machine it did not give the engine a larger share of the CPU
-(BENCHMARKS.md, issue 22, seventh session).
+(BENCHMARKS.md, issue 22, seventh session). The CPU team's threads (the engine thread and its
+workers, :mod:`rlserve.layers.cpu_gemm`) are another matter: two threads of one step, woken
+unpinned on a busy machine, were queued on one core (``RLSERVE_CPU_TEAM_BIND``, on by default,
+pins them apart: :func:`rlserve.layers.cpu_gemm.bind`; BENCHMARKS.md, issue 37, s20).
 
 Overrides, first match wins: ``config.extra["cpu_threads"]``, ``RLSERVE_CPU_THREADS``, and
 ``OMP_NUM_THREADS`` when the user set it (torch reads it too). The choice is made by
@@ -224,8 +227,10 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     thread from now on, :func:`rlserve.layers.cpu_gemm.current`; it must start before the model
     loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
     process), pin that thread to as many CPUs (:func:`bind_engine_thread`), or, where that
-    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on, the team's threads one per CPU
-    (:func:`rlserve.layers.cpu_gemm.bind`). Returns the thread count set."""
+    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on (the default), the team's threads one per
+    CPU (:func:`rlserve.layers.cpu_gemm.bind`) on CPUs this process claims (:func:`_claim_cpus`:
+    no other rlserve engine on the machine holds them; none pinned where one does). Returns the
+    thread count set."""
     n = engine_cpu_threads(config, ranks)
     cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
@@ -233,8 +238,10 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     from rlserve.layers import cpu_gemm
 
     team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
-    pinned = cpu_gemm.bind(team) if envs.RLSERVE_CPU_TEAM_BIND and not cpus and (
-        _bind_allowed if bind is None else bind) else []
+    pinned: list[int] = []
+    if team.size >= 2 and not cpus and envs.RLSERVE_CPU_TEAM_BIND and (_bind_allowed if bind is None else bind):
+        claimed = _claim_cpus(team.size)  # none where another rlserve engine holds one of them
+        pinned = cpu_gemm.bind(team, claimed) if claimed else []
     logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for linears and "
                 "decode attention%s", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team.size,
                 f", pinned (RLSERVE_CPU_TEAM_BIND): engine thread on CPU {pinned[0]} in team steps, workers on "
