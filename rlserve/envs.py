@@ -263,10 +263,10 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CPU_TEAM_SPIN_US": Var("int >= 0 | None", None, _non_negative,
                                     "microseconds a CPU team worker spins for the next operation before it sleeps "
                                     "(default 200)"),
-    "RLSERVE_CPU_TEAM_BIND": Var("bool", True, _flag,
-                                 "'0': leave the CPU team's threads unpinned (default: in an engine-core process, the "
-                                 "workers one per CPU and the engine thread, in team steps, on the CPU left, on CPUs "
-                                 "no other rlserve engine holds)"),
+    "RLSERVE_CPU_TEAM_BIND": Var("bool", False, _flag,
+                                 "'1': in an engine-core process, pin the CPU team's workers one per CPU and the engine "
+                                 "thread, in team steps, on the CPU left, on CPUs no other rlserve engine holds "
+                                 "(default off)"),
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),

@@ -1,5 +1,5 @@
-"""``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`, on by default in engine-core
-processes): the team's worker pinned to its CPU for good, the engine thread to its own for the
+"""``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`, off by default; engine-core
+processes only): the team's worker pinned to its CPU for good, the engine thread to its own for the
 length of each team step only (inline steps and everything between steps keep the thread's whole
 mask), on CPUs that no other rlserve engine on the machine holds."""
 
@@ -76,8 +76,8 @@ def test_bind_pins_the_worker_for_good_and_the_engine_thread_in_team_steps(team2
 
 
 def test_configure_engine_threads_binds_where_allowed_on_claimed_cpus(team2, monkeypatch, tmp_path):
-    """On by default in an engine-core process (``bind``), never elsewhere, off with ``0``, and only
-    on CPUs this process could claim (another engine holding one: nothing pinned)."""
+    """Off by default; with ``1`` in an engine-core process (``bind``) only, and only on CPUs this
+    process could claim (another engine holding one: nothing pinned)."""
     monkeypatch.setenv("RLSERVE_CPU_THREADS", "1")
     monkeypatch.delenv("RLSERVE_CPU_TEAM", raising=False)
     monkeypatch.delenv("RLSERVE_CPU_OMP_THREADS_BIND", raising=False)
@@ -87,14 +87,13 @@ def test_configure_engine_threads_binds_where_allowed_on_claimed_cpus(team2, mon
     mask = tuple(sorted(os.sched_getaffinity(0)))
     old = torch.get_num_threads()
     try:
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().size >= 2 and cpu_gemm.current().bind is None  # off by default
+        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "1")
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=False)
-        assert cpu_gemm.current().size == 2 and cpu_gemm.current().bind is None  # not an engine-core process
-        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "0")
+        assert cpu_gemm.current().bind is None  # not an engine-core process
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
-        assert cpu_gemm.current().bind is None  # turned off
-        monkeypatch.delenv("RLSERVE_CPU_TEAM_BIND")
-        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
-        assert cpu_gemm.current().bind == (mask[-1], mask)  # the default: the highest CPU for the engine thread
+        assert cpu_gemm.current().bind == (mask[-1], mask)  # the highest CPU for the engine thread
         assert len(cpu_threads._held_locks) == cpu_gemm.current().size  # one lock file per CPU claimed
         # a second engine on the machine (here: the same lock files, held) pins nothing
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)

@@ -43,7 +43,7 @@ an unpinned busy thread on its core anyway. Pinning is available, off by default
 worker on the shared 2-core machine it did not give the engine a larger share of the CPU
 (BENCHMARKS.md, issue 22, seventh session). The CPU team's threads (the engine thread and its
 workers, :mod:`rlserve.layers.cpu_gemm`) are another matter: two threads of one step, woken
-unpinned on a busy machine, were queued on one core (``RLSERVE_CPU_TEAM_BIND``, on by default,
+unpinned on a busy machine, were queued on one core (``RLSERVE_CPU_TEAM_BIND``, off by default,
 pins them apart: :func:`rlserve.layers.cpu_gemm.bind`; BENCHMARKS.md, issue 37, s20).
 
 Overrides, first match wins: ``config.extra["cpu_threads"]``, ``RLSERVE_CPU_THREADS``, and
@@ -227,7 +227,7 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     thread from now on, :func:`rlserve.layers.cpu_gemm.current`; it must start before the model
     loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
     process), pin that thread to as many CPUs (:func:`bind_engine_thread`), or, where that
-    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on (the default), the team's threads one per
+    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on (default off), the team's threads one per
     CPU (:func:`rlserve.layers.cpu_gemm.bind`) on CPUs this process claims (:func:`_claim_cpus`:
     no other rlserve engine on the machine holds them; none pinned where one does). Returns the
     thread count set."""
