@@ -53,42 +53,29 @@ def test_kernel_matches_dense_reference(seq_lens, H, Hkv, D, bs):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
-def _has_avx512() -> bool:
+def _cpu_has(flag: str) -> bool:
     try:
-        return " avx512f" in open("/proc/cpuinfo").read()
+        return f" {flag}" in open("/proc/cpuinfo").read()
     except OSError:
         return False
 
 
-@pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 here: the default build above already runs the portable path")
+# paged_decode.c has an AVX-512 path (head_dim a multiple of 16), an AVX2 + FMA one and a portable
+# one (GCC vector extensions, a horizontal sum per dot product, libm's expf); -march=native compiles
+# only the first it can, so the test above never reaches the others there (CI machines differ: AVX2
+# and AVX-512 ones). Build the kernel once more without the faster paths and check those too.
+OTHER_BUILDS = [
+    pytest.param(("-mno-avx512f",), id="avx2", marks=pytest.mark.skipif(
+        not _cpu_has("avx512f"), reason="no AVX-512 here: the default build above runs the AVX2 path")),
+    pytest.param(("-mno-avx512f", "-mno-fma"), id="portable", marks=pytest.mark.skipif(
+        not _cpu_has("avx2"), reason="no AVX2 here: the default build above runs the portable path")),
+]
+
+
+@pytest.mark.parametrize("flags", OTHER_BUILDS)
 @pytest.mark.parametrize("seq_lens,H,Hkv,D,bs", CASES)
-def test_portable_path_matches_dense_reference_on_avx512_machines(seq_lens, H, Hkv, D, bs, monkeypatch):
-    """paged_decode.c has an AVX-512 path (head_dim a multiple of 16), an AVX2 + FMA one and a
-    portable one (GCC vector extensions); ``-march=native`` on an AVX-512 CPU compiles only the
-    first for such shapes, so the test above never reaches the AVX2 code there (CI machines differ:
-    AVX2 and AVX-512 ones). Build the kernel once more with ``-mno-avx512f`` and check it too."""
-    lib = load_library("paged_decode.c", ("-mno-avx512f",))
-    assert lib is not None, "a C compiler is on this machine: the kernel must build"
-    monkeypatch.setitem(cpu_attention._state, "fn", cpu_attention.bind(lib))
-    q, kc, vc, meta = make_paged_case([1] * len(seq_lens), seq_lens, H, Hkv, D, bs, torch.float32)
-    out = cpu_attention.paged_decode(q, kc, vc, meta.block_tables, meta.seq_lens, D**-0.5)
-    assert out is not None
-    torch.testing.assert_close(out, dense_decode_reference(q, kc, vc, meta, D**-0.5), atol=2e-6, rtol=2e-5)
-
-
-def _has_avx2() -> bool:
-    try:
-        return " avx2" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_avx2(), reason="no AVX2 here: the default build is the portable path already")
-@pytest.mark.parametrize("seq_lens,H,Hkv,D,bs", CASES)
-def test_portable_path_matches_dense_reference(seq_lens, H, Hkv, D, bs, monkeypatch):
-    """The portable path (a horizontal sum per dot product, libm's expf), which ``-march=native``
-    on an AVX2 + FMA or AVX-512 CPU never compiles: built once more without FMA and AVX-512."""
-    lib = load_library("paged_decode.c", ("-mno-avx512f", "-mno-fma"))
+def test_other_paths_match_dense_reference(seq_lens, H, Hkv, D, bs, flags, monkeypatch):
+    lib = load_library("paged_decode.c", flags)
     assert lib is not None, "a C compiler is on this machine: the kernel must build"
     monkeypatch.setitem(cpu_attention._state, "fn", cpu_attention.bind(lib))
     q, kc, vc, meta = make_paged_case([1] * len(seq_lens), seq_lens, H, Hkv, D, bs, torch.float32)

@@ -88,6 +88,26 @@ static inline void prefetch_lines(const char *p, int64_t lo, int64_t hi) {
     for (int64_t o = lo; o < hi; o++) __builtin_prefetch(p + 64 * o, 0, 3);
 }
 
+/* Block j of a sequence's table (context length L): its rows n, its K and V rows, and the next
+ * block's (nk, nv; NULL after the last block: nothing to prefetch). */
+typedef struct {
+    int n;
+    const float *kb, *vb;
+    const char *nk, *nv;
+} kv_block;
+
+static inline kv_block block_at(const float *k_cache, const float *v_cache, const int32_t *bt, int j, int L,
+                                int block_size, int64_t block_floats) {
+    kv_block r;
+    r.n = L - j * block_size < block_size ? L - j * block_size : block_size;
+    r.kb = k_cache + (int64_t)bt[j] * block_floats;
+    r.vb = v_cache + (int64_t)bt[j] * block_floats;
+    const int more = (j + 1) * block_size < L;
+    r.nk = more ? (const char *)(k_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+    r.nv = more ? (const char *)(v_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+    return r;
+}
+
 typedef int32_t i8v __attribute__((vector_size(32)));
 
 static inline v8 bcast8(float a) {
@@ -128,9 +148,9 @@ static inline v8 exp8(v8 x) {
     return p * (v8)e;
 }
 
-static void one_task_portable(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                     const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size,
-                     int max_blocks, float scale) {
+static __attribute__((unused)) void one_task_portable(
+        const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+        const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size, int max_blocks, float scale) {
     const int G = H / Hkv;
     const int L = seq_lens[b];
     const int32_t *bt = block_tables + (int64_t)b * max_blocks;
@@ -144,12 +164,10 @@ static void one_task_portable(const float *q, const float *k_cache, const float 
     for (int i = 0; i < H * D; i++) { qs[i] = qb[i] * scale; acc[i] = 0.f; }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
     for (int j = 0; j * block_size < L; j++) {
-        const int n = L - j * block_size < block_size ? L - j * block_size : block_size;
-        const float *kb = k_cache + (int64_t)bt[j] * block_floats;
-        const float *vb = v_cache + (int64_t)bt[j] * block_floats;
-        const int more = (j + 1) * block_size < L;
-        const char *nk = more ? (const char *)(k_cache + (int64_t)bt[j + 1] * block_floats) : 0;
-        const char *nv = more ? (const char *)(v_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
+        const int n = blk.n, more = blk.nk != 0;
+        const float *kb = blk.kb, *vb = blk.vb;
+        const char *nk = blk.nk, *nv = blk.nv;
         const int64_t lines = block_floats / 16, per = (lines + n - 1) / n;
         for (int t = 0; t < n; t++) {
             if (more) prefetch_lines(nk, t * per, (t + 1) * per < lines ? (t + 1) * per : lines);
@@ -217,19 +235,16 @@ static inline __attribute__((always_inline)) void task8(
     for (int i = 0; i < H * D8; i++) { qs[i] = *(const v8u *)(qb + 8 * i) * scale; acc[i] = bcast8(0.f); }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
     for (int j = 0; j * block_size < L; j++) {
-        const int n = L - j * block_size < block_size ? L - j * block_size : block_size;
-        const float *kb = k_cache + (int64_t)bt[j] * block_floats;
-        const float *vb = v_cache + (int64_t)bt[j] * block_floats;
-        /* the next block's K and V lines, a share per query head (see the header) */
-        const int more = (j + 1) * block_size < L;
-        const char *nk = more ? (const char *)(k_cache + (int64_t)bt[j + 1] * block_floats) : 0;
-        const char *nv = more ? (const char *)(v_cache + (int64_t)bt[j + 1] * block_floats) : 0;
+        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
+        const int n = blk.n, more = blk.nk != 0;
+        const float *kb = blk.kb, *vb = blk.vb;
+        /* the next block's K and V lines (blk.nk, blk.nv), a share per query head (see the header) */
         const int64_t lines = block_floats / 16, per = (lines + H - 1) / H;
         /* scores */
         for (int i = 0; i < H; i++) {
             const v8 *qi = qs + i * D8;
             const float *kh = kb + (i / G) * D;
-            if (more) prefetch_lines(nk, i * per, (i + 1) * per < lines ? (i + 1) * per : lines);
+            if (more) prefetch_lines(blk.nk, i * per, (i + 1) * per < lines ? (i + 1) * per : lines);
             for (int t0 = 0; t0 < n; t0 += 8) {
                 v8 parts[8];
                 const int tn = n - t0 < 8 ? n - t0 : 8;
@@ -267,7 +282,7 @@ static inline __attribute__((always_inline)) void task8(
         /* values: each query head's accumulator in registers over the block's rows */
         for (int i = 0; i < H; i++) {
             const float *vh = vb + (i / G) * D;
-            if (more) prefetch_lines(nv, i * per, (i + 1) * per < lines ? (i + 1) * per : lines);
+            if (more) prefetch_lines(blk.nv, i * per, (i + 1) * per < lines ? (i + 1) * per : lines);
             v8 a[MAX_D / 8];
             for (int c = 0; c < D8; c++) a[c] = acc[i * D8 + c];
             for (int t = 0; t < n; t++) {
