@@ -13,9 +13,11 @@
 #   d) with 50 s left (a warm Triton cache: ~21 s a run on an H100), a second pair, new then old (the order's
 #      bias), and its windows
 # DRY_RUN=1: the same on the CPU, tiny shape, overlap forced on (RLSERVE_ASYNC_SCHEDULING=1), c) the CPU tests.
-NAME=s18_overlap BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
+NAME=${NAME:-s18_overlap} BUDGET=${BUDGET:-120}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-unset RLSERVE_OVERLAP_AFTER_PREFILL
+# AB_VAR / AB_TESTS: another 0/1 switch and its GPU tests through the same runs (session 20's s20_pgoffline.sh)
+AB_VAR=${AB_VAR:-RLSERVE_OVERLAP_AFTER_PREFILL}
+unset "$AB_VAR"
 if [ "$DRY_RUN" = 1 ]; then
   export RLSERVE_ASYNC_SCHEDULING=1
   TP=(--shape tiny-llama --device cpu --num-seqs 12 --min-len 8 --max-len 24 --max-num-seqs 4)  # prompts wait: prefills while others decode
@@ -23,16 +25,16 @@ if [ "$DRY_RUN" = 1 ]; then
   CAP=60; KEEP=20
 else
   TP=(--shape qwen3-0.6b --device cuda)
-  TESTS=(tests/gpu/test_overlap_gpu.py)
+  TESTS=(${AB_TESTS:-tests/gpu/test_overlap_gpu.py})
   CAP=50; KEEP=25  # a cold Triton cache makes the first start slow: the old rule runs first
 fi
 run_one() {  # TAG RULE(0/1): one throughput.py run, its summary line
   local tag=$1 rule=$2 t
   t=$(slot "$CAP" "$KEEP")
-  RLSERVE_OVERLAP_AFTER_PREFILL=$rule timeout -k 5 "$t" $PY benchmarks/throughput.py --engine rlserve --no-hf \
+  env "$AB_VAR=$rule" timeout -k 5 "$t" $PY benchmarks/throughput.py --engine rlserve --no-hf \
     "${TP[@]}" --floor --step-trace "$OUT_DIR/steps_$tag.jsonl" --json "$OUT_DIR/throughput_$tag.json" \
     > "$OUT_DIR/throughput_$tag.log" 2>&1
-  say "a) $tag (RLSERVE_OVERLAP_AFTER_PREFILL=$rule) rc=$? ($t s limit)"
+  say "a) $tag ($AB_VAR=$rule) rc=$? ($t s limit)"
   $PY - "$OUT_DIR/throughput_$tag.json" "$tag" <<'PYEOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
 import json, sys
 try:
