@@ -96,6 +96,13 @@ def _gemv_mode(name: str, raw: str) -> str:
     return raw
 
 
+def _team_bind(name: str, raw: str) -> str:
+    """``"0"``, ``"1"`` or ``"avoid"``; anything else is a ValueError naming the variable."""
+    if raw not in ("0", "1", "avoid"):
+        raise ValueError(f"{name} must be 0, 1 or avoid, not {raw!r}")
+    return raw
+
+
 def http_impl(name: str, raw: str) -> str:
     """``"auto"``, ``"h11"`` or ``"uvloop-h11"``; anything else is a ValueError naming the variable."""
     if raw not in ("auto", "h11", "uvloop-h11"):
@@ -263,10 +270,11 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CPU_TEAM_SPIN_US": Var("int >= 0 | None", None, _non_negative,
                                     "microseconds a CPU team worker spins for the next operation before it sleeps "
                                     "(default 200)"),
-    "RLSERVE_CPU_TEAM_BIND": Var("bool", False, _flag,
+    "RLSERVE_CPU_TEAM_BIND": Var("0 | 1 | avoid", "0", _team_bind,
                                  "'1': in an engine-core process, pin the CPU team's workers one per CPU and the engine "
-                                 "thread, in team steps, on the CPU left, on CPUs no other rlserve engine holds "
-                                 "(default off)"),
+                                 "thread, in team steps, on the CPU left, on CPUs no other rlserve engine holds; "
+                                 "'avoid': keep the workers off the engine thread's CPU before each team step "
+                                 "(default 0: neither)"),
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),

@@ -1,7 +1,9 @@
 """``RLSERVE_CPU_TEAM_BIND`` (:func:`rlserve.layers.cpu_gemm.bind`, off by default; engine-core
 processes only): the team's worker pinned to its CPU for good, the engine thread to its own for the
 length of each team step only (inline steps and everything between steps keep the thread's whole
-mask), on CPUs that no other rlserve engine on the machine holds."""
+mask), on CPUs that no other rlserve engine on the machine holds; ``avoid``
+(:func:`rlserve.layers.cpu_gemm.avoid`): the workers kept off the engine thread's CPU before each
+team step, the engine thread free."""
 
 from __future__ import annotations
 
@@ -98,7 +100,31 @@ def test_configure_engine_threads_binds_where_allowed_on_claimed_cpus(team2, mon
         # a second engine on the machine (here: the same lock files, held) pins nothing
         cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
         assert cpu_gemm.current().bind is None
+        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "avoid")
+        cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
+        assert cpu_gemm.current().avoid and cpu_gemm.current().bind is None
+        monkeypatch.setenv("RLSERVE_CPU_TEAM_BIND", "yes")
+        with pytest.raises(ValueError, match="RLSERVE_CPU_TEAM_BIND"):
+            cpu_threads.configure_engine_threads(EngineConfig(model="unused"), bind=True)
     finally:
         torch.set_num_threads(old)
         for f in cpu_threads._held_locks:
             f.close()
+
+
+def test_avoid_keeps_the_workers_off_the_engine_threads_cpu(team2):
+    mask = set(os.sched_getaffinity(0))
+    workers_before = {t for t in os.listdir("/proc/self/task") if _allowed(int(t)) == mask}
+    assert cpu_gemm.avoid(team2) and team2.bind is None
+    try:
+        with cpu_gemm.step_guard("decode"):
+            here = cpu_gemm._sched_getcpu()
+            # the worker's mask: the engine thread's less the CPU it ran on at the step's start (most likely
+            # still `here`; the test accepts any one CPU left out, as the thread may have moved since)
+            narrowed = [t for t in workers_before if len(_allowed(int(t))) == len(mask) - 1]
+            assert os.sched_getaffinity(0) == mask  # the engine thread itself stays free
+        assert len(narrowed) >= 1 and here in mask  # the team's worker(s)
+    finally:
+        team2.avoid = False
+        cpu_gemm._lib().rlserve_team_avoid_cpu(-1)
+    assert all(_allowed(int(t)) == mask for t in workers_before)

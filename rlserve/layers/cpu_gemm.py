@@ -88,6 +88,8 @@ def _lib():
                         getattr(lib, name).restype = ctypes.c_int
                     lib.rlserve_team_pin_workers.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
                     lib.rlserve_team_pin_workers.restype = ctypes.c_int
+                    lib.rlserve_team_avoid_cpu.argtypes = [ctypes.c_int]
+                    lib.rlserve_team_avoid_cpu.restype = ctypes.c_int
                     lib.rlserve_team_worker_cpu_ns.argtypes = []
                     lib.rlserve_team_worker_cpu_ns.restype = ctypes.c_int64
                     lib.rlserve_team_decode_stack_f32.argtypes = ([_P] * 4 + [ctypes.c_int] + [_P] * 3 + [_I] * 2
@@ -132,6 +134,7 @@ class Team:
         self.logged = False  # the first fallback is logged (info), later ones counted only
         self.skip_active = False  # set for the length of a backed-off (inline) step
         self.bind = None  # (engine thread's CPU, the thread's mask to restore) while pinned (bind)
+        self.avoid = False  # keep the workers off the engine thread's CPU before each team step (avoid)
 
     def threads_now(self) -> int:
         """Threads a team call may use now: 1 while the guard backs off, else ``size``."""
@@ -158,6 +161,23 @@ def start(size: int) -> Team:
     _state["default"] = team
     _local.team = team
     return team
+
+
+try:
+    _sched_getcpu = ctypes.CDLL(None).sched_getcpu  # glibc; the CPU the calling thread runs on
+    _sched_getcpu.restype = ctypes.c_int
+except (OSError, AttributeError):
+    _sched_getcpu = None
+
+
+def avoid(team: Team) -> bool:
+    """``RLSERVE_CPU_TEAM_BIND=avoid`` (engine-core processes only): before each team step
+    (:func:`step_guard`), the process's workers are kept off the CPU the engine thread runs on then
+    (their mask: the engine thread's less that CPU; a syscall per worker only when it changed),
+    the engine thread itself left free: the same aim as :func:`bind` without pinning the engine
+    thread. Returns whether it applies (a team of 2+, the library, ``sched_getcpu``)."""
+    team.avoid = team.size >= 2 and _lib() is not None and _sched_getcpu is not None
+    return team.avoid
 
 
 def _set_affinity(cpus) -> bool:
@@ -380,6 +400,8 @@ def step_guard(kind: str = "decode"):
         return
     lib = _lib()
     pin = team.bind if team.bind is not None and _set_affinity((team.bind[0],)) else None
+    if team.avoid and _sched_getcpu is not None:
+        lib.rlserve_team_avoid_cpu(_sched_getcpu())
     w0, c0, k0 = time.perf_counter(), time.thread_time(), lib.rlserve_team_worker_cpu_ns()
     try:
         yield

@@ -43,8 +43,9 @@ an unpinned busy thread on its core anyway. Pinning is available, off by default
 worker on the shared 2-core machine it did not give the engine a larger share of the CPU
 (BENCHMARKS.md, issue 22, seventh session). The CPU team's threads (the engine thread and its
 workers, :mod:`rlserve.layers.cpu_gemm`) are another matter: two threads of one step, woken
-unpinned on a busy machine, were queued on one core (``RLSERVE_CPU_TEAM_BIND``, off by default,
-pins them apart: :func:`rlserve.layers.cpu_gemm.bind`; BENCHMARKS.md, issue 37, s20).
+unpinned on a busy machine, were queued on one core (``RLSERVE_CPU_TEAM_BIND``, off by default:
+``1`` pins them apart, ``avoid`` keeps the workers off the engine thread's CPU;
+:func:`rlserve.layers.cpu_gemm.bind`, :func:`~rlserve.layers.cpu_gemm.avoid`; BENCHMARKS.md, issue 37, s20).
 
 Overrides, first match wins: ``config.extra["cpu_threads"]``, ``RLSERVE_CPU_THREADS``, and
 ``OMP_NUM_THREADS`` when the user set it (torch reads it too). The choice is made by
@@ -227,10 +228,11 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     thread from now on, :func:`rlserve.layers.cpu_gemm.current`; it must start before the model
     loads, whose weight loading packs the team's copies) and, with ``bind`` (default: whether :func:`allow_binding` was called in this
     process), pin that thread to as many CPUs (:func:`bind_engine_thread`), or, where that
-    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is on (default off), the team's threads one per
-    CPU (:func:`rlserve.layers.cpu_gemm.bind`) on CPUs this process claims (:func:`_claim_cpus`:
-    no other rlserve engine on the machine holds them; none pinned where one does). Returns the
-    thread count set."""
+    pinned nothing and ``RLSERVE_CPU_TEAM_BIND`` is ``1`` (default ``0``), the team's threads one
+    per CPU (:func:`rlserve.layers.cpu_gemm.bind`) on CPUs this process claims (:func:`_claim_cpus`:
+    no other rlserve engine on the machine holds them; none pinned where one does), or with
+    ``avoid`` the workers kept off the engine thread's CPU (:func:`rlserve.layers.cpu_gemm.avoid`).
+    Returns the thread count set."""
     n = engine_cpu_threads(config, ranks)
     cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
@@ -239,11 +241,17 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
 
     team = cpu_gemm.start(engine_team_size(config, ranks, threads=n))
     pinned: list[int] = []
-    if team.size >= 2 and not cpus and envs.RLSERVE_CPU_TEAM_BIND and (_bind_allowed if bind is None else bind):
+    allowed = team.size >= 2 and not cpus and (_bind_allowed if bind is None else bind)
+    mode = envs.RLSERVE_CPU_TEAM_BIND if allowed else "0"
+    if mode == "1":
         claimed = _claim_cpus(team.size)  # none where another rlserve engine holds one of them
         pinned = cpu_gemm.bind(team, claimed) if claimed else []
+    elif mode == "avoid":
+        cpu_gemm.avoid(team)
+    placed = (f", pinned (RLSERVE_CPU_TEAM_BIND): engine thread on CPU {pinned[0]} in team steps, workers on "
+              f"{pinned[1:]}" if pinned else
+              ", workers kept off the engine thread's CPU (RLSERVE_CPU_TEAM_BIND=avoid)" if team.avoid else "")
     logger.info("CPU engine: %d intra-op thread(s) (%d usable CPUs), %s; CPU team of %d thread(s) for linears and "
                 "decode attention%s", n, usable_cpus(), f"bound to CPUs {cpus}" if cpus else "not bound", team.size,
-                f", pinned (RLSERVE_CPU_TEAM_BIND): engine thread on CPU {pinned[0]} in team steps, workers on "
-                f"{pinned[1:]}" if pinned else "")
+                placed)
     return n

@@ -15,7 +15,8 @@
  * Entry points (ctypes, rlserve/layers/cpu_gemm.py):
  *   rlserve_team_start(workers, spin_us)   start `workers` worker threads (idempotent)
  *   rlserve_team_size()                    1 + running workers
- *   rlserve_team_pin_workers(cpus, n)      pin worker i to CPU cpus[i] (RLSERVE_CPU_TEAM_BIND)
+ *   rlserve_team_pin_workers(cpus, n)      pin worker i to CPU cpus[i] (RLSERVE_CPU_TEAM_BIND=1)
+ *   rlserve_team_avoid_cpu(cpu)            keep the workers off one CPU (RLSERVE_CPU_TEAM_BIND=avoid)
  *   rlserve_gemm_f32(...)                  out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w packed
  *   rlserve_team_paged_decode_f32(...)     paged_decode.c's kernel, sequences over the team
  *   rlserve_team_paged_prefill_f32(...)    paged_prefill.c's causal query tiles over the team
@@ -193,6 +194,23 @@ int rlserve_team_pin_workers(const int *cpus, int n) {
         if (pthread_setaffinity_np(T.threads[i], sizeof set, &set) == 0) done++;
     }
     return done;
+}
+
+/* Keep every worker off CPU `cpu` (its mask: the calling thread's minus `cpu`; cpu < 0: the calling
+   thread's whole mask), a syscall per worker only when `cpu` changed since the last call
+   (RLSERVE_CPU_TEAM_BIND=avoid). Returns 0, or 1 where the mask would be empty (nothing changed). */
+int rlserve_team_avoid_cpu(int cpu) {
+    static int last = -2;
+    if (cpu == last) return 0;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+    if (cpu >= 0) {
+        CPU_CLR(cpu, &set);
+        if (CPU_COUNT(&set) == 0) return 1;
+    }
+    for (int i = 0; i < T.workers; i++) pthread_setaffinity_np(T.threads[i], sizeof set, &set);
+    last = cpu;
+    return 0;
 }
 
 /* CPU time the workers used so far, nanoseconds (their thread CPU clocks) */
