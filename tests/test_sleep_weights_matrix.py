@@ -319,3 +319,29 @@ def test_level2_trainer_killed_after_its_first_bucket_on_a_starved_server_is_503
     assert "bucket 2/" in info["last_update"]["error"], info["last_update"]  # bucket 1 was in
     _post(rig.url, "/wake_up")
     assert rig.served() == "503 model_unavailable"
+
+
+def test_level2_full_wake_during_an_open_refill_does_not_reload_over_it(rig):
+    """A full wake_up that comes while a level-2 refill's session is open and has written some
+    weights in place (layer 0 here; the rest comes after the wake) must not reload the checkpoint
+    over them: before (adv20's 3-thread control chaos, 1 run in 5), the wake reloaded because no
+    sync had committed yet, the refill then wrote the rest, and the server served layer 0 of the
+    checkpoint with the rest of B under the refill's version (tokens of neither). Now the wake
+    leaves the weights to the open session: B is served under its version."""
+    rig.sync(rig.a)
+    _post(rig.url, "/sleep", level=2)
+    eng = rig.trainer(ModuleSource(rig.b.model, include=_layer0))
+    try:
+        eng.client.start_weight_update(None)  # the refill's session (maps the weights' memory)
+        for include in (_layer0, lambda n: not _layer0(n)):
+            eng.source = ModuleSource(rig.b.model, include=include)
+            info = eng._metadata_info(True)
+            info.checksums_after_data = eng._checksums_after_data(info)
+            eng._send(info, info.to_dict())  # written in place
+            if include is _layer0:
+                assert _post(rig.url, "/wake_up").status_code == 200  # the full wake, the session open
+        v = eng.client.finish_weight_update(None)["weight_version"]
+    finally:
+        eng.shutdown()
+    rig.refs[v] = rig.b
+    assert rig.served() == f"200 {v}"

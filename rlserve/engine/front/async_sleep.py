@@ -194,8 +194,10 @@ class AsyncSleep:
                                   code="not_sleeping")
         t0 = time.perf_counter()
         # the checkpoint is reloaded (at the full wake) only while nothing was written since a
-        # level-2 sleep discarded the weights; a sync (partial or failed) leaves the refill to syncs
-        reload = self.aengine.weights.reload_ok
+        # level-2 sleep discarded the weights; a sync (partial or failed) leaves the refill to syncs,
+        # and so does one still open: it may have written in place already (WeightState learns of
+        # its writes only at its commit) and a reload now would serve a mix under its version
+        reload = self.aengine.weights.reload_ok and not self.busy()
         try:
             self.replicas = list(await self.aengine.call_engines(_CALL + "core_wake_up", asleep, not reload))
         except BaseException:
