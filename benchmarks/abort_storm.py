@@ -11,7 +11,12 @@ request or KV-cache use left. Structured outputs need xgrammar (else those kinds
     python benchmarks/abort_storm.py http://127.0.0.1:8000 MODEL 400 32
 """
 import asyncio, collections, json, random, sys, time
+import os
+
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.idle_gauges import busy_gauges  # noqa: E402
 URL, MODEL, TOTAL, CONC = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 log = collections.Counter(); problems = []
 PROMPT = [5, 17, 42, 9, 77, 3]
@@ -112,11 +117,7 @@ async def main():
     await asyncio.sleep(3)
     async with httpx.AsyncClient(timeout=60) as c:
         print("health", (await c.get(URL + "/health")).status_code)
-        m = (await c.get(URL + "/metrics")).text
-        for line in m.splitlines():
-            if line.startswith(("rlserve_num_requests_running{", "rlserve_num_requests_waiting{", "rlserve_kv_cache_usage_perc{", "rlserve_num_requests_unfinished{", "rlserve_num_requests_held{")):
-                print("  ", line)
-                if float(line.rsplit(" ", 1)[1]) != 0: problems.append("not idle: " + line)
+        problems.extend(f"not idle: {line}" for line in busy_gauges((await c.get(URL + "/metrics")).text))
     print(json.dumps(dict(sorted(log.items())), indent=0)); print("PROBLEMS", len(problems))
     for p in problems[:25]: print(" ", p)
 asyncio.run(main())

@@ -29,6 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx  # noqa: E402
 
+from benchmarks.idle_gauges import busy_gauges  # noqa: E402
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from tests.transfer_harness import InProcessServer, free_port, greedy_continuation, load_hf  # noqa: E402
@@ -172,10 +173,7 @@ with InProcessServer(path, staging=staging, enable_sleep_mode=True, data_paralle
     r = c.post(srv.url + "/generate/", json={"prompt_ids": PROMPTS, "max_tokens": N, "temperature": 0, "generation_kwargs": {"ignore_eos": True}}).json()
     print("final", r["weight_version"], r["completion_ids"] == EXP["A"])
     if r["completion_ids"] != EXP["A"]: problems.append(f"final tokens wrong {r}")
-    m = c.get(srv.url + "/metrics").text
-    for line in m.splitlines():
-        if any(k in line for k in ("num_requests_running{", "num_requests_waiting{", "kv_cache_usage_perc{")) and not line.startswith("#"):
-            print("  ", line)
+    problems += [f"not idle at the end: {line}" for line in busy_gauges(c.get(srv.url + "/metrics").text)]
 print(json.dumps(dict(sorted(log.items())), indent=0))
 print("PROBLEMS", len(problems))
 for p in problems[:30]: print(" ", p)

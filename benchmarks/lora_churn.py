@@ -9,7 +9,12 @@ end /health, the gauges, and the adapters left.
     python benchmarks/lora_churn.py URL SECONDS MODEL a1=PATH a2=PATH a3=PATH
 """
 import asyncio, collections, json, random, sys, time
+import os
+
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.idle_gauges import busy_gauges  # noqa: E402
 URL = sys.argv[1]; DUR = float(sys.argv[2]); BASE = sys.argv[3]
 FILES = dict(a.split("=", 1) for a in sys.argv[4:])
 PROMPT = [5, 17, 42, 9, 77, 3]
@@ -114,10 +119,7 @@ async def main():
         h = await c.get(URL + "/health"); print("health", h.status_code)
         info = (await c.get(URL + "/server_info")).json().get("lora_adapters")
         print("adapters", [(a["name"], a.get("lora_int_id")) for a in info])
-        m = (await c.get(URL + "/metrics")).text
-        for line in m.splitlines():
-            if any(k in line for k in ("num_requests_running{", "num_requests_waiting{", "kv_cache_usage_perc{")) and not line.startswith("#"):
-                print("  ", line)
+        problems.extend(f"not idle: {line}" for line in busy_gauges((await c.get(URL + "/metrics")).text))
     print(json.dumps(dict(sorted(log.items())), indent=0))
     print("PROBLEMS", len(problems))
     for p in problems[:30]: print(" ", p)
