@@ -156,11 +156,11 @@ class ServerState(StructuredChecks, LogprobJSON):
     def start_template_workers(self) -> None:
         """Start the template / constraint workers now (the server's start-up, off the event
         loop; those ``rlserve serve`` prestarted beside its engine's start are taken first) and
-        wait until they are warm, so that the server says it is ready only when a chat request
+        wait until one is warm, so that the server says it is ready only when a chat request
         needs no worker's start (:mod:`rlserve.server.template_pool`; the first chat request after
-        ``ready`` waited 24 s for it at load 8 before, BENCHMARKS.md). The wait ends early when
-        the engine stops (Ctrl-C during the start-up); a worker still warming after
-        :data:`~rlserve.server.template_pool.START_TIMEOUT_S` is logged and the server serves.
+        ``ready`` waited 24 s for it at load 8 before, BENCHMARKS.md); the others warm on, niced.
+        The wait ends early when the engine stops (Ctrl-C during the start-up); no worker warm
+        after :data:`~rlserve.server.template_pool.START_TIMEOUT_S` is logged and the server serves.
         Without a tokenizer, or with ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` (they start at
         their first use): nothing."""
         from rlserve import envs
@@ -172,10 +172,10 @@ class ServerState(StructuredChecks, LogprobJSON):
 
             t = time.perf_counter()
             workers.start()
-            if not workers.wait_warm(stop=lambda: not self.aengine.is_alive()) and self.aengine.is_alive():
-                logger.warning("%d chat-template worker(s) still warming after the start-up's wait: the first "
-                               "chat requests wait for them", workers.warming)
-            log_phase(logger, "chat-template workers warm (wait after the app build)", time.perf_counter() - t)
+            if not workers.wait_warm(stop=lambda: not self.aengine.is_alive(), one=True) and self.aengine.is_alive():
+                logger.warning("no chat-template worker warm after the start-up's wait: the first chat requests "
+                               "wait for one")
+            log_phase(logger, "a chat-template worker warm (wait after the app build)", time.perf_counter() - t)
 
     def _engine_compiles_here(self) -> bool:
         """The engine runs in this process (thread mode) with its constraint compiler: the API's

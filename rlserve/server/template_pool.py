@@ -28,8 +28,8 @@ Each overrun is a 400 naming the template's field; the worker is replaced. The p
 :data:`POOL_SIZE` workers, so a request keeps a free worker while another one's template
 runs to its bound. ``rlserve serve`` starts their processes as its engine starts
 (:func:`prestart_workers`: they import their modules while the server waits for the engine), the
-server's start-up hands them the tokenizer (:meth:`TemplateWorkers.start`) and waits until they
-are warm (:meth:`TemplateWorkers.wait_warm`) before it says it is ready; the worker process itself
+server's start-up hands them the tokenizer (:meth:`TemplateWorkers.start`) and waits until one
+is warm (:meth:`TemplateWorkers.wait_warm`) before it says it is ready; the worker process itself
 is :mod:`rlserve.server.template_worker`. The server starts them when it starts and
 each one is warmed off every request's path before it joins the pool: its tokenizer (sent
 pickled by the server) loaded and, where constraints compile here, its xgrammar compiler made
@@ -174,13 +174,17 @@ def prestart_workers(count: int = POOL_SIZE, grammar: bool = False) -> None:
     """Start ``count`` worker processes now, before the server knows their settings (``rlserve
     serve`` calls this as its engine starts: they import transformers' tokenizer modules, Jinja and,
     with ``grammar``, xgrammar while the server process only waits; see
-    :mod:`rlserve.server.template_worker`). :meth:`TemplateWorkers.start` takes them; those never
-    taken exit at the server's exit (their stdin ends) or :func:`discard_prestarted`."""
+    :mod:`rlserve.server.template_worker`). The first warms at the server's priority, the others
+    niced (:data:`WORKER_NICE`) from their start: the server's start waits for one warm worker
+    (:meth:`TemplateWorkers.wait_warm`), which then gets most of the CPU the workers' imports take
+    (two workers importing torch side by side on 2 cores delayed ``ready`` by both). :meth:`TemplateWorkers.
+    start` takes them; those never taken exit at the server's exit (their stdin ends) or
+    :func:`discard_prestarted`."""
     for _ in range(count - len(_PRESTARTED)):
         try:
             _PRESTARTED.append(subprocess.Popen(
-                [sys.executable, "-m", "rlserve.server.template_worker", "prestart", "1" if grammar else "0"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True))
+                [sys.executable, "-m", "rlserve.server.template_worker", "prestart", "1" if grammar else "0",
+                 "1" if _PRESTARTED else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True))
         except OSError:
             logger.debug("could not prestart a template worker", exc_info=True)
             return
@@ -338,12 +342,13 @@ class TemplateWorkers:
         for _ in range(n):
             self._spawn_warm(warm_niced=False)
 
-    def wait_warm(self, timeout_s: float = START_TIMEOUT_S, stop=None) -> bool:
-        """Block until every started worker is warm (none warming): what the server's start waits
-        for before it says it is ready. Returns False when ``timeout_s`` passed first, or
-        ``stop()`` (polled every 50 ms; e.g. the server stops) became true, or the pool closed."""
+    def wait_warm(self, timeout_s: float = START_TIMEOUT_S, stop=None, one: bool = False) -> bool:
+        """Block until every started worker is warm (none warming), or with ``one`` until one is
+        warm and idle (what the server's start waits for before it says it is ready: a chat
+        request then waits for no worker's start). Returns False when ``timeout_s`` passed first,
+        or ``stop()`` (polled every 50 ms; e.g. the server stops) became true, or the pool closed."""
         deadline = time.monotonic() + timeout_s
-        while self._warming:
+        while self._warming and not (one and self._idle.qsize()):
             if self._closed or (stop is not None and stop()) or time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)

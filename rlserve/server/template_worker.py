@@ -5,13 +5,13 @@ Two ways to start (argv):
 
 * ``MAX_CHARS TIMEOUT_S WARM_NICED``: read the pickled tokenizer, then serve (a worker the pool
   starts itself: on first use, or a replacement for a killed one);
-* ``prestart GRAMMAR``: ``rlserve serve`` starts these before its engine starts
+* ``prestart GRAMMAR NICED``: ``rlserve serve`` starts these before its engine starts
   (:func:`rlserve.server.template_pool.prestart_workers`): the process imports what unpickling a
   tokenizer and rendering a template need (transformers' tokenizer modules, Jinja) and, with
   ``GRAMMAR`` ``1``, what the constraint compiler needs (xgrammar, which imports torch), while the
   server process only waits for its engine; then it reads a JSON frame ``{"max_chars",
   "timeout_s"}`` (known once the engine is up: the context length) and goes on as a worker started
-  with them and ``WARM_NICED`` ``0``. Measured on the 2-core CPU machine: these imports were what
+  with them and ``WARM_NICED`` ``NICED`` (``1``: niced from its start, before the imports). Measured on the 2-core CPU machine: these imports were what
   the first chat request after ``ready`` waited for (BENCHMARKS.md, start-up).
 
 Requests and answers are length-prefixed JSON (:func:`rlserve.server.template_pool._write_frame`).
@@ -78,12 +78,15 @@ def main(argv: list[str]) -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a print() must not corrupt the channel
     if argv[:1] != ["prestart"]:
         return _worker_main(rfd, wfd, int(argv[0]), float(argv[1]), argv[2:3] != ["0"])
+    niced = argv[2:3] == ["1"]
+    if niced:
+        _lower_priority()  # before the imports
     preimport(argv[1:2] == ["1"])
     try:
         settings = json.loads(_read_frame(rfd))
     except EOFError:  # the server did not use it (its start failed, or it exited)
         return 0
-    return _worker_main(rfd, wfd, int(settings["max_chars"]), float(settings["timeout_s"]), False)
+    return _worker_main(rfd, wfd, int(settings["max_chars"]), float(settings["timeout_s"]), niced)
 
 
 def _worker_main(rfd: int, wfd: int, max_chars: int, timeout_s: float, warm_niced: bool = True) -> int:
