@@ -355,3 +355,15 @@ def test_demo_unknown_model_exits_2_naming_it(monkeypatch, capsys, model):
     rc, out = _demo_cli(monkeypatch, capsys, "--backend", "gloo", "--model", model)
     assert rc == 2, out
     assert out.startswith(f"rlserve demo: error: ") and repr(model) in out and out.count("\n") == 1, out
+
+
+def test_demo_server_skips_the_chat_template_workers_unless_asked(monkeypatch):
+    """The demo sends text completions only: its server does not prestart (and its ready does not wait for)
+    chat-template workers, unless the user set RLSERVE_TEMPLATE_WORKERS_AT_START; CUDA adds NCCL's settings."""
+    from rlserve.demo import NCCL_SAFE_ENV, server_env
+
+    monkeypatch.delenv("RLSERVE_TEMPLATE_WORKERS_AT_START", raising=False)
+    assert server_env("cpu") == {"RLSERVE_TEMPLATE_WORKERS_AT_START": "0"}
+    assert server_env("cuda") == {**NCCL_SAFE_ENV, "RLSERVE_TEMPLATE_WORKERS_AT_START": "0"}
+    monkeypatch.setenv("RLSERVE_TEMPLATE_WORKERS_AT_START", "1")
+    assert server_env("cpu") == {}

@@ -70,6 +70,7 @@ from rlserve.demo.trainer import (  # noqa: F401
     torch_dtype,
     trainer_greedy,
 )
+from rlserve import envs
 from rlserve.progress import progress as progress_line
 from rlserve.server.launch import free_port  # noqa: F401
 
@@ -88,6 +89,16 @@ class DemoResult:
     timings: dict = field(default_factory=dict)
     error: str | None = None
 
+
+def server_env(server_device: str) -> dict[str, str]:
+    """The environment the demo's server gets on top of this process's: NCCL's safe settings on CUDA, and
+    ``RLSERVE_TEMPLATE_WORKERS_AT_START=0`` unless the user set it: the demo renders no chat template (its
+    requests are token-id completions), so its server's ready need not wait for a warm chat-template worker
+    (session 20: ready waits for one; ~4 s of CPU and more wall time on a busy 2-core machine)."""
+    env = dict(NCCL_SAFE_ENV) if server_device == "cuda" else {}
+    if not envs.is_set("RLSERVE_TEMPLATE_WORKERS_AT_START"):
+        env["RLSERVE_TEMPLATE_WORKERS_AT_START"] = "0"
+    return env
 
 def run_demo(opts: DemoOptions) -> DemoResult:
     """Run the whole scenario; print as it goes; never leaves the server running.
@@ -110,7 +121,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             log(f"[demo] {layout.describe()}")
 
             port = opts.port or free_port()
-            env = dict(NCCL_SAFE_ENV) if layout.server_device == "cuda" else {}
+            env = server_env(layout.server_device)
             cmd = serve_command(model_path, layout, port, quantization=opts.quantization, extra_args=opts.server_args)
             server = DemoServer(cmd, f"http://127.0.0.1:{port}", env=env, log_path=opts.server_log,
                                 startup_timeout_s=opts.startup_timeout_s)
