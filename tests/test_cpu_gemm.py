@@ -283,6 +283,21 @@ def test_a_late_worker_runs_no_chunk_of_the_next_job(team):
     assert dones == [16] * 4
 
 
+def test_sync_stats_count_team_jobs_only(team):
+    """``sync_stats``: a linear of 16 panels on the team is one job; one that runs on the caller
+    alone (1 panel: one chunk) is none; the counters never go down."""
+    packed = cpu_gemm.pack(torch.randn(16 * 32, 64))
+    x = torch.randn(4, 64)
+    s0 = cpu_gemm.sync_stats()
+    for _ in range(3):
+        cpu_gemm.linear(x, packed, 16 * 32)
+    s1 = cpu_gemm.sync_stats()
+    cpu_gemm.linear(x, cpu_gemm.pack(torch.randn(32, 64)), 32)
+    s2 = cpu_gemm.sync_stats()
+    assert s1["jobs"] - s0["jobs"] == 3 and s2["jobs"] == s1["jobs"]
+    assert all(s1[k] >= s0[k] >= 0 for k in s0)
+
+
 @pytest.mark.parametrize("n_out", [64, 70, 5])
 def test_repack_in_place_equals_a_fresh_pack(n_out):
     """``pack(w, out=earlier)`` (a weight sync's repack) writes the earlier pack's memory and gives

@@ -92,6 +92,8 @@ def _lib():
                     lib.rlserve_team_avoid_cpu.restype = ctypes.c_int
                     lib.rlserve_team_worker_cpu_ns.argtypes = []
                     lib.rlserve_team_worker_cpu_ns.restype = ctypes.c_int64
+                    lib.rlserve_team_stats.argtypes = [_P]
+                    lib.rlserve_team_stats.restype = None
                     lib.rlserve_team_decode_stack_f32.argtypes = ([_P] * 4 + [ctypes.c_int] + [_P] * 3 + [_I] * 2
                                                                   + [_P] * 4 + [ctypes.c_int] * 5)
                     lib.rlserve_team_decode_stack_f32.restype = ctypes.c_int
@@ -362,6 +364,20 @@ def build_team_weight(layer, weight: torch.Tensor) -> None:
     # repacked into the layer's current copy (in place: generation is paused, or the commit runs
     # between engine steps, whenever weights load)
     layer.__dict__["_cpu_team_weight"] = pack(weight, out=layer.__dict__.get("_cpu_team_weight")) if on else None
+
+
+def sync_stats() -> dict:
+    """The process's team counters since it loaded the library (``csrc/cpu_team.c``:
+    ``rlserve_team_stats``): ``jobs`` (team operations that ran on the team), ``wait_ns`` (ns the
+    calling threads waited at an operation's end for chunks a worker still ran), ``spin_ns`` (ns
+    the workers spun for the next operation, futex sleeps not counted) and ``sleeps`` (the
+    workers' futex sleeps). All 0 without the library. Read them before and after a workload
+    (benchmarks/cpu_team_spin.py)."""
+    lib = _lib()
+    out = (ctypes.c_int64 * 4)()
+    if lib is not None:
+        lib.rlserve_team_stats(out)
+    return dict(zip(("jobs", "wait_ns", "spin_ns", "sleeps"), out))
 
 
 def guard_stats(team: Team | None = None) -> dict:

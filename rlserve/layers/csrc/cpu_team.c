@@ -72,6 +72,9 @@ static struct {
                                  a new generation and reading the job */
     pthread_t threads[MAX_WORKERS];
     int64_t spin_ns;
+    /* counters (rlserve_team_stats): team jobs run, the callers' ns waiting at a job's end for
+       chunks a worker still ran, the workers' ns spinning for the next job, their futex sleeps */
+    _Atomic int64_t st_jobs, st_wait_ns, st_spin_ns, st_sleeps;
     pthread_mutex_t start_lock;
 } T = {.start_lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -116,6 +119,8 @@ static void *worker_main(void *arg) {
         while (atomic_load_explicit(&T.gen, memory_order_acquire) == seen) {
             cpu_relax();
             if (++spins % 64 == 0 && now_ns() - t0 > T.spin_ns) {
+                atomic_fetch_add_explicit(&T.st_spin_ns, now_ns() - t0, memory_order_relaxed);
+                atomic_fetch_add_explicit(&T.st_sleeps, 1, memory_order_relaxed);
                 atomic_fetch_add(&T.sleepers, 1);
                 if (atomic_load(&T.gen) == seen)
                     syscall(SYS_futex, (uint32_t *)&T.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
@@ -123,6 +128,7 @@ static void *worker_main(void *arg) {
                 t0 = now_ns();
             }
         }
+        atomic_fetch_add_explicit(&T.st_spin_ns, now_ns() - t0, memory_order_relaxed);
         seen = atomic_load_explicit(&T.gen, memory_order_acquire);
         if (T.test_pause_ns[1] > 0) sleep_ns(T.test_pause_ns[1]);
         /* The job's fields may already be the NEXT job's (this worker woke late: the caller ran
@@ -247,14 +253,28 @@ static void team_run(chunk_fn fn, const void *ctx, int64_t n, int team) {
     run_chunks(g, fn, ctx, n);
     /* only chunks a worker already claimed are left: wait for them */
     int64_t spins = 0;
-    while (atomic_load_explicit(&T.done, memory_order_acquire) < n) {
-        cpu_relax();
-        if (++spins > 2000) sched_yield(); /* the worker may share this core: let it finish */
+    if (atomic_load_explicit(&T.done, memory_order_acquire) < n) {
+        const int64_t w0 = now_ns();
+        while (atomic_load_explicit(&T.done, memory_order_acquire) < n) {
+            cpu_relax();
+            if (++spins > 2000) sched_yield(); /* the worker may share this core: let it finish */
+        }
+        atomic_fetch_add_explicit(&T.st_wait_ns, now_ns() - w0, memory_order_relaxed);
     }
+    atomic_fetch_add_explicit(&T.st_jobs, 1, memory_order_relaxed);
     /* close the ticket (no chunk of generation g can be claimed whatever count a late worker
        read; see worker_main) before the next job may be published */
     atomic_store_explicit(&T.ticket, ((uint64_t)g << 32) | 0xffffffffu, memory_order_relaxed);
     atomic_store_explicit(&T.busy, 0, memory_order_release);
+}
+
+/* out[0..3] = the counters so far: team jobs, ns callers waited at a job's end for a worker's
+   chunks, ns workers spun for the next job, workers' futex sleeps (benchmarks/cpu_team_spin.py) */
+void rlserve_team_stats(int64_t *out) {
+    out[0] = atomic_load(&T.st_jobs);
+    out[1] = atomic_load(&T.st_wait_ns);
+    out[2] = atomic_load(&T.st_spin_ns);
+    out[3] = atomic_load(&T.st_sleeps);
 }
 
 /* Tests only: team_run sleeps `caller_us` microseconds between publishing a job and opening its
