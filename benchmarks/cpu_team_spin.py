@@ -9,8 +9,12 @@ the worker's CPU ms, and the team counters (:func:`rlserve.layers.cpu_gemm.sync_
 the caller's end-of-job wait ms, the worker's spin ms, its futex sleeps. Checks that every arm's
 logits are bit-equal to the first arm's (the team splits whole output columns / sequences).
 
+``--guarded SPIN``: instead, one spin budget for the whole process with the contention guard on
+(as an engine runs): ms per step (wall, CPU), guarded / lost / inline steps; run processes alternating.
+
 Usage (SCHED_FIFO keeps the other helpers' load off the two threads):
     chrt -f 10 python benchmarks/cpu_team_spin.py --arms inline,200,30,0 --steps 12 --batch 16
+    for s in 200 30 200 30; do python benchmarks/cpu_team_spin.py --guarded $s --steps 60; done
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="inline,200,0", help="comma list: 'inline' or a worker spin in microseconds")
     p.add_argument("--steps", type=int, default=12, help="steps per arm")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--guarded", type=int, default=None, metavar="SPIN_US",
+                   help="one spin budget, the contention guard on, --steps steps in a row")
     args = p.parse_args(argv)
     import torch
     from cpu_decode_step import _decode_step, _worker
@@ -42,6 +48,8 @@ def main(argv=None) -> int:
     team = w.runner.cpu_team or cpu_gemm.current()
     if team.size < 2 or lib is None:
         raise SystemExit("no CPU team here (one usable CPU, or no C compiler)")
+    if args.guarded is not None:
+        return _guarded(w, team, lib, args)
     cpu_gemm.MIN_CORES = 0.0
 
     def arm(a: str) -> None:
@@ -76,6 +84,30 @@ def main(argv=None) -> int:
     arm(arms[-1])
     print(json.dumps({"batch": args.batch, "steps_each": args.steps, "team": team.size, "bit_equal": equal,
                       **{a: {k: round(statistics.median(v), 2) for k, v in r.items()} for a, r in res.items()},
+                      "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
+    return 0
+
+
+def _guarded(w, team, lib, args) -> int:
+    """``--guarded``: the whole process at one spin budget, the guard deciding per step."""
+    from cpu_decode_step import _decode_step
+
+    from rlserve.layers import cpu_gemm
+
+    lib.rlserve_team_start(team.size - 1, args.guarded)
+    step = _decode_step(args.batch)
+    for _ in range(3):
+        w.execute(step)
+    g0, s0, load0 = dict(cpu_gemm.guard_stats(team)), cpu_gemm.sync_stats(), os.getloadavg()[0]
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(args.steps):
+        w.execute(step)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    g1, s1 = cpu_gemm.guard_stats(team), cpu_gemm.sync_stats()
+    print(json.dumps({"spin_us": args.guarded, "batch": args.batch, "steps": args.steps,
+                      "wall_ms_per_step": round(1e3 * wall / args.steps, 2), "cpu_ms_per_step": round(1e3 * cpu / args.steps, 2),
+                      "guarded_steps": g1["steps"] - g0["steps"], "lost": g1["lost"] - g0["lost"], "inline": g1["inline"] - g0["inline"],
+                      "team_jobs_per_step": (s1["jobs"] - s0["jobs"]) / args.steps,
                       "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
     return 0
 
