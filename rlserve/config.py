@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 
 from rlserve.errors import InvalidRequestError
 
+#: what a step's logprobs hold (vLLM's ``--logprobs-mode`` choices; the sampler's module docstring says each)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 if TYPE_CHECKING:
     import torch
 
@@ -230,7 +233,7 @@ class EngineConfig:
             raise InvalidRequestError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.max_logprobs < -1:
             raise InvalidRequestError(f"max_logprobs must be >= -1 (-1: no limit), got {self.max_logprobs}")
-        if self.logprobs_mode not in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        if self.logprobs_mode not in LOGPROBS_MODES:
             raise InvalidRequestError("logprobs_mode must be raw_logprobs, raw_logits, processed_logprobs or "
                                       f"processed_logits, got {self.logprobs_mode!r}")
         if self.max_loras < 1:

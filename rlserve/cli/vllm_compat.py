@@ -14,9 +14,10 @@ import json
 import logging
 import os
 
+from rlserve.config import LOGPROBS_MODES
+
 logger = logging.getLogger("rlserve.serve")
 
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 

@@ -56,7 +56,6 @@ import os
 import pickle
 import queue
 import select
-import signal
 import struct
 import subprocess
 import sys

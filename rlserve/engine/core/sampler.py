@@ -67,15 +67,13 @@ from rlserve.batch_invariant import mode as bi_mode
 from rlserve.engine.core import fused_sampling
 from rlserve.engine.core.sample_split import raw_logprob_of, split_sample
 from rlserve.h2d import to_device
+from rlserve.config import LOGPROBS_MODES
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.engine.core.prompt_logprobs import (  # noqa: F401 - importable here, as before
     compute_prompt_logprobs,
     logprob_dicts,
     ranked_logprob_dicts,
 )
-
-#: vLLM's ``--logprobs-mode`` values (``vllm.config.model.LogprobsMode``)
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
