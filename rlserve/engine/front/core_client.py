@@ -387,6 +387,10 @@ class CoreProcReplica(Replica):
             return None
         # reaped by the reader already (its Popen.poll): the status is there, the process is not
         why = exit_text(proc.returncode) if proc.returncode is not None else child_ended(proc.pid)
+        if why == "is gone":  # reaped by the reader between the two reads: its status is on the Popen at once
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)  # (waits on the reaper's lock, never on the process: it is gone)
+            why = exit_text(proc.returncode)
         return None if why is None else f"the engine-core process of replica {self.index} (pid {proc.pid}) {why}"
 
     def _dead(self) -> EngineDeadError:
