@@ -24,17 +24,6 @@ http_site
 stream_workload 256
 stream_limit 62 130  # two servers and runs: ~50 s (s16 w1: ~25 s each); leave the second round its time
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
-if [ -n "${STREAM_ARMS:-}" ]; then
-  # other arms instead of the templates A/B (session 20's s20_pgstream.sh): STREAM_ARMS="a b ...", each arm's
-  # environment in ARM_ENV_<a> (one VAR=V), its extra serve flags in ARM_FLAGS_<a>; one round, then vLLM
-  CONFIGS=()
-  for a in $STREAM_ARMS; do
-    e=ARM_ENV_$a; f=ARM_FLAGS_$a
-    CONFIGS+=("$a=$C $(server_words "$a" "${!e:-}") $FLAGS ${!f:-}")
-  done
-  STEM=vllm_bench stream_bench "$(( $(left) >= 100 + 40 * $(wc -w <<< "$STREAM_ARMS") ? 40 * $(wc -w <<< "$STREAM_ARMS") : $(left) - 5 ))" "$MIN_STEPS" $STREAM_ARMS
-  say "stacks ($STREAM_ARMS): $(server_stacks)"
-else
 # 1) templates on (the default), then off
 CONFIGS=("on=$C $(server_words on) $FLAGS" "off=$C $(server_words off RLSERVE_SSE_TEMPLATES=0) $FLAGS")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" on off
@@ -48,7 +37,6 @@ if [ "$(left)" -ge 70 ] || [ "$DRY_RUN" = 1 ]; then
   say "stacks (off2, on2): $(server_stacks)"
 else
   say "second round skipped: $(left) s left (< 70)"
-fi
 fi
 # 3) vLLM's server, same workload and client
 if [ "$(left)" -ge 100 ] || { [ "$DRY_RUN" = 1 ] && [ -n "${VLLM_DRY:-}" ]; }; then
