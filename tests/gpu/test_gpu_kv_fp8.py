@@ -95,12 +95,16 @@ def _operand_kernel(X, Y, N: tl.constexpr, KV_CVT: tl.constexpr, IS_V: tl.conste
 def test_fp8_operands_exact_for_every_byte(cache_dtype, kv_cvt, is_v):
     """Every fp8 byte as a float16 operand, by Triton's cast (1) and by the inline assembly V takes
     under ``"asm"`` (2: e4m3's hardware conversion, 3: e5m2's byte shift): its value exactly (NaN
-    bytes compared as NaN; the saturating writer never stores them)."""
+    bytes compared as NaN; the saturating writer never stores them). Signs are compared on every non-NaN byte
+    (so -0.0, byte 0x80, stays -0.0); a NaN's sign bit is not a value (the hardware conversion returns the
+    canonical +NaN for e4m3's 0xFF: session 21's H100 run)."""
     x = torch.arange(256, dtype=torch.uint8, device=DEV).view(cache_dtype)
     y = torch.zeros(256, dtype=torch.float16, device=DEV)
     _operand_kernel[(1,)](x, y, N=256, KV_CVT=kv_cvt, IS_V=is_v, num_warps=1)  # 8 values a thread: asm packs 4
     torch.testing.assert_close(y.float(), x.float(), atol=0, rtol=0, equal_nan=True)
-    assert torch.equal(torch.signbit(y), torch.signbit(x.float()))
+    finite = ~torch.isnan(x.float())
+    assert int(finite.sum()) == (254 if cache_dtype == torch.float8_e4m3fn else 250)  # e4m3: 0x7F, 0xFF; e5m2: 6
+    assert torch.equal(torch.signbit(y)[finite], torch.signbit(x.float())[finite])
 
 
 @pytest.mark.parametrize("mode", ["f16", "asm"])  # "bf16", the kernel of sessions 13-16: 9 passed in s14
