@@ -95,12 +95,16 @@ PREFILL_BLOCK_N = 64
 # value of its range exactly and p in [0, 1] to 2^-11): one conversion per pair, V still read bytewise.
 # "asm": as f16, V converted by inline assembly before shared memory (read back with ldmatrix.trans).
 # sm_90 SASS per KB of K/V a warp issues (BENCHMARKS.md K6): bf16 cache 122, "bf16" 376, "f16" 336 (64-token
-# tiles), "asm" 160 with 128-token tiles. "asm" changes the rounding (p to float16), so it stays off until
-# measured on a GPU (benchmarks/kv_fp8_kernels.py; decode_step.py / throughput.py --fp8-operand asm:128).
-FP8_OPERAND = "bf16"
+# tiles), "asm" 160 with 128-token tiles. "asm" with 128-token tiles is the default since session 21's H100
+# run (BENCHMARKS.md K7 / K1, benchmarks/results/s21_w1/fp8kv): the decode kernel at B=256, ctx 2048 401.8 us
+# (1.14x its KV floor) vs "bf16" 528.8 us (1.50x); the Qwen3-0.6B decode step 13.35 ms (1.30x its floor) vs
+# 16.83 ms; tests/gpu/test_gpu_kv_fp8.py's attention checks pass in both modes. Its rounding: p in float16
+# (2^-11) where "bf16" rounds it to 2^-8 (K8: lower error). Where the inline assembly does not compile,
+# ``paged_attention`` falls back to "f16" with a warning; the Triton interpreter runs "asm" as "f16".
+FP8_OPERAND = "asm"
 FP8_OPERAND_MODES = ("bf16", "f16", "asm")
 # tokens per K/V tile of the decode kernel on an fp8 cache (a 16-byte load holds 16 fp8 values)
-DECODE_BLOCK_N_FP8 = 64
+DECODE_BLOCK_N_FP8 = 128
 # software-pipelining stages of the decode kernel on an fp8 cache (None: Triton's default, 3)
 DECODE_NUM_STAGES_FP8: int | None = None
 _PROGRAMS_PER_SM = 4
