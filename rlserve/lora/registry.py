@@ -11,6 +11,9 @@ vLLM's behaviour hurts RL training:
   KV computed under other adapter weights (vLLM keys it by name, vllm#42125);
 - ``max_loras`` bounds the adapters loaded at once: a load beyond it is refused (400) instead of
   silently evicting the oldest one;
+- an engine-core process restarted after a crash gets every adapter loaded from a file again, under
+  its id, before it serves (:meth:`LoRARegistry.restore`); an adapter pushed by an adapter-only sync
+  died with the process and is dropped (404, as unloaded);
 - a request whose route read an adapter's id before a reload (in place, or unload + load) reached
   the engines runs on the name's current id (:meth:`LoRARegistry.current_id`, asked when the
   request is submitted: :attr:`AsyncEngine.lora_resolver`), not on an id the engines dropped.
@@ -21,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 from rlserve.errors import LoRAAdapterError, LoRAAdapterNotFoundError
+
+logger = logging.getLogger(__name__)
 
 OPS = "rlserve.lora.engine_ops"
 #: ids whose names :meth:`LoRARegistry.current_id` remembers (the newest; one per load: a
@@ -171,6 +177,26 @@ class LoRARegistry:
                 raise LoRAAdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
             await self._drop(rec.lora_int_id)
             return rec
+
+    async def restore(self, replica) -> None:
+        """A restarted engine-core replica, not yet serving (a
+        :attr:`~rlserve.engine.front.core_restart.CoreRestarter.adopters` entry): load every adapter
+        read from a file into it again, under the id the table holds, so requests naming it answer as
+        before the crash. An adapter with no file (an adapter-only weight sync's: its factors died with
+        the process) or one whose file no longer loads is dropped from the table (its requests: 404
+        ``model_not_found``; its name free again), with a warning naming it. Raises nothing."""
+        async with self._lock:
+            for name, rec in list(self.adapters.items()):
+                why = "pushed by an adapter-only weight sync, its factors died with the process"
+                if rec.path:
+                    try:
+                        await asyncio.wrap_future(replica.call(f"{OPS}:load_lora", rec.lora_int_id, rec.path, name))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - e.g. the file was removed since
+                        why = f"its file no longer loads ({type(e).__name__}: {e})"
+                del self.adapters[name]
+                logger.warning("LoRA adapter '%s' (id %d, version %r) dropped after the engine-core restart: %s; "
+                               "load it again", name, rec.lora_int_id, rec.version, why)
 
     async def _drop(self, adapter_id: int) -> None:
         try:

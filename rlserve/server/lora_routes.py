@@ -68,6 +68,9 @@ def make_lora_registry(state: ServerState) -> LoRARegistry:
         return current
 
     state.aengine.lora_resolver = resolve
+    restarter = getattr(state.aengine, "restarter", None)
+    if restarter is not None:  # a restarted engine core gets the adapters back before it serves
+        restarter.adopters.append(registry.restore)
     manager = getattr(state, "weight_manager", None)
     if manager is not None and hasattr(manager, "lora"):
         manager.lora = state.lora  # adapter-only weight syncs (rlserve.lora.sync) register here

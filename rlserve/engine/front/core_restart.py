@@ -8,13 +8,16 @@ and calls :meth:`CoreRestarter.on_death`. The restarter then, on a thread of its
    checkpoint again; ``/health`` answers 503 ``dead`` meanwhile, the reason names the restart);
 2. tells the listeners on the event loop (the weight-sync manager leaves its transfer group,
    which included the dead core's workers, failing an open update);
-3. sets what the new core serves (:class:`~rlserve.engine.front.weight_state.WeightState`): the
+3. hands the new core what the dead one held and it must hold before it serves (the
+   :attr:`CoreRestarter.adopters`: LoRA adapters loaded from files are loaded again, under their ids;
+   adapters pushed by adapter-only syncs died with the process and are dropped, 404 after);
+4. sets what the new core serves (:class:`~rlserve.engine.front.weight_state.WeightState`): the
    trained weights died with the old process, so generation answers 503 ``weights_lost`` (the
    reason on ``/health`` and ``/weight_info``) until syncs have written every parameter; with
    ``serve_checkpoint`` (``--serve-checkpoint-after-restart``, one replica only) the reloaded
    checkpoint is served instead, under the checkpoint's own version label, never the lost one.
    A server that served the checkpoint anyway keeps serving it;
-4. swaps the new replica in (frozen if generation is paused).
+5. swaps the new replica in (frozen if generation is paused).
 
 Bounded: at most ``max_restarts`` restarts within ``window_s`` seconds. The next death in the
 window (a crash loop), or a restart that fails to start, leaves the replica dead: every request
@@ -77,6 +80,10 @@ class CoreRestarter:
         self._lock = threading.Lock()
         #: coroutine functions ``fn(replica_index)`` run on :attr:`AsyncEngine.loop` before the swap
         self.listeners: list = []
+        #: coroutine functions ``fn(new_replica)`` run on the loop after the listeners, before the swap:
+        #: state the dead process held that the new one must hold before it serves (LoRA adapters:
+        #: :meth:`rlserve.lora.registry.LoRARegistry.restore`)
+        self.adopters: list = []
 
     def info(self) -> dict:
         """JSON-ready: ``restarts``, ``restarting`` (indices), ``gave_up`` (reason or None),
@@ -136,6 +143,7 @@ class CoreRestarter:
             self.restarting.discard(old.index)
             return
         self._run_listeners(old.index)
+        self._run_listeners(old.index, new)
         loop = getattr(aeng, "loop", None)
         if loop is not None and not loop.is_closed():  # on the loop: no weight-sync commit runs meanwhile
             try:
@@ -169,18 +177,20 @@ class CoreRestarter:
             new.set_frozen(True)
         aeng._replicas[old.index] = new
 
-    def _run_listeners(self, index: int) -> None:
+    def _run_listeners(self, index: int, new=None) -> None:
+        """The :attr:`listeners` (``new`` None) or the :attr:`adopters` of the ``new`` replica, one after
+        the other on the loop, each bounded by :data:`LISTENER_TIMEOUT_S`; a failure is logged."""
         loop = getattr(self.aengine, "loop", None)
         if loop is None or loop.is_closed():
             return
-        for fn in list(self.listeners):
+        for fn in list(self.listeners if new is None else self.adopters):
             try:
-                asyncio.run_coroutine_threadsafe(fn(index), loop).result(LISTENER_TIMEOUT_S)
+                asyncio.run_coroutine_threadsafe(fn(index) if new is None else fn(new), loop).result(LISTENER_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a listener must not stop the restart
                 logger.exception("an engine-restart listener failed")
 
     def _set_weights(self, old) -> None:
-        """What the new core serves (module docstring, step 3)."""
+        """What the new core serves (module docstring, step 4)."""
         aeng = self.aengine
         w = aeng.weights
         if w.valid and w.version == w.checkpoint_version:
