@@ -1,4 +1,5 @@
-"""``--kv-cache-bytes`` checked before any engine starts (``rlserve serve``): the bytes of one KV
+"""The KV cache's size checked against ``max_model_len`` (vLLM's start-up check), and
+``--kv-cache-bytes`` checked before any engine starts (``rlserve serve``): the bytes of one KV
 block and of one ``max_model_len`` sequence, from the checkpoint's ``config.json`` (no torch import:
 the API process hands its config to the engine-core process before it imports torch).
 
@@ -15,6 +16,10 @@ import json
 import os
 
 from rlserve.errors import InvalidRequestError
+
+#: the CPU KV cache's size when ``--kv-cache-bytes`` is unset (the worker cuts it to ``max_num_seqs``
+#: sequences of ``max_model_len`` tokens)
+CPU_KV_CACHE_BYTES = 512 * 1024**2
 
 _ITEM_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
@@ -41,15 +46,51 @@ def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str = "auto", kv_cache
     return 2 * layers * block_size * kv_rank * head_dim * item
 
 
+def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, source: str,
+                                   per_block: int | None = None) -> None:
+    """vLLM's start-up check (``_check_enough_kv_cache_memory``, ``vllm/v1/core/kv_cache_utils.py``):
+    the KV cache must hold one sequence of ``max_model_len`` tokens, ``ceil(max_model_len /
+    block_size)`` blocks; a request within ``max_model_len`` then always fits (vLLM caps
+    ``max_model_len`` to the cache only when it is given as -1, which rlserve does not take).
+
+    ``source``: the flag that sized the cache, as the message names it (``--kv-cache-bytes N``,
+    ``--num-kv-blocks N``, ``--gpu-memory-utilization F``); ``per_block``: one block's bytes, for the
+    message (None: blocks and tokens only).
+
+    Raises:
+        InvalidRequestError: the cache is smaller (one line: vLLM's wording, the blocks, tokens and bytes
+            needed and held, the longest ``--max-model-len`` that fits)."""
+    need = -(-int(max_model_len) // block_size)
+    if num_blocks >= need:
+        return
+    def size(blocks: int) -> str:
+        tokens = f"{blocks} blocks of {block_size} tokens"
+        return tokens if per_block is None else f"{tokens}, {blocks * per_block} bytes"
+    raise InvalidRequestError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), KV cache for {need} "
+        f"blocks is needed ({size(need)}), which is larger than the available KV cache memory ({source}: "
+        f"{size(num_blocks)}); the longest --max-model-len it holds is {num_blocks * block_size}. Raise "
+        f"{source.split()[0]} or lower --max-model-len")
+
+
 def check_kv_cache_bytes(kv_cache_bytes: int | None, model_dir: str, block_size: int, max_model_len: int | None,
-                         dtype: str = "auto", kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> None:
-    """``rlserve serve``'s check of ``--kv-cache-bytes`` (CPU) before any engine starts: nothing when
-    it is unset or ``model_dir/config.json`` is unreadable or lacks the counts.
+                         dtype: str = "auto", kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                         num_kv_blocks: int | None = None, default_bytes: int | None = None) -> None:
+    """``rlserve serve``'s check of the CPU KV cache's size before any engine starts: ``--num-kv-blocks``
+    when set, else ``--kv-cache-bytes`` (``default_bytes`` when unset: None skips the check); nothing when
+    ``model_dir/config.json`` is unreadable or lacks the counts (the engine's start checks again).
 
     Raises:
         InvalidRequestError: it holds no block (one line naming the flag, the bytes of one block,
-            and of one sequence of ``max_model_len`` tokens when known: the smallest useful value)."""
-    if kv_cache_bytes is None:
+            and of one sequence of ``max_model_len`` tokens when known: the smallest useful value), or
+            fewer blocks than one sequence of ``max_model_len`` tokens needs
+            (:func:`check_cache_holds_one_sequence`)."""
+    if num_kv_blocks is not None:
+        if max_model_len:
+            check_cache_holds_one_sequence(num_kv_blocks, block_size, max_model_len, f"--num-kv-blocks {num_kv_blocks}")
+        return
+    nbytes = default_bytes if kv_cache_bytes is None else kv_cache_bytes
+    if nbytes is None:
         return
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
@@ -58,11 +99,15 @@ def check_kv_cache_bytes(kv_cache_bytes: int | None, model_dir: str, block_size:
         return
     per_block = kv_bytes_per_block(cfg, block_size, dtype, kv_cache_dtype, tensor_parallel_size) \
         if isinstance(cfg, dict) else None
-    if per_block is None or kv_cache_bytes >= per_block:
+    if per_block is None:
         return
-    longest = ""
+    flag = f"--kv-cache-bytes {nbytes}" + (" (the default)" if kv_cache_bytes is None else "")
+    if nbytes < per_block:
+        longest = ""
+        if max_model_len:
+            blocks = -(-int(max_model_len) // block_size)
+            longest = f"; one sequence of --max-model-len {max_model_len} tokens needs {blocks * per_block} bytes"
+        raise InvalidRequestError(f"{flag} holds no KV-cache block: one block of {block_size} "
+                                  f"tokens takes {per_block} bytes for this model{longest}")
     if max_model_len:
-        blocks = -(-int(max_model_len) // block_size)
-        longest = f"; one sequence of --max-model-len {max_model_len} tokens needs {blocks * per_block} bytes"
-    raise InvalidRequestError(f"--kv-cache-bytes {kv_cache_bytes} holds no KV-cache block: one block of {block_size} "
-                              f"tokens takes {per_block} bytes for this model{longest}")
+        check_cache_holds_one_sequence(nbytes // per_block, block_size, max_model_len, flag, per_block)

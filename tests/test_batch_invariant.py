@@ -147,7 +147,7 @@ def test_prefix_cache_hit_and_recompute_after_preemption_change_nothing(smollm_w
     # (The attention kernel walks the context block by block: the block size is part of the
     # configuration a request's bits depend on, so both engines use 4.)
     small = LLM(smollm_wide, dtype="float32", device="cpu", batch_invariant=True, block_size=4, num_kv_blocks=40,
-                enable_prefix_caching=False)
+                max_model_len=160, enable_prefix_caching=False)
     prompts = [target] + [_prompt(rng, 20, 30) for _ in range(5)]
     long = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0, ignore_eos=True)
     outs = small.generate(prompts, [long] * 6)

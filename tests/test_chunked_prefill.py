@@ -190,7 +190,7 @@ def test_abort_mid_prefill_frees_its_blocks_and_the_engine_serves_on(path, unchu
 def test_preempted_partial_prefill_recomputes_to_the_same_tokens(path, unchunked):
     """A decoding request needs a KV block while a long prompt is half prefilled: the partial
     prefill is preempted (its blocks freed), recomputed later, and both answers are unchanged."""
-    llm = _llm(path, 12, block_size=4, num_kv_blocks=14, enable_prefix_caching=False,
+    llm = _llm(path, 12, block_size=4, num_kv_blocks=14, max_model_len=56, enable_prefix_caching=False,
                max_consecutive_prefill_steps=1)
     eng = llm.engine
     preempted_partial = []

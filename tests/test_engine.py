@@ -113,7 +113,8 @@ def test_prefix_cache_hit_same_output_fewer_prefill_tokens(tiny_model):
 def test_preemption_keeps_greedy_outputs(tiny_model, llms):
     params = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
     ref = llms("qwen2").generate(PROMPTS, params)
-    small = LLM(tiny_model("qwen2"), dtype="float32", device="cpu", block_size=4, num_kv_blocks=30, enable_prefix_caching=False)
+    small = LLM(tiny_model("qwen2"), dtype="float32", device="cpu", block_size=4, num_kv_blocks=30,
+                max_model_len=120, enable_prefix_caching=False)
     outs = small.generate(PROMPTS, params)
     assert small.engine.stats["num_preemptions"] > 0
     for a, b in zip(outs, ref):

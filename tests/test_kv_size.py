@@ -35,3 +35,35 @@ def test_block_bytes_match_the_engines(tiny_model, arch, kv_dtype, dtype):
     with pytest.raises(InvalidRequestError, match=f"--kv-cache-bytes {want - 1} holds no KV-cache block: one block "
                                                   f"of 16 tokens takes {want} bytes"):
         check_kv_cache_bytes(want - 1, path, 16, 256, dtype, kv_dtype)
+
+
+def test_a_cache_must_hold_one_sequence_of_max_model_len(tiny_model):
+    """vLLM's start-up rule: ``ceil(max_model_len / block_size)`` blocks at least, from the bytes, the
+    blocks or the CPU default (tiny llama: 8192 bytes a block of 16 tokens)."""
+    path = tiny_model("llama")
+    check_kv_cache_bytes(16 * 8192, path, 16, 256)  # exactly one sequence
+    check_kv_cache_bytes(8 * 8192, path, 16, 128)
+    check_kv_cache_bytes(None, path, 16, 256, num_kv_blocks=16)
+    check_kv_cache_bytes(None, path, 16, 256, default_bytes=16 * 8192)
+    with pytest.raises(InvalidRequestError, match=r"max seq len \(256\), KV cache for 16 blocks is needed .* "
+                                                  r"\(--kv-cache-bytes 131071: 15 blocks of 16 tokens, 122880 bytes\); "
+                                                  r"the longest --max-model-len it holds is 240\."):
+        check_kv_cache_bytes(16 * 8192 - 1, path, 16, 256)
+    with pytest.raises(InvalidRequestError, match=r"\(--num-kv-blocks 15: 15 blocks of 16 tokens\)"):
+        check_kv_cache_bytes(1 << 30, path, 16, 256, num_kv_blocks=15)  # the blocks win over the bytes
+    with pytest.raises(InvalidRequestError, match=r"\(--kv-cache-bytes 8192 \(the default\): 1 blocks"):
+        check_kv_cache_bytes(None, path, 16, 17, default_bytes=8192)
+
+
+def test_the_engine_refuses_a_cache_below_one_sequence(tiny_model):
+    """``LLM`` (and the engine-core process of ``rlserve serve`` on a GPU, where the cache's size is known only
+    there) refuses at start: a ValueError (InvalidRequestError) naming the setting, no RuntimeError later."""
+    from rlserve import LLM
+
+    path = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"max seq len \(256\).*\(--num-kv-blocks 14: 14 blocks of 4 tokens\); "
+                                         r"the longest --max-model-len it holds is 56\. Raise --num-kv-blocks"):
+        LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_model_len=56)
+    assert llm.engine.block_manager.num_blocks == 14
+    assert llm.engine.max_model_len == 56

@@ -114,7 +114,7 @@ def test_greedy_and_logprobs_equal_unmixed_and_hf(path, chunked):
 
 
 def test_mixed_steps_with_preemption(path):
-    kw = dict(block_size=4, num_kv_blocks=14, enable_prefix_caching=False)
+    kw = dict(block_size=4, num_kv_blocks=14, max_model_len=56, enable_prefix_caching=False)
     prompts = _prompts(3, [8, 44, 12])
     params = [_greedy(30), _greedy(4), _greedy(20)]
     want = _tokens_lps(_staggered(_llm(path, False, **kw), prompts, params)[0])[0]

@@ -121,7 +121,7 @@ def test_preemption_recomputes_routing(moe_path):
     """A KV cache too small for both sequences: one is preempted and recomputed; its rows
     still equal HF's."""
     llm = LLM(moe_path, dtype="float32", device="cpu", enable_return_routed_experts=True, block_size=4,
-              num_kv_blocks=10)
+              num_kv_blocks=10, max_model_len=40)
     outs = llm.generate([PROMPTS[0], PROMPTS[0][::-1]], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
     assert llm.engine.scheduler.num_preemptions > 0
     for out in outs:

@@ -49,7 +49,7 @@ def test_overlap_equals_plain_loop(tiny_model):
 
 def test_overlap_with_preemption(tiny_model):
     path = tiny_model("llama")
-    kw = dict(num_kv_blocks=14, enable_prefix_caching=False)  # 6 sequences of up to ~10 blocks: preemptions
+    kw = dict(num_kv_blocks=14, max_model_len=56, enable_prefix_caching=False)  # 6 sequences of up to ~10 blocks: preemptions
     llm0, ref = _run(path, False, **kw)
     llm1, got = _run(path, True, **kw)
     assert llm1.engine.scheduler.num_preemptions > 0

@@ -91,6 +91,20 @@ CASES = {
                                        "--kv-cache-bytes 10 holds no KV-cache block: one block of 16 tokens takes "
                                        "8192 bytes for this model; one sequence of --max-model-len 256 tokens needs "
                                        "131072 bytes"),
+    # session 21: a cache between one block and one --max-model-len sequence started, and a long prompt then
+    # raised a RuntimeError in the scheduler; vLLM refuses such a cache at start (_check_enough_kv_cache_memory)
+    "kv-cache-bytes below one sequence": (["--kv-cache-bytes", "65536"],
+                                          "To serve at least one request with the model's max seq len (256), KV cache "
+                                          "for 16 blocks is needed (16 blocks of 16 tokens, 131072 bytes), which is "
+                                          "larger than the available KV cache memory (--kv-cache-bytes 65536: 8 blocks "
+                                          "of 16 tokens, 65536 bytes); the longest --max-model-len it holds is 128. "
+                                          "Raise --kv-cache-bytes or lower --max-model-len"),
+    "num-kv-blocks below one sequence": (["--num-kv-blocks", "4", "--max-model-len", "100"],
+                                         "To serve at least one request with the model's max seq len (100), KV cache "
+                                         "for 7 blocks is needed (7 blocks of 16 tokens), which is larger than the "
+                                         "available KV cache memory (--num-kv-blocks 4: 4 blocks of 16 tokens); the "
+                                         "longest --max-model-len it holds is 64. Raise --num-kv-blocks or lower "
+                                         "--max-model-len"),
     "reasoning parser without its tokens": (["--reasoning-parser", "qwen3"],
                                             "--reasoning-parser qwen3: Qwen3ReasoningParser: the tokenizer has no "),
 }

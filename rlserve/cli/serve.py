@@ -17,7 +17,7 @@ from rlserve.cli.serve_args import add_serve_parser, engine_config_from_args
 from rlserve.cli.tool_flags import check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import check_vllm_compat_args, generation_config_dir, generation_defaults, \
     load_chat_template
-from rlserve.kv_size import check_kv_cache_bytes
+from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_kv_cache_bytes
 from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
@@ -194,9 +194,10 @@ def run(args) -> int:
         generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
         max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
-        if config.num_kv_blocks is None and not config.device.startswith("cuda"):  # (the GPU sizes its own)
+        if config.num_kv_blocks is not None or not config.device.startswith("cuda"):  # (the GPU sizes its own)
             check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size, max_model_len, config.dtype,
-                                 config.kv_cache_dtype, config.tensor_parallel_size)
+                                 config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks,
+                                 CPU_KV_CACHE_BYTES if config.device == "cpu" else None)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)

@@ -101,7 +101,8 @@ def test_graphs_with_prefix_hits_preemption_and_odd_batches(tiny_model):
     again = tokens(llm.generate(PROMPTS, greedy(12)))
     assert llm.engine.stats["prefix_cache_hit_tokens"] > before
     assert again == tokens(ref.generate(PROMPTS, greedy(12)))
-    small = LLM(path, dtype="float32", **dict(KW, block_size=4, num_kv_blocks=40, enable_prefix_caching=False))
+    small = LLM(path, dtype="float32", **dict(KW, block_size=4, num_kv_blocks=40, max_model_len=160,
+                                              enable_prefix_caching=False))
     outs = tokens(small.generate(PROMPTS, greedy(40)))
     assert small.engine.stats["num_preemptions"] > 0
     assert outs == tokens(ref.generate(PROMPTS, greedy(40)))

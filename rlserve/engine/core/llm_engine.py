@@ -26,12 +26,24 @@ from rlserve.engine.core.sequence import Request
 from rlserve.engine.core.structured import PendingGrammars
 from rlserve.engine.worker import triton_precompile
 from rlserve.errors import InvalidRequestError
+from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_cache_holds_one_sequence
 from rlserve.model_len import verify_max_model_len
 from rlserve.startup_log import Phases, log_phase
 
 logger = logging.getLogger(__name__)
 
 _CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
+
+
+def _cache_source(config: EngineConfig, executor) -> str:
+    """The setting that sized the KV cache, as the start-up check's message names it."""
+    if config.num_kv_blocks is not None:
+        return f"--num-kv-blocks {config.num_kv_blocks}"
+    if torch.device(executor.device).type == "cuda":
+        return f"--gpu-memory-utilization {config.gpu_memory_utilization}"
+    if config.kv_cache_bytes is None:
+        return f"--kv-cache-bytes {CPU_KV_CACHE_BYTES} (the default)"
+    return f"--kv-cache-bytes {config.kv_cache_bytes}"
 
 
 class LLMEngine(EngineStep, RequestAdmission):
@@ -154,6 +166,7 @@ class LLMEngine(EngineStep, RequestAdmission):
         num_blocks = executor.determine_num_blocks()
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+        check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, _cache_source(config, executor))
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up

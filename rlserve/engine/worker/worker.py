@@ -13,12 +13,12 @@ from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from rlserve.kv_size import CPU_KV_CACHE_BYTES
 from rlserve.lora.model import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 512 * 1024**2
 # Memory kept free on GPU for activations beyond the measured profile peak.
 _GPU_HEADROOM_BYTES = 512 * 1024**2
 
@@ -140,7 +140,7 @@ class Worker:
                 budget = kv_budget(lora, budget, per_block,
                                    self.config.max_num_seqs * -(-int(mml) // bs) if mml else None)
         else:
-            budget = self.config.kv_cache_bytes or _CPU_KV_CACHE_BYTES
+            budget = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
         n = budget // per_block
         if self.device.type == "cpu" and self.config.kv_cache_bytes is None and self.config.max_model_len:
             # the default budget, never more than every sequence of a full batch at full length

@@ -1,0 +1,69 @@
+"""A prompt longer than the whole KV cache (session 21, FIX21 item 1: with ``LLM`` it raised a RuntimeError
+in the scheduler). The engine now refuses at start a cache that cannot hold one ``max_model_len`` sequence
+(vLLM's rule, :func:`rlserve.kv_size.check_cache_holds_one_sequence`), so such a prompt, or a prompt plus
+``max_tokens`` beyond the cache, is beyond ``max_model_len``: a 400 ``context_length_exceeded`` over HTTP
+(completions and chat, streamed or not) and an InvalidRequestError (a ValueError) from ``LLM``, both at
+admission; the engine goes on serving, and no block stays taken. The cache here is exactly one sequence:
+``--max-model-len 64`` in 4 blocks of 16 tokens."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from rlserve import LLM, SamplingParams
+from tests.transfer_harness import InProcessServer
+
+LONG = list(range(5, 105))  # 100 token ids: more than the 64 tokens the whole cache holds
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    s = InProcessServer(tiny_model("llama"), max_model_len=64, num_kv_blocks=4)
+    yield s
+    s.close()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": LONG[:40], "max_tokens": 40}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, "max_tokens"),
+])
+def test_beyond_the_cache_is_a_400_and_the_engine_serves_on(srv, route, body, param, stream):
+    r = httpx.post(srv.url + route, json=dict(body, model=srv.config.model, stream=stream), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+    assert "maximum context length is 64 tokens" in err["message"], err
+    # a request that fills the whole cache still runs to its end
+    ok = httpx.post(srv.url + "/v1/completions", json={"model": srv.config.model, "prompt": LONG[:40],
+                                                       "max_tokens": 24, "ignore_eos": True,
+                                                       "return_token_ids": True}, timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert len(ok.json()["choices"][0]["token_ids"]) == 24
+    deadline = time.monotonic() + 60  # the gauges follow the engine's stats: wait for the idle state
+    while (_metric(srv.url, "vllm:kv_cache_usage_perc"), _metric(srv.url, "vllm:num_requests_running")) != (0, 0):
+        assert time.monotonic() < deadline, "KV blocks or a running request left behind"
+        time.sleep(0.05)
+
+
+def test_llm_refuses_at_admission_and_serves_on(tiny_model):
+    llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=4)
+    for prompt, max_tokens in ((LONG, 4), (LONG[:40], 40)):
+        with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+            llm.generate([prompt], SamplingParams(max_tokens=max_tokens))
+        assert not llm.engine.requests and llm.engine.block_manager.num_free_blocks == 4
+    out = llm.generate([LONG[:40]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 24
+    assert llm.engine.block_manager.num_free_blocks == 4
