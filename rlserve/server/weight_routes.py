@@ -53,7 +53,8 @@ from rlserve.errors import (
 )
 from rlserve.engine.front.weight_state import WeightVersionInUseError
 from rlserve.server.errors import error_body
-from rlserve.transfer.errors import DeviceOutOfMemoryError, TransferTimeoutError, WeightTransferFailedError
+from rlserve.transfer.errors import (DeviceOutOfMemoryError, TrainerUnreachableError, TransferTimeoutError,
+                                     WeightTransferFailedError)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 409, exc.code
     if isinstance(exc, DeviceOutOfMemoryError):  # before the coded 400s: an OOM is not the caller's input
         return 507, exc.code
+    if isinstance(exc, TrainerUnreachableError):  # the trainer's store: a peer failed, not this server (502)
+        return 502, "weight_transfer_unreachable"
     if isinstance(exc, LoRAAdapterError):  # an adapter-only update's commit refused the factors (rlserve.lora)
         return 400, "weight_update_refused"
     if isinstance(exc, WeightUpdateError) and isinstance(getattr(exc, "code", None), str):

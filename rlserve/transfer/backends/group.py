@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from rlserve.distributed.group import local_address_toward, new_backend
 from rlserve.errors import WeightUpdateError
-from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
+from rlserve.transfer.errors import (TrainerUnreachableError, TransferAbortedError, TransferTimeoutError,
+                                     WeightTransferFailedError)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class TransferGroup:
 
     Raises (from :meth:`create`):
         TransferTimeoutError: the other ranks did not arrive within ``timeout_s``.
+        TrainerUnreachableError: (a rank other than 0) the store did not take the connection.
         WeightTransferFailedError: the store or backend could not be built.
     """
 
@@ -111,7 +113,15 @@ class TransferGroup:
 
     def _build(self) -> None:
         td = timedelta(seconds=self.timeout_s)
-        self.store = self._make_store(td)
+        try:
+            self.store = self._make_store(td)
+        except Exception as e:  # noqa: BLE001 - a client's failed connect is the peer's (502), not ours
+            if self.rank == 0 or _is_timeout(e):
+                raise
+            raise TrainerUnreachableError(
+                f"could not connect to the transfer group's TCPStore at {self.master_address}:{self.master_port} "
+                f"(rank {self.rank}/{self.world_size}, {self.backend}): {e} -- is the trainer's store listening "
+                "there (init_info.master_address / master_port)?") from e
         prefix = dist.PrefixStore(f"{STORE_PREFIX}/{self.session}" if self.session else STORE_PREFIX, self.store)
         if self.backend not in ("gloo", "nccl"):
             raise WeightTransferFailedError(f"unknown group backend {self.backend!r}")

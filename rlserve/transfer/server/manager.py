@@ -86,6 +86,7 @@ _ERRORS = {
     "ChecksumMismatchError": terr.ChecksumMismatchError,
     "NonFiniteWeightsError": terr.NonFiniteWeightsError,  # 400 non_finite_weights: a NaN / inf was synced
     "TransferTimeoutError": terr.TransferTimeoutError,
+    "TrainerUnreachableError": terr.TrainerUnreachableError,  # 502: no trainer's store at the address
     "TransferAbortedError": terr.TransferAbortedError,
     "WeightTransferFailedError": terr.WeightTransferFailedError,
     "DeviceOutOfMemoryError": terr.DeviceOutOfMemoryError,  # 507: the worker's room check refused it
