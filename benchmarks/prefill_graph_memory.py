@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
         llm = LLM(path, dtype=args.dtype if dev.type == "cuda" else "float32", device=args.device,
                   load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, block_size=16, num_kv_blocks=256,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                  extra={"cuda_graph_sizes": [8]})
+                  extra={"cuda_graph_sizes": [8], "prefill_cuda_graph_sizes": "0"})  # (not at the warm-up: below)
         runner = llm.engine.executor.runner
         runner.config.extra["prefill_cuda_graph_sizes"] = args.buckets
         if dev.type != "cuda":

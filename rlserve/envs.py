@@ -52,11 +52,13 @@ def positive_int_list(name: str, value) -> list[int]:
 
 def _prefill_graphs(name: str, raw: str) -> str | list[int] | None:
     """``"0"``: None (off); ``"1"``: ``"1"`` (the default buckets,
-    ``rlserve.engine.worker.prefill_graphs.DEFAULT_SIZES``); else :func:`positive_int_list`."""
+    ``rlserve.engine.worker.prefill_graphs.DEFAULT_SIZES``, forced where the default leaves them off);
+    ``"auto"``: ``"auto"`` (the default: those buckets where they apply,
+    ``rlserve.engine.worker.prefill_graphs.why_off``); else :func:`positive_int_list`."""
     if raw.strip() == "0":
         return None
-    if raw.strip() == "1":
-        return "1"
+    if raw.strip() in ("1", "auto"):
+        return raw.strip()
     return positive_int_list(name, raw)
 
 
@@ -205,10 +207,14 @@ VARIABLES: dict[str, Var] = {
                                     "default of --cudagraph-capture-sizes (extra['cuda_graph_sizes']): decode CUDA graph "
                                     "batch sizes, e.g. '1,64,256' (else 1, 2, 4, 8, then multiples of 16 up to "
                                     "max_num_seqs)"),
-    "RLSERVE_PREFILL_CUDA_GRAPHS": Var("'1' | list[int] | None", None, _prefill_graphs,
-                                       "prefill / mixed steps as piecewise CUDA graphs (issue 37, not yet measured on "
-                                       "a GPU): '1' for the default token buckets, or comma-separated buckets, e.g. "
-                                       "'512,2048,8192' (default: off, every prefill step eager)"),
+    "RLSERVE_PREFILL_CUDA_GRAPHS": Var("'auto' | '1' | list[int] | None", "auto", _prefill_graphs,
+                                       "prefill / mixed steps as piecewise CUDA graphs (issue 37; on by default since "
+                                       "session 21, measured on an H100: BENCHMARKS.md): 'auto' (default) the token "
+                                       "buckets 256..8192 on CUDA with CUDA-graph decode on, where they apply (not "
+                                       "--enforce-eager, LoRA, MoE, quantized or TP linears, --batch-invariant, an fp8 "
+                                       "KV cache; the start-up log says why they are off); '0' off, every prefill "
+                                       "step eager; '1' the same buckets, also with an fp8 KV cache; or "
+                                       "comma-separated buckets, e.g. '512,2048,8192' (as '1')"),
     "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _one,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "
                                  "the graphs then hold the NCCL all-reduce)"),

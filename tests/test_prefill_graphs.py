@@ -60,9 +60,9 @@ def test_graph_size_lists_read(monkeypatch):
 
 def _llm(path, graphs: bool, device: str = "cpu", **kw):
     """float32 engine on ``device``; ``graphs``: piecewise prefill graphs of :data:`SIZES` (emulated on the
-    CPU, captured on CUDA). Block size 8 on the CPU, 16 on CUDA (the Triton kernels' smallest), where the
+    CPU, captured on CUDA), else off (``"0"``, the way out of the CUDA default). Block size 8 on the CPU, 16 on CUDA (the Triton kernels' smallest), where the
     cache is 256 blocks."""
-    extra = {"prefill_cuda_graph_sizes": SIZES} if graphs else {}
+    extra = {"prefill_cuda_graph_sizes": SIZES if graphs else "0"}  # (on CUDA the default is on: "0" for eager)
     if graphs and device == "cpu":
         extra["prefill_cuda_graphs_emulate"] = True
     kw = {"block_size": 8 if device == "cpu" else 16, "max_num_batched_tokens": 64, **kw}

@@ -17,9 +17,10 @@ graphs (:mod:`rlserve.engine.worker.cuda_graph`):
   is re-allocated), for the batch sizes of :func:`rlserve.engine.worker.cuda_graph.capture_sizes` or those listed in
   ``config.extra["cuda_graph_sizes"]`` / ``RLSERVE_CUDA_GRAPH_SIZES`` (e.g. ``"1,64,256"``);
   a batch larger than the largest captured size runs eagerly.
-- prefill / mixed steps as piecewise CUDA graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``, off by default until
-  measured on a GPU; :mod:`rlserve.engine.worker.prefill_graphs`): everything but attention replayed
-  from graphs of token buckets, for dense Llama-family models on one GPU with CUDA graphs on; captured
+- prefill / mixed steps as piecewise CUDA graphs (``RLSERVE_PREFILL_CUDA_GRAPHS``, on by default since
+  session 21, ``0``: off; :mod:`rlserve.engine.worker.prefill_graphs`): everything but attention replayed
+  from graphs of token buckets, for dense Llama-family models on one GPU with CUDA graphs on
+  (:func:`~rlserve.engine.worker.prefill_graphs.why_off`: where not, the start-up log says why); captured
   at the warm-up (lazily at the first prefill step after the cache is re-allocated).
 
 On CPU the runner makes the step's micro-batches current (:mod:`rlserve.engine.cpu.cpu_microbatch`:
@@ -313,17 +314,31 @@ class ModelRunner:
             self.cuda_graphs = self.lora_graphs = None
             return False
 
+    def _prefill_graph_spec(self) -> tuple:
+        """``(value, where)`` of the piecewise prefill graphs' setting: ``config.extra["prefill_cuda_graph_sizes"]``
+        when set, else ``RLSERVE_PREFILL_CUDA_GRAPHS`` (default ``"auto"``)."""
+        extra = getattr(self.config, "extra", None) or {}
+        if extra.get("prefill_cuda_graph_sizes"):
+            return extra["prefill_cuda_graph_sizes"], "extra['prefill_cuda_graph_sizes']"
+        return envs.RLSERVE_PREFILL_CUDA_GRAPHS, "RLSERVE_PREFILL_CUDA_GRAPHS"
+
+    def _prefill_graphs_auto(self) -> bool:
+        """Whether the piecewise prefill graphs follow the default (``auto``) rather than an explicit setting."""
+        spec = self._prefill_graph_spec()[0]
+        return isinstance(spec, str) and spec.strip() == "auto"
+
     def _prefill_graph_sizes(self) -> list[int]:
-        """Token buckets of the piecewise prefill graphs (``config.extra["prefill_cuda_graph_sizes"]`` or
-        ``RLSERVE_PREFILL_CUDA_GRAPHS``; empty: off), capped at the step's token bound.
+        """Token buckets of the piecewise prefill graphs (:meth:`_prefill_graph_spec`; empty: off), capped at
+        the most tokens a step can hold: ``max_num_batched_tokens`` and ``max_num_seqs x max_model_len``.
 
         Raises:
             ValueError: a bucket that is not a positive integer."""
-        extra = getattr(self.config, "extra", None) or {}
-        if extra.get("prefill_cuda_graph_sizes"):
-            return pg.parse_sizes(extra["prefill_cuda_graph_sizes"], self._max_batched_tokens(),
-                                  "extra['prefill_cuda_graph_sizes']")
-        return pg.parse_sizes(envs.RLSERVE_PREFILL_CUDA_GRAPHS, self._max_batched_tokens())
+        spec, what = self._prefill_graph_spec()
+        cap = self._max_batched_tokens()
+        seqs = getattr(self.config, "max_num_seqs", None) if self.config is not None else None
+        if seqs:
+            cap = min(cap, int(seqs) * self._max_model_len())
+        return pg.parse_sizes(spec, cap, what)
 
     def _prefill_graphs_ready(self) -> bool:
         """Whether prefill steps may replay piecewise graphs, capturing them first when needed; the
@@ -337,7 +352,7 @@ class ModelRunner:
         if why is None:
             try:
                 graphs = pg.PrefillCUDAGraphs(self.model, self.device, sizes)
-                graphs.capture()
+                graphs.capture(pg.reserve_bytes(self))
                 self.prefill_graphs = graphs
                 return True
             except Exception:
@@ -345,8 +360,9 @@ class ModelRunner:
                 why = "capture failed"
         if why != "no KV cache yet":
             self._prefill_graphs_off = why
-            if sizes:
-                logger.info("prefill piecewise CUDA graphs off: %s", why)
+            if sizes:  # (off CUDA under the default, where they never apply: not worth an INFO line)
+                quiet = self.device.type != "cuda" and self._prefill_graphs_auto()
+                logger.log(logging.DEBUG if quiet else logging.INFO, "prefill piecewise CUDA graphs off: %s", why)
         return False
 
     def _prefill_with_graph(self, step: StepInput, input_ids, positions, meta) -> torch.Tensor | None:

@@ -6,8 +6,8 @@ attention; no host sync), ~250 a step, each behind Python: the H100 traces of se
 such a step as ~10.7 ms + 0.74 us a token, most of it the host launching a step whose GPU work
 (~4 ms for 2048 tokens) is shorter. Here everything but attention is replayed from CUDA graphs:
 
-- token buckets (``RLSERVE_PREFILL_CUDA_GRAPHS``: ``1`` for :data:`DEFAULT_SIZES`, or a list), capped
-  at the step's token bound; a step of ``T`` tokens replays the smallest bucket ``Tb >= T``, rows
+- token buckets (``RLSERVE_PREFILL_CUDA_GRAPHS``: ``auto``, the default since session 21, or ``1`` for
+  :data:`DEFAULT_SIZES`, or a list; ``0``: off), capped at the step's token bound; a step of ``T`` tokens replays the smallest bucket ``Tb >= T``, rows
   ``T..Tb`` padding (token ids and positions left from earlier steps, KV slot -1: the fused KV write
   skips them; every op outside attention is row-wise, so they never reach a real row);
 - per bucket ``L + 1`` graphs for ``L`` layers, all captured into one memory pool: piece 0 is the
@@ -28,6 +28,17 @@ re-allocates the cache), the fused kernels' choices for ``Tb`` rows. Which model
 decoders (:func:`supported`) on one GPU, unquantized linears, no LoRA, not ``--batch-invariant``;
 the runner checks per step (:meth:`ModelRunner._prefill_with_graph`). Without CUDA (tests) the pieces
 run as plain calls on the static buffers (``emulate``): the padding and buffer plumbing, not the capture.
+
+What the default (``auto``) was checked against (session 21; :func:`why_off` says where they stay off):
+sleep mode keeps them, as the decode graphs (the weights and the KV cache wake at the same addresses,
+:mod:`rlserve.engine.worker.sleep_memory`; the graph pool is not in the sleep arenas, so it stays
+allocated while asleep: :func:`reserve_bytes`' few hundred MiB); a weight sync copies into the
+parameters in place, which the pieces read directly (no copy is captured); LoRA, MoE, quantized (fp8)
+and tensor-parallel linears, ``--batch-invariant`` and ``--enforce-eager`` leave them off; an fp8 KV
+cache leaves them off under ``auto`` until a GPU run checks it (``1`` turns them on there: the fused
+KV write reads the scales from their tensors, which ``--calculate-kv-scales`` sets in place after an
+eager first step); the buckets are capped at the most tokens a step can hold
+(``max_num_batched_tokens``, ``max_num_seqs x max_model_len``).
 """
 
 from __future__ import annotations
@@ -44,13 +55,14 @@ from rlserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-#: token buckets of ``RLSERVE_PREFILL_CUDA_GRAPHS=1`` (vLLM's default compile sizes are powers of two too)
+#: token buckets of ``RLSERVE_PREFILL_CUDA_GRAPHS=auto`` (the default) and ``=1`` (vLLM's default compile
+#: sizes are powers of two too)
 DEFAULT_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
 def parse_sizes(spec, max_tokens: int, what: str = "RLSERVE_PREFILL_CUDA_GRAPHS") -> list[int]:
     """The buckets of an ``RLSERVE_PREFILL_CUDA_GRAPHS`` value (``what``: where it was set, for errors):
-    ``None`` / ``""`` / ``"0"`` / ``[]``: none (off); ``"1"``: :data:`DEFAULT_SIZES`; else the counts, a
+    ``None`` / ``""`` / ``"0"`` / ``[]``: none (off); ``"1"`` / ``"auto"``: :data:`DEFAULT_SIZES`; else the counts, a
     list or a comma-separated string (:func:`rlserve.envs.positive_int_list`). Capped at ``max_tokens``
     (which is added when a bucket was above it), sorted, unique.
 
@@ -58,7 +70,7 @@ def parse_sizes(spec, max_tokens: int, what: str = "RLSERVE_PREFILL_CUDA_GRAPHS"
         ValueError: a count that is not a positive integer (the message names ``what``)."""
     if not spec or (isinstance(spec, str) and spec.strip() == "0"):
         return []
-    if isinstance(spec, str) and spec.strip() == "1":
+    if isinstance(spec, str) and spec.strip() in ("1", "auto"):
         sizes = list(DEFAULT_SIZES)
     else:
         sizes = envs.positive_int_list(what, spec)
@@ -89,17 +101,20 @@ def supported(model: nn.Module) -> str | None:
 
 def why_off(runner, sizes: list[int], kv_cache: bool = True) -> str | None:
     """Why a :class:`~rlserve.engine.worker.model_runner.ModelRunner` runs its prefill steps eagerly
-    (None: it may capture piecewise graphs of ``sizes``): no buckets, CUDA graphs off (``enforce_eager``,
-    a backend or TP size without them; ``config.extra["prefill_cuda_graphs_emulate"]``, for tests, stands
-    in for them off CUDA), ``--batch-invariant``, LoRA, no KV cache yet, fused kernels off, a model
-    :func:`supported` refuses. ``kv_cache=False``: whether they will be captured once the KV cache
-    is there (the KV sizing's question, :func:`reserve_bytes`)."""
-    from rlserve.layers import fused_ops
+    (None: it may capture piecewise graphs of ``sizes``): no buckets (``RLSERVE_PREFILL_CUDA_GRAPHS=0``),
+    CUDA graphs off (not CUDA, ``enforce_eager``, a backend or TP size without them;
+    ``config.extra["prefill_cuda_graphs_emulate"]``, for tests, stands in for them off CUDA),
+    ``--batch-invariant``, LoRA, no KV cache yet, fused kernels off, an fp8 KV cache without the
+    Triton kernels (the CPU's fused KV write has no fp8) or, under the default ``auto``
+    (``runner._prefill_graphs_auto()``), any fp8 KV cache, a model :func:`supported` refuses.
+    ``kv_cache=False``: whether they will be captured once the KV cache is there (the KV sizing's
+    question, :func:`reserve_bytes`)."""
+    from rlserve.layers import fused_ops, kv_quant
 
     cfg = runner.config
     emulate = bool((getattr(cfg, "extra", None) or {}).get("prefill_cuda_graphs_emulate"))
     if not sizes:
-        return "off (RLSERVE_PREFILL_CUDA_GRAPHS unset)"
+        return "off (RLSERVE_PREFILL_CUDA_GRAPHS=0)"
     if not (runner.use_cuda_graphs or (emulate and cfg is not None and not cfg.enforce_eager)):
         return "CUDA graphs are off"
     if runner.batch_invariant:
@@ -108,8 +123,15 @@ def why_off(runner, sizes: list[int], kv_cache: bool = True) -> str | None:
         return "LoRA adapters"
     if kv_cache and not runner.kv_caches:
         return "no KV cache yet"
-    if not fused_ops.fused_enabled(torch.empty(0, dtype=runner.dtype, device=runner.device)):
+    probe = torch.empty(0, dtype=runner.dtype, device=runner.device)
+    if not fused_ops.fused_enabled(probe):
         return "fused kernels off"
+    if kv_quant.is_fp8(runner.kv_cache_dtype):
+        if not fused_ops.triton_enabled(probe):
+            return "an fp8 KV cache without the Triton kernels"
+        if runner._prefill_graphs_auto():
+            return ("an fp8 KV cache (not yet checked on a GPU with the graphs: RLSERVE_PREFILL_CUDA_GRAPHS=1 "
+                    "turns them on)")
     return supported(runner.model)
 
 
@@ -147,9 +169,12 @@ def reserve_bytes(runner) -> int:
       norm's output and residual, qkv ``[Tb, q_size + 2 x kv_size]``, the rotated queries ``[Tb, q_size]``
       (the smaller buckets, captured after it, reuse its memory).
 
-    Qwen3-0.6B in bfloat16 with ``RLSERVE_PREFILL_CUDA_GRAPHS=1`` (buckets 256..8192, 16,128 rows):
+    Qwen3-0.6B in bfloat16 with the default buckets (256..8192, 16,128 rows):
     126 MiB of buffers + 32 MiB of outputs + 336 MiB of working set = 494 MiB (session 18's estimate
-    of what the capture takes: ~300 MB; ``benchmarks/device/s19_fix19.sh`` measures it on a GPU)."""
+    of what the capture takes: ~300 MB). Measured on an H100 (session 19, ``benchmarks/device/s19_fix19.sh``,
+    BENCHMARKS.md): the capture allocated 190 MiB but the caching allocator reserved 608 MiB (segment
+    rounding); the KV sizing's 512 MiB headroom covers the difference. The capture logs its reserved
+    growth against this number (:meth:`PrefillCUDAGraphs.capture`)."""
     sizes = runner._prefill_graph_sizes()
     if why_off(runner, sizes, kv_cache=False) is not None:
         return 0
@@ -200,10 +225,14 @@ class PrefillCUDAGraphs:
         self.device = device
         self.sizes = sorted(sizes)
         self.emulate = device.type != "cuda"
+        self._mem0 = (0, 0) if self.emulate else (torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
         dtype = model.model.embed_tokens.weight.dtype
         self.buckets = {s: _Bucket(s, model, device, dtype) for s in self.sizes}
         self.captured = False
         self.capture_seconds = 0.0
+        #: CUDA: growth of the caching allocator's reserved / allocated bytes from the buffers' allocation
+        #: to the end of :meth:`capture` (0 emulating)
+        self.reserved_growth = self.allocated_growth = 0
         self._pool = None
         self._state: dict = {}  # emulate: the residual handed from one piece to the next
 
@@ -237,9 +266,12 @@ class PrefillCUDAGraphs:
         b.q.copy_(a.norm_rope_write(b.positions, a.qkv_proj(h), b.meta))
         state["residual"] = residual
 
-    def capture(self) -> None:
+    def capture(self, reserve: int = 0) -> None:
         """Capture every bucket's pieces, largest bucket first, into one memory pool (on CUDA; a no-op
-        when emulating). Each piece runs once eagerly first (Triton compiles outside the capture)."""
+        when emulating). Each piece runs once eagerly first (Triton compiles outside the capture).
+        ``reserve``: the bytes the KV sizing left for them (:func:`reserve_bytes`), logged beside the
+        measured growth of the allocator's reserved memory since the buffers were allocated
+        (``reserved_growth``)."""
         t0 = time.perf_counter()
         if not self.emulate:
             self._pool = torch.cuda.graph_pool_handle()
@@ -250,10 +282,14 @@ class PrefillCUDAGraphs:
                     self._capture_bucket(self.buckets[size])
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
+            self.reserved_growth = torch.cuda.memory_reserved(self.device) - self._mem0[0]
+            self.allocated_growth = torch.cuda.memory_allocated(self.device) - self._mem0[1]
         self.captured = True
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("prefill piecewise CUDA graphs: %d buckets %s, %d pieces each, captured in %.2fs",
-                    len(self.sizes), self.sizes, len(self.model.model.layers) + 1, self.capture_seconds)
+        logger.info("prefill piecewise CUDA graphs: %d buckets %s, %d pieces each, captured in %.2fs; memory "
+                    "reserved +%.0f MiB (allocated +%.0f) against the KV sizing's %.0f MiB for them",
+                    len(self.sizes), self.sizes, len(self.model.model.layers) + 1, self.capture_seconds,
+                    self.reserved_growth / 2**20, self.allocated_growth / 2**20, reserve / 2**20)
 
     def _capture_bucket(self, b: _Bucket) -> None:
         L = len(self.model.model.layers)
