@@ -31,7 +31,7 @@ def test_block_bytes_match_the_engines(tiny_model, arch, kv_dtype, dtype):
     model = build_model(hf, "meta", model_dtype)
     want = kv_cache_bytes_per_block(model, 16, KV_CACHE_DTYPES[kv_dtype] or model_dtype)
     assert kv_bytes_per_block(cfg, 16, dtype, kv_dtype) == want > 0
-    check_kv_cache_bytes(want, path, 16, 256, dtype, kv_dtype)  # one block: enough
+    check_kv_cache_bytes(want, path, 16, 16, dtype, kv_dtype)  # one block: enough for --max-model-len 16
     with pytest.raises(InvalidRequestError, match=f"--kv-cache-bytes {want - 1} holds no KV-cache block: one block "
                                                   f"of 16 tokens takes {want} bytes"):
         check_kv_cache_bytes(want - 1, path, 16, 256, dtype, kv_dtype)

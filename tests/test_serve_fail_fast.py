@@ -153,7 +153,9 @@ def test_long_max_model_len_escape(tiny_model, monkeypatch, capsys, caplog):
     """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's escape): the length past the model's is let through to
     the engine's start (here a stand-in that refuses: exit 1), with vLLM's warning."""
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--max-model-len", "99999999")
+    # (a cache for one such sequence: 51.2 GB for the tiny llama, never allocated by the stand-in)
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--max-model-len", "99999999",
+                     "--kv-cache-bytes", str(100 << 30))
     assert rc == 1 and "engine was started" in out, out
     assert "must be used with extreme caution" in caplog.text
 
