@@ -54,6 +54,7 @@ def main(argv=None) -> dict:
         estimate = pg.reserve_bytes(runner)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()  # (the capture gives its warm runs' blocks back: count from a clean cache)
             r0, a0 = torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
         runner._prefill_graphs_off = None
         ok = runner._prefill_graphs_ready()

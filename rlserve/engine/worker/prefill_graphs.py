@@ -172,8 +172,9 @@ def reserve_bytes(runner) -> int:
     Qwen3-0.6B in bfloat16 with the default buckets (256..8192, 16,128 rows):
     126 MiB of buffers + 32 MiB of outputs + 336 MiB of working set = 494 MiB (session 18's estimate
     of what the capture takes: ~300 MB). Measured on an H100 (session 19, ``benchmarks/device/s19_fix19.sh``,
-    BENCHMARKS.md): the capture allocated 190 MiB but the caching allocator reserved 608 MiB (segment
-    rounding); the KV sizing's 512 MiB headroom covers the difference. The capture logs its reserved
+    BENCHMARKS.md): the capture allocated 190 MiB but the caching allocator reserved 608 MiB (the warm
+    runs' blocks, given back after the capture since session 21, :meth:`PrefillCUDAGraphs.capture`, and
+    segment rounding); the KV sizing's 512 MiB headroom covered the difference. The capture logs its reserved
     growth against this number (:meth:`PrefillCUDAGraphs.capture`)."""
     sizes = runner._prefill_graph_sizes()
     if why_off(runner, sizes, kv_cache=False) is not None:
@@ -225,6 +226,8 @@ class PrefillCUDAGraphs:
         self.device = device
         self.sizes = sorted(sizes)
         self.emulate = device.type != "cuda"
+        if not self.emulate:  # (free cached blocks out first: the growth below is then the graphs' own)
+            torch.cuda.empty_cache()
         self._mem0 = (0, 0) if self.emulate else (torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
         dtype = model.model.embed_tokens.weight.dtype
         self.buckets = {s: _Bucket(s, model, device, dtype) for s in self.sizes}
@@ -268,7 +271,11 @@ class PrefillCUDAGraphs:
 
     def capture(self, reserve: int = 0) -> None:
         """Capture every bucket's pieces, largest bucket first, into one memory pool (on CUDA; a no-op
-        when emulating). Each piece runs once eagerly first (Triton compiles outside the capture).
+        when emulating). Each piece runs once eagerly first (Triton compiles outside the capture), on the
+        capture's side stream, outside the pool: the caching allocator keeps those blocks for that stream,
+        which never runs again, so they are given back (``torch.cuda.empty_cache``, as ``torch.cuda.graph``
+        does before a capture) -- the likely part of session 19's reserved growth of 608 MiB beyond the
+        190 MiB allocated (the warm run's working set at 8,192 tokens is ~336 MiB for Qwen3-0.6B).
         ``reserve``: the bytes the KV sizing left for them (:func:`reserve_bytes`), logged beside the
         measured growth of the allocator's reserved memory since the buffers were allocated
         (``reserved_growth``)."""
@@ -282,6 +289,7 @@ class PrefillCUDAGraphs:
                     self._capture_bucket(self.buckets[size])
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             self.reserved_growth = torch.cuda.memory_reserved(self.device) - self._mem0[0]
             self.allocated_growth = torch.cuda.memory_allocated(self.device) - self._mem0[1]
         self.captured = True
