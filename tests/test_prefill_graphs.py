@@ -147,7 +147,7 @@ def test_off_where_not_supported(tiny_model):
     eager = LLM(tiny_model("qwen3"), dtype="float32", device="cpu", block_size=8, enforce_eager=True,
                 extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
     eager.generate([[5, 6, 7]], _greedy(2))
-    assert eager.engine.executor.runner._prefill_graphs_off == "CUDA graphs are off"
+    assert eager.engine.executor.runner._prefill_graphs_off == "CUDA graphs are off (--enforce-eager)"
 
 
 def test_attention_out_buffer_equals_a_fresh_result():

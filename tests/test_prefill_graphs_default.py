@@ -78,7 +78,7 @@ def test_default_stays_off_where_unsafe(tiny_model, case):
     sizing reserves nothing for them (pg.reserve_bytes 0)."""
     path = tiny_model("qwen3_moe" if case == "moe" else "qwen3")
     kw, why = {
-        "enforce_eager": ({"enforce_eager": True}, "CUDA graphs are off"),
+        "enforce_eager": ({"enforce_eager": True}, "CUDA graphs are off (--enforce-eager)"),
         "lora": ({"enable_lora": True, "max_lora_rank": 8}, "LoRA adapters"),
         "batch_invariant": ({"batch_invariant": True}, "--batch-invariant"),
         "moe": ({}, "not a dense Llama-family model"),

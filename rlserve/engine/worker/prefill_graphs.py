@@ -116,7 +116,7 @@ def why_off(runner, sizes: list[int], kv_cache: bool = True) -> str | None:
     if not sizes:
         return "off (RLSERVE_PREFILL_CUDA_GRAPHS=0)"
     if not (runner.use_cuda_graphs or (emulate and cfg is not None and not cfg.enforce_eager)):
-        return "CUDA graphs are off"
+        return "CUDA graphs are off" + (" (--enforce-eager)" if getattr(cfg, "enforce_eager", False) else "")
     if runner.batch_invariant:
         return "--batch-invariant"
     if getattr(cfg, "enable_lora", False):
