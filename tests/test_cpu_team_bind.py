@@ -8,7 +8,10 @@ team step, the engine thread free."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -128,3 +131,44 @@ def test_avoid_keeps_the_workers_off_the_engine_threads_cpu(team2):
         team2.avoid = False
         cpu_gemm._lib().rlserve_team_avoid_cpu(-1)
     assert all(_allowed(int(t)) == mask for t in workers_before)
+
+
+_AUTO_BIND = """
+import json, os, sys, threading
+from rlserve.config import EngineConfig
+from rlserve.engine.cpu import cpu_threads
+from rlserve.layers import cpu_gemm
+cpu_threads.tempfile.gettempdir = lambda: sys.argv[1]  # this test's lock files
+config = EngineConfig(model="unused")
+n = cpu_threads.engine_cpu_threads(config)
+size = cpu_threads.engine_team_size(config, threads=n)
+before = set(os.listdir("/proc/self/task"))
+cpu_threads.configure_engine_threads(config, bind=True)
+def allowed(tid):
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return cpu_threads.parse_cpu_list(line.split(":", 1)[1].strip())
+new = sorted(set(os.listdir("/proc/self/task")) - before)
+print(json.dumps({"size": size, "team": cpu_gemm.current().size, "engine": sorted(os.sched_getaffinity(0)),
+                  "workers": [allowed(t) for t in new], "locks": len(cpu_threads._held_locks)}))
+"""
+
+
+def test_auto_bind_claims_the_teams_cpus_and_the_team_runs_on_them(tmp_path):
+    """``RLSERVE_CPU_OMP_THREADS_BIND=auto`` in an engine-core process (session 21, FIX21 item 5: it claimed
+    one CPU for the one torch thread, pinned the engine thread there, and the team, sized after the pin,
+    shrank to 1): it claims the team's CPUs, the team keeps the size it has unbound, and its worker threads
+    (started after the pin, in a fresh process as in an engine-core process) run on those CPUs only."""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RLSERVE_CPU_THREADS", "RLSERVE_CPU_TEAM", "OMP_NUM_THREADS", "RLSERVE_CPU_TEAM_BIND",
+        "RLSERVE_CPU_RESERVED_CPUS")}
+    env["RLSERVE_CPU_OMP_THREADS_BIND"] = "auto"
+    out = subprocess.run([sys.executable, "-c", _AUTO_BIND, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got["size"] < 2:
+        pytest.skip(f"no CPU team on this machine's mask: {got}")
+    assert got["team"] == got["size"] == len(got["engine"]) == got["locks"], got  # not a team of 1
+    assert len(got["workers"]) >= got["size"] - 1, got
+    assert all(set(w) <= set(got["engine"]) for w in got["workers"]), got

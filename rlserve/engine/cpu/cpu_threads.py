@@ -190,7 +190,8 @@ def bind_engine_thread(n: int, config=None, ranks: int | None = None) -> list[in
 
     Which CPUs, first match wins: ``config.extra["cpu_threads_bind"]``, then
     ``RLSERVE_CPU_OMP_THREADS_BIND`` (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` values):
-    ``"nobind"`` (the default), an explicit list (``"0-3,6"``), or ``"auto"``: ``n`` CPUs of
+    ``"nobind"`` (the default), an explicit list (``"0-3,6"``), or ``"auto"``: ``n`` CPUs (the engine's
+    torch threads or its CPU team, whichever is larger: :func:`configure_engine_threads`) of
     this process's affinity mask that no other rlserve engine on the machine holds (a lock
     file per CPU, released at exit), highest first, so that two servers on one machine never
     share a core; nothing is pinned when none are free, with several engine ranks in this
@@ -234,7 +235,11 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     ``avoid`` the workers kept off the engine thread's CPU (:func:`rlserve.layers.cpu_gemm.avoid`).
     Returns the thread count set."""
     n = engine_cpu_threads(config, ranks)
-    cpus = bind_engine_thread(n, config, ranks) if (_bind_allowed if bind is None else bind) else []
+    # ``auto`` claims as many CPUs as the engine will run threads on: its torch threads, or its CPU team,
+    # sized here on this process's mask (sized after the pin, on one claimed CPU, the team was 1); the
+    # team starts below, after the pin, so its threads inherit the bound CPUs
+    want = max(n, engine_team_size(config, ranks, threads=n))
+    cpus = bind_engine_thread(want, config, ranks) if (_bind_allowed if bind is None else bind) else []
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     from rlserve.layers import cpu_gemm
