@@ -41,7 +41,8 @@ graph_lines() {  # what each rlserve server's log said about the prefill graphs 
 }
 if [ "$(left)" -lt 30 ]; then say "vllm_bench skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 # 1) the defaults, then graphs with the 1,024-token budget
-CONFIGS=("default=$C $(server_words default) $FLAGS"
+# (since session 21 the graphs are on by default: this arm keeps its eager prefill steps, the baseline it measured)
+CONFIGS=("default=$C $(server_words default RLSERVE_PREFILL_CUDA_GRAPHS=0) $FLAGS"
          "g$B1=$C $(server_words "g$B1" $G) $FLAGS --max-prefill-tokens-while-decoding $B1")
 STEM=vllm_bench stream_bench "$LIMIT" "$MIN_STEPS" default "g$B1"
 say "stacks (default, g$B1): $(server_stacks)"
