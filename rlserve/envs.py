@@ -212,8 +212,9 @@ VARIABLES: dict[str, Var] = {
                                        "session 21, measured on an H100: BENCHMARKS.md): 'auto' (default) the token "
                                        "buckets 256..8192 on CUDA with CUDA-graph decode on, where they apply (not "
                                        "--enforce-eager, LoRA, MoE, quantized or TP linears, --batch-invariant, an fp8 "
-                                       "KV cache; the start-up log says why they are off); '0' off, every prefill "
-                                       "step eager; '1' the same buckets, also with an fp8 KV cache; or "
+                                       "KV cache, a reservation over a tenth of the KV cache's budget; the start-up log "
+                                       "says why they are off); '0' off, every prefill "
+                                       "step eager; '1' the same buckets, also with an fp8 KV cache or over that share; or "
                                        "comma-separated buckets, e.g. '512,2048,8192' (as '1')"),
     "RLSERVE_CUDA_GRAPH_TP": Var("bool", False, _one,
                                  "'1': capture decode CUDA graphs under tensor parallelism too (experimental: "

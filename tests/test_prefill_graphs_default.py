@@ -113,6 +113,39 @@ def test_fp8_kv_cache_off_by_default_forced_by_one(qwen3, monkeypatch):
     assert pg.why_off(runner, sizes) == "quantized or tensor-parallel linears"
 
 
+def test_small_kv_budget_leaves_the_default_off(qwen3, monkeypatch):
+    """Under ``auto`` the GPU KV sizing (Worker.determine_num_blocks, CUDA memory numbers faked as in
+    tests/test_prefill_graphs.py) reserves the graphs' pg.reserve_bytes only while that is at most
+    pg.MAX_KV_SHARE of its budget; above, nothing is reserved (as many blocks as with them off), the graphs stay
+    off with the reason, and the engine still serves. A bucket list is reserved whatever the budget."""
+    def blocks(llm, budget):
+        """determine_num_blocks on a faked card where the cache and the graphs have ``budget`` bytes."""
+        w = llm.engine.executor
+        monkeypatch.setattr(w, "device", torch.device("cuda", 0))
+        # x --gpu-memory-utilization = the budget + the 512 MiB headroom + the activation estimate
+        total = int((budget + (512 << 20) + w._activation_estimate()) / w.config.gpu_memory_utilization) + 1
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+        try:
+            return w.determine_num_blocks(), w.bytes_per_block()
+        finally:
+            monkeypatch.setattr(w, "device", torch.device("cpu"))
+
+    big, small = _emulated(qwen3), _emulated(qwen3)
+    need = pg.reserve_bytes(big.engine.executor.runner)
+    assert need > 0 and pg.MAX_KV_SHARE == 0.10
+    n, per = blocks(big, 20 * need)  # a twentieth: reserved
+    assert big.engine.executor.runner._prefill_graphs_off is None and n in (19 * need // per, 19 * need // per + 1)
+    n, per = blocks(small, 5 * need)  # a fifth: off, nothing reserved
+    runner = small.engine.executor.runner
+    assert n in (5 * need // per - 1, 5 * need // per) and "more than 10%" in runner._prefill_graphs_off
+    assert "RLSERVE_PREFILL_CUDA_GRAPHS=1" in runner._prefill_graphs_off
+    prompts = _prompts(4, [30, 12])
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, _greedy())] == hf_greedy(qwen3, prompts, 8)
+    assert runner.prefill_graphs is None
+    forced = _emulated(qwen3, extra={"prefill_cuda_graph_sizes": "16,40"})
+    assert pg.kv_reserve(forced.engine.executor.runner, 2 * need) == pg.reserve_bytes(forced.engine.executor.runner) > 0
+
+
 def check_sleep_wake_and_sync(path, new_path, monkeypatch, device="cpu"):
     """Level 1 and wake keep the graphs object and replay it, greedy as before the sleep; level 2, wake of the
     weights, an in-place load of the checkpoint ``new_path`` (a trainer's sync), wake of the cache: the same

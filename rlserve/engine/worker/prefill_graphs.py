@@ -37,7 +37,8 @@ parameters in place, which the pieces read directly (no copy is captured); LoRA,
 and tensor-parallel linears, ``--batch-invariant`` and ``--enforce-eager`` leave them off; an fp8 KV
 cache leaves them off under ``auto`` until a GPU run checks it (``1`` turns them on there: the fused
 KV write reads the scales from their tensors, which ``--calculate-kv-scales`` sets in place after an
-eager first step); the buckets are capped at the most tokens a step can hold
+eager first step); under ``auto`` nothing is reserved and they stay off where they would take more than
+:data:`MAX_KV_SHARE` of the KV cache's budget (:func:`kv_reserve`); the buckets are capped at the most tokens a step can hold
 (``max_num_batched_tokens``, ``max_num_seqs x max_model_len``).
 """
 
@@ -190,6 +191,28 @@ def reserve_bytes(runner) -> int:
     tb = max(sizes)
     working = tb * item * (6 * hidden + 3 * inter + 2 * a.q_size + 2 * a.kv_size)
     return int(buffers + outputs + working)
+
+
+#: the default (``auto``) leaves the graphs off where they would take more than this share of the KV cache's
+#: budget (:func:`kv_reserve`; a judgment, not a measurement: at most a tenth of the cache for prefill steps
+#: ~3x faster, BENCHMARKS.md)
+MAX_KV_SHARE = 0.10
+
+
+def kv_reserve(runner, budget: int) -> int:
+    """The bytes the GPU KV sizing (``Worker.determine_num_blocks``) leaves free for the prefill graphs out of
+    ``budget``, the bytes it has for the cache and them: :func:`reserve_bytes`, or 0 where, under the default
+    ``auto``, that is more than :data:`MAX_KV_SHARE` of ``budget`` (a small ``--gpu-memory-utilization``, e.g.
+    a trainer on the same GPU, keeps its KV cache): the graphs are then off for this runner
+    (``runner._prefill_graphs_off``), said in the log. An explicit setting (``1``, a list) is always reserved."""
+    need = reserve_bytes(runner)
+    if need and runner._prefill_graphs_auto() and need > MAX_KV_SHARE * max(budget, 0):
+        why = (f"they would take {need / 2**20:.0f} MiB of the KV cache's {max(budget, 0) / 2**20:.0f} MiB (more than "
+               f"{MAX_KV_SHARE:.0%}; RLSERVE_PREFILL_CUDA_GRAPHS=1 or a bucket list forces them)")
+        runner._prefill_graphs_off = why
+        logger.info("prefill piecewise CUDA graphs off: %s", why)
+        return 0
+    return need
 
 
 class _Bucket:

@@ -118,7 +118,8 @@ class Worker:
         the weights, minus 512 MiB of activation headroom and, with the LoRA one-adapter fast path
         on, the memory a merge holds (:func:`rlserve.lora.merge.kv_budget`, which also decides
         ``RLSERVE_LORA_MERGE=auto``), and with the prefill CUDA graphs on, what they will hold once
-        captured after the cache (:func:`rlserve.engine.worker.prefill_graphs.reserve_bytes`).
+        captured after the cache (:func:`rlserve.engine.worker.prefill_graphs.kv_reserve`: under the default,
+        nothing and the graphs off where that is more than a tenth of the cache's budget).
         """
         if self.config.num_kv_blocks is not None:
             lora = lora_of(self.model)
@@ -131,7 +132,7 @@ class Worker:
             used = total - free
             budget = int(total * self.config.gpu_memory_utilization) - used - _GPU_HEADROOM_BYTES
             budget -= self._activation_estimate()
-            budget -= pg.reserve_bytes(self.runner)  # (the decode graphs reserve nothing: a few MiB)
+            budget -= pg.kv_reserve(self.runner, budget)  # (the decode graphs reserve nothing: a few MiB)
             lora = lora_of(self.model)
             if lora is not None and lora.merge is not None:
                 from rlserve.lora.merge import kv_budget
