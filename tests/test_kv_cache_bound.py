@@ -2,7 +2,7 @@
 in the scheduler). The engine now refuses at start a cache that cannot hold one ``max_model_len`` sequence
 (vLLM's rule, :func:`rlserve.kv_size.check_cache_holds_one_sequence`), so such a prompt, or a prompt plus
 ``max_tokens`` beyond the cache, is beyond ``max_model_len``: a 400 ``context_length_exceeded`` over HTTP
-(completions and chat, streamed or not) and an InvalidRequestError (a ValueError) from ``LLM``, both at
+(completions, chat and responses, streamed or not) and an InvalidRequestError (a ValueError) from ``LLM``, both at
 admission; the engine goes on serving, and no block stays taken. The cache here is exactly one sequence:
 ``--max-model-len 64`` in 4 blocks of 16 tokens."""
 
@@ -39,6 +39,8 @@ def _metric(url: str, name: str) -> float:
     ("/v1/completions", {"prompt": LONG[:40], "max_tokens": 40}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 4}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, "max_tokens"),
+    ("/v1/responses", {"input": "hi " * 100, "max_output_tokens": 4}, "prompt"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 64}, "max_output_tokens"),
 ])
 def test_beyond_the_cache_is_a_400_and_the_engine_serves_on(srv, route, body, param, stream):
     r = httpx.post(srv.url + route, json=dict(body, model=srv.config.model, stream=stream), timeout=60)

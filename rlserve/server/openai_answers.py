@@ -10,7 +10,9 @@ them -- a non-streamed answer whole (``model_dump()``), so every field is there,
 has nothing for it (``service_tier``, ``kv_transfer_params``, ``metrics``, a message's
 ``refusal`` / ``annotations`` / ``audio`` / ``function_call`` / ``reasoning`` ...); a stream chunk
 with ``exclude_unset`` (only what the serving code set); the stream's last usage chunk with
-``exclude_none``. ``tests/test_server_vllm_keys.py`` checks them against the installed vLLM.
+``exclude_none``. ``tests/test_server_vllm_keys.py`` checks them against the installed vLLM. (A choice's ``routed_experts``
+and the answer's ``metrics`` are null without ``--enable-return-routed-experts`` / per-request metrics:
+vLLM 0.32's live ``vllm serve`` sends both keys null too, compared in session 21.)
 The chunks themselves are built in :mod:`rlserve.server.openai_stream`.
 """
 
