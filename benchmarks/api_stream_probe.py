@@ -138,16 +138,18 @@ def _time_parts(path: str) -> None:
             print(f"api_stream_probe: cannot time {mod_name}.{fn_name}: {e}", file=sys.stderr)
 
 
-def site_dir(root: str, module: str = "benchmarks.api_stream_probe") -> str:
+def site_dir(root: str, module: str | tuple[str, ...] = "benchmarks.api_stream_probe") -> str:
     """A directory holding a ``sitecustomize.py`` that calls ``module``'s ``install()`` (this one's
-    :func:`install` by default); put it first on the server's ``PYTHONPATH`` (with the repository
-    after it) and set ``API_STREAM_PROBE_DIR`` (or ``module``'s variable)."""
+    :func:`install` by default; a tuple: each module's, in order, each on its own); put it first on the
+    server's ``PYTHONPATH`` (with the repository after it) and set ``API_STREAM_PROBE_DIR`` (or ``module``'s
+    variable)."""
     d = os.path.join(root, "site")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "sitecustomize.py"), "w") as f:
-        f.write(f"try:\n    from {module} import install\n    install()\n"
-                "except Exception as e:  # a broken probe must not stop the server\n"
-                f"    import sys; print('{module}:', e, file=sys.stderr)\n")
+        for mod in (module,) if isinstance(module, str) else module:
+            f.write(f"try:\n    from {mod} import install\n    install()\n"
+                    "except Exception as e:  # a broken probe must not stop the server\n"
+                    f"    import sys; print('{mod}:', e, file=sys.stderr)\n")
     return d
 
 

@@ -24,6 +24,13 @@ before). ``--concurrencies A,B,...``: run the benchmark once per value, in order
 (``--max-concurrency`` set to it, the result file ``<stem>@c<value>.json`` after
 ``--result-filename``): the import is paid once per server, not once per run. Exit status 3 if
 the server is not healthy (or the URL file not there) in time; otherwise vLLM's own.
+
+Client-side diagnostics (issue 37: is a long inter-token gap the client's own pause?), off unless given:
+``--gc-log PATH`` appends a line ``gc2 <perf_counter s> <ms> <objects collected>`` for every full
+(generation-2) garbage collection in this client process; ``--gc-freeze`` collects once and freezes the
+heap (``gc.freeze()``: vLLM's import heap, ~10^6 objects, out of every later collection) before the first
+run, as rlserve's and vLLM's servers do with theirs. vLLM's own client does neither: with ``--gc-freeze``
+the client is no longer exactly ``vllm bench serve``.
 """
 
 from __future__ import annotations
@@ -93,10 +100,32 @@ def runs(argv: list[str], concurrencies: str | None) -> list[list[str]]:
             for c in concurrencies.split(",") if c.strip()]
 
 
+def log_full_collections(path: str) -> None:
+    """Append ``gc2 <perf_counter s> <ms> <collected>`` to ``path`` for each full collection of this
+    process from now on (``gc.callbacks``)."""
+    import gc
+
+    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the process
+    t = [0.0]
+
+    def on_gc(phase, info):
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            f.write(f"gc2 {t[0]:.6f} {1e3 * (time.perf_counter() - t[0]):.2f} {info.get('collected')}\n")
+
+    gc.callbacks.append(on_gc)
+
+
 def main(argv: list[str]) -> int:
     wait_s, argv = pop_flag(argv, "--wait-for-server")
     url_file, argv = pop_flag(argv, "--url-file")
     concurrencies, argv = pop_flag(argv, "--concurrencies")
+    gc_log, argv = pop_flag(argv, "--gc-log")
+    gc_freeze = "--gc-freeze" in argv
+    argv = [a for a in argv if a != "--gc-freeze"]
     from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -121,6 +150,14 @@ def main(argv: list[str]) -> int:
         if not wait_healthy(base, float(wait_s)):
             print(f"vllm_bench_serve: {base}/health not OK within {wait_s} s", file=sys.stderr)
             return 3
+    if gc_log:
+        log_full_collections(gc_log)
+    if gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+        print(f"vllm_bench_serve: {gc.get_freeze_count()} objects frozen out of garbage collection", flush=True)
     for a in all_args:
         print(f"vllm_bench_serve: run with --max-concurrency {a.max_concurrency}", flush=True)
         BenchmarkServingSubcommand.cmd(a)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Issue 37, session 21: where the c256 streams' > 200 ms inter-token gaps come from (budget ~150 s; BUDGET may be
+# cut: every step adapts). Session 21's window 1 (main eda665a) measured p99 ITL 336 / 302 / 244 / 203 ms at c256
+# (defaults / graphs 1024 / graphs 2048 / mixed) while the engine's own decode-to-decode gaps were 8-47 ms p99:
+# something between the engine and the client. Each run here records, beside vLLM 0.24.0's `vllm bench serve`
+# client with --save-detailed (every request's send time, TTFT and per-chunk gaps: benchmarks/stream_gaps.py
+# places the long gaps by chunk index and time in the run):
+#   - the API process's side (benchmarks/stream_trace.py): each stream's request arrival and the time and chunk
+#     count of every body write, the event loop's late wake-ups, writes that waited on a paused transport; so each
+#     client gap over 200 ms is server-side (the server's own gap between the same chunks was as long) or
+#     client-side, and TTFT splits into send -> arrival -> first write -> client;
+#   - the engine-core's Triton JIT cache misses during the run (a compile in the middle of serving stalls every
+#     stream: window 1's default run had a 544 ms first prefill and an 891 ms prefill step at 86 running streams);
+#   - the engine step trace (benchmarks/step_trace.py) and the client's full garbage collections
+#     (benchmarks/vllm_bench_serve.py --gc-log).
+# Runs, c256 only, 768 prompts 512 -> 256, ignore_eos, greedy, Qwen3-0.6B shape, dummy bf16 weights:
+#   1) "default": main's defaults (eager prefill, 2,048-token budget while decoding)
+#   2) "g2048": RLSERVE_PREFILL_CUDA_GRAPHS=1 (window 1's best: no eager prefill compiles), when >= 45 s are left
+#   3) "default-cgc": the defaults again with the client's heap frozen (vllm_bench_serve.py --gc-freeze: vLLM's
+#      import heap out of the client's full collections), when >= 45 s are left
+# rlserve only (vLLM's own server: window 1, 5,552 tok/s, ITL p99 61.9 ms). A dry run (DRY_RUN=1, CPU, tiny-llama,
+# 24 prompts 300 -> 16 at @conc=8) runs the same steps.
+#
+#   OUT_DIR=/tmp/x bash benchmarks/device/s21_stream.sh
+#   DRY_RUN=1 BUDGET=120 OUT_DIR=/tmp/x bash benchmarks/device/s21_stream.sh
+# Results: $OUT_DIR/vllm_bench_<run>.{json,log} (per-request detail, generated texts dropped), gaps_<run>.json,
+# chunks_<run>/ (the API and JIT traces), steps_<run>/, client_gc_<run>.txt, the servers' log tails; summary on stdout.
+NAME=s21_stream BUDGET=${BUDGET:-150}; source "$(dirname "$0")/lib.sh"
+say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null)"
+http_site
+stream_workload 256
+# one run: NAME, its time limit, then server words (@ENV=V, flags) and, after --, extra client flags
+run_one() {
+  local n=$1 lim=$2 d=$OUT_DIR/chunks_$1 site words=() client=() saved=("${BENCH[@]}")
+  shift 2
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do words+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && client=("$@")
+  mkdir -p "$d" "$OUT_DIR/steps_$n"
+  site=$($PY -c "from benchmarks.stream_trace import site_dir; print(site_dir('$d'))")
+  touch "$OUT_DIR/start"
+  CONFIGS=("$n=$C @PYTHONPATH=$site:${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$OUT_DIR/steps_$n @STREAM_TRACE_DIR=$d ${words[*]} $FLAGS")
+  BENCH+=(--save-detailed --gc-log "$OUT_DIR/client_gc_$n.txt" "${client[@]}")
+  STEM=vllm_bench_$n stream_bench "$lim" "$MIN_STEPS" "$n"
+  BENCH=("${saved[@]}")
+  say "stack ($n): $(server_stacks)"
+  $PY benchmarks/stream_gaps.py "$OUT_DIR/vllm_bench_$n.json" --server "$d" --client-gc "$OUT_DIR/client_gc_$n.txt" \
+      --json "$OUT_DIR/gaps_$n.json" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  $PY - "$OUT_DIR/vllm_bench_$n.json" <<'PYEOF' 2>/dev/null  # the texts are most of the file and say nothing here
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d.get("rows", []):
+    (r.get("result") or {}).pop("generated_texts", None)
+json.dump(d, open(sys.argv[1], "w"))
+PYEOF
+}
+if [ "$(left)" -lt 30 ]; then say "skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
+# 1) main's defaults (a server's start ~17 s, the run ~10 s, the client's import overlaps the start)
+if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 3 )); else L1=$(( $(left) >= 100 ? 55 : $(left) - 5 )); fi
+run_one default "$L1"
+# 2) piecewise prefill graphs (no eager prefill steps to compile)
+if [ "$(left)" -ge 45 ] || [ "$DRY_RUN" = 1 ]; then
+  [ "$DRY_RUN" = 1 ] && L2=$(( $(left) / 2 )) || L2=$(( $(left) >= 95 ? 50 : $(left) - 5 ))
+  run_one g2048 "$L2" @RLSERVE_PREFILL_CUDA_GRAPHS=1
+else
+  say "g2048 skipped: $(left) s left (< 45)"
+fi
+# 3) the defaults with the client's heap frozen
+if [ "$(left)" -ge 45 ] || [ "$DRY_RUN" = 1 ]; then
+  run_one default-cgc $(( $(left) - 4 )) -- --gc-freeze
+else
+  say "default-cgc skipped: $(left) s left (< 45)"
+fi
+say "done"
+exit 0
