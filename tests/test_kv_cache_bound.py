@@ -69,3 +69,31 @@ def test_llm_refuses_at_admission_and_serves_on(tiny_model):
     out = llm.generate([LONG[:40]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 24
     assert llm.engine.block_manager.num_free_blocks == 4
+
+
+def test_serve_exits_2_in_one_line_when_the_engine_finds_the_cache_short(tiny_model, tmp_path):
+    """Where only the engine can size the cache (``--device auto``: the API process imports no torch to
+    tell a GPU; on a GPU, ``--gpu-memory-utilization``), its refusal is still a bad setting: exit 2, the
+    message on the last line, no traceback from either process (the engine-core process logged one and
+    the API process exited 1 before). The default 512 MiB CPU cache holds 1,048,576 of the tiny llama's
+    tokens; ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` lets 1,200,000 through to the engine."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("--device auto is the GPU here (its cache would hold the sequence)")
+    env = dict(os.environ, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
+    env.pop("RLSERVE_ENGINE_MODE", None)
+    out = subprocess.run([sys.executable, "-m", "rlserve", "serve", tiny_model("llama"), "--max-model-len", "1200000",
+                          "--port", "0"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    err = out.stderr
+    assert out.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "rlserve serve: error: could not start the engine: To serve at least one request with the model's max seq "
+        "len (1200000), KV cache for 75000 blocks is needed (75000 blocks of 16 tokens), which is larger than the "
+        "available KV cache memory (--kv-cache-bytes 536870912 (the default): 65536 blocks of 16 tokens); the "
+        "longest --max-model-len it holds is 1048576. Raise --kv-cache-bytes or lower --max-model-len"), err[-3000:]

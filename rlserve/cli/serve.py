@@ -157,7 +157,7 @@ def run(args) -> int:
     with the exit status. Returns the status only when the engine could not start."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from rlserve.errors import RLServeError
+    from rlserve.errors import InvalidRequestError, RLServeError
 
     model_arg = args.model_flag or args.model or "default"
     problem = check_vllm_compat_args(args) or check_tool_args(args)
@@ -244,7 +244,9 @@ def run(args) -> int:
         if template_workers:
             discard_templates()
         print(f"rlserve serve: error: could not start the engine: {e}", file=sys.stderr)
-        return 1
+        # a setting the engine refused once it knew the model and the device (on a GPU, a KV cache from
+        # --gpu-memory-utilization below one --max-model-len sequence): a bad setting, as the checks above
+        return 2 if isinstance(e, InvalidRequestError) else 1
     phases.mark("engine start -> ready (API process waiting)")
     try:
         build_app = app_module.result().build_app

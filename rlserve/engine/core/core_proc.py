@@ -327,7 +327,10 @@ def main(argv=None, prestarted: tuple[float, float] | None = None) -> int:
                                 num_kv_blocks=int(engine.block_manager.num_blocks),
                                 eos_token_ids=sorted(int(t) for t in getattr(engine, "eos_token_ids", ()) or ()))
     except BaseException as e:  # noqa: BLE001 - reported to the API process
-        logger.exception("engine replica %d failed to start", args.dp_index)
+        if isinstance(e, InvalidRequestError):  # a setting refused (one line; the API process says it again)
+            logger.error("engine replica %d failed to start: %s", args.dp_index, e)
+        else:
+            logger.exception("engine replica %d failed to start", args.dp_index)
         out.send(enc.encode(proto.CoreFailed(proto.error_info(e))))
         out.close(linger=2000)
         ctx.term()
