@@ -14,10 +14,13 @@
 #   - the engine step trace (benchmarks/step_trace.py) and the client's full garbage collections
 #     (benchmarks/vllm_bench_serve.py --gc-log).
 # Runs, c256 only, 768 prompts 512 -> 256, ignore_eos, greedy, Qwen3-0.6B shape, dummy bf16 weights:
-#   1) "default": main's defaults (eager prefill, 2,048-token budget while decoding)
-#   2) "g2048": RLSERVE_PREFILL_CUDA_GRAPHS=1 (window 1's best: no eager prefill compiles), when >= 45 s are left
-#   3) "default-cgc": the defaults again with the client's heap frozen (vllm_bench_serve.py --gc-freeze: vLLM's
-#      import heap out of the client's full collections), when >= 45 s are left
+#   1) "default": main's defaults (piecewise prefill graphs on since session 21, 2,048-token budget while decoding)
+#   2) and 3), while >= 45 s are left, in the order run 1 points to (more of its > 200 ms client gaps
+#      client-side: "cgc" first, else "h11" first):
+#      "cgc": the defaults with the client's heap frozen (vllm_bench_serve.py --gc-freeze: vLLM's import heap out
+#      of the client's full collections); "h11": RLSERVE_HTTP_IMPL=h11 (the asyncio + h11 stack of session 16,
+#      whose c256 p99 ITL was 64 ms, before uvloop + httptools became the default in session 18)
+#   4) "eager": RLSERVE_PREFILL_CUDA_GRAPHS=0 (window 1's default), for its Triton JIT misses, if >= 45 s are left
 # rlserve only (vLLM's own server: window 1, 5,552 tok/s, ITL p99 61.9 ms). A dry run (DRY_RUN=1, CPU, tiny-llama,
 # 24 prompts 300 -> 16 at @conc=8) runs the same steps.
 #
@@ -55,20 +58,24 @@ PYEOF
 }
 if [ "$(left)" -lt 30 ]; then say "skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 # 1) main's defaults (a server's start ~17 s, the run ~10 s, the client's import overlaps the start)
-if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 3 )); else L1=$(( $(left) >= 100 ? 55 : $(left) - 5 )); fi
+if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 4 )); else L1=$(( $(left) >= 100 ? 50 : $(left) - 5 )); fi
 run_one default "$L1"
-# 2) piecewise prefill graphs (no eager prefill steps to compile)
-if [ "$(left)" -ge 45 ] || [ "$DRY_RUN" = 1 ]; then
-  [ "$DRY_RUN" = 1 ] && L2=$(( $(left) / 2 )) || L2=$(( $(left) >= 95 ? 50 : $(left) - 5 ))
-  run_one g2048 "$L2" @RLSERVE_PREFILL_CUDA_GRAPHS=1
-else
-  say "g2048 skipped: $(left) s left (< 45)"
-fi
-# 3) the defaults with the client's heap frozen
-if [ "$(left)" -ge 45 ] || [ "$DRY_RUN" = 1 ]; then
-  run_one default-cgc $(( $(left) - 4 )) -- --gc-freeze
-else
-  say "default-cgc skipped: $(left) s left (< 45)"
-fi
+# 2), 3): the client-side arm first when run 1's long gaps were mostly client-side
+ORDER=$($PY - "$OUT_DIR/gaps_default.json" <<'PYEOF' 2>/dev/null || echo "h11 cgc"
+import json, sys
+a = json.load(open(sys.argv[1]))[0].get("attribution", {})
+print("cgc h11" if a.get("client-side", 0) > a.get("server-side", 0) else "h11 cgc")
+PYEOF
+)
+say "next runs: $ORDER (run 1's long gaps: $($PY -c "import json,sys; a=json.load(open(sys.argv[1]))[0].get('attribution',{}); print({k: v for k, v in a.items() if k != 'ttft_split_ms'})" "$OUT_DIR/gaps_default.json" 2>/dev/null))"
+for arm in $ORDER eager; do
+  if [ "$(left)" -lt 45 ] && [ "$DRY_RUN" != 1 ]; then say "$arm skipped: $(left) s left (< 45)"; continue; fi
+  [ "$DRY_RUN" = 1 ] && L=$(( $(left) / 3 )) || L=$(( $(left) >= 90 ? 45 : $(left) - 5 ))
+  case $arm in
+    cgc) run_one cgc "$L" -- --gc-freeze ;;
+    h11) run_one h11 "$L" @RLSERVE_HTTP_IMPL=h11 ;;
+    eager) run_one eager "$L" @RLSERVE_PREFILL_CUDA_GRAPHS=0 ;;
+  esac
+done
 say "done"
 exit 0
