@@ -237,9 +237,12 @@ def configure_engine_threads(config=None, ranks: int | None = None, bind: bool |
     n = engine_cpu_threads(config, ranks)
     # ``auto`` claims as many CPUs as the engine will run threads on: its torch threads, or its CPU team,
     # sized here on this process's mask (sized after the pin, on one claimed CPU, the team was 1); the
-    # team starts below, after the pin, so its threads inherit the bound CPUs
+    # team starts below, after the pin, so its threads inherit the bound CPUs. Where other engines hold
+    # too many for the team, the torch threads' CPUs (the team, sized after the pin, shrinks to them)
     want = max(n, engine_team_size(config, ranks, threads=n))
-    cpus = bind_engine_thread(want, config, ranks) if (_bind_allowed if bind is None else bind) else []
+    cpus = []
+    if _bind_allowed if bind is None else bind:
+        cpus = bind_engine_thread(want, config, ranks) or (bind_engine_thread(n, config, ranks) if want > n else [])
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     from rlserve.layers import cpu_gemm
