@@ -11,7 +11,8 @@ a batch-256 decode step takes ~7 ms on an H100), nothing in the API process.
 
 :func:`summarize` reads the lines back: a step's time is the interval to the next schedule call (with
 overlapped decode the next step is scheduled while this one runs, so the interval is the step's
-share of the pipeline, not its kernel time); intervals over :data:`IDLE_S` are idle time, not steps.
+share of the pipeline, not its kernel time); an interval after which the engine had emptied (the next step
+holds only new sequences) is idle time, not a step.
 What a decoding stream sees is the interval from one decode step to the next: :func:`summarize`
 groups those gaps by the prefill tokens scheduled between the two decode steps.
 """
@@ -23,7 +24,12 @@ import sys
 import time
 
 ENV_DIR = "STEP_TRACE_DIR"
-IDLE_S = 0.5
+#: an interval this long between two schedule calls cuts the trace into benchmark runs (``vllm bench serve``
+#: pauses 2.5-3 s between its runs; session 21's window 1 had an 891 ms eager prefill step inside a run, which
+#: the old 0.5 s cut made a run boundary, dropping that run's first 41 steps and the stall from the summary)
+RUN_GAP_S = 1.5
+#: step intervals at least this long are listed one by one (:func:`summarize`'s ``stalls``)
+STALL_S = 0.1
 #: prefill-token buckets of :func:`summarize` (upper bounds; the last is open)
 BUCKETS = (0, 1024, 2048, 4096, 8192)
 
@@ -87,29 +93,47 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
+def _fresh(row) -> bool:
+    """Whether a step scheduled nothing that ran before it: a prefill (or mixed) step whose running count is
+    its own sequences (the engine had emptied: every earlier sequence finished, so it waited for requests)."""
+    return row[1] in "PM" and row[4] == row[3]
+
+
 def summarize(rows: list[tuple[float, str, int, int, int]]) -> dict:
     """Step-time histograms of one run (times in ms).
 
     Returns ``{"steps": {kind bucket: {n, p50, p90, max, tokens}}, "decode_gaps": {bucket: {n, p50,
-    p90, p99, max, streams}}}``: ``steps`` by kind and the step's tokens (the interval to the next
-    step); ``decode_gaps``: intervals between consecutive decode steps (a mixed step ``M`` is one), by
-    the prefill tokens scheduled from the earlier one (a mixed step's own included: the interval holds
-    it) to the later (``streams``: the earlier decode step's sequences, summed: each is one inter-token
-    gap of a stream, before the API process adds its own delay; a gap across a wave whose sequences
-    all finished is counted too, though no stream waited it out).
+    p90, p99, max, streams}}, "idle": {n, p50, max, ms}, "stalls": [[t s, kind, tokens, seqs, ms], ...]}``:
+    ``steps`` by kind and the step's tokens (the interval to the next step); ``decode_gaps``: intervals
+    between consecutive decode steps (a mixed step ``M`` is one), by the prefill tokens scheduled from the
+    earlier one (a mixed step's own included: the interval holds it) to the later (``streams``: the earlier
+    decode step's sequences, summed: each is one inter-token gap of a stream, before the API process adds its
+    own delay). ``idle``: intervals after which the engine had emptied (:func:`_fresh`: the step's sequences
+    all finished and it waited for the next requests: not a step, and no stream waited it out; session 21's
+    "decode steps" of 235-436 ms at each wave's end were these); ``stalls``: every other interval of at least
+    :data:`STALL_S` (``t``: seconds from the run's first step), sequences running through it.
     """
     steps: dict = {}
     gaps: dict = {}
-    for (t, kind, tokens, _seqs, _run), nxt in zip(rows, rows[1:]):
+    idle: list = []
+    stalls: list = []
+    for (t, kind, tokens, seqs, _run), nxt in zip(rows, rows[1:]):
         dt = nxt[0] - t
-        if dt <= IDLE_S:
-            steps.setdefault(f"{kind} {_bucket(tokens)}", []).append((1e3 * dt, tokens))
+        if _fresh(nxt):
+            idle.append(1e3 * dt)
+            continue
+        steps.setdefault(f"{kind} {_bucket(tokens)}", []).append((1e3 * dt, tokens))
+        if dt >= STALL_S:
+            stalls.append([round(t - rows[0][0], 3), kind, tokens, seqs, round(1e3 * dt, 1)])
     last_decode, between = None, 0
-    for t, kind, tokens, seqs, _run in rows:
+    for row in rows:
+        t, kind, tokens, seqs, _run = row
+        if _fresh(row):
+            last_decode = None  # no stream spans an emptied engine
         if kind == "P":
             between += tokens
             continue
-        if last_decode is not None and t - last_decode[0] <= IDLE_S:
+        if last_decode is not None:
             gaps.setdefault(_bucket(between), []).append((1e3 * (t - last_decode[0]), last_decode[1]))
         last_decode, between = (t, seqs), (tokens if kind == "M" else 0)
     out_steps = {k: {"n": len(v), "p50": round(_pct([x for x, _ in v], 0.5), 2),
@@ -119,16 +143,18 @@ def summarize(rows: list[tuple[float, str, int, int, int]]) -> dict:
                     "p90": round(_pct([x for x, _ in v], 0.9), 2), "p99": round(_pct([x for x, _ in v], 0.99), 2),
                     "max": round(max(x for x, _ in v), 2), "streams": sum(n for _, n in v)}
                 for k, v in sorted(gaps.items())}
-    return {"steps": out_steps, "decode_gaps": out_gaps}
+    out_idle = {"n": len(idle), "p50": round(_pct(idle, 0.5), 2), "max": round(max(idle, default=0.0), 2),
+                "ms": round(sum(idle), 1)}
+    return {"steps": out_steps, "decode_gaps": out_gaps, "idle": out_idle, "stalls": stalls}
 
 
 def segments(rows: list, min_steps: int = 50) -> list[list]:
-    """``rows`` cut at idle intervals (over :data:`IDLE_S`): one segment per benchmark run of a server
+    """``rows`` cut at idle intervals (over :data:`RUN_GAP_S`): one segment per benchmark run of a server
     (``vllm bench serve`` pauses between its runs); segments under ``min_steps`` steps (its warm-up
     request) are left out."""
     out, cur = [], []
     for r in rows:
-        if cur and r[0] - cur[-1][0] > IDLE_S:
+        if cur and r[0] - cur[-1][0] > RUN_GAP_S:
             out.append(cur)
             cur = []
         cur.append(r)
@@ -151,6 +177,12 @@ def _lines(s: dict, label: str) -> list[str]:
              for k, v in s["steps"].items()]
     lines += [f"{label}decode gap, prefill tokens between {k}: n {v['n']}, ms p50 {v['p50']} p90 {v['p90']} "
               f"p99 {v['p99']} max {v['max']}, stream gaps {v['streams']}" for k, v in s["decode_gaps"].items()]
+    if s["idle"]["n"]:
+        lines.append(f"{label}idle (every sequence finished, waiting for requests): n {s['idle']['n']}, ms p50 "
+                     f"{s['idle']['p50']} max {s['idle']['max']}, {s['idle']['ms']} ms in all")
+    if s["stalls"]:
+        lines.append(f"{label}steps of {1e3 * STALL_S:g} ms or more with sequences running (s into the run, kind, "
+                     f"tokens, seqs, ms): " + "; ".join(" ".join(str(x) for x in st) for st in s["stalls"][:12]))
     return lines
 
 

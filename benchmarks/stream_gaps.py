@@ -18,7 +18,8 @@ first chunk, with as many chunks): it is *server-side* when the server's own gap
 chunks was also over ``--gap-ms`` (the API process or the engine held the stream), else *client-side* (the
 client, or the socket, added the difference).
 
-The same directory's ``*.jit`` files (the engine-core process's Triton JIT cache misses) and
+The same directory's ``*.jit`` files (the engine-core process's Triton JIT cache misses), ``*.gc`` files (the
+server processes' garbage collections of 5 ms or more) and
 ``--client-gc FILE`` (``benchmarks/vllm_bench_serve.py --gc-log``: the client's full collections) are listed
 for the run's time window: a compile in the middle of serving stalls every stream, a client collection
 delays every stream's read.
@@ -145,7 +146,7 @@ def match(client: list[dict], server: list[dict]) -> list[int | None]:
         n, t = len(c["chunks"]), c["chunks"][0]
         j = bisect.bisect_right(firsts, t + 1e-4)
         hit = None
-        for jj in range(j - 1, max(-1, j - 64), -1):
+        for jj in range(j - 1, max(-1, j - 1024), -1):
             k = order[jj]
             if k not in used and sum(server[k]["n"]) == n:
                 hit = k
@@ -230,6 +231,9 @@ def report(name: str, result: dict, server_dir: str | None, gap_ms: float, bin_s
                             "worst": [[round(t - t0, 3), round(ms, 1)] for t, ms in
                                       sorted(long_lags, key=lambda x: -x[1])[:8]]}
         out["jit_misses"] = _timed_lines(sorted(glob.glob(os.path.join(server_dir, "*.jit"))), t0, t1)
+        out["server_gcs"] = [[t, f"pid {os.path.basename(p).split('.')[0]} {x}"]
+                             for p in sorted(glob.glob(os.path.join(server_dir, "*.gc")))
+                             for t, x in _timed_lines([p], t0, t1)]
         blocked = [(t, ms) for t, ms in blocked if t >= t0 - 1.0]
         out["blocked_writes"] = {"n": len(blocked), "total_ms": round(sum(ms for _, ms in blocked), 1),
                                  "max_ms": round(max((ms for _, ms in blocked), default=0.0), 1)}
@@ -263,7 +267,8 @@ def lines(rep: dict, gap_ms: float) -> list[str]:
         b = rep["blocked_writes"]
         out.append(f"{rep['name']} body writes that waited > 5 ms (transport paused): {b['n']} ({b['total_ms']} ms, "
                    f"max {b['max_ms']})")
-    for key, what in (("jit_misses", "Triton JIT misses in the engine core"), ("client_gc2", "client full GCs (ms, collected)")):
+    for key, what in (("jit_misses", "Triton JIT misses in the engine core"), ("client_gc2", "client full GCs (ms, collected)"),
+                      ("server_gcs", "server GCs >= 5 ms (generation, ms, collected)")):
         if key in rep:
             out.append(f"{rep['name']} {what} during the run ({rep['run_s']} s, times from its first send): "
                        f"{len(rep[key])}" + "".join(f"\n  +{t:.3f} s {x}" for t, x in rep[key][:12]))

@@ -25,6 +25,9 @@ missing from its kernel's in-memory cache (``knobs.runtime.jit_cache_hook``, cha
 data>``; one after the warm-up is a compile (or a disk-cache load) in the middle of serving, a stall of every
 stream.
 
+In both processes, every garbage collection of 5 ms or more goes to ``<dir>/<pid>.gc``: ``<perf_counter s at its
+start> gen<generation> <ms> <objects collected>`` (a collection holds the GIL: every thread of the process waits).
+
 ``benchmarks/stream_gaps.py --server DIR`` reads them back beside ``vllm bench serve``'s per-request detail
 (``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux: one clock for both processes). Cost: one
 ``perf_counter`` and a byte count per write, one line per stream, ~500 loop wake-ups a second.
@@ -184,6 +187,25 @@ def hook_jit(path: str) -> None:
     knobs.runtime.jit_cache_hook = hook
 
 
+def log_gc(path: str, min_ms: float = 5.0) -> None:
+    """Log this process's garbage collections of ``min_ms`` or more to ``path`` (see the module docstring)."""
+    import gc
+
+    f, t0, pc = [None], [0.0], time.perf_counter
+
+    def on_gc(phase, info):
+        if phase == "start":
+            t0[0] = pc()
+            return
+        ms = 1e3 * (pc() - t0[0])
+        if ms >= min_ms:
+            if f[0] is None:
+                f[0] = open(path, "a", buffering=1)  # noqa: SIM115 - lives with the process
+            f[0].write(f"{t0[0]:.6f} gen{info.get('generation')} {ms:.2f} {info.get('collected')}\n")
+
+    gc.callbacks.append(on_gc)
+
+
 def _is_core() -> bool:
     """An engine-core process (at interpreter start its ``sys.argv`` is ``['-m', '--input', ...]``, or
     ``['-m', '--prestarted', ...]`` when the API process prestarted it)."""
@@ -197,6 +219,7 @@ def install() -> None:
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)
+    log_gc(os.path.join(out_dir, f"{os.getpid()}.gc"))
     if _is_core():
         sys.meta_path.insert(0, _JitFinder(os.path.join(out_dir, f"{os.getpid()}.jit")))
         return

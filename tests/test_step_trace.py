@@ -55,3 +55,23 @@ def test_a_mixed_step_ends_one_decode_gap_and_holds_the_next():
     gaps = s["decode_gaps"]
     assert gaps["0"]["n"] == 2 and gaps["0"]["max"] == 10.0 and gaps["0"]["streams"] == 256 + 259
     assert gaps["1025-2048"] == {"n": 1, "p50": 15.0, "p90": 15.0, "p99": 15.0, "max": 15.0, "streams": 256}
+
+
+def test_an_emptied_engine_is_idle_not_a_step_and_a_long_step_is_a_stall():
+    # D 256 (7 ms) ... D 5: all five finish; the engine waits 260 ms; P 2000 of 4 new sequences (running 4);
+    # then D 4 (30 ms: a stall only if >= STALL_S) and a 900 ms step with 4 running
+    rows = [(0.000, "D", 256, 256, 256), (0.007, "D", 5, 5, 5), (0.267, "P", 2000, 4, 4),
+            (0.287, "D", 4, 4, 4), (0.317, "P", 1500, 3, 7), (1.217, "D", 7, 7, 7), (1.224, "D", 7, 7, 7)]
+    s = step_trace.summarize(rows)
+    assert s["idle"] == {"n": 1, "p50": 260.0, "max": 260.0, "ms": 260.0}
+    assert s["steps"]["D 1-1024"]["n"] == 3 and s["steps"]["D 1-1024"]["max"] == 30.0  # the idle is not a step
+    assert s["stalls"] == [[0.317, "P", 1500, 3, 900.0]]
+    gaps = s["decode_gaps"]
+    # D 256 -> D 5 (7 ms, 256 streams); D 5 -> D 4 spans the emptied engine: no stream gap
+    assert gaps["0"]["streams"] == 256 + 7 and gaps["0"]["n"] == 2
+    assert gaps["1025-2048"] == {"n": 1, "p50": 930.0, "p90": 930.0, "p99": 930.0, "max": 930.0, "streams": 4}
+
+
+def test_a_long_stall_inside_a_run_does_not_cut_it():
+    run = [(i * 0.01, "D", 8, 8, 8) for i in range(60)] + [(0.6 + 0.9 + i * 0.01, "D", 8, 8, 8) for i in range(60)]
+    assert [len(s) for s in step_trace.segments(run)] == [120]
