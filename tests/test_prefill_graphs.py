@@ -226,3 +226,72 @@ def test_kv_sizing_reserves_the_prefill_graphs(qwen3, tiny_model, monkeypatch):
     moe = LLM(tiny_model("qwen3_moe"), dtype="float32", device="cpu", block_size=8,
               extra={"prefill_cuda_graph_sizes": SIZES, "prefill_cuda_graphs_emulate": True})
     assert pg.reserve_bytes(moe.engine.executor.runner) == 0  # (not supported: never captured)
+
+
+def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
+    """Session 21's adversarial schedule on the graphs: what they bake in (parameter storage, the KV cache,
+    their static buffers) must follow every weight write, abort and sleep. In order, each answer checked
+    against HF float32 greedy of the weights loaded then (logprobs against the eager engine run through the
+    same schedule, within :data:`LP_ATOL`): a whole batch; a weight update (``load_weights`` of ``other``)
+    between two chunks of a prompt (the prompt restarts under the new weights); an abort mid-chunk; sleep
+    level 1 + wake (the weights come back); sleep level 2 + wake + a reload of the first weights (level 2
+    drops them); a prefix hit after that. Every phase replays the graphs."""
+    from safetensors.torch import load_file
+
+    prompts = _prompts(5, [30, 9, 23])
+    hf = {w: hf_greedy(w, prompts, 8) for w in (path, other)}  # (HF on the CPU, float32)
+    assert hf[path] != hf[other]
+    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=20, enable_sleep_mode=True)
+    seen = count_runs(monkeypatch)  # steps replayed from the graphs (the eager engine adds none)
+    marks = []  # len(seen) after each phase of the graphs' run
+
+    def schedule(llm) -> list:
+        eng, outs = llm.engine, []
+
+        def phase(out) -> None:
+            outs.append(out)
+            marks.append(len(seen))
+
+        phase(llm.generate(prompts, _greedy()))
+        eng.add_request("partial", prompts[0] + prompts[2], _greedy())  # 53 tokens: 20-token chunks
+        eng.step()
+        assert eng.scheduler.prefilling, "the prompt is not partial when the update comes"
+        eng.load_weights(load_file(f"{other}/model.safetensors").items())
+        last = None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last = o
+        phase([last])
+        eng.add_request("cut", prompts[1] + prompts[0], _greedy())
+        eng.step()
+        eng.abort_request("cut")
+        phase(llm.generate(prompts, _greedy()))
+        llm.sleep(level=1)
+        llm.wake_up()
+        phase(llm.generate(prompts, _greedy()))
+        llm.sleep(level=2)
+        llm.wake_up()
+        eng.load_weights(load_file(f"{path}/model.safetensors").items())
+        phase(llm.generate(prompts, _greedy()))
+        phase(llm.generate([prompts[0][:24] + prompts[1]], _greedy()))  # a prefix hit on 24 tokens
+        return outs
+
+    want = schedule(_llm(path, False, device, **kw))
+    assert set(marks) == {0}
+    marks.clear()
+    llm = _llm(path, True, device, **kw)
+    got = schedule(llm)
+    assert llm.engine.executor.runner.prefill_graphs is not None
+    assert all(b > a for a, b in zip([0] + marks, marks)), marks  # every phase replayed the graphs
+    assert llm.engine.stats["prefix_cache_hit_tokens"] > 0
+    expect = [hf[path], hf_greedy(other, [prompts[0] + prompts[2]], 8), hf[other], hf[other], hf[path],
+              hf_greedy(path, [prompts[0][:24] + prompts[1]], 8)]
+    for phase_no, (g, w, e) in enumerate(zip(got, want, expect)):
+        g_toks, g_lps = _tokens_lps(g)
+        w_toks, w_lps = _tokens_lps(w)
+        assert g_toks == w_toks == e, f"phase {phase_no}"
+        torch.testing.assert_close(torch.tensor(sum(g_lps, [])), torch.tensor(sum(w_lps, [])), atol=LP_ATOL, rtol=0)
+
+
+def test_updates_aborts_and_sleep(qwen3, tiny_model, monkeypatch):
+    check_updates_aborts_and_sleep(qwen3, tiny_model("qwen3", seed=1), monkeypatch)

@@ -20,7 +20,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-from tests.test_prefill_graphs import check_greedy_equals_hf_and_eager, check_mixed_steps_and_prefix_hits  # noqa: E402
+from tests.test_prefill_graphs import (  # noqa: E402
+    check_greedy_equals_hf_and_eager, check_mixed_steps_and_prefix_hits, check_updates_aborts_and_sleep)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -30,6 +31,12 @@ def test_prefill_graphs_equal_eager_and_hf(tiny_model, monkeypatch, chunked):
 
 def test_prefill_graphs_mixed_steps_and_prefix_hits(tiny_model, monkeypatch):
     check_mixed_steps_and_prefix_hits(tiny_model("qwen3"), monkeypatch, device="cuda")
+
+
+def test_prefill_graphs_follow_updates_aborts_and_sleep(tiny_model, monkeypatch):
+    """Session 21: the captured graphs across a weight update between two chunks, an abort mid-chunk, sleep
+    level 1 and level 2 (CUDA virtual memory: the same addresses come back) and a prefix hit."""
+    check_updates_aborts_and_sleep(tiny_model("qwen3"), tiny_model("qwen3", seed=1), monkeypatch, device="cuda")
 
 
 # ---- the default since session 21 (RLSERVE_PREFILL_CUDA_GRAPHS unset = auto) and what it must survive
