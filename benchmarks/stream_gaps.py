@@ -42,6 +42,8 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 #: chunk-index bins (upper bounds, inclusive; the last is open)
 INDEX_BINS = (1, 3, 15, 63, 10 ** 9)
 
@@ -84,11 +86,28 @@ def server_streams(trace_dir: str) -> tuple[list[dict], list[tuple[float, float]
                 if v[0] in ("lag", "blocked"):
                     (lags if v[0] == "lag" else blocked).append((float(v[1]), float(v[2])))
                     continue
+                if v[0] == "cpu":
+                    continue  # cpu_use() reads these
                 nums = [float(x) for x in v]
                 arrival, start, pairs = nums[0], nums[1], nums[2:]
                 times, counts = pairs[0::2], [int(x) for x in pairs[1::2]]
                 streams.append({"arrival": arrival, "start": start, "chunks": times, "n": counts})
     return streams, lags, blocked
+
+
+def cpu_use(trace_dir: str, t0: float, t1: float) -> dict | None:
+    """The API process's CPU over ``[t0, t1]`` from ``stream_trace``'s ``cpu`` lines: ``process`` (cores: CPU
+    seconds a second, all threads) and ``loop`` (the event-loop thread's share of one core)."""
+    rows = []
+    for path in glob.glob(os.path.join(trace_dir, "*.chunks")):
+        with open(path) as f:
+            rows += [tuple(float(x) for x in line.split()[1:4]) for line in f if line.startswith("cpu ")]
+    rows = sorted(r for r in rows if t0 <= r[0] <= t1)
+    if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
+        return None
+    dt = rows[-1][0] - rows[0][0]
+    return {"process": round((rows[-1][1] - rows[0][1]) / dt, 2), "loop": round((rows[-1][2] - rows[0][2]) / dt, 2),
+            "over_s": round(dt, 2)}
 
 
 def _gaps(streams: list[dict]) -> list[tuple[int, float, float, int]]:
@@ -230,6 +249,10 @@ def report(name: str, result: dict, server_dir: str | None, gap_ms: float, bin_s
                             "max_ms": round(max((ms for _, ms in long_lags), default=0.0), 1),
                             "worst": [[round(t - t0, 3), round(ms, 1)] for t, ms in
                                       sorted(long_lags, key=lambda x: -x[1])[:8]]}
+        out["api_cpu"] = cpu_use(server_dir, t0, t1)
+        from benchmarks.api_stream_probe import split_lines
+
+        out["api_split"] = split_lines(server_dir)
         out["jit_misses"] = _timed_lines(sorted(glob.glob(os.path.join(server_dir, "*.jit"))), t0, t1)
         out["server_gcs"] = [[t, f"pid {os.path.basename(p).split('.')[0]} {x}"]
                              for p in sorted(glob.glob(os.path.join(server_dir, "*.gc")))
@@ -264,6 +287,12 @@ def lines(rep: dict, gap_ms: float) -> list[str]:
         lg = rep["loop_lags"]
         out.append(f"{rep['name']} API loop late wake-ups: {lg['n']} ({lg['total_ms']} ms, max {lg['max_ms']}); worst "
                    f"(s, ms): {lg['worst']}")
+        if rep.get("api_cpu"):
+            c = rep["api_cpu"]
+            out.append(f"{rep['name']} API process CPU over {c['over_s']} s of the run: {c['process']} cores, its event-loop "
+                       f"thread {c['loop']} of one")
+        for line in rep.get("api_split", []):
+            out.append(f"{rep['name']} API split timers (whole server life): {line}")
         b = rep["blocked_writes"]
         out.append(f"{rep['name']} body writes that waited > 5 ms (transport paused): {b['n']} ({b['total_ms']} ms, "
                    f"max {b['max_ms']})")

@@ -17,7 +17,10 @@ modules are first imported (the API process only: no other process imports them)
   ``STREAM_TRACE_LAG_MS``, default 10): the loop ran something else that long (callbacks, GC, the GIL held
   by another thread);
 * ``blocked <t> <ms>``: a body write whose ``send`` took over 5 ms (the transport paused: the client did
-  not read).
+  not read);
+* ``cpu <t> <process s> <loop thread s>``: every ~0.5 s, the process's CPU seconds (all threads) and the event
+  loop thread's (``time.process_time`` / ``time.thread_time``): a loop thread near one CPU second a second is
+  saturated, and its streams get several tokens a chunk.
 
 In the engine-core process it logs, to ``<dir>/<pid>.jit``, every Triton JIT specialization a launch finds
 missing from its kernel's in-memory cache (``knobs.runtime.jit_cache_hook``, chained with the one
@@ -73,9 +76,12 @@ class _Out:
         self.watching.add(id(loop))
 
         async def watcher():
-            pc, lag = time.perf_counter, self.lag_s
+            pc, lag, cpu_at = time.perf_counter, self.lag_s, 0.0
             while True:
                 t = pc()
+                if t >= cpu_at:
+                    self.write(f"cpu {t:.6f} {time.process_time():.4f} {time.thread_time():.4f}\n")
+                    cpu_at = t + 0.5
                 await asyncio.sleep(0.002)
                 late = pc() - t - 0.002
                 if late > lag:
@@ -227,9 +233,11 @@ def install() -> None:
 
 
 def site_dir(root: str) -> str:
-    """A directory holding a ``sitecustomize.py`` that installs this trace and the engine's step trace
-    (``benchmarks/step_trace.py``; each a no-op without its directory variable or in the other process);
-    put it first on the server's ``PYTHONPATH`` (the repository after it)."""
+    """A directory holding a ``sitecustomize.py`` that installs this trace, the engine's step trace
+    (``benchmarks/step_trace.py``) and the API's stall probe (``benchmarks/api_stream_probe.py``: with
+    ``API_STREAM_PROBE_SPLIT=1`` its timers of the engine-output callback's parts); each is a no-op without its
+    directory variable or in the other process. Put it first on the server's ``PYTHONPATH`` (the repository
+    after it)."""
     from benchmarks.api_stream_probe import site_dir as probe_site_dir
 
-    return probe_site_dir(root, ("benchmarks.step_trace", "benchmarks.stream_trace"))
+    return probe_site_dir(root, ("benchmarks.step_trace", "benchmarks.stream_trace", "benchmarks.api_stream_probe"))

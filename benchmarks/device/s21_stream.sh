@@ -41,7 +41,7 @@ run_one() {
   mkdir -p "$d" "$OUT_DIR/steps_$n"
   site=$($PY -c "from benchmarks.stream_trace import site_dir; print(site_dir('$d'))")
   touch "$OUT_DIR/start"
-  CONFIGS=("$n=$C @PYTHONPATH=$site:${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$OUT_DIR/steps_$n @STREAM_TRACE_DIR=$d ${words[*]} $FLAGS")
+  CONFIGS=("$n=$C @PYTHONPATH=$site:${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$OUT_DIR/steps_$n @STREAM_TRACE_DIR=$d @API_STREAM_PROBE_DIR=$d @API_STREAM_PROBE_SPLIT=1 @API_STREAM_PROBE_SLOW_MS=1000 ${words[*]} $FLAGS")
   BENCH+=(--save-detailed --gc-log "$OUT_DIR/client_gc_$n.txt" "${client[@]}")
   STEM=vllm_bench_$n stream_bench "$lim" "$MIN_STEPS" "$n"
   BENCH=("${saved[@]}")
