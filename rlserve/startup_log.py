@@ -1,11 +1,13 @@
 """Start-up phase lines: where the seconds of ``rlserve serve``'s start go, one INFO line per phase in
 each process (API, engine core), in vLLM's style ("Loading weights took 1.23 seconds")::
 
-    start-up: engine-core imports took 3.10 s (process age 3.41 s)
+    start-up: engine-core imports took 3.10 s (process age 3.41 s, CPU 2.95 s)
 
 ``process age`` is the seconds since *this* process started (the kernel's start time in
 ``/proc/self/stat``, 10 ms ticks), so lines of two processes compare to each other through their
-log timestamps and each says how far into its own process it came. ``benchmarks/startup_stop.py
+log timestamps and each says how far into its own process it came; ``CPU`` is the CPU seconds the process has used so far
+(all its threads, ``time.process_time``): far below its age, the process waited (on the disk, another
+process, a lock) rather than computed. ``benchmarks/startup_stop.py
 --show-start-log`` prints them with the seconds since ``rlserve serve`` was started.
 """
 
@@ -31,9 +33,10 @@ def process_age() -> float:
 
 
 def log_phase(logger: logging.Logger, what: str, seconds: float, detail: str = "") -> None:
-    """One INFO line ``start-up: WHAT took S s (DETAIL; process age A s)``."""
+    """One INFO line ``start-up: WHAT took S s (DETAIL; process age A s, CPU C s)``."""
     more = f"{detail}; " if detail else ""
-    logger.info("start-up: %s took %.2f s (%sprocess age %.2f s)", what, seconds, more, process_age())
+    logger.info("start-up: %s took %.2f s (%sprocess age %.2f s, CPU %.2f s)", what, seconds, more, process_age(),
+                time.process_time())
 
 
 class Phases:

@@ -72,7 +72,9 @@ def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path, ove
     with ``RLSERVE_GPU_START_OVERLAP=1``: when the prestarted engine-core process is handed its arguments, the
     API process's main thread has not imported torch (it loads beside the engine's start). Fails on the code
     before (torch was imported by the config, the device check and the app's import first). Off (the
-    default until measured on a GPU): imported before, as before. The check stops the process there."""
+    default until measured on a GPU) the app's modules are imported before, and since session 21 they import no
+    torch either (the metrics' buckets came from the engine's step module, which imports torch): the
+    tokenizer's load imports it, beside the engine's start in both modes. The check stops the process there."""
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
@@ -94,5 +96,35 @@ def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path, ove
         print("not reached")
     """, str(model), RLSERVE_GPU_START_OVERLAP=overlap)
     assert out.returncode == 0, out.stderr[-3000:]
-    want = f"torch imported: {overlap == '0'} config sent: True"
+    want = "torch imported: False config sent: True"
     assert out.stdout.strip().splitlines()[-1] == want, out.stdout + out.stderr[-3000:]
+
+
+def test_app_import_does_not_import_torch():
+    """The API process's app modules (``rlserve serve``'s ``_import_app``: the routes, the metrics) import no torch:
+    the metrics' ``vllm:iteration_tokens_total`` buckets live in a torch-free module. Fails on the code before
+    (``rlserve.server.vllm_metrics`` imported ``rlserve.engine.core.engine_step``, which imports torch)."""
+    out = _run("""
+        import sys
+        import rlserve.cli.serve as serve
+        serve._import_app()
+        from rlserve.engine.core import iteration_tokens
+        print("torch" in sys.modules, iteration_tokens.ITERATION_TOKENS_BUCKETS[-1])
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "16384"], out.stdout
+
+
+def test_prestarted_imports_name_their_parts():
+    """A prestarted engine core's import phase is split into parts for its start-up line (torch, the engine's
+    modules, transformers' config modules; on the CPU no CUDA / Triton part), then its CPU seconds."""
+    out = _run("""
+        from rlserve.engine.core.core_proc import warm_up_imports
+        parts = warm_up_imports("cpu")
+        print(" | ".join(name for name, _ in parts))
+        print(all(s >= 0 for _, s in parts), parts[0][1] > 0.05, parts[-1][1] > 0.05)
+    """)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "torch | engine modules | transformers configs | CPU", out.stdout
+    assert lines[1] == "True True True", out.stdout

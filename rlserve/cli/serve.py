@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 from rlserve import envs
 from rlserve.cli.serve_args import add_serve_parser, engine_config_from_args
@@ -54,23 +55,33 @@ def _check_cpu_environment(config) -> None:
     cpu_microbatch.check_environment(config)
 
 
-def _beside(fn, *args) -> concurrent.futures.Future:
+def _beside(fn, *args, what: str = "") -> concurrent.futures.Future:
     """``fn(*args)`` on a daemon thread started now: start-up work that runs beside the engine's start;
-    the future's ``result()`` gives its value or raises its exception."""
+    the future's ``result()`` gives its value or raises its exception. ``what``: a start-up line
+    (:func:`rlserve.startup_log.log_phase`) when it is done: its wall-clock seconds and the thread's own
+    CPU seconds (the rest it waited: on the GIL beside the other threads, on a module another thread
+    imports, on the disk)."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
+        t = time.perf_counter()
         try:
             fut.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             fut.set_exception(e)
+        if what:
+            from rlserve.startup_log import log_phase
+
+            log_phase(logger, f"API process: {what} (beside the engine's start)", time.perf_counter() - t,
+                      f"thread CPU {time.thread_time():.2f} s")
 
     threading.Thread(target=run, name="rlserve-start-beside", daemon=True).start()
     return fut
 
 
-def _now(fn, *args) -> concurrent.futures.Future:
-    """``fn(*args)`` run now, as a done future (:func:`_beside`'s interface)."""
+def _now(fn, *args, what: str = "") -> concurrent.futures.Future:
+    """``fn(*args)`` run now, as a done future (:func:`_beside`'s interface; ``what`` unused: the API
+    process's "flags and checks" line counts it)."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     try:
         fut.set_result(fn(*args))
@@ -219,8 +230,8 @@ def run(args) -> int:
     # beside their start (16 cores of the GPU machine to spare); on the CPU (and with --device auto) before
     # it, as before: there the two processes share the cores the engine's own start needs
     now_or_beside = _beside if config.device.startswith("cuda") and envs.RLSERVE_GPU_START_OVERLAP else _now
-    app_module = now_or_beside(_import_app)
-    sampling = now_or_beside(generation_defaults, args.generation_config, model_path)
+    app_module = now_or_beside(_import_app, what="app imports")
+    sampling = now_or_beside(generation_defaults, args.generation_config, model_path, what="generation defaults")
     log_phase(logger, "API process: flags and checks", process_age())
     phases = Phases(logger)
     logger.info("loading %s (TP=%d, DP=%d, dtype=%s, device=%s)", model_path, config.tensor_parallel_size,

@@ -271,10 +271,11 @@ def generation_defaults(source: str, model_path: str) -> dict:
     where = generation_config_dir(source, model_path)
     if where is None:
         return {}
-    from transformers import GenerationConfig
+    from rlserve.hf_import import from_transformers
 
+    generation_config = from_transformers("GenerationConfig")  # beside the tokenizer's load (rlserve serve)
     try:
-        config = GenerationConfig.from_pretrained(where).to_diff_dict()
+        config = generation_config.from_pretrained(where).to_diff_dict()
     except OSError:  # no generation_config.json (vLLM then derives one from config.json: no sampling values)
         return {}
     out = {k: config[k] for k in GENERATION_FIELDS if config.get(k) is not None}

@@ -31,7 +31,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, H
                                ProcessCollector)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from rlserve.engine.core.engine_step import ITERATION_TOKENS_BUCKETS
+from rlserve.engine.core.iteration_tokens import ITERATION_TOKENS_BUCKETS
 
 # vLLM 0.32's buckets (vllm/v1/metrics/buckets.py)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,

@@ -259,9 +259,10 @@ class CoreServer:
             core.shutdown()
 
 
-def main(argv=None, prestarted: tuple[float, float] | None = None) -> int:
+def main(argv=None, prestarted: tuple | None = None) -> int:
     """The engine-core process (see the module docstring). ``prestarted``: ``(seconds of imports,
-    seconds then waited for the arguments)`` of a :func:`prestarted_main` start (logged)."""
+    seconds then waited for the arguments[, warm_up_imports' list of (part, seconds)])`` of a
+    :func:`prestarted_main` start (logged)."""
     t_main = time.perf_counter()
     ap = argparse.ArgumentParser(description="rlserve engine-core process (started by the API server)")
     ap.add_argument("--input", required=True, help="ZMQ address of the API's input socket")
@@ -280,8 +281,9 @@ def main(argv=None, prestarted: tuple[float, float] | None = None) -> int:
     from rlserve.startup_log import log_phase
 
     if prestarted is not None:
+        parts = "".join(f"{what} {s:.2f} s, " for what, s in (prestarted[2] if len(prestarted) > 2 else ()))
         log_phase(logger, "engine-core imports (prestarted)", prestarted[0],
-                  f"then {prestarted[1]:.2f} s waiting for the API process's arguments")
+                  f"{parts}then {prestarted[1]:.2f} s waiting for the API process's arguments")
 
     import zmq
 
@@ -362,12 +364,12 @@ def prestarted_main() -> int:
     import json
 
     t0 = time.perf_counter()
-    warm_up_imports(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    parts = warm_up_imports(sys.argv[2] if len(sys.argv) > 2 else "cpu")
     t1 = time.perf_counter()
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    return main(json.loads(line), prestarted=(t1 - t0, time.perf_counter() - t1))
+    return main(json.loads(line), prestarted=(t1 - t0, time.perf_counter() - t1, parts))
 
 
 #: Hugging Face config modules a prestarted core imports: ``AutoConfig`` imports the model's on its first
@@ -377,39 +379,59 @@ def prestarted_main() -> int:
 _CONFIG_MODULES = ("transformers.models.qwen3.configuration_qwen3", "transformers.models.llama.configuration_llama")
 
 
-def warm_up_imports(device: str) -> None:
+def warm_up_imports(device: str) -> list[tuple[str, float]]:
     """What a prestarted core does before its arguments come (none of it depends on them): import the
     engine (torch, transformers, the worker, model runner, loader, layers) and, where ``device`` (the
     server's ``--device``) may be a GPU and ``RLSERVE_GPU_START_OVERLAP=1``: load the CUDA driver (no context: the device is not chosen yet;
     ``torch.cuda.init`` makes none) and Triton's one-time hash of its own sources (``triton_key``, the
     first part of every kernel's cache key: 0.35 s on the H100 machine in session 14's profile, 1.5 s on
-    the 2-core CPU machine). A failure here is left for the real start to meet and report."""
+    the 2-core CPU machine). A failure here is left for the real start to meet and report.
+
+    Returns ``[(part, seconds)]`` in order, for the start-up line (wall-clock seconds of each part:
+    ``torch``, ``engine modules`` (rlserve's engine, transformers' tokenizer code, ZMQ), ``transformers
+    configs`` (:data:`_CONFIG_MODULES`), then ``CUDA init`` and ``Triton import + key`` where they ran), and last
+    ``CPU`` (this process's CPU seconds so far: well below the parts' sum means the imports waited on the
+    disk)."""
+    parts: list[tuple[str, float]] = []
+    t = time.perf_counter()
+
+    def mark(what: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        parts.append((what, now - t))
+        t = now
+
     import torch
+
+    mark("torch")
     import zmq  # noqa: F401
 
     from rlserve.engine.core import engine_core, llm_engine  # noqa: F401
     from rlserve.engine.worker import worker  # noqa: F401
     from rlserve.models import registry  # noqa: F401
 
+    mark("engine modules")
     for name in _CONFIG_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - another transformers version: AutoConfig imports what it needs
             pass
-    if device.startswith("cpu") or not envs.RLSERVE_GPU_START_OVERLAP:
-        return
-    try:
-        if not torch.cuda.is_available():
-            return
-        torch.cuda.init()
+    mark("transformers configs")
+    if not device.startswith("cpu") and envs.RLSERVE_GPU_START_OVERLAP:
         try:
-            from triton.runtime.cache import triton_key
-        except ImportError:  # Triton before 3.5 kept it in the compiler
-            from triton.compiler.compiler import triton_key
-        triton_key()
-    except Exception:  # noqa: BLE001 - e.g. no Triton, or an older one without triton_key
-        logger.debug("prestarted engine core: CUDA / Triton warm-up skipped", exc_info=True)
-
+            if torch.cuda.is_available():
+                torch.cuda.init()
+                mark("CUDA init")
+                try:
+                    from triton.runtime.cache import triton_key
+                except ImportError:  # Triton before 3.5 kept it in the compiler
+                    from triton.compiler.compiler import triton_key
+                triton_key()
+                mark("Triton import + key")
+        except Exception:  # noqa: BLE001 - e.g. no Triton, or an older one without triton_key
+            logger.debug("prestarted engine core: CUDA / Triton warm-up skipped", exc_info=True)
+    parts.append(("CPU", time.process_time()))
+    return parts
 
 if __name__ == "__main__":
     rc = prestarted_main() if sys.argv[1:2] == ["--prestarted"] else main()

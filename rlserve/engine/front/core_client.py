@@ -44,6 +44,7 @@ from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.front.replica import EngineView, Replica, failed_future
 from rlserve.errors import EngineDeadError, InvalidRequestError
 from rlserve.proc_state import child_ended, exit_text
+from rlserve.startup_log import log_phase
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,10 @@ class CoreProcReplica(Replica):
                                    "before it was ready (its log is above)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine replica {self.index} did not start in {timeout_s}s")
+        t = time.perf_counter()
         tok = self._tokenizer_loader() if self._tokenizer_loader is not None else None
+        log_phase(logger, f"engine replica {self.index}: its ready message -> the API process's tokenizer",
+                  time.perf_counter() - t)
         self._view = EngineView(msg.info, tok)
         self._outputs = OutputProcessor(tok)
         self.alive = True

@@ -6,7 +6,14 @@ view (:class:`TokenizerOnce`)."""
 from __future__ import annotations
 
 import copy
+import logging
 import threading
+import time
+
+from rlserve.hf_import import from_transformers
+from rlserve.startup_log import log_phase
+
+logger = logging.getLogger(__name__)
 
 
 def replica_config(config, dp_index: int):
@@ -62,16 +69,19 @@ class TokenizerOnce:
     def _load_quietly(self) -> None:
         try:
             self()
-        except Exception:  # noqa: BLE001 - the caller's own call loads again and raises it
-            pass
+        except Exception as e:  # noqa: BLE001 - the caller's own call loads again and raises it
+            logger.info("tokenizer prefetch failed (%s: %s): it loads again when the engine is ready",
+                        type(e).__name__, e)
 
     def __call__(self):
         with self._lock:
             if not self._loaded:
                 if not getattr(self.config, "skip_tokenizer_init", False):
-                    from transformers import AutoTokenizer
-
-                    self._tok = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+                    t = time.perf_counter()
+                    auto_tokenizer = from_transformers("AutoTokenizer")  # beside generation_defaults' import
+                    self._tok = auto_tokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+                    log_phase(logger, "API process: tokenizer load (transformers' import included)",
+                              time.perf_counter() - t, f"thread CPU {time.thread_time():.2f} s")
                 self._loaded = True
             return self._tok
 

@@ -1,0 +1,181 @@
+"""What ``rlserve serve``'s two processes import before they can serve, and what it costs (issue 37:
+start-up to ready; the engine-core process spent 10.6-13.8 s in its imports on the H100 machine).
+
+Each run is a fresh ``python -X importtime`` process that does one process's start-up imports:
+
+- ``core``: a prestarted engine-core process's (:func:`rlserve.engine.core.core_proc.warm_up_imports`,
+  with ``--device``: ``cuda`` adds the CUDA driver init and Triton's source hash where
+  ``RLSERVE_GPU_START_OVERLAP=1``, as ``rlserve serve`` runs it);
+- ``api``: the API process's, as ``rlserve serve`` does them on a GPU with the overlap on: the app's
+  modules, the generation defaults and the tokenizer's load (transformers) on three threads beside each
+  other, after the CLI and the async engine's modules (``--model DIR``: its config and tokenizer; default
+  the tests' tiny Llama).
+
+It prints, per run: wall seconds, the process's CPU seconds (all threads; far below the wall: it waited on
+the disk or on locks), and the ``--top`` modules by cumulative import time among the first ``--depth``
+levels of the import tree, and by self time; ``--checkout DIR`` (repeatable) compares trees, interleaved,
+``--rounds`` times each (PYTHONPATH puts the checkout first). ``--json`` writes every run.
+
+    python benchmarks/import_profile.py --side core --side api --rounds 3 --checkout /tmp/main --checkout .
+    python3 benchmarks/import_profile.py --side core --side api --device cuda --parallel   # the GPU machine
+
+``--parallel`` starts the sides of one round at the same time (as ``rlserve serve`` starts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_CORE = """
+import sys, time
+t = time.perf_counter()
+from rlserve.engine.core.core_proc import warm_up_imports
+parts = warm_up_imports(sys.argv[1])
+print("RESULT", time.perf_counter() - t, time.process_time(), repr(parts), flush=True)
+"""
+
+_API = """
+import sys, threading, time
+t0 = time.perf_counter()
+model = sys.argv[2]
+import rlserve.cli.serve as serve
+from rlserve.cli.vllm_compat import generation_defaults
+from rlserve.engine.front.async_engine import AsyncEngine  # noqa: F401
+from rlserve.engine.front import core_client  # noqa: F401
+done = {"cli + engine front": time.perf_counter() - t0}
+def app():
+    serve._import_app(); done["app"] = time.perf_counter() - t0
+def gen():
+    generation_defaults("auto", model); done["generation defaults"] = time.perf_counter() - t0
+def tok():  # as CoreProcReplica.start's prefetch (its error raised here, not swallowed)
+    from types import SimpleNamespace
+    from rlserve.engine.front.replica_setup import TokenizerOnce
+    TokenizerOnce(SimpleNamespace(model=model, tokenizer=None, skip_tokenizer_init=False))()
+    done["tokenizer"] = time.perf_counter() - t0
+def guarded(f):
+    def run():
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - reported in the result
+            done[f"{f.__name__} FAILED: {type(e).__name__}: {e}"[:300]] = time.perf_counter() - t0
+    return run
+threads = [threading.Thread(target=guarded(f)) for f in (app, gen, tok)]
+for th in threads: th.start()
+for th in threads: th.join()
+parts = [(k, round(v, 3)) for k, v in sorted(done.items(), key=lambda kv: kv[1])]
+print("RESULT", time.perf_counter() - t0, time.process_time(), repr(parts), flush=True)
+"""
+
+
+def parse_importtime(text: str) -> list[tuple[int, int, int, str]]:
+    """``-X importtime`` lines as ``(self_us, cumulative_us, depth, module)``, in the order printed."""
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        head, cum, name = line.split("|", 2)
+        raw = name.rstrip("\n")[1:]
+        rows.append((int(head.split(":")[1]), int(cum), (len(raw) - len(raw.lstrip(" "))) // 2, raw.strip()))
+    return rows
+
+
+def top(rows, n: int, depth: int) -> dict[str, list[tuple[str, float]]]:
+    """The ``n`` largest by cumulative ms among depths ``<= depth``, and by self ms (any depth)."""
+    cum = sorted((r for r in rows if r[2] <= depth), key=lambda r: -r[1])[:n]
+    own = sorted(rows, key=lambda r: -r[0])[:n]
+    return {"cumulative_ms": [(r[3], round(r[1] / 1000, 1)) for r in cum],
+            "self_ms": [(r[3], round(r[0] / 1000, 1)) for r in own]}
+
+
+def start(checkout: str, side: str, args) -> tuple[subprocess.Popen, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.abspath(checkout), REPO,
+                                                                    os.environ.get("PYTHONPATH", "")) if p))
+    if args.device != "cpu":
+        env.setdefault("RLSERVE_GPU_START_OVERLAP", "1")
+    code, extra = (_CORE, [args.device]) if side == "core" else (_API, [args.device, args.model])
+    p = subprocess.Popen([sys.executable, "-X", "importtime", "-c", code, *extra], env=env, cwd=checkout,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p, time.perf_counter()
+
+
+def finish(p: subprocess.Popen, t0: float, checkout: str, side: str, args) -> dict:
+    out, err = p.communicate(timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    res = next((ln.split(" ", 3) for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    run = {"checkout": checkout, "side": side, "rc": p.returncode, "process_wall_s": round(wall, 3)}
+    if res is None:
+        run["error"] = err[-2000:]
+        return run
+    run.update(imports_s=round(float(res[1]), 3), cpu_s=round(float(res[2]), 3), parts=ast.literal_eval(res[3]) or [])
+    run.update(top(parse_importtime(err), args.top, args.depth))
+    return run
+
+
+def show(run: dict) -> None:
+    head = f"{run['checkout']} {run['side']}:"
+    if "error" in run:
+        print(f"{head} FAILED rc {run['rc']}: {run['error'][-600:]}")
+        return
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in run["parts"])
+    print(f"{head} imports {run['imports_s']:.2f} s wall, {run['cpu_s']:.2f} s CPU (process {run['process_wall_s']:.2f} s)"
+          f" [{parts}]")
+    print("   cumulative ms: " + ", ".join(f"{m} {v:.0f}" for m, v in run["cumulative_ms"]))
+    print("   self ms: " + ", ".join(f"{m} {v:.0f}" for m, v in run["self_ms"]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", action="append", choices=("core", "api"), help="default: both")
+    ap.add_argument("--checkout", action="append", help="a tree to import from (default: this one)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="the server's --device (core: cuda adds CUDA init + Triton key)")
+    ap.add_argument("--model", default=None, help="api: the model directory (config, tokenizer); default tiny Llama")
+    ap.add_argument("--parallel", action="store_true", help="start a round's sides at the same time")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--depth", type=int, default=2, help="import-tree levels ranked by cumulative time")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take (catches a hang)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sides = args.side or ["core", "api"]
+    checkouts = args.checkout or [REPO]
+    if args.model is None:
+        sys.path.insert(0, REPO)
+        from tests.tiny_models import make_tiny_model
+
+        args.model = make_tiny_model("llama", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rlserve-bench-tiny-llama"))
+    runs = []
+    for r in range(args.rounds):
+        order = checkouts if r % 2 == 0 else checkouts[::-1]  # interleaved, the order swapped every round
+        for c in order:
+            if args.parallel:
+                started = [(start(c, s, args), s) for s in sides]
+                done = [finish(p, t0, c, s, args) for (p, t0), s in started]
+            else:
+                done = [finish(*start(c, s, args), c, s, args) for s in sides]
+            for run in done:
+                run["round"] = r
+                show(run)
+            runs.extend(done)
+    by = {}
+    for run in runs:
+        if "error" not in run:
+            by.setdefault((run["checkout"], run["side"]), []).append(run)
+    for (c, s), rs in by.items():
+        print(f"summary {c} {s}: imports wall " + ", ".join(f"{x['imports_s']:.2f}" for x in rs)
+              + " s; CPU " + ", ".join(f"{x['cpu_s']:.2f}" for x in rs) + " s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "model": args.model, "runs": runs}, f, indent=1)
+    return 0 if all("error" not in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
