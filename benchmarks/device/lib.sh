@@ -48,6 +48,13 @@
 #                   KEEP s are left (the steps after it keep theirs), else what is left minus 5
 #   vllm_stream     vLLM's own server (VFLAGS) on stream_workload's workload and client: stream_bench into
 #                   $OUT_DIR/vllm_bench_vllm.*, limited to what is left minus 4 s
+#   base_tree PATCH DIR  BASE: a copy of this tree's rlserve, tests and benchmarks in DIR with PATCH (a diff of
+#                   this tree's change) applied in reverse (`git apply -R`, else `patch -R`): the tree before the
+#                   change, for an A/B in one run; BASE empty (this tree alone) where it does not apply, with a line
+#                   saying why ($OUT_DIR/base_patch.err)
+#   start_lines LOG WIDTH  from benchmarks/startup_stop.py --show-start-log's LOG, one line per run (which tree:
+#                   new = $NEW, base = $BASE; ready; first request) and that run's "start-up: ... took" lines, cut to
+#                   WIDTH characters, to stdout and $OUT_DIR/summary.txt
 #   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
 #                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
 #                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
@@ -234,3 +241,22 @@ else
   MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
 fi
 echo "$CARD" > "$OUT_DIR/card.txt"
+base_tree() {
+  local patch=$1
+  BASE=$2
+  rm -rf "$BASE"; mkdir -p "$BASE"
+  cp -r rlserve tests benchmarks "$BASE"/ 2>/dev/null
+  if (cd "$BASE" && git apply -R "$patch" 2>"$OUT_DIR/base_patch.err") \
+     || (cd "$BASE" && patch -s -R -p1 < "$patch" >>"$OUT_DIR/base_patch.err" 2>&1); then
+    say "baseline: $BASE (this tree minus $(basename "$patch"))"
+  else
+    say "baseline: patch did not apply ($(head -c 300 "$OUT_DIR/base_patch.err")): this tree alone"
+    BASE=
+  fi
+}
+start_lines() {
+  sed -E -e "s|^$NEW: |new: |" -e "s|^${BASE:-/nonexistent}: |base: |" "$1" \
+    | grep -E '^(new|base): ready|start-up: ' \
+    | sed -E -e 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' -e 's/, stop .*first request/, first request/' \
+    | cut -c1-"$2" | tee -a "$OUT_DIR/summary.txt"
+}

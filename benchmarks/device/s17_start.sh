@@ -21,17 +21,7 @@ else
 fi
 NEW=$PWD
 export RLSERVE_GPU_START_OVERLAP=1  # this tree's GPU start-up overlap (default off until measured; the baseline lacks it)
-BASE=/tmp/s17_start_base
-rm -rf "$BASE"; mkdir -p "$BASE"
-cp -r rlserve tests benchmarks "$BASE"/ 2>/dev/null
-PATCH=$NEW/benchmarks/device/s17_start_base.patch
-if (cd "$BASE" && git apply -R "$PATCH" 2>"$OUT_DIR/base_patch.err") \
-   || (cd "$BASE" && patch -s -R -p1 < "$PATCH" >>"$OUT_DIR/base_patch.err" 2>&1); then
-  say "baseline: $BASE (this tree minus s17_start_base.patch)"
-else
-  say "baseline: patch did not apply ($(head -c 300 "$OUT_DIR/base_patch.err")): this tree alone"
-  BASE=
-fi
+base_tree "$NEW/benchmarks/device/s17_start_base.patch" /tmp/s17_start_base
 TC=/tmp/s17_start_triton
 rm -rf "$TC"; mkdir -p "$TC/new" "$TC/base"
 
@@ -43,11 +33,7 @@ serve() {  # LABEL TRITON_DIR LIMIT REPS TREE...
     --reps "$reps" --device "$DEV" --shape "$SHAPE" --show-start-log --greedy-tokens 16 "${co[@]}" \
     --json "$OUT_DIR/serve_$label.json" "${SRV[@]}" > "$OUT_DIR/serve_$label.log" 2>&1
   say "$label) rc=$? ($limit s limit)"
-  # one line per run: which tree, ready, first request; then that run's phase lines
-  sed -E -e "s|^$NEW: |new: |" -e "s|^${BASE:-/nonexistent}: |base: |" "$OUT_DIR/serve_$label.log" \
-    | grep -E '^(new|base): ready|start-up: ' \
-    | sed -E -e 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' -e 's/, stop .*first request/, first request/' \
-    | cut -c1-200 | tee -a "$OUT_DIR/summary.txt"
+  start_lines "$OUT_DIR/serve_$label.log" 200  # which tree, ready, first request; then that run's phase lines
   gpu_cleanup
 }
 

@@ -23,17 +23,7 @@ else
 fi
 NEW=$PWD
 export RLSERVE_GPU_START_OVERLAP=1 RLSERVE_TRITON_PRECOMPILE=1
-BASE=/tmp/s21_start_base
-rm -rf "$BASE"; mkdir -p "$BASE"
-cp -r rlserve tests benchmarks "$BASE"/ 2>/dev/null
-PATCH=$NEW/benchmarks/device/s21_start_base.patch
-if (cd "$BASE" && git apply -R "$PATCH" 2>"$OUT_DIR/base_patch.err") \
-   || (cd "$BASE" && patch -s -R -p1 < "$PATCH" >>"$OUT_DIR/base_patch.err" 2>&1); then
-  say "baseline: $BASE (this tree minus s21_start_base.patch)"
-else
-  say "baseline: patch did not apply ($(head -c 300 "$OUT_DIR/base_patch.err")): this tree alone"
-  BASE=
-fi
+base_tree "$NEW/benchmarks/device/s21_start_base.patch" /tmp/s21_start_base
 
 # P) where the imports go (a model directory with the 8B shape's config and the tiny tokenizer for the API side)
 MODEL=$($PY - "$SHAPE" <<'PYEOF'
@@ -58,10 +48,7 @@ if [ "$(left)" -ge 20 ]; then
     --show-start-log --greedy-tokens 16 "${co[@]}" --json "$OUT_DIR/serve_S.json" "${SRV[@]}" \
     > "$OUT_DIR/serve_S.log" 2>&1
   say "S) rc=$?"
-  sed -E -e "s|^$NEW: |new: |" -e "s|^${BASE:-/nonexistent}: |base: |" "$OUT_DIR/serve_S.log" \
-    | grep -E '^(new|base): ready|start-up: ' \
-    | sed -E -e 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' -e 's/, stop .*first request/, first request/' \
-    | cut -c1-260 | tee -a "$OUT_DIR/summary.txt"
+  start_lines "$OUT_DIR/serve_S.log" 260
 else
   say "S) skipped: $(left) s left"
 fi
