@@ -81,7 +81,8 @@ class EngineConfig:
         load_format: "auto" (safetensors, else .bin/.pt), "safetensors", "pt" or "dummy"
             (random weights of the right shapes).
         max_model_len: context length in tokens (prompt + output); default: the model's
-            ``max_position_embeddings`` capped at 8192.
+            ``max_position_embeddings`` capped at 8192; -1 (vLLM's auto-fit): the model's, cut to the
+            tokens the KV cache holds (:func:`rlserve.kv_size.fit_max_model_len`).
         max_num_seqs: sequences in one batch at most.
         max_num_batched_tokens: tokens in one forward step at most (default 8192 on CUDA,
             vLLM's server default (``max(8192, max_model_len)`` without chunked prefill); 1024 on
@@ -243,5 +244,5 @@ class EngineConfig:
                                       f"got {self.max_lora_rank}")
         if self.enable_lora and self.tensor_parallel_size != 1:
             raise InvalidRequestError("--enable-lora needs --tensor-parallel-size 1 in this version")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InvalidRequestError("max_model_len must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
+            raise InvalidRequestError("max_model_len must be >= 1, or -1 (the model's length cut to the KV cache)")

@@ -13,9 +13,12 @@ rlserve serves (Llama, Qwen2/3, Qwen-MoE, OPT) holds a cache of this shape.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from rlserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 #: the CPU KV cache's size when ``--kv-cache-bytes`` is unset (the worker cuts it to ``max_num_seqs``
 #: sequences of ``max_model_len`` tokens)
@@ -71,6 +74,21 @@ def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_l
         f"blocks is needed ({size(need)}), which is larger than the available KV cache memory ({source}: "
         f"{size(num_blocks)}); the longest --max-model-len it holds is {num_blocks * block_size}. Raise "
         f"{source.split()[0]} or lower --max-model-len")
+
+
+def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, memory: str) -> int:
+    """vLLM's auto-fit (``--max-model-len -1`` / ``auto``: ``_auto_fit_max_model_len``,
+    ``vllm/v1/core/kv_cache_utils.py``): the model's length ``max_model_len``, cut to the tokens the
+    cache holds (``num_blocks x block_size``), with vLLM's log line either way (``memory``: what sized
+    the cache, as the line shows it)."""
+    fits = num_blocks * block_size
+    if fits >= max_model_len:
+        logger.info("Auto-fit max_model_len: full model context length %d fits in available KV cache memory (%s)",
+                    max_model_len, memory)
+        return max_model_len
+    logger.info("Auto-fit max_model_len: reduced from %d to %d to fit in available KV cache memory (%s)",
+                max_model_len, fits, memory)
+    return fits
 
 
 def check_kv_cache_bytes(kv_cache_bytes: int | None, model_dir: str, block_size: int, max_model_len: int | None,

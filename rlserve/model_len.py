@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 #: the default ``max_model_len`` at most, when none is given (the derived length above it is cut)
 MAX_DEFAULT_MODEL_LEN = 8192
 
+#: ``max_model_len`` -1 (``--max-model-len -1`` / ``auto``): vLLM's auto-fit, the derived length cut to the KV cache
+AUTO_MAX_MODEL_LEN = -1
+
 #: vLLM's keys of a model's length, in its order (the smallest present counts)
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
@@ -102,7 +105,8 @@ def derived_max_model_len(hf) -> tuple[float, str | None]:
 
 def verify_max_model_len(max_model_len: int | None, hf, warn: bool = True) -> int:
     """The ``max_model_len`` to run with: ``None`` gives the derived length (:func:`derived_max_model_len`)
-    at most :data:`MAX_DEFAULT_MODEL_LEN`; a given one is checked against it.
+    at most :data:`MAX_DEFAULT_MODEL_LEN`, -1 (:data:`AUTO_MAX_MODEL_LEN`) the derived length itself (the
+    engine cuts it to its KV cache); a given one is checked against it.
 
     ``warn``: log vLLM's warning when the escape lets a longer length through (False: a second
     reading of the same settings, the model loader's).
@@ -113,6 +117,8 @@ def verify_max_model_len(max_model_len: int | None, hf, warn: bool = True) -> in
     derived, key = derived_max_model_len(hf)
     if max_model_len is None:
         return int(min(derived, MAX_DEFAULT_MODEL_LEN))
+    if max_model_len == AUTO_MAX_MODEL_LEN:  # vLLM's -1: the derived length, which the engine then fits to its
+        return int(derived)                  # KV cache (rlserve.kv_size.fit_max_model_len)
     if max_model_len < 1:
         raise InvalidRequestError(f"max_model_len must be >= 1, got {max_model_len}")
     if max_model_len > derived:

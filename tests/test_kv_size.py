@@ -67,3 +67,23 @@ def test_the_engine_refuses_a_cache_below_one_sequence(tiny_model):
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_model_len=56)
     assert llm.engine.block_manager.num_blocks == 14
     assert llm.engine.max_model_len == 56
+
+
+def test_max_model_len_auto_fits_the_cache(tiny_model, caplog):
+    """``max_model_len=-1`` (``--max-model-len auto``): vLLM's auto-fit, the model's length (256) cut to the
+    tokens the cache holds, with vLLM's log line; the model's length where the cache holds it."""
+    import logging
+
+    from rlserve import LLM, SamplingParams
+
+    path = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="rlserve.kv_size"):
+        llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_model_len=-1)
+    assert llm.engine.max_model_len == llm.engine.config.max_model_len == 56
+    assert "Auto-fit max_model_len: reduced from 256 to 56 to fit in available KV cache memory (--num-kv-blocks 14)" \
+        in caplog.text
+    out = llm.generate([list(range(5, 45))], SamplingParams(temperature=0, ignore_eos=True))[0]  # the rest: 16
+    assert len(out.outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="maximum context length is 56"):
+        llm.generate([list(range(5, 45))], SamplingParams(max_tokens=17))
+    assert LLM(path, dtype="float32", device="cpu", max_model_len=-1).engine.max_model_len == 256

@@ -78,10 +78,16 @@ CASES = {
                                         "max_model_len (max_position_embeddings=256 or model_max_length=None in "
                                         "model's config.json). To allow overriding this maximum, set the env var "
                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."),
-    "max-model-len 0": (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1, got '0'"),
-    "max-model-len negative": (["--max-model-len", "-5"], "argument --max-model-len: must be an integer >= 1, got '-5'"),
+    "max-model-len 0": (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1 (or 1k, 1K, "
+                                                  "25.6k ...), or -1 / auto (fit the KV cache), got '0'"),
+    "max-model-len negative": (["--max-model-len", "-5"], "argument --max-model-len: must be an integer >= 1 (or 1k, "
+                                                          "1K, 25.6k ...), or -1 / auto (fit the KV cache), got '-5'"),
     "max-model-len not an integer": (["--max-model-len", "1.5"],
-                                     "argument --max-model-len: must be an integer >= 1, got '1.5'"),
+                                     "argument --max-model-len: must be an integer >= 1 (or 1k, 1K, 25.6k ...), or -1 "
+                                     "/ auto (fit the KV cache), got '1.5'"),
+    "max-model-len binary suffix with decimals": (["--max-model-len", "1.5K"],
+                                                  "argument --max-model-len: must be an integer >= 1 (or 1k, 1K, "
+                                                  "25.6k ...), or -1 / auto (fit the KV cache), got '1.5K'"),
     # session 19's new user: `--dtype fp64` exited 1 from the engine's start with a traceback (vLLM's
     # --dtype has fixed choices: argparse refuses the rest)
     "dtype not one of the names": (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
@@ -158,6 +164,25 @@ def test_long_max_model_len_escape(tiny_model, monkeypatch, capsys, caplog):
                      "--kv-cache-bytes", str(100 << 30))
     assert rc == 1 and "engine was started" in out, out
     assert "must be used with extreme caution" in caplog.text
+
+
+@pytest.mark.parametrize("value,want", [("auto", -1), ("-1", -1), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
+                                        ("200", 200)])
+def test_max_model_len_takes_vllms_forms(value, want):
+    """``--max-model-len`` as vLLM 0.32's ``human_readable_int_or_auto``."""
+    from rlserve.cli._arg_types import max_model_len
+
+    assert max_model_len(value) == want
+
+
+def test_max_model_len_auto_is_not_refused_for_a_short_cache(tiny_model, monkeypatch, capsys):
+    """``--max-model-len auto`` with a cache shorter than the model's 256 positions: the engine fits the
+    length to the cache (vLLM's auto-fit), so the check before the engine lets it through (to the stand-in
+    engine: exit 1); a block less than one is still refused."""
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--max-model-len", "auto", "--kv-cache-bytes", "65536")
+    assert rc == 1 and "engine was started" in out, out
+    rc, out = _serve(monkeypatch, capsys, tiny_model("llama"), "--max-model-len", "-1", "--kv-cache-bytes", "10")
+    assert rc == 2 and "--kv-cache-bytes 10 holds no KV-cache block" in out, out
 
 
 def test_port_in_use_is_one_line_exit_2(tiny_model, monkeypatch, capsys, port_in_use):

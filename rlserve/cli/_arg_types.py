@@ -23,6 +23,31 @@ def int_at_least(minimum: int):
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def max_model_len(value: str) -> int:
+    """``--max-model-len`` as vLLM 0.32 reads it (``human_readable_int_or_auto``,
+    ``vllm/utils/argparse_utils.py``): ``-1`` or ``auto`` (-1: fit the KV cache,
+    :func:`rlserve.kv_size.fit_max_model_len`), an integer >= 1, or one with a suffix: ``k`` / ``m`` /
+    ``g`` / ``t`` decimal (``25.6k`` = 25,600), ``K`` / ``M`` / ``G`` / ``T`` binary (``1K`` = 1,024;
+    whole numbers only)."""
+    text = value.strip()
+    if text == "-1" or text.lower() == "auto":
+        return -1
+    n = None
+    if len(text) > 1 and text[-1] in _DECIMAL and text[:-1].replace(".", "", 1).isdigit():
+        n = int(float(text[:-1]) * _DECIMAL[text[-1]])
+    elif len(text) > 1 and text[-1] in _BINARY and text[:-1].isdigit():
+        n = int(text[:-1]) * _BINARY[text[-1]]
+    elif text.isdigit():
+        n = int(text)
+    if n is None or n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (or 1k, 1K, 25.6k ...), or -1 / auto (fit the KV "
+                                         f"cache), got {value!r}")
+    return n
+
 
 def port(value: str) -> int:
     """A TCP port, 0..65535 (0: a free one)."""

@@ -206,7 +206,8 @@ def run(args) -> int:
         config = engine_config_from_args(args, model_path)
         max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
         if config.num_kv_blocks is not None or not config.device.startswith("cuda"):  # (the GPU sizes its own)
-            check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size, max_model_len, config.dtype,
+            check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
+                                 None if config.max_model_len == -1 else max_model_len, config.dtype,
                                  config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks,
                                  CPU_KV_CACHE_BYTES if config.device == "cpu" else None)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it

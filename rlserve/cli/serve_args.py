@@ -10,6 +10,7 @@ import re
 
 from rlserve import envs
 from rlserve.cli._arg_types import non_negative_int as _non_negative_int, port as _port
+from rlserve.cli._arg_types import max_model_len as _max_model_len
 from rlserve.cli._arg_types import positive_int as _positive_int, positive_seconds as _positive_float
 from rlserve.cli._help import HelpFormatter
 from rlserve.cli.tool_flags import add_tool_args
@@ -69,10 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"],
                    help="dummy = random weights of the right shapes")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="context length in tokens (prompt + output; default: the model's max_position_embeddings "
                         "(times a linear RoPE scaling factor), at most 8192; above that length an error unless "
-                        "env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as in vLLM)")
+                        "env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, as in vLLM; -1 or auto: the model's length, cut to what the KV "
+                        "cache holds; 1k, 1K, 25.6k as vLLM)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="fraction of GPU memory for weights + KV cache (vLLM's default, 0.92)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch at most")

@@ -26,8 +26,8 @@ from rlserve.engine.core.sequence import Request
 from rlserve.engine.core.structured import PendingGrammars
 from rlserve.engine.worker import triton_precompile
 from rlserve.errors import InvalidRequestError
-from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_cache_holds_one_sequence
-from rlserve.model_len import verify_max_model_len
+from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_cache_holds_one_sequence, fit_max_model_len
+from rlserve.model_len import AUTO_MAX_MODEL_LEN, verify_max_model_len
 from rlserve.startup_log import Phases, log_phase
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class LLMEngine(EngineStep, RequestAdmission):
         self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         phases.mark("engine tokenizer")
         self.vocab_size = int(self.hf_config.vocab_size)
+        auto_fit = config.max_model_len == AUTO_MAX_MODEL_LEN  # (vLLM's -1: cut to the KV cache below)
         config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
         self.max_model_len = config.max_model_len
         if config.max_num_batched_tokens is None:
@@ -166,6 +167,9 @@ class LLMEngine(EngineStep, RequestAdmission):
         num_blocks = executor.determine_num_blocks()
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+        if auto_fit:
+            config.max_model_len = self.max_model_len = fit_max_model_len(
+                num_blocks, config.block_size, self.max_model_len, _cache_source(config, executor))
         check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, _cache_source(config, executor))
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
