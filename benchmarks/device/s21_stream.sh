@@ -30,6 +30,11 @@
 # chunks_<run>/ (the API and JIT traces), steps_<run>/, client_gc_<run>.txt, the servers' log tails; summary on stdout.
 NAME=s21_stream BUDGET=${BUDGET:-150}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null)"
+# the host's CPU: the API process and the client are single-threaded Python, so the host sets their event rate
+# (vLLM's own API-bound server made 8,225 tok/s at c256 in session 15's window and 5,552 in session 21's:
+# window-to-window comparisons need the host's speed): model, cores, load, and one pure-Python timing
+say "host: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg);" \
+    "pure Python: $($PY -c "import timeit; print(round(1e3 * min(timeit.repeat('sum(i * i for i in range(10000))', number=20, repeat=5)) / 20, 3))") ms per 10^4-term generator sum (min of 5)"
 http_site
 stream_workload 256
 # one run: NAME, its time limit, then server words (@ENV=V, flags) and, after --, extra client flags
@@ -58,7 +63,7 @@ PYEOF
 }
 if [ "$(left)" -lt 30 ]; then say "skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 # 1) main's defaults (a server's start ~17 s, the run ~10 s, the client's import overlaps the start)
-if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 4 )); else L1=$(( $(left) >= 100 ? 50 : $(left) - 5 )); fi
+if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 3 )); else L1=$(( $(left) >= 100 ? 50 : $(left) - 5 )); fi
 run_one default "$L1"
 # 2), 3): the client-side arm first when run 1's long gaps were mostly client-side
 ORDER=$($PY - "$OUT_DIR/gaps_default.json" <<'PYEOF' 2>/dev/null || echo "h11 cgc"
