@@ -12,7 +12,8 @@ Each run is a fresh ``python -X importtime`` process that does one process's sta
   the tests' tiny Llama).
 
 It prints, per run: wall seconds, the process's CPU seconds (all threads; far below the wall: it waited on
-the disk or on locks), and the ``--top`` modules by cumulative import time among the first ``--depth``
+the disk or on locks), whether the big packages' bytecode is cached (``.pyc``: a read-only install without
+it compiles the sources at every start), and the ``--top`` modules by cumulative import time among the first ``--depth``
 levels of the import tree, and by self time; ``--checkout DIR`` (repeatable) compares trees, interleaved,
 ``--rounds`` times each (PYTHONPATH puts the checkout first). ``--json`` writes every run.
 
@@ -40,6 +41,16 @@ t = time.perf_counter()
 from rlserve.engine.core.core_proc import warm_up_imports
 parts = warm_up_imports(sys.argv[1])
 print("RESULT", time.perf_counter() - t, time.process_time(), repr(parts), flush=True)
+""" + """
+import importlib.util, os
+pyc = []
+for name in ("torch", "transformers", "triton", "sympy", "rlserve"):
+    m = sys.modules.get(name)
+    f = getattr(m, "__file__", None) or ""
+    if f.endswith(".py"):
+        cached = importlib.util.cache_from_source(f)
+        pyc.append((name, os.path.exists(cached), os.access(os.path.dirname(cached) if os.path.isdir(os.path.dirname(cached)) else os.path.dirname(f), os.W_OK)))
+print("PYC", repr((sys.flags.dont_write_bytecode, sys.pycache_prefix, pyc)), flush=True)
 """
 
 _API = """
@@ -116,6 +127,9 @@ def finish(p: subprocess.Popen, t0: float, checkout: str, side: str, args) -> di
         return run
     run.update(imports_s=round(float(res[1]), 3), cpu_s=round(float(res[2]), 3), parts=ast.literal_eval(res[3]) or [])
     run.update(top(parse_importtime(err), args.top, args.depth))
+    pyc = next((ln.split(" ", 1)[1] for ln in out.splitlines() if ln.startswith("PYC ")), None)
+    if pyc is not None:  # (dont_write_bytecode, pycache_prefix, [(package, its __init__'s .pyc exists, writable)])
+        run["pyc"] = ast.literal_eval(pyc)
     return run
 
 
@@ -127,6 +141,10 @@ def show(run: dict) -> None:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in run["parts"])
     print(f"{head} imports {run['imports_s']:.2f} s wall, {run['cpu_s']:.2f} s CPU (process {run['process_wall_s']:.2f} s)"
           f" [{parts}]")
+    if "pyc" in run:  # a package without its .pyc compiles its sources at every start (a read-only install)
+        dont, prefix, pkgs = run["pyc"]
+        print(f"   bytecode: dont_write {dont}, prefix {prefix}; " + ", ".join(
+            f"{n} {'cached' if c else 'NOT cached'}{'' if w else ' (read-only)'}" for n, c, w in pkgs))
     print("   cumulative ms: " + ", ".join(f"{m} {v:.0f}" for m, v in run["cumulative_ms"]))
     print("   self ms: " + ", ".join(f"{m} {v:.0f}" for m, v in run["self_ms"]))
 
