@@ -55,6 +55,7 @@ def test_no_store_at_the_port_is_a_502_and_a_live_trainer_then_syncs(tiny_model,
             assert f"could not connect to the transfer group's TCPStore at 127.0.0.1:{port} (rank 1/2, gloo)" \
                 in err["message"], err
         assert srv.manager._init is None and srv.manager._busy is None  # no group, no call left running
+        assert httpx.get(srv.url + "/weight_info", timeout=30).json()["state"] == "uninitialized"
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         eng = trainer(srv.url, hf)
         try:
