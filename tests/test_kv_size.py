@@ -87,3 +87,14 @@ def test_max_model_len_auto_fits_the_cache(tiny_model, caplog):
     with pytest.raises(ValueError, match="maximum context length is 56"):
         llm.generate([list(range(5, 45))], SamplingParams(max_tokens=17))
     assert LLM(path, dtype="float32", device="cpu", max_model_len=-1).engine.max_model_len == 256
+
+
+def test_the_engine_refuses_a_cache_of_no_block_as_a_setting(tiny_model):
+    """Less than one block (here ``LLM``, which has no check before the engine; on a GPU,
+    ``--gpu-memory-utilization``): a ValueError (InvalidRequestError, exit 2 from ``rlserve serve``) as
+    vLLM's "No available memory for the cache blocks", not a RuntimeError."""
+    from rlserve import LLM
+
+    with pytest.raises(InvalidRequestError, match=r"^no memory left for the KV cache \(10 bytes for blocks of 8192 "
+                                                  r"bytes\); raise --kv-cache-bytes to at least one block$"):
+        LLM(tiny_model("llama"), dtype="float32", device="cpu", kv_cache_bytes=10)

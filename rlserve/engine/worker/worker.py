@@ -13,6 +13,7 @@ from rlserve.distributed.parallel_state import tp_context
 from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from rlserve.errors import InvalidRequestError
 from rlserve.kv_size import CPU_KV_CACHE_BYTES
 from rlserve.lora.model import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
@@ -120,6 +121,9 @@ class Worker:
         ``RLSERVE_LORA_MERGE=auto``), and with the prefill CUDA graphs on, what they will hold once
         captured after the cache (:func:`rlserve.engine.worker.prefill_graphs.kv_reserve`: under the default,
         nothing and the graphs off where that is more than a tenth of the cache's budget).
+
+        Raises:
+            InvalidRequestError: not one block fits (a setting: ``rlserve serve`` exits 2).
         """
         if self.config.num_kv_blocks is not None:
             lora = lora_of(self.model)
@@ -152,7 +156,7 @@ class Worker:
         if n < 1:
             fix = ("raise --kv-cache-bytes to at least one block" if self.device.type == "cpu"
                    else "raise --gpu-memory-utilization or lower --max-model-len")
-            raise RuntimeError(
+            raise InvalidRequestError(  # (a setting, a ValueError: vLLM's "No available memory for the cache blocks")
                 f"no memory left for the KV cache ({budget} bytes for blocks of {per_block} bytes); {fix}"
             )
         return int(n)
