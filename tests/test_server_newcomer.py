@@ -68,7 +68,8 @@ def test_stream_chat_chunks_have_vllms_keys(server):
     here); the role choice index/delta/logprobs/finish_reason; content choices also
     ``token_ids`` (null without return_token_ids), and ``stop_reason`` on the choice's last
     chunk only: null after ``max_tokens``, the stop string that ended it (one from the middle of
-    the first answer's text). Plus rlserve's ``weight_version`` on every choice. No ``usage``
+    the first answer's text). Plus rlserve's ``weight_version`` on every choice and ``weight_versions`` on
+    the last. No ``usage``
     key on any chunk before the usage chunk (vLLM sets none), which has exactly the counts and
     the ``system_fingerprint``. (Every object's keys: tests/test_server_vllm_keys.py.)"""
     top = {"id", "object", "created", "model", "choices"}
@@ -88,7 +89,8 @@ def test_stream_chat_chunks_have_vllms_keys(server):
         assert [set(c) for c in choices[1:-1]] == [common | {"token_ids"}] * (len(choices) - 2), choices
         assert all(c["token_ids"] is None for c in choices[1:]), choices
         last = choices[-1]
-        assert set(last) == common | {"stop_reason", "token_ids"} and last["stop_reason"] == stop, (stop, last)
+        assert set(last) == common | {"stop_reason", "token_ids", "weight_versions"} and last["stop_reason"] == stop, (stop, last)
+        assert last["weight_versions"] == [last["weight_version"]]  # (a stream across a sync: test_stream_versions)
         assert last["finish_reason"] == ("stop" if stop else "length"), last
         # no count of content chunks is asserted: the API process sends what the core has produced
         # when it gets to it, so on a loaded machine several tokens (even all of them) share a chunk
@@ -116,7 +118,8 @@ def test_stream_completion_chunks_have_vllms_keys(server):
     """A streamed completion choice has vLLM 0.32's keys (CompletionStreamResponse, exclude_unset):
     index, text, logprobs, finish_reason, stop_reason, prompt_token_ids and token_ids (null
     without return_token_ids; with it the prompt's ids on a choice's first chunk only, null
-    after, and each delta's ids), plus rlserve's ``weight_version``; no ``usage`` key before
+    after, and each delta's ids), plus rlserve's ``weight_version`` (and ``weight_versions`` on the
+    last chunk); no ``usage`` key before
     the usage chunk."""
     keys = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids",
             "weight_version"}
@@ -126,13 +129,15 @@ def test_stream_completion_chunks_have_vllms_keys(server):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
     assert all(set(ch) == {"id", "object", "created", "model", "choices"} for ch in chunks), chunks
     choices = [c for ch in chunks for c in ch["choices"]]
-    assert all(set(c) == keys and c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices)
+    assert all(set(c) == keys and c["token_ids"] is None and c["prompt_token_ids"] is None for c in choices[:-1])
+    assert set(choices[-1]) == keys | {"weight_versions"} and choices[-1]["finish_reason"] == "length"
+    assert choices[-1]["weight_versions"] == [choices[-1]["weight_version"]]
     plain = dict(body, stream=False, stream_options=None, return_token_ids=True)  # stream_options needs stream
     full = httpx.post(server.url + "/v1/completions", json=plain,
                       timeout=TIMEOUT).json()["choices"][0]
     *chunks, _ = _sse(server.url + "/v1/completions", dict(body, return_token_ids=True))
     choices = [c for ch in chunks for c in ch["choices"]]
-    assert all(set(c) == keys for c in choices), choices
+    assert all(set(c) == keys for c in choices[:-1]) and set(choices[-1]) == keys | {"weight_versions"}, choices
     assert choices[0]["prompt_token_ids"] == full["prompt_token_ids"]
     assert all(c["prompt_token_ids"] is None for c in choices[1:]), choices
     assert [t for c in choices for t in c["token_ids"]] == full["token_ids"]

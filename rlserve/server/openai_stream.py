@@ -195,7 +195,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``
     or ``echo``, else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
     rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
-    for: vLLM refuses ``prompt_logprobs`` with ``stream``). ``usage`` (:func:`usage_options`):
+    for: vLLM refuses ``prompt_logprobs`` with ``stream``), and on a choice's last chunk (its
+    ``finish_reason``) ``weight_versions`` (:func:`_versions`). ``usage`` (:func:`usage_options`):
     with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
     key on the others unless ``continuous_usage_stats``."""
     sent_text: dict[int, int] = {}
@@ -271,6 +272,7 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         body.return_tokens_as_token_ids)
                 if c.finish_reason is not None:
                     done.add(idx)
+                    choice["weight_versions"] = _versions(out, version)
                 pending.append(chunks.chunk(choice, len(ids), sent_toks[idx]))
             if pending and not (single and out.finished):  # a finished request's last chunks go with [DONE]
                 yield _joined(pending)
@@ -283,6 +285,12 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     finally:
         await agen.aclose()
     yield _last(pending)
+
+
+def _versions(out, version) -> list:
+    """``weight_versions`` of a choice's last chunk: every weight version seen while its request ran, in order
+    (a chunk's ``weight_version`` names its last token's only, and a chunk may hold tokens of several steps)."""
+    return list(getattr(out, "weight_versions", None) or [version])
 
 
 def _text_choice(idx, text, lp, finish, stop, prompt_ids, token_ids, version) -> dict:
@@ -317,7 +325,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     content choice ``index``, ``delta`` (``{"content": text}``), ``logprobs``,
     ``finish_reason``, ``token_ids`` (the delta's ids with ``return_token_ids``, else null), and
     ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
-    rlserve's ``weight_version`` on every choice. ``usage`` (:func:`usage_options`): with
+    rlserve's ``weight_version`` on every choice, ``weight_versions`` on a choice's last chunk
+    (:func:`_versions`). ``usage`` (:func:`usage_options`): with
     ``include_usage`` a last chunk with the usage and no choices; no ``usage`` key on the
     others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens). ``parsers``: a
     :class:`~rlserve.server.chat_output.ChatOutputParser` per choice (tool calls / reasoning
@@ -403,6 +412,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                                       finish, delta_ids if rti else None, version,
                                       # as vLLM: stop_reason goes with the finish_reason only
                                       **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
+                if c.finish_reason is not None:
+                    choice["weight_versions"] = _versions(out, version)
                 pending.append(chunks.chunk(choice, len(ids), sent_toks[i]))
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
