@@ -16,6 +16,11 @@ Usage::
 
     python benchmarks/sse_pace_server.py --port 8123 --tick-ms 10 --trace DIR   # until SIGINT / SIGTERM
 
+``--admit-per-tick K`` admits at most K new streams a tick (the rest wait, their response not started), as an
+engine admits a few prompts per prefill step (rlserve's 2,048-token budget: 4 prompts of 512 a step): a wave of
+requests then starts, and ends, spread over many ticks, and the client sends the next wave's requests while the
+last one's streams are still running, as against a real server.
+
 ``GET /health`` and ``GET /v1/models`` answer 200 (the client's readiness check).
 """
 
@@ -69,8 +74,9 @@ class _Conn(asyncio.Protocol):
 class PaceServer:
     """One tick timer for every open stream (see the module docstring)."""
 
-    def __init__(self, tick_s: float):
-        self.tick_s = tick_s
+    def __init__(self, tick_s: float, admit: int = 0):
+        self.tick_s, self.admit = tick_s, admit
+        self.waiting: list = []  # (conn, tokens, arrival) not admitted yet (admit > 0)
         self.streams: dict[_Conn, list] = {}  # conn -> [tokens left, total, record]
         self.done: list[list] = []
         self.loop = None
@@ -87,13 +93,24 @@ class PaceServer:
             n = int(json.loads(body or b"{}").get("max_tokens") or 16)
         except (ValueError, AttributeError):
             n = 16
+        if self.admit > 0:
+            self.waiting.append((conn, n, arrival))
+            return
+        self.start(conn, n, arrival)
+
+    def start(self, conn: _Conn, n: int, arrival: float) -> None:
         conn.transport.write(HEAD)
         self.streams[conn] = [n, n, [arrival, time.perf_counter()]]
 
     def drop(self, conn: _Conn) -> None:
         self.streams.pop(conn, None)
+        self.waiting = [w for w in self.waiting if w[0] is not conn]
 
     def tick(self) -> None:
+        if self.waiting:
+            admitted, self.waiting = self.waiting[:self.admit], self.waiting[self.admit:]
+            for conn, n, arrival in admitted:
+                self.start(conn, n, arrival)
         t = time.perf_counter()
         finished = []
         for conn, st in self.streams.items():
@@ -118,8 +135,8 @@ class PaceServer:
                 f.write(" ".join(f"{x:.6f}" if isinstance(x, float) else str(x) for x in rec) + "\n")
 
 
-async def serve(port: int, tick_ms: float, trace: str | None) -> None:
-    srv = PaceServer(tick_ms / 1e3)
+async def serve(port: int, tick_ms: float, trace: str | None, admit: int = 0) -> None:
+    srv = PaceServer(tick_ms / 1e3, admit)
     loop = srv.loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Conn(srv), "127.0.0.1", port)
     srv.next = loop.time() + srv.tick_s
@@ -140,8 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--tick-ms", type=float, default=10.0)
     ap.add_argument("--trace", help="write the streams' write times here at exit (stream_trace.py's format)")
+    ap.add_argument("--admit-per-tick", type=int, default=0, help="new streams admitted per tick at most (0: all)")
     args = ap.parse_args(argv)
-    asyncio.run(serve(args.port, args.tick_ms, args.trace))
+    asyncio.run(serve(args.port, args.tick_ms, args.trace, args.admit_per_tick))
     return 0
 
 
