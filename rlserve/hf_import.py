@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a caller that already holds it cannot deadlock itself
 
 
 def from_transformers(name: str):
