@@ -138,6 +138,18 @@ def _client_main(args: tuple, queue) -> None:
     queue.put(asyncio.run(_drive(*args)))
 
 
+def read_gaps(reads: list[tuple[float, int]]) -> list[float]:
+    """The inter-event gaps (s) of one stream's reads ``(time, events)``, as ``vllm bench serve`` times them: an
+    event that arrived in the read of the one before has a gap of 0."""
+    gaps = [0.0] * (reads[0][1] - 1)
+    prev = reads[0][0]
+    for t, n in reads[1:]:
+        gaps.append(t - prev)
+        gaps.extend([0.0] * (n - 1))
+        prev = t
+    return gaps
+
+
 def summarize(run: dict, max_tokens: int) -> dict:
     """Throughput and latency of one run (ms for times)."""
     res = run["results"]
@@ -148,12 +160,7 @@ def summarize(run: dict, max_tokens: int) -> dict:
         ttft.append(reads[0][0] - r["t0"])
         n_ev = sum(n for _, n in reads)
         events.append(n_ev)
-        prev = reads[0][0]
-        gaps = [0.0] * (reads[0][1] - 1)
-        for t, n in reads[1:]:
-            gaps.append(t - prev)
-            gaps.extend([0.0] * (n - 1))
-            prev = t
+        gaps = read_gaps(reads)
         itl.extend(gaps)
         worst.append(max(gaps) if gaps else 0.0)
     dur = run["t1"] - run["t0"]

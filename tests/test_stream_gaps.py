@@ -74,3 +74,18 @@ def test_a_write_of_two_chunks_matches_two_client_chunks():
     assert stream_gaps.attribute(client, server, 200.0)["server-side"] == 1
     # a server stream with another chunk count is not this client stream
     assert stream_gaps.match(client, [dict(server[0], n=[1, 1])]) == [None]
+
+
+def test_the_raw_clients_reads_become_vllms_per_chunk_gaps():
+    from benchmarks.raw_stream_bench import to_vllm_result
+
+    # one request sent at 1.0: a read of 1 event at 1.2, of 2 at 1.3, of 1 at 1.35; one failed request
+    run = {"t0": 1.0, "t1": 3.0, "results": [
+        {"status": 200, "t0": 1.0, "reads": [(1.2, 1), (1.3, 2), (1.35, 1)], "errors": 0},
+        {"status": 500, "t0": 1.0, "reads": [], "errors": 0}]}
+    r = to_vllm_result(run, max_tokens=4)
+    assert r["completed"] == 1 and r["failed"] == 1 and r["output_throughput"] == 2.0
+    assert r["start_times"] == [1.0] and [round(x, 3) for x in r["ttfts"]] == [0.2]
+    assert [round(g, 3) for g in r["itls"][0]] == [0.1, 0.0, 0.05]  # the second event of a read: gap 0
+    client = stream_gaps.client_streams(r)
+    assert [round(t, 3) for t in client[0]["chunks"]] == [1.2, 1.3, 1.3, 1.35]
