@@ -2,11 +2,25 @@
 token the row predicts and the top-k, and that token's rank. The scores are ``log_softmax`` of the model's
 logits, or the logits themselves in the ``*_logits`` modes of ``logprobs_mode``: prompt tokens skip the
 sampling steps (vLLM's rule), so raw and processed are the same (the sampled tokens' logprobs:
-:mod:`rlserve.engine.core.sampler`). All float32."""
+:mod:`rlserve.engine.core.sampler`). All float32.
+
+Memory: a step's prompt rows can be a whole long prompt (on CUDA with chunked prefill off a step takes
+``max(8192, max_model_len)`` tokens), so the float32 scores are made :data:`ROWS_BYTES` of rows at a time
+(:func:`block_rows`), never ``[rows, vocab]`` at once: a 40,960-token prompt of a 151,936-token vocabulary
+needed ~62 GB of float32 scores, log-softmax and comparison temporaries beside its logits (session 21's
+adversarial pass: a GPU out of memory fails every request of its step)."""
 
 from __future__ import annotations
 
 import torch
+
+#: bytes of float32 scores made at once (a block of rows x the vocabulary): 441 rows of Qwen3's 151,936 tokens
+ROWS_BYTES = 256 << 20
+
+
+def block_rows(vocab: int) -> int:
+    """Rows of a ``vocab``-wide float32 block within :data:`ROWS_BYTES` (at least 1)."""
+    return max(1, ROWS_BYTES // (4 * max(1, int(vocab))))
 
 
 def _scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
@@ -30,22 +44,27 @@ def ranked_logprob_dicts(
         (a target that is also in the top-k appears once); ``ranks[i]`` is the target's
         1-based rank in its row, ``#{tokens scoring >= it}`` (vLLM's
         ``batched_count_greater_than``). The top-k entries' ranks are their positions
-        ``1..k``. One host transfer in total.
+        ``1..k``. Scored :func:`block_rows` rows at a time; one host transfer per column.
     """
     N = len(target_ids)
     if N == 0:
         return [], []
     if logits.shape[0] != N:
         raise ValueError(f"logits have {logits.shape[0]} rows, expected {N}")
-    lp = _scores(logits, mode)
-    tgt = torch.tensor(target_ids, dtype=torch.long, device=lp.device)
-    tgt_col = lp.gather(1, tgt.unsqueeze(1))
-    ranks = (lp >= tgt_col).sum(dim=-1).tolist()
-    tgt_lp = tgt_col.squeeze(1).tolist()
-    k = min(int(num_top or 0), lp.shape[1])
+    tgt = torch.tensor(target_ids, dtype=torch.long, device=logits.device)
+    k = min(int(num_top or 0), logits.shape[1])
+    step = block_rows(logits.shape[1])
+    parts: list[tuple] = []  # per block of rows: (target score, rank, top scores, top ids), on the device
+    for a in range(0, N, step):
+        lp = _scores(logits[a : a + step], mode)
+        tgt_col = lp.gather(1, tgt[a : a + step].unsqueeze(1))
+        part = (tgt_col.squeeze(1), (lp >= tgt_col).sum(dim=-1))
+        parts.append(part + (lp.topk(k, dim=-1) if k > 0 else ()))
+        del lp, tgt_col
+    cols = [torch.cat(c) if len(parts) > 1 else c[0] for c in zip(*parts)]
+    tgt_lp, ranks = cols[0].tolist(), cols[1].tolist()
     if k > 0:
-        top_lp, top_ids = lp.topk(k, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        top_lp, top_ids = cols[2].tolist(), cols[3].tolist()
     out: list[dict[int, float]] = []
     for i, t in enumerate(target_ids):
         d = {int(t): tgt_lp[i]}
