@@ -56,12 +56,15 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 
 def client_streams(result: dict) -> list[dict]:
-    """Per successful request: ``start`` (send time, s), ``chunks`` (the client's time of each chunk, s).
+    """Per successful request: ``start`` (send time, s), ``chunks`` (the client's time of each chunk, s). A result
+    without ``start_times`` (an older ``vllm bench serve``) gives every request start 0: gaps and chunk indices
+    hold, times in the run do not.
 
     Raises:
-        KeyError: a result saved without ``--save-detailed`` (no ``itls`` / ``start_times``)."""
+        KeyError: a result saved without ``--save-detailed`` (no ``itls``)."""
     out = []
-    for st, ttft, itl in zip(result["start_times"], result["ttfts"], result["itls"]):
+    starts = result.get("start_times") or [0.0] * len(result["ttfts"])  # without them: times per request only
+    for st, ttft, itl in zip(starts, result["ttfts"], result["itls"]):
         if not ttft:
             continue
         t = st + ttft
@@ -234,16 +237,25 @@ def _timed_lines(paths: list[str], t0: float, t1: float) -> list[list]:
 def report(name: str, result: dict, server_dir: str | None, gap_ms: float, bin_s: float, lag_ms: float,
            client_gc: str | None = None) -> dict:
     client = client_streams(result)
+    timed = bool(result.get("start_times"))
     t0 = min(s["start"] for s in client)
     t1 = max(s["chunks"][-1] for s in client)
-    out = {"name": name, "client": describe(client, gap_ms, t0, bin_s), "run_s": round(t1 - t0, 3)}
+    server_all = server_streams(server_dir) if server_dir else ([], [], [])
+    if not timed and server_all[0]:  # the run's window from the server's records instead
+        t0 = min(s["arrival"] for s in server_all[0])
+        t1 = max(s["chunks"][-1] for s in server_all[0])
+    out = {"name": name, "client": describe(client, gap_ms, t0 if timed else 0.0, bin_s), "run_s": round(t1 - t0, 3)}
+    if not timed:
+        out["client"]["by_time_s"], out["client"]["ttft_ms_by_start_s"] = {}, {}
+        out["client"]["note"] = "no start_times in the result: times in the run and the attribution left out"
     if client_gc and os.path.exists(client_gc):
         out["client_gc2"] = _timed_lines([client_gc], t0, t1)
     if server_dir:
-        server, lags, blocked = server_streams(server_dir)
+        server, lags, blocked = server_all
         if server:
             out["server"] = describe([s for s in server if len(s["chunks"]) > 1] or server, gap_ms, t0, bin_s)
-            out["attribution"] = attribute(client, server, gap_ms)
+            if timed:
+                out["attribution"] = attribute(client, server, gap_ms)
         long_lags = [(t, ms) for t, ms in lags if ms > lag_ms and t >= t0 - 1.0]
         out["loop_lags"] = {"n": len(long_lags), "total_ms": round(sum(ms for _, ms in long_lags), 1),
                             "max_ms": round(max((ms for _, ms in long_lags), default=0.0), 1),
@@ -275,7 +287,9 @@ def lines(rep: dict, gap_ms: float) -> list[str]:
                    f"{d[f'over_{gap_ms:g}ms']} gaps > {gap_ms:g} ms in {d['streams_with_one']} streams")
         out.append(f"  by chunk index (long / all): " + ", ".join(f"{k}: {v[0]}/{v[1]}" for k, v in d["by_chunk_index"].items()))
         out.append(f"  by time in the run (s: long gaps): " + ", ".join(f"{k}: {v}" for k, v in d["by_time_s"].items()))
-        if side == "client":
+        if d.get("note"):
+            out.append(f"  ({d['note']})")
+        if side == "client" and d["ttft_ms_by_start_s"]:
             out.append(f"  TTFT by send time (s: requests, max ms): " + ", ".join(
                 f"{k}: {v[0]}/{v[1]}" for k, v in d["ttft_ms_by_start_s"].items()))
     if "attribution" in rep:
@@ -319,7 +333,7 @@ def main(argv=None) -> int:
     for name, res in load_results(args.result).items():
         if args.row and name != args.row:
             continue
-        if "itls" not in res or "start_times" not in res:
+        if "itls" not in res:
             print(f"{name}: no per-request detail (run vllm bench serve with --save-detailed)", file=sys.stderr)
             continue
         reps.append(report(name, res, args.server, args.gap_ms, args.bin_s, args.lag_ms, args.client_gc))

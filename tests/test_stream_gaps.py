@@ -89,3 +89,13 @@ def test_the_raw_clients_reads_become_vllms_per_chunk_gaps():
     assert [round(g, 3) for g in r["itls"][0]] == [0.1, 0.0, 0.05]  # the second event of a read: gap 0
     client = stream_gaps.client_streams(r)
     assert [round(t, 3) for t in client[0]["chunks"]] == [1.2, 1.3, 1.3, 1.35]
+
+
+def test_a_result_without_start_times_keeps_its_gaps_and_drops_the_attribution(tmp_path):
+    result = {"ttfts": [0.1], "itls": [[0.1, 0.3]]}  # an older vllm bench serve: no start_times
+    client = stream_gaps.client_streams(result)
+    assert [round(t, 3) for t in client[0]["chunks"]] == [0.1, 0.2, 0.5]
+    (tmp_path / "1.chunks").write_text("10.0 10.05 10.1 1 10.2 1 10.5 1\n")
+    rep = stream_gaps.report("r", result, str(tmp_path), 200.0, 0.5, 20.0)
+    assert rep["client"]["over_200ms"] == 1 and rep["client"]["by_time_s"] == {}
+    assert "attribution" not in rep and rep["server"]["over_200ms"] == 1 and rep["run_s"] == 0.5
