@@ -36,10 +36,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CORE = """
-import sys, time
+import contextlib, sys, time
 t = time.perf_counter()
 from rlserve.engine.core.core_proc import warm_up_imports
-parts = warm_up_imports(sys.argv[1])
+try:  # as prestarted_main runs it (session 21: collections off)
+    from rlserve.gc_heap import no_collections_while_importing as gc_off
+except ImportError:
+    gc_off = contextlib.nullcontext
+with gc_off():
+    parts = warm_up_imports(sys.argv[1])
 print("RESULT", time.perf_counter() - t, time.process_time(), repr(parts), flush=True)
 """ + """
 import importlib.util, os
@@ -54,33 +59,31 @@ print("PYC", repr((sys.flags.dont_write_bytecode, sys.pycache_prefix, pyc)), flu
 """
 
 _API = """
-import sys, threading, time
+import sys, time
 t0 = time.perf_counter()
 model = sys.argv[2]
 import rlserve.cli.serve as serve
 from rlserve.cli.vllm_compat import generation_defaults
 from rlserve.engine.front.async_engine import AsyncEngine  # noqa: F401
 from rlserve.engine.front import core_client  # noqa: F401
+from rlserve.engine.front.replica_setup import TokenizerOnce
+from types import SimpleNamespace
 done = {"cli + engine front": time.perf_counter() - t0}
-def app():
-    serve._import_app(); done["app"] = time.perf_counter() - t0
-def gen():
-    generation_defaults("auto", model); done["generation defaults"] = time.perf_counter() - t0
-def tok():  # as CoreProcReplica.start's prefetch (its error raised here, not swallowed)
-    from types import SimpleNamespace
-    from rlserve.engine.front.replica_setup import TokenizerOnce
-    TokenizerOnce(SimpleNamespace(model=model, tokenizer=None, skip_tokenizer_init=False))()
-    done["tokenizer"] = time.perf_counter() - t0
-def guarded(f):
+def timed(name, fn, *args):
     def run():
         try:
-            f()
+            fn(*args)
+            done[name] = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - reported in the result
-            done[f"{f.__name__} FAILED: {type(e).__name__}: {e}"[:300]] = time.perf_counter() - t0
+            done[f"{name} FAILED: {type(e).__name__}: {e}"[:300]] = time.perf_counter() - t0
     return run
-threads = [threading.Thread(target=guarded(f)) for f in (app, gen, tok)]
-for th in threads: th.start()
-for th in threads: th.join()
+# as rlserve serve on a GPU with the overlap on: serve's own _beside threads (the tokenizer's prefetch is
+# CoreProcReplica.start's thread there; its error is reported here, not swallowed)
+tok = TokenizerOnce(SimpleNamespace(model=model, tokenizer=None, skip_tokenizer_init=False))
+futs = [serve._beside(timed("app", serve._import_app)), serve._beside(timed("generation defaults", generation_defaults,
+        "auto", model)), serve._beside(timed("tokenizer", tok))]
+for f in futs:
+    f.result()
 parts = [(k, round(v, 3)) for k, v in sorted(done.items(), key=lambda kv: kv[1])]
 print("RESULT", time.perf_counter() - t0, time.process_time(), repr(parts), flush=True)
 """

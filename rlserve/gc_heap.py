@@ -23,8 +23,10 @@ reach generation 2 wait longer to be freed)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import threading
 import time
 
 logger = logging.getLogger(__name__)
@@ -49,3 +51,34 @@ def freeze_startup_heap(what: str) -> int:
     logger.debug("%s: %d start-up objects frozen out of garbage collection (%.0f ms)", what, n,
                  1e3 * (time.perf_counter() - t0))
     return n
+
+
+_OFF_LOCK = threading.Lock()
+_off = [0, False]  # stretches in flight (any thread), whether collections were on before the first
+
+
+@contextlib.contextmanager
+def no_collections_while_importing():
+    """The garbage collector off for a stretch of start-up imports, back to what it was once the last
+    stretch in flight ends (stretches may overlap on several threads: the API process imports its app,
+    the generation defaults and the tokenizer beside each other).
+
+    Importing torch, transformers and the engine (or the API's app and tokenizer) allocates several
+    hundred thousand objects that all live, so the ~670 collections it triggers (5 of them full) find
+    next to nothing to free: with them off, the prestarted engine core's imports took 2.76-2.84 s of
+    CPU instead of 3.12-3.23 s, the API process's 3.31-3.37 s instead of 3.73-3.83 s (4 and 3 pairs,
+    interleaved, the 2-core CPU machine, 2026-12-07; BENCHMARKS.md, start-up). Only imports: the engine's
+    start after them (model build, KV sizing) runs with collections on, so no tensor held by a reference
+    cycle outlives its use there."""
+    with _OFF_LOCK:
+        if _off[0] == 0:
+            _off[1] = gc.isenabled()
+            gc.disable()
+        _off[0] += 1
+    try:
+        yield
+    finally:
+        with _OFF_LOCK:
+            _off[0] -= 1
+            if _off[0] == 0 and _off[1]:
+                gc.enable()

@@ -18,6 +18,7 @@ from rlserve.cli.serve_args import add_serve_parser, engine_config_from_args
 from rlserve.cli.tool_flags import check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import check_vllm_compat_args, generation_config_dir, generation_defaults, \
     load_chat_template
+from rlserve.gc_heap import no_collections_while_importing
 from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_kv_cache_bytes
 from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
@@ -56,7 +57,8 @@ def _check_cpu_environment(config) -> None:
 
 
 def _beside(fn, *args, what: str = "") -> concurrent.futures.Future:
-    """``fn(*args)`` on a daemon thread started now: start-up work that runs beside the engine's start;
+    """``fn(*args)`` on a daemon thread started now: start-up work that runs beside the engine's start
+    (its imports with the garbage collector off: :func:`rlserve.gc_heap.no_collections_while_importing`);
     the future's ``result()`` gives its value or raises its exception. ``what``: a start-up line
     (:func:`rlserve.startup_log.log_phase`) when it is done: its wall-clock seconds and the thread's own
     CPU seconds (the rest it waited: on the GIL beside the other threads, on a module another thread
@@ -66,7 +68,9 @@ def _beside(fn, *args, what: str = "") -> concurrent.futures.Future:
     def run() -> None:
         t = time.perf_counter()
         try:
-            fut.set_result(fn(*args))
+            with no_collections_while_importing():
+                value = fn(*args)
+            fut.set_result(value)
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             fut.set_exception(e)
         if what:
@@ -80,11 +84,13 @@ def _beside(fn, *args, what: str = "") -> concurrent.futures.Future:
 
 
 def _now(fn, *args, what: str = "") -> concurrent.futures.Future:
-    """``fn(*args)`` run now, as a done future (:func:`_beside`'s interface; ``what`` unused: the API
-    process's "flags and checks" line counts it)."""
+    """``fn(*args)`` run now (collections off, as :func:`_beside`), as a done future (its interface;
+    ``what`` unused: the API process's "flags and checks" line counts it)."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     try:
-        fut.set_result(fn(*args))
+        with no_collections_while_importing():
+            value = fn(*args)
+        fut.set_result(value)
     except Exception as e:  # noqa: BLE001 - delivered to the caller
         fut.set_exception(e)
     return fut

@@ -363,8 +363,11 @@ def prestarted_main() -> int:
     before them: exit 0 (the server did not start)."""
     import json
 
+    from rlserve.gc_heap import no_collections_while_importing
+
     t0 = time.perf_counter()
-    parts = warm_up_imports(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    with no_collections_while_importing():
+        parts = warm_up_imports(sys.argv[2] if len(sys.argv) > 2 else "cpu")
     t1 = time.perf_counter()
     line = sys.stdin.readline()
     if not line.strip():

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 
+from rlserve.gc_heap import no_collections_while_importing
 from rlserve.hf_import import from_transformers
 from rlserve.startup_log import log_phase
 
@@ -78,8 +79,9 @@ class TokenizerOnce:
             if not self._loaded:
                 if not getattr(self.config, "skip_tokenizer_init", False):
                     t = time.perf_counter()
-                    auto_tokenizer = from_transformers("AutoTokenizer")  # beside generation_defaults' import
-                    self._tok = auto_tokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+                    with no_collections_while_importing():  # transformers' tokenizer modules and torch
+                        auto_tokenizer = from_transformers("AutoTokenizer")  # beside generation_defaults' import
+                        self._tok = auto_tokenizer.from_pretrained(self.config.tokenizer or self.config.model)
                     log_phase(logger, "API process: tokenizer load (transformers' import included)",
                               time.perf_counter() - t, f"thread CPU {time.thread_time():.2f} s")
                 self._loaded = True
