@@ -39,7 +39,7 @@ PYEOF
 bounded 25 $PY benchmarks/import_profile.py --side core --side api --device "$DEV" --parallel --model "$MODEL" \
   --top 20 --json "$OUT_DIR/import_profile.json" > "$OUT_DIR/import_profile.log" 2>&1
 say "P) rc=$?"
-grep -E "^\S+ (core|api):|cumulative ms" "$OUT_DIR/import_profile.log" | cut -c1-700 | tee -a "$OUT_DIR/summary.txt"
+grep -E "^\S+ (core|api):|by package|bytecode" "$OUT_DIR/import_profile.log" | cut -c1-700 | tee -a "$OUT_DIR/summary.txt"
 
 # S) starts
 co=(--checkout "$NEW"); [ -n "$BASE" ] && co+=(--checkout "$BASE")
