@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -49,6 +50,9 @@ def test_phases_log_one_line_per_mark(caplog):
     assert len(lines) == 2
     assert lines[0].startswith(f"start-up: first took {first:.2f} s (detail; process age ")
     assert lines[1].startswith(f"start-up: second took {second:.2f} s (process age ")
+    # the process's CPU seconds last (session 21): at least what this process has used before the mark
+    cpu = float(re.fullmatch(r".*, CPU (\d+\.\d\d) s\)", lines[1]).group(1))
+    assert 0 < cpu <= time.process_time() + 0.01, (cpu, lines[1])
 
 
 def test_engine_config_does_not_import_torch():
