@@ -20,8 +20,9 @@ levels of the import tree, and by self time; ``--checkout DIR`` (repeatable) com
     python benchmarks/import_profile.py --side core --side api --rounds 3 --checkout /tmp/main --checkout .
     python3 benchmarks/import_profile.py --side core --side api --device cuda --parallel   # the GPU machine
 
-``--parallel`` starts the sides of one round at the same time (as ``rlserve serve`` starts them). The API side imports on
-three threads: its modules' times are wall-clock and include the other threads' turns on the GIL (read its CPU seconds).
+``--parallel`` starts the sides of one round at the same time (as ``rlserve serve`` starts them). The API side
+imports on three threads: its modules' times are wall-clock and include the other threads' turns on the GIL
+(read its CPU seconds).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ for name in ("torch", "transformers", "triton", "sympy", "rlserve"):
     f = getattr(m, "__file__", None) or ""
     if f.endswith(".py"):
         cached = importlib.util.cache_from_source(f)
-        pyc.append((name, os.path.exists(cached), os.access(os.path.dirname(cached) if os.path.isdir(os.path.dirname(cached)) else os.path.dirname(f), os.W_OK)))
+        where = os.path.dirname(cached) if os.path.isdir(os.path.dirname(cached)) else os.path.dirname(f)
+        pyc.append((name, os.path.exists(cached), os.access(where, os.W_OK)))
 print("PYC", repr((sys.flags.dont_write_bytecode, sys.pycache_prefix, pyc)), flush=True)
 """
 
@@ -149,7 +151,8 @@ def show(run: dict) -> None:
         print(f"{head} FAILED rc {run['rc']}: {run['error'][-600:]}")
         return
     parts = ", ".join(f"{k} {v:.2f}" for k, v in run["parts"])
-    print(f"{head} imports {run['imports_s']:.2f} s wall, {run['cpu_s']:.2f} s CPU (process {run['process_wall_s']:.2f} s)"
+    print(f"{head} imports {run['imports_s']:.2f} s wall, {run['cpu_s']:.2f} s CPU "
+          f"(process {run['process_wall_s']:.2f} s)"
           f" [{parts}]")
     if "pyc" in run:  # a package without its .pyc compiles its sources at every start (a read-only install)
         dont, prefix, pkgs = run["pyc"]
@@ -179,7 +182,8 @@ def main() -> int:
         sys.path.insert(0, REPO)
         from tests.tiny_models import make_tiny_model
 
-        args.model = make_tiny_model("llama", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rlserve-bench-tiny-llama"))
+        tmp = os.environ.get("TMPDIR", "/tmp")
+        args.model = make_tiny_model("llama", os.path.join(tmp, "rlserve-bench-tiny-llama"))
     runs = []
     for r in range(args.rounds):
         order = checkouts if r % 2 == 0 else checkouts[::-1]  # interleaved, the order swapped every round

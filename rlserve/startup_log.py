@@ -5,9 +5,9 @@ each process (API, engine core), in vLLM's style ("Loading weights took 1.23 sec
 
 ``process age`` is the seconds since *this* process started (the kernel's start time in
 ``/proc/self/stat``, 10 ms ticks), so lines of two processes compare to each other through their
-log timestamps and each says how far into its own process it came; ``CPU`` is the CPU seconds the process has used so far
-(all its threads, ``time.process_time``): far below its age, the process waited (on the disk, another
-process, a lock) rather than computed. ``benchmarks/startup_stop.py
+log timestamps and each says how far into its own process it came; ``CPU`` is the CPU seconds the
+process has used so far (all its threads, ``time.process_time``): far below its age, the process waited
+(on the disk, another process, a lock) rather than computed. ``benchmarks/startup_stop.py
 --show-start-log`` prints them with the seconds since ``rlserve serve`` was started.
 """
 
