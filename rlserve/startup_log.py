@@ -52,3 +52,29 @@ class Phases:
         dt, self.t = now - self.t, now
         log_phase(self.logger, what, dt, detail)
         return dt
+
+
+def uncached_bytecode(packages=("torch", "triton", "transformers", "sympy")) -> list[str]:
+    """The imported ``packages`` whose ``__init__`` has no cached bytecode (``.pyc``, where
+    ``importlib.util.cache_from_source`` puts it, ``PYTHONPYCACHEPREFIX`` honoured) that this process
+    could not write either (``PYTHONDONTWRITEBYTECODE`` set, or a read-only directory): every start of
+    every process compiles their Python sources again. On session 21's H100 machine torch, triton and
+    sympy were such (a venv installed without bytecode and ``PYTHONDONTWRITEBYTECODE=1``): the engine
+    core's imports took 12.8 s of CPU there; on the 2-core CPU machine compiling every module made the
+    same imports ~2.4x slower (BENCHMARKS.md, start-up, T12)."""
+    import importlib.util
+    import sys
+
+    out = []
+    for name in packages:
+        f = getattr(sys.modules.get(name), "__file__", None) or ""
+        if not f.endswith(".py"):
+            continue
+        cached = importlib.util.cache_from_source(f)
+        if os.path.exists(cached):
+            continue
+        where = os.path.dirname(cached)
+        writable = os.access(where if os.path.isdir(where) else os.path.dirname(f), os.W_OK)
+        if sys.dont_write_bytecode or not writable:
+            out.append(name)
+    return out

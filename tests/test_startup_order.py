@@ -132,3 +132,28 @@ def test_prestarted_imports_name_their_parts():
     lines = out.stdout.splitlines()
     assert lines[0] == "torch | engine modules | transformers configs | CPU", out.stdout
     assert lines[1] == "True True True", out.stdout
+
+
+def test_uncached_bytecode_names_packages_that_compile_at_every_start(tmp_path):
+    """A package imported from sources with no ``.pyc`` beside them, in a process that may not write one
+    (``PYTHONDONTWRITEBYTECODE``), is named; once compiled (``compileall``) it is not; a package not imported
+    is not looked at."""
+    pkg = tmp_path / "s21pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    code = """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import s21pkg
+        from rlserve.startup_log import uncached_bytecode
+        print(uncached_bytecode(("s21pkg", "not_imported_pkg")))
+    """
+    out = _run(code, str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['s21pkg']", out.stdout
+    import compileall
+
+    assert compileall.compile_dir(str(pkg), quiet=1)
+    out = _run(code, str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -278,12 +278,18 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s [engine-core {args.dp_index}] %(name)s: %(message)s",
                         stream=sys.stderr)
-    from rlserve.startup_log import log_phase
+    from rlserve.startup_log import log_phase, uncached_bytecode
 
     if prestarted is not None:
         parts = "".join(f"{what} {s:.2f} s, " for what, s in (prestarted[2] if len(prestarted) > 2 else ()))
         log_phase(logger, "engine-core imports (prestarted)", prestarted[0],
                   f"{parts}then {prestarted[1]:.2f} s waiting for the API process's arguments")
+    uncached = uncached_bytecode()
+    if uncached and args.dp_index == 0:
+        logger.warning("start-up: %s have no cached bytecode (.pyc) and this process cannot write it "
+                       "(PYTHONDONTWRITEBYTECODE=1 or a read-only install): every start compiles their sources "
+                       "again, seconds of each start (`python -m compileall` over the install once, or "
+                       "PYTHONPYCACHEPREFIX=DIR without PYTHONDONTWRITEBYTECODE, caches them)", ", ".join(uncached))
 
     import zmq
 
