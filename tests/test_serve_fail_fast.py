@@ -268,6 +268,34 @@ def test_slow_loris_connections_are_closed(tiny_model, impl):
             assert client.get("/health", headers={"X-Ok": "a" * 8_000}).status_code == 200
 
 
+@pytest.mark.parametrize("impl", ["h11", "auto"])
+def test_slow_body_connections_are_closed(tiny_model, impl):
+    """Session 21: --http-header-timeout 2 bounds the wait between two reads of a request body too. A head
+    with Content-Length and part of the body (or none), then nothing, on a control route and a generation
+    route: closed ~2 s after the last byte, nothing answered (main held each connection for ever: one file
+    descriptor per such client); a body trickled faster than the bound is read whole and answered."""
+    env, _stack = _stack_env(impl)
+    with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2", env=env) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        for path, part in (("/abort_requests", b""), ("/v1/completions", b'{"prompt": "hi", ')):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n" + part)
+                s.settimeout(30)
+                t0 = time.monotonic()
+                assert _read_all(s) == b"", path  # closed, nothing answered
+                assert 1.5 < time.monotonic() - t0 < 20, path
+        body = b'{"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}'
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            for i in range(0, len(body), 16):  # 4 pieces, 1 s apart: 4 s in all, never 2 s without a byte
+                time.sleep(1.0)
+                s.sendall(body[i:i + 16])
+            s.settimeout(30)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
 def _read_all(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (30 s bound)."""
     sock.settimeout(30)

@@ -237,7 +237,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "engine still gets larger chunks: it is sent the newest output when it can take one")
     s.add_argument("--http-header-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="close a connection whose request line and headers are not complete this many seconds "
-                        "after it opened or after its previous response (slow-loris clients); 0: no bound")
+                        "after it opened or after its previous response, or whose request body stops arriving for "
+                        "this many seconds (slow-loris clients); 0: no bound")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity (stderr)")
     s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",

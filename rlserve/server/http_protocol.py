@@ -12,8 +12,11 @@ any byte that arrives cancels that timer, and a new connection has no timer at a
 that sends a header line every few seconds, or nothing, holds a connection (a file descriptor
 and a protocol object) for ever, and enough of them exhaust the process. Here a connection must
 complete its request line and headers within ``header_timeout_s`` seconds of opening, and of
-each previous response's end; otherwise it is closed. A request whose head has arrived is not
-affected (its body and the answer take as long as they take). h11 also answers 400 when more
+each previous response's end; otherwise it is closed. The same bound holds between two reads of a
+request's body (session 21: a client that sent a head with ``Content-Length`` and then part of the body, or
+none, held its connection for ever, the control routes' included): a body that stops arriving for
+``header_timeout_s`` seconds closes the connection (nginx's ``client_body_timeout`` rule: a slow but moving
+upload is not cut). The answer takes as long as it takes. h11 also answers 400 when more
 than 16 KiB of a head are buffered incomplete (its incomplete-event limit); httptools has no such
 limit, so :class:`BoundedHttpToolsProtocol` counts what arrives while a head is incomplete and
 answers 400 over the same size.
@@ -55,6 +58,15 @@ class _HeadTimer:
     def _waiting_for_head(self) -> bool:
         raise NotImplementedError
 
+    def _waiting_for_body(self) -> bool:
+        """A request's head arrived and its body has not all arrived."""
+        raise NotImplementedError
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        if not self.transport.is_closing() and self._waiting_for_body():
+            self._arm_head_timer()  # the body's bound runs from its last read
+
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
         if self.header_timeout_s:
@@ -67,10 +79,19 @@ class _HeadTimer:
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or not self._waiting_for_head():
-            return  # closed, or its request's head arrived
+        if self.transport.is_closing():
+            return
         client = "%s:%d " % self.client if self.client else ""
-        logger.info("%sclosed: no complete request head within %g s", client, self.header_timeout_s)
+        if self._waiting_for_head():
+            logger.info("%sclosed: no complete request head within %g s", client, self.header_timeout_s)
+        elif self._waiting_for_body():
+            flow = getattr(self, "flow", None)
+            if flow is not None and flow.read_paused:  # the app has not read what came: not the client's delay
+                self._arm_head_timer()
+                return
+            logger.info("%sclosed: no byte of the request body for %g s", client, self.header_timeout_s)
+        else:
+            return  # its request arrived: the answer takes as long as it takes
         self.transport.close()
 
 
@@ -84,6 +105,9 @@ def _h11_class() -> type:
 
         def _waiting_for_head(self) -> bool:
             return self.conn.their_state is h11.IDLE
+
+        def _waiting_for_body(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
 
     return BoundedH11Protocol
 
@@ -103,13 +127,17 @@ def _httptools_class() -> type:
         _answered = 0  # responses completed
         _in_head = True  # between a message's begin (or the connection's start) and its head's end
         _head_bytes = 0  # received while _in_head (reads that began it: not counted)
+        _in_body = False  # between a request head's end and its message's end
 
         def _waiting_for_head(self) -> bool:
             return self._heads == self._answered
 
+        def _waiting_for_body(self) -> bool:
+            return self._in_body
+
         def data_received(self, data: bytes) -> None:
             counted = self._in_head
-            super().data_received(data)
+            super().data_received(data)  # (the body's bound: _HeadTimer.data_received)
             if not self._in_head or self.parser is None or self.transport.is_closing():
                 return
             self._head_bytes = self._head_bytes + len(data) if counted else 0
@@ -124,7 +152,12 @@ def _httptools_class() -> type:
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._heads += 1
+            self._in_body = True
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             self._answered += 1
