@@ -228,7 +228,7 @@ def test_kv_sizing_reserves_the_prefill_graphs(qwen3, tiny_model, monkeypatch):
     assert pg.reserve_bytes(moe.engine.executor.runner) == 0  # (not supported: never captured)
 
 
-def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
+def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu", **engine_kw):
     """Session 21's adversarial schedule on the graphs: what they bake in (parameter storage, the KV cache,
     their static buffers) must follow every weight write, abort and sleep. In order, each answer checked
     against HF float32 greedy of the weights loaded then (logprobs against the eager engine run through the
@@ -239,9 +239,10 @@ def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
     from safetensors.torch import load_file
 
     prompts = _prompts(5, [30, 9, 23])
+    long = (prompts[0] + prompts[2]) * 2  # partial after one step, whatever runs ahead (H100, s21: 53 tokens were not)
     hf = {w: hf_greedy(w, prompts, 8) for w in (path, other)}  # (HF on the CPU, float32)
     assert hf[path] != hf[other]
-    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=20, enable_sleep_mode=True)
+    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=20, enable_sleep_mode=True, **engine_kw)
     seen = count_runs(monkeypatch)  # steps replayed from the graphs (the eager engine adds none)
     marks = []  # len(seen) after each phase of the graphs' run
 
@@ -253,9 +254,12 @@ def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
             marks.append(len(seen))
 
         phase(llm.generate(prompts, _greedy()))
-        eng.add_request("partial", prompts[0] + prompts[2], _greedy())  # 53 tokens: 20-token chunks
-        eng.step()
-        assert eng.scheduler.prefilling, "the prompt is not partial when the update comes"
+        eng.add_request("partial", long, _greedy())  # 106 tokens: 20-token chunks
+        eng.step()  # one chunk computed (two with the overlapped loop, CUDA's default: one launched ahead)
+        sched = eng.scheduler
+        assert sched.prefilling, ("the prompt is not partial when the update comes: (computed, length) of the "
+                                  f"running {[(q.num_computed_tokens, len(q)) for q in sched.running]}, "
+                                  f"waiting {len(sched.waiting)}, overlap {eng._overlap is not None}")
         eng.load_weights(load_file(f"{other}/model.safetensors").items())
         last = None
         while eng.has_unfinished_requests():
@@ -284,7 +288,7 @@ def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
     assert llm.engine.executor.runner.prefill_graphs is not None
     assert all(b > a for a, b in zip([0] + marks, marks)), marks  # every phase replayed the graphs
     assert llm.engine.stats["prefix_cache_hit_tokens"] > 0
-    expect = [hf[path], hf_greedy(other, [prompts[0] + prompts[2]], 8), hf[other], hf[other], hf[path],
+    expect = [hf[path], hf_greedy(other, [long], 8), hf[other], hf[other], hf[path],
               hf_greedy(path, [prompts[0][:24] + prompts[1]], 8)]
     for phase_no, (g, w, e) in enumerate(zip(got, want, expect)):
         g_toks, g_lps = _tokens_lps(g)
@@ -293,5 +297,7 @@ def check_updates_aborts_and_sleep(path, other, monkeypatch, device="cpu"):
         torch.testing.assert_close(torch.tensor(sum(g_lps, [])), torch.tensor(sum(w_lps, [])), atol=LP_ATOL, rtol=0)
 
 
-def test_updates_aborts_and_sleep(qwen3, tiny_model, monkeypatch):
-    check_updates_aborts_and_sleep(qwen3, tiny_model("qwen3", seed=1), monkeypatch)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_updates_aborts_and_sleep(qwen3, tiny_model, monkeypatch, overlap):
+    """Plain and overlapped loops (``async_scheduling``: CUDA's default, a step launched ahead)."""
+    check_updates_aborts_and_sleep(qwen3, tiny_model("qwen3", seed=1), monkeypatch, async_scheduling=overlap)
