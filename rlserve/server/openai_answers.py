@@ -119,3 +119,14 @@ def chat_echo(body) -> str:
     if isinstance(last.content, str):
         return last.content
     return "\n".join(part.text or "" for part in last.content)
+
+
+def weight_versions(outs) -> tuple[str | None, list[str]]:
+    """``(weight_version, weight_versions)`` of engine outputs: the last version seen and every
+    version in order of first appearance (more than one when a request spanned a weight update)."""
+    versions: list[str] = []
+    for o in outs:
+        for v in getattr(o, "weight_versions", None) or [getattr(o, "weight_version", None)]:
+            if v is not None and v not in versions:
+                versions.append(v)
+    return (versions[-1] if versions else None), versions

@@ -44,7 +44,7 @@ from rlserve.engine.routed_experts import encode_routed_experts
 from rlserve.engine.sampling_params import clip_logit_bias
 from rlserve.errors import InvalidRequestError
 from rlserve.server.openai_answers import answer_usage, chat_answer_role, chat_choice, chat_echo, chat_response, \
-    completion_choice, completion_response
+    completion_choice, completion_response, weight_versions
 from rlserve.server.openai_stream import SSEResponse, merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.request_fields import bad_words_token_ids, check_extra_fields
@@ -89,17 +89,6 @@ async def unless_disconnected(raw: Request, coro):
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-
-
-def weight_versions(outs) -> tuple[str | None, list[str]]:
-    """``(weight_version, weight_versions)`` of engine outputs: the last version seen and every
-    version in order of first appearance (more than one when a request spanned a weight update)."""
-    versions: list[str] = []
-    for o in outs:
-        for v in getattr(o, "weight_versions", None) or [getattr(o, "weight_version", None)]:
-            if v is not None and v not in versions:
-                versions.append(v)
-    return (versions[-1] if versions else None), versions
 
 
 def _common_params(state: ServerState, body, n_prompt: int, max_tokens: int, logprobs, prompt_logprobs=None,

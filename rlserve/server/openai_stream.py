@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 
 from rlserve import envs
 from rlserve.server.errors import exception_to_error
-from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json
+from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json, weight_versions
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.sse_template import ENCODE_ERRORS, ChunkTemplate, encode_json, sse_data_bytes
@@ -288,9 +288,11 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
 
 
 def _versions(out, version) -> list:
-    """``weight_versions`` of a choice's last chunk: every weight version seen while its request ran, in order
-    (a chunk's ``weight_version`` names its last token's only, and a chunk may hold tokens of several steps)."""
-    return list(getattr(out, "weight_versions", None) or [version])
+    """``weight_versions`` of a choice's last chunk (:func:`~rlserve.server.openai_answers.weight_versions`
+    of its request; ``[version]`` when the output names none): every weight version seen while its request
+    ran, in order (a chunk's ``weight_version`` names its last token's only, and a chunk may hold tokens of
+    several steps)."""
+    return weight_versions([out])[1] or [version]
 
 
 def _text_choice(idx, text, lp, finish, stop, prompt_ids, token_ids, version) -> dict:

@@ -52,7 +52,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlserve.server.errors import APIError, exception_to_error
-from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected, weight_versions
+from rlserve.server.openai_answers import weight_versions
+from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
 from rlserve.server.openai_stream import merge_generators, sse_event
 from rlserve.server.protocol import ChatMessage, ResponsesRequest
 from rlserve.server.request_fields import check_extra_fields
