@@ -142,8 +142,8 @@ class CoreRestarter:
             new.join(1.0)
             self.restarting.discard(old.index)
             return
-        self._run_listeners(old.index)
-        self._run_listeners(old.index, new)
+        self._run_on_loop(self.listeners, old.index)
+        self._run_on_loop(self.adopters, new)
         loop = getattr(aeng, "loop", None)
         if loop is not None and not loop.is_closed():  # on the loop: no weight-sync commit runs meanwhile
             try:
@@ -177,15 +177,16 @@ class CoreRestarter:
             new.set_frozen(True)
         aeng._replicas[old.index] = new
 
-    def _run_listeners(self, index: int, new=None) -> None:
-        """The :attr:`listeners` (``new`` None) or the :attr:`adopters` of the ``new`` replica, one after
-        the other on the loop, each bounded by :data:`LISTENER_TIMEOUT_S`; a failure is logged."""
+    def _run_on_loop(self, fns: list, arg) -> None:
+        """``fn(arg)`` of each coroutine function of ``fns`` (the :attr:`listeners` with the dead replica's
+        index, the :attr:`adopters` with the new replica), one after the other on the loop, each bounded by
+        :data:`LISTENER_TIMEOUT_S`; a failure is logged."""
         loop = getattr(self.aengine, "loop", None)
         if loop is None or loop.is_closed():
             return
-        for fn in list(self.listeners if new is None else self.adopters):
+        for fn in list(fns):
             try:
-                asyncio.run_coroutine_threadsafe(fn(index) if new is None else fn(new), loop).result(LISTENER_TIMEOUT_S)
+                asyncio.run_coroutine_threadsafe(fn(arg), loop).result(LISTENER_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a listener must not stop the restart
                 logger.exception("an engine-restart listener failed")
 
