@@ -49,12 +49,17 @@ def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str = "auto", kv_cache
     return 2 * layers * block_size * kv_rank * head_dim * item
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV blocks of ``block_size`` tokens that ``tokens`` tokens take (rounded up)."""
+    return -(-int(tokens) // block_size)
+
+
 def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, source: str,
                                    per_block: int | None = None) -> None:
     """vLLM's start-up check (``_check_enough_kv_cache_memory``, ``vllm/v1/core/kv_cache_utils.py``):
     the KV cache must hold one sequence of ``max_model_len`` tokens, ``ceil(max_model_len /
     block_size)`` blocks; a request within ``max_model_len`` then always fits (vLLM caps
-    ``max_model_len`` to the cache only when it is given as -1, which rlserve does not take).
+    ``max_model_len`` to the cache only when it is given as -1: :func:`fit_max_model_len`, before this check).
 
     ``source``: the flag that sized the cache, as the message names it (``--kv-cache-bytes N``,
     ``--num-kv-blocks N``, ``--gpu-memory-utilization F``); ``per_block``: one block's bytes, for the
@@ -63,7 +68,7 @@ def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_l
     Raises:
         InvalidRequestError: the cache is smaller (one line: vLLM's wording, the blocks, tokens and bytes
             needed and held, the longest ``--max-model-len`` that fits)."""
-    need = -(-int(max_model_len) // block_size)
+    need = blocks_for(max_model_len, block_size)
     if num_blocks >= need:
         return
     def size(blocks: int) -> str:
@@ -123,8 +128,8 @@ def check_kv_cache_bytes(kv_cache_bytes: int | None, model_dir: str, block_size:
     if nbytes < per_block:
         longest = ""
         if max_model_len:
-            blocks = -(-int(max_model_len) // block_size)
-            longest = f"; one sequence of --max-model-len {max_model_len} tokens needs {blocks * per_block} bytes"
+            longest = (f"; one sequence of --max-model-len {max_model_len} tokens needs "
+                       f"{blocks_for(max_model_len, block_size) * per_block} bytes")
         raise InvalidRequestError(f"{flag} holds no KV-cache block: one block of {block_size} "
                                   f"tokens takes {per_block} bytes for this model{longest}")
     if max_model_len:

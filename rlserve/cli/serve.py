@@ -20,7 +20,7 @@ from rlserve.cli.vllm_compat import check_vllm_compat_args, generation_config_di
     load_chat_template
 from rlserve.gc_heap import no_collections_while_importing
 from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_kv_cache_bytes
-from rlserve.model_len import check_checkpoint_max_model_len
+from rlserve.model_len import AUTO_MAX_MODEL_LEN, check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
 logger = logging.getLogger("rlserve.serve")
@@ -213,7 +213,7 @@ def run(args) -> int:
         max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
         if config.num_kv_blocks is not None or not config.device.startswith("cuda"):  # (the GPU sizes its own)
             check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
-                                 None if config.max_model_len == -1 else max_model_len, config.dtype,
+                                 None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
                                  config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks,
                                  CPU_KV_CACHE_BYTES if config.device == "cpu" else None)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it

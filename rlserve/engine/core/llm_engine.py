@@ -167,10 +167,11 @@ class LLMEngine(EngineStep, RequestAdmission):
         num_blocks = executor.determine_num_blocks()
         logger.info("KV cache: %d blocks of %d tokens (--kv-cache-dtype %s)", num_blocks, config.block_size,
                     config.kv_cache_dtype)
+        source = _cache_source(config, executor)
         if auto_fit:
             config.max_model_len = self.max_model_len = fit_max_model_len(
-                num_blocks, config.block_size, self.max_model_len, _cache_source(config, executor))
-        check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, _cache_source(config, executor))
+                num_blocks, config.block_size, self.max_model_len, source)
+        check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source)
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up
