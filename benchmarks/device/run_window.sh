@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/device/run_window.sh NAME:BUDGET_S [NAME:BUDGET_S ...]
 #
-# runs the newest benchmarks/device/sNN_NAME.sh (s21_, else s20_ ... s13_) with OUT_DIR=/tmp/win/NAME (a fresh folder) under `timeout BUDGET_S`,
+# runs the newest benchmarks/device/sNN_NAME.sh (the highest session number NN) with OUT_DIR=/tmp/win/NAME (a fresh folder) under `timeout BUDGET_S`,
 # then kills whatever GPU process it left, and tars the folder into $OUT/NAME.tgz (the device tool returns at
 # most 8 files per call: one tarball per script). rlserve's wheels (.whl, from ../shared/tools/device-wheels.sh)
 # are installed into /tmp/site once per machine; /tmp survives between back-to-back calls on a warm machine.
@@ -30,10 +30,9 @@ for spec in "$@"; do
   export OUT_DIR=/tmp/win/$name
   rm -rf "$OUT_DIR"; mkdir -p "$OUT_DIR"
   t0=$(date +%s)
-  script=
-  for s in 21 20 19 18 17 16 15 14 13; do  # the newest session's script of that name
-    [ -f "benchmarks/device/s${s}_$name.sh" ] && { script=benchmarks/device/s${s}_$name.sh; break; }
-  done
+  # the newest session's script of that name (sNN_NAME.sh with the highest NN)
+  script=$(ls benchmarks/device/ | grep -E "^s[0-9]+_${name}\.sh$" | sed 's|^s\([0-9]*\)_.*|\1 benchmarks/device/&|' \
+    | sort -n | tail -n 1 | cut -d' ' -f2)
   [ -n "$script" ] || { echo "$name: no benchmarks/device/s*_$name.sh" | tee -a "$OUT/summary.txt"; continue; }
   BUDGET=$budget timeout -k 10 "$budget" bash "$script" > "$OUT_DIR/stdout.log" 2>&1
   rc=$?
