@@ -58,6 +58,12 @@
 #   serve_start LABEL LIMIT  one `rlserve serve` of shape $S8 on device $DEV (extra flags: the array SRV, starting
 #                   with --) start -> ready -> 16 greedy tokens -> SIGINT (benchmarks/startup_stop.py
 #                   --show-start-log), bounded by LIMIT s: $OUT_DIR/serve_LABEL.{json,log}, a summary line
+#   traced_stream RUN LIMIT [WORDS...] [-- CLIENT_FLAGS...]  one rlserve server (config RUN: $C, WORDS = @ENV=V /
+#                   flags, $FLAGS) on stream_workload's workload under stream_bench LIMIT, with the API process's chunk
+#                   trace and split timers (benchmarks/stream_trace.py, api_stream_probe; $OUT_DIR/chunks_RUN/), the
+#                   engine step trace ($OUT_DIR/steps_RUN/), the client's per-request detail (--save-detailed) and full
+#                   collections (client_gc_RUN.txt); then benchmarks/stream_gaps.py's attribution of the long gaps
+#                   (gaps_RUN.json) and the client's JSON without its generated texts
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${NAME:?set NAME before sourcing lib.sh}"
@@ -259,4 +265,27 @@ start_lines() {
     | grep -E '^(new|base): ready|start-up: ' \
     | sed -E -e 's/^ *(\+ *[0-9.]+s) .*start-up: /  \1 /' -e 's/, stop .*first request/, first request/' \
     | cut -c1-"$2" | tee -a "$OUT_DIR/summary.txt"
+}
+traced_stream() {
+  local n=$1 lim=$2 d=$OUT_DIR/chunks_$1 site words=() client=() saved=("${BENCH[@]}")
+  shift 2
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do words+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && client=("$@")
+  mkdir -p "$d" "$OUT_DIR/steps_$n"
+  site=$($PY -c "from benchmarks.stream_trace import site_dir; print(site_dir('$d'))")
+  touch "$OUT_DIR/start"
+  CONFIGS=("$n=$C @PYTHONPATH=$site:${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$OUT_DIR/steps_$n @STREAM_TRACE_DIR=$d @API_STREAM_PROBE_DIR=$d @API_STREAM_PROBE_SPLIT=1 @API_STREAM_PROBE_SLOW_MS=1000 ${words[*]} $FLAGS")
+  BENCH+=(--save-detailed --gc-log "$OUT_DIR/client_gc_$n.txt" "${client[@]}")
+  STEM=vllm_bench_$n stream_bench "$lim" "$MIN_STEPS" "$n"
+  BENCH=("${saved[@]}")
+  say "stack ($n): $(server_stacks)"
+  $PY benchmarks/stream_gaps.py "$OUT_DIR/vllm_bench_$n.json" --server "$d" --client-gc "$OUT_DIR/client_gc_$n.txt" \
+      --json "$OUT_DIR/gaps_$n.json" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  $PY - "$OUT_DIR/vllm_bench_$n.json" <<'PYEOF' 2>/dev/null  # the texts are most of the file and say nothing here
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d.get("rows", []):
+    (r.get("result") or {}).pop("generated_texts", None)
+json.dump(d, open(sys.argv[1], "w"))
+PYEOF
 }

@@ -40,30 +40,6 @@ say "host: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) CPU
     "pure Python: $($PY -c "import timeit; print(round(1e3 * min(timeit.repeat('sum(i * i for i in range(10000))', number=20, repeat=5)) / 20, 3))") ms per 10^4-term generator sum (min of 5)"
 http_site
 stream_workload 256
-# one run: NAME, its time limit, then server words (@ENV=V, flags) and, after --, extra client flags
-run_one() {
-  local n=$1 lim=$2 d=$OUT_DIR/chunks_$1 site words=() client=() saved=("${BENCH[@]}")
-  shift 2
-  while [ $# -gt 0 ] && [ "$1" != -- ]; do words+=("$1"); shift; done
-  [ $# -gt 0 ] && shift && client=("$@")
-  mkdir -p "$d" "$OUT_DIR/steps_$n"
-  site=$($PY -c "from benchmarks.stream_trace import site_dir; print(site_dir('$d'))")
-  touch "$OUT_DIR/start"
-  CONFIGS=("$n=$C @PYTHONPATH=$site:${HTTP_SITE:+$HTTP_SITE:}${PYTHONPATH:-$PWD} @STEP_TRACE_DIR=$OUT_DIR/steps_$n @STREAM_TRACE_DIR=$d @API_STREAM_PROBE_DIR=$d @API_STREAM_PROBE_SPLIT=1 @API_STREAM_PROBE_SLOW_MS=1000 ${words[*]} $FLAGS")
-  BENCH+=(--save-detailed --gc-log "$OUT_DIR/client_gc_$n.txt" "${client[@]}")
-  STEM=vllm_bench_$n stream_bench "$lim" "$MIN_STEPS" "$n"
-  BENCH=("${saved[@]}")
-  say "stack ($n): $(server_stacks)"
-  $PY benchmarks/stream_gaps.py "$OUT_DIR/vllm_bench_$n.json" --server "$d" --client-gc "$OUT_DIR/client_gc_$n.txt" \
-      --json "$OUT_DIR/gaps_$n.json" 2>&1 | tee -a "$OUT_DIR/summary.txt"
-  $PY - "$OUT_DIR/vllm_bench_$n.json" <<'PYEOF' 2>/dev/null  # the texts are most of the file and say nothing here
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d.get("rows", []):
-    (r.get("result") or {}).pop("generated_texts", None)
-json.dump(d, open(sys.argv[1], "w"))
-PYEOF
-}
 # the same with benchmarks/raw_stream_bench.py's client (NAME=raw), time limit $1
 run_raw() {
   local n=raw d=$OUT_DIR/chunks_raw site raw=(--shape qwen3-0.6b --clients 256 --num-prompts 768 --max-tokens 256)
@@ -87,7 +63,7 @@ run_raw() {
 if [ "$(left)" -lt 30 ]; then say "skipped: $(left) s left of BUDGET=$BUDGET"; say "done"; exit 0; fi
 # 1) main's defaults (a server's start ~17 s, the run ~10 s, the client's import overlaps the start)
 if [ "$DRY_RUN" = 1 ]; then L1=$(( $(left) / 3 )); else L1=$(( $(left) >= 100 ? 50 : $(left) - 5 )); fi
-run_one default "$L1"
+traced_stream default "$L1"
 # 2), 3): the client-free arm first when run 1's long gaps were mostly client-side
 ORDER=$($PY - "$OUT_DIR/gaps_default.json" <<'PYEOF' 2>/dev/null || echo "h11 raw"
 import json, sys
@@ -100,10 +76,10 @@ for arm in $ORDER cgc eager; do
   if [ "$(left)" -lt 45 ] && [ "$DRY_RUN" != 1 ]; then say "$arm skipped: $(left) s left (< 45)"; continue; fi
   [ "$DRY_RUN" = 1 ] && L=$(( $(left) / 3 )) || L=$(( $(left) >= 90 ? 45 : $(left) - 5 ))
   case $arm in
-    cgc) run_one cgc "$L" -- --gc-freeze ;;
-    h11) run_one h11 "$L" @RLSERVE_HTTP_IMPL=h11 ;;
+    cgc) traced_stream cgc "$L" -- --gc-freeze ;;
+    h11) traced_stream h11 "$L" @RLSERVE_HTTP_IMPL=h11 ;;
     raw) run_raw "$L" ;;
-    eager) run_one eager "$L" @RLSERVE_PREFILL_CUDA_GRAPHS=0 ;;
+    eager) traced_stream eager "$L" @RLSERVE_PREFILL_CUDA_GRAPHS=0 ;;
   esac
 done
 say "done"
