@@ -3,7 +3,9 @@ uvicorn in a thread) and greedy-generation helpers. Not a test module."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import textwrap
 import threading
 import time
@@ -12,6 +14,34 @@ import httpx
 import torch
 
 from rlserve.server.launch import StartClock, free_port, tree_cpu_seconds
+
+
+@contextlib.contextmanager
+def listening_port(answer):
+    """A loopback port (yielded) whose listener thread calls ``answer(conn)`` on each connection it takes (a
+    fake trainer's store address: one that closes at once, never answers, answers other bytes). Each taken
+    connection is closed on exit (``answer`` may have closed it already)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(16)
+    taken = []
+
+    def serve():
+        while True:
+            try:
+                conn = ls.accept()[0]
+            except OSError:  # closed: the test is over
+                return
+            taken.append(conn)
+            answer(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield ls.getsockname()[1]
+    finally:
+        ls.close()
+        for conn in taken:
+            conn.close()
 
 
 class InProcessServer:

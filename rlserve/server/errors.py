@@ -47,6 +47,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     500: "internal_server_error",
+    502: "bad_gateway_error",  # a peer the server relies on failed (weight_transfer_unreachable)
     503: "service_unavailable_error",
     504: "timeout_error",
     507: "insufficient_storage_error",
@@ -65,6 +66,7 @@ DEFAULT_CODES = {
     429: "rate_limited",
     499: "client_closed_request",
     500: "internal_error",
+    502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout",
 }

@@ -9,7 +9,7 @@ Layout (``README.md`` here has the full map)::
 
     wire/      what travels: protocol (InitInfo / UpdateInfo JSON), packing (bucket plan, s64sum,
                layout header), header (its checks), ipc (CUDA IPC handles as JSON), safe_pickle,
-               vllm_store / vllm_ipc (vLLM's rendezvous and IPC formats)
+               vllm_store / vllm_ipc (vLLM's rendezvous and IPC formats), store_probe (a TCPStore answers?)
     backends/  data planes: group (TransferGroup: gloo / NCCL), nccl_lib (ctypes NCCL),
                vllm_group (vLLM's NCCL wire)
     server/    the server process: manager (+ manager_update / manager_info / manager_trl / manager_lora, session),

@@ -13,8 +13,10 @@ class                           HTTP   meaning
 ``TransferTimeoutError``        504    a rendezvous / collective / RPC ran past its
                                        timeout
 ``TrainerUnreachableError``     502    the trainer's store at ``master_address:port``
-                                       refused, reset or answered no TCPStore
-                                       handshake (code ``weight_transfer_unreachable``)
+                                       closed, reset or answered no TCPStore
+                                       handshake within ``timeout_s`` (code
+                                       ``weight_transfer_unreachable``, type
+                                       ``bad_gateway_error``)
 ``NonFiniteWeightsError``       400    a synced tensor holds NaN / inf (code
                                        ``non_finite_weights``)
 ``DeviceOutOfMemoryError``      507    the server's device had no room for the update
@@ -44,8 +46,9 @@ class TransferTimeoutError(WeightTransferFailedError, TimeoutError):
 
 class TrainerUnreachableError(WeightTransferFailedError):
     """``/init_weight_transfer_engine``: a server worker could not connect to the trainer's TCPStore at
-    ``init_info.master_address:master_port`` -- the connection was refused or reset, or what answers
-    there is not a TCPStore (an HTTP server, say) -- before ``timeout_s`` (past it:
+    ``init_info.master_address:master_port`` -- the connection was closed or reset, or what answers
+    there is not a TCPStore (an HTTP server, say; a listener that sends no handshake answer within ``timeout_s``:
+    :mod:`rlserve.transfer.wire.store_probe`) -- before ``timeout_s`` (past it:
     :class:`TransferTimeoutError`, 504). HTTP 502 (a peer the server relies on failed, as a gateway's
     upstream), code ``weight_transfer_unreachable``; the group is torn down and a new init to a live
     trainer works. (vLLM 0.32 answers any failed init with a 500.)"""

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rlserve.distributed.group import local_address_toward, new_backend
+from rlserve.transfer.wire.store_probe import probe_store
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import (TrainerUnreachableError, TransferAbortedError, TransferTimeoutError,
                                      WeightTransferFailedError)
@@ -61,7 +62,9 @@ class TransferGroup:
 
     Raises (from :meth:`create`):
         TransferTimeoutError: the other ranks did not arrive within ``timeout_s``.
-        TrainerUnreachableError: (a rank other than 0) the store did not take the connection.
+        TrainerUnreachableError: (a rank other than 0) the store did not take the connection, or what listens
+            there is not a TCPStore (closed, reset, or no handshake answer within ``timeout_s``:
+            :func:`~rlserve.transfer.wire.store_probe.probe_store`).
         WeightTransferFailedError: the store or backend could not be built.
     """
 
@@ -113,6 +116,9 @@ class TransferGroup:
 
     def _build(self) -> None:
         td = timedelta(seconds=self.timeout_s)
+        if self.rank != 0:  # torch's client would wait for ever on a listener that never answers its handshake
+            probe_store(self.master_address, self.master_port, self.timeout_s,
+                        f"rank {self.rank}/{self.world_size}, {self.backend}")
         try:
             self.store = self._make_store(td)
         except Exception as e:  # noqa: BLE001 - a client's failed connect is the peer's (502), not ours

@@ -26,11 +26,15 @@ class GroupRoutes:
     async def init_engine(self, init_info: dict) -> dict:
         """``POST /init_weight_transfer_engine``: every worker joins the transfer group (the
         trainer joins concurrently). Replaces a previous group; an update in progress is
-        abandoned. Returns once all workers joined, at most ``timeout_s`` (+30) seconds.
+        abandoned. Returns once all workers joined, at most ``timeout_s`` (+30) seconds (the +30 is the
+        manager's backstop; a worker's store connection and handshake are bounded by ``timeout_s``:
+        :mod:`rlserve.transfer.wire.store_probe`).
 
         Raises:
             WeightUpdateError (400): bad init_info, wrong backend / world size.
             WeightUpdateStateError (409): another init is running.
+            TrainerUnreachableError (502): what listens at the trainer's address is not a TCPStore
+                (closed, reset, other bytes, or no handshake answer within ``timeout_s``).
             TransferTimeoutError / WeightTransferFailedError: the rendezvous failed.
         """
         merged = self._init_defaults()

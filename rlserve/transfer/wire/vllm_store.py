@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError
+from rlserve.transfer.wire.store_probe import probe_store
 from rlserve.transfer.wire.safe_pickle import refuse, restricted_loads
 
 #: Bytes of an ``ncclUniqueId``.
@@ -148,6 +149,8 @@ class StatelessStore:
         connect and register. Both bounded by ``timeout_s`` (torch raises ``DistStoreError`` /
         ``TimeoutError`` naming how many clients joined)."""
         td = timedelta(seconds=timeout_s)
+        if rank != 0:  # torch's client would wait for ever on a listener that never answers its handshake
+            probe_store(host, port, timeout_s, f"rank {rank}/{world_size}, vLLM's StatelessProcessGroup")
         store = dist.TCPStore(host, port, world_size, rank == 0, td, wait_for_workers=True)
         return cls(store, rank, world_size, timeout_s, abort)
 
