@@ -67,7 +67,7 @@ def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_l
 
     Raises:
         InvalidRequestError: the cache is smaller (one line: vLLM's wording, the blocks, tokens and bytes
-            needed and held, the longest ``--max-model-len`` that fits)."""
+            needed and held, the bytes of one block, the longest ``--max-model-len`` that fits)."""
     need = blocks_for(max_model_len, block_size)
     if num_blocks >= need:
         return
@@ -77,7 +77,8 @@ def check_cache_holds_one_sequence(num_blocks: int, block_size: int, max_model_l
     raise InvalidRequestError(
         f"To serve at least one request with the model's max seq len ({max_model_len}), KV cache for {need} "
         f"blocks is needed ({size(need)}), which is larger than the available KV cache memory ({source}: "
-        f"{size(num_blocks)}); the longest --max-model-len it holds is {num_blocks * block_size}. Raise "
+        f"{size(num_blocks)}{'' if per_block is None else f'; {per_block} bytes per block'}); the longest "
+        f"--max-model-len it holds is {num_blocks * block_size}. Raise "
         f"{source.split()[0]} or lower --max-model-len")
 
 

@@ -71,12 +71,12 @@ def test_llm_refuses_at_admission_and_serves_on(tiny_model):
     assert llm.engine.block_manager.num_free_blocks == 4
 
 
-def test_serve_exits_2_in_one_line_when_the_engine_finds_the_cache_short(tiny_model, tmp_path):
-    """Where only the engine can size the cache (``--device auto``: the API process imports no torch to
-    tell a GPU; on a GPU, ``--gpu-memory-utilization``), its refusal is still a bad setting: exit 2, the
-    message on the last line, no traceback from either process (the engine-core process logged one and
-    the API process exited 1 before). The default 512 MiB CPU cache holds 1,048,576 of the tiny llama's
-    tokens; ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` lets 1,200,000 through to the engine."""
+def test_serve_device_auto_without_cuda_refuses_a_short_cache_before_the_engine(tiny_model, tmp_path):
+    """``rlserve serve`` with ``--device auto`` (the default) where the driver sees no CUDA device: the default
+    512 MiB CPU cache is checked before the engine starts, as with ``--device cpu`` (session 22: the refusal came
+    from the engine-core process after the model loaded, "could not start the engine: ...", blocks only).
+    Exit 2, one line with the bytes: the tiny llama's block of 16 tokens takes 8192 bytes, 512 MiB hold 65,536
+    blocks (1,048,576 tokens); ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` lets 1,200,000 (75,000 blocks) through."""
     import os
     import subprocess
     import sys
@@ -93,7 +93,8 @@ def test_serve_exits_2_in_one_line_when_the_engine_finds_the_cache_short(tiny_mo
     assert out.returncode == 2, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
-        "rlserve serve: error: could not start the engine: To serve at least one request with the model's max seq "
-        "len (1200000), KV cache for 75000 blocks is needed (75000 blocks of 16 tokens), which is larger than the "
-        "available KV cache memory (--kv-cache-bytes 536870912 (the default): 65536 blocks of 16 tokens); the "
-        "longest --max-model-len it holds is 1048576. Raise --kv-cache-bytes or lower --max-model-len"), err[-3000:]
+        "rlserve serve: error: To serve at least one request with the model's max seq len (1200000), KV cache for "
+        "75000 blocks is needed (75000 blocks of 16 tokens, 614400000 bytes), which is larger than the available KV "
+        "cache memory (--kv-cache-bytes 536870912 (the default): 65536 blocks of 16 tokens, 536870912 bytes; 8192 "
+        "bytes per block); the longest --max-model-len it holds is 1048576. Raise --kv-cache-bytes or lower "
+        "--max-model-len"), err[-3000:]

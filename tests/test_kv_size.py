@@ -46,7 +46,7 @@ def test_a_cache_must_hold_one_sequence_of_max_model_len(tiny_model):
     check_kv_cache_bytes(None, path, 16, 256, num_kv_blocks=16)
     check_kv_cache_bytes(None, path, 16, 256, default_bytes=16 * 8192)
     with pytest.raises(InvalidRequestError, match=r"max seq len \(256\), KV cache for 16 blocks is needed .* "
-                                                  r"\(--kv-cache-bytes 131071: 15 blocks of 16 tokens, 122880 bytes\); "
+                                                  r"\(--kv-cache-bytes 131071: 15 blocks of 16 tokens, 122880 bytes; 8192 bytes per block\); "
                                                   r"the longest --max-model-len it holds is 240\."):
         check_kv_cache_bytes(16 * 8192 - 1, path, 16, 256)
     with pytest.raises(InvalidRequestError, match=r"\(--num-kv-blocks 15: 15 blocks of 16 tokens\)"):
@@ -57,12 +57,16 @@ def test_a_cache_must_hold_one_sequence_of_max_model_len(tiny_model):
 
 def test_the_engine_refuses_a_cache_below_one_sequence(tiny_model):
     """``LLM`` (and the engine-core process of ``rlserve serve`` on a GPU, where the cache's size is known only
-    there) refuses at start: a ValueError (InvalidRequestError) naming the setting, no RuntimeError later."""
+    there) refuses at start: a ValueError (InvalidRequestError) naming the setting and the bytes (session 22: the
+    engine's message had blocks only; a block of 4 tokens of the tiny llama: 2 x 2 layers x 4 x 2 KV heads x 16 x
+    4 bytes = 2048), no RuntimeError later."""
     from rlserve import LLM
 
     path = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"max seq len \(256\).*\(--num-kv-blocks 14: 14 blocks of 4 tokens\); "
-                                         r"the longest --max-model-len it holds is 56\. Raise --num-kv-blocks"):
+    with pytest.raises(ValueError, match=r"max seq len \(256\), KV cache for 64 blocks is needed \(64 blocks of 4 "
+                                         r"tokens, 131072 bytes\), .*\(--num-kv-blocks 14: 14 blocks of 4 tokens, 28672 "
+                                         r"bytes; 2048 bytes per block\); the longest --max-model-len it holds is 56\. "
+                                         r"Raise --num-kv-blocks"):
         LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14)
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_model_len=56)
     assert llm.engine.block_manager.num_blocks == 14

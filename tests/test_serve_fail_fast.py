@@ -103,7 +103,8 @@ CASES = {
                                           "To serve at least one request with the model's max seq len (256), KV cache "
                                           "for 16 blocks is needed (16 blocks of 16 tokens, 131072 bytes), which is "
                                           "larger than the available KV cache memory (--kv-cache-bytes 65536: 8 blocks "
-                                          "of 16 tokens, 65536 bytes); the longest --max-model-len it holds is 128. "
+                                          "of 16 tokens, 65536 bytes; 8192 bytes per block); the longest "
+                                          "--max-model-len it holds is 128. "
                                           "Raise --kv-cache-bytes or lower --max-model-len"),
     "num-kv-blocks below one sequence": (["--num-kv-blocks", "4", "--max-model-len", "100"],
                                          "To serve at least one request with the model's max seq len (100), KV cache "

@@ -121,6 +121,14 @@ def _driver_device_count() -> int | None:
         return None
 
 
+def _cpu_only(config) -> bool:
+    """Whether the engine will run on the CPU, told without importing torch: ``--device cpu``, or ``auto`` where
+    the driver sees no CUDA device (:func:`_driver_device_count` None or 0: torch's ``cuda.is_available()`` is
+    False then, :func:`rlserve.config.resolve_device`). ``auto`` on a machine whose driver sees a device but whose
+    torch has no CUDA also runs on the CPU: False here, the engine's start checks the cache then."""
+    return config.device == "cpu" or (config.device == "auto" and not _driver_device_count())
+
+
 def _check_device(config) -> None:
     """A CUDA device asked for (``--device cuda[:N]``) must exist, found here rather than by the
     engine after the model loaded. Raises ValueError. (``auto`` takes what there is: nothing to check.)
@@ -215,7 +223,7 @@ def run(args) -> int:
             check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
                                  None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
                                  config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks,
-                                 CPU_KV_CACHE_BYTES if config.device == "cpu" else None)
+                                 CPU_KV_CACHE_BYTES if _cpu_only(config) else None)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)

@@ -171,7 +171,8 @@ class LLMEngine(EngineStep, RequestAdmission):
         if auto_fit:
             config.max_model_len = self.max_model_len = fit_max_model_len(
                 num_blocks, config.block_size, self.max_model_len, source)
-        check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source)
+        check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source,
+                                       executor.bytes_per_block() if hasattr(executor, "bytes_per_block") else None)
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up

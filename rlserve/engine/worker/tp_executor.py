@@ -156,6 +156,10 @@ class TPExecutor:
         """The smallest block count any rank can hold (all ranks use the same)."""
         return min(self._broadcast_method("determine_num_blocks"))
 
+    def bytes_per_block(self) -> int:
+        """Bytes of one KV block on the rank that holds the most KV heads (the cache's size in messages)."""
+        return max(self._broadcast_method("bytes_per_block"))
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self._broadcast_method("init_kv_cache", num_blocks)
 
