@@ -14,7 +14,14 @@ class UnsupportedArchitectureError(RLServeError, ValueError):
 
 
 class WeightUpdateError(RLServeError):
-    """A weight update failed or was refused (bad metadata, transfer failure)."""
+    """A weight update failed or was refused (bad metadata, transfer failure).
+
+    ``param``: the request field at fault, as the route's body names it (``init_info.master_port``), or None; the
+    HTTP answer's ``param`` (``rlserve/server/weight_routes.py``)."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class WeightUpdateStateError(WeightUpdateError):

@@ -81,8 +81,9 @@ def test_overlong_text_prompt_refused_before_tokenizing(server, tiny_model):
         r = httpx.post(server.url + path, json=body, timeout=TIMEOUT)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        # the character count, not a token count: the text was never tokenized
+        # the character count, not a token count: the text was never tokenized; param as vLLM 0.32 names it
         assert err["code"] == "context_length_exceeded" and "characters" in err["message"], err
+        assert err["param"] == "input_text", err
     # a prompt at the bound is tokenized as before (and is still too long in tokens here)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "a" * bound}, timeout=TIMEOUT)
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]

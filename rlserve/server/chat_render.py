@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from rlserve.server.errors import APIError
+from rlserve.server.limits import TOO_LONG_TEXT_PARAM
 from rlserve.server.template_pool import TemplateError, apply_chat_template, template_call_kwargs
 
 
@@ -77,10 +78,11 @@ def _assistant_fields(msg: dict, i: int) -> None:
 def template_error(e: TemplateError, chat_template: str | None, param: str = "messages") -> APIError:
     """The 400 for a failed render: ``param`` names ``chat_template`` when the request sent one
     (else ``param``, the conversation's field); a rendered prompt over the context's character
-    bound is ``context_length_exceeded``, a render over its time bound ``chat_template_timeout``."""
+    bound is ``context_length_exceeded`` (param ``input_text``, as vLLM names a text over it:
+    :data:`rlserve.server.limits.TOO_LONG_TEXT_PARAM`), a render over its time bound ``chat_template_timeout``."""
     where = "chat_template" if chat_template is not None else param
     if e.kind == "too_long":
-        return APIError(400, str(e), param=param, code="context_length_exceeded")
+        return APIError(400, str(e), param=TOO_LONG_TEXT_PARAM, code="context_length_exceeded")
     if e.kind == "timeout":
         return APIError(400, f"{e} (a server bound: the template must render in less)", param=where,
                         code="chat_template_timeout")

@@ -18,6 +18,13 @@ single request can hold the server for minutes or exhaust its memory:
 
 ``max_tokens`` is bounded by the context (``prompt + max_tokens <= max_model_len``, checked
 by :meth:`rlserve.server.state.ServerState.check_length`).
+
+A prompt too long for the context is named as vLLM 0.32 names it (``vllm/renderers/params.py``:
+``_text_len_check``, ``_token_len_check``; the same on ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/responses``, seen on vLLM CPU 0.32's own server, session 22): ``param`` :data:`TOO_LONG_TEXT_PARAM`
+for a text over the character bound, :data:`TOO_MANY_TOKENS_PARAM` for more tokens than ``max_model_len``.
+``code`` stays ``context_length_exceeded`` (vLLM's is the status, 400, an integer: rlserve's codes are strings,
+``rlserve/server/errors.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ import dataclasses
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlserve.server.errors import APIError, send_error
+
+#: ``param`` of a text prompt over the character bound (vLLM's ``_text_len_check``)
+TOO_LONG_TEXT_PARAM = "input_text"
+#: ``param`` of a prompt of more tokens than ``max_model_len`` (vLLM's ``_token_len_check``)
+TOO_MANY_TOKENS_PARAM = "input_tokens"
 
 #: Default largest request body (bytes): 64 MiB holds a batch of ~8M token ids as JSON.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -104,12 +116,13 @@ class RequestLimits:
     vocab_size: int
 
     def check_prompt_chars(self, text: str, param: str, max_model_len: int) -> None:
-        """Raises APIError 400 ``context_length_exceeded`` for a text too long to fit."""
+        """Raises APIError 400 ``context_length_exceeded`` (``param`` :data:`TOO_LONG_TEXT_PARAM`, as vLLM; the
+        message names the request's field ``param``) for a text too long to fit."""
         if len(text) > self.max_prompt_chars:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                                f"{len(text)} characters, more than {self.max_prompt_chars} (the most that "
-                                f"{max_model_len} tokens can hold). Shorten the prompt.",
-                           param=param, code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                                f"({param}) has {len(text)} characters, more than {self.max_prompt_chars} (the most "
+                                f"that {max_model_len} tokens can hold). Shorten the prompt.",
+                           param=TOO_LONG_TEXT_PARAM, code="context_length_exceeded")
 
     def check_sequences(self, num_prompts: int, n, param: str = "prompt") -> None:
         """Raises APIError 400 when ``n`` is over ``max_n`` (param ``n``) or ``num_prompts x n``

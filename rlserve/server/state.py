@@ -18,7 +18,7 @@ from rlserve.engine.core_protocol import InvalidParamsError, params_from_fields
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.server.chat_render import chat_message_dicts, render_chat, template_error
 from rlserve.server.errors import APIError
-from rlserve.server.limits import RequestLimits, check_token_ids, max_prompt_chars
+from rlserve.server.limits import TOO_MANY_TOKENS_PARAM, RequestLimits, check_token_ids, max_prompt_chars
 from rlserve.server.logprob_json import LogprobJSON
 from rlserve.server.settings import ServerSettings  # noqa: F401 - importable here, as before
 from rlserve.server.structured_check import StructuredChecks
@@ -321,14 +321,18 @@ class ServerState(StructuredChecks, LogprobJSON):
         self.limits.check_prompt_chars(text, param, self.max_model_len)
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
-                     prompt_param: str = "prompt") -> int:
+                     prompt_param: str | None = None) -> int:
         """Returns the effective ``max_tokens`` (None → the rest of the context).
 
         Raises:
-            APIError 400: the prompt leaves no room (param ``prompt_param``), or prompt +
-                max_tokens > max_model_len (param ``param``).
+            APIError 400: the prompt leaves no room (param ``prompt_param``; None: vLLM 0.32's, ``input_tokens``
+                for a prompt over ``max_model_len`` and ``param`` for one of exactly ``max_model_len`` tokens,
+                whose output would have no room: ``rlserve/server/limits.py``), or prompt + max_tokens >
+                max_model_len (param ``param``).
         """
         if n_prompt >= self.max_model_len:
+            if prompt_param is None:
+                prompt_param = TOO_MANY_TOKENS_PARAM if n_prompt > self.max_model_len else param
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                                 f"has {n_prompt} tokens (at least one must be left for the output).",
                            param=prompt_param, code="context_length_exceeded")

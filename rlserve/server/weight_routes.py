@@ -102,7 +102,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     msg = str(exc) if isinstance(exc, (WeightUpdateError, ModelUnavailableError, TimeoutError, SleepStateError,
                                        SleepMemoryError, EngineDeadError, LoRAAdapterError)) \
         else f"{type(exc).__name__}: {exc}"
-    return JSONResponse(error_body(status, msg, None, code), status_code=status)
+    return JSONResponse(error_body(status, msg, getattr(exc, "param", None), code), status_code=status)
 
 
 async def _call(coro) -> Any:
@@ -160,9 +160,9 @@ async def _json_object(request: Request, required: tuple[str, ...]) -> dict:
         raise WeightUpdateError("the request body must be a JSON object")
     for k in required:
         if not isinstance(body.get(k), dict):
-            raise WeightUpdateError(f"the request body needs {k!r}: a JSON object")
+            raise WeightUpdateError(f"the request body needs {k!r}: a JSON object", param=k)
     if "weight_version" in body and not isinstance(body["weight_version"], (str, int, type(None))):
-        raise WeightUpdateError("weight_version must be a string, an integer or null")
+        raise WeightUpdateError("weight_version must be a string, an integer or null", param="weight_version")
     return body
 
 

@@ -68,9 +68,11 @@ def decode_unique_id_b64(s: str) -> bytes:
     try:
         raw = base64.b64decode(s.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError, AttributeError):
-        raise WeightUpdateError("init_info.nccl_unique_id_b64 is not valid standard base64") from None
+        raise WeightUpdateError("init_info.nccl_unique_id_b64 is not valid standard base64",
+                                param="init_info.nccl_unique_id_b64") from None
     if len(raw) != UNIQUE_ID_BYTES:
-        raise WeightUpdateError(f"init_info.nccl_unique_id_b64 must decode to {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+        raise WeightUpdateError(f"init_info.nccl_unique_id_b64 must decode to {UNIQUE_ID_BYTES} bytes, got {len(raw)}",
+                                param="init_info.nccl_unique_id_b64")
     return raw
 
 

@@ -27,13 +27,14 @@ async def check_master_address(address: str, port: int, field: str = "init_info.
     bad = [c for c in address if c.isspace() or not c.isprintable() or not c.isascii()]
     if bad or len(address) > 253:
         what = f"the character {bad[0]!r}" if bad else f"{len(address)} characters (at most 253)"
-        raise WeightUpdateError(f"{field} must be a host name or an IP address, got {address[:80]!r}: {what}")
+        raise WeightUpdateError(f"{field} must be a host name or an IP address, got {address[:80]!r}: {what}",
+                                param=field)
     try:
         await asyncio.wait_for(asyncio.to_thread(socket.getaddrinfo, address, port or None, type=socket.SOCK_STREAM),
                                RESOLVE_TIMEOUT_S)
     except socket.gaierror as e:
         if e.errno in _NO_SUCH_NAME:
             raise WeightUpdateError(f"{field} {address!r} does not resolve ({e.strerror}): no trainer can be "
-                                    "reached there") from None
+                                    "reached there", param=field) from None
     except (asyncio.TimeoutError, OSError, UnicodeError):
         pass  # a slow or failing resolver: the rendezvous' timeout_s decides

@@ -39,7 +39,7 @@ class GroupRoutes:
         """
         merged = self._init_defaults()
         if not isinstance(init_info, dict):
-            raise WeightUpdateError("init_info must be a JSON object")
+            raise WeightUpdateError("init_info must be a JSON object", param="init_info")
         merged.update(init_info)
         if "backend" not in init_info:
             # vLLM's trainers never name a backend (the server's config does); rlserve's SDK always
@@ -50,14 +50,15 @@ class GroupRoutes:
         info = InitInfo.from_dict(merged)
         if self.backend is not None and info.backend != self.backend:
             raise WeightUpdateError(f"this server's weight transfer backend is {self.backend!r} "
-                                    f"(--weight-transfer-config), the trainer asked for {info.backend!r}")
+                                    f"(--weight-transfer-config), the trainer asked for {info.backend!r}",
+                                    param="init_info.backend")
         n = self.num_workers
         if info.backend == "ipc":
             info.world_size = n + 1  # no group: the field is meaningless
         else:  # shared_group / rank_offset > 1: several servers share it (rlserve.transfer.sdk.fanout)
             check_group_size(info.world_size, n, info.rank_offset, info.shared_group)
         if info.backend == "ipc" and str(getattr(self.aengine.engine, "device", "cpu")).startswith("cpu"):
-            raise WeightUpdateError("the ipc backend needs a CUDA server")
+            raise WeightUpdateError("the ipc backend needs a CUDA server", param="init_info.backend")
         if info.master_port and info.nccl_unique_id_b64 is None:  # a store to reach: 400 now for a bad address
             await check_master_address(info.master_address, info.master_port)
         # a pending init (a trainer that never joined, or is still joining) is cancelled: the
@@ -78,7 +79,7 @@ class GroupRoutes:
                 if not await asyncio.to_thread(watch.wait_connected, min(10.0, info.timeout_s)):
                     raise WeightUpdateError(
                         f"init_info.master_port: no TCPStore answers at {info.master_address}:{info.master_port} "
-                        "(ipc: the trainer's liveness store; send master_port 0 for none)")
+                        "(ipc: the trainer's liveness store; send master_port 0 for none)", param="init_info.master_port")
             results = await self._run_op("init_transfer", [info.to_dict()], info.timeout_s + 30,
                                          "init_weight_transfer_engine")
             await self._model_spec()

@@ -59,7 +59,7 @@ class TRLRoutes:
         except WeightUpdateError as e:  # named as TRL's body names it (its "port" is init_info.master_port)
             if type(e) is not WeightUpdateError or not str(e).startswith("init_info.master_port"):
                 raise
-            raise WeightUpdateError("port" + str(e)[len("init_info.master_port"):]) from None
+            raise WeightUpdateError("port" + str(e)[len("init_info.master_port"):], param="port") from None
         self._trl_error = None
         self._trl_init_task = asyncio.get_running_loop().create_task(self._trl_run_init(info))
         return {"message": "Request received, initializing communicator"}

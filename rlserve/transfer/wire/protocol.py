@@ -114,11 +114,11 @@ def dtype_to_name(dtype: torch.dtype) -> str:
 
 def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise WeightUpdateError(f"{name} must be an integer, got {v!r}")
+        raise WeightUpdateError(f"{name} must be an integer, got {v!r}", param=name)
     if lo is not None and v < lo:
-        raise WeightUpdateError(f"{name} must be >= {lo}, got {v}")
+        raise WeightUpdateError(f"{name} must be >= {lo}, got {v}", param=name)
     if hi is not None and v > hi:
-        raise WeightUpdateError(f"{name} must be <= {hi}, got {v}")
+        raise WeightUpdateError(f"{name} must be <= {hi}, got {v}", param=name)
     return v
 
 
@@ -141,24 +141,26 @@ def check_group_size(world_size: Any, num_workers: int, rank_offset: int = 0, sh
     if shared_group or rank_offset > 1:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or rank_offset + n > world_size:
             raise WeightUpdateError(f"init_info.rank_offset {rank_offset} + this server's {n} worker(s) exceeds "
-                                    f"{field} {world_size}")
+                                    f"{field} {world_size}", param=field)
     elif isinstance(world_size, bool) or world_size != n + 1:
-        raise WeightUpdateError(f"{field} must be {n + 1} (this server's {n} worker(s) + 1 trainer), got {world_size!r}")
+        raise WeightUpdateError(f"{field} must be {n + 1} (this server's {n} worker(s) + 1 trainer), got {world_size!r}",
+                                param=field)
 
 
 def _check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise WeightUpdateError(f"{name} must be true or false, got {v!r}")
+        raise WeightUpdateError(f"{name} must be true or false, got {v!r}", param=name)
     return v
 
 
 def _from_dict(cls, d: Any, what: str, ignored: tuple[str, ...] = ()):
     if not isinstance(d, dict):
-        raise WeightUpdateError(f"{what} must be a JSON object, got {type(d).__name__}")
+        raise WeightUpdateError(f"{what} must be a JSON object, got {type(d).__name__}", param=what)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known - set(ignored))
     if unknown:
-        raise WeightUpdateError(f"{what}: unknown field(s) {unknown}; known: {sorted(known)}")
+        raise WeightUpdateError(f"{what}: unknown field(s) {unknown}; known: {sorted(known)}",
+                                param=f"{what}.{unknown[0]}")
     obj = cls(**{k: v for k, v in d.items() if k in known})
     obj.validate()
     return obj
@@ -227,27 +229,27 @@ class InitInfo:
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
-            raise WeightUpdateError(f"init_info.backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise WeightUpdateError(f"init_info.backend must be one of {BACKENDS}, got {self.backend!r}", param="init_info.backend")
         if not isinstance(self.master_address, str) or not self.master_address:
-            raise WeightUpdateError("init_info.master_address must be a non-empty string")
+            raise WeightUpdateError("init_info.master_address must be a non-empty string", param="init_info.master_address")
         _check_int("init_info.master_port", self.master_port, 0, 65535)
         if self.wire not in ("rlserve", "vllm"):
-            raise WeightUpdateError(f"init_info.wire must be 'rlserve' or 'vllm', got {self.wire!r}")
+            raise WeightUpdateError(f"init_info.wire must be 'rlserve' or 'vllm', got {self.wire!r}", param="init_info.wire")
         if self.wire == "vllm" and self.backend != "nccl":
-            raise WeightUpdateError(f"init_info.wire 'vllm' is vLLM's NCCL wire; the backend is {self.backend!r}")
+            raise WeightUpdateError(f"init_info.wire 'vllm' is vLLM's NCCL wire; the backend is {self.backend!r}", param="init_info.wire")
         if self.nccl_unique_id_b64 is not None:
             from rlserve.transfer.backends.vllm_group import decode_unique_id_b64
 
             if self.wire != "vllm":
-                raise WeightUpdateError("init_info.nccl_unique_id_b64 belongs to vLLM's NCCL wire (wire 'vllm')")
+                raise WeightUpdateError("init_info.nccl_unique_id_b64 belongs to vLLM's NCCL wire (wire 'vllm')", param="init_info.nccl_unique_id_b64")
             decode_unique_id_b64(self.nccl_unique_id_b64)
         elif self.backend != "ipc" and self.master_port == 0:
-            raise WeightUpdateError("init_info.master_port must be set (1..65535) for gloo/nccl")
+            raise WeightUpdateError("init_info.master_port must be set (1..65535) for gloo/nccl", param="init_info.master_port")
         _check_int("init_info.world_size", self.world_size, 2)
         _check_int("init_info.rank_offset", self.rank_offset, 0, self.world_size - 1)
         _check_bool("init_info.shared_group", self.shared_group)
         if self.shared_group and self.rank_offset == 0:
-            raise WeightUpdateError("init_info.shared_group needs the trainer on rank 0 (rank_offset >= 1)")
+            raise WeightUpdateError("init_info.shared_group needs the trainer on rank 0 (rank_offset >= 1)", param="init_info.shared_group")
         _check_bool("init_info.packed", self.packed)
         _check_int("init_info.packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1, WIRE_INT_MAX)
         _check_int("init_info.packed_num_buffers", self.packed_num_buffers, 1, 64)
@@ -256,10 +258,10 @@ class InitInfo:
             raise WeightUpdateError(
                 f"init_info.timeout_s must be a number of seconds from {MIN_TIMEOUT_S:g} (it bounds the rendezvous and "
                 f"every bucket's wait: less times out a healthy update) to {MAX_TIMEOUT_S:.0f} (a year), "
-                f"got {self.timeout_s!r}")
+                f"got {self.timeout_s!r}", param="init_info.timeout_s")
         self.timeout_s = float(self.timeout_s)
         if not isinstance(self.session, str) or len(self.session) > 128:
-            raise WeightUpdateError("init_info.session must be a string of at most 128 characters")
+            raise WeightUpdateError("init_info.session must be a string of at most 128 characters", param="init_info.session")
 
     def worker_rank(self, dp_index: int, tp_rank: int, tp_size: int) -> int:
         """Rank of a server worker in the transfer group: ``rank_offset + dp_index*TP + tp_rank``."""
