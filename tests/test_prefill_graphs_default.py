@@ -113,22 +113,27 @@ def test_fp8_kv_cache_off_by_default_forced_by_one(qwen3, monkeypatch):
     assert pg.why_off(runner, sizes) == "quantized or tensor-parallel linears"
 
 
+def _faked_gpu_blocks(monkeypatch, llm, budget):
+    """``(determine_num_blocks(), bytes_per_block())`` of ``llm``'s worker on a faked card (CUDA memory numbers
+    faked as in tests/test_prefill_graphs.py) where the cache and the prefill graphs have ``budget`` bytes."""
+    w = llm.engine.executor
+    monkeypatch.setattr(w, "device", torch.device("cuda", 0))
+    # x --gpu-memory-utilization = the budget + the 512 MiB headroom + the activation estimate
+    total = int((budget + (512 << 20) + w._activation_estimate()) / w.config.gpu_memory_utilization) + 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    try:
+        return w.determine_num_blocks(), w.bytes_per_block()
+    finally:
+        monkeypatch.setattr(w, "device", torch.device("cpu"))
+
+
 def test_small_kv_budget_leaves_the_default_off(qwen3, monkeypatch):
     """Under ``auto`` the GPU KV sizing (Worker.determine_num_blocks, CUDA memory numbers faked as in
     tests/test_prefill_graphs.py) reserves the graphs' pg.reserve_bytes only while that is at most
     pg.MAX_KV_SHARE of its budget; above, nothing is reserved (as many blocks as with them off), the graphs stay
     off with the reason, and the engine still serves. A bucket list is reserved whatever the budget."""
     def blocks(llm, budget):
-        """determine_num_blocks on a faked card where the cache and the graphs have ``budget`` bytes."""
-        w = llm.engine.executor
-        monkeypatch.setattr(w, "device", torch.device("cuda", 0))
-        # x --gpu-memory-utilization = the budget + the 512 MiB headroom + the activation estimate
-        total = int((budget + (512 << 20) + w._activation_estimate()) / w.config.gpu_memory_utilization) + 1
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
-        try:
-            return w.determine_num_blocks(), w.bytes_per_block()
-        finally:
-            monkeypatch.setattr(w, "device", torch.device("cpu"))
+        return _faked_gpu_blocks(monkeypatch, llm, budget)
 
     big, small = _emulated(qwen3), _emulated(qwen3)
     need = pg.reserve_bytes(big.engine.executor.runner)
@@ -144,6 +149,23 @@ def test_small_kv_budget_leaves_the_default_off(qwen3, monkeypatch):
     assert runner.prefill_graphs is None
     forced = _emulated(qwen3, extra={"prefill_cuda_graph_sizes": "16,40"})
     assert pg.kv_reserve(forced.engine.executor.runner, 2 * need) == pg.reserve_bytes(forced.engine.executor.runner) > 0
+
+
+def test_the_reserve_is_computed_once_per_start(qwen3, monkeypatch):
+    """pg.reserve_bytes runs once per start (session 22, FIX item 5: the GPU KV sizing and the capture each
+    computed it): the sizing (here on a faked card) and the capture with its log line read the number
+    pg.reserve_once kept on the runner."""
+    calls = []
+    real = pg.reserve_bytes
+    monkeypatch.setattr(pg, "reserve_bytes", lambda runner: calls.append(runner) or real(runner))
+    llm = _emulated(qwen3)
+    runner = llm.engine.executor.runner
+    _faked_gpu_blocks(monkeypatch, llm, 1 << 40)  # a budget where the graphs are reserved
+    prompts = _prompts(2, [30, 12])
+    want = hf_greedy(qwen3, prompts, 8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())] == want
+    assert runner.prefill_graphs is not None and runner.prefill_graphs.captured and calls == [runner]
+    assert runner._prefill_graphs_reserve == real(runner) > 0
 
 
 def check_sleep_wake_and_sync(path, new_path, monkeypatch, device="cpu"):

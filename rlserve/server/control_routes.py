@@ -17,6 +17,7 @@ from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import WeightUpdateStateError
 from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
+from rlserve.server.openai_answers import weight_versions
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, routed_b64, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
 from rlserve.server.server_info import _world_size, server_info
@@ -237,16 +238,12 @@ def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
                 completion_ids.append(list(c.token_ids))
                 if params.logprobs is not None:
                     logprobs.append([finite(d.get(t)) if d else None for t, d in zip(c.token_ids, c.logprobs or [])])
-        versions = []
-        for out in finals:
-            for v in getattr(out, "weight_versions", None) or []:
-                if v not in versions:
-                    versions.append(v)
+        version, versions = weight_versions(finals)
         answer = {
             "prompt_ids": [list(ids) for ids, _ in items],
             "completion_ids": completion_ids,
             "logprobs": logprobs if params.logprobs is not None else None,
-            "weight_version": versions[-1] if versions else state.aengine.weight_version,
+            "weight_version": state.aengine.weight_version if version is None else version,
             "weight_versions": versions,
         }
         if getattr(state.aengine.config, "enable_return_routed_experts", False):

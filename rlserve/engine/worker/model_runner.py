@@ -102,6 +102,7 @@ class ModelRunner:
         self._graphs_failed = False
         self.prefill_graphs = None  # prefill_graphs.PrefillCUDAGraphs once captured
         self._prefill_graphs_off: str | None = None  # why prefill steps stay eager (set once decided)
+        self._prefill_graphs_reserve: int | None = None  # their bytes, once (prefill_graphs.reserve_once)
         self.precompile_stats = None  # rlserve.engine.worker.triton_precompile's stats of the warm-up
         self.moe_precompile_stats = None  # the same for the fused-MoE kernels (moe_warm_up)
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
@@ -352,7 +353,7 @@ class ModelRunner:
         if why is None:
             try:
                 graphs = pg.PrefillCUDAGraphs(self.model, self.device, sizes)
-                graphs.capture(pg.reserve_bytes(self))
+                graphs.capture(pg.reserve_once(self))
                 self.prefill_graphs = graphs
                 return True
             except Exception:

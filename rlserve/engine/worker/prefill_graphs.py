@@ -199,13 +199,23 @@ def reserve_bytes(runner) -> int:
 MAX_KV_SHARE = 0.10
 
 
+def reserve_once(runner) -> int:
+    """:func:`reserve_bytes` of ``runner``, computed at its first call and kept on it
+    (``runner._prefill_graphs_reserve``): the GPU KV sizing (:func:`kv_reserve`) and the capture's log line (and a
+    recapture after the cache was re-allocated) read the one number of a start."""
+    kept = getattr(runner, "_prefill_graphs_reserve", None)
+    if kept is None:
+        kept = runner._prefill_graphs_reserve = reserve_bytes(runner)
+    return kept
+
+
 def kv_reserve(runner, budget: int) -> int:
     """The bytes the GPU KV sizing (``Worker.determine_num_blocks``) leaves free for the prefill graphs out of
-    ``budget``, the bytes it has for the cache and them: :func:`reserve_bytes`, or 0 where, under the default
+    ``budget``, the bytes it has for the cache and them: :func:`reserve_bytes` (:func:`reserve_once`), or 0 where, under the default
     ``auto``, that is more than :data:`MAX_KV_SHARE` of ``budget`` (a small ``--gpu-memory-utilization``, e.g.
     a trainer on the same GPU, keeps its KV cache): the graphs are then off for this runner
     (``runner._prefill_graphs_off``), said in the log. An explicit setting (``1``, a list) is always reserved."""
-    need = reserve_bytes(runner)
+    need = reserve_once(runner)
     if need and runner._prefill_graphs_auto() and need > MAX_KV_SHARE * max(budget, 0):
         why = (f"they would take {need / 2**20:.0f} MiB of the KV cache's {max(budget, 0) / 2**20:.0f} MiB (more than "
                f"{MAX_KV_SHARE:.0%}; RLSERVE_PREFILL_CUDA_GRAPHS=1 or a bucket list forces them)")

@@ -14,7 +14,7 @@ from rlserve.layers.attention import get_attention_backend
 from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from rlserve.errors import InvalidRequestError
-from rlserve.kv_size import CPU_KV_CACHE_BYTES
+from rlserve.kv_size import CPU_KV_CACHE_BYTES, blocks_for
 from rlserve.lora.model import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
 
@@ -141,9 +141,9 @@ class Worker:
             if lora is not None and lora.merge is not None:
                 from rlserve.lora.merge import kv_budget
 
-                bs, mml = self.config.block_size, self.config.max_model_len
+                mml = self.config.max_model_len
                 budget = kv_budget(lora, budget, per_block,
-                                   self.config.max_num_seqs * -(-int(mml) // bs) if mml else None)
+                                   self.config.max_num_seqs * blocks_for(mml, self.config.block_size) if mml else None)
         else:
             budget = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
         n = budget // per_block
@@ -151,8 +151,7 @@ class Worker:
             # the default budget, never more than every sequence of a full batch at full length
             # can use: a small model's 512 MiB would be tens of thousands of blocks that take
             # seconds to zero and to index at start-up and to free at exit
-            bs = self.config.block_size
-            n = min(n, self.config.max_num_seqs * -(-int(self.config.max_model_len) // bs))
+            n = min(n, self.config.max_num_seqs * blocks_for(self.config.max_model_len, self.config.block_size))
         if n < 1:
             fix = ("raise --kv-cache-bytes to at least one block" if self.device.type == "cpu"
                    else "raise --gpu-memory-utilization or lower --max-model-len")
