@@ -146,3 +146,28 @@ def test_row_parallel_explicit_partition_forward_and_validation():
     for bad in ([4, 4], [7], [7, 0]):
         with tp_context(0, 2, object()), pytest.raises(ValueError, match="input_partition_sizes"):
             RowParallelLinear(7, 3, input_partition_sizes=bad)
+
+
+@pytest.mark.parametrize("kv", [{}, {"num_kv_blocks": 14, "block_size": 4}], ids=["default-cache", "14-blocks"])
+def test_tp2_ranks_see_the_resolved_max_model_len(tiny_model, kv):
+    """``max_model_len=-1`` (``--max-model-len auto``) under TP=2: every rank's config holds the length rank 0
+    resolved (session 22, FIX item 6: the follower kept -1; with the default CPU cache its KV sizing then
+    rounded -1 tokens to 0 blocks and the start failed). The model's 256 tokens where the cache holds them;
+    cut to the cache (56 tokens of 14 blocks of 4) where it does not. Greedy equals TP=1 and Hugging Face."""
+    path = tiny_model("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    tp2 = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, max_model_len=-1, **kv)
+    try:
+        want = 56 if kv else 256
+        assert tp2.engine.max_model_len == tp2.engine.config.max_model_len == want
+        assert tp2.engine.executor.collective_rpc("tests.test_tp:max_model_len_seen") == [want, want]
+        out2 = tp2.generate(PROMPTS, params)
+    finally:
+        tp2.engine.executor.shutdown()
+    ref = hf_greedy(path, [o.prompt_token_ids for o in out2], 8)
+    assert [o.outputs[0].token_ids for o in out2] == ref
+
+
+def max_model_len_seen(worker) -> int:
+    """(collective_rpc target) a rank's ``config.max_model_len``."""
+    return worker.config.max_model_len

@@ -52,8 +52,8 @@ class LLMEngine(EngineStep, RequestAdmission):
     Args:
         config: engine configuration.
         executor: optional object with ``workers``-like behaviour for tensor parallelism
-            (``execute(step) -> logits``, ``collective_rpc(target, *args)``,
-            ``determine_num_blocks()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
+            (``execute(step) -> logits``, ``collective_rpc(target, *args)``, ``set_max_model_len(n)``,
+            ``determine_num_blocks()``, ``bytes_per_block()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
             ``dtype``, ``device``); default: one in-process :class:`Worker`.
 
     Raises:
@@ -144,6 +144,7 @@ class LLMEngine(EngineStep, RequestAdmission):
         auto_fit = config.max_model_len == AUTO_MAX_MODEL_LEN  # (vLLM's -1: cut to the KV cache below)
         config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
         self.max_model_len = config.max_model_len
+        executor.set_max_model_len(self.max_model_len)  # (TP followers hold a copy of the config made before)
         if config.max_num_batched_tokens is None:
             if torch.device(executor.device).type == "cuda":
                 # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
@@ -171,8 +172,9 @@ class LLMEngine(EngineStep, RequestAdmission):
         if auto_fit:
             config.max_model_len = self.max_model_len = fit_max_model_len(
                 num_blocks, config.block_size, self.max_model_len, source)
+            executor.set_max_model_len(self.max_model_len)
         check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source,
-                                       executor.bytes_per_block() if hasattr(executor, "bytes_per_block") else None)
+                                       executor.bytes_per_block())
         phases.mark("KV cache sizing")
         sampler_warm_up = self._sampler_warm_up(executor)
         # a cold start: the sampler's kernels compile in other processes during the model's warm-up

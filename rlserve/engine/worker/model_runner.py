@@ -177,7 +177,7 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         cfg = self.config
-        if cfg is not None and cfg.max_model_len and cfg.max_model_len > 0:  # (-1: a TP rank's copy of auto-fit)
+        if cfg is not None and cfg.max_model_len and cfg.max_model_len > 0:  # (-1: auto, before the engine resolved it)
             return int(cfg.max_model_len)
         return verify_max_model_len(None, getattr(self.model, "config", None))
 

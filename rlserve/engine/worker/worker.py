@@ -106,6 +106,12 @@ class Worker:
         """Context manager: this worker's TP state for the current thread."""
         return tp_context(self.tp_rank, self.tp_size, self.tp_group)
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Take the engine's resolved ``max_model_len`` (tokens; ``--max-model-len auto`` / -1 resolved to the
+        model's length, then cut to the KV cache): a TP follower's config is a copy made before rank 0 resolved
+        it (:meth:`rlserve.engine.worker.tp_executor.TPExecutor.set_max_model_len`)."""
+        self.config.max_model_len = int(max_model_len)
+
     # ---- KV cache sizing -------------------------------------------------------------
     def bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.model, self.config.block_size, self.runner.kv_cache_dtype)
