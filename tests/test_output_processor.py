@@ -142,7 +142,7 @@ def test_tokens_sampled_past_a_stop_string_are_dropped():
     ids = tok.encode("ab STOP cd ef")
     stop_at = next(k for k in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:k]))
     proc = OutputProcessor(tok)
-    reqs = {"r": _Req(SamplingParams(max_tokens=50, stop=["STOP"]), stream=False)}
+    reqs = {"r": _Req(SamplingParams(max_tokens=50, stop=["STOP"], logprobs=0), stream=False)}
     lps = [-0.5 * (i + 1) for i in range(len(ids))]
     # the core sampled every token before it heard of the stop: one delta with all of them
     outs, errors, stops, aborts = proc.process([_delta("r", ids, lps)], reqs)

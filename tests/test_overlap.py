@@ -34,7 +34,9 @@ def _same(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
         assert x.outputs[0].text == y.outputs[0].text
-        assert abs(x.outputs[0].cumulative_logprob - y.outputs[0].cumulative_logprob) < 1e-4
+        cx, cy = x.outputs[0].cumulative_logprob, y.outputs[0].cumulative_logprob
+        assert (cx is None) == (cy is None) == (x.outputs[0].logprobs is None)  # None: no logprobs asked
+        assert cx is None or abs(cx - cy) < 1e-4
         assert -1 not in x.outputs[0].token_ids
 
 

@@ -139,9 +139,9 @@ def test_logit_bias_sampler_cpu():
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     top = logits.argmax(-1).tolist()
-    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}),
-              SamplingParams(temperature=0, logit_bias={top[1]: -100}),
-              SamplingParams(temperature=0)]
+    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0),
+              SamplingParams(temperature=0, logit_bias={top[1]: -100}, logprobs=0),
+              SamplingParams(temperature=0, logprobs=0)]
     meta = SamplingMetadata(params, [[1]] * 3, [[]] * 3)
     assert not fused_sampling.eligible(logits, params, meta.output_token_ids, 50)  # the general path
     raw = Sampler(set(), 50)(logits, meta)
@@ -170,7 +170,8 @@ def test_allowed_token_ids_sampler_cpu():
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
     allowed = [3, 11, 40]
-    params = [SamplingParams(temperature=0, allowed_token_ids=allowed), SamplingParams(temperature=0)]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=0),
+              SamplingParams(temperature=0, logprobs=0)]
     meta = SamplingMetadata(params, [[1]] * 2, [[]] * 2)
     assert not fused_sampling.eligible(logits, params, meta.output_token_ids, 50)
     best = allowed[int(logits[0, allowed].argmax())]

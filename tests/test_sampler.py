@@ -32,7 +32,7 @@ def rand_logits(B, v=V, seed=0, scale=3.0):
 
 def test_greedy_equals_argmax_and_raw_logprobs():
     logits = rand_logits(6)
-    params = [SamplingParams(temperature=0.0) for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, logprobs=0) for _ in range(6)]
     out = Sampler({EOS}, V)(logits, meta(params))
     assert out.token_ids.dtype == torch.long and out.token_ids.shape == (6,)
     assert torch.equal(out.token_ids, logits.argmax(-1))
@@ -58,7 +58,7 @@ def test_logprobs_are_raw_even_with_processing():
     params = [
         SamplingParams(temperature=0.5, top_k=4, logprobs=3),
         SamplingParams(temperature=1.7, top_p=0.5, repetition_penalty=1.5, logprobs=5),
-        SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5, logprobs=0),
         SamplingParams(min_p=0.2, min_tokens=4, logprobs=0),
     ]
     out = Sampler({EOS}, V)(logits, meta(params, outputs=[[3, 3, 4], [5, 6], [7, 7, 7], [8]]))
@@ -244,7 +244,7 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     logits[:, 5] = 40.0
     logits[:, 6] = 30.0
     params = [
-        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=0.0, min_tokens=3, logprobs=0),
         SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[5]),
     ]
     s = Sampler({EOS}, V)
@@ -262,7 +262,8 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
 def test_padded_vocab_is_trimmed():
     logits = rand_logits(3, v=V + 8, seed=12)
     logits[:, V:] = 100.0
-    out = Sampler({EOS}, V)(logits, meta([SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(logprobs=2)]))
+    out = Sampler({EOS}, V)(logits, meta([SamplingParams(temperature=0.0, logprobs=0), SamplingParams(logprobs=0),
+                                                     SamplingParams(logprobs=2)]))
     assert (out.token_ids < V).all()
     assert torch.equal(out.token_ids[0], logits[0, :V].argmax())
     assert torch.allclose(out.logprobs, torch.log_softmax(logits[:, :V], -1).gather(1, out.token_ids[:, None])[:, 0])

@@ -52,7 +52,7 @@ def test_steps_folded_into_one_output_equal_the_last_of_one_by_one():
     tok = build_tokenizer()
     ids = tok.encode("héllo 世界, the end")  # multi-byte characters split over tokens
     other = tok.encode("another one")
-    reqs = {"r": _Req(SamplingParams(max_tokens=50)), "s": _Req(SamplingParams(max_tokens=50))}
+    reqs = {"r": _Req(SamplingParams(max_tokens=50, logprobs=0)), "s": _Req(SamplingParams(max_tokens=50, logprobs=0))}
     steps = [d for pair in zip(_steps(ids, "r", "length"), _steps(other + [3] * (len(ids) - len(other)), "s"))
              for d in pair]
     want = _one_by_one(tok, steps, reqs)

@@ -148,7 +148,8 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
         index: the sample's index in ``[0, n)``.
         token_ids: token ids sampled since (a terminating EOS / stop token id included).
         sampled_logprobs: per token of ``token_ids`` its logprob (the terms the API process
-            adds up into ``cumulative_logprob``, in the engine's order: the same float).
+            adds up into ``cumulative_logprob``, in the engine's order: the same float); empty
+            when the request did not ask for logprobs (its ``cumulative_logprob`` is None).
         logprobs: per token ``{token_id: logprob}`` (sampled + top-k), when the request asked.
         finish_reason / stop_reason: set once the engine finished the sample ("stop" with the
             stop token id or None for EOS / a completed structured output, "length", "abort").

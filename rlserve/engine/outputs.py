@@ -15,7 +15,10 @@ class CompletionOutput:
         index: sample index in ``[0, n)``.
         text: detokenized output (stop string removed unless asked to keep it).
         token_ids: generated token ids (an EOS or stop token id that ended it is included).
-        cumulative_logprob: sum of the sampled tokens' logprobs (raw model distribution, nats).
+        cumulative_logprob: sum of the sampled tokens' logprobs (in the server's
+            ``logprobs_mode``; default the raw model distribution, nats); None unless
+            ``SamplingParams.logprobs`` was set (vLLM's rule: the sampler scores only the rows
+            that asked, :mod:`rlserve.engine.core.lean_sampling`).
         logprobs: per generated token, ``{token_id: logprob}`` holding the sampled token and
             the top-``k`` alternatives; None unless ``SamplingParams.logprobs`` was set.
         routed_experts: with routed-experts replay on, on the final output: numpy
@@ -28,7 +31,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0
     logprobs: list[dict[int, float]] | None = None
     routed_experts: Any = None
     finish_reason: str | None = None

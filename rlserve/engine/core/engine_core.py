@@ -233,7 +233,7 @@ class EngineCore:
                 continue
             routed, req.routed_sent[i] = routed_delta(self.engine.routed_experts, s, req.routed_sent[i])
             samples.append(proto.SampleDelta(
-                s.index, toks[k:], s.sampled_logprobs[k:], None if s.logprobs is None else s.logprobs[k:],
+                s.index, toks[k:], [] if s.sampled_logprobs is None else s.sampled_logprobs[k:], None if s.logprobs is None else s.logprobs[k:],
                 reason, s.stop_reason, None if routed is None else npy_bytes(routed)))
             req.sent[i] = len(toks)
             req.done[i] = reason is not None

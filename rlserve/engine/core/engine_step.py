@@ -233,9 +233,10 @@ class EngineStep:
         finished with it."""
         p = seq.params
         seq.output_token_ids.append(tok)
-        seq.cumulative_logprob += lp
-        if seq.sampled_logprobs is not None:
-            seq.sampled_logprobs.append(lp)
+        if seq.cumulative_logprob is not None:  # the request asked for logprobs (else lp is NaN)
+            seq.cumulative_logprob += lp
+            if seq.sampled_logprobs is not None:
+                seq.sampled_logprobs.append(lp)
         self.stats_counters["generation_tokens"] += 1
         if seq.logprobs is not None:
             d = {tok: lp}

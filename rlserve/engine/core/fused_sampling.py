@@ -39,6 +39,7 @@ import torch
 
 from rlserve import envs
 from rlserve.batch_invariant import mode as bi_mode
+from rlserve.engine.core import lean_sampling
 from rlserve.engine.sampling_params import SamplingParams, derive_seed
 from rlserve.h2d import to_device
 from rlserve.layers import fused_ops
@@ -81,10 +82,7 @@ def eligible_rows(params: list, output_token_ids: list[list[int]], vocab_size: i
 
 
 def _row_ok(p, out: list[int], vocab_size: int) -> bool:
-    if p.logprobs or p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or \
-            (p.min_tokens and len(out) < p.min_tokens):
-        return False
-    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+    if p.logprobs or lean_sampling.processes(p, out):
         return False
     return p.greedy or not (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
 

@@ -139,7 +139,7 @@ class RequestAdmission:
                 seq.grammar = self.grammar_compiler().new_state(params.structured_outputs, compiled)
             if self.tokenizer is None or not self.detokenize:
                 seq.detokenizer = _NullDetokenizer()
-                if not self.detokenize:
+                if not self.detokenize and params.logprobs is not None:
                     seq.sampled_logprobs = []
             else:
                 seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)

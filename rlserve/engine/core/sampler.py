@@ -47,6 +47,10 @@ What ``logprobs`` (the sampled token's and the top-k) hold is the server's ``log
   after the penalties only (temperature 1), as vLLM.
 * ``processed_logits``: the logits after steps 1-7.
 
+Only the rows whose request set ``logprobs`` (0 included) are scored, on their own sub-batch;
+a batch of greedy rows with nothing to process is read without a copy
+(:mod:`rlserve.engine.core.lean_sampling`).
+
 All float32. Prompt logprobs skip the sampling steps (vLLM's rule): ``log_softmax`` of the
 model's logits, or the logits themselves in the two ``*_logits`` modes.
 
@@ -64,7 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.batch_invariant import mode as bi_mode
-from rlserve.engine.core import fused_sampling
+from rlserve.engine.core import fused_sampling, lean_sampling
 from rlserve.engine.core.sample_split import raw_logprob_of, split_sample
 from rlserve.h2d import to_device
 from rlserve.config import LOGPROBS_MODES
@@ -102,10 +106,12 @@ class SamplerOutput:
     Attributes:
         token_ids: ``LongTensor [B]`` sampled token per row.
         logprobs: ``FloatTensor [B]`` float32 score of the sampled token in the sampler's
-            ``logprobs_mode`` (default: logprob under the raw model distribution).
+            ``logprobs_mode`` (default: logprob under the raw model distribution); NaN in the
+            rows whose ``params.logprobs`` is None (not computed:
+            :mod:`rlserve.engine.core.lean_sampling`; the one-pass CUDA sampler fills them).
         topk_token_ids: ``LongTensor [B, K]``, ``K = max(params.logprobs or 0)`` over the
             batch (0 columns when no row asked). Rows that asked for fewer should use only
-            their first ``params.logprobs`` columns.
+            their first ``params.logprobs`` columns; rows that did not ask hold zeros.
         topk_logprobs: ``FloatTensor [B, K]`` scores of those tokens (same mode), descending.
     """
 
@@ -370,13 +376,18 @@ class Sampler:
             ``(processed, greedy_tokens)``: processed float32 ``[B, V]`` logits (after
             temperature / top-k / top-p / min-p; greedy rows are left at temperature 1), and
             ``LongTensor [B]`` argmax after the penalties (valid for greedy rows) or None
-            when no row is greedy.
+            when no row is greedy. ``processed`` is a copy, except for a batch of greedy rows
+            with nothing to apply (:func:`~rlserve.engine.core.lean_sampling.greedy_in_place`):
+            then it is ``logits`` (float32, trimmed) itself; do not modify it.
         """
         params = meta.params
         B = len(params)
         if logits.shape[0] != B:
             raise ValueError(f"logits have {logits.shape[0]} rows but metadata has {B}")
-        x = self._trim(logits).clone()
+        x = self._trim(logits)
+        if lean_sampling.greedy_in_place(meta):  # every row greedy, nothing to apply: no copy
+            return x, x.argmax(dim=-1)
+        x = x.clone()
         V = x.shape[1]
         device = x.device
         apply_allowed_token_ids(x, meta)
@@ -434,14 +445,7 @@ class Sampler:
             from rlserve.engine.core.structured import apply_grammar_masks
 
             raw = apply_grammar_masks(raw.clone(), meta.grammars)
-        mode = self.logprobs_mode
-        scores = raw if mode == "raw_logits" else torch.log_softmax(raw, dim=-1) if mode == "raw_logprobs" else None
-
         processed, greedy_tokens = self.process_logits(raw, meta)
-        if mode == "processed_logits":
-            scores = processed
-        elif mode == "processed_logprobs":
-            scores = torch.log_softmax(processed, dim=-1)
         greedy = [p.greedy for p in params]
         if all(greedy):
             token_ids = greedy_tokens
@@ -469,14 +473,9 @@ class Sampler:
                 gmask = to_device(greedy, torch.bool, device)
                 token_ids = torch.where(gmask, greedy_tokens, token_ids)
 
-        sampled_logprobs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        K = max((p.logprobs or 0) for p in params) if params else 0
-        K = min(K, V)
-        if K > 0:
-            topk_logprobs, topk_ids = scores.topk(K, dim=-1, sorted=True)
-        else:
-            topk_logprobs = scores.new_empty(B, 0)
-            topk_ids = torch.empty(B, 0, dtype=torch.long, device=device)
+        # the scores of the rows that asked for logprobs only (the others: NaN, zeros)
+        sampled_logprobs, topk_ids, topk_logprobs = lean_sampling.scores(
+            self.logprobs_mode, raw, processed, token_ids, params)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=sampled_logprobs,

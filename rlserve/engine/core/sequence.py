@@ -47,9 +47,12 @@ class Sequence:
         self.num_computed_tokens = 0
         self.streamed = False
         self.cache_epoch = -1  # BlockManager.epoch at the last allocation
-        self.cumulative_logprob = 0.0
+        # None unless the request asked for logprobs (vLLM's rule: the sampler scores only the
+        # rows that asked, rlserve.engine.core.lean_sampling)
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # per output token its logprob (the terms of cumulative_logprob), kept only where the
-        # engine does not detokenize (LLMEngine.detokenize False: the API process sums them)
+        # engine does not detokenize (LLMEngine.detokenize False: the API process sums them) and
+        # the request asked for logprobs
         self.sampled_logprobs: list[float] | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None

@@ -19,7 +19,8 @@ paths), rule for rule:
   (:class:`~rlserve.engine.core_protocol.StopSamples`) and whatever it sampled past that
   point is dropped;
 * ``cumulative_logprob`` is the sum of the kept tokens' logprobs, added in the engine's order
-  (the same float the engine computes);
+  (the same float the engine computes), and None when the request did not ask for logprobs
+  (vLLM's rule; the core then sends no logprobs);
 * a sample that ends for any other reason flushes its detokenizer (``finish()``; a stop
   string completed by the flush cuts the text only, as in the engine).
 
@@ -59,7 +60,7 @@ class _Sample:
         self.detok = detok
         self.token_ids: list[int] = []
         self.logprobs: list | None = [] if want_logprobs else None
-        self.cumulative_logprob = 0.0
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None  # vLLM's rule
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.routed = RoutedChunks()  # routed-experts replay: rows as the core sends them
@@ -193,7 +194,8 @@ class OutputProcessor:
         engine_stop = sd.finish_reason == "stop"
         for j, tok in enumerate(toks):
             s.token_ids.append(tok)
-            s.cumulative_logprob += lps[j]
+            if s.cumulative_logprob is not None:
+                s.cumulative_logprob += lps[j]
             if s.logprobs is not None and top is not None:
                 s.logprobs.append(top[j])
             if j == last and engine_stop:
