@@ -1,13 +1,14 @@
 """The general sampler's less work per step (:class:`rlserve.engine.core.sampler.Sampler`, the
-path every CPU step takes): no copy of the logits when no row needs one, and scores only for the
-rows that asked for them.
+path every CPU step takes): no copy of the logits when no row needs one, a one-pass argmax, and
+scores only for the rows that asked for them.
 
 * **Greedy batches with nothing to process.** When every row is greedy (temperature 0) and no row
   has a logits processor to apply (:func:`processes`: ``logit_bias``, ``allowed_token_ids``,
-  ``bad_words``, an active ``min_tokens``, penalties), the token is ``argmax`` of the model's
-  logits read in place: one pass over ``[B, V]``, no copy (before: a copy, then the argmax of the
-  copy: the same ``torch.argmax``, so the same tokens, the first index on ties, a NaN's index where
-  a row has one).
+  ``bad_words``, an active ``min_tokens``, penalties), the token is the argmax of the model's
+  logits read in place, no copy (before: a copy, then ``torch.argmax`` of the copy).
+* **One-pass argmax.** On float32 CPU rows every argmax of the sampler (greedy and drawn rows) is
+  :func:`argmax`: the C kernel of :mod:`rlserve.layers.cpu_argmax`, with ``torch.argmax``'s result
+  (the first index on ties, a row's first NaN where it has one, 0 for a row of ``-inf``).
 * **Scores of the rows that asked.** A row's sampled-token logprob and top logprobs
   (:func:`scores`, in the sampler's ``logprobs_mode``) are computed only when its request set
   ``SamplingParams.logprobs`` (0: the sampled token's only), on the sub-batch of those rows.
@@ -19,11 +20,11 @@ rows that asked for them.
   are bit-equal to the same row's in the whole batch (``tests/test_lean_sampling.py`` checks it
   against the full-batch path).
 
-Measured (BENCHMARKS.md, "Issue 37 (s22)"): SmolLM2-135M's batch-16 greedy decode step on the
-2-core Xeon, sampler included.
+Measured (BENCHMARKS.md, "Issue 37 (s22)", ``benchmarks/cpu_sampler_step.py``): SmolLM2-135M's
+batch-16 greedy decode step on the 2-core Xeon, sampler included.
 
-:func:`set_lean` (A/B benchmarks, tests) turns both off: the copy and the whole-batch scores, as
-before session 22.
+:func:`set_lean` (A/B benchmarks, tests) turns all three off: the copy, ``torch.argmax`` and the
+whole-batch scores, as before session 22.
 """
 
 from __future__ import annotations
@@ -31,21 +32,25 @@ from __future__ import annotations
 import torch
 
 from rlserve.h2d import to_device
+from rlserve.layers import cpu_argmax
 
 _LEAN = [True]
 
 
 def set_lean(on: bool) -> bool:
-    """Switch the lean paths on or off (off: copy the logits and score every row, as before
-    session 22); returns the previous setting."""
+    """Switch the lean paths on or off (off: copy the logits, ``torch.argmax``, score every row,
+    as before session 22); returns the previous setting."""
     prev = _LEAN[0]
     _LEAN[0] = bool(on)
     return prev
 
 
-def enabled() -> bool:
-    """Whether the lean paths are on (:func:`set_lean`)."""
-    return _LEAN[0]
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of ``[B, V]`` ``x`` (LongTensor ``[B]``, the same indices: first on ties,
+    a row's first NaN): with the lean paths on, float32 CPU rows go through the C kernel of
+    :mod:`rlserve.layers.cpu_argmax` (one read of each row for its maximum; torch's CPU argmax
+    costs ~6x as much at ``[16, 49152]``)."""
+    return cpu_argmax.argmax_rows(x) if _LEAN[0] else x.argmax(dim=-1)
 
 
 def processes(p, output_token_ids: list[int]) -> bool:

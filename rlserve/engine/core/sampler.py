@@ -386,7 +386,7 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows but metadata has {B}")
         x = self._trim(logits)
         if lean_sampling.greedy_in_place(meta):  # every row greedy, nothing to apply: no copy
-            return x, x.argmax(dim=-1)
+            return x, lean_sampling.argmax(x)
         x = x.clone()
         V = x.shape[1]
         device = x.device
@@ -396,7 +396,7 @@ class Sampler:
         apply_logit_bias(x, meta)
         apply_penalties(x, meta)
         greedy = [p.greedy for p in params]
-        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+        greedy_tokens = lean_sampling.argmax(x) if any(greedy) else None
         if all(greedy):
             return x, greedy_tokens
         temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
@@ -468,7 +468,7 @@ class Sampler:
                         q[i].exponential_(generator=g)
             # Exp(1) can round to 0; keep 0/0 out of the argmax.
             q.clamp_min_(torch.finfo(q.dtype).tiny)
-            token_ids = probs.div_(q).argmax(dim=-1)
+            token_ids = lean_sampling.argmax(probs.div_(q))
             if greedy_tokens is not None:
                 gmask = to_device(greedy, torch.bool, device)
                 token_ids = torch.where(gmask, greedy_tokens, token_ids)
