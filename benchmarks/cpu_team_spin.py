@@ -11,10 +11,13 @@ logits are bit-equal to the first arm's (the team splits whole output columns / 
 
 ``--guarded SPIN``: instead, one spin budget for the whole process with the contention guard on
 (as an engine runs): ms per step (wall, CPU), guarded / lost / inline steps; run processes alternating.
+``--spin-not-busy``: with ``--guarded``, the guard does not count the workers' spin as busy CPU
+(``cpu_gemm.SPIN_IS_BUSY = False``).
 
 Usage (SCHED_FIFO keeps the other helpers' load off the two threads):
     chrt -f 10 python benchmarks/cpu_team_spin.py --arms inline,200,30,0 --steps 12 --batch 16
     for s in 200 30 200 30; do python benchmarks/cpu_team_spin.py --guarded $s --steps 60; done
+    for f in "" --spin-not-busy "" --spin-not-busy; do python benchmarks/cpu_team_spin.py --guarded 200 $f; done
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--guarded", type=int, default=None, metavar="SPIN_US",
                    help="one spin budget, the contention guard on, --steps steps in a row")
+    p.add_argument("--spin-not-busy", action="store_true",
+                   help="with --guarded: the guard does not count the workers' spin as busy (cpu_gemm.SPIN_IS_BUSY)")
     args = p.parse_args(argv)
     import torch
     from cpu_decode_step import _decode_step, _worker
@@ -95,6 +100,7 @@ def _guarded(w, team, lib, args) -> int:
     from rlserve.layers import cpu_gemm
 
     lib.rlserve_team_start(team.size - 1, args.guarded)
+    cpu_gemm.SPIN_IS_BUSY = not args.spin_not_busy
     step = _decode_step(args.batch)
     for _ in range(3):
         w.execute(step)
@@ -104,10 +110,13 @@ def _guarded(w, team, lib, args) -> int:
         w.execute(step)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     g1, s1 = cpu_gemm.guard_stats(team), cpu_gemm.sync_stats()
-    print(json.dumps({"spin_us": args.guarded, "batch": args.batch, "steps": args.steps,
+    print(json.dumps({"spin_us": args.guarded, "spin_is_busy": cpu_gemm.SPIN_IS_BUSY, "batch": args.batch,
+                      "steps": args.steps,
                       "wall_ms_per_step": round(1e3 * wall / args.steps, 2), "cpu_ms_per_step": round(1e3 * cpu / args.steps, 2),
                       "guarded_steps": g1["steps"] - g0["steps"], "lost": g1["lost"] - g0["lost"], "inline": g1["inline"] - g0["inline"],
                       "team_jobs_per_step": (s1["jobs"] - s0["jobs"]) / args.steps,
+                      "spin_ms_per_step": round(1e-6 * (s1["spin_ns"] - s0["spin_ns"]) / args.steps, 2),
+                      "wait_ms_per_step": round(1e-6 * (s1["wait_ns"] - s0["wait_ns"]) / args.steps, 2),
                       "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
     return 0
 

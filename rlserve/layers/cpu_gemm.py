@@ -63,6 +63,11 @@ MAX_ROWS = 2048
 # spinning, no waiting on a preempted worker's chunk), backoff doubling on repeated losses, as
 # the micro-batches' guard.
 MIN_CORES = 1.3
+# Whether the workers' spin for the next operation (csrc/cpu_team.c's spin counter, wall ns) counts
+# as busy CPU in the guard's measure (True, the default); False: the workers' CPU less their spin
+# (at least 0) -- "a spin the guard does not count" of issue 37 (s20); measured in s22 with
+# benchmarks/cpu_team_spin.py --guarded SPIN --spin-not-busy (BENCHMARKS.md, "Issue 37 (s22)").
+SPIN_IS_BUSY = True
 MIN_BACKOFF, MAX_BACKOFF = 4, 64
 
 _lock = threading.Lock()
@@ -418,6 +423,7 @@ def step_guard(kind: str = "decode"):
     pin = team.bind if team.bind is not None and _set_affinity((team.bind[0],)) else None
     if team.avoid and _sched_getcpu is not None:
         lib.rlserve_team_avoid_cpu(_sched_getcpu())
+    spin0 = None if SPIN_IS_BUSY else sync_stats()["spin_ns"]
     w0, c0, k0 = time.perf_counter(), time.thread_time(), lib.rlserve_team_worker_cpu_ns()
     try:
         yield
@@ -425,7 +431,10 @@ def step_guard(kind: str = "decode"):
         if pin is not None:
             _set_affinity(pin[1])
     wall = time.perf_counter() - w0
-    cpu = time.thread_time() - c0 + 1e-9 * (lib.rlserve_team_worker_cpu_ns() - k0)
+    worker_ns = lib.rlserve_team_worker_cpu_ns() - k0
+    if spin0 is not None:
+        worker_ns = max(0, worker_ns - (sync_stats()["spin_ns"] - spin0))
+    cpu = time.thread_time() - c0 + 1e-9 * worker_ns
     team.steps += 1
     if cpu < MIN_CORES * wall:
         team.lost += 1
