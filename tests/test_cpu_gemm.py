@@ -219,6 +219,40 @@ def test_guard_kinds_back_off_apart(team, monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("spin_is_busy", [True, False])
+def test_guard_counts_the_spin_as_busy_or_not(team, monkeypatch, spin_is_busy):
+    """cpu_gemm.SPIN_IS_BUSY: the workers' CPU counter here gains 10 s a step, all of it spin
+    (the spin counter gains the same). Counted as busy, the step got far more than MIN_CORES
+    cores and wins; not counted, only the calling thread's CPU is left, at most its wall time
+    (one thread), below 1.5 cores: the step loses."""
+    real = cpu_gemm._lib()
+    ns = [0]
+
+    def tick():
+        ns[0] += 10 ** 10
+        return ns[0]
+
+    class Lib:  # the real library, with the worker CPU counter moved by the test
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        rlserve_team_worker_cpu_ns = staticmethod(tick)
+
+    monkeypatch.setattr(cpu_gemm, "_lib", lambda: Lib())
+    monkeypatch.setattr(cpu_gemm, "sync_stats", lambda: {"jobs": 0, "wait_ns": 0, "spin_ns": tick(), "sleeps": 0})
+    monkeypatch.setattr(cpu_gemm, "MIN_CORES", 1.5)
+    monkeypatch.setattr(cpu_gemm, "SPIN_IS_BUSY", spin_is_busy)
+    t = cpu_gemm.current()
+    for g in t.guards.values():
+        g.skip, g.backoff = 0, cpu_gemm.MIN_BACKOFF
+    before = cpu_gemm.guard_stats(t)
+    with cpu_gemm.step_guard("decode"):
+        sum(range(10000))
+    after = cpu_gemm.guard_stats(t)
+    assert after["steps"] - before["steps"] == 1
+    assert after["lost"] - before["lost"] == (0 if spin_is_busy else 1)
+
+
 def test_team_state_is_per_engine(tiny_model, monkeypatch):
     """Two engines in one process: each keeps its own team size and guard (the one built last
     does not decide for the other), and each gives the tokens of a team-less engine."""

@@ -30,6 +30,12 @@ def _lib():
     return _state["lib"]
 
 
+def warm_up() -> bool:
+    """Build (or load from the cache) the C kernel now (engine start) rather than in the first
+    step; returns whether it is there."""
+    return _lib() is not None
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor: the C kernel for float32 CPU rows with unit
     column stride and ``V >= 1`` (any row stride), ``torch.argmax`` otherwise (other devices,

@@ -80,6 +80,10 @@ class LLMEngine(EngineStep, RequestAdmission):
         if sampler_warm_up is not None:
             sampler_warm_up()  # compile now, not in the first step
             phases.mark("sampler warm-up")
+        elif torch.device(executor.device).type == "cpu":
+            from rlserve.layers import cpu_argmax
+
+            cpu_argmax.warm_up()  # the sampler's C argmax: built (or loaded) now, not in the first step
         if capture is not None:
             from rlserve.engine.routed_experts import RoutedExpertsRecorder
 
