@@ -135,6 +135,28 @@ def _delta(rid, toks, lps, finished=False, reason=None, start=True, index=0):
                               proto.RequestStart(PROMPT) if start else None)
 
 
+def test_version_marks_say_where_each_weight_version_starts():
+    """Each delta is one step's tokens, produced by its weight_versions[-1]: a sample's version_marks record
+    where each version's tokens start (session 22, FIX item 4: a stream chunk that holds tokens of two versions
+    lists both), also when several steps' deltas reach the processor at once (one output built after them)."""
+    proc = OutputProcessor(None)
+    reqs = {"r": _Req(SamplingParams(max_tokens=50))}
+
+    def step(toks, versions, start=False):
+        return proto.RequestDelta("r", [proto.SampleDelta(0, toks, [0.0] * len(toks))], False, versions, 2.0,
+                                  proto.RequestStart(PROMPT) if start else None)
+
+    (out,), *_ = proc.process([step([5], ["0"], start=True), step([6], ["0"])], reqs)
+    assert out.outputs[0].version_marks is None  # one version: its weight_version says it (no list built)
+    # a consumer behind: three steps in one call, the update between the second and the third
+    (out,), *_ = proc.process([step([7], ["0"]), step([8], ["0"]), step([9], ["0", "1"])], reqs)
+    c = out.outputs[0]
+    assert c.token_ids == [5, 6, 7, 8, 9] and c.version_marks == [(0, "0"), (4, "1")]
+    assert out.weight_versions == ["0", "1"] and out.weight_version == "1"
+    (out,), *_ = proc.process([step([10], ["0", "1", "2"])], reqs)
+    assert out.outputs[0].version_marks == [(0, "0"), (4, "1"), (5, "2")]
+
+
 def test_tokens_sampled_past_a_stop_string_are_dropped():
     from tests.tiny_models import build_tokenizer
 
@@ -212,7 +234,7 @@ def test_output_fields_land_in_their_places():
 
     sample = SimpleNamespace(detok=SimpleNamespace(visible_text="txt"), token_ids=[7, 8], cumulative_logprob=-1.5,
                              logprobs=[{7: -1.0}, {8: -0.5}], finish_reason="stop", stop_reason="x",
-                             routed=SimpleNamespace(result=lambda rows: ("routed", rows)))
+                             routed=SimpleNamespace(result=lambda rows: ("routed", rows)), marks=[(0, "v1"), (1, "v2")])
     st = SimpleNamespace(prompt="p", prompt_token_ids=[1, 2, 3], prompt_logprobs=[None, {2: -0.1}, {3: -0.2}],
                          prompt_logprob_ranks=[None, 1, 2], samples=[sample], arrival_time=10.0, routed_start=1)
     d = SimpleNamespace(weight_versions=["v1", "v2"], first_token_time=11.0, scheduled_time=10.5)
@@ -221,7 +243,8 @@ def test_output_fields_land_in_their_places():
         "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "weight_version",
         "weight_versions", "prompt_logprob_ranks", "arrival_time", "first_token_time", "scheduled_time"]
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
-        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "routed_experts", "finish_reason", "stop_reason"]
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "routed_experts", "finish_reason", "stop_reason",
+        "version_marks"]
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.finished, out.weight_version,
             out.weight_versions, out.prompt_logprob_ranks, out.arrival_time, out.first_token_time,
             out.scheduled_time) == ("rid", "p", [1, 2, 3], st.prompt_logprobs, True, "v2", ["v1", "v2"], [None, 1, 2],
@@ -229,4 +252,6 @@ def test_output_fields_land_in_their_places():
     (c,) = out.outputs
     assert (c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.routed_experts, c.finish_reason,
             c.stop_reason) == (0, "txt", [7, 8], -1.5, [{7: -1.0}, {8: -0.5}], ("routed", 3 - 1 + 2 - 1), "stop", "x")
+    assert c.version_marks == [(0, "v1"), (1, "v2")]
     assert c.token_ids is not sample.token_ids and c.logprobs is not sample.logprobs  # snapshots
+    assert c.version_marks is not sample.marks

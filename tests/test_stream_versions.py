@@ -49,12 +49,9 @@ def _stream_across_a_sync(url: str, trainer, route: str, body: dict, label: str)
     return chunks if synced else None
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_a_streams_last_chunks_name_every_version(tiny_model, route):
-    path = tiny_model("llama", max_position_embeddings=4096)
-    body = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0, "n": 2}
-    body.update({"prompt": [5, 17, 42, 9]} if route == "/v1/completions" else
-                {"messages": [{"role": "user", "content": "hi"}]})
+def _synced_stream(path: str, route: str, body: dict, good, why: str) -> tuple[list[dict], str]:
+    """``(chunks, label)`` of the first of at most 5 streams with a sync in their middle (a server of the tiny
+    ``path``, a trainer of other weights) for which ``good(chunks)`` holds; fails with ``why`` after 5."""
     with InProcessServer(path, max_model_len=4096, kv_cache_bytes=64 << 20) as srv:
         trainer = WeightTransferTrainerFactory.trainer_init(
             init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
@@ -63,12 +60,25 @@ def test_a_streams_last_chunks_name_every_version(tiny_model, route):
             for attempt in range(5):
                 label = f"{route.split('/')[-1]}-{attempt}"
                 chunks = _stream_across_a_sync(srv.url, trainer, route, body, label)
-                if chunks is not None:
-                    break
-            else:
-                pytest.fail("every request finished before the keep-pause")
+                if chunks is not None and good(chunks):
+                    return chunks, label
+            pytest.fail(why)
         finally:
             trainer.shutdown()
+
+
+def _spanning(chunks: list[dict]) -> list[dict]:
+    """The middle chunks' choices that carry ``weight_versions``."""
+    return [c for ch in chunks for c in ch.get("choices", []) if c["finish_reason"] is None and "weight_versions" in c]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streams_last_chunks_name_every_version(tiny_model, route):
+    path = tiny_model("llama", max_position_embeddings=4096)
+    body = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0, "n": 2}
+    body.update({"prompt": [5, 17, 42, 9]} if route == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "hi"}]})
+    chunks, label = _synced_stream(path, route, body, lambda chunks: True, "every request finished before the pause")
     choices = [c for ch in chunks for c in ch.get("choices", [])]
     assert {c["weight_version"] for c in choices} == {"0", label}
     last = {c["index"]: c for c in choices if c["finish_reason"] is not None}
@@ -76,5 +86,27 @@ def test_a_streams_last_chunks_name_every_version(tiny_model, route):
     for c in last.values():
         assert c["finish_reason"] == "length" and c["weight_version"] == label
         assert c["weight_versions"] == ["0", label], c
-    # the middle chunks keep vLLM's keys plus weight_version only
-    assert all("weight_versions" not in c for c in choices if c["finish_reason"] is None)
+    # a middle chunk carries weight_versions only when its tokens span the sync (session 22, FIX item 4)
+    for c in _spanning(chunks):
+        assert c["weight_versions"] == ["0", label] and c["weight_version"] == label, c
+
+
+def test_a_middle_chunk_across_a_sync_names_both_versions(tiny_model):
+    """With ``stream_interval`` 64 a chunk holds 64 tokens, so the one the sync falls in holds tokens of both
+    versions (unless the pause fell exactly on a chunk's edge: tried again, at most 5 times): it lists both in
+    ``weight_versions``, in order, its ``weight_version`` the new one; the chunks before and after name one
+    version and carry no list. Before session 22 such a chunk was labelled with the new version only."""
+    path = tiny_model("llama", max_position_embeddings=4096)
+    body = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0, "n": 2, "stream_interval": 64,
+            "prompt": [5, 17, 42, 9]}
+    chunks, label = _synced_stream(path, "/v1/completions", body, _spanning,
+                                   "no chunk held tokens of both versions in 5 tries")
+    spans = _spanning(chunks)
+    assert sorted(c["index"] for c in spans) == [0, 1]  # one chunk per choice, the samples advance together
+    for c in spans:
+        assert c["weight_versions"] == ["0", label] and c["weight_version"] == label, c
+    for idx in (0, 1):
+        mine = [c for ch in chunks for c in ch["choices"] if c["index"] == idx]
+        at = next(k for k, c in enumerate(mine) if "weight_versions" in c)
+        assert {c["weight_version"] for c in mine[:at]} == {"0"} and all("weight_versions" not in c for c in mine[:at])
+        assert {c["weight_version"] for c in mine[at:]} == {label}

@@ -196,7 +196,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     or ``echo``, else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
     rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
     for: vLLM refuses ``prompt_logprobs`` with ``stream``), and on a choice's last chunk (its
-    ``finish_reason``) ``weight_versions`` (:func:`_versions`). ``usage`` (:func:`usage_options`):
+    ``finish_reason``) ``weight_versions`` (:func:`_versions`), on a middle chunk whose tokens more than one weight
+    version produced those versions (:func:`_chunk_versions`). ``usage`` (:func:`usage_options`):
     with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
     key on the others unless ``continuous_usage_stats``."""
     sent_text: dict[int, int] = {}
@@ -224,7 +225,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                     continue
                 first = idx not in sent_toks
                 t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
-                if plain and not first and c.finish_reason is None:
+                spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                if plain and not first and c.finish_reason is None and spans is None:
                     nt = len(c.token_ids)
                     if nt == k0 and len(c.text) <= t0:
                         continue
@@ -273,6 +275,8 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                 if c.finish_reason is not None:
                     done.add(idx)
                     choice["weight_versions"] = _versions(out, version)
+                elif spans is not None:
+                    choice["weight_versions"] = spans
                 pending.append(chunks.chunk(choice, len(ids), sent_toks[idx]))
             if pending and not (single and out.finished):  # a finished request's last chunks go with [DONE]
                 yield _joined(pending)
@@ -285,6 +289,19 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     finally:
         await agen.aclose()
     yield _last(pending)
+
+
+def _chunk_versions(c, k0: int) -> list | None:
+    """The weight versions of a middle chunk's tokens ``c.token_ids[k0:]``, in order, when more than one produced
+    them (a chunk holding several steps' tokens across a weight update); else None (its ``weight_version`` says it
+    all). From ``c.version_marks`` (:class:`~rlserve.engine.outputs.CompletionOutput`); None without them."""
+    marks = getattr(c, "version_marks", None)
+    if marks is None or len(marks) < 2:
+        return None
+    nt = len(c.token_ids)
+    versions = [v for j, (start, v) in enumerate(marks)
+                if start < nt and (j + 1 == len(marks) or marks[j + 1][0] > k0)]
+    return versions if len(versions) > 1 else None
 
 
 def _versions(out, version) -> list:
@@ -328,7 +345,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     ``finish_reason``, ``token_ids`` (the delta's ids with ``return_token_ids``, else null), and
     ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
     rlserve's ``weight_version`` on every choice, ``weight_versions`` on a choice's last chunk
-    (:func:`_versions`). ``usage`` (:func:`usage_options`): with
+    (:func:`_versions`) and on a middle chunk whose tokens several weight versions produced
+    (:func:`_chunk_versions`). ``usage`` (:func:`usage_options`): with
     ``include_usage`` a last chunk with the usage and no choices; no ``usage`` key on the
     others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens). ``parsers``: a
     :class:`~rlserve.server.chat_output.ChatOutputParser` per choice (tool calls / reasoning
@@ -378,7 +396,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                 if i in done:
                     continue
                 k0 = sent_toks[i]
-                if plain and c.finish_reason is None and len(c.text) > sent_text[i]:
+                spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                if plain and c.finish_reason is None and len(c.text) > sent_text[i] and spans is None:
                     t = tmpls.get(i, False)
                     if t is False:
                         t = chunks.template(i, lambda v, i=i: _chat_choice(
@@ -416,6 +435,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                                       **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
                 if c.finish_reason is not None:
                     choice["weight_versions"] = _versions(out, version)
+                elif spans is not None:
+                    choice["weight_versions"] = spans
                 pending.append(chunks.chunk(choice, len(ids), sent_toks[i]))
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)

@@ -24,6 +24,9 @@ paths), rule for rule:
 * a sample that ends for any other reason flushes its detokenizer (``finish()``; a stop
   string completed by the flush cuts the text only, as in the engine).
 
+Each sample also keeps where each weight version's tokens start (``CompletionOutput.version_marks``): a delta's
+tokens are one step's, produced by its ``weight_versions[-1]``.
+
 Errors are per request: one whose outputs cannot be processed (a tokenizer that raises on its
 tokens) ends alone with :class:`~rlserve.errors.EngineStepError` and is aborted in the
 core; the others go on.
@@ -54,7 +57,8 @@ class _NoText:
 
 
 class _Sample:
-    __slots__ = ("detok", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "routed")
+    __slots__ = ("detok", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "routed",
+                 "marks", "mark_version")
 
     def __init__(self, detok, want_logprobs: bool):
         self.detok = detok
@@ -64,6 +68,8 @@ class _Sample:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.routed = RoutedChunks()  # routed-experts replay: rows as the core sends them
+        self.marks: list[tuple[int, str]] = []  # (first token index, weight version): CompletionOutput.version_marks
+        self.mark_version: str | None = None  # the last mark's version
 
 
 class _State:
@@ -172,12 +178,16 @@ class OutputProcessor:
                 raise RuntimeError("the engine sent no start for this request")
             st = self._states[rid] = _State(req, d.start, self.tokenizer)
         stopped = []
+        version = d.weight_versions[-1] if d.weight_versions else None  # (the step's: its newest tokens')
         for sd in d.samples:
             s = st.samples[sd.index]
             if sd.routed_experts is not None:
                 s.routed.add(sd.routed_experts)
             if s.finish_reason is not None:
                 continue  # stopped here already: tokens the core sampled past it are dropped
+            if s.mark_version != version and sd.token_ids:
+                s.marks.append((len(s.token_ids), version))
+                s.mark_version = version
             if self._extend(st, s, sd):
                 stopped.append(sd.index)
         if d.finished:
@@ -224,7 +234,8 @@ class OutputProcessor:
                                  None if s.logprobs is None else list(s.logprobs),
                                  None if s.finish_reason is None else s.routed.result(
                                      len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
-                                 s.finish_reason, s.stop_reason)
+                                 s.finish_reason, s.stop_reason,
+                                 list(s.marks) if len(s.marks) > 1 else None)  # (one version: no list to build)
                 for i, s in enumerate(st.samples)]
         # request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, weight_version,
         # weight_versions, prompt_logprob_ranks, arrival_time, first_token_time, scheduled_time
