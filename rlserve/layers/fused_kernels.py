@@ -98,7 +98,15 @@ def _rope_cos_sin(COS, SIN, pos, d, rot_mask, ROT: tl.constexpr, dt: tl.constexp
     sin = tl.load(SIN + pos * ROT + d, mask=rot_mask, other=0.0).to(dt).to(tl.float32)
     return cos, sin
 
-@triton.jit(do_not_specialize=["T"])
+# The qkv kernels' per-step pointers: positions and slots (whole-step tensors, or views at an offset of a
+# static buffer), and the scales that alias the slots without an fp8 cache. Each program loads one value (TOKENS
+# of them) of each: their 16-byte alignment buys nothing, and a view at another alignment would compile another
+# variant in the middle of serving. The per-program constexprs (TOKENS, HEADS, PDL) follow T: the warm-up runs
+# one forward per launch class (fused_ops.qkv_warm_token_counts)
+_QKV_PER_STEP = ["POS", "SLOT", "K_SCALE", "V_SCALE"]
+
+
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=_QKV_PER_STEP)
 def _qkv_norm_rope_write_kernel(
     QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_t, stride_qo, stride_cs,
@@ -141,7 +149,7 @@ def _qkv_norm_rope_write_kernel(
                     tl.store(VC + dst, _to_cache(v, V_SCALE, FP8_MAX, VC.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=_QKV_PER_STEP)
 def _qkv_norm_rope_write_heads_kernel(
     QKV, POS, COS, SIN, QW, KW, Q_OUT, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_t, stride_qo, stride_cs,

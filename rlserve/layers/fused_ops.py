@@ -127,6 +127,38 @@ def _qkv_heads_per_program(T: int, n_heads: int, device: torch.device) -> int:
     return h
 
 
+def qkv_launch(T: int, n_heads: int, device: torch.device) -> tuple[str, tuple[int, int], dict]:
+    """``(kernel name, grid, per-program constexprs)`` of :func:`qkv_norm_rope_write` for ``T`` tokens
+    of ``n_heads`` query + key heads: several heads of one token per program on decode-sized batches
+    (``HEADS``, :func:`_qkv_heads_per_program`), else one head per program, ``TOKENS`` tokens of it
+    (``_QKV_TOKENS_PER_PROGRAM`` from ``_QKV_MANY_TOKENS`` tokens on)."""
+    heads = _qkv_heads_per_program(T, n_heads, device) if T < _QKV_MANY_TOKENS else 1
+    if heads > 1:
+        return "_qkv_norm_rope_write_heads_kernel", (T, -(-n_heads // heads)), {"HEADS": heads}
+    tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
+    return "_qkv_norm_rope_write_kernel", (-(-T // tokens), n_heads), {"TOKENS": tokens}
+
+
+def qkv_launch_class(T: int, n_heads: int, device: torch.device) -> tuple:
+    """What Triton compiles apart among :func:`qkv_norm_rope_write`'s launches of ``T`` tokens: the
+    kernel, its per-program constexpr, and whether it may launch with PDL (one row: ``pdl.neighbours``);
+    ``T`` itself is not specialised (``do_not_specialize``)."""
+    name, _, per_program = qkv_launch(T, n_heads, device)
+    return name, tuple(per_program.items()), T == 1
+
+
+def qkv_warm_token_counts(n_heads: int, device: torch.device) -> list[int]:
+    """The smallest token count of each :func:`qkv_launch_class` (every ``T`` from 1 to
+    ``_QKV_MANY_TOKENS``; from there on the class no longer changes), ascending: a forward of each
+    compiles every variant of the qkv kernels a serving run can launch (the model runner's warm-up).
+    Without it a step of, e.g., 400 tokens (4 heads a program on an H100 for Qwen3-0.6B) compiled one
+    in the middle of serving."""
+    first: dict[tuple, int] = {}
+    for T in range(1, _QKV_MANY_TOKENS + 1):
+        first.setdefault(qkv_launch_class(T, n_heads, device), T)
+    return sorted(first.values())
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -250,14 +282,8 @@ def qkv_norm_rope_write(
         raise ValueError("the KV cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]")
     norm = q_weight is not None
     n_heads = num_heads + num_kv_heads
-    heads = _qkv_heads_per_program(T, n_heads, qkv.device) if T < _QKV_MANY_TOKENS else 1
-    if heads > 1:  # decode batches: several heads of one token per program
-        kernel = _kernels()._qkv_norm_rope_write_heads_kernel
-        grid, per_program = (T, -(-n_heads // heads)), {"HEADS": heads}
-    else:  # one head per program, several tokens on long (prefill) batches
-        tokens = _QKV_TOKENS_PER_PROGRAM if T >= _QKV_MANY_TOKENS else 1
-        kernel = _kernels()._qkv_norm_rope_write_kernel
-        grid, per_program = (-(-T // tokens), n_heads), {"TOKENS": tokens}
+    name, grid, per_program = qkv_launch(T, n_heads, qkv.device)
+    kernel = getattr(_kernels(), name)
     args = (qkv, positions, cos_cache, sin_cache, q_weight if norm else qkv, k_weight if norm else qkv,
             q, k_cache, v_cache, slot_mapping, *kv_quant.kernel_scales(k_cache, k_scale, v_scale, slot_mapping),
             qkv.stride(0), q.stride(0), k_cache.stride(1), num_heads, num_kv_heads, float(eps), T)

@@ -160,6 +160,17 @@ def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: 
     return int(max(1, min(want, by_len, _MAX_SPLITS)))
 
 
+def decode_variants() -> list[tuple[int, int]]:
+    """``(rows, splits)`` of one decode launch per variant of the decode kernels Triton compiles apart
+    (their constexprs that follow the step, not the model): one row (``ORDERED`` False; ``PDL`` where
+    :func:`rlserve.layers.pdl.neighbours` is on) and two (``ORDERED``); one split (``SPLIT`` False, no
+    merge) and one split count per merge width ``S_PAD = next_pow2(S)`` up to ``_MAX_SPLITS``
+    (:func:`plan_num_splits` picks any of them: a mixed step's decode rows, an eager decode step).
+    ``NUM_SPLITS`` and ``stride_bt`` are not specialised. For :mod:`rlserve.engine.worker.jit_warmup`."""
+    splits = sorted({1} | {min(1 << k, _MAX_SPLITS) for k in range(1, (_MAX_SPLITS - 1).bit_length() + 1)})
+    return [(rows, s) for rows in (1, 2) for s in splits]
+
+
 if HAS_TRITON:
     from rlserve.layers.triton_attention_kernels import (_decode_kernel, _decode_reduce_kernel, _prefill_kernel,
                                                          _write_kv_kernel)

@@ -72,7 +72,10 @@ def _fp8_query(q, KV_CVT: tl.constexpr):
         return q
 
 
-@triton.jit
+# SLOT is the step's slot mapping (a view at an offset of a step's upload where a step is split) and K_SCALE /
+# V_SCALE alias it without an fp8 cache: one int64 / float32 load per program, which 16-byte alignment does not
+# speed up; unmarked, a view at another alignment would compile a second variant in the middle of serving
+@triton.jit(do_not_specialize_on_alignment=["SLOT", "K_SCALE", "V_SCALE"])
 def _write_kv_kernel(
     K, V, KC, VC, SLOT, K_SCALE, V_SCALE,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -97,8 +100,15 @@ def _write_kv_kernel(
     tl.store(VC + dst, _to_cache(v, V_SCALE, FP8_MAX, VC.dtype.element_ty), mask=mask)
 
 # stride_bt (the block-table width) and NUM_SPLITS change from step to step outside CUDA
-# graphs: not specialised, so one compilation serves every step (see fused_kernels)
-@triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"])
+# graphs: not specialised, so one compilation serves every step (see fused_kernels). BT, SEQ_LENS, ORDER (and
+# K_SCALE / V_SCALE, which alias SEQ_LENS without an fp8 cache) are per-step views (a mixed step's decode rows:
+# AttentionMetadata.sequences) read a scalar per program, or BLOCK_N / PAGE block ids at ``BT + b * stride_bt``
+# whose alignment stride_bt (unspecialised) already hides: their alignment buys nothing, and a view at another
+# one compiled another variant in the middle of serving (the prefill kernel's miss, BENCHMARKS.md H25). The
+# constexprs that follow the batch (SPLIT, ORDERED, PDL; the merge's S_PAD) are warmed by
+# triton_attention.warm_up_decode
+@triton.jit(do_not_specialize=["stride_bt", "NUM_SPLITS"],
+            do_not_specialize_on_alignment=["BT", "SEQ_LENS", "ORDER", "K_SCALE", "V_SCALE"])
 def _decode_kernel(
     Q, KC, VC, BT, SEQ_LENS, ORDER, OUT, PART_O, PART_LSE, K_SCALE, V_SCALE,
     qk_scale,  # softmax scale x log2(e)

@@ -58,7 +58,17 @@ def _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
     return slot, (slot < 0) | (m0 >= end), rows, m_mask
 
 
-@triton.jit
+# Per-step arguments, unspecialised so that one compilation serves every step (an uncompiled key in the middle
+# of serving stalls every stream for the compile, BENCHMARKS.md H25): ``stride_ts`` (T x S x max_rank: divisible
+# by 16 or not with T), the expand's ``n_split`` (1 or more with the step's segments); the segment tensors are
+# per-step uploads read a scalar (or BLOCK_M row ids at a runtime offset) per program, so their 16-byte alignment
+# buys nothing. What it costs: the ``t`` plane offset ``p * stride_ts`` is no longer known to be 16-byte aligned,
+# so a program's [BLOCK_M, BLOCK_R] float32 tile of ``t`` is stored / read without 128-bit vectors -- a few
+# hundred bytes against its K (shrink) or N (expand) columns of weights; not measured (no GPU in session 22)
+_SEGMENTS = ["rows_ptr", "seg_start_ptr", "seg_slot_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_ts"], do_not_specialize_on_alignment=_SEGMENTS)
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
                    K, R, stride_xm, stride_as, stride_ar, stride_ts, stride_tm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -93,7 +103,7 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
         tl.store(t_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_split", "stride_ts"], do_not_specialize_on_alignment=_SEGMENTS)
 def _expand_kernel(t_ptr, b_ptr, y_ptr, rows_ptr, seg_start_ptr, seg_slot_ptr,
                    N, MAXR, off1, off2, n_split, stride_ts, stride_tm, stride_bs, stride_bn, stride_ym,
                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -41,7 +41,7 @@ from rlserve import envs
 from rlserve.batch_invariant import cpu as bi_cpu, mode as bi_mode
 from rlserve.engine.cpu import cpu_microbatch
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_representatives
-from rlserve.engine.worker import prefill_graphs as pg
+from rlserve.engine.worker import jit_warmup, prefill_graphs as pg
 from rlserve.engine.worker.step_input import StepInput
 from rlserve.h2d import fill_rows, gather_rows, to_device
 from rlserve.layers import cpu_gemm, kv_quant
@@ -213,10 +213,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Before the first request: on CUDA, run a 16-token and a 1024-token prefill (both
-        capped at ``max_model_len``) that write nothing (every slot -1) so the prefill kernels
-        are compiled (the fused q/k-norm + rotary kernel has a variant for long batches), then
-        capture the decode CUDA graphs (when they are on), which compiles the decode kernels.
+        """Before the first request: on CUDA, run prefills (16 and 1024 tokens, and one per launch class
+        of the fused q/k-norm + rotary kernel; sequences of at most ``max_model_len``) that write nothing
+        (every slot -1) and the Triton decode attention in each variant, so every kernel variant a serving
+        step can launch is compiled (:mod:`rlserve.engine.worker.jit_warmup`), then
+        capture the decode CUDA graphs (when they are on).
         A model with routed experts first compiles every fused-MoE specialization (:meth:`moe_warm_up`).
         First, unless ``RLSERVE_TRITON_PRECOMPILE=0`` or the model routes tokens to experts, the
         same forwards run once with Triton's compilations recorded instead of done, and what
@@ -275,18 +276,18 @@ class ModelRunner:
         return moe_kernels.warm_up(layers, self.dtype)
 
     def _warm_forwards(self, graph_sizes: bool) -> None:
-        """The warm-up's eager forwards: a 16- and a 1024-token prefill writing nothing, each with
-        its last row's logits; ``graph_sizes``: also the decode forward (padding rows: context 0,
+        """The warm-up's eager forwards: prefills writing nothing (16 and 1024 tokens, and one per launch
+        class of the fused qkv kernels: :func:`jit_warmup.forward_inputs`), each with
+        its last row's logits, and the Triton decode attention in each of its variants
+        (:func:`jit_warmup.warm_decode_attention`); ``graph_sizes``: also the decode forward (padding rows: context 0,
         no KV write) with every row's logits, as a capture runs it, of one CUDA-graph batch size per
         class Triton may compile apart (:func:`specialization_representatives`; the recording pass
         of :meth:`warm_up`, which only needs each specialization once)."""
-        for n in sorted({min(x, self.block_size * self.num_blocks, self._max_model_len()) for x in (16, 1024)}):
-            meta = AttentionMetadata.build([n], [n], [list(range(-(-n // self.block_size)))], self.block_size,
-                                           self.device)
-            meta.slot_mapping.fill_(-1)
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, dtype=torch.long, device=self.device)
+        cap = min(self.block_size * self.num_blocks, self._max_model_len())
+        for ids, pos, meta in jit_warmup.forward_inputs(self.model, cap, self._max_batched_tokens(), self.block_size,
+                                                        self.device):
             self.model.compute_logits(self.model(ids, pos, meta)[-1:], **self._logits_kw)
+        jit_warmup.warm_decode_attention(self.model, self.dtype, self.device)
         if graph_sizes:
             graphs = self._new_graphs()
             for bs in specialization_representatives(graphs.sizes):

@@ -1,0 +1,32 @@
+"""No Triton kernel compiles after the engine is ready (issue 37) on a CUDA GPU: an offline engine of the
+Qwen3-0.6B shape (dummy bf16 weights; the engine's CUDA defaults: Triton attention, decode CUDA graphs,
+piecewise prefill graphs, overlapped scheduling) finishes its warm-up, then ``benchmarks/jit_misses.py``'s
+varied workload runs at a smaller scale (bursts of 1..64 requests, prompts of 1..~1,000 tokens, one request
+added per step, n > 1, logprobs, prompt logprobs, seeded sampling, stop tokens, prefix-cache hits), with
+and without mixed prefill + decode steps; ``triton.knobs.runtime.jit_cache_hook`` must see no miss
+(a miss is a compile, or a load from Triton's disk cache, in the middle of serving: BENCHMARKS.md H25).
+Session 21's H100 run saw ~17 compiles after ready and a prefill-kernel miss mid-run; the CPU side of this
+check is ``tests/test_jit_keys_triton.py`` (the same keys, computed in Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton compiles for it)")
+
+from benchmarks.jit_misses import JitCounter, run_workload, summary  # noqa: E402
+from benchmarks.model_shapes import save_shape  # noqa: E402
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["default", "mixed"])
+def test_no_triton_compile_after_ready(mixed, tmp_path):
+    from rlserve import LLM
+
+    llm = LLM(save_shape("qwen3-0.6b", str(tmp_path)), dtype="bfloat16", device="cuda", load_format="dummy",
+              skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64, mixed_prefill_decode=mixed)
+    with JitCounter() as counter:
+        work = run_workload(llm.engine, counter, llm.engine.vocab_size, scale=0.5, max_len=2000, max_seqs=64)
+    assert counter.available
+    assert sum(work["requests"].values()) >= 100 and len(work["steps"]) >= 200
+    assert counter.misses == [], "\n".join(summary(counter, work))
