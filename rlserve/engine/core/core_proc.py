@@ -325,7 +325,7 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
 
         allow_binding()  # this process only runs the engine: its CPU engine thread may be pinned
         config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-        engine = LLMEngine(config, dp_index=args.dp_index)
+        engine = LLMEngine(config, dp_index=args.dp_index, defer_tokenizer=True)  # loaded after ready (below)
         core = EngineCore(engine, args.dp_index, args.weight_version, deltas=True)
         dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
         info = proto.EngineInfo(pid=os.getpid(), vocab_size=int(engine.vocab_size),
@@ -350,6 +350,9 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
     # after CoreReady: this collection (~0.3 s) overlaps the API process's own app build and heap
     # freeze, which come before its first request; a message meanwhile waits in the socket
     freeze_startup_heap(f"engine-core process {args.dp_index}")  # the model's objects: never collected
+    # the tokenizer (text prompts, structured outputs; transformers' tokenizer stack) loads from here on, beside
+    # the loop: not before ready (rlserve.engine.core.core_tokenizer)
+    engine.start_tokenizer_load()
     server = CoreServer(core, inp, out, args.parent_pid)
     try:
         server.run()
@@ -397,7 +400,8 @@ def warm_up_imports(device: str) -> list[tuple[str, float]]:
     the 2-core CPU machine). A failure here is left for the real start to meet and report.
 
     Returns ``[(part, seconds)]`` in order, for the start-up line (wall-clock seconds of each part:
-    ``torch``, ``engine modules`` (rlserve's engine, transformers' tokenizer code, ZMQ), ``transformers
+    ``torch``, ``engine modules`` (rlserve's engine, ZMQ; not transformers' tokenizer code: the core
+    loads its tokenizer after ready, :mod:`rlserve.engine.core.core_tokenizer`), ``transformers
     configs`` (:data:`_CONFIG_MODULES`), then ``CUDA init`` and ``Triton import + key`` where they ran), and last
     ``CPU`` (this process's CPU seconds so far: well below the parts' sum means the imports waited on the
     disk)."""

@@ -12,9 +12,11 @@ from rlserve import envs
 from rlserve.config import EngineConfig
 
 
-def eos_token_ids(model_path: str, tokenizer, hf_config) -> set[int]:
+def eos_token_ids(model_path: str, get_tokenizer, hf_config) -> set[int]:
     """EOS ids as Hugging Face ``generate`` uses them: generation_config.eos_token_id
-    (int or list), else config.eos_token_id, plus the tokenizer's eos."""
+    (int or list), else config.eos_token_id, else the tokenizer's eos. ``get_tokenizer``: ``() ->
+    tokenizer or None``, called only when neither config names an EOS id (the engine-core process
+    loads its tokenizer after ready, :mod:`rlserve.engine.core.core_tokenizer`)."""
     ids: set[int] = set()
     try:
         gen = GenerationConfig.from_pretrained(model_path)
@@ -27,7 +29,8 @@ def eos_token_ids(model_path: str, tokenizer, hf_config) -> set[int]:
         ids.add(e)
     elif e:
         ids.update(int(x) for x in e)
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+    tokenizer = None if ids else get_tokenizer()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
 

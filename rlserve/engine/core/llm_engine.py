@@ -10,11 +10,11 @@ import time
 from typing import Iterable
 
 import torch
-from transformers import AutoTokenizer
 
 from rlserve import envs
 from rlserve.config import EngineConfig
 from rlserve.engine.core.block_manager import BlockManager
+from rlserve.engine.core.core_tokenizer import DeferredTokenizer, load_tokenizer
 from rlserve.engine.core.engine_setup import eos_token_ids, start_sampler_precompile, want_async_scheduling
 from rlserve.engine.core.engine_step import EngineStep
 from rlserve.engine.outputs import RequestOutput
@@ -55,12 +55,16 @@ class LLMEngine(EngineStep, RequestAdmission):
             (``execute(step) -> logits``, ``collective_rpc(target, *args)``, ``set_max_model_len(n)``,
             ``determine_num_blocks()``, ``bytes_per_block()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
             ``dtype``, ``device``); default: one in-process :class:`Worker`.
+        defer_tokenizer: do not load the tokenizer during construction (the engine-core process: it does not
+            detokenize, see :mod:`rlserve.engine.core.core_tokenizer`): :meth:`start_tokenizer_load` loads it
+            on a thread, and :attr:`tokenizer` waits for that load (or loads it) when first read.
 
     Raises:
         UnsupportedArchitectureError, InvalidRequestError: bad model or config.
     """
 
-    def __init__(self, config: EngineConfig, executor=None, dp_index: int = 0):
+    def __init__(self, config: EngineConfig, executor=None, dp_index: int = 0, defer_tokenizer: bool = False):
+        self._defer_tokenizer = defer_tokenizer
         phases = Phases(logger)
         t_init = phases.t
         self.config = config
@@ -93,7 +97,7 @@ class LLMEngine(EngineStep, RequestAdmission):
                                    config.max_consecutive_prefill_steps,
                                    config.max_prefill_tokens_while_decoding, config.enable_chunked_prefill,
                                    config.long_prefill_token_threshold, config.mixed_prefill_decode)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, self.hf_config)
+        self.eos_token_ids = eos_token_ids(config.model, lambda: self.tokenizer, self.hf_config)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size, generator_seed=config.seed,
                                logprobs_mode=config.logprobs_mode)
         self._overlap = None  # overlapped decode (rlserve.engine.core.overlap)
@@ -142,8 +146,14 @@ class LLMEngine(EngineStep, RequestAdmission):
         self.executor = executor
         self.hf_config = executor.hf_config
         phases.mark("engine executor (model loaded)")
-        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        phases.mark("engine tokenizer")
+        path = config.tokenizer or config.model
+        if config.skip_tokenizer_init:
+            self.tokenizer = None
+        elif self._defer_tokenizer:
+            self.tokenizer = DeferredTokenizer(path)  # loaded after ready (start_tokenizer_load) or when needed
+        else:
+            self.tokenizer = load_tokenizer(path)
+            phases.mark("engine tokenizer")
         self.vocab_size = int(self.hf_config.vocab_size)
         auto_fit = config.max_model_len == AUTO_MAX_MODEL_LEN  # (vLLM's -1: cut to the KV cache below)
         config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
@@ -215,6 +225,30 @@ class LLMEngine(EngineStep, RequestAdmission):
         return enable(reserve_rows=max_num_seqs)
 
     # ---- properties -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer, or None (``skip_tokenizer_init``); with ``defer_tokenizer``, reading it
+        waits for (or does) the load. Raises what loading it raised."""
+        tok = self._tokenizer
+        if isinstance(tok, DeferredTokenizer):
+            tok = self._tokenizer = tok.get()
+        return tok
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the engine has a tokenizer (not ``skip_tokenizer_init``), without waiting for a deferred load."""
+        return self._tokenizer is not None
+
+    def start_tokenizer_load(self) -> None:
+        """With ``defer_tokenizer``: start loading the tokenizer on a background thread (the engine-core process
+        calls this after its ready message). Otherwise nothing."""
+        if isinstance(self._tokenizer, DeferredTokenizer) and not self._tokenizer.loaded:
+            self._tokenizer.start()
+
     @property
     def model(self):
         return self.executor.model

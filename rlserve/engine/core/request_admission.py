@@ -4,7 +4,7 @@ samples (per-sample seeds, detokenizers) and queueing them, with a ``structured_
 constraint that compiles slowly finishing its compile beside the steps (:meth:`admit_compiled`).
 
 :class:`RequestAdmission` is a base class of ``LLMEngine``; it uses the engine's ``config``,
-``tokenizer``, ``vocab_size``, ``max_model_len``, ``eos_token_ids``, ``detokenize``, ``requests``,
+``tokenizer``, ``has_tokenizer``, ``vocab_size``, ``max_model_len``, ``eos_token_ids``, ``detokenize``, ``requests``,
 ``scheduler``, ``sleep_mode``, ``stats_counters``, ``_grammars``, ``_grammar_compiler``,
 ``_overlap`` and :meth:`abort_request`."""
 
@@ -16,7 +16,6 @@ import itertools
 import logging
 
 from rlserve.engine.core.sequence import Request, Sequence
-from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
@@ -59,7 +58,7 @@ class RequestAdmission:
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if not self.has_tokenizer:
                 raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init): pass token ids")
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty")
@@ -121,7 +120,7 @@ class RequestAdmission:
         for k in (params.logprobs, params.prompt_logprobs):
             if k is not None and 0 <= self.config.max_logprobs < k:  # max_logprobs -1: no limit
                 raise InvalidRequestError(f"logprobs may be at most {self.config.max_logprobs}, got {k}")
-        if self.tokenizer is None and params.stop:
+        if params.stop and not self.has_tokenizer:
             raise InvalidRequestError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         pending = None
         if params.structured_outputs is not None:
@@ -137,11 +136,13 @@ class RequestAdmission:
             seq = Sequence(request_id, i, ids, p, self.config.block_size)
             if params.structured_outputs is not None and pending is None:
                 seq.grammar = self.grammar_compiler().new_state(params.structured_outputs, compiled)
-            if self.tokenizer is None or not self.detokenize:
+            if not self.detokenize or not self.has_tokenizer:  # (detokenize first: no wait for a deferred load)
                 seq.detokenizer = _NullDetokenizer()
                 if not self.detokenize and params.logprobs is not None:
                     seq.sampled_logprobs = []
             else:
+                from rlserve.engine.detokenizer import IncrementalDetokenizer  # (not in the engine-core process)
+
                 seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
@@ -185,7 +186,7 @@ class RequestAdmission:
             InvalidRequestError: no tokenizer (skip_tokenizer_init), or xgrammar missing.
         """
         if self._grammar_compiler is None:
-            if self.tokenizer is None:
+            if not self.has_tokenizer:
                 raise InvalidRequestError("structured outputs need a tokenizer (the engine runs with "
                                           "skip_tokenizer_init)")
             from rlserve.engine.core.structured import GrammarCompiler
