@@ -5,7 +5,9 @@ Each run is a fresh ``python -X importtime`` process that does one process's sta
 
 - ``core``: a prestarted engine-core process's (:func:`rlserve.engine.core.core_proc.warm_up_imports`,
   with ``--device``: ``cuda`` adds the CUDA driver init and Triton's source hash where
-  ``RLSERVE_GPU_START_OVERLAP=1``, as ``rlserve serve`` runs it);
+  ``RLSERVE_GPU_START_OVERLAP=1``, as ``rlserve serve`` runs it); with ``--build`` also the engine's
+  construction as ``core_proc.main`` does it (``--model``; session 22: the core's tokenizer, and with it
+  transformers' tokenizer classes, loads after ready, so a tree's imports alone no longer compare);
 - ``api``: the API process's, as ``rlserve serve`` does them on a GPU with the overlap on: the app's
   modules, the generation defaults and the tokenizer's load (transformers) on three threads beside each
   other, after the CLI and the async engine's modules (``--model DIR``: its config and tokenizer; default
@@ -47,6 +49,18 @@ except ImportError:
     gc_off = contextlib.nullcontext
 with gc_off():
     parts = warm_up_imports(sys.argv[1])
+if sys.argv[3:4] == ["build"]:  # --build: then the engine, as core_proc.main builds it (the model: sys.argv[2])
+    import inspect
+    from rlserve.config import EngineConfig
+    from rlserve.engine.core.engine_core import EngineCore
+    from rlserve.engine.core.llm_engine import LLMEngine
+    kw = {"defer_tokenizer": True} if "defer_tokenizer" in inspect.signature(LLMEngine).parameters else {}
+    t_build, c_build = time.perf_counter(), time.process_time()
+    config = EngineConfig(model=sys.argv[2], device=sys.argv[1], max_model_len=256, max_num_seqs=8)
+    EngineCore(LLMEngine(config, **kw), 0, "0", deltas=True)
+    parts = [p for p in parts if p[0] != "CPU"] + [("engine build", time.perf_counter() - t_build),
+                                                     ("build CPU", time.process_time() - c_build),
+                                                     ("CPU", time.process_time())]
 print("RESULT", time.perf_counter() - t, time.process_time(), repr(parts), flush=True)
 """ + """
 import importlib.util, os
@@ -123,7 +137,8 @@ def start(checkout: str, side: str, args) -> tuple[subprocess.Popen, float]:
                                                                     os.environ.get("PYTHONPATH", "")) if p))
     if args.device != "cpu":
         env.setdefault("RLSERVE_GPU_START_OVERLAP", "1")
-    code, extra = (_CORE, [args.device]) if side == "core" else (_API, [args.device, args.model])
+    code, extra = (_CORE, [args.device, args.model, "build" if args.build else "imports"]) if side == "core" \
+        else (_API, [args.device, args.model])
     p = subprocess.Popen([sys.executable, "-X", "importtime", "-c", code, *extra], env=env, cwd=checkout,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return p, time.perf_counter()
@@ -171,6 +186,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="the server's --device (core: cuda adds CUDA init + Triton key)")
     ap.add_argument("--model", default=None, help="api: the model directory (config, tokenizer); default tiny Llama")
     ap.add_argument("--parallel", action="store_true", help="start a round's sides at the same time")
+    ap.add_argument("--build", action="store_true",
+                    help="core: then build the engine as the engine-core process does (--model, max_model_len 256): "
+                         "imports + build = the core's start to ready (a tree whose core loads its tokenizer at "
+                         "construction pays that here)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--depth", type=int, default=2, help="import-tree levels ranked by cumulative time")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take (catches a hang)")

@@ -21,16 +21,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 180  # bound on the subprocess (seconds): only catches a hang
 
 #: what the core's start-up (prestarted imports, then the engine and its EngineCore) no longer imports: transformers'
-#: tokenizer classes and rlserve's detokenizer (the API process detokenizes)
+#: tokenizer classes, rlserve's detokenizer (the API process detokenizes), LoRA's adapter code (no --enable-lora)
+#: and, on the CPU, the batch-invariant Triton kernels (and so Triton)
 LAZY = ("transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers",
-        "transformers.convert_slow_tokenizer", "sentencepiece", "rlserve.engine.detokenizer")
+        "transformers.convert_slow_tokenizer", "sentencepiece", "rlserve.engine.detokenizer", "rlserve.lora.model",
+        "rlserve.lora.adapter", "rlserve.batch_invariant.gpu", "triton")
 
 
 def test_core_start_up_leaves_the_tokenizer_stack_out(tiny_model):
     """A fresh process does the core's start-up imports (``warm_up_imports``), builds the engine as the core does
-    (``defer_tokenizer=True``, EngineCore in delta mode) and generates from token ids: none of :data:`LAZY` is
-    imported. Then the load the core starts after its ready message brings the tokenizer. Fails on the code before
-    (``llm_engine`` imported ``AutoTokenizer`` at module level and the engine loaded the tokenizer)."""
+    (``defer_tokenizer=True``, EngineCore in delta mode, on the CPU) and generates from token ids: none of
+    :data:`LAZY` is imported. Then the load the core starts after its ready message brings the tokenizer. Fails on
+    the code before (``llm_engine`` imported ``AutoTokenizer`` at module level and the engine loaded the tokenizer;
+    the worker imported ``rlserve.lora.model``; the linear layers ``batch_invariant.gpu``)."""
     code = textwrap.dedent("""
         import sys
         from rlserve.engine.core.core_proc import warm_up_imports

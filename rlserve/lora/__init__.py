@@ -5,6 +5,18 @@ linears, :mod:`~rlserve.lora.engine_ops` is what the routes run on every replica
 :mod:`~rlserve.lora.registry` is the API server's table of adapter names."""
 
 
+#: the model's attribute holding its :class:`~rlserve.lora.model.LoRAModel` (set with ``--enable-lora``)
+ATTR = "rlserve_lora"
+
+
+def lora_of(model):
+    """The model's :class:`~rlserve.lora.model.LoRAModel`, or None without ``--enable-lora``. Here, not in
+    :mod:`rlserve.lora.model`, so that the worker and the model runner, which ask it every step, do not import
+    the adapter code (:mod:`~rlserve.lora.adapter`, ``layers``, ``merge``, ``slots``) in a start without LoRA
+    (issue 37: the engine-core process's start-up imports)."""
+    return getattr(model, ATTR, None)
+
+
 def require_peft(setting: str) -> None:
     """Check, at start-up, that PEFT (which :mod:`rlserve.lora.adapter` reads an adapter's config
     with) is installed: ``rlserve serve --enable-lora`` and ``LLM(..., enable_lora=True)`` call it

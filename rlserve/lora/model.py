@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from rlserve.errors import LoRAAdapterError
+from rlserve.lora import ATTR, lora_of  # noqa: F401 (lora_of: importable here, as before)
 from rlserve.lora.adapter import LoRAAdapter, read_adapter
 from rlserve.lora.layers import LoRABatch, LoRALinear, apply_lora, segments
 from rlserve.lora.merge import MergedAdapter, mergeable
@@ -41,7 +42,6 @@ from rlserve.lora.slots import slots_ok
 
 logger = logging.getLogger(__name__)
 
-ATTR = "rlserve_lora"  # the model's attribute holding its LoRAModel
 _DECODER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.")
 
 
@@ -266,11 +266,6 @@ class LoRAModel:
         """Drop every layer's cached fast-path check (it looks at the hooks, which just changed)."""
         for m in self._modules:
             m.__dict__.pop("_cpu_fast_ok", None)
-
-
-def lora_of(model) -> LoRAModel | None:
-    """The model's :class:`LoRAModel`, or None without ``--enable-lora``."""
-    return getattr(model, ATTR, None)
 
 
 def _triton_ok() -> bool:

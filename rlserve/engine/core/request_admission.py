@@ -19,7 +19,6 @@ from rlserve.engine.core.sequence import Request, Sequence
 from rlserve.engine.outputs import RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
 from rlserve.errors import InvalidRequestError
-from rlserve.lora.engine_ops import check_request_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +93,10 @@ class RequestAdmission:
             self.sleep_mode.check_generate()
         params = params or SamplingParams()
         params.validate()
-        check_request_adapter(self, params)
+        if getattr(params, "lora_int_id", 0):  # (LoRA's code: imported at the model's build with --enable-lora)
+            from rlserve.lora.engine_ops import check_request_adapter
+
+            check_request_adapter(self, params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)

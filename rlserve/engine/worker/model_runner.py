@@ -46,7 +46,7 @@ from rlserve.engine.worker.step_input import StepInput
 from rlserve.h2d import fill_rows, gather_rows, to_device
 from rlserve.layers import cpu_gemm, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
-from rlserve.lora.model import lora_of
+from rlserve.lora import lora_of
 from rlserve.model_len import verify_max_model_len
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from rlserve.engine.worker import prefill_graphs as pg
 from rlserve.engine.worker.model_runner import ModelRunner, StepInput, kv_cache_bytes_per_block
 from rlserve.errors import InvalidRequestError
 from rlserve.kv_size import CPU_KV_CACHE_BYTES, blocks_for
-from rlserve.lora.model import lora_of
+from rlserve.lora import lora_of
 from rlserve.distributed.head_partition import attention_head_partition
 
 logger = logging.getLogger(__name__)
