@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, issue 37 (start22; budget $BUDGET, 100 s by default): `rlserve serve` of the dummy Qwen3-8B shape
+# Session 22, issue 37 (start22; budget $BUDGET, 100 s by default; `run_window.sh start:150` leaves step B its time): `rlserve serve` of the dummy Qwen3-8B shape
 # (tiny tokenizer, --max-model-len 2056), process start -> ready, this tree against the tree before session 22's
 # start-up change (s22_start_base.patch taken out again: the engine-core process loading its tokenizer, and so
 # transformers' tokenizer classes, before ready). Target: <= 15 s; session 21's H100 run (T12): 15.11 s, the core's
