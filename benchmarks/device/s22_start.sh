@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, issue 37 (start22; budget $BUDGET, 100 s by default; `run_window.sh start:150` leaves step B its time): `rlserve serve` of the dummy Qwen3-8B shape
+# Session 22, issue 37 (start22; budget $BUDGET, 150 s by default; `run_window.sh start:180` leaves step B its time): `rlserve serve` of the dummy Qwen3-8B shape
 # (tiny tokenizer, --max-model-len 2056), process start -> ready, this tree against the tree before session 22's
 # start-up change (s22_start_base.patch taken out again: the engine-core process loading its tokenizer, and so
 # transformers' tokenizer classes, before ready). Target: <= 15 s; session 21's H100 run (T12): 15.11 s, the core's
@@ -10,7 +10,7 @@
 # much it is on the H100).
 # Steps (each takes what is left; the later ones are cut first):
 #   P) import profile (benchmarks/import_profile.py, -X importtime): both trees' engine-core and API imports, both
-#      processes at once as at a start, one round each (<= 40 s): the core's parts, CPU, and bytecode state
+#      processes at once as at a start, one round each (<= 60 s): the core's parts, CPU, and bytecode state
 #   S) starts, interleaved in one startup_stop.py call: this tree, base, this tree, base (as many as finish),
 #      RLSERVE_GPU_START_OVERLAP=1 in both (as s21_start.sh); the first start may compile Triton kernels no earlier
 #      script left in ~/.triton/cache (the kernels' sources are the same in both trees): compare base with this
@@ -19,7 +19,7 @@
 #      caching the packages' .pyc would save on that image (the first round writes them, the second reads)
 # Logs: $OUT_DIR/import_profile.{log,json}, serve_S.{log,json}, import_profile_pycache.{log,json}; summary.txt: ready, first request, phase lines.
 # DRY_RUN=1: the tests' tiny Llama on the CPU.
-NAME=s22_start BUDGET=${BUDGET:-100}; source "$(dirname "$0")/lib.sh"
+NAME=s22_start BUDGET=${BUDGET:-150}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$DRY_RUN" = 1 ]; then
   SHAPE=tiny-llama; DEV=cpu; SRV=(-- --max-model-len 256 --max-num-seqs 8)
@@ -44,7 +44,7 @@ else:
 PYEOF
 )
 co=(--checkout "$NEW"); [ -n "$BASE" ] && co+=(--checkout "$BASE")
-bounded 40 $PY benchmarks/import_profile.py --side core --side api --device "$DEV" --parallel --model "$MODEL" \
+bounded 60 $PY benchmarks/import_profile.py --side core --side api --device "$DEV" --parallel --model "$MODEL" \
   --top 20 "${co[@]}" --json "$OUT_DIR/import_profile.json" > "$OUT_DIR/import_profile.log" 2>&1
 say "P) rc=$?"
 grep -E "^\S+ (core|api):|by package|bytecode|^summary" "$OUT_DIR/import_profile.log" | cut -c1-700 \
