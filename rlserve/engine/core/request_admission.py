@@ -31,7 +31,7 @@ INLINE_COMPILE_S = 0.05
 
 
 class _NullDetokenizer:
-    """Stands in for :class:`IncrementalDetokenizer` when there is no tokenizer."""
+    """Stands in for the detokenizer (:func:`~rlserve.engine.fast_detokenizer.new_detokenizer`) when there is no tokenizer."""
 
     output_text = visible_text = ""
 
@@ -143,9 +143,9 @@ class RequestAdmission:
                 if not self.detokenize and params.logprobs is not None:
                     seq.sampled_logprobs = []
             else:
-                from rlserve.engine.detokenizer import IncrementalDetokenizer  # (not in the engine-core process)
+                from rlserve.engine.fast_detokenizer import new_detokenizer  # (not in the engine-core process)
 
-                seq.detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, ids, params)
+                seq.detokenizer = new_detokenizer(self.tokenizer, ids, params)
             seqs.append(seq)
         req = Request(request_id, text, ids, params, seqs, next(_arrival))
         self.requests[request_id] = req

@@ -2,8 +2,8 @@
 
 An engine-core process (:mod:`rlserve.engine.core.core_proc`) sends token ids only
 (:class:`~rlserve.engine.core_protocol.RequestDelta`: per step, the tokens each request gained).
-:class:`OutputProcessor` keeps each request's tokens, logprobs and an
-:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` per sample here, off the engine's
+:class:`OutputProcessor` keeps each request's tokens, logprobs and a detokenizer
+(:func:`~rlserve.engine.fast_detokenizer.new_detokenizer`) per sample here, off the engine's
 critical path (vLLM's ``OutputProcessor`` does the same in its front-end process), and builds
 the cumulative outputs the async front delivers.
 
@@ -77,7 +77,7 @@ class _State:
                  "arrival_time", "include_stop", "routed_start")
 
     def __init__(self, req, start, tokenizer):
-        from rlserve.engine.detokenizer import IncrementalDetokenizer
+        from rlserve.engine.fast_detokenizer import new_detokenizer
 
         params = req.params
         self.prompt = req.prompt if isinstance(req.prompt, str) else None
@@ -92,7 +92,7 @@ class _State:
         want_lps = params.logprobs is not None
         self.samples = [
             _Sample(_NoText() if tokenizer is None
-                    else IncrementalDetokenizer.from_params(tokenizer, self.prompt_token_ids, params), want_lps)
+                    else new_detokenizer(tokenizer, self.prompt_token_ids, params), want_lps)
             for _ in range(n)]
 
 
@@ -198,27 +198,30 @@ class OutputProcessor:
         return st, all(s.finish_reason is not None for s in st.samples), stopped
 
     def _extend(self, st: _State, s: _Sample, sd) -> bool:
-        """Add one sample's new tokens. Returns True when a stop string finished it here."""
+        """Add one sample's new tokens, all of them in one detokenizer call (its ``token_index``
+        says where a stop string completed: the tokens, logprobs and ``cumulative_logprob`` end
+        there). Returns True when a stop string finished it here."""
         toks, lps, top = sd.token_ids, sd.sampled_logprobs, sd.logprobs
-        last = len(toks) - 1
-        engine_stop = sd.finish_reason == "stop"
-        for j, tok in enumerate(toks):
-            s.token_ids.append(tok)
-            if s.cumulative_logprob is not None:
-                s.cumulative_logprob += lps[j]
-            if s.logprobs is not None and top is not None:
-                s.logprobs.append(top[j])
-            if j == last and engine_stop:
-                # a terminating EOS / stop token is text only when asked for (vLLM's rule), and a
-                # stop string it completes does not replace the engine's reason
-                if st.include_stop:
-                    s.detok.add_tokens([tok])
-                break
-            match = s.detok.add_tokens([tok])
-            if match is not None:
-                s.finish_reason, s.stop_reason = "stop", match.stop_str
-                s.detok.finish()
-                return True
+        engine_stop = sd.finish_reason == "stop" and len(toks) > 0
+        # a terminating EOS / stop token is text only when asked for (vLLM's rule), and a stop
+        # string it completes does not replace the engine's reason
+        text_toks = toks[:-1] if engine_stop else toks
+        match = s.detok.add_tokens(text_toks) if text_toks else None
+        keep = len(toks) if match is None else match.token_index + 1
+        s.token_ids += toks[:keep]
+        cum = s.cumulative_logprob
+        if cum is not None:  # (None: the request did not ask for logprobs)
+            for lp in lps[:keep]:  # one at a time, in the engine's order: the engine's float
+                cum += lp
+            s.cumulative_logprob = cum
+        if s.logprobs is not None and top is not None:
+            s.logprobs += top[:keep]
+        if match is not None:
+            s.finish_reason, s.stop_reason = "stop", match.stop_str
+            s.detok.finish()
+            return True
+        if engine_stop and st.include_stop:
+            s.detok.add_tokens(toks[-1:])
         if sd.finish_reason is not None:
             s.finish_reason, s.stop_reason = sd.finish_reason, sd.stop_reason
             s.detok.finish()

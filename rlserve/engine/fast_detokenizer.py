@@ -1,0 +1,195 @@
+"""The fast incremental detokenizer: ``tokenizers.decoders.DecodeStream`` (issue 37).
+
+:class:`FastIncrementalDetokenizer` (vLLM v1's name, ``vllm/v1/engine/detokenizer.py``) decodes
+a sequence's new ids with one ``DecodeStream.step`` call: the prefix/read-offset technique of
+:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` done in Rust, so one call into the
+tokenizer per batch of ids instead of two ``decode`` calls and their Python around them per id.
+It keeps every rule of :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer` (stop
+strings, ``min_tokens``, streaming hold-back) and gives the same text as
+:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`, delta for delta:
+
+* the stream starts from the same prompt context (:func:`~rlserve.engine.detokenizer.prompt_context`),
+  primed with ``DecodeStream(ids=context)`` (its text is not output);
+* ids the Rust decode drops anyway -- ids the tokenizer does not know (a dummy-weight model's,
+  beyond a small vocabulary) and, with ``skip_special_tokens``, special tokens -- are not fed
+  (they would only lengthen the window decoded at every step); known via a per-tokenizer
+  :class:`_Vocab` (its highest id and its special ids);
+* :meth:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer.finish` flushes a partial
+  character the way the Python decoder does: the window the stream holds is mirrored (the ids
+  of its last emitting step plus those since, ``_window`` and ``_pending``, updated only at an
+  emission or while a character is incomplete) and decoded once with ``force``;
+* ``DecodeStream`` raises "Invalid prefix encountered" when a window's text does not start with
+  its head's text (a decoder whose output for earlier ids changes with later ids); the
+  sequence then goes on in :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` resumed
+  from the mirrored window (:meth:`~rlserve.engine.detokenizer.IncrementalDetokenizer.resume`),
+  which emits the text that decoder would have.
+
+:func:`new_detokenizer` picks the class: this one for a plain fast tokenizer (``_rust_backend``
+not None) when the installed ``tokenizers`` has ``DecodeStream`` with ``ids=`` and list steps
+(0.22 and later: tokenizers 0.23.3 here; the GPU image's transformers 5.17 requires
+``tokenizers>=0.23.1,<0.24``), else :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rlserve.engine.detokenizer import (BaseIncrementalDetokenizer, IncrementalDetokenizer, _rust_backend,
+                                        prompt_context)
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
+# the start of the message of DecodeStream's error for a window whose text changed its head's
+_INVALID_PREFIX = "Invalid prefix encountered"
+_VOCAB_CACHE_SIZE = 8
+
+
+class _Vocab:
+    """What a ``tokenizers.Tokenizer`` decodes to nothing, by id: ids above its highest
+    (``limit``: ids ``>= limit`` are unknown) and its special tokens (``special``, dropped by
+    ``decode(..., skip_special_tokens=True)``: the ids of added tokens marked special and of
+    any token with the same content)."""
+
+    __slots__ = ("limit", "special")
+
+    def __init__(self, backend):
+        vocab = backend.get_vocab(with_added_tokens=True)  # content -> id
+        self.limit = max(vocab.values(), default=-1) + 1
+        contents = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        self.special = frozenset(vocab[c] for c in contents if c in vocab)
+
+
+_vocabs: dict[int, tuple] = {}  # id(backend) -> (backend, its size then, _Vocab)
+
+
+def _vocab(backend) -> _Vocab:
+    """``backend`` 's :class:`_Vocab`, built once (again when its size changed: tokens added)."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    hit = _vocabs.get(id(backend))
+    if hit is not None and hit[0] is backend and hit[1] == size:
+        return hit[2]
+    if len(_vocabs) >= _VOCAB_CACHE_SIZE:
+        _vocabs.pop(next(iter(_vocabs)))
+    v = _vocabs[id(backend)] = (backend, size, _Vocab(backend))
+    return v[2]
+
+
+_stream_ok: list[bool] = []  # stream_supported's answer, once per process
+
+
+def stream_supported(backend) -> bool:
+    """True when this ``tokenizers`` has a ``DecodeStream`` that takes ``ids=`` and a list of
+    ids (``backend``: any ``tokenizers.Tokenizer``, to try a step on; the answer is kept)."""
+    if not _stream_ok:
+        ok = DecodeStream is not None
+        if ok:
+            try:
+                DecodeStream(ids=[], skip_special_tokens=False).step(backend, [])
+            except TypeError:  # tokenizers 0.21: DecodeStream(skip_special_tokens), step(tokenizer, int)
+                ok = False
+        _stream_ok.append(ok)
+    return _stream_ok[0]
+
+
+class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
+    """One sequence's detokenizer on ``DecodeStream`` (see the module docstring).
+
+    Args:
+        tokenizer: a ``PreTrainedTokenizerFast`` whose decode is a plain call of its Rust
+            tokenizer (``rlserve.engine.detokenizer._rust_backend`` not None), else ValueError.
+        prompt_token_ids: the prompt's ids; its last few give left context.
+        skip_special_tokens, stop, include_stop_str_in_output, min_tokens: see
+            :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer`.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ):
+        super().__init__(tokenizer, skip_special_tokens, stop, include_stop_str_in_output, min_tokens)
+        backend = _rust_backend(tokenizer)
+        if backend is None or DecodeStream is None:
+            raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
+        self._backend = backend
+        v = _vocab(backend)
+        self._limit = v.limit
+        self._drop = v.special if skip_special_tokens else frozenset()
+        ctx = prompt_context(self._decode, prompt_token_ids)
+        self._stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
+        self._window = ctx  # the stream's emitted head (mirror, for finish and the fallback)
+        self._pending: list[int] = []  # ids fed since its last emission (a partial character)
+        self._fallback: IncrementalDetokenizer | None = None  # after an "Invalid prefix" error
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+    def _text_for(self, ids: list[int]) -> str | None:
+        limit, drop = self._limit, self._drop
+        if len(ids) == 1:
+            if ids[0] >= limit or ids[0] in drop:
+                return ""  # no text can change
+            known = ids
+        else:
+            known = [t for t in ids if t < limit and t not in drop]
+            if not known:
+                return ""
+        if self._fallback is not None:
+            return self._fallback_text(known)
+        try:
+            text = self._stream.step(self._backend, known if len(known) > 1 else known[0])
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is the stream's prefix error
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            self._fallback = IncrementalDetokenizer.resume(
+                self.tokenizer, self.skip_special_tokens, self._window, self._pending)
+            return self._fallback_text(known)
+        if text is None:
+            self._pending = self._pending + known  # a new list: a snapshot may hold the old one
+            return None
+        self._window = self._pending + known if self._pending else known
+        self._pending = []
+        return text
+
+    def _fallback_text(self, known: list[int]) -> str:
+        fb = self._fallback
+        before = len(fb.output_text)
+        fb.add_tokens(known)
+        return fb.output_text[before:]
+
+    def _flush(self) -> str:
+        if self._fallback is not None:
+            before = len(self._fallback.output_text)
+            self._fallback.finish()
+            return self._fallback.output_text[before:]
+        if not self._pending:
+            return ""
+        head = self._decode(self._window)
+        text = self._decode(self._window + self._pending)
+        return text[len(head):] if len(text) > len(head) else ""
+
+    def _snapshot(self):
+        if self._fallback is not None:
+            return None
+        return self._stream.__copy__(), self._window, self._pending
+
+    def _restore(self, snap) -> None:
+        self._stream, self._window, self._pending = snap
+        self._fallback = None
+
+
+def new_detokenizer(tokenizer, prompt_token_ids: Sequence[int], params) -> BaseIncrementalDetokenizer:
+    """The detokenizer of one sample of a request with :class:`~rlserve.engine.sampling_params.SamplingParams`
+    ``params``: :class:`FastIncrementalDetokenizer` when the tokenizer and ``tokenizers`` allow
+    it, else :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`."""
+    backend = _rust_backend(tokenizer)
+    if backend is not None and stream_supported(backend):
+        return FastIncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
+    return IncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
