@@ -60,6 +60,46 @@ def _rust_backend(tokenizer):
     return backend
 
 
+_VOCAB_CACHE_SIZE = 8
+
+
+class _Vocab:
+    """What a ``tokenizers.Tokenizer`` decodes to nothing, by id: ids above its highest
+    (``limit``: ids ``>= limit`` are unknown) and its special tokens (``special``, dropped by
+    ``decode(..., skip_special_tokens=True)``: the ids of added tokens marked special and of
+    any token with the same content); and whether several ids may be decoded in one step
+    (``batch``: its decoder is ``ByteLevel``, whose text for a window that starts at a character
+    boundary does not depend on where the window starts. Not so for ``ByteFallback``: an invalid
+    run of byte tokens becomes one U+FFFD per byte only when decoded together, so a random
+    model's bytes would read differently whole than one id at a time)."""
+
+    __slots__ = ("limit", "special", "batch")
+
+    def __init__(self, backend):
+        from tokenizers.decoders import ByteLevel
+
+        vocab = backend.get_vocab(with_added_tokens=True)  # content -> id
+        self.limit = max(vocab.values(), default=-1) + 1
+        contents = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        self.special = frozenset(vocab[c] for c in contents if c in vocab)
+        self.batch = isinstance(backend.decoder, ByteLevel)
+
+
+_vocabs: dict[int, tuple] = {}  # id(backend) -> (backend, its size then, _Vocab)
+
+
+def vocab_facts(backend) -> _Vocab:
+    """``backend`` 's :class:`_Vocab`, built once (again when its size changed: tokens added)."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    hit = _vocabs.get(id(backend))
+    if hit is not None and hit[0] is backend and hit[1] == size:
+        return hit[2]
+    if len(_vocabs) >= _VOCAB_CACHE_SIZE:
+        _vocabs.pop(next(iter(_vocabs)))
+    v = _vocabs[id(backend)] = (backend, size, _Vocab(backend))
+    return v[2]
+
+
 def prompt_context(decode, prompt_token_ids: Sequence[int]) -> list[int]:
     """The last few prompt ids, decoded as the left context of the first output ids; ``[]`` when
     they end inside a character (their text ends in U+FFFD). ``decode(ids) -> str``."""
@@ -117,7 +157,6 @@ class BaseIncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or ()) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
         self._text = ""
         self._sent = 0
@@ -157,11 +196,13 @@ class BaseIncrementalDetokenizer:
 
     # ------------------------------------------------------------------ stop strings
 
-    def _find_stop(self, start: int) -> tuple[int, str] | None:
-        """The earliest stop-string match in ``text[start:]``: ``(index, stop string)``."""
+    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
+        """The earliest stop-string match that ends after the text's first ``old_len``
+        characters: ``(index, stop string)``. (A match inside them was looked for when they
+        came, or they came before ``min_tokens``: never matched, as in vLLM.)"""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self._text.find(s, start)
+            i = self._text.find(s, max(0, old_len - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
@@ -174,7 +215,7 @@ class BaseIncrementalDetokenizer:
         self._text += delta
         if not self.stop or len(self.token_ids) < self.min_tokens:
             return None
-        best = self._find_stop(max(0, old_len - self._max_stop_len + 1))
+        best = self._find_stop(old_len)
         if best is None:
             return None
         i, s = best
@@ -197,7 +238,7 @@ class BaseIncrementalDetokenizer:
         text = self._text_for(ids)
         if text is not None:
             self._text += text
-            if not (text and self.stop and self._find_stop(max(0, old_len - self._max_stop_len + 1))):
+            if not (text and self.stop and self._find_stop(old_len)):
                 return True
             self._text = self._text[:old_len]
         self._restore(snap)
@@ -312,6 +353,15 @@ class IncrementalDetokenizer(BaseIncrementalDetokenizer):
         # a "fast" HF tokenizer's Rust backend (tokenizers.Tokenizer), when it decodes exactly like
         # the wrapper (no clean-up of spaces, no Python-side special-token handling)
         self._backend = _rust_backend(tokenizer)
+        # ids its decode drops, kept out of the window (which would otherwise grow by each and be
+        # decoded whole at every step): ids >= limit (unknown: a dummy-weight model's, beyond a
+        # small tokenizer's vocabulary) and, with skip_special_tokens, special tokens
+        if self._backend is not None:
+            v = vocab_facts(self._backend)
+            self._limit, special = v.limit, v.special
+        else:
+            self._limit, special = None, frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._drop = special if skip_special_tokens else frozenset()
         self._start_window(prompt_context(self._decode, prompt_token_ids), None)
 
     def _start_window(self, ids: list[int], read_offset: int | None) -> None:
@@ -355,25 +405,16 @@ class IncrementalDetokenizer(BaseIncrementalDetokenizer):
             self._read_offset = len(self._ids)
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             return delta
-        if new_text == prefix_text and self._read_offset < len(self._ids) and not any(
-                self._decode([t]) for t in self._ids[self._read_offset:]):
-            # the ids since the read offset decode to nothing, alone and in context (ids the
-            # tokenizer does not know, special tokens it skips): out of the window, which would
-            # otherwise grow by one id a step and be decoded whole at every step (a dummy-weight
-            # model's ids beyond a small tokenizer's vocabulary: ~20 us a token at 128 ids)
-            del self._ids[self._read_offset:]
         return ""
 
     def _text_for(self, ids: list[int]) -> str:
-        unknown = None if self._backend is None else self._backend.id_to_token
+        limit, drop = self._limit, self._drop
         out = ""
         for t in ids:
-            if unknown is not None and unknown(t) is None:
-                # an id the Rust tokenizer does not know: its decode drops it (alone or in
-                # context), so no text can change and no stop string complete; kept out of the
-                # window (0.07 us here against ~12 us a token for decoding the window twice:
-                # issue 37's c256 stream, whose dummy-weight model samples ids beyond the tiny
-                # tokenizer's 336, spent 2.33 s of its 7.4 s event loop in add_tokens)
+            if (limit is not None and t >= limit) or t in drop:
+                # decoded to nothing, alone or in context: no text can change and no stop string
+                # complete (issue 37's c256 stream, whose dummy-weight model samples ids beyond
+                # the tiny tokenizer's 336, spent 2.33 s of its 7.4 s event loop decoding them)
                 continue
             self._ids.append(t)
             out += self._step()

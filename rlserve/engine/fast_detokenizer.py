@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlserve.engine.detokenizer import (BaseIncrementalDetokenizer, IncrementalDetokenizer, _rust_backend,
-                                        prompt_context)
+                                        prompt_context, vocab_facts)
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -44,37 +44,6 @@ except ImportError:  # tokenizers < 0.21
 
 # the start of the message of DecodeStream's error for a window whose text changed its head's
 _INVALID_PREFIX = "Invalid prefix encountered"
-_VOCAB_CACHE_SIZE = 8
-
-
-class _Vocab:
-    """What a ``tokenizers.Tokenizer`` decodes to nothing, by id: ids above its highest
-    (``limit``: ids ``>= limit`` are unknown) and its special tokens (``special``, dropped by
-    ``decode(..., skip_special_tokens=True)``: the ids of added tokens marked special and of
-    any token with the same content)."""
-
-    __slots__ = ("limit", "special")
-
-    def __init__(self, backend):
-        vocab = backend.get_vocab(with_added_tokens=True)  # content -> id
-        self.limit = max(vocab.values(), default=-1) + 1
-        contents = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        self.special = frozenset(vocab[c] for c in contents if c in vocab)
-
-
-_vocabs: dict[int, tuple] = {}  # id(backend) -> (backend, its size then, _Vocab)
-
-
-def _vocab(backend) -> _Vocab:
-    """``backend`` 's :class:`_Vocab`, built once (again when its size changed: tokens added)."""
-    size = backend.get_vocab_size(with_added_tokens=True)
-    hit = _vocabs.get(id(backend))
-    if hit is not None and hit[0] is backend and hit[1] == size:
-        return hit[2]
-    if len(_vocabs) >= _VOCAB_CACHE_SIZE:
-        _vocabs.pop(next(iter(_vocabs)))
-    v = _vocabs[id(backend)] = (backend, size, _Vocab(backend))
-    return v[2]
 
 
 _stream_ok: list[bool] = []  # stream_supported's answer, once per process
@@ -119,8 +88,8 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         if backend is None or DecodeStream is None:
             raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
         self._backend = backend
-        v = _vocab(backend)
-        self._limit = v.limit
+        v = vocab_facts(backend)
+        self._limit, self._batch = v.limit, v.batch
         self._drop = v.special if skip_special_tokens else frozenset()
         ctx = prompt_context(self._decode, prompt_token_ids)
         self._stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
@@ -176,7 +145,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         return text[len(head):] if len(text) > len(head) else ""
 
     def _snapshot(self):
-        if self._fallback is not None:
+        if self._fallback is not None or not self._batch:
             return None
         return self._stream.__copy__(), self._window, self._pending
 
