@@ -6,7 +6,11 @@ concurrency 256.
 
 Output ids come from ``--ids LO HI``: the default 1000 .. 151000 are ids the tests' tiny tokenizer
 (336 tokens) does not know, what a dummy-weight Qwen3 samples in the GPU benchmarks; ``3 300`` are
-ordinary tokens. Prompts: ``--prompt-len`` random ordinary tokens. The figure is
+ordinary tokens. Prompts: ``--prompt-len`` random ordinary tokens. ``--tokenizer PATH`` decodes with
+a real tokenizer (a directory ``AutoTokenizer`` loads, e.g. the default model's in rlserve's cache,
+``~/.cache/rlserve/SmolLM2-135M-Instruct``) instead of the tiny one. ``--tokens-per-step K``: each
+delta carries K tokens (the core's deltas of K steps handled together, as when the event loop
+falls behind); the figure stays per request and message. The figure is
 ``time.process_time()`` (this process's CPU seconds, which the machine's load moves least) per
 request and step, best of ``--repeats``, after the start-up heap is frozen out of garbage collection
 (``rlserve.gc_heap.freeze_startup_heap``, as ``rlserve serve`` does: without it the full collections
@@ -30,24 +34,34 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: int) -> float:
-    """CPU seconds per request-step of decoding ``steps`` core messages of ``requests`` deltas and
-    processing them (one output per request per step)."""
+def load_tokenizer(path: str | None):
+    """The tokenizer at ``path`` (``AutoTokenizer``), else the tests' tiny one."""
+    if path is None:
+        from tests.tiny_models import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: int, tok, per_step: int = 1) -> float:
+    """CPU seconds per request-step of decoding ``steps`` core messages of ``requests`` deltas
+    (``per_step`` tokens each) and processing them (one output per request per message)."""
     from rlserve.engine import core_protocol as proto
     from rlserve.engine.front.output_processor import OutputProcessor
     from rlserve.engine.sampling_params import SamplingParams
-    from tests.tiny_models import build_tokenizer
 
     rng = random.Random(seed)
-    tok = build_tokenizer()
-    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps * per_step, ignore_eos=True)
     reqs = {f"r{i}": SimpleNamespace(prompt=None, params=params, stream=True, arrival_time=0.0)
             for i in range(requests)}
     prompts = {rid: [rng.randrange(3, 300) for _ in range(prompt_len)] for rid in reqs}
     enc = proto.output_encoder()
     frames = []
     for k in range(steps):
-        deltas = [proto.RequestDelta(rid, [proto.SampleDelta(0, [rng.randrange(*ids)], [-1.0])], finished=False, weight_versions=["0"],
+        deltas = [proto.RequestDelta(rid, [proto.SampleDelta(0, [rng.randrange(*ids) for _ in range(per_step)],
+                                                             [-1.0] * per_step)], finished=False, weight_versions=["0"],
                                      first_token_time=1.0,
                                      start=proto.RequestStart(prompts[rid]) if k == 0 else None)
                   for rid in reqs]
@@ -75,14 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="a tokenizer directory (default: the tests' tiny tokenizer)")
+    p.add_argument("--tokens-per-step", type=int, default=1)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    runs = [run(args.requests, args.steps, tuple(args.ids), args.prompt_len, args.seed + r) for r in range(args.repeats)]
+    tok = load_tokenizer(args.tokenizer)
+    runs = [run(args.requests, args.steps, tuple(args.ids), args.prompt_len, args.seed + r, tok, args.tokens_per_step)
+            for r in range(args.repeats)]
     best = min(runs)
     import rlserve
 
     res = {"us_per_request_step": round(best * 1e6, 2), "runs_us": [round(x * 1e6, 2) for x in runs],
-           "requests": args.requests, "steps": args.steps, "ids": list(args.ids), "rlserve": os.path.dirname(rlserve.__file__),
+           "requests": args.requests, "steps": args.steps, "ids": list(args.ids), "tokenizer": args.tokenizer or "tiny",
+           "tokens_per_step": args.tokens_per_step, "rlserve": os.path.dirname(rlserve.__file__),
            "load": os.getloadavg()[0]}
     print(json.dumps(res))
     if args.json:
