@@ -68,12 +68,15 @@ class _Vocab:
     (``limit``: ids ``>= limit`` are unknown) and its special tokens (``special``, dropped by
     ``decode(..., skip_special_tokens=True)``: the ids of added tokens marked special and of
     any token with the same content); and whether several ids may be decoded in one step
-    (``batch``: its decoder is ``ByteLevel``, whose text for a window that starts at a character
-    boundary does not depend on where the window starts. Not so for ``ByteFallback``: an invalid
-    run of byte tokens becomes one U+FFFD per byte only when decoded together, so a random
-    model's bytes would read differently whole than one id at a time)."""
+    (``batch``: its decoder is ``ByteLevel``, which decodes the bytes of all the tokens together,
+    so a window's text is its head's plus the rest's when the head ends with whole characters.
+    Not so for ``ByteFallback``: an invalid run of byte tokens becomes one U+FFFD per byte only
+    when decoded together, so a random model's bytes would read differently whole than one id at
+    a time). ``whole``: id -> whether its text alone is whole characters (no U+FFFD, not
+    empty), filled as ids come (``FastIncrementalDetokenizer``: a batch up to such an id ends
+    where one id at a time would have emitted its text)."""
 
-    __slots__ = ("limit", "special", "batch")
+    __slots__ = ("limit", "special", "batch", "whole")
 
     def __init__(self, backend):
         from tokenizers.decoders import ByteLevel
@@ -83,6 +86,7 @@ class _Vocab:
         contents = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         self.special = frozenset(vocab[c] for c in contents if c in vocab)
         self.batch = isinstance(backend.decoder, ByteLevel)
+        self.whole: dict[int, bool] = {}
 
 
 _vocabs: dict[int, tuple] = {}  # id(backend) -> (backend, its size then, _Vocab)
@@ -178,9 +182,12 @@ class BaseIncrementalDetokenizer:
 
     # ------------------------------------------------------------------ decoding (subclasses)
 
+    #: whether :meth:`_text_for` takes several ids at once, giving the text one call per id would
+    _batches = False
+
     def _text_for(self, ids: list[int]) -> str | None:
-        """Decode ``ids`` (just appended to :attr:`token_ids`): the text they complete, or None
-        when the text after them ends inside a character (some of it may be held)."""
+        """Decode ``ids`` (just appended to :attr:`token_ids`; one id unless :attr:`_batches`): the
+        text they complete ('' or None when none)."""
         raise NotImplementedError
 
     def _flush(self) -> str:
@@ -188,8 +195,8 @@ class BaseIncrementalDetokenizer:
         raise NotImplementedError
 
     def _snapshot(self):
-        """The decoder's state, for :meth:`_restore`; None when it decodes one id at a time."""
-        return None
+        """The decoder's state, for :meth:`_restore` (when :attr:`_batches`)."""
+        raise NotImplementedError
 
     def _restore(self, snap) -> None:
         raise NotImplementedError
@@ -225,25 +232,23 @@ class BaseIncrementalDetokenizer:
         return i
 
     def _add_batch(self, ids: list[int]) -> bool:
-        """Decode all of ``ids`` in one go when that gives what one at a time would: no stop
-        string completed, the text does not end inside a character, ``min_tokens`` reached before
-        the first. True when done; False: nothing changed (decode them one at a time)."""
-        if self.stop and len(self.token_ids) + 1 < self.min_tokens:
+        """Decode all of ``ids`` in one go (the decoder gives the text one id at a time would)
+        unless that completed a stop string or ``min_tokens`` is reached inside them (which need
+        the token that did it). True when done; False: nothing changed (one at a time, then)."""
+        if not self._batches or (self.stop and len(self.token_ids) + 1 < self.min_tokens):
             return False
-        snap = self._snapshot()
-        if snap is None:
-            return False
+        snap = self._snapshot() if self.stop else None
         n, old_len = len(self.token_ids), len(self._text)
         self.token_ids += ids
         text = self._text_for(ids)
-        if text is not None:
+        if text:
             self._text += text
-            if not (text and self.stop and self._find_stop(old_len)):
-                return True
-            self._text = self._text[:old_len]
-        self._restore(snap)
-        del self.token_ids[n:]
-        return False
+            if self.stop and self._find_stop(old_len):
+                self._text = self._text[:old_len]
+                self._restore(snap)
+                del self.token_ids[n:]
+                return False
+        return True
 
     # ------------------------------------------------------------------ public API
 

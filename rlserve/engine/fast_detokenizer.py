@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlserve.engine.detokenizer import (BaseIncrementalDetokenizer, IncrementalDetokenizer, _rust_backend,
-                                        prompt_context, vocab_facts)
+from rlserve.engine.detokenizer import (_REPLACEMENT_CHAR, BaseIncrementalDetokenizer, IncrementalDetokenizer,
+                                        _rust_backend, prompt_context, vocab_facts)
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -89,7 +89,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
             raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
         self._backend = backend
         v = vocab_facts(backend)
-        self._limit, self._batch = v.limit, v.batch
+        self._limit, self._batches, self._whole_ids = v.limit, v.batch, v.whole
         self._drop = v.special if skip_special_tokens else frozenset()
         ctx = prompt_context(self._decode, prompt_token_ids)
         self._stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
@@ -105,11 +105,28 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         if len(ids) == 1:
             if ids[0] >= limit or ids[0] in drop:
                 return ""  # no text can change
-            known = ids
-        else:
-            known = [t for t in ids if t < limit and t not in drop]
-            if not known:
-                return ""
+            return self._step(ids)
+        known = [t for t in ids if t < limit and t not in drop]
+        # one step up to the last id whose text alone is whole characters (one id at a time would
+        # have emitted there: the window's text ends with that id's), then one id at a time
+        m = len(known) - 1
+        while m >= 0 and not self._whole(known[m]):
+            m -= 1
+        text, rest = ("", known) if m < 1 else (self._step(known[:m + 1]) or "", known[m + 1:])
+        for t in rest:
+            text += self._step([t]) or ""
+        return text
+
+    def _whole(self, t: int) -> bool:
+        w = self._whole_ids.get(t)
+        if w is None:
+            s = self._backend.decode([t], skip_special_tokens=False)
+            w = self._whole_ids[t] = bool(s) and _REPLACEMENT_CHAR not in s
+        return w
+
+    def _step(self, known: list[int]) -> str | None:
+        """One ``DecodeStream`` step over ``known`` (ids it does not drop): the text it emitted,
+        None when it holds a partial character."""
         if self._fallback is not None:
             return self._fallback_text(known)
         try:
@@ -119,6 +136,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
                 raise
             self._fallback = IncrementalDetokenizer.resume(
                 self.tokenizer, self.skip_special_tokens, self._window, self._pending)
+            self._batches = False  # (a snapshot cannot hold the fallback's state)
             return self._fallback_text(known)
         if text is None:
             self._pending = self._pending + known  # a new list: a snapshot may hold the old one
@@ -145,13 +163,10 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         return text[len(head):] if len(text) > len(head) else ""
 
     def _snapshot(self):
-        if self._fallback is not None or not self._batch:
-            return None
-        return self._stream.__copy__(), self._window, self._pending
+        return self._stream.__copy__(), self._window, self._pending, self._fallback
 
     def _restore(self, snap) -> None:
-        self._stream, self._window, self._pending = snap
-        self._fallback = None
+        self._stream, self._window, self._pending, self._fallback = snap
 
 
 def new_detokenizer(tokenizer, prompt_token_ids: Sequence[int], params) -> BaseIncrementalDetokenizer:
