@@ -88,7 +88,7 @@ def install() -> None:
 SPLIT = [("rlserve.engine.front.core_client", "CoreProcReplica", "_handle_pending"),
          ("rlserve.engine.front.output_processor", "OutputProcessor", "process"),
          ("rlserve.engine.front.output_processor", "OutputProcessor", "_output"),
-         ("rlserve.engine.detokenizer", "IncrementalDetokenizer", "add_tokens"),
+         ("rlserve.engine.detokenizer", "BaseIncrementalDetokenizer", "add_tokens"),
          ("rlserve.engine.front.replica", "Replica", "route"),
          ("rlserve.server.openai_stream", None, "sse_bytes")]  # a stream's chunks (sse: its other events)
 
