@@ -19,6 +19,12 @@ request and step, best of ``--repeats``, after the start-up heap is frozen out o
 (``rlserve.gc_heap.freeze_startup_heap``, as ``rlserve serve`` does: without it the full collections
 over torch's and transformers' objects are most of the figure).
 
+Instruction counts instead of CPU time (``valgrind --tool=callgrind --instr-atstart=no`` with
+``API_OUTPUT_STEP_CALLGRIND=1``: only the timed loop is instrumented; use ``--repeats 1``)::
+
+    API_OUTPUT_STEP_CALLGRIND=1 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=cg.out \
+        python benchmarks/api_output_step.py --repeats 1 --steps 16  # then: grep totals cg.out
+
 Compare two checkouts by running each one's copy (``PYTHONPATH=TREE python TREE/benchmarks/api_output_step.py``)::
 
     python benchmarks/api_output_step.py --requests 256 --steps 64 --json out.json
@@ -85,6 +91,7 @@ def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: 
     from rlserve.gc_heap import freeze_startup_heap
 
     freeze_startup_heap("api_output_step")  # as rlserve serve does before serving
+    _callgrind("on")
     t0 = time.process_time()
     n = 0
     for raw in frames:
@@ -92,7 +99,20 @@ def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: 
         outputs, errors, _stops, _aborts = op.process(msg.deltas, reqs)
         assert not errors and len(outputs) == requests
         n += len(outputs)
-    return (time.process_time() - t0) / n
+    t = time.process_time() - t0
+    _callgrind("off")
+    return t / n
+
+
+def _callgrind(state: str) -> None:
+    """Under ``valgrind --tool=callgrind --instr-atstart=no`` with ``API_OUTPUT_STEP_CALLGRIND=1``:
+    instrument the timed loop only (``callgrind_control -i on|off``): its instruction count, which
+    the machine's load does not move (the ``callgrind_control`` call's own Python, a few thousand
+    instructions, is inside)."""
+    if os.environ.get("API_OUTPUT_STEP_CALLGRIND") == "1":
+        import subprocess
+
+        subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
 
 
 def main(argv=None) -> int:

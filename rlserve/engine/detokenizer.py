@@ -64,29 +64,38 @@ _VOCAB_CACHE_SIZE = 8
 
 
 class _Vocab:
-    """What a ``tokenizers.Tokenizer`` decodes to nothing, by id: ids above its highest
-    (``limit``: ids ``>= limit`` are unknown) and its special tokens (``special``, dropped by
-    ``decode(..., skip_special_tokens=True)``: the ids of added tokens marked special and of
-    any token with the same content); and whether several ids may be decoded in one step
-    (``batch``: its decoder is ``ByteLevel``, which decodes the bytes of all the tokens together,
-    so a window's text is its head's plus the rest's when the head ends with whole characters.
-    Not so for ``ByteFallback``: an invalid run of byte tokens becomes one U+FFFD per byte only
-    when decoded together, so a random model's bytes would read differently whole than one id at
-    a time). ``whole``: id -> whether its text alone is whole characters (no U+FFFD, not
-    empty), filled as ids come (``FastIncrementalDetokenizer``: a batch up to such an id ends
-    where one id at a time would have emitted its text)."""
+    """What a ``tokenizers.Tokenizer`` decodes to nothing, by id: ids it does not know (``limit``:
+    every id below it is in the model's vocabulary or an added token, as vocabularies are
+    numbered from 0; ids at or above it are looked up: :meth:`unknown`) and its special tokens
+    (``special``, dropped by ``decode(..., skip_special_tokens=True)``: the ids of added tokens
+    marked special and of any token with the same content); and whether several ids may be
+    decoded in one step (``batch``: its decoder is ``ByteLevel``, which decodes the bytes of all
+    the tokens together, so a window's text is its head's plus the rest's when the head ends with
+    whole characters. Not so for ``ByteFallback``: an invalid run of byte tokens becomes one
+    U+FFFD per byte only when decoded together, so a random model's bytes would read differently
+    whole than one id at a time). ``whole``: id -> whether its text alone is whole characters
+    (no U+FFFD, not empty), filled as ids come (``FastIncrementalDetokenizer``: a batch up to
+    such an id ends where one id at a time would have emitted its text). Built in well under a
+    millisecond (``get_vocab`` would take ~0.4 s for SmolLM2's 49k tokens: a stall at the first
+    request)."""
 
-    __slots__ = ("limit", "special", "batch", "whole")
+    __slots__ = ("limit", "special", "batch", "whole", "_id_to_token")
 
     def __init__(self, backend):
         from tokenizers.decoders import ByteLevel
 
-        vocab = backend.get_vocab(with_added_tokens=True)  # content -> id
-        self.limit = max(vocab.values(), default=-1) + 1
-        contents = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        self.special = frozenset(vocab[c] for c in contents if c in vocab)
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self.limit = backend.get_vocab_size(with_added_tokens=False)  # the model's tokens, 0 .. limit-1
+        special = {i for i, t in added.items() if t.special}
+        special |= {backend.token_to_id(t.content) for t in added.values() if t.special} - {None}
+        self.special = frozenset(special)
         self.batch = isinstance(backend.decoder, ByteLevel)
         self.whole: dict[int, bool] = {}
+        self._id_to_token = backend.id_to_token
+
+    def unknown(self, t: int) -> bool:
+        """``t`` is no token of the tokenizer's (call only for ``t >= limit``: ~0.4 us)."""
+        return self._id_to_token(t) is None
 
 
 _vocabs: dict[int, tuple] = {}  # id(backend) -> (backend, its size then, _Vocab)
@@ -362,10 +371,10 @@ class IncrementalDetokenizer(BaseIncrementalDetokenizer):
         # decoded whole at every step): ids >= limit (unknown: a dummy-weight model's, beyond a
         # small tokenizer's vocabulary) and, with skip_special_tokens, special tokens
         if self._backend is not None:
-            v = vocab_facts(self._backend)
-            self._limit, special = v.limit, v.special
+            self._vocab = vocab_facts(self._backend)
+            special = self._vocab.special
         else:
-            self._limit, special = None, frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+            self._vocab, special = None, frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         self._drop = special if skip_special_tokens else frozenset()
         self._start_window(prompt_context(self._decode, prompt_token_ids), None)
 
@@ -413,10 +422,10 @@ class IncrementalDetokenizer(BaseIncrementalDetokenizer):
         return ""
 
     def _text_for(self, ids: list[int]) -> str:
-        limit, drop = self._limit, self._drop
+        v, drop = self._vocab, self._drop
         out = ""
         for t in ids:
-            if (limit is not None and t >= limit) or t in drop:
+            if t in drop or (v is not None and t >= v.limit and v.unknown(t)):
                 # decoded to nothing, alone or in context: no text can change and no stop string
                 # complete (issue 37's c256 stream, whose dummy-weight model samples ids beyond
                 # the tiny tokenizer's 336, spent 2.33 s of its 7.4 s event loop decoding them)

@@ -1,23 +1,27 @@
 """The fast incremental detokenizer: ``tokenizers.decoders.DecodeStream`` (issue 37).
 
 :class:`FastIncrementalDetokenizer` (vLLM v1's name, ``vllm/v1/engine/detokenizer.py``) decodes
-a sequence's new ids with one ``DecodeStream.step`` call: the prefix/read-offset technique of
-:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` done in Rust, so one call into the
-tokenizer per batch of ids instead of two ``decode`` calls and their Python around them per id.
-It keeps every rule of :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer` (stop
-strings, ``min_tokens``, streaming hold-back) and gives the same text as
+a sequence's new ids with ``DecodeStream.step``: the prefix/read-offset technique of
+:class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` done in Rust, one call into the
+tokenizer per step instead of two ``decode`` calls and their Python around them per id. It keeps
+every rule of :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer` (stop strings,
+``min_tokens``, streaming hold-back) and gives the text of
 :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`, delta for delta:
 
 * the stream starts from the same prompt context (:func:`~rlserve.engine.detokenizer.prompt_context`),
   primed with ``DecodeStream(ids=context)`` (its text is not output);
 * ids the Rust decode drops anyway -- ids the tokenizer does not know (a dummy-weight model's,
   beyond a small vocabulary) and, with ``skip_special_tokens``, special tokens -- are not fed
-  (they would only lengthen the window decoded at every step); known via a per-tokenizer
-  :class:`_Vocab` (its highest id and its special ids);
+  (they would only lengthen the window decoded at every step), from the tokenizer's
+  :func:`~rlserve.engine.detokenizer.vocab_facts`;
+* several ids (one ``add_tokens`` call) take one step up to the last of them whose text alone
+  is whole characters, where one id at a time would have emitted everything too, and one step
+  each after it; only for a ``ByteLevel`` decoder (``vocab_facts(...).batch``), whose text does
+  not depend on where a window starts, otherwise one step per id;
 * :meth:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer.finish` flushes a partial
-  character the way the Python decoder does: the window the stream holds is mirrored (the ids
-  of its last emitting step plus those since, ``_window`` and ``_pending``, updated only at an
-  emission or while a character is incomplete) and decoded once with ``force``;
+  character as the Python decoder does: the window the stream holds is mirrored (the ids of its
+  last emitting step plus those since, ``_window`` and ``_pending``, updated only at an emission
+  or while a character is incomplete) and decoded once with ``force``;
 * ``DecodeStream`` raises "Invalid prefix encountered" when a window's text does not start with
   its head's text (a decoder whose output for earlier ids changes with later ids); the
   sequence then goes on in :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer` resumed
@@ -25,8 +29,8 @@ strings, ``min_tokens``, streaming hold-back) and gives the same text as
   which emits the text that decoder would have.
 
 :func:`new_detokenizer` picks the class: this one for a plain fast tokenizer (``_rust_backend``
-not None) when the installed ``tokenizers`` has ``DecodeStream`` with ``ids=`` and list steps
-(0.22 and later: tokenizers 0.23.3 here; the GPU image's transformers 5.17 requires
+not None) when the installed ``tokenizers`` has a ``DecodeStream`` that takes ``ids=`` and lists
+(:func:`stream_supported`: tokenizers 0.23.3 here; the GPU image's transformers 5.17 requires
 ``tokenizers>=0.23.1,<0.24``), else :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`.
 """
 
@@ -89,7 +93,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
             raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
         self._backend = backend
         v = vocab_facts(backend)
-        self._limit, self._batches, self._whole_ids = v.limit, v.batch, v.whole
+        self._vocab, self._limit, self._batches, self._whole_ids = v, v.limit, v.batch, v.whole
         self._drop = v.special if skip_special_tokens else frozenset()
         ctx = prompt_context(self._decode, prompt_token_ids)
         self._stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
@@ -103,10 +107,11 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
     def _text_for(self, ids: list[int]) -> str | None:
         limit, drop = self._limit, self._drop
         if len(ids) == 1:
-            if ids[0] >= limit or ids[0] in drop:
+            t = ids[0]
+            if t in drop or (t >= limit and self._vocab.unknown(t)):
                 return ""  # no text can change
             return self._step(ids)
-        known = [t for t in ids if t < limit and t not in drop]
+        known = [t for t in ids if t not in drop and (t < limit or not self._vocab.unknown(t))]
         # one step up to the last id whose text alone is whole characters (one id at a time would
         # have emitted there: the window's text ends with that id's), then one id at a time
         m = len(known) - 1
