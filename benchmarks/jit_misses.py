@@ -225,8 +225,10 @@ def main() -> None:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **kw)
     ready_s = time.perf_counter() - t0
     engine = llm.engine
-    print(f"ready in {ready_s:.1f} s (warm-up {getattr(engine.executor, 'warm_up_seconds', None)}); engine args {kw}",
-          flush=True)
+    import rlserve
+
+    print(f"ready in {ready_s:.1f} s (warm-up {getattr(engine.executor, 'warm_up_seconds', None)}); engine args {kw}; "
+          f"rlserve from {os.path.dirname(os.path.dirname(rlserve.__file__))}", flush=True)
     with JitCounter(echo=True) as counter:
         work = run_workload(engine, counter, engine.vocab_size, args.scale, args.max_model_len - 64,
                             args.max_num_seqs, args.seed, tuple(args.phases.split(",")))

@@ -25,9 +25,9 @@ say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/nul
 NEW=$PWD
 base_tree "$NEW/benchmarks/device/s22_jit_base.patch" /tmp/s22_jit_base
 if [ "$DRY_RUN" = 1 ]; then
-  J=(--shape tiny-llama --device cpu --dtype float32 --max-model-len 512 --max-num-seqs 16 --scale 0.05)
+  J=(--shape tiny-llama --device cpu --dtype float32 --max-model-len 512 --max-num-seqs 16 --scale 0.05); HALF=0.03
 else
-  J=(--shape qwen3-0.6b --max-model-len 4160 --max-num-seqs 256)
+  J=(--shape qwen3-0.6b --max-model-len 4160 --max-num-seqs 256); HALF=0.5
 fi
 # one tool run: NAME, time cap, seconds to keep for the steps after it, tree, extra tool flags
 jit_run() {
@@ -41,8 +41,8 @@ jit_run() {
 }
 jit_run new 110 150 "$NEW"
 # (half the requests of step 1 in steps 2 and 3; the bursts keep their sizes)
-if [ -n "$BASE" ] && [ "$(left)" -ge 60 ]; then jit_run base 80 80 "$BASE" --scale 0.5; else say "base skipped: $(left) s left"; fi
-if [ "$(left)" -ge 50 ]; then jit_run mixed 70 40 "$NEW" --scale 0.5 --engine-arg mixed_prefill_decode=true
+if [ -n "$BASE" ] && [ "$(left)" -ge 60 ]; then jit_run base 80 80 "$BASE" --scale $HALF; else say "base skipped: $(left) s left"; fi
+if [ "$(left)" -ge 50 ]; then jit_run mixed 70 40 "$NEW" --scale $HALF --engine-arg mixed_prefill_decode=true
 else say "mixed skipped: $(left) s left"; fi
 if [ "$(left)" -ge 25 ]; then
   if [ "$DRY_RUN" = 1 ]; then T=(tests/test_jit_keys_triton.py -k "decode or qkv"); else gpu_cleanup; T=(tests/gpu/test_jit_misses_gpu.py); fi
