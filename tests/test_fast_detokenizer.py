@@ -16,7 +16,8 @@ import random
 import pytest
 
 from rlserve.engine import fast_detokenizer
-from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.bytelevel_detokenizer import ByteLevelIncrementalDetokenizer
+from rlserve.engine.detokenizer import IncrementalDetokenizer, vocab_facts
 from rlserve.engine.fast_detokenizer import FastIncrementalDetokenizer, new_detokenizer
 from rlserve.engine.sampling_params import SamplingParams
 from tests.test_detokenizer import _sentencepiece_style_tokenizer
@@ -84,7 +85,10 @@ def _random_case(rng, tok):
 def _check(tok, ids, prompt, chunks, **kw):
     ref = _run(IncrementalDetokenizer, tok, prompt, ids, [1] * (len(ids) + 1), **kw)
     assert "".join(ref["deltas"]) == ref["text"]  # nothing streamed is taken back
-    for cls, ch in ((FastIncrementalDetokenizer, [1] * (len(ids) + 1)), (FastIncrementalDetokenizer, chunks)):
+    classes = [FastIncrementalDetokenizer]
+    if vocab_facts(tok._tokenizer).batch:
+        classes.append(ByteLevelIncrementalDetokenizer)
+    for cls, ch in [(c, ch) for c in classes for ch in ([1] * (len(ids) + 1), chunks)]:
         got = _run(cls, tok, prompt, ids, ch, **kw)
         if ch is chunks:  # deltas are taken per call: compare where both saw the same ids
             ends = [sum(chunks[:k + 1]) for k in range(len(got["visible"]))]
@@ -204,6 +208,33 @@ def test_unknown_and_skipped_special_ids_never_reach_the_stream():
     assert d.output_text == "<|im_end|>héllo 世界"
 
 
+def test_bytelevel_decoder_decodes_only_characters_cut_over_tokens():
+    """ByteLevelIncrementalDetokenizer reads a token whose text is whole characters from its cache:
+    the Rust decode runs only for characters split over tokens (and once per new id)."""
+    t = build_tokenizer()
+    text = "the end. STOP 世界 now"
+    ids = t.encode(text, add_special_tokens=False)
+    ByteLevelIncrementalDetokenizer(t, []).add_tokens(ids)  # fills the cache
+    d = ByteLevelIncrementalDetokenizer(t, [5, 6])
+    calls = []
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def decode(self, ids, **kw):
+            calls.append(list(ids))
+            return self.real.decode(ids, **kw)
+
+    d._backend = Spy(d._backend)
+    for i in ids:
+        d.add_tokens([i])
+    d.finish()
+    assert d.output_text == text
+    cut = [i for i in ids if "\ufffd" in t.decode([i])]  # the byte tokens of 世界
+    assert cut and calls and all(set(c) <= set(cut) for c in calls), calls
+
+
 def test_invalid_prefix_falls_back_to_the_python_decoder():
     """A decoder whose text for earlier tokens changes with later ones makes DecodeStream raise
     "Invalid prefix"; the sequence goes on in the Python decoder with its text."""
@@ -240,9 +271,13 @@ def test_invalid_prefix_falls_back_to_the_python_decoder():
 def test_new_detokenizer_picks_the_decoder():
     t = build_tokenizer()
     p = SamplingParams(stop=["x"], min_tokens=2, skip_special_tokens=False)
-    d = new_detokenizer(t, [5, 6], p)
-    assert type(d) is FastIncrementalDetokenizer and d.stop == ["x"] and d.min_tokens == 2
+    d = new_detokenizer(t, [5, 6], p)  # a ByteLevel decoder
+    assert type(d) is ByteLevelIncrementalDetokenizer and d.stop == ["x"] and d.min_tokens == 2
     assert d.skip_special_tokens is False
+    d = new_detokenizer(_sentencepiece_style_tokenizer(), [5, 6], p)  # Metaspace + ByteFallback
+    assert type(d) is FastIncrementalDetokenizer and d.stop == ["x"] and d.min_tokens == 2
+    with pytest.raises(ValueError):
+        ByteLevelIncrementalDetokenizer(_sentencepiece_style_tokenizer())
 
     class Wrapped(type(t)):  # a subclass that post-processes decoding: not a plain Rust call
         def decode(self, *a, **kw):
@@ -255,7 +290,7 @@ def test_new_detokenizer_picks_the_decoder():
 
 
 def test_without_decode_stream_the_python_decoder_is_used(monkeypatch):
-    t = build_tokenizer()
+    t = _sentencepiece_style_tokenizer()  # (a ByteLevel one needs no DecodeStream)
     monkeypatch.setattr(fast_detokenizer, "DecodeStream", None)
     monkeypatch.setattr(fast_detokenizer, "_stream_ok", [])
     assert type(new_detokenizer(t, [5], SamplingParams())) is IncrementalDetokenizer

@@ -176,9 +176,15 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
 
 def new_detokenizer(tokenizer, prompt_token_ids: Sequence[int], params) -> BaseIncrementalDetokenizer:
     """The detokenizer of one sample of a request with :class:`~rlserve.engine.sampling_params.SamplingParams`
-    ``params``: :class:`FastIncrementalDetokenizer` when the tokenizer and ``tokenizers`` allow
-    it, else :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`."""
+    ``params``: for a plain fast tokenizer,
+    :class:`~rlserve.engine.bytelevel_detokenizer.ByteLevelIncrementalDetokenizer` when its decoder
+    is ``ByteLevel``, else :class:`FastIncrementalDetokenizer` when ``tokenizers`` allows it; else
+    :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`."""
     backend = _rust_backend(tokenizer)
+    if backend is not None and vocab_facts(backend).batch:
+        from rlserve.engine.bytelevel_detokenizer import ByteLevelIncrementalDetokenizer
+
+        return ByteLevelIncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
     if backend is not None and stream_supported(backend):
         return FastIncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
     return IncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
