@@ -28,8 +28,11 @@ every rule of :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer` (s
   from the mirrored window (:meth:`~rlserve.engine.detokenizer.IncrementalDetokenizer.resume`),
   which emits the text that decoder would have.
 
-:func:`new_detokenizer` picks the class: this one for a plain fast tokenizer (``_rust_backend``
-not None) when the installed ``tokenizers`` has a ``DecodeStream`` that takes ``ids=`` and lists
+:func:`new_detokenizer` picks the class: for a plain fast tokenizer (``_rust_backend`` not None)
+whose decoder is ``ByteLevel``,
+:class:`~rlserve.engine.bytelevel_detokenizer.ByteLevelIncrementalDetokenizer` (no decode for a
+token whose text is whole characters); for another, this one when the installed ``tokenizers``
+has a ``DecodeStream`` that takes ``ids=`` and lists
 (:func:`stream_supported`: tokenizers 0.23.3 here; the GPU image's transformers 5.17 requires
 ``tokenizers>=0.23.1,<0.24``), else :class:`~rlserve.engine.detokenizer.IncrementalDetokenizer`.
 """
