@@ -130,6 +130,10 @@ class FakeEngine:
     def reset_prefix_cache(self) -> None:
         pass
 
+    def start_tokenizer_load(self) -> None:
+        """Called by the engine-core process after its ready message (``LLMEngine``'s deferred
+        tokenizer load, main 005cd7d): no tokenizer here (without it the core exited at start)."""
+
     @property
     def stats(self) -> dict:
         return {"num_running": len(self.requests) - len(self.waiting), "num_waiting": len(self.waiting),
