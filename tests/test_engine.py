@@ -154,7 +154,6 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_model, llms):
         ([1] * eng.max_model_len, SamplingParams(max_tokens=1)),
         ([5, vocab], SamplingParams()),
         ([5, -1], SamplingParams()),
-        ("hi", SamplingParams(max_tokens=eng.max_model_len)),
     ]
     for i, (prompt, sp) in enumerate(bad):
         with pytest.raises(InvalidRequestError):
@@ -218,3 +217,15 @@ def test_cpu_prefill_budget_default_and_long_prompt(tiny_model, chunked):
     # chunked: 1024 of the first; its last 476 + 548 of the second; the second's last 152 + the third
     assert [n for p, n in rows if p] == ([1024, 1024, 752] if chunked else [1500, 700, 600])
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ids, 4)
+
+
+def test_max_tokens_beyond_the_context_is_clamped(tiny_model):
+    """prompt + max_tokens over max_model_len: the sequence ends at the context's end with finish_reason
+    "length" (vLLM's offline LLM.generate does the same; its server clamps max_tokens), not a refusal; greedy
+    ids equal those of a request that asked for exactly the room left."""
+    llm = LLM(tiny_model("llama"), device="cpu", max_model_len=32)
+    prompt = [5, 6, 7, 8, 9, 10]
+    big, exact = llm.generate([prompt, prompt], [SamplingParams(max_tokens=10 ** 9, temperature=0, ignore_eos=True),
+                                                 SamplingParams(max_tokens=32 - 6, temperature=0, ignore_eos=True)])
+    assert len(big.outputs[0].token_ids) == 32 - 6 and big.outputs[0].finish_reason == "length"
+    assert big.outputs[0].token_ids == exact.outputs[0].token_ids

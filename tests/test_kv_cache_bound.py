@@ -38,12 +38,9 @@ def _metric(url: str, name: str) -> float:
     # a prompt over max_model_len: vLLM 0.32's param is input_tokens on all three routes (session 22, seen on
     # vLLM CPU's own server at --max-model-len 64; rlserve said "prompt", a field chat and responses lack)
     ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, "input_tokens"),
-    ("/v1/completions", {"prompt": LONG[:40], "max_tokens": 40}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 4},
      "input_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, "max_tokens"),
     ("/v1/responses", {"input": "hi " * 100, "max_output_tokens": 4}, "input_tokens"),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": 64}, "max_output_tokens"),
     # exactly max_model_len tokens, no room for an output: vLLM names max_tokens (it clamps it to 0 and refuses)
     ("/v1/completions", {"prompt": LONG[:64], "max_tokens": 4}, "max_tokens"),
 ])
@@ -65,14 +62,41 @@ def test_beyond_the_cache_is_a_400_and_the_engine_serves_on(srv, route, body, pa
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route,body,field", [
+    ("/v1/completions", {"prompt": LONG[:40], "max_tokens": 40}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, "max_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 64}, "max_output_tokens"),
+])
+def test_max_tokens_beyond_the_cache_is_clamped_to_it(srv, route, body, field, stream):
+    """prompt + max_tokens over max_model_len (= the whole 4-block cache here): max_tokens is clamped to the room
+    the prompt leaves, a 200 as vLLM 0.32's server answers (its own server, session 22: 24 tokens for this
+    40-token prompt with max_tokens 40 at --max-model-len 64); the answer ends there with "length" (ignore_eos),
+    and the cache is free again after it."""
+    extra = {"ignore_eos": True, "temperature": 0} if route != "/v1/responses" else {"temperature": 0}
+    r = httpx.post(srv.url + route, json=dict(body, model=srv.config.model, stream=stream, **extra), timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        usage = r.json()["usage"]
+        n_in = usage.get("prompt_tokens", usage.get("input_tokens"))
+        n_out = usage.get("completion_tokens", usage.get("output_tokens"))
+        assert n_in + n_out <= 64 and n_out <= body[field], usage
+        if route == "/v1/completions":  # ignore_eos: all the room is used
+            assert (n_in, n_out) == (40, 24), usage
+    deadline = time.monotonic() + 60
+    while (_metric(srv.url, "vllm:kv_cache_usage_perc"), _metric(srv.url, "vllm:num_requests_running")) != (0, 0):
+        assert time.monotonic() < deadline, "KV blocks or a running request left behind"
+        time.sleep(0.05)
+
+
 def test_llm_refuses_at_admission_and_serves_on(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=4)
-    for prompt, max_tokens in ((LONG, 4), (LONG[:40], 40)):
-        with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
-            llm.generate([prompt], SamplingParams(max_tokens=max_tokens))
-        assert not llm.engine.requests and llm.engine.block_manager.num_free_blocks == 4
-    out = llm.generate([LONG[:40]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
-    assert len(out.outputs[0].token_ids) == 24
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        llm.generate([LONG], SamplingParams(max_tokens=4))
+    assert not llm.engine.requests and llm.engine.block_manager.num_free_blocks == 4
+    # max_tokens beyond the room left: clamped (24 = 64 - 40), the whole cache used, then freed
+    out = llm.generate([LONG[:40]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 24 and out.outputs[0].finish_reason == "length"
     assert llm.engine.block_manager.num_free_blocks == 4
 
 

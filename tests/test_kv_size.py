@@ -88,8 +88,11 @@ def test_max_model_len_auto_fits_the_cache(tiny_model, caplog):
         in caplog.text
     out = llm.generate([list(range(5, 45))], SamplingParams(temperature=0, ignore_eos=True))[0]  # the rest: 16
     assert len(out.outputs[0].token_ids) == 16
-    with pytest.raises(ValueError, match="maximum context length is 56"):
-        llm.generate([list(range(5, 45))], SamplingParams(max_tokens=17))
+    # max_tokens beyond the fitted context: clamped to the room left (16), as vLLM
+    out = llm.generate([list(range(5, 45))], SamplingParams(max_tokens=17, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 16 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum context length is 56"):  # a prompt that fills it
+        llm.generate([list(range(5, 61))], SamplingParams(max_tokens=1))
     assert LLM(path, dtype="float32", device="cpu", max_model_len=-1).engine.max_model_len == 256
 
 

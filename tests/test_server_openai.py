@@ -200,8 +200,8 @@ BAD = [
     ("n=0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
      "temperature"),
-    ("max_tokens beyond context", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400,
-     "max_tokens"),
+    ("prompt beyond context", "/v1/completions", {"model": MODEL, "prompt": [5] * 200}, 400, "input_tokens"),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("unknown model", "/v1/completions", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     # (vLLM 0.32's param for a prompt over max_model_len)
@@ -215,7 +215,7 @@ BAD = [
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
      404, "model"),
     ("chat beyond context", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
+     {"model": MODEL, "messages": [{"role": "user", "content": " x" * 200}], "max_tokens": 2}, 400, "input_tokens"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("trl empty prompts", "/generate/", {"prompts": []}, 400, "prompts"),
@@ -254,7 +254,7 @@ def test_lora_route_without_enable_lora_says_how_to_turn_it_on(server, path):
 
 def test_openai_client_errors_and_still_serving(client):
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=100000)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
@@ -265,9 +265,33 @@ def test_openai_client_errors_and_still_serving(client):
 
 def test_stream_reports_errors_as_json(server):
     # a streamed request that fails validation answers a plain JSON error before streaming
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 999,
-                                                          "stream": True}, timeout=TIMEOUT)
-    assert r.status_code == 400 and json.loads(r.text)["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 100_000,
+                                                          "max_tokens": 2, "stream": True}, timeout=TIMEOUT)
+    err = json.loads(r.text)["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "input_tokens", err
+
+
+def test_max_tokens_beyond_the_context_is_clamped(server):
+    """prompt + max_tokens over max_model_len: max_tokens is an upper bound, clamped to the room the prompt
+    leaves (vLLM 0.32's get_max_tokens; its own server answered 200 with 24 tokens for a 40-token prompt with
+    max_tokens 40 at --max-model-len 64), streamed or not; every answer ends at the context's end at the latest."""
+    max_len = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"]
+    prompt = [5, 6, 7, 8] * 4
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 10 ** 30, "ignore_eos": True, "temperature": 0,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            usage = events[-1]["usage"]
+            finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+        else:
+            usage, finish = r.json()["usage"], [r.json()["choices"][0]["finish_reason"]]
+        assert usage["prompt_tokens"] == len(prompt), usage
+        assert usage["completion_tokens"] == max_len - len(prompt), usage  # ignore_eos: all the room is used
+        assert finish == ["length"], finish
 
 
 def test_trainer_against_server_without_weight_transfer_fails_fast(server):

@@ -16,8 +16,8 @@ single request can hold the server for minutes or exhaust its memory:
   choices (400 ``constraint_too_large`` before it compiles), and it must compile within
   :data:`COMPILE_TIMEOUT_S` seconds (400 ``constraint_timeout``).
 
-``max_tokens`` is bounded by the context (``prompt + max_tokens <= max_model_len``, checked
-by :meth:`rlserve.server.state.ServerState.check_length`).
+``max_tokens`` is an upper bound: clamped to the room the prompt leaves in the context
+(``max_model_len - prompt``, as vLLM 0.32; :meth:`rlserve.server.state.ServerState.check_length`).
 
 A prompt too long for the context is named as vLLM 0.32 names it (``vllm/renderers/params.py``:
 ``_text_len_check``, ``_token_len_check``; the same on ``/v1/completions``, ``/v1/chat/completions`` and

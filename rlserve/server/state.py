@@ -322,13 +322,17 @@ class ServerState(StructuredChecks, LogprobJSON):
 
     def check_length(self, n_prompt: int, max_tokens: int | None, param: str = "max_tokens",
                      prompt_param: str | None = None) -> int:
-        """Returns the effective ``max_tokens`` (None → the rest of the context).
+        """Returns the effective ``max_tokens``: ``max_tokens`` clamped to the rest of the context
+        (``max_model_len - n_prompt``), None → the rest of the context (at most ``--generation-config``'s
+        ``max_new_tokens``). A ``max_tokens`` larger than the room left is an upper bound, not an error, as in
+        vLLM 0.32 (``vllm/entrypoints/serve/utils/api_utils.py`` ``get_max_tokens``: the minimum of the room,
+        ``max_tokens`` and the defaults; its own server answered 200 with 24 tokens for a 40-token prompt with
+        ``max_tokens`` 40 at ``--max-model-len`` 64, session 22; vLLM 0.20 and older refused it with a 400).
 
         Raises:
             APIError 400: the prompt leaves no room (param ``prompt_param``; None: vLLM 0.32's, ``input_tokens``
                 for a prompt over ``max_model_len`` and ``param`` for one of exactly ``max_model_len`` tokens,
-                whose output would have no room: ``rlserve/server/limits.py``), or prompt + max_tokens >
-                max_model_len (param ``param``).
+                whose output would have no room: ``rlserve/server/limits.py``), or ``max_tokens`` < 1.
         """
         if n_prompt >= self.max_model_len:
             if prompt_param is None:
@@ -341,12 +345,7 @@ class ServerState(StructuredChecks, LogprobJSON):
             return self.max_model_len - n_prompt if default is None else min(int(default), self.max_model_len - n_prompt)
         if max_tokens < 1:
             raise APIError(400, f"{param or 'max_tokens'} must be >= 1, got {max_tokens}", param=param)
-        if n_prompt + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
-                                f"for the completion). Reduce the prompt or max_tokens.",
-                           param=param, code="context_length_exceeded")
-        return max_tokens
+        return min(max_tokens, self.max_model_len - n_prompt)
 
     def check_logprobs(self, k: int | None, param: str) -> int | None:
         """Returns the number of alternatives to compute (``-1``, allowed with ``--max-logprobs

@@ -85,8 +85,9 @@ class RequestAdmission:
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary (prompt or
-                ``logit_bias``, ``allowed_token_ids``), prompt plus
-                ``max_tokens`` beyond ``max_model_len``, bad sampling parameters, duplicate id.
+                ``logit_bias``, ``allowed_token_ids``), a prompt of ``max_model_len`` tokens or more,
+                bad sampling parameters, duplicate id. (``max_tokens`` beyond the room the prompt leaves
+                is clamped to it, as vLLM does.)
             ModelSleepingError: the engine is asleep (sleep mode).
         """
         if self.sleep_mode is not None:
@@ -108,13 +109,10 @@ class RequestAdmission:
         if params.routed_experts_prompt_start > len(ids):
             raise InvalidRequestError(f"routed_experts_prompt_start must be between 0 and the prompt length "
                                       f"{len(ids)}, got {params.routed_experts_prompt_start}")
-        if params.max_tokens is None:
+        if params.max_tokens is None or len(ids) + params.max_tokens > self.max_model_len:
+            # an upper bound, clamped to the room the prompt leaves (vLLM: the scheduler ends a sequence at
+            # max_model_len with finish_reason "length"; its server clamps max_tokens the same way)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        elif len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
-                f"and max_tokens asks for {params.max_tokens} more"
-            )
         for name in ("logit_bias", "allowed_token_ids"):
             bad = [t for t in (getattr(params, name) or ()) if t >= self.vocab_size]
             if bad:
