@@ -185,12 +185,19 @@ def summarize(run: dict, max_tokens: int) -> dict:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, all its threads (``/proc``; 0 elsewhere)."""
+    return sum(cpu_user_system(pid))
+
+
+def cpu_user_system(pid: int) -> tuple[float, float]:
+    """User and system (kernel: system calls, the loopback TCP path of a ``send``) CPU seconds of
+    process ``pid`` so far, all its threads (``/proc/PID/stat``; zeros elsewhere)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def _py_spy() -> str | None:
@@ -277,10 +284,11 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         cp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, args.clients,
                                                       args.num_prompts, args.prompt_len, args.max_tokens,
                                                       (3, args.token_hi), args.seed), queue))
-        cpu0, wall0 = cpu_seconds(srv.pid), time.time()
+        (usr0, sys0), wall0 = cpu_user_system(srv.pid), time.time()
         cp.start()
         run = queue.get(timeout=args.timeout)
-        cpu, wall1 = cpu_seconds(srv.pid) - cpu0, time.time()
+        (usr1, sys1), wall1 = cpu_user_system(srv.pid), time.time()
+        cpu, cpu_sys = usr1 + sys1 - usr0 - sys0, sys1 - sys0
         cp.join()
     finally:
         for tool in (spy, trace):
@@ -296,6 +304,8 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
     out = {"config": name, "flags": flags, **summarize(run, args.max_tokens)}
     # the API process's CPU per event and per token: what the load on the machine moves least
     out["api_cpu_s"] = round(cpu, 2)
+    out["api_cpu_system_s"] = round(cpu_sys, 2)  # of api_cpu_s: in the kernel (clock ticks: +-0.01 s)
+    out["window_unix_s"] = [round(wall0, 3), round(wall1, 3)]  # the measured run (for per-process logs' lines)
     out["api_cpu_us_per_token"] = round(1e6 * cpu / (out["completed"] * args.max_tokens), 1) if out["completed"] else None
     out["api_cpu_us_per_event"] = round(1e6 * cpu / (out["events_s"] * out["duration_s"]), 1) if out["events_s"] else None
     if probe_dir is not None:

@@ -49,6 +49,7 @@ def _chunked(data: bytes) -> bytes:
 class _Conn(asyncio.Protocol):
     def __init__(self, server: "PaceServer"):
         self.server, self.buf, self.transport = server, b"", None
+        self.close_after = False  # the request said ``Connection: close``: close once its stream ends
 
     def connection_made(self, transport):
         self.transport = transport
@@ -65,6 +66,7 @@ class _Conn(asyncio.Protocol):
             if len(self.buf) < end + 4 + n:
                 return
             body, self.buf = self.buf[end + 4:end + 4 + n], self.buf[end + 4 + n:]
+            self.close_after = re.search(r"(?im)^connection:\s*close\s*$", head) is not None
             self.server.request(self, head.split(" ", 2)[:2], body)
 
     def connection_lost(self, exc):
@@ -123,6 +125,8 @@ class PaceServer:
                 finished.append(conn)
         for conn in finished:
             self.done.append(self.streams.pop(conn)[2])
+            if conn.close_after:  # api_stream_load's raw clients read a response to its end of file
+                conn.transport.close()
         self.loop.call_at(self.next, self.tick)
         self.next += self.tick_s
         if self.next < self.loop.time():  # fell behind: skip, do not burst
