@@ -29,7 +29,9 @@ processes during the run and writes collapsed stacks (``DIR/<name>.txt``) and th
 frames into the JSON. ``--strace DIR``: ``strace -c -f`` counts the API process's system calls (all its
 threads, not the engine core's) during the run (``DIR/<name>.txt``), per event into the JSON (issue
 37: one ``write`` / ``sendto`` per stream and event is the floor). Each run also reports the API process's CPU seconds per token and per event
-(``/proc``), which the machine's load moves least.
+(``/proc``), which the machine's load moves least; ``api_cpu_system_s`` is the kernel's part of it and
+``window_unix_s`` the measured run's start and end (for per-process logs such as ``benchmarks/gc_time_site``'s;
+``benchmarks/api_profile_layers.py`` sorts a ``--profile`` run's samples by layer).
 
 Every number is wall-clock seconds (printed as ms) or events/tokens per second; on the shared
 2-core machine they move with the load, so compare configs of one run only.

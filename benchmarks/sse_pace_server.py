@@ -9,7 +9,8 @@ is a few microseconds a chunk and its write times are the tick's. Each stream's 
 (``perf_counter``, ``CLOCK_MONOTONIC``: the client's clock too) and written, one line per stream in
 ``benchmarks/stream_trace.py``'s format (``<arrival> <start> <t1> 1 <t2> 1 ...``), to ``--trace DIR`` at the
 end: ``benchmarks/stream_gaps.py RESULT --server DIR`` then says how much of each long client gap the client
-added. HTTP/1.1 keep-alive, chunked transfer encoding; the request body is read by Content-Length and only
+added. HTTP/1.1 keep-alive (a request that says ``Connection: close``, as ``api_stream_load.py``'s raw clients do, is
+closed after its stream: ``benchmarks/api_stream_floor.py``), chunked transfer encoding; the request body is read by Content-Length and only
 ``max_tokens`` is looked at.
 
 Usage::
