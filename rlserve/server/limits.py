@@ -177,6 +177,8 @@ def check_token_ids(ids, vocab_size: int, what: str, param: str) -> None:
         APIError 400 ``invalid_token_id``: "{what} must be integers, got [...]" for
         non-int entries, else "{what} out of the vocabulary [0, V): [...]" (the first 5 named).
     """
+    if not ids or (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size):
+        return  # the common case in C-level passes (a 512-id prompt: ~15 us instead of ~60 in the loops below)
     not_int = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
     if not_int:
         raise APIError(400, f"{what} must be integers, got {not_int[:5]}", param=param,

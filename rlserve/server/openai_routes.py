@@ -157,7 +157,7 @@ def _normalize_prompts(prompt) -> list:
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    if set(map(type, prompt)) == {int}:  # token ids (bool is a type of its own: not an id)
         return [list(prompt)]
     return list(prompt)
 
