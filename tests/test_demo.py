@@ -75,6 +75,14 @@ def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
     assert any(b.token_ids != a.token_ids for b, a in zip(res.before, res.after))
     assert {c.weight_version for c in res.before} == {"0"}
     assert {c.weight_version for c in res.after} == {"2"}  # a cold sync, then a warm one
+    # ... and the output says so, answer by answer (a new user's trial, session 22: it did not)
+    assert "weight version of each answer: before sync 0 0 0 0, after sync 2 2 2 2" in out, out
+    # every token-counting progress line ends at 100%, also where a completion ended at EOS before
+    # max_tokens (session 22: "[generate] after sync ... 126/128" was its last state)
+    for phase in ("[generate] before sync", "[generate] after sync", "[trainer] generate"):
+        last = cap.err[cap.err.rindex(phase):].split("\n")[0].split("\r")[0]
+        n, total = re.search(r"\| *(\d+)/(\d+) \[", last).groups()
+        assert n == total and "100%" in last, last
     assert res.sync.bytes > 0 and res.sync.buckets >= 1 and res.sync.send_s > 0 and res.sync.kind == "cold"
     assert res.warm_sync.kind == "warm" and res.warm_sync.bytes == res.sync.bytes and res.warm_sync.init_s == 0
     assert "cold sync time" in out and "warm sync time" in out and "before sync (dummy weights)" in out
@@ -210,6 +218,34 @@ def test_format_table_marks_mismatches():
     assert "before sync" in lines[0] and lines[2].endswith("yes") and lines[3].endswith("NO")
     assert all(len(line) <= 100 for line in lines[:4])
     assert "a\\nb" in lines[2]
+    assert lines[5] == "weight version of each answer: before sync ? ?, after sync ? ?"
+
+
+def test_trainer_progress_line_ends_at_100_when_generate_stops_at_eos(model_dir, capsys):
+    """The reference generate's token line counts prompts x max_new_tokens, less what EOS left:
+    here EOS is made the first greedy token, so each prompt stops after 1 of its 6 tokens."""
+    from rlserve.demo.trainer import load_trainer_model, trainer_greedy
+
+    model = load_trainer_model(model_dir)
+    prompts = [[1, 2, 3], [4, 5]]
+    full = trainer_greedy(model, prompts, 6)
+    assert all(len(g) == 6 for g in full), full  # no EOS within 6 tokens (the tiny model's config)
+    model.generation_config.eos_token_id = full[0][0]
+    capsys.readouterr()
+    got = trainer_greedy(model, prompts[:1], 6, progress="[trainer] generate")
+    assert got == [full[0][:1]]
+    err = capsys.readouterr().err
+    last = err[err.rindex("[trainer] generate"):].split("\n")[0].split("\r")[0]
+    assert "100%" in last and "| 1/1 [" in last, err
+
+
+def test_format_table_says_each_answers_weight_version():
+    before = [Completion("p", "x", [1], [1], "length", "0"), Completion("q", "y", [1], [1], "length", "0")]
+    after = [Completion("p", "a", [2], [1], "stop", "2"), Completion("q", "b", [2], [1], "length", "3")]
+    lines = format_table(["p", "q"], before, after, [True, True], width=100).splitlines()
+    assert lines[5] == "weight version of each answer: before sync 0 0, after sync 2 3"
+    lines = format_table(["p", "q"], None, after, None, width=100).splitlines()
+    assert lines[5] == "weight version of each answer: after sync 2 3"
 
 
 @pytest.mark.parametrize("backend,tp,gpus,want", [

@@ -125,9 +125,20 @@ def _clip(s: str, width: int) -> str:
     return s if len(s) <= width else s[: max(0, width - 1)] + "…"
 
 
+def versions_line(before: Sequence[Completion] | None, after: Sequence[Completion]) -> str:
+    """The ``weight_version`` each answer came back with (what the server says produced it), in
+    prompt order: ``"weight version of each answer: before sync 0 0 0 0, after sync 2 2 2 2"``
+    (``?`` where an answer carried none)."""
+    def vs(cs: Sequence[Completion]) -> str:
+        return " ".join(c.weight_version if c.weight_version is not None else "?" for c in cs)
+    parts = ([f"before sync {vs(before)}"] if before is not None else []) + [f"after sync {vs(after)}"]
+    return "weight version of each answer: " + ", ".join(parts)
+
+
 def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, after: Sequence[Completion],
                  matches: Sequence[bool | str] | None = None, width: int | None = None) -> str:
-    """A before/after table (texts clipped to the terminal width), then the full texts after the sync."""
+    """A before/after table (texts clipped to the terminal width), the weight version of each answer
+    (:func:`versions_line`), then the full texts after the sync."""
     width = width or shutil.get_terminal_size((120, 24)).columns
     width = max(80, min(width, 200))
     pw = max(len("prompt"), min(max(len(repr(p)) - 2 for p in prompts), 38))
@@ -152,6 +163,7 @@ def format_table(prompts: Sequence[str], before: Sequence[Completion] | None, af
             cells.append(m if isinstance(m, str) else ("yes" if m else "NO"))
         rows.append(sep.join(cells))
     rows.append("")
+    rows.append(versions_line(before, after))
     rows.append("after the sync, in full:")
     for i, p in enumerate(prompts):
         rows.append(textwrap.fill(f"{p!r} -> {after[i].text!r}", width=width, subsequent_indent="    "))

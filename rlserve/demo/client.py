@@ -40,7 +40,7 @@ def complete(base_url: str, prompts: Sequence[str], max_tokens: int = DEFAULT_MA
             raise DemoError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:1000]}")
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     else:
-        choices = _complete_streamed(url, dict(body, stream=True), headers, timeout_s, len(prompts) * int(max_tokens),
+        choices = _complete_streamed(url, dict(body, stream=True), headers, timeout_s, len(prompts), int(max_tokens),
                                      progress)
     if len(choices) != len(prompts):
         raise DemoError(f"/v1/completions returned {len(choices)} choices for {len(prompts)} prompts")
@@ -48,12 +48,14 @@ def complete(base_url: str, prompts: Sequence[str], max_tokens: int = DEFAULT_MA
                        c.get("weight_version")) for p, c in zip(prompts, choices)]
 
 
-def _complete_streamed(url: str, body: dict, headers: dict, timeout_s: float, total: int, label: str) -> list[dict]:
-    """A streamed ``/v1/completions``: the choices assembled from their chunks, in index order."""
+def _complete_streamed(url: str, body: dict, headers: dict, timeout_s: float, n_prompts: int, max_tokens: int,
+                       label: str) -> list[dict]:
+    """A streamed ``/v1/completions``: the choices assembled from their chunks, in index order. The
+    progress line counts ``n_prompts * max_tokens`` tokens, less what a completion that ended early left."""
     import requests
 
     merged: dict[int, dict] = {}
-    with progress_line(label, total=total, unit="tok") as bar, \
+    with progress_line(label, total=n_prompts * max_tokens, unit="tok") as bar, \
             requests.post(url, json=body, headers=headers, timeout=(10, timeout_s), stream=True) as r:
         if r.status_code != 200:
             raise DemoError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:1000]}")
@@ -72,6 +74,9 @@ def _complete_streamed(url: str, body: dict, headers: dict, timeout_s: float, to
                 m["finish_reason"] = c["finish_reason"] or m["finish_reason"]
                 m["weight_version"] = c.get("weight_version")
                 bar.update(len(c.get("token_ids") or []))
+                if c["finish_reason"] and len(m["token_ids"]) < max_tokens:  # ended early (EOS, stop)
+                    bar.total -= max_tokens - len(m["token_ids"])  # so the line ends at 100%
+                    bar.refresh()
     return [merged[i] for i in sorted(merged)]
 
 

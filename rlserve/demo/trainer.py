@@ -88,6 +88,9 @@ def trainer_greedy(model, prompt_token_ids: Sequence[Sequence[int]], max_new_tok
             y = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc,
                                streamer=_Count(bar) if progress is not None else None)
             gen = y[0, x.shape[1]:].tolist()
+            if progress is not None and len(gen) < int(max_new_tokens):  # ended at EOS: the line ends at 100%
+                bar.total -= int(max_new_tokens) - len(gen)
+                bar.refresh()
             for i, t in enumerate(gen):
                 if t in eos:
                     gen = gen[: i + 1]
