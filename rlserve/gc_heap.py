@@ -19,7 +19,17 @@ probe), a gap in every stream each time: at a chunk every 10-20 ms per stream th
 percent of all inter-token gaps, i.e. the p99. After freezing, the third threshold is raised to
 :data:`FULL_COLLECTION_EVERY` (full collections that much rarer, each no longer: young objects are
 still collected by generations 0 and 1 as before; only reference cycles that live long enough to
-reach generation 2 wait longer to be freed)."""
+reach generation 2 wait longer to be freed).
+
+The first threshold (net container allocations between two generation-0 collections) is raised to
+:data:`YOUNG_COLLECTION_EVERY` too: most of what a step allocates (outputs, chunk dicts, token-id
+lists) dies by reference count within the step, so at 700 a collection traversed objects that were
+about to be freed anyway, ~500 times a second at 256 streams (0.23-0.33 ms each, issue 37's APIPROF
+profile, BENCHMARKS.md H29). ``benchmarks/api_output_step.py`` (256 streams, 16 steps, valgrind
+instruction counts of its timed loop, 2-core Xeon, session 22): 287.8 / 287.8 M instructions at
+(700, 10, 100), 248.1 / 247.9 M at 10,000 and 247.9 M at 50,000: **0.86x**, flat beyond 10,000. A
+generation-0 collection then finds at most 10,000 young containers (a few ms, once every several
+steps)."""
 
 from __future__ import annotations
 
@@ -34,19 +44,22 @@ logger = logging.getLogger(__name__)
 #: generation-1 collections between two full collections once the start-up heap is frozen
 #: (CPython's default: 10); see the module docstring
 FULL_COLLECTION_EVERY = 100
+#: net container allocations between two generation-0 collections once the start-up heap is frozen
+#: (CPython's default: 700); see the module docstring
+YOUNG_COLLECTION_EVERY = 10_000
 
 
 def freeze_startup_heap(what: str) -> int:
     """Collect once, then ``gc.freeze()`` everything alive (``what``: the process, for the log).
     Call once start-up is done (model, tokenizer, app built), just before serving. Also raises
-    the full-collection threshold to at least :data:`FULL_COLLECTION_EVERY`. Returns the number
-    of objects frozen (``gc.get_freeze_count()``)."""
+    the young and full-collection thresholds to at least :data:`YOUNG_COLLECTION_EVERY` and
+    :data:`FULL_COLLECTION_EVERY`. Returns the number of objects frozen (``gc.get_freeze_count()``)."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
     g0, g1, g2 = gc.get_threshold()
     if g0 > 0:  # 0: collection disabled by the user (gc.set_threshold(0)); leave it so
-        gc.set_threshold(g0, g1, max(g2, FULL_COLLECTION_EVERY))
+        gc.set_threshold(max(g0, YOUNG_COLLECTION_EVERY), g1, max(g2, FULL_COLLECTION_EVERY))
     n = gc.get_freeze_count()
     logger.debug("%s: %d start-up objects frozen out of garbage collection (%.0f ms)", what, n,
                  1e3 * (time.perf_counter() - t0))

@@ -136,8 +136,9 @@ def test_freeze_startup_heap_moves_the_live_objects_out_of_collection():
     assert n == count > 0
     assert n >= before // 2  # the imported modules' objects (tens of thousands): most of what was alive
     assert after < 100  # what the collector still traverses: almost nothing
-    # full collections FULL_COLLECTION_EVERY generation-1 collections apart (CPython's default: 10)
-    assert thresholds == default[:2] + [max(default[2], 100)] and default[2] < 100
+    # young collections YOUNG_COLLECTION_EVERY (10,000) allocations apart (CPython's default: 700), full
+    # collections FULL_COLLECTION_EVERY (100) generation-1 collections apart (CPython's default: 10)
+    assert thresholds == [10_000, default[1], 100] and default[0] < 10_000 and default[2] < 100
 
 def test_sse_encoding():
     obj = {"id": "x", "choices": [{"text": "é 世界 \u2028", "logprobs": None, "n": -9999.0}]}
