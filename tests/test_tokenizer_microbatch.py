@@ -226,3 +226,48 @@ def test_server_stop_ends_its_tokenizer_threads(tiny_model, monkeypatch):
             assert r.status_code == 200, r.text
         assert len(_tokenizer_threads(before)) == 2
     assert _tokenizer_threads(before) == []
+
+
+def test_no_transformers_warning_for_a_text_longer_than_model_max_length():
+    """transformers warns once per tokenizer when a text encodes to more than its ``model_max_length``
+    ("... will result in indexing errors"); the server bounds prompts by max_model_len itself, so its
+    tokenizer threads mark that warning as given: the text encodes to the same ids and nothing is logged
+    (the handler sits on transformers' own logger, which does not propagate to the root)."""
+    import copy
+    import logging
+
+    tok = copy.deepcopy(build_tokenizer())  # (build_tokenizer's is shared by the whole test run)
+    tok.model_max_length = 8
+    tok.deprecation_warnings.clear()
+    text = "hello world " * 20
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    lg = logging.getLogger("transformers")
+    level = lg.level  # a server started earlier in this process may have set transformers' verbosity to errors
+    lg.setLevel(logging.WARNING)
+    lg.addHandler(handler)
+    try:
+        threads = TokenizerThreads(tok)
+        try:
+            ids = asyncio.run(threads.encode_many([text], True))[0]
+        finally:
+            threads.close()
+        direct = tok.encode(text)  # the tokenizer is marked: no warning here either
+    finally:
+        lg.removeHandler(handler)
+    assert ids == list(direct) and len(ids) > 8
+    assert not [r for r in records if "longer than the specified maximum" in r.getMessage()], records
+    # the unmarked tokenizer does warn (the check above can fail)
+    fresh, records2 = copy.deepcopy(build_tokenizer()), []
+    fresh.model_max_length = 8
+    fresh.deprecation_warnings.clear()  # (the shared one may have been given to tokenizer threads before)
+    h2 = logging.Handler()
+    h2.emit = records2.append
+    lg.addHandler(h2)
+    try:
+        fresh.encode(text)
+    finally:
+        lg.removeHandler(h2)
+        lg.setLevel(level)
+    assert [r for r in records2 if "longer than the specified maximum" in r.getMessage()], records2

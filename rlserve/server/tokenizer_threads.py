@@ -47,6 +47,15 @@ class TokenizerThreads:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # the server checks every prompt against max_model_len itself (a 400 naming input_tokens):
+        # transformers' one-time "Token indices sequence length is longer than the specified maximum
+        # sequence length for this model (9001 > 8192) ... will result in indexing errors" (its
+        # tokenizer_config's model_max_length, not the server's context) read as a bug in the server's log
+        # when a too-long prompt was refused (session 22's new-user run); marked as given (the threads'
+        # copies inherit it)
+        warned = getattr(tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         self._copies: dict[bool, object] = {}  # long-text thread? -> its copy
         self._local = threading.local()
         self._short: ThreadPoolExecutor | None = None
