@@ -152,7 +152,8 @@ def test_sampling_row_takes_its_own_path_whatever_the_neighbours(monkeypatch):
         g = torch.Generator().manual_seed(3)
         logits = torch.randn(6, V, generator=g) * 2
         target = SamplingParams(temperature=0.8, seed=11)
-        others = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.0, logprobs=3),
+        # (the general-path row asks for logprobs: a row that does not gets NaN there, lean_sampling's rule)
+        others = [SamplingParams(temperature=1.0, top_p=0.9, seed=1, logprobs=0), SamplingParams(temperature=0.0, logprobs=3),
                   SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.0, seed=2),
                   SamplingParams(temperature=0.0)]
         sampler = Sampler(set(), V)
