@@ -45,16 +45,8 @@ class ByteLevelIncrementalDetokenizer(BaseIncrementalDetokenizer):
 
     _batches = True
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ):
-        super().__init__(tokenizer, skip_special_tokens, stop, include_stop_str_in_output, min_tokens)
+    def _start(self, prompt_token_ids: Sequence[int]) -> None:
+        tokenizer, skip_special_tokens = self.tokenizer, self.skip_special_tokens
         backend = _rust_backend(tokenizer)
         v = None if backend is None else vocab_facts(backend)
         if v is None or not v.batch:

@@ -148,6 +148,7 @@ class BaseIncrementalDetokenizer:
 
     Args:
         tokenizer: a Hugging Face tokenizer.
+        prompt_token_ids: the prompt's ids (left context for the decoders that use it).
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings (empty ones are ignored).
         include_stop_str_in_output: keep the matched stop string in the text.
@@ -165,8 +166,8 @@ class BaseIncrementalDetokenizer:
     for deltas :meth:`take_delta`; at the end :attr:`output_text` (== :attr:`visible_text`).
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.min_tokens = int(min_tokens or 0)
         self.skip_special_tokens = skip_special_tokens
@@ -178,6 +179,12 @@ class BaseIncrementalDetokenizer:
         self.stop_match: StopMatch | None = None
         self._matched = ""
         self.finished = False
+        self._start(prompt_token_ids)
+
+    def _start(self, prompt_token_ids: Sequence[int]) -> None:
+        """The decoder's own state (each subclass): from ``self.tokenizer``, ``self.skip_special_tokens``
+        and the prompt's ids (left context). Raises ValueError where the tokenizer does not fit it."""
+        raise NotImplementedError
 
     @classmethod
     def from_params(cls, tokenizer, prompt_token_ids: Sequence[int], params):
@@ -356,16 +363,8 @@ class IncrementalDetokenizer(BaseIncrementalDetokenizer):
             :class:`BaseIncrementalDetokenizer`.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ):
-        super().__init__(tokenizer, skip_special_tokens, stop, include_stop_str_in_output, min_tokens)
+    def _start(self, prompt_token_ids: Sequence[int]) -> None:
+        tokenizer, skip_special_tokens = self.tokenizer, self.skip_special_tokens
         # a "fast" HF tokenizer's Rust backend (tokenizers.Tokenizer), when it decodes exactly like
         # the wrapper (no clean-up of spaces, no Python-side special-token handling)
         self._backend = _rust_backend(tokenizer)

@@ -81,16 +81,8 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
             :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer`.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ):
-        super().__init__(tokenizer, skip_special_tokens, stop, include_stop_str_in_output, min_tokens)
+    def _start(self, prompt_token_ids: Sequence[int]) -> None:
+        tokenizer, skip_special_tokens = self.tokenizer, self.skip_special_tokens
         backend = _rust_backend(tokenizer)
         if backend is None or DecodeStream is None:
             raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
