@@ -139,6 +139,8 @@ def test_engine_serving_keys_are_the_warm_ups(tiny_model, triton_backend, fused_
                                            "_prefill_kernel")}
     kernels.update({n: getattr(fused_kernels, n) for n in (
         "_rms_norm_kernel", "_silu_mul_kernel", "_sample_partial_kernel", "_sample_reduce_kernel")})
+    kernels["copy_sum"] = _copy_sum_kernel()  # the weight sync's (test_weight_update_keys_are_the_warm_ups)
+    _cpu_weight_sync_warmup(monkeypatch)
     with KeyRecorder(kernels) as rec:
         llm = LLM(path, dtype="float32", device="cpu", block_size=4, max_num_seqs=6, max_num_batched_tokens=40,
                   max_model_len=32, mixed_prefill_decode=True, enable_prefix_caching=True)
@@ -155,8 +157,57 @@ def test_engine_serving_keys_are_the_warm_ups(tiny_model, triton_backend, fused_
         outs += llm.generate(prompts[2:4], SamplingParams(temperature=0.8, max_tokens=3, n=2, seed=1, stop=["a"]))
         outs += llm.generate([p + [7] for p in prompts[2:5]], SamplingParams(temperature=0, max_tokens=2))  # prefix hits
     assert len(outs) == 12 and all(o.outputs[0].token_ids for o in outs)
+    assert len(rec.keys["copy_sum"]) == 4  # the warm-up launched the weight sync's four variants
     launched = {n for n, ks in rec.keys.items() if ks}
     assert {"_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_rms_norm_kernel",
             "_silu_mul_kernel", "_sample_partial_kernel"} <= launched
     assert rec.new_since("warmup") == []
     assert rec.new_since("warmup", raw=True)  # unmarked kernels would have compiled in the middle of serving
+
+
+def _copy_sum_kernel():
+    from rlserve.transfer import multi_tensor
+
+    return multi_tensor._kernel()
+
+
+def _cpu_weight_sync_warmup(monkeypatch):
+    """The start-up warm-up's copy + checksum launches on CPU tensors (the interpreter): on CUDA
+    :func:`rlserve.transfer.multi_tensor.warmup` runs them as they are; on the CPU it is a no-op."""
+    import functools
+
+    from rlserve.transfer import multi_tensor
+
+    monkeypatch.setattr(multi_tensor, "warmup", functools.partial(multi_tensor.warmup, _allow_cpu=True))
+
+
+def test_weight_update_keys_are_the_warm_ups(monkeypatch):
+    """Every copy + checksum launch a weight update makes (the receiver's checksums, the direct copy plan's
+    copies with and without the NaN / inf test, a staged update's byte views, a bucket table moved to a new
+    address, tensors with tails) has a key the start-up warm-up (jit_warmup.warm_weight_sync) launched."""
+    from rlserve.transfer.multi_tensor import MultiTensorSum, tensor_checksums
+    from rlserve.transfer.wire.packing import tensor_checksum
+
+    _cpu_weight_sync_warmup(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(40, 24, generator=g).to(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    params.append(torch.randn(7, generator=g).to(torch.bfloat16))  # 14 bytes: a tail
+    with KeyRecorder({"copy_sum": _copy_sum_kernel()}) as warm:
+        assert jit_warmup.warm_weight_sync(torch.device("cpu")) == 4
+    with KeyRecorder({"copy_sum": _copy_sum_kernel()}) as rec:
+        dsts = [torch.empty_like(p) for p in params]
+        for check in (False, True):
+            op = MultiTensorSum.build(params, dsts, chunk_words=64, _allow_cpu=True, check_finite=check)
+            assert op.run().tolist() == [tensor_checksum(p) for p in params]
+            assert all(torch.equal(d, p) for d, p in zip(dsts, params))
+        u8 = [p.view(torch.uint8).reshape(-1) for p in params[:3]]  # a staged update's byte views
+        op = MultiTensorSum.build(u8, check_finite=True, check_dtypes=[p.dtype for p in params[:3]],
+                                  _allow_cpu=True)
+        assert op.run().tolist() == [tensor_checksum(p) for p in params[:3]] and op.bad.tolist() == [0, 0, 0]
+        bucket = torch.cat(u8)  # a packed bucket mapped at a new address: the table moved by one add
+        moved = torch.empty_like(bucket).copy_(bucket)
+        op = MultiTensorSum.build([bucket], _allow_cpu=True).relocated(moved.data_ptr() - bucket.data_ptr(), moved)
+        assert op.run().tolist() == [tensor_checksum(bucket)]
+        assert tensor_checksums(params) == [tensor_checksum(p) for p in params]  # (host path: no launch)
+    assert sum(rec.keys["copy_sum"].values()) == 4
+    assert set(rec.keys["copy_sum"]) == set(warm.keys["copy_sum"])  # the update's four variants, all warmed

@@ -143,3 +143,18 @@ def test_the_recording_pass_runs_one_graph_size_per_specialization_class():
     assert specialization_representatives([1, 64, 256]) == [256, 1]
     assert specialization_representatives([3, 5, 24, 40, 48]) == [48, 40, 5]
     assert specialization_representatives([1]) == [1]
+
+
+def test_the_weight_sync_kernel_is_recorded_and_compiled_in_children(tmp_path):
+    """The start-up warm-up's weight-sync launches (rlserve.transfer.multi_tensor.warmup, four variants) are
+    recorded under a name a child can import (the kernel was defined inside a function: skipped, so the
+    receiver compiled it at its connect) and compile there."""
+    r = _run(r'''
+from rlserve.transfer import multi_tensor
+specs = tp.record(lambda: multi_tensor.warmup(torch.device("cpu"), _allow_cpu=True))
+st = tp.compile_specs(specs, TARGET).wait()
+print(json.dumps({"names": [(s["module"], s["name"]) for s in specs], "stats": st}))
+''', tmp_path)
+    assert r["names"] == [["rlserve.transfer.multi_tensor_kernel", "copy_sum"]] * 4
+    st = r["stats"]
+    assert (st["recorded"], st["cached"], st["compiled"], st["failed"]) == (4, 0, 4, 0)

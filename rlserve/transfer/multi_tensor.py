@@ -24,6 +24,7 @@ whole int64 word of a tensor (sizes not a multiple of 8) are added on the host s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Iterable, Sequence
@@ -44,41 +45,12 @@ NUM_WARPS = 8
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    """The Triton kernel, compiled on first use (``None`` when Triton is missing)."""
+    """The Triton kernel (:func:`rlserve.transfer.multi_tensor_kernel.copy_sum`), imported on first use
+    (``None`` when Triton is missing)."""
     try:
-        import triton
-        import triton.language as tl
+        from rlserve.transfer.multi_tensor_kernel import copy_sum
     except ImportError:
         return None
-
-    @triton.jit
-    def copy_sum(src_ptrs, dst_ptrs, words, partial, masks, partial_bad, COPY: tl.constexpr, CHECK: tl.constexpr,
-                 BLOCK: tl.constexpr):
-        c = tl.program_id(0)
-        src = tl.load(src_ptrs + c).to(tl.pointer_type(tl.int64))
-        n = tl.load(words + c)
-        acc = tl.zeros([BLOCK], dtype=tl.int64)
-        if COPY:
-            dst = tl.load(dst_ptrs + c).to(tl.pointer_type(tl.int64))
-        if CHECK:  # rlserve.transfer.finite.lane_masks of the chunk's dtype (H = 0: not tested)
-            mm = tl.load(masks + 3 * c)
-            ll = tl.load(masks + 3 * c + 1)
-            hh = tl.load(masks + 3 * c + 2)
-            bad = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(src + offs, mask=m, other=0)
-            if COPY:
-                tl.store(dst + offs, x, mask=m)
-            acc += x
-            if CHECK:
-                v = (x & mm) ^ mm  # a lane is zero where its element's exponent bits are all set
-                bad |= (v - ll) & (v ^ -1) & hh
-        tl.store(partial + c, tl.sum(acc, axis=0))
-        if CHECK:
-            tl.store(partial_bad + c, tl.sum((bad != 0).to(tl.int64), axis=0))
-
     return copy_sum
 
 
@@ -87,19 +59,29 @@ def available() -> bool:
     return torch.cuda.is_available() and _kernel() is not None
 
 
-def warmup(device: torch.device) -> None:
-    """Compile both kernel variants (checksum only, copy + checksum) on ``device`` now: the
-    first compile takes ~1 s, which must not land inside a staged commit's pause. No-op
-    without CUDA or Triton."""
+def warmup(device: torch.device, _allow_cpu: bool = False) -> int:
+    """Launch the kernel in each of its variants (checksum only, copy + checksum, each with and without
+    the NaN / inf test) on ``device``, so that none compiles inside a weight update (a cold compile
+    takes ~1 s), which must not land inside a staged commit's pause or in an update
+    that serving waits for. Every :meth:`MultiTensorSum.run` launches one of these four variants
+    whatever its tensors (the kernel's arguments are int64 tables of fresh, aligned allocations; its
+    constexprs are ``COPY``, ``CHECK`` and the fixed ``BLOCK``). Called by the engine's start-up warm-up
+    (:func:`rlserve.engine.worker.jit_warmup.warm_weight_sync`, compiled in parallel with the model's
+    kernels) and again when a receiver connects (by then a lookup). ``_allow_cpu``: CPU tensors (tests
+    only: Triton's interpreter). Returns the launches (0 without CUDA or Triton: a no-op)."""
     device = torch.device(device)
-    if device.type != "cuda" or not available():
-        return
-    with torch.cuda.device(device):
+    if not (_allow_cpu or (device.type == "cuda" and available())) or _kernel() is None:
+        return 0
+    n = 0
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         src = torch.zeros(64, dtype=torch.int64, device=device)
         for check in (False, True):
-            MultiTensorSum.build([src], check_finite=check).run()
-            MultiTensorSum.build([src], [torch.empty_like(src)], check_finite=check).run()
-        torch.cuda.synchronize(device)
+            for dsts in (None, [torch.empty_like(src)]):
+                MultiTensorSum.build([src], dsts, check_finite=check, _allow_cpu=_allow_cpu).run()
+                n += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return n
 
 
 class MultiTensorSum:

@@ -16,7 +16,9 @@ recorded and compiled in parallel by :mod:`rlserve.engine.worker.triton_precompi
 * :func:`warm_decode_attention`: the Triton decode attention in each variant of
   :func:`rlserve.layers.triton_attention.decode_variants` (split or not, ordered or not, each merge width),
   which the decode CUDA graphs' capture does not all reach (their split count is the one of
-  ``max_model_len``; a mixed step's decode rows and eager decode steps plan theirs from the real lengths).
+  ``max_model_len``; a mixed step's decode rows and eager decode steps plan theirs from the real lengths);
+* :func:`warm_weight_sync`: the weight sync's one-launch copy + checksum kernel
+  (:func:`rlserve.transfer.multi_tensor.warmup`), which the first weight update would otherwise compile.
 
 ``benchmarks/jit_misses.py`` and ``tests/gpu/test_jit_misses_gpu.py`` count what still compiles after ready.
 """
@@ -82,3 +84,14 @@ def warm_decode_attention(model: torch.nn.Module, dtype: torch.dtype, device: to
                                   **att.kv_scale_kwargs())
         n += 1
     return n
+
+
+def warm_weight_sync(device: torch.device) -> int:
+    """Launch the weight sync's copy + checksum kernel in each of its four variants on ``device``
+    (:func:`rlserve.transfer.multi_tensor.warmup`: int64 chunk tables, ``COPY`` x ``CHECK``), so that
+    the first weight update compiles nothing and the compile runs beside the model's in the parallel
+    precompile (before, the receiver compiled them when it connected, one after the other, holding the
+    GIL on the engine process). Returns the launches (0 without CUDA or Triton)."""
+    from rlserve.transfer import multi_tensor
+
+    return multi_tensor.warmup(device)

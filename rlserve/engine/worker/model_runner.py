@@ -279,7 +279,8 @@ class ModelRunner:
         """The warm-up's eager forwards: prefills writing nothing (16 and 1024 tokens, and one per launch
         class of the fused qkv kernels: :func:`jit_warmup.forward_inputs`), each with
         its last row's logits, and the Triton decode attention in each of its variants
-        (:func:`jit_warmup.warm_decode_attention`); ``graph_sizes``: also the decode forward (padding rows: context 0,
+        (:func:`jit_warmup.warm_decode_attention`) and the weight sync's copy + checksum kernel
+        (:func:`jit_warmup.warm_weight_sync`); ``graph_sizes``: also the decode forward (padding rows: context 0,
         no KV write) with every row's logits, as a capture runs it, of one CUDA-graph batch size per
         class Triton may compile apart (:func:`specialization_representatives`; the recording pass
         of :meth:`warm_up`, which only needs each specialization once)."""
@@ -288,6 +289,7 @@ class ModelRunner:
                                                         self.device):
             self.model.compute_logits(self.model(ids, pos, meta)[-1:], **self._logits_kw)
         jit_warmup.warm_decode_attention(self.model, self.dtype, self.device)
+        jit_warmup.warm_weight_sync(self.device)
         if graph_sizes:
             graphs = self._new_graphs()
             for bs in specialization_representatives(graphs.sizes):

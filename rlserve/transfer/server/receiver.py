@@ -108,7 +108,7 @@ class WeightReceiver(ReceiveChecks, IpcReceive):
         if self.device.type == "cuda":
             from rlserve.transfer.multi_tensor import warmup
 
-            warmup(self.device)  # the one-launch checksum / copy kernels, compiled before any update
+            warmup(self.device)  # compiled at the engine's start-up warm-up (jit_warmup.warm_weight_sync): a lookup
         if self.init.backend == "ipc":
             return
         if self.device.type == "cuda":
