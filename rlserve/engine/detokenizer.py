@@ -3,8 +3,10 @@
 Two decoders share one text/stop-string/streaming layer (:class:`BaseIncrementalDetokenizer`):
 
 * :class:`~rlserve.engine.fast_detokenizer.FastIncrementalDetokenizer` (vLLM v1's name): the
-  ``tokenizers`` library's ``DecodeStream``, one call into Rust per batch of new ids; used for
-  plain fast tokenizers (:func:`~rlserve.engine.fast_detokenizer.new_detokenizer` picks it);
+  ``tokenizers`` library's ``DecodeStream``, one call into Rust per new id; used for plain fast
+  tokenizers whose decoder is not ``ByteLevel`` (:func:`~rlserve.engine.fast_detokenizer.new_detokenizer`
+  picks it; a ``ByteLevel`` one gets
+  :class:`~rlserve.engine.bytelevel_detokenizer.ByteLevelIncrementalDetokenizer`);
 * :class:`IncrementalDetokenizer` (this module): the prefix/read-offset technique of vLLM's v0
   ``detokenize_incrementally`` (itself from Hugging Face text-generation-inference), in Python,
   for any tokenizer with ``decode``; the fallback.
@@ -26,8 +28,8 @@ earliest match (or at its end with ``include_stop_str_in_output``), the match is
 reported and later tokens are ignored; the caller finishes the sequence with
 ``finish_reason="stop"`` and ``stop_reason=match.stop_str``. Several ids passed in one
 :meth:`~BaseIncrementalDetokenizer.add_tokens` call give exactly what one call per id gives
-(text, match, ``token_index``): a decoder that can decode them in one go does, and replays
-them one at a time only when that batch completed a stop string or ended inside a character.
+(text, match, ``token_index``): a decoder that can decode them in one go does (``ByteLevelIncrementalDetokenizer``), and replays
+them one at a time only when that batch completed a stop string or reached ``min_tokens``.
 
 Streaming: :meth:`BaseIncrementalDetokenizer.take_delta` returns the text that became visible
 since its last call. While the sequence runs, the longest tail of the text that could
@@ -73,14 +75,12 @@ class _Vocab:
     the tokens together, so a window's text is its head's plus the rest's when the head ends with
     whole characters. Not so for ``ByteFallback``: an invalid run of byte tokens becomes one
     U+FFFD per byte only when decoded together, so a random model's bytes would read differently
-    whole than one id at a time). ``whole``: id -> whether its text alone is whole characters
-    (no U+FFFD, not empty), filled as ids come (``FastIncrementalDetokenizer``: a batch up to
-    such an id ends where one id at a time would have emitted its text); ``texts``: id -> its
+    whole than one id at a time); ``texts``: id -> its
     text alone (``ByteLevelIncrementalDetokenizer``'s cache), filled as ids come. Built in well under a
     millisecond (``get_vocab`` would take ~0.4 s for SmolLM2's 49k tokens: a stall at the first
     request)."""
 
-    __slots__ = ("limit", "special", "batch", "whole", "texts", "_id_to_token")
+    __slots__ = ("limit", "special", "batch", "texts", "_id_to_token")
 
     def __init__(self, backend):
         from tokenizers.decoders import ByteLevel
@@ -91,7 +91,6 @@ class _Vocab:
         special |= {backend.token_to_id(t.content) for t in added.values() if t.special} - {None}
         self.special = frozenset(special)
         self.batch = isinstance(backend.decoder, ByteLevel)
-        self.whole: dict[int, bool] = {}
         self.texts: dict[int, str] = {}
         self._id_to_token = backend.id_to_token
 

@@ -14,10 +14,11 @@ every rule of :class:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer` (s
   beyond a small vocabulary) and, with ``skip_special_tokens``, special tokens -- are not fed
   (they would only lengthen the window decoded at every step), from the tokenizer's
   :func:`~rlserve.engine.detokenizer.vocab_facts`;
-* several ids (one ``add_tokens`` call) take one step up to the last of them whose text alone
-  is whole characters, where one id at a time would have emitted everything too, and one step
-  each after it; only for a ``ByteLevel`` decoder (``vocab_facts(...).batch``), whose text does
-  not depend on where a window starts, otherwise one step per id;
+* one ``DecodeStream`` step per id, also when one ``add_tokens`` call brings several: the
+  decoders this class gets (:func:`new_detokenizer`: not ``ByteLevel``, e.g. Metaspace +
+  ByteFallback) give a window's text depending on where it starts, so several ids in one step
+  could read differently from one at a time (a ``ByteLevel`` decoder, which could take them
+  together, gets :class:`~rlserve.engine.bytelevel_detokenizer.ByteLevelIncrementalDetokenizer`);
 * :meth:`~rlserve.engine.detokenizer.BaseIncrementalDetokenizer.finish` flushes a partial
   character as the Python decoder does: the window the stream holds is mirrored (the ids of its
   last emitting step plus those since, ``_window`` and ``_pending``, updated only at an emission
@@ -41,8 +42,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlserve.engine.detokenizer import (_REPLACEMENT_CHAR, BaseIncrementalDetokenizer, IncrementalDetokenizer,
-                                        _rust_backend, prompt_context, vocab_facts)
+from rlserve.engine.detokenizer import (BaseIncrementalDetokenizer, IncrementalDetokenizer, _rust_backend,
+                                        prompt_context, vocab_facts)
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -88,7 +89,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
             raise ValueError("FastIncrementalDetokenizer needs a plain fast tokenizer and tokenizers' DecodeStream")
         self._backend = backend
         v = vocab_facts(backend)
-        self._vocab, self._limit, self._batches, self._whole_ids = v, v.limit, v.batch, v.whole
+        self._vocab, self._limit = v, v.limit
         self._drop = v.special if skip_special_tokens else frozenset()
         ctx = prompt_context(self._decode, prompt_token_ids)
         self._stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
@@ -100,55 +101,30 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _text_for(self, ids: list[int]) -> str | None:
-        limit, drop = self._limit, self._drop
-        if len(ids) == 1:
-            t = ids[0]
-            if t in drop or (t >= limit and self._vocab.unknown(t)):
-                return ""  # no text can change
-            return self._step(ids)
-        known = [t for t in ids if t not in drop and (t < limit or not self._vocab.unknown(t))]
-        # one step up to the last id whose text alone is whole characters (one id at a time would
-        # have emitted there: the window's text ends with that id's), then one id at a time
-        m = len(known) - 1
-        while m >= 0 and not self._whole(known[m]):
-            m -= 1
-        text, rest = ("", known) if m < 1 else (self._step(known[:m + 1]) or "", known[m + 1:])
-        for t in rest:
-            text += self._step([t]) or ""
-        return text
-
-    def _whole(self, t: int) -> bool:
-        w = self._whole_ids.get(t)
-        if w is None:
-            s = self._backend.decode([t], skip_special_tokens=False)
-            w = self._whole_ids[t] = bool(s) and _REPLACEMENT_CHAR not in s
-        return w
-
-    def _step(self, known: list[int]) -> str | None:
-        """One ``DecodeStream`` step over ``known`` (ids it does not drop): the text it emitted,
-        None when it holds a partial character."""
+        t = ids[0]  # one id (_batches is False)
+        if t in self._drop or (t >= self._limit and self._vocab.unknown(t)):
+            return ""  # no text can change
         if self._fallback is not None:
-            return self._fallback_text(known)
+            return self._fallback_text(t)
         try:
-            text = self._stream.step(self._backend, known if len(known) > 1 else known[0])
+            text = self._stream.step(self._backend, t)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is the stream's prefix error
             if not str(e).startswith(_INVALID_PREFIX):
                 raise
             self._fallback = IncrementalDetokenizer.resume(
                 self.tokenizer, self.skip_special_tokens, self._window, self._pending)
-            self._batches = False  # (a snapshot cannot hold the fallback's state)
-            return self._fallback_text(known)
-        if text is None:
-            self._pending = self._pending + known  # a new list: a snapshot may hold the old one
+            return self._fallback_text(t)
+        if text is None:  # a partial character: held
+            self._pending.append(t)
             return None
-        self._window = self._pending + known if self._pending else known
+        self._window = self._pending + [t] if self._pending else [t]
         self._pending = []
         return text
 
-    def _fallback_text(self, known: list[int]) -> str:
+    def _fallback_text(self, t: int) -> str:
         fb = self._fallback
         before = len(fb.output_text)
-        fb.add_tokens(known)
+        fb.add_tokens([t])
         return fb.output_text[before:]
 
     def _flush(self) -> str:
@@ -161,12 +137,6 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         head = self._decode(self._window)
         text = self._decode(self._window + self._pending)
         return text[len(head):] if len(text) > len(head) else ""
-
-    def _snapshot(self):
-        return self._stream.__copy__(), self._window, self._pending, self._fallback
-
-    def _restore(self, snap) -> None:
-        self._stream, self._window, self._pending, self._fallback = snap
 
 
 def new_detokenizer(tokenizer, prompt_token_ids: Sequence[int], params) -> BaseIncrementalDetokenizer:
