@@ -152,7 +152,8 @@ def test_row_parallel_explicit_partition_forward_and_validation():
 def test_tp2_ranks_see_the_resolved_max_model_len(tiny_model, kv):
     """``max_model_len=-1`` (``--max-model-len auto``) under TP=2: every rank's config holds the length rank 0
     resolved (session 22, FIX item 6: the follower kept -1; with the default CPU cache its KV sizing then
-    rounded -1 tokens to 0 blocks and the start failed). The model's 256 tokens where the cache holds them;
+    rounded -1 tokens to 0 blocks and the start failed), and its resolved ``max_num_batched_tokens`` (session 23:
+    the follower kept None, so its activation estimate and warm-up used other step sizes than rank 0's). The model's 256 tokens where the cache holds them;
     cut to the cache (56 tokens of 14 blocks of 4) where it does not. Greedy equals TP=1 and Hugging Face."""
     path = tiny_model("qwen3")
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
@@ -160,7 +161,9 @@ def test_tp2_ranks_see_the_resolved_max_model_len(tiny_model, kv):
     try:
         want = 56 if kv else 256
         assert tp2.engine.max_model_len == tp2.engine.config.max_model_len == want
-        assert tp2.engine.executor.collective_rpc("tests.test_tp:max_model_len_seen") == [want, want]
+        # and the step budget rank 0 resolved (the CPU default, 1,024 tokens: the follower kept None)
+        assert tp2.engine.config.max_num_batched_tokens == 1024
+        assert tp2.engine.executor.collective_rpc("tests.test_tp:token_limits_seen") == [[want, 1024]] * 2
         out2 = tp2.generate(PROMPTS, params)
     finally:
         tp2.engine.executor.shutdown()
@@ -168,6 +171,6 @@ def test_tp2_ranks_see_the_resolved_max_model_len(tiny_model, kv):
     assert [o.outputs[0].token_ids for o in out2] == ref
 
 
-def max_model_len_seen(worker) -> int:
-    """(collective_rpc target) a rank's ``config.max_model_len``."""
-    return worker.config.max_model_len
+def token_limits_seen(worker) -> list:
+    """(collective_rpc target) a rank's ``[config.max_model_len, config.max_num_batched_tokens]``."""
+    return [worker.config.max_model_len, worker.config.max_num_batched_tokens]

@@ -52,7 +52,8 @@ class LLMEngine(EngineStep, RequestAdmission):
     Args:
         config: engine configuration.
         executor: optional object with ``workers``-like behaviour for tensor parallelism
-            (``execute(step) -> logits``, ``collective_rpc(target, *args)``, ``set_max_model_len(n)``,
+            (``execute(step) -> logits``, ``collective_rpc(target, *args)``,
+            ``set_token_limits(max_model_len, max_num_batched_tokens)``,
             ``determine_num_blocks()``, ``bytes_per_block()``, ``init_kv_cache(n)``, ``model``, ``hf_config``,
             ``dtype``, ``device``); default: one in-process :class:`Worker`.
         defer_tokenizer: do not load the tokenizer during construction (the engine-core process: it does not
@@ -158,7 +159,6 @@ class LLMEngine(EngineStep, RequestAdmission):
         auto_fit = config.max_model_len == AUTO_MAX_MODEL_LEN  # (vLLM's -1: cut to the KV cache below)
         config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
         self.max_model_len = config.max_model_len
-        executor.set_max_model_len(self.max_model_len)  # (TP followers hold a copy of the config made before)
         if config.max_num_batched_tokens is None:
             if torch.device(executor.device).type == "cuda":
                 # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
@@ -172,6 +172,8 @@ class LLMEngine(EngineStep, RequestAdmission):
                 # issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
                 # instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)
                 config.max_num_batched_tokens = _CPU_MAX_NUM_BATCHED_TOKENS
+        # (TP followers hold a copy of the config made before these were resolved)
+        executor.set_token_limits(self.max_model_len, config.max_num_batched_tokens)
         if config.max_consecutive_prefill_steps is None:
             # CUDA: prefill and decode steps alternate while requests wait (a burst of 512-token
             # prompts otherwise decodes in lock-step; BENCHMARKS.md, "Time to first token");
@@ -186,7 +188,7 @@ class LLMEngine(EngineStep, RequestAdmission):
         if auto_fit:
             config.max_model_len = self.max_model_len = fit_max_model_len(
                 num_blocks, config.block_size, self.max_model_len, source)
-            executor.set_max_model_len(self.max_model_len)
+            executor.set_token_limits(self.max_model_len, config.max_num_batched_tokens)
         check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source,
                                        executor.bytes_per_block())
         phases.mark("KV cache sizing")

@@ -83,7 +83,7 @@ class TPExecutor:
     """Runs a TP>1 model: rank 0 here, ranks 1..N-1 in spawned processes.
 
     Provides the executor interface :class:`~rlserve.engine.core.llm_engine.LLMEngine` uses:
-    ``execute``, ``collective_rpc``, ``set_max_model_len``, ``determine_num_blocks``, ``bytes_per_block``,
+    ``execute``, ``collective_rpc``, ``set_token_limits``, ``determine_num_blocks``, ``bytes_per_block``,
     ``init_kv_cache``,
     ``load_weights``, ``model``, ``hf_config``, ``dtype``, ``device``.
 
@@ -157,10 +157,11 @@ class TPExecutor:
         """The smallest block count any rank can hold (all ranks use the same)."""
         return min(self._broadcast_method("determine_num_blocks"))
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        """Every rank takes rank 0's resolved ``max_model_len`` (the followers' configs were pickled at spawn,
-        before ``--max-model-len auto`` was resolved: they kept -1)."""
-        self._broadcast_method("set_max_model_len", max_model_len)
+    def set_token_limits(self, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Every rank takes rank 0's resolved ``max_model_len`` and ``max_num_batched_tokens`` (the followers'
+        configs were pickled at spawn, before the engine resolved them: they kept -1 for ``--max-model-len auto``
+        and None for the default step budget)."""
+        self._broadcast_method("set_token_limits", max_model_len, max_num_batched_tokens)
 
     def bytes_per_block(self) -> int:
         """Bytes of one KV block on the rank that holds the most KV heads (the cache's size in messages)."""

@@ -106,11 +106,14 @@ class Worker:
         """Context manager: this worker's TP state for the current thread."""
         return tp_context(self.tp_rank, self.tp_size, self.tp_group)
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        """Take the engine's resolved ``max_model_len`` (tokens; ``--max-model-len auto`` / -1 resolved to the
-        model's length, then cut to the KV cache): a TP follower's config is a copy made before rank 0 resolved
-        it (:meth:`rlserve.engine.worker.tp_executor.TPExecutor.set_max_model_len`)."""
+    def set_token_limits(self, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Take the engine's resolved token limits: ``max_model_len`` (``--max-model-len auto`` / -1 resolved to
+        the model's length, then cut to the KV cache) and ``max_num_batched_tokens`` (None resolved to the
+        device's default): a TP follower's config is a copy made before rank 0 resolved them
+        (:meth:`rlserve.engine.worker.tp_executor.TPExecutor.set_token_limits`), and its KV sizing (activation
+        estimate) and warm-up read them."""
         self.config.max_model_len = int(max_model_len)
+        self.config.max_num_batched_tokens = int(max_num_batched_tokens)
 
     # ---- KV cache sizing -------------------------------------------------------------
     def bytes_per_block(self) -> int:
