@@ -127,3 +127,35 @@ def test_serve_device_auto_without_cuda_refuses_a_short_cache_before_the_engine(
         "cache memory (--kv-cache-bytes 536870912 (the default): 65536 blocks of 16 tokens, 536870912 bytes; 8192 "
         "bytes per block); the longest --max-model-len it holds is 1048576. Raise --kv-cache-bytes or lower "
         "--max-model-len"), err[-3000:]
+
+
+@pytest.mark.parametrize("device, cuda_devices, checked", [
+    ("auto", 0, True), ("auto", None, True),  # no CUDA device (or no driver): the engine runs on the CPU
+    ("auto", 1, False),  # a CUDA device: the GPU sizes its cache from its memory and reads no --kv-cache-bytes
+    ("cpu", 1, True), ("cuda", 1, False)])
+def test_serve_checks_kv_cache_bytes_only_where_the_engine_runs_on_the_cpu(tiny_model, monkeypatch, capsys, device,
+                                                                          cuda_devices, checked):
+    """``rlserve serve``'s check before the engine starts follows the device the engine will use, CUDA stood in for
+    at the decision (the driver's device count; the device check after it stops the start). ``--kv-cache-bytes
+    32768`` holds 4 of the tiny llama's 16-token blocks of 8,192 bytes: 64 tokens, short of --max-model-len 128.
+    Before session 23 ``--device auto`` with a CUDA device got this CPU check too (refused: fails on the old code).
+    ``--num-kv-blocks 4`` is checked on every device."""
+    from rlserve.cli import main, serve
+
+    monkeypatch.setattr(serve, "_driver_device_count", lambda: cuda_devices)
+
+    def past_the_kv_check(config):
+        raise ValueError("past the KV check")
+
+    monkeypatch.setattr(serve, "_check_device", past_the_kv_check)
+    path = tiny_model("llama")
+    want = ("To serve at least one request with the model's max seq len (128), KV cache for 8 blocks is needed "
+            "(8 blocks of 16 tokens, 65536 bytes), which is larger than the available KV cache memory "
+            "(--kv-cache-bytes 32768: 4 blocks of 16 tokens, 32768 bytes; 8192 bytes per block); the longest "
+            "--max-model-len it holds is 64. Raise --kv-cache-bytes or lower --max-model-len")
+    flags = ["serve", path, "--device", device, "--max-model-len", "128", "--port", "0", "--engine-mode", "thread"]
+    assert main(flags + ["--kv-cache-bytes", "32768"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "rlserve serve: error: " + (want if checked else "past the KV check")
+    assert main(flags + ["--num-kv-blocks", "4"]) == 2
+    assert "(--num-kv-blocks 4: 4 blocks of 16 tokens" in capsys.readouterr().err

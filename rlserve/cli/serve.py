@@ -129,6 +129,23 @@ def _cpu_only(config) -> bool:
     return config.device == "cpu" or (config.device == "auto" and not _driver_device_count())
 
 
+def _check_kv_cache(config, model_path: str, max_model_len: int) -> None:
+    """The KV cache's size checked before any engine starts (:func:`rlserve.kv_size.check_kv_cache_bytes`):
+    ``--num-kv-blocks`` on any device; ``--kv-cache-bytes`` (unset: the 512 MiB CPU default) only where the
+    engine will run on the CPU (:func:`_cpu_only`). On a GPU the cache's size comes from its free memory
+    (``--gpu-memory-utilization``) and ``--kv-cache-bytes`` is not read: nothing to check here (``--device auto``
+    on a CUDA machine got the CPU check of ``--kv-cache-bytes`` before session 23, refusing a size the GPU would
+    ignore). ``max_model_len``: the checkpoint-checked length (unused for ``--max-model-len auto``).
+
+    Raises:
+        InvalidRequestError: the cache cannot hold one sequence (one line with the bytes)."""
+    if config.num_kv_blocks is None and not _cpu_only(config):
+        return
+    check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
+                         None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
+                         config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks, CPU_KV_CACHE_BYTES)
+
+
 def _check_device(config) -> None:
     """A CUDA device asked for (``--device cuda[:N]``) must exist, found here rather than by the
     engine after the model loaded. Raises ValueError. (``auto`` takes what there is: nothing to check.)
@@ -219,11 +236,7 @@ def run(args) -> int:
         generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
         max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
-        if config.num_kv_blocks is not None or not config.device.startswith("cuda"):  # (the GPU sizes its own)
-            check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
-                                 None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
-                                 config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks,
-                                 CPU_KV_CACHE_BYTES if _cpu_only(config) else None)
+        _check_kv_cache(config, model_path, max_model_len)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
         _check_device(config)
         _check_cpu_environment(config)
