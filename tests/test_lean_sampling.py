@@ -177,3 +177,41 @@ def test_cumulative_logprob_only_when_asked(tiny_model):
         assert ca.cumulative_logprob is None and ca.logprobs is None
         assert cb.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(cb.logprobs, cb.token_ids)), abs=1e-6)
         assert cb.cumulative_logprob < 0
+
+
+def test_cpu_engine_steps_call_no_torch_argmax(tiny_model, monkeypatch):
+    """Every argmax a CPU engine step takes is the one-pass C kernel (rlserve.layers.cpu_argmax; torch's CPU argmax
+    costs several times more): greedy batches read in place, greedy rows after penalties / logit bias / bad words,
+    drawn rows (the exponential race), with logprobs and prompt logprobs. A spy on ``torch.argmax`` and
+    ``Tensor.argmax`` counts none during generation (grep of rlserve/, session 23: the sampler's three call sites
+    are its only per-step argmax on the CPU)."""
+    from rlserve.layers import cpu_argmax
+
+    if not cpu_argmax.warm_up():
+        pytest.skip("no C compiler: the argmax is torch's here")
+    llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", block_size=4)
+    calls = []
+    real_fn, real_method = torch.argmax, torch.Tensor.argmax
+
+    def spy_fn(*a, **kw):
+        calls.append("torch.argmax")
+        return real_fn(*a, **kw)
+
+    def spy_method(self, *a, **kw):
+        calls.append("Tensor.argmax")
+        return real_method(self, *a, **kw)
+
+    monkeypatch.setattr(torch, "argmax", spy_fn)
+    monkeypatch.setattr(torch.Tensor, "argmax", spy_method)
+    prompts = [[5, 6, 7], [9, 3, 2, 8], [11, 12]]
+    param_sets = [
+        SamplingParams(temperature=0.0, max_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3, logit_bias={3: 2.0}, logprobs=2,
+                       bad_words_token_ids=[[4]]),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=4, logprobs=1, prompt_logprobs=1),
+    ]
+    outs = [llm.generate(prompts, p) for p in param_sets]
+    outs.append(llm.generate(prompts, [param_sets[0], param_sets[2], param_sets[1]]))  # a mixed batch
+    assert all(len(o.outputs[0].token_ids) == 4 for batch in outs for o in batch)
+    assert calls == []
+    assert torch.argmax(torch.tensor([[0.0, 1.0]])).item() == 1 and calls == ["torch.argmax"]  # the spy counts
