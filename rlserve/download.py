@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlserve import envs
+from rlserve.cache_root import default_cache_root  # noqa: F401 - re-exported (rlserve.download's public name)
 from rlserve.default_model import (  # noqa: F401 - re-exported: rlserve.download's public names
     CACHE_ENV,
     DEFAULT_MODEL_ALIASES,
@@ -78,16 +78,6 @@ logger = logging.getLogger(__name__)
 
 
 # --- paths ---------------------------------------------------------------------------
-
-
-def default_cache_root() -> Path:
-    """``$RLSERVE_CACHE``, else ``$XDG_CACHE_HOME/rlserve``, else ``~/.cache/rlserve``."""
-    env = envs.RLSERVE_CACHE
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "rlserve"
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -157,3 +157,24 @@ def test_uncached_bytecode_names_packages_that_compile_at_every_start(tmp_path):
     out = _run(code, str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_cpu_engine_build_imports_no_model_download_modules(tiny_model):
+    """The engine-core's build on the CPU (the model, the C kernels' cache: rlserve.layers.cpu_build) imports none
+    of the default model's download modules: cpu_build takes the cache root from rlserve.cache_root (session 23;
+    before, rlserve.download and with it rlserve.default_model and rlserve.gguf_source: ~7-14 ms of CPU per start
+    on the 2-core Xeon at load ~10). rlserve.download still names the same root."""
+    out = _run("""
+        import sys
+        from rlserve.config import EngineConfig
+        from rlserve.engine.core.llm_engine import LLMEngine
+        from rlserve.layers import cpu_argmax
+
+        e = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32"))
+        assert cpu_argmax.warm_up()  # a C kernel loaded through cpu_build's cache
+        print(sorted(m for m in ("rlserve.download", "rlserve.default_model", "rlserve.gguf_source") if m in sys.modules))
+        from rlserve import cache_root, download
+        print(download.default_cache_root() == cache_root.default_cache_root())
+    """, tiny_model("llama"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:] == ["[]", "True", ""], out.stdout

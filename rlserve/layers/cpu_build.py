@@ -3,7 +3,7 @@
 A kernel source is compiled with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``: the same requirement ``torch.compile`` has on CPU), with ``-O3 -march=native``
 plus the caller's flags and ``-fopenmp`` when the compiler has it, and cached under
-``<rlserve cache>/kernels/`` (see :func:`rlserve.download.default_cache_root`) by a hash of
+``<rlserve cache>/kernels/`` (see :func:`rlserve.cache_root.default_cache_root`) by a hash of
 the source, the flags, the compiler and the CPU's flags; later starts load it in
 milliseconds. A build takes ~1 s. Without a compiler, or if the build fails,
 :func:`load_library` returns ``None`` (one warning per library is logged) and the caller
@@ -109,7 +109,7 @@ def load_library(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL 
             src = _source_bytes(src_path)
             digest = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), cc.encode(),
                                                 _cpu_signature().encode()])).hexdigest()[:20]
-            from rlserve.download import default_cache_root
+            from rlserve.cache_root import default_cache_root  # (not rlserve.download: the model fetch's modules)
 
             lib_path = default_cache_root() / "kernels" / f"{src_path.stem}-{digest}.so"
             if not lib_path.exists():
