@@ -30,3 +30,29 @@ def test_no_triton_compile_after_ready(mixed, tmp_path):
     assert counter.available
     assert sum(work["requests"].values()) >= 100 and len(work["steps"]) >= 200
     assert counter.misses == [], "\n".join(summary(counter, work))
+
+
+def test_weight_sync_kernel_needs_no_compile_after_ready(tiny_model):
+    """The weight sync's copy + checksum kernel (rlserve.transfer.multi_tensor) is compiled by the engine's start-up
+    warm-up (jit_warmup.warm_weight_sync, session 23): an update's launches over the model's parameters -- copy with
+    and without the NaN / inf test, checksums only -- compile or load nothing after ready (before, the receiver's
+    connect compiled them; with no receiver yet here, each variant would be a miss). The CPU side:
+    tests/test_jit_keys_triton.py::test_weight_update_keys_are_the_warm_ups."""
+    from rlserve import LLM
+    from rlserve.transfer.multi_tensor import MultiTensorSum
+    from rlserve.transfer.wire.packing import tensor_checksum
+
+    llm = LLM(tiny_model("llama"), dtype="bfloat16", device="cuda", max_model_len=256)
+    params = [p.detach() for p in llm.engine.executor.model.parameters() if p.is_contiguous()]
+    dsts = [torch.empty_like(p) for p in params]
+    with JitCounter() as counter:
+        for check in (False, True):
+            op = MultiTensorSum.build(params, dsts, check_finite=check)
+            assert op is not None
+            got = op.run().tolist()
+            only = MultiTensorSum.build(params, check_finite=check).run().tolist()
+        torch.cuda.synchronize()
+    assert counter.available
+    assert counter.misses == [], counter.misses
+    assert got == only == [tensor_checksum(p) for p in params]
+    assert all(torch.equal(d, p) for d, p in zip(dsts, params))
