@@ -65,10 +65,13 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     # the last added runs first: the size limit, then the text check over the (bounded) body
     app.add_middleware(LoneSurrogateCheck, on_error=metrics.record_error)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes, on_error=metrics.record_error)
-    api_deps = [Depends(require_api_key(settings))]
+    # without --api-key the check is a no-op: left out, FastAPI does not solve it for every request
+    api_deps = [Depends(require_api_key(settings))] if settings.api_key is not None else []
     admin_deps = [Depends(require_admin(settings))]
-    app.include_router(make_public_router(state))
+    # the generation routes first: a request is matched against the routes in order (issue 37's
+    # admission profile: the public router's eight were matched before /v1/completions; no path is in both)
     app.include_router(make_openai_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
+    app.include_router(make_public_router(state))
     app.include_router(make_responses_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))
     app.include_router(make_tokenize_router(state), responses=error_answers(TOKENIZE_ERRORS))
     app.include_router(make_trl_router(state, api_deps), responses=error_answers(GENERATION_ERRORS))

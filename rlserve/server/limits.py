@@ -30,6 +30,10 @@ for a text over the character bound, :data:`TOO_MANY_TOKENS_PARAM` for more toke
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Annotated
+
+import msgspec
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -170,6 +174,12 @@ class RequestLimits:
             check_token_ids(ids, self.vocab_size, "stop_token_ids", param="stop_token_ids")
 
 
+@functools.lru_cache(maxsize=8)
+def _vocab_ids(vocab_size: int):
+    """msgspec's type of a list of token ids in ``[0, vocab_size)``."""
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
 def check_token_ids(ids, vocab_size: int, what: str, param: str) -> None:
     """Every id of ``ids`` is an int (not a bool) in ``[0, vocab_size)``.
 
@@ -177,8 +187,13 @@ def check_token_ids(ids, vocab_size: int, what: str, param: str) -> None:
         APIError 400 ``invalid_token_id``: "{what} must be integers, got [...]" for
         non-int entries, else "{what} out of the vocabulary [0, V): [...]" (the first 5 named).
     """
-    if not ids or (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size):
-        return  # the common case in C-level passes (a 512-id prompt: ~15 us instead of ~60 in the loops below)
+    if not ids:
+        return
+    try:  # the common case in one C pass (a 512-id prompt: ~8 us; ~40 with set(map(type)), min and max)
+        msgspec.convert(ids, _vocab_ids(vocab_size))
+        return
+    except msgspec.ValidationError:  # (a bool or a float is refused too) the loops below say what is wrong
+        pass
     not_int = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
     if not_int:
         raise APIError(400, f"{what} must be integers, got {not_int[:5]}", param=param,

@@ -69,6 +69,7 @@ class ServerMetrics:
         r = self.registry
         lbl = ["model_name"]
         self.model_name = model_name
+        self._children: dict = {}  # (metric, label values) -> its child (_child)
         self.requests = Counter("rlserve_requests", "Finished generation requests (one per prompt).",
                                 lbl + ["endpoint"], registry=r)
         self.sequences = Counter("rlserve_sequences_finished", "Finished samples (n per request), by finish reason.",
@@ -140,18 +141,28 @@ class ServerMetrics:
         inter-token latency), its ``n`` and ``max_tokens`` parameters, and ``timing``:
         ``(arrival, scheduled, first_token, last_token)`` ``time.monotonic()`` seconds (None where
         unknown; vLLM's request phases)."""
-        m = self.model_name
-        self.requests.labels(m, endpoint).inc()
+        m, child = self.model_name, self._child
+        child(self.requests, m, endpoint).inc()
         for fr in finish_reasons:
-            self.sequences.labels(m, fr or "none").inc()
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(generation_tokens)
+            child(self.sequences, m, fr or "none").inc()
+        child(self.prompt_tokens, m).inc(prompt_tokens)
+        child(self.generation_tokens, m).inc(generation_tokens)
         if e2e_s is not None:
-            self.e2e.labels(m).observe(e2e_s)
+            child(self.e2e, m).observe(e2e_s)
         if ttft_s is not None:
-            self.ttft.labels(m).observe(ttft_s)
+            child(self.ttft, m).observe(ttft_s)
         self.vllm.record_request(finish_reasons, prompt_tokens, generation_tokens, e2e_s, ttft_s, decode_s,
                                  sample_tokens, n=n, max_tokens=max_tokens, timing=timing)
+
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, looked up once per label values (``labels()`` checks the
+        values and takes a lock on every call, six times a finished request: issue 37's admission
+        profile); made at first use, as ``labels()`` makes it, so a series shows once it has a value."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def record_weight_sync(self, entry: dict) -> None:
         """One recorded weight update (``WeightTransferManager.last_update``'s dict: ``ok``,

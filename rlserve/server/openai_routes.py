@@ -47,6 +47,7 @@ from rlserve.server.openai_answers import answer_usage, chat_answer_role, chat_c
     completion_choice, completion_response, weight_versions
 from rlserve.server.openai_stream import SSEResponse, merge_generators, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.request_fields import bad_words_token_ids, check_extra_fields
 from rlserve.server.server_info import system_fingerprint
 from rlserve.server.state import ServerState
@@ -152,19 +153,21 @@ def _reject_unsupported(body) -> None:
 
 
 def _normalize_prompts(prompt) -> list:
-    """``prompt`` field → list of str | list[int]."""
+    """A validated ``prompt`` field (:class:`CompletionRequest`'s: a str, or a list of str, of
+    ints or of int lists, each list of one kind) → list of str | list[int]."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if set(map(type, prompt)) == {int}:  # token ids (bool is a type of its own: not an id)
-        return [list(prompt)]
+    if type(prompt[0]) is int:  # token ids (the model's union: then every entry is an int)
+        return [prompt]
     return list(prompt)
 
 
 def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
-    """The /v1 routes, behind ``dependencies`` (the API-key check)."""
-    router = APIRouter(dependencies=dependencies)
+    """The /v1 routes, behind ``dependencies`` (the API-key check); bodies are decoded by
+    msgspec where it parses them (:class:`~rlserve.server.request_body.FastJSONRoute`)."""
+    router = APIRouter(dependencies=dependencies, route_class=FastJSONRoute)
     st = state.settings
     outputs = ChatOutputConfig(st.tool_call_parser, st.reasoning_parser, st.enable_auto_tool_choice, state.tokenizer,
                                structured_in_reasoning=st.structured_in_reasoning)

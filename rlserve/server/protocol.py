@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 
@@ -150,6 +151,20 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_fast(cls, value, handler):
+        """A prompt of token ids (a list of JSON integers, the form TRL and ``vllm bench serve``
+        send) checked by msgspec in one C pass (~7 us for 512 ids, pydantic's union ~110 us on the
+        2-core test host); anything else (text, a list with a boolean, a float, a string) goes
+        through pydantic's union as before, so its errors are unchanged."""
+        if type(value) is list and value and type(value[0]) is int:
+            try:
+                return msgspec.convert(value, list[int])  # (refuses a bool and a float, as StrictInt)
+            except msgspec.ValidationError:
+                pass
+        return handler(value)
 
 
 class ContentPart(BaseModel):

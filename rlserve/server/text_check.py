@@ -15,6 +15,7 @@ import json
 import re
 
 from rlserve.server.errors import APIError, send_error
+from rlserve.server.request_body import loads
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: bytes of a JSON body that may decode to a surrogate: the escape of one (``\\uD800``-``\\uDFFF``;
@@ -89,7 +90,7 @@ def _scan(body: bytes) -> tuple[str, str, int] | None:
     if not _suspect(body):
         return None
     try:
-        value = json.loads(body)
+        value = loads(body)  # json.loads' value or error, by msgspec where it parses (an escaped emoji's pair)
     except (ValueError, RecursionError):  # not JSON: the route answers that
         return None
     return find_lone_surrogate(value)

@@ -153,8 +153,8 @@ class VllmMetrics:
                            registry=r).labels(*self.values)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                lbl + ["finished_reason"], registry=r)
-        for reason in FINISH_REASONS:  # vLLM creates one per FinishReason at start
-            self.success.labels(*self.values, reason)
+        # vLLM creates one per FinishReason at start; {reason: child}
+        self._success = {reason: self.success.labels(*self.values, reason) for reason in FINISH_REASONS}
         self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.req_gen = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
         self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS)
@@ -194,7 +194,11 @@ class VllmMetrics:
         self.req_prompt.observe(prompt_tokens)
         self.req_gen.observe(generation_tokens)
         for fr in finish_reasons:
-            self.success.labels(*self.values, fr or "abort").inc()
+            fr = fr or "abort"
+            child = self._success.get(fr)
+            if child is None:  # (looked up once per reason: labels() checks and locks on every call)
+                child = self._success[fr] = self.success.labels(*self.values, fr)
+            child.inc()
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
         if ttft_s is not None:

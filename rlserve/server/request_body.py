@@ -1,0 +1,64 @@
+"""JSON request bodies decoded by msgspec, with every answer unchanged (issue 37: admitting a
+request cost the API process ~1 ms, BENCHMARKS.md H31).
+
+FastAPI reads a JSON body with ``json.loads`` (the standard library: ~75 us for a body of 512
+token ids on the 2-core test host; msgspec: ~16 us). :class:`FastJSONRoute` is the route class of
+the generation routes (``APIRouter(route_class=FastJSONRoute)``): its requests' ``json()`` is
+:func:`loads`, which returns what ``json.loads`` would return, or raises what it would raise,
+because it falls back to ``json.loads`` for every body msgspec does not take (msgspec refuses
+``NaN`` / ``Infinity``, numbers that overflow a float, escaped lone surrogates, a UTF-8 BOM,
+UTF-16/32 bodies, where ``json.loads`` returns a value: the fallback returns that value; and
+every malformed body: the fallback raises ``json.JSONDecodeError`` at the same position, which
+FastAPI answers as before). Where both parse, the values are equal (``tests/test_request_body.py``
+checks the cases that differ between the two parsers). Everything else of FastAPI's handling
+(content type, validation, dependencies, the OpenAPI schema) is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+_decode = msgspec.json.Decoder().decode
+#: a body with at least this many ``[`` and ``{`` (a bound on its nesting depth) is read by
+#: ``json.loads``: both parsers stop at the interpreter's recursion limit, but at a depth that
+#: depends on the stack they are called from, which is not the same here and in FastAPI
+MAX_BRACKETS = 256
+
+
+def loads(body: bytes) -> Any:
+    """``json.loads(body)``: its value (msgspec's, where msgspec parses the body: the same value),
+    or its exception (``json.JSONDecodeError``, ``UnicodeDecodeError``, ``ValueError`` for an
+    integer of more than 4300 digits, ``RecursionError``)."""
+    if body.count(b"[") + body.count(b"{") < MAX_BRACKETS:
+        try:
+            return _decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):  # not msgspec's JSON: json.loads decides
+            pass
+    return json.loads(body)
+
+
+class FastJSONRequest(Request):
+    """A request whose ``json()`` is :func:`loads` (cached as Starlette's is)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class FastJSONRoute(APIRoute):
+    """FastAPI's route, handed a :class:`FastJSONRequest` (so its body is decoded by :func:`loads`);
+    everything else is FastAPI's own handling."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def app(request: Request):
+            return await handler(FastJSONRequest(request.scope, request.receive))
+
+        return app
