@@ -24,6 +24,8 @@ STEM=vllm_bench_default stream_bench "$L1" "$MIN_STEPS"
 say "stack (default): $(server_stacks)"
 if [ "$DRY_RUN" = 1 ] && [ -z "${VLLM_DRY:-}" ]; then
   say "vLLM's server skipped in a dry run (VLLM_DRY=1 starts vLLM CPU: its compile takes 5-20 minutes here)"
+elif [ "$DRY_RUN" != 1 ] && [ ! -f /tmp/vsite/env.sh ]; then
+  say "vLLM's server skipped: not installed on this machine (/tmp/vsite/env.sh missing: the .v1-.v3 carry calls did not run)"
 elif [ "$(left)" -ge 110 ] || [ "$DRY_RUN" = 1 ]; then
   touch "$OUT_DIR/start"
   CONFIGS=("vllm=$C vllm $VFLAGS")
