@@ -20,12 +20,18 @@ upload is not cut). The answer takes as long as it takes. h11 also answers 400 w
 than 16 KiB of a head are buffered incomplete (its incomplete-event limit); httptools has no such
 limit, so :class:`BoundedHttpToolsProtocol` counts what arrives while a head is incomplete and
 answers 400 over the same size.
+
+The httptools protocol also hands each request's connection to the routes for the direct writes
+of a plain stream's middle chunks (issue 37, :mod:`rlserve.server.direct_write`):
+``direct_write`` (default True; False: every chunk through the ASGI stack, for A/B tests).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, NamedTuple
+
+from rlserve.server.direct_write import install as install_direct_write
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +134,7 @@ def _httptools_class() -> type:
         _in_head = True  # between a message's begin (or the connection's start) and its head's end
         _head_bytes = 0  # received while _in_head (reads that began it: not counted)
         _in_body = False  # between a request head's end and its message's end
+        direct_write = True  # install rlserve.server.direct_write's DirectWrite in each request's scope
 
         def _waiting_for_head(self) -> bool:
             return self._heads == self._answered
@@ -154,6 +161,8 @@ def _httptools_class() -> type:
             self._heads += 1
             self._in_body = True
             super().on_headers_complete()
+            if self.direct_write:
+                install_direct_write(self.scope, self.cycle)
 
         def on_message_complete(self) -> None:
             self._in_body = False
@@ -169,8 +178,8 @@ def _httptools_class() -> type:
 class HttpStack(NamedTuple):
     """What serves HTTP: ``name`` (``uvloop+httptools``, ``uvloop+h11`` or ``asyncio+h11``),
     ``run`` (runs a coroutine to its end on the stack's event loop: ``asyncio.run``'s
-    signature) and ``protocol`` (``header_timeout_s`` -> a uvicorn protocol class for
-    ``uvicorn.Config(http=...)``)."""
+    signature) and ``protocol`` (``(header_timeout_s, direct_write=True)`` -> a uvicorn protocol
+    class for ``uvicorn.Config(http=...)``; ``direct_write`` counts on the httptools stack only)."""
 
     name: str
     run: Callable[[Any], Any]
@@ -210,9 +219,9 @@ def http_stack(impl: str | None = None) -> HttpStack:
 
         run = uvloop.run
 
-    def protocol(header_timeout_s: float | None) -> type:
+    def protocol(header_timeout_s: float | None, direct_write: bool = True) -> type:
         make = _httptools_class() if fast_parser else _h11_class()
-        return type(make.__name__, (make,), {"header_timeout_s": header_timeout_s})
+        return type(make.__name__, (make,), {"header_timeout_s": header_timeout_s, "direct_write": direct_write})
 
     name = ("uvloop" if fast_loop else "asyncio") + ("+httptools" if fast_parser else "+h11")
     return HttpStack(name, run, protocol)

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rlserve.server.chat_output import ChatOutputConfig
 from rlserve.server.chat_tools import check_tools, forced_spec
+from rlserve.server.direct_write import sink_for
 from rlserve.server.errors import APIError
 from rlserve.engine.routed_experts import encode_routed_experts
 from rlserve.engine.sampling_params import clip_logit_bias
@@ -235,14 +236,15 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
 
         as_ids = body.return_tokens_as_token_ids
 
-        def gens(stream: bool):
-            return [state.generate(ids, params, f"{rid}-{i}", "completions", stream=stream)
+        def gens(stream: bool, sink=None):
+            return [state.generate(ids, params, f"{rid}-{i}", "completions", stream=stream, sink=sink)
                     for i, (_, ids, params) in enumerate(items)]
 
         if body.stream:
+            sink = sink_for(raw.scope) if len(items) == 1 else None  # one request's direct writes (issue 37)
             return SSEResponse(
                 stream_completions(state, body, items, rid, created, model, n, usage_options(body.stream_options),
-                                   prompt_text, gens(True)),
+                                   prompt_text, gens(True, sink), sink),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         try:
@@ -315,11 +317,12 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
             if outputs.active else None
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        gen = state.generate(ids, params, rid, "chat", stream=body.stream)
+        sink = sink_for(raw.scope) if body.stream else None  # its direct writes (issue 37)
+        gen = state.generate(ids, params, rid, "chat", stream=body.stream, sink=sink)
         if body.stream:
             return SSEResponse(
                 stream_chat(state, body, ids, rid, created, model, usage_options(body.stream_options), gen, top_k,
-                            parsers),
+                            parsers, sink),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             (out,) = await unless_disconnected(raw, collect_final([gen]))

@@ -142,29 +142,77 @@ class _Chunks:
     and its completion tokens sent so far (vLLM's ``previous_num_tokens[i]``), chat adding
     ``completion_tokens_details: null``; without ``include_usage``, a choice's last chunk (the
     one with its ``finish_reason``) carries the ``system_fingerprint``, else the usage chunk
-    does."""
+    does. Also what of each choice has gone out (:attr:`sent_text`, :attr:`sent_toks`,
+    :attr:`done`): one record for the stream's coroutine and its direct writes
+    (:mod:`rlserve.server.direct_write`), which continue each other.
 
-    def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool):
-        self.base, self.include, self.continuous, self.chat = base, usage[0], usage[1], chat
+    Args:
+        plain: the request asks for nothing a middle chunk would carry beyond its text, weight
+            version and (``rti``) token ids (no logprobs, echo, tool or reasoning parsing): its
+            middle chunks go through byte templates (:meth:`plain`).
+        rti: the chunks carry ``token_ids``.
+    """
+
+    def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool, plain: bool = False,
+                 rti: bool = False):
+        self.base, self.include, self.continuous, self.chat, self.rti = base, usage[0], usage[1], chat, rti
         self.fingerprint = system_fingerprint(state)
         # byte templates of a choice's middle chunks (not with per-chunk usage: it counts tokens)
-        self.templates: dict | None = {} if envs.RLSERVE_SSE_TEMPLATES and not self.continuous else None
+        self.templates: dict | None = {} if envs.RLSERVE_SSE_TEMPLATES and not self.continuous and plain else None
+        self.names = ("content" if chat else "text", "weight_version") + (("token_ids",) if rti else ())
+        self.sent_text: dict[int, int] = {}  # choice index -> characters of its text sent
+        self.sent_toks: dict[int, int] = {}  # choice index -> tokens sent (absent: no chunk of it yet)
+        self.done: set[int] = set()  # choices whose last chunk went out
 
     def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> bytes:
         """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's), as
         bytes (:func:`sse_bytes`)."""
         return sse_bytes(self.obj(choice, prompt_tokens, completion_tokens, **extra))
 
-    def template(self, key, render, names: tuple[str, ...]) -> ChunkTemplate | None:
-        """The byte template ``key`` of the chunks ``self.chunk(render(fields), 0, 0)`` (``fields``:
-        ``names`` -> values), built on its first use with sentinels
-        (:class:`~rlserve.server.sse_template.ChunkTemplate`; its ``fill(values)`` takes the values in
-        ``names``' order); None when none can be made (those chunks go the general way). Only with
-        :attr:`templates` on (not None)."""
-        t = self.templates.get(key, False)
-        if t is False:
-            t = self.templates[key] = ChunkTemplate.build(lambda v: self.obj(render(v), 0, 0), names)
-        return t
+    def plain(self, out, base: int = 0) -> bytes | None:
+        """The chunks of ``out`` (a cumulative ``RequestOutput``; its choice ``c`` is choice ``base +
+        c.index`` of the stream) when each of its choices not done is a plain middle chunk or has
+        nothing new -- not finished, its tokens of one weight version (:func:`_chunk_versions`), not
+        a completion choice's first chunk, its template can be filled -- recorded as sent (``b""``:
+        nothing new); else None, nothing recorded (the caller builds all of ``out``'s chunks the
+        general way, byte-equal for a plain choice: :mod:`rlserve.server.sse_template`). Only with
+        :attr:`templates` on. Nothing new: no new text (chat: its tokens go with the next text, as
+        the general way), nor tokens (completions)."""
+        version = getattr(out, "weight_version", None)
+        got = []
+        for c in out.outputs:
+            idx = base + c.index
+            if idx in self.done:
+                continue
+            if c.finish_reason is not None:
+                return None
+            k0 = self.sent_toks.get(idx)
+            if k0 is None and not self.chat:
+                return None  # a completion choice's first chunk (prompt ids with return_token_ids)
+            k0 = k0 or 0
+            t0 = self.sent_text.get(idx, 0)
+            if len(c.text) <= t0 and (self.chat or len(c.token_ids) == k0):
+                continue
+            if _chunk_versions(c, k0) is not None:
+                return None
+            t = self.templates.get(idx, False)
+            if t is False:
+                t = self.templates[idx] = ChunkTemplate.build(lambda v, idx=idx: self.obj(self._middle(idx, v), 0, 0),
+                                                              self.names)
+            b = None if t is None else t.fill((c.text[t0:], version, c.token_ids[k0:]) if self.rti
+                                              else (c.text[t0:], version))
+            if b is None:
+                return None
+            got.append((idx, c, b))
+        for idx, c, _ in got:
+            self.sent_text[idx], self.sent_toks[idx] = len(c.text), len(c.token_ids)
+        return got[0][2] if len(got) == 1 else b"".join(b for _, _, b in got)
+
+    def _middle(self, idx: int, v: dict) -> dict:
+        """A middle chunk's choice with the field values ``v`` (:attr:`names`)."""
+        if self.chat:
+            return _chat_choice(idx, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"])
+        return _text_choice(idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"])
 
     def obj(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> dict:
         """The chunk object of :meth:`chunk`, before encoding."""
@@ -188,7 +236,7 @@ class _Chunks:
 
 
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
-                             usage: tuple[bool, bool], prompt_text, gens) -> AsyncIterator[str | bytes]:
+                             usage: tuple[bool, bool], prompt_text, gens, sink=None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
     tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`_Chunks`). A choice's
     keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
@@ -199,85 +247,73 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     ``finish_reason``) ``weight_versions`` (:func:`_versions`), on a middle chunk whose tokens more than one weight
     version produced those versions (:func:`_chunk_versions`). ``usage`` (:func:`usage_options`):
     with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
-    key on the others unless ``continuous_usage_stats``."""
-    sent_text: dict[int, int] = {}
-    sent_toks: dict[int, int] = {}
-    done: set[int] = set()
-    text_offset: dict[int, int] = {}
+    key on the others unless ``continuous_usage_stats``. ``sink``: the one request's
+    :class:`~rlserve.server.direct_write.DirectSink` (its generator's ``sink``), which writes the
+    plain middle chunks itself (:func:`_parked`)."""
     chunks = _Chunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
-                     chat=False)
+                     chat=False, plain=body.logprobs is None and not body.echo, rti=body.return_token_ids)
+    sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
+    text_offset: dict[int, int] = {}
     single = len(gens) == 1  # the common case: the request's generator itself, one async hop less per chunk
-    agen = gens[0] if single else merge_generators(gens)
+    agen = _parked(gens[0], sink, chunks) if single else merge_generators(gens)
     rti = body.return_token_ids
-    # a choice's middle chunks (not its first or last) through a byte template: issue 37's per-token path
-    plain = chunks.templates is not None and body.logprobs is None and not body.echo
-    names = ("text", "weight_version", "token_ids") if rti else ("text", "weight_version")
-    tmpls = chunks.templates
     pending: list = []  # the chunks of one engine output: one write
     try:
         async for x in agen:
             i, out = (0, x) if single else x
             _, ids, params = items[i]
-            version = getattr(out, "weight_version", None)
-            for c in out.outputs:
-                idx = i * n + c.index
-                if idx in done:
-                    continue
-                first = idx not in sent_toks
-                t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
-                spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
-                if plain and not first and c.finish_reason is None and spans is None:
-                    nt = len(c.token_ids)
-                    if nt == k0 and len(c.text) <= t0:
+            b = None if chunks.templates is None else chunks.plain(out, i * n)
+            if b is not None:  # its choices' middle chunks (not a first or last): issue 37's per-token path
+                if b:
+                    pending.append(b)
+            else:  # the general way
+                version = getattr(out, "weight_version", None)
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if idx in done:
                         continue
-                    t = tmpls.get(idx, False)
-                    if t is False:
-                        t = chunks.template(idx, lambda v, idx=idx: _text_choice(
-                            idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"]), names)
-                    b = None if t is None else t.fill((c.text[t0:], version, c.token_ids[k0:]) if rti
-                                                      else (c.text[t0:], version))
-                    if b is not None:
-                        sent_text[idx], sent_toks[idx] = len(c.text), nt
-                        pending.append(b)
+                    first = idx not in sent_toks
+                    t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
+                    spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                    delta_text = c.text[t0:]
+                    delta_ids = list(c.token_ids[k0:])
+                    if not delta_text and not delta_ids and c.finish_reason is None and not first:
                         continue
-                delta_text = c.text[t0:]
-                delta_ids = list(c.token_ids[k0:])
-                if not delta_text and not delta_ids and c.finish_reason is None and not first:
-                    continue
-                lp = None
-                prefix = ""
-                if first and body.echo:
-                    prefix = prompt_text(i)
-                echo0 = body.echo and body.max_tokens == 0  # vLLM's prompt-only scoring: no output text
-                if echo0:
-                    delta_text = ""
-                if body.logprobs is not None:
-                    lp_ids, lp_vals = ([], []) if echo0 else (delta_ids, list((c.logprobs or [])[k0:k0 + len(delta_ids)]))
+                    lp = None
+                    prefix = ""
                     if first and body.echo:
-                        plps = out.prompt_logprobs or [None] * len(ids)
-                        lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
-                    lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0),
-                                                   as_ids=body.return_tokens_as_token_ids,
-                                                   before=list(c.token_ids[:k0]),
-                                                   n_prompt=len(ids) if first and body.echo else 0)
-                    if lp["tokens"]:
-                        text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                sent_text[idx] = len(c.text)
-                sent_toks[idx] = len(c.token_ids)
-                # vLLM: the first chunk of an echo carries the prompt's ids too
-                choice = _text_choice(idx, prefix + delta_text, lp, c.finish_reason, c.stop_reason,
-                                      list(ids) if (rti or body.echo) and first else None,
-                                      delta_ids if rti else None, version)
-                if first and body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = state.prompt_logprobs_json(
-                        ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
-                        body.return_tokens_as_token_ids)
-                if c.finish_reason is not None:
-                    done.add(idx)
-                    choice["weight_versions"] = _versions(out, version)
-                elif spans is not None:
-                    choice["weight_versions"] = spans
-                pending.append(chunks.chunk(choice, len(ids), sent_toks[idx]))
+                        prefix = prompt_text(i)
+                    echo0 = body.echo and body.max_tokens == 0  # vLLM's prompt-only scoring: no output text
+                    if echo0:
+                        delta_text = ""
+                    if body.logprobs is not None:
+                        lp_ids, lp_vals = ([], []) if echo0 else \
+                            (delta_ids, list((c.logprobs or [])[k0:k0 + len(delta_ids)]))
+                        if first and body.echo:
+                            plps = out.prompt_logprobs or [None] * len(ids)
+                            lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
+                        lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0),
+                                                       as_ids=body.return_tokens_as_token_ids,
+                                                       before=list(c.token_ids[:k0]),
+                                                       n_prompt=len(ids) if first and body.echo else 0)
+                        if lp["tokens"]:
+                            text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    sent_text[idx] = len(c.text)
+                    sent_toks[idx] = len(c.token_ids)
+                    # vLLM: the first chunk of an echo carries the prompt's ids too
+                    choice = _text_choice(idx, prefix + delta_text, lp, c.finish_reason, c.stop_reason,
+                                          list(ids) if (rti or body.echo) and first else None,
+                                          delta_ids if rti else None, version)
+                    if first and body.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = state.prompt_logprobs_json(
+                            ids, out.prompt_logprobs, getattr(out, "prompt_logprob_ranks", None),
+                            body.return_tokens_as_token_ids)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                        choice["weight_versions"] = _versions(out, version)
+                    elif spans is not None:
+                        choice["weight_versions"] = spans
+                    pending.append(chunks.chunk(choice, len(ids), sent_toks[idx]))
             if pending and not (single and out.finished):  # a finished request's last chunks go with [DONE]
                 yield _joined(pending)
                 pending = []
@@ -334,7 +370,8 @@ def _parsed_delta(parser, body, delta_text, delta_ids, prompt_ids, finish):
 
 
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid, created, model,
-                      usage: tuple[bool, bool], gen, top_k: int = 0, parsers: list | None = None) -> AsyncIterator[str | bytes]:
+                      usage: tuple[bool, bool], gen, top_k: int = 0, parsers: list | None = None,
+                      sink=None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a chat stream: a role chunk per choice first, then a chunk per choice per
     engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
     :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
@@ -353,16 +390,17 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     flags on), fed each delta; its delta replaces ``{"content": text}``, a delta it holds back
     sends no chunk (unless the choice finishes or the chunk carries logprobs or token ids),
     and the usage chunk gains ``completion_tokens_details.reasoning_tokens``; with
-    ``include_reasoning: false`` no reasoning, logprobs or token ids go out (vLLM's rule)."""
+    ``include_reasoning: false`` no reasoning, logprobs or token ids go out (vLLM's rule). ``sink``:
+    ``gen``'s :class:`~rlserve.server.direct_write.DirectSink`, which writes the plain middle chunks
+    itself (:func:`_parked`)."""
     n = body.n
-    sent_text = [0] * n
-    sent_toks = [0] * n
-    done: set[int] = set()
     completion_tokens = 0
     reasoning_tokens = None
     hide = parsers is not None and not body.include_reasoning  # vLLM: no logprobs / ids that show the reasoning
+    rti = body.return_token_ids and not hide
     chunks = _Chunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
-                     chat=True)
+                     chat=True, plain=parsers is None and not body.logprobs, rti=rti)
+    sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
 
     def role_chunks(version):
         """The choices' ``{"role": ROLE, "content": ""}`` deltas. As vLLM, sent with the
@@ -373,12 +411,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                               "finish_reason": None, "weight_version": version}, len(ids), 0,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
-    agen = gen  # one generator: no merging (one async hop less per chunk)
-    rti = body.return_token_ids and not hide
-    # middle chunks through a byte template (issue 37)
-    plain = chunks.templates is not None and parsers is None and not body.logprobs
-    names = ("content", "weight_version", "token_ids") if rti else ("content", "weight_version")
-    tmpls = chunks.templates
+    agen = _parked(gen, sink, chunks)  # one generator: no merging (one async hop less per chunk)
     sent_role = False
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -391,53 +424,46 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                 for i in range(n) if echo else ():  # vLLM: the echoed message, one chunk per choice
                     pending.append(chunks.chunk({"index": i, "delta": {"content": echo}, "logprobs": None,
                                                  "finish_reason": None, "weight_version": version}, len(ids), 0))
-            for c in out.outputs:
-                i = c.index
-                if i in done:
-                    continue
-                k0 = sent_toks[i]
-                spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
-                if plain and c.finish_reason is None and len(c.text) > sent_text[i] and spans is None:
-                    t = tmpls.get(i, False)
-                    if t is False:
-                        t = chunks.template(i, lambda v, i=i: _chat_choice(
-                            i, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"]), names)
-                    b = None if t is None else t.fill((c.text[sent_text[i]:], version, c.token_ids[k0:]) if rti
-                                                      else (c.text[sent_text[i]:], version))
-                    if b is not None:
-                        sent_text[i], sent_toks[i] = len(c.text), len(c.token_ids)
-                        pending.append(b)
+            b = None if chunks.templates is None else chunks.plain(out)
+            if b is not None:  # its choices' middle chunks (not a last): issue 37's per-token path
+                if b:
+                    pending.append(b)
+            else:  # the general way
+                for c in out.outputs:
+                    i = c.index
+                    if i in done:
                         continue
-                delta_text = c.text[sent_text[i]:]
-                delta_ids = list(c.token_ids[k0:])
-                if not delta_text and c.finish_reason is None:
-                    # no text yet (a character split over tokens, a held stop-string prefix): its
-                    # token ids and logprobs go out with the chunk that has text
-                    continue
-                sent_text[i] = len(c.text)
-                sent_toks[i] = len(c.token_ids)
-                finish = c.finish_reason
-                delta = {"content": delta_text}
-                if parsers is not None:
-                    delta, finish = _parsed_delta(parsers[i], body, delta_text, delta_ids, ids, finish)
-                    if delta is None:
+                    k0, t0 = sent_toks.get(i, 0), sent_text.get(i, 0)
+                    spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                    delta_text = c.text[t0:]
+                    delta_ids = list(c.token_ids[k0:])
+                    if not delta_text and c.finish_reason is None:
+                        # no text yet (a character split over tokens, a held stop-string prefix): its
+                        # token ids and logprobs go out with the chunk that has text
                         continue
-                    if finish is not None and parsers[i].cfg.reasoning_cls is not None:
-                        reasoning_tokens = (reasoning_tokens or 0) + parsers[i].reasoning_tokens(c.token_ids)
-                if c.finish_reason is not None:
-                    done.add(i)
-                choice = _chat_choice(i, delta, state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)],
-                                                                    top_k, body.return_tokens_as_token_ids,
-                                                                    c.token_ids[:k0])
-                                      if body.logprobs and not hide else None,
-                                      finish, delta_ids if rti else None, version,
-                                      # as vLLM: stop_reason goes with the finish_reason only
-                                      **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
-                if c.finish_reason is not None:
-                    choice["weight_versions"] = _versions(out, version)
-                elif spans is not None:
-                    choice["weight_versions"] = spans
-                pending.append(chunks.chunk(choice, len(ids), sent_toks[i]))
+                    sent_text[i] = len(c.text)
+                    sent_toks[i] = len(c.token_ids)
+                    finish = c.finish_reason
+                    delta = {"content": delta_text}
+                    if parsers is not None:
+                        delta, finish = _parsed_delta(parsers[i], body, delta_text, delta_ids, ids, finish)
+                        if delta is None:
+                            continue
+                        if finish is not None and parsers[i].cfg.reasoning_cls is not None:
+                            reasoning_tokens = (reasoning_tokens or 0) + parsers[i].reasoning_tokens(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(i)
+                    lp = state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)], top_k,
+                                             body.return_tokens_as_token_ids, c.token_ids[:k0]) \
+                        if body.logprobs and not hide else None
+                    choice = _chat_choice(i, delta, lp, finish, delta_ids if rti else None, version,
+                                          # as vLLM: stop_reason goes with the finish_reason only
+                                          **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
+                    if c.finish_reason is not None:
+                        choice["weight_versions"] = _versions(out, version)
+                    elif spans is not None:
+                        choice["weight_versions"] = spans
+                    pending.append(chunks.chunk(choice, len(ids), sent_toks[i]))
             if out.finished:
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
             elif pending:  # a finished request's last chunks go with [DONE]
@@ -451,6 +477,29 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     finally:
         await agen.aclose()
     yield _last(pending)
+
+
+def _parked(agen, sink, chunks: _Chunks):
+    """``agen`` (a request's outputs), and while the stream's coroutine waits for the next one with
+    every earlier chunk written, ``sink`` (a :class:`~rlserve.server.direct_write.DirectSink`; None:
+    none) writes the plain middle chunks itself (:meth:`_Chunks.plain`): set ``parked`` from the
+    moment the consumer asks for the next output until one is yielded. ``agen`` itself where there is no
+    sink or the stream is not plain. Closing it closes ``agen``."""
+    if sink is None or chunks.templates is None:
+        return agen
+    return _parking(agen, sink, chunks.plain)
+
+
+async def _parking(agen, sink, fill):
+    sink.fill = fill
+    try:
+        async for out in agen:
+            sink.parked = False
+            yield out
+            sink.parked = True  # the consumer asks for the next one: what it was given is written
+    finally:
+        sink.parked, sink.fill = False, None
+        await agen.aclose()
 
 
 def _chat_choice(i, delta, logprobs, finish, token_ids, version, **stop) -> dict:

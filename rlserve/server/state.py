@@ -412,15 +412,16 @@ class ServerState(StructuredChecks, LogprobJSON):
 
     # ---- generation with metrics --------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       endpoint: str, stream: bool = True) -> AsyncIterator[Any]:
+                       endpoint: str, stream: bool = True, sink=None) -> AsyncIterator[Any]:
         """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons).
-        ``stream=False`` yields only the final output."""
+        ``stream=False`` yields only the final output; ``sink``: ``aengine.generate``'s (a stream's
+        direct writes: the outputs it takes are not yielded; the last one always is)."""
         t0 = time.monotonic()
         last = None
         if self.settings.enable_log_requests:
             log_request(request_id, prompt_ids, params, self.settings.max_log_len)
         try:
-            async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream):
+            async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream, sink=sink):
                 last = out
                 yield out
         finally:

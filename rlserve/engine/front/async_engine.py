@@ -234,7 +234,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             put(req, exc)
 
     # ---- generation -------------------------------------------------------------------
-    async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True) -> AsyncIterator:
+    async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True,
+                       sink=None) -> AsyncIterator:
         """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the
         last one has ``finished == True``. A consumer slower than the engine skips
         intermediate outputs (they are cumulative: nothing is lost); with a stream interval N > 1
@@ -248,6 +249,9 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             params: :class:`~rlserve.engine.sampling_params.SamplingParams`.
             request_id: unique id (default: generated).
             stream: False yields only the final output (cheapest for non-streaming callers).
+            sink: ``sink(output) -> bool``, called on the event loop with unfinished outputs before
+                they are yielded; an output it takes (True) is not yielded
+                (:mod:`rlserve.engine.front.front_request`: a stream's direct writes, issue 37).
 
         Raises:
             ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a
@@ -273,7 +277,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = FrontRequest(request_id, prompt, params, self.loop, Wakeup(self.loop), time.monotonic(),
                            stream=stream,
-                           interval=max(self.stream_interval, getattr(params, "stream_interval", None) or 1))
+                           interval=max(self.stream_interval, getattr(params, "stream_interval", None) or 1),
+                           sink=sink)
         self._requests[request_id] = req
         if self._paused:
             self._held.append(req)

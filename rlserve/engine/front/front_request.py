@@ -10,7 +10,15 @@ sample finished since the previous delivery, or a sample has at least N tokens m
 previous delivery (vLLM's ``RequestState.make_request_output`` rule, per sample). Other outputs
 wait in the slot, replaced by newer ones (outputs are cumulative: nothing is lost). A consumer
 slower than the engine still gets the newest output when it asks, so its deltas can be larger
-than N (rlserve's slow-client rule, which vLLM does not have)."""
+than N (rlserve's slow-client rule, which vLLM does not have).
+
+A sink (``FrontRequest.sink``, issue 37: :class:`rlserve.server.direct_write.DirectSink`) is
+offered each unfinished output before the consumer: where it takes the output, the consumer is
+not woken for it (the sink wrote the stream's chunk itself). It is offered one only while the
+slot is empty (the consumer has taken everything before: order is kept), and never an exception
+or a finished output (the consumer's: once one is put, the sink is dropped). Under a stream
+interval, an output that is not due is dropped while the slot is empty: the consumer would not
+have been woken for it, and a later output holds its tokens too."""
 
 from __future__ import annotations
 
@@ -77,6 +85,7 @@ class FrontRequest:
     finished: bool = False  # set by the delivering thread when the final item is routed
     interval: int = 1  # stream interval: new tokens per delivered output at least (see the module docstring)
     delivered: Any = None  # per sample (tokens, finished) at the last delivery; None: nothing delivered
+    sink: Any = None  # event-loop side: sink(output) -> True when it took an unfinished output (module docstring)
 
 
 def due(req: FrontRequest, item) -> bool:
@@ -98,9 +107,21 @@ def mark_delivered(req: FrontRequest, item) -> None:
 def put(req: FrontRequest, item) -> None:
     """Event-loop side: the newest item replaces an undelivered one, except that the final
     item (an exception or a finished output) is never replaced (nothing follows it). The
-    consumer is woken unless the stream interval holds the output back (:func:`due`)."""
-    if req.slot is not None and (isinstance(req.slot, BaseException) or req.slot.finished):
+    consumer is woken unless the stream interval holds the output back (:func:`due`). A sink
+    (:attr:`FrontRequest.sink`) is offered the item first (the module docstring)."""
+    slot = req.slot
+    if slot is not None and (isinstance(slot, BaseException) or slot.finished):
         return
+    sink = req.sink
+    if sink is not None:
+        if isinstance(item, BaseException) or item.finished:
+            req.sink = None  # the consumer's from here on
+        elif slot is None:
+            if not due(req, item):
+                return
+            if sink(item):
+                mark_delivered(req, item)
+                return
     req.slot = item
     if isinstance(item, BaseException) or due(req, item):
         req.event.set()
