@@ -16,7 +16,7 @@ from rlserve.engine import core_protocol as proto
 from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.server import openai_stream, sse_template
+from rlserve.server import sse_template, stream_chunks
 from rlserve.server.openai_stream import LastChunk, stream_chat, stream_completions, usage_options
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.state import ServerState
@@ -108,7 +108,7 @@ def tok():
 def both(monkeypatch, tok):
     """``run(encode)``: ``encode(state)``'s chunks with templates on and off, and the number of
     chunks the templates made (a case the templates take must show some)."""
-    monkeypatch.setattr(openai_stream, "system_fingerprint", lambda state: "fp-test")
+    monkeypatch.setattr(stream_chunks, "system_fingerprint", lambda state: "fp-test")
     fills = []
     real_fill = sse_template.ChunkTemplate.fill
 

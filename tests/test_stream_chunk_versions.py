@@ -1,5 +1,5 @@
 """A middle stream chunk holding tokens of several weight versions names them all (session 22, FIX item 4):
-``openai_stream._chunk_versions`` reads ``CompletionOutput.version_marks`` (where each version's tokens start,
+``stream_chunks.chunk_versions`` reads ``CompletionOutput.version_marks`` (where each version's tokens start,
 tests/test_output_processor.py) for the chunk's tokens ``token_ids[k0:]``; one version, or no marks, is None (the
 chunk's ``weight_version`` says it)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlserve.engine.outputs import CompletionOutput
-from rlserve.server.openai_stream import _chunk_versions
+from rlserve.server.stream_chunks import chunk_versions as _chunk_versions
 
 MARKS = [(0, "0"), (4, "1"), (6, "2")]
 

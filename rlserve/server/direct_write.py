@@ -9,7 +9,7 @@ wrappers to uvicorn's ``send``, which frames it (HTTP/1.1 chunked) and calls ``t
 callback fills the chunk and writes the framed bytes itself; the task sleeps until something
 only it can do comes (the stream's end, a paused transport, a chunk that is not plain).
 
-One mechanism, three small pieces, one per layer:
+One mechanism, four small pieces, one per layer:
 
 * :class:`DirectWrite` (HTTP): one request-response cycle of uvicorn's httptools protocol.
   :func:`install` (called by ``BoundedHttpToolsProtocol.on_headers_complete``,
@@ -23,7 +23,7 @@ One mechanism, three small pieces, one per layer:
   each unfinished output first. It takes the output only while the stream's coroutine is parked
   (:attr:`DirectSink.parked`: waiting for its next output, everything before already written),
   the connection is writable and :attr:`DirectSink.fill` turns the whole output into chunk bytes
-  (``openai_stream._Chunks.plain``: no first chunk, no finish, no weight-version span, a byte
+  (``stream_chunks.StreamChunks.plain``: no first chunk, no finish, no weight-version span, a byte
   template for every choice). Anything else -- an output it refuses, a finished one, an
   error -- wakes the coroutine as before, which writes it through the ASGI stack, in order
   (nothing is written here while it is not parked). A slow reader: its transport's writes
@@ -32,6 +32,8 @@ One mechanism, three small pieces, one per layer:
 * :func:`sink_for` (route): the sink of a request whose scope has a :class:`DirectWrite`; None
   otherwise (the h11 stack, a server built with ``direct_write=False``, a test client without
   a socket): then the stream runs as before, all of it on the coroutine.
+* :func:`parked` (stream): the request's output generator as the stream's coroutine iterates it,
+  setting the sink's ``parked`` and ``fill`` (:mod:`rlserve.server.openai_stream`).
 
 What the bypass skips, and why that changes nothing observable: ``SSEResponse`` (Starlette's
 ``StreamingResponse``: it only forwards body messages), the middleware ``send`` wrappers of
@@ -134,3 +136,25 @@ def sink_for(scope: dict) -> DirectSink | None:
     ext = scope.get("extensions")
     writer = ext.get(EXTENSION) if ext else None
     return None if writer is None else DirectSink(writer)
+
+
+def parked(agen, sink: DirectSink | None, fill):
+    """``agen`` (a request's outputs, to its stream's coroutine), with ``sink`` told when the
+    coroutine is parked: from the moment it asks for the next output (everything it was given is
+    written by then) until one is yielded; ``sink.fill`` is ``fill`` meanwhile. ``agen`` itself where
+    there is no sink or no ``fill`` (the stream is not plain). Closing the result closes ``agen``."""
+    if sink is None or fill is None:
+        return agen
+    return _parking(agen, sink, fill)
+
+
+async def _parking(agen, sink: DirectSink, fill):
+    sink.fill = fill
+    try:
+        async for out in agen:
+            sink.parked = False
+            yield out
+            sink.parked = True  # the consumer asks for the next one: what it was given is written
+    finally:
+        sink.parked, sink.fill = False, None
+        await agen.aclose()

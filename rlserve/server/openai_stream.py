@@ -8,38 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from rlserve import envs
+from rlserve.server.direct_write import parked
 from rlserve.server.errors import exception_to_error
-from rlserve.server.openai_answers import chat_answer_role, chat_echo, usage_json, weight_versions
+from rlserve.server.openai_answers import chat_answer_role, chat_echo, weight_versions
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.server_info import system_fingerprint
-from rlserve.server.sse_template import ENCODE_ERRORS, ChunkTemplate, encode_json, sse_data_bytes
 from rlserve.server.state import ServerState
+from rlserve.server.stream_chunks import StreamChunks, chat_choice, chunk_versions, sse, sse_bytes, text_choice
 
-
-def sse(obj) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON (UTF-8 text, as vLLM's pydantic
-    dumps it). Encoded by msgspec: 1.0 us for a completions chunk against 8.7 us with
-    ``json.dumps`` (CPU machine), at one chunk per token per stream; what msgspec cannot encode
-    (a lone surrogate) goes through ``json.dumps`` (``\\u`` escapes)."""
-    try:
-        return "data: " + encode_json(obj).decode() + "\n\n"
-    except ENCODE_ERRORS:
-        return f"data: {json.dumps(obj, separators=(',', ':'), allow_nan=False)}\n\n"
-
-
-def sse_bytes(obj) -> bytes:
-    """:func:`sse` as UTF-8 bytes, for the per-token chunks of a stream: msgspec's bytes go out as
-    they are (no decode to ``str`` and encode again by the response); the same fallback."""
-    try:
-        return sse_data_bytes(obj)
-    except ENCODE_ERRORS:
-        return sse(obj).encode()
+__all__ = ["SSEResponse", "LastChunk", "merge_generators", "sse", "sse_bytes", "sse_event", "stream_chat",
+           "stream_completions", "usage_options"]
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -136,126 +117,27 @@ def usage_options(stream_options) -> tuple[bool, bool]:
     return include, include and bool(stream_options.continuous_usage_stats)
 
 
-class _Chunks:
-    """Chunk encoder of one stream, as vLLM's serving code builds them: one choice per chunk;
-    with ``continuous_usage_stats`` every chunk's ``usage`` counts that choice's prompt tokens
-    and its completion tokens sent so far (vLLM's ``previous_num_tokens[i]``), chat adding
-    ``completion_tokens_details: null``; without ``include_usage``, a choice's last chunk (the
-    one with its ``finish_reason``) carries the ``system_fingerprint``, else the usage chunk
-    does. Also what of each choice has gone out (:attr:`sent_text`, :attr:`sent_toks`,
-    :attr:`done`): one record for the stream's coroutine and its direct writes
-    (:mod:`rlserve.server.direct_write`), which continue each other.
-
-    Args:
-        plain: the request asks for nothing a middle chunk would carry beyond its text, weight
-            version and (``rti``) token ids (no logprobs, echo, tool or reasoning parsing): its
-            middle chunks go through byte templates (:meth:`plain`).
-        rti: the chunks carry ``token_ids``.
-    """
-
-    def __init__(self, state: ServerState, base: dict, usage: tuple[bool, bool], chat: bool, plain: bool = False,
-                 rti: bool = False):
-        self.base, self.include, self.continuous, self.chat, self.rti = base, usage[0], usage[1], chat, rti
-        self.fingerprint = system_fingerprint(state)
-        # byte templates of a choice's middle chunks (not with per-chunk usage: it counts tokens)
-        self.templates: dict | None = {} if envs.RLSERVE_SSE_TEMPLATES and not self.continuous and plain else None
-        self.names = ("content" if chat else "text", "weight_version") + (("token_ids",) if rti else ())
-        self.sent_text: dict[int, int] = {}  # choice index -> characters of its text sent
-        self.sent_toks: dict[int, int] = {}  # choice index -> tokens sent (absent: no chunk of it yet)
-        self.done: set[int] = set()  # choices whose last chunk went out
-
-    def chunk(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> bytes:
-        """The chunk of ``choice`` (``extra``: more top-level keys, e.g. the first chat chunk's), as
-        bytes (:func:`sse_bytes`)."""
-        return sse_bytes(self.obj(choice, prompt_tokens, completion_tokens, **extra))
-
-    def plain(self, out, base: int = 0) -> bytes | None:
-        """The chunks of ``out`` (a cumulative ``RequestOutput``; its choice ``c`` is choice ``base +
-        c.index`` of the stream) when each of its choices not done is a plain middle chunk or has
-        nothing new -- not finished, its tokens of one weight version (:func:`_chunk_versions`), not
-        a completion choice's first chunk, its template can be filled -- recorded as sent (``b""``:
-        nothing new); else None, nothing recorded (the caller builds all of ``out``'s chunks the
-        general way, byte-equal for a plain choice: :mod:`rlserve.server.sse_template`). Only with
-        :attr:`templates` on. Nothing new: no new text (chat: its tokens go with the next text, as
-        the general way), nor tokens (completions)."""
-        version = getattr(out, "weight_version", None)
-        got = []
-        for c in out.outputs:
-            idx = base + c.index
-            if idx in self.done:
-                continue
-            if c.finish_reason is not None:
-                return None
-            k0 = self.sent_toks.get(idx)
-            if k0 is None and not self.chat:
-                return None  # a completion choice's first chunk (prompt ids with return_token_ids)
-            k0 = k0 or 0
-            t0 = self.sent_text.get(idx, 0)
-            if len(c.text) <= t0 and (self.chat or len(c.token_ids) == k0):
-                continue
-            if _chunk_versions(c, k0) is not None:
-                return None
-            t = self.templates.get(idx, False)
-            if t is False:
-                t = self.templates[idx] = ChunkTemplate.build(lambda v, idx=idx: self.obj(self._middle(idx, v), 0, 0),
-                                                              self.names)
-            b = None if t is None else t.fill((c.text[t0:], version, c.token_ids[k0:]) if self.rti
-                                              else (c.text[t0:], version))
-            if b is None:
-                return None
-            got.append((idx, c, b))
-        for idx, c, _ in got:
-            self.sent_text[idx], self.sent_toks[idx] = len(c.text), len(c.token_ids)
-        return got[0][2] if len(got) == 1 else b"".join(b for _, _, b in got)
-
-    def _middle(self, idx: int, v: dict) -> dict:
-        """A middle chunk's choice with the field values ``v`` (:attr:`names`)."""
-        if self.chat:
-            return _chat_choice(idx, {"content": v["content"]}, None, None, v.get("token_ids"), v["weight_version"])
-        return _text_choice(idx, v["text"], None, None, None, None, v.get("token_ids"), v["weight_version"])
-
-    def obj(self, choice: dict, prompt_tokens: int, completion_tokens: int, **extra) -> dict:
-        """The chunk object of :meth:`chunk`, before encoding."""
-        ch = dict(self.base, choices=[choice])
-        if self.continuous:
-            ch["usage"] = usage_json(prompt_tokens, completion_tokens)
-            if self.chat:
-                ch["usage"]["completion_tokens_details"] = None
-        if not self.include and choice["finish_reason"] is not None:
-            ch["system_fingerprint"] = self.fingerprint
-        ch.update(extra)
-        return ch
-
-    def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> bytes:
-        """The last chunk of a stream with ``include_usage``: no choices, the request's usage
-        (with ``completion_tokens_details.reasoning_tokens`` when counted)."""
-        u = usage_json(prompt_tokens, completion_tokens)
-        if reasoning_tokens is not None:
-            u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return sse_bytes(dict(self.base, choices=[], usage=u, system_fingerprint=self.fingerprint))
-
-
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
                              usage: tuple[bool, bool], prompt_text, gens, sink=None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
-    tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`_Chunks`). A choice's
+    tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`~rlserve.server.stream_chunks.StreamChunks`). A choice's
     keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
     ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``
     or ``echo``, else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
     rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
     for: vLLM refuses ``prompt_logprobs`` with ``stream``), and on a choice's last chunk (its
     ``finish_reason``) ``weight_versions`` (:func:`_versions`), on a middle chunk whose tokens more than one weight
-    version produced those versions (:func:`_chunk_versions`). ``usage`` (:func:`usage_options`):
+    version produced those versions (:func:`~rlserve.server.stream_chunks.chunk_versions`). ``usage`` (:func:`usage_options`):
     with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
     key on the others unless ``continuous_usage_stats``. ``sink``: the one request's
     :class:`~rlserve.server.direct_write.DirectSink` (its generator's ``sink``), which writes the
-    plain middle chunks itself (:func:`_parked`)."""
-    chunks = _Chunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
+    plain middle chunks itself (:func:`~rlserve.server.direct_write.parked`)."""
+    chunks = StreamChunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
                      chat=False, plain=body.logprobs is None and not body.echo, rti=body.return_token_ids)
     sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
     text_offset: dict[int, int] = {}
     single = len(gens) == 1  # the common case: the request's generator itself, one async hop less per chunk
-    agen = _parked(gens[0], sink, chunks) if single else merge_generators(gens)
+    agen = parked(gens[0], sink, chunks.plain if chunks.templates is not None else None) if single else merge_generators(gens)
     rti = body.return_token_ids
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -274,7 +156,7 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                         continue
                     first = idx not in sent_toks
                     t0, k0 = sent_text.get(idx, 0), sent_toks.get(idx, 0)
-                    spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                    spans = None if c.finish_reason is not None else chunk_versions(c, k0)
                     delta_text = c.text[t0:]
                     delta_ids = list(c.token_ids[k0:])
                     if not delta_text and not delta_ids and c.finish_reason is None and not first:
@@ -301,7 +183,7 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                     sent_text[idx] = len(c.text)
                     sent_toks[idx] = len(c.token_ids)
                     # vLLM: the first chunk of an echo carries the prompt's ids too
-                    choice = _text_choice(idx, prefix + delta_text, lp, c.finish_reason, c.stop_reason,
+                    choice = text_choice(idx, prefix + delta_text, lp, c.finish_reason, c.stop_reason,
                                           list(ids) if (rti or body.echo) and first else None,
                                           delta_ids if rti else None, version)
                     if first and body.prompt_logprobs is not None:
@@ -327,31 +209,12 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
     yield _last(pending)
 
 
-def _chunk_versions(c, k0: int) -> list | None:
-    """The weight versions of a middle chunk's tokens ``c.token_ids[k0:]``, in order, when more than one produced
-    them (a chunk holding several steps' tokens across a weight update); else None (its ``weight_version`` says it
-    all). From ``c.version_marks`` (:class:`~rlserve.engine.outputs.CompletionOutput`); None without them."""
-    marks = getattr(c, "version_marks", None)
-    if marks is None or len(marks) < 2:
-        return None
-    nt = len(c.token_ids)
-    versions = [v for j, (start, v) in enumerate(marks)
-                if start < nt and (j + 1 == len(marks) or marks[j + 1][0] > k0)]
-    return versions if len(versions) > 1 else None
-
-
 def _versions(out, version) -> list:
     """``weight_versions`` of a choice's last chunk (:func:`~rlserve.server.openai_answers.weight_versions`
     of its request; ``[version]`` when the output names none): every weight version seen while its request
     ran, in order (a chunk's ``weight_version`` names its last token's only, and a chunk may hold tokens of
     several steps)."""
     return weight_versions([out])[1] or [version]
-
-
-def _text_choice(idx, text, lp, finish, stop, prompt_ids, token_ids, version) -> dict:
-    """A completions chunk's choice, its keys in vLLM's order (:func:`stream_completions`)."""
-    return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop,
-            "prompt_token_ids": prompt_ids, "token_ids": token_ids, "weight_version": version}
 
 
 def _parsed_delta(parser, body, delta_text, delta_ids, prompt_ids, finish):
@@ -374,7 +237,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                       sink=None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a chat stream: a role chunk per choice first, then a chunk per choice per
     engine output with new text or its finish (vLLM's ``ChatCompletionStreamResponse``,
-    :class:`_Chunks`). A role chunk also has ``prompt_token_ids`` (the ids with
+    :class:`~rlserve.server.stream_chunks.StreamChunks`). A role chunk also has ``prompt_token_ids`` (the ids with
     ``return_token_ids``, else null) and ``prompt_text`` (null), its choice ``index``,
     ``delta`` (``{"role": ROLE, "content": ""}``: :func:`chat_answer_role`), ``logprobs``,
     ``finish_reason``; with ``echo``, a chunk per choice with the echoed message next; a
@@ -383,7 +246,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     ``stop_reason`` on the choice's last chunk only (the one with its ``finish_reason``); plus
     rlserve's ``weight_version`` on every choice, ``weight_versions`` on a choice's last chunk
     (:func:`_versions`) and on a middle chunk whose tokens several weight versions produced
-    (:func:`_chunk_versions`). ``usage`` (:func:`usage_options`): with
+    (:func:`~rlserve.server.stream_chunks.chunk_versions`). ``usage`` (:func:`usage_options`): with
     ``include_usage`` a last chunk with the usage and no choices; no ``usage`` key on the
     others unless ``continuous_usage_stats`` (a role chunk: 0 completion tokens). ``parsers``: a
     :class:`~rlserve.server.chat_output.ChatOutputParser` per choice (tool calls / reasoning
@@ -392,13 +255,13 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     and the usage chunk gains ``completion_tokens_details.reasoning_tokens``; with
     ``include_reasoning: false`` no reasoning, logprobs or token ids go out (vLLM's rule). ``sink``:
     ``gen``'s :class:`~rlserve.server.direct_write.DirectSink`, which writes the plain middle chunks
-    itself (:func:`_parked`)."""
+    itself (:func:`~rlserve.server.direct_write.parked`)."""
     n = body.n
     completion_tokens = 0
     reasoning_tokens = None
     hide = parsers is not None and not body.include_reasoning  # vLLM: no logprobs / ids that show the reasoning
     rti = body.return_token_ids and not hide
-    chunks = _Chunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
+    chunks = StreamChunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
                      chat=True, plain=parsers is None and not body.logprobs, rti=rti)
     sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
 
@@ -411,7 +274,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                               "finish_reason": None, "weight_version": version}, len(ids), 0,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
-    agen = _parked(gen, sink, chunks)  # one generator: no merging (one async hop less per chunk)
+    agen = parked(gen, sink, chunks.plain if chunks.templates is not None else None)  # one generator: no merging (one async hop less per chunk)
     sent_role = False
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -434,7 +297,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     if i in done:
                         continue
                     k0, t0 = sent_toks.get(i, 0), sent_text.get(i, 0)
-                    spans = None if c.finish_reason is not None else _chunk_versions(c, k0)
+                    spans = None if c.finish_reason is not None else chunk_versions(c, k0)
                     delta_text = c.text[t0:]
                     delta_ids = list(c.token_ids[k0:])
                     if not delta_text and c.finish_reason is None:
@@ -456,7 +319,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     lp = state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)], top_k,
                                              body.return_tokens_as_token_ids, c.token_ids[:k0]) \
                         if body.logprobs and not hide else None
-                    choice = _chat_choice(i, delta, lp, finish, delta_ids if rti else None, version,
+                    choice = chat_choice(i, delta, lp, finish, delta_ids if rti else None, version,
                                           # as vLLM: stop_reason goes with the finish_reason only
                                           **({"stop_reason": c.stop_reason} if c.finish_reason is not None else {}))
                     if c.finish_reason is not None:
@@ -477,33 +340,3 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     finally:
         await agen.aclose()
     yield _last(pending)
-
-
-def _parked(agen, sink, chunks: _Chunks):
-    """``agen`` (a request's outputs), and while the stream's coroutine waits for the next one with
-    every earlier chunk written, ``sink`` (a :class:`~rlserve.server.direct_write.DirectSink`; None:
-    none) writes the plain middle chunks itself (:meth:`_Chunks.plain`): set ``parked`` from the
-    moment the consumer asks for the next output until one is yielded. ``agen`` itself where there is no
-    sink or the stream is not plain. Closing it closes ``agen``."""
-    if sink is None or chunks.templates is None:
-        return agen
-    return _parking(agen, sink, chunks.plain)
-
-
-async def _parking(agen, sink, fill):
-    sink.fill = fill
-    try:
-        async for out in agen:
-            sink.parked = False
-            yield out
-            sink.parked = True  # the consumer asks for the next one: what it was given is written
-    finally:
-        sink.parked, sink.fill = False, None
-        await agen.aclose()
-
-
-def _chat_choice(i, delta, logprobs, finish, token_ids, version, **stop) -> dict:
-    """A chat chunk's choice, its keys in vLLM's order (``stop``: ``stop_reason`` on a choice's last
-    chunk only), plus rlserve's ``weight_version`` (:func:`stream_chat`)."""
-    return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **stop,
-            "token_ids": token_ids, "weight_version": version}
