@@ -67,7 +67,8 @@ DECODE_LINES = _decode_lines()
 # (layer, test of one frame: func, file, line); the innermost frame that a rule names decides
 RULES: list[tuple[str, object]] = [
     ("transport.write (uvloop: send syscall, loopback TCP)",
-     lambda fn, fi, ln: fn == "RequestResponseCycle.send" and fi.endswith("httptools_impl.py") and ln in WRITE_LINES),
+     lambda fn, fi, ln: (fn == "RequestResponseCycle.send" and fi.endswith("httptools_impl.py") and ln in WRITE_LINES)
+     or (fn == "DirectWrite.write" and fi.endswith("server/direct_write.py"))),
     ("uvicorn RequestResponseCycle.send (framing, flow checks)",
      lambda fn, fi, ln: fn == "RequestResponseCycle.send"),
     ("msgspec decode of core messages",
@@ -86,7 +87,8 @@ RULES: list[tuple[str, object]] = [
      or fn.startswith("ServerState.generate")),
     ("route SSE encode (stream_completions, ChunkTemplate.fill)",
      lambda fn, fi, ln: (fi.endswith("server/openai_stream.py") and not fn.startswith("SSEResponse."))
-     or fi.endswith("server/sse_template.py") or fi.endswith("server/openai_chunks.py")),
+     or fi.endswith(("server/sse_template.py", "server/stream_chunks.py"))),
+    ("direct write (DirectSink, flow checks; issue 37)", lambda fn, fi, ln: fi.endswith("server/direct_write.py")),
     ("Starlette StreamingResponse / ASGI send wrappers (middleware, anyio)",
      lambda fn, fi, ln: fi.startswith(("starlette/", "fastapi/", "anyio/")) or fn.startswith("SSEResponse.")
      or fi.endswith(("server/limits.py", "server/text_check.py")) or fi.startswith("uvicorn/middleware/")),
@@ -122,7 +124,8 @@ def api_samples(raw: str) -> tuple[collections.Counter, collections.Counter]:
         stack, _, k = line.rpartition(" ")
         if not stack or not k.isdigit():
             continue
-        parts = stack.split(";")
+        head = re.match(r'process \d+:"(?:(?!";process ).)*?";(?=thread )', stack)  # (a command line may hold ';')
+        parts = (["process"] + stack[head.end():].split(";")) if head else stack.split(";")
         if len(parts) < 2 or not parts[1].startswith("thread "):
             continue  # another process (the engine core, template workers)
         layer = classify(parts[2:], parts[1])

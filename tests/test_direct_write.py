@@ -29,6 +29,7 @@ import pytest
 from rlserve.engine.front.front_request import FrontRequest, Wakeup, put
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.server import direct_write
+from tests.test_async_engine import FakeEngine
 from tests.tiny_models import build_tokenizer
 
 T = 60.0  # bound on every wait (seconds): only a hang reaches it
@@ -37,20 +38,17 @@ T = 60.0  # bound on every wait (seconds): only a hang reaches it
 PIECES = ["Hel", "lo", " wé", "世", "界", ", the", " end", " of", " it", " STOP", " after", " more", "!"]
 
 
-class StepEngine:
-    """A fake engine (``engine_factory``): each :meth:`release` lets one step run; a step adds the
-    next of :data:`PIECES` to every sample (token id 10 + its position), ends a sample at
-    ``max_tokens`` (``length``) or at a stop string in its text (cut before it, ``stop``)."""
+class StepEngine(FakeEngine):
+    """:class:`tests.test_async_engine.FakeEngine` (token ``prompt[0] + k`` at step k, ``length`` at
+    ``max_tokens``) that makes a step only when :meth:`release` lets it, with text: token k of sample
+    i is ``PIECES[(k + i) % len(PIECES)]`` (from token ``big_from`` on, ``big`` "x"), cut before a
+    stop string it holds (``stop``, the string as ``stop_reason``)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-        self.max_model_len = 4096
-        self.eos_token_ids = [2]
-        self.reqs: dict = {}
+        super().__init__(None, 0, step_s=0)
+        self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids = tokenizer, len(tokenizer), 4096, [2]
         self.aborted: list[str] = []
-        self.steps = 0
-        self.piece_bytes = 0  # >0: each new piece is this many "x" (the slow reader's big chunks)
+        self.big_from, self.big = None, 4000
         self._gate = threading.Semaphore(0)
 
     def release(self, k: int = 1) -> None:
@@ -62,55 +60,25 @@ class StepEngine:
         while self._gate.acquire(blocking=False):
             pass
 
-    def add_request(self, rid, prompt, params):
-        self.reqs[rid] = (params, [[] for _ in range(params.n)], [None] * params.n)
-
-    def _out(self, rid) -> RequestOutput:
-        params, samples, reasons = self.reqs[rid]
-        outs = []
-        for i, pieces in enumerate(samples):
-            text, stop = "".join(pieces), None
-            for s in params.stop or ():
-                if s in text and reasons[i] in (None, "length"):
-                    text, reasons[i], stop = text[:text.index(s)], "stop", s
-            outs.append(CompletionOutput(i, text, list(range(10, 10 + len(pieces))), finish_reason=reasons[i],
-                                         stop_reason=stop))
-        return RequestOutput(rid, None, [5, 6, 7], None, outs, all(c.finish_reason for c in outs))
-
     def step(self):
         if not self._gate.acquire(timeout=0.05):
             return []  # (the engine thread runs its commands, e.g. an abort, between steps)
-        self.steps += 1
-        outs = []
-        for rid, (params, samples, reasons) in list(self.reqs.items()):
-            for i, pieces in enumerate(samples):
-                if reasons[i] is None:
-                    pieces.append("x" * self.piece_bytes if self.piece_bytes else PIECES[(len(pieces) + i) % len(PIECES)])
-                    if len(pieces) >= params.max_tokens:
-                        reasons[i] = "length"
-            out = self._out(rid)
-            outs.append(out)
-            if out.finished:
-                del self.reqs[rid]
-        return outs
+        return super().step()
+
+    def _out(self, rid, reason=None):
+        out = super()._out(rid, reason)
+        for c in out.outputs:
+            c.text = "".join("x" * self.big if self.big_from is not None and k >= self.big_from
+                             else PIECES[(k + c.index) % len(PIECES)] for k in range(len(c.token_ids)))
+            for s in self.reqs[rid][1].stop or ():
+                if s in c.text:
+                    c.text, c.finish_reason, c.stop_reason = c.text[:c.text.index(s)], "stop", s
+        out.finished = all(c.finish_reason for c in out.outputs)
+        return out
 
     def abort_request(self, ids):
-        ids = [ids] if isinstance(ids, str) else list(ids)
-        self.aborted += ids
-        outs = []
-        for r in ids:
-            if r in self.reqs:
-                reasons = self.reqs[r][2]
-                reasons[:] = [x or "abort" for x in reasons]
-                outs.append(self._out(r))
-                del self.reqs[r]
-        return outs
-
-    def has_unfinished_requests(self):
-        return bool(self.reqs)
-
-    def reset_prefix_cache(self):
-        pass
+        self.aborted += [ids] if isinstance(ids, str) else list(ids)
+        return super().abort_request(ids)
 
 
 def wait_for(cond, what: str):
@@ -335,7 +303,8 @@ def test_a_weight_update_mid_stream(servers, direct_writes):
     chunks = [c["choices"][0] for c in _data(runs[True].events())]
     assert [c["weight_version"] for c in chunks] == ["v1"] * 4 + ["v2"] * 3  # (the role chunk first)
     assert chunks[-1]["weight_versions"] == ["v1", "v2"] and chunks[-1]["finish_reason"] == "length"
-    assert [t for c in chunks for t in (c.get("token_ids") or [])] == list(range(10, 16))
+    ids = [t for c in chunks for t in (c.get("token_ids") or [])]
+    assert ids == list(range(ids[0], ids[0] + 6))  # (the fake's tokens: prompt[0] + k)
 
 
 def test_a_client_gone_mid_stream_aborts_its_request(servers, direct_writes, caplog):
@@ -375,23 +344,26 @@ def test_a_slow_reader_gets_the_whole_answer(servers, direct_writes):
     s.read_events(1)
     (w,) = writers
     w.cycle.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    srv.engine.piece_bytes = 4000
+    srv.engine.big_from = 1  # the client reads nothing more: 4,000-byte chunks fill the transport's buffer
     try:
         steps = srv.engine.steps
-        while not w.cycle.flow.write_paused:  # the client reads nothing: the transport's buffer fills
+        while not w.cycle.flow.write_paused:
             srv.engine.release()
             steps += 1
             wait_for(lambda: srv.engine.steps == steps, "a step")
             assert len(srv.engine.reqs) == 1  # (400 tokens: still running)
+        direct = count[0]
+        assert direct >= 1  # until the transport paused
         srv.engine.release(3)  # these reach the coroutine, which waits for the transport
         wait_for(lambda: srv.engine.steps == steps + 3, "three steps")
+        assert count[0] == direct
         srv.engine.release(400)
         raw = s.read_all()
     finally:
-        srv.engine.piece_bytes = 0
+        srv.engine.big_from = None
     chunks = [c["choices"][0] for c in _data(s.events()) if c["choices"]]
     assert b"data: [DONE]" in raw
-    assert [t for c in chunks for t in c["token_ids"]] == list(range(10, 410))
+    assert [t for c in chunks for t in c["token_ids"]] == list(range(5, 405))  # (the fake's tokens: prompt[0] + k)
     assert "".join(c["text"] for c in chunks) == PIECES[0] + "x" * (4000 * 399)
     assert chunks[-1]["finish_reason"] == "length"
 
