@@ -156,7 +156,8 @@ def analyse(spec: str) -> dict:
     run_json, spy, *rest = spec.split(":")
     with open(run_json) as f:
         doc = json.load(f)
-    run = doc["runs"][0]
+    stem = os.path.splitext(os.path.basename(spy))[0]  # DIR/<config>.txt: that config's run
+    run = next((r for r in doc["runs"] if r.get("config") == stem), doc["runs"][0])
     with open(spy) as f:
         layers, other = api_samples(f.read())
     total = sum(layers.values())
