@@ -439,20 +439,65 @@ def test_the_app_has_no_middleware_that_reads_a_body_message(servers):
     assert [m.cls for m in servers[True].app.user_middleware] == [BodySizeLimit, LoneSurrogateCheck]
 
 
-def test_no_scope_writer_no_sink():
+class _Flow:
+    write_paused = False
+
+
+class _Transport:
+    def __init__(self, fail=False):
+        self.fail, self.out, self.closed = fail, [], False
+
+    def write(self, b):
+        if self.fail:
+            raise OSError("injected")
+        self.out.append(b)
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+
+class _Cycle:
+    """The fields of uvicorn's httptools ``RequestResponseCycle`` that ``DirectWrite`` reads."""
+
+    def __init__(self, scope, transport=None):
+        self.scope, self.transport, self.flow = scope, transport or _Transport(), _Flow()
+        self.response_started, self.response_complete, self.disconnected, self.chunked_encoding = True, False, False, True
+
+
+def test_install_only_for_the_cycle_of_the_scope():
     assert direct_write.sink_for({"type": "http"}) is None
     assert direct_write.sink_for({"type": "http", "extensions": {}}) is None
-
-    class Cycle:
-        scope = None
-
     scope = {"method": "HEAD"}
-    Cycle.scope = scope
-    direct_write.install(scope, Cycle())
+    direct_write.install(scope, _Cycle(scope))
     assert "extensions" not in scope  # HEAD: no body
     scope = {"method": "POST"}
-    direct_write.install(scope, Cycle())  # a cycle of another scope (left from an upgrade)
+    direct_write.install(scope, _Cycle({}))  # a cycle of another scope (left from an upgrade)
+    direct_write.install(scope, object())  # not a cycle it knows
     assert "extensions" not in scope
-    Cycle.scope = scope
-    direct_write.install(scope, Cycle())
+    direct_write.install(scope, _Cycle(scope))
     assert isinstance(direct_write.sink_for(scope), direct_write.DirectSink)
+
+
+def test_a_sink_that_fails_leaves_the_stream_to_its_coroutine(caplog):
+    out = _output()
+    sink = direct_write.DirectSink(direct_write.DirectWrite(_Cycle({})))
+    sink.fill, sink.parked = lambda o: 1 / 0, True
+    assert sink(out) is False and sink.fill is None  # nothing recorded: the coroutine writes it
+    assert sink(out) is False  # and everything after
+    transport = _Transport(fail=True)
+    sink = direct_write.DirectSink(direct_write.DirectWrite(_Cycle({}, transport)))
+    sink.fill, sink.parked = lambda o: b"data: x\n\n", True
+    assert sink(out) is True and transport.closed  # recorded as sent and lost: the stream ends, no gap
+    assert sink.fill is None
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
+    ok = _Transport()
+    sink = direct_write.DirectSink(direct_write.DirectWrite(_Cycle({}, ok)))
+    sink.fill = lambda o: b"data: x\n\n"
+    assert sink(out) is False  # not parked
+    sink.parked = True
+    assert sink(out) is True and ok.out == [b"9\r\ndata: x\n\n\r\n"]
+    sink.writer.cycle.flow.write_paused = True
+    assert sink(out) is False and len(ok.out) == 1

@@ -47,6 +47,7 @@ metrics are written at a request's start and end, which stay on the coroutine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -79,11 +80,18 @@ class DirectWrite:
         self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
+#: what :class:`DirectWrite` reads of a cycle (uvicorn's httptools ``RequestResponseCycle``, set in its
+#: ``__init__`` since well before uvicorn 0.29)
+_CYCLE_FIELDS = ("scope", "transport", "flow", "response_started", "response_complete", "disconnected",
+                 "chunked_encoding")
+
+
 def install(scope: dict, cycle) -> None:
     """Put a :class:`DirectWrite` of ``cycle`` into ``scope``'s extensions, where ``cycle`` is the
-    request-response cycle of ``scope`` (not one left from an upgrade) and the method is not HEAD
-    (no body is written)."""
-    if cycle is not None and cycle.scope is scope and scope.get("method") != "HEAD":
+    request-response cycle of ``scope`` (not one left from an upgrade) with what :class:`DirectWrite`
+    reads (another uvicorn's cycle: no direct writes) and the method is not HEAD (no body)."""
+    if (cycle is not None and all(hasattr(cycle, a) for a in _CYCLE_FIELDS) and cycle.scope is scope
+            and hasattr(cycle.flow, "write_paused") and scope.get("method") != "HEAD"):
         scope.setdefault("extensions", {})[EXTENSION] = DirectWrite(cycle)
 
 
@@ -108,26 +116,28 @@ class DirectSink:
 
     def __call__(self, out) -> bool:
         """Write ``out``'s chunks to the connection; False (nothing written or recorded): the
-        coroutine must take it."""
-        fill = self.fill
-        if fill is None or not self.parked or not self.writer.writable():
+        coroutine must take it. Never raises (it runs in the engine's output callback): a bug
+        here logs, turns the sink off and leaves the stream to its coroutine."""
+        if self.fill is None or not self.parked:
             return False
+        written = False
         try:
-            body = fill(out)
-        except Exception:  # noqa: BLE001 - a bug here: the stream goes on through its coroutine
-            logger.exception("a stream's chunk could not be built for a direct write; its coroutine writes the rest")
-            self.fill = None
-            return False
-        if body is None:
-            return False
-        if body:
-            try:
+            if not self.writer.writable():
+                return False
+            body = self.fill(out)
+            if body is None:
+                return False
+            written = True  # recorded as sent: from here a failure must not leave a gap
+            if body:
                 self.writer.write(body)
-            except Exception:  # noqa: BLE001 - recorded as sent and lost: end the stream, do not skip a chunk
-                logger.exception("a direct write failed; closing the stream's connection")
-                self.fill = None
-                self.writer.cycle.transport.close()
-        return True
+            return True
+        except Exception:  # noqa: BLE001
+            logger.exception("a stream's direct write failed; its coroutine writes the rest")
+            self.fill = None
+            if written:  # the chunk is lost: end the stream rather than skip it (the disconnect aborts it)
+                with contextlib.suppress(Exception):
+                    self.writer.cycle.transport.close()
+            return written
 
 
 def sink_for(scope: dict) -> DirectSink | None:
