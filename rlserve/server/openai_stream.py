@@ -120,24 +120,26 @@ def usage_options(stream_options) -> tuple[bool, bool]:
 async def stream_completions(state: ServerState, body: CompletionRequest, items, rid, created, model, n,
                              usage: tuple[bool, bool], prompt_text, gens, sink=None) -> AsyncIterator[str | bytes]:
     """SSE chunks of a completions stream: a chunk per choice per engine output with new text,
-    tokens or its finish (vLLM's ``CompletionStreamResponse``, :class:`~rlserve.server.stream_chunks.StreamChunks`). A choice's
-    keys: ``index``, ``text``, ``logprobs``, ``finish_reason``, ``stop_reason``,
+    tokens or its finish (vLLM's ``CompletionStreamResponse``,
+    :class:`~rlserve.server.stream_chunks.StreamChunks`). A choice's keys: ``index``, ``text``,
+    ``logprobs``, ``finish_reason``, ``stop_reason``,
     ``prompt_token_ids`` (the prompt's ids on a choice's first chunk with ``return_token_ids``
     or ``echo``, else null), ``token_ids`` (the delta's ids with ``return_token_ids``, else null); plus
     rlserve's ``weight_version`` (and ``prompt_logprobs`` on a choice's first chunk when asked
     for: vLLM refuses ``prompt_logprobs`` with ``stream``), and on a choice's last chunk (its
-    ``finish_reason``) ``weight_versions`` (:func:`_versions`), on a middle chunk whose tokens more than one weight
-    version produced those versions (:func:`~rlserve.server.stream_chunks.chunk_versions`). ``usage`` (:func:`usage_options`):
-    with ``include_usage`` a last chunk with the request's usage and no choices; no ``usage``
-    key on the others unless ``continuous_usage_stats``. ``sink``: the one request's
+    ``finish_reason``) ``weight_versions`` (:func:`_versions`), on a middle chunk whose tokens more than
+    one weight version produced those versions (:func:`~rlserve.server.stream_chunks.chunk_versions`).
+    ``usage`` (:func:`usage_options`): with ``include_usage`` a last chunk with the request's usage
+    and no choices; no ``usage`` key on the others unless ``continuous_usage_stats``. ``sink``: the one request's
     :class:`~rlserve.server.direct_write.DirectSink` (its generator's ``sink``), which writes the
     plain middle chunks itself (:func:`~rlserve.server.direct_write.parked`)."""
     chunks = StreamChunks(state, {"id": rid, "object": "text_completion", "created": created, "model": model}, usage,
-                     chat=False, plain=body.logprobs is None and not body.echo, rti=body.return_token_ids)
+                          chat=False, plain=body.logprobs is None and not body.echo, rti=body.return_token_ids)
     sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
     text_offset: dict[int, int] = {}
     single = len(gens) == 1  # the common case: the request's generator itself, one async hop less per chunk
-    agen = parked(gens[0], sink, chunks.plain if chunks.templates is not None else None) if single else merge_generators(gens)
+    agen = parked(gens[0], sink, chunks.plain if chunks.templates is not None else None) if single \
+        else merge_generators(gens)
     rti = body.return_token_ids
     pending: list = []  # the chunks of one engine output: one write
     try:
@@ -261,8 +263,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
     reasoning_tokens = None
     hide = parsers is not None and not body.include_reasoning  # vLLM: no logprobs / ids that show the reasoning
     rti = body.return_token_ids and not hide
-    chunks = StreamChunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}, usage,
-                     chat=True, plain=parsers is None and not body.logprobs, rti=rti)
+    chunks = StreamChunks(state, {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model},
+                          usage, chat=True, plain=parsers is None and not body.logprobs, rti=rti)
     sent_text, sent_toks, done = chunks.sent_text, chunks.sent_toks, chunks.done
 
     def role_chunks(version):
@@ -274,7 +276,8 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                               "finish_reason": None, "weight_version": version}, len(ids), 0,
                              prompt_token_ids=prompt_ids, prompt_text=None) for i in range(n)]
 
-    agen = parked(gen, sink, chunks.plain if chunks.templates is not None else None)  # one generator: no merging (one async hop less per chunk)
+    # one generator: no merging (one async hop less per chunk)
+    agen = parked(gen, sink, chunks.plain if chunks.templates is not None else None)
     sent_role = False
     pending: list = []  # the chunks of one engine output: one write
     try:
