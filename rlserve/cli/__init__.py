@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlserve`` script and ``python -m rlserve``. Returns the exit status."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (rlserve serve --api-server-count: its other processes)
     if unknown:
         _unrecognized(parser, args, unknown)  # exits 2
     func = getattr(args, "func", None)

@@ -197,12 +197,16 @@ def _bind(host: str, port: int):
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
+    from rlserve.server import multi_api
+
+    attach = multi_api.attach_from_env()  # API process 1..N-1 of --api-server-count N (rlserve.server.multi_api)
+    who = f" [api-server {attach['client_index']}]" if attach else ""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+                        format=f"%(asctime)s %(levelname)s{who} %(name)s: %(message)s", stream=sys.stderr)
     from rlserve.errors import InvalidRequestError, RLServeError
 
     model_arg = args.model_flag or args.model or "default"
-    problem = check_vllm_compat_args(args) or check_tool_args(args)
+    problem = check_vllm_compat_args(args) or check_tool_args(args) or multi_api.check_args(args)
     if problem is None and args.lora_modules and not args.enable_lora:
         problem = "--lora-modules needs --enable-lora"
     if problem is None and args.enable_lora:  # (else every adapter load would be a 500)
@@ -219,7 +223,7 @@ def run(args) -> int:
     if args.weight_transfer_config is not None and "backend" not in args.weight_transfer_config:
         print("rlserve serve: error: --weight-transfer-config needs a \"backend\" (nccl | gloo | ipc)", file=sys.stderr)
         return 2
-    prestart = (args.engine_mode or envs.RLSERVE_ENGINE_MODE) == "process"
+    prestart = (args.engine_mode or envs.RLSERVE_ENGINE_MODE) == "process" and attach is None
     if prestart:  # the engine-core processes import the engine while this one imports and checks its part
         from rlserve.engine.front.core_spawn import discard_prestarted, prestart_cores
 
@@ -243,7 +247,7 @@ def run(args) -> int:
         for name in ("RLSERVE_CUDA_GRAPH_SIZES", "RLSERVE_PREFILL_CUDA_GRAPHS"):  # read by the engine's warm-up
             envs.read(name)
         stack = http_stack()  # (RLSERVE_HTTP_IMPL)
-        sock = _bind(args.host, args.port)
+        sock = multi_api.listen_socket(attach) if attach else _bind(args.host, args.port)
     except (RLServeError, ValueError, OSError) as e:
         if prestart:
             discard_prestarted()
@@ -275,7 +279,7 @@ def run(args) -> int:
                               stream_interval=args.stream_interval, max_engine_restarts=args.max_engine_restarts,
                               engine_restart_window_s=args.engine_restart_window,
                               serve_checkpoint_after_restart=args.serve_checkpoint_after_restart,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, api_server_count=args.api_server_count, attach=attach)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
         sock.close()
         if prestart:
@@ -325,12 +329,26 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
-    rc, resignal, app = 1, None, None
+    rc, resignal, app, servers = 1, None, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         app = build_app(aengine, settings)
         phases.mark("API app build")
-        rc = stack.run(_serve(app, args, sock, stack))
+        extra = []
+        if attach:  # control routes: API process 0's
+            served = multi_api.ForwardControl(app, attach["control_socket"], settings.max_request_body_bytes)
+        else:
+            served = app
+            if args.api_server_count > 1:  # processes 1..N-1, and the unix socket they forward control routes to
+                control, control_path = multi_api.control_socket()
+                extra.append(control)
+                servers = multi_api.APIServerProcessManager(args.api_server_count, sock,
+                                                            [r.socket_dir for r in aengine._replicas], control_path,
+                                                            args.argv[args.argv.index("serve") + 1:])
+                servers.start()
+        rc = stack.run(_serve(served, args, sock, stack, extra, servers))
+        if servers is not None and servers.failure:
+            rc = 1
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run (uvloop.run) re-raises it
         rc = 130
     except _Terminated:  # SIGTERM: uvicorn has shut down and re-raised it (see _raise_terminated)
@@ -338,6 +356,8 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
         logger.debug("stopping: HTTP server closed; stopping the engines")
+        if servers is not None:
+            servers.stop()  # API processes 1..N-1 first: then the cores
         if app is not None:
             app.state.rlserve.close()  # the chat-template workers
         aengine.shutdown(timeout_s=5.0)
@@ -396,7 +416,10 @@ def _exit_now(rc: int, resignal: int | None = None) -> None:
         os._exit(rc)
 
 
-async def _serve(app, args, sock, stack) -> int:
+async def _serve(app, args, sock, stack, extra_sockets=(), servers=None) -> int:
+    """Serve ``app`` on ``sock`` (and ``extra_sockets``: API process 0's control socket) until a
+    signal, or until one of ``servers`` (:class:`~rlserve.server.multi_api.APIServerProcessManager`)
+    ends. Returns the exit status."""
     import uvicorn
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
@@ -404,7 +427,8 @@ async def _serve(app, args, sock, stack) -> int:
                             timeout_keep_alive=30, http=stack.protocol(args.http_header_timeout))
     logger.info("HTTP: uvicorn on %s", stack.name)
     loop = asyncio.get_running_loop()
-    aengine = app.state.rlserve.aengine
+    st = app.state  # (ForwardControl, in API processes > 0, carries its app's state)
+    aengine = st.rlserve.aengine
 
     class Server(uvicorn.Server):
         """On SIGINT/SIGTERM, also end every request at once (503) and stop the engines, so
@@ -418,9 +442,13 @@ async def _serve(app, args, sock, stack) -> int:
             if first:
                 self.stopped_for = sig
                 logger.info("stopping: %s received", _signal_name(sig))
+                if servers is not None:  # API processes 1..N-1 end their requests before the cores go
+                    servers.terminate()
                 loop.call_soon_threadsafe(aengine.begin_shutdown, "the server is shutting down")
 
     server = Server(config)
+    if servers is not None:
+        servers.watch(lambda: loop.call_soon_threadsafe(server.handle_exit, signal.SIGTERM, None))
 
     async def announce():
         while not server.started:
@@ -434,9 +462,12 @@ async def _serve(app, args, sock, stack) -> int:
             pass
         host = args.host if ":" not in args.host else f"[{args.host}]"
         url = f"http://{host}:{port}"
-        st = app.state.rlserve
-        print(f"rlserve: serving {st.settings.model!r} as {st.model_name!r} on {url} "
-              f"(OpenAI API at {url}/v1, weight version {st.aengine.weight_version})", flush=True)
+        if aengine.front_sync.client_index:
+            logger.info("API server %d of %d: serving on %s", aengine.front_sync.client_index,
+                        aengine.front_sync.count, url)
+            return
+        print(f"rlserve: serving {st.rlserve.settings.model!r} as {st.rlserve.model_name!r} on {url} "
+              f"(OpenAI API at {url}/v1, weight version {aengine.weight_version})", flush=True)
         logger.info("ready: %s", url)
         log_phase(logger, "rlserve serve: process start -> ready", process_age())
 
@@ -445,7 +476,7 @@ async def _serve(app, args, sock, stack) -> int:
     from rlserve.startup_log import log_phase, process_age
 
     freeze_startup_heap("API server")  # full collections skip the start-up heap from here on
-    await server.serve(sockets=[sock])
+    await server.serve(sockets=[sock, *extra_sockets])
     task.cancel()
     if server.stopped_for == signal.SIGINT:
         # uvicorn re-raises the SIGINT it stopped for; asyncio.run (and uvloop.run) turns it into a

@@ -126,8 +126,6 @@ VLLM_032_SERVE_FLAGS = json.loads(
 
 #: why a ``vllm serve`` flag is refused, where one line says more than "not implemented"
 REFUSED_REASONS: dict[str, str] = {
-    "--api-server-count": "one API process serves every request (several API processes over one engine core "
-                          "are not implemented; docs/limits.md)",
     "--num-gpu-blocks-override": "rlserve's --num-kv-blocks N sets the KV cache's size in blocks",
     "--kv-cache-memory-bytes": "rlserve sizes the KV cache by --gpu-memory-utilization on a GPU, --kv-cache-bytes "
                                "on the CPU, or --num-kv-blocks (blocks of --block-size tokens) on either",

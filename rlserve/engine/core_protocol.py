@@ -8,6 +8,11 @@ Two ZMQ sockets per engine replica (see :mod:`rlserve.engine.front.core_client`)
   start, then :class:`CoreOutputs` (one per engine step: every request's :class:`RequestDelta`
   of that step in one message) and :class:`UtilityResult`.
 
+With ``rlserve serve --api-server-count N`` (N > 1) the core has one such pair per API process
+(its ``client_index``, vLLM's name): each request's outputs go to the process that added it;
+utility calls come from process 0 only; :class:`FrontState` / :class:`FrontStateAck` carry process
+0's admission state to the others (:mod:`rlserve.engine.front.front_sync`).
+
 Outputs cross as token-id deltas: each step sends, per request that advanced, only the tokens
 (and their logprobs) sampled since the request's previous delta -- O(new tokens), not O(length)
 -- and no text: the API process detokenizes, matches stop strings and builds vLLM's cumulative
@@ -50,16 +55,19 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 
 # ---- API → core ------------------------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add"):
+class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     """Queue a request. ``prompt``: token ids (the API tokenizes) or text.
     ``arrival_time``: ``time.monotonic()`` seconds in the API process. ``stream``: send an
-    output every step (else only the final one)."""
+    output every step (else only the final one). ``client_index``: the API process that sent it
+    (vLLM's name; ``rlserve serve --api-server-count N``: 0..N-1): its outputs and errors go to
+    that process's output socket (0, the default, is left off the wire)."""
 
     request_id: str
     prompt: Union[list[int], str]
     params: SamplingParams
     stream: bool
     arrival_time: float
+    client_index: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -96,7 +104,15 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop: fail the requests in flight, shut the engine down, exit."""
 
 
-InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, StopSamples, Shutdown]
+class FrontStateAck(msgspec.Struct, tag="front_ack"):
+    """API process ``client_index`` (> 0) applied :class:`FrontState` ``epoch``: every request it
+    sent before this message reached the core first (one input pipe per API process keeps its order)."""
+
+    epoch: int
+    client_index: int
+
+
+InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, StopSamples, Shutdown, FrontStateAck]
 
 
 # ---- core → API ------------------------------------------------------------------------
@@ -224,7 +240,28 @@ class UtilityResult(msgspec.Struct, tag="result"):
     error: ErrorInfo | None = None
 
 
-OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting]
+class FrontState(msgspec.Struct, tag="front_state"):
+    """API process 0's admission state, relayed by the core to API processes 1..N-1
+    (:mod:`rlserve.engine.front.front_sync`); each answers with :class:`FrontStateAck`.
+
+    Attributes:
+        epoch: the core's count of relays (the ack names it).
+        paused / pause_mode: new requests are held (``abort`` / ``wait`` / ``keep``).
+        refusal: what ``generate`` raises now instead of admitting (``{"type": "sleeping" |
+            "unavailable", "message", "code"}``: 503 ``model_sleeping`` / ``weights_lost`` /
+            ``model_unavailable``), or None.
+        weight_version: process 0's label (the cores stamp outputs themselves; this one is for
+            the other processes' own reports: ``/metrics``, a held request's abort).
+    """
+
+    epoch: int
+    paused: bool
+    pause_mode: Union[str, None] = None
+    refusal: Union[dict[str, str], None] = None
+    weight_version: Union[str, None] = None
+
+
+OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting, FrontState]
 
 
 def input_encoder() -> msgspec.msgpack.Encoder:

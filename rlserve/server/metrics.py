@@ -21,6 +21,10 @@ start to commit of each successful update, ``mode`` the staging: none | device |
 ``weight_sync_failures_total{backend,mode}``, ``generation_paused_seconds_total`` (the stall:
 seconds generation was paused, by weight syncs or operators) and ``weight_version_number``.
 
+``rlserve_api_server_info{index,count}``: which API process answered (``--api-server-count N``:
+every metric here is that process's own, requests it served and the engine stats it received;
+not aggregated over the N processes).
+
 Sleep mode (``--enable-sleep-mode``; gauges, prefix ``rlserve_``): ``is_sleeping`` (1 while any
 region sleeps), ``sleep_level`` (0 awake, 1, 2), ``sleep_bytes_discarded`` (bytes of the
 sleeping regions, their contents offloaded or dropped, all replicas and TP ranks),
@@ -111,6 +115,8 @@ class ServerMetrics:
         self.sleep_last = Gauge("rlserve_sleep_last_seconds", "Duration of the last sleep / wake_up, seconds.",
                                 lbl + ["op"], registry=r)
         self.version_info = Info("rlserve_weight_version", "Weight version being served.", registry=r)
+        self.api_server = Info("rlserve_api_server", "This API process: index of count (--api-server-count; "
+                               "every metric is this process's own).", registry=r)
         self.version_num = Gauge("rlserve_weight_version_number",
                                  "Weight version as a number (-1 when it is not numeric).", lbl, registry=r)
         self.vllm = VllmMetrics(r, model_name, max_model_len)  # vLLM's names
@@ -213,6 +219,9 @@ class ServerMetrics:
         if paused > self._paused_seen:
             self.paused_seconds.labels(m).inc(paused - self._paused_seen)
             self._paused_seen = paused
+        sync = getattr(aengine, "front_sync", None)
+        if sync is not None:
+            self.api_server.info({"index": str(sync.client_index), "count": str(sync.count)})
         v = aengine.weight_version
         self.version_info.info({"version": v, "model_name": m})
         try:

@@ -12,8 +12,19 @@ parent *thread*), and it also checks its parent id every loop. SIGINT is ignored
 stops it cleanly. Once out of its loop it sends :class:`~rlserve.engine.core_protocol.CoreExiting`
 and ends with ``os._exit`` (no interpreter teardown).
 
+With ``rlserve serve --api-server-count N`` (N > 1) the core serves N API processes (vLLM's
+clients): ``--client-input ADDR --client-output ADDR`` once for each of processes 1..N-1 (process
+0's are ``--input`` / ``--output``). Its one ``PULL`` socket connects to every process's input
+address (fair-queued; each process's messages stay in order); it has one ``PUSH`` socket per
+process, and sends each request's deltas and errors to the process that added it
+(``AddRequest.client_index``), utility answers to process 0 (the only caller), stats and the
+ready / exiting messages to every process. Process 0's admission state reaches the others through
+here (utility ``front_state``: :class:`~rlserve.engine.core_protocol.FrontState` out,
+:class:`~rlserve.engine.core_protocol.FrontStateAck` back, then the answer;
+:mod:`rlserve.engine.front.front_sync`).
+
 Run as ``python -m rlserve.engine.core.core_proc --input ADDR --output ADDR --dp-index I
---parent-pid PID --config JSON``. ``RLSERVE_ENGINE_CORE_INIT=module:function`` names a
+--parent-pid PID --config JSON [--client-input ADDR --client-output ADDR]...``. ``RLSERVE_ENGINE_CORE_INIT=module:function`` names a
 function called before the engine is built (tests patch the process with it).
 """
 
@@ -38,7 +49,7 @@ logger = logging.getLogger("rlserve.engine.core.core_proc")
 _IDLE_POLL_MS = 1000  # an idle core wakes at least this often (milliseconds)
 #: Utility methods the API process may call (UtilityCall.method).
 UTILITY_METHODS = ("abort", "abort_all", "set_frozen", "wait_drained", "reset_prefix_cache", "call", "stats",
-                   "lift_quarantine")
+                   "lift_quarantine", "front_state")
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -59,7 +70,9 @@ class CoreServer:
 
     Args:
         core: the engine core (built).
-        input_sock / output_sock: connected ZMQ ``PULL`` / ``PUSH`` sockets.
+        input_sock: connected ZMQ ``PULL`` socket (to every API process's input address).
+        output_sock: connected ZMQ ``PUSH`` socket, or a list of them: one per API process, by
+            client index (``--api-server-count``).
         parent_pid: the API process id (the loop exits when the parent changes).
     """
 
@@ -69,7 +82,11 @@ class CoreServer:
         self.proto = proto
         self.core = core
         self.input = input_sock
-        self.output = output_sock
+        self.outputs = list(output_sock) if isinstance(output_sock, (list, tuple)) else [output_sock]
+        self.output = self.outputs[0]  # API process 0's: utility answers
+        self._client_of: dict[str, int] = {}  # request id -> its API process, for processes 1..N-1
+        self._front_epoch = 0
+        self._front_waits: dict[int, tuple[int, set[int]]] = {}  # epoch -> (call id, processes yet to ack)
         self.parent_pid = parent_pid
         self.stopping = False
         self._dec = proto.input_decoder()
@@ -83,11 +100,34 @@ class CoreServer:
         self.output.send(self._enc.encode(msg), copy=False)
 
     def flush(self, stats: dict | None = None) -> None:
-        """Send the outputs and errors gathered so far (and ``stats``) as one message."""
-        if self._outs or self._errors or stats is not None:
+        """Send the outputs and errors gathered so far (and ``stats``) as one message (one per
+        API process with ``--api-server-count``: :meth:`_flush_routed`)."""
+        if len(self.outputs) > 1:
+            self._flush_routed(stats)
+        elif self._outs or self._errors or stats is not None:
             msg = self.proto.CoreOutputs(self._outs, self._errors, stats)
             self._outs, self._errors = [], []
             self._send(msg)
+
+    def _flush_routed(self, stats: dict | None) -> None:
+        """Each request's deltas and errors to the API process that added it (``client_index``;
+        the request is forgotten with its last one), ``stats`` to every process."""
+        per = [([], []) for _ in self.outputs]
+        client_of = self._client_of
+        for d in self._outs:
+            per[client_of.pop(d.request_id, 0) if d.finished else client_of.get(d.request_id, 0)][0].append(d)
+        for e in self._errors:
+            per[client_of.pop(e.request_id, 0)][1].append(e)
+        self._outs, self._errors = [], []
+        for sock, (deltas, errors) in zip(self.outputs, per):
+            if deltas or errors or stats is not None:
+                sock.send(self._enc.encode(self.proto.CoreOutputs(deltas, errors, stats)), copy=False)
+
+    def broadcast(self, msg) -> None:
+        """``msg`` to every API process (ready, exiting)."""
+        data = self._enc.encode(msg)
+        for sock in self.outputs:
+            sock.send(data)
 
     def _reply(self, call_id: int, result=None, error: BaseException | None = None) -> None:
         self.flush()  # the outputs a call produced arrive before its answer
@@ -150,6 +190,12 @@ class CoreServer:
     def _handle(self, msg) -> None:
         p, core = self.proto, self.core
         if isinstance(msg, p.AddRequest):
+            if msg.client_index:
+                if not 0 < msg.client_index < len(self.outputs):
+                    logger.error("engine core: dropped request %s of unknown API process %d", msg.request_id,
+                                 msg.client_index)
+                    return
+                self._client_of[msg.request_id] = msg.client_index
             try:
                 core.add(msg.request_id, msg.prompt, msg.params, msg.stream, msg.arrival_time)
             except Exception as e:  # noqa: BLE001 - InvalidRequestError and bugs alike: this request only
@@ -168,6 +214,32 @@ class CoreServer:
             self._utility(msg)
         elif isinstance(msg, p.Shutdown):
             self.stopping = True
+        elif isinstance(msg, p.FrontStateAck):
+            self._front_acked(msg.epoch, msg.client_index)
+
+    def _front_state(self, call_id: int, args: list) -> bool:
+        """Utility ``front_state`` (``[paused, pause_mode, refusal, weight_version]``, from API process 0): relay
+        it to processes 1..N-1 as :class:`FrontState`; answered once each acked (True: answered now,
+        there being no other process)."""
+        if len(self.outputs) == 1:
+            return True
+        self._front_epoch += 1
+        epoch = self._front_epoch
+        self.flush()  # outputs of requests they added come before the state
+        data = self._enc.encode(self.proto.FrontState(epoch, bool(args[0]), *args[1:4]))
+        for sock in self.outputs[1:]:
+            sock.send(data)
+        self._front_waits[epoch] = (call_id, set(range(1, len(self.outputs))))
+        return False
+
+    def _front_acked(self, epoch: int, client: int) -> None:
+        wait = self._front_waits.get(epoch)
+        if wait is None:
+            return
+        wait[1].discard(client)
+        if not wait[1]:
+            del self._front_waits[epoch]
+            self._reply(wait[0])
 
     def _utility(self, msg) -> None:
         core, args = self.core, msg.args
@@ -201,6 +273,10 @@ class CoreServer:
             elif msg.method == "stats":
                 core.snapshot_stats(force=True)
                 result = core.stats
+            elif msg.method == "front_state":
+                if not self._front_state(msg.call_id, args):
+                    return  # answered once every API process acked (_front_acked)
+                result = None
             else:
                 raise ValueError(f"unknown engine-core method {msg.method!r}; known: {', '.join(UTILITY_METHODS)}")
         except Exception as e:  # noqa: BLE001 - delivered to the caller
@@ -272,6 +348,10 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--log-level", default=envs.RLSERVE_LOG_LEVEL)
+    ap.add_argument("--client-input", action="append", default=[],
+                    help="ZMQ input address of API process 1, 2, ... (--api-server-count; repeated, in order)")
+    ap.add_argument("--client-output", action="append", default=[],
+                    help="ZMQ output address of API process 1, 2, ... (as --client-input)")
     args = ap.parse_args(argv)
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -298,11 +378,18 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.RCVHWM, 0)
-    inp.connect(args.input)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.setsockopt(zmq.LINGER, 2000)
-    out.connect(args.output)
+    if len(args.client_input) != len(args.client_output):
+        raise SystemExit("--client-input and --client-output must come in pairs")
+    for addr in [args.input, *args.client_input]:
+        inp.connect(addr)
+    outs = []
+    for addr in [args.output, *args.client_output]:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.SNDHWM, 0)
+        out.setsockopt(zmq.LINGER, 2000)
+        out.connect(addr)
+        outs.append(out)
+    out = outs[0]
     enc = proto.output_encoder()
     server = None
 
@@ -339,13 +426,15 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
             logger.error("engine replica %d failed to start: %s", args.dp_index, e)
         else:
             logger.exception("engine replica %d failed to start", args.dp_index)
-        out.send(enc.encode(proto.CoreFailed(proto.error_info(e))))
-        out.close(linger=2000)
+        for o in outs:
+            o.send(enc.encode(proto.CoreFailed(proto.error_info(e))))
+            o.close(linger=2000)
         ctx.term()
         return 1
     from rlserve.gc_heap import freeze_startup_heap
 
-    out.send(enc.encode(proto.CoreReady(info)))
+    for o in outs:
+        o.send(enc.encode(proto.CoreReady(info)))
     log_phase(logger, "engine-core process: arguments -> ready", time.perf_counter() - t_main)
     # after CoreReady: this collection (~0.3 s) overlaps the API process's own app build and heap
     # freeze, which come before its first request; a message meanwhile waits in the socket
@@ -353,14 +442,15 @@ def main(argv=None, prestarted: tuple | None = None) -> int:
     # the tokenizer (text prompts, structured outputs; transformers' tokenizer stack) loads from here on, beside
     # the loop: not before ready (rlserve.engine.core.core_tokenizer)
     engine.start_tokenizer_load()
-    server = CoreServer(core, inp, out, args.parent_pid)
+    server = CoreServer(core, inp, outs, args.parent_pid)
     try:
         server.run()
         # the API process waits for an exiting core instead of killing it at its grace
-        out.send(enc.encode(proto.CoreExiting()))
+        server.broadcast(proto.CoreExiting())
     finally:
         inp.close(linger=0)
-        out.close(linger=1000)
+        for o in outs:
+            o.close(linger=1000)
         ctx.term()
     return 0
 

@@ -79,13 +79,19 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         tokenizer: process mode: the tokenizer of ``config.tokenizer or config.model``, already
             loaded in this process (``rlserve serve``'s parser check), used instead of loading
             it again; None loads it.
+        api_server_count: process mode: API processes sharing the engine cores (``rlserve serve
+            --api-server-count``; :mod:`rlserve.engine.front.front_sync`). This one starts the cores
+            unless ``attach`` is given.
+        attach: in API process ``client_index`` > 0: ``{"client_index": i, "core_dirs": [socket
+            directory of each replica's core]}``; the cores are API process 0's
+            (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`).
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
                  start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
                  engine_mode: str | None = None, stream_interval: int = 1, max_engine_restarts: int = 0,
                  engine_restart_window_s: float = 60.0, serve_checkpoint_after_restart: bool = False,
-                 tokenizer=None):
+                 tokenizer=None, api_server_count: int = 1, attach: dict | None = None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -114,12 +120,18 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         self._pause_lock: asyncio.Lock | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, seen by generate / call_engines
         self.restarter = None  # rlserve.engine.front.core_restart.CoreRestarter (process mode, restarts on)
+        from rlserve.engine.front.front_sync import FrontSync
+
+        if api_server_count > 1 and (engine_mode != "process" or max_engine_restarts):
+            raise ValueError("several API processes need engine_mode='process' and no engine-core restarts")
+        self.front_sync = FrontSync(self, api_server_count, attach["client_index"] if attach else 0)
         if engine_mode == "process" and max_engine_restarts:
             from rlserve.engine.front.core_restart import CoreRestarter
 
             self.restarter = CoreRestarter(self, max_engine_restarts, engine_restart_window_s,
                                            serve_checkpoint_after_restart, start_timeout_s)
-        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version, tokenizer)
+        self._replicas = build_replicas(self, config, engine_mode, engine_factory, self.weights.version, tokenizer,
+                                        api_server_count, attach)
         error = None
         try:
             for r in self._replicas:
@@ -262,6 +274,9 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
 
         Closing the generator early (or cancelling its task) aborts the request.
         """
+        refusal = self.front_sync.refusal  # (API processes > 0: process 0's sleep, lost weights)
+        if refusal is not None:
+            raise refusal()
         if self.sleep_mode is not None:
             self.sleep_mode.check_generate()
         if self.weights.reason is not None:
@@ -359,15 +374,19 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         whose unfinished samples have ``finish_reason == "abort"``."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         futs = []
+        elsewhere = []  # another API process's, maybe (--api-server-count): the cores know them
         for rid in ids:
             req = self._requests.get(rid)
             if req is None:
+                elsewhere.append(rid)
                 continue
             if req in self._held:
                 self._held.remove(req)
                 put(req, stamped_abort(req, self.weight_version))
             elif req.replica is not None:
                 futs.append(req.replica.abort([req.request_id]))
+        if elsewhere and self.front_sync.count > 1:
+            futs += [r.abort(elsewhere) for r in self._replicas if r.alive]
         await wait_all(futs)
 
     async def abort_all(self) -> int:

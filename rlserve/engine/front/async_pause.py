@@ -115,6 +115,9 @@ class PauseControl:
         self._paused = True
         self._pause_mode = mode
         try:
+            # the other API processes hold new requests from here on, and what they admitted
+            # before is in the cores (rlserve.engine.front.front_sync): the pause treats it as ours
+            await self.front_sync.publish()
             await self._pause_locked(mode, clear_cache, timeout_s)
         except BaseException:
             # a pause that did not take effect (timeout, cancelled, an engine error) must not
@@ -174,6 +177,22 @@ class PauseControl:
 
     async def _resume_locked(self) -> int:
         await wait_all([r.set_frozen(False) for r in self._replicas])
+        n = self.release_held()
+        await self.front_sync.publish()  # the other API processes release theirs
+        return n
+
+    def hold_new(self, mode: str | None) -> None:
+        """Hold new requests from now on (pause ``mode``), touching no engine: the pause's effect
+        on the engines is API process 0's (an API process > 0 applying its state,
+        :mod:`rlserve.engine.front.front_sync`)."""
+        if not self._paused:
+            self._paused_since = time.monotonic()
+        self._paused = True
+        self._pause_mode = mode
+
+    def release_held(self) -> int:
+        """Generation runs again: submit the held requests (the engines already unfrozen).
+        Returns how many."""
         if self._paused_since is not None:
             self._paused_total_s += time.monotonic() - self._paused_since
             self._paused_since = None

@@ -212,6 +212,8 @@ class AsyncSleep:
             self.level = 0
             if not self._paused_before:
                 await self.aengine.resume()
+            else:  # still paused (an earlier pause): the other API processes hold instead of refusing
+                await self.aengine.front_sync.publish()
         logger.info("wake_up(%s) in %.2f s%s", ", ".join(asleep), self.totals["last_wake_up_s"],
                     "" if self.is_sleeping() else ": awake")
         return self.info()

@@ -70,22 +70,31 @@ class CoreProcReplica(Replica):
         weight_version: initial version stamped on outputs.
         tokenizer_loader: ``() -> tokenizer`` shared by the replicas (loaded once, in this
             process, for the routes).
+        api_server_count: API processes the core serves (``--api-server-count``): it also
+            connects to processes 1..N-1's sockets in this one's socket directory
+            (:func:`~rlserve.engine.front.core_spawn.client_addresses`).
+        core_dir / client_index: an API process > 0 (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`)
+            binds its sockets in process 0's ``core_dir`` under its ``client_index``.
     """
 
-    def __init__(self, front, index: int, config, weight_version: str, tokenizer_loader=None):
+    def __init__(self, front, index: int, config, weight_version: str, tokenizer_loader=None,
+                 api_server_count: int = 1, core_dir: str | None = None, client_index: int = 0):
         super().__init__(front, index)
         self.config = config
         self._version = weight_version
         self._tokenizer_loader = tokenizer_loader
-        self._dir = core_spawn.socket_dir()
+        self.api_server_count = api_server_count
+        self.client_index = client_index
+        self._dir = core_dir or core_spawn.socket_dir()
+        in_addr, out_addr = core_spawn.client_addresses(self._dir, client_index)
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(f"ipc://{self._dir}/in")
+        self._in.bind(in_addr)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
-        self._out.bind(f"ipc://{self._dir}/out")
+        self._out.bind(out_addr)
         self._enc = proto.input_encoder()
         self._dec = proto.output_decoder()
         self._send_lock = threading.Lock()
@@ -116,12 +125,21 @@ class CoreProcReplica(Replica):
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
+    @property
+    def socket_dir(self) -> str:
+        """The directory of the core's ``ipc://`` sockets (API processes > 0 bind theirs there)."""
+        return self._dir
+
     # ---- start ----------------------------------------------------------------------------
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "rlserve.engine.core.core_proc", "--input", f"ipc://{self._dir}/in",
-               "--output", f"ipc://{self._dir}/out", "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
+        in_addr, out_addr = core_spawn.client_addresses(self._dir)
+        cmd = [sys.executable, "-m", "rlserve.engine.core.core_proc", "--input", in_addr,
+               "--output", out_addr, "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
                "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
                "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
+        for i in range(1, self.api_server_count):
+            client_in, client_out = core_spawn.client_addresses(self._dir, i)
+            cmd += ["--client-input", client_in, "--client-output", client_out]
         self.proc = (core_spawn.take_prestarted(self.index, cmd)
                      or core_spawn.spawn(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
         prefetch = getattr(self._tokenizer_loader, "prefetch", None)
@@ -187,7 +205,8 @@ class CoreProcReplica(Replica):
     def submit(self, req) -> None:
         self.reqs[req.request_id] = req
         try:
-            self._send(proto.AddRequest(req.request_id, req.prompt, req.params, req.stream, req.arrival_time))
+            self._send(proto.AddRequest(req.request_id, req.prompt, req.params, req.stream, req.arrival_time,
+                                        self.client_index))
         except (UnicodeEncodeError, OverflowError, TypeError) as e:  # what MessagePack cannot carry
             self.reqs.pop(req.request_id, None)
             raise InvalidRequestError(f"request {req.request_id} cannot be sent to the engine core: {e} (build its "
@@ -228,6 +247,11 @@ class CoreProcReplica(Replica):
 
     def call(self, target: str, *args) -> concurrent.futures.Future:
         return self._call("call", target, *args)
+
+    def front_state(self, *state) -> concurrent.futures.Future:
+        """Relay API process 0's admission state (``FrontSync.state()``) to the others; done once
+        each applied it (:mod:`rlserve.engine.front.front_sync`)."""
+        return self._call("front_state", *state)
 
     def set_weight_version(self, version: str) -> None:
         self._version = version
@@ -351,6 +375,10 @@ class CoreProcReplica(Replica):
             self._handle_outputs([msg])
         elif isinstance(msg, proto.CoreExiting):
             self.exiting.set()
+        elif isinstance(msg, proto.FrontState):  # API processes > 0: process 0's admission state
+            self.front.front_sync.apply(msg)
+            with contextlib.suppress(EngineDeadError):  # after the state: nothing more is submitted unheld
+                self._send(proto.FrontStateAck(msg.epoch, self.client_index))
         elif isinstance(msg, proto.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():
@@ -362,7 +390,8 @@ class CoreProcReplica(Replica):
 
     def _on_exit(self) -> None:
         self._handle_pending()  # what it sent before it went, before its requests fail
-        rc = self.proc.poll()
+        self.proc.poll()
+        rc = self.proc.returncode
         with self._send_lock:
             self.alive = False
         if self._closing:
@@ -433,6 +462,11 @@ class CoreProcReplica(Replica):
                              since + time.monotonic() - t0,
                              "it said it was exiting" if self.exiting.is_set() else "still in its loop")
             self._reap()
+        self._close(timeout_s)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _close(self, timeout_s: float) -> None:
+        """End the reader (``timeout_s`` at most), fail what is left, close the sockets."""
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout_s)
         with self._send_lock:
@@ -445,7 +479,6 @@ class CoreProcReplica(Replica):
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _wait_exit(self, timeout_s: float) -> bool:
         """Whether the core's process has ended within ``timeout_s`` seconds. Woken by its pidfd

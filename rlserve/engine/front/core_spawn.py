@@ -121,6 +121,14 @@ def take_prestarted(index: int, cmd: list[str]) -> subprocess.Popen | None:
 SOCKET_DIR_PREFIX = "rlserve-core-"
 
 
+def client_addresses(directory: str, client_index: int = 0) -> tuple[str, str]:
+    """The ZMQ ``(input, output)`` addresses of API process ``client_index`` for the core whose
+    socket directory is ``directory`` (``--api-server-count``; process 0's are ``in`` / ``out``,
+    as with one API process)."""
+    suffix = f"-{client_index}" if client_index else ""
+    return f"ipc://{directory}/in{suffix}", f"ipc://{directory}/out{suffix}"
+
+
 def socket_dir(root: str | None = None) -> str:
     """A new directory for one core's two ZMQ ``ipc://`` sockets, ``<tmp>/rlserve-core-<pid>-XXXX``
     after this process. Removes first the ones whose creating process is gone: a SIGKILLed

@@ -88,7 +88,8 @@ class TokenizerOnce:
             return self._tok
 
 
-def build_replicas(front, config, engine_mode: str, engine_factory, weight_version: str, tokenizer=None) -> list:
+def build_replicas(front, config, engine_mode: str, engine_factory, weight_version: str, tokenizer=None,
+                   api_server_count: int = 1, attach: dict | None = None) -> list:
     """The replicas of ``front`` (an AsyncEngine), not started: one per ``data_parallel_size``.
 
     Args:
@@ -101,6 +102,7 @@ def build_replicas(front, config, engine_mode: str, engine_factory, weight_versi
         weight_version: the version stamped on outputs at first.
         tokenizer: process mode: the API process's tokenizer, already loaded (:class:`TokenizerOnce`);
             None loads it. (Thread mode: the engine loads its own.)
+        api_server_count / attach: see :class:`~rlserve.engine.front.async_engine.AsyncEngine`.
 
     Raises:
         ValueError: see :func:`replica_config`.
@@ -118,7 +120,13 @@ def build_replicas(front, config, engine_mode: str, engine_factory, weight_versi
 
         return [ThreadReplica(front, i, lambda cfg=cfg, i=i: engine_factory(cfg, i), weight_version)
                 for i, cfg in enumerate(cfgs)]
+    loader = TokenizerOnce(config, tokenizer)
+    if attach is not None:
+        from rlserve.engine.front.core_attach import AttachedCoreReplica
+
+        return [AttachedCoreReplica(front, i, cfg, weight_version, loader, core_dir=d,
+                                    client_index=attach["client_index"])
+                for i, (cfg, d) in enumerate(zip(cfgs, attach["core_dirs"]))]
     from rlserve.engine.front.core_client import CoreProcReplica
 
-    loader = TokenizerOnce(config, tokenizer)
-    return [CoreProcReplica(front, i, cfg, weight_version, loader) for i, cfg in enumerate(cfgs)]
+    return [CoreProcReplica(front, i, cfg, weight_version, loader, api_server_count) for i, cfg in enumerate(cfgs)]

@@ -179,6 +179,7 @@ class WeightsControl:
         """Every replica stamps :attr:`weights`' label on the outputs of the steps that follow."""
         for r in self._replicas:
             r.set_weight_version(self.weights.version)
+        self.front_sync.notify()  # valid again, maybe (the other API processes' refusal)
 
     def commit_weights(self, version: str, names, required) -> bool:
         """A weight sync committed ``version`` after writing ``names`` (checkpoint names; the
@@ -215,6 +216,7 @@ class WeightsControl:
         complete again (:class:`WeightState`). Requests in flight are not touched (see
         :meth:`fail_all`)."""
         self.weights.lose(reason, code, reload_ok)
+        self.front_sync.notify()
 
     def set_unavailable(self, reason: str | None) -> None:
         """While ``reason`` is set, :meth:`generate` raises ModelUnavailableError (503,
@@ -222,6 +224,7 @@ class WeightsControl:
         again with the current label, and any quarantine (:meth:`quarantine`) lifted."""
         if reason is not None:
             self.weights.lose(reason, MODEL_UNAVAILABLE)
+            self.front_sync.notify()
             return
         self.weights.restore()
         self._stamp()  # the label every replica stamps is the front's (an engine may hold another)
@@ -239,6 +242,7 @@ class WeightsControl:
         ``rlserve.transfer.server.engine_calls`` does, and its caller sets the 503.) Unknown ``engine``:
         only the 503."""
         self.weights.lose(reason, MODEL_UNAVAILABLE)
+        self.front_sync.notify()
         for r in self._replicas:
             core = getattr(r, "core", None)
             if core is not None and core.engine is engine:

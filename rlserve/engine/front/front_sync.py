@@ -1,0 +1,126 @@
+"""Admission state shared by the API processes of ``rlserve serve --api-server-count N``:
+:class:`FrontSync` (``AsyncEngine.front_sync``).
+
+API process 0 owns every control state (weights valid / lost and their version, pause, sleep,
+weight-sync sessions: its routes run them, the other processes forward their control routes to it,
+:mod:`rlserve.server.multi_api`). What the others must know to admit a request is process 0's
+answer to "would ``generate`` admit it now": held (a pause, with its mode), refused (503
+``model_sleeping`` while asleep, ``weights_lost`` / ``model_unavailable`` while the weights are
+not valid) or admitted. Process 0 publishes that state through every engine core
+(:meth:`FrontSync.publish`: utility ``front_state``); each core relays it to processes 1..N-1 as
+:class:`~rlserve.engine.core_protocol.FrontState`, each applies it on its event loop
+(:meth:`FrontSync.apply`) and acks on its own input pipe (:class:`~rlserve.engine.core_protocol.FrontStateAck`);
+the core answers process 0 once every process acked. One pipe per process keeps its order, so when
+``publish`` returns, every request another process admitted before it applied the state has
+reached the core: a pause that then aborts, drains or freezes the cores treats those requests
+exactly as process 0's own (as with one API process), and every request admitted after is held or
+refused there. Weight updates run with the cores frozen or generation paused, so no process can
+get a step of half-updated weights.
+
+Process 0 publishes and waits at every pause (before it acts on the cores) and resume (after), and
+at a wake that leaves generation running; it publishes without waiting (:meth:`FrontSync.notify`)
+when the weights change state (lost, valid again): those changes happen under a pause, whose
+resume publishes again and waits.
+
+With one API process (``count == 1``) nothing is sent. Known difference from one process: a
+request of another process that :meth:`AsyncEngine.fail_all` ends (weights unusable under running
+requests) is aborted in the core and ends with ``finish_reason == "abort"``, not the 503 process 0's
+own requests get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rlserve.errors import ModelSleepingError, ModelUnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: seconds process 0 waits for every other API process to ack a state (a dead one ends the server
+#: anyway: :mod:`rlserve.server.multi_api`); past it the pause or resume fails (TimeoutError)
+ACK_TIMEOUT_S = 60.0
+
+
+class FrontSync:
+    """One API process's side of the shared admission state.
+
+    Args:
+        aengine: this process's :class:`~rlserve.engine.front.async_engine.AsyncEngine`.
+        count: API processes (``--api-server-count``).
+        client_index: this process's index (0: the owner, which publishes; else it applies).
+
+    Attributes:
+        refusal: in processes > 0, ``() -> exception`` that ``generate`` raises instead of
+            admitting (process 0's sleep or lost weights), else None.
+    """
+
+    def __init__(self, aengine, count: int = 1, client_index: int = 0):
+        self.aengine = aengine
+        self.count = count
+        self.client_index = client_index
+        self.refusal = None
+        self.applied = 0  # states applied (processes > 0)
+
+    # ---- process 0 --------------------------------------------------------------------
+    def state(self) -> list:
+        """``[paused, pause_mode, refusal, weight_version]`` as :meth:`publish` sends it (see
+        :class:`~rlserve.engine.core_protocol.FrontState`)."""
+        a = self.aengine
+        refusal = None
+        try:
+            if a.sleep_mode is not None:
+                a.sleep_mode.check_generate()
+            if a.weights.reason is not None:
+                refusal = {"type": "unavailable", "message": a.weights.reason, "code": a.weights.code}
+        except ModelSleepingError as e:
+            refusal = {"type": "sleeping", "message": str(e), "code": "model_sleeping"}
+        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version]
+
+    def _send(self) -> list:
+        state = self.state()
+        return [r.front_state(*state) for r in self.aengine._replicas if r.alive]
+
+    async def publish(self) -> None:
+        """Send the state to every other API process and wait until each applied it (no-op with
+        one process). Raises TimeoutError after :data:`ACK_TIMEOUT_S`; EngineDeadError when a core
+        is gone."""
+        if self.count == 1 or self.client_index:
+            return
+        from rlserve.engine.front.front_request import wait_all
+
+        await asyncio.wait_for(wait_all(self._send(), raise_first=True), ACK_TIMEOUT_S)
+
+    def notify(self) -> None:
+        """Send the state without waiting for the acks (the weights changed state)."""
+        if self.count == 1 or self.client_index:
+            return
+        for fut in self._send():
+            fut.add_done_callback(_log_failure)
+
+    # ---- processes 1..N-1 -------------------------------------------------------------
+    def apply(self, msg) -> None:
+        """Apply process 0's :class:`~rlserve.engine.core_protocol.FrontState` (on the event loop,
+        before the ack): hold new requests while paused, release the held ones at its end; refuse
+        while it refuses."""
+        r = msg.refusal
+        if r is None:
+            self.refusal = None
+        elif r.get("type") == "sleeping":
+            self.refusal = lambda m=r.get("message", ""): ModelSleepingError(m)
+        else:
+            self.refusal = lambda m=r.get("message", ""), c=r.get("code"): ModelUnavailableError(m, code=c)
+        a = self.aengine
+        if msg.weight_version is not None:
+            a.weights.version = msg.weight_version
+        if msg.paused:
+            a.hold_new(msg.pause_mode)
+        elif a._paused:
+            n = a.release_held()
+            logger.info("generation resumed by API server 0 (%d held request(s) submitted)", n)
+        self.applied += 1
+
+
+def _log_failure(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.warning("publishing the admission state to the other API processes failed: %s", fut.exception())

@@ -1,0 +1,244 @@
+"""``rlserve serve --api-server-count N`` (vLLM's flag): N API processes serve one listening socket
+over the same engine cores.
+
+Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API process 0):
+
+* **API process 0** is the ``rlserve serve`` process. It binds the listening socket, starts the
+  engine cores (each told the input / output addresses of every API process,
+  :mod:`rlserve.engine.core.core_proc`), builds its app, then starts processes 1..N-1
+  (:class:`APIServerProcessManager`) with the socket (an inherited file descriptor) and the cores'
+  socket directories (``RLSERVE_API_SERVER_ATTACH``, JSON). It owns every control state --
+  ``WeightState`` (weights valid / lost, the version label), the ``WeightTransferManager`` (transfer
+  group, update sessions), pause and held requests, sleep, the prefix cache -- and serves its app a
+  second time on a private unix socket (``<tmp>/rlserve-api-XXXX/control.sock``, mode 0700) for the
+  other processes.
+* **API processes 1..N-1** run the same command (the same flags: the same checks, tokenizer,
+  chat template, defaults) with ``RLSERVE_API_SERVER_ATTACH`` set: they attach to the cores
+  (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`), accept connections on the shared
+  socket (the kernel hands each new connection to one of the N processes) and serve generation
+  themselves. Every control route (:data:`CONTROL_PATHS`: weight sync, pause / resume, sleep / wake,
+  reset_prefix_cache, abort_requests, and the routes that report that state) is forwarded as is
+  -- method, path, query, headers (the key included: process 0 checks it), body -- to process 0
+  over the unix socket (:class:`ForwardControl`), and its answer returned. Process 0's admission
+  decisions (held by a pause, 503 while asleep or with lost weights) reach them through the cores
+  (:mod:`rlserve.engine.front.front_sync`), acked before a pause acts on the cores.
+* **Refused with N > 1** (a startup error): ``--enable-lora`` (adapters loaded at run time live in
+  process 0's registry; vLLM 0.32 refuses runtime LoRA updating with ``api_server_count > 1`` too),
+  ``--engine-mode thread``, ``--data-parallel-size`` > 1 (not tested yet). Engine-core restarts are
+  off (``--max-engine-restarts`` is taken as 0): a core that dies leaves every process answering 503.
+* **Lifetime**: a process 1..N-1 that exits while the server runs stops the server (process 0
+  logs which one and how it ended, stops the others and its cores, exits 1). SIGINT / SIGTERM to
+  process 0 stops processes 1..N-1 first (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`), then its
+  cores. Processes 1..N-1 get SIGTERM from the kernel when process 0 dies (``PR_SET_PDEATHSIG``),
+  as the cores do.
+* **Metrics**: ``/metrics`` is per process (whichever process the connection reached; its
+  ``rlserve_api_server_info{index,count}`` says which), not aggregated (vLLM aggregates with
+  prometheus_client's multiprocess mode: not done here).
+* **Request ids**: every route makes its id from a random 96-bit UUID part (``cmpl-``, ``chatcmpl-``,
+  ...), so the ids of different processes do not collide in the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+logger = logging.getLogger(__name__)
+
+#: the environment variable that makes ``rlserve serve`` API process ``client_index`` > 0
+ATTACH_ENV = "RLSERVE_API_SERVER_ATTACH"
+#: seconds processes 1..N-1 get to stop after SIGTERM before SIGKILL
+STOP_GRACE_S = 5.0
+#: routes processes 1..N-1 forward to process 0 (compared without a trailing slash)
+CONTROL_PATHS = frozenset(p.rstrip("/") for p in (
+    "/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/abort_requests", "/server_info",
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/sync_weights",
+    "/finish_weight_update", "/shutdown_weight_transfer_engine", "/weight_info", "/weight_checker",
+    "/init_communicator/", "/update_named_param/", "/close_communicator/",
+    "/sleep", "/wake_up", "/is_sleeping", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
+
+
+def attach_from_env() -> dict | None:
+    """This process's attach description when it is API process 1..N-1, else None:
+    ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket"}``."""
+    raw = os.environ.get(ATTACH_ENV)
+    return json.loads(raw) if raw else None
+
+
+def check_args(args) -> str | None:
+    """The error of an ``--api-server-count`` that cannot be served with these flags, else None
+    (and engine-core restarts turned off for N > 1)."""
+    n = args.api_server_count
+    if n < 1:
+        return "--api-server-count must be at least 1"
+    if n == 1:
+        return None
+    if args.enable_lora:
+        return ("--api-server-count > 1 with --enable-lora: adapters loaded at run time live in API server 0 "
+                "(vLLM 0.32 refuses runtime LoRA updating with api_server_count > 1 as well)")
+    if (args.engine_mode or "process") != "process":
+        return "--api-server-count > 1 needs --engine-mode process (the API processes share the engine-core processes)"
+    if int(getattr(args, "data_parallel_size", 1) or 1) > 1:
+        return "--api-server-count > 1 with --data-parallel-size > 1 is not supported yet"
+    if args.max_engine_restarts:
+        logger.info("--api-server-count %d: engine-core restarts are off (--max-engine-restarts %d not used)", n,
+                    args.max_engine_restarts)
+        args.max_engine_restarts = 0
+    return None
+
+
+def listen_socket(attach: dict) -> socket.socket:
+    """The listening socket API process 0 bound, inherited as ``attach["listen_fd"]``."""
+    sock = socket.socket(fileno=attach["listen_fd"])
+    sock.set_inheritable(False)
+    return sock
+
+
+def control_socket() -> tuple[socket.socket, str]:
+    """API process 0's private listening unix socket for the forwarded control routes, in a new
+    directory only this user can enter. Returns ``(socket, path)``."""
+    path = os.path.join(tempfile.mkdtemp(prefix="rlserve-api-"), "control.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock, path
+
+
+class APIServerProcessManager:
+    """API process 0's processes 1..N-1 (vLLM's class name): started with :meth:`start`, watched
+    (:meth:`watch`), stopped with :meth:`stop`.
+
+    Args:
+        count: N. listen_sock: the shared listening socket. core_dirs: each replica's core socket
+            directory. control_path: process 0's unix socket. argv: ``rlserve serve``'s arguments.
+    """
+
+    def __init__(self, count: int, listen_sock, core_dirs: list[str], control_path: str, argv: list[str]):
+        self.count = count
+        self.listen_sock = listen_sock
+        self.core_dirs = list(core_dirs)
+        self.control_path = control_path
+        self.argv = list(argv)
+        self.procs: list[subprocess.Popen] = []
+        self.stopping = False
+        self.failure: str | None = None  # why the server stops: a process that ended on its own
+
+    def start(self) -> None:
+        """Start processes 1..N-1 (from the calling thread: the kernel's parent-death signal
+        follows it; call from the main thread)."""
+        from rlserve.server.launch import parent_death_signal
+
+        fd = self.listen_sock.fileno()
+        for i in range(1, self.count):
+            env = dict(os.environ)
+            env[ATTACH_ENV] = json.dumps({"client_index": i, "count": self.count, "core_dirs": self.core_dirs,
+                                          "listen_fd": fd, "control_socket": self.control_path})
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "rlserve", "serve", *self.argv], env=env,
+                                               stdin=subprocess.DEVNULL, pass_fds=(fd,),
+                                               preexec_fn=parent_death_signal(signal.SIGTERM)))
+        logger.info("API servers 1..%d started (pids %s)", self.count - 1, ", ".join(str(p.pid) for p in self.procs))
+
+    def watch(self, on_failure) -> None:
+        """Call ``on_failure()`` (from a watcher thread) once any process ends before :meth:`stop`."""
+        def run(i: int, proc: subprocess.Popen) -> None:
+            rc = proc.wait()
+            if self.stopping:
+                return
+            from rlserve.proc_state import exit_text
+
+            self.failure = f"API server {i} (pid {proc.pid}) {exit_text(rc)}"
+            logger.error("%s: stopping the server", self.failure)
+            on_failure()
+
+        for i, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=run, args=(i, proc), name=f"rlserve-api-server-{i}-watch", daemon=True).start()
+
+    def terminate(self) -> None:
+        """SIGTERM every process still running (the server stops: their ends are not failures)."""
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except OSError:
+                    pass
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """:meth:`terminate`, SIGKILL what is left after ``grace_s``; reap them all."""
+        self.terminate()
+        for p in self.procs:
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("API server (pid %d) did not stop within %g s: killed", p.pid, grace_s)
+                p.kill()
+                p.wait()
+        try:
+            os.unlink(self.control_path)
+            os.rmdir(os.path.dirname(self.control_path))
+        except OSError:
+            pass
+
+
+class ForwardControl:
+    """ASGI middleware of API processes 1..N-1: a request for a :data:`CONTROL_PATHS` route is sent
+    to API process 0 over its unix socket and its answer returned as is; every other request goes
+    to ``app``. A body larger than ``max_body_bytes`` is answered 413 here (process 0 would too).
+    Process 0 unreachable: 503 ``api_server_unavailable``."""
+
+    def __init__(self, app, control_path: str, max_body_bytes: int | None = None):
+        import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per forwarded request otherwise)
+        self.app = app
+        self.state = getattr(app, "state", None)
+        self.max_body_bytes = max_body_bytes
+        self._client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=control_path), timeout=None,
+                                         base_url="http://api-server-0")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].rstrip("/") not in CONTROL_PATHS:
+            return await self.app(scope, receive, send)
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if self.max_body_bytes is not None and len(body) > self.max_body_bytes:
+                return await _answer(send, 413, "request_too_large",
+                                     f"request body over {self.max_body_bytes} bytes (--max-request-body-bytes)")
+            if not msg.get("more_body", False):
+                break
+        skip = (b"host", b"content-length", b"connection", b"transfer-encoding")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in skip]
+        url = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        import httpx
+
+        try:
+            r = await self._client.request(scope["method"], url, headers=headers, content=bytes(body))
+        except httpx.HTTPError as e:
+            return await _answer(send, 503, "api_server_unavailable",
+                                 f"API server 0, which serves the control routes, did not answer: {e}")
+        out = [(k, v) for k, v in r.headers.raw if k.lower() not in skip]
+        out.append((b"content-length", str(len(r.content)).encode()))
+        await send({"type": "http.response.start", "status": r.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": r.content})
+
+
+async def _answer(send, status: int, code: str, message: str) -> None:
+    """An OpenAI-style JSON error (:func:`rlserve.server.errors.error_body`)."""
+    from rlserve.server.errors import error_body
+
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
