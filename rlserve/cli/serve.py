@@ -447,8 +447,15 @@ async def _serve(app, args, sock, stack, extra_sockets=(), servers=None) -> int:
                 loop.call_soon_threadsafe(aengine.begin_shutdown, "the server is shutting down")
 
     server = Server(config)
+
+    def stop_for(why: str) -> None:
+        """An API process 1..N-1 ended: stop as on a signal (not one: uvicorn would raise it again at its end)."""
+        server.should_exit = True
+        servers.terminate()
+        aengine.begin_shutdown(f"the server is shutting down: {why}")
+
     if servers is not None:
-        servers.watch(lambda: loop.call_soon_threadsafe(server.handle_exit, signal.SIGTERM, None))
+        servers.watch(lambda: loop.call_soon_threadsafe(stop_for, servers.failure))
 
     async def announce():
         while not server.started:

@@ -1,0 +1,203 @@
+"""``rlserve serve --api-server-count 2`` (rlserve/server/multi_api.py) on a tiny random llama, CPU:
+
+* both API processes serve (each connection is pinned to one process, told by its ``/metrics``'s
+  ``rlserve_api_server_info``), streamed and not, through the real ``openai`` client, 16 requests at
+  once: every answer's greedy ids are Hugging Face float32's; each process counted exactly the
+  requests it was sent (its own ``rlserve_requests_total``);
+* a keep-pause asked of process 1 (forwarded to process 0) holds a request that then arrives at
+  process 1 (process 1's own ``rlserve_num_requests_held``: the state reached it), a gloo weight
+  update runs meanwhile through the HTTP control routes, and after ``/resume`` (again through process 1)
+  the held request runs on the new weights only (``weight_versions == ["v1"]``, the trainer's greedy
+  ids); streams frozen by the pause name both versions; new requests on both processes say ``v1``;
+* SIGTERM stops everything (the API processes and the engine core: no process left); a killed API
+  process 1 stops the server with exit status 1 (no hang, no process left).
+
+Every wait is bounded by ``T`` (a hang, not a speed limit)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from rlserve.proc_state import pid_alive
+from rlserve.server.launch import free_port
+from rlserve.server.testing import ServerProcess
+from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+from tests.transfer_harness import greedy_continuation, load_hf
+
+openai = pytest.importorskip("openai")
+
+T = 180.0
+PER_PROCESS = 4  # pinned connections per API process
+
+
+def _children(pid: int) -> list[int]:
+    """Live child pids of ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _metrics(client: httpx.Client) -> dict[str, float]:
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _index(client: httpx.Client) -> int:
+    for name in _metrics(client):
+        if name.startswith("rlserve_api_server_info{"):
+            return int(name.split('index="')[1].split('"')[0])
+    raise AssertionError("no rlserve_api_server_info on /metrics")
+
+
+def _pinned(url: str, clients=()) -> dict[int, list[httpx.Client]]:
+    """``PER_PROCESS`` keep-alive clients of one connection each per API process (new connections until
+    both processes have that many: the kernel hands each new connection to one of them). ``clients``: such
+    clients from before, asked again (a connection idle for uvicorn's 30 s keep-alive was closed, and its
+    client's next one may have reached the other process)."""
+    by: dict[int, list[httpx.Client]] = {0: [], 1: []}
+    for c in clients:
+        by[_index(c)].append(c)
+    end = time.monotonic() + T
+    while min(len(v) for v in by.values()) < PER_PROCESS:
+        assert time.monotonic() < end, {k: len(v) for k, v in by.items()}
+        c = httpx.Client(base_url=url, timeout=T, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        i = _index(c)
+        if len(by[i]) < PER_PROCESS:
+            by[i].append(c)
+        else:
+            c.close()
+    return by
+
+
+def _sum(m: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(prefix))
+
+
+def _complete(client: httpx.Client, model: str, prompt: list[int], n: int, stream: bool) -> tuple[list[int], dict]:
+    """Greedy ids and the last choice's extra fields (weight_version(s)) through the openai client."""
+    oc = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="x", http_client=client, max_retries=0)
+    kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    if not stream:
+        r = oc.completions.create(**kw)
+        return r.choices[0].model_extra["token_ids"], {**r.model_extra, **r.choices[0].model_extra}
+    ids, last = [], {}
+    for chunk in oc.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            ids += c.model_extra.get("token_ids") or []
+            if c.finish_reason is not None:
+                last = {**(chunk.model_extra or {}), **c.model_extra}
+    return ids, last
+
+
+def _until(cond, what: str) -> None:
+    end = time.monotonic() + T
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
+    path = tiny_model("llama", max_position_embeddings=4096)
+    srv = ServerProcess(path, "--api-server-count", "2", "--max-model-len", "4096", "--device", "cpu",
+                        "--disable-access-log", "--weight-transfer-config", '{"backend": "gloo"}').start()
+    trainer = None
+    try:
+        hf0, hf1 = load_hf(path, scale=0.0), load_hf(path, seed=1)
+        prompts = [[3 + i, 40 + i, 7, 90 + 2 * i] for i in range(16)]
+        want = [greedy_continuation(hf0, p, 12) for p in prompts]
+        by = _pinned(srv.url)
+        before = {i: _sum(_metrics(cs[1]), "rlserve_requests_total{") for i, cs in by.items()}
+        jobs = [(by[k % 2][(k // 2) % PER_PROCESS], prompts[k], k % 4 < 2) for k in range(16)]
+        with cf.ThreadPoolExecutor(2 * PER_PROCESS) as pool:
+            got = list(pool.map(lambda j: _complete(j[0], path, j[1], 12, j[2]), jobs))
+        for k, (ids, extra) in enumerate(got):
+            assert ids == want[k], (k, ids, want[k])
+            assert extra.get("weight_version") == "0", extra
+        # (a request is counted once its answer is sent: wait for all 16, then see who counted them.) Clients 1
+        # and 3 of each process sent 2 non-streamed requests each over their one connection; clients 0 and 2
+        # streamed, and the openai client closes a stream's connection at its end, so their next request
+        # went over a new connection, to either process: each process served 4..12
+        served = lambda: {i: _sum(_metrics(cs[1]), "rlserve_requests_total{") - before[i] for i, cs in by.items()}
+        _until(lambda: sum(served().values()) >= 16, "16 requests counted")
+        counts = served()
+        assert sum(counts.values()) == 16 and min(counts.values()) >= 4, counts
+
+        # streams in flight on both processes, then a keep-pause asked of process 1
+        by = _pinned(srv.url, [c for cs in by.values() for c in cs])
+        long_jobs = [by[i][1 + j] for i in (0, 1) for j in range(2)]
+        pool = cf.ThreadPoolExecutor(len(long_jobs) + 1)
+        streams = [pool.submit(_complete, c, path, prompts[k], 3000, True) for k, c in enumerate(long_jobs)]
+        _until(lambda: _sum(_metrics(by[0][0]), "vllm:num_requests_running") >= 1, "a stream running")
+        r = by[1][0].post("/pause", params={"mode": "keep"})
+        assert r.status_code == 200, r.text
+        assert by[0][0].get("/is_paused").json()["is_paused"] is True  # process 0 owns the pause
+        spanning = _sum(_metrics(by[0][0]), "vllm:num_requests_running") > 0
+        held = pool.submit(_complete, by[1][0], path, prompts[0], 12, False)
+        _until(lambda: _sum(_metrics(by[1][3]), "rlserve_num_requests_held{") == 1, "process 1 holding the request")
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+            client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(load_hf(path, seed=1)))
+        assert trainer.send_weights(weight_version="v1")["weight_version"] == "v1"
+        r = by[1][3].post("/resume")
+        assert r.status_code == 200, r.text
+        ids, extra = held.result(T)
+        assert ids == greedy_continuation(hf1, prompts[0], 12)
+        assert extra["weight_version"] == "v1" and extra["weight_versions"] == ["v1"], extra
+        spans = []
+        for s in streams:
+            ids, extra = s.result(T)
+            assert len(ids) == 3000 and extra["weight_versions"] in (["0"], ["0", "v1"]), extra
+            assert extra["weight_version"] == extra["weight_versions"][-1], extra
+            spans.append(extra["weight_versions"] == ["0", "v1"])
+        assert any(spans) == spanning, spans  # (running at the pause: frozen across the update)
+        pool.shutdown()
+        for i in (0, 1):
+            ids, extra = _complete(by[i][0], path, prompts[5], 12, i == 1)
+            assert ids == greedy_continuation(hf1, prompts[5], 12) and extra["weight_version"] == "v1", (i, extra)
+            assert _metrics(by[i][3])['rlserve_weight_version_info{model_name="%s",version="v1"}' % path] == 1.0
+
+        # SIGTERM: every process ends
+        pids = [srv.proc.pid] + _children(srv.proc.pid)
+        assert len(pids) == 3, pids  # process 0, process 1, the engine core
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(T)
+        _until(lambda: not any(pid_alive(p) for p in pids), "every server process gone")
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        srv.stop()
+
+
+def test_a_killed_api_server_stops_the_server(tiny_model):
+    path = tiny_model("llama")
+    srv = ServerProcess(path, "--api-server-count", "2", "--max-model-len", "256", "--device", "cpu",
+                        "--disable-access-log").start()
+    try:
+        _until(lambda: "API server 1 of 2: serving" in srv.log_tail(200_000), "API server 1 ready")
+        pids = [srv.proc.pid] + _children(srv.proc.pid)
+        assert len(pids) == 3, pids  # process 0, process 1, the engine core
+        api1 = next(p for p in pids[1:] if "core_proc" not in open(f"/proc/{p}/cmdline").read())
+        os.kill(api1, signal.SIGKILL)
+        assert srv.proc.wait(T) == 1
+        assert f"API server 1 (pid {api1}) was killed by SIGKILL: stopping the server" in srv.log_tail(200_000)
+        _until(lambda: not any(pid_alive(p) for p in pids), "every server process gone")
+    finally:
+        srv.stop()
