@@ -69,7 +69,7 @@ def render() -> str:
         *rows,
         "",
         f"The other {len(refused)} `vllm serve` flags are refused: `rlserve serve` exits 2 with one line naming",
-        "the flag as a `vllm serve` flag it does not implement (and why, for `--api-server-count`).",
+        "the flag as a `vllm serve` flag it does not implement.",
         "",
         "<details><summary>the refused flags</summary>",
         "",
