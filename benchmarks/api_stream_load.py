@@ -29,7 +29,8 @@ processes during the run and writes collapsed stacks (``DIR/<name>.txt``) and th
 frames into the JSON. ``--strace DIR``: ``strace -c -f`` counts the API process's system calls (all its
 threads, not the engine core's) during the run (``DIR/<name>.txt``), per event into the JSON (issue
 37: one ``write`` / ``sendto`` per stream and event is the floor). Each run also reports the API process's CPU seconds per token and per event
-(``/proc``), which the machine's load moves least; ``api_cpu_system_s`` is the kernel's part of it and
+(``/proc``), which the machine's load moves least (with ``--api-server-count N`` in a config's flags: the N
+API processes' summed, and ``api_cpu_s_by_process``; the run starts once processes 1..N-1 serve); ``api_cpu_system_s`` is the kernel's part of it and
 ``window_unix_s`` the measured run's start and end (for per-process logs such as ``benchmarks/gc_time_site``'s;
 ``benchmarks/api_profile_layers.py`` sorts a ``--profile`` run's samples by layer).
 
@@ -202,6 +203,36 @@ def cpu_user_system(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def api_pids(pid: int) -> list[int]:
+    """The API processes of the server whose process 0 is ``pid``: ``pid`` and its children that run
+    ``rlserve serve`` (``--api-server-count N``: processes 1..N-1; not the engine cores, not the
+    chat-template workers), from ``/proc``."""
+    out = [pid]
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"serve" in cmd and b"rlserve.engine.core.core_proc" not in cmd:
+            out.append(int(d))
+    return out
+
+
+def _wait_api_servers(srv, flags: list[str], timeout_s: float = 600.0) -> None:
+    """With ``--api-server-count N``: until processes 1..N-1 say they serve (their log lines)."""
+    n = int(flags[flags.index("--api-server-count") + 1]) if "--api-server-count" in flags else 1
+    end = time.monotonic() + timeout_s
+    while sum(f"API server {i} of {n}: serving" in srv.log_tail(10_000_000) for i in range(1, n)) < n - 1:
+        if time.monotonic() > end or srv.proc.poll() is not None:
+            raise RuntimeError(f"API servers 1..{n - 1} did not start: {srv.log_tail(3000)}")
+        time.sleep(0.2)
+
+
 def _py_spy() -> str | None:
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     return exe if os.path.exists(exe) else None
@@ -258,6 +289,8 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
     srv.start()
     spy = trace = None
     try:
+        _wait_api_servers(srv, flags)
+        api = api_pids(srv.pid)
         host, port = srv.url.removeprefix("http://").rsplit(":", 1)
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
@@ -286,11 +319,12 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         cp = ctx.Process(target=_client_main, args=((host, int(port), args.endpoint, model, args.clients,
                                                       args.num_prompts, args.prompt_len, args.max_tokens,
                                                       (3, args.token_hi), args.seed), queue))
-        (usr0, sys0), wall0 = cpu_user_system(srv.pid), time.time()
+        before, wall0 = [cpu_user_system(p) for p in api], time.time()
         cp.start()
         run = queue.get(timeout=args.timeout)
-        (usr1, sys1), wall1 = cpu_user_system(srv.pid), time.time()
-        cpu, cpu_sys = usr1 + sys1 - usr0 - sys0, sys1 - sys0
+        after, wall1 = [cpu_user_system(p) for p in api], time.time()
+        per = [(u1 - u0, s1 - s0) for (u0, s0), (u1, s1) in zip(before, after)]
+        cpu, cpu_sys = sum(u + k for u, k in per), sum(k for _, k in per)
         cp.join()
     finally:
         for tool in (spy, trace):
@@ -305,7 +339,8 @@ def run_config(name: str, flags: list[str], args, model: str) -> dict:
         print(f"{name}: server log {srv.log_path}", file=sys.stderr)
     out = {"config": name, "flags": flags, **summarize(run, args.max_tokens)}
     # the API process's CPU per event and per token: what the load on the machine moves least
-    out["api_cpu_s"] = round(cpu, 2)
+    out["api_cpu_s"] = round(cpu, 2)  # every API process (--api-server-count), summed
+    out["api_cpu_s_by_process"] = [round(u + k, 2) for u, k in per]  # process 0, 1, ...
     out["api_cpu_system_s"] = round(cpu_sys, 2)  # of api_cpu_s: in the kernel (clock ticks: +-0.01 s)
     out["window_unix_s"] = [round(wall0, 3), round(wall1, 3)]  # the measured run (for per-process logs' lines)
     out["api_cpu_us_per_token"] = round(1e6 * cpu / (out["completed"] * args.max_tokens), 1) if out["completed"] else None
@@ -376,7 +411,8 @@ def main(argv=None) -> int:
               f"{r['events_s']} events/s (peak {r['peak_events_per_s']}/s, {r['tokens_per_event']} tok/event), "
               f"TTFT mean/p99 {r['mean_ttft_ms']}/{r['p99_ttft_ms']} ms, ITL median/p99 "
               f"{r['median_itl_ms']}/{r['p99_itl_ms']} ms, worst gap per request p50/p99 "
-              f"{r['max_gap_ms_p50']}/{r['max_gap_ms_p99']} ms; API process CPU {r['api_cpu_s']} s = "
+              f"{r['max_gap_ms_p50']}/{r['max_gap_ms_p99']} ms; API process CPU {r['api_cpu_s']} s "
+              f"(by process {r['api_cpu_s_by_process']}) = "
               f"{r['api_cpu_us_per_token']} us/token, {r['api_cpu_us_per_event']} us/event", flush=True)
         if "syscalls_per_event" in r:
             print(f"    system calls per event {r['syscalls_per_event']}: {r['syscalls_per_event_by_name']}", flush=True)

@@ -472,7 +472,12 @@ async def _serve(app, args, sock, stack, extra_sockets=(), servers=None) -> int:
         if aengine.front_sync.client_index:
             logger.info("API server %d of %d: serving on %s", aengine.front_sync.client_index,
                         aengine.front_sync.count, url)
+            from rlserve.server.multi_api import attach_from_env, say_ready
+
+            say_ready(attach_from_env())
             return
+        if servers is not None and not await asyncio.to_thread(servers.wait_ready):
+            return  # one of them ended before it served (the watcher stops the server)
         print(f"rlserve: serving {st.rlserve.settings.model!r} as {st.rlserve.model_name!r} on {url} "
               f"(OpenAI API at {url}/v1, weight version {aengine.weight_version})", flush=True)
         logger.info("ready: %s", url)

@@ -67,7 +67,7 @@ CONTROL_PATHS = frozenset(p.rstrip("/") for p in (
 
 def attach_from_env() -> dict | None:
     """This process's attach description when it is API process 1..N-1, else None:
-    ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket"}``."""
+    ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket", "ready_fd"}``."""
     raw = os.environ.get(ATTACH_ENV)
     return json.loads(raw) if raw else None
 
@@ -92,6 +92,15 @@ def check_args(args) -> str | None:
                     args.max_engine_restarts)
         args.max_engine_restarts = 0
     return None
+
+
+def say_ready(attach: dict) -> None:
+    """API process 1..N-1 serves: tell process 0 (which announces the server once all have)."""
+    try:
+        os.write(attach["ready_fd"], b"1")
+        os.close(attach["ready_fd"])
+    except OSError:
+        pass
 
 
 def listen_socket(attach: dict) -> socket.socket:
@@ -128,6 +137,7 @@ class APIServerProcessManager:
         self.control_path = control_path
         self.argv = list(argv)
         self.procs: list[subprocess.Popen] = []
+        self._ready: list[int] = []  # read ends of each process's ready pipe
         self.stopping = False
         self.failure: str | None = None  # why the server stops: a process that ended on its own
 
@@ -138,13 +148,29 @@ class APIServerProcessManager:
 
         fd = self.listen_sock.fileno()
         for i in range(1, self.count):
+            r, w = os.pipe()
             env = dict(os.environ)
             env[ATTACH_ENV] = json.dumps({"client_index": i, "count": self.count, "core_dirs": self.core_dirs,
-                                          "listen_fd": fd, "control_socket": self.control_path})
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "rlserve", "serve", *self.argv], env=env,
-                                               stdin=subprocess.DEVNULL, pass_fds=(fd,),
-                                               preexec_fn=parent_death_signal(signal.SIGTERM)))
+                                          "listen_fd": fd, "control_socket": self.control_path, "ready_fd": w})
+            try:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "rlserve", "serve", *self.argv], env=env,
+                                                   stdin=subprocess.DEVNULL, pass_fds=(fd, w),
+                                                   preexec_fn=parent_death_signal(signal.SIGTERM)))
+            finally:
+                os.close(w)
+            self._ready.append(r)
         logger.info("API servers 1..%d started (pids %s)", self.count - 1, ", ".join(str(p.pid) for p in self.procs))
+
+    def wait_ready(self) -> bool:
+        """Block until every process said it serves (:func:`say_ready`); False when one ended first."""
+        ok = True
+        for r in self._ready:
+            try:
+                ok = os.read(r, 1) == b"1" and ok
+            finally:
+                os.close(r)
+        self._ready = []
+        return ok
 
     def watch(self, on_failure) -> None:
         """Call ``on_failure()`` (from a watcher thread) once any process ends before :meth:`stop`."""
