@@ -133,8 +133,9 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
             assert extra.get("weight_version") == "0", extra
         # (a request is counted once its answer is sent: wait for all 16, then see who counted them.) Clients 1
         # and 3 of each process sent 2 non-streamed requests each over their one connection; clients 0 and 2
-        # streamed, and the openai client closes a stream's connection at its end, so their next request
-        # went over a new connection, to either process: each process served 4..12
+        # streamed, and the openai client (3.63) closes a stream's response at ``[DONE]``, before the chunked
+        # body's end, so httpx drops that connection and their next request went over a new one, to either
+        # process: each process served 4..12
         served = lambda: {i: _sum(_metrics(cs[1]), "rlserve_requests_total{") - before[i] for i, cs in by.items()}
         _until(lambda: sum(served().values()) >= 16, "16 requests counted")
         counts = served()
@@ -144,7 +145,7 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         by = _pinned(srv.url, [c for cs in by.values() for c in cs])
         long_jobs = [by[i][1 + j] for i in (0, 1) for j in range(2)]
         pool = cf.ThreadPoolExecutor(len(long_jobs) + 1)
-        streams = [pool.submit(_complete, c, path, prompts[k], 3000, True) for k, c in enumerate(long_jobs)]
+        streams = [pool.submit(_complete, c, path, prompts[k], 1500, True) for k, c in enumerate(long_jobs)]
         _until(lambda: _sum(_metrics(by[0][0]), "vllm:num_requests_running") >= 1, "a stream running")
         r = by[1][0].post("/pause", params={"mode": "keep"})
         assert r.status_code == 200, r.text
@@ -164,7 +165,7 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         spans = []
         for s in streams:
             ids, extra = s.result(T)
-            assert len(ids) == 3000 and extra["weight_versions"] in (["0"], ["0", "v1"]), extra
+            assert len(ids) == 1500 and extra["weight_versions"] in (["0"], ["0", "v1"]), extra
             assert extra["weight_version"] == extra["weight_versions"][-1], extra
             spans.append(extra["weight_versions"] == ["0", "v1"])
         assert any(spans) == spanning, spans  # (running at the pause: frozen across the update)

@@ -252,6 +252,8 @@ class FrontState(msgspec.Struct, tag="front_state"):
             ``model_unavailable``), or None.
         weight_version: process 0's label (the cores stamp outputs themselves; this one is for
             the other processes' own reports: ``/metrics``, a held request's abort).
+        abort_held: abort the requests held now (process 0's ``abort_all``: ``/abort_requests``
+            without ids, a sleep).
     """
 
     epoch: int
@@ -259,6 +261,7 @@ class FrontState(msgspec.Struct, tag="front_state"):
     pause_mode: Union[str, None] = None
     refusal: Union[dict[str, str], None] = None
     weight_version: Union[str, None] = None
+    abort_held: bool = False
 
 
 OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting, FrontState]

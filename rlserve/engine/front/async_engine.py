@@ -390,14 +390,19 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         await wait_all(futs)
 
     async def abort_all(self) -> int:
-        """Abort every in-flight and held request. Returns how many were aborted."""
-        n = 0
-        for req in list(self._held):
-            self._held.remove(req)
-            put(req, stamped_abort(req, self.weight_version))
-            n += 1
+        """Abort every in-flight and held request (the other API processes' too, ``--api-server-count``;
+        their held ones are not counted). Returns how many were aborted."""
+        n = self.abort_held()
+        await self.front_sync.publish(abort_held=True)
         results = await wait_all([r.abort_all() for r in self._replicas])
         return n + sum(x for x in results if isinstance(x, int))
+
+    def abort_held(self) -> int:
+        """End every held request with an abort output. Returns how many."""
+        held, self._held = self._held, []
+        for req in held:
+            put(req, stamped_abort(req, self.weight_version))
+        return len(held)
 
     # ---- sleep mode (rlserve.engine.front.async_sleep; enable_sleep_mode) -----------------------
     def _sleep_mode(self):

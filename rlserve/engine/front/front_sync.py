@@ -17,15 +17,17 @@ exactly as process 0's own (as with one API process), and every request admitted
 refused there. Weight updates run with the cores frozen or generation paused, so no process can
 get a step of half-updated weights.
 
-Process 0 publishes and waits at every pause (before it acts on the cores) and resume (after), and
-at a wake that leaves generation running; it publishes without waiting (:meth:`FrontSync.notify`)
+Process 0 publishes and waits at every pause (before it acts on the cores) and resume (after), at
+an ``abort_all`` (the others abort the requests they hold, as process 0 does), and at a wake that
+leaves generation paused; it publishes without waiting (:meth:`FrontSync.notify`)
 when the weights change state (lost, valid again): those changes happen under a pause, whose
 resume publishes again and waits.
 
-With one API process (``count == 1``) nothing is sent. Known difference from one process: a
+With one API process (``count == 1``) nothing is sent. Known differences from one process: a
 request of another process that :meth:`AsyncEngine.fail_all` ends (weights unusable under running
 requests) is aborted in the core and ends with ``finish_reason == "abort"``, not the 503 process 0's
-own requests get.
+own requests get; ``/abort_requests`` with ids (forwarded to process 0) aborts only the requests
+process 0 serves (without ids it aborts every request of every process).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class FrontSync:
         self.applied = 0  # states applied (processes > 0)
 
     # ---- process 0 --------------------------------------------------------------------
-    def state(self) -> list:
-        """``[paused, pause_mode, refusal, weight_version]`` as :meth:`publish` sends it (see
+    def state(self, abort_held: bool = False) -> list:
+        """``[paused, pause_mode, refusal, weight_version, abort_held]`` as :meth:`publish` sends it (see
         :class:`~rlserve.engine.core_protocol.FrontState`)."""
         a = self.aengine
         refusal = None
@@ -75,21 +77,21 @@ class FrontSync:
                 refusal = {"type": "unavailable", "message": a.weights.reason, "code": a.weights.code}
         except ModelSleepingError as e:
             refusal = {"type": "sleeping", "message": str(e), "code": "model_sleeping"}
-        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version]
+        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version, abort_held]
 
-    def _send(self) -> list:
-        state = self.state()
+    def _send(self, abort_held: bool = False) -> list:
+        state = self.state(abort_held)
         return [r.front_state(*state) for r in self.aengine._replicas if r.alive]
 
-    async def publish(self) -> None:
+    async def publish(self, abort_held: bool = False) -> None:
         """Send the state to every other API process and wait until each applied it (no-op with
-        one process). Raises TimeoutError after :data:`ACK_TIMEOUT_S`; EngineDeadError when a core
-        is gone."""
+        one process); ``abort_held``: they abort the requests they hold. Raises TimeoutError after
+        :data:`ACK_TIMEOUT_S`; EngineDeadError when a core is gone."""
         if self.count == 1 or self.client_index:
             return
         from rlserve.engine.front.front_request import wait_all
 
-        await asyncio.wait_for(wait_all(self._send(), raise_first=True), ACK_TIMEOUT_S)
+        await asyncio.wait_for(wait_all(self._send(abort_held), raise_first=True), ACK_TIMEOUT_S)
 
     def notify(self) -> None:
         """Send the state without waiting for the acks (the weights changed state)."""
@@ -113,6 +115,8 @@ class FrontSync:
         a = self.aengine
         if msg.weight_version is not None:
             a.weights.version = msg.weight_version
+        if msg.abort_held:
+            a.abort_held()
         if msg.paused:
             a.hold_new(msg.pause_mode)
         elif a._paused:
