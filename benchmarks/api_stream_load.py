@@ -207,20 +207,10 @@ def api_pids(pid: int) -> list[int]:
     """The API processes of the server whose process 0 is ``pid``: ``pid`` and its children that run
     ``rlserve serve`` (``--api-server-count N``: processes 1..N-1; not the engine cores, not the
     chat-template workers), from ``/proc``."""
-    out = [pid]
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"serve" in cmd and b"rlserve.engine.core.core_proc" not in cmd:
-            out.append(int(d))
-    return out
+    from rlserve.proc_state import child_processes
+
+    return [pid] + [p for p, argv in child_processes(pid)
+                    if b"serve" in argv and b"rlserve.engine.core.core_proc" not in argv]
 
 
 def _wait_api_servers(srv, flags: list[str], timeout_s: float = 600.0) -> None:

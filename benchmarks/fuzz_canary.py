@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import shutil
 import threading
 import time
@@ -20,21 +19,9 @@ from benchmarks.fuzz_cases import CLASSES, encode
 
 def engine_core_pids(server_pid: int) -> set[int]:
     """The PIDs of the server's engine-core processes (children running ``core_proc``)."""
-    pids = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != server_pid:
-                continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if b"core_proc" in f.read():
-                    pids.add(int(d))
-        except (OSError, ValueError, IndexError):
-            continue
-    return pids
+    from rlserve.proc_state import child_processes
+
+    return {p for p, argv in child_processes(server_pid) if any(b"core_proc" in a for a in argv)}
 
 
 class Canary:

@@ -106,3 +106,25 @@ def child_ended(pid: int) -> str | None:
     if info is None:
         return None
     return exit_text(-info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status)
+
+
+def child_processes(pid: int) -> list[tuple[int, list[bytes]]]:
+    """``(pid, argv)`` of every live child of process ``pid``, read from ``/proc`` (empty without it;
+    a child that ends meanwhile is left out)."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != pid:
+                    continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                out.append((int(d), f.read().split(b"\0")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out

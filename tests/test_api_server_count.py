@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from rlserve.proc_state import pid_alive
+from rlserve.proc_state import child_processes, pid_alive
 from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
@@ -37,17 +37,8 @@ PER_PROCESS = 4  # pinned connections per API process
 
 
 def _children(pid: int) -> list[int]:
-    """Live child pids of ``pid`` (from /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
+    """Live child pids of ``pid``."""
+    return [p for p, _ in child_processes(pid)]
 
 
 def _metrics(client: httpx.Client) -> dict[str, float]:
