@@ -8,7 +8,9 @@
   process 1 (process 1's own ``rlserve_num_requests_held``: the state reached it), a gloo weight
   update runs meanwhile through the HTTP control routes, and after ``/resume`` (again through process 1)
   the held request runs on the new weights only (``weight_versions == ["v1"]``, the trainer's greedy
-  ids); streams frozen by the pause name both versions; new requests on both processes say ``v1``;
+  ids); streams frozen by the pause name both versions; one of process 1's frozen streams aborted by its
+  id through process 0 ends with ``abort`` (when the freeze caught all four streams in the core: the
+  core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
 * SIGTERM stops everything (the API processes and the engine core: no process left); a killed API
   process 1 stops the server with exit status 1 (no hang, no process left).
 
@@ -81,8 +83,10 @@ def _sum(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix))
 
 
-def _complete(client: httpx.Client, model: str, prompt: list[int], n: int, stream: bool) -> tuple[list[int], dict]:
-    """Greedy ids and the last choice's extra fields (weight_version(s)) through the openai client."""
+def _complete(client: httpx.Client, model: str, prompt: list[int], n: int, stream: bool, seen=None,
+              key=None) -> tuple[list[int], dict]:
+    """Greedy ids and the last choice's extra fields (weight_version(s), finish_reason) through the openai
+    client; a stream's response id goes to ``seen[key]`` with its first chunk."""
     oc = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="x", http_client=client, max_retries=0)
     kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0,
               extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -91,10 +95,12 @@ def _complete(client: httpx.Client, model: str, prompt: list[int], n: int, strea
         return r.choices[0].model_extra["token_ids"], {**r.model_extra, **r.choices[0].model_extra}
     ids, last = [], {}
     for chunk in oc.completions.create(stream=True, **kw):
+        if seen is not None:
+            seen.setdefault(key, chunk.id)
         for c in chunk.choices:
             ids += c.model_extra.get("token_ids") or []
             if c.finish_reason is not None:
-                last = {**(chunk.model_extra or {}), **c.model_extra}
+                last = {**(chunk.model_extra or {}), **c.model_extra, "finish_reason": c.finish_reason}
     return ids, last
 
 
@@ -136,12 +142,20 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         by = _pinned(srv.url, [c for cs in by.values() for c in cs])
         long_jobs = [by[i][1 + j] for i in (0, 1) for j in range(2)]
         pool = cf.ThreadPoolExecutor(len(long_jobs) + 1)
-        streams = [pool.submit(_complete, c, path, prompts[k], 1500, True) for k, c in enumerate(long_jobs)]
-        _until(lambda: _sum(_metrics(by[0][0]), "vllm:num_requests_running") >= 1, "a stream running")
+        seen: dict[int, str] = {}
+        streams = [pool.submit(_complete, c, path, prompts[k], 1500, True, seen, k) for k, c in enumerate(long_jobs)]
+        _until(lambda: len(seen) == len(long_jobs), "every stream's first chunk")
         r = by[1][0].post("/pause", params={"mode": "keep"})
         assert r.status_code == 200, r.text
         assert by[0][0].get("/is_paused").json()["is_paused"] is True  # process 0 owns the pause
-        spanning = _sum(_metrics(by[0][0]), "vllm:num_requests_running") > 0
+        running = _sum(_metrics(by[0][0]), "vllm:num_requests_running")  # (the core's count at the freeze)
+        spanning = running > 0
+        if running == len(long_jobs):  # all frozen in the core: stream 2 (process 1's) cannot end before its abort,
+            # which goes to process 0 (it counts only its own requests) and reaches process 1 through the core
+            r = by[0][0].post("/abort_requests", json={"request_ids": [seen[2]]})
+            assert r.status_code == 200 and r.json() == {"status": "ok", "aborted": 0}, r.text
+            ids, extra = streams[2].result(T)
+            assert extra["finish_reason"] == "abort" and 0 < len(ids) < 1500 and extra["weight_versions"] == ["0"]
         held = pool.submit(_complete, by[1][0], path, prompts[0], 12, False)
         _until(lambda: _sum(_metrics(by[1][3]), "rlserve_num_requests_held{") == 1, "process 1 holding the request")
         trainer = WeightTransferTrainerFactory.trainer_init(
@@ -154,7 +168,7 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         assert ids == greedy_continuation(hf1, prompts[0], 12)
         assert extra["weight_version"] == "v1" and extra["weight_versions"] == ["v1"], extra
         spans = []
-        for s in streams:
+        for s in streams[:2] + streams[3:] if running == len(long_jobs) else streams:
             ids, extra = s.result(T)
             assert len(ids) == 1500 and extra["weight_versions"] in (["0"], ["0", "v1"]), extra
             assert extra["weight_version"] == extra["weight_versions"][-1], extra

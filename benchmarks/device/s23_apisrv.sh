@@ -19,8 +19,10 @@ run() {  # run NAME N LIMIT: one server with --api-server-count N under stream_b
   touch "$OUT_DIR/start"
   CONFIGS=("$1=$C $SITE $FLAGS --api-server-count $2")
   STEM=vllm_bench_$1 stream_bench "$3" "$MIN_STEPS"
-  local log; log=$(ls -t "$OUT_DIR"/rlserve-server-*.log 2>/dev/null | head -1)
-  say "$1: ${log:+$(basename "$log"): }$(grep -h 'API servers 1\.\.\|API server [0-9]* of [0-9]*: serving' "$log" 2>/dev/null | sed 's/^.*\(API server\)/\1/' | paste -sd';')"
+  [ "$2" -gt 1 ] || return 0
+  local line; line=$(grep -h "API servers 1\.\.$(( $2 - 1 )) started" \
+                     $(find "$OUT_DIR" -name 'rlserve-server-*.log' -newer "$OUT_DIR/start") /dev/null | head -1)
+  say "$1: ${line:-no API-servers-started line in the server logs of this run}"
 }
 # a start takes ~60-90 s on the GPU host; each run gets a quarter of what is left, the last the rest
 for step in "n1 1" "n2 2" "n4 4" "n1b 1"; do

@@ -254,6 +254,8 @@ class FrontState(msgspec.Struct, tag="front_state"):
             the other processes' own reports: ``/metrics``, a held request's abort).
         abort_held: abort the requests held now (process 0's ``abort_all``: ``/abort_requests``
             without ids, a sleep).
+        abort_ids: abort the requests these ids name (``/abort_requests`` with ids:
+            ``AsyncEngine.ids_matching``).
     """
 
     epoch: int
@@ -262,6 +264,7 @@ class FrontState(msgspec.Struct, tag="front_state"):
     refusal: Union[dict[str, str], None] = None
     weight_version: Union[str, None] = None
     abort_held: bool = False
+    abort_ids: Union[list[str], None] = None
 
 
 OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting, FrontState]

@@ -166,9 +166,9 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
         if body is None or body.request_ids is None:
             n = await aeng.abort_all()
             return {"status": "ok", "aborted": n}
-        wanted = set(body.request_ids)
-        ids = [r for r in aeng.request_ids() if r in wanted or r.rsplit("-", 1)[0] in wanted]
+        ids = aeng.ids_matching(body.request_ids)
         await aeng.abort(ids)
+        await aeng.front_sync.publish(abort_ids=list(body.request_ids))  # --api-server-count: theirs (not counted)
         return {"status": "ok", "aborted": len(ids)}
 
     return router

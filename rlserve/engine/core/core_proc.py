@@ -217,7 +217,7 @@ class CoreServer:
             self._front_acked(msg.epoch, msg.client_index)
 
     def _front_state(self, call_id: int, args: list) -> bool:
-        """Utility ``front_state`` (``[paused, pause_mode, refusal, weight_version, abort_held]``, from API process 0): relay
+        """Utility ``front_state`` (``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids]``, from API process 0): relay
         it to processes 1..N-1 as :class:`FrontState`; answered once each acked (True: answered now,
         there being no other process)."""
         if len(self.outputs) == 1:
@@ -225,7 +225,7 @@ class CoreServer:
         self._front_epoch += 1
         epoch = self._front_epoch
         self.flush()  # outputs of requests they added come before the state
-        data = self._enc.encode(self.proto.FrontState(epoch, bool(args[0]), *args[1:5]))
+        data = self._enc.encode(self.proto.FrontState(epoch, bool(args[0]), *args[1:6]))
         for sock in self.outputs[1:]:
             sock.send(data)
         self._front_waits[epoch] = (call_id, set(range(1, len(self.outputs))))

@@ -207,6 +207,12 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         """Ids of the requests in flight or held, in arrival order."""
         return list(self._requests)
 
+    def ids_matching(self, wanted) -> list[str]:
+        """The ids of :meth:`request_ids` that ``wanted`` names: an id itself, or its response's id
+        (``cmpl-X`` names every prompt's ``cmpl-X-i``)."""
+        wanted = set(wanted)
+        return [r for r in self._requests if r in wanted or r.rsplit("-", 1)[0] in wanted]
+
     @property
     def num_held(self) -> int:
         return len(self._held)
@@ -374,19 +380,15 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         whose unfinished samples have ``finish_reason == "abort"``."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         futs = []
-        elsewhere = []  # another API process's, maybe (--api-server-count): the cores know them
         for rid in ids:
             req = self._requests.get(rid)
             if req is None:
-                elsewhere.append(rid)
                 continue
             if req in self._held:
                 self._held.remove(req)
                 put(req, stamped_abort(req, self.weight_version))
             elif req.replica is not None:
                 futs.append(req.replica.abort([req.request_id]))
-        if elsewhere and self.front_sync.count > 1:
-            futs += [r.abort(elsewhere) for r in self._replicas if r.alive]
         await wait_all(futs)
 
     async def abort_all(self) -> int:

@@ -26,8 +26,8 @@ resume publishes again and waits.
 With one API process (``count == 1``) nothing is sent. Known differences from one process: a
 request of another process that :meth:`AsyncEngine.fail_all` ends (weights unusable under running
 requests) is aborted in the core and ends with ``finish_reason == "abort"``, not the 503 process 0's
-own requests get; ``/abort_requests`` with ids (forwarded to process 0) aborts only the requests
-process 0 serves (without ids it aborts every request of every process).
+own requests get; ``/abort_requests`` counts only process 0's requests in its answer (it aborts
+those of every process).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class FrontSync:
         self.applied = 0  # states applied (processes > 0)
 
     # ---- process 0 --------------------------------------------------------------------
-    def state(self, abort_held: bool = False) -> list:
-        """``[paused, pause_mode, refusal, weight_version, abort_held]`` as :meth:`publish` sends it (see
+    def state(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> list:
+        """``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids]`` as :meth:`publish` sends it (see
         :class:`~rlserve.engine.core_protocol.FrontState`)."""
         a = self.aengine
         refusal = None
@@ -77,21 +77,22 @@ class FrontSync:
                 refusal = {"type": "unavailable", "message": a.weights.reason, "code": a.weights.code}
         except ModelSleepingError as e:
             refusal = {"type": "sleeping", "message": str(e), "code": "model_sleeping"}
-        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version, abort_held]
+        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version, abort_held, abort_ids]
 
-    def _send(self, abort_held: bool = False) -> list:
-        state = self.state(abort_held)
+    def _send(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> list:
+        state = self.state(abort_held, abort_ids)
         return [r.front_state(*state) for r in self.aengine._replicas if r.alive]
 
-    async def publish(self, abort_held: bool = False) -> None:
+    async def publish(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> None:
         """Send the state to every other API process and wait until each applied it (no-op with
-        one process); ``abort_held``: they abort the requests they hold. Raises TimeoutError after
+        one process); ``abort_held``: they abort the requests they hold; ``abort_ids``: the requests
+        these ids name (:meth:`AsyncEngine.ids_matching`), their final outputs on their way. Raises TimeoutError after
         :data:`ACK_TIMEOUT_S`; EngineDeadError when a core is gone."""
         if self.count == 1 or self.client_index:
             return
         from rlserve.engine.front.front_request import wait_all
 
-        await asyncio.wait_for(wait_all(self._send(abort_held), raise_first=True), ACK_TIMEOUT_S)
+        await asyncio.wait_for(wait_all(self._send(abort_held, abort_ids), raise_first=True), ACK_TIMEOUT_S)
 
     def notify(self) -> None:
         """Send the state without waiting for the acks (the weights changed state)."""
@@ -117,6 +118,10 @@ class FrontSync:
             a.weights.version = msg.weight_version
         if msg.abort_held:
             a.abort_held()
+        if msg.abort_ids:
+            ids = a.ids_matching(msg.abort_ids)
+            if ids and a.loop is not None:  # (this process's replicas send Abort: no answer awaited)
+                asyncio.run_coroutine_threadsafe(a.abort(ids), a.loop)
         if msg.paused:
             a.hold_new(msg.pause_mode)
         elif a._paused:
