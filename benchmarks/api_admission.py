@@ -29,9 +29,10 @@ machine does not move, of all the process's threads (the tokenizer threads' enco
 included; the engine core and the template workers are other processes) and of its main thread, the
 event loop (what a wave of new requests holds up the streams with). Under valgrind a request takes
 ~100x longer, so more of them share each fake engine step than without it. ``--profile
-DIR``: ``py-spy record`` of each server's API process over its batches (collapsed stacks, one file
-per config); ``--cprofile DIR``: cProfile of the event loop's thread over the batches
-(``benchmarks/admission_cprofile_site``).
+DIR``: ``py-spy record`` of each server's API process over each batch (collapsed stacks, a file
+per batch); ``--cprofile DIR``: cProfile of the event loop's thread over each batch
+(``benchmarks/admission_cprofile_site``: ``DIR/NAME.<batch>.pstats``, batches numbered per config in
+the order they ran; the rows of the JSON say which).
 
 Usage (from the repository root; main's tree for the baseline)::
 
@@ -122,6 +123,45 @@ async def drive(host: str, port: int, bodies: list[tuple[str, bytes]], connectio
     return dict(tally, wall_s=time.perf_counter() - t0)
 
 
+#: ``label: (file, function)`` (regular expressions: the end of the file's path, the whole function
+#: name, ``:LINE`` to pick one): cProfile's cumulative CPU time of the function (the largest entry) per request; the layers nest (the handler holds the body, the dependencies and
+#: the endpoint), so they do not add up
+LAYERS = {
+    "event loop, all (profiled)": None,
+    "uvicorn: parse the request": ("httptools_impl.py", "data_received"),
+    "route matching": ("fastapi/routing.py", "_match"),
+    # FastAPI 0.165's get_request_handler.<locals>.app (line 438 of fastapi/routing.py)
+    "request handler (FastAPI: body, dependencies, endpoint)": ("fastapi/routing.py", "app:438"),
+    "  body JSON": ("starlette/requests.py|server/request_body.py", "json"),
+    "  dependencies (body validation included)": ("dependencies/utils.py", "solve_dependencies"),
+    "    body validation": ("dependencies/utils.py", "request_body_to_args"),
+    "  endpoint": ("server/openai_routes.py", "completions|chat_completions"),
+    "streamed answer (Starlette StreamingResponse)": ("starlette/responses.py", "wrap"),
+    "  ServerState.generate (engine request, metrics)": ("server/state.py", "generate"),
+    "    metrics": ("server/metrics.py", "record_request"),
+    "engine outputs (core client, output processor)": ("core_client.py", "_handle_pending"),
+}
+
+
+def cprofile_layers(path: str, requests: int) -> dict:
+    """Profiled microseconds per request of each of :data:`LAYERS` in one batch's stats."""
+    import pstats
+    import re
+
+    stats = pstats.Stats(path).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
+    out = {}
+    for label, rule in LAYERS.items():
+        if rule is None:
+            out[label] = round(1e6 * sum(v[2] for v in stats.values()) / requests, 1)
+            continue
+        where, func = rule
+        name, _, line = func.partition(":")
+        cts = [v[3] for (f, ln, fn), v in stats.items()
+               if re.search(f"({where})$", f) and re.fullmatch(name, fn) and (not line or ln == int(line))]
+        out[label] = round(1e6 * max(cts, default=0.0) / requests, 1)
+    return out
+
+
 class _Server:
     """One config's ``rlserve serve`` over the fake core (optionally under callgrind / py-spy)."""
 
@@ -137,8 +177,8 @@ class _Server:
         tree = env.pop("tree", None)
         if args.cprofile:
             env["PYTHONPATH"] = os.pathsep.join((CPROFILE_SITE, env["PYTHONPATH"]))
-            env["ADMISSION_CPROFILE_OUT"] = os.path.join(args.cprofile, f"{name}.pstats")
-        self.name, self.outdir, self.cg_files = name, outdir, 0
+            env["ADMISSION_CPROFILE_OUT"] = os.path.join(args.cprofile, name)  # NAME.<batch>.pstats
+        self.name, self.outdir, self.cg_files, self.batches = name, outdir, 0, 0
         valgrind = (["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
                      f"--callgrind-out-file={outdir}/cg-{name}.%p"] if args.callgrind else [])
 
@@ -182,12 +222,21 @@ class _Server:
         run = asyncio.run(drive(self.host, self.port, bodies, connections))
         usr1, sys1 = cpu_user_system(self.srv.pid)
         if self.srv.env.get("ADMISSION_CPROFILE_OUT"):
-            os.kill(self.srv.pid, 12)  # SIGUSR2: stop, add to the stats file
+            os.kill(self.srv.pid, 12)  # SIGUSR2: stop, write this batch's stats
+            path = f"{self.srv.env['ADMISSION_CPROFILE_OUT']}.{self.batches}.pstats"
+            self.batches += 1
+            for _ in range(100):
+                if os.path.exists(path):
+                    break
+                time.sleep(0.1)
+            time.sleep(0.5)  # written whole
         if self.spy is not None:
             self.spy.send_signal(2)
             self.spy.wait(30)
             self.spy = None
         out = dict(run, cpu_s=usr1 + sys1 - usr0 - sys0, cpu_system_s=sys1 - sys0)
+        if self.srv.env.get("ADMISSION_CPROFILE_OUT"):
+            out["cprofile_us_per_request"] = cprofile_layers(path, len(bodies))
         if self.callgrind:
             self._cg("-i", "off")
             self._cg("-d")
@@ -232,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=["default="], help="NAME=FLAGS, one server each")
     ap.add_argument("--callgrind", action="store_true", help="instructions per request (API process under valgrind)")
     ap.add_argument("--profile", help="directory for py-spy's collapsed stacks of each batch")
-    ap.add_argument("--cprofile", help="directory for cProfile stats of each config (all its batches)")
+    ap.add_argument("--cprofile", help="directory for cProfile stats of each batch (NAME.<batch>.pstats)")
     ap.add_argument("--model", help="a model directory (default: the tests' tiny Qwen3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
@@ -279,6 +328,8 @@ def main(argv=None) -> int:
                              f"{row['event_loop_instructions_per_request']:,})" if "instructions" in m else "")
                           + f", {args.requests / m['wall_s']:.0f} requests/s, load {row['loadavg']:.2f}"
                           + (f"; first error {m['first_error']}" if m["first_error"] else ""), flush=True)
+                    for label, us in m.get("cprofile_us_per_request", {}).items():
+                        print(f"    {us:9.1f} us  {label}")
     finally:
         for s in servers:
             s.stop()
