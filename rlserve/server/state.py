@@ -244,6 +244,11 @@ class ServerState(StructuredChecks, LogprobJSON):
         """Raises APIError 503 while the model is unavailable (a failed in-place weight
         update), asleep (sleep mode) or the engine is down; checked before a stream starts, so streams never
         begin with a 200 and then fail for this."""
+        refusal = getattr(getattr(self.aengine, "front_sync", None), "refusal", None)
+        if refusal is not None:  # API process 0 is asleep (--api-server-count; front_sync)
+            from rlserve.server.errors import exception_to_error
+
+            raise exception_to_error(refusal())
         sleep = getattr(self.aengine, "sleep_mode", None)
         if sleep is not None and sleep.is_sleeping():
             raise APIError(503, f"the model is sleeping (level {sleep.level}): POST /wake_up first; requests are "

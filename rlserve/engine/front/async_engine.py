@@ -280,7 +280,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
 
         Closing the generator early (or cancelling its task) aborts the request.
         """
-        refusal = self.front_sync.refusal  # (API processes > 0: process 0's sleep, lost weights)
+        refusal = self.front_sync.refusal  # (API processes > 0 while process 0 sleeps: front_sync)
         if refusal is not None:
             raise refusal()
         if self.sleep_mode is not None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rlserve.errors import ModelSleepingError, ModelUnavailableError
+from rlserve.errors import ModelSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,10 @@ class FrontSync:
         client_index: this process's index (0: the owner, which publishes; else it applies).
 
     Attributes:
-        refusal: in processes > 0, ``() -> exception`` that ``generate`` raises instead of
-            admitting (process 0's sleep or lost weights), else None.
+        refusal: in processes > 0, ``() -> exception`` that ``generate`` (and the routes' check
+            before a stream) raises instead of admitting while process 0 sleeps, else None. Lost
+            weights are set on this process's own ``WeightState`` (its ``reason`` / ``code``: the
+            503 of ``generate``, ``/health``, ``server_info``), which nothing else here changes.
     """
 
     def __init__(self, aengine, count: int = 1, client_index: int = 0):
@@ -106,14 +108,13 @@ class FrontSync:
         """Apply process 0's :class:`~rlserve.engine.core_protocol.FrontState` (on the event loop,
         before the ack): hold new requests while paused, release the held ones at its end; refuse
         while it refuses."""
-        r = msg.refusal
-        if r is None:
-            self.refusal = None
-        elif r.get("type") == "sleeping":
-            self.refusal = lambda m=r.get("message", ""): ModelSleepingError(m)
-        else:
-            self.refusal = lambda m=r.get("message", ""), c=r.get("code"): ModelUnavailableError(m, code=c)
+        r = msg.refusal or {}
         a = self.aengine
+        sleeping = r.get("type") == "sleeping"
+        self.refusal = (lambda m=r.get("message", ""): ModelSleepingError(m)) if sleeping else None
+        lost = r.get("type") == "unavailable"
+        a.weights.reason = r.get("message", "") if lost else None
+        a.weights.code = r.get("code") if lost else None
         if msg.weight_version is not None:
             a.weights.version = msg.weight_version
         if msg.abort_held:
