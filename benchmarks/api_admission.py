@@ -14,7 +14,11 @@ Request kinds (``--kinds``), the bodies ``vllm bench serve`` sends (``stream``, 
   tokenizer, decoded (``vllm bench serve``'s random dataset), tokenized by the server;
 * ``chat``: ``/v1/chat/completions`` with that text as one user message (a ``text`` content part,
   as ``vllm bench serve``'s ``openai-chat`` sends it). The template renders in a worker process,
-  which the API process's figure does not count.
+  which the API process's figure does not count;
+* ``trl`` (not in the default ``--kinds``): ``/v1/completions`` with ``--trl-batch`` prompts of
+  ``--prompt-len`` ids in one request, not streamed, with the fields TRL's ``VLLMClient.generate``
+  sends (``return_token_ids``, ``return_tokens_as_token_ids``, its sampling defaults): per request
+  means per batch.
 
 The clients are ``--connections`` keep-alive HTTP/1.1 connections (raw asyncio streams, one request
 at a time each), as aiohttp's pool in ``vllm bench serve``. Servers of ``--configs NAME=FLAGS``
@@ -59,17 +63,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.api_stream_load import FAKE, HERE, cpu_user_system  # noqa: E402
 
-KINDS = ("ids", "text", "chat")
+KINDS = ("ids", "text", "chat", "trl")
 CPROFILE_SITE = os.path.join(HERE, "admission_cprofile_site")
 
 
-def request_bodies(kind: str, n: int, prompt_len: int, tokenizer, seed: int, model: str) -> list[tuple[str, bytes]]:
-    """``n`` requests of ``kind`` as ``(path, JSON body)``: ``vllm bench serve``'s fields, ``max_tokens`` 1,
-    each prompt ``prompt_len`` random ids in 3 .. 299 (the tiny tokenizer's ordinary tokens) or their text."""
+def request_bodies(kind: str, n: int, prompt_len: int, tokenizer, seed: int, model: str,
+                   trl_batch: int = 64) -> list[tuple[str, bytes]]:
+    """``n`` requests of ``kind`` as ``(path, JSON body)``: ``vllm bench serve``'s fields (TRL's for
+    ``trl``), ``max_tokens`` 1, each prompt ``prompt_len`` random ids in 3 .. 299 (the tiny
+    tokenizer's ordinary tokens) or their text."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         ids = [rng.randrange(3, 300) for _ in range(prompt_len)]
+        if kind == "trl":
+            batch = [ids] + [[rng.randrange(3, 300) for _ in range(prompt_len)] for _ in range(trl_batch - 1)]
+            body = {"model": model, "prompt": batch, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "n": 1, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                    "max_tokens": 1, "logprobs": 0}
+            out.append(("/v1/completions", json.dumps(body).encode()))
+            continue
         common = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         if kind == "chat":
             body = dict(common, messages=[{"role": "user", "content": [{"type": "text", "text": tokenizer.decode(ids)}]}],
@@ -274,7 +287,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20, help="requests of each kind before the first batch")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--connections", type=int, default=16)
-    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["ids", "text", "chat"])
+    ap.add_argument("--trl-batch", type=int, default=64, help="prompts per request of the trl kind")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--step-ms", type=float, default=10.0, help="the fake engine's step period")
@@ -306,13 +320,15 @@ def main(argv=None) -> int:
             name, _, flags = spec.partition("=")
             servers.append(_Server(name, flags.split(), args, model, outdir).start())
         served = model  # the served name: the path given
-        warm = {k: request_bodies(k, args.warmup, args.prompt_len, tokenizer, args.seed + 1, served) for k in args.kinds}
+        warm = {k: request_bodies(k, args.warmup, args.prompt_len, tokenizer, args.seed + 1, served, args.trl_batch)
+                for k in args.kinds}
         for s in servers:
             for k in args.kinds:
                 asyncio.run(drive(s.host, s.port, warm[k], min(args.connections, args.warmup)))
         for r in range(args.rounds):
             for k in args.kinds:
-                bodies = request_bodies(k, args.requests, args.prompt_len, tokenizer, args.seed + 100 * r, served)
+                bodies = request_bodies(k, args.requests, args.prompt_len, tokenizer, args.seed + 100 * r, served,
+                                        args.trl_batch)
                 for s in servers:
                     m = s.measure(bodies, args.connections)
                     row = {"round": r, "kind": k, "config": s.name, "requests": args.requests, **m,

@@ -20,6 +20,7 @@ from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_answers import weight_versions
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, routed_b64, unless_disconnected
 from rlserve.server.protocol import AbortRequestsBody, TRLGenerateRequest
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.server_info import _world_size, server_info
 from rlserve.server.sleep_routes import sleep_info
 from rlserve.server.weight_routes import error_response
@@ -185,8 +186,9 @@ def _check_trl_logprobs(k, param: str) -> None:
 
 
 def make_trl_router(state: ServerState, dependencies: list) -> APIRouter:
-    """TRL ``vllm-serve``'s ``POST /generate/`` (behind the API-key check)."""
-    router = APIRouter(dependencies=dependencies)
+    """TRL ``vllm-serve``'s ``POST /generate/`` (behind the API-key check; its body decoded by msgspec
+    where it parses it: :class:`~rlserve.server.request_body.FastJSONRoute`)."""
+    router = APIRouter(dependencies=dependencies, route_class=FastJSONRoute)
 
     @router.post("/generate/")
     async def generate(body: TRLGenerateRequest, raw: Request):
