@@ -6,8 +6,9 @@ plain, ``include_usage``, ``continuous_usage_stats`` (never direct), a stop stri
 ``n=2``, ``return_token_ids``, a weight update mid-stream. Also: a client that goes away mid-stream
 (its request is aborted, nothing is logged as an error, the server goes on), a client that stops
 reading (the transport pauses: the rest goes through the coroutine, merged, and the answer is
-whole), the real ``openai`` client, the mailbox rules of a sink (``front_request.put``) and the app's
-middleware list (none may read a body message, which the direct writes bypass).
+whole), the real ``openai`` client, the h11 stack (no direct writes: the same events), the mailbox
+rules of a sink (``front_request.put``), a sink that fails, and the app's middleware list (none may
+read a body message, which the direct writes bypass).
 
 The engine is a fake on the engine thread that makes one step each time the test releases one; a
 test releases the next step once the client has read a byte of the previous step's chunk (each
@@ -91,10 +92,11 @@ def wait_for(cond, what: str):
 
 
 class Server:
-    """The app over :class:`StepEngine` on uvicorn (uvloop + httptools, rlserve's protocol class) in
-    a thread; ``direct``: the protocol's ``direct_write``."""
+    """The app over :class:`StepEngine` on uvicorn (uvloop + httptools, rlserve's protocol class; ``h11``:
+    the stdlib loop + h11, which has no direct writes) in a thread; ``direct``: the protocol's
+    ``direct_write``."""
 
-    def __init__(self, model_dir: str, direct: bool):
+    def __init__(self, model_dir: str, direct: bool, h11: bool = False):
         import uvicorn
 
         from rlserve.config import EngineConfig
@@ -104,8 +106,8 @@ class Server:
         from rlserve.server.launch import free_port
         from rlserve.server.state import ServerSettings
 
-        stack = http_stack("auto")
-        assert stack.name == "uvloop+httptools"
+        stack = http_stack("h11" if h11 else "auto")
+        assert stack.name == ("asyncio+h11" if h11 else "uvloop+httptools")
         self.engine = StepEngine(build_tokenizer())
         self.aengine = AsyncEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_model_len=4096),
                                    engine_factory=lambda cfg, i: self.engine)
@@ -115,7 +117,8 @@ class Server:
         self.app = app
         app.state.rlserve._templates = False  # chat templates render here (no worker processes)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     loop="uvloop", http=stack.protocol(30.0, direct_write=direct)))
+                                                     loop="asyncio" if h11 else "uvloop",
+                                                     http=stack.protocol(30.0, direct_write=direct)))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         wait_for(lambda: self._server.started or not self._thread.is_alive(), "the server's start")
@@ -210,6 +213,7 @@ def servers(tiny_model):
     made = {}
     try:
         made = {d: Server(tiny_model("llama"), d) for d in (True, False)}
+        made["h11"] = Server(tiny_model("llama"), True, h11=True)
         yield made
     finally:
         for s in made.values():
@@ -284,6 +288,16 @@ def test_stream_bytes_equal_the_coroutine_path(servers, direct_writes, path, bod
     want = "".join(PIECES[:steps])
     assert text.endswith(want[:want.index(" STOP")] if body.get("stop") else want)
     assert fast.events()[-1] == b"data: [DONE]" and fast.raw.endswith(b"\r\n0\r\n\r\n")
+
+
+def test_the_h11_stack_streams_the_same_events_without_direct_writes(servers, direct_writes):
+    """The fallback: the h11 protocol installs no writer, so every chunk goes through the coroutine."""
+    count, writers = direct_writes
+    for path, body in (CASES[1][:2], CASES[7][:2]):
+        fast = lockstep(servers[True], path, _request(path, body))
+        h11 = lockstep(servers["h11"], path, _request(path, body))
+        assert [normalized(e) for e in h11.events()] == [normalized(e) for e in fast.events()]
+    assert len(writers) == 2 and count[0] == 6 + 6  # the httptools server's two streams only (8 steps each)
 
 
 def test_a_weight_update_mid_stream(servers, direct_writes):
