@@ -11,8 +11,10 @@
   ids); streams frozen by the pause name both versions; one of process 1's frozen streams aborted by its
   id through process 0 ends with ``abort`` (when the freeze caught all four streams in the core: the
   core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
-* SIGTERM stops everything (the API processes and the engine core: no process left); a killed API
-  process 1 stops the server with exit status 1 (no hang, no process left).
+* SIGTERM stops everything (the API processes and the engine core: no process left);
+* with ``--data-parallel-size 2`` (two cores, each process a replica of each): greedy answers on both
+  processes, a keep-pause asked of process 1 holds its new request until a resume asked of process 0;
+  then a killed API process 1 stops the server with exit status 1 (no hang, no process left).
 
 Every wait is bounded by ``T`` (a hang, not a speed limit)."""
 
@@ -192,14 +194,28 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         srv.stop()
 
 
-def test_a_killed_api_server_stops_the_server(tiny_model):
+def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(tiny_model):
+    """``--data-parallel-size 2``: each API process has a replica of each core; greedy answers on both
+    processes, a keep-pause asked of process 1 freezes both cores and holds process 1's new request until a
+    resume asked of process 0. Then process 1 is killed: the server exits 1, no process left."""
     path = tiny_model("llama")
-    srv = ServerProcess(path, "--api-server-count", "2", "--max-model-len", "256", "--device", "cpu",
-                        "--disable-access-log").start()
+    srv = ServerProcess(path, "--api-server-count", "2", "--data-parallel-size", "2", "--max-model-len", "256",
+                        "--device", "cpu", "--disable-access-log").start()
     try:
-        _until(lambda: "API server 1 of 2: serving" in srv.log_tail(200_000), "API server 1 ready")
+        hf0 = load_hf(path, scale=0.0)
+        prompts = [[5 + i, 60 + i, 9, 33 + 3 * i] for i in range(8)]
+        by = _pinned(srv.url)
+        jobs = [(by[k % 2][(k // 2) % PER_PROCESS], prompts[k]) for k in range(8)]
+        with cf.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda j: _complete(j[0], path, j[1], 10, False), jobs))
+            assert [ids for ids, _ in got] == [greedy_continuation(hf0, p, 10) for p in prompts]
+            assert by[1][0].post("/pause", params={"mode": "keep"}).status_code == 200
+            held = pool.submit(_complete, by[1][0], path, prompts[0], 10, False)
+            _until(lambda: _sum(_metrics(by[1][1]), "rlserve_num_requests_held{") == 1, "process 1 holding it")
+            assert by[0][0].post("/resume").status_code == 200
+            assert held.result(T)[0] == got[0][0]
         pids = [srv.proc.pid] + _children(srv.proc.pid)
-        assert len(pids) == 3, pids  # process 0, process 1, the engine core
+        assert len(pids) == 4, pids  # process 0, process 1, two engine cores
         api1 = next(p for p in pids[1:] if "core_proc" not in open(f"/proc/{p}/cmdline").read())
         os.kill(api1, signal.SIGKILL)
         assert srv.proc.wait(T) == 1

@@ -260,7 +260,6 @@ def test_server_applies_the_flags(server):
                         "(vLLM 0.32 refuses runtime LoRA updating with api_server_count > 1 as well)"),
     (["--engine-mode", "thread"], "--api-server-count > 1 needs --engine-mode process (the API processes share the "
                                   "engine-core processes)"),
-    (["--data-parallel-size", "2"], "--api-server-count > 1 with --data-parallel-size > 1 is not supported yet"),
 ])
 def test_api_server_count_refusals(capsys, flags, error):
     """``--api-server-count 2`` with what its API processes 1..N-1 cannot serve: exit 2 with one line naming

@@ -14,7 +14,7 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   other processes.
 * **API processes 1..N-1** run the same command (the same flags: the same checks, tokenizer,
   chat template, defaults) with ``RLSERVE_API_SERVER_ATTACH`` set: they attach to the cores
-  (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`), accept connections on the shared
+  (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`, one per data-parallel replica), accept connections on the shared
   socket (the kernel hands each new connection to one of the N processes) and serve generation
   themselves. Every control route (:data:`CONTROL_PATHS`: weight sync, pause / resume, sleep / wake,
   reset_prefix_cache, abort_requests, and the routes that report that state) is forwarded as is
@@ -24,8 +24,7 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   (:mod:`rlserve.engine.front.front_sync`), acked before a pause acts on the cores.
 * **Refused with N > 1** (a startup error): ``--enable-lora`` (adapters loaded at run time live in
   process 0's registry; vLLM 0.32 refuses runtime LoRA updating with ``api_server_count > 1`` too),
-  ``--engine-mode thread``, ``--data-parallel-size`` > 1 (not tested yet). Engine-core restarts are
-  off (``--max-engine-restarts`` is taken as 0): a core that dies leaves every process answering 503.
+  ``--engine-mode thread``. Engine-core restarts are off (``--max-engine-restarts`` is taken as 0): a core that dies leaves every process answering 503.
 * **Lifetime**: a process 1..N-1 that exits while the server runs stops the server (process 0
   logs which one and how it ended, stops the others and its cores, exits 1). SIGINT / SIGTERM to
   process 0 stops processes 1..N-1 first (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`), then its
@@ -85,8 +84,6 @@ def check_args(args) -> str | None:
                 "(vLLM 0.32 refuses runtime LoRA updating with api_server_count > 1 as well)")
     if (args.engine_mode or "process") != "process":
         return "--api-server-count > 1 needs --engine-mode process (the API processes share the engine-core processes)"
-    if int(getattr(args, "data_parallel_size", 1) or 1) > 1:
-        return "--api-server-count > 1 with --data-parallel-size > 1 is not supported yet"
     if args.max_engine_restarts:
         logger.info("--api-server-count %d: engine-core restarts are off (--max-engine-restarts %d not used)", n,
                     args.max_engine_restarts)
