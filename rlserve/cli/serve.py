@@ -340,7 +340,7 @@ def run(args) -> int:
         else:
             served = app
             if args.api_server_count > 1:  # processes 1..N-1, and the unix socket they forward control routes to
-                control, control_path = multi_api.control_socket()
+                control, control_path = multi_api.control_socket(aengine._replicas[0].socket_dir)
                 extra.append(control)
                 servers = multi_api.APIServerProcessManager(args.api_server_count, sock,
                                                             [r.socket_dir for r in aengine._replicas], control_path,

@@ -10,8 +10,8 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   socket directories (``RLSERVE_API_SERVER_ATTACH``, JSON). It owns every control state --
   ``WeightState`` (weights valid / lost, the version label), the ``WeightTransferManager`` (transfer
   group, update sessions), pause and held requests, sleep, the prefix cache -- and serves its app a
-  second time on a private unix socket (``<tmp>/rlserve-api-XXXX/control.sock``, mode 0700) for the
-  other processes.
+  second time on a private unix socket (``control.sock`` in its first core's socket directory, mode
+  0700) for the other processes.
 * **API processes 1..N-1** run the same command (the same flags: the same checks, tokenizer,
   chat template, defaults) with ``RLSERVE_API_SERVER_ATTACH`` set: they attach to the cores
   (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`, one per data-parallel replica), accept connections on the shared
@@ -46,7 +46,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 
 logger = logging.getLogger(__name__)
@@ -107,10 +106,12 @@ def listen_socket(attach: dict) -> socket.socket:
     return sock
 
 
-def control_socket() -> tuple[socket.socket, str]:
-    """API process 0's private listening unix socket for the forwarded control routes, in a new
-    directory only this user can enter. Returns ``(socket, path)``."""
-    path = os.path.join(tempfile.mkdtemp(prefix="rlserve-api-"), "control.sock")
+def control_socket(directory: str) -> tuple[socket.socket, str]:
+    """API process 0's private listening unix socket for the forwarded control routes, in
+    ``directory`` (its first engine core's socket directory: only this user can enter it, and it goes
+    with the server, or with the next server's start after a kill, ``core_spawn.socket_dir``).
+    Returns ``(socket, path)``."""
+    path = os.path.join(directory, "control.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(128)
@@ -206,7 +207,6 @@ class APIServerProcessManager:
                 p.wait()
         try:
             os.unlink(self.control_path)
-            os.rmdir(os.path.dirname(self.control_path))
         except OSError:
             pass
 
