@@ -294,6 +294,29 @@ def test_max_tokens_beyond_the_context_is_clamped(server):
         assert finish == ["length"], finish
 
 
+def test_a_batch_of_prompts_gets_each_prompts_own_parameters(server):
+    """TRL's form: one /v1/completions request with a batch of token-id prompts. The prompts share
+    their SamplingParams (built once per max_tokens, copied per prompt), so each prompt must still get
+    its own clamped max_tokens (a long prompt leaves less room: 100 -> 128 - 60), and the same prompt
+    the same greedy tokens wherever it is in the batch; a field checked against each prompt's length
+    (routed_experts_prompt_start) is checked for every prompt, not only the first."""
+    short, long_ = [5, 6, 7, 8], list(range(3, 63))
+    body = {"model": MODEL, "prompt": [short, short, long_, short], "max_tokens": 100, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [len(c["token_ids"]) for c in choices] == [100, 100, 128 - len(long_), 100]
+    alone = httpx.post(server.url + "/v1/completions", json=dict(body, prompt=short), timeout=TIMEOUT).json()
+    assert choices[0]["token_ids"] == choices[1]["token_ids"] == choices[3]["token_ids"] == \
+        alone["choices"][0]["token_ids"]
+    r = httpx.post(server.url + "/v1/completions", json=dict(body, prompt=[long_, long_[:3]], max_tokens=2,
+                                                              routed_experts_prompt_start=5), timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "routed_experts_prompt_start" and "prompt length 3," in err["message"], err
+
+
 def test_trainer_against_server_without_weight_transfer_fails_fast(server):
     """A trainer pointed at a server started without --weight-transfer-config gets a 404 naming
     the missing flag, and its process exits at once (the abandoned rendezvous must not hold the

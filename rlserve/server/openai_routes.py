@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
 import uuid
 
@@ -98,9 +99,7 @@ def _common_params(state: ServerState, body, n_prompt: int, max_tokens: int, log
     """The request's SamplingParams (``n_prompt``: its prompt's token count). Raises APIError 400
     (param ``routed_experts_prompt_start``) for a start beyond the prompt: the engine's own check
     would answer the same 400 without naming the field."""
-    if body.routed_experts_prompt_start > n_prompt:
-        raise APIError(400, f"routed_experts_prompt_start must be between 0 and the prompt length {n_prompt}, got "
-                            f"{body.routed_experts_prompt_start}", param="routed_experts_prompt_start")
+    _check_routed_start(body, n_prompt)
     return state.sampling_params(
         structured_outputs=structured, n=body.n, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, stream_interval=body.stream_interval if body.stream else None,
@@ -108,6 +107,13 @@ def _common_params(state: ServerState, body, n_prompt: int, max_tokens: int, log
         allowed_token_ids=_allowed_token_ids(state, body),
         bad_words_token_ids=bad_words_token_ids(state.tokenizer, body.bad_words, state.vocab_size) if body.bad_words
         else None, **body.sampler_args())
+
+
+def _check_routed_start(body, n_prompt: int) -> None:
+    """Raises APIError 400 (param ``routed_experts_prompt_start``) for a start beyond the prompt."""
+    if body.routed_experts_prompt_start > n_prompt:
+        raise APIError(400, f"routed_experts_prompt_start must be between 0 and the prompt length {n_prompt}, got "
+                            f"{body.routed_experts_prompt_start}", param="routed_experts_prompt_start")
 
 
 def _allowed_token_ids(state: ServerState, body) -> list[int] | None:
@@ -212,16 +218,26 @@ def make_openai_router(state: ServerState, dependencies: list) -> APIRouter:
         state.limits.check_sequences(len(prompts), body.n)
         items = []  # (prompt text, prompt ids, params)
         all_ids = await state.tokenize_many(prompts, ["prompt"] * len(prompts), body.add_special_tokens)
+        prompt_lps = plp_k
+        if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
+            prompt_lps = lp_k
+        # a batch's prompts (TRL sends its whole batch in one request) share their SamplingParams but for
+        # max_tokens and the reasoning gate: built once per (max_tokens, constraint), copied per prompt
+        # (the engine front sets a copy's lora_int_id; no list of it is changed in place)
+        built: dict = {}
         for p, ids in zip(prompts, all_ids):
             if body.truncate_prompt_tokens is not None:
                 ids = state.truncate(ids, body.truncate_prompt_tokens, side=body.truncation_side)
             max_tokens = state.check_length(len(ids), 1 if echo0 else body.max_tokens)
-            prompt_lps = plp_k
-            if body.echo and prompt_lps is None:  # vLLM: echo's prompt logprobs are logprobs' top-k
-                prompt_lps = lp_k
-            params = _common_params(state, body, len(ids), max_tokens, lp_k, prompt_lps,
-                                    outputs.reasoning_gate(structured, ids, None))
-            params.lora_int_id = lora_id
+            gated = outputs.reasoning_gate(structured, ids, None)
+            first = built.get((max_tokens, id(gated)))
+            if first is None:
+                params = _common_params(state, body, len(ids), max_tokens, lp_k, prompt_lps, gated)
+                params.lora_int_id = lora_id
+                built[(max_tokens, id(gated))] = (params, gated)  # (gated kept alive: its id stays its own)
+            else:
+                _check_routed_start(body, len(ids))
+                params = copy.copy(first[0])
             text = p if isinstance(p, str) and body.truncate_prompt_tokens is None else None
             items.append((text, ids, params))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
