@@ -13,8 +13,10 @@
   core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
 * SIGTERM stops everything (the API processes and the engine core: no process left);
 * with ``--data-parallel-size 2`` (two cores, each process a replica of each): greedy answers on both
-  processes, a keep-pause asked of process 1 holds its new request until a resume asked of process 0;
-  then a killed API process 1 stops the server with exit status 1 (no hang, no process left).
+  processes, a keep-pause asked of process 1 holds its new request until a resume asked of process 0, a
+  sleep asked of process 1 answers 503 ``model_sleeping`` on both until its wake (``/metrics`` of process 1
+  still answers: a 500 before session 23's fix, its sleep gauges read the cores); then a killed API process 1
+  stops the server with exit status 1 (no hang, no process left).
 
 Every wait is bounded by ``T`` (a hang, not a speed limit)."""
 
@@ -197,10 +199,11 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
 def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(tiny_model):
     """``--data-parallel-size 2``: each API process has a replica of each core; greedy answers on both
     processes, a keep-pause asked of process 1 freezes both cores and holds process 1's new request until a
-    resume asked of process 0. Then process 1 is killed: the server exits 1, no process left."""
+    resume asked of process 0; a sleep asked of process 1 refuses on both until its wake. Then process 1 is
+    killed: the server exits 1, no process left."""
     path = tiny_model("llama")
     srv = ServerProcess(path, "--api-server-count", "2", "--data-parallel-size", "2", "--max-model-len", "256",
-                        "--device", "cpu", "--disable-access-log").start()
+                        "--device", "cpu", "--disable-access-log", "--enable-sleep-mode").start()
     try:
         hf0 = load_hf(path, scale=0.0)
         prompts = [[5 + i, 60 + i, 9, 33 + 3 * i] for i in range(8)]
@@ -214,6 +217,18 @@ def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(ti
             _until(lambda: _sum(_metrics(by[1][1]), "rlserve_num_requests_held{") == 1, "process 1 holding it")
             assert by[0][0].post("/resume").status_code == 200
             assert held.result(T)[0] == got[0][0]
+        # a sleep asked of process 1: both processes answer 503 model_sleeping (streams too, before a 200), stay
+        # healthy, and serve again after a wake asked of process 1
+        assert by[1][0].post("/sleep", params={"level": 1}).json()["is_sleeping"] is True
+        body = {"model": path, "prompt": prompts[1], "max_tokens": 10, "temperature": 0}
+        for i in (0, 1):
+            for stream in (False, True):
+                r = by[i][0].post("/v1/completions", json={**body, "stream": stream})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_sleeping", (i, r.text)
+            assert by[i][0].get("/health").status_code == 200 and by[i][0].get("/metrics").status_code == 200
+        assert by[1][0].post("/wake_up").status_code == 200
+        for i in (0, 1):
+            assert _complete(by[i][0], path, prompts[1], 10, False)[0] == got[1][0]
         pids = [srv.proc.pid] + _children(srv.proc.pid)
         assert len(pids) == 4, pids  # process 0, process 1, two engine cores
         api1 = next(p for p in pids[1:] if "core_proc" not in open(f"/proc/{p}/cmdline").read())

@@ -32,7 +32,8 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   as the cores do.
 * **Metrics**: ``/metrics`` is per process (whichever process the connection reached; its
   ``rlserve_api_server_info{index,count}`` says which), not aggregated (vLLM aggregates with
-  prometheus_client's multiprocess mode: not done here).
+  prometheus_client's multiprocess mode: not done here); the sleep-mode gauges are process 0's only
+  (the others have no sleep state of their own: ``AsyncEngine.sleep_mode`` is None there).
 * **Request ids**: every route makes its id from a random 96-bit UUID part (``cmpl-``, ``chatcmpl-``,
   ...), so the ids of different processes do not collide in the cores.
 """

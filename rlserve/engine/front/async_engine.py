@@ -147,7 +147,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             self.shutdown()
             raise error
         self.sleep_mode = None  # rlserve.engine.front.async_sleep.AsyncSleep with enable_sleep_mode
-        if getattr(config, "enable_sleep_mode", False):
+        # (API process 0's only: the others forward the sleep routes to it and refuse as it says, front_sync)
+        if getattr(config, "enable_sleep_mode", False) and attach is None:
             from rlserve.engine.front.async_sleep import AsyncSleep
 
             self.sleep_mode = AsyncSleep(self)
