@@ -187,6 +187,11 @@ VARIABLES: dict[str, Var] = {
                                              "'0': the chat-template / constraint workers start at their first use, "
                                              "not with the server (the test suite's servers: most render no "
                                              "template; ~4 s of CPU per server start)"),
+    "RLSERVE_API_SERVER_ATTACH": Var("str | None", None, _str,
+                                     "internal (set by API process 0 for the processes it starts with "
+                                     "--api-server-count > 1): JSON of an API process > 0's client index, the shared "
+                                     "listening socket's fd and the cores' socket directories "
+                                     "(rlserve.server.multi_api)"),
     "RLSERVE_ENGINE_CORE_INIT": Var("str | None", None, _str,
                                     "'module:function' an engine-core process calls before it builds its "
                                     "engine (test hooks: fault injection, fakes)"),

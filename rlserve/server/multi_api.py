@@ -49,6 +49,8 @@ import subprocess
 import sys
 import threading
 
+from rlserve import envs
+
 logger = logging.getLogger(__name__)
 
 #: the environment variable that makes ``rlserve serve`` API process ``client_index`` > 0
@@ -67,7 +69,7 @@ CONTROL_PATHS = frozenset(p.rstrip("/") for p in (
 def attach_from_env() -> dict | None:
     """This process's attach description when it is API process 1..N-1, else None:
     ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket", "ready_fd"}``."""
-    raw = os.environ.get(ATTACH_ENV)
+    raw = envs.RLSERVE_API_SERVER_ATTACH
     return json.loads(raw) if raw else None
 
 

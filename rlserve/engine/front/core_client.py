@@ -27,15 +27,12 @@ import itertools
 import contextlib
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-import msgspec
 import zmq
 
 from rlserve.engine import core_protocol as proto
@@ -132,14 +129,7 @@ class CoreProcReplica(Replica):
 
     # ---- start ----------------------------------------------------------------------------
     def start(self) -> None:
-        in_addr, out_addr = core_spawn.client_addresses(self._dir)
-        cmd = [sys.executable, "-m", "rlserve.engine.core.core_proc", "--input", in_addr,
-               "--output", out_addr, "--dp-index", str(self.index), "--parent-pid", str(os.getpid()),
-               "--weight-version", self._version, "--config", msgspec.json.encode(self.config).decode(),
-               "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
-        for i in range(1, self.api_server_count):
-            client_in, client_out = core_spawn.client_addresses(self._dir, i)
-            cmd += ["--client-input", client_in, "--client-output", client_out]
+        cmd = core_spawn.core_command(self._dir, self.index, self._version, self.config, self.api_server_count)
         self.proc = (core_spawn.take_prestarted(self.index, cmd)
                      or core_spawn.spawn(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
         prefetch = getattr(self._tokenizer_loader, "prefetch", None)
@@ -481,17 +471,8 @@ class CoreProcReplica(Replica):
             self._pidfd = None
 
     def _wait_exit(self, timeout_s: float) -> bool:
-        """Whether the core's process has ended within ``timeout_s`` seconds. Woken by its pidfd
-        the moment it ends (``Popen.wait`` alone polls, up to 50 ms late); without one, polled."""
-        if self._pidfd is not None:
-            if not select.select([self._pidfd], [], [], timeout_s)[0]:
-                return False
-            timeout_s = max(timeout_s, 1.0)  # it has ended: only its reaping (maybe by the reader) is left
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        """Whether the core's process has ended within ``timeout_s`` seconds (:func:`core_spawn.wait_exit`)."""
+        return core_spawn.wait_exit(self.proc, self._pidfd, timeout_s)
 
     def _reap(self) -> None:
         """Kill the core's process group (the core and its TP workers) if still there; wait."""

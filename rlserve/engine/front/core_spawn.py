@@ -9,11 +9,14 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+
+import msgspec
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,36 @@ def client_addresses(directory: str, client_index: int = 0) -> tuple[str, str]:
     as with one API process)."""
     suffix = f"-{client_index}" if client_index else ""
     return f"ipc://{directory}/in{suffix}", f"ipc://{directory}/out{suffix}"
+
+
+def core_command(directory: str, dp_index: int, weight_version: str, config, api_server_count: int = 1) -> list[str]:
+    """The command line of replica ``dp_index``'s engine-core process (``python -m
+    rlserve.engine.core.core_proc``) whose sockets live in ``directory``: process 0's input and
+    output, then ``--client-input`` / ``--client-output`` of API processes 1..``api_server_count``-1;
+    ``config`` (an ``EngineConfig``) travels as JSON, the log level is this process's."""
+    in_addr, out_addr = client_addresses(directory)
+    cmd = [sys.executable, "-m", "rlserve.engine.core.core_proc", "--input", in_addr, "--output", out_addr,
+           "--dp-index", str(dp_index), "--parent-pid", str(os.getpid()), "--weight-version", weight_version,
+           "--config", msgspec.json.encode(config).decode(),
+           "--log-level", logging.getLevelName(logging.getLogger("rlserve").getEffectiveLevel()).lower()]
+    for i in range(1, api_server_count):
+        client_in, client_out = client_addresses(directory, i)
+        cmd += ["--client-input", client_in, "--client-output", client_out]
+    return cmd
+
+
+def wait_exit(proc: subprocess.Popen, pidfd: int | None, timeout_s: float) -> bool:
+    """Whether ``proc`` has ended (and is reaped) within ``timeout_s`` seconds. Woken by its ``pidfd``
+    the moment it ends (``Popen.wait`` alone polls, up to 50 ms late); without one (None), polled."""
+    if pidfd is not None:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            return False
+        timeout_s = max(timeout_s, 1.0)  # it has ended: only its reaping (maybe by the reader) is left
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def socket_dir(root: str | None = None) -> str:
