@@ -39,6 +39,7 @@ import time
 import torch
 
 from rlserve import envs
+from rlserve.layers import cpu_hugepages
 from rlserve.layers.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
@@ -263,25 +264,24 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor 
     repack writes memory that is already mapped. A fresh pack is new memory each time (glibc
     maps allocations this large anew: SmolLM2's 210 linears, 425 MB, repacked in 0.48-0.61 s
     of CPU fresh vs 0.16-0.21 s in place, one thread, the loaded 2-core machine). Any other
-    ``out`` is ignored (a fresh pack)."""
+    ``out`` is ignored (a fresh pack, on 2 MiB pages where the system allows:
+    :func:`rlserve.layers.cpu_hugepages.empty`)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available()):
         return None
     N, K = weight.shape
     P = -(-N // PANEL)
     w = weight.detach()
-    if out is not None and out.device.type == "cpu" and out.dtype == torch.float32 and \
-            tuple(out.shape) == (P, K, PANEL) and out.is_contiguous():
-        full = N // PANEL
-        if full:
-            out[:full].copy_(w[: full * PANEL].reshape(full, PANEL, K).transpose(1, 2))
-        if P > full:  # the last panel: its rows past N are zero
-            tail = w.new_zeros(PANEL, K)
-            tail[: N - full * PANEL] = w[full * PANEL:]
-            out[full:].copy_(tail.reshape(1, PANEL, K).transpose(1, 2))
-        return out
-    if P * PANEL != N:
-        w = torch.cat([w, w.new_zeros(P * PANEL - N, K)])
-    return w.reshape(P, PANEL, K).transpose(1, 2).contiguous()
+    if out is None or out.device.type != "cpu" or out.dtype != torch.float32 or \
+            tuple(out.shape) != (P, K, PANEL) or not out.is_contiguous():
+        out = cpu_hugepages.empty((P, K, PANEL), torch.float32)
+    full = N // PANEL
+    if full:
+        out[:full].copy_(w[: full * PANEL].reshape(full, PANEL, K).transpose(1, 2))
+    if P > full:  # the last panel: its rows past N are zero
+        tail = w.new_zeros(PANEL, K)
+        tail[: N - full * PANEL] = w[full * PANEL:]
+        out[full:].copy_(tail.reshape(1, PANEL, K).transpose(1, 2))
+    return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, bias: torch.Tensor | None = None,

@@ -44,7 +44,7 @@ from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs, specialization_re
 from rlserve.engine.worker import jit_warmup, prefill_graphs as pg
 from rlserve.engine.worker.step_input import StepInput
 from rlserve.h2d import fill_rows, gather_rows, to_device
-from rlserve.layers import cpu_gemm, kv_quant
+from rlserve.layers import cpu_gemm, cpu_hugepages, kv_quant
 from rlserve.layers.attention import Attention, AttentionMetadata, get_attention_backend, set_attention_backend
 from rlserve.lora import lora_of
 from rlserve.model_len import verify_max_model_len
@@ -408,10 +408,13 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, alloc=None) -> None:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
         for every attention layer (zeros). ``alloc(shape, dtype) -> zeroed tensor`` replaces
-        ``torch.zeros`` (sleep mode's arena)."""
+        ``torch.zeros`` (sleep mode's arena); on the CPU the default is
+        :func:`rlserve.layers.cpu_hugepages.zeros` (2 MiB pages where the system allows)."""
         self.num_blocks = num_blocks
         self.kv_caches = []
-        if alloc is None:
+        if alloc is None and torch.device(self.device).type == "cpu":
+            alloc = cpu_hugepages.zeros
+        elif alloc is None:
             def alloc(shape, dtype):
                 return torch.zeros(shape, dtype=dtype, device=self.device)
         fp8 = kv_quant.is_fp8(self.kv_cache_dtype)
