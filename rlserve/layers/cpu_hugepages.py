@@ -8,12 +8,16 @@ anonymous range with 2 MiB pages at first touch when ``/sys/kernel/mm/transparen
 enabled`` is ``always``, or ``madvise`` and the range was marked with ``madvise(MADV_HUGEPAGE)``
 (the default of many distributions, and of the CI machines: no process had a huge page there).
 
-:func:`empty` returns an uninitialised CPU tensor whose storage starts on a 2 MiB boundary, with
-its whole 2 MiB pages (the tail past the last one stays on small pages: no resident memory is
-added) marked ``MADV_HUGEPAGE`` before any of them is touched. The tensor is a view of a
-``uint8`` buffer up to 2 MiB larger (address space only: the part before the aligned start is
-never touched). Smaller tensors, other systems (no ``madvise``: macOS, Windows, musl without it)
-and ``RLSERVE_CPU_HUGEPAGES=0`` get a plain ``torch.empty``. Values and bits do not depend on it.
+:func:`empty` returns an uninitialised CPU tensor in a fresh anonymous private mapping of its own
+(``mmap``; never-touched pages, unlike memory that ``malloc`` hands back after an earlier free,
+which is already mapped on small pages and stays so: the first version of this module, on
+``torch.empty``, got huge pages for a third of the packed weights), its storage starting on a
+2 MiB boundary, with its whole 2 MiB pages (the tail past the last one stays on small pages: no
+resident memory is added) marked ``MADV_HUGEPAGE`` before any of them is touched. The mapping is
+up to 2 MiB longer than the tensor (address space only: the part before the aligned start is
+never touched) and is unmapped when the last view of it is freed. Smaller tensors, other systems
+(no ``MADV_HUGEPAGE``: macOS, Windows) and ``RLSERVE_CPU_HUGEPAGES=0`` get a plain
+``torch.empty``. Values and bits do not depend on it.
 
 Measured: SmolLM2's linears from memory and the decode attention of 30 layers ran 4-13% less CPU
 time on the 2-core AVX-512 Xeon KVM guest of session 23 (BENCHMARKS.md, "Issue 37 (s23)").
@@ -24,10 +28,8 @@ Used by :func:`rlserve.layers.cpu_gemm.pack` (fresh packs) and the CPU KV cache
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
+import mmap
 
 import torch
 
@@ -36,47 +38,32 @@ from rlserve import envs
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB granule) transparent huge page
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-_madvise = None  # ctypes libc.madvise, False where there is none
-
-
-def _libc_madvise():
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                fn = libc.madvise
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    return _madvise
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of ``shape`` / ``dtype``, on 2 MiB pages where
     possible (see the module docstring); a plain ``torch.empty`` for tensors under 2 MiB, where
-    ``madvise`` is missing, or with
-    ``RLSERVE_CPU_HUGEPAGES=0``. Write it before reading it, as any ``torch.empty``."""
+    ``mmap.MADV_HUGEPAGE`` is missing, or with ``RLSERVE_CPU_HUGEPAGES=0``. Write it before
+    reading it, as any ``torch.empty``.
+
+    Raises:
+        OSError: the mapping cannot be made (no address space or memory left).
+    """
     shape = tuple(int(s) for s in shape)
     n = 1
     for s in shape:
         n *= s
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    madvise = _libc_madvise() if envs.RLSERVE_CPU_HUGEPAGES and nbytes >= HUGE_PAGE else False
-    if not madvise:
+    if not (envs.RLSERVE_CPU_HUGEPAGES and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")):
         return torch.empty(shape, dtype=dtype)
-    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping until its last view is freed
     start = (-buf.data_ptr()) % HUGE_PAGE
-    out = buf[start:start + nbytes].view(dtype).view(shape)
-    if madvise(buf.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE) != 0:
-        # EINVAL where the kernel has no transparent huge pages: the range keeps small pages
-        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): small pages", ctypes.get_errno())
-    return out
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError as e:  # EINVAL where the kernel has no transparent huge pages: small pages
+        logger.debug("madvise(MADV_HUGEPAGE) failed (%s): small pages", e)
+    return buf[start:start + nbytes].view(dtype).view(shape)
 
 
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
