@@ -290,9 +290,9 @@ VARIABLES: dict[str, Var] = {
     "RLSERVE_CPU_MALLOC_TUNE": Var("bool", True, _flag,
                                    "'0': keep glibc's malloc thresholds in a CPU engine process (default: mmap 64 MiB, "
                                    "trim 256 MiB, so freed step tensors are reused)"),
-    "RLSERVE_CPU_HUGEPAGES": Var("bool", True, _flag,
-                                 "'0': the CPU path's packed weights and KV cache on the system's default pages "
-                                 "(default: 2 MiB transparent huge pages asked for with madvise)"),
+    "RLSERVE_CPU_HUGEPAGES": Var("bool", False, _flag,
+                                 "'1': the CPU path's packed weights and KV cache on 2 MiB transparent huge pages, "
+                                 "asked for with madvise (default 0: the system's default pages)"),
     "RLSERVE_CPU_ATTENTION": Var("str", "", _str, "'torch': paged decode attention in PyTorch, not the C kernel"),
     "RLSERVE_CPU_FUSED": Var("bool", True, _flag, "'0': PyTorch instead of the fused float32 C kernels"),
     "RLSERVE_CPU_PACKED_LINEAR": Var("bool", True, _flag,

@@ -1,6 +1,6 @@
-"""``rlserve.layers.cpu_hugepages``: large CPU tensors start on a 2 MiB boundary with their whole
-2 MiB pages advised ``MADV_HUGEPAGE`` (backed by huge pages where the kernel's transparent huge
-pages are on), small ones and ``RLSERVE_CPU_HUGEPAGES=0`` are plain tensors; the packed weights
+"""``rlserve.layers.cpu_hugepages``: with ``RLSERVE_CPU_HUGEPAGES=1`` large CPU tensors start on a
+2 MiB boundary with their whole 2 MiB pages advised ``MADV_HUGEPAGE`` (backed by huge pages where
+the kernel's transparent huge pages are on); small ones, the default and ``0`` are plain tensors; the packed weights
 and the CPU KV cache use it, with the same values."""
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ def test_huge_after_malloc_freed_memory_of_that_size(monkeypatch):
         assert _anon_huge_kb(t.data_ptr()) >= 3 * HUGE // 1024
 
 
-def test_small_tensor_and_switch_off_are_plain(monkeypatch):
+def test_small_tensor_default_and_switch_off_are_plain(monkeypatch):
+    monkeypatch.delenv("RLSERVE_CPU_HUGEPAGES", raising=False)
+    default = cpu_hugepages.empty((4, HUGE // 4), torch.float32)  # off by default (BENCHMARKS.md, s23)
+    assert default._base is None
     monkeypatch.setenv("RLSERVE_CPU_HUGEPAGES", "1")
     small = cpu_hugepages.empty((HUGE // 4 - 1,))  # one element short of a huge page
     assert small._base is None and small.shape == (HUGE // 4 - 1,)

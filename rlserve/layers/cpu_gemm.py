@@ -264,8 +264,8 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor 
     repack writes memory that is already mapped. A fresh pack is new memory each time (glibc
     maps allocations this large anew: SmolLM2's 210 linears, 425 MB, repacked in 0.48-0.61 s
     of CPU fresh vs 0.16-0.21 s in place, one thread, the loaded 2-core machine). Any other
-    ``out`` is ignored (a fresh pack, on 2 MiB pages where the system allows:
-    :func:`rlserve.layers.cpu_hugepages.empty`)."""
+    ``out`` is ignored (a fresh pack, from :func:`rlserve.layers.cpu_hugepages.empty`: on 2 MiB
+    pages with ``RLSERVE_CPU_HUGEPAGES=1``)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available()):
         return None
     N, K = weight.shape

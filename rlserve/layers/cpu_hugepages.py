@@ -15,12 +15,15 @@ which is already mapped on small pages and stays so: the first version of this m
 2 MiB boundary, with its whole 2 MiB pages (the tail past the last one stays on small pages: no
 resident memory is added) marked ``MADV_HUGEPAGE`` before any of them is touched. The mapping is
 up to 2 MiB longer than the tensor (address space only: the part before the aligned start is
-never touched) and is unmapped when the last view of it is freed. Smaller tensors, other systems
-(no ``MADV_HUGEPAGE``: macOS, Windows) and ``RLSERVE_CPU_HUGEPAGES=0`` get a plain
-``torch.empty``. Values and bits do not depend on it.
+never touched) and is unmapped when the last view of it is freed. Only with
+``RLSERVE_CPU_HUGEPAGES=1`` (off by default); smaller tensors, other systems (no
+``MADV_HUGEPAGE``: macOS, Windows) and the default get a plain ``torch.empty``. Values and bits
+do not depend on it.
 
-Measured: SmolLM2's linears from memory and the decode attention of 30 layers ran 4-13% less CPU
-time on the 2-core AVX-512 Xeon KVM guest of session 23 (BENCHMARKS.md, "Issue 37 (s23)").
+Measured on the 2-core AVX-512 Xeon KVM guest of session 23 (BENCHMARKS.md, "Issue 37 (s23)"):
+SmolLM2's linears from memory and the decode attention of 30 layers ran 5-15% less CPU time, the
+whole decode step in-process 1-10% less; the server's closed loop of 16 streams was not faster
+(0.91-1.03x in 5 rounds at autogroup nice -10, 0.90-0.98x in 3 under SCHED_FIFO), hence off by default.
 
 Used by :func:`rlserve.layers.cpu_gemm.pack` (fresh packs) and the CPU KV cache
 (:meth:`rlserve.engine.worker.model_runner.ModelRunner.allocate_kv_cache`).
@@ -42,8 +45,8 @@ HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB granule) transparent h
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of ``shape`` / ``dtype``, on 2 MiB pages where
-    possible (see the module docstring); a plain ``torch.empty`` for tensors under 2 MiB, where
-    ``mmap.MADV_HUGEPAGE`` is missing, or with ``RLSERVE_CPU_HUGEPAGES=0``. Write it before
+    possible (see the module docstring); a plain ``torch.empty`` unless ``RLSERVE_CPU_HUGEPAGES=1``,
+    for tensors under 2 MiB and where ``mmap.MADV_HUGEPAGE`` is missing. Write it before
     reading it, as any ``torch.empty``.
 
     Raises:

@@ -409,7 +409,7 @@ class ModelRunner:
         """Allocate and bind ``[num_blocks, block_size, kv_heads, head_dim]`` K and V caches
         for every attention layer (zeros). ``alloc(shape, dtype) -> zeroed tensor`` replaces
         ``torch.zeros`` (sleep mode's arena); on the CPU the default is
-        :func:`rlserve.layers.cpu_hugepages.zeros` (2 MiB pages where the system allows)."""
+        :func:`rlserve.layers.cpu_hugepages.zeros` (2 MiB pages with ``RLSERVE_CPU_HUGEPAGES=1``)."""
         self.num_blocks = num_blocks
         self.kv_caches = []
         if alloc is None and torch.device(self.device).type == "cpu":
