@@ -71,7 +71,7 @@ class LogprobJSON:
     def _context(ids: list[int], i: int, before=(), n_prompt: int = 0) -> list[int]:
         """The sampled ids before position ``i`` that vLLM decodes a logprob token after: the
         prompt's from its second token for a prompt position (``i < n_prompt``), else
-        ``before`` (the output's earlier ids) and the output's ids up to ``i``."""
+        ``before`` (the output's earlier ids: only its last 4 are read) and the output's ids up to ``i``."""
         if i < n_prompt:
             return ids[max(1, i - 4):i]
         return (list(before) + ids[n_prompt:i])[-4:]

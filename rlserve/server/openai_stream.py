@@ -178,7 +178,7 @@ async def stream_completions(state: ServerState, body: CompletionRequest, items,
                             lp_ids, lp_vals = list(ids) + lp_ids, list(plps) + lp_vals
                         lp = state.completion_logprobs(lp_ids, lp_vals, text_offset.get(idx, 0),
                                                        as_ids=body.return_tokens_as_token_ids,
-                                                       before=list(c.token_ids[:k0]),
+                                                       before=c.token_ids[max(0, k0 - 4):k0],  # (its context: 4 ids)
                                                        n_prompt=len(ids) if first and body.echo else 0)
                         if lp["tokens"]:
                             text_offset[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -320,7 +320,7 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, ids, rid,
                     if c.finish_reason is not None:
                         done.add(i)
                     lp = state.chat_logprobs(delta_ids, (c.logprobs or [])[k0:k0 + len(delta_ids)], top_k,
-                                             body.return_tokens_as_token_ids, c.token_ids[:k0]) \
+                                             body.return_tokens_as_token_ids, c.token_ids[max(0, k0 - 4):k0]) \
                         if body.logprobs and not hide else None
                     choice = chat_choice(i, delta, lp, finish, delta_ids if rti else None, version,
                                           # as vLLM: stop_reason goes with the finish_reason only

@@ -420,13 +420,15 @@ class ServerState(StructuredChecks, LogprobJSON):
                        endpoint: str, stream: bool = True, sink=None) -> AsyncIterator[Any]:
         """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons).
         ``stream=False`` yields only the final output; ``sink``: ``aengine.generate``'s (a stream's
-        direct writes: the outputs it takes are not yielded; the last one always is)."""
+        direct writes: the outputs it takes are not yielded; the last one always is). An unfinished output's
+        ``token_ids`` / ``logprobs`` may be read-only views (:mod:`rlserve.engine.prefix_view`): slice them."""
         t0 = time.monotonic()
         last = None
         if self.settings.enable_log_requests:
             log_request(request_id, prompt_ids, params, self.settings.max_log_len)
         try:
-            async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream, sink=sink):
+            async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream, sink=sink,
+                                                   views=True):  # (routes read views: prefix_view)
                 last = out
                 yield out
         finally:

@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Callable
 from rlserve import envs
 from rlserve.engine.front.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
 from rlserve.engine.front.front_request import FrontRequest, Wakeup, mark_delivered, put, put_all, stamped_abort, wait_all
+from rlserve.engine.prefix_view import plain_lists
 from rlserve.engine.front.replica_health import ReplicaHealth
 from rlserve.engine.front.replica_setup import build_replicas
 from rlserve.engine.front.weight_state import WeightsControl, WeightState
@@ -254,7 +255,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
 
     # ---- generation -------------------------------------------------------------------
     async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True,
-                       sink=None) -> AsyncIterator:
+                       sink=None, views: bool = False) -> AsyncIterator:
         """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the
         last one has ``finished == True``. A consumer slower than the engine skips
         intermediate outputs (they are cumulative: nothing is lost); with a stream interval N > 1
@@ -271,6 +272,9 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             sink: ``sink(output) -> bool``, called on the event loop with unfinished outputs before
                 they are yielded; an output it takes (True) is not yielded
                 (:mod:`rlserve.engine.front.front_request`: a stream's direct writes, issue 37).
+            views: True (rlserve's routes): an unfinished output's ``token_ids`` / ``logprobs`` may be
+                read-only :class:`~rlserve.engine.prefix_view.PrefixView` s (O(1) per output in process
+                mode); False: plain lists, as every finished output's (a copy per output, O(output length)).
 
         Raises:
             ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a
@@ -323,6 +327,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
                 if item.finished:
                     done = True
                 mark_delivered(req, item)
+                if not views:
+                    plain_lists(item)
                 yield item
                 if done:
                     return

@@ -27,6 +27,11 @@ paths), rule for rule:
 Each sample also keeps where each weight version's tokens start (``CompletionOutput.version_marks``): a delta's
 tokens are one step's, produced by its ``weight_versions[-1]``.
 
+A streamed request's unfinished outputs carry read-only views of its samples' token and logprob
+lists (:class:`~rlserve.engine.prefix_view.PrefixView`: O(1) per output, issue 37), which is why
+those lists only ever grow by appends here (a stop string cuts what is added, never what is there);
+its finished output carries lists.
+
 Errors are per request: one whose outputs cannot be processed (a tokenizer that raises on its
 tokens) ends alone with :class:`~rlserve.errors.EngineStepError` and is aborted in the
 core; the others go on.
@@ -38,10 +43,15 @@ import logging
 from typing import Any, Mapping
 
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
+from rlserve.engine.prefix_view import PrefixView
 from rlserve.engine.routed_experts import RoutedChunks
 from rlserve.errors import EngineStepError
 
 logger = logging.getLogger(__name__)
+
+
+def _view(items: list) -> PrefixView:
+    return PrefixView(items, len(items))
 
 
 class _NoText:
@@ -231,10 +241,14 @@ class OutputProcessor:
     def _output(rid: str, st: _State, d, finished: bool) -> RequestOutput:
         """The request's cumulative output. Positional arguments, in the dataclasses' field order
         (``rlserve/engine/outputs.py``): 2.7 against 6.5 us with keywords for one sample (2-core
-        Xeon, loaded), once per streamed request and step (issue 37)."""
+        Xeon, loaded), once per streamed request and step (issue 37). An unfinished output's
+        ``token_ids`` / ``logprobs`` are :class:`~rlserve.engine.prefix_view.PrefixView` s of the
+        sample's lists (O(1), not O(output length): they only grow by appends, :meth:`_extend`);
+        the finished output's are lists."""
         versions = list(d.weight_versions)
-        outs = [CompletionOutput(i, s.detok.visible_text, list(s.token_ids), s.cumulative_logprob,
-                                 None if s.logprobs is None else list(s.logprobs),
+        seq = list if finished else _view  # (an unfinished output: O(1) views of lists that only grow)
+        outs = [CompletionOutput(i, s.detok.visible_text, seq(s.token_ids), s.cumulative_logprob,
+                                 None if s.logprobs is None else seq(s.logprobs),
                                  None if s.finish_reason is None else s.routed.result(
                                      len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
                                  s.finish_reason, s.stop_reason,
