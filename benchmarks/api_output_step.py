@@ -10,7 +10,9 @@ ordinary tokens. Prompts: ``--prompt-len`` random ordinary tokens. ``--tokenizer
 a real tokenizer (a directory ``AutoTokenizer`` loads, e.g. the default model's in rlserve's cache,
 ``~/.cache/rlserve/SmolLM2-135M-Instruct``) instead of the tiny one. ``--tokens-per-step K``: each
 delta carries K tokens (the core's deltas of K steps handled together, as when the event loop
-falls behind); the figure stays per request and message. ``--text PATH``: output ids are the
+falls behind); the figure stays per request and message. ``--start-len N``: each request already has
+N output tokens (an uncounted first message) when the counted steps start: the per-step cost of a
+long output (issue 37's O(output length) copies). ``--text PATH``: output ids are the
 tokenization of that file (each request from its own random offset, wrapping): text a model would
 write, instead of ``--ids`` 's random ones (which, drawn from a byte-level tokenizer's first
 ids, are mostly single bytes: invalid UTF-8). The figure is
@@ -55,39 +57,43 @@ def load_tokenizer(path: str | None):
 
 
 def run(requests: int, steps: int, ids: tuple[int, int], prompt_len: int, seed: int, tok, per_step: int = 1,
-        text_ids: list[int] | None = None) -> float:
+        text_ids: list[int] | None = None, start_len: int = 0) -> float:
     """CPU seconds per request-step of decoding ``steps`` core messages of ``requests`` deltas
     (``per_step`` tokens each: drawn from ``ids``, or read from ``text_ids``) and processing them
-    (one output per request per message)."""
+    (one output per request per message). ``start_len`` > 0: a first, uncounted message gives each
+    request that many output tokens (the counted steps are then those of a long output)."""
     from rlserve.engine import core_protocol as proto
     from rlserve.engine.front.output_processor import OutputProcessor
     from rlserve.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps * per_step, ignore_eos=True)
+    params = SamplingParams(max_tokens=start_len + steps * per_step + 1, ignore_eos=True)
     reqs = {f"r{i}": SimpleNamespace(prompt=None, params=params, stream=True, arrival_time=0.0)
             for i in range(requests)}
     prompts = {rid: [rng.randrange(3, 300) for _ in range(prompt_len)] for rid in reqs}
     if text_ids:
         pos = {rid: rng.randrange(len(text_ids)) for rid in reqs}
 
-        def draw(rid):
-            out = [text_ids[(pos[rid] + j) % len(text_ids)] for j in range(per_step)]
-            pos[rid] += per_step
+        def draw(rid, k=per_step):
+            out = [text_ids[(pos[rid] + j) % len(text_ids)] for j in range(k)]
+            pos[rid] += k
             return out
     else:
-        def draw(rid):
-            return [rng.randrange(*ids) for _ in range(per_step)]
+        def draw(rid, k=per_step):
+            return [rng.randrange(*ids) for _ in range(k)]
     enc = proto.output_encoder()
     frames = []
-    for k in range(steps):
-        deltas = [proto.RequestDelta(rid, [proto.SampleDelta(0, draw(rid), [-1.0] * per_step)], finished=False, weight_versions=["0"],
-                                     first_token_time=1.0,
-                                     start=proto.RequestStart(prompts[rid]) if k == 0 else None)
-                  for rid in reqs]
+    first = -1 if start_len else 0  # (the frame that carries the requests' starts)
+    for k in range(first, steps):
+        deltas = [proto.RequestDelta(rid, [proto.SampleDelta(0, toks, [-1.0] * len(toks))], finished=False,
+                                     weight_versions=["0"], first_token_time=1.0,
+                                     start=proto.RequestStart(prompts[rid]) if k == first else None)
+                  for rid in reqs for toks in [draw(rid, start_len if k < 0 else per_step)]]
         frames.append(enc.encode(proto.CoreOutputs(deltas=deltas)))
     dec = proto.output_decoder()
     op = OutputProcessor(tok)
+    if start_len:  # the uncounted first message: long outputs already
+        op.process(dec.decode(frames.pop(0)).deltas, reqs)
     from rlserve.gc_heap import freeze_startup_heap
 
     freeze_startup_heap("api_output_step")  # as rlserve serve does before serving
@@ -126,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="a tokenizer directory (default: the tests' tiny tokenizer)")
     p.add_argument("--tokens-per-step", type=int, default=1)
     p.add_argument("--text", help="output ids: this file's tokens (default: random --ids)")
+    p.add_argument("--start-len", type=int, default=0,
+                   help="output tokens each request has before the counted steps (an uncounted first message)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     tok = load_tokenizer(args.tokenizer)
@@ -134,13 +142,13 @@ def main(argv=None) -> int:
         with open(args.text, encoding="utf-8") as f:
             text_ids = tok.encode(f.read(), add_special_tokens=False)
     runs = [run(args.requests, args.steps, tuple(args.ids), args.prompt_len, args.seed + r, tok, args.tokens_per_step,
-                text_ids) for r in range(args.repeats)]
+                text_ids, args.start_len) for r in range(args.repeats)]
     best = min(runs)
     import rlserve
 
     res = {"us_per_request_step": round(best * 1e6, 2), "runs_us": [round(x * 1e6, 2) for x in runs],
            "requests": args.requests, "steps": args.steps, "ids": list(args.ids), "tokenizer": args.tokenizer or "tiny", "text": args.text,
-           "tokens_per_step": args.tokens_per_step, "rlserve": os.path.dirname(rlserve.__file__),
+           "tokens_per_step": args.tokens_per_step, "start_len": args.start_len, "rlserve": os.path.dirname(rlserve.__file__),
            "load": os.getloadavg()[0]}
     print(json.dumps(res))
     if args.json:
