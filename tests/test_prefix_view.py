@@ -102,7 +102,34 @@ def test_async_engine_callers_get_lists_and_rlserves_routes_get_views(tiny_model
     assert viewed[-1].finished and type(viewed[-1].outputs[0].token_ids) is list
     # (how many unfinished outputs come depends on the machine's speed: a slow consumer gets fewer)
     assert all(type(o.outputs[0].token_ids) is PrefixView for o in viewed[:-1])
-    assert plain[-1].outputs[0].token_ids == viewed[-1].outputs[0].token_ids and len(plain[-1].outputs[0].token_ids) == 12
+    final = viewed[-1].outputs[0].token_ids
+    assert plain[-1].outputs[0].token_ids == final and len(final) == 12
     for o in viewed[:-1]:  # each a prefix of the final tokens
         c = o.outputs[0]
-        assert c.token_ids == viewed[-1].outputs[0].token_ids[:len(c.token_ids)] and len(c.logprobs) == len(c.token_ids)
+        assert c.token_ids == final[:len(c.token_ids)] and len(c.logprobs) == len(c.token_ids)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streams_read_views_as_they_read_lists(monkeypatch, chat):
+    """The streamed routes' encoders give the same bytes for outputs holding views as for the same outputs
+    holding lists (logprobs with their token context, return_token_ids, a version change mid-stream)."""
+    import copy
+
+    from rlserve.server import stream_chunks
+    from tests import test_sse_templates as sse
+
+    monkeypatch.setattr(stream_chunks, "system_fingerprint", lambda state: "fp-test")
+    tok = sse.build_tokenizer()
+    outs = sse._outputs(tok, sse._ids(tok, "Hello wé 世界 ok, ünï") + [0, 1], n=2, logprobs=True, versions=("v1", "v2"))
+    assert any(type(c.token_ids) is PrefixView for o in outs for c in o.outputs)
+    listed = copy.deepcopy(outs)
+    for o in listed:
+        plain_lists(o)
+    assert not any(type(c.token_ids) is PrefixView or type(c.logprobs) is PrefixView for o in listed for c in o.outputs)
+    if chat:
+        body = {"logprobs": True, "top_logprobs": 2, "return_token_ids": True, "n": 2}
+        got, want = (b"".join(sse._chat(sse._State(tok), body, x)) for x in (outs, listed))
+    else:
+        body = {"logprobs": 2, "return_token_ids": True, "n": 2}
+        got, want = (b"".join(sse._completions(sse._State(tok), body, [x])) for x in (outs, listed))
+    assert got == want and b'"top_logprobs"' in got and b'"token_ids":[' in got
