@@ -74,7 +74,7 @@ def test_plain_lists_replaces_views_in_place():
     out = RequestOutput("r", None, PROMPT, None, [CompletionOutput(0, "", PrefixView(items, 2), None,
                                                                    PrefixView(lps, 2)),
                                                   CompletionOutput(1, "", [9], None, None)], False)
-    plain_lists(out)
+    assert plain_lists(out) is out
     a, b = out.outputs
     assert type(a.token_ids) is list and a.token_ids == [1, 2] and a.logprobs == [{1: -0.5}, {2: -0.25}]
     assert type(a.logprobs) is list and b.token_ids == [9] and b.logprobs is None

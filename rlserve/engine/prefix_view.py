@@ -70,11 +70,12 @@ class PrefixView:
         return repr(self.tolist())
 
 
-def plain_lists(out) -> None:
-    """Replace ``out`` 's (a ``RequestOutput``) views by lists, in place: what a caller outside
-    rlserve's routes gets (O(output length), paid only there)."""
+def plain_lists(out):
+    """Replace ``out`` 's (a ``RequestOutput``) views by lists, in place, and return it: what a caller
+    outside rlserve's routes gets (O(output length), paid only there)."""
     for c in out.outputs:
         if type(c.token_ids) is PrefixView:
             c.token_ids = c.token_ids.tolist()
         if type(c.logprobs) is PrefixView:
             c.logprobs = c.logprobs.tolist()
+    return out

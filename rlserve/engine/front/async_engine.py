@@ -272,9 +272,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
             sink: ``sink(output) -> bool``, called on the event loop with unfinished outputs before
                 they are yielded; an output it takes (True) is not yielded
                 (:mod:`rlserve.engine.front.front_request`: a stream's direct writes, issue 37).
-            views: True (rlserve's routes): an unfinished output's ``token_ids`` / ``logprobs`` may be
-                read-only :class:`~rlserve.engine.prefix_view.PrefixView` s (O(1) per output in process
-                mode); False: plain lists, as every finished output's (a copy per output, O(output length)).
+            views: True (rlserve's routes): an unfinished output's ``token_ids`` / ``logprobs`` may be O(1)
+                read-only views (:mod:`rlserve.engine.prefix_view`); False: lists (a copy each, as before).
 
         Raises:
             ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a
@@ -327,9 +326,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
                 if item.finished:
                     done = True
                 mark_delivered(req, item)
-                if not views:
-                    plain_lists(item)
-                yield item
+                yield item if views else plain_lists(item)
                 if done:
                     return
         finally:
