@@ -51,7 +51,9 @@
 #   base_tree PATCH DIR  BASE: a copy of this tree's rlserve, tests and benchmarks in DIR with PATCH (a diff of
 #                   this tree's change) applied in reverse (`git apply -R`, else `patch -R`): the tree before the
 #                   change, for an A/B in one run; BASE empty (this tree alone) where it does not apply, with a line
-#                   saying why ($OUT_DIR/base_patch.err)
+#                   saying why ($OUT_DIR/base_patch.err). A feature's own diff stops reversing once later commits
+#                   touch its lines (session 23 found all three of its base patches broken): the base_REV.patch files
+#                   are `git diff REV HEAD -- rlserve/` (base = main at REV); regenerate one after rlserve/ moves
 #   start_lines LOG WIDTH  from benchmarks/startup_stop.py --show-start-log's LOG, one line per run (which tree:
 #                   new = $NEW, base = $BASE; ready; first request) and that run's "start-up: ... took" lines, cut to
 #                   WIDTH characters, to stdout and $OUT_DIR/summary.txt

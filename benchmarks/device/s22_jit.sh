@@ -8,8 +8,8 @@
 #   1) "new": benchmarks/jit_misses.py on this tree (Qwen3-0.6B shape, dummy bf16, the engine's CUDA defaults; bursts
 #      of 1..256 requests, prompts 1..4,096 tokens, one request a step, n > 1, logprobs, seeds, stop tokens,
 #      prefix hits): every JIT miss after ready, with the step it stalled
-#   2) "base": the same tool (half the requests) on this tree minus session 22's rlserve change (s22_jit_base.patch
-#      reversed), same call: the before/after pair (the base run finds the new run's kernels in Triton's disk cache only where both
+#   2) "base": the same tool (half the requests) on main at 4494894 (session 22's start: base_4494894.patch, the
+#      diff of rlserve/ to main at session 23's end, reversed; it also lacks session 22-23's other rlserve changes), same call: the before/after pair (the base run finds the new run's kernels in Triton's disk cache only where both
 #      trees compile the same variant; a miss is counted whether it compiles or loads)
 #   3) "mixed": step 1 with mixed_prefill_decode=true (a mixed step's decode rows are metadata views at offsets)
 #   4) tests/gpu/test_jit_misses_gpu.py (zero misses after ready, default and mixed, smaller workload)
@@ -23,7 +23,7 @@
 NAME=s22_jit BUDGET=${BUDGET:-300}; source "$(dirname "$0")/lib.sh"
 say "card: $CARD (BUDGET $BUDGET s); git $(git rev-parse --short HEAD 2>/dev/null); host load $(cut -d' ' -f1-3 /proc/loadavg)"
 NEW=$PWD
-base_tree "$NEW/benchmarks/device/s22_jit_base.patch" /tmp/s22_jit_base
+base_tree "$NEW/benchmarks/device/base_4494894.patch" /tmp/s22_jit_base
 if [ "$DRY_RUN" = 1 ]; then
   J=(--shape tiny-llama --device cpu --dtype float32 --max-model-len 512 --max-num-seqs 16 --scale 0.05); HALF=0.03
 else

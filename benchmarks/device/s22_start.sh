@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Session 22, issue 37 (start22; budget $BUDGET, 150 s by default; `run_window.sh start:180` leaves step B its time): `rlserve serve` of the dummy Qwen3-8B shape
 # (tiny tokenizer, --max-model-len 2056), process start -> ready, this tree against the tree before session 22's
-# start-up change (s22_start_base.patch taken out again: the engine-core process loading its tokenizer, and so
-# transformers' tokenizer classes, before ready). Target: <= 15 s; session 21's H100 run (T12): 15.11 s, the core's
+# start-up change: the base is main at 4494894 (session 22's start; base_4494894.patch, the diff of rlserve/ from
+# there to main at session 23's end, taken out again), so it also lacks session 22-23's other rlserve changes: the
+# engine-core process loading its tokenizer, and so transformers' tokenizer classes, before ready, is the start-up one. Target: <= 15 s; session 21's H100 run (T12): 15.11 s, the core's
 # imports 9.47 s (engine modules 5.99 s, of which `from transformers import AutoTokenizer` 5.6 s cumulative).
 # What to expect: with transformers 5.17 (that image) the model's config module imports `auto_factory` ->
 # `GenerationMixin` anyway (its @auto_docstring reads `modeling_auto`), so most of those 5.6 s move to the
@@ -28,7 +29,7 @@ else
 fi
 NEW=$PWD
 export RLSERVE_GPU_START_OVERLAP=1 RLSERVE_TRITON_PRECOMPILE=1
-base_tree "$NEW/benchmarks/device/s22_start_base.patch" /tmp/s22_start_base
+base_tree "$NEW/benchmarks/device/base_4494894.patch" /tmp/s22_start_base
 $PY -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" 2>&1 \
   | tail -n 1 | tee -a "$OUT_DIR/summary.txt"
 
