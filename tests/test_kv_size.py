@@ -105,3 +105,30 @@ def test_the_engine_refuses_a_cache_of_no_block_as_a_setting(tiny_model):
     with pytest.raises(InvalidRequestError, match=r"^no memory left for the KV cache \(10 bytes for blocks of 8192 "
                                                   r"bytes\); raise --kv-cache-bytes to at least one block$"):
         LLM(tiny_model("llama"), dtype="float32", device="cpu", kv_cache_bytes=10)
+
+
+@pytest.mark.parametrize("given", [None, 20000])
+def test_max_model_len_auto_recomputes_the_default_step_budget_after_the_fit(tiny_model, monkeypatch, given):
+    """CUDA without chunked prefill (the device type stood in at the budget's decision; a CPU engine): the
+    default ``max_num_batched_tokens`` is ``max(8192, max_model_len)`` of the length AFTER
+    ``--max-model-len auto`` cut it to the KV cache (here 56, so 8192), not of the model's 16384; the
+    scheduler and the executor (``set_token_limits``) get that. A budget the user gave stays as given."""
+    from rlserve import LLM
+    from rlserve.engine.core import llm_engine
+
+    monkeypatch.setattr(llm_engine, "_budget_device_type", lambda executor: "cuda")
+    path = tiny_model("llama", max_position_embeddings=16384)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=14, max_model_len=-1,
+              enable_chunked_prefill=False, max_num_batched_tokens=given)
+    engine = llm.engine
+    assert engine.max_model_len == 56
+    want = 8192 if given is None else given
+    assert engine.config.max_num_batched_tokens == want
+    assert engine.scheduler.max_num_batched_tokens == want
+    assert engine.executor.config.max_num_batched_tokens == want
+    assert engine.executor.config.max_model_len == 56
+    # without the fit (the model's length, 16384, fits a cache of 4096 blocks), the budget is that length
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=4096, max_model_len=-1,
+              enable_chunked_prefill=False, max_num_batched_tokens=given)
+    assert llm.engine.max_model_len == 16384
+    assert llm.engine.config.max_num_batched_tokens == (16384 if given is None else given)

@@ -32,7 +32,7 @@ from rlserve.startup_log import Phases, log_phase
 
 logger = logging.getLogger(__name__)
 
-_CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see LLMEngine.__init__)
+_CPU_MAX_NUM_BATCHED_TOKENS = 1024  # the CPU default (see _default_max_num_batched_tokens)
 
 
 def _cache_source(config: EngineConfig, executor) -> str:
@@ -44,6 +44,27 @@ def _cache_source(config: EngineConfig, executor) -> str:
     if config.kv_cache_bytes is None:
         return f"--kv-cache-bytes {CPU_KV_CACHE_BYTES} (the default)"
     return f"--kv-cache-bytes {config.kv_cache_bytes}"
+
+
+def _budget_device_type(executor) -> str:
+    """The executor's device type (``"cuda"``, ``"cpu"``) as the step budget's default reads it (a seam:
+    tests stand a CUDA device in here on a CPU engine)."""
+    return torch.device(executor.device).type
+
+
+def _default_max_num_batched_tokens(device_type: str, enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The step's token budget (``--max-num-batched-tokens``) when the user gave none, in tokens.
+
+    CUDA: vLLM's server default (8192): fewer, larger prefill steps (a prefill step runs eagerly: hundreds
+    of kernel launches from Python each); without chunked prefill the longest prompt must fit one step, so
+    ``max(8192, max_model_len)`` -- with ``--max-model-len auto`` the length after the KV-cache fit, not the
+    model's. CPU: prefill steps of ~1024 tokens keep the linears' activations in cache (a longer prompt
+    still runs alone). SmolLM2-135M's 30 layers, one thread, Zen 5 (2026-12-02): 1.03 ms of CPU per token
+    at 1,024 rows, 1.31 at 8,192; issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
+    instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)."""
+    if device_type == "cuda":
+        return 8192 if enable_chunked_prefill else max(8192, max_model_len)
+    return _CPU_MAX_NUM_BATCHED_TOKENS
 
 
 class LLMEngine(EngineStep, RequestAdmission):
@@ -159,19 +180,10 @@ class LLMEngine(EngineStep, RequestAdmission):
         auto_fit = config.max_model_len == AUTO_MAX_MODEL_LEN  # (vLLM's -1: cut to the KV cache below)
         config.max_model_len = verify_max_model_len(config.max_model_len, self.hf_config)
         self.max_model_len = config.max_model_len
-        if config.max_num_batched_tokens is None:
-            if torch.device(executor.device).type == "cuda":
-                # vLLM's server default (8192): fewer, larger prefill steps (a prefill step
-                # runs eagerly: hundreds of kernel launches from Python each); without chunked
-                # prefill the longest prompt must fit one step
-                config.max_num_batched_tokens = 8192 if config.enable_chunked_prefill else max(8192, self.max_model_len)
-            else:
-                # CPU: prefill steps of ~1024 tokens keep the linears' activations in cache
-                # (a longer prompt still runs alone). SmolLM2-135M's 30 layers, one thread,
-                # Zen 5 (2026-12-02): 1.03 ms of CPU per token at 1,024 rows, 1.31 at 8,192;
-                # issue 22's 64 prompts (10,464 tokens) prefilled in 15.8 / 16.6 s of CPU
-                # instead of 18.1 / 20.2 (BENCHMARKS.md, issue 22, eighth session)
-                config.max_num_batched_tokens = _CPU_MAX_NUM_BATCHED_TOKENS
+        default_budget = config.max_num_batched_tokens is None
+        if default_budget:
+            config.max_num_batched_tokens = _default_max_num_batched_tokens(
+                _budget_device_type(executor), config.enable_chunked_prefill, self.max_model_len)
         # (TP followers hold a copy of the config made before these were resolved)
         executor.set_token_limits(self.max_model_len, config.max_num_batched_tokens)
         if config.max_consecutive_prefill_steps is None:
@@ -188,6 +200,9 @@ class LLMEngine(EngineStep, RequestAdmission):
         if auto_fit:
             config.max_model_len = self.max_model_len = fit_max_model_len(
                 num_blocks, config.block_size, self.max_model_len, source)
+            if default_budget:  # (CUDA without chunked prefill: the budget follows the fitted length)
+                config.max_num_batched_tokens = _default_max_num_batched_tokens(
+                    _budget_device_type(executor), config.enable_chunked_prefill, self.max_model_len)
             executor.set_token_limits(self.max_model_len, config.max_num_batched_tokens)
         check_cache_holds_one_sequence(num_blocks, config.block_size, self.max_model_len, source,
                                        executor.bytes_per_block())
