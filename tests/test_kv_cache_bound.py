@@ -159,3 +159,35 @@ def test_serve_checks_kv_cache_bytes_only_where_the_engine_runs_on_the_cpu(tiny_
     assert err == "rlserve serve: error: " + (want if checked else "past the KV check")
     assert main(flags + ["--num-kv-blocks", "4"]) == 2
     assert "(--num-kv-blocks 4: 4 blocks of 16 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, cuda_devices, warned", [
+    ("auto", 1, True), ("cuda", 1, True),  # the GPU sizes its cache from --gpu-memory-utilization
+    ("auto", 0, False), ("auto", None, False), ("cpu", 1, False)])  # the engine runs on the CPU: it reads the flag
+def test_serve_warns_that_a_gpu_ignores_kv_cache_bytes(tiny_model, monkeypatch, caplog, device, cuda_devices, warned):
+    """``--kv-cache-bytes`` where the engine will run on a CUDA device (the driver's device count stood in at the
+    decision; the device check after it stops the start): one warning that the GPU ignores it, naming the flag
+    that does size the GPU's cache; none on the CPU, and none with ``--num-kv-blocks`` (it wins everywhere)."""
+    import logging
+
+    from rlserve.cli import main, serve
+
+    monkeypatch.setattr(serve, "_driver_device_count", lambda: cuda_devices)
+
+    def past_the_kv_check(config):
+        raise ValueError("past the KV check")
+
+    monkeypatch.setattr(serve, "_check_device", past_the_kv_check)
+    flags = ["serve", tiny_model("llama"), "--device", device, "--max-model-len", "128", "--port", "0",
+             "--engine-mode", "thread", "--kv-cache-bytes", "1048576"]  # 128 blocks of 8,192 bytes: 2,048 tokens
+    with caplog.at_level(logging.WARNING, logger="rlserve.serve"):
+        assert main(flags) == 2
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "rlserve.serve" and "--kv-cache-bytes" in r.getMessage()]
+    assert warnings == ([f"--kv-cache-bytes 1048576 is ignored on a CUDA device (--device {device}): the GPU sizes its "
+                         "KV cache from --gpu-memory-utilization; use --num-kv-blocks to fix its size"]
+                        if warned else [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlserve.serve"):
+        assert main(flags + ["--num-kv-blocks", "16"]) == 2
+    assert not [r for r in caplog.records if "--kv-cache-bytes" in r.getMessage()]

@@ -131,15 +131,17 @@ def _cpu_only(config) -> bool:
 
 def _check_kv_cache(config, model_path: str, max_model_len: int) -> None:
     """The KV cache's size checked before any engine starts (:func:`rlserve.kv_size.check_kv_cache_bytes`):
-    ``--num-kv-blocks`` on any device; ``--kv-cache-bytes`` (unset: the 512 MiB CPU default) only where the
-    engine will run on the CPU (:func:`_cpu_only`). On a GPU the cache's size comes from its free memory
-    (``--gpu-memory-utilization``) and ``--kv-cache-bytes`` is not read: nothing to check here (``--device auto``
-    on a CUDA machine got the CPU check of ``--kv-cache-bytes`` before session 23, refusing a size the GPU would
-    ignore). ``max_model_len``: the checkpoint-checked length (unused for ``--max-model-len auto``).
+    ``--num-kv-blocks`` anywhere; ``--kv-cache-bytes`` (unset: the 512 MiB CPU default) only where the engine will
+    run on the CPU (:func:`_cpu_only`). A GPU ignores ``--kv-cache-bytes`` (``--gpu-memory-utilization`` sizes it):
+    one warning where it came without ``--num-kv-blocks``. ``max_model_len``: the checkpoint-checked length.
 
     Raises:
         InvalidRequestError: the cache cannot hold one sequence (one line with the bytes)."""
     if config.num_kv_blocks is None and not _cpu_only(config):
+        if config.kv_cache_bytes is not None:
+            logger.warning("--kv-cache-bytes %d is ignored on a CUDA device (--device %s): the GPU sizes its KV cache "
+                           "from --gpu-memory-utilization; use --num-kv-blocks to fix its size",
+                           config.kv_cache_bytes, config.device)
         return
     check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
                          None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
