@@ -266,3 +266,23 @@ def test_api_server_count_refusals(capsys, flags, error):
     the pair, before any engine starts (rlserve/server/multi_api.py check_args)."""
     assert cli_main(["serve", "m", "--api-server-count", "2", *flags]) == 2
     assert capsys.readouterr().err == f"rlserve serve: error: {error}\n"
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_api_server_count_turns_restarts_off_and_only_process_0_says_so(monkeypatch, caplog, attached):
+    """``--api-server-count 2``: engine-core restarts are turned off (``max_engine_restarts`` 0) in every API
+    process, and the line saying so is logged by process 0 alone (processes 1..N-1 run the same command line
+    with ``RLSERVE_API_SERVER_ATTACH`` set; a new user saw it twice, session 23)."""
+    from rlserve.server import multi_api
+
+    if attached:
+        monkeypatch.setenv("RLSERVE_API_SERVER_ATTACH", '{"client_index": 1}')
+    else:
+        monkeypatch.delenv("RLSERVE_API_SERVER_ATTACH", raising=False)
+    args = argparse.Namespace(api_server_count=2, enable_lora=False, engine_mode="process", max_engine_restarts=3)
+    with caplog.at_level(logging.INFO, logger="rlserve.server.multi_api"):
+        assert multi_api.check_args(args) is None
+    assert args.max_engine_restarts == 0
+    said = [r.getMessage() for r in caplog.records if "restarts are off" in r.getMessage()]
+    assert said == ([] if attached else
+                    ["--api-server-count 2: engine-core restarts are off (--max-engine-restarts ignored)"])

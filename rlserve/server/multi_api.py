@@ -87,8 +87,8 @@ def check_args(args) -> str | None:
     if (args.engine_mode or "process") != "process":
         return "--api-server-count > 1 needs --engine-mode process (the API processes share the engine-core processes)"
     if args.max_engine_restarts:
-        logger.info("--api-server-count %d: engine-core restarts are off (--max-engine-restarts %d not used)", n,
-                    args.max_engine_restarts)
+        if attach_from_env() is None:  # said once, by process 0 (the others run the same command line)
+            logger.info("--api-server-count %d: engine-core restarts are off (--max-engine-restarts ignored)", n)
         args.max_engine_restarts = 0
     return None
 
@@ -160,7 +160,9 @@ class APIServerProcessManager:
             finally:
                 os.close(w)
             self._ready.append(r)
-        logger.info("API servers 1..%d started (pids %s)", self.count - 1, ", ".join(str(p.pid) for p in self.procs))
+        which = "1" if self.count == 2 else f"1..{self.count - 1}"
+        logger.info("API server process%s %s started (pid%s %s)", "" if self.count == 2 else "es", which,
+                    "" if self.count == 2 else "s", ", ".join(str(p.pid) for p in self.procs))
 
     def wait_ready(self) -> bool:
         """Block until every process said it serves (:func:`say_ready`); False when one ended first."""
