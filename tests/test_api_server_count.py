@@ -9,11 +9,12 @@
   update runs meanwhile through the HTTP control routes, and after ``/resume`` (again through process 1)
   the held request runs on the new weights only (``weight_versions == ["v1"]``, the trainer's greedy
   ids); streams frozen by the pause name both versions; one of process 1's frozen streams aborted by its
-  id through process 0 ends with ``abort`` (when the freeze caught all four streams in the core: the
-  core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
+  id through process 0 ends with ``abort``, the answer's ``aborted`` 1 (when the freeze caught all four streams
+  in the core: the core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
 * SIGTERM stops everything (the API processes and the engine core: no process left);
 * with ``--data-parallel-size 2`` (two cores, each process a replica of each): greedy answers on both
-  processes, a keep-pause asked of process 1 holds its new request until a resume asked of process 0, a
+  processes, a keep-pause asked of process 1 holds its new request (``/abort_requests`` asked of process 0
+  ends it and counts it once: ``aborted`` 1) and its next one until a resume asked of process 0, a
   sleep asked of process 1 answers 503 ``model_sleeping`` on both until its wake (``/metrics`` of process 1
   still answers: a 500 before session 23's fix, its sleep gauges read the cores); then a killed API process 1
   stops the server with exit status 1 (no hang, no process left).
@@ -96,7 +97,8 @@ def _complete(client: httpx.Client, model: str, prompt: list[int], n: int, strea
               extra_body={"return_token_ids": True, "ignore_eos": True})
     if not stream:
         r = oc.completions.create(**kw)
-        return r.choices[0].model_extra["token_ids"], {**r.model_extra, **r.choices[0].model_extra}
+        c = r.choices[0]
+        return c.model_extra["token_ids"], {**r.model_extra, **c.model_extra, "finish_reason": c.finish_reason}
     ids, last = [], {}
     for chunk in oc.completions.create(stream=True, **kw):
         if seen is not None:
@@ -155,9 +157,10 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         running = _sum(_metrics(by[0][0]), "vllm:num_requests_running")  # (the core's count at the freeze)
         spanning = running > 0
         if running == len(long_jobs):  # all frozen in the core: stream 2 (process 1's) cannot end before its abort,
-            # which goes to process 0 (it counts only its own requests) and reaches process 1 through the core
+            # which goes to process 0 and reaches process 1 through the core (counted by process 1's ack; was 0
+            # before session 23's fix: process 0 counted only its own)
             r = by[0][0].post("/abort_requests", json={"request_ids": [seen[2]]})
-            assert r.status_code == 200 and r.json() == {"status": "ok", "aborted": 0}, r.text
+            assert r.status_code == 200 and r.json() == {"status": "ok", "aborted": 1}, r.text
             ids, extra = streams[2].result(T)
             assert extra["finish_reason"] == "abort" and 0 < len(ids) < 1500 and extra["weight_versions"] == ["0"]
         held = pool.submit(_complete, by[1][0], path, prompts[0], 12, False)
@@ -213,6 +216,13 @@ def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(ti
             got = list(pool.map(lambda j: _complete(j[0], path, j[1], 10, False), jobs))
             assert [ids for ids, _ in got] == [greedy_continuation(hf0, p, 10) for p in prompts]
             assert by[1][0].post("/pause", params={"mode": "keep"}).status_code == 200
+            held = pool.submit(_complete, by[1][0], path, prompts[0], 10, False)
+            _until(lambda: _sum(_metrics(by[1][1]), "rlserve_num_requests_held{") == 1, "process 1 holding it")
+            # an abort of everything asked of process 0 counts process 1's held request once (two cores relay it;
+            # was 0 before session 23's fix), which ends with "abort"
+            r = by[0][0].post("/abort_requests")
+            assert r.status_code == 200 and r.json() == {"status": "ok", "aborted": 1}, r.text
+            assert held.result(T)[1]["finish_reason"] == "abort"
             held = pool.submit(_complete, by[1][0], path, prompts[0], 10, False)
             _until(lambda: _sum(_metrics(by[1][1]), "rlserve_num_requests_held{") == 1, "process 1 holding it")
             assert by[0][0].post("/resume").status_code == 200

@@ -93,12 +93,12 @@ def test_the_admission_state_is_answered_once_every_api_process_acked(wired):
     assert _recv(pulls[0]) == []  # not answered before the acks
     relayed = [_recv(p) for p in pulls[1:]]
     assert relayed == [[proto.FrontState(1, True, "keep", None, "v3")]] * 2
-    server._handle(proto.FrontStateAck(1, 2))
-    server._handle(proto.FrontStateAck(1, 2))  # (twice: counted once)
+    server._handle(proto.FrontStateAck(1, 2, 3))
+    server._handle(proto.FrontStateAck(1, 2, 3))  # (twice: counted once)
     assert _recv(pulls[0]) == []
-    server._handle(proto.FrontStateAck(1, 1))
-    assert _recv(pulls[0]) == [proto.UtilityResult(5, None)]
-    server._handle(proto.FrontStateAck(1, 1))  # a late one: nothing more
+    server._handle(proto.FrontStateAck(1, 1, 1))
+    assert _recv(pulls[0]) == [proto.UtilityResult(5, 4)]  # the requests the processes' acks say they aborted
+    server._handle(proto.FrontStateAck(1, 1, 5))  # a late one: nothing more
     assert _recv(pulls[0]) == []
 
 
@@ -110,7 +110,7 @@ def test_one_api_process_answers_at_once_and_keeps_the_old_bytes():
     try:
         server = CoreServer(FakeCore(), None, push)
         server._handle(proto.UtilityCall(9, "front_state", [False, None, None, "0"]))
-        assert _recv(pull) == [proto.UtilityResult(9, None)]
+        assert _recv(pull) == [proto.UtilityResult(9, 0)]  # (no other process: none of theirs aborted)
         _add(server, "x", 0)
         server._outs.extend(server.core.step())
         server.flush()

@@ -3,11 +3,13 @@ rlserve/engine/front/front_sync.py), on a stand-in front (the real ``PauseContro
 submission recorded): a pause holds new requests and its end submits them; lost weights set this
 process's own 503 (``weights.reason`` / ``code``) and valid ones clear it; a sleep refuses with
 ``model_sleeping``; ``abort_held`` ends the held ones; process 0's own side sends nothing with one
-process. The whole path (two processes, the core's relay and acks) is tests/test_api_server_count.py's."""
+process; an abort counted once over every core's relay. The whole path (two processes, the core's relay and acks) is
+tests/test_api_server_count.py's."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -70,4 +72,49 @@ def test_process_0_of_one_sends_nothing():
     sync = FrontSync(front, 1, 0)
     asyncio.run(sync.publish())
     sync.notify()
-    assert sync.state() == [False, None, None, "0", False, None]
+    assert sync.state() == [False, None, None, "0", False, None, 0]
+    assert asyncio.run(sync.publish(abort_held=True)) == 0  # (none of another process's to count)
+
+
+def test_an_abort_is_counted_once_over_every_cores_relay():
+    """With data parallelism every core relays process 0's state: the requests this process's abort ended
+    are counted (its ack's ``aborted``) at the first relay of an ``abort_seq`` only, so the route's sum over
+    the cores counts each once; ids abort at every relay (a repeated abort is a no-op in the core)."""
+    front = Front()
+    mine = ["cmpl-a-0", "cmpl-a-1", "cmpl-b-0"]
+    front.ids_matching = lambda wanted: [r for r in mine if r in wanted or r.rsplit("-", 1)[0] in wanted]
+    aborts: list = []
+
+    async def abort(ids):
+        aborts.append(list(ids))
+
+    front.abort = abort
+    front.loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=front.loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        sync = FrontSync(front, 2, 1)
+        by_id = dict(paused=False, pause_mode=None, refusal=None, weight_version="0", abort_ids=["cmpl-a"])
+        assert sync.apply(proto.FrontState(1, abort_seq=1, **by_id)) == 2  # core 0's relay
+        assert sync.apply(proto.FrontState(1, abort_seq=1, **by_id)) == 0  # core 1's (its own epoch count)
+        assert sync.apply(proto.FrontState(2, abort_seq=2, **{**by_id, "abort_ids": ["cmpl-b-0", "x"]})) == 1
+        front._held += ["h1", "h2"]
+        held = dict(paused=False, pause_mode=None, refusal=None, weight_version="0", abort_held=True)
+        assert sync.apply(proto.FrontState(3, abort_seq=3, **held)) == 2
+        front._held.append("h3")  # (held between two cores' relays: ended by the second, not counted)
+        assert sync.apply(proto.FrontState(3, abort_seq=3, **held)) == 0
+        assert front.aborted == ["h1", "h2", "h3"]
+        assert sync.apply(proto.FrontState(4, False, None, None, "0")) == 0  # no abort
+        # two aborts relayed by two cores, core 0's thread ahead: each counted at its first relay only
+        front._held += ["h4"]
+        assert sync.apply(proto.FrontState(5, abort_seq=4, **held)) == 1  # core 0
+        assert sync.apply(proto.FrontState(6, abort_seq=5, **by_id)) == 2  # core 0
+        assert sync.apply(proto.FrontState(5, abort_seq=4, **held)) == 0  # core 1
+        assert sync.apply(proto.FrontState(6, abort_seq=5, **by_id)) == 0  # core 1
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), front.loop).result(10)  # (after the aborts' tasks)
+        a_ids = ["cmpl-a-0", "cmpl-a-1"]
+        assert aborts == [a_ids, a_ids, ["cmpl-b-0"], a_ids, a_ids]
+    finally:
+        front.loop.call_soon_threadsafe(front.loop.stop)
+        thread.join(10)
+        front.loop.close()

@@ -106,10 +106,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 class FrontStateAck(msgspec.Struct, tag="front_ack"):
     """API process ``client_index`` (> 0) applied :class:`FrontState` ``epoch``: every request it
-    sent before this message reached the core first (one input pipe per API process keeps its order)."""
+    sent before this message reached the core first (one input pipe per API process keeps its order).
+    ``aborted``: the requests of its own that the state's abort ended (counted at the first relay of an
+    ``abort_seq`` only: with data parallelism every core relays the same state)."""
 
     epoch: int
     client_index: int
+    aborted: int = 0
 
 
 InputMessage = Union[AddRequest, Abort, SetWeightVersion, UtilityCall, StopSamples, Shutdown, FrontStateAck]
@@ -256,6 +259,8 @@ class FrontState(msgspec.Struct, tag="front_state"):
             without ids, a sleep).
         abort_ids: abort the requests these ids name (``/abort_requests`` with ids:
             ``AsyncEngine.ids_matching``).
+        abort_seq: process 0's number for this abort (``abort_held`` / ``abort_ids``; 0: none), the same in
+            every core's relay: a process counts the requests it aborted once (:class:`FrontStateAck`).
     """
 
     epoch: int
@@ -265,6 +270,7 @@ class FrontState(msgspec.Struct, tag="front_state"):
     weight_version: Union[str, None] = None
     abort_held: bool = False
     abort_ids: Union[list[str], None] = None
+    abort_seq: int = 0
 
 
 OutputMessage = Union[CoreReady, CoreFailed, CoreOutputs, UtilityResult, CoreExiting, FrontState]

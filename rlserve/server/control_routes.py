@@ -162,15 +162,16 @@ def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     @router.post("/abort_requests")
     async def abort_requests(body: Optional[AbortRequestsBody] = Body(None)):
         """Abort requests by id (a response id such as ``cmpl-...`` aborts all of its
-        prompts), or every request when no ids are given. Returns how many were aborted."""
+        prompts), or every request when no ids are given. Returns how many were aborted (with
+        ``--api-server-count N``: of every API process, each counting its own)."""
         aeng = state.aengine
         if body is None or body.request_ids is None:
             n = await aeng.abort_all()
             return {"status": "ok", "aborted": n}
         ids = aeng.ids_matching(body.request_ids)
         await aeng.abort(ids)
-        await aeng.front_sync.publish(abort_ids=list(body.request_ids))  # --api-server-count: theirs (not counted)
-        return {"status": "ok", "aborted": len(ids)}
+        theirs = await aeng.front_sync.publish(abort_ids=list(body.request_ids))  # --api-server-count: their own
+        return {"status": "ok", "aborted": len(ids) + theirs}
 
     return router
 

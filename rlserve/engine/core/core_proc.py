@@ -85,7 +85,7 @@ class CoreServer:
         self.output = self.outputs[0]  # API process 0's: utility answers
         self._client_of: dict[str, int] = {}  # request id -> its API process, for processes 1..N-1
         self._front_epoch = 0
-        self._front_waits: dict[int, tuple[int, set[int]]] = {}  # epoch -> (call id, processes yet to ack)
+        self._front_waits: dict[int, list] = {}  # epoch -> [call id, processes yet to ack, their aborted sum]
         self.parent_pid = parent_pid
         self.stopping = False
         self._dec = proto.input_decoder()
@@ -214,31 +214,32 @@ class CoreServer:
         elif isinstance(msg, p.Shutdown):
             self.stopping = True
         elif isinstance(msg, p.FrontStateAck):
-            self._front_acked(msg.epoch, msg.client_index)
+            self._front_acked(msg.epoch, msg.client_index, msg.aborted)
 
     def _front_state(self, call_id: int, args: list) -> bool:
-        """Utility ``front_state`` (``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids]``, from API process 0): relay
-        it to processes 1..N-1 as :class:`FrontState`; answered once each acked (True: answered now,
-        there being no other process)."""
+        """Utility ``front_state`` (``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids, abort_seq]``,
+        from API process 0): relay it to processes 1..N-1 as :class:`FrontState`; answered (the requests their acks
+        say they aborted, summed) once each acked (True: answered now, there being no other process)."""
         if len(self.outputs) == 1:
             return True
         self._front_epoch += 1
         epoch = self._front_epoch
         self.flush()  # outputs of requests they added come before the state
-        data = self._enc.encode(self.proto.FrontState(epoch, bool(args[0]), *args[1:6]))
+        data = self._enc.encode(self.proto.FrontState(epoch, bool(args[0]), *args[1:7]))
         for sock in self.outputs[1:]:
             sock.send(data)
-        self._front_waits[epoch] = (call_id, set(range(1, len(self.outputs))))
+        self._front_waits[epoch] = [call_id, set(range(1, len(self.outputs))), 0]
         return False
 
-    def _front_acked(self, epoch: int, client: int) -> None:
+    def _front_acked(self, epoch: int, client: int, aborted: int) -> None:
         wait = self._front_waits.get(epoch)
-        if wait is None:
+        if wait is None or client not in wait[1]:
             return
         wait[1].discard(client)
+        wait[2] += int(aborted)
         if not wait[1]:
             del self._front_waits[epoch]
-            self._reply(wait[0])
+            self._reply(wait[0], wait[2])
 
     def _utility(self, msg) -> None:
         core, args = self.core, msg.args
@@ -275,7 +276,7 @@ class CoreServer:
             elif msg.method == "front_state":
                 if not self._front_state(msg.call_id, args):
                     return  # answered once every API process acked (_front_acked)
-                result = None
+                result = 0  # (no other API process: none of theirs aborted)
             else:
                 raise ValueError(f"unknown engine-core method {msg.method!r}; known: {', '.join(UTILITY_METHODS)}")
         except Exception as e:  # noqa: BLE001 - delivered to the caller

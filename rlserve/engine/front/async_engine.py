@@ -396,10 +396,10 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         await wait_all(futs)
 
     async def abort_all(self) -> int:
-        """Abort every in-flight and held request (the other API processes' too, ``--api-server-count``;
-        their held ones are not counted). Returns how many were aborted."""
+        """Abort every in-flight and held request (the other API processes' too, ``--api-server-count``,
+        their held ones counted by their acks). Returns how many were aborted."""
         n = self.abort_held()
-        await self.front_sync.publish(abort_held=True)
+        n += await self.front_sync.publish(abort_held=True)
         results = await wait_all([r.abort_all() for r in self._replicas])
         return n + sum(x for x in results if isinstance(x, int))
 

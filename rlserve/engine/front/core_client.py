@@ -366,9 +366,9 @@ class CoreProcReplica(Replica):
         elif isinstance(msg, proto.CoreExiting):
             self.exiting.set()
         elif isinstance(msg, proto.FrontState):  # API processes > 0: process 0's admission state
-            self.front.front_sync.apply(msg)
+            aborted = self.front.front_sync.apply(msg)
             with contextlib.suppress(EngineDeadError):  # after the state: nothing more is submitted unheld
-                self._send(proto.FrontStateAck(msg.epoch, self.client_index))
+                self._send(proto.FrontStateAck(msg.epoch, self.client_index, aborted))
         elif isinstance(msg, proto.UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():

@@ -26,14 +26,16 @@ resume publishes again and waits.
 With one API process (``count == 1``) nothing is sent. Known differences from one process: a
 request of another process that :meth:`AsyncEngine.fail_all` ends (weights unusable under running
 requests) is aborted in the core and ends with ``finish_reason == "abort"``, not the 503 process 0's
-own requests get; ``/abort_requests`` counts only process 0's requests in its answer (it aborts
-those of every process).
+own requests get. ``/abort_requests``'s ``aborted`` counts every process's requests: each process
+> 0 acks with the number of its own that the state's abort ended (once per abort, ``abort_seq``:
+with data parallelism every core relays the state), each core answers their sum.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from rlserve.errors import ModelSleepingError
 
@@ -65,11 +67,13 @@ class FrontSync:
         self.client_index = client_index
         self.refusal = None
         self.applied = 0  # states applied (processes > 0)
+        self.abort_seq = 0  # process 0: aborts published; processes > 0: the highest one applied
+        self._abort_lock = threading.Lock()  # (processes > 0: one core-reader thread per replica applies)
 
     # ---- process 0 --------------------------------------------------------------------
-    def state(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> list:
-        """``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids]`` as :meth:`publish` sends it (see
-        :class:`~rlserve.engine.core_protocol.FrontState`)."""
+    def state(self, abort_held: bool = False, abort_ids: list[str] | None = None, abort_seq: int = 0) -> list:
+        """``[paused, pause_mode, refusal, weight_version, abort_held, abort_ids, abort_seq]`` as :meth:`publish`
+        sends it (see :class:`~rlserve.engine.core_protocol.FrontState`)."""
         a = self.aengine
         refusal = None
         try:
@@ -79,22 +83,30 @@ class FrontSync:
                 refusal = {"type": "unavailable", "message": a.weights.reason, "code": a.weights.code}
         except ModelSleepingError as e:
             refusal = {"type": "sleeping", "message": str(e), "code": "model_sleeping"}
-        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version, abort_held, abort_ids]
+        return [bool(a._paused), a._pause_mode if a._paused else None, refusal, a.weights.version, abort_held, abort_ids,
+                abort_seq]
 
     def _send(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> list:
-        state = self.state(abort_held, abort_ids)
+        seq = 0
+        if abort_held or abort_ids:
+            self.abort_seq += 1
+            seq = self.abort_seq
+        state = self.state(abort_held, abort_ids, seq)
         return [r.front_state(*state) for r in self.aengine._replicas if r.alive]
 
-    async def publish(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> None:
+    async def publish(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> int:
         """Send the state to every other API process and wait until each applied it (no-op with
         one process); ``abort_held``: they abort the requests they hold; ``abort_ids``: the requests
-        these ids name (:meth:`AsyncEngine.ids_matching`), their final outputs on their way. Raises TimeoutError after
+        these ids name (:meth:`AsyncEngine.ids_matching`), their final outputs on their way. Returns how many
+        requests of the other processes that ended (0 with one process). Raises TimeoutError after
         :data:`ACK_TIMEOUT_S`; EngineDeadError when a core is gone."""
         if self.count == 1 or self.client_index:
-            return
+            return 0
         from rlserve.engine.front.front_request import wait_all
 
-        await asyncio.wait_for(wait_all(self._send(abort_held, abort_ids), raise_first=True), ACK_TIMEOUT_S)
+        sent = self._send(abort_held, abort_ids)
+        results = await asyncio.wait_for(wait_all(sent, raise_first=True), ACK_TIMEOUT_S)
+        return sum(x for x in results if isinstance(x, int))
 
     def notify(self) -> None:
         """Send the state without waiting for the acks (the weights changed state)."""
@@ -104,10 +116,11 @@ class FrontSync:
             fut.add_done_callback(_log_failure)
 
     # ---- processes 1..N-1 -------------------------------------------------------------
-    def apply(self, msg) -> None:
+    def apply(self, msg) -> int:
         """Apply process 0's :class:`~rlserve.engine.core_protocol.FrontState` (on the event loop,
         before the ack): hold new requests while paused, release the held ones at its end; refuse
-        while it refuses."""
+        while it refuses. Returns how many of this process's requests its abort ended (at the first
+        relay of its ``abort_seq``; 0 at the others and without an abort)."""
         r = msg.refusal or {}
         a = self.aengine
         sleeping = r.get("type") == "sleeping"
@@ -117,18 +130,28 @@ class FrontSync:
         a.weights.code = r.get("code") if lost else None
         if msg.weight_version is not None:
             a.weights.version = msg.weight_version
-        if msg.abort_held:
-            a.abort_held()
-        if msg.abort_ids:
-            ids = a.ids_matching(msg.abort_ids)
-            if ids and a.loop is not None:  # (this process's replicas send Abort: no answer awaited)
-                asyncio.run_coroutine_threadsafe(a.abort(ids), a.loop)
+        aborted = 0
+        with self._abort_lock:
+            # (each core relays process 0's increasing abort_seq in order: the first relay of each is the
+            # first one above the highest applied, whichever core's thread it comes from)
+            first = msg.abort_seq > self.abort_seq
+            self.abort_seq = max(self.abort_seq, msg.abort_seq)
+            if msg.abort_held:
+                aborted += a.abort_held()
+            if msg.abort_ids:
+                ids = a.ids_matching(msg.abort_ids)
+                if ids and a.loop is not None:  # (this process's replicas send Abort: no answer awaited)
+                    asyncio.run_coroutine_threadsafe(a.abort(ids), a.loop)
+                    aborted += len(ids)
+        if not first:
+            aborted = 0
         if msg.paused:
             a.hold_new(msg.pause_mode)
         elif a._paused:
             n = a.release_held()
             logger.info("generation resumed by API server 0 (%d held request(s) submitted)", n)
         self.applied += 1
+        return aborted
 
 
 def _log_failure(fut) -> None:
