@@ -1,5 +1,5 @@
 """JSON request bodies decoded by msgspec, with every answer unchanged (issue 37: admitting a
-request cost the API process ~1 ms, BENCHMARKS.md H31).
+request cost the API process ~1 ms, BENCHMARKS.md H33).
 
 FastAPI reads a JSON body with ``json.loads`` (the standard library: ~75 us for a body of 512
 token ids on the 2-core test host; msgspec: ~16 us). :class:`FastJSONRoute` is the route class of
