@@ -140,14 +140,14 @@ def test_serve_checks_kv_cache_bytes_only_where_the_engine_runs_on_the_cpu(tiny_
     32768`` holds 4 of the tiny llama's 16-token blocks of 8,192 bytes: 64 tokens, short of --max-model-len 128.
     Before session 23 ``--device auto`` with a CUDA device got this CPU check too (refused: fails on the old code).
     ``--num-kv-blocks 4`` is checked on every device."""
-    from rlserve.cli import main, serve
+    from rlserve.cli import main, serve_checks
 
-    monkeypatch.setattr(serve, "_driver_device_count", lambda: cuda_devices)
+    monkeypatch.setattr(serve_checks, "driver_device_count", lambda: cuda_devices)
 
     def past_the_kv_check(config):
         raise ValueError("past the KV check")
 
-    monkeypatch.setattr(serve, "_check_device", past_the_kv_check)
+    monkeypatch.setattr(serve_checks, "check_device", past_the_kv_check)
     path = tiny_model("llama")
     want = ("To serve at least one request with the model's max seq len (128), KV cache for 8 blocks is needed "
             "(8 blocks of 16 tokens, 65536 bytes), which is larger than the available KV cache memory "
@@ -170,14 +170,14 @@ def test_serve_warns_that_a_gpu_ignores_kv_cache_bytes(tiny_model, monkeypatch, 
     that does size the GPU's cache; none on the CPU, and none with ``--num-kv-blocks`` (it wins everywhere)."""
     import logging
 
-    from rlserve.cli import main, serve
+    from rlserve.cli import main, serve_checks
 
-    monkeypatch.setattr(serve, "_driver_device_count", lambda: cuda_devices)
+    monkeypatch.setattr(serve_checks, "driver_device_count", lambda: cuda_devices)
 
     def past_the_kv_check(config):
         raise ValueError("past the KV check")
 
-    monkeypatch.setattr(serve, "_check_device", past_the_kv_check)
+    monkeypatch.setattr(serve_checks, "check_device", past_the_kv_check)
     flags = ["serve", tiny_model("llama"), "--device", device, "--max-model-len", "128", "--port", "0",
              "--engine-mode", "thread", "--kv-cache-bytes", "1048576"]  # 128 blocks of 8,192 bytes: 2,048 tokens
     with caplog.at_level(logging.WARNING, logger="rlserve.serve"):

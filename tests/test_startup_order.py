@@ -84,10 +84,10 @@ def test_serve_sends_the_core_its_arguments_before_importing_torch(tmp_path, ove
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
     out = _run("""
         import os, sys
-        import rlserve.cli.serve as serve
+        import rlserve.cli.serve_checks as serve_checks
         from rlserve.engine.front import core_spawn
 
-        serve._driver_device_count = lambda: 1
+        serve_checks.driver_device_count = lambda: 1
 
         def take(index, cmd):
             print("torch imported:", "torch" in sys.modules, "config sent:", "--config" in cmd, flush=True)

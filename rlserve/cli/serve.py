@@ -1,4 +1,5 @@
-"""``rlserve serve MODEL``: the OpenAI-compatible HTTP server (its flags, named as vLLM's: :mod:`rlserve.cli.serve_args`)."""
+"""``rlserve serve MODEL``: the OpenAI-compatible HTTP server (its flags, named as vLLM's: :mod:`rlserve.cli.serve_args`;
+the checks before any engine starts: :mod:`rlserve.cli.serve_checks`): start the engine, serve until a signal, stop."""
 
 from __future__ import annotations
 
@@ -7,20 +8,19 @@ import concurrent.futures
 import importlib.util
 import logging
 import os
-import re
 import signal
 import sys
 import threading
 import time
 
 from rlserve import envs
+from rlserve.cli import serve_checks
 from rlserve.cli.serve_args import add_serve_parser, engine_config_from_args
 from rlserve.cli.tool_flags import check_parsers_fit_tokenizer, check_tool_args, tool_settings
 from rlserve.cli.vllm_compat import check_vllm_compat_args, generation_config_dir, generation_defaults, \
     load_chat_template
 from rlserve.gc_heap import no_collections_while_importing
-from rlserve.kv_size import CPU_KV_CACHE_BYTES, check_kv_cache_bytes
-from rlserve.model_len import AUTO_MAX_MODEL_LEN, check_checkpoint_max_model_len
+from rlserve.model_len import check_checkpoint_max_model_len
 from rlserve.server.http_protocol import http_stack
 
 logger = logging.getLogger("rlserve.serve")
@@ -28,32 +28,6 @@ logger = logging.getLogger("rlserve.serve")
 
 def register(subparsers) -> None:
     add_serve_parser(subparsers).set_defaults(func=run)
-
-
-def _resolve_model(name: str) -> str:
-    try:
-        from rlserve.download import resolve_model
-    except ImportError:
-        return name
-    return resolve_model(name)
-
-
-def _check_cpu_environment(config) -> None:
-    """A CPU engine's environment (thread count, micro-batches), refused here rather than by an
-    engine process after the model loaded. Not on GPUs: there ``OMP_NUM_THREADS`` may hold
-    values (``"4,2"``) the CPU engine rule does not take.
-
-    Raises:
-        ValueError: a setting the CPU engine would refuse.
-    """
-    from rlserve.config import resolve_device
-
-    if config.device.startswith("cuda") or resolve_device(config.device).type != "cpu":  # (cuda: no torch import)
-        return
-    from rlserve.engine.cpu import cpu_microbatch, cpu_threads
-
-    cpu_threads.engine_cpu_threads(config)
-    cpu_microbatch.check_environment(config)
 
 
 def _beside(fn, *args, what: str = "") -> concurrent.futures.Future:
@@ -105,97 +79,6 @@ def _import_app():
     return importlib.import_module("rlserve.server.app")
 
 
-def _driver_device_count() -> int | None:
-    """CUDA devices the driver sees (``cuInit`` + ``cuDeviceGetCount`` of ``libcuda.so.1`` through ctypes,
-    ``CUDA_VISIBLE_DEVICES`` honoured), without importing torch (1.5-2.5 s that delayed the engine-core
-    process's arguments); None without the library or when a call fails."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        n = ctypes.c_int(0)
-        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(n)) != 0:
-            return None
-        return n.value
-    except (OSError, AttributeError):
-        return None
-
-
-def _cpu_only(config) -> bool:
-    """Whether the engine will run on the CPU, told without importing torch: ``--device cpu``, or ``auto`` where
-    the driver sees no CUDA device (:func:`_driver_device_count` None or 0: torch's ``cuda.is_available()`` is
-    False then, :func:`rlserve.config.resolve_device`). ``auto`` on a machine whose driver sees a device but whose
-    torch has no CUDA also runs on the CPU: False here, the engine's start checks the cache then."""
-    return config.device == "cpu" or (config.device == "auto" and not _driver_device_count())
-
-
-def _check_kv_cache(config, model_path: str, max_model_len: int) -> None:
-    """The KV cache's size checked before any engine starts (:func:`rlserve.kv_size.check_kv_cache_bytes`):
-    ``--num-kv-blocks`` anywhere; ``--kv-cache-bytes`` (unset: the 512 MiB CPU default) only where the engine will
-    run on the CPU (:func:`_cpu_only`). A GPU ignores ``--kv-cache-bytes`` (``--gpu-memory-utilization`` sizes it):
-    one warning where it came without ``--num-kv-blocks``. ``max_model_len``: the checkpoint-checked length.
-
-    Raises:
-        InvalidRequestError: the cache cannot hold one sequence (one line with the bytes)."""
-    if config.num_kv_blocks is None and not _cpu_only(config):
-        if config.kv_cache_bytes is not None:
-            logger.warning("--kv-cache-bytes %d is ignored on a CUDA device (--device %s): the GPU sizes its KV cache "
-                           "from --gpu-memory-utilization; use --num-kv-blocks to fix its size",
-                           config.kv_cache_bytes, config.device)
-        return
-    check_kv_cache_bytes(config.kv_cache_bytes, model_path, config.block_size,
-                         None if config.max_model_len == AUTO_MAX_MODEL_LEN else max_model_len, config.dtype,
-                         config.kv_cache_dtype, config.tensor_parallel_size, config.num_kv_blocks, CPU_KV_CACHE_BYTES)
-
-
-def _check_device(config) -> None:
-    """A CUDA device asked for (``--device cuda[:N]``) must exist, found here rather than by the
-    engine after the model loaded. Raises ValueError. (``auto`` takes what there is: nothing to check.)
-    Where the driver already sees the device (:func:`_driver_device_count`), torch is not imported here (a
-    CPU-only torch on a GPU machine then fails in the engine's start: exit 1, not 2)."""
-    m = re.fullmatch(r"cuda(?::(\d+))?", config.device)
-    if m is None:
-        return
-    n = _driver_device_count()
-    if n is not None and n > int(m.group(1) or 0):
-        return
-    from rlserve.config import resolve_device
-
-    device = resolve_device(config.device)
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {config.device}: no CUDA device is available here (torch "
-                         f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {config.device}: there are {torch.cuda.device_count()} CUDA device(s)")
-
-
-def _bind(host: str, port: int):
-    """The listening address, bound now (as vLLM does) so that a port in use or a host that
-    is not ours fails before any engine starts; uvicorn is handed the socket.
-
-    Raises:
-        OSError: the address cannot be resolved or bound (the message names it).
-    """
-    import socket
-
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise OSError(f"cannot resolve --host {host!r}: {e.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(False)
-    return sock
-
-
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
@@ -237,19 +120,19 @@ def run(args) -> int:
 
             check_transfer_config(args.weight_transfer_config, args.weight_staging,
                                   device=resolve_device(args.device).type)
-        model_path = _resolve_model(model_arg)
+        model_path = serve_checks.resolve_model_name(model_arg)
         chat_template = load_chat_template(args.chat_template)
         generation_config_dir(args.generation_config, model_path)  # (read beside the engine's start below)
         config = engine_config_from_args(args, model_path)
         max_model_len = check_checkpoint_max_model_len(config.max_model_len, model_path)
-        _check_kv_cache(config, model_path, max_model_len)
+        serve_checks.check_kv_cache(config, model_path, max_model_len)
         tokenizer = check_parsers_fit_tokenizer(args, args.tokenizer or model_path)  # None: the engine loads it
-        _check_device(config)
-        _check_cpu_environment(config)
+        serve_checks.check_device(config)
+        serve_checks.check_cpu_environment(config)
         for name in ("RLSERVE_CUDA_GRAPH_SIZES", "RLSERVE_PREFILL_CUDA_GRAPHS"):  # read by the engine's warm-up
             envs.read(name)
         stack = http_stack()  # (RLSERVE_HTTP_IMPL)
-        sock = multi_api.listen_socket(attach) if attach else _bind(args.host, args.port)
+        sock = multi_api.listen_socket(attach) if attach else serve_checks.bind_listen_socket(args.host, args.port)
     except (RLServeError, ValueError, OSError) as e:
         if prestart:
             discard_prestarted()

@@ -17,9 +17,10 @@ are cumulative, so a consumer that falls behind simply gets the newest one (its 
 bigger) instead of a backlog, and a non-streaming consumer (``generate(..., stream=False)``) is
 woken only once, at the end.
 
-Pausing, and the requests held meanwhile: :mod:`rlserve.engine.front.async_pause`. Building the
-replicas: :mod:`rlserve.engine.front.replica_setup`; the per-request mailbox:
-:mod:`rlserve.engine.front.front_request`.
+This module submits requests and delivers their outputs. Pausing, and the requests held meanwhile:
+:mod:`rlserve.engine.front.async_pause`; calls into the engines, sleep mode and the stop:
+:mod:`rlserve.engine.front.async_control`. Building the replicas: :mod:`rlserve.engine.front.replica_setup`;
+the per-request mailbox: :mod:`rlserve.engine.front.front_request`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from rlserve import envs
+from rlserve.engine.front.async_control import EngineControl
 from rlserve.engine.front.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
 from rlserve.engine.front.front_request import FrontRequest, Wakeup, mark_delivered, put, put_all, stamped_abort, wait_all
 from rlserve.engine.prefix_view import plain_lists
@@ -47,7 +49,7 @@ __all__ = ["AsyncEngine", "HeldTooLongError", "PAUSE_MODES", "ENGINE_MODES"]
 ENGINE_MODES = ("process", "thread")
 
 
-class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
+class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
     """``data_parallel_size`` engine replicas behind one asyncio interface.
 
     Args:
@@ -183,21 +185,6 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
     def core_pids(self) -> list[int]:
         """Process ids of the engine-core processes (empty in thread mode)."""
         return [r.pid for r in self._replicas if getattr(r, "pid", None) is not None]
-
-    async def fail_all(self, exc: BaseException) -> int:
-        """End every in-flight and held request with ``exc`` (its :meth:`generate` raises it) and
-        abort them in the engines. For weights that became unusable under running requests (a
-        weight update that failed after loading part of the model in place): their KV cache and
-        every further token would mix two weight sets, so none of them may finish normally.
-        Event-loop side. Returns how many requests were ended."""
-        reqs = list(self._requests.values())
-        for req in reqs:
-            if req in self._held:
-                self._held.remove(req)
-            put(req, exc)  # final: a later abort output from the engine cannot replace it
-        # aborted, then a quarantined replica may step again: it has no requests
-        await wait_all([r.abort_all(lift_quarantine=True) for r in self._replicas])
-        return len(reqs)
 
     @property
     def num_unfinished(self) -> int:
@@ -409,92 +396,3 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl):
         for req in held:
             put(req, stamped_abort(req, self.weight_version))
         return len(held)
-
-    # ---- sleep mode (rlserve.engine.front.async_sleep; enable_sleep_mode) -----------------------
-    def _sleep_mode(self):
-        if self.sleep_mode is None:
-            from rlserve.errors import SleepStateError
-
-            raise SleepStateError("sleep mode is off: start with --enable-sleep-mode", code="sleep_mode_disabled")
-        return self.sleep_mode
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
-        """vLLM's ``sleep``: free the weights' and KV cache's GPU memory (see AsyncSleep.sleep)."""
-        return await self._sleep_mode().sleep(level, mode)
-
-    async def wake_up(self, tags: list[str] | None = None) -> dict:
-        """vLLM's ``wake_up``: take the memory of ``tags`` back (see AsyncSleep.wake_up)."""
-        return await self._sleep_mode().wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
-
-    # ---- engine access ----------------------------------------------------------------
-    async def call_engines(self, target: str, *args, timeout_s: float | None = None) -> list:
-        """Run ``target(core, *args)`` on every replica between two steps (also while paused),
-        where ``target`` is ``"package.module:function"`` and ``core`` the replica's
-        :class:`~rlserve.engine.core.engine_core.EngineCore` (``core.engine`` is its engine,
-        ``core.weight_version`` the version it stamps). Works in both engine modes; in process
-        mode the function runs in the engine-core process and its arguments and result cross
-        the boundary as MessagePack (sets and tuples arrive as lists).
-
-        Returns:
-            the results in replica order.
-
-        Raises:
-            the first exception raised by ``target`` (after all replicas finished; in process
-            mode rebuilt by class name); TimeoutError after ``timeout_s`` seconds (the calls
-            still complete later); EngineDeadError: a replica is not running.
-        """
-        self.loop = asyncio.get_running_loop()
-        futs = [r.call(target, *args) for r in self._replicas]
-        coro = wait_all(futs, raise_first=True)
-        return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
-
-    async def run_in_engines(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> list:
-        """Run ``fn(engine)`` on every replica's thread between steps (also while paused).
-        Thread mode only (a function cannot cross a process boundary): code that must run in
-        both modes uses :meth:`call_engines`.
-
-        Returns:
-            the results in replica order.
-
-        Raises:
-            the first exception raised by ``fn`` (after all replicas finished);
-            TimeoutError after ``timeout_s`` seconds (the calls still complete later);
-            TypeError in process mode.
-        """
-        futs = [r.run(fn) for r in self._replicas]
-        coro = wait_all(futs, raise_first=True)
-        return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
-
-    async def reset_prefix_cache(self) -> None:
-        """Forget every replica's cached prefixes."""
-        await wait_all([r.reset_prefix_cache() for r in self._replicas], raise_first=True)
-
-    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
-        """Event-loop side, first step of stopping (a SIGINT/SIGTERM handler): new requests are
-        refused and every request in flight or held ends now with EngineDeadError (HTTP 503), so
-        their connections close at once; the engines stop too."""
-        self._closed = reason
-        self._held = []
-        for req in list(self._requests.values()):
-            put(req, EngineDeadError(reason))
-        for r in self._replicas:
-            r.stop()
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the replicas (in-flight requests fail with EngineDeadError) and free the
-        engines: threads are joined, engine-core processes told to exit and killed (with their
-        TP workers) if they have not 0.25 s after they were told (``core_client._KILL_AFTER_S``). Safe to
-        call twice, from any thread."""
-        if self._closed is None:
-            self._closed = "the engine is shut down"
-        for r in self._replicas:
-            r.stop()
-        for r in self._replicas:
-            r.join(timeout_s)
-        held, self._held = self._held, []
-        self._deliver([(req, EngineDeadError(self._closed)) for req in held])
-
-
