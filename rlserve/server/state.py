@@ -421,29 +421,51 @@ class ServerState(StructuredChecks, LogprobJSON):
         """``aengine.generate`` plus metrics (TTFT, e2e latency, tokens, finish reasons).
         ``stream=False`` yields only the final output; ``sink``: ``aengine.generate``'s (a stream's
         direct writes: the outputs it takes are not yielded; the last one always is). An unfinished output's
-        ``token_ids`` / ``logprobs`` may be read-only views (:mod:`rlserve.engine.prefix_view`): slice them."""
+        ``token_ids`` / ``logprobs`` may be read-only views (:mod:`rlserve.engine.prefix_view`): slice them.
+
+        A request whose consumer leaves before its final output (a client that went away: the generator is
+        closed or its task cancelled) is aborted and recorded once its abort's final output arrives, with
+        the tokens it made by then (``on_abandoned``: vLLM counts every token the engine made, streamed or
+        not; before, a non-streamed one counted 0, a streamed one what it had been sent)."""
         t0 = time.monotonic()
         last = None
         if self.settings.enable_log_requests:
             log_request(request_id, prompt_ids, params, self.settings.max_log_len)
+
+        def on_abandoned(item) -> None:
+            self._record(endpoint, request_id, prompt_ids, params, t0,
+                         last if isinstance(item, BaseException) else item)
+
+        record = True
         try:
             async for out in self.aengine.generate(prompt_ids, params, request_id, stream=stream, sink=sink,
-                                                   views=True):  # (routes read views: prefix_view)
+                                                   views=True, on_abandoned=on_abandoned):  # (routes read views)
                 last = out
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            # left before the final output: aengine.generate hands it to on_abandoned (once its
+            # generator is closed: at once when cancelled inside it, else when it is finalized)
+            record = last is not None and last.finished
+            raise
         finally:
-            first = getattr(last, "first_token_time", None)
-            arrival = getattr(last, "arrival_time", None)
-            ttft = (first - arrival) if first is not None and arrival is not None else None
-            # a request whose client went away (or that failed) counts as aborted
-            reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
-            end = time.monotonic()
-            if self.settings.enable_log_requests:
-                logger.info("Finished request %s: finish_reasons: %s, output tokens: %s, %.3f s", request_id, reasons,
-                            [len(c.token_ids) for c in last.outputs] if last is not None else [], end - t0)
-            self.metrics.record_request(
-                endpoint, reasons, len(prompt_ids), sum(len(c.token_ids) for c in last.outputs) if last else 0,
-                end - t0, ttft, decode_s=(end - first) if first is not None else None,
-                sample_tokens=[len(c.token_ids) for c in last.outputs] if last is not None else None,
-                n=params.n, max_tokens=params.max_tokens,
-                timing=(arrival, getattr(last, "scheduled_time", None), first, end))
+            if record:
+                self._record(endpoint, request_id, prompt_ids, params, t0, last)
+
+    def _record(self, endpoint: str, request_id: str, prompt_ids: list[int], params: SamplingParams, t0: float,
+                last) -> None:
+        """Record one ended request in the metrics (and ``--enable-log-requests``' line): ``last`` its
+        final output (None: it made nothing we know of), ``t0`` its start (``time.monotonic()``)."""
+        first = getattr(last, "first_token_time", None)
+        arrival = getattr(last, "arrival_time", None)
+        ttft = (first - arrival) if first is not None and arrival is not None else None
+        # a request whose client went away (or that failed) counts as aborted
+        reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * params.n
+        counts = [len(c.token_ids) for c in last.outputs] if last is not None else None
+        end = time.monotonic()
+        if self.settings.enable_log_requests:
+            logger.info("Finished request %s: finish_reasons: %s, output tokens: %s, %.3f s", request_id, reasons,
+                        counts or [], end - t0)
+        self.metrics.record_request(
+            endpoint, reasons, len(prompt_ids), sum(counts) if counts else 0, end - t0, ttft,
+            decode_s=(end - first) if first is not None else None, sample_tokens=counts, n=params.n,
+            max_tokens=params.max_tokens, timing=(arrival, getattr(last, "scheduled_time", None), first, end))

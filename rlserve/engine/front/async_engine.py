@@ -35,7 +35,8 @@ from typing import AsyncIterator, Callable
 from rlserve import envs
 from rlserve.engine.front.async_control import EngineControl
 from rlserve.engine.front.async_pause import DEFAULT_HOLD_TIMEOUT_S, PAUSE_MODES, HeldTooLongError, PauseControl
-from rlserve.engine.front.front_request import FrontRequest, Wakeup, mark_delivered, put, put_all, stamped_abort, wait_all
+from rlserve.engine.front.front_request import (FrontRequest, Wakeup, abandon, mark_delivered, put, put_all,
+                                                stamped_abort, wait_all)
 from rlserve.engine.prefix_view import plain_lists
 from rlserve.engine.front.replica_health import ReplicaHealth
 from rlserve.engine.front.replica_setup import build_replicas
@@ -242,13 +243,12 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
 
     # ---- generation -------------------------------------------------------------------
     async def generate(self, prompt, params, request_id: str | None = None, *, stream: bool = True,
-                       sink=None, views: bool = False) -> AsyncIterator:
-        """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the
-        last one has ``finished == True``. A consumer slower than the engine skips
-        intermediate outputs (they are cumulative: nothing is lost); with a stream interval N > 1
-        (:attr:`stream_interval`, ``params.stream_interval``) an output is yielded only once a
-        sample has N new tokens, a sample finished, or it is the first or last. Each output carries
-        ``weight_version``, ``weight_versions``, ``arrival_time`` and ``first_token_time``
+                       sink=None, views: bool = False, on_abandoned=None) -> AsyncIterator:
+        """Submit one request and yield its cumulative ``RequestOutput`` as it advances; the last one has
+        ``finished == True``. A consumer slower than the engine skips intermediate outputs (they are cumulative:
+        nothing is lost); with a stream interval N > 1 (:attr:`stream_interval`, ``params.stream_interval``) an
+        output is yielded only once a sample has N new tokens, a sample finished, or it is the first or last. Each
+        output carries ``weight_version``, ``weight_versions``, ``arrival_time`` and ``first_token_time``
         (``time.monotonic()`` seconds; None before the first token).
 
         Args:
@@ -256,21 +256,20 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
             params: :class:`~rlserve.engine.sampling_params.SamplingParams`.
             request_id: unique id (default: generated).
             stream: False yields only the final output (cheapest for non-streaming callers).
-            sink: ``sink(output) -> bool``, called on the event loop with unfinished outputs before
-                they are yielded; an output it takes (True) is not yielded
-                (:mod:`rlserve.engine.front.front_request`: a stream's direct writes, issue 37).
+            sink: ``sink(output) -> bool``, called on the event loop with unfinished outputs before they are
+                yielded; one it takes (True) is not (:mod:`~rlserve.engine.front.front_request`: direct writes).
             views: True (rlserve's routes): an unfinished output's ``token_ids`` / ``logprobs`` may be O(1)
                 read-only views (:mod:`rlserve.engine.prefix_view`); False: lists (a copy each, as before).
+            on_abandoned: ``on_abandoned(item)`` with the request's final item when the generator is closed
+                before it (:func:`~rlserve.engine.front.front_request.abandon`: the abort's output, its tokens).
 
         Raises:
-            ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a
-                subclass) while asleep (sleep mode: :meth:`sleep`).
+            ModelUnavailableError: :meth:`set_unavailable` is in effect; ModelSleepingError (a subclass) asleep.
             InvalidRequestError: the engine refused the request (bad prompt/params, duplicate id).
             EngineStepError: the engine failed while running it.
             EngineDeadError: the engine is shut down.
 
-        Closing the generator early (or cancelling its task) aborts the request.
-        """
+        Closing the generator early (or cancelling its task) aborts the request."""
         refusal = self.front_sync.refusal  # (API processes > 0 while process 0 sleeps: front_sync)
         if refusal is not None:
             raise refusal()
@@ -319,7 +318,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
         finally:
             self._requests.pop(request_id, None)
             if not done:
-                self._abort_req(req)
+                self._abort_req(req, on_abandoned)
 
     def _submit(self, req: FrontRequest) -> None:
         if self.lora_resolver is not None and getattr(req.params, "lora_int_id", 0):
@@ -359,12 +358,13 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
             except RuntimeError:  # the loop is closed: nobody is listening
                 pass
 
-    def _abort_req(self, req: FrontRequest) -> None:
+    def _abort_req(self, req: FrontRequest, on_abandoned=None) -> None:
         if req in self._held:
             self._held.remove(req)
-            return
-        if req.replica is not None and not req.finished:
+            put(req, stamped_abort(req, self.weight_version))  # (the final item abandon() finds)
+        elif req.replica is not None and not req.finished:
             req.replica.abort_nowait([req.request_id])
+        abandon(req, on_abandoned)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests by id (unknown ids are ignored); each ends with a final output

@@ -18,15 +18,23 @@ not woken for it (the sink wrote the stream's chunk itself). It is offered one o
 slot is empty (the consumer has taken everything before: order is kept), and never an exception
 or a finished output (the consumer's: once one is put, the sink is dropped). Under a stream
 interval, an output that is not due is dropped while the slot is empty: the consumer would not
-have been woken for it, and a later output holds its tokens too."""
+have been woken for it, and a later output holds its tokens too.
+
+A consumer that leaves before the final item (its generator closed: a client that went away)
+may still want it (:func:`abandon`): the final item of the aborted request (the abort's output
+carries every token the request made; metrics count them, as vLLM counts every step's tokens)
+is handed to a callback when it comes, through the same sink slot (no cost for other requests)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+import logging
+from typing import Any, Callable
 
 from rlserve.engine.core.engine_core import abort_output
+
+logger = logging.getLogger(__name__)
 
 
 class Wakeup:
@@ -116,6 +124,9 @@ def put(req: FrontRequest, item) -> None:
     if sink is not None:
         if isinstance(item, BaseException) or item.finished:
             req.sink = None  # the consumer's from here on
+            if sink.__class__ is _Abandoned:  # ... who left: the callback's (abandon)
+                sink.final(item)
+                return
         elif slot is None:
             if not due(req, item):
                 return
@@ -125,6 +136,42 @@ def put(req: FrontRequest, item) -> None:
     req.slot = item
     if isinstance(item, BaseException) or due(req, item):
         req.event.set()
+
+
+class _Abandoned:
+    """The sink of a request whose consumer left (:func:`abandon`): unfinished outputs are
+    dropped (taken: nobody reads them), the final item goes to ``on_final``."""
+
+    __slots__ = ("on_final",)
+
+    def __init__(self, on_final: Callable[[Any], None]):
+        self.on_final = on_final
+
+    def __call__(self, item) -> bool:
+        return True
+
+    def final(self, item) -> None:
+        try:
+            self.on_final(item)
+        except Exception:  # noqa: BLE001 - a callback's bug must not stop the other requests' delivery
+            logger.exception("the final-item callback of an abandoned request failed")
+
+
+def abandon(req: FrontRequest, on_final: Callable[[Any], None] | None) -> None:
+    """``req``'s consumer left before its final item (the request was aborted, or had ended
+    unread): ``on_final(item)`` with the final item -- the finished output (an abort's holds the
+    tokens the request made before it) or the exception that ended it -- now if the slot holds
+    it, else when :func:`put` gets it. Called once per request, by the consumer's side, after the
+    abort was sent (a held request: after its abort output was put). Event-loop side, as
+    :func:`put`. ``on_final`` None: nothing."""
+    if on_final is None:
+        return
+    slot = req.slot
+    if slot is not None and (isinstance(slot, BaseException) or slot.finished):
+        req.slot = None
+        _Abandoned(on_final).final(slot)
+    else:
+        req.sink = _Abandoned(on_final)
 
 
 def put_all(batch) -> None:
