@@ -158,3 +158,58 @@ print(json.dumps({"names": [(s["module"], s["name"]) for s in specs], "stats": s
     assert r["names"] == [["rlserve.transfer.multi_tensor_kernel", "copy_sum"]] * 4
     st = r["stats"]
     assert (st["recorded"], st["cached"], st["compiled"], st["failed"]) == (4, 0, 4, 0)
+
+
+def test_a_moe_models_recording_pass_covers_its_forwards_and_the_weight_sync_kernel(tmp_path, tiny_model):
+    """A model with routed experts records its whole warm-up for the children (``ModelRunner._record_pass``):
+    before session 24 it recorded only its fused-MoE kernels (``precompile_safe`` refused the rest), so on a cold
+    Triton cache its forwards' kernels and the weight sync's four ``copy_sum`` variants compiled one after the
+    other in the warm-up. A tiny Qwen3-MoE's runner on the CPU: its forwards launch no Triton kernel here (the CPU
+    paths), so what is recorded is the weight-sync warm-up, let onto CPU tensors as in the test above; the
+    fused-MoE part needs CUDA (``jit_warmup.moe_layers`` is empty on the CPU). During the pass every sparse layer
+    of every warm-up forward returns zeros (``jit_warmup.routed_experts_off``) and routing never runs (its skipped
+    kernel would leave uninitialized expert ids); after it, and after an exception inside the switch, each layer
+    routes again and gives what it gave before (bitwise: same inputs, same CPU kernels)."""
+    r = _run(r'''
+from rlserve.config import EngineConfig
+from rlserve.engine.core.llm_engine import LLMEngine
+from rlserve.engine.worker import jit_warmup
+from rlserve.layers import moe
+from rlserve.transfer import multi_tensor
+
+runner = LLMEngine(EngineConfig(%r, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=2)).executor.runner
+jit_warmup.warm_weight_sync = lambda device: multi_tensor.warmup(device, _allow_cpu=True)
+routed, off = [], []
+real_route, real_off = moe.route, jit_warmup._no_experts
+moe.route = lambda *a: (routed.append(1), real_route(*a))[1]
+jit_warmup._no_experts = lambda x, logits: (off.append(x.shape[0]), real_off(x, logits))[1]
+layers = [m for m in runner.model.modules() if isinstance(m, moe.FusedMoE)]
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3, layers[0].hidden_size, generator=g)
+logits = torch.randn(3, layers[0].num_experts, generator=g)
+before = [m(x, logits) for m in layers]
+routed.clear()
+specs = tp.record(lambda: runner._record_pass(False))
+routed_in_pass, right_after = len(routed), [float(t.abs().sum()) for t in (m(x, logits) for m in layers)]
+try:
+    with jit_warmup.routed_experts_off(runner.model):
+        raise KeyError("inside")
+except KeyError:
+    pass
+after = [m(x, logits) for m in layers]
+counts = sorted({min(n, runner._max_batched_tokens()) for n in jit_warmup.prefill_token_counts(runner.model, runner.device)})
+print(json.dumps({"names": [(s["module"], s["name"]) for s in specs], "routed_in_pass": routed_in_pass,
+                  "off": off, "counts": counts, "layers": len(layers), "routed_after": len(routed),
+                  "same": [bool(torch.equal(a, b)) for a, b in zip(before, after)],
+                  "nonzero": [float(a.abs().sum()) > 0 for a in after], "right_after": right_after,
+                  "instance_forward": [("forward" in m.__dict__) for m in layers]}))
+''' % tiny_model("qwen3_moe"), tmp_path)
+    assert r["names"] == [["rlserve.transfer.multi_tensor_kernel", "copy_sum"]] * 4
+    assert r["routed_in_pass"] == 0
+    assert r["layers"] >= 1
+    # each warm-up forward's token count, once per sparse layer, in forward order
+    assert r["off"] == [n for n in r["counts"] for _ in range(r["layers"])], r
+    assert r["routed_after"] == 2 * r["layers"]  # the two calls after the pass, one per layer each
+    assert r["same"] == [True] * r["layers"] and r["nonzero"] == [True] * r["layers"]
+    assert all(z > 0 for z in r["right_after"])  # right after the pass the experts are back (not zeros)
+    assert r["instance_forward"] == [False] * r["layers"]

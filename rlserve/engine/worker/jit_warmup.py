@@ -18,12 +18,17 @@ recorded and compiled in parallel by :mod:`rlserve.engine.worker.triton_precompi
   which the decode CUDA graphs' capture does not all reach (their split count is the one of
   ``max_model_len``; a mixed step's decode rows and eager decode steps plan theirs from the real lengths);
 * :func:`warm_weight_sync`: the weight sync's one-launch copy + checksum kernel
-  (:func:`rlserve.transfer.multi_tensor.warmup`), which the first weight update would otherwise compile.
+  (:func:`rlserve.transfer.multi_tensor.warmup`), which the first weight update would otherwise compile;
+* :func:`moe_layers`: the routed-experts layers whose fused-MoE kernels the warm-up compiles
+  (:func:`rlserve.layers.moe_kernels.warm_up`), and :func:`routed_experts_off`, under which a MoE model's
+  forwards can be recorded by the precompile (its routing would index with uninitialized ids).
 
 ``benchmarks/jit_misses.py`` and ``tests/gpu/test_jit_misses_gpu.py`` count what still compiles after ready.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -95,3 +100,44 @@ def warm_weight_sync(device: torch.device) -> int:
     from rlserve.transfer import multi_tensor
 
     return multi_tensor.warmup(device)
+
+
+def moe_layers(model: torch.nn.Module, device: torch.device) -> list:
+    """The routed-experts layers (:class:`rlserve.layers.moe.FusedMoE`) of ``model`` whose fused-MoE Triton kernels
+    the warm-up compiles: on CUDA with Triton, where the experts run the Triton kernels (``RLSERVE_MOE_BACKEND``
+    unset or ``triton``, or any fp8 experts); empty otherwise (a dense model, the CPU, the torch backend)."""
+    from rlserve import envs
+    from rlserve.layers import moe_kernels
+    from rlserve.layers.moe import FusedMoE
+
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    backend = envs.RLSERVE_MOE_BACKEND
+    if (not layers or torch.device(device).type != "cuda" or not moe_kernels.triton_runs_on("cuda")
+            or (backend not in (None, "triton") and not any(m.fp8 for m in layers))):
+        return []
+    return layers
+
+
+def _no_experts(x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x)
+
+
+@contextlib.contextmanager
+def routed_experts_off(model: torch.nn.Module):
+    """Within it every routed-experts layer (:class:`rlserve.layers.moe.FusedMoE`) of ``model`` returns zeros
+    (``x [T, H]`` -> zeros ``[T, H]``, x's dtype and device) without routing, its experts or its TP all-reduce
+    (on every rank alike); the rest of the forward runs as it does. For the precompile's recording pass
+    (:meth:`rlserve.engine.worker.model_runner.ModelRunner._record_pass`), where no Triton kernel runs: the routing
+    kernel's output would be uninitialized expert ids that torch ops then index with. What the experts compile is
+    recorded apart (:func:`rlserve.layers.moe_kernels.warm_up`, whose ids torch builds). Each layer's own
+    ``forward`` is back on exit (also on an exception). Yields the number of layers switched off."""
+    from rlserve.layers.moe import FusedMoE
+
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for m in layers:
+        m.forward = _no_experts  # an instance attribute: ahead of FusedMoE.forward for this module only
+    try:
+        yield len(layers)
+    finally:
+        for m in layers:
+            del m.forward

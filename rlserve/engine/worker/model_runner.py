@@ -65,15 +65,6 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
     return total
 
 
-def precompile_safe(model: nn.Module) -> bool:
-    """Whether the warm-up may run once with Triton's launches skipped
-    (:mod:`rlserve.engine.worker.triton_precompile`): not for a model with expert routing, whose
-    skipped kernels' (uninitialized) outputs are expert indices that torch ops then index with."""
-    from rlserve.layers.moe import FusedMoE
-
-    return not any(isinstance(m, FusedMoE) for m in model.modules())
-
-
 class ModelRunner:
     """Runs the model for one TP rank.
 
@@ -104,7 +95,6 @@ class ModelRunner:
         self._prefill_graphs_off: str | None = None  # why prefill steps stay eager (set once decided)
         self._prefill_graphs_reserve: int | None = None  # their bytes, once (prefill_graphs.reserve_once)
         self.precompile_stats = None  # rlserve.engine.worker.triton_precompile's stats of the warm-up
-        self.moe_precompile_stats = None  # the same for the fused-MoE kernels (moe_warm_up)
         # logits in the model dtype where the model offers it (no float32 copy of [B, V]; the
         # samplers widen what they read)
         fn = getattr(model, "compute_logits", None)
@@ -219,9 +209,9 @@ class ModelRunner:
         step can launch is compiled (:mod:`rlserve.engine.worker.jit_warmup`), then
         capture the decode CUDA graphs (when they are on).
         A model with routed experts first compiles every fused-MoE specialization (:meth:`moe_warm_up`).
-        First, unless ``RLSERVE_TRITON_PRECOMPILE=0`` or the model routes tokens to experts, the
-        same forwards run once with Triton's compilations recorded instead of done, and what
-        Triton's on-disk cache lacks compiles in parallel processes
+        First, unless ``RLSERVE_TRITON_PRECOMPILE=0``, all of it runs once with Triton's compilations
+        recorded instead of done (:meth:`_record_pass`: a MoE model's too, its routed experts off), and
+        what Triton's on-disk cache lacks compiles in parallel processes
         (:mod:`rlserve.engine.worker.triton_precompile`): a cold start compiles in parallel
         what it compiled one kernel after the other. Returns the seconds spent. A capture
         failure is logged and leaves graphs off, as at a lazy capture.
@@ -236,10 +226,10 @@ class ModelRunner:
         bi_mode.set_enabled(self.batch_invariant)
         t0 = time.perf_counter()
         capture = self.use_cuda_graphs and self.cuda_graphs is None and not self._graphs_failed
-        if envs.RLSERVE_TRITON_PRECOMPILE and precompile_safe(self.model):
+        if envs.RLSERVE_TRITON_PRECOMPILE:
             from rlserve.engine.worker import triton_precompile
 
-            self.precompile_stats = triton_precompile.precompile(lambda: self._warm_forwards(capture), self.device)
+            self.precompile_stats = triton_precompile.precompile(lambda: self._record_pass(capture), self.device)
             torch.cuda.synchronize(self.device)
         self.moe_warm_up()
         self._warm_forwards(False)
@@ -254,26 +244,30 @@ class ModelRunner:
     def moe_warm_up(self) -> list[tuple] | None:
         """CUDA, a model with routed experts on the Triton path: compile every fused-MoE kernel
         specialization the dispatcher can pick (:func:`rlserve.layers.moe_kernels.warm_up`: each
-        tile class of each expert shape, both GEMMs, routing, permutation), first in parallel child
-        processes (:func:`rlserve.engine.worker.triton_precompile.precompile`, unless
-        ``RLSERVE_TRITON_PRECOMPILE=0``), then once here, loading them from Triton's disk cache. Without
-        it, a batch of a tile class the 16- and 1,024-token prefills and the graph sizes miss compiled
-        in the middle of serving. Returns the launches (None when there is nothing to warm)."""
+        tile class of each expert shape, both GEMMs, routing, permutation); :meth:`warm_up`'s parallel
+        precompile (:meth:`_record_pass`) compiled them first, so here they load from Triton's disk cache.
+        Without it, a batch of a tile class the 16- and 1,024-token prefills and the graph sizes miss
+        compiled in the middle of serving. Returns the launches (None when there is nothing to warm)."""
         from rlserve.layers import moe_kernels
-        from rlserve.layers.moe import FusedMoE
 
-        layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-        backend = envs.RLSERVE_MOE_BACKEND
-        if (not layers or self.device.type != "cuda" or not moe_kernels.triton_runs_on("cuda")
-                or (backend not in (None, "triton") and not any(m.fp8 for m in layers))):
-            return None
-        if envs.RLSERVE_TRITON_PRECOMPILE:
-            from rlserve.engine.worker import triton_precompile
+        layers = jit_warmup.moe_layers(self.model, self.device)
+        return moe_kernels.warm_up(layers, self.dtype) if layers else None
 
-            self.moe_precompile_stats = triton_precompile.precompile(
-                lambda: moe_kernels.warm_up(layers, self.dtype), self.device)
-            torch.cuda.synchronize(self.device)
-        return moe_kernels.warm_up(layers, self.dtype)
+    def _record_pass(self, capture: bool) -> None:
+        """What :meth:`warm_up` launches, once, for the precompile to record
+        (:func:`rlserve.engine.worker.triton_precompile.record`: no Triton launch runs, outputs stay
+        uninitialized): the fused-MoE warm-up (its routing ids are built by torch), then :meth:`_warm_forwards`
+        with every routed-experts layer returning zeros (:func:`jit_warmup.routed_experts_off`): the
+        routing kernel's skipped output would be expert indices that torch ops index with. So a MoE model's
+        forwards, decode attention and weight-sync kernels compile in the parallel children too (before,
+        a MoE model recorded only its MoE kernels and compiled the rest one after the other)."""
+        from rlserve.layers import moe_kernels
+
+        layers = jit_warmup.moe_layers(self.model, self.device)
+        if layers:
+            moe_kernels.warm_up(layers, self.dtype)
+        with jit_warmup.routed_experts_off(self.model):
+            self._warm_forwards(capture)
 
     def _warm_forwards(self, graph_sizes: bool) -> None:
         """The warm-up's eager forwards: prefills writing nothing (16 and 1024 tokens, and one per launch

@@ -18,7 +18,8 @@ that follows loads them from there instead of compiling.
 The recording pass launches no Triton kernel that was not compiled before it, so its outputs
 are uninitialized memory: the callable must be one whose Triton outputs feed only floating-point
 torch ops (the dense decoder's forward: norms, rotary, attention), never indices, shapes or host
-decisions. A failure anywhere (recording, a child, a timeout) is logged and changes nothing else:
+decisions (a MoE model's forward is recorded with its routed experts switched off:
+:func:`rlserve.engine.worker.jit_warmup.routed_experts_off`; its MoE kernels apart, with torch-built ids). A failure anywhere (recording, a child, a timeout) is logged and changes nothing else:
 the real warm-up then compiles what is missing itself, as before.
 """
 
