@@ -119,6 +119,68 @@ def test_fast_route_answers_as_fastapi(route, body, ctype):
     assert (fast.status_code, fast.content) == (plain.status_code, plain.content)
 
 
+#: bodies the lone-surrogate check parses before the route (an escaped surrogate pair: json.dumps' default for an
+#: emoji), each with the parser that takes it: msgspec, or json.loads after msgspec refused (NaN, duplicate keys' rule)
+PAIR_BODIES = [
+    (json.dumps({"prompt": "hi \U0001F600", "max_tokens": 1}).encode(), "msgspec"),
+    (b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1, "temperature": NaN}', "json"),
+    (b'{"prompt": [1], "stop": ["\\ud83d\\ude00"], "max_tokens": 1' + b', "x": [[]]' * 300 + b'}', "json"),  # deep
+]
+
+
+@pytest.mark.parametrize("body,parser", PAIR_BODIES)
+def test_a_body_the_surrogate_check_parsed_is_parsed_once(monkeypatch, body, parser):
+    """Behind :class:`~rlserve.server.text_check.LoneSurrogateCheck` (which parses every body with a surrogate's
+    escape, a pair's too), a FastJSONRoute takes the value the check parsed: one parse per request (two before:
+    the check's, then the route's), and the same answer as FastAPI's own route behind the same check."""
+    from types import SimpleNamespace
+
+    from rlserve.server.text_check import LoneSurrogateCheck
+
+    app = _app()
+    app.add_middleware(LoneSurrogateCheck)
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {"Content-Type": "application/json"}
+    plain = client.post("/plain/completions", content=body, headers=headers)
+    calls = {"msgspec": 0, "json": 0}
+    decode = request_body._decode
+
+    def counted(name, fn):
+        def run(b):
+            calls[name] += 1
+            return fn(b)
+        return run
+
+    monkeypatch.setattr(request_body, "_decode", counted("msgspec", decode))
+    monkeypatch.setattr(request_body, "json", SimpleNamespace(loads=counted("json", json.loads)))
+    fast = client.post("/fast/completions", content=body, headers=headers)
+    assert (fast.status_code, fast.content) == (plain.status_code, plain.content)
+    deep = body.count(b"[") + body.count(b"{") >= request_body.MAX_BRACKETS  # json.loads alone, msgspec not asked
+    assert calls == {"msgspec": 0 if deep else 1, "json": 1 if parser == "json" else 0}, calls
+    if parser == "msgspec":
+        assert fast.json()["prompt"] == "hi \U0001F600"
+
+
+def test_a_remembered_value_is_taken_only_for_the_same_body():
+    """:class:`FastJSONRequest` takes the value a middleware left (:func:`request_body.remember`) for a body equal
+    to the one it parsed, and parses a different body itself."""
+    import asyncio
+
+    from rlserve.server.request_body import FastJSONRequest, remember
+
+    async def read(remembered: bytes, sent: bytes):
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+        remember(scope, remembered, {"a": "remembered"})
+
+        async def receive():
+            return {"type": "http.request", "body": sent, "more_body": False}
+
+        return await FastJSONRequest(scope, receive).json()
+
+    assert asyncio.run(read(b'{"a": 1}', b'{"a": 1}')) == {"a": "remembered"}
+    assert asyncio.run(read(b'{"a": 1}', b'{"a": 2}')) == {"a": 2}
+
+
 def test_fast_route_errors_are_openai_shaped():
     """What the comparison above compares is the server's answer, not two equal crashes."""
     client = TestClient(_app(), raise_server_exceptions=False)

@@ -12,6 +12,11 @@ every malformed body: the fallback raises ``json.JSONDecodeError`` at the same p
 FastAPI answers as before). Where both parse, the values are equal (``tests/test_request_body.py``
 checks the cases that differ between the two parsers). Everything else of FastAPI's handling
 (content type, validation, dependencies, the OpenAPI schema) is untouched.
+
+A body that a middleware already parsed with :func:`loads` (:class:`rlserve.server.text_check.LoneSurrogateCheck`
+parses a body that may hold a surrogate: any escaped surrogate pair, i.e. every emoji a client's ``json.dumps``
+escaped) is not parsed again: the middleware leaves ``(body, value)`` in the ASGI scope under :data:`PARSED_KEY`
+(:func:`remember`) and :class:`FastJSONRequest` takes the value for a body equal to it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ _decode = msgspec.json.Decoder().decode
 #: ``json.loads``: both parsers stop at the interpreter's recursion limit, but at a depth that
 #: depends on the stack they are called from, which is not the same here and in FastAPI
 MAX_BRACKETS = 256
+#: the ASGI scope key of a body parsed before the route: ``(body bytes, its value)`` (:func:`remember`)
+PARSED_KEY = "rlserve.parsed_body"
 
 
 def loads(body: bytes) -> Any:
@@ -42,12 +49,22 @@ def loads(body: bytes) -> Any:
     return json.loads(body)
 
 
+def remember(scope: dict, body: bytes, value: Any) -> None:
+    """Leave ``value``, :func:`loads` of ``body``, in the ASGI ``scope`` for the route's :class:`FastJSONRequest`
+    (a middleware that parsed the body whole before the app). The value is shared, not copied: neither side may
+    change it."""
+    scope[PARSED_KEY] = (body, value)
+
+
 class FastJSONRequest(Request):
-    """A request whose ``json()`` is :func:`loads` (cached as Starlette's is)."""
+    """A request whose ``json()`` is :func:`loads` (cached as Starlette's is), or the value a middleware left
+    for this very body (:func:`remember`; compared byte for byte, so a body changed since is parsed)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = loads(await self.body())
+            body = await self.body()
+            parsed = self.scope.get(PARSED_KEY)
+            self._json = parsed[1] if parsed is not None and parsed[0] == body else loads(body)
         return self._json
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 from rlserve.server.errors import APIError, send_error
-from rlserve.server.request_body import loads
+from rlserve.server.request_body import loads, remember
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 #: bytes of a JSON body that may decode to a surrogate: the escape of one (``\\uD800``-``\\uDFFF``;
-#: a pair's halves too, so an emoji escaped by the client makes the body parsed here once), or
+#: a pair's halves too, so an emoji escaped by the client makes the body parsed here: once, the
+#: route's :class:`~rlserve.server.request_body.FastJSONRequest` takes the value), or
 #: the UTF-8-style bytes of one (``json.loads`` decodes bytes with ``surrogatepass``). Only a
 #: suspicion: the parsed body decides (``"\\\\ud800"`` is a backslash and text).
 _ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -86,14 +88,19 @@ def _suspect(body: bytes) -> bool:
     return b"\\" in body and _ESCAPE.search(body) is not None
 
 
-def _scan(body: bytes) -> tuple[str, str, int] | None:
+_NOT_PARSED = object()
+
+
+def _scan(body: bytes) -> tuple[tuple[str, str, int] | None, Any]:
+    """``(the first lone surrogate of the parsed body or None, the parsed value)``; the value is
+    :data:`_NOT_PARSED` where the body was not parsed (not suspect, or not JSON: the route answers that)."""
     if not _suspect(body):
-        return None
+        return None, _NOT_PARSED
     try:
         value = loads(body)  # json.loads' value or error, by msgspec where it parses (an escaped emoji's pair)
-    except (ValueError, RecursionError):  # not JSON: the route answers that
-        return None
-    return find_lone_surrogate(value)
+    except (ValueError, RecursionError):  # not JSON: the route parses it again and answers that
+        return None, _NOT_PARSED
+    return find_lone_surrogate(value), value
 
 
 class LoneSurrogateCheck:
@@ -101,7 +108,8 @@ class LoneSurrogateCheck:
     is answered 400 (``invalid_text``, ``param`` its path) before the app sees it. The body is
     read whole (the routes read it whole anyway; put this inside the body-size limit), scanned
     as bytes (:func:`_suspect`; a body without a surrogate's escape or bytes is not parsed here),
-    and handed on unchanged.
+    and handed on unchanged; a body parsed here without a lone surrogate leaves its value in the
+    scope (:func:`rlserve.server.request_body.remember`), so a FastJSONRoute does not parse it again.
 
     Args:
         app: the ASGI app.
@@ -126,9 +134,11 @@ class LoneSurrogateCheck:
                 break
         body = b"".join(chunks)
         if first is None and body:
-            found = await asyncio.to_thread(_scan, body) if len(body) >= _THREAD_BYTES else _scan(body)
+            found, value = await asyncio.to_thread(_scan, body) if len(body) >= _THREAD_BYTES else _scan(body)
             if found is not None:
                 return await self._refuse(send, *found)
+            if value is not _NOT_PARSED:  # the route's FastJSONRequest takes it instead of parsing again
+                remember(scope, body, value)
         pending = [{"type": "http.request", "body": body, "more_body": False}] + ([first] if first else [])
 
         async def replay():
