@@ -2,8 +2,8 @@
 
 * both API processes serve (each connection is pinned to one process, told by its ``/metrics``'s
   ``rlserve_api_server_info``), streamed and not, through the real ``openai`` client, 16 requests at
-  once: every answer's greedy ids are Hugging Face float32's; each process counted exactly the
-  requests it was sent (its own ``rlserve_requests_total``);
+  once: every answer's greedy ids are Hugging Face float32's; a scrape of either process counts all 16
+  (``/metrics`` is the processes' aggregate: requests, tokens, histogram counts);
 * a keep-pause asked of process 1 (forwarded to process 0) holds a request that then arrives at
   process 1 (process 1's own ``rlserve_num_requests_held``: the state reached it), a gloo weight
   update runs meanwhile through the HTTP control routes, and after ``/resume`` (again through process 1)
@@ -16,7 +16,8 @@
   processes, a keep-pause asked of process 1 holds its new request (``/abort_requests`` asked of process 0
   ends it and counts it once: ``aborted`` 1) and its next one until a resume asked of process 0, a
   sleep asked of process 1 answers 503 ``model_sleeping`` on both until its wake (``/metrics`` of process 1
-  still answers: a 500 before session 23's fix, its sleep gauges read the cores); then a killed API process 1
+  still answers: a 500 before session 23's fix, its sleep gauges read the cores; either process's scrape
+  reads the sleep state, then the wake, that process 0 wrote); then a killed API process 1
   stops the server with exit status 1 (no hang, no process left).
 
 Every wait is bounded by ``T`` (a hang, not a speed limit)."""
@@ -127,22 +128,23 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         prompts = [[3 + i, 40 + i, 7, 90 + 2 * i] for i in range(16)]
         want = [greedy_continuation(hf0, p, 12) for p in prompts]
         by = _pinned(srv.url)
-        before = {i: _sum(_metrics(cs[1]), "rlserve_requests_total{") for i, cs in by.items()}
+        sums = ("rlserve_requests_total{", "vllm:generation_tokens_total{", "vllm:e2e_request_latency_seconds_count{",
+                "vllm:inter_token_latency_seconds_count{")
+        before = {i: [_sum(_metrics(cs[1]), k) for k in sums] for i, cs in by.items()}
+        assert before[0] == before[1], before  # every process answers the aggregate (metrics_mp)
         jobs = [(by[k % 2][(k // 2) % PER_PROCESS], prompts[k], k % 4 < 2) for k in range(16)]
         with cf.ThreadPoolExecutor(2 * PER_PROCESS) as pool:
             got = list(pool.map(lambda j: _complete(j[0], path, j[1], 12, j[2]), jobs))
         for k, (ids, extra) in enumerate(got):
             assert ids == want[k], (k, ids, want[k])
             assert extra.get("weight_version") == "0", extra
-        # (a request is counted once its answer is sent: wait for all 16, then see who counted them.) Clients 1
-        # and 3 of each process sent 2 non-streamed requests each over their one connection; clients 0 and 2
-        # streamed, and the openai client (3.63) closes a stream's response at ``[DONE]``, before the chunked
-        # body's end, so httpx drops that connection and their next request went over a new one, to either
-        # process: each process served 4..12
-        served = lambda: {i: _sum(_metrics(cs[1]), "rlserve_requests_total{") - before[i] for i, cs in by.items()}
-        _until(lambda: sum(served().values()) >= 16, "16 requests counted")
-        counts = served()
-        assert sum(counts.values()) == 16 and min(counts.values()) >= 4, counts
+        # (a request is counted once its answer is sent: wait for all 16.) Clients 1 and 3 of each process sent 2
+        # non-streamed requests each over their one connection (so both processes served requests); a scrape of
+        # either process counts all 16 (was its own only before session 24): 16 requests of 12 tokens, 11 gaps each
+        added = [16, 16 * 12, 16, 16 * 11]
+        for i, cs in by.items():
+            _until(lambda: _sum(_metrics(cs[1]), sums[0]) == before[i][0] + 16, f"16 requests counted by process {i}")
+            assert [_sum(_metrics(cs[1]), k) - b for k, b in zip(sums, before[i])] == added, i
 
         # streams in flight on both processes, then a keep-pause asked of process 1
         by = _pinned(srv.url, [c for cs in by.values() for c in cs])
@@ -165,6 +167,8 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
             assert extra["finish_reason"] == "abort" and 0 < len(ids) < 1500 and extra["weight_versions"] == ["0"]
         held = pool.submit(_complete, by[1][0], path, prompts[0], 12, False)
         _until(lambda: _sum(_metrics(by[1][3]), "rlserve_num_requests_held{") == 1, "process 1 holding the request")
+        # process 0's scrape sums process 1's held count too (its own write, within metrics_mp.LIVE_PUBLISH_S)
+        _until(lambda: _sum(_metrics(by[0][3]), "rlserve_num_requests_held{") == 1, "process 0 reading it")
         trainer = WeightTransferTrainerFactory.trainer_init(
             init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
             client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(load_hf(path, seed=1)))
@@ -236,7 +240,15 @@ def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(ti
                 r = by[i][0].post("/v1/completions", json={**body, "stream": stream})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "model_sleeping", (i, r.text)
             assert by[i][0].get("/health").status_code == 200 and by[i][0].get("/metrics").status_code == 200
+            # either process's scrape reads the sleep state process 0 wrote at the sleep (metrics_mp)
+            m = _metrics(by[i][1])
+            assert _sum(m, "rlserve_is_sleeping{") == 1 and _sum(m, "rlserve_sleep_level{") == 1, i
+            assert _sum(m, 'vllm:engine_sleep_state{engine="0",model_name="%s",sleep_state="awake"}' % path) == 0, i
         assert by[1][0].post("/wake_up").status_code == 200
+        for i in (0, 1):  # ... and the wake
+            m = _metrics(by[i][1])
+            assert _sum(m, "rlserve_is_sleeping{") == 0, i
+            assert _sum(m, 'vllm:engine_sleep_state{engine="0",model_name="%s",sleep_state="awake"}' % path) == 1, i
         for i in (0, 1):
             assert _complete(by[i][0], path, prompts[1], 10, False)[0] == got[1][0]
         pids = [srv.proc.pid] + _children(srv.proc.pid)

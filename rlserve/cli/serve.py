@@ -82,7 +82,7 @@ def _import_app():
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
-    from rlserve.server import multi_api
+    from rlserve.server import metrics_mp, multi_api
 
     attach = multi_api.attach_from_env()  # API process 1..N-1 of --api-server-count N (rlserve.server.multi_api)
     who = f" [api-server {attach['client_index']}]" if attach else ""
@@ -216,6 +216,8 @@ def run(args) -> int:
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
     rc, resignal, app, servers = 1, None, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    if args.api_server_count > 1:  # the N processes' metric values (process 0's directory: rlserve.server.metrics_mp)
+        settings.metrics_multiproc_dir = attach["metrics_dir"] if attach else metrics_mp.make_dir()
     try:
         app = build_app(aengine, settings)
         phases.mark("API app build")
@@ -229,7 +231,8 @@ def run(args) -> int:
                 extra.append(control)
                 servers = multi_api.APIServerProcessManager(args.api_server_count, sock,
                                                             [r.socket_dir for r in aengine._replicas], control_path,
-                                                            args.argv[args.argv.index("serve") + 1:])
+                                                            args.argv[args.argv.index("serve") + 1:],
+                                                            settings.metrics_multiproc_dir)
                 servers.start()
         rc = stack.run(_serve(served, args, sock, stack, extra, servers))
         if servers is not None and servers.failure:
@@ -243,6 +246,8 @@ def run(args) -> int:
         logger.debug("stopping: HTTP server closed; stopping the engines")
         if servers is not None:
             servers.stop()  # API processes 1..N-1 first: then the cores
+        if not attach:
+            metrics_mp.remove_dir(settings.metrics_multiproc_dir)
         if app is not None:
             app.state.rlserve.close()  # the chat-template workers
         aengine.shutdown(timeout_s=5.0)

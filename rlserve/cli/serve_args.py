@@ -250,7 +250,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
                    help="API server processes sharing the listening socket and the engine cores (vLLM's flag; "
                         "process 0 owns weight sync, pause and sleep, the others forward those routes to it; "
-                        "/metrics is per process; not with --enable-lora; "
+                        "/metrics of each is the N processes' aggregate; not with --enable-lora; "
                         "rlserve/server/multi_api.py)")
     add_engine_args(p)
     add_vllm_compat_args(p)

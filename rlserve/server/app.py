@@ -32,6 +32,7 @@ from rlserve.server.auth import require_admin, require_api_key
 from rlserve.server.control_routes import make_admin_router, make_public_router, make_trl_router
 from rlserve.server.errors import install_error_handlers
 from rlserve.server.limits import BodySizeLimit
+from rlserve.server import metrics_mp
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.openai_routes import make_openai_router
 from rlserve.server.responses_routes import make_responses_router
@@ -57,7 +58,8 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     Returns:
         the FastAPI app; ``app.state.rlserve`` is the :class:`ServerState`.
     """
-    metrics = ServerMetrics(settings.served_model_names[0], int(aengine.engine.max_model_len))
+    metrics = ServerMetrics(settings.served_model_names[0], int(aengine.engine.max_model_len),
+                            multiprocess_dir=settings.metrics_multiproc_dir)
     state = ServerState(aengine, settings, metrics)
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     app.state.rlserve = state
@@ -87,6 +89,17 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
         await asyncio.to_thread(state.start_template_workers)
 
     app.router.on_startup.append(start_template_workers)
+    if metrics.multiprocess:  # this process's live counts for the others' scrapes (metrics_mp)
+        publisher: list = []
+
+        async def start_publisher():
+            publisher.append(asyncio.create_task(metrics_mp.publish_live(metrics, aengine)))
+
+        async def stop_publisher():
+            for task in publisher:
+                task.cancel()
+        app.router.on_startup.append(start_publisher)
+        app.router.on_shutdown.append(stop_publisher)
     if getattr(aengine.config, "enable_lora", False):
         mount_lora_routes(app, state, admin_deps)
     return app

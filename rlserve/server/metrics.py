@@ -21,9 +21,8 @@ start to commit of each successful update, ``mode`` the staging: none | device |
 ``weight_sync_failures_total{backend,mode}``, ``generation_paused_seconds_total`` (the stall:
 seconds generation was paused, by weight syncs or operators) and ``weight_version_number``.
 
-``rlserve_api_server_info{index,count}``: which API process answered (``--api-server-count N``:
-every metric here is that process's own, requests it served and the engine stats it received;
-not aggregated over the N processes).
+``rlserve_api_server_info{index,count}``: which API process answered (``--api-server-count N``;
+with N > 1 every other series is the N processes' aggregate: :mod:`rlserve.server.metrics_mp`).
 
 Sleep mode (``--enable-sleep-mode``; gauges, prefix ``rlserve_``): ``is_sleeping`` (1 while any
 region sleeps), ``sleep_level`` (0 awake, 1, 2), ``sleep_bytes_discarded`` (bytes of the
@@ -66,60 +65,68 @@ class _SnapshotCounters:
 
 
 class ServerMetrics:
-    """All metrics of one server. Recording methods take seconds and token counts."""
+    """All metrics of one server. Recording methods take seconds and token counts.
 
-    def __init__(self, model_name: str, max_model_len: int = 8192):
+    ``multiprocess_dir``: ``--api-server-count N`` > 1's shared directory (:mod:`rlserve.server.metrics_mp`:
+    every process's values in files there, ``/metrics`` their aggregate); None (N = 1): in memory."""
+
+    def __init__(self, model_name: str, max_model_len: int = 8192, multiprocess_dir: str | None = None):
+        from rlserve.server import metrics_mp
+
         self.registry = CollectorRegistry()
         r = self.registry
+        self.multiprocess = multiprocess_dir is not None
+        if self.multiprocess:
+            metrics_mp.enable(multiprocess_dir)
+        vr = None if self.multiprocess else r  # the value metrics' registry (multiprocess: read from the files)
         lbl = ["model_name"]
         self.model_name = model_name
         self._children: dict = {}  # (metric, label values) -> its child (_child)
+
+        def gauge(name, doc, labels=lbl, mode="mostrecent"):  # (multiprocess_mode: metrics_mp)
+            return Gauge(name, doc, labels, registry=vr, multiprocess_mode=mode)
+
         self.requests = Counter("rlserve_requests", "Finished generation requests (one per prompt).",
-                                lbl + ["endpoint"], registry=r)
+                                lbl + ["endpoint"], registry=vr)
         self.sequences = Counter("rlserve_sequences_finished", "Finished samples (n per request), by finish reason.",
-                                 lbl + ["finish_reason"], registry=r)
+                                 lbl + ["finish_reason"], registry=vr)
         self.errors = Counter("rlserve_request_errors", "Requests answered with an error.", lbl + ["status"],
-                              registry=r)
+                              registry=vr)
         self.prompt_tokens = Counter("rlserve_prompt_tokens", "Prompt tokens of finished requests.", lbl,
-                                     registry=r)
-        self.generation_tokens = Counter("rlserve_generation_tokens", "Generated tokens.", lbl, registry=r)
+                                     registry=vr)
+        self.generation_tokens = Counter("rlserve_generation_tokens", "Generated tokens.", lbl, registry=vr)
         self.e2e = Histogram("rlserve_e2e_request_latency_seconds", "Arrival to last token, seconds.", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_LATENCY_BUCKETS, registry=vr)
         self.ttft = Histogram("rlserve_time_to_first_token_seconds", "Arrival to first token, seconds.", lbl,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.running = Gauge("rlserve_num_requests_running", "Sequences running in the engines.", lbl, registry=r)
-        self.waiting = Gauge("rlserve_num_requests_waiting", "Sequences waiting in the engines.", lbl, registry=r)
-        self.held = Gauge("rlserve_num_requests_held", "Requests held while generation is paused.", lbl,
-                          registry=r)
-        self.unfinished = Gauge("rlserve_num_requests_unfinished",
-                                "Requests accepted and not finished (in the engines or held), live.", lbl, registry=r)
-        self.kv_usage = Gauge("rlserve_kv_cache_usage_perc", "KV-cache blocks in use (0..1).", lbl, registry=r)
-        self.paused = Gauge("rlserve_is_paused", "1 while generation is paused.", lbl, registry=r)
-        self.prefix_hits = Gauge("rlserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
-                                 lbl, registry=r)
-        self.prefix_queries = Gauge("rlserve_prefix_cache_query_tokens_total",
-                                    "Prompt tokens looked up in the prefix cache.", lbl, registry=r)
-        self.sleeping = Gauge("rlserve_is_sleeping", "1 while any sleep-mode region sleeps.", lbl, registry=r)
-        self.sleep_level = Gauge("rlserve_sleep_level", "Level of the sleep in force (0: awake).", lbl, registry=r)
-        self.sleep_released = Gauge("rlserve_sleep_bytes_released",
-                                    "Device bytes sleep mode has given back to the driver now (0 on CPU).", lbl,
-                                    registry=r)
-        self.sleep_discarded = Gauge("rlserve_sleep_bytes_discarded",
-                                     "Bytes of the regions asleep now (contents offloaded or dropped).", lbl,
-                                     registry=r)
-        self.sleep_region = Gauge("rlserve_sleep_region_bytes", "Device bytes of a sleep-mode region while awake.",
-                                  lbl + ["tag"], registry=r)
-        self.sleeps = Gauge("rlserve_sleeps_total", "Sleeps since start.", lbl, registry=r)
-        self.wake_ups = Gauge("rlserve_wake_ups_total", "wake_up calls that woke something, since start.", lbl,
-                              registry=r)
-        self.sleep_last = Gauge("rlserve_sleep_last_seconds", "Duration of the last sleep / wake_up, seconds.",
-                                lbl + ["op"], registry=r)
+                              buckets=_TTFT_BUCKETS, registry=vr)
+        self.running = gauge("rlserve_num_requests_running", "Sequences running in the engines.")
+        self.waiting = gauge("rlserve_num_requests_waiting", "Sequences waiting in the engines.")
+        self.held = gauge("rlserve_num_requests_held", "Requests held while generation is paused.", mode="livesum")
+        self.unfinished = gauge("rlserve_num_requests_unfinished",
+                                "Requests accepted and not finished (in the engines or held), live.", mode="livesum")
+        self.kv_usage = gauge("rlserve_kv_cache_usage_perc", "KV-cache blocks in use (0..1).")
+        self.paused = gauge("rlserve_is_paused", "1 while generation is paused.")
+        self.prefix_hits = gauge("rlserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.")
+        self.prefix_queries = gauge("rlserve_prefix_cache_query_tokens_total",
+                                    "Prompt tokens looked up in the prefix cache.")
+        self.sleeping = gauge("rlserve_is_sleeping", "1 while any sleep-mode region sleeps.")
+        self.sleep_level = gauge("rlserve_sleep_level", "Level of the sleep in force (0: awake).")
+        self.sleep_released = gauge("rlserve_sleep_bytes_released",
+                                    "Device bytes sleep mode has given back to the driver now (0 on CPU).")
+        self.sleep_discarded = gauge("rlserve_sleep_bytes_discarded",
+                                     "Bytes of the regions asleep now (contents offloaded or dropped).")
+        self.sleep_region = gauge("rlserve_sleep_region_bytes", "Device bytes of a sleep-mode region while awake.",
+                                  lbl + ["tag"])
+        self.sleeps = gauge("rlserve_sleeps_total", "Sleeps since start.")
+        self.wake_ups = gauge("rlserve_wake_ups_total", "wake_up calls that woke something, since start.")
+        self.sleep_last = gauge("rlserve_sleep_last_seconds", "Duration of the last sleep / wake_up, seconds.",
+                                lbl + ["op"])
         self.version_info = Info("rlserve_weight_version", "Weight version being served.", registry=r)
         self.api_server = Info("rlserve_api_server", "This API process: index of count (--api-server-count; "
-                               "every metric is this process's own).", registry=r)
-        self.version_num = Gauge("rlserve_weight_version_number",
-                                 "Weight version as a number (-1 when it is not numeric).", lbl, registry=r)
-        self.vllm = VllmMetrics(r, model_name, max_model_len)  # vLLM's names
+                               "the other metrics are the N processes' aggregate).", registry=r)
+        self.version_num = gauge("rlserve_weight_version_number",
+                                 "Weight version as a number (-1 when it is not numeric).")
+        self.vllm = VllmMetrics(r, model_name, max_model_len, multiprocess=self.multiprocess)  # vLLM's names
         self.engine_counters = _SnapshotCounters(model_name, {
             "steps": ("rlserve_engine_steps", "Forward steps run by the engines (frozen while paused in keep mode)."),
         })
@@ -128,15 +135,17 @@ class ServerMetrics:
         sync = lbl + ["backend", "mode"]
         self.sync_seconds = Histogram("rlserve_weight_sync_duration_seconds",
                                       "Successful weight updates: start to commit, seconds.", sync,
-                                      buckets=_SYNC_BUCKETS, registry=r)
+                                      buckets=_SYNC_BUCKETS, registry=vr)
         self.sync_bytes = Counter("rlserve_weight_sync_bytes", "Bytes received by successful weight updates.", sync,
-                                  registry=r)
-        self.syncs = Counter("rlserve_weight_syncs", "Successful weight updates.", sync, registry=r)
-        self.sync_failures = Counter("rlserve_weight_sync_failures", "Failed weight updates.", sync, registry=r)
+                                  registry=vr)
+        self.syncs = Counter("rlserve_weight_syncs", "Successful weight updates.", sync, registry=vr)
+        self.sync_failures = Counter("rlserve_weight_sync_failures", "Failed weight updates.", sync, registry=vr)
         self.paused_seconds = Counter("rlserve_generation_paused_seconds",
                                       "Seconds generation was paused (weight syncs, operators): the stall.", lbl,
-                                      registry=r)
+                                      registry=vr)
         self._paused_seen = 0.0
+        if self.multiprocess:
+            metrics_mp.collector(r, multiprocess_dir)
 
     def record_request(self, endpoint: str, finish_reasons: list, prompt_tokens: int, generation_tokens: int,
                        e2e_s: float | None, ttft_s: float | None, decode_s: float | None = None,
@@ -188,38 +197,27 @@ class ServerMetrics:
 
     def render(self, aengine, sleep: dict | None = None) -> bytes:
         """Refresh the gauges from ``aengine`` (and ``sleep``, sleep mode's state: AsyncSleep.info)
-        and return the exposition text."""
+        and return the exposition text (multiprocess: every API process's aggregate, metrics_mp)."""
         m = self.model_name
         if sleep is not None:
-            self.sleeping.labels(m).set(1 if sleep["is_sleeping"] else 0)
-            self.sleep_level.labels(m).set(sleep["level"])
-            self.sleep_released.labels(m).set(sleep["bytes_released"])
-            self.sleep_discarded.labels(m).set(sleep["bytes_discarded"])
-            for tag, n in sleep["bytes"].items():
-                self.sleep_region.labels(m, tag).set(n)
-            self.sleeps.labels(m).set(sleep["sleeps"])
-            self.wake_ups.labels(m).set(sleep["wake_ups"])
-            for op in ("sleep", "wake_up"):
-                if sleep.get(f"last_{op}_s") is not None:
-                    self.sleep_last.labels(m, op).set(sleep[f"last_{op}_s"])
+            self.set_sleep(sleep)
         stats = aengine.stats()
+        self.set_live(stats.get("num_held", 0), stats.get("num_unfinished", 0))
         self.running.labels(m).set(stats.get("num_running", 0))
         self.waiting.labels(m).set(stats.get("num_waiting", 0))
-        self.held.labels(m).set(stats.get("num_held", 0))
-        self.unfinished.labels(m).set(stats.get("num_unfinished", 0))
         self.kv_usage.labels(m).set(stats.get("kv_cache_usage", 0.0))
         self.paused.labels(m).set(1 if aengine.is_paused() else 0)
         self.prefix_hits.labels(m).set(stats.get("prefix_cache_hit_tokens", 0))
         self.prefix_queries.labels(m).set(stats.get("prefix_cache_query_tokens", 0))
-        self.vllm.refresh(stats, sleep)
+        self.vllm.refresh(stats, None)  # (the sleep state: set_sleep, above)
         if stats.get("num_kv_blocks"):
             self.vllm.set_cache_config(cache_config_info(aengine.config, stats))
         self.engine_counters.values = stats
-        paused = float(getattr(aengine, "paused_seconds", 0.0))
-        if paused > self._paused_seen:
-            self.paused_seconds.labels(m).inc(paused - self._paused_seen)
-            self._paused_seen = paused
         sync = getattr(aengine, "front_sync", None)
+        paused = float(getattr(aengine, "paused_seconds", 0.0))
+        if paused > self._paused_seen and not (self.multiprocess and sync is not None and sync.client_index):
+            self.paused_seconds.labels(m).inc(paused - self._paused_seen)  # (multiprocess: process 0's clock)
+            self._paused_seen = paused
         if sync is not None:
             self.api_server.info({"index": str(sync.client_index), "count": str(sync.count)})
         v = aengine.weight_version
@@ -229,6 +227,28 @@ class ServerMetrics:
         except ValueError:
             self.version_num.labels(m).set(-1)
         return generate_latest(self.registry)
+
+    def set_live(self, held: int, unfinished: int) -> None:
+        """This process's own live counts: requests held, and unfinished (engines + held)."""
+        self._child(self.held, self.model_name).set(held)
+        self._child(self.unfinished, self.model_name).set(unfinished)
+
+    def set_sleep(self, sleep: dict) -> None:
+        """The sleep-mode gauges from ``sleep`` (``AsyncSleep.info()``; API process 0, which sleeps:
+        at each scrape and after each sleep / wake_up, so the other processes' scrapes read it too)."""
+        m = self.model_name
+        self.sleeping.labels(m).set(1 if sleep["is_sleeping"] else 0)
+        self.sleep_level.labels(m).set(sleep["level"])
+        self.sleep_released.labels(m).set(sleep["bytes_released"])
+        self.sleep_discarded.labels(m).set(sleep["bytes_discarded"])
+        for tag, n in sleep["bytes"].items():
+            self.sleep_region.labels(m, tag).set(n)
+        self.sleeps.labels(m).set(sleep["sleeps"])
+        self.wake_ups.labels(m).set(sleep["wake_ups"])
+        for op in ("sleep", "wake_up"):
+            if sleep.get(f"last_{op}_s") is not None:
+                self.sleep_last.labels(m, op).set(sleep[f"last_{op}_s"])
+        self.vllm.set_sleep_state(bool(sleep["is_sleeping"]), int(sleep["level"]))
 
 
 def cache_config_info(config, stats: dict) -> dict:

@@ -30,10 +30,12 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   process 0 stops processes 1..N-1 first (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`), then its
   cores. Processes 1..N-1 get SIGTERM from the kernel when process 0 dies (``PR_SET_PDEATHSIG``),
   as the cores do.
-* **Metrics**: ``/metrics`` is per process (whichever process the connection reached; its
-  ``rlserve_api_server_info{index,count}`` says which), not aggregated (vLLM aggregates with
-  prometheus_client's multiprocess mode: not done here); the sleep-mode gauges are process 0's only
-  (the others have no sleep state of their own: ``AsyncEngine.sleep_mode`` is None there).
+* **Metrics**: ``/metrics`` of every process answers the N processes' aggregate (prometheus_client's
+  multiprocess mode, as vLLM: :mod:`rlserve.server.metrics_mp`; counters and histograms summed,
+  gauges as vLLM aggregates them, in a directory process 0 makes and removes at exit); only
+  ``rlserve_api_server_info{index,count}`` is the answering process's own (which one it is). The
+  sleep-mode gauges are process 0's (the others have no sleep state of their own), written at its
+  scrapes and after each sleep / wake_up; ``process_*`` / ``python_*`` are left out (as vLLM does).
 * **Request ids**: every route makes its id from a random 96-bit UUID part (``cmpl-``, ``chatcmpl-``,
   ...), so the ids of different processes do not collide in the cores.
 """
@@ -68,7 +70,7 @@ CONTROL_PATHS = frozenset(p.rstrip("/") for p in (
 
 def attach_from_env() -> dict | None:
     """This process's attach description when it is API process 1..N-1, else None:
-    ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket", "ready_fd"}``."""
+    ``{"client_index", "count", "core_dirs", "listen_fd", "control_socket", "ready_fd", "metrics_dir"}``."""
     raw = envs.RLSERVE_API_SERVER_ATTACH
     return json.loads(raw) if raw else None
 
@@ -129,10 +131,13 @@ class APIServerProcessManager:
     Args:
         count: N. listen_sock: the shared listening socket. core_dirs: each replica's core socket
             directory. control_path: process 0's unix socket. argv: ``rlserve serve``'s arguments.
+            metrics_dir: the metric values' shared directory (:mod:`rlserve.server.metrics_mp`).
     """
 
-    def __init__(self, count: int, listen_sock, core_dirs: list[str], control_path: str, argv: list[str]):
+    def __init__(self, count: int, listen_sock, core_dirs: list[str], control_path: str, argv: list[str],
+                 metrics_dir: str | None = None):
         self.count = count
+        self.metrics_dir = metrics_dir
         self.listen_sock = listen_sock
         self.core_dirs = list(core_dirs)
         self.control_path = control_path
@@ -152,7 +157,8 @@ class APIServerProcessManager:
             r, w = os.pipe()
             env = dict(os.environ)
             env[ATTACH_ENV] = json.dumps({"client_index": i, "count": self.count, "core_dirs": self.core_dirs,
-                                          "listen_fd": fd, "control_socket": self.control_path, "ready_fd": w})
+                                          "listen_fd": fd, "control_socket": self.control_path, "ready_fd": w,
+                                          "metrics_dir": self.metrics_dir})
             try:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "rlserve", "serve", *self.argv], env=env,
                                                    stdin=subprocess.DEVNULL, pass_fds=(fd, w),

@@ -45,6 +45,8 @@ class ServerSettings:
         enable_tokenizer_info_endpoint: serve ``GET /tokenizer_info``.
         model_impl / generation_config: ``--model-impl`` / ``--generation-config`` as given
             (``/server_info`` reports them).
+        metrics_multiproc_dir: ``--api-server-count`` N > 1: the directory the N processes' metric
+            values share (:mod:`rlserve.server.metrics_mp`); None: in memory, this process's.
     """
 
     model: str
@@ -72,3 +74,4 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False
     model_impl: str = "auto"
     generation_config: str = "auto"
+    metrics_multiproc_dir: str | None = None

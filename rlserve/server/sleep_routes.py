@@ -56,16 +56,29 @@ def make_sleep_routers(state: ServerState, admin_dependencies: list) -> tuple[AP
                                                            "with finish_reason abort) | wait (they finish first)")):
         """Free the GPU memory of the weights and the KV cache; new requests get 503 until
         ``/wake_up``."""
-        return await _sleep_of(state).sleep(level, mode)
+        try:
+            return await _sleep_of(state).sleep(level, mode)
+        finally:  # (--api-server-count N: the other processes' scrapes read the gauges process 0 wrote)
+            await _sleep_gauges(state)
 
     @admin.post("/wake_up")
     async def wake_up(tags: Optional[List[str]] = Query(None, description="weights | kv_cache (repeatable); "
                                                                            "default both")):
         """Take the memory back (``tags`` separately: ``weights`` first lets a weight sync land
         before the KV cache is re-allocated); generation resumes once both are awake."""
-        return await _sleep_of(state).wake_up(tags)
+        try:
+            return await _sleep_of(state).wake_up(tags)
+        finally:
+            await _sleep_gauges(state)
 
     return public, admin
+
+
+async def _sleep_gauges(state: ServerState) -> None:
+    """The sleep-mode gauges set now (after a sleep / wake_up), not only at this process's next scrape."""
+    info = await sleep_info(state)
+    if info is not None:
+        state.metrics.set_sleep(info)
 
 
 def connect_weight_manager(state: ServerState) -> None:

@@ -19,7 +19,8 @@ cache), ``num_preemptions``, ``prefix_cache_queries`` / ``_hits``; gauges ``num_
 at level 1, ``discard_all`` 1 at level 2), ``cache_config_info`` (1, the cache configuration in
 its labels, as vLLM's ``CacheConfig.metrics_info`` renders the values: ``str()``).
 Process metrics (``process_*``: CPU seconds, memory, open files) come from prometheus-client's
-process collector, with its ``python_info`` and ``python_gc_*`` as on vLLM's default registry.
+process collector, with its ``python_info`` and ``python_gc_*`` as on vLLM's default registry (not with
+``--api-server-count`` N > 1, where ``/metrics`` is the processes' aggregate: :mod:`rlserve.server.metrics_mp`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,21 @@ class _WeightedHistogram:
         yield _histogram(self.name, self.doc, self.labels, self.values, self.bounds, counts, total)
 
 
+class _FileWeightedHistogram:
+    """:class:`_WeightedHistogram`'s ``observe(value, count)`` on a ``Histogram`` whose values live in
+    this process's multiprocess file (``--api-server-count`` N > 1, :mod:`rlserve.server.metrics_mp`:
+    a custom collector would not be aggregated). The bucket values there are per bucket (the
+    collector accumulates them), so one bucket and the sum get ``count`` observations' worth."""
+
+    def __init__(self, name: str, doc: str, labels: list[str], values: list[str], buckets: tuple):
+        self.child = Histogram(name, doc, labels, buckets=buckets, registry=None).labels(*values)
+        self.bounds = list(buckets)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.child._sum.inc(value * count)
+        self.child._buckets[bisect.bisect_left(self.bounds, value)].inc(count)  # (the last one: +Inf)
+
+
 def _histogram(name, doc, labels, values, bounds, counts, total) -> HistogramMetricFamily:
     """A histogram family from per-bucket (not cumulative) ``counts``, the last one +Inf."""
     cum, acc = [], 0
@@ -123,36 +139,42 @@ class _EngineSnapshot:
 
 
 class VllmMetrics:
-    """vLLM's series on ``registry`` for one served model (see the module's docstring)."""
+    """vLLM's series on ``registry`` for one served model (see the module's docstring).
+    ``multiprocess``: ``--api-server-count`` N > 1 (:mod:`rlserve.server.metrics_mp`): the value
+    metrics are not registered (``registry`` reads their files), gauges have vLLM's
+    ``multiprocess_mode`` ("mostrecent"), no process / platform / GC collectors (as vLLM's)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int):
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, multiprocess: bool = False):
         r = registry
+        vr = None if multiprocess else r  # where the value metrics register
         lbl = ["model_name", "engine"]
         self.values = [model_name, ENGINE]
         token_buckets = request_tokens_buckets(max_model_len)
 
         def hist(name, doc, buckets):
-            return Histogram(name, doc, lbl, buckets=buckets, registry=r).labels(*self.values)
+            return Histogram(name, doc, lbl, buckets=buckets, registry=vr).labels(*self.values)
 
-        def gauge(name, doc):
-            return Gauge(name, doc, lbl, registry=r).labels(*self.values)
+        def gauge(name, doc, labels=lbl):
+            return Gauge(name, doc, labels, registry=vr, multiprocess_mode="mostrecent")
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.sleep_state = Gauge("vllm:engine_sleep_state",
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(
+            *self.values)
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(
+            *self.values)
+        self.kv = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(*self.values)
+        self.sleep_state = gauge("vllm:engine_sleep_state",
                                  "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
                                  "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level "
-                                 "2.", lbl + ["sleep_state"], registry=r)
+                                 "2.", lbl + ["sleep_state"])
         self.set_sleep_state(False, 0)
         self.cache_info = None  # made once the engines report their KV-cache size (set_cache_config)
-        self._registry = r
+        self._gauge = gauge
         self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lbl,
-                              registry=r).labels(*self.values)
+                              registry=vr).labels(*self.values)
         self.gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lbl,
-                           registry=r).labels(*self.values)
+                           registry=vr).labels(*self.values)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               lbl + ["finished_reason"], registry=r)
+                               lbl + ["finished_reason"], registry=vr)
         # vLLM creates one per FinishReason at start; {reason: child}
         self._success = {reason: self.success.labels(*self.values, reason) for reason in FINISH_REASONS}
         self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
@@ -162,9 +184,11 @@ class VllmMetrics:
                                       "Histogram of the max_tokens request parameter.", token_buckets)
         self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TIME_TO_FIRST_TOKEN_BUCKETS)
-        self.itl = _WeightedHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                      lbl, self.values, INTER_TOKEN_LATENCY_BUCKETS)
-        r.register(self.itl)
+        itl = ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", lbl, self.values,
+               INTER_TOKEN_LATENCY_BUCKETS)
+        self.itl = _FileWeightedHistogram(*itl) if multiprocess else _WeightedHistogram(*itl)
+        if not multiprocess:
+            r.register(self.itl)
         self.tpot = hist("vllm:request_time_per_output_token_seconds",
                          "Histogram of time_per_output_token_seconds per request.", INTER_TOKEN_LATENCY_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
@@ -179,9 +203,10 @@ class VllmMetrics:
                            REQUEST_LATENCY_BUCKETS)
         self.snapshot = _EngineSnapshot(lbl, self.values)
         r.register(self.snapshot)
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
+        if not multiprocess:  # (per process: vLLM's multiprocess registry has none either)
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
     def record_request(self, finish_reasons: list, prompt_tokens: int, generation_tokens: int, e2e_s, ttft_s,
                        decode_s, sample_tokens: list[int] | None, n: int | None = None, max_tokens: int | None = None,
@@ -236,8 +261,8 @@ class VllmMetrics:
         labels; set once (vLLM sets it when the engine is initialized)."""
         if self.cache_info is None:
             labels = dict(info, engine=ENGINE)
-            self.cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                    list(labels), registry=self._registry)
+            self.cache_info = self._gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                          list(labels))
             self.cache_info.labels(**labels).set(1)
 
     def refresh(self, stats: dict, sleep: dict | None) -> None:
