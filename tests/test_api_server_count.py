@@ -11,6 +11,8 @@
   ids); streams frozen by the pause name both versions; one of process 1's frozen streams aborted by its
   id through process 0 ends with ``abort``, the answer's ``aborted`` 1 (when the freeze caught all four streams
   in the core: the core's ``vllm:num_requests_running`` at the freeze); new requests on both processes say ``v1``;
+* the control routes asked of process 1 are logged once, with the client's address (process 0 logged
+  each again with an empty one before session 24);
 * SIGTERM stops everything (the API processes and the engine core: no process left);
 * with ``--data-parallel-size 2`` (two cores, each process a replica of each): greedy answers on both
   processes, a keep-pause asked of process 1 holds its new request (``/abort_requests`` asked of process 0
@@ -121,7 +123,7 @@ def _until(cond, what: str) -> None:
 def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
     path = tiny_model("llama", max_position_embeddings=4096)
     srv = ServerProcess(path, "--api-server-count", "2", "--max-model-len", "4096", "--device", "cpu",
-                        "--disable-access-log", "--weight-transfer-config", '{"backend": "gloo"}').start()
+                        "--weight-transfer-config", '{"backend": "gloo"}').start()  # (access log on: checked below)
     trainer = None
     try:
         hf0, hf1 = load_hf(path, scale=0.0), load_hf(path, seed=1)
@@ -190,6 +192,14 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
             ids, extra = _complete(by[i][0], path, prompts[5], 12, i == 1)
             assert ids == greedy_continuation(hf1, prompts[5], 12) and extra["weight_version"] == "v1", (i, extra)
             assert _metrics(by[i][3])['rlserve_weight_version_info{model_name="%s",version="v1"}' % path] == 1.0
+
+        # the control routes asked of process 1 (forwarded to process 0) are logged once, with the client's
+        # address (process 0 logged them too, with an empty one: multi_api.ControlSocketAccessFilter)
+        log = srv.log_tail(100_000_000).splitlines()
+        for route in ('"POST /pause?mode=keep HTTP/1.1" 200', '"POST /resume HTTP/1.1" 200'):
+            lines = [ln for ln in log if route in ln]
+            assert len(lines) == 1 and " 127.0.0.1:" in lines[0], (route, lines)
+        assert not [ln for ln in log if ' - "' in ln and "INFO:      - " in ln], "an access line without an address"
 
         # SIGTERM: every process ends
         pids = [srv.proc.pid] + _children(srv.proc.pid)

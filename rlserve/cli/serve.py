@@ -315,6 +315,10 @@ async def _serve(app, args, sock, stack, extra_sockets=(), servers=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             access_log=not args.disable_access_log, timeout_graceful_shutdown=1,
                             timeout_keep_alive=30, http=stack.protocol(args.http_header_timeout))
+    if extra_sockets:  # API process 0's control socket: its forwarded requests are logged where they came in
+        from rlserve.server.multi_api import quiet_control_socket_access_log
+
+        quiet_control_socket_access_log()
     logger.info("HTTP: uvicorn on %s", stack.name)
     loop = asyncio.get_running_loop()
     st = app.state  # (ForwardControl, in API processes > 0, carries its app's state)

@@ -19,7 +19,8 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   themselves. Every control route (:data:`CONTROL_PATHS`: weight sync, pause / resume, sleep / wake,
   reset_prefix_cache, abort_requests, and the routes that report that state) is forwarded as is
   -- method, path, query, headers (the key included: process 0 checks it), body -- to process 0
-  over the unix socket (:class:`ForwardControl`), and its answer returned. Process 0's admission
+  over the unix socket (:class:`ForwardControl`), and its answer returned (and logged there, once:
+  :class:`ControlSocketAccessFilter`). Process 0's admission
   decisions (held by a pause, 503 while asleep or with lost weights) reach them through the cores
   (:mod:`rlserve.engine.front.front_sync`), acked before a pause acts on the cores.
 * **Refused with N > 1** (a startup error): ``--enable-lora`` (adapters loaded at run time live in
@@ -122,6 +123,26 @@ def control_socket(directory: str) -> tuple[socket.socket, str]:
     sock.listen(128)
     sock.set_inheritable(False)
     return sock, path
+
+
+class ControlSocketAccessFilter(logging.Filter):
+    """API process 0's filter on uvicorn's access log: drops the lines of requests that came over the
+    control socket (a route process 1..N-1 forwarded, :class:`ForwardControl`). That process logs the
+    request itself, with the client's address and the answer's status; process 0's line had an empty
+    address (a unix socket has no peer address: uvicorn logs ``" - "``), so each forwarded request was
+    logged twice. Process 0's only unix socket is the control socket (``rlserve serve`` binds its HTTP
+    socket on TCP), so an empty address is that socket's. uvicorn's access record: ``'%s - "%s %s
+    HTTP/%s" %d'`` with the client address first (``uvicorn.protocols.utils.get_client_addr``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and args and args[0] == "")
+
+
+def quiet_control_socket_access_log() -> None:
+    """Install :class:`ControlSocketAccessFilter` on ``uvicorn.access`` (API process 0, N > 1; after
+    uvicorn configured its logging)."""
+    logging.getLogger("uvicorn.access").addFilter(ControlSocketAccessFilter())
 
 
 class APIServerProcessManager:
