@@ -71,7 +71,7 @@ def enable(path: str) -> None:
     from prometheus_client import values
 
     os.environ[_ENV] = path
-    if not getattr(values.ValueClass, "_multiprocess", False):
+    if values.ValueClass is values.MutexValue:  # (already file-backed: the user's variable was set at import)
         values.ValueClass = values.MultiProcessValue()
 
 
