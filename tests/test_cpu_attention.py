@@ -39,6 +39,8 @@ CASES = [
     ([40], 16, 8, 8, 1),  # block size 1
     ([1, 15, 31, 129, 200], 9, 3, 64, 24),  # blocks not a multiple of 16 tokens (AVX-512 path's tails)
     ([1, 127, 128, 300], 6, 2, 64, 128),  # vLLM CPU's block size: 8 chunks of 16 per block
+    ([1, 33, 70], 8, 4, 64, 16),  # 2 query heads per KV head (the AVX-512 path's value passes of 2)
+    ([18, 47], 4, 4, 80, 16),  # head_dim 80: the AVX-512 path's general head_dim, one head per value pass
 ]
 
 
