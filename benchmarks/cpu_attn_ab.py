@@ -46,9 +46,10 @@ H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M's attention, the engine's block siz
 SCALE = D**-0.5
 
 
-def sources(rev: str | None, root: Path) -> dict[str, str]:
-    """``paged_decode.c`` and the ``csrc`` files it includes, of git revision ``rev`` (``None``: this tree)."""
-    todo, got = ["paged_decode.c"], {}
+def sources(rev: str | None, root: Path, top: str = "paged_decode.c") -> dict[str, str]:
+    """``csrc/top`` and the ``csrc`` files it includes (transitively), of git revision ``rev``
+    (``None``: this tree), by file name."""
+    todo, got = [top], {}
     while todo:
         name = todo.pop()
         if rev is None:
@@ -61,15 +62,20 @@ def sources(rev: str | None, root: Path) -> dict[str, str]:
     return got
 
 
-def build(files: dict[str, str], out: Path):
-    """Compile ``files`` (:func:`sources`) in a directory of their own into ``out``; the bound entry point."""
+def compile_lib(files: dict[str, str], top: str, out: Path) -> ctypes.CDLL:
+    """Compile ``files`` (:func:`sources`) in a new directory ``out`` of their own, with
+    :mod:`rlserve.layers.cpu_build`'s flags, into ``out/lib.so``, and load it."""
     out.mkdir()
     for name, text in files.items():
         (out / name).write_text(text)
     lib = out / "lib.so"
-    subprocess.run([_compiler(), *BASE_FLAGS, "-fopenmp", str(out / "paged_decode.c"), "-o", str(lib), "-lm"],
-                   check=True)
-    return cpu_attention.bind(ctypes.CDLL(str(lib)))
+    subprocess.run([_compiler(), *BASE_FLAGS, "-fopenmp", str(out / top), "-o", str(lib), "-lm"], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def build(files: dict[str, str], out: Path):
+    """The attention kernel's entry point of ``files`` (a version of ``paged_decode.c``), compiled into ``out``."""
+    return cpu_attention.bind(compile_lib(files, "paged_decode.c", out))
 
 
 def workload(batch: int, lo: int, hi: int, layers: int, hot: bool, seed: int) -> dict:

@@ -18,6 +18,11 @@ still inflate it). Prints the machine's load average with every figure.
   the two give bit-equal logits; prints one JSON line per batch size.
 - ``--ab-stack N``: the same for ``llama_cpu.stack_forward`` (a team step's layers in one C
   call) off and on, the team in use.
+- ``--ab-rev REV N``: the same for the CPU kernels of git revision ``REV`` ("off": ``cpu_team.c``
+  and ``paged_decode.c`` with what they include, built from ``git show REV:...``, their own team
+  of workers started) against this tree's ("on"), the team in use; the logits' largest
+  difference and whether every row's argmax agrees are printed (kernels that round differently
+  are not bit-equal).
 
 Usage:
     python benchmarks/cpu_decode_step.py                       # batch 64, threads 1 and 2
@@ -25,6 +30,7 @@ Usage:
     python benchmarks/cpu_decode_step.py --ab-fast-layer 100 --batch 1 4 16 64
     python benchmarks/cpu_decode_step.py --ab-team 30 --batch 1 16 32 64
     python benchmarks/cpu_decode_step.py --ab-stack 30 --batch 1 16
+    python benchmarks/cpu_decode_step.py --ab-rev main 30 --batch 16 1
 """
 
 from __future__ import annotations
@@ -155,12 +161,51 @@ def bench_switch_ab(w, batch: int, steps: int, switch, name: str) -> None:
     diffs = sorted(a - b for a, b in zip(res["off"], res["on"]))
     print(json.dumps({"ab": name, "batch": batch, "steps_each": steps,
                       "logits_bit_equal": torch.equal(logits[False], logits[True]),
+                      "logits_max_abs_diff": float((logits[False] - logits[True]).abs().max()),
+                      "same_argmax": torch.equal(logits[False].argmax(-1), logits[True].argmax(-1)),
                       "off_median_ms": round(statistics.median(res["off"]), 2),
                       "on_median_ms": round(statistics.median(res["on"]), 2),
                       "off_mean_ms": round(statistics.mean(res["off"]), 2), "on_mean_ms": round(statistics.mean(res["on"]), 2),
                       **{f"{k}_median_ms": round(statistics.median(v), 2) for k, v in res.items() if "_" in k},
                       "paired_diff_median_ms": round(diffs[len(diffs) // 2], 2),
                       "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
+
+
+def rev_switch(rev: str):
+    """A switch for :func:`bench_switch_ab`: ``switch(False)`` makes the CPU team library
+    (:mod:`rlserve.layers.cpu_gemm`) and the attention kernel (:mod:`rlserve.layers.cpu_attention`)
+    those built from git revision ``rev``'s sources, ``switch(True)`` this tree's; returns the
+    previous setting. Call it after the worker started (this tree's team is running): the old
+    library gets a team of the same size (its own workers; they spin ``DEFAULT_SPIN_US`` after
+    each job, then sleep)."""
+    import ctypes
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.cpu_attn_ab import compile_lib, sources
+    from rlserve.layers import cpu_gemm
+
+    root = Path(__file__).resolve().parent.parent
+    tmp = Path(tempfile.mkdtemp(prefix="cpu_rev_"))
+    new_team, new_attn = cpu_gemm._lib(), cpu_attention._load()
+    old_team = compile_lib(sources(rev, root, "cpu_team.c"), "cpu_team.c", tmp / "team")
+    for name, f in list(vars(new_team).items()):  # the entry points cpu_gemm bound, same types
+        if isinstance(f, ctypes._CFuncPtr):
+            g = getattr(old_team, name)
+            g.argtypes, g.restype = f.argtypes, f.restype
+    size = cpu_gemm.current().size
+    if size > 1:
+        old_team.rlserve_team_start(size - 1, cpu_gemm.DEFAULT_SPIN_US)
+    old_attn = cpu_attention.bind(compile_lib(sources(rev, root), "paged_decode.c", tmp / "attn"))
+    state = {"on": True}
+
+    def switch(on: bool) -> bool:
+        prev, state["on"] = state["on"], on
+        cpu_gemm._state["lib"] = new_team if on else old_team
+        cpu_attention._state["fn"] = new_attn if on else old_attn
+        return prev
+
+    return switch
 
 
 def bench_team_ab(w, batch: int, steps: int) -> None:
@@ -227,6 +272,9 @@ def main(argv=None) -> int:
                         "STEPS each, at every --batch")
     p.add_argument("--ab-team", type=int, default=0, metavar="STEPS",
                    help="A/B of the CPU team (rlserve.layers.cpu_gemm) on/off, alternating, STEPS each, at every --batch")
+    p.add_argument("--ab-rev", nargs=2, default=None, metavar=("REV", "STEPS"),
+                   help="A/B of git revision REV's CPU kernels (cpu_team.c, paged_decode.c) against this tree's, "
+                        "alternating, STEPS each, at every --batch")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--skip-attention", action="store_true")
@@ -236,6 +284,12 @@ def main(argv=None) -> int:
         w = _worker(1)
         for b in args.batch:
             bench_team_ab(w, b, args.ab_team)
+        return 0
+    if args.ab_rev:
+        w = _worker(1)
+        switch = rev_switch(args.ab_rev[0])
+        for b in args.batch:
+            bench_switch_ab(w, b, int(args.ab_rev[1]), switch, f"rev {args.ab_rev[0]}")
         return 0
     if args.ab_fast_layer or args.ab_stack:
         from rlserve.models import llama_cpu
