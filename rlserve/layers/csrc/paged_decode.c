@@ -343,7 +343,7 @@ int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *
     for (int task = 0; task < tasks; task++)
 #if defined(__AVX512F__)
         if (D % 16 == 0)
-            one_task16(q, k_cache, v_cache, block_tables, seq_lens, out, task, H, Hkv, D, block_size,
+            one_task16(q, k_cache, v_cache, block_tables, seq_lens, out, task, B, H, Hkv, D, block_size,
                        max_blocks, scale);
         else
 #endif
