@@ -22,9 +22,11 @@
  * this kernel does not take (the caller falls back to PyTorch).
  *
  * Compiled for AVX-512 (-march=native on such a CPU) and with D a multiple of 16, tasks run
- * one_task16 instead (below): one layer, batch 64, contexts 128-512, one thread, CPU time on
- * the Zen 5 2-core machine (2026-12-02, load ~2): 3.08 -> 1.04 ms with the KV in L2, 6.9 ->
- * 3.8-4.0 ms with 8 layers' shuffled blocks from memory; outputs within 4.2e-7 of one_task.
+ * one_task16 instead (paged_decode_avx512.c: explicit FMAs, a KV head's query heads summing its
+ * V rows together; its header has the figures): one layer, batch 64, contexts 128-512, one
+ * thread, CPU time on the Zen 5 2-core machine (2026-12-02, load ~2): 3.08 -> 1.04 ms with the KV
+ * in L2, 6.9 -> 3.8-4.0 ms with 8 layers' shuffled blocks from memory (its first version);
+ * outputs within 4.2e-7 of one_task.
  *
  * Compiled with AVX2 + FMA (-march=native on such a CPU, AVX-512 ones for D not a multiple of 16),
  * tasks run task8 (below): task16's scheme on 8 lanes. One layer, batch 16, contexts 128-512
@@ -35,7 +37,8 @@
  * call. Outputs within 3.6e-7 of one_task_portable (the portable path, kept without FMA).
  *
  * Both paths prefetch the next block while they work on the current one (one share of its
- * K lines per query head / token row while scoring, of its V lines while summing). Same
+ * K lines per query head / token row while scoring, of its V lines while summing; the AVX-512
+ * path a few lines per row, and the next sequence's first block during a sequence's last). Same
  * case, 8 layers from memory, one thread (2026-12-02, ninth session, load ~1.3-2.4):
  * AVX-512 path, shuffled blocks 3.7-4.4 -> 2.6-2.9 ms per layer (32 MB of K/V: 8 -> 12 GB/s;
  * reading the same bytes in the same order without the math takes 2.2 ms), blocks in order

@@ -12,13 +12,19 @@
  *   values, GT query heads of one KV head together: each V row's D16 vectors are loaded once
  *     for the GT heads, and the GT x D16 accumulators (independent FMA chains: 12 for SmolLM2's
  *     3 heads of 64) stay in registers over the block's rows.
- * The next block's K lines are prefetched in shares per query head while scoring, its V lines
- * in shares per head group while summing (paged_decode.c's header: why one block ahead).
+ * The next block's K lines are prefetched a few per (query head, row) scored, its V lines a few
+ * per (value pass, row) summed, by a cursor over each (paged_decode.c's header: why one block
+ * ahead); during a sequence's last block, the next sequence's first block (b + 1 < B).
  *
- * Measured (benchmarks/cpu_attn_ab.py, SmolLM2's 9 / 3 heads of 64, batch 16, contexts 128-256,
- * one thread, CPU time; BENCHMARKS.md issue 37 (s24) has the runs): see there. Before, the same
- * scheme without explicit FMAs and with one query head's 4 accumulators per V pass (4 dependent
- * chains) ran at ~11 GFLOP/s with its K/V in L2, no faster than with it from memory.
+ * Measured (benchmarks/cpu_attn_ab.py against the version before, SmolLM2's 9 / 3 heads of 64,
+ * batch 16, 30 layers' caches, one thread, CPU time, the 2-core AVX-512 Xeon at load 5-7,
+ * 2026-12-07 s24; BENCHMARKS.md issue 37 (s24)): contexts 128-256 from memory (146 MB of K/V)
+ * 21.4 -> 19.9 ms (0.93x, lower in 8 of 8 turns), 128-512 31.0 -> 30.8 ms (0.99x); contexts
+ * 32-64 in L2 3.2 -> 2.8 ms (0.87x). The version before (no explicit FMA: the library builds
+ * with contraction off, so `a += x * y` was a multiply and an add; the 16 dots stored to the
+ * stack; one query head's 4 accumulators per value pass, 4 dependent chains; a burst of
+ * prefetches per head) ran at 10-11% of the FMA peak even with its K/V in L2. From memory
+ * both are near a plain read of the same bytes in the same order (14.5-16.8 ms).
  */
 
 typedef float v16 __attribute__((vector_size(64)));
