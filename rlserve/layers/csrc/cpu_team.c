@@ -547,7 +547,7 @@ typedef struct {
     const float *q, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens;
     float *out;
-    int B, H, Hkv, D, block_size, max_blocks;
+    int H, Hkv, D, block_size, max_blocks;
     float scale;
 } attn_ctx;
 
@@ -555,8 +555,8 @@ static void attn_chunk(const void *vctx, int64_t b) {
     const attn_ctx *a = (const attn_ctx *)vctx;
 #if defined(__AVX512F__)
     if (a->D % 16 == 0) {
-        one_task16(a->q, a->k_cache, a->v_cache, a->block_tables, a->seq_lens, a->out, (int)b, a->B, a->H, a->Hkv,
-                   a->D, a->block_size, a->max_blocks, a->scale);
+        one_task16(a->q, a->k_cache, a->v_cache, a->block_tables, a->seq_lens, a->out, (int)b, a->H, a->Hkv, a->D,
+                   a->block_size, a->max_blocks, a->scale);
         return;
     }
 #endif
@@ -571,7 +571,7 @@ int rlserve_team_paged_decode_f32(const float *q, const float *k_cache, const fl
                                   int Hkv, int D, int block_size, int max_blocks, float scale, int team) {
     const int rc = attn_check(seq_lens, B, H, Hkv, D, block_size, max_blocks);
     if (rc) return rc;
-    attn_ctx a = {q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, block_size, max_blocks, scale};
+    attn_ctx a = {q, k_cache, v_cache, block_tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale};
     team_run(attn_chunk, &a, B, team);
     return 0;
 }

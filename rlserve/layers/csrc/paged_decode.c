@@ -38,7 +38,7 @@
  *
  * Both paths prefetch the next block while they work on the current one (one share of its
  * K lines per query head / token row while scoring, of its V lines while summing; the AVX-512
- * path a few lines per row, and the next sequence's first block during a sequence's last). Same
+ * path a few lines per row). Same
  * case, 8 layers from memory, one thread (2026-12-02, ninth session, load ~1.3-2.4):
  * AVX-512 path, shuffled blocks 3.7-4.4 -> 2.6-2.9 ms per layer (32 MB of K/V: 8 -> 12 GB/s;
  * reading the same bytes in the same order without the math takes 2.2 ms), blocks in order
@@ -346,7 +346,7 @@ int rlserve_paged_decode_f32(const float *q, const float *k_cache, const float *
     for (int task = 0; task < tasks; task++)
 #if defined(__AVX512F__)
         if (D % 16 == 0)
-            one_task16(q, k_cache, v_cache, block_tables, seq_lens, out, task, B, H, Hkv, D, block_size,
+            one_task16(q, k_cache, v_cache, block_tables, seq_lens, out, task, H, Hkv, D, block_size,
                        max_blocks, scale);
         else
 #endif

@@ -14,7 +14,9 @@
  *     3 heads of 64) stay in registers over the block's rows.
  * The next block's K lines are prefetched a few per (query head, row) scored, its V lines a few
  * per (value pass, row) summed, by a cursor over each (paged_decode.c's header: why one block
- * ahead); during a sequence's last block, the next sequence's first block (b + 1 < B).
+ * ahead). Not here: prefetching the next sequence's first block during a sequence's last (the first
+ * block of every task is cold) measured 0.973x (BENCHMARKS.md issue 37 (s24)) but needs the batch size
+ * in this task's arguments, which cpu_team.c's attention chunk passes (left for a change of both).
  *
  * Measured (benchmarks/cpu_attn_ab.py against the version before, SmolLM2's 9 / 3 heads of 64,
  * batch 16, 30 layers' caches, one thread, CPU time, the 2-core AVX-512 Xeon at load 5-7,
@@ -77,7 +79,7 @@ static inline v16 exp16(v16 x) {
  * H / Hkv) are constants at the call sites so that the vectors stay in registers. */
 static inline __attribute__((always_inline)) void task16(
         const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-        const int32_t *seq_lens, float *out, int b, int B, int H, int Hkv, const int D16, const int GT, int block_size,
+        const int32_t *seq_lens, float *out, int b, int H, int Hkv, const int D16, const int GT, int block_size,
         int max_blocks, float scale) {
     const int D = 16 * D16;
     const int G = H / Hkv;
@@ -93,12 +95,7 @@ static inline __attribute__((always_inline)) void task16(
     for (int i = 0; i < H * D16; i++) { qs[i] = *(const v16u *)(qb + 16 * i) * scale; acc[i] = bcast16(0.f); }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
     for (int j = 0; j * block_size < L; j++) {
-        kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
-        if (!blk.nk && b + 1 < B) { /* the last block: prefetch the next sequence's first instead */
-            const int32_t nb0 = block_tables[(int64_t)(b + 1) * max_blocks];
-            blk.nk = (const char *)(k_cache + (int64_t)nb0 * block_floats);
-            blk.nv = (const char *)(v_cache + (int64_t)nb0 * block_floats);
-        }
+        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
         const int n = blk.n, more = blk.nk != 0;
         const float *kb = blk.kb, *vb = blk.vb;
         /* the next block's K lines, a few per (query head, row) scored; its V lines likewise per
@@ -189,10 +186,10 @@ static inline __attribute__((always_inline)) void task16(
 /* One sequence's decode attention on the AVX-512 path (D a multiple of 16): constant D16 and
  * heads per value pass (3 or 2 where they divide the group and fit the registers, else 1). */
 static void one_task16(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                       const int32_t *seq_lens, float *out, int b, int B, int H, int Hkv, int D, int block_size,
+                       const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size,
                        int max_blocks, float scale) {
     const int G = H / Hkv;
-#define T16(D16, GT) task16(q, k_cache, v_cache, block_tables, seq_lens, out, b, B, H, Hkv, D16, GT, block_size, \
+#define T16(D16, GT) task16(q, k_cache, v_cache, block_tables, seq_lens, out, b, H, Hkv, D16, GT, block_size, \
                             max_blocks, scale)
     if (D == 64 && G % 3 == 0) T16(4, 3);
     else if (D == 64 && G % 2 == 0) T16(4, 2);

@@ -217,7 +217,7 @@ int rlserve_team_paged_prefill_f32(const float *q, const float *k_cache, const f
             for (int g = 0; g < Hkv; g++) pf_items[ni++] = (pf_item){r0, r1 - r0, g};
         r1 = r0;
     }
-    pf_ctx p = {{q, k_cache, v_cache, block_tables, seq_lens, out, B, H, Hkv, D, block_size, max_blocks, scale},
+    pf_ctx p = {{q, k_cache, v_cache, block_tables, seq_lens, out, H, Hkv, D, block_size, max_blocks, scale},
                 pf_items};
     team_run(pf_chunk, &p, ni, team);
     return 0;
