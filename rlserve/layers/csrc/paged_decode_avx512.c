@@ -21,8 +21,8 @@
  * Measured (benchmarks/cpu_attn_ab.py against the version before, SmolLM2's 9 / 3 heads of 64,
  * batch 16, 30 layers' caches, one thread, CPU time, the 2-core AVX-512 Xeon at load 5-7,
  * 2026-12-07 s24; BENCHMARKS.md issue 37 (s24)): contexts 128-256 from memory (146 MB of K/V)
- * 21.4 -> 19.9 ms (0.93x, lower in 8 of 8 turns), 128-512 31.0 -> 30.8 ms (0.99x); contexts
- * 32-64 in L2 3.2 -> 2.8 ms (0.87x). The version before (no explicit FMA: the library builds
+ * 25.9 -> 22.5 ms (0.87x, lower in 8 of 8 turns; 0.91x and 0.93x in two runs with the next-sequence
+ * prefetch below), 128-512 31.0 -> 30.8 ms (0.99x); contexts 32-64 in L2 3.7 -> 3.3 ms (0.89x). The version before (no explicit FMA: the library builds
  * with contraction off, so `a += x * y` was a multiply and an add; the 16 dots stored to the
  * stack; one query head's 4 accumulators per value pass, 4 dependent chains; a burst of
  * prefetches per head) ran at 10-11% of the FMA peak even with its K/V in L2. From memory
