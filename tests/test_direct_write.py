@@ -103,7 +103,7 @@ class Server:
         from rlserve.engine.front.async_engine import AsyncEngine
         from rlserve.server.app import build_app
         from rlserve.server.http_protocol import http_stack
-        from rlserve.server.launch import free_port
+        from rlserve.server.launch import bound_socket
         from rlserve.server.state import ServerSettings
 
         stack = http_stack("h11" if h11 else "auto")
@@ -111,7 +111,8 @@ class Server:
         self.engine = StepEngine(build_tokenizer())
         self.aengine = AsyncEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_model_len=4096),
                                    engine_factory=lambda cfg, i: self.engine)
-        self.port = free_port()
+        self._sock = bound_socket()  # listened on by uvicorn: never free between its choice and the listen
+        self.port = self._sock.getsockname()[1]
         app = build_app(self.aengine, ServerSettings(model=model_dir, served_model_names=["m"], host="127.0.0.1",
                                                      port=self.port))
         self.app = app
@@ -119,7 +120,7 @@ class Server:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      loop="asyncio" if h11 else "uvloop",
                                                      http=stack.protocol(30.0, direct_write=direct)))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._thread.start()
         wait_for(lambda: self._server.started or not self._thread.is_alive(), "the server's start")
         assert self._server.started
@@ -127,6 +128,7 @@ class Server:
     def close(self):
         self._server.should_exit = True
         self._thread.join(T)
+        self._sock.close()
         self.aengine.shutdown()
 
 

@@ -235,17 +235,22 @@ def _core_children() -> list[int]:
 def test_in_process_server_fails_at_once_when_its_uvicorn_thread_ends(tiny_model, monkeypatch):
     """tests/transfer_harness.InProcessServer waits for /health by wait_healthy's rule
     (StartClock) and fails at once when the server is dead: here its uvicorn thread ends at
-    once (its port is taken). The old wait polled a fixed 120 s, then said only "did not start"
-    (fails on the old code: the message). No engine-core process is left behind."""
+    once (the socket the harness hands it is one it cannot serve on: a datagram socket, so
+    ``create_server`` raises). The old wait polled a fixed 120 s, then said only "did not start"
+    (fails on the old code: the message). No engine-core process is left behind. (The harness
+    binds its port itself, ``bound_socket``: no free_port() that another process could take
+    before uvicorn listened, the "address already in use" this test used to provoke.)"""
     import socket
 
     from tests import transfer_harness
 
+    def not_a_stream_socket() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        return s
+
     before = set(_core_children())  # (other tests' servers may still run: the shared weight-sync ones)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        monkeypatch.setattr(transfer_harness, "free_port", lambda: taken.getsockname()[1])
-        with pytest.raises(RuntimeError, match="uvicorn thread ended before /health answered"):
-            transfer_harness.InProcessServer(tiny_model("llama"), engine_mode="process")
+    monkeypatch.setattr(transfer_harness, "bound_socket", not_a_stream_socket)
+    with pytest.raises(RuntimeError, match="uvicorn thread ended before /health answered"):
+        transfer_harness.InProcessServer(tiny_model("llama"), engine_mode="process")
     assert not set(_core_children()) - before

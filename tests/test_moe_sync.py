@@ -154,14 +154,15 @@ def test_fsdp2_trainer_experts(moe, server, tmp_path):
     import sys
 
     from tests.test_transfer_e2e import FSDP_TRAINER, ROOT
-    from tests.transfer_harness import free_port, load_hf
+    from tests.transfer_harness import free_ports, load_hf
 
     path, _ = moe
     want = load_hf(path, seed=3)  # what FSDP_TRAINER loads
     scramble(server.url, path)
     v0 = version(server.url)
     script = tmp_path / "fsdp_trainer.py"
-    script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path, url=server.url))
+    dist_port, port = free_ports(2)  # distinct (two free_port() calls can give one port twice)
+    script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=dist_port, port=port, path=path, url=server.url))
     r = run_script([sys.executable, str(script)], 300, cwd=ROOT)  # starved: longer
     assert f"0 DONE {bumped(v0)}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
     assert_checker_matches(server.url, want)

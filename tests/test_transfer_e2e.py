@@ -30,7 +30,8 @@ from rlserve.transfer import (
 )
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
-from tests.transfer_harness import free_port, greedy_continuation, kill_trainer_script, killed_at, load_hf, run_script
+from tests.transfer_harness import (free_port, free_ports, greedy_continuation, kill_trainer_script, killed_at,
+                                    load_hf, run_script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "16",
@@ -381,8 +382,8 @@ def test_fsdp2_trainer_two_ranks(tiny_model, shared_servers, tmp_path):
     with server_for(shared_servers, tiny_model, "llama_tied") as srv:
         v0 = version_number(srv.url)
         assert server_checksums(srv.url) != hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
-        script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=free_port(), port=free_port(), path=path,
-                                              url=srv.url))
+        dist_port, port = free_ports(2)  # distinct (two free_port() calls can give one port twice)
+        script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=dist_port, port=port, path=path, url=srv.url))
         r = run_script([sys.executable, str(script)], 300, cwd=ROOT)  # starved: longer
         assert f"0 DONE {v0 + 1}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)

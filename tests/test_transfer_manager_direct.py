@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlserve.transfer import HTTPWeightSyncClient, ModuleSource, WeightSyncHTTPError, hf_state_checksums
-from tests.transfer_harness import InProcessServer, wrong_second_bucket_sum
+from tests.transfer_harness import InProcessServer, wait_buckets_done, wrong_second_bucket_sum
 from tests.transfer_sync import (  # noqa: F401 (llama384: a fixture)
     PROMPT_IDS,
     StallingSource,
@@ -139,13 +139,16 @@ def test_direct_receive_abandoned_update_cannot_write_later(llama384, shared):
 
         t = threading.Thread(target=send)
         t.start()
-        assert src.reached.wait(30)
-        time.sleep(0.5)  # buckets 0-2 land
-        eng.client.shutdown_weight_transfer_engine()  # the server gives up mid-update
-        assert server_greedy(srv.url).status_code == 503
-        after_abort = checksums(srv.url)
-        assert after_abort != good  # buckets 0-2 were loaded in place
-        src.go.set()  # the trainer packs and posts bucket 3 into the old group, then sees the failure
+        try:
+            assert src.reached.wait(300)
+            # buckets 0-2 landed (a state: a sleep here let a loaded machine abort before any had)
+            wait_buckets_done(srv.url, 3)
+            eng.client.shutdown_weight_transfer_engine()  # the server gives up mid-update
+            assert server_greedy(srv.url).status_code == 503
+            after_abort = checksums(srv.url)
+            assert after_abort != good  # buckets 0-2 were loaded in place
+        finally:
+            src.go.set()  # the trainer packs and posts bucket 3 into the old group, then sees the failure
         t.join(60)
         assert err and not t.is_alive()
         time.sleep(0.5)

@@ -16,7 +16,8 @@ import torch
 
 from rlserve.transfer import ModuleSource, WeightSyncHTTPError, hf_state_checksums
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port, wait_for_state, wrong_second_bucket_sum
+from tests.transfer_harness import (InProcessServer, free_port, wait_buckets_done, wait_for_state,
+                                    wrong_second_bucket_sum)
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
     StallingSource,
@@ -135,18 +136,23 @@ def test_failed_in_place_update_ends_requests_in_flight(llama, shared):
 
         sender = threading.Thread(target=send)
         sender.start()
-        assert src.reached.wait(30)
-        assert srv.aengine.is_paused() and srv.aengine.num_unfinished == 1, "the long request ended too early"
-        held = threading.Thread(target=complete, args=("held",))
-        held.start()
-        while srv.aengine.num_held < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for route in ("/resume", "/pause?mode=wait"):
-            r = httpx.post(srv.url + route, timeout=30)
-            assert r.status_code == 409 and "in progress in place" in r.json()["error"]["message"], r.text
-        assert srv.aengine.is_paused()
-        eng.client.shutdown_weight_transfer_engine()  # the update fails with buckets 0-1 loaded
-        src.go.set()
+        try:
+            assert src.reached.wait(300)
+            assert srv.aengine.is_paused() and srv.aengine.num_unfinished == 1, "the long request ended too early"
+            held = threading.Thread(target=complete, args=("held",))
+            held.start()
+            held_by = time.monotonic() + 300  # (a hang bound; ``deadline`` may be spent by now on a loaded machine)
+            while srv.aengine.num_held < 1:
+                assert time.monotonic() < held_by, "the second request was never held by the update's pause"
+                time.sleep(0.01)
+            for route in ("/resume", "/pause?mode=wait"):
+                r = httpx.post(srv.url + route, timeout=30)
+                assert r.status_code == 409 and "in progress in place" in r.json()["error"]["message"], r.text
+            assert srv.aengine.is_paused()
+            wait_buckets_done(srv.url, 2)  # buckets 0-1 loaded (a state, not a race with the receive)
+            eng.client.shutdown_weight_transfer_engine()  # the update fails with buckets 0-1 loaded
+        finally:
+            src.go.set()
         for t in (running, held, sender):
             t.join(60)
         assert len(sent) == 1 and isinstance(sent[0], WeightSyncHTTPError), sent  # the sync failed

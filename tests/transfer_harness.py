@@ -13,7 +13,8 @@ import time
 import httpx
 import torch
 
-from rlserve.server.launch import StartClock, free_port, tree_cpu_seconds
+from rlserve.server.launch import (  # noqa: F401 (free_port, free_ports: re-exported for the tests)
+    StartClock, bound_socket, free_port, free_ports, tree_cpu_seconds)
 
 
 @contextlib.contextmanager
@@ -73,7 +74,10 @@ class InProcessServer:
         kw.update(engine_kwargs)
         self.config = EngineConfig(model=model, **kw)
         self.aengine = AsyncEngine(self.config, engine_mode=engine_mode)
-        self.port = free_port()
+        # bound here, listened on by uvicorn: the port is never free between its choice and the
+        # listen (a free_port() could be taken meanwhile, e.g. by a gloo pair's bind)
+        self._sock = bound_socket()
+        self.port = self._sock.getsockname()[1]
         settings = ServerSettings(model=model, served_model_names=[model], host="127.0.0.1", port=self.port,
                                   admin_key=admin_key, weight_transfer_config=transfer_config or {"backend": "gloo"},
                                   weight_staging=staging, weight_check_finite=check_finite)
@@ -83,7 +87,7 @@ class InProcessServer:
         import uvicorn
 
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         key, before = "RLSERVE_TEMPLATE_WORKERS_AT_START", os.environ.get("RLSERVE_TEMPLATE_WORKERS_AT_START")
         if warm_templates:
             os.environ[key] = "1"  # read by the app's start-up, which has run once /health answers
@@ -123,7 +127,7 @@ class InProcessServer:
         while True:
             if not self._thread.is_alive():
                 raise RuntimeError("in-process server: its uvicorn thread ended before /health answered (its log "
-                                   "is above: a port it could not bind?)")
+                                   "is above: a socket it could not listen on?)")
             if not self.aengine.is_alive():
                 raise RuntimeError(f"in-process server: its engine is not running: {self.aengine.dead_reason()}")
             try:
@@ -148,6 +152,7 @@ class InProcessServer:
     def close(self):
         self._server.should_exit = True
         self._thread.join(10)
+        self._sock.close()  # (uvicorn closes it on a normal exit; not if its start failed)
         self.app.state.rlserve.close()
         self.aengine.shutdown()
 
@@ -179,6 +184,23 @@ def wait_for_state(url: str, state: str, timeout_s: float = 60.0) -> None:
     while (now := httpx.get(url + "/weight_info", timeout=timeout_s).json()["state"]) != state:
         assert time.monotonic() < deadline, f"weight_info state {now!r}, not {state!r}, after {timeout_s} s"
         time.sleep(0.02)
+
+
+def wait_buckets_done(url: str, k: int, timeout_s: float = 300.0) -> dict:
+    """Poll ``GET /weight_info`` until the open update's ``session.buckets_done`` (buckets loaded or
+    staged on every server worker) is at least ``k``; returns that ``/weight_info``. A bucket the
+    trainer sent is not yet a loaded one: a test that needs "bucket k-1 landed" (before it aborts
+    the update, say) waits on this state, never on a sleep (a loaded machine receives late).
+
+    Raises:
+        AssertionError: not reached within ``timeout_s`` (a hang bound, not a speed limit; the last
+            ``/weight_info`` is named)."""
+    deadline = time.monotonic() + timeout_s
+    while ((info := httpx.get(url + "/weight_info", timeout=60).json()).get("session") or {}).get("buckets_done",
+                                                                                                    0) < k:
+        assert time.monotonic() < deadline, f"buckets_done not {k} after {timeout_s} s: {info}"
+        time.sleep(0.01)
+    return info
 
 
 def load_hf(path, scale=0.3, seed=0):

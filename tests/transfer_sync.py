@@ -166,7 +166,9 @@ def synced_server(shared, path, hf):
 
 class StallingSource:
     """The model's tensors; before yielding the ``stall_at``-th one it sets ``reached`` and waits
-    for ``go`` (the trainer then has some buckets on the wire and the rest still to send)."""
+    for ``go`` (the trainer then has some buckets on the wire and the rest still to send). The
+    wait's bound only catches a hang: a test sets ``go`` (in a ``finally``), never lets it expire
+    (it used to be 30 s: a test starved that long would have had the sync go on and succeed)."""
 
     def __init__(self, hf, stall_at: int):
         self.inner = ModuleSource(hf)
@@ -180,5 +182,5 @@ class StallingSource:
         for i, (n, t) in enumerate(self.inner.named_tensors()):
             if i == self.stall_at:
                 self.reached.set()
-                self.go.wait(30)
+                self.go.wait(600)
             yield n, t

@@ -33,10 +33,38 @@ class ServerStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close).
+
+    Racy by nature: until its user binds it, any process's ``bind(0)`` (a gloo pair, another
+    test's server) may take it (``EADDRINUSE`` then). Where the listener is in this process,
+    prefer :func:`bound_socket`; for several ports at once, :func:`free_ports`."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago (all ``n`` sockets held
+    while the ports are picked, so two calls in a row never give one port twice, as two
+    :func:`free_port` calls can: the kernel may hand a just-closed port out again)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a port of ``host`` the kernel picked (``getsockname()[1]``), not yet
+    listening: hand it to the server that listens on it (uvicorn: ``Server.run(sockets=[sock])``)
+    and the port is never free between its choice and its use (no race, unlike
+    :func:`free_port`). No ``SO_REUSEADDR``: no other socket can bind the port meanwhile (two
+    such sockets could, and the first to listen would win). The caller closes it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         s.bind((host, 0))
-        return s.getsockname()[1]
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def _prctl():
