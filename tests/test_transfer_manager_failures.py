@@ -7,6 +7,7 @@ sync serves again."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -74,11 +75,11 @@ def test_checksum_mismatch_fails_safely_then_recovers(llama, shared, staging, mo
         else:
             calls = wrong_second_bucket_sum(monkeypatch)
             eng = trainer(srv.url, hf)
-        t0 = time.monotonic()
         with pytest.raises(WeightSyncHTTPError) as ei:
             eng.send_weights()
-        assert time.monotonic() - t0 < 15
-        assert ei.value.status_code == 500 and "checksum" in str(ei.value)
+        # the server's answer names the checksum: the mismatch failed it, not a timeout (whose
+        # error says so); no bound on the time (it was < 15 s: a loaded machine's sync can take that)
+        assert ei.value.status_code == 500 and re.search(r"checksum \S+ != ", str(ei.value)), str(ei.value)
         info = httpx.get(srv.url + "/weight_info").json()
         assert info["state"] == "uninitialized" and info["num_failures"] == failures0 + 1
         assert not srv.aengine.is_paused()
@@ -287,20 +288,22 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama, shar
             wait_for_state(srv.url, "init")
             return th
 
+        # The cancelled call's message is the proof, not a time: an init left to its own end (the
+        # old code: the shutdown blocked until it, another init got 409) answers its timeout's
+        # error, never "cancelled by ...". (The "< 25 s" asserted here before could fail on a
+        # machine where a trainer's init and sync took that long.)
         th = pending()
-        t0 = time.monotonic()
         assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=60).status_code == 200
-        assert time.monotonic() - t0 < 25  # not the pending init's 30 s (a busy machine may take seconds)
-        th.join(30)
+        th.join(300)
+        assert not th.is_alive()
         r = out["r"]
         assert r.status_code == 409 and "cancelled by shutdown" in r.json()["error"]["message"], r.text
 
         th = pending()
-        t0 = time.monotonic()
         eng = trainer(srv.url, hf)  # its init cancels the pending one
         eng.send_weights()
-        assert time.monotonic() - t0 < 25
-        th.join(30)
+        th.join(300)
+        assert not th.is_alive()
         assert out["r"].status_code == 409 and "cancelled by a new init" in out["r"].json()["error"]["message"]
         assert checksums(srv.url) == hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
         eng.shutdown()
