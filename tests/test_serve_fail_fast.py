@@ -193,10 +193,11 @@ def test_port_in_use_is_one_line_exit_2(tiny_model, monkeypatch, capsys, port_in
     assert "Traceback" not in out and "engine was started" not in out, out
 
 
-def _recv_until_closed(sock: socket.socket, trickle: bytes, bound_s: float) -> float | None:
-    """Send one byte of ``trickle`` every 0.2 s; the seconds until the server closed the
-    connection, or None if it was still open after ``bound_s``."""
-    t0 = time.monotonic()
+def _recv_until_closed(sock: socket.socket, trickle: bytes, bound_s: float, t0: float) -> float | None:
+    """Send one byte of ``trickle`` every 0.2 s; the seconds from ``t0`` (a ``time.monotonic()`` read
+    before the connection was made or its last bytes sent: the server's bound cannot have started
+    earlier, so a lower bound on the result holds however late this process runs) until the server
+    closed the connection, or None if it was still open ``bound_s`` after ``t0``."""
     sock.settimeout(0.2)
     i = 0
     while time.monotonic() - t0 < bound_s:
@@ -237,13 +238,14 @@ def test_slow_loris_connections_are_closed(tiny_model, impl):
     with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2", env=env) as srv:
         assert f"HTTP: uvicorn on {stack}" in srv.log_tail(1_000_000)
         port = int(srv.url.rsplit(":", 1)[1])
+        t0 = time.monotonic()  # (every t0 here is read before the server's bound can start)
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-            took = _recv_until_closed(s, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaa\r\n", bound_s=30)
+            took = _recv_until_closed(s, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaa\r\n", bound_s=30, t0=t0)
         assert took is not None and 1.5 < took < 20, took
+        t0 = time.monotonic()
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.settimeout(30)
-            t0 = time.monotonic()
             assert s.recv(4096) == b""  # sent nothing: closed
             assert 1.5 < time.monotonic() - t0 < 20
         with httpx.Client(base_url=srv.url, timeout=30) as client:  # heads in time: answered, kept alive
@@ -253,8 +255,9 @@ def test_slow_loris_connections_are_closed(tiny_model, impl):
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             s.settimeout(30)
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
             s.sendall(b"GET /health HTTP/1.1\r\n")  # the second head never ends
-            took = _recv_until_closed(s, b"X", bound_s=30)
+            took = _recv_until_closed(s, b"X", bound_s=30, t0=t0)
         assert took is not None and took < 20, took
         with socket.create_connection(("127.0.0.1", port)) as s:  # two pipelined heads: both answered
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
@@ -279,20 +282,20 @@ def test_slow_body_connections_are_closed(tiny_model, impl):
     with ServerProcess(tiny_model("llama"), "--device", "cpu", "--http-header-timeout", "2", env=env) as srv:
         port = int(srv.url.rsplit(":", 1)[1])
         for path, part in (("/abort_requests", b""), ("/v1/completions", b'{"prompt": "hi", ')):
+            t0 = time.monotonic()  # before the last byte is sent: the server's ~2 s cannot start earlier
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n" + part)
                 s.settimeout(30)
-                t0 = time.monotonic()
                 assert _read_all(s) == b"", path  # closed, nothing answered
                 assert 1.5 < time.monotonic() - t0 < 20, path
         body = b'{"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}'
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
-            for i in range(0, len(body), 16):  # 4 pieces, 1 s apart: 4 s in all, never 2 s without a byte
-                time.sleep(1.0)
-                s.sendall(body[i:i + 16])
+            for i in range(0, len(body), 8):  # 7 pieces, 0.5 s apart: 3.5 s in all, never 2 s without a byte
+                time.sleep(0.5)  # (1.5 s of margin for a late wake-up on a loaded machine; 1 s apart left 1 s)
+                s.sendall(body[i:i + 8])
             s.settimeout(30)
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
 
