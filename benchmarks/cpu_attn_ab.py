@@ -22,13 +22,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,38 +36,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.csrc_revision import compile_lib, sources  # noqa: E402
 from rlserve.layers import cpu_attention  # noqa: E402
-from rlserve.layers.cpu_build import BASE_FLAGS, CSRC, _compiler  # noqa: E402
 
 H, HKV, D, BS = 9, 3, 64, 16  # SmolLM2-135M's attention, the engine's block size
 SCALE = D**-0.5
-
-
-def sources(rev: str | None, root: Path, top: str = "paged_decode.c") -> dict[str, str]:
-    """``csrc/top`` and the ``csrc`` files it includes (transitively), of git revision ``rev``
-    (``None``: this tree), by file name."""
-    todo, got = [top], {}
-    while todo:
-        name = todo.pop()
-        if rev is None:
-            text = (CSRC / name).read_text()
-        else:
-            text = subprocess.run(["git", "show", f"{rev}:rlserve/layers/csrc/{name}"], cwd=root, check=True,
-                                  capture_output=True, text=True).stdout
-        got[name] = text
-        todo += [n for n in re.findall(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', text, flags=re.M) if n not in got]
-    return got
-
-
-def compile_lib(files: dict[str, str], top: str, out: Path) -> ctypes.CDLL:
-    """Compile ``files`` (:func:`sources`) in a new directory ``out`` of their own, with
-    :mod:`rlserve.layers.cpu_build`'s flags, into ``out/lib.so``, and load it."""
-    out.mkdir()
-    for name, text in files.items():
-        (out / name).write_text(text)
-    lib = out / "lib.so"
-    subprocess.run([_compiler(), *BASE_FLAGS, "-fopenmp", str(out / top), "-o", str(lib), "-lm"], check=True)
-    return ctypes.CDLL(str(lib))
 
 
 def build(files: dict[str, str], out: Path):

@@ -182,7 +182,7 @@ def rev_switch(rev: str):
     import tempfile
     from pathlib import Path
 
-    from benchmarks.cpu_attn_ab import compile_lib, sources
+    from benchmarks.csrc_revision import compile_lib, sources
     from rlserve.layers import cpu_gemm
 
     root = Path(__file__).resolve().parent.parent

@@ -1,7 +1,8 @@
 """The CPU team's linear kernel (``csrc/cpu_team.c``) of two source versions, one thread, CPU time.
 
-Builds ``cpu_team.c`` of this tree and of ``--old-rev`` (``git show REV:...``) with the flags
-of :mod:`rlserve.layers.cpu_build`, checks that the two give the same bits (rows 1-200 of a
+Builds ``cpu_team.c`` of this tree and of ``--old-rev`` (``git show REV:...``), each with the files it
+includes of its own revision (``paged_decode.c``, ``paged_prefill.c``, ...: :mod:`benchmarks.csrc_revision`),
+with the flags of :mod:`rlserve.layers.cpu_build`, checks that the two give the same bits (rows 1-200 of a
 3,000 x 1,536 linear with a bias), then times SmolLM2-135M's 30 layers of linears (qkv 960 x
 576, o 576 x 576, gate_up 3,072 x 576, down 576 x 1,536; random weights, ~415 MB) plus the LM
 head (49,152 x 576) from memory at each ``--rows``, the two versions alternating (which goes
@@ -19,7 +20,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,19 +29,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlserve.layers.cpu_build import BASE_FLAGS, CSRC, _compiler  # noqa: E402
+from benchmarks.csrc_revision import compile_lib, sources  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's linears (out, in)
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+ROOT = Path(__file__).resolve().parent.parent  # the repository (git's working directory)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-def build(source: str, out: Path) -> ctypes.CDLL:
-    """Compile C ``source`` text (it includes ``paged_decode.c`` from :data:`CSRC`) into ``out``."""
-    src = out.with_suffix(".c")
-    src.write_text(source)
-    subprocess.run([_compiler(), *BASE_FLAGS, "-fopenmp", f"-I{CSRC}", str(src), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+def build(rev: str | None, out: Path) -> ctypes.CDLL:
+    """``cpu_team.c`` of git revision ``rev`` (``None``: this tree) with the files it includes of
+    the same revision, compiled in the new directory ``out``, its GEMM entry point typed."""
+    lib = compile_lib(sources(rev, ROOT, "cpu_team.c"), "cpu_team.c", out)
     lib.rlserve_gemm_f32.argtypes = [_P] * 4 + [_I] * 6 + [ctypes.c_int]
     lib.rlserve_gemm_f32.restype = ctypes.c_int
     return lib
@@ -73,10 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3, help="passes over the model per turn (median)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    old_src = subprocess.run(["git", "show", f"{args.old_rev}:rlserve/layers/csrc/cpu_team.c"], check=True,
-                             capture_output=True, text=True, cwd=CSRC).stdout
     tmp = Path(tempfile.mkdtemp(prefix="cpu-gemm-ab-"))
-    libs = {"old": build(old_src, tmp / "old.so"), "new": build((CSRC / "cpu_team.c").read_text(), tmp / "new.so")}
+    libs = {"old": build(args.old_rev, tmp / "old"), "new": build(None, tmp / "new")}
     g = torch.Generator().manual_seed(0)
     w, b = pack(torch.randn(3000, 1536, generator=g)), torch.randn(3072, generator=g)
     for m in (1, 5, 13, 16, 24, 40, 100, 200):
