@@ -90,3 +90,57 @@ def test_a_short_lived_loop_does_not_take_the_serving_loop(aeng):
 
     tracked, loop = asyncio.run(asyncio.wait_for(call_and_loop(), T))
     assert tracked == [[]] and aeng.loop is loop
+
+
+class _Lifespan:
+    """The ASGI lifespan protocol as a server (uvicorn) drives it: the app's startup, later its shutdown."""
+
+    def __init__(self, app):
+        self.sent: list[str] = []
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self._task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                                               self._inbox.get, self._send))
+
+    async def _send(self, message):
+        self.sent.append(message["type"])
+        self._changed.set()
+
+    async def _step(self, message: str) -> None:
+        self._changed.clear()
+        await self._inbox.put({"type": message})
+        await self._changed.wait()
+
+    async def stop(self) -> None:
+        await self._step("lifespan.shutdown")
+        await self._task
+
+
+async def _lifespan(app) -> _Lifespan:
+    lifespan = _Lifespan(app)
+    await lifespan._step("lifespan.startup")
+    return lifespan
+
+
+def test_the_servers_startup_binds_its_loop_first(aeng, tiny_model):
+    """The app's startup binds the server's loop, so a short-lived loop that calls in before the
+    server's first request or control call does not become the engine's loop (nor after it)."""
+    from rlserve.server.app import build_app
+    from rlserve.server.state import ServerSettings
+
+    app = build_app(aeng, ServerSettings(model=tiny_model("llama"), served_model_names=["tiny"]))
+    serving = asyncio.new_event_loop()
+    server_thread = threading.Thread(target=serving.run_forever, daemon=True)
+    server_thread.start()
+    try:
+        lifespan = asyncio.run_coroutine_threadsafe(_lifespan(app), serving).result(T)
+        assert lifespan.sent == ["lifespan.startup.complete"]
+        assert aeng.loop is serving  # (the previous test left a closed loop bound)
+        assert asyncio.run(asyncio.wait_for(aeng.call_engines(f"{HERE}:core_request_ids"), T)) == [[]]
+        assert aeng.loop is serving
+        asyncio.run_coroutine_threadsafe(lifespan.stop(), serving).result(T)
+        assert lifespan.sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    finally:
+        serving.call_soon_threadsafe(serving.stop)
+        server_thread.join(T)
+        serving.close()

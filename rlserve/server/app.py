@@ -85,6 +85,11 @@ def build_app(aengine, settings: ServerSettings, weight_manager=None) -> FastAPI
     app.include_router(sleep_admin, responses=error_answers(ADMIN_ERRORS))
     connect_weight_manager(state)
 
+    async def bind_serving_loop():  # the engine's loop from the start, whatever other loop calls in later
+        aengine.bind_loop()
+
+    app.router.on_startup.append(bind_serving_loop)
+
     async def start_template_workers():  # warm before the first request needs one
         await asyncio.to_thread(state.start_template_workers)
 

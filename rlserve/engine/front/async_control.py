@@ -7,7 +7,7 @@ unusable (:meth:`EngineControl.fail_all`), and the stop (:meth:`EngineControl.be
 :mod:`rlserve.engine.front.async_engine`.
 
 Uses the front's ``_replicas``, ``_requests``, ``_held``, ``_closed``, ``sleep_mode``, ``loop`` and ``_deliver``
-(set or defined by ``AsyncEngine``); binds ``loop`` for it (:meth:`EngineControl._bind_loop`).
+(set or defined by ``AsyncEngine``); binds ``loop`` for it (:meth:`EngineControl.bind_loop`).
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ class EngineControl:
         return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
 
     # ---- engine access ----------------------------------------------------------------
-    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+    def bind_loop(self) -> asyncio.AbstractEventLoop:
         """The running event loop; it becomes the front's :attr:`loop` (the serving loop: the
         engine-core replicas' outputs are handled there, restarts swap replicas there, other API
         processes' aborts run there) unless another loop is bound and still running. A second,
         short-lived loop (``asyncio.run(aengine.call_engines(...))`` beside a running server)
         must not take that over: once it closed, outputs were handled on the reader thread,
         and a restart's swap ran off the serving loop, until the next ``generate`` bound the
-        serving loop again. Event-loop side.
+        serving loop again. The server's app binds its loop at startup
+        (:func:`rlserve.server.app.build_app`); ``call_engines`` and ``generate`` bind theirs.
+        Event-loop side.
 
         Raises:
             RuntimeError: no event loop is running in this thread."""
@@ -92,7 +94,7 @@ class EngineControl:
             mode rebuilt by class name); TimeoutError after ``timeout_s`` seconds (the calls
             still complete later); EngineDeadError: a replica is not running.
         """
-        self._bind_loop()
+        self.bind_loop()
         futs = [r.call(target, *args) for r in self._replicas]
         coro = wait_all(futs, raise_first=True)
         return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))

@@ -122,7 +122,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
         self._requests: dict[str, FrontRequest] = {}
         self._ids = itertools.count()
         self._pause_lock: asyncio.Lock | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (EngineControl._bind_loop)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (EngineControl.bind_loop)
         self.restarter = None  # rlserve.engine.front.core_restart.CoreRestarter (process mode, restarts on)
         from rlserve.engine.front.front_sync import FrontSync
 
@@ -279,7 +279,7 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
             raise ModelUnavailableError(self.weights.reason, code=self.weights.code)
         if not self.is_alive():
             raise EngineDeadError(self.dead_reason() or "the engine is not running")
-        loop = self._bind_loop()  # (the request's own loop gets its outputs: FrontRequest.loop)
+        loop = self.bind_loop()  # (the request's own loop gets its outputs: FrontRequest.loop)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         from rlserve.errors import InvalidRequestError
