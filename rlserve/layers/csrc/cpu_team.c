@@ -362,22 +362,24 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
                                                        const float *acc_in, float *acc_out, float *out,
                                                        int64_t ldo, int ncols, const float *bias, const int64_t pf,
                                                        const int64_t pf2, const int MB, const int NV, const int h,
-                                                       const int64_t ldx) {
-    vreg acc[MAX_MB][NVP];
+                                                       const int64_t ldx, const int64_t pb) {
+    const int aw = NV > NVP ? 2 * PW : PW; /* acc_in / acc_out row width */
+    vreg acc[MAX_MB][2 * NVP];
     if (acc_in)
         for (int m = 0; m < MB; m++)
-            for (int j = 0; j < NV; j++) acc[m][j] = *(const vregu *)(acc_in + PW * m + h + VL * j);
+            for (int j = 0; j < NV; j++) acc[m][j] = *(const vregu *)(acc_in + aw * m + h + VL * j);
     else
         for (int m = 0; m < MB; m++)
             for (int j = 0; j < NV; j++) acc[m][j] = (vreg){0};
     for (int64_t k = 0; k < kn; k++) {
         /* the panel's stream, pf (pf2) rows of 128 bytes ahead (past its end: harmless) */
         for (int l = 0; l < (NV * VL * 4 + 63) / 64; l++) {
-            if (pf > 0) __builtin_prefetch(wp + PW * (k + pf) + h + 16 * l, 0, PF_LOC);
-            if (pf2 > 0) __builtin_prefetch(wp + PW * (k + pf2) + h + 16 * l, 0, 2);
+            const float *pl = wp + (l >= PW / 16 ? pb - PW : 0) + h + 16 * l; /* a line of panel a or b */
+            if (pf > 0) __builtin_prefetch(pl + PW * (k + pf), 0, PF_LOC);
+            if (pf2 > 0) __builtin_prefetch(pl + PW * (k + pf2), 0, 2);
         }
-        vreg w[NVP];
-        for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + PW * k + h + VL * j);
+        vreg w[2 * NVP];
+        for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + (j >= NVP ? pb - PW : 0) + PW * k + h + VL * j);
         for (int m = 0; m < MB; m++) {
             const float a = X_DIRECT ? xt[m * ldx + k] : xt[k * MB + m];
             for (int j = 0; j < NV; j++) acc[m][j] = vfma(a, w[j], acc[m][j]);
@@ -385,7 +387,7 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
     }
     if (acc_out) {
         for (int m = 0; m < MB; m++)
-            for (int j = 0; j < NV; j++) *(vregu *)(acc_out + PW * m + h + VL * j) = acc[m][j];
+            for (int j = 0; j < NV; j++) *(vregu *)(acc_out + aw * m + h + VL * j) = acc[m][j];
         return;
     }
     for (int m = 0; m < MB; m++)
@@ -410,15 +412,34 @@ typedef struct {
                                      X_DIRECT: x itself, row m at xt + m * ldx */
     float *out;
     int64_t M, N, K, ldo, panels, panels_per_chunk, mb, ldx;
+    int pairs; /* blocks of PAIR_MB rows over two panels at a time (PAIR_MIN_ROWS <= M <= PAIR_MAX_ROWS) */
 } gemm_ctx;
 
 /* an MB-row block over the whole panel: PW / (NV_FOR(MB) * VL) tiles side by side */
 #define T1(n, PF, PF2)                                                                                           \
     case n:                                                                                                      \
         for (int h = 0; h < PW; h += NV_FOR(n) * VL)                                                             \
-            tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h, c->ldx);       \
+            tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h, c->ldx, 0); \
         break;
 #define TILES(PF, PF2) switch (mb) { T1(1, PF, PF2) T1(2, PF, PF2) TILES_MORE(PF, PF2) }
+/* PAIR_MB-row blocks over two neighbouring panels (AVX-512: PAIR_MB x 4 vectors = 24 accumulators;
+   pb: panel b's offset from panel a, floats) */
+#define T2(n, PF, PF2)                                                                                           \
+    case n:                                                                                                      \
+        tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, PF2, n, 2 * NVP, 0, c->ldx, K * PW);                  \
+        break;
+#if defined(__AVX512F__)
+#define PAIR_MB 6
+#define PAIR_MIN_ROWS 13
+#define PAIR_MAX_ROWS 18
+#define TILES2(PF, PF2) switch (mb) { T2(1, PF, PF2) T2(2, PF, PF2) T2(3, PF, PF2) T2(4, PF, PF2) T2(5, PF, PF2) T2(6, PF, PF2) }
+#else
+#define PAIR_MB MAX_MB
+#define PAIR_MIN_ROWS 1 /* no pair tiles: never taken */
+#define PAIR_MAX_ROWS 0
+#define TILES2(PF, PF2) TILES(PF, PF2)
+#endif
+#define TILES_NP(PF, PF2) if (np == 2) { TILES2(PF, PF2) } else { TILES(PF, PF2) }
 #if MAX_MB == 12
 #define TILES_MORE(PF, PF2) T1(3, PF, PF2) T1(4, PF, PF2) T1(5, PF, PF2) T1(6, PF, PF2) T1(7, PF, PF2) \
     T1(8, PF, PF2) T1(9, PF, PF2) T1(10, PF, PF2) T1(11, PF, PF2) T1(12, PF, PF2)
@@ -448,9 +469,10 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     const int64_t K = c->K;
     const int64_t nblocks = (c->M + c->mb - 1) / c->mb;
     const int pieces = nblocks > 1 && nblocks <= KCHUNK_MAX_BLOCKS && K > KC;
-    float accbuf[KCHUNK_MAX_BLOCKS * MAX_MB * PW] __attribute__((aligned(64)));
-    for (int64_t p = p0; p < p1; p++) { /* a panel is read from memory once, then from L1/L2 */
-        const int ncols = (int)(c->N - PW * p < PW ? c->N - PW * p : PW);
+    float accbuf[KCHUNK_MAX_BLOCKS * MAX_MB * 2 * PW] __attribute__((aligned(64)));
+    for (int64_t p = p0, np; p < p1; p += np) { /* a panel is read from memory once, then from L1/L2 */
+        np = c->pairs && p + 1 < p1 ? 2 : 1;   /* panels p .. p + np - 1 */
+        const int ncols = (int)(c->N - PW * p < np * PW ? c->N - PW * p : np * PW);
         const float *b = c->bias ? c->bias + PW * p : NULL;
         if (!pieces) {
             const float *wp = c->wp + p * K * PW, *ai = NULL;
@@ -460,7 +482,7 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
                 const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
                 const float *xt = X_DIRECT ? c->xt + m0 * c->ldx : c->xt + m0 * K;
                 float *om = c->out + m0 * c->ldo + PW * p;
-                TILES(PF_DIST, PF_L2)
+                TILES_NP(PF_DIST, PF_L2)
             }
             continue;
         }
@@ -471,15 +493,15 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
                 const int mb = (int)(c->M - m0 < c->mb ? c->M - m0 : c->mb);
                 const float *xt = X_DIRECT ? c->xt + m0 * c->ldx + k0 : c->xt + m0 * K + k0 * mb;
                 float *om = c->out + m0 * c->ldo + PW * p;
-                float *acc = accbuf + bi * MAX_MB * PW;
+                float *acc = accbuf + bi * MAX_MB * 2 * PW;
                 const float *ai = k0 > 0 ? acc : NULL;
                 float *ao = k0 + kn < K ? acc : NULL;
                 if (bi == 0) { /* streams the piece from memory */
-                    TILES(PF_DIST, PF_L2)
+                    TILES_NP(PF_DIST, PF_L2)
                 } else if (bi == 1) { /* fetches the next piece (past the panel: the next panel's start) */
-                    TILES(KC, 0)
+                    TILES_NP(KC, 0)
                 } else {
-                    TILES(0, 0)
+                    TILES_NP(0, 0)
                 }
             }
         }
@@ -512,10 +534,15 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
     }
     if (chunks > panels) chunks = panels;
     /* rows in balanced blocks of at most MAX_MB (AVX-512, 16 rows: 8 + 8), each transposed once
-       (X_DIRECT: read in place) */
-    const int64_t nblocks = (M + MAX_MB - 1) / MAX_MB, mb = (M + nblocks - 1) / nblocks;
+       (X_DIRECT: read in place); pair tiles: of at most PAIR_MB (16 rows: 6 + 6 + 4), and an even
+       number of panels per chunk */
+    const int pairs = M >= PAIR_MIN_ROWS && M <= PAIR_MAX_ROWS && panels > 1;
+    const int64_t bmax = pairs ? PAIR_MB : MAX_MB;
+    const int64_t nblocks = (M + bmax - 1) / bmax, mb = (M + nblocks - 1) / nblocks;
+    int64_t ppc = (panels + chunks - 1) / chunks;
+    if (pairs && ppc % 2) ppc++;
     if (X_DIRECT) {
-        gemm_ctx c = {x, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb, ldx};
+        gemm_ctx c = {x, wp, bias, out, M, N, K, ldo, panels, ppc, mb, ldx, pairs};
         team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
         return 0;
     }
@@ -536,7 +563,7 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
             for (int64_t k = 0; k < K; k++) xt[k * n + m] = xr[k];
         }
     }
-    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, (panels + chunks - 1) / chunks, mb, K};
+    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, ppc, mb, K, pairs};
     team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
     return 0;
 }
