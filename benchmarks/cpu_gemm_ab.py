@@ -10,8 +10,15 @@ first alternates too): ``time.thread_time`` of the calling thread with the calls
 (team argument 1), median of ``--reps`` per turn. CPU time, because wall time on the shared
 machine mostly measures the other work; the load average is printed with every line.
 
+``--in-cache``: also times each ``--rows`` on a 256 x 576 weight (590 KB: in one core's L2) the
+same way, alternating, in batches of 10 calls: the fastest batch of ``--in-cache`` batches per version
+(the calls' own speed: a batch that the scheduler or another program's cache traffic interrupted
+is slower, never faster) and the median, as GFLOP/s of thread CPU time (ctypes' call overhead, ~1 us
+a call, included for both versions).
+
 Usage:
     python benchmarks/cpu_gemm_ab.py --old-rev 5cca558 --rows 1 8 16 32 128
+    python benchmarks/cpu_gemm_ab.py --old-rev main --rows 1 8 16 32 --in-cache 300
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(lib, x, packed, n, out, bias=None) -> None:
+    """out[m, n] = x @ w^T (+ bias) by ``lib``'s rlserve_gemm_f32, team argument 1 (the calling thread)."""
     m, k = x.shape
     # the old signature has no team argument: an extra int argument is ignored by its C code
     rc = lib.rlserve_gemm_f32(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -64,12 +72,37 @@ def gemm(lib, x, packed, n, out, bias=None) -> None:
         raise RuntimeError(f"rlserve_gemm_f32 returned {rc}")
 
 
+def in_cache(libs, rows, batches: int, g: torch.Generator, n: int = 256, k: int = 576) -> None:
+    """Print one JSON line per row count: each version's GFLOP/s on an ``n x k`` weight that stays
+    in L2, the fastest and the median batch of 10 calls (thread CPU time), versions alternating
+    every 10 batches."""
+    w = pack(torch.randn(n, k, generator=g) * 0.05)
+    for m in rows:
+        x, out = torch.randn(m, k, generator=g), torch.empty(m, n)
+        times = {v: [] for v in libs}
+        load0 = os.getloadavg()[0]
+        for turn in range(max(1, batches // 10)):
+            for v in libs if turn % 2 == 0 else list(libs)[::-1]:
+                for _ in range(10):
+                    t0 = time.thread_time_ns()
+                    for _ in range(10):
+                        gemm(libs[v], x, w, n, out)
+                    times[v].append(time.thread_time_ns() - t0)
+        gf = {v: {"best": round(20.0 * m * n * k / min(t), 1), "median": round(20.0 * m * n * k / sorted(t)[len(t) // 2], 1)}
+              for v, t in times.items()}
+        print(json.dumps({"in_cache_rows": m, "n": n, "k": k, "gflops_old": gf["old"], "gflops_new": gf["new"],
+                          "batches": len(times["old"]), "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}),
+              flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old-rev", required=True, help="git revision of the old rlserve/layers/csrc/cpu_team.c")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 128])
     p.add_argument("--turns", type=int, default=4, help="alternating turns per version and row count")
     p.add_argument("--reps", type=int, default=3, help="passes over the model per turn (median)")
+    p.add_argument("--in-cache", type=int, default=0, metavar="BATCHES",
+                   help="also time each row count in L2 (256 x 576 weight): batches of 10 calls per version")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="cpu-gemm-ab-"))
@@ -84,6 +117,8 @@ def main(argv=None) -> int:
         if not torch.equal(outs["old"], outs["new"]):
             print(f"DIFFERENT BITS at {m} rows")
             return 1
+    if args.in_cache:
+        in_cache(libs, args.rows, args.in_cache, g)
     weights = [[pack(torch.randn(n, k, generator=g) * 0.05) for n, k in SHAPES] for _ in range(LAYERS)]
     head = pack(torch.randn(VOCAB, HIDDEN, generator=g) * 0.05)
 

@@ -30,12 +30,12 @@ def _case(n_out, k, seed=0):
     return torch.randn(n_out, k, generator=g) * 0.05, torch.randn(n_out, generator=g)
 
 
-@pytest.mark.parametrize("n_out,k", [(960, 576), (576, 1536), (37, 5), (100, 64)])
+@pytest.mark.parametrize("n_out,k", [(960, 576), (576, 1536), (37, 5), (100, 64), (200, 96)])
 def test_linear_is_exact_up_to_summation_order(team, n_out, k):
     w, b = _case(n_out, k)
     packed = cpu_gemm.pack(w)
     assert packed.shape == (-(-n_out // 32), k, 32)
-    for m in (1, 5, 13, 40):
+    for m in (1, 5, 13, 16, 18, 40):  # 13-18 rows: pair tiles (csrc/cpu_team.c: PAIR_MB)
         x = torch.randn(m, k)
         for bias in (None, b):
             got = cpu_gemm.linear(x, packed, n_out, bias)
@@ -57,8 +57,9 @@ def test_linear_bits_depend_only_on_the_row(team):
     for i in (0, 7, 39):
         assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, 960, b), full[i:i + 1])
     assert torch.equal(cpu_gemm.linear(x[3:16], packed, 960, b), full[3:16])
-    # 2-3 row blocks run k-piece by k-piece (csrc/cpu_team.c: KC), 4 blocks one pass each
-    for a, z in ((0, 24), (4, 29), (0, 36), (1, 38)):
+    # 2-3 row blocks run k-piece by k-piece (csrc/cpu_team.c: KC), 4 blocks one pass each;
+    # 13-18 rows in blocks of 6 over two panels at a time (pair tiles)
+    for a, z in ((0, 24), (4, 29), (0, 36), (1, 38), (0, 16), (5, 21), (2, 20), (24, 37)):
         assert torch.equal(cpu_gemm.linear(x[a:z], packed, 960, b), full[a:z])
     wide = torch.randn(40, 700)
     wide[:, 50:626] = x
@@ -144,6 +145,26 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert 6 in calls and max(calls) > 6  # decode steps (6 rows), their LM head and the prefill used the team
+
+
+def test_sixteen_sequences_on_the_team_give_hf_greedy_tokens(tiny_model, monkeypatch):
+    """16 sequences at once: decode steps of 16 rows, the pair tiles' row count (csrc/cpu_team.c:
+    PAIR_MB-row blocks over two panels), on the team of 2: HF transformers float32's greedy tokens."""
+    from rlserve import LLM, SamplingParams
+    from tests.test_engine import hf_greedy
+
+    path = tiny_model("llama")
+    prompts = [[3 + i, 5, 9 + i % 4, 2, 7 + i][: 2 + i % 4] for i in range(16)]
+    calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    real_stack = llama_cpu.stack_forward
+    monkeypatch.setattr(llama_cpu, "stack_forward", lambda ctx, layers, h: calls.append(h.shape[0])
+                        or real_stack(ctx, layers, h))
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, extra={"cpu_team": 2})
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, min_tokens=8))
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    assert 16 in calls  # the decode steps of 16 rows ran on the team
 
 
 def test_contention_guard_runs_steps_inline_after_a_losing_step(tiny_model, monkeypatch, caplog):

@@ -357,7 +357,9 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
    order, so the same bits); they end in acc_out ([MB][32]) or, when acc_out is NULL (the last
    piece), + bias in the panel's stored columns among them (ncols <= 32 stored in all; out: the
    first row's panel column 0, row stride ldo). pf, pf2: prefetch distances in panel rows into
-   L1 and L2 (0: none), of the cache lines this tile reads. */
+   L1 and L2 (0: none), of the cache lines this tile reads. NV > NVP (pair tiles, h 0): vectors
+   NVP.. are the next panel's, whose rows start pb floats after wp's (wp + pb: its [kn][32]), its
+   columns the 32 after wp's (out, bias, ncols <= 64), acc_in / acc_out rows [MB][64]. */
 static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t kn,
                                                        const float *acc_in, float *acc_out, float *out,
                                                        int64_t ldo, int ncols, const float *bias, const int64_t pf,
@@ -422,8 +424,15 @@ typedef struct {
             tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, n == 1 ? 0 : PF2, n, NV_FOR(n), h, c->ldx, 0); \
         break;
 #define TILES(PF, PF2) switch (mb) { T1(1, PF, PF2) T1(2, PF, PF2) TILES_MORE(PF, PF2) }
-/* PAIR_MB-row blocks over two neighbouring panels (AVX-512: PAIR_MB x 4 vectors = 24 accumulators;
-   pb: panel b's offset from panel a, floats) */
+/* Pair tiles (AVX-512, PAIR_MIN_ROWS..PAIR_MAX_ROWS rows): blocks of up to PAIR_MB rows over two
+   neighbouring panels at once, 6 rows x 4 vectors = 24 accumulators (+ 4 weight vectors, 1 broadcast:
+   29 of 32 registers), in place of 8-row blocks over one panel (16 rows: 6 + 6 + 4 instead of 8 + 8).
+   Per k a pair tile issues 24 FMAs for 4 weight loads and 6 broadcasts (the 8-row tile: 16 for 2 and
+   8): one tile loop, uninterrupted, in L1, 64-70 FMA flops per TSC cycle against the 8-row tile's
+   53-58 (the FMA peak: 64-70; embedded-broadcast FMAs, {1to16}, one load each: 28-39). Same sums in
+   the same order (the same bits). Measured: BENCHMARKS.md, issue 37 (s24) TILE. Up to 12 rows one
+   block of up to 12 x 32 stays (pairs were slower in L2 at 10 and 12 rows); from 19 rows, 4 or more
+   blocks run one pass each (no k-pieces), not measured with pairs from memory. */
 #define T2(n, PF, PF2)                                                                                           \
     case n:                                                                                                      \
         tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, PF2, n, 2 * NVP, 0, c->ldx, K * PW);                  \
