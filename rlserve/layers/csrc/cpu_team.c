@@ -360,51 +360,56 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
    L1 and L2 (0: none), of the cache lines this tile reads. NV > NVP (pair tiles, h 0): vectors
    NVP.. are the next panel's, whose rows start pb floats after wp's (wp + pb: its [kn][32]), its
    columns the 32 after wp's (out, bias, ncols <= 64), acc_in / acc_out rows [MB][64]. */
-static inline __attribute__((always_inline)) void tile(const float *xt, const float *wp, int64_t kn,
-                                                       const float *acc_in, float *acc_out, float *out,
-                                                       int64_t ldo, int ncols, const float *bias, const int64_t pf,
-                                                       const int64_t pf2, const int MB, const int NV, const int h,
-                                                       const int64_t ldx, const int64_t pb) {
-    const int aw = NV > NVP ? 2 * PW : PW; /* acc_in / acc_out row width */
-    vreg acc[MAX_MB][2 * NVP];
-    if (acc_in)
-        for (int m = 0; m < MB; m++)
-            for (int j = 0; j < NV; j++) acc[m][j] = *(const vregu *)(acc_in + aw * m + h + VL * j);
-    else
-        for (int m = 0; m < MB; m++)
-            for (int j = 0; j < NV; j++) acc[m][j] = (vreg){0};
-    for (int64_t k = 0; k < kn; k++) {
-        /* the panel's stream, pf (pf2) rows of 128 bytes ahead (past its end: harmless) */
-        for (int l = 0; l < (NV * VL * 4 + 63) / 64; l++) {
-            const float *pl = wp + (l >= PW / 16 ? pb - PW : 0) + h + 16 * l; /* a line of panel a or b */
-            if (pf > 0) __builtin_prefetch(pl + PW * (k + pf), 0, PF_LOC);
-            if (pf2 > 0) __builtin_prefetch(pl + PW * (k + pf2), 0, 2);
-        }
-        vreg w[2 * NVP];
-        for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + (j >= NVP ? pb - PW : 0) + PW * k + h + VL * j);
-        for (int m = 0; m < MB; m++) {
-            const float a = X_DIRECT ? xt[m * ldx + k] : xt[k * MB + m];
-            for (int j = 0; j < NV; j++) acc[m][j] = vfma(a, w[j], acc[m][j]);
-        }
-    }
-    if (acc_out) {
-        for (int m = 0; m < MB; m++)
-            for (int j = 0; j < NV; j++) *(vregu *)(acc_out + aw * m + h + VL * j) = acc[m][j];
-        return;
-    }
-    for (int m = 0; m < MB; m++)
-        for (int j = 0; j < NV; j++) {
-            vreg v = acc[m][j];
-            const int c0 = h + VL * j, n = ncols - c0;
-            float *o = out + m * ldo + c0;
-            if (n >= VL) {
-                if (bias) v += *(const vregu *)(bias + c0);
-                *(vregu *)o = v;
-            } else {
-                for (int c = 0; c < n; c++) o[c] = bias ? v[c] + bias[c0 + c] : v[c];
-            }
-        }
+/* The tile as a template of its register arrays' sizes (ROWS x VECS accumulators): `tile` for one panel
+   (MAX_MB x NVP), `tile_pair` for two (PAIR_MB x 2 NVP; below). One function with arrays of the larger
+   size for both gave the 1-row tile other code, 0.91x in L2 (2026-12-07 s24). */
+#define TILE_FN(NAME, ROWS, VECS)\
+static inline __attribute__((always_inline)) void NAME(const float *xt, const float *wp, int64_t kn,                \
+                                                       const float *acc_in, float *acc_out, float *out,             \
+                                                       int64_t ldo, int ncols, const float *bias, const int64_t pf, \
+                                                       const int64_t pf2, const int MB, const int NV, const int h,  \
+                                                       const int64_t ldx, const int64_t pb) {                       \
+    const int aw = NV > NVP ? 2 * PW : PW; /* acc_in / acc_out row width */                                         \
+    vreg acc[ROWS][VECS];                                                                                           \
+    if (acc_in)                                                                                                     \
+        for (int m = 0; m < MB; m++)                                                                                \
+            for (int j = 0; j < NV; j++) acc[m][j] = *(const vregu *)(acc_in + aw * m + h + VL * j);                \
+    else                                                                                                            \
+        for (int m = 0; m < MB; m++)                                                                                \
+            for (int j = 0; j < NV; j++) acc[m][j] = (vreg){0};                                                     \
+    for (int64_t k = 0; k < kn; k++) {                                                                              \
+        /* the panel's stream, pf (pf2) rows of 128 bytes ahead (past its end: harmless) */                         \
+        for (int l = 0; l < (NV * VL * 4 + 63) / 64; l++) {                                                         \
+            const float *pl = wp + (l >= PW / 16 ? pb - PW : 0) + h + 16 * l; /* a line of panel a or b */          \
+            if (pf > 0) __builtin_prefetch(pl + PW * (k + pf), 0, PF_LOC);                                          \
+            if (pf2 > 0) __builtin_prefetch(pl + PW * (k + pf2), 0, 2);                                             \
+        }                                                                                                           \
+        vreg w[VECS];                                                                                               \
+        for (int j = 0; j < NV; j++) w[j] = *(const vregu *)(wp + (j >= NVP ? pb - PW : 0) + PW * k + h + VL * j);  \
+        for (int m = 0; m < MB; m++) {                                                                              \
+            const float a = X_DIRECT ? xt[m * ldx + k] : xt[k * MB + m];                                            \
+            for (int j = 0; j < NV; j++) acc[m][j] = vfma(a, w[j], acc[m][j]);                                      \
+        }                                                                                                           \
+    }                                                                                                               \
+    if (acc_out) {                                                                                                  \
+        for (int m = 0; m < MB; m++)                                                                                \
+            for (int j = 0; j < NV; j++) *(vregu *)(acc_out + aw * m + h + VL * j) = acc[m][j];                     \
+        return;                                                                                                     \
+    }                                                                                                               \
+    for (int m = 0; m < MB; m++)                                                                                    \
+        for (int j = 0; j < NV; j++) {                                                                              \
+            vreg v = acc[m][j];                                                                                     \
+            const int c0 = h + VL * j, n = ncols - c0;                                                              \
+            float *o = out + m * ldo + c0;                                                                          \
+            if (n >= VL) {                                                                                          \
+                if (bias) v += *(const vregu *)(bias + c0);                                                         \
+                *(vregu *)o = v;                                                                                    \
+            } else {                                                                                                \
+                for (int c = 0; c < n; c++) o[c] = bias ? v[c] + bias[c0 + c] : v[c];                               \
+            }                                                                                                       \
+        }                                                                                                           \
 }
+TILE_FN(tile, MAX_MB, NVP)
 
 static __thread float *xt_buf;  /* per calling thread: the inputs, transposed by row block */
 static __thread int64_t xt_cap;
@@ -414,7 +419,6 @@ typedef struct {
                                      X_DIRECT: x itself, row m at xt + m * ldx */
     float *out;
     int64_t M, N, K, ldo, panels, panels_per_chunk, mb, ldx;
-    int pairs; /* blocks of PAIR_MB rows over two panels at a time (PAIR_MIN_ROWS <= M <= PAIR_MAX_ROWS) */
 } gemm_ctx;
 
 /* an MB-row block over the whole panel: PW / (NV_FOR(MB) * VL) tiles side by side */
@@ -435,15 +439,17 @@ typedef struct {
    blocks run one pass each (no k-pieces), not measured with pairs from memory. */
 #define T2(n, PF, PF2)                                                                                           \
     case n:                                                                                                      \
-        tile(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, PF2, n, 2 * NVP, 0, c->ldx, K * PW);                  \
+        tile_pair(xt, wp, kn, ai, ao, om, c->ldo, ncols, b, PF, PF2, n, 2 * NVP, 0, c->ldx, K * PW);             \
         break;
 #if defined(__AVX512F__)
 #define PAIR_MB 6
+TILE_FN(tile_pair, PAIR_MB, 2 * NVP)
 #define PAIR_MIN_ROWS 13
 #define PAIR_MAX_ROWS 18
 #define TILES2(PF, PF2) switch (mb) { T2(1, PF, PF2) T2(2, PF, PF2) T2(3, PF, PF2) T2(4, PF, PF2) T2(5, PF, PF2) T2(6, PF, PF2) }
 #else
 #define PAIR_MB MAX_MB
+#define tile_pair tile
 #define PAIR_MIN_ROWS 1 /* no pair tiles: never taken */
 #define PAIR_MAX_ROWS 0
 #define TILES2(PF, PF2) TILES(PF, PF2)
@@ -470,8 +476,9 @@ typedef struct {
 #define KC 32
 #define KCHUNK_MAX_BLOCKS 3
 
-static void gemm_chunk(const void *vctx, int64_t chunk) {
-    const gemm_ctx *c = (const gemm_ctx *)vctx;
+/* chunk `chunk` of c's panels; pairs (a constant: two instances, so that the pair tiles' code leaves
+   the other row counts' loops as they were: with one function for both, 1 row ran 9% slower in L2) */
+static inline __attribute__((always_inline)) void gemm_panels(const gemm_ctx *c, int64_t chunk, const int pairs) {
     const int64_t p0 = chunk * c->panels_per_chunk;
     int64_t p1 = p0 + c->panels_per_chunk;
     if (p1 > c->panels) p1 = c->panels;
@@ -480,7 +487,7 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     const int pieces = nblocks > 1 && nblocks <= KCHUNK_MAX_BLOCKS && K > KC;
     float accbuf[KCHUNK_MAX_BLOCKS * MAX_MB * 2 * PW] __attribute__((aligned(64)));
     for (int64_t p = p0, np; p < p1; p += np) { /* a panel is read from memory once, then from L1/L2 */
-        np = c->pairs && p + 1 < p1 ? 2 : 1;   /* panels p .. p + np - 1 */
+        np = pairs && p + 1 < p1 ? 2 : 1;   /* panels p .. p + np - 1 */
         const int ncols = (int)(c->N - PW * p < np * PW ? c->N - PW * p : np * PW);
         const float *b = c->bias ? c->bias + PW * p : NULL;
         if (!pieces) {
@@ -517,6 +524,9 @@ static void gemm_chunk(const void *vctx, int64_t chunk) {
     }
 }
 
+static void gemm_chunk(const void *vctx, int64_t chunk) { gemm_panels((const gemm_ctx *)vctx, chunk, 0); }
+static void gemm_chunk_pairs(const void *vctx, int64_t chunk) { gemm_panels((const gemm_ctx *)vctx, chunk, 1); }
+
 /* From this many rows on a linear's chunks are single panels: 16 chunks of 2 teams' threads cut
    the 18 panels of SmolLM2's o and down projections (30 of qkv) into 9 chunks of 2 (15), so one
    thread ran 5 of the 9 while the other waited: ~11% of those linears' wall time at 128 rows,
@@ -551,8 +561,8 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
     int64_t ppc = (panels + chunks - 1) / chunks;
     if (pairs && ppc % 2) ppc++;
     if (X_DIRECT) {
-        gemm_ctx c = {x, wp, bias, out, M, N, K, ldo, panels, ppc, mb, ldx, pairs};
-        team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
+        gemm_ctx c = {x, wp, bias, out, M, N, K, ldo, panels, ppc, mb, ldx};
+        team_run(pairs ? gemm_chunk_pairs : gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
         return 0;
     }
     if (xt_cap < M * K) {
@@ -572,8 +582,8 @@ int rlserve_gemm_f32(const float *x, const float *wp, const float *bias, float *
             for (int64_t k = 0; k < K; k++) xt[k * n + m] = xr[k];
         }
     }
-    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, ppc, mb, K, pairs};
-    team_run(gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
+    gemm_ctx c = {xt_buf, wp, bias, out, M, N, K, ldo, panels, ppc, mb, K};
+    team_run(pairs ? gemm_chunk_pairs : gemm_chunk, &c, (panels + c.panels_per_chunk - 1) / c.panels_per_chunk, team);
     return 0;
 }
 
