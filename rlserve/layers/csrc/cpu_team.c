@@ -363,7 +363,7 @@ typedef float vregu __attribute__((vector_size(VL * 4), aligned(4)));
 /* The tile as a template of its register arrays' sizes (ROWS x VECS accumulators): `tile` for one panel
    (MAX_MB x NVP), `tile_pair` for two (PAIR_MB x 2 NVP; below). One function with arrays of the larger
    size for both gave the 1-row tile other code, 0.91x in L2 (2026-12-07 s24). */
-#define TILE_FN(NAME, ROWS, VECS)\
+#define TILE_FN(NAME, ROWS, VECS)                                                                                    \
 static inline __attribute__((always_inline)) void NAME(const float *xt, const float *wp, int64_t kn,                \
                                                        const float *acc_in, float *acc_out, float *out,             \
                                                        int64_t ldo, int ncols, const float *bias, const int64_t pf, \
@@ -449,7 +449,6 @@ TILE_FN(tile_pair, PAIR_MB, 2 * NVP)
 #define TILES2(PF, PF2) switch (mb) { T2(1, PF, PF2) T2(2, PF, PF2) T2(3, PF, PF2) T2(4, PF, PF2) T2(5, PF, PF2) T2(6, PF, PF2) }
 #else
 #define PAIR_MB MAX_MB
-#define tile_pair tile
 #define PAIR_MIN_ROWS 1 /* no pair tiles: never taken */
 #define PAIR_MAX_ROWS 0
 #define TILES2(PF, PF2) TILES(PF, PF2)
@@ -476,8 +475,8 @@ TILE_FN(tile_pair, PAIR_MB, 2 * NVP)
 #define KC 32
 #define KCHUNK_MAX_BLOCKS 3
 
-/* chunk `chunk` of c's panels; pairs (a constant: two instances, so that the pair tiles' code leaves
-   the other row counts' loops as they were: with one function for both, 1 row ran 9% slower in L2) */
+/* chunk `chunk` of c's panels; pairs: a constant, two instances (gemm_chunk without pair tiles, as
+   before them; gemm_chunk_pairs with them, rlserve_gemm_f32 picks) */
 static inline __attribute__((always_inline)) void gemm_panels(const gemm_ctx *c, int64_t chunk, const int pairs) {
     const int64_t p0 = chunk * c->panels_per_chunk;
     int64_t p1 = p0 + c->panels_per_chunk;
