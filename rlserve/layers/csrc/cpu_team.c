@@ -432,8 +432,8 @@ typedef struct {
    neighbouring panels at once, 6 rows x 4 vectors = 24 accumulators (+ 4 weight vectors, 1 broadcast:
    29 of 32 registers), in place of 8-row blocks over one panel (16 rows: 6 + 6 + 4 instead of 8 + 8).
    Per k a pair tile issues 24 FMAs for 4 weight loads and 6 broadcasts (the 8-row tile: 16 for 2 and
-   8): one tile loop, uninterrupted, in L1, 64-70 FMA flops per TSC cycle against the 8-row tile's
-   53-58 (the FMA peak: 64-70; embedded-broadcast FMAs, {1to16}, one load each: 28-39). Same sums in
+   8): one tile loop, uninterrupted, in L1 / L2, 66-67 / 64-70 FMA flops per TSC cycle against the 8-row
+   tile's 57-58 / 53-56 (the FMA peak: 64-70; embedded-broadcast FMAs, {1to16}, one load each: 28-39). Same sums in
    the same order (the same bits). Measured: BENCHMARKS.md, issue 37 (s24) TILE. Up to 12 rows one
    block of up to 12 x 32 stays (pairs were slower in L2 at 10 and 12 rows); from 19 rows, 4 or more
    blocks run one pass each (no k-pieces), not measured with pairs from memory. */
