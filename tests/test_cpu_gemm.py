@@ -35,7 +35,7 @@ def test_linear_is_exact_up_to_summation_order(team, n_out, k):
     w, b = _case(n_out, k)
     packed = cpu_gemm.pack(w)
     assert packed.shape == (-(-n_out // 32), k, 32)
-    for m in (1, 5, 13, 16, 18, 40):  # 13-18 rows: pair tiles (csrc/cpu_team.c: PAIR_MB)
+    for m in (1, 5, 13, 16, 18, 40):  # 13-18 rows: pair tiles (csrc/cpu_team_gemm.c: PAIR_MB)
         x = torch.randn(m, k)
         for bias in (None, b):
             got = cpu_gemm.linear(x, packed, n_out, bias)
@@ -57,7 +57,7 @@ def test_linear_bits_depend_only_on_the_row(team):
     for i in (0, 7, 39):
         assert torch.equal(cpu_gemm.linear(x[i:i + 1], packed, 960, b), full[i:i + 1])
     assert torch.equal(cpu_gemm.linear(x[3:16], packed, 960, b), full[3:16])
-    # 2-3 row blocks run k-piece by k-piece (csrc/cpu_team.c: KC), 4 blocks one pass each;
+    # 2-3 row blocks run k-piece by k-piece (csrc/cpu_team_gemm.c: KC), 4 blocks one pass each;
     # 13-18 rows in blocks of 6 over two panels at a time (pair tiles)
     for a, z in ((0, 24), (4, 29), (0, 36), (1, 38), (0, 16), (5, 21), (2, 20), (24, 37)):
         assert torch.equal(cpu_gemm.linear(x[a:z], packed, 960, b), full[a:z])
@@ -148,7 +148,7 @@ def test_engine_with_the_team_gives_the_same_greedy_tokens(arch, tiny_model, mon
 
 
 def test_sixteen_sequences_on_the_team_give_hf_greedy_tokens(tiny_model, monkeypatch):
-    """16 sequences at once: decode steps of 16 rows, the pair tiles' row count (csrc/cpu_team.c:
+    """16 sequences at once: decode steps of 16 rows, the pair tiles' row count (csrc/cpu_team_gemm.c:
     PAIR_MB-row blocks over two panels), on the team of 2: HF transformers float32's greedy tokens."""
     from rlserve import LLM, SamplingParams
     from tests.test_engine import hf_greedy

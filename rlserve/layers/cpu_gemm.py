@@ -44,7 +44,7 @@ from rlserve.layers.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 
-PANEL = 32  # output columns per packed panel (csrc/cpu_team.c: PW)
+PANEL = 32  # output columns per packed panel (csrc/cpu_team_gemm.c: PW)
 DEFAULT_SPIN_US = 200
 # Steps of at most this many token rows run their linears on the team (column panels over the
 # cores: every step up to twice the CPU's default --max-num-batched-tokens, a 2,048-token prompt
