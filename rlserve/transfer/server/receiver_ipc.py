@@ -236,7 +236,9 @@ class IpcReceive:
                 t_load = time.perf_counter()
                 sums, nonfinite = scan_result(ret, info.names)
                 want_ck = info.checksums is not None or info.device_checksums
-                fused = sums is not None
+                # "checksums_fused": the checksums COMPARED came from the copy's own pass (the sums a
+                # NaN / inf scan makes on the way are not checksums the update asked for)
+                fused = want_ck and sums is not None
                 if (want_ck and sums is None) or (self.check_finite and nonfinite is None):
                     # the sink's load read them without summing (a TP shard, a cast, a load that
                     # is not replayable): one more read of the sources, every sum and test in it
