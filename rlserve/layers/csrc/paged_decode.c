@@ -111,6 +111,32 @@ static inline kv_block block_at(const float *k_cache, const float *v_cache, cons
     return r;
 }
 
+/* Sequence b's place in the inputs: the set-up every task (one_task_portable, task8, task16 in
+ * paged_decode_avx512.c, which this file includes: one translation unit, as block_at's) starts with.
+ * Inlined, the AVX-512 and AVX2 builds' object code is byte for byte that of the three copies it
+ * replaced (the portable build's differs in stack slots only; outputs bit-equal in all builds); the
+ * softmax's m/l start stays in each task: moved in here it changed the AVX builds' registers. */
+typedef struct {
+    int G;                     /* query heads per KV head (H / Hkv) */
+    int L;                     /* context length (tokens, this one included): seq_lens[b] */
+    const int32_t *bt;         /* its block table row, [max_blocks] int32 */
+    int64_t row;               /* floats per cache token row: Hkv * D */
+    int64_t block_floats;      /* floats per cache block: block_size * row */
+    const float *qb;           /* its query, [H, D] float32 */
+} seq_view;
+
+static inline __attribute__((always_inline)) seq_view seq_at(const float *q, const int32_t *block_tables,
+        const int32_t *seq_lens, int b, int H, int Hkv, int D, int block_size, int max_blocks) {
+    seq_view s;
+    s.G = H / Hkv;
+    s.L = seq_lens[b];
+    s.bt = block_tables + (int64_t)b * max_blocks;
+    s.row = (int64_t)Hkv * D;
+    s.block_floats = (int64_t)block_size * s.row;
+    s.qb = q + (int64_t)b * H * D;
+    return s;
+}
+
 typedef int32_t i8v __attribute__((vector_size(32)));
 
 static inline v8 bcast8(float a) {
@@ -154,20 +180,17 @@ static inline v8 exp8(v8 x) {
 static __attribute__((unused)) void one_task_portable(
         const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
         const int32_t *seq_lens, float *out, int b, int H, int Hkv, int D, int block_size, int max_blocks, float scale) {
-    const int G = H / Hkv;
-    const int L = seq_lens[b];
-    const int32_t *bt = block_tables + (int64_t)b * max_blocks;
-    const int64_t row = (int64_t)Hkv * D;
-    const int64_t block_floats = (int64_t)block_size * row;
+    const seq_view sv = seq_at(q, block_tables, seq_lens, b, H, Hkv, D, block_size, max_blocks);
+    const int G = sv.G;
+    const int64_t row = sv.row, block_floats = sv.block_floats;
     float qs[MAX_HD] __attribute__((aligned(32)));
     float acc[MAX_HD] __attribute__((aligned(32)));
     float s[MAX_H][MAX_BS];
     float m[MAX_H], l[MAX_H];
-    const float *qb = q + (int64_t)b * H * D;
-    for (int i = 0; i < H * D; i++) { qs[i] = qb[i] * scale; acc[i] = 0.f; }
+    for (int i = 0; i < H * D; i++) { qs[i] = sv.qb[i] * scale; acc[i] = 0.f; }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
-    for (int j = 0; j * block_size < L; j++) {
-        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
+    for (int j = 0; j * block_size < sv.L; j++) {
+        const kv_block blk = block_at(k_cache, v_cache, sv.bt, j, sv.L, block_size, block_floats);
         const int n = blk.n, more = blk.nk != 0;
         const float *kb = blk.kb, *vb = blk.vb;
         const char *nk = blk.nk, *nv = blk.nv;
@@ -225,20 +248,16 @@ static inline __attribute__((always_inline)) void task8(
         const int32_t *seq_lens, float *out, int b, int H, int Hkv, const int D8, int block_size,
         int max_blocks, float scale) {
     const int D = 8 * D8;
-    const int G = H / Hkv;
-    const int L = seq_lens[b];
-    const int32_t *bt = block_tables + (int64_t)b * max_blocks;
-    const int64_t row = (int64_t)Hkv * D;
-    const int64_t block_floats = (int64_t)block_size * row;
-    v8 qs[MAX_HD / 8];
-    v8 acc[MAX_HD / 8];
+    const seq_view sv = seq_at(q, block_tables, seq_lens, b, H, Hkv, D, block_size, max_blocks);
+    const int G = sv.G;
+    const int64_t row = sv.row, block_floats = sv.block_floats;
+    v8 qs[MAX_HD / 8], acc[MAX_HD / 8];
     float s[MAX_H][MAX_BS + 8] __attribute__((aligned(32)));
     float m[MAX_H], l[MAX_H];
-    const float *qb = q + (int64_t)b * H * D;
-    for (int i = 0; i < H * D8; i++) { qs[i] = *(const v8u *)(qb + 8 * i) * scale; acc[i] = bcast8(0.f); }
+    for (int i = 0; i < H * D8; i++) { qs[i] = *(const v8u *)(sv.qb + 8 * i) * scale; acc[i] = bcast8(0.f); }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
-    for (int j = 0; j * block_size < L; j++) {
-        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
+    for (int j = 0; j * block_size < sv.L; j++) {
+        const kv_block blk = block_at(k_cache, v_cache, sv.bt, j, sv.L, block_size, block_floats);
         const int n = blk.n, more = blk.nk != 0;
         const float *kb = blk.kb, *vb = blk.vb;
         /* the next block's K and V lines (blk.nk, blk.nv), a share per query head (see the header) */

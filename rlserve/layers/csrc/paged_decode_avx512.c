@@ -82,20 +82,16 @@ static inline __attribute__((always_inline)) void task16(
         const int32_t *seq_lens, float *out, int b, int H, int Hkv, const int D16, const int GT, int block_size,
         int max_blocks, float scale) {
     const int D = 16 * D16;
-    const int G = H / Hkv;
-    const int L = seq_lens[b];
-    const int32_t *bt = block_tables + (int64_t)b * max_blocks;
-    const int64_t row = (int64_t)Hkv * D;
-    const int64_t block_floats = (int64_t)block_size * row;
-    v16 qs[MAX_HD / 16];
-    v16 acc[MAX_HD / 16];
+    const seq_view sv = seq_at(q, block_tables, seq_lens, b, H, Hkv, D, block_size, max_blocks);
+    const int G = sv.G;
+    const int64_t row = sv.row, block_floats = sv.block_floats;
+    v16 qs[MAX_HD / 16], acc[MAX_HD / 16];
     float s[MAX_H][MAX_BS + 16] __attribute__((aligned(64)));
     float m[MAX_H], l[MAX_H];
-    const float *qb = q + (int64_t)b * H * D;
-    for (int i = 0; i < H * D16; i++) { qs[i] = *(const v16u *)(qb + 16 * i) * scale; acc[i] = bcast16(0.f); }
+    for (int i = 0; i < H * D16; i++) { qs[i] = *(const v16u *)(sv.qb + 16 * i) * scale; acc[i] = bcast16(0.f); }
     for (int i = 0; i < H; i++) { m[i] = -INFINITY; l[i] = 0.f; }
-    for (int j = 0; j * block_size < L; j++) {
-        const kv_block blk = block_at(k_cache, v_cache, bt, j, L, block_size, block_floats);
+    for (int j = 0; j * block_size < sv.L; j++) {
+        const kv_block blk = block_at(k_cache, v_cache, sv.bt, j, sv.L, block_size, block_floats);
         const int n = blk.n, more = blk.nk != 0;
         const float *kb = blk.kb, *vb = blk.vb;
         /* the next block's K lines, a few per (query head, row) scored; its V lines likewise per
