@@ -23,6 +23,14 @@ def core_request_ids(core) -> list[str]:
     return sorted(core.requests)
 
 
+def set_stats_every(core, seconds: float) -> float:
+    """Engine call: the core's stats period (``engine_core.STATS_EVERY_S``) set; returns the old one."""
+    from rlserve.engine.core import engine_core
+
+    old, engine_core.STATS_EVERY_S = engine_core.STATS_EVERY_S, seconds
+    return old
+
+
 @pytest.fixture(scope="module")
 def aeng(tiny_model):
     from rlserve.config import EngineConfig
@@ -144,3 +152,84 @@ def test_the_servers_startup_binds_its_loop_first(aeng, tiny_model):
         serving.call_soon_threadsafe(serving.stop)
         server_thread.join(T)
         serving.close()
+
+
+class _WatchedLoop(asyncio.SelectorEventLoop):
+    """An event loop that says when ``watched`` (a replica's ``_handle_pending``) was queued on it."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched = watched
+        self.queued = threading.Event()
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        handle = super().call_soon_threadsafe(callback, *args, context=context)
+        if callback == self.watched:
+            self.queued.set()
+        return handle
+
+
+def test_frames_queued_for_a_loop_that_stops_are_handled(aeng):
+    """The reader queued its ``_handle_pending`` callback on the engine's loop and the loop stopped
+    before running it (as the server's does at shutdown; closing it then drops the callback): the
+    frames are handled on the reader thread -- a call's answer arrives, a request in flight gets its
+    last output and leaves the replica. On the old code they waited for the core's next frame: an
+    idle or frozen core sends one (its stats) about every second; with that turned off here, none (the
+    abort's answer: TimeoutError).
+
+    Deterministic: the core is frozen (no step) and sends no stats, so the abort's two frames (the
+    request's last output, then the answer) are the only ones; the loop is held in a callback of its
+    own until the reader has queued its callback behind it with both received."""
+    from rlserve.engine.sampling_params import SamplingParams
+    from tests.scaleout_harness import wait_for
+
+    replica = aeng._replicas[0]
+    loop = _WatchedLoop(replica._handle_pending)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    release = threading.Event()
+    outs = []
+
+    async def consume():
+        async for out in aeng.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                       "stopped-loop"):
+            outs.append(out)
+
+    async def start():
+        return asyncio.ensure_future(consume())
+
+    def busy():
+        busy_in.set()
+        release.wait(600)  # set by the test (and its finally): bounds a hang only
+        loop.stop()  # ends this iteration: the callback queued meanwhile stays queued, not run
+
+    busy_in = threading.Event()
+    stats_every = None
+    try:
+        task = asyncio.run_coroutine_threadsafe(start(), loop).result(T)
+        wait_for(lambda: outs, "the request's first output", T)
+        assert aeng.loop is loop
+        replica.set_frozen(True).result(T)  # the core steps no more
+        stats_every = replica.call(f"{HERE}:set_stats_every", 1e9).result(T)  # (after the freeze's stats)
+        loop.call_soon_threadsafe(busy)
+        assert busy_in.wait(T)
+        loop.queued.clear()
+        aborted = replica.abort(["stopped-loop"])  # the request's last output, then the answer
+        wait_for(lambda: loop.queued.is_set() and len(replica._pending) >= 2, "both frames queued", T)
+        release.set()
+        thread.join(T)
+        assert not thread.is_alive() and not loop.is_running()
+        assert aborted.result(T) is None  # the old code: TimeoutError (the frames sat in _pending)
+        assert "stopped-loop" not in replica.reqs and replica.load == 0 and not replica._pending
+        loop.run_until_complete(asyncio.wait_for(task, T))  # the last output, delivered to its loop
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert 1 <= len(outs[-1].outputs[0].token_ids) < 200
+    finally:
+        release.set()
+        if stats_every is not None:
+            replica.call(f"{HERE}:set_stats_every", stats_every).result(T)
+        replica.set_frozen(False).result(T)
+        if thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(T)
+        loop.close()

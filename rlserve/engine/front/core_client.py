@@ -56,6 +56,13 @@ logger = logging.getLogger(__name__)
 #: said it is exiting is waited for (up to ``join``'s timeout), not killed.
 _KILL_AFTER_S = 0.25
 
+#: while a :meth:`CoreProcReplica._handle_pending` callback is on its way to an event loop, the reader
+#: thread wakes at least this often (seconds), frames or not, to see whether that loop stopped before
+#: running it (a loop that stops for good, as the server's does at shutdown, and closes drops its
+#: queued callbacks): the frames are then handled on the reader thread (:meth:`CoreProcReplica._reclaim`).
+#: Only a wake-up with nothing to do (a non-blocking receive and a check) while the loop is merely busy.
+_RECLAIM_S = 0.1
+
 
 class CoreProcReplica(Replica):
     """One engine replica in an engine-core process.
@@ -258,8 +265,9 @@ class CoreProcReplica(Replica):
             poller.register(self._pidfd, zmq.POLLIN)
         try:
             while True:
-                poller.poll(None if self._pidfd is not None else 100)
+                poller.poll(None if self._pidfd is not None and self._scheduled_on is None else int(_RECLAIM_S * 1000))
                 self._drain()
+                self._reclaim()
                 if self.proc.poll() is not None:
                     self._drain()  # whatever it sent before it went
                     break
@@ -305,6 +313,17 @@ class CoreProcReplica(Replica):
             except RuntimeError:  # the loop closed meanwhile
                 self._scheduled_on = None
         self._handle_pending()  # no loop serving (yet): here, as the loop would
+
+    def _reclaim(self) -> None:
+        """Handle the frames here (the reader thread) when the loop their callback went to is no
+        longer running: it stopped, or closed, before running the callback, and a closed loop drops
+        it. Before, those frames waited for the next frame from the core or its exit: a call's
+        answer (its ``concurrent.futures.Future``), a request's last output (the replica's
+        ``reqs`` and ``load``) and ``CoreExiting`` stayed unhandled. A loop that runs again later
+        finds nothing left (the frames are taken under ``_handle_lock``)."""
+        loop = self._scheduled_on
+        if loop is not None and not loop.is_running():
+            self._handle_pending()
 
     def _handle_pending(self) -> None:
         """Handle the frames received so far, in order (the event loop's callback, or the
