@@ -8,6 +8,7 @@ pydantic's union and the loops did."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -128,22 +129,13 @@ PAIR_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("body,parser", PAIR_BODIES)
-def test_a_body_the_surrogate_check_parsed_is_parsed_once(monkeypatch, body, parser):
-    """Behind :class:`~rlserve.server.text_check.LoneSurrogateCheck` (which parses every body with a surrogate's
-    escape, a pair's too), a FastJSONRoute takes the value the check parsed: one parse per request (two before:
-    the check's, then the route's), and the same answer as FastAPI's own route behind the same check."""
-    from types import SimpleNamespace
+def count_parses(monkeypatch) -> dict[str, int]:
+    """The JSON parses of request bodies from now on, by parser: :func:`request_body.loads`' msgspec
+    (``msgspec``) and ``json.loads`` (``json``) calls, and Starlette's ``Request.json`` (``starlette``: FastAPI's
+    own routes). A dict updated as they happen."""
+    import starlette.requests
 
-    from rlserve.server.text_check import LoneSurrogateCheck
-
-    app = _app()
-    app.add_middleware(LoneSurrogateCheck)
-    client = TestClient(app, raise_server_exceptions=False)
-    headers = {"Content-Type": "application/json"}
-    plain = client.post("/plain/completions", content=body, headers=headers)
-    calls = {"msgspec": 0, "json": 0}
-    decode = request_body._decode
+    calls = {"msgspec": 0, "json": 0, "starlette": 0}
 
     def counted(name, fn):
         def run(b):
@@ -151,12 +143,32 @@ def test_a_body_the_surrogate_check_parsed_is_parsed_once(monkeypatch, body, par
             return fn(b)
         return run
 
-    monkeypatch.setattr(request_body, "_decode", counted("msgspec", decode))
+    monkeypatch.setattr(request_body, "_decode", counted("msgspec", _DECODE))
     monkeypatch.setattr(request_body, "json", SimpleNamespace(loads=counted("json", json.loads)))
+    monkeypatch.setattr(starlette.requests, "json", SimpleNamespace(loads=counted("starlette", json.loads)))
+    return calls
+
+
+_DECODE = request_body._decode  # (count_parses wraps the module's own, not a wrapper of an earlier call)
+
+
+@pytest.mark.parametrize("body,parser", PAIR_BODIES)
+def test_a_body_the_surrogate_check_parsed_is_parsed_once(monkeypatch, body, parser):
+    """Behind :class:`~rlserve.server.text_check.LoneSurrogateCheck` (which parses every body with a surrogate's
+    escape, a pair's too), a FastJSONRoute takes the value the check parsed: one parse per request (two before:
+    the check's, then the route's), and the same answer as FastAPI's own route behind the same check."""
+    from rlserve.server.text_check import LoneSurrogateCheck
+
+    app = _app()
+    app.add_middleware(LoneSurrogateCheck)
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {"Content-Type": "application/json"}
+    plain = client.post("/plain/completions", content=body, headers=headers)
+    calls = count_parses(monkeypatch)
     fast = client.post("/fast/completions", content=body, headers=headers)
     assert (fast.status_code, fast.content) == (plain.status_code, plain.content)
     deep = body.count(b"[") + body.count(b"{") >= request_body.MAX_BRACKETS  # json.loads alone, msgspec not asked
-    assert calls == {"msgspec": 0 if deep else 1, "json": 1 if parser == "json" else 0}, calls
+    assert calls == {"msgspec": 0 if deep else 1, "json": 1 if parser == "json" else 0, "starlette": 0}, calls
     if parser == "msgspec":
         assert fast.json()["prompt"] == "hi \U0001F600"
 

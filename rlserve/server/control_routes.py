@@ -122,7 +122,7 @@ async def operator_resume(state: ServerState) -> None:
 
 def make_admin_router(state: ServerState, dependencies: list) -> APIRouter:
     """Generation control, behind ``dependencies`` (the admin check)."""
-    router = APIRouter(dependencies=dependencies)
+    router = APIRouter(dependencies=dependencies, route_class=FastJSONRoute)
 
     @router.post("/pause")
     async def pause(mode: str = Query("abort", description="abort (the default, as vLLM's and the SDK's "

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from rlserve.errors import LoRAAdapterError
 from rlserve.lora.registry import LoRARegistry
 from rlserve.server.errors import APIError
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def make_lora_registry(state: ServerState) -> LoRARegistry:
 
 def make_lora_router(state: ServerState, dependencies: list) -> APIRouter:
     """The two routes (see the module docstring), behind ``dependencies``."""
-    router = APIRouter(dependencies=dependencies)
+    router = APIRouter(dependencies=dependencies, route_class=FastJSONRoute)
     registry = state.lora
 
     @router.post("/v1/load_lora_adapter")

@@ -3,7 +3,9 @@ request cost the API process ~1 ms, BENCHMARKS.md H33).
 
 FastAPI reads a JSON body with ``json.loads`` (the standard library: ~75 us for a body of 512
 token ids on the 2-core test host; msgspec: ~16 us). :class:`FastJSONRoute` is the route class of
-the generation routes (``APIRouter(route_class=FastJSONRoute)``): its requests' ``json()`` is
+the routers with POST routes (``APIRouter(route_class=FastJSONRoute)``: generation, TRL ``/generate/``,
+tokenize, responses, LoRA, admin control, sleep; not the weight-sync routes, which parse their bodies
+themselves, and not the public GET routes): its requests' ``json()`` is
 :func:`loads`, which returns what ``json.loads`` would return, or raises what it would raise,
 because it falls back to ``json.loads`` for every body msgspec does not take (msgspec refuses
 ``NaN`` / ``Infinity``, numbers that overflow a float, escaped lone surrogates, a UTF-8 BOM,

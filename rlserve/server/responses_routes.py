@@ -56,6 +56,7 @@ from rlserve.server.openai_answers import weight_versions
 from rlserve.server.openai_routes import ClientDisconnected, collect_final, unless_disconnected
 from rlserve.server.openai_stream import merge_generators, sse_event
 from rlserve.server.protocol import ChatMessage, ResponsesRequest
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.request_fields import check_extra_fields
 from rlserve.server.state import ServerState
 
@@ -213,7 +214,7 @@ def _status(out) -> tuple[str, str]:
 def make_responses_router(state: ServerState, dependencies: list) -> APIRouter:
     """``POST /v1/responses`` behind ``dependencies`` (the API-key check). Errors: 400 (bad or
     unsupported fields, context overflow), 404 (unknown model), 503 (model unavailable), 500."""
-    router = APIRouter(dependencies=dependencies)
+    router = APIRouter(dependencies=dependencies, route_class=FastJSONRoute)
 
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request):

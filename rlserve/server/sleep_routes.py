@@ -17,6 +17,7 @@ from typing import List, Optional
 from fastapi import APIRouter, Query
 
 from rlserve.errors import SleepStateError
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.state import ServerState
 
 
@@ -42,7 +43,7 @@ async def sleep_info(state: ServerState) -> dict | None:
 def make_sleep_routers(state: ServerState, admin_dependencies: list) -> tuple[APIRouter, APIRouter]:
     """``(public, admin)`` routers: ``/is_sleeping``; ``/sleep`` and ``/wake_up``."""
     public = APIRouter()
-    admin = APIRouter(dependencies=admin_dependencies)
+    admin = APIRouter(dependencies=admin_dependencies, route_class=FastJSONRoute)
 
     @public.get("/is_sleeping")
     async def is_sleeping():

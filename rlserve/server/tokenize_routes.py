@@ -21,6 +21,7 @@ from fastapi import APIRouter
 
 from rlserve.server.errors import APIError
 from rlserve.server.protocol import TOKENIZE_CHAT_FIELDS, DetokenizeRequest, TokenizeRequest
+from rlserve.server.request_body import FastJSONRoute
 from rlserve.server.state import ServerState
 
 
@@ -32,7 +33,7 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
     is not valid Unicode or too long, token ids outside the vocabulary; 404 for an unknown
     ``model``.
     """
-    router = APIRouter()
+    router = APIRouter(route_class=FastJSONRoute)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
