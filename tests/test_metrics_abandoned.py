@@ -10,6 +10,14 @@ are read in the core (``output_counts``: ``len(seq.output_token_ids)``, the toke
 2); the client's connection is then closed and the abort's output must carry exactly that many. Every wait is on a state (the engine's token count,
 ``/metrics``); their time bounds only catch hangs. Also :func:`~rlserve.engine.front.front_request.abandon`'s
 three cases directly (final item there already, later, an exception).
+
+The same freeze shows the counters follow the engine's steps (vLLM's ``iteration_stats``), not the
+request's end: a request frozen after its 5th token, streamed or not, has its 5 tokens and its prompt
+in ``vllm:generation_tokens_total`` / ``vllm:prompt_tokens_total`` (and the ``rlserve_`` twins) while it
+is unfinished (counted 0 before session 25: the counters rose at the request's end), and all 12 once it
+finished; its histograms (``vllm:request_generation_tokens``) observe it only then. Exact, not a bound:
+no step runs while frozen, and a keep-pause's freeze sends every request's tokens to the API process
+before it answers (``EngineCore.progress``).
 """
 
 from __future__ import annotations
@@ -81,9 +89,9 @@ def until(cond, what: str):
     return got
 
 
-def open_request(srv, stream: bool) -> socket.socket:
+def open_request(srv, stream: bool, max_tokens: int = MAX_TOKENS) -> socket.socket:
     """POST a completion on a raw connection (closed by the caller: the client going away)."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                        "stream": stream}).encode()
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=T)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -131,6 +139,42 @@ def test_tokens_of_a_request_whose_client_left_are_counted(server, stream):
     assert delta("vllm:request_generation_tokens_count") == 1
     assert delta("vllm:request_success_total{abort}") == 1
     assert delta("vllm:prompt_tokens_total") == len(PROMPT)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_are_counted_as_the_engine_makes_them(server, stream):
+    srv = server
+    before = metrics(srv)
+
+    def delta(now, name):
+        return now.get(name, 0.0) - before.get(name, 0.0)
+
+    (_,) = on_loop(srv, lambda: srv.aengine.call_engines(f"{HERE}:freeze_at", 5))
+    sock = open_request(srv, stream, max_tokens=12)
+    try:
+        try:
+            until(lambda: any(k >= 5 for ks in counts(srv).values() for k in ks), "the request's 5th token")
+            assert httpx.post(srv.url + "/pause", params={"mode": "keep"}, timeout=T).status_code == 200
+            (made,) = counts(srv).values()  # frozen in the step that made the 5th: no other step runs
+            assert made == [5]
+            mid = metrics(srv)
+        finally:
+            assert httpx.post(srv.url + "/resume", timeout=T).status_code == 200
+        for name in ("vllm:generation_tokens_total", "rlserve_generation_tokens_total"):
+            assert delta(mid, name) == 5, name
+        for name in ("vllm:prompt_tokens_total", "rlserve_prompt_tokens_total"):
+            assert delta(mid, name) == len(PROMPT), name
+        # unfinished: not yet in the per-request series
+        assert delta(mid, "rlserve_requests_total") == 0 and delta(mid, "vllm:request_generation_tokens_count") == 0
+        until(lambda: metrics(srv).get("rlserve_requests_total", 0) == before.get("rlserve_requests_total", 0) + 1,
+              "the finished request's record")
+    finally:
+        sock.close()
+    after = metrics(srv)
+    assert delta(after, "vllm:generation_tokens_total") == delta(after, "rlserve_generation_tokens_total") == 12
+    assert delta(after, "vllm:prompt_tokens_total") == delta(after, "rlserve_prompt_tokens_total") == len(PROMPT)
+    assert delta(after, "vllm:request_generation_tokens_sum") == 12
+    assert delta(after, "vllm:request_generation_tokens_count") == 1
 
 
 def _front_request(loop) -> FrontRequest:

@@ -19,6 +19,8 @@ from rlserve.server.metrics import ServerMetrics
 d, i = sys.argv[1], int(sys.argv[2])
 m = ServerMetrics("m", 128, multiprocess_dir=d)
 for _ in range(i + 1):  # process i: i + 1 requests of 3 generated tokens, 0.5 s end to end, 0.2 s of decode
+    m.add_tokens(1, 4)  # the token counters as the engine steps (ServerMetrics.add_tokens): first token + prompt,
+    m.add_tokens(2, 0)  # then two more
     m.record_request("completions", ["length"], 4, 3, 0.5, 0.1, decode_s=0.2, sample_tokens=[3], n=1, max_tokens=3,
                      timing=(0.0, 0.1, 0.2, 0.4))
 m.set_live(i, 2 * i + 1)  # held, unfinished: this process's own
@@ -50,6 +52,7 @@ def test_processes_values_are_aggregated(tmp_path):
     # 1 + 2 requests of 3 tokens
     assert samples["rlserve_requests_total"] == 3 and samples["vllm:request_success_total,finished_reason=length"] == 3
     assert samples["rlserve_generation_tokens_total"] == samples["vllm:generation_tokens_total"] == 9
+    assert samples["rlserve_prompt_tokens_total"] == samples["vllm:prompt_tokens_total"] == 12
     assert samples["vllm:request_generation_tokens_count"] == 3 and samples["vllm:request_generation_tokens_sum"] == 9
     assert samples["vllm:e2e_request_latency_seconds_count"] == 3 and samples["vllm:e2e_request_latency_seconds_sum"] == 1.5
     assert samples["vllm:e2e_request_latency_seconds_bucket,le=0.5"] == 3  # (cumulative: 0.5 <= 0.5)

@@ -222,12 +222,21 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_time: Union[float, None] = None
 
 
+def per_step_deltas(stream: bool, params) -> bool:
+    """Whether the core sends a request a :class:`RequestDelta` every step it advances: a streamed
+    request, or one with stop strings (matched in the API process). The others get one at least
+    every ``engine_core.PROGRESS_EVERY_S`` seconds while they advance (their tokens reach
+    ``vllm:generation_tokens_total`` as they are made) and their last one."""
+    return bool(stream or params.stop)
+
+
 class CoreOutputs(msgspec.Struct, tag="outputs"):
     """Everything one engine step (or one command) produced.
 
     Attributes:
-        deltas: per request that advanced (streamed or with stop strings), finished or was
-            aborted, its :class:`RequestDelta`; a ``finished`` one is the request's last.
+        deltas: per request that advanced (:func:`per_step_deltas`; the others every
+            ``PROGRESS_EVERY_S`` and at a keep-pause's freeze), finished or was aborted, its
+            :class:`RequestDelta`; a ``finished`` one is the request's last.
         errors: requests that ended with an error (refused on add, or a failed step).
         stats: the engine's stats snapshot when it was refreshed (at most every 0.2 s).
     """

@@ -3,7 +3,8 @@ live in one process, e.g. in tests).
 
 Names (prefix ``rlserve_``): ``requests_total{endpoint}`` (finished requests, one per
 prompt), ``sequences_finished_total{finish_reason}`` (one per sample),
-``prompt_tokens_total``, ``generation_tokens_total``, ``request_errors_total{status}``,
+``prompt_tokens_total``, ``generation_tokens_total`` (as vLLM's twins: per engine step, not at a
+request's end: :meth:`ServerMetrics.add_tokens`), ``request_errors_total{status}``,
 ``e2e_request_latency_seconds`` and ``time_to_first_token_seconds`` (histograms, seconds),
 ``num_requests_running``, ``num_requests_waiting`` (engine queues), ``num_requests_held``
 (held by a pause), ``num_requests_unfinished`` (accepted, not finished: engines + held;
@@ -92,9 +93,10 @@ class ServerMetrics:
                                  lbl + ["finish_reason"], registry=vr)
         self.errors = Counter("rlserve_request_errors", "Requests answered with an error.", lbl + ["status"],
                               registry=vr)
-        self.prompt_tokens = Counter("rlserve_prompt_tokens", "Prompt tokens of finished requests.", lbl,
-                                     registry=vr)
-        self.generation_tokens = Counter("rlserve_generation_tokens", "Generated tokens.", lbl, registry=vr)
+        self.prompt_tokens = Counter("rlserve_prompt_tokens", "Prompt tokens, counted with each request's first "
+                                     "token.", lbl, registry=vr).labels(model_name)
+        self.generation_tokens = Counter("rlserve_generation_tokens", "Generated tokens, counted as they are made.",
+                                         lbl, registry=vr).labels(model_name)
         self.e2e = Histogram("rlserve_e2e_request_latency_seconds", "Arrival to last token, seconds.", lbl,
                              buckets=_LATENCY_BUCKETS, registry=vr)
         self.ttft = Histogram("rlserve_time_to_first_token_seconds", "Arrival to first token, seconds.", lbl,
@@ -151,7 +153,8 @@ class ServerMetrics:
                        e2e_s: float | None, ttft_s: float | None, decode_s: float | None = None,
                        sample_tokens: list[int] | None = None, n: int | None = None, max_tokens: int | None = None,
                        timing: tuple | None = None) -> None:
-        """One finished request (all its samples): token counts, latencies in seconds
+        """One finished request (all its samples): token counts (the per-request histograms; the token
+        counters follow the engines: :meth:`add_tokens`), latencies in seconds
         (``decode_s``: first token to last token and ``sample_tokens``: tokens per sample, for
         inter-token latency), its ``n`` and ``max_tokens`` parameters, and ``timing``:
         ``(arrival, scheduled, first_token, last_token)`` ``time.monotonic()`` seconds (None where
@@ -160,14 +163,25 @@ class ServerMetrics:
         child(self.requests, m, endpoint).inc()
         for fr in finish_reasons:
             child(self.sequences, m, fr or "none").inc()
-        child(self.prompt_tokens, m).inc(prompt_tokens)
-        child(self.generation_tokens, m).inc(generation_tokens)
         if e2e_s is not None:
             child(self.e2e, m).observe(e2e_s)
         if ttft_s is not None:
             child(self.ttft, m).observe(ttft_s)
         self.vllm.record_request(finish_reasons, prompt_tokens, generation_tokens, e2e_s, ttft_s, decode_s,
                                  sample_tokens, n=n, max_tokens=max_tokens, timing=timing)
+
+    def add_tokens(self, generation_tokens: int, prompt_tokens: int) -> None:
+        """Tokens the engines made since the last call (``AsyncEngine.token_sink``: per engine step or
+        core message, on a replica's delivering thread, before the outputs that hold them): generated
+        tokens, and the prompts of requests whose first token came (once per request), into
+        ``rlserve_`` and ``vllm:`` ``generation_tokens_total`` / ``prompt_tokens_total``. With
+        ``--api-server-count`` N > 1 each process adds its own requests' tokens (its file: summed once)."""
+        if generation_tokens:
+            self.generation_tokens.inc(generation_tokens)
+            self.vllm.gen.inc(generation_tokens)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+            self.vllm.prompt.inc(prompt_tokens)
 
     def _child(self, metric, *labels):
         """``metric.labels(*labels)``, looked up once per label values (``labels()`` checks the

@@ -57,6 +57,8 @@ class ServerState(StructuredChecks, LogprobJSON):
         self.aengine = aengine
         self.settings = settings
         self.metrics = metrics
+        if hasattr(aengine, "token_sink"):  # the token counters follow the engines' steps (vLLM's)
+            aengine.token_sink = metrics.add_tokens
         engine = aengine.engine
         self.tokenizer = engine.tokenizer
         if settings.chat_template is not None and self.tokenizer is not None:

@@ -11,7 +11,11 @@ first token), ``request_decode_time_seconds`` (first token to last), ``request_i
 ``request_params_n``, ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``,
 ``request_time_per_output_token_seconds``, ``request_prompt_tokens`` /
 ``request_generation_tokens``; per sample ``request_success{finished_reason}``; inter-token
-latency per gap (a request's mean gap). From the engines' stats: ``iteration_tokens_total``
+latency per gap (a request's mean gap). Per engine step, as vLLM's ``iteration_stats``:
+``generation_tokens_total`` (every token made, when its step's output reaches the API process;
+requests that are not streamed every ``engine_core.PROGRESS_EVERY_S``), ``prompt_tokens_total`` (a
+request's prompt once, with its first token: not again after a preemption's recompute, as vLLM's
+``PrefillStats``), added by ``ServerMetrics.add_tokens``. From the engines' stats: ``iteration_tokens_total``
 (tokens per engine step), ``prompt_tokens_cached`` (prompt tokens served from the prefix
 cache), ``num_preemptions``, ``prefix_cache_queries`` / ``_hits``; gauges ``num_requests_running``,
 ``num_requests_waiting`` (held requests included), ``kv_cache_usage_perc``,
@@ -211,11 +215,10 @@ class VllmMetrics:
     def record_request(self, finish_reasons: list, prompt_tokens: int, generation_tokens: int, e2e_s, ttft_s,
                        decode_s, sample_tokens: list[int] | None, n: int | None = None, max_tokens: int | None = None,
                        timing: tuple | None = None) -> None:
-        """One finished request: see :meth:`rlserve.server.metrics.ServerMetrics.record_request`.
+        """One finished request: see :meth:`rlserve.server.metrics.ServerMetrics.record_request` (the
+        token counters: ``ServerMetrics.add_tokens``).
         ``timing``: ``(arrival, scheduled, first_token, last_token)`` ``time.monotonic()`` seconds
         (None where unknown) for the phase histograms."""
-        self.prompt.inc(prompt_tokens)
-        self.gen.inc(generation_tokens)
         self.req_prompt.observe(prompt_tokens)
         self.req_gen.observe(generation_tokens)
         for fr in finish_reasons:

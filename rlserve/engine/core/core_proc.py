@@ -258,7 +258,8 @@ class CoreServer:
                 return  # no answer (call id 0)
             elif msg.method == "set_frozen":
                 core.frozen = bool(args[0])
-                if core.frozen:  # stats() as of the freeze, sent before the answer
+                if core.frozen:  # stats() and every request's tokens (progress) as of the freeze, before the answer
+                    self._outs.extend(core.progress())
                     core.snapshot_stats(force=True)
                     self.flush(dict(core.stats))
                 result = None

@@ -15,7 +15,13 @@ What it adds to the engine:
   output, at its end);
 * final "abort" outputs for aborted requests, and ending every request when a step fails;
 * the replica's weight version, its keep-pause ``frozen`` flag, its quarantine and its stats
-  snapshot.
+  snapshot;
+* the tokens behind ``vllm:generation_tokens_total`` / ``vllm:prompt_tokens_total`` (vLLM counts them
+  per engine step, generation tokens as they are sampled, a request's prompt once with its first token:
+  never again after a preemption's recompute). Delta mode: the API process counts the tokens of the
+  deltas (:mod:`rlserve.engine.front.output_processor`), so every request with new tokens gets a delta
+  at least every :data:`PROGRESS_EVERY_S` seconds (and at a keep-pause's freeze, :meth:`EngineCore.progress`),
+  not only at its end. On a thread: :meth:`EngineCore.take_token_counts` after each step.
 
 Outputs come in one of two forms. Cumulative (the default, on a thread): the engine's
 ``RequestOutput`` s, text included. Deltas (``deltas=True``, in the engine-core process): the
@@ -42,6 +48,9 @@ from rlserve.errors import EngineDeadError, EngineStepError, RLServeError
 logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.2  # engine stats are snapshotted at most this often (seconds)
+#: delta mode: a request that gets no delta per step (per_step_deltas) gets one at least this often
+#: (seconds) while it advances, so its tokens show in the counters as they are made
+PROGRESS_EVERY_S = STATS_EVERY_S
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,6 +61,7 @@ class _Tracked:
     arrival_time: float
     prompt: Any
     n: int
+    prompt_len: int = 0  # prompt tokens (counted with the first token: take_token_counts)
     versions: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     last_output: Any = None
@@ -110,6 +120,9 @@ class EngineCore:
         self._filter = bool(getattr(engine, "supports_output_filter", False))
         self.stats: dict = {}
         self._stats_time = 0.0
+        self._progress_time = 0.0  # delta mode: the last progress deltas (PROGRESS_EVERY_S)
+        self._gen_seen = 0  # thread mode: the engine's generation_tokens at the last take_token_counts
+        self._prompt_new = 0  # thread mode: prompt tokens of first tokens since then
         self.deltas = deltas
         if deltas:
             self._proto = core_protocol
@@ -137,10 +150,11 @@ class EngineCore:
             for seq in live.seqs:  # the scheduler keeps prefill steps short while streams decode
                 seq.streamed = True
         n = getattr(params, "n", 1) or 1
-        req = _Tracked(stream, time.monotonic() if arrival_time is None else arrival_time, prompt, n)
+        prompt_len = len(live.prompt_token_ids) if live is not None else len(prompt) if isinstance(prompt, list) else 0
+        req = _Tracked(stream, time.monotonic() if arrival_time is None else arrival_time, prompt, n, prompt_len)
         if self.deltas:
             req.live = self.engine.requests[request_id]
-            req.steps = bool(stream or params.stop)
+            req.steps = core_protocol.per_step_deltas(stream, params)
             req.sent, req.done = [0] * n, [False] * n
             req.routed_sent = [params.routed_experts_prompt_start] * n
         self.requests[request_id] = req
@@ -200,6 +214,8 @@ class EngineCore:
                     continue
                 if req.first_token_time is None:
                     req.first_token_time = now = now or time.monotonic()
+                    if not self.deltas:
+                        self._prompt_new += req.prompt_len
                 if not req.versions or req.versions[-1] != version:
                     req.versions.append(version)
 
@@ -208,10 +224,14 @@ class EngineCore:
         outs = self.engine.step(outputs_for=())  # cumulative outputs for finished requests only
         self._note_advanced(getattr(self.engine, "last_step_request_ids", ()))
         finished = {o.request_id for o in outs if o.finished}
+        now = time.monotonic()
+        progress = now - self._progress_time >= PROGRESS_EVERY_S  # every request's new tokens
+        if progress:
+            self._progress_time = now
         items = []
         for rid, req in list(self.requests.items()):
             done = rid in finished
-            if done or req.steps:
+            if done or req.steps or progress:
                 d = self._delta(rid, req, done)
                 if done:
                     del self.requests[rid]
@@ -249,6 +269,26 @@ class EngineCore:
             req.versions.append(self.weight_version)
         return proto.RequestDelta(rid, samples, finished, list(req.versions), req.first_token_time, start,
                                   req.live.extra.get("scheduled_time"))
+
+    def progress(self) -> list:
+        """Delta mode: a delta for every request with tokens not sent yet (a keep-pause's freeze: the
+        counters then hold every token made); ``[]`` on a thread."""
+        if not self.deltas:
+            return []
+        self._progress_time = time.monotonic()
+        deltas = (self._delta(rid, req, False) for rid, req in self.requests.items())
+        return [d for d in deltas if d is not None]
+
+    def take_token_counts(self) -> tuple[int, int]:
+        """On a thread (cumulative mode): ``(generation tokens, prompt tokens)`` made since the last
+        call: the engine's ``stats_counters["generation_tokens"]`` (every sampled token; none without
+        it: a test fake), and the prompts of requests whose first token came since (once per request).
+        Delta mode: ``(0, 0)`` (the API process counts the deltas' tokens)."""
+        counters = getattr(self.engine, "stats_counters", None)
+        total = counters.get("generation_tokens", 0) if counters is not None and not self.deltas else 0
+        gen, prompt = total - self._gen_seen, self._prompt_new
+        self._gen_seen, self._prompt_new = total, 0
+        return gen, prompt
 
     def stop_samples(self, request_id: str, indices) -> list:
         """Delta mode: finish samples ``indices`` of a request (a stop string matched in the API
@@ -314,6 +354,7 @@ class EngineCore:
     def _stamp(self, req: _Tracked, out, bump: bool = True) -> None:
         if req.first_token_time is None and any(c.token_ids for c in out.outputs):
             req.first_token_time = time.monotonic()
+            self._prompt_new += req.prompt_len
         version = self.weight_version
         if (bump and (not req.versions or req.versions[-1] != version)) or not req.versions:
             req.versions.append(version)

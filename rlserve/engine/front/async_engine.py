@@ -124,6 +124,9 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
         self._pause_lock: asyncio.Lock | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (EngineControl.bind_loop)
         self.restarter = None  # rlserve.engine.front.core_restart.CoreRestarter (process mode, restarts on)
+        # ``sink(generation_tokens, prompt_tokens)``: the engines' tokens as they are made (Replica.count_tokens;
+        # on the replicas' delivering threads, before the outputs that hold them); the server's metrics set it
+        self.token_sink: Callable[[int, int], None] | None = None
         from rlserve.engine.front.front_sync import FrontSync
 
         if api_server_count > 1 and (engine_mode != "process" or max_engine_restarts):

@@ -366,6 +366,7 @@ class CoreProcReplica(Replica):
                 self.stats = msg.stats
         deltas = msgs[0].deltas if len(msgs) == 1 else [d for m in msgs for d in m.deltas]
         outputs, errors, stops, aborts = self._outputs.process(deltas, self.reqs)
+        self.count_tokens(*self._outputs.take_counts())  # (before the outputs reach their requests)
         for msg in msgs:
             for e in msg.errors:
                 self._outputs.drop(e.request_id)

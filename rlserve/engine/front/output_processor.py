@@ -25,7 +25,15 @@ paths), rule for rule:
   string completed by the flush cuts the text only, as in the engine).
 
 Each sample also keeps where each weight version's tokens start (``CompletionOutput.version_marks``): a delta's
-tokens are one step's, produced by its ``weight_versions[-1]``.
+tokens are one step's, produced by its ``weight_versions[-1]`` -- for a request that gets a delta every step
+(:func:`~rlserve.engine.core_protocol.per_step_deltas`); the others' deltas come every
+``engine_core.PROGRESS_EVERY_S`` seconds (several steps' tokens), so they keep only their first mark (None).
+
+The tokens behind ``vllm:generation_tokens_total`` / ``vllm:prompt_tokens_total`` are counted here, as
+vLLM's ``OutputProcessor`` counts them (``IterationStats``): every kept token of a delta (not those a
+stop string cut), and a request's prompt once, with its first kept token (:meth:`OutputProcessor.take_counts`;
+the replica adds them to the metrics before it delivers the outputs, so a finished request's tokens are
+counted before anyone sees its last output).
 
 A streamed request's unfinished outputs carry read-only views of its samples' token and logprob
 lists (:class:`~rlserve.engine.prefix_view.PrefixView`: O(1) per output, issue 37), which is why
@@ -42,6 +50,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from rlserve.engine.core_protocol import per_step_deltas
 from rlserve.engine.outputs import CompletionOutput, RequestOutput
 from rlserve.engine.prefix_view import PrefixView
 from rlserve.engine.routed_experts import RoutedChunks
@@ -84,7 +93,7 @@ class _Sample:
 
 class _State:
     __slots__ = ("prompt", "prompt_token_ids", "prompt_logprobs", "prompt_logprob_ranks", "samples", "stream",
-                 "arrival_time", "include_stop", "routed_start")
+                 "arrival_time", "include_stop", "routed_start", "per_step", "counted")
 
     def __init__(self, req, start, tokenizer):
         from rlserve.engine.fast_detokenizer import new_detokenizer
@@ -98,6 +107,8 @@ class _State:
         self.arrival_time = req.arrival_time
         self.include_stop = bool(params.include_stop_str_in_output)
         self.routed_start = int(getattr(params, "routed_experts_prompt_start", 0) or 0)
+        self.per_step = per_step_deltas(req.stream, params)  # a delta every step: exact version marks
+        self.counted = False  # its prompt tokens were counted (with its first kept token)
         n = getattr(params, "n", 1) or 1
         want_lps = params.logprobs is not None
         self.samples = [
@@ -117,6 +128,14 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        self._gen = 0  # generation tokens kept since the last take_counts
+        self._prompt = 0  # prompt tokens of requests whose first token was kept since then
+
+    def take_counts(self) -> tuple[int, int]:
+        """``(generation tokens, prompt tokens)`` counted since the last call (see the module docstring)."""
+        counts = self._gen, self._prompt
+        self._gen = self._prompt = 0
+        return counts
 
     def __len__(self) -> int:
         return len(self._states)
@@ -195,7 +214,7 @@ class OutputProcessor:
                 s.routed.add(sd.routed_experts)
             if s.finish_reason is not None:
                 continue  # stopped here already: tokens the core sampled past it are dropped
-            if s.mark_version != version and sd.token_ids:
+            if s.mark_version != version and sd.token_ids and (st.per_step or not s.marks):
                 s.marks.append((len(s.token_ids), version))
                 s.mark_version = version
             if self._extend(st, s, sd):
@@ -219,6 +238,11 @@ class OutputProcessor:
         match = s.detok.add_tokens(text_toks) if text_toks else None
         keep = len(toks) if match is None else match.token_index + 1
         s.token_ids += toks[:keep]
+        if keep:
+            self._gen += keep
+            if not st.counted:
+                st.counted = True
+                self._prompt += len(st.prompt_token_ids)
         cum = s.cumulative_logprob
         if cum is not None:  # (None: the request did not ask for logprobs)
             for lp in lps[:keep]:  # one at a time, in the engine's order: the engine's float

@@ -61,6 +61,14 @@ class Replica:
         if items:
             self.front._deliver(items)
 
+    def count_tokens(self, generation: int, prompt: int) -> None:
+        """Add tokens the engine made (generation) and prompts whose first token came (prompt) to
+        the front's ``token_sink`` (the server's ``vllm:generation_tokens_total`` / ``prompt_tokens_total``;
+        None: nobody counts). The driver calls it before it routes the outputs that hold them."""
+        sink = getattr(self.front, "token_sink", None)
+        if sink is not None and (generation or prompt):
+            sink(generation, prompt)
+
     def fail_routed(self, exc: BaseException) -> None:
         """End every request routed here with ``exc`` (the replica stopped or died)."""
         self.route(errors=[(rid, exc) for rid in list(self.reqs)])

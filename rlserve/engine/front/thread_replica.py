@@ -95,6 +95,13 @@ class ThreadReplica(Replica):
             return len(outs)
         return self.post(run)
 
+    def route(self, outputs=(), errors=()) -> None:
+        """:meth:`Replica.route`, after counting the tokens the engine made since the last route (the
+        engine thread routes after every step: vLLM's per-step counters)."""
+        if self.core is not None:
+            self.count_tokens(*self.core.take_token_counts())
+        super().route(outputs, errors)
+
     def set_quarantined(self, quarantined: bool) -> None:
         if not quarantined and self.core is not None:
             self.core.lift_quarantine()  # one attribute store
