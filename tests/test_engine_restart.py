@@ -2,7 +2,9 @@
 trained weights that died with it are never served under their label: 503 ``weights_lost``
 until a complete sync (coverage counted per parameter over the syncs since), or, with
 ``--serve-checkpoint-after-restart``, the checkpoint under its own label. A request in flight at
-the crash ends with a clean ``engine_dead`` error. A crash loop ends dead, with the reason.
+the crash ends with a clean ``engine_dead`` error. A crash loop ends dead, with the reason. The token
+counters (``vllm:generation_tokens_total`` / ``prompt_tokens_total``, added per step) neither go back nor
+jump across a restart: the new core's first answer adds exactly its tokens.
 
 Real ``rlserve serve`` processes (CPU, tiny llama, gloo weight sync); the core is SIGKILLed.
 Every wait is on a state, bounded by :data:`T`."""
@@ -82,6 +84,12 @@ def _kill_and_wait_back(srv) -> tuple[float, httpx.Response]:
         time.sleep(0.005)
 
 
+def _counter(url: str, name: str) -> float:
+    """A counter of ``/metrics`` (summed over its label sets)."""
+    lines = httpx.get(url + "/metrics", timeout=T).text.splitlines()
+    return sum(float(ln.rpartition(" ")[2]) for ln in lines if ln.startswith(name + "{") or ln.startswith(name + " "))
+
+
 def _error(r: httpx.Response, code: str) -> str:
     assert r.status_code == 503 and r.json()["error"]["code"] == code, r.text
     return r.json()["error"]["message"]
@@ -122,6 +130,9 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
                     os.kill(_core_pid(url), signal.SIGKILL)
         assert events[-1]["error"]["code"] == "engine_dead" and "SIGKILL" in events[-1]["error"]["message"]
         assert any(e.get("choices") for e in events[:-1])
+        # the dead core's tokens that reached this process are counted (each chunk holds one token or more)
+        gen0, prompt0 = _counter(url, "vllm:generation_tokens_total"), _counter(url, "vllm:prompt_tokens_total")
+        assert gen0 >= sum(1 for e in events[:-1] if e.get("choices")) and prompt0 >= 3
 
         # back, without the trained weights: 503 weights_lost, the reason everywhere
         clock = _restart_clock(srv)
@@ -151,6 +162,9 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
         out = _generate(url).json()
         assert out["weight_version"] == v3
         assert out["completion_ids"] == [greedy_continuation(hf2, p, N_TOK) for p in PROMPTS]
+        # the new core's counts start at 0; the counters go on from where they were, by exactly its tokens
+        assert _counter(url, "vllm:generation_tokens_total") == gen0 + len(PROMPTS) * N_TOK
+        assert _counter(url, "vllm:prompt_tokens_total") == prompt0 + sum(len(p) for p in PROMPTS)
 
         # the second restart (the last the window allows), timed; then a crash loop: dead
         seconds, health = _kill_and_wait_back(srv)
