@@ -215,7 +215,7 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
 
 def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(tiny_model):
     """``--data-parallel-size 2``: each API process has a replica of each core; greedy answers on both
-    processes, a keep-pause asked of process 1 freezes both cores and holds process 1's new request until a
+    processes (their tokens counted once in ``vllm:generation_tokens_total``), a keep-pause asked of process 1 freezes both cores and holds process 1's new request until a
     resume asked of process 0; a sleep asked of process 1 refuses on both until its wake. Then process 1 is
     killed: the server exits 1, no process left."""
     path = tiny_model("llama")
@@ -225,10 +225,16 @@ def test_two_data_parallel_replicas_then_a_killed_api_server_stops_the_server(ti
         hf0 = load_hf(path, scale=0.0)
         prompts = [[5 + i, 60 + i, 9, 33 + 3 * i] for i in range(8)]
         by = _pinned(srv.url)
+        tokens = ("vllm:generation_tokens_total{", "vllm:prompt_tokens_total{")
+        before = [_sum(_metrics(by[0][1]), k) for k in tokens]
         jobs = [(by[k % 2][(k // 2) % PER_PROCESS], prompts[k]) for k in range(8)]
         with cf.ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda j: _complete(j[0], path, j[1], 10, False), jobs))
             assert [ids for ids, _ in got] == [greedy_continuation(hf0, p, 10) for p in prompts]
+            # two cores, two processes: each request's tokens counted once (by the process that owns it, as its core's
+            # steps reach it, before its answer), read the same by either process
+            for i in (0, 1):
+                assert [_sum(_metrics(by[i][1]), k) - b for k, b in zip(tokens, before)] == [8 * 10, 8 * 4], i
             assert by[1][0].post("/pause", params={"mode": "keep"}).status_code == 200
             held = pool.submit(_complete, by[1][0], path, prompts[0], 10, False)
             _until(lambda: _sum(_metrics(by[1][1]), "rlserve_num_requests_held{") == 1, "process 1 holding it")

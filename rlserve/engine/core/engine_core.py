@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.2  # engine stats are snapshotted at most this often (seconds)
 #: delta mode: a request that gets no delta per step (per_step_deltas) gets one at least this often
 #: (seconds) while it advances, so its tokens show in the counters as they are made (a Prometheus
-#: scrape comes every 5-60 s); each pass costs ~5 us of core CPU per such request (BENCHMARKS.md,
+#: scrape comes every 5-60 s); each pass costs ~2-4 us of core CPU per such request (BENCHMARKS.md,
 #: "Token counters per step")
 PROGRESS_EVERY_S = 1.0
 
