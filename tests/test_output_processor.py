@@ -157,6 +157,31 @@ def test_version_marks_say_where_each_weight_version_starts():
     assert out.outputs[0].version_marks == [(0, "0"), (4, "1"), (5, "2")]
 
 
+def test_progress_deltas_are_counted_as_they_come_and_keep_no_version_marks():
+    """A request that is neither streamed nor has stop strings gets a delta every ``PROGRESS_EVERY_S`` (several
+    steps' tokens: where a weight version starts inside it is unknown), not every step: its tokens are handed to
+    ``count_tokens`` as each delta comes, before the outputs (none until its last), its prompt once; its
+    version_marks stay None (only a per-step request's are exact). A streamed request's counts too."""
+    counted = []
+    proc = OutputProcessor(None, lambda gen, prompt: counted.append((gen, prompt)))
+    reqs = {"plain": _Req(SamplingParams(max_tokens=50), stream=False), "s": _Req(SamplingParams(max_tokens=50))}
+
+    def delta(rid, toks, versions, start=False, finished=False):
+        return proto.RequestDelta(rid, [proto.SampleDelta(0, toks, [0.0] * len(toks), None,
+                                                          "length" if finished else None)], finished, versions,
+                                  2.0, proto.RequestStart(PROMPT) if start else None)
+
+    assert proc.process([delta("plain", [5, 6, 7], ["0"], start=True)], reqs)[0] == []  # no output: not streamed
+    assert counted == [(3, len(PROMPT))]
+    assert proc.process([], reqs)[0] == [] and counted == [(3, len(PROMPT))]  # nothing new: no call
+    (out,), *_ = proc.process([delta("plain", [8, 9], ["0", "1"]), delta("s", [4], ["1"], start=True)], reqs)
+    assert out.request_id == "s" and counted[-1] == (3, len(PROMPT))
+    (out,), *_ = proc.process([delta("plain", [10], ["0", "1"], finished=True)], reqs)
+    c = out.outputs[0]
+    assert c.token_ids == [5, 6, 7, 8, 9, 10] and c.version_marks is None and out.weight_versions == ["0", "1"]
+    assert counted == [(3, len(PROMPT)), (3, len(PROMPT)), (1, 0)] and proc.take_counts() == (0, 0)
+
+
 def test_tokens_sampled_past_a_stop_string_are_dropped():
     from tests.tiny_models import build_tokenizer
 
@@ -169,6 +194,7 @@ def test_tokens_sampled_past_a_stop_string_are_dropped():
     # the core sampled every token before it heard of the stop: one delta with all of them
     outs, errors, stops, aborts = proc.process([_delta("r", ids, lps)], reqs)
     assert not errors and not stops and aborts == ["r"]  # finished here, the core still runs it
+    assert proc.take_counts() == (stop_at, len(PROMPT))  # (vllm:generation_tokens_total: the kept tokens only)
     (out,) = outs
     c = out.outputs[0]
     assert out.finished and c.finish_reason == "stop" and c.stop_reason == "STOP"
@@ -197,6 +223,8 @@ def test_n2_one_sample_stopped_here_is_stopped_in_the_core():
                             True, ["0"])
     outs, errors, stops, aborts = proc.process([d2], reqs)
     assert outs[0].finished and outs[0].outputs[0].token_ids == stop_ids and not stops and not aborts
+    # counted: both samples' kept tokens, the prompt once (with the first delta), not sample 0's dropped [5]
+    assert proc.take_counts() == (len(stop_ids) + len(other) + 1, len(PROMPT))
     assert outs[0].outputs[1].finish_reason == "stop" and outs[0].outputs[1].text == "hello"
 
 

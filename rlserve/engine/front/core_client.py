@@ -168,7 +168,7 @@ class CoreProcReplica(Replica):
         log_phase(logger, f"engine replica {self.index}: its ready message -> the API process's tokenizer",
                   time.perf_counter() - t)
         self._view = EngineView(msg.info, tok)
-        self._outputs = OutputProcessor(tok)
+        self._outputs = OutputProcessor(tok, self.count_tokens)
         self.alive = True
         self._reader = threading.Thread(target=self._read, name=f"rlserve-core-reader-{self.index}", daemon=True)
         self._reader.start()
@@ -366,7 +366,6 @@ class CoreProcReplica(Replica):
                 self.stats = msg.stats
         deltas = msgs[0].deltas if len(msgs) == 1 else [d for m in msgs for d in m.deltas]
         outputs, errors, stops, aborts = self._outputs.process(deltas, self.reqs)
-        self.count_tokens(*self._outputs.take_counts())  # (before the outputs reach their requests)
         for msg in msgs:
             for e in msg.errors:
                 self._outputs.drop(e.request_id)

@@ -31,9 +31,9 @@ tokens are one step's, produced by its ``weight_versions[-1]`` -- for a request 
 
 The tokens behind ``vllm:generation_tokens_total`` / ``vllm:prompt_tokens_total`` are counted here, as
 vLLM's ``OutputProcessor`` counts them (``IterationStats``): every kept token of a delta (not those a
-stop string cut), and a request's prompt once, with its first kept token (:meth:`OutputProcessor.take_counts`;
-the replica adds them to the metrics before it delivers the outputs, so a finished request's tokens are
-counted before anyone sees its last output).
+stop string cut), and a request's prompt once, with its first kept token; :meth:`OutputProcessor.process` hands
+them to ``count_tokens`` (the replica's: the metrics) before it returns the outputs, so a finished request's
+tokens are counted before anyone sees its last output.
 
 A streamed request's unfinished outputs carry read-only views of its samples' token and logprob
 lists (:class:`~rlserve.engine.prefix_view.PrefixView`: O(1) per output, issue 37), which is why
@@ -123,10 +123,14 @@ class OutputProcessor:
 
     Args:
         tokenizer: the Hugging Face tokenizer the engine uses (None: no text).
+        count_tokens: ``(generation tokens, prompt tokens) -> None``, called by each :meth:`process` that
+            counted some (:meth:`~rlserve.engine.front.replica.Replica.count_tokens`); None: kept for
+            :meth:`take_counts`.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, count_tokens=None):
         self.tokenizer = tokenizer
+        self.count_tokens = count_tokens
         self._states: dict[str, _State] = {}
         self._gen = 0  # generation tokens kept since the last take_counts
         self._prompt = 0  # prompt tokens of requests whose first token was kept since then
@@ -196,6 +200,8 @@ class OutputProcessor:
             elif stopped:
                 stops.append((rid, stopped))
         outputs = [self._output(rid, st, d, finished) for rid, (st, d, finished) in ready.items()]
+        if self.count_tokens is not None and (self._gen or self._prompt):
+            self.count_tokens(*self.take_counts())
         return outputs, errors, stops, aborts
 
     def _apply(self, rid: str, req, d):
