@@ -32,7 +32,7 @@ import httpx  # noqa: E402
 from benchmarks.idle_gauges import busy_gauges  # noqa: E402
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
-from tests.transfer_harness import InProcessServer, free_port, greedy_continuation, load_hf  # noqa: E402
+from tests.transfer_harness import InProcessServer, greedy_continuation, load_hf  # noqa: E402
 
 staging = sys.argv[1] if len(sys.argv) > 1 else "none"
 DUR = float(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -93,7 +93,7 @@ def trainer_loop(srv):
         try:
             if eng is None:
                 eng = WeightTransferTrainerFactory.trainer_init(
-                    init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=DP + 1, timeout_s=30,
+                    init_info=GlooTrainerInitInfo(world_size=DP + 1, timeout_s=30,
                                                   packed_buffer_size_bytes=64 << 10),
                     client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(W[w]))
             eng.source = ModuleSource(W[w])
@@ -167,7 +167,7 @@ with InProcessServer(path, staging=staging, enable_sleep_mode=True, data_paralle
     c.post(srv.url + "/wake_up"); c.post(srv.url + "/resume")
     print("health", c.get(srv.url + "/health").status_code, c.get(srv.url + "/health").text)
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=DP + 1, timeout_s=30, packed_buffer_size_bytes=64 << 10),
+        init_info=GlooTrainerInitInfo(world_size=DP + 1, timeout_s=30, packed_buffer_size_bytes=64 << 10),
         client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(W["A"]))
     fin = eng.send_weights(weight_version="final-A"); eng.shutdown()
     r = c.post(srv.url + "/generate/", json={"prompt_ids": PROMPTS, "max_tokens": N, "temperature": 0, "generation_kwargs": {"ignore_eos": True}}).json()

@@ -32,7 +32,7 @@ from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 from tests.lora_adapters import make_adapter, merged_model  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
-from tests.transfer_harness import free_port, greedy_continuation, load_hf  # noqa: E402
+from tests.transfer_harness import greedy_continuation, load_hf  # noqa: E402
 
 staging = sys.argv[1] if len(sys.argv) > 1 else "none"
 DUR = float(sys.argv[2]) if len(sys.argv) > 2 else 60
@@ -108,7 +108,7 @@ def trainer_loop(url: str) -> None:
         try:
             if eng is None:
                 eng = WeightTransferTrainerFactory.trainer_init(
-                    init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+                    init_info=GlooTrainerInitInfo(world_size=2, timeout_s=30,
                                                   packed_buffer_size_bytes=64 << 10),
                     client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(W[w]))
             eng.source = ModuleSource(W[w])
@@ -191,7 +191,7 @@ with ServerProcess(path, *args, startup_timeout_s=600) as srv:
     c.post(url + "/resume")
     c.post(url + "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": ADAPTER})
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30, packed_buffer_size_bytes=64 << 10),
+        init_info=GlooTrainerInitInfo(world_size=2, timeout_s=30, packed_buffer_size_bytes=64 << 10),
         client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(W["A"]))
     ver2w["final-A"] = "A"
     eng.send_weights(weight_version="final-A")

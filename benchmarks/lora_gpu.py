@@ -262,7 +262,6 @@ def sync(path: str, args, deadline: float, out: dict | None = None, save=lambda:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlserve.server.launch import free_port
     from rlserve.server.testing import ServerProcess
     from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, IPCTrainerInitInfo, LoRASource,
                                   ModuleSource, WeightTransferTrainerFactory)
@@ -297,7 +296,7 @@ def sync(path: str, args, deadline: float, out: dict | None = None, save=lambda:
 
         def init(source):
             ii = IPCTrainerInitInfo(timeout_s=120) if backend == "ipc" else \
-                GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=120)
+                GlooTrainerInitInfo(world_size=2, timeout_s=120)
             return WeightTransferTrainerFactory.trainer_init(init_info=ii, client=HTTPWeightSyncClient(srv.url),
                                                             source=source)
 

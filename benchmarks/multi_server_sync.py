@@ -132,7 +132,7 @@ def multi_sync(urls: list[str], named, bucket: int, repeats: int) -> dict:
 
 def single_sync(url: str, named, bucket: int, repeats: int) -> dict:
     eng = WeightTransferTrainerFactory.trainer_init(
-        GlooTrainerInitInfo(master_port=free_port(), world_size=2, packed_buffer_size_bytes=bucket,
+        GlooTrainerInitInfo(world_size=2, packed_buffer_size_bytes=bucket,
                             timeout_s=TIMEOUT_S),
         client=HTTPWeightSyncClient(url, timeout_s=TIMEOUT_S), source=TensorListSource(named))
     try:

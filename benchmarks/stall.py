@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.model_shapes import save_shape  # noqa: E402
-from benchmarks.sync import free_port, model_tensors, tokenizer_dir  # noqa: E402
+from benchmarks.sync import model_tensors, tokenizer_dir  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
@@ -77,7 +77,7 @@ def measure(args) -> dict:
                     "--weight-transfer-config", json.dumps({"backend": backend})]
         with ServerProcess(model_dir, *srv_args, startup_timeout_s=900) as srv:
             info = (IPCTrainerInitInfo(device=args.device) if gpu else
-                    GlooTrainerInitInfo(master_port=free_port(), world_size=2))
+                    GlooTrainerInitInfo(world_size=2))
             eng = WeightTransferTrainerFactory.trainer_init(
                 init_info=info, client=HTTPWeightSyncClient(srv.url, timeout_s=600), source=TensorListSource(named))
             eng.send_weights()  # warm-up: first sync allocates staging buffers, maps handles

@@ -307,7 +307,7 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
     model_dir = save_shape(shape, work)
     with serve(model_dir, tok, "gloo", "cpu", "float32") as srv:
         for mode, checksums in (("packed", True), ("packed", False), ("unpacked", True)):
-            r = sdk_sync(srv.url, named, GlooTrainerInitInfo(master_port=free_port(), world_size=2,
+            r = sdk_sync(srv.url, named, GlooTrainerInitInfo(world_size=2,
                                                              packed=mode == "packed", checksums=checksums,
                                                              packed_buffer_size_bytes=bucket, timeout_s=600),
                          args.repeats)
@@ -320,7 +320,7 @@ def bench_cpu(args, work: str, tok: str, rows: list[dict]) -> None:
     # the same packed sync when the server keeps its receive buffers and load copy (what every
     # packed update did before rlserve.transfer.server.direct)
     with serve(model_dir, tok, "gloo", "cpu", "float32", direct_receive=False) as srv:
-        r = sdk_sync(srv.url, named, GlooTrainerInitInfo(master_port=free_port(), world_size=2,
+        r = sdk_sync(srv.url, named, GlooTrainerInitInfo(world_size=2,
                                                          packed_buffer_size_bytes=bucket, timeout_s=600), args.repeats)
         add(rows, "cpu", shape, "gloo", "packed (direct_receive off)", total, r)
         print(f"[cpu] packed (direct_receive off): {r['sync_s']:.3f} s/sync")
@@ -427,7 +427,7 @@ def bench_nccl(args, work: str, tok: str, shape: str, rows: list[dict]) -> None:
     model_dir = save_shape(shape, work)
     with serve(model_dir, tok, "nccl", server, "bfloat16") as srv:
         for mode in ("nccl-packed", "nccl-unpacked"):
-            info = NCCLTrainerInitInfo(master_port=free_port(), world_size=2, packed=mode == "nccl-packed",
+            info = NCCLTrainerInitInfo(world_size=2, packed=mode == "nccl-packed",
                                        packed_buffer_size_bytes=bucket, timeout_s=NCCL_TIMEOUT_S, device=trainer)
             attempt(rows, "nccl", shape, "nccl", mode, total,
                     lambda info=info: sdk_sync(srv.url, named, info, args.repeats), tag)

@@ -30,7 +30,6 @@ import torch  # noqa: E402
 
 from benchmarks.sync import model_tensors  # noqa: E402
 from rlserve.demo.trainer import phase_lines  # noqa: E402
-from rlserve.server.launch import free_port  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
@@ -74,7 +73,7 @@ def main() -> int:
         pid = core_pid(srv.proc.pid)
         t0 = time.perf_counter()
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=2),
+            init_info=GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2),
             client=HTTPWeightSyncClient(srv.url), source=TensorListSource(named))
         out.update(trainer_init_s=time.perf_counter() - t0, init_stats=eng.init_stats, syncs=[])
         for i in range(args.syncs):

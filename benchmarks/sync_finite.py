@@ -40,7 +40,6 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.model_shapes import save_shape  # noqa: E402
 from benchmarks.sync import model_tensors, nbytes, tokenizer_dir  # noqa: E402
-from rlserve.server.launch import free_port  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
     HTTPWeightSyncClient,
@@ -108,7 +107,7 @@ def bench(section: str, shape: str, dtype: torch.dtype, args, work: str, tok: st
     model_dir = save_shape(shape, work)
     dt_name = str(dtype).removeprefix("torch.")
     with server(model_dir, tok, "gloo" if cpu else "ipc", dev, dt_name) as srv:
-        info = GlooTrainerInitInfo(master_port=free_port(), world_size=2, packed_buffer_size_bytes=args.bucket_mb << 20,
+        info = GlooTrainerInitInfo(world_size=2, packed_buffer_size_bytes=args.bucket_mb << 20,
                                    timeout_s=600) if cpu else IPCTrainerInitInfo(timeout_s=600, device=dev)
         r = ab(srv, named, info, args.repeats)
     row = {"section": section, "shape": shape, "dtype": dt_name, "bytes": total, **r}

@@ -35,7 +35,6 @@ import httpx
 import pytest
 
 from rlserve.proc_state import child_processes, pid_alive
-from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 from tests.transfer_harness import greedy_continuation, load_hf
@@ -172,7 +171,7 @@ def test_two_api_servers_share_the_engine_and_the_control_state(tiny_model):
         # process 0's scrape sums process 1's held count too (its own write, within metrics_mp.LIVE_PUBLISH_S)
         _until(lambda: _sum(_metrics(by[0][3]), "rlserve_num_requests_held{") == 1, "process 0 reading it")
         trainer = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=60),
             client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(load_hf(path, seed=1)))
         assert trainer.send_weights(weight_version="v1")["weight_version"] == "v1"
         r = by[1][3].post("/resume")

@@ -22,7 +22,7 @@ import pytest
 from rlserve.server.launch import StartClock
 from rlserve.server.testing import ServerProcess
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
-from tests.transfer_harness import free_port, greedy_continuation, load_hf
+from tests.transfer_harness import greedy_continuation, load_hf
 
 T = 120.0
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
@@ -39,7 +39,7 @@ def _generate(url: str) -> httpx.Response:
 def _sync(url: str, model, include=None, partial: bool = False) -> str:
     """A gloo sync from a trainer of this process (a new one: a restart left the old group)."""
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+        init_info=GlooTrainerInitInfo(world_size=2, timeout_s=30,
                                       packed_buffer_size_bytes=64 << 10),
         client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(model, include=include))
     try:
@@ -112,7 +112,7 @@ def test_restart_503_weights_lost_until_a_full_sync_then_a_crash_loop_ends_dead(
         # a trainer's transfer group is open at the crash: the restart leaves it (the dead core
         # held one of its ranks); the trainer re-initialises on its next send
         trainer = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=30,
                                           packed_buffer_size_bytes=64 << 10),
             client=HTTPWeightSyncClient(url, timeout_s=60), source=ModuleSource(hf))
         assert httpx.get(url + "/weight_info", timeout=T).json()["state"] == "ready"

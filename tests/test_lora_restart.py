@@ -14,7 +14,6 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
 from tests.lora_adapters import make_adapter
 from tests.test_engine_restart import ARGS, T, _kill_and_wait_back
@@ -51,7 +50,7 @@ def test_restart_reloads_file_adapters_and_drops_synced_ones(tiny_model, tmp_pat
         r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": a1}, timeout=T)
         assert r.status_code == 200, r.text
         trainer = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=60),
             client=HTTPWeightSyncClient(url), source=LoRASource(_peft(base, r=8, seed=1), "policy"))
         try:
             assert trainer.send_weights()["lora_name"] == "policy"

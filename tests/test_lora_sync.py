@@ -10,7 +10,6 @@ import httpx
 import pytest
 import torch
 
-from rlserve.server.launch import free_port
 from tests.lora_adapters import ALL_TARGETS, hf_greedy_logprobs, merged_model
 from tests.transfer_harness import InProcessServer
 
@@ -66,7 +65,7 @@ def _engine(srv, source):
     from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, WeightTransferTrainerFactory
 
     return WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+        init_info=GlooTrainerInitInfo(world_size=2, timeout_s=60),
         client=HTTPWeightSyncClient(srv.url), source=source)
 
 
@@ -229,7 +228,7 @@ def test_adapter_sync_reaches_every_data_parallel_replica(base, prompt, tmp_path
     trainer = _peft(base, r=8, seed=11)
     with InProcessServer(base, load_format="auto", enable_lora=True, max_lora_rank=8, data_parallel_size=2) as srv:
         engine = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=60),
+            init_info=GlooTrainerInitInfo(world_size=3, timeout_s=60),
             client=HTTPWeightSyncClient(srv.url), source=LoRASource(trainer, "policy"))
         try:
             fin = engine.send_weights()

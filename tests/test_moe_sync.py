@@ -182,7 +182,7 @@ def test_sync_into_tp2_server(moe):
         assert httpx.get(srv.url + "/get_world_size").json()["world_size"] == 2
         before = server_greedy(srv.url).json()["completion_ids"]
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=60,
+            init_info=GlooTrainerInitInfo(world_size=3, timeout_s=60,
                                           packed_buffer_size_bytes=BUCKET),
             client=HTTPWeightSyncClient(srv.url, timeout_s=120), source=TensorListSource(per_expert(hf)))
         assert eng.send_weights()["full"] is True

@@ -127,11 +127,11 @@ def test_sleep_mode_off_answers_400(tiny_model):
 @pytest.fixture(scope="module")
 def trainer(server, tiny_model):
     from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
-    from tests.transfer_harness import free_port, greedy_continuation
+    from tests.transfer_harness import greedy_continuation
 
     hf = load_hf(tiny_model("llama"))
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=30,
+        init_info=GlooTrainerInitInfo(world_size=2, timeout_s=30,
                                       packed_buffer_size_bytes=64 << 10),
         client=HTTPWeightSyncClient(server.url, timeout_s=60), source=ModuleSource(hf))
     eng.expected = [greedy_continuation(hf, p, N_TOK) for p in PROMPTS]

@@ -135,7 +135,7 @@ class Rig:
         # timeout_s T: gloo's 30 s send timeout failed a good sync's bucket 9/12 on a machine at
         # load 30 (session 14); no cell waits on it (deaths: the liveness watch; bad sums: at once)
         return WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=T,
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=T,
                                           packed_buffer_size_bytes=BUCKET),
             client=HTTPWeightSyncClient(self.url, timeout_s=2 * T), source=source)
 

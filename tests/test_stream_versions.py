@@ -16,7 +16,6 @@ import json
 import httpx
 import pytest
 
-from rlserve.server.launch import free_port
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 from tests.transfer_harness import InProcessServer, load_hf
 
@@ -56,7 +55,7 @@ def _synced_stream(path: str, route: str, body: dict, good, why: str) -> tuple[l
     try, so a try whose sync did not give ``good`` chunks leaves its label as the next try's starting version)."""
     with InProcessServer(path, max_model_len=4096, kv_cache_bytes=64 << 20) as srv:
         trainer = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60),
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=60),
             client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(load_hf(path, seed=1)))
         try:
             before = "0"

@@ -105,7 +105,7 @@ def trainer(url, source, **kw):
     kw.setdefault("packed_buffer_size_bytes", 64 << 10)
     src = source if hasattr(source, "named_tensors") else ModuleSource(source)
     return WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, **kw),
+        init_info=GlooTrainerInitInfo(world_size=2, **kw),
         client=HTTPWeightSyncClient(url, timeout_s=60), source=src)
 
 
@@ -330,7 +330,7 @@ def test_sync_tp2_uneven_heads(tiny_model):
     with serve(path, "--tensor-parallel-size", "2") as srv:
         assert httpx.get(srv.url + "/get_world_size").json()["world_size"] == 2
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=30,
+            init_info=GlooTrainerInitInfo(world_size=3, timeout_s=30,
                                           packed_buffer_size_bytes=64 << 10),
             client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(hf))
         fin = eng.send_weights()

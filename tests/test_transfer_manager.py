@@ -25,7 +25,7 @@ from rlserve.transfer import (
     WeightTransferTrainerFactory,
     hf_state_checksums,
 )
-from tests.transfer_harness import InProcessServer, free_port, wait_for_state
+from tests.transfer_harness import InProcessServer, wait_for_state
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
     SHARED_KW,
@@ -255,7 +255,7 @@ def test_admin_key_protects_weight_routes(llama):
             HTTPWeightSyncClient(srv.url).weight_info()
         assert ei.value.status_code == 401
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=20),
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=20),
             client=HTTPWeightSyncClient(srv.url, admin_key="s3cret"), source=ModuleSource(hf))
         assert eng.send_weights()["weight_version"] == "1"
 
@@ -265,7 +265,7 @@ def test_data_parallel_two_replicas(llama):
     path, hf = llama
     with InProcessServer(path, data_parallel_size=2) as srv:
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=3, timeout_s=20,
+            init_info=GlooTrainerInitInfo(world_size=3, timeout_s=20,
                                           packed_buffer_size_bytes=64 << 10),
             client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
         eng.send_weights()

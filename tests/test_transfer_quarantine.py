@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 from rlserve.transfer.sdk.trainer import WeightSyncHTTPError
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer
 
 HERE = "tests.test_transfer_quarantine"  # this module as the engine-core process imports it
 #: where the engine is (the engine-core process, or this one in thread mode): the next staged
@@ -79,7 +79,7 @@ def test_failed_staged_commit_in_the_engine_command_steps_nothing_after(tiny_mod
                          engine_mode=mode) as srv:
         assert srv.aengine.engine_mode == mode and bool(srv.aengine.core_pids()) == (mode == "process")
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=20,
+            init_info=GlooTrainerInitInfo(world_size=2, timeout_s=20,
                                           packed_buffer_size_bytes=64 << 10),
             client=HTTPWeightSyncClient(srv.url, timeout_s=60), source=ModuleSource(hf))
         result: dict = {}

@@ -149,7 +149,7 @@ def trainer(url, model_or_source, **kw):
     kw.setdefault("timeout_s", 20)
     kw.setdefault("packed_buffer_size_bytes", 64 << 10)  # several buckets for the tiny model
     return WeightTransferTrainerFactory.trainer_init(
-        init_info=GlooTrainerInitInfo(master_port=free_port(), world_size=2, **kw),
+        init_info=GlooTrainerInitInfo(world_size=2, **kw),
         client=HTTPWeightSyncClient(url, timeout_s=30), source=src)
 
 

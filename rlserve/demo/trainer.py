@@ -11,7 +11,6 @@ from typing import Any, Callable, Sequence
 from rlserve.demo.common import DemoError
 from rlserve.demo.layout import Layout
 from rlserve.progress import progress as progress_line
-from rlserve.server.launch import free_port
 
 
 def torch_dtype(name: str):
@@ -180,9 +179,9 @@ def make_init_info(layout: Layout, world_size: int, **kw):
     from rlserve.transfer import GlooTrainerInitInfo, IPCTrainerInitInfo, NCCLTrainerInitInfo
 
     if layout.backend == "gloo":
-        return GlooTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=world_size, **kw)
+        return GlooTrainerInitInfo(master_address="127.0.0.1", world_size=world_size, **kw)
     if layout.backend == "nccl":
-        return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=world_size,
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", world_size=world_size,
                                    device=layout.trainer_device, **kw)
     if layout.backend == "ipc":
         return IPCTrainerInitInfo(world_size=world_size, device=layout.trainer_device, **kw)

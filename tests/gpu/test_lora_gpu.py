@@ -170,7 +170,6 @@ def test_adapter_sync_over_ipc(adapters, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one rank per GPU: the trainer on "
                     "cuda:1, the server on cuda:0)")
 def test_adapter_sync_over_nccl(adapters, tmp_path):
-    from rlserve.server.launch import free_port
     from rlserve.transfer import NCCLTrainerInitInfo
     from tests.transfer_harness import InProcessServer
 
@@ -179,7 +178,7 @@ def test_adapter_sync_over_nccl(adapters, tmp_path):
                          load_format="auto", enable_lora=True, max_lora_rank=8) as srv:
         torch.cuda.set_device(1)
         try:
-            _sync_and_check(srv, NCCLTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60,
+            _sync_and_check(srv, NCCLTrainerInitInfo(world_size=2, timeout_s=60,
                                                      device="cuda:1"), base, tmp_path)
         finally:
             torch.cuda.set_device(0)

@@ -403,12 +403,11 @@ def test_nccl_expert_sync_greedy_equals_trainer(tiny_model, transport, names):  
     from rlserve.transfer import ModuleSource, NCCLTrainerInitInfo, TensorListSource
     from tests.gpu.transfer_gpu_common import load_hf, serve
     from tests.test_moe_sync import per_expert
-    from tests.transfer_harness import free_port
 
     path = tiny_model("qwen2_moe")
     hf = load_hf(path, transport.trainer_device, torch.float32)
     src = TensorListSource(per_expert(hf)) if names == "per_expert" else ModuleSource(hf)
     with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0", launcher=transport.launcher) as srv:
         _sync_and_check(srv.url, hf, src, NCCLTrainerInitInfo(
-            master_port=free_port(), world_size=2, device=transport.trainer_device, packed=names == "per_expert",
+            world_size=2, device=transport.trainer_device, packed=names == "per_expert",
             packed_buffer_size_bytes=4 << 10, timeout_s=60))

@@ -54,7 +54,7 @@ def _full_sync(url, path, backend, device):
     if backend == "ipc":
         info = IPCTrainerInitInfo(timeout_s=60, device=device)
     else:
-        info = NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=device, timeout_s=60)
+        info = NCCLTrainerInitInfo(world_size=2, device=device, timeout_s=60)
     eng = WeightTransferTrainerFactory.trainer_init(init_info=info, client=HTTPWeightSyncClient(url, timeout_s=120),
                                                     source=ModuleSource(hf))
     eng.send_weights()

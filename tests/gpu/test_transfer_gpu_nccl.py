@@ -75,7 +75,7 @@ def test_nccl_sync_equal_checksums(tiny_model, transport, packed, staging):
         before = generate(srv.url).json()["completion_ids"]
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+            init_info=NCCLTrainerInitInfo(world_size=2, device=transport.trainer_device,
                                           packed=packed, packed_buffer_size_bytes=64 << 10, timeout_s=60),
             client=client, source=ModuleSource(hf))
         times = []
@@ -109,7 +109,7 @@ def test_nccl_after_data_checksum_mismatch_refused(tiny_model, transport, stagin
     with serve(path, "nccl", device="cuda:0", staging=staging, launcher=transport.launcher) as srv:
         client = HTTPWeightSyncClient(srv.url, timeout_s=120)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+            init_info=NCCLTrainerInitInfo(world_size=2, device=transport.trainer_device,
                                           packed_buffer_size_bytes=64 << 10, timeout_s=60),
             client=client, source=ModuleSource(hf))
         eng.send_weights()
@@ -182,7 +182,7 @@ def test_nccl_trainer_killed_mid_update(tiny_model, transport):
         assert generate(srv.url).status_code == 503
         hf = load_hf(path, transport.trainer_device, torch.bfloat16)
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=2, device=transport.trainer_device,
+            init_info=NCCLTrainerInitInfo(world_size=2, device=transport.trainer_device,
                                           timeout_s=60),
             client=HTTPWeightSyncClient(srv.url), source=ModuleSource(hf))
         eng.send_weights()
@@ -199,7 +199,7 @@ def test_nccl_tp2_server_trainer_on_third_gpu(tiny_model):
         ws = client.get_world_size() + 1
         assert ws == 3
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=NCCLTrainerInitInfo(master_port=free_port(), world_size=ws, device="cuda:2", timeout_s=60),
+            init_info=NCCLTrainerInitInfo(world_size=ws, device="cuda:2", timeout_s=60),
             client=client, source=ModuleSource(hf))
         eng.send_weights()
         rep = client.weight_checker(compare=hf_state_checksums(ModuleSource(hf).named_tensors(), torch.bfloat16))

@@ -46,6 +46,23 @@ def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) or "timed out" in msg or "timeout" in msg
 
 
+def bind_master_store(master_address: str, timeout_s: float):
+    """Rank 0's ``TCPStore``, listening now on a port the kernel picked (``.port``): hand it to
+    :meth:`TransferGroup.create` (``store=``) and tell the other ranks ``.port``. No port is free
+    between its choice and its use, unlike a port picked first and bound later (another
+    process's ``bind(0)`` can take that one: ``EADDRINUSE``). It listens on every interface, as a
+    store on a given port does (``master_address``: where this rank's own client connects, as
+    for :meth:`TransferGroup.create`). Does not wait for the other ranks; ``timeout_s`` bounds
+    its operations (seconds).
+
+    Raises:
+        WeightTransferFailedError: the store could not be created (no port left, say)."""
+    try:
+        return dist.TCPStore(master_address, 0, None, True, timedelta(seconds=float(timeout_s)), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001
+        raise WeightTransferFailedError(f"could not host the transfer group's TCPStore on a free port: {e}") from e
+
+
 class TransferGroup:
     """One rank's handle on the transfer group.
 
@@ -90,12 +107,16 @@ class TransferGroup:
     @classmethod
     def create(cls, backend: str, master_address: str, master_port: int, rank: int,
                world_size: int, timeout_s: float, device: torch.device | None = None,
-               warmup: bool = True, session: str = "", **kwargs) -> "TransferGroup":
+               warmup: bool = True, session: str = "", store=None, **kwargs) -> "TransferGroup":
         """Connect to (rank 0: host) the store, build the backend and run one all-reduce so that
         this returns only once every rank has joined. ``kwargs`` go to a subclass's constructor
         (:class:`~rlserve.transfer.backends.vllm_group.VLLMWireGroup`). A ``WeightUpdateError`` raised
-        while building (e.g. a refused pickle: HTTP 400) passes through unchanged."""
+        while building (e.g. a refused pickle: HTTP 400) passes through unchanged.
+
+        ``store``: rank 0's store, already listening (:func:`bind_master_store`, whose ``.port`` is
+        ``master_port``); the group owns it from here (closed with the group, also on failure)."""
         g = cls(backend, master_address, master_port, rank, world_size, timeout_s, device, session, **kwargs)
+        g.store = store
         try:
             g._build()
             if warmup:
@@ -120,7 +141,8 @@ class TransferGroup:
             probe_store(self.master_address, self.master_port, self.timeout_s,
                         f"rank {self.rank}/{self.world_size}, {self.backend}")
         try:
-            self.store = self._make_store(td)
+            if self.store is None:
+                self.store = self._make_store(td)
         except Exception as e:  # noqa: BLE001 - a client's failed connect is the peer's (502), not ours
             if self.rank == 0 or _is_timeout(e):
                 raise

@@ -16,7 +16,7 @@ import torch
 
 from rlserve.errors import WeightUpdateStateError
 from rlserve.transfer.errors import TransferAbortedError, TransferTimeoutError, WeightTransferFailedError
-from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 from rlserve.transfer.wire.packing import (
     BucketBuffers,
     bucket_checksums_from_tensors,
@@ -26,7 +26,7 @@ from rlserve.transfer.multi_tensor import tensor_checksums
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.sdk.sender import send_packed, send_unpacked
 from rlserve.transfer.sdk.client import HTTPWeightSyncClient, WeightSyncConflictError
-from rlserve.transfer.sdk.init_info import TrainerInitInfo, _free_port, _port_in_use
+from rlserve.transfer.sdk.init_info import TrainerInitInfo, _port_in_use
 from rlserve.transfer.sdk.sources import TensorListSource
 
 logger = logging.getLogger(__name__)
@@ -243,6 +243,9 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         self._buffers = BucketBuffers()  # packed send buffers, kept across syncs
         self._broken = False
         self._port_busy = False
+        # master_port 0: every init hosts its store on a port the kernel picks, bound before the
+        # server hears of it (bind_master_store); init_info.master_port then names the last one
+        self._pick_port = not init_info.master_port
         if init_info.backend == "nccl":
             dev = getattr(init_info, "device", None)
             self.device = torch.device(dev) if dev else torch.device("cuda", torch.cuda.current_device())
@@ -253,12 +256,14 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
 
     def _connect(self) -> None:
         ii = self.init_info
-        if self._port_busy and ii.master_port and _port_in_use(ii.master_port):
+        store = None
+        if not self._pick_port and self._port_busy and _port_in_use(ii.master_port):
             logger.warning("the previous transfer group still holds port %s (a broken transfer: an operation "
                            "can stay pending until its timeout); re-initialising on a fresh port", ii.master_port)
-            ii.master_port = 0
-        if not ii.master_port:
-            ii.master_port = _free_port()
+            self._pick_port = True
+        if self._pick_port:
+            store = bind_master_store(ii.master_address, ii.timeout_s)  # listening before the server is told
+            ii.master_port = store.port
         self._port_busy = False
         server_init = ii.to_server_init_info()
         server_init["session"] = uuid.uuid4().hex
@@ -269,7 +274,7 @@ class GroupTrainerEngine(TrainerWeightTransferEngine):
         # interpreter's exit for up to timeout_s
         grp = _run_in_daemon_thread("rlserve-transfer-rendezvous", TransferGroup.create, ii.backend,
                                     ii.master_address, ii.master_port, 0, ii.world_size, ii.timeout_s,
-                                    self.device, session=server_init["session"])
+                                    self.device, session=server_init["session"], store=store)
         t0 = time.perf_counter()
         ends: dict[str, float] = {}
         http.add_done_callback(lambda _f: ends.setdefault("init_call", time.perf_counter() - t0))

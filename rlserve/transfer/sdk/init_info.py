@@ -20,7 +20,11 @@ class TrainerInitInfo:
 
     Attributes:
         master_address / master_port: the TCPStore the trainer hosts (rank 0). ``master_port=0``
-            picks a free port.
+            (the default): each init hosts it on a port the kernel picks, listening before the
+            server is told of it, so no other process can take it in between (a port picked by
+            the caller and bound later can be: the init then fails with ``EADDRINUSE``);
+            ``master_port`` names that port after the init. A port given is used as given
+            (after a broken transfer whose store still holds it, a picked one is).
         world_size: server workers + 1 (``client.get_world_size() + 1``).
         rank: this trainer process's rank in its own job; only rank 0 talks to the server and
             sends (FSDP: the others only take part in ``full_tensor()`` gathers).
@@ -90,14 +94,6 @@ class IPCTrainerInitInfo(TrainerInitInfo):
                      packed_num_buffers=self.packed_num_buffers, timeout_s=float(self.timeout_s))
         d.validate()
         return d.to_dict()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _port_in_use(port: int) -> bool:
