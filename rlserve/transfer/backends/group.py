@@ -46,6 +46,13 @@ def _is_timeout(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) or "timed out" in msg or "timeout" in msg
 
 
+def address_in_use(e: BaseException | str) -> bool:
+    """Whether an error (or its text) is a bind that failed because the port is taken
+    (``EADDRINUSE``: c10d's "address already in use", Python's "[Errno 98] Address already in use")."""
+    msg = str(e)
+    return "EADDRINUSE" in msg or "in use" in msg.lower()
+
+
 def bind_master_store(master_address: str, timeout_s: float):
     """Rank 0's ``TCPStore``, listening now on a port the kernel picked (``.port``): hand it to
     :meth:`TransferGroup.create` (``store=``) and tell the other ranks ``.port``. No port is free
@@ -176,8 +183,7 @@ class TransferGroup:
                 return dist.TCPStore(self.master_address, self.master_port, None, self.rank == 0, td,
                                      wait_for_workers=False)
             except Exception as e:  # noqa: BLE001
-                busy = "EADDRINUSE" in str(e) or "in use" in str(e).lower()
-                if self.rank != 0 or not busy or time.monotonic() > deadline:
+                if self.rank != 0 or not address_in_use(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 

@@ -11,30 +11,57 @@ messages are pickled. It tells the server so (``"wire": "rlserve"``); without it
 speaks vLLM's wire, which TRL <= 1.10's own ``VLLMClient`` joins (:mod:`rlserve.transfer.backends.vllm_group`).
 This class is the same protocol on rlserve's data plane (same method names; gloo too)::
 
-    client = TRLWeightSyncClient("http://127.0.0.1:8000", group_port=51216)
+    client = TRLWeightSyncClient("http://127.0.0.1:8000", group_port=51216)   # or 0: see below
     client.init_communicator()
     client.update_model_params(model)      # update_named_param per tensor
     client.reset_prefix_cache()            # the server commits: prefix cache, weight version
     client.close_communicator()
+
+In TRL's protocol the server binds the port the trainer names (its worker 0 hosts the store), so
+a port picked free by the trainer can be taken by another process before the server binds it.
+``group_port=0`` handles that: each init picks a free port, and when the server reports that its
+bind failed with ``EADDRINUSE`` (``/weight_info``'s ``trl.error``; its init failed, so it is back
+to ``uninitialized``) the client picks another and asks again, logging a warning, up to
+:data:`PORT_TRIES` times. TRL's wire is unchanged (a port in ``/init_communicator/``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
+import threading
 import time
 from urllib.parse import urlparse
 
 import torch
 
-from rlserve.transfer.backends.group import TransferGroup
+from rlserve.server.launch import free_port
+from rlserve.transfer.backends.group import TransferGroup, address_in_use
 from rlserve.transfer.wire.packing import as_bytes
 from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
 from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient, ModuleSource
 
 
+logger = logging.getLogger(__name__)
+
+#: How many ports a ``group_port=0`` init tries before it gives up (each failed try is a port
+#: another process took between its pick and the server's bind: rare; three in a row, hardly).
+PORT_TRIES = 3
+
+#: Seconds between two looks at the server's ``/weight_info`` while the group forms.
+_POLL_S = 0.1
+
+
+class PortTakenError(RuntimeError):
+    """The server could not bind the group's port (``EADDRINUSE``); its init failed cleanly."""
+
+
 class TRLWeightSyncClient:
     """Args:
         base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
-        group_port: the TCPStore port (server worker 0 listens on it).
+        group_port: the TCPStore port (server worker 0 listens on it); 0: a free one per init,
+            another if the server finds it taken (module docstring). :attr:`group_port` names
+            the port of the last init.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"``.
         device: the trainer's GPU for NCCL.
         admin_key / timeout_s: as :class:`HTTPWeightSyncClient`.
@@ -46,6 +73,7 @@ class TRLWeightSyncClient:
         self.http = HTTPWeightSyncClient(base_url, admin_key=admin_key, timeout_s=timeout_s)
         self.host = urlparse(base_url).hostname or "127.0.0.1"
         self.group_port = group_port
+        self._pick_port = not group_port
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.device = torch.device(device) if device is not None else (
@@ -54,12 +82,51 @@ class TRLWeightSyncClient:
         self.rank: int | None = None
 
     def init_communicator(self) -> None:
-        """Ask the server to open the group (it answers at once), then join it as the last rank."""
+        """Ask the server to open the group (it answers at once), then join it as the last rank.
+
+        Raises:
+            PortTakenError: (``group_port=0``) the server found :data:`PORT_TRIES` ports in a row
+                taken; (a port given) the server could not bind it.
+            What :meth:`TransferGroup.create` raises (e.g. ``TransferTimeoutError``)."""
         world = self.http.get_world_size() + 1
-        self.http.init_communicator("0.0.0.0", self.group_port, world, wire="rlserve")
         self.rank = world - 1
-        self.group = TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world,
-                                          self.timeout_s, self.device)
+        for attempt in range(1, (PORT_TRIES if self._pick_port else 1) + 1):
+            if self._pick_port:
+                self.group_port = free_port()
+            self.http.init_communicator("0.0.0.0", self.group_port, world, wire="rlserve")
+            try:
+                self.group = self._join(world)
+                return
+            except PortTakenError as e:
+                if not self._pick_port or attempt == PORT_TRIES:
+                    raise
+                logger.warning("%s; init_communicator again on a fresh port (try %d of %d)", e, attempt + 1,
+                               PORT_TRIES)
+
+    def _join(self, world: int) -> TransferGroup:
+        """Join the group as rank ``world - 1`` while watching the server's init: returns the group,
+        or raises :class:`PortTakenError` as soon as the server reports that it could not bind
+        :attr:`group_port` (then this side's join, still probing the port, is left to end at its
+        own timeout on a daemon thread and a group it might build is destroyed)."""
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world,
+                                                    self.timeout_s, self.device))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="rlserve-trl-join", daemon=True).start()
+        while True:
+            try:
+                return fut.result(timeout=_POLL_S)
+            except cf.TimeoutError:
+                pass
+            err = self.http.weight_info().get("trl", {}).get("error")
+            if err and address_in_use(err):
+                fut.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
+                raise PortTakenError(f"the server could not bind the group's port {self.group_port}: {err}")
 
     def update_named_param(self, name: str, weights: torch.Tensor) -> None:
         """Announce one tensor, then broadcast its bytes from this (the last) rank."""

@@ -1,0 +1,129 @@
+"""No port race in the transfer group's rendezvous (tests/README.md, "Ports").
+
+- The trainer SDK (``master_port=0``, the default) hosts its ``TCPStore`` before the server hears
+  of the port: the port is listening when ``/init_weight_transfer_engine`` is sent.
+- TRL's protocol, where the server binds the port the trainer names: ``TRLWeightSyncClient``
+  with ``group_port=0`` picks another port when the server reports ``EADDRINUSE``. The retry is
+  forced here: the test holds the first port it hands out (bound, not listening: the server's
+  bind fails, a connect is refused), so the first try fails on every run, never by chance.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import httpx
+import pytest
+import torch
+
+from rlserve.server.launch import bound_socket, free_port
+from rlserve.transfer import GlooTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
+from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.sdk.init_info import _port_in_use
+from tests.transfer_harness import InProcessServer
+from tests.transfer_sync import PROMPT_IDS, hf_greedy, llama, server_greedy  # noqa: F401 (llama: a fixture)
+
+T = 60.0
+
+
+class _ServerStandIn:
+    """The part of ``HTTPWeightSyncClient`` a ``GroupTrainerEngine`` init uses, played by the test:
+    its ``init_weight_transfer_engine`` records whether the trainer's store already listens on the
+    announced port, then joins the group as the server's one worker (rank 1) on that port."""
+
+    def __init__(self):
+        self.session = None
+        self.seen: list[tuple[int, bool]] = []
+        self.groups: list[TransferGroup] = []
+
+    def init_weight_transfer_engine(self, init_info: dict, timeout_s: float | None = None) -> dict:
+        port = init_info["master_port"]
+        self.seen.append((port, _port_in_use(port)))
+        self.groups.append(TransferGroup.create("gloo", "127.0.0.1", port, 1, 2, T, session=init_info["session"]))
+        return {"ok": True}
+
+    def shutdown_weight_transfer_engine(self) -> dict:
+        for g in self.groups:
+            g.destroy(wait_s=5.0)
+        return {}
+
+
+def test_sdk_store_listens_before_the_server_is_told():
+    """The old SDK picked ``_free_port()`` (closed again) and sent it while its rendezvous thread
+    bound it: at the HTTP call the port was free, and another process could take it."""
+    stand_in = _ServerStandIn()
+    info = GlooTrainerInitInfo(world_size=2, timeout_s=T)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=stand_in, source=ModuleSource(torch.nn.Linear(2, 2)))
+    try:
+        (port, listening), = stand_in.seen
+        assert listening, f"the trainer's store was not listening on {port} when the server was told"
+        assert info.master_port == port == eng.group.master_port and eng.group.alive
+        eng.reinit()  # a re-init hosts a new store, listening before it is announced too
+        assert len(stand_in.seen) == 2 and stand_in.seen[1][1], stand_in.seen
+        assert info.master_port == stand_in.seen[1][0] == eng.group.master_port
+    finally:
+        eng.shutdown()
+
+
+def test_trl_client_retries_a_port_the_server_could_not_bind(llama, monkeypatch, caplog):  # noqa: F811
+    from rlserve.transfer.sdk import trl
+
+    path, hf = llama
+    held = bound_socket()  # taken by "another process": the server's bind gets EADDRINUSE
+    taken = held.getsockname()[1]
+    picks: list[int] = []
+
+    def pick(host: str = "127.0.0.1") -> int:
+        picks.append(taken if not picks else free_port(host))
+        return picks[-1]
+
+    monkeypatch.setattr(trl, "free_port", pick)
+    try:
+        with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": T}) as srv, \
+                caplog.at_level(logging.WARNING, logger=trl.__name__):
+            c = trl.TRLWeightSyncClient(srv.url, group_port=0, timeout_s=T)
+            c.init_communicator()
+            assert len(picks) == 2 and picks[0] == taken and c.group_port == picks[1] != taken, picks
+            warned = [r.getMessage() for r in caplog.records if r.name == trl.__name__]
+            assert len(warned) == 1 and f"port {taken}" in warned[0] and "try 2 of 3" in warned[0], warned
+            assert "in use" in warned[0].lower(), warned  # the server's own EADDRINUSE, quoted
+            info = httpx.get(srv.url + "/weight_info", timeout=T).json()
+            assert info["state"] == "ready" and info["init_info"]["master_port"] == c.group_port, info
+            c.update_model_params(hf)
+            c.reset_prefix_cache()
+            assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+            c.close_communicator()
+    finally:
+        held.close()
+
+
+def test_trl_client_given_a_taken_port_says_so(llama):  # noqa: F811
+    """A port given (not 0) is not replaced: the init fails with the server's reason, and the
+    server is back to ``uninitialized`` (a later init on a free port works)."""
+    from rlserve.transfer.sdk import trl
+
+    path, _hf = llama
+    held = bound_socket()
+    try:
+        with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": T}) as srv:
+            c = trl.TRLWeightSyncClient(srv.url, group_port=held.getsockname()[1], timeout_s=T)
+            with pytest.raises(trl.PortTakenError) as ei:
+                c.init_communicator()
+            assert f"port {held.getsockname()[1]}" in str(ei.value) and c.group is None, ei.value
+            assert httpx.get(srv.url + "/weight_info", timeout=T).json()["state"] == "uninitialized"
+    finally:
+        held.close()
+
+
+def test_held_socket_refuses_connections():
+    """The premise of the tests above: a bound socket that does not listen reserves its port (no
+    bind, even with ``SO_REUSEADDR``) and refuses connections (nothing answers there)."""
+    held = bound_socket()
+    try:
+        port = held.getsockname()[1]
+        assert _port_in_use(port)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=T).close()
+    finally:
+        held.close()
