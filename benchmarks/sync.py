@@ -173,7 +173,7 @@ def trl_sync(url: str, named, repeats: int, backend: str, device: str, timeout_s
     """TRL legacy: per tensor one ``POST /update_named_param/`` + one broadcast, then
     ``/reset_prefix_cache/`` (the server lands every queued tensor before it answers).
     One warm-up pass, then ``repeats`` timed ones."""
-    trl = TRLWeightSyncClient(url, group_port=free_port(), backend=backend, device=device, timeout_s=timeout_s)
+    trl = TRLWeightSyncClient(url, group_port=0, backend=backend, device=device, timeout_s=timeout_s)
     trl.init_communicator()
     times = []
     try:

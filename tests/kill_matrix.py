@@ -39,7 +39,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tests.kill_trainer import PHASES, random_weights, spawn_killed_trainer, trainer_init_info  # noqa: E402
-from tests.transfer_harness import InProcessServer, free_port  # noqa: E402
+from tests.transfer_harness import InProcessServer  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
@@ -275,7 +275,7 @@ def run_config(path: str, meta: list, cfg: Config, timeout_s: float = 2.0, phase
             good.sync(srv, cfg, bucket_bytes)
             try:
                 times: dict = {}
-                spawn_killed_trainer(srv.url, free_port(), timeout_s, cfg.protocol, phase, meta, BAD_SEED,
+                spawn_killed_trainer(srv.url, 0, timeout_s, cfg.protocol, phase, meta, BAD_SEED,
                                      packed=cfg.packed, bucket_bytes=bucket_bytes, backend=cfg.backend,
                                      device=device, setup=setup, times=times)
                 info = wait_given_up(srv.url, 30 + 10 * timeout_s,

@@ -92,11 +92,10 @@ def trainer_init_info(backend: str, packed: bool, bucket_bytes: int, timeout_s: 
                       port: int | None = None):
     """The SDK's ``*TrainerInitInfo`` for ``backend`` ("gloo", "nccl" on ``device``, "ipc")."""
     from rlserve.transfer import GlooTrainerInitInfo, IPCTrainerInitInfo, NCCLTrainerInitInfo
-    from tests.transfer_harness import free_port
 
     if backend == "ipc":
         return IPCTrainerInitInfo(timeout_s=timeout_s, packed=packed, packed_buffer_size_bytes=bucket_bytes)
-    kw = dict(master_port=port or free_port(), world_size=2, timeout_s=timeout_s, packed=packed,
+    kw = dict(master_port=port or 0, world_size=2, timeout_s=timeout_s, packed=packed,
               packed_buffer_size_bytes=bucket_bytes)
     if backend == "nccl":
         return NCCLTrainerInitInfo(device=device, **kw)
@@ -314,8 +313,9 @@ def spawn_killed_trainer(url: str, port: int, timeout_s: float, protocol: str, p
     """Run a trainer process that dies at ``phase`` (module docstring) and wait for it to end.
 
     Args:
-        url: the server. port: a free port for the group's TCPStore (the trainer hosts it;
-            TRL: the server's worker 0 does).
+        url: the server. port: the group's TCPStore port (the trainer hosts it; TRL: the server's
+            worker 0 does); 0: the SDK's pick, bound before the server is told (TRL: a free port,
+            another if the server finds it taken), as the tests pass it.
         protocol: ``"sdk"`` (start / update / finish, :class:`WeightTransferTrainerFactory`) or
             ``"trl"`` (:class:`~rlserve.transfer.sdk.trl.TRLWeightSyncClient`).
         meta: ``(name, dtype name, shape)`` of every tensor, in order (the server's checkpoint).

@@ -154,15 +154,15 @@ def test_fsdp2_trainer_experts(moe, server, tmp_path):
     import sys
 
     from tests.test_transfer_e2e import FSDP_TRAINER, ROOT
-    from tests.transfer_harness import free_ports, load_hf
+    from tests.transfer_harness import load_hf
 
     path, _ = moe
     want = load_hf(path, seed=3)  # what FSDP_TRAINER loads
     scramble(server.url, path)
     v0 = version(server.url)
     script = tmp_path / "fsdp_trainer.py"
-    dist_port, port = free_ports(2)  # distinct (two free_port() calls can give one port twice)
-    script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=dist_port, port=port, path=path, url=server.url))
+    script.write_text(FSDP_TRAINER.format(root=ROOT, rendezvous=str(tmp_path / "fsdp_rendezvous"), path=path,
+                                          url=server.url))
     r = run_script([sys.executable, str(script)], 300, cwd=ROOT)  # starved: longer
     assert f"0 DONE {bumped(v0)}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
     assert_checker_matches(server.url, want)
@@ -175,7 +175,6 @@ def test_sync_into_tp2_server(moe):
     expert's intermediate dim (w13 rows, w2 columns); the shared expert likewise. Greedy tokens
     then equal the trainer's and ``/weight_checker`` (the shards gathered back) matches."""
     from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, WeightTransferTrainerFactory
-    from tests.transfer_harness import free_port
 
     path, hf = moe
     with InProcessServer(path, max_model_len=128, tensor_parallel_size=2) as srv:

@@ -127,3 +127,52 @@ def test_held_socket_refuses_connections():
             socket.create_connection(("127.0.0.1", port), timeout=T).close()
     finally:
         held.close()
+
+
+def test_ready_url_reads_the_port_the_server_bound():
+    """``rlserve serve --port 0`` names its port in its ready line (rlserve/cli/serve.py's format);
+    launchers (DemoServer with ``url=None``, LocalServers, the Ray launcher) read it from there."""
+    from rlserve.demo import DemoServer
+    from rlserve.server.launch import ready_url
+
+    line = ("rlserve: serving '/m' as 'm' on http://0.0.0.0:41234 (OpenAI API at http://0.0.0.0:41234/v1, "
+            "weight version 0)\n")
+    assert ready_url("starting\n") is None
+    assert ready_url("starting\n" + line) == "http://127.0.0.1:41234"
+    assert ready_url(line, host="10.1.2.3") == "http://10.1.2.3:41234"
+    assert ready_url(line.replace("0.0.0.0", "[::]")) == "http://127.0.0.1:41234"
+    assert ready_url(line.replace("0.0.0.0", "192.168.0.7")) == "http://192.168.0.7:41234"
+    with pytest.raises(ValueError, match="needs a log file"):
+        DemoServer(["x"], None, log_path="-")
+
+
+def test_router_starts_again_on_new_ports_when_one_was_taken(monkeypatch, caplog):
+    """The SGLang router binds ports picked for it; the first pick is taken on purpose (a socket
+    this test holds), so its first start fails with EADDRINUSE on every run and the second, on
+    new ports, serves."""
+    from rlserve.scaleout import router as rt
+
+    why = rt.router_available()
+    if why is not None:
+        pytest.skip(why)
+    held = bound_socket()
+    taken = held.getsockname()[1]
+    picks: list[list[int]] = []
+
+    def pick(n: int, host: str = "127.0.0.1") -> list[int]:
+        got = real(n, host)
+        if not picks:
+            got[-1] = taken  # the router's own port (the metrics port stays a free one)
+        picks.append(list(got))
+        return got
+
+    real = rt.free_ports
+    monkeypatch.setattr(rt, "free_ports", pick)
+    try:
+        with caplog.at_level(logging.WARNING, logger=rt.__name__), rt.SGLangRouter([], startup_timeout_s=T) as r:
+            assert len(picks) == 2 and picks[0][-1] == taken and r.port == picks[1][-1] != taken, picks
+            warned = [x.getMessage() for x in caplog.records if x.name == rt.__name__]
+            assert len(warned) == 1 and f"port {taken}" in warned[0] and "try 2 of 3" in warned[0], warned
+            assert r.workers() == [] and httpx.get(r.url + "/health", timeout=T).status_code == 200
+    finally:
+        held.close()

@@ -30,7 +30,7 @@ from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleS
                               WeightTransferTrainerFactory, hf_state_checksums)
 from tests.kill_matrix import model_meta, wait_given_up
 from tests.kill_trainer import spawn_killed_trainer
-from tests.transfer_harness import InProcessServer, free_port, load_hf, wrong_second_bucket_sum
+from tests.transfer_harness import InProcessServer, load_hf, wrong_second_bucket_sum
 
 PROMPTS = [[5, 17, 42, 9, 77, 3], [100, 101, 7, 8]]
 N_TOK = 6
@@ -175,7 +175,7 @@ class Rig:
         """A trainer process of other weights SIGKILLed after its first bucket, before the second."""
         # (timeout_s 30 as the other trainers: gloo's 2 s connect / receive timeouts failed this
         # harness under load; the death is noticed by the server's liveness watch, not a timeout)
-        spawn_killed_trainer(self.url, free_port(), 30.0, "sdk", "between_buckets", self.meta, seed=3,
+        spawn_killed_trainer(self.url, 0, 30.0, "sdk", "between_buckets", self.meta, seed=3,
                              bucket_bytes=BUCKET)
         wait_given_up(self.url, T)
 
@@ -265,7 +265,7 @@ def test_sleep_matrix(rig, level, monkeypatch):
             elif action == "killed":
                 if order == "asleep" and level == 1:
                     with pytest.raises(AssertionError):  # start_weight_update answered 409: no bucket sent
-                        spawn_killed_trainer(url, free_port(), 2.0, "sdk", "between_buckets", rig.meta, seed=3,
+                        spawn_killed_trainer(url, 0, 2.0, "sdk", "between_buckets", rig.meta, seed=3,
                                              bucket_bytes=BUCKET, wait_s=60)
                 else:
                     rig.killed_sync()

@@ -4,6 +4,7 @@ unpacked broadcast, failure detection, teardown and re-init."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.server.launch import free_port, parent_death_signal
+from rlserve.server.launch import bound_socket, parent_death_signal
 from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError, WeightTransferFailedError
-from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 from rlserve.transfer.wire.packing import (
     ALIGN,
     BucketBuffers,
@@ -123,13 +124,17 @@ def test_update_info_validation():
 
 
 # --------------------------------------------------------------------------- two ranks (threads)
-def run_pair(port, sender_fn, receiver_fn, timeout_s=20.0):
-    """Trainer (rank 0, hosts the store) and one receiver (rank 1), each on a thread."""
+def run_pair(sender_fn, receiver_fn, timeout_s=20.0, port=0):
+    """Trainer (rank 0, hosts the store) and one receiver (rank 1), each on a thread. ``port`` 0:
+    the store listens on a port the kernel picked before the receiver is told (``bind_master_store``,
+    as the SDK does); else that port."""
     results, errors = {}, {}
+    store = bind_master_store("127.0.0.1", timeout_s) if not port else None
+    port = port or store.port
 
     def trainer():
         try:
-            g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, timeout_s)
+            g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, timeout_s, store=store)
             try:
                 results["trainer"] = sender_fn(g)
             finally:
@@ -171,7 +176,7 @@ def test_broadcast_bit_identical(packed, size, nbuf):
             got[n] = t.clone()
 
     send = send_packed if packed else send_unpacked
-    res, err = run_pair(free_port(), lambda g: send(g, info, iter(ts), torch.device("cpu")),
+    res, err = run_pair(lambda g: send(g, info, iter(ts), torch.device("cpu")),
                         lambda r: r.receive(info, sink))
     assert not err, err
     assert list(got) == [n for n, _ in ts]
@@ -194,7 +199,7 @@ def test_checksum_mismatch_detected_before_sink():
     bad = UpdateInfo(**{**info.__dict__, "checksums": list(info.checksums)})
     bad.checksums[1] += 1  # the receiver expects another sum for bucket 1
     seen = []
-    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
+    res, err = run_pair(lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
                         lambda r: r.receive(bad, lambda pairs: seen.extend(n for n, _ in pairs)), timeout_s=2)
     assert isinstance(err.get("receiver"), ChecksumMismatchError), err
     assert "bucket 2/" in str(err["receiver"])
@@ -207,7 +212,7 @@ def test_source_must_match_announced_metadata():
     info = info_for(ts)
     wrong = [(n, t) for n, t in ts]
     wrong[0] = ("a.weight", torch.randn(2, 2))
-    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(wrong), torch.device("cpu")),
+    res, err = run_pair(lambda g: send_packed(g, info, iter(wrong), torch.device("cpu")),
                         lambda r: r.receive(info, lambda p: None), timeout_s=3)
     assert isinstance(err.get("trainer"), ValueError)
     assert isinstance(err.get("receiver"), WeightTransferFailedError)  # peer left / timed out: no hang
@@ -236,7 +241,7 @@ def test_send_buffers_reused_across_updates():
             r.receive(info, lambda p: d.update({n: t.clone() for n, t in p}))
             got.append(d)
 
-    res, err = run_pair(free_port(), send, recv)
+    res, err = run_pair(send, recv)
     assert not err, err
     assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 2
     for d in got:
@@ -258,7 +263,7 @@ def test_tensors_laid_out_like_the_buckets_are_sent_unpacked(after):
         info.checksums, info.checksums_after_data = None, True
     bufs = BucketBuffers()
     got = {}
-    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu"), buffers=bufs),
+    res, err = run_pair(lambda g: send_packed(g, info, iter(ts), torch.device("cpu"), buffers=bufs),
                         lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})))
     assert not err, err
     assert bufs._bufs == []
@@ -267,38 +272,52 @@ def test_tensors_laid_out_like_the_buckets_are_sent_unpacked(after):
 
 
 def test_reinit_after_teardown_same_port():
-    port = free_port()
+    """Rank 0 hosts its store on the port its last group used (freed by the teardown; another
+    process could take it in between: that window is what this re-bind is, so it stays)."""
     ts = make_tensors(4)
     info = info_for(ts)
+    ports = []
+
+    def send(g):
+        ports.append(g.master_port)
+        return send_packed(g, info, iter(ts), torch.device("cpu"))
+
     for _ in range(2):
         got = {}
-        res, err = run_pair(port, lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
-                            lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})))
+        res, err = run_pair(send, lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})),
+                            port=ports[0] if ports else 0)
         assert not err, err
         assert torch.equal(got["d.weight"], ts[5][1])
+    assert len(ports) == 2 and ports[0] == ports[1], ports
 
 
 def test_rendezvous_timeout_when_trainer_never_comes():
-    init = InitInfo(backend="gloo", master_port=free_port(), world_size=2, timeout_s=1.5)
-    r = WeightReceiver(init, 1, torch.device("cpu"))
-    t0 = time.monotonic()
-    with pytest.raises(WeightTransferFailedError):
-        r.connect()
-    assert time.monotonic() - t0 < 10
+    held = bound_socket()  # the port stays taken and refuses connections: no trainer, by construction
+    try:
+        init = InitInfo(backend="gloo", master_port=held.getsockname()[1], world_size=2, timeout_s=1.5)
+        r = WeightReceiver(init, 1, torch.device("cpu"))
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferFailedError):
+            r.connect()
+        assert time.monotonic() - t0 < 10
+    finally:
+        held.close()
 
 
 # --------------------------------------------------------------------------- SIGKILL mid-update
 TRAINER_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {root!r})
-    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup, bind_master_store
     from rlserve.transfer.wire.packing import plan_buckets, max_bucket_bytes, pack
     from rlserve.transfer.sdk.sender import send_header
     from tests.test_transfer_dataplane import make_tensors, info_for
     ts = make_tensors(5)
     info = info_for(ts, size=600)
     plan = plan_buckets(info.names, info.dtypes(), info.shapes, 600)
-    g = TransferGroup.create("gloo", "127.0.0.1", {port}, 0, 2, 30.0)
+    store = bind_master_store("127.0.0.1", 30.0)
+    print("PORT", store.port, flush=True)
+    g = TransferGroup.create("gloo", "127.0.0.1", store.port, 0, 2, 30.0, store=store)
     buf = torch.empty(max_bucket_bytes(plan), dtype=torch.uint8)
     by_name = dict(ts)
     b = plan[0]
@@ -311,12 +330,16 @@ TRAINER_SCRIPT = textwrap.dedent("""
 
 
 def test_trainer_sigkill_mid_update_receiver_does_not_hang():
-    port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER_SCRIPT.format(root=root, port=port)],
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER_SCRIPT.format(root=root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
                             preexec_fn=parent_death_signal())
     try:
+        # its store listens before it says where (bind_master_store); bounded: a hang, not a speed
+        assert select.select([proc.stdout], [], [], 300)[0], "the trainer never said its port"
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        port = int(line.split()[1])
         ts = make_tensors(5)
         info = info_for(ts, size=600)
         init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=30.0)

@@ -30,7 +30,7 @@ from rlserve.transfer import (
 )
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 from tests.tiny_models import ARCHS
-from tests.transfer_harness import (free_port, free_ports, greedy_continuation, kill_trainer_script, killed_at,
+from tests.transfer_harness import (greedy_continuation, kill_trainer_script, killed_at,
                                     load_hf, run_script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,7 +180,7 @@ def test_trainer_sigkill_noticed_in_seconds(tiny_model, shared_servers, staging,
         synced = server_checksums(srv.url)
         eng.shutdown()
         for point in points:
-            script = kill_trainer_script(ROOT, path, srv.url, free_port(), timeout_s=300, scale=0.5, kill_at=point)
+            script = kill_trainer_script(ROOT, path, srv.url, 0, timeout_s=300, scale=0.5, kill_at=point)
             proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
                                   cwd=ROOT)
             assert "KILLING" in proc.stdout, proc.stderr[-3000:]
@@ -309,7 +309,7 @@ def test_trl_flow_end_to_end(tiny_model, shared_servers):
     with server_for(shared_servers, tiny_model, "qwen3") as srv:
         v0 = version_number(srv.url)
         assert generate(srv.url).json()["completion_ids"] != [hf_greedy(hf, p) for p in PROMPTS]
-        c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=30)
+        c = TRLWeightSyncClient(srv.url, group_port=0, timeout_s=30)
         c.init_communicator()
         c.update_model_params(hf)
         c.reset_prefix_cache()  # lands the queued tensors before it answers
@@ -347,8 +347,9 @@ FSDP_TRAINER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
 
     def main(rank, world):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{dist_port}")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # the trainer's own group meets in a file (no port to pick); the SDK hosts the transfer
+        # group's store on a port the kernel picks (master_port 0, the default)
+        dist.init_process_group("gloo", init_method="file://" + {rendezvous!r}, rank=rank, world_size=world)
         from torch.distributed.fsdp import fully_shard
         from tests.transfer_harness import load_hf
         from rlserve.transfer import (GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource,
@@ -359,7 +360,7 @@ FSDP_TRAINER = textwrap.dedent("""
         fully_shard(m)
         assert type(next(m.parameters())).__name__ == "DTensor"
         eng = WeightTransferTrainerFactory.trainer_init(
-            init_info=GlooTrainerInitInfo(master_port={port}, world_size=2, rank=rank, timeout_s=60,
+            init_info=GlooTrainerInitInfo(world_size=2, rank=rank, timeout_s=60,
                                           packed_buffer_size_bytes=64 << 10),
             client=HTTPWeightSyncClient({url!r}) if rank == 0 else None, source=ModuleSource(m))
         fin = eng.send_weights()   # every rank: full_tensor() gathers; rank 0 sends
@@ -382,8 +383,8 @@ def test_fsdp2_trainer_two_ranks(tiny_model, shared_servers, tmp_path):
     with server_for(shared_servers, tiny_model, "llama_tied") as srv:
         v0 = version_number(srv.url)
         assert server_checksums(srv.url) != hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)
-        dist_port, port = free_ports(2)  # distinct (two free_port() calls can give one port twice)
-        script.write_text(FSDP_TRAINER.format(root=ROOT, dist_port=dist_port, port=port, path=path, url=srv.url))
+        script.write_text(FSDP_TRAINER.format(root=ROOT, rendezvous=str(tmp_path / "fsdp_rendezvous"), path=path,
+                                              url=srv.url))
         r = run_script([sys.executable, str(script)], 300, cwd=ROOT)  # starved: longer
         assert f"0 DONE {v0 + 1}" in r.stdout and "1 DONE None" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
         mine = hf_state_checksums(ModuleSource(hf).named_tensors(), torch.float32)

@@ -33,7 +33,7 @@ from rlserve.transfer.wire.packing import (
 from rlserve.transfer.wire.protocol import UpdateInfo, dtype_to_name
 from rlserve.transfer.wire.header import LayoutMismatchError, check_layout_header
 from rlserve.transfer.sdk.sender import send_packed, send_unpacked
-from tests.test_transfer_dataplane import free_port, info_for, make_tensors, run_pair
+from tests.test_transfer_dataplane import info_for, make_tensors, run_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +124,7 @@ def test_updates_with_header_bit_identical(packed, after):
             posted.extend(rec)
 
     send = send_packed if packed else send_unpacked
-    res, err = run_pair(free_port(), lambda g: send(g, info, iter(ts), torch.device("cpu")), recv)
+    res, err = run_pair(lambda g: send(g, info, iter(ts), torch.device("cpu")), recv)
     assert not err, err
     for n, t in ts:
         assert got[n].dtype == t.dtype and torch.equal(as_bytes(got[n]), as_bytes(t)), n
@@ -155,7 +155,7 @@ def test_direct_receive_with_header():
         r.group.broadcast = broadcast
         return r.receive(info, lambda p: None, direct=lambda i: views[i])
 
-    res, err = run_pair(free_port(), lambda g: send_packed(g, info, iter(ts), torch.device("cpu")), recv)
+    res, err = run_pair(lambda g: send_packed(g, info, iter(ts), torch.device("cpu")), recv)
     assert not err, err
     assert res["receiver"]["direct"] is True
     assert posted_ptrs[0] not in addrs  # the header: not into the parameters' memory
@@ -226,13 +226,13 @@ def _mismatch_case(name: str) -> dict:
         finally:
             out["receiver_s"] = time.monotonic() - t0
 
-    res, err = run_pair(free_port(), sender_fn, recv, timeout_s=30)
+    res, err = run_pair(sender_fn, recv, timeout_s=30)
     out.update({k: f"{type(e).__name__}: {e}" for k, e in err.items()})
     # the process lives on: a good update over a fresh group (a re-init) still works
     ts = make_tensors(22)
     good = info_for(ts, size=600)
     got: dict = {}
-    res, err = run_pair(free_port(), lambda g: send_packed(g, good, iter(ts), torch.device("cpu")),
+    res, err = run_pair(lambda g: send_packed(g, good, iter(ts), torch.device("cpu")),
                         lambda r: r.receive(good, lambda p: got.update({n: t.clone() for n, t in p})))
     out["next_update_ok"] = not err and all(torch.equal(as_bytes(got[n]), as_bytes(t)) for n, t in ts)
     return out

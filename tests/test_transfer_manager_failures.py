@@ -7,6 +7,7 @@ sync serves again."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -17,7 +18,7 @@ import torch
 
 from rlserve.transfer import ModuleSource, WeightSyncHTTPError, hf_state_checksums
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import (InProcessServer, free_port, wait_buckets_done, wait_for_state,
+from tests.transfer_harness import (InProcessServer, bound_socket, free_port, wait_buckets_done, wait_for_state,
                                     wrong_second_bucket_sum)
 from tests.transfer_sync import (  # noqa: F401 (llama: a fixture)
     PROMPT_IDS,
@@ -239,7 +240,7 @@ def test_trl_reset_reports_a_failed_transfer_as_504(llama):
     trainer announced it and never broadcast) is a timeout: 504, not a 400 'invalid request'."""
     path, _hf = llama
     with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": 2}) as srv:
-        trl = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
+        trl = TRLWeightSyncClient(srv.url, group_port=0, timeout_s=20)
         trl.init_communicator()
         trl.http.update_named_param("model.norm.weight", "torch.float32", [64])  # no broadcast follows
         r = httpx.post(srv.url + "/reset_prefix_cache/", timeout=60)
@@ -275,12 +276,14 @@ def test_a_pending_init_is_cancelled_by_shutdown_and_by_a_newer_init(llama, shar
     ``/shutdown_weight_transfer_engine`` blocked for all of it and every other init got 409. Now
     both cancel it at once; the cancelled call answers 409 and names what cancelled it."""
     path, hf = llama
-    with shared(path) as srv:
+    held = bound_socket()  # a port nothing listens on and nothing else can take: the trainer never comes
+    with shared(path) as srv, contextlib.closing(held):
         out: dict = {}
 
         def bogus_init():
             out["r"] = httpx.post(srv.url + "/init_weight_transfer_engine", timeout=120, json={"init_info": {
-                "master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 30}})
+                "master_address": "127.0.0.1", "master_port": held.getsockname()[1], "world_size": 2,
+                "timeout_s": 30}})
 
         def pending() -> threading.Thread:
             th = threading.Thread(target=bogus_init)

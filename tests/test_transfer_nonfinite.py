@@ -18,7 +18,7 @@ import torch
 from rlserve.transfer import ModuleSource, TensorListSource, WeightsRefusedNonFiniteError, hf_state_checksums
 from rlserve.transfer.errors import NonFiniteWeightsError
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer
 from tests.transfer_sync import (  # noqa: F401 (llama, llama384: fixtures)
     PROMPT_IDS,
     bumped,
@@ -174,7 +174,7 @@ def test_nonfinite_over_trls_routes(llama, shared, staging):
     with torch.no_grad():
         dict(bad.named_parameters())[TARGET].view(-1)[3] = -INF
     with shared(path, staging) as srv:
-        c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
+        c = TRLWeightSyncClient(srv.url, group_port=0, timeout_s=20)
         c.init_communicator()
         c.update_model_params(hf)
         c.reset_prefix_cache()
@@ -190,7 +190,7 @@ def test_nonfinite_over_trls_routes(llama, shared, staging):
         else:
             assert r.status_code == 200 and checksums(srv.url) == base
         c.close_communicator()
-        c = TRLWeightSyncClient(srv.url, group_port=free_port(), timeout_s=20)
+        c = TRLWeightSyncClient(srv.url, group_port=0, timeout_s=20)
         c.init_communicator()
         c.update_model_params(hf)
         c.reset_prefix_cache()
@@ -239,12 +239,13 @@ def test_vllm_wire_nonfinite(packed, check):
     carried over gloo as in test_vllm_wire (vLLM's NCCL communicator needs CUDA): the bucket /
     tensor holding the NaN / inf is refused before the sink sees it, naming the tensor; with the
     check off every tensor arrives bit for bit."""
-    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup, bind_master_store
     from rlserve.transfer.backends.vllm_group import plan_vllm_buckets
     from rlserve.transfer.server.receiver import WeightReceiver
     from rlserve.transfer.wire.protocol import InitInfo, UpdateInfo, dtype_to_name
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 60)  # rank 0's, listening before rank 1 is told
+    port = store.port
     init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=60)
     init.wire = "vllm"
     named = _vllm_wire_tensors(INF, fp8=packed)
@@ -254,7 +255,7 @@ def test_vllm_wire_nonfinite(packed, check):
     plan = plan_vllm_buckets(info.names, info.dtypes(), info.shapes, 500)
 
     def send():
-        g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, 60)
+        g = TransferGroup.create("gloo", "127.0.0.1", port, 0, 2, 60, store=store)
         msgs = [torch.cat([named[sl.index][1].reshape(-1).view(torch.uint8) for sl in b.slots]) for b in plan] \
             if packed else [t for _, t in named]
         for m in msgs:

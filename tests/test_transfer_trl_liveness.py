@@ -15,7 +15,7 @@ import pytest
 
 from rlserve.transfer.server.tcp_peer import StoreConnectionLiveness, _ip, own_endpoints, tcp_table
 from rlserve.server.launch import parent_death_signal
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux's /proc/net/tcp")
 
@@ -73,7 +73,7 @@ def test_trl_trainer_killed_between_tensors_fails_the_batch_at_once(tiny_model):
     path = tiny_model("llama")
     meta = model_meta(path)
     with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": 300}) as srv:
-        spawn_killed_trainer(srv.url, free_port(), 300, "trl", "between_buckets", meta, BAD_SEED, packed=False)
+        spawn_killed_trainer(srv.url, 0, 300, "trl", "between_buckets", meta, BAD_SEED, packed=False)
         t_kill = time.monotonic()
         while (info := httpx.get(srv.url + "/weight_info", timeout=30).json())["state"] != "uninitialized":
             assert time.monotonic() - t_kill < 120, f"not noticed (timeout_s is 300): {info}"

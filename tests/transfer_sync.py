@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlserve.transfer import GlooTrainerInitInfo, HTTPWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
-from tests.transfer_harness import InProcessServer, free_port, greedy_continuation, load_hf
+from tests.transfer_harness import InProcessServer, greedy_continuation, load_hf
 
 PROMPT_IDS = [[5, 17, 42, 9, 77, 3], [100, 101, 7]]
 N_TOK = 6
@@ -127,7 +127,7 @@ def trl_synced(url, hf):
     server's greedy tokens are checked to be ``hf``'s. Returns the client, communicator open."""
     from rlserve.transfer.sdk.trl import TRLWeightSyncClient
 
-    c = TRLWeightSyncClient(url, group_port=free_port(), timeout_s=20)
+    c = TRLWeightSyncClient(url, group_port=0, timeout_s=20)
     c.init_communicator()
     c.update_model_params(hf)
     c.reset_prefix_cache()  # lands the queued tensors before it answers

@@ -135,10 +135,13 @@ def run_demo(opts: DemoOptions) -> DemoResult:
             log(f"[demo] model {model_path} ({source})")
             log(f"[demo] {layout.describe()}")
 
-            port = opts.port or free_port()
+            # --port 0: the server binds a port the kernel picks and names it in its ready line (read
+            # from its log); on the terminal ('-') that line cannot be read: a port picked here
+            # (free_port), which another process can take before the server binds it
+            port = opts.port or (free_port() if opts.server_log == "-" else 0)
             env = server_env(layout.server_device)
             cmd = serve_command(model_path, layout, port, quantization=opts.quantization, extra_args=opts.server_args)
-            server = DemoServer(cmd, f"http://127.0.0.1:{port}", env=env, log_path=opts.server_log,
+            server = DemoServer(cmd, f"http://127.0.0.1:{port}" if port else None, env=env, log_path=opts.server_log,
                                 startup_timeout_s=opts.startup_timeout_s)
             t = time.perf_counter()
             server.start()

@@ -37,19 +37,39 @@ class DemoServer(ServerSubprocess):
 
     Args:
         cmd: the command line (:func:`serve_command`).
-        url: the base URL it will answer on (``http://127.0.0.1:PORT``).
+        url: the base URL it will answer on (``http://127.0.0.1:PORT``); ``None``: ``cmd`` is an
+            ``rlserve serve`` with ``--port 0``, which binds a port the kernel picks (no other
+            process can take it first, as one picked here and bound there can be), and the URL
+            is read from its ready line (:meth:`ready_url`) by :meth:`wait_healthy`. Needs a log
+            file (not ``"-"``).
         env: extra environment variables.
         log_path: file for the server's stdout+stderr; ``"-"`` = this terminal; ``None`` = a
             new file ``rlserve-demo-server-*.log`` in the temporary directory (kept: its path is
             printed, and its tail is part of every error).
         startup_timeout_s: bound on the wait for ``/health``.
+        url_host: (``url=None``) the host of the URL in place of the ready line's (a node's
+            address where the server binds ``0.0.0.0``).
+
+    Attributes:
+        url: the base URL; ``None`` until :meth:`wait_healthy` read it when ``url`` was ``None``.
+
+    Raises:
+        ValueError: ``url=None`` with ``log_path="-"`` (the ready line would go to the terminal).
     """
 
-    def __init__(self, cmd: list[str], url: str, env: dict | None = None, log_path: str | None = None,
-                 startup_timeout_s: float = 600.0):
+    def __init__(self, cmd: list[str], url: str | None = None, env: dict | None = None,
+                 log_path: str | None = None, startup_timeout_s: float = 600.0, url_host: str | None = None):
+        if url is None and log_path == "-":
+            raise ValueError("a server on --port 0 needs a log file: its port is read from its ready line")
         super().__init__(env, log_path, startup_timeout_s, log_prefix="rlserve-demo-server-")
         self.cmd = list(cmd)
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/") if url is not None else None
+        self.url_host = url_host
+
+    def _url(self) -> str | None:
+        if self.url is None:
+            self.url = self.ready_url(self.url_host)
+        return self.url
 
     def start(self) -> "DemoServer":
         """Spawn the process (returns at once; :meth:`wait_healthy` waits)."""
@@ -60,7 +80,7 @@ class DemoServer(ServerSubprocess):
         """Block until ``GET /health`` answers 200; return the seconds waited. Raises
         :class:`ServerStartError` as soon as the process exits, or after ``startup_timeout_s``."""
         assert self.proc is not None, "start() first"
-        return wait_healthy(self.proc, self.url, self.startup_timeout_s, self.log_tail, poll_s=poll_s,
+        return wait_healthy(self.proc, self._url, self.startup_timeout_s, self.log_tail, poll_s=poll_s,
                             what=f"the server (log {self.log_path})", error=ServerStartError)
 
 

@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import signal
 from typing import Sequence
 
-from rlserve.demo import DemoServer, Layout, free_port, serve_command
+from rlserve.demo import DemoServer, Layout, serve_command
 from rlserve.server.launch import killpg
 
 #: Small CPU defaults for a fleet of tiny servers on a shared machine.
@@ -46,17 +46,18 @@ class LocalServers:
         client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.servers: list[DemoServer] = []
         for i in range(n):
-            port = free_port(client_host)
             extra = ["--weight-staging", staging, *extra_args]
             if admin_key:
                 extra += ["--admin-key", admin_key]
-            cmd = serve_command(model, layout, port, host=host, extra_args=extra)
+            # --port 0: each binds a port the kernel picks (none can be taken first), read from its ready line
+            cmd = serve_command(model, layout, 0, host=host, extra_args=extra)
             log = None if log_dir is None else f"{log_dir}/server{i}.log"
-            self.servers.append(DemoServer(cmd, f"http://{client_host}:{port}", log_path=log,
-                                           startup_timeout_s=startup_timeout_s))
+            self.servers.append(DemoServer(cmd, None, log_path=log, startup_timeout_s=startup_timeout_s,
+                                           url_host=client_host))
 
     @property
     def urls(self) -> list[str]:
+        """The servers' base URLs (``http://HOST:PORT``), known once :meth:`start` returned."""
         return [s.url for s in self.servers]
 
     @property

@@ -39,14 +39,16 @@ def ray_available() -> str | None:
 class _ServerProcess:
     """The body of the per-server actor (a plain class: Ray wraps it with ``ray.remote``)."""
 
-    def __init__(self, cmd: list[str], port: int, env: dict, log_path: str | None, startup_timeout_s: float):
+    def __init__(self, cmd: list[str], env: dict, log_path: str | None, startup_timeout_s: float):
         import ray
 
         from rlserve.demo import DemoServer
 
         self.ip = ray.util.get_node_ip_address()
-        self.server = DemoServer(cmd, f"http://{self.ip}:{port}", env=env, log_path=log_path,
-                                 startup_timeout_s=startup_timeout_s)
+        # cmd binds --port 0 (no port picked here and taken by another process before the bind):
+        # the URL is the node's address and the port of the server's ready line
+        self.server = DemoServer(cmd, None, env=env, log_path=log_path, startup_timeout_s=startup_timeout_s,
+                                 url_host=self.ip)
         self.server.start()
 
     def wait_ready(self) -> str:
@@ -76,12 +78,6 @@ class _ServerProcess:
 
     def log_tail(self, n_chars: int = 4000) -> str:
         return self.server.log_tail(n_chars)
-
-
-def _free_port_here() -> int:
-    from rlserve.demo import free_port
-
-    return free_port("0.0.0.0")
 
 
 @dataclass
@@ -185,14 +181,11 @@ def launch_servers(model: str, num_servers: int, tensor_parallel_size: int = 1, 
         raise RuntimeError(f"could not reserve {num_servers} x {bundle} ({strategy}) within "
                            f"{placement_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}") from e
     actor_cls = ray.remote(_ServerProcess)
-    port_fn = ray.remote(_free_port_here)
     actors: list = []
     try:
         for i in range(num_servers):
             sched = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            # the port is picked on the bundle's node (a task in the same bundle)
-            port = ray.get(port_fn.options(num_cpus=0, scheduling_strategy=sched).remote())
-            cmd = [sys.executable, "-m", "rlserve", "serve", model, "--host", "0.0.0.0", "--port", str(port),
+            cmd = [sys.executable, "-m", "rlserve", "serve", model, "--host", "0.0.0.0", "--port", "0",
                    "--weight-transfer-config", json.dumps({"backend": backend or ("nccl" if use_gpus else "gloo")})]
             if not use_gpus:
                 cmd += ["--device", "cpu"]
@@ -207,7 +200,7 @@ def launch_servers(model: str, num_servers: int, tensor_parallel_size: int = 1, 
             actors.append(actor_cls.options(
                 num_cpus=cpus_per_server, num_gpus=gpus if use_gpus else 0, scheduling_strategy=sched,
                 max_concurrency=4,  # kill / stop while wait_ready blocks
-            ).remote(cmd, port, dict(env or {}), log, startup_timeout_s))
+            ).remote(cmd, dict(env or {}), log, startup_timeout_s))
         urls = ray.get([a.wait_ready.remote() for a in actors], timeout=startup_timeout_s + 60)
         infos = ray.get([a.info.remote() for a in actors])
     except BaseException:

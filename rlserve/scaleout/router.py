@@ -31,12 +31,16 @@ What it does with rlserve servers (``sglang-router`` 0.3.2, checked here):
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from rlserve.demo import DemoServer, free_port
+from rlserve.demo import DemoServer, ServerStartError
+from rlserve.server.launch import PORT_TRIES, address_in_use, free_ports
+
+logger = logging.getLogger(__name__)
 
 #: The routing policies ``sglang-router`` 0.3 offers for regular (non-disaggregated) serving.
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -119,13 +123,18 @@ class SGLangRouter:
     Args:
         worker_urls: the rlserve servers to route to (``http://host:port``).
         host: the interface the router listens on (``0.0.0.0`` to serve other hosts).
-        port: its port (0: a free one).
+        port: its port (0: a free one). The router binds its ports itself, after they were
+            picked here (:func:`~rlserve.server.launch.free_ports`; it cannot bind port 0 and say
+            which it got): when it exits saying one was taken meanwhile (``EADDRINUSE``), it is
+            started again on new ones (a warning; up to
+            :data:`~rlserve.server.launch.PORT_TRIES` starts).
         options: :class:`RouterOptions`.
         log_path: the router's log file (``None``: a new temporary file; ``"-"``: this terminal).
         startup_timeout_s: bound on the wait until every worker is registered and healthy.
 
     Use as a context manager or call :meth:`start` / :meth:`stop`. ``url`` is the router's
-    OpenAI-compatible base URL (``/v1/completions`` etc.).
+    OpenAI-compatible base URL (``/v1/completions`` etc.); ``port`` / ``metrics_port`` its ports
+    (the last start's).
 
     Raises:
         RouterError: ``sglang-router`` is missing, or the router did not come up in time.
@@ -139,13 +148,20 @@ class SGLangRouter:
             raise RouterError(why)
         self.options = options or RouterOptions()
         self.host = host
-        self.port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
-        client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        self.url = f"http://{client_host}:{self.port}"
         self.startup_timeout_s = float(startup_timeout_s)
-        cmd = router_command(self.worker_urls, host, self.port, free_port(client_host), self.options)
-        self._proc = DemoServer(cmd, self.url, log_path=log_path, startup_timeout_s=startup_timeout_s)
+        self._given_port, self._log_path = port, log_path
+        self._new_process()
+
+    def _new_process(self) -> None:
+        """The router's process (not started) on freshly picked ports (``port``, if given, kept)."""
+        client_host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        picked = free_ports(1 if self._given_port else 2, client_host)  # distinct
+        self.port = self._given_port or picked.pop()
+        self.metrics_port = picked[0]
+        self.url = f"http://{client_host}:{self.port}"
+        cmd = router_command(self.worker_urls, self.host, self.port, self.metrics_port, self.options)
+        self._proc = DemoServer(cmd, self.url, log_path=self._log_path, startup_timeout_s=self.startup_timeout_s)
 
     @classmethod
     def attach(cls, url: str) -> "SGLangRouter":
@@ -171,15 +187,35 @@ class SGLangRouter:
         """Start the process; return once it answers and lists every worker as healthy."""
         if self._proc is None:
             return self
-        self._proc.start()
         try:
             remaining = self._proc.startup_timeout_s
-            t = self._proc.wait_healthy()
+            t = self._start_on_free_ports()
             self.wait_workers(self.worker_urls, timeout_s=max(1.0, remaining - t))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_on_free_ports(self) -> float:
+        """Start the process and wait for its ``/health`` (seconds waited, the last start's); a
+        start that ends in ``EADDRINUSE`` is retried on new ports (class docstring).
+
+        Raises:
+            ServerStartError: it exited for another reason, :data:`PORT_TRIES` starts found a port
+                taken, or it was not healthy in time."""
+        for attempt in range(1, PORT_TRIES + 1):
+            self._proc.start()
+            try:
+                return self._proc.wait_healthy()
+            except ServerStartError:
+                if attempt == PORT_TRIES or not address_in_use(self._proc.log_tail()):
+                    raise
+                logger.warning("the router could not bind port %d or its metrics port %d (taken by another process "
+                               "since they were picked; its log: %s): starting it on new ones (try %d of %d)",
+                               self.port, self.metrics_port, self._proc.log_path, attempt + 1, PORT_TRIES)
+                self._proc.stop()
+                self._new_process()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def stop(self) -> int | None:
         """Stop the router (SIGTERM to its process group, SIGKILL after a bounded wait)."""

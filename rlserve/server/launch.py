@@ -13,12 +13,17 @@ shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.Demo
 - :func:`stop_group` ends the server's whole process group: SIGTERM, SIGKILL after a grace.
 - :class:`ServerSubprocess`: the object around them that ``ServerProcess``, ``DemoServer`` and
   ``VLLMServer`` are (environment, log file, ``log_tail``, start-and-wait, ``stop``, ``with``).
+- Ports: a server of this process listens on :func:`bound_socket`; an ``rlserve serve``
+  subprocess binds ``--port 0`` and its URL is read from its ready line (:func:`ready_url`);
+  a program that cannot bind port 0 and say so gets :func:`free_ports` and a restart on new
+  ones when its log says :func:`address_in_use` (the SGLang router).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +70,38 @@ def bound_socket(host: str = "127.0.0.1") -> socket.socket:
         s.close()
         raise
     return s
+
+
+#: How many times a launcher that picked a port for another program (which binds it later) picks
+#: new ones when that program finds one taken (:func:`address_in_use`): another process's bind
+#: in between is rare; three in a row, hardly.
+PORT_TRIES = 3
+
+
+def address_in_use(text: BaseException | str) -> bool:
+    """Whether an error (or a log's text) says a bind failed because the port was taken
+    (``EADDRINUSE``: "Address already in use" in Python's, Rust's and c10d's words)."""
+    t = str(text)
+    return "EADDRINUSE" in t or "address already in use" in t.lower()
+
+
+#: ``rlserve serve``'s ready line (rlserve/cli/serve.py), with the URL it listens on.
+_READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
+
+
+def ready_url(log_text: str, host: str | None = None) -> str | None:
+    """The base URL (``http://HOST:PORT``) in ``rlserve serve``'s ready line in ``log_text``, or
+    ``None`` before it is printed. With ``--port 0`` this is how a launcher learns the port the
+    kernel picked (bound by the server itself: no race). A wildcard host (``0.0.0.0``, ``[::]``)
+    becomes ``127.0.0.1``; ``host``, when given, replaces the line's (a node's address)."""
+    m = _READY.search(log_text)
+    if m is None:
+        return None
+    url = m.group(1)
+    port = url.rsplit(":", 1)[1]
+    if host is not None:
+        return f"http://{host}:{port}"
+    return url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
 
 
 def _prctl():
@@ -312,6 +349,13 @@ class ServerSubprocess:
                 return f.read()
         except OSError:
             return ""
+
+    def ready_url(self, host: str | None = None) -> str | None:
+        """:func:`ready_url` of this server's log (``None`` until the line is there; never for a
+        server writing to the terminal)."""
+        if self.log_path == "-":
+            return None
+        return ready_url(self.log_tail(1_000_000), host)
 
     def _spawn(self, cmd: Sequence[str]) -> None:
         """Start ``cmd`` (:func:`spawn_server`); returns at once."""

@@ -11,14 +11,11 @@ Every wait is bounded. It never outlives this process (:mod:`rlserve.server.laun
 
 from __future__ import annotations
 
-import re
 import sys
 
 from rlserve.server.launch import ServerStartError, ServerSubprocess
 
 __all__ = ["ServerProcess", "ServerStartError"]
-
-_READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
 
 
 class ServerProcess(ServerSubprocess):
@@ -59,9 +56,7 @@ class ServerProcess(ServerSubprocess):
     def _ready_url(self) -> str | None:
         """The URL of the ready line (``--port 0``: the OS picked the port), once printed."""
         if self.url is None:
-            m = _READY.search(self.log_tail(1_000_000))
-            if m:
-                self.url = m.group(1).replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
+            self.url = self.ready_url()
         return self.url
 
     def start(self) -> "ServerProcess":

@@ -39,7 +39,7 @@ from rlserve.transfer import (  # noqa: E402
 from tests.gpu import nccl_over_gloo  # noqa: E402
 from tests.gpu.report import gpu_report  # noqa: E402
 from tests.gpu.transfer_gpu_common import ROOT, generate, load_hf, serve  # noqa: E402
-from tests.transfer_harness import free_port, kill_trainer_script, killed_at  # noqa: E402
+from tests.transfer_harness import kill_trainer_script, killed_at  # noqa: E402
 
 GROUP_POINTS = ("after_start", "first_bucket", "between_buckets", "after_update")
 IPC_POINTS = ("after_start", "after_update")  # ipc: "after_update" = after the first bucket's call
@@ -78,7 +78,7 @@ def _matrix(path, backend, transport, staging, points, device, launcher=("-m", "
     with serve(path, wire_backend, staging=staging, launcher=launcher) as srv:
         for point in points:
             _full_sync(srv.url, path, wire_backend, device)
-            script = kill_trainer_script(ROOT, path, srv.url, free_port(), timeout_s=300, scale=0.5, kill_at=point,
+            script = kill_trainer_script(ROOT, path, srv.url, 0, timeout_s=300, scale=0.5, kill_at=point,
                                          backend=wire_backend, device=device, dtype="bfloat16", setup=setup)
             r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
             assert "KILLING" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rlserve.distributed.group import local_address_toward, new_backend
+from rlserve.server.launch import address_in_use
 from rlserve.transfer.wire.store_probe import probe_store
 from rlserve.errors import WeightUpdateError
 from rlserve.transfer.errors import (TrainerUnreachableError, TransferAbortedError, TransferTimeoutError,
@@ -44,13 +45,6 @@ def _is_timeout(e: BaseException) -> bool:
     operation"; c10d's store: "... timeout ..."), i.e. an HTTP 504 (TransferTimeoutError), not a failure (500)."""
     msg = str(e).lower()
     return isinstance(e, TimeoutError) or "timed out" in msg or "timeout" in msg
-
-
-def address_in_use(e: BaseException | str) -> bool:
-    """Whether an error (or its text) is a bind that failed because the port is taken
-    (``EADDRINUSE``: c10d's "address already in use", Python's "[Errno 98] Address already in use")."""
-    msg = str(e)
-    return "EADDRINUSE" in msg or "in use" in msg.lower()
 
 
 def bind_master_store(master_address: str, timeout_s: float):

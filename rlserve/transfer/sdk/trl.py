@@ -35,18 +35,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from rlserve.server.launch import free_port
-from rlserve.transfer.backends.group import TransferGroup, address_in_use
+from rlserve.server.launch import PORT_TRIES, address_in_use, free_port
+from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.wire.packing import as_bytes
 from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
 from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient, ModuleSource
 
 
 logger = logging.getLogger(__name__)
-
-#: How many ports a ``group_port=0`` init tries before it gives up (each failed try is a port
-#: another process took between its pick and the server's bind: rare; three in a row, hardly).
-PORT_TRIES = 3
 
 #: Seconds between two looks at the server's ``/weight_info`` while the group forms.
 _POLL_S = 0.1
