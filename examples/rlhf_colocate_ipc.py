@@ -102,7 +102,7 @@ def training_step(model, free_bytes: int, fill: float = 0.8) -> dict:
 def main() -> int:
     import torch
 
-    from rlserve.demo import choose_layout, default_tie_tolerance, example_parser, free_port
+    from rlserve.demo import choose_layout, default_tie_tolerance, example_parser
     from rlserve.download import resolve_model
 
     ap = example_parser(__doc__, demo_flags=False)
@@ -121,12 +121,12 @@ def main() -> int:
     args = ap.parse_args()
     layout = choose_layout("ipc", dtype=args.dtype)
     model_dir = args.model if os.path.isdir(args.model) else resolve_model(args.model)
-    port = args.port or free_port()
+    port = args.port  # 0: the server binds a port the kernel picks; its URL comes from its ready line
     extra = ["--enable-sleep-mode", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.tokenizer:
         extra += ["--tokenizer", args.tokenizer]
     extra += shlex.split(args.server_args)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}" if port else None
     tol = default_tie_tolerance(args.dtype) if args.tie_tolerance is None else args.tie_tolerance
     report: dict = {"layout": layout.describe(), "iterations": []}
     torch.cuda.set_device(0)
@@ -158,6 +158,7 @@ def _loop(args, layout, model_dir, url, tol, report, server) -> int:
     t0 = time.perf_counter()
     server.wait_healthy()
     report["server_start_s"] = time.perf_counter() - t0
+    url = server.url
     model = _trainer_model(model_dir, layout.trainer_device, args.dtype)
     client = HTTPWeightSyncClient(url)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ Everything except the trainer's side of the handshake (below) is ``rlserve demo 
 
 import sys
 
-from rlserve.demo import demo_options, example_parser, free_port, run_demo
+from rlserve.demo import demo_options, example_parser, run_demo
 from rlserve.transfer import GlooTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
 
 
@@ -26,7 +26,7 @@ def trainer_init(client, train_model, layout):
     return WeightTransferTrainerFactory.trainer_init(
         init_info=GlooTrainerInitInfo(
             master_address="127.0.0.1",
-            master_port=free_port(),
+            master_port=0,  # a port the kernel picks, listening before the server is told of it
             world_size=world_size,
             rank=0,
             packed=True,  # tensors travel in ~1 GiB buckets, two in flight

@@ -55,7 +55,6 @@ from rlserve.demo import (  # noqa: E402
     example_parser,
     exit_on_signals,
     format_table,
-    free_port,
     load_trainer_model,
     measure_gaps,
     serve_command,
@@ -157,8 +156,10 @@ def main() -> int:
         # The transfer NCCL group is the trainer plus every inference worker.
         client = HTTPWeightSyncClient(base_url)
         world_size = client.get_world_size() + 1
-        master_address, master_port = "127.0.0.1", free_port()
-        print(f"[transfer] Rendezvous at {master_address}:{master_port}, world_size={world_size} "
+        # master_port 0: the SDK binds its store on a port the kernel picks before it tells the
+        # server (vLLM's example picks get_open_port(), which another process can take first)
+        master_address, master_port = "127.0.0.1", 0
+        print(f"[transfer] Rendezvous at {master_address}, world_size={world_size} "
               f"(1 trainer + {world_size - 1} rlserve workers)")
 
         # `trainer_init` drives the handshake: it initializes the server's transfer engine while
@@ -175,6 +176,7 @@ def main() -> int:
             client=client,
             source=ModuleSource(train_model),
         )
+        print(f"[transfer] Group up on port {engine.init_info.master_port}")
 
         client.pause()
         # Drives start_weight_update / update_weights / finish_weight_update, concurrent with the

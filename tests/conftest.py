@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-init checkpoints, built once per test session; the weight-sync
-tests' shared in-process servers."""
+tests' shared in-process servers; ports reserved for a test (``reserve_port``)."""
 
+import contextlib
 import os
 
 import pytest
@@ -11,7 +12,17 @@ import pytest
 # subprocesses; a run may set it to 1.
 os.environ.setdefault("RLSERVE_TEMPLATE_WORKERS_AT_START", "0")
 
+from rlserve.server.launch import reserved_port
 from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture
+def reserve_port():
+    """``reserve_port()`` gives a port reserved until the test ends (:func:`rlserve.server.launch.reserved_port`):
+    for a port another program binds later (a ``TCPStore`` in a thread, a subprocess or the server), which no
+    other process can take before (as it can a ``free_port()``)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(reserved_port())
 
 
 @pytest.fixture(scope="session")

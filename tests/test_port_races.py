@@ -6,6 +6,9 @@
   with ``group_port=0`` picks another port when the server reports ``EADDRINUSE``. The retry is
   forced here: the test holds the first port it hands out (bound, not listening: the server's
   bind fails, a connect is refused), so the first try fails on every run, never by chance.
+- The SGLang router (it binds ports picked for it): started again on new ones, forced the same way.
+- Launchers of ``rlserve serve`` read the port it bound (``--port 0``) from its ready line; a port
+  another program binds later is reserved meanwhile (``reserved_port``: its premise).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from rlserve.server.launch import bound_socket, free_port
+from rlserve.server.launch import address_in_use, bound_socket, free_port, reserved_port
 from rlserve.transfer import GlooTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.sdk.init_info import _port_in_use
@@ -127,6 +130,34 @@ def test_held_socket_refuses_connections():
             socket.create_connection(("127.0.0.1", port), timeout=T).close()
     finally:
         held.close()
+
+
+def test_reserved_port_takes_its_users_bind_and_no_one_elses():
+    """The ``reserve_port`` fixture's premise (``launch.reserved_port``): a plain bind of the port
+    fails while it is reserved, before, during and after its user (a ``TCPStore``, which binds with
+    ``SO_REUSEADDR``) listens on it; the user's bind works, also a second time."""
+    import datetime
+
+    import torch.distributed as dist
+
+    def plain_bind_refused(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError as e:
+                return address_in_use(e)
+        return False
+
+    with reserved_port() as port:
+        assert plain_bind_refused(port)
+        for _ in range(2):
+            store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=T), wait_for_workers=False)
+            client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=T))
+            client.set("k", "v")
+            assert store.get("k") == b"v" and store.port == port
+            assert plain_bind_refused(port)
+            del client, store
+        assert plain_bind_refused(port)
 
 
 def test_ready_url_reads_the_port_the_server_bound():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlserve.errors import WeightUpdateError
-from rlserve.server.launch import bound_socket, parent_death_signal
+from rlserve.server.launch import bound_socket, parent_death_signal, reserved_port
 from rlserve.transfer.errors import ChecksumMismatchError, NonFiniteWeightsError, WeightTransferFailedError
 from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 from rlserve.transfer.wire.packing import (
@@ -272,23 +272,18 @@ def test_tensors_laid_out_like_the_buckets_are_sent_unpacked(after):
 
 
 def test_reinit_after_teardown_same_port():
-    """Rank 0 hosts its store on the port its last group used (freed by the teardown; another
-    process could take it in between: that window is what this re-bind is, so it stays)."""
+    """Rank 0 hosts its store on the port its last group used (freed by the teardown; reserved
+    by this test meanwhile, so no other process takes it in between)."""
     ts = make_tensors(4)
     info = info_for(ts)
-    ports = []
-
-    def send(g):
-        ports.append(g.master_port)
-        return send_packed(g, info, iter(ts), torch.device("cpu"))
-
-    for _ in range(2):
-        got = {}
-        res, err = run_pair(send, lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})),
-                            port=ports[0] if ports else 0)
-        assert not err, err
-        assert torch.equal(got["d.weight"], ts[5][1])
-    assert len(ports) == 2 and ports[0] == ports[1], ports
+    with reserved_port() as port:
+        for _ in range(2):
+            got = {}
+            res, err = run_pair(lambda g: send_packed(g, info, iter(ts), torch.device("cpu")),
+                                lambda r: r.receive(info, lambda p: got.update({n: t.clone() for n, t in p})),
+                                port=port)
+            assert not err, err
+            assert torch.equal(got["d.weight"], ts[5][1])
 
 
 def test_rendezvous_timeout_when_trainer_never_comes():

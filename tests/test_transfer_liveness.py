@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from rlserve.transfer.errors import TransferAbortedError
-from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 from rlserve.transfer.server.liveness import StoreLiveness
 from rlserve.server.launch import parent_death_signal
-from tests.transfer_harness import free_port
+from tests.transfer_harness import bound_socket
 
 STORE_HOST = """
 import sys, time, torch.distributed as dist
@@ -109,11 +109,15 @@ def test_store_liveness_keeps_alive_a_silent_connection_and_sets_keepalive(monke
 
 
 def test_store_liveness_nothing_listening():
-    watch = StoreLiveness("127.0.0.1", free_port(), connect_timeout_s=1.0)
-    watch.start()
-    assert not watch.wait_connected(30)
-    assert "cannot be reached" in _wait_gone(watch, 30)
-    watch.join(30)
+    held = bound_socket()  # bound, never listening: connections refused, and no other process can take it
+    try:
+        watch = StoreLiveness("127.0.0.1", held.getsockname()[1], connect_timeout_s=1.0)
+        watch.start()
+        assert not watch.wait_connected(30)
+        assert "cannot be reached" in _wait_gone(watch, 30)
+        watch.join(30)
+    finally:
+        held.close()
 
 
 def test_stopped_watch_reports_nothing():
@@ -128,11 +132,12 @@ def test_stopped_watch_reports_nothing():
 def test_abort_ends_a_receive_the_peer_never_sends():
     """gloo does not always report a dead peer: a posted receive can wait for the backend's own
     timeout. ``TransferGroup.abort(reason)`` ends the wait at once and the error names why."""
-    port = free_port()
+    store = bind_master_store("127.0.0.1", 60.0)  # rank 0's, listening before rank 1 is told
     groups: dict = {}
 
     def join(rank):
-        groups[rank] = TransferGroup.create("gloo", "127.0.0.1", port, rank, 2, 60.0)
+        groups[rank] = TransferGroup.create("gloo", "127.0.0.1", store.port, rank, 2, 60.0,
+                                            store=store if rank == 0 else None)
 
     threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
     for t in threads:

@@ -18,7 +18,7 @@ import torch
 from rlserve.transfer import ModuleSource, TensorListSource, WeightsRefusedNonFiniteError, hf_state_checksums
 from rlserve.transfer.errors import NonFiniteWeightsError
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer
+from tests.transfer_harness import InProcessServer, reserved_port
 from tests.transfer_sync import (  # noqa: F401 (llama, llama384: fixtures)
     PROMPT_IDS,
     bumped,
@@ -127,14 +127,16 @@ def test_refused_push_then_new_group_logs_no_held_port(llama384, shared, caplog)
     """A refused NaN push breaks the group (the server tears it down), but every operation of
     it completed, so nothing holds the trainer's store port: the next ``send_weights`` joins a
     new group on the same port without the "still holds port" warning (session 18's demo
-    logged "may still hold port" after every refused push)."""
+    logged "may still hold port" after every refused push). A port given (a ``master_port=0``
+    trainer hosts each group on a new port and never checks): reserved by this test, so no other
+    process takes it between the groups."""
     import logging
 
     path, hf = llama384
-    with shared(path) as srv:
-        eng = trainer(srv.url, hf)
+    with shared(path) as srv, reserved_port() as port:
+        eng = trainer(srv.url, hf, master_port=port)
         eng.send_weights()
-        port = eng.init_info.master_port
+        assert eng.init_info.master_port == port
         eng.source = poisoned(hf, NAN)
         with pytest.raises(WeightsRefusedNonFiniteError):
             eng.send_weights()

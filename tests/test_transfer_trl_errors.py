@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rlserve.transfer.sdk.trl import TRLWeightSyncClient
-from tests.transfer_harness import InProcessServer, free_port, wait_for_state
+from tests.transfer_harness import InProcessServer, reserved_port, wait_for_state
 
 T = 60.0
 
@@ -62,13 +62,15 @@ def test_update_named_param_after_the_trl_group_was_torn_down_is_409(llama_path)
         assert r.status_code == 200, r.text
         trl.group.destroy(wait_s=5.0)
 
-        # a pending TRL rendezvous (no trainer joins) cancelled by a shutdown: 409 naming it
-        r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": free_port(),
-                                                              "world_size": 2}, timeout=T)
-        assert r.status_code == 200, r.text
-        wait_for_state(srv.url, "init", T)  # the rendezvous started
-        assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
-        _wait_trl_error(srv.url)
+        # a pending TRL rendezvous (no trainer joins) cancelled by a shutdown: 409 naming it (the
+        # server binds the port; reserved here, so no other process takes it before)
+        with reserved_port() as port:
+            r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": port,
+                                                                  "world_size": 2}, timeout=T)
+            assert r.status_code == 200, r.text
+            wait_for_state(srv.url, "init", T)  # the rendezvous started
+            assert httpx.post(srv.url + "/shutdown_weight_transfer_engine", timeout=T).status_code == 200
+            _wait_trl_error(srv.url)
         err = _err(httpx.post(srv.url + "/update_named_param/", json=named, timeout=T), 409)
         assert err["code"] == "no_transfer_engine" and "cancelled by shutdown_weight_transfer_engine" in err["message"]
 
@@ -78,8 +80,9 @@ def test_close_communicator_after_a_failed_init_is_a_clean_200(llama_path):
     rendezvous failed (no trainer joined within ``timeout_s``) answered the init's own error as
     a 500 (``WeightTransferFailedError: wait timeout``). Now a 200 no-op naming that failure;
     the server serves and a new init works. Fails before (500)."""
-    with InProcessServer(llama_path, transfer_config={"backend": "gloo", "timeout_s": 1}) as srv:
-        r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": free_port(),
+    with InProcessServer(llama_path, transfer_config={"backend": "gloo", "timeout_s": 1}) as srv, \
+            reserved_port() as port:  # the server binds it; no other process can take it before
+        r = httpx.post(srv.url + "/init_communicator/", json={"host": "127.0.0.1", "port": port,
                                                               "world_size": 2}, timeout=T)
         assert r.status_code == 200, r.text
         assert "wait timeout" in _wait_trl_error(srv.url)  # nobody joined: the init failed

@@ -27,7 +27,6 @@ import re
 import httpx
 import pytest
 
-from rlserve.server.launch import free_port
 from rlserve.server.testing import ServerProcess
 from tests.vllm_python import start_vllm, vllm_python
 
@@ -42,9 +41,9 @@ SERVED = "tiny-llama"
 
 
 @pytest.mark.parametrize("backend,endpoint", [("vllm", "/v1/completions"), ("openai-responses", "/v1/responses")])
-def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoint):
+def test_vllm_bench_serve_against_rlserve(tiny_model, tmp_path, backend, endpoint, reserve_port):
     model = tiny_model("llama")
-    port = free_port()
+    port = reserve_port()  # rlserve serve binds it (SO_REUSEADDR) once vLLM's bench already waits on it
     url = f"http://127.0.0.1:{port}"
     cmd = [RUNNER, "--wait-for-server", "300", "--backend", backend, "--endpoint", endpoint,
            "--base-url", url,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlserve.transfer.wire.safe_pickle import UnsafePickleError, restricted_loads
 from rlserve.transfer.wire.vllm_ipc import translate_update_info
 from rlserve.transfer.wire.vllm_store import StatelessStore, dumps_unique_id, loads_str, loads_unique_id
-from tests.transfer_harness import InProcessServer, free_port
+from tests.transfer_harness import InProcessServer
 from tests.vllm_python import VllmChild, start_vllm, vllm_python
 
 
@@ -165,14 +165,14 @@ def _host_store(port: int, world_size: int = 2):
     return th, out
 
 
-def test_malicious_unique_id_pickle_is_refused_with_400(nccl_cpu_server, tmp_path):
+def test_malicious_unique_id_pickle_is_refused_with_400(nccl_cpu_server, tmp_path, reserve_port):
     """A "trainer" that puts a pickle running ``os.system`` at ``broadcast_from/0/0``: the
     server's worker registers with its store (vLLM's handshake), reads the key through the
     restricted unpickler and refuses it: 400 ``unsafe_pickle``, nothing ran, and the server still
     serves and accepts a fresh init."""
     srv = nccl_cpu_server
     for evil in _evil_pickles(tmp_path / "pwned"):
-        port = free_port()
+        port = reserve_port()
         th, out = _host_store(port)
         init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                 "packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}  # vLLM's payload
@@ -272,12 +272,12 @@ def _read_json(proc: VllmChild, timeout_s: float = 300) -> dict:
 
 
 @needs_vllm
-def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path):
+def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path, reserve_port):
     """vLLM's trainer side, unmodified (rank 0 hosting the store, storing its ncclUniqueId as
     PyNcclCommunicator does) against ``POST /init_weight_transfer_engine`` with vLLM's payload:
     the server's worker registers, reads the id (the restricted unpickler admits vLLM's class) and
     stops where CUDA is needed, saying so (500: no communicator on a CPU worker)."""
-    port = free_port()
+    port = reserve_port()
     proc = _vllm_proc(tmp_path, "trainer", port, 0, 2)
     try:
         init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -291,7 +291,7 @@ def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path
         proc.stdin.close()
         proc.wait(60)
     # the same store protocol in-process: the id rlserve reads is the one vLLM stored
-    port = free_port()
+    port = reserve_port()
     proc = _vllm_proc(tmp_path, "trainer", port, 0, 2)
     try:
         st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=300)
@@ -318,12 +318,12 @@ def test_vllm_trainer_rendezvous_reaches_the_unique_id(nccl_cpu_server, tmp_path
 
 
 @needs_vllm
-def test_trl_legacy_client_reads_rlserve_unique_id_and_barriers(tmp_path):
+def test_trl_legacy_client_reads_rlserve_unique_id_and_barriers(tmp_path, reserve_port):
     """TRL <= 1.10's layout: rlserve's worker 0 hosts the store (rank 0) and stores the unique id
     as a pickle written without vLLM; vLLM's own client (the last rank) reads it as its
     ``ncclUniqueId`` with the same bytes; then three of vLLM's store barriers (what TRL runs after
     each tensor) complete on both sides."""
-    port = free_port()
+    port = reserve_port()
     proc = _vllm_proc(tmp_path, "client", port, 1, 2)
     try:
         st = StatelessStore.join("127.0.0.1", port, 0, 2, timeout_s=300)
@@ -340,9 +340,9 @@ def test_trl_legacy_client_reads_rlserve_unique_id_and_barriers(tmp_path):
             proc.kill()
 
 
-def test_barrier_refuses_a_malicious_barrier_id(tmp_path):
+def test_barrier_refuses_a_malicious_barrier_id(tmp_path, reserve_port):
     """A rank 0 that stores an evil pickle as its barrier id: the other rank refuses it."""
-    port = free_port()
+    port = reserve_port()
     th, out = _host_store(port)
     st = StatelessStore.join("127.0.0.1", port, 1, 2, timeout_s=30)
     th.join(30)
@@ -355,7 +355,7 @@ def test_barrier_refuses_a_malicious_barrier_id(tmp_path):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_receiver_takes_vllms_layout(packed):
+def test_receiver_takes_vllms_layout(packed, reserve_port):
     """The receiver's vLLM-wire paths (no layout header; raw buckets laid out by
     ``plan_vllm_buckets``, which the test above checks against vLLM's own packer; unpacked: one
     broadcast per tensor in its dtype), carried here over gloo because vLLM's NCCL communicator
@@ -365,7 +365,7 @@ def test_receiver_takes_vllms_layout(packed):
     from rlserve.transfer.server.receiver import WeightReceiver
     from rlserve.transfer.backends.vllm_group import plan_vllm_buckets
 
-    port = free_port()
+    port = reserve_port()
     init = InitInfo(backend="gloo", master_port=port, world_size=2, timeout_s=60)
     init.wire = "vllm"  # (validated as NCCL-only; the layout is what this test is about)
     named = WIRE_TENSORS()
@@ -399,7 +399,7 @@ def test_receiver_takes_vllms_layout(packed):
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
 
 
-def test_trl_legacy_init_communicator_hosts_vllms_store(nccl_cpu_server):
+def test_trl_legacy_init_communicator_hosts_vllms_store(nccl_cpu_server, reserve_port):
     """TRL <= 1.10's ``POST /init_communicator/`` on an NCCL server: worker 0 hosts vLLM's
     rendezvous store on the given port (the trainer, the last rank, registers with it as vLLM's
     client does) and then mints the NCCL unique id. A CPU-only torch ships no libnccl, so the
@@ -413,7 +413,7 @@ def test_trl_legacy_init_communicator_hosts_vllms_store(nccl_cpu_server):
     except NcclError:
         has_nccl = False
     srv = nccl_cpu_server
-    port = free_port()
+    port = reserve_port()
     r = httpx.post(srv.url + "/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2,
                                                          "client_device_uuid": "GPU-trainer"}, timeout=30)
     assert r.status_code == 200, r.text

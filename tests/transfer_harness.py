@@ -13,8 +13,8 @@ import time
 import httpx
 import torch
 
-from rlserve.server.launch import (  # noqa: F401 (free_port, free_ports: re-exported for the tests)
-    StartClock, bound_socket, free_port, free_ports, tree_cpu_seconds)
+from rlserve.server.launch import (  # noqa: F401 (free_port, free_ports, reserved_port: re-exported for the tests)
+    StartClock, bound_socket, free_port, free_ports, reserved_port, tree_cpu_seconds)
 
 
 @contextlib.contextmanager

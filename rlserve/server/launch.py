@@ -16,7 +16,8 @@ shares (:class:`rlserve.server.testing.ServerProcess`, :class:`rlserve.demo.Demo
 - Ports: a server of this process listens on :func:`bound_socket`; an ``rlserve serve``
   subprocess binds ``--port 0`` and its URL is read from its ready line (:func:`ready_url`);
   a program that cannot bind port 0 and say so gets :func:`free_ports` and a restart on new
-  ones when its log says :func:`address_in_use` (the SGLang router).
+  ones when its log says :func:`address_in_use` (the SGLang router), or, where the caller
+  holds it meanwhile, a :func:`reserved_port`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 class ServerStartError(RuntimeError):
@@ -102,6 +103,24 @@ def ready_url(log_text: str, host: str | None = None) -> str | None:
     if host is not None:
         return f"http://{host}:{port}"
     return url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//127.0.0.1:")
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port the kernel picked, reserved while inside: a socket stays bound to it (with
+    ``SO_REUSEADDR``, never listening), so no other process's ``bind(0)`` or outgoing connection
+    gets it, while a program told to use it that binds with ``SO_REUSEADDR`` (c10d's ``TCPStore``,
+    ``rlserve serve``, uvicorn) binds and listens on it as on a free port -- also again after a
+    restart, inside the same block. For a port another program binds later: unlike
+    :func:`free_port`, it cannot be taken in between. (A program binding without ``SO_REUSEADDR``
+    gets ``EADDRINUSE``; two of them told the same port: the first to listen wins.)"""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 
 def _prctl():

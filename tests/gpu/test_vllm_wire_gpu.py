@@ -27,7 +27,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from rlserve.transfer import ModuleSource, hf_state_checksums  # noqa: E402
 from tests.gpu.transfer_gpu_common import PROMPTS, _report, generate, hf_greedy, load_hf, serve  # noqa: E402
-from tests.transfer_harness import free_port  # noqa: E402
 
 VLLM_PATH = os.environ.get("RLSERVE_VLLM_PYTHONPATH")
 if VLLM_PATH and os.path.isdir(os.path.join(VLLM_PATH, "_raystub")):
@@ -174,12 +173,12 @@ def test_vllm_ipc_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch):
 @needs_2
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_vllm_nccl_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch):
+def test_vllm_nccl_trainer_syncs_qwen3(tiny_model, tmp_path, packed, arch, reserve_port):
     """vLLM's NCCL trainer engine on GPU 1 (rank 0, hosting its StatelessProcessGroup store)
     into an NCCL server on GPU 0 (vLLM's wire: no layout header, raw buckets, no checksums);
     ``qwen3_moe``: fused expert tensors of 128 KiB, larger than the 64 KiB buckets."""
     path = tiny_model(arch)
     with serve(path, "nccl", "--enforce-eager", dtype="float32", device="cuda:0") as srv:
-        out = _run_trainer(tmp_path, "nccl", path, srv.url, packed, "cuda:1", free_port())
+        out = _run_trainer(tmp_path, "nccl", path, srv.url, packed, "cuda:1", reserve_port())
         _report(f"vllm_nccl_trainer[{arch},packed={packed}]", out)
         _check_synced(srv, path, "cuda:0", f"nccl_{arch}_packed={packed}")
