@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.model_shapes import save_shape  # noqa: E402
-from benchmarks.sync import bucket_sizes, free_port, model_tensors, nbytes, timed_syncs, tokenizer_dir  # noqa: E402
+from benchmarks.sync import bucket_sizes, model_tensors, nbytes, timed_syncs, tokenizer_dir  # noqa: E402
 from rlserve.scaleout.local import LocalServers  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
@@ -77,16 +77,17 @@ def raw_broadcast(sizes: list[int], receivers: int, nbuf: int, repeats: int) -> 
     """Median seconds to broadcast buckets of ``sizes`` bytes (``nbuf`` in flight) from this process
     (rank 0) to ``receivers`` child processes over a bare gloo ``TransferGroup``, until every
     receiver has them (a barrier closes each round)."""
-    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", TIMEOUT_S)  # listening before the receivers are told
+    port = store.port
     world = receivers + 1
     procs = [subprocess.Popen([sys.executable, "-c", RAW_RECEIVER.format(
         root=ROOT, sizes=sizes, port=port, rank=r, world=world, nbuf=nbuf, repeats=repeats, timeout_s=TIMEOUT_S)])
         for r in range(1, world)]
     g = None
     try:
-        g = TransferGroup.create("gloo", "127.0.0.1", port, 0, world, TIMEOUT_S)
+        g = TransferGroup.create("gloo", "127.0.0.1", port, 0, world, TIMEOUT_S, store=store)
         bufs = [torch.randint(0, 255, (max(sizes),), dtype=torch.uint8) for _ in range(nbuf)]
         times = []
         for r in range(repeats + 1):  # one warm-up round

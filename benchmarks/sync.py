@@ -68,7 +68,6 @@ sys.path.insert(0, ROOT)
 from benchmarks.model_shapes import save_shape, shape_config  # noqa: E402
 from rlserve.demo import NCCL_SAFE_ENV  # noqa: E402
 from rlserve.loader.weight_utils import parse_expert_name, split_fused_experts  # noqa: E402
-from rlserve.server.launch import free_port  # noqa: E402
 from rlserve.server.testing import ServerProcess  # noqa: E402
 from rlserve.transfer import (  # noqa: E402
     GlooTrainerInitInfo,
@@ -222,9 +221,10 @@ def raw_broadcast(sizes: list[int], nbuf: int, repeats: int, backend: str = "glo
     (rank 0, tensors on ``device``) to a child process (rank 1, on ``peer_device``) over a bare
     ``TransferGroup`` of ``backend`` (gloo: CPU; nccl: one GPU each). No HTTP, packing, checksum or
     load: the transport's ceiling."""
-    from rlserve.transfer.backends.group import TransferGroup
+    from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 
-    port = free_port()
+    store = bind_master_store("127.0.0.1", RAW_TIMEOUT_S)  # listening before the receiver is told
+    port = store.port
     code = RAW_RECEIVER.format(root=ROOT, sizes=sizes, port=port, nbuf=nbuf, repeats=repeats, backend=backend,
                                device=peer_device, timeout_s=RAW_TIMEOUT_S)
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
@@ -235,7 +235,8 @@ def raw_broadcast(sizes: list[int], nbuf: int, repeats: int, backend: str = "glo
 
     g = None
     try:
-        g = TransferGroup.create(backend, "127.0.0.1", port, 0, 2, RAW_TIMEOUT_S, device=torch.device(device))
+        g = TransferGroup.create(backend, "127.0.0.1", port, 0, 2, RAW_TIMEOUT_S, device=torch.device(device),
+                                 store=store)
         bufs = [torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, device=device) for _ in range(nbuf)]
         if g.device.type == "cuda":
             torch.cuda.synchronize(g.device)
