@@ -224,8 +224,7 @@ def raw_broadcast(sizes: list[int], nbuf: int, repeats: int, backend: str = "glo
     from rlserve.transfer.backends.group import TransferGroup, bind_master_store
 
     store = bind_master_store("127.0.0.1", RAW_TIMEOUT_S)  # listening before the receiver is told
-    port = store.port
-    code = RAW_RECEIVER.format(root=ROOT, sizes=sizes, port=port, nbuf=nbuf, repeats=repeats, backend=backend,
+    code = RAW_RECEIVER.format(root=ROOT, sizes=sizes, port=store.port, nbuf=nbuf, repeats=repeats, backend=backend,
                                device=peer_device, timeout_s=RAW_TIMEOUT_S)
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
 
@@ -235,7 +234,7 @@ def raw_broadcast(sizes: list[int], nbuf: int, repeats: int, backend: str = "glo
 
     g = None
     try:
-        g = TransferGroup.create(backend, "127.0.0.1", port, 0, 2, RAW_TIMEOUT_S, device=torch.device(device),
+        g = TransferGroup.create(backend, "127.0.0.1", store.port, 0, 2, RAW_TIMEOUT_S, torch.device(device),
                                  store=store)
         bufs = [torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, device=device) for _ in range(nbuf)]
         if g.device.type == "cuda":

@@ -35,7 +35,7 @@ from rlserve.transfer.sdk.trainer import WeightSyncHTTPError  # noqa: E402
 from tests.gpu import nccl_over_gloo  # noqa: E402
 from tests.gpu.transfer_gpu_common import (PROMPTS, ROOT, _report, generate, hf_greedy, load_hf,  # noqa: E402
                                             needs_2, needs_3, serve)
-from tests.transfer_harness import free_port, wrong_second_bucket_sum  # noqa: E402
+from tests.transfer_harness import wrong_second_bucket_sum  # noqa: E402
 
 
 # --------------------------------------------------------------------------- NCCL
@@ -153,7 +153,7 @@ NCCL_KILL = textwrap.dedent("""
                     os.kill(os.getpid(), signal.SIGKILL)
                 yield item
     eng = WeightTransferTrainerFactory.trainer_init(
-        init_info=NCCLTrainerInitInfo(master_port={port}, world_size=2, device={device!r}, timeout_s=10,
+        init_info=NCCLTrainerInitInfo(world_size=2, device={device!r}, timeout_s=10,
                                       packed_buffer_size_bytes=16 << 10),
         client=HTTPWeightSyncClient({url!r}), source=KillSource(hf))
     eng.send_weights()
@@ -165,7 +165,7 @@ def test_nccl_trainer_killed_mid_update(tiny_model, transport):
     path = tiny_model("llama")
     with serve(path, "nccl", device="cuda:0", launcher=transport.launcher) as srv:
         t0 = time.monotonic()
-        code = NCCL_KILL.format(root=ROOT, path=path, port=free_port(), url=srv.url, device=transport.trainer_device,
+        code = NCCL_KILL.format(root=ROOT, path=path, url=srv.url, device=transport.trainer_device,
                                 setup=transport.child_setup)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert "KILLING" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
 import time
 from urllib.parse import urlparse
 
@@ -39,6 +38,7 @@ from rlserve.server.launch import PORT_TRIES, address_in_use, free_port
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.wire.packing import as_bytes
 from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
+from rlserve.transfer.sdk.engine import _run_in_daemon_thread
 from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient, ModuleSource
 
 
@@ -104,22 +104,17 @@ class TRLWeightSyncClient:
         or raises :class:`PortTakenError` as soon as the server reports that it could not bind
         :attr:`group_port` (then this side's join, still probing the port, is left to end at its
         own timeout on a daemon thread and a group it might build is destroyed)."""
-        fut: cf.Future = cf.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world,
-                                                    self.timeout_s, self.device))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="rlserve-trl-join", daemon=True).start()
+        fut = _run_in_daemon_thread("rlserve-trl-join", TransferGroup.create, self.backend, self.host,
+                                    self.group_port, self.rank, world, self.timeout_s, self.device)
         while True:
             try:
                 return fut.result(timeout=_POLL_S)
             except cf.TimeoutError:
                 pass
-            err = self.http.weight_info().get("trl", {}).get("error")
+            try:
+                err = self.http.weight_info().get("trl", {}).get("error")
+            except Exception:  # noqa: BLE001 - the join's own timeout bounds the wait, as without the watch
+                err = None
             if err and address_in_use(err):
                 fut.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
                 raise PortTakenError(f"the server could not bind the group's port {self.group_port}: {err}")
