@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import threading
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ from rlserve.server.launch import address_in_use, bound_socket, free_port, reser
 from rlserve.transfer import GlooTrainerInitInfo, ModuleSource, WeightTransferTrainerFactory
 from rlserve.transfer.backends.group import TransferGroup
 from rlserve.transfer.sdk.init_info import _port_in_use
-from tests.transfer_harness import InProcessServer
+from tests.transfer_harness import InProcessServer, wait_for_state
 from tests.transfer_sync import PROMPT_IDS, hf_greedy, llama, server_greedy  # noqa: F401 (llama: a fixture)
 
 T = 60.0
@@ -69,36 +71,62 @@ def test_sdk_store_listens_before_the_server_is_told():
         eng.shutdown()
 
 
-def test_trl_client_retries_a_port_the_server_could_not_bind(llama, monkeypatch, caplog):  # noqa: F811
+@contextlib.contextmanager
+def _taken_port(holder: str):
+    """A port "another process" holds: ``bound`` (not listening: connections are refused) or
+    ``listening`` (what accepts a connection closes it at once: not a TCPStore). Either way a
+    server's bind of it fails with ``EADDRINUSE``."""
+    held = bound_socket()
+    stop = threading.Event()
+    th = None
+    if holder == "listening":
+        held.listen()
+        held.settimeout(0.1)
+
+        def refuse():
+            while not stop.is_set():
+                try:
+                    held.accept()[0].close()
+                except OSError:  # (the accept's timeout: look at stop again)
+                    pass
+
+        th = threading.Thread(target=refuse, daemon=True)
+        th.start()
+    try:
+        yield held.getsockname()[1]
+    finally:
+        stop.set()
+        if th is not None:
+            th.join(T)
+        held.close()
+
+
+@pytest.mark.parametrize("holder", ["bound", "listening"])
+def test_trl_client_retries_a_port_the_server_could_not_bind(llama, monkeypatch, caplog, holder):  # noqa: F811
+    """``bound``: the client sees nothing listen and the server's EADDRINUSE first; ``listening``:
+    its join fails on the foreign listener first, then the server's verdict says why."""
     from rlserve.transfer.sdk import trl
 
     path, hf = llama
-    held = bound_socket()  # taken by "another process": the server's bind gets EADDRINUSE
-    taken = held.getsockname()[1]
     picks: list[int] = []
-
-    def pick(host: str = "127.0.0.1") -> int:
-        picks.append(taken if not picks else free_port(host))
-        return picks[-1]
-
-    monkeypatch.setattr(trl, "free_port", pick)
-    try:
-        with InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": T}) as srv, \
-                caplog.at_level(logging.WARNING, logger=trl.__name__):
-            c = trl.TRLWeightSyncClient(srv.url, group_port=0, timeout_s=T)
-            c.init_communicator()
-            assert len(picks) == 2 and picks[0] == taken and c.group_port == picks[1] != taken, picks
-            warned = [r.getMessage() for r in caplog.records if r.name == trl.__name__]
-            assert len(warned) == 1 and f"port {taken}" in warned[0] and "try 2 of 3" in warned[0], warned
-            assert "in use" in warned[0].lower(), warned  # the server's own EADDRINUSE, quoted
-            info = httpx.get(srv.url + "/weight_info", timeout=T).json()
-            assert info["state"] == "ready" and info["init_info"]["master_port"] == c.group_port, info
-            c.update_model_params(hf)
-            c.reset_prefix_cache()
-            assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
-            c.close_communicator()
-    finally:
-        held.close()
+    with _taken_port(holder) as taken, \
+            InProcessServer(path, transfer_config={"backend": "gloo", "timeout_s": T}) as srv, \
+            caplog.at_level(logging.WARNING, logger=trl.__name__):
+        monkeypatch.setattr(trl, "free_port", lambda host="127.0.0.1": picks.append(
+            taken if not picks else free_port(host)) or picks[-1])
+        c = trl.TRLWeightSyncClient(srv.url, group_port=0, timeout_s=T)
+        c.init_communicator()
+        assert len(picks) == 2 and picks[0] == taken and c.group_port == picks[1] != taken, picks
+        warned = [r.getMessage() for r in caplog.records if r.name == trl.__name__]
+        assert len(warned) == 1 and f"port {taken}" in warned[0] and "try 2 of 3" in warned[0], warned
+        assert "in use" in warned[0].lower(), warned  # the server's own EADDRINUSE, quoted
+        wait_for_state(srv.url, "ready", T)  # (the server's side of the rendezvous ends after this one's)
+        info = httpx.get(srv.url + "/weight_info", timeout=T).json()
+        assert info["init_info"]["master_port"] == c.group_port, info
+        c.update_model_params(hf)
+        c.reset_prefix_cache()
+        assert server_greedy(srv.url).json()["completion_ids"] == [hf_greedy(hf, p) for p in PROMPT_IDS]
+        c.close_communicator()
 
 
 def test_trl_client_given_a_taken_port_says_so(llama):  # noqa: F811

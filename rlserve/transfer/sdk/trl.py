@@ -27,8 +27,8 @@ to ``uninitialized``) the client picks another and asks again, logging a warning
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
+import socket
 import time
 from urllib.parse import urlparse
 
@@ -36,15 +36,15 @@ import torch
 
 from rlserve.server.launch import PORT_TRIES, address_in_use, free_port
 from rlserve.transfer.backends.group import TransferGroup
+from rlserve.transfer.errors import TransferTimeoutError
 from rlserve.transfer.wire.packing import as_bytes
 from rlserve.transfer.wire.protocol import DEFAULT_TIMEOUT_S
-from rlserve.transfer.sdk.engine import _run_in_daemon_thread
 from rlserve.transfer.sdk.trainer import HTTPWeightSyncClient, ModuleSource
 
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two looks at the server's ``/weight_info`` while the group forms.
+#: Seconds between two looks at the server's ``/weight_info`` (and its port) while the group forms.
 _POLL_S = 0.1
 
 
@@ -83,6 +83,7 @@ class TRLWeightSyncClient:
         Raises:
             PortTakenError: (``group_port=0``) the server found :data:`PORT_TRIES` ports in a row
                 taken; (a port given) the server could not bind it.
+            TransferTimeoutError: nothing listened on the port within ``timeout_s``.
             What :meth:`TransferGroup.create` raises (e.g. ``TransferTimeoutError``)."""
         world = self.http.get_world_size() + 1
         self.rank = world - 1
@@ -100,24 +101,52 @@ class TRLWeightSyncClient:
                                PORT_TRIES)
 
     def _join(self, world: int) -> TransferGroup:
-        """Join the group as rank ``world - 1`` while watching the server's init: returns the group,
-        or raises :class:`PortTakenError` as soon as the server reports that it could not bind
-        :attr:`group_port` (then this side's join, still probing the port, is left to end at its
-        own timeout on a daemon thread and a group it might build is destroyed)."""
-        fut = _run_in_daemon_thread("rlserve-trl-join", TransferGroup.create, self.backend, self.host,
-                                    self.group_port, self.rank, world, self.timeout_s, self.device)
+        """Join the group as rank ``world - 1`` once something listens on :attr:`group_port` (the
+        server's worker 0 binds it after ``/init_communicator/`` answered). Raises
+        :class:`PortTakenError` when the server reports that it could not bind the port: before
+        anything listens (the port was held by a socket that does not listen), or after this
+        side's join failed (a foreign listener took it). Nothing of this side is left running."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
+            self._raise_if_port_taken()
             try:
-                return fut.result(timeout=_POLL_S)
-            except cf.TimeoutError:
-                pass
-            try:
-                err = self.http.weight_info().get("trl", {}).get("error")
-            except Exception:  # noqa: BLE001 - the join's own timeout bounds the wait, as without the watch
-                err = None
-            if err and address_in_use(err):
-                fut.add_done_callback(lambda f: f.exception() is None and f.result().destroy())
-                raise PortTakenError(f"the server could not bind the group's port {self.group_port}: {err}")
+                socket.create_connection((self.host, self.group_port), timeout=_POLL_S * 10).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(
+                        f"nothing listened on {self.host}:{self.group_port} (the server's worker 0 hosts the group's "
+                        f"store there) within {self.timeout_s:g} s (timeout_s; last: {e}); the server's TRL error: "
+                        f"{self._server_error()}") from e
+                time.sleep(_POLL_S)
+        try:
+            return TransferGroup.create(self.backend, self.host, self.group_port, self.rank, world, self.timeout_s,
+                                        self.device)
+        except Exception as e:
+            # a listener that is not the server's (it failed to bind): its verdict follows its own
+            # retry of a busy port (TransferGroup._make_store: up to 10 s), within its timeout_s
+            end = time.monotonic() + self.timeout_s
+            while time.monotonic() < end:
+                err = self._raise_if_port_taken(e)
+                if err is not None:
+                    break  # it failed for another reason
+                time.sleep(_POLL_S)
+            raise
+
+    def _server_error(self) -> str | None:
+        """The server's recorded TRL failure (``/weight_info``'s ``trl.error``); ``None`` also when
+        it cannot be read (the join's own bounds apply, as without this look)."""
+        try:
+            return self.http.weight_info().get("trl", {}).get("error")
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _raise_if_port_taken(self, cause: BaseException | None = None) -> str | None:
+        """:class:`PortTakenError` if the server's TRL error is ``EADDRINUSE``; else that error (or ``None``)."""
+        err = self._server_error()
+        if err and address_in_use(err):
+            raise PortTakenError(f"the server could not bind the group's port {self.group_port}: {err}") from cause
+        return err
 
     def update_named_param(self, name: str, weights: torch.Tensor) -> None:
         """Announce one tensor, then broadcast its bytes from this (the last) rank."""
