@@ -82,12 +82,13 @@ def _import_app():
 def run(args) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; then ends the process (``os._exit``)
     with the exit status. Returns the status only when the engine could not start."""
-    from rlserve.server import metrics_mp, multi_api
+    from rlserve.server import log_prefix, metrics_mp, multi_api
 
     attach = multi_api.attach_from_env()  # API process 1..N-1 of --api-server-count N (rlserve.server.multi_api)
-    who = f" [api-server {attach['client_index']}]" if attach else ""
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format=f"%(asctime)s %(levelname)s{who} %(name)s: %(message)s", stream=sys.stderr)
+    # every line starts "(APIServer pid=P)", "(ApiServer_i pid=P)" with N > 1: vLLM's (rlserve.server.log_prefix)
+    proc_name = log_prefix.process_name(args.api_server_count, attach["client_index"] if attach else 0)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=log_prefix.log_format(proc_name),
+                        stream=sys.stderr)
     from rlserve.errors import InvalidRequestError, RLServeError
 
     model_arg = args.model_flag or args.model or "default"
@@ -133,6 +134,11 @@ def run(args) -> int:
             envs.read(name)
         stack = http_stack()  # (RLSERVE_HTTP_IMPL)
         sock = multi_api.listen_socket(attach) if attach else serve_checks.bind_listen_socket(args.host, args.port)
+        servers = None  # API process 0 of N > 1: processes 1..N-1, started with the cores (AsyncEngine's on_started)
+        if args.api_server_count > 1 and not attach:
+            servers = multi_api.APIServerProcessManager(args.api_server_count, sock,
+                                                        args.argv[args.argv.index("serve") + 1:],
+                                                        *metrics_mp.setup_dir())
     except (RLServeError, ValueError, OSError) as e:
         if prestart:
             discard_prestarted()
@@ -164,8 +170,11 @@ def run(args) -> int:
                               stream_interval=args.stream_interval, max_engine_restarts=args.max_engine_restarts,
                               engine_restart_window_s=args.engine_restart_window,
                               serve_checkpoint_after_restart=args.serve_checkpoint_after_restart,
-                              tokenizer=tokenizer, api_server_count=args.api_server_count, attach=attach)
+                              tokenizer=tokenizer, api_server_count=args.api_server_count, attach=attach,
+                              on_started=servers.start if servers is not None else None)
     except (RLServeError, ValueError, OSError, RuntimeError, TimeoutError) as e:
+        if servers is not None:
+            servers.stop()
         sock.close()
         if prestart:
             discard_prestarted()
@@ -180,6 +189,8 @@ def run(args) -> int:
         build_app = app_module.result().build_app
         sampling_defaults = sampling.result()
     except BaseException as e:  # noqa: BLE001 -- the same ends as before the engine started
+        if servers is not None:
+            servers.stop()
         sock.close()
         aengine.shutdown(timeout_s=5.0)
         if template_workers:
@@ -214,27 +225,19 @@ def run(args) -> int:
             logger.warning("bound to %s without --admin-key: control routes (pause/resume/abort/weights) answer 403 "
                            "(--admin-key KEY to enable them with a key, or --insecure-control-routes / "
                            "VLLM_SERVER_DEV_MODE=1 to serve them without one, as vLLM does)", args.host)
-    rc, resignal, app, servers = 1, None, None, None
+    rc, resignal, app = 1, None, None
     old_term = signal.signal(signal.SIGTERM, _raise_terminated)
     if args.api_server_count > 1:  # the N processes' metric values (process 0's directory: rlserve.server.metrics_mp)
-        settings.metrics_multiproc_dir = attach["metrics_dir"] if attach else metrics_mp.make_dir()
+        settings.metrics_multiproc_dir = attach["metrics_dir"] if attach else servers.metrics_dir
     try:
         app = build_app(aengine, settings)
         phases.mark("API app build")
-        extra = []
         if attach:  # control routes: API process 0's
             served = multi_api.ForwardControl(app, attach["control_socket"], settings.max_request_body_bytes)
-        else:
+        else:  # (with N > 1 also on the unix socket processes 1..N-1 forward the control routes to)
             served = app
-            if args.api_server_count > 1:  # processes 1..N-1, and the unix socket they forward control routes to
-                control, control_path = multi_api.control_socket(aengine._replicas[0].socket_dir)
-                extra.append(control)
-                servers = multi_api.APIServerProcessManager(args.api_server_count, sock,
-                                                            [r.socket_dir for r in aengine._replicas], control_path,
-                                                            args.argv[args.argv.index("serve") + 1:],
-                                                            settings.metrics_multiproc_dir)
-                servers.start()
-        rc = stack.run(_serve(served, args, sock, stack, extra, servers))
+        extra = [servers.control] if servers is not None else []
+        rc = stack.run(_serve(served, args, sock, stack, extra, servers, proc_name))
         if servers is not None and servers.failure:
             rc = 1
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down; asyncio.run (uvloop.run) re-raises it
@@ -245,9 +248,7 @@ def run(args) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
         logger.debug("stopping: HTTP server closed; stopping the engines")
         if servers is not None:
-            servers.stop()  # API processes 1..N-1 first: then the cores
-        if not attach:
-            metrics_mp.remove_dir(settings.metrics_multiproc_dir)
+            servers.stop()  # API processes 1..N-1 first (and process 0's metric files): then the cores
         if app is not None:
             app.state.rlserve.close()  # the chat-template workers
         aengine.shutdown(timeout_s=5.0)
@@ -306,13 +307,17 @@ def _exit_now(rc: int, resignal: int | None = None) -> None:
         os._exit(rc)
 
 
-async def _serve(app, args, sock, stack, extra_sockets=(), servers=None) -> int:
+async def _serve(app, args, sock, stack, extra_sockets=(), servers=None, name: str = "APIServer") -> int:
     """Serve ``app`` on ``sock`` (and ``extra_sockets``: API process 0's control socket) until a
     signal, or until one of ``servers`` (:class:`~rlserve.server.multi_api.APIServerProcessManager`)
-    ends. Returns the exit status."""
+    ends; uvicorn's log lines prefixed with this process's ``name`` (:mod:`rlserve.server.log_prefix`).
+    Returns the exit status."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+    from rlserve.server.log_prefix import uvicorn_log_config
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(name),
+                            log_level=args.uvicorn_log_level or args.log_level,
                             access_log=not args.disable_access_log, timeout_graceful_shutdown=1,
                             timeout_keep_alive=30, http=stack.protocol(args.http_header_timeout))
     if extra_sockets:  # API process 0's control socket: its forwarded requests are logged where they came in

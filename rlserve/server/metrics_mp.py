@@ -34,8 +34,14 @@ prometheus_client's documented limits of the mode, checked against every rlserve
 Counters that one process owns are only counted there: weight syncs (process 0 runs them) and
 ``rlserve_generation_paused_seconds_total`` (process 0's pause clock; the others' would count it N times).
 
-Lifetime: API process 0 makes the directory (:func:`make_dir`) before it builds its app and starts the
-others (they get its path in their attach description), and removes it at exit (:func:`remove_dir`).
+Lifetime: API process 0 picks the directory (:func:`setup_dir`) before it starts the engine cores and the
+others (they get its path in their attach description) and builds its app, and removes it at exit
+(:func:`remove_dir`) when it made it. As vLLM 0.32 (``setup_multiprocess_prometheus``): a
+``PROMETHEUS_MULTIPROC_DIR`` the user set is used as is, with a warning that it is not cleaned (its
+files from an earlier run add to this one's counts), and never removed; else a new directory
+``<tmp>/rlserve-metrics-<pid>-XXXX`` (:data:`DIR_PREFIX`, after process 0's pid). A SIGKILLed process 0
+cannot remove its own: the next ``--api-server-count`` start removes the directories of processes that are
+gone (:func:`rlserve.pid_dirs.pid_dir`; only rlserve's own, by their name, this user's, pid not alive).
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ import asyncio
 import logging
 import os
 import shutil
-import tempfile
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +58,26 @@ LIVE_PUBLISH_S = 0.5
 _ENV = "PROMETHEUS_MULTIPROC_DIR"  # (prometheus_client's variable: it names each process's files)
 
 
-def make_dir() -> str:
-    """A fresh directory for the value files (API process 0, N > 1; only this user can enter it)."""
-    return tempfile.mkdtemp(prefix="rlserve-metrics-")
+#: the name of the directories :func:`setup_dir` makes, before process 0's pid
+DIR_PREFIX = "rlserve-metrics-"
+
+
+def setup_dir(root: str | None = None) -> tuple[str, bool]:
+    """The directory for the value files (API process 0, N > 1) and whether this process made it (and
+    removes it at exit): the user's ``PROMETHEUS_MULTIPROC_DIR`` (made if missing, never removed; a
+    warning says its files are not cleaned), else a fresh ``<root>/rlserve-metrics-<pid>-XXXX`` (only this
+    user can enter it; ``root``: default the temporary directory), the leftovers of dead processes removed
+    first. Raises OSError when the user's directory cannot be made."""
+    user = os.environ.get(_ENV)
+    if user:
+        os.makedirs(user, exist_ok=True)
+        logger.warning("Found PROMETHEUS_MULTIPROC_DIR=%s set by the user: --api-server-count's metric files go "
+                       "there and are not cleaned. This directory must be wiped between runs or you will find "
+                       "inaccurate metrics. Unset the variable and rlserve will make (and remove) its own.", user)
+        return user, False
+    from rlserve.pid_dirs import pid_dir
+
+    return pid_dir(DIR_PREFIX, root), True
 
 
 def remove_dir(path: str | None) -> None:

@@ -5,9 +5,12 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
 
 * **API process 0** is the ``rlserve serve`` process. It binds the listening socket, starts the
   engine cores (each told the input / output addresses of every API process,
-  :mod:`rlserve.engine.core.core_proc`), builds its app, then starts processes 1..N-1
-  (:class:`APIServerProcessManager`) with the socket (an inherited file descriptor) and the cores'
-  socket directories (``RLSERVE_API_SERVER_ATTACH``, JSON). It owns every control state --
+  :mod:`rlserve.engine.core.core_proc`) and, right after (before the cores are ready: as vLLM starts
+  its API servers beside ``launch_core_engines``), processes 1..N-1 (:class:`APIServerProcessManager`)
+  with the socket (an inherited file descriptor) and the cores' socket directories
+  (``RLSERVE_API_SERVER_ATTACH``, JSON); then it waits for its cores and builds its app while they
+  import, check and load their tokenizer (until session 25 they started only once process 0's engine
+  was ready and its app built: 9-13 s more start-up, BENCHMARKS.md). It owns every control state --
   ``WeightState`` (weights valid / lost, the version label), the ``WeightTransferManager`` (transfer
   group, update sessions), pause and held requests, sleep, the prefix cache -- and serves its app a
   second time on a private unix socket (``control.sock`` in its first core's socket directory, mode
@@ -26,6 +29,13 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
 * **Refused with N > 1** (a startup error): ``--enable-lora`` (adapters loaded at run time live in
   process 0's registry; vLLM 0.32 refuses runtime LoRA updating with ``api_server_count > 1`` too),
   ``--engine-mode thread``. Engine-core restarts are off (``--max-engine-restarts`` is taken as 0): a core that dies leaves every process answering 503.
+* **Start-up and** ``/health``: each process serves (and its ``/health`` answers 200, as vLLM's: the
+  engine client is up and its cores alive) once its cores sent it their ready message and its app
+  started, so any process that answers can serve generation; a process that does not serve yet does
+  not accept connections (the kernel hands them to those that do). ``rlserve: serving ...`` (the ready
+  line) comes once all N serve.
+* **Logs**: every line of API process ``i`` starts ``(ApiServer_i pid=P)`` (vLLM's names; uvicorn's lines
+  too): :mod:`rlserve.server.log_prefix`.
 * **Lifetime**: a process 1..N-1 that exits while the server runs stops the server (process 0
   logs which one and how it ended, stops the others and its cores, exits 1). SIGINT / SIGTERM to
   process 0 stops processes 1..N-1 first (SIGTERM, SIGKILL after :data:`STOP_GRACE_S`), then its
@@ -33,7 +43,8 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   as the cores do.
 * **Metrics**: ``/metrics`` of every process answers the N processes' aggregate (prometheus_client's
   multiprocess mode, as vLLM: :mod:`rlserve.server.metrics_mp`; counters and histograms summed,
-  gauges as vLLM aggregates them, in a directory process 0 makes and removes at exit); only
+  gauges as vLLM aggregates them, in a directory process 0 makes and removes at exit, or the user's
+  ``PROMETHEUS_MULTIPROC_DIR``, as vLLM); only
   ``rlserve_api_server_info{index,count}`` is the answering process's own (which one it is). The
   sleep-mode gauges are process 0's (the others have no sleep state of their own), written at its
   scrapes and after each sleep / wake_up; ``process_*`` / ``python_*`` are left out (as vLLM does).
@@ -43,6 +54,7 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -146,33 +158,41 @@ def quiet_control_socket_access_log() -> None:
 
 
 class APIServerProcessManager:
-    """API process 0's processes 1..N-1 (vLLM's class name): started with :meth:`start`, watched
-    (:meth:`watch`), stopped with :meth:`stop`.
+    """API process 0's processes 1..N-1 (vLLM's class name): started with :meth:`start` as soon as the
+    engine cores were (``AsyncEngine``'s ``on_started``: beside the cores' start, as vLLM starts its API
+    servers inside ``launch_core_engines``), watched (:meth:`watch`), stopped with :meth:`stop`, which
+    also closes process 0's control socket and removes the metric files' directory when process 0 made it.
 
     Args:
-        count: N. listen_sock: the shared listening socket. core_dirs: each replica's core socket
-            directory. control_path: process 0's unix socket. argv: ``rlserve serve``'s arguments.
-            metrics_dir: the metric values' shared directory (:mod:`rlserve.server.metrics_mp`).
+        count: N. listen_sock: the shared listening socket. argv: ``rlserve serve``'s arguments.
+        metrics_dir: the metric values' shared directory (:func:`rlserve.server.metrics_mp.setup_dir`);
+            ``remove_metrics_dir``: whether :meth:`stop` removes it (False: the user's).
     """
 
-    def __init__(self, count: int, listen_sock, core_dirs: list[str], control_path: str, argv: list[str],
-                 metrics_dir: str | None = None):
+    def __init__(self, count: int, listen_sock, argv: list[str], metrics_dir: str | None = None,
+                 remove_metrics_dir: bool = True):
         self.count = count
         self.metrics_dir = metrics_dir
+        self.remove_metrics_dir = remove_metrics_dir
         self.listen_sock = listen_sock
-        self.core_dirs = list(core_dirs)
-        self.control_path = control_path
+        self.core_dirs: list[str] = []
+        self.control: socket.socket | None = None  # process 0's control socket, once started
+        self.control_path: str | None = None
         self.argv = list(argv)
         self.procs: list[subprocess.Popen] = []
         self._ready: list[int] = []  # read ends of each process's ready pipe
         self.stopping = False
         self.failure: str | None = None  # why the server stops: a process that ended on its own
 
-    def start(self) -> None:
-        """Start processes 1..N-1 (from the calling thread: the kernel's parent-death signal
-        follows it; call from the main thread)."""
+    def start(self, replicas) -> None:
+        """Bind process 0's control socket (in the first core's socket directory) and start processes
+        1..N-1 attached to ``replicas``' cores (started, maybe not ready yet: each process waits for its
+        cores' ready message, :class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`). Call from
+        the main thread: the kernel's parent-death signal follows the thread that started them."""
         from rlserve.server.launch import parent_death_signal
 
+        self.core_dirs = [r.socket_dir for r in replicas]
+        self.control, self.control_path = control_socket(self.core_dirs[0])
         fd = self.listen_sock.fileno()
         for i in range(1, self.count):
             r, w = os.pipe()
@@ -228,7 +248,8 @@ class APIServerProcessManager:
                     pass
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """:meth:`terminate`, SIGKILL what is left after ``grace_s``; reap them all."""
+        """:meth:`terminate`, SIGKILL what is left after ``grace_s``; reap them all; then close the
+        control socket and remove the metric files' directory (when process 0 made it). Idempotent."""
         self.terminate()
         for p in self.procs:
             try:
@@ -237,10 +258,16 @@ class APIServerProcessManager:
                 logger.warning("API server (pid %d) did not stop within %g s: killed", p.pid, grace_s)
                 p.kill()
                 p.wait()
-        try:
-            os.unlink(self.control_path)
-        except OSError:
-            pass
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self.control_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.control_path)
+        if self.remove_metrics_dir:
+            from rlserve.server.metrics_mp import remove_dir
+
+            remove_dir(self.metrics_dir)
 
 
 class ForwardControl:

@@ -89,13 +89,18 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
         attach: in API process ``client_index`` > 0: ``{"client_index": i, "core_dirs": [socket
             directory of each replica's core]}``; the cores are API process 0's
             (:class:`~rlserve.engine.front.core_attach.AttachedCoreReplica`).
+        on_started: ``fn(replicas)`` called once every replica was started, before the wait for them to be
+            ready (on the calling thread): ``rlserve serve --api-server-count N`` starts API processes
+            1..N-1 there, beside the cores' start, as vLLM does (:mod:`rlserve.server.multi_api`); what it
+            raises fails the start as a replica's error would.
     """
 
     def __init__(self, config, *, weight_version: str = "0", engine_factory=None,
                  start_timeout_s: float = 3600.0, hold_timeout_s: float | None = DEFAULT_HOLD_TIMEOUT_S,
                  engine_mode: str | None = None, stream_interval: int = 1, max_engine_restarts: int = 0,
                  engine_restart_window_s: float = 60.0, serve_checkpoint_after_restart: bool = False,
-                 tokenizer=None, api_server_count: int = 1, attach: dict | None = None):
+                 tokenizer=None, api_server_count: int = 1, attach: dict | None = None,
+                 on_started: Callable[[list], None] | None = None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -143,6 +148,8 @@ class AsyncEngine(ReplicaHealth, PauseControl, WeightsControl, EngineControl):
         try:
             for r in self._replicas:
                 r.start()  # every replica loads at once
+            if on_started is not None:
+                on_started(self._replicas)
             for r in self._replicas:
                 try:
                     r.wait_ready(start_timeout_s)

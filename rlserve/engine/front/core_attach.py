@@ -53,8 +53,10 @@ class AttachedCoreReplica(CoreProcReplica):
     (arguments as :class:`CoreProcReplica`'s; ``core_dir``: that core's socket directory)."""
 
     def start(self) -> None:
-        """Nothing to start: the sockets were bound at construction."""
+        """Nothing to start (the sockets were bound at construction): the tokenizer starts loading on a
+        thread, as in process 0, while the core may still be starting (processes 1..N-1 start beside it)."""
         self._pidfd = None  # the reader polls (every 100 ms) the pid it learns from the ready message
+        self._prefetch_tokenizer()
 
     def wait_ready(self, timeout_s: float) -> None:
         self.proc = _Waiting()

@@ -139,13 +139,18 @@ class CoreProcReplica(Replica):
         cmd = core_spawn.core_command(self._dir, self.index, self._version, self.config, self.api_server_count)
         self.proc = (core_spawn.take_prestarted(self.index, cmd)
                      or core_spawn.spawn(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
-        prefetch = getattr(self._tokenizer_loader, "prefetch", None)
-        if prefetch is not None:  # the tokenizer loads here while the core starts
-            prefetch()
+        self._prefetch_tokenizer()
         try:
             self._pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
             self._pidfd = None
+
+    def _prefetch_tokenizer(self) -> None:
+        """Start loading the API process's tokenizer on a thread (:class:`~rlserve.engine.front.replica_setup.TokenizerOnce`),
+        so that it loads while the core starts."""
+        prefetch = getattr(self._tokenizer_loader, "prefetch", None)
+        if prefetch is not None:
+            prefetch()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -164,32 +164,12 @@ def wait_exit(proc: subprocess.Popen, pidfd: int | None, timeout_s: float) -> bo
 
 def socket_dir(root: str | None = None) -> str:
     """A new directory for one core's two ZMQ ``ipc://`` sockets, ``<tmp>/rlserve-core-<pid>-XXXX``
-    after this process. Removes first the ones whose creating process is gone: a SIGKILLed
-    server cannot remove its own (its core is SIGKILLed too, by ``PR_SET_PDEATHSIG``), and 638
-    of them had piled up in a CI machine's ``/tmp`` from killed test runs. Directories without a
-    pid (older layout), of other users, or of live processes are left alone.
+    after this process, the ones of processes that are gone removed first (a SIGKILLed server cannot
+    remove its own: its core is SIGKILLed too, by ``PR_SET_PDEATHSIG``): :func:`rlserve.pid_dirs.pid_dir`.
 
     Args:
         root: where (default ``tempfile.gettempdir()``).
     """
-    root = root or tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            pid = name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0] if name.startswith(SOCKET_DIR_PREFIX) else ""
-            if not pid.isdigit() or int(pid) == os.getpid() or _pid_exists(int(pid)):
-                continue
-            path = os.path.join(root, name)
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_uid == os.getuid():
-                    shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=root)
+    from rlserve.pid_dirs import pid_dir
 
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return pid_dir(SOCKET_DIR_PREFIX, root)
