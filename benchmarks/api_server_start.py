@@ -44,12 +44,14 @@ def one_start(checkout: str, model: str, count: int, extra: list[str], timeout_s
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="api-server-start-", suffix=".log")
     os.close(fd)
+    # run in the checkout: ``python -m`` imports from the working directory first (API process 0 starts
+    # processes 1..N-1 with its own directory and PYTHONPATH)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "rlserve", "serve", model, "--device", "cpu", "--port", str(port),
            "--api-server-count", str(count), *extra]
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    proc, log = spawn_server(cmd, log_path, env)
+    proc, log = spawn_server(cmd, log_path, env, cwd=os.path.abspath(checkout))
     rec = {"checkout": checkout, "count": count, "load_1min": round(load, 2), "health": None, "ready": None,
            "cpu": None, "log": log_path}
     try:

@@ -155,16 +155,18 @@ def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return preexec
 
 
-def spawn_server(cmd: Sequence[str], log_path: str | None, env: dict | None = None) -> tuple[subprocess.Popen, object]:
+def spawn_server(cmd: Sequence[str], log_path: str | None, env: dict | None = None,
+                 cwd: str | None = None) -> tuple[subprocess.Popen, object]:
     """Start ``cmd`` in a new session with stdin closed and stdout + stderr to ``log_path``
     (``None``: this terminal), SIGTERMed by the kernel if the calling thread ends first
-    (:func:`parent_death_signal`). Start it from a thread that lives as long as the server
+    (:func:`parent_death_signal`), in directory ``cwd`` (default: this one; ``python -m`` imports
+    from there first). Start it from a thread that lives as long as the server
     should (the main thread, normally). Returns ``(proc, log file)``; close the file after the
     process ended (``None`` for the terminal)."""
     log = open(log_path, "w") if log_path is not None else None
     try:
         proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT if log is not None else None, env=env,
+                                stderr=subprocess.STDOUT if log is not None else None, env=env, cwd=cwd,
                                 start_new_session=True, preexec_fn=parent_death_signal())
     except BaseException:
         if log is not None:
