@@ -48,6 +48,12 @@ class EngineDeadError(RLServeError):
     """The engine replica is stopped (shutdown, a fatal error, or its process died). HTTP 503."""
 
 
+class APIServerTimeoutError(RLServeError, TimeoutError):
+    """``--api-server-count N``: another API process did not apply API process 0's admission state (a
+    pause, resume or abort) within its bound (a process hung or stopped): the action did not take effect
+    there. The message names the process (index, pid, its state). HTTP 504, code ``api_server_timeout``."""
+
+
 class ModelUnavailableError(RLServeError):
     """The served weights are not valid (a failed in-place update left them part old, part new:
     code ``model_unavailable``; a level-2 sleep's refill is incomplete or an engine-core restart

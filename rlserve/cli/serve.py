@@ -185,6 +185,8 @@ def run(args) -> int:
         # --gpu-memory-utilization below one --max-model-len sequence): a bad setting, as the checks above
         return 2 if isinstance(e, InvalidRequestError) else 1
     phases.mark("engine start -> ready (API process waiting)")
+    if servers is not None:  # (named in a pause's error when one of them does not apply it: front_sync)
+        aengine.front_sync.peer_pids = {i: p.pid for i, p in enumerate(servers.procs, start=1)}
     try:
         build_app = app_module.result().build_app
         sampling_defaults = sampling.result()

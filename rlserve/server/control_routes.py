@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 import rlserve
 from rlserve.engine.sampling_params import SamplingParams
-from rlserve.errors import WeightUpdateStateError
+from rlserve.errors import APIServerTimeoutError, WeightUpdateStateError
 from rlserve.server.errors import APIError
 from rlserve.server.metrics import CONTENT_TYPE_LATEST
 from rlserve.server.openai_answers import weight_versions
@@ -101,15 +101,19 @@ async def operator_pause(state: ServerState, mode: str, clear_cache: bool = Fals
                          timeout: Optional[float] = None) -> None:
     """``POST /pause``'s work: the pause, checked against an open in-place weight update under the
     pause lock (409 for ``wait``; nothing can open or end an update between the check and the
-    pause). Raises APIError (400 bad mode, 409, 504 ``timeout`` seconds passed: the pause undone)."""
+    pause). Raises APIError (400 bad mode, 409, 504 ``timeout`` seconds passed: the pause undone; 504
+    ``api_server_timeout``: with ``--api-server-count N`` another API process, named, did not apply it)."""
     if mode not in ("abort", "wait", "keep"):
         raise APIError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
     try:
         await state.aengine.pause(mode=mode, clear_cache=clear_cache, timeout_s=timeout,
                                   check=lambda: _check_weight_update(state, f"pause:{mode}"))
-    except asyncio.TimeoutError:
+    except (APIServerTimeoutError, asyncio.TimeoutError) as e:  # (distinct classes before Python 3.11)
         now = (f"generation stays paused by the earlier pause (mode={state.aengine.pause_mode})"
                if state.aengine.is_paused() else "it was undone: generation continues")
+        if isinstance(e, APIServerTimeoutError):  # --api-server-count: a process that did not apply it, named
+            raise APIError(504, f"pause(mode={mode}) did not take effect: {e}; {now}",
+                           code="api_server_timeout") from None
         raise APIError(504, f"pause(mode={mode}) did not take effect within {timeout}s; {now}",
                        code="timeout") from None
 

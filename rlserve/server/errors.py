@@ -158,7 +158,7 @@ async def send_error(send, status: int, message: str, param=None, code=None,
 
 def exception_to_error(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request onto an :class:`APIError`."""
-    from rlserve.errors import EngineDeadError, EngineStepError
+    from rlserve.errors import APIServerTimeoutError, EngineDeadError, EngineStepError
 
     if isinstance(exc, APIError):
         return exc
@@ -182,6 +182,8 @@ def exception_to_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, APIServerTimeoutError):
+        return APIError(504, str(exc), code="api_server_timeout")
     # Anything else is a bug of the server, not of the request (inputs are validated explicitly:
     # pydantic models, ServerState.tokenize, ...): logged with its traceback, answered 500
     # without the exception's text (no internals in answers).

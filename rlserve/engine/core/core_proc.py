@@ -48,7 +48,7 @@ logger = logging.getLogger("rlserve.engine.core.core_proc")
 _IDLE_POLL_MS = 1000  # an idle core wakes at least this often (milliseconds)
 #: Utility methods the API process may call (UtilityCall.method).
 UTILITY_METHODS = ("abort", "abort_all", "set_frozen", "wait_drained", "reset_prefix_cache", "call", "stats",
-                   "lift_quarantine", "front_state")
+                   "lift_quarantine", "front_state", "front_pending")
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -278,6 +278,8 @@ class CoreServer:
                 if not self._front_state(msg.call_id, args):
                     return  # answered once every API process acked (_front_acked)
                 result = 0  # (no other API process: none of theirs aborted)
+            elif msg.method == "front_pending":  # the API processes that owe an ack (a pause that timed out)
+                result = sorted(set().union(*(w[1] for w in self._front_waits.values())))
             else:
                 raise ValueError(f"unknown engine-core method {msg.method!r}; known: {', '.join(UTILITY_METHODS)}")
         except Exception as e:  # noqa: BLE001 - delivered to the caller

@@ -26,7 +26,7 @@ import logging
 import time
 
 from rlserve.engine.front.front_request import FrontRequest, wait_all
-from rlserve.errors import ModelUnavailableError
+from rlserve.errors import APIServerTimeoutError, ModelUnavailableError
 
 logger = logging.getLogger("rlserve.engine.front.async_engine")  # the front's log, as before the split
 
@@ -85,6 +85,8 @@ class PauseControl:
 
         Raises:
             ValueError: unknown mode. TimeoutError: see ``timeout_s``. What ``check`` raises.
+            APIServerTimeoutError (a TimeoutError): with ``--api-server-count N``, another API process did
+                not apply the pause within ``timeout_s`` (at most ``front_sync.ACK_TIMEOUT_S``); undone as above.
         """
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
@@ -114,23 +116,27 @@ class PauseControl:
             self._paused_since = time.monotonic()
         self._paused = True
         self._pause_mode = mode
+        t0 = time.monotonic()
         try:
             # the other API processes hold new requests from here on, and what they admitted
             # before is in the cores (rlserve.engine.front.front_sync): the pause treats it as ours
-            await self.front_sync.publish()
-            await self._pause_locked(mode, clear_cache, timeout_s)
-        except BaseException:
+            # (one that does not apply it within the pause's timeout: APIServerTimeoutError, naming it)
+            await self.front_sync.publish(timeout_s=timeout_s)
+            left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
+            await self._pause_locked(mode, clear_cache, left)
+        except BaseException as e:
             # a pause that did not take effect (timeout, cancelled, an engine error) must not
             # leave generation paused with nobody to resume it: back to the state before it
-            await self._restore_pause(before)
+            # (without waiting again for a process that did not apply the pause: it gets the state in order)
+            await self._restore_pause(before, wait_others=not isinstance(e, APIServerTimeoutError))
             raise
 
-    async def _restore_pause(self, before: str | None) -> None:
+    async def _restore_pause(self, before: str | None, wait_others: bool = True) -> None:
         """Undo a failed :meth:`pause` (pause lock held): resume when generation was running
         before it (held requests are submitted), else return to the earlier pause's mode (a
-        keep-pause freezes the replicas again)."""
+        keep-pause freezes the replicas again). ``wait_others``: see :meth:`_resume_locked`."""
         if before is None:
-            await self._resume_locked()
+            await self._resume_locked(wait_others)
             logger.warning("pause did not take effect; generation resumed (it was not paused before)")
             return
         self._pause_mode = before
@@ -175,10 +181,15 @@ class PauseControl:
         logger.info("generation resumed (%d held request(s) submitted)", n)
         return True
 
-    async def _resume_locked(self) -> int:
+    async def _resume_locked(self, wait_others: bool = True) -> int:
+        """Unfreeze, submit the held requests, and have the other API processes release theirs (waiting
+        until they did, unless not ``wait_others``). Returns how many this process submitted."""
         await wait_all([r.set_frozen(False) for r in self._replicas])
         n = self.release_held()
-        await self.front_sync.publish()  # the other API processes release theirs
+        if wait_others:
+            await self.front_sync.publish()  # the other API processes release theirs
+        else:
+            self.front_sync.notify()
         return n
 
     def hold_new(self, mode: str | None) -> None:

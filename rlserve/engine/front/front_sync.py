@@ -42,8 +42,14 @@ from rlserve.errors import ModelSleepingError
 logger = logging.getLogger(__name__)
 
 #: seconds process 0 waits for every other API process to ack a state (a dead one ends the server
-#: anyway: :mod:`rlserve.server.multi_api`); past it the pause or resume fails (TimeoutError)
+#: anyway: :mod:`rlserve.server.multi_api`); past it the pause or resume fails
+#: (:class:`~rlserve.errors.APIServerTimeoutError`, HTTP 504 ``api_server_timeout`` naming the process)
 ACK_TIMEOUT_S = 60.0
+#: seconds process 0 waits for the cores to say which processes owe an ack, for that error's message
+PENDING_QUERY_S = 5.0
+#: ``/proc/PID/stat`` states (proc(5)) as the error names them
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped (SIGSTOP or SIGTSTP)",
+           "t": "stopped by a tracer", "Z": "exited (a zombie)"}
 
 
 class FrontSync:
@@ -69,6 +75,7 @@ class FrontSync:
         self.applied = 0  # states applied (processes > 0)
         self.abort_seq = 0  # process 0: aborts published; processes > 0: the highest one applied
         self._abort_lock = threading.Lock()  # (processes > 0: one core-reader thread per replica applies)
+        self.peer_pids: dict[int, int] = {}  # process 0: index -> pid of processes 1..N-1 (for error messages)
 
     # ---- process 0 --------------------------------------------------------------------
     def state(self, abort_held: bool = False, abort_ids: list[str] | None = None, abort_seq: int = 0) -> list:
@@ -94,22 +101,62 @@ class FrontSync:
         state = self.state(abort_held, abort_ids, seq)
         return [r.front_state(*state) for r in self.aengine._replicas if r.alive]
 
-    async def publish(self, abort_held: bool = False, abort_ids: list[str] | None = None) -> int:
+    async def publish(self, abort_held: bool = False, abort_ids: list[str] | None = None,
+                      timeout_s: float | None = None) -> int:
         """Send the state to every other API process and wait until each applied it (no-op with
         one process); ``abort_held``: they abort the requests they hold; ``abort_ids``: the requests
         these ids name (:meth:`AsyncEngine.ids_matching`), their final outputs on their way. Returns how many
-        requests of the other processes that ended (0 with one process). Raises TimeoutError after
-        :data:`ACK_TIMEOUT_S`; EngineDeadError when a core is gone."""
+        requests of the other processes that ended (0 with one process).
+
+        Raises:
+            APIServerTimeoutError: a process did not apply it within ``timeout_s`` seconds (None or more than
+                :data:`ACK_TIMEOUT_S`: that); the message names it (:meth:`not_applied`). The state still
+                reaches it when it runs again (each process applies process 0's states in order).
+            EngineDeadError: a core is gone."""
         if self.count == 1 or self.client_index:
             return 0
         from rlserve.engine.front.front_request import wait_all
 
+        bound = ACK_TIMEOUT_S if timeout_s is None else min(float(timeout_s), ACK_TIMEOUT_S)
         sent = self._send(abort_held, abort_ids)
-        results = await asyncio.wait_for(wait_all(sent, raise_first=True), ACK_TIMEOUT_S)
+        try:
+            results = await asyncio.wait_for(wait_all(sent, raise_first=True), bound)
+        except asyncio.TimeoutError:
+            from rlserve.errors import APIServerTimeoutError
+
+            raise APIServerTimeoutError(f"{await self.not_applied()} did not apply API server 0's "
+                                        f"{self._what(abort_held, abort_ids)} within {bound:g} s") from None
         return sum(x for x in results if isinstance(x, int))
 
+    def _what(self, abort_held: bool, abort_ids) -> str:
+        """The state being published, in words (for the timeout's message)."""
+        if abort_held or abort_ids:
+            return "abort"
+        return f"pause (mode={self.aengine._pause_mode})" if self.aengine._paused else "resume"
+
+    async def not_applied(self) -> str:
+        """Which processes 1..N-1 owe an ack, as the cores say (``front_pending``), each with its pid and
+        its state from ``/proc`` (stopped, sleeping, ...); "another API server" when the cores did not say
+        within :data:`PENDING_QUERY_S`."""
+        from rlserve.engine.front.front_request import wait_all
+        from rlserve.proc_state import stat_fields
+
+        try:
+            lists = await asyncio.wait_for(wait_all([r.front_pending() for r in self.aengine._replicas if r.alive],
+                                                    raise_first=True), PENDING_QUERY_S)
+        except Exception:  # noqa: BLE001 - only the message's detail is lost
+            return "another API server (the engine cores did not say which)"
+        names = []
+        for i in sorted({i for pending in lists if isinstance(pending, list) for i in pending}):
+            pid = self.peer_pids.get(i)
+            fields = stat_fields(pid) if pid else None
+            state = "gone" if pid and fields is None else _STATES.get(fields[0], fields[0]) if fields else None
+            names.append(f"API server {i}" + (f" (pid {pid}, {state})" if pid else ""))
+        return " and ".join(names) or "another API server (it applied the state meanwhile)"
+
     def notify(self) -> None:
-        """Send the state without waiting for the acks (the weights changed state)."""
+        """Send the state without waiting for the acks (the weights changed state; a failed pause undone
+        after a process did not ack)."""
         if self.count == 1 or self.client_index:
             return
         for fut in self._send():
