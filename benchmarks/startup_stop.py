@@ -49,7 +49,9 @@ import httpx  # noqa: E402
 from rlserve.proc_state import pid_alive  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
-_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:\[engine-core \d+\] )?\S+: "
+# (API processes' lines start "(APIServer pid=P) " since session 25: rlserve/server/log_prefix.py)
+_PREFIX = r"(?:\(\S+ pid=\d+\) )?"
+_STAMP = _PREFIX + r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:\[engine-core \d+\] )?\S+: "
 _MARKS = {"loading": r"loading ", "engine ready": r"engine ready: ", "received": r"stopping: \w+ received",
           "http closed": r"stopping: HTTP server closed", "engines stopped": r"stopping: engines stopped",
           "exit handlers done": r"stopping: exit handlers done"}
@@ -198,7 +200,7 @@ def _start_timeline(text: str, t_start: float) -> list[tuple[float, str]]:
     start-up's phases: API set-up, engine-core process, weights, KV cache, warm-up, graphs, ready)."""
     out = []
     for line in text.splitlines():
-        m = re.match(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO (.*)", line)
+        m = re.match(_PREFIX + r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO (.*)", line)
         if m:
             t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t_start
             out.append((round(t, 3), m.group(2)[:200]))
