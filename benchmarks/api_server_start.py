@@ -8,7 +8,9 @@ a file) and record, in seconds from the spawn:
 * ``ready``: the ``rlserve: serving ...`` line (every API process serves);
 * ``cpu``: user + system CPU seconds of the server's process tree when the ready line came (live
   processes, their reaped children included: :func:`rlserve.server.launch.tree_cpu_seconds`);
-* ``load``: the 1-minute load average just before the spawn.
+* ``load``: the 1-minute load average just before the spawn;
+* ``after_engine``: from API process 0's "engine replica 0 ready" log line to its "ready:" line (the part
+  of the start-up that comes after the engine: what starting processes 1..N-1 beside the engine targets).
 
 Then the server is stopped (SIGTERM to its group) before the next start. Wall times on a shared machine
 move with its load: compare only the same run's alternating numbers, and the CPU seconds.
@@ -37,6 +39,21 @@ import httpx  # noqa: E402
 from rlserve.server.launch import free_port, spawn_server, stop_group, tree_cpu_seconds  # noqa: E402
 
 _READY = re.compile(r"rlserve: serving .* on (http://\S+) ")
+_STAMP = r"^(?:\(\S+ pid=\d+\) )?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO "  # (prefixed since session 25)
+
+
+def after_engine(log_text: str) -> float | None:
+    """Seconds from API process 0's "engine replica 0 ready in process" line to its "ready:" line (lines of
+    processes 1..N-1, ``[api-server i]`` before session 25 and ``(ApiServer_i pid=P)`` since, are skipped)."""
+    def stamp(pattern: str) -> float | None:
+        for line in log_text.splitlines():
+            m = re.match(_STAMP + pattern, line)
+            if m and "[api-server " not in line and not re.match(r"\(ApiServer_[1-9]", line):
+                return datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        return None
+
+    a, b = stamp(r"rlserve\.engine\.front\.core_client: engine replica 0 ready"), stamp(r"rlserve\.serve: ready: ")
+    return None if a is None or b is None else round(b - a, 2)
 
 
 def one_start(checkout: str, model: str, count: int, extra: list[str], timeout_s: float) -> dict:
@@ -76,6 +93,8 @@ def one_start(checkout: str, model: str, count: int, extra: list[str], timeout_s
     finally:
         stop_group(proc)
         log.close()
+    with open(log_path, errors="replace") as f:
+        rec["after_engine"] = after_engine(f.read())
     return rec
 
 
@@ -103,7 +122,7 @@ def main() -> int:
         mine = [r for r in runs if r["checkout"] == c and r["ready"] is not None]
         if mine:
             print(f"{c} ({rev[c]}): " + ", ".join(
-                f"{k} median {statistics.median(r[k] for r in mine):.2f}" for k in ("health", "ready", "cpu"))
+                f"{k} median {statistics.median(r[k] for r in mine):.2f}" for k in ("health", "ready", "after_engine", "cpu"))
                 + f" over {len(mine)} starts")
     if args.json:
         with open(args.json, "w") as f:
