@@ -10,7 +10,9 @@ Topology (vLLM's, with one difference: its parent is a manager, rlserve's is API
   with the socket (an inherited file descriptor) and the cores' socket directories
   (``RLSERVE_API_SERVER_ATTACH``, JSON); then it waits for its cores and builds its app while they
   import, check and load their tokenizer (until session 25 they started only once process 0's engine
-  was ready and its app built: 9-13 s more start-up, BENCHMARKS.md). It owns every control state --
+  was ready and its app built). On the shared 2-core CPU machine at load 6-9 the start-up did not get
+  measurably shorter (BENCHMARKS.md, start-up, T11: every process's start is CPU-bound there, two
+  chat-template workers per API process included); the overlap pays where cores are idle meanwhile. It owns every control state --
   ``WeightState`` (weights valid / lost, the version label), the ``WeightTransferManager`` (transfer
   group, update sessions), pause and held requests, sleep, the prefix cache -- and serves its app a
   second time on a private unix socket (``control.sock`` in its first core's socket directory, mode
