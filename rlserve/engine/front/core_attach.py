@@ -26,6 +26,7 @@ import contextlib
 from rlserve.engine import core_protocol as proto
 from rlserve.engine.front.core_client import CoreProcReplica
 from rlserve.engine.front.replica import failed_future
+from rlserve.engine.front.replica_setup import prefetch_tokenizer
 from rlserve.errors import EngineDeadError
 from rlserve.proc_state import pid_alive
 
@@ -56,7 +57,7 @@ class AttachedCoreReplica(CoreProcReplica):
         """Nothing to start (the sockets were bound at construction): the tokenizer starts loading on a
         thread, as in process 0, while the core may still be starting (processes 1..N-1 start beside it)."""
         self._pidfd = None  # the reader polls (every 100 ms) the pid it learns from the ready message
-        self._prefetch_tokenizer()
+        prefetch_tokenizer(self._tokenizer_loader)
 
     def wait_ready(self, timeout_s: float) -> None:
         self.proc = _Waiting()

@@ -12,10 +12,10 @@ A reader thread here receives each step's token deltas as one message, decodes i
 deltas into cumulative outputs with text (:class:`~rlserve.engine.front.output_processor.OutputProcessor`:
 detokenization and stop strings run here, not in the engine's step) and hands them to their
 requests' event loops (one ``call_soon_threadsafe`` per loop and step); samples that a stop
-string ended here are stopped in the core with one message per request. It also watches the process
-itself (a Linux pidfd, else a 100 ms poll): the moment the core dies, its requests in flight end with
-:class:`~rlserve.errors.EngineDeadError` (HTTP 503), its pending calls fail the same way, and the replica
-reads as not alive (``/health`` 503).
+string ended here are stopped in the core with one message per request. It
+also watches the process itself (a Linux pidfd, else a 100 ms poll): the moment the core dies,
+its requests in flight end with :class:`~rlserve.errors.EngineDeadError` (HTTP 503), its
+pending calls fail the same way, and the replica reads as not alive (``/health`` 503).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from rlserve.engine import core_protocol as proto
 from rlserve.engine.front import core_spawn
 from rlserve.engine.front.output_processor import OutputProcessor
 from rlserve.engine.front.replica import EngineView, Replica, failed_future
+from rlserve.engine.front.replica_setup import prefetch_tokenizer
 from rlserve.errors import EngineDeadError, InvalidRequestError
 from rlserve.proc_state import child_ended, exit_text
 from rlserve.startup_log import log_phase
@@ -139,16 +140,11 @@ class CoreProcReplica(Replica):
         cmd = core_spawn.core_command(self._dir, self.index, self._version, self.config, self.api_server_count)
         self.proc = (core_spawn.take_prestarted(self.index, cmd)
                      or core_spawn.spawn(cmd, start_new_session=True, stdin=subprocess.DEVNULL))
-        self._prefetch_tokenizer()
+        prefetch_tokenizer(self._tokenizer_loader)  # the tokenizer loads here while the core starts
         try:
             self._pidfd = os.pidfd_open(self.proc.pid)
         except (AttributeError, OSError):  # not Linux >= 5.3: poll the process instead
             self._pidfd = None
-
-    def _prefetch_tokenizer(self) -> None:
-        """Start loading the API process's tokenizer on a thread, to load while the core starts (``TokenizerOnce``)."""
-        if (prefetch := getattr(self._tokenizer_loader, "prefetch", None)) is not None:
-            prefetch()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -249,12 +245,9 @@ class CoreProcReplica(Replica):
         return self._call("call", target, *args)
 
     def front_state(self, *state) -> concurrent.futures.Future:
-        """Relay API process 0's admission state to the others; done once each applied it (``front_sync``)."""
+        """Relay API process 0's admission state (``FrontSync.state()``) to the others; done once
+        each applied it (:mod:`rlserve.engine.front.front_sync`)."""
         return self._call("front_state", *state)
-
-    def front_pending(self) -> concurrent.futures.Future:
-        """The indices of API processes 1..N-1 that owe the core an ack of a relayed state (sorted)."""
-        return self._call("front_pending")
 
     def set_weight_version(self, version: str) -> None:
         self._version = version
