@@ -25,8 +25,7 @@ import contextlib
 
 from rlserve.engine import core_protocol as proto
 from rlserve.engine.front.core_client import CoreProcReplica
-from rlserve.engine.front.replica import failed_future
-from rlserve.engine.front.replica_setup import prefetch_tokenizer
+from rlserve.engine.front.replica import failed_future, prefetch_tokenizer
 from rlserve.errors import EngineDeadError
 from rlserve.proc_state import pid_alive
 

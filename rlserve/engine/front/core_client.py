@@ -38,8 +38,7 @@ import zmq
 from rlserve.engine import core_protocol as proto
 from rlserve.engine.front import core_spawn
 from rlserve.engine.front.output_processor import OutputProcessor
-from rlserve.engine.front.replica import EngineView, Replica, failed_future
-from rlserve.engine.front.replica_setup import prefetch_tokenizer
+from rlserve.engine.front.replica import EngineView, Replica, failed_future, prefetch_tokenizer
 from rlserve.errors import EngineDeadError, InvalidRequestError
 from rlserve.proc_state import child_ended, exit_text
 from rlserve.startup_log import log_phase

@@ -22,6 +22,14 @@ def failed_future(exc: BaseException) -> concurrent.futures.Future:
     return fut
 
 
+def prefetch_tokenizer(loader) -> None:
+    """Start loading the API process's tokenizer on a thread (:meth:`~rlserve.engine.front.replica_setup.TokenizerOnce.prefetch`), so that it
+    loads while the engine core starts; nothing for a loader without ``prefetch`` (a test fake's)."""
+    prefetch = getattr(loader, "prefetch", None)
+    if prefetch is not None:
+        prefetch()
+
+
 class Replica:
     """One engine replica as the async front sees it.
 

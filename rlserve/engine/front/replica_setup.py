@@ -88,14 +88,6 @@ class TokenizerOnce:
             return self._tok
 
 
-def prefetch_tokenizer(loader) -> None:
-    """Start loading the API process's tokenizer on a thread (:meth:`TokenizerOnce.prefetch`), so that it
-    loads while the engine core starts; nothing for a loader without ``prefetch`` (a test fake's)."""
-    prefetch = getattr(loader, "prefetch", None)
-    if prefetch is not None:
-        prefetch()
-
-
 def build_replicas(front, config, engine_mode: str, engine_factory, weight_version: str, tokenizer=None,
                    api_server_count: int = 1, attach: dict | None = None) -> list:
     """The replicas of ``front`` (an AsyncEngine), not started: one per ``data_parallel_size``.
