@@ -25,7 +25,7 @@ from rlserve.server.testing import ServerProcess
 
 T = 60.0  # bound on every wait in this module (seconds)
 HERE = "tests.test_engine_core_process"  # this module as the engine-core process imports it
-#: how much longer the patched core's process takes to end (seconds): 4x core_client._KILL_AFTER_S,
+#: how much longer the patched core's process takes to end (seconds): 4x core_stop._KILL_AFTER_S,
 #: so the grace is always over before it ends, on a machine of any speed
 SLOW_EXIT_S = 1.0
 
@@ -165,7 +165,7 @@ def test_health_is_503_the_moment_the_core_is_killed(tiny_model, monkeypatch):
 #: stream in flight, the process group signalled) measured with benchmarks/startup_stop.py on the
 #: shared 2-core machine: 0.37-0.43 s at load 4-5; a SmolLM2 server with a 6000-token prefill in
 #: flight 1.0-1.3 s (BENCHMARKS.md, "Stop of rlserve serve with engine-core processes"). Nothing in
-#: the stop waits longer than core_client._KILL_AFTER_S (0.25 s after the signal) for a core; the
+#: the stop waits longer than core_stop._KILL_AFTER_S (0.25 s after the signal) for a core; the
 #: rest is uvicorn's close (its 0.1 s tick), the kernel's teardown of the processes, and scheduling.
 STOP_BOUND_S = 2.0
 

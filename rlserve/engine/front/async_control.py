@@ -134,7 +134,7 @@ class EngineControl:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the replicas (in-flight requests fail with EngineDeadError) and free the
         engines: threads are joined, engine-core processes told to exit and killed (with their
-        TP workers) if they have not 0.25 s after they were told (``core_client._KILL_AFTER_S``). Safe to
+        TP workers) if they have not 0.25 s after they were told (``core_stop._KILL_AFTER_S``). Safe to
         call twice, from any thread."""
         if self._closed is None:
             self._closed = "the engine is shut down"
