@@ -1,7 +1,9 @@
 """CPU time of :meth:`~rlserve.engine.front.output_processor.OutputProcessor.process` alone, without a tokenizer
 (no detokenization: what the per-step bookkeeping costs, at its largest share of the API process's output work):
-256 streamed requests x 64 steps, one token each, every delta of weight version "0". Prints the best of ``REPS``
-(argv[1], default 7) ``time.process_time()`` figures per request and step, in microseconds, and all of them.
+256 streamed requests x 64 steps, one token each, every delta of weight version "0" (``--switch-at K``: of "1"
+from step K on, so that every sample's outputs from then on carry two version marks, as after a weight update
+mid-generation). Prints the best of ``REPS`` (default 7) ``time.process_time()`` figures per request and step,
+in microseconds, and all of them.
 
 Written for session 22's weight-version marks (``CompletionOutput.version_marks``); compare two checkouts by
 alternating them (``PYTHONPATH=TREE python benchmarks/output_processor_bare.py 7``), or count instructions under
@@ -9,8 +11,8 @@ alternating them (``PYTHONPATH=TREE python benchmarks/output_processor_bare.py 7
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from types import SimpleNamespace
 
@@ -21,11 +23,15 @@ from rlserve.engine.sampling_params import SamplingParams
 REQUESTS, STEPS = 256, 64
 
 
-def main(reps: int) -> dict:
+def main(reps: int, switch_at: int | None = None) -> dict:
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     reqs = {f"r{i}": SimpleNamespace(prompt=None, params=params, stream=True, arrival_time=0.0)
             for i in range(REQUESTS)}
-    steps = [[proto.RequestDelta(rid, [proto.SampleDelta(0, [7], [-1.0])], False, ["0"], 1.0,
+
+    def versions(k: int) -> list[str]:
+        return ["1"] if switch_at is not None and k >= switch_at else ["0"]
+
+    steps = [[proto.RequestDelta(rid, [proto.SampleDelta(0, [7], [-1.0])], False, versions(k), 1.0,
                                  proto.RequestStart([5] * 16) if k == 0 else None) for rid in reqs]
              for k in range(STEPS)]
     runs = []
@@ -39,4 +45,9 @@ def main(reps: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("reps", nargs="?", type=int, default=7)
+    p.add_argument("--switch-at", type=int, default=None, metavar="K",
+                   help="deltas of steps K.. carry weight version '1' (two version marks per sample from then on)")
+    a = p.parse_args()
+    print(json.dumps(main(a.reps, a.switch_at)))

@@ -151,10 +151,13 @@ def test_version_marks_say_where_each_weight_version_starts():
     # a consumer behind: three steps in one call, the update between the second and the third
     (out,), *_ = proc.process([step([7], ["0"]), step([8], ["0"]), step([9], ["0", "1"])], reqs)
     c = out.outputs[0]
-    assert c.token_ids == [5, 6, 7, 8, 9] and c.version_marks == [(0, "0"), (4, "1")]
+    assert c.token_ids == [5, 6, 7, 8, 9] and c.version_marks == ((0, "0"), (4, "1"))
     assert out.weight_versions == ["0", "1"] and out.weight_version == "1"
-    (out,), *_ = proc.process([step([10], ["0", "1", "2"])], reqs)
-    assert out.outputs[0].version_marks == [(0, "0"), (4, "1"), (5, "2")]
+    (same,), *_ = proc.process([step([10], ["1"])], reqs)
+    assert same.outputs[0].version_marks is c.version_marks  # no new version: the same tuple, not a copy
+    (out,), *_ = proc.process([step([11], ["0", "1", "2"])], reqs)
+    assert out.outputs[0].version_marks == ((0, "0"), (4, "1"), (6, "2"))
+    assert c.version_marks == ((0, "0"), (4, "1"))  # an earlier output's marks do not change under its reader
 
 
 def test_progress_deltas_are_counted_as_they_come_and_keep_no_version_marks():
@@ -262,7 +265,7 @@ def test_output_fields_land_in_their_places():
 
     sample = SimpleNamespace(detok=SimpleNamespace(visible_text="txt"), token_ids=[7, 8], cumulative_logprob=-1.5,
                              logprobs=[{7: -1.0}, {8: -0.5}], finish_reason="stop", stop_reason="x",
-                             routed=SimpleNamespace(result=lambda rows: ("routed", rows)), marks=[(0, "v1"), (1, "v2")])
+                             routed=SimpleNamespace(result=lambda rows: ("routed", rows)), marks=((0, "v1"), (1, "v2")))
     st = SimpleNamespace(prompt="p", prompt_token_ids=[1, 2, 3], prompt_logprobs=[None, {2: -0.1}, {3: -0.2}],
                          prompt_logprob_ranks=[None, 1, 2], samples=[sample], arrival_time=10.0, routed_start=1)
     d = SimpleNamespace(weight_versions=["v1", "v2"], first_token_time=11.0, scheduled_time=10.5)
@@ -280,6 +283,6 @@ def test_output_fields_land_in_their_places():
     (c,) = out.outputs
     assert (c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.routed_experts, c.finish_reason,
             c.stop_reason) == (0, "txt", [7, 8], -1.5, [{7: -1.0}, {8: -0.5}], ("routed", 3 - 1 + 2 - 1), "stop", "x")
-    assert c.version_marks == [(0, "v1"), (1, "v2")]
+    assert c.version_marks == ((0, "v1"), (1, "v2"))
     assert c.token_ids is not sample.token_ids and c.logprobs is not sample.logprobs  # snapshots
-    assert c.version_marks is not sample.marks
+    assert c.version_marks is sample.marks  # a tuple (replaced, never changed, by the processor): shared

@@ -10,7 +10,7 @@ import pytest
 from rlserve.engine.outputs import CompletionOutput
 from rlserve.server.stream_chunks import chunk_versions as _chunk_versions
 
-MARKS = [(0, "0"), (4, "1"), (6, "2")]
+MARKS = ((0, "0"), (4, "1"), (6, "2"))
 
 
 @pytest.mark.parametrize("n_tokens, k0, want", [
@@ -28,5 +28,5 @@ def test_a_chunk_names_the_versions_of_its_tokens(n_tokens, k0, want):
 
 
 def test_one_version_or_no_marks_is_none():
-    assert _chunk_versions(CompletionOutput(0, "", [1, 2, 3], version_marks=[(0, "0")]), 1) is None
+    assert _chunk_versions(CompletionOutput(0, "", [1, 2, 3], version_marks=((0, "0"),)), 1) is None
     assert _chunk_versions(CompletionOutput(0, "", [1, 2, 3]), 1) is None

@@ -26,11 +26,12 @@ class CompletionOutput:
             uint16 expert ids (vLLM's field; :mod:`rlserve.engine.routed_experts`); else None.
         finish_reason: "stop", "length", "abort" or None while running.
         stop_reason: the stop string or stop token id that matched, else None.
-        version_marks: ``[(index of the first token, weight version), ...]``: where in ``token_ids`` each weight
+        version_marks: ``((index of the first token, weight version), ...)``: where in ``token_ids`` each weight
             version that produced them starts, in order (a stream labels a chunk whose tokens span several;
             ``rlserve/server/openai_stream.py``). Exact where the engine core sent a delta per step (streamed
             requests, process mode: :mod:`rlserve.engine.front.output_processor`); None while one version produced
-            them all (its ``RequestOutput.weight_version``), and where not tracked.
+            them all (its ``RequestOutput.weight_version``), and where not tracked. A tuple: a sample's outputs share
+            it (the processor replaces it when a version is added, never changes it).
     """
 
     index: int
@@ -41,7 +42,7 @@ class CompletionOutput:
     routed_experts: Any = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    version_marks: list[tuple[int, str]] | None = None
+    version_marks: tuple[tuple[int, str], ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,8 @@ Each sample also keeps where each weight version's tokens start (``CompletionOut
 tokens are one step's, produced by its ``weight_versions[-1]`` -- for a request that gets a delta every step
 (:func:`~rlserve.engine.core_protocol.per_step_deltas`); the others' deltas come every
 ``engine_core.PROGRESS_EVERY_S`` seconds (several steps' tokens), so they keep only their first mark (None).
+The marks are a tuple, replaced (not changed) when a version is added (once per weight update a sample sees):
+every output carries the sample's tuple itself, no copy, and a reader's tuple never changes under it.
 
 The tokens behind ``vllm:generation_tokens_total`` / ``vllm:prompt_tokens_total`` are counted here, as
 vLLM's ``OutputProcessor`` counts them (``IterationStats``): every kept token of a delta (not those a
@@ -87,7 +89,7 @@ class _Sample:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.routed = RoutedChunks()  # routed-experts replay: rows as the core sends them
-        self.marks: list[tuple[int, str]] = []  # (first token index, weight version): CompletionOutput.version_marks
+        self.marks: tuple[tuple[int, str], ...] = ()  # (first token index, weight version): version_marks
         self.mark_version: str | None = None  # the last mark's version
 
 
@@ -221,7 +223,7 @@ class OutputProcessor:
             if s.finish_reason is not None:
                 continue  # stopped here already: tokens the core sampled past it are dropped
             if s.mark_version != version and sd.token_ids and (st.per_step or not s.marks):
-                s.marks.append((len(s.token_ids), version))
+                s.marks += ((len(s.token_ids), version),)  # a new tuple: outputs hold the old one
                 s.mark_version = version
             if self._extend(st, s, sd):
                 stopped.append(sd.index)
@@ -282,7 +284,7 @@ class OutputProcessor:
                                  None if s.finish_reason is None else s.routed.result(
                                      len(st.prompt_token_ids) - st.routed_start + len(s.token_ids) - 1),
                                  s.finish_reason, s.stop_reason,
-                                 list(s.marks) if len(s.marks) > 1 else None)  # (one version: no list to build)
+                                 s.marks if len(s.marks) > 1 else None)  # (a tuple: shared, not copied)
                 for i, s in enumerate(st.samples)]
         # request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, weight_version,
         # weight_versions, prompt_logprob_ranks, arrival_time, first_token_time, scheduled_time
