@@ -236,6 +236,10 @@ class CoreProcReplica(CoreProcStop, Replica):
         each applied it (:mod:`rlserve.engine.front.front_sync`)."""
         return self._call("front_state", *state)
 
+    def front_pending(self) -> concurrent.futures.Future:
+        """The indices of the API processes that have not acked a relayed state yet (a list of int)."""
+        return self._call("front_pending")
+
     def set_weight_version(self, version: str) -> None:
         self._version = version
         try:

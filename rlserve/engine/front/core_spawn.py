@@ -10,10 +10,8 @@ import contextlib
 import logging
 import os
 import select
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 
 import msgspec

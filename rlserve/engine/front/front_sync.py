@@ -142,9 +142,8 @@ class FrontSync:
         from rlserve.proc_state import stat_fields
 
         try:
-            # (the core's utility front_pending: CoreProcReplica's call, as front_state's)
-            lists = await asyncio.wait_for(wait_all([r._call("front_pending") for r in self.aengine._replicas
-                                                     if r.alive], raise_first=True), PENDING_QUERY_S)
+            lists = await asyncio.wait_for(wait_all([r.front_pending() for r in self.aengine._replicas if r.alive],
+                                                    raise_first=True), PENDING_QUERY_S)
         except Exception:  # noqa: BLE001 - only the message's detail is lost
             return "another API server (the engine cores did not say which)"
         names = []
